@@ -1,0 +1,294 @@
+"""The machinery that turns one collective's rules into ``torch.library`` ops.
+
+A collective is declared once, in ``collectives.py``, as a :class:`Primitive`
+with three rules:
+
+* ``shape``: the per-rank output shape (the fake/meta rule).
+* ``stacked``: the forward over all ranks at once, on a tensor whose leading
+  dimension is the rank (``[world, *per_rank_shape]``). This is the simulated
+  implementation and the vmap rule's body.
+* ``backward``: the per-rank gradient rule, written with other primitives
+  (``o.psum_scatter(g, ...)``), so forward/backward pairs read like a table.
+
+From those, :class:`Primitive` registers two ops in the ``fastdist`` namespace
+and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
+(see docs/design.md, "Why two ops"):
+
+``fastdist::<name>`` (per-rank op)
+    What user code calls, on one rank's tensor. Fake rule from ``shape``. Its
+    vmap rule treats the vmapped dimension as the rank dimension of
+    :func:`fastdist.simulate` and calls the stacked op. Its eager kernel runs
+    only on a one-rank mesh.
+``fastdist::<name>_stacked`` (stacked op)
+    The collective over ``[world, ...]``. Its autograd formula is the *per-rank*
+    backward rule written over the stacked dimension (each rank's slice of the
+    gradient is what that rank's own ``backward()`` would produce: not the
+    mathematical transpose of the stacked function). A vmap rule treats an
+    outer vmap dimension as data.
+``<Name>Function`` (autograd.Function, ``setup_context`` + ``generate_vmap_rule``)
+    Used in eager mode, so ``torch.func.grad`` / ``vmap(grad)`` work
+    (``register_autograd`` on a custom op does not compose with ``torch.func``
+    in 2.13). Under ``torch.compile`` the per-rank op is called directly,
+    because dynamo ignores an autograd.Function's vmap rule and would record
+    wrong gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import NoBackendError
+
+__all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES"]
+
+# The op namespace. Declaring ops in it is the one thing importing fastdist does.
+_LIB = torch.library.Library("fastdist", "DEF")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Which ranks talk: the mesh shape and the positions of the axes reduced over.
+
+    Pure data (two tuples of ints), so it is hashable, passes through
+    ``torch.library`` schemas as ``int[]`` and is a constant under dynamo.
+    """
+
+    mesh_shape: tuple[int, ...]
+    axes: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        """Total number of ranks."""
+        return math.prod(self.mesh_shape)
+
+    @property
+    def n(self) -> int:
+        """Group size: ranks that take part in one collective."""
+        return math.prod(self.mesh_shape[a] for a in self.axes)
+
+    @property
+    def _others(self) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes)
+
+    def to_groups(self, xs: Tensor) -> Tensor:
+        """``[world, *s] -> [G, n, *s]``: dim 1 indexes the member within its group (axis order)."""
+        s = xs.shape[1:]
+        m = len(self.mesh_shape)
+        y = xs.reshape(*self.mesh_shape, *s)  # [*mesh_shape, *s]
+        y = y.permute(*self._others, *self.axes, *range(m, m + len(s)))  # [*other axes, *group axes, *s]
+        return y.reshape(-1, self.n, *s)  # [G, n, *s]
+
+    def from_groups(self, y: Tensor) -> Tensor:
+        """Inverse of :meth:`to_groups`: ``[G, n, *s] -> [world, *s]`` (contiguous)."""
+        s = y.shape[2:]
+        m = len(self.mesh_shape)
+        order = (*self._others, *self.axes)
+        y = y.reshape(*(self.mesh_shape[i] for i in order), *s)  # [*other axes, *group axes, *s]
+        inverse = sorted(range(m), key=order.__getitem__)
+        y = y.permute(*inverse, *range(m, m + len(s)))  # [*mesh_shape, *s]
+        return y.reshape(self.world, *s).contiguous()  # [world, *s]
+
+    def member_index(self, device: torch.device | None = None) -> Tensor:
+        """``[G, n]`` index of each member within its group (0..n-1), for masks."""
+        return torch.arange(self.n, device=device).expand(self.world // self.n, self.n)
+
+
+ShapeRule = Callable[..., Sequence[Any]]
+StackedRule = Callable[..., Tensor]
+BackwardRule = Callable[..., tuple[Any, ...]]
+
+PRIMITIVES: dict[str, Primitive] = {}  # filled once, declaratively, by collectives.py
+
+
+class Primitive:
+    """One collective: its rules, and the ops and autograd.Function built from them.
+
+    Args:
+        name: op name in the ``fastdist`` namespace.
+        params: ``(name, schema type)`` of the non-tensor parameters, e.g.
+            ``(("dim", "int"), ("tiled", "bool"))``.
+        shape: ``shape(n, *per_rank_input_shapes, **params) -> output shape``.
+        stacked: ``stacked(spec, *stacked_inputs, **params) -> [world, ...] tensor``.
+        backward: ``backward(o, spec, g, saved, **params) -> grads per tensor input``,
+            where ``o`` calls other primitives (per-rank or stacked, whichever
+            side is differentiating) and ``saved`` holds ``inputs + (output,)``
+            when ``saves=True``.
+        inputs: names of the tensor inputs.
+        dim_params: parameters that are per-rank tensor dims (shifted when an
+            outer vmap adds a data dimension in front).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        params: Sequence[tuple[str, str]] = (),
+        shape: ShapeRule,
+        stacked: StackedRule,
+        backward: BackwardRule,
+        inputs: Sequence[str] = ("x",),
+        dim_params: Sequence[str] = (),
+        saves: bool = False,
+    ) -> None:
+        self.name = name
+        self.param_names = tuple(p for p, _ in params)
+        self.inputs = tuple(inputs)
+        self.shape, self.stacked, self.backward = shape, stacked, backward
+        self.dim_params, self.saves = tuple(dim_params), saves
+        args = ", ".join([*(f"Tensor {t}" for t in inputs), "int[] mesh_shape", "int[] axes", *(f"{ty} {p}" for p, ty in params)])
+        for opname in (name, f"{name}_stacked"):
+            _LIB.define(f"{opname}({args}) -> Tensor")
+        self.per_rank_op = getattr(torch.ops.fastdist, name).default
+        self.stacked_op = getattr(torch.ops.fastdist, f"{name}_stacked").default
+        self._register()
+        self.function = self._make_function()
+        PRIMITIVES[name] = self
+
+    # ------------------------------------------------------------------ argument plumbing
+    def _split(self, args: Sequence[Any]) -> tuple[tuple[Tensor, ...], Spec, dict[str, Any]]:
+        k = len(self.inputs)
+        spec = Spec(tuple(args[k]), tuple(args[k + 1]))
+        return tuple(args[:k]), spec, dict(zip(self.param_names, args[k + 2 :]))
+
+    def _op_args(self, spec: Spec, params: dict[str, Any]) -> list[Any]:
+        vals = [params[p] for p in self.param_names]
+        return [list(spec.mesh_shape), list(spec.axes), *(list(v) if isinstance(v, tuple) else v for v in vals)]
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
+        """Apply on one rank's tensors (inside :func:`fastdist.simulate`, or on a one-rank mesh)."""
+        if torch.compiler.is_compiling():
+            return self.per_rank_op(*tensors, *self._op_args(spec, params))
+        return self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors)
+
+    def bind_stacked(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
+        """Apply on stacked ``[world, ...]`` tensors (all ranks at once)."""
+        return self.stacked_op(*tensors, *self._op_args(spec, params))
+
+    # ------------------------------------------------------------------ registrations
+    def _out_shape(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any], stacked: bool) -> list[Any]:
+        shapes = [tuple(t.shape[1:] if stacked else t.shape) for t in tensors]
+        out = list(self.shape(spec.n, *shapes, **params))
+        return [spec.world, *out] if stacked else out
+
+    def _run_stacked(self, *args: Any) -> Tensor:
+        tensors, spec, params = self._split(args)
+        out = self.stacked(spec, *tensors, **params)
+        # A custom op must not return (a view of) its input.
+        if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in tensors):
+            out = out.clone()
+        return out
+
+    def _run_per_rank(self, *args: Any) -> Tensor:
+        tensors, spec, params = self._split(args)
+        if spec.world != 1:
+            raise NoBackendError(
+                f"fastdist.{self.name}: called on a plain tensor over a mesh of {spec.world} ranks. "
+                "Fix: run the per-rank code under fastdist.simulate(fn, mesh)"
+            )
+        return self._run_stacked(*(t.unsqueeze(0) for t in tensors), *args[len(tensors) :]).squeeze(0)
+
+    def _register(self) -> None:
+        k = len(self.inputs)
+        qual, squal = f"fastdist::{self.name}", f"fastdist::{self.name}_stacked"
+        _LIB.impl(self.name, self._run_per_rank, "CompositeExplicitAutograd")
+        _LIB.impl(f"{self.name}_stacked", self._run_stacked, "CompositeExplicitAutograd")
+
+        def fake(*args: Any, stacked: bool) -> Tensor:
+            tensors, spec, params = self._split(args)
+            return tensors[0].new_empty(self._out_shape(spec, tensors, params, stacked))
+
+        torch.library.register_fake(qual, lambda *a: fake(*a, stacked=False), lib=_LIB)
+        torch.library.register_fake(squal, lambda *a: fake(*a, stacked=True), lib=_LIB)
+
+        def rank_rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Tensor, int]:
+            # The vmapped dimension is the simulated rank dimension: stack and call the stacked op.
+            tensors, spec, _ = self._split(args)
+            if info.batch_size != spec.world:
+                raise NoBackendError(
+                    f"fastdist.{self.name}: vmapped over {info.batch_size} entries, but the mesh has {spec.world} ranks. "
+                    "A torch.vmap inside fastdist.simulate must not batch a collective's input. "
+                    "Fix: move the vmap outside simulate, or loop instead"
+                )
+            stacked = [t.movedim(d, 0) if d is not None else t.expand(spec.world, *t.shape) for t, d in zip(tensors, in_dims[:k])]
+            return self.stacked_op(*stacked, *args[k:]), 0
+
+        def data_rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Tensor, int]:
+            # An outer vmap (e.g. over independent simulations) is one more data dim, placed after the rank dim.
+            tensors, spec, params = self._split(args)
+            moved = [t.movedim(d, 1) if d is not None else t.unsqueeze(1).expand(t.shape[0], info.batch_size, *t.shape[1:]) for t, d in zip(tensors, in_dims[:k])]
+            shifted = {p: (v + 1 if p in self.dim_params else v) for p, v in params.items()}
+            return self.bind_stacked(*moved, spec=spec, **shifted), 1
+
+        torch.library.register_vmap(qual, rank_rule, lib=_LIB)
+        torch.library.register_vmap(squal, data_rule, lib=_LIB)
+
+        def setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
+            tensors, ctx.spec, ctx.params = self._split(inputs)
+            if self.saves:
+                ctx.save_for_backward(*tensors, output)
+
+        def make_backward(o: Any) -> Callable[..., tuple[Any, ...]]:
+            def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+                saved = ctx.saved_tensors if self.saves else ()
+                grads = self.backward(o, ctx.spec, g, saved, **ctx.params)
+                return (*grads, None, None, *(None for _ in self.param_names))
+
+            return backward
+
+        torch.library.register_autograd(squal, make_backward(stacked_ops), setup_context=setup_context, lib=_LIB)
+        # Used on a one-rank mesh under torch.compile (eager code goes through self.function).
+        torch.library.register_autograd(qual, make_backward(ops), setup_context=setup_context, lib=_LIB)
+
+    def _make_function(self) -> type[torch.autograd.Function]:
+        prim = self
+
+        def forward(spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
+            params = dict(zip(prim.param_names, vals))
+            return prim.per_rank_op(*tensors, *prim._op_args(spec, params))
+
+        def setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
+            spec, vals, *tensors = inputs
+            ctx.spec, ctx.params = spec, dict(zip(prim.param_names, vals))
+            if prim.saves:
+                ctx.save_for_backward(*tensors, output)
+
+        def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+            saved = ctx.saved_tensors if prim.saves else ()
+            return (None, None, *prim.backward(ops, ctx.spec, g, saved, **ctx.params))
+
+        camel = "".join(part.capitalize() for part in self.name.split("_"))
+        return type(
+            f"{camel}Function",
+            (torch.autograd.Function,),
+            {
+                "generate_vmap_rule": True,
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+                "__doc__": f"Eager autograd for fastdist.{self.name} (see fastdist._primitive).",
+            },
+        )
+
+
+class _Ops:
+    """``o.<primitive>(*tensors, spec=..., **params)``: the namespace backward rules are written in."""
+
+    def __init__(self, stacked: bool) -> None:
+        self._stacked = stacked
+
+    def __getattr__(self, name: str) -> Callable[..., Tensor]:
+        prim = PRIMITIVES.get(name)
+        if prim is None:
+            raise AttributeError(name)
+        return prim.bind_stacked if self._stacked else prim.bind
+
+
+ops = _Ops(stacked=False)  # per-rank: what a rank's own backward() calls
+stacked_ops = _Ops(stacked=True)  # the same rules over [world, ...] tensors

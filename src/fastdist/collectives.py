@@ -1,0 +1,536 @@
+"""The collectives: one block per primitive, each with its shape, forward and backward rule.
+
+Read this file like a table (as JAX's ``lax/parallel.py``). Each block has
+
+* ``_<op>_shape``: the per-rank output shape (the fake rule);
+* ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
+  (the simulated implementation, reached through the generic vmap rule);
+* ``_<op>_bwd``: the per-rank gradient rule, written with other primitives;
+* the public function: argument checks with errors that name the op, the axis
+  and the fix, then ``<op>_p.bind``.
+
+``spec.to_groups`` views ``[world, *s]`` as ``[G, n, *s]`` (G groups of n members,
+member index in axis order), so a per-rank tensor dim ``d`` is dim ``d + 2`` there.
+
+Gradient conventions (the pairs that decide whether gradients are right):
+
+==================  ===============================  ==================================
+op                  forward                          backward (per rank)
+==================  ===============================  ==================================
+``psum``            sum over the group               identity
+``pvary``           identity                         ``psum``
+``pmean``           mean over the group              ``g / n``
+``pmax``/``pmin``   max/min over the group           ``g`` to the lowest rank attaining it
+``all_gather``      concatenate (or stack)           ``psum_scatter``
+``psum_scatter``    sum, keep own chunk              ``all_gather``
+``all_to_all``      split ``a``, concatenate ``c``   ``all_to_all`` with ``a``, ``c`` swapped
+``ppermute``        send along (src, dst) pairs      ``ppermute`` along the inverse pairs
+``broadcast``       copy of ``src``'s value          ``g`` on ``src``, zero elsewhere
+==================  ===============================  ==================================
+
+``psum``'s identity backward assumes what its output is: the same on every rank
+of the group, so each rank's loss uses it the same way and its cotangent is the
+same everywhere. Where a replicated value enters rank-specific computation (a
+replicated input to a column-parallel matmul), call ``pvary`` first: forward
+nothing, backward the all-reduce that sums the ranks' partial gradients. This
+is Megatron's ``copy_to_tensor_model_parallel_region`` / ``reduce_from_...``
+pair, and JAX's typed ``pvary`` / ``psum``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._primitive import Primitive, Spec
+from .errors import CollectiveError
+from .mesh import AxisName, Mesh
+from .simulate import promote, rank_binding
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "pvary",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "all_to_all_4d",
+    "ppermute",
+    "ring_shift",
+    "broadcast",
+    "axis_index",
+    "axis_size",
+]
+
+
+# ====================================================================== shared helpers
+def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
+    """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group spec."""
+    if not isinstance(x, Tensor):
+        raise CollectiveError(op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor")
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+    idx = mesh.axis_indices(axis, f"fastdist.{op}")
+    spec = Spec(tuple(mesh.shape.values()), idx)
+    return promote(x, rank_binding(op, mesh)), spec
+
+
+def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
+    """Normalise a (possibly negative) dim in ``[-ndim, ndim)``."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        rng = f"[{-ndim}, {ndim - 1}]" if ndim else "none: the tensor is 0-d"
+        raise CollectiveError(op, axis, f"{name}={dim!r} is out of range for a {ndim}-d tensor", f"use a {name} in {rng}")
+    return dim % ndim
+
+
+def _need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: str) -> None:
+    if x.shape[dim] % n:
+        raise CollectiveError(
+            op, axis, f"dim {dim} has size {x.shape[dim]}, not divisible by the axis size {n}", f"pad dim {dim} to a multiple of {n}, or {alt}"
+        )
+
+
+def _need_dtype(op: str, axis: AxisName, x: Tensor, ok: bool, what: str, fix: str) -> None:
+    if not ok:
+        raise CollectiveError(op, axis, f"dtype {x.dtype} is not supported ({what})", fix)
+
+
+def _same(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[Any, ...]:
+    return s
+
+
+def _index(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise CollectiveError(op, axis, f"{name}={value!r} is not an index along the axis (size {n})", f"use {name} in 0..{n - 1}")
+    return value
+
+
+def _where_member(spec: Spec, y: Tensor, mask: Tensor) -> Tensor:
+    """``y`` where the ``[G, n]`` member mask holds, zero elsewhere."""
+    return torch.where(mask.reshape(*mask.shape, *(1,) * (y.dim() - 2)), y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+# ====================================================================== psum
+def _psum_stacked(spec: Spec, x: Tensor) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    return spec.from_groups(y.sum(1, keepdim=True, dtype=y.dtype).expand_as(y))
+
+
+def _psum_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    return (g,)
+
+
+psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, backward=_psum_bwd)
+
+
+def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """All-reduce sum: every rank of the group gets the sum of the group's ``x``.
+
+    Shape: unchanged. Gradient: identity (the output is replicated over the
+    group, so its cotangent is taken to be replicated); see :func:`pvary`.
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"tp": 3})
+    >>> fastdist.simulate(lambda x: fastdist.psum(x, mesh, "tp"), mesh)(torch.tensor([1., 2., 4.]))
+    tensor([7., 7., 7.])
+    """
+    x, spec = _enter("psum", x, mesh, axis)
+    _need_dtype("psum", axis, x, x.dtype != torch.bool, "bool", "cast to an integer dtype first (x.int())")
+    return psum_p.bind(x, spec=spec)
+
+
+# ====================================================================== pvary
+def _pvary_stacked(spec: Spec, x: Tensor) -> Tensor:
+    return x.clone()
+
+
+def _pvary_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    return (o.psum(g, spec=spec),)
+
+
+pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, backward=_pvary_bwd)
+
+
+def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """Mark a value that is replicated over the group as about to vary per rank.
+
+    Forward: identity. Shape: unchanged. Gradient: ``psum`` over the group.
+
+    Call it where a replicated tensor (an activation after :func:`psum`, a
+    replicated input or weight) feeds rank-specific computation, such as the
+    input of a column-parallel linear layer: each rank's backward then gets the
+    sum of all ranks' partial gradients, which is the full gradient. Without it
+    each rank keeps only its own partial (the classic silent TP bug).
+    """
+    x, spec = _enter("pvary", x, mesh, axis)
+    return pvary_p.bind(x, spec=spec)
+
+
+# ====================================================================== pmean
+def _pmean_stacked(spec: Spec, x: Tensor) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    return spec.from_groups(y.mean(1, keepdim=True).expand_as(y))
+
+
+def _pmean_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    return (g / spec.n,)
+
+
+pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, backward=_pmean_bwd)
+
+
+def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """All-reduce mean over the group.
+
+    Shape: unchanged. Gradient: ``g / n`` (``psum``'s rule scaled by the group size).
+    Used for data-parallel gradient averaging: ``pmean(grad, mesh, "dp")``.
+    """
+    x, spec = _enter("pmean", x, mesh, axis)
+    _need_dtype("pmean", axis, x, x.is_floating_point() or x.is_complex(), "a mean needs a floating or complex dtype", "cast with x.float(), or use psum")
+    return pmean_p.bind(x, spec=spec)
+
+
+# ====================================================================== pmax / pmin and their subgradient
+def _pmax_stacked(spec: Spec, x: Tensor) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    return spec.from_groups(y.amax(1, keepdim=True).expand_as(y))
+
+
+def _pmin_stacked(spec: Spec, x: Tensor) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    return spec.from_groups(y.amin(1, keepdim=True).expand_as(y))
+
+
+def _extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    x, out = saved
+    return (o.select_extreme(g, x, out, spec=spec),)
+
+
+def _select_extreme_stacked(spec: Spec, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    hit = spec.to_groups(x) == spec.to_groups(out)  # [G, n, *s]: members attaining the extreme
+    first = hit & (hit.cumsum(1) == 1)  # the lowest-index one of them
+    return spec.from_groups(torch.where(first, spec.to_groups(g), torch.zeros((), dtype=g.dtype, device=g.device)))
+
+
+def _select_extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    x, out, _ = saved
+    return (o.select_extreme(g, x, out, spec=spec), None, None)
+
+
+pmax_p = Primitive("pmax", shape=_same, stacked=_pmax_stacked, backward=_extreme_bwd, saves=True)
+pmin_p = Primitive("pmin", shape=_same, stacked=_pmin_stacked, backward=_extreme_bwd, saves=True)
+# Internal: g on the lowest-index rank whose x equals the reduced value, zero elsewhere (linear in g).
+select_extreme_p = Primitive(
+    "select_extreme", inputs=("g", "x", "out"), shape=_same, stacked=_select_extreme_stacked, backward=_select_extreme_bwd, saves=True
+)
+
+
+def _extreme(op: str, prim: Primitive, x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    x, spec = _enter(op, x, mesh, axis)
+    _need_dtype(op, axis, x, not x.is_complex(), "complex numbers are not ordered", "reduce x.abs() or x.real")
+    return prim.bind(x, spec=spec)
+
+
+def pmax(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """All-reduce maximum over the group (elementwise).
+
+    Shape: unchanged. Gradient: ``g`` goes to the lowest-index rank of the group
+    whose ``x`` attains the maximum (ties: lowest rank), zero to the others.
+    """
+    return _extreme("pmax", pmax_p, x, mesh, axis)
+
+
+def pmin(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """All-reduce minimum over the group (elementwise).
+
+    Shape: unchanged. Gradient: ``g`` to the lowest-index rank attaining the minimum.
+    """
+    return _extreme("pmin", pmin_p, x, mesh, axis)
+
+
+# ====================================================================== all_gather
+def _all_gather_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> tuple[Any, ...]:
+    return (*s[:dim], s[dim] * n, *s[dim + 1 :]) if tiled else (*s[:dim], n, *s[dim:])
+
+
+def _all_gather_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    z = y.movedim(1, dim + 1)  # [G, *s[:dim], n, *s[dim:]]
+    if tiled:
+        z = z.flatten(dim + 1, dim + 2)  # [G, *s[:dim], n * s[dim], *s[dim+1:]]
+    return spec.from_groups(z.unsqueeze(1).expand(-1, spec.n, *z.shape[1:]))  # every member holds it
+
+
+def _all_gather_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
+    return (o.psum_scatter(g, spec=spec, dim=dim, tiled=tiled),)
+
+
+all_gather_p = Primitive(
+    "all_gather", params=(("dim", "int"), ("tiled", "bool")), shape=_all_gather_shape, stacked=_all_gather_stacked,
+    backward=_all_gather_bwd, dim_params=("dim",),
+)
+
+
+def all_gather(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True) -> Tensor:
+    """Gather every rank's ``x`` along ``dim``, in axis order.
+
+    Shape: ``tiled=True`` (default, like ``all_gather_into_tensor``) concatenates,
+    multiplying ``x.shape[dim]`` by the axis size ``n``; ``tiled=False`` stacks
+    into a new dim of size ``n`` at ``dim``. Gradient: ``psum_scatter`` of ``g``
+    along the same dim (each rank gets the sum over ranks of its own slice).
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"sp": 2})
+    >>> x = torch.tensor([[1., 2.], [3., 4.]])  # rank 0 holds [1, 2], rank 1 [3, 4]
+    >>> fastdist.simulate(lambda x: fastdist.all_gather(x, mesh, "sp"), mesh)(x)
+    tensor([[1., 2., 3., 4.],
+            [1., 2., 3., 4.]])
+    """
+    x, spec = _enter("all_gather", x, mesh, axis)
+    d = _norm_dim("all_gather", axis, "dim", dim, x.dim() if tiled else x.dim() + 1)
+    return all_gather_p.bind(x, spec=spec, dim=d, tiled=bool(tiled))
+
+
+# ====================================================================== psum_scatter
+def _psum_scatter_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> tuple[Any, ...]:
+    return (*s[:dim], s[dim] // n, *s[dim + 1 :]) if tiled else (*s[:dim], *s[dim + 1 :])
+
+
+def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+    total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, *s]
+    if tiled:
+        total = total.unflatten(dim + 1, (spec.n, -1))  # [G, *s[:dim], n, s[dim] / n, *s[dim+1:]]
+    return spec.from_groups(total.movedim(dim + 1, 1))  # [G, n, ...]: member j keeps chunk j
+
+
+def _psum_scatter_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
+    return (o.all_gather(g, spec=spec, dim=dim, tiled=tiled),)
+
+
+psum_scatter_p = Primitive(
+    "psum_scatter", params=(("dim", "int"), ("tiled", "bool")), shape=_psum_scatter_shape, stacked=_psum_scatter_stacked,
+    backward=_psum_scatter_bwd, dim_params=("dim",),
+)
+
+
+def psum_scatter(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True) -> Tensor:
+    """Reduce-scatter: sum over the group, then rank ``i`` (along ``axis``) keeps chunk ``i`` of ``dim``.
+
+    Shape: ``tiled=True`` (default) divides ``x.shape[dim]`` by ``n`` (must be
+    divisible); ``tiled=False`` needs ``x.shape[dim] == n`` and removes ``dim``.
+    Gradient: ``all_gather`` of ``g`` along the same dim.
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"tp": 2})
+    >>> x = torch.tensor([[1., 2.], [10., 20.]])
+    >>> fastdist.simulate(lambda x: fastdist.psum_scatter(x, mesh, "tp"), mesh)(x)
+    tensor([[11.],
+            [22.]])
+    """
+    x, spec = _enter("psum_scatter", x, mesh, axis)
+    _need_dtype("psum_scatter", axis, x, x.dtype != torch.bool, "bool", "cast to an integer dtype first (x.int())")
+    d = _norm_dim("psum_scatter", axis, "dim", dim, x.dim())
+    if tiled:
+        _need_divisible("psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks")
+    elif x.shape[d] != spec.n:
+        raise CollectiveError(
+            "psum_scatter", axis, f"tiled=False needs dim {d} of size {spec.n} (the axis size), got {x.shape[d]}", "use tiled=True to split the dim into n chunks"
+        )
+    return psum_scatter_p.bind(x, spec=spec, dim=d, tiled=bool(tiled))
+
+
+# ====================================================================== all_to_all
+def _all_to_all_shape(n: int, s: tuple[Any, ...], *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
+    out = list(s)
+    out[split_dim] = out[split_dim] // n
+    out[concat_dim] = out[concat_dim] * n
+    return tuple(out)
+
+
+def _all_to_all_stacked(spec: Spec, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
+    y = spec.to_groups(x)  # [G, i, *s]  (i: sender)
+    y = y.unflatten(split_dim + 2, (spec.n, -1))  # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)
+    y = y.movedim(split_dim + 2, 1)  # [G, j, i, *c]  with c = s, c[split] = s[split] / n
+    y = y.movedim(2, concat_dim + 2)  # [G, j, *c[:concat], i, *c[concat:]]
+    return spec.from_groups(y.flatten(concat_dim + 2, concat_dim + 3))  # [G, j, *c with c[concat] * n]
+
+
+def _all_to_all_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
+    return (o.all_to_all(g, spec=spec, split_dim=concat_dim, concat_dim=split_dim),)
+
+
+all_to_all_p = Primitive(
+    "all_to_all", params=(("split_dim", "int"), ("concat_dim", "int")), shape=_all_to_all_shape, stacked=_all_to_all_stacked,
+    backward=_all_to_all_bwd, dim_params=("split_dim", "concat_dim"),
+)
+
+
+def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim: int) -> Tensor:
+    """Split ``split_dim`` into ``n`` chunks, send chunk ``j`` to rank ``j``, concatenate what arrives along ``concat_dim``.
+
+    Shape: ``split_dim`` shrinks by ``n`` (must be divisible), ``concat_dim``
+    grows by ``n``, in sender order. Gradient: ``all_to_all`` with the two dims swapped.
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"sp": 2})
+    >>> x = torch.tensor([[1., 2.], [3., 4.]])  # rank 0: [1, 2], rank 1: [3, 4]
+    >>> fastdist.simulate(lambda x: fastdist.all_to_all(x, mesh, "sp", 0, 0), mesh)(x)
+    tensor([[1., 3.],
+            [2., 4.]])
+    """
+    x, spec = _enter("all_to_all", x, mesh, axis)
+    s = _norm_dim("all_to_all", axis, "split_dim", split_dim, x.dim())
+    c = _norm_dim("all_to_all", axis, "concat_dim", concat_dim, x.dim())
+    _need_divisible("all_to_all", axis, x, s, spec.n, "use a split_dim whose size divides")
+    return all_to_all_p.bind(x, spec=spec, split_dim=s, concat_dim=c)
+
+
+def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
+    """Ulysses all-to-all on ``(batch, seq, heads, head_dim)`` tensors.
+
+    ``scatter_dim=2, gather_dim=1`` (default) maps ``(bs, S/P, H, D) -> (bs, S, H/P, D)``:
+    every rank trades its sequence shard of all heads for all of the sequence of
+    its head shard. ``scatter_dim=1, gather_dim=2`` is the inverse. ``P`` is the
+    axis size; ``H`` (resp. ``S``) must be divisible by it. Gradient: the inverse map.
+    """
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise CollectiveError("all_to_all_4d", axis, f"x must be a 4-d (batch, seq, heads, head_dim) tensor, got {got}", "reshape to 4-d or use all_to_all")
+    if {scatter_dim % 4, gather_dim % 4} != {1, 2}:
+        raise CollectiveError(
+            "all_to_all_4d", axis, f"scatter_dim={scatter_dim}, gather_dim={gather_dim} must be the seq (1) and heads (2) dims",
+            "use (2, 1) before attention and (1, 2) after",
+        )
+    return all_to_all(x, mesh, axis, split_dim=scatter_dim, concat_dim=gather_dim)
+
+
+# ====================================================================== ppermute
+def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    src = torch.tensor(list(perm[0::2]), dtype=torch.long, device=x.device)
+    dst = torch.tensor(list(perm[1::2]), dtype=torch.long, device=x.device)
+    return spec.from_groups(torch.zeros_like(y).index_copy(1, dst, y.index_select(1, src)))  # non-destinations: 0
+
+
+def _ppermute_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:
+    inverse = tuple(v for s, d in zip(perm[0::2], perm[1::2]) for v in (d, s))
+    return (o.ppermute(g, spec=spec, perm=inverse),)
+
+
+ppermute_p = Primitive("ppermute", params=(("perm", "int[]"),), shape=_same, stacked=_ppermute_stacked, backward=_ppermute_bwd)
+
+
+def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, int]]) -> Tensor:
+    """Send ``x`` from rank ``src`` to rank ``dst`` for every ``(src, dst)`` pair (indices along ``axis``).
+
+    Sources are distinct and destinations are distinct; a rank that is no
+    destination gets zeros. Shape: unchanged. Gradient: ``ppermute`` of ``g``
+    along the inverted pairs.
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"pp": 3})
+    >>> fastdist.simulate(lambda x: fastdist.ppermute(x, mesh, "pp", [(0, 1), (1, 2)]), mesh)(torch.tensor([1., 2., 3.]))
+    tensor([0., 1., 2.])
+    """
+    x, spec = _enter("ppermute", x, mesh, axis)
+    try:
+        pairs = [tuple(p) for p in perm]
+    except TypeError:
+        raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]") from None
+    if any(len(p) != 2 for p in pairs):
+        raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]")
+    for s, d in pairs:
+        _index("ppermute", axis, "src", s, spec.n)
+        _index("ppermute", axis, "dst", d, spec.n)
+    for role, vals in (("source", [p[0] for p in pairs]), ("destination", [p[1] for p in pairs])):
+        dup = sorted({v for v in vals if vals.count(v) > 1})
+        if dup:
+            raise CollectiveError("ppermute", axis, f"{role} {dup[0]} appears in more than one pair of perm={pairs}", f"give each {role} one pair")
+    return ppermute_p.bind(x, spec=spec, perm=tuple(v for p in pairs for v in p))
+
+
+def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
+    """Rotate along the axis ring: rank ``i`` sends to ``(i + shift) % n`` (so receives from ``i - shift``).
+
+    Shape: unchanged. Gradient: the opposite shift. Built on :func:`ppermute`.
+    """
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError("ring_shift", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+    n = math.prod(mesh.shape[mesh.axis_names[i]] for i in mesh.axis_indices(axis, "fastdist.ring_shift"))
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise CollectiveError("ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1")
+    return ppermute(x, mesh, axis, [(i, (i + shift) % n) for i in range(n)])
+
+
+# ====================================================================== broadcast
+def _broadcast_stacked(spec: Spec, x: Tensor, *, src: int) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    return spec.from_groups(y[:, src : src + 1].expand_as(y))  # every member gets member src's value
+
+
+def _broadcast_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, src: int) -> tuple[Any, ...]:
+    return (o.keep_src(g, spec=spec, src=src),)
+
+
+def _keep_src_stacked(spec: Spec, x: Tensor, *, src: int) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, *s]
+    return spec.from_groups(_where_member(spec, y, spec.member_index(y.device) == src))
+
+
+broadcast_p = Primitive("broadcast", params=(("src", "int"),), shape=_same, stacked=_broadcast_stacked, backward=_broadcast_bwd)
+# Internal: keep x on member src, zero elsewhere (self-adjoint: its backward is itself).
+keep_src_p = Primitive("keep_src", params=(("src", "int"),), shape=_same, stacked=_keep_src_stacked, backward=_broadcast_bwd)
+
+
+def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
+    """Every rank of the group gets the ``x`` of the rank with index ``src`` along ``axis``.
+
+    Shape: unchanged. Gradient: ``g`` on rank ``src``, zero elsewhere (the output
+    is replicated, so its cotangent is taken to be replicated, as for :func:`psum`).
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"tp": 3})
+    >>> fastdist.simulate(lambda x: fastdist.broadcast(x, mesh, "tp", src=2), mesh)(torch.tensor([1., 2., 3.]))
+    tensor([3., 3., 3.])
+    """
+    x, spec = _enter("broadcast", x, mesh, axis)
+    return broadcast_p.bind(x, spec=spec, src=_index("broadcast", axis, "src", src, spec.n))
+
+
+# ====================================================================== axis_index / axis_size
+def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
+    """This rank's index along ``axis`` as a 0-d int64 tensor (row-major over a tuple of axes).
+
+    Inside :func:`fastdist.simulate` it differs per rank; on a one-rank mesh it is 0.
+    No gradient (an integer).
+
+    >>> import torch, fastdist
+    >>> mesh = fastdist.Mesh({"dp": 2, "tp": 2})
+    >>> fastdist.simulate(lambda x: x + fastdist.axis_index(mesh, "dp"), mesh)(torch.zeros(4, dtype=torch.long))
+    tensor([0, 0, 1, 1])
+    """
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError("axis_index", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+    idx = mesh.axis_indices(axis, "fastdist.axis_index")
+    binding = rank_binding("axis_index", mesh)
+    if binding is None:
+        return torch.zeros((), dtype=torch.long)
+    return mesh._index_of(binding.rank, idx)
+
+
+def axis_size(mesh: Mesh, axis: AxisName) -> int:
+    """Number of ranks along ``axis`` (product over a tuple), a Python int.
+
+    >>> import fastdist
+    >>> fastdist.axis_size(fastdist.Mesh({"dp": 2, "tp": 4}), ("dp", "tp"))
+    8
+    """
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError("axis_size", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+    return mesh.axis_size(axis)

@@ -1,0 +1,42 @@
+"""Exceptions raised by fastdist.
+
+Every error names the operation, the mesh axis (where there is one), the rank it
+happened on and what to do about it. Validation errors subclass ``ValueError`` so
+``except ValueError`` keeps working for callers that do not know fastdist.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FastdistError", "MeshError", "CollectiveError", "NoBackendError"]
+
+
+class FastdistError(Exception):
+    """Base class of every exception fastdist raises on purpose."""
+
+
+class MeshError(FastdistError, ValueError):
+    """A mesh was built or addressed wrongly: bad sizes, unknown axis, bad rank."""
+
+
+class CollectiveError(FastdistError, ValueError):
+    """A collective was called with arguments that cannot work on this mesh.
+
+    Attributes:
+        op: the public name of the collective, e.g. ``"all_gather"``.
+        axis: the mesh axis (or tuple of axes) it was called over.
+        rank: where it was detected (``"every rank"`` for checks that run the same
+            way on every rank, as all argument checks do).
+        fix: one sentence on how to make the call valid.
+    """
+
+    def __init__(self, op: str, axis: object, problem: str, fix: str, rank: str = "every rank") -> None:
+        self.op, self.axis, self.rank, self.fix = op, axis, rank, fix
+        super().__init__(f"fastdist.{op}(axis={axis!r}) on {rank}: {problem}. Fix: {fix}")
+
+
+class NoBackendError(FastdistError, RuntimeError):
+    """A collective ran on a mesh that has no way to communicate here.
+
+    A plain :class:`~fastdist.Mesh` only describes ranks. Collectives on it run
+    inside :func:`fastdist.simulate` (all ranks in this process).
+    """

@@ -1,0 +1,254 @@
+"""``Mesh``: named axes over a world of ranks, and every rank group derived from them.
+
+Rank order is row-major, like numpy, JAX and Megatron's "TP innermost" layout: the
+**last axis varies fastest**. For ``Mesh({"dp": 2, "tp": 4})`` rank ``r`` has
+coordinates ``dp = r // 4`` and ``tp = r % 4``, so the tp groups are consecutive
+ranks ``[0, 1, 2, 3], [4, 5, 6, 7]`` and the dp groups are strided ``[0, 4], [1, 5], ...``.
+
+In general ``rank = sum(coord[a] * stride[a])`` with ``stride[a]`` the product of
+the sizes of the axes after ``a``. A tuple of axes ``("dp", "tp")`` is one
+flattened axis whose index is row-major in *the tuple's order* (the first named
+axis is the most significant), as in JAX.
+
+Everything here is arithmetic on the axis sizes: no process groups are created
+and nothing is global. Two meshes of different shapes live side by side.
+
+>>> mesh = Mesh({"dp": 2, "tp": 4})
+>>> mesh.size, mesh.axis_names
+(8, ('dp', 'tp'))
+>>> mesh.groups("tp")
+[[0, 1, 2, 3], [4, 5, 6, 7]]
+>>> mesh.groups("dp")
+[[0, 4], [1, 5], [2, 6], [3, 7]]
+>>> mesh.coords(6)
+{'dp': 1, 'tp': 2}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Union
+
+from .errors import MeshError
+
+__all__ = ["Mesh", "AxisName", "DEFAULT_ORDER"]
+
+#: An axis name, or a tuple of axis names treated as one flattened axis.
+AxisName = Union[str, Sequence[str]]
+
+#: Outer-to-inner order used by :meth:`Mesh.from_world_size`: tensor parallelism
+#: innermost (consecutive ranks, usually one node), pipeline outermost.
+DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "sp", "tp")
+
+
+class Mesh:
+    """An ordered set of named axes, e.g. ``Mesh({"dp": 2, "sp": 2, "tp": 2})``.
+
+    Args:
+        axes: ordered mapping (or sequence of pairs) from axis name to size. Names
+            must be distinct identifiers; sizes positive ints. The last axis
+            varies fastest across ranks.
+
+    A ``Mesh`` is a value: equal axes compare and hash equal. Collectives take it
+    as an argument; run them on all ranks of the mesh at once with
+    :func:`fastdist.simulate`.
+    """
+
+    __slots__ = ("_names", "_sizes", "_strides", "_bindings")
+
+    def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]]) -> None:
+        items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
+        names: list[str] = []
+        sizes: list[int] = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise MeshError(f"Mesh: expected (name, size) pairs, got {item!r}. Fix: pass a mapping like {{'dp': 2, 'tp': 4}}")
+            name, size = item
+            if not isinstance(name, str) or not name.isidentifier():
+                raise MeshError(f"Mesh: axis name {name!r} is not an identifier string. Fix: use names like 'dp', 'tp'")
+            if name in names:
+                raise MeshError(f"Mesh: axis {name!r} appears twice. Fix: give every axis a distinct name")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise MeshError(f"Mesh: axis {name!r} has size {size!r}. Fix: sizes are positive ints")
+            names.append(name)
+            sizes.append(size)
+        self._names: tuple[str, ...] = tuple(names)
+        self._sizes: tuple[int, ...] = tuple(sizes)
+        # stride of axis i = product of the sizes after it (row-major, last axis fastest)
+        self._strides: tuple[int, ...] = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
+        # Simulations currently running over this mesh (pushed and popped by
+        # fastdist.simulate for the duration of one call; see simulate.py).
+        self._bindings: list[Any] = []
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_world_size(cls, world_size: int, *, order: Sequence[str] = DEFAULT_ORDER, **degrees: int) -> Mesh:
+        """Build a mesh from a world size and the parallel degrees you know.
+
+        ``dp`` is inferred as ``world_size // prod(other degrees)`` unless given.
+        Axes are laid out in ``order`` (outer to inner; default
+        ``("pp", "dp", "ep", "cp", "sp", "tp")``, so tp is innermost as in
+        Megatron and vLLM). ``dp`` is always present; other axes only when given.
+
+        >>> Mesh.from_world_size(8, tp=2, sp=2)
+        Mesh({'dp': 2, 'sp': 2, 'tp': 2})
+        >>> Mesh.from_world_size(6, tp=4)
+        Traceback (most recent call last):
+        ...
+        fastdist.errors.MeshError: Mesh.from_world_size: world size 6 is not divisible by tp=4 (product 4). Fix: choose degrees whose product divides 6
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise MeshError(f"Mesh.from_world_size: world_size must be a positive int, got {world_size!r}")
+        order = tuple(order)
+        unknown = [n for n in degrees if n not in order]
+        if unknown:
+            raise MeshError(
+                f"Mesh.from_world_size: axis {unknown[0]!r} is not in the layout order {order}. "
+                f"Fix: pass order=(..., {unknown[0]!r}, ...) listing every axis outer to inner"
+            )
+        if "dp" not in order:
+            raise MeshError(f"Mesh.from_world_size: order {order} has no 'dp' axis to infer. Fix: include 'dp' in order")
+        for name, deg in degrees.items():
+            if isinstance(deg, bool) or not isinstance(deg, int) or deg < 1:
+                raise MeshError(f"Mesh.from_world_size: {name}={deg!r} is not a positive int")
+        given = {n: d for n, d in degrees.items() if n != "dp"}
+        prod = math.prod(given.values())
+        desc = ", ".join(f"{n}={d}" for n, d in given.items()) or "no degrees"
+        if world_size % prod:
+            raise MeshError(
+                f"Mesh.from_world_size: world size {world_size} is not divisible by {desc} (product {prod}). "
+                f"Fix: choose degrees whose product divides {world_size}"
+            )
+        dp = world_size // prod
+        if "dp" in degrees and degrees["dp"] != dp:
+            raise MeshError(
+                f"Mesh.from_world_size: dp={degrees['dp']} with {desc} gives {degrees['dp'] * prod} ranks, "
+                f"not world size {world_size}. Fix: leave dp out to infer it (dp={dp})"
+            )
+        sizes = {**given, "dp": dp}
+        return cls([(n, sizes[n]) for n in order if n in sizes])
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def size(self) -> int:
+        """Number of ranks (the product of the axis sizes)."""
+        return math.prod(self._sizes)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Axis names, outer (slowest) to inner (fastest)."""
+        return self._names
+
+    @property
+    def shape(self) -> Mapping[str, int]:
+        """Read-only mapping axis name -> size, in axis order."""
+        return MappingProxyType(dict(zip(self._names, self._sizes)))
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes."""
+        return len(self._names)
+
+    # ------------------------------------------------------------------ axis resolution
+    def axis_indices(self, axis: AxisName, op: str = "Mesh") -> tuple[int, ...]:
+        """Positions of ``axis`` (a name or tuple of names) among this mesh's axes.
+
+        Raises :class:`MeshError` naming ``op`` for an unknown, repeated or empty axis.
+        """
+        names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise MeshError(f"{op}: axis must be an axis name or a tuple of names, got {axis!r}. Fix: use one of {self._names}")
+        if not names:
+            raise MeshError(f"{op}: axis=() names no mesh axis. Fix: name at least one of {self._names}")
+        if len(set(names)) != len(names):
+            raise MeshError(f"{op}: axis {axis!r} repeats an axis. Fix: name each axis once")
+        for n in names:
+            if n not in self._names:
+                raise MeshError(f"{op}: unknown mesh axis {n!r}; {self!r} has axes {self._names}. Fix: use one of {self._names}")
+        return tuple(self._names.index(n) for n in names)
+
+    def axis_size(self, axis: AxisName) -> int:
+        """Size of ``axis`` (product of the sizes for a tuple of axes)."""
+        return math.prod(self._sizes[i] for i in self.axis_indices(axis, "Mesh.axis_size"))
+
+    # ------------------------------------------------------------------ ranks and coordinates
+    def _check_rank(self, rank: int, op: str) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise MeshError(f"{op}: rank {rank!r} is outside {self!r} (ranks 0..{self.size - 1})")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank``: a mapping axis -> index along that axis."""
+        self._check_rank(rank, "Mesh.coords")
+        return {n: (rank // st) % sz for n, sz, st in zip(self._names, self._sizes, self._strides)}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """Inverse of :meth:`coords`: the rank at the given coordinates (all axes required)."""
+        if set(coords) != set(self._names):
+            raise MeshError(f"Mesh.rank_of: coordinates {dict(coords)} must name exactly the axes {self._names}")
+        rank = 0
+        for n, sz, st in zip(self._names, self._sizes, self._strides):
+            c = coords[n]
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < sz:
+                raise MeshError(f"Mesh.rank_of: coordinate {n}={c!r} is outside 0..{sz - 1}")
+            rank += c * st
+        return rank
+
+    def index(self, rank: int, axis: AxisName) -> int:
+        """Index of ``rank`` within its group along ``axis`` (row-major over a tuple)."""
+        self._check_rank(rank, "Mesh.index")
+        return self._index_of(rank, self.axis_indices(axis, "Mesh.index"))
+
+    def _index_of(self, rank: Any, axis_idx: Sequence[int]) -> Any:
+        """Row-major index along the given axes; ``rank`` may be an int or an integer tensor."""
+        idx = rank * 0
+        for i in axis_idx:
+            idx = idx * self._sizes[i] + (rank // self._strides[i]) % self._sizes[i]
+        return idx
+
+    def groups(self, axis: AxisName) -> list[list[int]]:
+        """All rank groups along ``axis``: one list per group, each in axis order.
+
+        Groups are ordered by the coordinates of the other axes (row-major).
+        Groups along different axes are orthogonal: any two intersect in at most
+        one rank, by construction.
+
+        >>> Mesh({"dp": 2, "tp": 2}).groups(("tp", "dp"))
+        [[0, 2, 1, 3]]
+        """
+        idx = self.axis_indices(axis, "Mesh.groups")
+        members = self._offsets(idx)
+        return [[b + m for m in members] for b in self._offsets([i for i in range(self.ndim) if i not in idx])]
+
+    def group(self, rank: int, axis: AxisName) -> list[int]:
+        """The group along ``axis`` that contains ``rank``, in axis order."""
+        self._check_rank(rank, "Mesh.group")
+        idx = self.axis_indices(axis, "Mesh.group")
+        base = rank - sum(((rank // self._strides[i]) % self._sizes[i]) * self._strides[i] for i in idx)
+        return [base + m for m in self._offsets(idx)]
+
+    def _offsets(self, axis_idx: Sequence[int]) -> list[int]:
+        """Rank offsets of every coordinate combination of the given axes, row-major in their order."""
+        offsets = [0]
+        for i in axis_idx:
+            offsets = [o + c * self._strides[i] for o in offsets for c in range(self._sizes[i])]
+        return offsets
+
+    def submesh(self, axis: AxisName) -> Mesh:
+        """The mesh of one group along ``axis``: those axes with their sizes, in the given order.
+
+        >>> Mesh({"dp": 2, "sp": 2, "tp": 4}).submesh(("sp", "tp"))
+        Mesh({'sp': 2, 'tp': 4})
+        """
+        return Mesh([(self._names[i], self._sizes[i]) for i in self.axis_indices(axis, "Mesh.submesh")])
+
+    # ------------------------------------------------------------------ value semantics
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and (self._names, self._sizes) == (other._names, other._sizes)
+
+    def __hash__(self) -> int:
+        return hash((self._names, self._sizes))
+
+    def __repr__(self) -> str:
+        return f"Mesh({dict(zip(self._names, self._sizes))!r})"
