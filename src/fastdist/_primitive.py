@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,20 +61,17 @@ class Spec:
 
     mesh_shape: tuple[int, ...]
     axes: tuple[int, ...]
+    #: total number of ranks
+    world: int = field(init=False, compare=False)
+    #: group size: ranks that take part in one collective
+    n: int = field(init=False, compare=False)
+    _others: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
-    @property
-    def world(self) -> int:
-        """Total number of ranks."""
-        return math.prod(self.mesh_shape)
-
-    @property
-    def n(self) -> int:
-        """Group size: ranks that take part in one collective."""
-        return math.prod(self.mesh_shape[a] for a in self.axes)
-
-    @property
-    def _others(self) -> tuple[int, ...]:
-        return tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes)
+    def __post_init__(self) -> None:
+        # Computed once here (plain ints), so dynamo sees constants when tracing.
+        object.__setattr__(self, "world", math.prod(self.mesh_shape))
+        object.__setattr__(self, "n", math.prod([self.mesh_shape[a] for a in self.axes]))
+        object.__setattr__(self, "_others", tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes))
 
     def to_groups(self, xs: Tensor) -> Tensor:
         """``[world, *s] -> [G, n, *s]``: dim 1 indexes the member within its group (axis order)."""

@@ -219,7 +219,7 @@ def _select_extreme_stacked(spec: Spec, g: Tensor, x: Tensor, out: Tensor) -> Te
 
 
 def _select_extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
-    x, out, _ = saved
+    _, x, out, _ = saved  # (g, x, out, output)
     return (o.select_extreme(g, x, out, spec=spec), None, None)
 
 
