@@ -95,9 +95,19 @@ def test_simulate_argument_errors() -> None:
         fd.simulate(lambda x: x, {"tp": 4})  # type: ignore[arg-type]
 
 
-def test_user_vmap_inside_simulate_over_a_collective_is_refused() -> None:
-    with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: vmapped over 3 entries, but the mesh has 8 ranks.*move the vmap outside simulate"):
-        sim(lambda x: torch.vmap(lambda row: fd.psum(row, MESH, "tp"))(x[:3]))
+@pytest.mark.parametrize("rows", [3, 8])  # 8 == world size: must not be mistaken for the rank dim
+def test_user_vmap_inside_simulate_over_a_collective_is_refused(rows: int) -> None:
+    x = torch.zeros(8, 8, 5)
+    with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: its input is batched by a torch\.vmap inside fastdist\.simulate.*move the vmap outside simulate"):
+        sim(lambda x: torch.vmap(lambda row: fd.psum(row, MESH, "tp"))(x[:rows]), x)
+
+
+def test_vmap_rule_refuses_a_batch_that_is_not_the_world() -> None:
+    """The compiled path cannot inspect functorch levels; the vmap rule still checks the size."""
+    prim = PRIMITIVES["psum"]
+    args = prim._op_args(fd._primitive.Spec((2, 4), (1,)), {})
+    with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: vmapped over 3 entries, but the mesh has 8 ranks"):
+        torch.vmap(lambda r: prim.per_rank_op(r, *args))(torch.zeros(3, 2))
 
 
 @pytest.mark.parametrize("name", ["psum", "all_gather"])

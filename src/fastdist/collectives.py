@@ -78,7 +78,7 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
         raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
     idx = mesh.axis_indices(axis, f"fastdist.{op}")
     spec = Spec(tuple(mesh.shape.values()), idx)
-    return promote(x, rank_binding(op, mesh)), spec
+    return promote(op, x, rank_binding(op, mesh)), spec
 
 
 def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:

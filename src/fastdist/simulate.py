@@ -136,8 +136,29 @@ def rank_binding(op: str, mesh: Mesh) -> _Binding | None:
     )
 
 
-def promote(x: Tensor, binding: _Binding | None) -> Tensor:
-    """Make ``x`` carry the simulated rank dimension (a tensor built inside ``fn`` from constants does not)."""
+def promote(op: str, x: Tensor, binding: _Binding | None) -> Tensor:
+    """Make ``x`` carry the simulated rank dimension (a tensor built inside ``fn`` from constants does not).
+
+    In eager mode also refuses an input that a ``torch.vmap`` *inside* the simulation
+    batches: the collective's vmap rule would take that vmap's dimension for the ranks.
+    """
     if binding is None:
         return x
-    return x + binding.zero.to(device=x.device, dtype=x.dtype)
+    x = x + binding.zero.to(device=x.device, dtype=x.dtype)
+    if not torch.compiler.is_compiling():
+        _refuse_inner_vmap(op, x, binding)
+    return x
+
+
+def _refuse_inner_vmap(op: str, x: Tensor, binding: _Binding) -> None:
+    functorch = torch._C._functorch
+    rank_level = functorch.maybe_get_level(binding.rank)
+    t = x
+    while (level := functorch.maybe_get_level(t)) is not None and level > rank_level:
+        if functorch.is_batchedtensor(t):
+            raise NoBackendError(
+                f"fastdist.{op}: its input is batched by a torch.vmap inside fastdist.simulate; "
+                "the collective would take that vmap's dimension for the ranks. "
+                "Fix: move the vmap outside simulate (vmap over simulate is supported), or loop instead"
+            )
+        t = functorch.get_unwrapped(t)  # a torch.func.grad wrapper: look underneath
