@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ from .errors import NoBackendError
 __all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES"]
 
 # The op namespace. Declaring ops in it is the one thing importing fastdist does.
-_LIB = torch.library.Library("fastdist", "DEF")
+_LIB = torch.library.Library("fastdist", "DEF")  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Primitive:
         self.dim_params, self.saves = tuple(dim_params), saves
         args = ", ".join([*(f"Tensor {t}" for t in inputs), "int[] mesh_shape", "int[] axes", *(f"{ty} {p}" for p, ty in params)])
         for opname in (name, f"{name}_stacked"):
-            _LIB.define(f"{opname}({args}) -> Tensor")
+            _LIB.define(f"{opname}({args}) -> Tensor")  # type: ignore[no-untyped-call]
         self.per_rank_op = getattr(torch.ops.fastdist, name).default
         self.stacked_op = getattr(torch.ops.fastdist, f"{name}_stacked").default
         self._register()
@@ -161,12 +161,12 @@ class Primitive:
     def bind(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
         """Apply on one rank's tensors (inside :func:`fastdist.simulate`, or on a one-rank mesh)."""
         if torch.compiler.is_compiling():
-            return self.per_rank_op(*tensors, *self._op_args(spec, params))
-        return self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors)
+            return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+        return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
 
     def bind_stacked(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
         """Apply on stacked ``[world, ...]`` tensors (all ranks at once)."""
-        return self.stacked_op(*tensors, *self._op_args(spec, params))
+        return cast(Tensor, self.stacked_op(*tensors, *self._op_args(spec, params)))
 
     # ------------------------------------------------------------------ registrations
     def _out_shape(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any], stacked: bool) -> list[Any]:
@@ -194,8 +194,8 @@ class Primitive:
     def _register(self) -> None:
         k = len(self.inputs)
         qual, squal = f"fastdist::{self.name}", f"fastdist::{self.name}_stacked"
-        _LIB.impl(self.name, self._run_per_rank, "CompositeExplicitAutograd")
-        _LIB.impl(f"{self.name}_stacked", self._run_stacked, "CompositeExplicitAutograd")
+        _LIB.impl(self.name, self._run_per_rank, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        _LIB.impl(f"{self.name}_stacked", self._run_stacked, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
         def fake(*args: Any, stacked: bool) -> Tensor:
             tensors, spec, params = self._split(args)
@@ -248,7 +248,7 @@ class Primitive:
 
         def forward(spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
             params = dict(zip(prim.param_names, vals))
-            return prim.per_rank_op(*tensors, *prim._op_args(spec, params))
+            return cast(Tensor, prim.per_rank_op(*tensors, *prim._op_args(spec, params)))
 
         def setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
             spec, vals, *tensors = inputs

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -305,7 +305,7 @@ def _psum_scatter_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) ->
 def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, *s]
     if tiled:
-        total = total.unflatten(dim + 1, (spec.n, -1))  # [G, *s[:dim], n, s[dim] / n, *s[dim+1:]]
+        total = total.unflatten(dim + 1, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, *s[:dim], n, s[dim] / n, *s[dim+1:]]
     return spec.from_groups(total.movedim(dim + 1, 1))  # [G, n, ...]: member j keeps chunk j
 
 
@@ -355,7 +355,7 @@ def _all_to_all_shape(n: int, s: tuple[Any, ...], *, split_dim: int, concat_dim:
 
 def _all_to_all_stacked(spec: Spec, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     y = spec.to_groups(x)  # [G, i, *s]  (i: sender)
-    y = y.unflatten(split_dim + 2, (spec.n, -1))  # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)
+    y = y.unflatten(split_dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)
     y = y.movedim(split_dim + 2, 1)  # [G, j, i, *c]  with c = s, c[split] = s[split] / n
     y = y.movedim(2, concat_dim + 2)  # [G, j, *c[:concat], i, *c[concat:]]
     return spec.from_groups(y.flatten(concat_dim + 2, concat_dim + 3))  # [G, j, *c with c[concat] * n]
@@ -521,7 +521,7 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
     binding = rank_binding("axis_index", mesh)
     if binding is None:
         return torch.zeros((), dtype=torch.long)
-    return mesh._index_of(binding.rank, idx)
+    return cast(Tensor, mesh._index_of(binding.rank, idx))
 
 
 def axis_size(mesh: Mesh, axis: AxisName) -> int:

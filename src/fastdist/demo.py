@@ -36,6 +36,11 @@ def tp_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, mesh: Mesh, axis: str 
     return psum(h @ w2, mesh, axis)  # (B, D): sum of partial products; backward is the identity
 
 
+def _grad(t: Tensor) -> Tensor:
+    assert t.grad is not None, "backward() did not reach this tensor"
+    return t.grad
+
+
 @dataclass
 class DemoResult:
     """Per-rank losses and the largest deviations from the single-device run."""
@@ -66,7 +71,7 @@ def run_demo(dp: int = 2, tp: int = 4, *, dtype: torch.dtype = torch.float64, co
     # Single device: the oracle.
     ref = [t.clone().requires_grad_() for t in (x, W1, b1, W2)]
     ref_loss = ((torch.tanh(ref[0] @ ref[1] + ref[2]) @ ref[3] - y) ** 2).mean()
-    ref_loss.backward()
+    ref_loss.backward()  # type: ignore[no-untyped-call]
 
     # Shard onto ranks (rank = dp_index * tp + tp_index): data split over dp, weights over tp.
     xs = repeat(x, "(dp b) d -> (dp tp) b d", dp=dp, tp=tp).clone().requires_grad_()
@@ -83,18 +88,19 @@ def run_demo(dp: int = 2, tp: int = 4, *, dtype: torch.dtype = torch.float64, co
     if compile:
         step = torch.compile(step, fullgraph=True)
     losses = step(xs, ys, w1s, b1s, w2s)  # [world]
-    losses.sum().backward()  # every rank calls backward on its own loss
+    losses.sum().backward()  # type: ignore[no-untyped-call]  # every rank calls backward on its own loss
     # Data parallelism: sum the weight gradients over dp (the loss is already scaled by the global batch).
     sync = simulate(lambda g: psum(g, mesh, "dp"), mesh)
-    grads = {"W1": sync(w1s.grad), "b1": sync(b1s.grad), "W2": sync(w2s.grad)}
+    grads = {"W1": sync(_grad(w1s)), "b1": sync(_grad(b1s)), "W2": sync(_grad(w2s))}
 
+    dx, dW1, db1, dW2 = (_grad(t) for t in ref)
     expect = {
-        "x": repeat(ref[0].grad, "(dp b) d -> (dp tp) b d", dp=dp, tp=tp),
-        "W1": repeat(ref[1].grad, "d (tp h) -> (dp tp) d h", dp=dp, tp=tp),
-        "b1": repeat(ref[2].grad, "(tp h) -> (dp tp) h", dp=dp, tp=tp),
-        "W2": repeat(ref[3].grad, "(tp h) d -> (dp tp) h d", dp=dp, tp=tp),
+        "x": repeat(dx, "(dp b) d -> (dp tp) b d", dp=dp, tp=tp),
+        "W1": repeat(dW1, "d (tp h) -> (dp tp) d h", dp=dp, tp=tp),
+        "b1": repeat(db1, "(tp h) -> (dp tp) h", dp=dp, tp=tp),
+        "W2": repeat(dW2, "(tp h) d -> (dp tp) h d", dp=dp, tp=tp),
     }
-    got = {"x": xs.grad, **grads}
+    got = {"x": _grad(xs), **grads}
     diffs = {k: (got[k] - expect[k]).abs().max().item() for k in expect}
     per_rank = losses.detach()
     total = rearrange(per_rank, "(dp tp) -> dp tp", dp=dp)[:, 0].sum().item()  # one copy per dp replica

@@ -198,7 +198,7 @@ class Mesh:
     def index(self, rank: int, axis: AxisName) -> int:
         """Index of ``rank`` within its group along ``axis`` (row-major over a tuple)."""
         self._check_rank(rank, "Mesh.index")
-        return self._index_of(rank, self.axis_indices(axis, "Mesh.index"))
+        return int(self._index_of(rank, self.axis_indices(axis, "Mesh.index")))
 
     def _index_of(self, rank: Any, axis_idx: Sequence[int]) -> Any:
         """Row-major index along the given axes; ``rank`` may be an int or an integer tensor."""

@@ -126,7 +126,8 @@ def rank_binding(op: str, mesh: Mesh) -> _Binding | None:
     simulation is running over it.
     """
     if mesh._bindings:
-        return mesh._bindings[-1]
+        binding: _Binding = mesh._bindings[-1]
+        return binding
     if mesh.size == 1:
         return None
     raise NoBackendError(
