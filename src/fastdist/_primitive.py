@@ -66,6 +66,8 @@ class Spec:
     #: group size: ranks that take part in one collective
     n: int = field(init=False, compare=False)
     _others: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    #: on real ranks: this rank's group along the axes (a fastdist.distributed.AxisComm)
+    comm: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Computed once here (plain ints), so dynamo sees constants when tracing.
@@ -98,6 +100,7 @@ class Spec:
 
 ShapeRule = Callable[..., Sequence[Any]]
 StackedRule = Callable[..., Tensor]
+DistributedRule = Callable[..., Tensor]
 BackwardRule = Callable[..., tuple[Any, ...]]
 
 PRIMITIVES: dict[str, Primitive] = {}  # filled once, declaratively, by collectives.py
@@ -112,6 +115,9 @@ class Primitive:
             ``(("dim", "int"), ("tiled", "bool"))``.
         shape: ``shape(n, *per_rank_input_shapes, **params) -> output shape``.
         stacked: ``stacked(spec, *stacked_inputs, **params) -> [world, ...] tensor``.
+        distributed: ``distributed(c, *inputs, **params)``: the forward on one real rank,
+            with ``c`` the rank's :class:`~fastdist.distributed.AxisComm` (functional
+            collectives, traceable by dynamo). Only called for groups of 2+ ranks.
         backward: ``backward(o, spec, g, saved, **params) -> grads per tensor input``,
             where ``o`` calls other primitives (per-rank or stacked, whichever
             side is differentiating) and ``saved`` holds ``inputs + (output,)``
@@ -128,6 +134,7 @@ class Primitive:
         params: Sequence[tuple[str, str]] = (),
         shape: ShapeRule,
         stacked: StackedRule,
+        distributed: DistributedRule,
         backward: BackwardRule,
         inputs: Sequence[str] = ("x",),
         dim_params: Sequence[str] = (),
@@ -136,7 +143,7 @@ class Primitive:
         self.name = name
         self.param_names = tuple(p for p, _ in params)
         self.inputs = tuple(inputs)
-        self.shape, self.stacked, self.backward = shape, stacked, backward
+        self.shape, self.stacked, self.distributed, self.backward = shape, stacked, distributed, backward
         self.dim_params, self.saves = tuple(dim_params), saves
         args = ", ".join([*(f"Tensor {t}" for t in inputs), "int[] mesh_shape", "int[] axes", *(f"{ty} {p}" for p, ty in params)])
         for opname in (name, f"{name}_stacked"):
@@ -145,6 +152,7 @@ class Primitive:
         self.stacked_op = getattr(torch.ops.fastdist, f"{name}_stacked").default
         self._register()
         self.function = self._make_function()
+        self.dist_function = self._make_function(distributed=True)
         PRIMITIVES[name] = self
 
     # ------------------------------------------------------------------ argument plumbing
@@ -159,7 +167,9 @@ class Primitive:
 
     # ------------------------------------------------------------------ binding
     def bind(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
-        """Apply on one rank's tensors (inside :func:`fastdist.simulate`, or on a one-rank mesh)."""
+        """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a one-rank mesh."""
+        if spec.comm is not None:
+            return cast(Tensor, self.dist_function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
         if torch.compiler.is_compiling():
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
@@ -243,11 +253,22 @@ class Primitive:
         # Used on a one-rank mesh under torch.compile (eager code goes through self.function).
         torch.library.register_autograd(qual, make_backward(ops), setup_context=setup_context, lib=_LIB)
 
-    def _make_function(self) -> type[torch.autograd.Function]:
+    def _run_distributed(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
+        c = spec.comm
+        if c.n == 1:  # nothing to exchange: the one-rank simulation is exact
+            one = Spec((1,), (0,))
+            return self.stacked(one, *(t.unsqueeze(0) for t in tensors), **params).squeeze(0)
+        c.check(self.name, tensors, params)
+        return self.distributed(c, *tensors, **params)
+
+    def _make_function(self, distributed: bool = False) -> type[torch.autograd.Function]:
+        """The eager autograd.Function: per-rank forward (simulated or real ranks), per-rank backward rule."""
         prim = self
 
         def forward(spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
             params = dict(zip(prim.param_names, vals))
+            if distributed:
+                return prim._run_distributed(spec, tensors, params)
             return cast(Tensor, prim.per_rank_op(*tensors, *prim._op_args(spec, params)))
 
         def setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
@@ -261,17 +282,15 @@ class Primitive:
             return (None, None, *prim.backward(ops, ctx.spec, g, saved, **ctx.params))
 
         camel = "".join(part.capitalize() for part in self.name.split("_"))
-        return type(
-            f"{camel}Function",
-            (torch.autograd.Function,),
-            {
-                "generate_vmap_rule": True,
-                "forward": staticmethod(forward),
-                "setup_context": staticmethod(setup_context),
-                "backward": staticmethod(backward),
-                "__doc__": f"Eager autograd for fastdist.{self.name} (see fastdist._primitive).",
-            },
-        )
+        attrs: dict[str, Any] = {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "__doc__": f"Eager autograd for fastdist.{self.name} on {'real' if distributed else 'simulated'} ranks (see fastdist._primitive).",
+        }
+        if not distributed:
+            attrs["generate_vmap_rule"] = True
+        return type(f"{camel}{'Distributed' if distributed else ''}Function", (torch.autograd.Function,), attrs)
 
 
 class _Ops:

@@ -5,6 +5,8 @@ Read this file like a table (as JAX's ``lax/parallel.py``). Each block has
 * ``_<op>_shape``: the per-rank output shape (the fake rule);
 * ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
   (the simulated implementation, reached through the generic vmap rule);
+* ``_<op>_dist``: the forward on one real rank, with torch's functional
+  collectives on the rank's group ``c`` (a ``fastdist.distributed.AxisComm``);
 * ``_<op>_bwd``: the per-rank gradient rule, written with other primitives;
 * the public function: argument checks with errors that name the op, the axis
   and the fix, then ``<op>_p.bind``.
@@ -47,6 +49,7 @@ import torch
 from torch import Tensor
 
 from ._primitive import Primitive, Spec
+from .distributed import AxisComm
 from .errors import CollectiveError
 from .mesh import AxisName, Mesh
 from .simulate import promote, rank_binding
@@ -77,8 +80,10 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
     if not isinstance(mesh, Mesh):
         raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
     idx = mesh.axis_indices(axis, f"fastdist.{op}")
-    spec = Spec(tuple(mesh.shape.values()), idx)
-    return promote(op, x, rank_binding(op, mesh)), spec
+    shape = tuple(mesh.shape.values())
+    if mesh._comm is not None and not mesh._bindings:  # real ranks (simulate takes precedence)
+        return x, Spec(shape, idx, comm=mesh._comm.axis(idx))
+    return promote(op, x, rank_binding(op, mesh)), Spec(shape, idx)
 
 
 def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
@@ -122,11 +127,15 @@ def _psum_stacked(spec: Spec, x: Tensor) -> Tensor:
     return spec.from_groups(y.sum(1, keepdim=True, dtype=y.dtype).expand_as(y))
 
 
+def _psum_dist(c: AxisComm, x: Tensor) -> Tensor:
+    return c.all_reduce("psum", x, "sum")
+
+
 def _psum_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g,)
 
 
-psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, backward=_psum_bwd)
+psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, distributed=_psum_dist, backward=_psum_bwd)
 
 
 def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -150,11 +159,15 @@ def _pvary_stacked(spec: Spec, x: Tensor) -> Tensor:
     return x.clone()
 
 
+def _pvary_dist(c: AxisComm, x: Tensor) -> Tensor:
+    return x.clone()
+
+
 def _pvary_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (o.psum(g, spec=spec),)
 
 
-pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, backward=_pvary_bwd)
+pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, distributed=_pvary_dist, backward=_pvary_bwd)
 
 
 def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -178,11 +191,15 @@ def _pmean_stacked(spec: Spec, x: Tensor) -> Tensor:
     return spec.from_groups(y.mean(1, keepdim=True).expand_as(y))
 
 
+def _pmean_dist(c: AxisComm, x: Tensor) -> Tensor:
+    return c.all_reduce("pmean", x, "sum") / c.n  # gloo has no AVG
+
+
 def _pmean_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g / spec.n,)
 
 
-pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, backward=_pmean_bwd)
+pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, distributed=_pmean_dist, backward=_pmean_bwd)
 
 
 def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -207,6 +224,14 @@ def _pmin_stacked(spec: Spec, x: Tensor) -> Tensor:
     return spec.from_groups(y.amin(1, keepdim=True).expand_as(y))
 
 
+def _pmax_dist(c: AxisComm, x: Tensor) -> Tensor:
+    return c.all_reduce("pmax", x, "max")
+
+
+def _pmin_dist(c: AxisComm, x: Tensor) -> Tensor:
+    return c.all_reduce("pmin", x, "min")
+
+
 def _extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     x, out = saved
     return (o.select_extreme(g, x, out, spec=spec),)
@@ -218,16 +243,23 @@ def _select_extreme_stacked(spec: Spec, g: Tensor, x: Tensor, out: Tensor) -> Te
     return spec.from_groups(torch.where(first, spec.to_groups(g), torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
+def _select_extreme_dist(c: AxisComm, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    mine = torch.where(x == out, c.index, c.n)  # my axis index where I attain the extreme, else n
+    winner = c.all_reduce("select_extreme", mine, "min")  # the lowest index attaining it
+    return torch.where(winner == c.index, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
 def _select_extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     _, x, out, _ = saved  # (g, x, out, output)
     return (o.select_extreme(g, x, out, spec=spec), None, None)
 
 
-pmax_p = Primitive("pmax", shape=_same, stacked=_pmax_stacked, backward=_extreme_bwd, saves=True)
-pmin_p = Primitive("pmin", shape=_same, stacked=_pmin_stacked, backward=_extreme_bwd, saves=True)
+pmax_p = Primitive("pmax", shape=_same, stacked=_pmax_stacked, distributed=_pmax_dist, backward=_extreme_bwd, saves=True)
+pmin_p = Primitive("pmin", shape=_same, stacked=_pmin_stacked, distributed=_pmin_dist, backward=_extreme_bwd, saves=True)
 # Internal: g on the lowest-index rank whose x equals the reduced value, zero elsewhere (linear in g).
 select_extreme_p = Primitive(
-    "select_extreme", inputs=("g", "x", "out"), shape=_same, stacked=_select_extreme_stacked, backward=_select_extreme_bwd, saves=True
+    "select_extreme", inputs=("g", "x", "out"), shape=_same, stacked=_select_extreme_stacked, distributed=_select_extreme_dist,
+    backward=_select_extreme_bwd, saves=True,
 )
 
 
@@ -267,13 +299,19 @@ def _all_gather_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tens
     return spec.from_groups(z.unsqueeze(1).expand(-1, spec.n, *z.shape[1:]))  # every member holds it
 
 
+def _all_gather_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+    if tiled:
+        return c.all_gather0("all_gather", x.movedim(dim, 0)).movedim(0, dim)  # [n * s[dim], ...] back to dim
+    return c.all_gather0("all_gather", x.unsqueeze(0)).movedim(0, dim)  # [n, *s], new dim moved to dim
+
+
 def _all_gather_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
     return (o.psum_scatter(g, spec=spec, dim=dim, tiled=tiled),)
 
 
 all_gather_p = Primitive(
     "all_gather", params=(("dim", "int"), ("tiled", "bool")), shape=_all_gather_shape, stacked=_all_gather_stacked,
-    backward=_all_gather_bwd, dim_params=("dim",),
+    distributed=_all_gather_dist, backward=_all_gather_bwd, dim_params=("dim",),
 )
 
 
@@ -309,13 +347,18 @@ def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Te
     return spec.from_groups(total.movedim(dim + 1, 1))  # [G, n, ...]: member j keeps chunk j
 
 
+def _psum_scatter_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+    mine = c.reduce_scatter0("psum_scatter", x.movedim(dim, 0))  # [s[dim] / n, *rest]: my chunk of the sum
+    return mine.movedim(0, dim) if tiled else mine.squeeze(0)
+
+
 def _psum_scatter_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
     return (o.all_gather(g, spec=spec, dim=dim, tiled=tiled),)
 
 
 psum_scatter_p = Primitive(
     "psum_scatter", params=(("dim", "int"), ("tiled", "bool")), shape=_psum_scatter_shape, stacked=_psum_scatter_stacked,
-    backward=_psum_scatter_bwd, dim_params=("dim",),
+    distributed=_psum_scatter_dist, backward=_psum_scatter_bwd, dim_params=("dim",),
 )
 
 
@@ -361,13 +404,19 @@ def _all_to_all_stacked(spec: Spec, x: Tensor, *, split_dim: int, concat_dim: in
     return spec.from_groups(y.flatten(concat_dim + 2, concat_dim + 3))  # [G, j, *c with c[concat] * n]
 
 
+def _all_to_all_dist(c: AxisComm, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
+    chunks = x.unflatten(split_dim, (c.n, -1)).movedim(split_dim, 0)  # type: ignore[no-untyped-call]  # [n (receiver), *c]
+    got = c.all_to_all0("all_to_all", chunks, [1] * c.n, [1] * c.n)  # [n (sender), *c]
+    return got.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)  # senders concatenated on concat_dim
+
+
 def _all_to_all_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
     return (o.all_to_all(g, spec=spec, split_dim=concat_dim, concat_dim=split_dim),)
 
 
 all_to_all_p = Primitive(
     "all_to_all", params=(("split_dim", "int"), ("concat_dim", "int")), shape=_all_to_all_shape, stacked=_all_to_all_stacked,
-    backward=_all_to_all_bwd, dim_params=("split_dim", "concat_dim"),
+    distributed=_all_to_all_dist, backward=_all_to_all_bwd, dim_params=("split_dim", "concat_dim"),
 )
 
 
@@ -418,12 +467,26 @@ def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     return spec.from_groups(torch.zeros_like(y).index_copy(1, dst, y.index_select(1, src)))  # non-destinations: 0
 
 
+def _ppermute_dist(c: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
+    pairs = list(zip(perm[0::2], perm[1::2]))
+    dst = next((d for s, d in pairs if s == c.index), None)
+    src = next((s for s, d in pairs if d == c.index), None)
+    k = x.numel()
+    if not pairs or k == 0:
+        return torch.zeros_like(x)
+    flat = x.reshape(k) if dst is not None else x.reshape(k)[:0]  # [k] to my destination, or nothing
+    got = c.all_to_all0("ppermute", flat, [k if i == src else 0 for i in range(c.n)], [k if j == dst else 0 for j in range(c.n)])
+    return got.reshape(x.shape) if src is not None else torch.zeros_like(x)  # non-destinations: 0
+
+
 def _ppermute_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:
     inverse = tuple(v for s, d in zip(perm[0::2], perm[1::2]) for v in (d, s))
     return (o.ppermute(g, spec=spec, perm=inverse),)
 
 
-ppermute_p = Primitive("ppermute", params=(("perm", "int[]"),), shape=_same, stacked=_ppermute_stacked, backward=_ppermute_bwd)
+ppermute_p = Primitive(
+    "ppermute", params=(("perm", "int[]"),), shape=_same, stacked=_ppermute_stacked, distributed=_ppermute_dist, backward=_ppermute_bwd
+)
 
 
 def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, int]]) -> Tensor:
@@ -474,6 +537,10 @@ def _broadcast_stacked(spec: Spec, x: Tensor, *, src: int) -> Tensor:
     return spec.from_groups(y[:, src : src + 1].expand_as(y))  # every member gets member src's value
 
 
+def _broadcast_dist(c: AxisComm, x: Tensor, *, src: int) -> Tensor:
+    return c.broadcast("broadcast", x, src)  # src is the group rank == the axis index
+
+
 def _broadcast_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, src: int) -> tuple[Any, ...]:
     return (o.keep_src(g, spec=spec, src=src),)
 
@@ -483,9 +550,17 @@ def _keep_src_stacked(spec: Spec, x: Tensor, *, src: int) -> Tensor:
     return spec.from_groups(_where_member(spec, y, spec.member_index(y.device) == src))
 
 
-broadcast_p = Primitive("broadcast", params=(("src", "int"),), shape=_same, stacked=_broadcast_stacked, backward=_broadcast_bwd)
+def _keep_src_dist(c: AxisComm, x: Tensor, *, src: int) -> Tensor:
+    return x.clone() if c.index == src else torch.zeros_like(x)
+
+
+broadcast_p = Primitive(
+    "broadcast", params=(("src", "int"),), shape=_same, stacked=_broadcast_stacked, distributed=_broadcast_dist, backward=_broadcast_bwd
+)
 # Internal: keep x on member src, zero elsewhere (self-adjoint: its backward is itself).
-keep_src_p = Primitive("keep_src", params=(("src", "int"),), shape=_same, stacked=_keep_src_stacked, backward=_broadcast_bwd)
+keep_src_p = Primitive(
+    "keep_src", params=(("src", "int"),), shape=_same, stacked=_keep_src_stacked, distributed=_keep_src_dist, backward=_broadcast_bwd
+)
 
 
 def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
@@ -518,6 +593,8 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
     if not isinstance(mesh, Mesh):
         raise CollectiveError("axis_index", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
     idx = mesh.axis_indices(axis, "fastdist.axis_index")
+    if mesh._comm is not None and not mesh._bindings:
+        return torch.tensor(mesh._comm.axis(idx).index)
     binding = rank_binding("axis_index", mesh)
     if binding is None:
         return torch.zeros((), dtype=torch.long)

@@ -7,7 +7,17 @@ happened on and what to do about it. Validation errors subclass ``ValueError`` s
 
 from __future__ import annotations
 
-__all__ = ["FastdistError", "MeshError", "CollectiveError", "NoBackendError"]
+from collections.abc import Sequence
+
+__all__ = [
+    "FastdistError",
+    "MeshError",
+    "CollectiveError",
+    "NoBackendError",
+    "CommError",
+    "CollectiveTimeout",
+    "ConsistencyError",
+]
 
 
 class FastdistError(Exception):
@@ -40,3 +50,26 @@ class NoBackendError(FastdistError, RuntimeError):
     A plain :class:`~fastdist.Mesh` only describes ranks. Collectives on it run
     inside :func:`fastdist.simulate` (all ranks in this process).
     """
+
+
+class CommError(FastdistError, RuntimeError):
+    """Communication with other processes failed: a peer left, a group could not be formed.
+
+    Attributes:
+        op: the operation, e.g. ``"psum"`` or ``"broadcast_object"``.
+        axis: the mesh axis (or tuple) it ran over.
+        ranks: the global ranks of the group, in axis order.
+        rank: this process's global rank.
+    """
+
+    def __init__(self, op: str, axis: object, ranks: Sequence[int], rank: int, problem: str, fix: str) -> None:
+        self.op, self.axis, self.ranks, self.rank = op, axis, tuple(ranks), rank
+        super().__init__(f"fastdist.{op}(axis={axis!r}) on rank {rank} (group ranks {list(ranks)}): {problem}. Fix: {fix}")
+
+
+class CollectiveTimeout(CommError, TimeoutError):
+    """A peer did not arrive within the timeout."""
+
+
+class ConsistencyError(CommError):
+    """Check mode: the ranks of a group called a collective with different arguments."""

@@ -26,6 +26,7 @@ and nothing is global. Two meshes of different shapes live side by side.
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -56,7 +57,7 @@ class Mesh:
     :func:`fastdist.simulate`.
     """
 
-    __slots__ = ("_names", "_sizes", "_strides", "_bindings")
+    __slots__ = ("_names", "_sizes", "_strides", "_bindings", "_comm")
 
     def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]]) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
@@ -81,6 +82,8 @@ class Mesh:
         # Simulations currently running over this mesh (pushed and popped by
         # fastdist.simulate for the duration of one call; see simulate.py).
         self._bindings: list[Any] = []
+        # Process groups when the mesh runs on real ranks (Mesh.from_torch); None otherwise.
+        self._comm: Any = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -129,6 +132,96 @@ class Mesh:
             )
         sizes = {**given, "dp": dp}
         return cls([(n, sizes[n]) for n in order if n in sizes])
+
+    @classmethod
+    def from_torch(
+        cls,
+        *,
+        order: Sequence[str] = DEFAULT_ORDER,
+        timeout: float | datetime.timedelta | None = None,
+        check: bool = False,
+        **degrees: int,
+    ) -> Mesh:
+        """A mesh over the running ``torch.distributed`` job (after ``init_process_group``).
+
+        Axes are laid out as in :meth:`from_world_size` over the job's world size; this
+        process is rank ``dist.get_rank()``. Collectives on the mesh run on real ranks.
+
+        Args:
+            timeout: seconds (or a timedelta) every blocking call may wait for a peer;
+                default :data:`fastdist.distributed.DEFAULT_TIMEOUT` (10 minutes).
+            check: consistency check mode: before each collective the ranks of the
+                group compare op, shapes, dtypes and parameters, and all raise
+                :class:`~fastdist.ConsistencyError` on a mismatch (eager mode only; it
+                costs one small gloo all-gather per collective).
+        """
+        import torch.distributed as dist
+
+        from . import distributed as D
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise MeshError("Mesh.from_torch: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
+        mesh = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
+        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check)
+        return mesh
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: Any, *, timeout: float | datetime.timedelta | None = None, check: bool = False) -> Mesh:
+        """A mesh with the axes of a ``torch.distributed.device_mesh.DeviceMesh``, reusing its groups.
+
+        The DeviceMesh must have dimension names and the row-major rank layout
+        (``init_device_mesh`` gives both).
+        """
+        from . import distributed as D
+
+        names = device_mesh.mesh_dim_names
+        if not names:
+            raise MeshError("Mesh.from_device_mesh: the DeviceMesh has no mesh_dim_names. Fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+        layout = device_mesh.mesh.flatten().tolist()
+        if layout != list(range(len(layout))):
+            raise MeshError(f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major 0..{len(layout) - 1}. Fix: build it with init_device_mesh")
+        mesh = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
+        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, device_mesh=device_mesh)
+        return mesh
+
+    def to_device_mesh(self, device_type: str = "cpu") -> Any:
+        """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self._sizes, mesh_dim_names=self._names)
+
+    def with_timeout(self, timeout: float | datetime.timedelta) -> Mesh:
+        """The same axes on the same job with another timeout (its groups are created anew, lazily)."""
+        from . import distributed as D
+
+        if self._comm is None:
+            raise MeshError(f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+        mesh = Mesh(list(zip(self._names, self._sizes)))
+        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=self._comm.check)
+        return mesh
+
+    def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
+        """Create now (instead of on first use) this rank's process groups for ``axes`` (default: each axis).
+
+        Needed before ``torch.compile`` of a step whose collectives have not run eagerly:
+        groups cannot be created while dynamo traces. Every rank must call it.
+        """
+        from . import distributed as D
+
+        if self._comm is None:
+            raise MeshError(f"Mesh.create_groups: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+        backend = D.select_backend(device_type)
+        for axis in axes or self._names:
+            ac = self._comm.axis(self.axis_indices(axis, "Mesh.create_groups"))
+            if ac.n > 1:
+                self._comm.group(ac, backend, "create_groups")
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, on a mesh built from torch.distributed."""
+        if self._comm is None:
+            raise MeshError(f"Mesh.rank: {self!r} describes ranks but is not one of them (use Mesh.from_torch, or fastdist.axis_index inside simulate)")
+        return int(self._comm.rank)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -1,0 +1,390 @@
+"""Real ranks: a mesh over ``torch.distributed`` process groups, one rank per process.
+
+Build a mesh from a running job (after ``init_process_group``, e.g. under ``torchrun``)::
+
+    dist.init_process_group("gloo")            # or "nccl", "cpu:gloo,cuda:nccl"
+    mesh = fastdist.Mesh.from_torch(tp=4)      # dp inferred from the world size
+
+and call the same per-rank model code that runs under :func:`fastdist.simulate`. The
+collectives then go through torch's functional collectives
+(``torch.ops._c10d_functional``), so a step compiles with ``torch.compile`` without
+graph breaks from fastdist.
+
+Process groups belong to the mesh (its :class:`TorchComm`), one per axis (or tuple of
+axes) and backend, created lazily on first use and only by the ranks in them
+(``new_group(use_local_synchronization=True)``), with members in axis order
+(``sort_ranks=False``) so that a group rank is the index along the axis. Every group
+carries the mesh's timeout; a peer that does not arrive raises
+:class:`~fastdist.CollectiveTimeout` naming the op, axis, group and rank.
+
+Backends by tensor device: ``cpu`` -> gloo, ``cuda`` -> nccl, ``npu`` -> hccl (needs
+``torch_npu``); see :func:`select_backend`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .errors import CollectiveTimeout, CommError, ConsistencyError, MeshError, NoBackendError
+
+if TYPE_CHECKING:
+    from .mesh import AxisName, Mesh
+
+__all__ = [
+    "TorchComm",
+    "AxisComm",
+    "select_backend",
+    "DEFAULT_TIMEOUT",
+    "broadcast_object",
+    "all_gather_object",
+    "send_object",
+    "recv_object",
+    "broadcast_tensor_dict",
+    "send_tensor_dict",
+    "recv_tensor_dict",
+    "send",
+    "recv",
+    "barrier",
+]
+
+#: Default timeout of every blocking call on a mesh built from torch.distributed.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+T = TypeVar("T")
+_F = torch.ops._c10d_functional
+
+
+def select_backend(device_type: str, *, npu_available: bool | None = None) -> str:
+    """The c10d backend for tensors on ``device_type``: cpu -> gloo, cuda -> nccl, npu -> hccl.
+
+    ``npu_available`` defaults to whether ``torch_npu`` can be imported.
+
+    >>> select_backend("cpu"), select_backend("cuda"), select_backend("npu", npu_available=True)
+    ('gloo', 'nccl', 'hccl')
+    """
+    if device_type == "cpu":
+        return "gloo"
+    if device_type == "cuda":
+        return "nccl"
+    if device_type == "npu":
+        if npu_available is None:
+            npu_available = importlib.util.find_spec("torch_npu") is not None
+        if not npu_available:
+            raise NoBackendError("fastdist: NPU tensors need the HCCL backend from torch_npu, which is not importable. Fix: pip install torch_npu")
+        return "hccl"
+    raise NoBackendError(f"fastdist: no collective backend for {device_type!r} tensors. Fix: move tensors to cpu, cuda or npu")
+
+
+def _as_timedelta(timeout: float | datetime.timedelta | None, default: datetime.timedelta) -> datetime.timedelta:
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
+    raise MeshError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+
+
+class TorchComm:
+    """The process groups of one mesh on this process. Owned by the mesh; nothing global.
+
+    Args:
+        mesh: the mesh (its size must equal the world size).
+        timeout: the timeout of every group this comm creates.
+        check: consistency check mode (see :meth:`AxisComm.check`).
+        device_mesh: a ``DeviceMesh`` whose per-dimension groups to reuse.
+    """
+
+    def __init__(self, mesh: Mesh, *, timeout: datetime.timedelta, check: bool, device_mesh: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise NoBackendError("fastdist: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
+        world = dist.get_world_size()
+        if mesh.size != world:
+            raise MeshError(f"fastdist: {mesh!r} has {mesh.size} ranks but the torch.distributed world has {world}. Fix: choose degrees whose product is {world}")
+        self.mesh, self.rank, self.timeout, self.check = mesh, dist.get_rank(), timeout, check
+        self._device_mesh = device_mesh
+        self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
+        self._axes: dict[tuple[int, ...], AxisComm] = {}
+
+    def axis(self, idx: tuple[int, ...]) -> AxisComm:
+        """The communicator of this rank's group along the axes at positions ``idx`` (cached)."""
+        ac = self._axes.get(idx)
+        if ac is None:
+            names = tuple(self.mesh.axis_names[i] for i in idx)
+            label: Any = names[0] if len(names) == 1 else names
+            ac = self._axes[idx] = AxisComm(self, idx, label, tuple(self.mesh.group(self.rank, names)))
+        return ac
+
+    def group(self, ac: AxisComm, backend: str, op: str) -> Any:
+        """The process group for ``ac`` on ``backend``, created on first use by the ranks in it."""
+        key = (ac.ranks, backend)
+        pg = self._groups.get(key)
+        if pg is not None:
+            return pg
+        if torch.compiler.is_compiling():
+            raise CommError(
+                op, ac.label, ac.ranks, self.rank, f"the {backend} process group for this axis does not exist yet, and groups cannot be created inside torch.compile",
+                "run the step once eagerly first, or call mesh.create_groups() before compiling",
+            )
+        dm = self._device_mesh
+        if dm is not None and len(ac.idx) == 1 and backend == select_backend(dm.device_type):
+            pg = dm.get_group(ac.idx[0])
+        else:
+            try:
+                pg = dist.new_group(
+                    list(ac.ranks), timeout=self.timeout, backend=backend, use_local_synchronization=True, sort_ranks=False,
+                    group_desc=f"fastdist:{'x'.join(self.mesh.axis_names[i] for i in ac.idx)}",
+                )
+            except Exception as e:  # noqa: BLE001 - re-raised with context
+                raise _comm_error(op, ac, self.rank, e, "creating the process group") from e
+        self._groups[key] = pg
+        return pg
+
+
+class AxisComm:
+    """This rank's group along one axis (or tuple of axes): ranks in axis order, own index, groups."""
+
+    def __init__(self, comm: TorchComm, idx: tuple[int, ...], label: Any, ranks: tuple[int, ...]) -> None:
+        self.comm, self.idx, self.label, self.ranks = comm, idx, label, ranks
+        self.n = len(ranks)
+        self.index = ranks.index(comm.rank)
+        self.rank = comm.rank
+
+    def group_name(self, op: str, x: Tensor) -> str:
+        return str(self.comm.group(self, select_backend(x.device.type), op).group_name)
+
+    def cpu_group(self, op: str) -> Any:
+        """A gloo group for objects and metadata (the device group when tensors live on CPU)."""
+        return self.comm.group(self, "gloo", op)
+
+    def run(self, op: str, fn: Callable[[], T], what: str = "the collective") -> T:
+        """Run a blocking call, turning timeouts and lost peers into errors that name op, axis and ranks."""
+        if torch.compiler.is_compiling():
+            return fn()
+        try:
+            return fn()
+        except (CommError, MeshError, NoBackendError):
+            raise
+        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
+            raise _comm_error(op, self, self.rank, e, what) from e
+
+    # --------------------------------------------------------------- functional collectives
+    def _wait(self, op: str, issue: Callable[[], Any]) -> Tensor:
+        return cast(Tensor, self.run(op, lambda: _F.wait_tensor(issue())))
+
+    def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
+        name = self.group_name(op, x)
+        return self._wait(op, lambda: _F.all_reduce(x.contiguous(), reduce_op, name))
+
+    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+        """Concatenate every member's ``x`` along dim 0, in axis order."""
+        name = self.group_name(op, x)
+        return self._wait(op, lambda: _F.all_gather_into_tensor(x.contiguous(), self.n, name))
+
+    def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
+        """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
+        name = self.group_name(op, x)
+        return self._wait(op, lambda: _F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, name))
+
+    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
+        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender."""
+        name = self.group_name(op, x)
+        return self._wait(op, lambda: _F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), name))
+
+    def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
+        name = self.group_name(op, x)
+        return self._wait(op, lambda: _F.broadcast(x.contiguous(), src, name))
+
+    # --------------------------------------------------------------- check mode
+    def check(self, op: str, tensors: Sequence[Tensor], params: Mapping[str, Any]) -> None:
+        """Check mode: every member must call ``op`` with the same shapes, dtypes and parameters."""
+        if not self.comm.check or torch.compiler.is_compiling():
+            return
+        mine = (op, [tuple(t.shape) for t in tensors], [str(t.dtype) for t in tensors], dict(params))
+        every: list[Any] = [None] * self.n
+        group = self.cpu_group(op)
+        self.run(op, lambda: dist.all_gather_object(every, mine, group=group), "the consistency check")
+        if any(e != every[0] for e in every):
+            table = "; ".join(f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]})" for r, e in zip(self.ranks, every))
+            raise ConsistencyError(op, self.label, self.ranks, self.rank, f"the ranks disagree: {table}", "make every rank of the group make the same call")
+
+
+def _comm_error(op: str, ac: AxisComm, rank: int, e: BaseException, what: str) -> CommError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    timed_out = "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError)
+    if timed_out:
+        secs = ac.comm.timeout.total_seconds()
+        return CollectiveTimeout(
+            op, ac.label, ac.ranks, rank, f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}",
+            "check that every rank of the group makes this call in the same order; raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
+        )
+    return CommError(op, ac.label, ac.ranks, rank, f"{what} failed: {msg}", "a peer process probably exited or crashed; check its log")
+
+
+# =================================================================== helpers on real ranks
+def _axis_comm(op: str, mesh: Mesh, axis: AxisName | None) -> AxisComm:
+    comm = mesh._comm
+    if comm is None:
+        raise NoBackendError(f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch(...) inside a torch.distributed job")
+    names = mesh.axis_names if axis is None else axis
+    ac: AxisComm = comm.axis(mesh.axis_indices(names, f"fastdist.{op}"))
+    return ac
+
+
+def _check_src(op: str, ac: AxisComm, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ac.n:
+        raise CommError(op, ac.label, ac.ranks, ac.rank, f"{name}={value!r} is not an index along the axis (size {ac.n})", f"use {name} in 0..{ac.n - 1}")
+    return value
+
+
+def broadcast_object(obj: T, mesh: Mesh, axis: AxisName | None = None, src: int = 0) -> T:
+    """Every rank of the group gets the (picklable) ``obj`` of the rank with index ``src`` along ``axis``.
+
+    ``axis=None`` means the whole mesh. Blocks up to the mesh's timeout.
+    """
+    ac = _axis_comm("broadcast_object", mesh, axis)
+    _check_src("broadcast_object", ac, "src", src)
+    box = [obj]
+    group = ac.cpu_group("broadcast_object")
+    ac.run("broadcast_object", lambda: dist.broadcast_object_list(box, group=group, group_src=src))
+    return box[0]
+
+
+def all_gather_object(obj: T, mesh: Mesh, axis: AxisName | None = None) -> list[T]:
+    """The (picklable) ``obj`` of every rank of the group, in axis order."""
+    ac = _axis_comm("all_gather_object", mesh, axis)
+    out: list[Any] = [None] * ac.n
+    group = ac.cpu_group("all_gather_object")
+    ac.run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group))
+    return out
+
+
+def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
+    """Send a picklable object to the rank with index ``dst`` along ``axis`` (pair with :func:`recv_object`)."""
+    ac = _axis_comm("send_object", mesh, axis)
+    _check_src("send_object", ac, "dst", dst)
+    group = ac.cpu_group("send_object")
+    ac.run("send_object", lambda: dist.send_object_list([obj], group=group, group_dst=dst))
+
+
+def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
+    """Receive the object sent by the rank with index ``src`` along ``axis``."""
+    ac = _axis_comm("recv_object", mesh, axis)
+    _check_src("recv_object", ac, "src", src)
+    box: list[Any] = [None]
+    group = ac.cpu_group("recv_object")
+    ac.run("recv_object", lambda: dist.recv_object_list(box, group=group, group_src=src))
+    return box[0]
+
+
+def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
+    """Send tensor ``x`` to the rank with index ``dst`` along ``axis`` (not differentiable; see ``ppermute``)."""
+    ac = _axis_comm("send", mesh, axis)
+    _check_src("send", ac, "dst", dst)
+    group = ac.comm.group(ac, select_backend(x.device.type), "send")
+    ac.run("send", lambda: dist.send(x.contiguous(), group=group, group_dst=dst))
+
+
+def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
+    """Receive a tensor shaped like ``like`` (shape, dtype, device) from index ``src`` along ``axis``."""
+    ac = _axis_comm("recv", mesh, axis)
+    _check_src("recv", ac, "src", src)
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    group = ac.comm.group(ac, select_backend(out.device.type), "recv")
+    ac.run("recv", lambda: dist.recv(out, group=group, group_src=src))
+    return out
+
+
+def _split_dict(d: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], list[Tensor]]:
+    """Metadata (tensor shapes/dtypes/devices, other values as they are) and the tensors, in key order."""
+    meta: list[tuple[str, Any]] = []
+    tensors: list[Tensor] = []
+    for key, value in d.items():
+        if isinstance(value, Tensor):
+            meta.append((key, ("__tensor__", tuple(value.shape), value.dtype, value.device.type)))
+            tensors.append(value.contiguous())
+        else:
+            meta.append((key, ("__value__", value)))
+    return meta, tensors
+
+
+def _empty_from(meta: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Tensor]]:
+    out: dict[str, Any] = {}
+    tensors: list[Tensor] = []
+    for key, entry in meta:
+        if entry[0] == "__tensor__":
+            _, shape, dtype, device_type = entry
+            device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+            out[key] = t = torch.empty(shape, dtype=dtype, device=device)
+            tensors.append(t)
+        else:
+            out[key] = entry[1]
+    return out, tensors
+
+
+def broadcast_tensor_dict(d: Mapping[str, Any] | None, mesh: Mesh, axis: AxisName | None = None, src: int = 0) -> dict[str, Any]:
+    """Broadcast a dict of tensors and picklable values from index ``src``; other ranks pass ``None``.
+
+    Metadata travels as one object; tensors by a broadcast each on their device's group.
+    """
+    op = "broadcast_tensor_dict"
+    ac = _axis_comm(op, mesh, axis)
+    _check_src(op, ac, "src", src)
+    if ac.index == src:
+        if d is None:
+            raise CommError(op, ac.label, ac.ranks, ac.rank, "the source rank passed None", "pass the dict to send on the source rank")
+        meta, tensors = _split_dict(d)
+        broadcast_object(meta, mesh, ac.label, src)
+        out = dict(d)
+    else:
+        meta = broadcast_object(cast(list[tuple[str, Any]], None), mesh, ac.label, src)  # filled from src
+        out, tensors = _empty_from(meta)
+    for t in tensors:
+        group = ac.comm.group(ac, select_backend(t.device.type), op)
+        ac.run(op, lambda: dist.broadcast(t, group=group, group_src=src))
+    return out
+
+
+def send_tensor_dict(d: Mapping[str, Any], mesh: Mesh, axis: AxisName, dst: int) -> None:
+    """Send a dict of tensors and picklable values to index ``dst`` (pair with :func:`recv_tensor_dict`)."""
+    meta, tensors = _split_dict(d)
+    send_object(meta, mesh, axis, dst)
+    for t in tensors:
+        send(t, mesh, axis, dst)
+
+
+def recv_tensor_dict(mesh: Mesh, axis: AxisName, src: int) -> dict[str, Any]:
+    """Receive the dict sent by :func:`send_tensor_dict` from index ``src`` along ``axis``."""
+    out, tensors = _empty_from(recv_object(mesh, axis, src))
+    ac = _axis_comm("recv_tensor_dict", mesh, axis)
+    for t in tensors:
+        group = ac.comm.group(ac, select_backend(t.device.type), "recv_tensor_dict")
+        ac.run("recv_tensor_dict", lambda: dist.recv(t, group=group, group_src=src))
+    return out
+
+
+def barrier(mesh: Mesh, axis: AxisName | None = None, *, timeout: float | datetime.timedelta | None = None) -> None:
+    """Wait until every rank of the group arrives; raise :class:`CollectiveTimeout` naming the missing ranks.
+
+    ``timeout`` overrides the mesh's timeout for this call.
+    """
+    ac = _axis_comm("barrier", mesh, axis)
+    td = _as_timedelta(timeout, ac.comm.timeout)
+    group = ac.cpu_group("barrier")
+    try:
+        if not torch.compiler.is_compiling():
+            dist.monitored_barrier(group=group, timeout=td, wait_all_ranks=True)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0]
+        raise CollectiveTimeout(
+            "barrier", ac.label, ac.ranks, ac.rank, f"not every rank arrived within {td.total_seconds():g} s: {msg}",
+            "check that every rank of the group reaches this barrier",
+        ) from e
+
