@@ -31,9 +31,30 @@ from .collectives import (
     pvary,
     ring_shift,
 )
-from .errors import CollectiveError, FastdistError, MeshError, NoBackendError
+from .distributed import (
+    all_gather_object,
+    barrier,
+    broadcast_object,
+    broadcast_tensor_dict,
+    recv,
+    recv_object,
+    recv_tensor_dict,
+    send,
+    send_object,
+    send_tensor_dict,
+)
+from .errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    CommError,
+    ConsistencyError,
+    FastdistError,
+    MeshError,
+    NoBackendError,
+)
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
 from .simulate import simulate
+from .stateless import StatelessGroup
 
 __version__ = "0.1.0"
 
@@ -56,8 +77,22 @@ __all__ = [
     "broadcast",
     "axis_index",
     "axis_size",
+    "broadcast_object",
+    "all_gather_object",
+    "send_object",
+    "recv_object",
+    "broadcast_tensor_dict",
+    "send_tensor_dict",
+    "recv_tensor_dict",
+    "send",
+    "recv",
+    "barrier",
+    "StatelessGroup",
     "FastdistError",
     "MeshError",
     "CollectiveError",
     "NoBackendError",
+    "CommError",
+    "CollectiveTimeout",
+    "ConsistencyError",
 ]

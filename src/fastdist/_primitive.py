@@ -262,22 +262,29 @@ class Primitive:
         return self.distributed(c, *tensors, **params)
 
     def _make_function(self, distributed: bool = False) -> type[torch.autograd.Function]:
-        """The eager autograd.Function: per-rank forward (simulated or real ranks), per-rank backward rule."""
-        prim = self
+        """The eager autograd.Function: per-rank forward (simulated or real ranks), per-rank backward rule.
+
+        The methods find the primitive by name in ``PRIMITIVES`` (not through a closure),
+        so dynamo can trace them when it compiles a step on real ranks.
+        """
+        name = self.name
 
         def forward(spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
+            prim = PRIMITIVES[name]
             params = dict(zip(prim.param_names, vals))
             if distributed:
                 return prim._run_distributed(spec, tensors, params)
             return cast(Tensor, prim.per_rank_op(*tensors, *prim._op_args(spec, params)))
 
         def setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
+            prim = PRIMITIVES[name]
             spec, vals, *tensors = inputs
             ctx.spec, ctx.params = spec, dict(zip(prim.param_names, vals))
             if prim.saves:
                 ctx.save_for_backward(*tensors, output)
 
         def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+            prim = PRIMITIVES[name]
             saved = ctx.saved_tensors if prim.saves else ()
             return (None, None, *prim.backward(ops, ctx.spec, g, saved, **ctx.params))
 

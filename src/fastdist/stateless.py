@@ -1,0 +1,131 @@
+"""A process group over a ``TCPStore`` alone: any subset of processes, no global default group.
+
+Useful to coordinate processes that are not (or not yet) in one ``torch.distributed`` job:
+a disaggregated prefill/decode pair, a driver and its workers, an elastic helper. It moves
+picklable objects through the store, so it is for metadata, not bulk tensors.
+
+Each message gets its own key, named by sender, receiver and a per-peer counter, so
+messages between any two processes arrive in order and never overwrite each other. A
+process deletes the keys it wrote once they are older than ``data_expiration`` seconds,
+so a long-lived group does not grow the store without bound.
+
+Usage, one process per member (rank 0 also hosts the store)::
+
+    g = StatelessGroup.create("127.0.0.1", 29600, rank=rank, world_size=2)
+    if rank == 0:
+        g.send_obj({"step": 3}, dst=1)
+    else:
+        assert g.recv_obj(src=0) == {"step": 3}
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from collections import deque
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import CollectiveTimeout, CommError, MeshError
+
+__all__ = ["StatelessGroup"]
+
+
+class StatelessGroup:
+    """Objects between ``world_size`` processes through a shared ``torch.distributed.Store``.
+
+    Args:
+        store: a store every member can reach (usually a ``TCPStore``).
+        rank: this member's rank in ``0..world_size-1``.
+        world_size: number of members.
+        timeout: how long a receive waits for its sender.
+        data_expiration: seconds after which a member deletes the keys it wrote.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, timeout: float = 300.0, data_expiration: float = 3600.0) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise MeshError(f"StatelessGroup: world_size must be a positive int, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise MeshError(f"StatelessGroup: rank {rank!r} is outside 0..{world_size - 1}")
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout, self.data_expiration = float(timeout), float(data_expiration)
+        self._sent = [0] * world_size  # messages sent to each peer
+        self._received = [0] * world_size  # messages received from each peer
+        self._broadcasts = [0] * world_size  # broadcasts seen from each source
+        self._written: deque[tuple[str, float]] = deque()  # (key, time written), oldest first
+
+    @classmethod
+    def create(
+        cls, host: str, port: int, rank: int, world_size: int, *, timeout: float = 300.0, data_expiration: float = 3600.0
+    ) -> StatelessGroup:
+        """Connect to (rank 0: host) a ``TCPStore`` at ``host:port`` and form the group."""
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, world_size, is_master=(rank == 0), timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001
+            raise CommError("StatelessGroup.create", None, list(range(world_size)), rank, f"could not reach the store at {host}:{port}: {e}", "check host, port and that rank 0 runs") from e
+        return cls(store, rank, world_size, timeout=timeout, data_expiration=data_expiration)
+
+    # ------------------------------------------------------------------ keys
+    def _put(self, key: str, obj: Any) -> None:
+        self.store.set(key, pickle.dumps(obj))
+        self._written.append((key, time.monotonic()))
+        self.expire()
+
+    def _get(self, op: str, key: str, peer: int) -> Any:
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=self.timeout))
+            return pickle.loads(self.store.get(key))
+        except Exception as e:  # noqa: BLE001 - the store raises DistStoreError on timeout
+            raise CollectiveTimeout(
+                op, None, list(range(self.world_size)), self.rank, f"nothing from rank {peer} within {self.timeout:g} s ({key})",
+                f"check that rank {peer} makes the matching call",
+            ) from e
+
+    def expire(self) -> int:
+        """Delete the keys this member wrote more than ``data_expiration`` seconds ago; return how many."""
+        now, n = time.monotonic(), 0
+        while self._written and now - self._written[0][1] > self.data_expiration:
+            self.store.delete_key(self._written.popleft()[0])
+            n += 1
+        return n
+
+    def _check_peer(self, op: str, name: str, peer: Any) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+            raise CommError(op, None, list(range(self.world_size)), self.rank, f"{name}={peer!r} is not another member", f"use a rank in 0..{self.world_size - 1} other than {self.rank}")
+        return peer
+
+    # ------------------------------------------------------------------ messages
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Send a picklable object to ``dst`` (returns at once; ``dst`` reads it with :meth:`recv_obj`)."""
+        self._check_peer("StatelessGroup.send_obj", "dst", dst)
+        self._put(f"p2p/{self.rank}->{dst}/{self._sent[dst]}", obj)
+        self._sent[dst] += 1
+
+    def recv_obj(self, src: int) -> Any:
+        """The next object ``src`` sent to this member, in order."""
+        self._check_peer("StatelessGroup.recv_obj", "src", src)
+        obj = self._get("StatelessGroup.recv_obj", f"p2p/{src}->{self.rank}/{self._received[src]}", src)
+        self._received[src] += 1
+        return obj
+
+    def broadcast_obj(self, obj: Any, src: int) -> Any:
+        """``src`` passes the object; every member returns it."""
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise CommError("StatelessGroup.broadcast_obj", None, list(range(self.world_size)), self.rank, f"src={src!r} is not a member", f"use 0..{self.world_size - 1}")
+        key = f"bcast/{src}/{self._broadcasts[src]}"
+        self._broadcasts[src] += 1
+        if self.rank == src:
+            self._put(key, obj)
+            return obj
+        return self._get("StatelessGroup.broadcast_obj", key, src)
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        """Every member's object, by rank."""
+        return [self.broadcast_obj(obj if r == self.rank else None, src=r) for r in range(self.world_size)]
+
+    def barrier(self) -> None:
+        """Return once every member has called it (or raise :class:`~fastdist.CollectiveTimeout`)."""
+        self.all_gather_obj(None)

@@ -1,0 +1,73 @@
+"""Launch a multi-process scenario from tests/dist_worker.py and collect every rank's result."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+    value: Any
+
+
+def run_world(scenario: str, world: int, *, timeout: float = 240.0) -> list[RankResult]:
+    """Run ``scenario`` on ``world`` gloo processes; kill all of them past ``timeout`` (never hang)."""
+    port = free_port()
+    env = {**os.environ, "FASTDIST_TEST_STORE_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as out:
+        logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.dist_worker", scenario, str(r), str(world), str(port), out], cwd=ROOT, env=env, stdout=logs[r], stderr=subprocess.STDOUT
+            )
+            for r in range(world)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"{scenario} on {world} ranks did not finish within {timeout} s:\n" + _dump(logs)) from None
+        results = []
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            path = Path(out) / f"{r}.pkl"
+            value = pickle.loads(path.read_bytes()) if path.exists() else None
+            results.append(RankResult(r, p.returncode, log.read(), value))
+        return results
+
+
+def _dump(logs: list[Any]) -> str:
+    parts = []
+    for r, log in enumerate(logs):
+        log.seek(0)
+        parts.append(f"--- rank {r} ---\n{log.read()[-3000:]}")
+    return "\n".join(parts)
+
+
+def expect_ok(results: list[RankResult]) -> list[Any]:
+    bad = [r for r in results if r.returncode != 0]
+    assert not bad, "\n".join(f"--- rank {r.rank} exited {r.returncode} ---\n{r.output[-4000:]}" for r in bad)
+    return [r.value for r in results]

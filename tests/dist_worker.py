@@ -1,0 +1,325 @@
+"""One rank of a multi-process test: ``python -m tests.dist_worker SCENARIO RANK WORLD PORT OUTDIR``.
+
+Each scenario runs on real gloo ranks and checks its own results against fastdist.simulate
+(or the single-device computation) for the same inputs, then writes a picklable summary
+to ``OUTDIR/RANK.pkl`` for the parent test to assert on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from einops import rearrange, repeat
+
+import fastdist as fd
+
+SCENARIOS: dict[str, Callable[[int, int], Any]] = {}
+
+
+def scenario(fn: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
+
+
+# ============================================================================ ops vs simulate
+MESHES = {2: {"tp": 2}, 3: {"tp": 3}, 4: {"dp": 2, "tp": 2}, 8: {"dp": 2, "sp": 2, "tp": 2}}
+INVARIANT_OUT = {"psum", "pmean", "pmax", "pmin", "broadcast"}
+
+
+def op_cases(mesh: fd.Mesh) -> list[tuple[str, Any, dict[str, Any]]]:
+    axes: list[Any] = list(mesh.axis_names)
+    if mesh.ndim > 1:
+        axes.append(tuple(reversed(mesh.axis_names)))  # a tuple not in mesh order
+    cases = []
+    for axis in axes:
+        n = mesh.axis_size(axis)
+        cases += [
+            ("psum", axis, {}), ("pmean", axis, {}), ("pmax", axis, {}), ("pmin", axis, {}), ("pvary", axis, {}),
+            ("all_gather", axis, {"dim": 1}), ("all_gather", axis, {"dim": -1, "tiled": False}),
+            ("psum_scatter", axis, {"dim": 0}), ("psum_scatter", axis, {"dim": 1, "tiled": False}),
+            ("all_to_all", axis, {"split_dim": 0, "concat_dim": -1}), ("all_to_all", axis, {"split_dim": 2, "concat_dim": 2}),
+            ("ppermute", axis, {"perm": [(i, (i + 1) % n) for i in range(n)]}), ("ppermute", axis, {"perm": [(0, n - 1)]}),
+            ("broadcast", axis, {"src": n - 1}),
+        ]
+    return cases
+
+
+def group_first(x: torch.Tensor, mesh: fd.Mesh, axis: Any) -> torch.Tensor:
+    first = {r: g[0] for g in mesh.groups(axis) for r in g}
+    return torch.stack([x[first[r]] for r in range(mesh.size)])
+
+
+@scenario
+def ops(rank: int, world: int) -> int:
+    """Every op, single and tuple axes: values and gradients equal simulate's slice for this rank."""
+    mesh = fd.Mesh.from_torch(order=("dp", "sp", "tp"), **MESHES[world])
+    checks = 0
+    for i, (op, axis, kw) in enumerate(op_cases(mesh)):
+        n = mesh.axis_size(axis)
+        g = torch.Generator().manual_seed(i)
+        shape = {"psum_scatter": (n * 2, n, 3), "all_to_all": (n * 2, 3, n * 2)}.get(op, (2, 3, 4))
+        xs = torch.randn(world, *shape, dtype=torch.float64, generator=g)
+        if op == "pvary":
+            xs = group_first(xs, mesh, axis)
+        fn = getattr(fd, op)
+        sim_x = xs.clone().requires_grad_()
+        sim_out = fd.simulate(lambda x: fn(x, mesh, axis, **kw), mesh)(sim_x)
+        c = torch.randn(sim_out.shape, dtype=torch.float64, generator=g)
+        if op in INVARIANT_OUT:
+            c = group_first(c, mesh, axis)
+        (sim_out * c).sum().backward()
+
+        x = xs[rank].clone().requires_grad_()
+        out = fn(x, mesh, axis, **kw)
+        (out * c[rank]).sum().backward()
+        close(out, sim_out[rank].detach(), f"{op}{kw} over {axis!r} value on rank {rank}")
+        close(x.grad, sim_x.grad[rank], f"{op}{kw} over {axis!r} grad on rank {rank}")
+        checks += 1
+    # integer and bfloat16 values, axis_index
+    xi = torch.arange(world * 3).reshape(world, 3)
+    close(fd.psum(xi[rank], mesh, mesh.axis_names), fd.simulate(lambda x: fd.psum(x, mesh, mesh.axis_names), mesh)(xi)[rank], "int psum")
+    xb = torch.randn(world, 4, generator=torch.Generator().manual_seed(5)).bfloat16()
+    close(fd.all_gather(xb[rank], mesh, "tp"), fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(xb)[rank], "bf16 all_gather")
+    assert fd.axis_index(mesh, "tp").item() == mesh.index(rank, "tp") and mesh.rank == rank
+    # the same mesh object can still be simulated
+    assert fd.simulate(lambda x: fd.psum(x, mesh, "tp"), mesh)(torch.ones(world)).tolist() == [float(mesh.shape["tp"])] * world
+    return checks + 3
+
+
+# ============================================================================ models
+@scenario
+def models(rank: int, world: int) -> str:
+    """TP MLP (dp x tp) and Ulysses attention (sp) on real ranks against one device."""
+    from fastdist.demo import tp_mlp
+
+    mesh = fd.Mesh.from_torch(tp=2)  # dp = world / 2
+    dp, tp, B, D, H = mesh.shape["dp"], 2, 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    x, W1, b1, W2 = (torch.randn(*s, dtype=torch.float64, generator=g) for s in [(dp * B, D), (D, H), (H,), (H, D)])
+    ref = [t.clone().requires_grad_() for t in (x, W1, b1, W2)]
+    (torch.tanh(ref[0] @ ref[1] + ref[2]) @ ref[3]).sin().sum().backward()
+
+    c = mesh.coords(rank)
+    d, t = c["dp"], c["tp"]
+    xl = rearrange(x, "(dp b) d -> dp b d", dp=dp)[d].clone().requires_grad_()
+    w1 = rearrange(W1, "d (tp h) -> tp d h", tp=tp)[t].clone().requires_grad_()
+    bl = rearrange(b1, "(tp h) -> tp h", tp=tp)[t].clone().requires_grad_()
+    w2 = rearrange(W2, "(tp h) d -> tp h d", tp=tp)[t].clone().requires_grad_()
+    tp_mlp(xl, w1, bl, w2, mesh).sin().sum().backward()
+    close(xl.grad, rearrange(ref[0].grad, "(dp b) d -> dp b d", dp=dp)[d], "TP MLP dx")
+    close(fd.psum(w1.grad, mesh, "dp"), rearrange(ref[1].grad, "d (tp h) -> tp d h", tp=tp)[t], "TP MLP dW1")
+    close(fd.psum(w2.grad, mesh, "dp"), rearrange(ref[3].grad, "(tp h) d -> tp h d", tp=tp)[t], "TP MLP dW2")
+
+    sp = fd.Mesh.from_torch(order=("dp", "sp"), sp=world)
+    P, S, Hh, Dh = world, 2 * world, world, 3
+    q, k, v = (torch.randn(1, S, Hh, Dh, dtype=torch.float64, generator=g) for _ in range(3))
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attention(*leaves).sin().sum().backward()
+    mine = [rearrange(t, "b (p s) h d -> p b s h d", p=P)[rank].clone().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = (fd.all_to_all_4d(t, sp, "sp") for t in mine)
+    o = fd.all_to_all_4d(attention(qh, kh, vh), sp, "sp", scatter_dim=1, gather_dim=2)
+    o.sin().sum().backward()
+    for got, leaf in zip(mine, leaves):
+        close(got.grad, rearrange(leaf.grad, "b (p s) h d -> p b s h d", p=P)[rank], "Ulysses grad")
+    return "ok"
+
+
+@scenario
+def compiled(rank: int, world: int) -> str:
+    """A compiled step on real ranks (fullgraph, functional collectives): gradients equal eager."""
+    from fastdist.demo import tp_mlp
+
+    mesh = fd.Mesh.from_torch(tp=world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    w1, b1, w2 = torch.randn(4, 2, dtype=torch.float64, generator=g), torch.randn(2, dtype=torch.float64, generator=g), torch.randn(2, 4, dtype=torch.float64, generator=g)
+
+    def step(*a: torch.Tensor) -> torch.Tensor:
+        y = tp_mlp(*a, mesh)
+        return (fd.all_gather(y, mesh, "tp", dim=0).sum() + fd.psum_scatter(y, mesh, "tp", dim=1).pow(2).sum()).sin()
+
+    eager = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    step(*eager).backward()  # also creates the groups
+    comp = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    torch.compile(step, fullgraph=True)(*comp).backward()
+    for a, b in zip(comp, eager):
+        close(a.grad, b.grad, "compiled grad")
+    # groups created explicitly, then compiled without an eager run
+    fresh = fd.Mesh.from_torch(tp=world)
+    fresh.create_groups("tp")
+    out = torch.compile(lambda t: fd.pmax(t, fresh, "tp"), fullgraph=True)(torch.tensor([float(rank)]))
+    assert out.item() == world - 1
+    return "ok"
+
+
+# ============================================================================ meshes side by side, DeviceMesh
+@scenario
+def two_meshes(rank: int, world: int) -> str:
+    big = fd.Mesh.from_torch(tp=world)  # a TP=world model
+    draft = fd.Mesh.from_torch(tp=1)  # a TP=1 draft model: {"dp": world, "tp": 1}
+    x = torch.tensor([float(rank + 1)])
+    total = world * (world + 1) / 2
+    assert fd.psum(x, big, "tp").item() == total
+    assert fd.psum(x, draft, "tp").item() == rank + 1  # a group of one: no communication
+    assert fd.psum(x, draft, "dp").item() == total
+    assert fd.all_gather(x, big, "tp").tolist() == [float(r + 1) for r in range(world)]
+    assert big._comm is not draft._comm
+    return "ok"
+
+
+@scenario
+def device_mesh(rank: int, world: int) -> str:
+    mesh = fd.Mesh.from_torch(tp=2)
+    dm = mesh.to_device_mesh("cpu")
+    assert dm.mesh_dim_names == ("dp", "tp") and tuple(dm.mesh.shape) == (world // 2, 2)
+    back = fd.Mesh.from_device_mesh(dm)
+    assert back == mesh
+    x = torch.tensor([float(rank)])
+    close(fd.psum(x, back, "tp"), fd.psum(x, mesh, "tp"), "psum over the DeviceMesh's group")
+    assert back._comm._groups[(back._comm.axis((1,)).ranks, "gloo")] is dm.get_group("tp")
+    return "ok"
+
+
+# ============================================================================ faults
+@scenario
+def timeout(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 skips a collective: rank 0 must raise CollectiveTimeout within the timeout."""
+    mesh = fd.Mesh.from_torch(tp=world, timeout=3)
+    fd.psum(torch.ones(1), mesh, "tp")  # creates the group
+    if rank == 1:
+        time.sleep(8)
+        return {"skipped": True}
+    t0 = time.monotonic()
+    try:
+        fd.psum(torch.ones(1), mesh, "tp")
+    except fd.CollectiveTimeout as e:
+        return {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}
+
+
+@scenario
+def peer_exits(rank: int, world: int) -> dict[str, Any]:
+    """The last rank exits: the others raise (CommError or CollectiveTimeout), none hangs."""
+    mesh = fd.Mesh.from_torch(tp=world, timeout=15)
+    fd.psum(torch.ones(1), mesh, "tp")
+    if rank == world - 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        fd.psum(torch.ones(1), mesh, "tp")
+    except fd.CommError as e:
+        return {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}
+
+
+@scenario
+def check_mode(rank: int, world: int) -> dict[str, Any]:
+    mesh = fd.Mesh.from_torch(tp=world, check=True, timeout=30)
+    assert fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2  # consistent calls pass
+    try:
+        fd.all_gather(torch.ones(2 + rank), mesh, "tp")
+    except fd.ConsistencyError as e:
+        return {"msg": str(e)}
+    return {"msg": None}
+
+
+@scenario
+def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
+    mesh = fd.Mesh.from_torch(tp=world, timeout=30)
+    fd.barrier(mesh)  # everyone arrives
+    if rank == world - 1:
+        time.sleep(6)
+        return {"skipped": True}
+    t0 = time.monotonic()
+    try:
+        fd.barrier(mesh, "tp", timeout=2)
+    except fd.CollectiveTimeout as e:
+        return {"msg": str(e), "elapsed": time.monotonic() - t0}
+    return {"msg": None}
+
+
+# ============================================================================ objects and point to point
+@scenario
+def objects(rank: int, world: int) -> str:
+    mesh = fd.Mesh.from_torch(tp=world)
+    assert fd.broadcast_object({"from": rank}, mesh, "tp", src=1) == {"from": 1}
+    assert fd.all_gather_object(("r", rank), mesh) == [("r", r) for r in range(world)]
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if rank % 2 == 0:  # even ranks send first, odd ranks receive first: no deadlock for any world size
+        fd.send_object([rank] * 3, mesh, "tp", dst=nxt)
+        got = fd.recv_object(mesh, "tp", src=prv)
+    else:
+        got = fd.recv_object(mesh, "tp", src=prv)
+        fd.send_object([rank] * 3, mesh, "tp", dst=nxt)
+    assert got == [prv] * 3
+    d = {"x": torch.arange(6.0).reshape(2, 3) + rank, "ids": torch.tensor([rank]), "step": 7}
+    got_d = fd.broadcast_tensor_dict(d if rank == 0 else None, mesh, "tp", src=0)
+    assert got_d["step"] == 7 and torch.equal(got_d["x"], torch.arange(6.0).reshape(2, 3)) and got_d["ids"].tolist() == [0]
+    if rank == 0:
+        fd.send_tensor_dict({"a": torch.ones(4, dtype=torch.int32), "note": "hi"}, mesh, "tp", dst=1)
+        fd.send(torch.full((2, 2), 5.0), mesh, "tp", dst=1)
+    elif rank == 1:
+        td = fd.recv_tensor_dict(mesh, "tp", src=0)
+        assert td["note"] == "hi" and td["a"].dtype == torch.int32 and td["a"].tolist() == [1] * 4
+        assert fd.recv(torch.empty(2, 2), mesh, "tp", src=0).tolist() == [[5.0, 5.0]] * 2
+    fd.barrier(mesh)
+    return "ok"
+
+
+@scenario
+def stateless(rank: int, world: int) -> dict[str, Any]:
+    port = int(os.environ["FASTDIST_TEST_STORE_PORT"])
+    g = fd.StatelessGroup.create("127.0.0.1", port, rank, world, timeout=20, data_expiration=0.5)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for i in range(3):
+        g.send_obj((rank, i), dst=nxt)
+    got = [g.recv_obj(src=prv) for _ in range(3)]
+    assert got == [(prv, i) for i in range(3)], got
+    assert g.broadcast_obj({"cfg": 1} if rank == 2 else None, src=2) == {"cfg": 1}
+    assert g.all_gather_obj(rank * 10) == [r * 10 for r in range(world)]
+    g.barrier()
+    time.sleep(0.6)
+    expired = g.expire()  # this rank's keys older than data_expiration are deleted
+    g.barrier()  # every member has expired its keys
+    gone = not g.store.check([f"p2p/{prv}->{rank}/0"])
+    late = fd.StatelessGroup(g.store, rank, world, timeout=1.0)  # fresh counters: waits for an expired key
+    t0 = time.monotonic()
+    try:
+        late.recv_obj(src=prv)
+    except fd.CollectiveTimeout as e:
+        return {"expired": expired, "gone": gone, "timeout_msg": str(e), "elapsed": time.monotonic() - t0}
+    return {"expired": expired, "gone": gone, "timeout_msg": None}
+
+
+# ============================================================================ entry point
+def main(argv: list[str]) -> None:
+    name, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    torch.set_num_threads(1)
+    if name != "stateless":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    result = SCENARIOS[name](rank, world)
+    with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: fault scenarios leave peers gone
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,151 @@
+"""Real ranks: gloo processes on this machine, compared with simulated ranks and one device."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastdist as fd
+from fastdist.distributed import AxisComm, _comm_error, select_backend
+
+from .dist_harness import ROOT, expect_ok, free_port, run_world
+
+
+# ============================================================================ same values and gradients as simulate
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_op_matches_simulate_on_gloo(world: int) -> None:
+    counts = expect_ok(run_world("ops", world))
+    assert len(set(counts)) == 1 and counts[0] > 40  # every rank ran every case
+
+
+def test_tp_mlp_and_ulysses_end_to_end_on_gloo() -> None:
+    assert expect_ok(run_world("models", 4)) == ["ok"] * 4
+
+
+def test_compiled_step_on_gloo_equals_eager() -> None:
+    assert expect_ok(run_world("compiled", 2)) == ["ok"] * 2
+
+
+def test_two_meshes_in_one_process() -> None:
+    assert expect_ok(run_world("two_meshes", 4)) == ["ok"] * 4
+
+
+def test_device_mesh_round_trip() -> None:
+    assert expect_ok(run_world("device_mesh", 4)) == ["ok"] * 4
+
+
+def test_object_helpers_and_point_to_point() -> None:
+    assert expect_ok(run_world("objects", 3)) == ["ok"] * 3
+
+
+# ============================================================================ faults: errors, never hangs
+def test_skipped_collective_raises_timeout_naming_op_axis_ranks() -> None:
+    r0, r1 = expect_ok(run_world("timeout", 2))
+    assert r1 == {"skipped": True}
+    assert r0["type"] == "CollectiveTimeout"
+    assert "fastdist.psum(axis='tp') on rank 0 (group ranks [0, 1])" in r0["msg"] and "within the timeout (3 s)" in r0["msg"]
+    assert 2.5 < r0["elapsed"] < 3 + 10  # the 3 s timeout, plus margin for a loaded machine
+
+
+def test_exited_peer_makes_the_others_raise() -> None:
+    res = run_world("peer_exits", 3)
+    assert res[2].returncode == 3  # the rank that left
+    for r in res[:2]:
+        assert r.returncode == 0, r.output
+        assert r.value["type"] in ("CommError", "CollectiveTimeout"), r.value
+        assert f"fastdist.psum(axis='tp') on rank {r.rank} (group ranks [0, 1, 2])" in r.value["msg"]
+        assert r.value["elapsed"] < 15 + 10
+
+
+def test_check_mode_mismatch_raises_on_every_rank_with_what_each_passed() -> None:
+    for r, value in enumerate(expect_ok(run_world("check_mode", 2))):
+        msg = value["msg"]
+        assert msg is not None and f"fastdist.all_gather(axis='tp') on rank {r}" in msg
+        assert "rank 0: all_gather(shapes=[(2,)]" in msg and "rank 1: all_gather(shapes=[(3,)]" in msg
+
+
+def test_barrier_timeout_names_the_missing_rank() -> None:
+    values = expect_ok(run_world("barrier_timeout", 3))
+    assert "Ranks 2 failed to pass monitoredBarrier" in values[0]["msg"] and "fastdist.barrier(axis='tp') on rank 0" in values[0]["msg"]
+    assert all(v["msg"] and v["elapsed"] < 2 + 10 for v in values[:2])
+
+
+def test_stateless_group_over_tcpstore() -> None:
+    values = expect_ok(run_world("stateless", 3))
+    for r, v in enumerate(values):
+        assert v["expired"] >= 2 and v["gone"]  # old keys deleted after data_expiration
+        assert f"on rank {r}" in v["timeout_msg"] and "within 1 s" in v["timeout_msg"] and v["elapsed"] < 1 + 10
+
+
+# ============================================================================ torchrun
+def test_torchrun_example() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "tp_mlp.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tp_mlp on Mesh({'dp': 2, 'tp': 2}): loss of dp replica 0" in proc.stdout and "max grad diff over ranks" in proc.stdout
+
+
+# ============================================================================ in-process units
+@pytest.mark.parametrize("device, npu, want", [("cpu", None, "gloo"), ("cuda", None, "nccl"), ("npu", True, "hccl")])
+def test_select_backend(device: str, npu: bool | None, want: str) -> None:
+    assert select_backend(device, npu_available=npu) == want
+
+
+def test_select_backend_errors() -> None:
+    with pytest.raises(fd.NoBackendError, match=r"NPU tensors need the HCCL backend from torch_npu.*pip install torch_npu"):
+        select_backend("npu", npu_available=False)
+    with pytest.raises(fd.NoBackendError, match=r"no collective backend for 'xla' tensors"):
+        select_backend("xla")
+    # without torch_npu installed, the automatic check refuses NPU tensors with the same message
+    if not any(p for p in sys.modules if p == "torch_npu"):
+        with pytest.raises(fd.NoBackendError, match="torch_npu"):
+            select_backend("npu")
+
+
+def test_from_torch_needs_an_initialised_job() -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(fd.MeshError, match=r"torch\.distributed is not initialised.*init_process_group"):
+        fd.Mesh.from_torch(tp=2)
+    with pytest.raises(fd.NoBackendError, match=r"not backed by torch\.distributed"):
+        fd.broadcast_object(1, fd.Mesh({"tp": 2}), "tp")
+    with pytest.raises(fd.MeshError, match=r"Mesh\.rank: .* is not one of them"):
+        fd.Mesh({"tp": 2}).rank
+    for call in (lambda m: m.with_timeout(3), lambda m: m.create_groups()):
+        with pytest.raises(fd.MeshError, match=r"not backed by torch\.distributed"):
+            call(fd.Mesh({"tp": 2}))
+
+
+def test_error_classification() -> None:
+    class FakeComm:
+        timeout = datetime.timedelta(seconds=7)
+
+    ac = AxisComm.__new__(AxisComm)
+    ac.comm, ac.label, ac.ranks = FakeComm(), "tp", (4, 5)  # type: ignore[assignment]
+    t = _comm_error("psum", ac, 5, RuntimeError("[gloo] Timed out waiting 7000ms for recv"), "the collective")
+    assert isinstance(t, fd.CollectiveTimeout) and isinstance(t, TimeoutError)
+    assert str(t).startswith("fastdist.psum(axis='tp') on rank 5 (group ranks [4, 5]): a peer did not arrive") and "(7 s)" in str(t)
+    c = _comm_error("psum", ac, 5, RuntimeError("Connection closed by peer"), "the collective")
+    assert type(c) is fd.CommError and "peer process probably exited" in str(c)
+
+
+def test_stateless_group_argument_errors() -> None:
+    with pytest.raises(fd.MeshError, match="rank 3 is outside 0..1"):
+        fd.StatelessGroup(None, 3, 2)
+    with pytest.raises(fd.MeshError, match="world_size must be a positive int"):
+        fd.StatelessGroup(None, 0, 0)
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=datetime.timedelta(seconds=5))
+    g = fd.StatelessGroup(store, 0, 2, timeout=0.3)
+    with pytest.raises(fd.CommError, match=r"dst=0 is not another member"):
+        g.send_obj(1, dst=0)
+    with pytest.raises(fd.CommError, match=r"src=2 is not a member"):
+        g.broadcast_obj(1, src=2)
+    with pytest.raises(fd.CollectiveTimeout, match=r"nothing from rank 1 within 0.3 s"):
+        g.recv_obj(src=1)
