@@ -257,7 +257,7 @@ def _opcheck_samples(name: str) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
     params = {
         "all_gather": {"dim": 1, "tiled": True}, "psum_scatter": {"dim": 1, "tiled": True},
         "all_to_all": {"split_dim": 1, "concat_dim": 0}, "ppermute": {"perm": (0, 1, 1, 0)},
-        "broadcast": {"src": 1}, "keep_src": {"src": 1},
+        "broadcast": {"src": 1}, "keep_src": {"src": 1}, "all_gather_invariant": {"dim": 1}, "local_chunk": {"dim": 1},
     }.get(name, {})
     if name == "select_extreme":
         out = x.reshape(2, 2, 2, 6).amax(1, keepdim=True).expand(2, 2, 2, 6).reshape(4, 2, 6)

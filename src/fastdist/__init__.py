@@ -15,13 +15,16 @@ tensor([[0., 1.],
         [2., 3.]])
 """
 
+from .checking import P, PartitionSpec, ReplicationError, spmd
 from .collectives import (
     all_gather,
+    all_gather_invariant,
     all_to_all,
     all_to_all_4d,
     axis_index,
     axis_size,
     broadcast,
+    local_chunk,
     pmax,
     pmean,
     pmin,
@@ -63,12 +66,17 @@ __all__ = [
     "AxisName",
     "DEFAULT_ORDER",
     "simulate",
+    "spmd",
+    "P",
+    "PartitionSpec",
     "psum",
     "pmean",
     "pmax",
     "pmin",
     "pvary",
     "all_gather",
+    "all_gather_invariant",
+    "local_chunk",
     "psum_scatter",
     "all_to_all",
     "all_to_all_4d",
@@ -95,4 +103,5 @@ __all__ = [
     "CommError",
     "CollectiveTimeout",
     "ConsistencyError",
+    "ReplicationError",
 ]

@@ -125,6 +125,10 @@ class Primitive:
         inputs: names of the tensor inputs.
         dim_params: parameters that are per-rank tensor dims (shifted when an
             outer vmap adds a data dimension in front).
+        replication: ``(accepted, output)`` replication states over the op's axes,
+            from ``V`` (varying), ``I`` (invariant), ``P`` (partial sum), e.g.
+            ``("VP", "I")`` for psum; ``None`` for internal ops. Read by the checked
+            mode of :func:`fastdist.spmd` (``fastdist.checking``).
     """
 
     def __init__(
@@ -139,12 +143,13 @@ class Primitive:
         inputs: Sequence[str] = ("x",),
         dim_params: Sequence[str] = (),
         saves: bool = False,
+        replication: tuple[str, str] | None = None,
     ) -> None:
         self.name = name
         self.param_names = tuple(p for p, _ in params)
         self.inputs = tuple(inputs)
         self.shape, self.stacked, self.distributed, self.backward = shape, stacked, distributed, backward
-        self.dim_params, self.saves = tuple(dim_params), saves
+        self.dim_params, self.saves, self.replication = tuple(dim_params), saves, replication
         args = ", ".join([*(f"Tensor {t}" for t in inputs), "int[] mesh_shape", "int[] axes", *(f"{ty} {p}" for p, ty in params)])
         for opname in (name, f"{name}_stacked"):
             _LIB.define(f"{opname}({args}) -> Tensor")  # type: ignore[no-untyped-call]

@@ -62,6 +62,8 @@ __all__ = [
     "pvary",
     "all_gather",
     "psum_scatter",
+    "all_gather_invariant",
+    "local_chunk",
     "all_to_all",
     "all_to_all_4d",
     "ppermute",
@@ -84,6 +86,13 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
     if mesh._comm is not None and not mesh._bindings:  # real ranks (simulate takes precedence)
         return x, Spec(shape, idx, comm=mesh._comm.axis(idx))
     return promote(op, x, rank_binding(op, mesh)), Spec(shape, idx)
+
+
+def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, **params: Any) -> Tensor:
+    """Run the primitive; under a replication check (``fastdist.spmd``) the tracker checks states first."""
+    if mesh._trackers:
+        return cast(Tensor, mesh._trackers[-1].collective(prim, mesh, x, spec, params))
+    return prim.bind(x, spec=spec, **params)
 
 
 def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
@@ -135,7 +144,7 @@ def _psum_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g,)
 
 
-psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, distributed=_psum_dist, backward=_psum_bwd)
+psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, distributed=_psum_dist, backward=_psum_bwd, replication=("VP", "I"))
 
 
 def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -151,7 +160,7 @@ def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """
     x, spec = _enter("psum", x, mesh, axis)
     _need_dtype("psum", axis, x, x.dtype != torch.bool, "bool", "cast to an integer dtype first (x.int())")
-    return psum_p.bind(x, spec=spec)
+    return _apply(psum_p, mesh, x, spec)
 
 
 # ====================================================================== pvary
@@ -167,7 +176,7 @@ def _pvary_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (o.psum(g, spec=spec),)
 
 
-pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, distributed=_pvary_dist, backward=_pvary_bwd)
+pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, distributed=_pvary_dist, backward=_pvary_bwd, replication=("I", "V"))
 
 
 def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -182,7 +191,7 @@ def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     each rank keeps only its own partial (the classic silent TP bug).
     """
     x, spec = _enter("pvary", x, mesh, axis)
-    return pvary_p.bind(x, spec=spec)
+    return _apply(pvary_p, mesh, x, spec)
 
 
 # ====================================================================== pmean
@@ -199,7 +208,7 @@ def _pmean_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g / spec.n,)
 
 
-pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, distributed=_pmean_dist, backward=_pmean_bwd)
+pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, distributed=_pmean_dist, backward=_pmean_bwd, replication=("VP", "I"))
 
 
 def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -210,7 +219,7 @@ def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """
     x, spec = _enter("pmean", x, mesh, axis)
     _need_dtype("pmean", axis, x, x.is_floating_point() or x.is_complex(), "a mean needs a floating or complex dtype", "cast with x.float(), or use psum")
-    return pmean_p.bind(x, spec=spec)
+    return _apply(pmean_p, mesh, x, spec)
 
 
 # ====================================================================== pmax / pmin and their subgradient
@@ -254,8 +263,8 @@ def _select_extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any,
     return (o.select_extreme(g, x, out, spec=spec), None, None)
 
 
-pmax_p = Primitive("pmax", shape=_same, stacked=_pmax_stacked, distributed=_pmax_dist, backward=_extreme_bwd, saves=True)
-pmin_p = Primitive("pmin", shape=_same, stacked=_pmin_stacked, distributed=_pmin_dist, backward=_extreme_bwd, saves=True)
+pmax_p = Primitive("pmax", shape=_same, stacked=_pmax_stacked, distributed=_pmax_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"))
+pmin_p = Primitive("pmin", shape=_same, stacked=_pmin_stacked, distributed=_pmin_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"))
 # Internal: g on the lowest-index rank whose x equals the reduced value, zero elsewhere (linear in g).
 select_extreme_p = Primitive(
     "select_extreme", inputs=("g", "x", "out"), shape=_same, stacked=_select_extreme_stacked, distributed=_select_extreme_dist,
@@ -266,7 +275,7 @@ select_extreme_p = Primitive(
 def _extreme(op: str, prim: Primitive, x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     x, spec = _enter(op, x, mesh, axis)
     _need_dtype(op, axis, x, not x.is_complex(), "complex numbers are not ordered", "reduce x.abs() or x.real")
-    return prim.bind(x, spec=spec)
+    return _apply(prim, mesh, x, spec)
 
 
 def pmax(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -311,7 +320,7 @@ def _all_gather_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tile
 
 all_gather_p = Primitive(
     "all_gather", params=(("dim", "int"), ("tiled", "bool")), shape=_all_gather_shape, stacked=_all_gather_stacked,
-    distributed=_all_gather_dist, backward=_all_gather_bwd, dim_params=("dim",),
+    distributed=_all_gather_dist, backward=_all_gather_bwd, dim_params=("dim",), replication=("V", "V"),
 )
 
 
@@ -332,7 +341,70 @@ def all_gather(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bo
     """
     x, spec = _enter("all_gather", x, mesh, axis)
     d = _norm_dim("all_gather", axis, "dim", dim, x.dim() if tiled else x.dim() + 1)
-    return all_gather_p.bind(x, spec=spec, dim=d, tiled=bool(tiled))
+    return _apply(all_gather_p, mesh, x, spec, dim=d, tiled=bool(tiled))
+
+
+# ====================================================================== all_gather_invariant / local_chunk
+def _all_gather_invariant_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
+    return (o.local_chunk(g, spec=spec, dim=dim),)
+
+
+def _local_chunk_shape(n: int, s: tuple[Any, ...], *, dim: int) -> tuple[Any, ...]:
+    return (*s[:dim], s[dim] // n, *s[dim + 1 :])
+
+
+def _local_chunk_stacked(spec: Spec, x: Tensor, *, dim: int) -> Tensor:
+    y = spec.to_groups(x).unflatten(dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, member, *s[:dim], chunk, s[dim] / n, ...]
+    y = y.movedim(dim + 2, 2).diagonal(dim1=1, dim2=2)  # [G, *s[:dim], s[dim] / n, ..., n]: member j's chunk j
+    return spec.from_groups(y.movedim(-1, 1))  # [G, n, ...]
+
+
+def _local_chunk_dist(c: AxisComm, x: Tensor, *, dim: int) -> Tensor:
+    return x.unflatten(dim, (c.n, -1)).select(dim, c.index).clone()  # type: ignore[no-untyped-call]  # my chunk, no communication
+
+
+def _local_chunk_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
+    return (o.all_gather_invariant(g, spec=spec, dim=dim),)
+
+
+def _gather_tiled(rule: Any) -> Any:
+    return lambda *a, dim, **kw: rule(*a, dim=dim, tiled=True, **kw)
+
+
+all_gather_invariant_p = Primitive(
+    "all_gather_invariant", params=(("dim", "int"),), shape=_gather_tiled(_all_gather_shape), stacked=_gather_tiled(_all_gather_stacked),
+    distributed=_gather_tiled(_all_gather_dist), backward=_all_gather_invariant_bwd, dim_params=("dim",), replication=("V", "I"),
+)
+local_chunk_p = Primitive(
+    "local_chunk", params=(("dim", "int"),), shape=_local_chunk_shape, stacked=_local_chunk_stacked, distributed=_local_chunk_dist,
+    backward=_local_chunk_bwd, dim_params=("dim",), replication=("I", "V"),
+)
+
+
+def all_gather_invariant(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (axis order), for a *replicated* consumer.
+
+    Same forward as ``all_gather(tiled=True)``; the result is declared invariant, so
+    its cotangent is taken to be the same on every rank. Gradient: each rank keeps its
+    own chunk of ``g`` (a local slice, no communication); see :func:`local_chunk`.
+    Use it when every rank computes the same loss from the gathered tensor.
+    """
+    x, spec = _enter("all_gather_invariant", x, mesh, axis)
+    d = _norm_dim("all_gather_invariant", axis, "dim", dim, x.dim())
+    return _apply(all_gather_invariant_p, mesh, x, spec, dim=d)
+
+
+def local_chunk(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) -> Tensor:
+    """This rank's chunk ``i`` (its index along ``axis``) of a replicated ``x``, split along ``dim``.
+
+    Shape: ``x.shape[dim]`` divided by the axis size. No communication. Gradient:
+    ``all_gather_invariant`` of ``g`` (every rank gets the whole gradient). JAX calls
+    this ``pscatter``; :func:`fastdist.spmd` uses it to shard its inputs.
+    """
+    x, spec = _enter("local_chunk", x, mesh, axis)
+    d = _norm_dim("local_chunk", axis, "dim", dim, x.dim())
+    _need_divisible("local_chunk", axis, x, d, spec.n, "use a dim whose size divides")
+    return _apply(local_chunk_p, mesh, x, spec, dim=d)
 
 
 # ====================================================================== psum_scatter
@@ -358,7 +430,7 @@ def _psum_scatter_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, ti
 
 psum_scatter_p = Primitive(
     "psum_scatter", params=(("dim", "int"), ("tiled", "bool")), shape=_psum_scatter_shape, stacked=_psum_scatter_stacked,
-    distributed=_psum_scatter_dist, backward=_psum_scatter_bwd, dim_params=("dim",),
+    distributed=_psum_scatter_dist, backward=_psum_scatter_bwd, dim_params=("dim",), replication=("VP", "V"),
 )
 
 
@@ -385,7 +457,7 @@ def psum_scatter(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: 
         raise CollectiveError(
             "psum_scatter", axis, f"tiled=False needs dim {d} of size {spec.n} (the axis size), got {x.shape[d]}", "use tiled=True to split the dim into n chunks"
         )
-    return psum_scatter_p.bind(x, spec=spec, dim=d, tiled=bool(tiled))
+    return _apply(psum_scatter_p, mesh, x, spec, dim=d, tiled=bool(tiled))
 
 
 # ====================================================================== all_to_all
@@ -416,7 +488,7 @@ def _all_to_all_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, split_dim: int
 
 all_to_all_p = Primitive(
     "all_to_all", params=(("split_dim", "int"), ("concat_dim", "int")), shape=_all_to_all_shape, stacked=_all_to_all_stacked,
-    distributed=_all_to_all_dist, backward=_all_to_all_bwd, dim_params=("split_dim", "concat_dim"),
+    distributed=_all_to_all_dist, backward=_all_to_all_bwd, dim_params=("split_dim", "concat_dim"), replication=("V", "V"),
 )
 
 
@@ -437,7 +509,7 @@ def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim
     s = _norm_dim("all_to_all", axis, "split_dim", split_dim, x.dim())
     c = _norm_dim("all_to_all", axis, "concat_dim", concat_dim, x.dim())
     _need_divisible("all_to_all", axis, x, s, spec.n, "use a split_dim whose size divides")
-    return all_to_all_p.bind(x, spec=spec, split_dim=s, concat_dim=c)
+    return _apply(all_to_all_p, mesh, x, spec, split_dim=s, concat_dim=c)
 
 
 def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
@@ -485,7 +557,8 @@ def _ppermute_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, perm: Sequence[i
 
 
 ppermute_p = Primitive(
-    "ppermute", params=(("perm", "int[]"),), shape=_same, stacked=_ppermute_stacked, distributed=_ppermute_dist, backward=_ppermute_bwd
+    "ppermute", params=(("perm", "int[]"),), shape=_same, stacked=_ppermute_stacked, distributed=_ppermute_dist, backward=_ppermute_bwd,
+    replication=("V", "V"),
 )
 
 
@@ -515,7 +588,7 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
         dup = sorted({v for v in vals if vals.count(v) > 1})
         if dup:
             raise CollectiveError("ppermute", axis, f"{role} {dup[0]} appears in more than one pair of perm={pairs}", f"give each {role} one pair")
-    return ppermute_p.bind(x, spec=spec, perm=tuple(v for p in pairs for v in p))
+    return _apply(ppermute_p, mesh, x, spec, perm=tuple(v for p in pairs for v in p))
 
 
 def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
@@ -555,7 +628,8 @@ def _keep_src_dist(c: AxisComm, x: Tensor, *, src: int) -> Tensor:
 
 
 broadcast_p = Primitive(
-    "broadcast", params=(("src", "int"),), shape=_same, stacked=_broadcast_stacked, distributed=_broadcast_dist, backward=_broadcast_bwd
+    "broadcast", params=(("src", "int"),), shape=_same, stacked=_broadcast_stacked, distributed=_broadcast_dist, backward=_broadcast_bwd,
+    replication=("V", "I"),
 )
 # Internal: keep x on member src, zero elsewhere (self-adjoint: its backward is itself).
 keep_src_p = Primitive(
@@ -575,7 +649,7 @@ def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
     tensor([3., 3., 3.])
     """
     x, spec = _enter("broadcast", x, mesh, axis)
-    return broadcast_p.bind(x, spec=spec, src=_index("broadcast", axis, "src", src, spec.n))
+    return _apply(broadcast_p, mesh, x, spec, src=_index("broadcast", axis, "src", src, spec.n))
 
 
 # ====================================================================== axis_index / axis_size
@@ -594,11 +668,13 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
         raise CollectiveError("axis_index", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
     idx = mesh.axis_indices(axis, "fastdist.axis_index")
     if mesh._comm is not None and not mesh._bindings:
-        return torch.tensor(mesh._comm.axis(idx).index)
-    binding = rank_binding("axis_index", mesh)
-    if binding is None:
-        return torch.zeros((), dtype=torch.long)
-    return cast(Tensor, mesh._index_of(binding.rank, idx))
+        index = torch.tensor(mesh._comm.axis(idx).index)
+    else:
+        binding = rank_binding("axis_index", mesh)
+        index = torch.zeros((), dtype=torch.long) if binding is None else cast(Tensor, mesh._index_of(binding.rank, idx))
+    if mesh._trackers:
+        mesh._trackers[-1].mark_varying(index, [mesh.axis_names[i] for i in idx])
+    return index
 
 
 def axis_size(mesh: Mesh, axis: AxisName) -> int:

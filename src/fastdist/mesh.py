@@ -57,7 +57,7 @@ class Mesh:
     :func:`fastdist.simulate`.
     """
 
-    __slots__ = ("_names", "_sizes", "_strides", "_bindings", "_comm")
+    __slots__ = ("_names", "_sizes", "_strides", "_bindings", "_comm", "_trackers")
 
     def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]]) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
@@ -84,6 +84,8 @@ class Mesh:
         self._bindings: list[Any] = []
         # Process groups when the mesh runs on real ranks (Mesh.from_torch); None otherwise.
         self._comm: Any = None
+        # Replication checkers of running fastdist.spmd calls over this mesh (see checking.py).
+        self._trackers: list[Any] = []
 
     # ------------------------------------------------------------------ constructors
     @classmethod
