@@ -439,13 +439,13 @@ def spmd(
     if mode is not None and mode not in ("insert", "error"):
         raise MeshError(f"spmd: check must be 'insert', 'error', True or False, got {check!r}")
     single_out = isinstance(out_specs, PartitionSpec)
-    outs = [out_specs] if single_out else list(cast(Sequence[PartitionSpec], out_specs))
+    outs: list[PartitionSpec] = [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
     for i, s in enumerate(outs):
         _check_spec(f"out_specs[{i}]", mesh, s, None)
 
     def per_rank(*args: Any) -> Any:
         local = []
-        states = []
+        states: list[Rep | None] = []
         for i, (a, s) in enumerate(zip(args, in_specs)):
             if isinstance(a, Tensor):
                 s = cast(PartitionSpec, s)

@@ -360,7 +360,8 @@ def _local_chunk_stacked(spec: Spec, x: Tensor, *, dim: int) -> Tensor:
 
 
 def _local_chunk_dist(c: AxisComm, x: Tensor, *, dim: int) -> Tensor:
-    return x.unflatten(dim, (c.n, -1)).select(dim, c.index).clone()  # type: ignore[no-untyped-call]  # my chunk, no communication
+    mine: Tensor = x.unflatten(dim, (c.n, -1)).select(dim, c.index)  # type: ignore[no-untyped-call]  # my chunk, no communication
+    return mine.clone()
 
 
 def _local_chunk_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
