@@ -169,6 +169,34 @@ def compiled(rank: int, world: int) -> str:
     return "ok"
 
 
+@scenario
+def spmd_checked(rank: int, world: int) -> str:
+    """spmd on real ranks with the checked mode: a dp x tp MLP with no pvary, global in, global out."""
+    mesh = fd.Mesh.from_torch(tp=2)
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(4, 3, dtype=torch.float64, generator=g)
+
+    def local(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp")
+
+    f = fd.spmd(local, mesh, in_specs=(fd.P("dp", None), fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P("dp", None), check="insert")
+    ls = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    out = f(*ls)
+    out.sin().sum().backward()  # every process: the same global loss
+    ref = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    want = torch.tanh(ref[0] @ ref[1]) @ ref[2]
+    want.sin().sum().backward()
+    close(out, want.detach(), "spmd output")
+    for a, b in zip(ls, ref):
+        close(a.grad, b.grad, "spmd grad")
+    try:
+        fd.spmd(local, mesh, in_specs=(fd.P("dp", None), fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P("dp", None), check="error")(*ls)
+    except fd.ReplicationError as e:
+        assert "torch matmul" in str(e)
+        return "ok"
+    return "no error in error mode"
+
+
 # ============================================================================ meshes side by side, DeviceMesh
 @scenario
 def two_meshes(rank: int, world: int) -> str:

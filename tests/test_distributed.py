@@ -31,6 +31,10 @@ def test_compiled_step_on_gloo_equals_eager() -> None:
     assert expect_ok(run_world("compiled", 2)) == ["ok"] * 2
 
 
+def test_spmd_checked_mode_on_gloo() -> None:
+    assert expect_ok(run_world("spmd_checked", 4)) == ["ok"] * 4
+
+
 def test_two_meshes_in_one_process() -> None:
     assert expect_ok(run_world("two_meshes", 4)) == ["ok"] * 4
 

@@ -15,7 +15,7 @@ tensor([[0., 1.],
         [2., 3.]])
 """
 
-from .checking import P, PartitionSpec, ReplicationError, spmd
+from .checking import P, PartitionSpec, ReplicationError, as_partial, spmd
 from .collectives import (
     all_gather,
     all_gather_invariant,
@@ -69,6 +69,7 @@ __all__ = [
     "spmd",
     "P",
     "PartitionSpec",
+    "as_partial",
     "psum",
     "pmean",
     "pmax",

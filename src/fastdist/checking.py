@@ -39,9 +39,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .errors import FastdistError, MeshError
-from .mesh import Mesh
+from .mesh import AxisName, Mesh
 
-__all__ = ["Rep", "RepTracker", "ReplicationError", "PartitionSpec", "P", "spmd", "CheckMode"]
+__all__ = ["Rep", "RepTracker", "ReplicationError", "PartitionSpec", "P", "spmd", "as_partial", "CheckMode"]
 
 CheckMode = Literal["insert", "error"]
 R = TypeVar("R")
@@ -292,6 +292,40 @@ def tracking(tracker: RepTracker) -> Iterator[None]:
             yield
     finally:
         tracker.mesh._trackers.remove(tracker)
+
+
+def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """Declare that ``x`` is this rank's addend of a sum over ``axis`` (replication state partial).
+
+    Forward and backward are the identity; only the checked mode of :func:`spmd` sees
+    it, and then keeps the value out of anything but linear ops until a ``psum``:
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> def row_parallel(x, w, b):
+    ...     y = fd.as_partial(x @ w, mesh, "tp")   # each rank: a partial product
+    ...     return fd.psum(y, mesh, "tp") + b      # bias after the sum (y + b would raise)
+    >>> f = fd.spmd(row_parallel, mesh, in_specs=(fd.P(None, "tp"), fd.P("tp", None), fd.P()), out_specs=fd.P())
+    >>> x, w, b = torch.ones(2, 4), torch.ones(4, 3), torch.ones(3)
+    >>> bool(torch.equal(f(x, w, b), x @ w + b))
+    True
+    """
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    mesh.axis_indices(names, "fastdist.as_partial")
+    if not mesh._trackers:
+        return x
+    tracker = mesh._trackers[-1]
+    rep = tracker.get(x)
+    for a in names:
+        if rep.state(a) == "I":
+            raise ReplicationError(
+                "as_partial", _label(names), f"the value is invariant over {a!r}; as a partial sum every rank's copy would be added",
+                "declare partial only what each rank computed from its own shard",
+            )
+    with tracker.suspended():
+        out = x.view_as(x)
+    tracker.set(out, Rep(rep.varying - set(names), rep.partial | set(names)))
+    return out
 
 
 # ============================================================================ specs and spmd

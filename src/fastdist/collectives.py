@@ -85,7 +85,14 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
     shape = tuple(mesh.shape.values())
     if mesh._comm is not None and not mesh._bindings:  # real ranks (simulate takes precedence)
         return x, Spec(shape, idx, comm=mesh._comm.axis(idx))
-    return promote(op, x, rank_binding(op, mesh)), Spec(shape, idx)
+    binding = rank_binding(op, mesh)
+    if not mesh._trackers:
+        return promote(op, x, binding), Spec(shape, idx)
+    tracker = mesh._trackers[-1]  # fastdist's own plumbing is not user code: keep the state, unobserved
+    with tracker.suspended():
+        y = promote(op, x, binding)
+    tracker.set(y, tracker.get(x))
+    return y, Spec(shape, idx)
 
 
 def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, **params: Any) -> Tensor:
