@@ -300,3 +300,23 @@ def test_inplace_op_mixing_states_is_refused() -> None:
 def test_spec_errors(make: Any, args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(fd.MeshError, match=match):
         make()(*args)
+
+
+def test_compiled_unchecked_spmd_equals_checked_eager() -> None:
+    """Check once eagerly with check='error', write the pvarys it asks for; the compiled program is the same."""
+    torch._dynamo.reset()
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+
+    def local(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        h = torch.tanh(fd.pvary(x, mesh, "tp") @ fd.pvary(w1, mesh, "dp"))
+        return fd.ring_shift(fd.psum(h @ fd.pvary(w2, mesh, "dp"), mesh, "tp"), mesh, "dp")
+
+    specs = {"in_specs": (P("dp", None), P(None, "tp"), P("tp", None)), "out_specs": P("dp", None)}
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(4, 3, dtype=F64, generator=g), torch.randn(3, 4, dtype=F64, generator=g), torch.randn(4, 3, dtype=F64, generator=g)]
+    c = torch.randn(4, 3, dtype=F64, generator=g)
+    out_a, grads_a = grads_of(fd.spmd(local, mesh, **specs, check="error"), ts, c)
+    out_b, grads_b = grads_of(torch.compile(fd.spmd(local, mesh, **specs, check=False), fullgraph=True), ts, c)
+    torch.testing.assert_close(out_b, out_a)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a)

@@ -606,7 +606,7 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
     """
     if not isinstance(mesh, Mesh):
         raise CollectiveError("ring_shift", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
-    n = math.prod(mesh.shape[mesh.axis_names[i]] for i in mesh.axis_indices(axis, "fastdist.ring_shift"))
+    n = math.prod([mesh.shape[mesh.axis_names[i]] for i in mesh.axis_indices(axis, "fastdist.ring_shift")])
     if isinstance(shift, bool) or not isinstance(shift, int):
         raise CollectiveError("ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1")
     return ppermute(x, mesh, axis, [(i, (i + shift) % n) for i in range(n)])

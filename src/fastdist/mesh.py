@@ -266,7 +266,7 @@ class Mesh:
 
     def axis_size(self, axis: AxisName) -> int:
         """Size of ``axis`` (product of the sizes for a tuple of axes)."""
-        return math.prod(self._sizes[i] for i in self.axis_indices(axis, "Mesh.axis_size"))
+        return math.prod([self._sizes[i] for i in self.axis_indices(axis, "Mesh.axis_size")])
 
     # ------------------------------------------------------------------ ranks and coordinates
     def _check_rank(self, rank: int, op: str) -> None:
