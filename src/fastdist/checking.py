@@ -490,16 +490,7 @@ def spmd(
             else:
                 states.append(None)
             local.append(a)
-        if mode is None:
-            result = fn(*local)
-        else:
-            tracker = RepTracker(mesh, mode, simulated=simulated)
-            with tracking(tracker):
-                for t, st in zip(local, states):
-                    if st is not None:
-                        tracker.set(t, st)
-                result = fn(*local)
-            _check_outputs(tracker, result, outs, single_out)
+        result = checked_call(fn, mesh, mode, local, states, outs, single_out, simulated=simulated)
         return _join(result, outs, single_out)
 
     def _local_chunk(t: Tensor, axes: tuple[str, ...], dim: int) -> Tensor:
@@ -540,6 +531,27 @@ def spmd(
         return cast(R, pytree.tree_map(lambda o: _FirstReplica.apply(o) if isinstance(o, Tensor) else o, out))  # type: ignore[no-untyped-call]
 
     return run
+
+
+def checked_call(
+    fn: Callable[..., Any], mesh: Mesh, mode: CheckMode | None, args: Sequence[Any], states: Sequence[Rep | None],
+    out_specs: list[PartitionSpec], single_out: bool, *, simulated: bool,
+) -> Any:
+    """Run per-rank ``fn`` on local ``args`` whose replication ``states`` are known; check its outputs.
+
+    The core of :func:`spmd`, without the sharding and joining (``fastdist.testing`` uses it
+    to compare every rank's gradients).
+    """
+    if mode is None:
+        return fn(*args)
+    tracker = RepTracker(mesh, mode, simulated=simulated)
+    with tracking(tracker):
+        for t, st in zip(args, states):
+            if st is not None:
+                tracker.set(t, st)
+        result = fn(*args)
+    _check_outputs(tracker, result, out_specs, single_out)
+    return result
 
 
 def _check_outputs(tracker: RepTracker, result: Any, specs: list[PartitionSpec], single: bool) -> None:
