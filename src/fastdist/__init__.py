@@ -58,6 +58,7 @@ from .errors import (
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
 from .simulate import simulate
 from .stateless import StatelessGroup
+from .visual import show_ranks, show_sharding
 
 __version__ = "0.1.0"
 
@@ -97,6 +98,8 @@ __all__ = [
     "recv",
     "barrier",
     "StatelessGroup",
+    "show_ranks",
+    "show_sharding",
     "FastdistError",
     "MeshError",
     "CollectiveError",

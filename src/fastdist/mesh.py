@@ -338,6 +338,18 @@ class Mesh:
         """
         return Mesh([(self._names[i], self._sizes[i]) for i in self.axis_indices(axis, "Mesh.submesh")])
 
+    # ------------------------------------------------------------------ display
+    def show(self, axis: AxisName | None = None) -> Any:
+        """The rank grid (last axis as columns); with ``axis``, its groups lettered (coloured in Jupyter)."""
+        from .visual import MeshView
+
+        return MeshView(self, axis)
+
+    def _repr_html_(self) -> str:
+        from .visual import MeshView
+
+        return MeshView(self)._repr_html_()
+
     # ------------------------------------------------------------------ value semantics
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mesh) and (self._names, self._sizes) == (other._names, other._sizes)

@@ -1,0 +1,52 @@
+"""Mesh, sharding and per-rank views: text tables and Jupyter HTML."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import fastdist as fd
+from fastdist.testing import shard_for_rank
+
+
+def test_mesh_text_grid_letters_the_groups() -> None:
+    text = str(fd.Mesh({"dp": 2, "tp": 3}).show("dp"))
+    assert text.splitlines() == [
+        "Mesh({'dp': 2, 'tp': 3}): 6 ranks; groups along 'dp' are lettered",
+        "        tp=0  tp=1  tp=2",
+        "  dp=0   0 A   1 B   2 C",
+        "  dp=1   3 A   4 B   5 C",
+    ]
+
+
+def test_mesh_html_colours_each_group_and_lists_every_rank() -> None:
+    mesh = fd.Mesh({"dp": 2, "sp": 2, "tp": 2})
+    page = mesh.show("tp")._repr_html_()
+    cells = re.findall(r"<td style='([^']*)'>(\d+)<sub>([A-Z])</sub></td>", page)
+    assert sorted(int(r) for _, r, _ in cells) == list(range(8))
+    by_group: dict[str, set[str]] = {}
+    for style, rank, letter in cells:
+        by_group.setdefault(letter, set()).add(style)
+        assert mesh.groups("tp")["ABCD".index(letter)].count(int(rank)) == 1
+    assert all(len(styles) == 1 for styles in by_group.values()) and len({s for v in by_group.values() for s in v}) == 4
+    assert "<table" in mesh._repr_html_() and "<sub>" not in mesh._repr_html_()
+
+
+def test_sharding_view_blocks_match_the_shards() -> None:
+    mesh, spec = fd.Mesh({"dp": 2, "tp": 2}), fd.P(("tp", "dp"), None)
+    x = torch.arange(24.0).reshape(8, 3)
+    view = fd.show_sharding(x, spec, mesh)
+    for rank, _, block, local in view.rows():
+        start, stop = (int(v) for v in block[1:].split(",")[0].split(":"))
+        assert torch.equal(x[start:stop], shard_for_rank(x, spec, mesh, rank)) and local == (2, 3)
+    assert "block" in str(view) and "<table>" in view._repr_html_()
+
+
+def test_show_ranks_side_by_side_and_errors() -> None:
+    mesh = fd.Mesh({"tp": 2})
+    out = fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(torch.tensor([[1.0], [2.0]]))
+    assert str(fd.show_ranks(out, mesh)).splitlines()[1:] == ["   0    tp=0  [1.0, 2.0]", "   1    tp=1  [1.0, 2.0]"]
+    with pytest.raises(ValueError, match=r"leading rank dimension of 2, got shape \(3,\)"):
+        fd.show_ranks(torch.zeros(3), mesh)
