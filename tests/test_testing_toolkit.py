@@ -84,6 +84,22 @@ def gloo_fail() -> None:
     raise ValueError("boom on purpose")
 
 
+def gloo_same_test() -> str:
+    """The body of test_assert_matches_single_device_passes_for_correct_code, on a real mesh."""
+    mesh = fd.Mesh.from_torch(tp=2)
+    assert_matches_single_device(_mlp(mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, mesh, _inputs(), **SPECS)
+    try:
+        assert_matches_single_device(_mlp(mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, mesh, _inputs(), check=False, **SPECS)
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+    return "not caught"
+
+
+def test_the_same_check_runs_on_gloo_processes() -> None:
+    firsts = run_on_gloo(gloo_same_test, 4)
+    assert [f.startswith(f"gradient of input 0 on rank {r} ") for r, f in enumerate(firsts)] == [True] * 4
+
+
 def test_run_on_gloo_returns_every_rank_result() -> None:
     assert run_on_gloo(gloo_psum, 2, 10.0) == [[10.0], [10.0]]
 

@@ -50,3 +50,17 @@ def test_show_ranks_side_by_side_and_errors() -> None:
     assert str(fd.show_ranks(out, mesh)).splitlines()[1:] == ["   0    tp=0  [1.0, 2.0]", "   1    tp=1  [1.0, 2.0]"]
     with pytest.raises(ValueError, match=r"leading rank dimension of 2, got shape \(3,\)"):
         fd.show_ranks(torch.zeros(3), mesh)
+
+
+def test_plot_ranks_draws_one_bar_or_line_per_rank(tmp_path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    ax = fd.plot_ranks(fd.simulate(lambda x: fd.psum(x, mesh, "tp"), mesh)(torch.arange(4.0)), mesh, "tp")
+    assert [round(p.get_height()) for p in ax.patches] == [1, 1, 5, 5]
+    assert ax.patches[0].get_facecolor() == ax.patches[1].get_facecolor() != ax.patches[2].get_facecolor()
+    ax2 = fd.plot_ranks(torch.arange(12.0).reshape(4, 3), mesh)
+    assert len(ax2.lines) == 4 and list(ax2.lines[3].get_ydata()) == [9.0, 10.0, 11.0]
+    ax.figure.savefig(tmp_path / "ranks.png")
+    assert (tmp_path / "ranks.png").stat().st_size > 1000

@@ -58,7 +58,7 @@ from .errors import (
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
 from .simulate import simulate
 from .stateless import StatelessGroup
-from .visual import show_ranks, show_sharding
+from .visual import plot_ranks, show_ranks, show_sharding
 
 __version__ = "0.1.0"
 
@@ -99,6 +99,7 @@ __all__ = [
     "barrier",
     "StatelessGroup",
     "show_ranks",
+    "plot_ranks",
     "show_sharding",
     "FastdistError",
     "MeshError",

@@ -117,12 +117,16 @@ def assert_matches_single_device(
     atol: float | None = None,
     seed: int = 0,
 ) -> None:
-    """Check per-rank ``parallel_fn`` against ``reference_fn`` on every simulated rank.
+    """Check per-rank ``parallel_fn`` against ``reference_fn`` on every rank.
 
     Each rank gets its block of every global input (by ``in_specs``); its output must equal
     its block of the reference output (by ``out_specs``), and, with a random cotangent, its
     gradient for every floating-point input must equal its block of the reference gradient.
     ``check`` is the replication checked mode (as in :func:`fastdist.spmd`).
+
+    On a simulated mesh every rank is checked at once. On a mesh from
+    ``Mesh.from_torch`` each process checks its own rank, so the same test body runs on
+    gloo processes through :func:`run_on_gloo`.
     Raises ``AssertionError`` naming the rank and the input on a mismatch.
     """
     if len(in_specs) != len(inputs):
@@ -132,22 +136,30 @@ def assert_matches_single_device(
     c = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed), dtype=ref_out.dtype)
     (ref_out * c).sum().backward()  # type: ignore[no-untyped-call]
 
-    W = mesh.size
-    local = [torch.stack([shard_for_rank(t.detach(), s, mesh, r) for r in range(W)]).requires_grad_(t.is_floating_point()) for t, s in zip(inputs, in_specs)]
-    local_c = torch.stack([shard_for_rank(c, out_specs, mesh, r) for r in range(W)])
     states = [Rep(frozenset(s.sharded_axes)) for s in in_specs]
     mode: CheckMode | None = "insert" if check is True else None if check is False else check
-    out = simulate(lambda *a: checked_call(parallel_fn, mesh, mode, a, states, [out_specs], True, simulated=True), mesh)(*local)
-    (out * local_c).sum().backward()  # every rank's backward of its own loss
-    for r in range(W):
+    if mesh._comm is not None:  # real ranks: this process checks its own rank
+        ranks = [mesh.rank]
+        local = [shard_for_rank(t.detach(), s, mesh, mesh.rank).clone().requires_grad_(t.is_floating_point()) for t, s in zip(inputs, in_specs)]
+        out = checked_call(parallel_fn, mesh, mode, local, states, [out_specs], True, simulated=False)
+        (out * shard_for_rank(c, out_specs, mesh, mesh.rank)).sum().backward()
+        outs, grads = [out.detach()], [[t.grad] for t in local]
+    else:  # simulated: every rank at once
+        ranks = list(range(mesh.size))
+        local = [torch.stack([shard_for_rank(t.detach(), s, mesh, r) for r in ranks]).requires_grad_(t.is_floating_point()) for t, s in zip(inputs, in_specs)]
+        local_c = torch.stack([shard_for_rank(c, out_specs, mesh, r) for r in ranks])
+        stacked = simulate(lambda *a: checked_call(parallel_fn, mesh, mode, a, states, [out_specs], True, simulated=True), mesh)(*local)
+        (stacked * local_c).sum().backward()  # every rank's backward of its own loss
+        outs = list(stacked.detach())
+        grads = [list(t.grad) if t.grad is not None else [None] * len(ranks) for t in local]
+    for j, r in enumerate(ranks):
         where = f"rank {r} {mesh.coords(r)}"
-        torch.testing.assert_close(out[r].detach(), shard_for_rank(ref_out.detach(), out_specs, mesh, r), rtol=rtol, atol=atol, msg=lambda m: f"output on {where}: {m}")
-        for i, (lt, rt) in enumerate(zip(local, ref_in)):
+        torch.testing.assert_close(outs[j], shard_for_rank(ref_out.detach(), out_specs, mesh, r), rtol=rtol, atol=atol, msg=lambda m: f"output on {where}: {m}")
+        for i, rt in enumerate(ref_in):
             if rt.grad is not None:
-                assert lt.grad is not None, f"input {i} on {where}: no gradient reached it"
-                torch.testing.assert_close(
-                    lt.grad[r], shard_for_rank(rt.grad, in_specs[i], mesh, r), rtol=rtol, atol=atol, msg=lambda m: f"gradient of input {i} on {where}: {m}"
-                )
+                got = grads[i][j]
+                assert got is not None, f"input {i} on {where}: no gradient reached it"
+                torch.testing.assert_close(got, shard_for_rank(rt.grad, in_specs[i], mesh, r), rtol=rtol, atol=atol, msg=lambda m: f"gradient of input {i} on {where}: {m}")
 
 
 # ============================================================================ real gloo processes

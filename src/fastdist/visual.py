@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .mesh import AxisName, Mesh
 
-__all__ = ["MeshView", "ShardingView", "RanksView", "show_sharding", "show_ranks"]
+__all__ = ["MeshView", "ShardingView", "RanksView", "show_sharding", "show_ranks", "plot_ranks"]
 
 _COLOURS = ["#cfe8fc", "#fde2c8", "#d5f5d5", "#f9d0e0", "#e6dcfa", "#fff3b0", "#d0f0f0", "#f0d8c0"]
 
@@ -183,3 +183,33 @@ def show_ranks(x: Tensor, mesh: Mesh, precision: int = 3) -> RanksView:
     """
     return RanksView(x, mesh, precision)
 
+
+
+def plot_ranks(x: Tensor, mesh: Mesh, axis: AxisName | None = None, *, ax: Any = None, title: str | None = None) -> Any:
+    """Plot each rank's slice of a stacked ``[world, ...]`` tensor (needs matplotlib).
+
+    A scalar per rank is a bar per rank; a vector per rank is a line per rank. With ``axis``,
+    ranks in the same group along it share a colour. Returns the matplotlib ``Axes``.
+    """
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("fastdist.plot_ranks needs matplotlib. Fix: pip install matplotlib") from e
+    values = RanksView(x, mesh).x.double().reshape(mesh.size, -1)
+    group_of = {r: g for g, ranks in enumerate(mesh.groups(axis)) for r in ranks} if axis is not None else {r: r for r in range(mesh.size)}
+    cmap = plt.get_cmap("tab10")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.2))
+    labels = [" ".join(f"{a}={v}" for a, v in mesh.coords(r).items()) for r in range(mesh.size)]
+    if values.shape[1] == 1:
+        ax.bar(range(mesh.size), values[:, 0].tolist(), color=[cmap(group_of[r] % 10) for r in range(mesh.size)])
+        ax.set_xticks(range(mesh.size), [f"{r}\n{labels[r]}" for r in range(mesh.size)], fontsize=7)
+        ax.set_xlabel("rank")
+    else:
+        for r in range(mesh.size):
+            ax.plot(values[r].tolist(), color=cmap(group_of[r] % 10), label=f"rank {r} ({labels[r]})", marker="o", markersize=3)
+        ax.set_xlabel("element")
+        ax.legend(fontsize=7, ncol=2)
+    ax.set_ylabel("value")
+    ax.set_title(title or (f"per-rank values on {mesh!r}" + (f", coloured by group along {axis!r}" if axis is not None else "")), fontsize=9)
+    return ax
