@@ -251,24 +251,41 @@ def test_randomness_different_per_rank() -> None:
 
 
 # ============================================================================ opcheck
-def _opcheck_samples(name: str) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+def _opcheck_samples(name: str, one_rank: bool) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    """Sample inputs: stacked over mesh (dp=2, tp=2) collecting over tp, or one rank's (mesh of 1)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 2, 6, dtype=torch.float64, generator=gen)  # [world=4, 2, 6]
     params = {
         "all_gather": {"dim": 1, "tiled": True}, "psum_scatter": {"dim": 1, "tiled": True},
         "all_to_all": {"split_dim": 1, "concat_dim": 0}, "ppermute": {"perm": (0, 1, 1, 0)},
         "broadcast": {"src": 1}, "keep_src": {"src": 1}, "all_gather_invariant": {"dim": 1}, "local_chunk": {"dim": 1},
+        "all_gather_v": {"sizes": (1, 2), "accumulate_fp32": False}, "reduce_scatter_v": {"sizes": (1, 1), "capacity": 2},
+        "gather_v": {"sizes": (1, 2), "dst": 1, "capacity": 3}, "scatter_v": {"sizes": (1, 1), "src": 0, "capacity": 1},
+        "ragged_all_to_all": {"capacity": 3},
     }.get(name, {})
+    one = {
+        "broadcast": {"src": 0}, "keep_src": {"src": 0}, "ppermute": {"perm": (0, 0)}, "all_gather_v": {"sizes": (2,), "accumulate_fp32": False},
+        "reduce_scatter_v": {"sizes": (2,), "capacity": 2}, "gather_v": {"sizes": (2,), "dst": 0, "capacity": 2},
+        "scatter_v": {"sizes": (2,), "src": 0, "capacity": 2}, "ragged_all_to_all": {"capacity": 2},
+    }
+    if one_rank:
+        params = one.get(name, params)
     if name == "select_extreme":
         out = x.reshape(2, 2, 2, 6).amax(1, keepdim=True).expand(2, 2, 2, 6).reshape(4, 2, 6)
-        return (torch.randn(4, 2, 6, dtype=torch.float64, generator=gen), x, out.contiguous()), params
-    return (x,), params
+        tensors: tuple[Tensor, ...] = (torch.randn(4, 2, 6, dtype=torch.float64, generator=gen), x, out.contiguous())
+    elif name == "ragged_all_to_all":  # sender rows per receiver; recv is the transpose within each tp group
+        send = torch.tensor([[1, 1], [0, 2], [2, 0], [1, 1]]) if not one_rank else torch.tensor([[2]] * 4)
+        recv = torch.tensor([[1, 0], [1, 2], [2, 1], [0, 1]]) if not one_rank else torch.tensor([[2]] * 4)
+        tensors = (x, send, recv)
+    else:
+        tensors = (x,)
+    return tensors, params
 
 
 @pytest.mark.parametrize("name", sorted(PRIMITIVES))
 def test_opcheck_stacked_op(name: str) -> None:
     prim = PRIMITIVES[name]
-    tensors, params = _opcheck_samples(name)
+    tensors, params = _opcheck_samples(name, one_rank=False)
     spec = Spec((2, 2), (1,))  # mesh (dp=2, tp=2), collective over tp
     args = (*(t.clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
     torch.library.opcheck(prim.stacked_op, args)
@@ -277,8 +294,16 @@ def test_opcheck_stacked_op(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(PRIMITIVES))
 def test_opcheck_per_rank_op_on_one_rank(name: str) -> None:
     prim = PRIMITIVES[name]
-    tensors, params = _opcheck_samples(name)
-    params = {k: (0 if k in ("src",) else (0, 0) if k == "perm" else v) for k, v in params.items()}
+    tensors, params = _opcheck_samples(name, one_rank=True)
     spec = Spec((1,), (0,))
     args = (*(t[0].clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
     torch.library.opcheck(prim.per_rank_op, args)
+
+
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "ppermute", "broadcast"])
+def test_empty_tensors(op: str) -> None:
+    """Zero-element per-rank tensors pass through every collective (found by the v-op property test)."""
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    kw = {"perm": [(0, 1)]} if op == "ppermute" else {}
+    out = run(op, torch.zeros(4, 0, 3), mesh, "tp", **kw)
+    assert out.numel() == 0 and out.shape[0] == 4

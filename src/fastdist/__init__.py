@@ -58,6 +58,7 @@ from .errors import (
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
 from .simulate import simulate
 from .stateless import StatelessGroup
+from .uneven import all_gather_v, exchange_sizes, gather_v, indexed_all_to_all_v, ragged_all_to_all, reduce_scatter_v, scatter_v
 from .visual import plot_ranks, show_ranks, show_sharding
 
 __version__ = "0.1.0"
@@ -82,6 +83,13 @@ __all__ = [
     "psum_scatter",
     "all_to_all",
     "all_to_all_4d",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "gather_v",
+    "scatter_v",
+    "ragged_all_to_all",
+    "indexed_all_to_all_v",
+    "exchange_sizes",
     "ppermute",
     "ring_shift",
     "broadcast",

@@ -81,7 +81,7 @@ class Spec:
         m = len(self.mesh_shape)
         y = xs.reshape(*self.mesh_shape, *s)  # [*mesh_shape, *s]
         y = y.permute(*self._others, *self.axes, *range(m, m + len(s)))  # [*other axes, *group axes, *s]
-        return y.reshape(-1, self.n, *s)  # [G, n, *s]
+        return y.reshape(self.world // self.n, self.n, *s)  # [G, n, *s] (explicit G: -1 is ambiguous for empty tensors)
 
     def from_groups(self, y: Tensor) -> Tensor:
         """Inverse of :meth:`to_groups`: ``[G, n, *s] -> [world, *s]`` (contiguous)."""
@@ -310,6 +310,10 @@ class _Ops:
 
     def __init__(self, stacked: bool) -> None:
         self._stacked = stacked
+
+    def local_shape(self, t: Tensor) -> tuple[int, ...]:
+        """One rank's shape of ``t`` (stacked tensors carry the rank dim first)."""
+        return tuple(t.shape[1:] if self._stacked else t.shape)
 
     def __getattr__(self, name: str) -> Callable[..., Tensor]:
         prim = PRIMITIVES.get(name)

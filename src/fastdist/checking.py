@@ -159,11 +159,11 @@ class RepTracker:
             )
 
     # --------------------------------------------------------------- collectives
-    def collective(self, prim: Any, mesh: Mesh, x: Tensor, spec: Any, params: dict[str, Any]) -> Tensor:
+    def collective(self, prim: Any, mesh: Mesh, x: Tensor, spec: Any, params: dict[str, Any], extra: Sequence[Tensor] = ()) -> Tensor:
         names = [mesh.axis_names[i] for i in spec.axes]
         if prim.replication is None:
             with self.suspended():
-                return cast(Tensor, prim.bind(x, spec=spec, **params))
+                return cast(Tensor, prim.bind(x, *extra, spec=spec, **params))
         accepted, produced = prim.replication
         rep = self.get(x)
         label = _label(names)
@@ -186,7 +186,7 @@ class RepTracker:
             x = self._pvary(x, to_vary)
             rep = self.get(x)
         with self.suspended():
-            out = cast(Tensor, prim.bind(x, spec=spec, **params))
+            out = cast(Tensor, prim.bind(x, *extra, spec=spec, **params))
         axes = set(names)
         self.set(out, Rep((rep.varying - axes) | (axes if produced == "V" else set()), (rep.partial - axes) | (axes if produced == "P" else set())))
         return out

@@ -95,11 +95,14 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
     return y, Spec(shape, idx)
 
 
-def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, **params: Any) -> Tensor:
-    """Run the primitive; under a replication check (``fastdist.spmd``) the tracker checks states first."""
+def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, *extra: Tensor, **params: Any) -> Tensor:
+    """Run the primitive on ``x`` (and extra tensor inputs such as sizes).
+
+    Under a replication check (``fastdist.spmd``) the tracker checks ``x``'s state first.
+    """
     if mesh._trackers:
-        return cast(Tensor, mesh._trackers[-1].collective(prim, mesh, x, spec, params))
-    return prim.bind(x, spec=spec, **params)
+        return cast(Tensor, mesh._trackers[-1].collective(prim, mesh, x, spec, params, extra))
+    return prim.bind(x, *extra, spec=spec, **params)
 
 
 def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:

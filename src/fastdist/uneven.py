@@ -1,0 +1,439 @@
+"""Uneven and ragged collectives: one block per primitive, as in ``collectives.py``.
+
+Two kinds of sizes, for two situations:
+
+* **Static sizes** (``all_gather_v``, ``reduce_scatter_v``, ``gather_v``, ``scatter_v``): a list of
+  Python ints, the same on every rank (``sizes[i]`` rows belong to the rank with index ``i``
+  along the axis). Shapes are known ahead, so these also compile.
+* **Data-dependent sizes** (``ragged_all_to_all``, ``indexed_all_to_all_v``, for MoE dispatch):
+  int tensors computed on each rank (e.g. from a router), with a static ``capacity`` for the
+  receive buffer, like JAX's ragged ops.
+
+How ragged shards are held, on every backend alike: a rank's input may have **more** rows
+than its size; the rows past ``sizes[rank]`` are padding and ignored. A ragged output has
+exactly this rank's rows by default (natural on real ranks, one rank per process), or, with
+``capacity=C``, a buffer of ``C`` rows whose valid rows come first and the rest are zeros.
+Simulated ranks share one shape, so there a ragged output needs ``capacity`` unless all sizes
+are equal (a clear error says so). Per-rank code that passes ``capacity`` runs unchanged on
+both.
+
+Offsets are never passed in: rows are packed by destination on the sender and by source on
+the receiver, in axis order (JAX's receiver-side ``output_offsets`` are a known trap).
+
+All ragged rows live along dim 0 of the primitives; the public functions take ``dim`` and
+move it there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from ._primitive import Primitive, Spec
+from .collectives import _apply, _enter, _norm_dim, all_gather
+from .distributed import AxisComm
+from .errors import CollectiveError, NoBackendError
+from .mesh import AxisName, Mesh
+
+__all__ = [
+    "all_gather_v",
+    "reduce_scatter_v",
+    "gather_v",
+    "scatter_v",
+    "ragged_all_to_all",
+    "indexed_all_to_all_v",
+    "exchange_sizes",
+]
+
+
+# ====================================================================== shared helpers
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` with zero rows appended (dim 0) up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def _out_rows(capacity: int, exact: int) -> int:
+    return capacity if capacity >= 0 else exact
+
+
+def _capacity_or_uniform(capacity: int, sizes: Sequence[int]) -> int:
+    """Rows of a ragged output shared by all ranks: ``capacity``, or the common size when sizes are equal."""
+    if capacity >= 0:
+        return capacity
+    if len(set(sizes)) != 1:
+        raise NoBackendError("fastdist: a ragged output without capacity has a rank-dependent shape; pass capacity=max(sizes)")
+    return int(sizes[0])
+
+
+def _check_sizes(op: str, axis: AxisName, sizes: Any, n: int) -> list[int]:
+    if isinstance(sizes, Tensor):
+        if sizes.dim() != 1 or torch._C._functorch.is_batchedtensor(sizes):
+            raise CollectiveError(op, axis, "sizes must be the same list of ints on every rank", "use exchange_sizes(...).tolist() on real ranks, or ragged_all_to_all for data-dependent sizes")
+        sizes = sizes.tolist()
+    try:
+        out = [int(s) for s in sizes]
+    except (TypeError, ValueError):
+        raise CollectiveError(op, axis, f"sizes={sizes!r} is not a list of ints", f"pass {n} row counts, one per rank along the axis") from None
+    if len(out) != n:
+        raise CollectiveError(op, axis, f"sizes has {len(out)} entries but the axis has {n} ranks", f"pass {n} row counts, one per rank along the axis")
+    neg = [i for i, s in enumerate(out) if s < 0]
+    if neg:
+        raise CollectiveError(op, axis, f"sizes[{neg[0]}] = {out[neg[0]]} is negative", "row counts are >= 0")
+    return out
+
+
+def _check_capacity(op: str, axis: AxisName, capacity: int | None, need: int, what: str) -> int:
+    if capacity is None:
+        return -1
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
+        raise CollectiveError(op, axis, f"capacity={capacity!r} cannot hold {what} ({need} rows)", f"use capacity >= {need}")
+    return capacity
+
+
+def _local_rows(op: str, axis: AxisName, x: Tensor, sizes: Sequence[int], simulated: bool, index: int | None) -> None:
+    """Every rank's input must hold at least its own rows (more are padding)."""
+    need, who = (max(sizes), "max(sizes) (simulated ranks share one shape)") if simulated else (sizes[cast(int, index)], f"sizes[{index}]")
+    if x.shape[0] < need:
+        raise CollectiveError(
+            op, axis, f"the local shard has {x.shape[0]} rows along the ragged dim but {who} = {need}", f"pass at least {need} rows (rows past the size are ignored)",
+            rank="every rank" if simulated else f"rank index {index}",
+        )
+
+
+# ====================================================================== all_gather_v / reduce_scatter_v
+def _agv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], accumulate_fp32: bool) -> tuple[Any, ...]:
+    return (sum(sizes), *s[1:])
+
+
+def _agv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, C, *f]
+    whole = torch.cat([y[:, i, : sizes[i]] for i in range(spec.n)], dim=1)  # [G, sum, *f]
+    return spec.from_groups(whole.unsqueeze(1).expand(-1, spec.n, *whole.shape[1:]))
+
+
+def _agv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
+    m = max(sizes)
+    got = c.all_gather0("all_gather_v", _pad_rows(x[: sizes[c.index]], m)).unflatten(0, (c.n, m))  # type: ignore[no-untyped-call]  # [n, m, *f]
+    return torch.cat([got[i, : sizes[i]] for i in range(c.n)])  # [sum, *f]
+
+
+def _agv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], accumulate_fp32: bool) -> tuple[Any, ...]:
+    (x, _) = saved
+    acc = g.float() if accumulate_fp32 and g.dtype in (torch.bfloat16, torch.float16) else g
+    out = o.reduce_scatter_v(acc, spec=spec, sizes=tuple(sizes), capacity=o.local_shape(x)[0])
+    return (out.to(g.dtype),)
+
+
+def _rsv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], capacity: int) -> tuple[Any, ...]:
+    return (_capacity_or_uniform(capacity, sizes), *s[1:])
+
+
+def _rsv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
+    total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, sum, *f]
+    rows = _capacity_or_uniform(capacity, sizes)
+    chunks = [_pad_rows(t.transpose(0, 1), rows).transpose(0, 1) for t in torch.split(total, list(sizes), dim=1)]  # n x [G, rows, *f]
+    return spec.from_groups(torch.stack(chunks, dim=1))  # member i keeps chunk i
+
+
+def _rsv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
+    m = max(sizes)
+    padded = torch.cat([_pad_rows(t, m) for t in torch.split(x, list(sizes))])  # [n * m, *f]
+    mine = c.reduce_scatter0("reduce_scatter_v", padded)[: sizes[c.index]]  # [sizes[me], *f]
+    return _pad_rows(mine, _out_rows(capacity, sizes[c.index]))
+
+
+def _rsv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], capacity: int) -> tuple[Any, ...]:
+    return (o.all_gather_v(g, spec=spec, sizes=tuple(sizes), accumulate_fp32=False),)
+
+
+all_gather_v_p = Primitive(
+    "all_gather_v", params=(("sizes", "int[]"), ("accumulate_fp32", "bool")), shape=_agv_shape, stacked=_agv_stacked, distributed=_agv_dist,
+    backward=_agv_bwd, saves=True, replication=("V", "V"),
+)
+reduce_scatter_v_p = Primitive(
+    "reduce_scatter_v", params=(("sizes", "int[]"), ("capacity", "int")), shape=_rsv_shape, stacked=_rsv_stacked, distributed=_rsv_dist,
+    backward=_rsv_bwd, replication=("VP", "V"),
+)
+
+
+def all_gather_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], dim: int = 0, *, accumulate_fp32: bool = False) -> Tensor:
+    """Concatenate uneven shards: the rank with index ``i`` contributes its first ``sizes[i]`` rows of ``dim``.
+
+    Shape: ``dim`` becomes ``sum(sizes)`` on every rank (inputs may carry padding rows past
+    their size). Gradient: ``reduce_scatter_v``: each rank gets the sum over ranks of its
+    own rows (in float32 for bf16/fp16 inputs when ``accumulate_fp32=True``), padding rows 0.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 3})
+    >>> x = torch.tensor([[1., 0.], [2., 3.], [4., 5.]])  # rank 0 holds 1 row (+ padding), ranks 1, 2 hold 2
+    >>> fd.simulate(lambda x: fd.all_gather_v(x, mesh, "tp", [1, 2, 2]), mesh)(x)[0]
+    tensor([1., 2., 3., 4., 5.])
+    """
+    x, spec = _enter("all_gather_v", x, mesh, axis)
+    d = _norm_dim("all_gather_v", axis, "dim", dim, x.dim())
+    sz = _check_sizes("all_gather_v", axis, sizes, spec.n)
+    xm = x.movedim(d, 0)
+    _local_rows("all_gather_v", axis, xm, sz, spec.comm is None, None if spec.comm is None else spec.comm.index)
+    return _apply(all_gather_v_p, mesh, xm, spec, sizes=tuple(sz), accumulate_fp32=bool(accumulate_fp32)).movedim(0, d)
+
+
+def reduce_scatter_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], dim: int = 0, *, capacity: int | None = None) -> Tensor:
+    """Sum over the group, then the rank with index ``i`` keeps rows ``sum(sizes[:i]) : sum(sizes[:i+1])`` of ``dim``.
+
+    Shape: ``dim`` (which must have ``sum(sizes)`` rows) becomes ``sizes[i]``, or ``capacity``
+    rows with zeros after the valid ones. Gradient: ``all_gather_v``.
+    """
+    x, spec = _enter("reduce_scatter_v", x, mesh, axis)
+    d = _norm_dim("reduce_scatter_v", axis, "dim", dim, x.dim())
+    sz = _check_sizes("reduce_scatter_v", axis, sizes, spec.n)
+    if x.shape[d] != sum(sz):
+        raise CollectiveError("reduce_scatter_v", axis, f"dim {d} has {x.shape[d]} rows but sizes sum to {sum(sz)}", "pass sizes that sum to the dim's length")
+    cap = _check_capacity("reduce_scatter_v", axis, capacity, max(sz), "the largest chunk")
+    _need_static_shape("reduce_scatter_v", axis, spec, cap, sz)
+    return _apply(reduce_scatter_v_p, mesh, x.movedim(d, 0), spec, sizes=tuple(sz), capacity=cap).movedim(0, d)
+
+
+def _need_static_shape(op: str, axis: AxisName, spec: Spec, capacity: int, sizes: Sequence[int]) -> None:
+    if spec.comm is None and capacity < 0 and len(set(sizes)) > 1:
+        raise CollectiveError(
+            op, axis, f"sizes {list(sizes)} differ, so each rank's result has its own length, but simulated ranks share one shape",
+            f"pass capacity={max(sizes)} (results padded with zeros; the same code then runs on real ranks)",
+        )
+
+
+# ====================================================================== gather_v / scatter_v
+def _gv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], dst: int, capacity: int) -> tuple[Any, ...]:
+    return (_out_rows(capacity, sum(sizes)), *s[1:])
+
+
+def _gv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int) -> Tensor:
+    y = spec.to_groups(x)  # [G, n, C, *f]
+    whole = torch.cat([y[:, i, : sizes[i]] for i in range(spec.n)], dim=1)  # [G, sum, *f]
+    rows = _out_rows(capacity, sum(sizes))
+    whole = _pad_rows(whole.transpose(0, 1), rows).transpose(0, 1)  # [G, rows, *f]
+    out = torch.zeros(whole.shape[0], spec.n, *whole.shape[1:], dtype=x.dtype, device=x.device)
+    out[:, dst] = whole  # only dst receives; the others get zeros, never uninitialised memory
+    return spec.from_groups(out)
+
+
+def _gv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int) -> Tensor:
+    me = c.index
+    sends = [sizes[me] if j == dst else 0 for j in range(c.n)]
+    recvs = list(sizes) if me == dst else [0] * c.n
+    got = c.all_to_all0("gather_v", x[: sum(sends)], recvs, sends)  # dst: [sum, *f]; others: [0, *f] (empty)
+    return _pad_rows(got, capacity) if capacity >= 0 else got
+
+
+def _gv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], dst: int, capacity: int) -> tuple[Any, ...]:
+    (x, _) = saved
+    # g's rows past sum(sizes) (capacity padding) are ignored by scatter_v; non-dst ranks' g is unused
+    return (o.scatter_v(g, spec=spec, sizes=tuple(sizes), src=dst, capacity=o.local_shape(x)[0]),)
+
+
+def _sv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], src: int, capacity: int) -> tuple[Any, ...]:
+    return (_capacity_or_uniform(capacity, sizes), *s[1:])
+
+
+def _sv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
+    whole = spec.to_groups(x)[:, src, : sum(sizes)]  # [G, sum, *f]: the source's tensor
+    rows = _capacity_or_uniform(capacity, sizes)
+    chunks = [_pad_rows(t.transpose(0, 1), rows).transpose(0, 1) for t in torch.split(whole, list(sizes), dim=1)]
+    return spec.from_groups(torch.stack(chunks, dim=1))  # [G, n, rows, *f]: member i gets chunk i
+
+
+def _sv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
+    me = c.index
+    sends = list(sizes) if me == src else [0] * c.n
+    recvs = [sizes[me] if i == src else 0 for i in range(c.n)]
+    got = c.all_to_all0("scatter_v", x[: sum(sends)], recvs, sends)  # [sizes[me], *f]
+    return _pad_rows(got, _out_rows(capacity, sizes[me]))
+
+
+def _sv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], src: int, capacity: int) -> tuple[Any, ...]:
+    (x, _) = saved
+    return (o.gather_v(g, spec=spec, sizes=tuple(sizes), dst=src, capacity=o.local_shape(x)[0]),)
+
+
+gather_v_p = Primitive(
+    "gather_v", params=(("sizes", "int[]"), ("dst", "int"), ("capacity", "int")), shape=_gv_shape, stacked=_gv_stacked, distributed=_gv_dist,
+    backward=_gv_bwd, saves=True, replication=("V", "V"),
+)
+scatter_v_p = Primitive(
+    "scatter_v", params=(("sizes", "int[]"), ("src", "int"), ("capacity", "int")), shape=_sv_shape, stacked=_sv_stacked, distributed=_sv_dist,
+    backward=_sv_bwd, saves=True, replication=("VI", "V"),
+)
+
+
+def _index_arg(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise CollectiveError(op, axis, f"{name}={value!r} is not an index along the axis (size {n})", f"use {name} in 0..{n - 1}")
+    return value
+
+
+def gather_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], dst: int, dim: int = 0, *, capacity: int | None = None) -> Tensor:
+    """Concatenate uneven shards (rank ``i``'s first ``sizes[i]`` rows of ``dim``) on the rank with index ``dst`` only.
+
+    Shape: on ``dst``, ``dim`` becomes ``sum(sizes)``; every other rank gets an *empty*
+    tensor (0 rows), or with ``capacity`` every rank gets ``capacity`` rows (zeros except the
+    gathered rows on ``dst``). Never uninitialised memory. Gradient: ``scatter_v`` from ``dst``.
+    """
+    x, spec = _enter("gather_v", x, mesh, axis)
+    d = _norm_dim("gather_v", axis, "dim", dim, x.dim())
+    sz = _check_sizes("gather_v", axis, sizes, spec.n)
+    _index_arg("gather_v", axis, "dst", dst, spec.n)
+    xm = x.movedim(d, 0)
+    _local_rows("gather_v", axis, xm, sz, spec.comm is None, None if spec.comm is None else spec.comm.index)
+    cap = _check_capacity("gather_v", axis, capacity, sum(sz), "the gathered rows")
+    if spec.comm is None and cap < 0 and spec.n > 1:
+        raise CollectiveError(
+            "gather_v", axis, "only dst gets rows, so the ranks' results differ in length, but simulated ranks share one shape",
+            f"pass capacity={sum(sz)} (non-destination ranks get zeros; the same code then runs on real ranks)",
+        )
+    return _apply(gather_v_p, mesh, xm, spec, sizes=tuple(sz), dst=dst, capacity=cap).movedim(0, d)
+
+
+def scatter_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], src: int, dim: int = 0, *, capacity: int | None = None) -> Tensor:
+    """The rank with index ``src`` splits its ``x`` along ``dim`` into chunks of ``sizes``; rank ``i`` gets chunk ``i``.
+
+    Every rank passes a tensor of the same shape (``dim`` of ``sum(sizes)`` rows); only
+    ``src``'s values are used. Shape: ``sizes[i]`` rows, or ``capacity`` rows (zeros after
+    the chunk). Gradient: ``gather_v`` to ``src`` (the other ranks' inputs get zero).
+    """
+    x, spec = _enter("scatter_v", x, mesh, axis)
+    d = _norm_dim("scatter_v", axis, "dim", dim, x.dim())
+    sz = _check_sizes("scatter_v", axis, sizes, spec.n)
+    _index_arg("scatter_v", axis, "src", src, spec.n)
+    if x.shape[d] != sum(sz):
+        raise CollectiveError("scatter_v", axis, f"dim {d} has {x.shape[d]} rows but sizes sum to {sum(sz)}", "pass sizes that sum to the dim's length")
+    cap = _check_capacity("scatter_v", axis, capacity, max(sz), "the largest chunk")
+    _need_static_shape("scatter_v", axis, spec, cap, sz)
+    return _apply(scatter_v_p, mesh, x.movedim(d, 0), spec, sizes=tuple(sz), src=src, capacity=cap).movedim(0, d)
+
+
+# ====================================================================== ragged_all_to_all (data-dependent sizes)
+def _rata_shape(n: int, s: tuple[Any, ...], ss: tuple[Any, ...], rs: tuple[Any, ...], *, capacity: int) -> tuple[Any, ...]:
+    return (capacity, *s[1:])
+
+
+def _rata_check(send: Tensor, recv: Tensor, rows: int, capacity: int, ranks: Any) -> None:
+    """Data-dependent checks, on real (stacked or local) size tensors: raise naming the rank."""
+    bad_neg = (send < 0).any(-1)
+    bad_in = send.sum(-1) > rows
+    bad_out = recv.sum(-1) > capacity
+    for what, bad, fix in (
+        ("negative send sizes", bad_neg, "row counts are >= 0"),
+        (f"send sizes summing past the {rows} rows of its input", bad_in, "the rows to send must fit in x"),
+        (f"more rows arriving than capacity={capacity}", bad_out, "raise capacity (the most any rank can receive)"),
+    ):
+        if bool(bad.any()):
+            where = ranks(int(bad.nonzero()[0].item()) if bad.dim() else 0)
+            raise CollectiveError("ragged_all_to_all", None, f"{where} has {what}", fix, rank=where)
+
+
+def _rata_stacked(spec: Spec, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
+    _rata_check(send, recv, x.shape[1], capacity, lambda r: f"rank {r}")
+    X = spec.to_groups(x)  # [G, i, C, *f]
+    S = spec.to_groups(send)  # [G, i, j]: rows sender i sends to receiver j
+    G, n, C = X.shape[0], spec.n, X.shape[2]
+    if C == 0:  # nothing to send anywhere: every buffer is zeros
+        return spec.from_groups(x.new_zeros(G, n, capacity, *X.shape[3:]))
+    send_off = S.cumsum(-1) - S  # [G, i, j]: where i's rows for j start in i's input
+    R = S.transpose(1, 2)  # [G, j, i]: rows j receives from i
+    incl = R.cumsum(-1)  # [G, j, i]
+    t = torch.arange(capacity, device=x.device)  # receive-buffer row
+    src = (incl.unsqueeze(-1) <= t).sum(-2).clamp(max=n - 1)  # [G, j, cap]: the source that fills row t
+    valid = t < incl[..., -1:]  # [G, j, cap]
+    start = (incl - R).gather(-1, src)  # [G, j, cap]: first row of that source's block in j's buffer
+    off = send_off.transpose(1, 2).gather(-1, src)  # [G, j, cap]: where that block starts in the source's input
+    row = torch.where(valid, off + t - start, 0).clamp(0, C - 1)
+    flat = X.reshape(G, n * C, *X.shape[3:])  # [G, i*C, *f]
+    idx = (src * C + row).reshape(G, -1)  # [G, j*cap]
+    picked = flat[torch.arange(G, device=x.device).unsqueeze(1), idx].reshape(G, n, capacity, *X.shape[3:])
+    mask = valid.reshape(G, n, capacity, *([1] * (X.dim() - 3)))
+    return spec.from_groups(torch.where(mask, picked, torch.zeros((), dtype=x.dtype, device=x.device)))
+
+
+def _rata_dist(c: AxisComm, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
+    _rata_check(send, recv, x.shape[0], capacity, lambda r: f"rank {c.rank}")
+    s, r = send.tolist(), recv.tolist()  # split sizes to the host (one sync)
+    got = c.all_to_all0("ragged_all_to_all", x[: sum(s)], r, s)  # [sum(recv), *f], by source
+    return _pad_rows(got, capacity)
+
+
+def _rata_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, capacity: int) -> tuple[Any, ...]:
+    x, send, recv, _ = saved
+    return (o.ragged_all_to_all(g, recv, send, spec=spec, capacity=o.local_shape(x)[0]), None, None)
+
+
+ragged_all_to_all_p = Primitive(
+    "ragged_all_to_all", inputs=("x", "send_sizes", "recv_sizes"), params=(("capacity", "int"),), shape=_rata_shape, stacked=_rata_stacked,
+    distributed=_rata_dist, backward=_rata_bwd, saves=True, replication=("V", "V"),
+)
+
+
+def ragged_all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, *, capacity: int) -> tuple[Tensor, Tensor]:
+    """Exchange data-dependent numbers of rows: send ``send_sizes[j]`` rows to the rank with index ``j``.
+
+    ``x``'s rows are packed by destination (first ``send_sizes[0]`` rows for index 0, then
+    index 1, ...); rows past ``send_sizes.sum()`` are padding. Returns ``(out, recv_sizes)``:
+    ``out`` has ``capacity`` rows, packed by source in axis order, zeros after
+    ``recv_sizes.sum()``; ``recv_sizes[i]`` rows came from index ``i``. Shape: ``capacity``
+    rows. Gradient: the same exchange backwards (send and receive sizes swapped).
+    On real ranks the sizes are read to the host once per call.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"ep": 2})
+    >>> x = torch.tensor([[10., 11., 12.], [20., 21., 0.]])       # rank 0: 3 rows, rank 1: 2 rows (+1 padding)
+    >>> sizes = torch.tensor([[1, 2], [2, 0]])                   # rank 0 sends 1 row to 0, 2 to 1; rank 1 sends 2 to 0
+    >>> out, got = fd.simulate(lambda x, s: fd.ragged_all_to_all(x, mesh, "ep", s, capacity=3), mesh)(x, sizes)
+    >>> out, got
+    (tensor([[10., 20., 21.],
+            [11., 12.,  0.]]), tensor([[1, 2],
+            [2, 0]]))
+    """
+    x, spec = _enter("ragged_all_to_all", x, mesh, axis)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise CollectiveError("ragged_all_to_all", axis, f"capacity={capacity!r} is not a row count", "pass the most rows any rank can receive")
+    if x.dim() == 0:
+        raise CollectiveError("ragged_all_to_all", axis, "x is 0-d; rows are dim 0", "pass a tensor of rows")
+    send = torch.as_tensor(send_sizes, dtype=torch.long)
+    if send.shape != (spec.n,):
+        raise CollectiveError("ragged_all_to_all", axis, f"send_sizes has shape {tuple(send.shape)}, not ({spec.n},)", f"pass one row count per rank along the axis ({spec.n})")
+    recv = all_to_all_sizes(send, mesh, axis)
+    return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
+
+
+def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """``recv[i] = send_of_rank_i[me]``: the transpose of the send-size matrix (one small all-to-all)."""
+    from .collectives import all_to_all
+
+    return all_to_all(send.reshape(-1, 1), mesh, axis, split_dim=0, concat_dim=0).reshape(-1)
+
+
+def indexed_all_to_all_v(
+    x: Tensor, mesh: Mesh, axis: AxisName, index: Tensor, send_sizes: Tensor, *, capacity: int, accumulate_fp32: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Gather rows ``x[index]`` (packed by destination, counts ``send_sizes``) and exchange them.
+
+    The MoE dispatch: ``index`` orders this rank's tokens by destination expert rank. Returns
+    ``(out, recv_sizes)`` as :func:`ragged_all_to_all`. Gradient: the reverse exchange, then
+    ``index_add`` back into ``x``'s rows (in float32 for bf16/fp16 when ``accumulate_fp32``).
+    """
+    src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
+    out, recv = ragged_all_to_all(src.index_select(0, index), mesh, axis, send_sizes, capacity=capacity)
+    return out.to(x.dtype), recv
+
+
+def exchange_sizes(local_size: int | Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """Every rank's row count along ``axis`` (an int64 tensor, axis order), from each rank's own count.
+
+    One small all-gather. On real ranks call ``.tolist()`` for the static-size ops; on
+    simulated ranks the result is per-rank data (use it with ``ragged_all_to_all``).
+    """
+    t = torch.as_tensor(local_size, dtype=torch.long).reshape(1)
+    return all_gather(t, mesh, axis, dim=0)
