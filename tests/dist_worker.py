@@ -197,6 +197,67 @@ def spmd_checked(rank: int, world: int) -> str:
     return "no error in error mode"
 
 
+@scenario
+def uneven(rank: int, world: int) -> dict[str, Any]:
+    """v-ops with exact (ragged) outputs on real ranks == simulate's capacity-padded rows; ragged a2a; MoE; check mode."""
+    mesh = fd.Mesh.from_torch(tp=world)
+    sizes = [2, 0, 1][:world] if world <= 3 else [2, 0, 1] + [1] * (world - 3)
+    g = torch.Generator().manual_seed(0)
+    total, m = sum(sizes), max(sizes)
+
+    def both(sim_fn: Callable[..., torch.Tensor], real_fn: Callable[..., torch.Tensor], xs: torch.Tensor, rows: Callable[[int], int]) -> None:
+        sim_x = xs.clone().requires_grad_()
+        sim_out = fd.simulate(sim_fn, mesh)(sim_x)
+        c = torch.randn(sim_out.shape, dtype=torch.float64, generator=g)
+        (sim_out * c).sum().backward()
+        x = xs[rank].clone().requires_grad_()
+        out = real_fn(x)
+        k = rows(rank)
+        assert out.shape[0] == k, (out.shape, k)
+        close(out, sim_out[rank, :k].detach(), f"value on rank {rank}")
+        (out * c[rank, :k]).sum().backward()
+        close(x.grad, sim_x.grad[rank], f"grad on rank {rank}")
+
+    xs = torch.randn(world, m + 1, 3, dtype=torch.float64, generator=g)  # padding rows past each size
+    both(lambda x: fd.all_gather_v(x, mesh, "tp", sizes), lambda x: fd.all_gather_v(x, mesh, "tp", sizes), xs, lambda r: total)
+    xt = torch.randn(world, total, 3, dtype=torch.float64, generator=g)
+    both(lambda x: fd.reduce_scatter_v(x, mesh, "tp", sizes, capacity=m), lambda x: fd.reduce_scatter_v(x, mesh, "tp", sizes), xt, lambda r: sizes[r])
+    both(lambda x: fd.gather_v(x, mesh, "tp", sizes, dst=0, capacity=total), lambda x: fd.gather_v(x, mesh, "tp", sizes, dst=0), xs, lambda r: total if r == 0 else 0)
+    both(lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m), lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1), xt, lambda r: sizes[r])
+    # the same per-rank code with capacity on both backends
+    both(lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m), lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m), xt, lambda r: m)
+    send = torch.randint(0, 3, (world, world), generator=g)
+    cap = int(send.sum(0).max())
+    xr = torch.randn(world, int(send.sum(1).max()) + 1, 2, dtype=torch.float64, generator=g)
+    both(lambda x: fd.ragged_all_to_all(x, mesh, "tp", send[fd.axis_index(mesh, "tp")], capacity=cap)[0],
+         lambda x: fd.ragged_all_to_all(x, mesh, "tp", send[rank], capacity=cap)[0], xr, lambda r: cap)
+    assert fd.exchange_sizes(sizes[rank], mesh, "tp").tolist() == sizes
+
+    from tests.test_uneven import moe_per_rank, moe_single_device
+
+    T, D, H = 3, 4, 3
+    x, router = torch.randn(world * T, D, dtype=torch.float64, generator=g), torch.randn(D, world, dtype=torch.float64, generator=g) * 2
+    w1, w2 = torch.randn(world, D, H, dtype=torch.float64, generator=g), torch.randn(world, H, D, dtype=torch.float64, generator=g)
+    ref = [t.clone().requires_grad_() for t in (x, router, w1, w2)]
+    want = moe_single_device(*ref)
+    c = torch.randn(want.shape, dtype=torch.float64, generator=g)
+    (want * c).sum().backward()
+    mine = [x[rank * T : (rank + 1) * T].clone().requires_grad_(), router.clone().requires_grad_(), w1[rank].clone().requires_grad_(), w2[rank].clone().requires_grad_()]
+    out = moe_per_rank(*mine, mesh, "tp")
+    close(out, want[rank * T : (rank + 1) * T].detach(), "MoE output")
+    (out * c[rank * T : (rank + 1) * T]).sum().backward()
+    close(mine[0].grad, ref[0].grad[rank * T : (rank + 1) * T], "MoE dx")
+    close(mine[1].grad, ref[1].grad, "MoE d router")
+    close(mine[2].grad, ref[2].grad[rank], "MoE d w1")
+
+    checked = fd.Mesh.from_torch(tp=world, check=True, timeout=30)
+    try:
+        fd.all_gather_v(torch.zeros(3, 1), checked, "tp", [1] * (world - 1) + [1 + (rank == 0)])
+    except fd.ConsistencyError as e:
+        return {"check": str(e)}
+    return {"check": None}
+
+
 # ============================================================================ meshes side by side, DeviceMesh
 @scenario
 def two_meshes(rank: int, world: int) -> str:
