@@ -287,6 +287,16 @@ def device_mesh(rank: int, world: int) -> str:
 
 
 # ============================================================================ faults
+def _timed_failing_psum(mesh: fd.Mesh) -> dict[str, Any]:
+    """A psum that a peer will not join: which error, its message, and how long it took."""
+    t0 = time.monotonic()
+    try:
+        fd.psum(torch.ones(1), mesh, "tp")
+    except fd.CommError as e:  # CollectiveTimeout is a CommError
+        return {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}
+
+
 @scenario
 def timeout(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 skips a collective: rank 0 must raise CollectiveTimeout within the timeout."""
@@ -295,12 +305,7 @@ def timeout(rank: int, world: int) -> dict[str, Any]:
     if rank == 1:
         time.sleep(8)
         return {"skipped": True}
-    t0 = time.monotonic()
-    try:
-        fd.psum(torch.ones(1), mesh, "tp")
-    except fd.CollectiveTimeout as e:
-        return {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
-    return {"type": None}
+    return _timed_failing_psum(mesh)
 
 
 @scenario
@@ -310,12 +315,7 @@ def peer_exits(rank: int, world: int) -> dict[str, Any]:
     fd.psum(torch.ones(1), mesh, "tp")
     if rank == world - 1:
         os._exit(3)
-    t0 = time.monotonic()
-    try:
-        fd.psum(torch.ones(1), mesh, "tp")
-    except fd.CommError as e:
-        return {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
-    return {"type": None}
+    return _timed_failing_psum(mesh)
 
 
 @scenario

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._primitive import Primitive, Spec
-from .collectives import _apply, _enter, _norm_dim, all_gather
+from .collectives import _apply, _enter, _index, _norm_dim, all_gather
 from .distributed import AxisComm
 from .errors import CollectiveError, NoBackendError
 from .mesh import AxisName, Mesh
@@ -269,12 +269,6 @@ scatter_v_p = Primitive(
 )
 
 
-def _index_arg(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
-        raise CollectiveError(op, axis, f"{name}={value!r} is not an index along the axis (size {n})", f"use {name} in 0..{n - 1}")
-    return value
-
-
 def gather_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], dst: int, dim: int = 0, *, capacity: int | None = None) -> Tensor:
     """Concatenate uneven shards (rank ``i``'s first ``sizes[i]`` rows of ``dim``) on the rank with index ``dst`` only.
 
@@ -285,7 +279,7 @@ def gather_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], dst: i
     x, spec = _enter("gather_v", x, mesh, axis)
     d = _norm_dim("gather_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("gather_v", axis, sizes, spec.n)
-    _index_arg("gather_v", axis, "dst", dst, spec.n)
+    _index("gather_v", axis, "dst", dst, spec.n)
     xm = x.movedim(d, 0)
     _local_rows("gather_v", axis, xm, sz, spec.comm is None, None if spec.comm is None else spec.comm.index)
     cap = _check_capacity("gather_v", axis, capacity, sum(sz), "the gathered rows")
@@ -307,7 +301,7 @@ def scatter_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], src: 
     x, spec = _enter("scatter_v", x, mesh, axis)
     d = _norm_dim("scatter_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("scatter_v", axis, sizes, spec.n)
-    _index_arg("scatter_v", axis, "src", src, spec.n)
+    _index("scatter_v", axis, "src", src, spec.n)
     if x.shape[d] != sum(sz):
         raise CollectiveError("scatter_v", axis, f"dim {d} has {x.shape[d]} rows but sizes sum to {sum(sz)}", "pass sizes that sum to the dim's length")
     cap = _check_capacity("scatter_v", axis, capacity, max(sz), "the largest chunk")
