@@ -1,14 +1,18 @@
 """The machinery that turns one collective's rules into ``torch.library`` ops.
 
-A collective is declared once, in ``collectives.py``, as a :class:`Primitive`
-with three rules:
+A collective is declared once, in ``collectives.py`` (or ``uneven.py``), as a
+:class:`Primitive` with these rules:
 
 * ``shape``: the per-rank output shape (the fake/meta rule).
 * ``stacked``: the forward over all ranks at once, on a tensor whose leading
   dimension is the rank (``[world, *per_rank_shape]``). This is the simulated
   implementation and the vmap rule's body.
+* ``distributed``: the forward on one real rank, with torch's functional
+  collectives on the rank's process group.
 * ``backward``: the per-rank gradient rule, written with other primitives
   (``o.psum_scatter(g, ...)``), so forward/backward pairs read like a table.
+* ``replication``: accepted input states and the output state (varying,
+  invariant, partial), for the checked mode of ``fastdist.spmd``.
 
 From those, :class:`Primitive` registers two ops in the ``fastdist`` namespace
 and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
@@ -31,6 +35,9 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
     in 2.13). Under ``torch.compile`` the per-rank op is called directly,
     because dynamo ignores an autograd.Function's vmap rule and would record
     wrong gradients.
+``<Name>DistributedFunction``
+    On real ranks (``spec.comm`` set): the ``distributed`` forward with the same
+    per-rank backward rule; dynamo traces it in compiled steps.
 """
 
 from __future__ import annotations

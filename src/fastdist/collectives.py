@@ -24,6 +24,8 @@ op                  forward                          backward (per rank)
 ``pmean``           mean over the group              ``g / n``
 ``pmax``/``pmin``   max/min over the group           ``g`` to the lowest rank attaining it
 ``all_gather``      concatenate (or stack)           ``psum_scatter``
+``all_gather_inv.`` concatenate, replicated result   local slice (``local_chunk``)
+``local_chunk``     own chunk of a replicated value  ``all_gather_invariant``
 ``psum_scatter``    sum, keep own chunk              ``all_gather``
 ``all_to_all``      split ``a``, concatenate ``c``   ``all_to_all`` with ``a``, ``c`` swapped
 ``ppermute``        send along (src, dst) pairs      ``ppermute`` along the inverse pairs
