@@ -25,10 +25,10 @@ class RankResult:
     value: Any
 
 
-def run_world(scenario: str, world: int, *, timeout: float = 240.0) -> list[RankResult]:
+def run_world(scenario: str, world: int, *, timeout: float = 240.0, seed: int = 0) -> list[RankResult]:
     """Run ``scenario`` on ``world`` gloo processes; kill all of them past ``timeout`` (never hang)."""
     port = free_port()
-    env = {**os.environ, "FASTDIST_TEST_STORE_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "FASTDIST_TEST_STORE_PORT": str(free_port()), "FASTDIST_TEST_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as out:
         logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
         procs = [

@@ -201,8 +201,10 @@ def spmd_checked(rank: int, world: int) -> str:
 def uneven(rank: int, world: int) -> dict[str, Any]:
     """v-ops with exact (ragged) outputs on real ranks == simulate's capacity-padded rows; ragged a2a; MoE; check mode."""
     mesh = fd.Mesh.from_torch(tp=world)
-    sizes = [2, 0, 1][:world] if world <= 3 else [2, 0, 1] + [1] * (world - 3)
-    g = torch.Generator().manual_seed(0)
+    seed = int(os.environ.get("FASTDIST_TEST_SEED", "0"))
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 4, (world,), generator=g).tolist()  # uneven, zeros included
+    sizes[seed % world] = max(sizes[seed % world], 1)  # at least one row somewhere
     total, m = sum(sizes), max(sizes)
 
     def both(sim_fn: Callable[..., torch.Tensor], real_fn: Callable[..., torch.Tensor], xs: torch.Tensor, rows: Callable[[int], int]) -> None:

@@ -72,16 +72,26 @@ def v_cases(draw: Any, op: str) -> tuple[fd.Mesh, Any, list[int], dict[str, Any]
 @given(data=st.data())
 def test_v_ops_values_and_gradients(op: str, data: st.DataObject) -> None:
     mesh, axis, sizes, kw, xs = data.draw(v_cases(op))
+    dim = data.draw(st.sampled_from([0, 1, -1]))  # the ragged rows live in dim 0 of xs[r]; move them to `dim`
+    dtype = data.draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.int64]))
     fn = getattr(fd, op)
-    leaf = xs.clone().requires_grad_()
-    out = fd.simulate(lambda x: fn(x, mesh, axis, sizes, **kw), mesh)(leaf)
+
+    def to_dim(t: Tensor) -> Tensor:  # per-rank (rows, 2) -> rows along `dim`
+        return t if dim == 0 else t.movedim(1, 2)
+
+    want = ref_v(op, xs, mesh, axis, sizes, kw)
+    vals = (xs * 4).round().to(dtype)  # integer-valued: exact in every dtype
+    got = fd.simulate(lambda x: fn(x, mesh, axis, sizes, dim=dim, **kw), mesh)(to_dim(vals).contiguous())
+    torch.testing.assert_close(got, to_dim(ref_v(op, vals, mesh, axis, sizes, kw)))
+    leaf = to_dim(xs).detach().clone().contiguous().requires_grad_()  # a leaf of its own (xs stays untouched)
+    out = fd.simulate(lambda x: fn(x, mesh, axis, sizes, dim=dim, **kw), mesh)(leaf)
     ref_leaf = xs.clone().requires_grad_()
-    want = ref_v(op, ref_leaf, mesh, axis, sizes, kw)
+    want = to_dim(ref_v(op, ref_leaf, mesh, axis, sizes, kw))
     torch.testing.assert_close(out, want.detach())
     c = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
     (out * c).sum().backward()  # varying outputs: the global loss is the sum of every rank's loss
     (want * c).sum().backward()
-    torch.testing.assert_close(leaf.grad, ref_leaf.grad)
+    torch.testing.assert_close(leaf.grad, to_dim(ref_leaf.grad))
 
 
 @pytest.mark.parametrize("dim", [1, -1])
