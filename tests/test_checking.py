@@ -320,3 +320,11 @@ def test_compiled_unchecked_spmd_equals_checked_eager() -> None:
     torch.testing.assert_close(out_b, out_a)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(b, a)
+
+
+def test_property_reads_keep_the_state() -> None:
+    """x.T goes through a property (__get__): its result must keep x's state (found by the vocab-parallel test)."""
+    mesh = fd.Mesh({"tp": 2})
+    f = fd.spmd(lambda x, w: fd.all_gather_invariant(fd.pvary(x, mesh, "tp") @ w.T, mesh, "tp", dim=-1), mesh,
+                in_specs=(P(), P("tp", None)), out_specs=P(), check="error")
+    assert_matches_single_device(f, lambda x, w: x @ w.T, [torch.randn(2, 3, dtype=F64), torch.randn(4, 3, dtype=F64)])

@@ -61,10 +61,13 @@ from .stateless import StatelessGroup
 from .uneven import all_gather_v, exchange_sizes, gather_v, indexed_all_to_all_v, ragged_all_to_all, reduce_scatter_v, scatter_v
 from .visual import plot_ranks, show_ranks, show_sharding
 
+from . import nn  # noqa: E402  (fastdist.nn: parallel layers)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Mesh",
+    "nn",
     "AxisName",
     "DEFAULT_ORDER",
     "simulate",

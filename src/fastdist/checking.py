@@ -196,8 +196,13 @@ class RepTracker:
         name = getattr(func, "__name__", str(func))
         leaves = pytree.tree_leaves((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, Tensor)]
-        if not tensors or name in _INTROSPECTION:
+        if not tensors:
             return func(*args, **kwargs)
+        if name in _INTROSPECTION:  # shape queries, and property reads such as x.T, x.mT, x.real
+            out = func(*args, **kwargs)
+            if isinstance(out, Tensor) and len(tensors) == 1:
+                self.set(out, self.get(tensors[0]))
+            return out
         reps = [self.get(t) for t in tensors]
         varying = frozenset().union(*(r.varying for r in reps))
         partial = frozenset().union(*(r.partial for r in reps))
