@@ -328,3 +328,14 @@ def test_property_reads_keep_the_state() -> None:
     f = fd.spmd(lambda x, w: fd.all_gather_invariant(fd.pvary(x, mesh, "tp") @ w.T, mesh, "tp", dim=-1), mesh,
                 in_specs=(P(), P("tp", None)), out_specs=P(), check="error")
     assert_matches_single_device(f, lambda x, w: x @ w.T, [torch.randn(2, 3, dtype=F64), torch.randn(4, 3, dtype=F64)])
+
+
+def test_tracker_forgets_dead_tensors() -> None:
+    mesh = fd.Mesh({"tp": 2})
+    tracker = fd.checking.RepTracker(mesh, "insert", simulated=True)
+    for _ in range(100):
+        t = torch.randn(3)
+        tracker.set(t, fd.checking.Rep(frozenset({"tp"})))
+        assert tracker.get(t).state("tp") == "V"
+    del t
+    assert len(tracker._states) == 0

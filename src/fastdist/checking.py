@@ -125,7 +125,12 @@ class RepTracker:
         return entry is not None and entry[0]() is t
 
     def set(self, t: Tensor, rep: Rep) -> None:
-        self._states[id(t)] = (weakref.ref(t), rep)
+        key = id(t)
+
+        def forget(_: weakref.ref[Tensor]) -> None:  # runs when t dies, before its id can be reused
+            self._states.pop(key, None)
+
+        self._states[key] = (weakref.ref(t, forget), rep)
 
     def mark_varying(self, t: Tensor, axes: Sequence[str]) -> None:
         rep = self.get(t)
