@@ -1,0 +1,20 @@
+"""Benchmarks are measured, never asserted on time; this smoke run only checks they run and report ratios."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert {r["op"] for r in res["overhead"]} == {"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"}
+    assert all(r["ratio_vs_c10d"] > 0 and r["busbw_GBps"] >= 0 for r in res["overhead"])
+    assert res["sim"][1]["ratio"] > 0 and res["mesh"][0]["world"] == 64
+    assert (tmp_path / "overhead.png").stat().st_size > 1000 and "| psum |" in (tmp_path / "results.md").read_text()
