@@ -5,10 +5,13 @@
 
 Sections:
   sim       simulated 8-rank tensor-parallel MLP (forward + backward) vs the same unsharded MLP on
-            one device, and vs a naive Python loop over ranks
+            one device (eager and torch.compile), vs a naive Python loop over ranks; and a
+            tensor x sequence parallel transformer block through fd.spmd vs one device
   overhead  per-call time on 2 gloo processes, fastdist vs torch.distributed (c10d) vs torch's
             functional collectives, for psum / all_gather / psum_scatter / all_to_all / ppermute
             over message sizes; added microseconds and bus bandwidth (nccl-tests definition)
+  groups    process-group creation at world 8 on gloo: each rank creating only its own groups
+            (local synchronisation) vs every rank creating every group
   mesh      rank-group layout for meshes up to 4096 ranks (pure computation)
 
 Output: results.json, results.md (tables) and overhead.png (ratio vs message size).
@@ -48,35 +51,93 @@ def timeit(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
 
 
 # ============================================================================ simulated ranks vs one device
-def bench_sim(quick: bool) -> list[dict[str, Any]]:
+def _mlp_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+    """Tensor-parallel MLP on 8 simulated ranks: (label, one device, simulated, compiled one device, compiled simulated, loop)."""
     W = 8
     B, D, H = (8, 64, 256) if quick else (64, 1024, 4096)
-    reps = 3 if quick else 10
     mesh = fd.Mesh({"tp": W})
     x, W1, W2 = torch.randn(B, D), torch.randn(D, H) / D**0.5, torch.randn(H, D) / H**0.5
     xs = x.expand(W, B, D).contiguous()
     w1s = W1.reshape(D, W, H // W).permute(1, 0, 2).contiguous()  # [rank, D, H/W]: column shards
     w2s = W2.reshape(W, H // W, D).contiguous()  # [rank, H/W, D]: row shards
 
-    def single() -> None:
-        a, b, c = (t.clone().requires_grad_() for t in (x, W1, W2))
-        (torch.tanh(a @ b) @ c).sum().backward()
+    def one(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(x @ w1) @ w2).sum()
 
-    step = fd.simulate(lambda x, w1, w2: fd.psum(torch.tanh(fd.pvary(x, mesh, "tp") @ w1) @ w2, mesh, "tp").sum(), mesh)
+    sim = fd.simulate(lambda x, w1, w2: fd.psum(torch.tanh(fd.pvary(x, mesh, "tp") @ w1) @ w2, mesh, "tp").sum(), mesh)
+    one_c, sim_c = torch.compile(one), torch.compile(sim)
 
-    def simulated() -> None:
-        a, b, c = (t.clone().requires_grad_() for t in (xs, w1s, w2s))
-        step(a, b, c).sum().backward()
+    def run(f: Callable[..., torch.Tensor], *ts: torch.Tensor) -> Callable[[], None]:
+        return lambda: f(*(t.clone().requires_grad_() for t in ts)).sum().backward()
 
     def loop() -> None:
         a, b, c = (t.clone().requires_grad_() for t in (xs, w1s, w2s))
         (sum(torch.tanh(a[r] @ b[r]) @ c[r] for r in range(W)).sum() * W).backward()  # type: ignore[union-attr]
 
-    t_single = timeit(single, reps)
-    rows = [{"case": f"TP MLP B={B} D={D} H={H}, {W} ranks", "baseline": "one device", "baseline_ms": t_single * 1e3}]
-    for name, fn in (("simulate (eager)", simulated), ("Python loop over ranks", loop)):
+    return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
+
+
+def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any]]:
+    """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device."""
+    from torch import nn
+
+    B, S, D, heads, Fh = (2, 8, 32, 4, 64) if quick else (8, 256, 512, 8, 2048)
+    mesh = fd.Mesh({"sp": 2, "tp": 4})
+
+    class Block(nn.Module):
+        def __init__(self, par: bool) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            if par:
+                self.q, self.k, self.v = (fd.nn.ColumnParallelLinear(D, D, mesh, "tp") for _ in range(3))
+                self.o, self.attn = fd.nn.RowParallelLinear(D, D, mesh, "tp"), fd.nn.RingAttention(mesh, "sp", causal=True)
+                self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp"), fd.nn.RowParallelLinear(Fh, D, mesh, "tp")
+            else:
+                self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+                self.fc1, self.fc2 = nn.Linear(D, Fh), nn.Linear(Fh, D)
+            self.par = par
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.ln1(x)
+            q, k, v = (t.unflatten(-1, (-1, D // heads)) for t in (self.q(h), self.k(h), self.v(h)))  # (B, S, heads here, hd)
+            a = self.attn(q, k, v) if self.par else fd.nn.local_attention(q, k, v, causal=True)
+            x = x + self.o(a.flatten(-2))
+            return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
+
+    full, par = Block(False), Block(True)
+    specs = fd.nn.param_specs(par)
+    names = list(specs)
+    state = {n: p.detach() for n, p in full.named_parameters()}
+    x = torch.randn(B, S, D)
+    step = fd.spmd(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh,
+                   in_specs=(fd.P(None, "sp", None), *(specs[n] for n in names)), out_specs=fd.P(None, "sp", None), check=False)
+
+    def one() -> None:
+        ps = {n: t.clone().requires_grad_() for n, t in state.items()}
+        torch.func.functional_call(full, ps, (x,)).sum().backward()
+
+    def simulated() -> None:
+        ps = [state[n].clone().requires_grad_() for n in names]
+        step(x, *ps).sum().backward()
+
+    return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated
+
+
+def bench_sim(quick: bool) -> list[dict[str, Any]]:
+    reps = 3 if quick else 10
+    label, one, sim, one_c, sim_c, loop = _mlp_case(quick)
+    t_one = timeit(one, reps)
+    rows = [{"case": label, "baseline": "one device", "baseline_ms": t_one * 1e3}]
+    for name, fn, base in (("simulate, eager", sim, t_one), ("Python loop over ranks", loop, t_one)):
         t = timeit(fn, reps)
-        rows.append({"case": name, "ms": t * 1e3, "ratio": t / t_single})
+        rows.append({"case": name, "ms": t * 1e3, "ratio": t / base})
+    t_one_c = timeit(one_c, reps, warmup=2)
+    t = timeit(sim_c, reps, warmup=2)
+    rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
+    label, one, sim = _block_case(quick)
+    t_one = timeit(one, reps)
+    t = timeit(sim, reps)
+    rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
     return rows
 
 
@@ -173,6 +234,46 @@ def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
     return rows
 
 
+# ============================================================================ process-group creation
+def _groups_worker(rank: int, world: int, port: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    mesh = fd.Mesh.from_torch(tp=2, sp=2)
+    dist.barrier()
+    t = time.perf_counter()
+    mesh.create_groups()  # this rank's group per axis, created only by its members
+    dist.barrier()
+    t_fd = time.perf_counter() - t
+    t = time.perf_counter()
+    for axis in mesh.axis_names:  # the classic way: every rank creates every group of every axis
+        for g in mesh.groups(axis):
+            dist.new_group(g)
+    dist.barrier()
+    t_all = time.perf_counter() - t
+    if rank == 0:
+        out.put({"world": world, "mesh": repr(mesh), "fastdist_ms": t_fd * 1e3, "every_group_every_rank_ms": t_all * 1e3, "ratio": t_fd / t_all})
+    dist.destroy_process_group()
+
+
+def bench_groups(quick: bool) -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    world = 4 if quick else 8
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_groups_worker, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    row = q.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return [row]
+
+
 # ============================================================================ mesh layout
 def bench_mesh(quick: bool) -> list[dict[str, Any]]:
     rows = []
@@ -189,7 +290,7 @@ def bench_mesh(quick: bool) -> list[dict[str, Any]]:
 def markdown(res: dict[str, Any]) -> str:
     out = [f"# fastdist benchmarks\n\n`{res['command']}` on {res['machine']}, torch {res['torch']}, {res['date']}\n"]
     sim = res["sim"]
-    out.append(f"## Simulated ranks vs one device\n\n{sim[0]['case']}: one device {sim[0]['baseline_ms']:.2f} ms per step\n")
+    out.append(f"## Simulated ranks vs one device\n\n{sim[0]['case']}: one device {sim[0]['baseline_ms']:.2f} ms per step (forward + backward)\n")
     out.append("| implementation | ms | ratio to one device |\n|---|---|---|")
     out += [f"| {r['case']} | {r['ms']:.2f} | {r['ratio']:.2f} |" for r in sim[1:]]
     out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
@@ -198,6 +299,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} |"
         for r in res["overhead"]
     ]
+    out.append("\n## Process-group creation on gloo\n\n| world | mesh | fastdist (own groups, local sync) ms | every group on every rank ms | ratio |\n|---|---|---|---|---|")
+    out += [f"| {r['world']} | {r['mesh']} | {r['fastdist_ms']:.1f} | {r['every_group_every_rank_ms']:.1f} | {r['ratio']:.2f} |" for r in res["groups"]]
     out.append("\n## Mesh layout\n\n| world | all groups of all axes (ms) | naive coordinate scan, 8 groups per axis (ms) |\n|---|---|---|")
     out += [f"| {r['world']} | {r['groups_all_axes_ms']:.3f} | {r['naive_scan_8_groups_ms']:.3f} |" for r in res["mesh"]]
     return "\n".join(out) + "\n"
@@ -227,21 +330,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--only", choices=["sim", "overhead", "mesh"], action="append")
+    ap.add_argument("--only", choices=["sim", "overhead", "groups", "mesh"], action="append")
     args = ap.parse_args(argv)
-    sections = args.only or ["sim", "overhead", "mesh"]
+    sections = args.only or ["sim", "overhead", "groups", "mesh"]
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     res: dict[str, Any] = {
         "command": "python benchmarks/run.py" + (" --quick" if args.quick else ""), "torch": torch.__version__,
-        "machine": f"{os.cpu_count()} CPU cores", "date": datetime.date.today().isoformat(), "sim": [], "overhead": [], "mesh": [],
+        "machine": f"{os.cpu_count()} CPU cores", "date": datetime.date.today().isoformat(), "sim": [], "overhead": [], "groups": [], "mesh": [],
     }
     for name in sections:
         t = time.perf_counter()
-        res[name] = {"sim": bench_sim, "overhead": bench_overhead, "mesh": bench_mesh}[name](args.quick)
+        res[name] = {"sim": bench_sim, "overhead": bench_overhead, "groups": bench_groups, "mesh": bench_mesh}[name](args.quick)
         print(f"[{name}] done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res) if set(sections) == {"sim", "overhead", "mesh"} else json.dumps(res, indent=1)
+    md = markdown(res) if set(sections) == {"sim", "overhead", "groups", "mesh"} else json.dumps(res, indent=1)
     (args.out / "results.md").write_text(md)
     if res["overhead"]:
         plot(res, args.out / "overhead.png")
