@@ -123,6 +123,34 @@ def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any]]
     return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated
 
 
+def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compiled_ms: float) -> list[dict[str, Any]]:
+    """JAX's simulation of the same TP MLP (jit(vmap(grad), axis_name) with psum), if JAX is installed (bench-only)."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+    except ImportError:
+        return [{"case": "JAX: not installed (pip install jax jaxlib to compare)", "ms": float("nan"), "ratio": float("nan")}]
+    W = 8
+    B, D, H = (8, 64, 256) if quick else (64, 1024, 4096)
+    rng = np.random.default_rng(0)
+    x, w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in [(B, D), (D, H), (H, D)])
+    xs, w1s, w2s = np.broadcast_to(x, (W, B, D)).copy(), w1.reshape(D, W, H // W).transpose(1, 0, 2).copy(), w2.reshape(W, H // W, D).copy()
+
+    def per_rank(x: Any, w1: Any, w2: Any) -> Any:
+        return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp").sum()
+
+    sim = jax.jit(jax.vmap(jax.grad(per_rank, argnums=(0, 1, 2)), axis_name="tp"))
+    one = jax.jit(jax.grad(lambda x, w1, w2: (jnp.tanh(x @ w1) @ w2).sum(), argnums=(0, 1, 2)))
+    t_sim = timeit(lambda: jax.block_until_ready(sim(xs, w1s, w2s)), reps)
+    t_one = timeit(lambda: jax.block_until_ready(one(x, w1, w2)), reps)
+    return [
+        {"case": f"JAX {jax.__version__} simulated (jit vmap grad) vs JAX one device", "ms": t_sim * 1e3, "ratio": t_sim / t_one},
+        {"case": "fastdist eager / JAX simulated", "ms": fastdist_eager_ms, "ratio": fastdist_eager_ms / (t_sim * 1e3)},
+        {"case": "fastdist compiled / JAX simulated", "ms": fastdist_compiled_ms, "ratio": fastdist_compiled_ms / (t_sim * 1e3)},
+    ]
+
+
 def bench_sim(quick: bool) -> list[dict[str, Any]]:
     reps = 3 if quick else 10
     label, one, sim, one_c, sim_c, loop = _mlp_case(quick)
@@ -134,6 +162,7 @@ def bench_sim(quick: bool) -> list[dict[str, Any]]:
     t_one_c = timeit(one_c, reps, warmup=2)
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
+    rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3)
     label, one, sim = _block_case(quick)
     t_one = timeit(one, reps)
     t = timeit(sim, reps)
@@ -293,6 +322,7 @@ def markdown(res: dict[str, Any]) -> str:
     out.append(f"## Simulated ranks vs one device\n\n{sim[0]['case']}: one device {sim[0]['baseline_ms']:.2f} ms per step (forward + backward)\n")
     out.append("| implementation | ms | ratio to one device |\n|---|---|---|")
     out += [f"| {r['case']} | {r['ms']:.2f} | {r['ratio']:.2f} |" for r in sim[1:]]
+    out.append("\n(JAX rows: the ratio column is JAX simulated / JAX one device, then fastdist / JAX simulated.)")
     out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
     out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | added µs | bus GB/s |\n|---|---|---|---|---|---|---|---|---|")
     out += [
