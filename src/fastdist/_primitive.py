@@ -52,7 +52,7 @@ from torch import Tensor
 
 from .errors import NoBackendError
 
-__all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES"]
+__all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES", "needs_grad"]
 
 # The op namespace. Declaring ops in it is the one thing importing fastdist does.
 _LIB = torch.library.Library("fastdist", "DEF")  # type: ignore[no-untyped-call]
@@ -103,6 +103,17 @@ class Spec:
     def member_index(self, device: torch.device | None = None) -> Tensor:
         """``[G, n]`` index of each member within its group (0..n-1), for masks."""
         return torch.arange(self.n, device=device).expand(self.world // self.n, self.n)
+
+
+def needs_grad(t: Tensor) -> bool:
+    """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports False)."""
+    functorch = torch._C._functorch
+    while not t.requires_grad:
+        if functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
+            t = functorch.get_unwrapped(t)
+        else:
+            return False
+    return True
 
 
 ShapeRule = Callable[..., Sequence[Any]]
@@ -179,10 +190,18 @@ class Primitive:
 
     # ------------------------------------------------------------------ binding
     def bind(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
-        """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a one-rank mesh."""
+        """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a one-rank mesh.
+
+        The autograd.Functions are used only when a gradient can flow (they cost about 4x
+        the op itself under vmap); without one the op runs directly.
+        """
+        compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
+        grad = compiling or (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
         if spec.comm is not None:
+            if not grad:
+                return self._run_distributed(spec, tensors, params)
             return cast(Tensor, self.dist_function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
-        if torch.compiler.is_compiling():
+        if compiling or not grad:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
 

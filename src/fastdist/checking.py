@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ._primitive import needs_grad
 from .errors import FastdistError, MeshError
 from .mesh import AxisName, Mesh
 
@@ -57,17 +58,6 @@ def _user_line() -> str:
         if not path.startswith((_HERE, _TORCH)) and "contextlib" not in path:
             return f"{fs.filename}:{fs.lineno}: {(fs.line or '').strip()}"
     return "<unknown>"
-
-
-def _needs_grad(t: Tensor) -> bool:
-    """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports False)."""
-    functorch = torch._C._functorch
-    while not t.requires_grad:
-        if functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
-            t = functorch.get_unwrapped(t)
-        else:
-            return False
-    return True
 
 
 class ReplicationError(FastdistError, ValueError):
@@ -157,7 +147,7 @@ class RepTracker:
         return out
 
     def _outside_tensor(self, op: str, t: Tensor, axes: Sequence[str]) -> None:
-        if self.simulated and _needs_grad(t) and not self.known(t):
+        if self.simulated and needs_grad(t) and not self.known(t):
             raise ReplicationError(
                 op, tuple(axes), "a tensor that requires grad comes from outside the spmd function (a closure?); on simulated ranks its gradient would be summed over ranks",
                 "pass it as an argument with an in_spec (P() for a replicated parameter)",
@@ -178,7 +168,7 @@ class RepTracker:
             if st in accepted:
                 continue
             if st == "I" and "V" in accepted:
-                if self.mode == "error" and _needs_grad(x):
+                if self.mode == "error" and needs_grad(x):
                     raise ReplicationError(
                         prim.name, label, f"its input is invariant over {a!r} but {prim.name} needs a value that varies over it",
                         f"call fastdist.pvary(x, mesh, {a!r}) first (or run with check='insert')",
@@ -215,7 +205,7 @@ class RepTracker:
         # invariant inputs that need grads, meeting varying ones
         needs: dict[int, list[str]] = {}
         for t, r in zip(tensors, reps):
-            if _needs_grad(t):
+            if needs_grad(t):
                 missing = [a for a in sorted(varying) if a not in r.varying]
                 if missing:
                     needs[id(t)] = missing
