@@ -237,23 +237,28 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
     dist.destroy_process_group()
 
 
-def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
+def _spawn(target: Callable[..., None], world: int, *args: Any, timeout: float = 900) -> Any:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes; return what rank 0 puts."""
     import multiprocessing as mp
 
-    sizes = SIZES_QUICK if quick else SIZES_FULL
-    reps = 5 if quick else 20
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_overhead_worker, args=(r, world, port, sizes, reps, q)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
-    rows = q.get(timeout=900)
+    result = q.get(timeout=timeout)
     for p in procs:
         p.join(timeout=60)
+    return result
+
+
+def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
+    sizes = SIZES_QUICK if quick else SIZES_FULL
+    rows: list[dict[str, Any]] = _spawn(_overhead_worker, world, sizes, 5 if quick else 20)
     bus = {"psum": 2 * (world - 1) / world, "all_gather": (world - 1) / world, "psum_scatter": (world - 1) / world, "all_to_all": (world - 1) / world, "ppermute": 1.0}
     for r in rows:
         r["ratio_vs_c10d"] = r["fastdist_us"] / r["c10d_us"]
@@ -286,21 +291,7 @@ def _groups_worker(rank: int, world: int, port: int, out: Any) -> None:
 
 
 def bench_groups(quick: bool) -> list[dict[str, Any]]:
-    import multiprocessing as mp
-
-    world = 4 if quick else 8
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_groups_worker, args=(r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    row = q.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    return [row]
+    return [_spawn(_groups_worker, 4 if quick else 8, timeout=600)]
 
 
 # ============================================================================ mesh layout

@@ -42,7 +42,7 @@ from ._primitive import needs_grad
 from .errors import FastdistError, MeshError
 from .mesh import AxisName, Mesh
 
-__all__ = ["Rep", "RepTracker", "ReplicationError", "PartitionSpec", "P", "spmd", "as_partial", "CheckMode"]
+__all__ = ["Rep", "RepTracker", "ReplicationError", "PartitionSpec", "P", "spmd", "as_partial", "block_of", "CheckMode"]
 
 CheckMode = Literal["insert", "error"]
 R = TypeVar("R")
@@ -368,6 +368,18 @@ class PartitionSpec:
 
 
 P = PartitionSpec
+
+
+def block_of(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
+    """The block of global ``x`` that ``rank`` holds under ``spec`` (a view; replicated axes: the whole dim)."""
+    for d in range(len(spec.dims)):
+        names = spec.axes_of(d)
+        if names:
+            n, i = mesh.axis_size(names), mesh.index(rank, names)
+            if x.shape[d] % n:
+                raise MeshError(f"PartitionSpec: {spec!r} splits dim {d} (size {x.shape[d]}) over {names} ({n} ranks), which does not divide it. Fix: pad dim {d} to a multiple of {n}")
+            x = x.narrow(d, i * (x.shape[d] // n), x.shape[d] // n)
+    return x
 
 
 def _check_spec(where: str, mesh: Mesh, spec: Any, t: Tensor | None) -> PartitionSpec:

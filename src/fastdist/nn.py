@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .checking import P, PartitionSpec
+from .checking import P, PartitionSpec, block_of
 from .collectives import all_gather, all_gather_invariant, axis_index, local_chunk, pmax, psum, psum_scatter, pvary
 from .errors import MeshError
 from .mesh import Mesh
@@ -183,23 +183,12 @@ def param_specs(module: nn.Module) -> dict[str, PartitionSpec]:
     return specs
 
 
-def _block(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
-    for d in range(len(spec.dims)):
-        names = spec.axes_of(d)
-        if names:
-            n, i = mesh.axis_size(names), mesh.index(rank, names)
-            if x.shape[d] % n:
-                raise MeshError(f"fastdist.nn: {spec!r} splits dim {d} (size {x.shape[d]}) over {names} ({n} ranks), which does not divide it. Fix: pad dim {d} to a multiple of {n}")
-            x = x.narrow(d, i * (x.shape[d] // n), x.shape[d] // n)
-    return x
-
-
 def shard_state(full: Mapping[str, Tensor], specs: Mapping[str, PartitionSpec], mesh: Mesh, rank: int) -> dict[str, Tensor]:
     """Rank ``rank``'s shard of every tensor of a single-device state dict."""
     missing = set(specs) - set(full)
     if missing:
         raise MeshError(f"fastdist.nn: the state dict lacks {sorted(missing)}. Fix: load a state dict of the matching single-device module")
-    return {name: _block(full[name], spec, mesh, rank).clone() for name, spec in specs.items()}
+    return {name: block_of(full[name], spec, mesh, rank).clone() for name, spec in specs.items()}
 
 
 def stack_state(full: Mapping[str, Tensor], specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, Tensor]:

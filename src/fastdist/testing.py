@@ -31,7 +31,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from .checking import CheckMode, PartitionSpec, Rep, checked_call
+from .checking import CheckMode, PartitionSpec, Rep, block_of, checked_call
 from .errors import MeshError
 from .mesh import AxisName, Mesh
 from .simulate import simulate
@@ -96,12 +96,7 @@ def sharded(draw: st.DrawFn, n: int, *, even: bool = True, trailing: Sequence[in
 # ============================================================================ single-device oracle
 def shard_for_rank(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
     """The block of global ``x`` that ``rank`` holds under ``spec`` (replicated axes: the whole dim)."""
-    for d in range(len(spec.dims)):
-        names = spec.axes_of(d)
-        if names:
-            n, i = mesh.axis_size(names), mesh.index(rank, names)
-            x = x.narrow(d, i * (x.shape[d] // n), x.shape[d] // n)
-    return x
+    return block_of(x, spec, mesh, rank)
 
 
 def assert_matches_single_device(

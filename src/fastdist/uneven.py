@@ -50,11 +50,13 @@ __all__ = [
 
 
 # ====================================================================== shared helpers
-def _pad_rows(x: Tensor, rows: int) -> Tensor:
-    """``x`` with zero rows appended (dim 0) up to ``rows``."""
-    if x.shape[0] == rows:
+def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``rows``."""
+    if x.shape[dim] == rows:
         return x
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+    pad = list(x.shape)
+    pad[dim] = rows - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim)
 
 
 def _out_rows(capacity: int, exact: int) -> int:
@@ -136,7 +138,7 @@ def _rsv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], capacity: in
 def _rsv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
     total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, sum, *f]
     rows = _capacity_or_uniform(capacity, sizes)
-    chunks = [_pad_rows(t.transpose(0, 1), rows).transpose(0, 1) for t in torch.split(total, list(sizes), dim=1)]  # n x [G, rows, *f]
+    chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(total, list(sizes), dim=1)]  # n x [G, rows, *f]
     return spec.from_groups(torch.stack(chunks, dim=1))  # member i keeps chunk i
 
 
@@ -215,7 +217,7 @@ def _gv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], dst: int, capaci
     y = spec.to_groups(x)  # [G, n, C, *f]
     whole = torch.cat([y[:, i, : sizes[i]] for i in range(spec.n)], dim=1)  # [G, sum, *f]
     rows = _out_rows(capacity, sum(sizes))
-    whole = _pad_rows(whole.transpose(0, 1), rows).transpose(0, 1)  # [G, rows, *f]
+    whole = _pad_rows(whole, rows, dim=1)  # [G, rows, *f]
     out = torch.zeros(whole.shape[0], spec.n, *whole.shape[1:], dtype=x.dtype, device=x.device)
     out[:, dst] = whole  # only dst receives; the others get zeros, never uninitialised memory
     return spec.from_groups(out)
@@ -242,7 +244,7 @@ def _sv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], src: int, cap
 def _sv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
     whole = spec.to_groups(x)[:, src, : sum(sizes)]  # [G, sum, *f]: the source's tensor
     rows = _capacity_or_uniform(capacity, sizes)
-    chunks = [_pad_rows(t.transpose(0, 1), rows).transpose(0, 1) for t in torch.split(whole, list(sizes), dim=1)]
+    chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(whole, list(sizes), dim=1)]
     return spec.from_groups(torch.stack(chunks, dim=1))  # [G, n, rows, *f]: member i gets chunk i
 
 
