@@ -52,6 +52,8 @@ from .errors import (
     CommError,
     ConsistencyError,
     FastdistError,
+    LibraryError,
+    LibraryNotFoundError,
     MeshError,
     NoBackendError,
 )
@@ -119,5 +121,7 @@ __all__ = [
     "CommError",
     "CollectiveTimeout",
     "ConsistencyError",
+    "LibraryError",
+    "LibraryNotFoundError",
     "ReplicationError",
 ]

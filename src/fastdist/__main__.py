@@ -1,4 +1,4 @@
-"""Command line: ``python -m fastdist demo [--dp 2] [--tp 4] [--compile]``."""
+"""Command line: ``python -m fastdist demo [--dp 2] [--tp 4] [--compile]`` and ``python -m fastdist info``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tp", type=int, default=4, help="tensor-parallel degree (default 4)")
     demo.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     demo.add_argument("--compile", action="store_true", help="also run the step under torch.compile")
+    info = sub.add_parser("info", help="torch version, devices, available backends, the NCCL/HCCL libraries found (and why not)")
+    info.add_argument("--nccl-library", help="check this NCCL shared object instead of discovering one")
+    info.add_argument("--hccl-library", help="check this HCCL shared object instead of discovering one")
     args = parser.parse_args(argv)
+
+    if args.command == "info":
+        from .info import report
+
+        print(report(args.nccl_library, args.hccl_library))
+        return 0
 
     from .demo import run_demo
 

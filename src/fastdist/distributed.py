@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -102,7 +103,9 @@ class TorchComm:
         device_mesh: a ``DeviceMesh`` whose per-dimension groups to reuse.
     """
 
-    def __init__(self, mesh: Mesh, *, timeout: datetime.timedelta, check: bool, device_mesh: Any = None) -> None:
+    def __init__(
+        self, mesh: Mesh, *, timeout: datetime.timedelta, check: bool, device_mesh: Any = None, backend: str = "torch", library: Any = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise NoBackendError("fastdist: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
         world = dist.get_world_size()
@@ -112,6 +115,38 @@ class TorchComm:
         self._device_mesh = device_mesh
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
         self._axes: dict[tuple[int, ...], AxisComm] = {}
+        self.backend, self.native_lib = backend, _native_library(backend, library)
+        self._native: dict[tuple[int, ...], Any] = {}
+
+    def native(self, ac: AxisComm, op: str, x: Tensor) -> Any:
+        """The ctypes communicator for ``ac`` when this mesh's backend serves ``x``'s device, else None.
+
+        Created on first use by the group's members (id exchange over the gloo group).
+        """
+        lib = self.native_lib
+        if lib is None or x.device.type != lib.device_type:
+            return None
+        nc = self._native.get(ac.ranks)
+        if nc is not None:
+            return nc
+        fix = "call mesh.create_groups(device_type=...) once before compiling or capturing"
+        if torch.compiler.is_compiling():
+            raise CommError(op, ac.label, ac.ranks, self.rank, f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise CommError(op, ac.label, ac.ranks, self.rank, f"the {self.backend} communicator for this axis does not exist yet, and it cannot be created during CUDA graph capture", fix)
+        from .native import NativeCommunicator, exchange_over_group
+
+        exchange = exchange_over_group(ac.cpu_group(op))
+        nc = ac.run(op, lambda: NativeCommunicator.create(
+            lib, n=ac.n, index=ac.index, exchange=exchange, device=x.device, label=ac.label, ranks=ac.ranks, rank=self.rank), "creating the communicator")
+        self._native[ac.ranks] = nc
+        return nc
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Abort this mesh's ctypes communicators, waiting at most ``timeout`` seconds for each."""
+        done = all([nc.close(timeout) for nc in self._native.values()])
+        self._native.clear()
+        return done
 
     def axis(self, idx: tuple[int, ...]) -> AxisComm:
         """The communicator of this rank's group along the axes at positions ``idx`` (cached)."""
@@ -179,28 +214,74 @@ class AxisComm:
     def _wait(self, op: str, issue: Callable[[], Any]) -> Tensor:
         return cast(Tensor, self.run(op, lambda: _F.wait_tensor(issue())))
 
+    def _native(self, op: str, x: Tensor) -> Any:
+        if self.comm.native_lib is None:
+            return None
+        if torch.compiler.is_compiling() and x.device.type == self.comm.native_lib.device_type:
+            raise CommError(op, self.label, self.ranks, self.rank, f"the {self.comm.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
+        return self.comm.native(self, op, x)
+
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.all_reduce(op, x, reduce_op)))
         name = self.group_name(op, x)
         return self._wait(op, lambda: _F.all_reduce(x.contiguous(), reduce_op, name))
 
     def all_gather0(self, op: str, x: Tensor) -> Tensor:
         """Concatenate every member's ``x`` along dim 0, in axis order."""
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.all_gather0(op, x)))
         name = self.group_name(op, x)
         return self._wait(op, lambda: _F.all_gather_into_tensor(x.contiguous(), self.n, name))
 
     def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
         """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.reduce_scatter0(op, x)))
         name = self.group_name(op, x)
         return self._wait(op, lambda: _F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, name))
 
     def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender."""
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.all_to_all0(op, x, out_splits, in_splits)))
         name = self.group_name(op, x)
         return self._wait(op, lambda: _F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), name))
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.broadcast(op, x, src)))
         name = self.group_name(op, x)
         return self._wait(op, lambda: _F.broadcast(x.contiguous(), src, name))
+
+    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
+        """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0 (``[sum(sizes), ...]``).
+
+        torch backend: pad to the largest size and all-gather; ctypes: grouped broadcasts.
+        """
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.all_gather_v0(op, x, sizes)))
+        m = max(sizes)
+        got = self.all_gather0(op, _pad_rows(x[: sizes[self.index]], m)).unflatten(0, (self.n, m))  # type: ignore[no-untyped-call]  # [n, m, *f]
+        return torch.cat([got[i, : sizes[i]] for i in range(self.n)])  # [sum, *f]
+
+    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
+        """Sum ``x`` (``[sum(sizes), ...]``) over members; member ``i`` keeps its ``sizes[i]`` rows.
+
+        torch backend: pad every chunk to the largest and reduce-scatter; ctypes: grouped reduces.
+        """
+        nc = self._native(op, x)
+        if nc is not None:
+            return cast(Tensor, self.run(op, lambda: nc.reduce_scatter_v0(op, x, sizes)))
+        m = max(sizes)
+        padded = torch.cat([_pad_rows(t, m) for t in torch.split(x, list(sizes))])  # [n * m, *f]
+        return self.reduce_scatter0(op, padded)[: sizes[self.index]]  # [sizes[me], *f]
 
     # --------------------------------------------------------------- check mode
     def check(self, op: str, tensors: Sequence[Tensor], params: Mapping[str, Any]) -> None:
@@ -214,6 +295,30 @@ class AxisComm:
         if any(e != every[0] for e in every):
             table = "; ".join(f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]})" for r, e in zip(self.ranks, every))
             raise ConsistencyError(op, self.label, self.ranks, self.rank, f"the ranks disagree: {table}", "make every rank of the group make the same call")
+
+
+def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``rows``."""
+    if x.shape[dim] == rows:
+        return x
+    pad = list(x.shape)
+    pad[dim] = rows - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim)
+
+
+def _native_library(backend: str, library: Any) -> Any:
+    """The bound library for a ctypes backend (loaded when the mesh is built, so errors come early)."""
+    from .native import BACKENDS, load_library
+
+    if backend not in BACKENDS:
+        raise MeshError(f"fastdist: unknown backend {backend!r}. Fix: use one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "torch":
+        if library is not None:
+            raise MeshError("fastdist: library= only applies to backend='nccl-ctypes' or 'hccl-ctypes'")
+        return None
+    if library is not None and not isinstance(library, (str, Path)):
+        return library  # an already bound NativeLibrary (Mesh.with_timeout passes it on)
+    return load_library(backend.split("-")[0], None if library is None else str(library))
 
 
 def _comm_error(op: str, ac: AxisComm, rank: int, e: BaseException, what: str) -> CommError:

@@ -17,6 +17,8 @@ __all__ = [
     "CommError",
     "CollectiveTimeout",
     "ConsistencyError",
+    "LibraryError",
+    "LibraryNotFoundError",
 ]
 
 
@@ -73,3 +75,23 @@ class CollectiveTimeout(CommError, TimeoutError):
 
 class ConsistencyError(CommError):
     """Check mode: the ranks of a group called a collective with different arguments."""
+
+
+class LibraryError(NoBackendError):
+    """A native collective library (NCCL/HCCL through ctypes) is unusable: it does not load,
+    lacks a function fastdist needs, or a call in it failed outside any collective."""
+
+
+class LibraryNotFoundError(LibraryError):
+    """No NCCL/HCCL library was found. The message lists every place fastdist looked.
+
+    Attributes:
+        kind: ``"nccl"`` or ``"hccl"``.
+        tried: one line per place looked, with what was found there.
+        fix: how to point fastdist at a library.
+    """
+
+    def __init__(self, kind: str, tried: Sequence[str], fix: str) -> None:
+        self.kind, self.tried, self.fix = kind, list(tried), fix
+        looked = "".join(f"\n  {i}. {t}" for i, t in enumerate(self.tried, 1))
+        super().__init__(f"fastdist: no {kind.upper()} library found. Looked, in order:{looked}\nFix: {fix}")

@@ -142,6 +142,8 @@ class Mesh:
         order: Sequence[str] = DEFAULT_ORDER,
         timeout: float | datetime.timedelta | None = None,
         check: bool = False,
+        backend: str = "torch",
+        library: str | None = None,
         **degrees: int,
     ) -> Mesh:
         """A mesh over the running ``torch.distributed`` job (after ``init_process_group``).
@@ -156,6 +158,12 @@ class Mesh:
                 group compare op, shapes, dtypes and parameters, and all raise
                 :class:`~fastdist.ConsistencyError` on a mismatch (eager mode only; it
                 costs one small gloo all-gather per collective).
+            backend: ``"torch"`` (torch.distributed process groups: gloo, NCCL, HCCL),
+                ``"nccl-ctypes"`` or ``"hccl-ctypes"`` (device tensors through NCCL/HCCL
+                called directly with ctypes, usable inside CUDA graph capture; CPU tensors
+                still use gloo). Results do not depend on the choice.
+            library: the NCCL/HCCL shared object for a ctypes backend (default: discovered,
+                see :func:`fastdist.native.find_library`).
         """
         import torch.distributed as dist
 
@@ -164,15 +172,17 @@ class Mesh:
         if not (dist.is_available() and dist.is_initialized()):
             raise MeshError("Mesh.from_torch: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
         mesh = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
-        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check)
+        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, backend=backend, library=library)
         return mesh
 
     @classmethod
-    def from_device_mesh(cls, device_mesh: Any, *, timeout: float | datetime.timedelta | None = None, check: bool = False) -> Mesh:
+    def from_device_mesh(
+        cls, device_mesh: Any, *, timeout: float | datetime.timedelta | None = None, check: bool = False, backend: str = "torch", library: str | None = None,
+    ) -> Mesh:
         """A mesh with the axes of a ``torch.distributed.device_mesh.DeviceMesh``, reusing its groups.
 
         The DeviceMesh must have dimension names and the row-major rank layout
-        (``init_device_mesh`` gives both).
+        (``init_device_mesh`` gives both). ``backend`` and ``library`` as in :meth:`from_torch`.
         """
         from . import distributed as D
 
@@ -183,7 +193,7 @@ class Mesh:
         if layout != list(range(len(layout))):
             raise MeshError(f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major 0..{len(layout) - 1}. Fix: build it with init_device_mesh")
         mesh = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
-        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, device_mesh=device_mesh)
+        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, device_mesh=device_mesh, backend=backend, library=library)
         return mesh
 
     def to_device_mesh(self, device_type: str = "cpu") -> Any:
@@ -198,25 +208,47 @@ class Mesh:
 
         if self._comm is None:
             raise MeshError(f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+        old = self._comm
         mesh = Mesh(list(zip(self._names, self._sizes)))
-        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=self._comm.check)
+        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=old.check, backend=old.backend, library=old.native_lib)
         return mesh
 
     def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
         """Create now (instead of on first use) this rank's process groups for ``axes`` (default: each axis).
 
         Needed before ``torch.compile`` of a step whose collectives have not run eagerly:
-        groups cannot be created while dynamo traces. Every rank must call it.
+        groups cannot be created while dynamo traces. With a ctypes backend and its device
+        type (``"cuda"``; ``"cpu"`` for the fake library) it also creates the NCCL/HCCL
+        communicators, which must exist before CUDA graph capture. Every rank must call it.
         """
+        import torch
+
         from . import distributed as D
 
         if self._comm is None:
             raise MeshError(f"Mesh.create_groups: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
-        backend = D.select_backend(device_type)
+        lib = self._comm.native_lib
+        native = lib is not None and device_type == lib.device_type
+        backend = "gloo" if native else D.select_backend(device_type)
         for axis in axes or self._names:
             ac = self._comm.axis(self.axis_indices(axis, "Mesh.create_groups"))
             if ac.n > 1:
                 self._comm.group(ac, backend, "create_groups")
+                if native:
+                    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+                    self._comm.native(ac, "create_groups", torch.empty(0, device=device))
+
+    @property
+    def backend(self) -> str | None:
+        """``"torch"``, ``"nccl-ctypes"`` or ``"hccl-ctypes"`` on real ranks; ``None`` for a plain mesh."""
+        return None if self._comm is None else str(self._comm.backend)
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Release this mesh's ctypes communicators (abort with a bounded wait); True if all finished.
+
+        A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups).
+        """
+        return True if self._comm is None else bool(self._comm.close(timeout))
 
     @property
     def rank(self) -> int:

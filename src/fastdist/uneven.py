@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ._primitive import Primitive, Spec
 from .collectives import _apply, _enter, _index, _norm_dim, all_gather
-from .distributed import AxisComm
+from .distributed import AxisComm, _pad_rows
 from .errors import CollectiveError, NoBackendError
 from .mesh import AxisName, Mesh
 
@@ -50,15 +50,6 @@ __all__ = [
 
 
 # ====================================================================== shared helpers
-def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
-    """``x`` with zeros appended along ``dim`` up to ``rows``."""
-    if x.shape[dim] == rows:
-        return x
-    pad = list(x.shape)
-    pad[dim] = rows - x.shape[dim]
-    return torch.cat([x, x.new_zeros(pad)], dim=dim)
-
-
 def _out_rows(capacity: int, exact: int) -> int:
     return capacity if capacity >= 0 else exact
 
@@ -119,9 +110,7 @@ def _agv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], accumulate_fp32
 
 
 def _agv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
-    m = max(sizes)
-    got = c.all_gather0("all_gather_v", _pad_rows(x[: sizes[c.index]], m)).unflatten(0, (c.n, m))  # type: ignore[no-untyped-call]  # [n, m, *f]
-    return torch.cat([got[i, : sizes[i]] for i in range(c.n)])  # [sum, *f]
+    return c.all_gather_v0("all_gather_v", x, sizes)  # [sum, *f]
 
 
 def _agv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], accumulate_fp32: bool) -> tuple[Any, ...]:
@@ -143,9 +132,7 @@ def _rsv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], capacity: int) 
 
 
 def _rsv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
-    m = max(sizes)
-    padded = torch.cat([_pad_rows(t, m) for t in torch.split(x, list(sizes))])  # [n * m, *f]
-    mine = c.reduce_scatter0("reduce_scatter_v", padded)[: sizes[c.index]]  # [sizes[me], *f]
+    mine = c.reduce_scatter_v0("reduce_scatter_v", x[: sum(sizes)], sizes)  # [sizes[me], *f]
     return _pad_rows(mine, _out_rows(capacity, sizes[c.index]))
 
 

@@ -1,0 +1,339 @@
+"""One NCCL or HCCL communicator, driven through ctypes, for one group of ranks.
+
+A :class:`NativeCommunicator` is what a mesh with ``backend="nccl-ctypes"`` (or
+``"hccl-ctypes"``) uses for the device tensors of one axis group. It is created
+collectively by the group's members: member 0 makes the unique id (NCCL) or root info
+(HCCL), the bytes go to the others over a CPU channel (the axis's gloo group, or a
+:class:`~fastdist.StatelessGroup`), every member calls ``CommInitRank`` on its device, and
+a one-element all-reduce checks the result before the communicator is handed out.
+
+Every op runs on the current CUDA (or NPU) stream, allocates its output with torch, and
+never synchronises with the host, so it can be captured in ``torch.cuda.graph``. Tensors
+whose dtype the library lacks travel as bytes (fp8 as uint8); reducing them is an error.
+All-gather-v and reduce-scatter-v are grouped broadcasts / reduces, one per root.
+``close(timeout)`` aborts with a bounded wait (abort blocks while captured graphs live).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import CommError, LibraryError
+from .library import NativeLibrary
+
+__all__ = ["NativeCommunicator", "exchange_over_group", "exchange_over_stateless"]
+
+Exchange = Callable[[bytes | None], bytes]  # member 0 passes its id bytes, the others None; all get the bytes
+
+
+def exchange_over_group(group: Any, src: int = 0) -> Exchange:
+    """An id exchange over a CPU (gloo) process group: ``src`` (a group rank) broadcasts the bytes."""
+    import torch.distributed as dist
+
+    def exchange(data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, group=group, group_src=src)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, group=group, group_src=src)
+        return bytes(buf.numpy().tobytes())
+
+    return exchange
+
+
+def exchange_over_stateless(group: Any, src: int = 0) -> Exchange:
+    """An id exchange over a :class:`~fastdist.StatelessGroup` (a TCPStore, no process group needed)."""
+
+    def exchange(data: bytes | None) -> bytes:
+        return bytes(group.broadcast_obj(data, src=src))
+
+    return exchange
+
+
+def _ptr(t: Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+class NativeCommunicator:
+    """A communicator over ``nranks`` members through a bound :class:`NativeLibrary`.
+
+    Build it with :meth:`create` (collective: every member calls it at the same time).
+    Errors name the op, the mesh axis (``label``), the group's global ranks and this rank.
+
+    Attributes:
+        lib: the bound library. device: where its buffers live.
+        n: members. index: this member's index (its rank in the communicator).
+    """
+
+    def __init__(self, lib: NativeLibrary, handle: ctypes.c_void_p, *, n: int, index: int, device: torch.device, label: Any, ranks: Sequence[int], rank: int) -> None:
+        self.lib, self._handle, self.n, self.index, self.device = lib, handle, n, index, device
+        self.label, self.ranks, self.rank = label, tuple(ranks), rank
+        self._nccl = lib.spec.kind == "nccl"
+        self.closed = False
+
+    # ------------------------------------------------------------------ set-up and teardown
+    @classmethod
+    def create(
+        cls, lib: NativeLibrary, *, n: int, index: int, exchange: Exchange, device: torch.device | None = None,
+        label: Any = None, ranks: Sequence[int] | None = None, rank: int | None = None, warmup: bool = True,
+    ) -> NativeCommunicator:
+        """Make the id on member 0, exchange it, init on ``device``, check with a warm-up all-reduce."""
+        ranks = tuple(range(n)) if ranks is None else tuple(ranks)
+        rank = index if rank is None else rank
+        device = _default_device(lib) if device is None else torch.device(device)
+        if device.type != lib.device_type:
+            raise CommError("init", label, ranks, rank, f"{lib.spec.kind.upper()} buffers live on {lib.device_type}, not {device}", f"pass a {lib.device_type} device")
+        blob = exchange(lib.new_id() if index == 0 else None)
+        handle = ctypes.c_void_p()
+        with _on_device(device):
+            if lib.spec.kind == "nccl":
+                uid = lib.spec.id_type.from_buffer_copy(blob)
+                rc = lib.fn("ncclCommInitRank")(ctypes.byref(handle), n, uid, index)
+            else:
+                root = lib.spec.id_type.from_buffer_copy(blob)
+                rc = lib.fn("HcclCommInitRootInfo")(n, ctypes.byref(root), index, ctypes.byref(handle))
+        if rc != 0:
+            raise CommError(
+                "init", label, ranks, rank, f"{lib.spec.kind.upper()} communicator init failed with {rc} ({lib.error_text(rc)})",
+                "check that every member reached this call with the same group and a distinct device",
+            )
+        comm = cls(lib, handle, n=n, index=index, device=device, label=label, ranks=ranks, rank=rank)
+        if warmup:
+            got = comm.all_reduce("warm-up", torch.ones(1, device=device), "sum")
+            if _on_host(got).item() != n:
+                raise CommError("init", label, ranks, rank, f"the warm-up all-reduce gave {got.item()}, expected {n}", f"check the {lib.spec.kind.upper()} installation")
+        return comm
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Abort (or destroy) the communicator, waiting at most ``timeout`` seconds.
+
+        Abort can block while CUDA graphs that captured this communicator are alive, so it
+        runs in a daemon thread. Returns whether it finished; warns if it did not.
+        """
+        if self.closed:
+            return True
+        self.closed = True
+        name = "ncclCommAbort" if self.lib.has("ncclCommAbort") else ("ncclCommDestroy" if self._nccl else "HcclCommDestroy")
+        fn, handle = self.lib.fn(name), self._handle
+        done = threading.Event()
+
+        def run() -> None:
+            fn(handle)
+            done.set()
+
+        threading.Thread(target=run, name=f"fastdist-{name}", daemon=True).start()
+        if not done.wait(timeout):
+            warnings.warn(f"fastdist: {name} on rank {self.rank} (axis {self.label!r}) did not return within {timeout:g} s; left running in a daemon thread", RuntimeWarning, stacklevel=2)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ plumbing
+    def _stream(self) -> ctypes.c_void_p:
+        if self.device.type == "cuda":
+            return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.device.type == "npu":  # pragma: no cover - needs torch_npu
+            return ctypes.c_void_p(torch.npu.current_stream().npu_stream)  # type: ignore[attr-defined]
+        return ctypes.c_void_p(None)
+
+    def _wire(self, op: str, x: Tensor, reducing: bool) -> tuple[Tensor, int, int]:
+        """``(tensor as sent, dtype enum, elements)``: unsupported dtypes travel as uint8 bytes."""
+        if self.closed:
+            raise CommError(op, self.label, self.ranks, self.rank, "the communicator was closed", "build a new mesh (mesh.close() released it)")
+        if x.device != self.device:
+            raise CommError(op, self.label, self.ranks, self.rank, f"the tensor is on {x.device}, the communicator on {self.device}", f"move the tensor to {self.device}")
+        x = x.contiguous()
+        code = self.lib.spec.dtypes.get(x.dtype)
+        if code is not None:
+            return x, code, x.numel()
+        if reducing:
+            raise CommError(
+                op, self.label, self.ranks, self.rank, f"{self.lib.spec.kind.upper()} cannot reduce {x.dtype}",
+                "cast to a supported dtype first (float32, bfloat16, ...) or use backend='torch'",
+            )
+        raw = x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)  # [numel * itemsize] bytes (fp8: as uint8)
+        return raw, self.lib.spec.dtypes[torch.uint8], raw.numel()
+
+    def _call(self, op: str, name: str, *args: Any) -> None:
+        rc = self.lib.fn(name)(*args)
+        if rc != 0:
+            raise CommError(
+                op, self.label, self.ranks, self.rank, f"{name} returned {rc} ({self.lib.error_text(rc, self._handle)})",
+                "a peer probably exited, timed out or called a different op; check its log",
+            )
+
+    def _group(self, op: str, body: Callable[[], None]) -> None:
+        """Run ``body``'s calls as one NCCL/HCCL group (fused and deadlock-free)."""
+        start, end = ("ncclGroupStart", "ncclGroupEnd") if self._nccl else ("HcclGroupStart", "HcclGroupEnd")
+        grouped = self.lib.has(start)
+        if grouped:
+            self._call(op, start)
+        try:
+            body()
+        finally:
+            if grouped:
+                self._call(op, end)
+
+    def _reduce_code(self, op: str, reduce_op: str) -> int:
+        code = self.lib.spec.reduce_ops.get(reduce_op)
+        if code is None:
+            raise CommError(op, self.label, self.ranks, self.rank, f"unknown reduction {reduce_op!r}", f"use one of {sorted(self.lib.spec.reduce_ops)}")
+        return code
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
+        """Elementwise reduction over members (``"sum" | "prod" | "max" | "min" | "avg"``); same shape."""
+        emulate_avg = reduce_op == "avg" and "avg" not in self.lib.spec.reduce_ops
+        w, dt, k = self._wire(op, x, reducing=True)
+        out = torch.empty_like(w)
+        self._call(op, "ncclAllReduce" if self._nccl else "HcclAllReduce",
+                   _ptr(w), _ptr(out), k, dt, self._reduce_code(op, "sum" if emulate_avg else reduce_op), self._handle, self._stream())
+        return out.div_(self.n) if emulate_avg else out
+
+    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+        """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
+        w, dt, k = self._wire(op, x, reducing=False)
+        out = w.new_empty((self.n * w.numel(),))  # [n * k], in the wire dtype
+        self._call(op, "ncclAllGather" if self._nccl else "HcclAllGather", _ptr(w), _ptr(out), k, dt, self._handle, self._stream())
+        return out.view(x.dtype).reshape(self.n * x.shape[0], *x.shape[1:]) if x.dim() else out.view(x.dtype)
+
+    def reduce_scatter0(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
+        """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``."""
+        w, dt, k = self._wire(op, x, reducing=True)
+        out = w.new_empty((k // self.n,))  # [k / n]
+        self._call(op, "ncclReduceScatter" if self._nccl else "HcclReduceScatter",
+                   _ptr(w), _ptr(out), k // self.n, dt, self._reduce_code(op, reduce_op), self._handle, self._stream())
+        return out.reshape(x.shape[0] // self.n, *x.shape[1:])
+
+    def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
+        """Every member gets member ``src``'s ``x`` (a new tensor; ``x`` is not written)."""
+        w, dt, k = self._wire(op, x, reducing=False)
+        out = w.clone() if self.index == src else torch.empty_like(w)
+        if self._nccl:
+            self._call(op, "ncclBroadcast", _ptr(out), _ptr(out), k, dt, src, self._handle, self._stream())
+        else:
+            self._call(op, "HcclBroadcast", _ptr(out), k, dt, src, self._handle, self._stream())
+        return out.view(x.dtype).reshape(x.shape)
+
+    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
+        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender."""
+        w, dt, _ = self._wire(op, x, reducing=False)
+        per_row = _row_elems(x, w)
+        out = w.new_empty((sum(out_splits) * per_row,))  # [rows received * row elements], wire dtype
+        send_off = [sum(in_splits[:j]) * per_row for j in range(self.n)]
+        recv_off = [sum(out_splits[:j]) * per_row for j in range(self.n)]
+        stream = self._stream()
+        if self._nccl:
+            flat = w.reshape(-1)
+
+            def body() -> None:
+                for j in range(self.n):
+                    if in_splits[j]:
+                        self._call(op, "ncclSend", _ptr(flat[send_off[j]:]), in_splits[j] * per_row, dt, j, self._handle, stream)
+                    if out_splits[j]:
+                        self._call(op, "ncclRecv", _ptr(out[recv_off[j]:]), out_splits[j] * per_row, dt, j, self._handle, stream)
+
+            self._group(op, body)
+        else:
+            u64 = ctypes.c_uint64 * self.n
+            counts = [u64(*(s * per_row for s in splits)) for splits in (in_splits, out_splits)]
+            self._call(op, "HcclAlltoAllV", _ptr(w), counts[0], u64(*send_off), dt, _ptr(out), counts[1], u64(*recv_off), dt, self._handle, stream)
+        return out.view(x.dtype).reshape(sum(out_splits), *x.shape[1:])
+
+    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
+        """Member ``i`` contributes ``x[:sizes[i]]``; everyone gets them concatenated: ``[sum(sizes), *rest]``.
+
+        One broadcast per root, grouped: no padding to the largest size.
+        """
+        mine = x[: sizes[self.index]]
+        w, dt, _ = self._wire(op, mine, reducing=False)
+        per_row = _row_elems(x, w)
+        out = w.new_empty((sum(sizes) * per_row,))  # [sum(sizes) * row elements], wire dtype
+        offs = [sum(sizes[:r]) * per_row for r in range(self.n)]
+        stream = self._stream()
+        if not self._nccl and sizes[self.index]:
+            out[offs[self.index] : offs[self.index] + w.numel()].copy_(w.reshape(-1))  # HCCL broadcasts in place
+
+        def body() -> None:
+            for r in range(self.n):
+                if not sizes[r]:
+                    continue
+                dst = out[offs[r] :]
+                if self._nccl:
+                    src = w if r == self.index else dst
+                    self._call(op, "ncclBroadcast", _ptr(src), _ptr(dst), sizes[r] * per_row, dt, r, self._handle, stream)
+                else:
+                    self._call(op, "HcclBroadcast", _ptr(dst), sizes[r] * per_row, dt, r, self._handle, stream)
+
+        self._group(op, body)
+        return out.view(x.dtype).reshape(sum(sizes), *x.shape[1:])
+
+    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int], reduce_op: str = "sum") -> Tensor:
+        """Reduce ``x`` (``[sum(sizes), *rest]``) over members; member ``i`` keeps rows of chunk ``i``.
+
+        One reduce per root, grouped: ``[sizes[me], *rest]``.
+        """
+        w, dt, _ = self._wire(op, x, reducing=True)
+        per_row = _row_elems(x, w)
+        flat = w.reshape(-1)
+        out = w.new_empty((sizes[self.index] * per_row,))  # [sizes[me] * row elements]
+        code = self._reduce_code(op, reduce_op)
+        stream = self._stream()
+
+        def body() -> None:
+            off = 0
+            for r in range(self.n):
+                if sizes[r]:
+                    recv = out if r == self.index else flat[off:]  # non-roots: recv is ignored
+                    name = "ncclReduce" if self._nccl else "HcclReduce"
+                    self._call(op, name, _ptr(flat[off:]), _ptr(recv), sizes[r] * per_row, dt, code, r, self._handle, stream)
+                off += sizes[r] * per_row
+
+        self._group(op, body)
+        return out.reshape(sizes[self.index], *x.shape[1:])
+
+    def __repr__(self) -> str:
+        return f"NativeCommunicator({self.lib.spec.kind}, axis={self.label!r}, member {self.index} of {self.n}, {self.device})"
+
+
+def _row_elems(x: Tensor, w: Tensor) -> int:
+    """Wire elements per row of dim 0 (bytes when ``x`` travels as uint8)."""
+    row = math.prod(x.shape[1:])
+    return row * x.element_size() if w.dtype != x.dtype else row
+
+
+def _default_device(lib: NativeLibrary) -> torch.device:
+    if lib.device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise LibraryError(f"fastdist: {lib.spec.backend} needs a CUDA device and none is visible. Fix: run on a GPU machine or use backend='torch'")
+        return torch.device("cuda", torch.cuda.current_device())
+    if lib.device_type == "npu":  # pragma: no cover - needs torch_npu
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+class _on_device:
+    """``torch.cuda.device(d)`` for CUDA devices, nothing otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._ctx: Any = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _on_host(t: Tensor) -> Tensor:
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+    return t.cpu()
