@@ -25,10 +25,14 @@ class RankResult:
     value: Any
 
 
-def run_world(scenario: str, world: int, *, timeout: float = 240.0, seed: int = 0) -> list[RankResult]:
-    """Run ``scenario`` on ``world`` gloo processes; kill all of them past ``timeout`` (never hang)."""
+def run_world(scenario: str, world: int, *, timeout: float = 240.0, seed: int = 0, env: dict[str, str] | None = None) -> list[RankResult]:
+    """Run ``scenario`` on ``world`` gloo processes; kill all of them past ``timeout`` (never hang).
+
+    ``env`` adds variables, e.g. ``FASTDIST_TEST_BACKEND`` / ``FASTDIST_TEST_LIBRARY`` to run
+    the scenario's meshes on a ctypes backend.
+    """
     port = free_port()
-    env = {**os.environ, "FASTDIST_TEST_STORE_PORT": str(free_port()), "FASTDIST_TEST_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **(env or {}), "FASTDIST_TEST_STORE_PORT": str(free_port()), "FASTDIST_TEST_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as out:
         logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
         procs = [

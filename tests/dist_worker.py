@@ -29,6 +29,13 @@ def scenario(fn: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
     return fn
 
 
+def from_torch(**kw: Any) -> fd.Mesh:
+    """Mesh.from_torch on the backend the parent test asked for (FASTDIST_TEST_BACKEND / _LIBRARY)."""
+    backend = os.environ.get("FASTDIST_TEST_BACKEND", "torch")
+    library = os.environ.get("FASTDIST_TEST_LIBRARY") if backend != "torch" else None
+    return fd.Mesh.from_torch(backend=backend, library=library, **kw)
+
+
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
 
@@ -64,7 +71,7 @@ def group_first(x: torch.Tensor, mesh: fd.Mesh, axis: Any) -> torch.Tensor:
 @scenario
 def ops(rank: int, world: int) -> int:
     """Every op, single and tuple axes: values and gradients equal simulate's slice for this rank."""
-    mesh = fd.Mesh.from_torch(order=("dp", "sp", "tp"), **MESHES[world])
+    mesh = from_torch(order=("dp", "sp", "tp"), **MESHES[world])
     checks = 0
     for i, (op, axis, kw) in enumerate(op_cases(mesh)):
         n = mesh.axis_size(axis)
@@ -200,7 +207,7 @@ def spmd_checked(rank: int, world: int) -> str:
 @scenario
 def uneven(rank: int, world: int) -> dict[str, Any]:
     """v-ops with exact (ragged) outputs on real ranks == simulate's capacity-padded rows; ragged a2a; MoE; check mode."""
-    mesh = fd.Mesh.from_torch(tp=world)
+    mesh = from_torch(tp=world)
     seed = int(os.environ.get("FASTDIST_TEST_SEED", "0"))
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(0, 4, (world,), generator=g).tolist()  # uneven, zeros included
@@ -252,7 +259,7 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
     close(mine[1].grad, ref[1].grad, "MoE d router")
     close(mine[2].grad, ref[2].grad[rank], "MoE d w1")
 
-    checked = fd.Mesh.from_torch(tp=world, check=True, timeout=30)
+    checked = from_torch(tp=world, check=True, timeout=30)
     try:
         fd.all_gather_v(torch.zeros(3, 1), checked, "tp", [1] * (world - 1) + [1 + (rank == 0)])
     except fd.ConsistencyError as e:
@@ -397,6 +404,65 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
     except fd.CollectiveTimeout as e:
         return {"expired": expired, "gone": gone, "timeout_msg": str(e), "elapsed": time.monotonic() - t0}
     return {"expired": expired, "gone": gone, "timeout_msg": None}
+
+
+# ============================================================================ ctypes backend (fake library)
+@scenario
+def native(rank: int, world: int) -> dict[str, Any]:
+    """ops and uneven on the ctypes backend named by the parent, then what the library was asked to do."""
+    from fastdist.native import fake
+
+    lib = os.environ["FASTDIST_TEST_LIBRARY"]
+    checks = ops(rank, world)
+    fake.clear_log(lib)
+    mesh = from_torch(tp=world)
+    mesh.create_groups(device_type="cpu")  # the communicator exists before the first op
+    after_create = fake.call_log(lib)
+    fake.clear_log(lib)
+    x = torch.arange(6.0).reshape(3, 2) + rank
+    close(fd.psum(x, mesh, "tp"), sum(torch.arange(6.0).reshape(3, 2) + r for r in range(world)), "psum")
+    psum_calls = fake.call_log(lib)
+    fake.clear_log(lib)
+    sizes = [r % 3 + 1 for r in range(world)]
+    got = fd.all_gather_v(torch.full((sizes[rank], 2), float(rank)), mesh, "tp", sizes)
+    close(got, torch.cat([torch.full((s, 2), float(r)) for r, s in enumerate(sizes)]), "all_gather_v")
+    agv_calls = fake.call_log(lib)
+    f8 = (torch.arange(4.0) + rank).to(torch.float8_e4m3fn)
+    fake.clear_log(lib)
+    g8 = fd.all_gather(f8, mesh, "tp", tiled=True)
+    close(g8.float(), torch.cat([torch.arange(4.0) + r for r in range(world)]).to(torch.float8_e4m3fn).float(), "fp8 all_gather")
+    fp8_calls = fake.call_log(lib)
+    uneven_result = uneven(rank, world)
+    return {
+        "checks": checks, "after_create": after_create, "psum": psum_calls, "agv": agv_calls, "fp8": fp8_calls,
+        "check": uneven_result["check"], "closed": mesh.close(timeout=5.0), "backend": mesh.backend,
+    }
+
+
+@scenario
+def native_exchange(rank: int, world: int) -> dict[str, Any]:
+    """The unique id travels over the axis's gloo group, and over a StatelessGroup; communicators work."""
+    from fastdist.native import NativeCommunicator, exchange_over_group, exchange_over_stateless, load_library
+
+    lib = load_library("nccl", os.environ["FASTDIST_TEST_LIBRARY"])
+    mesh = fd.Mesh.from_torch(tp=world)
+    ac = mesh._comm.axis(mesh.axis_indices("tp", "test"))
+    seen: list[bytes] = []
+
+    def spy(data: bytes | None) -> bytes:
+        got = exchange_over_group(ac.cpu_group("test"))(data)
+        seen.append(got)
+        return got
+
+    comm = NativeCommunicator.create(lib, n=world, index=rank, exchange=spy, label="tp", ranks=ac.ranks, rank=rank)
+    ids = fd.all_gather_object(seen[0], mesh)
+    total = comm.all_reduce("psum", torch.tensor([float(rank)]), "sum").item()
+    comm.close()
+    sg = fd.StatelessGroup.create("127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=30)
+    comm2 = NativeCommunicator.create(lib, n=world, index=rank, exchange=exchange_over_stateless(sg), label="tp", rank=rank)
+    stateless_sum = comm2.all_reduce("psum", torch.ones(1, dtype=torch.int64), "sum").item()
+    comm2.close()
+    return {"same_id": len(set(ids)) == 1 and len(ids[0]) == 128, "sum": total, "stateless_sum": stateless_sum}
 
 
 # ============================================================================ entry point
