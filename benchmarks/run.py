@@ -38,16 +38,53 @@ import fastdist as fd
 HERE = Path(__file__).resolve().parent
 
 
-def timeit(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
-    """Median seconds per call over ``reps`` calls after ``warmup``."""
+def timeit(fn: Callable[[], Any], reps: int, warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds per call over ``reps`` calls after ``warmup`` (``clock=time.thread_time``: CPU time of this thread)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
+
+
+def _dispatch_us(mesh: fd.Mesh, reps: int) -> dict[str, float]:
+    """fastdist's own CPU time per call at 4 bytes, with the transport replaced by local stand-ins.
+
+    What fastdist adds on top of the collective it issues: argument checks, the group spec,
+    the rule, reshapes. Measured as thread CPU time over many calls (stable on a busy machine).
+    """
+    from fastdist.distributed import AxisComm
+
+    n = mesh.axis_size("tp")
+    stand_in = {
+        "all_reduce": lambda self, op, x, r: x,
+        "all_gather0": lambda self, op, x: x.expand(n, *x.shape).reshape(n * x.shape[0], *x.shape[1:]),
+        "reduce_scatter0": lambda self, op, x: x[: x.shape[0] // n],
+        "all_to_all0": lambda self, op, x, o, i: x.new_empty(sum(o), *x.shape[1:]),
+    }
+    saved = {k: getattr(AxisComm, k) for k in stand_in}
+    x = torch.randn(n)
+    calls = {
+        "psum": lambda: fd.psum(x, mesh, "tp"), "all_gather": lambda: fd.all_gather(x[:1], mesh, "tp"),
+        "psum_scatter": lambda: fd.psum_scatter(x, mesh, "tp"), "all_to_all": lambda: fd.all_to_all(x, mesh, "tp", 0, 0),
+        "ppermute": lambda: fd.ring_shift(x, mesh, "tp"),
+    }
+    try:
+        for k, f in stand_in.items():
+            setattr(AxisComm, k, f)
+        out = {}
+        for op, fn in calls.items():
+            def batch(fn: Callable[[], Any] = fn) -> None:
+                for _ in range(100):
+                    fn()
+            out[op] = timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
+        return out
+    finally:
+        for k, f in saved.items():
+            setattr(AxisComm, k, f)
 
 
 # ============================================================================ simulated ranks vs one device
@@ -200,12 +237,12 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
             },
             "all_gather": {
                 "fastdist": lambda: fd.all_gather(x[:chunk], mesh, "tp"),
-                "c10d": lambda: dist.all_gather_into_tensor(torch.empty(n), x[:chunk].contiguous(), group=group),
+                "c10d": lambda: dist.all_gather_single(torch.empty(n), x[:chunk].contiguous(), group=group),
                 "funcol": lambda: funcol.all_gather_tensor(x[:chunk], 0, group),
             },
             "psum_scatter": {
                 "fastdist": lambda: fd.psum_scatter(x, mesh, "tp"),
-                "c10d": lambda: dist.reduce_scatter_tensor(torch.empty(chunk), x, group=group),
+                "c10d": lambda: dist.reduce_scatter_single(torch.empty(chunk), x, group=group),
                 "funcol": lambda: funcol.reduce_scatter_tensor(x, "sum", 0, group),
             },
             "all_to_all": {
@@ -230,7 +267,12 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
                         r.sum()  # materialise async results
                 dist.barrier(group)
                 times[impl] = timeit(call, reps)
+                dist.barrier(group)
+                times[f"{impl}_cpu"] = timeit(call, reps, clock=time.thread_time)
             results.append({"op": op, "bytes": n * 4, **{f"{k}_us": v * 1e6 for k, v in times.items()}})
+    dispatch = _dispatch_us(mesh, reps)
+    for r in results:
+        r["dispatch_us"] = dispatch[r["op"]]
     if rank == 0:
         out.put(results)
     dist.barrier(group)
@@ -264,6 +306,7 @@ def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
         r["ratio_vs_c10d"] = r["fastdist_us"] / r["c10d_us"]
         r["ratio_vs_funcol"] = r["fastdist_us"] / r["funcol_us"]
         r["added_us_vs_c10d"] = r["fastdist_us"] - r["c10d_us"]
+        r["added_cpu_us_vs_c10d"] = r["fastdist_cpu_us"] - r["c10d_cpu_us"]
         r["busbw_GBps"] = r["bytes"] / (r["fastdist_us"] * 1e-6) * bus[r["op"]] / 1e9
     return rows
 
@@ -319,6 +362,13 @@ def markdown(res: dict[str, Any]) -> str:
     out += [
         f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} |"
         for r in res["overhead"]
+    ]
+    small = [r for r in res["overhead"] if r["bytes"] == min(q["bytes"] for q in res["overhead"])]
+    out.append(f"\n### What fastdist adds per call at {small[0]['bytes']} bytes (CPU time of the calling thread)\n")
+    out.append("| op | fastdist's own work, transport stubbed µs | fastdist CPU µs | c10d CPU µs | funcol CPU µs | added CPU µs vs c10d |\n|---|---|---|---|---|---|")
+    out += [
+        f"| {r['op']} | {r['dispatch_us']:.1f} | {r['fastdist_cpu_us']:.1f} | {r['c10d_cpu_us']:.1f} | {r['funcol_cpu_us']:.1f} | {r['added_cpu_us_vs_c10d']:.1f} |"
+        for r in small
     ]
     out.append("\n## Process-group creation on gloo\n\n| world | mesh | fastdist (own groups, local sync) ms | every group on every rank ms | ratio |\n|---|---|---|---|---|")
     out += [f"| {r['world']} | {r['mesh']} | {r['fastdist_ms']:.1f} | {r['every_group_every_rank_ms']:.1f} | {r['ratio']:.2f} |" for r in res["groups"]]

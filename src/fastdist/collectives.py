@@ -83,18 +83,34 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
         raise CollectiveError(op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor")
     if not isinstance(mesh, Mesh):
         raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
-    idx = mesh.axis_indices(axis, f"fastdist.{op}")
-    shape = tuple(mesh.shape.values())
-    if mesh._comm is not None and not mesh._bindings:  # real ranks (simulate takes precedence)
-        return x, Spec(shape, idx, comm=mesh._comm.axis(idx))
+    real = mesh._comm is not None and not mesh._bindings  # real ranks (simulate takes precedence)
+    spec = _spec(op, mesh, axis, real)
+    if real:
+        return x, spec
     binding = rank_binding(op, mesh)
     if not mesh._trackers:
-        return promote(op, x, binding), Spec(shape, idx)
+        return promote(op, x, binding), spec
     tracker = mesh._trackers[-1]  # fastdist's own plumbing is not user code: keep the state, unobserved
     with tracker.suspended():
         y = promote(op, x, binding)
     tracker.set(y, tracker.get(x))
-    return y, Spec(shape, idx)
+    return y, spec
+
+
+def _spec(op: str, mesh: Mesh, axis: AxisName, real: bool) -> Spec:
+    """The group spec of ``axis`` (validated; memoised on the mesh outside of dynamo tracing)."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        try:
+            cached: Spec = mesh._specs[axis, real]
+            return cached
+        except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
+            pass
+    idx = mesh.axis_indices(axis, f"fastdist.{op}")
+    spec = Spec(tuple(mesh._sizes), idx, comm=mesh._comm.axis(idx) if real else None)
+    if not compiling and isinstance(axis, (str, tuple)):
+        mesh._specs[axis, real] = spec
+    return spec
 
 
 def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, *extra: Tensor, **params: Any) -> Tensor:
@@ -594,14 +610,15 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
         raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]") from None
     if any(len(p) != 2 for p in pairs):
         raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]")
-    for s, d in pairs:
-        _index("ppermute", axis, "src", s, spec.n)
-        _index("ppermute", axis, "dst", d, spec.n)
-    for role, vals in (("source", [p[0] for p in pairs]), ("destination", [p[1] for p in pairs])):
-        dup = sorted({v for v in vals if vals.count(v) > 1})
-        if dup:
-            raise CollectiveError("ppermute", axis, f"{role} {dup[0]} appears in more than one pair of perm={pairs}", f"give each {role} one pair")
-    return _apply(ppermute_p, mesh, x, spec, perm=tuple(v for p in pairs for v in p))
+    flat = tuple(v for p in pairs for v in p)  # (src0, dst0, src1, dst1, ...)
+    for i, v in enumerate(flat):
+        if type(v) is not int or not 0 <= v < spec.n:
+            _index("ppermute", axis, ("src", "dst")[i % 2], v, spec.n)
+    for role, vals in (("source", flat[0::2]), ("destination", flat[1::2])):
+        if len(set(vals)) < len(vals):
+            dup = min(v for v in vals if vals.count(v) > 1)
+            raise CollectiveError("ppermute", axis, f"{role} {dup} appears in more than one pair of perm={pairs}", f"give each {role} one pair")
+    return _apply(ppermute_p, mesh, x, spec, perm=flat)
 
 
 def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
@@ -611,7 +628,7 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
     """
     if not isinstance(mesh, Mesh):
         raise CollectiveError("ring_shift", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
-    n = math.prod([mesh.shape[mesh.axis_names[i]] for i in mesh.axis_indices(axis, "fastdist.ring_shift")])
+    n = math.prod([mesh._sizes[i] for i in mesh.axis_indices(axis, "fastdist.ring_shift")])
     if isinstance(shift, bool) or not isinstance(shift, int):
         raise CollectiveError("ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1")
     return ppermute(x, mesh, axis, [(i, (i + shift) % n) for i in range(n)])

@@ -246,7 +246,7 @@ class NativeCommunicator:
             self._call(op, "HcclAlltoAllV", _ptr(w), counts[0], u64(*send_off), dt, _ptr(out), counts[1], u64(*recv_off), dt, self._handle, stream)
         return out.view(x.dtype).reshape(sum(out_splits), *x.shape[1:])
 
-    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
+    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; everyone gets them concatenated: ``[sum(sizes), *rest]``.
 
         One broadcast per root, grouped: no padding to the largest size.
@@ -274,7 +274,7 @@ class NativeCommunicator:
         self._group(op, body)
         return out.view(x.dtype).reshape(sum(sizes), *x.shape[1:])
 
-    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int], reduce_op: str = "sum") -> Tensor:
+    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None, reduce_op: str = "sum") -> Tensor:
         """Reduce ``x`` (``[sum(sizes), *rest]``) over members; member ``i`` keeps rows of chunk ``i``.
 
         One reduce per root, grouped: ``[sizes[me], *rest]``.

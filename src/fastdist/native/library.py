@@ -364,7 +364,8 @@ def find_library(
         path: an explicit file; must load.
         environ: where to read ``FASTDIST_NCCL_LIBRARY`` / ``FASTDIST_HCCL_LIBRARY``
             (default ``os.environ``, read at this call).
-        loaded, wheel_file: how to list loaded libraries and find the wheel (for tests).
+        loaded: lists the shared objects this process has loaded (for tests).
+        wheel_file: finds the library file inside a wheel (for tests).
 
     Raises:
         LibraryNotFoundError: nothing found; the message lists every place tried and the fix.
