@@ -114,7 +114,7 @@ def _mlp_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any], C
     return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
 
 
-def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any]]:
+def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device."""
     from torch import nn
 
@@ -149,15 +149,20 @@ def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any]]
     step = fd.spmd(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh,
                    in_specs=(fd.P(None, "sp", None), *(specs[n] for n in names)), out_specs=fd.P(None, "sp", None), check=False)
 
-    def one() -> None:
-        ps = {n: t.clone().requires_grad_() for n, t in state.items()}
-        torch.func.functional_call(full, ps, (x,)).sum().backward()
+    def full_fn(x: torch.Tensor, ps: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(full, ps, (x,))
 
-    def simulated() -> None:
-        ps = [state[n].clone().requires_grad_() for n in names]
-        step(x, *ps).sum().backward()
+    def make(f: Callable[..., torch.Tensor], per_name: bool) -> Callable[[], None]:
+        def run() -> None:
+            if per_name:
+                f(x, {n: t.clone().requires_grad_() for n, t in state.items()}).sum().backward()
+            else:
+                f(x, *(state[n].clone().requires_grad_() for n in names)).sum().backward()
+        return run
 
-    return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated
+    one, simulated = make(full_fn, True), make(step, False)
+    one_c, sim_c = make(torch.compile(full_fn), True), make(torch.compile(step), False)
+    return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated, one_c, sim_c
 
 
 def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compiled_ms: float) -> list[dict[str, Any]]:
@@ -200,10 +205,13 @@ def bench_sim(quick: bool) -> list[dict[str, Any]]:
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
     rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3)
-    label, one, sim = _block_case(quick)
+    label, one, sim, one_c, sim_c = _block_case(quick)
     t_one = timeit(one, reps)
     t = timeit(sim, reps)
     rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
+    t_one_c = timeit(one_c, reps, warmup=2)
+    t = timeit(sim_c, reps, warmup=2)
+    rows.append({"case": f"{label}: spmd, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
     return rows
 
 

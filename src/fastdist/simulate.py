@@ -145,13 +145,15 @@ def promote(op: str, x: Tensor, binding: _Binding | None) -> Tensor:
     """
     if binding is None:
         return x
-    x = x + binding.zero.to(device=x.device, dtype=x.dtype)
-    if not torch.compiler.is_compiling():
-        _refuse_inner_vmap(op, x, binding)
-    return x
+    if torch.compiler.is_compiling():
+        return x + binding.zero.to(device=x.device, dtype=x.dtype)
+    if _has_rank_dim(op, x, binding):  # the usual case: no copy (adding zero costs a pass over x)
+        return x
+    return x + binding.zero.to(device=x.device, dtype=x.dtype)
 
 
-def _refuse_inner_vmap(op: str, x: Tensor, binding: _Binding) -> None:
+def _has_rank_dim(op: str, x: Tensor, binding: _Binding) -> bool:
+    """Whether ``x`` is already batched over the simulated ranks; refuses one batched by an inner vmap."""
     functorch = torch._C._functorch
     rank_level = functorch.maybe_get_level(binding.rank)
     t = x
@@ -163,3 +165,4 @@ def _refuse_inner_vmap(op: str, x: Tensor, binding: _Binding) -> None:
                 "Fix: move the vmap outside simulate (vmap over simulate is supported), or loop instead"
             )
         t = functorch.get_unwrapped(t)  # a torch.func.grad wrapper: look underneath
+    return bool(functorch.maybe_get_level(t) == rank_level and functorch.is_batchedtensor(t))
