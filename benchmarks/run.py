@@ -267,16 +267,22 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
             },
         }
         for op, impls in cases.items():
-            times = {}
-            for impl, fn in impls.items():
-                def call(fn: Callable[[], Any] = fn) -> None:
+            # Interleaved: every repetition times each implementation once, both ranks lined up by
+            # a barrier first, so drift and peer skew hit all of them alike. Wall and CPU time per call.
+            samples: dict[str, list[float]] = {k: [] for impl in impls for k in (impl, f"{impl}_cpu")}
+            k_reps = reps * 10 if nbytes <= 65536 else reps  # small messages: cheap, noisy, so more samples
+            for rep in range(k_reps + 2):
+                for impl, fn in impls.items():
+                    dist.barrier(group)
+                    w, c = time.perf_counter(), time.thread_time()
                     r = fn()
                     if isinstance(r, torch.Tensor):
                         r.sum()  # materialise async results
-                dist.barrier(group)
-                times[impl] = timeit(call, reps)
-                dist.barrier(group)
-                times[f"{impl}_cpu"] = timeit(call, reps, clock=time.thread_time)
+                    w, c = time.perf_counter() - w, time.thread_time() - c
+                    if rep >= 2:  # warm-up
+                        samples[impl].append(w)
+                        samples[f"{impl}_cpu"].append(c)
+            times = {k: statistics.median(v) for k, v in samples.items()}
             results.append({"op": op, "bytes": n * 4, **{f"{k}_us": v * 1e6 for k, v in times.items()}})
     dispatch = _dispatch_us(mesh, reps)
     for r in results:

@@ -249,7 +249,9 @@ class NativeCommunicator:
     def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; everyone gets them concatenated: ``[sum(sizes), *rest]``.
 
-        One broadcast per root, grouped: no padding to the largest size.
+        One broadcast per root, grouped: no padding to the largest size. ``index`` is
+        accepted for parity with :class:`fastdist.distributed.TorchTransport` (the
+        communicator knows its own).
         """
         mine = x[: sizes[self.index]]
         w, dt, _ = self._wire(op, mine, reducing=False)
@@ -277,7 +279,7 @@ class NativeCommunicator:
     def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None, reduce_op: str = "sum") -> Tensor:
         """Reduce ``x`` (``[sum(sizes), *rest]``) over members; member ``i`` keeps rows of chunk ``i``.
 
-        One reduce per root, grouped: ``[sizes[me], *rest]``.
+        One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in :meth:`all_gather_v0`.
         """
         w, dt, _ = self._wire(op, x, reducing=True)
         per_row = _row_elems(x, w)
