@@ -38,7 +38,7 @@ import fastdist as fd
 HERE = Path(__file__).resolve().parent
 
 
-def timeit(fn: Callable[[], Any], reps: int, warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
+def _timeit(fn: Callable[[], Any], reps: int, warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds per call over ``reps`` calls after ``warmup`` (``clock=time.thread_time``: CPU time of this thread)."""
     for _ in range(warmup):
         fn()
@@ -80,7 +80,7 @@ def _dispatch_us(mesh: fd.Mesh, reps: int) -> dict[str, float]:
             def batch(fn: Callable[[], Any] = fn) -> None:
                 for _ in range(100):
                     fn()
-            out[op] = timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
+            out[op] = _timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
         return out
     finally:
         for k, f in saved.items():
@@ -88,12 +88,12 @@ def _dispatch_us(mesh: fd.Mesh, reps: int) -> dict[str, float]:
 
 
 # ============================================================================ simulated ranks vs one device
-def _mlp_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
     """Tensor-parallel MLP on 8 simulated ranks: (label, one device, simulated, compiled one device, compiled simulated, loop)."""
     W = 8
     B, D, H = (8, 64, 256) if quick else (64, 1024, 4096)
     mesh = fd.Mesh({"tp": W})
-    x, W1, W2 = torch.randn(B, D), torch.randn(D, H) / D**0.5, torch.randn(H, D) / H**0.5
+    x, W1, W2 = (t.to(device) for t in (torch.randn(B, D), torch.randn(D, H) / D**0.5, torch.randn(H, D) / H**0.5))
     xs = x.expand(W, B, D).contiguous()
     w1s = W1.reshape(D, W, H // W).permute(1, 0, 2).contiguous()  # [rank, D, H/W]: column shards
     w2s = W2.reshape(W, H // W, D).contiguous()  # [rank, H/W, D]: row shards
@@ -114,7 +114,7 @@ def _mlp_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any], C
     return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
 
 
-def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device."""
     from torch import nn
 
@@ -141,11 +141,11 @@ def _block_case(quick: bool) -> tuple[str, Callable[[], Any], Callable[[], Any],
             x = x + self.o(a.flatten(-2))
             return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
 
-    full, par = Block(False), Block(True)
+    full, par = Block(False).to(device), Block(True).to(device)
     specs = fd.nn.param_specs(par)
     names = list(specs)
     state = {n: p.detach() for n, p in full.named_parameters()}
-    x = torch.randn(B, S, D)
+    x = torch.randn(B, S, D, device=device)
     step = fd.spmd(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh,
                    in_specs=(fd.P(None, "sp", None), *(specs[n] for n in names)), out_specs=fd.P(None, "sp", None), check=False)
 
@@ -184,8 +184,8 @@ def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compile
 
     sim = jax.jit(jax.vmap(jax.grad(per_rank, argnums=(0, 1, 2)), axis_name="tp"))
     one = jax.jit(jax.grad(lambda x, w1, w2: (jnp.tanh(x @ w1) @ w2).sum(), argnums=(0, 1, 2)))
-    t_sim = timeit(lambda: jax.block_until_ready(sim(xs, w1s, w2s)), reps)
-    t_one = timeit(lambda: jax.block_until_ready(one(x, w1, w2)), reps)
+    t_sim = _timeit(lambda: jax.block_until_ready(sim(xs, w1s, w2s)), reps)
+    t_one = _timeit(lambda: jax.block_until_ready(one(x, w1, w2)), reps)
     return [
         {"case": f"JAX {jax.__version__} simulated (jit vmap grad) vs JAX one device", "ms": t_sim * 1e3, "ratio": t_sim / t_one},
         {"case": "fastdist eager / JAX simulated", "ms": fastdist_eager_ms, "ratio": fastdist_eager_ms / (t_sim * 1e3)},
@@ -193,9 +193,13 @@ def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compile
     ]
 
 
-def bench_sim(quick: bool) -> list[dict[str, Any]]:
+def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    def timeit(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:  # waits for the device
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        return _timeit(lambda: (fn(), sync()), reps, warmup)
+
     reps = 3 if quick else 10
-    label, one, sim, one_c, sim_c, loop = _mlp_case(quick)
+    label, one, sim, one_c, sim_c, loop = _mlp_case(quick, device)
     t_one = timeit(one, reps)
     rows = [{"case": label, "baseline": "one device", "baseline_ms": t_one * 1e3}]
     for name, fn, base in (("simulate, eager", sim, t_one), ("Python loop over ranks", loop, t_one)):
@@ -204,8 +208,8 @@ def bench_sim(quick: bool) -> list[dict[str, Any]]:
     t_one_c = timeit(one_c, reps, warmup=2)
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
-    rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3)
-    label, one, sim, one_c, sim_c = _block_case(quick)
+    rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3) if device == "cpu" else []
+    label, one, sim, one_c, sim_c = _block_case(quick, device)
     t_one = timeit(one, reps)
     t = timeit(sim, reps)
     rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
@@ -356,8 +360,8 @@ def bench_mesh(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for world in ([64, 512] if quick else [64, 512, 4096]):
         mesh = fd.Mesh.from_world_size(world, tp=8, sp=2)
-        t = timeit(lambda: [mesh.groups(a) for a in mesh.axis_names], 3)
-        naive = timeit(lambda: [[r for r in range(world) if all(mesh.coords(r)[b] == mesh.coords(g)[b] for b in mesh.axis_names if b != a)]
+        t = _timeit(lambda: [mesh.groups(a) for a in mesh.axis_names], 3)
+        naive = _timeit(lambda: [[r for r in range(world) if all(mesh.coords(r)[b] == mesh.coords(g)[b] for b in mesh.axis_names if b != a)]
                                 for a in mesh.axis_names for g in range(0, world, max(1, world // 8))], 1, warmup=0) if world <= 512 else float("nan")
         rows.append({"world": world, "groups_all_axes_ms": t * 1e3, "naive_scan_8_groups_ms": naive * 1e3})
     return rows
@@ -416,16 +420,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", choices=["sim", "overhead", "groups", "mesh"], action="append")
+    ap.add_argument("--device", default="cpu", help="device of the simulated-rank section, e.g. cuda (the other sections are CPU/gloo)")
     args = ap.parse_args(argv)
     sections = args.only or ["sim", "overhead", "groups", "mesh"]
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     res: dict[str, Any] = {
         "command": "python benchmarks/run.py" + (" --quick" if args.quick else ""), "torch": torch.__version__,
-        "machine": f"{os.cpu_count()} CPU cores", "date": datetime.date.today().isoformat(), "sim": [], "overhead": [], "groups": [], "mesh": [],
+        "machine": f"{os.cpu_count()} CPU cores" + (f", simulated ranks on {args.device}" if args.device != "cpu" else ""), "date": datetime.date.today().isoformat(), "sim": [], "overhead": [], "groups": [], "mesh": [],
     }
     for name in sections:
         t = time.perf_counter()
-        res[name] = {"sim": bench_sim, "overhead": bench_overhead, "groups": bench_groups, "mesh": bench_mesh}[name](args.quick)
+        res[name] = bench_sim(args.quick, args.device) if name == "sim" else {"overhead": bench_overhead, "groups": bench_groups, "mesh": bench_mesh}[name](args.quick)
         print(f"[{name}] done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1))

@@ -196,7 +196,7 @@ class Primitive:
         the op itself under vmap); without one the op runs directly.
         """
         compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
-        grad = compiling or (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
+        grad = compiling or (torch.is_grad_enabled() and (needs_grad(tensors[0]) if len(tensors) == 1 else any(needs_grad(t) for t in tensors)))
         if spec.comm is not None:
             if not grad:
                 return self._run_distributed(spec, tensors, params)
@@ -289,7 +289,8 @@ class Primitive:
         if c.n == 1:  # nothing to exchange: the one-rank simulation is exact
             one = Spec((1,), (0,))
             return self.stacked(one, *(t.unsqueeze(0) for t in tensors), **params).squeeze(0)
-        c.check(self.name, tensors, params)
+        if c.comm.check:
+            c.check(self.name, tensors, params)
         return self.distributed(c, *tensors, **params)
 
     def _make_function(self, distributed: bool = False) -> type[torch.autograd.Function]:

@@ -338,8 +338,11 @@ def _all_gather_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tens
 
 def _all_gather_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     if tiled:
+        if dim == 0:
+            return c.all_gather0("all_gather", x)  # [n * s[0], ...]
         return c.all_gather0("all_gather", x.movedim(dim, 0)).movedim(0, dim)  # [n * s[dim], ...] back to dim
-    return c.all_gather0("all_gather", x.unsqueeze(0)).movedim(0, dim)  # [n, *s], new dim moved to dim
+    out = c.all_gather0("all_gather", x.unsqueeze(0))  # [n, *s]
+    return out if dim == 0 else out.movedim(0, dim)  # the new dim moved to dim
 
 
 def _all_gather_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
