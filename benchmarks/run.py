@@ -2,14 +2,18 @@
 
     python benchmarks/run.py                  # the CPU suite (a few minutes), writes benchmarks/results/
     python benchmarks/run.py --quick          # tiny sizes: a smoke run (CI runs this)
+    python benchmarks/run.py --only sim --device cuda   # simulated ranks vs one device on a GPU
 
 Sections:
   sim       simulated 8-rank tensor-parallel MLP (forward + backward) vs the same unsharded MLP on
-            one device (eager and torch.compile), vs a naive Python loop over ranks; and a
-            tensor x sequence parallel transformer block through fd.spmd vs one device
+            one device (eager and torch.compile), vs a naive Python loop over ranks, vs JAX
+            (optional); and a tensor x sequence parallel transformer block through fd.spmd vs
+            one device (eager and torch.compile)
   overhead  per-call time on 2 gloo processes, fastdist vs torch.distributed (c10d) vs torch's
             functional collectives, for psum / all_gather / psum_scatter / all_to_all / ppermute
-            over message sizes; added microseconds and bus bandwidth (nccl-tests definition)
+            over message sizes (interleaved, barrier-aligned; wall and thread CPU time); added
+            microseconds, bus bandwidth (nccl-tests definition), and fastdist's own work per
+            call with the transport replaced by local stand-ins
   groups    process-group creation at world 8 on gloo: each rank creating only its own groups
             (local synchronisation) vs every rank creating every group
   mesh      rank-group layout for meshes up to 4096 ranks (pure computation)
