@@ -118,7 +118,7 @@ def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any],
     return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
 
 
-def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device."""
     from torch import nn
 
@@ -166,7 +166,19 @@ def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any
 
     one, simulated = make(full_fn, True), make(step, False)
     one_c, sim_c = make(torch.compile(full_fn), True), make(torch.compile(step), False)
-    return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated, one_c, sim_c
+
+    # The way a sharded model trains: parameters live as per-rank shards (stacked), nothing is
+    # sharded or gathered per step.
+    from fastdist.checking import block_of
+
+    stacked = fd.nn.stack_state(state, specs, mesh)  # name -> [world, *local shard]
+    xs = torch.stack([block_of(x, fd.P(None, "sp", None), mesh, r) for r in range(mesh.size)])  # [world, B, S/sp, D]
+    per_rank = fd.simulate(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh)
+
+    def sim_stacked() -> None:
+        per_rank(xs, *(stacked[n].clone().requires_grad_() for n in names)).sum().backward()
+
+    return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated, one_c, sim_c, sim_stacked
 
 
 def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compiled_ms: float) -> list[dict[str, Any]]:
@@ -213,10 +225,12 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
     rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3) if device == "cpu" else []
-    label, one, sim, one_c, sim_c = _block_case(quick, device)
+    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
     t_one = timeit(one, reps)
     t = timeit(sim, reps)
     rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
+    t = timeit(sim_stacked, reps)
+    rows.append({"case": f"{label}: simulate on per-rank (stacked) parameters, eager", "ms": t * 1e3, "ratio": t / t_one})
     t_one_c = timeit(one_c, reps, warmup=2)
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": f"{label}: spmd, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})

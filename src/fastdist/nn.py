@@ -326,10 +326,12 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) 
         if keep is not None:
             s = torch.where(keep, s, -1e30)
         new_top = torch.maximum(top, s.amax(-1, keepdim=True))
-        p = torch.exp(s - new_top)
+        # exp of arguments below about -88 (masked scores) takes a slow path on CPU (~3x); clamping
+        # at -80 changes p by < 2e-35 (masked entries are zeroed below anyway).
+        p = torch.exp((s - new_top).clamp_min(-80.0))
         if keep is not None:
             p = torch.where(keep, p, 0.0)
-        scale = torch.exp(top - new_top)
+        scale = torch.exp((top - new_top).clamp_min(-80.0))
         total = total * scale + p.sum(-1, keepdim=True)
         acc = acc * scale + torch.einsum("bhqk,bkhd->bhqd", p, v)
         top = new_top
