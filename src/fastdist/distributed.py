@@ -39,6 +39,7 @@ from .errors import CollectiveTimeout, CommError, ConsistencyError, MeshError, N
 
 if TYPE_CHECKING:
     from .mesh import AxisName, Mesh
+    from .native import NativeCommunicator, NativeLibrary
 
 __all__ = [
     "TorchComm",
@@ -117,10 +118,11 @@ class TorchComm:
         self._device_mesh = device_mesh
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
         self._axes: dict[tuple[int, ...], AxisComm] = {}
-        self.backend, self.native_lib = backend, _native_library(backend, library)
-        self._native: dict[tuple[int, ...], Any] = {}
+        self.backend: str = backend
+        self.native_lib: NativeLibrary | None = _native_library(backend, library)
+        self._native: dict[tuple[int, ...], NativeCommunicator] = {}
 
-    def native(self, ac: AxisComm, op: str, x: Tensor) -> Any:
+    def native(self, ac: AxisComm, op: str, x: Tensor) -> NativeCommunicator | None:
         """The ctypes communicator for ``ac`` when this mesh's backend serves ``x``'s device, else None.
 
         Created on first use by the group's members (id exchange over the gloo group).
@@ -276,13 +278,15 @@ class AxisComm:
     # --------------------------------------------------------------- collectives
     # Each method picks the transport for x's device -- torch.distributed (TorchTransport) or,
     # on a ctypes mesh, NCCL/HCCL (fastdist.native.NativeCommunicator): same methods, same results.
-    def transport(self, op: str, x: Tensor) -> Any:
+    def transport(self, op: str, x: Tensor) -> TorchTransport | NativeCommunicator:
         """The transport of this axis group for ``x``'s device (memoised per device type)."""
         lib = self.comm.native_lib
         if lib is not None and x.device.type == lib.device_type:
             if torch.compiler.is_compiling():
                 raise CommError(op, self.label, self.ranks, self.rank, f"the {self.comm.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
-            return self.comm.native(self, op, x)
+            nc = self.comm.native(self, op, x)
+            assert nc is not None  # the device type matched
+            return nc
         kind = x.device.type
         t = self._transports.get(kind)
         if t is None:
@@ -294,37 +298,37 @@ class AxisComm:
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.all_reduce(op, x, reduce_op)))
+        return self.run(op, lambda: t.all_reduce(op, x, reduce_op))
 
     def all_gather0(self, op: str, x: Tensor) -> Tensor:
         """Concatenate every member's ``x`` along dim 0, in axis order."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.all_gather0(op, x)))
+        return self.run(op, lambda: t.all_gather0(op, x))
 
     def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
         """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.reduce_scatter0(op, x)))
+        return self.run(op, lambda: t.reduce_scatter0(op, x))
 
     def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.all_to_all0(op, x, out_splits, in_splits)))
+        return self.run(op, lambda: t.all_to_all0(op, x, out_splits, in_splits))
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
         """Every member gets member ``src``'s ``x``."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.broadcast(op, x, src)))
+        return self.run(op, lambda: t.broadcast(op, x, src))
 
     def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0 (``[sum(sizes), ...]``)."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.all_gather_v0(op, x, sizes, self.index)))
+        return self.run(op, lambda: t.all_gather_v0(op, x, sizes, self.index))
 
     def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Sum ``x`` (``[sum(sizes), ...]``) over members; member ``i`` keeps its ``sizes[i]`` rows."""
         t = self.transport(op, x)
-        return cast(Tensor, self.run(op, lambda: t.reduce_scatter_v0(op, x, sizes, self.index)))
+        return self.run(op, lambda: t.reduce_scatter_v0(op, x, sizes, self.index))
 
     # --------------------------------------------------------------- check mode
     def check(self, op: str, tensors: Sequence[Tensor], params: Mapping[str, Any]) -> None:
@@ -349,7 +353,7 @@ def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
     return torch.cat([x, x.new_zeros(pad)], dim=dim)
 
 
-def _native_library(backend: str, library: Any) -> Any:
+def _native_library(backend: str, library: Any) -> NativeLibrary | None:
     """The bound library for a ctypes backend (loaded when the mesh is built, so errors come early)."""
     from .native import BACKENDS, load_library
 
@@ -360,7 +364,7 @@ def _native_library(backend: str, library: Any) -> Any:
             raise MeshError("fastdist: library= only applies to backend='nccl-ctypes' or 'hccl-ctypes'")
         return None
     if library is not None and not isinstance(library, (str, Path)):
-        return library  # an already bound NativeLibrary (Mesh.with_timeout passes it on)
+        return cast("NativeLibrary", library)  # already bound (Mesh.with_timeout passes it on)
     return load_library(backend.split("-")[0], None if library is None else str(library))
 
 
