@@ -298,8 +298,8 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
                     dist.barrier(group)
                     w, c = time.perf_counter(), time.thread_time()
                     r = fn()
-                    if isinstance(r, torch.Tensor):
-                        r.sum()  # materialise async results
+                    if isinstance(r, funcol.AsyncCollectiveTensor):
+                        r.wait()  # funcol returns before the data is there; the others return done
                     w, c = time.perf_counter() - w, time.thread_time() - c
                     if rep >= 2:  # warm-up
                         samples[impl].append(w)
