@@ -119,6 +119,14 @@ def test_discovery_order_path_then_env_then_loaded_then_wheel_then_soname(tmp_pa
     assert out.stdout.strip() == "libnccl.so.2"
 
 
+@needs_gcc
+def test_hccl_is_found_in_the_cann_toolkit(tmp_path: Path) -> None:
+    lib = fake.build(tmp_path / "lib64", name="libhccl.so")
+    assert find_library("hccl", environ={"ASCEND_HOME_PATH": str(tmp_path)}, loaded=_nowhere) == lib
+    with pytest.raises(fd.LibraryNotFoundError, match=r"ASCEND_HOME_PATH/lib64/libhccl.so: .*nowhere/lib64/libhccl.so: no such file"):
+        find_library("hccl", environ={"ASCEND_HOME_PATH": str(tmp_path / "nowhere")}, loaded=_nowhere)
+
+
 def test_not_found_message_lists_every_place_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(fd.LibraryNotFoundError) as e:
         find_library("nccl", environ={}, loaded=_nowhere, wheel_file=_no_wheel)

@@ -13,7 +13,8 @@ Discovery order (:func:`find_library`), the first that applies wins:
 1. the ``path`` argument (``Mesh.from_torch(..., library=...)``);
 2. the environment variable ``FASTDIST_NCCL_LIBRARY`` / ``FASTDIST_HCCL_LIBRARY``;
 3. the copy this process already loaded (torch's CUDA wheel loads ``libnccl.so.2`` from
-   the ``nvidia-nccl-cu*`` wheel; torch_npu loads ``libhccl.so``), then the wheel's file;
+   the ``nvidia-nccl-cu*`` wheel; torch_npu loads ``libhccl.so``), then the wheel's file
+   (NCCL) or ``$ASCEND_HOME_PATH/lib64/libhccl.so`` (HCCL, the CANN toolkit);
 4. the soname through the dynamic loader (``LD_LIBRARY_PATH``, ``ldconfig``).
 
 A path given in (1) or (2) that does not load is an error, never silently skipped. When
@@ -101,6 +102,7 @@ class LibrarySpec:
     sonames: tuple[str, ...]
     loaded_prefixes: tuple[str, ...]  # basenames to look for among the libraries already loaded
     wheel: tuple[str, str] | None  # (module, file inside it) of a pip wheel that ships the library
+    toolkit: tuple[str, str] | None  # (environment variable of a toolkit root, file inside it)
     functions: tuple[Function, ...]
     dtypes: Mapping[torch.dtype, int]
     reduce_ops: Mapping[str, int]
@@ -128,6 +130,7 @@ NCCL = LibrarySpec(
     sonames=("libnccl.so.2", "libnccl.so", "librccl.so.1"),
     loaded_prefixes=("libnccl.so", "librccl.so"),
     wheel=("nvidia.nccl", "lib/libnccl.so.2"),
+    toolkit=None,
     functions=(
         _t("ncclGetErrorString", ctypes.c_char_p, _i),
         _t("ncclGetVersion", _i, ctypes.POINTER(_i)),
@@ -172,6 +175,7 @@ HCCL = LibrarySpec(
     sonames=("libhccl.so",),
     loaded_prefixes=("libhccl.so",),
     wheel=None,
+    toolkit=("ASCEND_HOME_PATH", "lib64/libhccl.so"),  # set by CANN's set_env.sh
     functions=(
         _t("HcclGetErrorString", ctypes.c_char_p, _i),
         _t("HcclGetRootInfo", _i, ctypes.POINTER(RootInfo)),
@@ -396,6 +400,16 @@ def find_library(
         if wf is not None and _try_open(wf) is None:
             return wf
         tried.append(f"the {spec.wheel[0]} wheel: " + ("not installed" if wf is None else f"{wf} does not load"))
+    if spec.toolkit is not None:
+        root = env.get(spec.toolkit[0])
+        if root:
+            candidate = str(Path(root) / spec.toolkit[1])
+            err = _try_open(candidate) if Path(candidate).exists() else "no such file"
+            if err is None:
+                return candidate
+            tried.append(f"${spec.toolkit[0]}/{spec.toolkit[1]}: {candidate}: {err}")
+        else:
+            tried.append(f"${spec.toolkit[0]}/{spec.toolkit[1]}: ${spec.toolkit[0]} not set")
     for soname in spec.sonames:
         err = _try_open(soname)
         if err is None:
