@@ -432,8 +432,14 @@ def native(rank: int, world: int) -> dict[str, Any]:
     g8 = fd.all_gather(f8, mesh, "tp", tiled=True)
     close(g8.float(), torch.cat([torch.arange(4.0) + r for r in range(world)]).to(torch.float8_e4m3fn).float(), "fp8 all_gather")
     fp8_calls = fake.call_log(lib)
+    try:
+        torch.compile(lambda t: fd.psum(t, mesh, "tp"), fullgraph=True)(x)
+        compiled_error = None
+    except Exception as e:  # noqa: BLE001 - the test checks what it says
+        compiled_error = f"{type(e).__name__}: {e}"
     uneven_result = uneven(rank, world)
     return {
+        "compiled_error": compiled_error,
         "checks": checks, "after_create": after_create, "psum": psum_calls, "agv": agv_calls, "fp8": fp8_calls,
         "check": uneven_result["check"], "closed": mesh.close(timeout=5.0), "backend": mesh.backend,
     }

@@ -282,6 +282,7 @@ def test_ops_on_the_ctypes_backend_match_simulate_across_processes(fakelib: str,
         assert [_fields(line)["dtype"] for line in res["fp8"]] == [str(SPECS[pre.lower()].dtypes[torch.uint8])]
         if world > 2:
             assert res["check"] is not None and "disagree" in res["check"]
+        assert res["compiled_error"] is not None and "not under torch.compile" in res["compiled_error"] and "backend='torch'" in res["compiled_error"]
 
 
 @needs_gcc

@@ -130,14 +130,16 @@ class TorchComm:
         lib = self.native_lib
         if lib is None or x.device.type != lib.device_type:
             return None
+        if torch.compiler.is_compiling():
+            raise CommError(op, ac.label, ac.ranks, self.rank, f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
         nc = self._native.get(ac.ranks)
         if nc is not None:
             return nc
-        fix = "call mesh.create_groups(device_type=...) once before compiling or capturing"
-        if torch.compiler.is_compiling():
-            raise CommError(op, ac.label, ac.ranks, self.rank, f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
         if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise CommError(op, ac.label, ac.ranks, self.rank, f"the {self.backend} communicator for this axis does not exist yet, and it cannot be created during CUDA graph capture", fix)
+            raise CommError(
+                op, ac.label, ac.ranks, self.rank, f"the {self.backend} communicator for this axis does not exist yet, and it cannot be created during CUDA graph capture",
+                "call mesh.create_groups(device_type='cuda') once before capturing",
+            )
         from .native import NativeCommunicator, exchange_over_group
 
         exchange = exchange_over_group(ac.cpu_group(op))
@@ -280,13 +282,10 @@ class AxisComm:
     # on a ctypes mesh, NCCL/HCCL (fastdist.native.NativeCommunicator): same methods, same results.
     def transport(self, op: str, x: Tensor) -> TorchTransport | NativeCommunicator:
         """The transport of this axis group for ``x``'s device (memoised per device type)."""
-        lib = self.comm.native_lib
-        if lib is not None and x.device.type == lib.device_type:
-            if torch.compiler.is_compiling():
-                raise CommError(op, self.label, self.ranks, self.rank, f"the {self.comm.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
-            nc = self.comm.native(self, op, x)
-            assert nc is not None  # the device type matched
-            return nc
+        if self.comm.native_lib is not None:
+            nc = self.comm.native(self, op, x)  # None when the backend does not serve x's device
+            if nc is not None:
+                return nc
         kind = x.device.type
         t = self._transports.get(kind)
         if t is None:
