@@ -87,7 +87,7 @@ class Mesh:
         # Replication checkers of running fastdist.spmd calls over this mesh (see checking.py).
         self._trackers: list[Any] = []
         # (axis, on real ranks) -> the collectives' group Spec, memoised by collectives._enter
-        # (a pure function of the axes, so caching it changes no result; saves ~10 us per call).
+        # (a pure function of the axes, so caching it changes no result; saves a few µs per call).
         self._specs: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ constructors
