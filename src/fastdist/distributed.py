@@ -294,40 +294,46 @@ class AxisComm:
                 self._transports[kind] = t
         return t
 
+    def _collective(self, op: str, x: Tensor, method: str, *args: Any) -> Tensor:
+        """``transport.method(op, x, *args)``, its failures turned into errors naming op, axis and ranks."""
+        t = self._transports.get(x.device.type) or self.transport(op, x)  # torch transports are memoised
+        fn = getattr(t, method)
+        if torch.compiler.is_compiling():
+            return cast(Tensor, fn(op, x, *args))
+        try:
+            return cast(Tensor, fn(op, x, *args))
+        except (CommError, MeshError, NoBackendError):
+            raise
+        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
+            raise _comm_error(op, self, self.rank, e, "the collective") from e
+
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.all_reduce(op, x, reduce_op))
+        return self._collective(op, x, "all_reduce", reduce_op)
 
     def all_gather0(self, op: str, x: Tensor) -> Tensor:
         """Concatenate every member's ``x`` along dim 0, in axis order."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.all_gather0(op, x))
+        return self._collective(op, x, "all_gather0")
 
     def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
         """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.reduce_scatter0(op, x))
+        return self._collective(op, x, "reduce_scatter0")
 
     def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.all_to_all0(op, x, out_splits, in_splits))
+        return self._collective(op, x, "all_to_all0", out_splits, in_splits)
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
         """Every member gets member ``src``'s ``x``."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.broadcast(op, x, src))
+        return self._collective(op, x, "broadcast", src)
 
     def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0 (``[sum(sizes), ...]``)."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.all_gather_v0(op, x, sizes, self.index))
+        return self._collective(op, x, "all_gather_v0", sizes, self.index)
 
     def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Sum ``x`` (``[sum(sizes), ...]``) over members; member ``i`` keeps its ``sizes[i]`` rows."""
-        t = self.transport(op, x)
-        return self.run(op, lambda: t.reduce_scatter_v0(op, x, sizes, self.index))
+        return self._collective(op, x, "reduce_scatter_v0", sizes, self.index)
 
     # --------------------------------------------------------------- check mode
     def check(self, op: str, tensors: Sequence[Tensor], params: Mapping[str, Any]) -> None:
