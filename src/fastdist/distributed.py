@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -144,7 +144,7 @@ class TorchComm:
 
         exchange = exchange_over_group(ac.cpu_group(op))
         nc = ac.run(op, lambda: NativeCommunicator.create(
-            lib, n=ac.n, index=ac.index, exchange=exchange, device=x.device, label=ac.label, ranks=ac.ranks, rank=self.rank), "creating the communicator")
+            lib, n=ac.n, index=ac.index, exchange=exchange, device=x.device, label=ac.label, ranks=ac.ranks, rank=self.rank), what="creating the communicator")
         self._native[ac.ranks] = nc
         return nc
 
@@ -266,12 +266,12 @@ class AxisComm:
         """A gloo group for objects and metadata (the device group when tensors live on CPU)."""
         return self.comm.group(self, "gloo", op)
 
-    def run(self, op: str, fn: Callable[[], T], what: str = "the collective") -> T:
-        """Run a blocking call, turning timeouts and lost peers into errors that name op, axis and ranks."""
+    def run(self, op: str, fn: Callable[..., T], *args: Any, what: str = "the collective") -> T:
+        """``fn(*args)``, a blocking call, with timeouts and lost peers turned into errors that name op, axis and ranks."""
         if torch.compiler.is_compiling():
-            return fn()
+            return fn(*args)
         try:
-            return fn()
+            return fn(*args)
         except (CommError, MeshError, NoBackendError):
             raise
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
@@ -295,17 +295,8 @@ class AxisComm:
         return t
 
     def _collective(self, op: str, x: Tensor, method: str, *args: Any) -> Tensor:
-        """``transport.method(op, x, *args)``, its failures turned into errors naming op, axis and ranks."""
-        t = self._transports.get(x.device.type) or self.transport(op, x)  # torch transports are memoised
-        fn = getattr(t, method)
-        if torch.compiler.is_compiling():
-            return cast(Tensor, fn(op, x, *args))
-        try:
-            return cast(Tensor, fn(op, x, *args))
-        except (CommError, MeshError, NoBackendError):
-            raise
-        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
-            raise _comm_error(op, self, self.rank, e, "the collective") from e
+        """``transport.method(op, x, *args)`` under :meth:`run`."""
+        return cast(Tensor, self.run(op, getattr(self.transport(op, x), method), op, x, *args))
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
@@ -343,7 +334,7 @@ class AxisComm:
         mine = (op, [tuple(t.shape) for t in tensors], [str(t.dtype) for t in tensors], dict(params))
         every: list[Any] = [None] * self.n
         group = self.cpu_group(op)
-        self.run(op, lambda: dist.all_gather_object(every, mine, group=group), "the consistency check")
+        self.run(op, lambda: dist.all_gather_object(every, mine, group=group), what="the consistency check")
         if any(e != every[0] for e in every):
             table = "; ".join(f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]})" for r, e in zip(self.ranks, every))
             raise ConsistencyError(op, self.label, self.ranks, self.rank, f"the ranks disagree: {table}", "make every rank of the group make the same call")

@@ -16,6 +16,7 @@ All-gather-v and reduce-scatter-v are grouped broadcasts / reduces, one per root
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import threading
@@ -92,7 +93,7 @@ class NativeCommunicator:
             raise CommError("init", label, ranks, rank, f"{lib.spec.kind.upper()} buffers live on {lib.device_type}, not {device}", f"pass a {lib.device_type} device")
         blob = exchange(lib.new_id() if index == 0 else None)
         handle = ctypes.c_void_p()
-        with _on_device(device):
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             if lib.spec.kind == "nccl":
                 uid = lib.spec.id_type.from_buffer_copy(blob)
                 rc = lib.fn("ncclCommInitRank")(ctypes.byref(handle), n, uid, index)
@@ -120,7 +121,7 @@ class NativeCommunicator:
         if self.closed:
             return True
         self.closed = True
-        name = "ncclCommAbort" if self.lib.has("ncclCommAbort") else ("ncclCommDestroy" if self._nccl else "HcclCommDestroy")
+        name = "ncclCommAbort" if self.lib.has("ncclCommAbort") else self._name("CommDestroy")
         fn, handle = self.lib.fn(name), self._handle
         done = threading.Event()
 
@@ -160,6 +161,10 @@ class NativeCommunicator:
         raw = x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)  # [numel * itemsize] bytes (fp8: as uint8)
         return raw, self.lib.spec.dtypes[torch.uint8], raw.numel()
 
+    def _name(self, base: str) -> str:
+        """The library's C name of ``base`` (``"AllReduce"`` -> ``ncclAllReduce`` / ``HcclAllReduce``)."""
+        return self.lib.spec.prefix + base
+
     def _call(self, op: str, name: str, *args: Any) -> None:
         rc = self.lib.fn(name)(*args)
         if rc != 0:
@@ -170,7 +175,7 @@ class NativeCommunicator:
 
     def _group(self, op: str, body: Callable[[], None]) -> None:
         """Run ``body``'s calls as one NCCL/HCCL group (fused and deadlock-free)."""
-        start, end = ("ncclGroupStart", "ncclGroupEnd") if self._nccl else ("HcclGroupStart", "HcclGroupEnd")
+        start, end = self._name("GroupStart"), self._name("GroupEnd")
         grouped = self.lib.has(start)
         if grouped:
             self._call(op, start)
@@ -192,7 +197,7 @@ class NativeCommunicator:
         emulate_avg = reduce_op == "avg" and "avg" not in self.lib.spec.reduce_ops
         w, dt, k = self._wire(op, x, reducing=True)
         out = torch.empty_like(w)
-        self._call(op, "ncclAllReduce" if self._nccl else "HcclAllReduce",
+        self._call(op, self._name("AllReduce"),
                    _ptr(w), _ptr(out), k, dt, self._reduce_code(op, "sum" if emulate_avg else reduce_op), self._handle, self._stream())
         return out.div_(self.n) if emulate_avg else out
 
@@ -200,14 +205,14 @@ class NativeCommunicator:
         """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
         w, dt, k = self._wire(op, x, reducing=False)
         out = w.new_empty((self.n * w.numel(),))  # [n * k], in the wire dtype
-        self._call(op, "ncclAllGather" if self._nccl else "HcclAllGather", _ptr(w), _ptr(out), k, dt, self._handle, self._stream())
+        self._call(op, self._name("AllGather"), _ptr(w), _ptr(out), k, dt, self._handle, self._stream())
         return out.view(x.dtype).reshape(self.n * x.shape[0], *x.shape[1:]) if x.dim() else out.view(x.dtype)
 
     def reduce_scatter0(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
         """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``."""
         w, dt, k = self._wire(op, x, reducing=True)
         out = w.new_empty((k // self.n,))  # [k / n]
-        self._call(op, "ncclReduceScatter" if self._nccl else "HcclReduceScatter",
+        self._call(op, self._name("ReduceScatter"),
                    _ptr(w), _ptr(out), k // self.n, dt, self._reduce_code(op, reduce_op), self._handle, self._stream())
         return out.reshape(x.shape[0] // self.n, *x.shape[1:])
 
@@ -293,8 +298,7 @@ class NativeCommunicator:
             for r in range(self.n):
                 if sizes[r]:
                     recv = out if r == self.index else flat[off:]  # non-roots: recv is ignored
-                    name = "ncclReduce" if self._nccl else "HcclReduce"
-                    self._call(op, name, _ptr(flat[off:]), _ptr(recv), sizes[r] * per_row, dt, code, r, self._handle, stream)
+                    self._call(op, self._name("Reduce"), _ptr(flat[off:]), _ptr(recv), sizes[r] * per_row, dt, code, r, self._handle, stream)
                 off += sizes[r] * per_row
 
         self._group(op, body)
@@ -318,21 +322,6 @@ def _default_device(lib: NativeLibrary) -> torch.device:
     if lib.device_type == "npu":  # pragma: no cover - needs torch_npu
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
     return torch.device("cpu")
-
-
-class _on_device:
-    """``torch.cuda.device(d)`` for CUDA devices, nothing otherwise."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._ctx: Any = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
 
 
 def _on_host(t: Tensor) -> Tensor:

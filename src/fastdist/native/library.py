@@ -96,6 +96,7 @@ class LibrarySpec:
     """Everything fastdist knows about one native collective library (pure data)."""
 
     kind: str  # "nccl" | "hccl"
+    prefix: str  # of the C function names: "nccl" | "Hccl"
     backend: str  # the Mesh backend name that uses it
     device_type: str  # torch device type of the buffers it takes
     env_var: str
@@ -124,6 +125,7 @@ def _t(name: str, restype: Any, *argtypes: Any, since: Version | None = None, op
 # ncclComm_t, cudaStream_t, buffers and ncclWindow_t are pointers; enums are ints.
 NCCL = LibrarySpec(
     kind="nccl",
+    prefix="nccl",
     backend="nccl-ctypes",
     device_type="cuda",
     env_var="FASTDIST_NCCL_LIBRARY",
@@ -169,6 +171,7 @@ NCCL = LibrarySpec(
 # ===================================================================== HCCL (hccl.h, hccl_types.h)
 HCCL = LibrarySpec(
     kind="hccl",
+    prefix="Hccl",
     backend="hccl-ctypes",
     device_type="npu",
     env_var="FASTDIST_HCCL_LIBRARY",
