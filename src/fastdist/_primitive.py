@@ -198,9 +198,12 @@ class Primitive:
         compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
         grad = compiling or (torch.is_grad_enabled() and (needs_grad(tensors[0]) if len(tensors) == 1 else any(needs_grad(t) for t in tensors)))
         if spec.comm is not None:
-            if not grad:
+            if grad:
+                return cast(Tensor, self.dist_function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
+            c = spec.comm  # no gradient: straight to the rule (the common inference / optimizer-step path)
+            if c.n == 1 or c.comm.check:
                 return self._run_distributed(spec, tensors, params)
-            return cast(Tensor, self.dist_function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
+            return self.distributed(c, *tensors, **params)
         if compiling or not grad:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]

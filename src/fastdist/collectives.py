@@ -43,7 +43,6 @@ pair, and JAX's typed ``pvary`` / ``psum``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -452,8 +451,10 @@ def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Te
 
 
 def _psum_scatter_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
-    mine = c.reduce_scatter0("psum_scatter", x.movedim(dim, 0))  # [s[dim] / n, *rest]: my chunk of the sum
-    return mine.movedim(0, dim) if tiled else mine.squeeze(0)
+    mine = c.reduce_scatter0("psum_scatter", x.movedim(dim, 0) if dim else x)  # [s[dim] / n, *rest]: my chunk of the sum
+    if not tiled:
+        return mine.squeeze(0)
+    return mine.movedim(0, dim) if dim else mine
 
 
 def _psum_scatter_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
@@ -509,8 +510,10 @@ def _all_to_all_stacked(spec: Spec, x: Tensor, *, split_dim: int, concat_dim: in
 
 
 def _all_to_all_dist(c: AxisComm, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
+    if split_dim == concat_dim == 0:
+        return c.all_to_all0("all_to_all", x, None, None)  # [n * c0, ...]: equal row blocks out, senders' blocks in
     chunks = x.unflatten(split_dim, (c.n, -1)).movedim(split_dim, 0)  # type: ignore[no-untyped-call]  # [n (receiver), *c]
-    got = c.all_to_all0("all_to_all", chunks, [1] * c.n, [1] * c.n)  # [n (sender), *c]
+    got = c.all_to_all0("all_to_all", chunks, None, None)  # [n (sender), *c]
     return got.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)  # senders concatenated on concat_dim
 
 
@@ -572,15 +575,17 @@ def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
 
 
 def _ppermute_dist(c: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
-    pairs = list(zip(perm[0::2], perm[1::2]))
-    dst = next((d for s, d in pairs if s == c.index), None)
-    src = next((s for s, d in pairs if d == c.index), None)
-    k = x.numel()
-    if not pairs or k == 0:
+    srcs, dsts, me, k = perm[0::2], perm[1::2], c.index, x.numel()
+    if not srcs or k == 0:
         return torch.zeros_like(x)
-    flat = x.reshape(k) if dst is not None else x.reshape(k)[:0]  # [k] to my destination, or nothing
-    got = c.all_to_all0("ppermute", flat, [k if i == src else 0 for i in range(c.n)], [k if j == dst else 0 for j in range(c.n)])
-    return got.reshape(x.shape) if src is not None else torch.zeros_like(x)  # non-destinations: 0
+    sends, recvs = [0] * c.n, [0] * c.n  # elements to / from each member
+    if me in srcs:
+        sends[dsts[srcs.index(me)]] = k
+    if me in dsts:
+        recvs[srcs[dsts.index(me)]] = k
+    flat = x.reshape(k) if me in srcs else x.reshape(k)[:0]  # [k] to my destination, or nothing
+    got = c.all_to_all0("ppermute", flat, recvs, sends)
+    return got.reshape(x.shape) if me in dsts else torch.zeros_like(x)  # non-destinations: 0
 
 
 def _ppermute_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:
@@ -607,6 +612,11 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
     tensor([0., 1., 2.])
     """
     x, spec = _enter("ppermute", x, mesh, axis)
+    return _apply(ppermute_p, mesh, x, spec, perm=_check_perm(axis, perm, spec.n))
+
+
+def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tuple[int, ...]:
+    """``perm`` flattened to ``(src0, dst0, src1, dst1, ...)``, after checking it is a partial permutation of ``0..n-1``."""
     try:
         pairs = [tuple(p) for p in perm]
     except TypeError:
@@ -615,13 +625,13 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
         raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]")
     flat = tuple(v for p in pairs for v in p)  # (src0, dst0, src1, dst1, ...)
     for i, v in enumerate(flat):
-        if type(v) is not int or not 0 <= v < spec.n:
-            _index("ppermute", axis, ("src", "dst")[i % 2], v, spec.n)
+        if type(v) is not int or not 0 <= v < n:
+            _index("ppermute", axis, ("src", "dst")[i % 2], v, n)
     for role, vals in (("source", flat[0::2]), ("destination", flat[1::2])):
         if len(set(vals)) < len(vals):
             dup = min(v for v in vals if vals.count(v) > 1)
             raise CollectiveError("ppermute", axis, f"{role} {dup} appears in more than one pair of perm={pairs}", f"give each {role} one pair")
-    return _apply(ppermute_p, mesh, x, spec, perm=flat)
+    return flat
 
 
 def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
@@ -629,12 +639,12 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
 
     Shape: unchanged. Gradient: the opposite shift. Built on :func:`ppermute`.
     """
-    if not isinstance(mesh, Mesh):
-        raise CollectiveError("ring_shift", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
-    n = math.prod([mesh._sizes[i] for i in mesh.axis_indices(axis, "fastdist.ring_shift")])
     if isinstance(shift, bool) or not isinstance(shift, int):
         raise CollectiveError("ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1")
-    return ppermute(x, mesh, axis, [(i, (i + shift) % n) for i in range(n)])
+    x, spec = _enter("ring_shift", x, mesh, axis)
+    n = spec.n
+    perm = tuple(v for i in range(n) for v in (i, (i + shift) % n))  # (src0, dst0, ...): a permutation by construction
+    return _apply(ppermute_p, mesh, x, spec, perm=perm)
 
 
 # ====================================================================== broadcast

@@ -193,48 +193,38 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 
 
 class TorchTransport:
-    """torch.distributed for one axis group on one device type.
+    """torch.distributed for one axis group on one device type, called eagerly.
 
-    Eagerly it calls c10d directly on the group (the cheapest per call: about half the CPU
-    time of the functional collectives on small messages); under ``torch.compile`` it uses
-    torch's functional collectives, which dynamo traces. Both give the same values. Outputs
-    are new tensors; inputs are never written.
+    Direct c10d calls on the group: the least work per call (about half the CPU time of
+    the functional collectives on small messages). Outputs are new tensors; inputs are
+    never written. Under ``torch.compile`` :class:`FunctionalTransport` takes its place.
     """
 
     def __init__(self, pg: Any, n: int) -> None:
         self.pg, self.name, self.n = pg, str(pg.group_name), n
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
-        if torch.compiler.is_compiling():
-            return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
         y = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=_REDUCE_OPS[reduce_op], group=self.pg)
         return y
 
     def all_gather0(self, op: str, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            return cast(Tensor, _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name)))
         out = x.new_empty((self.n * x.shape[0], *x.shape[1:]))  # [n * s0, *rest]
         dist.all_gather_single(out, x.contiguous(), group=self.pg)
         return out
 
     def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            return cast(Tensor, _F.wait_tensor(_F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, self.name)))
         out = x.new_empty((x.shape[0] // self.n, *x.shape[1:]))  # [s0 / n, *rest]
         dist.reduce_scatter_single(out, x.contiguous(), group=self.pg)
         return out
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
-        if torch.compiler.is_compiling():
-            return cast(Tensor, _F.wait_tensor(_F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), self.name)))
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))  # [rows received, *rest]
-        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=self.pg)
+    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+        rows = x.shape[0] if out_splits is None else sum(out_splits)  # None: equal splits both ways
+        out = x.new_empty((rows, *x.shape[1:]))  # [rows received, *rest]
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.pg)
         return out
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
-        if torch.compiler.is_compiling():
-            return cast(Tensor, _F.wait_tensor(_F.broadcast(x.contiguous(), src, self.name)))
         y = x.clone(memory_format=torch.contiguous_format)
         dist.broadcast(y, group_src=src, group=self.pg)
         return y
@@ -250,6 +240,27 @@ class TorchTransport:
         m = max(sizes)
         padded = torch.cat([_pad_rows(t, m) for t in torch.split(x, list(sizes))])  # [n * m, *f]
         return self.reduce_scatter0(op, padded)[: sizes[index]]  # [sizes[me], *f]
+
+
+class FunctionalTransport(TorchTransport):
+    """The same collectives through torch's functional collectives, which dynamo traces (used under ``torch.compile``)."""
+
+    def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
+        return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
+
+    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+        return cast(Tensor, _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name)))
+
+    def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
+        return cast(Tensor, _F.wait_tensor(_F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, self.name)))
+
+    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+        if out_splits is None or in_splits is None:
+            out_splits = in_splits = [x.shape[0] // self.n] * self.n
+        return cast(Tensor, _F.wait_tensor(_F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), self.name)))
+
+    def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
+        return cast(Tensor, _F.wait_tensor(_F.broadcast(x.contiguous(), src, self.name)))
 
 
 class AxisComm:
@@ -281,22 +292,32 @@ class AxisComm:
     # Each method picks the transport for x's device -- torch.distributed (TorchTransport) or,
     # on a ctypes mesh, NCCL/HCCL (fastdist.native.NativeCommunicator): same methods, same results.
     def transport(self, op: str, x: Tensor) -> TorchTransport | NativeCommunicator:
-        """The transport of this axis group for ``x``'s device (memoised per device type)."""
+        """The transport of this axis group for ``x``'s device (memoised per device type; functional under compile)."""
         if self.comm.native_lib is not None:
             nc = self.comm.native(self, op, x)  # None when the backend does not serve x's device
             if nc is not None:
                 return nc
         kind = x.device.type
+        if torch.compiler.is_compiling():
+            return FunctionalTransport(self.comm.group(self, select_backend(kind), op), self.n)
         t = self._transports.get(kind)
         if t is None:
-            t = TorchTransport(self.comm.group(self, select_backend(kind), op), self.n)
-            if not torch.compiler.is_compiling():
-                self._transports[kind] = t
+            t = self._transports[kind] = TorchTransport(self.comm.group(self, select_backend(kind), op), self.n)
         return t
 
     def _collective(self, op: str, x: Tensor, method: str, *args: Any) -> Tensor:
-        """``transport.method(op, x, *args)`` under :meth:`run`."""
-        return cast(Tensor, self.run(op, getattr(self.transport(op, x), method), op, x, *args))
+        """``transport.method(op, x, *args)``; failures become errors naming op, axis and ranks (as :meth:`run`)."""
+        if torch.compiler.is_compiling():
+            return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
+        t: TorchTransport | NativeCommunicator | None = self._transports.get(x.device.type) if self.comm.native_lib is None else None
+        if t is None:
+            t = self.transport(op, x)
+        try:
+            return cast(Tensor, getattr(t, method)(op, x, *args))
+        except (CommError, MeshError, NoBackendError):
+            raise
+        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
+            raise _comm_error(op, self, self.rank, e, "the collective") from e
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
@@ -310,8 +331,8 @@ class AxisComm:
         """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
         return self._collective(op, x, "reduce_scatter0")
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
-        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender."""
+    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender (``None``: equal splits)."""
         return self._collective(op, x, "all_to_all0", out_splits, in_splits)
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:

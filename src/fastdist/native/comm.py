@@ -226,8 +226,10 @@ class NativeCommunicator:
             self._call(op, "HcclBroadcast", _ptr(out), k, dt, src, self._handle, self._stream())
         return out.view(x.dtype).reshape(x.shape)
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> Tensor:
-        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender."""
+    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender (``None``: equal splits)."""
+        if out_splits is None or in_splits is None:
+            out_splits = in_splits = [x.shape[0] // self.n] * self.n
         w, dt, _ = self._wire(op, x, reducing=False)
         per_row = _row_elems(x, w)
         out = w.new_empty((sum(out_splits) * per_row,))  # [rows received * row elements], wire dtype
