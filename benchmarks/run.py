@@ -54,41 +54,32 @@ def _timeit(fn: Callable[[], Any], reps: int, warmup: int = 2, clock: Callable[[
     return statistics.median(times)
 
 
-def _dispatch_us(mesh: fd.Mesh, reps: int) -> dict[str, float]:
-    """fastdist's own CPU time per call at 4 bytes, with the transport replaced by local stand-ins.
+def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int) -> dict[str, dict[str, float]]:
+    """CPU time per call of the fastdist and c10d calls with torch.distributed's collectives stubbed out.
 
-    What fastdist adds on top of the collective it issues: argument checks, the group spec,
-    the rule, reshapes. Measured as thread CPU time over many calls (stable on a busy machine).
+    Both sides then do only their own Python and tensor work (fastdist: argument checks, the
+    group spec, the rule, the transport, the output allocation; c10d: the output
+    allocation), so the difference is what fastdist adds, free of gloo's jitter. Measured
+    as thread CPU time over batches of 100 calls.
     """
-    from fastdist.distributed import AxisComm
+    import torch.distributed as dist
 
-    n = mesh.axis_size("tp")
-    stand_in = {
-        "all_reduce": lambda self, op, x, r: x,
-        "all_gather0": lambda self, op, x: x.expand(n, *x.shape).reshape(n * x.shape[0], *x.shape[1:]),
-        "reduce_scatter0": lambda self, op, x: x[: x.shape[0] // n],
-        "all_to_all0": lambda self, op, x, o, i: x.new_empty(sum(o), *x.shape[1:]),
-    }
-    saved = {k: getattr(AxisComm, k) for k in stand_in}
-    x = torch.randn(n)
-    calls = {
-        "psum": lambda: fd.psum(x, mesh, "tp"), "all_gather": lambda: fd.all_gather(x[:1], mesh, "tp"),
-        "psum_scatter": lambda: fd.psum_scatter(x, mesh, "tp"), "all_to_all": lambda: fd.all_to_all(x, mesh, "tp", 0, 0),
-        "ppermute": lambda: fd.ring_shift(x, mesh, "tp"),
-    }
+    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+    saved = {k: getattr(dist, k) for k in names}
+    out: dict[str, dict[str, float]] = {}
     try:
-        for k, f in stand_in.items():
-            setattr(AxisComm, k, f)
-        out = {}
-        for op, fn in calls.items():
-            def batch(fn: Callable[[], Any] = fn) -> None:
-                for _ in range(100):
-                    fn()
-            out[op] = _timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
+        for k in names:
+            setattr(dist, k, lambda *a, **kw: None)
+        for op, impls in cases.items():
+            for impl in ("fastdist", "c10d"):
+                def batch(fn: Callable[[], Any] = impls[impl]) -> None:
+                    for _ in range(100):
+                        fn()
+                out.setdefault(op, {})[impl] = _timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
         return out
     finally:
         for k, f in saved.items():
-            setattr(AxisComm, k, f)
+            setattr(dist, k, f)
 
 
 # ============================================================================ simulated ranks vs one device
@@ -118,8 +109,13 @@ def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any],
     return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
 
 
-def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
-    """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device."""
+def _block_case(quick: bool, device: str = "cpu", sequence_parallel: bool = True) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+    """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device.
+
+    ``sequence_parallel``: Megatron's sequence parallelism over tp (the layer norms and
+    residual adds see 1/8 of the tokens on each rank, so the ranks' work adds up to one
+    device's). Without it those run on every tp rank: 4x their single-device work.
+    """
     from torch import nn
 
     B, S, D, heads, Fh = (2, 8, 32, 4, 64) if quick else (8, 256, 512, 8, 2048)
@@ -130,9 +126,10 @@ def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any
             super().__init__()
             self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
             if par:
-                self.q, self.k, self.v = (fd.nn.ColumnParallelLinear(D, D, mesh, "tp") for _ in range(3))
-                self.o, self.attn = fd.nn.RowParallelLinear(D, D, mesh, "tp"), fd.nn.RingAttention(mesh, "sp", causal=True)
-                self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp"), fd.nn.RowParallelLinear(Fh, D, mesh, "tp")
+                kw = {"sequence_parallel": sequence_parallel}
+                self.q, self.k, self.v = (fd.nn.ColumnParallelLinear(D, D, mesh, "tp", **kw) for _ in range(3))
+                self.o, self.attn = fd.nn.RowParallelLinear(D, D, mesh, "tp", **kw), fd.nn.RingAttention(mesh, "sp", causal=True)
+                self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp", **kw), fd.nn.RowParallelLinear(Fh, D, mesh, "tp", **kw)
             else:
                 self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
                 self.fc1, self.fc2 = nn.Linear(D, Fh), nn.Linear(Fh, D)
@@ -150,8 +147,9 @@ def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any
     names = list(specs)
     state = {n: p.detach() for n, p in full.named_parameters()}
     x = torch.randn(B, S, D, device=device)
+    xspec = fd.P(None, ("sp", "tp") if sequence_parallel else "sp", None)  # tokens over sp (ring), and over tp with sequence parallelism
     step = fd.spmd(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh,
-                   in_specs=(fd.P(None, "sp", None), *(specs[n] for n in names)), out_specs=fd.P(None, "sp", None), check=False)
+                   in_specs=(xspec, *(specs[n] for n in names)), out_specs=xspec, check=False)
 
     def full_fn(x: torch.Tensor, ps: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.func.functional_call(full, ps, (x,))
@@ -172,13 +170,14 @@ def _block_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any
     from fastdist.checking import block_of
 
     stacked = fd.nn.stack_state(state, specs, mesh)  # name -> [world, *local shard]
-    xs = torch.stack([block_of(x, fd.P(None, "sp", None), mesh, r) for r in range(mesh.size)])  # [world, B, S/sp, D]
+    xs = torch.stack([block_of(x, xspec, mesh, r) for r in range(mesh.size)])  # [world, B, local tokens, D]
     per_rank = fd.simulate(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh)
 
     def sim_stacked() -> None:
         per_rank(xs, *(stacked[n].clone().requires_grad_() for n in names)).sum().backward()
 
-    return f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2", one, simulated, one_c, sim_c, sim_stacked
+    label = f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2" + (", sequence parallel" if sequence_parallel else ", layer norms replicated over tp")
+    return label, one, simulated, one_c, sim_c, sim_stacked
 
 
 def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compiled_ms: float) -> list[dict[str, Any]]:
@@ -225,12 +224,16 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
     rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3) if device == "cpu" else []
-    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
+    label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False)
     t_one = timeit(one, reps)
-    t = timeit(sim, reps)
-    rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
     t = timeit(sim_stacked, reps)
     rows.append({"case": f"{label}: simulate on per-rank (stacked) parameters, eager", "ms": t * 1e3, "ratio": t / t_one})
+    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
+    t_one = timeit(one, reps)
+    t = timeit(sim_stacked, reps)
+    rows.append({"case": f"{label}: simulate on per-rank (stacked) parameters, eager", "ms": t * 1e3, "ratio": t / t_one})
+    t = timeit(sim, reps)
+    rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
     t_one_c = timeit(one_c, reps, warmup=2)
     t = timeit(sim_c, reps, warmup=2)
     rows.append({"case": f"{label}: spmd, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
@@ -240,6 +243,38 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
 # ============================================================================ per-call overhead on gloo
 SIZES_QUICK = [4, 4096]
 SIZES_FULL = [4, 256, 4096, 65536, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
+
+
+BURST = 20  # back-to-back calls per timed sample for messages up to 64 KiB
+
+
+def _time_impls(impls: dict[str, Callable[[], Any]], group: Any, rounds: int, burst: int) -> dict[str, float]:
+    """Per-call wall and thread-CPU microseconds of each implementation (medians over rounds).
+
+    Every round runs each implementation once, in an order that rotates between rounds,
+    both ranks lined up by a barrier first, so drift and peer skew hit all of them alike.
+    A sample is ``burst`` back-to-back calls (the OSU/nccl-tests latency method), divided
+    by ``burst``; ``burst=1`` is one call right after the barrier.
+    """
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    names = list(impls)
+    samples: dict[str, list[float]] = {k: [] for name in names for k in (f"{name}_us", f"{name}_cpu_us")}
+    for rnd in range(rounds + 2):
+        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+            fn = impls[name]
+            dist.barrier(group)
+            w, c = time.perf_counter(), time.thread_time()
+            for _ in range(burst):
+                r = fn()
+                if isinstance(r, funcol.AsyncCollectiveTensor):
+                    r.wait()  # funcol returns before the data is there; the others return done
+            w, c = time.perf_counter() - w, time.thread_time() - c
+            if rnd >= 2:  # warm-up
+                samples[f"{name}_us"].append(w / burst * 1e6)
+                samples[f"{name}_cpu_us"].append(c / burst * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: Any) -> None:
@@ -289,26 +324,15 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
             },
         }
         for op, impls in cases.items():
-            # Interleaved: every repetition times each implementation once, both ranks lined up by
-            # a barrier first, so drift and peer skew hit all of them alike. Wall and CPU time per call.
-            samples: dict[str, list[float]] = {k: [] for impl in impls for k in (impl, f"{impl}_cpu")}
-            k_reps = reps * 10 if nbytes <= 65536 else reps  # small messages: cheap, noisy, so more samples
-            for rep in range(k_reps + 2):
-                for impl, fn in impls.items():
-                    dist.barrier(group)
-                    w, c = time.perf_counter(), time.thread_time()
-                    r = fn()
-                    if isinstance(r, funcol.AsyncCollectiveTensor):
-                        r.wait()  # funcol returns before the data is there; the others return done
-                    w, c = time.perf_counter() - w, time.thread_time() - c
-                    if rep >= 2:  # warm-up
-                        samples[impl].append(w)
-                        samples[f"{impl}_cpu"].append(c)
-            times = {k: statistics.median(v) for k, v in samples.items()}
-            results.append({"op": op, "bytes": n * 4, **{f"{k}_us": v * 1e6 for k, v in times.items()}})
-    dispatch = _dispatch_us(mesh, reps)
-    for r in results:
-        r["dispatch_us"] = dispatch[r["op"]]
+            impls["c10d_again"] = impls["c10d"]  # an A/A control: how far two identical implementations' medians land apart
+            results.append({"op": op, "bytes": n * 4, **_time_impls(impls, group, reps, burst=BURST if nbytes <= 65536 else 1)})
+            if nbytes == sizes[0]:  # the smallest message: also one call right after a barrier (cold caches)
+                results[-1].update({f"{k}_cold": v for k, v in _time_impls(impls, group, reps * 5, burst=1).items()})
+        if nbytes == sizes[0]:
+            own = _own_work_us(cases, reps)
+            for r in results:
+                r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
+                r["own_added_us"] = r["own_fastdist_us"] - r["own_c10d_us"]
     if rank == 0:
         out.put(results)
     dist.barrier(group)
@@ -328,7 +352,20 @@ def _spawn(target: Callable[..., None], world: int, *args: Any, timeout: float =
     procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
-    result = q.get(timeout=timeout)
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:  # wait for rank 0's result, but give up as soon as a rank dies
+        try:
+            result = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"rank {procs.index(dead[0])} exited with {dead[0].exitcode}" if dead else f"no result within {timeout:g} s"
+                raise RuntimeError(f"benchmark {target.__name__}: {why}")
     for p in procs:
         p.join(timeout=60)
     return result
@@ -343,7 +380,11 @@ def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
         r["ratio_vs_funcol"] = r["fastdist_us"] / r["funcol_us"]
         r["added_us_vs_c10d"] = r["fastdist_us"] - r["c10d_us"]
         r["added_cpu_us_vs_c10d"] = r["fastdist_cpu_us"] - r["c10d_cpu_us"]
+        if "fastdist_us_cold" in r:
+            r["added_us_vs_c10d_cold"] = r["fastdist_us_cold"] - r["c10d_us_cold"]
+            r["added_cpu_us_vs_c10d_cold"] = r["fastdist_cpu_us_cold"] - r["c10d_cpu_us_cold"]
         r["busbw_GBps"] = r["bytes"] / (r["fastdist_us"] * 1e-6) * bus[r["op"]] / 1e9
+        r["c10d_vs_itself"] = r["c10d_again_us"] / r["c10d_us"]
     return rows
 
 
@@ -394,16 +435,22 @@ def markdown(res: dict[str, Any]) -> str:
     out += [f"| {r['case']} | {r['ms']:.2f} | {r['ratio']:.2f} |" for r in sim[1:]]
     out.append("\n(JAX rows: the ratio column is JAX simulated / JAX one device, then fastdist / JAX simulated.)")
     out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
-    out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | added µs | bus GB/s |\n|---|---|---|---|---|---|---|---|---|")
+    out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself (A/A) | added µs | bus GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
     out += [
-        f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} |"
+        f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | "
+        f"{r['c10d_vs_itself']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} |"
         for r in res["overhead"]
     ]
     small = [r for r in res["overhead"] if r["bytes"] == min(q["bytes"] for q in res["overhead"])]
-    out.append(f"\n### What fastdist adds per call at {small[0]['bytes']} bytes (CPU time of the calling thread)\n")
-    out.append("| op | fastdist's own work, transport stubbed µs | fastdist CPU µs | c10d CPU µs | funcol CPU µs | added CPU µs vs c10d |\n|---|---|---|---|---|---|")
+    out.append(f"\n### What fastdist adds per call at {small[0]['bytes']} bytes (µs, fastdist minus c10d)\n")
+    out.append(f"Own work: CPU time per call with torch.distributed's collectives stubbed out, so only each side's "
+               f"own Python and allocation runs. End to end: wall and CPU time on gloo, back-to-back (bursts of {BURST} "
+               "calls) and cold (one call right after a barrier); gloo's jitter is of the same order (see the A/A column).\n")
+    out.append("| op | fastdist own work | c10d own work | added own work | added wall, back-to-back | added CPU, back-to-back | added wall, cold | added CPU, cold |\n"
+               "|---|---|---|---|---|---|---|---|")
     out += [
-        f"| {r['op']} | {r['dispatch_us']:.1f} | {r['fastdist_cpu_us']:.1f} | {r['c10d_cpu_us']:.1f} | {r['funcol_cpu_us']:.1f} | {r['added_cpu_us_vs_c10d']:.1f} |"
+        f"| {r['op']} | {r['own_fastdist_us']:.1f} | {r['own_c10d_us']:.1f} | {r['own_added_us']:.1f} | {r['added_us_vs_c10d']:.1f} | {r['added_cpu_us_vs_c10d']:.1f} | "
+        f"{r['added_us_vs_c10d_cold']:.1f} | {r['added_cpu_us_vs_c10d_cold']:.1f} |"
         for r in small
     ]
     out.append("\n## Process-group creation on gloo\n\n| world | mesh | fastdist (own groups, local sync) ms | every group on every rank ms | ratio |\n|---|---|---|---|---|")

@@ -575,17 +575,20 @@ def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
 
 
 def _ppermute_dist(c: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
-    srcs, dsts, me, k = perm[0::2], perm[1::2], c.index, x.numel()
-    if not srcs or k == 0:
+    srcs, dsts, me = perm[0::2], perm[1::2], c.index
+    rows = x if x.dim() else x.reshape(1)  # [k, ...]: sent whole, as k rows of dim 0
+    if not srcs or rows.numel() == 0:
         return torch.zeros_like(x)
-    sends, recvs = [0] * c.n, [0] * c.n  # elements to / from each member
-    if me in srcs:
-        sends[dsts[srcs.index(me)]] = k
-    if me in dsts:
-        recvs[srcs[dsts.index(me)]] = k
-    flat = x.reshape(k) if me in srcs else x.reshape(k)[:0]  # [k] to my destination, or nothing
-    got = c.all_to_all0("ppermute", flat, recvs, sends)
-    return got.reshape(x.shape) if me in dsts else torch.zeros_like(x)  # non-destinations: 0
+    sending, receiving = me in srcs, me in dsts
+    sends, recvs = [0] * c.n, [0] * c.n  # rows to / from each member
+    if sending:
+        sends[dsts[srcs.index(me)]] = rows.shape[0]
+    if receiving:
+        recvs[srcs[dsts.index(me)]] = rows.shape[0]
+    got = c.all_to_all0("ppermute", rows if sending else rows[:0], recvs, sends)  # [k, ...] from my source, or nothing
+    if not receiving:
+        return torch.zeros_like(x)  # non-destinations: 0
+    return got if x.dim() else got.reshape(())
 
 
 def _ppermute_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:

@@ -317,20 +317,21 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) 
     top = q.new_full((B, H, m, 1), -1e30)  # running max of the scores
     total = q.new_zeros(B, H, m, 1)  # running sum of exp(score - top)
     acc = q.new_zeros(B, H, m, D)  # running weighted sum of values
+    q = q * D**-0.5  # scaled once here rather than every (m, m) score block
     for step in range(n):
         if step < n - 1:
             k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)  # issued before this block's compute
         src = (me - step) % n  # whose block I hold now
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / D**0.5  # (B, H, m, m)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k)  # (B, H, m, m)
         keep = _keep(m, m, causal, q_pos, src * m + torch.arange(m, device=q.device), None, q.device)
         if keep is not None:
             s = torch.where(keep, s, -1e30)
         new_top = torch.maximum(top, s.amax(-1, keepdim=True))
-        # exp of arguments below about -88 (masked scores) takes a slow path on CPU (~3x); clamping
-        # at -80 changes p by < 2e-35 (masked entries are zeroed below anyway).
+        # Masked scores sit 1e30 below new_top, which is a real score from step 0 on (the
+        # diagonal block: every query sees its own position), so clamping at -80 leaves them
+        # a weight exp(-80) ~ 2e-35 and no gradient. The clamp also keeps exp off its slow
+        # path for very negative arguments on CPU (~3x).
         p = torch.exp((s - new_top).clamp_min(-80.0))
-        if keep is not None:
-            p = torch.where(keep, p, 0.0)
         scale = torch.exp((top - new_top).clamp_min(-80.0))
         total = total * scale + p.sum(-1, keepdim=True)
         acc = acc * scale + torch.einsum("bhqk,bkhd->bhqd", p, v)
