@@ -97,17 +97,15 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
 
 
 def _spec(op: str, mesh: Mesh, axis: AxisName, real: bool) -> Spec:
-    """The group spec of ``axis`` (validated; memoised on the mesh outside of dynamo tracing)."""
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        try:
-            cached: Spec = mesh._specs[axis, real]
-            return cached
-        except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
-            pass
+    """The group spec of ``axis`` (validated once; the memo on the mesh is read always, written only outside dynamo tracing)."""
+    try:
+        cached: Spec = mesh._specs[axis, real]
+        return cached
+    except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
+        pass
     idx = mesh.axis_indices(axis, f"fastdist.{op}")
     spec = Spec(tuple(mesh._sizes), idx, comm=mesh._comm.axis(idx) if real else None)
-    if not compiling and isinstance(axis, (str, tuple)):
+    if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():  # dynamo must not mutate the mesh
         mesh._specs[axis, real] = spec
     return spec
 
