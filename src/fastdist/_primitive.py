@@ -200,10 +200,7 @@ class Primitive:
         if spec.comm is not None:
             if grad:
                 return cast(Tensor, self.dist_function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
-            c = spec.comm  # no gradient: straight to the rule (the common inference / optimizer-step path)
-            if c.n == 1 or c.comm.check:
-                return self._run_distributed(spec, tensors, params)
-            return self.distributed(c, *tensors, **params)
+            return self._run_distributed(spec, tensors, params)
         if compiling or not grad:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
