@@ -24,6 +24,7 @@ Output: results.json, results.md (tables) and overhead.png (ratio vs message siz
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -31,7 +32,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,24 @@ def _timeit(fn: Callable[[], Any], reps: int, warmup: int = 2, clock: Callable[[
     return statistics.median(times)
 
 
+_C10D_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")  # what both sides call
+
+
+@contextlib.contextmanager
+def _replaced_collectives(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """torch.distributed's collectives replaced by ``make(original)`` for the block, restored after."""
+    import torch.distributed as dist
+
+    saved = {k: getattr(dist, k) for k in _C10D_COLLECTIVES}
+    try:
+        for k, f in saved.items():
+            setattr(dist, k, make(f))
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(dist, k, f)
+
+
 def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int) -> dict[str, dict[str, float]]:
     """CPU time per call of the fastdist and c10d calls with torch.distributed's collectives stubbed out.
 
@@ -62,24 +81,15 @@ def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int) -> d
     allocation), so the difference is what fastdist adds, free of gloo's jitter. Measured
     as thread CPU time over batches of 100 calls.
     """
-    import torch.distributed as dist
-
-    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
-    saved = {k: getattr(dist, k) for k in names}
     out: dict[str, dict[str, float]] = {}
-    try:
-        for k in names:
-            setattr(dist, k, lambda *a, **kw: None)
+    with _replaced_collectives(lambda f: lambda *a, **kw: None):
         for op, impls in cases.items():
             for impl in ("fastdist", "c10d"):
                 def batch(fn: Callable[[], Any] = impls[impl]) -> None:
                     for _ in range(100):
                         fn()
                 out.setdefault(op, {})[impl] = _timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
-        return out
-    finally:
-        for k, f in saved.items():
-            setattr(dist, k, f)
+    return out
 
 
 def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, rounds: int) -> dict[str, dict[str, float]]:
@@ -92,8 +102,6 @@ def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, roun
     """
     import torch.distributed as dist
 
-    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
-    saved = {k: getattr(dist, k) for k in names}
     inside = [0]
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,9 +114,7 @@ def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, roun
         return call
 
     samples: dict[str, dict[str, list[float]]] = {op: {"fastdist": [], "c10d": []} for op in cases}
-    try:
-        for k in names:
-            setattr(dist, k, wrap(saved[k]))
+    with _replaced_collectives(wrap):
         for rnd in range(rounds + 2):
             for op, impls in cases.items():
                 for impl in ("fastdist", "c10d"):
@@ -119,9 +125,6 @@ def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, roun
                     t = time.thread_time_ns() - t
                     if rnd >= 2:  # warm-up
                         samples[op][impl].append((t - inside[0]) / 1e3)
-    finally:
-        for k, f in saved.items():
-            setattr(dist, k, f)
     return {op: {impl: statistics.median(v) for impl, v in d.items()} for op, d in samples.items()}
 
 
