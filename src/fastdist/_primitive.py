@@ -30,11 +30,14 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
     mathematical transpose of the stacked function). A vmap rule treats an
     outer vmap dimension as data.
 ``<Name>Function`` (autograd.Function, ``setup_context`` + ``generate_vmap_rule``)
-    Used in eager mode, so ``torch.func.grad`` / ``vmap(grad)`` work
-    (``register_autograd`` on a custom op does not compose with ``torch.func``
-    in 2.13). Under ``torch.compile`` the per-rank op is called directly,
-    because dynamo ignores an autograd.Function's vmap rule and would record
-    wrong gradients.
+    Used only while a ``torch.func`` grad/jvp transform is active, so
+    ``torch.func.grad`` / ``vmap(grad)`` work (``register_autograd`` on a custom
+    op does not compose with ``torch.func`` in 2.13). Otherwise (outer
+    ``backward()``, no transform but simulate's vmap, and under ``torch.compile``,
+    where dynamo ignores an autograd.Function's vmap rule and would record wrong
+    gradients) the per-rank op is called directly and the stacked op's
+    registered autograd records the per-rank rule: the backward then runs on
+    stacked tensors, with no vmap and no functorch wrapping of the Function.
 ``<Name>DistributedFunction``
     On real ranks (``spec.comm`` set): the ``distributed`` forward with the same
     per-rank backward rule; dynamo traces it in compiled steps.
@@ -116,6 +119,14 @@ def needs_grad(t: Tensor) -> bool:
     return True
 
 
+def _only_vmap() -> bool:
+    """Whether every active torch.func transform is a vmap (no grad/jvp/functionalize layer)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is None or all(i.key() == _VMAP for i in stack)
+
+
+_VMAP = torch._C._functorch.TransformType.Vmap
+
 ShapeRule = Callable[..., Sequence[Any]]
 StackedRule = Callable[..., Tensor]
 DistributedRule = Callable[..., Tensor]
@@ -192,8 +203,9 @@ class Primitive:
     def bind(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
         """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a one-rank mesh.
 
-        The autograd.Functions are used only when a gradient can flow (they cost about 4x
-        the op itself under vmap); without one the op runs directly.
+        The autograd.Functions are used only where they are needed: on real ranks when a
+        gradient can flow, and in simulation when a ``torch.func`` grad/jvp transform is
+        active (under vmap they cost about 4x the op itself, forward and backward).
         """
         compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
         grad = compiling or (torch.is_grad_enabled() and (needs_grad(tensors[0]) if len(tensors) == 1 else any(needs_grad(t) for t in tensors)))
@@ -201,8 +213,10 @@ class Primitive:
             if grad:
                 return cast(Tensor, self.dist_function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
             return self._run_distributed(spec, tensors, params)
-        if compiling or not grad:
+        if compiling or not grad or _only_vmap():
+            # Outer backward(): the stacked op's registered autograd records the per-rank rule.
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+        # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1).
         return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
 
     def bind_stacked(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
