@@ -173,17 +173,18 @@ def _block_case(quick: bool, device: str = "cpu", sequence_parallel: bool = True
             self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
             if par:
                 kw = {"sequence_parallel": sequence_parallel}
-                self.q, self.k, self.v = (fd.nn.ColumnParallelLinear(D, D, mesh, "tp", **kw) for _ in range(3))
+                self.qkv = fd.nn.MergedColumnParallelLinear(D, (D, D, D), mesh, "tp", **kw)  # one gather of h for q, k and v
                 self.o, self.attn = fd.nn.RowParallelLinear(D, D, mesh, "tp", **kw), fd.nn.RingAttention(mesh, "sp", causal=True)
                 self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp", **kw), fd.nn.RowParallelLinear(Fh, D, mesh, "tp", **kw)
             else:
-                self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-                self.fc1, self.fc2 = nn.Linear(D, Fh), nn.Linear(Fh, D)
+                self.qkv = nn.ModuleList(nn.Linear(D, D) for _ in range(3))  # the parameter names of the merged layer
+                self.o, self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, Fh), nn.Linear(Fh, D)
             self.par = par
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.ln1(x)
-            q, k, v = (t.unflatten(-1, (-1, D // heads)) for t in (self.q(h), self.k(h), self.v(h)))  # (B, S, heads here, hd)
+            qkv = self.qkv(h) if self.par else [proj(h) for proj in self.qkv]
+            q, k, v = (t.unflatten(-1, (-1, D // heads)) for t in qkv)  # (B, S, heads here, hd)
             a = self.attn(q, k, v) if self.par else fd.nn.local_attention(q, k, v, causal=True)
             x = x + self.o(a.flatten(-2))
             return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))

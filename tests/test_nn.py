@@ -45,6 +45,56 @@ def test_column_parallel_linear(mesh: fd.Mesh, gather: bool, seed: int) -> None:
     check_layer(par, full, mesh, x, P("dp", None), P("dp", None) if gather else P("dp", "tp"), full.state_dict())
 
 
+def check_merged(mesh: fd.Mesh, sizes: tuple[int, ...], gather: bool, sequence_parallel: bool, seed: int) -> None:
+    """MergedColumnParallelLinear == one nn.Linear per size, on every rank (outputs and gradients)."""
+    tp, dp = mesh.shape["tp"], mesh.shape["dp"]
+    torch.manual_seed(seed)
+    full = nn.ModuleList(nn.Linear(5, k * tp, dtype=F64) for k in sizes)
+    par = fd.nn.MergedColumnParallelLinear(5, [k * tp for k in sizes], mesh, "tp", gather_output=gather, sequence_parallel=sequence_parallel, dtype=F64)
+    state = {k: v.detach() for k, v in full.state_dict().items()}  # the same names
+    specs = fd.nn.param_specs(par)
+    names = list(specs)
+    x = torch.randn(2 * dp, 2 * tp, 5, dtype=F64)  # (batch, seq, in)
+    x_spec = P("dp", "tp" if sequence_parallel else None, None)
+    if gather:  # every rank holds every feature: the outputs side by side
+        join, out_spec = (lambda outs: torch.cat(outs, -1)), P("dp", None, None)
+    else:  # this rank's features of each output (equal sizes): stacked on a new leading dim
+        join, out_spec = torch.stack, P(None, "dp", None, "tp")
+
+    def parallel(x: Tensor, *ps: Tensor) -> Tensor:
+        return join(torch.func.functional_call(par, dict(zip(names, ps)), (x,)))
+
+    def reference(x: Tensor, *ps: Tensor) -> Tensor:
+        w = dict(zip(names, ps))
+        return join([F.linear(x, w[f"{i}.weight"], w[f"{i}.bias"]) for i in range(len(sizes))])
+
+    assert_matches_single_device(parallel, reference, mesh, [x, *(state[n] for n in names)], in_specs=(x_spec, *(specs[n] for n in names)), out_specs=out_spec)
+
+
+@given(mesh=dp_tp(), gather=st.booleans(), sequence_parallel=st.booleans(), seed=st.integers(0, 99), data=st.data())
+def test_merged_column_parallel_linear(mesh: fd.Mesh, gather: bool, sequence_parallel: bool, seed: int, data: st.DataObject) -> None:
+    # unequal sizes (grouped-query attention: q wider than k and v) where the outputs are concatenated
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple)) if gather else (2, 2, 2)
+    check_merged(mesh, sizes, gather, sequence_parallel, seed)
+
+
+def test_merged_column_parallel_linear_runs_one_input_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of the merged layer: one all-gather forward (and so one reduce-scatter backward) for every projection."""
+    import fastdist.nn as fnn
+
+    mesh = fd.Mesh({"tp": 2})
+    calls: list[str] = []
+    real = fnn.all_gather
+    monkeypatch.setattr(fnn, "all_gather", lambda *a, **k: (calls.append("all_gather"), real(*a, **k))[1])
+    par = fd.nn.MergedColumnParallelLinear(4, (4, 4, 4), mesh, "tp", sequence_parallel=True)
+    outs = fd.simulate(lambda x: par(x), mesh)(torch.randn(2, 1, 3, 4))  # the module's own (local) parameters on every rank
+    assert [tuple(o.shape) for o in outs] == [(2, 1, 6, 2)] * 3 and calls == ["all_gather"]
+    assert list(par.state_dict()) == list(nn.ModuleList(nn.Linear(4, 4) for _ in range(3)).state_dict())  # loads name for name
+    assert len(par) == 3 and par[-1] is list(par)[2] and par[1].weight.shape == (2, 4)
+    with pytest.raises(fd.MeshError, match="out_features is empty"):
+        fd.nn.MergedColumnParallelLinear(4, (), mesh)
+
+
 @given(mesh=dp_tp(), parallel_in=st.booleans(), seed=st.integers(0, 99))
 def test_row_parallel_linear(mesh: fd.Mesh, parallel_in: bool, seed: int) -> None:
     tp, dp = mesh.shape["tp"], mesh.shape["dp"]
@@ -264,6 +314,8 @@ def gloo_layers() -> str:
     check_column_row(tp_mesh)
     _vocab_check(fd.Mesh.from_torch(order=("dp", "tp"), tp=4), seed=3)
     _sp_mlp_check(fd.Mesh.from_torch(order=("dp", "tp"), tp=4))
+    for gather, sequence_parallel in ((False, True), (True, False)):
+        check_merged(tp_mesh, (2, 2, 2) if not gather else (2, 1, 1), gather, sequence_parallel, seed=5)
     sp = fd.Mesh.from_torch(order=("dp", "sp"), sp=4)
     for kind in ("ulysses", "ring"):
         check_attention(sp, kind, causal=True, H=3)

@@ -27,8 +27,8 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from .mesh import Mesh
 
 __all__ = [
     "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
@@ -87,12 +88,71 @@ class ColumnParallelLinear(nn.Module):
         return {"weight": P(self.axis, None), **({"bias": P(self.axis)} if self.bias is not None else {})}
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            x = all_gather(x, self.mesh, self.axis, dim=self.seq_dim)  # whole sequence; backward reduce-scatters
-        else:
-            x = pvary(x, self.mesh, self.axis)  # replicated input, rank-specific use: backward all-reduces dx
+        return self.project(_column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim))
+
+    def project(self, x: Tensor) -> Tensor:
+        """The layer on an input already made rank-varying (gathered or ``pvary``'d): no input collective."""
         y = F.linear(x, self.weight, self.bias)  # (..., out/n)
         return all_gather_invariant(y, self.mesh, self.axis, dim=-1) if self.gather_output else y
+
+
+def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
+    """A column-parallel layer's input collective: its forward/backward pair, written once."""
+    if sequence_parallel:
+        return all_gather(x, mesh, axis, dim=seq_dim)  # whole sequence; backward reduce-scatters
+    return pvary(x, mesh, axis)  # replicated input, rank-specific use: backward all-reduces dx
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of one input (q, k, v; or gate and up) behind one input collective.
+
+    Equivalent to one :class:`ColumnParallelLinear` per entry of ``out_features``, but the
+    input's collective runs once for all of them: with ``sequence_parallel`` one all-gather
+    forward and one reduce-scatter backward (instead of one each per projection), otherwise
+    one all-reduce of ``dx`` backward. This is Megatron's fused QKV and vLLM's
+    ``MergedColumnParallelLinear`` / ``QKVParallelLinear`` input handling; the sizes may
+    differ (grouped-query attention: ``(D, D_kv, D_kv)``).
+
+    Returns a tuple with one output per projection (this rank's features, or all of them
+    with ``gather_output``). Parameters: ``<i>.weight`` (out_i/n, in) and ``<i>.bias``
+    (out_i/n,), held by one :class:`ColumnParallelLinear` per projection (``layer[i]``):
+    the names of an ``nn.ModuleList`` of ``nn.Linear``, so a single-device model with
+    ``self.qkv = nn.ModuleList([...])`` loads name for name.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> full = torch.nn.ModuleList([torch.nn.Linear(4, 6), torch.nn.Linear(4, 2)])
+    >>> qkv = fd.nn.MergedColumnParallelLinear(4, (6, 2), mesh, "tp", gather_output=True)
+    >>> state = fd.nn.stack_state(full.state_dict(), fd.nn.param_specs(qkv), mesh)
+    >>> x = torch.randn(3, 4)
+    >>> q, k = fd.simulate(lambda p, x: torch.func.functional_call(qkv, p, (x,)), mesh)(state, x.expand(2, 3, 4))
+    >>> bool(torch.allclose(q[1], full[0](x), atol=1e-6)), tuple(k.shape)
+    (True, (2, 3, 2))
+    """
+
+    def __init__(
+        self, in_features: int, out_features: tuple[int, ...] | list[int], mesh: Mesh, axis: str = "tp", *, bias: bool = True,
+        gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not out_features:
+            raise MeshError("MergedColumnParallelLinear: out_features is empty. Fix: give one output size per projection, e.g. (D, D, D)")
+        self.mesh, self.axis, self.sequence_parallel, self.seq_dim = mesh, axis, sequence_parallel, seq_dim
+        for i, out in enumerate(out_features):  # children "0", "1", ...: an nn.ModuleList's parameter names
+            self.add_module(str(i), ColumnParallelLinear(in_features, out, mesh, axis, bias=bias, gather_output=gather_output, dtype=dtype))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> ColumnParallelLinear:
+        return cast(ColumnParallelLinear, self._modules[str(i % len(self))])
+
+    def __iter__(self) -> Iterator[ColumnParallelLinear]:
+        return (self[i] for i in range(len(self)))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        x = _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)  # once for every projection
+        return tuple(part.project(x) for part in self)
 
 
 class RowParallelLinear(nn.Module):
