@@ -370,34 +370,50 @@ class RingAttention(nn.Module):
 def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) -> Tensor:
     from .collectives import ring_shift
 
-    n, m = mesh.axis_size(axis), q.shape[1]
+    n, m, D = mesh.axis_size(axis), q.shape[1], q.shape[3]
     me = axis_index(mesh, axis)
-    q_pos = me * m + torch.arange(m, device=q.device)  # global positions of my queries
-    B, H, D = q.shape[0], q.shape[2], q.shape[3]
-    top = q.new_full((B, H, m, 1), -1e30)  # running max of the scores
-    total = q.new_zeros(B, H, m, 1)  # running sum of exp(score - top)
-    acc = q.new_zeros(B, H, m, D)  # running weighted sum of values
-    q = q * D**-0.5  # scaled once here rather than every (m, m) score block
-    for step in range(n):
+    # (B, m, H, D) -> (B, H, m, D) once, so every block's products are plain batched matmuls;
+    # q is scaled once here rather than every (m, m) score block.
+    q = rearrange(q * D**-0.5, "b m h d -> b h m d").contiguous()
+    k, v = (rearrange(t, "b m h d -> b h m d").contiguous() for t in (k, v))
+    # Step 0, my own block: the causal mask is the same lower triangle on every rank, and every
+    # query sees at least its own key, so the running max starts from a real score.
+    if n > 1:
+        k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)  # issued before this block's compute
+    s = q @ k.transpose(-1, -2)  # (B, H, m, m)
+    if causal:
+        tri = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()  # key <= query
+        top = torch.where(tri, s, float("-inf")).amax(-1, keepdim=True)  # (B, H, m, 1): running max of the scores
+        p = torch.exp(torch.where(tri, s - top, -80.0))  # masked: weight exp(-80) ~ 2e-35, no gradient; exp's fast path
+    else:
+        top = s.amax(-1, keepdim=True)
+        p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True)  # (B, H, m, 1): running sum of exp(score - top)
+    acc = p @ v  # (B, H, m, D): running weighted sum of values
+    for step in range(1, n):
+        k, v = k_next, v_next  # the block of rank (me - step) % n
         if step < n - 1:
-            k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)  # issued before this block's compute
-        src = (me - step) % n  # whose block I hold now
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k)  # (B, H, m, m)
-        keep = _keep(m, m, causal, q_pos, src * m + torch.arange(m, device=q.device), None, q.device)
-        if keep is not None:
-            s = torch.where(keep, s, -1e30)
-        new_top = torch.maximum(top, s.amax(-1, keepdim=True))
-        # Masked scores sit 1e30 below new_top, which is a real score from step 0 on (the
-        # diagonal block: every query sees its own position), so clamping at -80 leaves them
-        # a weight exp(-80) ~ 2e-35 and no gradient. The clamp also keeps exp off its slow
-        # path for very negative arguments on CPU (~3x).
-        p = torch.exp((s - new_top).clamp_min(-80.0))
-        scale = torch.exp((top - new_top).clamp_min(-80.0))
-        total = total * scale + p.sum(-1, keepdim=True)
-        acc = acc * scale + torch.einsum("bhqk,bkhd->bhqd", p, v)
+            k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)
+        s = q @ k.transpose(-1, -2)  # (B, H, m, m)
+        block_top = s.amax(-1, keepdim=True)
+        new_top = torch.maximum(top, block_top)
+        if causal:
+            # Off the diagonal a block is all visible (it came from an earlier rank: me >= step)
+            # or all masked: one per-rank flag, no (m, m) mask. A masked block leaves top alone,
+            # is shifted by its own max (p <= 1, no overflow) and weighted 0.
+            visible = me >= step  # () bool, per rank
+            new_top = torch.where(visible, new_top, top)
+            p = torch.exp(s - torch.where(visible, new_top, block_top))
+            weight = visible.to(p.dtype)
+            scale = torch.exp(top - new_top)
+            total = total * scale + p.sum(-1, keepdim=True) * weight
+            acc = acc * scale + (p @ v) * weight
+        else:
+            p = torch.exp(s - new_top)
+            scale = torch.exp(top - new_top)
+            total = total * scale + p.sum(-1, keepdim=True)
+            acc = acc * scale + p @ v
         top = new_top
-        if step < n - 1:
-            k, v = k_next, v_next
     return rearrange(acc / total, "b h m d -> b m h d")
 
 
