@@ -339,3 +339,25 @@ def test_tracker_forgets_dead_tensors() -> None:
         assert tracker.get(t).state("tp") == "V"
     del t
     assert len(tracker._states) == 0
+
+
+@pytest.mark.parametrize("x_spec", [P("tp"), P(), P(("dp", "tp"))])
+def test_spmd_simulated_sharding_contract(x_spec: fd.PartitionSpec) -> None:
+    """A global input's gradient is each block's mean over the ranks holding it; an output comes
+    from the lowest rank holding each block, and each rank gets its block of the cotangent.
+
+    Checked unchecked (check=False) with per-rank gradients that differ over dp, where "mean"
+    and "sum" or "rank 0" would disagree.
+    """
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    x = torch.arange(1.0, 5.0, dtype=F64, requires_grad=True)
+    c = torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=F64)
+    f = fd.spmd(lambda x: x * (1 + fd.axis_index(mesh, "dp")), mesh, in_specs=(x_spec,), out_specs=x_spec, check=False)
+    out = f(x)
+    (out * c).sum().backward()
+    if "dp" in x_spec.sharded_axes:  # dp shards the blocks: blocks 0-1 live on dp=0, 2-3 on dp=1 (one holder each)
+        torch.testing.assert_close(out, x.detach() * torch.tensor([1.0, 1.0, 2.0, 2.0], dtype=F64))
+        torch.testing.assert_close(x.grad, c * torch.tensor([1.0, 1.0, 2.0, 2.0], dtype=F64))
+    else:
+        torch.testing.assert_close(out, x.detach())  # from the holders at dp = 0
+        torch.testing.assert_close(x.grad, c * 1.5)  # the mean over dp of (1 + dp)

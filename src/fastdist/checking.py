@@ -403,40 +403,62 @@ def _check_spec(where: str, mesh: Mesh, spec: Any, t: Tensor | None) -> Partitio
     return spec
 
 
-class _Replicate(torch.autograd.Function):
-    """``[*s] -> [world, *s]``: the global input on every simulated rank; backward: the mean over ranks.
+def _holders(spec: PartitionSpec, mesh: Mesh) -> list[int]:
+    """One rank per block of ``spec``: the ranks at coordinate 0 on every axis the spec does not shard."""
+    unsharded = [a for a in mesh.axis_names if a not in spec.sharded_axes]
+    return [r for r in range(mesh.size) if all(mesh.index(r, a) == 0 for a in unsharded)]
 
-    Under correct replication types every rank's gradient of a global input is the same
-    (invariant), so the mean is exact; a sum would count it once per rank.
+
+class _ShardStacked(torch.autograd.Function):
+    """Global ``x`` -> ``[world, *local]``: every simulated rank's block under ``spec``.
+
+    Backward: each block's gradient is the mean over the ranks that hold it. This is what a
+    global input replicated to every rank and then ``local_chunk``-ed computes (under correct
+    replication types those ranks' gradients agree, so the mean is exact; a sum would count
+    the block once per replica), without ``world`` full copies each way.
     """
 
     @staticmethod
-    def forward(x: Tensor, world: int) -> Tensor:
-        return x.unsqueeze(0).expand(world, *x.shape).clone()
+    def forward(x: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+        return torch.stack([block_of(x, spec, mesh, r) for r in range(mesh.size)])  # [world, *local]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        pass
+        ctx.shape, ctx.spec, ctx.mesh = inputs[0].shape, inputs[1], inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
-        return g.mean(0), None
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        spec, mesh = ctx.spec, ctx.mesh
+        if not spec.sharded_axes:
+            return g.mean(0), None, None
+        full = g.new_zeros(ctx.shape)
+        for r in range(mesh.size):
+            block_of(full, spec, mesh, r).add_(g[r])  # this rank's block, into its place
+        return full / (mesh.size // mesh.axis_size(spec.sharded_axes)), None, None  # the mean over each block's holders
 
 
-class _FirstReplica(torch.autograd.Function):
-    """``[world, *s] -> [*s]``: one copy of a replicated result; backward: the cotangent to every rank."""
+class _UnshardStacked(torch.autograd.Function):
+    """``[world, *local]`` -> global: the blocks assembled, each from the lowest rank holding it.
+
+    The transpose of :class:`_ShardStacked`'s forward: backward gives every rank its block of
+    the cotangent (an output replicated over an axis hands each replica the same cotangent).
+    """
 
     @staticmethod
-    def forward(y: Tensor) -> Tensor:
-        return y[0].clone()
+    def forward(y: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+        shape = [n * (mesh.axis_size(spec.axes_of(d)) if d < len(spec.dims) and spec.axes_of(d) else 1) for d, n in enumerate(y.shape[1:])]
+        full = y.new_empty(shape)  # the global shape: each sharded dim times its axes' size
+        for r in _holders(spec, mesh):
+            block_of(full, spec, mesh, r).copy_(y[r])
+        return full
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.world = inputs[0].shape[0]
+        ctx.spec, ctx.mesh = inputs[1], inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        return g.unsqueeze(0).expand(ctx.world, *g.shape)
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return torch.stack([block_of(g, ctx.spec, ctx.mesh, r) for r in range(ctx.mesh.size)]), None, None
 
 
 def spmd(
@@ -490,13 +512,17 @@ def spmd(
         _check_spec(f"out_specs[{i}]", mesh, s, None)
 
     def per_rank(*args: Any) -> Any:
+        # Real ranks: each process takes its blocks and joins the outputs with collectives.
+        # Simulated ranks get their blocks already cut (_ShardStacked) and return them as they
+        # are, to be assembled once outside (_UnshardStacked): the same values and gradients
+        # as local_chunk / all_gather_invariant per rank, without world-sized copies.
         local = []
         states: list[Rep | None] = []
         for i, (a, s) in enumerate(zip(args, in_specs)):
             if isinstance(a, Tensor):
                 s = cast(PartitionSpec, s)
                 for d in range(len(s.dims)):
-                    if s.axes_of(d):
+                    if s.axes_of(d) and not simulated:
                         a = _local_chunk(a, s.axes_of(d), d)
                 states.append(Rep(frozenset(s.sharded_axes)))
             else:
@@ -521,7 +547,7 @@ def spmd(
             if s.partial:
                 y = psum(y, mesh, s.partial if len(s.partial) > 1 else s.partial[0])
             for d in range(len(s.dims)):
-                if s.axes_of(d):
+                if s.axes_of(d) and not simulated:
                     axes = s.axes_of(d)
                     y = all_gather_invariant(y, mesh, axes if len(axes) > 1 else axes[0], d)
             joined.append(y)
@@ -538,9 +564,10 @@ def spmd(
             return cast(R, per_rank(*args))
         from .simulate import simulate
 
-        stacked = [_Replicate.apply(a, mesh.size) if isinstance(a, Tensor) else a for a in args]  # type: ignore[no-untyped-call]
+        stacked = [_ShardStacked.apply(a, s, mesh) if isinstance(a, Tensor) else a for a, s in zip(args, in_specs)]  # type: ignore[no-untyped-call]
         out = simulate(per_rank, mesh)(*stacked)
-        return cast(R, pytree.tree_map(lambda o: _FirstReplica.apply(o) if isinstance(o, Tensor) else o, out))  # type: ignore[no-untyped-call]
+        full = tuple(_UnshardStacked.apply(o, s, mesh) for o, s in zip([out] if single_out else out, outs))  # type: ignore[no-untyped-call]
+        return cast(R, full[0] if single_out else full)
 
     return run
 
