@@ -255,35 +255,46 @@ def _jax_rows(quick: bool, reps: int, fastdist_eager_ms: float, fastdist_compile
     ]
 
 
-def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
-    def timeit(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:  # waits for the device
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        return _timeit(lambda: (fn(), sync()), reps, warmup)
+def _paired(base: Callable[[], Any], fn: Callable[[], Any], reps: int, warmup: int = 2) -> tuple[float, float, float]:
+    """(median s of ``base``, median s of ``fn``, median of the per-pair ratios fn / base).
 
-    reps = 3 if quick else 10
+    The two are timed alternately (base, fn; then fn, base; ...), so a slow phase of a noisy
+    machine (this 2-core VM's matmuls swing up to 2x within a minute) lands on both sides
+    of a pair instead of on whichever ran second.
+    """
+    for _ in range(warmup):
+        base(), fn()
+    tb, tf = [], []
+    for i in range(reps):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            (base, fn)[which]()
+            (tb, tf)[which].append(time.perf_counter() - t)
+    return statistics.median(tb), statistics.median(tf), statistics.median(f / b for b, f in zip(tb, tf))
+
+
+def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def waits(fn: Callable[[], Any]) -> Callable[[], Any]:  # waits for the device
+        return lambda: (fn(), sync())
+
+    def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
+        t_base, t, ratio = _paired(waits(base), waits(fn), reps)
+        return {"case": case, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
+
+    reps = 3 if quick else 12
     label, one, sim, one_c, sim_c, loop = _mlp_case(quick, device)
-    t_one = timeit(one, reps)
-    rows = [{"case": label, "baseline": "one device", "baseline_ms": t_one * 1e3}]
-    for name, fn, base in (("simulate, eager", sim, t_one), ("Python loop over ranks", loop, t_one)):
-        t = timeit(fn, reps)
-        rows.append({"case": name, "ms": t * 1e3, "ratio": t / base})
-    t_one_c = timeit(one_c, reps, warmup=2)
-    t = timeit(sim_c, reps, warmup=2)
-    rows.append({"case": "simulate, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
-    rows += _jax_rows(quick, reps, rows[1]["ms"], t * 1e3) if device == "cpu" else []
+    rows = [row("simulate, eager", one, sim), row("Python loop over ranks", one, loop),
+            row("simulate, torch.compile (vs one device compiled)", one_c, sim_c)]
+    rows.insert(0, {"case": label, "baseline": "one device", "baseline_ms": rows[0]["baseline_ms"]})
+    rows += _jax_rows(quick, reps, rows[1]["ms"], rows[3]["ms"]) if device == "cpu" else []
     label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False)
-    t_one = timeit(one, reps)
-    t = timeit(sim_stacked, reps)
-    rows.append({"case": f"{label}: simulate on per-rank (stacked) parameters, eager", "ms": t * 1e3, "ratio": t / t_one})
+    rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
     label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
-    t_one = timeit(one, reps)
-    t = timeit(sim_stacked, reps)
-    rows.append({"case": f"{label}: simulate on per-rank (stacked) parameters, eager", "ms": t * 1e3, "ratio": t / t_one})
-    t = timeit(sim, reps)
-    rows.append({"case": f"{label}: spmd, eager", "ms": t * 1e3, "ratio": t / t_one})
-    t_one_c = timeit(one_c, reps, warmup=2)
-    t = timeit(sim_c, reps, warmup=2)
-    rows.append({"case": f"{label}: spmd, torch.compile (vs one device compiled)", "ms": t * 1e3, "ratio": t / t_one_c})
+    rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
+    rows.append(row(f"{label}: spmd, eager", one, sim))
+    rows.append(row(f"{label}: spmd, torch.compile (vs one device compiled)", one_c, sim_c))
     return rows
 
 
@@ -480,9 +491,11 @@ def markdown(res: dict[str, Any]) -> str:
     out = [f"# fastdist benchmarks\n\n`{res['command']}` on {res['machine']}, torch {res['torch']}, {res['date']}\n"]
     sim = res["sim"]
     out.append(f"## Simulated ranks vs one device\n\n{sim[0]['case']}: one device {sim[0]['baseline_ms']:.2f} ms per step (forward + backward)\n")
-    out.append("| implementation | ms | ratio to one device |\n|---|---|---|")
-    out += [f"| {r['case']} | {r['ms']:.2f} | {r['ratio']:.2f} |" for r in sim[1:]]
-    out.append("\n(JAX rows: the ratio column is JAX simulated / JAX one device, then fastdist / JAX simulated.)")
+    out.append("| implementation | ms | one device ms | ratio to one device |\n|---|---|---|---|")
+    out += [f"| {r['case']} | {r['ms']:.2f} | {r['baseline_ms']:.2f} | {r['ratio']:.2f} |" if "baseline_ms" in r else f"| {r['case']} | {r['ms']:.2f} | | {r['ratio']:.2f} |"
+            for r in sim[1:]]
+    out.append("\nEach ratio is the median of per-pair ratios, the two sides timed alternately (medians of the times beside it). "
+               "JAX rows: the ratio column is JAX simulated / JAX one device, then fastdist / JAX simulated.")
     out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
     out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself (A/A) | added µs | bus GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
     out += [

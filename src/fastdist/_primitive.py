@@ -85,6 +85,28 @@ class Spec:
         object.__setattr__(self, "n", math.prod([self.mesh_shape[a] for a in self.axes]))
         object.__setattr__(self, "_others", tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes))
 
+    def axis_view(self, xs: Tensor) -> tuple[Tensor, int]:
+        """``[world, *s] -> [*before, n, *after, *s]`` and the position of ``n`` (the member dim).
+
+        A view when the group's axes are consecutive mesh axes in mesh order (a single axis
+        always is), so a rule can work in the mesh layout with no permute copies; otherwise
+        the ``[G, n, *s]`` layout of :meth:`to_groups` (a copy) with the member dim at 1.
+        Either way, reshaping a result of the same layout to ``[world, ...]`` undoes it when
+        it is contiguous: see :meth:`from_axis_view`.
+        """
+        a0, k = self.axes[0], len(self.axes)
+        if self.axes != tuple(range(a0, a0 + k)):
+            return self.to_groups(xs), 1
+        shape = (*self.mesh_shape[:a0], self.n, *self.mesh_shape[a0 + k :])  # the group's axes merged into one dim
+        return xs.reshape(*shape, *xs.shape[1:]), a0  # [*before, n, *after, *s]
+
+    def from_axis_view(self, y: Tensor, s: Sequence[int]) -> Tensor:
+        """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s`` (copies only if it must)."""
+        a0, k = self.axes[0], len(self.axes)
+        if self.axes != tuple(range(a0, a0 + k)):
+            return self.from_groups(y.reshape(self.world // self.n, self.n, *s))  # [G, n, *s] -> [world, *s]
+        return y.reshape(self.world, *s)  # mesh layout -> [world, *s]
+
     def to_groups(self, xs: Tensor) -> Tensor:
         """``[world, *s] -> [G, n, *s]``: dim 1 indexes the member within its group (axis order)."""
         s = xs.shape[1:]

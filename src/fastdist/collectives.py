@@ -157,8 +157,8 @@ def _where_member(spec: Spec, y: Tensor, mask: Tensor) -> Tensor:
 
 # ====================================================================== psum
 def _psum_stacked(spec: Spec, x: Tensor) -> Tensor:
-    y = spec.to_groups(x)  # [G, n, *s]
-    return spec.from_groups(y.sum(1, keepdim=True, dtype=y.dtype).expand_as(y))
+    y, a = spec.axis_view(x)  # [*before, n, *after, *s]
+    return spec.from_axis_view(y.sum(a, keepdim=True, dtype=y.dtype).expand_as(y), x.shape[1:])  # the sum, on every member
 
 
 def _psum_dist(c: AxisComm, x: Tensor) -> Tensor:
@@ -326,11 +326,13 @@ def _all_gather_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> t
 
 
 def _all_gather_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
-    y = spec.to_groups(x)  # [G, n, *s]
-    z = y.movedim(1, dim + 1)  # [G, *s[:dim], n, *s[dim:]]
-    if tiled:
-        z = z.flatten(dim + 1, dim + 2)  # [G, *s[:dim], n * s[dim], *s[dim+1:]]
-    return spec.from_groups(z.unsqueeze(1).expand(-1, spec.n, *z.shape[1:]))  # every member holds it
+    y, a = spec.axis_view(x)  # [*before, n, *after, *s]
+    k = y.dim() - (x.dim() - 1)  # mesh dims in the view
+    z = y.movedim(a, k - 1 + dim)  # [*before, *after, *s[:dim], n, *s[dim:]]: the members' blocks side by side
+    every = z.unsqueeze(a).expand(*y.shape[:k], *z.shape[k - 1 :])  # [*before, n, *after, *s[:dim], n, *s[dim:]]: every member holds them
+    s = x.shape[1:]
+    out = (*s[:dim], spec.n * s[dim], *s[dim + 1 :]) if tiled else (*s[:dim], spec.n, *s[dim:])
+    return spec.from_axis_view(every, out)  # one copy
 
 
 def _all_gather_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
@@ -442,10 +444,13 @@ def _psum_scatter_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) ->
 
 
 def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
-    total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, *s]
+    y, a = spec.axis_view(x)  # [*before, n, *after, *s]
+    k = y.dim() - (x.dim() - 1)
     if tiled:
-        total = total.unflatten(dim + 1, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, *s[:dim], n, s[dim] / n, *s[dim+1:]]
-    return spec.from_groups(total.movedim(dim + 1, 1))  # [G, n, ...]: member j keeps chunk j
+        y = y.unflatten(k + dim, (spec.n, -1))  # type: ignore[no-untyped-call]  # [..., *s[:dim], n chunks, s[dim] / n, ...]
+    y = y.movedim(k + dim, a + 1)  # [*before, n members, n chunks, *after, ...]
+    total = y.sum(a, dtype=x.dtype)  # [*before, n, *after, ...]: member j's slot holds the sum of chunk j (one pass)
+    return spec.from_axis_view(total, total.shape[k:])
 
 
 def _psum_scatter_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
@@ -566,10 +571,16 @@ def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, g
 
 # ====================================================================== ppermute
 def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
-    y = spec.to_groups(x)  # [G, n, *s]
-    src = torch.tensor(list(perm[0::2]), dtype=torch.long, device=x.device)
-    dst = torch.tensor(list(perm[1::2]), dtype=torch.long, device=x.device)
-    return spec.from_groups(torch.zeros_like(y).index_copy(1, dst, y.index_select(1, src)))  # non-destinations: 0
+    y, a = spec.axis_view(x)  # [*before, n, *after, *s]
+    srcs, dsts = perm[0::2], perm[1::2]
+    src_of = list(range(spec.n))  # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
+    for src, dst in zip(srcs, dsts):
+        src_of[dst] = src
+    out = y.index_select(a, torch.tensor(src_of, dtype=torch.long, device=x.device))  # one gather pass
+    idle = [j for j in range(spec.n) if j not in dsts]
+    if idle:
+        out.index_fill_(a, torch.tensor(idle, dtype=torch.long, device=x.device), 0)  # non-destinations: 0
+    return spec.from_axis_view(out, x.shape[1:])
 
 
 def _ppermute_dist(c: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
