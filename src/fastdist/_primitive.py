@@ -101,11 +101,11 @@ class Spec:
         return xs.reshape(*shape, *xs.shape[1:]), a0  # [*before, n, *after, *s]
 
     def from_axis_view(self, y: Tensor, s: Sequence[int]) -> Tensor:
-        """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s`` (copies only if it must)."""
+        """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s``: contiguous, copied only if it must be."""
         a0, k = self.axes[0], len(self.axes)
         if self.axes != tuple(range(a0, a0 + k)):
             return self.from_groups(y.reshape(self.world // self.n, self.n, *s))  # [G, n, *s] -> [world, *s]
-        return y.reshape(self.world, *s)  # mesh layout -> [world, *s]
+        return y.reshape(self.world, *s).contiguous()  # mesh layout -> [world, *s] (contiguous, as the fake rule says)
 
     def to_groups(self, xs: Tensor) -> Tensor:
         """``[world, *s] -> [G, n, *s]``: dim 1 indexes the member within its group (axis order)."""
