@@ -336,7 +336,12 @@ def _time_impls(impls: dict[str, Callable[[], Any]], group: Any, rounds: int, bu
             if rnd >= 2:  # warm-up
                 samples[f"{name}_us"].append(w / burst * 1e6)
                 samples[f"{name}_cpu_us"].append(c / burst * 1e6)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    for base in ("c10d", "funcol"):  # ratios within each round (both sides under the same conditions), then their median
+        if base in impls:
+            for name in names:
+                out[f"{name}_per_round_vs_{base}"] = statistics.median(a / b for a, b in zip(samples[f"{name}_us"], samples[f"{base}_us"]))
+    return out
 
 
 def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: Any) -> None:
@@ -440,15 +445,15 @@ def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = _spawn(_overhead_worker, world, sizes, 5 if quick else 20)
     bus = {"psum": 2 * (world - 1) / world, "all_gather": (world - 1) / world, "psum_scatter": (world - 1) / world, "all_to_all": (world - 1) / world, "ppermute": 1.0}
     for r in rows:
-        r["ratio_vs_c10d"] = r["fastdist_us"] / r["c10d_us"]
-        r["ratio_vs_funcol"] = r["fastdist_us"] / r["funcol_us"]
+        r["ratio_vs_c10d"] = r["fastdist_per_round_vs_c10d"]  # the median of per-round ratios
+        r["ratio_vs_funcol"] = r["fastdist_per_round_vs_funcol"]
         r["added_us_vs_c10d"] = r["fastdist_us"] - r["c10d_us"]
         r["added_cpu_us_vs_c10d"] = r["fastdist_cpu_us"] - r["c10d_cpu_us"]
         if "fastdist_us_cold" in r:
             r["added_us_vs_c10d_cold"] = r["fastdist_us_cold"] - r["c10d_us_cold"]
             r["added_cpu_us_vs_c10d_cold"] = r["fastdist_cpu_us_cold"] - r["c10d_cpu_us_cold"]
         r["busbw_GBps"] = r["bytes"] / (r["fastdist_us"] * 1e-6) * bus[r["op"]] / 1e9
-        r["c10d_vs_itself"] = r["c10d_again_us"] / r["c10d_us"]
+        r["c10d_vs_itself"] = r["c10d_again_per_round_vs_c10d"]
     return rows
 
 
@@ -502,6 +507,8 @@ def markdown(res: dict[str, Any]) -> str:
                "The baseline is one device (compiled for the compiled rows), except in the JAX rows: JAX simulated / JAX one device, "
                "then fastdist / JAX simulated.")
     out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
+    out.append("Times are medians over rounds; ratios are medians of the ratios within each round (every round runs each "
+               "implementation once, order rotating, after a barrier).\n")
     out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself (A/A) | added µs | bus GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
     out += [
         f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | "
