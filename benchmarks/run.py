@@ -227,7 +227,7 @@ def _block_case(quick: bool, device: str = "cpu", sequence_parallel: bool = True
     return label, one, simulated, one_c, sim_c, sim_stacked
 
 
-def _jax_rows(quick: bool, reps: int, fastdist_eager: Callable[[], Any], fastdist_compiled: Callable[[], Any]) -> list[dict[str, Any]]:
+def _jax_rows(quick: bool, reps: int, fastdist_eager: Callable[[], Any], fastdist_compiled: Callable[[], Any], torch_one: Callable[[], Any]) -> list[dict[str, Any]]:
     """JAX's simulation of the same TP MLP (jit(vmap(grad), axis_name) with psum), if JAX is installed (bench-only)."""
     try:
         import jax
@@ -252,10 +252,13 @@ def _jax_rows(quick: bool, reps: int, fastdist_eager: Callable[[], Any], fastdis
     t_one, t_sim, r_sim = _paired(lambda: jax.block_until_ready(one(x, w1, w2)), jax_sim, reps)
     _, t_eager, r_eager = _paired(jax_sim, fastdist_eager, reps)
     _, t_comp, r_comp = _paired(jax_sim, fastdist_compiled, reps)
+    _, t_torch, r_torch = _paired(jax_sim, torch_one, reps)
     return [
         {"case": f"JAX {jax.__version__} simulated (jit vmap grad) vs JAX one device", "ms": t_sim * 1e3, "ratio": r_sim, "baseline_ms": t_one * 1e3},
         {"case": "fastdist eager / JAX simulated", "ms": t_eager * 1e3, "ratio": r_eager, "baseline_ms": t_sim * 1e3},
         {"case": "fastdist compiled / JAX simulated", "ms": t_comp * 1e3, "ratio": r_comp, "baseline_ms": t_sim * 1e3},
+        # fastdist's simulation does the single-device work and more, so this is its floor against JAX
+        {"case": "torch one device (eager) / JAX simulated: the floor of fastdist / JAX", "ms": t_torch * 1e3, "ratio": r_torch, "baseline_ms": t_sim * 1e3},
     ]
 
 
@@ -292,7 +295,7 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
     rows = [row("simulate, eager", one, sim), row("Python loop over ranks", one, loop),
             row("simulate, torch.compile (vs one device compiled)", one_c, sim_c)]
     rows.insert(0, {"case": label, "baseline": "one device", "baseline_ms": rows[0]["baseline_ms"]})
-    rows += _jax_rows(quick, reps, sim, sim_c) if device == "cpu" else []
+    rows += _jax_rows(quick, reps, sim, sim_c, one) if device == "cpu" else []
     label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False)
     rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
     label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
