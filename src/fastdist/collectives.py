@@ -13,6 +13,9 @@ Read this file like a table (as JAX's ``lax/parallel.py``). Each block has
 
 ``spec.to_groups`` views ``[world, *s]`` as ``[G, n, *s]`` (G groups of n members,
 member index in axis order), so a per-rank tensor dim ``d`` is dim ``d + 2`` there.
+The rules on the hot path of models (psum, all_gather, psum_scatter, ppermute) use
+``spec.axis_view`` instead: the mesh layout ``[*before, n, *after, *s]``, a view with no
+permute copy when the group's axes are consecutive mesh axes (``to_groups`` otherwise).
 
 Gradient conventions (the pairs that decide whether gradients are right):
 
