@@ -267,6 +267,17 @@ def test_outer_vmap_over_simulate_is_a_data_dim() -> None:
     out = torch.vmap(fd.simulate(lambda x: fd.all_gather(x, mesh, "tp", dim=0), mesh))(xs)
     want = torch.stack([ref("all_gather", x, mesh, "tp", dim=0) for x in xs])
     torch.testing.assert_close(out, want)
+    # and its gradient: each ensemble member's, as if simulated alone (outer backward records
+    # the stacked op with the data dim in its parameters)
+    step = fd.simulate(lambda x: fd.psum_scatter(torch.sin(fd.all_gather(x, mesh, "tp", dim=0)), mesh, "tp", dim=0), mesh)
+    c = torch.randn(xs.shape)
+    leaf = xs.clone().requires_grad_()
+    (torch.vmap(step)(leaf) * c).sum().backward()
+    for e in range(5):
+        one = xs[e].clone().requires_grad_()
+        (step(one) * c[e]).sum().backward()
+        torch.testing.assert_close(leaf.grad[e], one.grad)
+    assert leaf.grad.abs().sum() > 0
 
 
 def test_pytree_arguments_and_kwargs() -> None:

@@ -658,7 +658,7 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
         raise CollectiveError("ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1")
     x, spec = _enter("ring_shift", x, mesh, axis)
     n = spec.n
-    perm = tuple(v for i in range(n) for v in (i, (i + shift) % n))  # (src0, dst0, ...): a permutation by construction
+    perm = tuple([v for i in range(n) for v in (i, (i + shift) % n)])  # (src0, dst0, ...): a permutation by construction
     return _apply(ppermute_p, mesh, x, spec, perm=perm)
 
 
