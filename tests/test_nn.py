@@ -231,10 +231,11 @@ class Block(nn.Module):
         self.heads, self.mesh = heads, mesh
         self.ln1, self.ln2 = nn.LayerNorm(D, dtype=F64), nn.LayerNorm(D, dtype=F64)
         if mesh is None:
-            self.q, self.k, self.v, self.o = (nn.Linear(D, D, dtype=F64) for _ in range(4))
+            self.qkv = nn.ModuleList(nn.Linear(D, D, dtype=F64) for _ in range(3))
+            self.o = nn.Linear(D, D, dtype=F64)
             self.fc1, self.fc2 = nn.Linear(D, Fh, dtype=F64), nn.Linear(Fh, D, dtype=F64)
         else:
-            self.q, self.k, self.v = (fd.nn.ColumnParallelLinear(D, D, mesh, "tp", dtype=F64) for _ in range(3))
+            self.qkv = fd.nn.MergedColumnParallelLinear(D, (D, D, D), mesh, "tp", dtype=F64)  # the same parameter names
             self.o = fd.nn.RowParallelLinear(D, D, mesh, "tp", dtype=F64)
             self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp", dtype=F64), fd.nn.RowParallelLinear(Fh, D, mesh, "tp", dtype=F64)
             self.attn = fd.nn.RingAttention(mesh, "sp", causal=True)
@@ -242,7 +243,8 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.ln1(x)
         hd = x.shape[-1] // self.heads
-        q, k, v = (t.unflatten(-1, (-1, hd)) for t in (self.q(h), self.k(h), self.v(h)))  # (B, S, heads on this rank, hd)
+        qkv = self.qkv(h) if self.mesh is not None else [proj(h) for proj in self.qkv]
+        q, k, v = (t.unflatten(-1, (-1, hd)) for t in qkv)  # (B, S, heads on this rank, hd)
         a = self.attn(q, k, v) if self.mesh is not None else fd.nn.local_attention(q, k, v, causal=True)
         x = x + self.o(a.flatten(-2))
         return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
