@@ -361,3 +361,18 @@ def test_spmd_simulated_sharding_contract(x_spec: fd.PartitionSpec) -> None:
     else:
         torch.testing.assert_close(out, x.detach())  # from the holders at dp = 0
         torch.testing.assert_close(x.grad, c * 1.5)  # the mean over dp of (1 + dp)
+
+
+def test_func_grad_around_simulated_spmd_and_integer_inputs() -> None:
+    """torch.func.grad of a loss through spmd (the shard/unshard pair under a grad transform)
+    equals the single-device gradient; integer inputs shard without gradients."""
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    f = fd.spmd(lambda x, w: fd.psum(x @ w, mesh, "tp"), mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp", None))
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(4, 6, dtype=F64, generator=g), torch.randn(6, 3, dtype=F64, generator=g)
+    grads = torch.func.grad(lambda x, w: f(x, w).sin().sum(), argnums=(0, 1))(x, w)
+    want = torch.func.grad(lambda x, w: (x @ w).sin().sum(), argnums=(0, 1))(x, w)
+    for got, ref_grad in zip(grads, want):
+        torch.testing.assert_close(got, ref_grad)
+    ids = torch.arange(8).reshape(4, 2)
+    assert torch.equal(fd.spmd(lambda i: i * 2, mesh, in_specs=(P("dp", None),), out_specs=P("dp", None))(ids), ids * 2)
