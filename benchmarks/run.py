@@ -183,7 +183,11 @@ def _block_case(quick: bool, device: str = "cpu", sequence_parallel: bool = True
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.ln1(x)
-            qkv = self.qkv(h) if self.par else [proj(h) for proj in self.qkv]
+            if self.par:
+                qkv = self.qkv(h)
+            else:  # a fused QKV on one device too: one GEMM with the three weights side by side
+                w, b = torch.cat([proj.weight for proj in self.qkv]), torch.cat([proj.bias for proj in self.qkv])
+                qkv = torch.nn.functional.linear(h, w, b).split(D, dim=-1)
             q, k, v = (t.unflatten(-1, (-1, D // heads)) for t in qkv)  # (B, S, heads here, hd)
             a = self.attn(q, k, v) if self.par else fd.nn.local_attention(q, k, v, causal=True)
             x = x + self.o(a.flatten(-2))

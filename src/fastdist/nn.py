@@ -152,7 +152,17 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         x = _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)  # once for every projection
-        return tuple(part.project(x) for part in self)
+        parts = list(self)
+        if len(parts) == 1:
+            return (parts[0].project(x),)
+        # One GEMM for all projections (weights side by side), as a fused QKV does: wider
+        # matrices than each rank's narrow slices, and one dx instead of a sum of several.
+        weight = torch.cat([p.weight for p in parts])  # (sum out_i/n, in)
+        bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None  # type: ignore[misc]
+        ys = torch.split(F.linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)  # (..., out_i/n) each
+        if parts[0].gather_output:
+            return tuple(all_gather_invariant(y, self.mesh, self.axis, dim=-1) for y in ys)
+        return tuple(ys)
 
 
 class RowParallelLinear(nn.Module):
