@@ -109,7 +109,8 @@ class MergedColumnParallelLinear(nn.Module):
     Equivalent to one :class:`ColumnParallelLinear` per entry of ``out_features``, but the
     input's collective runs once for all of them: with ``sequence_parallel`` one all-gather
     forward and one reduce-scatter backward (instead of one each per projection), otherwise
-    one all-reduce of ``dx`` backward. This is Megatron's fused QKV and vLLM's
+    one all-reduce of ``dx`` backward; and the projections run as one GEMM with the weights
+    side by side (split afterwards). This is Megatron's fused QKV and vLLM's
     ``MergedColumnParallelLinear`` / ``QKVParallelLinear`` input handling; the sizes may
     differ (grouped-query attention: ``(D, D_kv, D_kv)``).
 
