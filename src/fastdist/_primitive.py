@@ -76,6 +76,8 @@ class Spec:
     #: group size: ranks that take part in one collective
     n: int = field(init=False, compare=False)
     _others: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    #: the group's axes are consecutive mesh axes in mesh order (axis_view is then a view)
+    _consecutive: bool = field(init=False, compare=False, repr=False)
     #: on real ranks: this rank's group along the axes (a fastdist.distributed.AxisComm)
     comm: Any = field(default=None, compare=False, repr=False)
 
@@ -84,6 +86,7 @@ class Spec:
         object.__setattr__(self, "world", math.prod(self.mesh_shape))
         object.__setattr__(self, "n", math.prod([self.mesh_shape[a] for a in self.axes]))
         object.__setattr__(self, "_others", tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes))
+        object.__setattr__(self, "_consecutive", self.axes == tuple(range(self.axes[0], self.axes[0] + len(self.axes))) if self.axes else True)
 
     def axis_view(self, xs: Tensor) -> tuple[Tensor, int]:
         """``[world, *s] -> [*before, n, *after, *s]`` and the position of ``n`` (the member dim).
@@ -94,16 +97,15 @@ class Spec:
         Either way, reshaping a result of the same layout to ``[world, ...]`` undoes it when
         it is contiguous: see :meth:`from_axis_view`.
         """
-        a0, k = self.axes[0], len(self.axes)
-        if self.axes != tuple(range(a0, a0 + k)):
+        if not self._consecutive:
             return self.to_groups(xs), 1
+        a0, k = self.axes[0], len(self.axes)
         shape = (*self.mesh_shape[:a0], self.n, *self.mesh_shape[a0 + k :])  # the group's axes merged into one dim
         return xs.reshape(*shape, *xs.shape[1:]), a0  # [*before, n, *after, *s]
 
     def from_axis_view(self, y: Tensor, s: Sequence[int]) -> Tensor:
         """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s``: contiguous, copied only if it must be."""
-        a0, k = self.axes[0], len(self.axes)
-        if self.axes != tuple(range(a0, a0 + k)):
+        if not self._consecutive:
             return self.from_groups(y.reshape(self.world // self.n, self.n, *s))  # [G, n, *s] -> [world, *s]
         return y.reshape(self.world, *s).contiguous()  # mesh layout -> [world, *s] (contiguous, as the fake rule says)
 
