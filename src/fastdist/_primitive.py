@@ -143,13 +143,13 @@ def needs_grad(t: Tensor) -> bool:
     return True
 
 
+_VMAP = torch._C._functorch.TransformType.Vmap
+
+
 def _only_vmap() -> bool:
     """Whether every active torch.func transform is a vmap (no grad/jvp/functionalize layer)."""
     stack = torch._C._functorch.get_interpreter_stack()
     return stack is None or all(i.key() == _VMAP for i in stack)
-
-
-_VMAP = torch._C._functorch.TransformType.Vmap
 
 ShapeRule = Callable[..., Sequence[Any]]
 StackedRule = Callable[..., Tensor]

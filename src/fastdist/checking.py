@@ -521,8 +521,8 @@ def spmd(
         for i, (a, s) in enumerate(zip(args, in_specs)):
             if isinstance(a, Tensor):
                 s = cast(PartitionSpec, s)
-                for d in range(len(s.dims)):
-                    if s.axes_of(d) and not simulated:
+                for d in range(len(s.dims) if not simulated else 0):
+                    if s.axes_of(d):
                         a = _local_chunk(a, s.axes_of(d), d)
                 states.append(Rep(frozenset(s.sharded_axes)))
             else:
@@ -546,8 +546,8 @@ def spmd(
         for y, s in zip(items, specs):
             if s.partial:
                 y = psum(y, mesh, s.partial if len(s.partial) > 1 else s.partial[0])
-            for d in range(len(s.dims)):
-                if s.axes_of(d) and not simulated:
+            for d in range(len(s.dims) if not simulated else 0):
+                if s.axes_of(d):
                     axes = s.axes_of(d)
                     y = all_gather_invariant(y, mesh, axes if len(axes) > 1 else axes[0], d)
             joined.append(y)

@@ -415,16 +415,12 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) 
             visible = me >= step  # () bool, per rank
             new_top = torch.where(visible, new_top, top)
             p = torch.exp(s - torch.where(visible, new_top, block_top))
-            weight = visible.to(p.dtype)
-            scale = torch.exp(top - new_top)
-            total = total * scale + p.sum(-1, keepdim=True) * weight
-            acc = acc * scale + (p @ v) * weight
+            block_sum, block_acc = p.sum(-1, keepdim=True) * visible, (p @ v) * visible
         else:
             p = torch.exp(s - new_top)
-            scale = torch.exp(top - new_top)
-            total = total * scale + p.sum(-1, keepdim=True)
-            acc = acc * scale + p @ v
-        top = new_top
+            block_sum, block_acc = p.sum(-1, keepdim=True), p @ v
+        scale = torch.exp(top - new_top)
+        total, acc, top = total * scale + block_sum, acc * scale + block_acc, new_top
     return rearrange(acc / total, "b h m d -> b m h d")
 
 
