@@ -155,7 +155,9 @@ def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any],
     return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
 
 
-def _block_case(quick: bool, device: str = "cpu", sequence_parallel: bool = True) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+def _block_case(
+    quick: bool, device: str = "cpu", sequence_parallel: bool = True, size: tuple[int, int, int, int, int] = (8, 256, 512, 8, 2048),
+) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device.
 
     ``sequence_parallel``: Megatron's sequence parallelism over tp (the layer norms and
@@ -164,7 +166,7 @@ def _block_case(quick: bool, device: str = "cpu", sequence_parallel: bool = True
     """
     from torch import nn
 
-    B, S, D, heads, Fh = (2, 8, 32, 4, 64) if quick else (8, 256, 512, 8, 2048)
+    B, S, D, heads, Fh = (2, 8, 32, 4, 64) if quick else size  # batch, sequence, hidden, heads, MLP hidden
     mesh = fd.Mesh({"sp": 2, "tp": 4})
 
     class Block(nn.Module):

@@ -391,13 +391,16 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) 
     # query sees at least its own key, so the running max starts from a real score.
     if n > 1:
         k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)  # issued before this block's compute
+    # The running max `top` only shifts the exponents for stability: the result, (sum of
+    # exp(s - top) v) / (sum of exp(s - top)), does not depend on it, so it is computed from
+    # detached scores (as flash attention does) and autograd has no max to differentiate.
     s = q @ k.transpose(-1, -2)  # (B, H, m, m)
     if causal:
         tri = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()  # key <= query
-        top = torch.where(tri, s, float("-inf")).amax(-1, keepdim=True)  # (B, H, m, 1): running max of the scores
+        top = torch.where(tri, s.detach(), float("-inf")).amax(-1, keepdim=True)  # (B, H, m, 1): running max of the scores
         p = torch.exp(torch.where(tri, s - top, -80.0))  # masked: weight exp(-80) ~ 2e-35, no gradient; exp's fast path
     else:
-        top = s.amax(-1, keepdim=True)
+        top = s.detach().amax(-1, keepdim=True)
         p = torch.exp(s - top)
     total = p.sum(-1, keepdim=True)  # (B, H, m, 1): running sum of exp(score - top)
     acc = p @ v  # (B, H, m, D): running weighted sum of values
@@ -406,7 +409,7 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) 
         if step < n - 1:
             k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)
         s = q @ k.transpose(-1, -2)  # (B, H, m, m)
-        block_top = s.amax(-1, keepdim=True)
+        block_top = s.detach().amax(-1, keepdim=True)
         new_top = torch.maximum(top, block_top)
         if causal:
             # Off the diagonal a block is all visible (it came from an earlier rank: me >= step)
