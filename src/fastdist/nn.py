@@ -92,8 +92,30 @@ class ColumnParallelLinear(nn.Module):
 
     def project(self, x: Tensor) -> Tensor:
         """The layer on an input already made rank-varying (gathered or ``pvary``'d): no input collective."""
-        y = F.linear(x, self.weight, self.bias)  # (..., out/n)
+        y = _linear(x, self.weight, self.bias)  # (..., out/n)
         return all_gather_invariant(y, self.mesh, self.axis, dim=-1) if self.gather_output else y
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear``, except that under :func:`fastdist.simulate`'s vmap the bias goes in place.
+
+    vmap's rule for ``linear`` with a batched bias adds it out of place: a second output-sized
+    buffer per layer that one device's ``addmm`` never allocates.
+    """
+    if bias is None or torch.compiler.is_compiling() or not torch._C._functorch.is_batchedtensor(x):
+        return F.linear(x, weight, bias)
+    return _add_bias(F.linear(x, weight), bias)  # (..., out)
+
+
+def _add_bias(y: Tensor, bias: Tensor) -> Tensor:
+    """``y + bias`` for a fresh ``y`` that nothing else holds: in place, saving an output-sized buffer.
+
+    Out of place while a ``TorchFunctionMode`` watches (the checked mode of :func:`fastdist.spmd`
+    may have to insert a ``pvary`` before the add, which an in-place add does not allow).
+    """
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():  # compiled: inductor fuses the add anyway
+        return y + bias
+    return y.add_(bias)
 
 
 def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
@@ -160,7 +182,7 @@ class MergedColumnParallelLinear(nn.Module):
         # matrices than each rank's narrow slices, and one dx instead of a sum of several.
         weight = torch.cat([p.weight for p in parts])  # (sum out_i/n, in)
         bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None  # type: ignore[misc]
-        ys = torch.split(F.linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)  # (..., out_i/n) each
+        ys = torch.split(_linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)  # (..., out_i/n) each
         if parts[0].gather_output:
             return tuple(all_gather_invariant(y, self.mesh, self.axis, dim=-1) for y in ys)
         return tuple(ys)
