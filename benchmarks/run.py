@@ -7,8 +7,9 @@
 Sections:
   sim       simulated 8-rank tensor-parallel MLP (forward + backward) vs the same unsharded MLP on
             one device (eager and torch.compile), vs a naive Python loop over ranks, vs JAX
-            (optional); and a tensor x sequence parallel transformer block through fd.spmd vs
-            one device (eager and torch.compile)
+            (optional); and a tensor x sequence parallel transformer block (hidden 1024) on
+            per-rank parameters and through fd.spmd vs one device (eager and torch.compile),
+            once more in a child process whose glibc malloc keeps freed memory
   overhead  per-call time on 2 gloo processes, fastdist vs torch.distributed (c10d) vs torch's
             functional collectives, for psum / all_gather / psum_scatter / all_to_all / ppermute
             over message sizes (interleaved, barrier-aligned; wall and thread CPU time); added
@@ -32,9 +33,9 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -146,17 +147,34 @@ def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any],
     one_c, sim_c = torch.compile(one), torch.compile(sim)
 
     def run(f: Callable[..., torch.Tensor], *ts: torch.Tensor) -> Callable[[], None]:
-        return lambda: f(*(t.clone().requires_grad_() for t in ts)).sum().backward()
+        return _step(lambda *ls: f(*ls).sum(), ts)
 
-    def loop() -> None:
-        a, b, c = (t.clone().requires_grad_() for t in (xs, w1s, w2s))
-        (sum(torch.tanh(a[r] @ b[r]) @ c[r] for r in range(W)).sum() * W).backward()  # type: ignore[union-attr]
+    def loop_loss(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return sum(torch.tanh(a[r] @ b[r]) @ c[r] for r in range(W)).sum() * W  # type: ignore[union-attr]
+
+    loop = _step(loop_loss, (xs, w1s, w2s))
 
     return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
 
 
+def _step(loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """One training step's forward + backward: ``loss(*leaves).backward()`` on leaves made once.
+
+    As a training loop does (``zero_grad(set_to_none=True)``), each step drops the last
+    gradients and allocates new ones; the parameters themselves are not copied per step.
+    """
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+
+    def step() -> None:
+        for t in leaves:
+            t.grad = None
+        loss(*leaves).backward()
+
+    return step
+
+
 def _block_case(
-    quick: bool, device: str = "cpu", sequence_parallel: bool = True, size: tuple[int, int, int, int, int] = (8, 256, 512, 8, 2048),
+    quick: bool, device: str = "cpu", sequence_parallel: bool = True, size: tuple[int, int, int, int, int] = (8, 256, 1024, 16, 4096),
 ) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device.
 
@@ -208,12 +226,9 @@ def _block_case(
         return torch.func.functional_call(full, ps, (x,))
 
     def make(f: Callable[..., torch.Tensor], per_name: bool) -> Callable[[], None]:
-        def run() -> None:
-            if per_name:
-                f(x, {n: t.clone().requires_grad_() for n, t in state.items()}).sum().backward()
-            else:
-                f(x, *(state[n].clone().requires_grad_() for n in names)).sum().backward()
-        return run
+        if per_name:
+            return _step(lambda *ps: f(x, dict(zip(names, ps))).sum(), [state[n] for n in names])
+        return _step(lambda *ps: f(x, *ps).sum(), [state[n] for n in names])
 
     one, simulated = make(full_fn, True), make(step, False)
     one_c, sim_c = make(torch.compile(full_fn), True), make(torch.compile(step), False)
@@ -226,8 +241,7 @@ def _block_case(
     xs = torch.stack([block_of(x, xspec, mesh, r) for r in range(mesh.size)])  # [world, B, local tokens, D]
     per_rank = fd.simulate(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh)
 
-    def sim_stacked() -> None:
-        per_rank(xs, *(stacked[n].clone().requires_grad_() for n in names)).sum().backward()
+    sim_stacked = _step(lambda *ps: per_rank(xs, *ps).sum(), [stacked[n] for n in names])
 
     label = f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2" + (", sequence parallel" if sequence_parallel else ", layer norms replicated over tp")
     return label, one, simulated, one_c, sim_c, sim_stacked
@@ -302,13 +316,51 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
             row("simulate, torch.compile (vs one device compiled)", one_c, sim_c)]
     rows.insert(0, {"case": label, "baseline": "one device", "baseline_ms": rows[0]["baseline_ms"]})
     rows += _jax_rows(quick, reps, sim, sim_c, one) if device == "cpu" else []
-    label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False)
-    rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
-    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
+    rows += block_rows(quick, device, replicated=True)
+    if device == "cpu" and not quick and sys.platform.startswith("linux"):
+        rows += _block_rows_keeping_memory()
+    return rows
+
+
+#: glibc's malloc otherwise hands every buffer above 32 MiB back to the kernel when it is freed
+#: and takes page faults to get it again (the default jemalloc/tcmalloc behaviour, which
+#: PyTorch's CPU performance guide recommends, is to keep it)
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
+def block_rows(quick: bool, device: str = "cpu", replicated: bool = False, suffix: str = "") -> list[dict[str, Any]]:
+    """The transformer-block rows at the issue's realistic size (hidden 1024, 8 x 256 tokens)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    reps = 3 if quick else 8  # a step takes about a second here
+
+    def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
+        t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)
+        return {"case": case + suffix, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
+
+    size = (8, 256, 1024, 16, 4096)  # batch, sequence, hidden, heads, MLP hidden
+    rows = []
+    if replicated:
+        label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False, size=size)
+        rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
+    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device, size=size)
     rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
     rows.append(row(f"{label}: spmd, eager", one, sim))
     rows.append(row(f"{label}: spmd, torch.compile (vs one device compiled)", one_c, sim_c))
     return rows
+
+
+def _block_rows_keeping_memory() -> list[dict[str, Any]]:
+    """:func:`block_rows` again in a child process whose malloc keeps freed memory (both sides alike)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--block-rows-to", str(out)]
+        proc = subprocess.run(cmd, env={**os.environ, **KEEP_FREED_MEMORY}, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"benchmark: the block rows with glibc keeping freed memory failed:\n{proc.stderr[-3000:]}")
+        return cast(list[dict[str, Any]], json.loads(out.read_text()))
 
 
 # ============================================================================ per-call overhead on gloo
@@ -571,7 +623,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", choices=["sim", "overhead", "groups", "mesh"], action="append")
     ap.add_argument("--device", default="cpu", help="device of the simulated-rank section, e.g. cuda (the other sections are CPU/gloo)")
+    ap.add_argument("--block-rows-to", type=Path, help=argparse.SUPPRESS)  # internal: the block rows only, as JSON (see _block_rows_keeping_memory)
     args = ap.parse_args(argv)
+    if args.block_rows_to is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+        args.block_rows_to.write_text(json.dumps(block_rows(False, suffix=", glibc malloc keeping freed memory")))
+        return 0
     sections = args.only or ["sim", "overhead", "groups", "mesh"]
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     res: dict[str, Any] = {
