@@ -80,16 +80,34 @@ def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int) -> d
     Both sides then do only their own Python and tensor work (fastdist: argument checks, the
     group spec, the rule, the transport, the output allocation; c10d: the output
     allocation), so the difference is what fastdist adds, free of gloo's jitter. Measured
-    as thread CPU time over batches of 100 calls.
+    as thread CPU time over batches of 100 calls, the two sides' batches alternating; the
+    added time (``"added"``) is the median of the per-pair differences, so a slow phase of
+    the machine lands on both sides of a pair.
     """
     out: dict[str, dict[str, float]] = {}
+
+    def batch_us(fn: Callable[[], Any]) -> float:
+        t = time.thread_time()
+        for _ in range(100):
+            fn()
+        return (time.thread_time() - t) / 100 * 1e6
+
     with _replaced_collectives(lambda f: lambda *a, **kw: None):
         for op, impls in cases.items():
-            for impl in ("fastdist", "c10d"):
-                def batch(fn: Callable[[], Any] = impls[impl]) -> None:
-                    for _ in range(100):
-                        fn()
-                out.setdefault(op, {})[impl] = _timeit(batch, reps, clock=time.thread_time) / 100 * 1e6
+            fd_fn, c10d_fn = impls["fastdist"], impls["c10d"]
+            for _ in range(2):  # warm-up
+                batch_us(fd_fn), batch_us(c10d_fn)
+            pairs = []
+            for i in range(reps):
+                if i % 2 == 0:
+                    f = batch_us(fd_fn)
+                    c = batch_us(c10d_fn)
+                else:
+                    c = batch_us(c10d_fn)
+                    f = batch_us(fd_fn)
+                pairs.append((f, c))
+            out[op] = {"fastdist": statistics.median(f for f, _ in pairs), "c10d": statistics.median(c for _, c in pairs),
+                       "added": statistics.median(f - c for f, c in pairs)}
     return out
 
 
@@ -457,10 +475,13 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
             if nbytes == sizes[0]:  # the smallest message: also one call right after a barrier (cold caches)
                 results[-1].update({f"{k}_cold": v for k, v in _time_impls(impls, group, reps * 5, burst=1).items()})
         if nbytes == sizes[0]:
-            own, outside = _own_work_us(cases, reps), _outside_us(cases, group, reps * 5)
-            for r in results:
+            # own work needs no peer (the collectives are stubbed): rank 0 alone, rank 1 waiting in a barrier
+            own = _own_work_us(cases, reps) if rank == 0 else {}
+            dist.barrier(group)
+            outside = _outside_us(cases, group, reps * 5)
+            for r in results if rank == 0 else []:
                 r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
-                r["own_added_us"] = r["own_fastdist_us"] - r["own_c10d_us"]
+                r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
                 r["outside_fastdist_us"], r["outside_c10d_us"] = outside[r["op"]]["fastdist"], outside[r["op"]]["c10d"]
                 r["outside_added_us"] = r["outside_fastdist_us"] - r["outside_c10d_us"]
     if rank == 0:
