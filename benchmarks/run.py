@@ -186,7 +186,7 @@ def _step(loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor]) ->
     def step() -> None:
         for t in leaves:
             t.grad = None
-        loss(*leaves).backward()
+        torch.autograd.backward([loss(*leaves)])
 
     return step
 
@@ -210,10 +210,12 @@ def _block_case(
             super().__init__()
             self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
             if par:
-                kw = {"sequence_parallel": sequence_parallel}
-                self.qkv = fd.nn.MergedColumnParallelLinear(D, (D, D, D), mesh, "tp", **kw)  # one gather of h for q, k and v
-                self.o, self.attn = fd.nn.RowParallelLinear(D, D, mesh, "tp", **kw), fd.nn.RingAttention(mesh, "sp", causal=True)
-                self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp", **kw), fd.nn.RowParallelLinear(Fh, D, mesh, "tp", **kw)
+                sp = sequence_parallel
+                self.qkv: nn.Module = fd.nn.MergedColumnParallelLinear(D, (D, D, D), mesh, "tp", sequence_parallel=sp)  # one gather of h for q, k and v
+                self.attn = fd.nn.RingAttention(mesh, "sp", causal=True)
+                self.o: nn.Module = fd.nn.RowParallelLinear(D, D, mesh, "tp", sequence_parallel=sp)
+                self.fc1: nn.Module = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp", sequence_parallel=sp)
+                self.fc2: nn.Module = fd.nn.RowParallelLinear(Fh, D, mesh, "tp", sequence_parallel=sp)
             else:
                 self.qkv = nn.ModuleList(nn.Linear(D, D) for _ in range(3))  # the parameter names of the merged layer
                 self.o, self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, Fh), nn.Linear(Fh, D)
@@ -224,12 +226,13 @@ def _block_case(
             if self.par:
                 qkv = self.qkv(h)
             else:  # a fused QKV on one device too: one GEMM with the three weights side by side
-                w, b = torch.cat([proj.weight for proj in self.qkv]), torch.cat([proj.bias for proj in self.qkv])
-                qkv = torch.nn.functional.linear(h, w, b).split(D, dim=-1)
+                projs = [cast(nn.Linear, proj) for proj in cast(nn.ModuleList, self.qkv)]
+                w, b = torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs])
+                qkv = torch.split(torch.nn.functional.linear(h, w, b), D, dim=-1)
             q, k, v = (t.unflatten(-1, (-1, D // heads)) for t in qkv)  # (B, S, heads here, hd)
             a = self.attn(q, k, v) if self.par else fd.nn.local_attention(q, k, v, causal=True)
             x = x + self.o(a.flatten(-2))
-            return x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
+            return cast(torch.Tensor, x + self.fc2(torch.tanh(self.fc1(self.ln2(x)))))
 
     full, par = Block(False).to(device), Block(True).to(device)
     specs = fd.nn.param_specs(par)
@@ -241,7 +244,7 @@ def _block_case(
                    in_specs=(xspec, *(specs[n] for n in names)), out_specs=xspec, check=False)
 
     def full_fn(x: torch.Tensor, ps: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.func.functional_call(full, ps, (x,))
+        return cast(torch.Tensor, torch.func.functional_call(full, ps, (x,)))
 
     def make(f: Callable[..., torch.Tensor], per_name: bool) -> Callable[[], None]:
         if per_name:
@@ -280,14 +283,14 @@ def _jax_rows(quick: bool, reps: int, fastdist_eager: Callable[[], Any], fastdis
     xs, w1s, w2s = np.broadcast_to(x, (W, B, D)).copy(), w1.reshape(D, W, H // W).transpose(1, 0, 2).copy(), w2.reshape(W, H // W, D).copy()
 
     def per_rank(x: Any, w1: Any, w2: Any) -> Any:
-        return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp").sum()
+        return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp").sum()  # type: ignore[no-untyped-call]
 
     sim = jax.jit(jax.vmap(jax.grad(per_rank, argnums=(0, 1, 2)), axis_name="tp"))
     one = jax.jit(jax.grad(lambda x, w1, w2: (jnp.tanh(x @ w1) @ w2).sum(), argnums=(0, 1, 2)))
     def jax_sim() -> None:
-        jax.block_until_ready(sim(xs, w1s, w2s))
+        jax.block_until_ready(sim(xs, w1s, w2s))  # type: ignore[no-untyped-call]
 
-    t_one, t_sim, r_sim = _paired(lambda: jax.block_until_ready(one(x, w1, w2)), jax_sim, reps)
+    t_one, t_sim, r_sim = _paired(lambda: jax.block_until_ready(one(x, w1, w2)), jax_sim, reps)  # type: ignore[no-untyped-call]
     _, t_eager, r_eager = _paired(jax_sim, fastdist_eager, reps)
     _, t_comp, r_comp = _paired(jax_sim, fastdist_compiled, reps)
     _, t_torch, r_torch = _paired(jax_sim, torch_one, reps)
@@ -309,7 +312,8 @@ def _paired(base: Callable[[], Any], fn: Callable[[], Any], reps: int, warmup: i
     """
     for _ in range(warmup):
         base(), fn()
-    tb, tf = [], []
+    tb: list[float] = []
+    tf: list[float] = []
     for i in range(reps):
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
             t = time.perf_counter()
@@ -322,7 +326,7 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def waits(fn: Callable[[], Any]) -> Callable[[], Any]:  # waits for the device
-        return lambda: (fn(), sync())
+        return lambda: (fn(), sync())  # type: ignore[no-untyped-call]  # torch.cuda.synchronize is untyped
 
     def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
         t_base, t, ratio = _paired(waits(base), waits(fn), reps)
@@ -352,7 +356,7 @@ def block_rows(quick: bool, device: str = "cpu", replicated: bool = False, suffi
     reps = 3 if quick else 8  # a step takes about a second here
 
     def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
-        t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)
+        t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)  # type: ignore[no-untyped-call]
         return {"case": case + suffix, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
 
     size = (8, 256, 1024, 16, 4096)  # batch, sequence, hidden, heads, MLP hidden
@@ -435,7 +439,7 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
     mesh = fd.Mesh.from_torch(tp=world)
     mesh.create_groups("tp")
     group = mesh._comm.group(mesh._comm.axis((mesh.axis_names.index("tp"),)), "gloo", "bench")
-    results = []
+    results: list[dict[str, Any]] = []
     for nbytes in sizes:
         n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by the world
         x = torch.randn(n)

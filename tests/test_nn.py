@@ -219,6 +219,50 @@ def test_ring_attention(P_: int, causal: bool) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_with_merged_projection_compiled(causal: bool) -> None:
+    """Compiled and eager simulated steps (ring attention's detached running max, the
+    simulated in-place bias vs the compiled out-of-place one) give one device's gradients."""
+    mesh = fd.Mesh({"sp": 2, "tp": 2})
+    torch.manual_seed(1)
+    D, heads = 8, 2
+    qkv = fd.nn.MergedColumnParallelLinear(D, (D, D, D), mesh, "tp", sequence_parallel=True, dtype=F64)
+    att = fd.nn.RingAttention(mesh, "sp", causal=causal)
+    full = nn.ModuleList(nn.Linear(D, D, dtype=F64) for _ in range(3))
+    specs = fd.nn.param_specs(qkv)
+    names = list(specs)
+    state = {k: v.detach() for k, v in full.state_dict().items()}
+    x = torch.randn(2, 8, D, dtype=F64)  # (batch, seq, hidden): seq over (sp, tp)
+
+    def par(x: Tensor, *ps: Tensor) -> Tensor:
+        q, k, v = (t.unflatten(-1, (-1, D // heads)) for t in torch.func.functional_call(qkv, dict(zip(names, ps)), (x,)))  # (B, S/sp, H/tp, hd)
+        return att(q, k, v).flatten(-2)  # (B, S/sp, D/tp)
+
+    def ref(x: Tensor, *ps: Tensor) -> Tensor:
+        w = dict(zip(names, ps))
+        q, k, v = (F.linear(x, w[f"{i}.weight"], w[f"{i}.bias"]).unflatten(-1, (heads, D // heads)) for i in range(3))
+        return fd.nn.local_attention(q, k, v, causal=causal).flatten(-2)
+
+    in_specs = (P(None, ("sp", "tp"), None), *(specs[n] for n in names))
+    out_spec = P(None, "sp", "tp")
+    # Checked (eager; the checker inserts the pvary over sp the weights need, and the bias goes
+    # out of place) and unchecked (no pvary: each sp rank's weight gradient covers its own
+    # tokens only, and spmd's gradient of a replicated input is the mean over its holders).
+    checked = fd.spmd(par, mesh, in_specs=in_specs, out_specs=out_spec, check="insert")
+    unchecked = fd.spmd(par, mesh, in_specs=in_specs, out_specs=out_spec, check=False)
+    target = torch.randn(2, 8, D, dtype=F64)
+    grads = []
+    for run in (checked, unchecked, torch.compile(unchecked), ref):
+        leaves = [t.clone().requires_grad_() for t in (x, *(state[n] for n in names))]
+        out = run(*leaves)
+        (out * target).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for i, (good, eager, compiled, one) in enumerate(zip(*grads)):
+        torch.testing.assert_close(good, one)
+        torch.testing.assert_close(eager, one if i == 0 else one / 2)  # x: exact; parameters: the mean over the 2 sp replicas
+        torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_usp_attention_on_orthogonal_axes(causal: bool) -> None:
     mesh = fd.Mesh({"ring": 2, "uly": 2})
     att = fd.nn.USPAttention(mesh, "uly", "ring", causal=causal)
