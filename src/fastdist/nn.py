@@ -100,9 +100,16 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear``, except that under :func:`fastdist.simulate`'s vmap the bias goes in place.
 
     vmap's rule for ``linear`` with a batched bias adds it out of place: a second output-sized
-    buffer per layer that one device's ``addmm`` never allocates.
+    buffer per layer that one device's ``addmm`` never allocates. Compiled, the bias is a
+    separate add (see the comment below).
     """
-    if bias is None or torch.compiler.is_compiling() or not torch._C._functorch.is_batchedtensor(x):
+    if bias is None:
+        return F.linear(x, weight)
+    if torch.compiler.is_compiling():
+        # vmap's linear rule with a bias fails under dynamo's dynamic shapes in torch 2.13
+        # ("Cannot call sizes() on tensor with symbolic sizes"); inductor fuses the add anyway
+        return F.linear(x, weight) + bias
+    if not torch._C._functorch.is_batchedtensor(x):
         return F.linear(x, weight, bias)
     return _add_bias(F.linear(x, weight), bias)  # (..., out)
 
