@@ -100,8 +100,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear``, except that under :func:`fastdist.simulate`'s vmap the bias goes in place.
 
     vmap's rule for ``linear`` with a batched bias adds it out of place: a second output-sized
-    buffer per layer that one device's ``addmm`` never allocates. Compiled, the bias is a
-    separate add (see the comment below).
+    buffer per layer that one device's ``addmm`` never allocates.
     """
     if bias is None:
         return F.linear(x, weight)
@@ -109,20 +108,11 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # vmap's linear rule with a bias fails under dynamo's dynamic shapes in torch 2.13
         # ("Cannot call sizes() on tensor with symbolic sizes"); inductor fuses the add anyway
         return F.linear(x, weight) + bias
-    if not torch._C._functorch.is_batchedtensor(x):
+    if not torch._C._functorch.is_batchedtensor(x) or torch._C._is_torch_function_mode_enabled():
+        # plain tensors: one addmm. A TorchFunctionMode (the checked mode of fastdist.spmd) may
+        # have to insert a pvary before the bias meets the product, which in place would forbid.
         return F.linear(x, weight, bias)
-    return _add_bias(F.linear(x, weight), bias)  # (..., out)
-
-
-def _add_bias(y: Tensor, bias: Tensor) -> Tensor:
-    """``y + bias`` for a fresh ``y`` that nothing else holds: in place, saving an output-sized buffer.
-
-    Out of place while a ``TorchFunctionMode`` watches (the checked mode of :func:`fastdist.spmd`
-    may have to insert a ``pvary`` before the add, which an in-place add does not allow).
-    """
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():  # compiled: inductor fuses the add anyway
-        return y + bias
-    return y.add_(bias)
+    return F.linear(x, weight).add_(bias)  # (..., out): the fresh product takes the bias in place
 
 
 def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
