@@ -44,15 +44,15 @@ import fastdist as fd
 HERE = Path(__file__).resolve().parent
 
 
-def _timeit(fn: Callable[[], Any], reps: int, warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Median seconds per call over ``reps`` calls after ``warmup`` (``clock=time.thread_time``: CPU time of this thread)."""
+def _timeit(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    """Median seconds per call over ``reps`` calls after ``warmup``."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        t = clock()
+        t = time.perf_counter()
         fn()
-        times.append(clock() - t)
+        times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
@@ -256,10 +256,8 @@ def _block_case(
 
     # The way a sharded model trains: parameters live as per-rank shards (stacked), nothing is
     # sharded or gathered per step.
-    from fastdist.checking import block_of
-
     stacked = fd.nn.stack_state(state, specs, mesh)  # name -> [world, *local shard]
-    xs = torch.stack([block_of(x, xspec, mesh, r) for r in range(mesh.size)])  # [world, B, local tokens, D]
+    xs = fd.nn.stack_state({"x": x}, {"x": xspec}, mesh)["x"]  # [world, B, local tokens, D]
     per_rank = fd.simulate(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh)
 
     sim_stacked = _step(lambda *ps: per_rank(xs, *ps).sum(), [stacked[n] for n in names])
@@ -322,17 +320,19 @@ def _paired(base: Callable[[], Any], fn: Callable[[], Any], reps: int, warmup: i
     return statistics.median(tb), statistics.median(tf), statistics.median(f / b for b, f in zip(tb, tf))
 
 
-def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
+def _row(case: str, base: Callable[[], Any], fn: Callable[[], Any], reps: int, device: str) -> dict[str, Any]:
+    """One table row: ``fn`` against ``base`` (:func:`_paired`), each call waiting for the device."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)  # type: ignore[no-untyped-call]  # synchronize is untyped
+    return {"case": case, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
 
-    def waits(fn: Callable[[], Any]) -> Callable[[], Any]:  # waits for the device
-        return lambda: (fn(), sync())  # type: ignore[no-untyped-call]  # torch.cuda.synchronize is untyped
+
+def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    reps = 3 if quick else 12
 
     def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
-        t_base, t, ratio = _paired(waits(base), waits(fn), reps)
-        return {"case": case, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
+        return _row(case, base, fn, reps, device)
 
-    reps = 3 if quick else 12
     label, one, sim, one_c, sim_c, loop = _mlp_case(quick, device)
     rows = [row("simulate, eager", one, sim), row("Python loop over ranks", one, loop),
             row("simulate, torch.compile (vs one device compiled)", one_c, sim_c)]
@@ -351,20 +351,17 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESH
 
 
 def block_rows(quick: bool, device: str = "cpu", replicated: bool = False, suffix: str = "") -> list[dict[str, Any]]:
-    """The transformer-block rows at the issue's realistic size (hidden 1024, 8 x 256 tokens)."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    """The transformer-block rows at the issue's realistic size (:func:`_block_case`'s default: hidden 1024, 8 x 256 tokens)."""
     reps = 3 if quick else 8  # a step takes about a second here
 
     def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
-        t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)  # type: ignore[no-untyped-call]
-        return {"case": case + suffix, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
+        return _row(case + suffix, base, fn, reps, device)
 
-    size = (8, 256, 1024, 16, 4096)  # batch, sequence, hidden, heads, MLP hidden
     rows = []
     if replicated:
-        label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False, size=size)
+        label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False)
         rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
-    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device, size=size)
+    label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
     rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
     rows.append(row(f"{label}: spmd, eager", one, sim))
     rows.append(row(f"{label}: spmd, torch.compile (vs one device compiled)", one_c, sim_c))

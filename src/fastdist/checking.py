@@ -409,6 +409,11 @@ def _holders(spec: PartitionSpec, mesh: Mesh) -> list[int]:
     return [r for r in range(mesh.size) if all(mesh.index(r, a) == 0 for a in unsharded)]
 
 
+def _blocks(x: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+    """``[world, *local]``: every rank's block of global ``x`` under ``spec``, stacked (one copy)."""
+    return torch.stack([block_of(x, spec, mesh, r) for r in range(mesh.size)])
+
+
 class _ShardStacked(torch.autograd.Function):
     """Global ``x`` -> ``[world, *local]``: every simulated rank's block under ``spec``.
 
@@ -420,7 +425,7 @@ class _ShardStacked(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
-        return torch.stack([block_of(x, spec, mesh, r) for r in range(mesh.size)])  # [world, *local]
+        return _blocks(x, spec, mesh)  # [world, *local]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -458,7 +463,7 @@ class _UnshardStacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return torch.stack([block_of(g, ctx.spec, ctx.mesh, r) for r in range(ctx.mesh.size)]), None, None
+        return _blocks(g, ctx.spec, ctx.mesh), None, None
 
 
 def spmd(
