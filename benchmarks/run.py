@@ -424,6 +424,29 @@ def _time_impls(impls: dict[str, Callable[[], Any]], group: Any, rounds: int, bu
     return out
 
 
+def _autograd_cases(mesh: fd.Mesh, group: Any, x: torch.Tensor) -> dict[str, dict[str, Callable[[], Any]]]:
+    """The differentiable path (an input that requires grad): fastdist vs ``torch.distributed.nn.functional``.
+
+    Under the key ``"c10d"`` (what :func:`_own_work_us` compares against) is torch's own
+    autograd-aware collective. The backward conventions differ (torch's all-reduce backward
+    all-reduces the gradient again; fastdist's psum backward is the identity, see
+    docs/gradients.md), so the forward-and-backward rows compare each library's whole cost.
+    """
+    import torch.distributed.nn.functional as tdnn
+
+    xg = x.detach().clone().requires_grad_()
+    n = x.numel()
+    fwd: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = {
+        "psum": (lambda: fd.psum(xg, mesh, "tp"), lambda: tdnn.all_reduce(xg, group=group)),  # type: ignore[no-untyped-call]
+        "all_to_all": (lambda: fd.all_to_all(xg, mesh, "tp", 0, 0), lambda: tdnn.all_to_all_single(torch.empty(n), xg, group=group)),  # type: ignore[no-untyped-call]
+    }
+    cases: dict[str, dict[str, Callable[[], Any]]] = {}
+    for op, (f, t) in fwd.items():
+        cases[f"{op} forward"] = {"fastdist": f, "c10d": t}
+        cases[f"{op} forward_backward"] = {"fastdist": lambda f=f: f().sum().backward(), "c10d": lambda t=t: t().sum().backward()}  # type: ignore[misc]
+    return cases
+
+
 def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: Any) -> None:
     import warnings
 
@@ -478,6 +501,7 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
         if nbytes == sizes[0]:
             # own work needs no peer (the collectives are stubbed): rank 0 alone, rank 1 waiting in a barrier
             own = _own_work_us(cases, reps) if rank == 0 else {}
+            grad = _own_work_us(_autograd_cases(mesh, group, x), reps) if rank == 0 else {}
             dist.barrier(group)
             outside = _outside_us(cases, group, reps * 5)
             for r in results if rank == 0 else []:
@@ -485,6 +509,10 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
                 r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
                 r["outside_fastdist_us"], r["outside_c10d_us"] = outside[r["op"]]["fastdist"], outside[r["op"]]["c10d"]
                 r["outside_added_us"] = r["outside_fastdist_us"] - r["outside_c10d_us"]
+                for kind in ("forward", "forward_backward"):
+                    if f"{r['op']} {kind}" in grad:
+                        g = grad[f"{r['op']} {kind}"]
+                        r[f"grad_{kind}_fastdist_us"], r[f"grad_{kind}_torch_us"], r[f"grad_{kind}_added_us"] = g["fastdist"], g["c10d"], g["added"]
     if rank == 0:
         out.put(results)
     dist.barrier(group)
@@ -612,6 +640,18 @@ def markdown(res: dict[str, Any]) -> str:
         f"{r['added_us_vs_c10d_cold']:.1f} | {r['added_cpu_us_vs_c10d_cold']:.1f} |"
         for r in small
     ]
+    grad = [r for r in small if "grad_forward_added_us" in r]
+    if grad:
+        out.append("\nWith autograd (the input requires grad, as in a training step's forward): fastdist against "
+                   "`torch.distributed.nn.functional`, torch's autograd-aware collectives; own work, hot, as above (µs per call). "
+                   "The backward conventions differ (torch's all-reduce backward all-reduces again; fastdist's psum "
+                   "backward is the identity), so forward + backward compares each library's whole cost.\n")
+        out.append("| op | fastdist forward | torch forward | added | fastdist forward + backward | torch forward + backward | added |\n|---|---|---|---|---|---|---|")
+        out += [
+            f"| {r['op']} | {r['grad_forward_fastdist_us']:.1f} | {r['grad_forward_torch_us']:.1f} | {r['grad_forward_added_us']:.1f} | "
+            f"{r['grad_forward_backward_fastdist_us']:.1f} | {r['grad_forward_backward_torch_us']:.1f} | {r['grad_forward_backward_added_us']:.1f} |"
+            for r in grad
+        ]
     out.append("\n## Process-group creation on gloo\n\n| world | mesh | fastdist (own groups, local sync) ms | every group on every rank ms | ratio |\n|---|---|---|---|---|")
     out += [f"| {r['world']} | {r['mesh']} | {r['fastdist_ms']:.1f} | {r['every_group_every_rank_ms']:.1f} | {r['ratio']:.2f} |" for r in res["groups"]]
     out.append("\n## Mesh layout\n\n| world | all groups of all axes (ms) | naive coordinate scan, 8 groups per axis (ms) |\n|---|---|---|")

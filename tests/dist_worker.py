@@ -150,7 +150,7 @@ def models(rank: int, world: int) -> str:
 
 @scenario
 def compiled(rank: int, world: int) -> str:
-    """A compiled step on real ranks (fullgraph, functional collectives): gradients equal eager."""
+    """A compiled step on real ranks (fullgraph, functional collectives), and torch.func.grad of it: gradients equal eager."""
     from fastdist.demo import tp_mlp
 
     mesh = fd.Mesh.from_torch(tp=world)
@@ -168,6 +168,10 @@ def compiled(rank: int, world: int) -> str:
     torch.compile(step, fullgraph=True)(*comp).backward()
     for a, b in zip(comp, eager):
         close(a.grad, b.grad, "compiled grad")
+    # torch.func.grad on real ranks: the autograd.Function path taken while a transform is active
+    func_grads = torch.func.grad(lambda *a: step(*a), argnums=(0, 1, 2, 3))(x, w1, b1, w2)
+    for a, b in zip(func_grads, eager):
+        close(a, b.grad, "torch.func.grad")
     # groups created explicitly, then compiled without an eager run
     fresh = fd.Mesh.from_torch(tp=world)
     fresh.create_groups("tp")

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._primitive import needs_grad
+from ._primitive import apply_function, needs_grad
 from .errors import FastdistError, MeshError
 from .mesh import AxisName, Mesh
 
@@ -569,9 +569,9 @@ def spmd(
             return cast(R, per_rank(*args))
         from .simulate import simulate
 
-        stacked = [_ShardStacked.apply(a, s, mesh) if isinstance(a, Tensor) else a for a, s in zip(args, in_specs)]  # type: ignore[no-untyped-call]
+        stacked = [apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a for a, s in zip(args, in_specs)]
         out = simulate(per_rank, mesh)(*stacked)
-        full = tuple(_UnshardStacked.apply(o, s, mesh) for o, s in zip([out] if single_out else out, outs))  # type: ignore[no-untyped-call]
+        full = tuple(apply_function(_UnshardStacked, o, s, mesh) for o, s in zip([out] if single_out else out, outs))
         return cast(R, full[0] if single_out else full)
 
     return run
