@@ -74,13 +74,13 @@ def _replaced_collectives(make: Callable[[Callable[..., Any]], Callable[..., Any
             setattr(dist, k, f)
 
 
-def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int) -> dict[str, dict[str, float]]:
+def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int, calls: int = 100) -> dict[str, dict[str, float]]:
     """CPU time per call of the fastdist and c10d calls with torch.distributed's collectives stubbed out.
 
     Both sides then do only their own Python and tensor work (fastdist: argument checks, the
     group spec, the rule, the transport, the output allocation; c10d: the output
     allocation), so the difference is what fastdist adds, free of gloo's jitter. Measured
-    as thread CPU time over batches of 100 calls, the two sides' batches alternating; the
+    as thread CPU time over batches of ``calls`` calls, the two sides' batches alternating; the
     added time (``"added"``) is the median of the per-pair differences, so a slow phase of
     the machine lands on both sides of a pair.
     """
@@ -88,9 +88,9 @@ def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int) -> d
 
     def batch_us(fn: Callable[[], Any]) -> float:
         t = time.thread_time()
-        for _ in range(100):
+        for _ in range(calls):
             fn()
-        return (time.thread_time() - t) / 100 * 1e6
+        return (time.thread_time() - t) / calls * 1e6
 
     with _replaced_collectives(lambda f: lambda *a, **kw: None):
         for op, impls in cases.items():
@@ -493,26 +493,33 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
                                                            [n if j == (rank + 1) % world else 0 for j in range(world)], group),
             },
         }
+        rows: list[dict[str, Any]] = []
         for op, impls in cases.items():
             impls["c10d_again"] = impls["c10d"]  # an A/A control: how far two identical implementations' medians land apart
-            results.append({"op": op, "bytes": n * 4, **_time_impls(impls, group, reps, burst=BURST if nbytes <= 65536 else 1)})
+            rows.append({"op": op, "bytes": n * 4, **_time_impls(impls, group, reps, burst=BURST if nbytes <= 65536 else 1)})
             if nbytes == sizes[0]:  # the smallest message: also one call right after a barrier (cold caches)
-                results[-1].update({f"{k}_cold": v for k, v in _time_impls(impls, group, reps * 5, burst=1).items()})
+                rows[-1].update({f"{k}_cold": v for k, v in _time_impls(impls, group, reps * 5, burst=1).items()})
+        # Own work at every size: both sides make the same c10d call on the same buffers, so
+        # what fastdist adds is its own work, measured here without gloo's jitter. Needs no
+        # peer (the collectives are stubbed): rank 0 alone, rank 1 waiting in a barrier.
+        calls = 100 if nbytes <= 65536 else 10 if nbytes <= 4 << 20 else 2  # batches of 100 small calls, of 2 64 MiB copies
+        own = _own_work_us(cases, reps, calls) if rank == 0 else {}
+        for r in rows if rank == 0 else []:
+            r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
+            r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
         if nbytes == sizes[0]:
-            # own work needs no peer (the collectives are stubbed): rank 0 alone, rank 1 waiting in a barrier
-            own = _own_work_us(cases, reps) if rank == 0 else {}
             grad = _own_work_us(_autograd_cases(mesh, group, x), reps) if rank == 0 else {}
-            dist.barrier(group)
+        dist.barrier(group)
+        if nbytes == sizes[0]:
             outside = _outside_us(cases, group, reps * 5)
-            for r in results if rank == 0 else []:
-                r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
-                r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
+            for r in rows if rank == 0 else []:
                 r["outside_fastdist_us"], r["outside_c10d_us"] = outside[r["op"]]["fastdist"], outside[r["op"]]["c10d"]
                 r["outside_added_us"] = r["outside_fastdist_us"] - r["outside_c10d_us"]
                 for kind in ("forward", "forward_backward"):
                     if f"{r['op']} {kind}" in grad:
                         g = grad[f"{r['op']} {kind}"]
                         r[f"grad_{kind}_fastdist_us"], r[f"grad_{kind}_torch_us"], r[f"grad_{kind}_added_us"] = g["fastdist"], g["c10d"], g["added"]
+        results += rows
     if rank == 0:
         out.put(results)
     dist.barrier(group)
@@ -565,6 +572,8 @@ def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
             r["added_cpu_us_vs_c10d_cold"] = r["fastdist_cpu_us_cold"] - r["c10d_cpu_us_cold"]
         r["busbw_GBps"] = r["bytes"] / (r["fastdist_us"] * 1e-6) * bus[r["op"]] / 1e9
         r["c10d_vs_itself"] = r["c10d_again_per_round_vs_c10d"]
+        # The same c10d call plus fastdist's own work: the ratio that timing alone cannot resolve (see the A/A column).
+        r["ratio_from_own_work"] = (r["c10d_us"] + r["own_added_us"]) / r["c10d_us"]
     return rows
 
 
@@ -620,10 +629,14 @@ def markdown(res: dict[str, Any]) -> str:
     out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
     out.append("Times are medians over rounds; ratios are medians of the ratios within each round (every round runs each "
                "implementation once, order rotating, after a barrier).\n")
-    out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself (A/A) | added µs | bus GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
+    out.append("The last two columns take gloo's jitter out: fastdist's own work per call (both sides' collectives stubbed "
+               "out, CPU time, the median of per-pair differences; batches of 100, 10 or 2 calls by size), and the ratio "
+               "it implies, (c10d + added own work) / c10d, since both sides make the same c10d call on the same buffers.\n")
+    out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself (A/A) | added µs | bus GB/s "
+               "| added own work µs | ratio from own work |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     out += [
         f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | "
-        f"{r['c10d_vs_itself']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} |"
+        f"{r['c10d_vs_itself']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} | {r['own_added_us']:.1f} | {r['ratio_from_own_work']:.3f} |"
         for r in res["overhead"]
     ]
     small = [r for r in res["overhead"] if r["bytes"] == min(q["bytes"] for q in res["overhead"])]
