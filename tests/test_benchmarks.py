@@ -18,7 +18,7 @@ def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
     assert all(r["ratio_vs_c10d"] > 0 and r["busbw_GBps"] >= 0 and r["own_fastdist_us"] > 0 and r["ratio_from_own_work"] > 0 for r in res["overhead"])
     small = [r for r in res["overhead"] if r["bytes"] == res["overhead"][0]["bytes"]]
     assert all(r["fastdist_us_cold"] > 0 and r["outside_fastdist_us"] > 0 for r in small)  # the cold rows
-    assert {r["op"] for r in small if r["grad_forward_fastdist_us"] > 0 and r["grad_forward_backward_torch_us"] > 0} == {"psum", "all_to_all"}  # with autograd
+    assert {r["op"] for r in small if r.get("grad_forward_fastdist_us", 0) > 0 and r.get("grad_forward_backward_torch_us", 0) > 0} == {"psum", "all_to_all"}  # with autograd
     assert res["sim"][1]["ratio"] > 0 and res["mesh"][0]["world"] == 64 and len(res["sim"]) in (9, 12)  # 12 with the optional JAX rows
     assert "spmd, torch.compile" in res["sim"][-1]["case"] and res["sim"][-1]["ratio"] > 0
     assert res["groups"][0]["world"] == 4 and res["groups"][0]["fastdist_ms"] > 0
