@@ -3,7 +3,7 @@ single-device oracle, in eager, torch.func and compiled runs; opcheck for every 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fastdist as fd
-from fastdist._primitive import PRIMITIVES, Spec
+from fastdist._primitive import PRIMITIVES, Primitive, Spec
 
 from .reference import axes_of, meshes, per_group, ref
 
@@ -381,3 +381,39 @@ def test_no_grad_path_gives_the_same_values_without_a_graph() -> None:
     assert with_grad.grad_fn is not None and plain.grad_fn is None
     torch.testing.assert_close(plain, with_grad.detach())
     torch.testing.assert_close(f(xs), with_grad.detach())
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+@given(data=st.data())
+def test_direct_rank_dim_path_equals_the_registered_vmap_rule(op: str, data: st.DataObject) -> None:
+    """Inside simulate, ``Primitive.bind`` unwraps the rank dim and calls the stacked op itself
+    (``_bind_at_level``); the per-rank op's registered vmap rule must give the same values and
+    per-rank gradients."""
+    from unittest import mock
+
+    mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
+    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (op in ("pmax", "pmin"))  # no ties
+    seed = data.draw(st.integers(0, 2**16))
+    taken: list[str] = []
+    direct_bind = Primitive._bind_at_level
+
+    def counted(self: Primitive, *a: Any) -> Tensor:
+        taken.append(self.name)
+        return direct_bind(self, *a)
+
+    def registered_rule(self: Primitive, level: int, tensors: Any, spec: Any, params: Any) -> Tensor:
+        return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+
+    def value_and_grad() -> tuple[Tensor, Tensor]:
+        leaf = xs.clone().requires_grad_()
+        out = run(op, leaf, mesh, axis, **kw)
+        (out * torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        assert leaf.grad is not None
+        return out.detach(), leaf.grad
+
+    with mock.patch.object(Primitive, "_bind_at_level", counted):
+        direct = value_and_grad()
+    assert op in taken
+    with mock.patch.object(Primitive, "_bind_at_level", registered_rule):
+        registered = value_and_grad()
+    torch.testing.assert_close(direct, registered)

@@ -143,7 +143,8 @@ def needs_grad(t: Tensor) -> bool:
     return True
 
 
-_VMAP = torch._C._functorch.TransformType.Vmap
+_functorch: Any = torch._C._functorch
+_VMAP = _functorch.TransformType.Vmap
 
 # torch.autograd.Function.apply binds the forward's signature with `inspect` on every call of a
 # Function that defines setup_context (to fill in default arguments), before it reaches the C
@@ -252,16 +253,39 @@ class Primitive:
         active (under vmap they cost about 4x the op itself, forward and backward).
         """
         compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
-        grad = compiling or (torch.is_grad_enabled() and (needs_grad(tensors[0]) if len(tensors) == 1 else any(needs_grad(t) for t in tensors)))
         if spec.comm is not None:
+            grad = compiling or (torch.is_grad_enabled() and (needs_grad(tensors[0]) if len(tensors) == 1 else any(needs_grad(t) for t in tensors)))
             if grad:
                 return cast(Tensor, apply_function(self.dist_function, spec, tuple(params[p] for p in self.param_names), *tensors))
             return self._run_distributed(spec, tensors, params)
-        if compiling or not grad or _only_vmap():
+        if compiling:
+            return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+        if _only_vmap():
             # Outer backward(): the stacked op's registered autograd records the per-rank rule.
+            level = _functorch.maybe_current_level()
+            if level is not None and _functorch.maybe_get_level(tensors[0]) == level:
+                return self._bind_at_level(level, tensors, spec, params)  # simulate's vmap is innermost: the usual case
+            return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+        if not (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)):
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1).
         return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
+
+    def _bind_at_level(self, level: int, tensors: Sequence[Tensor], spec: Spec, params: dict[str, Any]) -> Tensor:
+        """What the per-rank op's vmap rule does, called directly: unwrap vmap ``level``, the stacked op, wrap.
+
+        For the innermost vmap when every active transform is a vmap: the registered rule
+        reaches the same stacked op through torch.library's Python vmap plumbing (pytree
+        flattening and output wrapping on every call: about 100 us, ten times the op on a
+        small tensor). Autograd records the same stacked op on the same physical tensors.
+        """
+        stacked = []
+        for t in tensors:
+            v, d = _functorch._unwrap_batched(t, level)  # the physical tensor, and its rank dim (None: not batched here)
+            stacked.append(v.movedim(d, 0) if d is not None else v.expand(spec.world, *v.shape))  # [world, *s]
+        if stacked[0].shape[0] != spec.world:  # not a vmap over the ranks: the registered rule raises the error
+            return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+        return cast(Tensor, _functorch._add_batch_dim(self.stacked_op(*stacked, *self._op_args(spec, params)), 0, level))
 
     def bind_stacked(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
         """Apply on stacked ``[world, ...]`` tensors (all ranks at once)."""
