@@ -38,6 +38,13 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
     gradients) the per-rank op is called directly and the stacked op's
     registered autograd records the per-rank rule: the backward then runs on
     stacked tensors, with no vmap and no functorch wrapping of the Function.
+``<Name>StackedFunction`` (old-style autograd.Function)
+    The stacked forward with the same per-rank backward rule, for the usual eager
+    case: inside simulate's own vmap, ``bind`` unwraps the rank dimension itself
+    (what the per-rank op's vmap rule would do, without torch.library's per-call
+    Python plumbing) and, when a gradient can flow, calls this Function at its C
+    entry point instead of the stacked op, whose registered autograd would add
+    torch.library's Python wrapper. Same graph semantics, a fraction of the cost.
 ``<Name>DistributedFunction``
     On real ranks (``spec.comm`` set): the ``distributed`` forward with the same
     per-rank backward rule; dynamo traces it in compiled steps.
@@ -232,6 +239,7 @@ class Primitive:
         self._register()
         self.function = self._make_function()
         self.dist_function = self._make_function(distributed=True)
+        self.stacked_function = self._make_stacked_function()
         PRIMITIVES[name] = self
 
     # ------------------------------------------------------------------ argument plumbing
@@ -250,7 +258,9 @@ class Primitive:
 
         The autograd.Functions are used only where they are needed: on real ranks when a
         gradient can flow, and in simulation when a ``torch.func`` grad/jvp transform is
-        active (under vmap they cost about 4x the op itself, forward and backward).
+        active (under vmap they cost about 4x the op itself, forward and backward). Inside
+        simulate's own vmap with no other transform, :meth:`_bind_at_level` calls the
+        stacked op (or, with a gradient, its Function) directly.
         """
         compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
         if spec.comm is not None:
@@ -282,10 +292,22 @@ class Primitive:
         stacked = []
         for t in tensors:
             v, d = _functorch._unwrap_batched(t, level)  # the physical tensor, and its rank dim (None: not batched here)
-            stacked.append(v.movedim(d, 0) if d is not None else v.expand(spec.world, *v.shape))  # [world, *s]
+            stacked.append(v if d == 0 else v.movedim(d, 0) if d is not None else v.expand(spec.world, *v.shape))  # [world, *s]
         if stacked[0].shape[0] != spec.world:  # not a vmap over the ranks: the registered rule raises the error
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        return cast(Tensor, _functorch._add_batch_dim(self.stacked_op(*stacked, *self._op_args(spec, params)), 0, level))
+        if (_C_APPLY is not None and torch.is_grad_enabled() and any(v.requires_grad for v in stacked)
+                and all(_functorch.maybe_get_level(v) == -1 for v in stacked)):
+            # Plain tensors under autograd: the same per-rank rule through a Function called at its C entry
+            # (the stacked op's registered autograd runs torch.library's Python wrapper every call).
+            prev = _functorch.get_single_level_autograd_function_allowed()
+            _functorch.set_single_level_autograd_function_allowed(True)
+            try:
+                out = _C_APPLY.__get__(None, self.stacked_function)(spec, tuple(params[p] for p in self.param_names), *stacked)
+            finally:
+                _functorch.set_single_level_autograd_function_allowed(prev)
+        else:
+            out = self.stacked_op(*stacked, *self._op_args(spec, params))
+        return cast(Tensor, _functorch._add_batch_dim(out, 0, level))
 
     def bind_stacked(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
         """Apply on stacked ``[world, ...]`` tensors (all ranks at once)."""
@@ -374,6 +396,35 @@ class Primitive:
         if c.comm.check:
             c.check(self.name, tensors, params)
         return self.distributed(c, *tensors, **params)
+
+    def _make_stacked_function(self) -> type[torch.autograd.Function]:
+        """The stacked forward with the per-rank backward rule, as the stacked op's registered autograd has them.
+
+        Used by :meth:`_bind_at_level` on plain tensors, through the C entry point of
+        ``apply`` (a torch.func vmap is active there, which ``apply`` itself would route to
+        functorch). Old-style ``forward(ctx, ...)``: nothing for functorch to compose with.
+        """
+        name = self.name
+
+        def forward(ctx: Any, spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
+            prim = PRIMITIVES[name]
+            ctx.spec, ctx.params = spec, dict(zip(prim.param_names, vals))
+            out = prim.stacked(spec, *tensors, **ctx.params)
+            if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in tensors):
+                out = out.clone()  # as the stacked op: never (a view of) an input
+            if prim.saves:
+                ctx.save_for_backward(*tensors, out)
+            return out
+
+        def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+            prim = PRIMITIVES[name]
+            saved = ctx.saved_tensors if prim.saves else ()
+            return (None, None, *prim.backward(stacked_ops, ctx.spec, g, saved, **ctx.params))
+
+        camel = "".join(part.capitalize() for part in self.name.split("_"))
+        attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                 "__doc__": f"Stacked fastdist.{self.name} with its per-rank backward rule (see Primitive._make_stacked_function)."}
+        return type(f"{camel}StackedFunction", (torch.autograd.Function,), attrs)
 
     def _make_function(self, distributed: bool = False) -> type[torch.autograd.Function]:
         """The eager autograd.Function: per-rank forward (simulated or real ranks), per-rank backward rule.
