@@ -160,6 +160,8 @@ _VMAP = _functorch.TransformType.Vmap
 # which traces `.apply` itself) the C entry point is called directly.
 _C_APPLY: Any = torch._C._FunctionBase.__dict__.get("apply")
 _UNWRAP_IF_DEAD: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
+# Inside simulate's vmap the C entry point refuses a Function unless functorch's own switch allows it.
+_STACKED_FUNCTION_OK = _C_APPLY is not None and hasattr(_functorch, "set_single_level_autograd_function_allowed")
 
 
 def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -271,7 +273,7 @@ class Primitive:
         if compiling:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if _only_vmap():
-            # Outer backward(): the stacked op's registered autograd records the per-rank rule.
+            # Outer backward(): the per-rank rule is recorded on stacked tensors (no Function under vmap).
             level = _functorch.maybe_current_level()
             if level is not None and _functorch.maybe_get_level(tensors[0]) == level:
                 return self._bind_at_level(level, tensors, spec, params)  # simulate's vmap is innermost: the usual case
@@ -295,7 +297,7 @@ class Primitive:
             stacked.append(v if d == 0 else v.movedim(d, 0) if d is not None else v.expand(spec.world, *v.shape))  # [world, *s]
         if stacked[0].shape[0] != spec.world:  # not a vmap over the ranks: the registered rule raises the error
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if (_C_APPLY is not None and torch.is_grad_enabled() and any(v.requires_grad for v in stacked)
+        if (_STACKED_FUNCTION_OK and torch.is_grad_enabled() and any(v.requires_grad for v in stacked)
                 and all(_functorch.maybe_get_level(v) == -1 for v in stacked)):
             # Plain tensors under autograd: the same per-rank rule through a Function called at its C entry
             # (the stacked op's registered autograd runs torch.library's Python wrapper every call).
@@ -321,8 +323,11 @@ class Primitive:
 
     def _run_stacked(self, *args: Any) -> Tensor:
         tensors, spec, params = self._split(args)
+        return self._forward_stacked(spec, tensors, params)
+
+    def _forward_stacked(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
+        """The ``stacked`` rule's output, copied where it is (a view of) an input: a custom op (and a Function's output) must not alias one."""
         out = self.stacked(spec, *tensors, **params)
-        # A custom op must not return (a view of) its input.
         if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in tensors):
             out = out.clone()
         return out
@@ -409,9 +414,7 @@ class Primitive:
         def forward(ctx: Any, spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
             prim = PRIMITIVES[name]
             ctx.spec, ctx.params = spec, dict(zip(prim.param_names, vals))
-            out = prim.stacked(spec, *tensors, **ctx.params)
-            if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in tensors):
-                out = out.clone()  # as the stacked op: never (a view of) an input
+            out = prim._forward_stacked(spec, tensors, ctx.params)
             if prim.saves:
                 ctx.save_for_backward(*tensors, out)
             return out
