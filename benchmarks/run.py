@@ -507,8 +507,7 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
         for r in rows if rank == 0 else []:
             r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
             r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
-        if nbytes == sizes[0]:
-            grad = _own_work_us(_autograd_cases(mesh, group, x), reps) if rank == 0 else {}
+        grad = _own_work_us(_autograd_cases(mesh, group, x), reps) if rank == 0 and nbytes == sizes[0] else {}
         dist.barrier(group)
         if nbytes == sizes[0]:
             outside = _outside_us(cases, group, reps * 5)

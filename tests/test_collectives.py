@@ -174,8 +174,8 @@ def test_second_order_gradients_match_single_device() -> None:
     """
     mesh = fd.Mesh({"dp": 2, "tp": 4})
     gen = torch.Generator().manual_seed(0)
-    xs, cs, vs = (torch.randn(8, 3, dtype=torch.float64, generator=gen) for _ in range(3))
-    cs = torch.randn(8, 12, dtype=torch.float64, generator=gen)
+    xs, vs = (torch.randn(8, 3, dtype=torch.float64, generator=gen) for _ in range(2))  # [ranks, chunk]
+    cs = torch.randn(8, 12, dtype=torch.float64, generator=gen)  # [ranks, gathered]
     leaf = xs.clone().requires_grad_()
     losses = fd.simulate(lambda x, c: (c * fd.all_gather(x, mesh, "tp") ** 3).sum(), mesh)(leaf, cs)
     (g,) = torch.autograd.grad(losses.sum(), leaf, create_graph=True)
