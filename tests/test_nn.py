@@ -87,7 +87,7 @@ def test_merged_column_parallel_linear(mesh: fd.Mesh, gather: bool, sequence_par
 
 def test_merged_column_parallel_linear_runs_one_input_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     """The point of the merged layer: one all-gather forward (and so one reduce-scatter backward) for every projection."""
-    import fastdist.nn as fnn
+    import fastdist.nn.layers as fnn
 
     mesh = fd.Mesh({"tp": 2})
     calls: list[str] = []

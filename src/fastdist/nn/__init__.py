@@ -1,0 +1,47 @@
+"""Parallel building blocks for model code: plain ``torch.nn.Module``s that take the mesh in the constructor.
+
+Each module holds **this rank's** parameters (local shapes) and says how they split a
+single-device module's parameters through :meth:`param_specs` (``PartitionSpec`` per name).
+The helpers below move weights between the two views:
+
+* :func:`shard_state` / :func:`load_sharded`: one rank's shard of a single-device state dict
+  (real ranks: each process loads its own);
+* :func:`stack_state` / :func:`unstack`: every rank's shard stacked along a leading rank dim,
+  for :func:`fastdist.simulate` with ``torch.func.functional_call``, and back.
+
+Layout conventions: activations are batch-first ``(batch, seq, features)``; the sequence
+parallel variants shard ``seq_dim`` (default 1) over the tensor-parallel axis, as Megatron's
+sequence parallelism does.
+
+>>> import torch, fastdist as fd
+>>> mesh = fd.Mesh({"tp": 2})
+>>> full = torch.nn.Linear(4, 6)
+>>> col = fd.nn.ColumnParallelLinear(4, 6, mesh, "tp", gather_output=True)
+>>> state = fd.nn.stack_state(full.state_dict(), fd.nn.param_specs(col), mesh)
+>>> x = torch.randn(3, 4)
+>>> out = fd.simulate(lambda p, x: torch.func.functional_call(col, p, (x,)), mesh)(state, x.expand(2, 3, 4))
+>>> bool(torch.allclose(out[0], full(x), atol=1e-6))
+True
+"""
+
+from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
+from .layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .loss import vocab_parallel_cross_entropy
+from .state import load_sharded, param_specs, shard_state, stack_state, unstack
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "local_attention",
+    "UlyssesAttention",
+    "RingAttention",
+    "USPAttention",
+    "param_specs",
+    "shard_state",
+    "stack_state",
+    "unstack",
+    "load_sharded",
+]

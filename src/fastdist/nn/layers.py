@@ -1,0 +1,206 @@
+"""Tensor-parallel layers: column / row parallel linear, merged projections, vocab-parallel embedding."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..checking import P, PartitionSpec
+from ..collectives import all_gather, all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
+from ..errors import MeshError
+from ..mesh import Mesh
+
+__all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+
+
+def _local(full: int, n: int, what: str, axis: str) -> int:
+    if full % n:
+        raise MeshError(f"fastdist.nn: {what} = {full} is not divisible by the size {n} of axis {axis!r}. Fix: choose sizes divisible by {n}")
+    return full // n
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the output features split over ``axis`` (Megatron's column parallel).
+
+    Input: replicated over ``axis`` (or, with ``sequence_parallel``, sharded on ``seq_dim``,
+    gathered first: backward reduce-scatters). Output: this rank's features, or all of them
+    with ``gather_output`` (backward: a local slice). Parameters: ``weight`` (out/n, in),
+    ``bias`` (out/n,).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, mesh: Mesh, axis: str = "tp", *, bias: bool = True, gather_output: bool = False,
+        sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.mesh, self.axis, self.gather_output, self.sequence_parallel, self.seq_dim = mesh, axis, gather_output, sequence_parallel, seq_dim
+        local = _local(out_features, mesh.axis_size(axis), "out_features", axis)
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        return {"weight": P(self.axis, None), **({"bias": P(self.axis)} if self.bias is not None else {})}
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.project(_column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim))
+
+    def project(self, x: Tensor) -> Tensor:
+        """The layer on an input already made rank-varying (gathered or ``pvary``'d): no input collective."""
+        y = _linear(x, self.weight, self.bias)  # (..., out/n)
+        return all_gather_invariant(y, self.mesh, self.axis, dim=-1) if self.gather_output else y
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear``, except that under :func:`fastdist.simulate`'s vmap the bias goes in place.
+
+    vmap's rule for ``linear`` with a batched bias adds it out of place: a second output-sized
+    buffer per layer that one device's ``addmm`` never allocates.
+    """
+    if bias is None:
+        return F.linear(x, weight)
+    if torch.compiler.is_compiling():
+        # vmap's linear rule with a bias fails under dynamo's dynamic shapes in torch 2.13
+        # ("Cannot call sizes() on tensor with symbolic sizes"); inductor fuses the add anyway
+        return F.linear(x, weight) + bias
+    if not torch._C._functorch.is_batchedtensor(x) or torch._C._is_torch_function_mode_enabled():
+        # plain tensors: one addmm. A TorchFunctionMode (the checked mode of fastdist.spmd) may
+        # have to insert a pvary before the bias meets the product, which in place would forbid.
+        return F.linear(x, weight, bias)
+    return F.linear(x, weight).add_(bias)  # (..., out): the fresh product takes the bias in place
+
+
+def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
+    """A column-parallel layer's input collective: its forward/backward pair, written once."""
+    if sequence_parallel:
+        return all_gather(x, mesh, axis, dim=seq_dim)  # whole sequence; backward reduce-scatters
+    return pvary(x, mesh, axis)  # replicated input, rank-specific use: backward all-reduces dx
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of one input (q, k, v; or gate and up) behind one input collective.
+
+    Equivalent to one :class:`ColumnParallelLinear` per entry of ``out_features``, but the
+    input's collective runs once for all of them: with ``sequence_parallel`` one all-gather
+    forward and one reduce-scatter backward (instead of one each per projection), otherwise
+    one all-reduce of ``dx`` backward; and the projections run as one GEMM with the weights
+    side by side (split afterwards). This is Megatron's fused QKV and vLLM's
+    ``MergedColumnParallelLinear`` / ``QKVParallelLinear`` input handling; the sizes may
+    differ (grouped-query attention: ``(D, D_kv, D_kv)``).
+
+    Returns a tuple with one output per projection (this rank's features, or all of them
+    with ``gather_output``). Parameters: ``<i>.weight`` (out_i/n, in) and ``<i>.bias``
+    (out_i/n,), held by one :class:`ColumnParallelLinear` per projection (``layer[i]``):
+    the names of an ``nn.ModuleList`` of ``nn.Linear``, so a single-device model with
+    ``self.qkv = nn.ModuleList([...])`` loads name for name.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> full = torch.nn.ModuleList([torch.nn.Linear(4, 6), torch.nn.Linear(4, 2)])
+    >>> qkv = fd.nn.MergedColumnParallelLinear(4, (6, 2), mesh, "tp", gather_output=True)
+    >>> state = fd.nn.stack_state(full.state_dict(), fd.nn.param_specs(qkv), mesh)
+    >>> x = torch.randn(3, 4)
+    >>> q, k = fd.simulate(lambda p, x: torch.func.functional_call(qkv, p, (x,)), mesh)(state, x.expand(2, 3, 4))
+    >>> bool(torch.allclose(q[1], full[0](x), atol=1e-6)), tuple(k.shape)
+    (True, (2, 3, 2))
+    """
+
+    def __init__(
+        self, in_features: int, out_features: tuple[int, ...] | list[int], mesh: Mesh, axis: str = "tp", *, bias: bool = True,
+        gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not out_features:
+            raise MeshError("MergedColumnParallelLinear: out_features is empty. Fix: give one output size per projection, e.g. (D, D, D)")
+        self.mesh, self.axis, self.sequence_parallel, self.seq_dim = mesh, axis, sequence_parallel, seq_dim
+        for i, out in enumerate(out_features):  # children "0", "1", ...: an nn.ModuleList's parameter names
+            self.add_module(str(i), ColumnParallelLinear(in_features, out, mesh, axis, bias=bias, gather_output=gather_output, dtype=dtype))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> ColumnParallelLinear:
+        return cast(ColumnParallelLinear, self._modules[str(i % len(self))])
+
+    def __iter__(self) -> Iterator[ColumnParallelLinear]:
+        return (self[i] for i in range(len(self)))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        x = _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)  # once for every projection
+        parts = list(self)
+        if len(parts) == 1:
+            return (parts[0].project(x),)
+        # One GEMM for all projections (weights side by side), as a fused QKV does: wider
+        # matrices than each rank's narrow slices, and one dx instead of a sum of several.
+        weight = torch.cat([p.weight for p in parts])  # (sum out_i/n, in)
+        bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None  # type: ignore[misc]
+        ys = torch.split(_linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)  # (..., out_i/n) each
+        if parts[0].gather_output:
+            return tuple(all_gather_invariant(y, self.mesh, self.axis, dim=-1) for y in ys)
+        return tuple(ys)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the input features split over ``axis`` (Megatron's row parallel).
+
+    Input: this rank's features (``input_is_parallel=True``, e.g. a column-parallel output) or
+    the whole replicated input, split here. Output: the sum over ranks (replicated), or with
+    ``sequence_parallel`` reduce-scattered on ``seq_dim``. Parameters: ``weight`` (out, in/n),
+    ``bias`` (out,) replicated, added once after the reduction.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, mesh: Mesh, axis: str = "tp", *, bias: bool = True, input_is_parallel: bool = True,
+        sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.mesh, self.axis, self.input_is_parallel, self.sequence_parallel, self.seq_dim = mesh, axis, input_is_parallel, sequence_parallel, seq_dim
+        local = _local(in_features, mesh.axis_size(axis), "in_features", axis)
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        return {"weight": P(None, self.axis), **({"bias": P()} if self.bias is not None else {})}
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = local_chunk(x, self.mesh, self.axis, dim=-1)  # my slice of the features; backward gathers
+        y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
+        if self.sequence_parallel:
+            y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
+            bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None  # meets per-rank rows
+        else:
+            y = psum(y, self.mesh, self.axis)
+            bias = self.bias
+        return y + bias if bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary rows split over ``axis``; ids replicated, output replicated.
+
+    Each rank looks up the ids in its row range (zeros elsewhere) and the results are summed.
+    Parameter: ``weight`` (num_embeddings/n, dim).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh: Mesh, axis: str = "tp", *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.mesh, self.axis = mesh, axis
+        self.local_rows = _local(num_embeddings, mesh.axis_size(axis), "num_embeddings", axis)
+        self.weight = nn.Parameter(torch.randn(self.local_rows, embedding_dim, dtype=dtype))
+
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        return {"weight": P(self.axis, None)}
+
+    def forward(self, ids: Tensor) -> Tensor:
+        start = axis_index(self.mesh, self.axis) * self.local_rows
+        mine = (ids >= start) & (ids < start + self.local_rows)  # ids in my row range
+        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight)  # (..., dim)
+        return psum(rows * mine.unsqueeze(-1), self.mesh, self.axis)
+
+
