@@ -1,66 +1,423 @@
-"""Moving weights between the single-device view and per-rank shards."""
+"""Moving weights between the single-device view and per-rank shards.
+
+A :class:`Layout` says how one single-device tensor is split over the ranks of a mesh:
+a ``PartitionSpec``, plus the two cases real checkpoints need that a block split cannot
+express: **fused parts** (GPT-2's ``c_attn`` holds q, k and v side by side; each part is
+split on its own, so rank ``i`` holds ``[q_i | k_i | v_i]``) and **padding** (a vocabulary
+of 50257 rows split over 4 ranks: padded with zero rows to 50260, 12565 per rank).
+
+Every move goes through one function per direction:
+
+* :meth:`Layout.read` reads one rank's block through a slicing callback, so a rank reads
+  only its own bytes of a ``safetensors`` file (``safe_open(...).get_slice``) or of an
+  in-memory tensor;
+* :meth:`Layout.join` assembles the single-device tensor from every rank's block, and
+  checks that ranks holding the same block agree (a replicated parameter's gradient that
+  differs across its holders means a missing ``pvary``: it raises instead of picking one).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 from torch import Tensor, nn
 
-from ..checking import P, PartitionSpec, block_of
-from ..errors import MeshError
+from ..checking import P, PartitionSpec
+from ..errors import ConsistencyError, MeshError
 from ..mesh import Mesh
 
-__all__ = ["param_specs", "shard_state", "stack_state", "unstack", "load_sharded"]
+__all__ = [
+    "Layout",
+    "CheckpointError",
+    "param_specs",
+    "param_layouts",
+    "shard_state",
+    "stack_state",
+    "unstack",
+    "load_sharded",
+    "load_checkpoint",
+    "full_state_dict",
+    "save_checkpoint",
+]
+
+SpecLike = Union[PartitionSpec, "Layout"]
+Getter = Callable[[tuple[slice, ...]], Tensor]
 
 
+class CheckpointError(MeshError, KeyError):
+    """A checkpoint does not match the model: a missing or unexpected key, or a shape that differs."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one single-device tensor is split across the ranks of a mesh.
+
+    Args:
+        spec: which dims are split over which axes (replicated over the rest).
+        parts: the split dim holds these parts side by side (single-device sizes, e.g.
+            ``(768, 768, 768)`` for a fused q|k|v); each part is split on its own.
+        size: the single-device size of the split dim when it is padded with zeros to a
+            multiple of the axis size (a vocabulary); the padding rows belong to the last ranks.
+
+    ``parts`` and ``size`` need exactly one split dim and exclude each other.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> w = torch.arange(6.0).reshape(1, 6)             # columns [q0 q1 | k0 k1 | v0 v1]
+    >>> fused = fd.nn.Layout(fd.P(None, "tp"), parts=(2, 2, 2))
+    >>> fused.shard(w, mesh, 1)                          # rank 1: [q1 | k1 | v1]
+    tensor([[1., 3., 5.]])
+    >>> vocab = fd.nn.Layout(fd.P("tp"), size=3)         # 3 rows over 2 ranks: one zero row of padding
+    >>> vocab.shard(torch.tensor([1.0, 2.0, 3.0]), mesh, 1)
+    tensor([3., 0.])
+    """
+
+    spec: PartitionSpec = P()
+    parts: tuple[int, ...] = ()
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.parts or self.size is not None:
+            split = [d for d in range(len(self.spec.dims)) if self.spec.axes_of(d)]
+            if len(split) != 1 or (self.parts and self.size is not None):
+                raise MeshError(f"Layout: parts/size need exactly one split dim and not both; got {self!r}")
+
+    @property
+    def dim(self) -> int | None:
+        """The dim that holds fused parts or padding (None for a plain block split)."""
+        if not (self.parts or self.size is not None):
+            return None
+        return next(d for d in range(len(self.spec.dims)) if self.spec.axes_of(d))
+
+    def _n(self, mesh: Mesh, d: int) -> int:
+        return mesh.axis_size(self.spec.axes_of(d)) if self.spec.axes_of(d) else 1
+
+    def local_shape(self, full_shape: tuple[int, ...], mesh: Mesh, name: str = "tensor") -> tuple[int, ...]:
+        """One rank's shape for a single-device tensor of ``full_shape``; raises if it does not split."""
+        if len(self.spec.dims) > len(full_shape):
+            raise MeshError(f"{name}: {self.spec!r} names {len(self.spec.dims)} dims but the tensor has shape {tuple(full_shape)}")
+        out = list(full_shape)
+        for d in range(len(self.spec.dims)):
+            n = self._n(mesh, d)
+            if d == self.dim and self.size is not None:
+                if full_shape[d] != self.size:
+                    raise MeshError(f"{name}: dim {d} has size {full_shape[d]}, the layout expects {self.size}")
+                out[d] = -(-self.size // n)  # ceil: the padded rows are split too
+            elif d == self.dim:
+                if sum(self.parts) != full_shape[d] or any(p % n for p in self.parts):
+                    raise MeshError(
+                        f"{name}: dim {d} (size {full_shape[d]}) holds parts {self.parts}; each must divide by the {n} ranks of "
+                        f"{self.spec.axes_of(d)} and they must add up to the dim. Fix: choose head counts divisible by {n}"
+                    )
+                out[d] = full_shape[d] // n
+            elif full_shape[d] % n:
+                raise MeshError(
+                    f"{name}: {self.spec!r} splits dim {d} (size {full_shape[d]}) over {self.spec.axes_of(d)} ({n} ranks), which does not "
+                    f"divide it. Fix: pad dim {d} to a multiple of {n}"
+                )
+            else:
+                out[d] = full_shape[d] // n
+        return tuple(out)
+
+    def full_shape(self, local_shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+        """The single-device shape whose blocks have ``local_shape`` (inverse of :meth:`local_shape`)."""
+        out = list(local_shape)
+        for d in range(len(self.spec.dims)):
+            out[d] = local_shape[d] * self._n(mesh, d)
+        if self.dim is not None and self.size is not None:
+            out[self.dim] = self.size
+        return tuple(out)
+
+    def _pieces(self, full_shape: tuple[int, ...], mesh: Mesh, rank: int) -> list[tuple[tuple[slice, ...], int]]:
+        """Rank ``rank``'s block as pieces: (slices of the padded single-device tensor, offset in the block)."""
+        local = self.local_shape(full_shape, mesh)
+        base = [slice(None)] * len(full_shape)
+        for d in range(len(self.spec.dims)):
+            if self.spec.axes_of(d) and d != self.dim:
+                i = mesh.index(rank, self.spec.axes_of(d))
+                base[d] = slice(i * local[d], (i + 1) * local[d])
+        if self.dim is None:
+            return [(tuple(base), 0)]
+        d, n = self.dim, self._n(mesh, self.dim)
+        i = mesh.index(rank, self.spec.axes_of(d))
+        pieces, start, offset = [], 0, 0
+        for part in self.parts or (local[d] * n,):  # padded: one part, the padded dim
+            step = part // n
+            pieces.append((tuple(base[:d] + [slice(start + i * step, start + (i + 1) * step)] + base[d + 1 :]), offset))
+            start, offset = start + part, offset + step
+        return pieces
+
+    def read(self, get: Getter, full_shape: tuple[int, ...], mesh: Mesh, rank: int, name: str = "tensor") -> Tensor:
+        """Rank ``rank``'s block, reading only its own slices through ``get(slices)`` (zeros for padding)."""
+        self.local_shape(tuple(full_shape), mesh, name)  # raises on a shape that does not split
+        blocks = []
+        for slices, _ in self._pieces(tuple(full_shape), mesh, rank):
+            if self.size is None:
+                blocks.append(get(slices))
+                continue
+            d, s = self.dim, slices[self.dim]  # type: ignore[index]
+            real = slice(min(s.start, self.size), min(s.stop, self.size))
+            got = get(slices[:d] + (real,) + slices[d + 1 :]) if real.stop > real.start else None  # type: ignore[index, operator]
+            pad = (s.stop - s.start) - (real.stop - real.start)
+            if got is None or pad:
+                ref = got if got is not None else get(slices[:d] + (slice(0, 1),) + slices[d + 1 :])  # type: ignore[index, operator]
+                shape = list(ref.shape)
+                shape[d] = pad  # type: ignore[index]
+                zeros = ref.new_zeros(shape)
+                got = zeros if got is None else torch.cat([got, zeros], dim=d)  # type: ignore[arg-type]
+            blocks.append(got)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=self.dim)  # type: ignore[arg-type]
+
+    def shard(self, full: Tensor, mesh: Mesh, rank: int, name: str = "tensor") -> Tensor:
+        """Rank ``rank``'s block of single-device ``full`` (a new tensor)."""
+        return self.read(lambda s: full[s], tuple(full.shape), mesh, rank, name).clone()
+
+    def join(self, stacked: Tensor, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
+        """The single-device tensor from every rank's block stacked on dim 0 (``[world, *local]``).
+
+        With ``check`` (the default), ranks that hold the same block must agree (to a
+        relative ``sqrt(eps)`` of the dtype): a replicated parameter's gradient that differs
+        across its holders is a partial sum (a missing ``fastdist.pvary``), or data-parallel
+        replicas not yet averaged; it raises :class:`~fastdist.ConsistencyError` naming the
+        tensor, the ranks and the fix, instead of silently keeping one copy.
+        """
+        if stacked.dim() == 0 or stacked.shape[0] != mesh.size:
+            raise MeshError(f"{name}: expected a leading rank dim of size {mesh.size}, got shape {tuple(stacked.shape)}")
+        full_shape = self.full_shape(tuple(stacked.shape[1:]), mesh)
+        holder: dict[tuple[int, ...], int] = {}
+        for r in range(mesh.size):
+            key = tuple(mesh.index(r, self.spec.axes_of(d)) if self.spec.axes_of(d) else 0 for d in range(len(self.spec.dims)))
+            first = holder.setdefault(key, r)
+            if check and first != r:
+                _check_agree(stacked[first], stacked[r], first, r, name, mesh)
+        padded = list(full_shape)
+        if self.dim is not None:
+            padded[self.dim] = stacked.shape[1 + self.dim] * self._n(mesh, self.dim)
+        out = stacked.new_zeros(padded)
+        for r in holder.values():
+            for slices, offset in self._pieces(tuple(full_shape), mesh, r):
+                block = stacked[r]
+                if self.dim is not None:
+                    s = slices[self.dim]
+                    block = block.narrow(self.dim, offset, s.stop - s.start)
+                out[slices] = block
+        return out if self.dim is None else out.narrow(self.dim, 0, full_shape[self.dim])
+
+
+def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) -> None:
+    if a.is_floating_point() or a.is_complex():
+        scale = max(float(a.abs().max()), float(b.abs().max()), torch.finfo(a.dtype).tiny) if a.numel() else 1.0
+        diff = float((a - b).abs().max()) if a.numel() else 0.0
+        ok = diff <= math.sqrt(torch.finfo(a.dtype).eps) * scale
+    else:
+        ok, diff = bool(torch.equal(a, b)), float("nan")
+    if not ok:
+        raise ConsistencyError(
+            f"fastdist.nn.unstack({name}): ranks {ra} and {rb} of {mesh!r} hold the same block but differ (max difference {diff:.3g}). "
+            "A replicated parameter whose gradient differs across ranks got only a partial sum: it meets rank-varying data "
+            "(a sequence shard, a head shard) without fastdist.pvary, so its gradient is not summed. Fix: pvary it (in a "
+            "parallelize plan: the PvaryParams style), or reduce data-parallel replicas first (fastdist.pmean over 'dp'); "
+            "check=False keeps the first rank's copy"
+        )
+
+
+def _as_layout(spec: SpecLike) -> Layout:
+    return spec if isinstance(spec, Layout) else Layout(spec)
+
+
+# ============================================================================ specs of a module
 def param_specs(module: nn.Module) -> dict[str, PartitionSpec]:
     """``PartitionSpec`` of every parameter of ``module`` by dotted name (replicated unless a submodule says otherwise)."""
-    specs: dict[str, PartitionSpec] = {name: P() for name, _ in module.named_parameters()}
+    return {name: layout.spec for name, layout in param_layouts(module).items()}
+
+
+def param_layouts(module: nn.Module) -> dict[str, Layout]:
+    """:class:`Layout` of every parameter of ``module`` by dotted name.
+
+    A submodule says how its own parameters split with ``param_layouts()`` (a dict of
+    Layout) or ``param_specs()`` (a dict of PartitionSpec); anything else is replicated.
+    Tied parameters appear once, under their first name (as ``named_parameters`` lists them).
+    """
+    out: dict[str, Layout] = {name: Layout() for name, _ in module.named_parameters()}
     for prefix, sub in module.named_modules():
-        own = getattr(sub, "param_specs", None)
+        own = getattr(sub, "param_layouts", None) or getattr(sub, "param_specs", None)
         if callable(own):
             for name, spec in own().items():
-                specs[f"{prefix}.{name}" if prefix else name] = spec
-    return specs
+                full = f"{prefix}.{name}" if prefix else name
+                if full in out:
+                    out[full] = _as_layout(spec)
+    return out
 
 
-def shard_state(full: Mapping[str, Tensor], specs: Mapping[str, PartitionSpec], mesh: Mesh, rank: int) -> dict[str, Tensor]:
-    """Rank ``rank``'s shard of every tensor of a single-device state dict."""
+# ============================================================================ in-memory state dicts
+def shard_state(full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh, rank: int) -> dict[str, Tensor]:
+    """Rank ``rank``'s shard of every tensor of a single-device state dict (specs: PartitionSpec or Layout)."""
     missing = set(specs) - set(full)
     if missing:
-        raise MeshError(f"fastdist.nn: the state dict lacks {sorted(missing)}. Fix: load a state dict of the matching single-device module")
-    return {name: block_of(full[name], spec, mesh, rank).clone() for name, spec in specs.items()}
+        raise CheckpointError(f"fastdist.nn: the state dict lacks {sorted(missing)}. Fix: load a state dict of the matching single-device module")
+    return {name: _as_layout(spec).shard(full[name], mesh, rank, name) for name, spec in specs.items()}
 
 
-def stack_state(full: Mapping[str, Tensor], specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, Tensor]:
+def stack_state(full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh) -> dict[str, Tensor]:
     """Every rank's shard stacked on a leading rank dim ``[world, *local]``, for :func:`fastdist.simulate`."""
     per_rank = [shard_state(full, specs, mesh, r) for r in range(mesh.size)]
     return {name: torch.stack([p[name] for p in per_rank]) for name in specs}
 
 
-def unstack(stacked: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+def unstack(stacked: Tensor, spec: SpecLike, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
     """The single-device tensor from stacked shards (inverse of :func:`stack_state` for one tensor).
 
-    Shards are joined along their dims; over axes the spec does not name, the copy at index 0 is used.
+    Shards are joined along their dims. Ranks holding the same block must agree unless
+    ``check=False`` (see :meth:`Layout.join`): a forgotten ``pvary`` raises here.
     """
-    rank_of: dict[tuple[int, ...], int] = {}
-    for r in range(mesh.size):
-        key = tuple(mesh.index(r, spec.axes_of(d)) if spec.axes_of(d) else 0 for d in range(len(spec.dims)))
-        rank_of.setdefault(key, r)
-
-    def join(d: int, prefix: tuple[int, ...]) -> Tensor:
-        if d == len(spec.dims):
-            return stacked[rank_of[prefix]]
-        n = mesh.axis_size(spec.axes_of(d)) if spec.axes_of(d) else 1
-        return torch.cat([join(d + 1, (*prefix, i)) for i in range(n)], dim=d)
-
-    return join(0, ())
+    return _as_layout(spec).join(stacked, mesh, check=check, name=name)
 
 
-def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh) -> None:
-    """Copy this process's shard of a single-device state dict into ``module`` (a mesh from ``Mesh.from_torch``)."""
-    local = shard_state(full, param_specs(module), mesh, mesh.rank)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(local[name])
+# ============================================================================ checkpoints
+@contextmanager
+def _open_source(source: str | os.PathLike[str] | Mapping[str, Tensor]) -> Iterator[tuple[dict[str, tuple[int, ...]], Callable[[str], Getter]]]:
+    """(shape of every key, key -> slicing reader) for a state dict, a .safetensors file or a save_pretrained directory."""
+    if isinstance(source, Mapping):
+        yield {k: tuple(v.shape) for k, v in source.items()}, lambda k: (lambda s: source[k][s])
+        return
+    from safetensors import safe_open
+
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise CheckpointError(f"fastdist.nn.load_checkpoint: {path} holds neither model.safetensors nor model.safetensors.index.json")
+            files = {"": single}
+    else:
+        files = {"": path}
+    handles = {f: safe_open(f, framework="pt") for f in set(files.values())}  # type: ignore[no-untyped-call]
+    try:
+        where = {k: h for h in handles.values() for k in h.keys()} if "" in files else {k: handles[f] for k, f in files.items()}
+        shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in where.items()}
+        yield shapes, lambda k: (lambda s: where[k].get_slice(k)[s])
+    finally:
+        handles.clear()
+
+
+def _named_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """Parameters and persistent buffers by state-dict name (tied parameters once)."""
+    out: dict[str, Tensor] = dict(module.named_parameters())
+    keys = set(module.state_dict(keep_vars=True))
+    out.update({n: b for n, b in module.named_buffers() if n in keys})
+    return out
+
+
+def load_checkpoint(
+    module: nn.Module, source: str | os.PathLike[str] | Mapping[str, Tensor], mesh: Mesh, *, rank: int | None = None,
+    strict: bool = True, rename: Mapping[str, str] | Callable[[str], str] | None = None,
+) -> None:
+    """Load a single-device checkpoint into a parallel module, each rank reading only its own slices.
+
+    Args:
+        module: a module with per-rank parameters (``fastdist.nn`` layers, or a model after
+            :func:`fastdist.nn.parallelize`); its parameters' local shapes and layouts say what to read.
+        source: a ``.safetensors`` file, a ``save_pretrained`` directory (one file or an index
+            of several), or a single-device state dict. Files are read with ``safe_open(...).get_slice``:
+            only this rank's bytes.
+        mesh: the mesh the module was built for.
+        rank: whose shard to load. Default: ``mesh.rank`` on real ranks; on a simulated mesh, the
+            module holds every rank's shard stacked (``[world, *local]``, as :func:`fastdist.nn.parallelize`
+            leaves it) and every rank is read.
+        strict: like ``load_state_dict``: a missing key, an unexpected key or a shape that does not
+            match raises :class:`CheckpointError` naming the key and both shapes. ``False`` skips missing and
+            unexpected keys (shapes are always checked).
+        rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose merged
+            projection is named differently from the checkpoint.
+    """
+    layouts = param_layouts(module)
+    tensors = _named_tensors(module)
+    stacked = rank is None and mesh.backend is None
+    if rank is None and not stacked:
+        rank = mesh.rank
+    to_file = (lambda k: rename[k] if k in rename else k) if isinstance(rename, Mapping) else (rename or (lambda k: k))
+    with _open_source(source) as (shapes, reader):
+        wanted = {to_file(name): name for name in tensors}
+        missing = sorted(k for k in wanted if k not in shapes)
+        unexpected = sorted(k for k in shapes if k not in wanted)
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"fastdist.nn.load_checkpoint: missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
+                f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(missing)} missing, {len(unexpected)} unexpected). "
+                "Fix: load the checkpoint of the same model (same config), map names with rename=, or pass strict=False"
+            )
+        with torch.no_grad():
+            for key, name in wanted.items():
+                if key not in shapes:
+                    continue
+                t, layout = tensors[name], layouts.get(name, Layout())
+                local = tuple(t.shape[1:]) if stacked else tuple(t.shape)
+                expect = layout.full_shape(local, mesh)
+                if tuple(shapes[key]) != expect:
+                    raise CheckpointError(
+                        f"fastdist.nn.load_checkpoint: {key!r} has shape {tuple(shapes[key])} in the checkpoint but the model "
+                        f"expects {expect} (this rank holds {local}). Fix: load the checkpoint of the same config"
+                    )
+                get = reader(key)
+                if stacked:
+                    t.copy_(torch.stack([layout.read(get, expect, mesh, r, key) for r in range(mesh.size)]))
+                else:
+                    t.copy_(layout.read(get, expect, mesh, rank, key))  # type: ignore[arg-type]
+
+
+def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, strict: bool = True) -> None:
+    """Copy this process's shard of a single-device state dict into ``module`` (a mesh from ``Mesh.from_torch``).
+
+    Strict like ``load_state_dict``: see :func:`load_checkpoint`.
+    """
+    load_checkpoint(module, full, mesh, rank=mesh.rank, strict=strict)
+
+
+def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dict[str, Tensor]:
+    """The single-device state dict of a parallel module (parameters and persistent buffers, by their names).
+
+    On a simulated mesh the module holds stacked shards (``[world, *local]``); on real
+    ranks every rank all-gathers every parameter (a collective: call it on every rank) and
+    every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
+    (``check``; see :meth:`Layout.join`).
+    """
+    from ..collectives import all_gather_invariant
+
+    layouts = param_layouts(module)
+    out = {}
+    for name, t in _named_tensors(module).items():
+        t = t.detach()
+        if mesh.backend is not None:
+            t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)  # [world, *local], rank order
+        out[name] = layouts.get(name, Layout()).join(t, mesh, check=check, name=name)
+    return out
+
+
+def save_checkpoint(module: nn.Module, path: str | os.PathLike[str], mesh: Mesh, *, dst: int = 0) -> dict[str, Tensor]:
+    """Gather a parallel module's weights and write them as one single-device ``.safetensors`` file on rank ``dst``.
+
+    Returns the single-device state dict (on every rank). Tied parameters are written once,
+    under the first name, as ``save_pretrained`` does. On a simulated mesh it simply writes.
+    """
+    from safetensors.torch import save_file
+
+    state = full_state_dict(module, mesh)
+    if mesh.backend is None or mesh.rank == dst:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.fspath(path))
+    return state
+

@@ -1,0 +1,628 @@
+"""Parallelize an unmodified model with one call: a plan maps module names to styles.
+
+``parallelize(model, mesh, plan)`` walks the model's modules, and for every module whose
+dotted name matches a pattern of the plan applies that pattern's styles: a linear layer
+becomes column- or row-parallel, an embedding vocabulary-parallel, an attention module
+gets its heads split, a decoder layer's input is cut to a sequence shard. Modules are
+swapped in place and keep their parameter names (a checkpoint of the single-device
+model loads name for name), and the weights the model already holds are sharded.
+
+The result, a :class:`ParallelModel`, runs the same way on both kinds of mesh:
+
+* a plain (simulated) mesh: every parameter holds every rank's shard stacked on a
+  leading rank dim (``[world, *local]``), and calling the model runs all ranks at once
+  through :func:`fastdist.simulate` (tensor arguments carry the rank dim too);
+* a mesh from ``Mesh.from_torch``: every parameter holds this rank's shard, and calling
+  the model runs this rank's part.
+
+Patterns match dotted module names segment by segment (``fnmatch`` per segment, so
+``"model.layers.*.mlp"`` matches ``model.layers.3.mlp`` and nothing deeper). Every
+pattern must match at least one module. Ready-made plans: :mod:`fastdist.nn.plans`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from ..checking import P
+from ..collectives import all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
+from ..errors import MeshError
+from ..mesh import Mesh
+from ..simulate import simulate
+from .layers import _column_input, _linear
+from .state import Layout, full_state_dict, load_checkpoint, param_layouts, save_checkpoint
+
+__all__ = [
+    "parallelize",
+    "ParallelModel",
+    "Style",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "VocabParallel",
+    "SequenceShard",
+    "GatherSequence",
+    "PrepareInput",
+    "PvaryParams",
+    "HeadParallelAttention",
+    "ParallelizeError",
+]
+
+InputKind = Literal["replicated", "sequence"] | None
+
+
+class ParallelizeError(MeshError):
+    """A plan does not fit the model: a pattern that matches nothing, a module of the wrong kind, heads that do not split."""
+
+
+@dataclass
+class _Context:
+    """What styles share while one model is parallelized."""
+
+    mesh: Mesh
+    #: id(single-device parameter) -> its parallel replacement, so tied weights stay tied
+    converted: dict[int, nn.Parameter] = field(default_factory=dict)
+    #: parameter (module, name) pairs to pvary over these axes at every call
+    pvary: list[tuple[nn.Module, str, str]] = field(default_factory=list)
+    #: the axis of a vocabulary-parallel LM head that gives sharded logits (the loss must know)
+    sharded_logits: str | None = None
+
+    def param(self, old: Tensor | None, layout: Layout, where: str) -> nn.Parameter | None:
+        """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated mesh)."""
+        if old is None:
+            return None
+        if id(old) in self.converted:
+            return self.converted[id(old)]
+        full = old.detach()
+        if self.mesh.backend is None:
+            data = torch.stack([layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)])  # [world, *local]
+        else:
+            data = layout.shard(full, self.mesh, self.mesh.rank, where)
+        new = nn.Parameter(data, requires_grad=old.requires_grad)
+        self.converted[id(old)] = new
+        return new
+
+
+class Style:
+    """How one module becomes parallel. ``apply`` returns the module to put in its place (possibly itself)."""
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        raise NotImplementedError
+
+
+def _hidden_hook(fn: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
+    """A forward pre-hook applying ``fn`` to a module's hidden states (first positional or ``hidden_states=``)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise ParallelizeError(f"parallelize: {type(module).__name__} was called without hidden states to prepare (no positional "
+                                   "argument and no hidden_states=)")
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+    return hook
+
+
+# ============================================================================ linear layers
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer that stores its weight as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(getattr(module, "weight", None), Tensor)
+
+
+class ParallelLinear(nn.Module):
+    """A column- or row-parallel linear layer built from an existing ``nn.Linear`` or ``Conv1D``.
+
+    Keeps the parameter names (``weight``, ``bias``) and the weight's orientation: ``(out, in)``
+    for ``nn.Linear``, ``(in, out)`` for ``Conv1D`` (``transposed``). Column: the output
+    features are split (fused ``parts`` each on their own; a ``size`` padded to a multiple of
+    the axis); the input is prepared by ``input`` (``"replicated"``: ``pvary``, backward
+    all-reduces dx; ``"sequence"``: all-gather of the sequence dim, backward reduce-scatter;
+    ``None``: already prepared by the parent module). Row: the input features are split, the
+    partial products summed (``output="replicated"``: psum; ``"sequence"``: reduce-scatter of
+    the sequence dim), and the bias added once after the sum.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh, axis: str, *, kind: Literal["col", "row"],
+                 transposed: bool, layouts: dict[str, Layout], input: InputKind = None, output: InputKind = "replicated",
+                 gather_output: bool = False, size: int | None = None, seq_dim: int = 1) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.mesh, self.axis, self.kind, self.transposed = mesh, axis, kind, transposed
+        self.input, self.output, self.gather_output, self.size, self.seq_dim = input, output, gather_output, size, seq_dim
+        self._layouts = layouts
+
+    def param_layouts(self) -> dict[str, Layout]:
+        return dict(self._layouts) if self.bias is not None else {"weight": self._layouts["weight"]}
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.t() if self.transposed else self.weight  # (out_local, in) either way
+        if self.kind == "col":
+            if self.input is not None:
+                x = _column_input(x, self.mesh, self.axis, self.input == "sequence", self.seq_dim)
+            y = _linear(x, w, self.bias)  # (..., out/n)
+            if self.gather_output:
+                y = all_gather_invariant(y, self.mesh, self.axis, dim=-1)  # (..., out padded)
+                if self.size is not None:
+                    y = y.narrow(-1, 0, self.size)  # drop the padding columns
+            return y
+        y = F.linear(x, w)  # (..., out): this rank's partial sum
+        if self.output == "sequence":
+            y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
+            bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None  # meets per-rank rows
+        else:
+            y, bias = psum(y, self.mesh, self.axis), self.bias
+        return y + bias if bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, axis={self.axis!r}, weight={tuple(self.weight.shape)}{', transposed' if self.transposed else ''}"
+
+
+def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, bool, int, int]:
+    """(weight, bias, transposed, in_features, out_features) of an ``nn.Linear`` or ``Conv1D``."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias, False, module.in_features, module.out_features
+    if _is_conv1d(module):
+        w = module.weight
+        return w, getattr(module, "bias", None), True, int(w.shape[0]), int(w.shape[1])
+    raise ParallelizeError(f"parallelize: {name!r} is a {type(module).__name__}; a linear style needs nn.Linear or transformers' Conv1D")
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(Style):
+    """Split a linear layer's output features over ``axis`` (Megatron's column parallel).
+
+    ``input``: how the layer prepares its input (see :class:`ParallelLinear`); ``None`` when
+    the parent already did (:class:`PrepareInput`, shared by q/k/v or gate/up).
+    ``parts``: fused projections side by side (GPT-2's ``c_attn``: q, k, v), each split on
+    its own. ``pad``: pad the output features to a multiple of the axis size (a vocabulary).
+    ``gather_output``: all-gather the outputs (padding dropped).
+    """
+
+    axis: str = "tp"
+    input: InputKind = None
+    parts: tuple[int, ...] = ()
+    pad: bool = False
+    gather_output: bool = False
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        weight, bias, transposed, _, out = _linear_parts(module, name)
+        odim = 1 if transposed else 0  # the weight's output dim
+        size = out if self.pad else None
+        if not self.pad and not self.parts and out % ctx.mesh.axis_size(self.axis):
+            raise ParallelizeError(f"parallelize: {name!r} has {out} output features, not divisible by the {ctx.mesh.axis_size(self.axis)} "
+                                   f"ranks of {self.axis!r}. Fix: ColwiseParallel(pad=True) for a vocabulary, or another tp size")
+        wl = Layout(P(*([None] * odim), self.axis), parts=self.parts, size=size)
+        bl = Layout(P(self.axis), parts=self.parts, size=size)
+        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight"), ctx.param(bias, bl, f"{name}.bias"), ctx.mesh, self.axis,  # type: ignore[arg-type]
+                              kind="col", transposed=transposed, layouts={"weight": wl, "bias": bl}, input=self.input,
+                              gather_output=self.gather_output, size=size, seq_dim=self.seq_dim)
+
+
+@dataclass(frozen=True)
+class RowwiseParallel(Style):
+    """Split a linear layer's input features over ``axis`` (Megatron's row parallel); bias added once after the sum.
+
+    ``output="replicated"``: all-reduce (backward: identity); ``"sequence"``: reduce-scatter
+    of the sequence dim (sequence parallelism; backward: all-gather).
+    """
+
+    axis: str = "tp"
+    output: Literal["replicated", "sequence"] = "replicated"
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        weight, bias, transposed, inp, _ = _linear_parts(module, name)
+        if inp % ctx.mesh.axis_size(self.axis):
+            raise ParallelizeError(f"parallelize: {name!r} has {inp} input features, not divisible by the {ctx.mesh.axis_size(self.axis)} "
+                                   f"ranks of {self.axis!r}")
+        wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
+        bl = Layout()
+        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight"), ctx.param(bias, bl, f"{name}.bias"), ctx.mesh, self.axis,  # type: ignore[arg-type]
+                              kind="row", transposed=transposed, layouts={"weight": wl, "bias": bl}, output=self.output, seq_dim=self.seq_dim)
+
+
+# ============================================================================ vocabulary
+class _VocabEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary, padded to a multiple of the axis) are split over ``axis``.
+
+    Each rank looks up the ids in its row range (zeros elsewhere) and the results are summed
+    (psum: backward identity). ``padding_idx`` gets no gradient, as in ``nn.Embedding``.
+    """
+
+    def __init__(self, weight: nn.Parameter, mesh: Mesh, axis: str, layout: Layout, padding_idx: int | None) -> None:
+        super().__init__()
+        self.weight, self.mesh, self.axis, self._layout, self.padding_idx = weight, mesh, axis, layout, padding_idx
+
+    def param_layouts(self) -> dict[str, Layout]:
+        return {"weight": self._layout}
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.weight.shape[-2]  # local rows (the stacked rank dim, if any, is vmapped away)
+        start = axis_index(self.mesh, self.axis) * rows
+        mine = (ids >= start) & (ids < start + rows)  # ids in my row range
+        out = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)  # (..., dim)
+        if self.padding_idx is not None:
+            out = torch.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)  # no gradient into the padding row
+        return psum(out, self.mesh, self.axis)
+
+
+@dataclass(frozen=True)
+class VocabParallel(Style):
+    """The vocabulary over ``axis``: an ``nn.Embedding`` (rows) or an LM head ``nn.Linear`` (output features).
+
+    The vocabulary is padded with zero rows to a multiple of the axis size (GPT-2's 50257).
+    An LM head gives this rank's logits ``(..., V_padded / n)`` (padding columns are 0; losses
+    take ``vocab_size`` to mask them: :func:`fastdist.nn.cross_entropy`), or with
+    ``gather_output`` the whole vocabulary ``(..., V)``. ``input``: how the head prepares its input.
+    A head tied to the embedding stays tied (one parameter, both uses' gradients).
+    """
+
+    axis: str = "tp"
+    input: InputKind = "replicated"
+    gather_output: bool = False
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            layout = Layout(P(self.axis, None), size=module.num_embeddings)
+            return _VocabEmbedding(ctx.param(module.weight, layout, f"{name}.weight"), ctx.mesh, self.axis, layout, module.padding_idx)  # type: ignore[arg-type]
+        if not self.gather_output:
+            ctx.sharded_logits = self.axis
+        return ColwiseParallel(self.axis, input=self.input, pad=True, gather_output=self.gather_output, seq_dim=self.seq_dim).apply(module, name, ctx)
+
+
+# ============================================================================ regions
+@dataclass(frozen=True)
+class SequenceShard(Style):
+    """Cut the module's input hidden states to this rank's sequence shard (forward: slice; backward: all-gather).
+
+    Megatron-style sequence parallelism starts here (the first decoder layer): the model
+    computes positions and masks from the whole sequence before it.
+    """
+
+    axis: str = "tp"
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        mesh, axis, dim = ctx.mesh, self.axis, self.seq_dim
+        module.register_forward_pre_hook(_hidden_hook(lambda x: local_chunk(x, mesh, axis, dim=dim)), with_kwargs=True)
+        return module
+
+
+@dataclass(frozen=True)
+class GatherSequence(Style):
+    """Gather the module's input hidden states from the sequence shards (forward: all-gather;
+    backward: this rank's slice): the end of a sequence-parallel region. The module then runs
+    on the whole, replicated sequence (e.g. the final norm before a view by the whole length)."""
+
+    axis: str = "tp"
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        mesh, axis, dim = ctx.mesh, self.axis, self.seq_dim
+        module.register_forward_pre_hook(_hidden_hook(lambda x: all_gather_invariant(x, mesh, axis, dim=dim)), with_kwargs=True)
+        return module
+
+
+@dataclass(frozen=True)
+class PrepareInput(Style):
+    """The input collective of the column-parallel layers inside the module, run once for all of them.
+
+    ``"replicated"``: ``pvary`` (backward all-reduces dx); ``"sequence"``: all-gather of the
+    sequence dim (backward reduce-scatter), so the module sees the whole sequence.
+    """
+
+    axis: str = "tp"
+    kind: Literal["replicated", "sequence"] = "replicated"
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        mesh, axis, seq, dim = ctx.mesh, self.axis, self.kind == "sequence", self.seq_dim
+        module.register_forward_pre_hook(_hidden_hook(lambda x: _column_input(x, mesh, axis, seq, dim)), with_kwargs=True)
+        return module
+
+
+@dataclass(frozen=True)
+class PvaryParams(Style):
+    """The module's replicated parameters meet rank-varying data (a norm on a sequence shard, a
+    per-head norm on a head shard): ``pvary`` them at every call, so each rank's gradient is
+    summed over ``axis`` (without it every rank keeps only its shard's partial gradient)."""
+
+    axis: str = "tp"
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        ctx.pvary.extend((module, n, self.axis) for n, _ in module.named_parameters(recurse=False))
+        return module
+
+
+# ============================================================================ attention
+class _ReplicatedHeads(nn.Module):
+    """k or v projection with fewer heads than ranks: every rank holds all ``heads`` (replicated)
+    and projects only the head its query heads use (head ``rank // (n / heads)``). The weight is
+    ``pvary``'d: each rank's gradient touches its head's rows, the sum over ranks is the whole gradient."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh, axis: str, heads: int, transposed: bool) -> None:
+        super().__init__()
+        self.weight, self.bias, self.mesh, self.axis, self.heads, self.transposed = weight, bias, mesh, axis, heads, transposed
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.mesh.axis_size(self.axis)
+        head = axis_index(self.mesh, self.axis) // (n // self.heads)  # () my kv head
+        w = pvary(self.weight, self.mesh, self.axis)
+        w = w.t() if self.transposed else w  # (heads * head_dim, in)
+        w = w.unflatten(0, (self.heads, -1))[head]  # (head_dim, in)
+        b = pvary(self.bias, self.mesh, self.axis).unflatten(0, (self.heads, -1))[head] if self.bias is not None else None  # (head_dim,)
+        return F.linear(x, w, b)  # (..., head_dim)
+
+
+@dataclass(frozen=True)
+class HeadParallelAttention(Style):
+    """An attention module with its heads split over ``axis`` (Megatron/vLLM tensor parallelism).
+
+    The module's own forward runs unchanged on this rank's heads: its input is prepared once
+    (``input``), ``q``/``k``/``v`` are column-parallel by heads (or one fused ``qkv`` with its
+    three parts), ``o`` is row-parallel (``output``). Grouped-query attention: with kv heads
+    ``>= n`` both head counts must divide by ``n``; with fewer kv heads than ranks (``n % kv == 0``)
+    every rank holds the kv projections whole and uses the head its query heads share, as
+    Megatron and vLLM replicate kv heads. ``attrs`` maps module attribute names to what they
+    must be per rank, computed from the local head counts (e.g. ``num_key_value_groups``).
+    ``norms``: child modules with per-head parameters (Qwen3's ``q_norm``/``k_norm``), pvary'd.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    axis: str = "tp"
+    input: Literal["replicated", "sequence"] = "replicated"
+    output: Literal["replicated", "sequence"] = "replicated"
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    qkv: str | None = None
+    attrs: tuple[tuple[str, Callable[[int, int, int], Any]], ...] = ()
+    norms: tuple[str, ...] = ()
+    seq_dim: int = 1
+
+    def local_heads(self, n: int, name: str) -> tuple[int, int]:
+        """(query heads, kv heads) on one rank; raises for a layout that does not split."""
+        hq, hkv = self.num_heads, self.num_kv_heads
+        if hq % n or hq % hkv:
+            raise ParallelizeError(
+                f"parallelize: attention {name!r} has {hq} query heads and {hkv} kv heads; with {n} ranks on {self.axis!r} the query heads "
+                f"must divide by {n} and by the kv heads. Fix: a tp size that divides {hq}"
+            )
+        if hkv >= n and hkv % n == 0:
+            return hq // n, hkv // n
+        if hkv < n and n % hkv == 0:
+            return hq // n, 1
+        raise ParallelizeError(
+            f"parallelize: attention {name!r} has {hkv} kv heads, which neither divide by the {n} ranks of {self.axis!r} nor divide them. "
+            f"Fix: a tp size that divides {hkv} or is a multiple of it"
+        )
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        n = ctx.mesh.axis_size(self.axis)
+        hq, hkv = self.local_heads(n, name)
+        PrepareInput(self.axis, self.input, self.seq_dim).apply(module, name, ctx)
+        col = ColwiseParallel(self.axis, seq_dim=self.seq_dim)
+        if self.qkv is not None:
+            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            if self.num_kv_heads < n:
+                raise ParallelizeError(f"parallelize: attention {name!r} fuses q, k, v in {self.qkv!r} and has {self.num_kv_heads} kv heads "
+                                       f"for {n} ranks; a fused projection needs kv heads divisible by {n}")
+            fused = ColwiseParallel(self.axis, parts=(q_out, kv_out, kv_out), seq_dim=self.seq_dim)
+            _swap(module, self.qkv, fused.apply(_child(module, self.qkv, name), f"{name}.{self.qkv}", ctx))
+        else:
+            _swap(module, self.q, col.apply(_child(module, self.q, name), f"{name}.{self.q}", ctx))
+            for child in (self.k, self.v):
+                sub = _child(module, child, name)
+                if self.num_kv_heads >= n:
+                    _swap(module, child, col.apply(sub, f"{name}.{child}", ctx))
+                else:
+                    weight, bias, transposed, _, _ = _linear_parts(sub, f"{name}.{child}")
+                    _swap(module, child, _ReplicatedHeads(ctx.param(weight, Layout(), f"{name}.{child}.weight"),  # type: ignore[arg-type]
+                                                          ctx.param(bias, Layout(), f"{name}.{child}.bias"), ctx.mesh, self.axis,
+                                                          self.num_kv_heads, transposed))
+        _swap(module, self.o, RowwiseParallel(self.axis, self.output, self.seq_dim).apply(_child(module, self.o, name), f"{name}.{self.o}", ctx))
+        for norm in self.norms:
+            PvaryParams(self.axis).apply(_child(module, norm, name), f"{name}.{norm}", ctx)
+        for attr, value in self.attrs:
+            setattr(module, attr, value(hq, hkv, self.head_dim))
+        return module
+
+
+def _child(module: nn.Module, child: str, name: str) -> nn.Module:
+    sub = getattr(module, child, None)
+    if not isinstance(sub, nn.Module):
+        raise ParallelizeError(f"parallelize: {name!r} ({type(module).__name__}) has no submodule {child!r}. Fix: name the projections of this "
+                               "attention class in the style (q=, k=, v=, o= or qkv=)")
+    return sub
+
+
+def _swap(parent: nn.Module, child: str, new: nn.Module) -> None:
+    if getattr(parent, child) is not new:
+        setattr(parent, child, new)
+
+
+# ============================================================================ the model
+class ParallelModel:
+    """A model after :func:`parallelize`: call it like the model; move weights and gradients back.
+
+    Attributes:
+        module: the model itself, modified in place (its parameters hold shards).
+        mesh: the mesh it runs on.
+        layouts: how each parameter (by the model's own name) splits the single-device tensor.
+    """
+
+    def __init__(self, module: nn.Module, mesh: Mesh, pvary_params: Sequence[tuple[nn.Module, str, str]]) -> None:
+        self.module, self.mesh = module, mesh
+        self.layouts = param_layouts(module)
+        owner = {id(m): prefix for prefix, m in module.named_modules()}
+        self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
+
+    @property
+    def simulated(self) -> bool:
+        """True on a plain mesh: parameters hold every rank's shard stacked, calls run all ranks."""
+        return self.mesh.backend is None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def _run(self, params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One rank's call: parameters that meet rank-varying data are pvary'd first."""
+        if self._pvary:
+            params = {n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p for n, p in params.items()}
+            out = torch.func.functional_call(self.module, params, args, kwargs)
+        elif self.simulated:
+            out = torch.func.functional_call(self.module, params, args, kwargs)
+        else:
+            out = self.module(*args, **kwargs)
+        return _tensors_only(out)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
+        (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped."""
+        if not self.simulated:
+            params = dict(self.module.named_parameters()) if self._pvary else {}
+            return self._run(params, args, kwargs)
+        tensors, rest = _split_kwargs(kwargs)
+        run = functools.partial(self._simulated_rank, rest)
+        return simulate(run, self.mesh)(dict(self.module.named_parameters()), args, tensors)
+
+    def _simulated_rank(self, rest: dict[str, Any], params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
+        return self._run(params, args, {**rest, **tensors})
+
+    # ------------------------------------------------------------------ weights and gradients
+    def state_dict(self) -> dict[str, Tensor]:
+        """The single-device state dict (by the model's names; on real ranks a collective: call it on every rank)."""
+        return full_state_dict(self.module, self.mesh)
+
+    def grads(self, *, check: bool = True) -> dict[str, Tensor]:
+        """Every parameter's gradient as the single-device model would hold it (by name; missing grads skipped).
+
+        Ranks holding the same block must agree (``check``): a replicated parameter whose
+        gradient differs across ranks (a missing pvary) raises :class:`~fastdist.ConsistencyError`.
+        On real ranks a collective: call it on every rank.
+        """
+        out = {}
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            if not self.simulated:
+                g = all_gather_invariant(g.unsqueeze(0), self.mesh, self.mesh.axis_names, dim=0)  # [world, *local]
+            out[name] = self.layouts[name].join(g, self.mesh, check=check, name=f"{name}.grad")
+        return out
+
+    def load(self, source: Any, *, strict: bool = True, rename: Any = None) -> None:
+        """Load a single-device checkpoint (safetensors file or directory, or a state dict): see :func:`fastdist.nn.load_checkpoint`."""
+        load_checkpoint(self.module, source, self.mesh, strict=strict, rename=rename)
+
+    def save(self, path: Any, *, dst: int = 0) -> dict[str, Tensor]:
+        """Write the single-device weights as one safetensors file (rank ``dst``): see :func:`fastdist.nn.save_checkpoint`."""
+        return save_checkpoint(self.module, path, self.mesh, dst=dst)
+
+    def __repr__(self) -> str:
+        return f"ParallelModel({type(self.module).__name__}, {self.mesh!r}, {'simulated' if self.simulated else 'real ranks'})"
+
+
+def _tensors_only(out: Any) -> Any:
+    """A model output without its non-tensor entries (a KV cache object cannot leave a vmap)."""
+    if isinstance(out, Mapping):
+        kept = {k: v for k, v in out.items() if isinstance(v, (Tensor, tuple, list))}
+        try:
+            return type(out)(**kept)
+        except TypeError:
+            return kept
+    return out
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(keyword arguments holding tensors: vmapped over ranks, the rest: passed to every rank)."""
+    has_tensor = {k: any(isinstance(t, Tensor) for t in pytree.tree_leaves(v)) for k, v in kwargs.items()}
+    return {k: v for k, v in kwargs.items() if has_tensor[k]}, {k: v for k, v in kwargs.items() if not has_tensor[k]}
+
+
+# ============================================================================ parallelize
+PlanValue = Style | Sequence[Style]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    ps, ns = pattern.split("."), name.split(".")
+    return len(ps) == len(ns) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(ps, ns))
+
+
+def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | None = None) -> ParallelModel:
+    """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a :class:`ParallelModel`.
+
+    Args:
+        model: the single-device model (e.g. a Hugging Face ``LlamaForCausalLM``), holding the
+            weights to shard. Its modules are swapped in place; parameter names do not change.
+        mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
+            mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
+        plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
+            the ready-made plan for the model's ``config.model_type`` (:func:`fastdist.nn.plans.plan_for`).
+
+    Raises :class:`ParallelizeError` for a pattern that matches no module, a style applied to
+    a module it cannot handle, or a head/feature count that does not split over the axis.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    >>> ref = mlp(x := torch.randn(3, 4))
+    >>> pm = fd.nn.parallelize(mlp, mesh, {"0": fd.nn.ColwiseParallel(input="replicated"), "2": fd.nn.RowwiseParallel()})
+    >>> tuple(mlp[0].weight.shape)                   # stacked: [rank, out/2, in]
+    (2, 4, 4)
+    >>> out = pm(x.expand(2, 3, 4))                  # every rank's output
+    >>> bool(torch.allclose(out[1], ref, atol=1e-6))
+    True
+    """
+    if plan is None:
+        from .plans import plan_for
+
+        plan = plan_for(model, mesh)
+    ctx = _Context(mesh)
+    used = dict.fromkeys(plan, False)
+    for name, module in list(model.named_modules()):
+        for pattern, value in plan.items():
+            if not _matches(pattern, name):
+                continue
+            used[pattern] = True
+            for style in (value,) if isinstance(value, Style) else value:
+                if not isinstance(style, Style):
+                    raise ParallelizeError(f"parallelize: plan[{pattern!r}] holds {style!r}, not a fastdist.nn style")
+                module = style.apply(module, name, ctx)
+            if name:
+                parent, _, child = name.rpartition(".")
+                _swap(model.get_submodule(parent), child, module)
+    if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
+        from .loss import causal_lm_loss
+
+        # transformers' causal-LM models compute `labels=` losses through this attribute
+        model.loss_function = functools.partial(causal_lm_loss, mesh=mesh, axis=ctx.sharded_logits)
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        raise ParallelizeError(f"parallelize: plan patterns {unused} match no module of {type(model).__name__}. Fix: check the names "
+                               f"in model.named_modules(), e.g. {[n for n, _ in model.named_modules()][1:6]}")
+    # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
+    if mesh.backend is None:
+        done = {id(v) for v in ctx.converted.values()}
+        for mod_name, mod in model.named_modules():
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                if id(p) not in done:
+                    setattr(mod, pname, ctx.param(p, Layout(), f"{mod_name}.{pname}"))
+    return ParallelModel(model, mesh, ctx.pvary)

@@ -1,0 +1,132 @@
+"""Ready-made :func:`fastdist.nn.parallelize` plans for Hugging Face model families.
+
+A plan is a plain dict (module-name pattern -> styles): print it, copy it, edit it. Each
+function here reads the head counts from the model's config and returns the plan for
+tensor parallelism over ``axis``, with Megatron-style sequence parallelism when
+``sequence_parallel`` (norms and residuals on a sequence shard from the first decoder
+layer to the final norm; gathered at each attention/MLP input, reduce-scattered at each
+output).
+
+* :func:`llama`: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+  (q/k/v bias), ``Qwen3ForCausalLM`` (per-head q/k norms), with grouped-query attention
+  (kv heads fewer than ranks are replicated);
+* :func:`gpt2`: ``GPT2LMHeadModel`` (``Conv1D`` weights stored (in, out), fused ``c_attn``
+  split into q/k/v, vocabulary 50257 padded to a multiple of the axis).
+
+The LM head is vocabulary-parallel: ``logits`` are this rank's columns
+``(batch, seq, V_padded / n)`` unless ``gather_logits``; the model's ``loss_function`` is
+set to :func:`fastdist.nn.causal_lm_loss`, so ``model(input_ids, labels=...)`` returns the
+loss of the whole vocabulary (``-100`` labels ignored), as the single-device model does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..mesh import Mesh
+from .parallelize import (
+    ColwiseParallel,
+    GatherSequence,
+    HeadParallelAttention,
+    ParallelizeError,
+    PrepareInput,
+    PvaryParams,
+    RowwiseParallel,
+    SequenceShard,
+    VocabParallel,
+)
+
+__all__ = ["llama", "gpt2", "plan_for"]
+
+Plan = dict[str, Any]
+
+
+def _config(model_or_config: Any) -> Any:
+    return getattr(model_or_config, "config", model_or_config)
+
+
+def _seq(sequence_parallel: bool) -> Any:
+    return "sequence" if sequence_parallel else "replicated"
+
+
+def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False,
+          prefix: str = "model") -> Plan:
+    """The plan for the Llama family (Llama, Mistral, Qwen2, Qwen3) over ``axis``.
+
+    >>> from transformers import LlamaConfig
+    >>> plan = llama(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), sequence_parallel=True)
+    >>> sorted(plan)[:3]
+    ['lm_head', 'model.embed_tokens', 'model.layers.*.input_layernorm']
+    """
+    cfg = _config(model_or_config)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    seq = _seq(sequence_parallel)
+    norms = ("q_norm", "k_norm") if getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe") else ()
+    plan: Plan = {
+        f"{prefix}.embed_tokens": VocabParallel(axis),
+        f"{prefix}.layers.*.self_attn": HeadParallelAttention(
+            heads, kv, head_dim, axis, input=seq, output=seq, norms=norms,
+            attrs=(("num_key_value_groups", lambda hq, hkv, d: hq // hkv),),
+        ),
+        f"{prefix}.layers.*.mlp": PrepareInput(axis, seq),
+        f"{prefix}.layers.*.mlp.gate_proj": ColwiseParallel(axis),
+        f"{prefix}.layers.*.mlp.up_proj": ColwiseParallel(axis),
+        f"{prefix}.layers.*.mlp.down_proj": RowwiseParallel(axis, seq),
+        "lm_head": VocabParallel(axis, input="replicated", gather_output=gather_logits),
+    }
+    if sequence_parallel:
+        plan[f"{prefix}.layers.0"] = SequenceShard(axis)
+        plan[f"{prefix}.layers.*.input_layernorm"] = PvaryParams(axis)
+        plan[f"{prefix}.layers.*.post_attention_layernorm"] = PvaryParams(axis)
+        plan[f"{prefix}.norm"] = GatherSequence(axis)
+    return plan
+
+
+def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False,
+         prefix: str = "transformer") -> Plan:
+    """The plan for GPT-2 over ``axis``: ``Conv1D`` layers, fused ``c_attn``, padded vocabulary.
+
+    >>> from transformers import GPT2Config
+    >>> sorted(gpt2(GPT2Config(n_embd=64, n_head=4)))[:2]
+    ['lm_head', 'transformer.h.*.attn']
+    """
+    cfg = _config(model_or_config)
+    heads, hidden = cfg.n_head, cfg.n_embd
+    seq = _seq(sequence_parallel)
+    plan: Plan = {
+        f"{prefix}.wte": VocabParallel(axis),
+        f"{prefix}.h.*.attn": HeadParallelAttention(
+            heads, heads, hidden // heads, axis, input=seq, output=seq, qkv="c_attn", o="c_proj",
+            attrs=(("split_size", lambda hq, hkv, d: hq * d),),
+        ),
+        f"{prefix}.h.*.mlp": PrepareInput(axis, seq),
+        f"{prefix}.h.*.mlp.c_fc": ColwiseParallel(axis),
+        f"{prefix}.h.*.mlp.c_proj": RowwiseParallel(axis, seq),
+        "lm_head": VocabParallel(axis, input="replicated", gather_output=gather_logits),
+    }
+    if sequence_parallel:
+        plan[f"{prefix}.h.0"] = SequenceShard(axis)
+        plan[f"{prefix}.h.*.ln_1"] = PvaryParams(axis)
+        plan[f"{prefix}.h.*.ln_2"] = PvaryParams(axis)
+        plan[f"{prefix}.ln_f"] = GatherSequence(axis)
+    return plan
+
+
+FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama, "gpt2": gpt2}
+
+
+def plan_for(model: nn.Module, mesh: Mesh, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False) -> Plan:
+    """The ready-made plan for ``model`` (by ``config.model_type``); raises for a family without one."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in FAMILIES:
+        raise ParallelizeError(
+            f"parallelize: no ready-made plan for {type(model).__name__} (model_type {kind!r}); plans exist for {sorted(FAMILIES)}. "
+            "Fix: pass plan= (see fastdist.nn.plans.llama for the shape of one)"
+        )
+    mesh.axis_indices(axis, "parallelize")
+    return FAMILIES[kind](model, axis=axis, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+
