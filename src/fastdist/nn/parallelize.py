@@ -470,6 +470,7 @@ class ParallelModel:
         self.layouts = param_layouts(module)
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
+        self._simulated = simulate(self._simulated_rank, mesh)  # all ranks at once (used on a plain mesh)
 
     @property
     def simulated(self) -> bool:
@@ -500,10 +501,9 @@ class ParallelModel:
             params = dict(self.module.named_parameters()) if self._pvary else {}
             return self._run(params, args, kwargs)
         tensors, rest = _split_kwargs(kwargs)
-        run = functools.partial(self._simulated_rank, rest)
-        return simulate(run, self.mesh)(dict(self.module.named_parameters()), args, tensors)
+        return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
 
-    def _simulated_rank(self, rest: dict[str, Any], params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
+    def _simulated_rank(self, params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any], **rest: Any) -> Any:
         return self._run(params, args, {**rest, **tensors})
 
     # ------------------------------------------------------------------ weights and gradients
@@ -515,7 +515,7 @@ class ParallelModel:
         """Every parameter's gradient as the single-device model would hold it (by name; missing grads skipped).
 
         Ranks holding the same block must agree (``check``): a replicated parameter whose
-        gradient differs across ranks (a missing pvary) raises :class:`~fastdist.ConsistencyError`.
+        gradient differs across ranks (a missing pvary) raises :class:`~fastdist.nn.ReplicaMismatchError`.
         On real ranks a collective: call it on every rank.
         """
         out = {}

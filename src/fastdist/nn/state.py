@@ -30,12 +30,13 @@ import torch
 from torch import Tensor, nn
 
 from ..checking import P, PartitionSpec
-from ..errors import ConsistencyError, MeshError
+from ..errors import FastdistError, MeshError
 from ..mesh import Mesh
 
 __all__ = [
     "Layout",
     "CheckpointError",
+    "ReplicaMismatchError",
     "param_specs",
     "param_layouts",
     "shard_state",
@@ -49,6 +50,10 @@ __all__ = [
 
 SpecLike = Union[PartitionSpec, "Layout"]
 Getter = Callable[[tuple[slice, ...]], Tensor]
+
+
+class ReplicaMismatchError(FastdistError, ValueError):
+    """Ranks that should hold equal copies of a tensor (a replicated parameter, its gradient) differ."""
 
 
 class CheckpointError(MeshError, KeyError):
@@ -188,7 +193,7 @@ class Layout:
         With ``check`` (the default), ranks that hold the same block must agree (to a
         relative ``sqrt(eps)`` of the dtype): a replicated parameter's gradient that differs
         across its holders is a partial sum (a missing ``fastdist.pvary``), or data-parallel
-        replicas not yet averaged; it raises :class:`~fastdist.ConsistencyError` naming the
+        replicas not yet averaged; it raises :class:`ReplicaMismatchError` naming the
         tensor, the ranks and the fix, instead of silently keeping one copy.
         """
         if stacked.dim() == 0 or stacked.shape[0] != mesh.size:
@@ -222,7 +227,7 @@ def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) 
     else:
         ok, diff = bool(torch.equal(a, b)), float("nan")
     if not ok:
-        raise ConsistencyError(
+        raise ReplicaMismatchError(
             f"fastdist.nn.unstack({name}): ranks {ra} and {rb} of {mesh!r} hold the same block but differ (max difference {diff:.3g}). "
             "A replicated parameter whose gradient differs across ranks got only a partial sum: it meets rank-varying data "
             "(a sequence shard, a head shard) without fastdist.pvary, so its gradient is not summed. Fix: pvary it (in a "
@@ -371,7 +376,7 @@ def load_checkpoint(
                 if tuple(shapes[key]) != expect:
                     raise CheckpointError(
                         f"fastdist.nn.load_checkpoint: {key!r} has shape {tuple(shapes[key])} in the checkpoint but the model "
-                        f"expects {expect} (this rank holds {local}). Fix: load the checkpoint of the same config"
+                        f"expects {expect} (each rank holds {local}). Fix: load the checkpoint of the same config"
                     )
                 get = reader(key)
                 if stacked:

@@ -1,0 +1,280 @@
+"""Unmodified Hugging Face models made parallel with fastdist.nn.parallelize, against the same model on one device.
+
+Models are built from small configs with random init (nothing is downloaded), in float64,
+so logits, losses and every parameter gradient must match to 1e-10.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import fastdist as fd
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+VOCAB = 61  # prime: padded to a multiple of every tp size
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def build(family: str, *, kv: int = 2, layers: int = 2, seed: int = 0) -> Any:
+    """A small single-device model of ``family`` in float64, eval mode (no dropout)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=kv, max_position_embeddings=64)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=True))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=5))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8))
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        raise AssertionError(family)
+    return model.to(F64).eval()
+
+
+def batch(seed: int = 1, B: int = 2, S: int = 8) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # padding: ignored by the loss
+    labels[1, -2] = -100
+    return ids, labels
+
+
+def reference_loss(model: Any, ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(logits, loss) on one device; the loss in float64 (HF's own loss upcasts to float32 only)."""
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return logits, loss
+
+
+def rep(t: Tensor, mesh: fd.Mesh) -> Tensor:
+    """A replicated input on every simulated rank: [world, *shape]."""
+    return t.expand(mesh.size, *t.shape)
+
+
+def full_logits(sharded: Tensor, mesh: fd.Mesh, axis: str = "tp") -> Tensor:
+    """The whole vocabulary from rank-stacked vocabulary shards (rank 0's tp group), padding dropped."""
+    return torch.cat([sharded[mesh.rank_of({**{a: 0 for a in mesh.axis_names}, axis: i})] for i in range(mesh.axis_size(axis))], -1)[..., :VOCAB]
+
+
+def run_parallel(family: str, tp: int, sp: bool, kv: int = 2) -> None:
+    ref = build(family, kv=kv)
+    model = copy.deepcopy(ref)
+    ids, labels = batch()
+    ref_logits, ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    mesh = fd.Mesh({"tp": tp})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    torch.testing.assert_close(full_logits(out.logits, mesh), ref_logits.detach(), **TOL)
+    torch.testing.assert_close(out.loss, rep(ref_loss.detach(), mesh), **TOL)  # every rank: the whole loss
+    out.loss.sum().backward()  # each rank's backward of its own loss
+    grads = pm.grads()  # single-device view; replicas checked to agree
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    assert grads.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "family, tp, sp, kv",
+    [
+        ("llama", 2, False, 2),
+        ("llama", 2, True, 2),
+        ("llama", 4, True, 2),  # kv heads < tp: replicated
+        ("llama", 4, False, 1),  # MQA
+        ("mistral", 2, True, 2),
+        ("qwen2", 2, True, 2),  # q/k/v bias
+        ("qwen3", 2, True, 4),  # per-head q/k norms
+        ("gpt2", 2, True, 4),  # Conv1D, fused c_attn, vocabulary 61 padded to 62
+        ("gpt2", 4, False, 4),
+    ],
+)
+def test_parallel_model_matches_one_device(family: str, tp: int, sp: bool, kv: int) -> None:
+    run_parallel(family, tp, sp, kv)
+
+
+def test_dp_x_tp_mesh_with_sequence_parallelism() -> None:
+    """dp x tp: each dp replica runs its own batch; losses and summed gradients equal one device's per batch."""
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    (ids0, lab0), (ids1, lab1) = batch(1), batch(2)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    ids = torch.stack([ids0, ids0, ids1, ids1])  # rank = dp * 2 + tp
+    labels = torch.stack([lab0, lab0, lab1, lab1])
+    out = pm(input_ids=ids, labels=labels)
+    losses = [reference_loss(ref, i, lab)[1] for i, lab in ((ids0, lab0), (ids1, lab1))]
+    torch.testing.assert_close(out.loss, torch.stack([losses[0], losses[0], losses[1], losses[1]]).detach(), **TOL)
+    out.loss.sum().backward()
+    sum(losses).backward()
+    with pytest.raises(fd.nn.ReplicaMismatchError, match="pmean"):  # dp replicas differ until reduced
+        pm.grads()
+    for p in pm.parameters():  # the data-parallel all-reduce
+        p.grad = fd.simulate(lambda g: fd.psum(g, mesh, "dp"), mesh)(p.grad)
+    grads = pm.grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+
+def test_three_adamw_steps_equal_one_device() -> None:
+    ref = build("llama", kv=1)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)  # elementwise: the stacked update is every rank's update
+    for step in range(3):
+        ids, labels = batch(10 + step)
+        loss_ref = reference_loss(ref, ids, labels)[1]
+        loss_ref.backward()
+        loss = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss
+        loss.sum().backward()
+        torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **TOL)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    state = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), **TOL)
+
+
+def test_missing_pvary_is_caught_when_gradients_are_gathered() -> None:
+    """A plan that forgets PvaryParams on sequence-parallel norms: each rank keeps a partial gradient; grads() raises."""
+    model = build("llama")
+    mesh = fd.Mesh({"tp": 2})
+    plan = fd.nn.plans.llama(model, sequence_parallel=True)
+    del plan["model.layers.*.input_layernorm"]
+    pm = fd.nn.parallelize(model, mesh, plan)
+    ids, labels = batch()
+    pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss.sum().backward()
+    with pytest.raises(fd.nn.ReplicaMismatchError, match=r"input_layernorm\.weight\.grad.*ranks 0 and 1.*pvary"):
+        pm.grads()
+    assert "model.layers.0.input_layernorm.weight" in pm.grads(check=False)
+
+
+def test_compiled_parallel_step_is_one_graph_and_equals_eager() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ref = build("llama", layers=1)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    ids, labels = batch()
+
+    def step(ids: Tensor, labels: Tensor) -> Tensor:
+        return pm(input_ids=ids, labels=labels).loss
+
+    eager = step(rep(ids, mesh), rep(labels, mesh))
+    eager.sum().backward()
+    want = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    pm.module.zero_grad(set_to_none=True)
+    got = torch.compile(step, fullgraph=True)(rep(ids, mesh), rep(labels, mesh))
+    got.sum().backward()
+    assert not counters["graph_break"]
+    # Llama's rotary embedding is computed in float32 by design: compiled and eager round it differently
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-7)
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_sharded_logits_and_causal_lm_loss_on_tied_gpt2() -> None:
+    """GPT-2 ties its LM head to the token embedding: one parameter stays, sharded once, with both uses' gradients."""
+    model = build("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    mesh = fd.Mesh({"tp": 4})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.gpt2(model))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert tuple(model.lm_head.weight.shape) == (4, 16, 32)  # [rank, ceil(61 / 4), hidden]
+    assert "lm_head.weight" not in pm.layouts and pm.layouts["transformer.wte.weight"].size == VOCAB
+
+
+# ============================================================================ checkpoints
+def test_load_from_save_pretrained_reads_slices_and_round_trips(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    ref = build("gpt2", seed=3)
+    ref.save_pretrained(tmp_path / "ckpt")
+    model = build("gpt2", seed=4)  # other weights: everything must come from the checkpoint
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.gpt2(model, sequence_parallel=True))
+    pm.load(tmp_path / "ckpt")
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(pm.state_dict()[name], p.detach(), rtol=0, atol=0)
+    ids, labels = batch()
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    torch.testing.assert_close(out.loss[0], reference_loss(ref, ids, labels)[1].detach(), **TOL)
+    pm.save(tmp_path / "back.safetensors")
+    saved = load_file(str(tmp_path / "back.safetensors"))
+    original = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert saved.keys() == original.keys()
+    for key in original:
+        assert torch.equal(saved[key], original[key]), key
+
+
+def test_load_checkpoint_is_strict(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    ref = build("llama", kv=1)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    model = build("llama", kv=1)
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+
+    bad = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(50, 32, dtype=F64)})
+    save_file(bad, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(fd.nn.CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(50, 32\).*expects \(48, 32\) \(each rank holds \(24, 32\)\)"):
+        pm.load(tmp_path / "shape.safetensors")
+    with pytest.raises(fd.nn.CheckpointError, match=r"unexpected keys \['extra\.weight'\]"):
+        pm.load(dict(state, **{"extra.weight": torch.zeros(1)}))
+    missing = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    with pytest.raises(fd.nn.CheckpointError, match=r"missing keys \['lm_head\.weight'\]"):
+        pm.load(missing)
+    pm.load(missing, strict=False)  # explicitly partial
+    renamed = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    pm.load(renamed, rename=lambda k: "backbone." + k[len("model."):] if k.startswith("model.") else k)
+    torch.testing.assert_close(pm.state_dict()["model.norm.weight"], state["model.norm.weight"])
+
+
+# ============================================================================ errors
+def test_plan_errors_name_the_module_and_the_fix() -> None:
+    mesh = fd.Mesh({"tp": 3})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.layers\.0\.self_attn' has 4 query heads.*3 ranks"):
+        fd.nn.parallelize(build("llama"), mesh)
+    with pytest.raises(fd.nn.ParallelizeError, match=r"3 kv heads.*2 ranks"):
+        fd.nn.HeadParallelAttention(6, 3, 8).local_heads(2, "attn")
+    with pytest.raises(fd.nn.ParallelizeError, match=r"match no module.*model\.embed_tokens"):
+        fd.nn.parallelize(build("llama"), fd.Mesh({"tp": 2}), {"model.embed": fd.nn.VocabParallel()})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.norm' is a LlamaRMSNorm; a linear style"):
+        fd.nn.parallelize(build("llama"), fd.Mesh({"tp": 2}), {"model.norm": fd.nn.ColwiseParallel()})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"no ready-made plan for Linear"):
+        fd.nn.parallelize(torch.nn.Linear(2, 2), fd.Mesh({"tp": 2}))
+
+
+def test_no_batching_warning_from_a_simulated_model() -> None:
+    model = build("llama", layers=1)
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh)
+    ids, labels = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss.sum().backward()
+    assert not [w for w in caught if "batching rule" in str(w.message)], [str(w.message)[:120] for w in caught]
