@@ -278,3 +278,19 @@ def test_no_batching_warning_from_a_simulated_model() -> None:
         warnings.simplefilter("always")
         pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss.sum().backward()
     assert not [w for w in caught if "batching rule" in str(w.message)], [str(w.message)[:120] for w in caught]
+
+
+# ============================================================================ real processes
+@pytest.mark.parametrize("family, world, sp", [("llama", 4, True), ("gpt2", 2, False)])
+def test_parallel_training_on_gloo_from_save_pretrained(tmp_path: Any, family: str, world: int, sp: bool) -> None:
+    """Each gloo rank reads its slices of a save_pretrained checkpoint, trains 3 AdamW steps, matches one device; rank 0 saves."""
+    from safetensors import safe_open
+
+    from fastdist.testing import run_on_gloo
+    from tests.hf_worker import parallel_training_on_gloo
+
+    ref = build(family, kv=2)  # llama on 4 ranks: 2 kv heads, replicated
+    ref.save_pretrained(tmp_path)
+    assert run_on_gloo(parallel_training_on_gloo, world, family, str(tmp_path), sp, 3, timeout=300) == ["ok"] * world
+    with safe_open(str(tmp_path / "trained.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(ref.state_dict()) - ({"lm_head.weight"} if family == "gpt2" else set())
