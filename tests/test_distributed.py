@@ -107,6 +107,17 @@ def test_torchrun_example() -> None:
     assert "tp_mlp on Mesh({'dp': 2, 'tp': 2}): loss of dp replica 0" in proc.stdout and "max grad diff over ranks" in proc.stdout
 
 
+def test_torchrun_hf_llama_example() -> None:
+    pytest.importorskip("transformers")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "hf_llama.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "hf_llama on Mesh({'dp': 1, 'tp': 2}): max loss diff" in proc.stdout and ": OK" in proc.stdout
+
+
 # ============================================================================ in-process units
 @pytest.mark.parametrize("device, npu, want", [("cpu", None, "gloo"), ("cuda", None, "nccl"), ("npu", True, "hccl")])
 def test_select_backend(device: str, npu: bool | None, want: str) -> None:
