@@ -19,6 +19,7 @@ __all__ = [
     "ConsistencyError",
     "LibraryError",
     "LibraryNotFoundError",
+    "TargetError",
 ]
 
 
@@ -95,3 +96,38 @@ class LibraryNotFoundError(LibraryError):
         self.kind, self.tried, self.fix = kind, list(tried), fix
         looked = "".join(f"\n  {i}. {t}" for i, t in enumerate(self.tried, 1))
         super().__init__(f"fastdist: no {kind.upper()} library found. Looked, in order:{looked}\nFix: {fix}")
+
+
+class TargetError(FastdistError, ValueError):
+    """A loss got class ids (targets, labels) outside the vocabulary that are not ``ignore_index``.
+
+    Raised when the data is seen: eagerly, or when a compiled step runs (then possibly
+    wrapped by torch.compile's own exception, whose message contains this one).
+
+    Attributes:
+        op: the loss, e.g. ``"cross_entropy"``.
+        axis: the mesh axis the vocabulary is split over.
+        rank: the (lowest) global rank holding a bad target.
+        simulated: whether that rank is simulated (:func:`fastdist.simulate`) or this process.
+        bad: the distinct bad values on that rank, sorted (the message shows the first five).
+        count: how many targets are bad on that rank.
+        total: how many targets that rank holds.
+        vocab_size: valid class ids are ``[0, vocab_size)``.
+        ignore_index: the value that marks a target to skip.
+        other_ranks: further simulated ranks holding bad targets.
+    """
+
+    def __init__(self, op: str, axis: object, rank: int, simulated: bool, bad: Sequence[int], count: int, total: int, vocab_size: int,
+                 ignore_index: int, other_ranks: Sequence[int] = ()) -> None:
+        self.op, self.axis, self.rank, self.simulated = op, axis, rank, simulated
+        self.bad, self.count, self.total = list(bad), count, total
+        self.vocab_size, self.ignore_index, self.other_ranks = vocab_size, ignore_index, list(other_ranks)
+        where = "simulated rank" if simulated else "rank"
+        shown = ", ".join(map(str, self.bad[:5])) + (", ..." if len(self.bad) > 5 else "")
+        also = f" (also on {where}s {self.other_ranks})" if self.other_ranks else ""
+        super().__init__(
+            f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} targets are out of range, bad values [{shown}]{also}; "
+            f"valid targets are class ids in [0, {vocab_size}) or ignore_index={ignore_index} (a token to skip). "
+            f"Fix: check the labels against the vocabulary (vocab_size={vocab_size}: pass vocab_size= when the logits' "
+            "vocabulary is padded), or mark the tokens to skip with ignore_index"
+        )

@@ -26,7 +26,7 @@ True
 
 from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from .layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .loss import vocab_parallel_cross_entropy
+from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
 from .state import load_sharded, param_specs, shard_state, stack_state, unstack
 
 __all__ = [
@@ -35,6 +35,8 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
+    "cross_entropy",
+    "causal_lm_loss",
     "local_attention",
     "UlyssesAttention",
     "RingAttention",

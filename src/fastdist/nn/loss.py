@@ -1,28 +1,233 @@
-"""Losses over a vocabulary split across ranks."""
+"""Losses over a vocabulary split across ranks.
+
+:func:`cross_entropy` is ``torch.nn.functional.cross_entropy`` for logits whose last
+dimension (the vocabulary) is split evenly over a mesh axis: rank ``i`` along the axis
+holds columns ``[i * V_local, (i + 1) * V_local)``. No rank ever holds the whole
+vocabulary; per token, one ``pmax`` (a shift for stability, no gradient) and one ``psum``
+(of the local sum of exponentials and the target's logit) cross the axis.
+:func:`causal_lm_loss` is the vocabulary-parallel twin of transformers' ``ForCausalLMLoss``.
+
+Targets are checked: a class id that is neither ``ignore_index`` nor in ``[0, vocab_size)``
+raises :class:`fastdist.errors.TargetError` (``F.cross_entropy`` would index out of range or
+silently compute garbage on a split vocabulary). The check reads the data, so it is the
+custom op ``fastdist::check_targets``, which works in eager mode on real ranks, inside
+:func:`fastdist.simulate` (its vmap rule checks every simulated rank's targets at once and
+names the rank) and under ``torch.compile(fullgraph=True)`` (an opaque op with a fake rule:
+no graph break; it raises when the compiled step runs). On an accelerator the check costs
+one device-to-host synchronisation per call.
+"""
 
 from __future__ import annotations
+
+import ast
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from ..collectives import axis_index, pmax, psum
-from ..mesh import Mesh
+from ..errors import CollectiveError, TargetError
+from ..mesh import AxisName, Mesh
+from ..simulate import rank_binding
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["causal_lm_loss", "cross_entropy", "vocab_parallel_cross_entropy"]
+
+Reduction = Literal["none", "mean", "sum"]
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, mesh: Mesh, axis: str = "tp") -> Tensor:
+# ----------------------------------------------------------------------------- the target check
+@torch.library.custom_op("fastdist::check_targets", mutates_args=())
+def _check_targets(target: Tensor, rank: Tensor, vocab_size: int, ignore_index: int, op: str, axis: str, simulated: bool) -> Tensor:
+    """A copy of ``target``; raises :class:`TargetError` if an entry is neither ``ignore_index`` nor in ``[0, vocab_size)``.
+
+    ``rank`` (broadcastable to ``target``) is the global rank holding each entry, for the message;
+    ``axis`` is the ``repr`` of the mesh axis (a schema has no type for a name or a tuple of names).
+    Callers use the returned copy, so a compiler cannot drop the check as dead code.
+    """
+    bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
+    if bool(bad.any()):
+        t, b = target.detach().cpu(), bad.cpu()
+        ranks = rank.detach().cpu().expand(t.shape)
+        first = int(ranks[b].min())
+        here = ranks == first
+        values = sorted(set(t[b & here].tolist()))
+        others = sorted(set(ranks[b].tolist()) - {first})
+        raise TargetError(op, ast.literal_eval(axis), first, simulated, values, int((b & here).sum()), int(here.sum()), vocab_size, ignore_index, others)
+    return target.clone()
+
+
+@_check_targets.register_fake
+def _check_targets_fake(target: Tensor, rank: Tensor, vocab_size: int, ignore_index: int, op: str, axis: str, simulated: bool) -> Tensor:
+    return torch.empty_like(target)
+
+
+@_check_targets.register_vmap
+def _check_targets_vmap(info: Any, in_dims: tuple[int | None, ...], target: Tensor, rank: Tensor, *params: Any) -> tuple[Tensor, int]:
+    # Check every entry of the stacked target at once: move the vmapped dim to the front and give
+    # each entry its rank (a simulated rank id is vmapped like the target, or the target is
+    # replicated and only the rank id is). An outer vmap is handled by the op's next rule.
+    tb, rb = in_dims[0], in_dims[1]
+    n = info.batch_size
+    t = target.movedim(tb, 0) if tb is not None else target.unsqueeze(0).expand(n, *target.shape)
+    r = rank.movedim(rb, 0) if rb is not None else rank.unsqueeze(0).expand(n, *rank.shape)
+    r = r.reshape(n, *([1] * (t.dim() - r.dim())), *r.shape[1:]).expand(t.shape)  # rank broadcasts to the target per entry
+    return _check_targets(t, r, *params), 0
+
+
+def _checked_targets(op: str, target: Tensor, mesh: Mesh, axis: AxisName, vocab_size: int, ignore_index: int) -> Tensor:
+    """``target`` through ``fastdist::check_targets`` with this rank's global rank id."""
+    if mesh._comm is not None and not mesh._bindings:  # real ranks (simulate takes precedence)
+        rank, simulated = torch.tensor(mesh.rank, device=target.device), False
+    else:
+        binding = rank_binding(op, mesh)  # raises on a multi-rank mesh that is not simulated
+        rank = binding.rank if binding is not None else torch.zeros((), dtype=torch.long, device=target.device)
+        simulated = binding is not None
+    return torch.ops.fastdist.check_targets(target, rank, vocab_size, ignore_index, op, repr(axis), simulated)  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- the loss
+def _token_losses(op: str, logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName, ignore_index: int, vocab_size: int | None) -> tuple[Tensor, Tensor]:
+    """Per-token loss (0 where ignored) in the compute dtype, and the mask of counted tokens."""
+    if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
+        raise CollectiveError(op, axis, f"logits and target must be tensors, got {type(logits).__name__} and {type(target).__name__}", "pass tensors")
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+    if logits.dim() == 0 or logits.shape[-1] == 0 or not logits.is_floating_point():
+        raise CollectiveError(op, axis, f"logits must be a floating tensor (..., V_local) with V_local > 0, got {logits.dtype} of shape {tuple(logits.shape)}",
+                              "pass this rank's vocabulary columns as the last dim")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise CollectiveError(op, axis, f"target must hold integer class ids, got {target.dtype}", "pass class ids (target.long()); class probabilities are not supported")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise CollectiveError(op, axis, f"target has shape {tuple(target.shape)}, logits {tuple(logits.shape)}: target must be logits.shape[:-1]",
+                              "pass one class id per row of logits")
+    n_local = logits.shape[-1]
+    n_cols = n_local * mesh.axis_size(axis)
+    vocab = n_cols if vocab_size is None else vocab_size
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= n_cols:
+        raise CollectiveError(op, axis, f"vocab_size={vocab_size!r} must be an int in [1, {n_cols}] (V_local={n_local} columns on each of {n_cols // n_local} ranks)",
+                              "pass the real vocabulary size, at most the padded one")
+    target = _checked_targets(op, target, mesh, axis, vocab, ignore_index)
+
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # low precision computes in float32
+    start = axis_index(mesh, axis) * n_local  # this rank's first global column
+    if vocab < n_cols:  # padding columns get no probability and no gradient
+        x = x.masked_fill(start + torch.arange(n_local, device=x.device) >= vocab, float("-inf"))
+    top = pmax(x.detach().amax(-1), mesh, axis)  # (...): a shift for stability, no gradient needed
+    shifted = x - top.unsqueeze(-1)
+    mine = (target >= start) & (target < start + n_local)  # the target's column is on this rank
+    picked = shifted.gather(-1, torch.where(mine, target - start, 0).unsqueeze(-1)).squeeze(-1)
+    sums = psum(torch.stack([shifted.exp().sum(-1), torch.where(mine, picked, 0.0)]), mesh, axis)  # one collective for both
+    counted = target != ignore_index
+    return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
+
+
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    mesh: Mesh,
+    axis: AxisName = "tp",
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    vocab_size: int | None = None,
+) -> Tensor:
+    """``F.cross_entropy(full_logits, target, ignore_index=, reduction=)`` with the vocabulary split over ``axis``.
+
+    ``logits``: (..., V_local), this rank's columns ``[i*V_local, (i+1)*V_local)`` (``i`` =
+    :func:`fastdist.axis_index` along ``axis``); ``target``: (...) global class ids, the same on
+    every rank of the axis. ``vocab_size``: the real vocabulary when it was padded to
+    ``V_local * n``; the padding columns get no probability and no gradient, whatever they hold.
+
+    Returns, replicated over ``axis``: the loss per token (``reduction="none"``, 0 where the
+    target is ``ignore_index``), their sum (``"sum"``) or their mean over the tokens not ignored
+    (``"mean"``: NaN when all are ignored, as ``F.cross_entropy``). float16/bfloat16 logits
+    compute, and return, in float32; float32/float64 stay as they are.
+
+    Raises :class:`~fastdist.errors.TargetError` for a target neither ``ignore_index`` nor in
+    ``[0, vocab_size)``, when the data is seen (eagerly, or when a compiled step runs).
+
+    Gradient: (softmax - one-hot) on this rank's columns, scaled by the reduction; zero into
+    padding columns and from ignored tokens.
+
+    >>> import torch, torch.nn.functional as F, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> full, target = torch.randn(3, 6, dtype=torch.float64), torch.tensor([5, -100, 0])
+    >>> shards = torch.stack(full.chunk(2, dim=-1))  # rank r holds columns [3r, 3r + 3)
+    >>> loss = fd.simulate(lambda lg: fd.nn.cross_entropy(lg, target, mesh, "tp"), mesh)(shards)
+    >>> bool(torch.allclose(loss, F.cross_entropy(full, target).expand(2)))
+    True
+    """
+    if reduction not in ("none", "mean", "sum"):
+        raise CollectiveError("cross_entropy", axis, f"reduction={reduction!r} is not one of 'none', 'mean', 'sum'", "pass one of them")
+    loss, counted = _token_losses("cross_entropy", logits, target, mesh, axis, ignore_index, vocab_size)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / counted.sum()
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName = "tp") -> Tensor:
     """Per-token cross entropy of logits whose vocabulary (last dim) is split over ``axis``.
 
     ``logits``: (..., vocab/n), this rank's columns; ``target``: (...) global ids, replicated.
-    Returns the loss per token, replicated. No rank ever holds the whole vocabulary.
+    Returns the loss per token, replicated; a target of -100 is ignored (loss 0) and any other
+    id outside the vocabulary raises :class:`~fastdist.errors.TargetError`. The same as
+    ``cross_entropy(logits, target, mesh, axis, reduction="none")``.
     Gradient: softmax minus one-hot, on this rank's columns.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> logits = torch.zeros(2, 1, 2)  # rank r's two columns of a uniform 4-way vocabulary
+    >>> fd.simulate(lambda lg: fd.nn.vocab_parallel_cross_entropy(lg, torch.tensor([3]), mesh), mesh)(logits)
+    tensor([[1.3863],
+            [1.3863]])
     """
-    n_local = logits.shape[-1]
-    top = pmax(logits.detach().amax(-1), mesh, axis)  # (...): a shift for stability, no gradient needed
-    shifted = logits - top.unsqueeze(-1)
-    log_total = psum(shifted.exp().sum(-1), mesh, axis).log()  # log sum over the whole vocabulary
-    start = axis_index(mesh, axis) * n_local
-    mine = (target >= start) & (target < start + n_local)
-    picked = shifted.gather(-1, torch.where(mine, target - start, 0).unsqueeze(-1)).squeeze(-1)
-    return log_total - psum(torch.where(mine, picked, 0.0), mesh, axis)
+    return _token_losses("vocab_parallel_cross_entropy", logits, target, mesh, axis, -100, None)[0]
+
+
+def causal_lm_loss(
+    logits: Tensor,
+    labels: Tensor | None,
+    mesh: Mesh,
+    axis: AxisName = "tp",
+    *,
+    vocab_size: int | None = None,
+    num_items_in_batch: Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """transformers' ``ForCausalLMLoss`` with the vocabulary split over ``axis``.
+
+    ``logits``: (batch, seq, V_local), this rank's vocabulary columns; ``labels``: (batch, seq)
+    token ids, replicated. Token ``t`` predicts label ``t + 1`` (labels are shifted left and
+    padded with ``ignore_index``), unless ``shift_labels`` (already shifted, same shape) is
+    given. Returns the summed loss over the tokens not ignored divided by
+    ``num_items_in_batch`` when given, else their mean (a 0-d tensor, replicated).
+    ``vocab_size`` is the real vocabulary (``config.vocab_size``) when the columns were padded.
+    Extra keyword arguments are ignored, so ``functools.partial(causal_lm_loss, mesh=mesh,
+    axis="tp")`` can be a model's ``loss_function``. Unlike ``ForCausalLMLoss``, which always
+    upcasts to float32, float64 logits stay float64 (float16/bfloat16 compute in float32).
+    Gradient: that of :func:`cross_entropy` with ``reduction="sum"``, divided likewise.
+
+    >>> import torch, torch.nn.functional as F, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> full, labels = torch.randn(1, 4, 6), torch.tensor([[1, 4, -100, 2]])
+    >>> shards = torch.stack(full.chunk(2, dim=-1))
+    >>> loss = fd.simulate(lambda lg: fd.nn.causal_lm_loss(lg, labels, mesh, "tp"), mesh)(shards)
+    >>> ref = F.cross_entropy(full[0, :-1], labels[0, 1:])  # position t predicts label t + 1
+    >>> bool(torch.allclose(loss, ref.expand(2)))
+    True
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise CollectiveError("causal_lm_loss", axis, "labels and shift_labels are both None", "pass labels (or shift_labels, already shifted)")
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # tokens < n predict n
+    shift_labels = shift_labels.to(logits.device)
+    loss, counted = _token_losses("causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size)
+    if num_items_in_batch is None:
+        return loss.sum() / counted.sum()
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss.sum() / num_items_in_batch
