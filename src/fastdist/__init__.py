@@ -56,6 +56,7 @@ from .errors import (
     LibraryNotFoundError,
     MeshError,
     NoBackendError,
+    TargetError,
 )
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
 from .simulate import simulate
@@ -124,4 +125,5 @@ __all__ = [
     "LibraryError",
     "LibraryNotFoundError",
     "ReplicationError",
+    "TargetError",
 ]

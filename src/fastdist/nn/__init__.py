@@ -27,7 +27,35 @@ True
 from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from .layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
-from .state import load_sharded, param_specs, shard_state, stack_state, unstack
+from .parallelize import (
+    ColwiseParallel,
+    GatherSequence,
+    HeadParallelAttention,
+    ParallelizeError,
+    ParallelModel,
+    PrepareInput,
+    PvaryParams,
+    RowwiseParallel,
+    SequenceShard,
+    Style,
+    VocabParallel,
+    parallelize,
+)
+from .state import (
+    CheckpointError,
+    Layout,
+    ReplicaMismatchError,
+    full_state_dict,
+    load_checkpoint,
+    load_sharded,
+    param_layouts,
+    param_specs,
+    save_checkpoint,
+    shard_state,
+    stack_state,
+    unstack,
+)
+from . import plans  # noqa: E402
 
 __all__ = [
     "ColumnParallelLinear",
@@ -46,4 +74,24 @@ __all__ = [
     "stack_state",
     "unstack",
     "load_sharded",
+    "load_checkpoint",
+    "save_checkpoint",
+    "full_state_dict",
+    "param_layouts",
+    "Layout",
+    "CheckpointError",
+    "ReplicaMismatchError",
+    "parallelize",
+    "ParallelModel",
+    "ParallelizeError",
+    "Style",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "VocabParallel",
+    "SequenceShard",
+    "GatherSequence",
+    "PrepareInput",
+    "PvaryParams",
+    "HeadParallelAttention",
+    "plans",
 ]
