@@ -154,6 +154,24 @@ def _vocab_check(mesh: fd.Mesh, seed: int) -> None:
     assert_matches_single_device(par, ref, mesh, [w, head], in_specs=(P("tp", None), P("tp", None)), out_specs=P())
 
 
+@pytest.mark.parametrize("tp, V", [(2, 5), (4, 7), (3, 3)])
+def test_vocab_parallel_embedding_pads_an_indivisible_vocabulary_and_skips_padding_idx(tp: int, V: int) -> None:
+    mesh, D = fd.Mesh({"tp": tp}), 3
+    full = torch.nn.Embedding(V, D, padding_idx=1, dtype=F64)
+    ids = torch.tensor([[0, 1, V - 1, 1, 2 % V]])
+    emb = fd.nn.VocabParallelEmbedding(V, D, mesh, "tp", padding_idx=1, dtype=F64)
+    layout = fd.nn.param_layouts(emb)["weight"]
+    w = fd.nn.stack_state(full.state_dict(), {"weight": layout}, mesh)["weight"].requires_grad_()  # [tp, ceil(V/tp), D]
+    assert w.shape == (tp, -(-V // tp), D)
+    out = fd.simulate(lambda w, ids: torch.func.functional_call(emb, {"weight": w}, (ids,)), mesh)(w, ids.expand(tp, *ids.shape))
+    want = full(ids)
+    torch.testing.assert_close(out, want.expand(tp, *want.shape).detach())
+    (out * torch.arange(D, dtype=F64)).sum().backward()  # every rank's loss: the same replicated value
+    (want * torch.arange(D, dtype=F64)).sum().backward()
+    assert full.weight.grad[1].abs().max() == 0  # nn.Embedding: no gradient into padding_idx
+    torch.testing.assert_close(fd.nn.unstack(w.grad, layout, mesh), full.weight.grad)
+
+
 # ============================================================================ attention
 def _qkv(B: int, S: int, H: int, D: int, seed: int) -> list[Tensor]:
     g = torch.Generator().manual_seed(seed)

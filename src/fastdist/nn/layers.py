@@ -14,6 +14,7 @@ from ..checking import P, PartitionSpec
 from ..collectives import all_gather, all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
 from ..errors import MeshError
 from ..mesh import Mesh
+from .state import Layout
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -184,23 +185,29 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary rows split over ``axis``; ids replicated, output replicated.
 
-    Each rank looks up the ids in its row range (zeros elsewhere) and the results are summed.
-    Parameter: ``weight`` (num_embeddings/n, dim).
+    Each rank looks up the ids in its row range (zeros elsewhere) and the results are summed
+    (psum; backward identity). A vocabulary that does not divide by the axis size (GPT-2's
+    50257) is padded with zero rows at the end: ``weight`` is (ceil(num_embeddings/n), dim) and
+    the padding belongs to the last ranks (:class:`fastdist.nn.Layout` with ``size``).
+    ``padding_idx`` gets no gradient, as in ``nn.Embedding``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh: Mesh, axis: str = "tp", *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh: Mesh, axis: str = "tp", *, padding_idx: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.mesh, self.axis = mesh, axis
-        self.local_rows = _local(num_embeddings, mesh.axis_size(axis), "num_embeddings", axis)
+        self.mesh, self.axis, self.num_embeddings, self.padding_idx = mesh, axis, num_embeddings, padding_idx
+        self.local_rows = -(-num_embeddings // mesh.axis_size(axis))  # ceil: padded to a multiple of the axis
         self.weight = nn.Parameter(torch.randn(self.local_rows, embedding_dim, dtype=dtype))
 
-    def param_specs(self) -> dict[str, PartitionSpec]:
-        return {"weight": P(self.axis, None)}
+    def param_layouts(self) -> dict[str, Layout]:
+        return {"weight": Layout(P(self.axis, None), size=self.num_embeddings)}
 
     def forward(self, ids: Tensor) -> Tensor:
         start = axis_index(self.mesh, self.axis) * self.local_rows
         mine = (ids >= start) & (ids < start + self.local_rows)  # ids in my row range
-        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight)  # (..., dim)
-        return psum(rows * mine.unsqueeze(-1), self.mesh, self.axis)
+        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)  # (..., dim)
+        if self.padding_idx is not None:
+            rows = torch.where((ids == self.padding_idx).unsqueeze(-1), rows.detach(), rows)  # no gradient into the padding row
+        return psum(rows, self.mesh, self.axis)
 
 

@@ -38,7 +38,7 @@ from ..collectives import all_gather_invariant, axis_index, local_chunk, psum, p
 from ..errors import MeshError
 from ..mesh import Mesh
 from ..simulate import simulate
-from .layers import _column_input, _linear
+from .layers import VocabParallelEmbedding, _column_input, _linear
 from .state import Layout, full_state_dict, load_checkpoint, param_layouts, save_checkpoint
 
 __all__ = [
@@ -232,30 +232,6 @@ class RowwiseParallel(Style):
 
 
 # ============================================================================ vocabulary
-class _VocabEmbedding(nn.Module):
-    """An embedding whose rows (the vocabulary, padded to a multiple of the axis) are split over ``axis``.
-
-    Each rank looks up the ids in its row range (zeros elsewhere) and the results are summed
-    (psum: backward identity). ``padding_idx`` gets no gradient, as in ``nn.Embedding``.
-    """
-
-    def __init__(self, weight: nn.Parameter, mesh: Mesh, axis: str, layout: Layout, padding_idx: int | None) -> None:
-        super().__init__()
-        self.weight, self.mesh, self.axis, self._layout, self.padding_idx = weight, mesh, axis, layout, padding_idx
-
-    def param_layouts(self) -> dict[str, Layout]:
-        return {"weight": self._layout}
-
-    def forward(self, ids: Tensor) -> Tensor:
-        rows = self.weight.shape[-2]  # local rows (the stacked rank dim, if any, is vmapped away)
-        start = axis_index(self.mesh, self.axis) * rows
-        mine = (ids >= start) & (ids < start + rows)  # ids in my row range
-        out = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)  # (..., dim)
-        if self.padding_idx is not None:
-            out = torch.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)  # no gradient into the padding row
-        return psum(out, self.mesh, self.axis)
-
-
 @dataclass(frozen=True)
 class VocabParallel(Style):
     """The vocabulary over ``axis``: an ``nn.Embedding`` (rows) or an LM head ``nn.Linear`` (output features).
@@ -274,8 +250,9 @@ class VocabParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            layout = Layout(P(self.axis, None), size=module.num_embeddings)
-            return _VocabEmbedding(ctx.param(module.weight, layout, f"{name}.weight"), ctx.mesh, self.axis, layout, module.padding_idx)  # type: ignore[arg-type]
+            emb = VocabParallelEmbedding(module.num_embeddings, 0, ctx.mesh, self.axis, padding_idx=module.padding_idx)  # weight set below
+            emb.weight = ctx.param(module.weight, emb.param_layouts()["weight"], f"{name}.weight")  # type: ignore[assignment]
+            return emb
         if not self.gather_output:
             ctx.sharded_logits = self.axis
         return ColwiseParallel(self.axis, input=self.input, pad=True, gather_output=self.gather_output, seq_dim=self.seq_dim).apply(module, name, ctx)
