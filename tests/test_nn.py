@@ -154,6 +154,29 @@ def _vocab_check(mesh: fd.Mesh, seed: int) -> None:
     assert_matches_single_device(par, ref, mesh, [w, head], in_specs=(P("tp", None), P("tp", None)), out_specs=P())
 
 
+def test_merged_projections_take_checkpoint_names_and_load_hf_keys() -> None:
+    """names= gives q_proj/k_proj/v_proj; a checkpoint with the projections one level up loads with rename=."""
+    mesh = fd.Mesh({"tp": 2})
+    full = {name: torch.nn.Linear(4, out, dtype=F64) for name, out in (("q_proj", 4), ("k_proj", 2), ("v_proj", 2))}
+    ckpt = {f"self_attn.{n}.{p}": t for n, lin in full.items() for p, t in lin.state_dict().items()}  # HF layout
+    model = torch.nn.Module()
+    model.self_attn = torch.nn.Module()
+    model.self_attn.qkv = fd.nn.MergedColumnParallelLinear(4, (4, 2, 2), mesh, "tp", names=("q_proj", "k_proj", "v_proj"), dtype=F64)
+    assert [n for n, _ in model.named_parameters()][:2] == ["self_attn.qkv.q_proj.weight", "self_attn.qkv.q_proj.bias"]
+    for p in model.parameters():  # a simulated mesh holds every rank's shard stacked
+        p.data = p.data.expand(2, *p.shape).clone()
+    fd.nn.load_checkpoint(model, ckpt, mesh, rename=lambda k: k.replace(".qkv.", "."))
+    x = torch.randn(3, 4, dtype=F64)
+    params = dict(model.named_parameters())
+    outs = fd.simulate(lambda p, x: torch.func.functional_call(model.self_attn.qkv, {k.split("qkv.")[1]: v for k, v in p.items()}, (x,)), mesh)(params, x.expand(2, 3, 4))
+    for got, lin in zip(outs, full.values()):
+        torch.testing.assert_close(torch.cat(list(got), -1), lin(x).detach())  # rank r: columns r of each projection
+    with pytest.raises(fd.nn.CheckpointError, match="missing keys"):
+        fd.nn.load_checkpoint(model, ckpt, mesh)  # without the rename nothing matches
+    with pytest.raises(fd.MeshError, match="names"):
+        fd.nn.MergedColumnParallelLinear(4, (4, 2), mesh, "tp", names=("q", "q"))
+
+
 @pytest.mark.parametrize("tp, V", [(2, 5), (4, 7), (3, 3)])
 def test_vocab_parallel_embedding_pads_an_indivisible_vocabulary_and_skips_padding_idx(tp: int, V: int) -> None:
     mesh, D = fd.Mesh({"tp": tp}), 3

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -95,10 +95,13 @@ class MergedColumnParallelLinear(nn.Module):
     differ (grouped-query attention: ``(D, D_kv, D_kv)``).
 
     Returns a tuple with one output per projection (this rank's features, or all of them
-    with ``gather_output``). Parameters: ``<i>.weight`` (out_i/n, in) and ``<i>.bias``
-    (out_i/n,), held by one :class:`ColumnParallelLinear` per projection (``layer[i]``):
-    the names of an ``nn.ModuleList`` of ``nn.Linear``, so a single-device model with
-    ``self.qkv = nn.ModuleList([...])`` loads name for name.
+    with ``gather_output``). Parameters: ``<name>.weight`` (out_i/n, in) and ``<name>.bias``
+    (out_i/n,), held by one :class:`ColumnParallelLinear` per projection (``layer[i]``).
+    ``names`` gives the projections the names checkpoints use, e.g.
+    ``("q_proj", "k_proj", "v_proj")`` or ``("gate_proj", "up_proj")``; by default they are
+    ``"0"``, ``"1"``, ... (an ``nn.ModuleList``'s names). A checkpoint whose projections sit
+    one level up (HF's ``self_attn.q_proj.weight`` for the model's ``self_attn.qkv.q_proj.weight``)
+    loads with ``fastdist.nn.load_checkpoint(..., rename=lambda k: k.replace(".qkv.", "."))``.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
@@ -114,19 +117,24 @@ class MergedColumnParallelLinear(nn.Module):
     def __init__(
         self, in_features: int, out_features: tuple[int, ...] | list[int], mesh: Mesh, axis: str = "tp", *, bias: bool = True,
         gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if not out_features:
             raise MeshError("MergedColumnParallelLinear: out_features is empty. Fix: give one output size per projection, e.g. (D, D, D)")
+        names = [str(i) for i in range(len(out_features))] if names is None else list(names)
+        if len(names) != len(out_features) or len(set(names)) != len(names) or not all(n.isidentifier() or n.isdigit() for n in names):
+            raise MeshError(f"MergedColumnParallelLinear: names {names} must be {len(out_features)} distinct module names, one per "
+                            f"entry of out_features {tuple(out_features)}. Fix: e.g. names=('q_proj', 'k_proj', 'v_proj')")
         self.mesh, self.axis, self.sequence_parallel, self.seq_dim = mesh, axis, sequence_parallel, seq_dim
-        for i, out in enumerate(out_features):  # children "0", "1", ...: an nn.ModuleList's parameter names
-            self.add_module(str(i), ColumnParallelLinear(in_features, out, mesh, axis, bias=bias, gather_output=gather_output, dtype=dtype))
+        for name, out in zip(names, out_features):
+            self.add_module(name, ColumnParallelLinear(in_features, out, mesh, axis, bias=bias, gather_output=gather_output, dtype=dtype))
 
     def __len__(self) -> int:
         return len(self._modules)
 
     def __getitem__(self, i: int) -> ColumnParallelLinear:
-        return cast(ColumnParallelLinear, self._modules[str(i % len(self))])
+        return cast(ColumnParallelLinear, list(self._modules.values())[i % len(self)])
 
     def __iter__(self) -> Iterator[ColumnParallelLinear]:
         return (self[i] for i in range(len(self)))
