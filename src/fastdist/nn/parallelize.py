@@ -7,17 +7,17 @@ gets its heads split, a decoder layer's input is cut to a sequence shard. Module
 swapped in place and keep their parameter names (a checkpoint of the single-device
 model loads name for name), and the weights the model already holds are sharded.
 
-The result, a :class:`ParallelModel`, runs the same way on both kinds of mesh:
+The result, a `ParallelModel`, runs the same way on both kinds of mesh:
 
 * a plain (simulated) mesh: every parameter holds every rank's shard stacked on a
   leading rank dim (``[world, *local]``), and calling the model runs all ranks at once
-  through :func:`fastdist.simulate` (tensor arguments carry the rank dim too);
+  through `fastdist.simulate` (tensor arguments carry the rank dim too);
 * a mesh from ``Mesh.from_torch``: every parameter holds this rank's shard, and calling
   the model runs this rank's part.
 
 Patterns match dotted module names segment by segment (``fnmatch`` per segment, so
 ``"model.layers.*.mlp"`` matches ``model.layers.3.mlp`` and nothing deeper). Every
-pattern must match at least one module. Ready-made plans: :mod:`fastdist.nn.plans`.
+pattern must match at least one module. Ready-made plans: `fastdist.nn.plans`.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, 
 class ColwiseParallel(Style):
     """Split a linear layer's output features over ``axis`` (Megatron's column parallel).
 
-    ``input``: how the layer prepares its input (see :class:`ParallelLinear`); ``None`` when
-    the parent already did (:class:`PrepareInput`, shared by q/k/v or gate/up).
+    ``input``: how the layer prepares its input (see `ParallelLinear`); ``None`` when
+    the parent already did (`PrepareInput`, shared by q/k/v or gate/up).
     ``parts``: fused projections side by side (GPT-2's ``c_attn``: q, k, v), each split on
     its own. ``pad``: pad the output features to a multiple of the axis size (a vocabulary).
     ``gather_output``: all-gather the outputs (padding dropped).
@@ -238,7 +238,7 @@ class VocabParallel(Style):
 
     The vocabulary is padded with zero rows to a multiple of the axis size (GPT-2's 50257).
     An LM head gives this rank's logits ``(..., V_padded / n)`` (padding columns are 0; losses
-    take ``vocab_size`` to mask them: :func:`fastdist.nn.cross_entropy`), or with
+    take ``vocab_size`` to mask them: `fastdist.nn.cross_entropy`), or with
     ``gather_output`` the whole vocabulary ``(..., V)``. ``input``: how the head prepares its input.
     A head tied to the embedding stays tied (one parameter, both uses' gradients).
     """
@@ -434,7 +434,7 @@ def _swap(parent: nn.Module, child: str, new: nn.Module) -> None:
 
 # ============================================================================ the model
 class ParallelModel:
-    """A model after :func:`parallelize`: call it like the model; move weights and gradients back.
+    """A model after `parallelize`: call it like the model; move weights and gradients back.
 
     Attributes:
         module: the model itself, modified in place (its parameters hold shards).
@@ -492,7 +492,7 @@ class ParallelModel:
         """Every parameter's gradient as the single-device model would hold it (by name; missing grads skipped).
 
         Ranks holding the same block must agree (``check``): a replicated parameter whose
-        gradient differs across ranks (a missing pvary) raises :class:`~fastdist.nn.ReplicaMismatchError`.
+        gradient differs across ranks (a missing pvary) raises `fastdist.nn.ReplicaMismatchError`.
         On real ranks a collective: call it on every rank.
         """
         out = {}
@@ -506,11 +506,11 @@ class ParallelModel:
         return out
 
     def load(self, source: Any, *, strict: bool = True, rename: Any = None) -> None:
-        """Load a single-device checkpoint (safetensors file or directory, or a state dict): see :func:`fastdist.nn.load_checkpoint`."""
+        """Load a single-device checkpoint (safetensors file or directory, or a state dict): see `fastdist.nn.load_checkpoint`."""
         load_checkpoint(self.module, source, self.mesh, strict=strict, rename=rename)
 
     def save(self, path: Any, *, dst: int = 0) -> dict[str, Tensor]:
-        """Write the single-device weights as one safetensors file (rank ``dst``): see :func:`fastdist.nn.save_checkpoint`."""
+        """Write the single-device weights as one safetensors file (rank ``dst``): see `fastdist.nn.save_checkpoint`."""
         return save_checkpoint(self.module, path, self.mesh, dst=dst)
 
     def __repr__(self) -> str:
@@ -544,7 +544,7 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | None = None) -> ParallelModel:
-    """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a :class:`ParallelModel`.
+    """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a `ParallelModel`.
 
     Args:
         model: the single-device model (e.g. a Hugging Face ``LlamaForCausalLM``), holding the
@@ -552,9 +552,9 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
         mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
             mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
-            the ready-made plan for the model's ``config.model_type`` (:func:`fastdist.nn.plans.plan_for`).
+            the ready-made plan for the model's ``config.model_type`` (`fastdist.nn.plans.plan_for`).
 
-    Raises :class:`ParallelizeError` for a pattern that matches no module, a style applied to
+    Raises `ParallelizeError` for a pattern that matches no module, a style applied to
     a module it cannot handle, or a head/feature count that does not split over the axis.
 
     >>> import torch, fastdist as fd

@@ -1,4 +1,4 @@
-"""Ready-made :func:`fastdist.nn.parallelize` plans for Hugging Face model families.
+"""Ready-made `fastdist.nn.parallelize` plans for Hugging Face model families.
 
 A plan is a plain dict (module-name pattern -> styles): print it, copy it, edit it. Each
 function here reads the head counts from the model's config and returns the plan for
@@ -7,15 +7,15 @@ tensor parallelism over ``axis``, with Megatron-style sequence parallelism when
 layer to the final norm; gathered at each attention/MLP input, reduce-scattered at each
 output).
 
-* :func:`llama`: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+* `llama`: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
   (q/k/v bias), ``Qwen3ForCausalLM`` (per-head q/k norms), with grouped-query attention
   (kv heads fewer than ranks are replicated);
-* :func:`gpt2`: ``GPT2LMHeadModel`` (``Conv1D`` weights stored (in, out), fused ``c_attn``
+* `gpt2`: ``GPT2LMHeadModel`` (``Conv1D`` weights stored (in, out), fused ``c_attn``
   split into q/k/v, vocabulary 50257 padded to a multiple of the axis).
 
 The LM head is vocabulary-parallel: ``logits`` are this rank's columns
 ``(batch, seq, V_padded / n)`` unless ``gather_logits``; the model's ``loss_function`` is
-set to :func:`fastdist.nn.causal_lm_loss`, so ``model(input_ids, labels=...)`` returns the
+set to `fastdist.nn.causal_lm_loss`, so ``model(input_ids, labels=...)`` returns the
 loss of the whole vocabulary (``-100`` labels ignored), as the single-device model does.
 """
 

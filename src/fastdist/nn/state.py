@@ -1,6 +1,6 @@
 """Moving weights between the single-device view and per-rank shards.
 
-A :class:`Layout` says how one single-device tensor is split over the ranks of a mesh:
+A `Layout` says how one single-device tensor is split over the ranks of a mesh:
 a ``PartitionSpec``, plus the two cases real checkpoints need that a block split cannot
 express: **fused parts** (GPT-2's ``c_attn`` holds q, k and v side by side; each part is
 split on its own, so rank ``i`` holds ``[q_i | k_i | v_i]``) and **padding** (a vocabulary
@@ -8,10 +8,10 @@ of 50257 rows split over 4 ranks: padded with zero rows to 50260, 12565 per rank
 
 Every move goes through one function per direction:
 
-* :meth:`Layout.read` reads one rank's block through a slicing callback, so a rank reads
+* `Layout.read` reads one rank's block through a slicing callback, so a rank reads
   only its own bytes of a ``safetensors`` file (``safe_open(...).get_slice``) or of an
   in-memory tensor;
-* :meth:`Layout.join` assembles the single-device tensor from every rank's block, and
+* `Layout.join` assembles the single-device tensor from every rank's block, and
   checks that ranks holding the same block agree (a replicated parameter's gradient that
   differs across its holders means a missing ``pvary``: it raises instead of picking one).
 """
@@ -135,7 +135,7 @@ class Layout:
         return tuple(out)
 
     def full_shape(self, local_shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
-        """The single-device shape whose blocks have ``local_shape`` (inverse of :meth:`local_shape`)."""
+        """The single-device shape whose blocks have ``local_shape`` (inverse of `local_shape`)."""
         out = list(local_shape)
         for d in range(len(self.spec.dims)):
             out[d] = local_shape[d] * self._n(mesh, d)
@@ -193,7 +193,7 @@ class Layout:
         With ``check`` (the default), ranks that hold the same block must agree (to a
         relative ``sqrt(eps)`` of the dtype): a replicated parameter's gradient that differs
         across its holders is a partial sum (a missing ``fastdist.pvary``), or data-parallel
-        replicas not yet averaged; it raises :class:`ReplicaMismatchError` naming the
+        replicas not yet averaged; it raises `ReplicaMismatchError` naming the
         tensor, the ranks and the fix, instead of silently keeping one copy.
         """
         if stacked.dim() == 0 or stacked.shape[0] != mesh.size:
@@ -247,7 +247,7 @@ def param_specs(module: nn.Module) -> dict[str, PartitionSpec]:
 
 
 def param_layouts(module: nn.Module) -> dict[str, Layout]:
-    """:class:`Layout` of every parameter of ``module`` by dotted name.
+    """`Layout` of every parameter of ``module`` by dotted name.
 
     A submodule says how its own parameters split with ``param_layouts()`` (a dict of
     Layout) or ``param_specs()`` (a dict of PartitionSpec); anything else is replicated.
@@ -274,16 +274,16 @@ def shard_state(full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh:
 
 
 def stack_state(full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh) -> dict[str, Tensor]:
-    """Every rank's shard stacked on a leading rank dim ``[world, *local]``, for :func:`fastdist.simulate`."""
+    """Every rank's shard stacked on a leading rank dim ``[world, *local]``, for `fastdist.simulate`."""
     per_rank = [shard_state(full, specs, mesh, r) for r in range(mesh.size)]
     return {name: torch.stack([p[name] for p in per_rank]) for name in specs}
 
 
 def unstack(stacked: Tensor, spec: SpecLike, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
-    """The single-device tensor from stacked shards (inverse of :func:`stack_state` for one tensor).
+    """The single-device tensor from stacked shards (inverse of `stack_state` for one tensor).
 
     Shards are joined along their dims. Ranks holding the same block must agree unless
-    ``check=False`` (see :meth:`Layout.join`): a forgotten ``pvary`` raises here.
+    ``check=False`` (see `Layout.join`): a forgotten ``pvary`` raises here.
     """
     return _as_layout(spec).join(stacked, mesh, check=check, name=name)
 
@@ -336,16 +336,16 @@ def load_checkpoint(
 
     Args:
         module: a module with per-rank parameters (``fastdist.nn`` layers, or a model after
-            :func:`fastdist.nn.parallelize`); its parameters' local shapes and layouts say what to read.
+            `fastdist.nn.parallelize`); its parameters' local shapes and layouts say what to read.
         source: a ``.safetensors`` file, a ``save_pretrained`` directory (one file or an index
             of several), or a single-device state dict. Files are read with ``safe_open(...).get_slice``:
             only this rank's bytes.
         mesh: the mesh the module was built for.
         rank: whose shard to load. Default: ``mesh.rank`` on real ranks; on a simulated mesh, the
-            module holds every rank's shard stacked (``[world, *local]``, as :func:`fastdist.nn.parallelize`
+            module holds every rank's shard stacked (``[world, *local]``, as `fastdist.nn.parallelize`
             leaves it) and every rank is read.
         strict: like ``load_state_dict``: a missing key, an unexpected key or a shape that does not
-            match raises :class:`CheckpointError` naming the key and both shapes. ``False`` skips missing and
+            match raises `CheckpointError` naming the key and both shapes. ``False`` skips missing and
             unexpected keys (shapes are always checked).
         rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose merged
             projection is named differently from the checkpoint.
@@ -388,7 +388,7 @@ def load_checkpoint(
 def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, strict: bool = True) -> None:
     """Copy this process's shard of a single-device state dict into ``module`` (a mesh from ``Mesh.from_torch``).
 
-    Strict like ``load_state_dict``: see :func:`load_checkpoint`.
+    Strict like ``load_state_dict``: see `load_checkpoint`.
     """
     load_checkpoint(module, full, mesh, rank=mesh.rank, strict=strict)
 
@@ -399,7 +399,7 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     On a simulated mesh the module holds stacked shards (``[world, *local]``); on real
     ranks every rank all-gathers every parameter (a collective: call it on every rank) and
     every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
-    (``check``; see :meth:`Layout.join`).
+    (``check``; see `Layout.join`).
     """
     from ..collectives import all_gather_invariant
 
