@@ -26,7 +26,7 @@ import fnmatch
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -171,8 +171,8 @@ def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, 
     if isinstance(module, nn.Linear):
         return module.weight, module.bias, False, module.in_features, module.out_features
     if _is_conv1d(module):
-        w = module.weight
-        return w, getattr(module, "bias", None), True, int(w.shape[0]), int(w.shape[1])
+        w, b = cast(Tensor, module.weight), cast("Tensor | None", getattr(module, "bias", None))
+        return w, b, True, int(w.shape[0]), int(w.shape[1])
     raise ParallelizeError(f"parallelize: {name!r} is a {type(module).__name__}; a linear style needs nn.Linear or transformers' Conv1D")
 
 
@@ -337,8 +337,8 @@ class _ReplicatedHeads(nn.Module):
         head = axis_index(self.mesh, self.axis) // (n // self.heads)  # () my kv head
         w = pvary(self.weight, self.mesh, self.axis)
         w = w.t() if self.transposed else w  # (heads * head_dim, in)
-        w = w.unflatten(0, (self.heads, -1))[head]  # (head_dim, in)
-        b = pvary(self.bias, self.mesh, self.axis).unflatten(0, (self.heads, -1))[head] if self.bias is not None else None  # (head_dim,)
+        w = w.reshape(self.heads, -1, w.shape[-1])[head]  # (heads, head_dim, in) -> (head_dim, in)
+        b = pvary(self.bias, self.mesh, self.axis).reshape(self.heads, -1)[head] if self.bias is not None else None  # (head_dim,)
         return F.linear(x, w, b)  # (..., head_dim)
 
 
@@ -460,13 +460,11 @@ class ParallelModel:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters()
 
-    def _run(self, params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(self, params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One rank's call: parameters that meet rank-varying data are pvary'd first."""
-        if self._pvary:
-            params = {n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p for n, p in params.items()}
-            out = torch.func.functional_call(self.module, params, args, kwargs)
-        elif self.simulated:
-            out = torch.func.functional_call(self.module, params, args, kwargs)
+        if self._pvary or self.simulated:
+            swapped = {n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p for n, p in params.items()}
+            out = torch.func.functional_call(self.module, swapped, args, kwargs)
         else:
             out = self.module(*args, **kwargs)
         return _tensors_only(out)
@@ -590,7 +588,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
         from .loss import causal_lm_loss
 
         # transformers' causal-LM models compute `labels=` losses through this attribute
-        model.loss_function = functools.partial(causal_lm_loss, mesh=mesh, axis=ctx.sharded_logits)
+        setattr(model, "loss_function", functools.partial(causal_lm_loss, mesh=mesh, axis=ctx.sharded_logits))
     unused = [p for p, hit in used.items() if not hit]
     if unused:
         raise ParallelizeError(f"parallelize: plan patterns {unused} match no module of {type(model).__name__}. Fix: check the names "

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -170,16 +170,17 @@ class Layout:
             if self.size is None:
                 blocks.append(get(slices))
                 continue
-            d, s = self.dim, slices[self.dim]  # type: ignore[index]
-            real = slice(min(s.start, self.size), min(s.stop, self.size))
-            got = get(slices[:d] + (real,) + slices[d + 1 :]) if real.stop > real.start else None  # type: ignore[index, operator]
+            d = cast(int, self.dim)
+            s = slices[d]
+            real = slice(min(s.start, self.size), min(s.stop, self.size))  # the rows that exist in the single-device tensor
+            got = get(slices[:d] + (real,) + slices[d + 1 :]) if real.stop > real.start else None
             pad = (s.stop - s.start) - (real.stop - real.start)
             if got is None or pad:
-                ref = got if got is not None else get(slices[:d] + (slice(0, 1),) + slices[d + 1 :])  # type: ignore[index, operator]
+                ref = got if got is not None else get(slices[:d] + (slice(0, 1),) + slices[d + 1 :])  # dtype and other dims
                 shape = list(ref.shape)
-                shape[d] = pad  # type: ignore[index]
+                shape[d] = pad
                 zeros = ref.new_zeros(shape)
-                got = zeros if got is None else torch.cat([got, zeros], dim=d)  # type: ignore[arg-type]
+                got = zeros if got is None else torch.cat([got, zeros], dim=d)
             blocks.append(got)
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=self.dim)  # type: ignore[arg-type]
 
@@ -311,7 +312,7 @@ def _open_source(source: str | os.PathLike[str] | Mapping[str, Tensor]) -> Itera
             files = {"": single}
     else:
         files = {"": path}
-    handles = {f: safe_open(f, framework="pt") for f in set(files.values())}  # type: ignore[no-untyped-call]
+    handles: dict[str, Any] = {f: safe_open(f, framework="pt") for f in set(files.values())}
     try:
         where = {k: h for h in handles.values() for k in h.keys()} if "" in files else {k: handles[f] for k, f in files.items()}
         shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in where.items()}
