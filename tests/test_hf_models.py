@@ -132,6 +132,25 @@ def test_dp_x_tp_mesh_with_sequence_parallelism() -> None:
         torch.testing.assert_close(grads[name], p.grad, **TOL)
 
 
+def test_attention_mask_and_training_mode_on_simulated_ranks() -> None:
+    """A padding mask works (the same on every rank: passed unbatched); one that differs across ranks raises."""
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    pm = fd.nn.parallelize(model, fd.Mesh({"dp": 2, "tp": 2}), fd.nn.plans.llama(model, sequence_parallel=True))
+    ids, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    model.train()  # Llama has no dropout by default: training mode changes nothing
+    got = pm(input_ids=rep(ids, pm.mesh), attention_mask=rep(mask, pm.mesh)).logits
+    torch.testing.assert_close(full_logits(got, pm.mesh), want.detach(), **TOL)
+    other = torch.stack([mask, mask, torch.ones_like(mask), torch.ones_like(mask)])  # dp replicas with other masks
+    with pytest.raises(fd.nn.ParallelizeError, match=r"differ.*attention_mask.*Fix"):
+        pm(input_ids=rep(ids, pm.mesh), attention_mask=other)
+    with pytest.raises(fd.CollectiveError, match=r"local_chunk.*size 7, not divisible by the axis size 2"):
+        pm(input_ids=rep(ids[:, :7], pm.mesh))  # sequence parallelism needs a sequence divisible by tp
+
+
 def test_three_adamw_steps_equal_one_device() -> None:
     ref = build("llama", kv=1)
     model = copy.deepcopy(ref)

@@ -476,7 +476,23 @@ class ParallelModel:
             params = dict(self.module.named_parameters()) if self._pvary else {}
             return self._run(params, args, kwargs)
         tensors, rest = _split_kwargs(kwargs)
-        return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
+        if not torch.compiler.is_compiling():
+            # An input every rank holds the same (a TP group's attention mask) goes to every rank
+            # unbatched: the same values, and model code may branch on it (transformers' mask
+            # helpers do), which a tensor batched over simulated ranks cannot.
+            for k in [k for k, v in tensors.items() if _same_on_every_rank(v, self.mesh.size)]:
+                rest[k] = tensors.pop(k)[0]
+        try:
+            return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
+        except RuntimeError as e:
+            if "data-dependent control flow" not in str(e):
+                raise
+            raise ParallelizeError(
+                f"{type(self.module).__name__} on simulated ranks: the model branches on the values of an input that differs across "
+                f"ranks ({sorted(tensors)} differ; e.g. transformers' mask helpers inspect attention_mask), which a simulation "
+                "running every rank at once cannot do. Fix: give every rank the same such input (it is then passed unbatched), "
+                "pass a 4-D float mask, or run on real ranks"
+            ) from e
 
     def _simulated_rank(self, params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any], **rest: Any) -> Any:
         return self._run(params, args, {**rest, **tensors})
@@ -524,6 +540,11 @@ def _tensors_only(out: Any) -> Any:
         except TypeError:
             return kept
     return out
+
+
+def _same_on_every_rank(v: Any, world: int) -> bool:
+    """A tensor without gradient whose ``world`` slices along dim 0 are all equal."""
+    return isinstance(v, Tensor) and not v.requires_grad and v.dim() > 0 and v.shape[0] == world and torch.equal(v, v[:1].expand_as(v))
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
