@@ -273,6 +273,30 @@ def test_load_checkpoint_is_strict(tmp_path: Any) -> None:
     torch.testing.assert_close(pm.state_dict()["model.norm.weight"], state["model.norm.weight"])
 
 
+def test_buffers_load_and_gather_whole_and_meta_models_are_refused() -> None:
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 6)
+            self.register_buffer("scale", torch.tensor([2.0, 3.0]))  # persistent: in the state dict
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x) * self.scale[0]
+
+    model, mesh = Scaled(), fd.Mesh({"tp": 2})
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = fd.nn.parallelize(model, mesh, {"lin": fd.nn.ColwiseParallel(input="replicated", gather_output=True)})
+    assert {k: torch.equal(v, state[k]) for k, v in pm.state_dict().items()} == {"lin.weight": True, "lin.bias": True, "scale": True}
+    pm.load({**state, "scale": torch.tensor([5.0, 6.0])})
+    assert model.scale.tolist() == [5.0, 6.0]  # a buffer: whole, no rank dim
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(pm(x.expand(2, 3, 4))[1], torch.nn.functional.linear(x, state["lin.weight"], state["lin.bias"]) * 5.0)
+    with torch.device("meta"):
+        meta = Scaled()
+    with pytest.raises(fd.nn.ParallelizeError, match="meta device"):
+        fd.nn.parallelize(meta, mesh, {"lin": fd.nn.ColwiseParallel()})
+
+
 # ============================================================================ errors
 def test_plan_errors_name_the_module_and_the_fix() -> None:
     mesh = fd.Mesh({"tp": 3})

@@ -587,6 +587,10 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
     >>> bool(torch.allclose(out[1], ref, atol=1e-6))
     True
     """
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ParallelizeError(f"parallelize: {type(model).__name__} has parameters on the meta device ({meta[:3]}...); there are no "
+                               "weights to shard. Fix: build the model with real tensors (meta-device construction is not supported yet)")
     if plan is None:
         from .plans import plan_for
 

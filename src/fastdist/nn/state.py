@@ -321,11 +321,14 @@ def _open_source(source: str | os.PathLike[str] | Mapping[str, Tensor]) -> Itera
         handles.clear()
 
 
-def _named_tensors(module: nn.Module) -> dict[str, Tensor]:
-    """Parameters and persistent buffers by state-dict name (tied parameters once)."""
-    out: dict[str, Tensor] = dict(module.named_parameters())
+def _named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
+    """Parameters and persistent buffers by state-dict name (tied parameters once), each with "is a parameter".
+
+    Buffers are never sharded nor stacked over simulated ranks: every rank holds them whole.
+    """
+    out: dict[str, tuple[Tensor, bool]] = {n: (p, True) for n, p in module.named_parameters()}
     keys = set(module.state_dict(keep_vars=True))
-    out.update({n: b for n, b in module.named_buffers() if n in keys})
+    out.update({n: (b, False) for n, b in module.named_buffers() if n in keys})
     return out
 
 
@@ -371,8 +374,14 @@ def load_checkpoint(
             for key, name in wanted.items():
                 if key not in shapes:
                     continue
-                t, layout = tensors[name], layouts.get(name, Layout())
-                local = tuple(t.shape[1:]) if stacked else tuple(t.shape)
+                (t, is_param), layout = tensors[name], layouts.get(name, Layout())
+                if t.is_meta:
+                    raise CheckpointError(
+                        f"fastdist.nn.load_checkpoint: {name!r} is on the meta device, so there is nothing to load into. "
+                        "Fix: build the model with real tensors (loading from meta-device construction is not supported yet)"
+                    )
+                per_rank = stacked and is_param  # simulated: parameters hold every rank's shard; buffers are whole
+                local = tuple(t.shape[1:]) if per_rank else tuple(t.shape)
                 expect = layout.full_shape(local, mesh)
                 if tuple(shapes[key]) != expect:
                     raise CheckpointError(
@@ -380,10 +389,10 @@ def load_checkpoint(
                         f"expects {expect} (each rank holds {local}). Fix: load the checkpoint of the same config"
                     )
                 get = reader(key)
-                if stacked:
+                if per_rank:
                     t.copy_(torch.stack([layout.read(get, expect, mesh, r, key) for r in range(mesh.size)]))
                 else:
-                    t.copy_(layout.read(get, expect, mesh, rank, key))  # type: ignore[arg-type]
+                    t.copy_(layout.read(get, expect, mesh, rank or 0, key))
 
 
 def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, strict: bool = True) -> None:
@@ -406,8 +415,11 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
 
     layouts = param_layouts(module)
     out = {}
-    for name, t in _named_tensors(module).items():
+    for name, (t, is_param) in _named_tensors(module).items():
         t = t.detach()
+        if not is_param:
+            out[name] = t.clone()  # buffers: whole on every rank
+            continue
         if mesh.backend is not None:
             t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)  # [world, *local], rank order
         out[name] = layouts.get(name, Layout()).join(t, mesh, check=check, name=name)
