@@ -57,8 +57,8 @@ def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = F
 
     >>> from transformers import LlamaConfig
     >>> plan = llama(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), sequence_parallel=True)
-    >>> sorted(plan)[:3]
-    ['lm_head', 'model.embed_tokens', 'model.layers.*.input_layernorm']
+    >>> print(*sorted(plan)[:3])
+    lm_head model.embed_tokens model.layers.*.input_layernorm
     """
     cfg = _config(model_or_config)
     heads = cfg.num_attention_heads
@@ -91,8 +91,8 @@ def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = Fa
     """The plan for GPT-2 over ``axis``: ``Conv1D`` layers, fused ``c_attn``, padded vocabulary.
 
     >>> from transformers import GPT2Config
-    >>> sorted(gpt2(GPT2Config(n_embd=64, n_head=4)))[:2]
-    ['lm_head', 'transformer.h.*.attn']
+    >>> print(*sorted(gpt2(GPT2Config(n_embd=64, n_head=4)))[:2])
+    lm_head transformer.h.*.attn
     """
     cfg = _config(model_or_config)
     heads, hidden = cfg.n_head, cfg.n_embd
