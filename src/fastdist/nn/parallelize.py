@@ -259,8 +259,23 @@ class VocabParallel(Style):
 
 
 # ============================================================================ regions
+class _InputHook(Style):
+    """A style that transforms the module's input hidden states with one collective (a forward pre-hook)."""
+
+    axis: str
+    seq_dim: int
+
+    def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
+        raise NotImplementedError
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        mesh = ctx.mesh
+        module.register_forward_pre_hook(_hidden_hook(lambda x: self.prepare(x, mesh)), with_kwargs=True)
+        return module
+
+
 @dataclass(frozen=True)
-class SequenceShard(Style):
+class SequenceShard(_InputHook):
     """Cut the module's input hidden states to this rank's sequence shard (forward: slice; backward: all-gather).
 
     Megatron-style sequence parallelism starts here (the first decoder layer): the model
@@ -270,14 +285,12 @@ class SequenceShard(Style):
     axis: str = "tp"
     seq_dim: int = 1
 
-    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
-        mesh, axis, dim = ctx.mesh, self.axis, self.seq_dim
-        module.register_forward_pre_hook(_hidden_hook(lambda x: local_chunk(x, mesh, axis, dim=dim)), with_kwargs=True)
-        return module
+    def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
+        return local_chunk(x, mesh, self.axis, dim=self.seq_dim)
 
 
 @dataclass(frozen=True)
-class GatherSequence(Style):
+class GatherSequence(_InputHook):
     """Gather the module's input hidden states from the sequence shards (forward: all-gather;
     backward: this rank's slice): the end of a sequence-parallel region. The module then runs
     on the whole, replicated sequence (e.g. the final norm before a view by the whole length)."""
@@ -285,14 +298,12 @@ class GatherSequence(Style):
     axis: str = "tp"
     seq_dim: int = 1
 
-    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
-        mesh, axis, dim = ctx.mesh, self.axis, self.seq_dim
-        module.register_forward_pre_hook(_hidden_hook(lambda x: all_gather_invariant(x, mesh, axis, dim=dim)), with_kwargs=True)
-        return module
+    def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
+        return all_gather_invariant(x, mesh, self.axis, dim=self.seq_dim)
 
 
 @dataclass(frozen=True)
-class PrepareInput(Style):
+class PrepareInput(_InputHook):
     """The input collective of the column-parallel layers inside the module, run once for all of them.
 
     ``"replicated"``: ``pvary`` (backward all-reduces dx); ``"sequence"``: all-gather of the
@@ -303,10 +314,8 @@ class PrepareInput(Style):
     kind: Literal["replicated", "sequence"] = "replicated"
     seq_dim: int = 1
 
-    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
-        mesh, axis, seq, dim = ctx.mesh, self.axis, self.kind == "sequence", self.seq_dim
-        module.register_forward_pre_hook(_hidden_hook(lambda x: _column_input(x, mesh, axis, seq, dim)), with_kwargs=True)
-        return module
+    def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
+        return _column_input(x, mesh, self.axis, self.kind == "sequence", self.seq_dim)
 
 
 @dataclass(frozen=True)

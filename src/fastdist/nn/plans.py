@@ -51,6 +51,13 @@ def _seq(sequence_parallel: bool) -> Any:
     return "sequence" if sequence_parallel else "replicated"
 
 
+def _sequence_region(axis: str, layers: str, norms: tuple[str, ...], final_norm: str) -> Plan:
+    """Megatron-style sequence parallelism from the first decoder layer's input to the final norm's input."""
+    region: Plan = {f"{layers}.0": SequenceShard(axis), final_norm: GatherSequence(axis)}
+    region.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in norms})  # norms on a sequence shard
+    return region
+
+
 def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False,
           prefix: str = "model") -> Plan:
     """The plan for the Llama family (Llama, Mistral, Qwen2, Qwen3) over ``axis``.
@@ -79,10 +86,7 @@ def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = F
         "lm_head": VocabParallel(axis, input="replicated", gather_output=gather_logits),
     }
     if sequence_parallel:
-        plan[f"{prefix}.layers.0"] = SequenceShard(axis)
-        plan[f"{prefix}.layers.*.input_layernorm"] = PvaryParams(axis)
-        plan[f"{prefix}.layers.*.post_attention_layernorm"] = PvaryParams(axis)
-        plan[f"{prefix}.norm"] = GatherSequence(axis)
+        plan.update(_sequence_region(axis, f"{prefix}.layers", ("input_layernorm", "post_attention_layernorm"), f"{prefix}.norm"))
     return plan
 
 
@@ -109,10 +113,7 @@ def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = Fa
         "lm_head": VocabParallel(axis, input="replicated", gather_output=gather_logits),
     }
     if sequence_parallel:
-        plan[f"{prefix}.h.0"] = SequenceShard(axis)
-        plan[f"{prefix}.h.*.ln_1"] = PvaryParams(axis)
-        plan[f"{prefix}.h.*.ln_2"] = PvaryParams(axis)
-        plan[f"{prefix}.ln_f"] = GatherSequence(axis)
+        plan.update(_sequence_region(axis, f"{prefix}.h", ("ln_1", "ln_2"), f"{prefix}.ln_f"))
     return plan
 
 
