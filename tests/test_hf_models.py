@@ -147,7 +147,7 @@ def test_attention_mask_and_training_mode_on_simulated_ranks() -> None:
     other = torch.stack([mask, mask, torch.ones_like(mask), torch.ones_like(mask)])  # dp replicas with other masks
     with pytest.raises(fd.nn.ParallelizeError, match=r"differ.*attention_mask.*Fix"):
         pm(input_ids=rep(ids, pm.mesh), attention_mask=other)
-    with pytest.raises(fd.CollectiveError, match=r"local_chunk.*size 7, not divisible by the axis size 2"):
+    with pytest.raises(fd.nn.ParallelizeError, match=r"sequence parallelism over 'tp'.*\(2, 7, 32\).*2 ranks.*Fix: pad"):
         pm(input_ids=rep(ids[:, :7], pm.mesh))  # sequence parallelism needs a sequence divisible by tp
 
 
@@ -241,8 +241,12 @@ def test_load_from_save_pretrained_reads_slices_and_round_trips(tmp_path: Any) -
     ids, labels = batch()
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     torch.testing.assert_close(out.loss[0], reference_loss(ref, ids, labels)[1].detach(), **TOL)
-    pm.save(tmp_path / "back.safetensors")
-    saved = load_file(str(tmp_path / "back.safetensors"))
+    fresh = build("gpt2", seed=5)
+    fresh.load_state_dict(pm.state_dict())  # strict: tied lm_head.weight included, as nn.Module.state_dict gives it
+    pm.load(fresh.state_dict())  # and HF's own state dict (with the tied key) loads back
+    (tmp_path / "back").mkdir()
+    pm.save(tmp_path / "back")  # a directory: model.safetensors in it
+    saved = load_file(str(tmp_path / "back" / "model.safetensors"))
     original = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert saved.keys() == original.keys()
     for key in original:
@@ -310,6 +314,64 @@ def test_plan_errors_name_the_module_and_the_fix() -> None:
         fd.nn.parallelize(build("llama"), fd.Mesh({"tp": 2}), {"model.norm": fd.nn.ColwiseParallel()})
     with pytest.raises(fd.nn.ParallelizeError, match=r"no ready-made plan for Linear"):
         fd.nn.parallelize(torch.nn.Linear(2, 2), fd.Mesh({"tp": 2}))
+
+
+def test_mistakes_raise_before_anything_changes() -> None:
+    """Each found by trying the feature as a new user: a subclass with its own forward, a plan from another config,
+    a style class instead of an instance, parallelizing twice. The model is untouched when a plan is refused."""
+    gemma_cfg = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    gemma = transformers.GemmaForCausalLM(gemma_cfg)  # its embedding scales by sqrt(hidden) in its own forward
+    before = {n: type(m) for n, m in gemma.named_modules()}
+    mesh = fd.Mesh({"tp": 2})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.embed_tokens' is a GemmaTextScaledWordEmbedding.*own forward"):
+        fd.nn.parallelize(gemma, mesh, fd.nn.plans.llama(gemma))
+    assert {n: type(m) for n, m in gemma.named_modules()} == before and gemma.lm_head.weight.dim() == 2  # nothing swapped or sharded
+    model = build("llama")
+    other = copy.deepcopy(model.config)
+    other.num_key_value_heads = 1
+    with pytest.raises(fd.nn.ParallelizeError, match=r"k_proj has 16 output features.*1 kv heads and head_dim 8 say 8"):
+        fd.nn.parallelize(model, mesh, fd.nn.plans.llama(other))
+    with pytest.raises(fd.nn.ParallelizeError, match=r"the class itself: write ColwiseParallel\(\)"):
+        fd.nn.parallelize(model, mesh, {"lm_head": fd.nn.ColwiseParallel})  # type: ignore[dict-item]
+    fd.nn.parallelize(model, mesh)
+    with pytest.raises(fd.nn.ParallelizeError, match="already parallel"):
+        fd.nn.parallelize(model, mesh)
+
+
+def test_bad_inputs_raise_instead_of_computing_something_else() -> None:
+    model = build("llama")
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh)
+    ids, labels = batch()
+    bad = ids.clone()
+    bad[0, 0] = 5000  # nn.Embedding raises IndexError; a vocabulary-parallel lookup would give a zero row
+    with pytest.raises(fd.TargetError, match=r"VocabParallelEmbedding.*token ids are out of range, bad values \[5000\]"):
+        pm(input_ids=rep(bad, mesh))
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'input_ids' differs between ranks 0 and 1, which form one 'tp' group"):
+        pm(input_ids=torch.stack([ids, batch(5)[0]]))  # a data loader keyed on the global rank
+    # transformers' Trainer passes num_items_in_batch as a 0-d tensor: it goes to every rank as is
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh), num_items_in_batch=torch.tensor(5))
+    logits = build("llama")(input_ids=ids).logits
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum") / 5
+    torch.testing.assert_close(out.loss, rep(want.detach(), mesh), **TOL)
+    assert isinstance(pm(input_ids=rep(ids, mesh), return_dict=False)[0], Tensor)  # no KV cache in the tuple
+    # transformers' models call loss_function(logits, labels, vocab_size, ...) by position too
+    sharded = pm(input_ids=rep(ids, mesh)).logits
+    by_position = fd.simulate(lambda lg, lab: model.loss_function(lg, lab, VOCAB), mesh)(sharded, rep(labels, mesh))
+    torch.testing.assert_close(by_position, rep(reference_loss(build("llama"), ids, labels)[1].detach(), mesh), **TOL)
+
+
+def test_training_mode_with_dropout_is_refused() -> None:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64)  # dropout 0.1 by default
+    model = transformers.GPT2LMHeadModel(cfg).to(F64)
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh)
+    ids, _ = batch()
+    with pytest.raises(fd.nn.ParallelizeError, match=r"training mode with dropout \(transformer\.drop.*model\.eval\(\)"):
+        pm(input_ids=rep(ids, mesh))
+    model.eval()
+    assert pm(input_ids=rep(ids, mesh)).logits.shape == (2, 2, 8, 31)
 
 
 def test_no_batching_warning_from_a_simulated_model() -> None:

@@ -98,6 +98,10 @@ class LibraryNotFoundError(LibraryError):
         super().__init__(f"fastdist: no {kind.upper()} library found. Looked, in order:{looked}\nFix: {fix}")
 
 
+#: ``TargetError.ignore_index`` when no value is skipped (token ids of an embedding)
+NO_IGNORE_INDEX = -(2**63)
+
+
 class TargetError(FastdistError, ValueError):
     """A loss got class ids (targets, labels) outside the vocabulary that are not ``ignore_index``.
 
@@ -125,6 +129,13 @@ class TargetError(FastdistError, ValueError):
         where = "simulated rank" if simulated else "rank"
         shown = ", ".join(map(str, self.bad[:5])) + (", ..." if len(self.bad) > 5 else "")
         also = f" (also on {where}s {self.other_ranks})" if self.other_ranks else ""
+        if ignore_index == NO_IGNORE_INDEX:  # token ids of an embedding: nothing to skip
+            super().__init__(
+                f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} token ids are out of range, bad values [{shown}]{also}; "
+                f"valid ids are [0, {vocab_size}). Fix: check the input ids against the vocabulary (a single-device nn.Embedding "
+                "raises IndexError here)"
+            )
+            return
         super().__init__(
             f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} targets are out of range, bad values [{shown}]{also}; "
             f"valid targets are class ids in [0, {vocab_size}) or ignore_index={ignore_index} (a token to skip). "

@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from ..checking import P, PartitionSpec
 from ..collectives import all_gather, all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
-from ..errors import MeshError
+from ..errors import NO_IGNORE_INDEX, MeshError
 from ..mesh import Mesh
+from .loss import _checked_targets
 from .state import Layout
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
@@ -197,7 +198,8 @@ class VocabParallelEmbedding(nn.Module):
     (psum; backward identity). A vocabulary that does not divide by the axis size (GPT-2's
     50257) is padded with zero rows at the end: ``weight`` is (ceil(num_embeddings/n), dim) and
     the padding belongs to the last ranks (:class:`fastdist.nn.Layout` with ``size``).
-    ``padding_idx`` gets no gradient, as in ``nn.Embedding``.
+    ``padding_idx`` gets no gradient, as in ``nn.Embedding``. An id outside ``[0, num_embeddings)``
+    raises :class:`fastdist.TargetError` (``nn.Embedding`` raises ``IndexError``), never a zero row.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh: Mesh, axis: str = "tp", *, padding_idx: int | None = None,
@@ -211,6 +213,7 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": Layout(P(self.axis, None), size=self.num_embeddings)}
 
     def forward(self, ids: Tensor) -> Tensor:
+        ids = _checked_targets("VocabParallelEmbedding", ids, self.mesh, self.axis, self.num_embeddings, NO_IGNORE_INDEX)  # ids < 0 or >= vocab raise
         start = axis_index(self.mesh, self.axis) * self.local_rows
         mine = (ids >= start) & (ids < start + self.local_rows)  # ids in my row range
         rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)  # (..., dim)

@@ -23,7 +23,7 @@ pattern must match at least one module. Ready-made plans: `fastdist.nn.plans`.
 from __future__ import annotations
 
 import fnmatch
-import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -74,6 +74,8 @@ class _Context:
     pvary: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     #: the axis of a vocabulary-parallel LM head that gives sharded logits (the loss must know)
     sharded_logits: str | None = None
+    #: every axis a style split something over
+    axes: list[str] = field(default_factory=list)
 
     def param(self, old: Tensor | None, layout: Layout, where: str) -> nn.Parameter | None:
         """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated mesh)."""
@@ -92,7 +94,14 @@ class _Context:
 
 
 class Style:
-    """How one module becomes parallel. ``apply`` returns the module to put in its place (possibly itself)."""
+    """How one module becomes parallel. ``apply`` returns the module to put in its place (possibly itself).
+
+    ``check`` raises for a module the style cannot handle, changing nothing: ``parallelize``
+    checks every match before it applies any, so a bad plan leaves the model as it was.
+    """
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        pass
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         raise NotImplementedError
@@ -166,9 +175,20 @@ class ParallelLinear(nn.Module):
         return f"{self.kind}, axis={self.axis!r}, weight={tuple(self.weight.shape)}{', transposed' if self.transposed else ''}"
 
 
+def _plain_forward(module: nn.Module, base: type[nn.Module], name: str) -> None:
+    """Refuse a subclass with its own forward (Gemma's scaled embedding): swapping it would drop what that forward adds."""
+    if type(module).forward is not base.forward:
+        raise ParallelizeError(
+            f"parallelize: {name!r} is a {type(module).__name__}, a {base.__name__} subclass with its own forward; the parallel "
+            f"layer would compute a plain {base.__name__} and silently drop what that forward adds (e.g. a scale). "
+            "Fix: wrap the module's extra computation around a plain layer, or write a style for this class"
+        )
+
+
 def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, bool, int, int]:
     """(weight, bias, transposed, in_features, out_features) of an ``nn.Linear`` or ``Conv1D``."""
     if isinstance(module, nn.Linear):
+        _plain_forward(module, nn.Linear, name)
         return module.weight, module.bias, False, module.in_features, module.out_features
     if _is_conv1d(module):
         w, b = cast(Tensor, module.weight), cast("Tensor | None", getattr(module, "bias", None))
@@ -194,15 +214,23 @@ class ColwiseParallel(Style):
     gather_output: bool = False
     seq_dim: int = 1
 
-    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+    def _layouts(self, module: nn.Module, name: str, mesh: Mesh) -> tuple[Tensor, Tensor | None, bool, Layout, Layout, int | None]:
+        """(weight, bias, transposed, weight layout, bias layout, padded size), or raise if the layer does not split."""
         weight, bias, transposed, _, out = _linear_parts(module, name)
         odim = 1 if transposed else 0  # the weight's output dim
         size = out if self.pad else None
-        if not self.pad and not self.parts and out % ctx.mesh.axis_size(self.axis):
-            raise ParallelizeError(f"parallelize: {name!r} has {out} output features, not divisible by the {ctx.mesh.axis_size(self.axis)} "
+        if not self.pad and not self.parts and out % mesh.axis_size(self.axis):
+            raise ParallelizeError(f"parallelize: {name!r} has {out} output features, not divisible by the {mesh.axis_size(self.axis)} "
                                    f"ranks of {self.axis!r}. Fix: ColwiseParallel(pad=True) for a vocabulary, or another tp size")
         wl = Layout(P(*([None] * odim), self.axis), parts=self.parts, size=size)
-        bl = Layout(P(self.axis), parts=self.parts, size=size)
+        wl.local_shape(tuple(weight.shape), mesh, f"{name}.weight")  # fused parts must split too
+        return weight, bias, transposed, wl, Layout(P(self.axis), parts=self.parts, size=size), size
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        self._layouts(module, name, mesh)
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        weight, bias, transposed, wl, bl, size = self._layouts(module, name, ctx.mesh)
         return ParallelLinear(ctx.param(weight, wl, f"{name}.weight"), ctx.param(bias, bl, f"{name}.bias"), ctx.mesh, self.axis,  # type: ignore[arg-type]
                               kind="col", transposed=transposed, layouts={"weight": wl, "bias": bl}, input=self.input,
                               gather_output=self.gather_output, size=size, seq_dim=self.seq_dim)
@@ -220,11 +248,15 @@ class RowwiseParallel(Style):
     output: Literal["replicated", "sequence"] = "replicated"
     seq_dim: int = 1
 
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        _, _, _, inp, _ = _linear_parts(module, name)
+        if inp % mesh.axis_size(self.axis):
+            raise ParallelizeError(f"parallelize: {name!r} has {inp} input features, not divisible by the {mesh.axis_size(self.axis)} "
+                                   f"ranks of {self.axis!r}. Fix: a tp size that divides {inp}")
+
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
-        weight, bias, transposed, inp, _ = _linear_parts(module, name)
-        if inp % ctx.mesh.axis_size(self.axis):
-            raise ParallelizeError(f"parallelize: {name!r} has {inp} input features, not divisible by the {ctx.mesh.axis_size(self.axis)} "
-                                   f"ranks of {self.axis!r}")
+        self.check(module, name, ctx.mesh)
+        weight, bias, transposed, _, _ = _linear_parts(module, name)
         wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
         bl = Layout()
         return ParallelLinear(ctx.param(weight, wl, f"{name}.weight"), ctx.param(bias, bl, f"{name}.bias"), ctx.mesh, self.axis,  # type: ignore[arg-type]
@@ -248,14 +280,26 @@ class VocabParallel(Style):
     gather_output: bool = False
     seq_dim: int = 1
 
+    def _head(self) -> ColwiseParallel:
+        return ColwiseParallel(self.axis, input=self.input, pad=True, gather_output=self.gather_output, seq_dim=self.seq_dim)
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        if not isinstance(module, nn.Embedding):
+            return self._head().check(module, name, mesh)
+        _plain_forward(module, nn.Embedding, name)
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise ParallelizeError(f"parallelize: {name!r} uses max_norm / scale_grad_by_freq / sparse, which the vocabulary-parallel "
+                                   "embedding does not implement")
+
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        self.check(module, name, ctx.mesh)
         if isinstance(module, nn.Embedding):
             emb = VocabParallelEmbedding(module.num_embeddings, 0, ctx.mesh, self.axis, padding_idx=module.padding_idx)  # weight set below
             emb.weight = ctx.param(module.weight, emb.param_layouts()["weight"], f"{name}.weight")  # type: ignore[assignment]
             return emb
         if not self.gather_output:
             ctx.sharded_logits = self.axis
-        return ColwiseParallel(self.axis, input=self.input, pad=True, gather_output=self.gather_output, seq_dim=self.seq_dim).apply(module, name, ctx)
+        return self._head().apply(module, name, ctx)
 
 
 # ============================================================================ regions
@@ -286,6 +330,11 @@ class SequenceShard(_InputHook):
     seq_dim: int = 1
 
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
+        n = mesh.axis_size(self.axis)
+        if x.shape[self.seq_dim] % n:
+            raise ParallelizeError(f"sequence parallelism over {self.axis!r}: the sequence (dim {self.seq_dim} of shape {tuple(x.shape)}) "
+                                   f"does not divide by the {n} ranks. Fix: pad the batch to a multiple of {n} tokens (padding "
+                                   "masked with attention_mask and labels=-100)")
         return local_chunk(x, mesh, self.axis, dim=self.seq_dim)
 
 
@@ -397,16 +446,38 @@ class HeadParallelAttention(Style):
             f"Fix: a tp size that divides {hkv} or is a multiple of it"
         )
 
+    def _check_shapes(self, module: nn.Module, name: str) -> None:
+        """The projections' sizes must be what the head counts say (a plan built from another config would split wrongly)."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        want = {self.qkv: ("out", q_out + 2 * kv_out)} if self.qkv is not None else {self.q: ("out", q_out), self.k: ("out", kv_out), self.v: ("out", kv_out)}
+        want[self.o] = ("in", q_out)
+        for child, (side, size) in want.items():
+            _, _, _, inp, out = _linear_parts(_child(module, child, name), f"{name}.{child}")
+            if (out if side == "out" else inp) != size:
+                raise ParallelizeError(
+                    f"parallelize: attention {name!r}: {child} has {out if side == 'out' else inp} {side}put features, but the style's "
+                    f"{self.num_heads} query heads, {self.num_kv_heads} kv heads and head_dim {self.head_dim} say {size}. "
+                    "Fix: build the plan from this model's own config"
+                )
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        n = mesh.axis_size(self.axis)
+        self.local_heads(n, name)
+        self._check_shapes(module, name)
+        if self.qkv is not None and self.num_kv_heads < n:
+            raise ParallelizeError(f"parallelize: attention {name!r} fuses q, k, v in {self.qkv!r} and has {self.num_kv_heads} kv heads "
+                                   f"for {n} ranks; a fused projection needs kv heads divisible by {n}")
+        for norm in self.norms:
+            _child(module, norm, name)
+
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        self.check(module, name, ctx.mesh)
         n = ctx.mesh.axis_size(self.axis)
         hq, hkv = self.local_heads(n, name)
         PrepareInput(self.axis, self.input, self.seq_dim).apply(module, name, ctx)
         col = ColwiseParallel(self.axis, seq_dim=self.seq_dim)
         if self.qkv is not None:
             q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            if self.num_kv_heads < n:
-                raise ParallelizeError(f"parallelize: attention {name!r} fuses q, k, v in {self.qkv!r} and has {self.num_kv_heads} kv heads "
-                                       f"for {n} ranks; a fused projection needs kv heads divisible by {n}")
             fused = ColwiseParallel(self.axis, parts=(q_out, kv_out, kv_out), seq_dim=self.seq_dim)
             _swap(module, self.qkv, fused.apply(_child(module, self.qkv, name), f"{name}.{self.qkv}", ctx))
         else:
@@ -451,12 +522,16 @@ class ParallelModel:
         layouts: how each parameter (by the model's own name) splits the single-device tensor.
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, pvary_params: Sequence[tuple[nn.Module, str, str]]) -> None:
+    def __init__(self, module: nn.Module, mesh: Mesh, pvary_params: Sequence[tuple[nn.Module, str, str]], axes: Sequence[str] = ()) -> None:
         self.module, self.mesh = module, mesh
         self.layouts = param_layouts(module)
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
+        self._axes = tuple(dict.fromkeys(axes))  # the axes the plan splits over: inputs are replicated over them
+        self._dropout = _dropout_sites(module)
         self._simulated = simulate(self._simulated_rank, mesh)  # all ranks at once (used on a plain mesh)
+        accepts = inspect.signature(module.forward).parameters
+        self._no_cache = {"use_cache": False} if "use_cache" in accepts else {}
 
     @property
     def simulated(self) -> bool:
@@ -481,16 +556,27 @@ class ParallelModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
         (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped."""
+        if self.module.training and self._dropout:
+            raise ParallelizeError(
+                f"{type(self.module).__name__} is in training mode with dropout ({', '.join(self._dropout[:4])}): the ranks of a "
+                "tensor-parallel group would draw different masks for activations they must hold equal, and diverge silently. "
+                "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
+            )
         if not self.simulated:
             params = dict(self.module.named_parameters()) if self._pvary else {}
             return self._run(params, args, kwargs)
+        kwargs = {**self._no_cache, **kwargs}  # a KV cache object cannot leave the simulation
         tensors, rest = _split_kwargs(kwargs)
         if not torch.compiler.is_compiling():
+            for k, v in [*enumerate(args), *tensors.items()]:
+                _check_replicated(k, v, self.mesh, self._axes)
             # An input every rank holds the same (a TP group's attention mask) goes to every rank
             # unbatched: the same values, and model code may branch on it (transformers' mask
-            # helpers do), which a tensor batched over simulated ranks cannot.
-            for k in [k for k, v in tensors.items() if _same_on_every_rank(v, self.mesh.size)]:
-                rest[k] = tensors.pop(k)[0]
+            # helpers do), which a tensor batched over simulated ranks cannot. So does a 0-d
+            # tensor (transformers' num_items_in_batch), which cannot carry a rank dim.
+            for k in [k for k, v in tensors.items() if (isinstance(v, Tensor) and v.dim() == 0) or _same_on_every_rank(v, self.mesh.size)]:
+                v = tensors.pop(k)
+                rest[k] = v if v.dim() == 0 else v[0]
         try:
             return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
         except RuntimeError as e:
@@ -551,6 +637,33 @@ def _tensors_only(out: Any) -> Any:
     return out
 
 
+def _dropout_sites(module: nn.Module) -> list[str]:
+    """Where ``module`` drops out in training mode: ``nn.Dropout`` modules, and the attention dropout that
+    transformers' attention functions take from the config (no module of its own)."""
+    sites = [n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
+    for key, value in (to_dict() if callable(to_dict) else {}).items():
+        if key in ("attention_dropout", "attn_pdrop") and isinstance(value, (int, float)) and value > 0:
+            sites.append(f"config.{key}={value}")
+    return sites
+
+
+def _check_replicated(key: Any, v: Any, mesh: Mesh, axes: Sequence[str]) -> None:
+    """Raise if an input without gradient differs across the ranks of a group the plan splits over (each needs the same batch)."""
+    if not isinstance(v, Tensor) or v.requires_grad or v.dim() == 0 or v.shape[0] != mesh.size:
+        return
+    for axis in axes:
+        for group in mesh.groups(axis):
+            for r in group[1:]:
+                if not torch.equal(v[r], v[group[0]]):
+                    raise ParallelizeError(
+                        f"parallelize: input {key!r} differs between ranks {group[0]} and {r}, which form one {axis!r} group: the "
+                        f"model's layers are split over {axis!r}, so every rank of a group must get the same batch (a data loader "
+                        f"keyed on the global rank instead of the data-parallel index?). Fix: give the ranks of each {axis!r} "
+                        "group the same input"
+                    )
+
+
 def _same_on_every_rank(v: Any, world: int) -> bool:
     """A tensor without gradient whose ``world`` slices along dim 0 are all equal."""
     return isinstance(v, Tensor) and not v.requires_grad and v.dim() > 0 and v.shape[0] == world and torch.equal(v, v[:1].expand_as(v))
@@ -563,6 +676,19 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 
 # ============================================================================ parallelize
+class _HFCausalLMLoss:
+    """transformers' ``loss_function`` call, ``(logits, labels, vocab_size, **kwargs)`` by position or keyword,
+    on vocabulary-parallel logits (``fastdist.nn.causal_lm_loss``)."""
+
+    def __init__(self, mesh: Mesh, axis: str) -> None:
+        self.mesh, self.axis = mesh, axis
+
+    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any) -> Tensor:
+        from .loss import causal_lm_loss
+
+        return causal_lm_loss(logits, labels, self.mesh, self.axis, vocab_size=vocab_size, **kwargs)
+
+
 PlanValue = Style | Sequence[Style]
 
 
@@ -604,29 +730,39 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
         from .plans import plan_for
 
         plan = plan_for(model, mesh)
-    ctx = _Context(mesh)
-    used = dict.fromkeys(plan, False)
-    for name, module in list(model.named_modules()):
-        for pattern, value in plan.items():
-            if not _matches(pattern, name):
-                continue
-            used[pattern] = True
-            for style in (value,) if isinstance(value, Style) else value:
-                if not isinstance(style, Style):
-                    raise ParallelizeError(f"parallelize: plan[{pattern!r}] holds {style!r}, not a fastdist.nn style")
-                module = style.apply(module, name, ctx)
-            if name:
-                parent, _, child = name.rpartition(".")
-                _swap(model.get_submodule(parent), child, module)
-    if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
-        from .loss import causal_lm_loss
-
-        # transformers' causal-LM models compute `labels=` losses through this attribute
-        setattr(model, "loss_function", functools.partial(causal_lm_loss, mesh=mesh, axis=ctx.sharded_logits))
-    unused = [p for p, hit in used.items() if not hit]
+    done_before = [n for n, m in model.named_modules() if isinstance(m, (ParallelLinear, VocabParallelEmbedding, _ReplicatedHeads))]
+    if done_before:
+        raise ParallelizeError(f"parallelize: {type(model).__name__} is already parallel ({done_before[:3]} ...). Fix: parallelize a fresh "
+                               "single-device model (e.g. copy.deepcopy before the first call)")
+    styles: dict[str, tuple[Style, ...]] = {}
+    for pattern, value in plan.items():
+        styles[pattern] = cast("tuple[Style, ...]", (value,) if isinstance(value, Style) else tuple(value) if isinstance(value, (tuple, list)) else (value,))
+        for style in styles[pattern]:
+            if not isinstance(style, Style):
+                hint = f" (the class itself: write {style.__name__}())" if isinstance(style, type) else ""
+                raise ParallelizeError(f"parallelize: plan[{pattern!r}] holds {style!r}{hint}, not a fastdist.nn style instance")
+    # Phase 1: every match checked, nothing changed yet (a bad plan leaves the model as it was).
+    matches = [(name, module, pattern) for name, module in model.named_modules() for pattern in plan if _matches(pattern, name)]
+    unused = [p for p in plan if p not in {m[2] for m in matches}]
     if unused:
         raise ParallelizeError(f"parallelize: plan patterns {unused} match no module of {type(model).__name__}. Fix: check the names "
                                f"in model.named_modules(), e.g. {[n for n, _ in model.named_modules()][1:6]}")
+    for name, module, pattern in matches:
+        for style in styles[pattern]:
+            style.check(module, name, mesh)
+    # Phase 2: apply.
+    ctx = _Context(mesh)
+    for name, module, pattern in matches:
+        for style in styles[pattern]:
+            axis = getattr(style, "axis", None)
+            ctx.axes.extend([axis] if isinstance(axis, str) else [])
+            module = style.apply(module, name, ctx)
+        if name:
+            parent, _, child = name.rpartition(".")
+            _swap(model.get_submodule(parent), child, module)
+    if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
+        # transformers' causal-LM models compute `labels=` losses through this attribute
+        setattr(model, "loss_function", _HFCausalLMLoss(mesh, ctx.sharded_logits))
     # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
     if mesh.backend is None:
         done = {id(v) for v in ctx.converted.values()}
@@ -634,4 +770,4 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
             for pname, p in list(mod.named_parameters(recurse=False)):
                 if id(p) not in done:
                     setattr(mod, pname, ctx.param(p, Layout(), f"{mod_name}.{pname}"))
-    return ParallelModel(model, mesh, ctx.pvary)
+    return ParallelModel(model, mesh, ctx.pvary, ctx.axes)

@@ -332,6 +332,18 @@ def _named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     return out
 
 
+def _tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Second names of tied parameters -> the first name (GPT-2's ``lm_head.weight`` -> ``transformer.wte.weight``)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def load_checkpoint(
     module: nn.Module, source: str | os.PathLike[str] | Mapping[str, Tensor], mesh: Mesh, *, rank: int | None = None,
     strict: bool = True, rename: Mapping[str, str] | Callable[[str], str] | None = None,
@@ -360,10 +372,15 @@ def load_checkpoint(
     if rank is None and not stacked:
         rank = mesh.rank
     to_file = (lambda k: rename[k] if k in rename else k) if isinstance(rename, Mapping) else (rename or (lambda k: k))
+    tied = {to_file(alias): to_file(name) for alias, name in _tied_aliases(module).items()}
     with _open_source(source) as (shapes, reader):
         wanted = {to_file(name): name for name in tensors}
         missing = sorted(k for k in wanted if k not in shapes)
-        unexpected = sorted(k for k in shapes if k not in wanted)
+        unexpected = sorted(k for k in shapes if k not in wanted and k not in tied)  # a tied copy (HF's state_dict has both) is known
+        for alias, key in tied.items():
+            if alias in shapes and key in shapes and tuple(shapes[alias]) != tuple(shapes[key]):
+                raise CheckpointError(f"fastdist.nn.load_checkpoint: {alias!r} is tied to {key!r} in the model, but the checkpoint gives "
+                                      f"them shapes {tuple(shapes[alias])} and {tuple(shapes[key])}")
         if strict and (missing or unexpected):
             raise CheckpointError(
                 f"fastdist.nn.load_checkpoint: missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
@@ -406,6 +423,9 @@ def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, s
 def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dict[str, Tensor]:
     """The single-device state dict of a parallel module (parameters and persistent buffers, by their names).
 
+    Tied parameters appear under every name, as ``nn.Module.state_dict`` gives them (so a
+    single-device model loads it strictly); :func:`save_checkpoint` writes them once.
+
     On a simulated mesh the module holds stacked shards (``[world, *local]``); on real
     ranks every rank all-gathers every parameter (a collective: call it on every rank) and
     every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
@@ -423,6 +443,7 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
         if mesh.backend is not None:
             t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)  # [world, *local], rank order
         out[name] = layouts.get(name, Layout()).join(t, mesh, check=check, name=name)
+    out.update({alias: out[name] for alias, name in _tied_aliases(module).items()})
     return out
 
 
@@ -430,12 +451,15 @@ def save_checkpoint(module: nn.Module, path: str | os.PathLike[str], mesh: Mesh,
     """Gather a parallel module's weights and write them as one single-device ``.safetensors`` file on rank ``dst``.
 
     Returns the single-device state dict (on every rank). Tied parameters are written once,
-    under the first name, as ``save_pretrained`` does. On a simulated mesh it simply writes.
+    under the first name, as ``save_pretrained`` does. ``path`` may be a directory: the file is
+    then ``model.safetensors`` in it (what ``load_checkpoint`` and ``from_pretrained`` read).
     """
     from safetensors.torch import save_file
 
     state = full_state_dict(module, mesh)
     if mesh.backend is None or mesh.rank == dst:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.fspath(path))
+        target = os.path.join(path, "model.safetensors") if os.path.isdir(path) else os.fspath(path)
+        aliases = _tied_aliases(module)
+        save_file({k: v.contiguous() for k, v in state.items() if k not in aliases}, target)
     return state
 
