@@ -19,6 +19,12 @@ when ``fn`` returns. The binding lives on the mesh, not in a global, and only
 for the duration of the call; so collectives on a mesh that is not being
 simulated fail loudly instead of guessing. One thread at a time may simulate a
 given ``Mesh`` object.
+
+``F.scaled_dot_product_attention`` (which Hugging Face models call in every layer) has
+no vmap rule for its fused kernels in torch 2.13, so vmap would warn and loop over the
+ranks; while ``fn`` runs, ``simulate`` pushes ``fastdist._sdpa.SdpaMode``, which folds
+the rank dim into the batch dim and calls the kernel once (``batch_sdpa=False`` leaves
+it out).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._sdpa import SdpaMode
 from .errors import MeshError, NoBackendError
 from .mesh import Mesh
 
@@ -56,6 +63,7 @@ def simulate(
     *,
     meshes: Sequence[Mesh] = (),
     randomness: Literal["error", "different", "same"] = "error",
+    batch_sdpa: bool = True,
 ) -> Callable[..., R]:
     """Run per-rank function ``fn`` on every rank of ``mesh`` in this process.
 
@@ -67,6 +75,12 @@ def simulate(
             beside a TP=4 one); each must have ``mesh.size`` ranks.
         randomness: passed to ``torch.vmap``; ``"different"`` gives each rank its
             own random numbers (dropout), ``"same"`` the same on every rank.
+        batch_sdpa: run ``F.scaled_dot_product_attention`` once over all ranks (the
+            rank dim folded into the batch dim) instead of torch's per-rank loop with a
+            warning (torch has no vmap rule for the fused kernels), with the values and
+            gradients of the per-rank calls. It costs a ``TorchFunctionMode`` while ``fn``
+            runs: a few microseconds per torch call in ``fn``; ``False`` saves that for
+            per-rank code that never calls SDPA (see ``fastdist._sdpa``).
 
     Returns:
         A function taking the same arguments as ``fn``, except that every tensor
@@ -108,6 +122,9 @@ def simulate(
             for m in all_meshes:
                 m._bindings.append(binding)
             try:
+                if batch_sdpa:
+                    with SdpaMode():  # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
+                        return fn(*rank_args, **kwargs)
                 return fn(*rank_args, **kwargs)
             finally:
                 for m in all_meshes:
