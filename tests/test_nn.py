@@ -39,7 +39,7 @@ def dp_tp(draw: Any) -> fd.Mesh:
 
 @given(mesh=dp_tp(), gather=st.booleans(), seed=st.integers(0, 99), checked=st.booleans())
 def test_column_parallel_linear(mesh: fd.Mesh, gather: bool, seed: int, checked: bool) -> None:
-    # unchecked: no TorchFunctionMode, so the simulated layer adds its bias in place (fastdist.nn._linear);
+    # unchecked: no replication-checking mode, so the simulated layer adds its bias in place (fastdist.nn._linear);
     # and no pvary is inserted over dp, so only a dp=1 mesh gives single-device gradients
     assume(checked or mesh.shape["dp"] == 1)
     tp, dp = mesh.shape["tp"], mesh.shape["dp"]

@@ -70,11 +70,20 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # vmap's linear rule with a bias fails under dynamo's dynamic shapes in torch 2.13
         # ("Cannot call sizes() on tensor with symbolic sizes"); inductor fuses the add anyway
         return F.linear(x, weight) + bias
-    if not torch._C._functorch.is_batchedtensor(x) or torch._C._is_torch_function_mode_enabled():
-        # plain tensors: one addmm. A TorchFunctionMode (the checked mode of fastdist.spmd) may
-        # have to insert a pvary before the bias meets the product, which in place would forbid.
+    if not torch._C._functorch.is_batchedtensor(x) or _checked_mode_active():
+        # plain tensors: one addmm. The checked mode of fastdist.spmd may have to insert a
+        # pvary before the bias meets the product, which in place would forbid.
         return F.linear(x, weight, bias)
     return F.linear(x, weight).add_(bias)  # (..., out): the fresh product takes the bias in place
+
+
+def _checked_mode_active() -> bool:
+    """Whether a TorchFunctionMode other than simulate's SDPA batching (which passes ``add_`` through) is active."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return False
+    from .._sdpa import SdpaMode
+
+    return any(not isinstance(m, SdpaMode) for m in torch.overrides._get_current_function_mode_stack())
 
 
 def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
