@@ -77,15 +77,23 @@ class _Context:
     #: every axis a style split something over
     axes: list[str] = field(default_factory=list)
 
-    def param(self, old: Tensor | None, layout: Layout, where: str) -> nn.Parameter | None:
-        """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated mesh)."""
+    def param(self, old: Tensor | None, layout: Layout, where: str, *, linear_weight: bool = False) -> nn.Parameter | None:
+        """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated mesh).
+
+        ``linear_weight``: an (out, in) weight that ``F.linear`` consumes. Stacked, it is stored
+        (in, out)-contiguous and viewed as (out, in): the batched backward produces its gradient
+        in that stride order, so gradient accumulation needs no copy (and the forward's batched
+        matmul reads the transposed weight contiguously), as one device's ``mm`` does.
+        """
         if old is None:
             return None
         if id(old) in self.converted:
             return self.converted[id(old)]
         full = old.detach()
         if self.mesh.backend is None:
-            data = torch.stack([layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)])  # [world, *local]
+            data = torch.stack([layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)])  # [world, out, in]
+            if linear_weight and data.dim() == 3:
+                data = data.transpose(1, 2).contiguous().transpose(1, 2)  # [world, out, in] view of [world, in, out] memory
         else:
             data = layout.shard(full, self.mesh, self.mesh.rank, where)
         new = nn.Parameter(data, requires_grad=old.requires_grad)
@@ -231,8 +239,8 @@ class ColwiseParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         weight, bias, transposed, wl, bl, size = self._layouts(module, name, ctx.mesh)
-        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight"), ctx.param(bias, bl, f"{name}.bias"), ctx.mesh, self.axis,  # type: ignore[arg-type]
-                              kind="col", transposed=transposed, layouts={"weight": wl, "bias": bl}, input=self.input,
+        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed), ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
+                              ctx.mesh, self.axis, kind="col", transposed=transposed, layouts={"weight": wl, "bias": bl}, input=self.input,
                               gather_output=self.gather_output, size=size, seq_dim=self.seq_dim)
 
 
@@ -259,8 +267,8 @@ class RowwiseParallel(Style):
         weight, bias, transposed, _, _ = _linear_parts(module, name)
         wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
         bl = Layout()
-        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight"), ctx.param(bias, bl, f"{name}.bias"), ctx.mesh, self.axis,  # type: ignore[arg-type]
-                              kind="row", transposed=transposed, layouts={"weight": wl, "bias": bl}, output=self.output, seq_dim=self.seq_dim)
+        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed), ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
+                              ctx.mesh, self.axis, kind="row", transposed=transposed, layouts={"weight": wl, "bias": bl}, output=self.output, seq_dim=self.seq_dim)
 
 
 # ============================================================================ vocabulary
