@@ -1,4 +1,4 @@
-"""Tensor-parallel MLP on real ranks: ``torchrun --nproc-per-node 4 examples/tp_mlp.py``.
+"""Tensor-parallel MLP on real ranks: ``torchrun --standalone --nproc-per-node 4 examples/tp_mlp.py``.
 
 The per-rank model code (fastdist.demo.tp_mlp) is the same that `python -m fastdist demo`
 runs on simulated ranks. Every rank checks its gradients against the unsharded MLP
