@@ -83,7 +83,7 @@ def _checked_mode_active() -> bool:
         return False
     from .._sdpa import SdpaMode
 
-    return any(not isinstance(m, SdpaMode) for m in torch.overrides._get_current_function_mode_stack())
+    return any(not isinstance(m, SdpaMode) for m in torch.overrides._get_current_function_mode_stack())  # type: ignore[no-untyped-call]
 
 
 def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
