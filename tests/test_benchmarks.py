@@ -23,3 +23,12 @@ def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
     assert "spmd, torch.compile" in res["sim"][-1]["case"] and res["sim"][-1]["ratio"] > 0
     assert res["groups"][0]["world"] == 4 and res["groups"][0]["fastdist_ms"] > 0
     assert (tmp_path / "overhead.png").stat().st_size > 1000 and "| psum |" in (tmp_path / "results.md").read_text() and "With autograd" in (tmp_path / "results.md").read_text()
+
+
+def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_models.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "hf_models.json").read_text())
+    assert [r["case"] for r in rows] == ["HF Llama fwd+bwd, eager", "HF Llama fwd+bwd, compiled"]
+    assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 and r["tp"] == 4 for r in rows)
+    assert "| HF Llama fwd+bwd, eager |" in (tmp_path / "hf_models.md").read_text()
