@@ -97,25 +97,26 @@ def test_stateless_group_over_tcpstore() -> None:
 
 
 # ============================================================================ torchrun
-def test_torchrun_example() -> None:
+def torchrun(example: str, nproc: int) -> str:
+    """Run ``examples/<example>`` under torchrun (standalone); its stdout, after asserting it exited 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "tp_mlp.py")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(ROOT / "examples" / example)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tp_mlp on Mesh({'dp': 2, 'tp': 2}): loss of dp replica 0" in proc.stdout and "max grad diff over ranks" in proc.stdout
+    return proc.stdout
+
+
+def test_torchrun_example() -> None:
+    out = torchrun("tp_mlp.py", 4)
+    assert "tp_mlp on Mesh({'dp': 2, 'tp': 2}): loss of dp replica 0" in out and "max grad diff over ranks" in out
 
 
 def test_torchrun_hf_llama_example() -> None:
     pytest.importorskip("transformers")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "hf_llama.py")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "hf_llama on Mesh({'dp': 1, 'tp': 2}): max loss diff" in proc.stdout and ": OK" in proc.stdout
+    out = torchrun("hf_llama.py", 2)
+    assert "hf_llama on Mesh({'dp': 1, 'tp': 2}): max loss diff" in out and ": OK" in out
 
 
 # ============================================================================ in-process units
