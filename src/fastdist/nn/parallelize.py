@@ -556,14 +556,13 @@ class ParallelModel:
         """One rank's call: parameters that meet rank-varying data are pvary'd first."""
         if self._pvary or self.simulated:
             swapped = {n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p for n, p in params.items()}
-            out = torch.func.functional_call(self.module, swapped, args, kwargs)
-        else:
-            out = self.module(*args, **kwargs)
-        return _tensors_only(out)
+            return torch.func.functional_call(self.module, swapped, args, kwargs)
+        return self.module(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
-        (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped."""
+        (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped
+        there (``use_cache=False`` unless asked). On real ranks the model's output is returned as is."""
         if self.module.training and self._dropout:
             raise ParallelizeError(
                 f"{type(self.module).__name__} is in training mode with dropout ({', '.join(self._dropout[:4])}): the ranks of a "
@@ -598,7 +597,7 @@ class ParallelModel:
             ) from e
 
     def _simulated_rank(self, params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any], **rest: Any) -> Any:
-        return self._run(params, args, {**rest, **tensors})
+        return _tensors_only(self._run(params, args, {**rest, **tensors}))
 
     # ------------------------------------------------------------------ weights and gradients
     def state_dict(self) -> dict[str, Tensor]:
