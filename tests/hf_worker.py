@@ -64,6 +64,14 @@ def parallel_training_on_gloo(family: str, ckpt: str, sequence_parallel: bool, s
         for name, p in pm.named_parameters():
             torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"compiled {name}: {m}")
         opt.zero_grad()
+    if not sequence_parallel:
+        # serving: a KV cache step on real ranks (each rank caches its heads) equals the whole sequence's forward
+        with torch.no_grad():
+            ids, _ = batch(40)
+            full = pm(input_ids=ids).logits
+            prefix = pm(input_ids=ids[:, :-1], use_cache=True)
+            step = pm(input_ids=ids[:, -1:], past_key_values=prefix.past_key_values).logits
+            torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-10, atol=1e-10)
     out_file = Path(ckpt) / "trained.safetensors"
     state = pm.save(out_file)  # gathered; rank 0 writes
     for name, p in ref.named_parameters():
