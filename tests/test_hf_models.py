@@ -386,7 +386,10 @@ def test_no_batching_warning_from_a_simulated_model() -> None:
 
 
 # ============================================================================ real processes
-@pytest.mark.parametrize("family, world, sp, compiled", [("llama", 4, True, False), ("gpt2", 2, False, False), ("llama", 2, True, True)])
+@pytest.mark.parametrize(
+    "family, world, sp, compiled",
+    [("llama", 4, True, False), ("gpt2", 2, True, False), ("qwen2", 2, False, False), ("llama", 2, True, True)],
+)
 def test_parallel_training_on_gloo_from_save_pretrained(tmp_path: Any, family: str, world: int, sp: bool, compiled: bool) -> None:
     """Each gloo rank reads its slices of a save_pretrained checkpoint, trains 3 AdamW steps, matches one device; rank 0 saves.
     With ``compiled``, a torch.compile(fullgraph=True) step on the real ranks equals eager."""
