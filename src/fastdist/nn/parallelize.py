@@ -39,7 +39,7 @@ from ..errors import MeshError
 from ..mesh import Mesh
 from ..simulate import simulate
 from .layers import VocabParallelEmbedding, _column_input, _linear
-from .state import Layout, full_state_dict, load_checkpoint, param_layouts, save_checkpoint
+from .state import Layout, full_state_dict, gather_full, load_checkpoint, param_layouts, save_checkpoint
 
 __all__ = [
     "parallelize",
@@ -575,15 +575,19 @@ class ParallelModel:
         kwargs = {**self._no_cache, **kwargs}  # a KV cache object cannot leave the simulation
         tensors, rest = _split_kwargs(kwargs)
         if not torch.compiler.is_compiling():
-            for k, v in [*enumerate(args), *tensors.items()]:
-                _check_replicated(k, v, self.mesh, self._axes)
             # An input every rank holds the same (a TP group's attention mask) goes to every rank
             # unbatched: the same values, and model code may branch on it (transformers' mask
             # helpers do), which a tensor batched over simulated ranks cannot. So does a 0-d
-            # tensor (transformers' num_items_in_batch), which cannot carry a rank dim.
-            for k in [k for k, v in tensors.items() if (isinstance(v, Tensor) and v.dim() == 0) or _same_on_every_rank(v, self.mesh.size)]:
-                v = tensors.pop(k)
-                rest[k] = v if v.dim() == 0 else v[0]
+            # tensor (transformers' num_items_in_batch), which cannot carry a rank dim. Any other
+            # input must at least agree within the groups the plan splits over.
+            for k, v in [*enumerate(args), *tensors.items()]:
+                if isinstance(v, Tensor) and v.dim() == 0 and k in tensors:
+                    rest[k] = tensors.pop(k)
+                elif _same_on_every_rank(v, self.mesh.size):
+                    if k in tensors:
+                        rest[k] = tensors.pop(k)[0]
+                else:
+                    _check_replicated(k, v, self.mesh, self._axes)
         try:
             return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
         except RuntimeError as e:
@@ -611,15 +615,11 @@ class ParallelModel:
         gradient differs across ranks (a missing pvary) raises `fastdist.nn.ReplicaMismatchError`.
         On real ranks a collective: call it on every rank.
         """
-        out = {}
-        for name, p in self.module.named_parameters():
-            if p.grad is None:
-                continue
-            g = p.grad
-            if not self.simulated:
-                g = all_gather_invariant(g.unsqueeze(0), self.mesh, self.mesh.axis_names, dim=0)  # [world, *local]
-            out[name] = self.layouts[name].join(g, self.mesh, check=check, name=f"{name}.grad")
-        return out
+        return {
+            name: gather_full(p.grad, self.layouts[name], self.mesh, check=check, name=f"{name}.grad")
+            for name, p in self.module.named_parameters()
+            if p.grad is not None
+        }
 
     def load(self, source: Any, *, strict: bool = True, rename: Any = None) -> None:
         """Load a single-device checkpoint (safetensors file or directory, or a state dict): see `fastdist.nn.load_checkpoint`."""

@@ -45,6 +45,7 @@ __all__ = [
     "load_sharded",
     "load_checkpoint",
     "full_state_dict",
+    "gather_full",
     "save_checkpoint",
 ]
 
@@ -420,6 +421,16 @@ def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, s
     load_checkpoint(module, full, mesh, rank=mesh.rank, strict=strict)
 
 
+def gather_full(t: Tensor, layout: Layout, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
+    """The single-device tensor from a parallel tensor: stacked shards on a simulated mesh; on real
+    ranks this rank's shard, all-gathered first (a collective: call it on every rank)."""
+    if mesh.backend is not None:
+        from ..collectives import all_gather_invariant
+
+        t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)  # [world, *local], rank order
+    return layout.join(t, mesh, check=check, name=name)
+
+
 def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dict[str, Tensor]:
     """The single-device state dict of a parallel module (parameters and persistent buffers, by their names).
 
@@ -431,18 +442,12 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
     (``check``; see `Layout.join`).
     """
-    from ..collectives import all_gather_invariant
-
     layouts = param_layouts(module)
     out = {}
     for name, (t, is_param) in _named_tensors(module).items():
         t = t.detach()
-        if not is_param:
-            out[name] = t.clone()  # buffers: whole on every rank
-            continue
-        if mesh.backend is not None:
-            t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)  # [world, *local], rank order
-        out[name] = layouts.get(name, Layout()).join(t, mesh, check=check, name=name)
+        # buffers: whole on every rank
+        out[name] = gather_full(t, layouts.get(name, Layout()), mesh, check=check, name=name) if is_param else t.clone()
     out.update({alias: out[name] for alias, name in _tied_aliases(module).items()})
     return out
 
