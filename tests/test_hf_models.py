@@ -72,10 +72,10 @@ def full_logits(sharded: Tensor, mesh: fd.Mesh, axis: str = "tp") -> Tensor:
     return torch.cat([sharded[mesh.rank_of({**{a: 0 for a in mesh.axis_names}, axis: i})] for i in range(mesh.axis_size(axis))], -1)[..., :VOCAB]
 
 
-def run_parallel(family: str, tp: int, sp: bool, kv: int = 2) -> None:
-    ref = build(family, kv=kv)
+def run_parallel(family: str, tp: int, sp: bool, kv: int = 2, device: str = "cpu") -> None:
+    ref = build(family, kv=kv).to(device)
     model = copy.deepcopy(ref)
-    ids, labels = batch()
+    ids, labels = (t.to(device) for t in batch())
     ref_logits, ref_loss = reference_loss(ref, ids, labels)
     ref_loss.backward()
     mesh = fd.Mesh({"tp": tp})
