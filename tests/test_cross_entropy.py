@@ -91,6 +91,28 @@ def test_padded_vocabulary_10_over_4_ranks() -> None:
     assert bool(torch.isfinite(out).all()) and out.max() < 100  # with the garbage counted, every loss would be ~1e3
 
 
+def test_torch_func_grad_inside_and_around_simulate_equals_one_device() -> None:
+    """The eager loss is a Function with its own backward: torch.func.grad (per rank, and around simulate) and
+    vmap over an extra batch dim give F.cross_entropy's gradient, padding columns and a whole padding rank included."""
+    mesh, vocab = fd.Mesh({"tp": 4}), 5  # 4 x 2 columns: rank 2 holds columns 4 and 5 (padding), rank 3 only padding
+    full = make_logits((3, 2), 4, 2, vocab, seed=5)
+    target = torch.tensor([[4, -100], [0, 3], [2, 4]])
+    want = torch.func.grad(lambda lg: F.cross_entropy(lg[..., :vocab].reshape(-1, vocab), target.reshape(-1)))(full)
+    want_shards = torch.stack(want.chunk(4, -1))
+    shards = torch.stack(full.chunk(4, -1))
+
+    def loss(lg: Tensor) -> Tensor:
+        return fd.nn.cross_entropy(lg, target, mesh, vocab_size=vocab)
+
+    inside = fd.simulate(lambda lg: torch.func.grad(loss)(lg), mesh)(shards)
+    torch.testing.assert_close(inside, want_shards, rtol=1e-12, atol=1e-12)
+    around = torch.func.grad(lambda s: fd.simulate(loss, mesh)(s).sum())(shards)  # each rank backpropagates its own copy
+    torch.testing.assert_close(around, want_shards, rtol=1e-12, atol=1e-12)
+    batched = torch.vmap(lambda s: fd.simulate(loss, mesh)(s), in_dims=1, out_dims=1)(torch.stack([shards, 2 * shards], 1))
+    torch.testing.assert_close(batched[:, 0], fd.simulate(loss, mesh)(shards))
+    torch.testing.assert_close(batched[:, 1], fd.simulate(loss, mesh)(2 * shards))
+
+
 def test_vocab_parallel_cross_entropy_is_per_token_and_ignores_minus_100() -> None:
     mesh = fd.Mesh({"tp": 3})
     full = make_logits((2, 4), 3, 2, 6)

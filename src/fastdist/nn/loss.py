@@ -86,6 +86,37 @@ def _checked_targets(op: str, target: Tensor, mesh: Mesh, axis: AxisName, vocab_
 
 
 # ----------------------------------------------------------------------------- the loss
+class _LocalSoftmaxStats(torch.autograd.Function):
+    """This rank's part of the loss: per row, ``sum_j exp(x_j - top)`` and ``x[index] - top``.
+
+    Written as one Function so that eager mode makes no dense temporaries beyond ``e = exp(x -
+    top)``: the backward is ``g_sum * e`` plus ``g_picked`` scattered into the target's column
+    (autograd of the plain ops would fill a dense zero tensor for the gather and add two dense
+    gradients). ``e`` is returned (not differentiable) so that ``setup_context`` can save it.
+    Shapes: ``x`` (..., V_local), ``top`` and ``index`` (...). Under ``torch.compile`` the plain
+    ops are used instead (the compiler fuses them; see torch-notes on Functions under compile).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, top: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        e = (x - top.unsqueeze(-1)).exp_()  # (..., V_local), a fresh tensor exponentiated in place
+        picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - top  # (...)
+        return e.sum(-1), picked, e
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor]) -> None:
+        ctx.mark_non_differentiable(output[2])
+        ctx.save_for_backward(output[2], inputs[2])
+
+    @staticmethod
+    def backward(ctx: Any, g_sum: Tensor, g_picked: Tensor, _: Any) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        e, index = ctx.saved_tensors
+        dx = e * g_sum.unsqueeze(-1)  # (..., V_local)
+        return dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype)), None, None  # in place: dx is fresh
+
+
 def _token_losses(op: str, logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName, ignore_index: int, vocab_size: int | None) -> tuple[Tensor, Tensor]:
     """Per-token loss (0 where ignored) in the compute dtype, and the mask of counted tokens."""
     if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
@@ -113,10 +144,14 @@ def _token_losses(op: str, logits: Tensor, target: Tensor, mesh: Mesh, axis: Axi
     if vocab < n_cols:  # padding columns get no probability and no gradient
         x = x.masked_fill(start + torch.arange(n_local, device=x.device) >= vocab, float("-inf"))
     top = pmax(x.detach().amax(-1), mesh, axis)  # (...): a shift for stability, no gradient needed
-    shifted = x - top.unsqueeze(-1)
     mine = (target >= start) & (target < start + n_local)  # the target's column is on this rank
-    picked = shifted.gather(-1, torch.where(mine, target - start, 0).unsqueeze(-1)).squeeze(-1)
-    sums = psum(torch.stack([shifted.exp().sum(-1), torch.where(mine, picked, 0.0)]), mesh, axis)  # one collective for both
+    index = torch.where(mine, target - start, 0)  # (...) local column of the target (0 where not mine)
+    if torch.compiler.is_compiling():  # plain ops: the compiler fuses them
+        shifted = x - top.unsqueeze(-1)
+        local_sum, picked = shifted.exp().sum(-1), shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
+        local_sum, picked, _ = _LocalSoftmaxStats.apply(x, top, index)
+    sums = psum(torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis)  # one collective for both
     counted = target != ignore_index
     return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
 
