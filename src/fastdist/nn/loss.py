@@ -108,12 +108,17 @@ class _LocalSoftmaxStats(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor]) -> None:
         ctx.mark_non_differentiable(output[2])
+        ctx.set_materialize_grads(False)  # no dense zeros for e's (absent) gradient
         ctx.save_for_backward(output[2], inputs[2])
 
     @staticmethod
-    def backward(ctx: Any, g_sum: Tensor, g_picked: Tensor, _: Any) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None, _: Any) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         e, index = ctx.saved_tensors
-        dx = e * g_sum.unsqueeze(-1)  # (..., V_local)
+        if g_sum is None and g_picked is None:
+            return None, None, None
+        dx = e * g_sum.unsqueeze(-1) if g_sum is not None else torch.zeros_like(e)  # (..., V_local)
+        if g_picked is None:
+            return dx, None, None
         return dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype)), None, None  # in place: dx is fresh
 
 
