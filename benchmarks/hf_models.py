@@ -2,6 +2,7 @@
 
     python benchmarks/hf_models.py            # hidden 1024, seq 256 (a few minutes on 2 cores)
     python benchmarks/hf_models.py --quick    # tiny sizes: a smoke run
+    python benchmarks/hf_models.py --device cuda --dtype bfloat16   # on a GPU
 
 Both sides run a training step (forward with labels, backward) on the same batch, eager
 and under ``torch.compile``; the ratio is fastdist's time over one device's, measured in
@@ -60,13 +61,14 @@ def _paired(base: Callable[[], Any], fn: Callable[[], Any], reps: int) -> tuple[
     return statistics.median(tb), statistics.median(tf), statistics.median(ratios)
 
 
-def bench(quick: bool, tp: int = 4) -> list[dict[str, Any]]:
-    one = _llama(quick)
+def bench(quick: bool, tp: int = 4, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
+    one = _llama(quick).to(device=device, dtype=dtype)
     model = copy.deepcopy(one)
     mesh = fd.Mesh({"tp": tp})
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
     B, S = (2, 32) if quick else (2, 256)
-    ids = torch.randint(0, one.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, one.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     ids_r = ids.expand(tp, B, S)
 
     def one_loss(ids: torch.Tensor) -> torch.Tensor:
@@ -80,6 +82,7 @@ def bench(quick: bool, tp: int = 4) -> list[dict[str, Any]]:
             for p in params:
                 p.grad = None
             loss(x).backward()
+            sync()  # a device's work is asynchronous: time it done
 
         return run
 
@@ -92,7 +95,7 @@ def bench(quick: bool, tp: int = 4) -> list[dict[str, Any]]:
         base(), fn()  # compile (timed apart)
         first = time.perf_counter() - t0
         tb, tf, ratio = _paired(base, fn, reps)
-        rows.append({"case": f"HF Llama fwd+bwd, {mode}", "hidden": one.config.hidden_size, "seq": S, "tp": tp,
+        rows.append({"case": f"HF Llama fwd+bwd, {mode}" + ("" if device == "cpu" else f", {device} {str(dtype).removeprefix('torch.')}"), "hidden": one.config.hidden_size, "seq": S, "tp": tp,
                      "one_device_ms": tb * 1e3, "fastdist_ms": tf * 1e3, "ratio": ratio, "first_call_s": first})
     return rows
 
@@ -101,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)
     torch.set_num_threads(torch.get_num_threads())
-    rows = bench(args.quick)
+    rows = bench(args.quick, device=args.device, dtype=getattr(torch, args.dtype))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hf_models.json").write_text(json.dumps(rows, indent=1))
     lines = ["| case | hidden | seq | tp | one device ms | fastdist (all ranks) ms | ratio |", "|---|---|---|---|---|---|---|"]
