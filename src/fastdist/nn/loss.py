@@ -100,7 +100,7 @@ class _LocalSoftmaxStats(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, top: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(x: Tensor, top: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         e = (x - top.unsqueeze(-1)).exp_()  # (..., V_local), a fresh tensor exponentiated in place
         picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - top  # (...)
         return e.sum(-1), picked, e
@@ -112,7 +112,7 @@ class _LocalSoftmaxStats(torch.autograd.Function):
         ctx.save_for_backward(output[2], inputs[2])
 
     @staticmethod
-    def backward(ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None, _: Any) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None, _: Any) -> tuple[Tensor | None, None, None]:
         e, index = ctx.saved_tensors
         if g_sum is None and g_picked is None:
             return None, None, None
@@ -155,7 +155,7 @@ def _token_losses(op: str, logits: Tensor, target: Tensor, mesh: Mesh, axis: Axi
         shifted = x - top.unsqueeze(-1)
         local_sum, picked = shifted.exp().sum(-1), shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
-        local_sum, picked, _ = _LocalSoftmaxStats.apply(x, top, index)
+        local_sum, picked, _ = _LocalSoftmaxStats.apply(x, top, index)  # type: ignore[no-untyped-call]
     sums = psum(torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis)  # one collective for both
     counted = target != ignore_index
     return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
