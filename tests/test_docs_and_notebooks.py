@@ -66,6 +66,18 @@ def test_cli_demo_exits_zero_and_reports() -> None:
     assert "rank 3 (dp=1, tp=1): loss" in proc.stdout and "OK: every rank matches" in proc.stdout
 
 
+def test_cli_help_is_plain_text_and_names_how_it_was_called() -> None:
+    """No reStructuredText markup in --help, and the usage line says what the user typed."""
+    as_module = subprocess.run([sys.executable, "-m", "fastdist", "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert as_module.startswith("usage: python -m fastdist ") and "python -m fastdist demo --tp 8 --compile" in as_module
+    script = Path(sys.executable).parent / "fastdist"
+    if script.exists():  # the console script of the installed distribution
+        out = subprocess.run([str(script), "demo", "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert out.startswith("usage: fastdist demo ") and "Exit status 0 when every rank matches" in out
+        as_module += out
+    assert "``" not in as_module and ":class:" not in as_module and ":func:" not in as_module
+
+
 def test_cli_demo_exits_nonzero_on_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import fastdist.demo
     from fastdist.__main__ import main
