@@ -10,6 +10,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -31,12 +32,55 @@ def fresh_module(name: str) -> Iterator[dict[str, object]]:
         del sys.modules[name]
 
 
+SMALL = r"(\d\.\d+e-1[5-9]|0\.0(e\+00)?)"  # a float-rounding difference, printed
+# What each notebook's cells must print (regular expressions searched in the cell's text output,
+# by code-cell index among all cells): the prose around them states these facts.
+NOTEBOOK_PRINTS: dict[str, dict[int, list[str]]] = {
+    "01_tour_of_collectives.ipynb": {
+        6: [r"psum tp: \[6\.0, 6\.0, 6\.0, 6\.0, 22\.0, 22\.0, 22\.0, 22\.0\]", r"pmean dp: \[2\.0, 3\.0, 4\.0, 5\.0, 2\.0"],
+        14: [r"ring_shift tp  : \[3\.0, 0\.0, 1\.0, 2\.0, 7\.0, 4\.0, 5\.0, 6\.0\]", r"axis_size tp   : 4"],
+        16: [r"0:4 │ rank 0 │ rank 1 │ rank 2 │ rank 3 │", r"4:8 │ rank 4 │ rank 5 │ rank 6 │ rank 7 │"],
+    },
+    "02_tp_mlp_gradients.ipynb": {
+        5: [rf"max \|dx  - single device\|: {SMALL}\n", rf"max \|dW1 - single device\|: {SMALL}\n", rf"max \|dW2 - single device\|: {SMALL}\n"],
+        7: [r"without pvary: [1-9]\d*\.\d+\n", r"but the partials sum to dx: True\n"],
+        9: [rf"compiled: max \|dx - single device\|: {SMALL}\n"],
+        13: [rf"max grad diff vs single device: {SMALL}\n", r"Fix: wrap operand 0 in fastdist\.pvary"],
+    },
+    "03_ulysses_vs_ring_attention.ipynb": {
+        3: [rf"Ulysses max error: {SMALL}\n", rf"\nring    max error: {SMALL}\n", rf"causal ring max error: {SMALL}\n"],
+        5: [r"Ulysses: max gradient error \d\.\de[+-]\d\d", r"ring: max gradient error \d\.\de-1[5-9]"],
+    },
+}
+NOTEBOOK_FIGURES = {"01_tour_of_collectives.ipynb": [8]}  # cells that must display a figure (inline, as in Jupyter)
+
+
+def _cell_text(cell: Any) -> str:
+    parts = []
+    for o in cell.get("outputs", []):
+        if o["output_type"] == "stream":
+            parts.append(o["text"])
+        elif o["output_type"] in ("execute_result", "display_data"):
+            parts.append(o["data"].get("text/plain", ""))
+    return "".join(parts)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path: Path) -> None:
-    """Execute the notebook in a real Jupyter kernel; any cell error fails the test."""
+def test_notebook_runs_and_prints_what_its_text_says(path: Path) -> None:
+    """Execute the notebook in a real Jupyter kernel; no cell errors, each checked cell prints what the prose claims."""
     nb = nbformat.read(path, as_version=4)
     assert any(c.cell_type == "code" for c in nb.cells), f"{path.name} has no code cells"
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    for i, patterns in NOTEBOOK_PRINTS[path.name].items():
+        assert nb.cells[i].cell_type == "code", f"{path.name} cell {i} is not code"
+        text = _cell_text(nb.cells[i])
+        for pat in patterns:
+            assert re.search(pat, text), f"{path.name} cell {i} does not print {pat!r}; it printed:\n{text}"
+    for i in NOTEBOOK_FIGURES.get(path.name, []):
+        kinds = [k for o in nb.cells[i].outputs if o["output_type"] == "display_data" for k in o["data"]]
+        assert "image/png" in kinds, f"{path.name} cell {i} shows no figure (outputs: {kinds})"
+    for cell in nb.cells:  # a notebook must not switch Jupyter's inline backend off
+        assert 'matplotlib.use("Agg")' not in cell.source
 
 
 def test_there_are_the_three_notebooks() -> None:

@@ -44,6 +44,27 @@ def test_sharding_view_blocks_match_the_shards() -> None:
     assert "block" in str(view) and "<table>" in view._repr_html_()
 
 
+def test_sharding_picture_and_refusals_match_spmd() -> None:
+    """The picture names every block's holders; what spmd refuses (issue 21: (8, 6) over tp=4) raises the same MeshError."""
+    mesh = fd.Mesh({"dp": 2, "tp": 4})
+    view = fd.show_sharding((8, 8), fd.P(None, "tp"), mesh)
+    assert view.blocks() == {((0, 8), (2 * j, 2 * j + 2)): [j, j + 4] for j in range(4)}
+    lines = str(view).splitlines()
+    assert lines[3] == "0:8 │ ranks 0,4 │ ranks 1,5 │ ranks 2,6 │ ranks 3,7 │"
+    assert lines[1].split() == ["0:2", "2:4", "4:6", "6:8"]
+    page = view._repr_html_()
+    assert re.findall(r"background:#[0-9a-f]{6}'>([\d,]+)</td>", page) == ["0,4", "1,5", "2,6", "3,7"]
+    x = torch.arange(64.0).reshape(8, 8)
+    with pytest.raises(fd.MeshError, match=r"splits dim 1 \(size 6\) over \('tp',\) \(4 ranks\).*Fix: pad dim 1 to a multiple of 4"):
+        fd.show_sharding((8, 6), fd.P("dp", "tp"), mesh)
+    with pytest.raises(fd.MeshError, match="splits dim 1"):  # spmd refuses the same split
+        fd.spmd(lambda a: a, mesh, in_specs=(fd.P("dp", "tp"),), out_specs=fd.P("dp", "tp"))(x[:, :6])
+    with pytest.raises(fd.MeshError, match=r"has 3 entries but the shape \[8, 8\] has 2 dims"):
+        fd.show_sharding((8, 8), fd.P("dp", "tp", None), mesh)
+    one_d = str(fd.show_sharding((8,), fd.P(("tp", "dp")), fd.Mesh({"dp": 2, "tp": 2}))).splitlines()
+    assert one_d[3] == " │ rank 0 │ rank 2 │ rank 1 │ rank 3 │"  # tp major, dp minor along the dim
+
+
 def test_show_ranks_side_by_side_and_errors() -> None:
     mesh = fd.Mesh({"tp": 2})
     out = fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(torch.tensor([[1.0], [2.0]]))

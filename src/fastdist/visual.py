@@ -15,11 +15,14 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from .checking import block_of
+from .errors import MeshError
 from .mesh import AxisName, Mesh
 
-__all__ = ["MeshView", "ShardingView", "RanksView", "show_sharding", "show_ranks", "plot_ranks"]
+__all__ = ["MeshView", "RanksView", "ShardingView", "plot_ranks", "show_ranks", "show_sharding"]
 
 _COLOURS = ["#cfe8fc", "#fde2c8", "#d5f5d5", "#f9d0e0", "#e6dcfa", "#fff3b0", "#d0f0f0", "#f0d8c0"]
 
@@ -88,50 +91,124 @@ class MeshView:
 
 
 class ShardingView:
-    """Which block of a global tensor each rank holds under a ``PartitionSpec``."""
+    """Which block of a global tensor each rank holds under a ``PartitionSpec``.
+
+    The blocks come from :func:`fastdist.checking.block_of`, the one block function that
+    ``spmd``, ``fastdist.nn`` and ``fastdist.testing`` use, so a spec they refuse (a dim that
+    the axes' sizes do not divide, an unknown axis) raises :class:`~fastdist.MeshError` here too.
+    For 1-D and 2-D shapes ``str()`` starts with a picture: one box per block, naming the
+    ranks that hold it (like JAX's ``visualize_array_sharding``).
+    """
 
     def __init__(self, shape: Sequence[int], spec: Any, mesh: Mesh) -> None:
-        self.shape, self.spec, self.mesh = tuple(shape), spec, mesh
+        self.shape, self.spec, self.mesh = tuple(int(s) for s in shape), spec, mesh
+        if len(getattr(spec, "dims", ())) > len(self.shape):
+            raise MeshError(f"show_sharding: {spec!r} has {len(spec.dims)} entries but the shape {list(self.shape)} has {len(self.shape)} dims. "
+                            "Fix: one entry per leading dim at most")
+        self._ranges = [self._block(r) for r in range(mesh.size)]  # raises what spmd raises
 
-    def rows(self) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    def _block(self, rank: int) -> list[tuple[int, int]]:
+        """[start, stop) per dim of ``rank``'s block, read off block_of on an index probe per dim (no memory)."""
         out = []
-        for r in range(self.mesh.size):
-            slices, local = [], []
-            for d, size in enumerate(self.shape):
-                names = self.spec.axes_of(d) if d < len(self.spec.dims) else ()
-                if names:
-                    n, i = self.mesh.axis_size(names), self.mesh.index(r, names)
-                    step = size // n
-                    slices.append(f"{i * step}:{(i + 1) * step}")
-                    local.append(step)
-                else:
-                    slices.append(":")
-                    local.append(size)
-            coords = " ".join(f"{a}={v}" for a, v in self.mesh.coords(r).items())
-            out.append((r, coords, "[" + ", ".join(slices) + "]", tuple(local)))
+        for d, size in enumerate(self.shape):
+            probe = torch.arange(size).reshape([size if i == d else 1 for i in range(len(self.shape))]).expand(self.shape)
+            blk = block_of(probe, self.spec, self.mesh, rank)
+            out.append((int(blk.min()), int(blk.max()) + 1) if blk.numel() else (0, blk.shape[d]))
         return out
 
+    def rows(self) -> list[tuple[int, str, str, tuple[int, ...]]]:
+        """(rank, coordinates, block as ``[a:b, ...]`` (``:`` for a whole dim), local shape) per rank."""
+        out = []
+        for r, ranges in enumerate(self._ranges):
+            slices = [":" if (lo, hi) == (0, size) else f"{lo}:{hi}" for (lo, hi), size in zip(ranges, self.shape)]
+            coords = " ".join(f"{a}={v}" for a, v in self.mesh.coords(r).items())
+            out.append((r, coords, "[" + ", ".join(slices) + "]", tuple(hi - lo for lo, hi in ranges)))
+        return out
+
+    def blocks(self) -> dict[tuple[tuple[int, int], ...], list[int]]:
+        """Each distinct block (its [start, stop) per dim) and the ranks holding it, in block order."""
+        held: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for r, ranges in enumerate(self._ranges):
+            held.setdefault(tuple(ranges), []).append(r)
+        return dict(sorted(held.items()))
+
+    def _cells(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[tuple[int, int], list[int]]] | None:
+        """For a 1-D/2-D shape: row ranges, column ranges and the ranks of each (row, column) block."""
+        if len(self.shape) not in (1, 2) or 0 in self.shape:
+            return None
+        blocks = {((k[0], k[1]) if len(k) > 1 else ((0, self.shape[0]), k[0])): v for k, v in self.blocks().items()}  # 1-D: one row
+        rows, cols = sorted({k[0] for k in blocks}), sorted({k[1] for k in blocks})
+        return rows, cols, {(i, j): blocks[(rr, cc)] for i, rr in enumerate(rows) for j, cc in enumerate(cols)}
+
+    def picture(self) -> str:
+        """Box-drawing picture of the blocks (1-D and 2-D shapes; empty string otherwise)."""
+        cells = self._cells()
+        if cells is None:
+            return ""
+        rows, cols, ranks = cells
+        text = {k: "rank " + ",".join(map(str, v)) if len(v) == 1 else "ranks " + ",".join(map(str, v)) for k, v in ranks.items()}
+        w = max(len(t) for t in text.values()) + 2
+        two_d = len(self.shape) == 2
+
+        def label(lo: int, hi: int) -> str:
+            return f"{lo}:{hi}" if two_d else ""  # a 1-D shape is one row, unlabelled
+
+        lw = max(len(label(lo, hi)) for lo, hi in rows)
+
+        def edge(left: str, mid: str, right: str) -> str:
+            return " " * (lw + 1) + left + mid.join("─" * w for _ in cols) + right
+
+        lines = [" " * (lw + 1) + " " + " ".join(f"{lo}:{hi}".center(w) for lo, hi in cols), edge("┌", "┬", "┐")]
+        for i, (lo, hi) in enumerate(rows):
+            lines.append(label(lo, hi).rjust(lw) + " │" + "│".join(text[(i, j)].center(w) for j in range(len(cols))) + "│")
+            lines.append(edge("├", "┼", "┤") if i < len(rows) - 1 else edge("└", "┴", "┘"))
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _title(self) -> str:
+        return f"global {list(self.shape)} as {self.spec!r} on {self.mesh!r}"
+
     def __str__(self) -> str:
-        head = f"global {list(self.shape)} as {self.spec!r} on {self.mesh!r}"
         body = [[str(r), c, s, str(list(loc))] for r, c, s, loc in self.rows()]
-        return head + "\n" + _table(["rank", "coords", "block", "local shape"], body)
+        pic = self.picture()
+        return self._title() + "\n" + (pic + "\n" if pic else "") + _table(["rank", "coords", "block", "local shape"], body)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{r}</td><td>{html.escape(c)}</td><td>{html.escape(s)}</td><td>{list(loc)}</td></tr>" for r, c, s, loc in self.rows()
-        )
-        head = html.escape(f"global {list(self.shape)} as {self.spec!r} on {self.mesh!r}")
-        return f"<div><b>{head}</b><table><tr><th>rank</th><th>coords</th><th>block</th><th>local shape</th></tr>{rows}</table></div>"
+        out = [f"<div><b>{html.escape(self._title())}</b>"]
+        cells = self._cells()
+        if cells is not None:  # the picture: one coloured box per block
+            rows, cols, ranks = cells
+            out.append("<table style='border-collapse:collapse;font-family:monospace;margin:6px 0'>")
+            out.append("<tr><th></th>" + "".join(f"<th style='padding:2px 8px'>{lo}:{hi}</th>" for lo, hi in cols) + "</tr>")
+            for i, (lo, hi) in enumerate(rows):
+                out.append(f"<tr><th style='padding:2px 8px;text-align:right'>{f'{lo}:{hi}' if len(self.shape) == 2 else ''}</th>")
+                for j in range(len(cols)):
+                    held = ranks[(i, j)]
+                    colour = _COLOURS[(i * len(cols) + j) % len(_COLOURS)]
+                    out.append(f"<td style='border:1px solid #999;padding:8px 14px;text-align:center;background:{colour}'>{','.join(map(str, held))}</td>")
+                out.append("</tr>")
+            out.append("</table>")
+        table = "".join(f"<tr><td>{r}</td><td>{html.escape(c)}</td><td>{html.escape(s)}</td><td>{list(loc)}</td></tr>" for r, c, s, loc in self.rows())
+        out.append(f"<table><tr><th>rank</th><th>coords</th><th>block</th><th>local shape</th></tr>{table}</table></div>")
+        return "".join(out)
 
 
 def show_sharding(x: Tensor | Sequence[int], spec: Any, mesh: Mesh) -> ShardingView:
     """How ``x`` (a tensor or a shape) splits over ``mesh`` under ``spec``: each rank's block.
 
+    Raises :class:`~fastdist.MeshError` for a spec ``spmd`` would refuse (a dim its axes'
+    sizes do not divide, an unknown axis, more entries than dims).
+
     >>> import fastdist as fd
     >>> print(fd.show_sharding((4, 6), fd.P("dp", "tp"), fd.Mesh({"dp": 2, "tp": 2})))
     global [4, 6] as P('dp', 'tp') on Mesh({'dp': 2, 'tp': 2})
+           0:3      3:6
+        ┌────────┬────────┐
+    0:2 │ rank 0 │ rank 1 │
+        ├────────┼────────┤
+    2:4 │ rank 2 │ rank 3 │
+        └────────┴────────┘
     rank     coords       block  local shape
        0  dp=0 tp=0  [0:2, 0:3]       [2, 3]
        1  dp=0 tp=1  [0:2, 3:6]       [2, 3]
