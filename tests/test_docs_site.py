@@ -7,14 +7,44 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_mkdocs_builds_strict(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built once, with warnings as errors."""
+    out = tmp_path_factory.mktemp("docs") / "site"
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    page = (tmp_path / "site" / "api" / "index.html").read_text()
+    return out
+
+
+def test_mkdocs_builds_strict(site: Path) -> None:
+    page = (site / "api" / "index.html").read_text()
     assert "fastdist.psum" in page and "All-reduce sum" in page  # docstrings rendered
+
+
+def test_built_site_reads_right(site: Path) -> None:
+    """The rendered HTML, as a reader sees it: no literal Sphinx roles, doctest examples as code (not
+    nested block quotes), a Returns paragraph as one description, only the public API listed."""
+    import re
+
+    pages = {p.relative_to(site).as_posix(): p.read_text() for p in site.rglob("*.html")}
+    assert len(pages) >= 12
+    for name, page in pages.items():
+        body = re.sub(r"<(script|style)\b.*?</\1>", "", page, flags=re.DOTALL)
+        roles = re.findall(r":(?:py:)?(?:func|class|meth|mod|data|attr|exc|obj):`?", body)
+        assert not roles, f"{name}: literal Sphinx roles {roles[:5]}"
+        quoted = re.findall(r"<blockquote>(?:(?!</blockquote>).)*&gt;&gt;&gt;", body, flags=re.DOTALL)
+        assert not quoted, f"{name}: a doctest rendered as a block quote"
+    api = pages["api/index.html"]
+    in_code = re.findall(r"<div class=\"highlight\"><pre>(?:(?!</pre>).)*</pre>", api, flags=re.DOTALL)
+    prompts = sum(block.count("&gt;&gt;&gt;") for block in in_code)
+    assert prompts >= 80 and prompts == api.count("&gt;&gt;&gt;")  # every example line is in a code block
+    assert "rank_binding" not in api and "fastdist.simulate.promote" not in api  # internal helpers are not API
+    assert re.search(r"<td[^>]*>(?:(?!</td>).)*A function taking the same arguments(?:(?!</td>).)*Results carry the rank dimension", api, flags=re.DOTALL)
+    for anchor in re.findall(r'id="(fastdist\.[\w.]+)"', api):
+        assert not any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in anchor.split(".")), anchor
