@@ -48,3 +48,17 @@ def test_built_site_reads_right(site: Path) -> None:
     assert re.search(r"<td[^>]*>(?:(?!</td>).)*A function taking the same arguments(?:(?!</td>).)*Results carry the rank dimension", api, flags=re.DOTALL)
     for anchor in re.findall(r'id="(fastdist\.[\w.]+)"', api):
         assert not any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in anchor.split(".")), anchor
+
+
+def test_site_has_install_notebooks_and_performance_pages(site: Path) -> None:
+    import re
+
+    index = (site / "index.html").read_text()
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", index))
+    assert 'id="install"' in index and "pip install torch-fastdist" in text
+    assert "MALLOC_MMAP_THRESHOLD_" not in index  # allocator tuning lives on the performance page
+    assert "MALLOC_MMAP_THRESHOLD_" in (site / "performance" / "index.html").read_text()
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        page = (site / "notebooks" / nb.stem / "index.html").read_text()
+        assert f"notebooks/{nb.name}" in page and page.count('class="highlight"') >= 3, nb.name
+    assert "all_gather" in (site / "gradients" / "index.html").read_text() and "psum_scatter" in (site / "gradients" / "index.html").read_text()
