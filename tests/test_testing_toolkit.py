@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from hypothesis import given
@@ -105,5 +108,86 @@ def test_run_on_gloo_returns_every_rank_result() -> None:
 
 
 def test_run_on_gloo_reports_the_failing_rank() -> None:
-    with pytest.raises(AssertionError, match=r"(?s)run_on_gloo\(gloo_fail, 2\) failed:.*--- rank \d ---.*ValueError: boom on purpose"):
+    with pytest.raises(fd.GlooRunError, match=r"(?s)^run_on_gloo\(gloo_fail, 2\) failed:\n--- rank \d: raised ValueError: boom on purpose\nTraceback") as info:
         run_on_gloo(gloo_fail, 2)
+    e = info.value
+    assert isinstance(e, AssertionError) and not e.timed_out and sorted(e.failures) == [0, 1] and e.exitcodes == {0: 1, 1: 1}
+    for text in e.failures.values():
+        assert text.startswith("raised ValueError: boom on purpose\nTraceback (most recent call last):\n")
+        assert 'in gloo_fail\n    raise ValueError("boom on purpose")' in text and "_gloo_entry" not in text  # from the user's function down
+
+
+def gloo_many_tensors(n: int) -> dict[str, object]:
+    """A result that holds many tensors (they once travelled as shared-memory handles that died with the rank)."""
+    mesh = fd.Mesh.from_torch(tp=2)
+    big = torch.arange(1000.0)
+    return {"rank": mesh.rank, "tensors": [torch.full((2,), float(i * 10 + mesh.rank)) for i in range(n)], "views": [big[i : i + 3] for i in range(0, 30, 10)]}
+
+
+def test_run_on_gloo_returns_results_holding_many_tensors() -> None:
+    results = run_on_gloo(gloo_many_tensors, 2, 500)
+    for r, got in enumerate(results):
+        assert got["rank"] == r and len(got["tensors"]) == 500
+        assert torch.equal(torch.stack(got["tensors"]), (torch.arange(500.0) * 10 + r).unsqueeze(1).expand(500, 2))
+        assert [v.tolist() for v in got["views"]] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0], [20.0, 21.0, 22.0]]
+
+
+def gloo_exit(code: int) -> None:
+    """Rank 1 dies without a word; rank 0 waits (as a peer blocked in a collective would)."""
+    import os
+    import time
+
+    if fd.Mesh.from_torch(tp=2).rank == 1:
+        os._exit(code)
+    time.sleep(60)
+
+
+def test_run_on_gloo_reports_a_rank_that_died_promptly() -> None:
+    start = time.monotonic()
+    with pytest.raises(fd.GlooRunError) as info:
+        run_on_gloo(gloo_exit, 2, 3, timeout=60, grace=1)
+    took = time.monotonic() - start
+    e = info.value
+    assert list(e.failures) == [1, 0] and not e.timed_out  # the cause first
+    assert e.failures[1] == "exited with code 3 before it saved a result (os._exit, or a crash in native code)"
+    assert e.failures[0] == "still running 1 s after rank 1 failed: killed (probably waiting for it in a collective)"
+    assert e.exitcodes == {0: -9, 1: 3}
+    assert str(e).startswith("run_on_gloo(gloo_exit, 2) failed:\n--- rank 1: exited with code 3")
+    assert took < 20, took  # spawning two ranks + 1 s grace, not the 60 s timeout
+
+
+def gloo_sleep() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_run_on_gloo_times_out_and_says_so() -> None:
+    start = time.monotonic()
+    with pytest.raises(fd.GlooRunError, match=r"^run_on_gloo\(gloo_sleep, 2\) timed out:\n--- rank 0: still running after the 3 s timeout: killed\n--- rank 1: ") as info:
+        run_on_gloo(gloo_sleep, 2, timeout=3)
+    assert info.value.timed_out and info.value.exitcodes == {0: -9, 1: -9}
+    assert 3 <= time.monotonic() - start < 15
+
+
+def test_concurrent_run_on_gloo_calls_do_not_collide() -> None:
+    """Each run has its own store on a port the OS gave the parent: parallel runs cannot take each other's port."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run_on_gloo, gloo_psum, 2, float(k)) for k in (1, 2)]
+        assert [f.result(timeout=120) for f in runs] == [[[1.0], [1.0]], [[2.0], [2.0]]]
+
+
+def test_what_a_rank_left_behind_is_read_as_what_happened(tmp_path) -> None:
+    """In-process: an unsaveable result, a missing one after a signal or an exit code (what run_on_gloo reports)."""
+    from fastdist.testing import _outcome, _save
+
+    _save(str(tmp_path / "rank0.pt"), ("ok", lambda: 1))  # a lambda cannot be pickled
+    ok, text = _outcome(0, 0, str(tmp_path))
+    assert not ok and text.startswith("raised an error saving its result\nTraceback") and "lambda" in text
+    _save(str(tmp_path / "rank1.pt"), ("ok", {"x": torch.arange(3)}))
+    ok, value = _outcome(1, 0, str(tmp_path))
+    assert ok and torch.equal(value["x"], torch.arange(3)) and not (tmp_path / "rank1.pt.tmp").exists()
+    assert _outcome(1, 1, str(tmp_path)) == (False, "returned a result, then exited with code 1 while tearing down")
+    assert _outcome(2, -9, str(tmp_path)) == (False, "killed by SIGKILL before it saved a result (out of memory? a crash in native code?)")
+    assert _outcome(2, -200, str(tmp_path))[1].startswith("killed by signal 200 before")
+    assert _outcome(2, 0, str(tmp_path)) == (False, "exited with code 0 before it saved a result (os._exit, or a crash in native code)")

@@ -52,10 +52,12 @@ from .errors import (
     CommError,
     ConsistencyError,
     FastdistError,
+    GlooRunError,
     LibraryError,
     LibraryNotFoundError,
     MeshError,
     NoBackendError,
+    ReductionDtypeError,
     TargetError,
 )
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
@@ -118,6 +120,7 @@ __all__ = [
     "FastdistError",
     "MeshError",
     "CollectiveError",
+    "ReductionDtypeError",
     "NoBackendError",
     "CommError",
     "CollectiveTimeout",
@@ -126,4 +129,5 @@ __all__ = [
     "LibraryNotFoundError",
     "ReplicationError",
     "TargetError",
+    "GlooRunError",
 ]

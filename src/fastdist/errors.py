@@ -13,6 +13,7 @@ __all__ = [
     "FastdistError",
     "MeshError",
     "CollectiveError",
+    "ReductionDtypeError",
     "NoBackendError",
     "CommError",
     "CollectiveTimeout",
@@ -20,6 +21,7 @@ __all__ = [
     "LibraryError",
     "LibraryNotFoundError",
     "TargetError",
+    "GlooRunError",
 ]
 
 
@@ -45,6 +47,24 @@ class CollectiveError(FastdistError, ValueError):
     def __init__(self, op: str, axis: object, problem: str, fix: str, rank: str = "every rank") -> None:
         self.op, self.axis, self.rank, self.fix = op, axis, rank, fix
         super().__init__(f"fastdist.{op}(axis={axis!r}) on {rank}: {problem}. Fix: {fix}")
+
+
+class ReductionDtypeError(CollectiveError, TypeError):
+    """A reduction (``psum``, ``pmean``, ``pmax``, ``pmin``, ``psum_scatter``, ``reduce_scatter_v``) got a dtype it does not take.
+
+    One rule decides, for every reduction and every backend (simulated, torch.distributed,
+    ctypes NCCL/HCCL): see "Dtypes of reductions" in the API reference. Also a ``ValueError``
+    (as every :class:`CollectiveError`) and a ``TypeError``.
+
+    Attributes:
+        op, axis, rank, fix: as :class:`CollectiveError`.
+        dtype: the refused ``torch.dtype``.
+        reduction: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+    """
+
+    def __init__(self, op: str, axis: object, dtype: object, reduction: str, problem: str, fix: str, rank: str = "every rank") -> None:
+        self.dtype, self.reduction = dtype, reduction
+        super().__init__(op, axis, problem, fix, rank=rank)
 
 
 class NoBackendError(FastdistError, RuntimeError):
@@ -142,3 +162,25 @@ class TargetError(FastdistError, ValueError):
             f"Fix: check the labels against the vocabulary (vocab_size={vocab_size}: pass vocab_size= when the logits' "
             "vocabulary is padded), or mark the tokens to skip with ignore_index"
         )
+
+
+class GlooRunError(FastdistError, AssertionError):
+    """:func:`fastdist.testing.run_on_gloo` failed: what happened to each rank that gave no result.
+
+    An ``AssertionError``, so a test that calls ``run_on_gloo`` fails (not errors) under pytest.
+
+    Attributes:
+        fn: the name of the function the ranks ran.
+        world_size: how many ranks ran it.
+        failures: rank -> what happened, in the order it was seen (the first is usually the
+            cause): ``"raised ValueError: ..."`` with the rank's traceback, ``"exited with code
+            3 ..."``, ``"killed by SIGKILL ..."``, ``"still running after the ... s timeout"``.
+        exitcodes: rank -> its process's exit code (negative: the signal that ended it).
+        timed_out: whether the run hit ``timeout`` with no other failure to explain it.
+    """
+
+    def __init__(self, fn: str, world_size: int, failures: dict[int, str], exitcodes: dict[int, int | None], timed_out: bool) -> None:
+        self.fn, self.world_size, self.failures, self.exitcodes, self.timed_out = fn, world_size, dict(failures), dict(exitcodes), timed_out
+        what = "timed out" if timed_out else "failed"
+        body = "\n".join(f"--- rank {r}: {text}" for r, text in failures.items())
+        super().__init__(f"run_on_gloo({fn}, {world_size}) {what}:\n{body}")

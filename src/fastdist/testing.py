@@ -18,13 +18,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import math
 import multiprocessing as mp
 import os
+import signal
 import socket
+import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
 from typing import Any, NamedTuple
 
 import torch
@@ -32,7 +39,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from .checking import CheckMode, PartitionSpec, Rep, block_of, checked_call
-from .errors import MeshError
+from .errors import GlooRunError, MeshError
 from .mesh import AxisName, Mesh
 from .simulate import simulate
 
@@ -159,60 +166,141 @@ def assert_matches_single_device(
 
 # ============================================================================ real gloo processes
 def _free_port() -> int:
+    """A port that was free a moment ago (racy: another process may take it before it is used; run_on_gloo does not use it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _gloo_entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], queue: Any) -> None:
+def _save(path: str, payload: tuple[Any, ...]) -> None:
+    """Write ``payload`` with ``torch.save`` to ``path`` atomically (the parent reads only whole files)."""
+    buf = io.BytesIO()
+    try:
+        torch.save(payload, buf)
+    except Exception:  # noqa: BLE001 - an unsaveable result is reported as this rank's failure
+        buf = io.BytesIO()
+        torch.save(("raised", "an error saving its result", traceback.format_exc().rstrip()), buf)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(buf.getbuffer())
+    os.replace(tmp, path)
+
+
+def _gloo_entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out_dir: str, timeout: float) -> None:
+    """One rank: join the gloo group through the parent's store, run ``fn``, save what happened to ``out_dir/rank<r>.pt``."""
     import torch.distributed as dist
 
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    limit = datetime.timedelta(seconds=timeout)
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        queue.put((rank, True, fn(*args)))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
+        torch.set_num_threads(1)  # ranks share the machine's cores (the parent's environment is left as it is)
+        with contextlib.suppress(RuntimeError):  # refused once inter-op work has started (e.g. while importing fn's module)
+            torch.set_num_interop_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
+        value = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None and e.__traceback__.tb_next is not None else e.__traceback__  # from fn down
+        _save(path, ("raised", f"{type(e).__name__}: {e}", "".join(traceback.format_exception(type(e), e, tb)).rstrip()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no teardown: a process group with a peer stuck in a collective can block it
+    _save(path, ("ok", value))
+    dist.destroy_process_group()
 
 
-def run_on_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def _outcome(rank: int, exitcode: int | None, out_dir: str) -> tuple[bool, Any]:
+    """``(True, result)``, or ``(False, what happened)`` for a rank whose process has ended."""
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    if not os.path.exists(path):
+        if exitcode is not None and exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+            return False, f"killed by {name} before it saved a result (out of memory? a crash in native code?)"
+        return False, f"exited with code {exitcode} before it saved a result (os._exit, or a crash in native code)"
+    try:
+        payload = torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - reported as this rank's failure
+        return False, f"saved a result the parent cannot load ({type(e).__name__}: {e}); return types importable here (tensors, builtins)"
+    if payload[0] == "raised":
+        return False, f"raised {payload[1]}\n{payload[2]}"
+    if exitcode != 0:
+        return False, f"returned a result, then exited with code {exitcode} while tearing down"
+    return True, payload[1]
+
+
+def run_on_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, grace: float = 5.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo processes (after ``init_process_group``); return each rank's result.
 
-    ``fn`` must be importable (a module-level function) and its results picklable. Inside,
-    build the mesh with ``fastdist.Mesh.from_torch(...)``. A rank that raises fails the call
-    with its traceback; processes still running after ``timeout`` seconds are killed.
+    ``fn`` must be importable (a module-level function); inside it, build the mesh with
+    ``fastdist.Mesh.from_torch(...)``. Each rank's result travels back with ``torch.save``
+    through a file, so it may hold any number of tensors (and anything else ``torch.save``
+    can write and this process can load). The ranks meet through a ``TCPStore`` that this
+    process opens on a port the OS picks (port 0), so runs in parallel threads or processes
+    never collide.
+
+    Raises:
+        GlooRunError: (an ``AssertionError``) saying what happened to each rank that gave no
+            result: the exception and traceback of a rank that raised; the exit code or signal
+            of a rank that died without one (reported within ``grace`` seconds, the peers still
+            waiting for it killed); or, at ``timeout`` seconds, the ranks still running (killed).
+            Never hangs: every process is gone when this returns or raises.
     """
+    import torch.distributed as dist
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise MeshError(f"run_on_gloo: world_size={world_size!r} is not a positive int")
+    name = getattr(fn, "__name__", repr(fn))
+    limit = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=limit, wait_for_workers=False)  # type: ignore[attr-defined]
+    try:
+        return _run_ranks(fn, name, world_size, args, store.port, timeout, grace)
+    finally:
+        del store  # the rendezvous closes with the run (a raised error's traceback must not keep it open)
+
+
+def _run_ranks(fn: Callable[..., Any], name: str, world_size: int, args: tuple[Any, ...], port: int, timeout: float, grace: float) -> list[Any]:
+    """Start the ranks, watch them until each has ended (or the time is up), kill what is left, collect the results."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        procs = [ctx.Process(target=_gloo_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    results: dict[int, Any] = {}
-    failures: list[str] = []
-    try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if ok:
-                results[rank] = value
-            else:
-                failures.append(f"--- rank {rank} ---\n{value}")
-    except Exception:  # noqa: BLE001 - queue.Empty on timeout
-        failures.append(f"timed out after {timeout} s waiting for {world_size - len(results) - len(failures)} rank(s)")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    if failures:
-        raise AssertionError(f"run_on_gloo({getattr(fn, '__name__', fn)}, {world_size}) failed:\n" + "\n".join(failures))
+    with tempfile.TemporaryDirectory(prefix="fastdist-gloo-") as out_dir:
+        procs = {r: ctx.Process(target=_gloo_entry, args=(fn, r, world_size, port, args, out_dir, timeout), name=f"run_on_gloo:{name}:rank{r}")
+                 for r in range(world_size)}
+        running = dict(procs)
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        first_failure: float | None = None
+        try:
+            for p in procs.values():
+                p.start()
+            deadline = time.monotonic() + timeout
+            while running:
+                left = (deadline if first_failure is None else min(deadline, first_failure + grace)) - time.monotonic()
+                if left <= 0:
+                    break
+                ready = wait([p.sentinel for p in running.values()], timeout=left)
+                for r, p in list(running.items()):
+                    if p.sentinel in ready:
+                        p.join()
+                        del running[r]
+                        ok, value = _outcome(r, p.exitcode, out_dir)
+                        if ok:
+                            results[r] = value
+                        else:
+                            failures[r] = value
+                            first_failure = time.monotonic() if first_failure is None else first_failure
+        finally:
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+            for p in procs.values():
+                if p.pid is not None:
+                    p.join(timeout=10)
+        timed_out = bool(running) and not failures
+        for r in running:
+            failures[r] = (f"still running after the {timeout:g} s timeout: killed" if timed_out else
+                           f"still running {grace:g} s after rank {next(iter(failures))} failed: killed (probably waiting for it in a collective)")
+        if failures:
+            raise GlooRunError(name, world_size, failures, {r: p.exitcode for r, p in procs.items()}, timed_out)
     return [results[r] for r in range(world_size)]
