@@ -36,7 +36,7 @@ COLLECTIVE_ERRORS = [
     (lambda x: fd.ppermute(x, MESH, "tp", 3), r"not a sequence of \(src, dst\) pairs"),
     (lambda x: fd.broadcast(x, MESH, "dp", src=2), r"broadcast\(axis='dp'\).*src=2 is not an index along the axis \(size 2\)"),
     (lambda x: fd.ring_shift(x, MESH, "tp", shift=1.5), r"ring_shift.*shift=1\.5 is not an int"),
-    (lambda x: fd.pmean(x.long(), MESH, "tp"), r"pmean\(axis='tp'\).*dtype torch\.int64 is not supported.*Fix: cast with x\.float\(\), or use psum"),
+    (lambda x: fd.pmean(x.long(), MESH, "tp"), r"pmean\(axis='tp'\).*cannot average torch\.int64 tensors.*Fix: cast with x\.float\(\) first, or psum and divide"),
     (lambda x: fd.pmax(x.to(torch.complex64), MESH, "tp"), r"pmax.*complex numbers are not ordered"),
     (lambda x: fd.psum(x.bool(), MESH, "tp"), r"psum.*bool.*x\.int\(\)"),
     (lambda x: fd.psum_scatter(x.bool(), MESH, "tp"), r"psum_scatter.*bool"),

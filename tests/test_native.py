@@ -224,7 +224,7 @@ def test_call_arguments_reach_the_library(fakelib: str) -> None:
     assert (bc["count"], bc["dtype"], bc["root"]) == ("6", "6", "0")  # 3 rows x 2, float16
     assert (ag["count"], ag["dtype"]) == ("8", "1")  # fp8 travels as uint8
     assert (send["count"], send["dtype"], send["peer"]) == ("12", "1", "0")  # int16 (no NCCL type): 6 x 2 bytes as uint8
-    with pytest.raises(fd.CommError, match=r"fastdist.psum\(axis='tp'\) on rank 0.*cannot reduce torch.float8_e5m2"):
+    with pytest.raises(fd.ReductionDtypeError, match=r"fastdist.psum\(axis='tp'\) on rank 0: cannot sum torch.float8_e5m2 tensors.*Fix: upcast"):
         comm.all_reduce("psum", f8, "sum")
     with pytest.raises(fd.CommError, match="the tensor is on meta"):
         comm.all_reduce("psum", torch.ones(2, device="meta"), "sum")

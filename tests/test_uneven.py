@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -268,3 +269,55 @@ def test_argument_errors(fn: Any, match: str) -> None:
 def test_data_dependent_errors_name_the_rank(send: list[list[int]], cap: int, match: str) -> None:
     with pytest.raises(fd.CollectiveError, match=match):
         fd.simulate(lambda x, s: fd.ragged_all_to_all(x, MESH, "tp", s, capacity=cap)[0], MESH)(torch.zeros(3, 4, 2), torch.tensor(send))
+
+
+# ============================================================================ row counts are integers, never truncated
+V_OPS = {
+    "all_gather_v": lambda x, s: fd.all_gather_v(x, MESH, "tp", s),
+    "reduce_scatter_v": lambda x, s: fd.reduce_scatter_v(x[:3], MESH, "tp", s, capacity=3),
+    "gather_v": lambda x, s: fd.gather_v(x, MESH, "tp", s, dst=0, capacity=6),
+    "scatter_v": lambda x, s: fd.scatter_v(x[:3], MESH, "tp", s, src=0, capacity=3),
+}
+
+
+@pytest.mark.parametrize("op", list(V_OPS))
+@pytest.mark.parametrize(
+    "sizes, entry",
+    [
+        ([1.9, 0.6, 0.5], r"sizes\[0\] = 1\.9 is a float"),
+        ([1, 2.0, 0], r"sizes\[1\] = 2\.0 is a float"),  # whole floats too: a float is never a row count
+        ([1, True, 1], r"sizes\[1\] = True is a bool"),
+        ([1, 1, np.float32(1.0)], r"sizes\[2\] = np\.float32\(1\.0\) is a float32"),
+        ([1, np.bool_(True), 1], r"sizes\[1\] = np\.True_ is a bool"),
+        (torch.tensor([1.0, 1.0, 1.0]), r"sizes\[0\] = tensor\(1\.\) is a 0-d torch\.float32 tensor"),
+        ([torch.tensor(1), torch.tensor([1]), 1], r"sizes\[1\] = tensor\(\[1\]\) is a 1-d torch\.int64 tensor"),
+    ],
+)
+def test_non_integer_sizes_raise_naming_the_entry(op: str, sizes: Any, entry: str) -> None:
+    with pytest.raises(fd.CollectiveError, match=rf"^fastdist\.{op}\(axis='tp'\) on every rank: {entry}, not an integer row count\. Fix: pass Python ints"):
+        fd.simulate(lambda x: V_OPS[op](x, sizes), MESH)(torch.ones(3, 4, 2))
+
+
+@pytest.mark.parametrize("op", list(V_OPS))
+def test_negative_sizes_raise_naming_the_entry(op: str) -> None:
+    with pytest.raises(fd.CollectiveError, match=rf"^fastdist\.{op}\(axis='tp'\) on every rank: sizes\[2\] = -1 is negative"):
+        fd.simulate(lambda x: V_OPS[op](x, [2, 2, -1]), MESH)(torch.ones(3, 4, 2))
+
+
+@pytest.mark.parametrize("op", list(V_OPS))
+def test_numpy_ints_and_integer_tensors_are_sizes(op: str) -> None:
+    x = torch.arange(24.0).reshape(3, 4, 2)
+    want = fd.simulate(lambda x: V_OPS[op](x, [1, 0, 2]), MESH)(x)
+    for sizes in ([np.int64(1), np.int32(0), 2], [torch.tensor(1), torch.tensor(0, dtype=torch.int8), 2], torch.tensor([1, 0, 2]), np.array([1, 0, 2])):
+        assert torch.equal(fd.simulate(lambda x, s=sizes: V_OPS[op](x, s), MESH)(x), want), sizes
+
+
+def test_data_dependent_sizes_must_be_integer_tensors() -> None:
+    with pytest.raises(fd.CollectiveError, match=r"ragged_all_to_all\(axis='tp'\).*send_sizes has dtype torch.float32, but row counts are integers"):
+        fd.simulate(lambda x, s: fd.ragged_all_to_all(x, MESH, "tp", s, capacity=9)[0], MESH)(torch.zeros(3, 4, 2), torch.full((3, 3), 1.5))
+    with pytest.raises(fd.CollectiveError, match=r"exchange_sizes\(axis='tp'\) on every rank: local_size = 2\.5 is a float, not an integer row count"):
+        fd.simulate(lambda x: fd.exchange_sizes(2.5, MESH, "tp"), MESH)(torch.zeros(3))
+    with pytest.raises(fd.CollectiveError, match=r"exchange_sizes\(axis='tp'\).*local_size has dtype torch.float32"):
+        fd.simulate(lambda n: fd.exchange_sizes(n, MESH, "tp"), MESH)(torch.tensor([1.0, 2.0, 3.0]))
+    got = fd.simulate(lambda x: fd.exchange_sizes(np.int64(2), MESH, "tp"), MESH)(torch.zeros(3))
+    assert got.tolist() == [[2, 2, 2]] * 3

@@ -212,6 +212,9 @@ class Primitive:
             from ``V`` (varying), ``I`` (invariant), ``P`` (partial sum), e.g.
             ``("VP", "I")`` for psum; ``None`` for internal ops. Read by the checked
             mode of :func:`fastdist.spmd` (``fastdist.checking``).
+        reduces: the kind of reduction the op performs across ranks (``"sum"``, ``"mean"``,
+            ``"max"``, ``"min"``), or ``None`` for ops that only move data. Its public
+            function checks the input dtype against the one rule of ``fastdist._dtype_rule``.
     """
 
     def __init__(
@@ -227,12 +230,14 @@ class Primitive:
         dim_params: Sequence[str] = (),
         saves: bool = False,
         replication: tuple[str, str] | None = None,
+        reduces: str | None = None,
     ) -> None:
         self.name = name
         self.param_names = tuple(p for p, _ in params)
         self.inputs = tuple(inputs)
         self.shape, self.stacked, self.distributed, self.backward = shape, stacked, distributed, backward
         self.dim_params, self.saves, self.replication = tuple(dim_params), saves, replication
+        self.reduces = reduces
         args = ", ".join([*(f"Tensor {t}" for t in inputs), "int[] mesh_shape", "int[] axes", *(f"{ty} {p}" for p, ty in params)])
         for opname in (name, f"{name}_stacked"):
             _LIB.define(f"{opname}({args}) -> Tensor")  # type: ignore[no-untyped-call]

@@ -52,6 +52,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._dtype_rule import check_reduction_dtype
 from ._primitive import Primitive, Spec
 from .distributed import AxisComm
 from .errors import CollectiveError
@@ -138,9 +139,9 @@ def _need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: s
         )
 
 
-def _need_dtype(op: str, axis: AxisName, x: Tensor, ok: bool, what: str, fix: str) -> None:
-    if not ok:
-        raise CollectiveError(op, axis, f"dtype {x.dtype} is not supported ({what})", fix)
+def _need_reducible(prim: Primitive, axis: AxisName, x: Tensor) -> None:
+    """The one dtype rule of reductions (``fastdist._dtype_rule``), for ``prim``'s kind of reduction."""
+    check_reduction_dtype(prim.name, axis, x.dtype, cast(str, prim.reduces))
 
 
 def _same(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[Any, ...]:
@@ -172,7 +173,7 @@ def _psum_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g,)
 
 
-psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, distributed=_psum_dist, backward=_psum_bwd, replication=("VP", "I"))
+psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, distributed=_psum_dist, backward=_psum_bwd, replication=("VP", "I"), reduces="sum")
 
 
 def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -187,7 +188,7 @@ def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     tensor([7., 7., 7.])
     """
     x, spec = _enter("psum", x, mesh, axis)
-    _need_dtype("psum", axis, x, x.dtype != torch.bool, "bool", "cast to an integer dtype first (x.int())")
+    _need_reducible(psum_p, axis, x)
     return _apply(psum_p, mesh, x, spec)
 
 
@@ -236,7 +237,7 @@ def _pmean_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g / spec.n,)
 
 
-pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, distributed=_pmean_dist, backward=_pmean_bwd, replication=("VP", "I"))
+pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, distributed=_pmean_dist, backward=_pmean_bwd, replication=("VP", "I"), reduces="mean")
 
 
 def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -246,7 +247,7 @@ def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     Used for data-parallel gradient averaging: ``pmean(grad, mesh, "dp")``.
     """
     x, spec = _enter("pmean", x, mesh, axis)
-    _need_dtype("pmean", axis, x, x.is_floating_point() or x.is_complex(), "a mean needs a floating or complex dtype", "cast with x.float(), or use psum")
+    _need_reducible(pmean_p, axis, x)
     return _apply(pmean_p, mesh, x, spec)
 
 
@@ -291,8 +292,12 @@ def _select_extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any,
     return (o.select_extreme(g, x, out, spec=spec), None, None)
 
 
-pmax_p = Primitive("pmax", shape=_same, stacked=_pmax_stacked, distributed=_pmax_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"))
-pmin_p = Primitive("pmin", shape=_same, stacked=_pmin_stacked, distributed=_pmin_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"))
+pmax_p = Primitive(
+    "pmax", shape=_same, stacked=_pmax_stacked, distributed=_pmax_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"), reduces="max"
+)
+pmin_p = Primitive(
+    "pmin", shape=_same, stacked=_pmin_stacked, distributed=_pmin_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"), reduces="min"
+)
 # Internal: g on the lowest-index rank whose x equals the reduced value, zero elsewhere (linear in g).
 select_extreme_p = Primitive(
     "select_extreme", inputs=("g", "x", "out"), shape=_same, stacked=_select_extreme_stacked, distributed=_select_extreme_dist,
@@ -302,7 +307,7 @@ select_extreme_p = Primitive(
 
 def _extreme(op: str, prim: Primitive, x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     x, spec = _enter(op, x, mesh, axis)
-    _need_dtype(op, axis, x, not x.is_complex(), "complex numbers are not ordered", "reduce x.abs() or x.real")
+    _need_reducible(prim, axis, x)
     return _apply(prim, mesh, x, spec)
 
 
@@ -469,7 +474,7 @@ def _psum_scatter_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, ti
 
 psum_scatter_p = Primitive(
     "psum_scatter", params=(("dim", "int"), ("tiled", "bool")), shape=_psum_scatter_shape, stacked=_psum_scatter_stacked,
-    distributed=_psum_scatter_dist, backward=_psum_scatter_bwd, dim_params=("dim",), replication=("VP", "V"),
+    distributed=_psum_scatter_dist, backward=_psum_scatter_bwd, dim_params=("dim",), replication=("VP", "V"), reduces="sum",
 )
 
 
@@ -488,7 +493,7 @@ def psum_scatter(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: 
             [22.]])
     """
     x, spec = _enter("psum_scatter", x, mesh, axis)
-    _need_dtype("psum_scatter", axis, x, x.dtype != torch.bool, "bool", "cast to an integer dtype first (x.int())")
+    _need_reducible(psum_scatter_p, axis, x)
     d = _norm_dim("psum_scatter", axis, "dim", dim, x.dim())
     if tiled:
         _need_divisible("psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks")

@@ -26,6 +26,7 @@ move it there.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ._primitive import Primitive, Spec
-from .collectives import _apply, _enter, _index, _norm_dim, all_gather
+from .collectives import _apply, _enter, _index, _need_reducible, _norm_dim, all_gather
 from .distributed import AxisComm, _pad_rows
 from .errors import CollectiveError, NoBackendError
 from .mesh import AxisName, Mesh
@@ -64,20 +65,56 @@ def _capacity_or_uniform(capacity: int, sizes: Sequence[int]) -> int:
 
 
 def _check_sizes(op: str, axis: AxisName, sizes: Any, n: int) -> list[int]:
-    if isinstance(sizes, Tensor):
-        if sizes.dim() != 1 or torch._C._functorch.is_batchedtensor(sizes):
-            raise CollectiveError(op, axis, "sizes must be the same list of ints on every rank", "use exchange_sizes(...).tolist() on real ranks, or ragged_all_to_all for data-dependent sizes")
-        sizes = sizes.tolist()
+    """``sizes`` as ``n`` Python ints >= 0; raises naming the op, the axis and the first bad entry.
+
+    Each entry may be a Python int, a numpy integer or a 0-d integer tensor (a 1-D integer
+    tensor counts as its entries). A bool, a float (even ``2.0``), a complex or a negative
+    number is refused: rows are never rounded or truncated silently.
+    """
+    if isinstance(sizes, Tensor) and (sizes.dim() != 1 or torch._C._functorch.is_batchedtensor(sizes)):
+        raise CollectiveError(op, axis, "sizes must be the same list of ints on every rank", "use exchange_sizes(...).tolist() on real ranks, or ragged_all_to_all for data-dependent sizes")
+    if isinstance(sizes, (str, bytes)):
+        raise CollectiveError(op, axis, f"sizes={sizes!r} is not a list of ints", f"pass {n} row counts, one per rank along the axis")
     try:
-        out = [int(s) for s in sizes]
-    except (TypeError, ValueError):
+        entries = list(sizes)
+    except TypeError:
         raise CollectiveError(op, axis, f"sizes={sizes!r} is not a list of ints", f"pass {n} row counts, one per rank along the axis") from None
+    out = [_row_count(op, axis, f"sizes[{i}]", s) for i, s in enumerate(entries)]
     if len(out) != n:
         raise CollectiveError(op, axis, f"sizes has {len(out)} entries but the axis has {n} ranks", f"pass {n} row counts, one per rank along the axis")
-    neg = [i for i, s in enumerate(out) if s < 0]
-    if neg:
-        raise CollectiveError(op, axis, f"sizes[{neg[0]}] = {out[neg[0]]} is negative", "row counts are >= 0")
     return out
+
+
+def _row_count(op: str, axis: AxisName, what: str, value: Any) -> int:
+    """One row count: a Python int, a numpy integer or a 0-d integer tensor, >= 0 (never a bool or a float, even a whole one)."""
+    count: int | None = None
+    if type(value) is int:  # the usual case, first (and plain for dynamo)
+        count, kind = value, "int"
+    elif isinstance(value, Tensor):
+        if torch._C._functorch.is_batchedtensor(value):
+            raise CollectiveError(op, axis, f"{what} differs per rank (a per-rank tensor)", "pass the same Python ints on every rank, or use ragged_all_to_all for data-dependent sizes")
+        if value.dim() == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            count = int(value.item())
+        kind = f"a {value.dim()}-d {value.dtype} tensor"
+    elif isinstance(value, torch.SymInt):
+        count = int(value)
+        kind = "SymInt"
+    elif isinstance(value, bool) or (not torch.compiler.is_compiling() and getattr(getattr(value, "dtype", None), "kind", "") == "b"):
+        kind = "bool"  # Python or numpy (numpy 1.x lets np.bool_ pass operator.index); dynamo cannot read a numpy dtype
+    else:
+        try:
+            count = operator.index(value)  # int, numpy integers: yes; float (even 2.0), complex, str: TypeError
+        except TypeError:
+            pass
+        kind = type(value).__name__
+    if count is None:
+        raise CollectiveError(
+            op, axis, f"{what} = {value!r} is {kind if kind.startswith('a ') else 'a ' + kind}, not an integer row count",
+            "pass Python ints (numpy ints and 0-d integer tensors also do); round explicitly (int(round(s))) if you computed them as floats",
+        )
+    if count < 0:
+        raise CollectiveError(op, axis, f"{what} = {count} is negative", "row counts are >= 0")
+    return count
 
 
 def _check_capacity(op: str, axis: AxisName, capacity: int | None, need: int, what: str) -> int:
@@ -146,7 +183,7 @@ all_gather_v_p = Primitive(
 )
 reduce_scatter_v_p = Primitive(
     "reduce_scatter_v", params=(("sizes", "int[]"), ("capacity", "int")), shape=_rsv_shape, stacked=_rsv_stacked, distributed=_rsv_dist,
-    backward=_rsv_bwd, replication=("VP", "V"),
+    backward=_rsv_bwd, replication=("VP", "V"), reduces="sum",
 )
 
 
@@ -178,6 +215,7 @@ def reduce_scatter_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int]
     rows with zeros after the valid ones. Gradient: ``all_gather_v``.
     """
     x, spec = _enter("reduce_scatter_v", x, mesh, axis)
+    _need_reducible(reduce_scatter_v_p, axis, x)
     d = _norm_dim("reduce_scatter_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("reduce_scatter_v", axis, sizes, spec.n)
     if x.shape[d] != sum(sz):
@@ -303,19 +341,24 @@ def _rata_shape(n: int, s: tuple[Any, ...], ss: tuple[Any, ...], rs: tuple[Any, 
     return (capacity, *s[1:])
 
 
-def _rata_check(send: Tensor, recv: Tensor, rows: int, capacity: int, ranks: Any) -> None:
-    """Data-dependent checks, on real (stacked or local) size tensors: raise naming the rank."""
+def _rata_check(send: Tensor, recv: Tensor, rows: int | Tensor, capacity: int | Tensor, ranks: Any, axis: AxisName | None = None) -> None:
+    """Data-dependent checks, on real (stacked or local) size tensors: raise naming the rank.
+
+    ``rows`` and ``capacity`` are one int for every rank, or a tensor with one per rank.
+    """
+    rows_t, cap_t = torch.as_tensor(rows, device=send.device), torch.as_tensor(capacity, device=send.device)
     bad_neg = (send < 0).any(-1)
-    bad_in = send.sum(-1) > rows
-    bad_out = recv.sum(-1) > capacity
+    bad_in = send.sum(-1) > rows_t
+    bad_out = recv.sum(-1) > cap_t
     for what, bad, fix in (
-        ("negative send sizes", bad_neg, "row counts are >= 0"),
-        (f"send sizes summing past the {rows} rows of its input", bad_in, "the rows to send must fit in x"),
-        (f"more rows arriving than capacity={capacity}", bad_out, "raise capacity (the most any rank can receive)"),
+        (lambda i: "negative send sizes", bad_neg, "row counts are >= 0"),
+        (lambda i: f"send sizes summing past the {int(rows_t.reshape(-1)[i if rows_t.dim() else 0])} rows of its input", bad_in, "the rows to send must fit in x"),
+        (lambda i: f"more rows arriving than capacity={int(cap_t.reshape(-1)[i if cap_t.dim() else 0])}", bad_out, "raise capacity (the most any rank can receive)"),
     ):
         if bool(bad.any()):
-            where = ranks(int(bad.nonzero()[0].item()) if bad.dim() else 0)
-            raise CollectiveError("ragged_all_to_all", None, f"{where} has {what}", fix, rank=where)
+            i = int(bad.nonzero()[0].item()) if bad.dim() else 0
+            where = ranks(i)
+            raise CollectiveError("ragged_all_to_all", axis, f"{where} has {what(i)}", fix, rank=where)
 
 
 def _rata_stacked(spec: Spec, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
@@ -342,7 +385,7 @@ def _rata_stacked(spec: Spec, x: Tensor, send: Tensor, recv: Tensor, *, capacity
 
 
 def _rata_dist(c: AxisComm, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
-    _rata_check(send, recv, x.shape[0], capacity, lambda r: f"rank {c.rank}")
+    _rata_check(send, recv, x.shape[0], capacity, lambda r: f"rank {c.rank}", c.label)
     s, r = send.tolist(), recv.tolist()  # split sizes to the host (one sync)
     got = c.all_to_all0("ragged_all_to_all", x[: sum(s)], r, s)  # [sum(recv), *f], by source
     return _pad_rows(got, capacity)
@@ -384,11 +427,40 @@ def ragged_all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor,
         raise CollectiveError("ragged_all_to_all", axis, f"capacity={capacity!r} is not a row count", "pass the most rows any rank can receive")
     if x.dim() == 0:
         raise CollectiveError("ragged_all_to_all", axis, "x is 0-d; rows are dim 0", "pass a tensor of rows")
-    send = torch.as_tensor(send_sizes, dtype=torch.long)
+    send = torch.as_tensor(send_sizes)
+    if send.is_floating_point() or send.is_complex() or send.dtype == torch.bool:
+        raise CollectiveError(
+            "ragged_all_to_all", axis, f"send_sizes has dtype {send.dtype}, but row counts are integers (they are never truncated)",
+            "pass an integer tensor, e.g. F.one_hot(expert, n).sum(0), or round explicitly (.round().long())",
+        )
+    send = send.to(torch.long)
     if send.shape != (spec.n,):
         raise CollectiveError("ragged_all_to_all", axis, f"send_sizes has shape {tuple(send.shape)}, not ({spec.n},)", f"pass one row count per rank along the axis ({spec.n})")
+    if spec.comm is not None:
+        recv = _exchange_checked_sizes(x, mesh, axis, send, capacity, spec.comm)
+        return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
     recv = all_to_all_sizes(send, mesh, axis)
-    return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
+    try:
+        return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
+    except CollectiveError as e:  # the stacked rule found a bad size; it knows the group, not the axis's name
+        if e.op != "ragged_all_to_all" or e.axis is not None:
+            raise
+        head, tail = f"fastdist.ragged_all_to_all(axis=None) on {e.rank}: ", f". Fix: {e.fix}"
+        raise CollectiveError("ragged_all_to_all", axis, str(e).removeprefix(head).removesuffix(tail), e.fix, rank=e.rank) from None
+
+
+def _exchange_checked_sizes(x: Tensor, mesh: Mesh, axis: AxisName, send: Tensor, capacity: int, c: AxisComm) -> Tensor:
+    """Real ranks: this rank's receive sizes, after every rank checked every rank's sizes.
+
+    One small all-gather of each rank's send sizes, row count and capacity (in place of the
+    all-to-all of the send sizes): a bad size on one rank then raises the same error on every
+    rank of the group at once, naming that rank, and no rank is left waiting in the exchange.
+    """
+    mine = torch.cat([send, torch.tensor([x.shape[0], capacity], dtype=torch.long, device=send.device)])  # [n + 2]
+    table = all_gather(mine.reshape(1, -1), mesh, axis, dim=0)  # [n, n + 2]: row i from index i
+    sends = table[:, : c.n]  # [n, n]: rows index i sends to index j
+    _rata_check(sends, sends.t(), table[:, c.n], table[:, c.n + 1], lambda i: f"rank {c.ranks[i]}", c.label)
+    return sends[:, c.index].contiguous()  # recv[i] = what index i sends to this rank
 
 
 def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -418,5 +490,10 @@ def exchange_sizes(local_size: int | Tensor, mesh: Mesh, axis: AxisName) -> Tens
     One small all-gather. On real ranks call ``.tolist()`` for the static-size ops; on
     simulated ranks the result is per-rank data (use it with ``ragged_all_to_all``).
     """
-    t = torch.as_tensor(local_size, dtype=torch.long).reshape(1)
+    if isinstance(local_size, Tensor):
+        if local_size.is_floating_point() or local_size.is_complex() or local_size.dtype == torch.bool:
+            raise CollectiveError("exchange_sizes", axis, f"local_size has dtype {local_size.dtype}, but a row count is an integer", "pass an int or an integer tensor")
+        t = local_size.to(torch.long).reshape(1)
+    else:
+        t = torch.tensor([_row_count("exchange_sizes", axis, "local_size", local_size)], dtype=torch.long)
     return all_gather(t, mesh, axis, dim=0)

@@ -9,7 +9,9 @@ a one-element all-reduce checks the result before the communicator is handed out
 
 Every op runs on the current CUDA (or NPU) stream, allocates its output with torch, and
 never synchronises with the host, so it can be captured in ``torch.cuda.graph``. Tensors
-whose dtype the library lacks travel as bytes (fp8 as uint8); reducing them is an error.
+whose dtype the library lacks travel as bytes (fp8 as uint8). Reductions follow fastdist's one
+dtype rule (``fastdist._dtype_rule``): complex tensors are summed as their real view, bool
+max/min runs on uint8, and a dtype the rule refuses raises :class:`~fastdist.ReductionDtypeError`.
 All-gather-v and reduce-scatter-v are grouped broadcasts / reduces, one per root.
 ``close(timeout)`` aborts with a bounded wait (abort blocks while captured graphs live).
 """
@@ -22,11 +24,13 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .._dtype_rule import check_reduction_dtype
 from ..errors import CommError, LibraryError
 from .library import NativeLibrary
 
@@ -56,6 +60,10 @@ def exchange_over_stateless(group: Any, src: int = 0) -> Exchange:
         return bytes(group.broadcast_obj(data, src=src))
 
     return exchange
+
+
+#: the reduction rule's name for a library reduction op ("avg" is a mean)
+_RULE_KIND = MappingProxyType({"avg": "mean"})
 
 
 def _ptr(t: Tensor | None) -> ctypes.c_void_p:
@@ -143,21 +151,25 @@ class NativeCommunicator:
             return ctypes.c_void_p(torch.npu.current_stream().npu_stream)  # type: ignore[attr-defined]
         return ctypes.c_void_p(None)
 
-    def _wire(self, op: str, x: Tensor, reducing: bool) -> tuple[Tensor, int, int]:
-        """``(tensor as sent, dtype enum, elements)``: unsupported dtypes travel as uint8 bytes."""
+    def _wire(self, op: str, x: Tensor, reduce_op: str | None = None) -> tuple[Tensor, int, int]:
+        """``(tensor as sent, dtype enum, elements)``.
+
+        Moved data (``reduce_op`` None): dtypes the library lacks travel as uint8 bytes. Reduced
+        data: the dtype must pass the one reduction rule; complex travels as its real view
+        (``[..., 2]`` floats: elementwise sums stay exact), bool as uint8 (max / min of 0 and 1).
+        """
         if self.closed:
             raise CommError(op, self.label, self.ranks, self.rank, "the communicator was closed", "build a new mesh (mesh.close() released it)")
         if x.device != self.device:
             raise CommError(op, self.label, self.ranks, self.rank, f"the tensor is on {x.device}, the communicator on {self.device}", f"move the tensor to {self.device}")
         x = x.contiguous()
+        if reduce_op is not None:
+            check_reduction_dtype(op, self.label, x.dtype, _RULE_KIND.get(reduce_op, reduce_op), rank=f"rank {self.rank}")
+            w = x.view(torch.uint8) if x.dtype == torch.bool else torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+            return w, self.lib.spec.dtypes[w.dtype], w.numel()  # every dtype the rule accepts maps to one the library has
         code = self.lib.spec.dtypes.get(x.dtype)
         if code is not None:
             return x, code, x.numel()
-        if reducing:
-            raise CommError(
-                op, self.label, self.ranks, self.rank, f"{self.lib.spec.kind.upper()} cannot reduce {x.dtype}",
-                "cast to a supported dtype first (float32, bfloat16, ...) or use backend='torch'",
-            )
         raw = x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)  # [numel * itemsize] bytes (fp8: as uint8)
         return raw, self.lib.spec.dtypes[torch.uint8], raw.numel()
 
@@ -195,30 +207,32 @@ class NativeCommunicator:
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise reduction over members (``"sum" | "prod" | "max" | "min" | "avg"``); same shape."""
         emulate_avg = reduce_op == "avg" and "avg" not in self.lib.spec.reduce_ops
-        w, dt, k = self._wire(op, x, reducing=True)
+        code = self._reduce_code(op, "sum" if emulate_avg else reduce_op)
+        w, dt, k = self._wire(op, x, reduce_op)
         out = torch.empty_like(w)
-        self._call(op, self._name("AllReduce"),
-                   _ptr(w), _ptr(out), k, dt, self._reduce_code(op, "sum" if emulate_avg else reduce_op), self._handle, self._stream())
-        return out.div_(self.n) if emulate_avg else out
+        self._call(op, self._name("AllReduce"), _ptr(w), _ptr(out), k, dt, code, self._handle, self._stream())
+        if emulate_avg:
+            out.div_(self.n)
+        return out.reshape(-1).view(x.dtype).reshape(x.shape)  # the wire view undone (complex, bool)
 
     def all_gather0(self, op: str, x: Tensor) -> Tensor:
         """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
-        w, dt, k = self._wire(op, x, reducing=False)
+        w, dt, k = self._wire(op, x)
         out = w.new_empty((self.n * w.numel(),))  # [n * k], in the wire dtype
         self._call(op, self._name("AllGather"), _ptr(w), _ptr(out), k, dt, self._handle, self._stream())
         return out.view(x.dtype).reshape(self.n * x.shape[0], *x.shape[1:]) if x.dim() else out.view(x.dtype)
 
     def reduce_scatter0(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
         """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``."""
-        w, dt, k = self._wire(op, x, reducing=True)
+        code = self._reduce_code(op, reduce_op)
+        w, dt, k = self._wire(op, x, reduce_op)
         out = w.new_empty((k // self.n,))  # [k / n]
-        self._call(op, self._name("ReduceScatter"),
-                   _ptr(w), _ptr(out), k // self.n, dt, self._reduce_code(op, reduce_op), self._handle, self._stream())
-        return out.reshape(x.shape[0] // self.n, *x.shape[1:])
+        self._call(op, self._name("ReduceScatter"), _ptr(w), _ptr(out), k // self.n, dt, code, self._handle, self._stream())
+        return out.view(x.dtype).reshape(x.shape[0] // self.n, *x.shape[1:])
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
         """Every member gets member ``src``'s ``x`` (a new tensor; ``x`` is not written)."""
-        w, dt, k = self._wire(op, x, reducing=False)
+        w, dt, k = self._wire(op, x)
         out = w.clone() if self.index == src else torch.empty_like(w)
         if self._nccl:
             self._call(op, "ncclBroadcast", _ptr(out), _ptr(out), k, dt, src, self._handle, self._stream())
@@ -230,7 +244,7 @@ class NativeCommunicator:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender (``None``: equal splits)."""
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
-        w, dt, _ = self._wire(op, x, reducing=False)
+        w, dt, _ = self._wire(op, x)
         per_row = _row_elems(x, w)
         out = w.new_empty((sum(out_splits) * per_row,))  # [rows received * row elements], wire dtype
         send_off = [sum(in_splits[:j]) * per_row for j in range(self.n)]
@@ -261,7 +275,7 @@ class NativeCommunicator:
         communicator knows its own).
         """
         mine = x[: sizes[self.index]]
-        w, dt, _ = self._wire(op, mine, reducing=False)
+        w, dt, _ = self._wire(op, mine)
         per_row = _row_elems(x, w)
         out = w.new_empty((sum(sizes) * per_row,))  # [sum(sizes) * row elements], wire dtype
         offs = [sum(sizes[:r]) * per_row for r in range(self.n)]
@@ -288,11 +302,11 @@ class NativeCommunicator:
 
         One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in :meth:`all_gather_v0`.
         """
-        w, dt, _ = self._wire(op, x, reducing=True)
+        code = self._reduce_code(op, reduce_op)
+        w, dt, _ = self._wire(op, x, reduce_op)
         per_row = _row_elems(x, w)
         flat = w.reshape(-1)
         out = w.new_empty((sizes[self.index] * per_row,))  # [sizes[me] * row elements]
-        code = self._reduce_code(op, reduce_op)
         stream = self._stream()
 
         def body() -> None:
@@ -304,16 +318,15 @@ class NativeCommunicator:
                 off += sizes[r] * per_row
 
         self._group(op, body)
-        return out.reshape(sizes[self.index], *x.shape[1:])
+        return out.view(x.dtype).reshape(sizes[self.index], *x.shape[1:])
 
     def __repr__(self) -> str:
         return f"NativeCommunicator({self.lib.spec.kind}, axis={self.label!r}, member {self.index} of {self.n}, {self.device})"
 
 
 def _row_elems(x: Tensor, w: Tensor) -> int:
-    """Wire elements per row of dim 0 (bytes when ``x`` travels as uint8)."""
-    row = math.prod(x.shape[1:])
-    return row * x.element_size() if w.dtype != x.dtype else row
+    """Wire elements per row of dim 0 (bytes when ``x`` travels as uint8, two floats per complex number)."""
+    return math.prod(x.shape[1:]) * x.element_size() // w.element_size()
 
 
 def _default_device(lib: NativeLibrary) -> torch.device:
