@@ -144,6 +144,17 @@ def _need_reducible(prim: Primitive, axis: AxisName, x: Tensor) -> None:
     check_reduction_dtype(prim.name, axis, x.dtype, cast(str, prim.reduces))
 
 
+def _real_view(x: Tensor) -> Tensor:
+    """A complex tensor as its ``[..., 2]`` float view, for sums on real ranks (torch's c10d reduce-scatter and
+    functional all-reduce, and NCCL, take no complex dtype); other tensors as they are."""
+    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+
+
+def _like(y: Tensor, x: Tensor) -> Tensor:
+    """Undo :func:`_real_view` on a result ``y`` of the same kind as ``x``."""
+    return torch.view_as_complex(y.contiguous()) if x.is_complex() else y
+
+
 def _same(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[Any, ...]:
     return s
 
@@ -166,7 +177,7 @@ def _psum_stacked(spec: Spec, x: Tensor) -> Tensor:
 
 
 def _psum_dist(c: AxisComm, x: Tensor) -> Tensor:
-    return c.all_reduce("psum", x, "sum")
+    return _like(c.all_reduce("psum", _real_view(x), "sum"), x)
 
 
 def _psum_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
@@ -230,7 +241,7 @@ def _pmean_stacked(spec: Spec, x: Tensor) -> Tensor:
 
 
 def _pmean_dist(c: AxisComm, x: Tensor) -> Tensor:
-    return c.all_reduce("pmean", x, "sum") / c.n  # gloo has no AVG
+    return _like(c.all_reduce("pmean", _real_view(x), "sum") / c.n, x)  # gloo has no AVG
 
 
 def _pmean_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
@@ -462,6 +473,8 @@ def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Te
 
 
 def _psum_scatter_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+    if x.is_complex():  # the float view has one more (last) dim: dim still names the same one
+        return _like(_psum_scatter_dist(c, _real_view(x), dim=dim, tiled=tiled), x)
     mine = c.reduce_scatter0("psum_scatter", x.movedim(dim, 0) if dim else x)  # [s[dim] / n, *rest]: my chunk of the sum
     if not tiled:
         return mine.squeeze(0)

@@ -34,7 +34,16 @@ import torch
 from torch import Tensor
 
 from ._primitive import Primitive, Spec
-from .collectives import _apply, _enter, _index, _need_reducible, _norm_dim, all_gather
+from .collectives import (
+    _apply,
+    _enter,
+    _index,
+    _like,
+    _need_reducible,
+    _norm_dim,
+    _real_view,
+    all_gather,
+)
 from .distributed import AxisComm, _pad_rows
 from .errors import CollectiveError, NoBackendError
 from .mesh import AxisName, Mesh
@@ -169,7 +178,7 @@ def _rsv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], capacity: int) 
 
 
 def _rsv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
-    mine = c.reduce_scatter_v0("reduce_scatter_v", x[: sum(sizes)], sizes)  # [sizes[me], *f]
+    mine = _like(c.reduce_scatter_v0("reduce_scatter_v", _real_view(x[: sum(sizes)]), sizes), x)  # [sizes[me], *f]
     return _pad_rows(mine, _out_rows(capacity, sizes[c.index]))
 
 
