@@ -27,7 +27,7 @@ move it there.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -356,14 +356,16 @@ def _rata_check(send: Tensor, recv: Tensor, rows: int | Tensor, capacity: int | 
     ``rows`` and ``capacity`` are one int for every rank, or a tensor with one per rank.
     """
     rows_t, cap_t = torch.as_tensor(rows, device=send.device), torch.as_tensor(capacity, device=send.device)
-    bad_neg = (send < 0).any(-1)
-    bad_in = send.sum(-1) > rows_t
-    bad_out = recv.sum(-1) > cap_t
-    for what, bad, fix in (
-        (lambda i: "negative send sizes", bad_neg, "row counts are >= 0"),
-        (lambda i: f"send sizes summing past the {int(rows_t.reshape(-1)[i if rows_t.dim() else 0])} rows of its input", bad_in, "the rows to send must fit in x"),
-        (lambda i: f"more rows arriving than capacity={int(cap_t.reshape(-1)[i if cap_t.dim() else 0])}", bad_out, "raise capacity (the most any rank can receive)"),
-    ):
+
+    def at(t: Tensor, i: int) -> int:  # rank i's value of a per-rank (or shared) number
+        return int(t.reshape(-1)[i if t.dim() else 0])
+
+    checks: list[tuple[Callable[[int], str], Tensor, str]] = [
+        (lambda i: "negative send sizes", (send < 0).any(-1), "row counts are >= 0"),
+        (lambda i: f"send sizes summing past the {at(rows_t, i)} rows of its input", send.sum(-1) > rows_t, "the rows to send must fit in x"),
+        (lambda i: f"more rows arriving than capacity={at(cap_t, i)}", recv.sum(-1) > cap_t, "raise capacity (the most any rank can receive)"),
+    ]
+    for what, bad, fix in checks:
         if bool(bad.any()):
             i = int(bad.nonzero()[0].item()) if bad.dim() else 0
             where = ranks(i)
