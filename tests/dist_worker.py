@@ -357,6 +357,25 @@ def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
     return {"msg": None}
 
 
+@scenario
+def stateless_host_exits(rank: int, world: int) -> dict[str, Any]:
+    """The process hosting a StatelessGroup's store exits: the others learn that the connection closed, at once."""
+    g = fd.StatelessGroup.create("127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=20)
+    g.barrier()
+    if rank == 0:
+        time.sleep(0.3)
+        os._exit(0)
+    time.sleep(1.0)
+    out = {}
+    for name, call in (("recv", lambda: g.recv_obj(src=0)), ("send", lambda: g.send_obj(1, dst=0))):
+        t0 = time.monotonic()
+        try:
+            call()
+        except fd.CommError as e:
+            out[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+    return out
+
+
 # ============================================================================ objects and point to point
 @scenario
 def objects(rank: int, world: int) -> str:
@@ -479,7 +498,7 @@ def native_exchange(rank: int, world: int) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     name, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     torch.set_num_threads(1)
-    if name != "stateless":
+    if not name.startswith("stateless"):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     result = SCENARIOS[name](rank, world)
     with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:

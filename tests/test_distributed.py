@@ -76,6 +76,16 @@ def test_exited_peer_makes_the_others_raise() -> None:
         assert r.value["elapsed"] < 15 + 10
 
 
+def test_stateless_group_says_the_store_connection_closed() -> None:
+    """Issue 20.4: the store's host exits; a receive says the connection closed (not 'nothing within 20 s'), at once."""
+    res = run_world("stateless_host_exits", 2, timeout=60)
+    assert res[1].returncode == 0, res[1].output
+    for name, op in (("recv", "recv_obj"), ("send", "send_obj")):
+        kind, msg, elapsed = res[1].value[name]
+        assert kind == "CommError" and msg.startswith(f"fastdist.StatelessGroup.{op}(axis=None) on rank 1 (group ranks [0, 1]): the connection to the store at 127.0.0.1:")
+        assert "has probably exited" in msg and "within 20 s" not in msg and elapsed < 2
+
+
 def test_check_mode_mismatch_raises_on_every_rank_with_what_each_passed() -> None:
     for r, value in enumerate(expect_ok(run_world("check_mode", 2))):
         msg = value["msg"]

@@ -69,8 +69,11 @@ class StatelessGroup:
         return cls(store, rank, world_size, timeout=timeout, data_expiration=data_expiration)
 
     # ------------------------------------------------------------------ keys
-    def _put(self, key: str, obj: Any) -> None:
-        self.store.set(key, pickle.dumps(obj))
+    def _put(self, op: str, key: str, obj: Any) -> None:
+        try:
+            self.store.set(key, pickle.dumps(obj))
+        except dist.DistNetworkError as e:
+            raise self._store_closed(op, e) from e
         self._written.append((key, time.monotonic()))
         self.expire()
 
@@ -78,11 +81,23 @@ class StatelessGroup:
         try:
             self.store.wait([key], datetime.timedelta(seconds=self.timeout))
             return pickle.loads(self.store.get(key))
+        except dist.DistNetworkError as e:  # the connection to the store broke: no point in waiting
+            raise self._store_closed(op, e) from e
         except Exception as e:  # noqa: BLE001 - the store raises DistStoreError on timeout
             raise CollectiveTimeout(
                 op, None, list(range(self.world_size)), self.rank, f"nothing from rank {peer} within {self.timeout:g} s ({key})",
                 f"check that rank {peer} makes the matching call",
             ) from e
+
+    def _store_closed(self, op: str, e: BaseException) -> CommError:
+        """The error for a store that went away: usually its host (rank 0 of :meth:`create`) exited."""
+        where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") and hasattr(self.store, "port") else ""
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return CommError(
+            op, None, list(range(self.world_size)), self.rank, f"the connection to the store{where} closed ({cause}); the process hosting it "
+            "(rank 0 when the group was made with StatelessGroup.create) has probably exited",
+            "keep the store's host alive as long as any member uses the group; make a new group to go on",
+        )
 
     def expire(self) -> int:
         """Delete the keys this member wrote more than ``data_expiration`` seconds ago; return how many."""
@@ -101,7 +116,7 @@ class StatelessGroup:
     def send_obj(self, obj: Any, dst: int) -> None:
         """Send a picklable object to ``dst`` (returns at once; ``dst`` reads it with :meth:`recv_obj`)."""
         self._check_peer("StatelessGroup.send_obj", "dst", dst)
-        self._put(f"p2p/{self.rank}->{dst}/{self._sent[dst]}", obj)
+        self._put("StatelessGroup.send_obj", f"p2p/{self.rank}->{dst}/{self._sent[dst]}", obj)
         self._sent[dst] += 1
 
     def recv_obj(self, src: int) -> Any:
@@ -118,7 +133,7 @@ class StatelessGroup:
         key = f"bcast/{src}/{self._broadcasts[src]}"
         self._broadcasts[src] += 1
         if self.rank == src:
-            self._put(key, obj)
+            self._put("StatelessGroup.broadcast_obj", key, obj)
             return obj
         return self._get("StatelessGroup.broadcast_obj", key, src)
 
