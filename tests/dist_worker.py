@@ -177,6 +177,16 @@ def compiled(rank: int, world: int) -> str:
     fresh.create_groups("tp")
     out = torch.compile(lambda t: fd.pmax(t, fresh, "tp"), fullgraph=True)(torch.tensor([float(rank)]))
     assert out.item() == world - 1
+    # no eager run and no create_groups: the groups (a tuple axis's too) are made while dynamo traces
+    late = fd.Mesh.from_torch(tp=world, timeout=30)
+    f = torch.compile(lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, ("tp", "dp")).sum(), fullgraph=True)
+    want = world * (world - 1) / 2 * world * (world - 1) / 2
+    assert f(torch.tensor([float(rank)])).item() == want
+    late.reset()  # the compiled step is traced again, on the new groups
+    assert f(torch.tensor([float(rank)])).item() == want
+    names = {str(pg.group_name) for pg in late._comm._groups.values()}
+    fd.barrier(late)
+    assert names == {f"fastdist.dp1_tp{world}.2.e1.{'-'.join(map(str, range(world)))}.gloo"}, names  # the third mesh of this shape, epoch 1
     return "ok"
 
 
@@ -355,6 +365,67 @@ def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
     except fd.CollectiveTimeout as e:
         return {"msg": str(e), "elapsed": time.monotonic() - t0}
     return {"msg": None}
+
+
+@scenario
+def subset_first(rank: int, world: int) -> dict[str, Any]:
+    """Ranks first touch the mesh's axes in different orders (some ranks before the others): no deadlock, right values."""
+    mesh = fd.Mesh.from_torch(tp=2, timeout=5)
+    twin = fd.Mesh.from_torch(tp=2, timeout=5)  # the same shape: its own groups
+    x = torch.tensor([float(rank + 1)])
+    t0 = time.monotonic()
+    if rank < 2:  # ranks 0 and 1 use "tp" while ranks 2 and 3 have made no group yet
+        assert fd.psum(x, mesh, "tp").item() == 3.0
+    assert fd.psum(x, mesh, ("dp", "tp")).item() == 10.0  # then every rank
+    if rank >= 2:
+        assert fd.all_gather(x, twin, "tp").tolist() == [3.0, 4.0]
+    assert fd.psum(x, twin, ("tp", "dp")).item() == 10.0
+    assert fd.psum(x, mesh, "dp").item() == [4.0, 6.0][rank % 2]
+    if rank >= 2:
+        assert fd.psum(x, mesh, "tp").item() == 7.0
+    else:
+        assert fd.all_gather(x, twin, "tp").tolist() == [1.0, 2.0]
+    elapsed = time.monotonic() - t0
+    whole = (0, 1, 2, 3)
+    names = [str(mesh._comm._groups[whole, "gloo"].group_name), str(twin._comm._groups[(0, 2, 1, 3), "gloo"].group_name)]
+    try:
+        fd.psum(torch.ones(2, device="meta"), mesh, "tp")
+        meta = None
+    except fd.NoBackendError as e:
+        meta = str(e)
+    fd.barrier(mesh)  # rank 0 hosts the store: it must not exit while the others still make groups
+    return {"elapsed": elapsed, "names": names, "meta": meta}
+
+
+@scenario
+def recover(rank: int, world: int) -> dict[str, Any]:
+    """One rank fails before a collective its peer waits in; both reset the mesh and go on. Bad ragged sizes raise everywhere."""
+    mesh = fd.Mesh.from_torch(tp=world, timeout=2)
+    x = torch.ones(4)
+    assert fd.psum(x, mesh, "tp").tolist() == [2.0] * 4
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:  # rank 0's shard has 3 rows, not divisible by 2: it raises at once; rank 1 waits in the collective
+        fd.psum_scatter(torch.ones(3 if rank == 0 else 4), mesh, "tp")
+    except fd.FastdistError as e:
+        out["failure"] = (type(e).__name__, str(e), time.monotonic() - t0)
+    t0 = time.monotonic()
+    mesh.reset()  # every rank: rank 0 waits here for rank 1
+    out["reset"] = time.monotonic() - t0
+    assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0] * 4  # the mesh works again
+    t0 = time.monotonic()
+    try:  # rank 0 sends 5 rows from 2: every rank raises the same error at once, and the mesh stays usable
+        fd.ragged_all_to_all(torch.ones(2, 1), mesh, "tp", torch.tensor([2, 3]) if rank == 0 else torch.tensor([1, 1]), capacity=8)
+    except fd.CollectiveError as e:
+        out["ragged"] = (str(e), time.monotonic() - t0)
+    got, recv = fd.ragged_all_to_all(torch.full((2, 1), float(rank)), mesh, "tp", torch.tensor([1, 1]), capacity=3)
+    assert recv.tolist() == [1, 1] and got.flatten().tolist() == [0.0, 1.0, 0.0]
+    sim = fd.Mesh({"ep": 2})
+    try:  # simulated ranks name the axis too
+        fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(torch.ones(2, 2, 1), torch.tensor([[0, -1], [0, 0]]))
+    except fd.CollectiveError as e:
+        out["simulated"] = str(e)
+    return out
 
 
 @scenario

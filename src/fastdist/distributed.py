@@ -13,11 +13,14 @@ graph breaks from fastdist. A mesh with a ctypes backend uses
 :class:`fastdist.native.NativeCommunicator` for device tensors instead.
 
 Process groups belong to the mesh (its :class:`TorchComm`), one per axis (or tuple of
-axes) and backend, created lazily on first use and only by the ranks in them
-(``new_group(use_local_synchronization=True)``), with members in axis order
-(``sort_ranks=False``) so that a group rank is the index along the axis. Every group
-carries the mesh's timeout; a peer that does not arrive raises
-:class:`~fastdist.CollectiveTimeout` naming the op, axis, group and rank.
+axes) and backend, created on first use and only by the ranks in them, with members in
+axis order so that a group rank is the index along the axis. Each group's name is derived
+from the mesh (its shape and which mesh of that shape it is), the ordered member ranks, the
+backend and the mesh's epoch (see :meth:`TorchComm.reset`), never from how many groups the
+process made before: ranks may touch the mesh's axes in any order. Under ``torch.compile`` a
+missing group is created while dynamo traces, outside the graph. Every group carries the
+mesh's timeout; a peer that does not arrive raises :class:`~fastdist.CollectiveTimeout`
+naming the op, axis, group, rank and which peers did not reach the call.
 
 Backends by tensor device: ``cpu`` -> gloo, ``cuda`` -> nccl, ``npu`` -> hccl (needs
 ``torch_npu``); see :func:`select_backend`.
@@ -26,7 +29,11 @@ Backends by tensor device: ``cpu`` -> gloo, ``cuda`` -> nccl, ``npu`` -> hccl (n
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.util
+import re
+import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import distributed_c10d as c10d
 
 from .errors import CollectiveTimeout, CommError, ConsistencyError, MeshError, NoBackendError
 
@@ -62,6 +70,7 @@ __all__ = [
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 T = TypeVar("T")
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 _F = torch.ops._c10d_functional
 
 
@@ -99,11 +108,21 @@ def _as_timedelta(timeout: float | datetime.timedelta | None, default: datetime.
 class TorchComm:
     """The process groups of one mesh on this process. Owned by the mesh; nothing global.
 
+    Group identity: every group is named ``fastdist.<shape>.<k>.e<epoch>.<ranks>.<backend>``
+    (``<ranks>`` as ``0-1-2-3``, or a digest of it for large groups) where ``<k>`` counts the meshes of this shape this rank built before (kept in the job's
+    store, so every rank that builds its meshes in the same order agrees), ``<ranks>`` are the
+    members in axis order and ``<epoch>`` counts :meth:`reset` calls. Nothing in the name
+    depends on the order in which ranks first use the mesh's axes, so a subset of ranks may
+    use an axis before the others touch the mesh (``torch.distributed.new_group`` names a
+    group by how many groups the process already made, which deadlocks then).
+
     Args:
         mesh: the mesh (its size must equal the world size).
         timeout: the timeout of every group this comm creates.
         check: consistency check mode (see :meth:`AxisComm.check`).
         device_mesh: a ``DeviceMesh`` whose per-dimension groups to reuse.
+        backend: ``"torch"`` or a ctypes backend (see :func:`fastdist.Mesh.from_torch`).
+        library: the ctypes backend's library (a path or an already bound library).
     """
 
     def __init__(
@@ -117,11 +136,73 @@ class TorchComm:
         self.mesh, self.rank, self.timeout, self.check = mesh, dist.get_rank(), timeout, check
         self._device_mesh = device_mesh
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
+        self._created: list[Any] = []  # the groups this comm made (not a DeviceMesh's): reset() destroys them
         self._axes: dict[tuple[int, ...], AxisComm] = {}
         self.backend: str = backend
         self.native_lib: NativeLibrary | None = _native_library(backend, library)
         self._native: dict[tuple[int, ...], NativeCommunicator] = {}
+        self.broken: str | None = None  # what failed, once a failure dropped the groups (see abandon)
+        self.store: Any = c10d._get_default_store()
+        shape = "_".join(f"{n}{s}" for n, s in mesh.shape.items())
+        # which mesh of this shape this rank builds (0, 1, ...): the same on every rank that builds its meshes in the same order
+        self.uid = f"{shape}.{int(self.store.add(f'fastdist/meshes/{shape}/rank{self.rank}', 1)) - 1}"
+        self.epoch = 0
+        self.tag = f"{self.uid}.e0"  # names this comm's groups; read (and guarded on) by dynamo when it traces a step
 
+    # ------------------------------------------------------------------ groups
+    def group_name(self, ranks: Sequence[int], backend: str) -> str:
+        """The name of the group of ``ranks`` (in axis order) on ``backend``: the same on every member."""
+        return f"fastdist.{self.tag}.{_members(ranks)}.{backend}"
+
+    def axis(self, idx: tuple[int, ...]) -> AxisComm:
+        """The communicator of this rank's group along the axes at positions ``idx`` (cached)."""
+        ac = self._axes.get(idx)
+        if ac is None:
+            ac = self._new_axis(idx)
+            if not torch.compiler.is_compiling():  # a trace must not mutate the cache (dynamo would replay it, and guard on it)
+                self._axes[idx] = ac
+        return ac
+
+    def _new_axis(self, idx: tuple[int, ...]) -> AxisComm:
+        names = tuple(self.mesh.axis_names[i] for i in idx)
+        label: Any = names[0] if len(names) == 1 else names
+        return AxisComm(self, idx, label, tuple(self.mesh.group(self.rank, names)))
+
+    def group(self, ac: AxisComm, backend: str, op: str) -> Any:
+        """The process group for ``ac`` on ``backend``, created on first use by the ranks in it (eagerly)."""
+        pg = self._groups.get((ac.ranks, backend))
+        if pg is not None:
+            return pg
+        self.check_usable(op, ac)
+        if torch.compiler.is_compiling():  # only eager helpers get here (collectives use group names while tracing)
+            _raise_while_tracing(op, ac.label, ac.ranks, self.rank, f"the {backend} process group is needed outside a collective", "run this call eagerly")
+        return self._create_group(ac, backend, op)
+
+    def _create_group(self, ac: AxisComm, backend: str, op: str) -> Any:
+        key = (ac.ranks, backend)
+        pg = self._groups.get(key)
+        if pg is not None:
+            return pg
+        dm = self._device_mesh
+        if dm is not None and len(ac.idx) == 1 and backend == select_backend(dm.device_type):
+            pg = dm.get_group(ac.idx[0])
+        else:
+            desc = f"fastdist:{'x'.join(self.mesh.axis_names[i] for i in ac.idx)}"
+            try:
+                pg = _new_named_group(list(ac.ranks), backend, self.group_name(ac.ranks, backend), desc, self.timeout)
+            except Exception as e:  # re-raised with context
+                raise ac.failed(op, e, "creating the process group") from e
+            self._created.append(pg)
+        self._groups[key] = pg
+        return pg
+
+    def group_name_for(self, idx: tuple[int, ...], backend: str, op: str) -> str:
+        """The name of this rank's group along ``idx`` on ``backend``, creating the group if it does not exist yet."""
+        ac = self._axes.get(idx) or self._new_axis(idx)  # a new AxisComm here is not stored: dynamo may be tracing self._axes
+        self.check_usable(op, ac)
+        return str(self._create_group(ac, backend, op).group_name)
+
+    # ------------------------------------------------------------------ ctypes communicators
     def native(self, ac: AxisComm, op: str, x: Tensor) -> NativeCommunicator | None:
         """The ctypes communicator for ``ac`` when this mesh's backend serves ``x``'s device, else None.
 
@@ -131,10 +212,11 @@ class TorchComm:
         if lib is None or x.device.type != lib.device_type:
             return None
         if torch.compiler.is_compiling():
-            raise CommError(op, ac.label, ac.ranks, self.rank, f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
+            _raise_while_tracing(op, ac.label, ac.ranks, self.rank, f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
         nc = self._native.get(ac.ranks)
         if nc is not None:
             return nc
+        self.check_usable(op, ac)
         if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise CommError(
                 op, ac.label, ac.ranks, self.rank, f"the {self.backend} communicator for this axis does not exist yet, and it cannot be created during CUDA graph capture",
@@ -154,39 +236,135 @@ class TorchComm:
         self._native.clear()
         return done
 
-    def axis(self, idx: tuple[int, ...]) -> AxisComm:
-        """The communicator of this rank's group along the axes at positions ``idx`` (cached)."""
-        ac = self._axes.get(idx)
-        if ac is None:
-            names = tuple(self.mesh.axis_names[i] for i in idx)
-            label: Any = names[0] if len(names) == 1 else names
-            ac = self._axes[idx] = AxisComm(self, idx, label, tuple(self.mesh.group(self.rank, names)))
-        return ac
+    # ------------------------------------------------------------------ recovery
+    def abandon(self, why: str) -> None:
+        """After a failure: destroy this mesh's groups now, so peers still waiting in them fail at once, not at their timeout.
 
-    def group(self, ac: AxisComm, backend: str, op: str) -> Any:
-        """The process group for ``ac`` on ``backend``, created on first use by the ranks in it."""
-        key = (ac.ranks, backend)
-        pg = self._groups.get(key)
-        if pg is not None:
-            return pg
-        if torch.compiler.is_compiling():
+        Until :meth:`reset`, every call on the mesh raises :class:`~fastdist.CommError` saying ``why``.
+        """
+        self.broken = why
+        self.close(timeout=5.0)
+        for ac in self._axes.values():
+            ac._transports.clear()
+        self._groups.clear()
+        created, self._created = self._created, []
+        while created:  # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)
+            _drop_group(created.pop())
+
+    def check_usable(self, op: str, ac: AxisComm) -> None:
+        """Raise if an earlier failure dropped this mesh's groups (see :meth:`abandon`)."""
+        if self.broken is not None:
             raise CommError(
-                op, ac.label, ac.ranks, self.rank, f"the {backend} process group for this axis does not exist yet, and groups cannot be created inside torch.compile",
-                "run the step once eagerly first, or call mesh.create_groups() before compiling",
+                op, ac.label, ac.ranks, self.rank, f"this mesh's process groups were dropped after an earlier failure ({self.broken})",
+                "call mesh.reset() on every rank of the mesh, then redo the step",
             )
-        dm = self._device_mesh
-        if dm is not None and len(ac.idx) == 1 and backend == select_backend(dm.device_type):
-            pg = dm.get_group(ac.idx[0])
-        else:
-            try:
-                pg = dist.new_group(
-                    list(ac.ranks), timeout=self.timeout, backend=backend, use_local_synchronization=True, sort_ranks=False,
-                    group_desc=f"fastdist:{'x'.join(self.mesh.axis_names[i] for i in ac.idx)}",
-                )
-            except Exception as e:  # noqa: BLE001 - re-raised with context
-                raise _comm_error(op, ac, self.rank, e, "creating the process group") from e
-        self._groups[key] = pg
-        return pg
+
+    def reset(self, timeout: datetime.timedelta) -> None:
+        """Drop this mesh's groups and agree with every rank of the mesh on fresh ones (see :meth:`fastdist.Mesh.reset`).
+
+        Local work first: abort the ctypes communicators, destroy the process groups this comm
+        created (their peers' pending calls fail at once), forget every cached axis. Then
+        through the job's store: move to the next epoch (the newest any rank has reached, so
+        ranks that reset at different times agree), and wait until every rank of the mesh has
+        reset, up to ``timeout``. New groups are created lazily under new names.
+        """
+        self.abandon("")
+        self.broken = None
+        self._axes.clear()
+        self.mesh._specs.clear()
+        self._device_mesh = None  # a DeviceMesh's groups may be broken too: from now on this mesh makes its own
+        everyone = list(range(self.mesh.size))
+        key = f"fastdist/{self.uid}/epoch"
+        try:
+            self.store.add(key, 0)  # "0" when missing
+            self.epoch = int(self.store.compare_set(key, str(self.epoch), str(self.epoch + 1)))  # the newest epoch any rank moved to
+            self.tag = f"{self.uid}.e{self.epoch}"
+            arrived = f"fastdist/{self.uid}/e{self.epoch}/reset/"
+            self.store.set(arrived + str(self.rank), "1")
+            missing = _wait_for_keys(self.store, arrived, everyone, timeout.total_seconds())
+        except Exception as e:  # the store itself is gone
+            raise CommError(
+                "Mesh.reset", self.mesh.axis_names, everyone, self.rank, f"the job's store is unreachable ({_clean(e)})",
+                "the process hosting the store (rank 0, or torchrun's agent) probably exited: restart the job",
+            ) from e
+        if missing:
+            raise CollectiveTimeout(
+                "Mesh.reset", self.mesh.axis_names, everyone, self.rank,
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not call reset within {timeout.total_seconds():g} s",
+                "every rank of the mesh must call mesh.reset() after a failure; a rank that exited cannot rejoin: restart the job",
+            )
+
+
+def _members(ranks: Sequence[int]) -> str:
+    """The ranks of a group, in order, as part of a name: ``0-1-2-3``, or a digest when that gets long."""
+    text = "-".join(map(str, ranks))
+    return text if len(text) <= 64 else f"{len(ranks)}r{hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]}"
+
+
+def _drop_group(pg: Any) -> None:
+    """Destroy ``pg`` without waiting for its peers (NCCL-like backends are aborted first: their shutdown may wait on hung work)."""
+    try:
+        if dist.get_backend(pg) != "gloo" and hasattr(pg, "abort"):
+            pg.abort()
+        dist.destroy_process_group(pg)
+    except Exception:  # noqa: BLE001, S110 - a broken group may refuse a clean shutdown; it is dropped either way
+        pass
+
+
+def _new_named_group(ranks: list[int], backend: str, name: str, desc: str, timeout: datetime.timedelta) -> Any:
+    """``new_group(ranks, use_local_synchronization=True, sort_ranks=False)`` with the group name given, not counted.
+
+    Only the members call it. ``torch.distributed.new_group`` takes no name and derives one
+    from how many groups this process made, which differs between ranks that used the mesh in
+    different orders; the helper below is what ``new_group`` calls with that name.
+    """
+    default = c10d._get_default_group()
+    pg, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(dist.get_rank()), ranks, c10d.Backend(backend), c10d._get_default_store(), c10d.GroupName(name),
+        timeout=timeout, device_id=default.bound_device_id, group_desc=desc,
+    )
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
+
+
+def _wait_for_keys(store: Any, prefix: str, ranks: Sequence[int], seconds: float, keep_last: bool = False) -> list[int]:
+    """Poll ``store`` until ``prefix + str(r)`` exists for every ``r`` in ``ranks``, at most ``seconds``; the ranks still missing.
+
+    With ``keep_last``, a store that fails after the first poll (its host exited meanwhile) ends the wait with what that poll found.
+    """
+    deadline = time.monotonic() + seconds
+    missing: list[int] | None = None
+    while True:
+        try:
+            missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        except Exception:
+            if keep_last and missing is not None:
+                return missing
+            raise
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.02)
+
+
+def _run_while_tracing(fn: _Fn) -> _Fn:
+    """Mark ``fn`` for dynamo: called (not traced) while it traces, its result a constant of the graph."""
+    return cast(_Fn, torch._dynamo.assume_constant_result(fn))  # type: ignore[no-untyped-call]
+
+
+@_run_while_tracing
+def _group_name_while_tracing(comm: TorchComm, idx: tuple[int, ...], backend: str, op: str, tag: str) -> str:
+    """Run (not traced) while dynamo traces a collective: the group's name, creating the group now if needed.
+
+    ``tag`` names the comm's current groups; passing it makes dynamo guard on it, so a step
+    compiled before :meth:`TorchComm.reset` is traced again (with the new groups) after it.
+    """
+    return comm.group_name_for(idx, backend, op)
+
+
+@_run_while_tracing
+def _raise_while_tracing(op: str, axis: Any, ranks: tuple[int, ...], rank: int, problem: str, fix: str) -> None:
+    """Raise :class:`~fastdist.CommError` from inside dynamo's tracing (it cannot construct fastdist's exceptions in a graph)."""
+    raise CommError(op, axis, ranks, rank, problem, fix)
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
@@ -243,7 +421,13 @@ class TorchTransport:
 
 
 class FunctionalTransport(TorchTransport):
-    """The same collectives through torch's functional collectives, which dynamo traces (used under ``torch.compile``)."""
+    """The same collectives through torch's functional collectives, which dynamo traces (used under ``torch.compile``).
+
+    Built from the group's name (a constant in the graph), not the group object.
+    """
+
+    def __init__(self, name: str, n: int) -> None:
+        self.pg, self.name, self.n = None, name, n
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
@@ -272,6 +456,7 @@ class AxisComm:
         self.index = ranks.index(comm.rank)
         self.rank = comm.rank
         self._transports: dict[str, TorchTransport] = {}
+        self.calls = 0  # blocking calls made on this group (eagerly): names the call a failure report is about
 
     def cpu_group(self, op: str) -> Any:
         """A gloo group for objects and metadata (the device group when tensors live on CPU)."""
@@ -281,12 +466,47 @@ class AxisComm:
         """``fn(*args)``, a blocking call, with timeouts and lost peers turned into errors that name op, axis and ranks."""
         if torch.compiler.is_compiling():
             return fn(*args)
+        self.comm.check_usable(op, self)
+        self.calls += 1
         try:
             return fn(*args)
         except (CommError, MeshError, NoBackendError):
             raise
-        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
-            raise _comm_error(op, self, self.rank, e, what) from e
+        except Exception as e:  # c10d raises RuntimeError/DistError for everything
+            traceback.clear_frames(e.__traceback__)  # let go of the group (see _collective)
+            raise self.failed(op, e, what) from e
+
+    def failed(self, op: str, e: BaseException, what: str) -> CommError:
+        """The error for a failed blocking call: its cause without source paths, and which peers did not reach the call.
+
+        Each member whose call fails leaves a note in the job's store under this call's number
+        on this group; this rank then waits briefly for its peers' notes. A peer without a note
+        did not reach the call (it raised before it, skipped it, is stuck elsewhere or exited).
+        Before that the mesh's groups are destroyed (:meth:`TorchComm.abandon`), so that peers
+        blocked in this call, or in another call on the mesh that waits for this rank, fail at
+        once and report too.
+        """
+        self.comm.abandon(f"fastdist.{op}(axis={self.label!r}) failed on this rank: {_clean(e)}")
+        return _comm_error(op, self, self.rank, e, what, peers=self._peer_report(what))
+
+    def _peer_report(self, what: str) -> str:
+        others = [r for r in self.ranks if r != self.rank]
+        if not others:
+            return ""
+        grace = min(2.0, max(0.25, 0.25 * self.comm.timeout.total_seconds()))
+        prefix = f"fastdist/{self.comm.tag}/{_members(self.ranks)}/call{self.calls}/"
+        try:
+            self.comm.store.set(prefix + str(self.rank), what)
+            missing = _wait_for_keys(self.comm.store, prefix, others, grace, keep_last=True)
+        except Exception:  # noqa: BLE001 - the store is gone too: report the failure without the roll call
+            return ""
+        if not missing:
+            return (f"every rank of the group reached this call (call {self.calls} on this group) and it failed on each, so they probably disagree "
+                    "on it (different ops, shapes or sizes: Mesh.from_torch(check=True) compares them)")
+        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        return (f"{who} did not reach this call (call {self.calls} on this group) within {grace:g} s of this failure: "
+                f"{'they' if len(missing) > 1 else 'it'} may have raised an error before it (see {'their logs' if len(missing) > 1 else 'its log'}), "
+                "skipped it, be stuck elsewhere, or have exited")
 
     # --------------------------------------------------------------- collectives
     # Each method picks the transport for x's device -- torch.distributed (TorchTransport) or,
@@ -298,17 +518,34 @@ class AxisComm:
             if nc is not None:
                 return nc
         kind = x.device.type
+        backend = self._backend(op, kind)
         if torch.compiler.is_compiling():
-            return FunctionalTransport(self.comm.group(self, select_backend(kind), op), self.n)
+            return FunctionalTransport(_group_name_while_tracing(self.comm, self.idx, backend, op, self.comm.tag), self.n)
         t = self._transports.get(kind)
         if t is None:
-            t = self._transports[kind] = TorchTransport(self.comm.group(self, select_backend(kind), op), self.n)
+            t = self._transports[kind] = TorchTransport(self.comm.group(self, backend, op), self.n)
         return t
+
+    def _backend(self, op: str, device_type: str) -> str:
+        """The c10d backend for tensors on ``device_type``; for none, an error naming the op, the axis and the fix."""
+        try:
+            return select_backend(device_type)
+        except NoBackendError as e:
+            if device_type == "meta":
+                problem = "'meta' tensors hold no data to communicate"
+                fix = ("pass cpu, cuda or npu tensors; to work out shapes only, run the per-rank code under fastdist.simulate "
+                       "(simulated ranks take meta tensors) or let torch.compile trace it with fake tensors")
+            else:
+                problem, fix = str(e).removeprefix("fastdist: ").split(". Fix: ", 1) if ". Fix: " in str(e) else (str(e), "move tensors to cpu, cuda or npu")
+            raise NoBackendError(f"fastdist.{op}(axis={self.label!r}) on rank {self.rank} (group ranks {list(self.ranks)}): {problem}. Fix: {fix}") from None
 
     def _collective(self, op: str, x: Tensor, method: str, *args: Any) -> Tensor:
         """``transport.method(op, x, *args)``; failures become errors naming op, axis and ranks (as :meth:`run`)."""
         if torch.compiler.is_compiling():
             return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
+        if self.comm.broken is not None:
+            self.comm.check_usable(op, self)
+        self.calls += 1
         t: TorchTransport | NativeCommunicator | None = self._transports.get(x.device.type) if self.comm.native_lib is None else None
         if t is None:
             t = self.transport(op, x)
@@ -316,8 +553,10 @@ class AxisComm:
             return cast(Tensor, getattr(t, method)(op, x, *args))
         except (CommError, MeshError, NoBackendError):
             raise
-        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistError for everything
-            raise _comm_error(op, self, self.rank, e, "the collective") from e
+        except Exception as e:  # c10d raises RuntimeError/DistError for everything
+            t = None  # let go of the group, so that abandoning it frees it and its connections close
+            traceback.clear_frames(e.__traceback__)  # the same for the finished frames of the failed call
+            raise self.failed(op, e, "the collective") from e
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
@@ -385,16 +624,36 @@ def _native_library(backend: str, library: Any) -> NativeLibrary | None:
     return load_library(backend.split("-")[0], None if library is None else str(library))
 
 
-def _comm_error(op: str, ac: AxisComm, rank: int, e: BaseException, what: str) -> CommError:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+_SOURCE_PATH = re.compile(r"\[[^\[\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]\s*")  # "[/pytorch/third_party/gloo/.../pair.cc:553] "
+_NOISE = re.compile(r"\s*This is typically caused by .*$", re.DOTALL)
+
+
+def _clean(e: BaseException) -> str:
+    """The first line of ``e``'s message without C++ source locations and torch's boilerplate advice."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return _NOISE.sub("", _SOURCE_PATH.sub("", first)).strip().rstrip(".") or type(e).__name__
+
+
+def _comm_error(op: str, ac: AxisComm, rank: int, e: BaseException, what: str, peers: str = "") -> CommError:
+    """The fastdist error for a failed c10d call: :class:`CollectiveTimeout` for a timeout, else :class:`CommError`.
+
+    ``peers`` (from :meth:`AxisComm.failed`) says which peers did not reach the call.
+    """
+    msg = _clean(e)
+    extra = f"; {peers}" if peers else ""
     timed_out = "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError)
     if timed_out:
         secs = ac.comm.timeout.total_seconds()
         return CollectiveTimeout(
-            op, ac.label, ac.ranks, rank, f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}",
-            "check that every rank of the group makes this call in the same order; raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
+            op, ac.label, ac.ranks, rank, f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}{extra}",
+            "check that every rank of the group makes this call in the same order; to go on after a failure call mesh.reset() on every rank; "
+            "raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
         )
-    return CommError(op, ac.label, ac.ranks, rank, f"{what} failed: {msg}", "a peer process probably exited or crashed; check its log")
+    return CommError(
+        op, ac.label, ac.ranks, rank, f"{what} failed: {msg}{extra}",
+        "a peer closed the connection: it failed (see its log) or exited; if every rank is still alive, call mesh.reset() on every rank to go on",
+    )
 
 
 # =================================================================== helpers on real ranks
@@ -550,10 +809,11 @@ def barrier(mesh: Mesh, axis: AxisName | None = None, *, timeout: float | dateti
     try:
         if not torch.compiler.is_compiling():
             dist.monitored_barrier(group=group, timeout=td, wait_all_ranks=True)
-    except Exception as e:  # noqa: BLE001
-        msg = str(e).strip().splitlines()[0]
+    except Exception as e:
+        msg = _clean(e)
+        ac.comm.abandon(f"fastdist.barrier(axis={ac.label!r}) failed on this rank: {msg}")
         raise CollectiveTimeout(
             "barrier", ac.label, ac.ranks, ac.rank, f"not every rank arrived within {td.total_seconds():g} s: {msg}",
-            "check that every rank of the group reaches this barrier",
+            "check that every rank of the group reaches this barrier; to go on, call mesh.reset() on every rank",
         ) from e
 

@@ -219,10 +219,11 @@ class Mesh:
     def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
         """Create now (instead of on first use) this rank's process groups for ``axes`` (default: each axis).
 
-        Needed before ``torch.compile`` of a step whose collectives have not run eagerly:
-        groups cannot be created while dynamo traces. With a ctypes backend and its device
+        Never required for correctness: groups are created on first use, in any order across
+        ranks, and under ``torch.compile`` while dynamo traces. Useful to pay the set-up cost
+        up front, and needed with a ctypes backend before CUDA graph capture: with its device
         type (``"cuda"``; ``"cpu"`` for the fake library) it also creates the NCCL/HCCL
-        communicators, which must exist before CUDA graph capture. Every rank must call it.
+        communicators, which must exist before capture. Every rank of each group must call it.
         """
         import torch
 
@@ -240,6 +241,37 @@ class Mesh:
                 if native:
                     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
                     self._comm.native(ac, "create_groups", torch.empty(0, device=device))
+
+    def reset(self, timeout: float | datetime.timedelta | None = None) -> None:
+        """Recover after a failed collective: drop this mesh's process groups and start fresh ones.
+
+        After a :class:`~fastdist.CollectiveTimeout` or :class:`~fastdist.CommError` (or an
+        error that one rank raised while its peers waited in a collective) the mesh's groups
+        may hold half-finished messages, so every later call on them would fail. **Every rank
+        of the mesh** calls ``mesh.reset()``; it destroys the groups (a peer still waiting in
+        one fails at once), moves the mesh to a new epoch agreed through the job's store, and
+        returns once every rank has reset. The next collectives create new groups. Then redo
+        the step on every rank. Compiled steps are traced again on their next call.
+
+        Waits up to ``timeout`` (default: twice the mesh's timeout plus 5 s, since a peer may
+        need a whole timeout to notice the failure) and raises
+        :class:`~fastdist.CollectiveTimeout` naming the ranks that did not reset. A rank that
+        exited cannot rejoin: restart the job then. Other meshes are not affected.
+
+        ```text
+        try:
+            loss = step(batch)
+        except fastdist.FastdistError:      # CommError, CollectiveTimeout, or this rank's own error
+            mesh.reset()                    # on every rank
+            loss = step(batch)
+        ```
+        """
+        from . import distributed as D
+
+        if self._comm is None:
+            raise MeshError(f"Mesh.reset: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+        default = 2 * self._comm.timeout + datetime.timedelta(seconds=5)
+        self._comm.reset(D._as_timedelta(timeout, default))
 
     @property
     def backend(self) -> str | None:
