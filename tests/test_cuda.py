@@ -117,3 +117,23 @@ def test_native_nccl_benchmark_checks_pass() -> None:
         assert native_gpu.main(["--iters", "20"]) == 0
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_graph_capture_of_a_simulated_step_replays_with_new_inputs() -> None:
+    """fd.graph_capture's side stream + torch.cuda.graph: a simulated psum step captured once, replayed on new data."""
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    step = fd.simulate(lambda x: torch.tanh(fd.psum(x, mesh, "tp")), mesh)
+    static = torch.zeros(4, 3, device=CUDA)
+    with fd.graph_capture(mesh) as ctx:
+        assert ctx.stream is not None and ctx.device.type == "cuda"
+        step(static)  # warm up on the capture stream
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=ctx.stream):
+            out = step(static)
+    for seed in range(3):
+        new = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed)).to(CUDA)
+        static.copy_(new)
+        g.replay()
+        torch.cuda.synchronize()
+        want = torch.tanh(new.reshape(2, 2, 3).sum(1, keepdim=True).expand(2, 2, 3).reshape(4, 3))
+        torch.testing.assert_close(out, want)

@@ -35,10 +35,12 @@ from .collectives import (
     ring_shift,
 )
 from .distributed import (
+    GraphCaptureContext,
     all_gather_object,
     barrier,
     broadcast_object,
     broadcast_tensor_dict,
+    graph_capture,
     recv,
     recv_object,
     recv_tensor_dict,
@@ -110,6 +112,8 @@ __all__ = [
     "broadcast_tensor_dict",
     "send_tensor_dict",
     "recv_tensor_dict",
+    "graph_capture",
+    "GraphCaptureContext",
     "send",
     "recv",
     "barrier",
