@@ -55,7 +55,8 @@ from .state import (
     stack_state,
     unstack,
 )
-from . import plans  # noqa: E402
+from . import moe, plans  # noqa: E402
+from .moe import MoEError  # noqa: E402
 
 __all__ = [
     "ColumnParallelLinear",
@@ -94,4 +95,6 @@ __all__ = [
     "PvaryParams",
     "HeadParallelAttention",
     "plans",
+    "moe",
+    "MoEError",
 ]

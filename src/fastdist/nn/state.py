@@ -74,8 +74,10 @@ class Layout:
             ``(768, 768, 768)`` for a fused q|k|v); each part is split on its own.
         size: the single-device size of the split dim when it is padded with zeros to a
             multiple of the axis size (a vocabulary); the padding rows belong to the last ranks.
+        at: the dim holding ``parts`` or padding when other dims are split too (MoE experts:
+            ``Layout(P("ep", "tp", None), parts=(I, I), at=1)`` for a fused gate|up per expert).
 
-    ``parts`` and ``size`` need exactly one split dim and exclude each other.
+    ``parts`` and ``size`` exclude each other and need exactly one split dim unless ``at`` names it.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
@@ -91,18 +93,24 @@ class Layout:
     spec: PartitionSpec = P()
     parts: tuple[int, ...] = ()
     size: int | None = None
+    at: int | None = None
 
     def __post_init__(self) -> None:
         if self.parts or self.size is not None:
             split = [d for d in range(len(self.spec.dims)) if self.spec.axes_of(d)]
-            if len(split) != 1 or (self.parts and self.size is not None):
-                raise MeshError(f"Layout: parts/size need exactly one split dim and not both; got {self!r}")
+            if self.at is not None:
+                if self.at not in split or (self.parts and self.size is not None):
+                    raise MeshError(f"Layout: at={self.at} must name a split dim holding parts or padding (not both); got {self!r}")
+            elif len(split) != 1 or (self.parts and self.size is not None):
+                raise MeshError(f"Layout: parts/size need exactly one split dim (or at= naming which) and not both; got {self!r}")
 
     @property
     def dim(self) -> int | None:
         """The dim that holds fused parts or padding (None for a plain block split)."""
         if not (self.parts or self.size is not None):
             return None
+        if self.at is not None:
+            return self.at
         return next(d for d in range(len(self.spec.dims)) if self.spec.axes_of(d))
 
     def _n(self, mesh: Mesh, d: int) -> int:

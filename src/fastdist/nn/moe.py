@@ -1,0 +1,467 @@
+"""Expert parallelism: route tokens to experts sharded over an ``ep`` axis, and back.
+
+Pure functions of (tensor, mesh, axis), composable with ``tp`` inside each expert and
+``dp``/``sp`` outside (any other axis is independent: every ``ep`` group runs on its own).
+
+* `route`: the router's top-k (softmax or sigmoid gating, renormalised top-k as Mixtral,
+  Qwen2-MoE with ``norm_topk_prob`` or DeepSeek-V3 do).
+* `dispatch` / `combine`: send every (token, expert) assignment to the rank owning the
+  expert, and bring the expert outputs back, in the original order, weighted by the gates.
+  Two strategies (``strategy=``):
+
+  - ``"allgather"``: all-gather the tokens over ``ep``, every rank runs its own experts on
+    every token routed to them, reduce-scatter the outputs (vLLM's naive dispatcher; simple,
+    good for small batches; no data-dependent sizes, so it also compiles);
+  - ``"all_to_all"``: `fastdist.indexed_all_to_all_v` (ragged): only the assigned rows
+    move. Dropless. On real ranks the receive buffer has exactly the rows that arrive. On
+    simulated ranks every rank shares one shape, so the buffer has a static ``capacity``,
+    by default the worst case ``ep * tokens * top_k`` rows (no token can be dropped); a
+    smaller ``capacity`` that cannot hold what arrives raises `MoEError`.
+
+* `moe`: router output -> dispatch -> experts -> combine in one call, with optional token
+  dropping (``capacity_factor``: each rank keeps at most ``ceil(capacity_factor * T * k / E)``
+  assignments per expert, in token order, as GShard/Switch/Megatron do); the number of
+  dropped assignments is in the result.
+* `load_balancing_loss` (Switch/Mixtral's auxiliary loss) and `router_z_loss` (ST-MoE):
+  over the **global** batch when ``axes`` names the axes the tokens are split over (the
+  statistics are summed over them before the product, so every rank gets the loss of the
+  whole batch and the gradient of that one loss); with ``axes=()`` each rank computes
+  Hugging Face's formula on its own tokens (the per-replica convention).
+
+Tokens are rows: ``x`` is ``(T, H)`` on each rank (flatten ``(batch, seq)`` first), ``experts``
+and ``weights`` are ``(T, k)``. Global expert ``e`` lives on the rank with index
+``e // (E / ep)`` along ``axis`` as its local expert ``e % (E / ep)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..collectives import (
+    all_gather,
+    all_gather_invariant,
+    all_to_all,
+    axis_index,
+    local_chunk,
+    psum,
+    psum_scatter,
+    pvary,
+)
+from ..errors import CollectiveError, FastdistError
+from ..mesh import Mesh
+from ..uneven import indexed_all_to_all_v, ragged_all_to_all
+
+__all__ = [
+    "Dispatched",
+    "ExpertParallelExperts",
+    "MoEError",
+    "MoEOutput",
+    "Routing",
+    "combine",
+    "dispatch",
+    "expert_capacity",
+    "load_balancing_loss",
+    "moe",
+    "route",
+    "router_z_loss",
+]
+
+Strategy = Literal["allgather", "all_to_all"]
+Gating = Literal["softmax", "sigmoid"]
+ExpertFn = Callable[[Tensor, int], Tensor]
+
+
+class MoEError(FastdistError, ValueError):
+    """An expert-parallel layer cannot run as asked: experts that do not split over ``ep``, top-k larger than the
+    number of experts, a capacity too small for a dropless run on simulated ranks. The message names the layer and the fix."""
+
+
+class Routing(NamedTuple):
+    """The router's choice for each token: ``weights`` (T, k) gates, ``experts`` (T, k) global expert ids, ``probs`` (T, E)."""
+
+    weights: Tensor
+    experts: Tensor
+    probs: Tensor
+
+
+class MoEOutput(NamedTuple):
+    """`moe`'s result: ``out`` (T, H), and ``dropped``: the number of (token, expert) assignments this rank dropped (0-d int64)."""
+
+    out: Tensor
+    dropped: Tensor
+
+
+def _check_k(layer: str, top_k: int, num_experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise MoEError(f"fastdist MoE layer {layer!r}: top_k={top_k!r} but there are {num_experts} experts; each token picks top_k distinct "
+                       f"experts. Fix: 1 <= top_k <= {num_experts}")
+
+
+def _check_split(layer: str, num_experts: int, mesh: Mesh, axis: str) -> int:
+    n = mesh.axis_size(axis)
+    if num_experts % n:
+        raise MoEError(f"fastdist MoE layer {layer!r}: {num_experts} experts do not divide over the {n} ranks of {axis!r}. Fix: an {axis!r} "
+                       f"size that divides {num_experts} (e.g. {math.gcd(num_experts, n)}), or more experts")
+    return num_experts // n
+
+
+# ============================================================================ router
+def route(logits: Tensor, top_k: int, *, gating: Gating = "softmax", normalize: bool = True, layer: str = "moe") -> Routing:
+    """Top-k routing from router logits ``(T, E)``.
+
+    ``gating="softmax"``: probabilities ``softmax(logits)``; ``"sigmoid"``: independent scores
+    ``sigmoid(logits)`` (DeepSeek-V3). The ``top_k`` largest are the token's experts; with
+    ``normalize`` their gates are divided by their sum (Mixtral; Qwen2-MoE's
+    ``norm_topk_prob``), else they are the probabilities themselves. bf16/fp16 logits are
+    computed in float32 (as transformers does); float32/float64 stay as they are. Gradient:
+    through the selected gates (the selection itself is piecewise constant). No communication:
+    call it on each rank's own tokens with a router weight that is ``pvary``'d over the axes
+    the tokens are split over.
+
+    >>> import torch, fastdist as fd
+    >>> r = fd.nn.moe.route(torch.tensor([[2.0, 0.0, 1.0]]), 2)
+    >>> r.experts.tolist(), [round(w, 4) for w in r.weights[0].tolist()]
+    ([[0, 2]], [0.7311, 0.2689])
+    """
+    _check_k(layer, top_k, logits.shape[-1])
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = x.softmax(-1) if gating == "softmax" else torch.sigmoid(x)  # (T, E)
+    top, experts = torch.topk(probs, top_k, dim=-1)  # (T, k)
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    return Routing(top, experts, probs)
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Assignments one rank keeps per expert when dropping: ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+
+    >>> expert_capacity(10, 2, 4, 1.0)
+    5
+    """
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def _keep_mask(experts: Tensor, num_experts: int, per_expert: int) -> Tensor:
+    """(T, k) bool: an assignment is kept if fewer than ``per_expert`` earlier ones (token-major order) chose its expert."""
+    flat = experts.reshape(-1)  # (T*k,)
+    oh = F.one_hot(flat, num_experts + 1)[:, :num_experts]  # (T*k, E); id E = nowhere
+    pos = (oh.cumsum(0) * oh).sum(-1) - 1  # (T*k,) place in its expert's queue (-1: nowhere)
+    return (pos < per_expert).reshape(experts.shape)
+
+
+# ============================================================================ dispatch / combine
+@dataclass(frozen=True)
+class Dispatched:
+    """What `combine` needs to bring expert outputs back (made by `dispatch`; treat as opaque).
+
+    ``row_expert``: (R,) the local expert of every row `dispatch` returned (``E_local`` for an
+    empty row). ``tokens``: this rank's token count ``T``.
+    """
+
+    strategy: Strategy
+    mesh: Mesh
+    axis: str
+    num_experts: int
+    tokens: int
+    row_expert: Tensor
+    order: Tensor | None = None  # all_to_all: (T*k,) assignment ids sorted by expert
+    recv_sizes: Tensor | None = None  # all_to_all: (ep,) rows that came from each source
+    experts: Tensor | None = None  # allgather: (ep*T, k) gathered expert ids (E = nowhere)
+
+
+def _nowhere(experts: Tensor, keep: Tensor | None, num_experts: int) -> Tensor:
+    """Expert ids with dropped assignments sent nowhere (id ``num_experts``)."""
+    return experts if keep is None else torch.where(keep, experts, num_experts)
+
+
+def dispatch(
+    x: Tensor, experts: Tensor, mesh: Mesh, axis: str, num_experts: int, *, strategy: Strategy = "all_to_all",
+    capacity: int | None = None, keep: Tensor | None = None, layer: str = "moe",
+) -> tuple[Tensor, Dispatched]:
+    """Send every token to the ranks that own its experts.
+
+    Args:
+        x: (T, H) this rank's tokens. experts: (T, k) global expert ids (``route(...).experts``).
+        strategy: ``"all_to_all"``: returns the (R, H) rows that arrived for this rank's
+            experts, packed by source rank then by expert (R: exactly what arrived on real
+            ranks; ``capacity`` on simulated ranks, default ``ep * T * k``; rows past what
+            arrived are zeros). ``"allgather"``: returns every rank's tokens (ep*T, H).
+        keep: (T, k) bool, optional: assignments to send (the others are dropped).
+    Returns ``(rows, handle)``; ``handle.row_expert`` gives the local expert of each row
+    (``allgather``: use `moe`'s per-expert masks instead). Gradient: the reverse exchange
+    (``all_to_all``) or a reduce-scatter (``allgather``) back into ``x``.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"ep": 2})                                   # experts 0, 1 on rank 0; 2, 3 on rank 1
+    >>> x = torch.arange(4.0).reshape(2, 2, 1)                      # 2 ranks x 2 tokens
+    >>> experts = torch.tensor([[[3], [0]], [[2], [2]]])            # top-1
+    >>> def send(x, e):
+    ...     rows, handle = fd.nn.moe.dispatch(x, e, mesh, "ep", 4, capacity=4)
+    ...     return rows, handle.row_expert
+    >>> rows, local_expert = fd.simulate(send, mesh)(x, experts)
+    >>> rows[1, :, 0].tolist(), local_expert[1].tolist()            # rank 1: token 0 of rank 0, tokens 0, 1 of rank 1
+    ([0.0, 2.0, 3.0, 0.0], [1, 0, 0, 2])
+    """
+    n = mesh.axis_size(axis)
+    el = _check_split(layer, num_experts, mesh, axis)
+    T, k = experts.shape
+    _check_k(layer, k, num_experts)
+    ids = _nowhere(experts, keep, num_experts)  # (T, k)
+    if strategy == "allgather":
+        xs = all_gather(x, mesh, axis, dim=0)  # (ep*T, H)
+        es = all_gather(ids, mesh, axis, dim=0)  # (ep*T, k)
+        local = es - axis_index(mesh, axis) * el  # (ep*T, k): my local expert id, or out of [0, el)
+        row = torch.where((local >= 0) & (local < el), local, el)
+        return xs, Dispatched(strategy, mesh, axis, num_experts, T, row, experts=es)
+    if strategy != "all_to_all":
+        raise MoEError(f"fastdist MoE layer {layer!r}: strategy={strategy!r}. Fix: 'allgather' or 'all_to_all'")
+    flat = ids.reshape(-1)  # (T*k,) token-major
+    order = torch.argsort(flat, stable=True)  # assignments by expert, hence by destination rank; nowhere last
+    counts = F.one_hot(flat, num_experts + 1)[:, :num_experts].sum(0)  # (E,)
+    per_rank = counts.reshape(n, el)  # (ep, E_local): what I send to each rank, per its local expert
+    recv_counts = all_to_all(per_rank, mesh, axis, split_dim=0, concat_dim=0)  # (ep, E_local): what each source sends me
+    simulated = mesh.backend is None
+    if capacity is None:
+        capacity = n * T * k if simulated else int(recv_counts.sum())  # worst case / exact (one host read)
+    try:
+        rows, recv = indexed_all_to_all_v(x, mesh, axis, order // k, per_rank.sum(-1), capacity=capacity)  # (C, H), (ep,)
+    except CollectiveError as e:
+        if "capacity" not in str(e):
+            raise
+        raise MoEError(
+            f"fastdist MoE layer {layer!r}: {e.rank} receives more token assignments than capacity={capacity} over {axis!r} "
+            f"({'simulated ranks share one static buffer' if simulated else 'real ranks'}). Fix: capacity >= {n * T * k} "
+            "(every assignment to one rank: dropless), leave capacity=None (the worst case on simulated ranks, exact sizes on "
+            "real ranks), or drop tokens with capacity_factor"
+        ) from None
+    bounds = recv_counts.reshape(-1).cumsum(0)  # (ep*E_local,): end of each (source, expert) block in the buffer
+    t = torch.arange(capacity, device=x.device)  # (C,)
+    block = (bounds.unsqueeze(0) <= t.unsqueeze(1)).sum(-1)  # (C,): the (source, expert) block of row t
+    row = torch.where(block < n * el, block % el, el)  # (C,)
+    return rows, Dispatched(strategy, mesh, axis, num_experts, T, row, order=order, recv_sizes=recv)
+
+
+def combine(y: Tensor, handle: Dispatched, weights: Tensor) -> Tensor:
+    """Bring expert outputs back to their tokens, in the original order, weighted by the gates.
+
+    ``y``: (R, H) the experts' outputs for `dispatch`'s rows (``all_to_all``; rows of no
+    expert are ignored), or (ep*T, H) each gathered token's sum of this rank's experts'
+    outputs, already weighted (``allgather``: see `moe`). ``weights``: (T, k) gates
+    (dropped assignments contribute nothing). Returns (T, H): ``sum_j w[t, j] * f_{e[t, j]}(x_t)``.
+    Gradient: the reverse exchange; the gates get ``<f_e(x_t), g_t>``.
+    """
+    d = handle
+    if d.strategy == "allgather":
+        return psum_scatter(y, d.mesh, d.axis, dim=0)  # (T, H): my tokens, summed over the ranks' experts
+    assert d.order is not None and d.recv_sizes is not None
+    T, k = weights.shape
+    back, _ = ragged_all_to_all(y, d.mesh, d.axis, d.recv_sizes, capacity=T * k)  # (T*k, H) in sorted-assignment order, 0 past the sent rows
+    w = weights.reshape(-1).index_select(0, d.order).to(back.dtype)  # (T*k,)
+    out = back.new_zeros(T, back.shape[-1])  # (T, H)
+    return out.index_add(0, d.order // k, back * w.unsqueeze(-1))
+
+
+def _run_experts(x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: ExpertFn, simulated: bool) -> Tensor:
+    """``sum_e assign[:, e] * scale[:, e] * expert_fn(x, e)`` over the local experts: (R, H).
+
+    Real ranks run each expert on its own rows only; simulated ranks (one shape for all) run
+    every expert on every row and mask (the result is the same).
+    """
+    y = x.new_zeros(x.shape[0], x.shape[-1])  # (R, H)
+    for e in range(assign.shape[-1]):
+        if simulated:
+            ye = expert_fn(x, e)  # (R, H)
+            s = assign[:, e].unsqueeze(-1) if scale is None else torch.where(assign[:, e], scale[:, e], 0).unsqueeze(-1)
+            y = y + torch.where(assign[:, e].unsqueeze(-1), ye * s.to(ye.dtype), 0)
+        else:
+            idx = assign[:, e].nonzero().squeeze(-1)  # (R_e,)
+            if idx.numel() == 0:
+                continue
+            ye = expert_fn(x.index_select(0, idx), e)  # (R_e, H)
+            if scale is not None:
+                ye = ye * scale[:, e].index_select(0, idx).unsqueeze(-1).to(ye.dtype)
+            y = y.index_add(0, idx, ye)
+    return y
+
+
+def moe(
+    x: Tensor, weights: Tensor, experts: Tensor, expert_fn: ExpertFn, mesh: Mesh, axis: str, num_experts: int, *,
+    strategy: Strategy = "all_to_all", capacity_factor: float | None = None, capacity: int | None = None,
+    tp_axis: str | None = None, layer: str = "moe",
+) -> MoEOutput:
+    """An expert-parallel MoE layer's expert part: ``out[t] = sum_j weights[t, j] * f_{experts[t, j]}(x[t])``.
+
+    Args:
+        x: (T, H) this rank's tokens; weights, experts: (T, k) from the router (`route`).
+        expert_fn: ``expert_fn(rows, e) -> (rows, H)``: local expert ``e`` (``0 <= e < E/ep``)
+            on some rows, with this rank's expert weights.
+        capacity_factor: drop assignments past ``expert_capacity(T, k, E, capacity_factor)``
+            per expert on each rank (token order); ``None``: dropless.
+        capacity: ``all_to_all`` receive buffer rows (see `dispatch`).
+        tp_axis: the experts' weights are tensor-parallel over this axis (``expert_fn``'s
+            outputs are partial sums): the rows are ``pvary``'d in and ``psum``'d out.
+    Returns `MoEOutput` ``(out (T, H), dropped)``. Gradient: to ``x``, ``weights`` and the
+    expert weights, equal to the single-device layer's (summed over the ranks whose tokens
+    reach an expert).
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"ep": 2})
+    >>> w = torch.tensor([1.0, 10.0, 100.0, 1000.0])                # expert e multiplies by w[e]; 2 per rank
+    >>> def layer(x, logits, w):
+    ...     r = fd.nn.moe.route(logits, 1)
+    ...     return fd.nn.moe.moe(x, r.weights, r.experts, lambda rows, e: rows * w[e], mesh, "ep", 4).out
+    >>> x = torch.ones(2, 3, 1)
+    >>> logits = torch.eye(4)[torch.tensor([[0, 3, 2], [1, 1, 3]])] # (2 ranks, 3 tokens, 4 experts)
+    >>> fd.simulate(layer, mesh)(x, logits, torch.stack([w[:2], w[2:]]))[..., 0].tolist()
+    [[1.0, 1000.0, 100.0], [10.0, 10.0, 1000.0]]
+    """
+    el = _check_split(layer, num_experts, mesh, axis)
+    T, k = experts.shape
+    _check_k(layer, k, num_experts)
+    keep = None
+    if capacity_factor is not None:
+        keep = _keep_mask(experts, num_experts, expert_capacity(T, k, num_experts, capacity_factor))
+        if capacity is None and strategy == "all_to_all":
+            capacity = mesh.axis_size(axis) * el * expert_capacity(T, k, num_experts, capacity_factor)  # what can arrive
+    dropped = (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.long, device=x.device)
+    rows, d = dispatch(x, experts, mesh, axis, num_experts, strategy=strategy, capacity=capacity, keep=keep, layer=layer)
+    if tp_axis is not None:
+        rows = pvary(rows, mesh, tp_axis)
+    simulated = mesh.backend is None
+    if strategy == "allgather":
+        assert d.experts is not None
+        ws = all_gather(weights if keep is None else torch.where(keep, weights, 0), mesh, axis, dim=0)  # (ep*T, k)
+        if tp_axis is not None:
+            ws = pvary(ws, mesh, tp_axis)  # the gates scale tp-partial outputs: their gradient is summed over tp
+        hit = F.one_hot(d.row_expert, el + 1)[..., :el]  # (ep*T, k, E_local)
+        assign = hit.sum(1) > 0  # (ep*T, E_local)
+        scale = (ws.unsqueeze(-1) * hit.to(ws.dtype)).sum(1)  # (ep*T, E_local): the gate of each local expert
+        y = _run_experts(rows, assign, scale, expert_fn, simulated)
+    else:
+        assign = F.one_hot(d.row_expert, el + 1)[:, :el] > 0  # (R, E_local)
+        y = _run_experts(rows, assign, None, expert_fn, simulated)
+    if tp_axis is not None:
+        y = psum(y, mesh, tp_axis)
+    return MoEOutput(combine(y, d, weights), dropped)
+
+
+# ============================================================================ auxiliary losses
+def _global(t: Tensor, mesh: Mesh | None, axes: Sequence[str]) -> Tensor:
+    for a in axes:
+        assert mesh is not None
+        t = psum(t, mesh, a)
+    return t
+
+
+def load_balancing_loss(
+    router_logits: Tensor | Sequence[Tensor], top_k: int, *, mesh: Mesh | None = None, axes: Sequence[str] = (),
+    attention_mask: Tensor | None = None, gating: Gating = "softmax", layer: str = "moe",
+) -> Tensor:
+    """Switch Transformer's auxiliary load-balancing loss, as transformers' ``load_balancing_loss_func`` computes it.
+
+    ``router_logits``: (T, E), or one per layer (their statistics pooled, as transformers
+    does). ``loss = E * sum_e f_e * P_e`` with ``f_e`` the fraction of tokens choosing
+    expert ``e`` among their top ``k`` and ``P_e`` the mean router probability of ``e``.
+    ``attention_mask`` (T,) weights the tokens (0: padding). With ``axes`` (the mesh axes
+    the tokens are split over, e.g. ``("dp", "ep")``) the counts, probability sums and token
+    counts are summed over those axes first: every rank gets the loss of the **global**
+    batch, and its gradient is that loss's gradient (through ``P_e``; ``f_e`` is a count).
+    With ``axes=()`` every rank computes transformers' formula on its own tokens (the
+    per-replica convention; equal to the global one when all replicas see the same batch).
+    Computed in float32 for bf16/fp16 logits, else in their dtype (transformers always uses
+    float32). Gradient: through the probabilities only, as in transformers.
+
+    >>> import torch, fastdist as fd
+    >>> round(fd.nn.moe.load_balancing_loss(torch.zeros(4, 4), 1).item(), 4)   # uniform router: loss 1
+    1.0
+    """
+    layers = [router_logits] if isinstance(router_logits, Tensor) else list(router_logits)
+    E = layers[0].shape[-1]
+    _check_k(layer, top_k, E)
+    counts = probs = total = None
+    for logits in layers:
+        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        p = x.softmax(-1) if gating == "softmax" else torch.sigmoid(x)  # (T, E)
+        chosen = F.one_hot(torch.topk(p, top_k, dim=-1).indices, E).sum(1).to(p.dtype)  # (T, E)
+        m = torch.ones(p.shape[0], dtype=p.dtype, device=p.device) if attention_mask is None else attention_mask.reshape(-1).to(p.dtype)
+        c, s, n = (chosen * m.unsqueeze(-1)).sum(0), (p * m.unsqueeze(-1)).sum(0), m.sum()
+        counts, probs, total = (c, s, n) if counts is None else (counts + c, probs + s, total + n)  # type: ignore[operator]
+    assert counts is not None and probs is not None and total is not None
+    stats = _global(torch.cat([counts, total.reshape(1)]), mesh, axes)  # (E + 1,): no gradient
+    probs = _global(probs, mesh, axes)  # (E,)
+    return E * (stats[:E] / stats[E] * probs / stats[E]).sum()
+
+
+def router_z_loss(router_logits: Tensor | Sequence[Tensor], *, mesh: Mesh | None = None, axes: Sequence[str] = ()) -> Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)**2`` (as transformers' Switch Transformers).
+
+    Several layers' logits: the mean over all their tokens. ``axes``: the mean over the global
+    batch (sums over those axes), as `load_balancing_loss`. Gradient: that mean's.
+
+    >>> import torch, fastdist as fd
+    >>> round(fd.nn.moe.router_z_loss(torch.zeros(3, 4)).item(), 4)   # log(4)**2
+    1.9218
+    """
+    layers = [router_logits] if isinstance(router_logits, Tensor) else list(router_logits)
+    z = torch.cat([torch.logsumexp(lg.float() if lg.dtype in (torch.float16, torch.bfloat16) else lg, dim=-1).reshape(-1) for lg in layers])
+    total = _global(torch.tensor(float(z.numel()), dtype=z.dtype, device=z.device), mesh, axes)
+    return _global((z**2).sum(), mesh, axes) / total
+
+
+# ============================================================================ a module for transformers' experts
+class ExpertParallelExperts(nn.Module):
+    """transformers' 3-D-parameter experts module (Mixtral, Qwen2-MoE/Qwen3-MoE, OLMoE) with its experts over ``axis``.
+
+    Keeps the parameter names ``gate_up_proj`` (E/ep, 2I/tp, H) and ``down_proj`` (E/ep, H, I/tp)
+    (this rank's experts; with ``tp_axis`` each expert's intermediate features split too,
+    gate and up each on their own) and the call ``forward(hidden_states (T, H), top_k_index
+    (T, k), top_k_weights (T, k)) -> (T, H)``. ``tokens="replicated"``: every rank of the
+    ``ep`` group holds the same tokens (attention tensor-parallel or replicated): each rank
+    dispatches its ``1/ep`` share and the outputs are all-gathered back (every rank's result
+    is the whole layer's); ``"sharded"``: each rank's own tokens (data-parallel attention).
+    """
+
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: Callable[[Tensor], Tensor], mesh: Mesh, axis: str,
+                 num_experts: int, *, strategy: Strategy = "all_to_all", tp_axis: str | None = None,
+                 tokens: Literal["replicated", "sharded"] = "replicated", capacity_factor: float | None = None,
+                 capacity: int | None = None, layer: str = "experts", layouts: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
+        self.mesh, self.axis, self.num_experts, self.strategy, self.tp_axis = mesh, axis, num_experts, strategy, tp_axis
+        self.tokens, self.capacity_factor, self.capacity, self.layer = tokens, capacity_factor, capacity, layer
+        self._layouts = layouts or {}
+
+    def param_layouts(self) -> dict[str, Any]:
+        return dict(self._layouts)
+
+    def _expert(self, rows: Tensor, e: int) -> Tensor:
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # (R, I/tp) each
+        return F.linear(self.act_fn(gate) * up, self.down_proj[e])  # (R, H): a partial sum over tp
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        x, idx, w = hidden_states, top_k_index, top_k_weights
+        T = x.shape[0]
+        n = self.mesh.axis_size(self.axis)
+        if self.tokens == "replicated":
+            pad = -T % n
+            if pad:  # pad to a multiple of ep with tokens routed nowhere
+                x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])  # (T + pad, H)
+                idx = torch.cat([idx, idx.new_full((pad, idx.shape[-1]), self.num_experts)])
+                w = torch.cat([w, w.new_zeros(pad, w.shape[-1])])
+            x, idx, w = (local_chunk(t, self.mesh, self.axis, dim=0) for t in (x, idx, w))  # ((T + pad) / ep, ...)
+        out = moe(x, w, idx, self._expert, self.mesh, self.axis, self.num_experts, strategy=self.strategy,  # id E (padding): nowhere
+                  capacity_factor=self.capacity_factor, capacity=self.capacity, tp_axis=self.tp_axis, layer=self.layer).out
+        if self.tokens == "replicated":
+            out = all_gather_invariant(out, self.mesh, self.axis, dim=0)[:T]  # (T, H) on every rank
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} experts over {self.axis!r}, strategy={self.strategy!r}, tokens={self.tokens!r}, tp_axis={self.tp_axis!r}"
+

@@ -1,0 +1,197 @@
+"""Expert parallelism (fastdist.nn.moe) against one device: the functional layer, and transformers' Mixtral made
+expert-parallel with a plan. float64 throughout, so outputs, losses and every gradient must agree to 1e-10."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+import fastdist as fd
+from fastdist.nn import moe as M
+
+F64 = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+H, I = 6, 4  # hidden, expert intermediate
+
+
+def reference_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """transformers' MixtralExperts forward, on one device: (T, H)."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tok, slot = torch.where(experts == e)
+        if tok.numel() == 0:
+            continue
+        g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights[tok, slot, None]
+        out = out.index_add(0, tok, y)
+    return out
+
+
+def expert_weights(E: int, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, H, dtype=F64, generator=g), torch.randn(E, H, I, dtype=F64, generator=g)
+
+
+def run_layer(x: Tensor, weights: Tensor, experts: Tensor, gate_up: Tensor, down: Tensor, mesh: fd.Mesh, *, strategy: str,
+              tp: str | None = None, capacity_factor: float | None = None, capacity: int | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The layer on simulated ranks: tokens split over ep (x: (ep*T, H)), experts sharded over ep (and their features over tp).
+
+    Returns (out (ep*T, H), dropped per rank, single-device-view gradients) for ``(out * c).sum()`` with c = out's index."""
+    ep = mesh.axis_size("ep")
+    E = gate_up.shape[0]
+    world = mesh.size
+    T = x.shape[0] // ep
+    gu_l = fd.nn.Layout(fd.P("ep", tp, None), parts=(I, I), at=1) if tp else fd.nn.Layout(fd.P("ep"))
+    dn_l = fd.nn.Layout(fd.P("ep", None, tp)) if tp else fd.nn.Layout(fd.P("ep"))
+    gus = torch.stack([gu_l.shard(gate_up, mesh, r) for r in range(world)]).requires_grad_()
+    dns = torch.stack([dn_l.shard(down, mesh, r) for r in range(world)]).requires_grad_()
+    ep_of = [mesh.index(r, "ep") for r in range(world)]
+    xs = torch.stack([x.reshape(ep, T, H)[i] for i in ep_of]).detach().requires_grad_()
+    ws = torch.stack([weights.reshape(ep, T, -1)[i] for i in ep_of]).detach().requires_grad_()
+    es = torch.stack([experts.reshape(ep, T, -1)[i] for i in ep_of])
+
+    def layer(x: Tensor, w: Tensor, e: Tensor, gu: Tensor, dn: Tensor) -> tuple[Tensor, Tensor]:
+        def expert(rows: Tensor, i: int) -> Tensor:
+            g, u = F.linear(rows, gu[i]).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, dn[i])
+
+        r = M.moe(x, w, e, expert, mesh, "ep", E, strategy=strategy, tp_axis=tp, capacity_factor=capacity_factor, capacity=capacity)  # type: ignore[arg-type]
+        return r.out, r.dropped
+
+    out, dropped = fd.simulate(layer, mesh)(xs, ws, es, gus, dns)
+    c = torch.arange(out[0].numel(), dtype=F64).reshape(out[0].shape) / 10
+    (out * c).sum().backward()
+    first = [mesh.rank_of({"ep": i, **({tp: 0} if tp else {})}) for i in range(ep)]  # one rank per ep index
+    grads = {
+        "x": xs.grad[first].reshape(ep * T, H),  # type: ignore[index]
+        "weights": ws.grad[first].reshape(ep * T, -1),  # type: ignore[index]
+        "gate_up": gu_l.join(gus.grad, mesh),  # type: ignore[arg-type]
+        "down": dn_l.join(dns.grad, mesh),  # type: ignore[arg-type]
+    }
+    return out[first].reshape(ep * T, H).detach(), dropped[first], grads
+
+
+def check_layer(x: Tensor, weights: Tensor, experts: Tensor, E: int, mesh: fd.Mesh, strategy: str, tp: str | None = None, seed: int = 0,
+                keep: Tensor | None = None, **kw: Any) -> Tensor:
+    gate_up, down = expert_weights(E, seed)
+    out, dropped, grads = run_layer(x, weights, experts, gate_up, down, mesh, strategy=strategy, tp=tp, **kw)
+    ep = mesh.axis_size("ep")
+    T = x.shape[0] // ep
+    leaves = {k: t.clone().requires_grad_() for k, t in {"x": x, "weights": weights, "gate_up": gate_up, "down": down}.items()}
+    w_eff = leaves["weights"] if keep is None else torch.where(keep, leaves["weights"], 0)
+    e_eff = experts if keep is None else torch.where(keep, experts, E)
+    want = reference_experts(leaves["x"], w_eff, e_eff, leaves["gate_up"], leaves["down"])
+    torch.testing.assert_close(out, want.detach(), **TOL)
+    c = torch.arange(T * H, dtype=F64).reshape(T, H) / 10
+    (want * c.repeat(ep, 1)).sum().backward()
+    for k, leaf in leaves.items():
+        torch.testing.assert_close(grads[k], leaf.grad, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+    return dropped
+
+
+def random_routing(ep: int, T: int, E: int, k: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ep * T, H, dtype=F64, generator=g)
+    r = M.route(torch.randn(ep * T, E, dtype=F64, generator=g), k)
+    return x, r.weights, r.experts
+
+
+# ============================================================================ the functional layer
+@pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
+@pytest.mark.parametrize("ep, E, k", [(2, 4, 2), (4, 8, 2), (4, 4, 1)])
+def test_layer_matches_one_device(strategy: str, ep: int, E: int, k: int) -> None:
+    x, w, e = random_routing(ep, 5, E, k, seed=ep + E)
+    check_layer(x, w, e, E, fd.Mesh({"ep": ep}), strategy)
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
+def test_ep_x_tp_and_dp(strategy: str) -> None:
+    """Experts over ep, each expert's features over tp; a dp axis outside (each dp replica: the same tokens here)."""
+    x, w, e = random_routing(2, 4, 4, 2, seed=3)
+    check_layer(x, w, e, 4, fd.Mesh({"ep": 2, "tp": 2}), strategy, tp="tp")
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
+def test_skewed_routing_and_empty_experts(strategy: str) -> None:
+    """Every token to expert 5 (the other experts, and rank 0's, get nothing); then ranks with no tokens for anyone."""
+    ep, T, E, k = 4, 3, 8, 1
+    x, w, _ = random_routing(ep, T, E, k, seed=7)
+    check_layer(x, w, torch.full((ep * T, k), 5), E, fd.Mesh({"ep": ep}), strategy)
+    x, w, e = random_routing(ep, T, E, 2, seed=8)
+    e = torch.where(e < 4, e, e % 2)  # experts 4..7 (ranks 2, 3) empty
+    check_layer(x, w, e, E, fd.Mesh({"ep": ep}), strategy)
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
+def test_token_dropping_reports_what_it_dropped(strategy: str) -> None:
+    ep, T, E, k = 2, 6, 4, 2
+    x, w, _ = random_routing(ep, T, E, k, seed=9)
+    e = torch.tensor([[0, 1]] * (ep * T))  # every token to experts 0 and 1: capacity ceil(1.0 * 6 * 2 / 4) = 3 each per rank
+    keep = torch.cat([M._keep_mask(chunk, E, M.expert_capacity(T, k, E, 1.0)) for chunk in e.reshape(ep, T, k)])
+    assert keep.sum().item() == ep * 2 * 3
+    dropped = check_layer(x, w, e, E, fd.Mesh({"ep": ep}), strategy, keep=keep, capacity_factor=1.0)
+    assert dropped.tolist() == [T * k - 6] * ep
+
+
+@settings(max_examples=15, deadline=None)
+@given(ep=st.sampled_from([1, 2, 4]), T=st.integers(1, 5), k=st.integers(1, 3), seed=st.integers(0, 10_000),
+       strategy=st.sampled_from(["all_to_all", "allgather"]))
+def test_random_assignments_round_trip(ep: int, T: int, k: int, seed: int, strategy: str) -> None:
+    """Random token-to-expert assignments (any skew): dispatch + identity experts + combine gives back sum_j w_j x_t, in
+    order; and the whole layer's gradients equal one device's."""
+    E = 4
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ep * T, H, dtype=F64, generator=g)
+    e = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(ep * T)])  # distinct experts per token
+    w = torch.rand(ep * T, k, dtype=F64, generator=g)
+    mesh = fd.Mesh({"ep": ep})
+    ident = fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda rows, i: rows * 1.0, mesh, "ep", E, strategy=strategy).out, mesh)  # type: ignore[arg-type]
+    back = ident(x.reshape(ep, T, H), w.reshape(ep, T, k), e.reshape(ep, T, k))
+    torch.testing.assert_close(back.reshape(ep * T, H), x * w.sum(-1, keepdim=True), **TOL)
+    check_layer(x, w, e, E, mesh, strategy, seed=seed)
+
+
+# ============================================================================ auxiliary losses
+def test_load_balancing_loss_global_and_per_replica() -> None:
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(8, 4, dtype=F64, generator=g) for _ in range(2)]  # two layers, 8 tokens
+    hf = load_balancing_loss_func(tuple(logits), 4, 2)  # float32 inside
+    torch.testing.assert_close(M.load_balancing_loss(logits, 2).float(), hf, rtol=1e-6, atol=1e-6)
+    mesh = fd.Mesh({"dp": 2, "ep": 2})
+    leaves = [lg.clone().requires_grad_() for lg in logits]
+    want = M.load_balancing_loss(leaves, 2) + 0.1 * M.router_z_loss(leaves)
+    want.backward()
+    split = [lg.detach().reshape(4, 2, 4).clone().requires_grad_() for lg in logits]  # tokens over dp x ep (rank = dp * 2 + ep)
+    got = fd.simulate(lambda a, b: M.load_balancing_loss([a, b], 2, mesh=mesh, axes=("dp", "ep")) + 0.1 * M.router_z_loss([a, b], mesh=mesh,
+                      axes=("dp", "ep")), mesh)(*split)
+    torch.testing.assert_close(got, want.detach().expand(4), **TOL)  # every rank: the global loss
+    got.sum().backward()  # each rank's backward of its own copy
+    for s, leaf in zip(split, leaves):
+        torch.testing.assert_close(s.grad.reshape(8, 4), leaf.grad, **TOL)  # type: ignore[union-attr]
+    per_replica = fd.simulate(lambda a: M.load_balancing_loss(a, 2), mesh)(logits[0].reshape(4, 2, 4))
+    torch.testing.assert_close(per_replica[1], M.load_balancing_loss(logits[0][2:4], 2), **TOL)
+
+
+# ============================================================================ errors
+def test_errors_name_the_layer_and_the_fix() -> None:
+    x, w, e = random_routing(2, 3, 4, 2, seed=1)
+    with pytest.raises(M.MoEError, match=r"layer 'blocks\.0\.moe'.*4 experts do not divide over the 3 ranks of 'ep'.*Fix"):
+        fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, fd.Mesh({"ep": 3}), "ep", 4, layer="blocks.0.moe").out,
+                    fd.Mesh({"ep": 3}))(x[:3].expand(3, 3, H), w[:3].expand(3, 3, 2), e[:3].expand(3, 3, 2))
+    with pytest.raises(M.MoEError, match=r"top_k=5 but there are 4 experts.*Fix: 1 <= top_k <= 4"):
+        M.route(torch.zeros(3, 4), 5)
+    mesh = fd.Mesh({"ep": 2})
+    skew = torch.zeros(2, 3, 2, dtype=torch.long)
+    skew[..., 1] = 1  # every assignment to rank 0: 12 rows arrive
+    with pytest.raises(M.MoEError, match=r"receives more token assignments than capacity=8.*simulated ranks.*capacity >= 12"):
+        fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, mesh, "ep", 4, capacity=8).out, mesh)(
+            x.reshape(2, 3, H), w.reshape(2, 3, 2), skew)
