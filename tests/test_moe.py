@@ -195,3 +195,132 @@ def test_errors_name_the_layer_and_the_fix() -> None:
     with pytest.raises(M.MoEError, match=r"receives more token assignments than capacity=8.*simulated ranks.*capacity >= 12"):
         fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, mesh, "ep", 4, capacity=8).out, mesh)(
             x.reshape(2, 3, H), w.reshape(2, 3, 2), skew)
+
+
+# ============================================================================ transformers' Mixtral, expert-parallel
+transformers = pytest.importorskip("transformers")
+VOCAB = 61
+
+
+def build_mixtral(seed: int = 0, experts: int = 4, layers: int = 2) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=64,
+                                     router_aux_loss_coef=0.05, output_router_logits=True,
+                                     experts_implementation="eager")  # grouped_mm (the default) has no float64
+    return transformers.MixtralForCausalLM(cfg).to(F64).eval()
+
+
+def lm_batch(seed: int = 1, B: int = 2, S: int = 7) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return ids, labels
+
+
+def reference(model: Any, ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits, cross-entropy, aux_loss) on one device; the cross-entropy in float64 (transformers' own upcasts to float32)."""
+    out = model(input_ids=ids)
+    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return out.logits, ce, out.aux_loss
+
+
+def compare_grads(pm: Any, ref: Any, **tol: float) -> None:
+    grads = pm.grads()
+    assert grads.keys() == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def rep(t: Tensor, mesh: fd.Mesh) -> Tensor:
+    return t.expand(mesh.size, *t.shape)
+
+
+def whole_logits(sharded: Tensor, mesh: fd.Mesh, axis: str) -> Tensor:
+    return torch.cat([sharded[mesh.rank_of({**{a: 0 for a in mesh.axis_names}, axis: i})] for i in range(mesh.axis_size(axis))], -1)[..., :VOCAB]
+
+
+@pytest.mark.parametrize(
+    "axes, strategy",
+    [({"ep": 2}, "all_to_all"), ({"ep": 4}, "all_to_all"), ({"ep": 2}, "allgather"), ({"ep": 2, "tp": 2}, "all_to_all"), ({"ep": 2, "tp": 2}, "allgather")],
+)
+def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None:
+    ref = build_mixtral()
+    model = copy.deepcopy(ref)
+    ids, labels = lm_batch()
+    want_logits, want_ce, want_aux = reference(ref, ids, labels)
+    coef = ref.config.router_aux_loss_coef
+    mesh = fd.Mesh(axes)
+    tp = "tp" if "tp" in axes else "ep"
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis=tp, strategy=strategy))
+    assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (mesh.size, 4 // axes["ep"], 32 // (axes.get("tp", 1)), 32)
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))  # output_router_logits=True in the config
+    torch.testing.assert_close(whole_logits(out.logits, mesh, tp), want_logits.detach(), **TOL)
+    torch.testing.assert_close(out.aux_loss, rep(want_aux.detach(), mesh), **TOL)
+    torch.testing.assert_close(out.loss, rep((want_ce + coef * want_aux).detach(), mesh), **TOL)
+    # transformers computes the aux loss (and so its gradient) in float32: the cross-entropy's gradients to 1e-10, then the aux loss's
+    want_ce.backward(retain_graph=True)
+    (out.loss - coef * out.aux_loss).sum().backward(retain_graph=True)
+    compare_grads(pm, ref, **TOL)
+    ref.zero_grad(set_to_none=False)
+    pm.module.zero_grad(set_to_none=False)
+    want_aux.backward()
+    out.aux_loss.sum().backward()
+    compare_grads(pm, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_mixtral_three_adamw_steps_and_plan_for() -> None:
+    ref = build_mixtral(seed=2)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"ep": 2, "tp": 2})
+    pm = fd.nn.parallelize(model, mesh)  # plan_for: mixtral, experts over ep, attention over tp
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    coef = ref.config.router_aux_loss_coef
+    for step in range(3):
+        ids, labels = lm_batch(10 + step)
+        _, ce, aux = reference(ref, ids, labels)
+        (ce + coef * aux).backward()
+        loss = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss
+        torch.testing.assert_close(loss, rep((ce + coef * aux).detach(), mesh), **TOL)
+        loss.sum().backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    state = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_mixtral_skewed_routing_and_empty_experts() -> None:
+    """A router that sends every token to experts 0 and 1 (rank 1's experts 2, 3 get nothing), then 8 experts for 14 tokens."""
+    ref = build_mixtral(seed=3)
+
+    def to_experts_0_and_1(module: Any, args: Any, out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        logits, scores, idx = out
+        return logits, scores, torch.cat([idx[:, :1] * 0, idx[:, :1] * 0 + 1], dim=-1)  # (T, 2): experts 0, 1 for every token
+
+    for layer in ref.model.layers:
+        layer.mlp.gate.register_forward_hook(to_experts_0_and_1)  # kept by deepcopy: the parallel model routes the same
+    for r, experts in ((ref, 4), (build_mixtral(seed=4, experts=8), 8)):
+        model = copy.deepcopy(r)
+        mesh = fd.Mesh({"ep": 2})
+        ids, labels = lm_batch(5)
+        logits, ce, aux = reference(r, ids, labels)
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis="ep"))
+        out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+        torch.testing.assert_close(whole_logits(out.logits, mesh, "ep"), logits.detach(), **TOL)
+        torch.testing.assert_close(out.aux_loss[0], aux.detach(), **TOL)
+        ce.backward()
+        (out.loss - r.config.router_aux_loss_coef * out.aux_loss).sum().backward()
+        compare_grads(pm, r, **TOL)
+        del experts
+
+
+def test_mixtral_plan_errors() -> None:
+    with pytest.raises(fd.nn.MoEError, match=r"layer 'model\.layers\.0\.mlp\.experts': 4 experts do not divide over the 3 ranks of 'ep'.*Fix"):
+        fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 3}), {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel()})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.layers\.0\.mlp\.gate' \(MixtralTopKRouter\) is not a 3-D-parameter experts"):
+        fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 2}), {"model.layers.0.mlp.gate": fd.nn.moe.ExpertParallel()})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"no sequence parallelism"):
+        fd.nn.plans.mixtral(build_mixtral(layers=1), sequence_parallel=True)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checking import P
 from ..collectives import (
     all_gather,
     all_gather_invariant,
@@ -57,9 +58,12 @@ from ..collectives import (
 from ..errors import CollectiveError, FastdistError
 from ..mesh import Mesh
 from ..uneven import indexed_all_to_all_v, ragged_all_to_all
+from .parallelize import ParallelizeError, Style, _Context
+from .state import Layout
 
 __all__ = [
     "Dispatched",
+    "ExpertParallel",
     "ExpertParallelExperts",
     "MoEError",
     "MoEOutput",
@@ -325,6 +329,7 @@ def moe(
     el = _check_split(layer, num_experts, mesh, axis)
     T, k = experts.shape
     _check_k(layer, k, num_experts)
+    weights = weights.to(torch.promote_types(weights.dtype, x.dtype))  # float32 gates (transformers) on float64 tokens: one rounding
     keep = None
     if capacity_factor is not None:
         keep = _keep_mask(experts, num_experts, expert_capacity(T, k, num_experts, capacity_factor))
@@ -465,3 +470,56 @@ class ExpertParallelExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts over {self.axis!r}, strategy={self.strategy!r}, tokens={self.tokens!r}, tp_axis={self.tp_axis!r}"
 
+
+
+@dataclass(frozen=True)
+class ExpertParallel(Style):
+    """A `fastdist.nn.parallelize` style for transformers' 3-D-parameter experts module (``MixtralExperts`` and its
+    kin): the experts over ``axis``, each expert's intermediate features over ``tp_axis`` (gate and up each split).
+
+    The module becomes an `ExpertParallelExperts` (same parameter names, same call); the
+    router stays the model's own (replicated), so routing, ``router_logits`` and the model's
+    auxiliary loss are what one device computes. ``strategy``, ``capacity_factor``,
+    ``capacity``: see `moe`; ``tokens``: see `ExpertParallelExperts`.
+    """
+
+    axis: str = "ep"
+    strategy: Strategy = "all_to_all"
+    tp_axis: str | None = None
+    tokens: Literal["replicated", "sharded"] = "replicated"
+    capacity_factor: float | None = None
+    capacity: int | None = None
+
+    def _shapes(self, module: nn.Module, name: str, mesh: Mesh) -> tuple[Tensor, Tensor, int, int]:
+        gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gu, Tensor) and isinstance(dn, Tensor) and gu.dim() == 3 and dn.dim() == 3 and callable(getattr(module, "act_fn", None))):
+            raise ParallelizeError(f"parallelize: {name!r} ({type(module).__name__}) is not a 3-D-parameter experts module (gate_up_proj "
+                                   "(E, 2I, H), down_proj (E, H, I), act_fn). Fix: apply ExpertParallel to the experts module (e.g. "
+                                   "'model.layers.*.mlp.experts')")
+        if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False) or not getattr(module, "is_concatenated", True) \
+                or not getattr(module, "has_gate", True):
+            raise ParallelizeError(f"parallelize: {name!r} stores its experts transposed, interleaved, without a gate or with biases, "
+                                   "which ExpertParallel does not implement. Fix: write a style for this layout")
+        E, I2 = int(gu.shape[0]), int(gu.shape[1])
+        _check_split(name, E, mesh, self.axis)
+        n_tp = mesh.axis_size(self.tp_axis) if self.tp_axis else 1
+        if (I2 // 2) % n_tp:
+            raise ParallelizeError(f"parallelize: {name!r} has experts of {I2 // 2} intermediate features, not divisible by the {n_tp} ranks "
+                                   f"of {self.tp_axis!r}. Fix: another tp size, or tp_axis=None")
+        return gu, dn, E, I2 // 2
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        self._shapes(module, name, mesh)
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        gu, dn, E, inter = self._shapes(module, name, ctx.mesh)
+        tp = self.tp_axis
+        layouts = {
+            "gate_up_proj": Layout(P(self.axis, tp, None), parts=(inter, inter), at=1) if tp else Layout(P(self.axis)),
+            "down_proj": Layout(P(self.axis, None, tp)) if tp else Layout(P(self.axis)),
+        }
+        return ExpertParallelExperts(
+            ctx.param(gu, layouts["gate_up_proj"], f"{name}.gate_up_proj"), ctx.param(dn, layouts["down_proj"], f"{name}.down_proj"),  # type: ignore[arg-type]
+            module.act_fn, ctx.mesh, self.axis, E, strategy=self.strategy, tp_axis=tp, tokens=self.tokens,  # type: ignore[arg-type]
+            capacity_factor=self.capacity_factor, capacity=self.capacity, layer=name, layouts=layouts,
+        )

@@ -11,7 +11,9 @@ output).
   (q/k/v bias), ``Qwen3ForCausalLM`` (per-head q/k norms), with grouped-query attention
   (kv heads fewer than ranks are replicated);
 * `gpt2`: ``GPT2LMHeadModel`` (``Conv1D`` weights stored (in, out), fused ``c_attn``
-  split into q/k/v, vocabulary 50257 padded to a multiple of the axis).
+  split into q/k/v, vocabulary 50257 padded to a multiple of the axis);
+* `mixtral`: ``MixtralForCausalLM``: the Llama attention and vocabulary pieces over ``axis``,
+  the experts over ``ep`` (`fastdist.nn.moe.ExpertParallel`; see ``docs/moe.md``).
 
 The LM head is vocabulary-parallel: ``logits`` are this rank's columns
 ``(batch, seq, V_padded / n)`` unless ``gather_logits``; the model's ``loss_function`` is
@@ -38,7 +40,7 @@ from .parallelize import (
     VocabParallel,
 )
 
-__all__ = ["llama", "gpt2", "plan_for"]
+__all__ = ["gpt2", "llama", "mixtral", "plan_for"]
 
 Plan = dict[str, Any]
 
@@ -117,7 +119,37 @@ def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = Fa
     return plan
 
 
-FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama, "gpt2": gpt2}
+def mixtral(model_or_config: Any, *, axis: str = "tp", ep_axis: str = "ep", strategy: str = "all_to_all", capacity_factor: float | None = None,
+            sequence_parallel: bool = False, gather_logits: bool = False, prefix: str = "model") -> Plan:
+    """The plan for Mixtral: experts over ``ep_axis``, attention, vocabulary and each expert's features over ``axis``.
+
+    The Llama plan's attention and vocabulary pieces over ``axis`` (tensor parallelism), the
+    experts module (``gate_up_proj``/``down_proj`` 3-D parameters) `fastdist.nn.moe.ExpertParallel`
+    over ``ep_axis`` with ``strategy`` (``"all_to_all"`` or ``"allgather"``). With
+    ``axis == ep_axis`` (a mesh with only ``ep``) the ep ranks are also the attention's
+    tensor-parallel group (vLLM's layout) and experts are whole; otherwise each expert's
+    intermediate features split over ``axis`` too. Tokens are replicated over both axes
+    (each ep rank dispatches its share and the outputs are gathered back), so the router,
+    ``router_logits`` and the model's ``aux_loss`` are one device's. The router stays
+    replicated. ``capacity_factor``: token dropping (default: dropless).
+
+    >>> from transformers import MixtralConfig
+    >>> plan = mixtral(MixtralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
+    >>> plan["model.layers.*.mlp.experts"]
+    ExpertParallel(axis='ep', strategy='all_to_all', tp_axis='tp', tokens='replicated', capacity_factor=None, capacity=None)
+    """
+    from .moe import ExpertParallel
+
+    if sequence_parallel:
+        raise ParallelizeError("parallelize: the Mixtral plan has no sequence parallelism yet (the experts take replicated tokens). "
+                               "Fix: sequence_parallel=False")
+    plan = {k: v for k, v in llama(model_or_config, axis=axis, gather_logits=gather_logits, prefix=prefix).items() if ".mlp" not in k}
+    plan[f"{prefix}.layers.*.mlp.experts"] = ExpertParallel(ep_axis, strategy, None if axis == ep_axis else axis,  # type: ignore[arg-type]
+                                                            capacity_factor=capacity_factor)
+    return plan
+
+
+FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama, "gpt2": gpt2, "mixtral": mixtral}
 
 
 def plan_for(model: nn.Module, mesh: Mesh, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False) -> Plan:
@@ -128,6 +160,9 @@ def plan_for(model: nn.Module, mesh: Mesh, *, axis: str = "tp", sequence_paralle
             f"parallelize: no ready-made plan for {type(model).__name__} (model_type {kind!r}); plans exist for {sorted(FAMILIES)}. "
             "Fix: pass plan= (see fastdist.nn.plans.llama for the shape of one)"
         )
+    if kind == "mixtral":  # experts over ep; attention over tp, or over ep itself on a mesh without tp
+        axis = axis if axis in mesh.axis_names else "ep"
+        mesh.axis_indices("ep", "parallelize")
     mesh.axis_indices(axis, "parallelize")
     return FAMILIES[kind](model, axis=axis, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
 
