@@ -324,3 +324,12 @@ def test_mixtral_plan_errors() -> None:
         fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 2}), {"model.layers.0.mlp.gate": fd.nn.moe.ExpertParallel()})
     with pytest.raises(fd.nn.ParallelizeError, match=r"no sequence parallelism"):
         fd.nn.plans.mixtral(build_mixtral(layers=1), sequence_parallel=True)
+
+
+@pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)])
+def test_moe_on_gloo(world: int, tp: int) -> None:
+    """Real ranks: exact receive sizes (dropless), the functional layer on each rank's own tokens and Mixtral's plan."""
+    from fastdist.testing import run_on_gloo
+    from tests.moe_worker import moe_on_gloo
+
+    assert run_on_gloo(moe_on_gloo, world, tp, timeout=150) == ["ok"] * world
