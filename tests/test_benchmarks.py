@@ -32,3 +32,11 @@ def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
     assert [r["case"] for r in rows] == ["HF Llama fwd+bwd, eager", "HF Llama fwd+bwd, compiled"]
     assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 and r["tp"] == 4 for r in rows)
     assert "| HF Llama fwd+bwd, eager |" in (tmp_path / "hf_models.md").read_text()
+
+
+def test_moe_benchmark_smoke_run(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "moe.json").read_text())
+    assert len(rows) == 3 and "allgather" in rows[0]["case"] and all("all_to_all" in r["case"] for r in rows[1:])
+    assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 for r in rows)
