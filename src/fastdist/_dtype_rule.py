@@ -36,7 +36,6 @@ cast to an integer dtype to count (x.int()), or use pmax / pmin for a logical or
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -52,16 +51,17 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _COMPLEX = (torch.complex64, torch.complex128)
 _INTS = (torch.int8, torch.uint8, torch.int32, torch.int64)
 
-#: Every dtype each kind of reduction accepts (read-only).
-REDUCTION_DTYPES: Mapping[str, frozenset[torch.dtype]] = MappingProxyType({
+#: Every dtype each kind of reduction accepts. A constant: never mutated (a plain dict, not a
+#: MappingProxyType, because torch.compile's dynamo graph-breaks on mapping proxies).
+REDUCTION_DTYPES: Mapping[str, frozenset[torch.dtype]] = {
     "sum": frozenset(_FLOATS + _COMPLEX + _INTS),
     "mean": frozenset(_FLOATS + _COMPLEX),
     "max": frozenset(_FLOATS + _INTS + (torch.bool,)),
     "min": frozenset(_FLOATS + _INTS + (torch.bool,)),
     "prod": frozenset(_FLOATS + _INTS),
-})
+}
 
-_VERB = MappingProxyType({"sum": "sum", "mean": "average", "max": "take the maximum of", "min": "take the minimum of", "prod": "multiply"})
+_VERB = {"sum": "sum", "mean": "average", "max": "take the maximum of", "min": "take the minimum of", "prod": "multiply"}
 
 
 def reduction_dtype_problem(dtype: torch.dtype, reduction: str) -> tuple[str, str] | None:
