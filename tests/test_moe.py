@@ -112,10 +112,47 @@ def test_layer_matches_one_device(strategy: str, ep: int, E: int, k: int) -> Non
 
 
 @pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
-def test_ep_x_tp_and_dp(strategy: str) -> None:
-    """Experts over ep, each expert's features over tp; a dp axis outside (each dp replica: the same tokens here)."""
+def test_ep_x_tp(strategy: str) -> None:
+    """Experts over ep, each expert's features over tp (dp outside: test_dp_outside_ep_each_replica_with_its_own_tokens)."""
     x, w, e = random_routing(2, 4, 4, 2, seed=3)
     check_layer(x, w, e, 4, fd.Mesh({"ep": 2, "tp": 2}), strategy, tp="tp")
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
+def test_dp_outside_ep_each_replica_with_its_own_tokens(strategy: str) -> None:
+    """dp x ep: each of the 4 ranks routes its own tokens; the experts are sharded over ep and replicated
+    over dp (pvary'd there, so their gradients sum over the dp replicas): everything equals one device."""
+    mesh, E, T = fd.Mesh({"dp": 2, "ep": 2}), 4, 3
+    x, w, e = random_routing(4, T, E, 2, seed=11)  # token group r on rank r
+    gate_up, down = expert_weights(E, 5)
+    leaves = {k: t.clone().requires_grad_() for k, t in {"x": x, "weights": w, "gate_up": gate_up, "down": down}.items()}
+    want = reference_experts(leaves["x"], leaves["weights"], e, leaves["gate_up"], leaves["down"])
+    c = torch.randn(want.shape, dtype=F64, generator=torch.Generator().manual_seed(2))
+    (want * c).sum().backward()
+
+    half = E // 2  # experts per ep rank
+    shard = lambda t: torch.stack([t[mesh.index(r, "ep") * half:(mesh.index(r, "ep") + 1) * half] for r in range(4)])  # noqa: E731
+    xs, ws = x.reshape(4, T, H).clone().requires_grad_(), w.reshape(4, T, -1).clone().requires_grad_()
+    gus, dns = shard(gate_up).requires_grad_(), shard(down).requires_grad_()
+
+    def layer(x: Tensor, w: Tensor, e: Tensor, gu: Tensor, dn: Tensor) -> Tensor:
+        gu, dn = fd.pvary(gu, mesh, "dp"), fd.pvary(dn, mesh, "dp")  # replicated over dp, used with dp-varying tokens
+
+        def expert(rows: Tensor, i: int) -> Tensor:
+            g, u = F.linear(rows, gu[i]).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, dn[i])
+
+        return M.moe(x, w, e, expert, mesh, "ep", E, strategy=strategy).out  # type: ignore[arg-type]
+
+    out = fd.simulate(layer, mesh)(xs, ws, e.reshape(4, T, -1), gus, dns)
+    torch.testing.assert_close(out.reshape(4 * T, H), want.detach(), **TOL)
+    (out * c.reshape(4, T, H)).sum().backward()
+    torch.testing.assert_close(xs.grad.reshape(4 * T, H), leaves["x"].grad, **TOL)
+    torch.testing.assert_close(ws.grad.reshape(4 * T, -1), leaves["weights"].grad, **TOL)
+    for r in range(4):  # every dp replica holds the whole gradient of its ep shard
+        i = mesh.index(r, "ep")
+        torch.testing.assert_close(gus.grad[r], leaves["gate_up"].grad[i * half:(i + 1) * half], **TOL)
+        torch.testing.assert_close(dns.grad[r], leaves["down"].grad[i * half:(i + 1) * half], **TOL)
 
 
 @pytest.mark.parametrize("strategy", ["all_to_all", "allgather"])
