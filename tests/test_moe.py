@@ -131,7 +131,7 @@ def test_dp_outside_ep_each_replica_with_its_own_tokens(strategy: str) -> None:
     (want * c).sum().backward()
 
     half = E // 2  # experts per ep rank
-    shard = lambda t: torch.stack([t[mesh.index(r, "ep") * half:(mesh.index(r, "ep") + 1) * half] for r in range(4)])  # noqa: E731
+    shard = lambda t: torch.stack([t[mesh.index(r, "ep") * half:(mesh.index(r, "ep") + 1) * half] for r in range(4)])
     xs, ws = x.reshape(4, T, H).clone().requires_grad_(), w.reshape(4, T, -1).clone().requires_grad_()
     gus, dns = shard(gate_up).requires_grad_(), shard(down).requires_grad_()
 
