@@ -75,6 +75,7 @@ __all__ = [
     "plan",
     "predict",
     "trace",
+    "trace_model",
 ]
 
 _META_KEY = "fastdist.profile.module"  # autograd node metadata: the module whose forward recorded the node
@@ -675,3 +676,28 @@ def plan(build: Callable[[Mesh], Profile], candidates: Iterable[Layout], network
         raise ProfileError("plan", "no candidate layout", "pass layouts(world, axes) or a non-empty list of Layout")
     preds = [replace(predict(build(layout.mesh), network), layout=layout) for layout in cands]
     return Plan(network, tuple(sorted(preds, key=lambda p: p.time)))
+
+
+def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) -> Profile:
+    """:func:`trace` of one forward (and backward) of a :func:`fastdist.nn.parallelize` model.
+
+    Args:
+        model: a ``fastdist.nn.ParallelModel`` (simulated or on real ranks); its parameters
+            become fake tensors of one rank's shard (nothing is copied).
+        args, kwargs: one rank's inputs (no rank dim), e.g. ``input_ids=``, ``labels=``.
+        backward: also run ``backward()`` of the output's ``loss`` (or of its sum when the
+            output is a tensor).
+
+    Records carry the model's module paths (``model.layers.0.mlp.down_proj``).
+    """
+    params = {n: p[0] if model.simulated else p for n, p in model.module.named_parameters()}
+
+    def step(params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        out = model._run(params, args, {**model._no_cache, **kwargs})
+        if backward:
+            loss = out if isinstance(out, Tensor) else out.loss
+            if loss is None:
+                raise ProfileError("trace_model", "the model's output has no loss to differentiate", "pass labels=..., or backward=False")
+            loss.sum().backward()
+
+    return trace(step, model.mesh, params, args, kwargs, modules=[model.module])
