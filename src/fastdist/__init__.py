@@ -69,12 +69,14 @@ from .uneven import all_gather_v, exchange_sizes, gather_v, indexed_all_to_all_v
 from .visual import plot_ranks, show_ranks, show_sharding
 
 from . import nn  # noqa: E402  (fastdist.nn: parallel layers)
+from . import profile  # fastdist.profile: communication profile, dry runs, layout planner
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Mesh",
     "nn",
+    "profile",
     "AxisName",
     "DEFAULT_ORDER",
     "simulate",
