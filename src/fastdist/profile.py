@@ -399,7 +399,7 @@ def trace(
         fn: per-rank code, as given to :func:`fastdist.simulate`; it calls ``backward()``
             itself if the backward collectives are wanted.
         mesh: the mesh ``fn``'s collectives use; any size (4096 ranks cost what one does).
-        args, kwargs: ``fn``'s arguments. Tensors (at any depth) become fake tensors of the
+        *args: ``fn``'s arguments. Tensors (at any depth) become fake tensors of the
             same shape, dtype and ``requires_grad`` (no data is copied; ``meta`` tensors are
             accepted, so models built on the meta device trace too). Other values pass unchanged.
         meshes: further meshes ``fn`` uses.
@@ -408,6 +408,7 @@ def trace(
             the ``module`` field of each record. ``fn`` may call them directly.
         stacked: the tensors carry a leading rank dim (as for ``simulate``); rank 0's shape is used.
         device: device of the fake tensors made from meta tensors.
+        **kwargs: ``fn``'s keyword arguments, faked as ``args``.
 
     Returns:
         A :class:`Profile` of one rank. Shapes are rank 0's; per-rank code whose shapes do not
@@ -684,9 +685,10 @@ def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) ->
     Args:
         model: a ``fastdist.nn.ParallelModel`` (simulated or on real ranks); its parameters
             become fake tensors of one rank's shard (nothing is copied).
-        args, kwargs: one rank's inputs (no rank dim), e.g. ``input_ids=``, ``labels=``.
+        *args: one rank's positional inputs (no rank dim).
         backward: also run ``backward()`` of the output's ``loss`` (or of its sum when the
             output is a tensor).
+        **kwargs: one rank's keyword inputs (no rank dim), e.g. ``input_ids=``, ``labels=``.
 
     Records carry the model's module paths (``model.layers.0.mlp.down_proj``).
     """
