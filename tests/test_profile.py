@@ -263,3 +263,43 @@ def test_predict_and_layout_errors() -> None:
         plan(lambda m: prof, [], net)
     with pytest.raises(ProfileError, match="filter"):
         prof.filter(nope=1)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "all_to_all"])
+def test_moe_layer_profile(strategy: str) -> None:
+    """The expert-parallel MoE layer (fd.nn.moe) on ep=4: each dispatch strategy's collectives, forward and backward, by hand."""
+    import torch.nn.functional as F
+
+    from fastdist.nn import moe as M
+
+    mesh, E, T, H, I, k, ep = fd.Mesh({"ep": 4}), 8, 16, 6, 4, 2, 4
+
+    def step(x: torch.Tensor, logits: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor) -> None:
+        r = M.route(logits, k)
+
+        def expert(rows: torch.Tensor, i: int) -> torch.Tensor:
+            g, u = F.linear(rows, gu[i]).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, dn[i])
+
+        M.moe(x, r.weights, r.experts, expert, mesh, "ep", E, strategy=strategy).out.sum().backward()  # type: ignore[arg-type]
+
+    args = (torch.randn(T, H, requires_grad=True), torch.randn(T, E, requires_grad=True),
+            torch.randn(E // ep, 2 * I, H, requires_grad=True), torch.randn(E // ep, H, I, requires_grad=True))
+    prof = trace(step, mesh, *args)
+    rows = [(r.op, r.phase, r.shape, r.size) for r in prof.records]
+    if strategy == "allgather":  # gather tokens, expert ids and gates; reduce-scatter the outputs; the transposes backward
+        assert rows == [
+            ("all_gather", "forward", (T, H), ep * T * H * F4), ("all_gather", "forward", (T, k), ep * T * k * 8),
+            ("all_gather", "forward", (T, k), ep * T * k * F4), ("psum_scatter", "forward", (ep * T, H), ep * T * H * F4),
+            ("all_gather", "backward", (T, H), ep * T * H * F4), ("psum_scatter", "backward", (ep * T, k), ep * T * k * F4),
+            ("psum_scatter", "backward", (ep * T, H), ep * T * H * F4),
+        ]
+        assert prof.bus_bytes(phase="forward") == pytest.approx((2 * T * H * F4 * ep + T * k * (8 + F4) * ep) * (ep - 1) / ep)
+    else:  # the size exchanges (int64), then the ragged dispatch of T*k rows and the combine from the capacity buffer
+        ragged = [r for r in prof.records if r.op == "ragged_all_to_all"]
+        assert [(r.phase, r.shape, r.bound) for r in ragged] == [
+            ("forward", (T * k, H), True), ("forward", (ep * T * k, H), True), ("backward", (T * k, H), True), ("backward", (ep * T * k, H), True),
+        ]
+        sizes = [r for r in prof.records if r.op == "all_to_all"]
+        assert sizes and all(r.dtype == torch.int64 and r.phase == "forward" for r in sizes)
+    assert prof.count(axis="ep") == len(prof.records)
