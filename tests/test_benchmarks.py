@@ -40,3 +40,14 @@ def test_moe_benchmark_smoke_run(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "moe.json").read_text())
     assert len(rows) == 3 and "allgather" in rows[0]["case"] and all("all_to_all" in r["case"] for r in rows[1:])
     assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 for r in rows)
+
+
+def test_profile_check_smoke_run() -> None:
+    """benchmarks/profile_check.py --quick: predicted and measured gloo times for three layouts (the quick sizes are
+    latency-bound, so only the full run's ranking is compared in benchmarks/README.md)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_check.py"), "--quick"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for layout in ("| tp4 |", "| dp2 x tp2 |", "| dp4 |"):
+        assert layout in proc.stdout
+    assert "ranking predicted:" in proc.stdout and "ranking measured:" in proc.stdout
