@@ -376,3 +376,51 @@ def test_func_grad_around_simulated_spmd_and_integer_inputs() -> None:
         torch.testing.assert_close(got, ref_grad)
     ids = torch.arange(8).reshape(4, 2)
     assert torch.equal(fd.spmd(lambda i: i * 2, mesh, in_specs=(P("dp", None),), out_specs=P("dp", None))(ids), ids * 2)
+
+
+def test_spmd_under_torch_compile() -> None:
+    """Issue 20.8: the checked mode cannot be traced, so compiling it raises fastdist's message (fullgraph) instead of
+    graph-breaking or silently dropping the pvary it inserts; check=False with the pvarys written out compiles to one
+    graph and equals eager and one device; without fullgraph a checked step still gives the eager (checked) result."""
+    from torch._dynamo.utils import counters
+
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+
+    def written(x, w1, w2, b):  # the pvarys check="error" asks for
+        x, b = fd.pvary(x, mesh, "tp"), fd.pvary(b, mesh, "dp")
+        w1, w2 = fd.pvary(w1, mesh, "dp"), fd.pvary(w2, mesh, "dp")
+        return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp") + b
+
+    def bare(x, w1, w2, b):  # relies on check="insert"
+        return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp") + b
+
+    specs = {"in_specs": (P("dp"), P(None, "tp"), P("tp", None), P()), "out_specs": P("dp")}
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 4), (4, 6), (6, 4), (4,))]
+    c = torch.arange(16.0, dtype=torch.float64).reshape(4, 4)
+
+    def run(fn):
+        leaves = [a.clone().requires_grad_() for a in args]
+        out = fn(*leaves)
+        (out * c).sum().backward()
+        return out.detach(), [leaf.grad for leaf in leaves]
+
+    leaves = [a.clone().requires_grad_() for a in args]
+    ((torch.tanh(leaves[0] @ leaves[1]) @ leaves[2] + leaves[3]) * c).sum().backward()
+    want = [leaf.grad for leaf in leaves]
+
+    torch._dynamo.reset()
+    counters.clear()
+    out, grads = run(torch.compile(fd.spmd(written, mesh, check=False, **specs), fullgraph=True))
+    assert not counters["graph_break"]
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w)
+    torch.testing.assert_close(out, run(fd.spmd(bare, mesh, **specs))[0])
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"spmd: check='insert' runs eagerly only.*Fix: run the step once eagerly with check='error'"):
+        torch.compile(fd.spmd(bare, mesh, **specs), fullgraph=True)(*args)
+    torch._dynamo.reset()
+    _, grads = run(torch.compile(fd.spmd(bare, mesh, **specs)))  # not fullgraph: dynamo falls back to the eager, checked step
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w)

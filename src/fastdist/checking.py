@@ -466,6 +466,20 @@ class _UnshardStacked(torch.autograd.Function):
         return _blocks(g, ctx.spec, ctx.mesh), None, None
 
 
+def _refuse_checked_compile(mode: str) -> None:
+    """Raise, while dynamo traces, the error that says how to compile an spmd step.
+
+    The checked mode decides the ``pvary`` insertions with Python bookkeeping on every op, which
+    dynamo cannot trace; compiling it unchecked would silently drop the inserted ``pvary``s
+    (wrong gradients), so it is refused instead.
+    """
+    raise MeshError(
+        f"spmd: check={mode!r} runs eagerly only (its replication bookkeeping cannot be traced by torch.compile, and compiling "
+        "the step unchecked would drop the pvary it inserts: wrong gradients). Fix: run the step once eagerly with "
+        "check='error', write the pvary calls it names, and compile fd.spmd(..., check=False)"
+    )
+
+
 def spmd(
     fn: Callable[..., R],
     mesh: Mesh,
@@ -485,6 +499,8 @@ def spmd(
         check: ``"insert"`` (default on simulated meshes) inserts the ``pvary`` where an
             invariant value meets a varying one; ``"error"`` raises there instead;
             ``False`` (default on real ranks) tracks nothing. ``True`` means ``"insert"``.
+            The checked modes run eagerly only: under ``torch.compile(fullgraph=True)`` they
+            raise (compile ``check=False`` after writing the ``pvary``s ``"error"`` names).
 
     On a simulated mesh (no torch.distributed) the call runs every rank with
     :func:`fastdist.simulate` and returns one global result; gradients with respect to
@@ -517,6 +533,8 @@ def spmd(
         _check_spec(f"out_specs[{i}]", mesh, s, None)
 
     def per_rank(*args: Any) -> Any:
+        if mode is not None and torch.compiler.is_compiling():
+            _refuse_checked_compile(mode)
         # Real ranks: each process takes its blocks and joins the outputs with collectives.
         # Simulated ranks get their blocks already cut (_ShardStacked) and return them as they
         # are, to be assembled once outside (_UnshardStacked): the same values and gradients
