@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import pickle
 import queue
@@ -287,12 +288,38 @@ def _address() -> str:
         return "127.0.0.1"
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Open an existing segment without handing it to this process's resource tracker (the writer owns it)."""
-    shm = shared_memory.SharedMemory(name=name)
-    with contextlib.suppress(Exception):  # Python < 3.13 registers attached segments too, and would unlink (and warn about) them at exit
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+class _Attached:
+    """A reader's mapping of the writer's segment, kept out of every resource tracker.
+
+    ``SharedMemory(name)`` registers the segment with the process's resource tracker (before
+    Python 3.13), which may be shared with the writer (``torch.multiprocessing.spawn``); a
+    reader's unregister would then drop the writer's registration. The writer owns the name.
+    """
+
+    def __init__(self, name: str) -> None:
+        try:
+            import _posixshmem  # type: ignore[import-not-found]
+        except ImportError:  # not POSIX: fall back on SharedMemory, then forget it in the tracker
+            shm = shared_memory.SharedMemory(name=name)
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            self._shm: shared_memory.SharedMemory | None = shm
+            self.buf: memoryview = shm.buf  # type: ignore[assignment]
+            return
+        self._shm = None
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            return
+        self.buf.release()
+        self._mmap.close()
 
 
 class MessageQueue:
@@ -331,10 +358,10 @@ class MessageQueue:
         self.remote_readers = tuple(r for r in readers if r not in local)
         self.max_chunk_bytes, self.max_chunks, self.timeout = max_chunk_bytes, max_chunks, float(timeout)
         self._pids = pids
-        self._shm: shared_memory.SharedMemory | None = None
+        self._shm: shared_memory.SharedMemory | _Attached | None = None
         self._buf: memoryview | None = None
         self._unlinked = True
-        self.shm_name: str | None = None
+        self.shm_name: str | None = None  # the segment's name (already unlinked once create returns)
         self._slot = -1  # this reader's slot among local readers
         self._stride = _FRAG.size + max_chunk_bytes
         self._stride += -self._stride % _LINE
@@ -669,7 +696,7 @@ class MessageQueue:
             self._buf.release()
             self._buf = None
         if self._shm is not None:
-            if not self._unlinked:
+            if not self._unlinked and isinstance(self._shm, shared_memory.SharedMemory):
                 try:
                     self._shm.unlink()
                 except FileNotFoundError:
@@ -703,9 +730,9 @@ def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[in
 
     ranks, index, label = _group(op, mesh, axis)
     n = len(ranks)
-    for name, v, lo in (("max_chunk_bytes", max_chunk_bytes, 1), ("max_chunks", max_chunks, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise CollectiveError(op, label, f"{name}={v!r} is not a positive int", f"pass {name} >= {lo}")
+    for arg, v in (("max_chunk_bytes", max_chunk_bytes), ("max_chunks", max_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CollectiveError(op, label, f"{arg}={v!r} is not a positive int", f"pass {arg} >= 1")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise CollectiveError(op, label, f"timeout={timeout!r} is not positive seconds", "pass timeout > 0")
     info = nodes if nodes is not None else node_info(mesh, axis)
@@ -728,13 +755,17 @@ def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[in
             if not q.is_writer:
                 continue
             token = secrets.token_bytes(16)
-            name = port = host = None
+            name: str | None = None
+            host: str | None = None
+            port = 0
             if q.local_readers:
                 name = f"{_SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
                 size = q._data + max_chunks * q._stride
-                q._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-                q._unlinked, q.shm_name, q._buf = False, name, q._shm.buf
-                q._buf[:q._data] = bytes(q._data)
+                shm = q._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+                q._unlinked, q.shm_name = False, name
+                buf: memoryview = shm.buf  # type: ignore[assignment]
+                q._buf = buf
+                buf[:q._data] = bytes(q._data)
                 q._set(16, _MAGIC)
             if q.remote_readers:
                 lst = socket.create_server(("", 0), backlog=len(q.remote_readers) + 4)
@@ -749,14 +780,14 @@ def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[in
             for k, q in enumerate(queues):
                 if not q.is_reader:
                     continue
-                name, host, port, token = every[q.writer][0][k]
+                seg, addr, port, token = every[q.writer][0][k]
                 if index in q.local_readers:
-                    q._shm = _attach(str(name))
-                    q._buf, q.shm_name, q._slot = q._shm.buf, name, q.local_readers.index(index)
+                    q._shm = _Attached(str(seg))
+                    q._buf, q.shm_name, q._slot = q._shm.buf, str(seg), q.local_readers.index(index)
                     if q._get(16) != _MAGIC:
-                        raise RuntimeError(f"segment {name} is not a fastdist queue")
+                        raise RuntimeError(f"segment {seg} is not a fastdist queue")
                 else:
-                    s = socket.create_connection((str(host), port), timeout=timeout)
+                    s = socket.create_connection((str(addr), port), timeout=timeout)
                     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     s.sendall(_HELLO.pack(index, token))
                     q._sock = s
@@ -766,7 +797,7 @@ def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[in
     error = ""
     try:  # 3. every local reader attached: unlink (nothing is left in /dev/shm after a crash); accept the remote readers
         for k, q in enumerate(queues):
-            if q.is_writer and q._shm is not None:
+            if q.is_writer and isinstance(q._shm, shared_memory.SharedMemory):
                 q._shm.unlink()
                 q._unlinked = True
             if q.is_writer and q._listener is not None and not any(every2) and not any(e[1] for e in every):
