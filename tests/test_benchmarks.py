@@ -51,3 +51,13 @@ def test_profile_check_smoke_run() -> None:
     for layout in ("| tp4 |", "| dp2 x tp2 |", "| dp4 |"):
         assert layout in proc.stdout
     assert "ranking predicted:" in proc.stdout and "ranking measured:" in proc.stdout
+
+
+def test_mq_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/mq.py --quick: fastdist.mq.MessageQueue vs broadcast_object over gloo on 4 processes, ratios reported."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mq.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "mq.json").read_text())
+    assert [r["case"] for r in rows] == ["stream", "rtt"] and all(r["ratio"] > 0 and r["mq_us"] > 0 and r["gloo_us"] > 0 for r in rows)
+    assert "| gloo / mq |" in proc.stdout and "Traceback" not in proc.stderr
