@@ -70,6 +70,7 @@ from .visual import plot_ranks, show_ranks, show_sharding
 
 from . import nn  # noqa: E402  (fastdist.nn: parallel layers)
 from . import profile  # fastdist.profile: communication profile, dry runs, layout planner
+from . import mq  # fastdist.mq: message queue broadcaster, node locality (serving)
 
 __version__ = "0.1.0"
 

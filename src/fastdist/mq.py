@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,9 @@ from .errors import (
     FastdistError,
     MeshError,
 )
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; fastdist supports 3.10
+    from typing_extensions import Self
 
 __all__ = [
     "MessageQueue",
@@ -151,6 +154,21 @@ class NodeInfo:
         hosts: each index's hostname.
         host_keys: what hosts are compared by (hostname and boot id).
         pids: each index's process id and start time (for liveness checks on one host).
+
+    What rank 9 of ``torchrun --nnodes 2 --nproc-per-node 8`` sees (written out by hand here;
+    :func:`node_info` fills it in a job):
+
+    >>> from fastdist.mq import NodeInfo, local_device
+    >>> hosts = ("node-a",) * 8 + ("node-b",) * 8
+    >>> info = NodeInfo(None, tuple(range(16)), 9, hosts, hosts, tuple((100 + r, None) for r in range(16)))
+    >>> info.local_rank, info.local_size, info.single_host
+    (1, 8, False)
+    >>> info.nodes
+    [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    >>> info.same_host(8), info.same_host(7)
+    (True, False)
+    >>> local_device(info, "cpu")
+    device(type='cpu')
     """
 
     axis: Any
