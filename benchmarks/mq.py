@@ -2,6 +2,7 @@
 
     python benchmarks/mq.py            # about 30 s
     python benchmarks/mq.py --quick    # few messages (the smoke test)
+    python benchmarks/mq.py --socket   # rank 3 reads over TCP (as if on another host)
 
 Two patterns, each timed in alternating rounds (mq, gloo, mq, gloo, ...) on the same 4
 processes, the baseline measured in the same run:
@@ -12,7 +13,9 @@ processes, the baseline measured in the same run:
    engine step: inputs out, outputs back). mq: a broadcaster plus single-reader queues back;
    gloo: broadcast_object then all_gather_object.
 
-Ratios are gloo time / mq time, medians over rounds.
+Ratios are gloo time / mq time, medians over rounds. On one host every reader uses the
+shared-memory ring; ``--socket`` makes rank 3 pretend to run on another host (the node info is
+built with made-up hostnames), so it reads over TCP loopback: the cross-host path.
 """
 
 from __future__ import annotations
@@ -86,11 +89,11 @@ def _rtt_gloo(mesh: fd.Mesh, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
-def _worker(rank: int, init: str, out: str, k: int, rounds: int) -> None:
+def _worker(rank: int, init: str, out: str, k: int, rounds: int, socket_reader: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     mesh = fd.Mesh.from_torch(tp=WORLD, timeout=60)
-    nodes = mq.node_info(mesh, "tp")
+    nodes = mq.node_info(mesh, "tp", hostname=("host-b" if rank == WORLD - 1 else "host-a") if socket_reader else None)
     q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=nodes, timeout=60)
     mine, theirs = mq.create_single_reader_mq_broadcasters(mesh, "tp", reader=0, nodes=nodes, timeout=60)
     for _ in range(2):  # warm up both
@@ -120,19 +123,21 @@ def _worker(rank: int, init: str, out: str, k: int, rounds: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few messages, few rounds")
+    ap.add_argument("--socket", action="store_true", help=f"rank {WORLD - 1} reads over TCP (as if on another host)")
     ap.add_argument("--out", type=Path, default=None, help="write mq.json here")
     args = ap.parse_args(argv)
     k, rounds = (40, 2) if args.quick else (400, 7)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "res.json")
-        mp.spawn(_worker, args=(f"file://{tmp}/store", out, k, rounds), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
+        mp.spawn(_worker, args=(f"file://{tmp}/store", out, k, rounds, args.socket), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
         agg = json.loads(Path(out).read_text())
     res = []
     for case, label in (("stream", f"stream of {k} small objects, per message"), ("rtt", "round trip: broadcast + a reply from every reader")):
         m, g = agg[f"{case}_mq"], agg[f"{case}_gloo"]
         ratio = statistics.median(gi / mi for gi, mi in zip(g, m))
         res.append({"case": case, "label": label, "mq_us": statistics.median(m) * 1e6, "gloo_us": statistics.median(g) * 1e6, "ratio": ratio})
-    print(f"4 processes, torch {torch.__version__}, {os.cpu_count()} CPU cores, {rounds} rounds (median)")
+    where = f"ranks 1, 2 through shared memory, rank {WORLD - 1} over TCP" if args.socket else "every reader through shared memory"
+    print(f"4 processes ({where}), torch {torch.__version__}, {os.cpu_count()} CPU cores, {rounds} rounds (median)")
     print("| pattern | MessageQueue µs | broadcast_object (gloo) µs | gloo / mq |")
     print("|---|---|---|---|")
     for r in res:
