@@ -55,8 +55,9 @@ from ..collectives import (
     psum_scatter,
     pvary,
 )
-from ..errors import CollectiveError, FastdistError
+from ..errors import CollectiveError, FastdistError, NoBackendError
 from ..mesh import Mesh
+from ..simulate import rank_binding
 from ..uneven import indexed_all_to_all_v, ragged_all_to_all
 from .parallelize import ParallelizeError, Style, _Context
 from .state import Layout
@@ -180,6 +181,17 @@ class Dispatched:
     experts: Tensor | None = None  # allgather: (ep*T, k) gathered expert ids (E = nowhere)
 
 
+def _simulated(mesh: Mesh) -> bool:
+    """Whether per-rank code on ``mesh`` runs on simulated ranks: a plain mesh, or a real one under ``fastdist.simulate``
+    or ``fastdist.profile.trace`` (they take precedence over the communicator; sizes are then static, not read back)."""
+    if mesh.backend is None:
+        return True
+    try:
+        return rank_binding("moe", mesh) is not None
+    except NoBackendError:
+        return False
+
+
 def _nowhere(experts: Tensor, keep: Tensor | None, num_experts: int) -> Tensor:
     """Expert ids with dropped assignments sent nowhere (id ``num_experts``)."""
     return experts if keep is None else torch.where(keep, experts, num_experts)
@@ -231,7 +243,7 @@ def dispatch(
     counts = F.one_hot(flat, num_experts + 1)[:, :num_experts].sum(0)  # (E,)
     per_rank = counts.reshape(n, el)  # (ep, E_local): what I send to each rank, per its local expert
     recv_counts = all_to_all(per_rank, mesh, axis, split_dim=0, concat_dim=0)  # (ep, E_local): what each source sends me
-    simulated = mesh.backend is None
+    simulated = _simulated(mesh)
     if capacity is None:
         capacity = n * T * k if simulated else int(recv_counts.sum())  # worst case / exact (one host read)
     try:
@@ -339,7 +351,7 @@ def moe(
     rows, d = dispatch(x, experts, mesh, axis, num_experts, strategy=strategy, capacity=capacity, keep=keep, layer=layer)
     if tp_axis is not None:
         rows = pvary(rows, mesh, tp_axis)
-    simulated = mesh.backend is None
+    simulated = _simulated(mesh)
     if strategy == "allgather":
         assert d.experts is not None
         ws = all_gather(weights if keep is None else torch.where(keep, weights, 0), mesh, axis, dim=0)  # (ep*T, k)
