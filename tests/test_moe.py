@@ -218,19 +218,114 @@ def test_load_balancing_loss_global_and_per_replica() -> None:
     torch.testing.assert_close(per_replica[1], M.load_balancing_loss(logits[0][2:4], 2), **TOL)
 
 
+@pytest.mark.parametrize("gating, normalize", [("softmax", True), ("softmax", False), ("sigmoid", True), ("sigmoid", False)])
+def test_route_gating_and_normalize_match_plain_torch(gating: str, normalize: bool) -> None:
+    """`route` against the plain-torch formula in float64: the experts, the gates and their gradient to the logits; and
+    `load_balancing_loss`'s sigmoid gating (statistics of the sigmoid scores) likewise."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 6, dtype=F64, generator=g)
+    c = torch.randn(9, 3, dtype=F64, generator=g)
+    got_in, want_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    r = M.route(got_in, 3, gating=gating, normalize=normalize)  # type: ignore[arg-type]
+    probs = want_in.softmax(-1) if gating == "softmax" else 1 / (1 + torch.exp(-want_in))
+    top_e = probs.detach().argsort(-1, descending=True)[:, :3]  # (T, 3): the 3 largest, largest first
+    top = probs.gather(1, top_e)
+    want = top / top.sum(-1, keepdim=True) if normalize else top
+    assert torch.equal(r.experts, top_e)
+    torch.testing.assert_close(r.weights, want.detach(), **TOL)
+    torch.testing.assert_close(r.probs, probs.detach(), **TOL)
+    (r.weights * c).sum().backward()
+    (want * c).sum().backward()
+    torch.testing.assert_close(got_in.grad, want_in.grad, **TOL)
+    if gating == "sigmoid" and normalize:
+        got_in.grad = want_in.grad = None
+        loss = M.load_balancing_loss(got_in, 3, gating="sigmoid")
+        chosen = F.one_hot(top_e, 6).sum(1).to(F64)  # (T, E)
+        want_loss = 6 * (chosen.mean(0) * (1 / (1 + torch.exp(-want_in))).mean(0)).sum()
+        torch.testing.assert_close(loss, want_loss.detach(), **TOL)
+        loss.backward()
+        want_loss.backward()
+        torch.testing.assert_close(got_in.grad, want_in.grad, **TOL)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_sigmoid_matches_deepseek_v3_router(normalize: bool) -> None:
+    """transformers' DeepSeek-V3 router (sigmoid gating; one expert group, no score-correction bias, scale 1, so its
+    group-limited choice is the plain top-k) against `route(gating="sigmoid")`. The router casts its input and weight
+    to float32 (modeling_deepseek_v3.py, DeepseekV3TopkRouter.forward: ``F.linear(hidden_states.type(torch.float32),
+    self.weight.type(torch.float32))``), so the comparison is in float32 (same ops: 1e-6)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                        routed_scaling_factor=1.0, norm_topk_prob=normalize)
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 16, generator=g))
+    h = torch.randn(10, 16, generator=g)
+    logits, hf_w, hf_e = router(h)
+    r = M.route(logits, 2, gating="sigmoid", normalize=normalize)
+    hf_e, perm = hf_e.sort(-1)  # transformers' top-k is unsorted: compare by expert id
+    mine_e, mperm = r.experts.sort(-1)
+    assert torch.equal(mine_e, hf_e)
+    torch.testing.assert_close(r.weights.gather(1, mperm), hf_w.gather(1, perm), rtol=1e-6, atol=1e-7)
+
+
+def test_router_z_loss_matches_switch_transformers() -> None:
+    """`router_z_loss` against transformers' Switch Transformers ``router_z_loss_func`` in float64 (it has no cast):
+    one device, then tokens split over dp x ep on simulated ranks: global (``axes=("dp", "ep")``, every rank the loss of
+    the whole batch and its gradient), per ep group (``axes=("ep",)``) and per replica (``axes=()``); values and gradients."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    g = torch.Generator().manual_seed(12)
+    logits = [3 * torch.randn(2, 4, 4, dtype=F64, generator=g) for _ in range(2)]  # two layers, (groups, tokens, E)
+    hf_in = [lg.clone().requires_grad_() for lg in logits]
+    want = router_z_loss_func(torch.cat(hf_in, 1))  # all tokens of both layers: the mean over them
+    want.backward()
+    one = [lg.clone().requires_grad_() for lg in logits]
+    got = M.router_z_loss([lg.reshape(-1, 4) for lg in one])
+    torch.testing.assert_close(got, want.detach(), **TOL)
+    got.backward()
+    for a, b in zip(one, hf_in):
+        torch.testing.assert_close(a.grad, b.grad, **TOL)
+
+    mesh = fd.Mesh({"dp": 2, "ep": 2})  # 8 tokens per layer: 2 on each rank (rank = dp * 2 + ep)
+    split = [lg.reshape(4, 2, 4).clone().requires_grad_() for lg in logits]
+    out = fd.simulate(lambda a, b: torch.stack([M.router_z_loss([a, b], mesh=mesh, axes=ax) for ax in (("dp", "ep"), ("ep",), ())]), mesh)(*split)
+    torch.testing.assert_close(out[:, 0], want.detach().expand(4), **TOL)  # global
+    flat = [lg.reshape(4, 2, 4) for lg in logits]
+    for r in range(4):
+        d = r // 2
+        group = torch.cat([f[2 * d:2 * d + 2].reshape(-1, 4) for f in flat]).reshape(1, -1, 4)  # this dp replica's ep group
+        torch.testing.assert_close(out[r, 1], router_z_loss_func(group), **TOL)
+        torch.testing.assert_close(out[r, 2], router_z_loss_func(torch.cat([f[r] for f in flat]).reshape(1, -1, 4)), **TOL)
+    out[:, 0].sum().backward()  # each rank's backward of its own copy of the global loss
+    for s, b in zip(split, hf_in):
+        torch.testing.assert_close(s.grad.reshape(2, 4, 4), b.grad, **TOL)  # type: ignore[union-attr]
+
+
 # ============================================================================ errors
 def test_errors_name_the_layer_and_the_fix() -> None:
     x, w, e = random_routing(2, 3, 4, 2, seed=1)
     with pytest.raises(M.MoEError, match=r"layer 'blocks\.0\.moe'.*4 experts do not divide over the 3 ranks of 'ep'.*Fix"):
         fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, fd.Mesh({"ep": 3}), "ep", 4, layer="blocks.0.moe").out,
                     fd.Mesh({"ep": 3}))(x[:3].expand(3, 3, H), w[:3].expand(3, 3, 2), e[:3].expand(3, 3, 2))
-    with pytest.raises(M.MoEError, match=r"top_k=5 but there are 4 experts.*Fix: 1 <= top_k <= 4"):
-        M.route(torch.zeros(3, 4), 5)
+    with pytest.raises(M.MoEError, match=r"layer 'blocks\.1\.router': top_k=5 but there are 4 experts.*Fix: 1 <= top_k <= 4"):
+        M.route(torch.zeros(3, 4), 5, layer="blocks.1.router")
+    with pytest.raises(M.MoEError, match=r"layer 'blocks\.2\.aux': top_k=0 but there are 4 experts.*Fix: 1 <= top_k <= 4"):
+        M.load_balancing_loss(torch.zeros(3, 4), 0, layer="blocks.2.aux")
     mesh = fd.Mesh({"ep": 2})
+    with pytest.raises(M.MoEError, match=r"layer 'blocks\.3\.moe': top_k=3 but there are 2 experts.*Fix: 1 <= top_k <= 2"):
+        fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, mesh, "ep", 2, layer="blocks.3.moe").out, mesh)(
+            x.reshape(2, 3, H), torch.ones(2, 3, 3), torch.zeros(2, 3, 3, dtype=torch.long))
+    with pytest.raises(M.MoEError, match=r"layer 'blocks\.4\.moe': strategy='ring'.*Fix: 'allgather' or 'all_to_all'"):
+        fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, mesh, "ep", 4, strategy="ring", layer="blocks.4.moe").out,  # type: ignore[arg-type]
+                    mesh)(x.reshape(2, 3, H), w.reshape(2, 3, 2), e.reshape(2, 3, 2))
     skew = torch.zeros(2, 3, 2, dtype=torch.long)
     skew[..., 1] = 1  # every assignment to rank 0: 12 rows arrive
-    with pytest.raises(M.MoEError, match=r"receives more token assignments than capacity=8.*simulated ranks.*capacity >= 12"):
-        fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, mesh, "ep", 4, capacity=8).out, mesh)(
+    with pytest.raises(M.MoEError, match=r"layer 'blocks\.5\.moe': .*receives more token assignments than capacity=8.*simulated ranks.*"
+                                         r"capacity >= 12"):
+        fd.simulate(lambda x, w, e: M.moe(x, w, e, lambda r, i: r, mesh, "ep", 4, capacity=8, layer="blocks.5.moe").out, mesh)(
             x.reshape(2, 3, H), w.reshape(2, 3, 2), skew)
 
 
@@ -296,7 +391,13 @@ def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None
     torch.testing.assert_close(whole_logits(out.logits, mesh, tp), want_logits.detach(), **TOL)
     torch.testing.assert_close(out.aux_loss, rep(want_aux.detach(), mesh), **TOL)
     torch.testing.assert_close(out.loss, rep((want_ce + coef * want_aux).detach(), mesh), **TOL)
-    # transformers computes the aux loss (and so its gradient) in float32: the cross-entropy's gradients to 1e-10, then the aux loss's
+    # The cross-entropy's gradients, then the aux loss's, each to 1e-10. transformers computes the aux loss in float32 even
+    # in a float64 model (modeling_mixtral.py, load_balancing_loss_func: ``router_prob_sum = torch.zeros(num_experts,
+    # dtype=torch.float32, ...)`` and ``routing_weights.float().sum(dim=0)``; the router too: MixtralTopKRouter.forward's
+    # ``softmax(router_logits.float(), dim=-1)``), so aux_loss is only float32-accurate. But both sides run those same
+    # float32 ops on float64 router logits that agree to ~1e-16 (which round to the same float32 values), and everything
+    # before and after the casts is float64: the aux loss and its gradient still agree to 1e-10 (a looser tolerance would
+    # only be needed if a logit sat within 1e-16 of a float32 rounding boundary).
     want_ce.backward(retain_graph=True)
     (out.loss - coef * out.aux_loss).sum().backward(retain_graph=True)
     compare_grads(pm, ref, **TOL)
@@ -304,7 +405,7 @@ def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None
     pm.module.zero_grad(set_to_none=False)
     want_aux.backward()
     out.aux_loss.sum().backward()
-    compare_grads(pm, ref, rtol=1e-5, atol=1e-7)
+    compare_grads(pm, ref, **TOL)
 
 
 def test_mixtral_three_adamw_steps_and_plan_for() -> None:
@@ -326,7 +427,7 @@ def test_mixtral_three_adamw_steps_and_plan_for() -> None:
             o.zero_grad()
     state = pm.state_dict()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(state[name], p.detach(), **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_mixtral_skewed_routing_and_empty_experts() -> None:
@@ -348,10 +449,77 @@ def test_mixtral_skewed_routing_and_empty_experts() -> None:
         out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
         torch.testing.assert_close(whole_logits(out.logits, mesh, "ep"), logits.detach(), **TOL)
         torch.testing.assert_close(out.aux_loss[0], aux.detach(), **TOL)
-        ce.backward()
-        (out.loss - r.config.router_aux_loss_coef * out.aux_loss).sum().backward()
+        (ce + r.config.router_aux_loss_coef * aux).backward()
+        out.loss.sum().backward()
         compare_grads(pm, r, **TOL)
         del experts
+
+
+def hand_keep(experts: Tensor, num_experts: int, per_expert: int) -> Tensor:
+    """(T, k) bool, by hand: walk the assignments token by token (slot by slot) and keep the first ``per_expert`` of each expert."""
+    seen = [0] * (num_experts + 1)
+    keep = torch.ones(experts.shape, dtype=torch.bool)
+    for t in range(experts.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            if e < num_experts:
+                keep[t, j] = seen[e] < per_expert
+                seen[e] += 1
+    return keep
+
+
+def drop_like_ep(model: Any, ep: int, capacity_factor: float) -> dict[str, list[int]]:
+    """Make a one-device Mixtral drop what an ep-way ExpertParallel with ``capacity_factor`` drops: each of the ep shares of
+    the (padded) tokens keeps ``ceil(capacity_factor * share * k / E)`` assignments per expert, the others get gate 0 (they
+    contribute nothing, and get no gradient). Returns {layer: [dropped count of each forward]}."""
+    import math
+
+    counts: dict[str, list[int]] = {}
+    E = model.config.num_local_experts
+    for i, layer in enumerate(model.model.layers):
+        name = f"model.layers.{i}.mlp.experts"
+        counts[name] = []
+
+        def pre(module: Any, args: tuple[Tensor, Tensor, Tensor], name: str = name) -> tuple[Tensor, Tensor, Tensor]:
+            x, idx, w = args
+            T, k = idx.shape
+            share = -(-T // ep)  # tokens per rank after padding T to a multiple of ep
+            cap = math.ceil(capacity_factor * share * k / E)
+            keep = torch.cat([hand_keep(idx[s:s + share], E, cap) for s in range(0, T, share)])
+            counts[name].append(int((~keep).sum()))
+            return x, idx, torch.where(keep, w, 0)
+
+        layer.mlp.experts.register_forward_pre_hook(pre)
+    return counts
+
+
+@pytest.mark.parametrize("axes, strategy, capacity_factor", [({"ep": 2}, "all_to_all", 0.5), ({"ep": 4}, "allgather", 0.75),
+                                                             ({"ep": 2, "tp": 2}, "all_to_all", 1.0)])
+def test_mixtral_token_dropping_reported_in_the_model_path(axes: dict[str, int], strategy: str, capacity_factor: float) -> None:
+    """plans.mixtral(capacity_factor=...): every ExpertParallelExperts reports after each forward the assignments its layer
+    dropped (dropped_counts), equal to a hand count; the logits, loss and every gradient equal a one-device model whose
+    experts drop the same assignments (gate 0)."""
+    ref = build_mixtral(seed=6)
+    model = copy.deepcopy(ref)  # before the hooks: the parallel model drops by itself
+    ep = axes["ep"]
+    counts = drop_like_ep(ref, ep, capacity_factor)
+    mesh = fd.Mesh(axes)
+    tp = "tp" if "tp" in axes else "ep"
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis=tp, strategy=strategy, capacity_factor=capacity_factor))
+    assert M.dropped_counts(model) == {}  # nothing before the first forward
+    coef = ref.config.router_aux_loss_coef
+    for step in range(2):  # the count is the last forward's
+        ids, labels = lm_batch(20 + step)  # 14 tokens: padded to 16 for ep=4
+        logits, ce, aux = reference(ref, ids, labels)
+        out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+        got = M.dropped_counts(model)
+        assert {n: c.tolist() for n, c in got.items()} == {n: [c[-1]] * mesh.size for n, c in counts.items()}
+        assert all(0 < c[-1] < 2 * 14 for c in counts.values())  # some dropped, not all
+        torch.testing.assert_close(whole_logits(out.logits, mesh, tp), logits.detach(), **TOL)
+        torch.testing.assert_close(out.loss, rep((ce + coef * aux).detach(), mesh), **TOL)
+    (ce + coef * aux).backward()
+    out.loss.sum().backward()
+    compare_grads(pm, ref, **TOL)
 
 
 def test_mixtral_plan_errors() -> None:
@@ -359,8 +527,19 @@ def test_mixtral_plan_errors() -> None:
         fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 3}), {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel()})
     with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.layers\.0\.mlp\.gate' \(MixtralTopKRouter\) is not a 3-D-parameter experts"):
         fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 2}), {"model.layers.0.mlp.gate": fd.nn.moe.ExpertParallel()})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.layers\.0\.mlp\.experts' has experts of 16 intermediate features, not "
+                                                     r"divisible by the 3 ranks of 'tp'.*Fix"):
+        fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 2, "tp": 3}), {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel(tp_axis="tp")})
+    model = build_mixtral(layers=1)
+    model.model.layers[0].mlp.experts.has_bias = True  # a layout ExpertParallel does not implement
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'model\.layers\.0\.mlp\.experts' stores its experts transposed.*Fix"):
+        fd.nn.parallelize(model, fd.Mesh({"ep": 2}), {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel()})
     with pytest.raises(fd.nn.ParallelizeError, match=r"no sequence parallelism"):
         fd.nn.plans.mixtral(build_mixtral(layers=1), sequence_parallel=True)
+    ids = torch.zeros(2, 1, 4, dtype=torch.long)
+    pm = fd.nn.parallelize(build_mixtral(layers=1), fd.Mesh({"ep": 2}), {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel(capacity=1)})
+    with pytest.raises(fd.nn.MoEError, match=r"layer 'model\.layers\.0\.mlp\.experts': .*receives more token assignments than capacity=1"):
+        pm(input_ids=ids)
 
 
 @pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)])

@@ -71,6 +71,7 @@ __all__ = [
     "Routing",
     "combine",
     "dispatch",
+    "dropped_counts",
     "expert_capacity",
     "load_balancing_loss",
     "moe",
@@ -154,10 +155,11 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: 
 
 
 def _keep_mask(experts: Tensor, num_experts: int, per_expert: int) -> Tensor:
-    """(T, k) bool: an assignment is kept if fewer than ``per_expert`` earlier ones (token-major order) chose its expert."""
-    flat = experts.reshape(-1)  # (T*k,)
-    oh = F.one_hot(flat, num_experts + 1)[:, :num_experts]  # (T*k, E); id E = nowhere
-    pos = (oh.cumsum(0) * oh).sum(-1) - 1  # (T*k,) place in its expert's queue (-1: nowhere)
+    """(..., T, k) bool: an assignment is kept if fewer than ``per_expert`` earlier ones (token-major order, within its
+    own leading index) chose its expert."""
+    flat = experts.reshape(*experts.shape[:-2], -1)  # (..., T*k)
+    oh = F.one_hot(flat, num_experts + 1)[..., :num_experts]  # (..., T*k, E); id E = nowhere
+    pos = (oh.cumsum(-2) * oh).sum(-1) - 1  # (..., T*k) place in its expert's queue (-1: nowhere)
     return (pos < per_expert).reshape(experts.shape)
 
 
@@ -443,6 +445,13 @@ class ExpertParallelExperts(nn.Module):
     ``ep`` group holds the same tokens (attention tensor-parallel or replicated): each rank
     dispatches its ``1/ep`` share and the outputs are all-gathered back (every rank's result
     is the whole layer's); ``"sharded"``: each rank's own tokens (data-parallel attention).
+
+    ``dropped``: after each forward (eager mode), the number of (token, expert) assignments
+    that forward dropped (``capacity_factor``; 0 when dropless) among the tokens of this
+    rank's output: the whole layer's tokens with ``tokens="replicated"`` (every rank the same
+    count), this rank's own with ``"sharded"``. An int64 tensor, 0-d on real ranks and
+    ``(world,)`` on simulated ranks (entry ``r``: rank ``r``'s), as results of
+    `fastdist.nn.parallelize`'d models are. `dropped_counts` collects them from a model.
     """
 
     def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: Callable[[Tensor], Tensor], mesh: Mesh, axis: str,
@@ -454,6 +463,7 @@ class ExpertParallelExperts(nn.Module):
         self.mesh, self.axis, self.num_experts, self.strategy, self.tp_axis = mesh, axis, num_experts, strategy, tp_axis
         self.tokens, self.capacity_factor, self.capacity, self.layer = tokens, capacity_factor, capacity, layer
         self._layouts = layouts or {}
+        self.dropped: Tensor | None = None  # set by each forward (see the class docstring)
 
     def param_layouts(self) -> dict[str, Any]:
         return dict(self._layouts)
@@ -464,7 +474,7 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         x, idx, w = hidden_states, top_k_index, top_k_weights
-        T = x.shape[0]
+        whole, T = idx, x.shape[0]
         n = self.mesh.axis_size(self.axis)
         if self.tokens == "replicated":
             pad = -T % n
@@ -472,16 +482,52 @@ class ExpertParallelExperts(nn.Module):
                 x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])  # (T + pad, H)
                 idx = torch.cat([idx, idx.new_full((pad, idx.shape[-1]), self.num_experts)])
                 w = torch.cat([w, w.new_zeros(pad, w.shape[-1])])
+            whole = idx  # (T + pad, k): every rank's share, to count the layer's drops
             x, idx, w = (local_chunk(t, self.mesh, self.axis, dim=0) for t in (x, idx, w))  # ((T + pad) / ep, ...)
-        out = moe(x, w, idx, self._expert, self.mesh, self.axis, self.num_experts, strategy=self.strategy,  # id E (padding): nowhere
-                  capacity_factor=self.capacity_factor, capacity=self.capacity, tp_axis=self.tp_axis, layer=self.layer).out
+        out, dropped = moe(x, w, idx, self._expert, self.mesh, self.axis, self.num_experts, strategy=self.strategy,  # id E (padding): nowhere
+                           capacity_factor=self.capacity_factor, capacity=self.capacity, tp_axis=self.tp_axis, layer=self.layer)
         if self.tokens == "replicated":
             out = all_gather_invariant(out, self.mesh, self.axis, dim=0)[:T]  # (T, H) on every rank
+            if self.capacity_factor is not None:  # each rank drops within its own share: count every share's drops, no communication
+                tl = whole.shape[0] // n
+                keep = _keep_mask(whole.reshape(n, tl, -1), self.num_experts, expert_capacity(tl, whole.shape[-1], self.num_experts, self.capacity_factor))
+                dropped = (~keep).sum()
+        if not torch.compiler.is_compiling():
+            self.dropped = _outside(dropped, self.mesh)
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts over {self.axis!r}, strategy={self.strategy!r}, tokens={self.tokens!r}, tp_axis={self.tp_axis!r}"
 
+
+
+def _outside(t: Tensor, mesh: Mesh) -> Tensor:
+    """A value computed in per-rank code, as code outside the ranks sees it: itself on real ranks; ``(world, ...)`` on
+    simulated ranks (the simulation's rank dimension taken out of the vmapped tensor, so it outlives the call)."""
+    t = t.detach()
+    if mesh.backend is not None:
+        return t.clone()
+    binding = rank_binding("moe", mesh)
+    if binding is None:  # a one-rank mesh, not simulated
+        return t.expand(1, *t.shape).clone()
+    ft: Any = torch._C._functorch
+    level = ft.maybe_get_level(binding.rank)
+    while (lv := ft.maybe_get_level(t)) is not None and lv > level:  # a torch.func wrapper inside the simulation
+        t = ft.get_unwrapped(t)
+    if ft.maybe_get_level(t) == level and ft.is_batchedtensor(t):
+        phys: Tensor = ft.get_unwrapped(t)
+        return phys.movedim(ft.maybe_get_bdim(t), 0).clone()  # (world, ...)
+    return t.expand(mesh.size, *t.shape).clone()  # not rank-varying: the same on every rank
+
+
+def dropped_counts(model: nn.Module) -> dict[str, Tensor]:
+    """Every `ExpertParallelExperts` layer's drop count from its last forward, by module name (see its ``dropped``).
+
+    >>> import torch
+    >>> dropped_counts(torch.nn.Linear(2, 2))
+    {}
+    """
+    return {name: m.dropped for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts) and m.dropped is not None}
 
 
 @dataclass(frozen=True)
