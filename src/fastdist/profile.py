@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
@@ -55,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._primitive import PRIMITIVES
+from ._primitive import PRIMITIVES, Primitive
 from .errors import FastdistError
 from .mesh import Mesh
 from .simulate import _Binding
@@ -70,10 +71,12 @@ __all__ = [
     "Profile",
     "ProfileError",
     "Record",
+    "Recording",
     "bus_factor",
     "layouts",
     "plan",
     "predict",
+    "record",
     "trace",
     "trace_model",
 ]
@@ -142,7 +145,7 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _traffic(op: str, n: int, tensors: Sequence[Tensor], params: Mapping[str, Any], out: Tensor) -> tuple[str, int, float, bool] | None:
+def _traffic(op: str, n: int, tensors: Sequence[Any], params: Mapping[str, Any], out: Any) -> tuple[str, int, float, bool] | None:
     """``(kind, size S, fraction of ranks that send, size is an upper bound)`` of one per-rank op; ``None``: moves no data."""
     x = tensors[0]
     row = _nbytes(tuple(x.shape[1:]), x.dtype)
@@ -343,7 +346,6 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def _record(self, func: Any, args: Sequence[Any], out: Any) -> None:
-
         name = func._opname
         prim = PRIMITIVES.get(name.removesuffix("_stacked"))
         if prim is None:
@@ -352,22 +354,55 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors, mesh_shape, axes = args[:k], tuple(args[k]), tuple(args[k + 1])
         params = dict(zip(prim.param_names, args[k + 2 :]))
         if name.endswith("_stacked"):  # a stacked op called directly on [world, ...] tensors: one rank's share
-            tensors = tuple(t[0] for t in tensors)
-            out = out[0]
-        n = math.prod(mesh_shape[a] for a in axes)
-        traffic = _traffic(prim.name, n, tensors, params, out)
-        if traffic is None or n <= 1:
-            return
-        kind, size, senders, bound = traffic
-        names = self.names.get(mesh_shape)
-        axis = "+".join(names[a] for a in axes) if names else "+".join(f"axis{a}" for a in axes)
+            tensors, out = tuple(_RankShare(t) for t in tensors), _RankShare(out)
         node: Any = torch._C._current_autograd_node()
-        phase = "forward" if node is None else "backward"
         module = self.modules.current if node is None else str(node.metadata.get(_META_KEY, ""))
-        self.records.append(Record(
-            op=prim.name, axis=axis, n=n, kind=kind, size=size, bus_bytes=size * bus_factor(kind, n) * senders,
-            steps=_steps(kind, n), phase=phase, module=module, dtype=tensors[0].dtype, shape=tuple(tensors[0].shape), bound=bound,
-        ))
+        rec = _make_record(prim.name, tensors, out, mesh_shape, axes, params, self.names, node is not None, module)
+        if rec is not None:
+            self.records.append(rec)
+
+
+class _RankShare:
+    """Shape and dtype of one rank's share of a stacked ``[world, ...]`` tensor (nothing is indexed)."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.shape, self.dtype = tuple(t.shape[1:]), t.dtype
+
+
+def _make_record(op: str, tensors: Sequence[Any], out: Any, mesh_shape: tuple[int, ...], axes: tuple[int, ...], params: Mapping[str, Any],
+                 names: Mapping[tuple[int, ...], tuple[str, ...]], backward: bool, module: str) -> Record | None:
+    """The Record of one per-rank collective (``tensors``/``out``: anything with ``shape`` and ``dtype``); None: moves no data."""
+    n = math.prod(mesh_shape[a] for a in axes)
+    traffic = _traffic(op, n, tensors, params, out)
+    if traffic is None or n <= 1:
+        return None
+    kind, size, senders, bound = traffic
+    axis_names = names.get(mesh_shape)
+    axis = "+".join(axis_names[a] for a in axes) if axis_names else "+".join(f"axis{a}" for a in axes)
+    return Record(
+        op=op, axis=axis, n=n, kind=kind, size=size, bus_bytes=size * bus_factor(kind, n) * senders, steps=_steps(kind, n),
+        phase="backward" if backward else "forward", module=module, dtype=tensors[0].dtype, shape=tuple(tensors[0].shape), bound=bound,
+    )
+
+
+_CONSTANT_NUMEL = 4096  # small tensors built from Python values stay real under the trace (their values are known)
+
+
+def _fake_mode() -> Any:
+    """A ``FakeTensorMode`` that keeps the values of small tensors made from Python constants.
+
+    torch keeps a fake tensor's value only up to one element; per-rank code often builds small
+    index tensors from Python lists (``torch.tensor(seq_sizes)``, Ulysses' per-rank sizes) and
+    reads them back (``int(sizes.max())``), which a plain fake tensor cannot answer. Values
+    derived from the step's inputs stay unknown (fake), whatever their size.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class _Mode(FakeTensorMode):  # type: ignore[no-untyped-call]
+        def may_turn_const(self, t: Tensor) -> bool:
+            return bool(t.numel() <= _CONSTANT_NUMEL and t.layout == torch.strided and not self.is_our_fake(t) and t.device.type != "meta")
+
+    return _Mode(allow_non_fake_inputs=True)
 
 
 def _fake(mode: Any, t: Tensor, stacked: bool, device: torch.device) -> Tensor:
@@ -427,8 +462,6 @@ def trace(
     >>> prof.records[0].size, prof.records[0].n
     (4194304, 64)
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     all_meshes = [mesh, *meshes]
     for m in all_meshes:
         if not isinstance(m, Mesh):
@@ -436,10 +469,10 @@ def trace(
         if m._bindings:
             raise ProfileError("trace", f"{m!r} is being simulated right now", "call trace outside fastdist.simulate (it runs the per-rank code itself)")
     dev = torch.device(device)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _fake_mode()
     conv = lambda a: _fake(mode, a, stacked, dev) if isinstance(a, Tensor) else a
     fargs, fkwargs = pytree.tree_map(conv, (args, kwargs))
-    names = {tuple(m._sizes): m.axis_names for m in reversed(all_meshes)}
+    names = {tuple(m.shape.values()): m.axis_names for m in reversed(all_meshes)}
     stack = _ModuleStack()
     recorder = _Recorder(names, stack)
     with ExitStack() as es:
@@ -457,6 +490,7 @@ def trace(
         es.enter_context(mode)
         es.enter_context(recorder)
         es.enter_context(_Tagger(stack))
+        es.enter_context(_quiet())  # an open record() does not see the trace's collectives
         fn(*fargs, **fkwargs)
     return Profile(mesh, tuple(recorder.records))
 
@@ -464,6 +498,146 @@ def trace(
 def _fake_param(mode: Any, t: Tensor, device: torch.device) -> Tensor:
     f = _fake(mode, t, False, device)
     return nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+
+
+# ====================================================================== recording a step as it runs
+class _Running(threading.local):
+    """Per thread: inside a recorded collective (its inner calls are not recorded again), or inside :func:`trace`."""
+
+    depth = 0
+
+
+_RUNNING = _Running()
+_ACTIVE: list[Recording] = []  # recordings in progress, innermost last (a collective on any thread goes to each)
+_INSTALL = threading.Lock()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Collectives run here are not recorded by :func:`record` (the trace records its own)."""
+    _RUNNING.depth += 1
+    try:
+        yield
+    finally:
+        _RUNNING.depth -= 1
+
+
+def _unwrapped(t: Tensor) -> Tensor:
+    """The tensor under simulate's vmap (and any torch.func wrapper): the one that carries the autograd node."""
+    ft: Any = torch._C._functorch
+    while ft.is_functorch_wrapped_tensor(t):
+        t = ft.get_unwrapped(t)
+    return t
+
+
+def _recording_bind(prim: Primitive, stacked: bool) -> Callable[..., Tensor]:
+    """``prim.bind`` (or ``bind_stacked``), recording each call into the active recordings."""
+    bind = Primitive.bind_stacked if stacked else Primitive.bind
+
+    def recorded(*tensors: Tensor, spec: Any, **params: Any) -> Tensor:
+        if _RUNNING.depth or not _ACTIVE:
+            return bind(prim, *tensors, spec=spec, **params)
+        _RUNNING.depth += 1
+        try:
+            out = bind(prim, *tensors, spec=spec, **params)
+        finally:
+            _RUNNING.depth -= 1
+        node: Any = torch._C._current_autograd_node()
+        for rec in list(_ACTIVE):
+            rec._add(prim.name, tensors, out, spec, params, stacked, node)
+        return out
+
+    return recorded
+
+
+def _install() -> None:
+    for prim in PRIMITIVES.values():
+        prim.bind = _recording_bind(prim, False)  # type: ignore[method-assign]
+        prim.bind_stacked = _recording_bind(prim, True)  # type: ignore[method-assign]
+
+
+def _uninstall() -> None:
+    for prim in PRIMITIVES.values():
+        prim.__dict__.pop("bind", None)
+        prim.__dict__.pop("bind_stacked", None)
+
+
+class Recording:
+    """The collectives of a step as it runs, collected by :func:`record`.
+
+    Attributes:
+        mesh: the mesh of the records (as for :func:`trace`).
+        profile: the :class:`Profile` of what ran so far (complete once the ``with`` block ends).
+    """
+
+    def __init__(self, mesh: Mesh, meshes: Sequence[Mesh]) -> None:
+        self.mesh = mesh
+        self._names = {tuple(m.shape.values()): m.axis_names for m in reversed([mesh, *meshes])}
+        self._stack = _ModuleStack()
+        self._key = (_META_KEY, id(self))
+        self._records: list[Record] = []
+
+    @property
+    def profile(self) -> Profile:
+        return Profile(self.mesh, tuple(self._records))
+
+    def _add(self, op: str, tensors: Sequence[Any], out: Any, spec: Any, params: Mapping[str, Any], stacked: bool, node: Any) -> None:
+        if node is None:
+            module = self._stack.current
+            fn: Any = _unwrapped(out).grad_fn
+            if fn is not None:  # the backward collective this node will issue is attributed to the module running now
+                fn.metadata[self._key] = module
+        else:
+            module = str(node.metadata.get(self._key, ""))
+        if stacked:  # [world, ...] tensors (simulate's backward): one rank's share
+            tensors, out = tuple(_RankShare(t) for t in tensors), _RankShare(out)
+        rec = _make_record(op, tensors, out, tuple(spec.mesh_shape), tuple(spec.axes), params, self._names, node is not None, module)
+        if rec is not None:
+            self._records.append(rec)
+
+
+@contextmanager
+def record(mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Module] = ()) -> Iterator[Recording]:
+    """Record the collectives of a step while it really runs: on real ranks, or under :func:`fastdist.simulate`.
+
+    The same :class:`Record` s as :func:`trace` (one rank's: this process's on real ranks, rank 0's
+    shapes under ``simulate``), forward and backward, with the module that issued each. Unlike
+    :func:`trace` the step runs for real (data, memory, and on real ranks the communication);
+    use it to profile the very step you train with, :func:`trace` to profile without running.
+
+    Args:
+        mesh: the mesh the step's collectives use (it names the axes of the records).
+        meshes: further meshes the step uses.
+        modules: modules whose submodules name the ``module`` field of each record.
+
+    Every fastdist collective this process runs while the block is open is recorded, on any
+    thread (the backward may run on autograd's threads), eager code only: a compiled step is
+    recorded once, when dynamo traces it. Data-dependent sizes are charged as :func:`trace`
+    charges them (``ragged_all_to_all``: the send buffer, ``bound=True``).
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 4})
+    >>> with record(mesh) as rec:
+    ...     out = fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(torch.ones(4, 2, 3))
+    >>> rec.profile == trace(lambda x: fd.all_gather(x, mesh, "tp"), mesh, torch.ones(2, 3))
+    True
+    """
+    for m in [mesh, *meshes]:
+        if not isinstance(m, Mesh):
+            raise ProfileError("record", f"expected a fastdist.Mesh, got {type(m).__name__}", "pass the Mesh the step runs on")
+    rec = Recording(mesh, meshes)
+    with rec._stack.hooks(modules):
+        with _INSTALL:
+            if not _ACTIVE:
+                _install()
+            _ACTIVE.append(rec)
+        try:
+            yield rec
+        finally:
+            with _INSTALL:
+                _ACTIVE.remove(rec)
+                if not _ACTIVE:
+                    _uninstall()
 
 
 # ====================================================================== the network and the alpha-beta model
@@ -522,13 +696,24 @@ def _record_time(r: Record, link: Link) -> float:
 
 @dataclass(frozen=True)
 class Layout:
-    """Axis sizes in mesh order (outer to inner: the last axis varies fastest, so it is the one kept inside a node)."""
+    """Axis sizes in mesh order (outer to inner: the last axis varies fastest, so it is the one kept inside a node).
+
+    Attributes:
+        axes: ``(name, size)`` pairs of the axes of size > 1, outer to inner.
+        unit: names of further axes of size 1 (:func:`layouts` leaves them out of ``axes``); the
+            :attr:`mesh` has them too, innermost, so a step may use every axis whatever the layout
+            (a collective over a size-1 axis moves nothing and is not recorded). Not compared.
+
+    >>> dict(Layout((("dp", 4),), unit=("tp",)).mesh.shape)
+    {'dp': 4, 'tp': 1}
+    """
 
     axes: tuple[tuple[str, int], ...]
+    unit: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.axes)
+        return Mesh((*self.axes, *((name, 1) for name in self.unit if name not in dict(self.axes))))
 
     def __str__(self) -> str:
         return " x ".join(f"{a}{s}" for a, s in self.axes)
@@ -558,7 +743,7 @@ def predict(profile: Profile, network: Network) -> Prediction:
     >>> round(predict(prof, net).time * 1e6, 3)   # 6 steps * 1 us + 4000 * 1.5 B / 1 GB/s
     12.0
     """
-    sizes = tuple(profile.mesh._sizes)
+    sizes = tuple(profile.mesh.shape.values())
     names = profile.mesh.axis_names
     by_axis: dict[str, float] = {}
     by_phase: dict[str, float] = {}
@@ -569,7 +754,8 @@ def predict(profile: Profile, network: Network) -> Prediction:
         total += t
         by_axis[r.axis] = by_axis.get(r.axis, 0.0) + t
         by_phase[r.phase] = by_phase.get(r.phase, 0.0) + t
-    return Prediction(Layout(tuple(zip(names, sizes))), total, by_axis, by_phase, profile)
+    axes = tuple((a, n) for a, n in zip(names, sizes) if n > 1) or tuple(zip(names, sizes))[:1]
+    return Prediction(Layout(axes, tuple(a for a in names if a not in dict(axes))), total, by_axis, by_phase, profile)
 
 
 def _factorizations(world: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -585,7 +771,8 @@ def _factorizations(world: int, k: int) -> Iterator[tuple[int, ...]]:
 def layouts(world: int, axes: Sequence[str], *, max_size: Mapping[str, int] | None = None, orders: bool = True) -> list[Layout]:
     """Every layout of ``world`` ranks over ``axes``: sizes multiplying to ``world`` (each at most
     ``max_size[axis]``), and with ``orders`` every order of the axes of size > 1 onto the ranks
-    (which axes stay inside a node); otherwise the order given. Axes of size 1 are left out.
+    (which axes stay inside a node); otherwise the order given. Axes of size 1 are left out of
+    the name and the order (they are the layout's ``unit`` axes: its mesh has them, with size 1).
 
     >>> [str(l) for l in layouts(4, ("dp", "tp"), orders=False)]
     ['tp4', 'dp2 x tp2', 'dp4']
@@ -601,10 +788,11 @@ def layouts(world: int, axes: Sequence[str], *, max_size: Mapping[str, int] | No
         if any(s > limit.get(a, world) for a, s in zip(axes, sizes)):
             continue
         kept = [(a, s) for a, s in zip(axes, sizes) if s > 1] or [(axes[0], 1)]
+        unit = tuple(a for a in axes if a not in dict(kept))
         for perm in (itertools.permutations(kept) if orders else [tuple(kept)]):
             if perm not in seen:
                 seen.add(perm)
-                out.append(Layout(tuple(perm)))
+                out.append(Layout(tuple(perm), unit))
     return out
 
 
@@ -649,33 +837,51 @@ class Plan:
         return self.table()
 
 
-def plan(build: Callable[[Mesh], Profile], candidates: Iterable[Layout], network: Network) -> Plan:
+def plan(
+    build: Callable[[Mesh], Profile],
+    candidates: Iterable[Layout] | int,
+    network: Network | str,
+    *,
+    axes: Sequence[str] = ("dp", "tp"),
+    max_size: Mapping[str, int] | None = None,
+    orders: bool = True,
+) -> Plan:
     """Profile ``build(layout.mesh)`` for every candidate layout and rank them by :func:`predict`.
 
     Args:
-        build: makes the step for a mesh and traces it (usually ``lambda mesh: trace(step_for(mesh), mesh, ...)``,
-            with per-rank shapes that depend on the layout).
-        candidates: e.g. :func:`layouts`.
-        network: e.g. ``NETWORKS["dgx-h100"]``.
+        build: makes the step for a mesh and traces it (usually ``lambda mesh: trace(step_for(mesh), mesh, ...)``):
+            the per-rank shapes depend on the layout (a batch split over ``dp``, weights over
+            ``tp``), which only the step's author knows. The mesh has every axis of ``axes``, those
+            of size 1 included, so the step may call its collectives whatever the layout.
+        candidates: a list of :class:`Layout` (e.g. from :func:`layouts`), or a world size: then
+            ``layouts(candidates, axes, max_size=max_size, orders=orders)``.
+        network: a :class:`Network`, or the name of one in :data:`NETWORKS`.
+        axes, max_size, orders: for a world size given as ``candidates`` (see :func:`layouts`).
 
     >>> import torch, fastdist as fd
     >>> def build(mesh):   # a TP MLP (tokens 512, hidden 1024) with its dp gradient all-reduce
-    ...     tp, dp = mesh.axis_size("tp") if "tp" in mesh.axis_names else 1, mesh.axis_size("dp") if "dp" in mesh.axis_names else 1
+    ...     dp, tp = mesh.shape["dp"], mesh.shape["tp"]
     ...     def step(x, w):
-    ...         x = fd.pvary(x, mesh, "tp") if tp > 1 else x
-    ...         y = fd.psum(x @ w @ w.T, mesh, "tp") if tp > 1 else x @ w @ w.T
-    ...         y.sum().backward()
-    ...         if dp > 1:
-    ...             fd.psum(w.grad, mesh, "dp")
+    ...         fd.psum(fd.pvary(x, mesh, "tp") @ w @ w.T, mesh, "tp").sum().backward()
+    ...         fd.psum(w.grad, mesh, "dp")
     ...     return trace(step, mesh, torch.empty(512 // dp, 1024, device="meta"), torch.empty(1024, 4096 // tp, device="meta", requires_grad=True))
-    >>> p = plan(build, layouts(16, ("dp", "tp"), max_size={"tp": 8}), NETWORKS["dgx-h100"])
+    >>> p = plan(build, 16, "dgx-h100", axes=("dp", "tp"), max_size={"tp": 8})
     >>> str(p.best.layout)   # the 16 MiB/tp gradient all-reduce over dp stays inside a node
     'tp2 x dp8'
     """
-    cands = list(candidates)
+    if isinstance(network, str):
+        if network not in NETWORKS:
+            raise ProfileError("plan", f"no network named {network!r}", f"use one of {', '.join(NETWORKS)}, or pass a Network")
+        network = NETWORKS[network]
+    cands = layouts(candidates, axes, max_size=max_size, orders=orders) if isinstance(candidates, int) else list(candidates)
     if not cands:
-        raise ProfileError("plan", "no candidate layout", "pass layouts(world, axes) or a non-empty list of Layout")
-    preds = [replace(predict(build(layout.mesh), network), layout=layout) for layout in cands]
+        raise ProfileError("plan", "no candidate layout", "pass a world size, layouts(world, axes) or a non-empty list of Layout")
+    preds = []
+    for layout in cands:
+        prof = build(layout.mesh)
+        if not isinstance(prof, Profile):
+            raise ProfileError("plan", f"build returned {type(prof).__name__} for {layout}, not a Profile", "return trace(step, mesh, ...) from build")
+        preds.append(replace(predict(prof, network), layout=layout))
     return Plan(network, tuple(sorted(preds, key=lambda p: p.time)))
 
 
