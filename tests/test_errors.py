@@ -79,9 +79,9 @@ def test_collective_outside_simulate_has_no_backend() -> None:
 
 def test_collective_on_a_mesh_not_given_to_simulate() -> None:
     other = fd.Mesh({"tp": 8})
-    with pytest.raises(fd.NoBackendError, match=r"not being simulated.*meshes=\[\.\.\.\]"):
+    with pytest.raises(fd.NoBackendError, match=r"no simulation of this mesh is running.*meshes=\[\.\.\.\]"):
         sim(lambda x: fd.psum(x, other, "tp"))
-    assert MESH._bindings == [] and other._bindings == []  # popped even on error
+    assert fd._context._RUNNING.simulations == ()  # dropped even on error
 
 
 def test_simulate_argument_errors() -> None:

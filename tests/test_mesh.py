@@ -6,10 +6,12 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import fastdist as fd
+from fastdist import _context
 
 from .reference import axes_of, meshes
 
@@ -124,4 +126,80 @@ def test_large_mesh_groups_are_pure_arithmetic() -> None:
 def test_two_meshes_coexist_without_global_state() -> None:
     a, b = fd.Mesh({"tp": 4}), fd.Mesh({"dp": 2, "tp": 2})
     assert a.groups("tp") == [[0, 1, 2, 3]] and b.groups("tp") == [[0, 1], [2, 3]]
-    assert a._bindings == [] and b._bindings == []
+    assert _context._RUNNING.simulations == () and _context._RUNNING.checks == ()  # nothing left running
+
+
+# ---------------------------------------------------------------------- a Mesh is an immutable value
+def test_equal_meshes_are_interchangeable() -> None:
+    """Code that builds its own Mesh runs inside a simulation (and a check) of an equal one."""
+    m1, m2 = fd.Mesh({"dp": 2, "tp": 2}), fd.Mesh({"dp": 2, "tp": 2})
+    assert m1 == m2 and hash(m1) == hash(m2) and m1 is not m2
+    x = torch.arange(4.0)
+    out = fd.simulate(lambda v: fd.psum(v, m2, "tp") + fd.axis_index(m2, "dp"), m1)(x)
+    assert out.tolist() == [1.0, 1.0, 6.0, 6.0]
+    f = fd.spmd(lambda v, w: fd.psum(v @ w, m2, "tp"), m1, in_specs=(fd.P(None, "tp"), fd.P("tp", None)),
+                out_specs=fd.P(), check="error")
+    v, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    torch.testing.assert_close(f(v, w), v @ w)
+    with pytest.raises(fd.NoBackendError, match="no simulation of this mesh"):  # an unequal mesh is not covered
+        fd.simulate(lambda v: fd.psum(v, fd.Mesh({"dp": 4}), "dp"), m1)(x)
+    assert _context._RUNNING.simulations == () and _context._RUNNING.checks == ()
+
+
+def test_mesh_cannot_be_mutated_and_copies_are_itself() -> None:
+    import copy
+    import pickle
+
+    mesh = fd.Mesh({"dp": 2, "tp": 4})
+    for name in ("_sizes", "_comm", "anything"):
+        with pytest.raises(AttributeError, match="Mesh is immutable"):
+            setattr(mesh, name, None)
+    with pytest.raises(AttributeError, match="Mesh is immutable"):
+        del mesh._names
+    assert not hasattr(mesh, "__dict__")
+    assert copy.copy(mesh) is mesh and copy.deepcopy({"m": mesh})["m"] is mesh
+    back = pickle.loads(pickle.dumps(mesh))
+    assert back == mesh and back.groups("tp") == mesh.groups("tp")
+
+
+def test_threads_simulate_the_same_mesh_at_once() -> None:
+    """The running simulation is per thread: two threads interleave on one mesh, each gets its own result."""
+    import threading
+
+    mesh = fd.Mesh({"tp": 4})
+    barrier = threading.Barrier(2, timeout=30)
+    results: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def per_rank(x: torch.Tensor, scale: float) -> torch.Tensor:
+        y = fd.psum(x, mesh, "tp")
+        barrier.wait()  # both threads are inside a simulation of the same mesh now
+        return fd.all_gather((y * scale).reshape(1), mesh, "tp").reshape(-1) + fd.axis_index(mesh, "tp")
+
+    def work(name: str, scale: float) -> None:
+        try:
+            results[name] = fd.simulate(lambda x: per_rank(x, scale), mesh)(torch.arange(4.0))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n, s)) for n, s in (("a", 1.0), ("b", 10.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for name, scale in (("a", 1.0), ("b", 10.0)):
+        expect = torch.full((4, 4), 6.0 * scale) + torch.arange(4.0)[:, None]
+        assert torch.equal(results[name], expect), name
+    assert _context._RUNNING.simulations == ()
+
+
+def test_compiled_simulation_over_an_equal_mesh_is_one_graph() -> None:
+    import torch._dynamo.testing
+
+    m1, m2 = fd.Mesh({"tp": 2}), fd.Mesh({"tp": 2})
+    counter = torch._dynamo.testing.CompileCounter()
+    step = torch.compile(fd.simulate(lambda x: fd.psum(x * 2, m2, "tp"), m1), backend=counter, fullgraph=True)
+    x = torch.tensor([1.0, 2.0])
+    assert step(x).tolist() == [6.0, 6.0] and step(x + 1).tolist() == [10.0, 10.0]
+    assert counter.frame_count == 1

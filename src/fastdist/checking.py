@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ._context import check_of, pop_check, push_check
 from ._primitive import apply_function, needs_grad
 from .errors import FastdistError, MeshError
 from .mesh import AxisName, Mesh
@@ -130,11 +131,11 @@ class RepTracker:
     def suspended(self) -> Iterator[None]:
         """Run fastdist's own code unobserved (the mode passes ops through; collectives skip the tracker)."""
         self._suspended += 1
-        popped = self.mesh._trackers.pop()
+        push_check(self.mesh, None)  # collectives on the mesh see no check while suspended
         try:
             yield
         finally:
-            self.mesh._trackers.append(popped)
+            pop_check()
             self._suspended -= 1
 
     def _pvary(self, t: Tensor, axes: Sequence[str]) -> Tensor:
@@ -286,12 +287,12 @@ class _RepMode(TorchFunctionMode):
 @contextmanager
 def tracking(tracker: RepTracker) -> Iterator[None]:
     """Make ``tracker`` observe collectives on its mesh and every torch op, for the block."""
-    tracker.mesh._trackers.append(tracker)
+    push_check(tracker.mesh, tracker)
     try:
         with _RepMode(tracker):
             yield
     finally:
-        tracker.mesh._trackers.remove(tracker)
+        pop_check()
 
 
 def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -312,9 +313,9 @@ def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     mesh.axis_indices(names, "fastdist.as_partial")
-    if not mesh._trackers:
+    tracker = check_of(mesh)
+    if tracker is None:
         return x
-    tracker = mesh._trackers[-1]
     rep = tracker.get(x)
     for a in names:
         if rep.state(a) == "I":

@@ -46,16 +46,18 @@ pair, and JAX's typed ``pvary`` / ``psum``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from ._context import check_of, is_real, simulation_of
 from ._dtype_rule import check_reduction_dtype
 from ._primitive import Primitive, Spec
 from .distributed import AxisComm
-from .errors import CollectiveError
+from .errors import CollectiveError, MeshError
 from .mesh import AxisName, Mesh
 from .simulate import promote, rank_binding
 
@@ -86,32 +88,38 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
         raise CollectiveError(op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor")
     if not isinstance(mesh, Mesh):
         raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
-    real = mesh._comm is not None and not mesh._bindings  # real ranks (simulate takes precedence)
-    spec = _spec(op, mesh, axis, real)
-    if real:
-        return x, spec
-    binding = rank_binding(op, mesh)
-    if not mesh._trackers:
+    binding = simulation_of(mesh)
+    if binding is None and mesh._comm is not None:  # real ranks (a simulation over the mesh takes precedence)
+        return x, mesh._comm.spec(axis, f"fastdist.{op}")
+    spec = _plain_spec(op, mesh, axis)
+    if binding is None:
+        binding = rank_binding(op, mesh)  # raises unless the mesh has one rank
+    tracker = check_of(mesh)
+    if tracker is None:
         return promote(op, x, binding), spec
-    tracker = mesh._trackers[-1]  # fastdist's own plumbing is not user code: keep the state, unobserved
-    with tracker.suspended():
+    with tracker.suspended():  # fastdist's own plumbing is not user code: keep the state, unobserved
         y = promote(op, x, binding)
     tracker.set(y, tracker.get(x))
     return y, spec
 
 
-def _spec(op: str, mesh: Mesh, axis: AxisName, real: bool) -> Spec:
-    """The group spec of ``axis`` (validated once; the memo on the mesh is read always, written only outside dynamo tracing)."""
-    try:
-        cached: Spec = mesh._specs[axis, real]
-        return cached
-    except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
-        pass
-    idx = mesh.axis_indices(axis, f"fastdist.{op}")
-    spec = Spec(tuple(mesh._sizes), idx, comm=mesh._comm.axis(idx) if real else None)
-    if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():  # dynamo must not mutate the mesh
-        mesh._specs[axis, real] = spec
-    return spec
+@functools.lru_cache(maxsize=4096)
+def _cached_plain_spec(mesh: Mesh, axis: str | tuple[str, ...]) -> Spec:
+    return Spec(mesh._sizes, mesh.axis_indices(axis, "fastdist"))
+
+
+def _plain_spec(op: str, mesh: Mesh, axis: AxisName) -> Spec:
+    """The group spec of ``axis`` on a simulated mesh: a pure function of the axes, memoised.
+
+    The memo is a cache of a pure function (outside dynamo tracing); an invalid axis is not
+    cached and raises naming ``op``.
+    """
+    if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():
+        try:
+            return _cached_plain_spec(mesh, axis)
+        except (MeshError, TypeError):  # re-raised below naming the op (TypeError: unhashable parts)
+            pass
+    return Spec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
 
 
 def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, *extra: Tensor, **params: Any) -> Tensor:
@@ -119,8 +127,9 @@ def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, *extra: Tensor, *
 
     Under a replication check (``fastdist.spmd``) the tracker checks ``x``'s state first.
     """
-    if mesh._trackers:
-        return cast(Tensor, mesh._trackers[-1].collective(prim, mesh, x, spec, params, extra))
+    tracker = check_of(mesh)
+    if tracker is not None:
+        return cast(Tensor, tracker.collective(prim, mesh, x, spec, params, extra))
     return prim.bind(x, *extra, spec=spec, **params)
 
 
@@ -743,13 +752,14 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
     if not isinstance(mesh, Mesh):
         raise CollectiveError("axis_index", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
     idx = mesh.axis_indices(axis, "fastdist.axis_index")
-    if mesh._comm is not None and not mesh._bindings:
+    if is_real(mesh):
         index = torch.tensor(mesh._comm.axis(idx).index)
     else:
-        binding = rank_binding("axis_index", mesh)
+        binding = simulation_of(mesh) or rank_binding("axis_index", mesh)
         index = torch.zeros((), dtype=torch.long) if binding is None else cast(Tensor, mesh._index_of(binding.rank, idx))
-    if mesh._trackers:
-        mesh._trackers[-1].mark_varying(index, [mesh.axis_names[i] for i in idx])
+    tracker = check_of(mesh)
+    if tracker is not None:
+        tracker.mark_varying(index, [mesh.axis_names[i] for i in idx])
     return index
 
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
+from ._primitive import Spec
 from .errors import CollectiveTimeout, CommError, ConsistencyError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class TorchComm:
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
         self._created: list[Any] = []  # the groups this comm made (not a DeviceMesh's): reset() destroys them
         self._axes: dict[tuple[int, ...], AxisComm] = {}
+        self._specs: dict[Any, Spec] = {}  # axis -> the collectives' group spec (see spec)
         self.backend: str = backend
         self.native_lib: NativeLibrary | None = _native_library(backend, library)
         self._native: dict[tuple[int, ...], NativeCommunicator] = {}
@@ -165,6 +167,19 @@ class TorchComm:
             if not torch.compiler.is_compiling():  # a trace must not mutate the cache (dynamo would replay it, and guard on it)
                 self._axes[idx] = ac
         return ac
+
+    def spec(self, axis: AxisName, op: str) -> Spec:
+        """The collectives' group spec for ``axis`` (validated naming ``op``; cached outside dynamo tracing)."""
+        try:
+            cached: Spec = self._specs[axis]
+            return cached
+        except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
+            pass
+        idx = self.mesh.axis_indices(axis, op)
+        spec = Spec(self.mesh._sizes, idx, comm=self.axis(idx))
+        if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():  # a trace must not mutate the cache
+            self._specs[axis] = spec
+        return spec
 
     def _new_axis(self, idx: tuple[int, ...]) -> AxisComm:
         names = tuple(self.mesh.axis_names[i] for i in idx)
@@ -274,7 +289,7 @@ class TorchComm:
         self.abandon("")
         self.broken = None
         self._axes.clear()
-        self.mesh._specs.clear()
+        self._specs.clear()
         self._device_mesh = None  # a DeviceMesh's groups may be broken too: from now on this mesh makes its own
         everyone = list(range(self.mesh.size))
         key = f"fastdist/{self.uid}/epoch"

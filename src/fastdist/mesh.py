@@ -52,14 +52,26 @@ class Mesh:
             must be distinct identifiers; sizes positive ints. The last axis
             varies fastest across ranks.
 
-    A ``Mesh`` is a value: equal axes compare and hash equal. Collectives take it
-    as an argument; run them on all ranks of the mesh at once with
-    :func:`fastdist.simulate`.
+    A ``Mesh`` is an immutable value: meshes with equal axes compare and hash equal and
+    are interchangeable (a collective on ``Mesh({"tp": 2})`` runs inside a simulation of
+    another ``Mesh({"tp": 2})``). A mesh over real ranks (:meth:`from_torch`) also carries
+    its communicator (its process groups), so it equals only itself and meshes sharing that
+    communicator. What is running over a mesh (a simulation, a replication check) is kept
+    per thread by ``simulate``/``spmd``, not on the mesh. Collectives take the mesh as an
+    argument; run them on all ranks at once with :func:`fastdist.simulate`.
+
+    >>> a, b = Mesh({"dp": 2, "tp": 2}), Mesh({"dp": 2, "tp": 2})
+    >>> a == b, hash(a) == hash(b)
+    (True, True)
+    >>> a.x = 1
+    Traceback (most recent call last):
+    ...
+    AttributeError: Mesh is immutable: cannot set 'x'. Fix: build a new Mesh
     """
 
-    __slots__ = ("_names", "_sizes", "_strides", "_bindings", "_comm", "_trackers", "_specs")
+    __slots__ = ("_names", "_sizes", "_strides", "_comm")
 
-    def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]]) -> None:
+    def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, _comm: Any = None) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
         names: list[str] = []
         sizes: list[int] = []
@@ -75,20 +87,34 @@ class Mesh:
                 raise MeshError(f"Mesh: axis {name!r} has size {size!r}. Fix: sizes are positive ints")
             names.append(name)
             sizes.append(size)
-        self._names: tuple[str, ...] = tuple(names)
-        self._sizes: tuple[int, ...] = tuple(sizes)
+        setattr_ = object.__setattr__  # a Mesh is immutable: fields are set here, once
+        setattr_(self, "_names", tuple(names))
+        setattr_(self, "_sizes", tuple(sizes))
         # stride of axis i = product of the sizes after it (row-major, last axis fastest)
-        self._strides: tuple[int, ...] = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
-        # Simulations currently running over this mesh (pushed and popped by
-        # fastdist.simulate for the duration of one call; see simulate.py).
-        self._bindings: list[Any] = []
-        # Process groups when the mesh runs on real ranks (Mesh.from_torch); None otherwise.
-        self._comm: Any = None
-        # Replication checkers of running fastdist.spmd calls over this mesh (see checking.py).
-        self._trackers: list[Any] = []
-        # (axis, on real ranks) -> the collectives' group Spec, memoised by collectives._enter
-        # (a pure function of the axes, so caching it changes no result; saves a few µs per call).
-        self._specs: dict[Any, Any] = {}
+        setattr_(self, "_strides", tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes))))
+        # The real-rank communicator (fastdist.distributed.TorchComm) of a mesh built by
+        # Mesh.from_torch / from_device_mesh: part of the mesh's value; None for a plain mesh.
+        setattr_(self, "_comm", _comm)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Mesh is immutable: cannot set {name!r}. Fix: build a new Mesh")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Mesh is immutable: cannot delete {name!r}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._comm is not None:
+            raise MeshError(
+                f"Mesh: {self!r} holds this process's process groups and cannot be pickled. "
+                "Fix: send the axes (dict(mesh.shape)) and build the mesh with Mesh.from_torch in the other process"
+            )
+        return (Mesh, (list(zip(self._names, self._sizes)),))
+
+    def __copy__(self) -> Mesh:
+        return self  # a value: copies are the same mesh
+
+    def __deepcopy__(self, memo: Any) -> Mesh:
+        return self
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -174,9 +200,9 @@ class Mesh:
 
         if not (dist.is_available() and dist.is_initialized()):
             raise MeshError("Mesh.from_torch: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
-        mesh = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
-        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, backend=backend, library=library)
-        return mesh
+        plain = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
+        comm = D.TorchComm(plain, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, backend=backend, library=library)
+        return cls(plain.shape.items(), _comm=comm)
 
     @classmethod
     def from_device_mesh(
@@ -195,9 +221,9 @@ class Mesh:
         layout = device_mesh.mesh.flatten().tolist()
         if layout != list(range(len(layout))):
             raise MeshError(f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major 0..{len(layout) - 1}. Fix: build it with init_device_mesh")
-        mesh = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
-        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, device_mesh=device_mesh, backend=backend, library=library)
-        return mesh
+        plain = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
+        comm = D.TorchComm(plain, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, device_mesh=device_mesh, backend=backend, library=library)
+        return cls(plain.shape.items(), _comm=comm)
 
     def to_device_mesh(self, device_type: str = "cpu") -> Any:
         """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it)."""
@@ -212,9 +238,9 @@ class Mesh:
         if self._comm is None:
             raise MeshError(f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
         old = self._comm
-        mesh = Mesh(list(zip(self._names, self._sizes)))
-        mesh._comm = D.TorchComm(mesh, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=old.check, backend=old.backend, library=old.native_lib)
-        return mesh
+        plain = Mesh(list(zip(self._names, self._sizes)))
+        comm = D.TorchComm(plain, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=old.check, backend=old.backend, library=old.native_lib)
+        return Mesh(plain.shape.items(), _comm=comm)
 
     def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
         """Create now (instead of on first use) this rank's process groups for ``axes`` (default: each axis).
@@ -419,7 +445,15 @@ class Mesh:
 
     # ------------------------------------------------------------------ value semantics
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mesh) and (self._names, self._sizes) == (other._names, other._sizes)
+        """Equal axes (names, sizes, order) and the same communicator (both ``None`` for plain meshes)."""
+        if self is other:
+            return True
+        return (
+            isinstance(other, Mesh)
+            and self._names == other._names
+            and self._sizes == other._sizes
+            and self._comm is other._comm
+        )
 
     def __hash__(self) -> int:
         return hash((self._names, self._sizes))

@@ -13,12 +13,12 @@ because each collective's registered *per-rank* backward rule runs (see
 ``fastdist._primitive``). ``torch.func.grad`` of the per-rank loss inside ``fn``
 gives the same, and so does ``torch.compile(simulate(fn, mesh))`` + backward.
 
-How collectives find the simulation: while ``fn`` runs, ``simulate`` pushes a
-binding (the vmapped rank id) onto the mesh objects it was given, and pops it
-when ``fn`` returns. The binding lives on the mesh, not in a global, and only
-for the duration of the call; so collectives on a mesh that is not being
-simulated fail loudly instead of guessing. One thread at a time may simulate a
-given ``Mesh`` object.
+How collectives find the simulation: while ``fn`` runs, ``simulate`` registers a
+binding (the vmapped rank id) for the mesh values it was given, on this thread
+(``fastdist._context``), and drops it when ``fn`` returns or raises. A collective
+looks its mesh up by value, so an equal mesh built elsewhere works; a collective on a
+mesh that no running simulation covers fails loudly instead of guessing. Threads
+simulate independently, the same mesh too.
 
 ``F.scaled_dot_product_attention`` (which Hugging Face models call in every layer) has
 no vmap rule for its fused kernels in torch 2.13, so vmap would warn and loop over the
@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._context import pop_simulation, push_simulation, simulation_of
 from ._sdpa import SdpaMode
 from .errors import MeshError, NoBackendError
 from .mesh import Mesh
@@ -118,17 +119,14 @@ def simulate(
         device = tensors[0].device if tensors else None
 
         def per_rank(rank: Tensor, *rank_args: Any) -> R:
-            binding = _Binding(rank, mesh.size)
-            for m in all_meshes:
-                m._bindings.append(binding)
+            push_simulation(all_meshes, _Binding(rank, mesh.size))  # this thread, for this call only
             try:
                 if batch_sdpa:
                     with SdpaMode():  # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
                         return fn(*rank_args, **kwargs)
                 return fn(*rank_args, **kwargs)
             finally:
-                for m in all_meshes:
-                    m._bindings.pop()
+                pop_simulation(len(all_meshes))
 
         ranks = torch.arange(mesh.size, device=device)
         return torch.vmap(per_rank, in_dims=(0, *in_dims), randomness=randomness)(ranks, *args)
@@ -142,13 +140,13 @@ def rank_binding(op: str, mesh: Mesh) -> _Binding | None:
     Raises :class:`NoBackendError` when ``mesh`` has several ranks and no
     simulation is running over it.
     """
-    if mesh._bindings:
-        binding: _Binding = mesh._bindings[-1]
+    binding: _Binding | None = simulation_of(mesh)
+    if binding is not None:
         return binding
     if mesh.size == 1:
         return None
     raise NoBackendError(
-        f"fastdist.{op}: {mesh!r} has {mesh.size} ranks but no backend here: this mesh object is not being simulated. "
+        f"fastdist.{op}: {mesh!r} has {mesh.size} ranks but no backend here: no simulation of this mesh is running. "
         "Fix: call the per-rank code through fastdist.simulate(fn, mesh) "
         "(pass further meshes it uses as simulate(fn, mesh, meshes=[...]))"
     )

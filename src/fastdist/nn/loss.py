@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._context import is_real
 from ..collectives import axis_index, pmax, psum
 from ..errors import CollectiveError, TargetError
 from ..mesh import AxisName, Mesh
@@ -76,7 +77,7 @@ def _check_targets_vmap(info: Any, in_dims: tuple[int | None, ...], target: Tens
 
 def _checked_targets(op: str, target: Tensor, mesh: Mesh, axis: AxisName, vocab_size: int, ignore_index: int) -> Tensor:
     """``target`` through ``fastdist::check_targets`` with this rank's global rank id."""
-    if mesh._comm is not None and not mesh._bindings:  # real ranks (simulate takes precedence)
+    if is_real(mesh):  # real ranks (a simulation over the mesh takes precedence)
         rank, simulated = torch.tensor(mesh.rank, device=target.device), False
     else:
         binding = rank_binding(op, mesh)  # raises on a multi-rank mesh that is not simulated

@@ -1,0 +1,78 @@
+"""What is running now: the simulations and replication checks in progress on this thread.
+
+A :class:`~fastdist.Mesh` is a value (its axes, and on real ranks its communicator); it
+holds no record of what is being done with it. ``fastdist.simulate`` and ``fastdist.spmd``
+register here, for the duration of one call, *which mesh values* they run over; a
+collective looks its mesh up by value. So two equal meshes are interchangeable: code that
+builds its own ``Mesh({"tp": 2})`` runs inside ``simulate(fn, Mesh({"tp": 2}))``.
+
+The state is per thread (``threading.local``), like JAX's trace state: two threads may
+simulate the same mesh at once, and nothing is left behind once a call returns. It is not
+a ``contextvars.ContextVar`` because dynamo cannot trace ``ContextVar.get``/``set`` in torch
+2.13, while it traces attribute reads and writes of a ``threading.local``, which keeps
+``torch.compile(simulate(fn, mesh), fullgraph=True)`` free of graph breaks. Entries are
+immutable tuples, replaced rather than mutated.
+
+Outside ``simulate``/``spmd`` both stacks are empty.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+__all__ = ["simulation_of", "check_of", "push_simulation", "pop_simulation", "push_check", "pop_check", "is_real"]
+
+
+class _Running(threading.local):
+    """Per-thread stacks of ``(mesh, binding)`` and ``(mesh, tracker)`` pairs, innermost last."""
+
+    simulations: tuple[tuple[Mesh, Any], ...] = ()
+    checks: tuple[tuple[Mesh, Any], ...] = ()
+
+
+_RUNNING = _Running()
+
+
+def simulation_of(mesh: Mesh) -> Any:
+    """The binding of the innermost simulation running over a mesh equal to ``mesh``, else None."""
+    for m, binding in reversed(_RUNNING.simulations):
+        if m is mesh or m == mesh:
+            return binding
+    return None
+
+
+def is_real(mesh: Mesh) -> bool:
+    """Whether collectives on ``mesh`` go to real ranks: a communicator and no simulation over it."""
+    return mesh._comm is not None and simulation_of(mesh) is None
+
+
+def push_simulation(meshes: list[Mesh], binding: Any) -> None:
+    """Register ``binding`` as the running simulation of each of ``meshes`` (pair with :func:`pop_simulation`)."""
+    _RUNNING.simulations = _RUNNING.simulations + tuple((m, binding) for m in meshes)
+
+
+def pop_simulation(count: int) -> None:
+    """Drop the ``count`` innermost simulation entries (those one :func:`push_simulation` added)."""
+    _RUNNING.simulations = _RUNNING.simulations[: len(_RUNNING.simulations) - count]
+
+
+def check_of(mesh: Mesh) -> Any:
+    """The tracker of the innermost replication check running over ``mesh`` (``None``: none, or suspended)."""
+    for m, tracker in reversed(_RUNNING.checks):
+        if m is mesh or m == mesh:
+            return tracker
+    return None
+
+
+def push_check(mesh: Mesh, tracker: Any) -> None:
+    """Register ``tracker`` (or ``None`` to suspend the checks of ``mesh``) until :func:`pop_check`."""
+    _RUNNING.checks = _RUNNING.checks + ((mesh, tracker),)
+
+
+def pop_check() -> None:
+    """Drop the innermost check entry."""
+    _RUNNING.checks = _RUNNING.checks[:-1]
