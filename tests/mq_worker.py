@@ -44,8 +44,12 @@ def payload(i: int, size: int) -> bytes:
     return bytes([i % 251]) * size
 
 
-def _mesh() -> fd.Mesh:
-    return fd.Mesh.from_torch(tp=dist.get_world_size(), timeout=30)
+SHORT = 0.5  # the per-call timeout of the enqueue-timeout scenario
+BIG = 128 << 20  # more than loopback TCP buffers hold (tcp_wmem + tcp_rmem maxima are a few tens of MB)
+
+
+def _mesh(timeout: float = 30) -> fd.Mesh:
+    return fd.Mesh.from_torch(tp=dist.get_world_size(), timeout=timeout)
 
 
 def _nodes(mesh: fd.Mesh, rank: int, remote: int | None) -> mq.NodeInfo:
@@ -186,6 +190,136 @@ def locality(rank: int, out: Path) -> Any:
     return res
 
 
+def enqueue_timeout(rank: int, out: Path) -> Any:
+    """A reader that does not read: the writer's enqueue(timeout=SHORT) raises CollectiveTimeout naming it.
+
+    A: shared memory, the ring full before the message: nothing sent, the queue goes on.
+    B: a socket reader, a message larger than the socket buffers: cut off, the queue is unusable.
+    C: shared memory, the ring fills in the middle of a multi-slot message: cut off, likewise.
+    """
+    mesh = _mesh()
+    res: dict[str, Any] = {}
+    same = mq.node_info(mesh, "tp")
+    q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[1, 2], nodes=same, max_chunks=2, max_chunk_bytes=1024, timeout=20)
+    if q.is_writer:
+        q.enqueue("m0")
+        q.enqueue("m1")
+    elif rank == 1:
+        res["read"] = [q.dequeue(), q.dequeue()]
+    fd.barrier(mesh)  # reader 1 read both; reader 2 read nothing: both slots are held
+    if q.is_writer:
+        t0 = time.monotonic()
+        try:
+            q.enqueue("never sent", timeout=SHORT)
+            res["shm"] = "no error"
+        except fd.CollectiveTimeout as e:
+            res["shm"], res["shm_s"] = str(e), time.monotonic() - t0
+    fd.barrier(mesh)
+    if rank == 2:
+        res["read"] = [q.dequeue(), q.dequeue()]
+    fd.barrier(mesh)
+    if q.is_writer:
+        q.enqueue("m2")  # the queue goes on after a timeout that sent nothing
+    elif q.is_reader:
+        res["read"].append(q.dequeue())
+        try:
+            q.dequeue(timeout=20)
+        except mq.QueueClosedError as e:
+            res["after_close"] = str(e)
+    q.close()
+    # B: reader 3 on "another host" does not read a message larger than the socket buffers
+    fake = _nodes(mesh, rank, 3)
+    q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[3], nodes=fake, timeout=20)
+    if q.is_writer:
+        big = bytes(BIG)
+        t0 = time.monotonic()
+        try:
+            q.enqueue(big, timeout=SHORT)
+            res["sock"] = "no error"
+        except fd.CollectiveTimeout as e:
+            res["sock"], res["sock_s"] = str(e), time.monotonic() - t0
+        del big
+        try:
+            q.enqueue("after the cut")
+            res["sock_broken"] = "no error"
+        except fd.CommError as e:
+            res["sock_broken"], res["sock_broken_type"] = str(e), type(e).__name__
+    fd.barrier(mesh)
+    if q.is_writer:
+        q.close()
+    elif q.is_reader:
+        try:
+            q.dequeue(timeout=20)
+            res["sock_reader"] = "no error"
+        except fd.FastdistError as e:
+            res["sock_reader"], res["sock_reader_type"] = str(e), type(e).__name__
+        q.close()
+    # C: shared memory, a 5-slot message into a 2-slot ring that reader 2 does not drain
+    q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[2], nodes=same, max_chunks=2, max_chunk_bytes=1024, timeout=20)
+    if q.is_writer:
+        t0 = time.monotonic()
+        try:
+            q.enqueue(bytes(5000), timeout=SHORT)
+            res["cut"] = "no error"
+        except fd.CollectiveTimeout as e:
+            res["cut"], res["cut_s"] = str(e), time.monotonic() - t0
+    fd.barrier(mesh)
+    if q.is_writer:
+        q.close()
+    elif q.is_reader:
+        try:
+            q.dequeue(timeout=20)
+            res["cut_reader"] = "no error"
+        except fd.FastdistError as e:
+            res["cut_reader"], res["cut_reader_type"] = str(e), type(e).__name__
+        q.close()
+    return res
+
+
+def setup_crash(rank: int, out: Path, who: int) -> Any:
+    """Rank ``who`` (0: the writer, 2: a shared-memory reader) SIGKILLs itself in the middle of
+    MessageQueue.create, after the writer made the segment and before the readers attached."""
+    from multiprocessing import shared_memory
+
+    mesh = _mesh(timeout=10)
+    nodes = _nodes(mesh, rank, 3)
+    made: list[str] = []
+
+    class Recorded(shared_memory.SharedMemory):
+        def __init__(self, name: str | None = None, create: bool = False, size: int = 0) -> None:
+            super().__init__(name=name, create=create, size=size)
+            if create:
+                made.append(self.name)
+                (out / "segment.txt").write_text(self.name)
+
+    shared_memory.SharedMemory = Recorded  # type: ignore[misc]
+    if rank == who == 2:
+        (out / "killed.txt").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)  # before attaching (the writer makes its segment, then finds this rank gone)
+    if rank == who == 0:
+        import fastdist.distributed as D
+
+        real = D.all_gather_object
+
+        def dies_after_making_the_segment(obj: Any, *a: Any, **k: Any) -> Any:
+            if made:  # the segment exists; no reader has attached yet
+                (out / "killed.txt").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(obj, *a, **k)
+
+        D.all_gather_object = dies_after_making_the_segment  # type: ignore[assignment]
+    t0 = time.monotonic()
+    try:
+        mq.MessageQueue.create(mesh, "tp", writer=0, nodes=nodes, max_chunks=2, max_chunk_bytes=1024, timeout=5)
+        res: dict[str, Any] = {"type": None}
+    except Exception as e:  # noqa: BLE001
+        res = {"type": type(e).__name__, "msg": str(e)}
+    res["s"] = time.monotonic() - t0
+    res["made"] = made
+    res["left"] = [n for n in made if os.path.exists(f"/dev/shm/{n}")]  # checked while this process still runs
+    return res
+
+
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
     torch.set_num_threads(1)
@@ -193,7 +327,8 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
     name, _, arg = scenario.partition(":")
-    fn = {"stream": stream, "writer_dies": writer_dies, "reader_dies": reader_dies, "locality": locality}[name]
+    fn = {"stream": stream, "writer_dies": writer_dies, "reader_dies": reader_dies, "locality": locality, "enqueue_timeout": enqueue_timeout,
+          "setup_crash": setup_crash}[name]
     value = fn(rank, out, int(arg)) if arg else fn(rank, out)
     (out / f"{rank}.pkl").write_bytes(pickle.dumps(value))
     sys.stdout.flush()

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from fastdist import errors as fd_errors
 from fastdist import mq
 
-from .mq_worker import N_MESSAGES, TIMEOUT
+from .mq_worker import N_MESSAGES, SHORT, TIMEOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 WALL = 60.0  # hard limit per scenario
@@ -48,8 +49,11 @@ def run(scenario: str, out: Path, world: int = 4) -> tuple[list[Any], list[int],
             raise AssertionError(f"{scenario} did not finish within {WALL} s:\n{text}") from None
     texts = [(out / f"log{r}.txt").read_text() for r in range(world)]
     values = [pickle.loads((out / f"{r}.pkl").read_bytes()) if (out / f"{r}.pkl").exists() else None for r in range(world)]
-    # no segment left behind by any of the ranks (names carry the writer's pid)
-    left = [f for p in procs for f in glob.glob(f"/dev/shm/{mq._SHM_PREFIX}{p.pid}_*")]
+    # no segment left behind by any of the ranks (names carry the writer's pid); a killed writer's
+    # segment is unlinked by its resource tracker, which may take a moment after the kill
+    give_up = time.monotonic() + 5.0
+    while (left := [f for p in procs for f in glob.glob(f"/dev/shm/{mq._SHM_PREFIX}{p.pid}_*")]) and time.monotonic() < give_up:
+        time.sleep(0.05)
     assert not left, f"{scenario} left shared-memory segments behind: {left}"
     return values, [p.returncode for p in procs], texts
 
@@ -116,3 +120,87 @@ def test_node_locality_single_reader_nonblocking_and_timeouts(tmp_path: Path) ->
         assert v["read"] == [1, 2, 4]
         assert "no message" in v["empty"]
         assert "the writer, rank 0, sent nothing" in v["timeout"] and 0.25 < v["timeout_s"] < 2.0, v
+
+
+def test_enqueue_per_call_timeout_names_the_reader_that_does_not_read(tmp_path: Path) -> None:
+    values, codes, texts = run("enqueue_timeout", tmp_path)
+    _ok(values, codes, texts)
+    w = values[0]
+    # A: the ring is full before the message: CollectiveTimeout naming rank 2 (not rank 1, which read), nothing sent, the queue goes on
+    assert "no free slot: reader(s) rank 2 still hold the oldest of 2 slots" in w["shm"], w["shm"]
+    assert f"within the timeout ({SHORT:g} s)" in w["shm"] and "Fix:" in w["shm"] and "reader(s) rank 1" not in w["shm"]
+    assert SHORT <= w["shm_s"] < SHORT + 1.0, w["shm_s"]
+    for r in (1, 2):
+        assert values[r]["read"] == ["m0", "m1", "m2"], values[r]  # the timed-out message never arrives; the next one does
+        assert "read all 3 message(s)" in values[r]["after_close"], values[r]
+    # B: a socket reader that does not read a 128 MB message: timeout naming rank 3; the stream is cut, so the queue refuses more
+    assert "the remote reader rank 3 did not take the message within the timeout" in w["sock"], w["sock"]
+    assert SHORT <= w["sock_s"] < SHORT + 1.0, w["sock_s"]
+    assert w["sock_broken_type"] == "CommError" and "an earlier enqueue failed after part of its message went out" in w["sock_broken"]
+    assert "CollectiveTimeout in message 1" in w["sock_broken"] and "make a new one" in w["sock_broken"]
+    v3 = values[3]  # no close frame after a cut: the reader is told of the cut, never handed a partial object
+    assert v3["sock_reader_type"] == "PeerLostError" and "in the middle of a message" in v3["sock_reader"], v3
+    # C: the ring fills in the middle of a 5-slot message: timeout naming rank 2; the reader gets an error, not 2 of 5 slots
+    assert "no free slot: reader(s) rank 2" in w["cut"] and SHORT <= w["cut_s"] < SHORT + 1.0, (w["cut"], w["cut_s"])
+    v2 = values[2]
+    assert v2["cut_reader_type"] == "CommError" and "closed the queue in the middle of message 1" in v2["cut_reader"], v2
+
+
+@pytest.mark.parametrize("who", [0, 2], ids=["writer", "reader"])
+def test_crash_before_readers_attach_leaves_no_segment(who: int, tmp_path: Path) -> None:
+    """A rank SIGKILLed in the middle of MessageQueue.create, after the segment exists and before the readers attach."""
+    values, codes, texts = run(f"setup_crash:{who}", tmp_path)  # run() also checks /dev/shm once every process exited
+    assert codes[who] == -9
+    segment = (tmp_path / "segment.txt").read_text()
+    assert segment.startswith(mq._SHM_PREFIX) and not os.path.exists(f"/dev/shm/{segment}")
+    for r in range(4):
+        if r == who:
+            continue
+        assert codes[r] == 0, texts[r][-3000:]
+        v = values[r]
+        assert v["type"] is not None and v["s"] < 10 + 5, v  # an error within the mesh's timeout, not a hang
+        assert not v["left"], v  # the surviving writer unlinked its segment at once, not at exit
+    if who == 2:
+        assert values[0]["made"] == [segment] and values[0]["left"] == []
+
+
+def test_local_device_cuda_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 9 of torchrun --nnodes 2 --nproc-per-node 8 is local rank 1: cuda:1; a host with fewer devices than ranks is a MeshError."""
+    import torch
+
+    hosts = ("node-a",) * 8 + ("node-b",) * 8
+    info = mq.NodeInfo(None, tuple(range(16)), 9, hosts, hosts, tuple((1, None) for _ in range(16)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert mq.local_device(info) == torch.device("cuda", 1)
+    assert mq.local_device(info, "cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(fd_errors.MeshError) as e:
+        mq.local_device(info)
+    msg = str(e.value)
+    assert "rank 9 is local rank 1 of 8 on host 'node-b', which has 1 cuda device(s)" in msg and "--nproc-per-node=1" in msg, msg
+
+
+def test_local_device_npu_branch(tmp_path: Path) -> None:
+    """torch_npu stand-in (privateuse1 renamed 'npu', a module with is_available/device_count), in a fresh process."""
+    code = """
+import types, torch
+torch.utils.rename_privateuse1_backend("npu")
+npu = types.ModuleType("fake_torch_npu")
+npu.is_available = lambda: True
+npu.device_count = lambda: 4
+torch._register_device_module("npu", npu)
+torch.cuda.is_available = lambda: False
+from fastdist import mq, MeshError
+hosts = ("a",) * 8
+info = mq.NodeInfo(None, tuple(range(8)), 3, hosts, hosts, tuple((1, None) for _ in range(8)))
+print("DEVICE", mq.local_device(info))
+try:
+    mq.local_device(mq.NodeInfo(None, tuple(range(8)), 5, hosts, hosts, info.pids))
+except MeshError as e:
+    print("ERROR", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DEVICE npu:3" in proc.stdout, proc.stdout
+    assert "rank 5 is local rank 5 of 8 on host 'a', which has 4 npu device(s)" in proc.stdout and "ASCEND_RT_VISIBLE_DEVICES" in proc.stdout, proc.stdout

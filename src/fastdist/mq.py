@@ -75,6 +75,7 @@ _MAX_SLEEP_S = 1e-3
 _CHECK_S = 0.05  # how often a waiting side checks that the peers it waits for are alive
 _IDLE_CHECK_S = 1.0  # how often an enqueue that does not wait checks that the readers are alive
 _SHM_PREFIX = "fdmq_"
+_COALESCE = 1 << 16  # a socket message up to this size goes out in one send (header + body)
 
 
 # =================================================================== errors
@@ -356,6 +357,12 @@ class MessageQueue:
     * A peer that exits makes the waiting side raise :class:`PeerLostError` naming its rank
       (local peers: checked every 50 ms by pid; remote: the socket closes); a live peer that
       does not keep up raises :class:`~fastdist.CollectiveTimeout` naming it.
+    * An ``enqueue`` that times out before any reader could see its message sent nothing, and
+      the queue goes on. One that fails after part of the message went out (a remote reader's
+      socket filled up, or the ring filled up in the middle of a large message) leaves the
+      queue unusable: later ``enqueue`` calls raise :class:`~fastdist.CommError`, and after
+      :meth:`close` the readers get an error (not :class:`QueueClosedError`), so none of them
+      takes a cut-off message for a whole one.
     * After :meth:`close` on the writer, readers get the messages already written, then
       :class:`QueueClosedError`.
 
@@ -390,6 +397,7 @@ class MessageQueue:
         self._conns: dict[int, socket.socket] = {}  # writer: remote reader index -> socket
         self._sock: socket.socket | None = None  # remote reader: the socket to the writer
         self._closed = False
+        self._broken = ""  # writer: why an enqueue failed after part of its message went out (the queue is then unusable)
         self._last_check = time.monotonic()
         self._call_timeout = self.timeout  # the running call's timeout (for messages)
 
@@ -522,6 +530,9 @@ class MessageQueue:
         """
         op = "enqueue"
         self._role(op, True)
+        if self._broken:
+            raise self._err(op, CommError, f"an earlier enqueue failed after part of its message went out ({self._broken}); the readers "
+                            f"may hold part of that message, so nothing more can be sent in order", "close this queue and make a new one")
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         t = self._call_timeout = self._timeout(timeout)
         deadline = time.monotonic() + t
@@ -540,21 +551,30 @@ class MessageQueue:
         if time.monotonic() - self._last_check > _IDLE_CHECK_S:  # a reader that exited while the ring had room is found here
             self._check_alive(op, self.readers)
             self._last_check = time.monotonic()
-        if self._buf is not None:
-            view = memoryview(payload)
-            for j in range(frags):
-                if self._count - self._min_read() >= self.max_chunks:
-                    self._wait(op, lambda: self._count - self._min_read() < self.max_chunks, deadline, self._lagging,
-                               lambda: f"no free slot: {self._lag_text()}")
-                part = view[j * self.max_chunk_bytes:(j + 1) * self.max_chunk_bytes]
-                off = self._data + (self._count % self.max_chunks) * self._stride
-                _FRAG.pack_into(self._buf, off, len(part), int(j + 1 < frags))
-                self._buf[off + _FRAG.size:off + _FRAG.size + len(part)] = part
-                self._count += 1
-                self._set(0, self._count)  # publishes the slot: readers read only below this count
-        for idx, c in self._conns.items():
-            self._send(op, idx, c, _U64.pack(n), deadline)
-            self._send(op, idx, c, payload, deadline)
+        started = False  # whether any reader may have seen part of this message
+        try:
+            if self._buf is not None:
+                view = memoryview(payload)
+                for j in range(frags):
+                    if self._count - self._min_read() >= self.max_chunks:
+                        self._wait(op, lambda: self._count - self._min_read() < self.max_chunks, deadline, self._lagging,
+                                   lambda: f"no free slot: {self._lag_text()}")
+                    part = view[j * self.max_chunk_bytes:(j + 1) * self.max_chunk_bytes]
+                    off = self._data + (self._count % self.max_chunks) * self._stride
+                    _FRAG.pack_into(self._buf, off, len(part), int(j + 1 < frags))
+                    self._buf[off + _FRAG.size:off + _FRAG.size + len(part)] = part
+                    self._count += 1
+                    self._set(0, self._count)  # publishes the slot: readers read only below this count
+                    started = True
+            for idx, c in self._conns.items():
+                started = True
+                self._send(op, idx, c, _U64.pack(n) + payload if n <= _COALESCE else _U64.pack(n), deadline)
+                if n > _COALESCE:
+                    self._send(op, idx, c, payload, deadline)
+        except BaseException as e:
+            if started:  # a timeout (or error) mid-message: some readers have it, or part of it; never go on as if it were sent
+                self._broken = f"{type(e).__name__} in message {self._messages + 1}"
+            raise
         self._messages += 1
 
     def _lagging(self) -> list[int]:
@@ -612,28 +632,32 @@ class MessageQueue:
     def _writer_gone(self) -> list[int]:
         return [self.writer]
 
-    def _await_fragment(self, op: str, deadline: float, block: bool) -> None:
+    def _await_fragment(self, op: str, deadline: float, block: bool, mid: bool = False) -> None:
         if self._get(0) > self._count:
             return
+        if self._get(8) and mid:  # closed with a message cut off: the writer's enqueue failed part-way
+            raise self._err(op, CommError, f"the writer, rank {self.ranks[self.writer]}, closed the queue in the middle of message "
+                            f"{self._messages + 1} (its enqueue failed part-way); this rank read {self._messages} whole message(s)",
+                            "see the writer's log (a timeout or a lost reader); make a new queue to go on")
         if self._get(8):  # closed, and everything written was read
             raise self._err(op, QueueClosedError, f"the writer, rank {self.ranks[self.writer]}, closed the queue; this rank read all "
                             f"{self._messages} message(s)", "stop reading (the writer is done), or make a new queue")
         if not block:
             self._check_alive_then(op, [self.writer], lambda: self._get(0) > self._count or bool(self._get(8)))
             if self._get(0) > self._count or self._get(8):
-                return self._await_fragment(op, deadline, block)
+                return self._await_fragment(op, deadline, block, mid)
             raise QueueEmpty(f"fastdist.MessageQueue.dequeue on rank {self.ranks[self.index]}: no message. Fix: retry later, or pass block=True")
         self._wait(op, lambda: self._get(0) > self._count or bool(self._get(8)), deadline, self._writer_gone,
                    lambda: f"the writer, rank {self.ranks[self.writer]}, sent nothing after {self._messages} message(s)")
         if self._get(0) <= self._count:
-            self._await_fragment(op, deadline, block)  # closed meanwhile
+            self._await_fragment(op, deadline, block, mid)  # closed meanwhile
 
     def _read_ring(self, op: str, deadline: float, block: bool) -> Any:
         assert self._buf is not None
         mine = _LINE * (1 + self._slot)
         parts: list[bytes] = []
         while True:
-            self._await_fragment(op, deadline, block if not parts else True)
+            self._await_fragment(op, deadline, block if not parts else True, mid=bool(parts))
             off = self._data + (self._count % self.max_chunks) * self._stride
             n, more = _FRAG.unpack_from(self._buf, off)
             body = self._buf[off + _FRAG.size:off + _FRAG.size + n]
@@ -678,8 +702,8 @@ class MessageQueue:
             except OSError as e:
                 raise self._lost(op, self.writer, f"closed the connection ({e.__class__.__name__}: {e})") from e
             if k == 0:
-                raise self._lost(op, self.writer, "closed the connection without closing the queue (exited)" +
-                                 ("" if first and got == 0 else ", in the middle of a message"))
+                raise self._lost(op, self.writer, "closed the connection without closing the queue (exited)" if first and got == 0 else
+                                 "closed the connection in the middle of a message (it exited, or its enqueue failed part-way)")
             got += k
         return out
 
@@ -694,7 +718,7 @@ class MessageQueue:
             if self._buf is not None:
                 self._set(8, 1)
             deadline = time.monotonic() + timeout
-            for c in self._conns.values():
+            for c in [] if self._broken else self._conns.values():  # a cut-off stream gets no close frame: its reader sees the cut
                 try:
                     c.settimeout(max(deadline - time.monotonic(), 1e-3))
                     c.sendall(_U64.pack(_CLOSE))
@@ -744,8 +768,6 @@ def _peek(c: socket.socket) -> bool:
 def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[int] | None]], max_chunk_bytes: int, max_chunks: int,
            timeout: float, nodes: NodeInfo | None) -> list[MessageQueue]:
     """Set up one queue per ``(writer, readers)`` in ``specs``; every rank of the axis gets an object for each."""
-    from .distributed import all_gather_object
-
     ranks, index, label = _group(op, mesh, axis)
     n = len(ranks)
     for arg, v in (("max_chunk_bytes", max_chunk_bytes), ("max_chunks", max_chunks)):
@@ -766,6 +788,20 @@ def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[in
         local = tuple(r for r in rd if info.same_host(r, writer))
         queues.append(MessageQueue(op_axis=label, ranks=ranks, index=index, writer=writer, readers=rd, local=local, pids=info.pids,
                                    max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks, timeout=timeout))
+    try:
+        _connect(op, mesh, axis, queues, ranks, index, label, max_chunks, timeout)
+    except BaseException:  # a peer died or a collective failed mid-setup: unlink this rank's segments now, not at exit
+        for q in queues:
+            q.close()
+        raise
+    return queues
+
+
+def _connect(op: str, mesh: Any, axis: Any, queues: list[MessageQueue], ranks: tuple[int, ...], index: int, label: Any, max_chunks: int,
+             timeout: float) -> None:
+    """The collective part of :func:`_build`: segments and sockets made, attached, connected, unlinked."""
+    from .distributed import all_gather_object
+
     error = ""
     handles: dict[int, tuple[str | None, str | None, int, bytes]] = {}
     try:  # 1. writers make their segment and listening socket
@@ -832,7 +868,6 @@ def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[in
         raise CommError(op, label, ranks, ranks[index], f"setting up the queue failed on rank {r0}: {why}",
                         "see that rank's log; /dev/shm needs room for max_chunks x max_chunk_bytes, and remote readers need to reach the writer's "
                         "address (set FASTDIST_MQ_ADDR on the writer's host to choose it)")
-    return queues
 
 
 def _accept(q: MessageQueue, token: bytes, deadline: float) -> None:
