@@ -10,7 +10,9 @@ The serving side of vLLM's ``GroupCoordinator`` (``create_mq_broadcaster``,
   other hosts read from a TCP socket. Objects larger than a slot are split over consecutive
   slots (the overflow path). Every wait has a timeout; a peer that exits makes the others
   raise :class:`PeerLostError` naming it; the segment is unlinked as soon as every local
-  reader has attached, so nothing is left in ``/dev/shm`` after a crash.
+  reader has attached, so nothing is left in ``/dev/shm`` after a crash (a setup that fails
+  unlinks it at once; a writer killed during setup leaves it to Python's resource tracker,
+  which unlinks it when the writer is gone).
 * :func:`node_info`, :func:`local_device`: hostnames exchanged once per call; the local rank
   and the device (``cuda:<local_rank>``, ``npu:<local_rank>`` or ``cpu``).
 
