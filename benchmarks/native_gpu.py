@@ -3,7 +3,8 @@
     python benchmarks/native_gpu.py [--library /path/libnccl.so.2] [--iters 200]
 
 On a one-GPU world it runs every op of :class:`fastdist.native.NativeCommunicator` through the
-real NCCL, eagerly and inside ``torch.cuda.graph`` capture (then replayed with new inputs), and
+real NCCL, eagerly and inside ``torch.cuda.graph`` capture set up by ``fastdist.graph_capture``
+(then replayed with new inputs), and
 checks the values; then it times small all-reduces: ctypes NCCL eager, torch's NCCL process
 group eager, and ctypes NCCL replayed from a CUDA graph, printed as ratios to torch's time.
 Not part of CI (needs a GPU); exits 0 with "SKIPPED" where there is none, 1 on a wrong value.
@@ -16,6 +17,8 @@ import sys
 import time
 
 import torch
+
+import fastdist
 
 
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, failures: list[str]) -> None:
@@ -45,26 +48,25 @@ def run_ops(comm: object, dev: torch.device, failures: list[str]) -> None:
     _check("all_to_all int16 (as bytes)", comm.all_to_all0("all_to_all", x.to(torch.int16), [6], [6]), x.to(torch.int16), failures)
 
 
-def run_graph(comm: object, dev: torch.device, failures: list[str]) -> None:
+def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: list[str]) -> None:
     from fastdist.native import NativeCommunicator
 
     assert isinstance(comm, NativeCommunicator)
     static = torch.zeros(6, 4, device=dev)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):  # warm up on the capture stream
-        comm.all_reduce("psum", static, "sum")
-    torch.cuda.current_stream(dev).wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = {
-            "psum": comm.all_reduce("psum", static, "sum"),
-            "all_gather": comm.all_gather0("all_gather", static),
-            "reduce_scatter": comm.reduce_scatter0("psum_scatter", static),
-            "broadcast": comm.broadcast("broadcast", static, 0),
-            "all_to_all": comm.all_to_all0("all_to_all", static, [6], [6]),
-            "all_gather_v": comm.all_gather_v0("all_gather_v", static, [3])[:3],
-        }
+    # graph_capture: the mesh's groups exist before capture, and the block runs on a side stream
+    # that waits for the current one (capture cannot run on the default stream)
+    with fastdist.graph_capture(mesh, device=dev) as ctx:
+        comm.all_reduce("psum", static, "sum")  # warm up on the capture stream
+        with torch.cuda.graph(g, stream=ctx.stream):
+            outs = {
+                "psum": comm.all_reduce("psum", static, "sum"),
+                "all_gather": comm.all_gather0("all_gather", static),
+                "reduce_scatter": comm.reduce_scatter0("psum_scatter", static),
+                "broadcast": comm.broadcast("broadcast", static, 0),
+                "all_to_all": comm.all_to_all0("all_to_all", static, [6], [6]),
+                "all_gather_v": comm.all_gather_v0("all_gather_v", static, [3])[:3],
+            }
     for trial in range(3):
         new = torch.randn(6, 4, device=dev).round()
         static.copy_(new)
@@ -75,7 +77,7 @@ def run_graph(comm: object, dev: torch.device, failures: list[str]) -> None:
             _check(f"graph replay {trial}: {name}", out, want, failures)
 
 
-def bench(comm: object, dev: torch.device, iters: int) -> None:
+def bench(comm: object, mesh: fastdist.Mesh, dev: torch.device, iters: int) -> None:
     import torch.distributed as dist
 
     from fastdist.native import NativeCommunicator
@@ -96,15 +98,12 @@ def bench(comm: object, dev: torch.device, iters: int) -> None:
     t_torch = timed(lambda: dist.all_reduce(x))
     t_native = timed(lambda: comm.all_reduce("psum", x, "sum"))
     g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        comm.all_reduce("psum", x, "sum")
-    torch.cuda.current_stream(dev).wait_stream(side)
     k = 32
-    with torch.cuda.graph(g):
-        for _ in range(k):
-            comm.all_reduce("psum", x, "sum")
+    with fastdist.graph_capture(mesh, device=dev) as ctx:
+        comm.all_reduce("psum", x, "sum")  # warm up on the capture stream
+        with torch.cuda.graph(g, stream=ctx.stream):
+            for _ in range(k):
+                comm.all_reduce("psum", x, "sum")
     t_graph = timed(g.replay) / k
     print(f"\n4-byte all-reduce, one GPU, {iters} iterations (us per call; ratio to torch NCCL eager)")
     print(f"  torch NCCL process group, eager : {t_torch:8.1f}  1.00")
@@ -131,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     lib = load_library("nccl", args.library)
     print(f"{lib!r}; unbound: {lib.unbound or 'none'}")
     comm = NativeCommunicator.create(lib, n=1, index=0, exchange=lambda b: b if b is not None else b"", device=dev, label="tp", rank=0)
+    mesh = fastdist.Mesh.from_torch(tp=1)  # what graph_capture prepares (groups; a one-rank axis needs none) and runs on its side stream
     failures: list[str] = []
     print("eager ops:")
     run_ops(comm, dev, failures)
-    print("inside torch.cuda.graph:")
-    run_graph(comm, dev, failures)
-    bench(comm, dev, args.iters)
+    print("inside torch.cuda.graph (fastdist.graph_capture's stream):")
+    run_graph(comm, mesh, dev, failures)
+    bench(comm, mesh, dev, args.iters)
     print("closed within 5 s:", comm.close(timeout=5.0))
     dist.destroy_process_group()
     print("FAILED: " + ", ".join(failures) if failures else "\nall values OK")
