@@ -290,7 +290,10 @@ def _run_experts(x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: Exp
     """``sum_e assign[:, e] * scale[:, e] * expert_fn(x, e)`` over the local experts: (R, H).
 
     Real ranks run each expert on its own rows only; simulated ranks (one shape for all) run
-    every expert on every row and mask (the result is the same).
+    every expert on every row and mask (the result is the same). An expert with no rows still
+    runs (on zero rows): the result stays connected to the rows and to every expert's weights,
+    so every rank's backward reaches the same collectives (the reverse exchange of `dispatch`,
+    the ``psum`` of weights replicated over ``dp``) even when no token came its way.
     """
     y = x.new_zeros(x.shape[0], x.shape[-1])  # (R, H)
     for e in range(assign.shape[-1]):
@@ -299,9 +302,7 @@ def _run_experts(x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: Exp
             s = assign[:, e].unsqueeze(-1) if scale is None else torch.where(assign[:, e], scale[:, e], 0).unsqueeze(-1)
             y = y + torch.where(assign[:, e].unsqueeze(-1), ye * s.to(ye.dtype), 0)
         else:
-            idx = assign[:, e].nonzero().squeeze(-1)  # (R_e,)
-            if idx.numel() == 0:
-                continue
+            idx = assign[:, e].nonzero().squeeze(-1)  # (R_e,), maybe empty
             ye = expert_fn(x.index_select(0, idx), e)  # (R_e, H)
             if scale is not None:
                 ye = ye * scale[:, e].index_select(0, idx).unsqueeze(-1).to(ye.dtype)
