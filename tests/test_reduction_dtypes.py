@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,53 @@ def test_bool_or_and_any_through_pmax_and_pmin() -> None:
     assert all(g.tolist() == [[True, False, True], [False, False, False]] for g in got)  # every rank: [any over ranks, all over ranks]
 
 
+# Every v-op with row counts that are not integers (the same on every rank), and reduce_scatter_v on bool; x holds each rank's rows.
+V_OPS: dict[str, Callable[[Tensor, fd.Mesh], Any]] = {
+    "all_gather_v": lambda x, mesh: fd.all_gather_v(x, mesh, "tp", [1.9, 2.5]),
+    "reduce_scatter_v": lambda x, mesh: fd.reduce_scatter_v(x, mesh, "tp", [1, 2.0], capacity=2),
+    "gather_v": lambda x, mesh: fd.gather_v(x, mesh, "tp", [torch.tensor(1.0), 2], dst=0, capacity=3),
+    "scatter_v": lambda x, mesh: fd.scatter_v(x, mesh, "tp", [1, np.float32(2)], src=0, capacity=2),
+    "ragged_all_to_all": lambda x, mesh: fd.ragged_all_to_all(x, mesh, "tp", torch.tensor([1.0, 1.0]), capacity=3)[0],
+    "indexed_all_to_all_v": lambda x, mesh: fd.indexed_all_to_all_v(x, mesh, "tp", torch.arange(3), torch.tensor([1.5, 1.5]), capacity=3)[0],
+    "exchange_sizes": lambda x, mesh: fd.exchange_sizes(2.5, mesh, "tp"),
+    "exchange_sizes tensor": lambda x, mesh: fd.exchange_sizes(torch.tensor(2.5), mesh, "tp"),
+    "reduce_scatter_v bool": lambda x, mesh: fd.reduce_scatter_v(x > 0, mesh, "tp", [1, 2], capacity=2),
+}
+V_OP_PROBLEMS = {  # what each message says is wrong
+    "all_gather_v": "sizes[0] = 1.9 is a float, not an integer row count",
+    "reduce_scatter_v": "sizes[1] = 2.0 is a float, not an integer row count",
+    "gather_v": "sizes[0] = tensor(1.) is a 0-d torch.float32 tensor, not an integer row count",
+    "scatter_v": "sizes[1] = np.float32(2.0) is a float32, not an integer row count",
+    "ragged_all_to_all": "send_sizes has dtype torch.float32, but row counts are integers (they are never truncated)",
+    "indexed_all_to_all_v": "send_sizes has dtype torch.float32, but row counts are integers (they are never truncated)",
+    "exchange_sizes": "local_size = 2.5 is a float, not an integer row count",
+    "exchange_sizes tensor": "local_size has dtype torch.float32, but a row count is an integer",
+    "reduce_scatter_v bool": "cannot sum torch.bool tensors (sum reductions take",
+}
+
+
+def v_op_refusals(call: Callable[[Tensor], Any]) -> dict[str, tuple[str, str] | None]:
+    """``{v-op: (error type, message)}`` of ``call(fn)`` for each entry of V_OPS (None where nothing was raised)."""
+    out: dict[str, tuple[str, str] | None] = {}
+    for name, fn in V_OPS.items():
+        try:
+            call(fn)
+            out[name] = None
+        except fd.CollectiveError as e:
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_v_ops_refuse_non_integer_sizes_on_simulated_ranks() -> None:
+    mesh = fd.Mesh({"tp": 2})
+    for name, got in v_op_refusals(lambda fn: fd.simulate(lambda t: fn(t, mesh), mesh)(torch.ones(2, 3, 2))).items():
+        assert got is not None, name
+        kind, msg = got
+        assert kind == ("ReductionDtypeError" if "bool" in name else "CollectiveError"), got
+        op = re.match(rf"fastdist\.(\w+)\(axis='tp'\) on every rank: {re.escape(V_OP_PROBLEMS[name])}", msg)
+        assert op is not None and op.group(1) in {name.split()[0], "ragged_all_to_all" if name == "indexed_all_to_all_v" else ""}, msg
+
+
 # ------------------------------------------------------------------ real ranks: gloo and the ctypes backend
 def gloo_reductions(lib: str | None) -> dict[Any, Any]:
     """Every (op, dtype) on a gloo mesh (and the fake-NCCL ctypes mesh): ``("ok", tensor)`` or ``("refused", message)``."""
@@ -162,6 +211,10 @@ def gloo_reductions(lib: str | None) -> dict[Any, Any]:
             fd.all_gather_v(torch.zeros(3, 2), mesh, "tp", [1.9, 2.5])
         except fd.CollectiveError as e:
             out[backend, "sizes"] = str(e)
+        t0 = time.monotonic()  # every rank raises each v-op's error locally, before any communication
+        out[backend, "v-ops"] = v_op_refusals(lambda fn: fn(torch.ones(3, 2), mesh))  # noqa: B023 - called at once
+        out[backend, "v-ops seconds"] = time.monotonic() - t0
+        out[backend, "after"] = fd.psum(torch.ones(1), mesh, "tp").item()  # and no rank is left in a collective
     if lib is not None:
         out["calls"] = sorted({line.split()[0] for line in fake.call_log(lib)})
         meshes["nccl-ctypes"].close()
@@ -191,6 +244,13 @@ def test_real_ranks_follow_the_same_rule(tmp_path: Any, monkeypatch: pytest.Monk
                 "fastdist.all_gather_v(axis='tp') on every rank: sizes[0] = 1.9 is a float, not an integer row count. "
                 "Fix: pass Python ints (numpy ints and 0-d integer tensors also do); round explicitly (int(round(s))) if you computed them as floats"
             )
+    mesh = fd.Mesh({"tp": 2})
+    want = v_op_refusals(lambda fn: fd.simulate(lambda t: fn(t, mesh), mesh)(torch.ones(2, 3, 2)))
+    for got in ranks:
+        for backend in backends:
+            assert got[backend, "v-ops"] == want  # every v-op: the very messages of the simulated ranks (checked above)
+            assert got[backend, "v-ops seconds"] < 2, got[backend, "v-ops seconds"]  # all nine, at once: the mesh's timeout is 60 s
+            assert got[backend, "after"] == 2.0
     if lib is None:
         pytest.skip("the ctypes half needs gcc to build the fake NCCL library")
     for got in ranks:
