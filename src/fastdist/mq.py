@@ -34,6 +34,7 @@ import secrets
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,6 +79,16 @@ _CHECK_S = 0.05  # how often a waiting side checks that the peers it waits for a
 _IDLE_CHECK_S = 1.0  # how often an enqueue that does not wait checks that the readers are alive
 _SHM_PREFIX = "fdmq_"
 _COALESCE = 1 << 16  # a socket message up to this size goes out in one send (header + body)
+
+
+_FENCE_LOCK = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier (a lock's acquire and release issue one), between a slot's bytes and its
+    counter: needed where the CPU reorders memory accesses (ARM); x86 keeps them in order anyway."""
+    _FENCE_LOCK.acquire()
+    _FENCE_LOCK.release()
 
 
 # =================================================================== errors
@@ -561,11 +572,13 @@ class MessageQueue:
                     if self._count - self._min_read() >= self.max_chunks:
                         self._wait(op, lambda: self._count - self._min_read() < self.max_chunks, deadline, self._lagging,
                                    lambda: f"no free slot: {self._lag_text()}")
+                    _fence()  # the readers' counters were read before the slot is overwritten
                     part = view[j * self.max_chunk_bytes:(j + 1) * self.max_chunk_bytes]
                     off = self._data + (self._count % self.max_chunks) * self._stride
                     _FRAG.pack_into(self._buf, off, len(part), int(j + 1 < frags))
                     self._buf[off + _FRAG.size:off + _FRAG.size + len(part)] = part
                     self._count += 1
+                    _fence()  # the slot's bytes are visible before the count that publishes them
                     self._set(0, self._count)  # publishes the slot: readers read only below this count
                     started = True
             for idx, c in self._conns.items():
@@ -637,6 +650,10 @@ class MessageQueue:
     def _await_fragment(self, op: str, deadline: float, block: bool, mid: bool = False) -> None:
         if self._get(0) > self._count:
             return
+        if self._get(8):  # closed: read the count again (it may have been published just before the close, after the read above)
+            _fence()
+            if self._get(0) > self._count:
+                return
         if self._get(8) and mid:  # closed with a message cut off: the writer's enqueue failed part-way
             raise self._err(op, CommError, f"the writer, rank {self.ranks[self.writer]}, closed the queue in the middle of message "
                             f"{self._messages + 1} (its enqueue failed part-way); this rank read {self._messages} whole message(s)",
@@ -660,6 +677,7 @@ class MessageQueue:
         parts: list[bytes] = []
         while True:
             self._await_fragment(op, deadline, block if not parts else True, mid=bool(parts))
+            _fence()  # the count was read before the slot's bytes
             off = self._data + (self._count % self.max_chunks) * self._stride
             n, more = _FRAG.unpack_from(self._buf, off)
             body = self._buf[off + _FRAG.size:off + _FRAG.size + n]
@@ -667,11 +685,13 @@ class MessageQueue:
                 obj = pickle.loads(body)
                 body.release()
                 self._count += 1
+                _fence()  # the slot was read before the writer may reuse it
                 self._set(mine, self._count)
                 return obj
             parts.append(bytes(body))
             body.release()
             self._count += 1
+            _fence()
             self._set(mine, self._count)
             if not more:
                 return pickle.loads(b"".join(parts))
@@ -718,6 +738,7 @@ class MessageQueue:
         self._closed = True
         if self.is_writer:
             if self._buf is not None:
+                _fence()
                 self._set(8, 1)
             deadline = time.monotonic() + timeout
             for c in [] if self._broken else self._conns.values():  # a cut-off stream gets no close frame: its reader sees the cut
