@@ -101,7 +101,7 @@ def test_exited_peer_makes_the_others_raise() -> None:
         assert f"fastdist.psum(axis='tp') on rank {r.rank} (group ranks [0, 1, 2])" in r.value["msg"]
         assert "rank 2 did not reach this call" in r.value["msg"], r.value["msg"]
         assert "third_party" not in r.value["msg"] and "GLHF" not in r.value["msg"]
-        assert r.value["elapsed"] < 15 + 10
+        assert r.value["elapsed"] < 8, r.value  # the closed connection and the 2 s roll call (about 2 s), not the mesh's 15 s timeout
 
 
 def test_ranks_may_first_use_axes_in_any_order() -> None:
