@@ -53,6 +53,7 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -62,7 +63,7 @@ from torch import Tensor
 
 from .errors import NoBackendError
 
-__all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES", "needs_grad", "apply_function"]
+__all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES", "needs_grad", "apply_function", "FAST_PATH"]
 
 # The op namespace. Declaring ops in it is the one thing importing fastdist does.
 _LIB = torch.library.Library("fastdist", "DEF")  # type: ignore[no-untyped-call]
@@ -153,24 +154,49 @@ def needs_grad(t: Tensor) -> bool:
 _functorch: Any = torch._C._functorch
 _VMAP = _functorch.TransformType.Vmap
 
-# torch.autograd.Function.apply binds the forward's signature with `inspect` on every call of a
-# Function that defines setup_context (to fill in default arguments), before it reaches the C
-# entry point: about 20 us per call, two thirds of a small collective's CPU time with autograd.
-# These forwards have no defaults, so with no torch.func transform active (and outside dynamo,
-# which traces `.apply` itself) the C entry point is called directly.
+# ---------------------------------------------------------------------- the fast path: one switch
+# Two shortcuts skip torch's per-call Python plumbing. Both use private torch internals, so
+# both sit behind FAST_PATH; with it off, every call takes the public route, with the same
+# values and gradients (the test suite runs both ways: tests/test_public_path.py).
+#
+# 1. apply_function: torch.autograd.Function.apply binds the forward's signature with
+#    `inspect` on every call of a Function that defines setup_context (about 20 us, two
+#    thirds of a small collective's CPU time with autograd). Our forwards have no defaults,
+#    so with no torch.func transform active (and outside dynamo) the C entry point
+#    `_FunctionBase.apply` is called directly. Public route: `Function.apply`.
+# 2. Primitive._bind_at_level: inside simulate's own vmap (every active transform a vmap),
+#    unwrap the rank dim, call the stacked op (or, with a gradient, its old-style
+#    <Op>StackedFunction at the C entry point, which needs functorch's thread-local
+#    "single-level autograd.Function allowed" switch for the call), re-wrap. Public route:
+#    the per-rank op's registered vmap rule, and the <Op>Function (torch.autograd.Function
+#    with generate_vmap_rule) whenever grad mode is on.
+#
+# Internals used: _FunctionBase.apply, _functorch.unwrap_if_dead, maybe_current_level,
+# maybe_get_level, _unwrap_batched, _add_batch_dim, get_interpreter_stack,
+# {get,set}_single_level_autograd_function_allowed, _are_functorch_transforms_active.
+# FAST_PATH is False on a torch that lacks any of them, and with FASTDIST_FAST_PATH=0
+# (read once, here: an implementation choice for the process, not configuration).
 _C_APPLY: Any = torch._C._FunctionBase.__dict__.get("apply")
-_UNWRAP_IF_DEAD: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
-# Inside simulate's vmap the C entry point refuses a Function unless functorch's own switch allows it.
-_STACKED_FUNCTION_OK = _C_APPLY is not None and hasattr(_functorch, "set_single_level_autograd_function_allowed")
+_UNWRAP_IF_DEAD: Any = getattr(_functorch, "unwrap_if_dead", None)
+_INTERNALS = ("maybe_current_level", "maybe_get_level", "_unwrap_batched", "_add_batch_dim", "get_interpreter_stack",
+              "get_single_level_autograd_function_allowed", "set_single_level_autograd_function_allowed")
+#: Whether the private-API fast path is on (see the comment above and docs/design.md, "Dispatch").
+FAST_PATH: bool = (
+    os.environ.get("FASTDIST_FAST_PATH", "1") != "0"
+    and _C_APPLY is not None
+    and _UNWRAP_IF_DEAD is not None
+    and hasattr(torch._C, "_are_functorch_transforms_active")
+    and all(hasattr(_functorch, n) for n in _INTERNALS)
+)
 
 
 def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` for a Function whose ``forward`` has no default arguments, without the per-call signature binding.
 
-    Same result and graph: where a torch.func transform is active, under dynamo, or on a
-    torch without the C entry point, it is ``fn.apply(*args)`` itself.
+    Same result and graph: with the fast path off, where a torch.func transform is active,
+    or under dynamo, it is ``fn.apply(*args)`` itself.
     """
-    if _C_APPLY is None or _UNWRAP_IF_DEAD is None or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if not FAST_PATH or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return fn.apply(*args)  # type: ignore[no-untyped-call]
     # What Function.apply does next: unwrap tensors of finished torch.func transforms, then the C entry.
     return _C_APPLY.__get__(None, fn)(*(_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args))
@@ -270,12 +296,17 @@ class Primitive:
         stacked op (or, with a gradient, its Function) directly.
         """
         compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
-        if spec.comm is not None:
-            grad = compiling or (torch.is_grad_enabled() and (needs_grad(tensors[0]) if len(tensors) == 1 else any(needs_grad(t) for t in tensors)))
+        vals = tuple(params[p] for p in self.param_names)
+        if spec.comm is not None:  # real ranks: the Function when a gradient can flow
+            grad = compiling or (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
             if grad:
-                return cast(Tensor, apply_function(self.dist_function, spec, tuple(params[p] for p in self.param_names), *tensors))
+                return cast(Tensor, apply_function(self.dist_function, spec, vals, *tensors))
             return self._run_distributed(spec, tensors, params)
-        if compiling:
+        if compiling:  # dynamo records the op; the stacked op's registered autograd has the per-rank rule
+            return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
+        if not FAST_PATH:  # the public route: the Function composes with every transform and outer backward()
+            if torch.is_grad_enabled():
+                return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if _only_vmap():
             # Outer backward(): the per-rank rule is recorded on stacked tensors (no Function under vmap).
@@ -286,7 +317,7 @@ class Primitive:
         if not (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)):
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1).
-        return cast(Tensor, self.function.apply(spec, tuple(params[p] for p in self.param_names), *tensors))  # type: ignore[no-untyped-call]
+        return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
 
     def _bind_at_level(self, level: int, tensors: Sequence[Tensor], spec: Spec, params: dict[str, Any]) -> Tensor:
         """What the per-rank op's vmap rule does, called directly: unwrap vmap ``level``, the stacked op, wrap.
@@ -302,10 +333,11 @@ class Primitive:
             stacked.append(v if d == 0 else v.movedim(d, 0) if d is not None else v.expand(spec.world, *v.shape))  # [world, *s]
         if stacked[0].shape[0] != spec.world:  # not a vmap over the ranks: the registered rule raises the error
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if (_STACKED_FUNCTION_OK and torch.is_grad_enabled() and any(v.requires_grad for v in stacked)
+        if (torch.is_grad_enabled() and any(v.requires_grad for v in stacked)
                 and all(_functorch.maybe_get_level(v) == -1 for v in stacked)):
             # Plain tensors under autograd: the same per-rank rule through a Function called at its C entry
             # (the stacked op's registered autograd runs torch.library's Python wrapper every call).
+            # The switch is functorch's thread-local state: other threads are not affected.
             prev = _functorch.get_single_level_autograd_function_allowed()
             _functorch.set_single_level_autograd_function_allowed(True)
             try:
