@@ -9,7 +9,10 @@ group, shape and dtype):
   the `nccl-tests <https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md>`_
   definitions, the phase and the ``nn.Module`` it ran in. The result is a :class:`Profile`.
   Because nothing is allocated per rank, the same call is the **dry run at scale**: a
-  4096-rank mesh costs what one rank's shapes cost.
+  4096-rank mesh costs what one rank's shapes cost. It always runs on fake tensors, whatever
+  the mesh: on a ``Mesh.from_torch`` mesh nothing is sent and the profile is the plain mesh's.
+* :func:`record` collects the same records from a step while it really runs, on real ranks
+  or under :func:`fastdist.simulate`.
 * :class:`Network` describes the links (bandwidth and latency inside a node and across
   nodes, GPUs per node); :data:`NETWORKS` holds documented defaults.
 * :func:`plan` profiles a step for every candidate layout of a world size (axis sizes and
@@ -56,7 +59,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._context import pop_simulation, push_simulation, simulation_of
 from ._primitive import PRIMITIVES, Primitive
 from .errors import FastdistError
 from .mesh import Mesh
@@ -454,8 +456,13 @@ def trace(
     Raises:
         ProfileError: a mesh is already being simulated, or an argument cannot be faked.
 
-    Works on a mesh from ``Mesh.from_torch`` too (the trace takes precedence over the process
-    group: nothing is sent).
+    The step always runs on fake tensors, whatever ``mesh`` is: on a mesh from
+    ``Mesh.from_torch`` (a job on real ranks) the trace takes precedence over the process
+    groups, nothing is sent, and the profile equals that of a plain ``Mesh`` with the same
+    axes. To profile a step while it really runs (real ranks, or ``fastdist.simulate``), use
+    :func:`record`. Small tensors made from Python values (``torch.tensor(seq_sizes)``) keep
+    their values, so per-rank code may read them back; values computed from the inputs are
+    unknown and must not decide shapes.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"dp": 64, "tp": 64})   # 4096 ranks: nothing per rank is allocated
@@ -467,7 +474,7 @@ def trace(
     for m in all_meshes:
         if not isinstance(m, Mesh):
             raise ProfileError("trace", f"expected a fastdist.Mesh, got {type(m).__name__}", "pass the Mesh the step runs on")
-        if simulation_of(m) is not None:
+        if m._bindings:
             raise ProfileError("trace", f"{m!r} is being simulated right now", "call trace outside fastdist.simulate (it runs the per-rank code itself)")
     dev = torch.device(device)
     mode = _fake_mode()
@@ -484,8 +491,10 @@ def trace(
         es.enter_context(stack.hooks(modules))
         with mode:
             rank = torch.zeros((), dtype=torch.long, device=dev)
-        push_simulation(all_meshes, _Binding(rank, mesh.size))  # the trace stands in for simulate
-        es.callback(pop_simulation, len(all_meshes))
+        binding = _Binding(rank, mesh.size)
+        for m in all_meshes:
+            m._bindings.append(binding)
+        es.callback(lambda: [m._bindings.pop() for m in all_meshes])
         es.enter_context(mode)
         es.enter_context(recorder)
         es.enter_context(_Tagger(stack))
@@ -562,19 +571,40 @@ def _uninstall() -> None:
 
 
 class Recording:
-    """The collectives of a step as it runs, collected by :func:`record`.
+    """The collectives of a step as it runs: the context manager :func:`record` returns.
 
     Attributes:
         mesh: the mesh of the records (as for :func:`trace`).
         profile: the :class:`Profile` of what ran so far (complete once the ``with`` block ends).
     """
 
-    def __init__(self, mesh: Mesh, meshes: Sequence[Mesh]) -> None:
+    def __init__(self, mesh: Mesh, meshes: Sequence[Mesh], modules: Sequence[nn.Module]) -> None:
         self.mesh = mesh
         self._names = {tuple(m.shape.values()): m.axis_names for m in reversed([mesh, *meshes])}
         self._stack = _ModuleStack()
+        self._modules = tuple(modules)
+        self._hooks: ExitStack | None = None
         self._key = (_META_KEY, id(self))
         self._records: list[Record] = []
+
+    def __enter__(self) -> Recording:
+        if self._hooks is not None:
+            raise ProfileError("record", "this recording is already open", "open a new record(...) for each block")
+        self._hooks = ExitStack()
+        self._hooks.enter_context(self._stack.hooks(self._modules))
+        with _INSTALL:
+            if not _ACTIVE:
+                _install()
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _INSTALL:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _uninstall()
+        assert self._hooks is not None
+        self._hooks.close()
 
     @property
     def profile(self) -> Profile:
@@ -595,12 +625,14 @@ class Recording:
             self._records.append(rec)
 
 
-@contextmanager
-def record(mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Module] = ()) -> Iterator[Recording]:
+def record(mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Module] = ()) -> Recording:
     """Record the collectives of a step while it really runs: on real ranks, or under :func:`fastdist.simulate`.
 
-    The same :class:`Record` s as :func:`trace` (one rank's: this process's on real ranks, rank 0's
-    shapes under ``simulate``), forward and backward, with the module that issued each. Unlike
+    A context manager (``with record(mesh) as rec:``); ``rec.profile`` is the :class:`Profile`.
+
+    The same records (:class:`Record`) as :func:`trace` (one rank's: this process's on real
+    ranks, rank 0's shapes under ``simulate``), forward and backward, with the module that
+    issued each. Unlike
     :func:`trace` the step runs for real (data, memory, and on real ranks the communication);
     use it to profile the very step you train with, :func:`trace` to profile without running.
 
@@ -624,19 +656,7 @@ def record(mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Modu
     for m in [mesh, *meshes]:
         if not isinstance(m, Mesh):
             raise ProfileError("record", f"expected a fastdist.Mesh, got {type(m).__name__}", "pass the Mesh the step runs on")
-    rec = Recording(mesh, meshes)
-    with rec._stack.hooks(modules):
-        with _INSTALL:
-            if not _ACTIVE:
-                _install()
-            _ACTIVE.append(rec)
-        try:
-            yield rec
-        finally:
-            with _INSTALL:
-                _ACTIVE.remove(rec)
-                if not _ACTIVE:
-                    _uninstall()
+    return Recording(mesh, meshes, modules)
 
 
 # ====================================================================== the network and the alpha-beta model
