@@ -59,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._context import pop_simulation, push_simulation, simulation_of
 from ._primitive import PRIMITIVES, Primitive
 from .errors import FastdistError
 from .mesh import Mesh
@@ -474,7 +475,7 @@ def trace(
     for m in all_meshes:
         if not isinstance(m, Mesh):
             raise ProfileError("trace", f"expected a fastdist.Mesh, got {type(m).__name__}", "pass the Mesh the step runs on")
-        if m._bindings:
+        if simulation_of(m) is not None:
             raise ProfileError("trace", f"{m!r} is being simulated right now", "call trace outside fastdist.simulate (it runs the per-rank code itself)")
     dev = torch.device(device)
     mode = _fake_mode()
@@ -491,10 +492,8 @@ def trace(
         es.enter_context(stack.hooks(modules))
         with mode:
             rank = torch.zeros((), dtype=torch.long, device=dev)
-        binding = _Binding(rank, mesh.size)
-        for m in all_meshes:
-            m._bindings.append(binding)
-        es.callback(lambda: [m._bindings.pop() for m in all_meshes])
+        push_simulation(all_meshes, _Binding(rank, mesh.size))  # the trace stands in for simulate
+        es.callback(pop_simulation, len(all_meshes))
         es.enter_context(mode)
         es.enter_context(recorder)
         es.enter_context(_Tagger(stack))
