@@ -874,7 +874,9 @@ def plan(
         candidates: a list of :class:`Layout` (e.g. from :func:`layouts`), or a world size: then
             ``layouts(candidates, axes, max_size=max_size, orders=orders)``.
         network: a :class:`Network`, or the name of one in :data:`NETWORKS`.
-        axes, max_size, orders: for a world size given as ``candidates`` (see :func:`layouts`).
+        axes: the axis names, for a world size given as ``candidates`` (see :func:`layouts`).
+        max_size: the largest size of each axis, for a world size given as ``candidates``.
+        orders: every order of the axes onto the ranks, for a world size given as ``candidates``.
 
     >>> import torch, fastdist as fd
     >>> def build(mesh):   # a TP MLP (tokens 512, hidden 1024) with its dp gradient all-reduce
