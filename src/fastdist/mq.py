@@ -442,7 +442,10 @@ class MessageQueue:
             axis: the mesh axis (or tuple, or ``None`` for the whole mesh).
             writer: the writer's index along the axis.
             readers: the readers' indices (default: every other index).
-            max_chunk_bytes, max_chunks: the ring: ``max_chunks`` slots of ``max_chunk_bytes``.
+            max_chunk_bytes: the size of one slot of the shared-memory ring; a larger message
+                spans several slots.
+            max_chunks: how many slots the ring has: how far the slowest local reader may lag
+                before ``enqueue`` waits.
             timeout: seconds each call waits by default (and the setup waits for its peers).
             nodes: a :class:`NodeInfo` of the same axis from :func:`node_info` (saves an all-gather;
                 tests pass one with made-up hostnames to use the socket path on one host).
