@@ -37,15 +37,15 @@ def run_ops(comm: object, dev: torch.device, failures: list[str]) -> None:
         _check(f"all_reduce {red}", comm.all_reduce("psum", x, red), x, failures)
     for dt in (torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64):
         _check(f"all_reduce sum {dt}", comm.all_reduce("psum", x.to(dt), "sum"), x.to(dt), failures)
-    _check("all_gather", comm.all_gather0("all_gather", x), x, failures)
-    _check("reduce_scatter", comm.reduce_scatter0("psum_scatter", x), x, failures)
+    _check("all_gather", comm.all_gather_rows("all_gather", x), x, failures)
+    _check("reduce_scatter", comm.reduce_scatter_rows("psum_scatter", x), x, failures)
     _check("broadcast", comm.broadcast("broadcast", x, 0), x, failures)
-    _check("all_to_all", comm.all_to_all0("all_to_all", x, [6], [6]), x, failures)
-    _check("all_gather_v", comm.all_gather_v0("all_gather_v", x, [4]), x[:4], failures)
-    _check("reduce_scatter_v", comm.reduce_scatter_v0("reduce_scatter_v", x[:5], [5]), x[:5], failures)
+    _check("all_to_all", comm.all_to_all_rows("all_to_all", x, [6], [6]), x, failures)
+    _check("all_gather_v", comm.all_gather_v_rows("all_gather_v", x, [4]), x[:4], failures)
+    _check("reduce_scatter_v", comm.reduce_scatter_v_rows("reduce_scatter_v", x[:5], [5]), x[:5], failures)
     f8 = x.to(torch.float8_e4m3fn)
-    _check("all_gather fp8 (as uint8)", comm.all_gather0("all_gather", f8), f8, failures)
-    _check("all_to_all int16 (as bytes)", comm.all_to_all0("all_to_all", x.to(torch.int16), [6], [6]), x.to(torch.int16), failures)
+    _check("all_gather fp8 (as uint8)", comm.all_gather_rows("all_gather", f8), f8, failures)
+    _check("all_to_all int16 (as bytes)", comm.all_to_all_rows("all_to_all", x.to(torch.int16), [6], [6]), x.to(torch.int16), failures)
 
 
 def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: list[str]) -> None:
@@ -61,11 +61,11 @@ def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: li
         with torch.cuda.graph(g, stream=ctx.stream):
             outs = {
                 "psum": comm.all_reduce("psum", static, "sum"),
-                "all_gather": comm.all_gather0("all_gather", static),
-                "reduce_scatter": comm.reduce_scatter0("psum_scatter", static),
+                "all_gather": comm.all_gather_rows("all_gather", static),
+                "reduce_scatter": comm.reduce_scatter_rows("psum_scatter", static),
                 "broadcast": comm.broadcast("broadcast", static, 0),
-                "all_to_all": comm.all_to_all0("all_to_all", static, [6], [6]),
-                "all_gather_v": comm.all_gather_v0("all_gather_v", static, [3])[:3],
+                "all_to_all": comm.all_to_all_rows("all_to_all", static, [6], [6]),
+                "all_gather_v": comm.all_gather_v_rows("all_gather_v", static, [3])[:3],
             }
     for trial in range(3):
         new = torch.randn(6, 4, device=dev).round()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fastdist as fd
-from fastdist._primitive import FAST_PATH, PRIMITIVES, Primitive, Spec
+from fastdist._primitive import FAST_PATH, PRIMITIVES, Primitive, GroupSpec
 
 from .reference import axes_of, meshes, per_group, ref
 
@@ -355,9 +355,9 @@ LAYOUT_OPS = ("psum", "pmax", "all_gather", "psum_scatter", "ppermute", "all_to_
 
 
 @pytest.mark.parametrize("name", LAYOUT_OPS)
-@pytest.mark.parametrize("spec", [Spec((2, 2), (0,)), Spec((4,), (0,))], ids=["outer-axis", "whole-mesh"])
-def test_opcheck_stacked_op_layouts(name: str, spec: Spec) -> None:
-    """The stacked rules work in the mesh layout (Spec.axis_view); their outputs must still be
+@pytest.mark.parametrize("spec", [GroupSpec((2, 2), (0,)), GroupSpec((4,), (0,))], ids=["outer-axis", "whole-mesh"])
+def test_opcheck_stacked_op_layouts(name: str, spec: GroupSpec) -> None:
+    """The stacked rules work in the mesh layout (GroupSpec.axis_view); their outputs must still be
     what the fake rule says (contiguous), including where no copy was needed on the way."""
     prim = PRIMITIVES[name]
     tensors, params = _opcheck_samples(name, one_rank=False)
@@ -373,7 +373,7 @@ def test_opcheck_stacked_op_layouts(name: str, spec: Spec) -> None:
 def test_opcheck_stacked_op(name: str) -> None:
     prim = PRIMITIVES[name]
     tensors, params = _opcheck_samples(name, one_rank=False)
-    spec = Spec((2, 2), (1,))  # mesh (dp=2, tp=2), collective over tp
+    spec = GroupSpec((2, 2), (1,))  # mesh (dp=2, tp=2), collective over tp
     args = (*(t.clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
     torch.library.opcheck(prim.stacked_op, args)
 
@@ -382,7 +382,7 @@ def test_opcheck_stacked_op(name: str) -> None:
 def test_opcheck_per_rank_op_on_one_rank(name: str) -> None:
     prim = PRIMITIVES[name]
     tensors, params = _opcheck_samples(name, one_rank=True)
-    spec = Spec((1,), (0,))
+    spec = GroupSpec((1,), (0,))
     args = (*(t[0].clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
     torch.library.opcheck(prim.per_rank_op, args)
 

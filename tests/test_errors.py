@@ -105,7 +105,7 @@ def test_user_vmap_inside_simulate_over_a_collective_is_refused(rows: int) -> No
 def test_vmap_rule_refuses_a_batch_that_is_not_the_world() -> None:
     """The compiled path cannot inspect functorch levels; the vmap rule still checks the size."""
     prim = PRIMITIVES["psum"]
-    args = prim._op_args(fd._primitive.Spec((2, 4), (1,)), {})
+    args = prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), {})
     with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: vmapped over 3 entries, but the mesh has 8 ranks"):
         torch.vmap(lambda r: prim.per_rank_op(r, *args))(torch.zeros(3, 2))
 
@@ -115,4 +115,4 @@ def test_raw_per_rank_op_on_a_plain_tensor_over_many_ranks(name: str) -> None:
     prim = PRIMITIVES[name]
     params = {"dim": 0, "tiled": True} if name == "all_gather" else {}
     with pytest.raises(fd.NoBackendError, match=rf"fastdist\.{name}: called on a plain tensor over a mesh of 8 ranks"):
-        prim.per_rank_op(torch.zeros(3), *prim._op_args(fd._primitive.Spec((2, 4), (1,)), params))
+        prim.per_rank_op(torch.zeros(3), *prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), params))

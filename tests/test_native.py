@@ -195,12 +195,12 @@ def test_every_op_through_ctypes_on_one_member(fakelib: str, kind: str) -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     for red in ("sum", "max", "min", "avg"):
         torch.testing.assert_close(comm.all_reduce("psum", x, red), x)
-    torch.testing.assert_close(comm.all_gather0("all_gather", x), x)
-    torch.testing.assert_close(comm.reduce_scatter0("psum_scatter", x), x)
+    torch.testing.assert_close(comm.all_gather_rows("all_gather", x), x)
+    torch.testing.assert_close(comm.reduce_scatter_rows("psum_scatter", x), x)
     torch.testing.assert_close(comm.broadcast("broadcast", x, 0), x)
-    torch.testing.assert_close(comm.all_to_all0("all_to_all", x, [4], [4]), x)
-    torch.testing.assert_close(comm.all_gather_v0("all_gather_v", x, [3]), x[:3])
-    torch.testing.assert_close(comm.reduce_scatter_v0("reduce_scatter_v", x[:2], [2]), x[:2])
+    torch.testing.assert_close(comm.all_to_all_rows("all_to_all", x, [4], [4]), x)
+    torch.testing.assert_close(comm.all_gather_v_rows("all_gather_v", x, [3]), x[:3])
+    torch.testing.assert_close(comm.reduce_scatter_v_rows("reduce_scatter_v", x[:2], [2]), x[:2])
     xb = torch.randn(5, dtype=torch.bfloat16)
     torch.testing.assert_close(comm.all_reduce("psum", xb, "sum"), xb)
     assert comm.close() and comm.closed
@@ -212,10 +212,10 @@ def test_call_arguments_reach_the_library(fakelib: str) -> None:
     comm = _solo(load_library("nccl", fakelib))
     fake.clear_log(fakelib)
     comm.all_reduce("psum", torch.ones(6, dtype=torch.float32), "max")
-    comm.all_gather_v0("all_gather_v", torch.ones(4, 2, dtype=torch.float16), [3])
+    comm.all_gather_v_rows("all_gather_v", torch.ones(4, 2, dtype=torch.float16), [3])
     f8 = torch.arange(8.0).to(torch.float8_e5m2)
-    torch.testing.assert_close(comm.all_gather0("all_gather", f8).float(), f8.float())
-    torch.testing.assert_close(comm.all_to_all0("all_to_all", torch.arange(6).reshape(3, 2).to(torch.int16), [3], [3]), torch.arange(6).reshape(3, 2).to(torch.int16))
+    torch.testing.assert_close(comm.all_gather_rows("all_gather", f8).float(), f8.float())
+    torch.testing.assert_close(comm.all_to_all_rows("all_to_all", torch.arange(6).reshape(3, 2).to(torch.int16), [3], [3]), torch.arange(6).reshape(3, 2).to(torch.int16))
     log = fake.call_log(fakelib)
     assert _names(log) == ["ncclAllReduce", "ncclGroupStart", "ncclBroadcast", "ncclGroupEnd", "ncclAllGather",
                            "ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
@@ -234,7 +234,7 @@ def test_library_errors_name_op_axis_rank_and_text(fakelib: str) -> None:
     comm = _solo(load_library("nccl", fakelib))
     ctypes.CDLL(fakelib).fakecomm_fail_next(6)
     with pytest.raises(fd.CommError) as e:
-        comm.all_gather0("all_gather", torch.ones(2))
+        comm.all_gather_rows("all_gather", torch.ones(2))
     msg = str(e.value)
     assert "fastdist.all_gather(axis='tp') on rank 0" in msg and "ncclAllGather returned 6" in msg and "injected failure" in msg
 

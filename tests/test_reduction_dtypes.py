@@ -268,8 +268,8 @@ def test_the_ctypes_communicator_applies_the_rule_itself(tmp_path: Any, monkeypa
     fake.clear_log(path)
     assert torch.equal(comm.all_reduce("psum", z, "sum"), z)
     assert torch.equal(comm.all_reduce("pmean", z.conj(), "avg"), z.conj())
-    assert torch.equal(comm.reduce_scatter0("psum_scatter", z), z)
-    assert torch.equal(comm.reduce_scatter_v0("reduce_scatter_v", z, [3]), z)
+    assert torch.equal(comm.reduce_scatter_rows("psum_scatter", z), z)
+    assert torch.equal(comm.reduce_scatter_v_rows("reduce_scatter_v", z, [3]), z)
     b = torch.tensor([True, False, True])
     assert torch.equal(comm.all_reduce("pmax", b, "max"), b)
     log = [line for line in fake.call_log(path) if not line.startswith("ncclGroup")]

@@ -15,7 +15,9 @@ tensor([[0., 1.],
         [2., 3.]])
 """
 
-from .checking import P, PartitionSpec, ReplicationError, as_partial, spmd
+from .replication import ReplicationError, as_partial
+from .sharding import P, PartitionSpec
+from .spmd import spmd
 from .collectives import (
     all_gather,
     all_gather_invariant,

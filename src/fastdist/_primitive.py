@@ -10,7 +10,7 @@ A collective is declared once, in ``collectives.py`` (or ``uneven.py``), as a
 * ``distributed``: the forward on one real rank, with torch's functional
   collectives on the rank's process group.
 * ``backward``: the per-rank gradient rule, written with other primitives
-  (``o.psum_scatter(g, ...)``), so forward/backward pairs read like a table.
+  (``ops.psum_scatter(g, ...)``), so forward/backward pairs read like a table.
 * ``replication``: accepted input states and the output state (varying,
   invariant, partial), for the checked mode of ``fastdist.spmd``.
 
@@ -63,14 +63,14 @@ from torch import Tensor
 
 from .errors import NoBackendError
 
-__all__ = ["Spec", "Primitive", "ops", "stacked_ops", "PRIMITIVES", "needs_grad", "apply_function", "FAST_PATH"]
+__all__ = ["GroupSpec", "Primitive", "ops", "stacked_ops", "PRIMITIVES", "needs_grad", "apply_function", "FAST_PATH"]
 
 # The op namespace. Declaring ops in it is the one thing importing fastdist does.
 _LIB = torch.library.Library("fastdist", "DEF")  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
-class Spec:
+class GroupSpec:
     """Which ranks talk: the mesh shape and the positions of the axes reduced over.
 
     Pure data (two tuples of ints), so it is hashable, passes through
@@ -224,11 +224,11 @@ class Primitive:
             ``(("dim", "int"), ("tiled", "bool"))``.
         shape: ``shape(n, *per_rank_input_shapes, **params) -> output shape``.
         stacked: ``stacked(spec, *stacked_inputs, **params) -> [world, ...] tensor``.
-        distributed: ``distributed(c, *inputs, **params)``: the forward on one real rank,
-            with ``c`` the rank's :class:`~fastdist.distributed.AxisComm` (functional
+        distributed: ``distributed(comm, *inputs, **params)``: the forward on one real rank,
+            with ``comm`` the rank's :class:`~fastdist.distributed.AxisComm` (functional
             collectives, traceable by dynamo). Only called for groups of 2+ ranks.
-        backward: ``backward(o, spec, g, saved, **params) -> grads per tensor input``,
-            where ``o`` calls other primitives (per-rank or stacked, whichever
+        backward: ``backward(ops, spec, g, saved, **params) -> grads per tensor input``,
+            where ``ops`` calls other primitives (per-rank or stacked, whichever
             side is differentiating) and ``saved`` holds ``inputs + (output,)``
             when ``saves=True``.
         inputs: names of the tensor inputs.
@@ -237,7 +237,7 @@ class Primitive:
         replication: ``(accepted, output)`` replication states over the op's axes,
             from ``V`` (varying), ``I`` (invariant), ``P`` (partial sum), e.g.
             ``("VP", "I")`` for psum; ``None`` for internal ops. Read by the checked
-            mode of :func:`fastdist.spmd` (``fastdist.checking``).
+            mode of :func:`fastdist.spmd` (``fastdist.replication``).
         reduces: the kind of reduction the op performs across ranks (``"sum"``, ``"mean"``,
             ``"max"``, ``"min"``), or ``None`` for ops that only move data. Its public
             function checks the input dtype against the one rule of ``fastdist._dtype_rule``.
@@ -276,17 +276,17 @@ class Primitive:
         PRIMITIVES[name] = self
 
     # ------------------------------------------------------------------ argument plumbing
-    def _split(self, args: Sequence[Any]) -> tuple[tuple[Tensor, ...], Spec, dict[str, Any]]:
+    def _split(self, args: Sequence[Any]) -> tuple[tuple[Tensor, ...], GroupSpec, dict[str, Any]]:
         k = len(self.inputs)
-        spec = Spec(tuple(args[k]), tuple(args[k + 1]))
+        spec = GroupSpec(tuple(args[k]), tuple(args[k + 1]))
         return tuple(args[:k]), spec, dict(zip(self.param_names, args[k + 2 :]))
 
-    def _op_args(self, spec: Spec, params: dict[str, Any]) -> list[Any]:
+    def _op_args(self, spec: GroupSpec, params: dict[str, Any]) -> list[Any]:
         vals = [params[p] for p in self.param_names]
         return [list(spec.mesh_shape), list(spec.axes), *(list(v) if isinstance(v, tuple) else v for v in vals)]
 
     # ------------------------------------------------------------------ binding
-    def bind(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
+    def bind(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
         """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a one-rank mesh.
 
         The autograd.Functions are used only where they are needed: on real ranks when a
@@ -319,7 +319,7 @@ class Primitive:
         # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1).
         return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
 
-    def _bind_at_level(self, level: int, tensors: Sequence[Tensor], spec: Spec, params: dict[str, Any]) -> Tensor:
+    def _bind_at_level(self, level: int, tensors: Sequence[Tensor], spec: GroupSpec, params: dict[str, Any]) -> Tensor:
         """What the per-rank op's vmap rule does, called directly: unwrap vmap ``level``, the stacked op, wrap.
 
         For the innermost vmap when every active transform is a vmap: the registered rule
@@ -348,12 +348,12 @@ class Primitive:
             out = self.stacked_op(*stacked, *self._op_args(spec, params))
         return cast(Tensor, _functorch._add_batch_dim(out, 0, level))
 
-    def bind_stacked(self, *tensors: Tensor, spec: Spec, **params: Any) -> Tensor:
+    def bind_stacked(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
         """Apply on stacked ``[world, ...]`` tensors (all ranks at once)."""
         return cast(Tensor, self.stacked_op(*tensors, *self._op_args(spec, params)))
 
     # ------------------------------------------------------------------ registrations
-    def _out_shape(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any], stacked: bool) -> list[Any]:
+    def _out_shape(self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any], stacked: bool) -> list[Any]:
         shapes = [tuple(t.shape[1:] if stacked else t.shape) for t in tensors]
         out = list(self.shape(spec.n, *shapes, **params))
         return [spec.world, *out] if stacked else out
@@ -362,7 +362,7 @@ class Primitive:
         tensors, spec, params = self._split(args)
         return self._forward_stacked(spec, tensors, params)
 
-    def _forward_stacked(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
+    def _forward_stacked(self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
         """The ``stacked`` rule's output, copied where it is (a view of) an input: a custom op (and a Function's output) must not alias one."""
         out = self.stacked(spec, *tensors, **params)
         if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in tensors):
@@ -418,10 +418,10 @@ class Primitive:
             if self.saves:
                 ctx.save_for_backward(*tensors, output)
 
-        def make_backward(o: Any) -> Callable[..., tuple[Any, ...]]:
+        def make_backward(ops: Any) -> Callable[..., tuple[Any, ...]]:
             def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
                 saved = ctx.saved_tensors if self.saves else ()
-                grads = self.backward(o, ctx.spec, g, saved, **ctx.params)
+                grads = self.backward(ops, ctx.spec, g, saved, **ctx.params)
                 return (*grads, None, None, *(None for _ in self.param_names))
 
             return backward
@@ -430,14 +430,14 @@ class Primitive:
         # Used on a one-rank mesh under torch.compile (eager code goes through self.function).
         torch.library.register_autograd(qual, make_backward(ops), setup_context=setup_context, lib=_LIB)
 
-    def _run_distributed(self, spec: Spec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
-        c = spec.comm
-        if c.n == 1:  # nothing to exchange: the one-rank simulation is exact
-            one = Spec((1,), (0,))
+    def _run_distributed(self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
+        comm = spec.comm
+        if comm.n == 1:  # nothing to exchange: the one-rank simulation is exact
+            one = GroupSpec((1,), (0,))
             return self.stacked(one, *(t.unsqueeze(0) for t in tensors), **params).squeeze(0)
-        if c.comm.check:
-            c.check(self.name, tensors, params)
-        return self.distributed(c, *tensors, **params)
+        if comm.comm.check:
+            comm.check(self.name, tensors, params)
+        return self.distributed(comm, *tensors, **params)
 
     def _make_stacked_function(self) -> type[torch.autograd.Function]:
         """The stacked forward with the per-rank backward rule, as the stacked op's registered autograd has them.
@@ -448,7 +448,7 @@ class Primitive:
         """
         name = self.name
 
-        def forward(ctx: Any, spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
+        def forward(ctx: Any, spec: GroupSpec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
             prim = PRIMITIVES[name]
             ctx.spec, ctx.params = spec, dict(zip(prim.param_names, vals))
             out = prim._forward_stacked(spec, tensors, ctx.params)
@@ -474,7 +474,7 @@ class Primitive:
         """
         name = self.name
 
-        def forward(spec: Spec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
+        def forward(spec: GroupSpec, vals: tuple[Any, ...], *tensors: Tensor) -> Tensor:
             prim = PRIMITIVES[name]
             params = dict(zip(prim.param_names, vals))
             if distributed:
@@ -506,7 +506,7 @@ class Primitive:
 
 
 class _Ops:
-    """``o.<primitive>(*tensors, spec=..., **params)``: the namespace backward rules are written in."""
+    """``ops.<primitive>(*tensors, spec=..., **params)``: the namespace backward rules are written in."""
 
     def __init__(self, stacked: bool) -> None:
         self._stacked = stacked

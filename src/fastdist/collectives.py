@@ -6,7 +6,7 @@ Read this file like a table (as JAX's ``lax/parallel.py``). Each block has
 * ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
   (the simulated implementation, reached through the generic vmap rule);
 * ``_<op>_dist``: the forward on one real rank, with torch's functional
-  collectives on the rank's group ``c`` (a ``fastdist.distributed.AxisComm``);
+  collectives on the rank's group ``comm`` (a ``fastdist.distributed.AxisComm``);
 * ``_<op>_bwd``: the per-rank gradient rule, written with other primitives;
 * the public function: argument checks with errors that name the op, the axis
   and the fix, then ``<op>_p.bind``.
@@ -30,7 +30,7 @@ op                  forward                          backward (per rank)
 ``all_gather_inv.`` concatenate, replicated result   local slice (``local_chunk``)
 ``local_chunk``     own chunk of a replicated value  ``all_gather_invariant``
 ``psum_scatter``    sum, keep own chunk              ``all_gather``
-``all_to_all``      split ``a``, concatenate ``c``   ``all_to_all`` with ``a``, ``c`` swapped
+``all_to_all``      split ``a``, concatenate ``comm``   ``all_to_all`` with ``a``, ``comm`` swapped
 ``ppermute``        send along (src, dst) pairs      ``ppermute`` along the inverse pairs
 ``broadcast``       copy of ``src``'s value          ``g`` on ``src``, zero elsewhere
 ==================  ===============================  ==================================
@@ -48,18 +48,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from ._context import check_of, is_real, simulation_of
 from ._dtype_rule import check_reduction_dtype
-from ._primitive import Primitive, Spec
-from .distributed import AxisComm
+from ._primitive import Primitive, GroupSpec
 from .errors import CollectiveError, MeshError
 from .mesh import AxisName, Mesh
 from .simulate import promote, rank_binding
+
+if TYPE_CHECKING:
+    from .distributed import AxisComm
 
 __all__ = [
     "psum",
@@ -82,7 +84,7 @@ __all__ = [
 
 
 # ====================================================================== shared helpers
-def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
+def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpec]:
     """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group spec."""
     if not isinstance(x, Tensor):
         raise CollectiveError(op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor")
@@ -104,11 +106,11 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, Spec]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_plain_spec(mesh: Mesh, axis: str | tuple[str, ...]) -> Spec:
-    return Spec(mesh._sizes, mesh.axis_indices(axis, "fastdist"))
+def _cached_plain_spec(mesh: Mesh, axis: str | tuple[str, ...]) -> GroupSpec:
+    return GroupSpec(mesh._sizes, mesh.axis_indices(axis, "fastdist"))
 
 
-def _plain_spec(op: str, mesh: Mesh, axis: AxisName) -> Spec:
+def _plain_spec(op: str, mesh: Mesh, axis: AxisName) -> GroupSpec:
     """The group spec of ``axis`` on a simulated mesh: a pure function of the axes, memoised.
 
     The memo is a cache of a pure function (outside dynamo tracing); an invalid axis is not
@@ -119,10 +121,10 @@ def _plain_spec(op: str, mesh: Mesh, axis: AxisName) -> Spec:
             return _cached_plain_spec(mesh, axis)
         except (MeshError, TypeError):  # re-raised below naming the op (TypeError: unhashable parts)
             pass
-    return Spec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
+    return GroupSpec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
 
 
-def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: Spec, *extra: Tensor, **params: Any) -> Tensor:
+def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: GroupSpec, *extra: Tensor, **params: Any) -> Tensor:
     """Run the primitive on ``x`` (and extra tensor inputs such as sizes).
 
     Under a replication check (``fastdist.spmd``) the tracker checks ``x``'s state first.
@@ -174,22 +176,22 @@ def _index(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
     return value
 
 
-def _where_member(spec: Spec, y: Tensor, mask: Tensor) -> Tensor:
+def _where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
     """``y`` where the ``[G, n]`` member mask holds, zero elsewhere."""
     return torch.where(mask.reshape(*mask.shape, *(1,) * (y.dim() - 2)), y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
 # ====================================================================== psum
-def _psum_stacked(spec: Spec, x: Tensor) -> Tensor:
+def _psum_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     return spec.from_axis_view(y.sum(a, keepdim=True, dtype=y.dtype).expand_as(y), x.shape[1:])  # the sum, on every member
 
 
-def _psum_dist(c: AxisComm, x: Tensor) -> Tensor:
-    return _like(c.all_reduce("psum", _real_view(x), "sum"), x)
+def _psum_dist(comm: AxisComm, x: Tensor) -> Tensor:
+    return _like(comm.all_reduce("psum", _real_view(x), "sum"), x)
 
 
-def _psum_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+def _psum_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g,)
 
 
@@ -213,16 +215,16 @@ def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 
 
 # ====================================================================== pvary
-def _pvary_stacked(spec: Spec, x: Tensor) -> Tensor:
+def _pvary_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     return x.clone()
 
 
-def _pvary_dist(c: AxisComm, x: Tensor) -> Tensor:
+def _pvary_dist(comm: AxisComm, x: Tensor) -> Tensor:
     return x.clone()
 
 
-def _pvary_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
-    return (o.psum(g, spec=spec),)
+def _pvary_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    return (ops.psum(g, spec=spec),)
 
 
 pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, distributed=_pvary_dist, backward=_pvary_bwd, replication=("I", "V"))
@@ -244,16 +246,16 @@ def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 
 
 # ====================================================================== pmean
-def _pmean_stacked(spec: Spec, x: Tensor) -> Tensor:
+def _pmean_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(y.mean(1, keepdim=True).expand_as(y))
 
 
-def _pmean_dist(c: AxisComm, x: Tensor) -> Tensor:
-    return _like(c.all_reduce("pmean", _real_view(x), "sum") / c.n, x)  # gloo has no AVG
+def _pmean_dist(comm: AxisComm, x: Tensor) -> Tensor:
+    return _like(comm.all_reduce("pmean", _real_view(x), "sum") / comm.n, x)  # gloo has no AVG
 
 
-def _pmean_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+def _pmean_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     return (g / spec.n,)
 
 
@@ -272,44 +274,44 @@ def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 
 
 # ====================================================================== pmax / pmin and their subgradient
-def _pmax_stacked(spec: Spec, x: Tensor) -> Tensor:
+def _pmax_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(y.amax(1, keepdim=True).expand_as(y))
 
 
-def _pmin_stacked(spec: Spec, x: Tensor) -> Tensor:
+def _pmin_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(y.amin(1, keepdim=True).expand_as(y))
 
 
-def _pmax_dist(c: AxisComm, x: Tensor) -> Tensor:
-    return c.all_reduce("pmax", x, "max")
+def _pmax_dist(comm: AxisComm, x: Tensor) -> Tensor:
+    return comm.all_reduce("pmax", x, "max")
 
 
-def _pmin_dist(c: AxisComm, x: Tensor) -> Tensor:
-    return c.all_reduce("pmin", x, "min")
+def _pmin_dist(comm: AxisComm, x: Tensor) -> Tensor:
+    return comm.all_reduce("pmin", x, "min")
 
 
-def _extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+def _extreme_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     x, out = saved
-    return (o.select_extreme(g, x, out, spec=spec),)
+    return (ops.select_extreme(g, x, out, spec=spec),)
 
 
-def _select_extreme_stacked(spec: Spec, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
+def _select_extreme_stacked(spec: GroupSpec, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
     hit = spec.to_groups(x) == spec.to_groups(out)  # [G, n, *s]: members attaining the extreme
     first = hit & (hit.cumsum(1) == 1)  # the lowest-index one of them
     return spec.from_groups(torch.where(first, spec.to_groups(g), torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
-def _select_extreme_dist(c: AxisComm, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
-    mine = torch.where(x == out, c.index, c.n)  # my axis index where I attain the extreme, else n
-    winner = c.all_reduce("select_extreme", mine, "min")  # the lowest index attaining it
-    return torch.where(winner == c.index, g, torch.zeros((), dtype=g.dtype, device=g.device))
+def _select_extreme_dist(comm: AxisComm, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    mine = torch.where(x == out, comm.index, comm.n)  # my axis index where I attain the extreme, else n
+    winner = comm.all_reduce("select_extreme", mine, "min")  # the lowest index attaining it
+    return torch.where(winner == comm.index, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
-def _select_extreme_bwd(o: Any, spec: Spec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+def _select_extreme_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     _, x, out, _ = saved  # (g, x, out, output)
-    return (o.select_extreme(g, x, out, spec=spec), None, None)
+    return (ops.select_extreme(g, x, out, spec=spec), None, None)
 
 
 pmax_p = Primitive(
@@ -353,7 +355,7 @@ def _all_gather_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> t
     return (*s[:dim], s[dim] * n, *s[dim + 1 :]) if tiled else (*s[:dim], n, *s[dim:])
 
 
-def _all_gather_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+def _all_gather_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     k = y.dim() - (x.dim() - 1)  # mesh dims in the view
     z = y.movedim(a, k - 1 + dim)  # [*before, *after, *s[:dim], n, *s[dim:]]: the members' blocks side by side
@@ -363,17 +365,17 @@ def _all_gather_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tens
     return spec.from_axis_view(every, out)  # one copy
 
 
-def _all_gather_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+def _all_gather_dist(comm: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     if tiled:
         if dim == 0:
-            return c.all_gather0("all_gather", x)  # [n * s[0], ...]
-        return c.all_gather0("all_gather", x.movedim(dim, 0)).movedim(0, dim)  # [n * s[dim], ...] back to dim
-    out = c.all_gather0("all_gather", x.unsqueeze(0))  # [n, *s]
+            return comm.all_gather_rows("all_gather", x)  # [n * s[0], ...]
+        return comm.all_gather_rows("all_gather", x.movedim(dim, 0)).movedim(0, dim)  # [n * s[dim], ...] back to dim
+    out = comm.all_gather_rows("all_gather", x.unsqueeze(0))  # [n, *s]
     return out if dim == 0 else out.movedim(0, dim)  # the new dim moved to dim
 
 
-def _all_gather_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
-    return (o.psum_scatter(g, spec=spec, dim=dim, tiled=tiled),)
+def _all_gather_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
+    return (ops.psum_scatter(g, spec=spec, dim=dim, tiled=tiled),)
 
 
 all_gather_p = Primitive(
@@ -403,27 +405,27 @@ def all_gather(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bo
 
 
 # ====================================================================== all_gather_invariant / local_chunk
-def _all_gather_invariant_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
-    return (o.local_chunk(g, spec=spec, dim=dim),)
+def _all_gather_invariant_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
+    return (ops.local_chunk(g, spec=spec, dim=dim),)
 
 
 def _local_chunk_shape(n: int, s: tuple[Any, ...], *, dim: int) -> tuple[Any, ...]:
     return (*s[:dim], s[dim] // n, *s[dim + 1 :])
 
 
-def _local_chunk_stacked(spec: Spec, x: Tensor, *, dim: int) -> Tensor:
+def _local_chunk_stacked(spec: GroupSpec, x: Tensor, *, dim: int) -> Tensor:
     y = spec.to_groups(x).unflatten(dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, member, *s[:dim], chunk, s[dim] / n, ...]
     y = y.movedim(dim + 2, 2).diagonal(dim1=1, dim2=2)  # [G, *s[:dim], s[dim] / n, ..., n]: member j's chunk j
     return spec.from_groups(y.movedim(-1, 1))  # [G, n, ...]
 
 
-def _local_chunk_dist(c: AxisComm, x: Tensor, *, dim: int) -> Tensor:
-    mine: Tensor = x.unflatten(dim, (c.n, -1)).select(dim, c.index)  # type: ignore[no-untyped-call]  # my chunk, no communication
+def _local_chunk_dist(comm: AxisComm, x: Tensor, *, dim: int) -> Tensor:
+    mine: Tensor = x.unflatten(dim, (comm.n, -1)).select(dim, comm.index)  # type: ignore[no-untyped-call]  # my chunk, no communication
     return mine.clone()
 
 
-def _local_chunk_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
-    return (o.all_gather_invariant(g, spec=spec, dim=dim),)
+def _local_chunk_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
+    return (ops.all_gather_invariant(g, spec=spec, dim=dim),)
 
 
 def _gather_tiled(rule: Any) -> Any:
@@ -471,7 +473,7 @@ def _psum_scatter_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) ->
     return (*s[:dim], s[dim] // n, *s[dim + 1 :]) if tiled else (*s[:dim], *s[dim + 1 :])
 
 
-def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+def _psum_scatter_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     k = y.dim() - (x.dim() - 1)
     if tiled:
@@ -481,17 +483,17 @@ def _psum_scatter_stacked(spec: Spec, x: Tensor, *, dim: int, tiled: bool) -> Te
     return spec.from_axis_view(total, total.shape[k:])
 
 
-def _psum_scatter_dist(c: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
+def _psum_scatter_dist(comm: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     if x.is_complex():  # the float view has one more (last) dim: dim still names the same one
-        return _like(_psum_scatter_dist(c, _real_view(x), dim=dim, tiled=tiled), x)
-    mine = c.reduce_scatter0("psum_scatter", x.movedim(dim, 0) if dim else x)  # [s[dim] / n, *rest]: my chunk of the sum
+        return _like(_psum_scatter_dist(comm, _real_view(x), dim=dim, tiled=tiled), x)
+    mine = comm.reduce_scatter_rows("psum_scatter", x.movedim(dim, 0) if dim else x)  # [s[dim] / n, *rest]: my chunk of the sum
     if not tiled:
         return mine.squeeze(0)
     return mine.movedim(0, dim) if dim else mine
 
 
-def _psum_scatter_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
-    return (o.all_gather(g, spec=spec, dim=dim, tiled=tiled),)
+def _psum_scatter_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
+    return (ops.all_gather(g, spec=spec, dim=dim, tiled=tiled),)
 
 
 psum_scatter_p = Primitive(
@@ -534,7 +536,7 @@ def _all_to_all_shape(n: int, s: tuple[Any, ...], *, split_dim: int, concat_dim:
     return tuple(out)
 
 
-def _all_to_all_stacked(spec: Spec, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
+def _all_to_all_stacked(spec: GroupSpec, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     y = spec.to_groups(x)  # [G, i, *s]  (i: sender)
     y = y.unflatten(split_dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)
     y = y.movedim(split_dim + 2, 1)  # [G, j, i, *c]  with c = s, c[split] = s[split] / n
@@ -542,16 +544,16 @@ def _all_to_all_stacked(spec: Spec, x: Tensor, *, split_dim: int, concat_dim: in
     return spec.from_groups(y.flatten(concat_dim + 2, concat_dim + 3))  # [G, j, *c with c[concat] * n]
 
 
-def _all_to_all_dist(c: AxisComm, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
+def _all_to_all_dist(comm: AxisComm, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     if split_dim == concat_dim == 0:
-        return c.all_to_all0("all_to_all", x, None, None)  # [n * c0, ...]: equal row blocks out, senders' blocks in
-    chunks = x.unflatten(split_dim, (c.n, -1)).movedim(split_dim, 0)  # type: ignore[no-untyped-call]  # [n (receiver), *c]
-    got = c.all_to_all0("all_to_all", chunks, None, None)  # [n (sender), *c]
+        return comm.all_to_all_rows("all_to_all", x, None, None)  # [n * c0, ...]: equal row blocks out, senders' blocks in
+    chunks = x.unflatten(split_dim, (comm.n, -1)).movedim(split_dim, 0)  # type: ignore[no-untyped-call]  # [n (receiver), *c]
+    got = comm.all_to_all_rows("all_to_all", chunks, None, None)  # [n (sender), *c]
     return got.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)  # senders concatenated on concat_dim
 
 
-def _all_to_all_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
-    return (o.all_to_all(g, spec=spec, split_dim=concat_dim, concat_dim=split_dim),)
+def _all_to_all_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
+    return (ops.all_to_all(g, spec=spec, split_dim=concat_dim, concat_dim=split_dim),)
 
 
 all_to_all_p = Primitive(
@@ -600,7 +602,7 @@ def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, g
 
 
 # ====================================================================== ppermute
-def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
+def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     srcs, dsts = perm[0::2], perm[1::2]
     src_of = list(range(spec.n))  # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
@@ -613,26 +615,26 @@ def _ppermute_stacked(spec: Spec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     return spec.from_axis_view(out, x.shape[1:])
 
 
-def _ppermute_dist(c: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
-    srcs, dsts, me = perm[0::2], perm[1::2], c.index
+def _ppermute_dist(comm: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
+    srcs, dsts, me = perm[0::2], perm[1::2], comm.index
     rows = x if x.dim() else x.reshape(1)  # [k, ...]: sent whole, as k rows of dim 0
     if not srcs or rows.numel() == 0:
         return torch.zeros_like(x)
     sending, receiving = me in srcs, me in dsts
-    sends, recvs = [0] * c.n, [0] * c.n  # rows to / from each member
+    sends, recvs = [0] * comm.n, [0] * comm.n  # rows to / from each member
     if sending:
         sends[dsts[srcs.index(me)]] = rows.shape[0]
     if receiving:
         recvs[srcs[dsts.index(me)]] = rows.shape[0]
-    got = c.all_to_all0("ppermute", rows if sending else rows[:0], recvs, sends)  # [k, ...] from my source, or nothing
+    got = comm.all_to_all_rows("ppermute", rows if sending else rows[:0], recvs, sends)  # [k, ...] from my source, or nothing
     if not receiving:
         return torch.zeros_like(x)  # non-destinations: 0
     return got if x.dim() else got.reshape(())
 
 
-def _ppermute_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:
+def _ppermute_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:
     inverse = tuple(v for s, d in zip(perm[0::2], perm[1::2]) for v in (d, s))
-    return (o.ppermute(g, spec=spec, perm=inverse),)
+    return (ops.ppermute(g, spec=spec, perm=inverse),)
 
 
 ppermute_p = Primitive(
@@ -690,26 +692,26 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
 
 
 # ====================================================================== broadcast
-def _broadcast_stacked(spec: Spec, x: Tensor, *, src: int) -> Tensor:
+def _broadcast_stacked(spec: GroupSpec, x: Tensor, *, src: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(y[:, src : src + 1].expand_as(y))  # every member gets member src's value
 
 
-def _broadcast_dist(c: AxisComm, x: Tensor, *, src: int) -> Tensor:
-    return c.broadcast("broadcast", x, src)  # src is the group rank == the axis index
+def _broadcast_dist(comm: AxisComm, x: Tensor, *, src: int) -> Tensor:
+    return comm.broadcast("broadcast", x, src)  # src is the group rank == the axis index
 
 
-def _broadcast_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, src: int) -> tuple[Any, ...]:
-    return (o.keep_src(g, spec=spec, src=src),)
+def _broadcast_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, src: int) -> tuple[Any, ...]:
+    return (ops.keep_src(g, spec=spec, src=src),)
 
 
-def _keep_src_stacked(spec: Spec, x: Tensor, *, src: int) -> Tensor:
+def _keep_src_stacked(spec: GroupSpec, x: Tensor, *, src: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(_where_member(spec, y, spec.member_index(y.device) == src))
 
 
-def _keep_src_dist(c: AxisComm, x: Tensor, *, src: int) -> Tensor:
-    return x.clone() if c.index == src else torch.zeros_like(x)
+def _keep_src_dist(comm: AxisComm, x: Tensor, *, src: int) -> Tensor:
+    return x.clone() if comm.index == src else torch.zeros_like(x)
 
 
 broadcast_p = Primitive(

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
-from ._primitive import Spec
+from ._primitive import GroupSpec
 from .errors import CollectiveTimeout, CommError, ConsistencyError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class TorchComm:
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
         self._created: list[Any] = []  # the groups this comm made (not a DeviceMesh's): reset() destroys them
         self._axes: dict[tuple[int, ...], AxisComm] = {}
-        self._specs: dict[Any, Spec] = {}  # axis -> the collectives' group spec (see spec)
+        self._specs: dict[Any, GroupSpec] = {}  # axis -> the collectives' group spec (see spec)
         self.backend: str = backend
         self.native_lib: NativeLibrary | None = _native_library(backend, library)
         self._native: dict[tuple[int, ...], NativeCommunicator] = {}
@@ -168,15 +168,15 @@ class TorchComm:
                 self._axes[idx] = ac
         return ac
 
-    def spec(self, axis: AxisName, op: str) -> Spec:
+    def spec(self, axis: AxisName, op: str) -> GroupSpec:
         """The collectives' group spec for ``axis`` (validated naming ``op``; cached outside dynamo tracing)."""
         try:
-            cached: Spec = self._specs[axis]
+            cached: GroupSpec = self._specs[axis]
             return cached
         except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
             pass
         idx = self.mesh.axis_indices(axis, op)
-        spec = Spec(self.mesh._sizes, idx, comm=self.axis(idx))
+        spec = GroupSpec(self.mesh._sizes, idx, comm=self.axis(idx))
         if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():  # a trace must not mutate the cache
             self._specs[axis] = spec
         return spec
@@ -404,17 +404,17 @@ class TorchTransport:
         dist.all_reduce(y, op=_REDUCE_OPS[reduce_op], group=self.pg)
         return y
 
-    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+    def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
         out = x.new_empty((self.n * x.shape[0], *x.shape[1:]))  # [n * s0, *rest]
         dist.all_gather_single(out, x.contiguous(), group=self.pg)
         return out
 
-    def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
+    def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         out = x.new_empty((x.shape[0] // self.n, *x.shape[1:]))  # [s0 / n, *rest]
         dist.reduce_scatter_single(out, x.contiguous(), group=self.pg)
         return out
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
         rows = x.shape[0] if out_splits is None else sum(out_splits)  # None: equal splits both ways
         out = x.new_empty((rows, *x.shape[1:]))  # [rows received, *rest]
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.pg)
@@ -425,17 +425,17 @@ class TorchTransport:
         dist.broadcast(y, group_src=src, group=self.pg)
         return y
 
-    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
+    def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
         """Pad every member's rows to the largest size, all-gather, drop the padding."""
         m = max(sizes)
-        got = self.all_gather0(op, _pad_rows(x[: sizes[index]], m)).unflatten(0, (self.n, m))  # type: ignore[no-untyped-call]  # [n, m, *f]
+        got = self.all_gather_rows(op, _pad_rows(x[: sizes[index]], m)).unflatten(0, (self.n, m))  # type: ignore[no-untyped-call]  # [n, m, *f]
         return torch.cat([got[i, : sizes[i]] for i in range(self.n)])  # [sum, *f]
 
-    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
+    def reduce_scatter_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
         """Pad every chunk to the largest size, reduce-scatter, drop the padding."""
         m = max(sizes)
         padded = torch.cat([_pad_rows(t, m) for t in torch.split(x, list(sizes))])  # [n * m, *f]
-        return self.reduce_scatter0(op, padded)[: sizes[index]]  # [sizes[me], *f]
+        return self.reduce_scatter_rows(op, padded)[: sizes[index]]  # [sizes[me], *f]
 
 
 class FunctionalTransport(TorchTransport):
@@ -450,13 +450,13 @@ class FunctionalTransport(TorchTransport):
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
 
-    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+    def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
         return cast(Tensor, _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name)))
 
-    def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
+    def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         return cast(Tensor, _F.wait_tensor(_F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, self.name)))
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
         return cast(Tensor, _F.wait_tensor(_F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), self.name)))
@@ -580,29 +580,29 @@ class AxisComm:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
         return self._collective(op, x, "all_reduce", reduce_op)
 
-    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+    def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
         """Concatenate every member's ``x`` along dim 0, in axis order."""
-        return self._collective(op, x, "all_gather0")
+        return self._collective(op, x, "all_gather_rows")
 
-    def reduce_scatter0(self, op: str, x: Tensor) -> Tensor:
+    def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
-        return self._collective(op, x, "reduce_scatter0")
+        return self._collective(op, x, "reduce_scatter_rows")
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender (``None``: equal splits)."""
-        return self._collective(op, x, "all_to_all0", out_splits, in_splits)
+        return self._collective(op, x, "all_to_all_rows", out_splits, in_splits)
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
         """Every member gets member ``src``'s ``x``."""
         return self._collective(op, x, "broadcast", src)
 
-    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
+    def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0 (``[sum(sizes), ...]``)."""
-        return self._collective(op, x, "all_gather_v0", sizes, self.index)
+        return self._collective(op, x, "all_gather_v_rows", sizes, self.index)
 
-    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
+    def reduce_scatter_v_rows(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Sum ``x`` (``[sum(sizes), ...]``) over members; member ``i`` keeps its ``sizes[i]`` rows."""
-        return self._collective(op, x, "reduce_scatter_v0", sizes, self.index)
+        return self._collective(op, x, "reduce_scatter_v_rows", sizes, self.index)
 
     # --------------------------------------------------------------- check mode
     def check(self, op: str, tensors: Sequence[Tensor], params: Mapping[str, Any]) -> None:
@@ -864,12 +864,8 @@ def recv_tensor_dict(mesh: Mesh, axis: AxisName, src: int, *, all_gather_axis: A
         ac.run(op, lambda buf=buf, group=group: dist.recv(buf, group=group, group_src=src))
         if buf is t:
             continue
-        from .collectives import all_gather
-
         assert gac is not None
-        part = buf
-
-        t.view(-1).copy_(all_gather(part, mesh, gac.label, dim=0))  # (numel,) every slice, in index order
+        t.view(-1).copy_(gac.all_gather_rows(op, buf))  # (numel,) every member's slice, in index order
     return out
 
 

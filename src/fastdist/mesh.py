@@ -70,6 +70,10 @@ class Mesh:
     """
 
     __slots__ = ("_names", "_sizes", "_strides", "_comm")
+    _names: tuple[str, ...]
+    _sizes: tuple[int, ...]
+    _strides: tuple[int, ...]
+    _comm: Any
 
     def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, _comm: Any = None) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)

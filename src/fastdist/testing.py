@@ -38,7 +38,9 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from .checking import CheckMode, PartitionSpec, Rep, block_of, checked_call
+from .replication import CheckMode, Rep
+from .sharding import PartitionSpec, block_of
+from .spmd import checked_call
 from .errors import GlooRunError, MeshError
 from .mesh import AxisName, Mesh
 from .simulate import simulate

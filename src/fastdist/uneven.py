@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._primitive import Primitive, Spec
+from ._primitive import Primitive, GroupSpec
 from .collectives import (
     _apply,
     _enter,
@@ -149,20 +149,20 @@ def _agv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], accumulate_f
     return (sum(sizes), *s[1:])
 
 
-def _agv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
+def _agv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
     y = spec.to_groups(x)  # [G, n, C, *f]
     whole = torch.cat([y[:, i, : sizes[i]] for i in range(spec.n)], dim=1)  # [G, sum, *f]
     return spec.from_groups(whole.unsqueeze(1).expand(-1, spec.n, *whole.shape[1:]))
 
 
-def _agv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
-    return c.all_gather_v0("all_gather_v", x, sizes)  # [sum, *f]
+def _agv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool) -> Tensor:
+    return comm.all_gather_v_rows("all_gather_v", x, sizes)  # [sum, *f]
 
 
-def _agv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], accumulate_fp32: bool) -> tuple[Any, ...]:
+def _agv_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, sizes: Sequence[int], accumulate_fp32: bool) -> tuple[Any, ...]:
     (x, _) = saved
     acc = g.float() if accumulate_fp32 and g.dtype in (torch.bfloat16, torch.float16) else g
-    out = o.reduce_scatter_v(acc, spec=spec, sizes=tuple(sizes), capacity=o.local_shape(x)[0])
+    out = ops.reduce_scatter_v(acc, spec=spec, sizes=tuple(sizes), capacity=ops.local_shape(x)[0])
     return (out.to(g.dtype),)
 
 
@@ -170,20 +170,20 @@ def _rsv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], capacity: in
     return (_capacity_or_uniform(capacity, sizes), *s[1:])
 
 
-def _rsv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
+def _rsv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
     total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, sum, *f]
     rows = _capacity_or_uniform(capacity, sizes)
     chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(total, list(sizes), dim=1)]  # n x [G, rows, *f]
     return spec.from_groups(torch.stack(chunks, dim=1))  # member i keeps chunk i
 
 
-def _rsv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
-    mine = _like(c.reduce_scatter_v0("reduce_scatter_v", _real_view(x[: sum(sizes)]), sizes), x)  # [sizes[me], *f]
-    return _pad_rows(mine, _out_rows(capacity, sizes[c.index]))
+def _rsv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
+    mine = _like(comm.reduce_scatter_v_rows("reduce_scatter_v", _real_view(x[: sum(sizes)]), sizes), x)  # [sizes[me], *f]
+    return _pad_rows(mine, _out_rows(capacity, sizes[comm.index]))
 
 
-def _rsv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], capacity: int) -> tuple[Any, ...]:
-    return (o.all_gather_v(g, spec=spec, sizes=tuple(sizes), accumulate_fp32=False),)
+def _rsv_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, sizes: Sequence[int], capacity: int) -> tuple[Any, ...]:
+    return (ops.all_gather_v(g, spec=spec, sizes=tuple(sizes), accumulate_fp32=False),)
 
 
 all_gather_v_p = Primitive(
@@ -234,7 +234,7 @@ def reduce_scatter_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int]
     return _apply(reduce_scatter_v_p, mesh, x.movedim(d, 0), spec, sizes=tuple(sz), capacity=cap).movedim(0, d)
 
 
-def _need_static_shape(op: str, axis: AxisName, spec: Spec, capacity: int, sizes: Sequence[int]) -> None:
+def _need_static_shape(op: str, axis: AxisName, spec: GroupSpec, capacity: int, sizes: Sequence[int]) -> None:
     if spec.comm is None and capacity < 0 and len(set(sizes)) > 1:
         raise CollectiveError(
             op, axis, f"sizes {list(sizes)} differ, so each rank's result has its own length, but simulated ranks share one shape",
@@ -247,7 +247,7 @@ def _gv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], dst: int, cap
     return (_out_rows(capacity, sum(sizes)), *s[1:])
 
 
-def _gv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int) -> Tensor:
+def _gv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, C, *f]
     whole = torch.cat([y[:, i, : sizes[i]] for i in range(spec.n)], dim=1)  # [G, sum, *f]
     rows = _out_rows(capacity, sum(sizes))
@@ -257,42 +257,42 @@ def _gv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], dst: int, capaci
     return spec.from_groups(out)
 
 
-def _gv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int) -> Tensor:
-    me = c.index
-    sends = [sizes[me] if j == dst else 0 for j in range(c.n)]
-    recvs = list(sizes) if me == dst else [0] * c.n
-    got = c.all_to_all0("gather_v", x[: sum(sends)], recvs, sends)  # dst: [sum, *f]; others: [0, *f] (empty)
+def _gv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int) -> Tensor:
+    me = comm.index
+    sends = [sizes[me] if j == dst else 0 for j in range(comm.n)]
+    recvs = list(sizes) if me == dst else [0] * comm.n
+    got = comm.all_to_all_rows("gather_v", x[: sum(sends)], recvs, sends)  # dst: [sum, *f]; others: [0, *f] (empty)
     return _pad_rows(got, capacity) if capacity >= 0 else got
 
 
-def _gv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], dst: int, capacity: int) -> tuple[Any, ...]:
+def _gv_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, sizes: Sequence[int], dst: int, capacity: int) -> tuple[Any, ...]:
     (x, _) = saved
     # g's rows past sum(sizes) (capacity padding) are ignored by scatter_v; non-dst ranks' g is unused
-    return (o.scatter_v(g, spec=spec, sizes=tuple(sizes), src=dst, capacity=o.local_shape(x)[0]),)
+    return (ops.scatter_v(g, spec=spec, sizes=tuple(sizes), src=dst, capacity=ops.local_shape(x)[0]),)
 
 
 def _sv_shape(n: int, s: tuple[Any, ...], *, sizes: Sequence[int], src: int, capacity: int) -> tuple[Any, ...]:
     return (_capacity_or_uniform(capacity, sizes), *s[1:])
 
 
-def _sv_stacked(spec: Spec, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
+def _sv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
     whole = spec.to_groups(x)[:, src, : sum(sizes)]  # [G, sum, *f]: the source's tensor
     rows = _capacity_or_uniform(capacity, sizes)
     chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(whole, list(sizes), dim=1)]
     return spec.from_groups(torch.stack(chunks, dim=1))  # [G, n, rows, *f]: member i gets chunk i
 
 
-def _sv_dist(c: AxisComm, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
-    me = c.index
-    sends = list(sizes) if me == src else [0] * c.n
-    recvs = [sizes[me] if i == src else 0 for i in range(c.n)]
-    got = c.all_to_all0("scatter_v", x[: sum(sends)], recvs, sends)  # [sizes[me], *f]
+def _sv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int) -> Tensor:
+    me = comm.index
+    sends = list(sizes) if me == src else [0] * comm.n
+    recvs = [sizes[me] if i == src else 0 for i in range(comm.n)]
+    got = comm.all_to_all_rows("scatter_v", x[: sum(sends)], recvs, sends)  # [sizes[me], *f]
     return _pad_rows(got, _out_rows(capacity, sizes[me]))
 
 
-def _sv_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, sizes: Sequence[int], src: int, capacity: int) -> tuple[Any, ...]:
+def _sv_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, sizes: Sequence[int], src: int, capacity: int) -> tuple[Any, ...]:
     (x, _) = saved
-    return (o.gather_v(g, spec=spec, sizes=tuple(sizes), dst=src, capacity=o.local_shape(x)[0]),)
+    return (ops.gather_v(g, spec=spec, sizes=tuple(sizes), dst=src, capacity=ops.local_shape(x)[0]),)
 
 
 gather_v_p = Primitive(
@@ -346,11 +346,11 @@ def scatter_v(x: Tensor, mesh: Mesh, axis: AxisName, sizes: Sequence[int], src: 
 
 
 # ====================================================================== ragged_all_to_all (data-dependent sizes)
-def _rata_shape(n: int, s: tuple[Any, ...], ss: tuple[Any, ...], rs: tuple[Any, ...], *, capacity: int) -> tuple[Any, ...]:
+def _ragged_a2a_shape(n: int, s: tuple[Any, ...], ss: tuple[Any, ...], rs: tuple[Any, ...], *, capacity: int) -> tuple[Any, ...]:
     return (capacity, *s[1:])
 
 
-def _rata_check(send: Tensor, recv: Tensor, rows: int | Tensor, capacity: int | Tensor, ranks: Any, axis: AxisName | None = None) -> None:
+def _ragged_a2a_check(send: Tensor, recv: Tensor, rows: int | Tensor, capacity: int | Tensor, ranks: Any, axis: AxisName | None = None) -> None:
     """Data-dependent checks, on real (stacked or local) size tensors: raise naming the rank.
 
     ``rows`` and ``capacity`` are one int for every rank, or a tensor with one per rank.
@@ -372,8 +372,8 @@ def _rata_check(send: Tensor, recv: Tensor, rows: int | Tensor, capacity: int | 
             raise CollectiveError("ragged_all_to_all", axis, f"{where} has {what(i)}", fix, rank=where)
 
 
-def _rata_stacked(spec: Spec, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
-    _rata_check(send, recv, x.shape[1], capacity, lambda r: f"rank {r}")
+def _ragged_a2a_stacked(spec: GroupSpec, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
+    _ragged_a2a_check(send, recv, x.shape[1], capacity, lambda r: f"rank {r}")
     X = spec.to_groups(x)  # [G, i, C, *f]
     S = spec.to_groups(send)  # [G, i, j]: rows sender i sends to receiver j
     G, n, C = X.shape[0], spec.n, X.shape[2]
@@ -395,21 +395,21 @@ def _rata_stacked(spec: Spec, x: Tensor, send: Tensor, recv: Tensor, *, capacity
     return spec.from_groups(torch.where(mask, picked, torch.zeros((), dtype=x.dtype, device=x.device)))
 
 
-def _rata_dist(c: AxisComm, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
-    _rata_check(send, recv, x.shape[0], capacity, lambda r: f"rank {c.rank}", c.label)
+def _ragged_a2a_dist(comm: AxisComm, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int) -> Tensor:
+    _ragged_a2a_check(send, recv, x.shape[0], capacity, lambda r: f"rank {comm.rank}", comm.label)
     s, r = send.tolist(), recv.tolist()  # split sizes to the host (one sync)
-    got = c.all_to_all0("ragged_all_to_all", x[: sum(s)], r, s)  # [sum(recv), *f], by source
+    got = comm.all_to_all_rows("ragged_all_to_all", x[: sum(s)], r, s)  # [sum(recv), *f], by source
     return _pad_rows(got, capacity)
 
 
-def _rata_bwd(o: Any, spec: Spec, g: Tensor, saved: Any, *, capacity: int) -> tuple[Any, ...]:
+def _ragged_a2a_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, capacity: int) -> tuple[Any, ...]:
     x, send, recv, _ = saved
-    return (o.ragged_all_to_all(g, recv, send, spec=spec, capacity=o.local_shape(x)[0]), None, None)
+    return (ops.ragged_all_to_all(g, recv, send, spec=spec, capacity=ops.local_shape(x)[0]), None, None)
 
 
 ragged_all_to_all_p = Primitive(
-    "ragged_all_to_all", inputs=("x", "send_sizes", "recv_sizes"), params=(("capacity", "int"),), shape=_rata_shape, stacked=_rata_stacked,
-    distributed=_rata_dist, backward=_rata_bwd, saves=True, replication=("V", "V"),
+    "ragged_all_to_all", inputs=("x", "send_sizes", "recv_sizes"), params=(("capacity", "int"),), shape=_ragged_a2a_shape, stacked=_ragged_a2a_stacked,
+    distributed=_ragged_a2a_dist, backward=_ragged_a2a_bwd, saves=True, replication=("V", "V"),
 )
 
 
@@ -460,7 +460,7 @@ def ragged_all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor,
         raise CollectiveError("ragged_all_to_all", axis, str(e).removeprefix(head).removesuffix(tail), e.fix, rank=e.rank) from None
 
 
-def _exchange_checked_sizes(x: Tensor, mesh: Mesh, axis: AxisName, send: Tensor, capacity: int, c: AxisComm) -> Tensor:
+def _exchange_checked_sizes(x: Tensor, mesh: Mesh, axis: AxisName, send: Tensor, capacity: int, comm: AxisComm) -> Tensor:
     """Real ranks: this rank's receive sizes, after every rank checked every rank's sizes.
 
     One small all-gather of each rank's send sizes, row count and capacity (in place of the
@@ -469,9 +469,9 @@ def _exchange_checked_sizes(x: Tensor, mesh: Mesh, axis: AxisName, send: Tensor,
     """
     mine = torch.cat([send, torch.tensor([x.shape[0], capacity], dtype=torch.long, device=send.device)])  # [n + 2]
     table = all_gather(mine.reshape(1, -1), mesh, axis, dim=0)  # [n, n + 2]: row i from index i
-    sends = table[:, : c.n]  # [n, n]: rows index i sends to index j
-    _rata_check(sends, sends.t(), table[:, c.n], table[:, c.n + 1], lambda i: f"rank {c.ranks[i]}", c.label)
-    return sends[:, c.index].contiguous()  # recv[i] = what index i sends to this rank
+    sends = table[:, : comm.n]  # [n, n]: rows index i sends to index j
+    _ragged_a2a_check(sends, sends.t(), table[:, comm.n], table[:, comm.n + 1], lambda i: f"rank {comm.ranks[i]}", comm.label)
+    return sends[:, comm.index].contiguous()  # recv[i] = what index i sends to this rank
 
 
 def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:

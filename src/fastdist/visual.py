@@ -13,14 +13,16 @@ from __future__ import annotations
 import html
 import string
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .checking import block_of
+from .sharding import block_of
 from .errors import MeshError
-from .mesh import AxisName, Mesh
+
+if TYPE_CHECKING:
+    from .mesh import AxisName, Mesh
 
 __all__ = ["MeshView", "RanksView", "ShardingView", "plot_ranks", "show_ranks", "show_sharding"]
 
@@ -93,7 +95,7 @@ class MeshView:
 class ShardingView:
     """Which block of a global tensor each rank holds under a ``PartitionSpec``.
 
-    The blocks come from :func:`fastdist.checking.block_of`, the one block function that
+    The blocks come from :func:`fastdist.sharding.block_of`, the one block function that
     ``spmd``, ``fastdist.nn`` and ``fastdist.testing`` use, so a spec they refuse (a dim that
     the axes' sizes do not divide, an unknown axis) raises :class:`~fastdist.MeshError` here too.
     For 1-D and 2-D shapes ``str()`` starts with a picture: one box per block, naming the

@@ -215,14 +215,14 @@ class NativeCommunicator:
             out.div_(self.n)
         return out.reshape(-1).view(x.dtype).reshape(x.shape)  # the wire view undone (complex, bool)
 
-    def all_gather0(self, op: str, x: Tensor) -> Tensor:
+    def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
         """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
         w, dt, k = self._wire(op, x)
         out = w.new_empty((self.n * w.numel(),))  # [n * k], in the wire dtype
         self._call(op, self._name("AllGather"), _ptr(w), _ptr(out), k, dt, self._handle, self._stream())
         return out.view(x.dtype).reshape(self.n * x.shape[0], *x.shape[1:]) if x.dim() else out.view(x.dtype)
 
-    def reduce_scatter0(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
+    def reduce_scatter_rows(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
         """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``."""
         code = self._reduce_code(op, reduce_op)
         w, dt, k = self._wire(op, x, reduce_op)
@@ -240,7 +240,7 @@ class NativeCommunicator:
             self._call(op, "HcclBroadcast", _ptr(out), k, dt, src, self._handle, self._stream())
         return out.view(x.dtype).reshape(x.shape)
 
-    def all_to_all0(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender (``None``: equal splits)."""
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
@@ -267,7 +267,7 @@ class NativeCommunicator:
             self._call(op, "HcclAlltoAllV", _ptr(w), counts[0], u64(*send_off), dt, _ptr(out), counts[1], u64(*recv_off), dt, self._handle, stream)
         return out.view(x.dtype).reshape(sum(out_splits), *x.shape[1:])
 
-    def all_gather_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None) -> Tensor:
+    def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; everyone gets them concatenated: ``[sum(sizes), *rest]``.
 
         One broadcast per root, grouped: no padding to the largest size. ``index`` is
@@ -297,10 +297,10 @@ class NativeCommunicator:
         self._group(op, body)
         return out.view(x.dtype).reshape(sum(sizes), *x.shape[1:])
 
-    def reduce_scatter_v0(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None, reduce_op: str = "sum") -> Tensor:
+    def reduce_scatter_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None, reduce_op: str = "sum") -> Tensor:
         """Reduce ``x`` (``[sum(sizes), *rest]``) over members; member ``i`` keeps rows of chunk ``i``.
 
-        One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in :meth:`all_gather_v0`.
+        One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in :meth:`all_gather_v_rows`.
         """
         code = self._reduce_code(op, reduce_op)
         w, dt, _ = self._wire(op, x, reduce_op)

@@ -27,19 +27,18 @@ True
 from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from .layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
-from .parallelize import (
+from .parallelize import ParallelModel, parallelize
+from .styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,
     ParallelizeError,
-    ParallelModel,
     PrepareInput,
     PvaryParams,
     RowwiseParallel,
     SequenceShard,
     Style,
     VocabParallel,
-    parallelize,
 )
 from .state import (
     CheckpointError,

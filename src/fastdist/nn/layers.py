@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checking import P, PartitionSpec
+from ..sharding import P, PartitionSpec
 from ..collectives import all_gather, all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
 from ..errors import NO_IGNORE_INDEX, MeshError
 from ..mesh import Mesh

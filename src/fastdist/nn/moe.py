@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checking import P
+from ..sharding import P
 from ..collectives import (
     all_gather,
     all_gather_invariant,
@@ -59,7 +59,7 @@ from ..errors import CollectiveError, FastdistError, NoBackendError
 from ..mesh import Mesh
 from ..simulate import rank_binding
 from ..uneven import indexed_all_to_all_v, ragged_all_to_all
-from .parallelize import ParallelizeError, Style, _Context
+from .styles import ParallelizeError, Style, _Context
 from .state import Layout
 
 __all__ = [

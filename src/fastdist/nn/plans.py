@@ -28,7 +28,8 @@ from typing import Any
 from torch import nn
 
 from ..mesh import Mesh
-from .parallelize import (
+from .moe import ExpertParallel
+from .styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,
@@ -138,8 +139,6 @@ def mixtral(model_or_config: Any, *, axis: str = "tp", ep_axis: str = "ep", stra
     >>> plan["model.layers.*.mlp.experts"]
     ExpertParallel(axis='ep', strategy='all_to_all', tp_axis='tp', tokens='replicated', capacity_factor=None, capacity=None)
     """
-    from .moe import ExpertParallel
-
     if sequence_parallel:
         raise ParallelizeError("parallelize: the Mixtral plan has no sequence parallelism yet (the experts take replicated tokens). "
                                "Fix: sequence_parallel=False")

@@ -29,7 +29,7 @@ from typing import Any, Union, cast
 import torch
 from torch import Tensor, nn
 
-from ..checking import P, PartitionSpec
+from ..sharding import P, PartitionSpec
 from ..errors import FastdistError, MeshError
 from ..mesh import Mesh
 

@@ -1,0 +1,255 @@
+"""``spmd``: fastdist's ``shard_map``. Split global inputs by spec, run per-rank code, join the outputs.
+
+On simulated meshes the per-rank function runs under :func:`fastdist.simulate`; on real ranks
+each process runs its own shard. The replication states of the outputs are checked against the
+out specs (``fastdist.replication``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from torch import Tensor
+
+from ._primitive import apply_function
+from .errors import MeshError
+from .replication import CheckMode, Rep, ReplicationError, RepTracker, tracking
+from .simulate import simulate
+from .sharding import PartitionSpec, block_of, blocks, check_spec, holders
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+__all__ = ["spmd", "checked_call"]
+
+R = TypeVar("R")
+
+
+class _ShardStacked(torch.autograd.Function):
+    """Global ``x`` -> ``[world, *local]``: every simulated rank's block under ``spec``.
+
+    Backward: each block's gradient is the mean over the ranks that hold it. This is what a
+    global input replicated to every rank and then ``local_chunk``-ed computes (under correct
+    replication types those ranks' gradients agree, so the mean is exact; a sum would count
+    the block once per replica), without ``world`` full copies each way.
+    """
+
+    @staticmethod
+    def forward(x: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+        return blocks(x, spec, mesh)  # [world, *local]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.shape, ctx.spec, ctx.mesh = inputs[0].shape, inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        spec, mesh = ctx.spec, ctx.mesh
+        if not spec.sharded_axes:
+            return g.mean(0), None, None
+        full = g.new_zeros(ctx.shape)
+        for r in range(mesh.size):
+            block_of(full, spec, mesh, r).add_(g[r])  # this rank's block, into its place
+        return full / (mesh.size // mesh.axis_size(spec.sharded_axes)), None, None  # the mean over each block's holders
+
+
+class _UnshardStacked(torch.autograd.Function):
+    """``[world, *local]`` -> global: the blocks assembled, each from the lowest rank holding it.
+
+    The transpose of :class:`_ShardStacked`'s forward: backward gives every rank its block of
+    the cotangent (an output replicated over an axis hands each replica the same cotangent).
+    """
+
+    @staticmethod
+    def forward(y: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+        shape = [n * (mesh.axis_size(spec.axes_of(d)) if d < len(spec.dims) and spec.axes_of(d) else 1) for d, n in enumerate(y.shape[1:])]
+        full = y.new_empty(shape)  # the global shape: each sharded dim times its axes' size
+        for r in holders(spec, mesh):
+            block_of(full, spec, mesh, r).copy_(y[r])
+        return full
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.spec, ctx.mesh = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return blocks(g, ctx.spec, ctx.mesh), None, None
+
+
+def _refuse_checked_compile(mode: str) -> None:
+    """Raise, while dynamo traces, the error that says how to compile an spmd step.
+
+    The checked mode decides the ``pvary`` insertions with Python bookkeeping on every op, which
+    dynamo cannot trace; compiling it unchecked would silently drop the inserted ``pvary``s
+    (wrong gradients), so it is refused instead.
+    """
+    raise MeshError(
+        f"spmd: check={mode!r} runs eagerly only (its replication bookkeeping cannot be traced by torch.compile, and compiling "
+        "the step unchecked would drop the pvary it inserts: wrong gradients). Fix: run the step once eagerly with "
+        "check='error', write the pvary calls it names, and compile fd.spmd(..., check=False)"
+    )
+
+
+def spmd(
+    fn: Callable[..., R],
+    mesh: Mesh,
+    in_specs: Sequence[PartitionSpec | None],
+    out_specs: PartitionSpec | Sequence[PartitionSpec],
+    *,
+    check: CheckMode | bool | None = None,
+) -> Callable[..., R]:
+    """Call per-rank ``fn`` on global tensors: split the inputs by ``in_specs``, join the outputs by ``out_specs``.
+
+    Like JAX's ``shard_map``. Every positional argument gets a spec (``None`` for a
+    non-tensor); the function sees each rank's shard and returns per-rank values, whose
+    replication states are checked against ``out_specs``: an axis an out spec does not
+    name must be invariant (or declared ``partial``).
+
+    Args:
+        check: ``"insert"`` (default on simulated meshes) inserts the ``pvary`` where an
+            invariant value meets a varying one; ``"error"`` raises there instead;
+            ``False`` (default on real ranks) tracks nothing. ``True`` means ``"insert"``.
+            The checked modes run eagerly only: under ``torch.compile(fullgraph=True)`` they
+            raise (compile ``check=False`` after writing the ``pvary``s ``"error"`` names).
+
+    On a simulated mesh (no torch.distributed) the call runs every rank with
+    :func:`fastdist.simulate` and returns one global result; gradients with respect to
+    the global inputs equal those of the single-device computation. On a mesh from
+    ``Mesh.from_torch`` each process passes the same global tensors and gets the global
+    result.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> f = fd.spmd(lambda x, w: fd.psum(x @ w, mesh, "tp"), mesh, in_specs=(fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P())
+    >>> x, w = torch.ones(3, 4), torch.ones(4, 5)
+    >>> bool(torch.equal(f(x, w), x @ w))
+    True
+    """
+    simulated = mesh._comm is None
+    mode: CheckMode | None
+    if check is None:
+        mode = "insert" if simulated else None
+    elif check is True:
+        mode = "insert"
+    elif check is False:
+        mode = None
+    else:
+        mode = check
+    if mode is not None and mode not in ("insert", "error"):
+        raise MeshError(f"spmd: check must be 'insert', 'error', True or False, got {check!r}")
+    single_out = isinstance(out_specs, PartitionSpec)
+    outs: list[PartitionSpec] = [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
+    for i, s in enumerate(outs):
+        check_spec(f"out_specs[{i}]", mesh, s, None)
+
+    def per_rank(*args: Any) -> Any:
+        if mode is not None and torch.compiler.is_compiling():
+            _refuse_checked_compile(mode)
+        # Real ranks: each process takes its blocks and joins the outputs with collectives.
+        # Simulated ranks get their blocks already cut (_ShardStacked) and return them as they
+        # are, to be assembled once outside (_UnshardStacked): the same values and gradients
+        # as local_chunk / all_gather_invariant per rank, without world-sized copies.
+        local = []
+        states: list[Rep | None] = []
+        for i, (a, s) in enumerate(zip(args, in_specs)):
+            if isinstance(a, Tensor):
+                s = cast(PartitionSpec, s)
+                for d in range(len(s.dims) if not simulated else 0):
+                    if s.axes_of(d):
+                        a = _local_chunk(a, s.axes_of(d), d)
+                states.append(Rep(frozenset(s.sharded_axes)))
+            else:
+                states.append(None)
+            local.append(a)
+        result = checked_call(fn, mesh, mode, local, states, outs, single_out, simulated=simulated)
+        return _join(result, outs, single_out)
+
+    def _local_chunk(t: Tensor, axes: tuple[str, ...], dim: int) -> Tensor:
+        from .collectives import local_chunk
+
+        return local_chunk(t, mesh, axes if len(axes) > 1 else axes[0], dim)
+
+    def _join(result: Any, specs: list[PartitionSpec], single: bool) -> Any:
+        from .collectives import all_gather_invariant, psum
+
+        items = [result] if single else list(result)
+        if len(items) != len(specs):
+            raise MeshError(f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}")
+        joined = []
+        for y, s in zip(items, specs):
+            if s.partial:
+                y = psum(y, mesh, s.partial if len(s.partial) > 1 else s.partial[0])
+            for d in range(len(s.dims) if not simulated else 0):
+                if s.axes_of(d):
+                    axes = s.axes_of(d)
+                    y = all_gather_invariant(y, mesh, axes if len(axes) > 1 else axes[0], d)
+            joined.append(y)
+        return joined[0] if single else tuple(joined)
+
+    def run(*args: Any) -> R:
+        if len(args) != len(in_specs):
+            raise MeshError(f"spmd: got {len(args)} arguments but {len(in_specs)} in_specs. Fix: one spec per argument (None for non-tensors)")
+        for i, (a, s) in enumerate(zip(args, in_specs)):
+            if isinstance(a, Tensor):
+                if check_spec(f"in_specs[{i}]", mesh, s, a).partial:
+                    raise MeshError(f"spmd: in_specs[{i}] {s!r} is partial; partial= is for out_specs. Fix: pass the summed global value")
+        if not simulated:
+            return cast(R, per_rank(*args))
+    
+        stacked = [apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a for a, s in zip(args, in_specs)]
+        out = simulate(per_rank, mesh)(*stacked)
+        full = tuple(apply_function(_UnshardStacked, o, s, mesh) for o, s in zip([out] if single_out else out, outs))
+        return cast(R, full[0] if single_out else full)
+
+    return run
+
+
+def checked_call(
+    fn: Callable[..., Any], mesh: Mesh, mode: CheckMode | None, args: Sequence[Any], states: Sequence[Rep | None],
+    out_specs: list[PartitionSpec], single_out: bool, *, simulated: bool,
+) -> Any:
+    """Run per-rank ``fn`` on local ``args`` whose replication ``states`` are known; check its outputs.
+
+    The core of :func:`spmd`, without the sharding and joining (``fastdist.testing`` uses it
+    to compare every rank's gradients).
+    """
+    if mode is None:
+        return fn(*args)
+    tracker = RepTracker(mesh, mode, simulated=simulated)
+    with tracking(tracker):
+        for t, st in zip(args, states):
+            if st is not None:
+                tracker.set(t, st)
+        result = fn(*args)
+    _check_outputs(tracker, result, out_specs, single_out)
+    return result
+
+
+def _check_outputs(tracker: RepTracker, result: Any, specs: list[PartitionSpec], single: bool) -> None:
+    items = [result] if single else list(result) if isinstance(result, (tuple, list)) else [result]
+    for i, (y, s) in enumerate(zip(items, specs)):
+        if not isinstance(y, Tensor):
+            raise MeshError(f"spmd: output {i} is a {type(y).__name__}, not a tensor")
+        rep = tracker.get(y)
+        sharded = set(s.sharded_axes)
+        for a in tracker.mesh.axis_names:
+            st = rep.state(a)
+            if a in sharded:
+                continue
+            if a in s.partial:
+                if st == "I":
+                    raise ReplicationError("spmd out_specs", a, f"output {i} is invariant over {a!r} but {s!r} declares it partial (its copies would be summed)", f"drop partial={a!r} from the spec", where="spmd output")
+                continue
+            if st == "V":
+                raise ReplicationError(
+                    "spmd out_specs", a, f"output {i} varies over {a!r} but {s!r} does not name {a!r}, which declares it replicated",
+                    f"psum/pmean/all_gather_invariant it over {a!r} inside fn, or split a dim over {a!r} in the out spec", where="spmd output",
+                )
+            if st == "P":
+                raise ReplicationError(
+                    "spmd out_specs", a, f"output {i} is a partial sum over {a!r} but {s!r} declares it replicated",
+                    f"psum it over {a!r} inside fn, or declare P(..., partial={a!r})", where="spmd output",
+                )
