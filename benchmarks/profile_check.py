@@ -36,7 +36,8 @@ LAYOUTS = ({"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 4})
 
 
 def _step_profile(mesh: fd.Mesh, t: int, d: int, h: int) -> Profile:
-    """Sequence-parallel TP MLP (tokens t, hidden d, ffn h) and the dp all-reduce of its weight gradients."""
+    """Sequence-parallel TP MLP (tokens t, hidden d, ffn h) and the dp all-reduce of its weight
+    gradients."""
     tp, dp = (mesh.axis_size(a) if a in mesh.axis_names else 1 for a in ("tp", "dp"))
 
     def step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -85,7 +86,9 @@ def _time(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, init: str, out: str, sizes: tuple[int, int, int], calib: tuple[int, int], reps: int) -> None:
+def _worker(
+    rank: int, init: str, out: str, sizes: tuple[int, int, int], calib: tuple[int, int], reps: int
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     results: dict[str, Any] = {"calibration": [], "layouts": []}
@@ -99,12 +102,15 @@ def _worker(rank: int, init: str, out: str, sizes: tuple[int, int, int], calib: 
         cases = []
         for degrees in LAYOUTS:
             mesh = fd.Mesh.from_torch(order=("dp", "tp"), timeout=120, tp=degrees.get("tp", 1))
-            cases.append((degrees, mesh, _step_profile(mesh, *sizes)))  # the trace takes precedence over the process group
+            # the trace takes precedence over the process group
+            cases.append((degrees, mesh, _step_profile(mesh, *sizes)))
         times: list[list[float]] = [[] for _ in cases]
         for _ in range(reps):  # rounds over the layouts, interleaved: drifting load hits them alike
             for i, (_, mesh, prof) in enumerate(cases):
                 times[i].append(_time(lambda mesh=mesh, prof=prof: _replay_all(prof, mesh), 1))
-        results["layouts"] = [{"degrees": d, "seconds": statistics.median(ts)} for (d, _, _), ts in zip(cases, times)]
+        results["layouts"] = [
+            {"degrees": d, "seconds": statistics.median(ts)} for (d, _, _), ts in zip(cases, times)
+        ]
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -112,15 +118,21 @@ def _worker(rank: int, init: str, out: str, sizes: tuple[int, int, int], calib: 
 
 
 def _fit(calibration: list[dict[str, Any]]) -> Link:
-    """Least squares of ``t = 2(n-1) * alpha + bytes * 2(n-1)/n / bandwidth`` over the calibration points."""
-    a = torch.tensor([[2.0 * (c["n"] - 1), c["bytes"] * 2 * (c["n"] - 1) / c["n"]] for c in calibration], dtype=torch.float64)
+    """Least squares of ``t = 2(n-1) * alpha + bytes * 2(n-1)/n / bandwidth`` over the calibration
+    points."""
+    a = torch.tensor(
+        [[2.0 * (c["n"] - 1), c["bytes"] * 2 * (c["n"] - 1) / c["n"]] for c in calibration],
+        dtype=torch.float64,
+    )
     b = torch.tensor([c["seconds"] for c in calibration], dtype=torch.float64)
     alpha, inv_bw = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
     return Link(1.0 / max(inv_bw, 1e-15), max(alpha, 0.0))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     args = ap.parse_args(argv)
     sizes = (64, 128, 512) if args.quick else (512, 1024, 4096)  # tokens, hidden, ffn
@@ -128,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     reps = 3 if args.quick else 15
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(f"file://{tmp}/store", out, sizes, calib, reps), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
+        mp.spawn(  # type: ignore[attr-defined,no-untyped-call]
+            _worker, args=(f"file://{tmp}/store", out, sizes, calib, reps), nprocs=WORLD, join=True
+        )
         res = json.loads(Path(out).read_text())
     link = _fit(res["calibration"])
     net = Network("gloo on this machine (fitted)", WORLD, link, link)
@@ -140,13 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((str(layout), pred.time, entry["seconds"]))
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
     by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
-    print(f"fitted link: {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.0f} us; "
-          f"step: tokens={sizes[0]} hidden={sizes[1]} ffn={sizes[2]} float32, {WORLD} gloo processes\n")
+    print(
+        f"fitted link: {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.0f} us; "
+        f"step: tokens={sizes[0]} hidden={sizes[1]} ffn={sizes[2]} float32, {WORLD} gloo "
+        "processes\n"
+    )
     print("| layout | predicted ms | measured ms | measured / predicted |\n|---|---|---|---|")
     for name, p, m in rows:
         print(f"| {name} | {p * 1e3:.2f} | {m * 1e3:.2f} | {m / p:.2f} |")
     agree = by_pred == by_meas
-    print(f"\nranking predicted: {' < '.join(by_pred)}\nranking measured:  {' < '.join(by_meas)}\nagree: {agree}")
+    print(
+        f"\nranking predicted: {' < '.join(by_pred)}\nranking measured:  "
+        f"{' < '.join(by_meas)}\nagree: {agree}"
+    )
     return 0 if agree or args.quick else 1
 
 

@@ -1,6 +1,7 @@
 """fastdist benchmarks: ratios against baselines measured in the same run.
 
-    python benchmarks/run.py                  # the CPU suite (a few minutes), writes benchmarks/results/
+    python benchmarks/run.py                  # the CPU suite (a few minutes), writes
+                                              # benchmarks/results/
     python benchmarks/run.py --quick          # tiny sizes: a smoke run (CI runs this)
     python benchmarks/run.py --only sim --device cuda   # simulated ranks vs one device on a GPU
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import socket
@@ -56,12 +58,21 @@ def _timeit(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-_C10D_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")  # what both sides call
+# what both sides call
+_C10D_COLLECTIVES = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+)
 
 
 @contextlib.contextmanager
-def _replaced_collectives(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """torch.distributed's collectives replaced by ``make(original)`` for the block, restored after."""
+def _replaced_collectives(
+    make: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> Iterator[None]:
+    """torch.distributed's collectives replaced by ``make(original)`` for the block, restored
+    after."""
     import torch.distributed as dist
 
     saved = {k: getattr(dist, k) for k in _C10D_COLLECTIVES}
@@ -74,8 +85,11 @@ def _replaced_collectives(make: Callable[[Callable[..., Any]], Callable[..., Any
             setattr(dist, k, f)
 
 
-def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int, calls: int = 100) -> dict[str, dict[str, float]]:
-    """CPU time per call of the fastdist and c10d calls with torch.distributed's collectives stubbed out.
+def _own_work_us(
+    cases: dict[str, dict[str, Callable[[], Any]]], reps: int, calls: int = 100
+) -> dict[str, dict[str, float]]:
+    """CPU time per call of the fastdist and c10d calls with torch.distributed's collectives stubbed
+    out.
 
     Both sides then do only their own Python and tensor work (fastdist: argument checks, the
     group spec, the rule, the transport, the output allocation; c10d: the output
@@ -106,13 +120,19 @@ def _own_work_us(cases: dict[str, dict[str, Callable[[], Any]]], reps: int, call
                     c = batch_us(c10d_fn)
                     f = batch_us(fd_fn)
                 pairs.append((f, c))
-            out[op] = {"fastdist": statistics.median(f for f, _ in pairs), "c10d": statistics.median(c for _, c in pairs),
-                       "added": statistics.median(f - c for f, c in pairs)}
+            out[op] = {
+                "fastdist": statistics.median(f for f, _ in pairs),
+                "c10d": statistics.median(c for _, c in pairs),
+                "added": statistics.median(f - c for f, c in pairs),
+            }
     return out
 
 
-def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, rounds: int) -> dict[str, dict[str, float]]:
-    """Cold calls (one after a barrier): CPU time per call spent outside the c10d collective it makes.
+def _outside_us(
+    cases: dict[str, dict[str, Callable[[], Any]]], group: Any, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Cold calls (one after a barrier): CPU time per call spent outside the c10d collective it
+    makes.
 
     torch.distributed's collectives are wrapped to add up the time spent inside them; what
     is left is each side's own work with caches as a real call finds them after a gloo
@@ -130,6 +150,7 @@ def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, roun
                 return f(*a, **kw)
             finally:
                 inside[0] += time.thread_time_ns() - t
+
         return call
 
     samples: dict[str, dict[str, list[float]]] = {op: {"fastdist": [], "c10d": []} for op in cases}
@@ -147,13 +168,26 @@ def _outside_us(cases: dict[str, dict[str, Callable[[], Any]]], group: Any, roun
     return {op: {impl: statistics.median(v) for impl, v in d.items()} for op, d in samples.items()}
 
 
-# ============================================================================ simulated ranks vs one device
-def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
-    """Tensor-parallel MLP on 8 simulated ranks: (label, one device, simulated, compiled one device, compiled simulated, loop)."""
+# ==================================================================== simulated ranks vs one device
+def _mlp_case(
+    quick: bool, device: str = "cpu"
+) -> tuple[
+    str,
+    Callable[[], Any],
+    Callable[[], Any],
+    Callable[[], Any],
+    Callable[[], Any],
+    Callable[[], Any],
+]:
+    """Tensor-parallel MLP on 8 simulated ranks: (label, one device, simulated, compiled one device,
+    compiled simulated, loop)."""
     W = 8
     B, D, H = (8, 64, 256) if quick else (64, 1024, 4096)
     mesh = fd.Mesh({"tp": W})
-    x, W1, W2 = (t.to(device) for t in (torch.randn(B, D), torch.randn(D, H) / D**0.5, torch.randn(H, D) / H**0.5))
+    x, W1, W2 = (
+        t.to(device)
+        for t in (torch.randn(B, D), torch.randn(D, H) / D**0.5, torch.randn(H, D) / H**0.5)
+    )
     xs = x.expand(W, B, D).contiguous()
     w1s = W1.reshape(D, W, H // W).permute(1, 0, 2).contiguous()  # [rank, D, H/W]: column shards
     w2s = W2.reshape(W, H // W, D).contiguous()  # [rank, H/W, D]: row shards
@@ -161,7 +195,10 @@ def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any],
     def one(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return (torch.tanh(x @ w1) @ w2).sum()
 
-    sim = fd.simulate(lambda x, w1, w2: fd.psum(torch.tanh(fd.pvary(x, mesh, "tp") @ w1) @ w2, mesh, "tp").sum(), mesh)
+    sim = fd.simulate(
+        lambda x, w1, w2: fd.psum(torch.tanh(fd.pvary(x, mesh, "tp") @ w1) @ w2, mesh, "tp").sum(),
+        mesh,
+    )
     one_c, sim_c = torch.compile(one), torch.compile(sim)
 
     def run(f: Callable[..., torch.Tensor], *ts: torch.Tensor) -> Callable[[], None]:
@@ -172,7 +209,14 @@ def _mlp_case(quick: bool, device: str = "cpu") -> tuple[str, Callable[[], Any],
 
     loop = _step(loop_loss, (xs, w1s, w2s))
 
-    return (f"TP MLP B={B} D={D} H={H}, {W} ranks", run(one, x, W1, W2), run(sim, xs, w1s, w2s), run(one_c, x, W1, W2), run(sim_c, xs, w1s, w2s), loop)
+    return (
+        f"TP MLP B={B} D={D} H={H}, {W} ranks",
+        run(one, x, W1, W2),
+        run(sim, xs, w1s, w2s),
+        run(one_c, x, W1, W2),
+        run(sim_c, xs, w1s, w2s),
+        loop,
+    )
 
 
 def _step(loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
@@ -192,8 +236,18 @@ def _step(loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor]) ->
 
 
 def _block_case(
-    quick: bool, device: str = "cpu", sequence_parallel: bool = True, size: tuple[int, int, int, int, int] = (8, 256, 1024, 16, 4096),
-) -> tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+    quick: bool,
+    device: str = "cpu",
+    sequence_parallel: bool = True,
+    size: tuple[int, int, int, int, int] = (8, 256, 1024, 16, 4096),
+) -> tuple[
+    str,
+    Callable[[], Any],
+    Callable[[], Any],
+    Callable[[], Any],
+    Callable[[], Any],
+    Callable[[], Any],
+]:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device.
 
     ``sequence_parallel``: Megatron's sequence parallelism over tp (the layer norms and
@@ -202,7 +256,8 @@ def _block_case(
     """
     from torch import nn
 
-    B, S, D, heads, Fh = (2, 8, 32, 4, 64) if quick else size  # batch, sequence, hidden, heads, MLP hidden
+    # batch, sequence, hidden, heads, MLP hidden
+    B, S, D, heads, Fh = (2, 8, 32, 4, 64) if quick else size
     mesh = fd.Mesh({"sp": 2, "tp": 4})
 
     class Block(nn.Module):
@@ -211,13 +266,21 @@ def _block_case(
             self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
             if par:
                 sp = sequence_parallel
-                self.qkv: nn.Module = fd.nn.MergedColumnParallelLinear(D, (D, D, D), mesh, "tp", sequence_parallel=sp)  # one gather of h for q, k and v
+                # one gather of h for q, k and v
+                self.qkv: nn.Module = fd.nn.MergedColumnParallelLinear(
+                    D, (D, D, D), mesh, "tp", sequence_parallel=sp
+                )
                 self.attn = fd.nn.RingAttention(mesh, "sp", causal=True)
                 self.o: nn.Module = fd.nn.RowParallelLinear(D, D, mesh, "tp", sequence_parallel=sp)
-                self.fc1: nn.Module = fd.nn.ColumnParallelLinear(D, Fh, mesh, "tp", sequence_parallel=sp)
-                self.fc2: nn.Module = fd.nn.RowParallelLinear(Fh, D, mesh, "tp", sequence_parallel=sp)
+                self.fc1: nn.Module = fd.nn.ColumnParallelLinear(
+                    D, Fh, mesh, "tp", sequence_parallel=sp
+                )
+                self.fc2: nn.Module = fd.nn.RowParallelLinear(
+                    Fh, D, mesh, "tp", sequence_parallel=sp
+                )
             else:
-                self.qkv = nn.ModuleList(nn.Linear(D, D) for _ in range(3))  # the parameter names of the merged layer
+                # the parameter names of the merged layer
+                self.qkv = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
                 self.o, self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, Fh), nn.Linear(Fh, D)
             self.par = par
 
@@ -239,9 +302,15 @@ def _block_case(
     names = list(specs)
     state = {n: p.detach() for n, p in full.named_parameters()}
     x = torch.randn(B, S, D, device=device)
-    xspec = fd.P(None, ("sp", "tp") if sequence_parallel else "sp", None)  # tokens over sp (ring), and over tp with sequence parallelism
-    step = fd.spmd(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh,
-                   in_specs=(xspec, *(specs[n] for n in names)), out_specs=xspec, check=False)
+    # tokens over sp (ring), and over tp with sequence parallelism
+    xspec = fd.P(None, ("sp", "tp") if sequence_parallel else "sp", None)
+    step = fd.spmd(
+        lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)),
+        mesh,
+        in_specs=(xspec, *(specs[n] for n in names)),
+        out_specs=xspec,
+        check=False,
+    )
 
     def full_fn(x: torch.Tensor, ps: dict[str, torch.Tensor]) -> torch.Tensor:
         return cast(torch.Tensor, torch.func.functional_call(full, ps, (x,)))
@@ -258,33 +327,55 @@ def _block_case(
     # sharded or gathered per step.
     stacked = fd.nn.stack_state(state, specs, mesh)  # name -> [world, *local shard]
     xs = fd.nn.stack_state({"x": x}, {"x": xspec}, mesh)["x"]  # [world, B, local tokens, D]
-    per_rank = fd.simulate(lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh)
+    per_rank = fd.simulate(
+        lambda x, *ps: torch.func.functional_call(par, dict(zip(names, ps)), (x,)), mesh
+    )
 
     sim_stacked = _step(lambda *ps: per_rank(xs, *ps).sum(), [stacked[n] for n in names])
 
-    label = f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2" + (", sequence parallel" if sequence_parallel else ", layer norms replicated over tp")
+    label = f"transformer block B={B} S={S} D={D} heads={heads}, tp=4 x sp=2" + (
+        ", sequence parallel" if sequence_parallel else ", layer norms replicated over tp"
+    )
     return label, one, simulated, one_c, sim_c, sim_stacked
 
 
-def _jax_rows(quick: bool, reps: int, fastdist_eager: Callable[[], Any], fastdist_compiled: Callable[[], Any], torch_one: Callable[[], Any]) -> list[dict[str, Any]]:
-    """JAX's simulation of the same TP MLP (jit(vmap(grad), axis_name) with psum), if JAX is installed (bench-only)."""
+def _jax_rows(
+    quick: bool,
+    reps: int,
+    fastdist_eager: Callable[[], Any],
+    fastdist_compiled: Callable[[], Any],
+    torch_one: Callable[[], Any],
+) -> list[dict[str, Any]]:
+    """JAX's simulation of the same TP MLP (jit(vmap(grad), axis_name) with psum), if JAX is
+    installed (bench-only)."""
     try:
         import jax
         import jax.numpy as jnp
         import numpy as np
     except ImportError:
-        return [{"case": "JAX: not installed (pip install jax jaxlib to compare)", "ms": float("nan"), "ratio": float("nan")}]
+        return [
+            {
+                "case": "JAX: not installed (pip install jax jaxlib to compare)",
+                "ms": float("nan"),
+                "ratio": float("nan"),
+            }
+        ]
     W = 8
     B, D, H = (8, 64, 256) if quick else (64, 1024, 4096)
     rng = np.random.default_rng(0)
     x, w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in [(B, D), (D, H), (H, D)])
-    xs, w1s, w2s = np.broadcast_to(x, (W, B, D)).copy(), w1.reshape(D, W, H // W).transpose(1, 0, 2).copy(), w2.reshape(W, H // W, D).copy()
+    xs, w1s, w2s = (
+        np.broadcast_to(x, (W, B, D)).copy(),
+        w1.reshape(D, W, H // W).transpose(1, 0, 2).copy(),
+        w2.reshape(W, H // W, D).copy(),
+    )
 
     def per_rank(x: Any, w1: Any, w2: Any) -> Any:
         return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp").sum()  # type: ignore[no-untyped-call]
 
     sim = jax.jit(jax.vmap(jax.grad(per_rank, argnums=(0, 1, 2)), axis_name="tp"))
     one = jax.jit(jax.grad(lambda x, w1, w2: (jnp.tanh(x @ w1) @ w2).sum(), argnums=(0, 1, 2)))
+
     def jax_sim() -> None:
         jax.block_until_ready(sim(xs, w1s, w2s))  # type: ignore[no-untyped-call]
 
@@ -293,15 +384,38 @@ def _jax_rows(quick: bool, reps: int, fastdist_eager: Callable[[], Any], fastdis
     _, t_comp, r_comp = _paired(jax_sim, fastdist_compiled, reps)
     _, t_torch, r_torch = _paired(jax_sim, torch_one, reps)
     return [
-        {"case": f"JAX {jax.__version__} simulated (jit vmap grad) vs JAX one device", "ms": t_sim * 1e3, "ratio": r_sim, "baseline_ms": t_one * 1e3},
-        {"case": "fastdist eager / JAX simulated", "ms": t_eager * 1e3, "ratio": r_eager, "baseline_ms": t_sim * 1e3},
-        {"case": "fastdist compiled / JAX simulated", "ms": t_comp * 1e3, "ratio": r_comp, "baseline_ms": t_sim * 1e3},
-        # fastdist's simulation does the single-device work and more, so this is its floor against JAX
-        {"case": "torch one device (eager) / JAX simulated: the floor of fastdist / JAX", "ms": t_torch * 1e3, "ratio": r_torch, "baseline_ms": t_sim * 1e3},
+        {
+            "case": f"JAX {jax.__version__} simulated (jit vmap grad) vs JAX one device",
+            "ms": t_sim * 1e3,
+            "ratio": r_sim,
+            "baseline_ms": t_one * 1e3,
+        },
+        {
+            "case": "fastdist eager / JAX simulated",
+            "ms": t_eager * 1e3,
+            "ratio": r_eager,
+            "baseline_ms": t_sim * 1e3,
+        },
+        {
+            "case": "fastdist compiled / JAX simulated",
+            "ms": t_comp * 1e3,
+            "ratio": r_comp,
+            "baseline_ms": t_sim * 1e3,
+        },
+        # fastdist's simulation does the single-device work and more, so this is its floor against
+        # JAX
+        {
+            "case": "torch one device (eager) / JAX simulated: the floor of fastdist / JAX",
+            "ms": t_torch * 1e3,
+            "ratio": r_torch,
+            "baseline_ms": t_sim * 1e3,
+        },
     ]
 
 
-def _paired(base: Callable[[], Any], fn: Callable[[], Any], reps: int, warmup: int = 2) -> tuple[float, float, float]:
+def _paired(
+    base: Callable[[], Any], fn: Callable[[], Any], reps: int, warmup: int = 2
+) -> tuple[float, float, float]:
     """(median s of ``base``, median s of ``fn``, median of the per-pair ratios fn / base).
 
     The two are timed alternately (base, fn; then fn, base; ...), so a slow phase of a noisy
@@ -313,15 +427,22 @@ def _paired(base: Callable[[], Any], fn: Callable[[], Any], reps: int, warmup: i
     tb: list[float] = []
     tf: list[float] = []
     for i in range(reps):
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
             t = time.perf_counter()
             (base, fn)[which]()
             (tb, tf)[which].append(time.perf_counter() - t)
-    return statistics.median(tb), statistics.median(tf), statistics.median(f / b for b, f in zip(tb, tf))
+    return (
+        statistics.median(tb),
+        statistics.median(tf),
+        statistics.median(f / b for b, f in zip(tb, tf)),
+    )
 
 
-def _row(case: str, base: Callable[[], Any], fn: Callable[[], Any], reps: int, device: str) -> dict[str, Any]:
-    """One table row: ``fn`` against ``base`` (:func:`_paired`), each call waiting for the device."""
+def _row(
+    case: str, base: Callable[[], Any], fn: Callable[[], Any], reps: int, device: str
+) -> dict[str, Any]:
+    """One table row: ``fn`` against ``base`` (:func:`_paired`), each call waiting for the
+    device."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)  # type: ignore[no-untyped-call]  # synchronize is untyped
     return {"case": case, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
@@ -334,8 +455,11 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
         return _row(case, base, fn, reps, device)
 
     label, one, sim, one_c, sim_c, loop = _mlp_case(quick, device)
-    rows = [row("simulate, eager", one, sim), row("Python loop over ranks", one, loop),
-            row("simulate, torch.compile (vs one device compiled)", one_c, sim_c)]
+    rows = [
+        row("simulate, eager", one, sim),
+        row("Python loop over ranks", one, loop),
+        row("simulate, torch.compile (vs one device compiled)", one_c, sim_c),
+    ]
     rows.insert(0, {"case": label, "baseline": "one device", "baseline_ms": rows[0]["baseline_ms"]})
     rows += _jax_rows(quick, reps, sim, sim_c, one) if device == "cpu" else []
     rows += block_rows(quick, device, replicated=True)
@@ -350,8 +474,11 @@ def bench_sim(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
-def block_rows(quick: bool, device: str = "cpu", replicated: bool = False, suffix: str = "") -> list[dict[str, Any]]:
-    """The transformer-block rows at the issue's realistic size (:func:`_block_case`'s default: hidden 1024, 8 x 256 tokens)."""
+def block_rows(
+    quick: bool, device: str = "cpu", replicated: bool = False, suffix: str = ""
+) -> list[dict[str, Any]]:
+    """The transformer-block rows at the issue's realistic size (:func:`_block_case`'s default:
+    hidden 1024, 8 x 256 tokens)."""
     reps = 3 if quick else 8  # a step takes about a second here
 
     def row(case: str, base: Callable[[], Any], fn: Callable[[], Any]) -> dict[str, Any]:
@@ -360,7 +487,9 @@ def block_rows(quick: bool, device: str = "cpu", replicated: bool = False, suffi
     rows = []
     if replicated:
         label, one, _, _, _, sim_stacked = _block_case(quick, device, sequence_parallel=False)
-        rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
+        rows.append(
+            row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked)
+        )
     label, one, sim, one_c, sim_c, sim_stacked = _block_case(quick, device)
     rows.append(row(f"{label}: simulate on per-rank (stacked) parameters, eager", one, sim_stacked))
     rows.append(row(f"{label}: spmd, eager", one, sim))
@@ -369,20 +498,30 @@ def block_rows(quick: bool, device: str = "cpu", replicated: bool = False, suffi
 
 
 def _block_rows_keeping_memory() -> list[dict[str, Any]]:
-    """:func:`block_rows` again in a child process whose malloc keeps freed memory (both sides alike)."""
+    """:func:`block_rows` again in a child process whose malloc keeps freed memory (both sides
+    alike)."""
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--block-rows-to", str(out)]
-        proc = subprocess.run(cmd, env={**os.environ, **KEEP_FREED_MEMORY}, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            cmd,
+            env={**os.environ, **KEEP_FREED_MEMORY},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"benchmark: the block rows with glibc keeping freed memory failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                "benchmark: the block rows with glibc keeping freed memory "
+                f"failed:\n{proc.stderr[-3000:]}"
+            )
         return cast(list[dict[str, Any]], json.loads(out.read_text()))
 
 
-# ============================================================================ per-call overhead on gloo
+# ======================================================================== per-call overhead on gloo
 SIZES_QUICK = [4, 4096]
 SIZES_FULL = [4, 256, 4096, 65536, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
 
@@ -390,7 +529,9 @@ SIZES_FULL = [4, 256, 4096, 65536, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
 BURST = 20  # back-to-back calls per timed sample for messages up to 64 KiB
 
 
-def _time_impls(impls: dict[str, Callable[[], Any]], group: Any, rounds: int, burst: int) -> dict[str, float]:
+def _time_impls(
+    impls: dict[str, Callable[[], Any]], group: Any, rounds: int, burst: int
+) -> dict[str, float]:
     """Per-call wall and thread-CPU microseconds of each implementation (medians over rounds).
 
     Every round runs each implementation once, in an order that rotates between rounds,
@@ -402,9 +543,11 @@ def _time_impls(impls: dict[str, Callable[[], Any]], group: Any, rounds: int, bu
     import torch.distributed._functional_collectives as funcol
 
     names = list(impls)
-    samples: dict[str, list[float]] = {k: [] for name in names for k in (f"{name}_us", f"{name}_cpu_us")}
+    samples: dict[str, list[float]] = {
+        k: [] for name in names for k in (f"{name}_us", f"{name}_cpu_us")
+    }
     for rnd in range(rounds + 2):
-        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
             fn = impls[name]
             dist.barrier(group)
             w, c = time.perf_counter(), time.thread_time()
@@ -417,15 +560,24 @@ def _time_impls(impls: dict[str, Callable[[], Any]], group: Any, rounds: int, bu
                 samples[f"{name}_us"].append(w / burst * 1e6)
                 samples[f"{name}_cpu_us"].append(c / burst * 1e6)
     out = {k: statistics.median(v) for k, v in samples.items()}
-    for base in ("c10d", "funcol"):  # ratios within each round (both sides under the same conditions), then their median
+    # ratios within each round (both sides under the same conditions), then their median
+    for base in (
+        "c10d",
+        "funcol",
+    ):
         if base in impls:
             for name in names:
-                out[f"{name}_per_round_vs_{base}"] = statistics.median(a / b for a, b in zip(samples[f"{name}_us"], samples[f"{base}_us"]))
+                out[f"{name}_per_round_vs_{base}"] = statistics.median(
+                    a / b for a, b in zip(samples[f"{name}_us"], samples[f"{base}_us"])
+                )
     return out
 
 
-def _autograd_cases(mesh: fd.Mesh, group: Any, x: torch.Tensor) -> dict[str, dict[str, Callable[[], Any]]]:
-    """The differentiable path (an input that requires grad): fastdist vs ``torch.distributed.nn.functional``.
+def _autograd_cases(
+    mesh: fd.Mesh, group: Any, x: torch.Tensor
+) -> dict[str, dict[str, Callable[[], Any]]]:
+    """The differentiable path (an input that requires grad): fastdist vs
+    ``torch.distributed.nn.functional``.
 
     Under the key ``"c10d"`` (what :func:`_own_work_us` compares against) is torch's own
     autograd-aware collective. The backward conventions differ (torch's all-reduce backward
@@ -438,24 +590,89 @@ def _autograd_cases(mesh: fd.Mesh, group: Any, x: torch.Tensor) -> dict[str, dic
     n = x.numel()
     fwd: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = {
         "psum": (lambda: fd.psum(xg, mesh, "tp"), lambda: tdnn.all_reduce(xg, group=group)),  # type: ignore[no-untyped-call]
-        "all_to_all": (lambda: fd.all_to_all(xg, mesh, "tp", 0, 0), lambda: tdnn.all_to_all_single(torch.empty(n), xg, group=group)),  # type: ignore[no-untyped-call]
+        "all_to_all": (
+            lambda: fd.all_to_all(xg, mesh, "tp", 0, 0),
+            lambda: tdnn.all_to_all_single(torch.empty(n), xg, group=group),  # type: ignore[no-untyped-call]
+        ),
     }
     cases: dict[str, dict[str, Callable[[], Any]]] = {}
     for op, (f, t) in fwd.items():
         cases[f"{op} forward"] = {"fastdist": f, "c10d": t}
-        cases[f"{op} forward_backward"] = {"fastdist": lambda f=f: f().sum().backward(), "c10d": lambda t=t: t().sum().backward()}  # type: ignore[misc]
+        cases[f"{op} forward_backward"] = {
+            "fastdist": lambda f=f: f().sum().backward(),  # type: ignore[misc]
+            "c10d": lambda t=t: t().sum().backward(),  # type: ignore[misc]
+        }
     return cases
 
 
-def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out: Any) -> None:
-    import warnings
-
+def _gloo_cases(
+    x: torch.Tensor, mesh: fd.Mesh, group: Any, rank: int, world: int
+) -> dict[str, dict[str, Callable[[], Any]]]:
+    """Each collective on ``x`` three ways: fastdist, c10d and funcol (on the same group)."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames some c10d/funcol entry points
+    n = x.numel()
+    chunk = n // world
+    return {
+        "psum": {
+            "fastdist": lambda: fd.psum(x, mesh, "tp"),
+            "c10d": lambda: dist.all_reduce(x.clone(), group=group),
+            "funcol": lambda: funcol.all_reduce(x, "sum", group),
+        },
+        "all_gather": {
+            "fastdist": lambda: fd.all_gather(x[:chunk], mesh, "tp"),
+            "c10d": lambda: dist.all_gather_single(
+                torch.empty(n), x[:chunk].contiguous(), group=group
+            ),
+            "funcol": lambda: funcol.all_gather_tensor(x[:chunk], 0, group),
+        },
+        "psum_scatter": {
+            "fastdist": lambda: fd.psum_scatter(x, mesh, "tp"),
+            "c10d": lambda: dist.reduce_scatter_single(torch.empty(chunk), x, group=group),
+            "funcol": lambda: funcol.reduce_scatter_tensor(x, "sum", 0, group),
+        },
+        "all_to_all": {
+            "fastdist": lambda: fd.all_to_all(x, mesh, "tp", 0, 0),
+            "c10d": lambda: dist.all_to_all_single(torch.empty(n), x, group=group),
+            "funcol": lambda: funcol.all_to_all_single(x, None, None, group),
+        },
+        "ppermute": {
+            "fastdist": lambda: fd.ring_shift(x, mesh, "tp"),
+            "c10d": lambda: dist.all_to_all_single(
+                torch.empty(n),
+                x,
+                [n if j == (rank + 1) % world else 0 for j in range(world)],
+                [n if i == (rank - 1) % world else 0 for i in range(world)],
+                group=group,
+            ),
+            "funcol": lambda: funcol.all_to_all_single(
+                x,
+                [n if i == (rank - 1) % world else 0 for i in range(world)],
+                [n if j == (rank + 1) % world else 0 for j in range(world)],
+                group,
+            ),
+        },
+    }
+
+
+def _overhead_worker(
+    rank: int, world: int, port: int, sizes: list[int], reps: int, out: Any
+) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    # torch renames some c10d/funcol entry points
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     mesh = fd.Mesh.from_torch(tp=world)
     mesh.create_groups("tp")
     group = mesh._comm.group(mesh._comm.axis((mesh.axis_names.index("tp"),)), "gloo", "bench")
@@ -463,61 +680,57 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
     for nbytes in sizes:
         n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by the world
         x = torch.randn(n)
-        chunk = n // world
-        cases: dict[str, dict[str, Callable[[], Any]]] = {
-            "psum": {
-                "fastdist": lambda: fd.psum(x, mesh, "tp"),
-                "c10d": lambda: dist.all_reduce(x.clone(), group=group),
-                "funcol": lambda: funcol.all_reduce(x, "sum", group),
-            },
-            "all_gather": {
-                "fastdist": lambda: fd.all_gather(x[:chunk], mesh, "tp"),
-                "c10d": lambda: dist.all_gather_single(torch.empty(n), x[:chunk].contiguous(), group=group),
-                "funcol": lambda: funcol.all_gather_tensor(x[:chunk], 0, group),
-            },
-            "psum_scatter": {
-                "fastdist": lambda: fd.psum_scatter(x, mesh, "tp"),
-                "c10d": lambda: dist.reduce_scatter_single(torch.empty(chunk), x, group=group),
-                "funcol": lambda: funcol.reduce_scatter_tensor(x, "sum", 0, group),
-            },
-            "all_to_all": {
-                "fastdist": lambda: fd.all_to_all(x, mesh, "tp", 0, 0),
-                "c10d": lambda: dist.all_to_all_single(torch.empty(n), x, group=group),
-                "funcol": lambda: funcol.all_to_all_single(x, None, None, group),
-            },
-            "ppermute": {
-                "fastdist": lambda: fd.ring_shift(x, mesh, "tp"),
-                "c10d": lambda: dist.all_to_all_single(torch.empty(n), x, [n if j == (rank + 1) % world else 0 for j in range(world)],
-                                                       [n if i == (rank - 1) % world else 0 for i in range(world)], group=group),
-                "funcol": lambda: funcol.all_to_all_single(x, [n if i == (rank - 1) % world else 0 for i in range(world)],
-                                                           [n if j == (rank + 1) % world else 0 for j in range(world)], group),
-            },
-        }
+        cases = _gloo_cases(x, mesh, group, rank, world)
         rows: list[dict[str, Any]] = []
         for op, impls in cases.items():
-            impls["c10d_again"] = impls["c10d"]  # an A/A control: how far two identical implementations' medians land apart
-            rows.append({"op": op, "bytes": n * 4, **_time_impls(impls, group, reps, burst=BURST if nbytes <= 65536 else 1)})
-            if nbytes == sizes[0]:  # the smallest message: also one call right after a barrier (cold caches)
-                rows[-1].update({f"{k}_cold": v for k, v in _time_impls(impls, group, reps * 5, burst=1).items()})
+            # an A/A control: how far two identical implementations' medians land apart
+            impls["c10d_again"] = impls["c10d"]
+            rows.append(
+                {
+                    "op": op,
+                    "bytes": n * 4,
+                    **_time_impls(impls, group, reps, burst=BURST if nbytes <= 65536 else 1),
+                }
+            )
+            # the smallest message: also one call right after a barrier (cold caches)
+            if nbytes == sizes[0]:
+                rows[-1].update(
+                    {
+                        f"{k}_cold": v
+                        for k, v in _time_impls(impls, group, reps * 5, burst=1).items()
+                    }
+                )
         # Own work at every size: both sides make the same c10d call on the same buffers, so
         # what fastdist adds is its own work, measured here without gloo's jitter. Needs no
         # peer (the collectives are stubbed): rank 0 alone, rank 1 waiting in a barrier.
-        calls = 100 if nbytes <= 65536 else 10 if nbytes <= 4 << 20 else 2  # batches of 100 small calls, of 2 64 MiB copies
+        # batches of 100 small calls, of 2 64 MiB copies
+        calls = 100 if nbytes <= 65536 else 10 if nbytes <= 4 << 20 else 2
         own = _own_work_us(cases, reps, calls) if rank == 0 else {}
         for r in rows if rank == 0 else []:
             r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
             r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
-        grad = _own_work_us(_autograd_cases(mesh, group, x), reps) if rank == 0 and nbytes == sizes[0] else {}
+        grad = (
+            _own_work_us(_autograd_cases(mesh, group, x), reps)
+            if rank == 0 and nbytes == sizes[0]
+            else {}
+        )
         dist.barrier(group)
         if nbytes == sizes[0]:
             outside = _outside_us(cases, group, reps * 5)
             for r in rows if rank == 0 else []:
-                r["outside_fastdist_us"], r["outside_c10d_us"] = outside[r["op"]]["fastdist"], outside[r["op"]]["c10d"]
+                r["outside_fastdist_us"], r["outside_c10d_us"] = (
+                    outside[r["op"]]["fastdist"],
+                    outside[r["op"]]["c10d"],
+                )
                 r["outside_added_us"] = r["outside_fastdist_us"] - r["outside_c10d_us"]
                 for kind in ("forward", "forward_backward"):
                     if f"{r['op']} {kind}" in grad:
                         g = grad[f"{r['op']} {kind}"]
-                        r[f"grad_{kind}_fastdist_us"], r[f"grad_{kind}_torch_us"], r[f"grad_{kind}_added_us"] = g["fastdist"], g["c10d"], g["added"]
+                        (
+                            r[f"grad_{kind}_fastdist_us"],
+                            r[f"grad_{kind}_torch_us"],
+                            r[f"grad_{kind}_added_us"],
+                        ) = g["fastdist"], g["c10d"], g["added"]
         results += rows
     if rank == 0:
         out.put(results)
@@ -526,7 +739,8 @@ def _overhead_worker(rank: int, world: int, port: int, sizes: list[int], reps: i
 
 
 def _spawn(target: Callable[..., None], world: int, *args: Any, timeout: float = 900) -> Any:
-    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes; return what rank 0 puts."""
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes; return what
+    rank 0 puts."""
     import multiprocessing as mp
 
     with socket.socket() as s:
@@ -550,8 +764,12 @@ def _spawn(target: Callable[..., None], world: int, *args: Any, timeout: float =
             if dead or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
-                why = f"rank {procs.index(dead[0])} exited with {dead[0].exitcode}" if dead else f"no result within {timeout:g} s"
-                raise RuntimeError(f"benchmark {target.__name__}: {why}")
+                why = (
+                    f"rank {procs.index(dead[0])} exited with {dead[0].exitcode}"
+                    if dead
+                    else f"no result within {timeout:g} s"
+                )
+                raise RuntimeError(f"benchmark {target.__name__}: {why}") from None
     for p in procs:
         p.join(timeout=60)
     return result
@@ -560,7 +778,13 @@ def _spawn(target: Callable[..., None], world: int, *args: Any, timeout: float =
 def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
     sizes = SIZES_QUICK if quick else SIZES_FULL
     rows: list[dict[str, Any]] = _spawn(_overhead_worker, world, sizes, 5 if quick else 20)
-    bus = {"psum": 2 * (world - 1) / world, "all_gather": (world - 1) / world, "psum_scatter": (world - 1) / world, "all_to_all": (world - 1) / world, "ppermute": 1.0}
+    bus = {
+        "psum": 2 * (world - 1) / world,
+        "all_gather": (world - 1) / world,
+        "psum_scatter": (world - 1) / world,
+        "all_to_all": (world - 1) / world,
+        "ppermute": 1.0,
+    }
     for r in rows:
         r["ratio_vs_c10d"] = r["fastdist_per_round_vs_c10d"]  # the median of per-round ratios
         r["ratio_vs_funcol"] = r["fastdist_per_round_vs_funcol"]
@@ -571,16 +795,23 @@ def bench_overhead(quick: bool, world: int = 2) -> list[dict[str, Any]]:
             r["added_cpu_us_vs_c10d_cold"] = r["fastdist_cpu_us_cold"] - r["c10d_cpu_us_cold"]
         r["busbw_GBps"] = r["bytes"] / (r["fastdist_us"] * 1e-6) * bus[r["op"]] / 1e9
         r["c10d_vs_itself"] = r["c10d_again_per_round_vs_c10d"]
-        # The same c10d call plus fastdist's own work: the ratio that timing alone cannot resolve (see the A/A column).
+        # The same c10d call plus fastdist's own work: the ratio that timing alone cannot resolve
+        # (see the A/A column).
         r["ratio_from_own_work"] = (r["c10d_us"] + r["own_added_us"]) / r["c10d_us"]
     return rows
 
 
-# ============================================================================ process-group creation
+# =========================================================================== process-group creation
 def _groups_worker(rank: int, world: int, port: int, out: Any) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     mesh = fd.Mesh.from_torch(tp=2, sp=2)
     dist.barrier()
     t = time.perf_counter()
@@ -594,7 +825,15 @@ def _groups_worker(rank: int, world: int, port: int, out: Any) -> None:
     dist.barrier()
     t_all = time.perf_counter() - t
     if rank == 0:
-        out.put({"world": world, "mesh": repr(mesh), "fastdist_ms": t_fd * 1e3, "every_group_every_rank_ms": t_all * 1e3, "ratio": t_fd / t_all})
+        out.put(
+            {
+                "world": world,
+                "mesh": repr(mesh),
+                "fastdist_ms": t_fd * 1e3,
+                "every_group_every_rank_ms": t_all * 1e3,
+                "ratio": t_fd / t_all,
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -603,71 +842,146 @@ def bench_groups(quick: bool) -> list[dict[str, Any]]:
 
 
 # ============================================================================ mesh layout
+def _all_groups(mesh: fd.Mesh) -> list[Any]:
+    return [mesh.groups(a) for a in mesh.axis_names]
+
+
+def _naive_scan(mesh: fd.Mesh, world: int) -> list[list[int]]:
+    return [
+        [
+            r
+            for r in range(world)
+            if all(mesh.coords(r)[b] == mesh.coords(g)[b] for b in mesh.axis_names if b != a)
+        ]
+        for a in mesh.axis_names
+        for g in range(0, world, max(1, world // 8))
+    ]
+
+
 def bench_mesh(quick: bool) -> list[dict[str, Any]]:
     rows = []
-    for world in ([64, 512] if quick else [64, 512, 4096]):
+    for world in [64, 512] if quick else [64, 512, 4096]:
         mesh = fd.Mesh.from_world_size(world, tp=8, sp=2)
-        t = _timeit(lambda: [mesh.groups(a) for a in mesh.axis_names], 3)
-        naive = _timeit(lambda: [[r for r in range(world) if all(mesh.coords(r)[b] == mesh.coords(g)[b] for b in mesh.axis_names if b != a)]
-                                for a in mesh.axis_names for g in range(0, world, max(1, world // 8))], 1, warmup=0) if world <= 512 else float("nan")
-        rows.append({"world": world, "groups_all_axes_ms": t * 1e3, "naive_scan_8_groups_ms": naive * 1e3})
+        t = _timeit(functools.partial(_all_groups, mesh), 3)
+        naive = (
+            _timeit(functools.partial(_naive_scan, mesh, world), 1, warmup=0)
+            if world <= 512
+            else float("nan")
+        )
+        rows.append(
+            {"world": world, "groups_all_axes_ms": t * 1e3, "naive_scan_8_groups_ms": naive * 1e3}
+        )
     return rows
 
 
 # ============================================================================ report
 def markdown(res: dict[str, Any]) -> str:
-    out = [f"# fastdist benchmarks\n\n`{res['command']}` on {res['machine']}, torch {res['torch']}, {res['date']}\n"]
+    out = [
+        f"# fastdist benchmarks\n\n`{res['command']}` on {res['machine']}, torch {res['torch']}, "
+        f"{res['date']}\n"
+    ]
     sim = res["sim"]
-    out.append(f"## Simulated ranks vs one device\n\n{sim[0]['case']}: one device {sim[0]['baseline_ms']:.2f} ms per step (forward + backward)\n")
+    out.append(
+        f"## Simulated ranks vs one device\n\n{sim[0]['case']}: one device "
+        f"{sim[0]['baseline_ms']:.2f} ms per step (forward + backward)\n"
+    )
     out.append("| implementation | ms | baseline ms | ratio to baseline |\n|---|---|---|---|")
-    out += [f"| {r['case']} | {r['ms']:.2f} | {r['baseline_ms']:.2f} | {r['ratio']:.2f} |" if "baseline_ms" in r else f"| {r['case']} | {r['ms']:.2f} | | {r['ratio']:.2f} |"
-            for r in sim[1:]]
-    out.append("\nEach ratio is the median of per-pair ratios, the two sides timed alternately (medians of the times beside it). "
-               "The baseline is one device (compiled for the compiled rows), except in the JAX rows: JAX simulated / JAX one device, "
-               "then fastdist / JAX simulated.")
-    out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
-    out.append("Times are medians over rounds; ratios are medians of the ratios within each round (every round runs each "
-               "implementation once, order rotating, after a barrier).\n")
-    out.append("The last two columns take gloo's jitter out: fastdist's own work per call (both sides' collectives stubbed "
-               "out, CPU time, the median of per-pair differences; batches of 100, 10 or 2 calls by size), and the ratio "
-               "it implies, (c10d + added own work) / c10d, since both sides make the same c10d call on the same buffers.\n")
-    out.append("| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself (A/A) | added µs | bus GB/s "
-               "| added own work µs | ratio from own work |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     out += [
-        f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | {r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | "
-        f"{r['c10d_vs_itself']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} | {r['own_added_us']:.1f} | {r['ratio_from_own_work']:.3f} |"
+        f"| {r['case']} | {r['ms']:.2f} | {r['baseline_ms']:.2f} | {r['ratio']:.2f} |"
+        if "baseline_ms" in r
+        else f"| {r['case']} | {r['ms']:.2f} | | {r['ratio']:.2f} |"
+        for r in sim[1:]
+    ]
+    out.append(
+        "\nEach ratio is the median of per-pair ratios, the two sides timed alternately (medians "
+        "of the times beside it). The baseline is one device (compiled for the compiled rows), "
+        "except in the JAX rows: JAX simulated / JAX one device, then fastdist / JAX simulated."
+    )
+    out.append("\n## Per-call overhead on 2 gloo processes (fastdist / baseline)\n")
+    out.append(
+        "Times are medians over rounds; ratios are medians of the ratios within each round "
+        "(every round runs each implementation once, order rotating, after a barrier).\n"
+    )
+    out.append(
+        "The last two columns take gloo's jitter out: fastdist's own work per call (both sides' "
+        "collectives stubbed out, CPU time, the median of per-pair differences; batches of 100, "
+        "10 or 2 calls by size), and the ratio it implies, (c10d + added own work) / c10d, since "
+        "both sides make the same c10d call on the same buffers.\n"
+    )
+    out.append(
+        "| op | bytes | fastdist µs | c10d µs | funcol µs | vs c10d | vs funcol | c10d vs itself "
+        "(A/A) | added µs | bus GB/s | added own work µs | ratio from own work "
+        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    out += [
+        f"| {r['op']} | {r['bytes']} | {r['fastdist_us']:.1f} | {r['c10d_us']:.1f} | "
+        f"{r['funcol_us']:.1f} | {r['ratio_vs_c10d']:.2f} | {r['ratio_vs_funcol']:.2f} | "
+        f"{r['c10d_vs_itself']:.2f} | {r['added_us_vs_c10d']:.1f} | {r['busbw_GBps']:.3f} | "
+        f"{r['own_added_us']:.1f} | {r['ratio_from_own_work']:.3f} |"
         for r in res["overhead"]
     ]
     small = [r for r in res["overhead"] if r["bytes"] == min(q["bytes"] for q in res["overhead"])]
-    out.append(f"\n### What fastdist adds per call at {small[0]['bytes']} bytes (µs, fastdist minus c10d)\n")
-    out.append("Own work, hot: CPU time per call with torch.distributed's collectives stubbed out, so only each side's own "
-               "Python and allocation runs (batches of 100 calls). Outside the collective, cold: CPU time of one call right "
-               "after a barrier minus the time inside the c10d collective it makes. End to end: wall and CPU time on gloo, "
-               f"back-to-back (bursts of {BURST} calls) and cold (one call after a barrier); gloo's jitter is of the same order "
-               "(see the A/A column above).\n")
-    out.append("| op | added own work, hot | added outside the collective, cold | added wall, back-to-back | added CPU, back-to-back | added wall, cold | added CPU, cold |\n"
-               "|---|---|---|---|---|---|---|")
+    out.append(
+        f"\n### What fastdist adds per call at {small[0]['bytes']} bytes (µs, fastdist minus "
+        "c10d)\n"
+    )
+    out.append(
+        "Own work, hot: CPU time per call with torch.distributed's collectives stubbed out, so "
+        "only each side's own Python and allocation runs (batches of 100 calls). Outside the "
+        "collective, cold: CPU time of one call right after a barrier minus the time inside the "
+        "c10d collective it makes. End to end: wall and CPU time on gloo, back-to-back (bursts "
+        f"of {BURST} calls) and cold (one call after a barrier); gloo's jitter is of the same "
+        "order (see the A/A column above).\n"
+    )
+    out.append(
+        "| op | added own work, hot | added outside the collective, cold | added wall, "
+        "back-to-back | added CPU, back-to-back | added wall, cold | added CPU, cold "
+        "|\n|---|---|---|---|---|---|---|"
+    )
     out += [
-        f"| {r['op']} | {r['own_added_us']:.1f} | {r['outside_added_us']:.1f} | {r['added_us_vs_c10d']:.1f} | {r['added_cpu_us_vs_c10d']:.1f} | "
+        f"| {r['op']} | {r['own_added_us']:.1f} | {r['outside_added_us']:.1f} | "
+        f"{r['added_us_vs_c10d']:.1f} | {r['added_cpu_us_vs_c10d']:.1f} | "
         f"{r['added_us_vs_c10d_cold']:.1f} | {r['added_cpu_us_vs_c10d_cold']:.1f} |"
         for r in small
     ]
     grad = [r for r in small if "grad_forward_added_us" in r]
     if grad:
-        out.append("\nWith autograd (the input requires grad, as in a training step's forward): fastdist against "
-                   "`torch.distributed.nn.functional`, torch's autograd-aware collectives; own work, hot, as above (µs per call). "
-                   "The backward conventions differ (torch's all-reduce backward all-reduces again; fastdist's psum "
-                   "backward is the identity), so forward + backward compares each library's whole cost.\n")
-        out.append("| op | fastdist forward | torch forward | added | fastdist forward + backward | torch forward + backward | added |\n|---|---|---|---|---|---|---|")
+        out.append(
+            "\nWith autograd (the input requires grad, as in a training step's forward): "
+            "fastdist against `torch.distributed.nn.functional`, torch's autograd-aware "
+            "collectives; own work, hot, as above (µs per call). The backward conventions differ "
+            "(torch's all-reduce backward all-reduces again; fastdist's psum backward is the "
+            "identity), so forward + backward compares each library's whole cost.\n"
+        )
+        out.append(
+            "| op | fastdist forward | torch forward | added | fastdist forward + backward | "
+            "torch forward + backward | added |\n|---|---|---|---|---|---|---|"
+        )
         out += [
-            f"| {r['op']} | {r['grad_forward_fastdist_us']:.1f} | {r['grad_forward_torch_us']:.1f} | {r['grad_forward_added_us']:.1f} | "
-            f"{r['grad_forward_backward_fastdist_us']:.1f} | {r['grad_forward_backward_torch_us']:.1f} | {r['grad_forward_backward_added_us']:.1f} |"
+            f"| {r['op']} | {r['grad_forward_fastdist_us']:.1f} | "
+            f"{r['grad_forward_torch_us']:.1f} | {r['grad_forward_added_us']:.1f} | "
+            f"{r['grad_forward_backward_fastdist_us']:.1f} | "
+            f"{r['grad_forward_backward_torch_us']:.1f} | "
+            f"{r['grad_forward_backward_added_us']:.1f} |"
             for r in grad
         ]
-    out.append("\n## Process-group creation on gloo\n\n| world | mesh | fastdist (own groups, local sync) ms | every group on every rank ms | ratio |\n|---|---|---|---|---|")
-    out += [f"| {r['world']} | {r['mesh']} | {r['fastdist_ms']:.1f} | {r['every_group_every_rank_ms']:.1f} | {r['ratio']:.2f} |" for r in res["groups"]]
-    out.append("\n## Mesh layout\n\n| world | all groups of all axes (ms) | naive coordinate scan, 8 groups per axis (ms) |\n|---|---|---|")
-    out += [f"| {r['world']} | {r['groups_all_axes_ms']:.3f} | {r['naive_scan_8_groups_ms']:.3f} |" for r in res["mesh"]]
+    out.append(
+        "\n## Process-group creation on gloo\n\n| world | mesh | fastdist (own groups, local "
+        "sync) ms | every group on every rank ms | ratio |\n|---|---|---|---|---|"
+    )
+    out += [
+        f"| {r['world']} | {r['mesh']} | {r['fastdist_ms']:.1f} | "
+        f"{r['every_group_every_rank_ms']:.1f} | {r['ratio']:.2f} |"
+        for r in res["groups"]
+    ]
+    out.append(
+        "\n## Mesh layout\n\n| world | all groups of all axes (ms) | naive coordinate scan, 8 "
+        "groups per axis (ms) |\n|---|---|---|"
+    )
+    out += [
+        f"| {r['world']} | {r['groups_all_axes_ms']:.3f} | {r['naive_scan_8_groups_ms']:.3f} |"
+        for r in res["mesh"]
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -692,30 +1006,56 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", choices=["sim", "overhead", "groups", "mesh"], action="append")
-    ap.add_argument("--device", default="cpu", help="device of the simulated-rank section, e.g. cuda (the other sections are CPU/gloo)")
-    ap.add_argument("--block-rows-to", type=Path, help=argparse.SUPPRESS)  # internal: the block rows only, as JSON (see _block_rows_keeping_memory)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="device of the simulated-rank section, e.g. cuda (the other sections are CPU/gloo)",
+    )
+    # internal: the block rows only, as JSON (see _block_rows_keeping_memory)
+    ap.add_argument("--block-rows-to", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.block_rows_to is not None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-        args.block_rows_to.write_text(json.dumps(block_rows(False, suffix=", glibc malloc keeping freed memory")))
+        args.block_rows_to.write_text(
+            json.dumps(block_rows(False, suffix=", glibc malloc keeping freed memory"))
+        )
         return 0
     sections = args.only or ["sim", "overhead", "groups", "mesh"]
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     res: dict[str, Any] = {
-        "command": "python benchmarks/run.py" + (" --quick" if args.quick else ""), "torch": torch.__version__,
-        "machine": f"{os.cpu_count()} CPU cores" + (f", simulated ranks on {args.device}" if args.device != "cpu" else ""), "date": datetime.date.today().isoformat(), "sim": [], "overhead": [], "groups": [], "mesh": [],
+        "command": "python benchmarks/run.py" + (" --quick" if args.quick else ""),
+        "torch": torch.__version__,
+        "machine": f"{os.cpu_count()} CPU cores"
+        + (f", simulated ranks on {args.device}" if args.device != "cpu" else ""),
+        "date": datetime.date.today().isoformat(),
+        "sim": [],
+        "overhead": [],
+        "groups": [],
+        "mesh": [],
     }
     for name in sections:
         t = time.perf_counter()
-        res[name] = bench_sim(args.quick, args.device) if name == "sim" else {"overhead": bench_overhead, "groups": bench_groups, "mesh": bench_mesh}[name](args.quick)
+        res[name] = (
+            bench_sim(args.quick, args.device)
+            if name == "sim"
+            else {"overhead": bench_overhead, "groups": bench_groups, "mesh": bench_mesh}[name](
+                args.quick
+            )
+        )
         print(f"[{name}] done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res) if set(sections) == {"sim", "overhead", "groups", "mesh"} else json.dumps(res, indent=1)
+    md = (
+        markdown(res)
+        if set(sections) == {"sim", "overhead", "groups", "mesh"}
+        else json.dumps(res, indent=1)
+    )
     (args.out / "results.md").write_text(md)
     if res["overhead"]:
         plot(res, args.out / "overhead.png")

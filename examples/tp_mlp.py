@@ -1,4 +1,5 @@
-"""Tensor-parallel MLP on real ranks: ``torchrun --standalone --nproc-per-node 4 examples/tp_mlp.py``.
+"""Tensor-parallel MLP on real ranks:
+``torchrun --standalone --nproc-per-node 4 examples/tp_mlp.py``.
 
 The per-rank model code (fastdist.demo.tp_mlp) is the same that `python -m fastdist demo`
 runs on simulated ranks. Every rank checks its gradients against the unsharded MLP
@@ -25,7 +26,10 @@ def main() -> int:
 
     g = torch.Generator().manual_seed(0)  # the same global tensors on every rank
     B, D, H = 4, 8, 4 * tp
-    x, W1, b1, W2 = (torch.randn(*s, dtype=torch.float64, generator=g) for s in [(dp * B, D), (D, H), (H,), (H, D)])
+    x, W1, b1, W2 = (
+        torch.randn(*s, dtype=torch.float64, generator=g)
+        for s in [(dp * B, D), (D, H), (H,), (H, D)]
+    )
 
     # This rank's shards: batch over dp; W1 columns and W2 rows over tp.
     xl = rearrange(x, "(dp b) d -> dp b d", dp=dp)[d].clone().requires_grad_()
@@ -44,7 +48,10 @@ def main() -> int:
     )
     worst = max(fd.all_gather_object(diff, mesh))
     if rank == 0:
-        print(f"tp_mlp on {mesh!r}: loss of dp replica 0 = {loss.item():.6f}, max grad diff over ranks = {worst:.2e}")
+        print(
+            f"tp_mlp on {mesh!r}: loss of dp replica 0 = {loss.item():.6f}, max grad diff over "
+            f"ranks = {worst:.2e}"
+        )
     fd.barrier(mesh)
     dist.destroy_process_group()
     return 0 if worst < 1e-10 else 1

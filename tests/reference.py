@@ -15,7 +15,9 @@ from torch import Tensor
 import fastdist as fd
 
 
-def per_group(xs: Tensor, mesh: fd.Mesh, axis: fd.AxisName, fn: Callable[[list[Tensor]], Sequence[Tensor]]) -> Tensor:
+def per_group(
+    xs: Tensor, mesh: fd.Mesh, axis: fd.AxisName, fn: Callable[[list[Tensor]], Sequence[Tensor]]
+) -> Tensor:
     """Apply ``fn(members) -> outputs`` to every group along ``axis``; restack by rank."""
     out: list[Tensor | None] = [None] * mesh.size
     for group in mesh.groups(axis):
@@ -30,12 +32,19 @@ def ref(op: str, xs: Tensor, mesh: fd.Mesh, axis: fd.AxisName, **kw) -> Tensor:
     def f(m: list[Tensor]) -> Sequence[Tensor]:
         n = len(m)
         if op in ("psum", "pmean", "pmax", "pmin"):
-            red = {"psum": lambda t: t.sum(0).to(t.dtype), "pmean": lambda t: t.mean(0), "pmax": lambda t: t.amax(0), "pmin": lambda t: t.amin(0)}[op]
+            red = {
+                "psum": lambda t: t.sum(0).to(t.dtype),
+                "pmean": lambda t: t.mean(0),
+                "pmax": lambda t: t.amax(0),
+                "pmin": lambda t: t.amin(0),
+            }[op]
             return [red(torch.stack(m))] * n
         if op == "pvary":
             return m
         if op == "all_gather":
-            return [torch.cat(m, kw["dim"]) if kw.get("tiled", True) else torch.stack(m, kw["dim"])] * n
+            return [
+                torch.cat(m, kw["dim"]) if kw.get("tiled", True) else torch.stack(m, kw["dim"])
+            ] * n
         if op == "psum_scatter":
             total = torch.stack(m).sum(0).to(m[0].dtype)
             if kw.get("tiled", True):

@@ -1,4 +1,5 @@
-"""Benchmarks are measured, never asserted on time; this smoke run only checks they run and report ratios."""
+"""Benchmarks are measured, never asserted on time; this smoke run only checks they run and report
+ratios."""
 
 from __future__ import annotations
 
@@ -11,22 +12,65 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
-    assert {r["op"] for r in res["overhead"]} == {"psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"}
-    assert all(r["ratio_vs_c10d"] > 0 and r["busbw_GBps"] >= 0 and r["own_fastdist_us"] > 0 and r["ratio_from_own_work"] > 0 for r in res["overhead"])
+    assert {r["op"] for r in res["overhead"]} == {
+        "psum",
+        "all_gather",
+        "psum_scatter",
+        "all_to_all",
+        "ppermute",
+    }
+    assert all(
+        r["ratio_vs_c10d"] > 0
+        and r["busbw_GBps"] >= 0
+        and r["own_fastdist_us"] > 0
+        and r["ratio_from_own_work"] > 0
+        for r in res["overhead"]
+    )
     small = [r for r in res["overhead"] if r["bytes"] == res["overhead"][0]["bytes"]]
-    assert all(r["fastdist_us_cold"] > 0 and r["outside_fastdist_us"] > 0 for r in small)  # the cold rows
-    assert {r["op"] for r in small if r.get("grad_forward_fastdist_us", 0) > 0 and r.get("grad_forward_backward_torch_us", 0) > 0} == {"psum", "all_to_all"}  # with autograd
-    assert res["sim"][1]["ratio"] > 0 and res["mesh"][0]["world"] == 64 and len(res["sim"]) in (9, 12)  # 12 with the optional JAX rows
+    # the cold rows
+    assert all(r["fastdist_us_cold"] > 0 and r["outside_fastdist_us"] > 0 for r in small)
+    assert {
+        r["op"]
+        for r in small
+        if r.get("grad_forward_fastdist_us", 0) > 0
+        and r.get("grad_forward_backward_torch_us", 0) > 0
+    } == {"psum", "all_to_all"}  # with autograd
+    # 12 with the optional JAX rows
+    assert (
+        res["sim"][1]["ratio"] > 0 and res["mesh"][0]["world"] == 64 and len(res["sim"]) in (9, 12)
+    )
     assert "spmd, torch.compile" in res["sim"][-1]["case"] and res["sim"][-1]["ratio"] > 0
     assert res["groups"][0]["world"] == 4 and res["groups"][0]["fastdist_ms"] > 0
-    assert (tmp_path / "overhead.png").stat().st_size > 1000 and "| psum |" in (tmp_path / "results.md").read_text() and "With autograd" in (tmp_path / "results.md").read_text()
+    assert (
+        (tmp_path / "overhead.png").stat().st_size > 1000
+        and "| psum |" in (tmp_path / "results.md").read_text()
+        and "With autograd" in (tmp_path / "results.md").read_text()
+    )
 
 
 def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_models.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "hf_models.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "hf_models.json").read_text())
     assert [r["case"] for r in rows] == ["HF Llama fwd+bwd, eager", "HF Llama fwd+bwd, compiled"]
@@ -35,18 +79,35 @@ def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
 
 
 def test_moe_benchmark_smoke_run(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "moe.json").read_text())
-    assert len(rows) == 3 and "allgather" in rows[0]["case"] and all("all_to_all" in r["case"] for r in rows[1:])
+    assert (
+        len(rows) == 3
+        and "allgather" in rows[0]["case"]
+        and all("all_to_all" in r["case"] for r in rows[1:])
+    )
     assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 for r in rows)
 
 
 def test_profile_check_smoke_run() -> None:
-    """benchmarks/profile_check.py --quick: predicted and measured gloo times for three layouts (the quick sizes are
-    latency-bound, so only the full run's ranking is compared in benchmarks/README.md)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_check.py"), "--quick"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, check=False)
+    """benchmarks/profile_check.py --quick: predicted and measured gloo times for three layouts (the
+    quick sizes are latency-bound, so only the full run's ranking is compared in
+    benchmarks/README.md)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_check.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for layout in ("| tp4 |", "| dp2 x tp2 |", "| dp4 |"):
         assert layout in proc.stdout
@@ -54,10 +115,19 @@ def test_profile_check_smoke_run() -> None:
 
 
 def test_mq_benchmark_smoke_run(tmp_path: Path) -> None:
-    """benchmarks/mq.py --quick: fastdist.mq.MessageQueue vs broadcast_object over gloo on 4 processes, ratios reported."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mq.py"), "--quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, check=False)
+    """benchmarks/mq.py --quick: fastdist.mq.MessageQueue vs broadcast_object over gloo on 4
+    processes, ratios reported."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mq.py"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "mq.json").read_text())
-    assert [r["case"] for r in rows] == ["stream", "rtt"] and all(r["ratio"] > 0 and r["mq_us"] > 0 and r["gloo_us"] > 0 for r in rows)
+    assert [r["case"] for r in rows] == ["stream", "rtt"] and all(
+        r["ratio"] > 0 and r["mq_us"] > 0 and r["gloo_us"] > 0 for r in rows
+    )
     assert "| gloo / mq |" in proc.stdout and "Traceback" not in proc.stderr

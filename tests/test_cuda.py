@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @settings(max_examples=10)
 @given(data=st.data())
 def test_values_on_cuda_every_dtype(op: str, data: st.DataObject) -> None:
-    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16) + (() if op == "pmean" else (torch.int32, torch.int64))
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16) + (
+        () if op == "pmean" else (torch.int32, torch.int64)
+    )
     mesh, axis, kw, xs = data.draw(cases(op, dtypes))
     got = run(op, xs.to(CUDA), mesh, axis, **kw)
     assert got.device.type == "cuda" and got.dtype == xs.dtype
@@ -49,7 +51,9 @@ def test_values_on_cuda_every_dtype(op: str, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_gradients_on_cuda_match_single_device(op: str, data: st.DataObject) -> None:
     mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
-    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (op in ("pmax", "pmin"))
+    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (
+        op in ("pmax", "pmin")
+    )
     leaf = xs.to(CUDA).requires_grad_()
     out = run(op, leaf, mesh, axis, **kw)
     c = cotangent(op, out.detach().cpu(), mesh, axis, seed=data.draw(st.integers(0, 2**16)))
@@ -60,7 +64,8 @@ def test_gradients_on_cuda_match_single_device(op: str, data: st.DataObject) -> 
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_inductor_on_cuda_equals_eager(op: str) -> None:
-    """Compiled with inductor (Triton kernels on the GPU): forward and backward equal eager and the oracle."""
+    """Compiled with inductor (Triton kernels on the GPU): forward and backward equal eager and the
+    oracle."""
     from .reference import per_group
 
     torch._dynamo.reset()
@@ -70,7 +75,8 @@ def test_inductor_on_cuda_equals_eager(op: str) -> None:
         xs = per_group(xs, mesh, axis, lambda m: [m[0]] * len(m))
     kw = COMPILE_CASES[op]
     fn = getattr(fd, op)
-    step = fd.simulate(lambda x: torch.sin(fn(x, mesh, axis, **kw)) * 2, mesh)  # elementwise work for Triton to fuse
+    # elementwise work for Triton to fuse
+    step = fd.simulate(lambda x: torch.sin(fn(x, mesh, axis, **kw)) * 2, mesh)
     eager_leaf, comp_leaf = (xs.to(CUDA).requires_grad_() for _ in range(2))
     eager_out = step(eager_leaf)
     comp_out = torch.compile(step, fullgraph=True)(comp_leaf)
@@ -90,7 +96,8 @@ def test_hf_llama_tp_sp_on_cuda_matches_one_device() -> None:
 
 
 def test_hf_llama_bf16_on_cuda_is_close_to_float64() -> None:
-    """bf16 on the GPU (flash/efficient SDPA kernels, rank-batched): the loss within bf16 rounding of float64."""
+    """bf16 on the GPU (flash/efficient SDPA kernels, rank-batched): the loss within bf16 rounding
+    of float64."""
     pytest.importorskip("transformers")
     from .test_hf_models import batch, build, rep
 
@@ -109,7 +116,8 @@ def test_hf_llama_bf16_on_cuda_is_close_to_float64() -> None:
 
 
 def test_native_nccl_benchmark_checks_pass() -> None:
-    """benchmarks/native_gpu.py: every NativeCommunicator op through the real libnccl, eager and in CUDA graphs."""
+    """benchmarks/native_gpu.py: every NativeCommunicator op through the real libnccl, eager and in
+    CUDA graphs."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import native_gpu  # type: ignore[import-not-found]
@@ -120,7 +128,8 @@ def test_native_nccl_benchmark_checks_pass() -> None:
 
 
 def test_graph_capture_of_a_simulated_step_replays_with_new_inputs() -> None:
-    """fd.graph_capture's side stream + torch.cuda.graph: a simulated psum step captured once, replayed on new data."""
+    """fd.graph_capture's side stream + torch.cuda.graph: a simulated psum step captured once,
+    replayed on new data."""
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     step = fd.simulate(lambda x: torch.tanh(fd.psum(x, mesh, "tp")), mesh)
     static = torch.zeros(4, 3, device=CUDA)

@@ -16,8 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site built once, with warnings as errors."""
     out = tmp_path_factory.mktemp("docs") / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], check=False, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out
 
@@ -28,8 +35,9 @@ def test_mkdocs_builds_strict(site: Path) -> None:
 
 
 def test_built_site_reads_right(site: Path) -> None:
-    """The rendered HTML, as a reader sees it: no literal Sphinx roles, doctest examples as code (not
-    nested block quotes), a Returns paragraph as one description, only the public API listed."""
+    """The rendered HTML, as a reader sees it: no literal Sphinx roles, doctest examples as code
+    (not nested block quotes), a Returns paragraph as one description, only the public API
+    listed."""
     import re
 
     pages = {p.relative_to(site).as_posix(): p.read_text() for p in site.rglob("*.html")}
@@ -38,16 +46,30 @@ def test_built_site_reads_right(site: Path) -> None:
         body = re.sub(r"<(script|style)\b.*?</\1>", "", page, flags=re.DOTALL)
         roles = re.findall(r":(?:py:)?(?:func|class|meth|mod|data|attr|exc|obj):`?", body)
         assert not roles, f"{name}: literal Sphinx roles {roles[:5]}"
-        quoted = re.findall(r"<blockquote>(?:(?!</blockquote>).)*&gt;&gt;&gt;", body, flags=re.DOTALL)
+        quoted = re.findall(
+            r"<blockquote>(?:(?!</blockquote>).)*&gt;&gt;&gt;", body, flags=re.DOTALL
+        )
         assert not quoted, f"{name}: a doctest rendered as a block quote"
     api = pages["api/index.html"]
-    in_code = re.findall(r"<div class=\"highlight\"><pre>(?:(?!</pre>).)*</pre>", api, flags=re.DOTALL)
+    in_code = re.findall(
+        r"<div class=\"highlight\"><pre>(?:(?!</pre>).)*</pre>", api, flags=re.DOTALL
+    )
     prompts = sum(block.count("&gt;&gt;&gt;") for block in in_code)
-    assert prompts >= 80 and prompts == api.count("&gt;&gt;&gt;")  # every example line is in a code block
-    assert "rank_binding" not in api and "fastdist.simulate.promote" not in api  # internal helpers are not API
-    assert re.search(r"<td[^>]*>(?:(?!</td>).)*A function taking the same arguments(?:(?!</td>).)*Results carry the rank dimension", api, flags=re.DOTALL)
+    # every example line is in a code block
+    assert prompts >= 80 and prompts == api.count("&gt;&gt;&gt;")
+    # internal helpers are not API
+    assert "rank_binding" not in api and "fastdist.simulate.promote" not in api
+    assert re.search(
+        r"<td[^>]*>(?:(?!</td>).)*A function taking the same arguments(?:(?!</td>).)*Results "
+        r"carry the rank dimension",
+        api,
+        flags=re.DOTALL,
+    )
     for anchor in re.findall(r'id="(fastdist\.[\w.]+)"', api):
-        assert not any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in anchor.split(".")), anchor
+        assert not any(
+            p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
+            for p in anchor.split(".")
+        ), anchor
 
 
 def test_site_has_install_notebooks_and_performance_pages(site: Path) -> None:
@@ -61,4 +83,7 @@ def test_site_has_install_notebooks_and_performance_pages(site: Path) -> None:
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         page = (site / "notebooks" / nb.stem / "index.html").read_text()
         assert f"notebooks/{nb.name}" in page and page.count('class="highlight"') >= 3, nb.name
-    assert "all_gather" in (site / "gradients" / "index.html").read_text() and "psum_scatter" in (site / "gradients" / "index.html").read_text()
+    assert (
+        "all_gather" in (site / "gradients" / "index.html").read_text()
+        and "psum_scatter" in (site / "gradients" / "index.html").read_text()
+    )

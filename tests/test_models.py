@@ -74,7 +74,9 @@ def test_tp_mlp_backward(dp: int, tp: int) -> None:
 @pytest.mark.parametrize("dp, tp", MESHES)
 def test_tp_mlp_func_grad_inside_simulate(dp: int, tp: int) -> None:
     case = TPMLPCase(dp, tp)
-    grads = fd.simulate(lambda *a: torch.func.grad(case.loss, argnums=(0, 1, 2, 3))(*a), case.mesh)(*case.shard(case.x, case.W1, case.b1, case.W2))
+    grads = fd.simulate(lambda *a: torch.func.grad(case.loss, argnums=(0, 1, 2, 3))(*a), case.mesh)(
+        *case.shard(case.x, case.W1, case.b1, case.W2)
+    )
     case.check(list(grads))
 
 
@@ -101,7 +103,8 @@ def test_tp_mlp_without_pvary_gets_dx_wrong() -> None:
     leaves = case.leaves()
     fd.simulate(no_pvary, case.mesh)(*leaves).sum().backward()
     assert (leaves[0].grad - case.ref_grads[0]).abs().max() > 1e-3
-    torch.testing.assert_close(leaves[0].grad.sum(0), case.ref_grads[0][0])  # the partials sum to dx
+    # the partials sum to dx
+    torch.testing.assert_close(leaves[0].grad.sum(0), case.ref_grads[0][0])
 
 
 def test_demo_matches_single_device() -> None:
@@ -115,7 +118,11 @@ def test_data_parallel_gradient_averaging_with_pmean() -> None:
     dp, B, D = 4, 3, 5
     mesh = fd.Mesh({"dp": dp})
     g = gen(7)
-    x, y, W = torch.randn(dp * B, D, dtype=F64, generator=g), torch.randn(dp * B, dtype=F64, generator=g), torch.randn(D, dtype=F64, generator=g)
+    x, y, W = (
+        torch.randn(dp * B, D, dtype=F64, generator=g),
+        torch.randn(dp * B, dtype=F64, generator=g),
+        torch.randn(D, dtype=F64, generator=g),
+    )
     w = W.clone().requires_grad_()
     ((x @ w - y) ** 2).mean().backward()  # single device, full batch
 
@@ -124,19 +131,24 @@ def test_data_parallel_gradient_averaging_with_pmean() -> None:
         return fd.pmean(grad, mesh, "dp")  # average over replicas = full-batch gradient
 
     grads = fd.simulate(rank_step, mesh)(
-        rearrange(x, "(dp b) d -> dp b d", dp=dp), rearrange(y, "(dp b) -> dp b", dp=dp), repeat(W, "d -> dp d", dp=dp)
+        rearrange(x, "(dp b) d -> dp b d", dp=dp),
+        rearrange(y, "(dp b) -> dp b", dp=dp),
+        repeat(W, "d -> dp d", dp=dp),
     )
     torch.testing.assert_close(grads, repeat(w.grad, "d -> dp d", dp=dp))
 
 
-# ============================================================================ Ulysses sequence parallel attention
+# ============================================================== Ulysses sequence parallel attention
 def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """(B, S, H, Dh) -> (B, S, H, Dh), softmax attention per head."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("mesh_axes, axis", [({"sp": 4}, "sp"), ({"dp": 2, "sp": 2}, "sp"), ({"sp": 2, "tp": 2}, ("sp", "tp"))])
+@pytest.mark.parametrize(
+    "mesh_axes, axis",
+    [({"sp": 4}, "sp"), ({"dp": 2, "sp": 2}, "sp"), ({"sp": 2, "tp": 2}, ("sp", "tp"))],
+)
 def test_ulysses_attention_matches_single_device(mesh_axes: dict[str, int], axis) -> None:
     mesh = fd.Mesh(mesh_axes)
     P = mesh.axis_size(axis)
@@ -149,14 +161,19 @@ def test_ulysses_attention_matches_single_device(mesh_axes: dict[str, int], axis
     out = rearrange(attention(*leaves[:3]), "b s h d -> b s (h d)") @ leaves[3]
     (out.sin().sum()).backward()
 
-    def shard_seq(t: Tensor) -> Tensor:  # (B, S, H, Dh) -> [world, B, S/P, H, Dh]; rank index along axis = seq chunk
+    def shard_seq(
+        t: Tensor,
+    ) -> Tensor:  # (B, S, H, Dh) -> [world, B, S/P, H, Dh]; rank index along axis = seq chunk
         chunks = rearrange(t, "b (p s) h d -> p b s h d", p=P)
         return torch.stack([chunks[mesh.index(r, axis)] for r in range(mesh.size)])
 
     def rank_loss(q: Tensor, k: Tensor, v: Tensor, wo: Tensor) -> Tensor:
-        q, k, v = (fd.all_to_all_4d(t, mesh, axis) for t in (q, k, v))  # (B, S, H/P, Dh): all tokens, my heads
-        o = fd.all_to_all_4d(attention(q, k, v), mesh, axis, scatter_dim=1, gather_dim=2)  # (B, S/P, H, Dh)
-        return (rearrange(o, "b s h d -> b s (h d)") @ wo).sin().sum()  # my tokens' share of the loss
+        # (B, S, H/P, Dh): all tokens, my heads
+        q, k, v = (fd.all_to_all_4d(t, mesh, axis) for t in (q, k, v))
+        # (B, S/P, H, Dh)
+        o = fd.all_to_all_4d(attention(q, k, v), mesh, axis, scatter_dim=1, gather_dim=2)
+        # my tokens' share of the loss
+        return (rearrange(o, "b s h d -> b s (h d)") @ wo).sin().sum()
 
     sq, sk, sv = (shard_seq(t).requires_grad_() for t in (q, k, v))
     swo = repeat(Wo, "i o -> w i o", w=mesh.size).clone().requires_grad_()

@@ -1,4 +1,5 @@
-"""The package as a user installs it: the wheel's name and contents, and a pytest plugin that costs nothing."""
+"""The package as a user installs it: the wheel's name and contents, and a pytest plugin that costs
+nothing."""
 
 from __future__ import annotations
 
@@ -16,37 +17,87 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (whl,) = out.glob("*.whl")
     return whl
 
 
 def test_the_wheel_is_torch_fastdist_with_both_packages(wheel: Path) -> None:
-    assert wheel.name.startswith("torch_fastdist-"), wheel.name  # "fastdist" on the index is an unrelated project
+    # "fastdist" on the index is an unrelated project
+    assert wheel.name.startswith("torch_fastdist-"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    for f in ("fastdist/__init__.py", "fastdist/py.typed", "fastdist/native/fakecomm.c", "fastdist/nn/parallelize.py",
-              "fastdist_pytest/__init__.py", "fastdist_pytest/py.typed"):
+    for f in (
+        "fastdist/__init__.py",
+        "fastdist/py.typed",
+        "fastdist/native/fakecomm.c",
+        "fastdist/nn/parallelize.py",
+        "fastdist_pytest/__init__.py",
+        "fastdist_pytest/py.typed",
+    ):
         assert f in names, f
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
     assert "\nName: torch-fastdist\n" in text
     entry = zipfile.ZipFile(wheel).read(meta.replace("METADATA", "entry_points.txt")).decode()
-    assert "[pytest11]\nfastdist = fastdist_pytest" in entry and "fastdist = fastdist.__main__:main" in entry
+    assert (
+        "[pytest11]\nfastdist = fastdist_pytest" in entry
+        and "fastdist = fastdist.__main__:main" in entry
+    )
 
 
 def test_the_installed_wheel_imports_and_runs(wheel: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, timeout=120)
-    code = "import fastdist, torch; m = fastdist.Mesh({'tp': 2}); print(fastdist.__file__); print(fastdist.simulate(lambda x: fastdist.psum(x, m, 'tp'), m)(torch.ones(2)).tolist())"
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.splitlines()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    code = (
+        "import fastdist, torch; m = fastdist.Mesh({'tp': 2}); print(fastdist.__file__); "
+        "print(fastdist.simulate(lambda x: fastdist.psum(x, m, 'tp'), m)(torch.ones(2)).tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1] == "[2.0, 2.0]"
 
 
 def test_the_pytest_plugin_imports_neither_torch_nor_fastdist(tmp_path: Path) -> None:
-    """pytest loads the plugin in every run of the environment; only a test that uses the fixture pays for torch."""
+    """pytest loads the plugin in every run of the environment; only a test that uses the fixture
+    pays for torch."""
     (tmp_path / "test_lazy.py").write_text(
         "import sys\n\n"
         "def test_nothing_heavy_loaded():\n"
@@ -54,9 +105,30 @@ def test_the_pytest_plugin_imports_neither_torch_nor_fastdist(tmp_path: Path) ->
         "def test_the_fixture_still_works(fastdist_mesh):\n"
         "    assert dict(fastdist_mesh.shape) == {'dp': 2, 'tp': 2}\n"
     )
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "fastdist_pytest", "-p", "no:cacheprovider", "test_lazy.py"],
-                         check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        "PYTHONPATH": str(ROOT / "src"),
+        "PATH": "/usr/bin:/bin",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "fastdist_pytest",
+            "-p",
+            "no:cacheprovider",
+            "test_lazy.py",
+        ],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2 passed" in res.stdout
 

@@ -14,17 +14,25 @@ import fastdist.distributed as D
 from fastdist.native import fake
 from fastdist.testing import run_on_gloo
 
-DICT = {"h": torch.arange(12.0).reshape(3, 4), "odd": torch.arange(5.0), "empty": torch.zeros(0, 2), "step": 7, "ids": torch.tensor([3, 1, 4, 1])}
+DICT = {
+    "h": torch.arange(12.0).reshape(3, 4),
+    "odd": torch.arange(5.0),
+    "empty": torch.zeros(0, 2),
+    "step": 7,
+    "ids": torch.tensor([3, 1, 4, 1]),
+}
 
 
 def _pp_transfer(all_gather_axis: str | None) -> dict[str, Any]:
-    """pp=2 x tp=2: stage 0 sends DICT to stage 1 (same tp index); records what each rank put on the wire."""
+    """pp=2 x tp=2: stage 0 sends DICT to stage 1 (same tp index); records what each rank put on the
+    wire."""
     mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=20)
     sent: list[int] = []
     real = D.send
 
     def counting_send(t: torch.Tensor, *a: Any, **k: Any) -> None:
-        sent.append(t.numel())  # the tensors send_tensor_dict puts on the wire (metadata travels apart)
+        # the tensors send_tensor_dict puts on the wire (metadata travels apart)
+        sent.append(t.numel())
         real(t, *a, **k)
 
     D.send = counting_send  # type: ignore[assignment]
@@ -38,7 +46,9 @@ def _pp_transfer(all_gather_axis: str | None) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("all_gather_axis", [None, "tp"])
-def test_tensor_dict_between_stages_with_and_without_the_all_gather(all_gather_axis: str | None) -> None:
+def test_tensor_dict_between_stages_with_and_without_the_all_gather(
+    all_gather_axis: str | None,
+) -> None:
     out = run_on_gloo(_pp_transfer, 4, all_gather_axis, timeout=90)
     for rank in (0, 1):  # stage 0 (tp index 0 and 1)
         # h (12) and ids (4) travel as halves over tp=2; odd (5 elements) and empty travel whole
@@ -54,15 +64,25 @@ def test_tensor_dict_between_stages_with_and_without_the_all_gather(all_gather_a
 
 def _mismatched_all_gather_axis() -> str:
     mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=5)
-    with pytest.raises(fd.CommError, match=r"all_gather_axis=\('pp', 'tp'\) shares mesh axes with the transfer axis 'pp'"):
-        fd.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis=("pp", "tp"))  # refused before anything is sent
+    with pytest.raises(
+        fd.CommError,
+        match=r"all_gather_axis=\('pp', 'tp'\) shares mesh axes with the transfer axis 'pp'",
+    ):
+        # refused before anything is sent
+        fd.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis=("pp", "tp"))
     if mesh.index(mesh.rank, "pp") == 0:
         try:
             fd.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis="tp")
             return "sent"
         except fd.FastdistError as e:
             return type(e).__name__
-    with pytest.raises(fd.CommError, match=r"the sender used all_gather_axis='tp', this rank None.*Fix: pass the same all_gather_axis on both sides"):
+    with pytest.raises(
+        fd.CommError,
+        match=(
+            r"the sender used all_gather_axis='tp', this rank None.*Fix: pass the same "
+            r"all_gather_axis on both sides"
+        ),
+    ):
         fd.recv_tensor_dict(mesh, "pp", 0)
     return "raised"
 
@@ -83,12 +103,14 @@ def _capture_setup(lib: str) -> list[Any]:
 
 
 def test_graph_capture_creates_the_communicators_first(tmp_path: Path) -> None:
-    """CPU + the fake NCCL: entering graph_capture initialises the communicator before any collective runs."""
+    """CPU + the fake NCCL: entering graph_capture initialises the communicator before any
+    collective runs."""
     lib = fake.build(tmp_path / "fakenccl")
     for no_stream, device, before, after, out in run_on_gloo(_capture_setup, 2, lib, timeout=90):
         assert no_stream and device == "cpu" and out == [3.0, 6.0]
         assert "ncclCommInitRank" in before  # the communicator exists on entering the block
-        assert after[len(before):] == ["ncclAllReduce"]  # the block's psum: one call on it, no set-up left
+        # the block's psum: one call on it, no set-up left
+        assert after[len(before) :] == ["ncclAllReduce"]
 
 
 def test_graph_capture_on_a_simulated_mesh_runs_the_block_as_is() -> None:

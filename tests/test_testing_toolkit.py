@@ -13,7 +13,14 @@ from torch import Tensor
 
 import fastdist as fd
 from fastdist import P
-from fastdist.testing import assert_matches_single_device, axes, meshes, run_on_gloo, shard_sizes, sharded
+from fastdist.testing import (
+    assert_matches_single_device,
+    axes,
+    meshes,
+    run_on_gloo,
+    shard_sizes,
+    sharded,
+)
 
 F64 = torch.float64
 
@@ -27,7 +34,10 @@ def test_strategies_draw_valid_values(data: st.DataObject) -> None:
     sizes = data.draw(shard_sizes(n, total=7))
     assert len(sizes) == n and sum(sizes) == 7 and min(sizes) >= 0
     s = data.draw(sharded(n, even=data.draw(st.booleans())))
-    assert torch.equal(torch.cat(s.shards, s.dim), s.global_tensor) and [t.shape[0] for t in s.shards] == s.sizes
+    assert (
+        torch.equal(torch.cat(s.shards, s.dim), s.global_tensor)
+        and [t.shape[0] for t in s.shards] == s.sizes
+    )
 
 
 def test_uneven_sizes_include_empty_shards() -> None:
@@ -50,26 +60,51 @@ def _mlp(mesh: fd.Mesh):
 
 def _inputs() -> list[Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(4, 3, dtype=F64, generator=g), torch.randn(3, 4, dtype=F64, generator=g), torch.randn(4, 3, dtype=F64, generator=g)]
+    return [
+        torch.randn(4, 3, dtype=F64, generator=g),
+        torch.randn(3, 4, dtype=F64, generator=g),
+        torch.randn(4, 3, dtype=F64, generator=g),
+    ]
 
 
 SPECS = {"in_specs": (P("dp", None), P(None, "tp"), P("tp", None)), "out_specs": P("dp", None)}
 
 
 def test_assert_matches_single_device_passes_for_correct_code(fastdist_mesh: fd.Mesh) -> None:
-    assert_matches_single_device(_mlp(fastdist_mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, fastdist_mesh, _inputs(), **SPECS)
+    assert_matches_single_device(
+        _mlp(fastdist_mesh),
+        lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+        fastdist_mesh,
+        _inputs(),
+        **SPECS,
+    )
 
 
 def test_assert_matches_single_device_catches_a_wrong_gradient(fastdist_mesh: fd.Mesh) -> None:
-    """Without the checker (and without a hand-written pvary) dx is each rank's partial: caught, naming the rank."""
+    """Without the checker (and without a hand-written pvary) dx is each rank's partial: caught,
+    naming the rank."""
     with pytest.raises(AssertionError, match=r"gradient of input 0 on rank 0 \{'dp': 0, 'tp': 0\}"):
-        assert_matches_single_device(_mlp(fastdist_mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, fastdist_mesh, _inputs(), check=False, **SPECS)
+        assert_matches_single_device(
+            _mlp(fastdist_mesh),
+            lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+            fastdist_mesh,
+            _inputs(),
+            check=False,
+            **SPECS,
+        )
 
 
 def test_assert_matches_single_device_catches_a_wrong_value(fastdist_mesh: fd.Mesh) -> None:
     with pytest.raises(AssertionError, match=r"output on rank 0"):
-        assert_matches_single_device(lambda x: fd.psum(x, fastdist_mesh, "tp") * 2, lambda x: x.sum(0, keepdim=True).expand(2, 1) * 1, fastdist_mesh,
-                                     [torch.randn(2, 1, dtype=F64)], in_specs=(P("tp", None),), out_specs=P(), check=False)
+        assert_matches_single_device(
+            lambda x: fd.psum(x, fastdist_mesh, "tp") * 2,
+            lambda x: x.sum(0, keepdim=True).expand(2, 1) * 1,
+            fastdist_mesh,
+            [torch.randn(2, 1, dtype=F64)],
+            in_specs=(P("tp", None),),
+            out_specs=P(),
+            check=False,
+        )
 
 
 @pytest.mark.fastdist_mesh(sp=4)
@@ -90,9 +125,18 @@ def gloo_fail() -> None:
 def gloo_same_test() -> str:
     """The body of test_assert_matches_single_device_passes_for_correct_code, on a real mesh."""
     mesh = fd.Mesh.from_torch(tp=2)
-    assert_matches_single_device(_mlp(mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, mesh, _inputs(), **SPECS)
+    assert_matches_single_device(
+        _mlp(mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, mesh, _inputs(), **SPECS
+    )
     try:
-        assert_matches_single_device(_mlp(mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, mesh, _inputs(), check=False, **SPECS)
+        assert_matches_single_device(
+            _mlp(mesh),
+            lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+            mesh,
+            _inputs(),
+            check=False,
+            **SPECS,
+        )
     except AssertionError as e:
         return str(e).splitlines()[0]
     return "not caught"
@@ -100,7 +144,9 @@ def gloo_same_test() -> str:
 
 def test_the_same_check_runs_on_gloo_processes() -> None:
     firsts = run_on_gloo(gloo_same_test, 4)
-    assert [f.startswith(f"gradient of input 0 on rank {r} ") for r, f in enumerate(firsts)] == [True] * 4
+    assert [f.startswith(f"gradient of input 0 on rank {r} ") for r, f in enumerate(firsts)] == [
+        True
+    ] * 4
 
 
 def test_run_on_gloo_returns_every_rank_result() -> None:
@@ -108,28 +154,56 @@ def test_run_on_gloo_returns_every_rank_result() -> None:
 
 
 def test_run_on_gloo_reports_the_failing_rank() -> None:
-    with pytest.raises(fd.GlooRunError, match=r"(?s)^run_on_gloo\(gloo_fail, 2\) failed:\n--- rank \d: raised ValueError: boom on purpose\nTraceback") as info:
+    with pytest.raises(
+        fd.GlooRunError,
+        match=(
+            r"(?s)^run_on_gloo\(gloo_fail, 2\) failed:\n--- rank \d: raised ValueError: boom on "
+            r"purpose\nTraceback"
+        ),
+    ) as info:
         run_on_gloo(gloo_fail, 2)
     e = info.value
-    assert isinstance(e, AssertionError) and not e.timed_out and sorted(e.failures) == [0, 1] and e.exitcodes == {0: 1, 1: 1}
+    assert (
+        isinstance(e, AssertionError)
+        and not e.timed_out
+        and sorted(e.failures) == [0, 1]
+        and e.exitcodes == {0: 1, 1: 1}
+    )
     for text in e.failures.values():
-        assert text.startswith("raised ValueError: boom on purpose\nTraceback (most recent call last):\n")
-        assert 'in gloo_fail\n    raise ValueError("boom on purpose")' in text and "_gloo_entry" not in text  # from the user's function down
+        assert text.startswith(
+            "raised ValueError: boom on purpose\nTraceback (most recent call last):\n"
+        )
+        # from the user's function down
+        assert (
+            'in gloo_fail\n    raise ValueError("boom on purpose")' in text
+            and "_gloo_entry" not in text
+        )
 
 
 def gloo_many_tensors(n: int) -> dict[str, object]:
-    """A result that holds many tensors (they once travelled as shared-memory handles that died with the rank)."""
+    """A result that holds many tensors (they once travelled as shared-memory handles that died with
+    the rank)."""
     mesh = fd.Mesh.from_torch(tp=2)
     big = torch.arange(1000.0)
-    return {"rank": mesh.rank, "tensors": [torch.full((2,), float(i * 10 + mesh.rank)) for i in range(n)], "views": [big[i : i + 3] for i in range(0, 30, 10)]}
+    return {
+        "rank": mesh.rank,
+        "tensors": [torch.full((2,), float(i * 10 + mesh.rank)) for i in range(n)],
+        "views": [big[i : i + 3] for i in range(0, 30, 10)],
+    }
 
 
 def test_run_on_gloo_returns_results_holding_many_tensors() -> None:
     results = run_on_gloo(gloo_many_tensors, 2, 500)
     for r, got in enumerate(results):
         assert got["rank"] == r and len(got["tensors"]) == 500
-        assert torch.equal(torch.stack(got["tensors"]), (torch.arange(500.0) * 10 + r).unsqueeze(1).expand(500, 2))
-        assert [v.tolist() for v in got["views"]] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0], [20.0, 21.0, 22.0]]
+        assert torch.equal(
+            torch.stack(got["tensors"]), (torch.arange(500.0) * 10 + r).unsqueeze(1).expand(500, 2)
+        )
+        assert [v.tolist() for v in got["views"]] == [
+            [0.0, 1.0, 2.0],
+            [10.0, 11.0, 12.0],
+            [20.0, 21.0, 22.0],
+        ]
 
 
 def gloo_exit(code: int) -> None:
@@ -149,8 +223,14 @@ def test_run_on_gloo_reports_a_rank_that_died_promptly() -> None:
     took = time.monotonic() - start
     e = info.value
     assert list(e.failures) == [1, 0] and not e.timed_out  # the cause first
-    assert e.failures[1] == "exited with code 3 before it saved a result (os._exit, or a crash in native code)"
-    assert e.failures[0] == "still running 1 s after rank 1 failed: killed (probably waiting for it in a collective)"
+    assert (
+        e.failures[1]
+        == "exited with code 3 before it saved a result (os._exit, or a crash in native code)"
+    )
+    assert (
+        e.failures[0]
+        == "still running 1 s after rank 1 failed: killed (probably waiting for it in a collective)"
+    )
     assert e.exitcodes == {0: -9, 1: 3}
     assert str(e).startswith("run_on_gloo(gloo_exit, 2) failed:\n--- rank 1: exited with code 3")
     assert took < 20, took  # spawning two ranks + 1 s grace, not the 60 s timeout
@@ -164,30 +244,53 @@ def gloo_sleep() -> None:
 
 def test_run_on_gloo_times_out_and_says_so() -> None:
     start = time.monotonic()
-    with pytest.raises(fd.GlooRunError, match=r"^run_on_gloo\(gloo_sleep, 2\) timed out:\n--- rank 0: still running after the 3 s timeout: killed\n--- rank 1: ") as info:
+    with pytest.raises(
+        fd.GlooRunError,
+        match=(
+            r"^run_on_gloo\(gloo_sleep, 2\) timed out:\n--- rank 0: still running after the 3 s "
+            r"timeout: killed\n--- rank 1: "
+        ),
+    ) as info:
         run_on_gloo(gloo_sleep, 2, timeout=3)
     assert info.value.timed_out and info.value.exitcodes == {0: -9, 1: -9}
     assert 3 <= time.monotonic() - start < 15
 
 
 def test_concurrent_run_on_gloo_calls_do_not_collide() -> None:
-    """Each run has its own store on a port the OS gave the parent: parallel runs cannot take each other's port."""
+    """Each run has its own store on a port the OS gave the parent: parallel runs cannot take each
+    other's port."""
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(run_on_gloo, gloo_psum, 2, float(k)) for k in (1, 2)]
         assert [f.result(timeout=120) for f in runs] == [[[1.0], [1.0]], [[2.0], [2.0]]]
 
 
 def test_what_a_rank_left_behind_is_read_as_what_happened(tmp_path) -> None:
-    """In-process: an unsaveable result, a missing one after a signal or an exit code (what run_on_gloo reports)."""
+    """In-process: an unsaveable result, a missing one after a signal or an exit code (what
+    run_on_gloo reports)."""
     from fastdist.testing import _outcome, _save
 
     _save(str(tmp_path / "rank0.pt"), ("ok", lambda: 1))  # a lambda cannot be pickled
     ok, text = _outcome(0, 0, str(tmp_path))
-    assert not ok and text.startswith("raised an error saving its result\nTraceback") and "lambda" in text
+    assert (
+        not ok
+        and text.startswith("raised an error saving its result\nTraceback")
+        and "lambda" in text
+    )
     _save(str(tmp_path / "rank1.pt"), ("ok", {"x": torch.arange(3)}))
     ok, value = _outcome(1, 0, str(tmp_path))
-    assert ok and torch.equal(value["x"], torch.arange(3)) and not (tmp_path / "rank1.pt.tmp").exists()
-    assert _outcome(1, 1, str(tmp_path)) == (False, "returned a result, then exited with code 1 while tearing down")
-    assert _outcome(2, -9, str(tmp_path)) == (False, "killed by SIGKILL before it saved a result (out of memory? a crash in native code?)")
+    assert (
+        ok and torch.equal(value["x"], torch.arange(3)) and not (tmp_path / "rank1.pt.tmp").exists()
+    )
+    assert _outcome(1, 1, str(tmp_path)) == (
+        False,
+        "returned a result, then exited with code 1 while tearing down",
+    )
+    assert _outcome(2, -9, str(tmp_path)) == (
+        False,
+        "killed by SIGKILL before it saved a result (out of memory? a crash in native code?)",
+    )
     assert _outcome(2, -200, str(tmp_path))[1].startswith("killed by signal 200 before")
-    assert _outcome(2, 0, str(tmp_path)) == (False, "exited with code 0 before it saved a result (os._exit, or a crash in native code)")
+    assert _outcome(2, 0, str(tmp_path)) == (
+        False,
+        "exited with code 0 before it saved a result (os._exit, or a crash in native code)",
+    )

@@ -18,7 +18,16 @@ def test_py_typed_marker_ships() -> None:
     assert (Path(fastdist.__file__).parent / "py.typed").exists()
 
 
-@pytest.mark.skipif(shutil.which("mypy") is None and not (Path(sys.executable).parent / "mypy").exists(), reason="mypy is in the dev extra")
+@pytest.mark.skipif(
+    shutil.which("mypy") is None and not (Path(sys.executable).parent / "mypy").exists(),
+    reason="mypy is in the dev extra",
+)
 def test_mypy_strict_passes() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

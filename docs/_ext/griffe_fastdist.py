@@ -1,4 +1,5 @@
-"""A griffe extension for the API pages: fastdist's docstrings as a reader of the site should see them.
+"""A griffe extension for the API pages: fastdist's docstrings as a reader of the site should see
+them.
 
 The docstrings are written for ``help()`` and IDEs, with Sphinx roles (``:func:`~fastdist.psum```)
 and doctest examples (``>>>`` lines, which the doctests in CI run). Markdown would show the roles
@@ -39,8 +40,11 @@ def _fence_doctests(text: str) -> str:
             continue
         indent = line[: len(line) - len(stripped)]
         block = []
-        while i < len(lines) and lines[i].strip():  # the example and its output, to the next blank line
-            block.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
+        # the example and its output, to the next blank line
+        while i < len(lines) and lines[i].strip():
+            block.append(
+                lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip()
+            )
             i += 1
         out += [f"{indent}```pycon", *(indent + b for b in block), f"{indent}```"]
     return "\n".join(out)

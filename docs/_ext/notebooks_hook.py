@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def notebook_markdown(path: Path) -> str:
     """One notebook as a markdown page."""
     nb = nbformat.read(path, as_version=4)
-    note = (f"!!! note \"A notebook\"\n    This page is `notebooks/{path.name}` in the repository; open it in Jupyter "
-            "to run it (CI runs it and checks what its cells print).\n")
+    note = (
+        f'!!! note "A notebook"\n    This page is `notebooks/{path.name}` in the repository; open '
+        "it in Jupyter to run it (CI runs it and checks what its cells print).\n"
+    )
     parts = [note]
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -33,5 +35,7 @@ def notebook_markdown(path: Path) -> str:
 
 def on_files(files: Files, config: Any) -> Files:
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        files.append(File.generated(config, f"notebooks/{path.stem}.md", content=notebook_markdown(path)))
+        files.append(
+            File.generated(config, f"notebooks/{path.stem}.md", content=notebook_markdown(path))
+        )
     return files

@@ -26,11 +26,12 @@ for uint16..uint64, no backend sums fp8): each gets a fix that names the cast to
 
 >>> import torch
 >>> check_reduction_dtype("psum", "tp", torch.float32, "sum")  # allowed: returns None
->>> try:
+>>> try:  # doctest: +NORMALIZE_WHITESPACE
 ...     check_reduction_dtype("psum", "tp", torch.bool, "sum")
 ... except ReductionDtypeError as e:
 ...     print(e.fix)
-cast to an integer dtype to count (x.int()), or use pmax / pmin for a logical or / and (they take bool)
+cast to an integer dtype to count (x.int()), or use pmax / pmin for a logical or / and
+(they take bool)
 """
 
 from __future__ import annotations
@@ -61,17 +62,29 @@ REDUCTION_DTYPES: Mapping[str, frozenset[torch.dtype]] = {
     "prod": frozenset(_FLOATS + _INTS),
 }
 
-_VERB = {"sum": "sum", "mean": "average", "max": "take the maximum of", "min": "take the minimum of", "prod": "multiply"}
+_VERB = {
+    "sum": "sum",
+    "mean": "average",
+    "max": "take the maximum of",
+    "min": "take the minimum of",
+    "prod": "multiply",
+}
 
 
 def reduction_dtype_problem(dtype: torch.dtype, reduction: str) -> tuple[str, str] | None:
-    """``None`` where ``reduction`` accepts ``dtype``; else ``(problem, fix)``: the two halves of the error message."""
+    """``None`` where ``reduction`` accepts ``dtype``; else ``(problem, fix)``: the two halves of
+    the error message."""
     allowed = REDUCTION_DTYPES.get(reduction)
     if allowed is None:
-        raise ValueError(f"fastdist: unknown reduction {reduction!r}; one of {sorted(REDUCTION_DTYPES)}")
+        raise ValueError(
+            f"fastdist: unknown reduction {reduction!r}; one of {sorted(REDUCTION_DTYPES)}"
+        )
     if dtype in allowed:
         return None
-    problem = f"cannot {_VERB[reduction]} {dtype} tensors ({reduction} reductions take {', '.join(str(d).removeprefix('torch.') for d in _order(allowed))})"
+    problem = (
+        f"cannot {_VERB[reduction]} {dtype} tensors ({reduction} reductions take "
+        f"{', '.join(str(d).removeprefix('torch.') for d in _order(allowed))})"
+    )
     return problem, _fix(dtype, reduction)
 
 
@@ -83,15 +96,24 @@ def _fix(dtype: torch.dtype, reduction: str) -> str:
     if dtype == torch.bool:
         if reduction == "mean":
             return "cast with x.float() first (the fraction of ranks where x is True)"
-        return "cast to an integer dtype to count (x.int()), or use pmax / pmin for a logical or / and (they take bool)"
+        return (
+            "cast to an integer dtype to count (x.int()), or use pmax / pmin for a logical or / "
+            "and (they take bool)"
+        )
     if dtype.is_complex and dtype in REDUCTION_DTYPES["sum"]:
-        return "complex numbers are not ordered and their product is not elementwise: reduce x.abs() or x.real, or use psum"
+        return (
+            "complex numbers are not ordered and their product is not elementwise: reduce "
+            "x.abs() or x.real, or use psum"
+        )
     if dtype in _INTS:  # mean
         return "cast with x.float() first, or psum and divide by the axis size"
     if dtype == torch.int16:
         return "cast to int32 first (gloo and NCCL have no int16 reduction)"
     if dtype in (torch.uint16, torch.uint32, torch.uint64):
-        return "cast to int64 first (torch has no CPU reduction for wide unsigned types, gloo none at all)"
+        return (
+            "cast to int64 first (torch has no CPU reduction for wide unsigned types, gloo none "
+            "at all)"
+        )
     if dtype == torch.complex32:
         return "cast to complex64 first"
     if dtype.is_floating_point:  # float8 / float4 formats: storage types
@@ -99,8 +121,11 @@ def _fix(dtype: torch.dtype, reduction: str) -> str:
     return "cast to float32 or int64 first"
 
 
-def check_reduction_dtype(op: str, axis: object, dtype: torch.dtype, reduction: str, rank: str = "every rank") -> None:
-    """Raise :class:`~fastdist.ReductionDtypeError` (naming ``op``, ``axis``, ``dtype`` and the fix) unless ``reduction`` accepts ``dtype``."""
+def check_reduction_dtype(
+    op: str, axis: object, dtype: torch.dtype, reduction: str, rank: str = "every rank"
+) -> None:
+    """Raise :class:`~fastdist.ReductionDtypeError` (naming ``op``, ``axis``, ``dtype`` and the fix)
+    unless ``reduction`` accepts ``dtype``."""
     bad = reduction_dtype_problem(dtype, reduction)
     if bad is not None:
         raise ReductionDtypeError(op, axis, dtype, reduction, *bad, rank=rank)

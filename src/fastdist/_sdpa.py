@@ -58,9 +58,16 @@ _MATH_BACKEND = int(torch.nn.attention.SDPBackend.MATH.value)
 
 
 class SdpaMode(TorchFunctionMode):
-    """Batches ``F.scaled_dot_product_attention`` over vmapped ranks (see the module docstring); passes everything else through."""
+    """Batches ``F.scaled_dot_product_attention`` over vmapped ranks (see the module docstring);
+    passes everything else through."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if func is _SDPA:
             return sdpa(*args, **(kwargs or {}))
         if kwargs:
@@ -69,10 +76,17 @@ class SdpaMode(TorchFunctionMode):
 
 
 def sdpa(
-    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> Tensor:
-    """``F.scaled_dot_product_attention`` (same arguments), batched over the active vmaps without a per-rank loop."""
+    """``F.scaled_dot_product_attention`` (same arguments), batched over the active vmaps without a
+    per-rank loop."""
     opts = (dropout_p, is_causal, scale, enable_gqa)
     if torch.compiler.is_compiling():
         return _compiled(query, key, value, attn_mask, opts)
@@ -85,42 +99,75 @@ def sdpa(
         below -= 1
         levels.append(stack[below].level())
     if not levels or dropout_p > 0 or any(ci.key() == _VMAP for ci in stack[:below]):
-        # a grad/jvp transform innermost, or a vmap under one (its tensors are out of reach), or dropout
+        # a grad/jvp transform innermost, or a vmap under one (its tensors are out of reach), or
+        # dropout
         return _math(query, key, value, attn_mask, opts)
     return _eager(levels, query, key, value, attn_mask, opts)
 
 
-def _call(fn: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]) -> Tensor:
+def _call(
+    fn: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]
+) -> Tensor:
     dropout_p, is_causal, scale, enable_gqa = opts
-    return fn(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # type: ignore[no-any-return]
+    return fn(  # type: ignore[no-any-return]
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def _math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]) -> Tensor:
-    """torch's math backend (what the composite calls when it picks math): ops vmap and torch.func batch."""
+    """torch's math backend (what the composite calls when it picks math): ops vmap and torch.func
+    batch."""
     dropout_p, is_causal, scale, enable_gqa = opts
-    if mask is not None and mask.dtype == torch.bool:  # as the composite does first: True attends (0), False is -inf
-        mask = torch.zeros((), dtype=q.dtype, device=mask.device).masked_fill(mask.logical_not(), float("-inf"))
+    # as the composite does first: True attends (0), False is -inf
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=q.dtype, device=mask.device).masked_fill(
+            mask.logical_not(), float("-inf")
+        )
     return _MATH(q, k, v, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]  # type: ignore[no-any-return]
 
 
 def _choice(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]) -> int:
     dropout_p, is_causal, scale, enable_gqa = opts
-    return int(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa))
+    return int(
+        torch._fused_sdp_choice(
+            q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    )
 
 
 def _foldable(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    """Whether one rank's shapes fit a fused kernel (4-D, one batch size, a 2-D or broadcastable 4-D mask); else one rank gets math."""
+    """Whether one rank's shapes fit a fused kernel (4-D, one batch size, a 2-D or broadcastable 4-D
+    mask); else one rank gets math."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not (q.shape[0] == k.shape[0] == v.shape[0]):
         return False
-    return mask is None or mask.dim() == 2 or (mask.dim() == 4 and mask.shape[0] in (1, q.shape[0]) and mask.shape[1] in (1, q.shape[1]))
+    return (
+        mask is None
+        or mask.dim() == 2
+        or (
+            mask.dim() == 4
+            and mask.shape[0] in (1, q.shape[0])
+            and mask.shape[1] in (1, q.shape[1])
+        )
+    )
 
 
-def _eager(levels: list[int], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]) -> Tensor:
+def _eager(
+    levels: list[int], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]
+) -> Tensor:
     """Fold vmap ``levels`` (innermost first) into the batch dim: unwrap, one kernel call, wrap."""
     if not _foldable(q, k, v, mask):
         return _math(q, k, v, mask, opts)
     phys: list[Tensor | None] = []
-    have: list[list[int]] = []  # per input: the levels it is batched at, outermost first (its leading dims)
+    have: list[
+        list[int]
+    ] = []  # per input: the levels it is batched at, outermost first (its leading dims)
     sizes: dict[int, int] = {}
     for t in (q, k, v, mask):
         if t is None:
@@ -142,7 +189,8 @@ def _eager(levels: list[int], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     assert pq is not None and pk is not None and pv is not None
     cpu = q.device.type == "cpu"
     if cpu and not (pq.stride(-1) == 1 and pk.stride(-1) == 1 and pv.stride(-1) == 1):
-        return _math(q, k, v, mask, opts)  # the fused kernels want stride 1, which a copy made by folding could give
+        # the fused kernels want stride 1, which a copy made by folding could give
+        return _math(q, k, v, mask, opts)
     order = [level for level in reversed(levels) if level in sizes]  # outermost first
     lead = [sizes[level] for level in order]
     n = math.prod(lead)
@@ -153,7 +201,9 @@ def _eager(levels: list[int], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     # other devices the choice on one rank's slices must agree too.
     choice = _choice(fq, fk, fv, fmask, opts)
     if choice != _MATH_BACKEND and not cpu:
-        sq, sk, sv, smask = (None if p is None else p[(0,) * len(h)] if h else p for p, h in zip(phys, have))
+        sq, sk, sv, smask = (
+            None if p is None else p[(0,) * len(h)] if h else p for p, h in zip(phys, have)
+        )
         assert sq is not None and sk is not None and sv is not None
         choice = choice if _choice(sq, sk, sv, smask, opts) == choice else _MATH_BACKEND
     if choice == _MATH_BACKEND:
@@ -166,36 +216,43 @@ def _eager(levels: list[int], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
 
 
 def _full(p: Tensor, have: list[int], order: list[int], lead: list[int]) -> Tensor:
-    """``p`` with leading dims for ``have`` (outermost first) -> leading dims for all of ``order`` (expanded, a view)."""
+    """``p`` with leading dims for ``have`` (outermost first) -> leading dims for all of ``order``
+    (expanded, a view)."""
     if have == order:
         return p
-    s = p.shape[len(have):]
+    s = p.shape[len(have) :]
     shape = [p.shape[have.index(level)] if level in have else 1 for level in order]
     return p.reshape(*shape, *s).expand(*lead, *s)
 
 
 def _fold(p: Tensor, have: list[int], order: list[int], lead: list[int]) -> Tensor:
-    """q/k/v ``[*lead, B, ...]`` -> ``[prod(lead) * B, ...]`` (a view when the dims merge, else one copy)."""
+    """q/k/v ``[*lead, B, ...]`` -> ``[prod(lead) * B, ...]`` (a view when the dims merge, else one
+    copy)."""
     return _full(p, have, order, lead).flatten(0, len(lead))
 
 
-def _fold_mask(p: Tensor, have: list[int], order: list[int], lead: list[int], n: int, b: int) -> Tensor:
-    """A mask of one rank's shape ``(L, S)`` or ``(1 | B, 1 | H, L, S)`` for the folded batch of ``n * B``.
+def _fold_mask(
+    p: Tensor, have: list[int], order: list[int], lead: list[int], n: int, b: int
+) -> Tensor:
+    """A mask of one rank's shape ``(L, S)`` or ``(1 | B, 1 | H, L, S)`` for the folded batch of
+    ``n * B``.
 
     Not batched over the ranks and broadcasting over the batch: unchanged (no copy).
     """
-    s = p.shape[len(have):]
+    s = p.shape[len(have) :]
     if not have and (len(s) == 2 or s[0] == 1):
         return p
     p = _full(p, have, order, lead)
     if len(s) == 2:
         p = p.reshape(*lead, 1, 1, *s)
-        s = p.shape[len(lead):]
+        s = p.shape[len(lead) :]
     p = p.expand(*lead, b, *s[1:])
     return p.reshape(n * b, *s[1:])
 
 
-def _compiled(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]) -> Tensor:
+def _compiled(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]
+) -> Tensor:
     """Under dynamo: fold the innermost vmap level with the functorch primitives dynamo traces."""
     top = _functorch.peek_interpreter_stack()
     if top is None:
@@ -214,10 +271,15 @@ def _compiled(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[
     if mask is not None:
         pmask = _remove_batch_dim(mask, level, n, 0) if batched[3] else mask
         if pmask.requires_grad:
-            return _math(q, k, v, mask, opts)  # the fused kernel takes no gradient for a mask: one rank gets math
+            # the fused kernel takes no gradient for a mask: one rank gets math
+            return _math(q, k, v, mask, opts)
     if any(_functorch.is_batchedtensor(t) for t in (*phys, pmask) if t is not None):
         return _math(q, k, v, mask, opts)  # another vmap outside this one
     fq, fk, fv = (_fold(p, [level], [level], [n]) for p in phys)
-    fmask = None if pmask is None else _fold_mask(pmask, [level] if batched[3] else [], [level], [n], n, q.shape[0])
+    fmask = (
+        None
+        if pmask is None
+        else _fold_mask(pmask, [level] if batched[3] else [], [level], [n], n, q.shape[0])
+    )
     out = _call(_SDPA, fq, fk, fv, fmask, opts)
     return _add_batch_dim(out.view(n, q.shape[0], *out.shape[1:]), 0, level)

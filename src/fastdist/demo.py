@@ -58,7 +58,14 @@ class DemoResult:
         return all(d <= self.tolerance for d in diffs)
 
 
-def run_demo(dp: int = 2, tp: int = 4, *, dtype: torch.dtype = torch.float64, compile: bool = False, seed: int = 0) -> DemoResult:
+def run_demo(
+    dp: int = 2,
+    tp: int = 4,
+    *,
+    dtype: torch.dtype = torch.float64,
+    compile: bool = False,
+    seed: int = 0,
+) -> DemoResult:
     """Run the TP MLP on a simulated ``dp x tp`` mesh and compare with one device."""
     mesh = Mesh.from_world_size(dp * tp, tp=tp)
     B, D, H = 3, 8, 4 * tp  # per-dp-replica batch, model dim, hidden dim
@@ -89,7 +96,8 @@ def run_demo(dp: int = 2, tp: int = 4, *, dtype: torch.dtype = torch.float64, co
         step = torch.compile(step, fullgraph=True)
     losses = step(xs, ys, w1s, b1s, w2s)  # [world]
     losses.sum().backward()  # type: ignore[no-untyped-call]  # every rank calls backward on its own loss
-    # Data parallelism: sum the weight gradients over dp (the loss is already scaled by the global batch).
+    # Data parallelism: sum the weight gradients over dp (the loss is already scaled by the global
+    # batch).
     sync = simulate(lambda g: psum(g, mesh, "dp"), mesh)
     grads = {"W1": sync(_grad(w1s)), "b1": sync(_grad(b1s)), "W2": sync(_grad(w2s))}
 
@@ -103,6 +111,7 @@ def run_demo(dp: int = 2, tp: int = 4, *, dtype: torch.dtype = torch.float64, co
     got = {"x": _grad(xs), **grads}
     diffs = {k: (got[k] - expect[k]).abs().max().item() for k in expect}
     per_rank = losses.detach()
-    total = rearrange(per_rank, "(dp tp) -> dp tp", dp=dp)[:, 0].sum().item()  # one copy per dp replica
+    # one copy per dp replica
+    total = rearrange(per_rank, "(dp tp) -> dp tp", dp=dp)[:, 0].sum().item()
     tol = 1e-10 if dtype == torch.float64 else 1e-4
     return DemoResult(mesh, per_rank.tolist(), total, ref_loss.item(), diffs, tol)

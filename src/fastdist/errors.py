@@ -44,13 +44,16 @@ class CollectiveError(FastdistError, ValueError):
         fix: one sentence on how to make the call valid.
     """
 
-    def __init__(self, op: str, axis: object, problem: str, fix: str, rank: str = "every rank") -> None:
+    def __init__(
+        self, op: str, axis: object, problem: str, fix: str, rank: str = "every rank"
+    ) -> None:
         self.op, self.axis, self.rank, self.fix = op, axis, rank, fix
         super().__init__(f"fastdist.{op}(axis={axis!r}) on {rank}: {problem}. Fix: {fix}")
 
 
 class ReductionDtypeError(CollectiveError, TypeError):
-    """A reduction (``psum``, ``pmean``, ``pmax``, ``pmin``, ``psum_scatter``, ``reduce_scatter_v``) got a dtype it does not take.
+    """A reduction (``psum``, ``pmean``, ``pmax``, ``pmin``, ``psum_scatter``, ``reduce_scatter_v``)
+    got a dtype it does not take.
 
     One rule decides, for every reduction and every backend (simulated, torch.distributed,
     ctypes NCCL/HCCL): see "Dtypes of reductions" in the API reference. Also a ``ValueError``
@@ -62,7 +65,16 @@ class ReductionDtypeError(CollectiveError, TypeError):
         reduction: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
     """
 
-    def __init__(self, op: str, axis: object, dtype: object, reduction: str, problem: str, fix: str, rank: str = "every rank") -> None:
+    def __init__(
+        self,
+        op: str,
+        axis: object,
+        dtype: object,
+        reduction: str,
+        problem: str,
+        fix: str,
+        rank: str = "every rank",
+    ) -> None:
         self.dtype, self.reduction = dtype, reduction
         super().__init__(op, axis, problem, fix, rank=rank)
 
@@ -85,9 +97,14 @@ class CommError(FastdistError, RuntimeError):
         rank: this process's global rank.
     """
 
-    def __init__(self, op: str, axis: object, ranks: Sequence[int], rank: int, problem: str, fix: str) -> None:
+    def __init__(
+        self, op: str, axis: object, ranks: Sequence[int], rank: int, problem: str, fix: str
+    ) -> None:
         self.op, self.axis, self.ranks, self.rank = op, axis, tuple(ranks), rank
-        super().__init__(f"fastdist.{op}(axis={axis!r}) on rank {rank} (group ranks {list(ranks)}): {problem}. Fix: {fix}")
+        super().__init__(
+            f"fastdist.{op}(axis={axis!r}) on rank {rank} (group ranks {list(ranks)}): {problem}. "
+            f"Fix: {fix}"
+        )
 
 
 class CollectiveTimeout(CommError, TimeoutError):
@@ -115,7 +132,9 @@ class LibraryNotFoundError(LibraryError):
     def __init__(self, kind: str, tried: Sequence[str], fix: str) -> None:
         self.kind, self.tried, self.fix = kind, list(tried), fix
         looked = "".join(f"\n  {i}. {t}" for i, t in enumerate(self.tried, 1))
-        super().__init__(f"fastdist: no {kind.upper()} library found. Looked, in order:{looked}\nFix: {fix}")
+        super().__init__(
+            f"fastdist: no {kind.upper()} library found. Looked, in order:{looked}\nFix: {fix}"
+        )
 
 
 #: ``TargetError.ignore_index`` when no value is skipped (token ids of an embedding)
@@ -141,26 +160,43 @@ class TargetError(FastdistError, ValueError):
         other_ranks: further simulated ranks holding bad targets.
     """
 
-    def __init__(self, op: str, axis: object, rank: int, simulated: bool, bad: Sequence[int], count: int, total: int, vocab_size: int,
-                 ignore_index: int, other_ranks: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        op: str,
+        axis: object,
+        rank: int,
+        simulated: bool,
+        bad: Sequence[int],
+        count: int,
+        total: int,
+        vocab_size: int,
+        ignore_index: int,
+        other_ranks: Sequence[int] = (),
+    ) -> None:
         self.op, self.axis, self.rank, self.simulated = op, axis, rank, simulated
         self.bad, self.count, self.total = list(bad), count, total
-        self.vocab_size, self.ignore_index, self.other_ranks = vocab_size, ignore_index, list(other_ranks)
+        self.vocab_size, self.ignore_index, self.other_ranks = (
+            vocab_size,
+            ignore_index,
+            list(other_ranks),
+        )
         where = "simulated rank" if simulated else "rank"
         shown = ", ".join(map(str, self.bad[:5])) + (", ..." if len(self.bad) > 5 else "")
         also = f" (also on {where}s {self.other_ranks})" if self.other_ranks else ""
         if ignore_index == NO_IGNORE_INDEX:  # token ids of an embedding: nothing to skip
             super().__init__(
-                f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} token ids are out of range, bad values [{shown}]{also}; "
-                f"valid ids are [0, {vocab_size}). Fix: check the input ids against the vocabulary (a single-device nn.Embedding "
+                f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} token ids "
+                f"are out of range, bad values [{shown}]{also}; valid ids are [0, {vocab_size}). "
+                "Fix: check the input ids against the vocabulary (a single-device nn.Embedding "
                 "raises IndexError here)"
             )
             return
         super().__init__(
-            f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} targets are out of range, bad values [{shown}]{also}; "
-            f"valid targets are class ids in [0, {vocab_size}) or ignore_index={ignore_index} (a token to skip). "
-            f"Fix: check the labels against the vocabulary (vocab_size={vocab_size}: pass vocab_size= when the logits' "
-            "vocabulary is padded), or mark the tokens to skip with ignore_index"
+            f"fastdist.{op}(axis={axis!r}) on {where} {rank}: {count} of {total} targets are out "
+            f"of range, bad values [{shown}]{also}; valid targets are class ids in [0, "
+            f"{vocab_size}) or ignore_index={ignore_index} (a token to skip). Fix: check the "
+            f"labels against the vocabulary (vocab_size={vocab_size}: pass vocab_size= when the "
+            "logits' vocabulary is padded), or mark the tokens to skip with ignore_index"
         )
 
 
@@ -179,8 +215,21 @@ class GlooRunError(FastdistError, AssertionError):
         timed_out: whether the run hit ``timeout`` with no other failure to explain it.
     """
 
-    def __init__(self, fn: str, world_size: int, failures: dict[int, str], exitcodes: dict[int, int | None], timed_out: bool) -> None:
-        self.fn, self.world_size, self.failures, self.exitcodes, self.timed_out = fn, world_size, dict(failures), dict(exitcodes), timed_out
+    def __init__(
+        self,
+        fn: str,
+        world_size: int,
+        failures: dict[int, str],
+        exitcodes: dict[int, int | None],
+        timed_out: bool,
+    ) -> None:
+        self.fn, self.world_size, self.failures, self.exitcodes, self.timed_out = (
+            fn,
+            world_size,
+            dict(failures),
+            dict(exitcodes),
+            timed_out,
+        )
         what = "timed out" if timed_out else "failed"
         body = "\n".join(f"--- rank {r}: {text}" for r, text in failures.items())
         super().__init__(f"run_on_gloo({fn}, {world_size}) {what}:\n{body}")

@@ -27,7 +27,10 @@ def _native(kind: str, path: str | None, environ: Mapping[str, str] | None) -> l
     if gated:
         lines.append(f"    not bound: {', '.join(gated)}")
     if lib.device_type == "cpu":
-        lines.append("    this is fastdist's host-memory fake library (fastdist.native.fake): CPU tensors, for tests")
+        lines.append(
+            "    this is fastdist's host-memory fake library (fastdist.native.fake): CPU "
+            "tensors, for tests"
+        )
     elif lib.device_type == "cuda" and not torch.cuda.is_available():
         lines.append("    loads, but no CUDA device is visible: a communicator needs a GPU")
     elif lib.device_type == "npu" and importlib.util.find_spec("torch_npu") is None:
@@ -35,7 +38,11 @@ def _native(kind: str, path: str | None, environ: Mapping[str, str] | None) -> l
     return lines
 
 
-def report(nccl_library: str | None = None, hccl_library: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+def report(
+    nccl_library: str | None = None,
+    hccl_library: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
     """A plain-text report: versions, devices, torch.distributed backends, ctypes libraries.
 
     >>> "torch " + torch.__version__ in report()
@@ -43,18 +50,31 @@ def report(nccl_library: str | None = None, hccl_library: str | None = None, env
     """
     from . import __version__
 
-    cuda = f"{torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}" if torch.cuda.is_available() else (
-        "not available" + ("" if torch.version.cuda else " (this torch is a CPU build)"))
-    npu = "torch_npu importable" if importlib.util.find_spec("torch_npu") is not None else "torch_npu not installed"
+    cuda = (
+        f"{torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}"
+        if torch.cuda.is_available()
+        else ("not available" + ("" if torch.version.cuda else " (this torch is a CPU build)"))
+    )
+    npu = (
+        "torch_npu importable"
+        if importlib.util.find_spec("torch_npu") is not None
+        else "torch_npu not installed"
+    )
     avail = dist.is_available()
+    nccl = (
+        "available"
+        if avail and dist.is_nccl_available()
+        else "unavailable (torch built without NCCL)"
+    )
+    hccl = "available" if npu == "torch_npu importable" else "unavailable (pip install torch_npu)"
     lines = [
         f"fastdist {__version__}, torch {torch.__version__}",
         f"CUDA: {cuda}",
         f"NPU: {npu}",
         "torch.distributed backends (backend='torch'):",
         f"  gloo (cpu): {'available' if avail and dist.is_gloo_available() else 'unavailable'}",
-        f"  nccl (cuda): {'available' if avail and dist.is_nccl_available() else 'unavailable (torch built without NCCL)'}",
-        f"  hccl (npu): {'available' if npu == 'torch_npu importable' else 'unavailable (pip install torch_npu)'}",
+        f"  nccl (cuda): {nccl}",
+        f"  hccl (npu): {hccl}",
         "ctypes backends (backend='nccl-ctypes' / 'hccl-ctypes'):",
         *_native("nccl", nccl_library, environ),
         *_native("hccl", hccl_library, environ),

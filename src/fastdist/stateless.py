@@ -44,9 +44,19 @@ class StatelessGroup:
         data_expiration: seconds after which a member deletes the keys it wrote.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, *, timeout: float = 300.0, data_expiration: float = 3600.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        data_expiration: float = 3600.0,
+    ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise MeshError(f"StatelessGroup: world_size must be a positive int, got {world_size!r}")
+            raise MeshError(
+                f"StatelessGroup: world_size must be a positive int, got {world_size!r}"
+            )
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise MeshError(f"StatelessGroup: rank {rank!r} is outside 0..{world_size - 1}")
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -58,14 +68,34 @@ class StatelessGroup:
 
     @classmethod
     def create(
-        cls, host: str, port: int, rank: int, world_size: int, *, timeout: float = 300.0, data_expiration: float = 3600.0
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        data_expiration: float = 3600.0,
     ) -> StatelessGroup:
         """Connect to (rank 0: host) a ``TCPStore`` at ``host:port`` and form the group."""
         try:
             store = dist.TCPStore(  # type: ignore[attr-defined]
-                host, port, world_size, is_master=(rank == 0), timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+                host,
+                port,
+                world_size,
+                is_master=(rank == 0),
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
         except Exception as e:  # noqa: BLE001
-            raise CommError("StatelessGroup.create", None, list(range(world_size)), rank, f"could not reach the store at {host}:{port}: {e}", "check host, port and that rank 0 runs") from e
+            raise CommError(
+                "StatelessGroup.create",
+                None,
+                list(range(world_size)),
+                rank,
+                f"could not reach the store at {host}:{port}: {e}",
+                "check host, port and that rank 0 runs",
+            ) from e
         return cls(store, rank, world_size, timeout=timeout, data_expiration=data_expiration)
 
     # ------------------------------------------------------------------ keys
@@ -85,22 +115,37 @@ class StatelessGroup:
             raise self._store_closed(op, e) from e
         except Exception as e:  # noqa: BLE001 - the store raises DistStoreError on timeout
             raise CollectiveTimeout(
-                op, None, list(range(self.world_size)), self.rank, f"nothing from rank {peer} within {self.timeout:g} s ({key})",
+                op,
+                None,
+                list(range(self.world_size)),
+                self.rank,
+                f"nothing from rank {peer} within {self.timeout:g} s ({key})",
                 f"check that rank {peer} makes the matching call",
             ) from e
 
     def _store_closed(self, op: str, e: BaseException) -> CommError:
-        """The error for a store that went away: usually its host (rank 0 of :meth:`create`) exited."""
-        where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") and hasattr(self.store, "port") else ""
+        """The error for a store that went away: usually its host (rank 0 of :meth:`create`)
+        exited."""
+        where = (
+            f" at {self.store.host}:{self.store.port}"
+            if hasattr(self.store, "host") and hasattr(self.store, "port")
+            else ""
+        )
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return CommError(
-            op, None, list(range(self.world_size)), self.rank, f"the connection to the store{where} closed ({cause}); the process hosting it "
+            op,
+            None,
+            list(range(self.world_size)),
+            self.rank,
+            f"the connection to the store{where} closed ({cause}); the process hosting it "
             "(rank 0 when the group was made with StatelessGroup.create) has probably exited",
-            "keep the store's host alive as long as any member uses the group; make a new group to go on",
+            "keep the store's host alive as long as any member uses the group; make a new group "
+            "to go on",
         )
 
     def expire(self) -> int:
-        """Delete the keys this member wrote more than ``data_expiration`` seconds ago; return how many."""
+        """Delete the keys this member wrote more than ``data_expiration`` seconds ago; return how
+        many."""
         now, n = time.monotonic(), 0
         while self._written and now - self._written[0][1] > self.data_expiration:
             self.store.delete_key(self._written.popleft()[0])
@@ -108,13 +153,26 @@ class StatelessGroup:
         return n
 
     def _check_peer(self, op: str, name: str, peer: Any) -> int:
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
-            raise CommError(op, None, list(range(self.world_size)), self.rank, f"{name}={peer!r} is not another member", f"use a rank in 0..{self.world_size - 1} other than {self.rank}")
+        if (
+            isinstance(peer, bool)
+            or not isinstance(peer, int)
+            or not 0 <= peer < self.world_size
+            or peer == self.rank
+        ):
+            raise CommError(
+                op,
+                None,
+                list(range(self.world_size)),
+                self.rank,
+                f"{name}={peer!r} is not another member",
+                f"use a rank in 0..{self.world_size - 1} other than {self.rank}",
+            )
         return peer
 
     # ------------------------------------------------------------------ messages
     def send_obj(self, obj: Any, dst: int) -> None:
-        """Send a picklable object to ``dst`` (returns at once; ``dst`` reads it with :meth:`recv_obj`)."""
+        """Send a picklable object to ``dst`` (returns at once; ``dst`` reads it with
+        :meth:`recv_obj`)."""
         self._check_peer("StatelessGroup.send_obj", "dst", dst)
         self._put("StatelessGroup.send_obj", f"p2p/{self.rank}->{dst}/{self._sent[dst]}", obj)
         self._sent[dst] += 1
@@ -122,14 +180,23 @@ class StatelessGroup:
     def recv_obj(self, src: int) -> Any:
         """The next object ``src`` sent to this member, in order."""
         self._check_peer("StatelessGroup.recv_obj", "src", src)
-        obj = self._get("StatelessGroup.recv_obj", f"p2p/{src}->{self.rank}/{self._received[src]}", src)
+        obj = self._get(
+            "StatelessGroup.recv_obj", f"p2p/{src}->{self.rank}/{self._received[src]}", src
+        )
         self._received[src] += 1
         return obj
 
     def broadcast_obj(self, obj: Any, src: int) -> Any:
         """``src`` passes the object; every member returns it."""
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise CommError("StatelessGroup.broadcast_obj", None, list(range(self.world_size)), self.rank, f"src={src!r} is not a member", f"use 0..{self.world_size - 1}")
+            raise CommError(
+                "StatelessGroup.broadcast_obj",
+                None,
+                list(range(self.world_size)),
+                self.rank,
+                f"src={src!r} is not a member",
+                f"use 0..{self.world_size - 1}",
+            )
         key = f"bcast/{src}/{self._broadcasts[src]}"
         self._broadcasts[src] += 1
         if self.rank == src:
@@ -139,8 +206,12 @@ class StatelessGroup:
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
         """Every member's object, by rank."""
-        return [self.broadcast_obj(obj if r == self.rank else None, src=r) for r in range(self.world_size)]
+        return [
+            self.broadcast_obj(obj if r == self.rank else None, src=r)
+            for r in range(self.world_size)
+        ]
 
     def barrier(self) -> None:
-        """Return once every member has called it (or raise :class:`~fastdist.CollectiveTimeout`)."""
+        """Return once every member has called it (or raise
+        :class:`~fastdist.CollectiveTimeout`)."""
         self.all_gather_obj(None)

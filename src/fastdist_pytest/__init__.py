@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 __all__ = ["fastdist_mesh", "pytest_configure"]
 
-MARKER = "fastdist_mesh(**axes): axes of the simulated mesh given by the fastdist_mesh fixture (default dp=2, tp=2)"
+MARKER = (
+    "fastdist_mesh(**axes): axes of the simulated mesh given by the fastdist_mesh fixture "
+    "(default dp=2, tp=2)"
+)
 
 
 def pytest_configure(config: Any) -> None:
@@ -32,7 +35,8 @@ def pytest_configure(config: Any) -> None:
 
 @pytest.fixture
 def fastdist_mesh(request: Any) -> Mesh:
-    """A simulated mesh; axes from ``@pytest.mark.fastdist_mesh(...)``, default ``{"dp": 2, "tp": 2}``."""
+    """A simulated mesh; axes from ``@pytest.mark.fastdist_mesh(...)``, default
+    ``{"dp": 2, "tp": 2}``."""
     # Imported here, not at module level: pytest loads this plugin in every run.
     from fastdist import Mesh
 

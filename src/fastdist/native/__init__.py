@@ -11,7 +11,17 @@ do not depend on the backend.
 """
 
 from .comm import NativeCommunicator, exchange_over_group, exchange_over_stateless
-from .library import HCCL, NCCL, SPECS, Function, LibrarySpec, NativeLibrary, decode_nccl_version, find_library, load_library
+from .library import (
+    HCCL,
+    NCCL,
+    SPECS,
+    Function,
+    LibrarySpec,
+    NativeLibrary,
+    decode_nccl_version,
+    find_library,
+    load_library,
+)
 
 __all__ = [
     "NativeCommunicator",

@@ -31,7 +31,14 @@ __all__ = ["SOURCE", "build", "call_log", "clear_log"]
 SOURCE = Path(__file__).with_name("fakecomm.c")
 
 
-def build(out_dir: str | Path, *, name: str = "libnccl.so.2", version: int | None = None, window: bool = False, cc: str = "gcc") -> str:
+def build(
+    out_dir: str | Path,
+    *,
+    name: str = "libnccl.so.2",
+    version: int | None = None,
+    window: bool = False,
+    cc: str = "gcc",
+) -> str:
     """Compile ``fakecomm.c`` into ``out_dir/name`` and return its path.
 
     Args:
@@ -41,12 +48,26 @@ def build(out_dir: str | Path, *, name: str = "libnccl.so.2", version: int | Non
     """
     compiler = shutil.which(cc)
     if compiler is None:
-        raise LibraryError(f"fastdist.native.fake.build: no C compiler {cc!r} on PATH. Fix: install gcc")
+        raise LibraryError(
+            f"fastdist.native.fake.build: no C compiler {cc!r} on PATH. Fix: install gcc"
+        )
     out = Path(out_dir) / name
     out.parent.mkdir(parents=True, exist_ok=True)
     flags = [f"-DFAKECOMM_VERSION={version}"] if version is not None else []
     flags += ["-DFAKECOMM_WINDOW"] if window else []
-    cmd = [compiler, "-std=c11", "-D_GNU_SOURCE", "-O2", "-shared", "-fPIC", *flags, "-o", str(out), str(SOURCE), "-lpthread"]
+    cmd = [
+        compiler,
+        "-std=c11",
+        "-D_GNU_SOURCE",
+        "-O2",
+        "-shared",
+        "-fPIC",
+        *flags,
+        "-o",
+        str(out),
+        str(SOURCE),
+        "-lpthread",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise LibraryError(f"fastdist.native.fake.build: {' '.join(cmd)} failed:\n{res.stderr}")
@@ -56,7 +77,10 @@ def build(out_dir: str | Path, *, name: str = "libnccl.so.2", version: int | Non
 def call_log(path: str) -> list[str]:
     """The calls the fake library at ``path`` recorded in this process, one line each."""
     lib = ctypes.CDLL(path)
-    lib.fakecomm_log.restype, lib.fakecomm_log.argtypes = ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]
+    lib.fakecomm_log.restype, lib.fakecomm_log.argtypes = (
+        ctypes.c_size_t,
+        [ctypes.c_char_p, ctypes.c_size_t],
+    )
     n = lib.fakecomm_log(None, 0)
     buf = ctypes.create_string_buffer(n + 1)
     lib.fakecomm_log(buf, n + 1)

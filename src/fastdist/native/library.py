@@ -60,7 +60,13 @@ __all__ = [
 Version = tuple[int, int, int]
 
 # ctypes shorthands for the tables below
-_p, _i, _u32, _u64, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_size_t
+_p, _i, _u32, _u64, _sz = (
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_uint32,
+    ctypes.c_uint64,
+    ctypes.c_size_t,
+)
 
 
 class UniqueId(ctypes.Structure):
@@ -117,7 +123,9 @@ class LibrarySpec:
         return next(f for f in self.functions if f.name == name)
 
 
-def _t(name: str, restype: Any, *argtypes: Any, since: Version | None = None, optional: bool = False) -> Function:
+def _t(
+    name: str, restype: Any, *argtypes: Any, since: Version | None = None, optional: bool = False
+) -> Function:
     return Function(name, restype, argtypes, since, optional)
 
 
@@ -137,29 +145,44 @@ NCCL = LibrarySpec(
         _t("ncclGetErrorString", ctypes.c_char_p, _i),
         _t("ncclGetVersion", _i, ctypes.POINTER(_i)),
         _t("ncclGetUniqueId", _i, ctypes.POINTER(UniqueId)),
-        _t("ncclCommInitRank", _i, ctypes.POINTER(_p), _i, UniqueId, _i),  # comm*, nranks, id (by value), rank
+        # comm*, nranks, id (by value), rank
+        _t("ncclCommInitRank", _i, ctypes.POINTER(_p), _i, UniqueId, _i),
         _t("ncclCommDestroy", _i, _p),
         _t("ncclCommAbort", _i, _p, since=(2, 4, 0)),
         _t("ncclCommGetAsyncError", _i, _p, ctypes.POINTER(_i), since=(2, 4, 0)),
         _t("ncclGetLastError", ctypes.c_char_p, _p, since=(2, 13, 0)),
         _t("ncclCommCount", _i, _p, ctypes.POINTER(_i), optional=True),
         _t("ncclCommUserRank", _i, _p, ctypes.POINTER(_i), optional=True),
-        _t("ncclAllReduce", _i, _p, _p, _sz, _i, _i, _p, _p),  # send, recv, count, dtype, op, comm, stream
-        _t("ncclAllGather", _i, _p, _p, _sz, _i, _p, _p),  # send, recv, sendcount, dtype, comm, stream
-        _t("ncclReduceScatter", _i, _p, _p, _sz, _i, _i, _p, _p),  # send, recv, recvcount, dtype, op, comm, stream
-        _t("ncclBroadcast", _i, _p, _p, _sz, _i, _i, _p, _p),  # send, recv, count, dtype, root, comm, stream
-        _t("ncclReduce", _i, _p, _p, _sz, _i, _i, _i, _p, _p),  # send, recv, count, dtype, op, root, comm, stream
+        # send, recv, count, dtype, op, comm, stream
+        _t("ncclAllReduce", _i, _p, _p, _sz, _i, _i, _p, _p),
+        # send, recv, sendcount, dtype, comm, stream
+        _t("ncclAllGather", _i, _p, _p, _sz, _i, _p, _p),
+        # send, recv, recvcount, dtype, op, comm, stream
+        _t("ncclReduceScatter", _i, _p, _p, _sz, _i, _i, _p, _p),
+        # send, recv, count, dtype, root, comm, stream
+        _t("ncclBroadcast", _i, _p, _p, _sz, _i, _i, _p, _p),
+        # send, recv, count, dtype, op, root, comm, stream
+        _t("ncclReduce", _i, _p, _p, _sz, _i, _i, _i, _p, _p),
         _t("ncclSend", _i, _p, _sz, _i, _i, _p, _p),  # buf, count, dtype, peer, comm, stream
         _t("ncclRecv", _i, _p, _sz, _i, _i, _p, _p),
         _t("ncclGroupStart", _i),
         _t("ncclGroupEnd", _i),
-        _t("ncclCommWindowRegister", _i, _p, _p, _sz, ctypes.POINTER(_p), _i, since=(2, 27, 0)),  # comm, buf, size, win*, flags
+        # comm, buf, size, win*, flags
+        _t("ncclCommWindowRegister", _i, _p, _p, _sz, ctypes.POINTER(_p), _i, since=(2, 27, 0)),
         _t("ncclCommWindowDeregister", _i, _p, _p, since=(2, 27, 0)),
     ),
     # ncclDataType_t. Types not listed travel as bytes (uint8) when nothing is reduced.
     dtypes={
-        torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.uint32: 3, torch.int64: 4, torch.uint64: 5,
-        torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+        torch.int8: 0,
+        torch.uint8: 1,
+        torch.int32: 2,
+        torch.uint32: 3,
+        torch.int64: 4,
+        torch.uint64: 5,
+        torch.float16: 6,
+        torch.float32: 7,
+        torch.float64: 8,
+        torch.bfloat16: 9,
     },
     reduce_ops={"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4},  # ncclRedOp_t
     id_type=UniqueId,
@@ -182,29 +205,48 @@ HCCL = LibrarySpec(
     functions=(
         _t("HcclGetErrorString", ctypes.c_char_p, _i),
         _t("HcclGetRootInfo", _i, ctypes.POINTER(RootInfo)),
-        _t("HcclCommInitRootInfo", _i, _u32, ctypes.POINTER(RootInfo), _u32, ctypes.POINTER(_p)),  # n, root*, rank, comm*
+        # n, root*, rank, comm*
+        _t("HcclCommInitRootInfo", _i, _u32, ctypes.POINTER(RootInfo), _u32, ctypes.POINTER(_p)),
         _t("HcclCommDestroy", _i, _p),
-        _t("HcclAllReduce", _i, _p, _p, _u64, _i, _i, _p, _p),  # send, recv, count, dtype, op, comm, stream
-        _t("HcclBroadcast", _i, _p, _u64, _i, _u32, _p, _p),  # buf (in place), count, dtype, root, comm, stream
-        _t("HcclAllGather", _i, _p, _p, _u64, _i, _p, _p),  # send, recv, sendcount, dtype, comm, stream
-        _t("HcclReduceScatter", _i, _p, _p, _u64, _i, _i, _p, _p),  # send, recv, recvcount, dtype, op, comm, stream
-        _t("HcclReduce", _i, _p, _p, _u64, _i, _i, _u32, _p, _p),  # send, recv, count, dtype, op, root, comm, stream
+        # send, recv, count, dtype, op, comm, stream
+        _t("HcclAllReduce", _i, _p, _p, _u64, _i, _i, _p, _p),
+        # buf (in place), count, dtype, root, comm, stream
+        _t("HcclBroadcast", _i, _p, _u64, _i, _u32, _p, _p),
+        # send, recv, sendcount, dtype, comm, stream
+        _t("HcclAllGather", _i, _p, _p, _u64, _i, _p, _p),
+        # send, recv, recvcount, dtype, op, comm, stream
+        _t("HcclReduceScatter", _i, _p, _p, _u64, _i, _i, _p, _p),
+        # send, recv, count, dtype, op, root, comm, stream
+        _t("HcclReduce", _i, _p, _p, _u64, _i, _i, _u32, _p, _p),
         _t("HcclSend", _i, _p, _u64, _i, _u32, _p, _p),  # buf, count, dtype, dst, comm, stream
         _t("HcclRecv", _i, _p, _u64, _i, _u32, _p, _p),
-        # send, sendcounts, sdispls, sendtype, recv, recvcounts, rdispls, recvtype, comm, stream (uint64 arrays)
+        # send, sendcounts, sdispls, sendtype, recv, recvcounts, rdispls, recvtype, comm, stream
+        # (uint64 arrays)
         _t("HcclAlltoAllV", _i, _p, _p, _p, _i, _p, _p, _p, _i, _p, _p),
         _t("HcclGroupStart", _i, optional=True),
         _t("HcclGroupEnd", _i, optional=True),
     ),
     dtypes={  # HcclDataType
-        torch.int8: 0, torch.int16: 1, torch.int32: 2, torch.float16: 3, torch.float32: 4, torch.int64: 5,
-        torch.uint64: 6, torch.uint8: 7, torch.uint16: 8, torch.uint32: 9, torch.float64: 10, torch.bfloat16: 11,
+        torch.int8: 0,
+        torch.int16: 1,
+        torch.int32: 2,
+        torch.float16: 3,
+        torch.float32: 4,
+        torch.int64: 5,
+        torch.uint64: 6,
+        torch.uint8: 7,
+        torch.uint16: 8,
+        torch.uint32: 9,
+        torch.float64: 10,
+        torch.bfloat16: 11,
     },
     reduce_ops={"sum": 0, "prod": 1, "max": 2, "min": 3},  # HcclReduceOp (no avg: sum, then divide)
     id_type=RootInfo,
     version_function=None,
     error_string="HcclGetErrorString",
-    install_hint="install the CANN toolkit and torch_npu (libhccl.so is in $ASCEND_HOME_PATH/lib64)",
+    install_hint=(
+        "install the CANN toolkit and torch_npu (libhccl.so is in $ASCEND_HOME_PATH/lib64)"
+    ),
 )
 
 SPECS: dict[str, LibrarySpec] = {"nccl": NCCL, "hccl": HCCL}
@@ -214,12 +256,18 @@ def decode_nccl_version(code: int) -> Version:
     """``ncclGetVersion``'s integer as ``(major, minor, patch)`` (the encoding changed at 2.9)."""
     if code >= 10000:  # 2.9+: major * 10000 + minor * 100 + patch
         return code // 10000, code // 100 % 100, code % 100
-    return code // 1000, code // 100 % 10, code % 100  # before 2.9: major * 1000 + minor * 100 + patch
+    # before 2.9: major * 1000 + minor * 100 + patch
+    return (
+        code // 1000,
+        code // 100 % 10,
+        code % 100,
+    )
 
 
 # ===================================================================== the bound library
 class NativeLibrary:
-    """One shared object with its table bound: ``lib.fn("ncclAllReduce")(...)`` returns the result code.
+    """One shared object with its table bound: ``lib.fn("ncclAllReduce")(...)`` returns the result
+    code.
 
     Attributes:
         spec: the :class:`LibrarySpec` (NCCL or HCCL).
@@ -239,19 +287,26 @@ class NativeLibrary:
             vf = self._bind_one(spec.function(spec.version_function))
             code = ctypes.c_int()
             if vf(ctypes.byref(code)) != 0:
-                raise LibraryError(f"fastdist: {spec.version_function} failed in {path}. Fix: point {spec.env_var} at a working {spec.kind.upper()} library")
+                raise LibraryError(
+                    f"fastdist: {spec.version_function} failed in {path}. Fix: point "
+                    f"{spec.env_var} at a working {spec.kind.upper()} library"
+                )
             self.version = decode_nccl_version(code.value)
         for f in spec.functions:
             if f.name in self._fns:
                 continue
             if f.since is not None and self.version is not None and self.version < f.since:
-                self.unbound[f.name] = f"needs {spec.kind.upper()} >= {'.'.join(map(str, f.since))}, this is {self.version_str}"
+                self.unbound[f.name] = (
+                    f"needs {spec.kind.upper()} >= {'.'.join(map(str, f.since))}, this is "
+                    f"{self.version_str}"
+                )
                 continue
             if not hasattr(cdll, f.name):
                 if f.since is None and not f.optional:
                     raise LibraryError(
-                        f"fastdist: {path} ({spec.kind.upper()} {self.version_str}) does not export {f.name}, which fastdist needs. "
-                        f"Fix: point {spec.env_var} at a complete {spec.kind.upper()} library ({spec.install_hint})"
+                        f"fastdist: {path} ({spec.kind.upper()} {self.version_str}) does not "
+                        f"export {f.name}, which fastdist needs. Fix: point {spec.env_var} at a "
+                        f"complete {spec.kind.upper()} library ({spec.install_hint})"
                     )
                 self.unbound[f.name] = "not exported by this library"
                 continue
@@ -262,7 +317,11 @@ class NativeLibrary:
         try:
             fn = getattr(self._cdll, f.name)
         except AttributeError as e:
-            raise LibraryError(f"fastdist: {self.path} does not export {f.name}. Is it really {self.spec.kind.upper()}? Fix: point {self.spec.env_var} at {self.spec.sonames[0]}") from e
+            raise LibraryError(
+                f"fastdist: {self.path} does not export {f.name}. Is it really "
+                f"{self.spec.kind.upper()}? Fix: point {self.spec.env_var} at "
+                f"{self.spec.sonames[0]}"
+            ) from e
         fn.restype, fn.argtypes = f.restype, list(f.argtypes)
         self._fns[f.name] = fn
         return fn
@@ -280,7 +339,10 @@ class NativeLibrary:
         f = self._fns.get(name)
         if f is None:
             why = self.unbound.get(name, "not in fastdist's table")
-            raise LibraryError(f"fastdist: {name} is not available in {self.path}: {why}. Fix: use a newer {self.spec.kind.upper()} or backend='torch'")
+            raise LibraryError(
+                f"fastdist: {name} is not available in {self.path}: {why}. Fix: use a newer "
+                f"{self.spec.kind.upper()} or backend='torch'"
+            )
         return f
 
     def error_text(self, rc: int, comm: Any = None) -> str:
@@ -298,7 +360,10 @@ class NativeLibrary:
         name = "ncclGetUniqueId" if self.spec.kind == "nccl" else "HcclGetRootInfo"
         rc = self.fn(name)(ctypes.byref(uid))
         if rc != 0:
-            raise LibraryError(f"fastdist: {name} failed with {rc} ({self.error_text(rc)}). Fix: check that the {self.spec.device_type} driver works on this machine")
+            raise LibraryError(
+                f"fastdist: {name} failed with {rc} ({self.error_text(rc)}). Fix: check that the "
+                f"{self.spec.device_type} driver works on this machine"
+            )
         return bytes(uid)
 
     def __repr__(self) -> str:
@@ -317,10 +382,15 @@ def _bind(kind: str, path: str) -> NativeLibrary:
     return NativeLibrary(SPECS[kind], path, _open(path))
 
 
-def load_library(kind: str, path: str | None = None, *, environ: Mapping[str, str] | None = None) -> NativeLibrary:
-    """Find (see :func:`find_library`) and bind the ``"nccl"`` or ``"hccl"`` library; once per path."""
+def load_library(
+    kind: str, path: str | None = None, *, environ: Mapping[str, str] | None = None
+) -> NativeLibrary:
+    """Find (see :func:`find_library`) and bind the ``"nccl"`` or ``"hccl"`` library; once per
+    path."""
     if kind not in SPECS:
-        raise LibraryError(f"fastdist: unknown native library {kind!r}. Fix: use one of {sorted(SPECS)}")
+        raise LibraryError(
+            f"fastdist: unknown native library {kind!r}. Fix: use one of {sorted(SPECS)}"
+        )
     return _bind(kind, find_library(kind, path, environ=environ))
 
 
@@ -331,7 +401,13 @@ def _loaded_libraries() -> list[str]:
         text = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    return list(dict.fromkeys(line.split(None, 5)[5] for line in text.splitlines() if len(line.split(None, 5)) == 6 and ".so" in line))
+    return list(
+        dict.fromkeys(
+            line.split(None, 5)[5]
+            for line in text.splitlines()
+            if len(line.split(None, 5)) == 6 and ".so" in line
+        )
+    )
 
 
 def _wheel_file(wheel: tuple[str, str] | None) -> str | None:
@@ -384,25 +460,37 @@ def find_library(
     if path is not None:
         err = _try_open(str(path))
         if err is not None:
-            raise LibraryError(f"fastdist: the {name} library given as library={str(path)!r} does not load: {err}. Fix: pass the path of {spec.sonames[0]}")
+            raise LibraryError(
+                f"fastdist: the {name} library given as library={str(path)!r} does not load: "
+                f"{err}. Fix: pass the path of {spec.sonames[0]}"
+            )
         return str(path)
     tried = ["the library= argument: not given"]
     value = env.get(spec.env_var)
     if value:
         err = _try_open(value)
         if err is not None:
-            raise LibraryError(f"fastdist: ${spec.env_var}={value!r} does not load: {err}. Fix: point it at {spec.sonames[0]}, or unset it")
+            raise LibraryError(
+                f"fastdist: ${spec.env_var}={value!r} does not load: {err}. Fix: point it at "
+                f"{spec.sonames[0]}, or unset it"
+            )
         return value
     tried.append(f"${spec.env_var}: not set")
     mine = [p for p in loaded() if Path(p).name.startswith(spec.loaded_prefixes)]
     if mine:
         return mine[0]
-    tried.append(f"libraries already loaded by this process (torch {torch.__version__}): no {' / '.join(spec.loaded_prefixes)}")
+    tried.append(
+        f"libraries already loaded by this process (torch {torch.__version__}): no "
+        f"{' / '.join(spec.loaded_prefixes)}"
+    )
     if spec.wheel is not None:
         wf = wheel_file(spec.wheel)
         if wf is not None and _try_open(wf) is None:
             return wf
-        tried.append(f"the {spec.wheel[0]} wheel: " + ("not installed" if wf is None else f"{wf} does not load"))
+        tried.append(
+            f"the {spec.wheel[0]} wheel: "
+            + ("not installed" if wf is None else f"{wf} does not load")
+        )
     if spec.toolkit is not None:
         root = env.get(spec.toolkit[0])
         if root:
@@ -419,6 +507,8 @@ def find_library(
             return soname
         tried.append(f"dynamic loader, {soname}: {err}")
     raise LibraryNotFoundError(
-        spec.kind, tried,
-        f"{spec.install_hint}; or set {spec.env_var}=/path/to/{spec.sonames[0]}; or pass Mesh.from_torch(..., library='/path/to/{spec.sonames[0]}')",
+        spec.kind,
+        tried,
+        f"{spec.install_hint}; or set {spec.env_var}=/path/to/{spec.sonames[0]}; or pass "
+        f"Mesh.from_torch(..., library='/path/to/{spec.sonames[0]}')",
     )

@@ -22,28 +22,56 @@ __all__ = ["local_attention", "UlyssesAttention", "RingAttention", "USPAttention
 
 
 def _check_qkv(name: str, q: Tensor, k: Tensor, v: Tensor, *, same_seq: bool) -> None:
-    """Raise MeshError unless q ``(B, Sq, Hq, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)`` with Hkv | Hq."""
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (batch, seq, heads, head_dim)"
+    """Raise MeshError unless q ``(B, Sq, Hq, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``
+    with Hkv | Hq."""
+    shapes = (
+        f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (batch, seq, heads, head_dim)"
+    )
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise MeshError(f"{name}: {shapes} must all be 4-d; fix: reshape to (batch, seq, heads, head_dim)")
+        raise MeshError(
+            f"{name}: {shapes} must all be 4-d; fix: reshape to (batch, seq, heads, head_dim)"
+        )
     if not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise MeshError(f"{name}: {shapes}: the batch sizes differ; fix: pass q, k and v of the same batch")
+        raise MeshError(
+            f"{name}: {shapes}: the batch sizes differ; fix: pass q, k and v of the same batch"
+        )
     if k.shape[1] != v.shape[1] or (same_seq and q.shape[1] != k.shape[1]):
         seqs = "q, k and v" if same_seq else "k and v"
-        raise MeshError(f"{name}: {shapes}: the seq lengths of {seqs} differ; fix: pass each rank's block of the same tokens")
+        raise MeshError(
+            f"{name}: {shapes}: the seq lengths of {seqs} differ; fix: pass each rank's block of "
+            "the same tokens"
+        )
     if k.shape[2] != v.shape[2]:
-        raise MeshError(f"{name}: {shapes}: k has {k.shape[2]} heads but v has {v.shape[2]}; fix: project k and v to the same number of kv heads")
+        raise MeshError(
+            f"{name}: {shapes}: k has {k.shape[2]} heads but v has {v.shape[2]}; fix: project k "
+            "and v to the same number of kv heads"
+        )
     if q.shape[3] != k.shape[3]:
-        raise MeshError(f"{name}: {shapes}: q and k head_dim differ ({q.shape[3]} vs {k.shape[3]}); fix: project q and k to the same head_dim")
+        raise MeshError(
+            f"{name}: {shapes}: q and k head_dim differ ({q.shape[3]} vs {k.shape[3]}); fix: "
+            "project q and k to the same head_dim"
+        )
     hq, hkv = q.shape[2], k.shape[2]
     if hkv == 0 or hq % hkv:
-        raise MeshError(f"{name}: {shapes}: Hq={hq} q heads is not a multiple of Hkv={hkv} k/v heads (grouped-query attention "
-                        f"needs q head j to use kv head j // (Hq // Hkv)); fix: use a kv head count that divides {hq}")
+        raise MeshError(
+            f"{name}: {shapes}: Hq={hq} q heads is not a multiple of Hkv={hkv} k/v heads "
+            "(grouped-query attention needs q head j to use kv head j // (Hq // Hkv)); fix: use "
+            f"a kv head count that divides {hq}"
+        )
 
 
-def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, q_pos: Tensor | None = None, k_pos: Tensor | None = None,
-                    k_valid: Tensor | None = None) -> Tensor:
-    """Softmax attention per head: q ``(B, Sq, Hq, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)`` -> ``(B, Sq, Hq, Dv)``.
+def local_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    q_pos: Tensor | None = None,
+    k_pos: Tensor | None = None,
+    k_valid: Tensor | None = None,
+) -> Tensor:
+    """Softmax attention per head: q ``(B, Sq, Hq, D)``, k ``(B, Sk, Hkv, D)``, v
+    ``(B, Sk, Hkv, Dv)`` -> ``(B, Sq, Hq, Dv)``.
 
     ``Hkv`` must divide ``Hq``: q head ``j`` uses kv head ``j // (Hq // Hkv)`` (k/v are not
     repeated in memory; their gradient sums over the q heads of each group). Other shape
@@ -52,16 +80,26 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, q_
     visible key comes back as zeros.
     """
     _check_qkv("local_attention", q, k, v, same_seq=False)
-    qg = rearrange(q, "b q (h g) d -> b q h g d", h=k.shape[2])  # (B, Sq, Hkv, G, D): q heads grouped by their kv head
+    # (B, Sq, Hkv, G, D): q heads grouped by their kv head
+    qg = rearrange(q, "b q (h g) d -> b q h g d", h=k.shape[2])
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) / q.shape[-1] ** 0.5  # (B, Hkv, G, Sq, Sk)
-    keep = _keep(q.shape[1], k.shape[1], causal, q_pos, k_pos, k_valid, q.device)  # (Sq, Sk) or None
+    # (Sq, Sk) or None
+    keep = _keep(q.shape[1], k.shape[1], causal, q_pos, k_pos, k_valid, q.device)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     o = torch.einsum("bhgqk,bkhd->bqhgd", s.softmax(-1).nan_to_num(0.0), v)  # (B, Sq, Hkv, G, Dv)
     return rearrange(o, "b q h g d -> b q (h g) d")  # (B, Sq, Hq, Dv)
 
 
-def _keep(sq: int, sk: int, causal: bool, q_pos: Tensor | None, k_pos: Tensor | None, k_valid: Tensor | None, device: Any) -> Tensor | None:
+def _keep(
+    sq: int,
+    sk: int,
+    causal: bool,
+    q_pos: Tensor | None,
+    k_pos: Tensor | None,
+    k_valid: Tensor | None,
+    device: Any,
+) -> Tensor | None:
     """(Sq, Sk) mask of the (query, key) pairs that may attend, or None when all may."""
     keep = None
     if causal:
@@ -75,10 +113,13 @@ def _keep(sq: int, sk: int, causal: bool, q_pos: Tensor | None, k_pos: Tensor | 
 
 def _pad_heads(t: Tensor, n: int) -> Tensor:
     extra = (-t.shape[2]) % n
-    return t if not extra else torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], dim=2)  # (B, S, H + pad, D)
+    # (B, S, H + pad, D)
+    return t if not extra else torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], dim=2)
 
 
-def _ulysses_heads(name: str, q: Tensor, k: Tensor, v: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+def _ulysses_heads(
+    name: str, q: Tensor, k: Tensor, v: Tensor, n: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v with head counts the Ulysses all-to-all over ``n`` ranks splits into matching groups.
 
     Hkv == Hq: zero heads pad both to a multiple of n (dropped after). Hq and Hkv multiples of
@@ -88,19 +129,32 @@ def _ulysses_heads(name: str, q: Tensor, k: Tensor, v: Tensor, n: int) -> tuple[
     """
     hq, hkv = q.shape[2], k.shape[2]
     if hkv == hq:
-        return _pad_heads(q, n), _pad_heads(k, n), _pad_heads(v, n)  # (B, m, H', D), H' = n * ceil(H / n)
+        # (B, m, H', D), H' = n * ceil(H / n)
+        return (
+            _pad_heads(q, n),
+            _pad_heads(k, n),
+            _pad_heads(v, n),
+        )
     if hq % n == 0 and hkv % n == 0:
         return q, k, v
     if hq % n == 0 and n % hkv == 0:
-        return q, k.repeat_interleave(n // hkv, dim=2), v.repeat_interleave(n // hkv, dim=2)  # k, v: (B, m, n, D)
-    raise MeshError(f"{name}: Hq={hq} q heads and Hkv={hkv} k/v heads do not split over n={n} ranks of the Ulysses axis "
-                    f"(grouped-query attention needs Hq % n == 0 and either Hkv % n == 0 or n % Hkv == 0); fix: use an axis size "
-                    f"that fits, or repeat k and v to Hq heads first (k.repeat_interleave({hq // hkv}, dim=2)), which pads like MHA")
+        # k, v: (B, m, n, D)
+        return (
+            q,
+            k.repeat_interleave(n // hkv, dim=2),
+            v.repeat_interleave(n // hkv, dim=2),
+        )
+    raise MeshError(
+        f"{name}: Hq={hq} q heads and Hkv={hkv} k/v heads do not split over n={n} ranks of the "
+        "Ulysses axis (grouped-query attention needs Hq % n == 0 and either Hkv % n == 0 or n % "
+        "Hkv == 0); fix: use an axis size that fits, or repeat k and v to Hq heads first "
+        f"(k.repeat_interleave({hq // hkv}, dim=2)), which pads like MHA"
+    )
 
 
 class UlyssesAttention(nn.Module):
-    """Ulysses sequence parallelism: all-to-all (sequence shard of all heads -> whole sequence of a head shard),
-    attention per head, and back.
+    """Ulysses sequence parallelism: all-to-all (sequence shard of all heads -> whole sequence of a
+    head shard), attention per head, and back.
 
     Inputs: q ``(batch, seq/P, Hq, head_dim)``, k and v ``(batch, seq/P, Hkv, head_dim)``, this
     rank's block of the sequence (split in axis order); output like q. The gradient is that of
@@ -122,20 +176,40 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.mesh, self.axis, self.causal = mesh, axis, causal
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, seq_sizes: list[int] | None = None) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, seq_sizes: list[int] | None = None
+    ) -> Tensor:
         from ..collectives import all_to_all_4d
 
         _check_qkv("UlyssesAttention", q, k, v, same_seq=True)
         n, H, m = self.mesh.axis_size(self.axis), q.shape[2], q.shape[1]
         sizes = torch.tensor(seq_sizes if seq_sizes is not None else [m] * n, device=q.device)
         if sizes.numel() != n or int(sizes.max()) > m:
-            raise MeshError(f"UlyssesAttention: seq_sizes {seq_sizes} must have {n} entries, none above the {m} local rows")
+            raise MeshError(
+                f"UlyssesAttention: seq_sizes {seq_sizes} must have {n} entries, none above the "
+                f"{m} local rows"
+            )
         offsets = sizes.cumsum(0) - sizes
-        pos = rearrange(offsets.unsqueeze(1) + torch.arange(m, device=q.device), "n m -> (n m)")  # global position of each gathered row
-        valid = rearrange(torch.arange(m, device=q.device) < sizes.unsqueeze(1), "n m -> (n m)")  # real token or padding
-        qh, kh, vh = (all_to_all_4d(t, self.mesh, self.axis) for t in _ulysses_heads("UlyssesAttention", q, k, v, n))  # (B, n*m, heads/n, D)
-        o = local_attention(qh, kh, vh, causal=self.causal, q_pos=pos, k_pos=pos, k_valid=valid if seq_sizes is not None else None)
-        out = all_to_all_4d(o, self.mesh, self.axis, scatter_dim=1, gather_dim=2)[:, :, :H]  # (B, m, H, D)
+        # global position of each gathered row
+        pos = rearrange(offsets.unsqueeze(1) + torch.arange(m, device=q.device), "n m -> (n m)")
+        # real token or padding
+        valid = rearrange(torch.arange(m, device=q.device) < sizes.unsqueeze(1), "n m -> (n m)")
+        # (B, n*m, heads/n, D)
+        qh, kh, vh = (
+            all_to_all_4d(t, self.mesh, self.axis)
+            for t in _ulysses_heads("UlyssesAttention", q, k, v, n)
+        )
+        o = local_attention(
+            qh,
+            kh,
+            vh,
+            causal=self.causal,
+            q_pos=pos,
+            k_pos=pos,
+            k_valid=valid if seq_sizes is not None else None,
+        )
+        # (B, m, H, D)
+        out = all_to_all_4d(o, self.mesh, self.axis, scatter_dim=1, gather_dim=2)[:, :, :H]
         if seq_sizes is None:
             return out
         mine = torch.arange(m, device=q.device) < sizes[axis_index(self.mesh, self.axis)]
@@ -174,20 +248,29 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) 
     # Once, so every block's products are plain batched matmuls against (B, Hkv, m, D) k/v:
     # each kv head's g query heads stacked as g*m rows (row i*m + t: head i of the group, token t).
     # q is scaled once here rather than every score block.
-    q = rearrange(q * D**-0.5, "b m (hk g) d -> b hk (g m) d", hk=hk).contiguous()  # (B, Hkv, g*m, D)
+    q = rearrange(
+        q * D**-0.5, "b m (hk g) d -> b hk (g m) d", hk=hk
+    ).contiguous()  # (B, Hkv, g*m, D)
     k, v = (rearrange(t, "b m hk d -> b hk m d").contiguous() for t in (k, v))  # (B, Hkv, m, D)
     # Step 0, my own block: the causal mask is the same lower triangle on every rank, and every
     # query sees at least its own key, so the running max starts from a real score.
     if n > 1:
-        k_next, v_next = ring_shift(k, mesh, axis), ring_shift(v, mesh, axis)  # issued before this block's compute
+        # issued before this block's compute
+        k_next, v_next = (
+            ring_shift(k, mesh, axis),
+            ring_shift(v, mesh, axis),
+        )
     # The running max `top` only shifts the exponents for stability: the result, (sum of
     # exp(s - top) v) / (sum of exp(s - top)), does not depend on it, so it is computed from
     # detached scores (as flash attention does) and autograd has no max to differentiate.
     s = q @ k.transpose(-1, -2)  # (B, Hkv, g*m, m)
     if causal:
-        tri = torch.ones(m, m, dtype=torch.bool, device=q.device).tril().repeat(g, 1)  # (g*m, m): key <= query token, per q head
-        top = torch.where(tri, s.detach(), float("-inf")).amax(-1, keepdim=True)  # (B, Hkv, g*m, 1): running max of the scores
-        p = torch.exp(torch.where(tri, s - top, -80.0))  # masked: weight exp(-80) ~ 2e-35, no gradient; exp's fast path
+        # (g*m, m): key <= query token, per q head
+        tri = torch.ones(m, m, dtype=torch.bool, device=q.device).tril().repeat(g, 1)
+        # (B, Hkv, g*m, 1): running max of the scores
+        top = torch.where(tri, s.detach(), float("-inf")).amax(-1, keepdim=True)
+        # masked: weight exp(-80) ~ 2e-35, no gradient; exp's fast path
+        p = torch.exp(torch.where(tri, s - top, -80.0))
     else:
         top = s.detach().amax(-1, keepdim=True)
         p = torch.exp(s - top)
@@ -228,18 +311,30 @@ class USPAttention(nn.Module):
     then carries the grouped k/v. The gradient is that of ``local_attention`` on the whole sequence.
     """
 
-    def __init__(self, mesh: Mesh, ulysses_axis: str, ring_axis: str, *, causal: bool = False) -> None:
+    def __init__(
+        self, mesh: Mesh, ulysses_axis: str, ring_axis: str, *, causal: bool = False
+    ) -> None:
         super().__init__()
         if ulysses_axis == ring_axis:
             raise MeshError("USPAttention: ulysses_axis and ring_axis must be different mesh axes")
         mesh.axis_indices((ulysses_axis, ring_axis), "USPAttention")
-        self.mesh, self.ulysses_axis, self.ring_axis, self.causal = mesh, ulysses_axis, ring_axis, causal
+        self.mesh, self.ulysses_axis, self.ring_axis, self.causal = (
+            mesh,
+            ulysses_axis,
+            ring_axis,
+            causal,
+        )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from ..collectives import all_to_all_4d
 
         _check_qkv("USPAttention", q, k, v, same_seq=True)
         n, H = self.mesh.axis_size(self.ulysses_axis), q.shape[2]
-        qh, kh, vh = (all_to_all_4d(t, self.mesh, self.ulysses_axis) for t in _ulysses_heads("USPAttention", q, k, v, n))  # (B, n*m, heads/n, D)
+        # (B, n*m, heads/n, D)
+        qh, kh, vh = (
+            all_to_all_4d(t, self.mesh, self.ulysses_axis)
+            for t in _ulysses_heads("USPAttention", q, k, v, n)
+        )
         o = _ring(qh, kh, vh, self.mesh, self.ring_axis, self.causal)  # (B, n*m, Hq'/n, D)
-        return all_to_all_4d(o, self.mesh, self.ulysses_axis, scatter_dim=1, gather_dim=2)[:, :, :H]  # (B, m, Hq, D)
+        # (B, m, Hq, D)
+        return all_to_all_4d(o, self.mesh, self.ulysses_axis, scatter_dim=1, gather_dim=2)[:, :, :H]
