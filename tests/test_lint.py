@@ -42,7 +42,7 @@ def test_ruff_covers_most_of_the_package() -> None:
 
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
     assert conf["line-length"] == 100
-    waiting = [f for f in conf["extend-exclude"] if f != "notebooks"]
+    waiting = [f for f in conf["extend-exclude"] if f not in ("notebooks", "*.md")]
     assert len(waiting) <= 43, waiting
     assert all((ROOT / f).exists() for f in waiting), [
         f for f in waiting if not (ROOT / f).exists()

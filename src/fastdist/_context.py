@@ -30,8 +30,14 @@ __all__ = ["simulation_of", "check_of", "push_simulation", "pop_simulation", "pu
 class _Running(threading.local):
     """Per-thread stacks of ``(mesh, binding)`` and ``(mesh, tracker)`` pairs, innermost last."""
 
-    simulations: tuple[tuple[Mesh, Any], ...] = ()
-    checks: tuple[tuple[Mesh, Any], ...] = ()
+    simulations: tuple[tuple[Mesh, Any], ...]
+    checks: tuple[tuple[Mesh, Any], ...]
+
+    def __init__(self) -> None:  # runs once per thread, on first use there
+        # Instance attributes, not class defaults: dynamo traces an instance attribute of a
+        # threading.local but not a class-level default read through it.
+        self.simulations = ()
+        self.checks = ()
 
 
 _RUNNING = _Running()
