@@ -197,6 +197,7 @@ def test_threads_simulate_the_same_mesh_at_once() -> None:
 def test_compiled_simulation_over_an_equal_mesh_is_one_graph() -> None:
     import torch._dynamo.testing
 
+    torch._dynamo.reset()  # a fresh compile, whatever earlier tests compiled
     m1, m2 = fd.Mesh({"tp": 2}), fd.Mesh({"tp": 2})
     counter = torch._dynamo.testing.CompileCounter()
     step = torch.compile(fd.simulate(lambda x: fd.psum(x * 2, m2, "tp"), m1), backend=counter, fullgraph=True)
