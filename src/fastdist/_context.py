@@ -43,12 +43,17 @@ class _Running(threading.local):
 _RUNNING = _Running()
 
 
+def _innermost(stack: tuple[tuple[Mesh, Any], ...], mesh: Mesh) -> Any:
+    """The value of the innermost entry of ``stack`` for a mesh equal to ``mesh``, else None."""
+    for m, value in reversed(stack):
+        if m is mesh or m == mesh:
+            return value
+    return None
+
+
 def simulation_of(mesh: Mesh) -> Any:
     """The binding of the innermost simulation running over a mesh equal to ``mesh``, else None."""
-    for m, binding in reversed(_RUNNING.simulations):
-        if m is mesh or m == mesh:
-            return binding
-    return None
+    return _innermost(_RUNNING.simulations, mesh)
 
 
 def is_real(mesh: Mesh) -> bool:
@@ -68,10 +73,7 @@ def pop_simulation(count: int) -> None:
 
 def check_of(mesh: Mesh) -> Any:
     """The tracker of the innermost replication check running over ``mesh`` (``None``: none, or suspended)."""
-    for m, tracker in reversed(_RUNNING.checks):
-        if m is mesh or m == mesh:
-            return tracker
-    return None
+    return _innermost(_RUNNING.checks, mesh)
 
 
 def push_check(mesh: Mesh, tracker: Any) -> None:

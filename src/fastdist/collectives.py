@@ -757,7 +757,7 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
     if is_real(mesh):
         index = torch.tensor(mesh._comm.axis(idx).index)
     else:
-        binding = simulation_of(mesh) or rank_binding("axis_index", mesh)
+        binding = rank_binding("axis_index", mesh)  # the running simulation (None on a one-rank mesh)
         index = torch.zeros((), dtype=torch.long) if binding is None else cast(Tensor, mesh._index_of(binding.rank, idx))
     tracker = check_of(mesh)
     if tracker is not None:

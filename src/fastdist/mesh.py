@@ -200,13 +200,10 @@ class Mesh:
         """
         import torch.distributed as dist
 
-        from . import distributed as D
-
         if not (dist.is_available() and dist.is_initialized()):
             raise MeshError("Mesh.from_torch: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
         plain = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
-        comm = D.TorchComm(plain, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, backend=backend, library=library)
-        return cls(plain.shape.items(), _comm=comm)
+        return plain._over_job(timeout, check=check, backend=backend, library=library)
 
     @classmethod
     def from_device_mesh(
@@ -217,7 +214,6 @@ class Mesh:
         The DeviceMesh must have dimension names and the row-major rank layout
         (``init_device_mesh`` gives both). ``backend`` and ``library`` as in :meth:`from_torch`.
         """
-        from . import distributed as D
 
         names = device_mesh.mesh_dim_names
         if not names:
@@ -226,8 +222,7 @@ class Mesh:
         if layout != list(range(len(layout))):
             raise MeshError(f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major 0..{len(layout) - 1}. Fix: build it with init_device_mesh")
         plain = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
-        comm = D.TorchComm(plain, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=check, device_mesh=device_mesh, backend=backend, library=library)
-        return cls(plain.shape.items(), _comm=comm)
+        return plain._over_job(timeout, check=check, device_mesh=device_mesh, backend=backend, library=library)
 
     def to_device_mesh(self, device_type: str = "cpu") -> Any:
         """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it)."""
@@ -237,14 +232,19 @@ class Mesh:
 
     def with_timeout(self, timeout: float | datetime.timedelta) -> Mesh:
         """The same axes on the same job with another timeout (its groups are created anew, lazily)."""
-        from . import distributed as D
 
         if self._comm is None:
             raise MeshError(f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
         old = self._comm
         plain = Mesh(list(zip(self._names, self._sizes)))
-        comm = D.TorchComm(plain, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), check=old.check, backend=old.backend, library=old.native_lib)
-        return Mesh(plain.shape.items(), _comm=comm)
+        return plain._over_job(timeout, check=old.check, backend=old.backend, library=old.native_lib)
+
+    def _over_job(self, timeout: float | datetime.timedelta | None, **comm_args: Any) -> Mesh:
+        """This plain mesh's axes over the running torch.distributed job, with a new communicator."""
+        from . import distributed as D
+
+        comm = D.TorchComm(self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), **comm_args)
+        return type(self)(self.shape.items(), _comm=comm)
 
     def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
         """Create now (instead of on first use) this rank's process groups for ``axes`` (default: each axis).
