@@ -244,16 +244,7 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
             res["sock_broken"] = "no error"
         except fd.CommError as e:
             res["sock_broken"], res["sock_broken_type"] = str(e), type(e).__name__
-    fd.barrier(mesh)
-    if q.is_writer:
-        q.close()
-    elif q.is_reader:
-        try:
-            q.dequeue(timeout=20)
-            res["sock_reader"] = "no error"
-        except fd.FastdistError as e:
-            res["sock_reader"], res["sock_reader_type"] = str(e), type(e).__name__
-        q.close()
+    _close_then_read(mesh, q, res, "sock_reader")
     # C: shared memory, a 5-slot message into a 2-slot ring that reader 2 does not drain
     q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[2], nodes=same, max_chunks=2, max_chunk_bytes=1024, timeout=20)
     if q.is_writer:
@@ -263,17 +254,22 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
             res["cut"] = "no error"
         except fd.CollectiveTimeout as e:
             res["cut"], res["cut_s"] = str(e), time.monotonic() - t0
+    _close_then_read(mesh, q, res, "cut_reader")
+    return res
+
+
+def _close_then_read(mesh: Any, q: Any, res: dict[str, Any], key: str) -> None:
+    """After a cut-off message: the writer closes; the reader's next dequeue must raise (recorded under ``key``)."""
     fd.barrier(mesh)
     if q.is_writer:
         q.close()
     elif q.is_reader:
         try:
             q.dequeue(timeout=20)
-            res["cut_reader"] = "no error"
+            res[key] = "no error"
         except fd.FastdistError as e:
-            res["cut_reader"], res["cut_reader_type"] = str(e), type(e).__name__
+            res[key], res[f"{key}_type"] = str(e), type(e).__name__
         q.close()
-    return res
 
 
 def setup_crash(rank: int, out: Path, who: int) -> Any:

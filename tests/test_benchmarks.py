@@ -11,15 +11,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
+def _run_quick(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script> --quick <args>`` in a subprocess; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
+    _run_quick("run.py", "--out", str(tmp_path))
     res = json.loads((tmp_path / "results.json").read_text())
     assert {r["op"] for r in res["overhead"]} == {
         "psum",
@@ -58,20 +65,7 @@ def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
 
 
 def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "hf_models.py"),
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_quick("hf_models.py", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "hf_models.json").read_text())
     assert [r["case"] for r in rows] == ["HF Llama fwd+bwd, eager", "HF Llama fwd+bwd, compiled"]
     assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 and r["tp"] == 4 for r in rows)
@@ -79,14 +73,7 @@ def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
 
 
 def test_moe_benchmark_smoke_run(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_quick("moe.py", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "moe.json").read_text())
     assert (
         len(rows) == 3
@@ -100,15 +87,7 @@ def test_profile_check_smoke_run() -> None:
     """benchmarks/profile_check.py --quick: predicted and measured gloo times for three layouts (the
     quick sizes are latency-bound, so only the full run's ranking is compared in
     benchmarks/README.md)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_check.py"), "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run_quick("profile_check.py")
     for layout in ("| tp4 |", "| dp2 x tp2 |", "| dp4 |"):
         assert layout in proc.stdout
     assert "ranking predicted:" in proc.stdout and "ranking measured:" in proc.stdout
@@ -117,15 +96,7 @@ def test_profile_check_smoke_run() -> None:
 def test_mq_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/mq.py --quick: fastdist.mq.MessageQueue vs broadcast_object over gloo on 4
     processes, ratios reported."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "mq.py"), "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run_quick("mq.py", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "mq.json").read_text())
     assert [r["case"] for r in rows] == ["stream", "rtt"] and all(
         r["ratio"] > 0 and r["mq_us"] > 0 and r["gloo_us"] > 0 for r in rows
