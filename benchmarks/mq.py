@@ -1,4 +1,5 @@
-"""Small-object broadcast: fastdist.mq.MessageQueue vs fastdist.broadcast_object over gloo, 4 processes.
+"""Small-object broadcast: fastdist.mq.MessageQueue vs fastdist.broadcast_object over gloo, 4
+processes.
 
     python benchmarks/mq.py            # about 30 s
     python benchmarks/mq.py --quick    # few messages (the smoke test)
@@ -41,7 +42,12 @@ WORLD = 4
 
 
 def _obj(i: int) -> dict[str, Any]:
-    return {"step": i, "req_ids": list(range(i, i + 16)), "finished": [], "sampling": {"temperature": 0.7}}
+    return {
+        "step": i,
+        "req_ids": list(range(i, i + 16)),
+        "finished": [],
+        "sampling": {"temperature": 0.7},
+    }
 
 
 def _stream_mq(q: mq.MessageQueue, mesh: fd.Mesh, k: int) -> float:
@@ -62,7 +68,13 @@ def _stream_gloo(mesh: fd.Mesh, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
-def _rtt_mq(q: mq.MessageQueue, mine: mq.MessageQueue | None, theirs: list[mq.MessageQueue | None], mesh: fd.Mesh, k: int) -> float:
+def _rtt_mq(
+    q: mq.MessageQueue,
+    mine: mq.MessageQueue | None,
+    theirs: list[mq.MessageQueue | None],
+    mesh: fd.Mesh,
+    k: int,
+) -> float:
     fd.barrier(mesh)
     t0 = time.perf_counter()
     for i in range(k):
@@ -89,19 +101,32 @@ def _rtt_gloo(mesh: fd.Mesh, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
-def _worker(rank: int, init: str, out: str, k: int, rounds: int, socket_reader: bool = False) -> None:
+def _worker(
+    rank: int, init: str, out: str, k: int, rounds: int, socket_reader: bool = False
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     mesh = fd.Mesh.from_torch(tp=WORLD, timeout=60)
-    nodes = mq.node_info(mesh, "tp", hostname=("host-b" if rank == WORLD - 1 else "host-a") if socket_reader else None)
+    nodes = mq.node_info(
+        mesh,
+        "tp",
+        hostname=("host-b" if rank == WORLD - 1 else "host-a") if socket_reader else None,
+    )
     q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=nodes, timeout=60)
-    mine, theirs = mq.create_single_reader_mq_broadcasters(mesh, "tp", reader=0, nodes=nodes, timeout=60)
+    mine, theirs = mq.create_single_reader_mq_broadcasters(
+        mesh, "tp", reader=0, nodes=nodes, timeout=60
+    )
     for _ in range(2):  # warm up both
         _stream_mq(q, mesh, 20)
         _stream_gloo(mesh, 20)
         _rtt_mq(q, mine, theirs, mesh, 10)
         _rtt_gloo(mesh, 10)
-    rows: dict[str, list[float]] = {"stream_mq": [], "stream_gloo": [], "rtt_mq": [], "rtt_gloo": []}
+    rows: dict[str, list[float]] = {
+        "stream_mq": [],
+        "stream_gloo": [],
+        "rtt_mq": [],
+        "rtt_gloo": [],
+    }
     for _ in range(rounds):
         rows["stream_mq"].append(_stream_mq(q, mesh, k))
         rows["stream_gloo"].append(_stream_gloo(mesh, k))
@@ -121,23 +146,52 @@ def _worker(rank: int, init: str, out: str, k: int, rounds: int, socket_reader: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="few messages, few rounds")
-    ap.add_argument("--socket", action="store_true", help=f"rank {WORLD - 1} reads over TCP (as if on another host)")
+    ap.add_argument(
+        "--socket",
+        action="store_true",
+        help=f"rank {WORLD - 1} reads over TCP (as if on another host)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write mq.json here")
     args = ap.parse_args(argv)
     k, rounds = (40, 2) if args.quick else (400, 7)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "res.json")
-        mp.spawn(_worker, args=(f"file://{tmp}/store", out, k, rounds, args.socket), nprocs=WORLD, join=True)  # type: ignore[attr-defined,no-untyped-call]
+        mp.spawn(
+            _worker,
+            args=(f"file://{tmp}/store", out, k, rounds, args.socket),
+            nprocs=WORLD,
+            join=True,
+        )  # type: ignore[attr-defined,no-untyped-call]
         agg = json.loads(Path(out).read_text())
     res = []
-    for case, label in (("stream", f"stream of {k} small objects, per message"), ("rtt", "round trip: broadcast + a reply from every reader")):
+    for case, label in (
+        ("stream", f"stream of {k} small objects, per message"),
+        ("rtt", "round trip: broadcast + a reply from every reader"),
+    ):
         m, g = agg[f"{case}_mq"], agg[f"{case}_gloo"]
         ratio = statistics.median(gi / mi for gi, mi in zip(g, m))
-        res.append({"case": case, "label": label, "mq_us": statistics.median(m) * 1e6, "gloo_us": statistics.median(g) * 1e6, "ratio": ratio})
-    where = f"ranks 1, 2 through shared memory, rank {WORLD - 1} over TCP" if args.socket else "every reader through shared memory"
-    print(f"4 processes ({where}), torch {torch.__version__}, {os.cpu_count()} CPU cores, {rounds} rounds (median)")
+        res.append(
+            {
+                "case": case,
+                "label": label,
+                "mq_us": statistics.median(m) * 1e6,
+                "gloo_us": statistics.median(g) * 1e6,
+                "ratio": ratio,
+            }
+        )
+    where = (
+        f"ranks 1, 2 through shared memory, rank {WORLD - 1} over TCP"
+        if args.socket
+        else "every reader through shared memory"
+    )
+    print(
+        f"4 processes ({where}), torch {torch.__version__}, {os.cpu_count()} CPU cores, {rounds} "
+        "rounds (median)"
+    )
     print("| pattern | MessageQueue µs | broadcast_object (gloo) µs | gloo / mq |")
     print("|---|---|---|---|")
     for r in res:

@@ -42,10 +42,20 @@ def run_ops(comm: object, dev: torch.device, failures: list[str]) -> None:
     _check("broadcast", comm.broadcast("broadcast", x, 0), x, failures)
     _check("all_to_all", comm.all_to_all_rows("all_to_all", x, [6], [6]), x, failures)
     _check("all_gather_v", comm.all_gather_v_rows("all_gather_v", x, [4]), x[:4], failures)
-    _check("reduce_scatter_v", comm.reduce_scatter_v_rows("reduce_scatter_v", x[:5], [5]), x[:5], failures)
+    _check(
+        "reduce_scatter_v",
+        comm.reduce_scatter_v_rows("reduce_scatter_v", x[:5], [5]),
+        x[:5],
+        failures,
+    )
     f8 = x.to(torch.float8_e4m3fn)
     _check("all_gather fp8 (as uint8)", comm.all_gather_rows("all_gather", f8), f8, failures)
-    _check("all_to_all int16 (as bytes)", comm.all_to_all_rows("all_to_all", x.to(torch.int16), [6], [6]), x.to(torch.int16), failures)
+    _check(
+        "all_to_all int16 (as bytes)",
+        comm.all_to_all_rows("all_to_all", x.to(torch.int16), [6], [6]),
+        x.to(torch.int16),
+        failures,
+    )
 
 
 def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: list[str]) -> None:
@@ -105,14 +115,18 @@ def bench(comm: object, mesh: fastdist.Mesh, dev: torch.device, iters: int) -> N
             for _ in range(k):
                 comm.all_reduce("psum", x, "sum")
     t_graph = timed(g.replay) / k
-    print(f"\n4-byte all-reduce, one GPU, {iters} iterations (us per call; ratio to torch NCCL eager)")
+    print(
+        f"\n4-byte all-reduce, one GPU, {iters} iterations (us per call; ratio to torch NCCL eager)"
+    )
     print(f"  torch NCCL process group, eager : {t_torch:8.1f}  1.00")
     print(f"  fastdist ctypes NCCL, eager     : {t_native:8.1f}  {t_native / t_torch:.2f}")
     print(f"  fastdist ctypes NCCL, CUDA graph: {t_graph:8.1f}  {t_graph / t_torch:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--library", help="the NCCL shared object (default: discovered)")
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args(argv)
@@ -126,11 +140,26 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, device_id=dev)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=dev,
+    )
     lib = load_library("nccl", args.library)
     print(f"{lib!r}; unbound: {lib.unbound or 'none'}")
-    comm = NativeCommunicator.create(lib, n=1, index=0, exchange=lambda b: b if b is not None else b"", device=dev, label="tp", rank=0)
-    mesh = fastdist.Mesh.from_torch(tp=1)  # what graph_capture prepares (groups; a one-rank axis needs none) and runs on its side stream
+    comm = NativeCommunicator.create(
+        lib,
+        n=1,
+        index=0,
+        exchange=lambda b: b if b is not None else b"",
+        device=dev,
+        label="tp",
+        rank=0,
+    )
+    # what graph_capture prepares (groups; a one-rank axis needs none) and runs on its side stream
+    mesh = fastdist.Mesh.from_torch(tp=1)
     failures: list[str] = []
     print("eager ops:")
     run_ops(comm, dev, failures)

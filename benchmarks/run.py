@@ -444,7 +444,8 @@ def _row(
     """One table row: ``fn`` against ``base`` (:func:`_paired`), each call waiting for the
     device."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)  # type: ignore[no-untyped-call]  # synchronize is untyped
+    # synchronize is untyped
+    t_base, t, ratio = _paired(lambda: (base(), sync()), lambda: (fn(), sync()), reps)  # type: ignore[no-untyped-call]
     return {"case": case, "ms": t * 1e3, "ratio": ratio, "baseline_ms": t_base * 1e3}
 
 

@@ -1,4 +1,5 @@
-"""Launch a multi-process scenario (tests/dist_worker.py, tests/reliability_worker.py) and collect every rank's result.
+"""Launch a multi-process scenario (tests/dist_worker.py, tests/reliability_worker.py) and collect
+every rank's result.
 
 No port is chosen by guessing: the ranks meet through a ``TCPStore`` this process hosts on a port
 the OS picks (as :func:`fastdist.testing.run_on_gloo` does; every rank, rank 0 included, joins it
@@ -38,9 +39,10 @@ class RankResult:
 
 @contextlib.contextmanager
 def reserved_port() -> Iterator[int]:
-    """A port that no other process can take while the block runs, except by binding it with ``SO_REUSEADDR``
-    (as ``TCPStore`` does): this process holds it bound, not listening. The OS never hands a bound port
-    to another ``bind(port 0)`` or outgoing connection, and a plain ``bind`` of it fails."""
+    """A port that no other process can take while the block runs, except by binding it with
+    ``SO_REUSEADDR`` (as ``TCPStore`` does): this process holds it bound, not listening. The OS
+    never hands a bound port to another ``bind(port 0)`` or outgoing connection, and a plain
+    ``bind`` of it fails."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
@@ -48,15 +50,24 @@ def reserved_port() -> Iterator[int]:
 
 
 def run_world(
-    scenario: str, world: int, *, timeout: float = 240.0, seed: int = 0, env: dict[str, str] | None = None, module: str = "tests.dist_worker",
+    scenario: str,
+    world: int,
+    *,
+    timeout: float = 240.0,
+    seed: int = 0,
+    env: dict[str, str] | None = None,
+    module: str = "tests.dist_worker",
 ) -> list[RankResult]:
-    """Run ``scenario`` of ``module`` on ``world`` gloo processes; kill all of them past ``timeout`` (never hang).
+    """Run ``scenario`` of ``module`` on ``world`` gloo processes; kill all of them past
+    ``timeout`` (never hang).
 
     ``env`` adds variables, e.g. ``FASTDIST_TEST_BACKEND`` / ``FASTDIST_TEST_LIBRARY`` to run
     the scenario's meshes on a ctypes backend.
     """
     limit = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=limit, wait_for_workers=False)  # type: ignore[attr-defined]
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, timeout=limit, wait_for_workers=False
+    )  # type: ignore[attr-defined]
     try:
         with reserved_port() as stateless_port:
             return _run(scenario, world, module, store.port, stateless_port, timeout, seed, env)
@@ -64,17 +75,35 @@ def run_world(
         del store  # the rendezvous closes with the run
 
 
-def _run(scenario: str, world: int, module: str, port: int, stateless_port: int, timeout: float, seed: int, extra: dict[str, str] | None) -> list[RankResult]:
+def _run(
+    scenario: str,
+    world: int,
+    module: str,
+    port: int,
+    stateless_port: int,
+    timeout: float,
+    seed: int,
+    extra: dict[str, str] | None,
+) -> list[RankResult]:
     env = {
-        **os.environ, **(extra or {}),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # init_process_group(init_method="tcp://...") joins our store; rank 0 hosts none
-        "FASTDIST_TEST_STORE_PORT": str(stateless_port), "FASTDIST_TEST_SEED": str(seed), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+        **os.environ,
+        **(extra or {}),
+        # init_process_group(init_method="tcp://...") joins our store; rank 0 hosts none
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "FASTDIST_TEST_STORE_PORT": str(stateless_port),
+        "FASTDIST_TEST_SEED": str(seed),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
     }
     with tempfile.TemporaryDirectory() as out:
         logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", module, scenario, str(r), str(world), str(port), out], cwd=ROOT, env=env, stdout=logs[r], stderr=subprocess.STDOUT
+                [sys.executable, "-m", module, scenario, str(r), str(world), str(port), out],
+                cwd=ROOT,
+                env=env,
+                stdout=logs[r],
+                stderr=subprocess.STDOUT,
             )
             for r in range(world)
         ]
@@ -83,7 +112,9 @@ def _run(scenario: str, world: int, module: str, port: int, stateless_port: int,
             for p in procs:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{scenario} on {world} ranks did not finish within {timeout} s:\n" + _dump(logs)) from None
+            raise AssertionError(
+                f"{scenario} on {world} ranks did not finish within {timeout} s:\n" + _dump(logs)
+            ) from None
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -108,5 +139,7 @@ def _dump(logs: list[Any]) -> str:
 
 def expect_ok(results: list[RankResult]) -> list[Any]:
     bad = [r for r in results if r.returncode != 0]
-    assert not bad, "\n".join(f"--- rank {r.rank} exited {r.returncode} ---\n{r.output[-4000:]}" for r in bad)
+    assert not bad, "\n".join(
+        f"--- rank {r.rank} exited {r.returncode} ---\n{r.output[-4000:]}" for r in bad
+    )
     return [r.value for r in results]

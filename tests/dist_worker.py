@@ -1,4 +1,5 @@
-"""One rank of a multi-process test: ``python -m tests.dist_worker SCENARIO RANK WORLD PORT OUTDIR``.
+"""One rank of a multi-process test: ``python -m tests.dist_worker SCENARIO RANK WORLD PORT
+OUTDIR``.
 
 Each scenario runs on real gloo ranks and checks its own results against fastdist.simulate
 (or the single-device computation) for the same inputs, then writes a picklable summary
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from einops import rearrange, repeat
+from einops import rearrange
 
 import fastdist as fd
 
@@ -30,7 +31,8 @@ def scenario(fn: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
 
 
 def from_torch(**kw: Any) -> fd.Mesh:
-    """Mesh.from_torch on the backend the parent test asked for (FASTDIST_TEST_BACKEND / _LIBRARY)."""
+    """Mesh.from_torch on the backend the parent test asked for (FASTDIST_TEST_BACKEND /
+    _LIBRARY)."""
     backend = os.environ.get("FASTDIST_TEST_BACKEND", "torch")
     library = os.environ.get("FASTDIST_TEST_LIBRARY") if backend != "torch" else None
     return fd.Mesh.from_torch(backend=backend, library=library, **kw)
@@ -53,11 +55,19 @@ def op_cases(mesh: fd.Mesh) -> list[tuple[str, Any, dict[str, Any]]]:
     for axis in axes:
         n = mesh.axis_size(axis)
         cases += [
-            ("psum", axis, {}), ("pmean", axis, {}), ("pmax", axis, {}), ("pmin", axis, {}), ("pvary", axis, {}),
-            ("all_gather", axis, {"dim": 1}), ("all_gather", axis, {"dim": -1, "tiled": False}),
-            ("psum_scatter", axis, {"dim": 0}), ("psum_scatter", axis, {"dim": 1, "tiled": False}),
-            ("all_to_all", axis, {"split_dim": 0, "concat_dim": -1}), ("all_to_all", axis, {"split_dim": 2, "concat_dim": 2}),
-            ("ppermute", axis, {"perm": [(i, (i + 1) % n) for i in range(n)]}), ("ppermute", axis, {"perm": [(0, n - 1)]}),
+            ("psum", axis, {}),
+            ("pmean", axis, {}),
+            ("pmax", axis, {}),
+            ("pmin", axis, {}),
+            ("pvary", axis, {}),
+            ("all_gather", axis, {"dim": 1}),
+            ("all_gather", axis, {"dim": -1, "tiled": False}),
+            ("psum_scatter", axis, {"dim": 0}),
+            ("psum_scatter", axis, {"dim": 1, "tiled": False}),
+            ("all_to_all", axis, {"split_dim": 0, "concat_dim": -1}),
+            ("all_to_all", axis, {"split_dim": 2, "concat_dim": 2}),
+            ("ppermute", axis, {"perm": [(i, (i + 1) % n) for i in range(n)]}),
+            ("ppermute", axis, {"perm": [(0, n - 1)]}),
             ("broadcast", axis, {"src": n - 1}),
         ]
     return cases
@@ -70,7 +80,8 @@ def group_first(x: torch.Tensor, mesh: fd.Mesh, axis: Any) -> torch.Tensor:
 
 @scenario
 def ops(rank: int, world: int) -> int:
-    """Every op, single and tuple axes: values and gradients equal simulate's slice for this rank."""
+    """Every op, single and tuple axes: values and gradients equal simulate's slice for this
+    rank."""
     mesh = from_torch(order=("dp", "sp", "tp"), **MESHES[world])
     checks = 0
     for i, (op, axis, kw) in enumerate(op_cases(mesh)):
@@ -82,7 +93,9 @@ def ops(rank: int, world: int) -> int:
             xs = group_first(xs, mesh, axis)
         fn = getattr(fd, op)
         sim_x = xs.clone().requires_grad_()
-        sim_out = fd.simulate(lambda x: fn(x, mesh, axis, **kw), mesh)(sim_x)
+        sim_out = fd.simulate(lambda x, fn=fn, axis=axis, kw=kw: fn(x, mesh, axis, **kw), mesh)(
+            sim_x
+        )
         c = torch.randn(sim_out.shape, dtype=torch.float64, generator=g)
         if op in INVARIANT_OUT:
             c = group_first(c, mesh, axis)
@@ -96,12 +109,23 @@ def ops(rank: int, world: int) -> int:
         checks += 1
     # integer and bfloat16 values, axis_index
     xi = torch.arange(world * 3).reshape(world, 3)
-    close(fd.psum(xi[rank], mesh, mesh.axis_names), fd.simulate(lambda x: fd.psum(x, mesh, mesh.axis_names), mesh)(xi)[rank], "int psum")
+    close(
+        fd.psum(xi[rank], mesh, mesh.axis_names),
+        fd.simulate(lambda x: fd.psum(x, mesh, mesh.axis_names), mesh)(xi)[rank],
+        "int psum",
+    )
     xb = torch.randn(world, 4, generator=torch.Generator().manual_seed(5)).bfloat16()
-    close(fd.all_gather(xb[rank], mesh, "tp"), fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(xb)[rank], "bf16 all_gather")
+    close(
+        fd.all_gather(xb[rank], mesh, "tp"),
+        fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(xb)[rank],
+        "bf16 all_gather",
+    )
     assert fd.axis_index(mesh, "tp").item() == mesh.index(rank, "tp") and mesh.rank == rank
     # the same mesh object can still be simulated
-    assert fd.simulate(lambda x: fd.psum(x, mesh, "tp"), mesh)(torch.ones(world)).tolist() == [float(mesh.shape["tp"])] * world
+    assert (
+        fd.simulate(lambda x: fd.psum(x, mesh, "tp"), mesh)(torch.ones(world)).tolist()
+        == [float(mesh.shape["tp"])] * world
+    )
     return checks + 3
 
 
@@ -114,7 +138,10 @@ def models(rank: int, world: int) -> str:
     mesh = fd.Mesh.from_torch(tp=2)  # dp = world / 2
     dp, tp, B, D, H = mesh.shape["dp"], 2, 3, 5, 4
     g = torch.Generator().manual_seed(0)
-    x, W1, b1, W2 = (torch.randn(*s, dtype=torch.float64, generator=g) for s in [(dp * B, D), (D, H), (H,), (H, D)])
+    x, W1, b1, W2 = (
+        torch.randn(*s, dtype=torch.float64, generator=g)
+        for s in [(dp * B, D), (D, H), (H,), (H, D)]
+    )
     ref = [t.clone().requires_grad_() for t in (x, W1, b1, W2)]
     (torch.tanh(ref[0] @ ref[1] + ref[2]) @ ref[3]).sin().sum().backward()
 
@@ -126,8 +153,16 @@ def models(rank: int, world: int) -> str:
     w2 = rearrange(W2, "(tp h) d -> tp h d", tp=tp)[t].clone().requires_grad_()
     tp_mlp(xl, w1, bl, w2, mesh).sin().sum().backward()
     close(xl.grad, rearrange(ref[0].grad, "(dp b) d -> dp b d", dp=dp)[d], "TP MLP dx")
-    close(fd.psum(w1.grad, mesh, "dp"), rearrange(ref[1].grad, "d (tp h) -> tp d h", tp=tp)[t], "TP MLP dW1")
-    close(fd.psum(w2.grad, mesh, "dp"), rearrange(ref[3].grad, "(tp h) d -> tp h d", tp=tp)[t], "TP MLP dW2")
+    close(
+        fd.psum(w1.grad, mesh, "dp"),
+        rearrange(ref[1].grad, "d (tp h) -> tp d h", tp=tp)[t],
+        "TP MLP dW1",
+    )
+    close(
+        fd.psum(w2.grad, mesh, "dp"),
+        rearrange(ref[3].grad, "(tp h) d -> tp h d", tp=tp)[t],
+        "TP MLP dW2",
+    )
 
     sp = fd.Mesh.from_torch(order=("dp", "sp"), sp=world)
     P, S, Hh, Dh = world, 2 * world, world, 3
@@ -139,7 +174,10 @@ def models(rank: int, world: int) -> str:
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     attention(*leaves).sin().sum().backward()
-    mine = [rearrange(t, "b (p s) h d -> p b s h d", p=P)[rank].clone().requires_grad_() for t in (q, k, v)]
+    mine = [
+        rearrange(t, "b (p s) h d -> p b s h d", p=P)[rank].clone().requires_grad_()
+        for t in (q, k, v)
+    ]
     qh, kh, vh = (fd.all_to_all_4d(t, sp, "sp") for t in mine)
     o = fd.all_to_all_4d(attention(qh, kh, vh), sp, "sp", scatter_dim=1, gather_dim=2)
     o.sin().sum().backward()
@@ -150,17 +188,25 @@ def models(rank: int, world: int) -> str:
 
 @scenario
 def compiled(rank: int, world: int) -> str:
-    """A compiled step on real ranks (fullgraph, functional collectives), and torch.func.grad of it: gradients equal eager."""
+    """A compiled step on real ranks (fullgraph, functional collectives), and torch.func.grad of
+    it: gradients equal eager."""
     from fastdist.demo import tp_mlp
 
     mesh = fd.Mesh.from_torch(tp=world)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    w1, b1, w2 = torch.randn(4, 2, dtype=torch.float64, generator=g), torch.randn(2, dtype=torch.float64, generator=g), torch.randn(2, 4, dtype=torch.float64, generator=g)
+    w1, b1, w2 = (
+        torch.randn(4, 2, dtype=torch.float64, generator=g),
+        torch.randn(2, dtype=torch.float64, generator=g),
+        torch.randn(2, 4, dtype=torch.float64, generator=g),
+    )
 
     def step(*a: torch.Tensor) -> torch.Tensor:
         y = tp_mlp(*a, mesh)
-        return (fd.all_gather(y, mesh, "tp", dim=0).sum() + fd.psum_scatter(y, mesh, "tp", dim=1).pow(2).sum()).sin()
+        return (
+            fd.all_gather(y, mesh, "tp", dim=0).sum()
+            + fd.psum_scatter(y, mesh, "tp", dim=1).pow(2).sum()
+        ).sin()
 
     eager = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
     step(*eager).backward()  # also creates the groups
@@ -175,32 +221,51 @@ def compiled(rank: int, world: int) -> str:
     # groups created explicitly, then compiled without an eager run
     fresh = fd.Mesh.from_torch(tp=world)
     fresh.create_groups("tp")
-    out = torch.compile(lambda t: fd.pmax(t, fresh, "tp"), fullgraph=True)(torch.tensor([float(rank)]))
+    out = torch.compile(lambda t: fd.pmax(t, fresh, "tp"), fullgraph=True)(
+        torch.tensor([float(rank)])
+    )
     assert out.item() == world - 1
-    # no eager run and no create_groups: the groups (a tuple axis's too) are made while dynamo traces
+    # no eager run and no create_groups: the groups (a tuple axis's too) are made while dynamo
+    # traces
     late = fd.Mesh.from_torch(tp=world, timeout=30)
-    f = torch.compile(lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, ("tp", "dp")).sum(), fullgraph=True)
+    f = torch.compile(
+        lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, ("tp", "dp")).sum(),
+        fullgraph=True,
+    )
     want = world * (world - 1) / 2 * world * (world - 1) / 2
     assert f(torch.tensor([float(rank)])).item() == want
     late.reset()  # the compiled step is traced again, on the new groups
     assert f(torch.tensor([float(rank)])).item() == want
     names = {str(pg.group_name) for pg in late._comm._groups.values()}
     fd.barrier(late)
-    assert names == {f"fastdist.dp1_tp{world}.2.e1.{'-'.join(map(str, range(world)))}.gloo"}, names  # the third mesh of this shape, epoch 1
+    assert names == {f"fastdist.dp1_tp{world}.2.e1.{'-'.join(map(str, range(world)))}.gloo"}, (
+        names
+    )  # the third mesh of this shape, epoch 1
     return "ok"
 
 
 @scenario
 def spmd_checked(rank: int, world: int) -> str:
-    """spmd on real ranks with the checked mode: a dp x tp MLP with no pvary, global in, global out."""
+    """spmd on real ranks with the checked mode: a dp x tp MLP with no pvary, global in, global
+    out."""
     mesh = fd.Mesh.from_torch(tp=2)
     g = torch.Generator().manual_seed(0)
-    x, w1, w2 = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(4, 3, dtype=torch.float64, generator=g)
+    x, w1, w2 = (
+        torch.randn(4, 3, dtype=torch.float64, generator=g),
+        torch.randn(3, 4, dtype=torch.float64, generator=g),
+        torch.randn(4, 3, dtype=torch.float64, generator=g),
+    )
 
     def local(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp")
 
-    f = fd.spmd(local, mesh, in_specs=(fd.P("dp", None), fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P("dp", None), check="insert")
+    f = fd.spmd(
+        local,
+        mesh,
+        in_specs=(fd.P("dp", None), fd.P(None, "tp"), fd.P("tp", None)),
+        out_specs=fd.P("dp", None),
+        check="insert",
+    )
     ls = [t.clone().requires_grad_() for t in (x, w1, w2)]
     out = f(*ls)
     out.sin().sum().backward()  # every process: the same global loss
@@ -211,7 +276,13 @@ def spmd_checked(rank: int, world: int) -> str:
     for a, b in zip(ls, ref):
         close(a.grad, b.grad, "spmd grad")
     try:
-        fd.spmd(local, mesh, in_specs=(fd.P("dp", None), fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P("dp", None), check="error")(*ls)
+        fd.spmd(
+            local,
+            mesh,
+            in_specs=(fd.P("dp", None), fd.P(None, "tp"), fd.P("tp", None)),
+            out_specs=fd.P("dp", None),
+            check="error",
+        )(*ls)
     except fd.ReplicationError as e:
         assert "torch matmul" in str(e)
         return "ok"
@@ -220,7 +291,8 @@ def spmd_checked(rank: int, world: int) -> str:
 
 @scenario
 def uneven(rank: int, world: int) -> dict[str, Any]:
-    """v-ops with exact (ragged) outputs on real ranks == simulate's capacity-padded rows; ragged a2a; MoE; check mode."""
+    """v-ops with exact (ragged) outputs on real ranks == simulate's capacity-padded rows; ragged
+    a2a; MoE; check mode."""
     mesh = from_torch(tp=world)
     seed = int(os.environ.get("FASTDIST_TEST_SEED", "0"))
     g = torch.Generator().manual_seed(seed)
@@ -228,7 +300,12 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
     sizes[seed % world] = max(sizes[seed % world], 1)  # at least one row somewhere
     total, m = sum(sizes), max(sizes)
 
-    def both(sim_fn: Callable[..., torch.Tensor], real_fn: Callable[..., torch.Tensor], xs: torch.Tensor, rows: Callable[[int], int]) -> None:
+    def both(
+        sim_fn: Callable[..., torch.Tensor],
+        real_fn: Callable[..., torch.Tensor],
+        xs: torch.Tensor,
+        rows: Callable[[int], int],
+    ) -> None:
         sim_x = xs.clone().requires_grad_()
         sim_out = fd.simulate(sim_fn, mesh)(sim_x)
         c = torch.randn(sim_out.shape, dtype=torch.float64, generator=g)
@@ -241,31 +318,75 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
         (out * c[rank, :k]).sum().backward()
         close(x.grad, sim_x.grad[rank], f"grad on rank {rank}")
 
-    xs = torch.randn(world, m + 1, 3, dtype=torch.float64, generator=g)  # padding rows past each size
-    both(lambda x: fd.all_gather_v(x, mesh, "tp", sizes), lambda x: fd.all_gather_v(x, mesh, "tp", sizes), xs, lambda r: total)
+    xs = torch.randn(
+        world, m + 1, 3, dtype=torch.float64, generator=g
+    )  # padding rows past each size
+    both(
+        lambda x: fd.all_gather_v(x, mesh, "tp", sizes),
+        lambda x: fd.all_gather_v(x, mesh, "tp", sizes),
+        xs,
+        lambda r: total,
+    )
     xt = torch.randn(world, total, 3, dtype=torch.float64, generator=g)
-    both(lambda x: fd.reduce_scatter_v(x, mesh, "tp", sizes, capacity=m), lambda x: fd.reduce_scatter_v(x, mesh, "tp", sizes), xt, lambda r: sizes[r])
-    both(lambda x: fd.gather_v(x, mesh, "tp", sizes, dst=0, capacity=total), lambda x: fd.gather_v(x, mesh, "tp", sizes, dst=0), xs, lambda r: total if r == 0 else 0)
-    both(lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m), lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1), xt, lambda r: sizes[r])
+    both(
+        lambda x: fd.reduce_scatter_v(x, mesh, "tp", sizes, capacity=m),
+        lambda x: fd.reduce_scatter_v(x, mesh, "tp", sizes),
+        xt,
+        lambda r: sizes[r],
+    )
+    both(
+        lambda x: fd.gather_v(x, mesh, "tp", sizes, dst=0, capacity=total),
+        lambda x: fd.gather_v(x, mesh, "tp", sizes, dst=0),
+        xs,
+        lambda r: total if r == 0 else 0,
+    )
+    both(
+        lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m),
+        lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1),
+        xt,
+        lambda r: sizes[r],
+    )
     # the same per-rank code with capacity on both backends
-    both(lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m), lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m), xt, lambda r: m)
+    both(
+        lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m),
+        lambda x: fd.scatter_v(x, mesh, "tp", sizes, src=1, capacity=m),
+        xt,
+        lambda r: m,
+    )
     send = torch.randint(0, 3, (world, world), generator=g)
     cap = int(send.sum(0).max())
     xr = torch.randn(world, int(send.sum(1).max()) + 1, 2, dtype=torch.float64, generator=g)
-    both(lambda x: fd.ragged_all_to_all(x, mesh, "tp", send[fd.axis_index(mesh, "tp")], capacity=cap)[0],
-         lambda x: fd.ragged_all_to_all(x, mesh, "tp", send[rank], capacity=cap)[0], xr, lambda r: cap)
+    both(
+        lambda x: fd.ragged_all_to_all(
+            x, mesh, "tp", send[fd.axis_index(mesh, "tp")], capacity=cap
+        )[0],
+        lambda x: fd.ragged_all_to_all(x, mesh, "tp", send[rank], capacity=cap)[0],
+        xr,
+        lambda r: cap,
+    )
     assert fd.exchange_sizes(sizes[rank], mesh, "tp").tolist() == sizes
 
     from tests.test_uneven import moe_per_rank, moe_single_device
 
     T, D, H = 3, 4, 3
-    x, router = torch.randn(world * T, D, dtype=torch.float64, generator=g), torch.randn(D, world, dtype=torch.float64, generator=g) * 2
-    w1, w2 = torch.randn(world, D, H, dtype=torch.float64, generator=g), torch.randn(world, H, D, dtype=torch.float64, generator=g)
+    x, router = (
+        torch.randn(world * T, D, dtype=torch.float64, generator=g),
+        torch.randn(D, world, dtype=torch.float64, generator=g) * 2,
+    )
+    w1, w2 = (
+        torch.randn(world, D, H, dtype=torch.float64, generator=g),
+        torch.randn(world, H, D, dtype=torch.float64, generator=g),
+    )
     ref = [t.clone().requires_grad_() for t in (x, router, w1, w2)]
     want = moe_single_device(*ref)
     c = torch.randn(want.shape, dtype=torch.float64, generator=g)
     (want * c).sum().backward()
-    mine = [x[rank * T : (rank + 1) * T].clone().requires_grad_(), router.clone().requires_grad_(), w1[rank].clone().requires_grad_(), w2[rank].clone().requires_grad_()]
+    mine = [
+        x[rank * T : (rank + 1) * T].clone().requires_grad_(),
+        router.clone().requires_grad_(),
+        w1[rank].clone().requires_grad_(),
+        w2[rank].clone().requires_grad_(),
+    ]
     out = moe_per_rank(*mine, mesh, "tp")
     close(out, want[rank * T : (rank + 1) * T].detach(), "MoE output")
     (out * c[rank * T : (rank + 1) * T]).sum().backward()
@@ -281,7 +402,8 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
     return {"check": None}
 
 
-# ============================================================================ meshes side by side, DeviceMesh
+# ============================================================================ meshes side by side,
+# DeviceMesh
 @scenario
 def two_meshes(rank: int, world: int) -> str:
     big = fd.Mesh.from_torch(tp=world)  # a TP=world model
@@ -302,8 +424,14 @@ def device_mesh(rank: int, world: int) -> str:
     dm = mesh.to_device_mesh("cpu")
     assert dm.mesh_dim_names == ("dp", "tp") and tuple(dm.mesh.shape) == (world // 2, 2)
     back = fd.Mesh.from_device_mesh(dm)
-    # same axes, another communicator: not the same value (a real mesh equals only meshes sharing its groups)
-    assert back.shape == mesh.shape and back != mesh and back != fd.Mesh(dict(mesh.shape)) and back == back
+    # same axes, another communicator: not the same value (a real mesh equals only meshes sharing
+    # its groups)
+    assert (
+        back.shape == mesh.shape
+        and back != mesh
+        and back != fd.Mesh(dict(mesh.shape))
+        and back == back
+    )
     x = torch.tensor([float(rank)])
     close(fd.psum(x, back, "tp"), fd.psum(x, mesh, "tp"), "psum over the DeviceMesh's group")
     assert back._comm._groups[(back._comm.axis((1,)).ranks, "gloo")] is dm.get_group("tp")
@@ -345,7 +473,9 @@ def peer_exits(rank: int, world: int) -> dict[str, Any]:
 @scenario
 def check_mode(rank: int, world: int) -> dict[str, Any]:
     mesh = fd.Mesh.from_torch(tp=world, check=True, timeout=30)
-    assert fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2  # consistent calls pass
+    assert (
+        fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2
+    )  # consistent calls pass
     try:
         fd.all_gather(torch.ones(2 + rank), mesh, "tp")
     except fd.ConsistencyError as e:
@@ -370,7 +500,8 @@ def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
 
 @scenario
 def subset_first(rank: int, world: int) -> dict[str, Any]:
-    """Ranks first touch the mesh's axes in different orders (some ranks before the others): no deadlock, right values."""
+    """Ranks first touch the mesh's axes in different orders (some ranks before the others): no
+    deadlock, right values."""
     mesh = fd.Mesh.from_torch(tp=2, timeout=5)
     twin = fd.Mesh.from_torch(tp=2, timeout=5)  # the same shape: its own groups
     x = torch.tensor([float(rank + 1)])
@@ -388,7 +519,10 @@ def subset_first(rank: int, world: int) -> dict[str, Any]:
         assert fd.all_gather(x, twin, "tp").tolist() == [1.0, 2.0]
     elapsed = time.monotonic() - t0
     whole = (0, 1, 2, 3)
-    names = [str(mesh._comm._groups[whole, "gloo"].group_name), str(twin._comm._groups[(0, 2, 1, 3), "gloo"].group_name)]
+    names = [
+        str(mesh._comm._groups[whole, "gloo"].group_name),
+        str(twin._comm._groups[(0, 2, 1, 3), "gloo"].group_name),
+    ]
     try:
         fd.psum(torch.ones(2, device="meta"), mesh, "tp")
         meta = None
@@ -400,13 +534,16 @@ def subset_first(rank: int, world: int) -> dict[str, Any]:
 
 @scenario
 def recover(rank: int, world: int) -> dict[str, Any]:
-    """One rank fails before a collective its peer waits in; both reset the mesh and go on. Bad ragged sizes raise everywhere."""
+    """One rank fails before a collective its peer waits in; both reset the mesh and go on. Bad
+    ragged sizes raise everywhere."""
     mesh = fd.Mesh.from_torch(tp=world, timeout=2)
     x = torch.ones(4)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0] * 4
     out: dict[str, Any] = {}
     t0 = time.monotonic()
-    try:  # rank 0's shard has 3 rows, not divisible by 2: it raises at once; rank 1 waits in the collective
+    # rank 0's shard has 3 rows, not divisible by 2: it raises at once; rank 1 waits in the
+    # collective
+    try:
         fd.psum_scatter(torch.ones(3 if rank == 0 else 4), mesh, "tp")
     except fd.FastdistError as e:
         out["failure"] = (type(e).__name__, str(e), time.monotonic() - t0)
@@ -415,15 +552,27 @@ def recover(rank: int, world: int) -> dict[str, Any]:
     out["reset"] = time.monotonic() - t0
     assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0] * 4  # the mesh works again
     t0 = time.monotonic()
-    try:  # rank 0 sends 5 rows from 2: every rank raises the same error at once, and the mesh stays usable
-        fd.ragged_all_to_all(torch.ones(2, 1), mesh, "tp", torch.tensor([2, 3]) if rank == 0 else torch.tensor([1, 1]), capacity=8)
+    # rank 0 sends 5 rows from 2: every rank raises the same error at once, and the mesh stays
+    # usable
+    try:
+        fd.ragged_all_to_all(
+            torch.ones(2, 1),
+            mesh,
+            "tp",
+            torch.tensor([2, 3]) if rank == 0 else torch.tensor([1, 1]),
+            capacity=8,
+        )
     except fd.CollectiveError as e:
         out["ragged"] = (str(e), time.monotonic() - t0)
-    got, recv = fd.ragged_all_to_all(torch.full((2, 1), float(rank)), mesh, "tp", torch.tensor([1, 1]), capacity=3)
+    got, recv = fd.ragged_all_to_all(
+        torch.full((2, 1), float(rank)), mesh, "tp", torch.tensor([1, 1]), capacity=3
+    )
     assert recv.tolist() == [1, 1] and got.flatten().tolist() == [0.0, 1.0, 0.0]
     sim = fd.Mesh({"ep": 2})
     try:  # simulated ranks name the axis too
-        fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(torch.ones(2, 2, 1), torch.tensor([[0, -1], [0, 0]]))
+        fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(
+            torch.ones(2, 2, 1), torch.tensor([[0, -1], [0, 0]])
+        )
     except fd.CollectiveError as e:
         out["simulated"] = str(e)
     return out
@@ -431,8 +580,11 @@ def recover(rank: int, world: int) -> dict[str, Any]:
 
 @scenario
 def stateless_host_exits(rank: int, world: int) -> dict[str, Any]:
-    """The process hosting a StatelessGroup's store exits: the others learn that the connection closed, at once."""
-    g = fd.StatelessGroup.create("127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=20)
+    """The process hosting a StatelessGroup's store exits: the others learn that the connection
+    closed, at once."""
+    g = fd.StatelessGroup.create(
+        "127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=20
+    )
     g.barrier()
     if rank == 0:
         time.sleep(0.3)
@@ -448,14 +600,17 @@ def stateless_host_exits(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-# ============================================================================ objects and point to point
+# ============================================================================ objects and point to
+# point
 @scenario
 def objects(rank: int, world: int) -> str:
     mesh = fd.Mesh.from_torch(tp=world)
     assert fd.broadcast_object({"from": rank}, mesh, "tp", src=1) == {"from": 1}
     assert fd.all_gather_object(("r", rank), mesh) == [("r", r) for r in range(world)]
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    if rank % 2 == 0:  # even ranks send first, odd ranks receive first: no deadlock for any world size
+    if (
+        rank % 2 == 0
+    ):  # even ranks send first, odd ranks receive first: no deadlock for any world size
         fd.send_object([rank] * 3, mesh, "tp", dst=nxt)
         got = fd.recv_object(mesh, "tp", src=prv)
     else:
@@ -464,9 +619,15 @@ def objects(rank: int, world: int) -> str:
     assert got == [prv] * 3
     d = {"x": torch.arange(6.0).reshape(2, 3) + rank, "ids": torch.tensor([rank]), "step": 7}
     got_d = fd.broadcast_tensor_dict(d if rank == 0 else None, mesh, "tp", src=0)
-    assert got_d["step"] == 7 and torch.equal(got_d["x"], torch.arange(6.0).reshape(2, 3)) and got_d["ids"].tolist() == [0]
+    assert (
+        got_d["step"] == 7
+        and torch.equal(got_d["x"], torch.arange(6.0).reshape(2, 3))
+        and got_d["ids"].tolist() == [0]
+    )
     if rank == 0:
-        fd.send_tensor_dict({"a": torch.ones(4, dtype=torch.int32), "note": "hi"}, mesh, "tp", dst=1)
+        fd.send_tensor_dict(
+            {"a": torch.ones(4, dtype=torch.int32), "note": "hi"}, mesh, "tp", dst=1
+        )
         fd.send(torch.full((2, 2), 5.0), mesh, "tp", dst=1)
     elif rank == 1:
         td = fd.recv_tensor_dict(mesh, "tp", src=0)
@@ -492,19 +653,28 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
     expired = g.expire()  # this rank's keys older than data_expiration are deleted
     g.barrier()  # every member has expired its keys
     gone = not g.store.check([f"p2p/{prv}->{rank}/0"])
-    late = fd.StatelessGroup(g.store, rank, world, timeout=1.0)  # fresh counters: waits for an expired key
+    late = fd.StatelessGroup(
+        g.store, rank, world, timeout=1.0
+    )  # fresh counters: waits for an expired key
     t0 = time.monotonic()
     try:
         late.recv_obj(src=prv)
     except fd.CollectiveTimeout as e:
-        return {"expired": expired, "gone": gone, "timeout_msg": str(e), "elapsed": time.monotonic() - t0}
+        return {
+            "expired": expired,
+            "gone": gone,
+            "timeout_msg": str(e),
+            "elapsed": time.monotonic() - t0,
+        }
     return {"expired": expired, "gone": gone, "timeout_msg": None}
 
 
-# ============================================================================ ctypes backend (fake library)
+# ============================================================================ ctypes backend (fake
+# library)
 @scenario
 def native(rank: int, world: int) -> dict[str, Any]:
-    """ops and uneven on the ctypes backend named by the parent, then what the library was asked to do."""
+    """ops and uneven on the ctypes backend named by the parent, then what the library was asked to
+    do."""
     from fastdist.native import fake
 
     lib = os.environ["FASTDIST_TEST_LIBRARY"]
@@ -515,17 +685,27 @@ def native(rank: int, world: int) -> dict[str, Any]:
     after_create = fake.call_log(lib)
     fake.clear_log(lib)
     x = torch.arange(6.0).reshape(3, 2) + rank
-    close(fd.psum(x, mesh, "tp"), sum(torch.arange(6.0).reshape(3, 2) + r for r in range(world)), "psum")
+    close(
+        fd.psum(x, mesh, "tp"),
+        sum(torch.arange(6.0).reshape(3, 2) + r for r in range(world)),
+        "psum",
+    )
     psum_calls = fake.call_log(lib)
     fake.clear_log(lib)
     sizes = [r % 3 + 1 for r in range(world)]
     got = fd.all_gather_v(torch.full((sizes[rank], 2), float(rank)), mesh, "tp", sizes)
-    close(got, torch.cat([torch.full((s, 2), float(r)) for r, s in enumerate(sizes)]), "all_gather_v")
+    close(
+        got, torch.cat([torch.full((s, 2), float(r)) for r, s in enumerate(sizes)]), "all_gather_v"
+    )
     agv_calls = fake.call_log(lib)
     f8 = (torch.arange(4.0) + rank).to(torch.float8_e4m3fn)
     fake.clear_log(lib)
     g8 = fd.all_gather(f8, mesh, "tp", tiled=True)
-    close(g8.float(), torch.cat([torch.arange(4.0) + r for r in range(world)]).to(torch.float8_e4m3fn).float(), "fp8 all_gather")
+    close(
+        g8.float(),
+        torch.cat([torch.arange(4.0) + r for r in range(world)]).to(torch.float8_e4m3fn).float(),
+        "fp8 all_gather",
+    )
     fp8_calls = fake.call_log(lib)
     try:
         torch.compile(lambda t: fd.psum(t, mesh, "tp"), fullgraph=True)(x)
@@ -535,15 +715,27 @@ def native(rank: int, world: int) -> dict[str, Any]:
     uneven_result = uneven(rank, world)
     return {
         "compiled_error": compiled_error,
-        "checks": checks, "after_create": after_create, "psum": psum_calls, "agv": agv_calls, "fp8": fp8_calls,
-        "check": uneven_result["check"], "closed": mesh.close(timeout=5.0), "backend": mesh.backend,
+        "checks": checks,
+        "after_create": after_create,
+        "psum": psum_calls,
+        "agv": agv_calls,
+        "fp8": fp8_calls,
+        "check": uneven_result["check"],
+        "closed": mesh.close(timeout=5.0),
+        "backend": mesh.backend,
     }
 
 
 @scenario
 def native_exchange(rank: int, world: int) -> dict[str, Any]:
-    """The unique id travels over the axis's gloo group, and over a StatelessGroup; communicators work."""
-    from fastdist.native import NativeCommunicator, exchange_over_group, exchange_over_stateless, load_library
+    """The unique id travels over the axis's gloo group, and over a StatelessGroup; communicators
+    work."""
+    from fastdist.native import (
+        NativeCommunicator,
+        exchange_over_group,
+        exchange_over_stateless,
+        load_library,
+    )
 
     lib = load_library("nccl", os.environ["FASTDIST_TEST_LIBRARY"])
     mesh = fd.Mesh.from_torch(tp=world)
@@ -555,15 +747,25 @@ def native_exchange(rank: int, world: int) -> dict[str, Any]:
         seen.append(got)
         return got
 
-    comm = NativeCommunicator.create(lib, n=world, index=rank, exchange=spy, label="tp", ranks=ac.ranks, rank=rank)
+    comm = NativeCommunicator.create(
+        lib, n=world, index=rank, exchange=spy, label="tp", ranks=ac.ranks, rank=rank
+    )
     ids = fd.all_gather_object(seen[0], mesh)
     total = comm.all_reduce("psum", torch.tensor([float(rank)]), "sum").item()
     comm.close()
-    sg = fd.StatelessGroup.create("127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=30)
-    comm2 = NativeCommunicator.create(lib, n=world, index=rank, exchange=exchange_over_stateless(sg), label="tp", rank=rank)
+    sg = fd.StatelessGroup.create(
+        "127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=30
+    )
+    comm2 = NativeCommunicator.create(
+        lib, n=world, index=rank, exchange=exchange_over_stateless(sg), label="tp", rank=rank
+    )
     stateless_sum = comm2.all_reduce("psum", torch.ones(1, dtype=torch.int64), "sum").item()
     comm2.close()
-    return {"same_id": len(set(ids)) == 1 and len(ids[0]) == 128, "sum": total, "stateless_sum": stateless_sum}
+    return {
+        "same_id": len(set(ids)) == 1 and len(ids[0]) == 128,
+        "sum": total,
+        "stateless_sum": stateless_sum,
+    }
 
 
 # ============================================================================ entry point
@@ -571,7 +773,13 @@ def main(argv: list[str]) -> None:
     name, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     torch.set_num_threads(1)
     if not name.startswith("stateless"):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
     result = SCENARIOS[name](rank, world)
     with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)

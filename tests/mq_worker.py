@@ -1,4 +1,5 @@
-"""One rank of a tests/test_mq.py scenario: ``python -m tests.mq_worker SCENARIO RANK WORLD STORE_PORT OUT_DIR``.
+"""One rank of a tests/test_mq.py scenario: ``python -m tests.mq_worker SCENARIO RANK WORLD
+STORE_PORT OUT_DIR``.
 
 Each rank joins a gloo job through the parent's TCPStore, runs the scenario and pickles its
 result to ``OUT_DIR/<rank>.pkl`` (a rank that kills itself writes ``OUT_DIR/killed.txt``).
@@ -27,7 +28,8 @@ TIMEOUT = 3.0  # the queues' per-call timeout in the failure scenarios
 
 
 def sizes(n: int, seed: int = 0) -> list[int]:
-    """Mixed sizes, bytes to MBs: mostly small, every 100th 10-300 KB, every 1000th 1-3 MB (larger than a slot)."""
+    """Mixed sizes, bytes to MBs: mostly small, every 100th 10-300 KB, every 1000th 1-3 MB (larger
+    than a slot)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -45,7 +47,9 @@ def payload(i: int, size: int) -> bytes:
 
 
 SHORT = 0.5  # the per-call timeout of the enqueue-timeout scenario
-BIG = 128 << 20  # more than loopback TCP buffers hold (tcp_wmem + tcp_rmem maxima are a few tens of MB)
+BIG = (
+    128 << 20
+)  # more than loopback TCP buffers hold (tcp_wmem + tcp_rmem maxima are a few tens of MB)
 
 
 def _mesh(timeout: float = 30) -> fd.Mesh:
@@ -60,8 +64,18 @@ def _nodes(mesh: fd.Mesh, rank: int, remote: int | None) -> mq.NodeInfo:
 def stream(rank: int, out: Path) -> Any:
     """10,000 mixed messages; readers 1, 2 through shared memory, reader 3 through the socket."""
     mesh = _mesh()
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=_nodes(mesh, rank, 3), max_chunk_bytes=1 << 20, max_chunks=8, timeout=30)
-    leaked = q.shm_name is not None and os.path.exists(f"/dev/shm/{q.shm_name}")  # unlinked once every local reader attached
+    q = mq.MessageQueue.create(
+        mesh,
+        "tp",
+        writer=0,
+        nodes=_nodes(mesh, rank, 3),
+        max_chunk_bytes=1 << 20,
+        max_chunks=8,
+        timeout=30,
+    )
+    leaked = q.shm_name is not None and os.path.exists(
+        f"/dev/shm/{q.shm_name}"
+    )  # unlinked once every local reader attached
     sz = sizes(N_MESSAGES)
     t0 = time.perf_counter()
     got = 0
@@ -74,7 +88,9 @@ def stream(rank: int, out: Path) -> Any:
         for i, s in enumerate(sz):
             j, data = q.dequeue()
             assert j == i, f"rank {rank}: message {j} arrived where {i} was due"
-            assert len(data) == s and data == payload(i, s), f"rank {rank}: message {i} has wrong contents"
+            assert len(data) == s and data == payload(i, s), (
+                f"rank {rank}: message {i} has wrong contents"
+            )
             got += 1
         try:
             q.dequeue(timeout=10)
@@ -82,14 +98,30 @@ def stream(rank: int, out: Path) -> Any:
         except mq.QueueClosedError as e:
             closed = str(e)
         q.close()
-    return {"got": got, "seconds": time.perf_counter() - t0, "leaked": leaked, "closed": closed, "remote": q.remote_readers, "pid": os.getpid(),
-            "shm": q.shm_name}
+    return {
+        "got": got,
+        "seconds": time.perf_counter() - t0,
+        "leaked": leaked,
+        "closed": closed,
+        "remote": q.remote_readers,
+        "pid": os.getpid(),
+        "shm": q.shm_name,
+    }
 
 
 def writer_dies(rank: int, out: Path) -> Any:
-    """The writer SIGKILLs itself after 300 messages; every reader must get all 300, then PeerLostError naming rank 0."""
+    """The writer SIGKILLs itself after 300 messages; every reader must get all 300, then
+    PeerLostError naming rank 0."""
     mesh = _mesh()
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=_nodes(mesh, rank, 3), max_chunks=4, max_chunk_bytes=4096, timeout=TIMEOUT)
+    q = mq.MessageQueue.create(
+        mesh,
+        "tp",
+        writer=0,
+        nodes=_nodes(mesh, rank, 3),
+        max_chunks=4,
+        max_chunk_bytes=4096,
+        timeout=TIMEOUT,
+    )
     if q.is_writer:
         for i in range(300):
             q.enqueue((i, payload(i, 3000 if i % 7 else 9000)))  # some span several slots
@@ -102,13 +134,28 @@ def writer_dies(rank: int, out: Path) -> Any:
             assert i == got and data == payload(i, 3000 if i % 7 else 9000)
             got += 1
     except fd.FastdistError as e:
-        return {"got": got, "type": type(e).__name__, "msg": str(e), "at": time.time(), "peer": getattr(e, "peer", None)}
+        return {
+            "got": got,
+            "type": type(e).__name__,
+            "msg": str(e),
+            "at": time.time(),
+            "peer": getattr(e, "peer", None),
+        }
 
 
 def reader_dies(rank: int, out: Path, victim: int) -> Any:
-    """Reader ``victim`` SIGKILLs itself after 50 messages; the writer must raise PeerLostError naming it."""
+    """Reader ``victim`` SIGKILLs itself after 50 messages; the writer must raise PeerLostError
+    naming it."""
     mesh = _mesh()
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=_nodes(mesh, rank, 3), max_chunks=4, max_chunk_bytes=4096, timeout=TIMEOUT)
+    q = mq.MessageQueue.create(
+        mesh,
+        "tp",
+        writer=0,
+        nodes=_nodes(mesh, rank, 3),
+        max_chunks=4,
+        max_chunk_bytes=4096,
+        timeout=TIMEOUT,
+    )
     if q.is_writer:
         sent = 0
         try:
@@ -117,7 +164,13 @@ def reader_dies(rank: int, out: Path, victim: int) -> Any:
                 sent += 1
             result: Any = {"sent": sent, "type": None}
         except fd.FastdistError as e:
-            result = {"sent": sent, "type": type(e).__name__, "msg": str(e), "at": time.time(), "peer": getattr(e, "peer", None)}
+            result = {
+                "sent": sent,
+                "type": type(e).__name__,
+                "msg": str(e),
+                "at": time.time(),
+                "peer": getattr(e, "peer", None),
+            }
         q.close()
         return result
     got = 0
@@ -134,27 +187,42 @@ def reader_dies(rank: int, out: Path, victim: int) -> Any:
 
 
 def locality(rank: int, out: Path) -> Any:
-    """node_info / local_device on one host; the single-reader variant; non-blocking modes; a per-call timeout."""
+    """node_info / local_device on one host; the single-reader variant; non-blocking modes; a
+    per-call timeout."""
     mesh = _mesh()
     info = mq.node_info(mesh)
-    res: dict[str, Any] = {"local_rank": info.local_rank, "local_size": info.local_size, "nodes": info.nodes, "single_host": info.single_host,
-                           "device": str(mq.local_device(info)), "same_as_0": info.same_host_as(0)}
+    res: dict[str, Any] = {
+        "local_rank": info.local_rank,
+        "local_size": info.local_size,
+        "nodes": info.nodes,
+        "single_host": info.single_host,
+        "device": str(mq.local_device(info)),
+        "same_as_0": info.same_host_as(0),
+    }
     fake = _nodes(mesh, rank, 3)
     res["fake_nodes"], res["fake_local"] = fake.nodes, (fake.local_rank, fake.local_size)
-    # single reader: ranks 1..3 each write to rank 0 (rank 3 over the socket); one message larger than a slot
-    mine, theirs = mq.create_single_reader_mq_broadcasters(mesh, "tp", reader=0, nodes=fake, max_chunk_bytes=1024, max_chunks=2, timeout=20)
+    # single reader: ranks 1..3 each write to rank 0 (rank 3 over the socket); one message larger
+    # than a slot
+    mine, theirs = mq.create_single_reader_mq_broadcasters(
+        mesh, "tp", reader=0, nodes=fake, max_chunk_bytes=1024, max_chunks=2, timeout=20
+    )
     if mine is not None:
         mine.enqueue(("hello", rank, payload(rank, 5000)))
         mine.enqueue(("bye", rank))
         mine.close()
     else:
         res["single"] = [(q.dequeue(), q.dequeue()) if q is not None else None for q in theirs]
-        res["single"] = [None if v is None else (v[0][0], v[0][1], v[0][2] == payload(v[0][1], 5000), v[1]) for v in res["single"]]
+        res["single"] = [
+            None if v is None else (v[0][0], v[0][1], v[0][2] == payload(v[0][1], 5000), v[1])
+            for v in res["single"]
+        ]
         for q in theirs:
             if q is not None:
                 q.close()
     # non-blocking and timeouts
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=fake, max_chunks=2, max_chunk_bytes=1024, timeout=20)
+    q = mq.MessageQueue.create(
+        mesh, "tp", writer=0, nodes=fake, max_chunks=2, max_chunk_bytes=1024, timeout=20
+    )
     fd.barrier(mesh)
     if q.is_reader:
         try:
@@ -191,7 +259,8 @@ def locality(rank: int, out: Path) -> Any:
 
 
 def enqueue_timeout(rank: int, out: Path) -> Any:
-    """A reader that does not read: the writer's enqueue(timeout=SHORT) raises CollectiveTimeout naming it.
+    """A reader that does not read: the writer's enqueue(timeout=SHORT) raises CollectiveTimeout
+    naming it.
 
     A: shared memory, the ring full before the message: nothing sent, the queue goes on.
     B: a socket reader, a message larger than the socket buffers: cut off, the queue is unusable.
@@ -200,7 +269,16 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
     mesh = _mesh()
     res: dict[str, Any] = {}
     same = mq.node_info(mesh, "tp")
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[1, 2], nodes=same, max_chunks=2, max_chunk_bytes=1024, timeout=20)
+    q = mq.MessageQueue.create(
+        mesh,
+        "tp",
+        writer=0,
+        readers=[1, 2],
+        nodes=same,
+        max_chunks=2,
+        max_chunk_bytes=1024,
+        timeout=20,
+    )
     if q.is_writer:
         q.enqueue("m0")
         q.enqueue("m1")
@@ -246,7 +324,16 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
             res["sock_broken"], res["sock_broken_type"] = str(e), type(e).__name__
     _close_then_read(mesh, q, res, "sock_reader")
     # C: shared memory, a 5-slot message into a 2-slot ring that reader 2 does not drain
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[2], nodes=same, max_chunks=2, max_chunk_bytes=1024, timeout=20)
+    q = mq.MessageQueue.create(
+        mesh,
+        "tp",
+        writer=0,
+        readers=[2],
+        nodes=same,
+        max_chunks=2,
+        max_chunk_bytes=1024,
+        timeout=20,
+    )
     if q.is_writer:
         t0 = time.monotonic()
         try:
@@ -259,7 +346,8 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
 
 
 def _close_then_read(mesh: Any, q: Any, res: dict[str, Any], key: str) -> None:
-    """After a cut-off message: the writer closes; the reader's next dequeue must raise (recorded under ``key``)."""
+    """After a cut-off message: the writer closes; the reader's next dequeue must raise (recorded
+    under ``key``)."""
     fd.barrier(mesh)
     if q.is_writer:
         q.close()
@@ -291,7 +379,9 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
     shared_memory.SharedMemory = Recorded  # type: ignore[misc]
     if rank == who == 2:
         (out / "killed.txt").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)  # before attaching (the writer makes its segment, then finds this rank gone)
+        os.kill(
+            os.getpid(), signal.SIGKILL
+        )  # before attaching (the writer makes its segment, then finds this rank gone)
     if rank == who == 0:
         import fastdist.distributed as D
 
@@ -306,25 +396,41 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
         D.all_gather_object = dies_after_making_the_segment  # type: ignore[assignment]
     t0 = time.monotonic()
     try:
-        mq.MessageQueue.create(mesh, "tp", writer=0, nodes=nodes, max_chunks=2, max_chunk_bytes=1024, timeout=5)
+        mq.MessageQueue.create(
+            mesh, "tp", writer=0, nodes=nodes, max_chunks=2, max_chunk_bytes=1024, timeout=5
+        )
         res: dict[str, Any] = {"type": None}
     except Exception as e:  # noqa: BLE001
         res = {"type": type(e).__name__, "msg": str(e)}
     res["s"] = time.monotonic() - t0
     res["made"] = made
-    res["left"] = [n for n in made if os.path.exists(f"/dev/shm/{n}")]  # checked while this process still runs
+    res["left"] = [
+        n for n in made if os.path.exists(f"/dev/shm/{n}")
+    ]  # checked while this process still runs
     return res
 
 
 def main() -> None:
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    scenario, rank, world, port, out = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        Path(sys.argv[5]),
+    )
     torch.set_num_threads(1)
     limit = datetime.timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
     name, _, arg = scenario.partition(":")
-    fn = {"stream": stream, "writer_dies": writer_dies, "reader_dies": reader_dies, "locality": locality, "enqueue_timeout": enqueue_timeout,
-          "setup_crash": setup_crash}[name]
+    fn = {
+        "stream": stream,
+        "writer_dies": writer_dies,
+        "reader_dies": reader_dies,
+        "locality": locality,
+        "enqueue_timeout": enqueue_timeout,
+        "setup_crash": setup_crash,
+    }[name]
     value = fn(rank, out, int(arg)) if arg else fn(rank, out)
     (out / f"{rank}.pkl").write_bytes(pickle.dumps(value))
     sys.stdout.flush()

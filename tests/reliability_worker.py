@@ -1,4 +1,5 @@
-"""Real-rank reliability scenarios (issue 20): ``python -m tests.reliability_worker SCENARIO RANK WORLD PORT OUTDIR``.
+"""Real-rank reliability scenarios (issue 20): ``python -m tests.reliability_worker SCENARIO RANK
+WORLD PORT OUTDIR``.
 
 The scenarios join tests/dist_worker.py's table and run through its entry point (launched by
 ``tests.dist_harness.run_world(..., module="tests.reliability_worker")``). Each records what every
@@ -22,8 +23,11 @@ from fastdist import P
 from tests.dist_worker import close, main, scenario
 
 
-def timed(call: Callable[[], Any], *errors: type[BaseException]) -> tuple[str | None, str | None, float]:
-    """``(error type, message, seconds)`` of a call expected to raise one of ``errors``; ``(None, None, seconds)`` if it returned."""
+def timed(
+    call: Callable[[], Any], *errors: type[BaseException]
+) -> tuple[str | None, str | None, float]:
+    """``(error type, message, seconds)`` of a call expected to raise one of ``errors``; ``(None,
+    None, seconds)`` if it returned."""
     t0 = time.monotonic()
     try:
         call()
@@ -33,79 +37,128 @@ def timed(call: Callable[[], Any], *errors: type[BaseException]) -> tuple[str | 
 
 
 def meet(name: str, world: int, timeout: float = 60.0) -> None:
-    """Wait (outside any mesh) until every rank got here: a rank that failed early stays alive, in no collective."""
+    """Wait (outside any mesh) until every rank got here: a rank that failed early stays alive, in
+    no collective."""
     store = c10d._get_default_store()
     store.set(f"reliability/{name}/{c10d.get_rank()}", "1")
-    store.wait([f"reliability/{name}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
+    store.wait(
+        [f"reliability/{name}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout)
+    )
 
 
-# ============================================================================ point 2: failures, promptly
+# ============================================================================ point 2: failures,
+# promptly
 @scenario
 def reliability(rank: int, world: int) -> dict[str, Any]:
-    """A rank's invalid input: its peers learn promptly when its error path drops the groups (mesh timeout 20 s), every rank at once
-    in check mode, and, when the failing rank stays alive, at the timeout with an error naming it (not a bare timeout)."""
+    """A rank's invalid input: its peers learn promptly when its error path drops the groups (mesh
+    timeout 20 s), every rank at once in check mode, and, when the failing rank stays alive, at the
+    timeout with an error naming it (not a bare timeout)."""
     out: dict[str, Any] = {}
     mesh = fd.Mesh.from_torch(tp=world, timeout=20)
     x = torch.ones(4)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0] * 4
-    # rank 0's shard has 3 rows, not divisible by 2: it raises at once and resets (its error path); rank 1 waits in the collective
-    out["failure"] = timed(lambda: fd.psum_scatter(torch.ones(3 if rank == 0 else 4), mesh, "tp"), fd.FastdistError)
+    # rank 0's shard has 3 rows, not divisible by 2: it raises at once and resets (its error path);
+    # rank 1 waits in the collective
+    out["failure"] = timed(
+        lambda: fd.psum_scatter(torch.ones(3 if rank == 0 else 4), mesh, "tp"), fd.FastdistError
+    )
     t0 = time.monotonic()
     mesh.reset()  # every rank: rank 0 waits here for rank 1
     out["reset"] = time.monotonic() - t0
     assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0] * 4  # the mesh works again
-    # rank 0 sends 5 rows from 2: every rank raises the same error at once, and the mesh stays usable
+    # rank 0 sends 5 rows from 2: every rank raises the same error at once, and the mesh stays
+    # usable
     sizes = torch.tensor([2, 3]) if rank == 0 else torch.tensor([1, 1])
-    out["ragged"] = timed(lambda: fd.ragged_all_to_all(torch.ones(2, 1), mesh, "tp", sizes, capacity=8), fd.CollectiveError)
-    got, recv = fd.ragged_all_to_all(torch.full((2, 1), float(rank)), mesh, "tp", torch.tensor([1, 1]), capacity=3)
+    out["ragged"] = timed(
+        lambda: fd.ragged_all_to_all(torch.ones(2, 1), mesh, "tp", sizes, capacity=8),
+        fd.CollectiveError,
+    )
+    got, recv = fd.ragged_all_to_all(
+        torch.full((2, 1), float(rank)), mesh, "tp", torch.tensor([1, 1]), capacity=3
+    )
     assert recv.tolist() == [1, 1] and got.flatten().tolist() == [0.0, 1.0, 0.0]
     sim = fd.Mesh({"ep": 2})  # simulated ranks name the axis too
-    out["simulated"] = timed(lambda: fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(
-        torch.ones(2, 2, 1), torch.tensor([[0, -1], [0, 0]])), fd.CollectiveError)[1]
+    out["simulated"] = timed(
+        lambda: fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(
+            torch.ones(2, 2, 1), torch.tensor([[0, -1], [0, 0]])
+        ),
+        fd.CollectiveError,
+    )[1]
 
-    # check mode: the ranks pass different shapes; every rank raises what each passed, long before the 20 s timeout
+    # check mode: the ranks pass different shapes; every rank raises what each passed, long before
+    # the 20 s timeout
     checked = fd.Mesh.from_torch(tp=world, check=True, timeout=20)
-    assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2  # consistent calls pass
-    out["check"] = timed(lambda: fd.all_gather(torch.ones(2 + rank), checked, "tp"), fd.ConsistencyError)
-    assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2  # nobody is left in a collective
+    assert (
+        fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
+    )  # consistent calls pass
+    out["check"] = timed(
+        lambda: fd.all_gather(torch.ones(2 + rank), checked, "tp"), fd.ConsistencyError
+    )
+    assert (
+        fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
+    )  # nobody is left in a collective
 
-    # default mode, the failing rank stays alive (no reset, no exit): its peer times out, told which rank did not come
+    # default mode, the failing rank stays alive (no reset, no exit): its peer times out, told which
+    # rank did not come
     slow = fd.Mesh.from_torch(tp=world, timeout=2)
     assert fd.psum(torch.ones(1), slow, "tp").item() == world
-    out["alive"] = timed(lambda: fd.exchange_sizes(2.5 if rank == 0 else 3, slow, "tp"), fd.FastdistError)
+    out["alive"] = timed(
+        lambda: fd.exchange_sizes(2.5 if rank == 0 else 3, slow, "tp"), fd.FastdistError
+    )
     meet("alive", world)
     slow.reset()
     assert fd.exchange_sizes(rank + 1, slow, "tp").tolist() == list(range(1, world + 1))
     return out
 
 
-# ============================================================================ points 3 and 8: torch.compile on real ranks
+# ============================================================================ points 3 and 8:
+# torch.compile on real ranks
 @scenario
 def compiled_timed(rank: int, world: int) -> dict[str, Any]:
-    """Compile before any group exists (the groups are made while dynamo traces), timed; an spmd step compiled with check=False
-    (one graph, equal to eager and to one device); check='insert' under fullgraph raises fastdist's message on every rank, at once."""
+    """Compile before any group exists (the groups are made while dynamo traces), timed; an spmd
+    step compiled with check=False (one graph, equal to eager and to one device); check='insert'
+    under fullgraph raises fastdist's message on every rank, at once."""
     from torch._dynamo.utils import counters
 
     out: dict[str, Any] = {}
-    late = fd.Mesh.from_torch(tp=world, timeout=120)  # no eager call, no create_groups; a wait for a group would show against 120 s
-    f = torch.compile(lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, "tp").sum(), fullgraph=True, backend="aot_eager")
+    late = fd.Mesh.from_torch(
+        tp=world, timeout=120
+    )  # no eager call, no create_groups; a wait for a group would show against 120 s
+    f = torch.compile(
+        lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, "tp").sum(),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     t0 = time.monotonic()
     value = f(torch.tensor([float(rank)])).item()
-    out["late"] = (value, time.monotonic() - t0, sorted(str(pg.group_name) for pg in late._comm._groups.values()))
+    out["late"] = (
+        value,
+        time.monotonic() - t0,
+        sorted(str(pg.group_name) for pg in late._comm._groups.values()),
+    )
 
     mesh = fd.Mesh.from_torch(tp=world, timeout=60)  # {"dp": 1, "tp": world}
 
-    def written(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # the pvarys check="error" asks for
+    def written(
+        x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:  # the pvarys check="error" asks for
         x, b = fd.pvary(x, mesh, "tp"), fd.pvary(b, mesh, "dp")
         w1, w2 = fd.pvary(w1, mesh, "dp"), fd.pvary(w2, mesh, "dp")
         return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp") + b
 
-    def bare(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # relies on check="insert"
+    def bare(
+        x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:  # relies on check="insert"
         return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp") + b
 
-    specs: dict[str, Any] = {"in_specs": (P("dp"), P(None, "tp"), P("tp", None), P()), "out_specs": P("dp")}
+    specs: dict[str, Any] = {
+        "in_specs": (P("dp"), P(None, "tp"), P("tp", None), P()),
+        "out_specs": P("dp"),
+    }
     g = torch.Generator().manual_seed(0)
-    args = [torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 4), (4, 6), (6, 4), (4,))]
+    args = [
+        torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 4), (4, 6), (6, 4), (4,))
+    ]
     c = torch.arange(16.0, dtype=torch.float64).reshape(4, 4)
 
     def run(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -117,7 +170,9 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
     ref = [a.clone().requires_grad_() for a in args]  # one device
     want = torch.tanh(ref[0] @ ref[1]) @ ref[2] + ref[3]
     (want * c).sum().backward()
-    eager_out, eager_grads = run(fd.spmd(bare, mesh, check="insert", **specs))  # eager, checked (real ranks default to check=False)
+    eager_out, eager_grads = run(
+        fd.spmd(bare, mesh, check="insert", **specs)
+    )  # eager, checked (real ranks default to check=False)
 
     graphs: list[Any] = []
 
@@ -127,19 +182,31 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
 
     torch._dynamo.reset()
     counters.clear()
-    step = torch.compile(fd.spmd(written, mesh, check=False, **specs), fullgraph=True, backend=counting)
+    step = torch.compile(
+        fd.spmd(written, mesh, check=False, **specs), fullgraph=True, backend=counting
+    )
     t0 = time.monotonic()
     comp_out, comp_grads = run(step)
     again, _ = run(step)  # no recompilation
     out["spmd_compile_s"] = time.monotonic() - t0
     out["graphs"], out["graph_breaks"] = len(graphs), sum(counters["graph_break"].values())
-    for got, e, w, name in zip([comp_out, *comp_grads], [eager_out, *eager_grads], [want.detach(), *(r.grad for r in ref)], ["out", "x", "w1", "w2", "b"]):
+    for got, e, w, name in zip(
+        [comp_out, *comp_grads],
+        [eager_out, *eager_grads],
+        [want.detach(), *(r.grad for r in ref)],
+        ["out", "x", "w1", "w2", "b"],
+    ):
         close(got, e, f"compiled spmd {name} vs eager on rank {rank}")
         close(got, w, f"compiled spmd {name} vs one device on rank {rank}")
     close(again, comp_out, "second compiled call")
 
     torch._dynamo.reset()
-    out["insert"] = timed(lambda: torch.compile(fd.spmd(bare, mesh, check="insert", **specs), fullgraph=True, backend="aot_eager")(*args), Exception)
+    out["insert"] = timed(
+        lambda: torch.compile(
+            fd.spmd(bare, mesh, check="insert", **specs), fullgraph=True, backend="aot_eager"
+        )(*args),
+        Exception,
+    )
     assert fd.psum(torch.ones(1), mesh, "tp").item() == world  # nobody was left in a collective
     return out
 

@@ -12,11 +12,22 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fastdist as fd
-from fastdist._primitive import FAST_PATH, PRIMITIVES, Primitive, GroupSpec
+from fastdist._primitive import FAST_PATH, PRIMITIVES, GroupSpec, Primitive
 
 from .reference import axes_of, meshes, per_group, ref
 
-ALL_OPS = ["psum", "pmean", "pmax", "pmin", "pvary", "all_gather", "psum_scatter", "all_to_all", "ppermute", "broadcast"]
+ALL_OPS = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "pvary",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "broadcast",
+]
 # Output replicated over the group: each rank's loss uses it the same way (one copy in the oracle).
 INVARIANT_OUT = {"psum", "pmean", "pmax", "pmin", "broadcast"}
 FLOAT_ONLY = {"pmean"}
@@ -27,7 +38,9 @@ def run(op: str, xs: Tensor, mesh: fd.Mesh, axis: fd.AxisName, **kw: Any) -> Ten
 
 
 @st.composite
-def cases(draw, op: str, dtypes: tuple[torch.dtype, ...]) -> tuple[fd.Mesh, fd.AxisName, dict[str, Any], Tensor]:
+def cases(
+    draw, op: str, dtypes: tuple[torch.dtype, ...]
+) -> tuple[fd.Mesh, fd.AxisName, dict[str, Any], Tensor]:
     """A mesh, an axis, the op's keyword arguments and stacked integer-valued input."""
     mesh = draw(meshes())
     axis = draw(axes_of(mesh))
@@ -55,7 +68,9 @@ def cases(draw, op: str, dtypes: tuple[torch.dtype, ...]) -> tuple[fd.Mesh, fd.A
         kw["src"] = draw(st.integers(0, n - 1))
     dtype = draw(st.sampled_from(dtypes))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    xs = torch.randint(-8, 9, (mesh.size, *shape), generator=gen).to(dtype)  # integer-valued: exact sums
+    xs = torch.randint(-8, 9, (mesh.size, *shape), generator=gen).to(
+        dtype
+    )  # integer-valued: exact sums
     if op == "pvary":  # pvary's input is replicated over the group
         xs = per_group(xs, mesh, axis, lambda m: [m[0]] * len(m))
     return mesh, axis, kw, xs
@@ -65,7 +80,9 @@ def cases(draw, op: str, dtypes: tuple[torch.dtype, ...]) -> tuple[fd.Mesh, fd.A
 @pytest.mark.parametrize("op", ALL_OPS)
 @given(data=st.data())
 def test_values_match_reference(op: str, data: st.DataObject) -> None:
-    dtypes = (torch.float32, torch.float64, torch.bfloat16) + (() if op in FLOAT_ONLY else (torch.int32, torch.int64))
+    dtypes = (torch.float32, torch.float64, torch.bfloat16) + (
+        () if op in FLOAT_ONLY else (torch.int32, torch.int64)
+    )
     mesh, axis, kw, xs = data.draw(cases(op, dtypes))
     got = run(op, xs, mesh, axis, **kw)
     want = ref(op, xs, mesh, axis, **norm_kw(op, kw, xs.dim() - 1))
@@ -74,7 +91,9 @@ def test_values_match_reference(op: str, data: st.DataObject) -> None:
 
 
 # ============================================================================ gradients
-def oracle_grad(op: str, xs: Tensor, c: Tensor, mesh: fd.Mesh, axis: fd.AxisName, kw: dict[str, Any]) -> Tensor:
+def oracle_grad(
+    op: str, xs: Tensor, c: Tensor, mesh: fd.Mesh, axis: fd.AxisName, kw: dict[str, Any]
+) -> Tensor:
     """Single-device gradient of the global loss, per rank.
 
     Varying outputs: the global loss is the sum of the ranks' losses <c_r, out_r>.
@@ -112,7 +131,9 @@ def cotangent(op: str, out: Tensor, mesh: fd.Mesh, axis: fd.AxisName, seed: int)
 @given(data=st.data())
 def test_gradients_match_single_device(op: str, data: st.DataObject) -> None:
     mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
-    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (op in ("pmax", "pmin"))  # no ties
+    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (
+        op in ("pmax", "pmin")
+    )  # no ties
     leaf = xs.clone().requires_grad_()
     out = run(op, leaf, mesh, axis, **kw)
     c = cotangent(op, out, mesh, axis, seed=data.draw(st.integers(0, 2**16)))
@@ -125,10 +146,16 @@ def test_gradients_match_single_device(op: str, data: st.DataObject) -> None:
 def test_func_grad_inside_simulate_matches_backward(op: str, data: st.DataObject) -> None:
     """``torch.func.grad`` of the per-rank loss inside simulate == outer backward()."""
     mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
-    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(2)) * (op in ("pmax", "pmin"))
-    c = cotangent(op, run(op, xs, mesh, axis, **kw), mesh, axis, seed=data.draw(st.integers(0, 2**16)))
+    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(2)) * (
+        op in ("pmax", "pmin")
+    )
+    c = cotangent(
+        op, run(op, xs, mesh, axis, **kw), mesh, axis, seed=data.draw(st.integers(0, 2**16))
+    )
     fn = getattr(fd, op)
-    grads = fd.simulate(lambda x, c: torch.func.grad(lambda x: (fn(x, mesh, axis, **kw) * c).sum())(x), mesh)(xs, c)
+    grads = fd.simulate(
+        lambda x, c: torch.func.grad(lambda x: (fn(x, mesh, axis, **kw) * c).sum())(x), mesh
+    )(xs, c)
     torch.testing.assert_close(grads, oracle_grad(op, xs, c, mesh, axis, kw))
 
 
@@ -141,16 +168,22 @@ def test_func_grad_outside_simulate_matches_backward(op: str, data: st.DataObjec
     through the autograd.Function instead (fastdist._primitive.bind): both must agree.
     """
     mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
-    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(4)) * (op in ("pmax", "pmin"))
-    c = cotangent(op, run(op, xs, mesh, axis, **kw), mesh, axis, seed=data.draw(st.integers(0, 2**16)))
+    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(4)) * (
+        op in ("pmax", "pmin")
+    )
+    c = cotangent(
+        op, run(op, xs, mesh, axis, **kw), mesh, axis, seed=data.draw(st.integers(0, 2**16))
+    )
     fn = getattr(fd, op)
-    grads = torch.func.grad(lambda x: (fd.simulate(lambda x: fn(x, mesh, axis, **kw), mesh)(x) * c).sum())(xs)
+    grads = torch.func.grad(
+        lambda x: (fd.simulate(lambda x: fn(x, mesh, axis, **kw), mesh)(x) * c).sum()
+    )(xs)
     torch.testing.assert_close(grads, oracle_grad(op, xs, c, mesh, axis, kw))
 
 
 def test_outer_backward_records_the_stacked_op() -> None:
-    """With only simulate's vmap active, the functorch-composing Function does not run: backward calls
-    the per-rank rule on stacked tensors directly (through the stacked Function, no vmap)."""
+    """With only simulate's vmap active, the functorch-composing Function does not run: backward
+    calls the per-rank rule on stacked tensors directly (through the stacked Function, no vmap)."""
     mesh = fd.Mesh({"tp": 4})
     leaf = torch.randn(4, 3, requires_grad=True)
     out = fd.simulate(lambda x: fd.psum(x, mesh, "tp"), mesh)(leaf)
@@ -161,8 +194,12 @@ def test_outer_backward_records_the_stacked_op() -> None:
         if node is not None:
             names.append(node.name())
             stack += [f for f, _ in node.next_functions]
-    if not FAST_PATH:  # the public route: torch's generated vmap rule of the functorch-composing Function
-        assert names[:2] == ["VmappedPsumFunctionBackward", "torch::autograd::AccumulateGrad"], names
+    if (
+        not FAST_PATH
+    ):  # the public route: torch's generated vmap rule of the functorch-composing Function
+        assert names[:2] == ["VmappedPsumFunctionBackward", "torch::autograd::AccumulateGrad"], (
+            names
+        )
         return
     assert not any("PsumFunction" in n for n in names), names
     assert names[:2] == ["PsumStackedFunctionBackward", "torch::autograd::AccumulateGrad"], names
@@ -177,23 +214,35 @@ def test_second_order_gradients_match_single_device() -> None:
     """
     mesh = fd.Mesh({"dp": 2, "tp": 4})
     gen = torch.Generator().manual_seed(0)
-    xs, vs = (torch.randn(8, 3, dtype=torch.float64, generator=gen) for _ in range(2))  # [ranks, chunk]
+    xs, vs = (
+        torch.randn(8, 3, dtype=torch.float64, generator=gen) for _ in range(2)
+    )  # [ranks, chunk]
     cs = torch.randn(8, 12, dtype=torch.float64, generator=gen)  # [ranks, gathered]
     leaf = xs.clone().requires_grad_()
     losses = fd.simulate(lambda x, c: (c * fd.all_gather(x, mesh, "tp") ** 3).sum(), mesh)(leaf, cs)
     (g,) = torch.autograd.grad(losses.sum(), leaf, create_graph=True)
     (hv,) = torch.autograd.grad((g * vs).sum(), leaf)
     for d in range(2):  # each dp group is its own tp problem
-        X, V = xs[4 * d : 4 * d + 4].reshape(12), vs[4 * d : 4 * d + 4].reshape(12)  # the gathered X and direction
+        X, V = (
+            xs[4 * d : 4 * d + 4].reshape(12),
+            vs[4 * d : 4 * d + 4].reshape(12),
+        )  # the gathered X and direction
         C = cs[4 * d : 4 * d + 4].sum(0)
         torch.testing.assert_close(g.detach()[4 * d : 4 * d + 4], (3 * C * X**2).reshape(4, 3))
         torch.testing.assert_close(hv[4 * d : 4 * d + 4], (6 * C * X * V).reshape(4, 3))
 
 
 COMPILE_CASES = {
-    "psum": {}, "pmean": {}, "pmax": {}, "pmin": {}, "pvary": {},
-    "all_gather": {"dim": 1, "tiled": True}, "psum_scatter": {"dim": -1, "tiled": True},
-    "all_to_all": {"split_dim": 1, "concat_dim": 0}, "ppermute": {"perm": [(0, 2), (2, 1), (1, 0)]}, "broadcast": {"src": 2},
+    "psum": {},
+    "pmean": {},
+    "pmax": {},
+    "pmin": {},
+    "pvary": {},
+    "all_gather": {"dim": 1, "tiled": True},
+    "psum_scatter": {"dim": -1, "tiled": True},
+    "all_to_all": {"split_dim": 1, "concat_dim": 0},
+    "ppermute": {"perm": [(0, 2), (2, 1), (1, 0)]},
+    "broadcast": {"src": 2},
 }
 
 
@@ -234,13 +283,17 @@ def test_pmax_pmin_ties_go_to_lowest_rank() -> None:
 def test_psum_grad_per_rank_is_identity_not_n() -> None:
     """jax#3970: grad of psum taken per rank must be 1, not the group size."""
     mesh = fd.Mesh({"tp": 4})
-    g = fd.simulate(lambda x: torch.func.grad(lambda x: fd.psum(x, mesh, "tp"))(x), mesh)(torch.randn(4))
+    g = fd.simulate(lambda x: torch.func.grad(lambda x: fd.psum(x, mesh, "tp"))(x), mesh)(
+        torch.randn(4)
+    )
     assert g.tolist() == [1.0] * 4
 
 
 def test_axis_index_and_size() -> None:
     mesh = fd.Mesh({"dp": 2, "sp": 3, "tp": 2})
-    idx = fd.simulate(lambda x: x + fd.axis_index(mesh, ("tp", "dp")), mesh)(torch.zeros(12, dtype=torch.long))
+    idx = fd.simulate(lambda x: x + fd.axis_index(mesh, ("tp", "dp")), mesh)(
+        torch.zeros(12, dtype=torch.long)
+    )
     assert idx.tolist() == [mesh.index(r, ("tp", "dp")) for r in range(12)]
     assert fd.axis_size(mesh, ("sp", "tp")) == 6
     assert fd.axis_index(fd.Mesh({"tp": 1}), "tp").item() == 0
@@ -260,7 +313,9 @@ def test_collective_on_constant_inside_simulate_varies_per_rank() -> None:
     mesh = fd.Mesh({"tp": 3})
     out = fd.simulate(lambda x: x + fd.psum(torch.ones(2), mesh, "tp"), mesh)(torch.zeros(3, 2))
     assert out.tolist() == [[3.0, 3.0]] * 3
-    sc = fd.simulate(lambda x: x + fd.psum_scatter(torch.arange(3.0), mesh, "tp"), mesh)(torch.zeros(3, 1))
+    sc = fd.simulate(lambda x: x + fd.psum_scatter(torch.arange(3.0), mesh, "tp"), mesh)(
+        torch.zeros(3, 1)
+    )
     assert sc.tolist() == [[0.0], [3.0], [6.0]]
 
 
@@ -280,7 +335,11 @@ def test_one_rank_mesh_runs_outside_simulate_with_gradients() -> None:
 def test_two_meshes_in_one_simulation() -> None:
     """A TP=4 model beside a TP=1 draft model over the same 4 ranks."""
     big, draft = fd.Mesh({"tp": 4}), fd.Mesh({"dp": 4, "tp": 1})
-    f = fd.simulate(lambda x: fd.psum(x, big, "tp") + fd.psum(x, draft, "tp") + fd.psum(x, draft, "dp"), big, meshes=[draft])
+    f = fd.simulate(
+        lambda x: fd.psum(x, big, "tp") + fd.psum(x, draft, "tp") + fd.psum(x, draft, "dp"),
+        big,
+        meshes=[draft],
+    )
     out = f(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert out.tolist() == [10 + 1 + 10, 10 + 2 + 10, 10 + 3 + 10, 10 + 4 + 10]
     assert fd._context._RUNNING.simulations == ()  # dropped once the call returned
@@ -295,7 +354,12 @@ def test_outer_vmap_over_simulate_is_a_data_dim() -> None:
     torch.testing.assert_close(out, want)
     # and its gradient: each ensemble member's, as if simulated alone (outer backward records
     # the stacked op with the data dim in its parameters)
-    step = fd.simulate(lambda x: fd.psum_scatter(torch.sin(fd.all_gather(x, mesh, "tp", dim=0)), mesh, "tp", dim=0), mesh)
+    step = fd.simulate(
+        lambda x: fd.psum_scatter(
+            torch.sin(fd.all_gather(x, mesh, "tp", dim=0)), mesh, "tp", dim=0
+        ),
+        mesh,
+    )
     c = torch.randn(xs.shape)
     leaf = xs.clone().requires_grad_()
     (torch.vmap(step)(leaf) * c).sum().backward()
@@ -321,50 +385,98 @@ def test_randomness_different_per_rank() -> None:
 
 # ============================================================================ opcheck
 def _opcheck_samples(name: str, one_rank: bool) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
-    """Sample inputs: stacked over mesh (dp=2, tp=2) collecting over tp, or one rank's (mesh of 1)."""
+    """Sample inputs: stacked over mesh (dp=2, tp=2) collecting over tp, or one rank's (mesh of
+    1)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 2, 6, dtype=torch.float64, generator=gen)  # [world=4, 2, 6]
     params = {
-        "all_gather": {"dim": 1, "tiled": True}, "psum_scatter": {"dim": 1, "tiled": True},
-        "all_to_all": {"split_dim": 1, "concat_dim": 0}, "ppermute": {"perm": (0, 1, 1, 0)},
-        "broadcast": {"src": 1}, "keep_src": {"src": 1}, "all_gather_invariant": {"dim": 1}, "local_chunk": {"dim": 1},
-        "all_gather_v": {"sizes": (1, 2), "accumulate_fp32": False}, "reduce_scatter_v": {"sizes": (1, 1), "capacity": 2},
-        "gather_v": {"sizes": (1, 2), "dst": 1, "capacity": 3}, "scatter_v": {"sizes": (1, 1), "src": 0, "capacity": 1},
+        "all_gather": {"dim": 1, "tiled": True},
+        "psum_scatter": {"dim": 1, "tiled": True},
+        "all_to_all": {"split_dim": 1, "concat_dim": 0},
+        "ppermute": {"perm": (0, 1, 1, 0)},
+        "broadcast": {"src": 1},
+        "keep_src": {"src": 1},
+        "all_gather_invariant": {"dim": 1},
+        "local_chunk": {"dim": 1},
+        "all_gather_v": {"sizes": (1, 2), "accumulate_fp32": False},
+        "reduce_scatter_v": {"sizes": (1, 1), "capacity": 2},
+        "gather_v": {"sizes": (1, 2), "dst": 1, "capacity": 3},
+        "scatter_v": {"sizes": (1, 1), "src": 0, "capacity": 1},
         "ragged_all_to_all": {"capacity": 3},
     }.get(name, {})
     one = {
-        "broadcast": {"src": 0}, "keep_src": {"src": 0}, "ppermute": {"perm": (0, 0)}, "all_gather_v": {"sizes": (2,), "accumulate_fp32": False},
-        "reduce_scatter_v": {"sizes": (2,), "capacity": 2}, "gather_v": {"sizes": (2,), "dst": 0, "capacity": 2},
-        "scatter_v": {"sizes": (2,), "src": 0, "capacity": 2}, "ragged_all_to_all": {"capacity": 2},
+        "broadcast": {"src": 0},
+        "keep_src": {"src": 0},
+        "ppermute": {"perm": (0, 0)},
+        "all_gather_v": {"sizes": (2,), "accumulate_fp32": False},
+        "reduce_scatter_v": {"sizes": (2,), "capacity": 2},
+        "gather_v": {"sizes": (2,), "dst": 0, "capacity": 2},
+        "scatter_v": {"sizes": (2,), "src": 0, "capacity": 2},
+        "ragged_all_to_all": {"capacity": 2},
     }
     if one_rank:
         params = one.get(name, params)
     if name == "select_extreme":
         out = x.reshape(2, 2, 2, 6).amax(1, keepdim=True).expand(2, 2, 2, 6).reshape(4, 2, 6)
-        tensors: tuple[Tensor, ...] = (torch.randn(4, 2, 6, dtype=torch.float64, generator=gen), x, out.contiguous())
-    elif name == "ragged_all_to_all":  # sender rows per receiver; recv is the transpose within each tp group
-        send = torch.tensor([[1, 1], [0, 2], [2, 0], [1, 1]]) if not one_rank else torch.tensor([[2]] * 4)
-        recv = torch.tensor([[1, 0], [1, 2], [2, 1], [0, 1]]) if not one_rank else torch.tensor([[2]] * 4)
+        tensors: tuple[Tensor, ...] = (
+            torch.randn(4, 2, 6, dtype=torch.float64, generator=gen),
+            x,
+            out.contiguous(),
+        )
+    elif (
+        name == "ragged_all_to_all"
+    ):  # sender rows per receiver; recv is the transpose within each tp group
+        send = (
+            torch.tensor([[1, 1], [0, 2], [2, 0], [1, 1]])
+            if not one_rank
+            else torch.tensor([[2]] * 4)
+        )
+        recv = (
+            torch.tensor([[1, 0], [1, 2], [2, 1], [0, 1]])
+            if not one_rank
+            else torch.tensor([[2]] * 4)
+        )
         tensors = (x, send, recv)
     else:
         tensors = (x,)
     return tensors, params
 
 
-LAYOUT_OPS = ("psum", "pmax", "all_gather", "psum_scatter", "ppermute", "all_to_all", "broadcast", "all_gather_invariant", "local_chunk")
+LAYOUT_OPS = (
+    "psum",
+    "pmax",
+    "all_gather",
+    "psum_scatter",
+    "ppermute",
+    "all_to_all",
+    "broadcast",
+    "all_gather_invariant",
+    "local_chunk",
+)
 
 
 @pytest.mark.parametrize("name", LAYOUT_OPS)
-@pytest.mark.parametrize("spec", [GroupSpec((2, 2), (0,)), GroupSpec((4,), (0,))], ids=["outer-axis", "whole-mesh"])
+@pytest.mark.parametrize(
+    "spec", [GroupSpec((2, 2), (0,)), GroupSpec((4,), (0,))], ids=["outer-axis", "whole-mesh"]
+)
 def test_opcheck_stacked_op_layouts(name: str, spec: GroupSpec) -> None:
     """The stacked rules work in the mesh layout (GroupSpec.axis_view); their outputs must still be
     what the fake rule says (contiguous), including where no copy was needed on the way."""
     prim = PRIMITIVES[name]
     tensors, params = _opcheck_samples(name, one_rank=False)
     if spec.n == 4:
-        params = {**params, **{"psum_scatter": {"dim": 0, "tiled": True}, "all_to_all": {"split_dim": 1, "concat_dim": 0}}.get(name, {})}
+        params = {
+            **params,
+            **{
+                "psum_scatter": {"dim": 0, "tiled": True},
+                "all_to_all": {"split_dim": 1, "concat_dim": 0},
+            }.get(name, {}),
+        }
         tensors = (torch.randn(4, 4, 8, dtype=torch.float64),)
-    args = (*(t.clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
+    args = (
+        *(t.clone().requires_grad_(i == 0) for i, t in enumerate(tensors)),
+        *prim._op_args(spec, params),
+    )
     assert prim.stacked_op(*args).is_contiguous()
     torch.library.opcheck(prim.stacked_op, args)
 
@@ -374,7 +486,10 @@ def test_opcheck_stacked_op(name: str) -> None:
     prim = PRIMITIVES[name]
     tensors, params = _opcheck_samples(name, one_rank=False)
     spec = GroupSpec((2, 2), (1,))  # mesh (dp=2, tp=2), collective over tp
-    args = (*(t.clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
+    args = (
+        *(t.clone().requires_grad_(i == 0) for i, t in enumerate(tensors)),
+        *prim._op_args(spec, params),
+    )
     torch.library.opcheck(prim.stacked_op, args)
 
 
@@ -383,13 +498,17 @@ def test_opcheck_per_rank_op_on_one_rank(name: str) -> None:
     prim = PRIMITIVES[name]
     tensors, params = _opcheck_samples(name, one_rank=True)
     spec = GroupSpec((1,), (0,))
-    args = (*(t[0].clone().requires_grad_(i == 0) for i, t in enumerate(tensors)), *prim._op_args(spec, params))
+    args = (
+        *(t[0].clone().requires_grad_(i == 0) for i, t in enumerate(tensors)),
+        *prim._op_args(spec, params),
+    )
     torch.library.opcheck(prim.per_rank_op, args)
 
 
 @pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "ppermute", "broadcast"])
 def test_empty_tensors(op: str) -> None:
-    """Zero-element per-rank tensors pass through every collective (found by the v-op property test)."""
+    """Zero-element per-rank tensors pass through every collective (found by the v-op property
+    test)."""
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     kw = {"perm": [(0, 1)]} if op == "ppermute" else {}
     out = run(op, torch.zeros(4, 0, 3), mesh, "tp", **kw)
@@ -397,10 +516,14 @@ def test_empty_tensors(op: str) -> None:
 
 
 def test_no_grad_path_gives_the_same_values_without_a_graph() -> None:
-    """Without a gradient to track, ops skip their autograd.Function (about 4x cheaper under vmap)."""
+    """Without a gradient to track, ops skip their autograd.Function (about 4x cheaper under
+    vmap)."""
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     xs = torch.randn(4, 3, 4, dtype=torch.float64)
-    f = fd.simulate(lambda x: fd.psum_scatter(fd.all_gather(x, mesh, "tp", dim=1), mesh, ("dp", "tp"), dim=1), mesh)
+    f = fd.simulate(
+        lambda x: fd.psum_scatter(fd.all_gather(x, mesh, "tp", dim=1), mesh, ("dp", "tp"), dim=1),
+        mesh,
+    )
     with_grad = f(xs.clone().requires_grad_())
     with torch.no_grad():
         plain = f(xs.clone().requires_grad_())
@@ -409,7 +532,9 @@ def test_no_grad_path_gives_the_same_values_without_a_graph() -> None:
     torch.testing.assert_close(f(xs), with_grad.detach())
 
 
-@pytest.mark.skipif(not FAST_PATH, reason="the direct rank-dim path is part of the fast path (FASTDIST_FAST_PATH=0)")
+@pytest.mark.skipif(
+    not FAST_PATH, reason="the direct rank-dim path is part of the fast path (FASTDIST_FAST_PATH=0)"
+)
 @pytest.mark.parametrize("op", ALL_OPS)
 @given(data=st.data())
 def test_direct_rank_dim_path_equals_the_registered_vmap_rule(op: str, data: st.DataObject) -> None:
@@ -419,7 +544,9 @@ def test_direct_rank_dim_path_equals_the_registered_vmap_rule(op: str, data: st.
     from unittest import mock
 
     mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
-    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (op in ("pmax", "pmin"))  # no ties
+    xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1)) * (
+        op in ("pmax", "pmin")
+    )  # no ties
     seed = data.draw(st.integers(0, 2**16))
     taken: list[str] = []
     direct_bind = Primitive._bind_at_level
@@ -428,13 +555,18 @@ def test_direct_rank_dim_path_equals_the_registered_vmap_rule(op: str, data: st.
         taken.append(self.name)
         return direct_bind(self, *a)
 
-    def registered_rule(self: Primitive, level: int, tensors: Any, spec: Any, params: Any) -> Tensor:
+    def registered_rule(
+        self: Primitive, level: int, tensors: Any, spec: Any, params: Any
+    ) -> Tensor:
         return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
 
     def value_and_grad() -> tuple[Tensor, Tensor]:
         leaf = xs.clone().requires_grad_()
         out = run(op, leaf, mesh, axis, **kw)
-        (out * torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        (
+            out
+            * torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+        ).sum().backward()
         assert leaf.grad is not None
         return out.detach(), leaf.grad
 

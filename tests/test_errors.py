@@ -19,28 +19,83 @@ def sim(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor = X) -> torc
 
 
 COLLECTIVE_ERRORS = [
-    (lambda x: fd.all_gather(x, MESH, "tp", dim=2), r"fastdist\.all_gather\(axis='tp'\) on every rank: dim=2 is out of range for a 2-d tensor\. Fix: use a dim in \[-2, 1\]"),
-    (lambda x: fd.all_gather(x, MESH, "tp", dim=-4, tiled=False), r"dim=-4 is out of range for a 3-d tensor"),
-    (lambda x: fd.psum_scatter(x, MESH, "tp", dim=1), r"psum_scatter\(axis='tp'\).*dim 1 has size 5, not divisible by the axis size 4\. Fix: pad dim 1 to a multiple of 4, or use reduce_scatter_v"),
-    (lambda x: fd.psum_scatter(x, MESH, ("dp", "tp"), dim=0, tiled=False), r"tiled=False needs dim 0 of size 8 \(the axis size\), got 6"),
-    (lambda x: fd.all_to_all(x, MESH, "tp", split_dim=0, concat_dim=1), r"all_to_all\(axis='tp'\).*dim 0 has size 6, not divisible by the axis size 4"),
-    (lambda x: fd.all_to_all(x, MESH, "tp", split_dim=5, concat_dim=1), r"split_dim=5 is out of range"),
-    (lambda x: fd.all_to_all(x, MESH, "dp", split_dim=0, concat_dim=-3), r"concat_dim=-3 is out of range"),
-    (lambda x: fd.all_to_all_4d(x, MESH, "tp"), r"all_to_all_4d.*must be a 4-d \(batch, seq, heads, head_dim\) tensor, got \(6, 5\)"),
-    (lambda x: fd.all_to_all_4d(x.reshape(1, 6, 5, 1), MESH, "tp", scatter_dim=3, gather_dim=1), r"must be the seq \(1\) and heads \(2\) dims"),
-    (lambda x: fd.ppermute(x, MESH, "tp", [(0, 1), (0, 2)]), r"ppermute\(axis='tp'\).*source 0 appears in more than one pair.*Fix: give each source one pair"),
-    (lambda x: fd.ppermute(x, MESH, "tp", [(0, 1), (2, 1)]), r"destination 1 appears in more than one pair"),
-    (lambda x: fd.ppermute(x, MESH, "tp", [(0, 4)]), r"dst=4 is not an index along the axis \(size 4\)\. Fix: use dst in 0\.\.3"),
+    (
+        lambda x: fd.all_gather(x, MESH, "tp", dim=2),
+        r"fastdist\.all_gather\(axis='tp'\) on every rank: dim=2 is out of range for a 2-d "
+        r"tensor\. Fix: use a dim in \[-2, 1\]",
+    ),
+    (
+        lambda x: fd.all_gather(x, MESH, "tp", dim=-4, tiled=False),
+        r"dim=-4 is out of range for a 3-d tensor",
+    ),
+    (
+        lambda x: fd.psum_scatter(x, MESH, "tp", dim=1),
+        r"psum_scatter\(axis='tp'\).*dim 1 has size 5, not divisible by the axis size 4\. Fix: "
+        r"pad dim 1 to a multiple of 4, or use reduce_scatter_v",
+    ),
+    (
+        lambda x: fd.psum_scatter(x, MESH, ("dp", "tp"), dim=0, tiled=False),
+        r"tiled=False needs dim 0 of size 8 \(the axis size\), got 6",
+    ),
+    (
+        lambda x: fd.all_to_all(x, MESH, "tp", split_dim=0, concat_dim=1),
+        r"all_to_all\(axis='tp'\).*dim 0 has size 6, not divisible by the axis size 4",
+    ),
+    (
+        lambda x: fd.all_to_all(x, MESH, "tp", split_dim=5, concat_dim=1),
+        r"split_dim=5 is out of range",
+    ),
+    (
+        lambda x: fd.all_to_all(x, MESH, "dp", split_dim=0, concat_dim=-3),
+        r"concat_dim=-3 is out of range",
+    ),
+    (
+        lambda x: fd.all_to_all_4d(x, MESH, "tp"),
+        r"all_to_all_4d.*must be a 4-d \(batch, seq, heads, head_dim\) tensor, got \(6, 5\)",
+    ),
+    (
+        lambda x: fd.all_to_all_4d(x.reshape(1, 6, 5, 1), MESH, "tp", scatter_dim=3, gather_dim=1),
+        r"must be the seq \(1\) and heads \(2\) dims",
+    ),
+    (
+        lambda x: fd.ppermute(x, MESH, "tp", [(0, 1), (0, 2)]),
+        r"ppermute\(axis='tp'\).*source 0 appears in more than one pair.*Fix: give each source "
+        r"one pair",
+    ),
+    (
+        lambda x: fd.ppermute(x, MESH, "tp", [(0, 1), (2, 1)]),
+        r"destination 1 appears in more than one pair",
+    ),
+    (
+        lambda x: fd.ppermute(x, MESH, "tp", [(0, 4)]),
+        r"dst=4 is not an index along the axis \(size 4\)\. Fix: use dst in 0\.\.3",
+    ),
     (lambda x: fd.ppermute(x, MESH, "tp", [(-1, 0)]), r"src=-1 is not an index"),
-    (lambda x: fd.ppermute(x, MESH, "tp", zip([0], [1], [2])), r"not a sequence of \(src, dst\) pairs"),
+    (
+        lambda x: fd.ppermute(x, MESH, "tp", zip([0], [1], [2])),
+        r"not a sequence of \(src, dst\) pairs",
+    ),
     (lambda x: fd.ppermute(x, MESH, "tp", 3), r"not a sequence of \(src, dst\) pairs"),
-    (lambda x: fd.broadcast(x, MESH, "dp", src=2), r"broadcast\(axis='dp'\).*src=2 is not an index along the axis \(size 2\)"),
+    (
+        lambda x: fd.broadcast(x, MESH, "dp", src=2),
+        r"broadcast\(axis='dp'\).*src=2 is not an index along the axis \(size 2\)",
+    ),
     (lambda x: fd.ring_shift(x, MESH, "tp", shift=1.5), r"ring_shift.*shift=1\.5 is not an int"),
-    (lambda x: fd.pmean(x.long(), MESH, "tp"), r"pmean\(axis='tp'\).*cannot average torch\.int64 tensors.*Fix: cast with x\.float\(\) first, or psum and divide"),
-    (lambda x: fd.pmax(x.to(torch.complex64), MESH, "tp"), r"pmax.*complex numbers are not ordered"),
+    (
+        lambda x: fd.pmean(x.long(), MESH, "tp"),
+        r"pmean\(axis='tp'\).*cannot average torch\.int64 tensors.*Fix: cast with x\.float\(\) "
+        r"first, or psum and divide",
+    ),
+    (
+        lambda x: fd.pmax(x.to(torch.complex64), MESH, "tp"),
+        r"pmax.*complex numbers are not ordered",
+    ),
     (lambda x: fd.psum(x.bool(), MESH, "tp"), r"psum.*bool.*x\.int\(\)"),
     (lambda x: fd.psum_scatter(x.bool(), MESH, "tp"), r"psum_scatter.*bool"),
-    (lambda x: fd.psum([1.0], MESH, "tp"), r"psum\(axis='tp'\).*x must be a torch\.Tensor, got list"),
+    (
+        lambda x: fd.psum([1.0], MESH, "tp"),
+        r"psum\(axis='tp'\).*x must be a torch\.Tensor, got list",
+    ),
     (lambda x: fd.psum(x, {"tp": 4}, "tp"), r"mesh must be a fastdist\.Mesh, got dict"),
     (lambda x: fd.axis_index({"tp": 4}, "tp"), r"axis_index.*mesh must be a fastdist\.Mesh"),
     (lambda x: fd.axis_size(None, "tp"), r"axis_size.*mesh must be a fastdist\.Mesh"),
@@ -52,14 +107,23 @@ def test_collective_argument_errors(fn, match: str) -> None:
     with pytest.raises(fd.CollectiveError, match=match) as info:
         sim(fn)
     err = info.value
-    assert isinstance(err, ValueError) and err.op in str(err) and err.fix and err.rank == "every rank"
+    assert (
+        isinstance(err, ValueError) and err.op in str(err) and err.fix and err.rank == "every rank"
+    )
 
 
 @pytest.mark.parametrize(
     "fn, match",
     [
-        (lambda x: fd.psum(x, MESH, "sp"), r"fastdist\.psum: unknown mesh axis 'sp'; Mesh\(\{'dp': 2, 'tp': 4\}\) has axes \('dp', 'tp'\)\. Fix: use one of"),
-        (lambda x: fd.all_gather(x, MESH, ("tp", "tp")), r"fastdist\.all_gather: axis \('tp', 'tp'\) repeats an axis"),
+        (
+            lambda x: fd.psum(x, MESH, "sp"),
+            r"fastdist\.psum: unknown mesh axis 'sp'; Mesh\(\{'dp': 2, 'tp': 4\}\) has axes "
+            r"\('dp', 'tp'\)\. Fix: use one of",
+        ),
+        (
+            lambda x: fd.all_gather(x, MESH, ("tp", "tp")),
+            r"fastdist\.all_gather: axis \('tp', 'tp'\) repeats an axis",
+        ),
         (lambda x: fd.pmean(x, MESH, ()), r"fastdist\.pmean: axis=\(\) names no mesh axis"),
         (lambda x: fd.axis_index(MESH, "pp"), r"fastdist\.axis_index: unknown mesh axis 'pp'"),
         (lambda x: fd.ring_shift(x, MESH, "pp"), r"fastdist\.ring_shift: unknown mesh axis 'pp'"),
@@ -71,7 +135,11 @@ def test_unknown_axis_names_the_op(fn, match: str) -> None:
 
 
 def test_collective_outside_simulate_has_no_backend() -> None:
-    with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: Mesh\(\{'dp': 2, 'tp': 4\}\) has 8 ranks but no backend here.*fastdist\.simulate\(fn, mesh\)"):
+    with pytest.raises(
+        fd.NoBackendError,
+        match=r"fastdist\.psum: Mesh\(\{'dp': 2, 'tp': 4\}\) has 8 ranks but no backend "
+        r"here.*fastdist\.simulate\(fn, mesh\)",
+    ):
         fd.psum(torch.zeros(3), MESH, "tp")
     with pytest.raises(fd.NoBackendError, match=r"fastdist\.axis_index"):
         fd.axis_index(MESH, "tp")
@@ -79,13 +147,19 @@ def test_collective_outside_simulate_has_no_backend() -> None:
 
 def test_collective_on_a_mesh_not_given_to_simulate() -> None:
     other = fd.Mesh({"tp": 8})
-    with pytest.raises(fd.NoBackendError, match=r"no simulation of this mesh is running.*meshes=\[\.\.\.\]"):
+    with pytest.raises(
+        fd.NoBackendError, match=r"no simulation of this mesh is running.*meshes=\[\.\.\.\]"
+    ):
         sim(lambda x: fd.psum(x, other, "tp"))
     assert fd._context._RUNNING.simulations == ()  # dropped even on error
 
 
 def test_simulate_argument_errors() -> None:
-    with pytest.raises(fd.MeshError, match=r"simulate\(<lambda>\): a tensor argument has shape \(4, 2\); every tensor needs a leading rank dimension of size 8.*Fix: stack"):
+    with pytest.raises(
+        fd.MeshError,
+        match=r"simulate\(<lambda>\): a tensor argument has shape \(4, 2\); every tensor needs a "
+        r"leading rank dimension of size 8.*Fix: stack",
+    ):
         fd.simulate(lambda x: x, MESH)(torch.zeros(4, 2))
     with pytest.raises(fd.MeshError, match=r"leading rank dimension"):
         fd.simulate(lambda x: x, MESH)(torch.tensor(1.0))
@@ -98,7 +172,11 @@ def test_simulate_argument_errors() -> None:
 @pytest.mark.parametrize("rows", [3, 8])  # 8 == world size: must not be mistaken for the rank dim
 def test_user_vmap_inside_simulate_over_a_collective_is_refused(rows: int) -> None:
     x = torch.zeros(8, 8, 5)
-    with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: its input is batched by a torch\.vmap inside fastdist\.simulate.*move the vmap outside simulate"):
+    with pytest.raises(
+        fd.NoBackendError,
+        match=r"fastdist\.psum: its input is batched by a torch\.vmap inside "
+        r"fastdist\.simulate.*move the vmap outside simulate",
+    ):
         sim(lambda x: torch.vmap(lambda row: fd.psum(row, MESH, "tp"))(x[:rows]), x)
 
 
@@ -106,7 +184,9 @@ def test_vmap_rule_refuses_a_batch_that_is_not_the_world() -> None:
     """The compiled path cannot inspect functorch levels; the vmap rule still checks the size."""
     prim = PRIMITIVES["psum"]
     args = prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), {})
-    with pytest.raises(fd.NoBackendError, match=r"fastdist\.psum: vmapped over 3 entries, but the mesh has 8 ranks"):
+    with pytest.raises(
+        fd.NoBackendError, match=r"fastdist\.psum: vmapped over 3 entries, but the mesh has 8 ranks"
+    ):
         torch.vmap(lambda r: prim.per_rank_op(r, *args))(torch.zeros(3, 2))
 
 
@@ -114,5 +194,10 @@ def test_vmap_rule_refuses_a_batch_that_is_not_the_world() -> None:
 def test_raw_per_rank_op_on_a_plain_tensor_over_many_ranks(name: str) -> None:
     prim = PRIMITIVES[name]
     params = {"dim": 0, "tiled": True} if name == "all_gather" else {}
-    with pytest.raises(fd.NoBackendError, match=rf"fastdist\.{name}: called on a plain tensor over a mesh of 8 ranks"):
-        prim.per_rank_op(torch.zeros(3), *prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), params))
+    with pytest.raises(
+        fd.NoBackendError,
+        match=rf"fastdist\.{name}: called on a plain tensor over a mesh of 8 ranks",
+    ):
+        prim.per_rank_op(
+            torch.zeros(3), *prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), params)
+        )

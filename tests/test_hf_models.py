@@ -118,7 +118,9 @@ def run_parallel(family: str, tp: int, sp: bool, kv: int = 2, device: str = "cpu
     want = {n: p.grad for n, p in ref.named_parameters()}
     assert grads.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(grads[name], want[name], **TOL, msg=lambda m: f"{name}: {m}")  # noqa: B023 (called at once)
+        torch.testing.assert_close(
+            grads[name], want[name], **TOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize(

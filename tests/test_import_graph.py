@@ -50,7 +50,9 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
 def test_no_import_cycles() -> None:
     mods = _modules()
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
-    assert graph["fastdist.collectives"] and "fastdist.mesh" in graph["fastdist.collectives"]  # the parser sees imports
+    assert (
+        graph["fastdist.collectives"] and "fastdist.mesh" in graph["fastdist.collectives"]
+    )  # the parser sees imports
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -59,7 +61,7 @@ def test_no_import_cycles() -> None:
         path.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                cycle = path[path.index(dep):] + [dep]
+                cycle = path[path.index(dep) :] + [dep]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if dep not in state:
                 dfs(dep)
@@ -72,7 +74,8 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_mesh_imports_no_backend_at_module_level() -> None:
-    """``fastdist.mesh`` is arithmetic: at module level it imports only the errors (backends load when asked)."""
+    """``fastdist.mesh`` is arithmetic: at module level it imports only the errors (backends load
+    when asked)."""
     tree = ast.parse((SRC / "fastdist" / "mesh.py").read_text())
     top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.level}
     assert top == {"errors"}

@@ -1,8 +1,8 @@
-"""fastdist.profile: counts and bytes of every op (forward and backward) against hand-computed values,
-the TP MLP formula, a sequence-parallel attention block (ring and Ulysses), the MoE layer, a 4096-rank
-dry run (time and resident memory), module attribution (blocks and a HF Llama), record() of steps that
-really run (simulated and on gloo ranks) against trace, and the planner (tp x sp x dp, ep) against
-closed-form cost models, its table and plot."""
+"""fastdist.profile: counts and bytes of every op (forward and backward) against hand-computed
+values, the TP MLP formula, a sequence-parallel attention block (ring and Ulysses), the MoE layer,
+a 4096-rank dry run (time and resident memory), module attribution (blocks and a HF Llama),
+record() of steps that really run (simulated and on gloo ranks) against trace, and the planner (tp
+x sp x dp, ep) against closed-form cost models, its table and plot."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from fastdist.profile import (
     Network,
     Profile,
     ProfileError,
-    Record,
     bus_factor,
     layouts,
     plan,
@@ -42,78 +41,219 @@ MESH = fd.Mesh({"dp": 2, "tp": 4})
 F4 = 4  # bytes per float32
 
 
-def _rows(f: Callable[..., Any], *shapes: tuple[int, ...]) -> list[tuple[str, str, str, str, int, float]]:
-    """(op, axis, kind, phase, size, bus bytes) of f's collectives, forward and backward of y.sum()."""
+def _rows(
+    f: Callable[..., Any], *shapes: tuple[int, ...]
+) -> list[tuple[str, str, str, str, int, float]]:
+    """(op, axis, kind, phase, size, bus bytes) of f's collectives, forward and backward of
+    y.sum()."""
     xs = [torch.ones(*s, requires_grad=True) for s in shapes]
 
     def step(*xs: torch.Tensor) -> None:
         y = f(*xs)
         (y[0] if isinstance(y, tuple) else y).sum().backward()
 
-    return [(r.op, r.axis, r.kind, r.phase, r.size, r.bus_bytes) for r in trace(step, MESH, *xs).records]
+    return [
+        (r.op, r.axis, r.kind, r.phase, r.size, r.bus_bytes) for r in trace(step, MESH, *xs).records
+    ]
 
 
 def _rata(x: torch.Tensor) -> Any:
     return fd.ragged_all_to_all(x, MESH, "tp", torch.ones(4, dtype=torch.long), capacity=8)
 
 
-AR, AG = 2 * 3 / 4, 3 / 4  # bus factors for n = 4: all-reduce, all-gather / reduce-scatter / all-to-all
-CASES: list[tuple[str, Callable[..., Any], tuple[int, ...], list[tuple[str, str, str, str, int, float]]]] = [
+AR, AG = (
+    2 * 3 / 4,
+    3 / 4,
+)  # bus factors for n = 4: all-reduce, all-gather / reduce-scatter / all-to-all
+CASES: list[
+    tuple[str, Callable[..., Any], tuple[int, ...], list[tuple[str, str, str, str, int, float]]]
+] = [
     # x is [3, 2] float32 (24 bytes) unless said otherwise; n = 4 (tp)
-    ("psum", lambda x: fd.psum(x, MESH, "tp"), (3, 2), [("psum", "tp", "allreduce", "forward", 24, 24 * AR)]),
-    ("pmean", lambda x: fd.pmean(x, MESH, "tp"), (3, 2), [("pmean", "tp", "allreduce", "forward", 24, 24 * AR)]),
-    ("pvary", lambda x: fd.pvary(x, MESH, "tp"), (3, 2), [("psum", "tp", "allreduce", "backward", 24, 24 * AR)]),
+    (
+        "psum",
+        lambda x: fd.psum(x, MESH, "tp"),
+        (3, 2),
+        [("psum", "tp", "allreduce", "forward", 24, 24 * AR)],
+    ),
+    (
+        "pmean",
+        lambda x: fd.pmean(x, MESH, "tp"),
+        (3, 2),
+        [("pmean", "tp", "allreduce", "forward", 24, 24 * AR)],
+    ),
+    (
+        "pvary",
+        lambda x: fd.pvary(x, MESH, "tp"),
+        (3, 2),
+        [("psum", "tp", "allreduce", "backward", 24, 24 * AR)],
+    ),
     # pmax backward: all-reduce (min) of an int64 winner index per element
-    ("pmax", lambda x: fd.pmax(x, MESH, "tp"), (3, 2), [("pmax", "tp", "allreduce", "forward", 24, 24 * AR),
-                                                        ("select_extreme", "tp", "allreduce", "backward", 48, 48 * AR)]),
-    ("pmin", lambda x: fd.pmin(x, MESH, "tp"), (3, 2), [("pmin", "tp", "allreduce", "forward", 24, 24 * AR),
-                                                        ("select_extreme", "tp", "allreduce", "backward", 48, 48 * AR)]),
+    (
+        "pmax",
+        lambda x: fd.pmax(x, MESH, "tp"),
+        (3, 2),
+        [
+            ("pmax", "tp", "allreduce", "forward", 24, 24 * AR),
+            ("select_extreme", "tp", "allreduce", "backward", 48, 48 * AR),
+        ],
+    ),
+    (
+        "pmin",
+        lambda x: fd.pmin(x, MESH, "tp"),
+        (3, 2),
+        [
+            ("pmin", "tp", "allreduce", "forward", 24, 24 * AR),
+            ("select_extreme", "tp", "allreduce", "backward", 48, 48 * AR),
+        ],
+    ),
     # all_gather: S = the gathered output (4 x 24); backward reduce-scatter of the [12, 2] gradient
-    ("all_gather", lambda x: fd.all_gather(x, MESH, "tp"), (3, 2), [("all_gather", "tp", "allgather", "forward", 96, 96 * AG),
-                                                                    ("psum_scatter", "tp", "reducescatter", "backward", 96, 96 * AG)]),
-    ("all_gather_invariant", lambda x: fd.all_gather_invariant(x, MESH, "tp"), (3, 2),
-     [("all_gather_invariant", "tp", "allgather", "forward", 96, 96 * AG)]),  # backward: a local slice
-    ("local_chunk", lambda x: fd.local_chunk(x, MESH, "tp"), (4, 2),  # forward local; backward gathers [1, 2] -> [4, 2]
-     [("all_gather_invariant", "tp", "allgather", "backward", 32, 32 * AG)]),
-    ("psum_scatter", lambda x: fd.psum_scatter(x, MESH, "tp"), (4, 2), [("psum_scatter", "tp", "reducescatter", "forward", 32, 32 * AG),
-                                                                        ("all_gather", "tp", "allgather", "backward", 32, 32 * AG)]),
-    ("all_to_all", lambda x: fd.all_to_all(x, MESH, "tp", 0, 1), (4, 2), [("all_to_all", "tp", "alltoall", "forward", 32, 32 * AG),
-                                                                          ("all_to_all", "tp", "alltoall", "backward", 32, 32 * AG)]),
-    ("ring_shift", lambda x: fd.ring_shift(x, MESH, "tp"), (4, 2), [("ppermute", "tp", "sendrecv", "forward", 32, 32.0),
-                                                                    ("ppermute", "tp", "sendrecv", "backward", 32, 32.0)]),
-    # a partial permutation: 1 of 4 members sends, so a rank sends a quarter of the buffer on average
-    ("ppermute", lambda x: fd.ppermute(x, MESH, "tp", [(0, 1)]), (4, 2), [("ppermute", "tp", "sendrecv", "forward", 32, 8.0),
-                                                                          ("ppermute", "tp", "sendrecv", "backward", 32, 8.0)]),
-    ("broadcast", lambda x: fd.broadcast(x, MESH, "tp", 1), (4, 2), [("broadcast", "tp", "broadcast", "forward", 32, 32.0)]),
+    (
+        "all_gather",
+        lambda x: fd.all_gather(x, MESH, "tp"),
+        (3, 2),
+        [
+            ("all_gather", "tp", "allgather", "forward", 96, 96 * AG),
+            ("psum_scatter", "tp", "reducescatter", "backward", 96, 96 * AG),
+        ],
+    ),
+    (
+        "all_gather_invariant",
+        lambda x: fd.all_gather_invariant(x, MESH, "tp"),
+        (3, 2),
+        [("all_gather_invariant", "tp", "allgather", "forward", 96, 96 * AG)],
+    ),  # backward: a local slice
+    (
+        "local_chunk",
+        lambda x: fd.local_chunk(x, MESH, "tp"),
+        (4, 2),  # forward local; backward gathers [1, 2] -> [4, 2]
+        [("all_gather_invariant", "tp", "allgather", "backward", 32, 32 * AG)],
+    ),
+    (
+        "psum_scatter",
+        lambda x: fd.psum_scatter(x, MESH, "tp"),
+        (4, 2),
+        [
+            ("psum_scatter", "tp", "reducescatter", "forward", 32, 32 * AG),
+            ("all_gather", "tp", "allgather", "backward", 32, 32 * AG),
+        ],
+    ),
+    (
+        "all_to_all",
+        lambda x: fd.all_to_all(x, MESH, "tp", 0, 1),
+        (4, 2),
+        [
+            ("all_to_all", "tp", "alltoall", "forward", 32, 32 * AG),
+            ("all_to_all", "tp", "alltoall", "backward", 32, 32 * AG),
+        ],
+    ),
+    (
+        "ring_shift",
+        lambda x: fd.ring_shift(x, MESH, "tp"),
+        (4, 2),
+        [
+            ("ppermute", "tp", "sendrecv", "forward", 32, 32.0),
+            ("ppermute", "tp", "sendrecv", "backward", 32, 32.0),
+        ],
+    ),
+    # a partial permutation: 1 of 4 members sends, so a rank sends a quarter of the buffer on
+    # average
+    (
+        "ppermute",
+        lambda x: fd.ppermute(x, MESH, "tp", [(0, 1)]),
+        (4, 2),
+        [
+            ("ppermute", "tp", "sendrecv", "forward", 32, 8.0),
+            ("ppermute", "tp", "sendrecv", "backward", 32, 8.0),
+        ],
+    ),
+    (
+        "broadcast",
+        lambda x: fd.broadcast(x, MESH, "tp", 1),
+        (4, 2),
+        [("broadcast", "tp", "broadcast", "forward", 32, 32.0)],
+    ),
     # v-ops: S = sum(sizes) rows of 8 bytes = 48
-    ("all_gather_v", lambda x: fd.all_gather_v(x, MESH, "tp", [1, 2, 3, 0]), (3, 2),
-     [("all_gather_v", "tp", "allgather", "forward", 48, 48 * AG), ("reduce_scatter_v", "tp", "reducescatter", "backward", 48, 48 * AG)]),
-    ("reduce_scatter_v", lambda x: fd.reduce_scatter_v(x, MESH, "tp", [1, 2, 3, 0], capacity=3), (6, 2),
-     [("reduce_scatter_v", "tp", "reducescatter", "forward", 48, 48 * AG), ("all_gather_v", "tp", "allgather", "backward", 48, 48 * AG)]),
-    ("gather_v", lambda x: fd.gather_v(x, MESH, "tp", [1, 2, 3, 0], dst=0, capacity=6), (3, 2),
-     [("gather_v", "tp", "gather", "forward", 48, 48 * AG), ("scatter_v", "tp", "scatter", "backward", 48, 48 * AG)]),
-    ("scatter_v", lambda x: fd.scatter_v(x, MESH, "tp", [1, 2, 3, 0], src=0, capacity=3), (6, 2),
-     [("scatter_v", "tp", "scatter", "forward", 48, 48 * AG), ("gather_v", "tp", "gather", "backward", 48, 48 * AG)]),
-    # ragged: the size exchange (4 int64), the payload bounded by the send buffer, backward by the capacity (8 rows)
-    ("ragged_all_to_all", _rata, (4, 2), [("all_to_all", "tp", "alltoall", "forward", 32, 32 * AG),
-                                          ("ragged_all_to_all", "tp", "alltoall", "forward", 32, 32 * AG),
-                                          ("ragged_all_to_all", "tp", "alltoall", "backward", 64, 64 * AG)]),
+    (
+        "all_gather_v",
+        lambda x: fd.all_gather_v(x, MESH, "tp", [1, 2, 3, 0]),
+        (3, 2),
+        [
+            ("all_gather_v", "tp", "allgather", "forward", 48, 48 * AG),
+            ("reduce_scatter_v", "tp", "reducescatter", "backward", 48, 48 * AG),
+        ],
+    ),
+    (
+        "reduce_scatter_v",
+        lambda x: fd.reduce_scatter_v(x, MESH, "tp", [1, 2, 3, 0], capacity=3),
+        (6, 2),
+        [
+            ("reduce_scatter_v", "tp", "reducescatter", "forward", 48, 48 * AG),
+            ("all_gather_v", "tp", "allgather", "backward", 48, 48 * AG),
+        ],
+    ),
+    (
+        "gather_v",
+        lambda x: fd.gather_v(x, MESH, "tp", [1, 2, 3, 0], dst=0, capacity=6),
+        (3, 2),
+        [
+            ("gather_v", "tp", "gather", "forward", 48, 48 * AG),
+            ("scatter_v", "tp", "scatter", "backward", 48, 48 * AG),
+        ],
+    ),
+    (
+        "scatter_v",
+        lambda x: fd.scatter_v(x, MESH, "tp", [1, 2, 3, 0], src=0, capacity=3),
+        (6, 2),
+        [
+            ("scatter_v", "tp", "scatter", "forward", 48, 48 * AG),
+            ("gather_v", "tp", "gather", "backward", 48, 48 * AG),
+        ],
+    ),
+    # ragged: the size exchange (4 int64), the payload bounded by the send buffer, backward by the
+    # capacity (8 rows)
+    (
+        "ragged_all_to_all",
+        _rata,
+        (4, 2),
+        [
+            ("all_to_all", "tp", "alltoall", "forward", 32, 32 * AG),
+            ("ragged_all_to_all", "tp", "alltoall", "forward", 32, 32 * AG),
+            ("ragged_all_to_all", "tp", "alltoall", "backward", 64, 64 * AG),
+        ],
+    ),
     # a tuple of axes: one group of 8
-    ("psum dp+tp", lambda x: fd.psum(x, MESH, ("dp", "tp")), (3, 2), [("psum", "dp+tp", "allreduce", "forward", 24, 24 * 2 * 7 / 8)]),
-    ("all_gather dp", lambda x: fd.all_gather(x, MESH, "dp"), (3, 2), [("all_gather", "dp", "allgather", "forward", 48, 24.0),
-                                                                       ("psum_scatter", "dp", "reducescatter", "backward", 48, 24.0)]),
+    (
+        "psum dp+tp",
+        lambda x: fd.psum(x, MESH, ("dp", "tp")),
+        (3, 2),
+        [("psum", "dp+tp", "allreduce", "forward", 24, 24 * 2 * 7 / 8)],
+    ),
+    (
+        "all_gather dp",
+        lambda x: fd.all_gather(x, MESH, "dp"),
+        (3, 2),
+        [
+            ("all_gather", "dp", "allgather", "forward", 48, 24.0),
+            ("psum_scatter", "dp", "reducescatter", "backward", 48, 24.0),
+        ],
+    ),
 ]
 
 
 @pytest.mark.parametrize("name, f, shape, want", CASES, ids=[c[0] for c in CASES])
-def test_every_op_counts_and_bytes(name: str, f: Callable[..., Any], shape: tuple[int, ...], want: list[Any]) -> None:
+def test_every_op_counts_and_bytes(
+    name: str, f: Callable[..., Any], shape: tuple[int, ...], want: list[Any]
+) -> None:
     assert _rows(f, shape) == want
 
 
 def test_bound_flag_and_bus_factors() -> None:
     prof = trace(lambda x: _rata(x)[0].sum().backward(), MESH, torch.ones(4, 2, requires_grad=True))
     assert [r.bound for r in prof.records] == [False, True, True]
-    assert [bus_factor(k, 8) for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "sendrecv")] == [1.75, 0.875, 0.875, 0.875, 1.0, 1.0]
+    assert [
+        bus_factor(k, 8)
+        for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "sendrecv")
+    ] == [1.75, 0.875, 0.875, 0.875, 1.0, 1.0]
     with pytest.raises(ProfileError, match="bus_factor"):
         bus_factor("reduce", 4)
 
@@ -139,7 +279,9 @@ def test_tp_mlp_equals_formula(dp: int, tp: int) -> None:
     t, d, h = 64, 32, 128
     prof = _tp_mlp_profile(fd.Mesh({"dp": dp, "tp": tp}), t, d, h)
     act = (t // dp) * d * F4  # x and y per rank
-    assert prof.count(axis="tp", phase="forward") == 1 and prof.count(axis="tp", phase="backward") == 1
+    assert (
+        prof.count(axis="tp", phase="forward") == 1 and prof.count(axis="tp", phase="backward") == 1
+    )
     assert prof.size(axis="tp") == 2 * act
     assert prof.bus_bytes(axis="tp") == pytest.approx(2 * act * 2 * (tp - 1) / tp)
     grads = 2 * d * (h // tp) * F4
@@ -151,7 +293,8 @@ def test_tp_mlp_equals_formula(dp: int, tp: int) -> None:
 
 
 def test_dry_run_4096_ranks_is_fast_and_small() -> None:
-    """A 4096-rank layout of a 8192 x 28672 sequence-parallel MLP block (fd.nn layers built on meta), dp gradient sums."""
+    """A 4096-rank layout of a 8192 x 28672 sequence-parallel MLP block (fd.nn layers built on
+    meta), dp gradient sums."""
     mesh = fd.Mesh({"dp": 64, "sp": 8, "tp": 8})
     d, f = 8192, 28672
 
@@ -175,13 +318,19 @@ def test_dry_run_4096_ranks_is_fast_and_small() -> None:
             fd.psum(p.grad, mesh, "dp")
 
     t0 = time.perf_counter()
-    prof = trace(step, mesh, torch.empty(1, 512, d, device="meta", requires_grad=True), modules=[blk])
+    prof = trace(
+        step, mesh, torch.empty(1, 512, d, device="meta", requires_grad=True), modules=[blk]
+    )
     assert time.perf_counter() - t0 < 10  # resident memory: test_dry_run_4096_ranks_resident_memory
-    act = 8 * 512 * d * F4  # the [1, 512, d] per-rank tokens gathered over tp = 8 (S of an all-gather: the output)
+    act = (
+        8 * 512 * d * F4
+    )  # the [1, 512, d] per-rank tokens gathered over tp = 8 (S of an all-gather: the output)
     assert [(r.module, r.op, r.phase, r.size) for r in prof.filter(axis="tp").records] == [
-        ("fc1", "all_gather", "forward", act), ("fc2", "psum_scatter", "forward", act),
+        ("fc1", "all_gather", "forward", act),
+        ("fc2", "psum_scatter", "forward", act),
         ("fc2", "psum", "backward", d * F4),  # the sequence-parallel bias gradient
-        ("fc2", "all_gather", "backward", act), ("fc1", "psum_scatter", "backward", act),
+        ("fc2", "all_gather", "backward", act),
+        ("fc1", "psum_scatter", "backward", act),
     ]
     params = (2 * d * (f // 8) + f // 8 + d) * F4
     assert prof.size(axis="dp") == params and prof.records[-1].n == 64
@@ -202,8 +351,15 @@ def test_trace_refuses_inside_simulate() -> None:
 def test_hf_llama_modules_and_phases() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
@@ -213,14 +369,17 @@ def test_hf_llama_modules_and_phases() -> None:
     for layer in (0, 1):
         down = f"model.layers.{layer}.mlp.down_proj"
         assert [(r.op, r.phase, r.size) for r in prof.filter(module=down).records] == [
-            ("psum_scatter", "forward", act), ("all_gather", "backward", act)]
+            ("psum_scatter", "forward", act),
+            ("all_gather", "backward", act),
+        ]
     assert {r.axis for r in prof.records} == {"tp"}
     assert prof.count(phase="forward") > 0 and prof.count(phase="backward") > 0
     assert all(p.grad is None for p in pm.module.parameters())  # the model is untouched
 
 
 def test_planner_ranks_like_closed_form() -> None:
-    """Toy step: one psum of A bytes over tp and one of G bytes over dp; a 4-GPU node; times in closed form."""
+    """Toy step: one psum of A bytes over tp and one of G bytes over dp; a 4-GPU node; times in
+    closed form."""
     a_bytes, g_bytes = 4 << 20, 64 << 20
     net = Network("toy", 4, Link(100e9, 1e-6), Link(10e9, 20e-6))
 
@@ -233,12 +392,19 @@ def test_planner_ranks_like_closed_form() -> None:
             if "dp" in names:
                 fd.psum(g, mesh, "dp")
 
-        return trace(step, mesh, torch.empty(a_bytes // F4, device="meta"), torch.empty(g_bytes // F4, device="meta"))
+        return trace(
+            step,
+            mesh,
+            torch.empty(a_bytes // F4, device="meta"),
+            torch.empty(g_bytes // F4, device="meta"),
+        )
 
     def closed_form(layout: Layout) -> float:
         sizes = dict(layout.axes)
         total, inner = 0.0, 1
-        for name, n in reversed(layout.axes):  # innermost first: the group of rank 0 spans ranks 0 .. inner * (n - 1)
+        for name, n in reversed(
+            layout.axes
+        ):  # innermost first: the group of rank 0 spans ranks 0 .. inner * (n - 1)
             link = net.intra if inner * (n - 1) < net.gpus_per_node else net.inter
             s = a_bytes if name == "tp" else g_bytes
             total += 2 * (n - 1) * link.latency + s * 2 * (n - 1) / n / link.bandwidth
@@ -247,7 +413,16 @@ def test_planner_ranks_like_closed_form() -> None:
         return total
 
     cands = layouts(16, ("dp", "tp"))
-    assert {str(c) for c in cands} == {"tp16", "dp16", "dp2 x tp8", "tp8 x dp2", "dp4 x tp4", "tp4 x dp4", "dp8 x tp2", "tp2 x dp8"}
+    assert {str(c) for c in cands} == {
+        "tp16",
+        "dp16",
+        "dp2 x tp8",
+        "tp8 x dp2",
+        "dp4 x tp4",
+        "tp4 x dp4",
+        "dp8 x tp2",
+        "tp2 x dp8",
+    }
     p = plan(build, cands, net)
     want = sorted(cands, key=closed_form)
     assert [pr.layout for pr in p.predictions] == want
@@ -271,10 +446,21 @@ def test_predict_and_layout_errors() -> None:
         prof.filter(nope=1)
 
 
-def _moe_step(mesh: fd.Mesh, strategy: str, axis: str = "ep", E: int = 8, T: int = 16, H: int = 6, I: int = 4, k: int = 2,
-              dp: str | None = None, meta: bool = False) -> tuple[Callable[..., None], tuple[torch.Tensor, ...]]:
-    """One rank's MoE layer step (fd.nn.moe, E experts over ``axis``, top-k of T tokens, SwiGLU experts H -> I -> H),
-    forward and backward; with ``dp`` the expert weight gradients are then all-reduced over it. ``meta``: meta inputs."""
+def _moe_step(
+    mesh: fd.Mesh,
+    strategy: str,
+    axis: str = "ep",
+    E: int = 8,
+    T: int = 16,
+    H: int = 6,
+    I: int = 4,
+    k: int = 2,
+    dp: str | None = None,
+    meta: bool = False,
+) -> tuple[Callable[..., None], tuple[torch.Tensor, ...]]:
+    """One rank's MoE layer step (fd.nn.moe, E experts over ``axis``, top-k of T tokens, SwiGLU
+    experts H -> I -> H), forward and backward; with ``dp`` the expert weight gradients are then
+    all-reduced over it. ``meta``: meta inputs."""
     import torch.nn.functional as F
 
     from fastdist.nn import moe as M
@@ -288,59 +474,132 @@ def _moe_step(mesh: fd.Mesh, strategy: str, axis: str = "ep", E: int = 8, T: int
             g, u = F.linear(rows, gu[i]).chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, dn[i])
 
-        M.moe(x, r.weights, r.experts, expert, mesh, axis, E, strategy=strategy).out.sum().backward()  # type: ignore[arg-type,no-untyped-call]
+        M.moe(
+            x, r.weights, r.experts, expert, mesh, axis, E, strategy=strategy
+        ).out.sum().backward()  # type: ignore[arg-type,no-untyped-call]
         if dp is not None:
             assert gu.grad is not None and dn.grad is not None
             fd.psum(gu.grad, mesh, dp)
             fd.psum(dn.grad, mesh, dp)
 
     def new(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, device="meta", requires_grad=True) if meta else torch.randn(*shape, requires_grad=True)
+        return (
+            torch.empty(*shape, device="meta", requires_grad=True)
+            if meta
+            else torch.randn(*shape, requires_grad=True)
+        )
 
     return step, (new(T, H), new(T, E), new(E // ep, 2 * I, H), new(E // ep, H, I))
 
 
-def _moe_rows(ep: int, E: int, T: int, H: int, k: int) -> list[tuple[str, str, tuple[int, ...], torch.dtype, int, float, bool]]:
-    """Hand-computed records (op, phase, shape, dtype, S, bus bytes, bound) of the all_to_all MoE layer on ``ep`` ranks."""
+def _moe_rows(
+    ep: int, E: int, T: int, H: int, k: int
+) -> list[tuple[str, str, tuple[int, ...], torch.dtype, int, float, bool]]:
+    """Hand-computed records (op, phase, shape, dtype, S, bus bytes, bound) of the all_to_all MoE
+    layer on ``ep`` ranks."""
     a2a = (ep - 1) / ep
-    counts = ("all_to_all", "forward", (ep, E // ep), torch.int64, E * 8, E * 8 * a2a, False)  # tokens per (rank, local expert)
-    sizes = ("all_to_all", "forward", (ep, 1), torch.int64, ep * 8, ep * 8 * a2a, False)  # each ragged exchange's row counts
-    rows, cap = T * k, ep * T * k  # dispatch sends the T*k assignments; combine sends back from the ep*T*k-row receive buffer
-    send = ("ragged_all_to_all", "forward", (rows, H), torch.float32, rows * H * F4, rows * H * F4 * a2a, True)
-    back = ("ragged_all_to_all", "forward", (cap, H), torch.float32, cap * H * F4, cap * H * F4 * a2a, True)
-    return [counts, sizes, send, sizes, back,
-            ("ragged_all_to_all", "backward", *send[2:]),  # combine's transpose: the T*k gradient rows go back out
-            ("ragged_all_to_all", "backward", *back[2:])]  # dispatch's transpose: from the receive buffer
+    counts = (
+        "all_to_all",
+        "forward",
+        (ep, E // ep),
+        torch.int64,
+        E * 8,
+        E * 8 * a2a,
+        False,
+    )  # tokens per (rank, local expert)
+    sizes = (
+        "all_to_all",
+        "forward",
+        (ep, 1),
+        torch.int64,
+        ep * 8,
+        ep * 8 * a2a,
+        False,
+    )  # each ragged exchange's row counts
+    rows, cap = (
+        T * k,
+        ep * T * k,
+    )  # dispatch sends the T*k assignments; combine sends back from the ep*T*k-row receive buffer
+    send = (
+        "ragged_all_to_all",
+        "forward",
+        (rows, H),
+        torch.float32,
+        rows * H * F4,
+        rows * H * F4 * a2a,
+        True,
+    )
+    back = (
+        "ragged_all_to_all",
+        "forward",
+        (cap, H),
+        torch.float32,
+        cap * H * F4,
+        cap * H * F4 * a2a,
+        True,
+    )
+    return [
+        counts,
+        sizes,
+        send,
+        sizes,
+        back,
+        (
+            "ragged_all_to_all",
+            "backward",
+            *send[2:],
+        ),  # combine's transpose: the T*k gradient rows go back out
+        ("ragged_all_to_all", "backward", *back[2:]),
+    ]  # dispatch's transpose: from the receive buffer
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "all_to_all"])
 def test_moe_layer_profile(strategy: str) -> None:
-    """The expert-parallel MoE layer (fd.nn.moe) on ep=4: each dispatch strategy's collectives, forward and backward, by hand."""
+    """The expert-parallel MoE layer (fd.nn.moe) on ep=4: each dispatch strategy's collectives,
+    forward and backward, by hand."""
     mesh, E, T, H, k, ep = fd.Mesh({"ep": 4}), 8, 16, 6, 2, 4
     step, args = _moe_step(mesh, strategy)
     prof = trace(step, mesh, *args)
-    if strategy == "allgather":  # gather tokens, expert ids and gates; reduce-scatter the outputs; the transposes backward
+    if (
+        strategy == "allgather"
+    ):  # gather tokens, expert ids and gates; reduce-scatter the outputs; the transposes backward
         rows = [(r.op, r.phase, r.shape, r.size) for r in prof.records]
         assert rows == [
-            ("all_gather", "forward", (T, H), ep * T * H * F4), ("all_gather", "forward", (T, k), ep * T * k * 8),
-            ("all_gather", "forward", (T, k), ep * T * k * F4), ("psum_scatter", "forward", (ep * T, H), ep * T * H * F4),
-            ("all_gather", "backward", (T, H), ep * T * H * F4), ("psum_scatter", "backward", (ep * T, k), ep * T * k * F4),
+            ("all_gather", "forward", (T, H), ep * T * H * F4),
+            ("all_gather", "forward", (T, k), ep * T * k * 8),
+            ("all_gather", "forward", (T, k), ep * T * k * F4),
+            ("psum_scatter", "forward", (ep * T, H), ep * T * H * F4),
+            ("all_gather", "backward", (T, H), ep * T * H * F4),
+            ("psum_scatter", "backward", (ep * T, k), ep * T * k * F4),
             ("psum_scatter", "backward", (ep * T, H), ep * T * H * F4),
         ]
-        assert prof.bus_bytes(phase="forward") == pytest.approx((2 * T * H * F4 * ep + T * k * (8 + F4) * ep) * (ep - 1) / ep)
-    else:  # the size exchanges (int64), then the ragged dispatch of T*k rows and the combine from the capacity buffer
-        got = [(r.op, r.phase, r.shape, r.dtype, r.size, r.bus_bytes, r.bound) for r in prof.records]
+        assert prof.bus_bytes(phase="forward") == pytest.approx(
+            (2 * T * H * F4 * ep + T * k * (8 + F4) * ep) * (ep - 1) / ep
+        )
+    else:
+        # the size exchanges (int64), then the ragged dispatch of T*k rows and the combine from the
+        # capacity buffer
+        got = [
+            (r.op, r.phase, r.shape, r.dtype, r.size, r.bus_bytes, r.bound) for r in prof.records
+        ]
         assert got == _moe_rows(ep, E, T, H, k)
-        # forward: E + 2 ep int64 counts, T*k rows out, ep*T*k rows back; each all-to-all sends (ep-1)/ep of its buffer
-        assert prof.bus_bytes(phase="forward") == pytest.approx(((E + 2 * ep) * 8 + (T * k + ep * T * k) * H * F4) * (ep - 1) / ep)
-        assert prof.bus_bytes(phase="backward") == pytest.approx((T * k + ep * T * k) * H * F4 * (ep - 1) / ep)
+        # forward: E + 2 ep int64 counts, T*k rows out, ep*T*k rows back; each all-to-all sends
+        # (ep-1)/ep of its buffer
+        assert prof.bus_bytes(phase="forward") == pytest.approx(
+            ((E + 2 * ep) * 8 + (T * k + ep * T * k) * H * F4) * (ep - 1) / ep
+        )
+        assert prof.bus_bytes(phase="backward") == pytest.approx(
+            (T * k + ep * T * k) * H * F4 * (ep - 1) / ep
+        )
     assert prof.count(axis="ep") == len(prof.records)
 
 
-# ====================================================================== a sequence-parallel attention block
+# ====================================================================== a sequence-parallel
+# attention block
 class SPBlock(nn.Module):
-    """Pre-norm transformer block: tokens split over sp (ring or Ulysses attention), heads and MLP features over tp
-    (merged column-parallel qkv, row-parallel out projection, column/row-parallel MLP)."""
+    """Pre-norm transformer block: tokens split over sp (ring or Ulysses attention), heads and MLP
+    features over tp (merged column-parallel qkv, row-parallel out projection, column/row-parallel
+    MLP)."""
 
     def __init__(self, d: int, heads: int, f: int, mesh: fd.Mesh, kind: str) -> None:
         super().__init__()
@@ -348,12 +607,21 @@ class SPBlock(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv = fd.nn.MergedColumnParallelLinear(d, (d, d, d), mesh, "tp")
         self.o = fd.nn.RowParallelLinear(d, d, mesh, "tp")
-        self.attn = fd.nn.RingAttention(mesh, "sp", causal=True) if kind == "ring" else fd.nn.UlyssesAttention(mesh, "sp", causal=True)
-        self.fc1, self.fc2 = fd.nn.ColumnParallelLinear(d, f, mesh, "tp"), fd.nn.RowParallelLinear(f, d, mesh, "tp")
+        self.attn = (
+            fd.nn.RingAttention(mesh, "sp", causal=True)
+            if kind == "ring"
+            else fd.nn.UlyssesAttention(mesh, "sp", causal=True)
+        )
+        self.fc1, self.fc2 = (
+            fd.nn.ColumnParallelLinear(d, f, mesh, "tp"),
+            fd.nn.RowParallelLinear(f, d, mesh, "tp"),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hd = x.shape[-1] // self.heads
-        q, k, v = (t.unflatten(-1, (-1, hd)) for t in self.qkv(self.ln1(x)))  # (B, m, heads / tp, hd)
+        q, k, v = (
+            t.unflatten(-1, (-1, hd)) for t in self.qkv(self.ln1(x))
+        )  # (B, m, heads / tp, hd)
         x = x + self.o(self.attn(q, k, v).flatten(-2))
         out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
         return out
@@ -372,38 +640,75 @@ def _sp_block_step(blk: nn.Module, mesh: fd.Mesh) -> Callable[[torch.Tensor], No
 
 @pytest.mark.parametrize("kind", ["ring", "ulysses"])
 def test_sp_attention_block_profile(kind: str) -> None:
-    """Every collective of the block on dp2 x sp4 x tp2, per axis, module, op and phase, against hand-computed values."""
+    """Every collective of the block on dp2 x sp4 x tp2, per axis, module, op and phase, against
+    hand-computed values."""
     dp, sp, tp, B, m, d, heads, f = 2, 4, 2, 2, 16, 64, 8, 128
     mesh = fd.Mesh({"dp": dp, "sp": sp, "tp": tp})
     with torch.device("meta"):
         blk = SPBlock(d, heads, f, mesh, kind)
-    prof = trace(_sp_block_step(blk, mesh), mesh, torch.empty(B, m, d, device="meta", requires_grad=True), modules=[blk])
-    act = B * m * d * F4  # a [B, m, d] activation: row-parallel outputs, column-parallel input gradients
-    kv = B * m * (d // tp) * F4  # one of q, k, v (or the attention output) on this rank: its heads / tp, its m tokens
+    prof = trace(
+        _sp_block_step(blk, mesh),
+        mesh,
+        torch.empty(B, m, d, device="meta", requires_grad=True),
+        modules=[blk],
+    )
+    act = (
+        B * m * d * F4
+    )  # a [B, m, d] activation: row-parallel outputs, column-parallel input gradients
+    kv = (
+        B * m * (d // tp) * F4
+    )  # one of q, k, v (or the attention output) on this rank: its heads / tp, its m tokens
     ar_tp, ar_dp, a2a = 2 * (tp - 1) / tp, 2 * (dp - 1) / dp, (sp - 1) / sp
-    if kind == "ring":  # k and v travel sp - 1 hops forward; each hop's transpose is the opposite hop backward; every member sends
+    # ring: k and v travel sp - 1 hops forward; each hop's transpose is the opposite hop backward;
+    # every member sends
+    if kind == "ring":
         sp_rows: dict[tuple[str, str, str, str], tuple[int, int, float]] = {
-            ("sp", "attn", "ppermute", ph): (2 * (sp - 1), 2 * (sp - 1) * kv, 2.0 * (sp - 1) * kv) for ph in ("forward", "backward")}
+            ("sp", "attn", "ppermute", ph): (2 * (sp - 1), 2 * (sp - 1) * kv, 2.0 * (sp - 1) * kv)
+            for ph in ("forward", "backward")
+        }
     else:  # q, k, v to heads and the output back: 4 all-to-alls forward, their inverses backward
-        sp_rows = {("sp", "attn", "all_to_all", ph): (4, 4 * kv, 4 * kv * a2a) for ph in ("forward", "backward")}
-    # ln1, ln2 (weight, bias); qkv: 3 x (d/tp rows of d, bias d/tp); o: d x d/tp, bias d; fc1: f/tp x d, bias f/tp; fc2: d x f/tp, bias d
-    params = 2 * 2 * d + 3 * (d // tp) * (d + 1) + (d * (d // tp) + d) + (f // tp) * (d + 1) + (d * (f // tp) + d)
+        sp_rows = {
+            ("sp", "attn", "all_to_all", ph): (4, 4 * kv, 4 * kv * a2a)
+            for ph in ("forward", "backward")
+        }
+    # ln1, ln2 (weight, bias); qkv: 3 x (d/tp rows of d, bias d/tp); o: d x d/tp, bias d; fc1: f/tp
+    # x d, bias f/tp; fc2: d x f/tp, bias d
+    params = (
+        2 * 2 * d
+        + 3 * (d // tp) * (d + 1)
+        + (d * (d // tp) + d)
+        + (f // tp) * (d + 1)
+        + (d * (f // tp) + d)
+    )
     want = {
         **sp_rows,
-        ("tp", "o", "psum", "forward"): (1, act, act * ar_tp), ("tp", "fc2", "psum", "forward"): (1, act, act * ar_tp),
-        ("tp", "fc1", "psum", "backward"): (1, act, act * ar_tp), ("tp", "qkv", "psum", "backward"): (1, act, act * ar_tp),  # pvary's transposes
-        ("dp", "", "psum", "forward"): (16, params * F4, params * F4 * ar_dp),  # 16 parameter gradients, after backward()
+        ("tp", "o", "psum", "forward"): (1, act, act * ar_tp),
+        ("tp", "fc2", "psum", "forward"): (1, act, act * ar_tp),
+        ("tp", "fc1", "psum", "backward"): (1, act, act * ar_tp),
+        ("tp", "qkv", "psum", "backward"): (1, act, act * ar_tp),  # pvary's transposes
+        ("dp", "", "psum", "forward"): (
+            16,
+            params * F4,
+            params * F4 * ar_dp,
+        ),  # 16 parameter gradients, after backward()
     }
-    got = {(r["axis"], r["module"], r["op"], r["phase"]): (r["count"], r["size"], r["bus_bytes"])
-           for r in prof.summary(by=("axis", "module", "op", "phase"))}
-    assert got.keys() == want.keys() and all(got[key] == pytest.approx(want[key]) for key in want), got
+    got = {
+        (r["axis"], r["module"], r["op"], r["phase"]): (r["count"], r["size"], r["bus_bytes"])
+        for r in prof.summary(by=("axis", "module", "op", "phase"))
+    }
+    assert got.keys() == want.keys() and all(
+        got[key] == pytest.approx(want[key]) for key in want
+    ), got
     sp_op, sp_count = ("ppermute", 2 * (sp - 1)) if kind == "ring" else ("all_to_all", 4)
-    forward = [(r.module, r.op) for r in prof.filter(phase="forward").records if r.axis != "dp"]  # issue order
+    forward = [
+        (r.module, r.op) for r in prof.filter(phase="forward").records if r.axis != "dp"
+    ]  # issue order
     assert forward == [("attn", sp_op)] * sp_count + [("o", "psum"), ("fc2", "psum")]
 
 
-# ====================================================================== dry run at scale: resident memory
-_DRY_RUN = textwrap.dedent('''
+# ====================================================================== dry run at scale: resident
+# memory
+_DRY_RUN = textwrap.dedent("""
     import json, time
     import torch, fastdist as fd
     from torch import nn
@@ -423,33 +728,45 @@ _DRY_RUN = textwrap.dedent('''
             blk(x).sum().backward()
             for p in blk.parameters():
                 fd.psum(p.grad, mesh, "dp")
-        return trace(step, mesh, torch.empty(1, tokens, d, device="meta", requires_grad=True), modules=[blk])
+        x = torch.empty(1, tokens, d, device="meta", requires_grad=True)
+        return trace(step, mesh, x, modules=[blk])
 
-    def status(key):  # bytes of the resident set now (VmRSS) or at its peak (VmHWM), torch's allocations included
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+    def status(key):
+        # bytes of the resident set now (VmRSS) or at its peak (VmHWM), torch's allocations included
+        lines = open("/proc/self/status").read().splitlines()
+        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(key + ":"))
 
-    def peak_of(fn):  # how far the resident set rose above where it was, at its highest, while fn ran
-        open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) back to the resident set now
+    def peak_of(fn):
+        # how far the resident set rose above where it was, at its highest, while fn ran
+        # the peak (VmHWM) back to the resident set now
+        open("/proc/self/clear_refs", "w").write("5")
         before = status("VmRSS")
         out = fn()
         return status("VmHWM") - before, out
 
-    run(fd.Mesh({"dp": 2, "sp": 1, "tp": 2}), 64, 256, 8)  # warm-up: torch's lazy imports and caches, tiny shapes
+    run(fd.Mesh({"dp": 2, "sp": 1, "tp": 2}), 64, 256, 8)  # warm-up: lazy imports, caches
     t0 = time.perf_counter()
     extra, prof = peak_of(lambda: run(fd.Mesh({"dp": 64, "sp": 8, "tp": 8}), 8192, 28672, 512))
     seconds = time.perf_counter() - t0
-    control, _ = peak_of(lambda: torch.empty(256 << 20, dtype=torch.uint8).fill_(1))  # 256 MiB really allocated (and freed)
-    print(json.dumps({"seconds": seconds, "extra": extra, "control": control, "records": len(prof.records)}))
-''')
+    # 256 MiB really allocated (and freed)
+    control, _ = peak_of(lambda: torch.empty(256 << 20, dtype=torch.uint8).fill_(1))
+    out = {"seconds": seconds, "extra": extra, "control": control, "records": len(prof.records)}
+    print(json.dumps(out))
+""")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc/self/status and clear_refs")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="Linux's /proc/self/status and clear_refs"
+)
 def test_dry_run_4096_ranks_resident_memory() -> None:
-    """The 4096-rank dry run in a fresh process: its peak resident memory (what torch allocates included) stays within
-    64 MiB of what the process held before, while one rank's two weight shards alone would take 235 MB (and its
-    gathered activation 134 MB); 256 MiB allocated (and freed) for real do show up in the same measure. Linux: the
-    peak is /proc/self/status's VmHWM, reset through /proc/self/clear_refs."""
-    proc = subprocess.run([sys.executable, "-c", _DRY_RUN], capture_output=True, text=True, timeout=600, check=False)
+    """The 4096-rank dry run in a fresh process: its peak resident memory (what torch allocates
+    included) stays within 64 MiB of what the process held before, while one rank's two weight
+    shards alone would take 235 MB (and its gathered activation 134 MB); 256 MiB allocated (and
+    freed) for real do show up in the same measure. Linux: the peak is /proc/self/status's VmHWM,
+    reset through /proc/self/clear_refs."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRY_RUN], capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["records"] == 9 and out["seconds"] < 10
@@ -457,10 +774,14 @@ def test_dry_run_4096_ranks_resident_memory() -> None:
     assert out["control"] >= 256 << 20, out
 
 
-# ====================================================================== record(): a step as it really runs
+# ====================================================================== record(): a step as it
+# really runs
 @pytest.mark.parametrize("name, f, shape, want", CASES, ids=[c[0] for c in CASES])
-def test_record_under_simulate_equals_trace(name: str, f: Callable[..., Any], shape: tuple[int, ...], want: list[Any]) -> None:
-    """Every op run on the 8 simulated ranks (forward under simulate, backward outside) records what trace records."""
+def test_record_under_simulate_equals_trace(
+    name: str, f: Callable[..., Any], shape: tuple[int, ...], want: list[Any]
+) -> None:
+    """Every op run on the 8 simulated ranks (forward under simulate, backward outside) records
+    what trace records."""
     xs = torch.ones(MESH.size, *shape, requires_grad=True)
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
@@ -470,13 +791,15 @@ def test_record_under_simulate_equals_trace(name: str, f: Callable[..., Any], sh
 
     with record(MESH) as rec:
         fd.simulate(fwd, MESH)(xs).sum().backward()  # type: ignore[no-untyped-call]
-    assert [(r.op, r.axis, r.kind, r.phase, r.size, r.bus_bytes) for r in rec.profile.records] == want
+    assert [
+        (r.op, r.axis, r.kind, r.phase, r.size, r.bus_bytes) for r in rec.profile.records
+    ] == want
     assert rec.profile.records == trace(lambda x: fwd(x).sum().backward(), MESH, xs[0]).records  # type: ignore[no-untyped-call]
 
 
 def test_record_scope_and_nesting() -> None:
-    """Only what runs inside the block is recorded; nested recordings each see their part; a trace inside a recording
-    stays out of it; afterwards the collectives are the plain methods again."""
+    """Only what runs inside the block is recorded; nested recordings each see their part; a trace
+    inside a recording stays out of it; afterwards the collectives are the plain methods again."""
     from fastdist._primitive import PRIMITIVES
 
     mesh, x = fd.Mesh({"tp": 4}), torch.ones(4, 3)
@@ -499,9 +822,13 @@ def test_record_scope_and_nesting() -> None:
 
 
 def gloo_profiles() -> list[Any]:
-    """On 4 gloo ranks: the attention blocks recorded as they run on real ranks, and traced on the real mesh, equal
-    their trace on a plain mesh of the same axes (module paths included); the MoE layer traces on a real mesh."""
-    real, plain = fd.Mesh.from_torch(order=("dp", "sp", "tp"), sp=2, tp=2), fd.Mesh({"dp": 1, "sp": 2, "tp": 2})
+    """On 4 gloo ranks: the attention blocks recorded as they run on real ranks, and traced on the
+    real mesh, equal their trace on a plain mesh of the same axes (module paths included); the MoE
+    layer traces on a real mesh."""
+    real, plain = (
+        fd.Mesh.from_torch(order=("dp", "sp", "tp"), sp=2, tp=2),
+        fd.Mesh({"dp": 1, "sp": 2, "tp": 2}),
+    )
     out: list[Any] = []
     for kind in ("ring", "ulysses"):
         profiles = []
@@ -531,26 +858,34 @@ def test_real_ranks_profile_like_plain_mesh() -> None:
         assert rank[:2] == [("ring", 4 + 4, True, True), ("ulysses", 4 + 8, True, True)]
         (_, allgather_same, _), (_, a2a_same, a2a) = rank[2:]
         assert allgather_same and a2a_same
-        assert [(r.op, r.phase, r.shape, r.dtype, r.size, r.bus_bytes, r.bound) for r in a2a] == _moe_rows(4, 8, 16, 6, 2)
+        assert [
+            (r.op, r.phase, r.shape, r.dtype, r.size, r.bus_bytes, r.bound) for r in a2a
+        ] == _moe_rows(4, 8, 16, 6, 2)
 
 
-# ====================================================================== the planner on tp x sp x dp and ep
+# ====================================================================== the planner on tp x sp x dp
+# and ep
 TOY = Network("toy", 4, Link(100e9, 1e-6), Link(10e9, 20e-6))  # 4 GPUs a node
 
 
 def _group_time(net: Network, layout: Layout, axis: str, kind: str, size: float) -> float:
-    """Alpha-beta time of one ring collective of S = ``size`` bytes over ``axis`` of ``layout``, by hand."""
+    """Alpha-beta time of one ring collective of S = ``size`` bytes over ``axis`` of ``layout``, by
+    hand."""
     names = [a for a, _ in layout.axes]
     if axis not in names:
         return 0.0
     i = names.index(axis)
     n, inner = layout.axes[i][1], math.prod(s for _, s in layout.axes[i + 1 :])
-    link = net.intra if (n - 1) * inner < net.gpus_per_node else net.inter  # rank 0's group spans ranks 0 .. (n-1) * inner
+    link = (
+        net.intra if (n - 1) * inner < net.gpus_per_node else net.inter
+    )  # rank 0's group spans ranks 0 .. (n-1) * inner
     if kind == "allreduce":
         return 2 * (n - 1) * link.latency + size * 2 * (n - 1) / n / link.bandwidth
     if kind == "sendrecv":
         return link.latency + size / link.bandwidth
-    return (n - 1) * link.latency + size * (n - 1) / n / link.bandwidth  # all-gather, reduce-scatter, all-to-all
+    return (n - 1) * link.latency + size * (
+        n - 1
+    ) / n / link.bandwidth  # all-gather, reduce-scatter, all-to-all
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -561,8 +896,9 @@ N_TOK, D_MODEL = 4096, 1024
 
 
 def _tp_sp_dp_build(mesh: fd.Mesh) -> Profile:
-    """Per rank: N/(dp*sp) tokens; a tp-sharded projection in (pvary) and out (psum); the projected block travels the sp ring
-    (sp - 1 hops, as ring attention's k/v); the weight gradient is all-reduced over dp."""
+    """Per rank: N/(dp*sp) tokens; a tp-sharded projection in (pvary) and out (psum); the projected
+    block travels the sp ring (sp - 1 hops, as ring attention's k/v); the weight gradient is
+    all-reduced over dp."""
     dp, sp, tp = (mesh.shape[a] for a in ("dp", "sp", "tp"))
 
     def step(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -579,14 +915,28 @@ def _tp_sp_dp_build(mesh: fd.Mesh) -> Profile:
 def _tp_sp_dp_closed_form(layout: Layout) -> float:
     sizes = {"dp": 1, "sp": 1, "tp": 1, **dict(layout.axes)}
     t, tp, sp = N_TOK // (sizes["dp"] * sizes["sp"]), sizes["tp"], sizes["sp"]
-    return (2 * _group_time(TOY, layout, "tp", "allreduce", t * D_MODEL * F4)  # the psum forward, pvary's psum backward
-            + 2 * (sp - 1) * _group_time(TOY, layout, "sp", "sendrecv", t * (D_MODEL // tp) * F4)  # the hops and their transposes
-            + _group_time(TOY, layout, "dp", "allreduce", D_MODEL * (D_MODEL // tp) * F4))
+    return (
+        2
+        * _group_time(
+            TOY, layout, "tp", "allreduce", t * D_MODEL * F4
+        )  # the psum forward, pvary's psum backward
+        + 2
+        * (sp - 1)
+        * _group_time(
+            TOY, layout, "sp", "sendrecv", t * (D_MODEL // tp) * F4
+        )  # the hops and their transposes
+        + _group_time(TOY, layout, "dp", "allreduce", D_MODEL * (D_MODEL // tp) * F4)
+    )
 
 
 def test_planner_tp_sp_dp_closed_form() -> None:
     cands = layouts(16, ("dp", "sp", "tp"))
-    assert len(cands) == len(set(cands)) and {str(c) for c in cands} >= {"dp2 x sp2 x tp4", "tp4 x sp2 x dp2", "sp16", "dp4 x tp4"}
+    assert len(cands) == len(set(cands)) and {str(c) for c in cands} >= {
+        "dp2 x sp2 x tp4",
+        "tp4 x sp2 x dp2",
+        "sp16",
+        "dp4 x tp4",
+    }
     p = plan(_tp_sp_dp_build, cands, TOY)
     assert sorted(str(pr.layout) for pr in p.predictions) == sorted(map(str, cands))
     for pr in p.predictions:
@@ -595,8 +945,13 @@ def test_planner_tp_sp_dp_closed_form() -> None:
     assert p.best.time == pytest.approx(min(map(_tp_sp_dp_closed_form, cands)), rel=1e-9)
     # the convenience form: a world size (every order of the axes) and a network by name
     q = plan(_tp_sp_dp_build, 16, TOY, axes=("dp", "sp", "tp"))
-    assert [(pr.layout, pr.time) for pr in q.predictions] == [(pr.layout, pr.time) for pr in p.predictions]
-    assert plan(_tp_sp_dp_build, 8, "dgx-h100", axes=("dp", "sp", "tp")).network is NETWORKS["dgx-h100"]
+    assert [(pr.layout, pr.time) for pr in q.predictions] == [
+        (pr.layout, pr.time) for pr in p.predictions
+    ]
+    assert (
+        plan(_tp_sp_dp_build, 8, "dgx-h100", axes=("dp", "sp", "tp")).network
+        is NETWORKS["dgx-h100"]
+    )
     with pytest.raises(ProfileError, match="no network named 'nvl72'"):
         plan(_tp_sp_dp_build, 8, "nvl72")
     with pytest.raises(ProfileError, match="not a Profile"):
@@ -604,30 +959,56 @@ def test_planner_tp_sp_dp_closed_form() -> None:
 
 
 def test_planner_moe_ep_dp_closed_form() -> None:
-    """The MoE layer (all_to_all dispatch) over ep, its expert gradients all-reduced over dp: 8 ranks, every layout."""
+    """The MoE layer (all_to_all dispatch) over ep, its expert gradients all-reduced over dp: 8
+    ranks, every layout."""
     E, k, H, I = 8, 2, 1024, 2048
 
     def build(mesh: fd.Mesh) -> Profile:
         dp, ep = mesh.shape["dp"], mesh.shape["ep"]
-        step, args = _moe_step(mesh, "all_to_all", E=E, T=N_TOK // (dp * ep), H=H, I=I, k=k, dp="dp", meta=True)
+        step, args = _moe_step(
+            mesh, "all_to_all", E=E, T=N_TOK // (dp * ep), H=H, I=I, k=k, dp="dp", meta=True
+        )
         return trace(step, mesh, *args)
 
     def closed_form(layout: Layout) -> float:
         sizes = {"dp": 1, "ep": 1, **dict(layout.axes)}
         ep, t = sizes["ep"], N_TOK // (sizes["dp"] * sizes["ep"])
-        a2a = sum(_group_time(TOY, layout, "ep", "alltoall", r[4]) for r in _moe_rows(ep, E, t, H, k)) if ep > 1 else 0.0
-        gate_up, down = (E // ep) * 2 * I * H * F4, (E // ep) * H * I * F4  # this rank's experts' weight gradients
-        return a2a + _group_time(TOY, layout, "dp", "allreduce", gate_up) + _group_time(TOY, layout, "dp", "allreduce", down)
+        a2a = (
+            sum(_group_time(TOY, layout, "ep", "alltoall", r[4]) for r in _moe_rows(ep, E, t, H, k))
+            if ep > 1
+            else 0.0
+        )
+        gate_up, down = (
+            (E // ep) * 2 * I * H * F4,
+            (E // ep) * H * I * F4,
+        )  # this rank's experts' weight gradients
+        return (
+            a2a
+            + _group_time(TOY, layout, "dp", "allreduce", gate_up)
+            + _group_time(TOY, layout, "dp", "allreduce", down)
+        )
 
     p = plan(build, 8, TOY, axes=("dp", "ep"))
-    assert {str(pr.layout) for pr in p.predictions} == {"ep8", "dp8", "dp2 x ep4", "ep4 x dp2", "dp4 x ep2", "ep2 x dp4"}
+    assert {str(pr.layout) for pr in p.predictions} == {
+        "ep8",
+        "dp8",
+        "dp2 x ep4",
+        "ep4 x dp2",
+        "dp4 x ep2",
+        "ep2 x dp4",
+    }
     for pr in p.predictions:
         assert pr.time == pytest.approx(closed_form(pr.layout), rel=1e-9), str(pr.layout)
         assert pr.profile is not None and {r.axis for r in pr.profile.records} <= {"dp", "ep"}
     assert [pr.time for pr in p.predictions] == sorted(pr.time for pr in p.predictions)
-    assert p.best.time == pytest.approx(min(closed_form(c) for c in layouts(8, ("dp", "ep"))), rel=1e-9)
-    # dp inside a node all-reduces 4 experts' gradients faster than ep8 sends its combine buffer (charged whole: ep*T*k rows)
-    assert [str(pr.layout) for pr in p.predictions][:2] == ["ep2 x dp4", "ep4 x dp2"] and str(p.predictions[-1].layout) == "dp8"
+    assert p.best.time == pytest.approx(
+        min(closed_form(c) for c in layouts(8, ("dp", "ep"))), rel=1e-9
+    )
+    # dp inside a node all-reduces 4 experts' gradients faster than ep8 sends its combine buffer
+    # (charged whole: ep*T*k rows)
+    assert [str(pr.layout) for pr in p.predictions][:2] == ["ep2 x dp4", "ep4 x dp2"] and str(
+        p.predictions[-1].layout
+    ) == "dp8"
 
 
 def test_plan_plot_bars_and_labels() -> None:
@@ -639,14 +1020,22 @@ def test_plan_plot_bars_and_labels() -> None:
     ax = p.plot()
     try:
         labels = [str(pr.layout) for pr in p.predictions]
-        assert [t.get_text() for t in ax.get_yticklabels()] == labels and ax.yaxis_inverted()  # fastest on top
+        assert [
+            t.get_text() for t in ax.get_yticklabels()
+        ] == labels and ax.yaxis_inverted()  # fastest on top
         axes = sorted({a for pr in p.predictions for a in pr.by_axis})
-        assert axes == ["dp", "sp", "tp"] and [c.get_label() for c in ax.containers] == axes  # one bar series per axis, stacked
+        assert (
+            axes == ["dp", "sp", "tp"] and [c.get_label() for c in ax.containers] == axes
+        )  # one bar series per axis, stacked
         assert [t.get_text() for t in ax.get_legend().get_texts()] == axes
         for i, pr in enumerate(p.predictions):
             bars = [c.patches[i] for c in ax.containers]
-            assert [b.get_width() for b in bars] == pytest.approx([pr.by_axis.get(a, 0.0) * 1e3 for a in axes])  # ms per axis
-            assert bars[-1].get_x() + bars[-1].get_width() == pytest.approx(pr.time * 1e3)  # the stack ends at the total
+            assert [b.get_width() for b in bars] == pytest.approx(
+                [pr.by_axis.get(a, 0.0) * 1e3 for a in axes]
+            )  # ms per axis
+            assert bars[-1].get_x() + bars[-1].get_width() == pytest.approx(
+                pr.time * 1e3
+            )  # the stack ends at the total
             assert {b.get_y() for b in bars} == {bars[0].get_y()}  # one row
         assert ax.get_xlabel() == "predicted communication time (ms), toy"
     finally:

@@ -1,4 +1,5 @@
-"""The fast path's switch (docs/design.md, "Dispatch"): the simulated-rank tests pass on the public route too.
+"""The fast path's switch (docs/design.md, "Dispatch"): the simulated-rank tests pass on the public
+route too.
 
 ``FASTDIST_FAST_PATH=0`` turns off the two shortcuts that use private torch internals;
 every value and gradient must be the same. The files below run again in a subprocess with
@@ -20,36 +21,64 @@ import fastdist as fd
 from fastdist import _primitive
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["tests/test_collectives.py", "tests/test_uneven.py", "tests/test_checking.py", "tests/test_mesh.py",
-         "tests/test_errors.py", "tests/test_nn.py", "tests/test_cross_entropy.py"]
+FILES = [
+    "tests/test_collectives.py",
+    "tests/test_uneven.py",
+    "tests/test_checking.py",
+    "tests/test_mesh.py",
+    "tests/test_errors.py",
+    "tests/test_nn.py",
+    "tests/test_cross_entropy.py",
+]
 
 
 def test_the_switch_is_read_from_the_environment() -> None:
     code = "import fastdist._primitive as p; print(p.FAST_PATH)"
     env = {**os.environ, "FASTDIST_FAST_PATH": "0"}
-    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    off = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert off.stdout.strip() == "False"
     assert _primitive.FAST_PATH is (os.environ.get("FASTDIST_FAST_PATH", "1") != "0")
 
 
 @pytest.mark.skipif(os.environ.get("FASTDIST_FAST_PATH") == "0", reason="already the public route")
 def test_simulated_rank_suite_passes_on_the_public_route() -> None:
-    env = {**os.environ, "FASTDIST_FAST_PATH": "0", "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200, check=False)
+    env = {
+        **os.environ,
+        "FASTDIST_FAST_PATH": "0",
+        "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
 
 
 def test_the_fast_path_switch_is_per_thread() -> None:
-    """The functorch switch the fast path flips around a stacked-Function call is thread-local torch state."""
+    """The functorch switch the fast path flips around a stacked-Function call is thread-local
+    torch state."""
     f = torch._C._functorch
     seen: list[bool] = []
     prev = f.get_single_level_autograd_function_allowed()
     f.set_single_level_autograd_function_allowed(True)
     try:
-        t = threading.Thread(target=lambda: seen.append(f.get_single_level_autograd_function_allowed()))
+        t = threading.Thread(
+            target=lambda: seen.append(f.get_single_level_autograd_function_allowed())
+        )
         t.start()
         t.join(30)
     finally:
@@ -57,6 +86,8 @@ def test_the_fast_path_switch_is_per_thread() -> None:
     assert seen == [False]
     mesh = fd.Mesh({"tp": 2})
     x = torch.ones(2, 3, requires_grad=True)
-    fd.simulate(lambda v: fd.psum(v, mesh, "tp"), mesh)(x).sum().backward()  # the fast path restores the switch
+    fd.simulate(lambda v: fd.psum(v, mesh, "tp"), mesh)(
+        x
+    ).sum().backward()  # the fast path restores the switch
     assert f.get_single_level_autograd_function_allowed() == prev
     assert torch.equal(x.grad, torch.ones(2, 3))

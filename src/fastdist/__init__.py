@@ -15,9 +15,11 @@ tensor([[0., 1.],
         [2., 3.]])
 """
 
-from .replication import ReplicationError, as_partial
-from .sharding import P, PartitionSpec
-from .spmd import spmd
+from . import (
+    mq,  # fastdist.mq: message queue broadcaster, node locality (serving)
+    nn,  # fastdist.nn: parallel layers
+    profile,  # fastdist.profile: communication profile, dry runs, layout planner
+)
 from .collectives import (
     all_gather,
     all_gather_invariant,
@@ -65,20 +67,28 @@ from .errors import (
     TargetError,
 )
 from .mesh import DEFAULT_ORDER, AxisName, Mesh
+from .replication import ReplicationError, as_partial
+from .sharding import P, PartitionSpec
 from .simulate import simulate
+from .spmd import spmd
 from .stateless import StatelessGroup
-from .uneven import all_gather_v, exchange_sizes, gather_v, indexed_all_to_all_v, ragged_all_to_all, reduce_scatter_v, scatter_v
+from .uneven import (
+    all_gather_v,
+    exchange_sizes,
+    gather_v,
+    indexed_all_to_all_v,
+    ragged_all_to_all,
+    reduce_scatter_v,
+    scatter_v,
+)
 from .visual import plot_ranks, show_ranks, show_sharding
-
-from . import nn  # noqa: E402  (fastdist.nn: parallel layers)
-from . import profile  # fastdist.profile: communication profile, dry runs, layout planner
-from . import mq  # fastdist.mq: message queue broadcaster, node locality (serving)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Mesh",
     "nn",
+    "mq",
     "profile",
     "AxisName",
     "DEFAULT_ORDER",

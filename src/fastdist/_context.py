@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-__all__ = ["simulation_of", "check_of", "push_simulation", "pop_simulation", "push_check", "pop_check", "is_real"]
+__all__ = [
+    "simulation_of",
+    "check_of",
+    "push_simulation",
+    "pop_simulation",
+    "push_check",
+    "pop_check",
+    "is_real",
+]
 
 
 class _Running(threading.local):
@@ -57,12 +65,14 @@ def simulation_of(mesh: Mesh) -> Any:
 
 
 def is_real(mesh: Mesh) -> bool:
-    """Whether collectives on ``mesh`` go to real ranks: a communicator and no simulation over it."""
+    """Whether collectives on ``mesh`` go to real ranks: a communicator and no simulation over
+    it."""
     return mesh._comm is not None and simulation_of(mesh) is None
 
 
 def push_simulation(meshes: list[Mesh], binding: Any) -> None:
-    """Register ``binding`` as the running simulation of each of ``meshes`` (pair with :func:`pop_simulation`)."""
+    """Register ``binding`` as the running simulation of each of ``meshes`` (pair with
+    :func:`pop_simulation`)."""
     _RUNNING.simulations = _RUNNING.simulations + tuple((m, binding) for m in meshes)
 
 
@@ -72,12 +82,14 @@ def pop_simulation(count: int) -> None:
 
 
 def check_of(mesh: Mesh) -> Any:
-    """The tracker of the innermost replication check running over ``mesh`` (``None``: none, or suspended)."""
+    """The tracker of the innermost replication check running over ``mesh`` (``None``: none, or
+    suspended)."""
     return _innermost(_RUNNING.checks, mesh)
 
 
 def push_check(mesh: Mesh, tracker: Any) -> None:
-    """Register ``tracker`` (or ``None`` to suspend the checks of ``mesh``) until :func:`pop_check`."""
+    """Register ``tracker`` (or ``None`` to suspend the checks of ``mesh``) until
+    :func:`pop_check`."""
     _RUNNING.checks = _RUNNING.checks + ((mesh, tracker),)
 
 

@@ -63,7 +63,16 @@ from torch import Tensor
 
 from .errors import NoBackendError
 
-__all__ = ["GroupSpec", "Primitive", "ops", "stacked_ops", "PRIMITIVES", "needs_grad", "apply_function", "FAST_PATH"]
+__all__ = [
+    "GroupSpec",
+    "Primitive",
+    "ops",
+    "stacked_ops",
+    "PRIMITIVES",
+    "needs_grad",
+    "apply_function",
+    "FAST_PATH",
+]
 
 # The op namespace. Declaring ops in it is the one thing importing fastdist does.
 _LIB = torch.library.Library("fastdist", "DEF")  # type: ignore[no-untyped-call]
@@ -93,8 +102,16 @@ class GroupSpec:
         # Computed once here (plain ints), so dynamo sees constants when tracing.
         object.__setattr__(self, "world", math.prod(self.mesh_shape))
         object.__setattr__(self, "n", math.prod([self.mesh_shape[a] for a in self.axes]))
-        object.__setattr__(self, "_others", tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes))
-        object.__setattr__(self, "_consecutive", self.axes == tuple(range(self.axes[0], self.axes[0] + len(self.axes))) if self.axes else True)
+        object.__setattr__(
+            self, "_others", tuple(i for i in range(len(self.mesh_shape)) if i not in self.axes)
+        )
+        object.__setattr__(
+            self,
+            "_consecutive",
+            self.axes == tuple(range(self.axes[0], self.axes[0] + len(self.axes)))
+            if self.axes
+            else True,
+        )
 
     def axis_view(self, xs: Tensor) -> tuple[Tensor, int]:
         """``[world, *s] -> [*before, n, *after, *s]`` and the position of ``n`` (the member dim).
@@ -108,22 +125,35 @@ class GroupSpec:
         if not self._consecutive:
             return self.to_groups(xs), 1
         a0, k = self.axes[0], len(self.axes)
-        shape = (*self.mesh_shape[:a0], self.n, *self.mesh_shape[a0 + k :])  # the group's axes merged into one dim
+        shape = (
+            *self.mesh_shape[:a0],
+            self.n,
+            *self.mesh_shape[a0 + k :],
+        )  # the group's axes merged into one dim
         return xs.reshape(*shape, *xs.shape[1:]), a0  # [*before, n, *after, *s]
 
     def from_axis_view(self, y: Tensor, s: Sequence[int]) -> Tensor:
-        """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s``: contiguous, copied only if it must be."""
+        """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s``: contiguous,
+        copied only if it must be."""
         if not self._consecutive:
-            return self.from_groups(y.reshape(self.world // self.n, self.n, *s))  # [G, n, *s] -> [world, *s]
-        return y.reshape(self.world, *s).contiguous()  # mesh layout -> [world, *s] (contiguous, as the fake rule says)
+            return self.from_groups(
+                y.reshape(self.world // self.n, self.n, *s)
+            )  # [G, n, *s] -> [world, *s]
+        return y.reshape(
+            self.world, *s
+        ).contiguous()  # mesh layout -> [world, *s] (contiguous, as the fake rule says)
 
     def to_groups(self, xs: Tensor) -> Tensor:
         """``[world, *s] -> [G, n, *s]``: dim 1 indexes the member within its group (axis order)."""
         s = xs.shape[1:]
         m = len(self.mesh_shape)
         y = xs.reshape(*self.mesh_shape, *s)  # [*mesh_shape, *s]
-        y = y.permute(*self._others, *self.axes, *range(m, m + len(s)))  # [*other axes, *group axes, *s]
-        return y.reshape(self.world // self.n, self.n, *s)  # [G, n, *s] (explicit G: -1 is ambiguous for empty tensors)
+        y = y.permute(
+            *self._others, *self.axes, *range(m, m + len(s))
+        )  # [*other axes, *group axes, *s]
+        return y.reshape(
+            self.world // self.n, self.n, *s
+        )  # [G, n, *s] (explicit G: -1 is ambiguous for empty tensors)
 
     def from_groups(self, y: Tensor) -> Tensor:
         """Inverse of :meth:`to_groups`: ``[G, n, *s] -> [world, *s]`` (contiguous)."""
@@ -141,7 +171,8 @@ class GroupSpec:
 
 
 def needs_grad(t: Tensor) -> bool:
-    """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports False)."""
+    """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports
+    False)."""
     functorch = torch._C._functorch
     while not t.requires_grad:
         if functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
@@ -178,8 +209,15 @@ _VMAP = _functorch.TransformType.Vmap
 # (read once, here: an implementation choice for the process, not configuration).
 _C_APPLY: Any = torch._C._FunctionBase.__dict__.get("apply")
 _UNWRAP_IF_DEAD: Any = getattr(_functorch, "unwrap_if_dead", None)
-_INTERNALS = ("maybe_current_level", "maybe_get_level", "_unwrap_batched", "_add_batch_dim", "get_interpreter_stack",
-              "get_single_level_autograd_function_allowed", "set_single_level_autograd_function_allowed")
+_INTERNALS = (
+    "maybe_current_level",
+    "maybe_get_level",
+    "_unwrap_batched",
+    "_add_batch_dim",
+    "get_interpreter_stack",
+    "get_single_level_autograd_function_allowed",
+    "set_single_level_autograd_function_allowed",
+)
 #: Whether the private-API fast path is on (see the comment above and docs/design.md, "Dispatch").
 FAST_PATH: bool = (
     os.environ.get("FASTDIST_FAST_PATH", "1") != "0"
@@ -191,21 +229,30 @@ FAST_PATH: bool = (
 
 
 def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` for a Function whose ``forward`` has no default arguments, without the per-call signature binding.
+    """``fn.apply(*args)`` for a Function whose ``forward`` has no default arguments, without the
+    per-call signature binding.
 
     Same result and graph: with the fast path off, where a torch.func transform is active,
     or under dynamo, it is ``fn.apply(*args)`` itself.
     """
-    if not FAST_PATH or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if (
+        not FAST_PATH
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    ):
         return fn.apply(*args)  # type: ignore[no-untyped-call]
-    # What Function.apply does next: unwrap tensors of finished torch.func transforms, then the C entry.
-    return _C_APPLY.__get__(None, fn)(*(_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args))
+    # What Function.apply does next: unwrap tensors of finished torch.func transforms, then the C
+    # entry.
+    return _C_APPLY.__get__(None, fn)(
+        *(_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args)
+    )
 
 
 def _only_vmap() -> bool:
     """Whether every active torch.func transform is a vmap (no grad/jvp/functionalize layer)."""
     stack = torch._C._functorch.get_interpreter_stack()
     return stack is None or all(i.key() == _VMAP for i in stack)
+
 
 ShapeRule = Callable[..., Sequence[Any]]
 StackedRule = Callable[..., Tensor]
@@ -261,10 +308,22 @@ class Primitive:
         self.name = name
         self.param_names = tuple(p for p, _ in params)
         self.inputs = tuple(inputs)
-        self.shape, self.stacked, self.distributed, self.backward = shape, stacked, distributed, backward
+        self.shape, self.stacked, self.distributed, self.backward = (
+            shape,
+            stacked,
+            distributed,
+            backward,
+        )
         self.dim_params, self.saves, self.replication = tuple(dim_params), saves, replication
         self.reduces = reduces
-        args = ", ".join([*(f"Tensor {t}" for t in inputs), "int[] mesh_shape", "int[] axes", *(f"{ty} {p}" for p, ty in params)])
+        args = ", ".join(
+            [
+                *(f"Tensor {t}" for t in inputs),
+                "int[] mesh_shape",
+                "int[] axes",
+                *(f"{ty} {p}" for p, ty in params),
+            ]
+        )
         for opname in (name, f"{name}_stacked"):
             _LIB.define(f"{opname}({args}) -> Tensor")  # type: ignore[no-untyped-call]
         self.per_rank_op = getattr(torch.ops.fastdist, name).default
@@ -283,11 +342,16 @@ class Primitive:
 
     def _op_args(self, spec: GroupSpec, params: dict[str, Any]) -> list[Any]:
         vals = [params[p] for p in self.param_names]
-        return [list(spec.mesh_shape), list(spec.axes), *(list(v) if isinstance(v, tuple) else v for v in vals)]
+        return [
+            list(spec.mesh_shape),
+            list(spec.axes),
+            *(list(v) if isinstance(v, tuple) else v for v in vals),
+        ]
 
     # ------------------------------------------------------------------ binding
     def bind(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
-        """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a one-rank mesh.
+        """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a
+        one-rank mesh.
 
         The autograd.Functions are used only where they are needed: on real ranks when a
         gradient can flow, and in simulation when a ``torch.func`` grad/jvp transform is
@@ -295,32 +359,44 @@ class Primitive:
         simulate's own vmap with no other transform, :meth:`_bind_at_level` calls the
         stacked op (or, with a gradient, its Function) directly.
         """
-        compiling = torch.compiler.is_compiling()  # dynamo: keep the traced paths, skip the functorch checks
+        compiling = (
+            torch.compiler.is_compiling()
+        )  # dynamo: keep the traced paths, skip the functorch checks
         vals = tuple(params[p] for p in self.param_names)
         if spec.comm is not None:  # real ranks: the Function when a gradient can flow
             grad = compiling or (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
             if grad:
                 return cast(Tensor, apply_function(self.dist_function, spec, vals, *tensors))
             return self._run_distributed(spec, tensors, params)
-        if compiling:  # dynamo records the op; the stacked op's registered autograd has the per-rank rule
+        if (
+            compiling
+        ):  # dynamo records the op; the stacked op's registered autograd has the per-rank rule
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if not FAST_PATH:  # the public route: the Function composes with every transform and outer backward()
+        if (
+            not FAST_PATH
+        ):  # the public route: the Function composes with every transform and outer backward()
             if torch.is_grad_enabled():
                 return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if _only_vmap():
-            # Outer backward(): the per-rank rule is recorded on stacked tensors (no Function under vmap).
+            # Outer backward(): the per-rank rule is recorded on stacked tensors (no Function under
+            # vmap).
             level = _functorch.maybe_current_level()
             if level is not None and _functorch.maybe_get_level(tensors[0]) == level:
-                return self._bind_at_level(level, tensors, spec, params)  # simulate's vmap is innermost: the usual case
+                return self._bind_at_level(
+                    level, tensors, spec, params
+                )  # simulate's vmap is innermost: the usual case
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if not (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)):
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1).
         return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
 
-    def _bind_at_level(self, level: int, tensors: Sequence[Tensor], spec: GroupSpec, params: dict[str, Any]) -> Tensor:
-        """What the per-rank op's vmap rule does, called directly: unwrap vmap ``level``, the stacked op, wrap.
+    def _bind_at_level(
+        self, level: int, tensors: Sequence[Tensor], spec: GroupSpec, params: dict[str, Any]
+    ) -> Tensor:
+        """What the per-rank op's vmap rule does, called directly: unwrap vmap ``level``, the
+        stacked op, wrap.
 
         For the innermost vmap when every active transform is a vmap: the registered rule
         reaches the same stacked op through torch.library's Python vmap plumbing (pytree
@@ -329,19 +405,35 @@ class Primitive:
         """
         stacked = []
         for t in tensors:
-            v, d = _functorch._unwrap_batched(t, level)  # the physical tensor, and its rank dim (None: not batched here)
-            stacked.append(v if d == 0 else v.movedim(d, 0) if d is not None else v.expand(spec.world, *v.shape))  # [world, *s]
-        if stacked[0].shape[0] != spec.world:  # not a vmap over the ranks: the registered rule raises the error
+            v, d = _functorch._unwrap_batched(
+                t, level
+            )  # the physical tensor, and its rank dim (None: not batched here)
+            stacked.append(
+                v
+                if d == 0
+                else v.movedim(d, 0)
+                if d is not None
+                else v.expand(spec.world, *v.shape)
+            )  # [world, *s]
+        if (
+            stacked[0].shape[0] != spec.world
+        ):  # not a vmap over the ranks: the registered rule raises the error
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if (torch.is_grad_enabled() and any(v.requires_grad for v in stacked)
-                and all(_functorch.maybe_get_level(v) == -1 for v in stacked)):
-            # Plain tensors under autograd: the same per-rank rule through a Function called at its C entry
+        if (
+            torch.is_grad_enabled()
+            and any(v.requires_grad for v in stacked)
+            and all(_functorch.maybe_get_level(v) == -1 for v in stacked)
+        ):
+            # Plain tensors under autograd: the same per-rank rule through a Function called at its
+            # C entry
             # (the stacked op's registered autograd runs torch.library's Python wrapper every call).
             # The switch is functorch's thread-local state: other threads are not affected.
             prev = _functorch.get_single_level_autograd_function_allowed()
             _functorch.set_single_level_autograd_function_allowed(True)
             try:
-                out = _C_APPLY.__get__(None, self.stacked_function)(spec, tuple(params[p] for p in self.param_names), *stacked)
+                out = _C_APPLY.__get__(None, self.stacked_function)(
+                    spec, tuple(params[p] for p in self.param_names), *stacked
+                )
             finally:
                 _functorch.set_single_level_autograd_function_allowed(prev)
         else:
@@ -353,7 +445,9 @@ class Primitive:
         return cast(Tensor, self.stacked_op(*tensors, *self._op_args(spec, params)))
 
     # ------------------------------------------------------------------ registrations
-    def _out_shape(self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any], stacked: bool) -> list[Any]:
+    def _out_shape(
+        self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any], stacked: bool
+    ) -> list[Any]:
         shapes = [tuple(t.shape[1:] if stacked else t.shape) for t in tensors]
         out = list(self.shape(spec.n, *shapes, **params))
         return [spec.world, *out] if stacked else out
@@ -362,8 +456,11 @@ class Primitive:
         tensors, spec, params = self._split(args)
         return self._forward_stacked(spec, tensors, params)
 
-    def _forward_stacked(self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
-        """The ``stacked`` rule's output, copied where it is (a view of) an input: a custom op (and a Function's output) must not alias one."""
+    def _forward_stacked(
+        self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]
+    ) -> Tensor:
+        """The ``stacked`` rule's output, copied where it is (a view of) an input: a custom op (and
+        a Function's output) must not alias one."""
         out = self.stacked(spec, *tensors, **params)
         if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in tensors):
             out = out.clone()
@@ -373,10 +470,12 @@ class Primitive:
         tensors, spec, params = self._split(args)
         if spec.world != 1:
             raise NoBackendError(
-                f"fastdist.{self.name}: called on a plain tensor over a mesh of {spec.world} ranks. "
-                "Fix: run the per-rank code under fastdist.simulate(fn, mesh)"
+                f"fastdist.{self.name}: called on a plain tensor over a mesh of {spec.world} "
+                "ranks. Fix: run the per-rank code under fastdist.simulate(fn, mesh)"
             )
-        return self._run_stacked(*(t.unsqueeze(0) for t in tensors), *args[len(tensors) :]).squeeze(0)
+        return self._run_stacked(*(t.unsqueeze(0) for t in tensors), *args[len(tensors) :]).squeeze(
+            0
+        )
 
     def _register(self) -> None:
         k = len(self.inputs)
@@ -396,17 +495,26 @@ class Primitive:
             tensors, spec, _ = self._split(args)
             if info.batch_size != spec.world:
                 raise NoBackendError(
-                    f"fastdist.{self.name}: vmapped over {info.batch_size} entries, but the mesh has {spec.world} ranks. "
-                    "A torch.vmap inside fastdist.simulate must not batch a collective's input. "
-                    "Fix: move the vmap outside simulate, or loop instead"
+                    f"fastdist.{self.name}: vmapped over {info.batch_size} entries, but the mesh "
+                    f"has {spec.world} ranks. A torch.vmap inside fastdist.simulate must not batch "
+                    "a collective's input. Fix: move the vmap outside simulate, or loop instead"
                 )
-            stacked = [t.movedim(d, 0) if d is not None else t.expand(spec.world, *t.shape) for t, d in zip(tensors, in_dims[:k])]
+            stacked = [
+                t.movedim(d, 0) if d is not None else t.expand(spec.world, *t.shape)
+                for t, d in zip(tensors, in_dims[:k])
+            ]
             return self.stacked_op(*stacked, *args[k:]), 0
 
         def data_rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Tensor, int]:
-            # An outer vmap (e.g. over independent simulations) is one more data dim, placed after the rank dim.
+            # An outer vmap (e.g. over independent simulations) is one more data dim, placed after
+            # the rank dim.
             tensors, spec, params = self._split(args)
-            moved = [t.movedim(d, 1) if d is not None else t.unsqueeze(1).expand(t.shape[0], info.batch_size, *t.shape[1:]) for t, d in zip(tensors, in_dims[:k])]
+            moved = [
+                t.movedim(d, 1)
+                if d is not None
+                else t.unsqueeze(1).expand(t.shape[0], info.batch_size, *t.shape[1:])
+                for t, d in zip(tensors, in_dims[:k])
+            ]
             shifted = {p: (v + 1 if p in self.dim_params else v) for p, v in params.items()}
             return self.bind_stacked(*moved, spec=spec, **shifted), 1
 
@@ -426,11 +534,17 @@ class Primitive:
 
             return backward
 
-        torch.library.register_autograd(squal, make_backward(stacked_ops), setup_context=setup_context, lib=_LIB)
+        torch.library.register_autograd(
+            squal, make_backward(stacked_ops), setup_context=setup_context, lib=_LIB
+        )
         # Used on a one-rank mesh under torch.compile (eager code goes through self.function).
-        torch.library.register_autograd(qual, make_backward(ops), setup_context=setup_context, lib=_LIB)
+        torch.library.register_autograd(
+            qual, make_backward(ops), setup_context=setup_context, lib=_LIB
+        )
 
-    def _run_distributed(self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]) -> Tensor:
+    def _run_distributed(
+        self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]
+    ) -> Tensor:
         comm = spec.comm
         if comm.n == 1:  # nothing to exchange: the one-rank simulation is exact
             one = GroupSpec((1,), (0,))
@@ -440,7 +554,8 @@ class Primitive:
         return self.distributed(comm, *tensors, **params)
 
     def _make_stacked_function(self) -> type[torch.autograd.Function]:
-        """The stacked forward with the per-rank backward rule, as the stacked op's registered autograd has them.
+        """The stacked forward with the per-rank backward rule, as the stacked op's registered
+        autograd has them.
 
         Used by :meth:`_bind_at_level` on plain tensors, through the C entry point of
         ``apply`` (a torch.func vmap is active there, which ``apply`` itself would route to
@@ -462,12 +577,17 @@ class Primitive:
             return (None, None, *prim.backward(stacked_ops, ctx.spec, g, saved, **ctx.params))
 
         camel = "".join(part.capitalize() for part in self.name.split("_"))
-        attrs = {"forward": staticmethod(forward), "backward": staticmethod(backward),
-                 "__doc__": f"Stacked fastdist.{self.name} with its per-rank backward rule (see Primitive._make_stacked_function)."}
+        attrs = {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward),
+            "__doc__": f"Stacked fastdist.{self.name} with its per-rank backward rule (see "
+            "Primitive._make_stacked_function).",
+        }
         return type(f"{camel}StackedFunction", (torch.autograd.Function,), attrs)
 
     def _make_function(self, distributed: bool = False) -> type[torch.autograd.Function]:
-        """The eager autograd.Function: per-rank forward (simulated or real ranks), per-rank backward rule.
+        """The eager autograd.Function: per-rank forward (simulated or real ranks), per-rank
+        backward rule.
 
         The methods find the primitive by name in ``PRIMITIVES`` (not through a closure),
         so dynamo can trace them when it compiles a step on real ranks.
@@ -498,15 +618,21 @@ class Primitive:
             "forward": staticmethod(forward),
             "setup_context": staticmethod(setup_context),
             "backward": staticmethod(backward),
-            "__doc__": f"Eager autograd for fastdist.{self.name} on {'real' if distributed else 'simulated'} ranks (see fastdist._primitive).",
+            "__doc__": f"Eager autograd for fastdist.{self.name} on "
+            f"{'real' if distributed else 'simulated'} ranks (see fastdist._primitive).",
         }
         if not distributed:
             attrs["generate_vmap_rule"] = True
-        return type(f"{camel}{'Distributed' if distributed else ''}Function", (torch.autograd.Function,), attrs)
+        return type(
+            f"{camel}{'Distributed' if distributed else ''}Function",
+            (torch.autograd.Function,),
+            attrs,
+        )
 
 
 class _Ops:
-    """``ops.<primitive>(*tensors, spec=..., **params)``: the namespace backward rules are written in."""
+    """``ops.<primitive>(*tensors, spec=..., **params)``: the namespace backward rules are written
+    in."""
 
     def __init__(self, stacked: bool) -> None:
         self._stacked = stacked

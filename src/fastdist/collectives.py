@@ -55,7 +55,7 @@ from torch import Tensor
 
 from ._context import check_of, is_real, simulation_of
 from ._dtype_rule import check_reduction_dtype
-from ._primitive import Primitive, GroupSpec
+from ._primitive import GroupSpec, Primitive
 from .errors import CollectiveError, MeshError
 from .mesh import AxisName, Mesh
 from .simulate import promote, rank_binding
@@ -85,13 +85,23 @@ __all__ = [
 
 # ====================================================================== shared helpers
 def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpec]:
-    """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group spec."""
+    """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group
+    spec."""
     if not isinstance(x, Tensor):
-        raise CollectiveError(op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor")
+        raise CollectiveError(
+            op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor"
+        )
     if not isinstance(mesh, Mesh):
-        raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+        raise CollectiveError(
+            op,
+            axis,
+            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
+            "pass the Mesh the code runs on",
+        )
     binding = simulation_of(mesh)
-    if binding is None and mesh._comm is not None:  # real ranks (a simulation over the mesh takes precedence)
+    if (
+        binding is None and mesh._comm is not None
+    ):  # real ranks (a simulation over the mesh takes precedence)
         return x, mesh._comm.spec(axis, f"fastdist.{op}")
     spec = _plain_spec(op, mesh, axis)
     if binding is None:
@@ -99,7 +109,9 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSp
     tracker = check_of(mesh)
     if tracker is None:
         return promote(op, x, binding), spec
-    with tracker.suspended():  # fastdist's own plumbing is not user code: keep the state, unobserved
+    with (
+        tracker.suspended()
+    ):  # fastdist's own plumbing is not user code: keep the state, unobserved
         y = promote(op, x, binding)
     tracker.set(y, tracker.get(x))
     return y, spec
@@ -119,12 +131,17 @@ def _plain_spec(op: str, mesh: Mesh, axis: AxisName) -> GroupSpec:
     if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():
         try:
             return _cached_plain_spec(mesh, axis)
-        except (MeshError, TypeError):  # re-raised below naming the op (TypeError: unhashable parts)
+        except (
+            MeshError,
+            TypeError,
+        ):  # re-raised below naming the op (TypeError: unhashable parts)
             pass
     return GroupSpec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
 
 
-def _apply(prim: Primitive, mesh: Mesh, x: Tensor, spec: GroupSpec, *extra: Tensor, **params: Any) -> Tensor:
+def _apply(
+    prim: Primitive, mesh: Mesh, x: Tensor, spec: GroupSpec, *extra: Tensor, **params: Any
+) -> Tensor:
     """Run the primitive on ``x`` (and extra tensor inputs such as sizes).
 
     Under a replication check (``fastdist.spmd``) the tracker checks ``x``'s state first.
@@ -139,25 +156,35 @@ def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
     """Normalise a (possibly negative) dim in ``[-ndim, ndim)``."""
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         rng = f"[{-ndim}, {ndim - 1}]" if ndim else "none: the tensor is 0-d"
-        raise CollectiveError(op, axis, f"{name}={dim!r} is out of range for a {ndim}-d tensor", f"use a {name} in {rng}")
+        raise CollectiveError(
+            op,
+            axis,
+            f"{name}={dim!r} is out of range for a {ndim}-d tensor",
+            f"use a {name} in {rng}",
+        )
     return dim % ndim
 
 
 def _need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: str) -> None:
     if x.shape[dim] % n:
         raise CollectiveError(
-            op, axis, f"dim {dim} has size {x.shape[dim]}, not divisible by the axis size {n}", f"pad dim {dim} to a multiple of {n}, or {alt}"
+            op,
+            axis,
+            f"dim {dim} has size {x.shape[dim]}, not divisible by the axis size {n}",
+            f"pad dim {dim} to a multiple of {n}, or {alt}",
         )
 
 
 def _need_reducible(prim: Primitive, axis: AxisName, x: Tensor) -> None:
-    """The one dtype rule of reductions (``fastdist._dtype_rule``), for ``prim``'s kind of reduction."""
+    """The one dtype rule of reductions (``fastdist._dtype_rule``), for ``prim``'s kind of
+    reduction."""
     check_reduction_dtype(prim.name, axis, x.dtype, cast(str, prim.reduces))
 
 
 def _real_view(x: Tensor) -> Tensor:
-    """A complex tensor as its ``[..., 2]`` float view, for sums on real ranks (torch's c10d reduce-scatter and
-    functional all-reduce, and NCCL, take no complex dtype); other tensors as they are."""
+    """A complex tensor as its ``[..., 2]`` float view, for sums on real ranks (torch's c10d
+    reduce-scatter and functional all-reduce, and NCCL, take no complex dtype); other tensors as
+    they are."""
     return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
 
 
@@ -172,19 +199,30 @@ def _same(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[Any, .
 
 def _index(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
-        raise CollectiveError(op, axis, f"{name}={value!r} is not an index along the axis (size {n})", f"use {name} in 0..{n - 1}")
+        raise CollectiveError(
+            op,
+            axis,
+            f"{name}={value!r} is not an index along the axis (size {n})",
+            f"use {name} in 0..{n - 1}",
+        )
     return value
 
 
 def _where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
     """``y`` where the ``[G, n]`` member mask holds, zero elsewhere."""
-    return torch.where(mask.reshape(*mask.shape, *(1,) * (y.dim() - 2)), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return torch.where(
+        mask.reshape(*mask.shape, *(1,) * (y.dim() - 2)),
+        y,
+        torch.zeros((), dtype=y.dtype, device=y.device),
+    )
 
 
 # ====================================================================== psum
 def _psum_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
-    return spec.from_axis_view(y.sum(a, keepdim=True, dtype=y.dtype).expand_as(y), x.shape[1:])  # the sum, on every member
+    return spec.from_axis_view(
+        y.sum(a, keepdim=True, dtype=y.dtype).expand_as(y), x.shape[1:]
+    )  # the sum, on every member
 
 
 def _psum_dist(comm: AxisComm, x: Tensor) -> Tensor:
@@ -195,7 +233,15 @@ def _psum_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ..
     return (g,)
 
 
-psum_p = Primitive("psum", shape=_same, stacked=_psum_stacked, distributed=_psum_dist, backward=_psum_bwd, replication=("VP", "I"), reduces="sum")
+psum_p = Primitive(
+    "psum",
+    shape=_same,
+    stacked=_psum_stacked,
+    distributed=_psum_dist,
+    backward=_psum_bwd,
+    replication=("VP", "I"),
+    reduces="sum",
+)
 
 
 def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -227,7 +273,14 @@ def _pvary_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, .
     return (ops.psum(g, spec=spec),)
 
 
-pvary_p = Primitive("pvary", shape=_same, stacked=_pvary_stacked, distributed=_pvary_dist, backward=_pvary_bwd, replication=("I", "V"))
+pvary_p = Primitive(
+    "pvary",
+    shape=_same,
+    stacked=_pvary_stacked,
+    distributed=_pvary_dist,
+    backward=_pvary_bwd,
+    replication=("I", "V"),
+)
 
 
 def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -259,7 +312,15 @@ def _pmean_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, .
     return (g / spec.n,)
 
 
-pmean_p = Primitive("pmean", shape=_same, stacked=_pmean_stacked, distributed=_pmean_dist, backward=_pmean_bwd, replication=("VP", "I"), reduces="mean")
+pmean_p = Primitive(
+    "pmean",
+    shape=_same,
+    stacked=_pmean_stacked,
+    distributed=_pmean_dist,
+    backward=_pmean_bwd,
+    replication=("VP", "I"),
+    reduces="mean",
+)
 
 
 def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
@@ -273,7 +334,8 @@ def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     return _apply(pmean_p, mesh, x, spec)
 
 
-# ====================================================================== pmax / pmin and their subgradient
+# ====================================================================== pmax / pmin and their
+# subgradient
 def _pmax_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(y.amax(1, keepdim=True).expand_as(y))
@@ -300,11 +362,15 @@ def _extreme_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any,
 def _select_extreme_stacked(spec: GroupSpec, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
     hit = spec.to_groups(x) == spec.to_groups(out)  # [G, n, *s]: members attaining the extreme
     first = hit & (hit.cumsum(1) == 1)  # the lowest-index one of them
-    return spec.from_groups(torch.where(first, spec.to_groups(g), torch.zeros((), dtype=g.dtype, device=g.device)))
+    return spec.from_groups(
+        torch.where(first, spec.to_groups(g), torch.zeros((), dtype=g.dtype, device=g.device))
+    )
 
 
 def _select_extreme_dist(comm: AxisComm, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
-    mine = torch.where(x == out, comm.index, comm.n)  # my axis index where I attain the extreme, else n
+    mine = torch.where(
+        x == out, comm.index, comm.n
+    )  # my axis index where I attain the extreme, else n
     winner = comm.all_reduce("select_extreme", mine, "min")  # the lowest index attaining it
     return torch.where(winner == comm.index, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
@@ -315,15 +381,35 @@ def _select_extreme_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tup
 
 
 pmax_p = Primitive(
-    "pmax", shape=_same, stacked=_pmax_stacked, distributed=_pmax_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"), reduces="max"
+    "pmax",
+    shape=_same,
+    stacked=_pmax_stacked,
+    distributed=_pmax_dist,
+    backward=_extreme_bwd,
+    saves=True,
+    replication=("V", "I"),
+    reduces="max",
 )
 pmin_p = Primitive(
-    "pmin", shape=_same, stacked=_pmin_stacked, distributed=_pmin_dist, backward=_extreme_bwd, saves=True, replication=("V", "I"), reduces="min"
+    "pmin",
+    shape=_same,
+    stacked=_pmin_stacked,
+    distributed=_pmin_dist,
+    backward=_extreme_bwd,
+    saves=True,
+    replication=("V", "I"),
+    reduces="min",
 )
-# Internal: g on the lowest-index rank whose x equals the reduced value, zero elsewhere (linear in g).
+# Internal: g on the lowest-index rank whose x equals the reduced value, zero elsewhere (linear in
+# g).
 select_extreme_p = Primitive(
-    "select_extreme", inputs=("g", "x", "out"), shape=_same, stacked=_select_extreme_stacked, distributed=_select_extreme_dist,
-    backward=_select_extreme_bwd, saves=True,
+    "select_extreme",
+    inputs=("g", "x", "out"),
+    shape=_same,
+    stacked=_select_extreme_stacked,
+    distributed=_select_extreme_dist,
+    backward=_select_extreme_bwd,
+    saves=True,
 )
 
 
@@ -358,8 +444,12 @@ def _all_gather_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> t
 def _all_gather_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     k = y.dim() - (x.dim() - 1)  # mesh dims in the view
-    z = y.movedim(a, k - 1 + dim)  # [*before, *after, *s[:dim], n, *s[dim:]]: the members' blocks side by side
-    every = z.unsqueeze(a).expand(*y.shape[:k], *z.shape[k - 1 :])  # [*before, n, *after, *s[:dim], n, *s[dim:]]: every member holds them
+    z = y.movedim(
+        a, k - 1 + dim
+    )  # [*before, *after, *s[:dim], n, *s[dim:]]: the members' blocks side by side
+    every = z.unsqueeze(a).expand(
+        *y.shape[:k], *z.shape[k - 1 :]
+    )  # [*before, n, *after, *s[:dim], n, *s[dim:]]: every member holds them
     s = x.shape[1:]
     out = (*s[:dim], spec.n * s[dim], *s[dim + 1 :]) if tiled else (*s[:dim], spec.n, *s[dim:])
     return spec.from_axis_view(every, out)  # one copy
@@ -369,22 +459,34 @@ def _all_gather_dist(comm: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Ten
     if tiled:
         if dim == 0:
             return comm.all_gather_rows("all_gather", x)  # [n * s[0], ...]
-        return comm.all_gather_rows("all_gather", x.movedim(dim, 0)).movedim(0, dim)  # [n * s[dim], ...] back to dim
+        return comm.all_gather_rows("all_gather", x.movedim(dim, 0)).movedim(
+            0, dim
+        )  # [n * s[dim], ...] back to dim
     out = comm.all_gather_rows("all_gather", x.unsqueeze(0))  # [n, *s]
     return out if dim == 0 else out.movedim(0, dim)  # the new dim moved to dim
 
 
-def _all_gather_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
+def _all_gather_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int, tiled: bool
+) -> tuple[Any, ...]:
     return (ops.psum_scatter(g, spec=spec, dim=dim, tiled=tiled),)
 
 
 all_gather_p = Primitive(
-    "all_gather", params=(("dim", "int"), ("tiled", "bool")), shape=_all_gather_shape, stacked=_all_gather_stacked,
-    distributed=_all_gather_dist, backward=_all_gather_bwd, dim_params=("dim",), replication=("V", "V"),
+    "all_gather",
+    params=(("dim", "int"), ("tiled", "bool")),
+    shape=_all_gather_shape,
+    stacked=_all_gather_stacked,
+    distributed=_all_gather_dist,
+    backward=_all_gather_bwd,
+    dim_params=("dim",),
+    replication=("V", "V"),
 )
 
 
-def all_gather(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True) -> Tensor:
+def all_gather(
+    x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True
+) -> Tensor:
     """Gather every rank's ``x`` along ``dim``, in axis order.
 
     Shape: ``tiled=True`` (default, like ``all_gather_into_tensor``) concatenates,
@@ -404,8 +506,11 @@ def all_gather(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bo
     return _apply(all_gather_p, mesh, x, spec, dim=d, tiled=bool(tiled))
 
 
-# ====================================================================== all_gather_invariant / local_chunk
-def _all_gather_invariant_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
+# ====================================================================== all_gather_invariant /
+# local_chunk
+def _all_gather_invariant_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int
+) -> tuple[Any, ...]:
     return (ops.local_chunk(g, spec=spec, dim=dim),)
 
 
@@ -414,17 +519,23 @@ def _local_chunk_shape(n: int, s: tuple[Any, ...], *, dim: int) -> tuple[Any, ..
 
 
 def _local_chunk_stacked(spec: GroupSpec, x: Tensor, *, dim: int) -> Tensor:
-    y = spec.to_groups(x).unflatten(dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, member, *s[:dim], chunk, s[dim] / n, ...]
-    y = y.movedim(dim + 2, 2).diagonal(dim1=1, dim2=2)  # [G, *s[:dim], s[dim] / n, ..., n]: member j's chunk j
+    # [G, member, *s[:dim], chunk, s[dim] / n, ...]
+    y = spec.to_groups(x).unflatten(dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]
+    y = y.movedim(dim + 2, 2).diagonal(
+        dim1=1, dim2=2
+    )  # [G, *s[:dim], s[dim] / n, ..., n]: member j's chunk j
     return spec.from_groups(y.movedim(-1, 1))  # [G, n, ...]
 
 
 def _local_chunk_dist(comm: AxisComm, x: Tensor, *, dim: int) -> Tensor:
-    mine: Tensor = x.unflatten(dim, (comm.n, -1)).select(dim, comm.index)  # type: ignore[no-untyped-call]  # my chunk, no communication
+    # my chunk, no communication
+    mine: Tensor = x.unflatten(dim, (comm.n, -1)).select(dim, comm.index)  # type: ignore[no-untyped-call]
     return mine.clone()
 
 
-def _local_chunk_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int) -> tuple[Any, ...]:
+def _local_chunk_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int
+) -> tuple[Any, ...]:
     return (ops.all_gather_invariant(g, spec=spec, dim=dim),)
 
 
@@ -433,12 +544,24 @@ def _gather_tiled(rule: Any) -> Any:
 
 
 all_gather_invariant_p = Primitive(
-    "all_gather_invariant", params=(("dim", "int"),), shape=_gather_tiled(_all_gather_shape), stacked=_gather_tiled(_all_gather_stacked),
-    distributed=_gather_tiled(_all_gather_dist), backward=_all_gather_invariant_bwd, dim_params=("dim",), replication=("V", "I"),
+    "all_gather_invariant",
+    params=(("dim", "int"),),
+    shape=_gather_tiled(_all_gather_shape),
+    stacked=_gather_tiled(_all_gather_stacked),
+    distributed=_gather_tiled(_all_gather_dist),
+    backward=_all_gather_invariant_bwd,
+    dim_params=("dim",),
+    replication=("V", "I"),
 )
 local_chunk_p = Primitive(
-    "local_chunk", params=(("dim", "int"),), shape=_local_chunk_shape, stacked=_local_chunk_stacked, distributed=_local_chunk_dist,
-    backward=_local_chunk_bwd, dim_params=("dim",), replication=("I", "V"),
+    "local_chunk",
+    params=(("dim", "int"),),
+    shape=_local_chunk_shape,
+    stacked=_local_chunk_stacked,
+    distributed=_local_chunk_dist,
+    backward=_local_chunk_bwd,
+    dim_params=("dim",),
+    replication=("I", "V"),
 )
 
 
@@ -456,7 +579,8 @@ def all_gather_invariant(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) ->
 
 
 def local_chunk(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) -> Tensor:
-    """This rank's chunk ``i`` (its index along ``axis``) of a replicated ``x``, split along ``dim``.
+    """This rank's chunk ``i`` (its index along ``axis``) of a replicated ``x``, split along
+    ``dim``.
 
     Shape: ``x.shape[dim]`` divided by the axis size. No communication. Gradient:
     ``all_gather_invariant`` of ``g`` (every rank gets the whole gradient). JAX calls
@@ -479,31 +603,47 @@ def _psum_scatter_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) 
     if tiled:
         y = y.unflatten(k + dim, (spec.n, -1))  # type: ignore[no-untyped-call]  # [..., *s[:dim], n chunks, s[dim] / n, ...]
     y = y.movedim(k + dim, a + 1)  # [*before, n members, n chunks, *after, ...]
-    total = y.sum(a, dtype=x.dtype)  # [*before, n, *after, ...]: member j's slot holds the sum of chunk j (one pass)
+    total = y.sum(
+        a, dtype=x.dtype
+    )  # [*before, n, *after, ...]: member j's slot holds the sum of chunk j (one pass)
     return spec.from_axis_view(total, total.shape[k:])
 
 
 def _psum_scatter_dist(comm: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     if x.is_complex():  # the float view has one more (last) dim: dim still names the same one
         return _like(_psum_scatter_dist(comm, _real_view(x), dim=dim, tiled=tiled), x)
-    mine = comm.reduce_scatter_rows("psum_scatter", x.movedim(dim, 0) if dim else x)  # [s[dim] / n, *rest]: my chunk of the sum
+    mine = comm.reduce_scatter_rows(
+        "psum_scatter", x.movedim(dim, 0) if dim else x
+    )  # [s[dim] / n, *rest]: my chunk of the sum
     if not tiled:
         return mine.squeeze(0)
     return mine.movedim(0, dim) if dim else mine
 
 
-def _psum_scatter_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int, tiled: bool) -> tuple[Any, ...]:
+def _psum_scatter_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, dim: int, tiled: bool
+) -> tuple[Any, ...]:
     return (ops.all_gather(g, spec=spec, dim=dim, tiled=tiled),)
 
 
 psum_scatter_p = Primitive(
-    "psum_scatter", params=(("dim", "int"), ("tiled", "bool")), shape=_psum_scatter_shape, stacked=_psum_scatter_stacked,
-    distributed=_psum_scatter_dist, backward=_psum_scatter_bwd, dim_params=("dim",), replication=("VP", "V"), reduces="sum",
+    "psum_scatter",
+    params=(("dim", "int"), ("tiled", "bool")),
+    shape=_psum_scatter_shape,
+    stacked=_psum_scatter_stacked,
+    distributed=_psum_scatter_dist,
+    backward=_psum_scatter_bwd,
+    dim_params=("dim",),
+    replication=("VP", "V"),
+    reduces="sum",
 )
 
 
-def psum_scatter(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True) -> Tensor:
-    """Reduce-scatter: sum over the group, then rank ``i`` (along ``axis``) keeps chunk ``i`` of ``dim``.
+def psum_scatter(
+    x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True
+) -> Tensor:
+    """Reduce-scatter: sum over the group, then rank ``i`` (along ``axis``) keeps chunk ``i`` of
+    ``dim``.
 
     Shape: ``tiled=True`` (default) divides ``x.shape[dim]`` by ``n`` (must be
     divisible); ``tiled=False`` needs ``x.shape[dim] == n`` and removes ``dim``.
@@ -520,16 +660,23 @@ def psum_scatter(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: 
     _need_reducible(psum_scatter_p, axis, x)
     d = _norm_dim("psum_scatter", axis, "dim", dim, x.dim())
     if tiled:
-        _need_divisible("psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks")
+        _need_divisible(
+            "psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks"
+        )
     elif x.shape[d] != spec.n:
         raise CollectiveError(
-            "psum_scatter", axis, f"tiled=False needs dim {d} of size {spec.n} (the axis size), got {x.shape[d]}", "use tiled=True to split the dim into n chunks"
+            "psum_scatter",
+            axis,
+            f"tiled=False needs dim {d} of size {spec.n} (the axis size), got {x.shape[d]}",
+            "use tiled=True to split the dim into n chunks",
         )
     return _apply(psum_scatter_p, mesh, x, spec, dim=d, tiled=bool(tiled))
 
 
 # ====================================================================== all_to_all
-def _all_to_all_shape(n: int, s: tuple[Any, ...], *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
+def _all_to_all_shape(
+    n: int, s: tuple[Any, ...], *, split_dim: int, concat_dim: int
+) -> tuple[Any, ...]:
     out = list(s)
     out[split_dim] = out[split_dim] // n
     out[concat_dim] = out[concat_dim] * n
@@ -538,32 +685,48 @@ def _all_to_all_shape(n: int, s: tuple[Any, ...], *, split_dim: int, concat_dim:
 
 def _all_to_all_stacked(spec: GroupSpec, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     y = spec.to_groups(x)  # [G, i, *s]  (i: sender)
-    y = y.unflatten(split_dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]  # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)
+    # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)
+    y = y.unflatten(split_dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]
     y = y.movedim(split_dim + 2, 1)  # [G, j, i, *c]  with c = s, c[split] = s[split] / n
     y = y.movedim(2, concat_dim + 2)  # [G, j, *c[:concat], i, *c[concat:]]
-    return spec.from_groups(y.flatten(concat_dim + 2, concat_dim + 3))  # [G, j, *c with c[concat] * n]
+    return spec.from_groups(
+        y.flatten(concat_dim + 2, concat_dim + 3)
+    )  # [G, j, *c with c[concat] * n]
 
 
 def _all_to_all_dist(comm: AxisComm, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     if split_dim == concat_dim == 0:
-        return comm.all_to_all_rows("all_to_all", x, None, None)  # [n * c0, ...]: equal row blocks out, senders' blocks in
+        return comm.all_to_all_rows(
+            "all_to_all", x, None, None
+        )  # [n * c0, ...]: equal row blocks out, senders' blocks in
     chunks = x.unflatten(split_dim, (comm.n, -1)).movedim(split_dim, 0)  # type: ignore[no-untyped-call]  # [n (receiver), *c]
     got = comm.all_to_all_rows("all_to_all", chunks, None, None)  # [n (sender), *c]
-    return got.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)  # senders concatenated on concat_dim
+    return got.movedim(0, concat_dim).flatten(
+        concat_dim, concat_dim + 1
+    )  # senders concatenated on concat_dim
 
 
-def _all_to_all_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, split_dim: int, concat_dim: int) -> tuple[Any, ...]:
+def _all_to_all_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, split_dim: int, concat_dim: int
+) -> tuple[Any, ...]:
     return (ops.all_to_all(g, spec=spec, split_dim=concat_dim, concat_dim=split_dim),)
 
 
 all_to_all_p = Primitive(
-    "all_to_all", params=(("split_dim", "int"), ("concat_dim", "int")), shape=_all_to_all_shape, stacked=_all_to_all_stacked,
-    distributed=_all_to_all_dist, backward=_all_to_all_bwd, dim_params=("split_dim", "concat_dim"), replication=("V", "V"),
+    "all_to_all",
+    params=(("split_dim", "int"), ("concat_dim", "int")),
+    shape=_all_to_all_shape,
+    stacked=_all_to_all_stacked,
+    distributed=_all_to_all_dist,
+    backward=_all_to_all_bwd,
+    dim_params=("split_dim", "concat_dim"),
+    replication=("V", "V"),
 )
 
 
 def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim: int) -> Tensor:
-    """Split ``split_dim`` into ``n`` chunks, send chunk ``j`` to rank ``j``, concatenate what arrives along ``concat_dim``.
+    """Split ``split_dim`` into ``n`` chunks, send chunk ``j`` to rank ``j``, concatenate what
+    arrives along ``concat_dim``.
 
     Shape: ``split_dim`` shrinks by ``n`` (must be divisible), ``concat_dim``
     grows by ``n``, in sender order. Gradient: ``all_to_all`` with the two dims swapped.
@@ -582,7 +745,9 @@ def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim
     return _apply(all_to_all_p, mesh, x, spec, split_dim=s, concat_dim=c)
 
 
-def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, gather_dim: int = 1) -> Tensor:
+def all_to_all_4d(
+    x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, gather_dim: int = 1
+) -> Tensor:
     """Ulysses all-to-all on ``(batch, seq, heads, head_dim)`` tensors.
 
     ``scatter_dim=2, gather_dim=1`` (default) maps ``(bs, S/P, H, D) -> (bs, S, H/P, D)``:
@@ -592,10 +757,18 @@ def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, g
     """
     if not isinstance(x, Tensor) or x.dim() != 4:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise CollectiveError("all_to_all_4d", axis, f"x must be a 4-d (batch, seq, heads, head_dim) tensor, got {got}", "reshape to 4-d or use all_to_all")
+        raise CollectiveError(
+            "all_to_all_4d",
+            axis,
+            f"x must be a 4-d (batch, seq, heads, head_dim) tensor, got {got}",
+            "reshape to 4-d or use all_to_all",
+        )
     if {scatter_dim % 4, gather_dim % 4} != {1, 2}:
         raise CollectiveError(
-            "all_to_all_4d", axis, f"scatter_dim={scatter_dim}, gather_dim={gather_dim} must be the seq (1) and heads (2) dims",
+            "all_to_all_4d",
+            axis,
+            f"scatter_dim={scatter_dim}, gather_dim={gather_dim} must be the seq (1) and heads "
+            "(2) dims",
             "use (2, 1) before attention and (1, 2) after",
         )
     return all_to_all(x, mesh, axis, split_dim=scatter_dim, concat_dim=gather_dim)
@@ -605,13 +778,19 @@ def all_to_all_4d(x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, g
 def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     srcs, dsts = perm[0::2], perm[1::2]
-    src_of = list(range(spec.n))  # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
+    src_of = list(
+        range(spec.n)
+    )  # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
     for src, dst in zip(srcs, dsts):
         src_of[dst] = src
-    out = y.index_select(a, torch.tensor(src_of, dtype=torch.long, device=x.device))  # one gather pass
+    out = y.index_select(
+        a, torch.tensor(src_of, dtype=torch.long, device=x.device)
+    )  # one gather pass
     idle = [j for j in range(spec.n) if j not in dsts]
     if idle:
-        out.index_fill_(a, torch.tensor(idle, dtype=torch.long, device=x.device), 0)  # non-destinations: 0
+        out.index_fill_(
+            a, torch.tensor(idle, dtype=torch.long, device=x.device), 0
+        )  # non-destinations: 0
     return spec.from_axis_view(out, x.shape[1:])
 
 
@@ -626,25 +805,35 @@ def _ppermute_dist(comm: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
         sends[dsts[srcs.index(me)]] = rows.shape[0]
     if receiving:
         recvs[srcs[dsts.index(me)]] = rows.shape[0]
-    got = comm.all_to_all_rows("ppermute", rows if sending else rows[:0], recvs, sends)  # [k, ...] from my source, or nothing
+    got = comm.all_to_all_rows(
+        "ppermute", rows if sending else rows[:0], recvs, sends
+    )  # [k, ...] from my source, or nothing
     if not receiving:
         return torch.zeros_like(x)  # non-destinations: 0
     return got if x.dim() else got.reshape(())
 
 
-def _ppermute_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, perm: Sequence[int]) -> tuple[Any, ...]:
+def _ppermute_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, perm: Sequence[int]
+) -> tuple[Any, ...]:
     inverse = tuple(v for s, d in zip(perm[0::2], perm[1::2]) for v in (d, s))
     return (ops.ppermute(g, spec=spec, perm=inverse),)
 
 
 ppermute_p = Primitive(
-    "ppermute", params=(("perm", "int[]"),), shape=_same, stacked=_ppermute_stacked, distributed=_ppermute_dist, backward=_ppermute_bwd,
+    "ppermute",
+    params=(("perm", "int[]"),),
+    shape=_same,
+    stacked=_ppermute_stacked,
+    distributed=_ppermute_dist,
+    backward=_ppermute_bwd,
     replication=("V", "V"),
 )
 
 
 def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, int]]) -> Tensor:
-    """Send ``x`` from rank ``src`` to rank ``dst`` for every ``(src, dst)`` pair (indices along ``axis``).
+    """Send ``x`` from rank ``src`` to rank ``dst`` for every ``(src, dst)`` pair (indices along
+    ``axis``).
 
     Sources are distinct and destinations are distinct; a rank that is no
     destination gets zeros. Shape: unchanged. Gradient: ``ppermute`` of ``g``
@@ -652,7 +841,9 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
 
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"pp": 3})
-    >>> fastdist.simulate(lambda x: fastdist.ppermute(x, mesh, "pp", [(0, 1), (1, 2)]), mesh)(torch.tensor([1., 2., 3.]))
+    >>> shift = lambda x: fastdist.ppermute(x, mesh, "pp", [(0, 1), (1, 2)])
+    >>> shift = fastdist.simulate(shift, mesh)
+    >>> shift(torch.tensor([1., 2., 3.]))
     tensor([0., 1., 2.])
     """
     x, spec = _enter("ppermute", x, mesh, axis)
@@ -660,13 +851,24 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
 
 
 def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tuple[int, ...]:
-    """``perm`` flattened to ``(src0, dst0, src1, dst1, ...)``, after checking it is a partial permutation of ``0..n-1``."""
+    """``perm`` flattened to ``(src0, dst0, src1, dst1, ...)``, after checking it is a partial
+    permutation of ``0..n-1``."""
     try:
         pairs = [tuple(p) for p in perm]
     except TypeError:
-        raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]") from None
+        raise CollectiveError(
+            "ppermute",
+            axis,
+            f"perm={perm!r} is not a sequence of (src, dst) pairs",
+            "pass e.g. [(0, 1), (1, 0)]",
+        ) from None
     if any(len(p) != 2 for p in pairs):
-        raise CollectiveError("ppermute", axis, f"perm={perm!r} is not a sequence of (src, dst) pairs", "pass e.g. [(0, 1), (1, 0)]")
+        raise CollectiveError(
+            "ppermute",
+            axis,
+            f"perm={perm!r} is not a sequence of (src, dst) pairs",
+            "pass e.g. [(0, 1), (1, 0)]",
+        )
     flat = tuple(v for p in pairs for v in p)  # (src0, dst0, src1, dst1, ...)
     for i, v in enumerate(flat):
         if type(v) is not int or not 0 <= v < n:
@@ -674,34 +876,48 @@ def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tupl
     for role, vals in (("source", flat[0::2]), ("destination", flat[1::2])):
         if len(set(vals)) < len(vals):
             dup = min(v for v in vals if vals.count(v) > 1)
-            raise CollectiveError("ppermute", axis, f"{role} {dup} appears in more than one pair of perm={pairs}", f"give each {role} one pair")
+            raise CollectiveError(
+                "ppermute",
+                axis,
+                f"{role} {dup} appears in more than one pair of perm={pairs}",
+                f"give each {role} one pair",
+            )
     return flat
 
 
 def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
-    """Rotate along the axis ring: rank ``i`` sends to ``(i + shift) % n`` (so receives from ``i - shift``).
+    """Rotate along the axis ring: rank ``i`` sends to ``(i + shift) % n`` (so receives from ``i -
+    shift``).
 
     Shape: unchanged. Gradient: the opposite shift. Built on :func:`ppermute`.
     """
     if isinstance(shift, bool) or not isinstance(shift, int):
-        raise CollectiveError("ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1")
+        raise CollectiveError(
+            "ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1"
+        )
     x, spec = _enter("ring_shift", x, mesh, axis)
     n = spec.n
-    perm = tuple([v for i in range(n) for v in (i, (i + shift) % n)])  # (src0, dst0, ...): a permutation by construction
+    perm = tuple(
+        [v for i in range(n) for v in (i, (i + shift) % n)]
+    )  # (src0, dst0, ...): a permutation by construction
     return _apply(ppermute_p, mesh, x, spec, perm=perm)
 
 
 # ====================================================================== broadcast
 def _broadcast_stacked(spec: GroupSpec, x: Tensor, *, src: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
-    return spec.from_groups(y[:, src : src + 1].expand_as(y))  # every member gets member src's value
+    return spec.from_groups(
+        y[:, src : src + 1].expand_as(y)
+    )  # every member gets member src's value
 
 
 def _broadcast_dist(comm: AxisComm, x: Tensor, *, src: int) -> Tensor:
     return comm.broadcast("broadcast", x, src)  # src is the group rank == the axis index
 
 
-def _broadcast_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, src: int) -> tuple[Any, ...]:
+def _broadcast_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, src: int
+) -> tuple[Any, ...]:
     return (ops.keep_src(g, spec=spec, src=src),)
 
 
@@ -715,12 +931,22 @@ def _keep_src_dist(comm: AxisComm, x: Tensor, *, src: int) -> Tensor:
 
 
 broadcast_p = Primitive(
-    "broadcast", params=(("src", "int"),), shape=_same, stacked=_broadcast_stacked, distributed=_broadcast_dist, backward=_broadcast_bwd,
+    "broadcast",
+    params=(("src", "int"),),
+    shape=_same,
+    stacked=_broadcast_stacked,
+    distributed=_broadcast_dist,
+    backward=_broadcast_bwd,
     replication=("V", "I"),
 )
 # Internal: keep x on member src, zero elsewhere (self-adjoint: its backward is itself).
 keep_src_p = Primitive(
-    "keep_src", params=(("src", "int"),), shape=_same, stacked=_keep_src_stacked, distributed=_keep_src_dist, backward=_broadcast_bwd
+    "keep_src",
+    params=(("src", "int"),),
+    shape=_same,
+    stacked=_keep_src_stacked,
+    distributed=_keep_src_dist,
+    backward=_broadcast_bwd,
 )
 
 
@@ -732,7 +958,8 @@ def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
 
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"tp": 3})
-    >>> fastdist.simulate(lambda x: fastdist.broadcast(x, mesh, "tp", src=2), mesh)(torch.tensor([1., 2., 3.]))
+    >>> fastdist.simulate(lambda x: fastdist.broadcast(x, mesh, "tp", src=2), mesh)(
+    ...     torch.tensor([1., 2., 3.]))
     tensor([3., 3., 3.])
     """
     x, spec = _enter("broadcast", x, mesh, axis)
@@ -748,17 +975,29 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
 
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"dp": 2, "tp": 2})
-    >>> fastdist.simulate(lambda x: x + fastdist.axis_index(mesh, "dp"), mesh)(torch.zeros(4, dtype=torch.long))
+    >>> fastdist.simulate(lambda x: x + fastdist.axis_index(mesh, "dp"), mesh)(
+    ...     torch.zeros(4, dtype=torch.long))
     tensor([0, 0, 1, 1])
     """
     if not isinstance(mesh, Mesh):
-        raise CollectiveError("axis_index", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+        raise CollectiveError(
+            "axis_index",
+            axis,
+            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
+            "pass the Mesh the code runs on",
+        )
     idx = mesh.axis_indices(axis, "fastdist.axis_index")
     if is_real(mesh):
         index = torch.tensor(mesh._comm.axis(idx).index)
     else:
-        binding = rank_binding("axis_index", mesh)  # the running simulation (None on a one-rank mesh)
-        index = torch.zeros((), dtype=torch.long) if binding is None else cast(Tensor, mesh._index_of(binding.rank, idx))
+        binding = rank_binding(
+            "axis_index", mesh
+        )  # the running simulation (None on a one-rank mesh)
+        index = (
+            torch.zeros((), dtype=torch.long)
+            if binding is None
+            else cast(Tensor, mesh._index_of(binding.rank, idx))
+        )
     tracker = check_of(mesh)
     if tracker is not None:
         tracker.mark_varying(index, [mesh.axis_names[i] for i in idx])
@@ -773,5 +1012,10 @@ def axis_size(mesh: Mesh, axis: AxisName) -> int:
     8
     """
     if not isinstance(mesh, Mesh):
-        raise CollectiveError("axis_size", axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+        raise CollectiveError(
+            "axis_size",
+            axis,
+            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
+            "pass the Mesh the code runs on",
+        )
     return mesh.axis_size(axis)

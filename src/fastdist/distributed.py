@@ -94,12 +94,20 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
         if npu_available is None:
             npu_available = importlib.util.find_spec("torch_npu") is not None
         if not npu_available:
-            raise NoBackendError("fastdist: NPU tensors need the HCCL backend from torch_npu, which is not importable. Fix: pip install torch_npu")
+            raise NoBackendError(
+                "fastdist: NPU tensors need the HCCL backend from torch_npu, which is not "
+                "importable. Fix: pip install torch_npu"
+            )
         return "hccl"
-    raise NoBackendError(f"fastdist: no collective backend for {device_type!r} tensors. Fix: move tensors to cpu, cuda or npu")
+    raise NoBackendError(
+        f"fastdist: no collective backend for {device_type!r} tensors. Fix: move tensors to cpu, "
+        "cuda or npu"
+    )
 
 
-def _as_timedelta(timeout: float | datetime.timedelta | None, default: datetime.timedelta) -> datetime.timedelta:
+def _as_timedelta(
+    timeout: float | datetime.timedelta | None, default: datetime.timedelta
+) -> datetime.timedelta:
     if timeout is None:
         return default
     if isinstance(timeout, datetime.timedelta):
@@ -113,12 +121,13 @@ class TorchComm:
     """The process groups of one mesh on this process. Owned by the mesh; nothing global.
 
     Group identity: every group is named ``fastdist.<shape>.<k>.e<epoch>.<ranks>.<backend>``
-    (``<ranks>`` as ``0-1-2-3``, or a digest of it for large groups) where ``<k>`` counts the meshes of this shape this rank built before (kept in the job's
-    store, so every rank that builds its meshes in the same order agrees), ``<ranks>`` are the
-    members in axis order and ``<epoch>`` counts :meth:`reset` calls. Nothing in the name
-    depends on the order in which ranks first use the mesh's axes, so a subset of ranks may
-    use an axis before the others touch the mesh (``torch.distributed.new_group`` names a
-    group by how many groups the process already made, which deadlocks then).
+    (``<ranks>`` as ``0-1-2-3``, or a digest of it for large groups) where ``<k>`` counts the
+    meshes of this shape this rank built before (kept in the job's store, so every rank that builds
+    its meshes in the same order agrees), ``<ranks>`` are the members in axis order and ``<epoch>``
+    counts :meth:`reset` calls. Nothing in the name depends on the order in which ranks first use
+    the mesh's axes, so a subset of ranks may use an axis before the others touch the mesh
+    (``torch.distributed.new_group`` names a group by how many groups the process already made,
+    which deadlocks then).
 
     Args:
         mesh: the mesh (its size must equal the world size).
@@ -130,33 +139,55 @@ class TorchComm:
     """
 
     def __init__(
-        self, mesh: Mesh, *, timeout: datetime.timedelta, check: bool, device_mesh: Any = None, backend: str = "torch", library: Any = None,
+        self,
+        mesh: Mesh,
+        *,
+        timeout: datetime.timedelta,
+        check: bool,
+        device_mesh: Any = None,
+        backend: str = "torch",
+        library: Any = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise NoBackendError("fastdist: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
+            raise NoBackendError(
+                "fastdist: torch.distributed is not initialised. Fix: call "
+                "torch.distributed.init_process_group first (torchrun sets its environment)"
+            )
         world = dist.get_world_size()
         if mesh.size != world:
-            raise MeshError(f"fastdist: {mesh!r} has {mesh.size} ranks but the torch.distributed world has {world}. Fix: choose degrees whose product is {world}")
+            raise MeshError(
+                f"fastdist: {mesh!r} has {mesh.size} ranks but the torch.distributed world has "
+                f"{world}. Fix: choose degrees whose product is {world}"
+            )
         self.mesh, self.rank, self.timeout, self.check = mesh, dist.get_rank(), timeout, check
         self._device_mesh = device_mesh
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
-        self._created: list[Any] = []  # the groups this comm made (not a DeviceMesh's): reset() destroys them
+        self._created: list[
+            Any
+        ] = []  # the groups this comm made (not a DeviceMesh's): reset() destroys them
         self._axes: dict[tuple[int, ...], AxisComm] = {}
         self._specs: dict[Any, GroupSpec] = {}  # axis -> the collectives' group spec (see spec)
         self.backend: str = backend
         self.native_lib: NativeLibrary | None = _native_library(backend, library)
         self._native: dict[tuple[int, ...], NativeCommunicator] = {}
-        self.broken: str | None = None  # what failed, once a failure dropped the groups (see abandon)
+        self.broken: str | None = (
+            None  # what failed, once a failure dropped the groups (see abandon)
+        )
         self.store: Any = c10d._get_default_store()
         shape = "_".join(f"{n}{s}" for n, s in mesh.shape.items())
-        # which mesh of this shape this rank builds (0, 1, ...): the same on every rank that builds its meshes in the same order
-        self.uid = f"{shape}.{int(self.store.add(f'fastdist/meshes/{shape}/rank{self.rank}', 1)) - 1}"
+        # which mesh of this shape this rank builds (0, 1, ...): the same on every rank that builds
+        # its meshes in the same order
+        self.uid = (
+            f"{shape}.{int(self.store.add(f'fastdist/meshes/{shape}/rank{self.rank}', 1)) - 1}"
+        )
         self.epoch = 0
-        self.tag = f"{self.uid}.e0"  # names this comm's groups; read (and guarded on) by dynamo when it traces a step
+        # names this comm's groups; read (and guarded on) by dynamo when it traces a step
+        self.tag = f"{self.uid}.e0"
 
     # ------------------------------------------------------------------ groups
     def group_name(self, ranks: Sequence[int], backend: str) -> str:
-        """The name of the group of ``ranks`` (in axis order) on ``backend``: the same on every member."""
+        """The name of the group of ``ranks`` (in axis order) on ``backend``: the same on every
+        member."""
         return f"fastdist.{self.tag}.{_members(ranks)}.{backend}"
 
     def axis(self, idx: tuple[int, ...]) -> AxisComm:
@@ -164,20 +195,28 @@ class TorchComm:
         ac = self._axes.get(idx)
         if ac is None:
             ac = self._new_axis(idx)
-            if not torch.compiler.is_compiling():  # a trace must not mutate the cache (dynamo would replay it, and guard on it)
+            if (
+                not torch.compiler.is_compiling()
+            ):  # a trace must not mutate the cache (dynamo would replay it, and guard on it)
                 self._axes[idx] = ac
         return ac
 
     def spec(self, axis: AxisName, op: str) -> GroupSpec:
-        """The collectives' group spec for ``axis`` (validated naming ``op``; cached outside dynamo tracing)."""
+        """The collectives' group spec for ``axis`` (validated naming ``op``; cached outside dynamo
+        tracing)."""
         try:
             cached: GroupSpec = self._specs[axis]
             return cached
-        except (KeyError, TypeError):  # TypeError: an unhashable axis (e.g. a list), validated below
+        except (
+            KeyError,
+            TypeError,
+        ):  # TypeError: an unhashable axis (e.g. a list), validated below
             pass
         idx = self.mesh.axis_indices(axis, op)
         spec = GroupSpec(self.mesh._sizes, idx, comm=self.axis(idx))
-        if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():  # a trace must not mutate the cache
+        if (
+            isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling()
+        ):  # a trace must not mutate the cache
             self._specs[axis] = spec
         return spec
 
@@ -187,13 +226,23 @@ class TorchComm:
         return AxisComm(self, idx, label, tuple(self.mesh.group(self.rank, names)))
 
     def group(self, ac: AxisComm, backend: str, op: str) -> Any:
-        """The process group for ``ac`` on ``backend``, created on first use by the ranks in it (eagerly)."""
+        """The process group for ``ac`` on ``backend``, created on first use by the ranks in it
+        (eagerly)."""
         pg = self._groups.get((ac.ranks, backend))
         if pg is not None:
             return pg
         self.check_usable(op, ac)
-        if torch.compiler.is_compiling():  # only eager helpers get here (collectives use group names while tracing)
-            _raise_while_tracing(op, ac.label, ac.ranks, self.rank, f"the {backend} process group is needed outside a collective", "run this call eagerly")
+        if (
+            torch.compiler.is_compiling()
+        ):  # only eager helpers get here (collectives use group names while tracing)
+            _raise_while_tracing(
+                op,
+                ac.label,
+                ac.ranks,
+                self.rank,
+                f"the {backend} process group is needed outside a collective",
+                "run this call eagerly",
+            )
         return self._create_group(ac, backend, op)
 
     def _create_group(self, ac: AxisComm, backend: str, op: str) -> Any:
@@ -207,7 +256,9 @@ class TorchComm:
         else:
             desc = f"fastdist:{'x'.join(self.mesh.axis_names[i] for i in ac.idx)}"
             try:
-                pg = _new_named_group(list(ac.ranks), backend, self.group_name(ac.ranks, backend), desc, self.timeout)
+                pg = _new_named_group(
+                    list(ac.ranks), backend, self.group_name(ac.ranks, backend), desc, self.timeout
+                )
             except Exception as e:  # re-raised with context
                 raise ac.failed(op, e, "creating the process group") from e
             self._created.append(pg)
@@ -215,14 +266,18 @@ class TorchComm:
         return pg
 
     def group_name_for(self, idx: tuple[int, ...], backend: str, op: str) -> str:
-        """The name of this rank's group along ``idx`` on ``backend``, creating the group if it does not exist yet."""
-        ac = self._axes.get(idx) or self._new_axis(idx)  # a new AxisComm here is not stored: dynamo may be tracing self._axes
+        """The name of this rank's group along ``idx`` on ``backend``, creating the group if it
+        does not exist yet."""
+        ac = self._axes.get(idx) or self._new_axis(
+            idx
+        )  # a new AxisComm here is not stored: dynamo may be tracing self._axes
         self.check_usable(op, ac)
         return str(self._create_group(ac, backend, op).group_name)
 
     # ------------------------------------------------------------------ ctypes communicators
     def native(self, ac: AxisComm, op: str, x: Tensor) -> NativeCommunicator | None:
-        """The ctypes communicator for ``ac`` when this mesh's backend serves ``x``'s device, else None.
+        """The ctypes communicator for ``ac`` when this mesh's backend serves ``x``'s device, else
+        None.
 
         Created on first use by the group's members (id exchange over the gloo group).
         """
@@ -230,21 +285,46 @@ class TorchComm:
         if lib is None or x.device.type != lib.device_type:
             return None
         if torch.compiler.is_compiling():
-            _raise_while_tracing(op, ac.label, ac.ranks, self.rank, f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under torch.compile", "compile with backend='torch'")
+            _raise_while_tracing(
+                op,
+                ac.label,
+                ac.ranks,
+                self.rank,
+                f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under "
+                "torch.compile",
+                "compile with backend='torch'",
+            )
         nc = self._native.get(ac.ranks)
         if nc is not None:
             return nc
         self.check_usable(op, ac)
         if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise CommError(
-                op, ac.label, ac.ranks, self.rank, f"the {self.backend} communicator for this axis does not exist yet, and it cannot be created during CUDA graph capture",
+                op,
+                ac.label,
+                ac.ranks,
+                self.rank,
+                f"the {self.backend} communicator for this axis does not exist yet, and it cannot "
+                "be created during CUDA graph capture",
                 "call mesh.create_groups(device_type='cuda') once before capturing",
             )
         from .native import NativeCommunicator, exchange_over_group
 
         exchange = exchange_over_group(ac.cpu_group(op))
-        nc = ac.run(op, lambda: NativeCommunicator.create(
-            lib, n=ac.n, index=ac.index, exchange=exchange, device=x.device, label=ac.label, ranks=ac.ranks, rank=self.rank), what="creating the communicator")
+        nc = ac.run(
+            op,
+            lambda: NativeCommunicator.create(
+                lib,
+                n=ac.n,
+                index=ac.index,
+                exchange=exchange,
+                device=x.device,
+                label=ac.label,
+                ranks=ac.ranks,
+                rank=self.rank,
+            ),
+            what="creating the communicator",
+        )
         self._native[ac.ranks] = nc
         return nc
 
@@ -256,9 +336,11 @@ class TorchComm:
 
     # ------------------------------------------------------------------ recovery
     def abandon(self, why: str) -> None:
-        """After a failure: destroy this mesh's groups now, so peers still waiting in them fail at once, not at their timeout.
+        """After a failure: destroy this mesh's groups now, so peers still waiting in them fail at
+        once, not at their timeout.
 
-        Until :meth:`reset`, every call on the mesh raises :class:`~fastdist.CommError` saying ``why``.
+        Until :meth:`reset`, every call on the mesh raises :class:`~fastdist.CommError` saying
+        ``why``.
         """
         self.broken = why
         self.close(timeout=5.0)
@@ -266,19 +348,25 @@ class TorchComm:
             ac._transports.clear()
         self._groups.clear()
         created, self._created = self._created, []
-        while created:  # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)
+        # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)
+        while created:
             _drop_group(created.pop())
 
     def check_usable(self, op: str, ac: AxisComm) -> None:
         """Raise if an earlier failure dropped this mesh's groups (see :meth:`abandon`)."""
         if self.broken is not None:
             raise CommError(
-                op, ac.label, ac.ranks, self.rank, f"this mesh's process groups were dropped after an earlier failure ({self.broken})",
+                op,
+                ac.label,
+                ac.ranks,
+                self.rank,
+                f"this mesh's process groups were dropped after an earlier failure ({self.broken})",
                 "call mesh.reset() on every rank of the mesh, then redo the step",
             )
 
     def reset(self, timeout: datetime.timedelta) -> None:
-        """Drop this mesh's groups and agree with every rank of the mesh on fresh ones (see :meth:`fastdist.Mesh.reset`).
+        """Drop this mesh's groups and agree with every rank of the mesh on fresh ones (see
+        :meth:`fastdist.Mesh.reset`).
 
         Local work first: abort the ctypes communicators, destroy the process groups this comm
         created (their peers' pending calls fail at once), forget every cached axis. Then
@@ -290,37 +378,57 @@ class TorchComm:
         self.broken = None
         self._axes.clear()
         self._specs.clear()
-        self._device_mesh = None  # a DeviceMesh's groups may be broken too: from now on this mesh makes its own
+        self._device_mesh = (
+            None  # a DeviceMesh's groups may be broken too: from now on this mesh makes its own
+        )
         everyone = list(range(self.mesh.size))
         key = f"fastdist/{self.uid}/epoch"
         try:
             self.store.add(key, 0)  # "0" when missing
-            self.epoch = int(self.store.compare_set(key, str(self.epoch), str(self.epoch + 1)))  # the newest epoch any rank moved to
+            self.epoch = int(
+                self.store.compare_set(key, str(self.epoch), str(self.epoch + 1))
+            )  # the newest epoch any rank moved to
             self.tag = f"{self.uid}.e{self.epoch}"
             arrived = f"fastdist/{self.uid}/e{self.epoch}/reset/"
             self.store.set(arrived + str(self.rank), "1")
             missing = _wait_for_keys(self.store, arrived, everyone, timeout.total_seconds())
         except Exception as e:  # the store itself is gone
             raise CommError(
-                "Mesh.reset", self.mesh.axis_names, everyone, self.rank, f"the job's store is unreachable ({_clean(e)})",
-                "the process hosting the store (rank 0, or torchrun's agent) probably exited: restart the job",
+                "Mesh.reset",
+                self.mesh.axis_names,
+                everyone,
+                self.rank,
+                f"the job's store is unreachable ({_clean(e)})",
+                "the process hosting the store (rank 0, or torchrun's agent) probably exited: "
+                "restart the job",
             ) from e
         if missing:
             raise CollectiveTimeout(
-                "Mesh.reset", self.mesh.axis_names, everyone, self.rank,
-                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not call reset within {timeout.total_seconds():g} s",
-                "every rank of the mesh must call mesh.reset() after a failure; a rank that exited cannot rejoin: restart the job",
+                "Mesh.reset",
+                self.mesh.axis_names,
+                everyone,
+                self.rank,
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                f"call reset within {timeout.total_seconds():g} s",
+                "every rank of the mesh must call mesh.reset() after a failure; a rank that "
+                "exited cannot rejoin: restart the job",
             )
 
 
 def _members(ranks: Sequence[int]) -> str:
-    """The ranks of a group, in order, as part of a name: ``0-1-2-3``, or a digest when that gets long."""
+    """The ranks of a group, in order, as part of a name: ``0-1-2-3``, or a digest when that gets
+    long."""
     text = "-".join(map(str, ranks))
-    return text if len(text) <= 64 else f"{len(ranks)}r{hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]}"
+    return (
+        text
+        if len(text) <= 64
+        else f"{len(ranks)}r{hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]}"
+    )
 
 
 def _drop_group(pg: Any) -> None:
-    """Destroy ``pg`` without waiting for its peers (NCCL-like backends are aborted first: their shutdown may wait on hung work)."""
+    """Destroy ``pg`` without waiting for its peers (NCCL-like backends are aborted first: their
+    shutdown may wait on hung work)."""
     try:
         if dist.get_backend(pg) != "gloo" and hasattr(pg, "abort"):
             pg.abort()
@@ -329,8 +437,11 @@ def _drop_group(pg: Any) -> None:
         pass
 
 
-def _new_named_group(ranks: list[int], backend: str, name: str, desc: str, timeout: datetime.timedelta) -> Any:
-    """``new_group(ranks, use_local_synchronization=True, sort_ranks=False)`` with the group name given, not counted.
+def _new_named_group(
+    ranks: list[int], backend: str, name: str, desc: str, timeout: datetime.timedelta
+) -> Any:
+    """``new_group(ranks, use_local_synchronization=True, sort_ranks=False)`` with the group name
+    given, not counted.
 
     Only the members call it. ``torch.distributed.new_group`` takes no name and derives one
     from how many groups this process made, which differs between ranks that used the mesh in
@@ -338,17 +449,28 @@ def _new_named_group(ranks: list[int], backend: str, name: str, desc: str, timeo
     """
     default = c10d._get_default_group()
     pg, _ = c10d._new_process_group_helper(
-        len(ranks), ranks.index(dist.get_rank()), ranks, c10d.Backend(backend), c10d._get_default_store(), c10d.GroupName(name),
-        timeout=timeout, device_id=default.bound_device_id, group_desc=desc,
+        len(ranks),
+        ranks.index(dist.get_rank()),
+        ranks,
+        c10d.Backend(backend),
+        c10d._get_default_store(),
+        c10d.GroupName(name),
+        timeout=timeout,
+        device_id=default.bound_device_id,
+        group_desc=desc,
     )
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     return pg
 
 
-def _wait_for_keys(store: Any, prefix: str, ranks: Sequence[int], seconds: float, keep_last: bool = False) -> list[int]:
-    """Poll ``store`` until ``prefix + str(r)`` exists for every ``r`` in ``ranks``, at most ``seconds``; the ranks still missing.
+def _wait_for_keys(
+    store: Any, prefix: str, ranks: Sequence[int], seconds: float, keep_last: bool = False
+) -> list[int]:
+    """Poll ``store`` until ``prefix + str(r)`` exists for every ``r`` in ``ranks``, at most
+    ``seconds``; the ranks still missing.
 
-    With ``keep_last``, a store that fails after the first poll (its host exited meanwhile) ends the wait with what that poll found.
+    With ``keep_last``, a store that fails after the first poll (its host exited meanwhile) ends
+    the wait with what that poll found.
     """
     deadline = time.monotonic() + seconds
     missing: list[int] | None = None
@@ -365,13 +487,17 @@ def _wait_for_keys(store: Any, prefix: str, ranks: Sequence[int], seconds: float
 
 
 def _run_while_tracing(fn: _Fn) -> _Fn:
-    """Mark ``fn`` for dynamo: called (not traced) while it traces, its result a constant of the graph."""
+    """Mark ``fn`` for dynamo: called (not traced) while it traces, its result a constant of the
+    graph."""
     return cast(_Fn, torch._dynamo.assume_constant_result(fn))  # type: ignore[no-untyped-call]
 
 
 @_run_while_tracing
-def _group_name_while_tracing(comm: TorchComm, idx: tuple[int, ...], backend: str, op: str, tag: str) -> str:
-    """Run (not traced) while dynamo traces a collective: the group's name, creating the group now if needed.
+def _group_name_while_tracing(
+    comm: TorchComm, idx: tuple[int, ...], backend: str, op: str, tag: str
+) -> str:
+    """Run (not traced) while dynamo traces a collective: the group's name, creating the group now
+    if needed.
 
     ``tag`` names the comm's current groups; passing it makes dynamo guard on it, so a step
     compiled before :meth:`TorchComm.reset` is traced again (with the new groups) after it.
@@ -380,12 +506,20 @@ def _group_name_while_tracing(comm: TorchComm, idx: tuple[int, ...], backend: st
 
 
 @_run_while_tracing
-def _raise_while_tracing(op: str, axis: Any, ranks: tuple[int, ...], rank: int, problem: str, fix: str) -> None:
-    """Raise :class:`~fastdist.CommError` from inside dynamo's tracing (it cannot construct fastdist's exceptions in a graph)."""
+def _raise_while_tracing(
+    op: str, axis: Any, ranks: tuple[int, ...], rank: int, problem: str, fix: str
+) -> None:
+    """Raise :class:`~fastdist.CommError` from inside dynamo's tracing (it cannot construct
+    fastdist's exceptions in a graph)."""
     raise CommError(op, axis, ranks, rank, problem, fix)
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
 
 
 class TorchTransport:
@@ -414,7 +548,9 @@ class TorchTransport:
         dist.reduce_scatter_single(out, x.contiguous(), group=self.pg)
         return out
 
-    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+    def all_to_all_rows(
+        self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
+    ) -> Tensor:
         rows = x.shape[0] if out_splits is None else sum(out_splits)  # None: equal splits both ways
         out = x.new_empty((rows, *x.shape[1:]))  # [rows received, *rest]
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.pg)
@@ -428,7 +564,8 @@ class TorchTransport:
     def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
         """Pad every member's rows to the largest size, all-gather, drop the padding."""
         m = max(sizes)
-        got = self.all_gather_rows(op, _pad_rows(x[: sizes[index]], m)).unflatten(0, (self.n, m))  # type: ignore[no-untyped-call]  # [n, m, *f]
+        # [n, m, *f]
+        got = self.all_gather_rows(op, _pad_rows(x[: sizes[index]], m)).unflatten(0, (self.n, m))  # type: ignore[no-untyped-call]
         return torch.cat([got[i, : sizes[i]] for i in range(self.n)])  # [sum, *f]
 
     def reduce_scatter_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
@@ -439,7 +576,8 @@ class TorchTransport:
 
 
 class FunctionalTransport(TorchTransport):
-    """The same collectives through torch's functional collectives, which dynamo traces (used under ``torch.compile``).
+    """The same collectives through torch's functional collectives, which dynamo traces (used under
+    ``torch.compile``).
 
     Built from the group's name (a constant in the graph), not the group object.
     """
@@ -451,37 +589,54 @@ class FunctionalTransport(TorchTransport):
         return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
 
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
-        return cast(Tensor, _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name)))
+        return cast(
+            Tensor, _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name))
+        )
 
     def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
-        return cast(Tensor, _F.wait_tensor(_F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, self.name)))
+        return cast(
+            Tensor,
+            _F.wait_tensor(_F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, self.name)),
+        )
 
-    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
+    def all_to_all_rows(
+        self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
+    ) -> Tensor:
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
-        return cast(Tensor, _F.wait_tensor(_F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), self.name)))
+        return cast(
+            Tensor,
+            _F.wait_tensor(
+                _F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), self.name)
+            ),
+        )
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
         return cast(Tensor, _F.wait_tensor(_F.broadcast(x.contiguous(), src, self.name)))
 
 
 class AxisComm:
-    """This rank's group along one axis (or tuple of axes): ranks in axis order, own index, groups."""
+    """This rank's group along one axis (or tuple of axes): ranks in axis order, own index,
+    groups."""
 
-    def __init__(self, comm: TorchComm, idx: tuple[int, ...], label: Any, ranks: tuple[int, ...]) -> None:
+    def __init__(
+        self, comm: TorchComm, idx: tuple[int, ...], label: Any, ranks: tuple[int, ...]
+    ) -> None:
         self.comm, self.idx, self.label, self.ranks = comm, idx, label, ranks
         self.n = len(ranks)
         self.index = ranks.index(comm.rank)
         self.rank = comm.rank
         self._transports: dict[str, TorchTransport] = {}
-        self.calls = 0  # blocking calls made on this group (eagerly): names the call a failure report is about
+        # blocking calls made on this group (eagerly): names the call a failure report is about
+        self.calls = 0
 
     def cpu_group(self, op: str) -> Any:
         """A gloo group for objects and metadata (the device group when tensors live on CPU)."""
         return self.comm.group(self, "gloo", op)
 
     def run(self, op: str, fn: Callable[..., T], *args: Any, what: str = "the collective") -> T:
-        """``fn(*args)``, a blocking call, with timeouts and lost peers turned into errors that name op, axis and ranks."""
+        """``fn(*args)``, a blocking call, with timeouts and lost peers turned into errors that
+        name op, axis and ranks."""
         if torch.compiler.is_compiling():
             return fn(*args)
         self.comm.check_usable(op, self)
@@ -495,7 +650,8 @@ class AxisComm:
             raise self.failed(op, e, what) from e
 
     def failed(self, op: str, e: BaseException, what: str) -> CommError:
-        """The error for a failed blocking call: its cause without source paths, and which peers did not reach the call.
+        """The error for a failed blocking call: its cause without source paths, and which peers
+        did not reach the call.
 
         Each member whose call fails leaves a note in the job's store under this call's number
         on this group; this rank then waits briefly for its peers' notes. A peer without a note
@@ -519,18 +675,25 @@ class AxisComm:
         except Exception:  # noqa: BLE001 - the store is gone too: report the failure without the roll call
             return ""
         if not missing:
-            return (f"every rank of the group reached this call (call {self.calls} on this group) and it failed on each, so they probably disagree "
-                    "on it (different ops, shapes or sizes: Mesh.from_torch(check=True) compares them)")
+            return (
+                f"every rank of the group reached this call (call {self.calls} on this group) and "
+                "it failed on each, so they probably disagree "
+                "on it (different ops, shapes or sizes: Mesh.from_torch(check=True) compares them)"
+            )
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-        return (f"{who} did not reach this call (call {self.calls} on this group) within {grace:g} s of this failure: "
-                f"{'they' if len(missing) > 1 else 'it'} may have raised an error before it (see {'their logs' if len(missing) > 1 else 'its log'}), "
-                "skipped it, be stuck elsewhere, or have exited")
+        return (
+            f"{who} did not reach this call (call {self.calls} on this group) within {grace:g} s "
+            f"of this failure: {'they' if len(missing) > 1 else 'it'} may have raised an error "
+            f"before it (see {'their logs' if len(missing) > 1 else 'its log'}), skipped it, be "
+            "stuck elsewhere, or have exited"
+        )
 
     # --------------------------------------------------------------- collectives
     # Each method picks the transport for x's device -- torch.distributed (TorchTransport) or,
     # on a ctypes mesh, NCCL/HCCL (fastdist.native.NativeCommunicator): same methods, same results.
     def transport(self, op: str, x: Tensor) -> TorchTransport | NativeCommunicator:
-        """The transport of this axis group for ``x``'s device (memoised per device type; functional under compile)."""
+        """The transport of this axis group for ``x``'s device (memoised per device type;
+        functional under compile)."""
         if self.comm.native_lib is not None:
             nc = self.comm.native(self, op, x)  # None when the backend does not serve x's device
             if nc is not None:
@@ -538,33 +701,49 @@ class AxisComm:
         kind = x.device.type
         backend = self._backend(op, kind)
         if torch.compiler.is_compiling():
-            return FunctionalTransport(_group_name_while_tracing(self.comm, self.idx, backend, op, self.comm.tag), self.n)
+            return FunctionalTransport(
+                _group_name_while_tracing(self.comm, self.idx, backend, op, self.comm.tag), self.n
+            )
         t = self._transports.get(kind)
         if t is None:
             t = self._transports[kind] = TorchTransport(self.comm.group(self, backend, op), self.n)
         return t
 
     def _backend(self, op: str, device_type: str) -> str:
-        """The c10d backend for tensors on ``device_type``; for none, an error naming the op, the axis and the fix."""
+        """The c10d backend for tensors on ``device_type``; for none, an error naming the op, the
+        axis and the fix."""
         try:
             return select_backend(device_type)
         except NoBackendError as e:
             if device_type == "meta":
                 problem = "'meta' tensors hold no data to communicate"
-                fix = ("pass cpu, cuda or npu tensors; to work out shapes only, run the per-rank code under fastdist.simulate "
-                       "(simulated ranks take meta tensors) or let torch.compile trace it with fake tensors")
+                fix = (
+                    "pass cpu, cuda or npu tensors; to work out shapes only, run the per-rank code "
+                    "under fastdist.simulate (simulated ranks take meta tensors) or let "
+                    "torch.compile trace it with fake tensors"
+                )
             else:
-                problem, fix = str(e).removeprefix("fastdist: ").split(". Fix: ", 1) if ". Fix: " in str(e) else (str(e), "move tensors to cpu, cuda or npu")
-            raise NoBackendError(f"fastdist.{op}(axis={self.label!r}) on rank {self.rank} (group ranks {list(self.ranks)}): {problem}. Fix: {fix}") from None
+                problem, fix = (
+                    str(e).removeprefix("fastdist: ").split(". Fix: ", 1)
+                    if ". Fix: " in str(e)
+                    else (str(e), "move tensors to cpu, cuda or npu")
+                )
+            raise NoBackendError(
+                f"fastdist.{op}(axis={self.label!r}) on rank {self.rank} (group ranks "
+                f"{list(self.ranks)}): {problem}. Fix: {fix}"
+            ) from None
 
     def _collective(self, op: str, x: Tensor, method: str, *args: Any) -> Tensor:
-        """``transport.method(op, x, *args)``; failures become errors naming op, axis and ranks (as :meth:`run`)."""
+        """``transport.method(op, x, *args)``; failures become errors naming op, axis and ranks (as
+        :meth:`run`)."""
         if torch.compiler.is_compiling():
             return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
         if self.comm.broken is not None:
             self.comm.check_usable(op, self)
         self.calls += 1
-        t: TorchTransport | NativeCommunicator | None = self._transports.get(x.device.type) if self.comm.native_lib is None else None
+        t: TorchTransport | NativeCommunicator | None = (
+            self._transports.get(x.device.type) if self.comm.native_lib is None else None
+        )
         if t is None:
             t = self.transport(op, x)
         try:
@@ -572,8 +751,11 @@ class AxisComm:
         except (CommError, MeshError, NoBackendError):
             raise
         except Exception as e:  # c10d raises RuntimeError/DistError for everything
-            t = None  # let go of the group, so that abandoning it frees it and its connections close
-            traceback.clear_frames(e.__traceback__)  # the same for the finished frames of the failed call
+            # let go of the group, so that abandoning it frees it and its connections close
+            t = None
+            traceback.clear_frames(
+                e.__traceback__
+            )  # the same for the finished frames of the failed call
             raise self.failed(op, e, "the collective") from e
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
@@ -588,8 +770,11 @@ class AxisComm:
         """Sum over members, member ``i`` keeps chunk ``i`` of dim 0."""
         return self._collective(op, x, "reduce_scatter_rows")
 
-    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
-        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender (``None``: equal splits)."""
+    def all_to_all_rows(
+        self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
+    ) -> Tensor:
+        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; received rows are stacked by sender
+        (``None``: equal splits)."""
         return self._collective(op, x, "all_to_all_rows", out_splits, in_splits)
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
@@ -597,11 +782,13 @@ class AxisComm:
         return self._collective(op, x, "broadcast", src)
 
     def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
-        """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0 (``[sum(sizes), ...]``)."""
+        """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0
+        (``[sum(sizes), ...]``)."""
         return self._collective(op, x, "all_gather_v_rows", sizes, self.index)
 
     def reduce_scatter_v_rows(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:
-        """Sum ``x`` (``[sum(sizes), ...]``) over members; member ``i`` keeps its ``sizes[i]`` rows."""
+        """Sum ``x`` (``[sum(sizes), ...]``) over members; member ``i`` keeps its ``sizes[i]``
+        rows."""
         return self._collective(op, x, "reduce_scatter_v_rows", sizes, self.index)
 
     # --------------------------------------------------------------- check mode
@@ -609,13 +796,32 @@ class AxisComm:
         """Check mode: every member must call ``op`` with the same shapes, dtypes and parameters."""
         if not self.comm.check or torch.compiler.is_compiling():
             return
-        mine = (op, [tuple(t.shape) for t in tensors], [str(t.dtype) for t in tensors], dict(params))
+        mine = (
+            op,
+            [tuple(t.shape) for t in tensors],
+            [str(t.dtype) for t in tensors],
+            dict(params),
+        )
         every: list[Any] = [None] * self.n
         group = self.cpu_group(op)
-        self.run(op, lambda: dist.all_gather_object(every, mine, group=group), what="the consistency check")
+        self.run(
+            op,
+            lambda: dist.all_gather_object(every, mine, group=group),
+            what="the consistency check",
+        )
         if any(e != every[0] for e in every):
-            table = "; ".join(f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]})" for r, e in zip(self.ranks, every))
-            raise ConsistencyError(op, self.label, self.ranks, self.rank, f"the ranks disagree: {table}", "make every rank of the group make the same call")
+            table = "; ".join(
+                f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]})"
+                for r, e in zip(self.ranks, every)
+            )
+            raise ConsistencyError(
+                op,
+                self.label,
+                self.ranks,
+                self.rank,
+                f"the ranks disagree: {table}",
+                "make every rank of the group make the same call",
+            )
 
 
 def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
@@ -628,49 +834,73 @@ def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
 
 
 def _native_library(backend: str, library: Any) -> NativeLibrary | None:
-    """The bound library for a ctypes backend (loaded when the mesh is built, so errors come early)."""
+    """The bound library for a ctypes backend (loaded when the mesh is built, so errors come
+    early)."""
     from .native import BACKENDS, load_library
 
     if backend not in BACKENDS:
-        raise MeshError(f"fastdist: unknown backend {backend!r}. Fix: use one of {', '.join(map(repr, BACKENDS))}")
+        raise MeshError(
+            f"fastdist: unknown backend {backend!r}. Fix: use one of "
+            f"{', '.join(map(repr, BACKENDS))}"
+        )
     if backend == "torch":
         if library is not None:
-            raise MeshError("fastdist: library= only applies to backend='nccl-ctypes' or 'hccl-ctypes'")
+            raise MeshError(
+                "fastdist: library= only applies to backend='nccl-ctypes' or 'hccl-ctypes'"
+            )
         return None
     if library is not None and not isinstance(library, (str, Path)):
         return cast("NativeLibrary", library)  # already bound (Mesh.with_timeout passes it on)
     return load_library(backend.split("-")[0], None if library is None else str(library))
 
 
-_SOURCE_PATH = re.compile(r"\[[^\[\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]\s*")  # "[/pytorch/third_party/gloo/.../pair.cc:553] "
+_SOURCE_PATH = re.compile(
+    r"\[[^\[\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]\s*"
+)  # "[/pytorch/third_party/gloo/.../pair.cc:553] "
 _NOISE = re.compile(r"\s*This is typically caused by .*$", re.DOTALL)
 
 
 def _clean(e: BaseException) -> str:
-    """The first line of ``e``'s message without C++ source locations and torch's boilerplate advice."""
+    """The first line of ``e``'s message without C++ source locations and torch's boilerplate
+    advice."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     return _NOISE.sub("", _SOURCE_PATH.sub("", first)).strip().rstrip(".") or type(e).__name__
 
 
-def _comm_error(op: str, ac: AxisComm, rank: int, e: BaseException, what: str, peers: str = "") -> CommError:
-    """The fastdist error for a failed c10d call: :class:`CollectiveTimeout` for a timeout, else :class:`CommError`.
+def _comm_error(
+    op: str, ac: AxisComm, rank: int, e: BaseException, what: str, peers: str = ""
+) -> CommError:
+    """The fastdist error for a failed c10d call: :class:`CollectiveTimeout` for a timeout, else
+    :class:`CommError`.
 
     ``peers`` (from :meth:`AxisComm.failed`) says which peers did not reach the call.
     """
     msg = _clean(e)
     extra = f"; {peers}" if peers else ""
-    timed_out = "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError)
+    timed_out = (
+        "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError)
+    )
     if timed_out:
         secs = ac.comm.timeout.total_seconds()
         return CollectiveTimeout(
-            op, ac.label, ac.ranks, rank, f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}{extra}",
-            "check that every rank of the group makes this call in the same order; to go on after a failure call mesh.reset() on every rank; "
+            op,
+            ac.label,
+            ac.ranks,
+            rank,
+            f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}{extra}",
+            "check that every rank of the group makes this call in the same order; to go on after "
+            "a failure call mesh.reset() on every rank; "
             "raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
         )
     return CommError(
-        op, ac.label, ac.ranks, rank, f"{what} failed: {msg}{extra}",
-        "a peer closed the connection: it failed (see its log) or exited; if every rank is still alive, call mesh.reset() on every rank to go on",
+        op,
+        ac.label,
+        ac.ranks,
+        rank,
+        f"{what} failed: {msg}{extra}",
+        "a peer closed the connection: it failed (see its log) or exited; if every rank is still "
+        "alive, call mesh.reset() on every rank to go on",
     )
 
 
@@ -678,7 +908,10 @@ def _comm_error(op: str, ac: AxisComm, rank: int, e: BaseException, what: str, p
 def _axis_comm(op: str, mesh: Mesh, axis: AxisName | None) -> AxisComm:
     comm = mesh._comm
     if comm is None:
-        raise NoBackendError(f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch(...) inside a torch.distributed job")
+        raise NoBackendError(
+            f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with "
+            "Mesh.from_torch(...) inside a torch.distributed job"
+        )
     names = mesh.axis_names if axis is None else axis
     ac: AxisComm = comm.axis(mesh.axis_indices(names, f"fastdist.{op}"))
     return ac
@@ -686,12 +919,20 @@ def _axis_comm(op: str, mesh: Mesh, axis: AxisName | None) -> AxisComm:
 
 def _check_src(op: str, ac: AxisComm, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ac.n:
-        raise CommError(op, ac.label, ac.ranks, ac.rank, f"{name}={value!r} is not an index along the axis (size {ac.n})", f"use {name} in 0..{ac.n - 1}")
+        raise CommError(
+            op,
+            ac.label,
+            ac.ranks,
+            ac.rank,
+            f"{name}={value!r} is not an index along the axis (size {ac.n})",
+            f"use {name} in 0..{ac.n - 1}",
+        )
     return value
 
 
 def broadcast_object(obj: T, mesh: Mesh, axis: AxisName | None = None, src: int = 0) -> T:
-    """Every rank of the group gets the (picklable) ``obj`` of the rank with index ``src`` along ``axis``.
+    """Every rank of the group gets the (picklable) ``obj`` of the rank with index ``src`` along
+    ``axis``.
 
     ``axis=None`` means the whole mesh. Blocks up to the mesh's timeout.
     """
@@ -713,7 +954,8 @@ def all_gather_object(obj: T, mesh: Mesh, axis: AxisName | None = None) -> list[
 
 
 def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
-    """Send a picklable object to the rank with index ``dst`` along ``axis`` (pair with :func:`recv_object`)."""
+    """Send a picklable object to the rank with index ``dst`` along ``axis`` (pair with
+    :func:`recv_object`)."""
     ac = _axis_comm("send_object", mesh, axis)
     _check_src("send_object", ac, "dst", dst)
     group = ac.cpu_group("send_object")
@@ -731,7 +973,8 @@ def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
 
 
 def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
-    """Send tensor ``x`` to the rank with index ``dst`` along ``axis`` (not differentiable; see ``ppermute``)."""
+    """Send tensor ``x`` to the rank with index ``dst`` along ``axis`` (not differentiable; see
+    ``ppermute``)."""
     ac = _axis_comm("send", mesh, axis)
     _check_src("send", ac, "dst", dst)
     group = ac.comm.group(ac, select_backend(x.device.type), "send")
@@ -739,7 +982,8 @@ def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
 
 
 def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
-    """Receive a tensor shaped like ``like`` (shape, dtype, device) from index ``src`` along ``axis``."""
+    """Receive a tensor shaped like ``like`` (shape, dtype, device) from index ``src`` along
+    ``axis``."""
     ac = _axis_comm("recv", mesh, axis)
     _check_src("recv", ac, "src", src)
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
@@ -749,7 +993,8 @@ def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
 
 
 def _split_dict(d: Mapping[str, Any]) -> tuple[list[tuple[str, Any]], list[Tensor]]:
-    """Metadata (tensor shapes/dtypes/devices, other values as they are) and the tensors, in key order."""
+    """Metadata (tensor shapes/dtypes/devices, other values as they are) and the tensors, in key
+    order."""
     meta: list[tuple[str, Any]] = []
     tensors: list[Tensor] = []
     for key, value in d.items():
@@ -767,7 +1012,11 @@ def _empty_from(meta: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Tenso
     for key, entry in meta:
         if entry[0] == "__tensor__":
             _, shape, dtype, device_type = entry
-            device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+            device = (
+                torch.device(device_type, torch.cuda.current_device())
+                if device_type == "cuda"
+                else torch.device(device_type)
+            )
             out[key] = t = torch.empty(shape, dtype=dtype, device=device)
             tensors.append(t)
         else:
@@ -775,8 +1024,11 @@ def _empty_from(meta: list[tuple[str, Any]]) -> tuple[dict[str, Any], list[Tenso
     return out, tensors
 
 
-def broadcast_tensor_dict(d: Mapping[str, Any] | None, mesh: Mesh, axis: AxisName | None = None, src: int = 0) -> dict[str, Any]:
-    """Broadcast a dict of tensors and picklable values from index ``src``; other ranks pass ``None``.
+def broadcast_tensor_dict(
+    d: Mapping[str, Any] | None, mesh: Mesh, axis: AxisName | None = None, src: int = 0
+) -> dict[str, Any]:
+    """Broadcast a dict of tensors and picklable values from index ``src``; other ranks pass
+    ``None``.
 
     Metadata travels as one object; tensors by a broadcast each on their device's group.
     """
@@ -785,38 +1037,66 @@ def broadcast_tensor_dict(d: Mapping[str, Any] | None, mesh: Mesh, axis: AxisNam
     _check_src(op, ac, "src", src)
     if ac.index == src:
         if d is None:
-            raise CommError(op, ac.label, ac.ranks, ac.rank, "the source rank passed None", "pass the dict to send on the source rank")
+            raise CommError(
+                op,
+                ac.label,
+                ac.ranks,
+                ac.rank,
+                "the source rank passed None",
+                "pass the dict to send on the source rank",
+            )
         meta, tensors = _split_dict(d)
         broadcast_object(meta, mesh, ac.label, src)
         out = dict(d)
     else:
-        meta = broadcast_object(cast(list[tuple[str, Any]], None), mesh, ac.label, src)  # filled from src
+        meta = broadcast_object(
+            cast(list[tuple[str, Any]], None), mesh, ac.label, src
+        )  # filled from src
         out, tensors = _empty_from(meta)
     for t in tensors:
         group = ac.comm.group(ac, select_backend(t.device.type), op)
-        ac.run(op, lambda: dist.broadcast(t, group=group, group_src=src))
+        ac.run(op, lambda t=t, group=group: dist.broadcast(t, group=group, group_src=src))
     return out
 
 
-def _ag_plan(op: str, mesh: Mesh, axis: AxisName, all_gather_axis: AxisName | None) -> AxisComm | None:
-    """The all-gather axis of a tensor-dict transfer (None: whole tensors); it must not share mesh axes with ``axis``."""
+def _ag_plan(
+    op: str, mesh: Mesh, axis: AxisName, all_gather_axis: AxisName | None
+) -> AxisComm | None:
+    """The all-gather axis of a tensor-dict transfer (None: whole tensors); it must not share mesh
+    axes with ``axis``."""
     if all_gather_axis is None:
         return None
     ac, gac = _axis_comm(op, mesh, axis), _axis_comm(op, mesh, all_gather_axis)
     shared = set(mesh.axis_indices(axis, op)) & set(mesh.axis_indices(all_gather_axis, op))
     if shared:
-        raise CommError(op, ac.label, ac.ranks, ac.rank, f"all_gather_axis={all_gather_axis!r} shares mesh axes with the transfer axis {axis!r}",
-                        "pass an axis the sender and receiver groups both span (e.g. transfer over 'pp', all-gather over 'tp')")
+        raise CommError(
+            op,
+            ac.label,
+            ac.ranks,
+            ac.rank,
+            f"all_gather_axis={all_gather_axis!r} shares mesh axes with the transfer axis {axis!r}",
+            "pass an axis the sender and receiver groups both span (e.g. transfer over 'pp', "
+            "all-gather over 'tp')",
+        )
     return gac if gac.n > 1 else None
 
 
 def _sliced(t: Tensor, gac: AxisComm | None) -> bool:
-    """Whether ``t`` travels as 1/n slices (its element count divides by the all-gather axis size)."""
+    """Whether ``t`` travels as 1/n slices (its element count divides by the all-gather axis
+    size)."""
     return gac is not None and t.numel() > 0 and t.numel() % gac.n == 0
 
 
-def send_tensor_dict(d: Mapping[str, Any], mesh: Mesh, axis: AxisName, dst: int, *, all_gather_axis: AxisName | None = None) -> None:
-    """Send a dict of tensors and picklable values to index ``dst`` (pair with :func:`recv_tensor_dict`).
+def send_tensor_dict(
+    d: Mapping[str, Any],
+    mesh: Mesh,
+    axis: AxisName,
+    dst: int,
+    *,
+    all_gather_axis: AxisName | None = None,
+) -> None:
+    """Send a dict of tensors and picklable values to index ``dst`` (pair with
+    :func:`recv_tensor_dict`).
 
     ``all_gather_axis`` (vLLM's all-gather optimisation for pipeline stages): the dict is the
     same on every rank of that axis (e.g. ``"tp"``), so each of them sends only its 1/n slice of
@@ -839,11 +1119,15 @@ def send_tensor_dict(d: Mapping[str, Any], mesh: Mesh, axis: AxisName, dst: int,
         if _sliced(t, gac):
             assert gac is not None
             k = t.numel() // gac.n
-            t = t.reshape(-1)[gac.index * k : (gac.index + 1) * k]  # (numel/n,) my slice of the flattened tensor
+            t = t.reshape(-1)[
+                gac.index * k : (gac.index + 1) * k
+            ]  # (numel/n,) my slice of the flattened tensor
         send(t.contiguous(), mesh, axis, dst)
 
 
-def recv_tensor_dict(mesh: Mesh, axis: AxisName, src: int, *, all_gather_axis: AxisName | None = None) -> dict[str, Any]:
+def recv_tensor_dict(
+    mesh: Mesh, axis: AxisName, src: int, *, all_gather_axis: AxisName | None = None
+) -> dict[str, Any]:
     """Receive the dict sent by :func:`send_tensor_dict` from index ``src`` along ``axis``.
 
     Pass the sender's ``all_gather_axis``; a mismatch raises :class:`~fastdist.CommError` at
@@ -855,22 +1139,33 @@ def recv_tensor_dict(mesh: Mesh, axis: AxisName, src: int, *, all_gather_axis: A
     ac = _axis_comm(op, mesh, axis)
     mine = None if gac is None else gac.label
     if sender_ag != mine:
-        raise CommError(op, ac.label, ac.ranks, ac.rank, f"the sender used all_gather_axis={sender_ag!r}, this rank {mine!r}",
-                        "pass the same all_gather_axis on both sides")
+        raise CommError(
+            op,
+            ac.label,
+            ac.ranks,
+            ac.rank,
+            f"the sender used all_gather_axis={sender_ag!r}, this rank {mine!r}",
+            "pass the same all_gather_axis on both sides",
+        )
     out, tensors = _empty_from(meta)
     for t in tensors:
         group = ac.comm.group(ac, select_backend(t.device.type), op)
-        buf = t if not _sliced(t, gac) else t.new_empty(t.numel() // cast(AxisComm, gac).n)  # whole, or (numel/n,) my slice
+        buf = (
+            t if not _sliced(t, gac) else t.new_empty(t.numel() // cast(AxisComm, gac).n)
+        )  # whole, or (numel/n,) my slice
         ac.run(op, lambda buf=buf, group=group: dist.recv(buf, group=group, group_src=src))
         if buf is t:
             continue
         assert gac is not None
-        t.view(-1).copy_(gac.all_gather_rows(op, buf))  # (numel,) every member's slice, in index order
+        t.view(-1).copy_(
+            gac.all_gather_rows(op, buf)
+        )  # (numel,) every member's slice, in index order
     return out
 
 
 class GraphCaptureContext:
-    """What :func:`graph_capture` sets up: the ``stream`` to capture on (None on CPU) and the ``device``."""
+    """What :func:`graph_capture` sets up: the ``stream`` to capture on (None on CPU) and the
+    ``device``."""
 
     def __init__(self, stream: Any, device: torch.device) -> None:
         self.stream, self.device = stream, device
@@ -880,7 +1175,9 @@ class GraphCaptureContext:
 
 
 @contextlib.contextmanager
-def graph_capture(mesh: Mesh, *axes: AxisName, device: torch.device | str | None = None, stream: Any = None) -> Iterator[GraphCaptureContext]:
+def graph_capture(
+    mesh: Mesh, *axes: AxisName, device: torch.device | str | None = None, stream: Any = None
+) -> Iterator[GraphCaptureContext]:
     """Prepare ``mesh`` for CUDA graph capture and run the block on a side stream.
 
     On a real mesh it first creates this rank's groups, and with a ctypes backend its NCCL/HCCL
@@ -904,7 +1201,11 @@ def graph_capture(mesh: Mesh, *axes: AxisName, device: torch.device | str | None
     if device is not None:
         dev = torch.device(device)
     else:
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     for axis in axes:
         mesh.axis_indices(axis, "graph_capture")  # a wrong axis name raises MeshError, on any mesh
     if mesh._comm is not None:
@@ -919,8 +1220,11 @@ def graph_capture(mesh: Mesh, *axes: AxisName, device: torch.device | str | None
     torch.cuda.current_stream(dev).wait_stream(side)
 
 
-def barrier(mesh: Mesh, axis: AxisName | None = None, *, timeout: float | datetime.timedelta | None = None) -> None:
-    """Wait until every rank of the group arrives; raise :class:`CollectiveTimeout` naming the missing ranks.
+def barrier(
+    mesh: Mesh, axis: AxisName | None = None, *, timeout: float | datetime.timedelta | None = None
+) -> None:
+    """Wait until every rank of the group arrives; raise :class:`CollectiveTimeout` naming the
+    missing ranks.
 
     ``timeout`` overrides the mesh's timeout for this call.
     """
@@ -934,7 +1238,11 @@ def barrier(mesh: Mesh, axis: AxisName | None = None, *, timeout: float | dateti
         msg = _clean(e)
         ac.comm.abandon(f"fastdist.barrier(axis={ac.label!r}) failed on this rank: {msg}")
         raise CollectiveTimeout(
-            "barrier", ac.label, ac.ranks, ac.rank, f"not every rank arrived within {td.total_seconds():g} s: {msg}",
-            "check that every rank of the group reaches this barrier; to go on, call mesh.reset() on every rank",
+            "barrier",
+            ac.label,
+            ac.ranks,
+            ac.rank,
+            f"not every rank arrived within {td.total_seconds():g} s: {msg}",
+            "check that every rank of the group reaches this barrier; to go on, call mesh.reset() "
+            "on every rank",
         ) from e
-

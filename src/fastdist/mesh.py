@@ -30,14 +30,14 @@ import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Union
+from typing import Any
 
 from .errors import MeshError
 
 __all__ = ["Mesh", "AxisName", "DEFAULT_ORDER"]
 
 #: An axis name, or a tuple of axis names treated as one flattened axis.
-AxisName = Union[str, Sequence[str]]
+AxisName = str | Sequence[str]
 
 #: Outer-to-inner order used by :meth:`Mesh.from_world_size`: tensor parallelism
 #: innermost (consecutive ranks, usually one node), pipeline outermost.
@@ -75,20 +75,32 @@ class Mesh:
     _strides: tuple[int, ...]
     _comm: Any
 
-    def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, _comm: Any = None) -> None:
+    def __init__(
+        self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, _comm: Any = None
+    ) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
         names: list[str] = []
         sizes: list[int] = []
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2):
-                raise MeshError(f"Mesh: expected (name, size) pairs, got {item!r}. Fix: pass a mapping like {{'dp': 2, 'tp': 4}}")
+                raise MeshError(
+                    f"Mesh: expected (name, size) pairs, got {item!r}. Fix: pass a mapping like "
+                    f"{{'dp': 2, 'tp': 4}}"
+                )
             name, size = item
             if not isinstance(name, str) or not name.isidentifier():
-                raise MeshError(f"Mesh: axis name {name!r} is not an identifier string. Fix: use names like 'dp', 'tp'")
+                raise MeshError(
+                    f"Mesh: axis name {name!r} is not an identifier string. Fix: use names like "
+                    "'dp', 'tp'"
+                )
             if name in names:
-                raise MeshError(f"Mesh: axis {name!r} appears twice. Fix: give every axis a distinct name")
+                raise MeshError(
+                    f"Mesh: axis {name!r} appears twice. Fix: give every axis a distinct name"
+                )
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise MeshError(f"Mesh: axis {name!r} has size {size!r}. Fix: sizes are positive ints")
+                raise MeshError(
+                    f"Mesh: axis {name!r} has size {size!r}. Fix: sizes are positive ints"
+                )
             names.append(name)
             sizes.append(size)
         setattr_ = object.__setattr__  # a Mesh is immutable: fields are set here, once
@@ -110,7 +122,8 @@ class Mesh:
         if self._comm is not None:
             raise MeshError(
                 f"Mesh: {self!r} holds this process's process groups and cannot be pickled. "
-                "Fix: send the axes (dict(mesh.shape)) and build the mesh with Mesh.from_torch in the other process"
+                "Fix: send the axes (dict(mesh.shape)) and build the mesh with Mesh.from_torch in "
+                "the other process"
             )
         return (Mesh, (list(zip(self._names, self._sizes)),))
 
@@ -122,7 +135,9 @@ class Mesh:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_world_size(cls, world_size: int, *, order: Sequence[str] = DEFAULT_ORDER, **degrees: int) -> Mesh:
+    def from_world_size(
+        cls, world_size: int, *, order: Sequence[str] = DEFAULT_ORDER, **degrees: int
+    ) -> Mesh:
         """Build a mesh from a world size and the parallel degrees you know.
 
         ``dp`` is inferred as ``world_size // prod(other degrees)`` unless given.
@@ -135,10 +150,12 @@ class Mesh:
         >>> Mesh.from_world_size(6, tp=4)
         Traceback (most recent call last):
         ...
-        fastdist.errors.MeshError: Mesh.from_world_size: world size 6 is not divisible by tp=4 (product 4). Fix: choose degrees whose product divides 6
+        fastdist.errors.MeshError: Mesh.from_world_size: world size 6 is not divisible by tp=4 ...
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise MeshError(f"Mesh.from_world_size: world_size must be a positive int, got {world_size!r}")
+            raise MeshError(
+                f"Mesh.from_world_size: world_size must be a positive int, got {world_size!r}"
+            )
         order = tuple(order)
         unknown = [n for n in degrees if n not in order]
         if unknown:
@@ -147,7 +164,10 @@ class Mesh:
                 f"Fix: pass order=(..., {unknown[0]!r}, ...) listing every axis outer to inner"
             )
         if "dp" not in order:
-            raise MeshError(f"Mesh.from_world_size: order {order} has no 'dp' axis to infer. Fix: include 'dp' in order")
+            raise MeshError(
+                f"Mesh.from_world_size: order {order} has no 'dp' axis to infer. Fix: include "
+                "'dp' in order"
+            )
         for name, deg in degrees.items():
             if isinstance(deg, bool) or not isinstance(deg, int) or deg < 1:
                 raise MeshError(f"Mesh.from_world_size: {name}={deg!r} is not a positive int")
@@ -156,13 +176,14 @@ class Mesh:
         desc = ", ".join(f"{n}={d}" for n, d in given.items()) or "no degrees"
         if world_size % prod:
             raise MeshError(
-                f"Mesh.from_world_size: world size {world_size} is not divisible by {desc} (product {prod}). "
-                f"Fix: choose degrees whose product divides {world_size}"
+                f"Mesh.from_world_size: world size {world_size} is not divisible by {desc} "
+                f"(product {prod}). Fix: choose degrees whose product divides {world_size}"
             )
         dp = world_size // prod
         if "dp" in degrees and degrees["dp"] != dp:
             raise MeshError(
-                f"Mesh.from_world_size: dp={degrees['dp']} with {desc} gives {degrees['dp'] * prod} ranks, "
+                f"Mesh.from_world_size: dp={degrees['dp']} with {desc} gives "
+                f"{degrees['dp'] * prod} ranks, "
                 f"not world size {world_size}. Fix: leave dp out to infer it (dp={dp})"
             )
         sizes = {**given, "dp": dp}
@@ -201,15 +222,25 @@ class Mesh:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise MeshError("Mesh.from_torch: torch.distributed is not initialised. Fix: call torch.distributed.init_process_group first (torchrun sets its environment)")
+            raise MeshError(
+                "Mesh.from_torch: torch.distributed is not initialised. Fix: call "
+                "torch.distributed.init_process_group first (torchrun sets its environment)"
+            )
         plain = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
         return plain._over_job(timeout, check=check, backend=backend, library=library)
 
     @classmethod
     def from_device_mesh(
-        cls, device_mesh: Any, *, timeout: float | datetime.timedelta | None = None, check: bool = False, backend: str = "torch", library: str | None = None,
+        cls,
+        device_mesh: Any,
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        check: bool = False,
+        backend: str = "torch",
+        library: str | None = None,
     ) -> Mesh:
-        """A mesh with the axes of a ``torch.distributed.device_mesh.DeviceMesh``, reusing its groups.
+        """A mesh with the axes of a ``torch.distributed.device_mesh.DeviceMesh``, reusing its
+        groups.
 
         The DeviceMesh must have dimension names and the row-major rank layout
         (``init_device_mesh`` gives both). ``backend`` and ``library`` as in :meth:`from_torch`.
@@ -217,12 +248,20 @@ class Mesh:
 
         names = device_mesh.mesh_dim_names
         if not names:
-            raise MeshError("Mesh.from_device_mesh: the DeviceMesh has no mesh_dim_names. Fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+            raise MeshError(
+                "Mesh.from_device_mesh: the DeviceMesh has no mesh_dim_names. Fix: "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            )
         layout = device_mesh.mesh.flatten().tolist()
         if layout != list(range(len(layout))):
-            raise MeshError(f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major 0..{len(layout) - 1}. Fix: build it with init_device_mesh")
+            raise MeshError(
+                f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major "
+                f"0..{len(layout) - 1}. Fix: build it with init_device_mesh"
+            )
         plain = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
-        return plain._over_job(timeout, check=check, device_mesh=device_mesh, backend=backend, library=library)
+        return plain._over_job(
+            timeout, check=check, device_mesh=device_mesh, backend=backend, library=library
+        )
 
     def to_device_mesh(self, device_type: str = "cpu") -> Any:
         """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it)."""
@@ -231,23 +270,31 @@ class Mesh:
         return init_device_mesh(device_type, self._sizes, mesh_dim_names=self._names)
 
     def with_timeout(self, timeout: float | datetime.timedelta) -> Mesh:
-        """The same axes on the same job with another timeout (its groups are created anew, lazily)."""
+        """The same axes on the same job with another timeout (its groups are created anew,
+        lazily)."""
 
         if self._comm is None:
-            raise MeshError(f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+            raise MeshError(
+                f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it "
+                "with Mesh.from_torch"
+            )
         old = self._comm
         plain = Mesh(list(zip(self._names, self._sizes)))
-        return plain._over_job(timeout, check=old.check, backend=old.backend, library=old.native_lib)
+        return plain._over_job(
+            timeout, check=old.check, backend=old.backend, library=old.native_lib
+        )
 
     def _over_job(self, timeout: float | datetime.timedelta | None, **comm_args: Any) -> Mesh:
-        """This plain mesh's axes over the running torch.distributed job, with a new communicator."""
+        """This plain mesh's axes over the running torch.distributed job, with a new
+        communicator."""
         from . import distributed as D
 
         comm = D.TorchComm(self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), **comm_args)
         return type(self)(self.shape.items(), _comm=comm)
 
     def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
-        """Create now (instead of on first use) this rank's process groups for ``axes`` (default: each axis).
+        """Create now (instead of on first use) this rank's process groups for ``axes`` (default:
+        each axis).
 
         Never required for correctness: groups are created on first use, in any order across
         ranks, and under ``torch.compile`` while dynamo traces. Useful to pay the set-up cost
@@ -260,7 +307,10 @@ class Mesh:
         from . import distributed as D
 
         if self._comm is None:
-            raise MeshError(f"Mesh.create_groups: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+            raise MeshError(
+                f"Mesh.create_groups: {self!r} is not backed by torch.distributed. Fix: build it "
+                "with Mesh.from_torch"
+            )
         lib = self._comm.native_lib
         native = lib is not None and device_type == lib.device_type
         backend = "gloo" if native else D.select_backend(device_type)
@@ -269,7 +319,11 @@ class Mesh:
             if ac.n > 1:
                 self._comm.group(ac, backend, "create_groups")
                 if native:
-                    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+                    device = (
+                        torch.device("cuda", torch.cuda.current_device())
+                        if device_type == "cuda"
+                        else torch.device(device_type)
+                    )
                     self._comm.native(ac, "create_groups", torch.empty(0, device=device))
 
     def reset(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -299,17 +353,22 @@ class Mesh:
         from . import distributed as D
 
         if self._comm is None:
-            raise MeshError(f"Mesh.reset: {self!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch")
+            raise MeshError(
+                f"Mesh.reset: {self!r} is not backed by torch.distributed. Fix: build it with "
+                "Mesh.from_torch"
+            )
         default = 2 * self._comm.timeout + datetime.timedelta(seconds=5)
         self._comm.reset(D._as_timedelta(timeout, default))
 
     @property
     def backend(self) -> str | None:
-        """``"torch"``, ``"nccl-ctypes"`` or ``"hccl-ctypes"`` on real ranks; ``None`` for a plain mesh."""
+        """``"torch"``, ``"nccl-ctypes"`` or ``"hccl-ctypes"`` on real ranks; ``None`` for a plain
+        mesh."""
         return None if self._comm is None else str(self._comm.backend)
 
     def close(self, timeout: float = 5.0) -> bool:
-        """Release this mesh's ctypes communicators (abort with a bounded wait); True if all finished.
+        """Release this mesh's ctypes communicators (abort with a bounded wait); True if all
+        finished.
 
         A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups).
         """
@@ -319,7 +378,10 @@ class Mesh:
     def rank(self) -> int:
         """This process's rank, on a mesh built from torch.distributed."""
         if self._comm is None:
-            raise MeshError(f"Mesh.rank: {self!r} describes ranks but is not one of them (use Mesh.from_torch, or fastdist.axis_index inside simulate)")
+            raise MeshError(
+                f"Mesh.rank: {self!r} describes ranks but is not one of them (use "
+                "Mesh.from_torch, or fastdist.axis_index inside simulate)"
+            )
         return int(self._comm.rank)
 
     # ------------------------------------------------------------------ properties
@@ -349,16 +411,30 @@ class Mesh:
 
         Raises :class:`MeshError` naming ``op`` for an unknown, repeated or empty axis.
         """
-        names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
+        names = (
+            (axis,)
+            if isinstance(axis, str)
+            else tuple(axis)
+            if isinstance(axis, (tuple, list))
+            else None
+        )
         if names is None or not all(isinstance(n, str) for n in names):
-            raise MeshError(f"{op}: axis must be an axis name or a tuple of names, got {axis!r}. Fix: use one of {self._names}")
+            raise MeshError(
+                f"{op}: axis must be an axis name or a tuple of names, got {axis!r}. Fix: use one "
+                f"of {self._names}"
+            )
         if not names:
-            raise MeshError(f"{op}: axis=() names no mesh axis. Fix: name at least one of {self._names}")
+            raise MeshError(
+                f"{op}: axis=() names no mesh axis. Fix: name at least one of {self._names}"
+            )
         if len(set(names)) != len(names):
             raise MeshError(f"{op}: axis {axis!r} repeats an axis. Fix: name each axis once")
         for n in names:
             if n not in self._names:
-                raise MeshError(f"{op}: unknown mesh axis {n!r}; {self!r} has axes {self._names}. Fix: use one of {self._names}")
+                raise MeshError(
+                    f"{op}: unknown mesh axis {n!r}; {self!r} has axes {self._names}. Fix: use "
+                    f"one of {self._names}"
+                )
         return tuple(self._names.index(n) for n in names)
 
     def axis_size(self, axis: AxisName) -> int:
@@ -378,7 +454,9 @@ class Mesh:
     def rank_of(self, coords: Mapping[str, int]) -> int:
         """Inverse of :meth:`coords`: the rank at the given coordinates (all axes required)."""
         if set(coords) != set(self._names):
-            raise MeshError(f"Mesh.rank_of: coordinates {dict(coords)} must name exactly the axes {self._names}")
+            raise MeshError(
+                f"Mesh.rank_of: coordinates {dict(coords)} must name exactly the axes {self._names}"
+            )
         rank = 0
         for n, sz, st in zip(self._names, self._sizes, self._strides):
             c = coords[n]
@@ -411,17 +489,23 @@ class Mesh:
         """
         idx = self.axis_indices(axis, "Mesh.groups")
         members = self._offsets(idx)
-        return [[b + m for m in members] for b in self._offsets([i for i in range(self.ndim) if i not in idx])]
+        return [
+            [b + m for m in members]
+            for b in self._offsets([i for i in range(self.ndim) if i not in idx])
+        ]
 
     def group(self, rank: int, axis: AxisName) -> list[int]:
         """The group along ``axis`` that contains ``rank``, in axis order."""
         self._check_rank(rank, "Mesh.group")
         idx = self.axis_indices(axis, "Mesh.group")
-        base = rank - sum(((rank // self._strides[i]) % self._sizes[i]) * self._strides[i] for i in idx)
+        base = rank - sum(
+            ((rank // self._strides[i]) % self._sizes[i]) * self._strides[i] for i in idx
+        )
         return [base + m for m in self._offsets(idx)]
 
     def _offsets(self, axis_idx: Sequence[int]) -> list[int]:
-        """Rank offsets of every coordinate combination of the given axes, row-major in their order."""
+        """Rank offsets of every coordinate combination of the given axes, row-major in their
+        order."""
         offsets = [0]
         for i in axis_idx:
             offsets = [o + c * self._strides[i] for o in offsets for c in range(self._sizes[i])]
@@ -433,11 +517,14 @@ class Mesh:
         >>> Mesh({"dp": 2, "sp": 2, "tp": 4}).submesh(("sp", "tp"))
         Mesh({'sp': 2, 'tp': 4})
         """
-        return Mesh([(self._names[i], self._sizes[i]) for i in self.axis_indices(axis, "Mesh.submesh")])
+        return Mesh(
+            [(self._names[i], self._sizes[i]) for i in self.axis_indices(axis, "Mesh.submesh")]
+        )
 
     # ------------------------------------------------------------------ display
     def show(self, axis: AxisName | None = None) -> Any:
-        """The rank grid (last axis as columns); with ``axis``, its groups lettered (coloured in Jupyter)."""
+        """The rank grid (last axis as columns); with ``axis``, its groups lettered (coloured in
+        Jupyter)."""
         from .visual import MeshView
 
         return MeshView(self, axis)
@@ -449,7 +536,8 @@ class Mesh:
 
     # ------------------------------------------------------------------ value semantics
     def __eq__(self, other: object) -> bool:
-        """Equal axes (names, sizes, order) and the same communicator (both ``None`` for plain meshes)."""
+        """Equal axes (names, sizes, order) and the same communicator (both ``None`` for plain
+        meshes)."""
         if self is other:
             return True
         return (

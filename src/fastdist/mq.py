@@ -68,7 +68,9 @@ __all__ = [
 ]
 
 _U64 = struct.Struct("<Q")
-_FRAG = struct.Struct("<QQ")  # a slot's header: fragment length, 1 if more fragments of the message follow
+_FRAG = struct.Struct(
+    "<QQ"
+)  # a slot's header: fragment length, 1 if more fragments of the message follow
 _HELLO = struct.Struct("<Q16s")  # a remote reader's greeting: its axis index, the queue's token
 _MAGIC = 0xFA57D157_0001
 _CLOSE = 2**64 - 1  # the frame length that says the writer closed the queue
@@ -85,21 +87,32 @@ _FENCE_LOCK = threading.Lock()
 
 
 def _fence() -> None:
-    """A full memory barrier (a lock's acquire and release issue one), between a slot's bytes and its
-    counter: needed where the CPU reorders memory accesses (ARM); x86 keeps them in order anyway."""
+    """A full memory barrier (a lock's acquire and release issue one), between a slot's bytes and
+    its counter: needed where the CPU reorders memory accesses (ARM); x86 keeps them in order
+    anyway."""
     _FENCE_LOCK.acquire()
     _FENCE_LOCK.release()
 
 
 # =================================================================== errors
 class PeerLostError(CommError):
-    """A message queue's peer exited (its process is gone, or its socket closed without the close message).
+    """A message queue's peer exited (its process is gone, or its socket closed without the close
+    message).
 
     Attributes (besides :class:`~fastdist.CommError`'s):
         peer: the global rank of the peer that is gone.
     """
 
-    def __init__(self, op: str, axis: object, ranks: Sequence[int], rank: int, peer: int, problem: str, fix: str) -> None:
+    def __init__(
+        self,
+        op: str,
+        axis: object,
+        ranks: Sequence[int],
+        rank: int,
+        peer: int,
+        problem: str,
+        fix: str,
+    ) -> None:
         self.peer = peer
         super().__init__(op, axis, ranks, rank, problem, fix)
 
@@ -113,7 +126,8 @@ class QueueEmpty(FastdistError, queue.Empty):
 
 
 class QueueFull(FastdistError, queue.Full):
-    """``enqueue(block=False)`` could not place the message at once (also a ``queue.Full``); nothing was sent."""
+    """``enqueue(block=False)`` could not place the message at once (also a ``queue.Full``);
+    nothing was sent."""
 
 
 # =================================================================== node locality
@@ -126,7 +140,8 @@ def _boot_id() -> str:
 
 
 def _proc_identity(pid: int) -> int | None:
-    """The start time of process ``pid`` (Linux ``/proc``), which tells a reused pid apart; None elsewhere."""
+    """The start time of process ``pid`` (Linux ``/proc``), which tells a reused pid apart; None
+    elsewhere."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -135,7 +150,8 @@ def _proc_identity(pid: int) -> int | None:
 
 
 def _alive(pid: int, start: int | None) -> bool:
-    """Whether process ``pid`` (started at ``start``) still runs on this host (a zombie counts as gone)."""
+    """Whether process ``pid`` (started at ``start``) still runs on this host (a zombie counts as
+    gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -174,7 +190,8 @@ class NodeInfo:
 
     >>> from fastdist.mq import NodeInfo, local_device
     >>> hosts = ("node-a",) * 8 + ("node-b",) * 8
-    >>> info = NodeInfo(None, tuple(range(16)), 9, hosts, hosts, tuple((100 + r, None) for r in range(16)))
+    >>> ids = tuple((100 + r, None) for r in range(16))
+    >>> info = NodeInfo(None, tuple(range(16)), 9, hosts, hosts, ids)
     >>> info.local_rank, info.local_size, info.single_host
     (1, 8, False)
     >>> info.nodes
@@ -197,7 +214,8 @@ class NodeInfo:
         return self.host_keys[i] == self.host_keys[self.index if j is None else j]
 
     def same_host_as(self, i: int) -> list[bool]:
-        """For every index, whether it shares a host with index ``i`` (FastVideo's ``in_the_same_node_as``)."""
+        """For every index, whether it shares a host with index ``i`` (FastVideo's
+        ``in_the_same_node_as``)."""
         return [k == self.host_keys[i] for k in self.host_keys]
 
     @property
@@ -207,7 +225,8 @@ class NodeInfo:
 
     @property
     def local_rank(self) -> int:
-        """This rank's position among the ranks of the axis on its host (torchrun's ``LOCAL_RANK`` for the whole mesh)."""
+        """This rank's position among the ranks of the axis on its host (torchrun's ``LOCAL_RANK``
+        for the whole mesh)."""
         return self.local_indices.index(self.index)
 
     @property
@@ -233,7 +252,10 @@ def _group(op: str, mesh: Any, axis: Any) -> tuple[tuple[int, ...], int, Any]:
     if getattr(mesh, "_comm", None) is None:
         from .errors import NoBackendError
 
-        raise NoBackendError(f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with Mesh.from_torch(...) inside a torch.distributed job")
+        raise NoBackendError(
+            f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with "
+            "Mesh.from_torch(...) inside a torch.distributed job"
+        )
     names = mesh.axis_names if axis is None else axis
     ranks = tuple(mesh.group(mesh.rank, names))
     label = axis if axis is not None else (names[0] if len(names) == 1 else tuple(names))
@@ -241,7 +263,8 @@ def _group(op: str, mesh: Any, axis: Any) -> tuple[tuple[int, ...], int, Any]:
 
 
 def node_info(mesh: Any, axis: Any = None, *, hostname: str | None = None) -> NodeInfo:
-    """Which ranks of ``axis`` (default: the whole mesh) share a host. Collective: every rank of the group calls it.
+    """Which ranks of ``axis`` (default: the whole mesh) share a host. Collective: every rank of
+    the group calls it.
 
     One ``all_gather_object`` of (hostname, boot id, pid) over the axis; keep the result, it
     does not change. ``hostname`` overrides ``socket.gethostname()`` (tests use it to pretend
@@ -261,7 +284,14 @@ def node_info(mesh: Any, axis: Any = None, *, hostname: str | None = None) -> No
     key = f"{host}/{_boot_id()}" if hostname is None else f"{host}/given"
     mine = (host, key, os.getpid(), _proc_identity(os.getpid()))
     every = all_gather_object(mine, mesh, axis)
-    return NodeInfo(label, ranks, index, tuple(e[0] for e in every), tuple(e[1] for e in every), tuple((e[2], e[3]) for e in every))
+    return NodeInfo(
+        label,
+        ranks,
+        index,
+        tuple(e[0] for e in every),
+        tuple(e[1] for e in every),
+        tuple((e[2], e[3]) for e in every),
+    )
 
 
 def _default_device_type() -> str:
@@ -292,16 +322,18 @@ def local_device(where: Any, device_type: str | None = None) -> torch.device:
     count = int(mod.device_count()) if mod is not None and hasattr(mod, "device_count") else 0
     if info.local_rank >= count:
         raise MeshError(
-            f"fastdist.local_device: rank {info.ranks[info.index]} is local rank {info.local_rank} of {info.local_size} on host "
-            f"{info.hosts[info.index]!r}, which has {count} {kind} device(s). Fix: start at most {count} processes per host "
-            f"(torchrun --nproc-per-node={count}), or check CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES"
+            f"fastdist.local_device: rank {info.ranks[info.index]} is local rank {info.local_rank} "
+            f"of {info.local_size} on host {info.hosts[info.index]!r}, which has {count} {kind} "
+            f"device(s). Fix: start at most {count} processes per host (torchrun "
+            f"--nproc-per-node={count}), or check CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES"
         )
     return torch.device(kind, info.local_rank)
 
 
 # =================================================================== the queue
 def _address() -> str:
-    """An address of this host that the other hosts can reach: ``FASTDIST_MQ_ADDR``, else the interface that routes to ``MASTER_ADDR``."""
+    """An address of this host that the other hosts can reach: ``FASTDIST_MQ_ADDR``, else the
+    interface that routes to ``MASTER_ADDR``."""
     given = os.environ.get("FASTDIST_MQ_ADDR")
     if given:
         return given
@@ -309,7 +341,9 @@ def _address() -> str:
     if master and master not in ("localhost", "127.0.0.1", "::1"):
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # no packet is sent: only picks the route
+                s.connect(
+                    (master, int(os.environ.get("MASTER_PORT", "29500")))
+                )  # no packet is sent: only picks the route
                 return str(s.getsockname()[0])
         except OSError:
             pass
@@ -388,18 +422,36 @@ class MessageQueue:
                 msg = q.dequeue(timeout=10)
     """
 
-    def __init__(self, *, op_axis: Any, ranks: tuple[int, ...], index: int, writer: int, readers: tuple[int, ...], local: tuple[int, ...],
-                 pids: tuple[tuple[int, int | None], ...], max_chunk_bytes: int, max_chunks: int, timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        op_axis: Any,
+        ranks: tuple[int, ...],
+        index: int,
+        writer: int,
+        readers: tuple[int, ...],
+        local: tuple[int, ...],
+        pids: tuple[tuple[int, int | None], ...],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        timeout: float,
+    ) -> None:
         self.axis, self.ranks, self.index, self.writer = op_axis, ranks, index, writer
         self.readers = readers
         self.local_readers = local  # axis indices reading through shared memory, slot order
         self.remote_readers = tuple(r for r in readers if r not in local)
-        self.max_chunk_bytes, self.max_chunks, self.timeout = max_chunk_bytes, max_chunks, float(timeout)
+        self.max_chunk_bytes, self.max_chunks, self.timeout = (
+            max_chunk_bytes,
+            max_chunks,
+            float(timeout),
+        )
         self._pids = pids
         self._shm: shared_memory.SharedMemory | _Attached | None = None
         self._buf: memoryview | None = None
         self._unlinked = True
-        self.shm_name: str | None = None  # the segment's name (already unlinked once create returns)
+        self.shm_name: str | None = (
+            None  # the segment's name (already unlinked once create returns)
+        )
         self._slot = -1  # this reader's slot among local readers
         self._stride = _FRAG.size + max_chunk_bytes
         self._stride += -self._stride % _LINE
@@ -410,7 +462,9 @@ class MessageQueue:
         self._conns: dict[int, socket.socket] = {}  # writer: remote reader index -> socket
         self._sock: socket.socket | None = None  # remote reader: the socket to the writer
         self._closed = False
-        self._broken = ""  # writer: why an enqueue failed after part of its message went out (the queue is then unusable)
+        # writer: why an enqueue failed after part of its message went out (the queue is then
+        # unusable)
+        self._broken = ""
         self._last_check = time.monotonic()
         self._call_timeout = self.timeout  # the running call's timeout (for messages)
 
@@ -427,14 +481,28 @@ class MessageQueue:
 
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else "reader" if self.is_reader else "bystander"
-        return (f"MessageQueue(axis={self.axis!r}, writer={self.writer}, readers={list(self.readers)} (remote {list(self.remote_readers)}), "
-                f"{self.max_chunks} x {self.max_chunk_bytes} B, this rank: {role})")
+        return (
+            f"MessageQueue(axis={self.axis!r}, writer={self.writer}, readers={list(self.readers)} "
+            f"(remote {list(self.remote_readers)}), "
+            f"{self.max_chunks} x {self.max_chunk_bytes} B, this rank: {role})"
+        )
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    def create(cls, mesh: Any, axis: Any = None, *, writer: int = 0, readers: Sequence[int] | None = None, max_chunk_bytes: int = 1 << 20,
-               max_chunks: int = 8, timeout: float = 60.0, nodes: NodeInfo | None = None) -> MessageQueue:
-        """Build the queue; a collective: every rank of the ``axis`` group (default: whole mesh) calls it with the same arguments.
+    def create(
+        cls,
+        mesh: Any,
+        axis: Any = None,
+        *,
+        writer: int = 0,
+        readers: Sequence[int] | None = None,
+        max_chunk_bytes: int = 1 << 20,
+        max_chunks: int = 8,
+        timeout: float = 60.0,
+        nodes: NodeInfo | None = None,
+    ) -> MessageQueue:
+        """Build the queue; a collective: every rank of the ``axis`` group (default: whole mesh)
+        calls it with the same arguments.
 
         Args:
             mesh: a mesh from ``Mesh.from_torch`` (its gloo group carries the setup: three
@@ -453,26 +521,57 @@ class MessageQueue:
         Raises:
             CommError: a rank failed to set up (named, with its error); every rank raises it.
         """
-        return _build("MessageQueue.create", mesh, axis, [(writer, readers)], max_chunk_bytes, max_chunks, timeout, nodes)[0]
+        return _build(
+            "MessageQueue.create",
+            mesh,
+            axis,
+            [(writer, readers)],
+            max_chunk_bytes,
+            max_chunks,
+            timeout,
+            nodes,
+        )[0]
 
     # ------------------------------------------------------------------ errors
     def _err(self, op: str, cls: type[CommError], problem: str, fix: str) -> CommError:
-        return cls(f"MessageQueue.{op}", self.axis, self.ranks, self.ranks[self.index], problem, fix)
+        return cls(
+            f"MessageQueue.{op}", self.axis, self.ranks, self.ranks[self.index], problem, fix
+        )
 
     def _lost(self, op: str, peer: int, how: str) -> PeerLostError:
         role = "writer" if peer == self.writer else "reader"
-        fix = ("the writer is gone: see its log; make a new queue (MessageQueue.create on every surviving rank of a new job) to go on" if role == "writer"
-               else "see that reader's log; close this queue and make a new one without it")
-        return PeerLostError(f"MessageQueue.{op}", self.axis, self.ranks, self.ranks[self.index], self.ranks[peer],
-                             f"the {role}, rank {self.ranks[peer]} (axis index {peer}), {how} after {self._messages} message(s) on this rank", fix)
+        fix = (
+            "the writer is gone: see its log; make a new queue (MessageQueue.create on every "
+            "surviving rank of a new job) to go on"
+            if role == "writer"
+            else "see that reader's log; close this queue and make a new one without it"
+        )
+        return PeerLostError(
+            f"MessageQueue.{op}",
+            self.axis,
+            self.ranks,
+            self.ranks[self.index],
+            self.ranks[peer],
+            f"the {role}, rank {self.ranks[peer]} (axis index {peer}), {how} after "
+            f"{self._messages} message(s) on this rank",
+            fix,
+        )
 
     def _role(self, op: str, writer: bool) -> None:
         if self._closed:
-            raise self._err(op, QueueClosedError, "this rank already closed the queue", "make a new queue")
+            raise self._err(
+                op, QueueClosedError, "this rank already closed the queue", "make a new queue"
+            )
         if writer != self.is_writer or (not writer and not self.is_reader):
             need = "the writer" if writer else "a reader"
-            raise CollectiveError(f"MessageQueue.{op}", self.axis, f"called on index {self.index}, which is not {need} of {self!r}",
-                                  f"call {'enqueue' if writer else 'dequeue'} on {need} only (q.is_writer / q.is_reader)", rank=f"rank {self.ranks[self.index]}")
+            raise CollectiveError(
+                f"MessageQueue.{op}",
+                self.axis,
+                f"called on index {self.index}, which is not {need} of {self!r}",
+                f"call {'enqueue' if writer else 'dequeue'} on {need} only (q.is_writer / "
+                "q.is_reader)",
+                rank=f"rank {self.ranks[self.index]}",
+            )
 
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
@@ -506,15 +605,24 @@ class MessageQueue:
                 raise self._lost(op, p, f"exited (pid {self._pids[p][0]} is gone)")
 
     def _check_alive_then(self, op: str, peers: Sequence[int], ready: Callable[[], bool]) -> None:
-        """Raise for a peer that is gone unless ``ready()`` now holds (what a peer did before it exited, e.g. closing, counts)."""
+        """Raise for a peer that is gone unless ``ready()`` now holds (what a peer did before it
+        exited, e.g. closing, counts)."""
         try:
             self._check_alive(op, peers)
         except PeerLostError:
             if not ready():
                 raise
 
-    def _wait(self, op: str, ready: Callable[[], bool], deadline: float, peers: Callable[[], list[int]], what: Callable[[], str]) -> None:
-        """Until ``ready()``; check every 50 ms that ``peers()`` live; past ``deadline`` raise CollectiveTimeout saying ``what()``."""
+    def _wait(
+        self,
+        op: str,
+        ready: Callable[[], bool],
+        deadline: float,
+        peers: Callable[[], list[int]],
+        what: Callable[[], str],
+    ) -> None:
+        """Until ``ready()``; check every 50 ms that ``peers()`` live; past ``deadline`` raise
+        CollectiveTimeout saying ``what()``."""
         start = now = time.monotonic()
         check = now + _CHECK_S
         nap = 1e-5
@@ -532,8 +640,14 @@ class MessageQueue:
                 if ready():
                     return
                 self._check_alive_then(op, peers(), ready)
-                raise self._err(op, CollectiveTimeout, f"{what()} within the timeout ({self._call_timeout:g} s); the peer is alive but did not keep up",
-                                "pass a larger timeout (per call or MessageQueue.create(timeout=...)), or check that peer: it may be stuck elsewhere")
+                raise self._err(
+                    op,
+                    CollectiveTimeout,
+                    f"{what()} within the timeout ({self._call_timeout:g} s); the peer is alive "
+                    "but did not keep up",
+                    "pass a larger timeout (per call or MessageQueue.create(timeout=...)), or "
+                    "check that peer: it may be stuck elsewhere",
+                )
 
     # ------------------------------------------------------------------ writer
     def enqueue(self, obj: Any, *, timeout: float | None = None, block: bool = True) -> None:
@@ -547,8 +661,13 @@ class MessageQueue:
         op = "enqueue"
         self._role(op, True)
         if self._broken:
-            raise self._err(op, CommError, f"an earlier enqueue failed after part of its message went out ({self._broken}); the readers "
-                            f"may hold part of that message, so nothing more can be sent in order", "close this queue and make a new one")
+            raise self._err(
+                op,
+                CommError,
+                f"an earlier enqueue failed after part of its message went out ({self._broken}); "
+                "the readers may hold part of that message, so nothing more can be sent in order",
+                "close this queue and make a new one",
+            )
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         t = self._call_timeout = self._timeout(timeout)
         deadline = time.monotonic() + t
@@ -557,14 +676,22 @@ class MessageQueue:
         if self._buf is not None and not block:
             free = self.max_chunks - (self._count - self._min_read())
             if frags > free:
-                raise QueueFull(f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: the message needs {frags} slot(s), {free} of "
-                                f"{self.max_chunks} are free (a reader is behind). Fix: retry later, pass block=True, or make the queue with more slots")
+                raise QueueFull(
+                    f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: the message "
+                    f"needs {frags} slot(s), {free} of "
+                    f"{self.max_chunks} are free (a reader is behind). Fix: retry later, pass "
+                    "block=True, or make the queue with more slots"
+                )
         if self._conns and not block:
             _, w, _ = select.select([], list(self._conns.values()), [], 0)
             if len(w) < len(self._conns):
-                raise QueueFull(f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: a remote reader's socket is full. "
-                                "Fix: retry later or pass block=True")
-        if time.monotonic() - self._last_check > _IDLE_CHECK_S:  # a reader that exited while the ring had room is found here
+                raise QueueFull(
+                    f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: "
+                    "a remote reader's socket is full. Fix: retry later or pass block=True"
+                )
+        if (
+            time.monotonic() - self._last_check > _IDLE_CHECK_S
+        ):  # a reader that exited while the ring had room is found here
             self._check_alive(op, self.readers)
             self._last_check = time.monotonic()
         started = False  # whether any reader may have seen part of this message
@@ -573,24 +700,35 @@ class MessageQueue:
                 view = memoryview(payload)
                 for j in range(frags):
                     if self._count - self._min_read() >= self.max_chunks:
-                        self._wait(op, lambda: self._count - self._min_read() < self.max_chunks, deadline, self._lagging,
-                                   lambda: f"no free slot: {self._lag_text()}")
+                        self._wait(
+                            op,
+                            lambda: self._count - self._min_read() < self.max_chunks,
+                            deadline,
+                            self._lagging,
+                            lambda: f"no free slot: {self._lag_text()}",
+                        )
                     _fence()  # the readers' counters were read before the slot is overwritten
-                    part = view[j * self.max_chunk_bytes:(j + 1) * self.max_chunk_bytes]
+                    part = view[j * self.max_chunk_bytes : (j + 1) * self.max_chunk_bytes]
                     off = self._data + (self._count % self.max_chunks) * self._stride
                     _FRAG.pack_into(self._buf, off, len(part), int(j + 1 < frags))
-                    self._buf[off + _FRAG.size:off + _FRAG.size + len(part)] = part
+                    self._buf[off + _FRAG.size : off + _FRAG.size + len(part)] = part
                     self._count += 1
                     _fence()  # the slot's bytes are visible before the count that publishes them
-                    self._set(0, self._count)  # publishes the slot: readers read only below this count
+                    self._set(
+                        0, self._count
+                    )  # publishes the slot: readers read only below this count
                     started = True
             for idx, c in self._conns.items():
                 started = True
-                self._send(op, idx, c, _U64.pack(n) + payload if n <= _COALESCE else _U64.pack(n), deadline)
+                self._send(
+                    op, idx, c, _U64.pack(n) + payload if n <= _COALESCE else _U64.pack(n), deadline
+                )
                 if n > _COALESCE:
                     self._send(op, idx, c, payload, deadline)
         except BaseException as e:
-            if started:  # a timeout (or error) mid-message: some readers have it, or part of it; never go on as if it were sent
+            # a timeout (or error) mid-message: some readers have it, or part of it; never go on as
+            # if it were sent
+            if started:
                 self._broken = f"{type(e).__name__} in message {self._messages + 1}"
             raise
         self._messages += 1
@@ -601,7 +739,11 @@ class MessageQueue:
 
     def _lag_text(self) -> str:
         lag = self._lagging()
-        return "reader(s) " + ", ".join(f"rank {self.ranks[r]}" for r in lag) + f" still hold the oldest of {self.max_chunks} slots"
+        return (
+            "reader(s) "
+            + ", ".join(f"rank {self.ranks[r]}" for r in lag)
+            + f" still hold the oldest of {self.max_chunks} slots"
+        )
 
     def _send(self, op: str, idx: int, c: socket.socket, data: bytes, deadline: float) -> None:
         left = deadline - time.monotonic()
@@ -612,13 +754,19 @@ class MessageQueue:
             c.sendall(data)
         except TimeoutError as e:
             self._check_alive(op, [idx])
-            raise self._err(op, CollectiveTimeout, f"the remote reader rank {self.ranks[idx]} did not take the message within the timeout",
-                            "pass a larger timeout, or check that reader: it may be stuck elsewhere") from e
+            raise self._err(
+                op,
+                CollectiveTimeout,
+                f"the remote reader rank {self.ranks[idx]} did not take the message within the "
+                "timeout",
+                "pass a larger timeout, or check that reader: it may be stuck elsewhere",
+            ) from e
         except OSError as e:
             raise self._lost(op, idx, f"closed its connection ({e.__class__.__name__}: {e})") from e
 
     def broadcast_object(self, obj: Any = None, *, timeout: float | None = None) -> Any:
-        """The writer sends ``obj`` and returns it; a reader returns the next message (ignores ``obj``).
+        """The writer sends ``obj`` and returns it; a reader returns the next message (ignores
+        ``obj``).
 
         The drop-in for ``fastdist.broadcast_object(obj, mesh, axis, src=writer)`` in a loop.
         """
@@ -653,24 +801,51 @@ class MessageQueue:
     def _await_fragment(self, op: str, deadline: float, block: bool, mid: bool = False) -> None:
         if self._get(0) > self._count:
             return
-        if self._get(8):  # closed: read the count again (it may have been published just before the close, after the read above)
+        # closed: read the count again (it may have been published just before the close, after
+        # the read above)
+        if self._get(8):
             _fence()
             if self._get(0) > self._count:
                 return
-        if self._get(8) and mid:  # closed with a message cut off: the writer's enqueue failed part-way
-            raise self._err(op, CommError, f"the writer, rank {self.ranks[self.writer]}, closed the queue in the middle of message "
-                            f"{self._messages + 1} (its enqueue failed part-way); this rank read {self._messages} whole message(s)",
-                            "see the writer's log (a timeout or a lost reader); make a new queue to go on")
+        if (
+            self._get(8) and mid
+        ):  # closed with a message cut off: the writer's enqueue failed part-way
+            raise self._err(
+                op,
+                CommError,
+                f"the writer, rank {self.ranks[self.writer]}, closed the queue in the middle of "
+                f"message {self._messages + 1} (its enqueue failed part-way); "
+                f"this rank read {self._messages} whole message(s)",
+                "see the writer's log (a timeout or a lost reader); make a new queue to go on",
+            )
         if self._get(8):  # closed, and everything written was read
-            raise self._err(op, QueueClosedError, f"the writer, rank {self.ranks[self.writer]}, closed the queue; this rank read all "
-                            f"{self._messages} message(s)", "stop reading (the writer is done), or make a new queue")
+            raise self._err(
+                op,
+                QueueClosedError,
+                f"the writer, rank {self.ranks[self.writer]}, closed the queue; this rank read all "
+                f"{self._messages} message(s)",
+                "stop reading (the writer is done), or make a new queue",
+            )
         if not block:
-            self._check_alive_then(op, [self.writer], lambda: self._get(0) > self._count or bool(self._get(8)))
+            self._check_alive_then(
+                op, [self.writer], lambda: self._get(0) > self._count or bool(self._get(8))
+            )
             if self._get(0) > self._count or self._get(8):
                 return self._await_fragment(op, deadline, block, mid)
-            raise QueueEmpty(f"fastdist.MessageQueue.dequeue on rank {self.ranks[self.index]}: no message. Fix: retry later, or pass block=True")
-        self._wait(op, lambda: self._get(0) > self._count or bool(self._get(8)), deadline, self._writer_gone,
-                   lambda: f"the writer, rank {self.ranks[self.writer]}, sent nothing after {self._messages} message(s)")
+            raise QueueEmpty(
+                f"fastdist.MessageQueue.dequeue on rank {self.ranks[self.index]}: no message. "
+                "Fix: retry later, or pass block=True"
+            )
+        self._wait(
+            op,
+            lambda: self._get(0) > self._count or bool(self._get(8)),
+            deadline,
+            self._writer_gone,
+            lambda: (
+                f"the writer, rank {self.ranks[self.writer]}, sent nothing after {self._messages} "
+                "message(s)"
+            ),
+        )
         if self._get(0) <= self._count:
             self._await_fragment(op, deadline, block, mid)  # closed meanwhile
 
@@ -683,7 +858,7 @@ class MessageQueue:
             _fence()  # the count was read before the slot's bytes
             off = self._data + (self._count % self.max_chunks) * self._stride
             n, more = _FRAG.unpack_from(self._buf, off)
-            body = self._buf[off + _FRAG.size:off + _FRAG.size + n]
+            body = self._buf[off + _FRAG.size : off + _FRAG.size + n]
             if not more and not parts:
                 obj = pickle.loads(body)
                 body.release()
@@ -704,11 +879,19 @@ class MessageQueue:
         if not block:
             r, _, _ = select.select([self._sock], [], [], 0)
             if not r:
-                raise QueueEmpty(f"fastdist.MessageQueue.dequeue on rank {self.ranks[self.index]}: no message. Fix: retry later, or pass block=True")
+                raise QueueEmpty(
+                    f"fastdist.MessageQueue.dequeue on rank {self.ranks[self.index]}: no message. "
+                    "Fix: retry later, or pass block=True"
+                )
         (n,) = _U64.unpack(self._recv_exact(op, 8, deadline, first=True))
         if n == _CLOSE:
-            raise self._err(op, QueueClosedError, f"the writer, rank {self.ranks[self.writer]}, closed the queue; this rank read all "
-                            f"{self._messages} message(s)", "stop reading (the writer is done), or make a new queue")
+            raise self._err(
+                op,
+                QueueClosedError,
+                f"the writer, rank {self.ranks[self.writer]}, closed the queue; this rank read all "
+                f"{self._messages} message(s)",
+                "stop reading (the writer is done), or make a new queue",
+            )
         return pickle.loads(self._recv_exact(op, n, deadline, first=False))
 
     def _recv_exact(self, op: str, n: int, deadline: float, first: bool) -> bytearray:
@@ -721,14 +904,27 @@ class MessageQueue:
             try:
                 k = self._sock.recv_into(view[got:])
             except TimeoutError as e:
-                raise self._err(op, CollectiveTimeout, f"the writer, rank {self.ranks[self.writer]}, sent nothing "
-                                f"{'new' if first and got == 0 else 'more of a message'} after {self._messages} message(s) within the timeout",
-                                "pass a larger timeout, or check the writer: it may be stuck elsewhere") from e
+                raise self._err(
+                    op,
+                    CollectiveTimeout,
+                    f"the writer, rank {self.ranks[self.writer]}, sent nothing "
+                    f"{'new' if first and got == 0 else 'more of a message'} after "
+                    f"{self._messages} message(s) within the timeout",
+                    "pass a larger timeout, or check the writer: it may be stuck elsewhere",
+                ) from e
             except OSError as e:
-                raise self._lost(op, self.writer, f"closed the connection ({e.__class__.__name__}: {e})") from e
+                raise self._lost(
+                    op, self.writer, f"closed the connection ({e.__class__.__name__}: {e})"
+                ) from e
             if k == 0:
-                raise self._lost(op, self.writer, "closed the connection without closing the queue (exited)" if first and got == 0 else
-                                 "closed the connection in the middle of a message (it exited, or its enqueue failed part-way)")
+                raise self._lost(
+                    op,
+                    self.writer,
+                    "closed the connection without closing the queue (exited)"
+                    if first and got == 0
+                    else "closed the connection in the middle of a message (it exited, or its "
+                    "enqueue failed part-way)",
+                )
             got += k
         return out
 
@@ -744,13 +940,19 @@ class MessageQueue:
                 _fence()
                 self._set(8, 1)
             deadline = time.monotonic() + timeout
-            for c in [] if self._broken else self._conns.values():  # a cut-off stream gets no close frame: its reader sees the cut
+            for c in (
+                [] if self._broken else self._conns.values()
+            ):  # a cut-off stream gets no close frame: its reader sees the cut
                 try:
                     c.settimeout(max(deadline - time.monotonic(), 1e-3))
                     c.sendall(_U64.pack(_CLOSE))
                 except OSError:
                     pass
-        for c in [*self._conns.values(), *([self._sock] if self._sock is not None else []), *([self._listener] if self._listener else [])]:
+        for c in [
+            *self._conns.values(),
+            *([self._sock] if self._sock is not None else []),
+            *([self._listener] if self._listener else []),
+        ]:
             try:
                 c.close()
             except OSError:
@@ -791,41 +993,97 @@ def _peek(c: socket.socket) -> bool:
 
 
 # =================================================================== building queues (collectively)
-def _build(op: str, mesh: Any, axis: Any, specs: Sequence[tuple[int, Sequence[int] | None]], max_chunk_bytes: int, max_chunks: int,
-           timeout: float, nodes: NodeInfo | None) -> list[MessageQueue]:
-    """Set up one queue per ``(writer, readers)`` in ``specs``; every rank of the axis gets an object for each."""
+def _build(
+    op: str,
+    mesh: Any,
+    axis: Any,
+    specs: Sequence[tuple[int, Sequence[int] | None]],
+    max_chunk_bytes: int,
+    max_chunks: int,
+    timeout: float,
+    nodes: NodeInfo | None,
+) -> list[MessageQueue]:
+    """Set up one queue per ``(writer, readers)`` in ``specs``; every rank of the axis gets an
+    object for each."""
     ranks, index, label = _group(op, mesh, axis)
     n = len(ranks)
     for arg, v in (("max_chunk_bytes", max_chunk_bytes), ("max_chunks", max_chunks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise CollectiveError(op, label, f"{arg}={v!r} is not a positive int", f"pass {arg} >= 1")
+            raise CollectiveError(
+                op, label, f"{arg}={v!r} is not a positive int", f"pass {arg} >= 1"
+            )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise CollectiveError(op, label, f"timeout={timeout!r} is not positive seconds", "pass timeout > 0")
+        raise CollectiveError(
+            op, label, f"timeout={timeout!r} is not positive seconds", "pass timeout > 0"
+        )
     info = nodes if nodes is not None else node_info(mesh, axis)
     if info.ranks != ranks:
-        raise CollectiveError(op, label, f"nodes= describes ranks {list(info.ranks)}, not this axis group {list(ranks)}", "pass node_info(mesh, axis) of the same axis")
+        raise CollectiveError(
+            op,
+            label,
+            f"nodes= describes ranks {list(info.ranks)}, not this axis group {list(ranks)}",
+            "pass node_info(mesh, axis) of the same axis",
+        )
     queues: list[MessageQueue] = []
     for writer, readers in specs:
         if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < n:
-            raise CollectiveError(op, label, f"writer={writer!r} is not an index along the axis (size {n})", f"use 0..{n - 1}")
+            raise CollectiveError(
+                op,
+                label,
+                f"writer={writer!r} is not an index along the axis (size {n})",
+                f"use 0..{n - 1}",
+            )
         rd = tuple(i for i in range(n) if i != writer) if readers is None else tuple(readers)
-        if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n or r == writer for r in rd) or len(set(rd)) != len(rd):
-            raise CollectiveError(op, label, f"readers={list(rd)} must be distinct indices along the axis other than the writer {writer}", f"use indices in 0..{n - 1}")
+        if any(
+            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n or r == writer
+            for r in rd
+        ) or len(set(rd)) != len(rd):
+            raise CollectiveError(
+                op,
+                label,
+                f"readers={list(rd)} must be distinct indices along the axis other than the "
+                f"writer {writer}",
+                f"use indices in 0..{n - 1}",
+            )
         local = tuple(r for r in rd if info.same_host(r, writer))
-        queues.append(MessageQueue(op_axis=label, ranks=ranks, index=index, writer=writer, readers=rd, local=local, pids=info.pids,
-                                   max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks, timeout=timeout))
+        queues.append(
+            MessageQueue(
+                op_axis=label,
+                ranks=ranks,
+                index=index,
+                writer=writer,
+                readers=rd,
+                local=local,
+                pids=info.pids,
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+                timeout=timeout,
+            )
+        )
     try:
         _connect(op, mesh, axis, queues, ranks, index, label, max_chunks, timeout)
-    except BaseException:  # a peer died or a collective failed mid-setup: unlink this rank's segments now, not at exit
+    except (
+        BaseException
+    ):  # a peer died or a collective failed mid-setup: unlink this rank's segments now, not at exit
         for q in queues:
             q.close()
         raise
     return queues
 
 
-def _connect(op: str, mesh: Any, axis: Any, queues: list[MessageQueue], ranks: tuple[int, ...], index: int, label: Any, max_chunks: int,
-             timeout: float) -> None:
-    """The collective part of :func:`_build`: segments and sockets made, attached, connected, unlinked."""
+def _connect(
+    op: str,
+    mesh: Any,
+    axis: Any,
+    queues: list[MessageQueue],
+    ranks: tuple[int, ...],
+    index: int,
+    label: Any,
+    max_chunks: int,
+    timeout: float,
+) -> None:
+    """The collective part of :func:`_build`: segments and sockets made, attached, connected,
+    unlinked."""
     from .distributed import all_gather_object
 
     error = ""
@@ -845,7 +1103,7 @@ def _connect(op: str, mesh: Any, axis: Any, queues: list[MessageQueue], ranks: t
                 q._unlinked, q.shm_name = False, name
                 buf: memoryview = shm.buf  # type: ignore[assignment]
                 q._buf = buf
-                buf[:q._data] = bytes(q._data)
+                buf[: q._data] = bytes(q._data)
                 q._set(16, _MAGIC)
             if q.remote_readers:
                 lst = socket.create_server(("", 0), backlog=len(q.remote_readers) + 4)
@@ -875,25 +1133,44 @@ def _connect(op: str, mesh: Any, axis: Any, queues: list[MessageQueue], ranks: t
         error = f"{type(e).__name__}: {e}"
     every2 = all_gather_object(error, mesh, axis)
     error = ""
-    try:  # 3. every local reader attached: unlink (nothing is left in /dev/shm after a crash); accept the remote readers
+    # 3. every local reader attached: unlink (nothing is left in /dev/shm after a crash); accept the
+    # remote readers
+    try:
         for k, q in enumerate(queues):
             if q.is_writer and isinstance(q._shm, shared_memory.SharedMemory):
                 q._shm.unlink()
                 q._unlinked = True
-            if q.is_writer and q._listener is not None and not any(every2) and not any(e[1] for e in every):
+            if (
+                q.is_writer
+                and q._listener is not None
+                and not any(every2)
+                and not any(e[1] for e in every)
+            ):
                 _accept(q, handles[k][3], time.monotonic() + timeout)
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    every3 = all_gather_object(error, mesh, axis)  # 4. everyone learns of a failed accept, and returns only once the segment is unlinked
-    failed = [(ranks[i], e[1]) for i, e in enumerate(every) if e[1]] + [(ranks[i], e) for i, e in enumerate(every2) if e] + [
-        (ranks[i], e) for i, e in enumerate(every3) if e]
+    every3 = all_gather_object(
+        error, mesh, axis
+    )  # 4. everyone learns of a failed accept, and returns only once the segment is unlinked
+    failed = (
+        [(ranks[i], e[1]) for i, e in enumerate(every) if e[1]]
+        + [(ranks[i], e) for i, e in enumerate(every2) if e]
+        + [(ranks[i], e) for i, e in enumerate(every3) if e]
+    )
     if failed:
         for q in queues:
             q.close()
         r0, why = failed[0]
-        raise CommError(op, label, ranks, ranks[index], f"setting up the queue failed on rank {r0}: {why}",
-                        "see that rank's log; /dev/shm needs room for max_chunks x max_chunk_bytes, and remote readers need to reach the writer's "
-                        "address (set FASTDIST_MQ_ADDR on the writer's host to choose it)")
+        raise CommError(
+            op,
+            label,
+            ranks,
+            ranks[index],
+            f"setting up the queue failed on rank {r0}: {why}",
+            "see that rank's log; /dev/shm needs room for max_chunks x max_chunk_bytes, and "
+            "remote readers need to reach the writer's "
+            "address (set FASTDIST_MQ_ADDR on the writer's host to choose it)",
+        )
 
 
 def _accept(q: MessageQueue, token: bytes, deadline: float) -> None:
@@ -904,7 +1181,10 @@ def _accept(q: MessageQueue, token: bytes, deadline: float) -> None:
         try:
             c, _ = q._listener.accept()
         except TimeoutError as e:
-            raise TimeoutError(f"remote reader(s) {sorted(q.ranks[i] for i in want)} did not connect within the timeout") from e
+            raise TimeoutError(
+                f"remote reader(s) {sorted(q.ranks[i] for i in want)} did not connect within the "
+                "timeout"
+            ) from e
         c.settimeout(max(deadline - time.monotonic(), 1e-3))
         hello = b""
         while len(hello) < _HELLO.size:
@@ -926,13 +1206,19 @@ def _accept(q: MessageQueue, token: bytes, deadline: float) -> None:
     q._listener = None
 
 
-def create_mq_broadcaster(mesh: Any, axis: Any = None, *, writer: int = 0, **kwargs: Any) -> MessageQueue:
-    """vLLM's ``GroupCoordinator.create_mq_broadcaster``: :meth:`MessageQueue.create` with every other index reading. Collective."""
+def create_mq_broadcaster(
+    mesh: Any, axis: Any = None, *, writer: int = 0, **kwargs: Any
+) -> MessageQueue:
+    """vLLM's ``GroupCoordinator.create_mq_broadcaster``: :meth:`MessageQueue.create` with every
+    other index reading. Collective."""
     return MessageQueue.create(mesh, axis, writer=writer, **kwargs)
 
 
-def create_single_reader_mq_broadcasters(mesh: Any, axis: Any = None, *, reader: int = 0, **kwargs: Any) -> tuple[MessageQueue | None, list[MessageQueue | None]]:
-    """vLLM's ``create_single_reader_mq_broadcasters``: every other index writes to its own queue, read by ``reader``. Collective.
+def create_single_reader_mq_broadcasters(
+    mesh: Any, axis: Any = None, *, reader: int = 0, **kwargs: Any
+) -> tuple[MessageQueue | None, list[MessageQueue | None]]:
+    """vLLM's ``create_single_reader_mq_broadcasters``: every other index writes to its own queue,
+    read by ``reader``. Collective.
 
     Returns ``(mine, theirs)``: on a writing rank ``mine`` is its queue (to ``enqueue``) and
     ``theirs`` is empty; on the reader ``mine`` is None and ``theirs[i]`` is the queue from
@@ -944,11 +1230,24 @@ def create_single_reader_mq_broadcasters(mesh: Any, axis: Any = None, *, reader:
     ranks, index, label = _group("create_single_reader_mq_broadcasters", mesh, axis)
     n = len(ranks)
     if isinstance(reader, bool) or not isinstance(reader, int) or not 0 <= reader < n:
-        raise CollectiveError("create_single_reader_mq_broadcasters", label, f"reader={reader!r} is not an index along the axis (size {n})", f"use 0..{n - 1}")
+        raise CollectiveError(
+            "create_single_reader_mq_broadcasters",
+            label,
+            f"reader={reader!r} is not an index along the axis (size {n})",
+            f"use 0..{n - 1}",
+        )
     writers = [i for i in range(n) if i != reader]
     opts = {"max_chunk_bytes": 1 << 20, "max_chunks": 8, "timeout": 60.0, "nodes": None, **kwargs}
-    qs = _build("create_single_reader_mq_broadcasters", mesh, axis, [(w, [reader]) for w in writers], opts["max_chunk_bytes"], opts["max_chunks"],
-                opts["timeout"], opts["nodes"])
+    qs = _build(
+        "create_single_reader_mq_broadcasters",
+        mesh,
+        axis,
+        [(w, [reader]) for w in writers],
+        opts["max_chunk_bytes"],
+        opts["max_chunks"],
+        opts["timeout"],
+        opts["nodes"],
+    )
     if index == reader:
         theirs: list[MessageQueue | None] = [None] * n
         for w, q in zip(writers, qs):

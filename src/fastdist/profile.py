@@ -1,4 +1,5 @@
-"""See the communication before paying for it: a per-axis profile of a step, dry runs at scale, a layout planner.
+"""See the communication before paying for it: a per-axis profile of a step, dry runs at scale, a
+layout planner.
 
 Three pieces, all arithmetic on what fastdist already knows about each collective (its
 group, shape and dtype):
@@ -36,8 +37,10 @@ backward collective is attributed to the module whose forward recorded it.
 ...     h = torch.tanh(fd.pvary(x, mesh, "tp") @ w1)
 ...     fd.psum(h @ w2, mesh, "tp").sum().backward()
 >>> x = torch.ones(8, 16, requires_grad=True)
->>> prof = trace(step, mesh, x, torch.ones(16, 32, requires_grad=True), torch.ones(32, 16, requires_grad=True))
->>> [(r.op, r.axis, r.phase, r.size) for r in prof.records]  # pvary's backward is the all-reduce of dx
+>>> w1, w2 = torch.ones(16, 32, requires_grad=True), torch.ones(32, 16, requires_grad=True)
+>>> prof = trace(step, mesh, x, w1, w2)
+>>> # pvary's backward is the all-reduce of dx
+>>> [(r.op, r.axis, r.phase, r.size) for r in prof.records]
 [('psum', 'tp', 'forward', 512), ('psum', 'tp', 'backward', 512)]
 >>> prof.bus_bytes(axis="tp")  # 2 all-reduces of 512 bytes, factor 2(n-1)/n = 1.5
 1536.0
@@ -85,7 +88,9 @@ __all__ = [
     "trace_model",
 ]
 
-_META_KEY = "fastdist.profile.module"  # autograd node metadata: the module whose forward recorded the node
+_META_KEY = (
+    "fastdist.profile.module"  # autograd node metadata: the module whose forward recorded the node
+)
 
 
 class ProfileError(FastdistError, ValueError):
@@ -101,7 +106,8 @@ class ProfileError(FastdistError, ValueError):
         super().__init__(f"fastdist.profile.{op}: {problem}. Fix: {fix}")
 
 
-# ====================================================================== bytes: the nccl-tests definitions
+# ====================================================================== bytes: the nccl-tests
+# definitions
 def bus_factor(kind: str, n: int) -> float:
     """The nccl-tests bus-bandwidth factor of a collective ``kind`` over ``n`` ranks.
 
@@ -131,7 +137,12 @@ def bus_factor(kind: str, n: int) -> float:
         return (n - 1) / n
     if kind in ("broadcast", "sendrecv"):
         return 1.0
-    raise ProfileError("bus_factor", f"unknown collective kind {kind!r}", "use one of allreduce, allgather, reducescatter, alltoall, gather, scatter, broadcast, sendrecv")
+    raise ProfileError(
+        "bus_factor",
+        f"unknown collective kind {kind!r}",
+        "use one of allreduce, allgather, reducescatter, alltoall, gather, scatter, broadcast, "
+        "sendrecv",
+    )
 
 
 def _steps(kind: str, n: int) -> int:
@@ -149,13 +160,18 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _traffic(op: str, n: int, tensors: Sequence[Any], params: Mapping[str, Any], out: Any) -> tuple[str, int, float, bool] | None:
-    """``(kind, size S, fraction of ranks that send, size is an upper bound)`` of one per-rank op; ``None``: moves no data."""
+def _traffic(
+    op: str, n: int, tensors: Sequence[Any], params: Mapping[str, Any], out: Any
+) -> tuple[str, int, float, bool] | None:
+    """``(kind, size S, fraction of ranks that send, size is an upper bound)`` of one per-rank op;
+    ``None``: moves no data."""
     x = tensors[0]
     row = _nbytes(tuple(x.shape[1:]), x.dtype)
     if op in ("psum", "pmean", "pmax", "pmin"):
         return "allreduce", _nbytes(tuple(x.shape), x.dtype), 1.0, False
-    if op == "select_extreme":  # pmax/pmin backward: all-reduce (min) of an int64 winner index per element
+    if (
+        op == "select_extreme"
+    ):  # pmax/pmin backward: all-reduce (min) of an int64 winner index per element
         return "allreduce", _nbytes(tuple(x.shape), torch.int64), 1.0, False
     if op in ("all_gather", "all_gather_invariant"):
         return "allgather", _nbytes(tuple(out.shape), out.dtype), 1.0, False
@@ -177,7 +193,9 @@ def _traffic(op: str, n: int, tensors: Sequence[Any], params: Mapping[str, Any],
         return "gather", sum(params["sizes"]) * row, 1.0, False
     if op == "scatter_v":
         return "scatter", sum(params["sizes"]) * row, 1.0, False
-    if op == "ragged_all_to_all":  # the split sizes are data: the whole send buffer bounds what is sent
+    if (
+        op == "ragged_all_to_all"
+    ):  # the split sizes are data: the whole send buffer bounds what is sent
         return "alltoall", _nbytes(tuple(x.shape), x.dtype), 1.0, True
     return None  # pvary, local_chunk, keep_src: local
 
@@ -188,7 +206,8 @@ class Record:
     """One collective one rank issues.
 
     Attributes:
-        op: the fastdist op (``"psum"``, ``"all_gather_v"``, ...; backward rules show as the ops they call).
+        op: the fastdist op (``"psum"``, ``"all_gather_v"``, ...; backward rules show as the ops
+            they call).
         axis: the mesh axis name, or ``"dp+tp"`` for a tuple of axes.
         n: ranks in the group.
         kind: the nccl-tests collective (see :func:`bus_factor`).
@@ -196,7 +215,8 @@ class Record:
         bus_bytes: what this rank sends: ``size * bus_factor(kind, n)`` (times the fraction of
             members that send, for a partial ``ppermute``).
         steps: latency terms of the ring algorithm (``2(n-1)`` for all-reduce, ``n-1`` for
-            all-gather / reduce-scatter / all-to-all / gather / scatter / broadcast, ``1`` for send/recv).
+            all-gather / reduce-scatter / all-to-all / gather / scatter / broadcast, ``1`` for
+            send/recv).
         phase: ``"forward"`` or ``"backward"``.
         module: dotted path of the innermost ``nn.Module`` whose forward issued it (or recorded
             the backward node that issued it); ``""`` outside any traced module.
@@ -243,11 +263,21 @@ class Profile:
     records: tuple[Record, ...]
 
     def filter(self, **where: Any) -> Profile:
-        """The records whose fields equal the given values, e.g. ``filter(axis="tp", phase="backward")``."""
+        """The records whose fields equal the given values, e.g. ``filter(axis="tp",
+        phase="backward")``."""
         bad = [k for k in where if k not in Record.__dataclass_fields__]
         if bad:
-            raise ProfileError("Profile.filter", f"Record has no field {bad[0]!r}", f"filter by {', '.join(Record.__dataclass_fields__)}")
-        return replace(self, records=tuple(r for r in self.records if all(getattr(r, k) == v for k, v in where.items())))
+            raise ProfileError(
+                "Profile.filter",
+                f"Record has no field {bad[0]!r}",
+                f"filter by {', '.join(Record.__dataclass_fields__)}",
+            )
+        return replace(
+            self,
+            records=tuple(
+                r for r in self.records if all(getattr(r, k) == v for k, v in where.items())
+            ),
+        )
 
     def count(self, **where: Any) -> int:
         """Number of collectives (matching ``where``, as :meth:`filter`)."""
@@ -262,14 +292,21 @@ class Profile:
         return sum(r.bus_bytes for r in self.filter(**where).records)
 
     def summary(self, by: Sequence[str] = ("axis", "op", "phase")) -> list[dict[str, Any]]:
-        """Rows grouped by the given Record fields, in first-seen order: the fields, ``count``, ``size``, ``bus_bytes``."""
+        """Rows grouped by the given Record fields, in first-seen order: the fields, ``count``,
+        ``size``, ``bus_bytes``."""
         bad = [k for k in by if k not in Record.__dataclass_fields__]
         if bad:
-            raise ProfileError("Profile.summary", f"Record has no field {bad[0]!r}", f"group by any of {', '.join(_KEYS)}")
+            raise ProfileError(
+                "Profile.summary",
+                f"Record has no field {bad[0]!r}",
+                f"group by any of {', '.join(_KEYS)}",
+            )
         rows: dict[tuple[Any, ...], dict[str, Any]] = {}
         for r in self.records:
             key = tuple(getattr(r, k) for k in by)
-            row = rows.setdefault(key, {**dict(zip(by, key)), "count": 0, "size": 0, "bus_bytes": 0.0})
+            row = rows.setdefault(
+                key, {**dict(zip(by, key)), "count": 0, "size": 0, "bus_bytes": 0.0}
+            )
             row["count"] += 1
             row["size"] += r.size
             row["bus_bytes"] += r.bus_bytes
@@ -279,10 +316,23 @@ class Profile:
         """:meth:`summary` as an aligned text table with a total row."""
         rows = self.summary(by)
         head = [*by, "count", "size (B)", "bus bytes"]
-        body = [[str(r[k]) for k in by] + [str(r["count"]), str(r["size"]), f"{r['bus_bytes']:.0f}"] for r in rows]
-        body.append(["total", *([""] * (len(by) - 1)), str(len(self.records)), str(self.size()), f"{self.bus_bytes():.0f}"])
+        body = [
+            [str(r[k]) for k in by] + [str(r["count"]), str(r["size"]), f"{r['bus_bytes']:.0f}"]
+            for r in rows
+        ]
+        body.append(
+            [
+                "total",
+                *([""] * (len(by) - 1)),
+                str(len(self.records)),
+                str(self.size()),
+                f"{self.bus_bytes():.0f}",
+            ]
+        )
         widths = [max(len(c[i]) for c in [head, *body]) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body])
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]
+        )
 
     def __str__(self) -> str:
         return self.table()
@@ -290,7 +340,8 @@ class Profile:
 
 # ====================================================================== tracing
 class _ModuleStack:
-    """Forward hooks on a module tree keeping the path of the module running now (per trace, not global)."""
+    """Forward hooks on a module tree keeping the path of the module running now (per trace, not
+    global)."""
 
     def __init__(self) -> None:
         self.stack: list[str] = []
@@ -304,6 +355,7 @@ class _ModuleStack:
         handles = []
         for root in modules:
             for name, m in root.named_modules():
+
                 def pre(_m: nn.Module, _a: Any, name: str = name) -> None:
                     self.stack.append(name)
 
@@ -327,9 +379,20 @@ class _Tagger(TorchFunctionMode):
         super().__init__()
         self.modules = modules
 
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if isinstance(func, torch._ops.OpOverload) and func.namespace == "fastdist" and isinstance(out, Tensor) and out.grad_fn is not None:
+        if (
+            isinstance(func, torch._ops.OpOverload)
+            and func.namespace == "fastdist"
+            and isinstance(out, Tensor)
+            and out.grad_fn is not None
+        ):
             node: Any = out.grad_fn
             node.metadata[_META_KEY] = self.modules.current
         return out
@@ -338,12 +401,20 @@ class _Tagger(TorchFunctionMode):
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Sees every ``fastdist::<op>`` per-rank op (forward and backward) and appends its Record."""
 
-    def __init__(self, names: Mapping[tuple[int, ...], tuple[str, ...]], modules: _ModuleStack) -> None:
+    def __init__(
+        self, names: Mapping[tuple[int, ...], tuple[str, ...]], modules: _ModuleStack
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.names, self.modules = names, modules
         self.records: list[Record] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if func.namespace == "fastdist":
             self._record(func, args, out)
@@ -357,39 +428,67 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         k = len(prim.inputs)
         tensors, mesh_shape, axes = args[:k], tuple(args[k]), tuple(args[k + 1])
         params = dict(zip(prim.param_names, args[k + 2 :]))
-        if name.endswith("_stacked"):  # a stacked op called directly on [world, ...] tensors: one rank's share
+        if name.endswith(
+            "_stacked"
+        ):  # a stacked op called directly on [world, ...] tensors: one rank's share
             tensors, out = tuple(_RankShare(t) for t in tensors), _RankShare(out)
         node: Any = torch._C._current_autograd_node()
         module = self.modules.current if node is None else str(node.metadata.get(_META_KEY, ""))
-        rec = _make_record(prim.name, tensors, out, mesh_shape, axes, params, self.names, node is not None, module)
+        rec = _make_record(
+            prim.name, tensors, out, mesh_shape, axes, params, self.names, node is not None, module
+        )
         if rec is not None:
             self.records.append(rec)
 
 
 class _RankShare:
-    """Shape and dtype of one rank's share of a stacked ``[world, ...]`` tensor (nothing is indexed)."""
+    """Shape and dtype of one rank's share of a stacked ``[world, ...]`` tensor (nothing is
+    indexed)."""
 
     def __init__(self, t: Tensor) -> None:
         self.shape, self.dtype = tuple(t.shape[1:]), t.dtype
 
 
-def _make_record(op: str, tensors: Sequence[Any], out: Any, mesh_shape: tuple[int, ...], axes: tuple[int, ...], params: Mapping[str, Any],
-                 names: Mapping[tuple[int, ...], tuple[str, ...]], backward: bool, module: str) -> Record | None:
-    """The Record of one per-rank collective (``tensors``/``out``: anything with ``shape`` and ``dtype``); None: moves no data."""
+def _make_record(
+    op: str,
+    tensors: Sequence[Any],
+    out: Any,
+    mesh_shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    params: Mapping[str, Any],
+    names: Mapping[tuple[int, ...], tuple[str, ...]],
+    backward: bool,
+    module: str,
+) -> Record | None:
+    """The Record of one per-rank collective (``tensors``/``out``: anything with ``shape`` and
+    ``dtype``); None: moves no data."""
     n = math.prod(mesh_shape[a] for a in axes)
     traffic = _traffic(op, n, tensors, params, out)
     if traffic is None or n <= 1:
         return None
     kind, size, senders, bound = traffic
     axis_names = names.get(mesh_shape)
-    axis = "+".join(axis_names[a] for a in axes) if axis_names else "+".join(f"axis{a}" for a in axes)
+    axis = (
+        "+".join(axis_names[a] for a in axes) if axis_names else "+".join(f"axis{a}" for a in axes)
+    )
     return Record(
-        op=op, axis=axis, n=n, kind=kind, size=size, bus_bytes=size * bus_factor(kind, n) * senders, steps=_steps(kind, n),
-        phase="backward" if backward else "forward", module=module, dtype=tensors[0].dtype, shape=tuple(tensors[0].shape), bound=bound,
+        op=op,
+        axis=axis,
+        n=n,
+        kind=kind,
+        size=size,
+        bus_bytes=size * bus_factor(kind, n) * senders,
+        steps=_steps(kind, n),
+        phase="backward" if backward else "forward",
+        module=module,
+        dtype=tensors[0].dtype,
+        shape=tuple(tensors[0].shape),
+        bound=bound,
     )
 
 
-_CONSTANT_NUMEL = 4096  # small tensors built from Python values stay real under the trace (their values are known)
+# small tensors built from Python values stay real under the trace (their values are known)
+_CONSTANT_NUMEL = 4096
 
 
 def _fake_mode() -> Any:
@@ -404,7 +503,12 @@ def _fake_mode() -> Any:
 
     class _Mode(FakeTensorMode):  # type: ignore[no-untyped-call]
         def may_turn_const(self, t: Tensor) -> bool:
-            return bool(t.numel() <= _CONSTANT_NUMEL and t.layout == torch.strided and not self.is_our_fake(t) and t.device.type != "meta")
+            return bool(
+                t.numel() <= _CONSTANT_NUMEL
+                and t.layout == torch.strided
+                and not self.is_our_fake(t)
+                and t.device.type != "meta"
+            )
 
     return _Mode(allow_non_fake_inputs=True)
 
@@ -412,12 +516,20 @@ def _fake_mode() -> Any:
 def _fake(mode: Any, t: Tensor, stacked: bool, device: torch.device) -> Tensor:
     if stacked:
         if t.dim() == 0:
-            raise ProfileError("trace", f"a tensor argument of shape {tuple(t.shape)} has no leading rank dim", "pass stacked=False for per-rank tensors")
+            raise ProfileError(
+                "trace",
+                f"a tensor argument of shape {tuple(t.shape)} has no leading rank dim",
+                "pass stacked=False for per-rank tensors",
+            )
         t = t[0]
     if t.is_meta:  # a meta tensor: a fake one of the same shape on `device`, nothing allocated
         with mode:
             f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-        return f.requires_grad_(t.requires_grad) if t.requires_grad and (t.is_floating_point() or t.is_complex()) else f
+        return (
+            f.requires_grad_(t.requires_grad)
+            if t.requires_grad and (t.is_floating_point() or t.is_complex())
+            else f
+        )
     g: Tensor = mode.from_tensor(t.detach())
     return g.requires_grad_(t.requires_grad) if t.requires_grad else g
 
@@ -467,16 +579,25 @@ def trace(
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"dp": 64, "tp": 64})   # 4096 ranks: nothing per rank is allocated
-    >>> prof = trace(lambda x: fd.psum_scatter(x, mesh, "dp"), mesh, torch.empty(1 << 20, device="meta"))
+    >>> x = torch.empty(1 << 20, device="meta")
+    >>> prof = trace(lambda x: fd.psum_scatter(x, mesh, "dp"), mesh, x)
     >>> prof.records[0].size, prof.records[0].n
     (4194304, 64)
     """
     all_meshes = [mesh, *meshes]
     for m in all_meshes:
         if not isinstance(m, Mesh):
-            raise ProfileError("trace", f"expected a fastdist.Mesh, got {type(m).__name__}", "pass the Mesh the step runs on")
+            raise ProfileError(
+                "trace",
+                f"expected a fastdist.Mesh, got {type(m).__name__}",
+                "pass the Mesh the step runs on",
+            )
         if simulation_of(m) is not None:
-            raise ProfileError("trace", f"{m!r} is being simulated right now", "call trace outside fastdist.simulate (it runs the per-rank code itself)")
+            raise ProfileError(
+                "trace",
+                f"{m!r} is being simulated right now",
+                "call trace outside fastdist.simulate (it runs the per-rank code itself)",
+            )
     dev = torch.device(device)
     mode = _fake_mode()
     conv = lambda a: _fake(mode, a, stacked, dev) if isinstance(a, Tensor) else a
@@ -486,9 +607,14 @@ def trace(
     recorder = _Recorder(names, stack)
     with ExitStack() as es:
         for module in modules:
-            state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+            state = {
+                **dict(module.named_parameters(remove_duplicate=False)),
+                **dict(module.named_buffers(remove_duplicate=False)),
+            }
             fake_state = {k: _fake_param(mode, v, dev) for k, v in state.items()}
-            es.enter_context(torch.nn.utils.stateless._reparametrize_module(module, fake_state, tie_weights=True))
+            es.enter_context(
+                torch.nn.utils.stateless._reparametrize_module(module, fake_state, tie_weights=True)
+            )
         es.enter_context(stack.hooks(modules))
         with mode:
             rank = torch.zeros((), dtype=torch.long, device=dev)
@@ -509,13 +635,16 @@ def _fake_param(mode: Any, t: Tensor, device: torch.device) -> Tensor:
 
 # ====================================================================== recording a step as it runs
 class _Running(threading.local):
-    """Per thread: inside a recorded collective (its inner calls are not recorded again), or inside :func:`trace`."""
+    """Per thread: inside a recorded collective (its inner calls are not recorded again), or inside
+    :func:`trace`."""
 
     depth = 0
 
 
 _RUNNING = _Running()
-_ACTIVE: list[Recording] = []  # recordings in progress, innermost last (a collective on any thread goes to each)
+_ACTIVE: list[
+    Recording
+] = []  # recordings in progress, innermost last (a collective on any thread goes to each)
 _INSTALL = threading.Lock()
 
 
@@ -530,7 +659,8 @@ def _quiet() -> Iterator[None]:
 
 
 def _unwrapped(t: Tensor) -> Tensor:
-    """The tensor under simulate's vmap (and any torch.func wrapper): the one that carries the autograd node."""
+    """The tensor under simulate's vmap (and any torch.func wrapper): the one that carries the
+    autograd node."""
     ft: Any = torch._C._functorch
     while ft.is_functorch_wrapped_tensor(t):
         t = ft.get_unwrapped(t)
@@ -588,7 +718,9 @@ class Recording:
 
     def __enter__(self) -> Recording:
         if self._hooks is not None:
-            raise ProfileError("record", "this recording is already open", "open a new record(...) for each block")
+            raise ProfileError(
+                "record", "this recording is already open", "open a new record(...) for each block"
+            )
         self._hooks = ExitStack()
         self._hooks.enter_context(self._stack.hooks(self._modules))
         with _INSTALL:
@@ -609,23 +741,46 @@ class Recording:
     def profile(self) -> Profile:
         return Profile(self.mesh, tuple(self._records))
 
-    def _add(self, op: str, tensors: Sequence[Any], out: Any, spec: Any, params: Mapping[str, Any], stacked: bool, node: Any) -> None:
+    def _add(
+        self,
+        op: str,
+        tensors: Sequence[Any],
+        out: Any,
+        spec: Any,
+        params: Mapping[str, Any],
+        stacked: bool,
+        node: Any,
+    ) -> None:
         if node is None:
             module = self._stack.current
             fn: Any = _unwrapped(out).grad_fn
-            if fn is not None:  # the backward collective this node will issue is attributed to the module running now
+            # the backward collective this node will issue is attributed to the module running now
+            if fn is not None:
                 fn.metadata[self._key] = module
         else:
             module = str(node.metadata.get(self._key, ""))
         if stacked:  # [world, ...] tensors (simulate's backward): one rank's share
             tensors, out = tuple(_RankShare(t) for t in tensors), _RankShare(out)
-        rec = _make_record(op, tensors, out, tuple(spec.mesh_shape), tuple(spec.axes), params, self._names, node is not None, module)
+        rec = _make_record(
+            op,
+            tensors,
+            out,
+            tuple(spec.mesh_shape),
+            tuple(spec.axes),
+            params,
+            self._names,
+            node is not None,
+            module,
+        )
         if rec is not None:
             self._records.append(rec)
 
 
-def record(mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Module] = ()) -> Recording:
-    """Record the collectives of a step while it really runs: on real ranks, or under :func:`fastdist.simulate`.
+def record(
+    mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Module] = ()
+) -> Recording:
+    """Record the collectives of a step while it really runs: on real ranks, or under
+    :func:`fastdist.simulate`.
 
     A context manager (``with record(mesh) as rec:``); ``rec.profile`` is the :class:`Profile`.
 
@@ -654,11 +809,16 @@ def record(mesh: Mesh, *, meshes: Sequence[Mesh] = (), modules: Sequence[nn.Modu
     """
     for m in [mesh, *meshes]:
         if not isinstance(m, Mesh):
-            raise ProfileError("record", f"expected a fastdist.Mesh, got {type(m).__name__}", "pass the Mesh the step runs on")
+            raise ProfileError(
+                "record",
+                f"expected a fastdist.Mesh, got {type(m).__name__}",
+                "pass the Mesh the step runs on",
+            )
     return Recording(mesh, meshes, modules)
 
 
-# ====================================================================== the network and the alpha-beta model
+# ====================================================================== the network and the
+# alpha-beta model
 @dataclass(frozen=True)
 class Link:
     """One level of the network, seen from one GPU.
@@ -692,18 +852,23 @@ class Network:
         """The link a group along ``axes`` of a row-major mesh runs over: ``intra`` if the
         group of rank 0 lies in one node, else ``inter`` (the slowest link bounds a ring)."""
         strides = [math.prod(mesh_sizes[i + 1 :]) for i in range(len(mesh_sizes))]
-        span = sum((mesh_sizes[a] - 1) * strides[a] for a in axes)  # rank 0's group: ranks 0 .. span
+        span = sum(
+            (mesh_sizes[a] - 1) * strides[a] for a in axes
+        )  # rank 0's group: ranks 0 .. span
         return self.intra if span < self.gpus_per_node else self.inter
 
 
 #: Documented defaults (see docs/profile.md for the sources). Bandwidths are per GPU and per
 #: direction; latencies are per message and are rough assumptions, not measurements.
 NETWORKS: dict[str, Network] = {
-    # DGX H100: NVLink 4, 900 GB/s bidirectional per GPU (450 GB/s each way); 8x ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU.
+    # DGX H100: NVLink 4, 900 GB/s bidirectional per GPU (450 GB/s each way); 8x ConnectX-7 NDR 400
+    # Gb/s (50 GB/s) per GPU.
     "dgx-h100": Network("dgx-h100", 8, Link(450e9, 3e-6), Link(50e9, 10e-6)),
-    # DGX A100: NVLink 3, 600 GB/s bidirectional per GPU (300 GB/s each way); 8x ConnectX-6 HDR 200 Gb/s (25 GB/s) per GPU.
+    # DGX A100: NVLink 3, 600 GB/s bidirectional per GPU (300 GB/s each way); 8x ConnectX-6 HDR 200
+    # Gb/s (25 GB/s) per GPU.
     "dgx-a100": Network("dgx-a100", 8, Link(300e9, 3e-6), Link(25e9, 10e-6)),
-    # 8 PCIe GPUs per node without NVLink (PCIe 4 x16, ~25 GB/s each way in practice) and 100 Gb/s Ethernet per node shared by 8 GPUs.
+    # 8 PCIe GPUs per node without NVLink (PCIe 4 x16, ~25 GB/s each way in practice) and 100 Gb/s
+    # Ethernet per node shared by 8 GPUs.
     "pcie-ethernet": Network("pcie-ethernet", 8, Link(25e9, 5e-6), Link(12.5e9 / 8, 30e-6)),
 }
 
@@ -714,7 +879,8 @@ def _record_time(r: Record, link: Link) -> float:
 
 @dataclass(frozen=True)
 class Layout:
-    """Axis sizes in mesh order (outer to inner: the last axis varies fastest, so it is the one kept inside a node).
+    """Axis sizes in mesh order (outer to inner: the last axis varies fastest, so it is the one
+    kept inside a node).
 
     Attributes:
         axes: ``(name, size)`` pairs of the axes of size > 1, outer to inner.
@@ -749,7 +915,8 @@ class Prediction:
 
 
 def predict(profile: Profile, network: Network) -> Prediction:
-    """Alpha-beta time of every collective of ``profile``, one after the other (no overlap, no congestion).
+    """Alpha-beta time of every collective of ``profile``, one after the other (no overlap, no
+    congestion).
 
     Each record costs ``steps * latency + bus_bytes / bandwidth`` on the link its group runs
     over (:meth:`Network.link`).
@@ -767,13 +934,23 @@ def predict(profile: Profile, network: Network) -> Prediction:
     by_phase: dict[str, float] = {}
     total = 0.0
     for r in profile.records:
-        idx = [names.index(a) for a in r.axis.split("+")] if all(a in names for a in r.axis.split("+")) else []
+        idx = (
+            [names.index(a) for a in r.axis.split("+")]
+            if all(a in names for a in r.axis.split("+"))
+            else []
+        )
         t = _record_time(r, network.link(sizes, idx))
         total += t
         by_axis[r.axis] = by_axis.get(r.axis, 0.0) + t
         by_phase[r.phase] = by_phase.get(r.phase, 0.0) + t
     axes = tuple((a, n) for a, n in zip(names, sizes) if n > 1) or tuple(zip(names, sizes))[:1]
-    return Prediction(Layout(axes, tuple(a for a in names if a not in dict(axes))), total, by_axis, by_phase, profile)
+    return Prediction(
+        Layout(axes, tuple(a for a in names if a not in dict(axes))),
+        total,
+        by_axis,
+        by_phase,
+        profile,
+    )
 
 
 def _factorizations(world: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -786,7 +963,13 @@ def _factorizations(world: int, k: int) -> Iterator[tuple[int, ...]]:
                 yield (d, *rest)
 
 
-def layouts(world: int, axes: Sequence[str], *, max_size: Mapping[str, int] | None = None, orders: bool = True) -> list[Layout]:
+def layouts(
+    world: int,
+    axes: Sequence[str],
+    *,
+    max_size: Mapping[str, int] | None = None,
+    orders: bool = True,
+) -> list[Layout]:
     """Every layout of ``world`` ranks over ``axes``: sizes multiplying to ``world`` (each at most
     ``max_size[axis]``), and with ``orders`` every order of the axes of size > 1 onto the ranks
     (which axes stay inside a node); otherwise the order given. Axes of size 1 are left out of
@@ -798,7 +981,11 @@ def layouts(world: int, axes: Sequence[str], *, max_size: Mapping[str, int] | No
     6
     """
     if world < 1 or not axes or len(set(axes)) != len(axes):
-        raise ProfileError("layouts", f"world={world!r}, axes={tuple(axes)!r}", "pass a positive world size and distinct axis names")
+        raise ProfileError(
+            "layouts",
+            f"world={world!r}, axes={tuple(axes)!r}",
+            "pass a positive world size and distinct axis names",
+        )
     limit = dict(max_size or {})
     out: list[Layout] = []
     seen: set[tuple[tuple[str, int], ...]] = set()
@@ -807,7 +994,7 @@ def layouts(world: int, axes: Sequence[str], *, max_size: Mapping[str, int] | No
             continue
         kept = [(a, s) for a, s in zip(axes, sizes) if s > 1] or [(axes[0], 1)]
         unit = tuple(a for a in axes if a not in dict(kept))
-        for perm in (itertools.permutations(kept) if orders else [tuple(kept)]):
+        for perm in itertools.permutations(kept) if orders else [tuple(kept)]:
             if perm not in seen:
                 seen.add(perm)
                 out.append(Layout(tuple(perm), unit))
@@ -829,10 +1016,19 @@ class Plan:
         """One line per layout: predicted time, and its share per axis."""
         axes = sorted({a for p in self.predictions for a in p.by_axis})
         head = ["rank", "layout", "time (ms)", *(f"{a} (ms)" for a in axes)]
-        body = [[str(i + 1), str(p.layout), f"{p.time * 1e3:.3f}", *(f"{p.by_axis.get(a, 0.0) * 1e3:.3f}" for a in axes)]
-                for i, p in enumerate(self.predictions)]
+        body = [
+            [
+                str(i + 1),
+                str(p.layout),
+                f"{p.time * 1e3:.3f}",
+                *(f"{p.by_axis.get(a, 0.0) * 1e3:.3f}" for a in axes),
+            ]
+            for i, p in enumerate(self.predictions)
+        ]
         widths = [max(len(c[i]) for c in [head, *body]) for i in range(len(head))]
-        return f"network: {self.network.name}\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body])
+        return f"network: {self.network.name}\n" + "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]
+        )
 
     def plot(self, ax: Any = None) -> Any:
         """A horizontal stacked bar per layout (time per axis); returns the matplotlib Axes."""
@@ -867,10 +1063,11 @@ def plan(
     """Profile ``build(layout.mesh)`` for every candidate layout and rank them by :func:`predict`.
 
     Args:
-        build: makes the step for a mesh and traces it (usually ``lambda mesh: trace(step_for(mesh), mesh, ...)``):
-            the per-rank shapes depend on the layout (a batch split over ``dp``, weights over
-            ``tp``), which only the step's author knows. The mesh has every axis of ``axes``, those
-            of size 1 included, so the step may call its collectives whatever the layout.
+        build: makes the step for a mesh and traces it (usually ``lambda mesh:
+            trace(step_for(mesh), mesh, ...)``): the per-rank shapes depend on the layout (a batch
+            split over ``dp``, weights over ``tp``), which only the step's author knows. The mesh
+            has every axis of ``axes``, those of size 1 included, so the step may call its
+            collectives whatever the layout.
         candidates: a list of :class:`Layout` (e.g. from :func:`layouts`), or a world size: then
             ``layouts(candidates, axes, max_size=max_size, orders=orders)``.
         network: a :class:`Network`, or the name of one in :data:`NETWORKS`.
@@ -884,23 +1081,41 @@ def plan(
     ...     def step(x, w):
     ...         fd.psum(fd.pvary(x, mesh, "tp") @ w @ w.T, mesh, "tp").sum().backward()
     ...         fd.psum(w.grad, mesh, "dp")
-    ...     return trace(step, mesh, torch.empty(512 // dp, 1024, device="meta"), torch.empty(1024, 4096 // tp, device="meta", requires_grad=True))
+    ...     x = torch.empty(512 // dp, 1024, device="meta")
+    ...     w = torch.empty(1024, 4096 // tp, device="meta", requires_grad=True)
+    ...     return trace(step, mesh, x, w)
     >>> p = plan(build, 16, "dgx-h100", axes=("dp", "tp"), max_size={"tp": 8})
     >>> str(p.best.layout)   # the 16 MiB/tp gradient all-reduce over dp stays inside a node
     'tp2 x dp8'
     """
     if isinstance(network, str):
         if network not in NETWORKS:
-            raise ProfileError("plan", f"no network named {network!r}", f"use one of {', '.join(NETWORKS)}, or pass a Network")
+            raise ProfileError(
+                "plan",
+                f"no network named {network!r}",
+                f"use one of {', '.join(NETWORKS)}, or pass a Network",
+            )
         network = NETWORKS[network]
-    cands = layouts(candidates, axes, max_size=max_size, orders=orders) if isinstance(candidates, int) else list(candidates)
+    cands = (
+        layouts(candidates, axes, max_size=max_size, orders=orders)
+        if isinstance(candidates, int)
+        else list(candidates)
+    )
     if not cands:
-        raise ProfileError("plan", "no candidate layout", "pass a world size, layouts(world, axes) or a non-empty list of Layout")
+        raise ProfileError(
+            "plan",
+            "no candidate layout",
+            "pass a world size, layouts(world, axes) or a non-empty list of Layout",
+        )
     preds = []
     for layout in cands:
         prof = build(layout.mesh)
         if not isinstance(prof, Profile):
-            raise ProfileError("plan", f"build returned {type(prof).__name__} for {layout}, not a Profile", "return trace(step, mesh, ...) from build")
+            raise ProfileError(
+                "plan",
+                f"build returned {type(prof).__name__} for {layout}, not a Profile",
+                "return trace(step, mesh, ...) from build",
+            )
         preds.append(replace(predict(prof, network), layout=layout))
     return Plan(network, tuple(sorted(preds, key=lambda p: p.time)))
 
@@ -925,7 +1140,11 @@ def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) ->
         if backward:
             loss = out if isinstance(out, Tensor) else out.loss
             if loss is None:
-                raise ProfileError("trace_model", "the model's output has no loss to differentiate", "pass labels=..., or backward=False")
+                raise ProfileError(
+                    "trace_model",
+                    "the model's output has no loss to differentiate",
+                    "pass labels=..., or backward=False",
+                )
             loss.sum().backward()
 
     return trace(step, model.mesh, params, args, kwargs, modules=[model.module])

@@ -68,15 +68,21 @@ class ReplicationError(FastdistError, ValueError):
     Attributes: ``op``, ``axis``, ``where`` (the user's source line), ``fix``.
     """
 
-    def __init__(self, op: str, axis: object, problem: str, fix: str, where: str | None = None) -> None:
+    def __init__(
+        self, op: str, axis: object, problem: str, fix: str, where: str | None = None
+    ) -> None:
         self.op, self.axis, self.fix = op, axis, fix
         self.where = where if where is not None else _user_line()
-        super().__init__(f"fastdist check: {op} over axis {axis!r} on every rank, at {self.where}: {problem}. Fix: {fix}")
+        super().__init__(
+            f"fastdist check: {op} over axis {axis!r} on every rank, at {self.where}: {problem}. "
+            f"Fix: {fix}"
+        )
 
 
 @dataclass(frozen=True)
 class Rep:
-    """Per-axis replication state: the axes a value varies over, and those it is a partial sum over."""
+    """Per-axis replication state: the axes a value varies over, and those it is a partial sum
+    over."""
 
     varying: frozenset[str] = frozenset()
     partial: frozenset[str] = frozenset()
@@ -85,16 +91,91 @@ class Rep:
         return "V" if axis in self.varying else "P" if axis in self.partial else "I"
 
 
-# ----------------------------------------------------------------------------- op classes for partial values
+# ----------------------------------------------------------------------------- op classes for
+# partial values
 _LINEAR_UNARY = {
-    "neg", "__neg__", "clone", "contiguous", "to", "float", "double", "half", "bfloat16", "reshape", "view", "view_as", "flatten",
-    "unflatten", "transpose", "permute", "t", "squeeze", "unsqueeze", "expand", "expand_as", "movedim", "narrow", "select",
-    "__getitem__", "chunk", "split", "unbind", "sum", "mean", "cumsum", "detach", "real", "imag", "conj",
+    "neg",
+    "__neg__",
+    "clone",
+    "contiguous",
+    "to",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "reshape",
+    "view",
+    "view_as",
+    "flatten",
+    "unflatten",
+    "transpose",
+    "permute",
+    "t",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "expand_as",
+    "movedim",
+    "narrow",
+    "select",
+    "__getitem__",
+    "chunk",
+    "split",
+    "unbind",
+    "sum",
+    "mean",
+    "cumsum",
+    "detach",
+    "real",
+    "imag",
+    "conj",
 }
-_ADDITIVE = {"add", "sub", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__", "add_", "sub_"}
-_SCALING = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "mul_", "div_", "__imul__", "__itruediv__", "outer", "tensordot"}
+_ADDITIVE = {
+    "add",
+    "sub",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__iadd__",
+    "__isub__",
+    "add_",
+    "sub_",
+}
+_SCALING = {
+    "mul",
+    "__mul__",
+    "__rmul__",
+    "div",
+    "__truediv__",
+    "matmul",
+    "__matmul__",
+    "__rmatmul__",
+    "mm",
+    "bmm",
+    "einsum",
+    "mul_",
+    "div_",
+    "__imul__",
+    "__itruediv__",
+    "outer",
+    "tensordot",
+}
 _JOIN = {"cat", "stack", "concat", "concatenate"}
-_INTROSPECTION = {"__get__", "size", "dim", "numel", "__len__", "__repr__", "__format__", "is_floating_point", "is_complex", "is_contiguous", "data_ptr", "stride"}
+_INTROSPECTION = {
+    "__get__",
+    "size",
+    "dim",
+    "numel",
+    "__len__",
+    "__repr__",
+    "__format__",
+    "is_floating_point",
+    "is_complex",
+    "is_contiguous",
+    "data_ptr",
+    "stride",
+}
 
 
 class RepTracker:
@@ -130,7 +211,8 @@ class RepTracker:
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
-        """Run fastdist's own code unobserved (the mode passes ops through; collectives skip the tracker)."""
+        """Run fastdist's own code unobserved (the mode passes ops through; collectives skip the
+        tracker)."""
         self._suspended += 1
         push_check(self.mesh, None)  # collectives on the mesh see no check while suspended
         try:
@@ -151,12 +233,23 @@ class RepTracker:
     def _outside_tensor(self, op: str, t: Tensor, axes: Sequence[str]) -> None:
         if self.simulated and needs_grad(t) and not self.known(t):
             raise ReplicationError(
-                op, tuple(axes), "a tensor that requires grad comes from outside the spmd function (a closure?); on simulated ranks its gradient would be summed over ranks",
+                op,
+                tuple(axes),
+                "a tensor that requires grad comes from outside the spmd function (a closure?); "
+                "on simulated ranks its gradient would be summed over ranks",
                 "pass it as an argument with an in_spec (P() for a replicated parameter)",
             )
 
     # --------------------------------------------------------------- collectives
-    def collective(self, prim: Any, mesh: Mesh, x: Tensor, spec: Any, params: dict[str, Any], extra: Sequence[Tensor] = ()) -> Tensor:
+    def collective(
+        self,
+        prim: Any,
+        mesh: Mesh,
+        x: Tensor,
+        spec: Any,
+        params: dict[str, Any],
+        extra: Sequence[Tensor] = (),
+    ) -> Tensor:
         names = [mesh.axis_names[i] for i in spec.axes]
         if prim.replication is None:
             with self.suspended():
@@ -172,24 +265,37 @@ class RepTracker:
             if st == "I" and "V" in accepted:
                 if self.mode == "error" and needs_grad(x):
                     raise ReplicationError(
-                        prim.name, label, f"its input is invariant over {a!r} but {prim.name} needs a value that varies over it",
+                        prim.name,
+                        label,
+                        f"its input is invariant over {a!r} but {prim.name} needs a value that "
+                        "varies over it",
                         f"call fastdist.pvary(x, mesh, {a!r}) first (or run with check='insert')",
                     )
                 self._outside_tensor(prim.name, x, [a])
                 to_vary.append(a)
                 continue
-            raise ReplicationError(prim.name, label, _explain(prim.name, st, a, accepted), _fix(prim.name, st, a))
+            raise ReplicationError(
+                prim.name, label, _explain(prim.name, st, a, accepted), _fix(prim.name, st, a)
+            )
         if to_vary:
             x = self._pvary(x, to_vary)
             rep = self.get(x)
         with self.suspended():
             out = cast(Tensor, prim.bind(x, *extra, spec=spec, **params))
         axes = set(names)
-        self.set(out, Rep((rep.varying - axes) | (axes if produced == "V" else set()), (rep.partial - axes) | (axes if produced == "P" else set())))
+        self.set(
+            out,
+            Rep(
+                (rep.varying - axes) | (axes if produced == "V" else set()),
+                (rep.partial - axes) | (axes if produced == "P" else set()),
+            ),
+        )
         return out
 
     # --------------------------------------------------------------- ordinary torch ops
-    def torch_op(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def torch_op(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         name = getattr(func, "__name__", str(func))
         leaves = pytree.tree_leaves((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, Tensor)]
@@ -216,17 +322,24 @@ class RepTracker:
             inplace = name.endswith("_") and not name.endswith("__") or name.startswith("__i")
             if self.mode == "error" or inplace:
                 wraps = " and ".join(
-                    f"operand {i} in fastdist.pvary(t, mesh, {_label(needs[id(t)])!r})" for i, t in enumerate(tensors) if id(t) in needs
+                    f"operand {i} in fastdist.pvary(t, mesh, {_label(needs[id(t)])!r})"
+                    for i, t in enumerate(tensors)
+                    if id(t) in needs
                 )
                 raise ReplicationError(
-                    f"torch {name}", label, "an invariant value that requires grad meets a value that varies over the axis; without a pvary its gradient misses the other ranks' contributions",
+                    f"torch {name}",
+                    label,
+                    "an invariant value that requires grad meets a value that varies over the "
+                    "axis; without a pvary its gradient misses the other ranks' contributions",
                     f"wrap {wraps}" + ("" if inplace else " (or run with check='insert')"),
                 )
             for t in tensors:
                 if id(t) in needs:
                     self._outside_tensor(f"torch {name}", t, needs[id(t)])
             swap = {id(t): self._pvary(t, needs[id(t)]) for t in tensors if id(t) in needs}
-            args, kwargs = pytree.tree_map(lambda v: swap.get(id(v), v) if isinstance(v, Tensor) else v, (args, kwargs))
+            args, kwargs = pytree.tree_map(
+                lambda v: swap.get(id(v), v) if isinstance(v, Tensor) else v, (args, kwargs)
+            )
         out = func(*args, **kwargs)
         rep = Rep(varying, out_partial)
         for o in pytree.tree_leaves(out):
@@ -239,10 +352,16 @@ def _label(axes: Sequence[str]) -> Any:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _partial_ok(name: str, args: tuple[Any, ...], tensors: list[Tensor], reps: list[Rep], axis: str) -> bool:
+def _partial_ok(
+    name: str, args: tuple[Any, ...], tensors: list[Tensor], reps: list[Rep], axis: str
+) -> bool:
     """True if ``name`` keeps a partial sum over ``axis`` partial; raise where it would break it."""
     states = [r.state(axis) for r in reps]
-    scalars = [a for a in pytree.tree_leaves(args) if isinstance(a, (int, float, complex)) and not isinstance(a, bool)]
+    scalars = [
+        a
+        for a in pytree.tree_leaves(args)
+        if isinstance(a, (int, float, complex)) and not isinstance(a, bool)
+    ]
     if name in _LINEAR_UNARY and len(tensors) == 1:
         return True
     if name in _ADDITIVE and all(s == "P" for s in states) and not scalars:
@@ -253,21 +372,34 @@ def _partial_ok(name: str, args: tuple[Any, ...], tensors: list[Tensor], reps: l
     if name in _JOIN and all(s == "P" for s in states):
         return True
     raise ReplicationError(
-        f"torch {name}", axis, f"a partial sum over {axis!r} (each rank holds an addend) enters {name}, which does not keep it a sum of the ranks' values",
-        f"psum it over {axis!r} first, or keep it in linear ops (P + P, P * invariant, P @ invariant, views, sums)",
+        f"torch {name}",
+        axis,
+        f"a partial sum over {axis!r} (each rank holds an addend) enters {name}, which does not "
+        "keep it a sum of the ranks' values",
+        f"psum it over {axis!r} first, or keep it in linear ops (P + P, P * invariant, P @ "
+        "invariant, views, sums)",
     )
 
 
 def _explain(op: str, state: str, axis: str, accepted: str) -> str:
     words = {"V": "varying", "I": "invariant", "P": "partial"}
-    return f"its input is {words[state]} over {axis!r}; {op} accepts {' or '.join(words[s] for s in accepted)} values"
+    return (
+        f"its input is {words[state]} over {axis!r}; {op} accepts "
+        f"{' or '.join(words[s] for s in accepted)} values"
+    )
 
 
 def _fix(op: str, state: str, axis: str) -> str:
     if op == "pvary" and state == "V":
-        return f"remove the pvary: the value already varies over {axis!r} (pvary's backward would all-reduce a per-rank gradient)"
+        return (
+            f"remove the pvary: the value already varies over {axis!r} (pvary's backward would "
+            "all-reduce a per-rank gradient)"
+        )
     if op == "local_chunk" and state == "V":
-        return f"slice the value directly; local_chunk takes a replicated value and its backward gathers over {axis!r}"
+        return (
+            "slice the value directly; local_chunk takes a replicated value and its backward "
+            f"gathers over {axis!r}"
+        )
     if state == "P":
         return f"psum (or psum_scatter) the partial value over {axis!r} first"
     return "see docs/gradients.md for the state table"
@@ -278,7 +410,13 @@ class _RepMode(TorchFunctionMode):
         super().__init__()
         self.tracker = tracker
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if self.tracker._suspended:
             return func(*args, **kwargs)
@@ -307,7 +445,8 @@ def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     >>> def row_parallel(x, w, b):
     ...     y = fd.as_partial(x @ w, mesh, "tp")   # each rank: a partial product
     ...     return fd.psum(y, mesh, "tp") + b      # bias after the sum (y + b would raise)
-    >>> f = fd.spmd(row_parallel, mesh, in_specs=(fd.P(None, "tp"), fd.P("tp", None), fd.P()), out_specs=fd.P())
+    >>> in_specs = (fd.P(None, "tp"), fd.P("tp", None), fd.P())
+    >>> f = fd.spmd(row_parallel, mesh, in_specs=in_specs, out_specs=fd.P())
     >>> x, w, b = torch.ones(2, 4), torch.ones(4, 3), torch.ones(3)
     >>> bool(torch.equal(f(x, w, b), x @ w + b))
     True
@@ -321,7 +460,10 @@ def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     for a in names:
         if rep.state(a) == "I":
             raise ReplicationError(
-                "as_partial", _label(names), f"the value is invariant over {a!r}; as a partial sum every rank's copy would be added",
+                "as_partial",
+                _label(names),
+                f"the value is invariant over {a!r}; as a partial sum every rank's copy would be "
+                "added",
                 "declare partial only what each rank computed from its own shard",
             )
     with tracker.suspended():

@@ -39,10 +39,19 @@ class PartitionSpec:
     P(('dp', 'tp'), None)
     """
 
-    def __init__(self, *dims: None | str | tuple[str, ...], partial: str | Sequence[str] = ()) -> None:
+    def __init__(
+        self, *dims: None | str | tuple[str, ...], partial: str | Sequence[str] = ()
+    ) -> None:
         for d in dims:
-            if not (d is None or isinstance(d, str) or (isinstance(d, tuple) and d and all(isinstance(a, str) for a in d))):
-                raise MeshError(f"PartitionSpec: each entry is None, an axis name or a tuple of names, got {d!r}")
+            if not (
+                d is None
+                or isinstance(d, str)
+                or (isinstance(d, tuple) and d and all(isinstance(a, str) for a in d))
+            ):
+                raise MeshError(
+                    "PartitionSpec: each entry is None, an axis name or a tuple of names, got "
+                    f"{d!r}"
+                )
         self.dims = tuple(dims)
         self.partial = (partial,) if isinstance(partial, str) else tuple(partial)
 
@@ -55,27 +64,36 @@ class PartitionSpec:
         return tuple(a for i in range(len(self.dims)) for a in self.axes_of(i))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PartitionSpec) and (self.dims, self.partial) == (other.dims, other.partial)
+        return isinstance(other, PartitionSpec) and (self.dims, self.partial) == (
+            other.dims,
+            other.partial,
+        )
 
     def __hash__(self) -> int:
         return hash((self.dims, self.partial))
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(d) for d in self.dims)
-        return f"P({inner}{', ' if inner and self.partial else ''}{f'partial={self.partial!r}' if self.partial else ''})"
+        if self.partial:
+            inner += f"{', ' if inner else ''}partial={self.partial!r}"
+        return f"P({inner})"
 
 
 P = PartitionSpec
 
 
 def block_of(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
-    """The block of global ``x`` that ``rank`` holds under ``spec`` (a view; replicated axes: the whole dim)."""
+    """The block of global ``x`` that ``rank`` holds under ``spec`` (a view; replicated axes: the
+    whole dim)."""
     for d in range(len(spec.dims)):
         names = spec.axes_of(d)
         if names:
             n, i = mesh.axis_size(names), mesh.index(rank, names)
             if x.shape[d] % n:
-                raise MeshError(f"PartitionSpec: {spec!r} splits dim {d} (size {x.shape[d]}) over {names} ({n} ranks), which does not divide it. Fix: pad dim {d} to a multiple of {n}")
+                raise MeshError(
+                    f"PartitionSpec: {spec!r} splits dim {d} (size {x.shape[d]}) over {names} ({n} "
+                    f"ranks), which does not divide it. Fix: pad dim {d} to a multiple of {n}"
+                )
             x = x.narrow(d, i * (x.shape[d] // n), x.shape[d] // n)
     return x
 
@@ -87,26 +105,35 @@ def check_spec(where: str, mesh: Mesh, spec: Any, t: Tensor | None) -> Partition
     for a in seen:
         mesh.axis_indices(a, f"spmd {where}")
     if len(set(seen)) != len(seen):
-        raise MeshError(f"spmd: {where} {spec!r} uses a mesh axis twice. Fix: name each axis at most once per spec")
+        raise MeshError(
+            f"spmd: {where} {spec!r} uses a mesh axis twice. Fix: name each axis at most once per "
+            "spec"
+        )
     if t is not None:
         if len(spec.dims) > t.dim():
-            raise MeshError(f"spmd: {where} {spec!r} has {len(spec.dims)} entries but the tensor is {t.dim()}-d {tuple(t.shape)}")
+            raise MeshError(
+                f"spmd: {where} {spec!r} has {len(spec.dims)} entries but the tensor is "
+                f"{t.dim()}-d {tuple(t.shape)}"
+            )
         for i in range(len(spec.dims)):
             n = mesh.axis_size(spec.axes_of(i)) if spec.axes_of(i) else 1
             if t.shape[i] % n:
                 raise MeshError(
-                    f"spmd: {where} {spec!r} splits dim {i} (size {t.shape[i]}) over {spec.axes_of(i)} ({n} ranks), which does not divide it. "
+                    f"spmd: {where} {spec!r} splits dim {i} (size {t.shape[i]}) over "
+                    f"{spec.axes_of(i)} ({n} ranks), which does not divide it. "
                     f"Fix: pad dim {i} to a multiple of {n}"
                 )
     return spec
 
 
 def holders(spec: PartitionSpec, mesh: Mesh) -> list[int]:
-    """One rank per block of ``spec``: the ranks at coordinate 0 on every axis the spec does not shard."""
+    """One rank per block of ``spec``: the ranks at coordinate 0 on every axis the spec does not
+    shard."""
     unsharded = [a for a in mesh.axis_names if a not in spec.sharded_axes]
     return [r for r in range(mesh.size) if all(mesh.index(r, a) == 0 for a in unsharded)]
 
 
 def blocks(x: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
-    """``[world, *local]``: every rank's block of global ``x`` under ``spec``, stacked (one copy)."""
+    """``[world, *local]``: every rank's block of global ``x`` under ``spec``, stacked (one
+    copy)."""
     return torch.stack([block_of(x, spec, mesh, r) for r in range(mesh.size)])

@@ -101,7 +101,8 @@ def simulate(
     for other in meshes:
         if not isinstance(other, Mesh) or other.size != mesh.size:
             raise MeshError(
-                f"simulate: every mesh in meshes= must be a Mesh of {mesh.size} ranks like {mesh!r}, got {other!r}"
+                f"simulate: every mesh in meshes= must be a Mesh of {mesh.size} ranks like "
+                f"{mesh!r}, got {other!r}"
             )
 
     @functools.wraps(fn)
@@ -111,18 +112,23 @@ def simulate(
         for t in tensors:
             if t.dim() == 0 or t.shape[0] != mesh.size:
                 raise MeshError(
-                    f"simulate({getattr(fn, '__name__', 'fn')}): a tensor argument has shape {tuple(t.shape)}; "
-                    f"every tensor needs a leading rank dimension of size {mesh.size} for {mesh!r}. "
-                    f"Fix: stack the per-rank values (torch.stack) or expand a replicated one (x.expand({mesh.size}, *x.shape))"
+                    f"simulate({getattr(fn, '__name__', 'fn')}): a tensor argument has shape "
+                    f"{tuple(t.shape)}; every tensor needs a leading rank dimension of size "
+                    f"{mesh.size} for {mesh!r}. Fix: stack the per-rank values (torch.stack) or "
+                    f"expand a replicated one (x.expand({mesh.size}, *x.shape))"
                 )
         in_dims = pytree.tree_map(lambda a: 0 if isinstance(a, Tensor) else None, args)
         device = tensors[0].device if tensors else None
 
         def per_rank(rank: Tensor, *rank_args: Any) -> R:
-            push_simulation(all_meshes, _Binding(rank, mesh.size))  # this thread, for this call only
+            push_simulation(
+                all_meshes, _Binding(rank, mesh.size)
+            )  # this thread, for this call only
             try:
                 if batch_sdpa:
-                    with SdpaMode():  # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
+                    with (
+                        SdpaMode()
+                    ):  # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
                         return fn(*rank_args, **kwargs)
                 return fn(*rank_args, **kwargs)
             finally:
@@ -146,14 +152,16 @@ def rank_binding(op: str, mesh: Mesh) -> _Binding | None:
     if mesh.size == 1:
         return None
     raise NoBackendError(
-        f"fastdist.{op}: {mesh!r} has {mesh.size} ranks but no backend here: no simulation of this mesh is running. "
+        f"fastdist.{op}: {mesh!r} has {mesh.size} ranks but no backend here: no simulation of "
+        "this mesh is running. "
         "Fix: call the per-rank code through fastdist.simulate(fn, mesh) "
         "(pass further meshes it uses as simulate(fn, mesh, meshes=[...]))"
     )
 
 
 def promote(op: str, x: Tensor, binding: _Binding | None) -> Tensor:
-    """Make ``x`` carry the simulated rank dimension (a tensor built inside ``fn`` from constants does not).
+    """Make ``x`` carry the simulated rank dimension (a tensor built inside ``fn`` from constants
+    does not).
 
     In eager mode also refuses an input that a ``torch.vmap`` *inside* the simulation
     batches: the collective's vmap rule would take that vmap's dimension for the ranks.
@@ -168,7 +176,8 @@ def promote(op: str, x: Tensor, binding: _Binding | None) -> Tensor:
 
 
 def _has_rank_dim(op: str, x: Tensor, binding: _Binding) -> bool:
-    """Whether ``x`` is already batched over the simulated ranks; refuses one batched by an inner vmap."""
+    """Whether ``x`` is already batched over the simulated ranks; refuses one batched by an inner
+    vmap."""
     functorch = torch._C._functorch
     rank_level = functorch.maybe_get_level(binding.rank)
     t = x
@@ -176,8 +185,8 @@ def _has_rank_dim(op: str, x: Tensor, binding: _Binding) -> bool:
         if functorch.is_batchedtensor(t):
             raise NoBackendError(
                 f"fastdist.{op}: its input is batched by a torch.vmap inside fastdist.simulate; "
-                "the collective would take that vmap's dimension for the ranks. "
-                "Fix: move the vmap outside simulate (vmap over simulate is supported), or loop instead"
+                "the collective would take that vmap's dimension for the ranks. Fix: "
+                "move the vmap outside simulate (vmap over simulate is supported), or loop instead"
             )
         t = functorch.get_unwrapped(t)  # a torch.func.grad wrapper: look underneath
     return bool(functorch.maybe_get_level(t) == rank_level and functorch.is_batchedtensor(t))

@@ -1,4 +1,5 @@
-"""``spmd``: fastdist's ``shard_map``. Split global inputs by spec, run per-rank code, join the outputs.
+"""``spmd``: fastdist's ``shard_map``. Split global inputs by spec, run per-rank code, join the
+outputs.
 
 On simulated meshes the per-rank function runs under :func:`fastdist.simulate`; on real ranks
 each process runs its own shard. The replication states of the outputs are checked against the
@@ -16,8 +17,8 @@ from torch import Tensor
 from ._primitive import apply_function
 from .errors import MeshError
 from .replication import CheckMode, Rep, ReplicationError, RepTracker, tracking
-from .simulate import simulate
 from .sharding import PartitionSpec, block_of, blocks, check_spec, holders
+from .simulate import simulate
 
 if TYPE_CHECKING:
     from .mesh import Mesh
@@ -52,7 +53,11 @@ class _ShardStacked(torch.autograd.Function):
         full = g.new_zeros(ctx.shape)
         for r in range(mesh.size):
             block_of(full, spec, mesh, r).add_(g[r])  # this rank's block, into its place
-        return full / (mesh.size // mesh.axis_size(spec.sharded_axes)), None, None  # the mean over each block's holders
+        return (
+            full / (mesh.size // mesh.axis_size(spec.sharded_axes)),
+            None,
+            None,
+        )  # the mean over each block's holders
 
 
 class _UnshardStacked(torch.autograd.Function):
@@ -64,7 +69,10 @@ class _UnshardStacked(torch.autograd.Function):
 
     @staticmethod
     def forward(y: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
-        shape = [n * (mesh.axis_size(spec.axes_of(d)) if d < len(spec.dims) and spec.axes_of(d) else 1) for d, n in enumerate(y.shape[1:])]
+        shape = [
+            n * (mesh.axis_size(spec.axes_of(d)) if d < len(spec.dims) and spec.axes_of(d) else 1)
+            for d, n in enumerate(y.shape[1:])
+        ]
         full = y.new_empty(shape)  # the global shape: each sharded dim times its axes' size
         for r in holders(spec, mesh):
             block_of(full, spec, mesh, r).copy_(y[r])
@@ -87,9 +95,10 @@ def _refuse_checked_compile(mode: str) -> None:
     (wrong gradients), so it is refused instead.
     """
     raise MeshError(
-        f"spmd: check={mode!r} runs eagerly only (its replication bookkeeping cannot be traced by torch.compile, and compiling "
-        "the step unchecked would drop the pvary it inserts: wrong gradients). Fix: run the step once eagerly with "
-        "check='error', write the pvary calls it names, and compile fd.spmd(..., check=False)"
+        f"spmd: check={mode!r} runs eagerly only (its replication bookkeeping cannot be traced by "
+        "torch.compile, and compiling the step unchecked would drop the pvary it inserts: "
+        "wrong gradients). Fix: run the step once eagerly with check='error', write the pvary "
+        "calls it names, and compile fd.spmd(..., check=False)"
     )
 
 
@@ -101,7 +110,8 @@ def spmd(
     *,
     check: CheckMode | bool | None = None,
 ) -> Callable[..., R]:
-    """Call per-rank ``fn`` on global tensors: split the inputs by ``in_specs``, join the outputs by ``out_specs``.
+    """Call per-rank ``fn`` on global tensors: split the inputs by ``in_specs``, join the outputs
+    by ``out_specs``.
 
     Like JAX's ``shard_map``. Every positional argument gets a spec (``None`` for a
     non-tensor); the function sees each rank's shard and returns per-rank values, whose
@@ -123,7 +133,9 @@ def spmd(
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
-    >>> f = fd.spmd(lambda x, w: fd.psum(x @ w, mesh, "tp"), mesh, in_specs=(fd.P(None, "tp"), fd.P("tp", None)), out_specs=fd.P())
+    >>> in_specs = (fd.P(None, "tp"), fd.P("tp", None))
+    >>> matmul = lambda x, w: fd.psum(x @ w, mesh, "tp")
+    >>> f = fd.spmd(matmul, mesh, in_specs=in_specs, out_specs=fd.P())
     >>> x, w = torch.ones(3, 4), torch.ones(4, 5)
     >>> bool(torch.equal(f(x, w), x @ w))
     True
@@ -141,7 +153,9 @@ def spmd(
     if mode is not None and mode not in ("insert", "error"):
         raise MeshError(f"spmd: check must be 'insert', 'error', True or False, got {check!r}")
     single_out = isinstance(out_specs, PartitionSpec)
-    outs: list[PartitionSpec] = [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
+    outs: list[PartitionSpec] = (
+        [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
+    )
     for i, s in enumerate(outs):
         check_spec(f"out_specs[{i}]", mesh, s, None)
 
@@ -154,7 +168,7 @@ def spmd(
         # as local_chunk / all_gather_invariant per rank, without world-sized copies.
         local = []
         states: list[Rep | None] = []
-        for i, (a, s) in enumerate(zip(args, in_specs)):
+        for a, s in zip(args, in_specs):
             if isinstance(a, Tensor):
                 s = cast(PartitionSpec, s)
                 for d in range(len(s.dims) if not simulated else 0):
@@ -177,7 +191,9 @@ def spmd(
 
         items = [result] if single else list(result)
         if len(items) != len(specs):
-            raise MeshError(f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}")
+            raise MeshError(
+                f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}"
+            )
         joined = []
         for y, s in zip(items, specs):
             if s.partial:
@@ -191,27 +207,47 @@ def spmd(
 
     def run(*args: Any) -> R:
         if len(args) != len(in_specs):
-            raise MeshError(f"spmd: got {len(args)} arguments but {len(in_specs)} in_specs. Fix: one spec per argument (None for non-tensors)")
+            raise MeshError(
+                f"spmd: got {len(args)} arguments but {len(in_specs)} in_specs. Fix: one spec per "
+                "argument (None for non-tensors)"
+            )
         for i, (a, s) in enumerate(zip(args, in_specs)):
             if isinstance(a, Tensor):
                 if check_spec(f"in_specs[{i}]", mesh, s, a).partial:
-                    raise MeshError(f"spmd: in_specs[{i}] {s!r} is partial; partial= is for out_specs. Fix: pass the summed global value")
+                    raise MeshError(
+                        f"spmd: in_specs[{i}] {s!r} is partial; partial= is for out_specs. Fix: "
+                        "pass the summed global value"
+                    )
         if not simulated:
             return cast(R, per_rank(*args))
-    
-        stacked = [apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a for a, s in zip(args, in_specs)]
+
+        stacked = [
+            apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a
+            for a, s in zip(args, in_specs)
+        ]
         out = simulate(per_rank, mesh)(*stacked)
-        full = tuple(apply_function(_UnshardStacked, o, s, mesh) for o, s in zip([out] if single_out else out, outs))
+        full = tuple(
+            apply_function(_UnshardStacked, o, s, mesh)
+            for o, s in zip([out] if single_out else out, outs)
+        )
         return cast(R, full[0] if single_out else full)
 
     return run
 
 
 def checked_call(
-    fn: Callable[..., Any], mesh: Mesh, mode: CheckMode | None, args: Sequence[Any], states: Sequence[Rep | None],
-    out_specs: list[PartitionSpec], single_out: bool, *, simulated: bool,
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    mode: CheckMode | None,
+    args: Sequence[Any],
+    states: Sequence[Rep | None],
+    out_specs: list[PartitionSpec],
+    single_out: bool,
+    *,
+    simulated: bool,
 ) -> Any:
-    """Run per-rank ``fn`` on local ``args`` whose replication ``states`` are known; check its outputs.
+    """Run per-rank ``fn`` on local ``args`` whose replication ``states`` are known; check its
+    outputs.
 
     The core of :func:`spmd`, without the sharding and joining (``fastdist.testing`` uses it
     to compare every rank's gradients).
@@ -228,7 +264,9 @@ def checked_call(
     return result
 
 
-def _check_outputs(tracker: RepTracker, result: Any, specs: list[PartitionSpec], single: bool) -> None:
+def _check_outputs(
+    tracker: RepTracker, result: Any, specs: list[PartitionSpec], single: bool
+) -> None:
     items = [result] if single else list(result) if isinstance(result, (tuple, list)) else [result]
     for i, (y, s) in enumerate(zip(items, specs)):
         if not isinstance(y, Tensor):
@@ -241,15 +279,30 @@ def _check_outputs(tracker: RepTracker, result: Any, specs: list[PartitionSpec],
                 continue
             if a in s.partial:
                 if st == "I":
-                    raise ReplicationError("spmd out_specs", a, f"output {i} is invariant over {a!r} but {s!r} declares it partial (its copies would be summed)", f"drop partial={a!r} from the spec", where="spmd output")
+                    raise ReplicationError(
+                        "spmd out_specs",
+                        a,
+                        f"output {i} is invariant over {a!r} but {s!r} declares it partial (its "
+                        "copies would be summed)",
+                        f"drop partial={a!r} from the spec",
+                        where="spmd output",
+                    )
                 continue
             if st == "V":
                 raise ReplicationError(
-                    "spmd out_specs", a, f"output {i} varies over {a!r} but {s!r} does not name {a!r}, which declares it replicated",
-                    f"psum/pmean/all_gather_invariant it over {a!r} inside fn, or split a dim over {a!r} in the out spec", where="spmd output",
+                    "spmd out_specs",
+                    a,
+                    f"output {i} varies over {a!r} but {s!r} does not name {a!r}, which declares "
+                    "it replicated",
+                    f"psum/pmean/all_gather_invariant it over {a!r} inside fn, or split a dim "
+                    f"over {a!r} in the out spec",
+                    where="spmd output",
                 )
             if st == "P":
                 raise ReplicationError(
-                    "spmd out_specs", a, f"output {i} is a partial sum over {a!r} but {s!r} declares it replicated",
-                    f"psum it over {a!r} inside fn, or declare P(..., partial={a!r})", where="spmd output",
+                    "spmd out_specs",
+                    a,
+                    f"output {i} is a partial sum over {a!r} but {s!r} declares it replicated",
+                    f"psum it over {a!r} inside fn, or declare P(..., partial={a!r})",
+                    where="spmd output",
                 )

@@ -1,4 +1,5 @@
-"""Testing toolkit for code written with fastdist (needs ``hypothesis``: ``pip install fastdist[testing]``).
+"""Testing toolkit for code written with fastdist (needs ``hypothesis``: ``pip install
+fastdist[testing]``).
 
 * Hypothesis strategies: :func:`meshes`, :func:`axes`, :func:`shard_sizes`, :func:`sharded`.
 * :func:`assert_matches_single_device`: run per-rank code on every simulated rank and check
@@ -38,19 +39,34 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from .replication import CheckMode, Rep
-from .sharding import PartitionSpec, block_of
-from .spmd import checked_call
 from .errors import GlooRunError, MeshError
 from .mesh import AxisName, Mesh
+from .replication import CheckMode, Rep
+from .sharding import PartitionSpec, block_of
 from .simulate import simulate
+from .spmd import checked_call
 
-__all__ = ["meshes", "axes", "shard_sizes", "sharded", "Sharded", "assert_matches_single_device", "run_on_gloo", "shard_for_rank"]
+__all__ = [
+    "meshes",
+    "axes",
+    "shard_sizes",
+    "sharded",
+    "Sharded",
+    "assert_matches_single_device",
+    "run_on_gloo",
+    "shard_for_rank",
+]
 
 
 # ============================================================================ strategies
 @st.composite
-def meshes(draw: st.DrawFn, *, max_size: int = 16, max_axes: int = 3, names: Sequence[str] = ("dp", "sp", "tp")) -> Mesh:
+def meshes(
+    draw: st.DrawFn,
+    *,
+    max_size: int = 16,
+    max_axes: int = 3,
+    names: Sequence[str] = ("dp", "sp", "tp"),
+) -> Mesh:
     """Meshes of 1..``max_axes`` axes (named from ``names``) with at most ``max_size`` ranks."""
     k = draw(st.integers(1, min(max_axes, len(names))))
     sizes: list[int] = []
@@ -63,13 +79,20 @@ def meshes(draw: st.DrawFn, *, max_size: int = 16, max_axes: int = 3, names: Seq
 @st.composite
 def axes(draw: st.DrawFn, mesh: Mesh) -> AxisName:
     """One axis name, or a tuple of distinct names in any order."""
-    chosen = draw(st.lists(st.sampled_from(list(mesh.axis_names)), min_size=1, max_size=mesh.ndim, unique=True))
+    chosen = draw(
+        st.lists(
+            st.sampled_from(list(mesh.axis_names)), min_size=1, max_size=mesh.ndim, unique=True
+        )
+    )
     return chosen[0] if len(chosen) == 1 and draw(st.booleans()) else tuple(chosen)
 
 
 @st.composite
-def shard_sizes(draw: st.DrawFn, n: int, *, total: int | None = None, even: bool = False, max_rows: int = 4) -> list[int]:
-    """Row counts of ``n`` shards: equal if ``even``, else uneven with zeros allowed (summing to ``total`` if given)."""
+def shard_sizes(
+    draw: st.DrawFn, n: int, *, total: int | None = None, even: bool = False, max_rows: int = 4
+) -> list[int]:
+    """Row counts of ``n`` shards: equal if ``even``, else uneven with zeros allowed (summing to
+    ``total`` if given)."""
     if even:
         per = (total // n) if total is not None else draw(st.integers(1, max_rows))
         if total is not None and per * n != total:
@@ -83,7 +106,8 @@ def shard_sizes(draw: st.DrawFn, n: int, *, total: int | None = None, even: bool
 
 
 class Sharded(NamedTuple):
-    """A global tensor and its shards along ``dim`` over an axis (shard ``i`` for axis index ``i``)."""
+    """A global tensor and its shards along ``dim`` over an axis (shard ``i`` for axis index
+    ``i``)."""
 
     global_tensor: Tensor
     sizes: list[int]
@@ -92,8 +116,17 @@ class Sharded(NamedTuple):
 
 
 @st.composite
-def sharded(draw: st.DrawFn, n: int, *, even: bool = True, trailing: Sequence[int] = (3,), dim: int = 0, dtype: torch.dtype = torch.float64) -> Sharded:
-    """A random global tensor split along ``dim`` into ``n`` shards (even, or uneven including empty ones)."""
+def sharded(
+    draw: st.DrawFn,
+    n: int,
+    *,
+    even: bool = True,
+    trailing: Sequence[int] = (3,),
+    dim: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> Sharded:
+    """A random global tensor split along ``dim`` into ``n`` shards (even, or uneven including
+    empty ones)."""
     sizes = draw(shard_sizes(n, even=even))
     shape = list(trailing)
     shape.insert(dim, sum(sizes))
@@ -104,7 +137,8 @@ def sharded(draw: st.DrawFn, n: int, *, even: bool = True, trailing: Sequence[in
 
 # ============================================================================ single-device oracle
 def shard_for_rank(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
-    """The block of global ``x`` that ``rank`` holds under ``spec`` (replicated axes: the whole dim)."""
+    """The block of global ``x`` that ``rank`` holds under ``spec`` (replicated axes: the whole
+    dim)."""
     return block_of(x, spec, mesh, rank)
 
 
@@ -134,48 +168,83 @@ def assert_matches_single_device(
     Raises ``AssertionError`` naming the rank and the input on a mismatch.
     """
     if len(in_specs) != len(inputs):
-        raise MeshError(f"assert_matches_single_device: {len(inputs)} inputs but {len(in_specs)} in_specs")
+        raise MeshError(
+            f"assert_matches_single_device: {len(inputs)} inputs but {len(in_specs)} in_specs"
+        )
     ref_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     ref_out = reference_fn(*ref_in)
-    c = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed), dtype=ref_out.dtype)
+    c = torch.randn(
+        ref_out.shape, generator=torch.Generator().manual_seed(seed), dtype=ref_out.dtype
+    )
     (ref_out * c).sum().backward()  # type: ignore[no-untyped-call]
 
     states = [Rep(frozenset(s.sharded_axes)) for s in in_specs]
     mode: CheckMode | None = "insert" if check is True else None if check is False else check
     if mesh._comm is not None:  # real ranks: this process checks its own rank
         ranks = [mesh.rank]
-        local = [shard_for_rank(t.detach(), s, mesh, mesh.rank).clone().requires_grad_(t.is_floating_point()) for t, s in zip(inputs, in_specs)]
-        out = checked_call(parallel_fn, mesh, mode, local, states, [out_specs], True, simulated=False)
+        local = [
+            shard_for_rank(t.detach(), s, mesh, mesh.rank)
+            .clone()
+            .requires_grad_(t.is_floating_point())
+            for t, s in zip(inputs, in_specs)
+        ]
+        out = checked_call(
+            parallel_fn, mesh, mode, local, states, [out_specs], True, simulated=False
+        )
         (out * shard_for_rank(c, out_specs, mesh, mesh.rank)).sum().backward()
         outs, grads = [out.detach()], [[t.grad] for t in local]
     else:  # simulated: every rank at once
         ranks = list(range(mesh.size))
-        local = [torch.stack([shard_for_rank(t.detach(), s, mesh, r) for r in ranks]).requires_grad_(t.is_floating_point()) for t, s in zip(inputs, in_specs)]
+        local = [
+            torch.stack([shard_for_rank(t.detach(), s, mesh, r) for r in ranks]).requires_grad_(
+                t.is_floating_point()
+            )
+            for t, s in zip(inputs, in_specs)
+        ]
         local_c = torch.stack([shard_for_rank(c, out_specs, mesh, r) for r in ranks])
-        stacked = simulate(lambda *a: checked_call(parallel_fn, mesh, mode, a, states, [out_specs], True, simulated=True), mesh)(*local)
+        stacked = simulate(
+            lambda *a: checked_call(
+                parallel_fn, mesh, mode, a, states, [out_specs], True, simulated=True
+            ),
+            mesh,
+        )(*local)
         (stacked * local_c).sum().backward()  # every rank's backward of its own loss
         outs = list(stacked.detach())
         grads = [list(t.grad) if t.grad is not None else [None] * len(ranks) for t in local]
     for j, r in enumerate(ranks):
         where = f"rank {r} {mesh.coords(r)}"
-        torch.testing.assert_close(outs[j], shard_for_rank(ref_out.detach(), out_specs, mesh, r), rtol=rtol, atol=atol, msg=lambda m: f"output on {where}: {m}")
+        torch.testing.assert_close(
+            outs[j],
+            shard_for_rank(ref_out.detach(), out_specs, mesh, r),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, where=where: f"output on {where}: {m}",
+        )
         for i, rt in enumerate(ref_in):
             if rt.grad is not None:
                 got = grads[i][j]
                 assert got is not None, f"input {i} on {where}: no gradient reached it"
-                torch.testing.assert_close(got, shard_for_rank(rt.grad, in_specs[i], mesh, r), rtol=rtol, atol=atol, msg=lambda m: f"gradient of input {i} on {where}: {m}")
+                torch.testing.assert_close(
+                    got,
+                    shard_for_rank(rt.grad, in_specs[i], mesh, r),
+                    rtol=rtol,
+                    atol=atol,
+                    msg=lambda m, i=i, where=where: f"gradient of input {i} on {where}: {m}",
+                )
 
 
 # ============================================================================ real gloo processes
 def _free_port() -> int:
-    """A port that was free a moment ago (racy: another process may take it before it is used; run_on_gloo does not use it)."""
+    """A port that was free a moment ago (racy: another process may take it before it is used;
+    run_on_gloo does not use it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def _save(path: str, payload: tuple[Any, ...]) -> None:
-    """Write ``payload`` with ``torch.save`` to ``path`` atomically (the parent reads only whole files)."""
+    """Write ``payload`` with ``torch.save`` to ``path`` atomically (the parent reads only whole
+    files)."""
     buf = io.BytesIO()
     try:
         torch.save(payload, buf)
@@ -188,22 +257,46 @@ def _save(path: str, payload: tuple[Any, ...]) -> None:
     os.replace(tmp, path)
 
 
-def _gloo_entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out_dir: str, timeout: float) -> None:
-    """One rank: join the gloo group through the parent's store, run ``fn``, save what happened to ``out_dir/rank<r>.pt``."""
+def _gloo_entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    args: tuple[Any, ...],
+    out_dir: str,
+    timeout: float,
+) -> None:
+    """One rank: join the gloo group through the parent's store, run ``fn``, save what happened to
+    ``out_dir/rank<r>.pt``."""
     import torch.distributed as dist
 
     path = os.path.join(out_dir, f"rank{rank}.pt")
     limit = datetime.timedelta(seconds=timeout)
     try:
-        torch.set_num_threads(1)  # ranks share the machine's cores (the parent's environment is left as it is)
-        with contextlib.suppress(RuntimeError):  # refused once inter-op work has started (e.g. while importing fn's module)
+        torch.set_num_threads(
+            1
+        )  # ranks share the machine's cores (the parent's environment is left as it is)
+        with contextlib.suppress(
+            RuntimeError
+        ):  # refused once inter-op work has started (e.g. while importing fn's module)
             torch.set_num_interop_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
         value = fn(*args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        tb = e.__traceback__.tb_next if e.__traceback__ is not None and e.__traceback__.tb_next is not None else e.__traceback__  # from fn down
-        _save(path, ("raised", f"{type(e).__name__}: {e}", "".join(traceback.format_exception(type(e), e, tb)).rstrip()))
+        tb = (
+            e.__traceback__.tb_next
+            if e.__traceback__ is not None and e.__traceback__.tb_next is not None
+            else e.__traceback__
+        )  # from fn down
+        _save(
+            path,
+            (
+                "raised",
+                f"{type(e).__name__}: {e}",
+                "".join(traceback.format_exception(type(e), e, tb)).rstrip(),
+            ),
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # no teardown: a process group with a peer stuck in a collective can block it
@@ -220,12 +313,24 @@ def _outcome(rank: int, exitcode: int | None, out_dir: str) -> tuple[bool, Any]:
                 name = signal.Signals(-exitcode).name
             except ValueError:
                 name = f"signal {-exitcode}"
-            return False, f"killed by {name} before it saved a result (out of memory? a crash in native code?)"
-        return False, f"exited with code {exitcode} before it saved a result (os._exit, or a crash in native code)"
+            return (
+                False,
+                f"killed by {name} before it saved a result (out of memory? a crash in native "
+                "code?)",
+            )
+        return (
+            False,
+            f"exited with code {exitcode} before it saved a result (os._exit, or a crash in "
+            "native code)",
+        )
     try:
         payload = torch.load(path, weights_only=False)
     except Exception as e:  # noqa: BLE001 - reported as this rank's failure
-        return False, f"saved a result the parent cannot load ({type(e).__name__}: {e}); return types importable here (tensors, builtins)"
+        return (
+            False,
+            f"saved a result the parent cannot load ({type(e).__name__}: {e}); return types "
+            "importable here (tensors, builtins)",
+        )
     if payload[0] == "raised":
         return False, f"raised {payload[1]}\n{payload[2]}"
     if exitcode != 0:
@@ -233,8 +338,11 @@ def _outcome(rank: int, exitcode: int | None, out_dir: str) -> tuple[bool, Any]:
     return True, payload[1]
 
 
-def run_on_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, grace: float = 5.0) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo processes (after ``init_process_group``); return each rank's result.
+def run_on_gloo(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, grace: float = 5.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo processes (after ``init_process_group``); return
+    each rank's result.
 
     ``fn`` must be importable (a module-level function); inside it, build the mesh with
     ``fastdist.Mesh.from_torch(...)``. Each rank's result travels back with ``torch.save``
@@ -256,19 +364,38 @@ def run_on_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         raise MeshError(f"run_on_gloo: world_size={world_size!r} is not a positive int")
     name = getattr(fn, "__name__", repr(fn))
     limit = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=limit, wait_for_workers=False)  # type: ignore[attr-defined]
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=limit, wait_for_workers=False
+    )  # type: ignore[attr-defined]
     try:
         return _run_ranks(fn, name, world_size, args, store.port, timeout, grace)
     finally:
-        del store  # the rendezvous closes with the run (a raised error's traceback must not keep it open)
+        del (
+            store
+        )  # the rendezvous closes with the run (a raised error's traceback must not keep it open)
 
 
-def _run_ranks(fn: Callable[..., Any], name: str, world_size: int, args: tuple[Any, ...], port: int, timeout: float, grace: float) -> list[Any]:
-    """Start the ranks, watch them until each has ended (or the time is up), kill what is left, collect the results."""
+def _run_ranks(
+    fn: Callable[..., Any],
+    name: str,
+    world_size: int,
+    args: tuple[Any, ...],
+    port: int,
+    timeout: float,
+    grace: float,
+) -> list[Any]:
+    """Start the ranks, watch them until each has ended (or the time is up), kill what is left,
+    collect the results."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fastdist-gloo-") as out_dir:
-        procs = {r: ctx.Process(target=_gloo_entry, args=(fn, r, world_size, port, args, out_dir, timeout), name=f"run_on_gloo:{name}:rank{r}")
-                 for r in range(world_size)}
+        procs = {
+            r: ctx.Process(
+                target=_gloo_entry,
+                args=(fn, r, world_size, port, args, out_dir, timeout),
+                name=f"run_on_gloo:{name}:rank{r}",
+            )
+            for r in range(world_size)
+        }
         running = dict(procs)
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
@@ -278,7 +405,9 @@ def _run_ranks(fn: Callable[..., Any], name: str, world_size: int, args: tuple[A
                 p.start()
             deadline = time.monotonic() + timeout
             while running:
-                left = (deadline if first_failure is None else min(deadline, first_failure + grace)) - time.monotonic()
+                left = (
+                    deadline if first_failure is None else min(deadline, first_failure + grace)
+                ) - time.monotonic()
                 if left <= 0:
                     break
                 ready = wait([p.sentinel for p in running.values()], timeout=left)
@@ -291,7 +420,9 @@ def _run_ranks(fn: Callable[..., Any], name: str, world_size: int, args: tuple[A
                             results[r] = value
                         else:
                             failures[r] = value
-                            first_failure = time.monotonic() if first_failure is None else first_failure
+                            first_failure = (
+                                time.monotonic() if first_failure is None else first_failure
+                            )
         finally:
             for p in procs.values():
                 if p.is_alive():
@@ -301,8 +432,14 @@ def _run_ranks(fn: Callable[..., Any], name: str, world_size: int, args: tuple[A
                     p.join(timeout=10)
         timed_out = bool(running) and not failures
         for r in running:
-            failures[r] = (f"still running after the {timeout:g} s timeout: killed" if timed_out else
-                           f"still running {grace:g} s after rank {next(iter(failures))} failed: killed (probably waiting for it in a collective)")
+            failures[r] = (
+                f"still running after the {timeout:g} s timeout: killed"
+                if timed_out
+                else f"still running {grace:g} s after rank {next(iter(failures))} failed: killed "
+                "(probably waiting for it in a collective)"
+            )
         if failures:
-            raise GlooRunError(name, world_size, failures, {r: p.exitcode for r, p in procs.items()}, timed_out)
+            raise GlooRunError(
+                name, world_size, failures, {r: p.exitcode for r, p in procs.items()}, timed_out
+            )
     return [results[r] for r in range(world_size)]

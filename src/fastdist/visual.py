@@ -1,4 +1,5 @@
-"""Pictures of meshes, groups and shardings: HTML in Jupyter (``_repr_html_``), text tables elsewhere.
+"""Pictures of meshes, groups and shardings: HTML in Jupyter (``_repr_html_``), text tables
+elsewhere.
 
 >>> import fastdist as fd
 >>> print(fd.Mesh({"dp": 2, "tp": 4}).show("tp"))
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .sharding import block_of
 from .errors import MeshError
+from .sharding import block_of
 
 if TYPE_CHECKING:
     from .mesh import AxisName, Mesh
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 __all__ = ["MeshView", "RanksView", "ShardingView", "plot_ranks", "show_ranks", "show_sharding"]
 
 _COLOURS = ["#cfe8fc", "#fde2c8", "#d5f5d5", "#f9d0e0", "#e6dcfa", "#fff3b0", "#d0f0f0", "#f0d8c0"]
+
+
+def _coords_text(mesh: Mesh, rank: int) -> str:
+    """``rank``'s coordinates as ``"dp=0 tp=1"``."""
+    return " ".join(f"{a}={v}" for a, v in mesh.coords(rank).items())
 
 
 def _label(i: int) -> str:
@@ -54,7 +60,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 class MeshView:
-    """A mesh's rank grid (last axis as columns); with ``axis``, the groups along it lettered and coloured."""
+    """A mesh's rank grid (last axis as columns); with ``axis``, the groups along it lettered and
+    coloured."""
 
     def __init__(self, mesh: Mesh, axis: AxisName | None = None) -> None:
         self.mesh, self.axis = mesh, axis
@@ -70,16 +77,29 @@ class MeshView:
         cols, rows = _grid(self.mesh)
         cell = (lambda r: f"{r} {_label(self._group_of[r])}") if self._group_of else str
         body = [[label, *(cell(r) for r in ranks)] for label, ranks in rows]
-        return self._title() + "\n" + "\n".join("  " + line for line in _table(["", *cols], body).splitlines())
+        return (
+            self._title()
+            + "\n"
+            + "\n".join("  " + line for line in _table(["", *cols], body).splitlines())
+        )
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
         cols, rows = _grid(self.mesh)
-        out = [f"<div><b>{html.escape(self._title())}</b><table style='border-collapse:collapse;font-family:monospace'>"]
-        out.append("<tr><th></th>" + "".join(f"<th style='padding:2px 8px'>{html.escape(c)}</th>" for c in cols) + "</tr>")
+        out = [
+            f"<div><b>{html.escape(self._title())}</b><table "
+            "style='border-collapse:collapse;font-family:monospace'>"
+        ]
+        out.append(
+            "<tr><th></th>"
+            + "".join(f"<th style='padding:2px 8px'>{html.escape(c)}</th>" for c in cols)
+            + "</tr>"
+        )
         for label, ranks in rows:
-            out.append(f"<tr><th style='padding:2px 8px;text-align:right'>{html.escape(label)}</th>")
+            out.append(
+                f"<tr><th style='padding:2px 8px;text-align:right'>{html.escape(label)}</th>"
+            )
             for r in ranks:
                 g = self._group_of.get(r)
                 style = "border:1px solid #999;padding:4px 10px;text-align:center"
@@ -105,42 +125,69 @@ class ShardingView:
     def __init__(self, shape: Sequence[int], spec: Any, mesh: Mesh) -> None:
         self.shape, self.spec, self.mesh = tuple(int(s) for s in shape), spec, mesh
         if len(getattr(spec, "dims", ())) > len(self.shape):
-            raise MeshError(f"show_sharding: {spec!r} has {len(spec.dims)} entries but the shape {list(self.shape)} has {len(self.shape)} dims. "
-                            "Fix: one entry per leading dim at most")
+            raise MeshError(
+                f"show_sharding: {spec!r} has {len(spec.dims)} entries but the shape "
+                f"{list(self.shape)} has {len(self.shape)} dims. "
+                "Fix: one entry per leading dim at most"
+            )
         self._ranges = [self._block(r) for r in range(mesh.size)]  # raises what spmd raises
 
     def _block(self, rank: int) -> list[tuple[int, int]]:
-        """[start, stop) per dim of ``rank``'s block, read off block_of on an index probe per dim (no memory)."""
+        """[start, stop) per dim of ``rank``'s block, read off block_of on an index probe per dim
+        (no memory)."""
         out = []
         for d, size in enumerate(self.shape):
-            probe = torch.arange(size).reshape([size if i == d else 1 for i in range(len(self.shape))]).expand(self.shape)
+            probe = (
+                torch.arange(size)
+                .reshape([size if i == d else 1 for i in range(len(self.shape))])
+                .expand(self.shape)
+            )
             blk = block_of(probe, self.spec, self.mesh, rank)
             out.append((int(blk.min()), int(blk.max()) + 1) if blk.numel() else (0, blk.shape[d]))
         return out
 
     def rows(self) -> list[tuple[int, str, str, tuple[int, ...]]]:
-        """(rank, coordinates, block as ``[a:b, ...]`` (``:`` for a whole dim), local shape) per rank."""
+        """(rank, coordinates, block as ``[a:b, ...]`` (``:`` for a whole dim), local shape) per
+        rank."""
         out = []
         for r, ranges in enumerate(self._ranges):
-            slices = [":" if (lo, hi) == (0, size) else f"{lo}:{hi}" for (lo, hi), size in zip(ranges, self.shape)]
-            coords = " ".join(f"{a}={v}" for a, v in self.mesh.coords(r).items())
-            out.append((r, coords, "[" + ", ".join(slices) + "]", tuple(hi - lo for lo, hi in ranges)))
+            slices = [
+                ":" if (lo, hi) == (0, size) else f"{lo}:{hi}"
+                for (lo, hi), size in zip(ranges, self.shape)
+            ]
+            coords = _coords_text(self.mesh, r)
+            out.append(
+                (r, coords, "[" + ", ".join(slices) + "]", tuple(hi - lo for lo, hi in ranges))
+            )
         return out
 
     def blocks(self) -> dict[tuple[tuple[int, int], ...], list[int]]:
-        """Each distinct block (its [start, stop) per dim) and the ranks holding it, in block order."""
+        """Each distinct block (its [start, stop) per dim) and the ranks holding it, in block
+        order."""
         held: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for r, ranges in enumerate(self._ranges):
             held.setdefault(tuple(ranges), []).append(r)
         return dict(sorted(held.items()))
 
-    def _cells(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[tuple[int, int], list[int]]] | None:
-        """For a 1-D/2-D shape: row ranges, column ranges and the ranks of each (row, column) block."""
+    def _cells(
+        self,
+    ) -> (
+        tuple[list[tuple[int, int]], list[tuple[int, int]], dict[tuple[int, int], list[int]]] | None
+    ):
+        """For a 1-D/2-D shape: row ranges, column ranges and the ranks of each (row, column)
+        block."""
         if len(self.shape) not in (1, 2) or 0 in self.shape:
             return None
-        blocks = {((k[0], k[1]) if len(k) > 1 else ((0, self.shape[0]), k[0])): v for k, v in self.blocks().items()}  # 1-D: one row
+        blocks = {
+            ((k[0], k[1]) if len(k) > 1 else ((0, self.shape[0]), k[0])): v
+            for k, v in self.blocks().items()
+        }  # 1-D: one row
         rows, cols = sorted({k[0] for k in blocks}), sorted({k[1] for k in blocks})
-        return rows, cols, {(i, j): blocks[(rr, cc)] for i, rr in enumerate(rows) for j, cc in enumerate(cols)}
+        return (
+            rows,
+            cols,
+            {(i, j): blocks[(rr, cc)] for i, rr in enumerate(rows) for j, cc in enumerate(cols)},
+        )
 
     def picture(self) -> str:
         """Box-drawing picture of the blocks (1-D and 2-D shapes; empty string otherwise)."""
@@ -148,7 +195,10 @@ class ShardingView:
         if cells is None:
             return ""
         rows, cols, ranks = cells
-        text = {k: "rank " + ",".join(map(str, v)) if len(v) == 1 else "ranks " + ",".join(map(str, v)) for k, v in ranks.items()}
+        text = {
+            k: "rank " + ",".join(map(str, v)) if len(v) == 1 else "ranks " + ",".join(map(str, v))
+            for k, v in ranks.items()
+        }
         w = max(len(t) for t in text.values()) + 2
         two_d = len(self.shape) == 2
 
@@ -160,9 +210,17 @@ class ShardingView:
         def edge(left: str, mid: str, right: str) -> str:
             return " " * (lw + 1) + left + mid.join("─" * w for _ in cols) + right
 
-        lines = [" " * (lw + 1) + " " + " ".join(f"{lo}:{hi}".center(w) for lo, hi in cols), edge("┌", "┬", "┐")]
+        lines = [
+            " " * (lw + 1) + " " + " ".join(f"{lo}:{hi}".center(w) for lo, hi in cols),
+            edge("┌", "┬", "┐"),
+        ]
         for i, (lo, hi) in enumerate(rows):
-            lines.append(label(lo, hi).rjust(lw) + " │" + "│".join(text[(i, j)].center(w) for j in range(len(cols))) + "│")
+            lines.append(
+                label(lo, hi).rjust(lw)
+                + " │"
+                + "│".join(text[(i, j)].center(w) for j in range(len(cols)))
+                + "│"
+            )
             lines.append(edge("├", "┼", "┤") if i < len(rows) - 1 else edge("└", "┴", "┘"))
         return "\n".join(line.rstrip() for line in lines)
 
@@ -172,7 +230,12 @@ class ShardingView:
     def __str__(self) -> str:
         body = [[str(r), c, s, str(list(loc))] for r, c, s, loc in self.rows()]
         pic = self.picture()
-        return self._title() + "\n" + (pic + "\n" if pic else "") + _table(["rank", "coords", "block", "local shape"], body)
+        return (
+            self._title()
+            + "\n"
+            + (pic + "\n" if pic else "")
+            + _table(["rank", "coords", "block", "local shape"], body)
+        )
 
     __repr__ = __str__
 
@@ -181,18 +244,37 @@ class ShardingView:
         cells = self._cells()
         if cells is not None:  # the picture: one coloured box per block
             rows, cols, ranks = cells
-            out.append("<table style='border-collapse:collapse;font-family:monospace;margin:6px 0'>")
-            out.append("<tr><th></th>" + "".join(f"<th style='padding:2px 8px'>{lo}:{hi}</th>" for lo, hi in cols) + "</tr>")
+            out.append(
+                "<table style='border-collapse:collapse;font-family:monospace;margin:6px 0'>"
+            )
+            out.append(
+                "<tr><th></th>"
+                + "".join(f"<th style='padding:2px 8px'>{lo}:{hi}</th>" for lo, hi in cols)
+                + "</tr>"
+            )
             for i, (lo, hi) in enumerate(rows):
-                out.append(f"<tr><th style='padding:2px 8px;text-align:right'>{f'{lo}:{hi}' if len(self.shape) == 2 else ''}</th>")
+                out.append(
+                    "<tr><th style='padding:2px "
+                    f"8px;text-align:right'>{f'{lo}:{hi}' if len(self.shape) == 2 else ''}</th>"
+                )
                 for j in range(len(cols)):
                     held = ranks[(i, j)]
                     colour = _COLOURS[(i * len(cols) + j) % len(_COLOURS)]
-                    out.append(f"<td style='border:1px solid #999;padding:8px 14px;text-align:center;background:{colour}'>{','.join(map(str, held))}</td>")
+                    out.append(
+                        "<td style='border:1px solid #999;padding:8px 14px;text-align:center;"
+                        f"background:{colour}'>{','.join(map(str, held))}</td>"
+                    )
                 out.append("</tr>")
             out.append("</table>")
-        table = "".join(f"<tr><td>{r}</td><td>{html.escape(c)}</td><td>{html.escape(s)}</td><td>{list(loc)}</td></tr>" for r, c, s, loc in self.rows())
-        out.append(f"<table><tr><th>rank</th><th>coords</th><th>block</th><th>local shape</th></tr>{table}</table></div>")
+        table = "".join(
+            f"<tr><td>{r}</td><td>{html.escape(c)}</td><td>{html.escape(s)}</td>"
+            f"<td>{list(loc)}</td></tr>"
+            for r, c, s, loc in self.rows()
+        )
+        out.append(
+            "<table><tr><th>rank</th><th>coords</th><th>block</th><th>local "
+            f"shape</th></tr>{table}</table></div>"
+        )
         return "".join(out)
 
 
@@ -222,11 +304,15 @@ def show_sharding(x: Tensor | Sequence[int], spec: Any, mesh: Mesh) -> ShardingV
 
 
 class RanksView:
-    """Per-rank values of a stacked ``[world, ...]`` tensor side by side, labelled with coordinates."""
+    """Per-rank values of a stacked ``[world, ...]`` tensor side by side, labelled with
+    coordinates."""
 
     def __init__(self, x: Tensor, mesh: Mesh, precision: int = 3) -> None:
         if x.dim() == 0 or x.shape[0] != mesh.size:
-            raise ValueError(f"show_ranks: expected a leading rank dimension of {mesh.size}, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"show_ranks: expected a leading rank dimension of {mesh.size}, got shape "
+                f"{tuple(x.shape)}"
+            )
         self.x, self.mesh, self.precision = x.detach(), mesh, precision
 
     def _fmt(self, t: Tensor) -> str:
@@ -238,21 +324,33 @@ class RanksView:
         return text if len(text) <= 60 else text[:57] + "..."
 
     def __str__(self) -> str:
-        body = [[str(r), " ".join(f"{a}={v}" for a, v in self.mesh.coords(r).items()), self._fmt(self.x[r])] for r in range(self.mesh.size)]
+        body = [
+            [
+                str(r),
+                _coords_text(self.mesh, r),
+                self._fmt(self.x[r]),
+            ]
+            for r in range(self.mesh.size)
+        ]
         return _table(["rank", "coords", f"value {list(self.x.shape[1:])}"], body)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
         rows = "".join(
-            f"<tr><td>{r}</td><td>{html.escape(' '.join(f'{a}={v}' for a, v in self.mesh.coords(r).items()))}</td><td><code>{html.escape(self._fmt(self.x[r]))}</code></td></tr>"
+            f"<tr><td>{r}</td><td>{html.escape(_coords_text(self.mesh, r))}</td>"
+            f"<td><code>{html.escape(self._fmt(self.x[r]))}</code></td></tr>"
             for r in range(self.mesh.size)
         )
-        return f"<table><tr><th>rank</th><th>coords</th><th>value {list(self.x.shape[1:])}</th></tr>{rows}</table>"
+        return (
+            "<table><tr><th>rank</th><th>coords</th><th>value "
+            f"{list(self.x.shape[1:])}</th></tr>{rows}</table>"
+        )
 
 
 def show_ranks(x: Tensor, mesh: Mesh, precision: int = 3) -> RanksView:
-    """Each rank's slice of a stacked ``[world, ...]`` tensor (what :func:`fastdist.simulate` returns).
+    """Each rank's slice of a stacked ``[world, ...]`` tensor (what :func:`fastdist.simulate`
+    returns).
 
     >>> import torch, fastdist as fd
     >>> print(fd.show_ranks(torch.tensor([1.0, 2.0]), fd.Mesh({"tp": 2})))
@@ -263,8 +361,9 @@ def show_ranks(x: Tensor, mesh: Mesh, precision: int = 3) -> RanksView:
     return RanksView(x, mesh, precision)
 
 
-
-def plot_ranks(x: Tensor, mesh: Mesh, axis: AxisName | None = None, *, ax: Any = None, title: str | None = None) -> Any:
+def plot_ranks(
+    x: Tensor, mesh: Mesh, axis: AxisName | None = None, *, ax: Any = None, title: str | None = None
+) -> Any:
     """Plot each rank's slice of a stacked ``[world, ...]`` tensor (needs matplotlib).
 
     A scalar per rank is a bar per rank; a vector per rank is a line per rank. With ``axis``,
@@ -273,22 +372,45 @@ def plot_ranks(x: Tensor, mesh: Mesh, axis: AxisName | None = None, *, ax: Any =
     try:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("fastdist.plot_ranks needs matplotlib. Fix: pip install matplotlib") from e
+        raise ImportError(
+            "fastdist.plot_ranks needs matplotlib. Fix: pip install matplotlib"
+        ) from e
     values = RanksView(x, mesh).x.double().reshape(mesh.size, -1)
-    group_of = {r: g for g, ranks in enumerate(mesh.groups(axis)) for r in ranks} if axis is not None else {r: r for r in range(mesh.size)}
+    group_of = (
+        {r: g for g, ranks in enumerate(mesh.groups(axis)) for r in ranks}
+        if axis is not None
+        else {r: r for r in range(mesh.size)}
+    )
     cmap = plt.get_cmap("tab10")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.2))
-    labels = [" ".join(f"{a}={v}" for a, v in mesh.coords(r).items()) for r in range(mesh.size)]
+    labels = [_coords_text(mesh, r) for r in range(mesh.size)]
     if values.shape[1] == 1:
-        ax.bar(range(mesh.size), values[:, 0].tolist(), color=[cmap(group_of[r] % 10) for r in range(mesh.size)])
+        ax.bar(
+            range(mesh.size),
+            values[:, 0].tolist(),
+            color=[cmap(group_of[r] % 10) for r in range(mesh.size)],
+        )
         ax.set_xticks(range(mesh.size), [f"{r}\n{labels[r]}" for r in range(mesh.size)], fontsize=7)
         ax.set_xlabel("rank")
     else:
         for r in range(mesh.size):
-            ax.plot(values[r].tolist(), color=cmap(group_of[r] % 10), label=f"rank {r} ({labels[r]})", marker="o", markersize=3)
+            ax.plot(
+                values[r].tolist(),
+                color=cmap(group_of[r] % 10),
+                label=f"rank {r} ({labels[r]})",
+                marker="o",
+                markersize=3,
+            )
         ax.set_xlabel("element")
         ax.legend(fontsize=7, ncol=2)
     ax.set_ylabel("value")
-    ax.set_title(title or (f"per-rank values on {mesh!r}" + (f", coloured by group along {axis!r}" if axis is not None else "")), fontsize=9)
+    ax.set_title(
+        title
+        or (
+            f"per-rank values on {mesh!r}"
+            + (f", coloured by group along {axis!r}" if axis is not None else "")
+        ),
+        fontsize=9,
+    )
     return ax

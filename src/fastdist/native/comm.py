@@ -36,17 +36,24 @@ from .library import NativeLibrary
 
 __all__ = ["NativeCommunicator", "exchange_over_group", "exchange_over_stateless"]
 
-Exchange = Callable[[bytes | None], bytes]  # member 0 passes its id bytes, the others None; all get the bytes
+Exchange = Callable[
+    [bytes | None], bytes
+]  # member 0 passes its id bytes, the others None; all get the bytes
 
 
 def exchange_over_group(group: Any, src: int = 0) -> Exchange:
-    """An id exchange over a CPU (gloo) process group: ``src`` (a group rank) broadcasts the bytes."""
+    """An id exchange over a CPU (gloo) process group: ``src`` (a group rank) broadcasts the
+    bytes."""
     import torch.distributed as dist
 
     def exchange(data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         dist.broadcast(size, group=group, group_src=src)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else torch.empty(int(size), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data is not None
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
         dist.broadcast(buf, group=group, group_src=src)
         return bytes(buf.numpy().tobytes())
 
@@ -54,7 +61,8 @@ def exchange_over_group(group: Any, src: int = 0) -> Exchange:
 
 
 def exchange_over_stateless(group: Any, src: int = 0) -> Exchange:
-    """An id exchange over a :class:`~fastdist.StatelessGroup` (a TCPStore, no process group needed)."""
+    """An id exchange over a :class:`~fastdist.StatelessGroup` (a TCPStore, no process group
+    needed)."""
 
     def exchange(data: bytes | None) -> bytes:
         return bytes(group.broadcast_obj(data, src=src))
@@ -81,7 +89,18 @@ class NativeCommunicator:
         n: members. index: this member's index (its rank in the communicator).
     """
 
-    def __init__(self, lib: NativeLibrary, handle: ctypes.c_void_p, *, n: int, index: int, device: torch.device, label: Any, ranks: Sequence[int], rank: int) -> None:
+    def __init__(
+        self,
+        lib: NativeLibrary,
+        handle: ctypes.c_void_p,
+        *,
+        n: int,
+        index: int,
+        device: torch.device,
+        label: Any,
+        ranks: Sequence[int],
+        rank: int,
+    ) -> None:
         self.lib, self._handle, self.n, self.index, self.device = lib, handle, n, index, device
         self.label, self.ranks, self.rank = label, tuple(ranks), rank
         self._nccl = lib.spec.kind == "nccl"
@@ -90,15 +109,32 @@ class NativeCommunicator:
     # ------------------------------------------------------------------ set-up and teardown
     @classmethod
     def create(
-        cls, lib: NativeLibrary, *, n: int, index: int, exchange: Exchange, device: torch.device | None = None,
-        label: Any = None, ranks: Sequence[int] | None = None, rank: int | None = None, warmup: bool = True,
+        cls,
+        lib: NativeLibrary,
+        *,
+        n: int,
+        index: int,
+        exchange: Exchange,
+        device: torch.device | None = None,
+        label: Any = None,
+        ranks: Sequence[int] | None = None,
+        rank: int | None = None,
+        warmup: bool = True,
     ) -> NativeCommunicator:
-        """Make the id on member 0, exchange it, init on ``device``, check with a warm-up all-reduce."""
+        """Make the id on member 0, exchange it, init on ``device``, check with a warm-up
+        all-reduce."""
         ranks = tuple(range(n)) if ranks is None else tuple(ranks)
         rank = index if rank is None else rank
         device = _default_device(lib) if device is None else torch.device(device)
         if device.type != lib.device_type:
-            raise CommError("init", label, ranks, rank, f"{lib.spec.kind.upper()} buffers live on {lib.device_type}, not {device}", f"pass a {lib.device_type} device")
+            raise CommError(
+                "init",
+                label,
+                ranks,
+                rank,
+                f"{lib.spec.kind.upper()} buffers live on {lib.device_type}, not {device}",
+                f"pass a {lib.device_type} device",
+            )
         blob = exchange(lib.new_id() if index == 0 else None)
         handle = ctypes.c_void_p()
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -107,17 +143,34 @@ class NativeCommunicator:
                 rc = lib.fn("ncclCommInitRank")(ctypes.byref(handle), n, uid, index)
             else:
                 root = lib.spec.id_type.from_buffer_copy(blob)
-                rc = lib.fn("HcclCommInitRootInfo")(n, ctypes.byref(root), index, ctypes.byref(handle))
+                rc = lib.fn("HcclCommInitRootInfo")(
+                    n, ctypes.byref(root), index, ctypes.byref(handle)
+                )
         if rc != 0:
             raise CommError(
-                "init", label, ranks, rank, f"{lib.spec.kind.upper()} communicator init failed with {rc} ({lib.error_text(rc)})",
-                "check that every member reached this call with the same group and a distinct device",
+                "init",
+                label,
+                ranks,
+                rank,
+                f"{lib.spec.kind.upper()} communicator init failed with {rc} "
+                f"({lib.error_text(rc)})",
+                "check that every member reached this call with the same group and a distinct "
+                "device",
             )
-        comm = cls(lib, handle, n=n, index=index, device=device, label=label, ranks=ranks, rank=rank)
+        comm = cls(
+            lib, handle, n=n, index=index, device=device, label=label, ranks=ranks, rank=rank
+        )
         if warmup:
             got = comm.all_reduce("warm-up", torch.ones(1, device=device), "sum")
             if _on_host(got).item() != n:
-                raise CommError("init", label, ranks, rank, f"the warm-up all-reduce gave {got.item()}, expected {n}", f"check the {lib.spec.kind.upper()} installation")
+                raise CommError(
+                    "init",
+                    label,
+                    ranks,
+                    rank,
+                    f"the warm-up all-reduce gave {got.item()}, expected {n}",
+                    f"check the {lib.spec.kind.upper()} installation",
+                )
         return comm
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -139,7 +192,12 @@ class NativeCommunicator:
 
         threading.Thread(target=run, name=f"fastdist-{name}", daemon=True).start()
         if not done.wait(timeout):
-            warnings.warn(f"fastdist: {name} on rank {self.rank} (axis {self.label!r}) did not return within {timeout:g} s; left running in a daemon thread", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"fastdist: {name} on rank {self.rank} (axis {self.label!r}) did not return "
+                f"within {timeout:g} s; left running in a daemon thread",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return False
         return True
 
@@ -159,29 +217,66 @@ class NativeCommunicator:
         (``[..., 2]`` floats: elementwise sums stay exact), bool as uint8 (max / min of 0 and 1).
         """
         if self.closed:
-            raise CommError(op, self.label, self.ranks, self.rank, "the communicator was closed", "build a new mesh (mesh.close() released it)")
+            raise CommError(
+                op,
+                self.label,
+                self.ranks,
+                self.rank,
+                "the communicator was closed",
+                "build a new mesh (mesh.close() released it)",
+            )
         if x.device != self.device:
-            raise CommError(op, self.label, self.ranks, self.rank, f"the tensor is on {x.device}, the communicator on {self.device}", f"move the tensor to {self.device}")
+            raise CommError(
+                op,
+                self.label,
+                self.ranks,
+                self.rank,
+                f"the tensor is on {x.device}, the communicator on {self.device}",
+                f"move the tensor to {self.device}",
+            )
         x = x.contiguous()
         if reduce_op is not None:
-            check_reduction_dtype(op, self.label, x.dtype, _RULE_KIND.get(reduce_op, reduce_op), rank=f"rank {self.rank}")
-            w = x.view(torch.uint8) if x.dtype == torch.bool else torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
-            return w, self.lib.spec.dtypes[w.dtype], w.numel()  # every dtype the rule accepts maps to one the library has
+            check_reduction_dtype(
+                op,
+                self.label,
+                x.dtype,
+                _RULE_KIND.get(reduce_op, reduce_op),
+                rank=f"rank {self.rank}",
+            )
+            w = (
+                x.view(torch.uint8)
+                if x.dtype == torch.bool
+                else torch.view_as_real(x.resolve_conj())
+                if x.is_complex()
+                else x
+            )
+            return (
+                w,
+                self.lib.spec.dtypes[w.dtype],
+                w.numel(),
+            )  # every dtype the rule accepts maps to one the library has
         code = self.lib.spec.dtypes.get(x.dtype)
         if code is not None:
             return x, code, x.numel()
-        raw = x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)  # [numel * itemsize] bytes (fp8: as uint8)
+        raw = (
+            x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)
+        )  # [numel * itemsize] bytes (fp8: as uint8)
         return raw, self.lib.spec.dtypes[torch.uint8], raw.numel()
 
     def _name(self, base: str) -> str:
-        """The library's C name of ``base`` (``"AllReduce"`` -> ``ncclAllReduce`` / ``HcclAllReduce``)."""
+        """The library's C name of ``base`` (``"AllReduce"`` -> ``ncclAllReduce`` /
+        ``HcclAllReduce``)."""
         return self.lib.spec.prefix + base
 
     def _call(self, op: str, name: str, *args: Any) -> None:
         rc = self.lib.fn(name)(*args)
         if rc != 0:
             raise CommError(
-                op, self.label, self.ranks, self.rank, f"{name} returned {rc} ({self.lib.error_text(rc, self._handle)})",
+                op,
+                self.label,
+                self.ranks,
+                self.rank,
+                f"{name} returned {rc} ({self.lib.error_text(rc, self._handle)})",
                 "a peer probably exited, timed out or called a different op; check its log",
             )
 
@@ -200,34 +295,70 @@ class NativeCommunicator:
     def _reduce_code(self, op: str, reduce_op: str) -> int:
         code = self.lib.spec.reduce_ops.get(reduce_op)
         if code is None:
-            raise CommError(op, self.label, self.ranks, self.rank, f"unknown reduction {reduce_op!r}", f"use one of {sorted(self.lib.spec.reduce_ops)}")
+            raise CommError(
+                op,
+                self.label,
+                self.ranks,
+                self.rank,
+                f"unknown reduction {reduce_op!r}",
+                f"use one of {sorted(self.lib.spec.reduce_ops)}",
+            )
         return code
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
-        """Elementwise reduction over members (``"sum" | "prod" | "max" | "min" | "avg"``); same shape."""
+        """Elementwise reduction over members (``"sum" | "prod" | "max" | "min" | "avg"``); same
+        shape."""
         emulate_avg = reduce_op == "avg" and "avg" not in self.lib.spec.reduce_ops
         code = self._reduce_code(op, "sum" if emulate_avg else reduce_op)
         w, dt, k = self._wire(op, x, reduce_op)
         out = torch.empty_like(w)
-        self._call(op, self._name("AllReduce"), _ptr(w), _ptr(out), k, dt, code, self._handle, self._stream())
+        self._call(
+            op,
+            self._name("AllReduce"),
+            _ptr(w),
+            _ptr(out),
+            k,
+            dt,
+            code,
+            self._handle,
+            self._stream(),
+        )
         if emulate_avg:
             out.div_(self.n)
-        return out.reshape(-1).view(x.dtype).reshape(x.shape)  # the wire view undone (complex, bool)
+        return (
+            out.reshape(-1).view(x.dtype).reshape(x.shape)
+        )  # the wire view undone (complex, bool)
 
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
         """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
         w, dt, k = self._wire(op, x)
         out = w.new_empty((self.n * w.numel(),))  # [n * k], in the wire dtype
-        self._call(op, self._name("AllGather"), _ptr(w), _ptr(out), k, dt, self._handle, self._stream())
-        return out.view(x.dtype).reshape(self.n * x.shape[0], *x.shape[1:]) if x.dim() else out.view(x.dtype)
+        self._call(
+            op, self._name("AllGather"), _ptr(w), _ptr(out), k, dt, self._handle, self._stream()
+        )
+        return (
+            out.view(x.dtype).reshape(self.n * x.shape[0], *x.shape[1:])
+            if x.dim()
+            else out.view(x.dtype)
+        )
 
     def reduce_scatter_rows(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
         """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``."""
         code = self._reduce_code(op, reduce_op)
         w, dt, k = self._wire(op, x, reduce_op)
         out = w.new_empty((k // self.n,))  # [k / n]
-        self._call(op, self._name("ReduceScatter"), _ptr(w), _ptr(out), k // self.n, dt, code, self._handle, self._stream())
+        self._call(
+            op,
+            self._name("ReduceScatter"),
+            _ptr(w),
+            _ptr(out),
+            k // self.n,
+            dt,
+            code,
+            self._handle,
+            self._stream(),
+        )
         return out.view(x.dtype).reshape(x.shape[0] // self.n, *x.shape[1:])
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
@@ -235,18 +366,25 @@ class NativeCommunicator:
         w, dt, k = self._wire(op, x)
         out = w.clone() if self.index == src else torch.empty_like(w)
         if self._nccl:
-            self._call(op, "ncclBroadcast", _ptr(out), _ptr(out), k, dt, src, self._handle, self._stream())
+            self._call(
+                op, "ncclBroadcast", _ptr(out), _ptr(out), k, dt, src, self._handle, self._stream()
+            )
         else:
             self._call(op, "HcclBroadcast", _ptr(out), k, dt, src, self._handle, self._stream())
         return out.view(x.dtype).reshape(x.shape)
 
-    def all_to_all_rows(self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None) -> Tensor:
-        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender (``None``: equal splits)."""
+    def all_to_all_rows(
+        self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
+    ) -> Tensor:
+        """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender
+        (``None``: equal splits)."""
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
         w, dt, _ = self._wire(op, x)
         per_row = _row_elems(x, w)
-        out = w.new_empty((sum(out_splits) * per_row,))  # [rows received * row elements], wire dtype
+        out = w.new_empty(
+            (sum(out_splits) * per_row,)
+        )  # [rows received * row elements], wire dtype
         send_off = [sum(in_splits[:j]) * per_row for j in range(self.n)]
         recv_off = [sum(out_splits[:j]) * per_row for j in range(self.n)]
         stream = self._stream()
@@ -256,19 +394,53 @@ class NativeCommunicator:
             def body() -> None:
                 for j in range(self.n):
                     if in_splits[j]:
-                        self._call(op, "ncclSend", _ptr(flat[send_off[j]:]), in_splits[j] * per_row, dt, j, self._handle, stream)
+                        self._call(
+                            op,
+                            "ncclSend",
+                            _ptr(flat[send_off[j] :]),
+                            in_splits[j] * per_row,
+                            dt,
+                            j,
+                            self._handle,
+                            stream,
+                        )
                     if out_splits[j]:
-                        self._call(op, "ncclRecv", _ptr(out[recv_off[j]:]), out_splits[j] * per_row, dt, j, self._handle, stream)
+                        self._call(
+                            op,
+                            "ncclRecv",
+                            _ptr(out[recv_off[j] :]),
+                            out_splits[j] * per_row,
+                            dt,
+                            j,
+                            self._handle,
+                            stream,
+                        )
 
             self._group(op, body)
         else:
             u64 = ctypes.c_uint64 * self.n
             counts = [u64(*(s * per_row for s in splits)) for splits in (in_splits, out_splits)]
-            self._call(op, "HcclAlltoAllV", _ptr(w), counts[0], u64(*send_off), dt, _ptr(out), counts[1], u64(*recv_off), dt, self._handle, stream)
+            self._call(
+                op,
+                "HcclAlltoAllV",
+                _ptr(w),
+                counts[0],
+                u64(*send_off),
+                dt,
+                _ptr(out),
+                counts[1],
+                u64(*recv_off),
+                dt,
+                self._handle,
+                stream,
+            )
         return out.view(x.dtype).reshape(sum(out_splits), *x.shape[1:])
 
-    def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None) -> Tensor:
-        """Member ``i`` contributes ``x[:sizes[i]]``; everyone gets them concatenated: ``[sum(sizes), *rest]``.
+    def all_gather_v_rows(
+        self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None
+    ) -> Tensor:
+        """Member ``i`` contributes ``x[:sizes[i]]``; everyone gets them concatenated:
+        ``[sum(sizes), *rest]``.
 
         One broadcast per root, grouped: no padding to the largest size. ``index`` is
         accepted for parity with :class:`fastdist.distributed.TorchTransport` (the
@@ -281,7 +453,9 @@ class NativeCommunicator:
         offs = [sum(sizes[:r]) * per_row for r in range(self.n)]
         stream = self._stream()
         if not self._nccl and sizes[self.index]:
-            out[offs[self.index] : offs[self.index] + w.numel()].copy_(w.reshape(-1))  # HCCL broadcasts in place
+            out[offs[self.index] : offs[self.index] + w.numel()].copy_(
+                w.reshape(-1)
+            )  # HCCL broadcasts in place
 
         def body() -> None:
             for r in range(self.n):
@@ -290,17 +464,45 @@ class NativeCommunicator:
                 dst = out[offs[r] :]
                 if self._nccl:
                     src = w if r == self.index else dst
-                    self._call(op, "ncclBroadcast", _ptr(src), _ptr(dst), sizes[r] * per_row, dt, r, self._handle, stream)
+                    self._call(
+                        op,
+                        "ncclBroadcast",
+                        _ptr(src),
+                        _ptr(dst),
+                        sizes[r] * per_row,
+                        dt,
+                        r,
+                        self._handle,
+                        stream,
+                    )
                 else:
-                    self._call(op, "HcclBroadcast", _ptr(dst), sizes[r] * per_row, dt, r, self._handle, stream)
+                    self._call(
+                        op,
+                        "HcclBroadcast",
+                        _ptr(dst),
+                        sizes[r] * per_row,
+                        dt,
+                        r,
+                        self._handle,
+                        stream,
+                    )
 
         self._group(op, body)
         return out.view(x.dtype).reshape(sum(sizes), *x.shape[1:])
 
-    def reduce_scatter_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int | None = None, reduce_op: str = "sum") -> Tensor:
-        """Reduce ``x`` (``[sum(sizes), *rest]``) over members; member ``i`` keeps rows of chunk ``i``.
+    def reduce_scatter_v_rows(
+        self,
+        op: str,
+        x: Tensor,
+        sizes: Sequence[int],
+        index: int | None = None,
+        reduce_op: str = "sum",
+    ) -> Tensor:
+        """Reduce ``x`` (``[sum(sizes), *rest]``) over members; member ``i`` keeps rows of chunk
+        ``i``.
 
-        One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in :meth:`all_gather_v_rows`.
+        One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in
+        :meth:`all_gather_v_rows`.
         """
         code = self._reduce_code(op, reduce_op)
         w, dt, _ = self._wire(op, x, reduce_op)
@@ -314,25 +516,43 @@ class NativeCommunicator:
             for r in range(self.n):
                 if sizes[r]:
                     recv = out if r == self.index else flat[off:]  # non-roots: recv is ignored
-                    self._call(op, self._name("Reduce"), _ptr(flat[off:]), _ptr(recv), sizes[r] * per_row, dt, code, r, self._handle, stream)
+                    self._call(
+                        op,
+                        self._name("Reduce"),
+                        _ptr(flat[off:]),
+                        _ptr(recv),
+                        sizes[r] * per_row,
+                        dt,
+                        code,
+                        r,
+                        self._handle,
+                        stream,
+                    )
                 off += sizes[r] * per_row
 
         self._group(op, body)
         return out.view(x.dtype).reshape(sizes[self.index], *x.shape[1:])
 
     def __repr__(self) -> str:
-        return f"NativeCommunicator({self.lib.spec.kind}, axis={self.label!r}, member {self.index} of {self.n}, {self.device})"
+        return (
+            f"NativeCommunicator({self.lib.spec.kind}, axis={self.label!r}, member "
+            f"{self.index} of {self.n}, {self.device})"
+        )
 
 
 def _row_elems(x: Tensor, w: Tensor) -> int:
-    """Wire elements per row of dim 0 (bytes when ``x`` travels as uint8, two floats per complex number)."""
+    """Wire elements per row of dim 0 (bytes when ``x`` travels as uint8, two floats per complex
+    number)."""
     return math.prod(x.shape[1:]) * x.element_size() // w.element_size()
 
 
 def _default_device(lib: NativeLibrary) -> torch.device:
     if lib.device_type == "cuda":
         if not torch.cuda.is_available():
-            raise LibraryError(f"fastdist: {lib.spec.backend} needs a CUDA device and none is visible. Fix: run on a GPU machine or use backend='torch'")
+            raise LibraryError(
+                f"fastdist: {lib.spec.backend} needs a CUDA device and none is visible. Fix: run "
+                "on a GPU machine or use backend='torch'"
+            )
         return torch.device("cuda", torch.cuda.current_device())
     if lib.device_type == "npu":  # pragma: no cover - needs torch_npu
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]

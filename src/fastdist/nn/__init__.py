@@ -1,4 +1,5 @@
-"""Parallel building blocks for model code: plain ``torch.nn.Module``s that take the mesh in the constructor.
+"""Parallel building blocks for model code: plain ``torch.nn.Module``s that take the mesh in the
+constructor.
 
 Each module holds **this rank's** parameters (local shapes) and says how they split a
 single-device module's parameters through :meth:`param_specs` (``PartitionSpec`` per name).
@@ -19,27 +20,23 @@ sequence parallelism does.
 >>> col = fd.nn.ColumnParallelLinear(4, 6, mesh, "tp", gather_output=True)
 >>> state = fd.nn.stack_state(full.state_dict(), fd.nn.param_specs(col), mesh)
 >>> x = torch.randn(3, 4)
->>> out = fd.simulate(lambda p, x: torch.func.functional_call(col, p, (x,)), mesh)(state, x.expand(2, 3, 4))
+>>> run = fd.simulate(lambda p, x: torch.func.functional_call(col, p, (x,)), mesh)
+>>> out = run(state, x.expand(2, 3, 4))
 >>> bool(torch.allclose(out[0], full(x), atol=1e-6))
 True
 """
 
+from . import moe, plans  # noqa: E402
 from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
-from .layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
-from .parallelize import ParallelModel, parallelize
-from .styles import (
-    ColwiseParallel,
-    GatherSequence,
-    HeadParallelAttention,
-    ParallelizeError,
-    PrepareInput,
-    PvaryParams,
-    RowwiseParallel,
-    SequenceShard,
-    Style,
-    VocabParallel,
+from .layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
+from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
+from .moe import MoEError  # noqa: E402
+from .parallelize import ParallelModel, parallelize
 from .state import (
     CheckpointError,
     Layout,
@@ -54,8 +51,18 @@ from .state import (
     stack_state,
     unstack,
 )
-from . import moe, plans  # noqa: E402
-from .moe import MoEError  # noqa: E402
+from .styles import (
+    ColwiseParallel,
+    GatherSequence,
+    HeadParallelAttention,
+    ParallelizeError,
+    PrepareInput,
+    PvaryParams,
+    RowwiseParallel,
+    SequenceShard,
+    Style,
+    VocabParallel,
+)
 
 __all__ = [
     "ColumnParallelLinear",

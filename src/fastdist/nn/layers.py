@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: column / row parallel linear, merged projections, vocab-parallel embedding."""
+"""Tensor-parallel layers: column / row parallel linear, merged projections, vocab-parallel
+embedding."""
 
 from __future__ import annotations
 
@@ -10,19 +11,35 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..sharding import P, PartitionSpec
-from ..collectives import all_gather, all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
+from ..collectives import (
+    all_gather,
+    all_gather_invariant,
+    axis_index,
+    local_chunk,
+    psum,
+    psum_scatter,
+    pvary,
+)
 from ..errors import NO_IGNORE_INDEX, MeshError
 from ..mesh import Mesh
+from ..sharding import P, PartitionSpec
 from .loss import _checked_targets
 from .state import Layout
 
-__all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+]
 
 
 def _local(full: int, n: int, what: str, axis: str) -> int:
     if full % n:
-        raise MeshError(f"fastdist.nn: {what} = {full} is not divisible by the size {n} of axis {axis!r}. Fix: choose sizes divisible by {n}")
+        raise MeshError(
+            f"fastdist.nn: {what} = {full} is not divisible by the size {n} of axis {axis!r}. "
+            f"Fix: choose sizes divisible by {n}"
+        )
     return full // n
 
 
@@ -36,24 +53,45 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, mesh: Mesh, axis: str = "tp", *, bias: bool = True, gather_output: bool = False,
-        sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        axis: str = "tp",
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.mesh, self.axis, self.gather_output, self.sequence_parallel, self.seq_dim = mesh, axis, gather_output, sequence_parallel, seq_dim
+        self.mesh, self.axis, self.gather_output, self.sequence_parallel, self.seq_dim = (
+            mesh,
+            axis,
+            gather_output,
+            sequence_parallel,
+            seq_dim,
+        )
         local = _local(out_features, mesh.axis_size(axis), "out_features", axis)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def param_specs(self) -> dict[str, PartitionSpec]:
-        return {"weight": P(self.axis, None), **({"bias": P(self.axis)} if self.bias is not None else {})}
+        return {
+            "weight": P(self.axis, None),
+            **({"bias": P(self.axis)} if self.bias is not None else {}),
+        }
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.project(_column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim))
+        return self.project(
+            _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)
+        )
 
     def project(self, x: Tensor) -> Tensor:
-        """The layer on an input already made rank-varying (gathered or ``pvary``'d): no input collective."""
+        """The layer on an input already made rank-varying (gathered or ``pvary``'d): no input
+        collective."""
         y = _linear(x, self.weight, self.bias)  # (..., out/n)
         return all_gather_invariant(y, self.mesh, self.axis, dim=-1) if self.gather_output else y
 
@@ -78,15 +116,20 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _checked_mode_active() -> bool:
-    """Whether a TorchFunctionMode other than simulate's SDPA batching (which passes ``add_`` through) is active."""
+    """Whether a TorchFunctionMode other than simulate's SDPA batching (which passes ``add_``
+    through) is active."""
     if not torch._C._is_torch_function_mode_enabled():
         return False
     from .._sdpa import SdpaMode
 
-    return any(not isinstance(m, SdpaMode) for m in torch.overrides._get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+    return any(
+        not isinstance(m, SdpaMode) for m in torch.overrides._get_current_function_mode_stack()
+    )  # type: ignore[no-untyped-call]
 
 
-def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
+def _column_input(
+    x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int
+) -> Tensor:
     """A column-parallel layer's input collective: its forward/backward pair, written once."""
     if sequence_parallel:
         return all_gather(x, mesh, axis, dim=seq_dim)  # whole sequence; backward reduce-scatters
@@ -94,7 +137,8 @@ def _column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq
 
 
 class MergedColumnParallelLinear(nn.Module):
-    """Several column-parallel projections of one input (q, k, v; or gate and up) behind one input collective.
+    """Several column-parallel projections of one input (q, k, v; or gate and up) behind one input
+    collective.
 
     Equivalent to one :class:`ColumnParallelLinear` per entry of ``out_features``, but the
     input's collective runs once for all of them: with ``sequence_parallel`` one all-gather
@@ -119,26 +163,62 @@ class MergedColumnParallelLinear(nn.Module):
     >>> qkv = fd.nn.MergedColumnParallelLinear(4, (6, 2), mesh, "tp", gather_output=True)
     >>> state = fd.nn.stack_state(full.state_dict(), fd.nn.param_specs(qkv), mesh)
     >>> x = torch.randn(3, 4)
-    >>> q, k = fd.simulate(lambda p, x: torch.func.functional_call(qkv, p, (x,)), mesh)(state, x.expand(2, 3, 4))
+    >>> run = fd.simulate(lambda p, x: torch.func.functional_call(qkv, p, (x,)), mesh)
+    >>> q, k = run(state, x.expand(2, 3, 4))
     >>> bool(torch.allclose(q[1], full[0](x), atol=1e-6)), tuple(k.shape)
     (True, (2, 3, 2))
     """
 
     def __init__(
-        self, in_features: int, out_features: tuple[int, ...] | list[int], mesh: Mesh, axis: str = "tp", *, bias: bool = True,
-        gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        out_features: tuple[int, ...] | list[int],
+        mesh: Mesh,
+        axis: str = "tp",
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+        dtype: torch.dtype | None = None,
         names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if not out_features:
-            raise MeshError("MergedColumnParallelLinear: out_features is empty. Fix: give one output size per projection, e.g. (D, D, D)")
+            raise MeshError(
+                "MergedColumnParallelLinear: out_features is empty. Fix: give one output size per "
+                "projection, e.g. (D, D, D)"
+            )
         names = [str(i) for i in range(len(out_features))] if names is None else list(names)
-        if len(names) != len(out_features) or len(set(names)) != len(names) or not all(n.isidentifier() or n.isdigit() for n in names):
-            raise MeshError(f"MergedColumnParallelLinear: names {names} must be {len(out_features)} distinct module names, one per "
-                            f"entry of out_features {tuple(out_features)}. Fix: e.g. names=('q_proj', 'k_proj', 'v_proj')")
-        self.mesh, self.axis, self.sequence_parallel, self.seq_dim = mesh, axis, sequence_parallel, seq_dim
+        if (
+            len(names) != len(out_features)
+            or len(set(names)) != len(names)
+            or not all(n.isidentifier() or n.isdigit() for n in names)
+        ):
+            raise MeshError(
+                f"MergedColumnParallelLinear: names {names} must be {len(out_features)} distinct "
+                f"module names, one per entry of out_features {tuple(out_features)}. Fix: e.g. "
+                "names=('q_proj', 'k_proj', 'v_proj')"
+            )
+        self.mesh, self.axis, self.sequence_parallel, self.seq_dim = (
+            mesh,
+            axis,
+            sequence_parallel,
+            seq_dim,
+        )
         for name, out in zip(names, out_features):
-            self.add_module(name, ColumnParallelLinear(in_features, out, mesh, axis, bias=bias, gather_output=gather_output, dtype=dtype))
+            self.add_module(
+                name,
+                ColumnParallelLinear(
+                    in_features,
+                    out,
+                    mesh,
+                    axis,
+                    bias=bias,
+                    gather_output=gather_output,
+                    dtype=dtype,
+                ),
+            )
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -150,7 +230,9 @@ class MergedColumnParallelLinear(nn.Module):
         return (self[i] for i in range(len(self)))
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        x = _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)  # once for every projection
+        x = _column_input(
+            x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim
+        )  # once for every projection
         parts = list(self)
         if len(parts) == 1:
             return (parts[0].project(x),)
@@ -158,7 +240,9 @@ class MergedColumnParallelLinear(nn.Module):
         # matrices than each rank's narrow slices, and one dx instead of a sum of several.
         weight = torch.cat([p.weight for p in parts])  # (sum out_i/n, in)
         bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None  # type: ignore[misc]
-        ys = torch.split(_linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)  # (..., out_i/n) each
+        ys = torch.split(
+            _linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1
+        )  # (..., out_i/n) each
         if parts[0].gather_output:
             return tuple(all_gather_invariant(y, self.mesh, self.axis, dim=-1) for y in ys)
         return tuple(ys)
@@ -174,11 +258,26 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, mesh: Mesh, axis: str = "tp", *, bias: bool = True, input_is_parallel: bool = True,
-        sequence_parallel: bool = False, seq_dim: int = 1, dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        axis: str = "tp",
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.mesh, self.axis, self.input_is_parallel, self.sequence_parallel, self.seq_dim = mesh, axis, input_is_parallel, sequence_parallel, seq_dim
+        self.mesh, self.axis, self.input_is_parallel, self.sequence_parallel, self.seq_dim = (
+            mesh,
+            axis,
+            input_is_parallel,
+            sequence_parallel,
+            seq_dim,
+        )
         local = _local(in_features, mesh.axis_size(axis), "in_features", axis)
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
@@ -189,11 +288,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
-            x = local_chunk(x, self.mesh, self.axis, dim=-1)  # my slice of the features; backward gathers
+            x = local_chunk(
+                x, self.mesh, self.axis, dim=-1
+            )  # my slice of the features; backward gathers
         y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
         if self.sequence_parallel:
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
-            bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None  # meets per-rank rows
+            bias = (
+                pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
+            )  # meets per-rank rows
         else:
             y = psum(y, self.mesh, self.axis)
             bias = self.bias
@@ -211,23 +314,47 @@ class VocabParallelEmbedding(nn.Module):
     raises :class:`fastdist.TargetError` (``nn.Embedding`` raises ``IndexError``), never a zero row.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mesh: Mesh, axis: str = "tp", *, padding_idx: int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mesh: Mesh,
+        axis: str = "tp",
+        *,
+        padding_idx: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.mesh, self.axis, self.num_embeddings, self.padding_idx = mesh, axis, num_embeddings, padding_idx
-        self.local_rows = -(-num_embeddings // mesh.axis_size(axis))  # ceil: padded to a multiple of the axis
+        self.mesh, self.axis, self.num_embeddings, self.padding_idx = (
+            mesh,
+            axis,
+            num_embeddings,
+            padding_idx,
+        )
+        self.local_rows = -(
+            -num_embeddings // mesh.axis_size(axis)
+        )  # ceil: padded to a multiple of the axis
         self.weight = nn.Parameter(torch.randn(self.local_rows, embedding_dim, dtype=dtype))
 
     def param_layouts(self) -> dict[str, Layout]:
         return {"weight": Layout(P(self.axis, None), size=self.num_embeddings)}
 
     def forward(self, ids: Tensor) -> Tensor:
-        ids = _checked_targets("VocabParallelEmbedding", ids, self.mesh, self.axis, self.num_embeddings, NO_IGNORE_INDEX)  # ids < 0 or >= vocab raise
+        ids = _checked_targets(
+            "VocabParallelEmbedding",
+            ids,
+            self.mesh,
+            self.axis,
+            self.num_embeddings,
+            NO_IGNORE_INDEX,
+        )  # ids < 0 or >= vocab raise
         start = axis_index(self.mesh, self.axis) * self.local_rows
         mine = (ids >= start) & (ids < start + self.local_rows)  # ids in my row range
-        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)  # (..., dim)
+        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(
+            -1
+        )  # (..., dim)
         if self.padding_idx is not None:
-            rows = torch.where((ids == self.padding_idx).unsqueeze(-1), rows.detach(), rows)  # no gradient into the padding row
+            rows = torch.where(
+                (ids == self.padding_idx).unsqueeze(-1), rows.detach(), rows
+            )  # no gradient into the padding row
         return psum(rows, self.mesh, self.axis)
-
-

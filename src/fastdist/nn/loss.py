@@ -38,8 +38,17 @@ Reduction = Literal["none", "mean", "sum"]
 
 # ----------------------------------------------------------------------------- the target check
 @torch.library.custom_op("fastdist::check_targets", mutates_args=())
-def _check_targets(target: Tensor, rank: Tensor, vocab_size: int, ignore_index: int, op: str, axis: str, simulated: bool) -> Tensor:
-    """A copy of ``target``; raises :class:`TargetError` if an entry is neither ``ignore_index`` nor in ``[0, vocab_size)``.
+def _check_targets(
+    target: Tensor,
+    rank: Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    op: str,
+    axis: str,
+    simulated: bool,
+) -> Tensor:
+    """A copy of ``target``; raises :class:`TargetError` if an entry is neither ``ignore_index``
+    nor in ``[0, vocab_size)``.
 
     ``rank`` (broadcastable to ``target``) is the global rank holding each entry, for the message;
     ``axis`` is the ``repr`` of the mesh axis (a schema has no type for a name or a tuple of names).
@@ -53,17 +62,38 @@ def _check_targets(target: Tensor, rank: Tensor, vocab_size: int, ignore_index: 
         here = ranks == first
         values = sorted(set(t[b & here].tolist()))
         others = sorted(set(ranks[b].tolist()) - {first})
-        raise TargetError(op, ast.literal_eval(axis), first, simulated, values, int((b & here).sum()), int(here.sum()), vocab_size, ignore_index, others)
+        raise TargetError(
+            op,
+            ast.literal_eval(axis),
+            first,
+            simulated,
+            values,
+            int((b & here).sum()),
+            int(here.sum()),
+            vocab_size,
+            ignore_index,
+            others,
+        )
     return target.clone()
 
 
 @_check_targets.register_fake
-def _check_targets_fake(target: Tensor, rank: Tensor, vocab_size: int, ignore_index: int, op: str, axis: str, simulated: bool) -> Tensor:
+def _check_targets_fake(
+    target: Tensor,
+    rank: Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    op: str,
+    axis: str,
+    simulated: bool,
+) -> Tensor:
     return torch.empty_like(target)
 
 
 @_check_targets.register_vmap
-def _check_targets_vmap(info: Any, in_dims: tuple[int | None, ...], target: Tensor, rank: Tensor, *params: Any) -> tuple[Tensor, int]:
+def _check_targets_vmap(
+    info: Any, in_dims: tuple[int | None, ...], target: Tensor, rank: Tensor, *params: Any
+) -> tuple[Tensor, int]:
     # Check every entry of the stacked target at once: move the vmapped dim to the front and give
     # each entry its rank (a simulated rank id is vmapped like the target, or the target is
     # replicated and only the rank id is). An outer vmap is handled by the op's next rule.
@@ -71,19 +101,29 @@ def _check_targets_vmap(info: Any, in_dims: tuple[int | None, ...], target: Tens
     n = info.batch_size
     t = target.movedim(tb, 0) if tb is not None else target.unsqueeze(0).expand(n, *target.shape)
     r = rank.movedim(rb, 0) if rb is not None else rank.unsqueeze(0).expand(n, *rank.shape)
-    r = r.reshape(n, *([1] * (t.dim() - r.dim())), *r.shape[1:]).expand(t.shape)  # rank broadcasts to the target per entry
+    r = r.reshape(n, *([1] * (t.dim() - r.dim())), *r.shape[1:]).expand(
+        t.shape
+    )  # rank broadcasts to the target per entry
     return _check_targets(t, r, *params), 0
 
 
-def _checked_targets(op: str, target: Tensor, mesh: Mesh, axis: AxisName, vocab_size: int, ignore_index: int) -> Tensor:
+def _checked_targets(
+    op: str, target: Tensor, mesh: Mesh, axis: AxisName, vocab_size: int, ignore_index: int
+) -> Tensor:
     """``target`` through ``fastdist::check_targets`` with this rank's global rank id."""
     if is_real(mesh):  # real ranks (a simulation over the mesh takes precedence)
         rank, simulated = torch.tensor(mesh.rank, device=target.device), False
     else:
         binding = rank_binding(op, mesh)  # raises on a multi-rank mesh that is not simulated
-        rank = binding.rank if binding is not None else torch.zeros((), dtype=torch.long, device=target.device)
+        rank = (
+            binding.rank
+            if binding is not None
+            else torch.zeros((), dtype=torch.long, device=target.device)
+        )
         simulated = binding is not None
-    return torch.ops.fastdist.check_targets(target, rank, vocab_size, ignore_index, op, repr(axis), simulated)  # type: ignore[no-any-return]
+    return torch.ops.fastdist.check_targets(
+        target, rank, vocab_size, ignore_index, op, repr(axis), simulated
+    )  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -107,57 +147,113 @@ class _LocalSoftmaxStats(torch.autograd.Function):
         return e.sum(-1), picked, e
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    def setup_context(
+        ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor]
+    ) -> None:
         ctx.mark_non_differentiable(output[2])
         ctx.set_materialize_grads(False)  # no dense zeros for e's (absent) gradient
         ctx.save_for_backward(output[2], inputs[2])
 
     @staticmethod
-    def backward(ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None, _: Any) -> tuple[Tensor | None, None, None]:
+    def backward(
+        ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None, _: Any
+    ) -> tuple[Tensor | None, None, None]:
         e, index = ctx.saved_tensors
         if g_sum is None and g_picked is None:
             return None, None, None
         dx = e * g_sum.unsqueeze(-1) if g_sum is not None else torch.zeros_like(e)  # (..., V_local)
         if g_picked is None:
             return dx, None, None
-        return dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype)), None, None  # in place: dx is fresh
+        return (
+            dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype)),
+            None,
+            None,
+        )  # in place: dx is fresh
 
 
-def _token_losses(op: str, logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName, ignore_index: int, vocab_size: int | None) -> tuple[Tensor, Tensor]:
+def _token_losses(
+    op: str,
+    logits: Tensor,
+    target: Tensor,
+    mesh: Mesh,
+    axis: AxisName,
+    ignore_index: int,
+    vocab_size: int | None,
+) -> tuple[Tensor, Tensor]:
     """Per-token loss (0 where ignored) in the compute dtype, and the mask of counted tokens."""
     if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
-        raise CollectiveError(op, axis, f"logits and target must be tensors, got {type(logits).__name__} and {type(target).__name__}", "pass tensors")
+        raise CollectiveError(
+            op,
+            axis,
+            f"logits and target must be tensors, got {type(logits).__name__} and "
+            f"{type(target).__name__}",
+            "pass tensors",
+        )
     if not isinstance(mesh, Mesh):
-        raise CollectiveError(op, axis, f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}", "pass the Mesh the code runs on")
+        raise CollectiveError(
+            op,
+            axis,
+            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
+            "pass the Mesh the code runs on",
+        )
     if logits.dim() == 0 or logits.shape[-1] == 0 or not logits.is_floating_point():
-        raise CollectiveError(op, axis, f"logits must be a floating tensor (..., V_local) with V_local > 0, got {logits.dtype} of shape {tuple(logits.shape)}",
-                              "pass this rank's vocabulary columns as the last dim")
+        raise CollectiveError(
+            op,
+            axis,
+            "logits must be a floating tensor (..., V_local) with V_local > 0, got "
+            f"{logits.dtype} of shape {tuple(logits.shape)}",
+            "pass this rank's vocabulary columns as the last dim",
+        )
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise CollectiveError(op, axis, f"target must hold integer class ids, got {target.dtype}", "pass class ids (target.long()); class probabilities are not supported")
+        raise CollectiveError(
+            op,
+            axis,
+            f"target must hold integer class ids, got {target.dtype}",
+            "pass class ids (target.long()); class probabilities are not supported",
+        )
     if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise CollectiveError(op, axis, f"target has shape {tuple(target.shape)}, logits {tuple(logits.shape)}: target must be logits.shape[:-1]",
-                              "pass one class id per row of logits")
+        raise CollectiveError(
+            op,
+            axis,
+            f"target has shape {tuple(target.shape)}, logits {tuple(logits.shape)}: target must "
+            "be logits.shape[:-1]",
+            "pass one class id per row of logits",
+        )
     n_local = logits.shape[-1]
     n_cols = n_local * mesh.axis_size(axis)
     vocab = n_cols if vocab_size is None else vocab_size
     if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= n_cols:
-        raise CollectiveError(op, axis, f"vocab_size={vocab_size!r} must be an int in [1, {n_cols}] (V_local={n_local} columns on each of {n_cols // n_local} ranks)",
-                              "pass the real vocabulary size, at most the padded one")
+        raise CollectiveError(
+            op,
+            axis,
+            f"vocab_size={vocab_size!r} must be an int in [1, {n_cols}] (V_local={n_local} "
+            f"columns on each of {n_cols // n_local} ranks)",
+            "pass the real vocabulary size, at most the padded one",
+        )
     target = _checked_targets(op, target, mesh, axis, vocab, ignore_index)
 
-    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # low precision computes in float32
+    x = (
+        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    )  # low precision computes in float32
     start = axis_index(mesh, axis) * n_local  # this rank's first global column
     if vocab < n_cols:  # padding columns get no probability and no gradient
         x = x.masked_fill(start + torch.arange(n_local, device=x.device) >= vocab, float("-inf"))
     top = pmax(x.detach().amax(-1), mesh, axis)  # (...): a shift for stability, no gradient needed
     mine = (target >= start) & (target < start + n_local)  # the target's column is on this rank
-    index = torch.where(mine, target - start, 0)  # (...) local column of the target (0 where not mine)
+    index = torch.where(
+        mine, target - start, 0
+    )  # (...) local column of the target (0 where not mine)
     if torch.compiler.is_compiling():  # plain ops: the compiler fuses them
         shifted = x - top.unsqueeze(-1)
-        local_sum, picked = shifted.exp().sum(-1), shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        local_sum, picked = (
+            shifted.exp().sum(-1),
+            shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1),
+        )
     else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
         local_sum, picked, _ = _LocalSoftmaxStats.apply(x, top, index)  # type: ignore[no-untyped-call]
-    sums = psum(torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis)  # one collective for both
+    sums = psum(
+        torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis
+    )  # one collective for both
     counted = target != ignore_index
     return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
 
@@ -172,7 +268,8 @@ def cross_entropy(
     reduction: Reduction = "mean",
     vocab_size: int | None = None,
 ) -> Tensor:
-    """``F.cross_entropy(full_logits, target, ignore_index=, reduction=)`` with the vocabulary split over ``axis``.
+    """``F.cross_entropy(full_logits, target, ignore_index=, reduction=)`` with the vocabulary
+    split over ``axis``.
 
     ``logits``: (..., V_local), this rank's columns ``[i*V_local, (i+1)*V_local)`` (``i`` =
     :func:`fastdist.axis_index` along ``axis``); ``target``: (...) global class ids, the same on
@@ -199,8 +296,15 @@ def cross_entropy(
     True
     """
     if reduction not in ("none", "mean", "sum"):
-        raise CollectiveError("cross_entropy", axis, f"reduction={reduction!r} is not one of 'none', 'mean', 'sum'", "pass one of them")
-    loss, counted = _token_losses("cross_entropy", logits, target, mesh, axis, ignore_index, vocab_size)
+        raise CollectiveError(
+            "cross_entropy",
+            axis,
+            f"reduction={reduction!r} is not one of 'none', 'mean', 'sum'",
+            "pass one of them",
+        )
+    loss, counted = _token_losses(
+        "cross_entropy", logits, target, mesh, axis, ignore_index, vocab_size
+    )
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -208,7 +312,9 @@ def cross_entropy(
     return loss.sum() / counted.sum()
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName = "tp") -> Tensor:
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName = "tp"
+) -> Tensor:
     """Per-token cross entropy of logits whose vocabulary (last dim) is split over ``axis``.
 
     ``logits``: (..., vocab/n), this rank's columns; ``target``: (...) global ids, replicated.
@@ -220,7 +326,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, mesh: Mesh, axi
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
     >>> logits = torch.zeros(2, 1, 2)  # rank r's two columns of a uniform 4-way vocabulary
-    >>> fd.simulate(lambda lg: fd.nn.vocab_parallel_cross_entropy(lg, torch.tensor([3]), mesh), mesh)(logits)
+    >>> loss = lambda lg: fd.nn.vocab_parallel_cross_entropy(lg, torch.tensor([3]), mesh)
+    >>> fd.simulate(loss, mesh)(logits)
     tensor([[1.3863],
             [1.3863]])
     """
@@ -263,10 +370,19 @@ def causal_lm_loss(
     """
     if shift_labels is None:
         if labels is None:
-            raise CollectiveError("causal_lm_loss", axis, "labels and shift_labels are both None", "pass labels (or shift_labels, already shifted)")
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # tokens < n predict n
+            raise CollectiveError(
+                "causal_lm_loss",
+                axis,
+                "labels and shift_labels are both None",
+                "pass labels (or shift_labels, already shifted)",
+            )
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[
+            ..., 1:
+        ]  # tokens < n predict n
     shift_labels = shift_labels.to(logits.device)
-    loss, counted = _token_losses("causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size)
+    loss, counted = _token_losses(
+        "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size
+    )
     if num_items_in_batch is None:
         return loss.sum() / counted.sum()
     if isinstance(num_items_in_batch, Tensor):

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..sharding import P
 from ..collectives import (
     all_gather,
     all_gather_invariant,
@@ -57,10 +56,11 @@ from ..collectives import (
 )
 from ..errors import CollectiveError, FastdistError, NoBackendError
 from ..mesh import Mesh
+from ..sharding import P
 from ..simulate import rank_binding
 from ..uneven import indexed_all_to_all_v, ragged_all_to_all
-from .styles import ParallelizeError, Style, _Context
 from .state import Layout
+from .styles import ParallelizeError, Style, _Context
 
 __all__ = [
     "Dispatched",
@@ -85,12 +85,14 @@ ExpertFn = Callable[[Tensor, int], Tensor]
 
 
 class MoEError(FastdistError, ValueError):
-    """An expert-parallel layer cannot run as asked: experts that do not split over ``ep``, top-k larger than the
-    number of experts, a capacity too small for a dropless run on simulated ranks. The message names the layer and the fix."""
+    """An expert-parallel layer cannot run as asked: experts that do not split over ``ep``, top-k
+    larger than the number of experts, a capacity too small for a dropless run on simulated ranks.
+    The message names the layer and the fix."""
 
 
 class Routing(NamedTuple):
-    """The router's choice for each token: ``weights`` (T, k) gates, ``experts`` (T, k) global expert ids, ``probs`` (T, E)."""
+    """The router's choice for each token: ``weights`` (T, k) gates, ``experts`` (T, k) global
+    expert ids, ``probs`` (T, E)."""
 
     weights: Tensor
     experts: Tensor
@@ -98,7 +100,8 @@ class Routing(NamedTuple):
 
 
 class MoEOutput(NamedTuple):
-    """`moe`'s result: ``out`` (T, H), and ``dropped``: the number of (token, expert) assignments this rank dropped (0-d int64)."""
+    """`moe`'s result: ``out`` (T, H), and ``dropped``: the number of (token, expert) assignments
+    this rank dropped (0-d int64)."""
 
     out: Tensor
     dropped: Tensor
@@ -106,20 +109,32 @@ class MoEOutput(NamedTuple):
 
 def _check_k(layer: str, top_k: int, num_experts: int) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise MoEError(f"fastdist MoE layer {layer!r}: top_k={top_k!r} but there are {num_experts} experts; each token picks top_k distinct "
-                       f"experts. Fix: 1 <= top_k <= {num_experts}")
+        raise MoEError(
+            f"fastdist MoE layer {layer!r}: top_k={top_k!r} but there are {num_experts} experts; "
+            f"each token picks top_k distinct experts. Fix: 1 <= top_k <= {num_experts}"
+        )
 
 
 def _check_split(layer: str, num_experts: int, mesh: Mesh, axis: str) -> int:
     n = mesh.axis_size(axis)
     if num_experts % n:
-        raise MoEError(f"fastdist MoE layer {layer!r}: {num_experts} experts do not divide over the {n} ranks of {axis!r}. Fix: an {axis!r} "
-                       f"size that divides {num_experts} (e.g. {math.gcd(num_experts, n)}), or more experts")
+        raise MoEError(
+            f"fastdist MoE layer {layer!r}: {num_experts} experts do not divide over the {n} "
+            f"ranks of {axis!r}. Fix: an {axis!r} "
+            f"size that divides {num_experts} (e.g. {math.gcd(num_experts, n)}), or more experts"
+        )
     return num_experts // n
 
 
 # ============================================================================ router
-def route(logits: Tensor, top_k: int, *, gating: Gating = "softmax", normalize: bool = True, layer: str = "moe") -> Routing:
+def route(
+    logits: Tensor,
+    top_k: int,
+    *,
+    gating: Gating = "softmax",
+    normalize: bool = True,
+    layer: str = "moe",
+) -> Routing:
     """Top-k routing from router logits ``(T, E)``.
 
     ``gating="softmax"``: probabilities ``softmax(logits)``; ``"sigmoid"``: independent scores
@@ -146,7 +161,8 @@ def route(logits: Tensor, top_k: int, *, gating: Gating = "softmax", normalize: 
 
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Assignments one rank keeps per expert when dropping: ``ceil(capacity_factor * tokens * top_k / num_experts)``.
+    """Assignments one rank keeps per expert when dropping: ``ceil(capacity_factor * tokens * top_k
+    / num_experts)``.
 
     >>> expert_capacity(10, 2, 4, 1.0)
     5
@@ -155,8 +171,8 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: 
 
 
 def _keep_mask(experts: Tensor, num_experts: int, per_expert: int) -> Tensor:
-    """(..., T, k) bool: an assignment is kept if fewer than ``per_expert`` earlier ones (token-major order, within its
-    own leading index) chose its expert."""
+    """(..., T, k) bool: an assignment is kept if fewer than ``per_expert`` earlier ones
+    (token-major order, within its own leading index) chose its expert."""
     flat = experts.reshape(*experts.shape[:-2], -1)  # (..., T*k)
     oh = F.one_hot(flat, num_experts + 1)[..., :num_experts]  # (..., T*k, E); id E = nowhere
     pos = (oh.cumsum(-2) * oh).sum(-1) - 1  # (..., T*k) place in its expert's queue (-1: nowhere)
@@ -184,8 +200,9 @@ class Dispatched:
 
 
 def _simulated(mesh: Mesh) -> bool:
-    """Whether per-rank code on ``mesh`` runs on simulated ranks: a plain mesh, or a real one under ``fastdist.simulate``
-    or ``fastdist.profile.trace`` (they take precedence over the communicator; sizes are then static, not read back)."""
+    """Whether per-rank code on ``mesh`` runs on simulated ranks: a plain mesh, or a real one under
+    ``fastdist.simulate`` or ``fastdist.profile.trace`` (they take precedence over the
+    communicator; sizes are then static, not read back)."""
     if mesh.backend is None:
         return True
     try:
@@ -200,8 +217,16 @@ def _nowhere(experts: Tensor, keep: Tensor | None, num_experts: int) -> Tensor:
 
 
 def dispatch(
-    x: Tensor, experts: Tensor, mesh: Mesh, axis: str, num_experts: int, *, strategy: Strategy = "all_to_all",
-    capacity: int | None = None, keep: Tensor | None = None, layer: str = "moe",
+    x: Tensor,
+    experts: Tensor,
+    mesh: Mesh,
+    axis: str,
+    num_experts: int,
+    *,
+    strategy: Strategy = "all_to_all",
+    capacity: int | None = None,
+    keep: Tensor | None = None,
+    layer: str = "moe",
 ) -> tuple[Tensor, Dispatched]:
     """Send every token to the ranks that own its experts.
 
@@ -217,14 +242,15 @@ def dispatch(
     (``all_to_all``) or a reduce-scatter (``allgather``) back into ``x``.
 
     >>> import torch, fastdist as fd
-    >>> mesh = fd.Mesh({"ep": 2})                                   # experts 0, 1 on rank 0; 2, 3 on rank 1
-    >>> x = torch.arange(4.0).reshape(2, 2, 1)                      # 2 ranks x 2 tokens
-    >>> experts = torch.tensor([[[3], [0]], [[2], [2]]])            # top-1
+    >>> mesh = fd.Mesh({"ep": 2})                         # experts 0, 1 on rank 0; 2, 3 on rank 1
+    >>> x = torch.arange(4.0).reshape(2, 2, 1)            # 2 ranks x 2 tokens
+    >>> experts = torch.tensor([[[3], [0]], [[2], [2]]])  # top-1
     >>> def send(x, e):
     ...     rows, handle = fd.nn.moe.dispatch(x, e, mesh, "ep", 4, capacity=4)
     ...     return rows, handle.row_expert
     >>> rows, local_expert = fd.simulate(send, mesh)(x, experts)
-    >>> rows[1, :, 0].tolist(), local_expert[1].tolist()            # rank 1: token 0 of rank 0, tokens 0, 1 of rank 1
+    >>> # rank 1 receives token 0 of rank 0 and tokens 0, 1 of rank 1
+    >>> rows[1, :, 0].tolist(), local_expert[1].tolist()
     ([0.0, 2.0, 3.0, 0.0], [1, 0, 0, 2])
     """
     n = mesh.axis_size(axis)
@@ -239,29 +265,47 @@ def dispatch(
         row = torch.where((local >= 0) & (local < el), local, el)
         return xs, Dispatched(strategy, mesh, axis, num_experts, T, row, experts=es)
     if strategy != "all_to_all":
-        raise MoEError(f"fastdist MoE layer {layer!r}: strategy={strategy!r}. Fix: 'allgather' or 'all_to_all'")
+        raise MoEError(
+            f"fastdist MoE layer {layer!r}: strategy={strategy!r}. Fix: 'allgather' or 'all_to_all'"
+        )
     flat = ids.reshape(-1)  # (T*k,) token-major
-    order = torch.argsort(flat, stable=True)  # assignments by expert, hence by destination rank; nowhere last
+    order = torch.argsort(
+        flat, stable=True
+    )  # assignments by expert, hence by destination rank; nowhere last
     counts = F.one_hot(flat, num_experts + 1)[:, :num_experts].sum(0)  # (E,)
-    per_rank = counts.reshape(n, el)  # (ep, E_local): what I send to each rank, per its local expert
-    recv_counts = all_to_all(per_rank, mesh, axis, split_dim=0, concat_dim=0)  # (ep, E_local): what each source sends me
+    per_rank = counts.reshape(
+        n, el
+    )  # (ep, E_local): what I send to each rank, per its local expert
+    recv_counts = all_to_all(
+        per_rank, mesh, axis, split_dim=0, concat_dim=0
+    )  # (ep, E_local): what each source sends me
     simulated = _simulated(mesh)
     if capacity is None:
-        capacity = n * T * k if simulated else int(recv_counts.sum())  # worst case / exact (one host read)
+        capacity = (
+            n * T * k if simulated else int(recv_counts.sum())
+        )  # worst case / exact (one host read)
     try:
-        rows, recv = indexed_all_to_all_v(x, mesh, axis, order // k, per_rank.sum(-1), capacity=capacity)  # (C, H), (ep,)
+        rows, recv = indexed_all_to_all_v(
+            x, mesh, axis, order // k, per_rank.sum(-1), capacity=capacity
+        )  # (C, H), (ep,)
     except CollectiveError as e:
         if "capacity" not in str(e):
             raise
         raise MoEError(
-            f"fastdist MoE layer {layer!r}: {e.rank} receives more token assignments than capacity={capacity} over {axis!r} "
-            f"({'simulated ranks share one static buffer' if simulated else 'real ranks'}). Fix: capacity >= {n * T * k} "
-            "(every assignment to one rank: dropless), leave capacity=None (the worst case on simulated ranks, exact sizes on "
-            "real ranks), or drop tokens with capacity_factor"
+            f"fastdist MoE layer {layer!r}: {e.rank} receives more token assignments than "
+            f"capacity={capacity} over {axis!r} "
+            f"({'simulated ranks share one static buffer' if simulated else 'real ranks'}). Fix: "
+            f"capacity >= {n * T * k} (every assignment to one rank: dropless), leave "
+            "capacity=None (the worst case on simulated ranks, exact sizes on real ranks), or "
+            "drop tokens with capacity_factor"
         ) from None
-    bounds = recv_counts.reshape(-1).cumsum(0)  # (ep*E_local,): end of each (source, expert) block in the buffer
+    bounds = recv_counts.reshape(-1).cumsum(
+        0
+    )  # (ep*E_local,): end of each (source, expert) block in the buffer
     t = torch.arange(capacity, device=x.device)  # (C,)
-    block = (bounds.unsqueeze(0) <= t.unsqueeze(1)).sum(-1)  # (C,): the (source, expert) block of row t
+    block = (bounds.unsqueeze(0) <= t.unsqueeze(1)).sum(
+        -1
+    )  # (C,): the (source, expert) block of row t
     row = torch.where(block < n * el, block % el, el)  # (C,)
     return rows, Dispatched(strategy, mesh, axis, num_experts, T, row, order=order, recv_sizes=recv)
 
@@ -277,16 +321,22 @@ def combine(y: Tensor, handle: Dispatched, weights: Tensor) -> Tensor:
     """
     d = handle
     if d.strategy == "allgather":
-        return psum_scatter(y, d.mesh, d.axis, dim=0)  # (T, H): my tokens, summed over the ranks' experts
+        return psum_scatter(
+            y, d.mesh, d.axis, dim=0
+        )  # (T, H): my tokens, summed over the ranks' experts
     assert d.order is not None and d.recv_sizes is not None
     T, k = weights.shape
-    back, _ = ragged_all_to_all(y, d.mesh, d.axis, d.recv_sizes, capacity=T * k)  # (T*k, H) in sorted-assignment order, 0 past the sent rows
+    back, _ = ragged_all_to_all(
+        y, d.mesh, d.axis, d.recv_sizes, capacity=T * k
+    )  # (T*k, H) in sorted-assignment order, 0 past the sent rows
     w = weights.reshape(-1).index_select(0, d.order).to(back.dtype)  # (T*k,)
     out = back.new_zeros(T, back.shape[-1])  # (T, H)
     return out.index_add(0, d.order // k, back * w.unsqueeze(-1))
 
 
-def _run_experts(x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: ExpertFn, simulated: bool) -> Tensor:
+def _run_experts(
+    x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: ExpertFn, simulated: bool
+) -> Tensor:
     """``sum_e assign[:, e] * scale[:, e] * expert_fn(x, e)`` over the local experts: (R, H).
 
     Real ranks run each expert on its own rows only; simulated ranks (one shape for all) run
@@ -299,7 +349,11 @@ def _run_experts(x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: Exp
     for e in range(assign.shape[-1]):
         if simulated:
             ye = expert_fn(x, e)  # (R, H)
-            s = assign[:, e].unsqueeze(-1) if scale is None else torch.where(assign[:, e], scale[:, e], 0).unsqueeze(-1)
+            s = (
+                assign[:, e].unsqueeze(-1)
+                if scale is None
+                else torch.where(assign[:, e], scale[:, e], 0).unsqueeze(-1)
+            )
             y = y + torch.where(assign[:, e].unsqueeze(-1), ye * s.to(ye.dtype), 0)
         else:
             idx = assign[:, e].nonzero().squeeze(-1)  # (R_e,), maybe empty
@@ -311,11 +365,22 @@ def _run_experts(x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: Exp
 
 
 def moe(
-    x: Tensor, weights: Tensor, experts: Tensor, expert_fn: ExpertFn, mesh: Mesh, axis: str, num_experts: int, *,
-    strategy: Strategy = "all_to_all", capacity_factor: float | None = None, capacity: int | None = None,
-    tp_axis: str | None = None, layer: str = "moe",
+    x: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    expert_fn: ExpertFn,
+    mesh: Mesh,
+    axis: str,
+    num_experts: int,
+    *,
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    capacity: int | None = None,
+    tp_axis: str | None = None,
+    layer: str = "moe",
 ) -> MoEOutput:
-    """An expert-parallel MoE layer's expert part: ``out[t] = sum_j weights[t, j] * f_{experts[t, j]}(x[t])``.
+    """An expert-parallel MoE layer's expert part: ``out[t] = sum_j weights[t, j] * f_{experts[t,
+    j]}(x[t])``.
 
     Args:
         x: (T, H) this rank's tokens; weights, experts: (T, k) from the router (`route`).
@@ -332,10 +397,11 @@ def moe(
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"ep": 2})
-    >>> w = torch.tensor([1.0, 10.0, 100.0, 1000.0])                # expert e multiplies by w[e]; 2 per rank
+    >>> w = torch.tensor([1.0, 10.0, 100.0, 1000.0])  # expert e multiplies by w[e]; 2 per rank
     >>> def layer(x, logits, w):
     ...     r = fd.nn.moe.route(logits, 1)
-    ...     return fd.nn.moe.moe(x, r.weights, r.experts, lambda rows, e: rows * w[e], mesh, "ep", 4).out
+    ...     expert = lambda rows, e: rows * w[e]
+    ...     return fd.nn.moe.moe(x, r.weights, r.experts, expert, mesh, "ep", 4).out
     >>> x = torch.ones(2, 3, 1)
     >>> logits = torch.eye(4)[torch.tensor([[0, 3, 2], [1, 1, 3]])] # (2 ranks, 3 tokens, 4 experts)
     >>> fd.simulate(layer, mesh)(x, logits, torch.stack([w[:2], w[2:]]))[..., 0].tolist()
@@ -344,25 +410,47 @@ def moe(
     el = _check_split(layer, num_experts, mesh, axis)
     T, k = experts.shape
     _check_k(layer, k, num_experts)
-    weights = weights.to(torch.promote_types(weights.dtype, x.dtype))  # float32 gates (transformers) on float64 tokens: one rounding
+    weights = weights.to(
+        torch.promote_types(weights.dtype, x.dtype)
+    )  # float32 gates (transformers) on float64 tokens: one rounding
     keep = None
     if capacity_factor is not None:
         keep = _keep_mask(experts, num_experts, expert_capacity(T, k, num_experts, capacity_factor))
         if capacity is None and strategy == "all_to_all":
-            capacity = mesh.axis_size(axis) * el * expert_capacity(T, k, num_experts, capacity_factor)  # what can arrive
-    dropped = (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.long, device=x.device)
-    rows, d = dispatch(x, experts, mesh, axis, num_experts, strategy=strategy, capacity=capacity, keep=keep, layer=layer)
+            capacity = (
+                mesh.axis_size(axis) * el * expert_capacity(T, k, num_experts, capacity_factor)
+            )  # what can arrive
+    dropped = (
+        (~keep).sum() if keep is not None else torch.zeros((), dtype=torch.long, device=x.device)
+    )
+    rows, d = dispatch(
+        x,
+        experts,
+        mesh,
+        axis,
+        num_experts,
+        strategy=strategy,
+        capacity=capacity,
+        keep=keep,
+        layer=layer,
+    )
     if tp_axis is not None:
         rows = pvary(rows, mesh, tp_axis)
     simulated = _simulated(mesh)
     if strategy == "allgather":
         assert d.experts is not None
-        ws = all_gather(weights if keep is None else torch.where(keep, weights, 0), mesh, axis, dim=0)  # (ep*T, k)
+        ws = all_gather(
+            weights if keep is None else torch.where(keep, weights, 0), mesh, axis, dim=0
+        )  # (ep*T, k)
         if tp_axis is not None:
-            ws = pvary(ws, mesh, tp_axis)  # the gates scale tp-partial outputs: their gradient is summed over tp
+            ws = pvary(
+                ws, mesh, tp_axis
+            )  # the gates scale tp-partial outputs: their gradient is summed over tp
         hit = F.one_hot(d.row_expert, el + 1)[..., :el]  # (ep*T, k, E_local)
         assign = hit.sum(1) > 0  # (ep*T, E_local)
-        scale = (ws.unsqueeze(-1) * hit.to(ws.dtype)).sum(1)  # (ep*T, E_local): the gate of each local expert
+        scale = (ws.unsqueeze(-1) * hit.to(ws.dtype)).sum(
+            1
+        )  # (ep*T, E_local): the gate of each local expert
         y = _run_experts(rows, assign, scale, expert_fn, simulated)
     else:
         assign = F.one_hot(d.row_expert, el + 1)[:, :el] > 0  # (R, E_local)
@@ -381,10 +469,17 @@ def _global(t: Tensor, mesh: Mesh | None, axes: Sequence[str]) -> Tensor:
 
 
 def load_balancing_loss(
-    router_logits: Tensor | Sequence[Tensor], top_k: int, *, mesh: Mesh | None = None, axes: Sequence[str] = (),
-    attention_mask: Tensor | None = None, gating: Gating = "softmax", layer: str = "moe",
+    router_logits: Tensor | Sequence[Tensor],
+    top_k: int,
+    *,
+    mesh: Mesh | None = None,
+    axes: Sequence[str] = (),
+    attention_mask: Tensor | None = None,
+    gating: Gating = "softmax",
+    layer: str = "moe",
 ) -> Tensor:
-    """Switch Transformer's auxiliary load-balancing loss, as transformers' ``load_balancing_loss_func`` computes it.
+    """Switch Transformer's auxiliary load-balancing loss, as transformers'
+    ``load_balancing_loss_func`` computes it.
 
     ``router_logits``: (T, E), or one per layer (their statistics pooled, as transformers
     does). ``loss = E * sum_e f_e * P_e`` with ``f_e`` the fraction of tokens choosing
@@ -399,7 +494,7 @@ def load_balancing_loss(
     float32). Gradient: through the probabilities only, as in transformers.
 
     >>> import torch, fastdist as fd
-    >>> round(fd.nn.moe.load_balancing_loss(torch.zeros(4, 4), 1).item(), 4)   # uniform router: loss 1
+    >>> round(fd.nn.moe.load_balancing_loss(torch.zeros(4, 4), 1).item(), 4)  # uniform: 1
     1.0
     """
     layers = [router_logits] if isinstance(router_logits, Tensor) else list(router_logits)
@@ -410,7 +505,11 @@ def load_balancing_loss(
         x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         p = x.softmax(-1) if gating == "softmax" else torch.sigmoid(x)  # (T, E)
         chosen = F.one_hot(torch.topk(p, top_k, dim=-1).indices, E).sum(1).to(p.dtype)  # (T, E)
-        m = torch.ones(p.shape[0], dtype=p.dtype, device=p.device) if attention_mask is None else attention_mask.reshape(-1).to(p.dtype)
+        m = (
+            torch.ones(p.shape[0], dtype=p.dtype, device=p.device)
+            if attention_mask is None
+            else attention_mask.reshape(-1).to(p.dtype)
+        )
         c, s, n = (chosen * m.unsqueeze(-1)).sum(0), (p * m.unsqueeze(-1)).sum(0), m.sum()
         counts, probs, total = (c, s, n) if counts is None else (counts + c, probs + s, total + n)  # type: ignore[operator]
     assert counts is not None and probs is not None and total is not None
@@ -419,8 +518,11 @@ def load_balancing_loss(
     return E * (stats[:E] / stats[E] * probs / stats[E]).sum()
 
 
-def router_z_loss(router_logits: Tensor | Sequence[Tensor], *, mesh: Mesh | None = None, axes: Sequence[str] = ()) -> Tensor:
-    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)**2`` (as transformers' Switch Transformers).
+def router_z_loss(
+    router_logits: Tensor | Sequence[Tensor], *, mesh: Mesh | None = None, axes: Sequence[str] = ()
+) -> Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)**2`` (as transformers'
+    Switch Transformers).
 
     Several layers' logits: the mean over all their tokens. ``axes``: the mean over the global
     batch (sums over those axes), as `load_balancing_loss`. Gradient: that mean's.
@@ -430,14 +532,23 @@ def router_z_loss(router_logits: Tensor | Sequence[Tensor], *, mesh: Mesh | None
     1.9218
     """
     layers = [router_logits] if isinstance(router_logits, Tensor) else list(router_logits)
-    z = torch.cat([torch.logsumexp(lg.float() if lg.dtype in (torch.float16, torch.bfloat16) else lg, dim=-1).reshape(-1) for lg in layers])
+    z = torch.cat(
+        [
+            torch.logsumexp(
+                lg.float() if lg.dtype in (torch.float16, torch.bfloat16) else lg, dim=-1
+            ).reshape(-1)
+            for lg in layers
+        ]
+    )
     total = _global(torch.tensor(float(z.numel()), dtype=z.dtype, device=z.device), mesh, axes)
     return _global((z**2).sum(), mesh, axes) / total
 
 
-# ============================================================================ a module for transformers' experts
+# ============================================================================ a module for
+# transformers' experts
 class ExpertParallelExperts(nn.Module):
-    """transformers' 3-D-parameter experts module (Mixtral, Qwen2-MoE/Qwen3-MoE, OLMoE) with its experts over ``axis``.
+    """transformers' 3-D-parameter experts module (Mixtral, Qwen2-MoE/Qwen3-MoE, OLMoE) with its
+    experts over ``axis``.
 
     Keeps the parameter names ``gate_up_proj`` (E/ep, 2I/tp, H) and ``down_proj`` (E/ep, H, I/tp)
     (this rank's experts; with ``tp_axis`` each expert's intermediate features split too,
@@ -455,14 +566,38 @@ class ExpertParallelExperts(nn.Module):
     `fastdist.nn.parallelize`'d models are. `dropped_counts` collects them from a model.
     """
 
-    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: Callable[[Tensor], Tensor], mesh: Mesh, axis: str,
-                 num_experts: int, *, strategy: Strategy = "all_to_all", tp_axis: str | None = None,
-                 tokens: Literal["replicated", "sharded"] = "replicated", capacity_factor: float | None = None,
-                 capacity: int | None = None, layer: str = "experts", layouts: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        gate_up_proj: nn.Parameter,
+        down_proj: nn.Parameter,
+        act_fn: Callable[[Tensor], Tensor],
+        mesh: Mesh,
+        axis: str,
+        num_experts: int,
+        *,
+        strategy: Strategy = "all_to_all",
+        tp_axis: str | None = None,
+        tokens: Literal["replicated", "sharded"] = "replicated",
+        capacity_factor: float | None = None,
+        capacity: int | None = None,
+        layer: str = "experts",
+        layouts: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
-        self.mesh, self.axis, self.num_experts, self.strategy, self.tp_axis = mesh, axis, num_experts, strategy, tp_axis
-        self.tokens, self.capacity_factor, self.capacity, self.layer = tokens, capacity_factor, capacity, layer
+        self.mesh, self.axis, self.num_experts, self.strategy, self.tp_axis = (
+            mesh,
+            axis,
+            num_experts,
+            strategy,
+            tp_axis,
+        )
+        self.tokens, self.capacity_factor, self.capacity, self.layer = (
+            tokens,
+            capacity_factor,
+            capacity,
+            layer,
+        )
         self._layouts = layouts or {}
         self.dropped: Tensor | None = None  # set by each forward (see the class docstring)
 
@@ -484,27 +619,50 @@ class ExpertParallelExperts(nn.Module):
                 idx = torch.cat([idx, idx.new_full((pad, idx.shape[-1]), self.num_experts)])
                 w = torch.cat([w, w.new_zeros(pad, w.shape[-1])])
             whole = idx  # (T + pad, k): every rank's share, to count the layer's drops
-            x, idx, w = (local_chunk(t, self.mesh, self.axis, dim=0) for t in (x, idx, w))  # ((T + pad) / ep, ...)
-        out, dropped = moe(x, w, idx, self._expert, self.mesh, self.axis, self.num_experts, strategy=self.strategy,  # id E (padding): nowhere
-                           capacity_factor=self.capacity_factor, capacity=self.capacity, tp_axis=self.tp_axis, layer=self.layer)
+            x, idx, w = (
+                local_chunk(t, self.mesh, self.axis, dim=0) for t in (x, idx, w)
+            )  # ((T + pad) / ep, ...)
+        out, dropped = moe(
+            x,
+            w,
+            idx,
+            self._expert,
+            self.mesh,
+            self.axis,
+            self.num_experts,
+            strategy=self.strategy,  # id E (padding): nowhere
+            capacity_factor=self.capacity_factor,
+            capacity=self.capacity,
+            tp_axis=self.tp_axis,
+            layer=self.layer,
+        )
         if self.tokens == "replicated":
             out = all_gather_invariant(out, self.mesh, self.axis, dim=0)[:T]  # (T, H) on every rank
-            if self.capacity_factor is not None:  # each rank drops within its own share: count every share's drops, no communication
+            if (
+                self.capacity_factor is not None
+            ):  # each rank drops within its own share: count every share's drops, no communication
                 tl = whole.shape[0] // n
-                keep = _keep_mask(whole.reshape(n, tl, -1), self.num_experts, expert_capacity(tl, whole.shape[-1], self.num_experts, self.capacity_factor))
+                keep = _keep_mask(
+                    whole.reshape(n, tl, -1),
+                    self.num_experts,
+                    expert_capacity(tl, whole.shape[-1], self.num_experts, self.capacity_factor),
+                )
                 dropped = (~keep).sum()
         if not torch.compiler.is_compiling():
             self.dropped = _outside(dropped, self.mesh)
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_experts} experts over {self.axis!r}, strategy={self.strategy!r}, tokens={self.tokens!r}, tp_axis={self.tp_axis!r}"
-
+        return (
+            f"{self.num_experts} experts over {self.axis!r}, strategy={self.strategy!r}, "
+            f"tokens={self.tokens!r}, tp_axis={self.tp_axis!r}"
+        )
 
 
 def _outside(t: Tensor, mesh: Mesh) -> Tensor:
-    """A value computed in per-rank code, as code outside the ranks sees it: itself on real ranks; ``(world, ...)`` on
-    simulated ranks (the simulation's rank dimension taken out of the vmapped tensor, so it outlives the call)."""
+    """A value computed in per-rank code, as code outside the ranks sees it: itself on real ranks;
+    ``(world, ...)`` on simulated ranks (the simulation's rank dimension taken out of the vmapped
+    tensor, so it outlives the call)."""
     t = t.detach()
     if mesh.backend is not None:
         return t.clone()
@@ -513,7 +671,9 @@ def _outside(t: Tensor, mesh: Mesh) -> Tensor:
         return t.expand(1, *t.shape).clone()
     ft: Any = torch._C._functorch
     level = ft.maybe_get_level(binding.rank)
-    while (lv := ft.maybe_get_level(t)) is not None and lv > level:  # a torch.func wrapper inside the simulation
+    while (
+        lv := ft.maybe_get_level(t)
+    ) is not None and lv > level:  # a torch.func wrapper inside the simulation
         t = ft.get_unwrapped(t)
     if ft.maybe_get_level(t) == level and ft.is_batchedtensor(t):
         phys: Tensor = ft.get_unwrapped(t)
@@ -522,19 +682,25 @@ def _outside(t: Tensor, mesh: Mesh) -> Tensor:
 
 
 def dropped_counts(model: nn.Module) -> dict[str, Tensor]:
-    """Every `ExpertParallelExperts` layer's drop count from its last forward, by module name (see its ``dropped``).
+    """Every `ExpertParallelExperts` layer's drop count from its last forward, by module name (see
+    its ``dropped``).
 
     >>> import torch
     >>> dropped_counts(torch.nn.Linear(2, 2))
     {}
     """
-    return {name: m.dropped for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts) and m.dropped is not None}
+    return {
+        name: m.dropped
+        for name, m in model.named_modules()
+        if isinstance(m, ExpertParallelExperts) and m.dropped is not None
+    }
 
 
 @dataclass(frozen=True)
 class ExpertParallel(Style):
-    """A `fastdist.nn.parallelize` style for transformers' 3-D-parameter experts module (``MixtralExperts`` and its
-    kin): the experts over ``axis``, each expert's intermediate features over ``tp_axis`` (gate and up each split).
+    """A `fastdist.nn.parallelize` style for transformers' 3-D-parameter experts module
+    (``MixtralExperts`` and its kin): the experts over ``axis``, each expert's intermediate
+    features over ``tp_axis`` (gate and up each split).
 
     The module becomes an `ExpertParallelExperts` (same parameter names, same call); the
     router stays the model's own (replicated), so routing, ``router_logits`` and the model's
@@ -551,20 +717,38 @@ class ExpertParallel(Style):
 
     def _shapes(self, module: nn.Module, name: str, mesh: Mesh) -> tuple[Tensor, Tensor, int, int]:
         gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gu, Tensor) and isinstance(dn, Tensor) and gu.dim() == 3 and dn.dim() == 3 and callable(getattr(module, "act_fn", None))):
-            raise ParallelizeError(f"parallelize: {name!r} ({type(module).__name__}) is not a 3-D-parameter experts module (gate_up_proj "
-                                   "(E, 2I, H), down_proj (E, H, I), act_fn). Fix: apply ExpertParallel to the experts module (e.g. "
-                                   "'model.layers.*.mlp.experts')")
-        if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False) or not getattr(module, "is_concatenated", True) \
-                or not getattr(module, "has_gate", True):
-            raise ParallelizeError(f"parallelize: {name!r} stores its experts transposed, interleaved, without a gate or with biases, "
-                                   "which ExpertParallel does not implement. Fix: write a style for this layout")
+        if not (
+            isinstance(gu, Tensor)
+            and isinstance(dn, Tensor)
+            and gu.dim() == 3
+            and dn.dim() == 3
+            and callable(getattr(module, "act_fn", None))
+        ):
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({type(module).__name__}) is not a 3-D-parameter experts "
+                "module (gate_up_proj (E, 2I, H), down_proj (E, H, I), act_fn). Fix: "
+                "apply ExpertParallel to the experts module (e.g. 'model.layers.*.mlp.experts')"
+            )
+        if (
+            getattr(module, "is_transposed", False)
+            or getattr(module, "has_bias", False)
+            or not getattr(module, "is_concatenated", True)
+            or not getattr(module, "has_gate", True)
+        ):
+            raise ParallelizeError(
+                f"parallelize: {name!r} stores its experts transposed, interleaved, without a "
+                "gate or with biases, "
+                "which ExpertParallel does not implement. Fix: write a style for this layout"
+            )
         E, I2 = int(gu.shape[0]), int(gu.shape[1])
         _check_split(name, E, mesh, self.axis)
         n_tp = mesh.axis_size(self.tp_axis) if self.tp_axis else 1
         if (I2 // 2) % n_tp:
-            raise ParallelizeError(f"parallelize: {name!r} has experts of {I2 // 2} intermediate features, not divisible by the {n_tp} ranks "
-                                   f"of {self.tp_axis!r}. Fix: another tp size, or tp_axis=None")
+            raise ParallelizeError(
+                f"parallelize: {name!r} has experts of {I2 // 2} intermediate features, not "
+                f"divisible by the {n_tp} ranks "
+                f"of {self.tp_axis!r}. Fix: another tp size, or tp_axis=None"
+            )
         return gu, dn, E, I2 // 2
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
@@ -574,11 +758,23 @@ class ExpertParallel(Style):
         gu, dn, E, inter = self._shapes(module, name, ctx.mesh)
         tp = self.tp_axis
         layouts = {
-            "gate_up_proj": Layout(P(self.axis, tp, None), parts=(inter, inter), at=1) if tp else Layout(P(self.axis)),
+            "gate_up_proj": Layout(P(self.axis, tp, None), parts=(inter, inter), at=1)
+            if tp
+            else Layout(P(self.axis)),
             "down_proj": Layout(P(self.axis, None, tp)) if tp else Layout(P(self.axis)),
         }
         return ExpertParallelExperts(
-            ctx.param(gu, layouts["gate_up_proj"], f"{name}.gate_up_proj"), ctx.param(dn, layouts["down_proj"], f"{name}.down_proj"),  # type: ignore[arg-type]
-            module.act_fn, ctx.mesh, self.axis, E, strategy=self.strategy, tp_axis=tp, tokens=self.tokens,  # type: ignore[arg-type]
-            capacity_factor=self.capacity_factor, capacity=self.capacity, layer=name, layouts=layouts,
+            ctx.param(gu, layouts["gate_up_proj"], f"{name}.gate_up_proj"),
+            ctx.param(dn, layouts["down_proj"], f"{name}.down_proj"),  # type: ignore[arg-type]
+            module.act_fn,
+            ctx.mesh,
+            self.axis,
+            E,
+            strategy=self.strategy,
+            tp_axis=tp,
+            tokens=self.tokens,  # type: ignore[arg-type]
+            capacity_factor=self.capacity_factor,
+            capacity=self.capacity,
+            layer=name,
+            layouts=layouts,
         )

@@ -35,7 +35,15 @@ from ..collectives import pvary
 from ..mesh import Mesh
 from ..simulate import simulate
 from .layers import VocabParallelEmbedding
-from .state import Layout, full_state_dict, gather_full, load_checkpoint, param_layouts, save_checkpoint
+from .plans import plan_for
+from .state import (
+    Layout,
+    full_state_dict,
+    gather_full,
+    load_checkpoint,
+    param_layouts,
+    save_checkpoint,
+)
 from .styles import (
     ParallelizeError,
     ParallelLinear,
@@ -44,9 +52,9 @@ from .styles import (
     _ReplicatedHeads,
     _swap,
 )
-from .plans import plan_for
 
 __all__ = ["parallelize", "ParallelModel"]
+
 
 class ParallelModel:
     """A model after `parallelize`: call it like the model; move weights and gradients back.
@@ -57,14 +65,24 @@ class ParallelModel:
         layouts: how each parameter (by the model's own name) splits the single-device tensor.
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, pvary_params: Sequence[tuple[nn.Module, str, str]], axes: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        pvary_params: Sequence[tuple[nn.Module, str, str]],
+        axes: Sequence[str] = (),
+    ) -> None:
         self.module, self.mesh = module, mesh
         self.layouts = param_layouts(module)
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
-        self._axes = tuple(dict.fromkeys(axes))  # the axes the plan splits over: inputs are replicated over them
+        self._axes = tuple(
+            dict.fromkeys(axes)
+        )  # the axes the plan splits over: inputs are replicated over them
         self._dropout = _dropout_sites(module)
-        self._simulated = simulate(self._simulated_rank, mesh)  # all ranks at once (used on a plain mesh)
+        self._simulated = simulate(
+            self._simulated_rank, mesh
+        )  # all ranks at once (used on a plain mesh)
         accepts = inspect.signature(module.forward).parameters
         self._no_cache = {"use_cache": False} if "use_cache" in accepts else {}
 
@@ -79,21 +97,28 @@ class ParallelModel:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters()
 
-    def _run(self, params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(
+        self, params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """One rank's call: parameters that meet rank-varying data are pvary'd first."""
         if self._pvary or self.simulated:
-            swapped = {n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p for n, p in params.items()}
+            swapped = {
+                n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p
+                for n, p in params.items()
+            }
             return torch.func.functional_call(self.module, swapped, args, kwargs)
         return self.module(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
         (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped
-        there (``use_cache=False`` unless asked). On real ranks the model's output is returned as is."""
+        there (``use_cache=False`` unless asked). On real ranks the model's output is returned as
+        is."""
         if self.module.training and self._dropout:
             raise ParallelizeError(
-                f"{type(self.module).__name__} is in training mode with dropout ({', '.join(self._dropout[:4])}): the ranks of a "
-                "tensor-parallel group would draw different masks for activations they must hold equal, and diverge silently. "
+                f"{type(self.module).__name__} is in training mode with dropout "
+                f"({', '.join(self._dropout[:4])}): the ranks of a tensor-parallel group would "
+                "draw different masks for activations they must hold equal, and diverge silently. "
                 "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
             )
         if not self.simulated:
@@ -121,43 +146,55 @@ class ParallelModel:
             if "data-dependent control flow" not in str(e):
                 raise
             raise ParallelizeError(
-                f"{type(self.module).__name__} on simulated ranks: the model branches on the values of an input that differs across "
-                f"ranks ({sorted(tensors)} differ; e.g. transformers' mask helpers inspect attention_mask), which a simulation "
-                "running every rank at once cannot do. Fix: give every rank the same such input (it is then passed unbatched), "
-                "pass a 4-D float mask, or run on real ranks"
+                f"{type(self.module).__name__} on simulated ranks: the model branches on the "
+                f"values of an input that differs across ranks ({sorted(tensors)} differ; e.g. "
+                "transformers' mask helpers inspect attention_mask), which a simulation running "
+                "every rank at once cannot do. Fix: give every rank the same such input (it is "
+                "then passed unbatched), pass a 4-D float mask, or run on real ranks"
             ) from e
 
-    def _simulated_rank(self, params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any], **rest: Any) -> Any:
+    def _simulated_rank(
+        self, params: dict[str, Tensor], args: tuple[Any, ...], tensors: dict[str, Any], **rest: Any
+    ) -> Any:
         return _tensors_only(self._run(params, args, {**rest, **tensors}))
 
     # ------------------------------------------------------------------ weights and gradients
     def state_dict(self) -> dict[str, Tensor]:
-        """The single-device state dict (by the model's names; on real ranks a collective: call it on every rank)."""
+        """The single-device state dict (by the model's names; on real ranks a collective: call it
+        on every rank)."""
         return full_state_dict(self.module, self.mesh)
 
     def grads(self, *, check: bool = True) -> dict[str, Tensor]:
-        """Every parameter's gradient as the single-device model would hold it (by name; missing grads skipped).
+        """Every parameter's gradient as the single-device model would hold it (by name; missing
+        grads skipped).
 
         Ranks holding the same block must agree (``check``): a replicated parameter whose
         gradient differs across ranks (a missing pvary) raises `fastdist.nn.ReplicaMismatchError`.
         On real ranks a collective: call it on every rank.
         """
         return {
-            name: gather_full(p.grad, self.layouts[name], self.mesh, check=check, name=f"{name}.grad")
+            name: gather_full(
+                p.grad, self.layouts[name], self.mesh, check=check, name=f"{name}.grad"
+            )
             for name, p in self.module.named_parameters()
             if p.grad is not None
         }
 
     def load(self, source: Any, *, strict: bool = True, rename: Any = None) -> None:
-        """Load a single-device checkpoint (safetensors file or directory, or a state dict): see `fastdist.nn.load_checkpoint`."""
+        """Load a single-device checkpoint (safetensors file or directory, or a state dict): see
+        `fastdist.nn.load_checkpoint`."""
         load_checkpoint(self.module, source, self.mesh, strict=strict, rename=rename)
 
     def save(self, path: Any, *, dst: int = 0) -> dict[str, Tensor]:
-        """Write the single-device weights as one safetensors file (rank ``dst``): see `fastdist.nn.save_checkpoint`."""
+        """Write the single-device weights as one safetensors file (rank ``dst``): see
+        `fastdist.nn.save_checkpoint`."""
         return save_checkpoint(self.module, path, self.mesh, dst=dst)
 
     def __repr__(self) -> str:
-        return f"ParallelModel({type(self.module).__name__}, {self.mesh!r}, {'simulated' if self.simulated else 'real ranks'})"
+        return (
+            f"ParallelModel({type(self.module).__name__}, {self.mesh!r}, "
+            f"{'simulated' if self.simulated else 'real ranks'})"
+        )
 
 
 def _tensors_only(out: Any) -> Any:
@@ -172,18 +209,27 @@ def _tensors_only(out: Any) -> Any:
 
 
 def _dropout_sites(module: nn.Module) -> list[str]:
-    """Where ``module`` drops out in training mode: ``nn.Dropout`` modules, and the attention dropout that
-    transformers' attention functions take from the config (no module of its own)."""
-    sites = [n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    """Where ``module`` drops out in training mode: ``nn.Dropout`` modules, and the attention
+    dropout that transformers' attention functions take from the config (no module of its own)."""
+    sites = [
+        n
+        for n, m in module.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
     to_dict = getattr(getattr(module, "config", None), "to_dict", None)
     for key, value in (to_dict() if callable(to_dict) else {}).items():
-        if key in ("attention_dropout", "attn_pdrop") and isinstance(value, (int, float)) and value > 0:
+        if (
+            key in ("attention_dropout", "attn_pdrop")
+            and isinstance(value, (int, float))
+            and value > 0
+        ):
             sites.append(f"config.{key}={value}")
     return sites
 
 
 def _check_replicated(key: Any, v: Any, mesh: Mesh, axes: Sequence[str]) -> None:
-    """Raise if an input without gradient differs across the ranks of a group the plan splits over (each needs the same batch)."""
+    """Raise if an input without gradient differs across the ranks of a group the plan splits over
+    (each needs the same batch)."""
     if not isinstance(v, Tensor) or v.requires_grad or v.dim() == 0 or v.shape[0] != mesh.size:
         return
     for axis in axes:
@@ -191,33 +237,46 @@ def _check_replicated(key: Any, v: Any, mesh: Mesh, axes: Sequence[str]) -> None
             for r in group[1:]:
                 if not torch.equal(v[r], v[group[0]]):
                     raise ParallelizeError(
-                        f"parallelize: input {key!r} differs between ranks {group[0]} and {r}, which form one {axis!r} group: the "
-                        f"model's layers are split over {axis!r}, so every rank of a group must get the same batch (a data loader "
-                        f"keyed on the global rank instead of the data-parallel index?). Fix: give the ranks of each {axis!r} "
-                        "group the same input"
+                        f"parallelize: input {key!r} differs between ranks {group[0]} and {r}, "
+                        f"which form one {axis!r} group: the model's layers are split over "
+                        f"{axis!r}, so every rank of a group must get the same batch (a data "
+                        "loader keyed on the global rank instead of the data-parallel index?). "
+                        f"Fix: give the ranks of each {axis!r} group the same input"
                     )
 
 
 def _same_on_every_rank(v: Any, world: int) -> bool:
     """A tensor without gradient whose ``world`` slices along dim 0 are all equal."""
-    return isinstance(v, Tensor) and not v.requires_grad and v.dim() > 0 and v.shape[0] == world and torch.equal(v, v[:1].expand_as(v))
+    return (
+        isinstance(v, Tensor)
+        and not v.requires_grad
+        and v.dim() > 0
+        and v.shape[0] == world
+        and torch.equal(v, v[:1].expand_as(v))
+    )
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(keyword arguments holding tensors: vmapped over ranks, the rest: passed to every rank)."""
-    has_tensor = {k: any(isinstance(t, Tensor) for t in pytree.tree_leaves(v)) for k, v in kwargs.items()}
-    return {k: v for k, v in kwargs.items() if has_tensor[k]}, {k: v for k, v in kwargs.items() if not has_tensor[k]}
+    has_tensor = {
+        k: any(isinstance(t, Tensor) for t in pytree.tree_leaves(v)) for k, v in kwargs.items()
+    }
+    return {k: v for k, v in kwargs.items() if has_tensor[k]}, {
+        k: v for k, v in kwargs.items() if not has_tensor[k]
+    }
 
 
 # ============================================================================ parallelize
 class _HFCausalLMLoss:
-    """transformers' ``loss_function`` call, ``(logits, labels, vocab_size, **kwargs)`` by position or keyword,
-    on vocabulary-parallel logits (``fastdist.nn.causal_lm_loss``)."""
+    """transformers' ``loss_function`` call, ``(logits, labels, vocab_size, **kwargs)`` by position
+    or keyword, on vocabulary-parallel logits (``fastdist.nn.causal_lm_loss``)."""
 
     def __init__(self, mesh: Mesh, axis: str) -> None:
         self.mesh, self.axis = mesh, axis
 
-    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any) -> Tensor:
+    def __call__(
+        self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any
+    ) -> Tensor:
         from .loss import causal_lm_loss
 
         return causal_lm_loss(logits, labels, self.mesh, self.axis, vocab_size=vocab_size, **kwargs)
@@ -231,8 +290,11 @@ def _matches(pattern: str, name: str) -> bool:
     return len(ps) == len(ns) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(ps, ns))
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | None = None) -> ParallelModel:
-    """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a `ParallelModel`.
+def parallelize(
+    model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | None = None
+) -> ParallelModel:
+    """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a
+    `ParallelModel`.
 
     Args:
         model: the single-device model (e.g. a Hugging Face ``LlamaForCausalLM``), holding the
@@ -240,7 +302,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
         mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
             mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
-            the ready-made plan for the model's ``config.model_type`` (`fastdist.nn.plans.plan_for`).
+            the ready-made plan for the model's ``config.model_type``
+            (`fastdist.nn.plans.plan_for`).
 
     Raises `ParallelizeError` for a pattern that matches no module, a style applied to
     a module it cannot handle, or a head/feature count that does not split over the axis.
@@ -249,7 +312,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
     >>> mesh = fd.Mesh({"tp": 2})
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     >>> ref = mlp(x := torch.randn(3, 4))
-    >>> pm = fd.nn.parallelize(mlp, mesh, {"0": fd.nn.ColwiseParallel(input="replicated"), "2": fd.nn.RowwiseParallel()})
+    >>> plan = {"0": fd.nn.ColwiseParallel(input="replicated"), "2": fd.nn.RowwiseParallel()}
+    >>> pm = fd.nn.parallelize(mlp, mesh, plan)
     >>> tuple(mlp[0].weight.shape)                   # stacked: [rank, out/2, in]
     (2, 4, 4)
     >>> out = pm(x.expand(2, 3, 4))                  # every rank's output
@@ -258,27 +322,59 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
     """
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
-        raise ParallelizeError(f"parallelize: {type(model).__name__} has parameters on the meta device ({meta[:3]}...); there are no "
-                               "weights to shard. Fix: build the model with real tensors (meta-device construction is not supported yet)")
+        raise ParallelizeError(
+            f"parallelize: {type(model).__name__} has parameters on the meta device "
+            f"({meta[:3]}...); there are no weights to shard. Fix: build the model with real "
+            "tensors (meta-device construction is not supported yet)"
+        )
     if plan is None:
         plan = plan_for(model, mesh)
-    done_before = [n for n, m in model.named_modules() if isinstance(m, (ParallelLinear, VocabParallelEmbedding, _ReplicatedHeads))]
+    done_before = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (ParallelLinear, VocabParallelEmbedding, _ReplicatedHeads))
+    ]
     if done_before:
-        raise ParallelizeError(f"parallelize: {type(model).__name__} is already parallel ({done_before[:3]} ...). Fix: parallelize a fresh "
-                               "single-device model (e.g. copy.deepcopy before the first call)")
+        raise ParallelizeError(
+            f"parallelize: {type(model).__name__} is already parallel ({done_before[:3]} ...). "
+            "Fix: parallelize a fresh "
+            "single-device model (e.g. copy.deepcopy before the first call)"
+        )
     styles: dict[str, tuple[Style, ...]] = {}
     for pattern, value in plan.items():
-        styles[pattern] = cast("tuple[Style, ...]", (value,) if isinstance(value, Style) else tuple(value) if isinstance(value, (tuple, list)) else (value,))
+        styles[pattern] = cast(
+            "tuple[Style, ...]",
+            (value,)
+            if isinstance(value, Style)
+            else tuple(value)
+            if isinstance(value, (tuple, list))
+            else (value,),
+        )
         for style in styles[pattern]:
             if not isinstance(style, Style):
-                hint = f" (the class itself: write {style.__name__}())" if isinstance(style, type) else ""
-                raise ParallelizeError(f"parallelize: plan[{pattern!r}] holds {style!r}{hint}, not a fastdist.nn style instance")
+                hint = (
+                    f" (the class itself: write {style.__name__}())"
+                    if isinstance(style, type)
+                    else ""
+                )
+                raise ParallelizeError(
+                    f"parallelize: plan[{pattern!r}] holds {style!r}{hint}, not a fastdist.nn "
+                    "style instance"
+                )
     # Phase 1: every match checked, nothing changed yet (a bad plan leaves the model as it was).
-    matches = [(name, module, pattern) for name, module in model.named_modules() for pattern in plan if _matches(pattern, name)]
+    matches = [
+        (name, module, pattern)
+        for name, module in model.named_modules()
+        for pattern in plan
+        if _matches(pattern, name)
+    ]
     unused = [p for p in plan if p not in {m[2] for m in matches}]
     if unused:
-        raise ParallelizeError(f"parallelize: plan patterns {unused} match no module of {type(model).__name__}. Fix: check the names "
-                               f"in model.named_modules(), e.g. {[n for n, _ in model.named_modules()][1:6]}")
+        raise ParallelizeError(
+            f"parallelize: plan patterns {unused} match no module of {type(model).__name__}. Fix: "
+            "check the names "
+            f"in model.named_modules(), e.g. {[n for n, _ in model.named_modules()][1:6]}"
+        )
     for name, module, pattern in matches:
         for style in styles[pattern]:
             style.check(module, name, mesh)
@@ -294,7 +390,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | No
             _swap(model.get_submodule(parent), child, module)
     if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
         # transformers' causal-LM models compute `labels=` losses through this attribute
-        setattr(model, "loss_function", _HFCausalLMLoss(mesh, ctx.sharded_logits))
+        model.loss_function = _HFCausalLMLoss(mesh, ctx.sharded_logits)
     # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
     if mesh.backend is None:
         done = {id(v) for v in ctx.converted.values()}

@@ -55,18 +55,28 @@ def _seq(sequence_parallel: bool) -> Any:
 
 
 def _sequence_region(axis: str, layers: str, norms: tuple[str, ...], final_norm: str) -> Plan:
-    """Megatron-style sequence parallelism from the first decoder layer's input to the final norm's input."""
+    """Megatron-style sequence parallelism from the first decoder layer's input to the final norm's
+    input."""
     region: Plan = {f"{layers}.0": SequenceShard(axis), final_norm: GatherSequence(axis)}
-    region.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in norms})  # norms on a sequence shard
+    region.update(
+        {f"{layers}.*.{norm}": PvaryParams(axis) for norm in norms}
+    )  # norms on a sequence shard
     return region
 
 
-def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False,
-          prefix: str = "model") -> Plan:
+def llama(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
     """The plan for the Llama family (Llama, Mistral, Qwen2, Qwen3) over ``axis``.
 
     >>> from transformers import LlamaConfig
-    >>> plan = llama(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), sequence_parallel=True)
+    >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    >>> plan = llama(config, sequence_parallel=True)
     >>> print(*sorted(plan)[:3])
     lm_head model.embed_tokens model.layers.*.input_layernorm
     """
@@ -79,7 +89,13 @@ def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = F
     plan: Plan = {
         f"{prefix}.embed_tokens": VocabParallel(axis),
         f"{prefix}.layers.*.self_attn": HeadParallelAttention(
-            heads, kv, head_dim, axis, input=seq, output=seq, norms=norms,
+            heads,
+            kv,
+            head_dim,
+            axis,
+            input=seq,
+            output=seq,
+            norms=norms,
             attrs=(("num_key_value_groups", lambda hq, hkv, d: hq // hkv),),
         ),
         f"{prefix}.layers.*.mlp": PrepareInput(axis, seq),
@@ -89,12 +105,25 @@ def llama(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = F
         "lm_head": VocabParallel(axis, input="replicated", gather_output=gather_logits),
     }
     if sequence_parallel:
-        plan.update(_sequence_region(axis, f"{prefix}.layers", ("input_layernorm", "post_attention_layernorm"), f"{prefix}.norm"))
+        plan.update(
+            _sequence_region(
+                axis,
+                f"{prefix}.layers",
+                ("input_layernorm", "post_attention_layernorm"),
+                f"{prefix}.norm",
+            )
+        )
     return plan
 
 
-def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False,
-         prefix: str = "transformer") -> Plan:
+def gpt2(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "transformer",
+) -> Plan:
     """The plan for GPT-2 over ``axis``: ``Conv1D`` layers, fused ``c_attn``, padded vocabulary.
 
     >>> from transformers import GPT2Config
@@ -107,7 +136,14 @@ def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = Fa
     plan: Plan = {
         f"{prefix}.wte": VocabParallel(axis),
         f"{prefix}.h.*.attn": HeadParallelAttention(
-            heads, heads, hidden // heads, axis, input=seq, output=seq, qkv="c_attn", o="c_proj",
+            heads,
+            heads,
+            hidden // heads,
+            axis,
+            input=seq,
+            output=seq,
+            qkv="c_attn",
+            o="c_proj",
             attrs=(("split_size", lambda hq, hkv, d: hq * d),),
         ),
         f"{prefix}.h.*.mlp": PrepareInput(axis, seq),
@@ -120,9 +156,19 @@ def gpt2(model_or_config: Any, *, axis: str = "tp", sequence_parallel: bool = Fa
     return plan
 
 
-def mixtral(model_or_config: Any, *, axis: str = "tp", ep_axis: str = "ep", strategy: str = "all_to_all", capacity_factor: float | None = None,
-            sequence_parallel: bool = False, gather_logits: bool = False, prefix: str = "model") -> Plan:
-    """The plan for Mixtral: experts over ``ep_axis``, attention, vocabulary and each expert's features over ``axis``.
+def mixtral(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: str = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for Mixtral: experts over ``ep_axis``, attention, vocabulary and each expert's
+    features over ``axis``.
 
     The Llama plan's attention and vocabulary pieces over ``axis`` (tensor parallelism), the
     experts module (``gate_up_proj``/``down_proj`` 3-D parameters) `fastdist.nn.moe.ExpertParallel`
@@ -135,33 +181,67 @@ def mixtral(model_or_config: Any, *, axis: str = "tp", ep_axis: str = "ep", stra
     replicated. ``capacity_factor``: token dropping (default: dropless).
 
     >>> from transformers import MixtralConfig
-    >>> plan = mixtral(MixtralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
-    >>> plan["model.layers.*.mlp.experts"]
-    ExpertParallel(axis='ep', strategy='all_to_all', tp_axis='tp', tokens='replicated', capacity_factor=None, capacity=None)
+    >>> config = MixtralConfig(
+    ...     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    >>> plan = mixtral(config)
+    >>> plan["model.layers.*.mlp.experts"]  # doctest: +NORMALIZE_WHITESPACE
+    ExpertParallel(axis='ep', strategy='all_to_all', tp_axis='tp', tokens='replicated',
+                   capacity_factor=None, capacity=None)
     """
     if sequence_parallel:
-        raise ParallelizeError("parallelize: the Mixtral plan has no sequence parallelism yet (the experts take replicated tokens). "
-                               "Fix: sequence_parallel=False")
-    plan = {k: v for k, v in llama(model_or_config, axis=axis, gather_logits=gather_logits, prefix=prefix).items() if ".mlp" not in k}
-    plan[f"{prefix}.layers.*.mlp.experts"] = ExpertParallel(ep_axis, strategy, None if axis == ep_axis else axis,  # type: ignore[arg-type]
-                                                            capacity_factor=capacity_factor)
+        raise ParallelizeError(
+            "parallelize: the Mixtral plan has no sequence parallelism yet (the experts take "
+            "replicated tokens). Fix: sequence_parallel=False"
+        )
+    plan = {
+        k: v
+        for k, v in llama(
+            model_or_config, axis=axis, gather_logits=gather_logits, prefix=prefix
+        ).items()
+        if ".mlp" not in k
+    }
+    plan[f"{prefix}.layers.*.mlp.experts"] = ExpertParallel(
+        ep_axis,
+        strategy,
+        None if axis == ep_axis else axis,  # type: ignore[arg-type]
+        capacity_factor=capacity_factor,
+    )
     return plan
 
 
-FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama, "gpt2": gpt2, "mixtral": mixtral}
+FAMILIES = {
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "qwen3": llama,
+    "gpt2": gpt2,
+    "mixtral": mixtral,
+}
 
 
-def plan_for(model: nn.Module, mesh: Mesh, *, axis: str = "tp", sequence_parallel: bool = False, gather_logits: bool = False) -> Plan:
-    """The ready-made plan for ``model`` (by ``config.model_type``); raises for a family without one."""
+def plan_for(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+) -> Plan:
+    """The ready-made plan for ``model`` (by ``config.model_type``); raises for a family without
+    one."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in FAMILIES:
         raise ParallelizeError(
-            f"parallelize: no ready-made plan for {type(model).__name__} (model_type {kind!r}); plans exist for {sorted(FAMILIES)}. "
+            f"parallelize: no ready-made plan for {type(model).__name__} (model_type {kind!r}); "
+            f"plans exist for {sorted(FAMILIES)}. "
             "Fix: pass plan= (see fastdist.nn.plans.llama for the shape of one)"
         )
-    if kind == "mixtral":  # experts over ep; attention over tp, or over ep itself on a mesh without tp
+    if (
+        kind == "mixtral"
+    ):  # experts over ep; attention over tp, or over ep itself on a mesh without tp
         axis = axis if axis in mesh.axis_names else "ep"
         mesh.axis_indices("ep", "parallelize")
     mesh.axis_indices(axis, "parallelize")
-    return FAMILIES[kind](model, axis=axis, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
-
+    return FAMILIES[kind](
+        model, axis=axis, sequence_parallel=sequence_parallel, gather_logits=gather_logits
+    )

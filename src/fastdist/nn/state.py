@@ -29,9 +29,9 @@ from typing import Any, Union, cast
 import torch
 from torch import Tensor, nn
 
-from ..sharding import P, PartitionSpec
 from ..errors import FastdistError, MeshError
 from ..mesh import Mesh
+from ..sharding import P, PartitionSpec
 
 __all__ = [
     "Layout",
@@ -54,11 +54,13 @@ Getter = Callable[[tuple[slice, ...]], Tensor]
 
 
 class ReplicaMismatchError(FastdistError, ValueError):
-    """Ranks that should hold equal copies of a tensor (a replicated parameter, its gradient) differ."""
+    """Ranks that should hold equal copies of a tensor (a replicated parameter, its gradient)
+    differ."""
 
 
 class CheckpointError(MeshError, KeyError):
-    """A checkpoint does not match the model: a missing or unexpected key, or a shape that differs."""
+    """A checkpoint does not match the model: a missing or unexpected key, or a shape that
+    differs."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
@@ -85,7 +87,7 @@ class Layout:
     >>> fused = fd.nn.Layout(fd.P(None, "tp"), parts=(2, 2, 2))
     >>> fused.shard(w, mesh, 1)                          # rank 1: [q1 | k1 | v1]
     tensor([[1., 3., 5.]])
-    >>> vocab = fd.nn.Layout(fd.P("tp"), size=3)         # 3 rows over 2 ranks: one zero row of padding
+    >>> vocab = fd.nn.Layout(fd.P("tp"), size=3)  # 3 rows over 2 ranks: one zero row of padding
     >>> vocab.shard(torch.tensor([1.0, 2.0, 3.0]), mesh, 1)
     tensor([3., 0.])
     """
@@ -100,9 +102,15 @@ class Layout:
             split = [d for d in range(len(self.spec.dims)) if self.spec.axes_of(d)]
             if self.at is not None:
                 if self.at not in split or (self.parts and self.size is not None):
-                    raise MeshError(f"Layout: at={self.at} must name a split dim holding parts or padding (not both); got {self!r}")
+                    raise MeshError(
+                        f"Layout: at={self.at} must name a split dim holding parts or padding "
+                        f"(not both); got {self!r}"
+                    )
             elif len(split) != 1 or (self.parts and self.size is not None):
-                raise MeshError(f"Layout: parts/size need exactly one split dim (or at= naming which) and not both; got {self!r}")
+                raise MeshError(
+                    "Layout: parts/size need exactly one split dim (or at= naming which) and not "
+                    f"both; got {self!r}"
+                )
 
     @property
     def dim(self) -> int | None:
@@ -116,27 +124,37 @@ class Layout:
     def _n(self, mesh: Mesh, d: int) -> int:
         return mesh.axis_size(self.spec.axes_of(d)) if self.spec.axes_of(d) else 1
 
-    def local_shape(self, full_shape: tuple[int, ...], mesh: Mesh, name: str = "tensor") -> tuple[int, ...]:
-        """One rank's shape for a single-device tensor of ``full_shape``; raises if it does not split."""
+    def local_shape(
+        self, full_shape: tuple[int, ...], mesh: Mesh, name: str = "tensor"
+    ) -> tuple[int, ...]:
+        """One rank's shape for a single-device tensor of ``full_shape``; raises if it does not
+        split."""
         if len(self.spec.dims) > len(full_shape):
-            raise MeshError(f"{name}: {self.spec!r} names {len(self.spec.dims)} dims but the tensor has shape {tuple(full_shape)}")
+            raise MeshError(
+                f"{name}: {self.spec!r} names {len(self.spec.dims)} dims but the tensor has shape "
+                f"{tuple(full_shape)}"
+            )
         out = list(full_shape)
         for d in range(len(self.spec.dims)):
             n = self._n(mesh, d)
             if d == self.dim and self.size is not None:
                 if full_shape[d] != self.size:
-                    raise MeshError(f"{name}: dim {d} has size {full_shape[d]}, the layout expects {self.size}")
+                    raise MeshError(
+                        f"{name}: dim {d} has size {full_shape[d]}, the layout expects {self.size}"
+                    )
                 out[d] = -(-self.size // n)  # ceil: the padded rows are split too
             elif d == self.dim:
                 if sum(self.parts) != full_shape[d] or any(p % n for p in self.parts):
                     raise MeshError(
-                        f"{name}: dim {d} (size {full_shape[d]}) holds parts {self.parts}; each must divide by the {n} ranks of "
-                        f"{self.spec.axes_of(d)} and they must add up to the dim. Fix: choose head counts divisible by {n}"
+                        f"{name}: dim {d} (size {full_shape[d]}) holds parts {self.parts}; "
+                        f"each must divide by the {n} ranks of {self.spec.axes_of(d)} and they "
+                        f"must add up to the dim. Fix: choose head counts divisible by {n}"
                     )
                 out[d] = full_shape[d] // n
             elif full_shape[d] % n:
                 raise MeshError(
-                    f"{name}: {self.spec!r} splits dim {d} (size {full_shape[d]}) over {self.spec.axes_of(d)} ({n} ranks), which does not "
+                    f"{name}: {self.spec!r} splits dim {d} (size {full_shape[d]}) over "
+                    f"{self.spec.axes_of(d)} ({n} ranks), which does not "
                     f"divide it. Fix: pad dim {d} to a multiple of {n}"
                 )
             else:
@@ -152,8 +170,11 @@ class Layout:
             out[self.dim] = self.size
         return tuple(out)
 
-    def _pieces(self, full_shape: tuple[int, ...], mesh: Mesh, rank: int) -> list[tuple[tuple[slice, ...], int]]:
-        """Rank ``rank``'s block as pieces: (slices of the padded single-device tensor, offset in the block)."""
+    def _pieces(
+        self, full_shape: tuple[int, ...], mesh: Mesh, rank: int
+    ) -> list[tuple[tuple[slice, ...], int]]:
+        """Rank ``rank``'s block as pieces: (slices of the padded single-device tensor, offset in
+        the block)."""
         local = self.local_shape(full_shape, mesh)
         base = [slice(None)] * len(full_shape)
         for d in range(len(self.spec.dims)):
@@ -167,12 +188,22 @@ class Layout:
         pieces, start, offset = [], 0, 0
         for part in self.parts or (local[d] * n,):  # padded: one part, the padded dim
             step = part // n
-            pieces.append((tuple(base[:d] + [slice(start + i * step, start + (i + 1) * step)] + base[d + 1 :]), offset))
+            pieces.append(
+                (
+                    tuple(
+                        base[:d] + [slice(start + i * step, start + (i + 1) * step)] + base[d + 1 :]
+                    ),
+                    offset,
+                )
+            )
             start, offset = start + part, offset + step
         return pieces
 
-    def read(self, get: Getter, full_shape: tuple[int, ...], mesh: Mesh, rank: int, name: str = "tensor") -> Tensor:
-        """Rank ``rank``'s block, reading only its own slices through ``get(slices)`` (zeros for padding)."""
+    def read(
+        self, get: Getter, full_shape: tuple[int, ...], mesh: Mesh, rank: int, name: str = "tensor"
+    ) -> Tensor:
+        """Rank ``rank``'s block, reading only its own slices through ``get(slices)`` (zeros for
+        padding)."""
         self.local_shape(tuple(full_shape), mesh, name)  # raises on a shape that does not split
         blocks = []
         for slices, _ in self._pieces(tuple(full_shape), mesh, rank):
@@ -181,11 +212,15 @@ class Layout:
                 continue
             d = cast(int, self.dim)
             s = slices[d]
-            real = slice(min(s.start, self.size), min(s.stop, self.size))  # the rows that exist in the single-device tensor
+            real = slice(
+                min(s.start, self.size), min(s.stop, self.size)
+            )  # the rows that exist in the single-device tensor
             got = get(slices[:d] + (real,) + slices[d + 1 :]) if real.stop > real.start else None
             pad = (s.stop - s.start) - (real.stop - real.start)
             if got is None or pad:
-                ref = got if got is not None else get(slices[:d] + (slice(0, 1),) + slices[d + 1 :])  # dtype and other dims
+                ref = (
+                    got if got is not None else get(slices[:d] + (slice(0, 1),) + slices[d + 1 :])
+                )  # dtype and other dims
                 shape = list(ref.shape)
                 shape[d] = pad
                 zeros = ref.new_zeros(shape)
@@ -197,7 +232,9 @@ class Layout:
         """Rank ``rank``'s block of single-device ``full`` (a new tensor)."""
         return self.read(lambda s: full[s], tuple(full.shape), mesh, rank, name).clone()
 
-    def join(self, stacked: Tensor, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
+    def join(
+        self, stacked: Tensor, mesh: Mesh, *, check: bool = True, name: str = "tensor"
+    ) -> Tensor:
         """The single-device tensor from every rank's block stacked on dim 0 (``[world, *local]``).
 
         With ``check`` (the default), ranks that hold the same block must agree (to a
@@ -207,11 +244,17 @@ class Layout:
         tensor, the ranks and the fix, instead of silently keeping one copy.
         """
         if stacked.dim() == 0 or stacked.shape[0] != mesh.size:
-            raise MeshError(f"{name}: expected a leading rank dim of size {mesh.size}, got shape {tuple(stacked.shape)}")
+            raise MeshError(
+                f"{name}: expected a leading rank dim of size {mesh.size}, got shape "
+                f"{tuple(stacked.shape)}"
+            )
         full_shape = self.full_shape(tuple(stacked.shape[1:]), mesh)
         holder: dict[tuple[int, ...], int] = {}
         for r in range(mesh.size):
-            key = tuple(mesh.index(r, self.spec.axes_of(d)) if self.spec.axes_of(d) else 0 for d in range(len(self.spec.dims)))
+            key = tuple(
+                mesh.index(r, self.spec.axes_of(d)) if self.spec.axes_of(d) else 0
+                for d in range(len(self.spec.dims))
+            )
             first = holder.setdefault(key, r)
             if check and first != r:
                 _check_agree(stacked[first], stacked[r], first, r, name, mesh)
@@ -231,18 +274,23 @@ class Layout:
 
 def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) -> None:
     if a.is_floating_point() or a.is_complex():
-        scale = max(float(a.abs().max()), float(b.abs().max()), torch.finfo(a.dtype).tiny) if a.numel() else 1.0
+        scale = (
+            max(float(a.abs().max()), float(b.abs().max()), torch.finfo(a.dtype).tiny)
+            if a.numel()
+            else 1.0
+        )
         diff = float((a - b).abs().max()) if a.numel() else 0.0
         ok = diff <= math.sqrt(torch.finfo(a.dtype).eps) * scale
     else:
         ok, diff = bool(torch.equal(a, b)), float("nan")
     if not ok:
         raise ReplicaMismatchError(
-            f"fastdist.nn.unstack({name}): ranks {ra} and {rb} of {mesh!r} hold the same block but differ (max difference {diff:.3g}). "
-            "A replicated parameter whose gradient differs across ranks got only a partial sum: it meets rank-varying data "
-            "(a sequence shard, a head shard) without fastdist.pvary, so its gradient is not summed. Fix: pvary it (in a "
-            "parallelize plan: the PvaryParams style), or reduce data-parallel replicas first (fastdist.pmean over 'dp'); "
-            "check=False keeps the first rank's copy"
+            f"fastdist.nn.unstack({name}): ranks {ra} and {rb} of {mesh!r} hold the same block but "
+            f"differ (max difference {diff:.3g}). A replicated parameter whose gradient differs "
+            "across ranks got only a partial sum: it meets rank-varying data (a sequence shard, a "
+            "head shard) without fastdist.pvary, so its gradient is not summed. Fix: "
+            "pvary it (in a parallelize plan: the PvaryParams style), or reduce data-parallel "
+            "replicas first (fastdist.pmean over 'dp'); check=False keeps the first rank's copy"
         )
 
 
@@ -252,7 +300,8 @@ def _as_layout(spec: SpecLike) -> Layout:
 
 # ============================================================================ specs of a module
 def param_specs(module: nn.Module) -> dict[str, PartitionSpec]:
-    """``PartitionSpec`` of every parameter of ``module`` by dotted name (replicated unless a submodule says otherwise)."""
+    """``PartitionSpec`` of every parameter of ``module`` by dotted name (replicated unless a
+    submodule says otherwise)."""
     return {name: layout.spec for name, layout in param_layouts(module).items()}
 
 
@@ -275,21 +324,34 @@ def param_layouts(module: nn.Module) -> dict[str, Layout]:
 
 
 # ============================================================================ in-memory state dicts
-def shard_state(full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh, rank: int) -> dict[str, Tensor]:
-    """Rank ``rank``'s shard of every tensor of a single-device state dict (specs: PartitionSpec or Layout)."""
+def shard_state(
+    full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh, rank: int
+) -> dict[str, Tensor]:
+    """Rank ``rank``'s shard of every tensor of a single-device state dict (specs: PartitionSpec or
+    Layout)."""
     missing = set(specs) - set(full)
     if missing:
-        raise CheckpointError(f"fastdist.nn: the state dict lacks {sorted(missing)}. Fix: load a state dict of the matching single-device module")
-    return {name: _as_layout(spec).shard(full[name], mesh, rank, name) for name, spec in specs.items()}
+        raise CheckpointError(
+            f"fastdist.nn: the state dict lacks {sorted(missing)}. Fix: load a state dict of the "
+            "matching single-device module"
+        )
+    return {
+        name: _as_layout(spec).shard(full[name], mesh, rank, name) for name, spec in specs.items()
+    }
 
 
-def stack_state(full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh) -> dict[str, Tensor]:
-    """Every rank's shard stacked on a leading rank dim ``[world, *local]``, for `fastdist.simulate`."""
+def stack_state(
+    full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh
+) -> dict[str, Tensor]:
+    """Every rank's shard stacked on a leading rank dim ``[world, *local]``, for
+    `fastdist.simulate`."""
     per_rank = [shard_state(full, specs, mesh, r) for r in range(mesh.size)]
     return {name: torch.stack([p[name] for p in per_rank]) for name in specs}
 
 
-def unstack(stacked: Tensor, spec: SpecLike, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
+def unstack(
+    stacked: Tensor, spec: SpecLike, mesh: Mesh, *, check: bool = True, name: str = "tensor"
+) -> Tensor:
     """The single-device tensor from stacked shards (inverse of `stack_state` for one tensor).
 
     Shards are joined along their dims. Ranks holding the same block must agree unless
@@ -300,10 +362,13 @@ def unstack(stacked: Tensor, spec: SpecLike, mesh: Mesh, *, check: bool = True, 
 
 # ============================================================================ checkpoints
 @contextmanager
-def _open_source(source: str | os.PathLike[str] | Mapping[str, Tensor]) -> Iterator[tuple[dict[str, tuple[int, ...]], Callable[[str], Getter]]]:
-    """(shape of every key, key -> slicing reader) for a state dict, a .safetensors file or a save_pretrained directory."""
+def _open_source(
+    source: str | os.PathLike[str] | Mapping[str, Tensor],
+) -> Iterator[tuple[dict[str, tuple[int, ...]], Callable[[str], Getter]]]:
+    """(shape of every key, key -> slicing reader) for a state dict, a .safetensors file or a
+    save_pretrained directory."""
     if isinstance(source, Mapping):
-        yield {k: tuple(v.shape) for k, v in source.items()}, lambda k: (lambda s: source[k][s])
+        yield {k: tuple(v.shape) for k, v in source.items()}, lambda k: lambda s: source[k][s]
         return
     from safetensors import safe_open
 
@@ -317,21 +382,29 @@ def _open_source(source: str | os.PathLike[str] | Mapping[str, Tensor]) -> Itera
         else:
             single = os.path.join(path, "model.safetensors")
             if not os.path.exists(single):
-                raise CheckpointError(f"fastdist.nn.load_checkpoint: {path} holds neither model.safetensors nor model.safetensors.index.json")
+                raise CheckpointError(
+                    f"fastdist.nn.load_checkpoint: {path} holds neither model.safetensors nor "
+                    "model.safetensors.index.json"
+                )
             files = {"": single}
     else:
         files = {"": path}
     handles: dict[str, Any] = {f: safe_open(f, framework="pt") for f in set(files.values())}
     try:
-        where = {k: h for h in handles.values() for k in h.keys()} if "" in files else {k: handles[f] for k, f in files.items()}
+        where = (
+            {k: h for h in handles.values() for k in h.keys()}
+            if "" in files
+            else {k: handles[f] for k, f in files.items()}
+        )
         shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in where.items()}
-        yield shapes, lambda k: (lambda s: where[k].get_slice(k)[s])
+        yield shapes, lambda k: lambda s: where[k].get_slice(k)[s]
     finally:
         handles.clear()
 
 
 def _named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
-    """Parameters and persistent buffers by state-dict name (tied parameters once), each with "is a parameter".
+    """Parameters and persistent buffers by state-dict name (tied parameters once), each with "is a
+    parameter".
 
     Buffers are never sharded nor stacked over simulated ranks: every rank holds them whole.
     """
@@ -342,7 +415,8 @@ def _named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
 
 
 def _tied_aliases(module: nn.Module) -> dict[str, str]:
-    """Second names of tied parameters -> the first name (GPT-2's ``lm_head.weight`` -> ``transformer.wte.weight``)."""
+    """Second names of tied parameters -> the first name (GPT-2's ``lm_head.weight`` ->
+    ``transformer.wte.weight``)."""
     first: dict[int, str] = {}
     aliases = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -354,47 +428,64 @@ def _tied_aliases(module: nn.Module) -> dict[str, str]:
 
 
 def load_checkpoint(
-    module: nn.Module, source: str | os.PathLike[str] | Mapping[str, Tensor], mesh: Mesh, *, rank: int | None = None,
-    strict: bool = True, rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    module: nn.Module,
+    source: str | os.PathLike[str] | Mapping[str, Tensor],
+    mesh: Mesh,
+    *,
+    rank: int | None = None,
+    strict: bool = True,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
 ) -> None:
-    """Load a single-device checkpoint into a parallel module, each rank reading only its own slices.
+    """Load a single-device checkpoint into a parallel module, each rank reading only its own
+    slices.
 
     Args:
         module: a module with per-rank parameters (``fastdist.nn`` layers, or a model after
             `fastdist.nn.parallelize`); its parameters' local shapes and layouts say what to read.
         source: a ``.safetensors`` file, a ``save_pretrained`` directory (one file or an index
-            of several), or a single-device state dict. Files are read with ``safe_open(...).get_slice``:
-            only this rank's bytes.
+            of several), or a single-device state dict. Files are read with
+            ``safe_open(...).get_slice``: only this rank's bytes.
         mesh: the mesh the module was built for.
         rank: whose shard to load. Default: ``mesh.rank`` on real ranks; on a simulated mesh, the
-            module holds every rank's shard stacked (``[world, *local]``, as `fastdist.nn.parallelize`
-            leaves it) and every rank is read.
+            module holds every rank's shard stacked (``[world, *local]``, as
+            `fastdist.nn.parallelize` leaves it) and every rank is read.
         strict: like ``load_state_dict``: a missing key, an unexpected key or a shape that does not
-            match raises `CheckpointError` naming the key and both shapes. ``False`` skips missing and
-            unexpected keys (shapes are always checked).
-        rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose merged
-            projection is named differently from the checkpoint.
+            match raises `CheckpointError` naming the key and both shapes. ``False`` skips missing
+            and unexpected keys (shapes are always checked).
+        rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose
+            merged projection is named differently from the checkpoint.
     """
     layouts = param_layouts(module)
     tensors = _named_tensors(module)
     stacked = rank is None and mesh.backend is None
     if rank is None and not stacked:
         rank = mesh.rank
-    to_file = (lambda k: rename[k] if k in rename else k) if isinstance(rename, Mapping) else (rename or (lambda k: k))
+    to_file = (
+        (lambda k: rename[k] if k in rename else k)
+        if isinstance(rename, Mapping)
+        else (rename or (lambda k: k))
+    )
     tied = {to_file(alias): to_file(name) for alias, name in _tied_aliases(module).items()}
     with _open_source(source) as (shapes, reader):
         wanted = {to_file(name): name for name in tensors}
         missing = sorted(k for k in wanted if k not in shapes)
-        unexpected = sorted(k for k in shapes if k not in wanted and k not in tied)  # a tied copy (HF's state_dict has both) is known
+        unexpected = sorted(
+            k for k in shapes if k not in wanted and k not in tied
+        )  # a tied copy (HF's state_dict has both) is known
         for alias, key in tied.items():
             if alias in shapes and key in shapes and tuple(shapes[alias]) != tuple(shapes[key]):
-                raise CheckpointError(f"fastdist.nn.load_checkpoint: {alias!r} is tied to {key!r} in the model, but the checkpoint gives "
-                                      f"them shapes {tuple(shapes[alias])} and {tuple(shapes[key])}")
+                raise CheckpointError(
+                    f"fastdist.nn.load_checkpoint: {alias!r} is tied to {key!r} in the model, but "
+                    "the checkpoint gives "
+                    f"them shapes {tuple(shapes[alias])} and {tuple(shapes[key])}"
+                )
         if strict and (missing or unexpected):
             raise CheckpointError(
-                f"fastdist.nn.load_checkpoint: missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
-                f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(missing)} missing, {len(unexpected)} unexpected). "
-                "Fix: load the checkpoint of the same model (same config), map names with rename=, or pass strict=False"
+                "fastdist.nn.load_checkpoint: missing keys "
+                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
+                f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(missing)} "
+                f"missing, {len(unexpected)} unexpected). Fix: load the checkpoint of the same "
+                "model (same config), map names with rename=, or pass strict=False"
             )
         with torch.no_grad():
             for key, name in wanted.items():
@@ -403,44 +494,60 @@ def load_checkpoint(
                 (t, is_param), layout = tensors[name], layouts.get(name, Layout())
                 if t.is_meta:
                     raise CheckpointError(
-                        f"fastdist.nn.load_checkpoint: {name!r} is on the meta device, so there is nothing to load into. "
-                        "Fix: build the model with real tensors (loading from meta-device construction is not supported yet)"
+                        f"fastdist.nn.load_checkpoint: {name!r} is on the meta device, so there is "
+                        "nothing to load into. Fix: build the model with real tensors (loading "
+                        "from meta-device construction is not supported yet)"
                     )
-                per_rank = stacked and is_param  # simulated: parameters hold every rank's shard; buffers are whole
+                per_rank = (
+                    stacked and is_param
+                )  # simulated: parameters hold every rank's shard; buffers are whole
                 local = tuple(t.shape[1:]) if per_rank else tuple(t.shape)
                 expect = layout.full_shape(local, mesh)
                 if tuple(shapes[key]) != expect:
                     raise CheckpointError(
-                        f"fastdist.nn.load_checkpoint: {key!r} has shape {tuple(shapes[key])} in the checkpoint but the model "
-                        f"expects {expect} (each rank holds {local}). Fix: load the checkpoint of the same config"
+                        f"fastdist.nn.load_checkpoint: {key!r} has shape {tuple(shapes[key])} in "
+                        f"the checkpoint but the model expects {expect} (each rank holds {local}). "
+                        "Fix: load the checkpoint of the same config"
                     )
                 get = reader(key)
                 if per_rank:
-                    t.copy_(torch.stack([layout.read(get, expect, mesh, r, key) for r in range(mesh.size)]))
+                    t.copy_(
+                        torch.stack(
+                            [layout.read(get, expect, mesh, r, key) for r in range(mesh.size)]
+                        )
+                    )
                 else:
                     t.copy_(layout.read(get, expect, mesh, rank or 0, key))
 
 
-def load_sharded(module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, strict: bool = True) -> None:
-    """Copy this process's shard of a single-device state dict into ``module`` (a mesh from ``Mesh.from_torch``).
+def load_sharded(
+    module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, strict: bool = True
+) -> None:
+    """Copy this process's shard of a single-device state dict into ``module`` (a mesh from
+    ``Mesh.from_torch``).
 
     Strict like ``load_state_dict``: see `load_checkpoint`.
     """
     load_checkpoint(module, full, mesh, rank=mesh.rank, strict=strict)
 
 
-def gather_full(t: Tensor, layout: Layout, mesh: Mesh, *, check: bool = True, name: str = "tensor") -> Tensor:
+def gather_full(
+    t: Tensor, layout: Layout, mesh: Mesh, *, check: bool = True, name: str = "tensor"
+) -> Tensor:
     """The single-device tensor from a parallel tensor: stacked shards on a simulated mesh; on real
     ranks this rank's shard, all-gathered first (a collective: call it on every rank)."""
     if mesh.backend is not None:
         from ..collectives import all_gather_invariant
 
-        t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)  # [world, *local], rank order
+        t = all_gather_invariant(
+            t.unsqueeze(0), mesh, mesh.axis_names, dim=0
+        )  # [world, *local], rank order
     return layout.join(t, mesh, check=check, name=name)
 
 
 def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dict[str, Tensor]:
-    """The single-device state dict of a parallel module (parameters and persistent buffers, by their names).
+    """The single-device state dict of a parallel module (parameters and persistent buffers, by
+    their names).
 
     Tied parameters appear under every name, as ``nn.Module.state_dict`` gives them (so a
     single-device model loads it strictly); :func:`save_checkpoint` writes them once.
@@ -455,13 +562,20 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     for name, (t, is_param) in _named_tensors(module).items():
         t = t.detach()
         # buffers: whole on every rank
-        out[name] = gather_full(t, layouts.get(name, Layout()), mesh, check=check, name=name) if is_param else t.clone()
+        out[name] = (
+            gather_full(t, layouts.get(name, Layout()), mesh, check=check, name=name)
+            if is_param
+            else t.clone()
+        )
     out.update({alias: out[name] for alias, name in _tied_aliases(module).items()})
     return out
 
 
-def save_checkpoint(module: nn.Module, path: str | os.PathLike[str], mesh: Mesh, *, dst: int = 0) -> dict[str, Tensor]:
-    """Gather a parallel module's weights and write them as one single-device ``.safetensors`` file on rank ``dst``.
+def save_checkpoint(
+    module: nn.Module, path: str | os.PathLike[str], mesh: Mesh, *, dst: int = 0
+) -> dict[str, Tensor]:
+    """Gather a parallel module's weights and write them as one single-device ``.safetensors`` file
+    on rank ``dst``.
 
     Returns the single-device state dict (on every rank). Tied parameters are written once,
     under the first name, as ``save_pretrained`` does. ``path`` may be a directory: the file is
@@ -475,4 +589,3 @@ def save_checkpoint(module: nn.Module, path: str | os.PathLike[str], mesh: Mesh,
         aliases = _tied_aliases(module)
         save_file({k: v.contiguous() for k, v in state.items() if k not in aliases}, target)
     return state
-

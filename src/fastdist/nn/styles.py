@@ -1,4 +1,5 @@
-"""The styles a ``parallelize`` plan maps module names to: how one module of an unmodified model is parallelized.
+"""The styles a ``parallelize`` plan maps module names to: how one module of an unmodified model is
+parallelized.
 
 ``ColwiseParallel`` / ``RowwiseParallel`` (``nn.Linear`` and Hugging Face ``Conv1D``, fused parts,
 padding), ``VocabParallel`` (embedding or LM head), ``HeadParallelAttention`` (the model's own
@@ -17,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..sharding import P
 from ..collectives import all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
 from ..errors import MeshError
 from ..mesh import Mesh
+from ..sharding import P
 from .layers import VocabParallelEmbedding, _column_input, _linear
 from .state import Layout
 
@@ -42,7 +43,8 @@ InputKind = Literal["replicated", "sequence"] | None
 
 
 class ParallelizeError(MeshError):
-    """A plan does not fit the model: a pattern that matches nothing, a module of the wrong kind, heads that do not split."""
+    """A plan does not fit the model: a pattern that matches nothing, a module of the wrong kind,
+    heads that do not split."""
 
 
 @dataclass
@@ -59,8 +61,11 @@ class _Context:
     #: every axis a style split something over
     axes: list[str] = field(default_factory=list)
 
-    def param(self, old: Tensor | None, layout: Layout, where: str, *, linear_weight: bool = False) -> nn.Parameter | None:
-        """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated mesh).
+    def param(
+        self, old: Tensor | None, layout: Layout, where: str, *, linear_weight: bool = False
+    ) -> nn.Parameter | None:
+        """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated
+        mesh).
 
         ``linear_weight``: an (out, in) weight that ``F.linear`` consumes. Stacked, it is stored
         (in, out)-contiguous and viewed as (out, in): the batched backward produces its gradient
@@ -73,9 +78,13 @@ class _Context:
             return self.converted[id(old)]
         full = old.detach()
         if self.mesh.backend is None:
-            data = torch.stack([layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)])  # [world, out, in]
+            data = torch.stack(
+                [layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)]
+            )  # [world, out, in]
             if linear_weight and data.dim() == 3:
-                data = data.transpose(1, 2).contiguous().transpose(1, 2)  # [world, out, in] view of [world, in, out] memory
+                data = (
+                    data.transpose(1, 2).contiguous().transpose(1, 2)
+                )  # [world, out, in] view of [world, in, out] memory
         else:
             data = layout.shard(full, self.mesh, self.mesh.rank, where)
         new = nn.Parameter(data, requires_grad=old.requires_grad)
@@ -84,7 +93,8 @@ class _Context:
 
 
 class Style:
-    """How one module becomes parallel. ``apply`` returns the module to put in its place (possibly itself).
+    """How one module becomes parallel. ``apply`` returns the module to put in its place (possibly
+    itself).
 
     ``check`` raises for a module the style cannot handle, changing nothing: ``parallelize``
     checks every match before it applies any, so a bad plan leaves the model as it was.
@@ -98,14 +108,19 @@ class Style:
 
 
 def _hidden_hook(fn: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
-    """A forward pre-hook applying ``fn`` to a module's hidden states (first positional or ``hidden_states=``)."""
+    """A forward pre-hook applying ``fn`` to a module's hidden states (first positional or
+    ``hidden_states=``)."""
 
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:
             return (fn(args[0]), *args[1:]), kwargs
         if "hidden_states" not in kwargs:
-            raise ParallelizeError(f"parallelize: {type(module).__name__} was called without hidden states to prepare (no positional "
-                                   "argument and no hidden_states=)")
+            raise ParallelizeError(
+                f"parallelize: {type(module).__name__} was called without hidden states to prepare "
+                "(no positional argument and no hidden_states=)"
+            )
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
 
     return hook
@@ -114,7 +129,11 @@ def _hidden_hook(fn: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
 # ============================================================================ linear layers
 def _is_conv1d(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2): a linear layer that stores its weight as (in, out)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(getattr(module, "weight", None), Tensor)
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(getattr(module, "weight", None), Tensor)
+    )
 
 
 class ParallelLinear(nn.Module):
@@ -130,13 +149,32 @@ class ParallelLinear(nn.Module):
     the sequence dim), and the bias added once after the sum.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh, axis: str, *, kind: Literal["col", "row"],
-                 transposed: bool, layouts: dict[str, Layout], input: InputKind = None, output: InputKind = "replicated",
-                 gather_output: bool = False, size: int | None = None, seq_dim: int = 1) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        mesh: Mesh,
+        axis: str,
+        *,
+        kind: Literal["col", "row"],
+        transposed: bool,
+        layouts: dict[str, Layout],
+        input: InputKind = None,
+        output: InputKind = "replicated",
+        gather_output: bool = False,
+        size: int | None = None,
+        seq_dim: int = 1,
+    ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.mesh, self.axis, self.kind, self.transposed = mesh, axis, kind, transposed
-        self.input, self.output, self.gather_output, self.size, self.seq_dim = input, output, gather_output, size, seq_dim
+        self.input, self.output, self.gather_output, self.size, self.seq_dim = (
+            input,
+            output,
+            gather_output,
+            size,
+            seq_dim,
+        )
         self._layouts = layouts
 
     def param_layouts(self) -> dict[str, Layout]:
@@ -156,22 +194,29 @@ class ParallelLinear(nn.Module):
         y = F.linear(x, w)  # (..., out): this rank's partial sum
         if self.output == "sequence":
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
-            bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None  # meets per-rank rows
+            bias = (
+                pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
+            )  # meets per-rank rows
         else:
             y, bias = psum(y, self.mesh, self.axis), self.bias
         return y + bias if bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, axis={self.axis!r}, weight={tuple(self.weight.shape)}{', transposed' if self.transposed else ''}"
+        return (
+            f"{self.kind}, axis={self.axis!r}, "
+            f"weight={tuple(self.weight.shape)}{', transposed' if self.transposed else ''}"
+        )
 
 
 def _plain_forward(module: nn.Module, base: type[nn.Module], name: str) -> None:
-    """Refuse a subclass with its own forward (Gemma's scaled embedding): swapping it would drop what that forward adds."""
+    """Refuse a subclass with its own forward (Gemma's scaled embedding): swapping it would drop
+    what that forward adds."""
     if type(module).forward is not base.forward:
         raise ParallelizeError(
-            f"parallelize: {name!r} is a {type(module).__name__}, a {base.__name__} subclass with its own forward; the parallel "
-            f"layer would compute a plain {base.__name__} and silently drop what that forward adds (e.g. a scale). "
-            "Fix: wrap the module's extra computation around a plain layer, or write a style for this class"
+            f"parallelize: {name!r} is a {type(module).__name__}, a {base.__name__} subclass with "
+            f"its own forward; the parallel layer would compute a plain {base.__name__} and "
+            "silently drop what that forward adds (e.g. a scale). Fix: wrap the module's extra "
+            "computation around a plain layer, or write a style for this class"
         )
 
 
@@ -183,7 +228,10 @@ def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, 
     if _is_conv1d(module):
         w, b = cast(Tensor, module.weight), cast("Tensor | None", getattr(module, "bias", None))
         return w, b, True, int(w.shape[0]), int(w.shape[1])
-    raise ParallelizeError(f"parallelize: {name!r} is a {type(module).__name__}; a linear style needs nn.Linear or transformers' Conv1D")
+    raise ParallelizeError(
+        f"parallelize: {name!r} is a {type(module).__name__}; a linear style needs nn.Linear or "
+        "transformers' Conv1D"
+    )
 
 
 @dataclass(frozen=True)
@@ -204,14 +252,20 @@ class ColwiseParallel(Style):
     gather_output: bool = False
     seq_dim: int = 1
 
-    def _layouts(self, module: nn.Module, name: str, mesh: Mesh) -> tuple[Tensor, Tensor | None, bool, Layout, Layout, int | None]:
-        """(weight, bias, transposed, weight layout, bias layout, padded size), or raise if the layer does not split."""
+    def _layouts(
+        self, module: nn.Module, name: str, mesh: Mesh
+    ) -> tuple[Tensor, Tensor | None, bool, Layout, Layout, int | None]:
+        """(weight, bias, transposed, weight layout, bias layout, padded size), or raise if the
+        layer does not split."""
         weight, bias, transposed, _, out = _linear_parts(module, name)
         odim = 1 if transposed else 0  # the weight's output dim
         size = out if self.pad else None
         if not self.pad and not self.parts and out % mesh.axis_size(self.axis):
-            raise ParallelizeError(f"parallelize: {name!r} has {out} output features, not divisible by the {mesh.axis_size(self.axis)} "
-                                   f"ranks of {self.axis!r}. Fix: ColwiseParallel(pad=True) for a vocabulary, or another tp size")
+            raise ParallelizeError(
+                f"parallelize: {name!r} has {out} output features, not divisible by the "
+                f"{mesh.axis_size(self.axis)} ranks of {self.axis!r}. Fix: "
+                "ColwiseParallel(pad=True) for a vocabulary, or another tp size"
+            )
         wl = Layout(P(*([None] * odim), self.axis), parts=self.parts, size=size)
         wl.local_shape(tuple(weight.shape), mesh, f"{name}.weight")  # fused parts must split too
         return weight, bias, transposed, wl, Layout(P(self.axis), parts=self.parts, size=size), size
@@ -221,14 +275,25 @@ class ColwiseParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         weight, bias, transposed, wl, bl, size = self._layouts(module, name, ctx.mesh)
-        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed), ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
-                              ctx.mesh, self.axis, kind="col", transposed=transposed, layouts={"weight": wl, "bias": bl}, input=self.input,
-                              gather_output=self.gather_output, size=size, seq_dim=self.seq_dim)
+        return ParallelLinear(
+            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),
+            ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
+            ctx.mesh,
+            self.axis,
+            kind="col",
+            transposed=transposed,
+            layouts={"weight": wl, "bias": bl},
+            input=self.input,
+            gather_output=self.gather_output,
+            size=size,
+            seq_dim=self.seq_dim,
+        )
 
 
 @dataclass(frozen=True)
 class RowwiseParallel(Style):
-    """Split a linear layer's input features over ``axis`` (Megatron's row parallel); bias added once after the sum.
+    """Split a linear layer's input features over ``axis`` (Megatron's row parallel); bias added
+    once after the sum.
 
     ``output="replicated"``: all-reduce (backward: identity); ``"sequence"``: reduce-scatter
     of the sequence dim (sequence parallelism; backward: all-gather).
@@ -241,22 +306,35 @@ class RowwiseParallel(Style):
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         _, _, _, inp, _ = _linear_parts(module, name)
         if inp % mesh.axis_size(self.axis):
-            raise ParallelizeError(f"parallelize: {name!r} has {inp} input features, not divisible by the {mesh.axis_size(self.axis)} "
-                                   f"ranks of {self.axis!r}. Fix: a tp size that divides {inp}")
+            raise ParallelizeError(
+                f"parallelize: {name!r} has {inp} input features, not divisible by the "
+                f"{mesh.axis_size(self.axis)} "
+                f"ranks of {self.axis!r}. Fix: a tp size that divides {inp}"
+            )
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         self.check(module, name, ctx.mesh)
         weight, bias, transposed, _, _ = _linear_parts(module, name)
         wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
         bl = Layout()
-        return ParallelLinear(ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed), ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
-                              ctx.mesh, self.axis, kind="row", transposed=transposed, layouts={"weight": wl, "bias": bl}, output=self.output, seq_dim=self.seq_dim)
+        return ParallelLinear(
+            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),
+            ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
+            ctx.mesh,
+            self.axis,
+            kind="row",
+            transposed=transposed,
+            layouts={"weight": wl, "bias": bl},
+            output=self.output,
+            seq_dim=self.seq_dim,
+        )
 
 
 # ============================================================================ vocabulary
 @dataclass(frozen=True)
 class VocabParallel(Style):
-    """The vocabulary over ``axis``: an ``nn.Embedding`` (rows) or an LM head ``nn.Linear`` (output features).
+    """The vocabulary over ``axis``: an ``nn.Embedding`` (rows) or an LM head ``nn.Linear`` (output
+    features).
 
     The vocabulary is padded with zero rows to a multiple of the axis size (GPT-2's 50257).
     An LM head gives this rank's logits ``(..., V_padded / n)`` (padding columns are 0; losses
@@ -271,20 +349,30 @@ class VocabParallel(Style):
     seq_dim: int = 1
 
     def _head(self) -> ColwiseParallel:
-        return ColwiseParallel(self.axis, input=self.input, pad=True, gather_output=self.gather_output, seq_dim=self.seq_dim)
+        return ColwiseParallel(
+            self.axis,
+            input=self.input,
+            pad=True,
+            gather_output=self.gather_output,
+            seq_dim=self.seq_dim,
+        )
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         if not isinstance(module, nn.Embedding):
             return self._head().check(module, name, mesh)
         _plain_forward(module, nn.Embedding, name)
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise ParallelizeError(f"parallelize: {name!r} uses max_norm / scale_grad_by_freq / sparse, which the vocabulary-parallel "
-                                   "embedding does not implement")
+            raise ParallelizeError(
+                f"parallelize: {name!r} uses max_norm / scale_grad_by_freq / sparse, which the "
+                "vocabulary-parallel embedding does not implement"
+            )
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         self.check(module, name, ctx.mesh)
         if isinstance(module, nn.Embedding):
-            emb = VocabParallelEmbedding(module.num_embeddings, 0, ctx.mesh, self.axis, padding_idx=module.padding_idx)  # weight set below
+            emb = VocabParallelEmbedding(
+                module.num_embeddings, 0, ctx.mesh, self.axis, padding_idx=module.padding_idx
+            )  # weight set below
             emb.weight = ctx.param(module.weight, emb.param_layouts()["weight"], f"{name}.weight")  # type: ignore[assignment]
             return emb
         if not self.gather_output:
@@ -294,7 +382,8 @@ class VocabParallel(Style):
 
 # ============================================================================ regions
 class _InputHook(Style):
-    """A style that transforms the module's input hidden states with one collective (a forward pre-hook)."""
+    """A style that transforms the module's input hidden states with one collective (a forward
+    pre-hook)."""
 
     axis: str
     seq_dim: int
@@ -304,13 +393,16 @@ class _InputHook(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         mesh = ctx.mesh
-        module.register_forward_pre_hook(_hidden_hook(lambda x: self.prepare(x, mesh)), with_kwargs=True)
+        module.register_forward_pre_hook(
+            _hidden_hook(lambda x: self.prepare(x, mesh)), with_kwargs=True
+        )
         return module
 
 
 @dataclass(frozen=True)
 class SequenceShard(_InputHook):
-    """Cut the module's input hidden states to this rank's sequence shard (forward: slice; backward: all-gather).
+    """Cut the module's input hidden states to this rank's sequence shard (forward: slice;
+    backward: all-gather).
 
     Megatron-style sequence parallelism starts here (the first decoder layer): the model
     computes positions and masks from the whole sequence before it.
@@ -322,9 +414,12 @@ class SequenceShard(_InputHook):
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
         n = mesh.axis_size(self.axis)
         if x.shape[self.seq_dim] % n:
-            raise ParallelizeError(f"sequence parallelism over {self.axis!r}: the sequence (dim {self.seq_dim} of shape {tuple(x.shape)}) "
-                                   f"does not divide by the {n} ranks. Fix: pad the batch to a multiple of {n} tokens (padding "
-                                   "masked with attention_mask and labels=-100)")
+            raise ParallelizeError(
+                f"sequence parallelism over {self.axis!r}: the sequence (dim {self.seq_dim} of "
+                f"shape {tuple(x.shape)}) does not divide by the {n} ranks. Fix: "
+                f"pad the batch to a multiple of {n} tokens (padding masked with attention_mask "
+                "and labels=-100)"
+            )
         return local_chunk(x, mesh, self.axis, dim=self.seq_dim)
 
 
@@ -343,7 +438,8 @@ class GatherSequence(_InputHook):
 
 @dataclass(frozen=True)
 class PrepareInput(_InputHook):
-    """The input collective of the column-parallel layers inside the module, run once for all of them.
+    """The input collective of the column-parallel layers inside the module, run once for all of
+    them.
 
     ``"replicated"``: ``pvary`` (backward all-reduces dx); ``"sequence"``: all-gather of the
     sequence dim (backward reduce-scatter), so the module sees the whole sequence.
@@ -374,11 +470,27 @@ class PvaryParams(Style):
 class _ReplicatedHeads(nn.Module):
     """k or v projection with fewer heads than ranks: every rank holds all ``heads`` (replicated)
     and projects only the head its query heads use (head ``rank // (n / heads)``). The weight is
-    ``pvary``'d: each rank's gradient touches its head's rows, the sum over ranks is the whole gradient."""
+    ``pvary``'d: each rank's gradient touches its head's rows, the sum over ranks is the whole
+    gradient."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh, axis: str, heads: int, transposed: bool) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        mesh: Mesh,
+        axis: str,
+        heads: int,
+        transposed: bool,
+    ) -> None:
         super().__init__()
-        self.weight, self.bias, self.mesh, self.axis, self.heads, self.transposed = weight, bias, mesh, axis, heads, transposed
+        self.weight, self.bias, self.mesh, self.axis, self.heads, self.transposed = (
+            weight,
+            bias,
+            mesh,
+            axis,
+            heads,
+            transposed,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         n = self.mesh.axis_size(self.axis)
@@ -386,7 +498,11 @@ class _ReplicatedHeads(nn.Module):
         w = pvary(self.weight, self.mesh, self.axis)
         w = w.t() if self.transposed else w  # (heads * head_dim, in)
         w = w.reshape(self.heads, -1, w.shape[-1])[head]  # (heads, head_dim, in) -> (head_dim, in)
-        b = pvary(self.bias, self.mesh, self.axis).reshape(self.heads, -1)[head] if self.bias is not None else None  # (head_dim,)
+        b = (
+            pvary(self.bias, self.mesh, self.axis).reshape(self.heads, -1)[head]
+            if self.bias is not None
+            else None
+        )  # (head_dim,)
         return F.linear(x, w, b)  # (..., head_dim)
 
 
@@ -424,7 +540,8 @@ class HeadParallelAttention(Style):
         hq, hkv = self.num_heads, self.num_kv_heads
         if hq % n or hq % hkv:
             raise ParallelizeError(
-                f"parallelize: attention {name!r} has {hq} query heads and {hkv} kv heads; with {n} ranks on {self.axis!r} the query heads "
+                f"parallelize: attention {name!r} has {hq} query heads and {hkv} kv heads; with "
+                f"{n} ranks on {self.axis!r} the query heads "
                 f"must divide by {n} and by the kv heads. Fix: a tp size that divides {hq}"
             )
         if hkv >= n and hkv % n == 0:
@@ -432,22 +549,29 @@ class HeadParallelAttention(Style):
         if hkv < n and n % hkv == 0:
             return hq // n, 1
         raise ParallelizeError(
-            f"parallelize: attention {name!r} has {hkv} kv heads, which neither divide by the {n} ranks of {self.axis!r} nor divide them. "
+            f"parallelize: attention {name!r} has {hkv} kv heads, which neither divide by the {n} "
+            f"ranks of {self.axis!r} nor divide them. "
             f"Fix: a tp size that divides {hkv} or is a multiple of it"
         )
 
     def _check_shapes(self, module: nn.Module, name: str) -> None:
-        """The projections' sizes must be what the head counts say (a plan built from another config would split wrongly)."""
+        """The projections' sizes must be what the head counts say (a plan built from another
+        config would split wrongly)."""
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        want = {self.qkv: ("out", q_out + 2 * kv_out)} if self.qkv is not None else {self.q: ("out", q_out), self.k: ("out", kv_out), self.v: ("out", kv_out)}
+        want = (
+            {self.qkv: ("out", q_out + 2 * kv_out)}
+            if self.qkv is not None
+            else {self.q: ("out", q_out), self.k: ("out", kv_out), self.v: ("out", kv_out)}
+        )
         want[self.o] = ("in", q_out)
         for child, (side, size) in want.items():
             _, _, _, inp, out = _linear_parts(_child(module, child, name), f"{name}.{child}")
             if (out if side == "out" else inp) != size:
                 raise ParallelizeError(
-                    f"parallelize: attention {name!r}: {child} has {out if side == 'out' else inp} {side}put features, but the style's "
-                    f"{self.num_heads} query heads, {self.num_kv_heads} kv heads and head_dim {self.head_dim} say {size}. "
-                    "Fix: build the plan from this model's own config"
+                    f"parallelize: attention {name!r}: {child} has {out if side == 'out' else inp} "
+                    f"{side}put features, but the style's {self.num_heads} query heads, "
+                    f"{self.num_kv_heads} kv heads and head_dim {self.head_dim} say {size}. Fix: "
+                    "build the plan from this model's own config"
                 )
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
@@ -455,8 +579,11 @@ class HeadParallelAttention(Style):
         self.local_heads(n, name)
         self._check_shapes(module, name)
         if self.qkv is not None and self.num_kv_heads < n:
-            raise ParallelizeError(f"parallelize: attention {name!r} fuses q, k, v in {self.qkv!r} and has {self.num_kv_heads} kv heads "
-                                   f"for {n} ranks; a fused projection needs kv heads divisible by {n}")
+            raise ParallelizeError(
+                f"parallelize: attention {name!r} fuses q, k, v in {self.qkv!r} and has "
+                f"{self.num_kv_heads} kv heads "
+                f"for {n} ranks; a fused projection needs kv heads divisible by {n}"
+            )
         for norm in self.norms:
             _child(module, norm, name)
 
@@ -469,7 +596,11 @@ class HeadParallelAttention(Style):
         if self.qkv is not None:
             q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             fused = ColwiseParallel(self.axis, parts=(q_out, kv_out, kv_out), seq_dim=self.seq_dim)
-            _swap(module, self.qkv, fused.apply(_child(module, self.qkv, name), f"{name}.{self.qkv}", ctx))
+            _swap(
+                module,
+                self.qkv,
+                fused.apply(_child(module, self.qkv, name), f"{name}.{self.qkv}", ctx),
+            )
         else:
             _swap(module, self.q, col.apply(_child(module, self.q, name), f"{name}.{self.q}", ctx))
             for child in (self.k, self.v):
@@ -478,10 +609,25 @@ class HeadParallelAttention(Style):
                     _swap(module, child, col.apply(sub, f"{name}.{child}", ctx))
                 else:
                     weight, bias, transposed, _, _ = _linear_parts(sub, f"{name}.{child}")
-                    _swap(module, child, _ReplicatedHeads(ctx.param(weight, Layout(), f"{name}.{child}.weight"),  # type: ignore[arg-type]
-                                                          ctx.param(bias, Layout(), f"{name}.{child}.bias"), ctx.mesh, self.axis,
-                                                          self.num_kv_heads, transposed))
-        _swap(module, self.o, RowwiseParallel(self.axis, self.output, self.seq_dim).apply(_child(module, self.o, name), f"{name}.{self.o}", ctx))
+                    _swap(
+                        module,
+                        child,
+                        _ReplicatedHeads(
+                            ctx.param(weight, Layout(), f"{name}.{child}.weight"),  # type: ignore[arg-type]
+                            ctx.param(bias, Layout(), f"{name}.{child}.bias"),
+                            ctx.mesh,
+                            self.axis,
+                            self.num_kv_heads,
+                            transposed,
+                        ),
+                    )
+        _swap(
+            module,
+            self.o,
+            RowwiseParallel(self.axis, self.output, self.seq_dim).apply(
+                _child(module, self.o, name), f"{name}.{self.o}", ctx
+            ),
+        )
         for norm in self.norms:
             PvaryParams(self.axis).apply(_child(module, norm, name), f"{name}.{norm}", ctx)
         for attr, value in self.attrs:
@@ -492,8 +638,10 @@ class HeadParallelAttention(Style):
 def _child(module: nn.Module, child: str, name: str) -> nn.Module:
     sub = getattr(module, child, None)
     if not isinstance(sub, nn.Module):
-        raise ParallelizeError(f"parallelize: {name!r} ({type(module).__name__}) has no submodule {child!r}. Fix: name the projections of this "
-                               "attention class in the style (q=, k=, v=, o= or qkv=)")
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) has no submodule {child!r}. Fix: "
+            "name the projections of this attention class in the style (q=, k=, v=, o= or qkv=)"
+        )
     return sub
 
 
