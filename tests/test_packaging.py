@@ -136,3 +136,57 @@ def test_the_pytest_plugin_imports_neither_torch_nor_fastdist(tmp_path: Path) ->
 def test_the_installed_entry_point_is_the_light_plugin() -> None:
     eps = [ep for ep in metadata.entry_points(group="pytest11") if ep.name == "fastdist"]
     assert [ep.value for ep in eps] == ["fastdist_pytest"], eps
+
+
+def test_a_fresh_venv_installs_the_wheel_with_its_dependencies(wheel: Path, tmp_path: Path) -> None:
+    """What a user gets from ``pip install torch-fastdist``: a new virtual environment (nothing
+    from this one), pip resolving torch and einops itself, then the package, its CLI and the
+    pytest plugin working there. Pinned by constraints.txt to the CPU torch, as the README's
+    install is."""
+    env_dir = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", str(env_dir)], check=True, capture_output=True, timeout=120
+    )
+    py = str(env_dir / "bin" / "python")
+    install = subprocess.run(
+        [py, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
+    check = subprocess.run([py, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    code = (
+        "import fastdist, torch, einops; m = fastdist.Mesh({'dp': 2, 'tp': 2}); "
+        "print(fastdist.__file__); "
+        "f = fastdist.simulate(lambda x: fastdist.psum(x, m, 'tp'), m); "
+        "print(f(torch.arange(4.)).tolist())"
+    )
+    out = subprocess.run(
+        [py, "-c", code], env=clean, capture_output=True, text=True, timeout=300, check=True
+    ).stdout.splitlines()
+    assert out[0].startswith(str(env_dir)), out
+    assert out[1] == "[1.0, 1.0, 5.0, 5.0]", out
+    cli = subprocess.run(
+        [py, "-m", "fastdist", "--help"], env=clean, capture_output=True, text=True, timeout=300
+    )
+    assert cli.returncode == 0 and "usage:" in cli.stdout, cli.stdout + cli.stderr
+    (tmp_path / "test_fixture.py").write_text(
+        "def test_mesh(fastdist_mesh):\n"
+        "    assert dict(fastdist_mesh.shape) == {'dp': 2, 'tp': 2}\n"
+    )
+    # the plugin loads from the installed entry point (pytest itself is not a dependency)
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "pytest"], check=True, capture_output=True, timeout=300
+    )
+    res = subprocess.run(
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_fixture.py"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout + res.stderr
