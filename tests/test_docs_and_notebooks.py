@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -127,6 +128,253 @@ def test_doc_python_blocks_run(path: Path) -> None:
     with fresh_module(f"doc_{path.stem}") as namespace:
         for i, block in enumerate(blocks):
             exec(compile(block, f"{path.name}[block {i}]", "exec"), namespace)
+
+
+# Examples that need a multi-process job are fenced ```py: highlighted as Python, not run in this
+# process. Every one must parse and name only API that exists; the complete programs among them run
+# on gloo processes below.
+DIST_BLOCK = re.compile(r"^( *)```py\n(.*?)^\1```", flags=re.S | re.M)
+
+
+def _dist_blocks(path: Path) -> list[str]:
+    return [
+        "\n".join(line[len(indent) :] for line in body.splitlines())
+        for indent, body in DIST_BLOCK.findall(path.read_text())
+    ]
+
+
+def _unknown_names(code: str) -> list[str]:
+    """Attribute chains in ``code`` that do not exist: rooted at ``fd``/``fastdist`` (resolved
+    on the package) or at a variable the examples use for a fastdist object (first attribute)."""
+    import importlib
+
+    import fastdist as fd
+
+    holds = {
+        "mesh": fd.Mesh,
+        "mesh2": fd.Mesh,
+        "q": fd.mq.MessageQueue,
+        "mine": fd.mq.MessageQueue,
+        "info": fd.mq.NodeInfo,
+        "pm": fd.nn.ParallelModel,
+        "ctx": fd.GraphCaptureContext,
+    }
+    bad = []
+    tree = ast.parse(code)
+    _mark_parents(tree)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or isinstance(
+            getattr(node, "parent", None), ast.Attribute
+        ):
+            continue
+        chain, root = [], node
+        while isinstance(root, ast.Attribute):
+            chain.insert(0, root.attr)
+            root = root.value
+        if not isinstance(root, ast.Name):
+            continue
+        if root.id in ("fd", "fastdist"):
+            obj: object = fd
+            for k, attr in enumerate(chain):
+                if not hasattr(obj, attr):
+                    try:  # a submodule not imported by the package (fastdist.native.fake)
+                        obj = importlib.import_module(".".join(["fastdist", *chain[: k + 1]]))
+                        continue
+                    except ImportError:
+                        bad.append(".".join([root.id, *chain]))
+                        break
+                obj = getattr(obj, attr)
+        elif root.id in holds and chain[0] not in _attributes(holds[root.id]):
+            bad.append(f"{root.id}.{chain[0]} ({holds[root.id].__name__})")
+    return bad
+
+
+def _attributes(cls: type) -> set[str]:
+    """What an instance of ``cls`` has: class attributes, dataclass fields, and what
+    ``__init__`` assigns to ``self``."""
+    import dataclasses
+    import inspect
+
+    names = set(dir(cls))
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    try:
+        init = inspect.getsource(cls.__init__) if "__init__" in vars(cls) else ""
+    except OSError:  # generated (a dataclass's)
+        init = ""
+    names |= set(re.findall(r"self\.(\w+)\b(?=[^=\n]*=[^=])", init))
+    return names
+
+
+def _mark_parents(tree: ast.AST) -> None:
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            child.parent = node  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_doc_distributed_blocks_parse_and_name_real_api(path: Path) -> None:
+    for i, code in enumerate(_dist_blocks(path)):
+        try:
+            ast.parse(code)
+        except SyntaxError as e:
+            raise AssertionError(f"{path.name} ```py block {i} does not parse: {e}") from None
+        assert not _unknown_names(code), f"{path.name} ```py block {i}: {_unknown_names(code)}"
+
+
+def test_the_api_check_of_distributed_blocks_can_fail() -> None:
+    assert _unknown_names("fd.Mesh.from_torchh(tp=2)\nmesh.resett()\nfd.mq.node_info(m)") == [
+        "fd.Mesh.from_torchh",
+        "mesh.resett (Mesh)",
+    ]
+    assert sum(len(_dist_blocks(p)) for p in DOCS) >= 13  # the fences above are found
+
+
+# (doc, index of its ```py block, processes, lines run after it on every rank)
+DIST_PROGRAMS = [
+    ("README.md", 0, 2, "assert dict(mesh.shape) == {'dp': 1, 'tp': 2}, mesh"),
+    (
+        "docs/distributed.md",
+        0,
+        4,
+        "assert dict(mesh2.shape) == dict(mesh.shape) == {'dp': 1, 'tp': 4}\n"
+        "assert mesh.rank == dist.get_rank() and dm.mesh.flatten().tolist() == [0, 1, 2, 3]",
+    ),
+    (
+        "docs/serving.md",
+        0,
+        4,
+        "assert q.is_writer == (mesh.rank == 0)\n"
+        "assert q.is_writer or msg == {'step': 999, 'req_ids': [3, 5, 8]}, msg",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "doc, index, world, after", DIST_PROGRAMS, ids=[f"{d}[{i}]" for d, i, _, _ in DIST_PROGRAMS]
+)
+def test_doc_distributed_program_runs_on_gloo(
+    doc: str, index: int, world: int, after: str, tmp_path: Path
+) -> None:
+    """The example as written, on ``world`` gloo processes launched as torchrun would (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), then a check of what it built."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    script = tmp_path / "example.py"
+    code = _dist_blocks(ROOT / doc)[index]
+    script.write_text(f"{code}\n{after}\nprint('example ok')\ndist.destroy_process_group()\n")
+    # the rendezvous is hosted here, on a port the OS picks; every rank joins it as a client
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=120),
+        wait_for_workers=False,
+    )
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and "example ok" in out, f"{doc} rank {r}:\n{out[-3000:]}"
+
+
+def test_the_mesh_diagram_in_the_docs_is_what_show_draws() -> None:
+    import fastdist as fd
+
+    text = (ROOT / "docs" / "index.md").read_text()
+    drawn = str(fd.Mesh({"dp": 2, "sp": 2, "tp": 2}).show("tp"))
+    assert f"```text\n{drawn}\n```" in text, drawn
+
+
+def test_the_gradient_pairs_diagram_states_the_real_backward_rules() -> None:
+    """Each row of docs/gradients.md's diagram names an op and the op its backward runs on the
+    cotangent; on 4 simulated ranks the vector-Jacobian product of the op equals that partner
+    applied to a random cotangent."""
+    import torch
+
+    import fastdist as fd
+
+    text = (ROOT / "docs" / "gradients.md").read_text()
+    diagram = text[text.index("   forward      ") :]
+    diagram = diagram[: diagram.index("```")]
+    rows = re.findall(r"──(\w+)(?:\([^)]*\))?─*▶.*\(cotangent\) (\w+)", diagram)
+    mesh = fd.Mesh({"tp": 4})
+    perm = [(0, 1), (1, 2), (2, 3), (3, 0)]
+    inverse = [(j, i) for i, j in perm]
+    a2a = {"split_dim": 1, "concat_dim": 2}
+    back = {"split_dim": 2, "concat_dim": 1}
+    # op -> (forward, what the diagram's partner computes on the cotangent, input shape per rank)
+    ops = {
+        "pvary": (lambda x: fd.pvary(x, mesh, "tp"), lambda g: fd.psum(g, mesh, "tp"), (3,)),
+        "psum": (lambda x: fd.psum(x, mesh, "tp"), lambda g: g, (3,)),
+        "all_gather": (
+            lambda x: fd.all_gather(x, mesh, "tp"),
+            lambda g: fd.psum_scatter(g, mesh, "tp"),
+            (2, 3),
+        ),
+        "psum_scatter": (
+            lambda x: fd.psum_scatter(x, mesh, "tp"),
+            lambda g: fd.all_gather(g, mesh, "tp"),
+            (8, 3),
+        ),
+        "all_to_all": (
+            lambda x: fd.all_to_all(x, mesh, "tp", **a2a),
+            lambda g: fd.all_to_all(g, mesh, "tp", **back),
+            (2, 8, 4),
+        ),
+        "ppermute": (
+            lambda x: fd.ppermute(x, mesh, "tp", perm),
+            lambda g: fd.ppermute(g, mesh, "tp", inverse),
+            (3,),
+        ),
+    }
+    partner_names = {
+        "pvary": "psum",
+        "psum": "identity",
+        "all_gather": "psum_scatter",
+        "psum_scatter": "all_gather",
+        "all_to_all": "all_to_all",
+        "ppermute": "ppermute",
+    }
+    assert dict(rows) == partner_names, rows
+    g = torch.Generator().manual_seed(0)
+    for op, (fwd, partner, shape) in ops.items():
+        x = torch.randn(4, *shape, dtype=torch.float64, generator=g)
+        if op == "pvary":  # an invariant input: the same on every rank
+            x = x[:1].expand_as(x).clone()
+        x.requires_grad_()
+        y = fd.simulate(fwd, mesh)(x)
+        cot = torch.randn(y.shape, dtype=torch.float64, generator=g)
+        if op == "psum":  # psum's output is invariant: so is its cotangent
+            cot = cot[:1].expand_as(cot).clone()
+        (grad,) = torch.autograd.grad(y, x, cot)
+        torch.testing.assert_close(grad, fd.simulate(partner, mesh)(cot), msg=op)
 
 
 def test_readme_opens_with_the_two_commands() -> None:

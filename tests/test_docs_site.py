@@ -87,3 +87,13 @@ def test_site_has_install_notebooks_and_performance_pages(site: Path) -> None:
         "all_gather" in (site / "gradients" / "index.html").read_text()
         and "psum_scatter" in (site / "gradients" / "index.html").read_text()
     )
+
+
+def test_distributed_examples_are_highlighted(site: Path) -> None:
+    """The examples that need a job (fenced ```py, run on gloo by test_docs_and_notebooks) render
+    as highlighted Python, not plain text."""
+    for page in ("distributed", "serving", "native", "models"):
+        html = (site / page / "index.html").read_text()
+        assert '<span class="n">init_process_group</span>' in html, page
+    serving = (site / "serving" / "index.html").read_text()
+    assert '<span class="n">create_single_reader_mq_broadcasters</span>' in serving
