@@ -318,9 +318,8 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
         (out * c[rank, :k]).sum().backward()
         close(x.grad, sim_x.grad[rank], f"grad on rank {rank}")
 
-    xs = torch.randn(
-        world, m + 1, 3, dtype=torch.float64, generator=g
-    )  # padding rows past each size
+    # padding rows past each size
+    xs = torch.randn(world, m + 1, 3, dtype=torch.float64, generator=g)
     both(
         lambda x: fd.all_gather_v(x, mesh, "tp", sizes),
         lambda x: fd.all_gather_v(x, mesh, "tp", sizes),
@@ -473,9 +472,8 @@ def peer_exits(rank: int, world: int) -> dict[str, Any]:
 @scenario
 def check_mode(rank: int, world: int) -> dict[str, Any]:
     mesh = fd.Mesh.from_torch(tp=world, check=True, timeout=30)
-    assert (
-        fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2
-    )  # consistent calls pass
+    # consistent calls pass
+    assert fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2
     try:
         fd.all_gather(torch.ones(2 + rank), mesh, "tp")
     except fd.ConsistencyError as e:
@@ -608,9 +606,8 @@ def objects(rank: int, world: int) -> str:
     assert fd.broadcast_object({"from": rank}, mesh, "tp", src=1) == {"from": 1}
     assert fd.all_gather_object(("r", rank), mesh) == [("r", r) for r in range(world)]
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    if (
-        rank % 2 == 0
-    ):  # even ranks send first, odd ranks receive first: no deadlock for any world size
+    # even ranks send first, odd ranks receive first: no deadlock for any world size
+    if rank % 2 == 0:
         fd.send_object([rank] * 3, mesh, "tp", dst=nxt)
         got = fd.recv_object(mesh, "tp", src=prv)
     else:
@@ -653,9 +650,8 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
     expired = g.expire()  # this rank's keys older than data_expiration are deleted
     g.barrier()  # every member has expired its keys
     gone = not g.store.check([f"p2p/{prv}->{rank}/0"])
-    late = fd.StatelessGroup(
-        g.store, rank, world, timeout=1.0
-    )  # fresh counters: waits for an expired key
+    # fresh counters: waits for an expired key
+    late = fd.StatelessGroup(g.store, rank, world, timeout=1.0)
     t0 = time.monotonic()
     try:
         late.recv_obj(src=prv)

@@ -43,13 +43,11 @@ def layer_routings(
     skew[: groups * T // 2, 0] = 1  # half the tokens to expert 1 (and one other, distinct)
     skew[:, 1] = torch.where(skew[:, 0] == skew[:, 1], (skew[:, 0] + 1) % E, skew[:, 1])
     x1, w1, _ = random_routing(groups, T, E, 1, seed=12)
-    low = torch.where(
-        e < E // 2, e, e - E // 2
-    )  # every token to the lower half of the experts: the upper ranks get nothing
+    # every token to the lower half of the experts: the upper ranks get nothing
+    low = torch.where(e < E // 2, e, e - E // 2)
     low[:, 1] = torch.where(low[:, 0] == low[:, 1], (low[:, 0] + 1) % (E // 2), low[:, 1])
-    crowd = torch.tensor(
-        [[0, 1]] * (groups * T)
-    )  # every token to experts 0 and 1, past their capacity: dropped
+    # every token to experts 0 and 1, past their capacity: dropped
+    crowd = torch.tensor([[0, 1]] * (groups * T))
     return {
         "skewed": (x, w, skew, None),
         "all to expert 5 (top-1)": (x1, w1, torch.full((groups * T, 1), 5), None),
@@ -71,9 +69,8 @@ def check_layer_on_ranks(mesh: fd.Mesh, name: str) -> None:
     T, E = 4, 8
     ep, dp = mesh.axis_size("ep"), mesh.axis_size("dp")
     tp = "tp" if "tp" in mesh.axis_names and mesh.axis_size("tp") > 1 else None
-    group = mesh.index(mesh.rank, "dp") * ep + mesh.index(
-        mesh.rank, "ep"
-    )  # which token group this rank holds
+    # which token group this rank holds
+    group = mesh.index(mesh.rank, "dp") * ep + mesh.index(mesh.rank, "ep")
     gu_l = (
         fd.nn.Layout(fd.P("ep", tp, None), parts=(I, I), at=1) if tp else fd.nn.Layout(fd.P("ep"))
     )
@@ -179,9 +176,8 @@ def check_mixtral_on_ranks(
             return logits, scores, torch.cat([idx[:, :1] * 0, idx[:, :1] * 0 + 1], dim=-1)
 
         for layer in ref.model.layers:
-            layer.mlp.gate.register_forward_hook(
-                to_experts_0_and_1
-            )  # kept by deepcopy: the parallel model routes the same
+            # kept by deepcopy: the parallel model routes the same
+            layer.mlp.gate.register_forward_hook(to_experts_0_and_1)
     model = copy.deepcopy(ref)
     counts = (
         drop_like_ep(ref, mesh.axis_size("ep"), capacity_factor)

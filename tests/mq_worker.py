@@ -47,9 +47,8 @@ def payload(i: int, size: int) -> bytes:
 
 
 SHORT = 0.5  # the per-call timeout of the enqueue-timeout scenario
-BIG = (
-    128 << 20
-)  # more than loopback TCP buffers hold (tcp_wmem + tcp_rmem maxima are a few tens of MB)
+# more than loopback TCP buffers hold (tcp_wmem + tcp_rmem maxima are a few tens of MB)
+BIG = 128 << 20
 
 
 def _mesh(timeout: float = 30) -> fd.Mesh:
@@ -73,9 +72,8 @@ def stream(rank: int, out: Path) -> Any:
         max_chunks=8,
         timeout=30,
     )
-    leaked = q.shm_name is not None and os.path.exists(
-        f"/dev/shm/{q.shm_name}"
-    )  # unlinked once every local reader attached
+    # unlinked once every local reader attached
+    leaked = q.shm_name is not None and os.path.exists(f"/dev/shm/{q.shm_name}")
     sz = sizes(N_MESSAGES)
     t0 = time.perf_counter()
     got = 0
@@ -379,9 +377,8 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
     shared_memory.SharedMemory = Recorded  # type: ignore[misc]
     if rank == who == 2:
         (out / "killed.txt").write_text(repr(time.time()))
-        os.kill(
-            os.getpid(), signal.SIGKILL
-        )  # before attaching (the writer makes its segment, then finds this rank gone)
+        # before attaching (the writer makes its segment, then finds this rank gone)
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == who == 0:
         import fastdist.distributed as D
 
@@ -404,9 +401,8 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
         res = {"type": type(e).__name__, "msg": str(e)}
     res["s"] = time.monotonic() - t0
     res["made"] = made
-    res["left"] = [
-        n for n in made if os.path.exists(f"/dev/shm/{n}")
-    ]  # checked while this process still runs
+    # checked while this process still runs
+    res["left"] = [n for n in made if os.path.exists(f"/dev/shm/{n}")]
     return res
 
 

@@ -88,15 +88,13 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
     # check mode: the ranks pass different shapes; every rank raises what each passed, long before
     # the 20 s timeout
     checked = fd.Mesh.from_torch(tp=world, check=True, timeout=20)
-    assert (
-        fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
-    )  # consistent calls pass
+    # consistent calls pass
+    assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
     out["check"] = timed(
         lambda: fd.all_gather(torch.ones(2 + rank), checked, "tp"), fd.ConsistencyError
     )
-    assert (
-        fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
-    )  # nobody is left in a collective
+    # nobody is left in a collective
+    assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
 
     # default mode, the failing rank stays alive (no reset, no exit): its peer times out, told which
     # rank did not come
@@ -121,9 +119,8 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     out: dict[str, Any] = {}
-    late = fd.Mesh.from_torch(
-        tp=world, timeout=120
-    )  # no eager call, no create_groups; a wait for a group would show against 120 s
+    # no eager call, no create_groups; a wait for a group would show against 120 s
+    late = fd.Mesh.from_torch(tp=world, timeout=120)
     f = torch.compile(
         lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, "tp").sum(),
         fullgraph=True,
@@ -170,9 +167,8 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
     ref = [a.clone().requires_grad_() for a in args]  # one device
     want = torch.tanh(ref[0] @ ref[1]) @ ref[2] + ref[3]
     (want * c).sum().backward()
-    eager_out, eager_grads = run(
-        fd.spmd(bare, mesh, check="insert", **specs)
-    )  # eager, checked (real ranks default to check=False)
+    # eager, checked (real ranks default to check=False)
+    eager_out, eager_grads = run(fd.spmd(bare, mesh, check="insert", **specs))
 
     graphs: list[Any] = []
 

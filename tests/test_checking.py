@@ -541,9 +541,8 @@ def test_spmd_simulated_sharding_contract(x_spec: fd.PartitionSpec) -> None:
     )
     out = f(x)
     (out * c).sum().backward()
-    if (
-        "dp" in x_spec.sharded_axes
-    ):  # dp shards the blocks: blocks 0-1 live on dp=0, 2-3 on dp=1 (one holder each)
+    # dp shards the blocks: blocks 0-1 live on dp=0, 2-3 on dp=1 (one holder each)
+    if "dp" in x_spec.sharded_axes:
         torch.testing.assert_close(out, x.detach() * torch.tensor([1.0, 1.0, 2.0, 2.0], dtype=F64))
         torch.testing.assert_close(x.grad, c * torch.tensor([1.0, 1.0, 2.0, 2.0], dtype=F64))
     else:
@@ -624,8 +623,7 @@ def test_spmd_under_torch_compile() -> None:
     ):
         torch.compile(fd.spmd(bare, mesh, **specs), fullgraph=True)(*args)
     torch._dynamo.reset()
-    _, grads = run(
-        torch.compile(fd.spmd(bare, mesh, **specs))
-    )  # not fullgraph: dynamo falls back to the eager, checked step
+    # not fullgraph: dynamo falls back to the eager, checked step
+    _, grads = run(torch.compile(fd.spmd(bare, mesh, **specs)))
     for got, w in zip(grads, want):
         torch.testing.assert_close(got, w)

@@ -68,9 +68,8 @@ def cases(
         kw["src"] = draw(st.integers(0, n - 1))
     dtype = draw(st.sampled_from(dtypes))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    xs = torch.randint(-8, 9, (mesh.size, *shape), generator=gen).to(
-        dtype
-    )  # integer-valued: exact sums
+    # integer-valued: exact sums
+    xs = torch.randint(-8, 9, (mesh.size, *shape), generator=gen).to(dtype)
     if op == "pvary":  # pvary's input is replicated over the group
         xs = per_group(xs, mesh, axis, lambda m: [m[0]] * len(m))
     return mesh, axis, kw, xs
@@ -194,9 +193,8 @@ def test_outer_backward_records_the_stacked_op() -> None:
         if node is not None:
             names.append(node.name())
             stack += [f for f, _ in node.next_functions]
-    if (
-        not FAST_PATH
-    ):  # the public route: torch's generated vmap rule of the functorch-composing Function
+    # the public route: torch's generated vmap rule of the functorch-composing Function
+    if not FAST_PATH:
         assert names[:2] == ["VmappedPsumFunctionBackward", "torch::autograd::AccumulateGrad"], (
             names
         )
@@ -214,19 +212,19 @@ def test_second_order_gradients_match_single_device() -> None:
     """
     mesh = fd.Mesh({"dp": 2, "tp": 4})
     gen = torch.Generator().manual_seed(0)
-    xs, vs = (
-        torch.randn(8, 3, dtype=torch.float64, generator=gen) for _ in range(2)
-    )  # [ranks, chunk]
+    # [ranks, chunk]
+    xs, vs = (torch.randn(8, 3, dtype=torch.float64, generator=gen) for _ in range(2))
     cs = torch.randn(8, 12, dtype=torch.float64, generator=gen)  # [ranks, gathered]
     leaf = xs.clone().requires_grad_()
     losses = fd.simulate(lambda x, c: (c * fd.all_gather(x, mesh, "tp") ** 3).sum(), mesh)(leaf, cs)
     (g,) = torch.autograd.grad(losses.sum(), leaf, create_graph=True)
     (hv,) = torch.autograd.grad((g * vs).sum(), leaf)
     for d in range(2):  # each dp group is its own tp problem
+        # the gathered X and direction
         X, V = (
             xs[4 * d : 4 * d + 4].reshape(12),
             vs[4 * d : 4 * d + 4].reshape(12),
-        )  # the gathered X and direction
+        )
         C = cs[4 * d : 4 * d + 4].sum(0)
         torch.testing.assert_close(g.detach()[4 * d : 4 * d + 4], (3 * C * X**2).reshape(4, 3))
         torch.testing.assert_close(hv[4 * d : 4 * d + 4], (6 * C * X * V).reshape(4, 3))
@@ -423,9 +421,8 @@ def _opcheck_samples(name: str, one_rank: bool) -> tuple[tuple[Tensor, ...], dic
             x,
             out.contiguous(),
         )
-    elif (
-        name == "ragged_all_to_all"
-    ):  # sender rows per receiver; recv is the transpose within each tp group
+    elif name == "ragged_all_to_all":
+        # sender rows per receiver; recv is the transpose within each tp group
         send = (
             torch.tensor([[1, 1], [0, 2], [2, 0], [1, 1]])
             if not one_rank

@@ -36,9 +36,8 @@ def test_compiled_step_on_gloo_equals_eager() -> None:
     traces) works, in bounded time."""
     t0 = time.monotonic()
     assert expect_ok(run_world("compiled", 2, timeout=180)) == ["ok"] * 2
-    assert (
-        time.monotonic() - t0 < 120
-    )  # about 25 s: inductor compiles four steps (slower on a loaded machine)
+    # about 25 s: inductor compiles four steps (slower on a loaded machine)
+    assert time.monotonic() - t0 < 120
 
 
 def test_compile_before_groups_and_spmd_under_compile_on_gloo() -> None:
@@ -50,15 +49,13 @@ def test_compile_before_groups_and_spmd_under_compile_on_gloo() -> None:
         expect_ok(run_world("compiled_timed", 2, timeout=240, module="tests.reliability_worker"))
     ):
         value, elapsed, names = v["late"]
-        assert value == 1.0 and names == ["fastdist.dp1_tp2.0.e0.0-1.gloo"], v[
-            "late"
-        ]  # psum(rank) * sum(all_gather(rank)) = 1 * 1
+        # psum(rank) * sum(all_gather(rank)) = 1 * 1
+        assert value == 1.0 and names == ["fastdist.dp1_tp2.0.e0.0-1.gloo"], v["late"]
         # tracing, aot_eager and one group on each rank; any wait for a peer's group would show
         # against 120 s
         assert elapsed < 40, elapsed
-        assert v["graphs"] == 1 and v["graph_breaks"] == 0, (
-            v
-        )  # one graph for two calls: no graph break, no recompilation
+        # one graph for two calls: no graph break, no recompilation
+        assert v["graphs"] == 1 and v["graph_breaks"] == 0, v
         assert v["spmd_compile_s"] < 40, v["spmd_compile_s"]
         kind, msg, elapsed = v["insert"]
         assert msg is not None and "spmd: check='insert' runs eagerly only" in msg, (r, kind, msg)
@@ -69,9 +66,8 @@ def test_compile_before_groups_and_spmd_under_compile_on_gloo() -> None:
             "Fix: run the step once eagerly with check='error', write the pvary calls it names, "
             "and compile fd.spmd(..., check=False)" in msg
         )
-        assert elapsed < 10, (
-            elapsed
-        )  # every rank raises while tracing, before any collective: no rank waits for the other
+        # every rank raises while tracing, before any collective: no rank waits for the other
+        assert elapsed < 10, elapsed
 
 
 def test_spmd_checked_mode_on_gloo() -> None:
@@ -120,17 +116,15 @@ def test_skipped_collective_raises_timeout_naming_op_axis_ranks() -> None:
         "fastdist.psum(axis='tp') on rank 0 (group ranks [0, 1])" in r0["msg"]
         and "within the timeout (3 s)" in r0["msg"]
     )
-    assert (
-        "Timed out waiting 3000ms for recv operation to complete" in r0["msg"]
-    )  # the cause, without gloo's source path
+    # the cause, without gloo's source path
+    assert "Timed out waiting 3000ms for recv operation to complete" in r0["msg"]
     assert "third_party" not in r0["msg"] and ".cc:" not in r0["msg"]
     assert (
         "rank 1 did not reach this call (call 2 on this group)" in r0["msg"]
         and "mesh.reset() on every rank" in r0["msg"]
     )
-    assert (
-        2.5 < r0["elapsed"] < 3 + 10
-    )  # the 3 s timeout (+ 0.75 s for the peers' notes), plus margin for a loaded machine
+    # the 3 s timeout (+ 0.75 s for the peers' notes), plus margin for a loaded machine
+    assert 2.5 < r0["elapsed"] < 3 + 10
 
 
 def test_exited_peer_makes_the_others_raise() -> None:
@@ -144,9 +138,8 @@ def test_exited_peer_makes_the_others_raise() -> None:
         )
         assert "rank 2 did not reach this call" in r.value["msg"], r.value["msg"]
         assert "third_party" not in r.value["msg"] and "GLHF" not in r.value["msg"]
-        assert r.value["elapsed"] < 8, (
-            r.value
-        )  # the closed connection and the 2 s roll call (about 2 s), not the mesh's 15 s timeout
+        # the closed connection and the 2 s roll call (about 2 s), not the mesh's 15 s timeout
+        assert r.value["elapsed"] < 8, r.value
 
 
 def test_ranks_may_first_use_axes_in_any_order() -> None:
@@ -190,24 +183,21 @@ def test_mesh_recovers_after_a_rank_fails_and_ragged_sizes_fail_everywhere(
         and "fastdist.psum_scatter(axis='tp') on every rank: dim 0 has size 3" in msg
         and elapsed < 1
     )
-    kind, msg, elapsed = r1[
-        "failure"
-    ]  # the waiting peer: the connection closed when rank 0 reset, so no timeout
+    # the waiting peer: the connection closed when rank 0 reset, so no timeout
+    kind, msg, elapsed = r1["failure"]
     assert kind == "CommError", (kind, msg)
     assert msg.startswith(
         "fastdist.psum_scatter(axis='tp') on rank 1 (group ranks [0, 1]): the collective failed: "
     ), msg
-    assert re.search(r"the collective failed: [^;]*Connection (closed|reset) by peer", msg), (
-        msg
-    )  # gloo's words for a closed connection
+    # gloo's words for a closed connection
+    assert re.search(r"the collective failed: [^;]*Connection (closed|reset) by peer", msg), msg
     assert (
         "rank 0 did not reach this call (call 2 on this group)" in msg
         and "may have raised an error before it" in msg
     )
     assert "mesh.reset() on every rank" in msg and "third_party" not in msg and "GLHF" not in msg
-    assert elapsed < 7, (
-        elapsed
-    )  # the roll call (at most 2 s) plus margin for a loaded machine: far from the 20 s timeout
+    # the roll call (at most 2 s) plus margin for a loaded machine: far from the 20 s timeout
+    assert elapsed < 7, elapsed
     assert r0["reset"] < 10 and r1["reset"] < 2  # rank 0 waited in reset for rank 1
     for v in (r0, r1):
         msg, elapsed = v["ragged"][1:]
@@ -368,18 +358,16 @@ def test_documented_torchrun_commands_choose_their_rendezvous() -> None:
         "torchrun --nproc-per-node 4 a.py",
         "torchrun --nnodes 1 --standalone b.py",
     ]
-    assert unpinned(torchrun_commands(sample)) == [
-        "torchrun --nproc-per-node 4 a.py"
-    ]  # the check catches a bare command
+    # the check catches a bare command
+    assert unpinned(torchrun_commands(sample)) == ["torchrun --nproc-per-node 4 a.py"]
     files = [
         ROOT / "README.md",
         *sorted((ROOT / "docs").glob("*.md")),
         *sorted((ROOT / "examples").glob("*.py")),
     ]
     found = {str(f.relative_to(ROOT)): torchrun_commands(f.read_text()) for f in files}
-    assert len(found["README.md"]) >= 2, (
-        found
-    )  # the README's two commands (tp_mlp, hf_llama) are parsed
+    # the README's two commands (tp_mlp, hf_llama) are parsed
+    assert len(found["README.md"]) >= 2, found
     bad = {f: unpinned(cs) for f, cs in found.items() if unpinned(cs)}
     assert not bad, f"torchrun commands without --standalone or --master-port: {bad}"
 

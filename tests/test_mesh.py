@@ -44,10 +44,11 @@ def test_row_major_layout_last_axis_fastest() -> None:
     assert mesh.groups("sp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert mesh.groups(("dp", "tp")) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # tuple order decides member order
     assert mesh.groups(("tp", "dp")) == [
         [0, 4, 1, 5],
         [2, 6, 3, 7],
-    ]  # tuple order decides member order
+    ]
 
 
 def test_properties() -> None:
@@ -157,9 +158,8 @@ def test_large_mesh_groups_are_pure_arithmetic() -> None:
 def test_two_meshes_coexist_without_global_state() -> None:
     a, b = fd.Mesh({"tp": 4}), fd.Mesh({"dp": 2, "tp": 2})
     assert a.groups("tp") == [[0, 1, 2, 3]] and b.groups("tp") == [[0, 1], [2, 3]]
-    assert (
-        _context._RUNNING.simulations == () and _context._RUNNING.checks == ()
-    )  # nothing left running
+    # nothing left running
+    assert _context._RUNNING.simulations == () and _context._RUNNING.checks == ()
 
 
 # ---------------------------------------------------------------------- a Mesh is an immutable
@@ -180,9 +180,8 @@ def test_equal_meshes_are_interchangeable() -> None:
     )
     v, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     torch.testing.assert_close(f(v, w), v @ w)
-    with pytest.raises(
-        fd.NoBackendError, match="no simulation of this mesh"
-    ):  # an unequal mesh is not covered
+    # an unequal mesh is not covered
+    with pytest.raises(fd.NoBackendError, match="no simulation of this mesh"):
         fd.simulate(lambda v: fd.psum(v, fd.Mesh({"dp": 4}), "dp"), m1)(x)
     assert _context._RUNNING.simulations == () and _context._RUNNING.checks == ()
 

@@ -100,9 +100,8 @@ def run_layer(
     out, dropped = fd.simulate(layer, mesh)(xs, ws, es, gus, dns)
     c = torch.arange(out[0].numel(), dtype=F64).reshape(out[0].shape) / 10
     (out * c).sum().backward()
-    first = [
-        mesh.rank_of({"ep": i, **({tp: 0} if tp else {})}) for i in range(ep)
-    ]  # one rank per ep index
+    # one rank per ep index
+    first = [mesh.rank_of({"ep": i, **({tp: 0} if tp else {})}) for i in range(ep)]
     grads = {
         "x": xs.grad[first].reshape(ep * T, H),  # type: ignore[index]
         "weights": ws.grad[first].reshape(ep * T, -1),  # type: ignore[index]
@@ -195,10 +194,11 @@ def test_dp_outside_ep_each_replica_with_its_own_tokens(strategy: str) -> None:
     gus, dns = shard(gate_up).requires_grad_(), shard(down).requires_grad_()
 
     def layer(x: Tensor, w: Tensor, e: Tensor, gu: Tensor, dn: Tensor) -> Tensor:
+        # replicated over dp, used with dp-varying tokens
         gu, dn = (
             fd.pvary(gu, mesh, "dp"),
             fd.pvary(dn, mesh, "dp"),
-        )  # replicated over dp, used with dp-varying tokens
+        )
 
         def expert(rows: Tensor, i: int) -> Tensor:
             g, u = F.linear(rows, gu[i]).chunk(2, dim=-1)
@@ -237,9 +237,8 @@ def test_skewed_routing_and_empty_experts(strategy: str) -> None:
 def test_token_dropping_reports_what_it_dropped(strategy: str) -> None:
     ep, T, E, k = 2, 6, 4, 2
     x, w, _ = random_routing(ep, T, E, k, seed=9)
-    e = torch.tensor(
-        [[0, 1]] * (ep * T)
-    )  # every token to experts 0 and 1: capacity ceil(1.0 * 6 * 2 / 4) = 3 each per rank
+    # every token to experts 0 and 1: capacity ceil(1.0 * 6 * 2 / 4) = 3 each per rank
+    e = torch.tensor([[0, 1]] * (ep * T))
     keep = torch.cat(
         [M._keep_mask(chunk, E, M.expert_capacity(T, k, E, 1.0)) for chunk in e.reshape(ep, T, k)]
     )
@@ -262,9 +261,8 @@ def test_random_assignments_round_trip(ep: int, T: int, k: int, seed: int, strat
     E = 4
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ep * T, H, dtype=F64, generator=g)
-    e = torch.stack(
-        [torch.randperm(E, generator=g)[:k] for _ in range(ep * T)]
-    )  # distinct experts per token
+    # distinct experts per token
+    e = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(ep * T)])
     w = torch.rand(ep * T, k, dtype=F64, generator=g)
     mesh = fd.Mesh({"ep": ep})
     ident = fd.simulate(
@@ -290,9 +288,8 @@ def test_load_balancing_loss_global_and_per_replica() -> None:
     leaves = [lg.clone().requires_grad_() for lg in logits]
     want = M.load_balancing_loss(leaves, 2) + 0.1 * M.router_z_loss(leaves)
     want.backward()
-    split = [
-        lg.detach().reshape(4, 2, 4).clone().requires_grad_() for lg in logits
-    ]  # tokens over dp x ep (rank = dp * 2 + ep)
+    # tokens over dp x ep (rank = dp * 2 + ep)
+    split = [lg.detach().reshape(4, 2, 4).clone().requires_grad_() for lg in logits]
     got = fd.simulate(
         lambda a, b: (
             M.load_balancing_loss([a, b], 2, mesh=mesh, axes=("dp", "ep"))
@@ -324,9 +321,8 @@ def test_route_gating_and_normalize_match_plain_torch(gating: str, normalize: bo
     got_in, want_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     r = M.route(got_in, 3, gating=gating, normalize=normalize)  # type: ignore[arg-type]
     probs = want_in.softmax(-1) if gating == "softmax" else 1 / (1 + torch.exp(-want_in))
-    top_e = probs.detach().argsort(-1, descending=True)[
-        :, :3
-    ]  # (T, 3): the 3 largest, largest first
+    # (T, 3): the 3 largest, largest first
+    top_e = probs.detach().argsort(-1, descending=True)[:, :3]
     top = probs.gather(1, top_e)
     want = top / top.sum(-1, keepdim=True) if normalize else top
     assert torch.equal(r.experts, top_e)
@@ -390,9 +386,8 @@ def test_router_z_loss_matches_switch_transformers() -> None:
     )
 
     g = torch.Generator().manual_seed(12)
-    logits = [
-        3 * torch.randn(2, 4, 4, dtype=F64, generator=g) for _ in range(2)
-    ]  # two layers, (groups, tokens, E)
+    # two layers, (groups, tokens, E)
+    logits = [3 * torch.randn(2, 4, 4, dtype=F64, generator=g) for _ in range(2)]
     hf_in = [lg.clone().requires_grad_() for lg in logits]
     want = router_z_loss_func(torch.cat(hf_in, 1))  # all tokens of both layers: the mean over them
     want.backward()
@@ -415,9 +410,8 @@ def test_router_z_loss_matches_switch_transformers() -> None:
     flat = [lg.reshape(4, 2, 4) for lg in logits]
     for r in range(4):
         d = r // 2
-        group = torch.cat([f[2 * d : 2 * d + 2].reshape(-1, 4) for f in flat]).reshape(
-            1, -1, 4
-        )  # this dp replica's ep group
+        # this dp replica's ep group
+        group = torch.cat([f[2 * d : 2 * d + 2].reshape(-1, 4) for f in flat]).reshape(1, -1, 4)
         torch.testing.assert_close(out[r, 1], router_z_loss_func(group), **TOL)
         torch.testing.assert_close(
             out[r, 2], router_z_loss_func(torch.cat([f[r] for f in flat]).reshape(1, -1, 4)), **TOL
@@ -579,9 +573,8 @@ def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None
         32 // (axes.get("tp", 1)),
         32,
     )
-    out = pm(
-        input_ids=rep(ids, mesh), labels=rep(labels, mesh)
-    )  # output_router_logits=True in the config
+    # output_router_logits=True in the config
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     torch.testing.assert_close(whole_logits(out.logits, mesh, tp), want_logits.detach(), **TOL)
     torch.testing.assert_close(out.aux_loss, rep(want_aux.detach(), mesh), **TOL)
     torch.testing.assert_close(out.loss, rep((want_ce + coef * want_aux).detach(), mesh), **TOL)
@@ -644,16 +637,16 @@ def test_mixtral_skewed_routing_and_empty_experts() -> None:
         module: Any, args: Any, out: tuple[Tensor, Tensor, Tensor]
     ) -> tuple[Tensor, Tensor, Tensor]:
         logits, scores, idx = out
+        # (T, 2): experts 0, 1 for every token
         return (
             logits,
             scores,
             torch.cat([idx[:, :1] * 0, idx[:, :1] * 0 + 1], dim=-1),
-        )  # (T, 2): experts 0, 1 for every token
+        )
 
     for layer in ref.model.layers:
-        layer.mlp.gate.register_forward_hook(
-            to_experts_0_and_1
-        )  # kept by deepcopy: the parallel model routes the same
+        # kept by deepcopy: the parallel model routes the same
+        layer.mlp.gate.register_forward_hook(to_experts_0_and_1)
     for r, experts in ((ref, 4), (build_mixtral(seed=4, experts=8), 8)):
         model = copy.deepcopy(r)
         mesh = fd.Mesh({"ep": 2})

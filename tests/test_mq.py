@@ -105,9 +105,8 @@ def test_ten_thousand_mixed_messages_exactly_once_in_order(tmp_path: Path) -> No
     t0 = time.monotonic()
     values, codes, texts = run("stream", tmp_path)
     _ok(values, codes, texts)
-    assert values[0]["remote"] == (
-        3,
-    )  # rank 3 "on another host": the socket path; 1 and 2 through shared memory
+    # rank 3 "on another host": the socket path; 1 and 2 through shared memory
+    assert values[0]["remote"] == (3,)
     for r in (1, 2, 3):
         assert values[r]["got"] == N_MESSAGES, values[r]
         assert (
@@ -203,9 +202,8 @@ def test_enqueue_per_call_timeout_names_the_reader_that_does_not_read(tmp_path: 
     )
     assert SHORT <= w["shm_s"] < SHORT + 1.0, w["shm_s"]
     for r in (1, 2):
-        assert values[r]["read"] == ["m0", "m1", "m2"], values[
-            r
-        ]  # the timed-out message never arrives; the next one does
+        # the timed-out message never arrives; the next one does
+        assert values[r]["read"] == ["m0", "m1", "m2"], values[r]
         assert "read all 3 message(s)" in values[r]["after_close"], values[r]
     # B: a socket reader that does not read a 128 MB message: timeout naming rank 3; the stream is
     # cut, so the queue refuses more
@@ -221,9 +219,8 @@ def test_enqueue_per_call_timeout_names_the_reader_that_does_not_read(tmp_path: 
         "CollectiveTimeout in message 1" in w["sock_broken"]
         and "make a new one" in w["sock_broken"]
     )
-    v3 = values[
-        3
-    ]  # no close frame after a cut: the reader is told of the cut, never handed a partial object
+    # no close frame after a cut: the reader is told of the cut, never handed a partial object
+    v3 = values[3]
     assert (
         v3["sock_reader_type"] == "PeerLostError"
         and "in the middle of a message" in v3["sock_reader"]
@@ -245,9 +242,8 @@ def test_enqueue_per_call_timeout_names_the_reader_that_does_not_read(tmp_path: 
 def test_crash_before_readers_attach_leaves_no_segment(who: int, tmp_path: Path) -> None:
     """A rank SIGKILLed in the middle of MessageQueue.create, after the segment exists and before
     the readers attach."""
-    values, codes, texts = run(
-        f"setup_crash:{who}", tmp_path
-    )  # run() also checks /dev/shm once every process exited
+    # run() also checks /dev/shm once every process exited
+    values, codes, texts = run(f"setup_crash:{who}", tmp_path)
     assert codes[who] == -9
     segment = (tmp_path / "segment.txt").read_text()
     assert segment.startswith(mq._SHM_PREFIX) and not os.path.exists(f"/dev/shm/{segment}")
@@ -256,9 +252,8 @@ def test_crash_before_readers_attach_leaves_no_segment(who: int, tmp_path: Path)
             continue
         assert codes[r] == 0, texts[r][-3000:]
         v = values[r]
-        assert v["type"] is not None and v["s"] < 10 + 5, (
-            v
-        )  # an error within the mesh's timeout, not a hang
+        # an error within the mesh's timeout, not a hang
+        assert v["type"] is not None and v["s"] < 10 + 5, v
         assert not v["left"], v  # the surviving writer unlinked its segment at once, not at exit
     if who == 2:
         assert values[0]["made"] == [segment] and values[0]["left"] == []

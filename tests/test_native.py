@@ -170,9 +170,8 @@ def test_dtype_and_reduce_op_enums_match_the_headers() -> None:
         t.bfloat16: 11,
     }
     assert dict(HCCL.reduce_ops) == {"sum": 0, "prod": 1, "max": 2, "min": 3}
-    assert all(
-        d not in NCCL.dtypes for d in (t.float8_e4m3fn, t.float8_e5m2)
-    )  # fp8 travels as uint8
+    # fp8 travels as uint8
+    assert all(d not in NCCL.dtypes for d in (t.float8_e4m3fn, t.float8_e5m2))
 
 
 def test_nccl_version_decoding_covers_both_encodings() -> None:
@@ -372,11 +371,12 @@ def test_call_arguments_reach_the_library(fakelib: str) -> None:
     assert (ar["count"], ar["dtype"], ar["op"], ar["stream"]) == ("6", "7", "2", "0x0")
     assert (bc["count"], bc["dtype"], bc["root"]) == ("6", "6", "0")  # 3 rows x 2, float16
     assert (ag["count"], ag["dtype"]) == ("8", "1")  # fp8 travels as uint8
+    # int16 (no NCCL type): 6 x 2 bytes as uint8
     assert (send["count"], send["dtype"], send["peer"]) == (
         "12",
         "1",
         "0",
-    )  # int16 (no NCCL type): 6 x 2 bytes as uint8
+    )
     with pytest.raises(
         fd.ReductionDtypeError,
         match=r"fastdist.psum\(axis='tp'\) on rank 0: cannot sum torch.float8_e5m2 tensors.*Fix: "
@@ -453,13 +453,11 @@ def test_ops_on_the_ctypes_backend_match_simulate_across_processes(
         assert init == (
             [f"{pre}GetUniqueId" if pre == "nccl" else "HcclGetRootInfo"] if r == 0 else []
         ) + ["ncclCommInitRank" if pre == "nccl" else "HcclCommInitRootInfo", f"{pre}AllReduce"]
-        assert _names(res["psum"]) == [
-            f"{pre}AllReduce"
-        ]  # no second init: the communicator is cached
+        # no second init: the communicator is cached
+        assert _names(res["psum"]) == [f"{pre}AllReduce"]
         agv = Counter(_names(res["agv"]))
-        assert (
-            agv[f"{pre}Broadcast"] == world and agv[f"{pre}GroupStart"] == 1
-        )  # one broadcast per root, grouped
+        # one broadcast per root, grouped
+        assert agv[f"{pre}Broadcast"] == world and agv[f"{pre}GroupStart"] == 1
         assert [_fields(line)["dtype"] for line in res["fp8"]] == [
             str(SPECS[pre.lower()].dtypes[torch.uint8])
         ]

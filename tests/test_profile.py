@@ -61,10 +61,11 @@ def _rata(x: torch.Tensor) -> Any:
     return fd.ragged_all_to_all(x, MESH, "tp", torch.ones(4, dtype=torch.long), capacity=8)
 
 
+# bus factors for n = 4: all-reduce, all-gather / reduce-scatter / all-to-all
 AR, AG = (
     2 * 3 / 4,
     3 / 4,
-)  # bus factors for n = 4: all-reduce, all-gather / reduce-scatter / all-to-all
+)
 CASES: list[
     tuple[str, Callable[..., Any], tuple[int, ...], list[tuple[str, str, str, str, int, float]]]
 ] = [
@@ -322,9 +323,8 @@ def test_dry_run_4096_ranks_is_fast_and_small() -> None:
         step, mesh, torch.empty(1, 512, d, device="meta", requires_grad=True), modules=[blk]
     )
     assert time.perf_counter() - t0 < 10  # resident memory: test_dry_run_4096_ranks_resident_memory
-    act = (
-        8 * 512 * d * F4
-    )  # the [1, 512, d] per-rank tokens gathered over tp = 8 (S of an all-gather: the output)
+    # the [1, 512, d] per-rank tokens gathered over tp = 8 (S of an all-gather: the output)
+    act = 8 * 512 * d * F4
     assert [(r.module, r.op, r.phase, r.size) for r in prof.filter(axis="tp").records] == [
         ("fc1", "all_gather", "forward", act),
         ("fc2", "psum_scatter", "forward", act),
@@ -402,9 +402,8 @@ def test_planner_ranks_like_closed_form() -> None:
     def closed_form(layout: Layout) -> float:
         sizes = dict(layout.axes)
         total, inner = 0.0, 1
-        for name, n in reversed(
-            layout.axes
-        ):  # innermost first: the group of rank 0 spans ranks 0 .. inner * (n - 1)
+        # innermost first: the group of rank 0 spans ranks 0 .. inner * (n - 1)
+        for name, n in reversed(layout.axes):
             link = net.intra if inner * (n - 1) < net.gpus_per_node else net.inter
             s = a_bytes if name == "tp" else g_bytes
             total += 2 * (n - 1) * link.latency + s * 2 * (n - 1) / n / link.bandwidth
@@ -498,6 +497,7 @@ def _moe_rows(
     """Hand-computed records (op, phase, shape, dtype, S, bus bytes, bound) of the all_to_all MoE
     layer on ``ep`` ranks."""
     a2a = (ep - 1) / ep
+    # tokens per (rank, local expert)
     counts = (
         "all_to_all",
         "forward",
@@ -506,7 +506,8 @@ def _moe_rows(
         E * 8,
         E * 8 * a2a,
         False,
-    )  # tokens per (rank, local expert)
+    )
+    # each ragged exchange's row counts
     sizes = (
         "all_to_all",
         "forward",
@@ -515,11 +516,12 @@ def _moe_rows(
         ep * 8,
         ep * 8 * a2a,
         False,
-    )  # each ragged exchange's row counts
+    )
+    # dispatch sends the T*k assignments; combine sends back from the ep*T*k-row receive buffer
     rows, cap = (
         T * k,
         ep * T * k,
-    )  # dispatch sends the T*k assignments; combine sends back from the ep*T*k-row receive buffer
+    )
     send = (
         "ragged_all_to_all",
         "forward",
@@ -560,9 +562,8 @@ def test_moe_layer_profile(strategy: str) -> None:
     mesh, E, T, H, k, ep = fd.Mesh({"ep": 4}), 8, 16, 6, 2, 4
     step, args = _moe_step(mesh, strategy)
     prof = trace(step, mesh, *args)
-    if (
-        strategy == "allgather"
-    ):  # gather tokens, expert ids and gates; reduce-scatter the outputs; the transposes backward
+    # gather tokens, expert ids and gates; reduce-scatter the outputs; the transposes backward
+    if strategy == "allgather":
         rows = [(r.op, r.phase, r.shape, r.size) for r in prof.records]
         assert rows == [
             ("all_gather", "forward", (T, H), ep * T * H * F4),
@@ -619,9 +620,8 @@ class SPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hd = x.shape[-1] // self.heads
-        q, k, v = (
-            t.unflatten(-1, (-1, hd)) for t in self.qkv(self.ln1(x))
-        )  # (B, m, heads / tp, hd)
+        # (B, m, heads / tp, hd)
+        q, k, v = (t.unflatten(-1, (-1, hd)) for t in self.qkv(self.ln1(x)))
         x = x + self.o(self.attn(q, k, v).flatten(-2))
         out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(self.ln2(x))))
         return out
@@ -652,12 +652,10 @@ def test_sp_attention_block_profile(kind: str) -> None:
         torch.empty(B, m, d, device="meta", requires_grad=True),
         modules=[blk],
     )
-    act = (
-        B * m * d * F4
-    )  # a [B, m, d] activation: row-parallel outputs, column-parallel input gradients
-    kv = (
-        B * m * (d // tp) * F4
-    )  # one of q, k, v (or the attention output) on this rank: its heads / tp, its m tokens
+    # a [B, m, d] activation: row-parallel outputs, column-parallel input gradients
+    act = B * m * d * F4
+    # one of q, k, v (or the attention output) on this rank: its heads / tp, its m tokens
+    kv = B * m * (d // tp) * F4
     ar_tp, ar_dp, a2a = 2 * (tp - 1) / tp, 2 * (dp - 1) / dp, (sp - 1) / sp
     # ring: k and v travel sp - 1 hops forward; each hop's transpose is the opposite hop backward;
     # every member sends
@@ -700,9 +698,8 @@ def test_sp_attention_block_profile(kind: str) -> None:
         got[key] == pytest.approx(want[key]) for key in want
     ), got
     sp_op, sp_count = ("ppermute", 2 * (sp - 1)) if kind == "ring" else ("all_to_all", 4)
-    forward = [
-        (r.module, r.op) for r in prof.filter(phase="forward").records if r.axis != "dp"
-    ]  # issue order
+    # issue order
+    forward = [(r.module, r.op) for r in prof.filter(phase="forward").records if r.axis != "dp"]
     assert forward == [("attn", sp_op)] * sp_count + [("o", "psum"), ("fc2", "psum")]
 
 
@@ -876,9 +873,8 @@ def _group_time(net: Network, layout: Layout, axis: str, kind: str, size: float)
         return 0.0
     i = names.index(axis)
     n, inner = layout.axes[i][1], math.prod(s for _, s in layout.axes[i + 1 :])
-    link = (
-        net.intra if (n - 1) * inner < net.gpus_per_node else net.inter
-    )  # rank 0's group spans ranks 0 .. (n-1) * inner
+    # rank 0's group spans ranks 0 .. (n-1) * inner
+    link = net.intra if (n - 1) * inner < net.gpus_per_node else net.inter
     if kind == "allreduce":
         return 2 * (n - 1) * link.latency + size * 2 * (n - 1) / n / link.bandwidth
     if kind == "sendrecv":
@@ -917,14 +913,12 @@ def _tp_sp_dp_closed_form(layout: Layout) -> float:
     t, tp, sp = N_TOK // (sizes["dp"] * sizes["sp"]), sizes["tp"], sizes["sp"]
     return (
         2
-        * _group_time(
-            TOY, layout, "tp", "allreduce", t * D_MODEL * F4
-        )  # the psum forward, pvary's psum backward
+        # the psum forward, pvary's psum backward
+        * _group_time(TOY, layout, "tp", "allreduce", t * D_MODEL * F4)
         + 2
         * (sp - 1)
-        * _group_time(
-            TOY, layout, "sp", "sendrecv", t * (D_MODEL // tp) * F4
-        )  # the hops and their transposes
+        # the hops and their transposes
+        * _group_time(TOY, layout, "sp", "sendrecv", t * (D_MODEL // tp) * F4)
         + _group_time(TOY, layout, "dp", "allreduce", D_MODEL * (D_MODEL // tp) * F4)
     )
 
@@ -978,10 +972,11 @@ def test_planner_moe_ep_dp_closed_form() -> None:
             if ep > 1
             else 0.0
         )
+        # this rank's experts' weight gradients
         gate_up, down = (
             (E // ep) * 2 * I * H * F4,
             (E // ep) * H * I * F4,
-        )  # this rank's experts' weight gradients
+        )
         return (
             a2a
             + _group_time(TOY, layout, "dp", "allreduce", gate_up)
@@ -1024,18 +1019,16 @@ def test_plan_plot_bars_and_labels() -> None:
             t.get_text() for t in ax.get_yticklabels()
         ] == labels and ax.yaxis_inverted()  # fastest on top
         axes = sorted({a for pr in p.predictions for a in pr.by_axis})
-        assert (
-            axes == ["dp", "sp", "tp"] and [c.get_label() for c in ax.containers] == axes
-        )  # one bar series per axis, stacked
+        # one bar series per axis, stacked
+        assert axes == ["dp", "sp", "tp"] and [c.get_label() for c in ax.containers] == axes
         assert [t.get_text() for t in ax.get_legend().get_texts()] == axes
         for i, pr in enumerate(p.predictions):
             bars = [c.patches[i] for c in ax.containers]
             assert [b.get_width() for b in bars] == pytest.approx(
                 [pr.by_axis.get(a, 0.0) * 1e3 for a in axes]
             )  # ms per axis
-            assert bars[-1].get_x() + bars[-1].get_width() == pytest.approx(
-                pr.time * 1e3
-            )  # the stack ends at the total
+            # the stack ends at the total
+            assert bars[-1].get_x() + bars[-1].get_width() == pytest.approx(pr.time * 1e3)
             assert {b.get_y() for b in bars} == {bars[0].get_y()}  # one row
         assert ax.get_xlabel() == "predicted communication time (ms), toy"
     finally:

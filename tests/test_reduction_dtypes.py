@@ -205,9 +205,8 @@ def test_bool_or_and_any_through_pmax_and_pmin() -> None:
     got = fd.simulate(
         lambda t: torch.stack([fd.pmax(t, mesh, "tp"), fd.pmin(t, mesh, "tp")]), mesh
     )(x)
-    assert all(
-        g.tolist() == [[True, False, True], [False, False, False]] for g in got
-    )  # every rank: [any over ranks, all over ranks]
+    # every rank: [any over ranks, all over ranks]
+    assert all(g.tolist() == [[True, False, True], [False, False, False]] for g in got)
 
 
 # Every v-op with row counts that are not integers (the same on every rank), and reduce_scatter_v on
@@ -303,9 +302,8 @@ def gloo_reductions(lib: str | None) -> dict[Any, Any]:
             fd.all_gather_v(torch.zeros(3, 2), mesh, "tp", [1.9, 2.5])
         except fd.CollectiveError as e:
             out[backend, "sizes"] = str(e)
-        t0 = (
-            time.monotonic()
-        )  # every rank raises each v-op's error locally, before any communication
+        # every rank raises each v-op's error locally, before any communication
+        t0 = time.monotonic()
         out[backend, "v-ops"] = v_op_refusals(lambda fn: fn(torch.ones(3, 2), mesh))  # noqa: B023 - called at once
         out[backend, "v-ops seconds"] = time.monotonic() - t0
         out[backend, "after"] = fd.psum(
@@ -353,12 +351,10 @@ def test_real_ranks_follow_the_same_rule(tmp_path: Any, monkeypatch: pytest.Monk
     want = v_op_refusals(lambda fn: fd.simulate(lambda t: fn(t, mesh), mesh)(torch.ones(2, 3, 2)))
     for got in ranks:
         for backend in backends:
-            assert (
-                got[backend, "v-ops"] == want
-            )  # every v-op: the very messages of the simulated ranks (checked above)
-            assert got[backend, "v-ops seconds"] < 2, got[
-                backend, "v-ops seconds"
-            ]  # all nine, at once: the mesh's timeout is 60 s
+            # every v-op: the very messages of the simulated ranks (checked above)
+            assert got[backend, "v-ops"] == want
+            # all nine, at once: the mesh's timeout is 60 s
+            assert got[backend, "v-ops seconds"] < 2, got[backend, "v-ops seconds"]
             assert got[backend, "after"] == 2.0
     if lib is None:
         pytest.skip("the ctypes half needs gcc to build the fake NCCL library")
@@ -402,9 +398,8 @@ def test_the_ctypes_communicator_applies_the_rule_itself(
         "ncclReduce",
         "ncclAllReduce",
     ]
-    assert all("count=12 dtype=7" in line for line in log[:4]), (
-        log
-    )  # complex64: 6 numbers as 12 float32
+    # complex64: 6 numbers as 12 float32
+    assert all("count=12 dtype=7" in line for line in log[:4]), log
     assert "count=3 dtype=1 op=2" in log[4], log  # bool max: 3 uint8
     for x, red, match in [
         (

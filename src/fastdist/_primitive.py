@@ -125,20 +125,20 @@ class GroupSpec:
         if not self._consecutive:
             return self.to_groups(xs), 1
         a0, k = self.axes[0], len(self.axes)
+        # the group's axes merged into one dim
         shape = (
             *self.mesh_shape[:a0],
             self.n,
             *self.mesh_shape[a0 + k :],
-        )  # the group's axes merged into one dim
+        )
         return xs.reshape(*shape, *xs.shape[1:]), a0  # [*before, n, *after, *s]
 
     def from_axis_view(self, y: Tensor, s: Sequence[int]) -> Tensor:
         """Inverse of :meth:`axis_view` for a result ``y`` of per-rank shape ``s``: contiguous,
         copied only if it must be."""
         if not self._consecutive:
-            return self.from_groups(
-                y.reshape(self.world // self.n, self.n, *s)
-            )  # [G, n, *s] -> [world, *s]
+            # [G, n, *s] -> [world, *s]
+            return self.from_groups(y.reshape(self.world // self.n, self.n, *s))
         return y.reshape(
             self.world, *s
         ).contiguous()  # mesh layout -> [world, *s] (contiguous, as the fake rule says)
@@ -148,12 +148,10 @@ class GroupSpec:
         s = xs.shape[1:]
         m = len(self.mesh_shape)
         y = xs.reshape(*self.mesh_shape, *s)  # [*mesh_shape, *s]
-        y = y.permute(
-            *self._others, *self.axes, *range(m, m + len(s))
-        )  # [*other axes, *group axes, *s]
-        return y.reshape(
-            self.world // self.n, self.n, *s
-        )  # [G, n, *s] (explicit G: -1 is ambiguous for empty tensors)
+        # [*other axes, *group axes, *s]
+        y = y.permute(*self._others, *self.axes, *range(m, m + len(s)))
+        # [G, n, *s] (explicit G: -1 is ambiguous for empty tensors)
+        return y.reshape(self.world // self.n, self.n, *s)
 
     def from_groups(self, y: Tensor) -> Tensor:
         """Inverse of :meth:`to_groups`: ``[G, n, *s] -> [world, *s]`` (contiguous)."""
@@ -359,22 +357,19 @@ class Primitive:
         simulate's own vmap with no other transform, :meth:`_bind_at_level` calls the
         stacked op (or, with a gradient, its Function) directly.
         """
-        compiling = (
-            torch.compiler.is_compiling()
-        )  # dynamo: keep the traced paths, skip the functorch checks
+        # dynamo: keep the traced paths, skip the functorch checks
+        compiling = torch.compiler.is_compiling()
         vals = tuple(params[p] for p in self.param_names)
         if spec.comm is not None:  # real ranks: the Function when a gradient can flow
             grad = compiling or (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
             if grad:
                 return cast(Tensor, apply_function(self.dist_function, spec, vals, *tensors))
             return self._run_distributed(spec, tensors, params)
-        if (
-            compiling
-        ):  # dynamo records the op; the stacked op's registered autograd has the per-rank rule
+        # dynamo records the op; the stacked op's registered autograd has the per-rank rule
+        if compiling:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if (
-            not FAST_PATH
-        ):  # the public route: the Function composes with every transform and outer backward()
+        # the public route: the Function composes with every transform and outer backward()
+        if not FAST_PATH:
             if torch.is_grad_enabled():
                 return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
@@ -383,9 +378,8 @@ class Primitive:
             # vmap).
             level = _functorch.maybe_current_level()
             if level is not None and _functorch.maybe_get_level(tensors[0]) == level:
-                return self._bind_at_level(
-                    level, tensors, spec, params
-                )  # simulate's vmap is innermost: the usual case
+                # simulate's vmap is innermost: the usual case
+                return self._bind_at_level(level, tensors, spec, params)
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if not (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)):
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
@@ -405,9 +399,8 @@ class Primitive:
         """
         stacked = []
         for t in tensors:
-            v, d = _functorch._unwrap_batched(
-                t, level
-            )  # the physical tensor, and its rank dim (None: not batched here)
+            # the physical tensor, and its rank dim (None: not batched here)
+            v, d = _functorch._unwrap_batched(t, level)
             stacked.append(
                 v
                 if d == 0
@@ -415,9 +408,8 @@ class Primitive:
                 if d is not None
                 else v.expand(spec.world, *v.shape)
             )  # [world, *s]
-        if (
-            stacked[0].shape[0] != spec.world
-        ):  # not a vmap over the ranks: the registered rule raises the error
+        # not a vmap over the ranks: the registered rule raises the error
+        if stacked[0].shape[0] != spec.world:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if (
             torch.is_grad_enabled()

@@ -99,9 +99,8 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSp
             "pass the Mesh the code runs on",
         )
     binding = simulation_of(mesh)
-    if (
-        binding is None and mesh._comm is not None
-    ):  # real ranks (a simulation over the mesh takes precedence)
+    # real ranks (a simulation over the mesh takes precedence)
+    if binding is None and mesh._comm is not None:
         return x, mesh._comm.spec(axis, f"fastdist.{op}")
     spec = _plain_spec(op, mesh, axis)
     if binding is None:
@@ -109,9 +108,8 @@ def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSp
     tracker = check_of(mesh)
     if tracker is None:
         return promote(op, x, binding), spec
-    with (
-        tracker.suspended()
-    ):  # fastdist's own plumbing is not user code: keep the state, unobserved
+    # fastdist's own plumbing is not user code: keep the state, unobserved
+    with tracker.suspended():
         y = promote(op, x, binding)
     tracker.set(y, tracker.get(x))
     return y, spec
@@ -131,10 +129,8 @@ def _plain_spec(op: str, mesh: Mesh, axis: AxisName) -> GroupSpec:
     if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():
         try:
             return _cached_plain_spec(mesh, axis)
-        except (
-            MeshError,
-            TypeError,
-        ):  # re-raised below naming the op (TypeError: unhashable parts)
+        except (MeshError, TypeError):
+            # re-raised below naming the op (TypeError: unhashable parts)
             pass
     return GroupSpec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
 
@@ -220,9 +216,8 @@ def _where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
 # ====================================================================== psum
 def _psum_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
-    return spec.from_axis_view(
-        y.sum(a, keepdim=True, dtype=y.dtype).expand_as(y), x.shape[1:]
-    )  # the sum, on every member
+    # the sum, on every member
+    return spec.from_axis_view(y.sum(a, keepdim=True, dtype=y.dtype).expand_as(y), x.shape[1:])
 
 
 def _psum_dist(comm: AxisComm, x: Tensor) -> Tensor:
@@ -368,9 +363,8 @@ def _select_extreme_stacked(spec: GroupSpec, g: Tensor, x: Tensor, out: Tensor) 
 
 
 def _select_extreme_dist(comm: AxisComm, g: Tensor, x: Tensor, out: Tensor) -> Tensor:
-    mine = torch.where(
-        x == out, comm.index, comm.n
-    )  # my axis index where I attain the extreme, else n
+    # my axis index where I attain the extreme, else n
+    mine = torch.where(x == out, comm.index, comm.n)
     winner = comm.all_reduce("select_extreme", mine, "min")  # the lowest index attaining it
     return torch.where(winner == comm.index, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
@@ -444,12 +438,10 @@ def _all_gather_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> t
 def _all_gather_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     k = y.dim() - (x.dim() - 1)  # mesh dims in the view
-    z = y.movedim(
-        a, k - 1 + dim
-    )  # [*before, *after, *s[:dim], n, *s[dim:]]: the members' blocks side by side
-    every = z.unsqueeze(a).expand(
-        *y.shape[:k], *z.shape[k - 1 :]
-    )  # [*before, n, *after, *s[:dim], n, *s[dim:]]: every member holds them
+    # [*before, *after, *s[:dim], n, *s[dim:]]: the members' blocks side by side
+    z = y.movedim(a, k - 1 + dim)
+    # [*before, n, *after, *s[:dim], n, *s[dim:]]: every member holds them
+    every = z.unsqueeze(a).expand(*y.shape[:k], *z.shape[k - 1 :])
     s = x.shape[1:]
     out = (*s[:dim], spec.n * s[dim], *s[dim + 1 :]) if tiled else (*s[:dim], spec.n, *s[dim:])
     return spec.from_axis_view(every, out)  # one copy
@@ -459,9 +451,8 @@ def _all_gather_dist(comm: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Ten
     if tiled:
         if dim == 0:
             return comm.all_gather_rows("all_gather", x)  # [n * s[0], ...]
-        return comm.all_gather_rows("all_gather", x.movedim(dim, 0)).movedim(
-            0, dim
-        )  # [n * s[dim], ...] back to dim
+        # [n * s[dim], ...] back to dim
+        return comm.all_gather_rows("all_gather", x.movedim(dim, 0)).movedim(0, dim)
     out = comm.all_gather_rows("all_gather", x.unsqueeze(0))  # [n, *s]
     return out if dim == 0 else out.movedim(0, dim)  # the new dim moved to dim
 
@@ -521,9 +512,8 @@ def _local_chunk_shape(n: int, s: tuple[Any, ...], *, dim: int) -> tuple[Any, ..
 def _local_chunk_stacked(spec: GroupSpec, x: Tensor, *, dim: int) -> Tensor:
     # [G, member, *s[:dim], chunk, s[dim] / n, ...]
     y = spec.to_groups(x).unflatten(dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]
-    y = y.movedim(dim + 2, 2).diagonal(
-        dim1=1, dim2=2
-    )  # [G, *s[:dim], s[dim] / n, ..., n]: member j's chunk j
+    # [G, *s[:dim], s[dim] / n, ..., n]: member j's chunk j
+    y = y.movedim(dim + 2, 2).diagonal(dim1=1, dim2=2)
     return spec.from_groups(y.movedim(-1, 1))  # [G, n, ...]
 
 
@@ -603,18 +593,16 @@ def _psum_scatter_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) 
     if tiled:
         y = y.unflatten(k + dim, (spec.n, -1))  # type: ignore[no-untyped-call]  # [..., *s[:dim], n chunks, s[dim] / n, ...]
     y = y.movedim(k + dim, a + 1)  # [*before, n members, n chunks, *after, ...]
-    total = y.sum(
-        a, dtype=x.dtype
-    )  # [*before, n, *after, ...]: member j's slot holds the sum of chunk j (one pass)
+    # [*before, n, *after, ...]: member j's slot holds the sum of chunk j (one pass)
+    total = y.sum(a, dtype=x.dtype)
     return spec.from_axis_view(total, total.shape[k:])
 
 
 def _psum_scatter_dist(comm: AxisComm, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     if x.is_complex():  # the float view has one more (last) dim: dim still names the same one
         return _like(_psum_scatter_dist(comm, _real_view(x), dim=dim, tiled=tiled), x)
-    mine = comm.reduce_scatter_rows(
-        "psum_scatter", x.movedim(dim, 0) if dim else x
-    )  # [s[dim] / n, *rest]: my chunk of the sum
+    # [s[dim] / n, *rest]: my chunk of the sum
+    mine = comm.reduce_scatter_rows("psum_scatter", x.movedim(dim, 0) if dim else x)
     if not tiled:
         return mine.squeeze(0)
     return mine.movedim(0, dim) if dim else mine
@@ -689,21 +677,18 @@ def _all_to_all_stacked(spec: GroupSpec, x: Tensor, *, split_dim: int, concat_di
     y = y.unflatten(split_dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]
     y = y.movedim(split_dim + 2, 1)  # [G, j, i, *c]  with c = s, c[split] = s[split] / n
     y = y.movedim(2, concat_dim + 2)  # [G, j, *c[:concat], i, *c[concat:]]
-    return spec.from_groups(
-        y.flatten(concat_dim + 2, concat_dim + 3)
-    )  # [G, j, *c with c[concat] * n]
+    # [G, j, *c with c[concat] * n]
+    return spec.from_groups(y.flatten(concat_dim + 2, concat_dim + 3))
 
 
 def _all_to_all_dist(comm: AxisComm, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     if split_dim == concat_dim == 0:
-        return comm.all_to_all_rows(
-            "all_to_all", x, None, None
-        )  # [n * c0, ...]: equal row blocks out, senders' blocks in
+        # [n * c0, ...]: equal row blocks out, senders' blocks in
+        return comm.all_to_all_rows("all_to_all", x, None, None)
     chunks = x.unflatten(split_dim, (comm.n, -1)).movedim(split_dim, 0)  # type: ignore[no-untyped-call]  # [n (receiver), *c]
     got = comm.all_to_all_rows("all_to_all", chunks, None, None)  # [n (sender), *c]
-    return got.movedim(0, concat_dim).flatten(
-        concat_dim, concat_dim + 1
-    )  # senders concatenated on concat_dim
+    # senders concatenated on concat_dim
+    return got.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
 
 def _all_to_all_bwd(
@@ -778,19 +763,16 @@ def all_to_all_4d(
 def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     srcs, dsts = perm[0::2], perm[1::2]
-    src_of = list(
-        range(spec.n)
-    )  # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
+    # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
+    src_of = list(range(spec.n))
     for src, dst in zip(srcs, dsts):
         src_of[dst] = src
-    out = y.index_select(
-        a, torch.tensor(src_of, dtype=torch.long, device=x.device)
-    )  # one gather pass
+    # one gather pass
+    out = y.index_select(a, torch.tensor(src_of, dtype=torch.long, device=x.device))
     idle = [j for j in range(spec.n) if j not in dsts]
     if idle:
-        out.index_fill_(
-            a, torch.tensor(idle, dtype=torch.long, device=x.device), 0
-        )  # non-destinations: 0
+        # non-destinations: 0
+        out.index_fill_(a, torch.tensor(idle, dtype=torch.long, device=x.device), 0)
     return spec.from_axis_view(out, x.shape[1:])
 
 
@@ -805,9 +787,8 @@ def _ppermute_dist(comm: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
         sends[dsts[srcs.index(me)]] = rows.shape[0]
     if receiving:
         recvs[srcs[dsts.index(me)]] = rows.shape[0]
-    got = comm.all_to_all_rows(
-        "ppermute", rows if sending else rows[:0], recvs, sends
-    )  # [k, ...] from my source, or nothing
+    # [k, ...] from my source, or nothing
+    got = comm.all_to_all_rows("ppermute", rows if sending else rows[:0], recvs, sends)
     if not receiving:
         return torch.zeros_like(x)  # non-destinations: 0
     return got if x.dim() else got.reshape(())
@@ -897,18 +878,16 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
         )
     x, spec = _enter("ring_shift", x, mesh, axis)
     n = spec.n
-    perm = tuple(
-        [v for i in range(n) for v in (i, (i + shift) % n)]
-    )  # (src0, dst0, ...): a permutation by construction
+    # (src0, dst0, ...): a permutation by construction
+    perm = tuple([v for i in range(n) for v in (i, (i + shift) % n)])
     return _apply(ppermute_p, mesh, x, spec, perm=perm)
 
 
 # ====================================================================== broadcast
 def _broadcast_stacked(spec: GroupSpec, x: Tensor, *, src: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
-    return spec.from_groups(
-        y[:, src : src + 1].expand_as(y)
-    )  # every member gets member src's value
+    # every member gets member src's value
+    return spec.from_groups(y[:, src : src + 1].expand_as(y))
 
 
 def _broadcast_dist(comm: AxisComm, x: Tensor, *, src: int) -> Tensor:
@@ -990,9 +969,8 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
     if is_real(mesh):
         index = torch.tensor(mesh._comm.axis(idx).index)
     else:
-        binding = rank_binding(
-            "axis_index", mesh
-        )  # the running simulation (None on a one-rank mesh)
+        # the running simulation (None on a one-rank mesh)
+        binding = rank_binding("axis_index", mesh)
         index = (
             torch.zeros((), dtype=torch.long)
             if binding is None

@@ -195,9 +195,8 @@ class TorchComm:
         ac = self._axes.get(idx)
         if ac is None:
             ac = self._new_axis(idx)
-            if (
-                not torch.compiler.is_compiling()
-            ):  # a trace must not mutate the cache (dynamo would replay it, and guard on it)
+            # a trace must not mutate the cache (dynamo would replay it, and guard on it)
+            if not torch.compiler.is_compiling():
                 self._axes[idx] = ac
         return ac
 
@@ -207,16 +206,13 @@ class TorchComm:
         try:
             cached: GroupSpec = self._specs[axis]
             return cached
-        except (
-            KeyError,
-            TypeError,
-        ):  # TypeError: an unhashable axis (e.g. a list), validated below
+        except (KeyError, TypeError):
+            # TypeError: an unhashable axis (e.g. a list), validated below
             pass
         idx = self.mesh.axis_indices(axis, op)
         spec = GroupSpec(self.mesh._sizes, idx, comm=self.axis(idx))
-        if (
-            isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling()
-        ):  # a trace must not mutate the cache
+        # a trace must not mutate the cache
+        if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():
             self._specs[axis] = spec
         return spec
 
@@ -232,9 +228,8 @@ class TorchComm:
         if pg is not None:
             return pg
         self.check_usable(op, ac)
-        if (
-            torch.compiler.is_compiling()
-        ):  # only eager helpers get here (collectives use group names while tracing)
+        # only eager helpers get here (collectives use group names while tracing)
+        if torch.compiler.is_compiling():
             _raise_while_tracing(
                 op,
                 ac.label,
@@ -268,9 +263,8 @@ class TorchComm:
     def group_name_for(self, idx: tuple[int, ...], backend: str, op: str) -> str:
         """The name of this rank's group along ``idx`` on ``backend``, creating the group if it
         does not exist yet."""
-        ac = self._axes.get(idx) or self._new_axis(
-            idx
-        )  # a new AxisComm here is not stored: dynamo may be tracing self._axes
+        # a new AxisComm here is not stored: dynamo may be tracing self._axes
+        ac = self._axes.get(idx) or self._new_axis(idx)
         self.check_usable(op, ac)
         return str(self._create_group(ac, backend, op).group_name)
 
@@ -385,9 +379,8 @@ class TorchComm:
         key = f"fastdist/{self.uid}/epoch"
         try:
             self.store.add(key, 0)  # "0" when missing
-            self.epoch = int(
-                self.store.compare_set(key, str(self.epoch), str(self.epoch + 1))
-            )  # the newest epoch any rank moved to
+            # the newest epoch any rank moved to
+            self.epoch = int(self.store.compare_set(key, str(self.epoch), str(self.epoch + 1)))
             self.tag = f"{self.uid}.e{self.epoch}"
             arrived = f"fastdist/{self.uid}/e{self.epoch}/reset/"
             self.store.set(arrived + str(self.rank), "1")
@@ -753,9 +746,8 @@ class AxisComm:
         except Exception as e:  # c10d raises RuntimeError/DistError for everything
             # let go of the group, so that abandoning it frees it and its connections close
             t = None
-            traceback.clear_frames(
-                e.__traceback__
-            )  # the same for the finished frames of the failed call
+            # the same for the finished frames of the failed call
+            traceback.clear_frames(e.__traceback__)
             raise self.failed(op, e, "the collective") from e
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
@@ -854,9 +846,8 @@ def _native_library(backend: str, library: Any) -> NativeLibrary | None:
     return load_library(backend.split("-")[0], None if library is None else str(library))
 
 
-_SOURCE_PATH = re.compile(
-    r"\[[^\[\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]\s*"
-)  # "[/pytorch/third_party/gloo/.../pair.cc:553] "
+# "[/pytorch/third_party/gloo/.../pair.cc:553] "
+_SOURCE_PATH = re.compile(r"\[[^\[\]\s]*\.(?:cc|cpp|cu|h|hpp|c|py):\d+\]\s*")
 _NOISE = re.compile(r"\s*This is typically caused by .*$", re.DOTALL)
 
 
@@ -1049,9 +1040,8 @@ def broadcast_tensor_dict(
         broadcast_object(meta, mesh, ac.label, src)
         out = dict(d)
     else:
-        meta = broadcast_object(
-            cast(list[tuple[str, Any]], None), mesh, ac.label, src
-        )  # filled from src
+        # filled from src
+        meta = broadcast_object(cast(list[tuple[str, Any]], None), mesh, ac.label, src)
         out, tensors = _empty_from(meta)
     for t in tensors:
         group = ac.comm.group(ac, select_backend(t.device.type), op)
@@ -1119,9 +1109,8 @@ def send_tensor_dict(
         if _sliced(t, gac):
             assert gac is not None
             k = t.numel() // gac.n
-            t = t.reshape(-1)[
-                gac.index * k : (gac.index + 1) * k
-            ]  # (numel/n,) my slice of the flattened tensor
+            # (numel/n,) my slice of the flattened tensor
+            t = t.reshape(-1)[gac.index * k : (gac.index + 1) * k]
         send(t.contiguous(), mesh, axis, dst)
 
 
@@ -1150,16 +1139,14 @@ def recv_tensor_dict(
     out, tensors = _empty_from(meta)
     for t in tensors:
         group = ac.comm.group(ac, select_backend(t.device.type), op)
-        buf = (
-            t if not _sliced(t, gac) else t.new_empty(t.numel() // cast(AxisComm, gac).n)
-        )  # whole, or (numel/n,) my slice
+        # whole, or (numel/n,) my slice
+        buf = t if not _sliced(t, gac) else t.new_empty(t.numel() // cast(AxisComm, gac).n)
         ac.run(op, lambda buf=buf, group=group: dist.recv(buf, group=group, group_src=src))
         if buf is t:
             continue
         assert gac is not None
-        t.view(-1).copy_(
-            gac.all_gather_rows(op, buf)
-        )  # (numel,) every member's slice, in index order
+        # (numel,) every member's slice, in index order
+        t.view(-1).copy_(gac.all_gather_rows(op, buf))
     return out
 
 

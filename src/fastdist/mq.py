@@ -68,9 +68,8 @@ __all__ = [
 ]
 
 _U64 = struct.Struct("<Q")
-_FRAG = struct.Struct(
-    "<QQ"
-)  # a slot's header: fragment length, 1 if more fragments of the message follow
+# a slot's header: fragment length, 1 if more fragments of the message follow
+_FRAG = struct.Struct("<QQ")
 _HELLO = struct.Struct("<Q16s")  # a remote reader's greeting: its axis index, the queue's token
 _MAGIC = 0xFA57D157_0001
 _CLOSE = 2**64 - 1  # the frame length that says the writer closed the queue
@@ -341,9 +340,8 @@ def _address() -> str:
     if master and master not in ("localhost", "127.0.0.1", "::1"):
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect(
-                    (master, int(os.environ.get("MASTER_PORT", "29500")))
-                )  # no packet is sent: only picks the route
+                # no packet is sent: only picks the route
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
                 return str(s.getsockname()[0])
         except OSError:
             pass
@@ -689,9 +687,8 @@ class MessageQueue:
                     f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: "
                     "a remote reader's socket is full. Fix: retry later or pass block=True"
                 )
-        if (
-            time.monotonic() - self._last_check > _IDLE_CHECK_S
-        ):  # a reader that exited while the ring had room is found here
+        # a reader that exited while the ring had room is found here
+        if time.monotonic() - self._last_check > _IDLE_CHECK_S:
             self._check_alive(op, self.readers)
             self._last_check = time.monotonic()
         started = False  # whether any reader may have seen part of this message
@@ -714,9 +711,8 @@ class MessageQueue:
                     self._buf[off + _FRAG.size : off + _FRAG.size + len(part)] = part
                     self._count += 1
                     _fence()  # the slot's bytes are visible before the count that publishes them
-                    self._set(
-                        0, self._count
-                    )  # publishes the slot: readers read only below this count
+                    # publishes the slot: readers read only below this count
+                    self._set(0, self._count)
                     started = True
             for idx, c in self._conns.items():
                 started = True
@@ -807,9 +803,8 @@ class MessageQueue:
             _fence()
             if self._get(0) > self._count:
                 return
-        if (
-            self._get(8) and mid
-        ):  # closed with a message cut off: the writer's enqueue failed part-way
+        # closed with a message cut off: the writer's enqueue failed part-way
+        if self._get(8) and mid:
             raise self._err(
                 op,
                 CommError,
@@ -940,9 +935,8 @@ class MessageQueue:
                 _fence()
                 self._set(8, 1)
             deadline = time.monotonic() + timeout
-            for c in (
-                [] if self._broken else self._conns.values()
-            ):  # a cut-off stream gets no close frame: its reader sees the cut
+            # a cut-off stream gets no close frame: its reader sees the cut
+            for c in [] if self._broken else self._conns.values():
                 try:
                     c.settimeout(max(deadline - time.monotonic(), 1e-3))
                     c.sendall(_U64.pack(_CLOSE))
@@ -1062,9 +1056,8 @@ def _build(
         )
     try:
         _connect(op, mesh, axis, queues, ranks, index, label, max_chunks, timeout)
-    except (
-        BaseException
-    ):  # a peer died or a collective failed mid-setup: unlink this rank's segments now, not at exit
+    except BaseException:
+        # a peer died or a collective failed mid-setup: unlink this rank's segments now, not at exit
         for q in queues:
             q.close()
         raise
@@ -1149,9 +1142,8 @@ def _connect(
                 _accept(q, handles[k][3], time.monotonic() + timeout)
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    every3 = all_gather_object(
-        error, mesh, axis
-    )  # 4. everyone learns of a failed accept, and returns only once the segment is unlinked
+    # 4. everyone learns of a failed accept, and returns only once the segment is unlinked
+    every3 = all_gather_object(error, mesh, axis)
     failed = (
         [(ranks[i], e[1]) for i, e in enumerate(every) if e[1]]
         + [(ranks[i], e) for i, e in enumerate(every2) if e]

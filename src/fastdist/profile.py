@@ -169,9 +169,8 @@ def _traffic(
     row = _nbytes(tuple(x.shape[1:]), x.dtype)
     if op in ("psum", "pmean", "pmax", "pmin"):
         return "allreduce", _nbytes(tuple(x.shape), x.dtype), 1.0, False
-    if (
-        op == "select_extreme"
-    ):  # pmax/pmin backward: all-reduce (min) of an int64 winner index per element
+    # pmax/pmin backward: all-reduce (min) of an int64 winner index per element
+    if op == "select_extreme":
         return "allreduce", _nbytes(tuple(x.shape), torch.int64), 1.0, False
     if op in ("all_gather", "all_gather_invariant"):
         return "allgather", _nbytes(tuple(out.shape), out.dtype), 1.0, False
@@ -193,9 +192,8 @@ def _traffic(
         return "gather", sum(params["sizes"]) * row, 1.0, False
     if op == "scatter_v":
         return "scatter", sum(params["sizes"]) * row, 1.0, False
-    if (
-        op == "ragged_all_to_all"
-    ):  # the split sizes are data: the whole send buffer bounds what is sent
+    # the split sizes are data: the whole send buffer bounds what is sent
+    if op == "ragged_all_to_all":
         return "alltoall", _nbytes(tuple(x.shape), x.dtype), 1.0, True
     return None  # pvary, local_chunk, keep_src: local
 
@@ -428,9 +426,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         k = len(prim.inputs)
         tensors, mesh_shape, axes = args[:k], tuple(args[k]), tuple(args[k + 1])
         params = dict(zip(prim.param_names, args[k + 2 :]))
-        if name.endswith(
-            "_stacked"
-        ):  # a stacked op called directly on [world, ...] tensors: one rank's share
+        # a stacked op called directly on [world, ...] tensors: one rank's share
+        if name.endswith("_stacked"):
             tensors, out = tuple(_RankShare(t) for t in tensors), _RankShare(out)
         node: Any = torch._C._current_autograd_node()
         module = self.modules.current if node is None else str(node.metadata.get(_META_KEY, ""))
@@ -852,9 +849,8 @@ class Network:
         """The link a group along ``axes`` of a row-major mesh runs over: ``intra`` if the
         group of rank 0 lies in one node, else ``inter`` (the slowest link bounds a ring)."""
         strides = [math.prod(mesh_sizes[i + 1 :]) for i in range(len(mesh_sizes))]
-        span = sum(
-            (mesh_sizes[a] - 1) * strides[a] for a in axes
-        )  # rank 0's group: ranks 0 .. span
+        # rank 0's group: ranks 0 .. span
+        span = sum((mesh_sizes[a] - 1) * strides[a] for a in axes)
         return self.intra if span < self.gpus_per_node else self.inter
 
 

@@ -121,14 +121,12 @@ def simulate(
         device = tensors[0].device if tensors else None
 
         def per_rank(rank: Tensor, *rank_args: Any) -> R:
-            push_simulation(
-                all_meshes, _Binding(rank, mesh.size)
-            )  # this thread, for this call only
+            # this thread, for this call only
+            push_simulation(all_meshes, _Binding(rank, mesh.size))
             try:
                 if batch_sdpa:
-                    with (
-                        SdpaMode()
-                    ):  # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
+                    # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
+                    with SdpaMode():
                         return fn(*rank_args, **kwargs)
                 return fn(*rank_args, **kwargs)
             finally:

@@ -53,11 +53,12 @@ class _ShardStacked(torch.autograd.Function):
         full = g.new_zeros(ctx.shape)
         for r in range(mesh.size):
             block_of(full, spec, mesh, r).add_(g[r])  # this rank's block, into its place
+        # the mean over each block's holders
         return (
             full / (mesh.size // mesh.axis_size(spec.sharded_axes)),
             None,
             None,
-        )  # the mean over each block's holders
+        )
 
 
 class _UnshardStacked(torch.autograd.Function):

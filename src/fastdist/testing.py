@@ -273,12 +273,10 @@ def _gloo_entry(
     path = os.path.join(out_dir, f"rank{rank}.pt")
     limit = datetime.timedelta(seconds=timeout)
     try:
-        torch.set_num_threads(
-            1
-        )  # ranks share the machine's cores (the parent's environment is left as it is)
-        with contextlib.suppress(
-            RuntimeError
-        ):  # refused once inter-op work has started (e.g. while importing fn's module)
+        # ranks share the machine's cores (the parent's environment is left as it is)
+        torch.set_num_threads(1)
+        # refused once inter-op work has started (e.g. while importing fn's module)
+        with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
@@ -370,9 +368,8 @@ def run_on_gloo(
     try:
         return _run_ranks(fn, name, world_size, args, store.port, timeout, grace)
     finally:
-        del (
-            store
-        )  # the rendezvous closes with the run (a raised error's traceback must not keep it open)
+        # the rendezvous closes with the run (a raised error's traceback must not keep it open)
+        del store
 
 
 def _run_ranks(

@@ -153,9 +153,8 @@ def _row_count(op: str, axis: AxisName, what: str, value: Any) -> int:
         kind = "bool"
     else:
         try:
-            count = operator.index(
-                value
-            )  # int, numpy integers: yes; float (even 2.0), complex, str: TypeError
+            # int, numpy integers: yes; float (even 2.0), complex, str: TypeError
+            count = operator.index(value)
         except TypeError:
             pass
         kind = type(value).__name__
@@ -243,9 +242,8 @@ def _rsv_shape(
 def _rsv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
     total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, sum, *f]
     rows = _capacity_or_uniform(capacity, sizes)
-    chunks = [
-        _pad_rows(t, rows, dim=1) for t in torch.split(total, list(sizes), dim=1)
-    ]  # n x [G, rows, *f]
+    # n x [G, rows, *f]
+    chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(total, list(sizes), dim=1)]
     return spec.from_groups(torch.stack(chunks, dim=1))  # member i keeps chunk i
 
 
@@ -393,9 +391,8 @@ def _gv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], dst: int, capac
     me = comm.index
     sends = [sizes[me] if j == dst else 0 for j in range(comm.n)]
     recvs = list(sizes) if me == dst else [0] * comm.n
-    got = comm.all_to_all_rows(
-        "gather_v", x[: sum(sends)], recvs, sends
-    )  # dst: [sum, *f]; others: [0, *f] (empty)
+    # dst: [sum, *f]; others: [0, *f] (empty)
+    got = comm.all_to_all_rows("gather_v", x[: sum(sends)], recvs, sends)
     return _pad_rows(got, capacity) if capacity >= 0 else got
 
 
@@ -614,16 +611,13 @@ def _ragged_a2a_stacked(
     R = S.transpose(1, 2)  # [G, j, i]: rows j receives from i
     incl = R.cumsum(-1)  # [G, j, i]
     t = torch.arange(capacity, device=x.device)  # receive-buffer row
-    src = (
-        (incl.unsqueeze(-1) <= t).sum(-2).clamp(max=n - 1)
-    )  # [G, j, cap]: the source that fills row t
+    # [G, j, cap]: the source that fills row t
+    src = (incl.unsqueeze(-1) <= t).sum(-2).clamp(max=n - 1)
     valid = t < incl[..., -1:]  # [G, j, cap]
-    start = (incl - R).gather(
-        -1, src
-    )  # [G, j, cap]: first row of that source's block in j's buffer
-    off = send_off.transpose(1, 2).gather(
-        -1, src
-    )  # [G, j, cap]: where that block starts in the source's input
+    # [G, j, cap]: first row of that source's block in j's buffer
+    start = (incl - R).gather(-1, src)
+    # [G, j, cap]: where that block starts in the source's input
+    off = send_off.transpose(1, 2).gather(-1, src)
     row = torch.where(valid, off + t - start, 0).clamp(0, C - 1)
     flat = X.reshape(G, n * C, *X.shape[3:])  # [G, i*C, *f]
     idx = (src * C + row).reshape(G, -1)  # [G, j*cap]
@@ -729,9 +723,8 @@ def ragged_all_to_all(
     recv = all_to_all_sizes(send, mesh, axis)
     try:
         return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
-    except (
-        CollectiveError
-    ) as e:  # the stacked rule found a bad size; it knows the group, not the axis's name
+    except CollectiveError as e:
+        # the stacked rule found a bad size; it knows the group, not the axis's name
         if e.op != "ragged_all_to_all" or e.axis is not None:
             raise
         head, tail = f"fastdist.ragged_all_to_all(axis=None) on {e.rank}: ", f". Fix: {e.fix}"

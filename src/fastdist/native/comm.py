@@ -36,9 +36,8 @@ from .library import NativeLibrary
 
 __all__ = ["NativeCommunicator", "exchange_over_group", "exchange_over_stateless"]
 
-Exchange = Callable[
-    [bytes | None], bytes
-]  # member 0 passes its id bytes, the others None; all get the bytes
+# member 0 passes its id bytes, the others None; all get the bytes
+Exchange = Callable[[bytes | None], bytes]
 
 
 def exchange_over_group(group: Any, src: int = 0) -> Exchange:
@@ -250,17 +249,17 @@ class NativeCommunicator:
                 if x.is_complex()
                 else x
             )
+            # every dtype the rule accepts maps to one the library has
             return (
                 w,
                 self.lib.spec.dtypes[w.dtype],
                 w.numel(),
-            )  # every dtype the rule accepts maps to one the library has
+            )
         code = self.lib.spec.dtypes.get(x.dtype)
         if code is not None:
             return x, code, x.numel()
-        raw = (
-            x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)
-        )  # [numel * itemsize] bytes (fp8: as uint8)
+        # [numel * itemsize] bytes (fp8: as uint8)
+        raw = x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)
         return raw, self.lib.spec.dtypes[torch.uint8], raw.numel()
 
     def _name(self, base: str) -> str:
@@ -326,9 +325,8 @@ class NativeCommunicator:
         )
         if emulate_avg:
             out.div_(self.n)
-        return (
-            out.reshape(-1).view(x.dtype).reshape(x.shape)
-        )  # the wire view undone (complex, bool)
+        # the wire view undone (complex, bool)
+        return out.reshape(-1).view(x.dtype).reshape(x.shape)
 
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
         """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
@@ -382,9 +380,8 @@ class NativeCommunicator:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
         w, dt, _ = self._wire(op, x)
         per_row = _row_elems(x, w)
-        out = w.new_empty(
-            (sum(out_splits) * per_row,)
-        )  # [rows received * row elements], wire dtype
+        # [rows received * row elements], wire dtype
+        out = w.new_empty((sum(out_splits) * per_row,))
         send_off = [sum(in_splits[:j]) * per_row for j in range(self.n)]
         recv_off = [sum(out_splits[:j]) * per_row for j in range(self.n)]
         stream = self._stream()
@@ -453,9 +450,8 @@ class NativeCommunicator:
         offs = [sum(sizes[:r]) * per_row for r in range(self.n)]
         stream = self._stream()
         if not self._nccl and sizes[self.index]:
-            out[offs[self.index] : offs[self.index] + w.numel()].copy_(
-                w.reshape(-1)
-            )  # HCCL broadcasts in place
+            # HCCL broadcasts in place
+            out[offs[self.index] : offs[self.index] + w.numel()].copy_(w.reshape(-1))
 
         def body() -> None:
             for r in range(self.n):

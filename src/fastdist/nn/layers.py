@@ -230,9 +230,8 @@ class MergedColumnParallelLinear(nn.Module):
         return (self[i] for i in range(len(self)))
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        x = _column_input(
-            x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim
-        )  # once for every projection
+        # once for every projection
+        x = _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)
         parts = list(self)
         if len(parts) == 1:
             return (parts[0].project(x),)
@@ -240,9 +239,8 @@ class MergedColumnParallelLinear(nn.Module):
         # matrices than each rank's narrow slices, and one dx instead of a sum of several.
         weight = torch.cat([p.weight for p in parts])  # (sum out_i/n, in)
         bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None  # type: ignore[misc]
-        ys = torch.split(
-            _linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1
-        )  # (..., out_i/n) each
+        # (..., out_i/n) each
+        ys = torch.split(_linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)
         if parts[0].gather_output:
             return tuple(all_gather_invariant(y, self.mesh, self.axis, dim=-1) for y in ys)
         return tuple(ys)
@@ -288,15 +286,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
-            x = local_chunk(
-                x, self.mesh, self.axis, dim=-1
-            )  # my slice of the features; backward gathers
+            # my slice of the features; backward gathers
+            x = local_chunk(x, self.mesh, self.axis, dim=-1)
         y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
         if self.sequence_parallel:
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
-            bias = (
-                pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
-            )  # meets per-rank rows
+            # meets per-rank rows
+            bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
         else:
             y = psum(y, self.mesh, self.axis)
             bias = self.bias
@@ -331,9 +327,8 @@ class VocabParallelEmbedding(nn.Module):
             num_embeddings,
             padding_idx,
         )
-        self.local_rows = -(
-            -num_embeddings // mesh.axis_size(axis)
-        )  # ceil: padded to a multiple of the axis
+        # ceil: padded to a multiple of the axis
+        self.local_rows = -(-num_embeddings // mesh.axis_size(axis))
         self.weight = nn.Parameter(torch.randn(self.local_rows, embedding_dim, dtype=dtype))
 
     def param_layouts(self) -> dict[str, Layout]:
@@ -350,11 +345,9 @@ class VocabParallelEmbedding(nn.Module):
         )  # ids < 0 or >= vocab raise
         start = axis_index(self.mesh, self.axis) * self.local_rows
         mine = (ids >= start) & (ids < start + self.local_rows)  # ids in my row range
-        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(
-            -1
-        )  # (..., dim)
+        # (..., dim)
+        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)
         if self.padding_idx is not None:
-            rows = torch.where(
-                (ids == self.padding_idx).unsqueeze(-1), rows.detach(), rows
-            )  # no gradient into the padding row
+            # no gradient into the padding row
+            rows = torch.where((ids == self.padding_idx).unsqueeze(-1), rows.detach(), rows)
         return psum(rows, self.mesh, self.axis)

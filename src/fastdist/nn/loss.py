@@ -101,9 +101,8 @@ def _check_targets_vmap(
     n = info.batch_size
     t = target.movedim(tb, 0) if tb is not None else target.unsqueeze(0).expand(n, *target.shape)
     r = rank.movedim(rb, 0) if rb is not None else rank.unsqueeze(0).expand(n, *rank.shape)
-    r = r.reshape(n, *([1] * (t.dim() - r.dim())), *r.shape[1:]).expand(
-        t.shape
-    )  # rank broadcasts to the target per entry
+    # rank broadcasts to the target per entry
+    r = r.reshape(n, *([1] * (t.dim() - r.dim())), *r.shape[1:]).expand(t.shape)
     return _check_targets(t, r, *params), 0
 
 
@@ -232,17 +231,15 @@ def _token_losses(
         )
     target = _checked_targets(op, target, mesh, axis, vocab, ignore_index)
 
-    x = (
-        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    )  # low precision computes in float32
+    # low precision computes in float32
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     start = axis_index(mesh, axis) * n_local  # this rank's first global column
     if vocab < n_cols:  # padding columns get no probability and no gradient
         x = x.masked_fill(start + torch.arange(n_local, device=x.device) >= vocab, float("-inf"))
     top = pmax(x.detach().amax(-1), mesh, axis)  # (...): a shift for stability, no gradient needed
     mine = (target >= start) & (target < start + n_local)  # the target's column is on this rank
-    index = torch.where(
-        mine, target - start, 0
-    )  # (...) local column of the target (0 where not mine)
+    # (...) local column of the target (0 where not mine)
+    index = torch.where(mine, target - start, 0)
     if torch.compiler.is_compiling():  # plain ops: the compiler fuses them
         shifted = x - top.unsqueeze(-1)
         local_sum, picked = (
@@ -251,9 +248,8 @@ def _token_losses(
         )
     else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
         local_sum, picked, _ = _LocalSoftmaxStats.apply(x, top, index)  # type: ignore[no-untyped-call]
-    sums = psum(
-        torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis
-    )  # one collective for both
+    # one collective for both
+    sums = psum(torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis)
     counted = target != ignore_index
     return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
 
@@ -376,9 +372,8 @@ def causal_lm_loss(
                 "labels and shift_labels are both None",
                 "pass labels (or shift_labels, already shifted)",
             )
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[
-            ..., 1:
-        ]  # tokens < n predict n
+        # tokens < n predict n
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(logits.device)
     loss, counted = _token_losses(
         "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size

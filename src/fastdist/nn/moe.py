@@ -269,21 +269,17 @@ def dispatch(
             f"fastdist MoE layer {layer!r}: strategy={strategy!r}. Fix: 'allgather' or 'all_to_all'"
         )
     flat = ids.reshape(-1)  # (T*k,) token-major
-    order = torch.argsort(
-        flat, stable=True
-    )  # assignments by expert, hence by destination rank; nowhere last
+    # assignments by expert, hence by destination rank; nowhere last
+    order = torch.argsort(flat, stable=True)
     counts = F.one_hot(flat, num_experts + 1)[:, :num_experts].sum(0)  # (E,)
-    per_rank = counts.reshape(
-        n, el
-    )  # (ep, E_local): what I send to each rank, per its local expert
-    recv_counts = all_to_all(
-        per_rank, mesh, axis, split_dim=0, concat_dim=0
-    )  # (ep, E_local): what each source sends me
+    # (ep, E_local): what I send to each rank, per its local expert
+    per_rank = counts.reshape(n, el)
+    # (ep, E_local): what each source sends me
+    recv_counts = all_to_all(per_rank, mesh, axis, split_dim=0, concat_dim=0)
     simulated = _simulated(mesh)
     if capacity is None:
-        capacity = (
-            n * T * k if simulated else int(recv_counts.sum())
-        )  # worst case / exact (one host read)
+        # worst case / exact (one host read)
+        capacity = n * T * k if simulated else int(recv_counts.sum())
     try:
         rows, recv = indexed_all_to_all_v(
             x, mesh, axis, order // k, per_rank.sum(-1), capacity=capacity
@@ -299,13 +295,11 @@ def dispatch(
             "capacity=None (the worst case on simulated ranks, exact sizes on real ranks), or "
             "drop tokens with capacity_factor"
         ) from None
-    bounds = recv_counts.reshape(-1).cumsum(
-        0
-    )  # (ep*E_local,): end of each (source, expert) block in the buffer
+    # (ep*E_local,): end of each (source, expert) block in the buffer
+    bounds = recv_counts.reshape(-1).cumsum(0)
     t = torch.arange(capacity, device=x.device)  # (C,)
-    block = (bounds.unsqueeze(0) <= t.unsqueeze(1)).sum(
-        -1
-    )  # (C,): the (source, expert) block of row t
+    # (C,): the (source, expert) block of row t
+    block = (bounds.unsqueeze(0) <= t.unsqueeze(1)).sum(-1)
     row = torch.where(block < n * el, block % el, el)  # (C,)
     return rows, Dispatched(strategy, mesh, axis, num_experts, T, row, order=order, recv_sizes=recv)
 
@@ -321,14 +315,12 @@ def combine(y: Tensor, handle: Dispatched, weights: Tensor) -> Tensor:
     """
     d = handle
     if d.strategy == "allgather":
-        return psum_scatter(
-            y, d.mesh, d.axis, dim=0
-        )  # (T, H): my tokens, summed over the ranks' experts
+        # (T, H): my tokens, summed over the ranks' experts
+        return psum_scatter(y, d.mesh, d.axis, dim=0)
     assert d.order is not None and d.recv_sizes is not None
     T, k = weights.shape
-    back, _ = ragged_all_to_all(
-        y, d.mesh, d.axis, d.recv_sizes, capacity=T * k
-    )  # (T*k, H) in sorted-assignment order, 0 past the sent rows
+    # (T*k, H) in sorted-assignment order, 0 past the sent rows
+    back, _ = ragged_all_to_all(y, d.mesh, d.axis, d.recv_sizes, capacity=T * k)
     w = weights.reshape(-1).index_select(0, d.order).to(back.dtype)  # (T*k,)
     out = back.new_zeros(T, back.shape[-1])  # (T, H)
     return out.index_add(0, d.order // k, back * w.unsqueeze(-1))
@@ -410,9 +402,8 @@ def moe(
     el = _check_split(layer, num_experts, mesh, axis)
     T, k = experts.shape
     _check_k(layer, k, num_experts)
-    weights = weights.to(
-        torch.promote_types(weights.dtype, x.dtype)
-    )  # float32 gates (transformers) on float64 tokens: one rounding
+    # float32 gates (transformers) on float64 tokens: one rounding
+    weights = weights.to(torch.promote_types(weights.dtype, x.dtype))
     keep = None
     if capacity_factor is not None:
         keep = _keep_mask(experts, num_experts, expert_capacity(T, k, num_experts, capacity_factor))
@@ -443,14 +434,12 @@ def moe(
             weights if keep is None else torch.where(keep, weights, 0), mesh, axis, dim=0
         )  # (ep*T, k)
         if tp_axis is not None:
-            ws = pvary(
-                ws, mesh, tp_axis
-            )  # the gates scale tp-partial outputs: their gradient is summed over tp
+            # the gates scale tp-partial outputs: their gradient is summed over tp
+            ws = pvary(ws, mesh, tp_axis)
         hit = F.one_hot(d.row_expert, el + 1)[..., :el]  # (ep*T, k, E_local)
         assign = hit.sum(1) > 0  # (ep*T, E_local)
-        scale = (ws.unsqueeze(-1) * hit.to(ws.dtype)).sum(
-            1
-        )  # (ep*T, E_local): the gate of each local expert
+        # (ep*T, E_local): the gate of each local expert
+        scale = (ws.unsqueeze(-1) * hit.to(ws.dtype)).sum(1)
         y = _run_experts(rows, assign, scale, expert_fn, simulated)
     else:
         assign = F.one_hot(d.row_expert, el + 1)[:, :el] > 0  # (R, E_local)
@@ -619,9 +608,8 @@ class ExpertParallelExperts(nn.Module):
                 idx = torch.cat([idx, idx.new_full((pad, idx.shape[-1]), self.num_experts)])
                 w = torch.cat([w, w.new_zeros(pad, w.shape[-1])])
             whole = idx  # (T + pad, k): every rank's share, to count the layer's drops
-            x, idx, w = (
-                local_chunk(t, self.mesh, self.axis, dim=0) for t in (x, idx, w)
-            )  # ((T + pad) / ep, ...)
+            # ((T + pad) / ep, ...)
+            x, idx, w = (local_chunk(t, self.mesh, self.axis, dim=0) for t in (x, idx, w))
         out, dropped = moe(
             x,
             w,
@@ -638,9 +626,8 @@ class ExpertParallelExperts(nn.Module):
         )
         if self.tokens == "replicated":
             out = all_gather_invariant(out, self.mesh, self.axis, dim=0)[:T]  # (T, H) on every rank
-            if (
-                self.capacity_factor is not None
-            ):  # each rank drops within its own share: count every share's drops, no communication
+            # each rank drops within its own share: count every share's drops, no communication
+            if self.capacity_factor is not None:
                 tl = whole.shape[0] // n
                 keep = _keep_mask(
                     whole.reshape(n, tl, -1),

@@ -76,13 +76,11 @@ class ParallelModel:
         self.layouts = param_layouts(module)
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
-        self._axes = tuple(
-            dict.fromkeys(axes)
-        )  # the axes the plan splits over: inputs are replicated over them
+        # the axes the plan splits over: inputs are replicated over them
+        self._axes = tuple(dict.fromkeys(axes))
         self._dropout = _dropout_sites(module)
-        self._simulated = simulate(
-            self._simulated_rank, mesh
-        )  # all ranks at once (used on a plain mesh)
+        # all ranks at once (used on a plain mesh)
+        self._simulated = simulate(self._simulated_rank, mesh)
         accepts = inspect.signature(module.forward).parameters
         self._no_cache = {"use_cache": False} if "use_cache" in accepts else {}
 

@@ -58,9 +58,8 @@ def _sequence_region(axis: str, layers: str, norms: tuple[str, ...], final_norm:
     """Megatron-style sequence parallelism from the first decoder layer's input to the final norm's
     input."""
     region: Plan = {f"{layers}.0": SequenceShard(axis), final_norm: GatherSequence(axis)}
-    region.update(
-        {f"{layers}.*.{norm}": PvaryParams(axis) for norm in norms}
-    )  # norms on a sequence shard
+    # norms on a sequence shard
+    region.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in norms})
     return region
 
 
@@ -236,9 +235,8 @@ def plan_for(
             f"plans exist for {sorted(FAMILIES)}. "
             "Fix: pass plan= (see fastdist.nn.plans.llama for the shape of one)"
         )
-    if (
-        kind == "mixtral"
-    ):  # experts over ep; attention over tp, or over ep itself on a mesh without tp
+    # experts over ep; attention over tp, or over ep itself on a mesh without tp
+    if kind == "mixtral":
         axis = axis if axis in mesh.axis_names else "ep"
         mesh.axis_indices("ep", "parallelize")
     mesh.axis_indices(axis, "parallelize")

@@ -212,9 +212,8 @@ class Layout:
                 continue
             d = cast(int, self.dim)
             s = slices[d]
-            real = slice(
-                min(s.start, self.size), min(s.stop, self.size)
-            )  # the rows that exist in the single-device tensor
+            # the rows that exist in the single-device tensor
+            real = slice(min(s.start, self.size), min(s.stop, self.size))
             got = get(slices[:d] + (real,) + slices[d + 1 :]) if real.stop > real.start else None
             pad = (s.stop - s.start) - (real.stop - real.start)
             if got is None or pad:
@@ -469,9 +468,8 @@ def load_checkpoint(
     with _open_source(source) as (shapes, reader):
         wanted = {to_file(name): name for name in tensors}
         missing = sorted(k for k in wanted if k not in shapes)
-        unexpected = sorted(
-            k for k in shapes if k not in wanted and k not in tied
-        )  # a tied copy (HF's state_dict has both) is known
+        # a tied copy (HF's state_dict has both) is known
+        unexpected = sorted(k for k in shapes if k not in wanted and k not in tied)
         for alias, key in tied.items():
             if alias in shapes and key in shapes and tuple(shapes[alias]) != tuple(shapes[key]):
                 raise CheckpointError(
@@ -498,9 +496,8 @@ def load_checkpoint(
                         "nothing to load into. Fix: build the model with real tensors (loading "
                         "from meta-device construction is not supported yet)"
                     )
-                per_rank = (
-                    stacked and is_param
-                )  # simulated: parameters hold every rank's shard; buffers are whole
+                # simulated: parameters hold every rank's shard; buffers are whole
+                per_rank = stacked and is_param
                 local = tuple(t.shape[1:]) if per_rank else tuple(t.shape)
                 expect = layout.full_shape(local, mesh)
                 if tuple(shapes[key]) != expect:
@@ -539,9 +536,8 @@ def gather_full(
     if mesh.backend is not None:
         from ..collectives import all_gather_invariant
 
-        t = all_gather_invariant(
-            t.unsqueeze(0), mesh, mesh.axis_names, dim=0
-        )  # [world, *local], rank order
+        # [world, *local], rank order
+        t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)
     return layout.join(t, mesh, check=check, name=name)
 
 

@@ -82,9 +82,8 @@ class _Context:
                 [layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)]
             )  # [world, out, in]
             if linear_weight and data.dim() == 3:
-                data = (
-                    data.transpose(1, 2).contiguous().transpose(1, 2)
-                )  # [world, out, in] view of [world, in, out] memory
+                # [world, out, in] view of [world, in, out] memory
+                data = data.transpose(1, 2).contiguous().transpose(1, 2)
         else:
             data = layout.shard(full, self.mesh, self.mesh.rank, where)
         new = nn.Parameter(data, requires_grad=old.requires_grad)
@@ -194,9 +193,8 @@ class ParallelLinear(nn.Module):
         y = F.linear(x, w)  # (..., out): this rank's partial sum
         if self.output == "sequence":
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
-            bias = (
-                pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
-            )  # meets per-rank rows
+            # meets per-rank rows
+            bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
         else:
             y, bias = psum(y, self.mesh, self.axis), self.bias
         return y + bias if bias is not None else y
