@@ -77,6 +77,30 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
         torch.full((2, 1), float(rank)), mesh, "tp", torch.tensor([1, 1]), capacity=3
     )
     assert recv.tolist() == [1, 1] and got.flatten().tolist() == [0.0, 1.0, 0.0]
+    # a per-rank input check (rank 1's index only) names the rank it ran on, and the op called
+    index = torch.tensor([0, 7]) if rank == 1 else torch.tensor([1, 0])
+    out["indexed"] = (
+        timed(
+            lambda: fd.indexed_all_to_all_v(
+                torch.ones(2, 1), mesh, "tp", index, torch.tensor([1, 1]), capacity=4
+            ),
+            fd.CollectiveError,
+        )
+        if rank == 1
+        else None
+    )
+    out["indexed_ok"] = (
+        fd.indexed_all_to_all_v(
+            torch.full((2, 1), float(rank)),
+            mesh,
+            "tp",
+            torch.tensor([1, 0]),
+            torch.tensor([1, 1]),
+            capacity=2,
+        )[0]
+        .flatten()
+        .tolist()
+    )
     sim = fd.Mesh({"ep": 2})  # simulated ranks name the axis too
     out["simulated"] = timed(
         lambda: fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(

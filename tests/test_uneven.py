@@ -302,6 +302,25 @@ MESH = fd.Mesh({"tp": 3})
             r"capacity=1 cannot hold the largest chunk \(2 rows\)",
         ),
         (
+            lambda x: fd.reduce_scatter_v(x, MESH, "tp", [1, 1, 2], capacity=2.5),
+            r"on every rank: capacity=2\.5 is not an int \(a row count\)\. Fix: pass an int >= "
+            r"2, or None",
+        ),
+        (
+            lambda x: fd.indexed_all_to_all_v(
+                x, MESH, "tp", torch.arange(3), torch.tensor([1, 1]), capacity=4
+            ),
+            r"^fastdist\.indexed_all_to_all_v\(axis='tp'\) on every rank: send_sizes has shape "
+            r"\(2,\), not \(3,\)",
+        ),
+        (
+            lambda x: fd.indexed_all_to_all_v(
+                x, MESH, "tp", torch.tensor([0.0, 1.0]), torch.tensor([1, 1, 0]), capacity=4
+            ),
+            r"indexed_all_to_all_v.*index must be a 1-d integer tensor of row numbers, got shape "
+            r"\(2,\), dtype torch\.float32",
+        ),
+        (
             lambda x: fd.gather_v(x, MESH, "tp", [1, 1, 2], dst=3),
             r"gather_v.*dst=3 is not an index along the axis \(size 3\)",
         ),

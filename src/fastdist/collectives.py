@@ -47,8 +47,9 @@ pair, and JAX's typed ``pvary`` / ``psum``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -84,6 +85,33 @@ __all__ = [
 
 
 # ====================================================================== shared helpers
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _names_this_rank(fn: _F) -> _F:
+    """Argument checks run on each rank with that rank's own inputs. On simulated ranks one
+    program checks them all (``on every rank``); on a real mesh the error a check raises names
+    the rank it ran on instead, as the rank's inputs may differ from its peers'."""
+    at = list(inspect.signature(fn).parameters).index("mesh")
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CollectiveError as e:
+            mesh = args[at] if len(args) > at else kwargs.get("mesh")
+            if (
+                e.rank == "every rank"
+                and isinstance(mesh, Mesh)
+                and mesh._comm is not None
+                and simulation_of(mesh) is None
+            ):
+                e.readdress(rank=f"rank {mesh._comm.rank}")
+            raise
+
+    return cast(_F, op)
+
+
 def _enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpec]:
     """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group
     spec."""
@@ -239,6 +267,7 @@ psum_p = Primitive(
 )
 
 
+@_names_this_rank
 def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """All-reduce sum: every rank of the group gets the sum of the group's ``x``.
 
@@ -278,6 +307,7 @@ pvary_p = Primitive(
 )
 
 
+@_names_this_rank
 def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """Mark a value that is replicated over the group as about to vary per rank.
 
@@ -318,6 +348,7 @@ pmean_p = Primitive(
 )
 
 
+@_names_this_rank
 def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """All-reduce mean over the group.
 
@@ -413,6 +444,7 @@ def _extreme(op: str, prim: Primitive, x: Tensor, mesh: Mesh, axis: AxisName) ->
     return _apply(prim, mesh, x, spec)
 
 
+@_names_this_rank
 def pmax(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """All-reduce maximum over the group (elementwise).
 
@@ -422,6 +454,7 @@ def pmax(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     return _extreme("pmax", pmax_p, x, mesh, axis)
 
 
+@_names_this_rank
 def pmin(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """All-reduce minimum over the group (elementwise).
 
@@ -475,6 +508,7 @@ all_gather_p = Primitive(
 )
 
 
+@_names_this_rank
 def all_gather(
     x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True
 ) -> Tensor:
@@ -555,6 +589,7 @@ local_chunk_p = Primitive(
 )
 
 
+@_names_this_rank
 def all_gather_invariant(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (axis order), for a *replicated* consumer.
 
@@ -568,6 +603,7 @@ def all_gather_invariant(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) ->
     return _apply(all_gather_invariant_p, mesh, x, spec, dim=d)
 
 
+@_names_this_rank
 def local_chunk(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) -> Tensor:
     """This rank's chunk ``i`` (its index along ``axis``) of a replicated ``x``, split along
     ``dim``.
@@ -627,6 +663,7 @@ psum_scatter_p = Primitive(
 )
 
 
+@_names_this_rank
 def psum_scatter(
     x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0, *, tiled: bool = True
 ) -> Tensor:
@@ -709,6 +746,7 @@ all_to_all_p = Primitive(
 )
 
 
+@_names_this_rank
 def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim: int) -> Tensor:
     """Split ``split_dim`` into ``n`` chunks, send chunk ``j`` to rank ``j``, concatenate what
     arrives along ``concat_dim``.
@@ -730,6 +768,7 @@ def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim
     return _apply(all_to_all_p, mesh, x, spec, split_dim=s, concat_dim=c)
 
 
+@_names_this_rank
 def all_to_all_4d(
     x: Tensor, mesh: Mesh, axis: AxisName, scatter_dim: int = 2, gather_dim: int = 1
 ) -> Tensor:
@@ -812,6 +851,7 @@ ppermute_p = Primitive(
 )
 
 
+@_names_this_rank
 def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, int]]) -> Tensor:
     """Send ``x`` from rank ``src`` to rank ``dst`` for every ``(src, dst)`` pair (indices along
     ``axis``).
@@ -866,6 +906,7 @@ def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tupl
     return flat
 
 
+@_names_this_rank
 def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
     """Rotate along the axis ring: rank ``i`` sends to ``(i + shift) % n`` (so receives from ``i -
     shift``).
@@ -929,6 +970,7 @@ keep_src_p = Primitive(
 )
 
 
+@_names_this_rank
 def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
     """Every rank of the group gets the ``x`` of the rank with index ``src`` along ``axis``.
 

@@ -39,16 +39,35 @@ class CollectiveError(FastdistError, ValueError):
     Attributes:
         op: the public name of the collective, e.g. ``"all_gather"``.
         axis: the mesh axis (or tuple of axes) it was called over.
-        rank: where it was detected (``"every rank"`` for checks that run the same
-            way on every rank, as all argument checks do).
+        rank: where it was detected: ``"rank N"`` on a real mesh (each rank checks its own
+            inputs, which may differ from its peers'), ``"every rank"`` for an argument check
+            on simulated ranks (one program checks them all).
         fix: one sentence on how to make the call valid.
     """
 
     def __init__(
         self, op: str, axis: object, problem: str, fix: str, rank: str = "every rank"
     ) -> None:
-        self.op, self.axis, self.rank, self.fix = op, axis, rank, fix
-        super().__init__(f"fastdist.{op}(axis={axis!r}) on {rank}: {problem}. Fix: {fix}")
+        self.op, self.axis, self.rank, self.fix, self.problem = op, axis, rank, fix, problem
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        return (
+            f"fastdist.{self.op}(axis={self.axis!r}) on {self.rank}: {self.problem}. "
+            f"Fix: {self.fix}"
+        )
+
+    def readdress(
+        self, *, op: str | None = None, axis: object = None, rank: str | None = None
+    ) -> CollectiveError:
+        """This error, in place, naming what the caller sees: the public ``op`` that was called
+        (when a helper op raised it), the ``axis`` name, and the ``rank`` it was detected on.
+        Returns ``self`` (for ``raise err.readdress(...)``, which keeps the type and traceback)."""
+        self.op = self.op if op is None else op
+        self.axis = self.axis if axis is None else axis
+        self.rank = self.rank if rank is None else rank
+        self.args = (self._text(),)
+        return self
 
 
 class ReductionDtypeError(CollectiveError, TypeError):

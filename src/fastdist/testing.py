@@ -218,7 +218,7 @@ def assert_matches_single_device(
             shard_for_rank(ref_out.detach(), out_specs, mesh, r),
             rtol=rtol,
             atol=atol,
-            msg=lambda m, where=where: f"output on {where}: {m}",
+            msg=_prefixed(f"output on {where}"),
         )
         for i, rt in enumerate(ref_in):
             if rt.grad is not None:
@@ -229,8 +229,13 @@ def assert_matches_single_device(
                     shard_for_rank(rt.grad, in_specs[i], mesh, r),
                     rtol=rtol,
                     atol=atol,
-                    msg=lambda m, i=i, where=where: f"gradient of input {i} on {where}: {m}",
+                    msg=_prefixed(f"gradient of input {i} on {where}"),
                 )
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message callback that says where the mismatch is."""
+    return lambda m: f"{prefix}: {m}"
 
 
 # ============================================================================ real gloo processes
@@ -362,9 +367,9 @@ def run_on_gloo(
         raise MeshError(f"run_on_gloo: world_size={world_size!r} is not a positive int")
     name = getattr(fn, "__name__", repr(fn))
     limit = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, world_size, is_master=True, timeout=limit, wait_for_workers=False
-    )  # type: ignore[attr-defined]
+    )
     try:
         return _run_ranks(fn, name, world_size, args, store.port, timeout, grace)
     finally:

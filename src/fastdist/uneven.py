@@ -33,12 +33,14 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._context import is_real
 from ._primitive import GroupSpec, Primitive
 from .collectives import (
     _apply,
     _enter,
     _index,
     _like,
+    _names_this_rank,
     _need_reducible,
     _norm_dim,
     _real_view,
@@ -175,7 +177,14 @@ def _row_count(op: str, axis: AxisName, what: str, value: Any) -> int:
 def _check_capacity(op: str, axis: AxisName, capacity: int | None, need: int, what: str) -> int:
     if capacity is None:
         return -1
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise CollectiveError(
+            op,
+            axis,
+            f"capacity={capacity!r} is not an int (a row count)",
+            f"pass an int >= {need}, or None for the exact sizes",
+        )
+    if capacity < need:
         raise CollectiveError(
             op,
             axis,
@@ -282,6 +291,7 @@ reduce_scatter_v_p = Primitive(
 )
 
 
+@_names_this_rank
 def all_gather_v(
     x: Tensor,
     mesh: Mesh,
@@ -321,6 +331,7 @@ def all_gather_v(
     ).movedim(0, d)
 
 
+@_names_this_rank
 def reduce_scatter_v(
     x: Tensor,
     mesh: Mesh,
@@ -475,6 +486,7 @@ scatter_v_p = Primitive(
 )
 
 
+@_names_this_rank
 def gather_v(
     x: Tensor,
     mesh: Mesh,
@@ -513,6 +525,7 @@ def gather_v(
     return _apply(gather_v_p, mesh, xm, spec, sizes=tuple(sz), dst=dst, capacity=cap).movedim(0, d)
 
 
+@_names_this_rank
 def scatter_v(
     x: Tensor,
     mesh: Mesh,
@@ -663,6 +676,7 @@ ragged_all_to_all_p = Primitive(
 )
 
 
+@_names_this_rank
 def ragged_all_to_all(
     x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, *, capacity: int
 ) -> tuple[Tensor, Tensor]:
@@ -725,16 +739,9 @@ def ragged_all_to_all(
         return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
     except CollectiveError as e:
         # the stacked rule found a bad size; it knows the group, not the axis's name
-        if e.op != "ragged_all_to_all" or e.axis is not None:
-            raise
-        head, tail = f"fastdist.ragged_all_to_all(axis=None) on {e.rank}: ", f". Fix: {e.fix}"
-        raise CollectiveError(
-            "ragged_all_to_all",
-            axis,
-            str(e).removeprefix(head).removesuffix(tail),
-            e.fix,
-            rank=e.rank,
-        ) from None
+        if e.op == "ragged_all_to_all" and e.axis is None:
+            e.readdress(axis=axis)
+        raise
 
 
 def _exchange_checked_sizes(
@@ -762,6 +769,7 @@ def _exchange_checked_sizes(
     return sends[:, comm.index].contiguous()  # recv[i] = what index i sends to this rank
 
 
+@_names_this_rank
 def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """``recv[i] = send_of_rank_i[me]``: the transpose of the send-size matrix (one small
     all-to-all)."""
@@ -770,6 +778,7 @@ def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     return all_to_all(send.reshape(-1, 1), mesh, axis, split_dim=0, concat_dim=0).reshape(-1)
 
 
+@_names_this_rank
 def indexed_all_to_all_v(
     x: Tensor,
     mesh: Mesh,
@@ -786,13 +795,57 @@ def indexed_all_to_all_v(
     ``(out, recv_sizes)`` as :func:`ragged_all_to_all`. Gradient: the reverse exchange, then
     ``index_add`` back into ``x``'s rows (in float32 for bf16/fp16 when ``accumulate_fp32``).
     """
+    op = "indexed_all_to_all_v"
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        got = "a 0-d tensor" if isinstance(x, Tensor) else type(x).__name__
+        raise CollectiveError(op, axis, f"x must be a tensor of rows, got {got}", "pass x")
+    if (
+        not isinstance(index, Tensor)
+        or index.dim() != 1
+        or index.is_floating_point()
+        or index.is_complex()
+        or index.dtype == torch.bool
+    ):
+        got = (
+            f"shape {tuple(index.shape)}, dtype {index.dtype}"
+            if isinstance(index, Tensor)
+            else type(index).__name__
+        )
+        raise CollectiveError(
+            op,
+            axis,
+            f"index must be a 1-d integer tensor of row numbers, got {got}",
+            "pass e.g. torch.argsort(destination) (a long tensor)",
+        )
+    # real ranks, host values only (no device sync; simulated ranks hold a batched index, and
+    # index_select raises on a bad one there)
+    if (
+        is_real(mesh)
+        and index.device.type == "cpu"
+        and index.numel()
+        and not torch.compiler.is_compiling()
+    ):
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= x.shape[0]:
+            raise CollectiveError(
+                op,
+                axis,
+                f"index holds {lo if lo < 0 else hi}, outside the {x.shape[0]} rows of x",
+                f"index rows 0..{x.shape[0] - 1}",
+            )
     src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
-    out, recv = ragged_all_to_all(
-        src.index_select(0, index), mesh, axis, send_sizes, capacity=capacity
-    )
+    try:
+        out, recv = ragged_all_to_all(
+            src.index_select(0, index), mesh, axis, send_sizes, capacity=capacity
+        )
+    except CollectiveError as e:  # its exchange's checks: name the op the caller called
+        if e.op == "ragged_all_to_all":
+            e.readdress(op=op)
+        raise
     return out.to(x.dtype), recv
 
 
+@_names_this_rank
 def exchange_sizes(local_size: int | Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """Every rank's row count along ``axis`` (an int64 tensor, axis order), from each rank's own
     count.

@@ -122,9 +122,8 @@ def _checked_mode_active() -> bool:
         return False
     from .._sdpa import SdpaMode
 
-    return any(
-        not isinstance(m, SdpaMode) for m in torch.overrides._get_current_function_mode_stack()
-    )  # type: ignore[no-untyped-call]
+    modes = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    return any(not isinstance(m, SdpaMode) for m in modes)
 
 
 def _column_input(

@@ -120,9 +120,9 @@ def _checked_targets(
             else torch.zeros((), dtype=torch.long, device=target.device)
         )
         simulated = binding is not None
-    return torch.ops.fastdist.check_targets(
+    return torch.ops.fastdist.check_targets(  # type: ignore[no-any-return]
         target, rank, vocab_size, ignore_index, op, repr(axis), simulated
-    )  # type: ignore[no-any-return]
+    )
 
 
 # ----------------------------------------------------------------------------- the loss

@@ -751,15 +751,15 @@ class ExpertParallel(Style):
             "down_proj": Layout(P(self.axis, None, tp)) if tp else Layout(P(self.axis)),
         }
         return ExpertParallelExperts(
-            ctx.param(gu, layouts["gate_up_proj"], f"{name}.gate_up_proj"),
+            ctx.param(gu, layouts["gate_up_proj"], f"{name}.gate_up_proj"),  # type: ignore[arg-type]
             ctx.param(dn, layouts["down_proj"], f"{name}.down_proj"),  # type: ignore[arg-type]
-            module.act_fn,
+            module.act_fn,  # type: ignore[arg-type]
             ctx.mesh,
             self.axis,
             E,
             strategy=self.strategy,
             tp_axis=tp,
-            tokens=self.tokens,  # type: ignore[arg-type]
+            tokens=self.tokens,
             capacity_factor=self.capacity_factor,
             capacity=self.capacity,
             layer=name,

@@ -388,7 +388,7 @@ def parallelize(
             _swap(model.get_submodule(parent), child, module)
     if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
         # transformers' causal-LM models compute `labels=` losses through this attribute
-        model.loss_function = _HFCausalLMLoss(mesh, ctx.sharded_logits)
+        model.loss_function = _HFCausalLMLoss(mesh, ctx.sharded_logits)  # type: ignore[assignment]
     # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
     if mesh.backend is None:
         done = {id(v) for v in ctx.converted.values()}

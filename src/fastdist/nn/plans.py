@@ -201,8 +201,8 @@ def mixtral(
     }
     plan[f"{prefix}.layers.*.mlp.experts"] = ExpertParallel(
         ep_axis,
-        strategy,
-        None if axis == ep_axis else axis,  # type: ignore[arg-type]
+        strategy,  # type: ignore[arg-type]
+        None if axis == ep_axis else axis,
         capacity_factor=capacity_factor,
     )
     return plan

@@ -274,8 +274,8 @@ class ColwiseParallel(Style):
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         weight, bias, transposed, wl, bl, size = self._layouts(module, name, ctx.mesh)
         return ParallelLinear(
-            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),
-            ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
+            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),  # type: ignore[arg-type]
+            ctx.param(bias, bl, f"{name}.bias"),
             ctx.mesh,
             self.axis,
             kind="col",
@@ -316,8 +316,8 @@ class RowwiseParallel(Style):
         wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
         bl = Layout()
         return ParallelLinear(
-            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),
-            ctx.param(bias, bl, f"{name}.bias"),  # type: ignore[arg-type]
+            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),  # type: ignore[arg-type]
+            ctx.param(bias, bl, f"{name}.bias"),
             ctx.mesh,
             self.axis,
             kind="row",
