@@ -315,6 +315,12 @@ def gloo_reductions(lib: str | None) -> dict[Any, Any]:
     return out
 
 
+def at_rank(message: str, rank: int) -> str:
+    """A simulated rank's argument error as real rank ``rank`` words it."""
+    assert " on every rank: " in message, message
+    return message.replace(" on every rank: ", f" on rank {rank}: ", 1)
+
+
 def test_real_ranks_follow_the_same_rule(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same values and the same messages as simulated ranks, over gloo and over ctypes NCCL (the
     fake library, when gcc is here)."""
@@ -339,20 +345,23 @@ def test_real_ranks_follow_the_same_rule(tmp_path: Any, monkeypatch: pytest.Monk
                             value[r],
                         )
                     else:
-                        assert g_value == value  # the very message of the simulated ranks
-    for got in ranks:
+                        # the very message of the simulated ranks, naming the rank it ran on
+                        assert g_value == at_rank(value, r), (backend, r)
+    for r, got in enumerate(ranks):
         for backend in backends:
             assert got[backend, "sizes"] == (
-                "fastdist.all_gather_v(axis='tp') on every rank: sizes[0] = 1.9 is a float, not an "
+                f"fastdist.all_gather_v(axis='tp') on rank {r}: sizes[0] = 1.9 is a float, not an "
                 "integer row count. Fix: pass Python ints (numpy ints and 0-d integer tensors also "
                 "do); round explicitly (int(round(s))) if you computed them as floats"
             )
     mesh = fd.Mesh({"tp": 2})
     want = v_op_refusals(lambda fn: fd.simulate(lambda t: fn(t, mesh), mesh)(torch.ones(2, 3, 2)))
-    for got in ranks:
+    for r, got in enumerate(ranks):
         for backend in backends:
-            # every v-op: the very messages of the simulated ranks (checked above)
-            assert got[backend, "v-ops"] == want
+            # every v-op: the very messages of the simulated ranks (checked above), at rank r
+            assert got[backend, "v-ops"] == {
+                k: None if v is None else (v[0], at_rank(v[1], r)) for k, v in want.items()
+            }
             # all nine, at once: the mesh's timeout is 60 s
             assert got[backend, "v-ops seconds"] < 2, got[backend, "v-ops seconds"]
             assert got[backend, "after"] == 2.0
