@@ -89,18 +89,12 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
         if rank == 1
         else None
     )
-    out["indexed_ok"] = (
-        fd.indexed_all_to_all_v(
-            torch.full((2, 1), float(rank)),
-            mesh,
-            "tp",
-            torch.tensor([1, 0]),
-            torch.tensor([1, 1]),
-            capacity=2,
-        )[0]
-        .flatten()
-        .tolist()
+    rows = torch.tensor([[10.0 * rank], [10.0 * rank + 1]])  # rank r: rows 10r, 10r + 1
+    # each rank sends x[1] to index 0 and x[0] to index 1
+    got, _ = fd.indexed_all_to_all_v(
+        rows, mesh, "tp", torch.tensor([1, 0]), torch.tensor([1, 1]), capacity=2
     )
+    out["indexed_ok"] = got.flatten().tolist()
     sim = fd.Mesh({"ep": 2})  # simulated ranks name the axis too
     out["simulated"] = timed(
         lambda: fd.simulate(lambda t, s: fd.ragged_all_to_all(t, sim, "ep", s, capacity=4)[0], sim)(

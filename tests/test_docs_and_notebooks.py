@@ -10,7 +10,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import nbformat
 import pytest
@@ -143,89 +143,51 @@ def _dist_blocks(path: Path) -> list[str]:
     ]
 
 
-def _unknown_names(code: str) -> list[str]:
-    """Attribute chains in ``code`` that do not exist: rooted at ``fd``/``fastdist`` (resolved
-    on the package) or at a variable the examples use for a fastdist object (first attribute)."""
-    import importlib
+def _unknown_names(codes: list[str]) -> list[list[str]]:
+    """``tests/doc_names.py``'s check of each code block, in a fresh interpreter: there a
+    submodule is an attribute of its package only if the package (or the block) imports it,
+    whatever this test process imported before."""
+    import json
 
-    import fastdist as fd
-
-    holds = {
-        "mesh": fd.Mesh,
-        "mesh2": fd.Mesh,
-        "q": fd.mq.MessageQueue,
-        "mine": fd.mq.MessageQueue,
-        "info": fd.mq.NodeInfo,
-        "pm": fd.nn.ParallelModel,
-        "ctx": fd.GraphCaptureContext,
-    }
-    bad = []
-    tree = ast.parse(code)
-    _mark_parents(tree)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Attribute) or isinstance(
-            getattr(node, "parent", None), ast.Attribute
-        ):
-            continue
-        chain, root = [], node
-        while isinstance(root, ast.Attribute):
-            chain.insert(0, root.attr)
-            root = root.value
-        if not isinstance(root, ast.Name):
-            continue
-        if root.id in ("fd", "fastdist"):
-            obj: object = fd
-            for k, attr in enumerate(chain):
-                if not hasattr(obj, attr):
-                    try:  # a submodule not imported by the package (fastdist.native.fake)
-                        obj = importlib.import_module(".".join(["fastdist", *chain[: k + 1]]))
-                        continue
-                    except ImportError:
-                        bad.append(".".join([root.id, *chain]))
-                        break
-                obj = getattr(obj, attr)
-        elif root.id in holds and chain[0] not in _attributes(holds[root.id]):
-            bad.append(f"{root.id}.{chain[0]} ({holds[root.id].__name__})")
-    return bad
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "doc_names.py")],
+        input=json.dumps(codes),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return cast(list[list[str]], json.loads(proc.stdout))
 
 
-def _attributes(cls: type) -> set[str]:
-    """What an instance of ``cls`` has: class attributes, dataclass fields, and what
-    ``__init__`` assigns to ``self``."""
-    import dataclasses
-    import inspect
-
-    names = set(dir(cls))
-    if dataclasses.is_dataclass(cls):
-        names |= {f.name for f in dataclasses.fields(cls)}
-    try:
-        init = inspect.getsource(cls.__init__) if "__init__" in vars(cls) else ""
-    except OSError:  # generated (a dataclass's)
-        init = ""
-    names |= set(re.findall(r"self\.(\w+)\b(?=[^=\n]*=[^=])", init))
-    return names
-
-
-def _mark_parents(tree: ast.AST) -> None:
-    for node in ast.walk(tree):
-        for child in ast.iter_child_nodes(node):
-            child.parent = node  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
-def test_doc_distributed_blocks_parse_and_name_real_api(path: Path) -> None:
-    for i, code in enumerate(_dist_blocks(path)):
+def test_doc_distributed_blocks_parse_and_name_real_api() -> None:
+    blocks = [(path.name, i, code) for path in DOCS for i, code in enumerate(_dist_blocks(path))]
+    for name, i, code in blocks:
         try:
             ast.parse(code)
         except SyntaxError as e:
-            raise AssertionError(f"{path.name} ```py block {i} does not parse: {e}") from None
-        assert not _unknown_names(code), f"{path.name} ```py block {i}: {_unknown_names(code)}"
+            raise AssertionError(f"{name} ```py block {i} does not parse: {e}") from None
+    unknown = _unknown_names([code for _, _, code in blocks])
+    wrong = {f"{name}[{i}]": bad for (name, i, _), bad in zip(blocks, unknown) if bad}
+    assert not wrong, wrong
 
 
 def test_the_api_check_of_distributed_blocks_can_fail() -> None:
-    assert _unknown_names("fd.Mesh.from_torchh(tp=2)\nmesh.resett()\nfd.mq.node_info(m)") == [
-        "fd.Mesh.from_torchh",
-        "mesh.resett (Mesh)",
+    assert _unknown_names(
+        [
+            "fd.Mesh.from_torchh(tp=2)\nmesh.resett()\nfd.mq.node_info(m)",
+            # a submodule the package does not import must be imported by the block
+            "lib = fastdist.native.fake.build('/tmp/x')",
+            "from fastdist.native import fake\nfake.build('/tmp/x')",
+            "from fastdist.native import fak\nimport fastdist.nope",
+            "from fastdist.native import fake\nfake.buld('/tmp/x')",
+        ]
+    ) == [
+        ["fd.Mesh.from_torchh", "mesh.resett (Mesh)"],
+        ["fastdist.native.fake.build"],
+        [],
+        ["from fastdist.native import fak", "import fastdist.nope"],
+        ["fake.buld"],
     ]
     assert sum(len(_dist_blocks(p)) for p in DOCS) >= 13  # the fences above are found
 

@@ -303,8 +303,8 @@ MESH = fd.Mesh({"tp": 3})
         ),
         (
             lambda x: fd.reduce_scatter_v(x, MESH, "tp", [1, 1, 2], capacity=2.5),
-            r"on every rank: capacity=2\.5 is not an int \(a row count\)\. Fix: pass an int >= "
-            r"2, or None",
+            r"on every rank: capacity = 2\.5 is a float, not an integer row count\. Fix: pass "
+            r"Python ints",
         ),
         (
             lambda x: fd.indexed_all_to_all_v(
@@ -353,6 +353,18 @@ MESH = fd.Mesh({"tp": 3})
 def test_argument_errors(fn: Any, match: str) -> None:
     with pytest.raises(fd.CollectiveError, match=match):
         fd.simulate(fn, MESH)(torch.zeros(3, 4, 2))
+
+
+def test_capacity_takes_numpy_and_0d_integer_tensors_as_sizes_do() -> None:
+    import numpy as np
+
+    x = torch.arange(24.0).reshape(3, 4, 2)
+    want = fd.simulate(lambda t: fd.reduce_scatter_v(t, MESH, "tp", [1, 1, 2], capacity=2), MESH)(x)
+    for cap in (np.int64(2), torch.tensor(2)):
+        got = fd.simulate(
+            lambda t, cap=cap: fd.reduce_scatter_v(t, MESH, "tp", [1, 1, 2], capacity=cap), MESH
+        )(x)
+        assert torch.equal(got, want), cap
 
 
 @pytest.mark.parametrize(

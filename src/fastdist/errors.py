@@ -25,6 +25,9 @@ __all__ = [
 ]
 
 
+_KEEP: object = object()  # readdress: leave this field as it is
+
+
 class FastdistError(Exception):
     """Base class of every exception fastdist raises on purpose."""
 
@@ -39,9 +42,10 @@ class CollectiveError(FastdistError, ValueError):
     Attributes:
         op: the public name of the collective, e.g. ``"all_gather"``.
         axis: the mesh axis (or tuple of axes) it was called over.
-        rank: where it was detected: ``"rank N"`` on a real mesh (each rank checks its own
-            inputs, which may differ from its peers'), ``"every rank"`` for an argument check
-            on simulated ranks (one program checks them all).
+        rank: where it was detected: ``"every rank"`` for an argument check on simulated
+            ranks (one program checks them all); ``"rank N"`` on a real mesh (each rank checks
+            its own inputs, which may differ from its peers'), or for per-rank data found wrong
+            on rank N; ``"rank index i"`` for an input too short on the axis's rank ``i``.
         fix: one sentence on how to make the call valid.
     """
 
@@ -58,14 +62,20 @@ class CollectiveError(FastdistError, ValueError):
         )
 
     def readdress(
-        self, *, op: str | None = None, axis: object = None, rank: str | None = None
+        self,
+        *,
+        op: str | None = None,
+        axis: object = _KEEP,
+        rank: str | None = None,
+        problem: str | None = None,
     ) -> CollectiveError:
         """This error, in place, naming what the caller sees: the public ``op`` that was called
-        (when a helper op raised it), the ``axis`` name, and the ``rank`` it was detected on.
-        Returns ``self`` (for ``raise err.readdress(...)``, which keeps the type and traceback)."""
+        (when a helper op raised it), the ``axis`` (None included), the ``rank`` it was detected
+        on, the ``problem`` in the caller's terms. Returns ``self``; the type and traceback stay."""
         self.op = self.op if op is None else op
-        self.axis = self.axis if axis is None else axis
+        self.axis = self.axis if axis is _KEEP else axis
         self.rank = self.rank if rank is None else rank
+        self.problem = self.problem if problem is None else problem
         self.args = (self._text(),)
         return self
 

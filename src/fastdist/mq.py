@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .collectives import _names_this_rank
 from .errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -487,6 +488,7 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ setup
     @classmethod
+    @_names_this_rank
     def create(
         cls,
         mesh: Any,
@@ -1198,6 +1200,7 @@ def _accept(q: MessageQueue, token: bytes, deadline: float) -> None:
     q._listener = None
 
 
+@_names_this_rank
 def create_mq_broadcaster(
     mesh: Any, axis: Any = None, *, writer: int = 0, **kwargs: Any
 ) -> MessageQueue:
@@ -1206,6 +1209,7 @@ def create_mq_broadcaster(
     return MessageQueue.create(mesh, axis, writer=writer, **kwargs)
 
 
+@_names_this_rank
 def create_single_reader_mq_broadcasters(
     mesh: Any, axis: Any = None, *, reader: int = 0, **kwargs: Any
 ) -> tuple[MessageQueue | None, list[MessageQueue | None]]:

@@ -177,13 +177,7 @@ def _row_count(op: str, axis: AxisName, what: str, value: Any) -> int:
 def _check_capacity(op: str, axis: AxisName, capacity: int | None, need: int, what: str) -> int:
     if capacity is None:
         return -1
-    if isinstance(capacity, bool) or not isinstance(capacity, int):
-        raise CollectiveError(
-            op,
-            axis,
-            f"capacity={capacity!r} is not an int (a row count)",
-            f"pass an int >= {need}, or None for the exact sizes",
-        )
+    capacity = _row_count(op, axis, "capacity", capacity)  # an int (numpy and 0-d ones too)
     if capacity < need:
         raise CollectiveError(
             op,
@@ -778,6 +772,9 @@ def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     return all_to_all(send.reshape(-1, 1), mesh, axis, split_dim=0, concat_dim=0).reshape(-1)
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
 @_names_this_rank
 def indexed_all_to_all_v(
     x: Tensor,
@@ -798,14 +795,11 @@ def indexed_all_to_all_v(
     op = "indexed_all_to_all_v"
     if not isinstance(x, Tensor) or x.dim() == 0:
         got = "a 0-d tensor" if isinstance(x, Tensor) else type(x).__name__
-        raise CollectiveError(op, axis, f"x must be a tensor of rows, got {got}", "pass x")
-    if (
-        not isinstance(index, Tensor)
-        or index.dim() != 1
-        or index.is_floating_point()
-        or index.is_complex()
-        or index.dtype == torch.bool
-    ):
+        raise CollectiveError(
+            op, axis, f"x must be a tensor of rows, got {got}", "pass a tensor with rows on dim 0"
+        )
+    # index_select takes int64 and int32 indices only
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES:
         got = (
             f"shape {tuple(index.shape)}, dtype {index.dtype}"
             if isinstance(index, Tensor)
@@ -815,7 +809,7 @@ def indexed_all_to_all_v(
             op,
             axis,
             f"index must be a 1-d integer tensor of row numbers, got {got}",
-            "pass e.g. torch.argsort(destination) (a long tensor)",
+            "pass an int64 (or int32) tensor, e.g. torch.argsort(destination)",
         )
     # real ranks, host values only (no device sync; simulated ranks hold a batched index, and
     # index_select raises on a bad one there)
@@ -827,11 +821,12 @@ def indexed_all_to_all_v(
     ):
         lo, hi = int(index.min()), int(index.max())
         if lo < 0 or hi >= x.shape[0]:
+            rows = f"rows 0..{x.shape[0] - 1}" if x.shape[0] else "no rows: x has none"
             raise CollectiveError(
                 op,
                 axis,
                 f"index holds {lo if lo < 0 else hi}, outside the {x.shape[0]} rows of x",
-                f"index rows 0..{x.shape[0] - 1}",
+                f"index {rows}",
             )
     src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
     try:
@@ -840,7 +835,8 @@ def indexed_all_to_all_v(
         )
     except CollectiveError as e:  # its exchange's checks: name the op the caller called
         if e.op == "ragged_all_to_all":
-            e.readdress(op=op)
+            # the exchange's input is x[index]: its rows are the ones index selects
+            e.readdress(op=op, problem=e.problem.replace("of its input", "index selects"))
         raise
     return out.to(x.dtype), recv
 

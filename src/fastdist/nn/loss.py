@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .._context import is_real
-from ..collectives import axis_index, pmax, psum
+from ..collectives import _names_this_rank, axis_index, pmax, psum
 from ..errors import CollectiveError, TargetError
 from ..mesh import AxisName, Mesh
 from ..simulate import rank_binding
@@ -254,6 +254,7 @@ def _token_losses(
     return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
 
 
+@_names_this_rank
 def cross_entropy(
     logits: Tensor,
     target: Tensor,
@@ -308,6 +309,7 @@ def cross_entropy(
     return loss.sum() / counted.sum()
 
 
+@_names_this_rank
 def vocab_parallel_cross_entropy(
     logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName = "tp"
 ) -> Tensor:
@@ -330,6 +332,7 @@ def vocab_parallel_cross_entropy(
     return _token_losses("vocab_parallel_cross_entropy", logits, target, mesh, axis, -100, None)[0]
 
 
+@_names_this_rank
 def causal_lm_loss(
     logits: Tensor,
     labels: Tensor | None,
