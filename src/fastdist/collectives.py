@@ -791,8 +791,8 @@ def all_to_all_4d(
         raise CollectiveError(
             "all_to_all_4d",
             axis,
-            f"scatter_dim={scatter_dim}, gather_dim={gather_dim} must be the seq (1) and heads "
-            "(2) dims",
+            f"scatter_dim={scatter_dim}, gather_dim={gather_dim} "
+            "must be the seq (1) and heads (2) dims",
             "use (2, 1) before attention and (1, 2) after",
         )
     return all_to_all(x, mesh, axis, split_dim=scatter_dim, concat_dim=gather_dim)

@@ -100,8 +100,8 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
             )
         return "hccl"
     raise NoBackendError(
-        f"fastdist: no collective backend for {device_type!r} tensors. Fix: move tensors to cpu, "
-        "cuda or npu"
+        f"fastdist: no collective backend for {device_type!r} tensors. "
+        "Fix: move tensors to cpu, cuda or npu"
     )
 
 

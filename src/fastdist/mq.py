@@ -568,8 +568,8 @@ class MessageQueue:
                 f"MessageQueue.{op}",
                 self.axis,
                 f"called on index {self.index}, which is not {need} of {self!r}",
-                f"call {'enqueue' if writer else 'dequeue'} on {need} only (q.is_writer / "
-                "q.is_reader)",
+                f"call {'enqueue' if writer else 'dequeue'} on {need} only "
+                "(q.is_writer / q.is_reader)",
                 rank=f"rank {self.ranks[self.index]}",
             )
 

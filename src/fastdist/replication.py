@@ -462,8 +462,8 @@ def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
             raise ReplicationError(
                 "as_partial",
                 _label(names),
-                f"the value is invariant over {a!r}; as a partial sum every rank's copy would be "
-                "added",
+                f"the value is invariant over {a!r}; "
+                "as a partial sum every rank's copy would be added",
                 "declare partial only what each rank computed from its own shard",
             )
     with tracker.suspended():

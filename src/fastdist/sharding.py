@@ -106,8 +106,8 @@ def check_spec(where: str, mesh: Mesh, spec: Any, t: Tensor | None) -> Partition
         mesh.axis_indices(a, f"spmd {where}")
     if len(set(seen)) != len(seen):
         raise MeshError(
-            f"spmd: {where} {spec!r} uses a mesh axis twice. Fix: name each axis at most once per "
-            "spec"
+            f"spmd: {where} {spec!r} uses a mesh axis twice. "
+            "Fix: name each axis at most once per spec"
         )
     if t is not None:
         if len(spec.dims) > t.dim():

@@ -88,8 +88,8 @@ class MeshView:
     def _repr_html_(self) -> str:
         cols, rows = _grid(self.mesh)
         out = [
-            f"<div><b>{html.escape(self._title())}</b><table "
-            "style='border-collapse:collapse;font-family:monospace'>"
+            f"<div><b>{html.escape(self._title())}</b>"
+            "<table style='border-collapse:collapse;font-family:monospace'>"
         ]
         out.append(
             "<tr><th></th>"
@@ -254,8 +254,8 @@ class ShardingView:
             )
             for i, (lo, hi) in enumerate(rows):
                 out.append(
-                    "<tr><th style='padding:2px "
-                    f"8px;text-align:right'>{f'{lo}:{hi}' if len(self.shape) == 2 else ''}</th>"
+                    "<tr><th style='padding:2px 8px;text-align:right'>"
+                    f"{f'{lo}:{hi}' if len(self.shape) == 2 else ''}</th>"
                 )
                 for j in range(len(cols)):
                     held = ranks[(i, j)]
@@ -272,8 +272,8 @@ class ShardingView:
             for r, c, s, loc in self.rows()
         )
         out.append(
-            "<table><tr><th>rank</th><th>coords</th><th>block</th><th>local "
-            f"shape</th></tr>{table}</table></div>"
+            "<table><tr><th>rank</th><th>coords</th><th>block</th><th>local shape</th></tr>"
+            f"{table}</table></div>"
         )
         return "".join(out)
 
@@ -325,11 +325,7 @@ class RanksView:
 
     def __str__(self) -> str:
         body = [
-            [
-                str(r),
-                _coords_text(self.mesh, r),
-                self._fmt(self.x[r]),
-            ]
+            [str(r), _coords_text(self.mesh, r), self._fmt(self.x[r])]
             for r in range(self.mesh.size)
         ]
         return _table(["rank", "coords", f"value {list(self.x.shape[1:])}"], body)
@@ -343,8 +339,8 @@ class RanksView:
             for r in range(self.mesh.size)
         )
         return (
-            "<table><tr><th>rank</th><th>coords</th><th>value "
-            f"{list(self.x.shape[1:])}</th></tr>{rows}</table>"
+            "<table><tr><th>rank</th><th>coords</th>"
+            f"<th>value {list(self.x.shape[1:])}</th></tr>{rows}</table>"
         )
 
 
