@@ -169,16 +169,20 @@ def _outside_us(
 
 
 # ==================================================================== simulated ranks vs one device
-def _mlp_case(
-    quick: bool, device: str = "cpu"
-) -> tuple[
+# A benchmark case: (label, one device, simulated, compiled one device, compiled simulated, a
+# fifth variant: the per-rank loop for the MLP, the stacked-weights run for the block); each
+# callable runs one forward and backward step.
+_Case = tuple[
     str,
     Callable[[], Any],
     Callable[[], Any],
     Callable[[], Any],
     Callable[[], Any],
     Callable[[], Any],
-]:
+]
+
+
+def _mlp_case(quick: bool, device: str = "cpu") -> _Case:
     """Tensor-parallel MLP on 8 simulated ranks: (label, one device, simulated, compiled one device,
     compiled simulated, loop)."""
     W = 8
@@ -240,14 +244,7 @@ def _block_case(
     device: str = "cpu",
     sequence_parallel: bool = True,
     size: tuple[int, int, int, int, int] = (8, 256, 1024, 16, 4096),
-) -> tuple[
-    str,
-    Callable[[], Any],
-    Callable[[], Any],
-    Callable[[], Any],
-    Callable[[], Any],
-    Callable[[], Any],
-]:
+) -> _Case:
     """A pre-norm transformer block (attention + MLP), TP=4 x SP=2 via fd.spmd, vs one device.
 
     ``sequence_parallel``: Megatron's sequence parallelism over tp (the layer norms and
@@ -923,8 +920,8 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     small = [r for r in res["overhead"] if r["bytes"] == min(q["bytes"] for q in res["overhead"])]
     out.append(
-        f"\n### What fastdist adds per call at {small[0]['bytes']} bytes (µs, fastdist minus "
-        "c10d)\n"
+        f"\n### What fastdist adds per call at {small[0]['bytes']} bytes "
+        "(µs, fastdist minus c10d)\n"
     )
     out.append(
         "Own work, hot: CPU time per call with torch.distributed's collectives stubbed out, so "
