@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         else "every reader through shared memory"
     )
     print(
-        f"4 processes ({where}), torch {torch.__version__}, {os.cpu_count()} CPU cores, {rounds} "
-        "rounds (median)"
+        f"4 processes ({where}), torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+        f"{rounds} rounds (median)"
     )
     print("| pattern | MessageQueue µs | broadcast_object (gloo) µs | gloo / mq |")
     print("|---|---|---|---|")

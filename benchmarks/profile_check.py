@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
     print(
         f"fitted link: {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.0f} us; "
-        f"step: tokens={sizes[0]} hidden={sizes[1]} ffn={sizes[2]} float32, {WORLD} gloo "
-        "processes\n"
+        f"step: tokens={sizes[0]} hidden={sizes[1]} ffn={sizes[2]} float32, "
+        f"{WORLD} gloo processes\n"
     )
     print("| layout | predicted ms | measured ms | measured / predicted |\n|---|---|---|---|")
     for name, p, m in rows:

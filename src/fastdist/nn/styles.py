@@ -306,8 +306,8 @@ class RowwiseParallel(Style):
         if inp % mesh.axis_size(self.axis):
             raise ParallelizeError(
                 f"parallelize: {name!r} has {inp} input features, not divisible by the "
-                f"{mesh.axis_size(self.axis)} "
-                f"ranks of {self.axis!r}. Fix: a tp size that divides {inp}"
+                f"{mesh.axis_size(self.axis)} ranks of {self.axis!r}. "
+                f"Fix: a tp size that divides {inp}"
             )
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
