@@ -27,6 +27,7 @@ True
 """
 
 from . import moe, plans  # noqa: E402
+from .clip import clip_grad_norm_, grad_norm
 from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from .layers import (
     ColumnParallelLinear,
@@ -72,6 +73,8 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "cross_entropy",
     "causal_lm_loss",
+    "clip_grad_norm_",
+    "grad_norm",
     "local_attention",
     "UlyssesAttention",
     "RingAttention",

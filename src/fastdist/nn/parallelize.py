@@ -188,6 +188,16 @@ class ParallelModel:
         `fastdist.nn.save_checkpoint`."""
         return save_checkpoint(self.module, path, self.mesh, dst=dst)
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients by their single-device total norm and return it: see
+        `fastdist.nn.clip_grad_norm_` (``torch.nn.utils.clip_grad_norm_`` would give every rank
+        its own norm)."""
+        from .clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
     def __repr__(self) -> str:
         return (
             f"ParallelModel({type(self.module).__name__}, {self.mesh!r}, "

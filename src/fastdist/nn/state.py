@@ -285,11 +285,14 @@ def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) 
     if not ok:
         raise ReplicaMismatchError(
             f"fastdist.nn.unstack({name}): ranks {ra} and {rb} of {mesh!r} hold the same block but "
-            f"differ (max difference {diff:.3g}). A replicated parameter whose gradient differs "
-            "across ranks got only a partial sum: it meets rank-varying data (a sequence shard, a "
-            "head shard) without fastdist.pvary, so its gradient is not summed. Fix: "
-            "pvary it (in a parallelize plan: the PvaryParams style), or reduce data-parallel "
-            "replicas first (fastdist.pmean over 'dp'); check=False keeps the first rank's copy"
+            f"differ (max difference {diff:.3g}). Causes: (1) a per-rank clip or optimizer "
+            "step: torch.nn.utils.clip_grad_norm_ gives every rank its own norm, so the ranks "
+            "scale by different factors (use fastdist.nn.clip_grad_norm_ / pm.clip_grad_norm_); "
+            "(2) a replicated parameter whose gradient got only a partial sum: it meets "
+            "rank-varying data (a sequence shard, a head shard) without fastdist.pvary (in a "
+            "parallelize plan: the PvaryParams style); (3) data-parallel replicas not reduced yet "
+            "(fastdist.train.DataParallel, DDP, or fastdist.pmean over 'dp'). check=False keeps "
+            "the first rank's copy"
         )
 
 

@@ -1,0 +1,250 @@
+"""Global-norm gradient clipping over a parallel model: the single-device norm on every rank.
+
+``torch.nn.utils.clip_grad_norm_`` on a tensor-parallel model is the classic silent mistake:
+each rank sees only its shards and counts every replicated parameter once per rank, so the
+ranks compute different norms, clip by different factors, and replicated weights drift apart.
+`clip_grad_norm_` here computes the norm the single-device model would have:
+
+* a parameter split over axes ``A`` (its `Layout`'s spec; an FSDP2 DTensor's ``Shard``
+  placements add their mesh dims) contributes its local block, summed over ``A``
+  (one ``psum`` per distinct axis set, ``pmax`` for the inf-norm);
+* a parameter replicated over an axis counts once (its holders are not summed);
+* vocabulary padding rows (`Layout` ``size``) count zero.
+
+Every rank then gets the same total and scales its gradients by the same coefficient
+(``max_norm / (total + 1e-6)``, clamped at 1, as torch does). Call it after the gradients
+are reduced over the data axes (after ``backward`` with `fastdist.train.DataParallel`, DDP
+or FSDP2), where data-parallel replicas hold equal gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import MeshError
+from ..mesh import Mesh
+from .state import Layout, param_layouts
+
+__all__ = ["clip_grad_norm_", "grad_norm"]
+
+
+def _model(model: Any, mesh: Mesh | None, op: str) -> tuple[nn.Module, Mesh]:
+    """(module, mesh) of a `ParallelModel` or of a module built from fastdist layers."""
+    module = getattr(model, "module", model)
+    mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+    if not isinstance(module, nn.Module) or mesh is None:
+        raise MeshError(
+            f"{op}: expected a fastdist.nn.ParallelModel (or an nn.Module with mesh=), got "
+            f"{type(model).__name__}{'' if mesh is not None else ' without a mesh'}. Fix: pass "
+            "the model parallelize returned, or the module and its mesh"
+        )
+    return module, mesh
+
+
+def _norm_type(norm_type: float, op: str) -> float:
+    p = float(norm_type)
+    if not (p == math.inf or (math.isfinite(p) and p > 0)):
+        raise MeshError(
+            f"{op}: norm_type={norm_type!r} is not supported; use a finite p > 0 (2.0 is the "
+            "usual) or math.inf"
+        )
+    return p
+
+
+def _real_rows(g: Tensor, layout: Layout, mesh: Mesh, rank: int) -> Tensor:
+    """``g`` (one rank's block) without its vocabulary padding rows."""
+    if layout.size is None:
+        return g
+    d = layout.dim
+    assert d is not None  # size implies a split dim
+    axes = layout.spec.axes_of(d)
+    rows = g.shape[d]
+    start = mesh.index(rank, axes) * rows
+    return g.narrow(d, 0, max(0, min(rows, layout.size - start)))
+
+
+def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...]]:
+    """(this rank's gradient block, extra axes it is split over): an FSDP2 DTensor's local shard
+    and the mesh dims of its Shard placements."""
+    g = p.grad
+    assert g is not None
+    placements = getattr(g, "placements", None)
+    if placements is None:
+        return g, ()
+    names = g.device_mesh.mesh_dim_names or ()
+    extra = tuple(names[i] for i, pl in enumerate(placements) if pl.is_shard() and i < len(names))
+    unknown = [a for a in extra if a not in mesh.axis_names]
+    if unknown or any(pl.is_partial() for pl in placements):
+        raise MeshError(
+            f"clip_grad_norm_: a gradient is a DTensor with placements {tuple(placements)} over "
+            f"mesh dims {names}, which {mesh!r} does not describe. Fix: build the DeviceMesh "
+            "with mesh.to_device_mesh() and reduce partial gradients before clipping"
+        )
+    return g.to_local(), extra
+
+
+def _local_norm(block: Tensor, p: float) -> Tensor:
+    """``max |g|`` (inf-norm; 0 for an empty block) or ``sum |g|^p`` of one block."""
+    if p == math.inf:
+        return block.abs().amax() if block.numel() else block.new_zeros(())
+    return block.abs().pow(p).sum()
+
+
+def _partial_norms(
+    module: nn.Module, mesh: Mesh, p: float, simulated: bool
+) -> tuple[dict[tuple[str, ...], Tensor], list[Tensor], torch.dtype | None]:
+    """Per axis set, this rank's sum of ``|g|^p`` (max of ``|g|`` for inf) over the parameters
+    split over exactly those axes ([world] on a simulated mesh); the gradients; their dtype."""
+    layouts = param_layouts(module)
+    order = {a: i for i, a in enumerate(mesh.axis_names)}
+    sums: dict[tuple[str, ...], Tensor] = {}
+    grads: list[Tensor] = []
+    dtype = None
+    ranks = range(mesh.size) if simulated else [mesh.rank]
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        layout = layouts.get(name, Layout())
+        g, extra = _local_grad(param, mesh)
+        grads.append(param.grad)
+        dtype = dtype or g.dtype
+        acc = torch.promote_types(g.dtype, torch.float32)
+        axes = {a for d in range(len(layout.spec.dims)) for a in layout.spec.axes_of(d)}
+        key = tuple(sorted(axes | set(extra), key=order.__getitem__))
+        per_rank = []
+        for i, r in enumerate(ranks):
+            block = _real_rows(g[i] if simulated else g, layout, mesh, r).to(acc)
+            per_rank.append(_local_norm(block, p))
+        value = torch.stack(per_rank) if simulated else per_rank[0]
+        if key in sums:
+            sums[key] = torch.maximum(sums[key], value) if p == math.inf else sums[key] + value
+        else:
+            sums[key] = value
+    return sums, grads, dtype
+
+
+def _combine(sums: dict[tuple[str, ...], Tensor], mesh: Mesh, p: float) -> Tensor:
+    """One rank's total norm from its partial sums: each axis set reduced over its axes."""
+    from ..collectives import pmax, psum
+
+    total: Tensor | None = None
+    for axes in sorted(sums):  # the same order on every rank
+        v = sums[axes]
+        if axes:
+            v = pmax(v, mesh, axes) if p == math.inf else psum(v, mesh, axes)
+        total = v if total is None else (torch.maximum(total, v) if p == math.inf else total + v)
+    assert total is not None
+    return total if p == math.inf else total.pow(1.0 / p)
+
+
+def grad_norm(model: Any, norm_type: float = 2.0, *, mesh: Mesh | None = None) -> Tensor:
+    """The single-device total norm of a parallel model's gradients (on real ranks a collective:
+    call it on every rank).
+
+    Returns a 0-d tensor on real ranks; on a simulated mesh a ``[world]`` tensor, each rank's
+    value (all equal when replicas agree). Parameters without a gradient are skipped; with no
+    gradient at all the norm is 0. See `clip_grad_norm_`.
+    """
+    return _total(model, norm_type, mesh, "fastdist.nn.grad_norm")[0]
+
+
+def _total(
+    model: Any, norm_type: float, mesh: Mesh | None, op: str
+) -> tuple[Tensor, list[Tensor], Mesh]:
+    module, mesh = _model(model, mesh, op)
+    p = _norm_type(norm_type, op)
+    simulated = mesh.backend is None
+    with torch.no_grad():
+        sums, grads, dtype = _partial_norms(module, mesh, p, simulated)
+        if not sums:
+            zero = torch.zeros(mesh.size if simulated else ())
+            return zero, grads, mesh
+        if simulated:
+            from ..simulate import simulate
+
+            total = simulate(lambda s: _combine(s, mesh, p), mesh)(sums)
+            _check_equal(total, mesh, op)
+        else:
+            total = _combine(sums, mesh, p)
+    return total.to(dtype or total.dtype), grads, mesh
+
+
+def _check_equal(total: Tensor, mesh: Mesh, op: str) -> None:
+    """On simulated ranks, every rank's norm must agree: a difference means replicas whose
+    gradients were not reduced (data parallel) or a missing pvary."""
+    spread = float((total - total[0]).abs().max()) if total.numel() else 0.0
+    if spread > 1e-6 * max(float(total.abs().max()), 1e-30) and torch.isfinite(total).all():
+        raise MeshError(
+            f"{op}: the ranks of {mesh!r} compute different total norms "
+            f"({[round(float(t), 6) for t in total]}): ranks that should hold equal gradients "
+            "do not (data-parallel replicas not reduced yet, or a replicated parameter that "
+            "meets rank-varying data without pvary). Fix: clip after the gradients are reduced "
+            "over the data axes (fastdist.train.DataParallel, DDP, FSDP2)"
+        )
+
+
+def clip_grad_norm_(
+    model: Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+    mesh: Mesh | None = None,
+) -> Tensor:
+    """Clip a parallel model's gradients by their single-device total norm; return that norm.
+
+    What ``torch.nn.utils.clip_grad_norm_(single_device_model.parameters(), ...)`` computes
+    and applies, on every rank: the norm counts each single-device element once (sharded
+    parameters summed over the axes they split, replicated ones once, vocabulary padding
+    not at all), and every rank scales by the same ``min(1, max_norm / (norm + 1e-6))``.
+    A non-finite norm scales by nan/inf as torch does, or raises with
+    ``error_if_nonfinite``.
+
+    Args:
+        model: a `fastdist.nn.ParallelModel` (or a module of fastdist layers, with ``mesh=``).
+            FSDP2 gradients (DTensors over the mesh's data axis) are understood.
+        max_norm: the largest total norm kept.
+        norm_type: p of the p-norm (finite > 0) or ``math.inf``.
+        error_if_nonfinite: raise ``RuntimeError`` (every rank alike) if the norm is nan/inf.
+        mesh: the mesh, when ``model`` is a plain module.
+
+    Returns:
+        The total norm before clipping: 0-d on real ranks, ``[world]`` on a simulated mesh.
+
+    On real ranks a collective (call it on every rank, after the data-parallel reduction).
+
+    >>> import torch, fastdist as fd
+    >>> full = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    >>> ref = __import__("copy").deepcopy(full)
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> plan = {"0": fd.nn.ColwiseParallel(input="replicated"), "1": fd.nn.RowwiseParallel()}
+    >>> pm = fd.nn.parallelize(full, mesh, plan)
+    >>> x = torch.randn(3, 4)
+    >>> pm(x.expand(2, 3, 4)).sum(dim=(1, 2)).sum().backward()
+    >>> ref(x).sum().backward()
+    >>> one_device = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    >>> norm = fd.nn.clip_grad_norm_(pm, 0.5)       # [world]: every rank's (equal) norm
+    >>> bool(torch.allclose(norm, one_device.expand(2)))
+    True
+    >>> bool(torch.allclose(pm.grads()["0.weight"], ref[0].weight.grad))
+    True
+    """
+    op = "fastdist.nn.clip_grad_norm_"
+    total, grads, mesh = _total(model, norm_type, mesh, op)
+    if error_if_nonfinite and not bool(torch.isfinite(total).all()):
+        raise RuntimeError(
+            f"{op}: the total norm of order {float(norm_type)} of the gradients is non-finite "
+            f"({total.tolist()}), so it cannot be clipped. Fix: find the nan/inf gradient, or "
+            "pass error_if_nonfinite=False"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+    with torch.no_grad():
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            c = coef.view(-1, *[1] * (local.dim() - 1)) if mesh.backend is None else coef
+            local.mul_(c.to(local.dtype))
+    return total
