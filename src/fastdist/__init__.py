@@ -19,6 +19,7 @@ from . import (
     mq,  # fastdist.mq: message queue broadcaster, node locality (serving)
     nn,  # fastdist.nn: parallel layers
     profile,  # fastdist.profile: communication profile, dry runs, layout planner
+    train,  # fastdist.train: data parallelism, ZeRO, distributed checkpoints
 )
 from .collectives import (
     all_gather,
@@ -90,6 +91,7 @@ __all__ = [
     "nn",
     "mq",
     "profile",
+    "train",
     "AxisName",
     "DEFAULT_ORDER",
     "simulate",

@@ -1,0 +1,12 @@
+"""fastdist.train: the training run across steps, built on `fastdist.nn`'s parameter layouts.
+
+* `DataParallel`: gradient reduction over the data axes during backward (simulated and real
+  ranks; buckets, ``no_sync``), and the rule for parameters split over a data axis (MoE).
+* `ZeroOptimizer`: ZeRO-1, the optimizer state sharded over a data axis, built from fastdist's
+  own collectives.
+* Clipping lives with the layouts: `fastdist.nn.clip_grad_norm_`.
+"""
+
+from .data_parallel import DataParallel, reduce_axes
+
+__all__ = ["DataParallel", "reduce_axes"]

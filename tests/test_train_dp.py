@@ -1,0 +1,160 @@
+"""Data parallelism (fastdist.train.DataParallel) against one device, in float64.
+
+Every data rank runs its own batch; the one-device model runs every batch and backpropagates
+the mean of the losses. Gradients, clipping and AdamW steps must match on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import fastdist as fd
+from tests.test_hf_models import batch, build, reference_loss
+
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def per_rank(mesh: fd.Mesh, data_axes: tuple[str, ...], seed: int) -> tuple[Any, Any, list[Any]]:
+    """(ids, labels) stacked [world, B, S]: one batch per data index, replicated over the
+    rest; and the list of distinct batches in data-index order."""
+    n = 1
+    for a in data_axes:
+        n *= mesh.axis_size(a)
+    batches = [batch(seed + i) for i in range(n)]
+
+    def data_index(r: int) -> int:
+        i = 0
+        for a in data_axes:
+            i = i * mesh.axis_size(a) + mesh.coords(r)[a]
+        return i
+
+    ids = torch.stack([batches[data_index(r)][0] for r in range(mesh.size)])
+    labels = torch.stack([batches[data_index(r)][1] for r in range(mesh.size)])
+    return ids, labels, batches
+
+
+def compare(pm: Any, ref: Any, **tol: float) -> None:
+    grads = pm.grads()
+    assert grads.keys() == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("axes, sp", [({"dp": 2, "tp": 2}, True), ({"dp": 4, "tp": 1}, False)])
+def test_gradients_clipping_and_adamw_equal_one_device(axes: dict[str, int], sp: bool) -> None:
+    ref = build("llama")
+    mesh = fd.Mesh(axes)
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref, sequence_parallel=sp))
+    dp = fd.train.DataParallel(pm, "dp")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for step in range(3):
+        ids, labels, batches = per_rank(mesh, ("dp",), 10 * step)
+        out = pm(input_ids=ids, labels=labels)
+        out.loss.sum().backward()
+        losses = [reference_loss(ref, i, lab)[1] for i, lab in batches]
+        (sum(losses) / len(losses)).backward()
+        if step == 0:
+            compare(pm, ref, **TOL)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.testing.assert_close(pm.clip_grad_norm_(0.5), want.expand(mesh.size), **TOL)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    state = pm.state_dict()  # replicas over dp and tp checked equal
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), **TOL)
+    assert "simulated" in repr(dp)
+
+
+def test_no_sync_accumulates_then_reduces_the_sum() -> None:
+    ref = build("llama")
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref))
+    dp = fd.train.DataParallel(pm)
+    micro = [per_rank(mesh, ("dp",), s) for s in (1, 5)]
+    with dp.no_sync():
+        out = pm(input_ids=micro[0][0], labels=micro[0][1])
+        (out.loss.sum() / 2).backward()
+    with pytest.raises(fd.nn.ReplicaMismatchError):  # not reduced yet
+        pm.grads()
+    out = pm(input_ids=micro[1][0], labels=micro[1][1])
+    (out.loss.sum() / 2).backward()
+    losses = [reference_loss(ref, i, lab)[1] for m in micro for i, lab in m[2]]
+    (sum(losses) / len(losses)).backward()
+    compare(pm, ref, **TOL)
+
+
+def test_moe_experts_split_over_ep_reduce_over_dp_only() -> None:
+    """Mixtral on dp x ep: experts are split over ep, the tokens over dp. Every gradient (experts'
+    and the replicated ones') equals one device's for the mean of the dp losses."""
+    from tests.test_moe import build_mixtral, reference
+
+    ref = build_mixtral()
+    mesh = fd.Mesh({"dp": 2, "ep": 2})
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh)  # plan_for: experts over ep
+    dp = fd.train.DataParallel(pm, "dp")
+    layouts = pm.layouts
+    expert = next(n for n in layouts if "experts" in n)
+    assert fd.train.reduce_axes(layouts[expert], dp.axes) == ("dp",)
+    ids, labels, batches = per_rank(mesh, ("dp",), 3)
+    pm(input_ids=ids, labels=labels).loss.sum().backward()
+    coef = ref.config.router_aux_loss_coef
+    total = 0
+    for i, lab in batches:
+        _, ce, aux = reference(ref, i, lab)
+        total = total + ce + coef * aux
+    (total / len(batches)).backward()
+    compare(pm, ref, **TOL)
+
+
+def test_ep_as_a_data_axis_divides_expert_sums_by_every_data_rank() -> None:
+    """The rule for a parameter split over a data axis, on a functional MoE layer whose tokens
+    differ across ep: experts are summed over dp only, divided by dp x ep."""
+    mesh = fd.Mesh({"dp": 2, "ep": 2})
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(mesh.size, 2, 3, dtype=torch.float64))
+            self.shared = torch.nn.Parameter(torch.randn(mesh.size, 3, dtype=torch.float64))
+
+        def param_layouts(self) -> dict[str, fd.nn.Layout]:
+            return {"w": fd.nn.Layout(fd.P("ep")), "shared": fd.nn.Layout()}
+
+    m = Experts()
+    with torch.no_grad():  # replicas equal: experts per ep index, shared everywhere
+        m.w.copy_(m.w[[0, 1, 0, 1]])
+        m.shared.copy_(m.shared[[0, 0, 0, 0]])
+    dp = fd.train.DataParallel(m, ("dp", "ep"), mesh=mesh)
+    assert dp.size == 4
+    w_grad = torch.randn(mesh.size, 2, 3, dtype=torch.float64)
+    s_grad = torch.randn(mesh.size, 3, dtype=torch.float64)
+    (m.w * w_grad).sum().backward(retain_graph=True)
+    (m.shared * s_grad).sum().backward()
+    # experts: sum over dp (ranks r and r+2 share an ep index), / 4
+    for r in range(4):
+        torch.testing.assert_close(m.w.grad[r], (w_grad[r % 2] + w_grad[r % 2 + 2]) / 4)
+        torch.testing.assert_close(m.shared.grad[r], s_grad.sum(0) / 4)
+
+
+def test_bad_arguments_raise() -> None:
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    model = build("llama")
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+    with pytest.raises(fd.MeshError, match="'data'"):
+        fd.train.DataParallel(pm, "data")
+    with pytest.raises(fd.MeshError, match="bucket_mb"):
+        fd.train.DataParallel(pm, bucket_mb=0)
+    with pytest.raises(fd.MeshError, match="ParallelModel"):
+        fd.train.DataParallel(torch.nn.Linear(2, 2))
+    dp = fd.train.DataParallel(pm)
+    with pytest.raises(fd.MeshError, match="reduce twice"):
+        fd.train.DataParallel(pm)
+    dp.remove()
+    fd.train.DataParallel(pm)  # after remove: allowed again
