@@ -158,3 +158,18 @@ def test_bad_arguments_raise() -> None:
         fd.train.DataParallel(pm)
     dp.remove()
     fd.train.DataParallel(pm)  # after remove: allowed again
+
+
+@pytest.mark.parametrize(
+    "world, tp, sp, engines",
+    [(4, 2, True, ["fastdist", "ddp", "fsdp"]), (8, 2, True, ["fastdist", "fsdp"])],
+)
+def test_engines_on_gloo_equal_one_device(
+    world: int, tp: int, sp: bool, engines: list[str]
+) -> None:
+    """dp x tp on gloo processes: fastdist's reducer, DDP and FSDP2 (2-D TP x FSDP) each give
+    one device's gradients, clipped norm and weights after 2 AdamW steps."""
+    from fastdist.testing import run_on_gloo
+    from tests.train_worker import engines_on_gloo
+
+    assert run_on_gloo(engines_on_gloo, world, engines, tp, sp, timeout=400) == ["ok"] * world

@@ -27,8 +27,8 @@ True
 """
 
 from . import moe, plans  # noqa: E402
-from .clip import clip_grad_norm_, grad_norm
 from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
+from .clip import clip_grad_norm_, grad_norm
 from .layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

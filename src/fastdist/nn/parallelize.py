@@ -76,6 +76,11 @@ class ParallelModel:
         self.layouts = param_layouts(module)
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
+        self._pvary_sites = list(pvary_params)
+        # set by data_parallel: the reducer (fastdist) or torch's wrapper (DDP / FSDP2) that
+        # real-rank calls go through
+        self.engine: Any = None
+        self._wrapped: nn.Module | None = None
         # the axes the plan splits over: inputs are replicated over them
         self._axes = tuple(dict.fromkeys(axes))
         self._dropout = _dropout_sites(module)
@@ -119,6 +124,8 @@ class ParallelModel:
                 "draw different masks for activations they must hold equal, and diverge silently. "
                 "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
             )
+        if self._wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
+            return self._wrapped(*args, **kwargs)
         if not self.simulated:
             params = dict(self.module.named_parameters()) if self._pvary else {}
             return self._run(params, args, kwargs)
@@ -187,6 +194,50 @@ class ParallelModel:
         """Write the single-device weights as one safetensors file (rank ``dst``): see
         `fastdist.nn.save_checkpoint`."""
         return save_checkpoint(self.module, path, self.mesh, dst=dst)
+
+    def data_parallel(self, axis: Any = "dp", engine: str = "fastdist", **kwargs: Any) -> Any:
+        """Data parallelism over ``axis`` (each index along it runs its own batch); returns the
+        engine.
+
+        Args:
+            axis: the data axis (or tuple of axes) of the mesh.
+            engine: ``"fastdist"``: `fastdist.train.DataParallel` (simulated and real ranks;
+                buckets reduced during backward; ``no_sync()``; parameters split over a data
+                axis follow the MoE rule). ``"ddp"``: torch's ``DistributedDataParallel`` over
+                the mesh's data group (real ranks). ``"fsdp"``: FSDP2 ``fully_shard`` over the
+                data axis, each block (the model's ``_no_split_modules`` classes, or
+                ``blocks=[class names]``) then the root, as torchtitan builds a 2-D TP x FSDP
+                model (real ranks).
+            **kwargs: passed to the engine (``bucket_mb=``; DDP's keywords;
+                ``fully_shard``'s keywords and ``blocks=``).
+
+        Every engine gives each rank the single-device gradient of the mean of the data ranks'
+        losses; `grads`, `state_dict` and `clip_grad_norm_` understand their parameters (FSDP2's
+        DTensors too). Calls of this model go through DDP / FSDP2 afterwards.
+        """
+        from ..train import data_parallel as D
+
+        op = f"ParallelModel.data_parallel(engine={engine!r})"
+        if self.engine is not None:
+            raise ParallelizeError(
+                f"{op}: this model already runs data-parallel ({self.engine!r}). Fix: choose one "
+                "engine, once"
+            )
+        if engine == "fastdist":
+            self.engine = D.DataParallel(self, axis, **kwargs)
+            return self.engine
+        if engine not in ("ddp", "fsdp"):
+            raise ParallelizeError(f"{op}: engine must be 'fastdist', 'ddp' or 'fsdp'")
+        if self.simulated:
+            raise ParallelizeError(
+                f"{op}: torch's {engine.upper()} needs real ranks (a process group); this mesh is "
+                "simulated. Fix: engine='fastdist' (the same gradients, on simulated and real "
+                "ranks), or build the mesh with Mesh.from_torch"
+            )
+        wrapped = D.ddp(self, axis, **kwargs) if engine == "ddp" else D.fsdp(self, axis, **kwargs)
+        self._pvary_hooks = D.PvaryHooks(self.mesh, self._pvary_sites)
+        self.engine = self._wrapped = wrapped
+        return wrapped
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False

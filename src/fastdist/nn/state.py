@@ -536,6 +536,8 @@ def gather_full(
 ) -> Tensor:
     """The single-device tensor from a parallel tensor: stacked shards on a simulated mesh; on real
     ranks this rank's shard, all-gathered first (a collective: call it on every rank)."""
+    if hasattr(t, "full_tensor"):  # an FSDP2 DTensor: this rank's whole block first
+        t = t.full_tensor()
     if mesh.backend is not None:
         from ..collectives import all_gather_invariant
 

@@ -244,12 +244,10 @@ class DataParallel:
         b.flat = torch.cat([*pieces, flags])
         ac = _axis_comm("DataParallel", self.mesh, b.axes)
         group = ac.comm.group(ac, ac._backend("DataParallel", b.flat.device.type), "DataParallel")
+        flat = b.flat
         b.work = ac.run(
             "DataParallel",
-            dist.all_reduce,
-            b.flat,
-            group=group,
-            async_op=True,
+            lambda: dist.all_reduce(flat, group=group, async_op=True),
             what="the gradient all-reduce",
         )
 
@@ -287,3 +285,103 @@ def _reduce_stacked(g: Tensor, mesh: Mesh, axes: tuple[str, ...], size: int) -> 
         grid = g.view(*mesh.shape.values(), *g.shape[1:])
         summed = grid.sum(dim=dims, keepdim=True).div_(size)
         grid.copy_(summed.expand_as(grid))
+
+
+# ============================================================================ torch's engines
+class PvaryHooks:
+    """On real ranks, ``pvary`` a module's parameters inside its own forward (pre-hook swaps the
+    parameter for ``pvary(parameter)``, a forward hook puts it back, also when forward raises).
+
+    `fastdist.nn.ParallelModel` normally swaps these parameters with ``functional_call`` around
+    the whole model; DDP and FSDP2 must call the model themselves, and FSDP2 installs its
+    unsharded parameters at each block's forward, so the swap happens at the innermost module,
+    after them: the gradient reaches the very parameter the engine reduces.
+    """
+
+    def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
+        from ..collectives import pvary
+
+        self._handles: list[Any] = []
+        by_module: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
+        for module, name, axis in sites:
+            by_module.setdefault(id(module), (module, []))[1].append((name, axis))
+        for module, names in by_module.values():
+
+            def pre(m: nn.Module, args: Any, names: list[tuple[str, str]] = names) -> None:
+                for name, axis in names:
+                    p = m._parameters.pop(name)
+                    m.__dict__[name] = pvary(p, mesh, axis)  # type: ignore[arg-type]
+                    m.__dict__[f"_fastdist_pvaried_{name}"] = p
+
+            def post(
+                m: nn.Module, args: Any, out: Any, names: list[tuple[str, str]] = names
+            ) -> None:
+                for name, _ in names:
+                    if f"_fastdist_pvaried_{name}" in m.__dict__:
+                        del m.__dict__[name]
+                        m._parameters[name] = m.__dict__.pop(f"_fastdist_pvaried_{name}")
+
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def ddp(pm: ParallelModel, axis: AxisName = "dp", **kwargs: Any) -> nn.Module:
+    """Wrap ``pm.module`` in ``torch.nn.parallel.DistributedDataParallel`` over the mesh's data
+    group (real ranks). See `fastdist.nn.ParallelModel.data_parallel`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..distributed import _axis_comm
+
+    op = "ParallelModel.data_parallel(engine='ddp')"
+    axes = _axes(axis, pm.mesh, op)
+    _refuse_split_over(pm, axes, op)
+    ac = _axis_comm(op, pm.mesh, axes)
+    device = next(pm.module.parameters()).device
+    group = ac.comm.group(ac, ac._backend(op, device.type), op)
+    return DistributedDataParallel(pm.module, process_group=group, **kwargs)
+
+
+def fsdp(
+    pm: ParallelModel, axis: AxisName = "dp", blocks: Sequence[str] | None = None, **kwargs: Any
+) -> nn.Module:
+    """Shard ``pm.module`` over the mesh's data axis with FSDP2 ``fully_shard``: each block, then
+    the root, as torchtitan does (real ranks). See `fastdist.nn.ParallelModel.data_parallel`."""
+    from torch.distributed.fsdp import fully_shard
+
+    op = "ParallelModel.data_parallel(engine='fsdp')"
+    axes = _axes(axis, pm.mesh, op)
+    if len(axes) != 1:
+        raise MeshError(f"{op}: FSDP2 shards over one mesh axis here; got {axes}")
+    _refuse_split_over(pm, axes, op)
+    device = next(pm.module.parameters()).device
+    dm = pm.mesh.to_device_mesh(device.type)[axes[0]]
+    kinds = set(
+        blocks if blocks is not None else getattr(pm.module, "_no_split_modules", None) or ()
+    )
+    wrapped = [m for m in pm.module.modules() if type(m).__name__ in kinds and m is not pm.module]
+    if blocks is not None and not wrapped:
+        raise MeshError(
+            f"{op}: no module of {type(pm.module).__name__} is of a class in blocks={list(kinds)}. "
+            "Fix: name the decoder block classes (e.g. ['LlamaDecoderLayer'])"
+        )
+    for m in wrapped:
+        fully_shard(m, mesh=dm, **kwargs)
+    fully_shard(pm.module, mesh=dm, **kwargs)
+    return pm.module
+
+
+def _refuse_split_over(pm: ParallelModel, axes: tuple[str, ...], op: str) -> None:
+    """DDP and FSDP2 average every gradient over the data group: a parameter split over a data
+    axis (experts over ep as a data axis) needs fastdist's own rule."""
+    split = [n for n, lay in pm.layouts.items() if reduce_axes(lay, axes) != axes]
+    if split:
+        raise MeshError(
+            f"{op}: parameters {split[:3]} are split over the data axes {axes}; torch's engines "
+            "would average them with other ranks' different shards. Fix: engine='fastdist' "
+            "(which sums them over the other data axes only)"
+        )
