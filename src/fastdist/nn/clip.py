@@ -55,26 +55,27 @@ def _norm_type(norm_type: float, op: str) -> float:
     return p
 
 
-def _real_rows(g: Tensor, layout: Layout, mesh: Mesh, rank: int) -> Tensor:
-    """``g`` (one rank's block) without its vocabulary padding rows."""
+def _real_rows(g: Tensor, layout: Layout, mesh: Mesh, rank: int, rows: int, at: int) -> Tensor:
+    """``g`` without vocabulary padding rows: ``g`` holds rows ``at..`` of this rank's block of
+    ``rows`` rows along the padded dim (``at`` > 0 for an FSDP2 shard of the block)."""
     if layout.size is None:
         return g
     d = layout.dim
     assert d is not None  # size implies a split dim
-    axes = layout.spec.axes_of(d)
-    rows = g.shape[d]
-    start = mesh.index(rank, axes) * rows
-    return g.narrow(d, 0, max(0, min(rows, layout.size - start)))
+    start = mesh.index(rank, layout.spec.axes_of(d)) * rows  # the block's first padded row
+    real = max(0, min(rows, layout.size - start))  # rows of the block that exist
+    return g.narrow(d, 0, max(0, min(g.shape[d], real - at)))
 
 
-def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...]]:
-    """(this rank's gradient block, extra axes it is split over): an FSDP2 DTensor's local shard
-    and the mesh dims of its Shard placements."""
+def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...], tuple[int, ...], int]:
+    """(this rank's gradient block, extra axes it is split over, the block's shape, the first
+    dim-0 row it holds): an FSDP2 DTensor's local shard, the mesh dims of its Shard
+    placements, and its offset in the tp block (torch.chunk's split)."""
     g = p.grad
     assert g is not None
     placements = getattr(g, "placements", None)
     if placements is None:
-        return g, ()
+        return g, (), tuple(g.shape), 0
     names = g.device_mesh.mesh_dim_names or ()
     extra = tuple(names[i] for i, pl in enumerate(placements) if pl.is_shard() and i < len(names))
     unknown = [a for a in extra if a not in mesh.axis_names]
@@ -84,7 +85,12 @@ def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...]]:
             f"mesh dims {names}, which {mesh!r} does not describe. Fix: build the DeviceMesh "
             "with mesh.to_device_mesh() and reduce partial gradients before clipping"
         )
-    return g.to_local(), extra
+    at = 0
+    for i, pl in enumerate(placements):
+        if pl.is_shard() and pl.dim == 0:  # FSDP2: dim 0 in torch.chunk pieces
+            chunk = -(-g.shape[0] // g.device_mesh.size(i))
+            at += g.device_mesh.get_local_rank(i) * chunk
+    return g.to_local(), extra, tuple(g.shape), at
 
 
 def _local_norm(block: Tensor, p: float) -> Tensor:
@@ -109,16 +115,17 @@ def _partial_norms(
         if param.grad is None:
             continue
         layout = layouts.get(name, Layout())
-        g, extra = _local_grad(param, mesh)
+        g, extra, block, at = _local_grad(param, mesh)
         grads.append(param.grad)
         dtype = dtype or g.dtype
         acc = torch.promote_types(g.dtype, torch.float32)
         axes = {a for d in range(len(layout.spec.dims)) for a in layout.spec.axes_of(d)}
         key = tuple(sorted(axes | set(extra), key=order.__getitem__))
+        rows = 0 if layout.dim is None else block[layout.dim + simulated]  # the padded dim's
         per_rank = []
         for i, r in enumerate(ranks):
-            block = _real_rows(g[i] if simulated else g, layout, mesh, r).to(acc)
-            per_rank.append(_local_norm(block, p))
+            local = g[i] if simulated else g
+            per_rank.append(_local_norm(_real_rows(local, layout, mesh, r, rows, at).to(acc), p))
         value = torch.stack(per_rank) if simulated else per_rank[0]
         if key in sums:
             sums[key] = torch.maximum(sums[key], value) if p == math.inf else sums[key] + value
