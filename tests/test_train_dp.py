@@ -162,14 +162,57 @@ def test_bad_arguments_raise() -> None:
 
 @pytest.mark.parametrize(
     "world, tp, sp, engines",
-    [(4, 2, True, ["fastdist", "ddp", "fsdp"]), (8, 2, True, ["fastdist", "fsdp"])],
+    [(4, 2, True, ["fastdist", "ddp", "fsdp", "zero"]), (8, 2, True, ["fastdist", "fsdp"])],
 )
 def test_engines_on_gloo_equal_one_device(
     world: int, tp: int, sp: bool, engines: list[str]
 ) -> None:
-    """dp x tp on gloo processes: fastdist's reducer, DDP and FSDP2 (2-D TP x FSDP) each give
-    one device's gradients, clipped norm and weights after 2 AdamW steps."""
+    """dp x tp on gloo processes: fastdist's reducer, DDP, FSDP2 (2-D TP x FSDP) and fastdist's
+    reducer with ZeRO-1 AdamW each give one device's gradients, clipped norm and weights after 2
+    AdamW steps."""
     from fastdist.testing import run_on_gloo
     from tests.train_worker import engines_on_gloo
 
     assert run_on_gloo(engines_on_gloo, world, engines, tp, sp, timeout=400) == ["ok"] * world
+
+
+def test_zero1_adamw_equals_replicated_adamw_with_half_the_state() -> None:
+    ref = build("llama")
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref, sequence_parallel=True))
+    pm.data_parallel("dp")
+    opt = fd.train.ZeroOptimizer(pm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sched_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, lambda s: 1.0 / (1 + s))
+    for step in range(3):
+        ids, labels, batches = per_rank(mesh, ("dp",), 7 * step)
+        pm(input_ids=ids, labels=labels).loss.sum().backward()
+        losses = [reference_loss(ref, i, lab)[1] for i, lab in batches]
+        (sum(losses) / len(losses)).backward()
+        pm.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt_ref.step()
+        sched.step()
+        sched_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    state = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), **TOL)
+    replicated = sum(2 * p[0].numel() for p in pm.parameters())  # AdamW: two moments per element
+    assert replicated / 2 <= opt.state_numel() <= replicated / 2 + 2  # 1/dp (+ padding)
+
+
+def test_zero1_refuses_what_it_cannot_shard() -> None:
+    mesh = fd.Mesh({"dp": 2})
+    pm = fd.nn.parallelize(torch.nn.Linear(3, 2), mesh, {})
+    with pytest.raises(fd.MeshError, match="LBFGS is not known"):
+        fd.train.ZeroOptimizer(pm, torch.optim.LBFGS)
+    with pytest.raises(fd.MeshError, match="'tp'"):
+        fd.train.ZeroOptimizer(pm, torch.optim.AdamW, "tp")
+    opt = fd.train.ZeroOptimizer(pm, torch.optim.SGD, lr=0.1)
+    pm.module.weight.grad = torch.ones_like(pm.module.weight)
+    with pytest.raises(fd.MeshError, match=r"\['bias'\] have no gradient"):
+        opt.step()

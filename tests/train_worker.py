@@ -25,14 +25,18 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
         pm = fd.nn.parallelize(
             copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref, sequence_parallel=sp)
         )
-        wrapped = pm.data_parallel("dp", engine=engine)
+        wrapped = pm.data_parallel("dp", engine="fastdist" if engine == "zero" else engine)
         if engine == "fsdp":  # 2-D: each parameter a DTensor over dp of this rank's tp block
             w = pm.module.model.layers[0].mlp.gate_proj.weight
             assert type(w).__name__ == "DTensor" and w.to_local().shape[0] == 48 // tp // dp
         elif engine == "ddp":
             assert type(wrapped).__name__ == "DistributedDataParallel"
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        opt = (
+            fd.train.ZeroOptimizer(pm, torch.optim.AdamW, lr=1e-2)
+            if engine == "zero"
+            else torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        )
         for step in range(steps):
             batches = [batch(100 * step + i) for i in range(dp)]
             ids, labels = batches[me]
@@ -52,7 +56,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
             # garbage in the vocabulary's padding row (61 rows over tp: the last tp rank's last
             # row; under FSDP2 the last dp rank's shard of it) must not count
             g = pm.module.model.embed_tokens.weight.grad
-            local = g.to_local() if engine == "fsdp" else g
+            local = g.to_local() if engine == "fsdp" else g  # zero: fastdist's reducer
             if mesh.coords(mesh.rank)["tp"] == tp - 1 and (engine != "fsdp" or me == dp - 1):
                 local[-1] = 1e3
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)

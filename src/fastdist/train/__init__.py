@@ -8,5 +8,6 @@
 """
 
 from .data_parallel import DataParallel, reduce_axes
+from .zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "reduce_axes"]
+__all__ = ["DataParallel", "reduce_axes", "ZeroOptimizer"]

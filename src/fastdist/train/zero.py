@@ -1,0 +1,209 @@
+"""ZeRO-1: the optimizer state sharded over a data axis, built from fastdist's own collectives.
+
+Every data rank holds the same parameters and (after `DataParallel`) the same gradients, so
+each can update a disjoint slice and share the result. `ZeroOptimizer` flattens the
+parameters (per dtype and device) into one vector per rank, padded to a multiple of the axis
+size; rank ``i`` along the axis keeps chunk ``i`` (`fastdist.local_chunk`), runs the wrapped
+torch optimizer on that chunk alone (so its state, e.g. AdamW's two moments, is ``1/n`` of
+the replicated one), and the updated chunks are all-gathered back into every parameter
+(`fastdist.all_gather_invariant`). Elementwise optimizers (SGD, Adam, AdamW, ...) give the
+very values of the replicated optimizer; ones that look across a tensor (LAMB, Adafactor,
+Shampoo) do not, and are refused.
+
+The same code runs on a simulated mesh (every rank's chunk stacked) and on real ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import MeshError
+from ..mesh import AxisName, Mesh
+from ..nn.state import Layout, param_layouts
+from .data_parallel import _axes, reduce_axes
+
+if TYPE_CHECKING:
+    from ..nn.parallelize import ParallelModel
+
+__all__ = ["ZeroOptimizer"]
+
+#: torch optimizers whose update of an element reads only that element (and scalars)
+_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Wrap a torch optimizer so that its state is sharded over the data axis ``axis`` (ZeRO-1).
+
+    Args:
+        model: a `fastdist.nn.ParallelModel` (or an ``nn.Module`` with ``mesh=``) whose
+            gradients are already reduced over ``axis`` (`DataParallel`, DDP).
+        optimizer_class: an elementwise torch optimizer (``torch.optim.AdamW``, ``Adam``,
+            ``SGD``, ...).
+        axis: the data axis (or tuple) the state is sharded over; no parameter may be split
+            over it.
+        mesh: the mesh, when ``model`` is a plain module.
+        **defaults: the optimizer's keywords (``lr=``, ``weight_decay=``, ...).
+
+    ``step()`` updates every parameter exactly as ``optimizer_class(model.parameters())``
+    would. ``param_groups`` are the wrapped optimizer's (one group), so LR schedulers work.
+    Parameters that got no gradient while others did raise (a flat update cannot skip them,
+    and updating them with a zero gradient would differ from torch).
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"dp": 2})
+    >>> pm = fd.nn.parallelize(torch.nn.Linear(3, 2), mesh, {})
+    >>> dp = fd.train.DataParallel(pm)
+    >>> opt = fd.train.ZeroOptimizer(pm, torch.optim.AdamW, lr=0.1)
+    >>> pm(torch.randn(2, 4, 3)).sum().backward()
+    >>> opt.step()
+    >>> opt.state_numel(), sum(p[0].numel() for p in pm.parameters())  # 2 moments x 4: half of 8
+    (8, 8)
+    """
+
+    def __init__(
+        self,
+        model: ParallelModel | nn.Module,
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        axis: AxisName = "dp",
+        *,
+        mesh: Mesh | None = None,
+        **defaults: Any,
+    ) -> None:
+        op = "fastdist.train.ZeroOptimizer"
+        module = getattr(model, "module", model)
+        mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+        if not isinstance(module, nn.Module) or mesh is None:
+            raise MeshError(
+                f"{op}: expected a fastdist.nn.ParallelModel (or an nn.Module with mesh=), got "
+                f"{type(model).__name__}"
+            )
+        name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+        if name not in _ELEMENTWISE:
+            raise MeshError(
+                f"{op}: {name} is not known to update each element from that element alone; "
+                f"sharding it would change its result. Fix: one of {', '.join(_ELEMENTWISE)}"
+            )
+        self.mesh, self.module = mesh, module
+        self.axes = _axes(axis, mesh, op)
+        layouts = param_layouts(module)
+        names = {id(p): n for n, p in module.named_parameters()}
+        params = [p for p in module.parameters() if p.requires_grad]
+        split = [
+            names[id(p)]
+            for p in params
+            if reduce_axes(layouts.get(names[id(p)], Layout()), self.axes) != self.axes
+        ]
+        if split:
+            raise MeshError(
+                f"{op}: parameters {split[:3]} are split over {self.axes}, so their ranks hold "
+                "different values; ZeRO shards only what the data ranks hold alike. Fix: "
+                "shard over the axes every parameter is replicated over"
+            )
+        self._stacked = mesh.backend is None
+        self._n = mesh.axis_size(self.axes)
+        groups: dict[tuple[Any, ...], list[nn.Parameter]] = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self._groups: list[tuple[list[nn.Parameter], nn.Parameter, int]] = []
+        for plist in groups.values():
+            numel = sum(self._local_numel(p) for p in plist)
+            padded = -(-numel // self._n) * self._n
+            shard = self._chunk(self._flat([p.detach() for p in plist], padded))
+            self._groups.append((plist, nn.Parameter(shard), padded))
+        self.inner = optimizer_class([g[1] for g in self._groups], **defaults)
+        # what torch.optim.Optimizer users (LR schedulers) read: the wrapped optimizer's own
+        self.defaults = self.inner.defaults
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._optimizer_step_pre_hooks: Any = {}
+        self._optimizer_step_post_hooks: Any = {}
+
+    def _local_numel(self, p: Tensor) -> int:
+        return p[0].numel() if self._stacked else p.numel()
+
+    def _flat(self, tensors: list[Tensor], padded: int) -> Tensor:
+        """One rank's tensors as one vector of ``padded`` elements ([world, padded] stacked)."""
+        lead = (self.mesh.size,) if self._stacked else ()
+        # each [*lead, *local] -> [*lead, numel], side by side, zero padding at the end
+        flat = torch.cat([t.reshape(*lead, -1) for t in tensors], dim=-1)
+        return torch.nn.functional.pad(flat, (0, padded - flat.shape[-1]))
+
+    def _per_rank(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        if self._stacked:
+            from ..simulate import simulate
+
+            return simulate(fn, self.mesh)(x)
+        return fn(x)
+
+    def _chunk(self, flat: Tensor) -> Tensor:
+        from ..collectives import local_chunk
+
+        return self._per_rank(lambda v: local_chunk(v, self.mesh, self.axes, dim=0), flat)
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state tensors this rank holds (per rank on a simulated mesh)."""
+        total = 0
+        for state in self.inner.state.values():
+            for v in state.values():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    total += v[0].numel() if self._stacked else v.numel()
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Update this rank's chunk with the wrapped optimizer, then all-gather every chunk into
+        the parameters (a collective on real ranks)."""
+        from ..collectives import all_gather_invariant
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        live = []
+        for plist, shard, padded in self._groups:
+            have = [p.grad is not None for p in plist]
+            if not any(have):
+                shard.grad = None
+                continue
+            if not all(have):
+                ids = {id(p) for p in plist}
+                missing = [
+                    n for n, p in self.module.named_parameters() if id(p) in ids and p.grad is None
+                ]
+                raise MeshError(
+                    f"fastdist.train.ZeroOptimizer.step: {missing[:3]} have no gradient while "
+                    "others do; a sharded flat update cannot skip them as torch's optimizers "
+                    "do. Fix: give them a gradient (e.g. zeros) or requires_grad=False"
+                )
+            shard.copy_(self._chunk(self._flat([p.detach() for p in plist], padded)))
+            shard.grad = self._chunk(self._flat([p.grad for p in plist], padded))  # type: ignore[misc]
+            live.append((plist, shard))
+        self.inner.step()
+        for plist, shard in live:
+            full = self._per_rank(
+                lambda v: all_gather_invariant(v, self.mesh, self.axes, dim=0), shard.detach()
+            )
+            offset = 0
+            for p in plist:
+                k = self._local_numel(p)
+                p.copy_(full[..., offset : offset + k].reshape(p.shape))
+                offset += k
+            shard.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (as ``torch.optim.Optimizer.zero_grad``)."""
+        for plist, _, _ in self._groups:
+            for p in plist:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({type(self.inner).__name__}, axes={self.axes}, {self.mesh!r})"
