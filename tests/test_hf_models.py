@@ -345,7 +345,7 @@ def test_load_checkpoint_is_strict(tmp_path: Any) -> None:
     torch.testing.assert_close(pm.state_dict()["model.norm.weight"], state["model.norm.weight"])
 
 
-def test_buffers_load_and_gather_whole_and_meta_models_are_refused() -> None:
+def test_buffers_load_and_gather_whole_also_into_a_meta_model() -> None:
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -372,10 +372,20 @@ def test_buffers_load_and_gather_whole_and_meta_models_are_refused() -> None:
         pm(x.expand(2, 3, 4))[1],
         torch.nn.functional.linear(x, state["lin.weight"], state["lin.bias"]) * 5.0,
     )
+    # built on the meta device: parallelize makes meta shards, load gives them (and the persistent
+    # buffer) storage and values (more in tests/test_meta.py)
     with torch.device("meta"):
         meta = Scaled()
-    with pytest.raises(fd.nn.ParallelizeError, match="meta device"):
-        fd.nn.parallelize(meta, mesh, {"lin": fd.nn.ColwiseParallel()})
+    pm = fd.nn.parallelize(
+        meta, mesh, {"lin": fd.nn.ColwiseParallel(input="replicated", gather_output=True)}
+    )
+    assert meta.lin.weight.is_meta and tuple(meta.lin.weight.shape) == (2, 3, 4)
+    pm.load({**state, "scale": torch.tensor([5.0, 6.0])})
+    assert not meta.lin.weight.is_meta and meta.scale.tolist() == [5.0, 6.0]
+    torch.testing.assert_close(
+        pm(x.expand(2, 3, 4))[1],
+        torch.nn.functional.linear(x, state["lin.weight"], state["lin.bias"]) * 5.0,
+    )
 
 
 # ============================================================================ errors

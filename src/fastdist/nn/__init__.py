@@ -36,6 +36,7 @@ from .layers import (
     VocabParallelEmbedding,
 )
 from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
+from .materialize import init_weights, module_seed
 from .moe import MoEError  # noqa: E402
 from .parallelize import ParallelModel, parallelize
 from .state import (
@@ -94,6 +95,8 @@ __all__ = [
     "parallelize",
     "ParallelModel",
     "ParallelizeError",
+    "init_weights",
+    "module_seed",
     "Style",
     "ColwiseParallel",
     "RowwiseParallel",

@@ -35,12 +35,17 @@ from ..collectives import pvary
 from ..mesh import Mesh
 from ..simulate import simulate
 from .layers import VocabParallelEmbedding
+from .materialize import InitError, Original, init_steps, resolve_device, run_inits, unwritten
 from .plans import plan_for
 from .state import (
+    CheckpointError,
     Layout,
+    _listed,
     full_state_dict,
     gather_full,
     load_checkpoint,
+    materialize_,
+    meta_names,
     param_layouts,
     save_checkpoint,
 )
@@ -185,15 +190,226 @@ class ParallelModel:
             if p.grad is not None
         }
 
-    def load(self, source: Any, *, strict: bool = True, rename: Any = None) -> None:
+    def load(
+        self,
+        source: Any,
+        *,
+        strict: bool = True,
+        rename: Any = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Load a single-device checkpoint (safetensors file or directory, or a state dict): see
-        `fastdist.nn.load_checkpoint`."""
-        load_checkpoint(self.module, source, self.mesh, strict=strict, rename=rename)
+        `fastdist.nn.load_checkpoint`.
+
+        A model built on the meta device gets its storage here, each rank only its own shards
+        (read from the file by slices): on ``device`` (default cpu), floating-point parameters in
+        ``dtype`` (default: the meta parameter's). Its non-persistent buffers, which no
+        checkpoint holds (a rotary embedding's ``inv_freq``), are recomputed first with the
+        model's own init, as transformers' ``from_pretrained`` does (``_init_weights`` of the
+        module that owns them: the rotary embedding's rope function).
+
+        Raises `CheckpointError` naming the tensors: for a meta buffer no init computes, and for
+        meta parameters a ``strict=False`` load would leave without storage (initialise first:
+        `init_weights`, then ``load(..., strict=False)``); `ParallelizeError` for
+        ``device``/``dtype`` given to a model with nothing on the meta device.
+        """
+        if (device is not None or dtype is not None) and not meta_names(self.module):
+            raise ParallelizeError(
+                f"ParallelModel.load: device={device!r} / dtype={dtype!r} choose where tensors on "
+                f"the meta device get their storage, but {type(self.module).__name__} has none on "
+                "the meta device. Fix: drop them (the checkpoint is converted to the parameters' "
+                "own device and dtype)"
+            )
+        self._recompute_buffers(resolve_device(device))
+        left = bool(meta_names(self.module))
+        load_checkpoint(
+            self.module,
+            source,
+            self.mesh,
+            strict=strict,
+            rename=rename,
+            device=device if left else None,
+            dtype=dtype if left else None,
+        )
+        self._settle_meta()
 
     def save(self, path: Any, *, dst: int = 0) -> dict[str, Tensor]:
         """Write the single-device weights as one safetensors file (rank ``dst``): see
         `fastdist.nn.save_checkpoint`."""
         return save_checkpoint(self.module, path, self.mesh, dst=dst)
+
+    # ------------------------------------------------------------------ models built on meta
+    def init_weights(
+        self,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Initialise every parameter in place with the model's own init, each rank computing only
+        its own shards' values; tensors on the meta device get their storage here.
+
+        The single-device model's modules are initialised one at a time, children before
+        parents: each module's whole tensors exist only while its init runs (transformers'
+        ``_init_weights``, or ``reset_parameters`` in a model that is not a transformers model,
+        seeded with `fastdist.nn.module_seed` ``(seed, module name)``), then each rank keeps its
+        slices and the whole tensors are freed. The peak is one module's tensors, not the
+        model's. Buffers an init writes are recomputed too (a rotary embedding's ``inv_freq``).
+
+        Exact: the shards are bitwise slices of what `fastdist.nn.init_weights` (the same seed)
+        gives the single-device model, for every init that writes in place with the random
+        functions of the tensor's device: all of transformers' ``_init_weights`` and torch's
+        ``reset_parameters``. The result is not the model's construction-time init (that one
+        draws from the global generator in module order). CPU and CUDA random streams differ:
+        compare on one device type, in one dtype.
+
+        Args:
+            seed: the seed every module's seed derives from (the same on every rank).
+            device: where tensors on the meta device get their storage (default cpu); the
+                whole tensors are computed there too. Tensors with storage stay where they are.
+            dtype: floating-point meta parameters' dtype (default: their own). Buffers keep theirs.
+
+        Raises `ParallelizeError` (before anything changes) for a parameter no init writes, a meta
+        buffer no init writes, an init that cannot run on the meta device or uses values from
+        before any init, and for ``device``/``dtype`` with nothing on the meta device.
+        """
+        if (device is not None or dtype is not None) and not meta_names(self.module):
+            raise ParallelizeError(
+                f"ParallelModel.init_weights: device={device!r} / dtype={dtype!r} choose where "
+                f"tensors on the meta device get their storage, but {type(self.module).__name__} "
+                "has none on the meta device. Fix: drop them (tensors with storage are "
+                "initialised where they are)"
+            )
+        original = self._original_for("ParallelModel.init_weights", ParallelizeError)
+        try:
+            steps = init_steps(original)
+        except InitError as e:
+            raise ParallelizeError(f"ParallelModel.init_weights: {e}") from e
+        params = dict(self.module.named_parameters())
+        buffers = {n: b for n, b in self.module.named_buffers() if n not in params}
+        known = [n for n in buffers if n in original.tensors]
+        written = set(known) - set(unwritten(steps, known))
+        missing = [n for n in params if n not in original.params]
+        missing += unwritten(steps, [n for n in params if n in original.params])
+        missing += [n for n, b in buffers.items() if b.is_meta and n not in written]
+        if missing:
+            raise ParallelizeError(
+                f"ParallelModel.init_weights: no init of {type(self.module).__name__} writes "
+                f"{_listed(missing)}. Fix: give their modules an init (a branch of "
+                "_init_weights, or reset_parameters), or load them from a checkpoint (pm.load)"
+            )
+        dev = resolve_device(device)
+
+        def alloc(n: str) -> tuple[torch.device, torch.dtype]:
+            t = params.get(n, buffers.get(n))
+            meta = original.tensors[n]
+            if t is None or t.is_meta:
+                floating = n in params and meta.is_floating_point()
+                return dev, dtype if dtype is not None and floating else meta.dtype
+            return t.device, t.dtype
+
+        def deliver(n: str, whole: Tensor) -> None:
+            t = params.get(n, buffers.get(n))
+            assert t is not None
+            if t.is_meta:
+                materialize_(t, whole.device, whole.dtype)
+            with torch.no_grad():
+                if n not in params:
+                    t.copy_(whole)
+                    return
+                layout, shape = self.layouts[n], tuple(whole.shape)
+                for r in range(self.mesh.size) if self.simulated else (self.mesh.rank,):
+                    block = layout.read(lambda s: whole[s], shape, self.mesh, r, n)
+                    (t[r] if self.simulated else t).copy_(block)
+
+        try:
+            run_inits(
+                original, steps, set(params) | written, seed=seed, alloc=alloc, deliver=deliver
+            )
+        except InitError as e:
+            raise ParallelizeError(f"ParallelModel.init_weights: {e}") from e
+        self._settle_meta()
+
+    def _recompute_buffers(self, device: torch.device) -> None:
+        """Non-persistent buffers on the meta device, recomputed by the model's own init (no
+        checkpoint holds them)."""
+        names = [n for n, b in self.module.named_buffers() if b.is_meta]
+        if names:
+            keys = set(self.module.state_dict(keep_vars=True))
+            names = [n for n in names if n not in keys]
+        if not names:
+            return
+        original = self._original_for("ParallelModel.load", CheckpointError)
+        try:
+            steps = init_steps(original)
+        except InitError as e:
+            raise CheckpointError(f"ParallelModel.load: {e}") from e
+        lost = [n for n in names if n not in original.tensors]
+        lost += unwritten(steps, [n for n in names if n in original.tensors])
+        if lost:
+            raise CheckpointError(
+                f"ParallelModel.load: the non-persistent buffers {_listed(lost)} are on the meta "
+                "device; no checkpoint holds them and no init of the model computes them. Fix: "
+                "build the modules that own them outside torch.device('meta') (accelerate's "
+                "init_empty_weights keeps buffers real by default), or assign them before loading "
+                "(pm.module.get_submodule(...).register_buffer(name, value, persistent=False))"
+            )
+        live = dict(self.module.named_buffers())
+
+        def alloc(n: str) -> tuple[torch.device, torch.dtype]:
+            t = live.get(n)
+            if t is None or t.is_meta:
+                return device, original.tensors[n].dtype
+            return t.device, t.dtype
+
+        def deliver(n: str, whole: Tensor) -> None:
+            materialize_(live[n], whole.device, whole.dtype)
+            with torch.no_grad():
+                live[n].copy_(whole)
+
+        try:
+            run_inits(original, steps, set(names), seed=0, alloc=alloc, deliver=deliver)
+        except InitError as e:
+            raise CheckpointError(f"ParallelModel.load: {e}") from e
+
+    def _attach_original(self, original: Original | None, why: str) -> None:
+        """Keep the meta copy of the single-device model (``why``: why there is none)."""
+        self._original, self._original_why = original, why
+        self._meta_hook: Any = None
+        if meta_names(self.module):
+            # (inside a simulated call the parameters are the simulation's wrappers of the
+            # module's own: a wrapper of a meta tensor is meta too)
+            def refuse_meta(module: nn.Module, args: Any, kwargs: Any) -> None:
+                meta = meta_names(module)
+                if meta:
+                    raise ParallelizeError(
+                        f"parallelize: {type(module).__name__} was called with {_listed(meta)} "
+                        f"on the meta device ({len(meta)} in all: built under "
+                        "torch.device('meta'), with shapes but no values). Fix: materialise them "
+                        "first, each rank its own shards: pm.load(checkpoint) or "
+                        "pm.init_weights(seed=...)"
+                    )
+
+            self._meta_hook = self.module.register_forward_pre_hook(
+                refuse_meta, prepend=True, with_kwargs=True
+            )
+
+    def _original_for(self, what: str, error: type[Exception]) -> Original:
+        original: Original | None = getattr(self, "_original", None)
+        if original is None:
+            raise error(
+                f"{what}: the model's modules before parallelize are not known (a meta copy of "
+                f"the model could not be made: {getattr(self, '_original_why', 'not attached')}). "
+                "Fix: a model that copy.deepcopy can copy"
+            )
+        return original
+
+    def _settle_meta(self) -> None:
+        """Drop the call guard once nothing is left on the meta device."""
+        if getattr(self, "_meta_hook", None) is not None and not meta_names(self.module):
+            self._meta_hook.remove()
+            self._meta_hook = None
 
     def data_parallel(self, axis: Any = "dp", engine: str = "fastdist", **kwargs: Any) -> Any:
         """Data parallelism over ``axis`` (each index along it runs its own batch); returns the
@@ -379,13 +595,6 @@ def parallelize(
     >>> bool(torch.allclose(out[1], ref, atol=1e-6))
     True
     """
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ParallelizeError(
-            f"parallelize: {type(model).__name__} has parameters on the meta device "
-            f"({meta[:3]}...); there are no weights to shard. Fix: build the model with real "
-            "tensors (meta-device construction is not supported yet)"
-        )
     if plan is None:
         plan = plan_for(model, mesh)
     done_before = [
@@ -437,6 +646,13 @@ def parallelize(
     for name, module, pattern in matches:
         for style in styles[pattern]:
             style.check(module, name, mesh)
+    # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the
+    # model's own init on its modules, and load recomputes meta buffers with it.
+    try:
+        original: Original | None = Original.of(model)
+        why = ""
+    except Exception as e:  # noqa: BLE001 (reported when the copy is needed)
+        original, why = None, f"{type(e).__name__}: {e}"
     # Phase 2: apply.
     ctx = _Context(mesh)
     for name, module, pattern in matches:
@@ -457,4 +673,6 @@ def parallelize(
             for pname, p in list(mod.named_parameters(recurse=False)):
                 if id(p) not in done:
                     setattr(mod, pname, ctx.param(p, Layout(), f"{mod_name}.{pname}"))
-    return ParallelModel(model, mesh, ctx.pvary, ctx.axes)
+    pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes)
+    pm._attach_original(original, why)
+    return pm

@@ -199,6 +199,44 @@ class Layout:
             start, offset = start + part, offset + step
         return pieces
 
+    def boxes(
+        self, full_shape: tuple[int, ...], mesh: Mesh, rank: int
+    ) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+        """Rank ``rank``'s block as rectangular boxes of the single-device tensor.
+
+        Each box is ``(slices of the single-device tensor of full_shape, slices of the block)``
+        naming the same elements, every slice with explicit bounds. A plain split gives one box;
+        fused ``parts`` give one per part; padding rows lie in no box (a box of only padding is
+        left out). What a distributed checkpoint writes and reads for each rank.
+
+        >>> import fastdist as fd
+        >>> mesh = fd.Mesh({"tp": 2})
+        >>> fused = fd.nn.Layout(fd.P(None, "tp"), parts=(2, 2, 2))
+        >>> [(g[1].start, b[1].start) for g, b in fused.boxes((1, 6), mesh, 1)]  # [q1 | k1 | v1]
+        [(1, 0), (3, 1), (5, 2)]
+        >>> fd.nn.Layout(fd.P("tp"), size=3).boxes((3,), mesh, 1)  # row 2, then a padding row
+        [((slice(2, 3, None),), (slice(0, 1, None),))]
+        """
+        full_shape = tuple(full_shape)
+        local = self.local_shape(full_shape, mesh)
+        out = []
+        for slices, offset in self._pieces(full_shape, mesh, rank):
+            glob, loc = [], []
+            for d, s in enumerate(slices):
+                start, stop = s.start or 0, full_shape[d] if s.stop is None else s.stop
+                if d == self.dim:
+                    stop = min(stop, full_shape[d])  # padding rows are in no box
+                    if stop <= start < s.stop:
+                        break  # only padding
+                    glob.append(slice(start, stop))
+                    loc.append(slice(offset, offset + stop - start))
+                else:
+                    glob.append(slice(start, stop))
+                    loc.append(slice(0, local[d]))
+            else:
+                out.append((tuple(glob), tuple(loc)))
+        return out
+
     def read(
         self, get: Getter, full_shape: tuple[int, ...], mesh: Mesh, rank: int, name: str = "tensor"
     ) -> Tensor:
@@ -298,6 +336,36 @@ def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) 
 
 def _as_layout(spec: SpecLike) -> Layout:
     return spec if isinstance(spec, Layout) else Layout(spec)
+
+
+def materialize_(
+    t: Tensor, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Give meta tensor ``t`` real, uninitialised storage, in place: the same Python object (every
+    module that holds it, tied or not, sees the change), shape, strides, ``requires_grad`` and
+    attributes; on ``device`` (default cpu) in ``dtype`` (default its own). The values are
+    garbage until written."""
+    real = torch.empty_strided(
+        tuple(t.shape), tuple(t.stride()), dtype=dtype or t.dtype, device=device or "cpu"
+    )
+    new = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
+    new.__dict__.update(t.__dict__)  # swap_tensors swaps the attribute dicts too
+    torch.utils.swap_tensors(t, new)  # type: ignore[no-untyped-call]
+
+
+def meta_names(module: nn.Module) -> list[str]:
+    """Names of ``module``'s parameters and buffers (persistent or not) still on the meta
+    device."""
+    return [
+        *(n for n, p in module.named_parameters() if p.is_meta),
+        *(n for n, b in module.named_buffers() if b.is_meta),
+    ]
+
+
+def _listed(names: list[str], limit: int = 6) -> str:
+    """``['a', 'b'] (and 7 more)``: a list of names for a message, cut at ``limit``."""
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
 
 
 # ============================================================================ specs of a module
@@ -437,6 +505,8 @@ def load_checkpoint(
     rank: int | None = None,
     strict: bool = True,
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Load a single-device checkpoint into a parallel module, each rank reading only its own
     slices.
@@ -456,9 +526,26 @@ def load_checkpoint(
             and unexpected keys (shapes are always checked).
         rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose
             merged projection is named differently from the checkpoint.
+        device: where parameters and persistent buffers still on the meta device (a model built
+            under ``torch.device("meta")``, then parallelized) get their storage: each gets only
+            its shard's, allocated as it is read (default cpu).
+        dtype: the dtype of floating-point meta parameters (default: their own; the checkpoint's
+            values are converted). Buffers keep theirs.
+
+    Raises `CheckpointError` (before anything is read) for a meta tensor the load would not
+    fill: a key missing under ``strict=False``, or a non-persistent buffer (no checkpoint holds
+    one; `fastdist.nn.ParallelModel.load` recomputes them), and for ``device``/``dtype`` given to
+    a module with nothing on the meta device.
     """
     layouts = param_layouts(module)
     tensors = _named_tensors(module)
+    if (device is not None or dtype is not None) and not meta_names(module):
+        raise CheckpointError(
+            f"fastdist.nn.load_checkpoint: device={device!r} / dtype={dtype!r} choose where "
+            f"tensors on the meta device get their storage, but {type(module).__name__} has none "
+            "on the meta device. Fix: drop them (the checkpoint is converted to the parameters' "
+            "own device and dtype), or move the model first (module.to(...))"
+        )
     stacked = rank is None and mesh.backend is None
     if rank is None and not stacked:
         rank = mesh.rank
@@ -488,17 +575,29 @@ def load_checkpoint(
                 f"missing, {len(unexpected)} unexpected). Fix: load the checkpoint of the same "
                 "model (same config), map names with rename=, or pass strict=False"
             )
+        unfilled = [n for k, n in wanted.items() if k not in shapes and tensors[n][0].is_meta]
+        if unfilled:
+            raise CheckpointError(
+                f"fastdist.nn.load_checkpoint: {_listed(unfilled)} are on the meta device and "
+                f"the checkpoint has no key for them ({len(unfilled)} in all): strict=False skips "
+                "a missing key, but these would stay without storage. Fix: load a checkpoint "
+                "that has them, or initialise the model first (ParallelModel.init_weights("
+                "seed=...)) and then load with strict=False"
+            )
+        computed = [n for n, b in module.named_buffers() if b.is_meta and n not in tensors]
+        if computed:
+            raise CheckpointError(
+                f"fastdist.nn.load_checkpoint: the non-persistent buffers {_listed(computed)} are "
+                "on the meta device; no checkpoint holds them (the model computes them when it is "
+                "built, e.g. a rotary embedding's inv_freq). Fix: load through "
+                "fastdist.nn.parallelize's ParallelModel.load, which recomputes them with the "
+                "model's own init, or assign them yourself before loading"
+            )
         with torch.no_grad():
             for key, name in wanted.items():
                 if key not in shapes:
                     continue
                 (t, is_param), layout = tensors[name], layouts.get(name, Layout())
-                if t.is_meta:
-                    raise CheckpointError(
-                        f"fastdist.nn.load_checkpoint: {name!r} is on the meta device, so there is "
-                        "nothing to load into. Fix: build the model with real tensors (loading "
-                        "from meta-device construction is not supported yet)"
-                    )
                 # simulated: parameters hold every rank's shard; buffers are whole
                 per_rank = stacked and is_param
                 local = tuple(t.shape[1:]) if per_rank else tuple(t.shape)
@@ -510,12 +609,12 @@ def load_checkpoint(
                         "Fix: load the checkpoint of the same config"
                     )
                 get = reader(key)
-                if per_rank:
-                    t.copy_(
-                        torch.stack(
-                            [layout.read(get, expect, mesh, r, key) for r in range(mesh.size)]
-                        )
-                    )
+                if t.is_meta:  # storage for this rank's shard only, allocated now
+                    floating = is_param and t.is_floating_point()
+                    materialize_(t, device, dtype if floating else None)
+                if per_rank:  # rank by rank: no stacked copy in flight
+                    for r in range(mesh.size):
+                        t[r].copy_(layout.read(get, expect, mesh, r, key))
                 else:
                     t.copy_(layout.read(get, expect, mesh, rank or 0, key))
 
@@ -558,6 +657,13 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
     (``check``; see `Layout.join`).
     """
+    meta = meta_names(module)
+    if meta:
+        raise CheckpointError(
+            f"fastdist.nn.full_state_dict: {_listed(meta)} are on the meta device (no values "
+            "yet; a model built under torch.device('meta')). Fix: materialise them first: "
+            "ParallelModel.load(checkpoint) or ParallelModel.init_weights(seed=...)"
+        )
     layouts = param_layouts(module)
     out = {}
     for name, (t, is_param) in _named_tensors(module).items():

@@ -77,7 +77,18 @@ class _Context:
         if id(old) in self.converted:
             return self.converted[id(old)]
         full = old.detach()
-        if self.mesh.backend is None:
+        if full.is_meta:
+            # a model built on the meta device: a meta shard of the local shape, no values (the
+            # whole tensor is never made); ParallelModel.load / init_weights give it storage
+            local = layout.local_shape(tuple(full.shape), self.mesh, where)
+            stacked = self.mesh.backend is None
+            data = torch.empty(
+                (self.mesh.size, *local) if stacked else local, dtype=full.dtype, device="meta"
+            )
+            if stacked and linear_weight and data.dim() == 3:
+                # as below: a [world, out, in] view of [world, in, out] memory
+                data = data.transpose(1, 2).contiguous().transpose(1, 2)
+        elif self.mesh.backend is None:
             data = torch.stack(
                 [layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)]
             )  # [world, out, in]
