@@ -1,0 +1,245 @@
+"""A whole training run: tensor (+ sequence) parallel x data parallel, with the pieces a real run
+needs, on real ranks or on a simulated mesh with the same code.
+
+    torchrun --standalone --nproc-per-node 4 examples/train.py --tp 2 --steps 20
+    torchrun --standalone --nproc-per-node 4 examples/train.py --tp 4 --resume ckpt/step_10
+    python examples/train.py --simulate --dp 2 --tp 2 --steps 20        # one process, no GPU
+
+An HF Llama (``--model mixtral``: a Mixtral, experts over the ``tp`` ranks as ``ep``) built
+from a small config; AdamW with linear warmup and cosine decay; gradient accumulation
+(``--accum``) with the data-parallel reduction only on the last micro-batch; global-norm
+clipping that every rank agrees on; bf16 autocast where the device has it (``--bf16``); a
+distributed checkpoint every ``--ckpt-every`` steps (each rank writes its own slices); and
+``--resume`` from any such checkpoint, at any tp / dp. ``--check`` trains the same model on
+one device alongside (the whole global batch) and exits non-zero if a loss or a weight differs.
+
+The global batch of every step is the same whatever the layout: ``--batch`` sequences, split
+over the data ranks, then into ``--accum`` micro-batches. Every sequence has the same length
+and no ignored labels, so the mean of the per-rank losses is the single-device loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fastdist as fd
+
+
+def build_model(kind: str, dtype: torch.dtype, seed: int = 0) -> Any:
+    """The single-device model, the same on every rank (same seed)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=503,  # prime: the vocabulary-parallel head pads it
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            **common,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=False,  # the aux loss of a batch is not the mean over ranks
+            experts_implementation="eager",
+        )
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        raise SystemExit(f"--model {kind!r}: use llama or mixtral")
+    return model.to(dtype).train()
+
+
+def global_batch(step: int, args: argparse.Namespace, vocab: int) -> torch.Tensor:
+    """Step ``step``'s ``--batch`` sequences of ``--seq`` tokens (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+
+
+def lr_lambda(args: argparse.Namespace) -> Any:
+    """Linear warmup over ``--warmup`` steps, then cosine decay to 10% at ``--steps``."""
+
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        done = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+
+    return f
+
+
+def make_mesh(args: argparse.Namespace) -> fd.Mesh:
+    ep = args.model == "mixtral"
+    if args.simulate:
+        return fd.Mesh({"dp": args.dp, "ep" if ep else "tp": args.tp})
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    return fd.Mesh.from_torch(**({"ep": args.tp} if ep else {"tp": args.tp}), timeout=120)
+
+
+def rank_slices(mesh: fd.Mesh, ids: torch.Tensor, accum: int) -> list[torch.Tensor]:
+    """The ``accum`` micro-batches of every rank: [world, b, S] stacked on a simulated mesh, this
+    rank's [b, S] on real ranks. Data rank ``i`` takes the ``i``-th slice of the global batch."""
+    dp = mesh.axis_size("dp")
+    per = ids.shape[0] // (dp * accum)
+    # [batch, S] -> [dp, accum, per, S]: data rank, micro-batch, sequences
+    split = ids.view(dp, accum, per, ids.shape[-1])
+    ranks = range(mesh.size) if mesh.backend is None else [mesh.rank]
+    micro = []
+    for a in range(accum):
+        rows = [split[mesh.coords(r)["dp"], a] for r in ranks]
+        micro.append(torch.stack(rows) if mesh.backend is None else rows[0])
+    return micro
+
+
+def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
+    """The run; returns the losses and, with ``--check``, the largest differences from one
+    device."""
+    dtype = {"float64": torch.float64, "float32": torch.float32}[args.dtype]
+    simulated = mesh.backend is None
+    model = build_model(args.model, dtype)
+    for m in model.modules():  # no dropout in these configs; say so if a config adds one
+        assert not isinstance(m, torch.nn.Dropout) or m.p == 0
+    reference = copy.deepcopy(model) if args.check else None
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=args.sp)
+    )
+    dp = pm.data_parallel("dp", engine=args.engine)
+    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+    ref_opt = ref_sched = None
+    if reference is not None:
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1)
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda(args))
+    start = 0
+    if args.resume:
+        extra = fd.train.load(args.resume, pm, opt)
+        start = int(extra["step"])
+        sched.load_state_dict(extra["scheduler"])
+        if reference is not None:  # the one-device run resumes from the same checkpoint
+            fd.train.load(args.resume, reference, ref_opt)
+            ref_sched.load_state_dict(extra["scheduler"])  # type: ignore[union-attr]
+    use_bf16 = args.bf16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    vocab = model.config.vocab_size
+    losses: list[float] = []
+    worst = {"loss": 0.0, "norm": 0.0}
+    for step in range(start, args.steps):
+        ids = global_batch(step, args, vocab)
+        total = 0.0
+        for i, micro in enumerate(rank_slices(mesh, ids, args.accum)):
+            last = i == args.accum - 1
+            with (
+                torch.autocast("cuda", torch.bfloat16, enabled=use_bf16),
+                dp.no_sync() if not last and hasattr(dp, "no_sync") else _nothing(),
+            ):
+                loss = pm(input_ids=micro, labels=micro).loss  # [world] simulated
+                (loss.sum() if simulated else loss).div(args.accum).backward()
+            # the mean over the data ranks (tp ranks hold the same loss)
+            mean = loss.detach().mean() if simulated else fd.pmean(loss.detach(), mesh, "dp")
+            total += float(mean) / args.accum
+        norm = pm.clip_grad_norm_(args.clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+        if reference is not None:
+            logits = reference(input_ids=ids).logits
+            ref_loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            ref_loss.backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
+            ref_opt.step()  # type: ignore[union-attr]
+            ref_sched.step()  # type: ignore[union-attr]
+            ref_opt.zero_grad()  # type: ignore[union-attr]
+            worst["norm"] = max(worst["norm"], abs(float(norm.reshape(-1)[0]) - float(ref_norm)))
+            worst["loss"] = max(worst["loss"], abs(total - float(ref_loss.detach())))
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            path = os.path.join(args.ckpt_dir, f"step_{step + 1}")
+            fd.train.save(path, pm, opt, extra={"step": step + 1, "scheduler": sched.state_dict()})
+        if _is_first(mesh) and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  loss {losses[-1]:.6f}  norm {float(norm.reshape(-1)[0]):.4f}")
+    out: dict[str, Any] = {"losses": losses, "state": pm.state_dict()}
+    if reference is not None:
+        ref_state = reference.state_dict()
+        out["max_weight_diff"] = max(
+            float((out["state"][k] - v).abs().max()) for k, v in ref_state.items()
+        )
+        out["max_norm_diff"], out["max_loss_diff"] = worst["norm"], worst["loss"]
+    return out
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _is_first(mesh: fd.Mesh) -> bool:
+    return mesh.backend is None or mesh.rank == 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama", choices=["llama", "mixtral"])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (ep for mixtral)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (--simulate only)")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--engine", default="fastdist", choices=["fastdist", "ddp", "fsdp"])
+    p.add_argument("--simulate", action="store_true", help="simulated ranks in this process")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (where the device has it)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--ckpt-dir", default="ckpt")
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default="")
+    p.add_argument("--check", action="store_true", help="compare with one device; exit 1 if off")
+    p.add_argument("--log-every", type=int, default=5)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    mesh = make_mesh(args)
+    dp = mesh.axis_size("dp")
+    if args.batch % (dp * args.accum):
+        raise SystemExit(f"--batch {args.batch} must divide by dp x accum = {dp * args.accum}")
+    out = train(args, mesh)
+    ok = True
+    if args.check and _is_first(mesh):
+        tol = 1e-9 if args.dtype == "float64" else 1e-4
+        diffs = {k: out[f"max_{k}_diff"] for k in ("loss", "norm", "weight")}
+        ok = max(diffs.values()) <= tol
+        print(
+            f"train on {mesh!r}: max differences from one device: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
+            + f": {'OK' if ok else 'MISMATCH'}"
+        )
+    if not args.simulate:
+        import torch.distributed as dist
+
+        mesh.close()
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
