@@ -196,7 +196,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama", choices=["llama", "mixtral"])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (ep for mixtral)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (--simulate only)")
-    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism (default: on for llama; the Mixtral plan has none)",
+    )
     p.add_argument("--engine", default="fastdist", choices=["fastdist", "ddp", "fsdp"])
     p.add_argument("--simulate", action="store_true", help="simulated ranks in this process")
     p.add_argument("--steps", type=int, default=20)
@@ -218,6 +223,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.sp is None:
+        args.sp = args.model == "llama"
     mesh = make_mesh(args)
     dp = mesh.axis_size("dp")
     if args.batch % (dp * args.accum):

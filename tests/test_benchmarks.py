@@ -102,3 +102,12 @@ def test_mq_benchmark_smoke_run(tmp_path: Path) -> None:
         r["ratio"] > 0 and r["mq_us"] > 0 and r["gloo_us"] > 0 for r in rows
     )
     assert "| gloo / mq |" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_train_dp_benchmark_smoke_run(tmp_path: Path) -> None:
+    _run_quick("train_dp.py", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "train_dp.json").read_text())
+    assert res["after_ms"] > 0 and res["overlapped_ms"] > 0 and res["ratio"] > 0
+    # ZeRO-1 over dp=4: a quarter of AdamW's state (the flat vector is padded to a multiple of 4)
+    assert res["adamw_state_per_rank"] / 4 <= res["zero_state_per_rank"]
+    assert res["zero_state_per_rank"] <= res["adamw_state_per_rank"] / 4 + 8
