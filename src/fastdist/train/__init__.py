@@ -7,7 +7,8 @@
 * Clipping lives with the layouts: `fastdist.nn.clip_grad_norm_`.
 """
 
+from .checkpoint import load, save
 from .data_parallel import DataParallel, reduce_axes
 from .zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "reduce_axes", "ZeroOptimizer"]
+__all__ = ["DataParallel", "reduce_axes", "ZeroOptimizer", "save", "load"]
