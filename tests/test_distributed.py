@@ -304,9 +304,9 @@ def test_stateless_group_over_tcpstore() -> None:
 
 
 # ============================================================================ torchrun
-def torchrun(example: str, nproc: int) -> str:
-    """Run ``examples/<example>`` under torchrun (standalone); its stdout, after asserting it
-    exited 0."""
+def torchrun(example: str, nproc: int, *args: str) -> str:
+    """Run ``examples/<example> <args>`` under torchrun (standalone); its stdout, after asserting
+    it exited 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [
@@ -317,6 +317,7 @@ def torchrun(example: str, nproc: int) -> str:
             "--nproc-per-node",
             str(nproc),
             str(ROOT / "examples" / example),
+            *args,
         ],
         cwd=ROOT,
         env=env,
