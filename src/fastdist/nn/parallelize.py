@@ -431,7 +431,7 @@ class ParallelModel:
         losses; `grads`, `state_dict` and `clip_grad_norm_` understand their parameters (FSDP2's
         DTensors too). Calls of this model go through DDP / FSDP2 afterwards.
         """
-        from ..train import data_parallel as D
+        from ..train.data_parallel import DataParallel, PvaryHooks, ddp, fsdp
 
         op = f"ParallelModel.data_parallel(engine={engine!r})"
         if self.engine is not None:
@@ -440,7 +440,7 @@ class ParallelModel:
                 "engine, once"
             )
         if engine == "fastdist":
-            self.engine = D.DataParallel(self, axis, **kwargs)
+            self.engine = DataParallel(self, axis, **kwargs)
             return self.engine
         if engine not in ("ddp", "fsdp"):
             raise ParallelizeError(f"{op}: engine must be 'fastdist', 'ddp' or 'fsdp'")
@@ -450,8 +450,8 @@ class ParallelModel:
                 "simulated. Fix: engine='fastdist' (the same gradients, on simulated and real "
                 "ranks), or build the mesh with Mesh.from_torch"
             )
-        wrapped = D.ddp(self, axis, **kwargs) if engine == "ddp" else D.fsdp(self, axis, **kwargs)
-        self._pvary_hooks = D.PvaryHooks(self.mesh, self._pvary_sites)
+        wrapped = ddp(self, axis, **kwargs) if engine == "ddp" else fsdp(self, axis, **kwargs)
+        self._pvary_hooks = PvaryHooks(self.mesh, self._pvary_sites)
         self.engine = self._wrapped = wrapped
         return wrapped
 
