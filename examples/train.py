@@ -21,6 +21,7 @@ and no ignored labels, so the mean of the per-rank losses is the single-device l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import os
@@ -118,7 +119,7 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
     pm = fd.nn.parallelize(
         model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=args.sp)
     )
-    dp = pm.data_parallel("dp", engine=args.engine)
+    pm.data_parallel("dp", engine=args.engine)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     ref_opt = ref_sched = None
@@ -144,7 +145,7 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
             last = i == args.accum - 1
             with (
                 torch.autocast("cuda", torch.bfloat16, enabled=use_bf16),
-                dp.no_sync() if not last and hasattr(dp, "no_sync") else _nothing(),
+                pm.no_sync() if not last else contextlib.nullcontext(),
             ):
                 loss = pm(input_ids=micro, labels=micro).loss  # [world] simulated
                 (loss.sum() if simulated else loss).div(args.accum).backward()
@@ -179,12 +180,6 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
         )
         out["max_norm_diff"], out["max_loss_diff"] = worst["norm"], worst["loss"]
     return out
-
-
-def _nothing() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _is_first(mesh: fd.Mesh) -> bool:

@@ -22,6 +22,7 @@ pattern must match at least one module. Ready-made plans: `fastdist.nn.plans`.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
@@ -454,6 +455,24 @@ class ParallelModel:
         self._pvary_hooks = PvaryHooks(self.mesh, self._pvary_sites)
         self.engine = self._wrapped = wrapped
         return wrapped
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the data-parallel gradient reduction inside (gradient accumulation), whatever
+        the engine: fastdist's and DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``.
+        The first backward after the block reduces the accumulated gradients. Without an engine
+        (no data parallelism) it does nothing."""
+        if self.engine is None:
+            yield
+        elif hasattr(self.engine, "no_sync"):
+            with self.engine.no_sync():
+                yield
+        else:  # FSDP2
+            self.engine.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.engine.set_requires_gradient_sync(True)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
