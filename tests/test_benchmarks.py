@@ -111,3 +111,17 @@ def test_train_dp_benchmark_smoke_run(tmp_path: Path) -> None:
     # ZeRO-1 over dp=4: a quarter of AdamW's state (the flat vector is padded to a multiple of 4)
     assert res["adamw_state_per_rank"] / 4 <= res["zero_state_per_rank"]
     assert res["zero_state_per_rank"] <= res["adamw_state_per_rank"] / 4 + 8
+
+
+def test_checkpoint_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/checkpoint.py --quick: DCP save/load against pm.save/pm.load on 2 gloo
+    processes; every row timed, the ratios and per-rank peaks reported."""
+    proc = _run_quick("checkpoint.py", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert len(res["rows"]) == 5 and res["world"] == 2
+    assert all(r["s"] > 0 and len(r["peak_mb_per_rank"]) == 2 for r in res["rows"])
+    assert [r["case"] for r in res["rows"] if r.get("time_ratio", 0) > 0] == [
+        "save: fastdist.train.save (DCP)",
+        "load: fastdist.train.load (DCP)",
+    ]
+    assert "| save: fastdist.train.save (DCP) |" in proc.stdout
