@@ -11,10 +11,47 @@ from torch import Tensor
 import fastdist as fd
 from fastdist.train import checkpoint
 
+VOCAB = 61  # prime: padded over every tp > 1
+
+
+class Tiny(torch.nn.Module):
+    """What makes GPT-2's checkpoints hard, without transformers (cheap to import in 4 processes):
+    a vocabulary of 61 (padded over tp), an LM head tied to the embedding, a fused q|k|v
+    projection (three parts per rank), a replicated norm; float64. ``forward`` returns the loss,
+    the vocabulary-parallel one when ``mesh`` is given."""
+
+    def __init__(self, mesh: fd.Mesh | None = None, d: int = 16) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.wte = torch.nn.Embedding(VOCAB, d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.o = torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        h = self.wte(input_ids)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        logits = self.lm_head(self.norm(h + self.o(q * torch.tanh(k) + v)))
+        if self.mesh is None:
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return fd.nn.cross_entropy(logits, labels, self.mesh, "tp", vocab_size=VOCAB)
+
 
 def make(family: str, mesh: fd.Mesh | None, *, sp: bool = False, seed: int = 0, kv: int = 2) -> Any:
-    """A tiny float64 HF model (tests/test_hf_models.build), parallel over ``mesh`` (None: the
-    plain model)."""
+    """A tiny float64 model: ``"tiny"`` (`Tiny`) or an HF family (tests/test_hf_models.build),
+    parallel over ``mesh`` (None: the plain model)."""
+    if family == "tiny":
+        torch.manual_seed(seed)
+        model = Tiny(mesh).double()
+        plan = {
+            "wte": fd.nn.VocabParallel(),
+            "qkv": fd.nn.ColwiseParallel(input="replicated", parts=(16, 16, 16)),
+            "o": fd.nn.RowwiseParallel(),
+            "lm_head": fd.nn.VocabParallel(),
+        }
+        return model if mesh is None else fd.nn.parallelize(model, mesh, plan)
     from tests.test_hf_models import build
 
     model = build(family, kv=kv, seed=seed)
@@ -31,10 +68,11 @@ def train(
 
     for step in range(first, first + steps):
         ids, labels = batch(step)
+        module = pm.module if isinstance(pm, fd.nn.ParallelModel) else pm
         if isinstance(pm, fd.nn.ParallelModel) and pm.simulated:
-            pm(input_ids=rep(ids, pm.mesh), labels=rep(labels, pm.mesh)).loss.sum().backward()
-        else:
-            pm(input_ids=ids, labels=labels).loss.backward()
+            ids, labels = rep(ids, pm.mesh), rep(labels, pm.mesh)
+        out = pm(input_ids=ids, labels=labels)
+        (out if isinstance(module, Tiny) else out.loss).sum().backward()
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -67,7 +105,7 @@ def fsdp(pm: Any, mesh: fd.Mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dm = mesh.to_device_mesh("cpu")
-    for layer in pm.module.transformer.h:
+    for layer in getattr(getattr(pm.module, "transformer", None), "h", []):
         fully_shard(layer, mesh=dm["dp"])
     fully_shard(pm.module, mesh=dm["dp"])
 
@@ -99,11 +137,12 @@ def fsdp_mismatches(
 
 
 def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, Any]) -> Any:
-    """4 gloo ranks: load the simulated tp=2 checkpoint ``src`` at tp=4, dp=2 x tp=2 and FSDP2
-    dp=2 x tp=2; save each (tp=4 after one more step); an optimizer of another kind raises."""
+    """4 gloo ranks: load the simulated tp=2 checkpoint ``src`` of `Tiny` at tp=4, dp=2 x tp=2
+    and FSDP2 dp=2 x tp=2; save each (tp=4 after one more step); an optimizer of another kind
+    raises."""
     res: dict[str, Any] = {}
     tp4 = fd.Mesh.from_torch(tp=4, timeout=60)
-    pm = make("gpt2", tp4, sp=True, seed=7)
+    pm = make("tiny", tp4, seed=7)
     opt = torch.optim.AdamW(pm.parameters(), lr=0.5)
     res["extra"] = checkpoint.load(src, pm, opt)
     res["tp4"] = (model_state(pm), optim_state(pm, opt))
@@ -116,13 +155,13 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
     res["tp4 step"] = (model_state(pm), optim_state(pm, opt))
 
     mesh = fd.Mesh.from_torch(tp=2, timeout=60)
-    pm = make("gpt2", mesh, seed=8)
+    pm = make("tiny", mesh, seed=8)
     opt = torch.optim.AdamW(pm.parameters())
     checkpoint.load(src, pm, opt)
     res["dp2tp2"] = (model_state(pm), optim_state(pm, opt))  # replicas checked to agree
     checkpoint.save(f"{out}/dp2tp2", pm, opt)
 
-    pm = make("gpt2", mesh, sp=True, seed=9)
+    pm = make("tiny", mesh, seed=9)
     fsdp(pm, mesh)
     opt = torch.optim.AdamW(pm.parameters())
     checkpoint.load(src, pm, opt)
@@ -132,18 +171,18 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
 
 
 def two_ranks(out: str) -> Any:
-    """2 gloo ranks, tp=2: load what four_ranks saved (tp=4, dp=2 x tp=2, FSDP2); save tp=2."""
+    """2 gloo ranks, tp=2: load what four_ranks saved (tp=4, dp=2 x tp=2, FSDP2); save tp=2 in
+    place of the FSDP2 checkpoint."""
     res: dict[str, Any] = {}
     mesh = fd.Mesh.from_torch(tp=2, timeout=60)
     for name in ("tp4", "dp2tp2", "fsdp"):
-        pm = make("gpt2", mesh, seed=11)
+        pm = make("tiny", mesh, seed=11)
         opt = torch.optim.AdamW(pm.parameters())
         res[f"{name} extra"] = checkpoint.load(f"{out}/{name}", pm, opt)
         res[name] = (model_state(pm), optim_state(pm, opt))
-    checkpoint.save(f"{out}/tp2", pm, opt, extra={"from": "gloo"})
+    checkpoint.save(f"{out}/fsdp", pm, opt, extra={"from": "gloo"})  # over the 4-rank one
     try:
-        checkpoint.load(f"{out}/tp2", make("llama", mesh))
+        checkpoint.load(f"{out}/fsdp", fd.nn.parallelize(torch.nn.Linear(4, 4), mesh, {}))
     except fd.nn.CheckpointError as e:
         res["other model"] = str(e)
     return res
-

@@ -116,7 +116,7 @@ def test_real_ranks_write_their_own_slices_and_reshard(tmp_path: Path) -> None:
     """Simulated tp=2 -> 4 gloo ranks (tp=4 with sequence parallelism, dp=2 x tp=2, FSDP2 over dp
     of the tp blocks) -> 2 gloo ranks (tp=2) -> simulated tp=4 and the plain model. Each rank
     writes only its slices: one file per rank, each about a quarter of the bytes, nothing twice."""
-    pm, opt = trained("gpt2", 2, False)
+    pm, opt = trained("tiny", 2, False)
     want, want_opt = model_state(pm), optim_state(pm, opt)
     src = tmp_path / "sim"
     checkpoint.save(src, pm, opt, extra={"step": 2})
@@ -141,10 +141,13 @@ def test_real_ranks_write_their_own_slices_and_reshard(tmp_path: Path) -> None:
     for name in ("dp2tp2", "fsdp"):
         assert equal(two[name][0], want) and equal(two[name][1], want_opt), name
     assert "rank 0: " in two["other model"] and "missing keys" in two["other model"]
+    # the 2-rank save replaced the 4-rank checkpoint: its files are gone
+    files = sorted(f.name for f in (tmp_path / "fsdp").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
     for target in (fd.Mesh({"tp": 4}), None):  # gloo -> simulated, and one device
-        back = make("gpt2", target, seed=12)
+        back = make("tiny", target, seed=12)
         back_opt = torch.optim.AdamW(back.parameters())
-        assert checkpoint.load(tmp_path / "tp2", back, back_opt) == {"from": "gloo"}
+        assert checkpoint.load(tmp_path / "fsdp", back, back_opt) == {"from": "gloo"}
         assert equal(model_state(back), want) and equal(optim_state(back, back_opt), want_opt)
 
 

@@ -48,6 +48,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -301,13 +302,15 @@ class _SavePlanner(DefaultSavePlanner):
     """Writes the boxes this process holds, one ``WriteItem`` each, in single-device coordinates.
 
     The coordinator keeps one writer per box (ranks holding the same box: the one with the fewest
-    bytes so far, biggest boxes first) and records the header and the nesting of keys."""
+    bytes so far, biggest boxes first), records the header and the nesting of keys, and removes
+    an earlier checkpoint's files from ``path`` before any rank writes (so a save that dies
+    half-way leaves no ``.metadata`` pointing into half-overwritten files)."""
 
     def __init__(
-        self, entries: list[_Entry], values: Mapping[str, Any], header: dict[str, Any]
+        self, entries: list[_Entry], values: Mapping[str, Any], header: dict[str, Any], path: str
     ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.entries, self.values, self.header = entries, values, header
+        self.entries, self.values, self.header, self.path = entries, values, header, path
         self.sources = {(e.key, box.offsets): box.views[0] for e in entries for box in e.boxes}
 
     def set_up_planner(
@@ -341,6 +344,10 @@ class _SavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans))
+        # no rank writes before this plan is scattered: remove the earlier checkpoint here
+        for name in sorted(os.listdir(self.path)):
+            if name == ".metadata" or re.fullmatch(r"__\d+_\d+\.distcp|__\d+\.metadata", name):
+                os.remove(os.path.join(self.path, name))
         nesting: dict[str, Any] = {k: _nesting(k) for k in metadata.state_dict_metadata}
         nesting[_HEADER] = self.header
         self.metadata = dataclasses.replace(metadata, planner_data=nesting)
@@ -480,6 +487,7 @@ def _quiet(distributed: bool) -> Iterator[None]:
     with warnings.catch_warnings():
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
         try:
             yield
         except CheckpointException as e:
@@ -500,7 +508,9 @@ def save(
     in directory ``path``, each rank writing only its own slices.
 
     Args:
-        path: a directory (created; files of an earlier checkpoint there are overwritten).
+        path: a directory (created). An earlier checkpoint there is replaced: its files are
+            removed before any rank writes, so a save that dies half-way leaves no checkpoint
+            (no ``.metadata``), never a mix; other files are left alone.
         model: a `fastdist.nn.ParallelModel` on a simulated mesh (this one process writes every
             rank's slices) or on real ranks (a **collective**: call it on every rank of the
             job; each rank writes one ``__<rank>_0.distcp`` file with its slices, a slice
@@ -570,11 +580,11 @@ def save(
                 "numbers, strings and lists/tuples/dicts of them (e.g. a state_dict())"
             ) from None
         values[f"extra.{k}"] = v
-    planner = _SavePlanner(list(entries.values()), values, header)
+    planner = _SavePlanner(list(entries.values()), values, header, target)
     with _quiet(tgt.distributed):
         dcp_save(
             {},
-            storage_writer=FileSystemWriter(target),
+            storage_writer=FileSystemWriter(target, overwrite=True),
             planner=planner,
             no_dist=not tgt.distributed,
         )
