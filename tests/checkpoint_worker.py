@@ -138,8 +138,8 @@ def fsdp_mismatches(
 
 def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, Any]) -> Any:
     """4 gloo ranks: load the simulated tp=2 checkpoint ``src`` of `Tiny` at tp=4, dp=2 x tp=2
-    and FSDP2 dp=2 x tp=2; save each (tp=4 after one more step); an optimizer of another kind
-    raises."""
+    (AdamW, ZeRO-1 over dp) and FSDP2 dp=2 x tp=2; save each (tp=4 after one more step); an
+    optimizer of another kind raises."""
     res: dict[str, Any] = {}
     tp4 = fd.Mesh.from_torch(tp=4, timeout=60)
     pm = make("tiny", tp4, seed=7)
@@ -161,6 +161,11 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
     res["dp2tp2"] = (model_state(pm), optim_state(pm, opt))  # replicas checked to agree
     checkpoint.save(f"{out}/dp2tp2", pm, opt)
 
+    pm = make("tiny", mesh, seed=10)
+    zero = fd.train.ZeroOptimizer(pm, torch.optim.AdamW)  # AdamW's state sharded over dp
+    checkpoint.load(src, pm, zero)
+    checkpoint.save(f"{out}/zero", pm, zero)
+
     pm = make("tiny", mesh, seed=9)
     fsdp(pm, mesh)
     opt = torch.optim.AdamW(pm.parameters())
@@ -171,11 +176,11 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
 
 
 def two_ranks(out: str) -> Any:
-    """2 gloo ranks, tp=2: load what four_ranks saved (tp=4, dp=2 x tp=2, FSDP2); save tp=2 in
-    place of the FSDP2 checkpoint."""
+    """2 gloo ranks, tp=2: load what four_ranks saved (tp=4, dp=2 x tp=2, ZeRO-1, FSDP2); save
+    tp=2 in place of the FSDP2 checkpoint."""
     res: dict[str, Any] = {}
     mesh = fd.Mesh.from_torch(tp=2, timeout=60)
-    for name in ("tp4", "dp2tp2", "fsdp"):
+    for name in ("tp4", "dp2tp2", "zero", "fsdp"):
         pm = make("tiny", mesh, seed=11)
         opt = torch.optim.AdamW(pm.parameters())
         res[f"{name} extra"] = checkpoint.load(f"{out}/{name}", pm, opt)

@@ -113,8 +113,8 @@ def test_resume_is_bitwise(tmp_path: Path) -> None:
 
 
 def test_real_ranks_write_their_own_slices_and_reshard(tmp_path: Path) -> None:
-    """Simulated tp=2 -> 4 gloo ranks (tp=4 with sequence parallelism, dp=2 x tp=2, FSDP2 over dp
-    of the tp blocks) -> 2 gloo ranks (tp=2) -> simulated tp=4 and the plain model. Each rank
+    """Simulated tp=2 -> 4 gloo ranks (tp=4, dp=2 x tp=2 with AdamW and with ZeRO-1, FSDP2 over
+    dp of the tp blocks) -> 2 gloo ranks (tp=2) -> simulated tp=4 and the plain model. Each rank
     writes only its slices: one file per rank, each about a quarter of the bytes, nothing twice."""
     pm, opt = trained("tiny", 2, False)
     want, want_opt = model_state(pm), optim_state(pm, opt)
@@ -129,7 +129,7 @@ def test_real_ranks_write_their_own_slices_and_reshard(tmp_path: Path) -> None:
     assert four["fsdp"] == []  # every FSDP2 local shard and its AdamW state, bitwise
     assert "rank 0" in four["wrong optimizer"] and "AdamW" in four["wrong optimizer"]
     single = nbytes(untied(pm, want), want_opt)
-    for name in ("tp4", "dp2tp2", "fsdp"):
+    for name in ("tp4", "dp2tp2", "zero", "fsdp"):
         files = payload(tmp_path / name)
         assert sorted(files) == [f"__{r}_0.distcp" for r in range(4)], (name, files)
         assert sum(files.values()) == single, name  # no slice twice, no padding
@@ -138,7 +138,7 @@ def test_real_ranks_write_their_own_slices_and_reshard(tmp_path: Path) -> None:
     two = run_on_gloo(two_ranks, 2, str(tmp_path))[0]
     assert two["tp4 extra"] == {"step": 3}
     assert equal(two["tp4"][0], four["tp4 step"][0]) and equal(two["tp4"][1], four["tp4 step"][1])
-    for name in ("dp2tp2", "fsdp"):
+    for name in ("dp2tp2", "zero", "fsdp"):
         assert equal(two[name][0], want) and equal(two[name][1], want_opt), name
     assert "rank 0: " in two["other model"] and "missing keys" in two["other model"]
     # the 2-rank save replaced the 4-rank checkpoint: its files are gone
@@ -149,6 +149,72 @@ def test_real_ranks_write_their_own_slices_and_reshard(tmp_path: Path) -> None:
         back_opt = torch.optim.AdamW(back.parameters())
         assert checkpoint.load(tmp_path / "fsdp", back, back_opt) == {"from": "gloo"}
         assert equal(model_state(back), want) and equal(optim_state(back, back_opt), want_opt)
+
+
+def test_zero_optimizer_state_is_the_plain_optimizers(tmp_path: Path) -> None:
+    """ZeRO-1 (AdamW's state in flat chunks over dp) writes what a plain AdamW writes: each loads
+    the other's checkpoint bitwise, at another layout too, and a resumed ZeRO run is bitwise."""
+    from tests.test_hf_models import batch
+
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+
+    def run(zero: bool, seed: int = 0, steps: int = 2, first: int = 20) -> Any:
+        pm = make("llama", mesh, seed=seed)
+        fd.train.DataParallel(pm)
+        opt = (
+            fd.train.ZeroOptimizer(pm, torch.optim.AdamW, lr=1e-2)
+            if zero
+            else torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        )
+        return pm, opt
+
+    def step(pm: Any, opt: Any, first: int, steps: int = 2) -> None:
+        for s in range(first, first + steps):  # each dp rank its own batch
+            data = [batch(10 * s + mesh.index(r, "dp")) for r in range(mesh.size)]
+            ids, labels = (torch.stack(t) for t in zip(*data))
+            pm(input_ids=ids, labels=labels).loss.sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    plain, plain_opt = run(False)
+    zero, zero_opt = run(True)
+    step(plain, plain_opt, 20)
+    step(zero, zero_opt, 20)
+    checkpoint.save(tmp_path / "zero", zero, zero_opt)
+    checkpoint.save(tmp_path / "plain", plain, plain_opt)
+    tp2 = make("llama", fd.Mesh({"tp": 2}), seed=3)
+    tp2_opt = torch.optim.AdamW(tp2.parameters())
+    checkpoint.load(tmp_path / "zero", tp2, tp2_opt)
+    assert equal(optim_state(tp2, tp2_opt), optim_state(plain, plain_opt))
+    for src in ("plain", "zero"):
+        fresh, fresh_opt = run(True, seed=5)
+        checkpoint.load(tmp_path / src, fresh, fresh_opt)
+        assert fresh_opt.param_groups is fresh_opt.inner.param_groups
+        for a, b in zip(
+            zero_opt.inner.param_groups[0]["params"], fresh_opt.param_groups[0]["params"]
+        ):
+            assert equal(zero_opt.inner.state[a], fresh_opt.inner.state[b]), src
+    step(zero, zero_opt, 40, 1)
+    step(fresh, fresh_opt, 40, 1)
+    assert equal(model_state(fresh), model_state(zero))
+    checkpoint.save(tmp_path / "model", zero)
+    with pytest.raises(fd.nn.CheckpointError, match=r"0 param groups.*no optimizer state"):
+        checkpoint.load(tmp_path / "model", fresh, fresh_opt)
+
+
+def test_flat_boxes_cover_a_run_of_elements_in_order() -> None:
+    from fastdist.train.checkpoint import _flat_boxes
+
+    shape = (3, 4, 5)
+    for a in range(0, 61, 7):
+        for b in range(a, 61, 5):
+            seen = []
+            for offs, sizes in _flat_boxes(a, b, shape):
+                block = torch.arange(60).view(shape)[
+                    tuple(slice(o, o + n) for o, n in zip(offs, sizes))
+                ]
+                seen += block.flatten().tolist()
+            assert seen == list(range(a, b)), (a, b)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

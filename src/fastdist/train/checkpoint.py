@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,7 @@ from torch.distributed.tensor import DTensor
 from ..mesh import Mesh
 from ..nn.parallelize import ParallelModel
 from ..nn.state import CheckpointError, Layout, param_layouts
+from .zero import ZeroOptimizer
 
 __all__ = ["save", "load"]
 
@@ -546,7 +547,10 @@ def save(
         "model": type(tgt.module).__name__,
         "optimizer": None,
     }
-    if optimizer is not None:
+    if isinstance(optimizer, ZeroOptimizer):
+        header["optimizer"] = _optimizer_kind(optimizer.inner)
+        _zero_save(tgt, optimizer, entries, values, op)
+    elif optimizer is not None:
         header["optimizer"] = _optimizer_kind(optimizer)
         groups = _param_names(tgt, optimizer, op)
         params = dict(tgt.module.named_parameters())
@@ -678,7 +682,9 @@ def load(
     values = _read_values(source, values_wanted, tgt.where)
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
-    if optimizer is not None:
+    if isinstance(optimizer, ZeroOptimizer):
+        groups, state = _zero_plan(tgt, optimizer, stored, values, header, entries, strict)
+    elif optimizer is not None:
         groups, state = _optimizer_plan(tgt, optimizer, stored, values, header, entries, strict)
     for key, entry in entries.items():
         md = stored[key]
@@ -707,7 +713,14 @@ def load(
             planner=planner,
             no_dist=not tgt.distributed,
         )
-    if optimizer is not None:
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.inner.load_state_dict({"state": state, "param_groups": groups})
+        # the wrapper shows the wrapped optimizer's (now new) groups and state
+        optimizer.param_groups, optimizer.state = (
+            optimizer.inner.param_groups,
+            optimizer.inner.state,
+        )
+    elif optimizer is not None:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     return {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}
 
@@ -805,4 +818,208 @@ def _optimizer_plan(
             )
         entries[key] = _entry(key, dest, layout, tgt, stacked)
         state.setdefault(index[name], {})[sub] = dest
+    return groups, state
+
+
+# ============================================================================ ZeRO-1
+# `ZeroOptimizer` holds each data rank's chunk of the flattened parameters (this rank's blocks,
+# side by side, padded). A chunk's part of one parameter is a run of its block in row-major
+# order: a few boxes of the block (`_flat_boxes`), each then cut by the layout's boxes. On disk
+# it is the plain optimizer's state (``optim.state.<name>.<key>``), so either loads the other.
+def _flat_boxes(a: int, b: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], ...]]:
+    """Elements ``[a, b)`` (row-major) of a tensor of ``shape`` as boxes (offsets, sizes), each
+    contiguous in that order.
+
+    >>> _flat_boxes(2, 9, (3, 4))    # the rest of row 0, then row 1, then row 2's first element
+    [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 1))]
+    """
+    if a >= b:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = a // inner, (b - 1) // inner
+
+    def within(row: int, lo: int, hi: int) -> list[tuple[tuple[int, ...], ...]]:
+        return [((row, *o), (1, *n)) for o, n in _flat_boxes(lo, hi, shape[1:])]
+
+    if first == last:
+        return within(first, a - first * inner, b - first * inner)
+    full_lo, full_hi = -(-a // inner), b // inner  # whole rows
+    out = within(first, a - first * inner, inner) if a < full_lo * inner else []
+    if full_hi > full_lo:
+        out.append(((full_lo, *[0] * (len(shape) - 1)), (full_hi - full_lo, *shape[1:])))
+    return out + (within(last, 0, b - last * inner) if b > full_hi * inner else [])
+
+
+def _zero_entry(
+    key: str, state: Tensor, p: Tensor, offset: int, layout: Layout, tgt: _Target, z: Any
+) -> _Entry:
+    """The boxes of parameter ``p``'s state that this process's chunk(s) of the flat ``state``
+    hold (``p`` starts at ``offset`` of the flattened vector)."""
+    mesh = cast(Mesh, tgt.mesh)
+    local = tuple(p.shape[1:]) if tgt.simulated else tuple(p.shape)
+    full = layout.full_shape(local, mesh)
+    strides = [math.prod(local[d + 1 :]) for d in range(len(local))]
+    state = state.detach()
+    c = state.shape[-1]
+    found: dict[tuple[tuple[int, ...], tuple[int, ...]], _Box] = {}
+    for r in range(mesh.size) if tgt.simulated else [mesh.rank]:
+        i = mesh.index(r, z.axes)
+        chunk = state[r] if tgt.simulated else state
+        lo, hi = max(offset, i * c), min(offset + math.prod(local), (i + 1) * c)
+        for offs, sizes in _flat_boxes(lo - offset, hi - offset, local):
+            start = offset + sum(o * st for o, st in zip(offs, strides)) - i * c
+            piece = chunk[start : start + math.prod(sizes)].view(sizes)
+            for glob, block in layout.boxes(full, mesh, r):
+                part = _clip(glob, block, piece, offs)
+                if part is not None:
+                    found.setdefault(part[:2], _Box(part[0], part[1], [])).views.append(part[2])
+    return _Entry(key, full, state.dtype, list(found.values()))
+
+
+def _zero_groups(
+    tgt: _Target, z: Any, op: str
+) -> list[tuple[Tensor, list[tuple[str, Tensor, int]]]]:
+    """Each flat shard of ``z`` with its parameters: (shard, [(name, parameter, offset)])."""
+    if tgt.mesh is None or not all(hasattr(z, a) for a in ("_groups", "axes", "inner")):
+        raise CheckpointError(
+            f"{op} on {tgt.where}: this ZeroOptimizer is not laid out as fastdist.train.checkpoint "
+            "expects (a mesh, its flat groups). Fix: build it as ZeroOptimizer(pm, ...) over the "
+            "ParallelModel being saved"
+        )
+    names = {id(p): n for n, p in tgt.module.named_parameters()}
+    out = []
+    for plist, shard, _ in z._groups:
+        params, offset = [], 0
+        for p in plist:
+            if id(p) not in names:
+                raise CheckpointError(
+                    f"{op} on {tgt.where}: the ZeroOptimizer holds a parameter that is not the "
+                    "model's. Fix: build it over the ParallelModel being saved"
+                )
+            params.append((names[id(p)], p, offset))
+            offset += math.prod(p.shape[1:] if tgt.simulated else p.shape)
+        out.append((shard, params))
+    return out
+
+
+def _zero_save(
+    tgt: _Target, z: Any, entries: dict[str, _Entry], values: dict[str, Any], op: str
+) -> None:
+    """A ZeroOptimizer's groups and state, written as the plain optimizer's would be."""
+    shards = _zero_groups(tgt, z, op)
+    by_shard = {id(shard): params for shard, params in shards}
+    for i, group in enumerate(z.inner.param_groups):
+        for hp, v in group.items():
+            values[f"optim.param_groups.{i}.{hp}"] = (
+                [n for s in v for n, _, _ in by_shard[id(s)]] if hp == "params" else v
+            )
+    for shard, params in shards:
+        for k, v in z.inner.state.get(shard, {}).items():
+            for name, p, offset in params:
+                key = f"optim.state.{name}.{k}"
+                if not isinstance(v, Tensor):
+                    values[key] = v
+                elif v.dim() == 0:
+                    entries[key] = _entry(key, v, Layout(), tgt, False)
+                elif v.shape == shard.shape:
+                    layout = tgt.layouts.get(name, Layout())
+                    entries[key] = _zero_entry(key, v, p, offset, layout, tgt, z)
+                else:
+                    raise CheckpointError(
+                        f"{op} on {tgt.where}: ZeroOptimizer state {k!r} has shape "
+                        f"{tuple(v.shape)}, neither the flat shard's {tuple(shard.shape)} nor a "
+                        "scalar. Fix: use an elementwise optimizer (AdamW, Adam, SGD)"
+                    )
+
+
+def _zero_plan(
+    tgt: _Target,
+    z: Any,
+    stored: Mapping[str, Any],
+    values: Mapping[str, Any],
+    header: Any,
+    entries: dict[str, _Entry],
+    strict: bool,
+) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    """Check a ZeroOptimizer against the checkpoint (a plain or a ZeRO optimizer's); add the
+    entries that fill new flat state tensors; return what ``z.inner.load_state_dict`` takes."""
+    op = "fastdist.train.load"
+    shards = _zero_groups(tgt, z, op)
+    kind = _optimizer_kind(z.inner)
+    saved_kind = header.get("optimizer") if isinstance(header, dict) else None
+    if saved_kind is not None and saved_kind != kind:
+        raise CheckpointError(
+            f"{op} on {tgt.where}: the checkpoint holds the state of a {saved_kind}, not of a "
+            f"{kind} (wrapped by this ZeroOptimizer). Fix: wrap the optimizer it was saved with"
+        )
+    by_shard = {id(shard): [n for n, _, _ in params] for shard, params in shards}
+    index = {id(shard): i for i, (shard, _) in enumerate(shards)}
+    n_groups = len({k.split(".")[2] for k in values if k.startswith("optim.param_groups.")})
+    if n_groups != len(z.inner.param_groups):
+        raise CheckpointError(
+            f"{op} on {tgt.where}: the checkpoint's optimizer has {n_groups} param groups, this "
+            f"ZeroOptimizer {len(z.inner.param_groups)} (all its parameters in one). Fix: load "
+            "a checkpoint of an optimizer over all the model's parameters in one group"
+            + (" (it holds no optimizer state: load without optimizer=)" if not n_groups else "")
+        )
+    groups = []
+    for i, group in enumerate(z.inner.param_groups):
+        mine = [n for s in group["params"] for n in by_shard[id(s)]]
+        saved = list(values.get(f"optim.param_groups.{i}.params", []))
+        if sorted(saved) != sorted(mine):
+            raise CheckpointError(
+                f"{op} on {tgt.where}: param group {i} holds other parameters in the checkpoint "
+                f"than in this ZeroOptimizer (they differ in {_few(sorted(set(saved) ^ set(mine)))}"
+                "). Fix: load the checkpoint of an optimizer over the same parameters"
+            )
+        prefix = f"optim.param_groups.{i}."
+        hps = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+        groups.append({**hps, "params": [index[id(s)] for s in group["params"]]})
+    known = {n for names in by_shard.values() for n in names}
+    subs: dict[str, set[str]] = {}
+    for key in stored:
+        if key.startswith("optim.state."):
+            name, _, sub = key[len("optim.state.") :].rpartition(".")
+            if name not in known and strict:
+                raise CheckpointError(
+                    f"{op} on {tgt.where}: the checkpoint holds optimizer state {key!r} for a "
+                    "parameter this ZeroOptimizer does not hold. Fix: load the checkpoint of the "
+                    "same model, or pass strict=False"
+                )
+            subs.setdefault(name, set()).add(sub)
+    state: dict[int, dict[str, Any]] = {}
+    for shard, params in shards:
+        have = [subs.get(n, set()) for n, _, _ in params]
+        if any(h != have[0] for h in have):
+            raise CheckpointError(
+                f"{op} on {tgt.where}: the checkpoint holds optimizer state for some parameters "
+                f"of a flat ZeRO group and not others ({params[0][0]!r}: {sorted(have[0])}); a "
+                "flat update needs all or none. Fix: load a checkpoint saved after a step where "
+                "every parameter had a gradient"
+            )
+        st: dict[str, Any] = {}
+        for sub in sorted(have[0]):
+            first = f"optim.state.{params[0][0]}.{sub}"
+            md = stored[first]
+            if isinstance(md, BytesStorageMetadata):
+                st[sub] = values[first]
+            elif len(md.size) == 0:
+                st[sub] = torch.zeros((), dtype=md.properties.dtype)
+                entries[first] = _entry(first, st[sub], Layout(), tgt, False)
+            else:
+                st[sub] = torch.zeros_like(shard.detach(), dtype=md.properties.dtype)
+                for name, p, offset in params:
+                    key = f"optim.state.{name}.{sub}"
+                    layout = tgt.layouts.get(name, Layout())
+                    entries[key] = _zero_entry(key, st[sub], p, offset, layout, tgt, z)
+                    if tuple(stored[key].size) != entries[key].shape:
+                        raise CheckpointError(
+                            f"{op} on {tgt.where}: optimizer state {key!r} has shape "
+                            f"{tuple(stored[key].size)} in the checkpoint, not its parameter's "
+                            f"{entries[key].shape}. Fix: load the checkpoint of the same model"
+                        )
+        if st:
+            state[index[id(shard)]] = st
     return groups, state
