@@ -23,9 +23,11 @@ A rank's block maps to boxes of the single-device tensor through its `fastdist.n
 (`Layout.boxes`): fused ``q|k|v`` parts give three boxes, vocabulary padding rows are not
 written (and are zero-filled on load). A parameter that is a ``DTensor`` (FSDP2's
 ``fully_shard`` over a data-parallel axis, its local rows a shard of this rank's tensor-parallel
-block) contributes the part of each box it holds. So a checkpoint written on simulated ranks
-loads on real ranks and back, and torch's own DCP tools read it
-(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` gives the single-device dicts).
+block) contributes the part of each box it holds; a `fastdist.train.ZeroOptimizer`'s flat
+chunk of the state, the runs of each parameter's block it covers. So a checkpoint written on
+simulated ranks loads on real ranks and back, ZeRO and plain optimizers load each other's, and
+torch's own DCP tools read it (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
+gives the single-device dicts).
 
 >>> import tempfile, torch, fastdist as fd
 >>> from fastdist.train.checkpoint import load, save
@@ -251,7 +253,8 @@ def _model_entries(tgt: _Target) -> dict[str, _Entry]:
         if t.is_meta:
             raise CheckpointError(
                 f"fastdist.train.checkpoint on {tgt.where}: {name!r} is on the meta device: "
-                "there is nothing to save or load into. Fix: build the model with real tensors"
+                "there is nothing to save or load into. Fix: materialise the model first "
+                "(pm.init_weights(seed=...) or pm.load(<safetensors>, device=...)), then load"
             )
         layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
         out[f"model.{name}"] = _entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
@@ -520,7 +523,9 @@ def save(
             e.g. data-parallel replicas or FSDP2 ``DTensor`` parameters).
         optimizer: a ``torch.optim`` optimizer over the model's parameters: its per-parameter
             state (tensors of the parameter's shape split like the parameter; scalars such as
-            ``step`` stored once) by parameter name, and its param groups' hyperparameters.
+            ``step`` stored once) by parameter name, and its param groups' hyperparameters. A
+            `fastdist.train.ZeroOptimizer` writes the same keys from its flat chunks (each data
+            rank the runs it holds), so a plain optimizer loads them and the other way round.
         extra: small values every rank agrees on (a step counter, an LR scheduler's
             ``state_dict()``, RNG states), written once (by rank 0); they must load with
             ``torch.load(weights_only=True)``: tensors, numbers, strings, containers of them.
