@@ -311,10 +311,17 @@ class _SavePlanner(DefaultSavePlanner):
     half-way leaves no ``.metadata`` pointing into half-overwritten files)."""
 
     def __init__(
-        self, entries: list[_Entry], values: Mapping[str, Any], header: dict[str, Any], path: str
+        self,
+        entries: list[_Entry],
+        values: Mapping[str, Any],
+        header: dict[str, Any],
+        path: str,
+        where: str,
     ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.entries, self.values, self.header, self.path = entries, values, header, path
+        self.where = where
+        self.blobs: dict[str, bytes] = {}
         self.sources = {(e.key, box.offsets): box.views[0] for e in entries for box in e.boxes}
 
     def set_up_planner(
@@ -340,11 +347,29 @@ class _SavePlanner(DefaultSavePlanner):
             for box in e.boxes
         ]
         if self.is_coordinator:  # small values: written once, by the coordinator
+            self.blobs = {k: self._blob(k, v) for k, v in self.values.items()}
             items += [
-                WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.values
+                WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs
             ]
         self.plan = SavePlan(items)
         return self.plan
+
+    def _blob(self, key: str, value: Any) -> bytes:
+        """``value`` as torch.save bytes, checked to load with ``weights_only=True`` (raised
+        inside DCP's planning, so every rank raises it)."""
+        name = f"extra[{key[len('extra.') :]!r}]" if key.startswith("extra.") else repr(key)
+        try:
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"fastdist.train.save on {self.where}: {name} (a {type(value).__name__}) would "
+                f"not load with torch.load(weights_only=True): {str(e).splitlines()[0]}. Fix: "
+                "store tensors, numbers, strings and lists/tuples/dicts of them (e.g. a "
+                "state_dict())"
+            ) from None
+        return buf.getvalue()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans))
@@ -359,9 +384,7 @@ class _SavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self.values[write_item.index.fqn], buf)
-            return buf
+            return io.BytesIO(self.blobs[write_item.index.fqn])
         offset = write_item.index.offset
         return self.sources[(write_item.index.fqn, tuple(offset) if offset is not None else ())]
 
@@ -452,6 +475,10 @@ class _LoadPlanner(DefaultLoadPlanner):
                         "damaged. Fix: load a checkpoint whose save finished"
                     )
             items += reads
+        with torch.no_grad():  # every rank's plan is checked before any rank reads
+            for e in self.entries:
+                for t in e.padded:
+                    t.zero_()  # padding rows: in no box
         items += [
             ReadItem(
                 type=LoadItemType.BYTE_IO,
@@ -532,8 +559,8 @@ def save(
 
     Raises `fastdist.nn.CheckpointError` (on every rank, before anything is written) for
     optimizer parameters the model lacks, optimizer state of another shape than its
-    parameter's, or an ``extra`` value that would not load; a ``ReplicaMismatchError`` never:
-    ranks holding the same slice are trusted to agree (check with ``pm.state_dict()``).
+    parameter's, or an ``extra`` value that would not load. Ranks that hold the same slice are
+    not compared (one of them writes it): ``pm.state_dict()`` checks that replicas agree.
     """
     op = "fastdist.train.save"
     tgt = _target(model, op)
@@ -577,19 +604,8 @@ def save(
                 f"{op} on {tgt.where}: extra key {k!r} is not a non-empty string. Fix: name "
                 "each extra value with a string"
             )
-        try:
-            buf = io.BytesIO()
-            torch.save(v, buf)
-            buf.seek(0)
-            torch.load(buf, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(
-                f"{op} on {tgt.where}: extra[{k!r}] (a {type(v).__name__}) would not load with "
-                f"torch.load(weights_only=True): {str(e).splitlines()[0]}. Fix: store tensors, "
-                "numbers, strings and lists/tuples/dicts of them (e.g. a state_dict())"
-            ) from None
         values[f"extra.{k}"] = v
-    planner = _SavePlanner(list(entries.values()), values, header, target)
+    planner = _SavePlanner(list(entries.values()), values, header, target, tgt.where)
     with _quiet(tgt.distributed):
         dcp_save(
             {},
@@ -705,12 +721,6 @@ def load(
                 "of the same config"
             )
     planner = _LoadPlanner(list(entries.values()), [], tgt.where)
-    planner.set_up_planner({}, metadata)
-    planner.create_local_plan()  # raises for chunks that do not cover this rank's boxes
-    with torch.no_grad():
-        for entry in entries.values():
-            for t in entry.padded:
-                t.zero_()
     with _quiet(tgt.distributed):
         dcp_load(
             {},
