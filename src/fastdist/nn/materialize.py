@@ -329,14 +329,7 @@ def run_inits(
     live: dict[str, Tensor] = {}
     for i, step in enumerate(chosen):
         for n in sorted(step.touched - live.keys()):
-            device, dtype = alloc(n)
-            meta = original.tensors[n]
-            t = torch.empty_strided(
-                tuple(meta.shape), tuple(meta.stride()), dtype=dtype, device=device
-            )
-            live[n] = (
-                nn.Parameter(t, requires_grad=meta.requires_grad) if n in original.params else t
-            )
+            live[n] = _empty_like_meta(original, n, *alloc(n))
         mine = {n: live[n] for n in step.touched}
         known = {**on_meta, **original.storages(mine)}
         recorder = _Recorder(known, numel)
@@ -356,6 +349,18 @@ def run_inits(
                 whole = live.pop(n)
                 if n in wanted:
                     deliver(n, whole.detach())
+                del whole  # freed now, not when the next step's tensors already exist
+        del mine, known, recorder
+
+
+def _empty_like_meta(
+    original: Original, name: str, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Uninitialised storage for the whole of tensor ``name`` (its shape and strides), a parameter
+    if it is one."""
+    meta = original.tensors[name]
+    t = torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=dtype, device=device)
+    return nn.Parameter(t, requires_grad=meta.requires_grad) if name in original.params else t
 
 
 def _parallel_modules(model: nn.Module) -> list[str]:
