@@ -125,3 +125,14 @@ def test_checkpoint_benchmark_smoke_run(tmp_path: Path) -> None:
         "load: fastdist.train.load (DCP)",
     ]
     assert "| save: fastdist.train.save (DCP) |" in proc.stdout
+
+
+def test_meta_memory_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/meta_memory.py --quick: a tiny Llama on 2 gloo processes, built whole and on the
+    meta device (load, init_weights); per-rank peaks and ratios reported, the losses agree."""
+    proc = _run_quick("meta_memory.py", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "meta_memory.json").read_text())
+    assert [r["variant"] for r in rows] == ["whole", "meta + load", "meta + init_weights"]
+    assert all(len(r["peak_mb"]) == 2 and r["ideal_mb"] > 0 and r["whole_mb"] > 0 for r in rows)
+    assert rows[0]["loss"] == rows[1]["loss"]  # the same checkpoint, both ways
+    assert "| meta + load |" in proc.stdout and "Traceback" not in proc.stderr
