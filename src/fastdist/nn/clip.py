@@ -71,11 +71,12 @@ def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...], tuple[i
     """(this rank's gradient block, extra axes it is split over, the block's shape, the first
     dim-0 row it holds): an FSDP2 DTensor's local shard, the mesh dims of its Shard
     placements, and its offset in the tp block (torch.chunk's split)."""
-    g = p.grad
-    assert g is not None
-    placements = getattr(g, "placements", None)
+    grad = p.grad
+    assert grad is not None
+    placements = getattr(grad, "placements", None)
     if placements is None:
-        return g, (), tuple(g.shape), 0
+        return grad, (), tuple(grad.shape), 0
+    g: Any = grad  # a DTensor
     names = g.device_mesh.mesh_dim_names or ()
     extra = tuple(names[i] for i, pl in enumerate(placements) if pl.is_shard() and i < len(names))
     unknown = [a for a in extra if a not in mesh.axis_names]

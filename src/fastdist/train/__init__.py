@@ -4,6 +4,8 @@
   ranks; buckets, ``no_sync``), and the rule for parameters split over a data axis (MoE).
 * `ZeroOptimizer`: ZeRO-1, the optimizer state sharded over a data axis, built from fastdist's
   own collectives.
+* `save` / `load`: distributed checkpoints through ``torch.distributed.checkpoint``, each rank
+  writing its own slices, loadable on any other layout.
 * Clipping lives with the layouts: `fastdist.nn.clip_grad_norm_`.
 """
 

@@ -141,7 +141,10 @@ class DataParallel:
         params = [p for p in module.parameters() if p.requires_grad]
         if mesh.backend is not None:
             self._make_buckets(params, bucket_mb)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
+            for p in params
+        ]
         module._fastdist_data_parallel = self.axes  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ user API

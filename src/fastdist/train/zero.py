@@ -154,7 +154,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's chunk with the wrapped optimizer, then all-gather every chunk into
         the parameters (a collective on real ranks)."""
         from ..collectives import all_gather_invariant
