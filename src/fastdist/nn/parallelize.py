@@ -260,10 +260,11 @@ class ParallelModel:
 
         Exact: the shards are bitwise slices of what `fastdist.nn.init_weights` (the same seed)
         gives the single-device model, for every init that writes in place with the random
-        functions of the tensor's device: all of transformers' ``_init_weights`` and torch's
-        ``reset_parameters``. The result is not the model's construction-time init (that one
-        draws from the global generator in module order). CPU and CUDA random streams differ:
-        compare on one device type, in one dtype.
+        functions of the tensors' device, as transformers' ``_init_weights`` and torch's
+        ``reset_parameters`` do (tested: Llama, GPT-2, Mixtral, ``nn.Linear``). The result is
+        not the model's construction-time init (that one draws from the global generator in
+        module order). CPU and CUDA random streams differ: compare on one device type, in one
+        dtype.
 
         Args:
             seed: the seed every module's seed derives from (the same on every rank).
@@ -592,7 +593,10 @@ def parallelize(
 
     Args:
         model: the single-device model (e.g. a Hugging Face ``LlamaForCausalLM``), holding the
-            weights to shard. Its modules are swapped in place; parameter names do not change.
+            weights to shard, or built under ``torch.device("meta")`` (no values: each
+            parameter becomes a meta shard of its local shape, the whole tensor never made;
+            materialise with `ParallelModel.load` or `ParallelModel.init_weights`, each rank
+            its own shards). Its modules are swapped in place; parameter names do not change.
         mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
             mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:

@@ -655,7 +655,8 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     On a simulated mesh the module holds stacked shards (``[world, *local]``); on real
     ranks every rank all-gathers every parameter (a collective: call it on every rank) and
     every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
-    (``check``; see `Layout.join`).
+    (``check``; see `Layout.join`). A tensor still on the meta device (no values) raises
+    `CheckpointError` naming it.
     """
     meta = meta_names(module)
     if meta:
