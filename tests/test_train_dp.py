@@ -216,3 +216,13 @@ def test_zero1_refuses_what_it_cannot_shard() -> None:
     pm.module.weight.grad = torch.ones_like(pm.module.weight)
     with pytest.raises(fd.MeshError, match=r"\['bias'\] have no gradient"):
         opt.step()
+
+
+def test_a_peer_that_never_reduces_is_reported_within_the_timeout() -> None:
+    from fastdist.testing import run_on_gloo
+    from tests.train_worker import peer_skips_backward
+
+    got, skipped = run_on_gloo(peer_skips_backward, 2, timeout=120)
+    assert skipped == "skipped"
+    assert "fastdist.train.DataParallel" in got and "'dp'" in got and "gradient all-reduce" in got, got
+    assert float(got.split(" after ")[1].split("s:")[0]) <= 5 + 3, got

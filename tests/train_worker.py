@@ -76,3 +76,25 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
                 msg=f"{engine} {name} (world {world})",
             )
     return "ok"
+
+
+def peer_skips_backward() -> str:
+    """dp=2: rank 1 never runs backward; rank 0's bucket all-reduce must fail with a fastdist
+    error naming DataParallel, the axis and the gradient all-reduce, within the mesh's timeout."""
+    import time
+
+    mesh = fd.Mesh.from_torch(tp=1, timeout=5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    pm = fd.nn.parallelize(model, mesh, {})
+    pm.data_parallel("dp")
+    mesh.create_groups("dp")  # both ranks: the groups exist, so the all-reduce itself waits
+    if mesh.rank == 1:
+        time.sleep(8)  # alive, never reaching the all-reduce
+        return "skipped"
+    start = time.monotonic()
+    try:
+        pm(torch.randn(3, 4)).sum().backward()
+    except fd.FastdistError as e:
+        took = time.monotonic() - start
+        return f"{type(e).__name__} after {took:.0f}s: {e}"
+    return "no error"

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DataParallel", "reduce_axes"]
 
+#: the op name errors on real ranks give (fastdist.<op>)
+_OP = "train.DataParallel"
+
 
 def _axes(axis: AxisName, mesh: Mesh, op: str) -> tuple[str, ...]:
     names = (axis,) if isinstance(axis, str) else tuple(axis)
@@ -245,11 +248,11 @@ class DataParallel:
             [p.grad is not None for p in b.params], dtype=b.params[0].dtype, device=pieces[0].device
         )
         b.flat = torch.cat([*pieces, flags])
-        ac = _axis_comm("DataParallel", self.mesh, b.axes)
-        group = ac.comm.group(ac, ac._backend("DataParallel", b.flat.device.type), "DataParallel")
+        ac = _axis_comm(_OP, self.mesh, b.axes)
+        group = ac.comm.group(ac, ac._backend(_OP, b.flat.device.type), _OP)
         flat = b.flat
         b.work = ac.run(
-            "DataParallel",
+            _OP,
             lambda: dist.all_reduce(flat, group=group, async_op=True),
             what="the gradient all-reduce",
         )
@@ -257,8 +260,8 @@ class DataParallel:
     def _wait(self, b: _Bucket) -> None:
         from ..distributed import _axis_comm
 
-        ac = _axis_comm("DataParallel", self.mesh, b.axes)
-        ac.run("DataParallel", b.work.wait, what="the gradient all-reduce")
+        ac = _axis_comm(_OP, self.mesh, b.axes)
+        ac.run(_OP, b.work.wait, what="the gradient all-reduce")
         b.work = None
         flat = b.flat
         assert flat is not None
