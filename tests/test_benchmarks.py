@@ -113,6 +113,23 @@ def test_train_dp_benchmark_smoke_run(tmp_path: Path) -> None:
     assert res["zero_state_per_rank"] <= res["adamw_state_per_rank"] / 4 + 8
 
 
+def test_tp_vs_dtensor_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/tp_vs_dtensor.py --quick: fastdist TP vs DTensor's parallelize_module on an HF
+    Llama over 2 gloo processes; the run itself checks both against one device before timing."""
+    proc = _run_quick("tp_vs_dtensor.py", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "tp_vs_dtensor.json").read_text())
+    assert len(rows) == 5 and sum("AdamW" in r["case"] for r in rows) == 2
+    assert all(
+        r["ratio"] > 0
+        and r["fastdist_ms"] > 0
+        and r["dtensor_ms"] > 0
+        and r["fastdist_diff"] < 1e-4
+        and r["dtensor_diff"] < 1e-4
+        for r in rows
+    )
+    assert "| fastdist / DTensor |" in proc.stdout and "Traceback" not in proc.stderr
+
+
 def test_checkpoint_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/checkpoint.py --quick: DCP save/load against pm.save/pm.load on 2 gloo
     processes; every row timed, the ratios and per-rank peaks reported."""

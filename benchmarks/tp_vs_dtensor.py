@@ -1,0 +1,289 @@
+"""fastdist tensor parallelism against torch DTensor's ``parallelize_module`` on the same unmodified
+Hugging Face Llama, 2 gloo processes.
+
+    python benchmarks/tp_vs_dtensor.py          # hidden 512 and 1024, 2 layers (~4 min on 2 cores)
+    python benchmarks/tp_vs_dtensor.py --quick  # tiny sizes: a smoke run
+    python -m benchmarks.tp_vs_dtensor          # the same, as a module from the repository root
+
+Both sides split the same layers the same way (Megatron's tensor parallelism): q, k, v and
+gate, up column-parallel, o and down row-parallel (an all-reduce after each); the norms, the
+embedding and the LM head replicated. fastdist: ``fd.nn.parallelize`` with the Llama plan
+minus its two vocabulary entries. DTensor: ``torch.distributed.tensor.parallel.
+parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (``use_local_output=True``:
+the model's own code sees plain local tensors) and, as torch's Llama tutorial does,
+``PrepareModuleInput`` on the attention and the MLP, so that q, k, v (gate, up) share one
+replicated input and the backward all-reduces its gradient once: 4 all-reduces per layer on
+both sides. transformers' Llama attention reshapes with ``view(..., -1, head_dim)`` and keeps
+only the ratio ``num_key_value_groups`` (the same on a shard), so DTensor needs no head-count
+patch.
+
+Rows: fwd+bwd and fwd+bwd+AdamW with the vocabulary replicated on both sides; the same with
+fastdist's own plan (embedding and LM head split over the vocabulary, the vocabulary-parallel
+loss) against the same replicated DTensor model; and fwd+bwd against DTensor with the column
+and row styles alone (no ``PrepareModuleInput``: each column-parallel linear wraps its own
+input, so the backward all-reduces three, then two, gradients: 7 all-reduces per layer).
+
+Before any timing, each rank checks that every model's loss (and, with the vocabulary
+replicated, the embedding's gradient, which every layer's backward reaches) equals the
+single-device model's on the same batch to 1e-4 (float32). A step is forward with labels and
+backward (``+AdamW``: then ``optimizer.step()``); after warm-up the two sides alternate step by
+step (the order swapping every pair), each step after a barrier; a step's time is its slowest
+rank's, and the ratio is the median of the per-pair ratios fastdist / DTensor, both measured in
+this run. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fastdist as fd
+from fastdist.testing import run_on_gloo
+
+HERE = Path(__file__).resolve().parent
+WORLD = 2
+
+# (hidden, intermediate, heads, kv heads, layers, vocabulary, batch, sequence)
+SIZES = {
+    "quick": (64, 128, 4, 2, 1, 256, 2, 16),
+    "512": (512, 1408, 8, 4, 2, 8192, 4, 128),
+    "1024": (1024, 2816, 16, 4, 2, 8192, 2, 256),
+}
+
+
+def _llama(size: tuple[int, ...]) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, heads, kv, layers, vocab, _, _ = size
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1024,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _dtensor(model: Any, mesh: Any, prepare_inputs: bool) -> Any:
+    """``model`` made tensor parallel with torch's DTensor styles, vocabulary replicated.
+
+    ``prepare_inputs``: the attention's and the MLP's input become a replicated DTensor once
+    (``PrepareModuleInput``, as torch's Llama tutorial does), so q, k, v (gate, up) share it and
+    the backward all-reduces its gradient once, as fastdist does. Without it each column-parallel
+    linear wraps its own input, and the backward all-reduces three (two) gradients."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {
+        f"model.layers.*.{name}": style()
+        for style, names in (
+            (ColwiseParallel, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            (ColwiseParallel, ("mlp.gate_proj", "mlp.up_proj")),
+            (RowwiseParallel, ("self_attn.o_proj", "mlp.down_proj")),
+        )
+        for name in names
+    }
+    if prepare_inputs:
+        plan["model.layers.*.self_attn"] = PrepareModuleInput(  # called with hidden_states=
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        )
+        plan["model.layers.*.mlp"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        )
+    return parallelize_module(model, mesh, plan)
+
+
+def _fastdist(model: Any, vocab_parallel: bool) -> Any:
+    mesh = fd.Mesh.from_torch(tp=WORLD, timeout=120)
+    plan = fd.nn.plans.llama(model)
+    if not vocab_parallel:  # the embedding and the head stay replicated, as on the DTensor side
+        del plan["model.embed_tokens"], plan["lm_head"]
+    return fd.nn.parallelize(model, mesh, plan)
+
+
+def _step(model: Any, ids: torch.Tensor, opt: torch.optim.Optimizer | None) -> Callable[[], None]:
+    def run() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        if opt is not None:
+            opt.step()
+        _zero_grad(model)
+
+    return run
+
+
+def _zero_grad(model: Any) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _check(one: Any, sides: dict[str, Any], ids: torch.Tensor) -> dict[str, float]:
+    """The largest loss (and replicated embedding-gradient) difference of each side against one
+    device; raises above the float32 tolerance."""
+    ref = one(input_ids=ids, labels=ids).loss
+    ref.backward()
+    ref_g = one.model.embed_tokens.weight.grad
+    one.zero_grad(set_to_none=True)
+    diffs = {}
+    for name, m in sides.items():
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        d = abs(loss.item() - ref.item())
+        if name != "fastdist_vocab":  # a vocabulary shard: the loss alone
+            g = _local(getattr(m, "module", m).model.embed_tokens.weight.grad)
+            d = max(d, (g - ref_g).abs().max().item())
+        _zero_grad(m)
+        if not d < 1e-4:
+            raise AssertionError(
+                f"rank {dist.get_rank()}: {name} differs from one device by {d:.3g} "
+                f"(loss {loss.item():.6f}, one device {ref.item():.6f})"
+            )
+        diffs[name] = d
+    return diffs
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    dist.barrier()  # both ranks start together; a step's time is then its slowest rank's
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# (fastdist side, DTensor side, with AdamW): the pairs timed, one row each
+PAIRS = (
+    ("fastdist", "dtensor", False),
+    ("fastdist", "dtensor", True),
+    ("fastdist_vocab", "dtensor", False),
+    ("fastdist_vocab", "dtensor", True),
+    ("fastdist", "dtensor_per_linear", False),
+)
+CASES = {
+    "fastdist": "vocabulary replicated",
+    "fastdist_vocab": "fastdist vocabulary-parallel, DTensor replicated",
+    "dtensor_per_linear": "vocabulary replicated, DTensor without PrepareModuleInput",
+}
+
+
+def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
+    """One rank: build the single-device model and the parallel copies, check them, time the
+    pairs. Returns the differences against one device and this rank's step times (seconds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore", UserWarning)
+    *_, vocab, batch, seq = size
+    one = _llama(size)
+    dmesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    sides = {
+        "fastdist": _fastdist(copy.deepcopy(one), vocab_parallel=False),
+        "fastdist_vocab": _fastdist(copy.deepcopy(one), vocab_parallel=True),
+        "dtensor": _dtensor(copy.deepcopy(one), dmesh, prepare_inputs=True),
+        "dtensor_per_linear": _dtensor(copy.deepcopy(one), dmesh, prepare_inputs=False),
+    }
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    diffs = _check(one, sides, ids)
+    del one
+    steps = {
+        (k, adamw): _step(m, ids, torch.optim.AdamW(m.parameters(), lr=1e-4) if adamw else None)
+        for k, m in sides.items()
+        for adamw in (False, True)
+    }
+    times = []
+    for fast, base, adamw in PAIRS:
+        pair = (steps[fast, adamw], steps[base, adamw])
+        for _ in range(warmup):
+            for f in pair:
+                f()
+        got: tuple[list[float], list[float]] = ([], [])
+        for i in range(reps):
+            for j in (0, 1) if i % 2 == 0 else (1, 0):  # A B, B A, ...: neither always first
+                got[j].append(_timed(pair[j]))
+        times.append(got)
+    dist.barrier()  # every collective done on both ranks before either tears down
+    return {"diffs": diffs, "times": times}
+
+
+def bench(quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    for name in ("quick",) if quick else ("512", "1024"):
+        size = SIZES[name]
+        reps, warmup = (3, 1) if quick else (11, 2)
+        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=1800)
+        hidden, inter, heads, kv, layers, vocab, batch, seq = size
+        for n, (fast, base, adamw) in enumerate(PAIRS):
+            # a step is over when its slowest rank is
+            f, d = (
+                [max(r["times"][n][side][i] for r in per_rank) for i in range(reps)]
+                for side in (0, 1)
+            )
+            rows.append(
+                {
+                    "case": f"fwd+bwd{'+AdamW' if adamw else ''}, "
+                    + CASES[base if base != "dtensor" else fast],
+                    "hidden": hidden,
+                    "intermediate": inter,
+                    "heads": f"{heads}/{kv}",
+                    "layers": layers,
+                    "vocab": vocab,
+                    "tokens": f"{batch}x{seq}",
+                    "fastdist_ms": statistics.median(f) * 1e3,
+                    "dtensor_ms": statistics.median(d) * 1e3,
+                    "ratio": statistics.median(a / b for a, b in zip(f, d)),
+                    "fastdist_diff": max(r["diffs"][fast] for r in per_rank),
+                    "dtensor_diff": max(r["diffs"][base] for r in per_rank),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args(argv)
+    rows = bench(args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tp_vs_dtensor.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        "| case | hidden | layers | tokens | fastdist ms | DTensor ms | fastdist / DTensor | "
+        "diff vs one device (fastdist / DTensor) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['case']} | {r['hidden']} | {r['layers']} | {r['tokens']} | "
+        f"{r['fastdist_ms']:.1f} | {r['dtensor_ms']:.1f} | {r['ratio']:.3f} | "
+        f"{r['fastdist_diff']:.0e} / {r['dtensor_diff']:.0e} |"
+        for r in rows
+    ]
+    (args.out / "tp_vs_dtensor.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
