@@ -224,5 +224,7 @@ def test_a_peer_that_never_reduces_is_reported_within_the_timeout() -> None:
 
     got, skipped = run_on_gloo(peer_skips_backward, 2, timeout=120)
     assert skipped == "skipped"
-    assert "fastdist.train.DataParallel" in got and "'dp'" in got and "gradient all-reduce" in got, got
+    assert (
+        "fastdist.train.DataParallel" in got and "'dp'" in got and "gradient all-reduce" in got
+    ), got
     assert float(got.split(" after ")[1].split("s:")[0]) <= 5 + 3, got
