@@ -162,6 +162,7 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
     checkpoint.save(f"{out}/dp2tp2", pm, opt)
 
     pm = make("tiny", mesh, seed=10)
+    pm.data_parallel("dp")
     zero = fd.train.ZeroOptimizer(pm, torch.optim.AdamW)  # AdamW's state sharded over dp
     checkpoint.load(src, pm, zero)
     checkpoint.save(f"{out}/zero", pm, zero)

@@ -154,7 +154,7 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(fd.MeshError, match="ParallelModel"):
         fd.train.DataParallel(torch.nn.Linear(2, 2))
     dp = fd.train.DataParallel(pm)
-    with pytest.raises(fd.MeshError, match="reduce twice"):
+    with pytest.raises(fd.MeshError, match="reduce its gradients twice"):
         fd.train.DataParallel(pm)
     dp.remove()
     fd.train.DataParallel(pm)  # after remove: allowed again
@@ -208,14 +208,160 @@ def test_zero1_adamw_equals_replicated_adamw_with_half_the_state() -> None:
 def test_zero1_refuses_what_it_cannot_shard() -> None:
     mesh = fd.Mesh({"dp": 2})
     pm = fd.nn.parallelize(torch.nn.Linear(3, 2), mesh, {})
+    with pytest.raises(fd.MeshError, match=r"not reduced over \('dp',\).*pm.data_parallel"):
+        fd.train.ZeroOptimizer(pm, torch.optim.SGD, lr=0.1)  # no engine: chunks would drift
+    pm.data_parallel("dp")
     with pytest.raises(fd.MeshError, match="LBFGS is not known"):
         fd.train.ZeroOptimizer(pm, torch.optim.LBFGS)
     with pytest.raises(fd.MeshError, match="'tp'"):
         fd.train.ZeroOptimizer(pm, torch.optim.AdamW, "tp")
     opt = fd.train.ZeroOptimizer(pm, torch.optim.SGD, lr=0.1)
+    with pytest.raises(fd.MeshError, match=r"fastdist.train.save"):
+        opt.state_dict()  # a flat chunk no other layout could load
+    with pytest.raises(fd.MeshError, match=r"fastdist.train.load"):
+        opt.load_state_dict({})
+    with pytest.raises(fd.MeshError, match="build a new ZeroOptimizer"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     pm.module.weight.grad = torch.ones_like(pm.module.weight)
     with pytest.raises(fd.MeshError, match=r"\['bias'\] have no gradient"):
         opt.step()
+
+
+def test_meta_models_are_refused_until_materialized() -> None:
+    mesh = fd.Mesh({"dp": 2})
+    with torch.device("meta"):
+        lin = torch.nn.Linear(3, 2)
+    pm = fd.nn.parallelize(lin, mesh, {})
+    with pytest.raises(fd.MeshError, match="meta device.*materialize the model first"):
+        fd.train.DataParallel(pm, "dp")
+    with pytest.raises(fd.MeshError, match="meta device"):
+        fd.train.ZeroOptimizer(pm, torch.optim.AdamW)
+    pm.init_weights(seed=0)
+    dp = pm.data_parallel("dp")  # materialized: accepted
+    assert pm.engine is dp
+
+
+class Stacked(torch.nn.Module):
+    """Parameters stacked [world, 3] (a simulated rank's block each): ``a`` replicated, ``w``
+    split over ``ep``; forward uses the branches it is told to, and may raise in backward."""
+
+    def __init__(self, mesh: fd.Mesh) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(mesh.size, 3, dtype=torch.float64))
+        self.w = torch.nn.Parameter(torch.randn(mesh.size, 3, dtype=torch.float64))
+
+    def param_layouts(self) -> dict[str, fd.nn.Layout]:
+        return {"a": fd.nn.Layout(), "w": fd.nn.Layout(fd.P("ep"))}
+
+    def forward(self, ga: Any = None, gw: Any = None, boom: bool = False) -> Any:
+        loss = torch.zeros((), dtype=torch.float64)
+        if gw is not None:
+            w = Boom.apply(self.w) if boom else self.w
+            loss = loss + (w * gw).sum()
+        if ga is not None:  # created last: its gradient accumulates first in backward
+            loss = loss + (self.a * ga).sum()
+        return loss
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Any) -> Any:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        raise RuntimeError("boom")
+
+
+def _mean_over(g: Any, mesh: fd.Mesh, axes: tuple[str, ...], d: int) -> Any:
+    """The reducer's rule on stacked [world, ...] gradients: sum over ``axes``, / d."""
+    grid = g.reshape(*mesh.shape.values(), *g.shape[1:])  # [dp, ep, 3]
+    dims = [mesh.axis_names.index(a) for a in axes]
+    return (grid.sum(dims, keepdim=True) / d).expand_as(grid).reshape(g.shape)
+
+
+def test_accumulation_no_sync_and_a_failed_backward_follow_the_rule() -> None:
+    """Review cases: a parameter used only inside no_sync is reduced by the next synced backward
+    (A1); gradients accumulated without zero_grad, for a parameter split over a data axis too, add
+    only the new reduced part (A2); a backward that raised half-way leaves nothing that breaks the
+    next step (A3)."""
+    mesh = fd.Mesh({"dp": 2, "ep": 2})
+    m = Stacked(mesh)
+    dp = fd.train.DataParallel(m, ("dp", "ep"), mesh=mesh)
+    g = [torch.randn(mesh.size, 3, dtype=torch.float64) for _ in range(6)]
+    a_rule = lambda t: _mean_over(t, mesh, ("dp", "ep"), 4)  # noqa: E731
+    w_rule = lambda t: _mean_over(t, mesh, ("dp",), 4)  # noqa: E731
+    with dp.no_sync():
+        m(ga=g[0]).backward()  # only a, and only here
+    m(gw=g[1]).backward()  # only w, synced: reduces a's too
+    torch.testing.assert_close(m.a.grad, a_rule(g[0]))
+    torch.testing.assert_close(m.w.grad, w_rule(g[1]))
+    m(ga=g[2], gw=g[3]).backward()  # no zero_grad: the reduced new parts add
+    torch.testing.assert_close(m.a.grad, a_rule(g[0] + g[2]))
+    torch.testing.assert_close(m.w.grad, w_rule(g[1] + g[3]))
+    m.zero_grad()
+    with pytest.raises(RuntimeError, match="boom"):
+        m(ga=g[4], gw=g[5], boom=True).backward()
+    assert m.a.grad is not None and m.w.grad is None  # a went through before the raise
+    m.zero_grad()
+    m(ga=g[4], gw=g[5]).backward()  # the next step: as if the failed one never ran
+    torch.testing.assert_close(m.a.grad, a_rule(g[4]))
+    torch.testing.assert_close(m.w.grad, w_rule(g[5]))
+
+
+def test_what_the_reducer_cannot_see_is_refused() -> None:
+    """A parameter unfrozen after the reducer was built (A6) and reentrant checkpointing raise."""
+    mesh = fd.Mesh({"dp": 2, "ep": 2})
+    m = Stacked(mesh)
+    m.w.requires_grad_(False)
+    fd.train.DataParallel(m, "dp", mesh=mesh)
+    m.w.requires_grad_(True)
+    g = torch.ones(mesh.size, 3, dtype=torch.float64)
+    with pytest.raises(fd.MeshError, match=r"\['w'\] got gradients but did not require grad"):
+        m(ga=g, gw=g).backward()
+
+    m = Stacked(mesh)
+    fd.train.DataParallel(m, "dp", mesh=mesh)
+
+    def inner(x: Any) -> Any:
+        return m(gw=x)
+
+    x = torch.ones(mesh.size, 3, dtype=torch.float64, requires_grad=True)
+    loss = (m.a * g).sum() + torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=True)
+    with pytest.raises(fd.MeshError, match="use_reentrant=False"):
+        loss.backward()
+
+
+def test_a_standalone_reducer_is_the_models_engine() -> None:
+    mesh = fd.Mesh({"dp": 2})
+    pm = fd.nn.parallelize(torch.nn.Linear(3, 1, bias=False).double(), mesh, {})
+    dp = fd.train.DataParallel(pm, "dp")
+    assert pm.engine is dp
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    with pm.no_sync():  # the model's no_sync is the reducer's
+        pm(x).sum().backward()
+    w = pm.module.weight
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, x.sum(1)[:, None])  # per rank: not reduced
+    with pytest.raises(fd.nn.ParallelizeError, match="already runs data-parallel"):
+        pm.data_parallel("dp")
+    dp.remove()
+    assert pm.engine is None
+    w.grad = None
+    pm(x).sum().backward()  # removed: nothing reduces
+    torch.testing.assert_close(w.grad, x.sum(1)[:, None])
+
+
+def test_review_cases_on_gloo() -> None:
+    """tests/train_worker.py reducer_review_cases on 4 gloo processes (dp=2 x ep=2)."""
+    from fastdist.testing import run_on_gloo
+    from tests.train_worker import reducer_review_cases
+
+    assert run_on_gloo(reducer_review_cases, 4, timeout=200) == ["ok"] * 4
 
 
 def test_a_peer_that_never_reduces_is_reported_within_the_timeout() -> None:

@@ -29,6 +29,11 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
         if engine == "fsdp":  # 2-D: each parameter a DTensor over dp of this rank's tp block
             w = pm.module.model.layers[0].mlp.gate_proj.weight
             assert type(w).__name__ == "DTensor" and w.to_local().shape[0] == 48 // tp // dp
+            try:  # FSDP2 already shards the optimizer state: ZeRO on top is refused
+                fd.train.ZeroOptimizer(pm, torch.optim.AdamW)
+                raise AssertionError("ZeroOptimizer accepted FSDP2's DTensors")
+            except fd.MeshError as e:
+                assert "are DTensors" in str(e), e
         elif engine == "ddp":
             assert type(wrapped).__name__ == "DistributedDataParallel"
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -98,3 +103,78 @@ def peer_skips_backward() -> str:
         took = time.monotonic() - start
         return f"{type(e).__name__} after {took:.0f}s: {e}"
     return "no error"
+
+
+def reducer_review_cases() -> str:
+    """4 ranks, dp=2 x ep=2, both data axes; ``w`` split over ep (one block per ep index),
+    ``a`` replicated; one bucket per parameter. Checked against the rule computed on the stacked
+    gradients of every rank:
+
+    * ``a`` used only inside no_sync is reduced by the next synced backward (which uses only w);
+    * a second backward without zero_grad adds only the new reduced parts (w too);
+    * a backward that raises after ``a``'s bucket went out does not break the next step;
+    * clipping with ``w.grad`` None on the ep=0 ranks runs the same collectives everywhere."""
+    from tests.test_train_dp import Boom, _mean_over
+
+    mesh = fd.Mesh.from_torch(ep=2, timeout=60)
+    sim = fd.Mesh(dict(mesh.shape))  # the same layout, for the expected values
+    r = mesh.rank
+    gen = torch.Generator().manual_seed(0)
+    g = [torch.randn(mesh.size, 3, dtype=torch.float64, generator=gen) for _ in range(6)]
+
+    class Local(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+            self.a = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))  # bucket 0
+
+        def param_layouts(self) -> dict[str, fd.nn.Layout]:
+            return {"a": fd.nn.Layout(), "w": fd.nn.Layout(fd.P("ep"))}
+
+        def forward(self, k_a: int | None, k_w: int | None, boom: bool = False) -> torch.Tensor:
+            loss = torch.zeros((), dtype=torch.float64)
+            if k_w is not None:
+                w = Boom.apply(self.w) if boom else self.w
+                loss = loss + (w * g[k_w][r]).sum()
+            if k_a is not None:  # created last: accumulates (and launches) first
+                loss = loss + (self.a * g[k_a][r]).sum()
+            return loss
+
+    def a_rule(t: torch.Tensor) -> torch.Tensor:
+        return _mean_over(t, sim, ("dp", "ep"), 4)[r]
+
+    def w_rule(t: torch.Tensor) -> torch.Tensor:
+        return _mean_over(t, sim, ("dp",), 4)[r]
+
+    m = Local()
+    dp = fd.train.DataParallel(m, ("dp", "ep"), mesh=mesh, bucket_mb=1e-6)
+    assert len(dp._buckets) == 2
+    with dp.no_sync():
+        m(0, None).backward()
+    m(None, 1).backward()
+    torch.testing.assert_close(m.a.grad, a_rule(g[0]))
+    torch.testing.assert_close(m.w.grad, w_rule(g[1]))
+    m(2, 3).backward()
+    torch.testing.assert_close(m.a.grad, a_rule(g[0] + g[2]))
+    torch.testing.assert_close(m.w.grad, w_rule(g[1] + g[3]))
+    m.zero_grad()
+    try:
+        m(4, 5, boom=True).backward()
+        return "no raise"
+    except RuntimeError as e:
+        assert "boom" in str(e), e
+    assert m.a.grad is not None and dp._buckets[0].work is not None  # a's bucket in flight
+    m.zero_grad()
+    m(4, 5).backward()
+    torch.testing.assert_close(m.a.grad, a_rule(g[4]))
+    torch.testing.assert_close(m.w.grad, w_rule(g[5]))
+
+    # clipping: w has no gradient on the ep=0 ranks
+    dp.remove()
+    a, w = g[0][0], g[1][mesh.coords(r)["ep"]]  # a replicated; w one block per ep index
+    m.a.grad = a.clone()
+    m.w.grad = w.clone() if mesh.coords(r)["ep"] == 1 else None
+    want = (a.square().sum() + g[1][1].square().sum()).sqrt()
+    got = fd.nn.clip_grad_norm_(m, 1e9, mesh=mesh)
+    torch.testing.assert_close(got, want)
+    return "ok"

@@ -27,22 +27,12 @@ from torch import Tensor, nn
 
 from ..errors import MeshError
 from ..mesh import Mesh
-from .state import Layout, param_layouts
+from .state import Layout, module_and_mesh, param_layouts
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
-
-def _model(model: Any, mesh: Mesh | None, op: str) -> tuple[nn.Module, Mesh]:
-    """(module, mesh) of a `ParallelModel` or of a module built from fastdist layers."""
-    module = getattr(model, "module", model)
-    mesh = mesh if mesh is not None else getattr(model, "mesh", None)
-    if not isinstance(module, nn.Module) or mesh is None:
-        raise MeshError(
-            f"{op}: expected a fastdist.nn.ParallelModel (or an nn.Module with mesh=), got "
-            f"{type(model).__name__}{'' if mesh is not None else ' without a mesh'}. Fix: pass "
-            "the model parallelize returned, or the module and its mesh"
-        )
-    return module, mesh
+#: the dtype of the per-axis-set partial sums (scalars) that the ranks reduce
+_SUM = torch.float64
 
 
 def _norm_type(norm_type: float, op: str) -> float:
@@ -67,17 +57,16 @@ def _real_rows(g: Tensor, layout: Layout, mesh: Mesh, rank: int, rows: int, at: 
     return g.narrow(d, 0, max(0, min(g.shape[d], real - at)))
 
 
-def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...], tuple[int, ...], int]:
-    """(this rank's gradient block, extra axes it is split over, the block's shape, the first
-    dim-0 row it holds): an FSDP2 DTensor's local shard, the mesh dims of its Shard
-    placements, and its offset in the tp block (torch.chunk's split)."""
-    grad = p.grad
-    assert grad is not None
-    placements = getattr(grad, "placements", None)
+def _local_block(t: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...], tuple[int, ...], int]:
+    """(this rank's block of ``t``, extra axes it is split over, the block's shape, the first
+    dim-0 row it holds): for an FSDP2 DTensor (a parameter or its gradient), its local shard,
+    the mesh dims of its Shard placements, and its offset in the tp block (torch.chunk's
+    split); a plain tensor is its own block."""
+    placements = getattr(t, "placements", None)
     if placements is None:
-        return grad, (), tuple(grad.shape), 0
-    g: Any = grad  # a DTensor
-    names = g.device_mesh.mesh_dim_names or ()
+        return t, (), tuple(t.shape), 0
+    d: Any = t  # a DTensor
+    names = d.device_mesh.mesh_dim_names or ()
     extra = tuple(names[i] for i, pl in enumerate(placements) if pl.is_shard() and i < len(names))
     unknown = [a for a in extra if a not in mesh.axis_names]
     if unknown or any(pl.is_partial() for pl in placements):
@@ -89,9 +78,9 @@ def _local_grad(p: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...], tuple[i
     at = 0
     for i, pl in enumerate(placements):
         if pl.is_shard() and pl.dim == 0:  # FSDP2: dim 0 in torch.chunk pieces
-            chunk = -(-g.shape[0] // g.device_mesh.size(i))
-            at += g.device_mesh.get_local_rank(i) * chunk
-    return g.to_local(), extra, tuple(g.shape), at
+            chunk = -(-d.shape[0] // d.device_mesh.size(i))
+            at += d.device_mesh.get_local_rank(i) * chunk
+    return d.to_local(), extra, tuple(d.shape), at
 
 
 def _local_norm(block: Tensor, p: float) -> Tensor:
@@ -105,7 +94,10 @@ def _partial_norms(
     module: nn.Module, mesh: Mesh, p: float, simulated: bool
 ) -> tuple[dict[tuple[str, ...], Tensor], list[Tensor], torch.dtype | None]:
     """Per axis set, this rank's sum of ``|g|^p`` (max of ``|g|`` for inf) over the parameters
-    split over exactly those axes ([world] on a simulated mesh); the gradients; their dtype."""
+    split over exactly those axes ([world] on a simulated mesh); the gradients; their dtype.
+
+    Every parameter that requires grad names its axis set, with or without a gradient on this
+    rank, so that every rank runs the same collectives."""
     layouts = param_layouts(module)
     order = {a: i for i, a in enumerate(mesh.axis_names)}
     sums: dict[tuple[str, ...], Tensor] = {}
@@ -113,21 +105,28 @@ def _partial_norms(
     dtype = None
     ranks = range(mesh.size) if simulated else [mesh.rank]
     for name, param in module.named_parameters():
-        if param.grad is None:
+        if param.grad is None and not param.requires_grad:
             continue
         layout = layouts.get(name, Layout())
-        g, extra, block, at = _local_grad(param, mesh)
+        g, extra, block, at = _local_block(param.grad if param.grad is not None else param, mesh)
+        key = tuple(sorted(layout.split_axes | set(extra), key=order.__getitem__))
+        if param.grad is None:
+            # no gradient on this rank (an expert without tokens): it contributes 0, but its axis
+            # set must take part in the same collectives as on the ranks where it has one
+            sums.setdefault(
+                key, torch.zeros(mesh.size if simulated else (), dtype=_SUM, device=g.device)
+            )
+            continue
         grads.append(param.grad)
         dtype = dtype or g.dtype
         acc = torch.promote_types(g.dtype, torch.float32)
-        axes = {a for d in range(len(layout.spec.dims)) for a in layout.spec.axes_of(d)}
-        key = tuple(sorted(axes | set(extra), key=order.__getitem__))
         rows = 0 if layout.dim is None else block[layout.dim + simulated]  # the padded dim's
         per_rank = []
         for i, r in enumerate(ranks):
             local = g[i] if simulated else g
             per_rank.append(_local_norm(_real_rows(local, layout, mesh, r, rows, at).to(acc), p))
-        value = torch.stack(per_rank) if simulated else per_rank[0]
+        # float64 partial sums: every rank's collective has the same dtype, gradients or not
+        value = (torch.stack(per_rank) if simulated else per_rank[0]).to(_SUM)
         if key in sums:
             sums[key] = torch.maximum(sums[key], value) if p == math.inf else sums[key] + value
         else:
@@ -163,7 +162,7 @@ def grad_norm(model: Any, norm_type: float = 2.0, *, mesh: Mesh | None = None) -
 def _total(
     model: Any, norm_type: float, mesh: Mesh | None, op: str
 ) -> tuple[Tensor, list[Tensor], Mesh]:
-    module, mesh = _model(model, mesh, op)
+    module, mesh = module_and_mesh(model, mesh, op)
     p = _norm_type(norm_type, op)
     simulated = mesh.backend is None
     with torch.no_grad():
@@ -178,7 +177,7 @@ def _total(
             _check_equal(total, mesh, op)
         else:
             total = _combine(sums, mesh, p)
-    return total.to(dtype or total.dtype), grads, mesh
+    return total.to(dtype or torch.get_default_dtype()), grads, mesh  # torch: 0.0 if none
 
 
 def _check_equal(total: Tensor, mesh: Mesh, op: str) -> None:

@@ -113,6 +113,11 @@ class Layout:
                 )
 
     @property
+    def split_axes(self) -> frozenset[str]:
+        """Every mesh axis some dim is split over (the tensor is replicated over the others)."""
+        return frozenset(a for d in range(len(self.spec.dims)) for a in self.spec.axes_of(d))
+
+    @property
     def dim(self) -> int | None:
         """The dim that holds fused parts or padding (None for a plain block split)."""
         if not (self.parts or self.size is not None):
@@ -332,6 +337,20 @@ def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) 
             "(fastdist.train.DataParallel, DDP, or fastdist.pmean over 'dp'). check=False keeps "
             "the first rank's copy"
         )
+
+
+def module_and_mesh(model: Any, mesh: Mesh | None, op: str) -> tuple[nn.Module, Mesh]:
+    """(module, mesh) of a `fastdist.nn.ParallelModel`, or of a module of fastdist layers with
+    its ``mesh``; raises naming ``op`` for anything else."""
+    module = getattr(model, "module", model)
+    mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+    if not isinstance(module, nn.Module) or mesh is None:
+        raise MeshError(
+            f"{op}: expected a fastdist.nn.ParallelModel (or an nn.Module with mesh=), got "
+            f"{type(model).__name__}{'' if mesh is not None else ' without a mesh'}. Fix: pass "
+            "the model parallelize returned, or the module and its mesh"
+        )
+    return module, mesh
 
 
 def _as_layout(spec: SpecLike) -> Layout:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ..errors import MeshError
 from ..mesh import AxisName, Mesh
-from ..nn.state import Layout, param_layouts
+from ..nn.state import Layout, module_and_mesh, param_layouts
 
 if TYPE_CHECKING:
     from ..nn.parallelize import ParallelModel
@@ -48,6 +48,12 @@ __all__ = ["DataParallel", "reduce_axes"]
 
 #: the op name errors on real ranks give (fastdist.<op>)
 _OP = "train.DataParallel"
+_REENTRANT = (
+    "fastdist.train.DataParallel: a backward ran inside another one (reentrant activation "
+    "checkpointing?); the reduction would end with the inner one. Fix: non-reentrant "
+    "checkpointing (use_reentrant=False; in transformers gradient_checkpointing_enable("
+    'gradient_checkpointing_kwargs={"use_reentrant": False}))'
+)
 
 
 def _axes(axis: AxisName, mesh: Mesh, op: str) -> tuple[str, ...]:
@@ -59,8 +65,7 @@ def _axes(axis: AxisName, mesh: Mesh, op: str) -> tuple[str, ...]:
 
 def reduce_axes(layout: Layout, data_axes: Sequence[str]) -> tuple[str, ...]:
     """The data axes a parameter with ``layout`` is summed over: those it is not split over."""
-    split = {a for d in range(len(layout.spec.dims)) for a in layout.spec.axes_of(d)}
-    return tuple(a for a in data_axes if a not in split)
+    return tuple(a for a in data_axes if a not in layout.split_axes)
 
 
 @dataclass
@@ -80,16 +85,23 @@ class DataParallel:
 
     Args:
         model: a `fastdist.nn.ParallelModel` (or an ``nn.Module`` with ``mesh=``), on a
-            simulated mesh or on real ranks. Its parameters' `Layout` tells which data axes
-            each one is split over (see the module docstring's rule).
+            simulated mesh or on real ranks, with real (not meta) parameters. Its parameters'
+            `Layout` tells which data axes each one is split over (the module docstring's rule).
         axis: the data axis or axes (default ``"dp"``): each index along them runs its own batch.
         mesh: the mesh, when ``model`` is a plain module.
         bucket_mb: on real ranks, the size of a bucket of gradients all-reduced at once (MiB).
 
     After each ``backward`` (outside `no_sync`) every rank's ``.grad`` holds the gradient the
-    single-device model would have for the mean of every data rank's loss. A parameter that
-    got a gradient on no rank keeps ``grad=None`` (as on one device); one that got a gradient
-    on some ranks only gets the reduced gradient everywhere.
+    single-device model would have for the mean of every data rank's loss, added to what
+    ``.grad`` held before (gradients accumulate as on one device). What is reduced is what
+    each parameter received since its last reduction, including inside `no_sync`. A parameter
+    that got a gradient on no rank keeps ``grad=None`` (as on one device); one that got a
+    gradient on some ranks only gets the reduced gradient everywhere.
+
+    Not supported, and refused with an error rather than computed wrong: a second reducer or
+    engine on the same model, a parameter that starts requiring grad after construction, and a
+    backward inside a backward (reentrant activation checkpointing: use
+    ``use_reentrant=False``).
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"dp": 2})
@@ -113,21 +125,11 @@ class DataParallel:
         bucket_mb: float = 25.0,
     ) -> None:
         op = "fastdist.train.DataParallel"
-        module = getattr(model, "module", model)
-        mesh = mesh if mesh is not None else getattr(model, "mesh", None)
-        if not isinstance(module, nn.Module) or mesh is None:
-            raise MeshError(
-                f"{op}: expected a fastdist.nn.ParallelModel (or an nn.Module with mesh=), got "
-                f"{type(model).__name__}. Fix: pass the model parallelize returned"
-            )
+        module, mesh = module_and_mesh(model, mesh, op)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise MeshError(f"{op}: bucket_mb={bucket_mb!r} must be a positive number of MiB")
-        if getattr(module, "_fastdist_data_parallel", None) is not None:
-            raise MeshError(
-                f"{op}: {type(module).__name__} already reduces its gradients over "
-                f"{module._fastdist_data_parallel!r}; a second reducer would reduce twice. Fix: "
-                "call .remove() on the first one"
-            )
+        refuse_second_engine(model, module, op)
+        refuse_meta(module, op)
         self.module, self.mesh = module, mesh
         self.axes = _axes(axis, mesh, op)
         self.size = math.prod(mesh.axis_size(a) for a in self.axes)
@@ -136,25 +138,36 @@ class DataParallel:
             id(p): reduce_axes(layouts.get(n, Layout()), self.axes)
             for n, p in module.named_parameters()
         }
+        self._names = {id(p): n for n, p in module.named_parameters()}
         self._sync = True
-        self._queued = False
+        self._task: int | None = None  # the autograd graph task of the backward being reduced
+        #: parameters that received gradient since their last reduction; for those not summed
+        #: over every data axis, what they received (their .grad may hold more: see _partial)
+        self._pending: dict[int, Tensor | None] = {}
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
         self._next = 0  # the next bucket to launch (real ranks: buckets go out in order)
         params = [p for p in module.parameters() if p.requires_grad]
+        self._params = {id(p): p for p in params}
         if mesh.backend is not None:
             self._make_buckets(params, bucket_mb)
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
             for p in params
         ]
+        receivers = [p for p in params if self._partial(p)]
+        self._handles += [p.register_hook(self._receiver(p)) for p in receivers]  # type: ignore[no-untyped-call]
+        self._handles.append(module.register_forward_pre_hook(self._on_forward))
+        self._owner = model
         module._fastdist_data_parallel = self.axes  # type: ignore[assignment]
+        if hasattr(model, "engine"):
+            model.engine = self
 
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip the reduction inside (gradient accumulation): gradients accumulate per rank; the
-        first backward after the block reduces the accumulated sum."""
+        first backward after the block reduces everything received since the last reduction."""
         before, self._sync = self._sync, False
         try:
             yield
@@ -162,50 +175,123 @@ class DataParallel:
             self._sync = before
 
     def remove(self) -> None:
-        """Stop reducing: remove the hooks (waits for reductions in flight first)."""
+        """Stop reducing: remove the hooks (waits for reductions in flight first) and detach from
+        the model (another engine may be attached afterwards)."""
         self.finish()
         for h in self._handles:
             h.remove()
         self._handles = []
         self.module._fastdist_data_parallel = None  # type: ignore[assignment]
+        if getattr(self._owner, "engine", None) is self:
+            self._owner.engine = None
 
     def finish(self) -> None:
-        """Wait for every bucket of the current backward and write the reduced gradients
-        (called at the end of every backward; safe to call again)."""
-        if not self._buckets:
-            return
-        if not self._queued:
+        """Reduce everything received since the last reduction and write the gradients (called
+        at the end of every synced backward; safe to call again)."""
+        if self._task is None:
             return  # no synced backward since the last finish
-        for i in range(self._next, len(self._buckets)):
-            self._launch(i)  # every rank launches every bucket, in order (zeros where no grad)
-        self._next = 0
-        for b in self._buckets:
-            if b.work is not None:
-                self._wait(b)
-        self._queued = False
+        if torch._C._current_autograd_node() is not None:  # inside another backward's node
+            self._reset()
+            raise MeshError(_REENTRANT)
+        try:
+            stray = [
+                n
+                for n, p in self.module.named_parameters()
+                if p.grad is not None and id(p) not in self._params
+            ]
+            if stray:
+                raise MeshError(
+                    f"fastdist.train.DataParallel: {stray[:3]} got gradients but did not require "
+                    "grad when the reducer was built, so nothing reduces them. Fix: build "
+                    "DataParallel after choosing which parameters train (or .remove() and build "
+                    "it again)"
+                )
+            if self.mesh.backend is None:
+                for i in list(self._pending):
+                    self._reduce_simulated(self._params[i])
+            else:
+                for i in range(self._next, len(self._buckets)):
+                    self._launch(i)  # every rank launches every bucket, in order
+                for b in self._buckets:
+                    if b.work is not None:
+                        self._wait(b)
+        finally:
+            self._next = 0
+            self._task = None
 
     def __repr__(self) -> str:
         kind = "simulated" if self.mesh.backend is None else f"{len(self._buckets)} buckets"
         return f"DataParallel(axes={self.axes}, {self.mesh!r}, {kind})"
 
     # ------------------------------------------------------------------ the hooks
+    def _partial(self, p: Tensor) -> bool:
+        """Summed over fewer than all data axes: its .grad may already hold a reduced part that
+        must not be summed again, so what it receives is kept apart until reduced."""
+        return len(self._axes_of[id(p)]) < len(self.axes)
+
+    def _receiver(self, p: Tensor) -> Any:
+        def receive(g: Tensor) -> None:
+            got = self._pending.get(id(p))
+            self._pending[id(p)] = g.detach().clone() if got is None else got.add_(g)
+
+        return receive
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        """A new step (outside any backward): a backward that raised half-way (and was caught) left
+        buckets in flight; wait for them and start clean (what it received stays unreduced)."""
+        if self._task is not None and torch._C._current_graph_task_id() == -1:
+            self._reset()
+
+    def _reset(self) -> None:
+        """Drop a reduction that cannot finish: wait for buckets in flight (every rank launched
+        them), forget what was received."""
+        for b in self._buckets:
+            if b.work is not None:
+                self._wait(b, write=False)
+            b.ready.clear()
+        self._next, self._task = 0, None
+        self._pending.clear()
+
     def _hook(self, p: Tensor) -> None:
-        if not self._sync or p.grad is None:
+        if p.grad is None:
             return
-        axes = self._axes_of[id(p)]
-        if self.mesh.backend is None:
-            _reduce_stacked(p.grad, self.mesh, axes, self.size)
+        self._pending.setdefault(id(p), None)
+        if not self._sync:
             return
-        if not self._queued:
-            self._queued = True
+        task = torch._C._current_graph_task_id()
+        if self._task is None:
+            self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        i = self._bucket_of[id(p)]
-        b = self._buckets[i]
+        elif task != self._task:
+            raise MeshError(_REENTRANT)
+        if self.mesh.backend is None:
+            self._reduce_simulated(p)
+            return
+        b = self._buckets[self._bucket_of[id(p)]]
         b.ready.add(id(p))
         while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(
             self._buckets[self._next].params
         ):
             self._launch(self._next)
+
+    def _reduce_simulated(self, p: Tensor) -> None:
+        """A stacked gradient ``[world, *local]``: what it received since its last reduction,
+        summed over its axes (every rank of a group gets the group's sum) and divided by D."""
+        received = self._pending.pop(id(p))
+        g = p.grad
+        assert g is not None
+        with torch.no_grad():
+            part = g if received is None else received
+            axes = self._axes_of[id(p)]
+            dims = [self.mesh.axis_names.index(a) for a in axes]
+            # [world, *local] -> [*mesh sizes, *local]: one dim per mesh axis
+            grid = part.reshape(*self.mesh.shape.values(), *g.shape[1:])
+            summed = grid.sum(dim=dims, keepdim=True) if dims else grid
+            reduced = summed.div(self.size).expand_as(grid).reshape(g.shape)
+            if received is None:
+                g.copy_(reduced)
+            else:  # .grad = what it held before + the reduced part
+                g.sub_(received).add_(reduced)
 
     # ------------------------------------------------------------------ real ranks
     def _make_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> None:
@@ -226,8 +312,8 @@ class DataParallel:
             self._bucket_of[id(p)] = i
 
     def _launch(self, i: int) -> None:
-        """Pack bucket ``i`` (a zero block and a 0 flag for a missing grad) and start its
-        all-reduce."""
+        """Pack bucket ``i`` (what each parameter received since its last reduction: its grad, or
+        the part kept apart; zeros and a 0 flag where nothing) and start its all-reduce."""
         import torch.distributed as dist
 
         from ..distributed import _axis_comm
@@ -235,62 +321,81 @@ class DataParallel:
         b = self._buckets[i]
         b.ready.clear()
         self._next = max(self._next, i + 1)
+        pieces, flags = [], []
+        for p in b.params:
+            # summed over every data axis: the whole .grad (a part reduced before is the same on
+            # every rank and stays itself in the mean); otherwise only what it received
+            part = self._pending.get(id(p)) if self._partial(p) else p.grad
+            pieces.append(part.detach().reshape(-1) if part is not None else p.new_zeros(p.numel()))
+            flags.append(id(p) in self._pending)
+        flag = torch.tensor(flags, dtype=b.params[0].dtype, device=pieces[0].device)
+        b.flat = torch.cat([*pieces, flag])
         if not b.axes:  # split over every data axis: nothing to sum, only the 1/D
-            for p in b.params:
-                if p.grad is not None:
-                    p.grad.div_(self.size)
+            self._write(b)
             return
-        pieces = [
-            (p.grad.detach().reshape(-1) if p.grad is not None else p.new_zeros(p.numel()))
-            for p in b.params
-        ]
-        flags = torch.tensor(
-            [p.grad is not None for p in b.params], dtype=b.params[0].dtype, device=pieces[0].device
-        )
-        b.flat = torch.cat([*pieces, flags])
-        ac = _axis_comm(_OP, self.mesh, b.axes)
-        group = ac.comm.group(ac, ac._backend(_OP, b.flat.device.type), _OP)
         flat = b.flat
+        ac = _axis_comm(_OP, self.mesh, b.axes)
+        group = ac.comm.group(ac, ac._backend(_OP, flat.device.type), _OP)
         b.work = ac.run(
             _OP,
             lambda: dist.all_reduce(flat, group=group, async_op=True),
             what="the gradient all-reduce",
         )
 
-    def _wait(self, b: _Bucket) -> None:
+    def _wait(self, b: _Bucket, write: bool = True) -> None:
         from ..distributed import _axis_comm
 
         ac = _axis_comm(_OP, self.mesh, b.axes)
         ac.run(_OP, b.work.wait, what="the gradient all-reduce")
         b.work = None
+        if write:
+            self._write(b)
+        b.flat = None
+
+    def _write(self, b: _Bucket) -> None:
+        """Unpack a reduced bucket into the gradients (divided by D)."""
         flat = b.flat
         assert flat is not None
-        flat.div_(self.size)
         n = len(b.params)
-        got = flat[-n:] != 0  # some rank had a gradient
+        flat[:-n].div_(self.size)
+        got = (flat[-n:] != 0).tolist()  # some rank received a gradient
         offset = 0
-        for p, had in zip(b.params, got.tolist()):
+        for p, any_rank in zip(b.params, got):
             piece = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-            if p.grad is not None:
-                p.grad.copy_(piece)
-            elif had:
+            received = self._pending.pop(id(p), None)
+            if not any_rank:
+                continue  # nothing new anywhere: .grad stays as it is
+            if p.grad is None:
                 p.grad = piece.clone()
+            elif not self._partial(p):
+                p.grad.copy_(piece)
+            else:  # .grad = what it held before + the reduced part of what it received
+                (p.grad.sub_(received) if received is not None else p.grad).add_(piece)
         b.flat = None
 
 
-def _reduce_stacked(g: Tensor, mesh: Mesh, axes: tuple[str, ...], size: int) -> None:
-    """A simulated mesh's stacked gradient ``[world, *local]``, summed over ``axes`` (every rank
-    of a group gets the group's sum) and divided by ``size``, in place."""
-    with torch.no_grad():
-        if not axes:
-            g.div_(size)
-            return
-        dims = [mesh.axis_names.index(a) for a in axes]
-        # [world, *local] -> [*mesh sizes, *local]: one dim per mesh axis
-        grid = g.view(*mesh.shape.values(), *g.shape[1:])
-        summed = grid.sum(dim=dims, keepdim=True).div_(size)
-        grid.copy_(summed.expand_as(grid))
+def refuse_second_engine(model: Any, module: nn.Module, op: str) -> None:
+    """A model reduces its gradients through one engine only (two would reduce twice)."""
+    engine = getattr(model, "engine", None)
+    axes = getattr(module, "_fastdist_data_parallel", None)
+    if engine is not None or axes is not None:
+        raise MeshError(
+            f"{op}: {type(module).__name__} already runs data-parallel "
+            f"({engine if engine is not None else axes!r}); a second engine would reduce its "
+            "gradients twice. Fix: one engine per model (.remove() a DataParallel first)"
+        )
+
+
+def refuse_meta(module: nn.Module, op: str) -> None:
+    """Hooks on meta parameters would be lost when they get storage (pm.load / init_weights)."""
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if meta:
+        raise MeshError(
+            f"{op}: {meta[:3]} are on the meta device; their storage (pm.load or "
+            "pm.init_weights) replaces the tensors this would hook. Fix: materialize the model "
+            "first, then attach data parallelism"
+        )
 
 
 # ============================================================================ torch's engines
@@ -344,12 +449,15 @@ def ddp(pm: ParallelModel, axis: AxisName = "dp", **kwargs: Any) -> nn.Module:
     from ..distributed import _axis_comm
 
     op = "ParallelModel.data_parallel(engine='ddp')"
+    refuse_meta(pm.module, op)
     axes = _axes(axis, pm.mesh, op)
     _refuse_split_over(pm, axes, op)
     ac = _axis_comm(op, pm.mesh, axes)
     device = next(pm.module.parameters()).device
     group = ac.comm.group(ac, ac._backend(op, device.type), op)
-    return DistributedDataParallel(pm.module, process_group=group, **kwargs)
+    wrapped = DistributedDataParallel(pm.module, process_group=group, **kwargs)
+    pm.module._fastdist_data_parallel = axes  # type: ignore[assignment]
+    return wrapped
 
 
 def fsdp(
@@ -360,6 +468,7 @@ def fsdp(
     from torch.distributed.fsdp import fully_shard
 
     op = "ParallelModel.data_parallel(engine='fsdp')"
+    refuse_meta(pm.module, op)
     axes = _axes(axis, pm.mesh, op)
     if len(axes) != 1:
         raise MeshError(f"{op}: FSDP2 shards over one mesh axis here; got {axes}")
@@ -378,6 +487,7 @@ def fsdp(
     for m in wrapped:
         fully_shard(m, mesh=dm, **kwargs)
     fully_shard(pm.module, mesh=dm, **kwargs)
+    pm.module._fastdist_data_parallel = axes  # type: ignore[assignment]
     return pm.module
 
 

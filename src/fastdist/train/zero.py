@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from ..errors import MeshError
 from ..mesh import AxisName, Mesh
-from ..nn.state import Layout, param_layouts
-from .data_parallel import _axes, reduce_axes
+from ..nn.state import Layout, module_and_mesh, param_layouts
+from .data_parallel import _axes, reduce_axes, refuse_meta
 
 if TYPE_CHECKING:
     from ..nn.parallelize import ParallelModel
@@ -74,13 +74,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         op = "fastdist.train.ZeroOptimizer"
-        module = getattr(model, "module", model)
-        mesh = mesh if mesh is not None else getattr(model, "mesh", None)
-        if not isinstance(module, nn.Module) or mesh is None:
-            raise MeshError(
-                f"{op}: expected a fastdist.nn.ParallelModel (or an nn.Module with mesh=), got "
-                f"{type(model).__name__}"
-            )
+        module, mesh = module_and_mesh(model, mesh, op)
+        refuse_meta(module, op)
         name = getattr(optimizer_class, "__name__", repr(optimizer_class))
         if name not in _ELEMENTWISE:
             raise MeshError(
@@ -103,6 +98,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "different values; ZeRO shards only what the data ranks hold alike. Fix: "
                 "shard over the axes every parameter is replicated over"
             )
+        dtensors = [names[id(p)] for p in params if hasattr(p, "placements")]
+        if dtensors:
+            raise MeshError(
+                f"{op}: {dtensors[:3]} are DTensors (FSDP2 already shards them, and their "
+                "optimizer state, over the data axis). Fix: a plain torch optimizer over "
+                "pm.parameters()"
+            )
+        reduced = getattr(module, "_fastdist_data_parallel", None) or ()
+        if not set(self.axes) <= set(reduced):
+            raise MeshError(
+                f"{op}: the model's gradients are not reduced over {self.axes} (no data-parallel "
+                "engine over it); each rank would update its chunk with its own gradient and the "
+                "all-gather would make the wrong weights look consistent. Fix: "
+                f"pm.data_parallel({self.axes[0]!r}) (or fastdist.train.DataParallel) first"
+            )
         self._stacked = mesh.backend is None
         self._n = mesh.axis_size(self.axes)
         groups: dict[tuple[Any, ...], list[nn.Parameter]] = {}
@@ -115,12 +125,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard = self._chunk(self._flat([p.detach() for p in plist], padded))
             self._groups.append((plist, nn.Parameter(shard), padded))
         self.inner = optimizer_class([g[1] for g in self._groups], **defaults)
+        super().__init__([g[1] for g in self._groups], self.inner.defaults)  # hooks, profiling
         # what torch.optim.Optimizer users (LR schedulers) read: the wrapped optimizer's own
-        self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self._optimizer_step_pre_hooks: Any = {}
-        self._optimizer_step_post_hooks: Any = {}
+        self._built = True
 
     def _local_numel(self, p: Tensor) -> int:
         return p[0].numel() if self._stacked else p.numel()
@@ -194,6 +203,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 offset += k
             shard.grad = None
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: the wrapped optimizer's state is this rank's flat chunk, which no other layout
+        could load. Use `fastdist.train.save`, which writes it per parameter."""
+        raise MeshError(
+            "fastdist.train.ZeroOptimizer.state_dict: the state is this rank's flat chunk of the "
+            "parameters. Fix: fastdist.train.save(path, pm, optimizer) / fastdist.train.load, "
+            "which write and read it per parameter name, for any layout"
+        )
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Refused: see `state_dict`; use `fastdist.train.load`."""
+        self.state_dict()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only while the wrapper is built (its flat chunks); afterwards refused."""
+        if (
+            getattr(self, "inner", None) is not None
+            and self.param_groups is self.inner.param_groups
+        ):
+            raise MeshError(
+                "fastdist.train.ZeroOptimizer.add_param_group: the parameters are flattened into "
+                "chunks when the optimizer is built. Fix: build a new ZeroOptimizer"
+            )
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (as ``torch.optim.Optimizer.zero_grad``)."""
