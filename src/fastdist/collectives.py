@@ -274,6 +274,15 @@ def psum(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     Shape: unchanged. Gradient: identity (the output is replicated over the
     group, so its cotangent is taken to be replicated); see :func:`pvary`.
 
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        the sum of the group's ``x``, the same on every rank of the group; shape of ``x``.
+
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"tp": 3})
     >>> fastdist.simulate(lambda x: fastdist.psum(x, mesh, "tp"), mesh)(torch.tensor([1., 2., 4.]))
@@ -318,6 +327,16 @@ def pvary(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     input of a column-parallel linear layer: each rank's backward then gets the
     sum of all ranks' partial gradients, which is the full gradient. Without it
     each rank keeps only its own partial (the classic silent TP bug).
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        ``x`` itself (forward), now varying per rank for autograd: its gradient is summed over the
+        group.
     """
     x, spec = _enter("pvary", x, mesh, axis)
     return _apply(pvary_p, mesh, x, spec)
@@ -354,6 +373,15 @@ def pmean(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 
     Shape: unchanged. Gradient: ``g / n`` (``psum``'s rule scaled by the group size).
     Used for data-parallel gradient averaging: ``pmean(grad, mesh, "dp")``.
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        the mean of the group's ``x``, the same on every rank; shape of ``x``.
     """
     x, spec = _enter("pmean", x, mesh, axis)
     _need_reducible(pmean_p, axis, x)
@@ -450,6 +478,15 @@ def pmax(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 
     Shape: unchanged. Gradient: ``g`` goes to the lowest-index rank of the group
     whose ``x`` attains the maximum (ties: lowest rank), zero to the others.
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        the elementwise maximum over the group, the same on every rank; shape of ``x``.
     """
     return _extreme("pmax", pmax_p, x, mesh, axis)
 
@@ -459,6 +496,15 @@ def pmin(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """All-reduce minimum over the group (elementwise).
 
     Shape: unchanged. Gradient: ``g`` to the lowest-index rank attaining the minimum.
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        the elementwise minimum over the group, the same on every rank; shape of ``x``.
     """
     return _extreme("pmin", pmin_p, x, mesh, axis)
 
@@ -518,6 +564,19 @@ def all_gather(
     multiplying ``x.shape[dim]`` by the axis size ``n``; ``tiled=False`` stacks
     into a new dim of size ``n`` at ``dim``. Gradient: ``psum_scatter`` of ``g``
     along the same dim (each rank gets the sum over ranks of its own slice).
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        dim: the tensor dim to gather along (negative counts from the end).
+        tiled: ``True`` concatenates along ``dim``; ``False`` stacks into a new dim of size ``n`` at
+            ``dim``.
+
+    Returns:
+        every rank's ``x`` in axis order: ``x.shape[dim]`` times ``n`` (tiled), or a new dim of size
+        ``n``.
 
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"sp": 2})
@@ -597,6 +656,17 @@ def all_gather_invariant(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) ->
     its cotangent is taken to be the same on every rank. Gradient: each rank keeps its
     own chunk of ``g`` (a local slice, no communication); see :func:`local_chunk`.
     Use it when every rank computes the same loss from the gathered tensor.
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        dim: the tensor dim to concatenate along (negative counts from the end).
+
+    Returns:
+        every rank's ``x`` concatenated along ``dim`` in axis order, declared replicated over the
+        group.
     """
     x, spec = _enter("all_gather_invariant", x, mesh, axis)
     d = _norm_dim("all_gather_invariant", axis, "dim", dim, x.dim())
@@ -611,6 +681,16 @@ def local_chunk(x: Tensor, mesh: Mesh, axis: AxisName, dim: int = 0) -> Tensor:
     Shape: ``x.shape[dim]`` divided by the axis size. No communication. Gradient:
     ``all_gather_invariant`` of ``g`` (every rank gets the whole gradient). JAX calls
     this ``pscatter``; :func:`fastdist.spmd` uses it to shard its inputs.
+
+    Args:
+        x: the replicated tensor (the same on every rank of the group).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        dim: the tensor dim to split (negative counts from the end).
+
+    Returns:
+        chunk ``i`` of ``x`` along ``dim``, ``i`` this rank's index along ``axis``.
     """
     x, spec = _enter("local_chunk", x, mesh, axis)
     d = _norm_dim("local_chunk", axis, "dim", dim, x.dim())
@@ -673,6 +753,19 @@ def psum_scatter(
     Shape: ``tiled=True`` (default) divides ``x.shape[dim]`` by ``n`` (must be
     divisible); ``tiled=False`` needs ``x.shape[dim] == n`` and removes ``dim``.
     Gradient: ``all_gather`` of ``g`` along the same dim.
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        dim: the tensor dim to sum and split (negative counts from the end).
+        tiled: ``True`` keeps chunk ``i`` of ``dim``; ``False`` needs ``x.shape[dim] == n`` and
+            removes ``dim``.
+
+    Returns:
+        this rank's chunk of the group's sum: ``x.shape[dim]`` divided by ``n`` (tiled), or ``dim``
+        removed.
 
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"tp": 2})
@@ -754,6 +847,18 @@ def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim
     Shape: ``split_dim`` shrinks by ``n`` (must be divisible), ``concat_dim``
     grows by ``n``, in sender order. Gradient: ``all_to_all`` with the two dims swapped.
 
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        split_dim: the dim cut into ``n`` chunks, chunk ``j`` going to rank ``j``.
+        concat_dim: the dim along which the received chunks are concatenated, in sender order.
+
+    Returns:
+        the chunks received from every rank, ``split_dim`` divided and ``concat_dim`` multiplied by
+        ``n``.
+
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"sp": 2})
     >>> x = torch.tensor([[1., 2.], [3., 4.]])  # rank 0: [1, 2], rank 1: [3, 4]
@@ -778,6 +883,19 @@ def all_to_all_4d(
     every rank trades its sequence shard of all heads for all of the sequence of
     its head shard. ``scatter_dim=1, gather_dim=2`` is the inverse. ``P`` is the
     axis size; ``H`` (resp. ``S``) must be divisible by it. Gradient: the inverse map.
+
+    Args:
+        x: this rank's ``(batch, seq, heads, head_dim)`` tensor.
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        scatter_dim: the dim split across the ranks (2: heads, the default; 1: sequence).
+        gather_dim: the dim the ranks' pieces are gathered along (1: sequence, the default; 2:
+            heads).
+
+    Returns:
+        ``(bs, S, H/P, D)`` from ``(bs, S/P, H, D)`` with the defaults; the inverse with the dims
+        swapped.
     """
     if not isinstance(x, Tensor) or x.dim() != 4:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -860,6 +978,18 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
     destination gets zeros. Shape: unchanged. Gradient: ``ppermute`` of ``g``
     along the inverted pairs.
 
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        perm: ``(src, dst)`` pairs of indices along ``axis``; sources distinct, destinations
+            distinct.
+
+    Returns:
+        the ``x`` of the rank that sends to this one, zeros on a rank that no pair sends to; shape
+        of ``x``.
+
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"pp": 3})
     >>> shift = lambda x: fastdist.ppermute(x, mesh, "pp", [(0, 1), (1, 2)])
@@ -912,6 +1042,17 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
     shift``).
 
     Shape: unchanged. Gradient: the opposite shift. Built on :func:`ppermute`.
+
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        shift: how many places along the ring rank ``i`` sends (``(i + shift) % n``); negative
+            shifts the other way.
+
+    Returns:
+        the ``x`` of rank ``(i - shift) % n``; shape of ``x``.
     """
     if isinstance(shift, bool) or not isinstance(shift, int):
         raise CollectiveError(
@@ -977,6 +1118,16 @@ def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
     Shape: unchanged. Gradient: ``g`` on rank ``src``, zero elsewhere (the output
     is replicated, so its cotangent is taken to be replicated, as for :func:`psum`).
 
+    Args:
+        x: this rank's tensor (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        src: the index along ``axis`` of the rank whose ``x`` every rank gets.
+
+    Returns:
+        rank ``src``'s ``x`` on every rank of the group; shape of ``x``.
+
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"tp": 3})
     >>> fastdist.simulate(lambda x: fastdist.broadcast(x, mesh, "tp", src=2), mesh)(
@@ -993,6 +1144,14 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
 
     Inside :func:`fastdist.simulate` it differs per rank; on a one-rank mesh it is 0.
     No gradient (an integer).
+
+    Args:
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        this rank's index along ``axis``: a 0-d int64 tensor.
 
     >>> import torch, fastdist
     >>> mesh = fastdist.Mesh({"dp": 2, "tp": 2})
@@ -1026,6 +1185,14 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
 
 def axis_size(mesh: Mesh, axis: AxisName) -> int:
     """Number of ranks along ``axis`` (product over a tuple), a Python int.
+
+    Args:
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        the number of ranks along ``axis`` (the product over a tuple of axes).
 
     >>> import fastdist
     >>> fastdist.axis_size(fastdist.Mesh({"dp": 2, "tp": 4}), ("dp", "tp"))
