@@ -302,6 +302,21 @@ def all_gather_v(
     their size). Gradient: ``reduce_scatter_v``: each rank gets the sum over ranks of its
     own rows (in float32 for bf16/fp16 inputs when ``accumulate_fp32=True``), padding rows 0.
 
+    Args:
+        x: this rank's tensor: its first ``sizes[i]`` rows of ``dim`` are its shard, rows past them
+            padding (inside :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        sizes: the row count of each rank along ``dim``, in axis order (the same list on every
+            rank).
+        dim: the dim to gather along.
+        accumulate_fp32: sum the gradient in float32 for bfloat16 / float16 inputs.
+
+    Returns:
+        every rank's valid rows concatenated along ``dim`` in axis order: ``sum(sizes)`` rows, on
+        every rank.
+
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 3})
     >>> x = torch.tensor([[1., 0.], [2., 3.], [4., 5.]])  # rank 0: 1 row (+ padding); 1, 2: 2
@@ -340,6 +355,21 @@ def reduce_scatter_v(
 
     Shape: ``dim`` (which must have ``sum(sizes)`` rows) becomes ``sizes[i]``, or ``capacity``
     rows with zeros after the valid ones. Gradient: ``all_gather_v``.
+
+    Args:
+        x: this rank's tensor, ``sum(sizes)`` rows along ``dim``.
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        sizes: the row count of each rank along ``dim``, in axis order (the same list on every
+            rank).
+        dim: the dim to sum and split.
+        capacity: if given, every rank's result has this many rows along ``dim``, zeros after the
+            valid ones (a static shape).
+
+    Returns:
+        this rank's rows of the group's sum: ``sizes[i]`` rows along ``dim`` (``capacity`` with
+        padding).
     """
     x, spec = _enter("reduce_scatter_v", x, mesh, axis)
     _need_reducible(reduce_scatter_v_p, axis, x)
@@ -497,6 +527,23 @@ def gather_v(
     Shape: on ``dst``, ``dim`` becomes ``sum(sizes)``; every other rank gets an *empty*
     tensor (0 rows), or with ``capacity`` every rank gets ``capacity`` rows (zeros except the
     gathered rows on ``dst``). Never uninitialised memory. Gradient: ``scatter_v`` from ``dst``.
+
+    Args:
+        x: this rank's tensor: its first ``sizes[i]`` rows of ``dim`` are its shard (inside
+            :func:`fastdist.simulate`, each rank's slice of the input).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        sizes: the row count of each rank along ``dim``, in axis order (the same list on every
+            rank).
+        dst: the index along ``axis`` of the rank that gets the result.
+        dim: the dim to gather along.
+        capacity: if given, every rank's result has this many rows along ``dim``, zeros after the
+            valid ones (a static shape).
+
+    Returns:
+        on ``dst``, the ``sum(sizes)`` gathered rows; elsewhere an empty tensor (or ``capacity``
+        rows of zeros).
     """
     x, spec = _enter("gather_v", x, mesh, axis)
     d = _norm_dim("gather_v", axis, "dim", dim, x.dim())
@@ -536,6 +583,22 @@ def scatter_v(
     Every rank passes a tensor of the same shape (``dim`` of ``sum(sizes)`` rows); only
     ``src``'s values are used. Shape: ``sizes[i]`` rows, or ``capacity`` rows (zeros after
     the chunk). Gradient: ``gather_v`` to ``src`` (the other ranks' inputs get zero).
+
+    Args:
+        x: ``sum(sizes)`` rows along ``dim``, the same shape on every rank; only ``src``'s values
+            are used.
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        sizes: the row count of each rank along ``dim``, in axis order (the same list on every
+            rank).
+        src: the index along ``axis`` of the rank whose ``x`` is split.
+        dim: the dim to split.
+        capacity: if given, every rank's result has this many rows along ``dim``, zeros after the
+            valid ones (a static shape).
+
+    Returns:
+        chunk ``i`` of ``src``'s ``x``: ``sizes[i]`` rows along ``dim`` (``capacity`` with padding).
     """
     x, spec = _enter("scatter_v", x, mesh, axis)
     d = _norm_dim("scatter_v", axis, "dim", dim, x.dim())
@@ -684,6 +747,19 @@ def ragged_all_to_all(
     rows. Gradient: the same exchange backwards (send and receive sizes swapped).
     On real ranks the sizes are read to the host once per call.
 
+    Args:
+        x: this rank's rows, packed by destination; rows past ``send_sizes.sum()`` are padding.
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        send_sizes: this rank's int64 row counts per destination, ``send_sizes[j]`` rows for index
+            ``j``.
+        capacity: the rows of ``out`` (at least the most rows any rank receives).
+
+    Returns:
+        ``(out, recv_sizes)``: ``out`` has ``capacity`` rows packed by source in axis order, zeros
+        after ``recv_sizes.sum()``; ``recv_sizes[i]`` rows came from index ``i``.
+
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"ep": 2})
     >>> x = torch.tensor([[10., 11., 12.], [20., 21., 0.]])  # rank 0: 3 rows, rank 1: 2 (+1 pad)
@@ -791,6 +867,21 @@ def indexed_all_to_all_v(
     The MoE dispatch: ``index`` orders this rank's tokens by destination expert rank. Returns
     ``(out, recv_sizes)`` as :func:`ragged_all_to_all`. Gradient: the reverse exchange, then
     ``index_add`` back into ``x``'s rows (in float32 for bf16/fp16 when ``accumulate_fp32``).
+
+    Args:
+        x: this rank's rows (tokens).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        index: the rows of ``x`` to send, ordered by destination (``x[index]`` is packed as
+            ``send_sizes`` says).
+        send_sizes: this rank's int64 row counts per destination, ``send_sizes[j]`` rows for index
+            ``j``.
+        capacity: the rows of ``out`` (at least the most rows any rank receives).
+        accumulate_fp32: sum the gradient in float32 for bfloat16 / float16 inputs.
+
+    Returns:
+        ``(out, recv_sizes)``, as :func:`ragged_all_to_all`.
     """
     op = "indexed_all_to_all_v"
     if not isinstance(x, Tensor) or x.dim() == 0:
@@ -848,6 +939,15 @@ def exchange_sizes(local_size: int | Tensor, mesh: Mesh, axis: AxisName) -> Tens
 
     One small all-gather. On real ranks call ``.tolist()`` for the static-size ops; on
     simulated ranks the result is per-rank data (use it with ``ragged_all_to_all``).
+
+    Args:
+        local_size: this rank's row count (an int, or a 0-d integer tensor).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        every rank's row count along ``axis``, an int64 tensor in axis order.
     """
     if isinstance(local_size, Tensor):
         if (
