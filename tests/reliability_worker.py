@@ -225,5 +225,76 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+# ============================================================================ issue 32: argument
+# errors, compiled steps, check mode, mesh construction order
+@scenario
+def issue32(rank: int, world: int) -> dict[str, Any]:
+    """Two ranks: a wrong world size; send/recv to this rank's own index (refused before any
+    communication, the mesh stays usable); a compiled step that a peer skips, under comm_guard,
+    then reset and a next compiled call; check mode seeing a skipped call of the same op and
+    shape; meshes of one shape built in different orders."""
+    out: dict[str, Any] = {}
+    out["world"] = timed(lambda: fd.Mesh.from_torch(tp=3), fd.MeshError)
+    mesh = fd.Mesh.from_torch(tp=world, timeout=3)
+    x = torch.ones(2)
+    assert fd.psum(x, mesh, "tp").tolist() == [2.0, 2.0]
+    errors = (fd.CommArgumentError,)
+    out["send_self"] = timed(lambda: fd.send(x, mesh, "tp", rank), *errors)
+    out["recv_self"] = timed(lambda: fd.recv(x, mesh, "tp", rank), *errors)
+    out["send_object_self"] = timed(lambda: fd.send_object(1, mesh, "tp", rank), *errors)
+    out["send_dict_self"] = timed(lambda: fd.send_tensor_dict({"x": x}, mesh, "tp", rank), *errors)
+    out["dst7"] = timed(lambda: fd.send(x, mesh, "tp", 7), *errors)
+    # no group was dropped: the mesh works without a reset, point to point included
+    assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0, 3.0]
+    if rank == 0:
+        fd.send(x * 5, mesh, "tp", 1)
+    else:
+        out["p2p"] = fd.recv(x, mesh, "tp", 0).tolist()
+
+    # a compiled step under comm_guard: rank 1 skips a call, rank 0 gets fastdist's timeout
+    step = fd.comm_guard(mesh)(
+        torch.compile(lambda t: fd.psum(t, mesh, "tp") * 2, fullgraph=True, backend="aot_eager")
+    )
+    assert step(torch.full((2,), rank + 1.0)).tolist() == [6.0, 6.0]
+    if rank == 0:
+        out["compiled"] = timed(lambda: step(torch.ones(2)), fd.FastdistError)
+        try:
+            fd.psum(x, mesh, "tp")  # the groups were dropped: later calls fail at once
+        except fd.CommError as e:
+            out["after_failure"] = str(e)
+    meet("compiled", world)
+    mesh.reset()
+    out["recovered"] = step(torch.full((2,), rank + 1.0)).tolist()
+    # an error from the model itself passes through unchanged, and leaves the mesh alone
+
+    def model_error() -> None:
+        with fd.comm_guard(mesh):
+            torch.ones(2, 3) @ torch.ones(2, 3)
+
+    out["model_error"] = timed(model_error, RuntimeError)
+    assert fd.psum(x, mesh, "tp").tolist() == [2.0, 2.0]
+
+    # check mode: rank 1 skips the middle psum (same op, same shape as the next one)
+    checked = fd.Mesh.from_torch(tp=world, check=True, timeout=20)
+
+    def program() -> None:
+        fd.psum(torch.ones(2), checked, "tp")
+        if rank == 0:
+            fd.psum(torch.ones(2), checked, "tp")  # rank 1 skips this one
+        fd.psum(torch.ones(2), checked, "tp")
+
+    out["skip"] = timed(program, fd.ConsistencyError)
+    # nobody entered the collective: the mesh is still in step
+    assert fd.psum(torch.ones(2) * (rank + 1), checked, "tp").tolist() == [3.0, 3.0]
+
+    # two meshes of one shape, built in different orders on the two ranks
+    if rank == 0:
+        a, _ = fd.Mesh.from_torch(tp=world, timeout=3), fd.Mesh.from_torch(tp=world, timeout=4)
+    else:
+        _, a = fd.Mesh.from_torch(tp=world, timeout=4), fd.Mesh.from_torch(tp=world, timeout=3)
+    out["order"] = timed(lambda: fd.psum(torch.ones(1), a, "tp"), fd.FastdistError)
+    return out
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])

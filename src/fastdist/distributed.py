@@ -32,7 +32,9 @@ import contextlib
 import datetime
 import hashlib
 import importlib.util
+import os
 import re
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,7 +47,14 @@ from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
 from ._primitive import GroupSpec
-from .errors import CollectiveTimeout, CommError, ConsistencyError, MeshError, NoBackendError
+from .errors import (
+    CollectiveTimeout,
+    CommArgumentError,
+    CommError,
+    ConsistencyError,
+    MeshError,
+    NoBackendError,
+)
 
 if TYPE_CHECKING:
     from .mesh import AxisName, Mesh
@@ -68,6 +77,7 @@ __all__ = [
     "send",
     "recv",
     "barrier",
+    "comm_guard",
 ]
 
 #: Default timeout of every blocking call on a mesh built from torch.distributed.
@@ -106,15 +116,27 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
 
 
 def _as_timedelta(
-    timeout: float | datetime.timedelta | None, default: datetime.timedelta
+    timeout: float | datetime.timedelta | None,
+    default: datetime.timedelta,
+    who: str = "fastdist",
 ) -> datetime.timedelta:
+    """``timeout`` (seconds or a timedelta, > 0) as a timedelta; ``default`` for None. ``who``
+    (e.g. ``"Mesh.from_torch"``) names the call in the error."""
     if timeout is None:
         return default
-    if isinstance(timeout, datetime.timedelta):
+    if isinstance(timeout, datetime.timedelta) and timeout > datetime.timedelta(0):
         return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+    if (
+        isinstance(timeout, (int, float))
+        and not isinstance(timeout, bool)
+        and 0 < timeout < float("inf")
+    ):
         return datetime.timedelta(seconds=float(timeout))
-    raise MeshError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+    raise MeshError(
+        f"{who}: timeout must be positive seconds or a positive timedelta, got {timeout!r}. "
+        f"Fix: pass timeout=<seconds> greater than 0 (e.g. timeout=60), or leave it out for the "
+        f"default ({default.total_seconds():g} s)"
+    )
 
 
 class TorchComm:
@@ -481,8 +503,14 @@ def _wait_for_keys(
 
 def _run_while_tracing(fn: _Fn) -> _Fn:
     """Mark ``fn`` for dynamo: called (not traced) while it traces, its result a constant of the
-    graph."""
-    return cast(_Fn, torch._dynamo.assume_constant_result(fn))  # type: ignore[no-untyped-call]
+    graph.
+
+    This is what ``torch._dynamo.assume_constant_result`` does (it sets this one attribute), done
+    here so that importing fastdist does not import dynamo (a second of import time);
+    tests/test_import_time.py checks that torch's marker is still this attribute.
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 @_run_while_tracing
@@ -793,6 +821,7 @@ class AxisComm:
             [tuple(t.shape) for t in tensors],
             [str(t.dtype) for t in tensors],
             dict(params),
+            _call_site(),
         )
         every: list[Any] = [None] * self.n
         group = self.cpu_group(op)
@@ -803,17 +832,44 @@ class AxisComm:
         )
         if any(e != every[0] for e in every):
             table = "; ".join(
-                f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]})"
+                f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]}) at "
+                f"{Path(e[4][0]).name}:{e[4][1]}"
                 for r, e in zip(self.ranks, every)
+            )
+            where = (
+                " (the same call from different lines: a rank skipped or added a call before "
+                "this one, so its calls pair with its peers' other calls)"
+                if all(e[:4] == every[0][:4] for e in every)
+                else ""
             )
             raise ConsistencyError(
                 op,
                 self.label,
                 self.ranks,
                 self.rank,
-                f"the ranks disagree: {table}",
-                "make every rank of the group make the same call",
+                f"the ranks disagree{where}: {table}",
+                "make every rank of the group make the same calls in the same order, each from "
+                "the same line of code",
             )
+
+
+# where fastdist's and torch's own frames live: skipped when check mode looks for the caller
+_LIBRARY_DIRS = (
+    os.path.join(str(Path(__file__).parent), ""),
+    os.path.join(str(Path(torch.__file__).parent), ""),
+)
+
+
+def _call_site() -> tuple[str, int]:
+    """``(file, line)`` of the innermost frame outside fastdist and torch: where the user's code
+    called the collective (check mode compares it between ranks)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_LIBRARY_DIRS):
+            return name, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>", 0
 
 
 def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
@@ -874,14 +930,23 @@ def _comm_error(
     )
     if timed_out:
         secs = ac.comm.timeout.total_seconds()
+        order = "check that every rank of the group makes this call in the same order"
+        if what == "creating the process group":  # the ranks may be on different meshes
+            shape, k = ac.comm.uid.rsplit(".", 1)
+            order = (
+                "check that every rank builds its meshes of one shape in the same order "
+                "(Mesh.from_torch, Mesh.from_device_mesh and mesh.with_timeout each count; this is "
+                f"mesh {k} of shape {shape} built on this rank, and a group's name carries that "
+                "number, so meshes built in different orders never meet), and that every rank of "
+                "the group makes this call"
+            )
         return CollectiveTimeout(
             op,
             ac.label,
             ac.ranks,
             rank,
             f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}{extra}",
-            "check that every rank of the group makes this call in the same order; to go on after "
-            "a failure call mesh.reset() on every rank; "
+            f"{order}; to go on after a failure call mesh.reset() on every rank; "
             "raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
         )
     return CommError(
@@ -908,15 +973,31 @@ def _axis_comm(op: str, mesh: Mesh, axis: AxisName | None) -> AxisComm:
     return ac
 
 
-def _check_src(op: str, ac: AxisComm, name: str, value: Any) -> int:
+def _check_src(op: str, ac: AxisComm, name: str, value: Any, *, peer: bool = False) -> int:
+    """``value`` if it is an index along ``ac``'s axis (with ``peer``: another rank's); else a
+    :class:`~fastdist.CommArgumentError`, raised before any communication (the mesh stays
+    usable)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ac.n:
-        raise CommError(
+        raise CommArgumentError(
             op,
             ac.label,
             ac.ranks,
             ac.rank,
             f"{name}={value!r} is not an index along the axis (size {ac.n})",
             f"use {name} in 0..{ac.n - 1}",
+        )
+    if peer and value == ac.index:
+        others = [i for i in range(ac.n) if i != ac.index]
+        raise CommArgumentError(
+            op,
+            ac.label,
+            ac.ranks,
+            ac.rank,
+            f"{name}={value} is this rank's own index along the axis: a point-to-point call "
+            "needs another rank",
+            f"use {name} in {others} (the other indices along the axis)"
+            if others
+            else "the axis has one rank: there is no other rank to talk to; use the value directly",
         )
     return value
 
@@ -948,7 +1029,7 @@ def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
     """Send a picklable object to the rank with index ``dst`` along ``axis`` (pair with
     :func:`recv_object`)."""
     ac = _axis_comm("send_object", mesh, axis)
-    _check_src("send_object", ac, "dst", dst)
+    _check_src("send_object", ac, "dst", dst, peer=True)
     group = ac.cpu_group("send_object")
     ac.run("send_object", lambda: dist.send_object_list([obj], group=group, group_dst=dst))
 
@@ -956,7 +1037,7 @@ def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
 def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
     """Receive the object sent by the rank with index ``src`` along ``axis``."""
     ac = _axis_comm("recv_object", mesh, axis)
-    _check_src("recv_object", ac, "src", src)
+    _check_src("recv_object", ac, "src", src, peer=True)
     box: list[Any] = [None]
     group = ac.cpu_group("recv_object")
     ac.run("recv_object", lambda: dist.recv_object_list(box, group=group, group_src=src))
@@ -967,7 +1048,7 @@ def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
     """Send tensor ``x`` to the rank with index ``dst`` along ``axis`` (not differentiable; see
     ``ppermute``)."""
     ac = _axis_comm("send", mesh, axis)
-    _check_src("send", ac, "dst", dst)
+    _check_src("send", ac, "dst", dst, peer=True)
     group = ac.comm.group(ac, select_backend(x.device.type), "send")
     ac.run("send", lambda: dist.send(x.contiguous(), group=group, group_dst=dst))
 
@@ -976,7 +1057,7 @@ def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
     """Receive a tensor shaped like ``like`` (shape, dtype, device) from index ``src`` along
     ``axis``."""
     ac = _axis_comm("recv", mesh, axis)
-    _check_src("recv", ac, "src", src)
+    _check_src("recv", ac, "src", src, peer=True)
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
     group = ac.comm.group(ac, select_backend(out.device.type), "recv")
     ac.run("recv", lambda: dist.recv(out, group=group, group_src=src))
@@ -1028,7 +1109,7 @@ def broadcast_tensor_dict(
     _check_src(op, ac, "src", src)
     if ac.index == src:
         if d is None:
-            raise CommError(
+            raise CommArgumentError(
                 op,
                 ac.label,
                 ac.ranks,
@@ -1059,7 +1140,7 @@ def _ag_plan(
     ac, gac = _axis_comm(op, mesh, axis), _axis_comm(op, mesh, all_gather_axis)
     shared = set(mesh.axis_indices(axis, op)) & set(mesh.axis_indices(all_gather_axis, op))
     if shared:
-        raise CommError(
+        raise CommArgumentError(
             op,
             ac.label,
             ac.ranks,
@@ -1102,6 +1183,7 @@ def send_tensor_dict(
     ...     hidden = fd.recv_tensor_dict(mesh, "pp", src=0, all_gather_axis="tp")["h"]
     """
     op = "send_tensor_dict"
+    _check_src(op, _axis_comm(op, mesh, axis), "dst", dst, peer=True)
     gac = _ag_plan(op, mesh, axis, all_gather_axis)
     meta, tensors = _split_dict(d)
     send_object((meta, None if gac is None else gac.label), mesh, axis, dst)
@@ -1123,6 +1205,7 @@ def recv_tensor_dict(
     once on the receiver (the sender's choice travels with the metadata).
     """
     op = "recv_tensor_dict"
+    _check_src(op, _axis_comm(op, mesh, axis), "src", src, peer=True)
     gac = _ag_plan(op, mesh, axis, all_gather_axis)
     meta, sender_ag = recv_object(mesh, axis, src)
     ac = _axis_comm(op, mesh, axis)
@@ -1216,7 +1299,7 @@ def barrier(
     ``timeout`` overrides the mesh's timeout for this call.
     """
     ac = _axis_comm("barrier", mesh, axis)
-    td = _as_timedelta(timeout, ac.comm.timeout)
+    td = _as_timedelta(timeout, ac.comm.timeout, "fastdist.barrier")
     group = ac.cpu_group("barrier")
     try:
         if not torch.compiler.is_compiling():
@@ -1233,3 +1316,112 @@ def barrier(
             "check that every rank of the group reaches this barrier; to go on, call mesh.reset() "
             "on every rank",
         ) from e
+
+
+# what torch.distributed's own errors look like (c10d, gloo, NCCL), raised from inside a compiled
+# graph where fastdist's eager wrapping (AxisComm.run) is not on the stack
+_C10D_ERROR = re.compile(
+    r"third_party/gloo|ProcessGroup|c10d|NCCL|Timed out waiting|Connection closed by peer|"
+    r"Connection reset by peer|Socket Timeout|process group|DistBackendError"
+)
+
+
+class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a function
+    """Turn torch.distributed's own errors inside a block (or a wrapped function) into fastdist's,
+    for the meshes given: use it around a compiled step.
+
+    Eagerly every collective on a real mesh raises :class:`~fastdist.CollectiveTimeout` or
+    :class:`~fastdist.CommError` and drops the mesh's groups, so that the recovery pattern
+    ``except fastdist.FastdistError: mesh.reset()`` works. Inside a ``torch.compile``'d step the
+    collectives run in the graph, where a timeout or a lost peer surfaces as torch's own
+    ``RuntimeError`` (gloo: "Timed out waiting 3000ms for recv operation ..."). Under
+    ``comm_guard`` such an error (a ``torch.distributed.DistError``, or a ``RuntimeError`` whose
+    message comes from c10d, gloo or NCCL) becomes a :class:`~fastdist.CollectiveTimeout` (a
+    timeout) or :class:`~fastdist.CommError` naming the block, the mesh's axes and this rank, with
+    torch's error as its ``__cause__``; the groups of every mesh given are dropped, as eagerly,
+    so that peers still waiting in them fail at once. Other exceptions (fastdist's own, a shape
+    error in the model) pass through unchanged. Plain (simulated) meshes may be given: they have
+    no groups.
+
+    As a decorator (``step = fastdist.comm_guard(mesh)(torch.compile(step))``) or a block::
+
+        try:
+            with fastdist.comm_guard(mesh):
+                loss = compiled_step(batch)
+        except fastdist.FastdistError:
+            mesh.reset()          # every rank; the step is traced again on its next call
+
+    >>> import fastdist as fd
+    >>> with fd.comm_guard(fd.Mesh({"tp": 2})):
+    ...     pass
+    """
+
+    def __init__(self, mesh: Mesh, *meshes: Mesh) -> None:
+        from .mesh import Mesh
+
+        for m in (mesh, *meshes):
+            if not isinstance(m, Mesh):
+                raise MeshError(
+                    f"fastdist.comm_guard: expected fastdist.Mesh values, got "
+                    f"{type(m).__name__}. Fix: pass the meshes the guarded step runs on"
+                )
+        self.meshes = (mesh, *meshes)
+
+    def __enter__(self) -> comm_guard:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        if error is None or not isinstance(error, Exception) or not _is_c10d_error(error):
+            return
+        raise self.translate(error) from error
+
+    def translate(self, error: BaseException) -> CommError:
+        """The fastdist error for ``error`` (torch.distributed's), after dropping the groups of
+        the real meshes given."""
+        real = [m for m in self.meshes if m._comm is not None]
+        msg = _clean(error)
+        for m in real:
+            comm = cast(TorchComm, m._comm)
+            comm.abandon(f"fastdist.comm_guard: a call on rank {comm.rank} failed: {msg}")
+        mesh = real[0] if real else self.meshes[0]
+        comm = mesh._comm
+        rank = comm.rank if comm is not None else -1
+        axes = mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
+        ranks = list(range(mesh.size))
+        timed_out = isinstance(error, TimeoutError) or any(
+            w in msg.lower() for w in ("timed out", "timeout")
+        )
+        reset = "call mesh.reset() on every rank of the mesh to go on (the step is traced again)"
+        if timed_out:
+            secs = comm.timeout.total_seconds() if comm is not None else float("nan")
+            return CollectiveTimeout(
+                "comm_guard",
+                axes,
+                ranks,
+                rank,
+                f"a collective inside the guarded block (a compiled step) timed out: a peer did "
+                f"not arrive within the mesh's timeout ({secs:g} s): {msg}",
+                "check that every rank makes the same collectives in the same order; "
+                + reset
+                + "; raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
+            )
+        return CommError(
+            "comm_guard",
+            axes,
+            ranks,
+            rank,
+            f"a collective inside the guarded block (a compiled step) failed: {msg}",
+            "a peer closed the connection: it failed (see its log) or exited; if every rank is "
+            "still alive, " + reset,
+        )
+
+
+def _is_c10d_error(error: BaseException) -> bool:
+    """Whether ``error`` comes from torch.distributed (not from fastdist, not from the model)."""
+    from .errors import FastdistError
+
+    if isinstance(error, FastdistError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and bool(_C10D_ERROR.search(str(error)))

@@ -2,7 +2,11 @@
 
 Every error names the operation, the mesh axis (where there is one), the rank it
 happened on and what to do about it. Validation errors subclass ``ValueError`` so
-``except ValueError`` keeps working for callers that do not know fastdist.
+``except ValueError`` keeps working for callers that do not know fastdist: a bad argument
+to a collective or to a helper on real ranks (``send``/``recv``, the object and tensor-dict
+helpers) is a :class:`CollectiveError`; a mesh built or addressed wrongly a
+:class:`MeshError`. Failures of the communication itself are :class:`CommError`
+(``RuntimeError``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ __all__ = [
     "ReductionDtypeError",
     "NoBackendError",
     "CommError",
+    "CommArgumentError",
     "CollectiveTimeout",
     "ConsistencyError",
     "LibraryError",
@@ -133,6 +138,41 @@ class CommError(FastdistError, RuntimeError):
         super().__init__(
             f"fastdist.{op}(axis={axis!r}) on rank {rank} (group ranks {list(ranks)}): {problem}. "
             f"Fix: {fix}"
+        )
+
+
+class CommArgumentError(CollectiveError, CommError):  # type: ignore[misc]  # rank: "rank N"
+    """A helper on real ranks (``send``/``recv``, ``send_object``/``recv_object``,
+    ``broadcast_object``, the tensor-dict helpers) got an argument that cannot work: ``dst`` or
+    ``src`` not an index along the axis, or this rank's own index.
+
+    Raised before any communication, so the mesh stays usable. A :class:`CollectiveError` (and so
+    a ``ValueError``), like the same mistake in a collective (``broadcast(src=...)``); also a
+    :class:`CommError`, which these helpers raised for it before.
+
+    Attributes:
+        op, axis, problem, fix: as :class:`CollectiveError`.
+        rank: ``"rank N"``, this process's global rank (as :class:`CollectiveError` on a real mesh).
+        ranks: the global ranks of the group, in axis order.
+    """
+
+    def __init__(
+        self, op: str, axis: object, ranks: Sequence[int], rank: int, problem: str, fix: str
+    ) -> None:
+        self.op, self.axis, self.rank, self.fix, self.problem = (
+            op,
+            axis,
+            f"rank {rank}",
+            fix,
+            problem,
+        )
+        self.ranks = tuple(ranks)
+        Exception.__init__(self, self._text())  # both bases' __init__ take other arguments
+
+    def _text(self) -> str:
+        return (
+            f"fastdist.{self.op}(axis={self.axis!r}) on {self.rank} (group ranks "
+            f"{list(self.ranks)}): {self.problem}. Fix: {self.fix}"
         )
 
 

@@ -221,12 +221,35 @@ class Mesh:
         """
         import torch.distributed as dist
 
+        from . import distributed as D
+
+        D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, "Mesh.from_torch")  # checked before the job
+        if not isinstance(check, bool):
+            raise MeshError(
+                f"Mesh.from_torch: check must be True or False, got {check!r}. Fix: "
+                "check=True for consistency check mode, else leave it out"
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise MeshError(
                 "Mesh.from_torch: torch.distributed is not initialised. Fix: call "
                 "torch.distributed.init_process_group first (torchrun sets its environment)"
             )
-        plain = cls.from_world_size(dist.get_world_size(), order=order, **degrees)
+        world = dist.get_world_size()
+        try:
+            plain = cls.from_world_size(world, order=order, **degrees)
+        except MeshError as e:
+            text = str(e).removeprefix("Mesh.from_world_size: ")
+            if "world size" not in text:  # a bad degree or order: not about the job's size
+                raise MeshError(f"Mesh.from_torch: {text}") from None
+            asked = math.prod(d for n, d in degrees.items() if n != "dp" and isinstance(d, int))
+            problem = text.split(". Fix: ", 1)[0].replace(
+                f"world size {world}", f"the job's world size {world} (torch.distributed)"
+            )
+            raise MeshError(
+                f"Mesh.from_torch: {problem}. Fix: launch a multiple of {asked} processes "
+                f"(torchrun --nproc-per-node {asked}; on several nodes, nodes x processes per "
+                f"node a multiple of {asked}), or choose degrees whose product divides {world}"
+            ) from None
         return plain._over_job(timeout, check=check, backend=backend, library=library)
 
     @classmethod
@@ -289,7 +312,9 @@ class Mesh:
         communicator."""
         from . import distributed as D
 
-        comm = D.TorchComm(self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT), **comm_args)
+        comm = D.TorchComm(
+            self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, "Mesh"), **comm_args
+        )
         return type(self)(self.shape.items(), _comm=comm)
 
     def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
@@ -358,7 +383,7 @@ class Mesh:
                 "Mesh.from_torch"
             )
         default = 2 * self._comm.timeout + datetime.timedelta(seconds=5)
-        self._comm.reset(D._as_timedelta(timeout, default))
+        self._comm.reset(D._as_timedelta(timeout, default, "Mesh.reset"))
 
     @property
     def backend(self) -> str | None:

@@ -1,0 +1,133 @@
+"""Issue 32's reliability points: argument errors of the point-to-point helpers, recovery of a
+compiled step (fastdist.comm_guard), check mode seeing a skipped call, mesh construction order,
+and threads."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import fastdist as fd
+
+from .dist_harness import expect_ok, run_world
+
+
+@pytest.fixture(scope="module")
+def issue32() -> list[dict[str, Any]]:
+    """tests/reliability_worker.py's "issue32" scenario on two gloo processes (mesh timeout 3 s)."""
+    return expect_ok(run_world("issue32", 2, timeout=120, module="tests.reliability_worker"))
+
+
+def test_point_to_point_to_own_index_is_an_argument_error(issue32: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(issue32):
+        for key, op, name in [
+            ("send_self", "send", "dst"),
+            ("recv_self", "recv", "src"),
+            ("send_object_self", "send_object", "dst"),
+            ("send_dict_self", "send_tensor_dict", "dst"),
+        ]:
+            kind, msg, secs = out[key]
+            assert kind == "CommArgumentError" and secs < 0.5, out[key]
+            assert msg == (
+                f"fastdist.{op}(axis='tp') on rank {rank} (group ranks [0, 1]): {name}={rank} is "
+                "this rank's own index along the axis: a point-to-point call needs another rank. "
+                f"Fix: use {name} in [{1 - rank}] (the other indices along the axis)"
+            )
+        assert out["dst7"][:2] == (
+            "CommArgumentError",
+            f"fastdist.send(axis='tp') on rank {rank} (group ranks [0, 1]): dst=7 is not an index "
+            "along the axis (size 2). Fix: use dst in 0..1",
+        )
+    # the mesh stayed usable (no reset): the worker's psum and a send/recv after the errors
+    assert issue32[1]["p2p"] == [5.0, 5.0]
+
+
+def test_argument_errors_are_one_family() -> None:
+    """A bad src/dst is a CollectiveError (a ValueError) for send as for broadcast; send's
+    CommArgumentError stays a CommError for older callers."""
+    err = fd.CommArgumentError("send", "tp", [0, 1], 1, "dst=1 is this rank's own index", "x")
+    assert isinstance(err, fd.CollectiveError) and isinstance(err, ValueError)
+    assert isinstance(err, fd.CommError) and isinstance(err, fd.FastdistError)
+    assert (err.op, err.axis, err.rank, err.ranks, err.fix) == ("send", "tp", "rank 1", (0, 1), "x")
+    assert err.readdress(op="send_tensor_dict") is err and str(err).startswith(
+        "fastdist.send_tensor_dict(axis='tp') on rank 1 (group ranks [0, 1]): dst=1"
+    )
+    mesh = fd.Mesh({"tp": 2})
+    with pytest.raises(fd.CollectiveError, match=r"src=2 is not an index along the axis"):
+        fd.simulate(lambda x: fd.broadcast(x, mesh, "tp", src=2), mesh)(torch.ones(2, 1))
+
+
+def test_compiled_step_timeout_is_a_fastdist_error_and_recovers(
+    issue32: list[dict[str, Any]],
+) -> None:
+    r0, r1 = issue32
+    kind, msg, secs = r0["compiled"]
+    assert kind == "CollectiveTimeout" and 2.9 < secs < 3 + 3, (kind, secs)
+    assert (
+        msg.startswith(
+            "fastdist.comm_guard(axis=('dp', 'tp')) on rank 0 (group ranks [0, 1]): a collective "
+            "inside the guarded block (a compiled step) timed out: a peer did not arrive within "
+            "the mesh's timeout (3 s): Timed out waiting 3000ms"
+        )
+        and "Fix: check that every rank makes the same collectives in the same order; call " in msg
+    )
+    assert "mesh.reset()" in msg and "third_party" not in msg
+    # the groups were dropped, as eagerly: the next call says so at once
+    assert (
+        "process groups were dropped after an earlier failure (fastdist.comm_guard"
+        in (r0["after_failure"])
+    )
+    # after mesh.reset() on both ranks the compiled step runs again: psum([1, 2]) * 2 = 6
+    assert r0["recovered"] == r1["recovered"] == [6.0, 6.0]
+    # an error of the model itself is not taken for a communication failure
+    for out in issue32:
+        assert out["model_error"][:2] == (
+            "RuntimeError",
+            "mat1 and mat2 shapes cannot be multiplied (2x3 and 2x3)",
+        )
+
+
+def test_check_mode_sees_a_skipped_call_of_the_same_op_and_shape(
+    issue32: list[dict[str, Any]],
+) -> None:
+    for rank, out in enumerate(issue32):
+        kind, msg, secs = out["skip"]
+        assert kind == "ConsistencyError" and secs < 5, out["skip"]
+        assert msg.startswith(
+            f"fastdist.psum(axis='tp') on rank {rank} (group ranks [0, 1]): the ranks disagree "
+            "(the same call from different lines: a rank skipped or added a call before this one"
+        )
+        site = "psum(shapes=[(2,)], dtypes=['torch.float32'], params={}) at reliability_worker.py"
+        assert f"rank 0: {site}:" in msg and f"rank 1: {site}:" in msg
+        lines = [int(n) for n in re.findall(r"at reliability_worker\.py:(\d+)", msg)]
+        assert lines[1] == lines[0] + 1  # rank 1 is at the next psum: it skipped one
+        assert "Fix: make every rank of the group make the same calls in the same order" in msg
+
+
+def test_meshes_built_in_different_orders_are_named(issue32: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(issue32):
+        kind, msg, secs = out["order"]
+        assert kind == "CollectiveTimeout" and secs < 3 + 3, out["order"]
+        assert f"fastdist.psum(axis='tp') on rank {rank} (group ranks [0, 1])" in msg
+        assert "creating the process group" in msg
+        assert (
+            "Fix: check that every rank builds its meshes of one shape in the same order "
+            "(Mesh.from_torch, Mesh.from_device_mesh and mesh.with_timeout each count; this is "
+            f"mesh {2 + rank} of shape dp1_tp2 built on this rank" in msg
+        )
+
+
+def test_from_torch_world_size_names_from_torch_and_torchrun(
+    issue32: list[dict[str, Any]],
+) -> None:
+    for out in issue32:
+        assert out["world"][:2] == (
+            "MeshError",
+            "Mesh.from_torch: the job's world size 2 (torch.distributed) is not divisible by tp=3 "
+            "(product 3). Fix: launch a multiple of 3 processes (torchrun --nproc-per-node 3; on "
+            "several nodes, nodes x processes per node a multiple of 3), or choose degrees whose "
+            "product divides 2",
+        )
