@@ -10,6 +10,10 @@ attention on this rank's heads), and the input styles ``SequenceShard``, ``Gathe
 
 from __future__ import annotations
 
+import copy
+import inspect
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -37,6 +41,7 @@ __all__ = [
     "HeadParallelAttention",
     "ParallelizeError",
     "ParallelLinear",
+    "ScaledVocabParallelEmbedding",
 ]
 
 InputKind = Literal["replicated", "sequence"] | None
@@ -206,6 +211,10 @@ class ParallelLinear(nn.Module):
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
             # meets per-rank rows
             bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
+            if bias is None:
+                # the collective's output may be a view of its custom function's result, which
+                # autograd forbids modifying in place (Falcon: mlp_output += attention_output)
+                y = y.clone()
         else:
             y, bias = psum(y, self.mesh, self.axis), self.bias
         return y + bias if bias is not None else y
@@ -217,20 +226,36 @@ class ParallelLinear(nn.Module):
         )
 
 
+#: ``nn.Linear`` subclasses whose own forward computes exactly ``F.linear`` (Falcon's
+#: ``FalconLinear``: ``x @ weight.T + bias``): a parallel linear layer replaces them safely
+_PLAIN_LINEAR_SUBCLASSES = frozenset({"FalconLinear"})
+
+
 def _plain_forward(module: nn.Module, base: type[nn.Module], name: str) -> None:
     """Refuse a subclass with its own forward (Gemma's scaled embedding): swapping it would drop
     what that forward adds."""
-    if type(module).forward is not base.forward:
-        raise ParallelizeError(
-            f"parallelize: {name!r} is a {type(module).__name__}, a {base.__name__} subclass with "
-            f"its own forward; the parallel layer would compute a plain {base.__name__} and "
-            "silently drop what that forward adds (e.g. a scale). Fix: wrap the module's extra "
-            "computation around a plain layer, or write a style for this class"
-        )
+    if type(module).forward is base.forward:
+        return
+    if base is nn.Linear and type(module).__name__ in _PLAIN_LINEAR_SUBCLASSES:
+        return
+    hint = (
+        " (it has an 'embed_scale': VocabParallel(scale='embed_scale') multiplies by it)"
+        if isinstance(module, nn.Embedding) and hasattr(module, "embed_scale")
+        else ""
+    )
+    raise ParallelizeError(
+        f"parallelize: {name!r} is a {type(module).__name__}, a {base.__name__} subclass with "
+        f"its own forward; the parallel layer would compute a plain {base.__name__} and "
+        "silently drop what that forward adds (e.g. a scale). Fix: wrap the module's extra "
+        f"computation around a plain layer, or write a style for this class{hint}"
+    )
 
 
-def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, bool, int, int]:
-    """(weight, bias, transposed, in_features, out_features) of an ``nn.Linear`` or ``Conv1D``."""
+def _linear_parts(
+    module: nn.Module, name: str, style: str = "a linear style"
+) -> tuple[Tensor, Tensor | None, bool, int, int]:
+    """(weight, bias, transposed, in_features, out_features) of an ``nn.Linear`` or ``Conv1D``;
+    ``style`` names the style in the error for another module type."""
     if isinstance(module, nn.Linear):
         _plain_forward(module, nn.Linear, name)
         return module.weight, module.bias, False, module.in_features, module.out_features
@@ -238,8 +263,9 @@ def _linear_parts(module: nn.Module, name: str) -> tuple[Tensor, Tensor | None, 
         w, b = cast(Tensor, module.weight), cast("Tensor | None", getattr(module, "bias", None))
         return w, b, True, int(w.shape[0]), int(w.shape[1])
     raise ParallelizeError(
-        f"parallelize: {name!r} is a {type(module).__name__}; a linear style needs nn.Linear or "
-        "transformers' Conv1D"
+        f"parallelize: {name!r} is a {type(module).__name__}; {style} needs nn.Linear or "
+        "transformers' Conv1D. Fix: give this style to the linear layers only (check the plan's "
+        "module names against model.named_modules()), or write a style for this module type"
     )
 
 
@@ -266,7 +292,9 @@ class ColwiseParallel(Style):
     ) -> tuple[Tensor, Tensor | None, bool, Layout, Layout, int | None]:
         """(weight, bias, transposed, weight layout, bias layout, padded size), or raise if the
         layer does not split."""
-        weight, bias, transposed, _, out = _linear_parts(module, name)
+        weight, bias, transposed, _, out = _linear_parts(
+            module, name, f"{type(self).__name__}(axis={self.axis!r})"
+        )
         odim = 1 if transposed else 0  # the weight's output dim
         size = out if self.pad else None
         if not self.pad and not self.parts and out % mesh.axis_size(self.axis):
@@ -313,7 +341,7 @@ class RowwiseParallel(Style):
     seq_dim: int = 1
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        _, _, _, inp, _ = _linear_parts(module, name)
+        _, _, _, inp, _ = _linear_parts(module, name, f"{type(self).__name__}(axis={self.axis!r})")
         if inp % mesh.axis_size(self.axis):
             raise ParallelizeError(
                 f"parallelize: {name!r} has {inp} input features, not divisible by the "
@@ -323,7 +351,9 @@ class RowwiseParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        weight, bias, transposed, _, _ = _linear_parts(module, name)
+        weight, bias, transposed, _, _ = _linear_parts(
+            module, name, f"{type(self).__name__}(axis={self.axis!r})"
+        )
         wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
         bl = Layout()
         return ParallelLinear(
@@ -356,6 +386,7 @@ class VocabParallel(Style):
     input: InputKind = "replicated"
     gather_output: bool = False
     seq_dim: int = 1
+    scale: str | None = None
 
     def _head(self) -> ColwiseParallel:
         return ColwiseParallel(
@@ -368,8 +399,17 @@ class VocabParallel(Style):
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         if not isinstance(module, nn.Embedding):
+            if self.scale is not None:
+                raise ParallelizeError(
+                    f"parallelize: VocabParallel(scale={self.scale!r}) on {name!r}, a "
+                    f"{type(module).__name__}: scale is for embeddings. Fix: drop scale= on the "
+                    "LM head"
+                )
             return self._head().check(module, name, mesh)
-        _plain_forward(module, nn.Embedding, name)
+        if self.scale is None:
+            _plain_forward(module, nn.Embedding, name)
+        else:
+            _check_scaled_embedding(module, name, self.scale)
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             raise ParallelizeError(
                 f"parallelize: {name!r} uses max_norm / scale_grad_by_freq / sparse, which the "
@@ -379,14 +419,79 @@ class VocabParallel(Style):
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         self.check(module, name, ctx.mesh)
         if isinstance(module, nn.Embedding):
-            emb = VocabParallelEmbedding(
-                module.num_embeddings, 0, ctx.mesh, self.axis, padding_idx=module.padding_idx
+            emb = (
+                VocabParallelEmbedding(
+                    module.num_embeddings, 0, ctx.mesh, self.axis, padding_idx=module.padding_idx
+                )
+                if self.scale is None
+                else ScaledVocabParallelEmbedding(
+                    module.num_embeddings,
+                    ctx.mesh,
+                    self.axis,
+                    getattr(module, self.scale),
+                    self.scale,
+                    padding_idx=module.padding_idx,
+                )
             )  # weight set below
             emb.weight = ctx.param(module.weight, emb.param_layouts()["weight"], f"{name}.weight")  # type: ignore[assignment]
             return emb
         if not self.gather_output:
             ctx.sharded_logits = self.axis
         return self._head().apply(module, name, ctx)
+
+
+def _check_scaled_embedding(module: nn.Embedding, name: str, scale: str) -> None:
+    """``module(ids)`` must be ``embedding(ids) * module.<scale>`` (Gemma's
+    ``GemmaTextScaledWordEmbedding``): checked on two rows where the weights have values."""
+    value = getattr(module, scale, None)
+    if not isinstance(value, (Tensor, int, float)) or (
+        isinstance(value, Tensor) and value.numel() != 1
+    ):
+        raise ParallelizeError(
+            f"parallelize: VocabParallel(scale={scale!r}) on {name!r} "
+            f"({type(module).__name__}): the module has no scalar attribute {scale!r} "
+            f"(found {type(value).__name__}). Fix: name the attribute its forward multiplies by"
+        )
+    if module.weight.is_meta or (isinstance(value, Tensor) and value.is_meta):
+        return  # no values to compare (a model built on the meta device)
+    ids = torch.tensor([0, module.num_embeddings - 1], device=module.weight.device)
+    with torch.no_grad():
+        got = module(ids)  # (2, dim)
+        want = F.embedding(ids, module.weight) * torch.as_tensor(value).to(module.weight.dtype)
+    if not torch.equal(got, want):
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) does not compute "
+            f"embedding(ids) * {scale} (rows 0 and {module.num_embeddings - 1} differ); the "
+            "scaled vocabulary-parallel embedding would change its output. Fix: write a style "
+            "for this class"
+        )
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """A `VocabParallelEmbedding` whose output is multiplied by the module's own scale (Gemma's
+    ``embed_scale = sqrt(hidden_size)``), in the weight's dtype as the single-device module does;
+    the scale keeps its attribute name (a buffer stays a buffer)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        mesh: Mesh,
+        axis: str,
+        value: Any,
+        attr: str = "embed_scale",
+        *,
+        padding_idx: int | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, 0, mesh, axis, padding_idx=padding_idx)
+        self._scale_attr = attr
+        if isinstance(value, Tensor):
+            self.register_buffer(attr, value, persistent=False)
+        else:
+            setattr(self, attr, value)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        scale = torch.as_tensor(getattr(self, self._scale_attr))
+        return super().forward(ids) * scale.to(self.weight.dtype)
 
 
 # ============================================================================ regions
@@ -515,18 +620,313 @@ class _ReplicatedHeads(nn.Module):
         return F.linear(x, w, b)  # (..., head_dim)
 
 
+# ---------------------------------------------------------------------------- per-rank attributes
+#: attribute / config names holding the query head count, patched to the local count
+_Q_HEAD_NAMES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+#: ... the kv head count
+_KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
+#: ... query heads per kv head
+_GROUP_NAMES = ("num_key_value_groups", "num_kv_groups")
+#: integers an attention reads that are never head counts or split widths, even when their value
+#: equals one (a layer index, the head dim)
+_NOT_COUNTS = frozenset(
+    {
+        "layer_idx",
+        "head_dim",
+        "head_size",
+        "rotary_ndims",
+        "max_position_embeddings",
+        "sliding_window",
+    }
+)
+
+
+def _reads(cls: type) -> tuple[set[str], set[str]]:
+    """(``self.X`` attributes, ``self.config.X`` fields) that ``cls``'s methods other than
+    ``__init__`` read, plus ``module.X`` reads of functions in its source file (transformers'
+    ``eager_attention_forward(module, ...)``); empty where the source cannot be read."""
+    attrs: set[str] = set()
+    fields: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        for key, fn in vars(klass).items():
+            if key == "__init__" or not callable(fn):
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            fields |= set(re.findall(r"\bself\.config\.(\w+)", src))
+            attrs |= set(re.findall(r"\bself\.(\w+)", src))
+        try:
+            text = inspect.getsource(sys.modules[klass.__module__])
+        except (OSError, TypeError, KeyError):
+            continue
+        attrs |= set(re.findall(r"\bmodule\.(\w+)", text))
+    return attrs, fields
+
+
+@dataclass(frozen=True)
+class _PerRank:
+    """What an attention module must see on each rank: attribute values and config fields."""
+
+    attrs: dict[str, Any]
+    config: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- fused q|k|v rows
+QkvLayout = Literal["concat", "per_head", "grouped"]
+
+
+def _qkv_rows(
+    layout: QkvLayout, hq: int, hkv: int, d: int, n: int, r: int, hl: int, kl: int
+) -> list[int]:
+    """The rows of a fused q|k|v weight that rank ``r`` projects, in the order the module's forward
+    expects for ``hl`` query and ``kl`` kv heads.
+
+    ``concat``: ``[q heads | k heads | v heads]`` (Phi-3's ``qkv_proj``, Falcon's multi-query);
+    ``per_head``: ``(heads, 3, d)`` (GPT-NeoX, Falcon's original layout); ``grouped``:
+    ``(kv heads, q per kv + 2, d)``, each kv head after its query heads (Falcon's new decoder).
+    """
+    qh = range(r * hl, (r + 1) * hl)
+    kvh = range(r * kl, (r + 1) * kl) if hkv >= n else range(r // (n // hkv), r // (n // hkv) + 1)
+    if layout == "per_head":
+        return [h * 3 * d + j for h in qh for j in range(3 * d)]
+    if layout == "concat":
+        q = [h * d + j for h in qh for j in range(d)]
+        ks = [hq * d + h * d + j for h in kvh for j in range(d)]
+        vs = [(hq + hkv) * d + h * d + j for h in kvh for j in range(d)]
+        return q + ks + vs
+    g = hq // hkv  # query heads per kv head
+    rows: list[int] = []
+    for k in kvh:
+        for h in (h for h in qh if h // g == k):
+            rows += [(k * (g + 2) + h % g) * d + j for j in range(d)]
+        rows += [(k * (g + 2) + g + s) * d + j for s in (0, 1) for j in range(d)]
+    return rows
+
+
+class _FusedRows(nn.Module):
+    """A fused q|k|v projection whose rows for one rank are not one block of its weight (kv heads
+    fewer than ranks): every rank holds the weight whole and projects only its heads' rows
+    (``rows[rank]``). The weight is ``pvary``'d: each rank's gradient touches its rows, the sum
+    over ranks is the whole gradient (kv rows shared by several ranks get each one's part)."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        mesh: Mesh,
+        axis: str,
+        rows: list[list[int]],
+        transposed: bool,
+    ) -> None:
+        super().__init__()
+        self.weight, self.bias, self.mesh, self.axis = weight, bias, mesh, axis
+        self.rows, self.transposed = rows, transposed
+
+    def forward(self, x: Tensor) -> Tensor:
+        table = torch.tensor(self.rows, device=self.weight.device)  # (ranks, local_out)
+        idx = table[axis_index(self.mesh, self.axis).to(self.weight.device)]  # (local_out,)
+        w = pvary(self.weight, self.mesh, self.axis)
+        w = w.t() if self.transposed else w  # (out, in)
+        b = pvary(self.bias, self.mesh, self.axis)[idx] if self.bias is not None else None
+        return F.linear(x, w[idx], b)  # (..., local_out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"axis={self.axis!r}, weight={tuple(self.weight.shape)} replicated, "
+            f"{len(self.rows[0])} rows per rank"
+        )
+
+
+# ---------------------------------------------------------------------------- q/k norms
+def _my_heads(mesh: Mesh, axis: str, heads: int, local: int) -> Tensor:
+    """This rank's head indices (``local`` of ``heads``; one shared head when heads < ranks)."""
+    n = mesh.axis_size(axis)
+    r = axis_index(mesh, axis)
+    if heads >= n:
+        return r * local + torch.arange(local, device=r.device)  # (local,)
+    return (r // (n // heads)).reshape(1)  # (1,)
+
+
+class _FullWidthRMSNorm(nn.Module):
+    """An RMSNorm over a projection's whole width (OLMo-2's ``q_norm``/``k_norm``: all heads
+    together) on this rank's heads: the sum of squares is summed over ``axis`` (``psum``, then
+    ``pvary`` so each rank's gradient reaches every rank's share of the statistics). Computed
+    in float32 and cast back, as ``Olmo2RMSNorm`` does. ``weight``: this rank's columns; with
+    heads fewer than ranks (replicated kv heads) the whole weight, of which each rank uses its
+    head's slice, and each head's share counted once."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        eps: float,
+        mesh: Mesh,
+        axis: str,
+        width: int,
+        heads: int,
+        head_dim: int,
+        layout: Layout,
+    ) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = weight, eps
+        self.mesh, self.axis, self.width, self.heads, self.head_dim = (
+            mesh,
+            axis,
+            width,
+            heads,
+            head_dim,
+        )
+        self._layout = layout
+
+    def param_layouts(self) -> dict[str, Layout]:
+        return {"weight": self._layout}
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.mesh.axis_size(self.axis)
+        dtype = x.dtype
+        h = x.to(torch.float32)  # (..., local width)
+        ss = h.pow(2).sum(-1, keepdim=True)  # (..., 1): my heads' share
+        w: Tensor = self.weight  # (local width,)
+        copies = 1
+        if self.heads < n:  # my one head: every head is held by n / heads ranks
+            head = _my_heads(self.mesh, self.axis, self.heads, 1)
+            w = pvary(self.weight, self.mesh, self.axis).reshape(self.heads, self.head_dim)[head]
+            w, copies = w.reshape(-1), n // self.heads  # (1, head_dim) -> (head_dim,)
+        total = pvary(psum(ss, self.mesh, self.axis), self.mesh, self.axis)  # (..., 1)
+        var = total / (self.width * copies)
+        return (w * (h * torch.rsqrt(var + self.variance_epsilon))).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"width={self.width} over {self.axis!r}, eps={self.variance_epsilon}"
+
+
+def _rms_eps(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _check_full_width_norm(module: nn.Module, name: str, width: int) -> float:
+    """``module`` must be ``weight * x / rms(x)`` over ``width`` in float32; returns its eps."""
+    weight = getattr(module, "weight", None)
+    eps = _rms_eps(module)
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != (width,) or eps is None:
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) is not an RMSNorm over the whole "
+            f"{width} features of its projection (a weight of shape ({width},) and an eps). Fix: "
+            "list it in HeadParallelAttention(norms=...) if it normalises each head, or write a "
+            "style for it"
+        )
+    if weight.is_meta:
+        return eps
+    x = torch.randn(2, width, dtype=weight.dtype, generator=torch.Generator().manual_seed(0)).to(
+        weight.device
+    )
+    with torch.no_grad():
+        h = x.float()
+        want = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+        got = module(x)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) does not compute "
+            "weight * x * rsqrt(mean(x**2) + eps) over its whole width; splitting its heads "
+            "would change it. Fix: write a style for this norm"
+        )
+    return eps
+
+
+class _HeadNormList(nn.Module):
+    """A per-head list of LayerNorms (StableLM's ``StableLmLayerNormPerHead``: ``norms[h]`` for
+    head ``h`` of a ``(batch, heads, seq, head_dim)`` input) on this rank's heads. Every rank
+    holds the whole list (the same parameter names) and applies its heads' norms; the
+    parameters are ``pvary``'d, so their gradients sum over ranks."""
+
+    def __init__(self, norms: nn.ModuleList, mesh: Mesh, axis: str, heads: int, local: int):
+        super().__init__()
+        self.norms, self.mesh, self.axis, self.heads, self.local = norms, mesh, axis, heads, local
+        first = cast(nn.LayerNorm, norms[0])
+        self.eps, self.dim = first.eps, first.normalized_shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        idx = _my_heads(self.mesh, self.axis, self.heads, self.local)  # (local,)
+        y = F.layer_norm(x, self.dim, None, None, self.eps)  # (batch, local, seq, head_dim)
+        first = cast(nn.LayerNorm, self.norms[0])
+        if first.weight is not None:
+            w = torch.stack([cast(Tensor, m.weight) for m in self.norms])  # (heads, head_dim)
+            y = y * pvary(w, self.mesh, self.axis)[idx][None, :, None, :]
+        if first.bias is not None:
+            b = torch.stack([cast(Tensor, m.bias) for m in self.norms])  # (heads, head_dim)
+            y = y + pvary(b, self.mesh, self.axis)[idx][None, :, None, :]
+        return y
+
+
+def _check_head_norm_list(module: nn.Module, name: str, heads: int) -> None:
+    norms = getattr(module, "norms", None)
+    ok = (
+        isinstance(norms, nn.ModuleList)
+        and len(norms) == heads
+        and all(type(m) is nn.LayerNorm for m in norms)
+    )
+    if not ok:
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) is not a list of {heads} per-head "
+            "nn.LayerNorm modules in .norms. Fix: list per-head norms with one shared weight in "
+            "HeadParallelAttention(norms=...), or write a style for it"
+        )
+    first = cast(nn.LayerNorm, cast(nn.ModuleList, norms)[0])
+    if first.weight is None or first.weight.is_meta:
+        return
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, heads, 2, first.normalized_shape[0], generator=g, dtype=first.weight.dtype)
+    x = x.to(first.weight.device)
+    with torch.no_grad():
+        got = module(x)
+        want = torch.cat([m(x[:, h : h + 1]) for h, m in enumerate(cast(nn.ModuleList, norms))], 1)
+    if not torch.allclose(got, want):
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) does not apply norms[h] to head h "
+            "of a (batch, heads, seq, head_dim) input. Fix: write a style for it"
+        )
+
+
 @dataclass(frozen=True)
 class HeadParallelAttention(Style):
     """An attention module with its heads split over ``axis`` (Megatron/vLLM tensor parallelism).
 
     The module's own forward runs unchanged on this rank's heads: its input is prepared once
-    (``input``), ``q``/``k``/``v`` are column-parallel by heads (or one fused ``qkv`` with its
-    three parts), ``ops`` is row-parallel (``output``). Grouped-query attention: with kv heads
-    ``>= n`` both head counts must divide by ``n``; with fewer kv heads than ranks (``n % kv == 0``)
-    every rank holds the kv projections whole and uses the head its query heads share, as
-    Megatron and vLLM replicate kv heads. ``attrs`` maps module attribute names to what they
-    must be per rank, computed from the local head counts (e.g. ``num_key_value_groups``).
-    ``norms``: child modules with per-head parameters (Qwen3's ``q_norm``/``k_norm``), pvary'd.
+    (``input``), ``q``/``k``/``v`` are column-parallel by heads (or one fused ``qkv`` laid out
+    as ``qkv_layout``), ``o`` is row-parallel (``output``). Grouped-query attention: with kv
+    heads ``>= n`` both head counts must divide by ``n``; with fewer kv heads than ranks
+    (``n % kv == 0``) every rank holds the kv projections whole and uses the head its query
+    heads share, as Megatron and vLLM replicate kv heads (a fused ``qkv`` is then held whole
+    and each rank projects its heads' rows).
+
+    ``qkv_layout``: ``"concat"`` (``[q | k | v]``: GPT-2's ``c_attn``, Phi-3's ``qkv_proj``),
+    ``"per_head"`` (``(heads, 3, head_dim)``: GPT-NeoX's ``query_key_value``) or ``"grouped"``
+    (``(kv heads, q per kv + 2, head_dim)``: Falcon's new decoder architecture).
+
+    Per-rank attributes: the forward must see this rank's head counts. Attributes with a
+    head-count name (``num_heads``, ``num_key_value_heads``, ``num_kv_heads``,
+    ``num_key_value_groups``, ...) holding the whole model's value are set to the local
+    value; a ``config`` whose head-count fields the module's methods read
+    (``self.config.num_attention_heads``: Phi-3) is replaced by a shallow copy with the local
+    values, for this module only (the user's config object and other modules keep theirs).
+    ``attrs`` maps further attribute names to what they must be per rank, computed from
+    the local head counts and head dim (e.g. GPT-2's ``split_size``). An integer attribute
+    the module's methods read whose value is a whole-model head count or split width, and
+    that none of these covers, is refused (``ParallelizeError``: name it in ``attrs``, or in
+    ``keep`` if it is not a head count).
+
+    ``norms``: child modules with per-head parameters shared by all heads (Qwen3's
+    ``q_norm``/``k_norm``), pvary'd. ``full_width_norms``: ``(child, "q" | "k")`` RMSNorms over
+    the projection's whole width (OLMo-2): their statistics are summed over ``axis``.
+    ``head_norm_lists``: ``(child, "q" | "k")`` lists of one LayerNorm per head (StableLM's
+    ``q_layernorm``/``k_layernorm``): each rank applies its heads' norms.
     """
 
     num_heads: int
@@ -543,6 +943,10 @@ class HeadParallelAttention(Style):
     attrs: tuple[tuple[str, Callable[[int, int, int], Any]], ...] = ()
     norms: tuple[str, ...] = ()
     seq_dim: int = 1
+    qkv_layout: QkvLayout = "concat"
+    full_width_norms: tuple[tuple[str, Literal["q", "k"]], ...] = ()
+    head_norm_lists: tuple[tuple[str, Literal["q", "k"]], ...] = ()
+    keep: tuple[str, ...] = ()
 
     def local_heads(self, n: int, name: str) -> tuple[int, int]:
         """(query heads, kv heads) on one rank; raises for a layout that does not split."""
@@ -583,33 +987,168 @@ class HeadParallelAttention(Style):
                     "build the plan from this model's own config"
                 )
 
+    def per_rank(self, module: nn.Module, name: str, n: int) -> _PerRank:
+        """The attribute values and config fields ``module`` must see on each rank; raises for
+        an attribute that holds a whole-model head count or width and that nothing covers."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        hl, kl = self.local_heads(n, name)
+        known: dict[str, tuple[int, int]] = {}  # name -> (whole-model value, local value)
+        known.update({a: (hq, hl) for a in _Q_HEAD_NAMES})
+        known.update({a: (hkv, kl) for a in _KV_HEAD_NAMES})
+        known.update({a: (hq // hkv, hl // kl) for a in _GROUP_NAMES})
+        # whole-model values that differ on a rank -> what they are
+        changed = {
+            v: what
+            for v, lv, what in (
+                (hq, hl, "query heads"),
+                (hkv, kl, "kv heads"),
+                (hq // hkv, hl // kl, "query heads per kv head"),
+                (hq * d, hl * d, "query width (heads x head_dim)"),
+                (hkv * d, kl * d, "kv width"),
+                ((hq + 2 * hkv) * d, (hl + 2 * kl) * d, "fused q|k|v width"),
+            )
+            if v != lv
+        }
+        given = {attr: fn(hl, kl, d) for attr, fn in self.attrs}
+        attrs: dict[str, Any] = {}
+        for attr, (whole, local) in known.items():
+            value = getattr(module, attr, None)
+            if attr in given or type(value) is not int:
+                continue
+            if value != whole:
+                raise ParallelizeError(
+                    f"parallelize: attention {name!r} ({type(module).__name__}) has {attr} = "
+                    f"{value}, but the style says {whole}. Fix: build the plan from this model's "
+                    "own config"
+                )
+            attrs[attr] = local
+        attrs.update(given)
+        reads, fields = _reads(type(module))
+
+        def refuse(where: str, attr: str, value: int) -> None:
+            raise ParallelizeError(
+                f"parallelize: attention {name!r} ({type(module).__name__}) reads {where}{attr} "
+                f"= {value}, the whole model's {changed[value]}, which is not what a rank holds "
+                f"once the heads are split over the {n} ranks of {self.axis!r}; left as is, the "
+                "model would fail or compute something else. Fix: "
+                f"HeadParallelAttention(..., attrs=(({attr!r}, lambda hq, hkv, d: ...),)) with "
+                f"its per-rank value, or keep=({attr!r},) if it is not a head count or width"
+            )
+
+        self._check_children(module, name, n, changed)
+        skip = _NOT_COUNTS | set(self.keep) | set(attrs)
+        for attr in sorted(reads - skip):
+            value = getattr(module, attr, None)
+            if type(value) is int and value in changed:
+                refuse("self.", attr, value)
+        config: dict[str, Any] = {}
+        cfg = getattr(module, "config", None)
+        if cfg is not None and not isinstance(cfg, nn.Module) and hasattr(cfg, "__dict__"):
+            for field_name in sorted(fields - _NOT_COUNTS - set(self.keep)):
+                value = getattr(cfg, field_name, None)
+                if type(value) is not int:
+                    continue
+                if field_name in known and value == known[field_name][0]:
+                    config[field_name] = known[field_name][1]
+                elif value in changed:
+                    refuse("self.config.", field_name, value)
+        return _PerRank(attrs, config)
+
+    def _check_children(
+        self, module: nn.Module, name: str, n: int, changed: dict[int, str]
+    ) -> None:
+        """Refuse a child module the style leaves whole that is sized by the whole model's heads:
+        a per-head module list (StableLM's ``q_layernorm``), a norm over the whole projection
+        width (OLMo-2's ``q_norm``). Left whole, it would fail on a rank's heads or, worse,
+        silently use the first heads' parameters on every rank."""
+        handled = {self.q, self.k, self.v, self.o, *self.norms}
+        handled |= {self.qkv} if self.qkv is not None else set()
+        handled |= {c for c, _ in self.full_width_norms} | {c for c, _ in self.head_norm_lists}
+        heads = {self.num_kv_heads: "k", self.num_heads: "q"}
+        widths = {self.num_kv_heads * self.head_dim: "k", self.num_heads * self.head_dim: "q"}
+        for child, sub in module.named_children():
+            if child in handled:
+                continue
+            lists = [len(m) for m in sub.children() if isinstance(m, nn.ModuleList)]
+            sizes = [p.shape[0] for p in sub.parameters(recurse=False) if p.dim() == 1]
+            per_head = [k for k in lists if k in heads and k in changed]
+            full = [k for k in sizes if k in widths and k in changed]
+            if per_head:
+                which = heads[per_head[0]]
+                fix = f"head_norm_lists=(({child!r}, {which!r}),) for one module per head"
+            elif full:
+                which = widths[full[0]]
+                fix = f"full_width_norms=(({child!r}, {which!r}),) for an RMSNorm over the width"
+            else:
+                continue
+            raise ParallelizeError(
+                f"parallelize: attention {name!r} ({type(module).__name__}): its child "
+                f"{child!r} ({type(sub).__name__}) is sized by the whole model's "
+                f"{'query' if which == 'q' else 'kv'} heads, but each of the {n} ranks of "
+                f"{self.axis!r} holds only some of them; left whole it would fail or apply "
+                f"the wrong heads' parameters. Fix: HeadParallelAttention(..., {fix})"
+            )
+
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         n = mesh.axis_size(self.axis)
         self.local_heads(n, name)
         self._check_shapes(module, name)
-        if self.qkv is not None and self.num_kv_heads < n:
+        if (
+            self.qkv is not None
+            and self.qkv_layout == "per_head"
+            and (self.num_heads != self.num_kv_heads)
+        ):
             raise ParallelizeError(
-                f"parallelize: attention {name!r} fuses q, k, v in {self.qkv!r} and has "
-                f"{self.num_kv_heads} kv heads "
-                f"for {n} ranks; a fused projection needs kv heads divisible by {n}"
+                f"parallelize: attention {name!r}: qkv_layout='per_head' needs as many kv heads "
+                f"as query heads (got {self.num_heads} and {self.num_kv_heads}). Fix: "
+                "qkv_layout='grouped' or 'concat'"
             )
         for norm in self.norms:
             _child(module, norm, name)
+        for norm, which in self.full_width_norms:
+            heads = self.num_heads if which == "q" else self.num_kv_heads
+            _check_full_width_norm(
+                _child(module, norm, name), f"{name}.{norm}", heads * self.head_dim
+            )
+        for norm, which in self.head_norm_lists:
+            heads = self.num_heads if which == "q" else self.num_kv_heads
+            _check_head_norm_list(_child(module, norm, name), f"{name}.{norm}", heads)
+        self.per_rank(module, name, n)
+
+    def _fused(self, module: nn.Module, name: str, ctx: _Context, n: int) -> nn.Module:
+        """This rank's part of the fused q|k|v projection."""
+        assert self.qkv is not None
+        sub = _child(module, self.qkv, name)
+        where = f"{name}.{self.qkv}"
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hkv >= n:  # every rank's rows are one block of the weight
+            if self.qkv_layout == "concat":
+                parts = (hq * d, hkv * d, hkv * d)
+                return ColwiseParallel(self.axis, parts=parts, seq_dim=self.seq_dim).apply(
+                    sub, where, ctx
+                )
+            return ColwiseParallel(self.axis, seq_dim=self.seq_dim).apply(sub, where, ctx)
+        hl, kl = self.local_heads(n, name)
+        rows = [_qkv_rows(self.qkv_layout, hq, hkv, d, n, r, hl, kl) for r in range(n)]
+        weight, bias, transposed, _, _ = _linear_parts(sub, where)
+        return _FusedRows(
+            ctx.param(weight, Layout(), f"{where}.weight"),  # type: ignore[arg-type]
+            ctx.param(bias, Layout(), f"{where}.bias"),
+            ctx.mesh,
+            self.axis,
+            rows,
+            transposed,
+        )
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         self.check(module, name, ctx.mesh)
         n = ctx.mesh.axis_size(self.axis)
         hq, hkv = self.local_heads(n, name)
+        per_rank = self.per_rank(module, name, n)
         PrepareInput(self.axis, self.input, self.seq_dim).apply(module, name, ctx)
         col = ColwiseParallel(self.axis, seq_dim=self.seq_dim)
         if self.qkv is not None:
-            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            fused = ColwiseParallel(self.axis, parts=(q_out, kv_out, kv_out), seq_dim=self.seq_dim)
-            _swap(
-                module,
-                self.qkv,
-                fused.apply(_child(module, self.qkv, name), f"{name}.{self.qkv}", ctx),
-            )
+            _swap(module, self.qkv, self._fused(module, name, ctx, n))
         else:
             _swap(module, self.q, col.apply(_child(module, self.q, name), f"{name}.{self.q}", ctx))
             for child in (self.k, self.v):
@@ -639,8 +1178,40 @@ class HeadParallelAttention(Style):
         )
         for norm in self.norms:
             PvaryParams(self.axis).apply(_child(module, norm, name), f"{name}.{norm}", ctx)
-        for attr, value in self.attrs:
-            setattr(module, attr, value(hq, hkv, self.head_dim))
+        for norm, which in self.full_width_norms:
+            heads = self.num_heads if which == "q" else self.num_kv_heads
+            sub = _child(module, norm, name)
+            layout = Layout(P(self.axis)) if heads >= n else Layout()
+            _swap(
+                module,
+                norm,
+                _FullWidthRMSNorm(
+                    ctx.param(cast(Tensor, sub.weight), layout, f"{name}.{norm}.weight"),  # type: ignore[arg-type]
+                    cast(float, _rms_eps(sub)),
+                    ctx.mesh,
+                    self.axis,
+                    heads * self.head_dim,
+                    heads,
+                    self.head_dim,
+                    layout,
+                ),
+            )
+        for norm, which in self.head_norm_lists:
+            heads, local = (self.num_heads, hq) if which == "q" else (self.num_kv_heads, hkv)
+            sub = _child(module, norm, name)
+            _swap(
+                module,
+                norm,
+                _HeadNormList(cast(nn.ModuleList, sub.norms), ctx.mesh, self.axis, heads, local),
+            )
+        for attr, value in per_rank.attrs.items():
+            setattr(module, attr, value)
+        if per_rank.config:
+            # a per-rank view: the user's config and the modules sharing it keep theirs
+            view = copy.copy(module.config)
+            for field_name, value in per_rank.config.items():
+                setattr(view, field_name, value)
+            module.config = view
         return module
 
 
