@@ -153,3 +153,14 @@ def test_meta_memory_benchmark_smoke_run(tmp_path: Path) -> None:
     assert all(len(r["peak_mb"]) == 2 and r["ideal_mb"] > 0 and r["whole_mb"] > 0 for r in rows)
     assert rows[0]["loss"] == rows[1]["loss"]  # the same checkpoint, both ways
     assert "| meta + load |" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_import_time_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/import_time.py --quick: every start-up command runs and gets a row against its
+    baseline (the times are reported, not asserted)."""
+    proc = _run_quick("import_time.py", "--out", str(tmp_path))
+    times = json.loads((tmp_path / "import_time.json").read_text())
+    assert {"import torch", "import fastdist", "python -m fastdist --help"} <= set(times)
+    assert all(len(t) == 1 and t[0] > 0 for t in times.values())
+    for row in ("`import fastdist` |", "`python -m fastdist --help` |"):
+        assert row in proc.stdout, proc.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tarfile
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +37,54 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (whl,) = out.glob("*.whl")
     return whl
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist, built by setuptools' PEP 517 hook in this environment (no build isolation, as
+    the wheel above)."""
+    out = tmp_path_factory.mktemp("sdist")
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"
+    subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, timeout=300
+    )
+    (tar,) = out.glob("*.tar.gz")
+    return tar
+
+
+def test_the_license_and_its_metadata_ship_in_the_wheel_and_the_sdist(
+    wheel: Path, sdist: Path
+) -> None:
+    """Apache-2.0 as an SPDX expression (PEP 639) with the LICENSE file, in both distributions;
+    the sdist holds the package and no tests (the suite runs from a clone)."""
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.lstrip().startswith("Apache License\n") and "Version 2.0" in license_text
+    whl = zipfile.ZipFile(wheel)
+    meta = whl.read(next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    (lic,) = [n for n in whl.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert whl.read(lic).decode() == license_text
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        member = tar.extractfile(f"{sdist.name[: -len('.tar.gz')]}/LICENSE")
+        assert member is not None and member.read().decode() == license_text
+        pkg_info = tar.extractfile(f"{sdist.name[: -len('.tar.gz')]}/PKG-INFO")
+        assert pkg_info is not None
+        sdist_meta = pkg_info.read().decode()
+    for text in (meta, sdist_meta):
+        head = text.split("\n\n", 1)[0].splitlines()  # the headers, before the description
+        assert "License-Expression: Apache-2.0" in head and "License-File: LICENSE" in head
+        assert not any(h.startswith(("License:", "Classifier: License ::")) for h in head)
+        assert "Requires-Dist: numpy>=1.26" in head  # torch warns on import without it
+        urls = {h.split(", ", 1)[0] for h in head if h.startswith("Project-URL: ")}
+        assert {"Project-URL: Documentation", "Project-URL: Repository"} <= urls, urls
+        assert "Classifier: Typing :: Typed" in head
+    # the description is the README, whose links work on the package index (absolute)
+    readme = (ROOT / "README.md").read_text()
+    assert readme in meta and "](docs/" not in readme and "](notebooks/" not in readme
+    assert readme.index("pip install torch-fastdist") < readme.index("git clone ")
+    assert {"LICENSE", "README.md", "pyproject.toml", "src/fastdist/__init__.py"} <= names
+    assert {"src/fastdist/native/fakecomm.c", "src/fastdist_pytest/__init__.py"} <= names
+    assert not [n for n in names if n.startswith("tests/")]
 
 
 def test_the_wheel_is_torch_fastdist_with_both_packages(wheel: Path) -> None:
@@ -164,9 +213,12 @@ def test_a_fresh_venv_installs_the_wheel_with_its_dependencies(wheel: Path, tmp_
         "f = fastdist.simulate(lambda x: fastdist.psum(x, m, 'tp'), m); "
         "print(f(torch.arange(4.)).tolist())"
     )
-    out = subprocess.run(
+    run = subprocess.run(
         [py, "-c", code], env=clean, capture_output=True, text=True, timeout=300, check=True
-    ).stdout.splitlines()
+    )
+    # no warning on import (torch's "Failed to initialize NumPy" without numpy): nothing on stderr
+    assert run.stderr == "", run.stderr
+    out = run.stdout.splitlines()
     assert out[0].startswith(str(env_dir)), out
     assert out[1] == "[1.0, 1.0, 5.0, 5.0]", out
     cli = subprocess.run(

@@ -15,74 +15,104 @@ tensor([[0., 1.],
         [2., 3.]])
 """
 
-from . import (
-    mq,  # fastdist.mq: message queue broadcaster, node locality (serving)
-    nn,  # fastdist.nn: parallel layers
-    profile,  # fastdist.profile: communication profile, dry runs, layout planner
-    train,  # fastdist.train: data parallelism, ZeRO, distributed checkpoints
-)
-from .collectives import (
-    all_gather,
-    all_gather_invariant,
-    all_to_all,
-    all_to_all_4d,
-    axis_index,
-    axis_size,
-    broadcast,
-    local_chunk,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    psum,
-    psum_scatter,
-    pvary,
-    ring_shift,
-)
-from .distributed import (
-    GraphCaptureContext,
-    all_gather_object,
-    barrier,
-    broadcast_object,
-    broadcast_tensor_dict,
-    graph_capture,
-    recv,
-    recv_object,
-    recv_tensor_dict,
-    send,
-    send_object,
-    send_tensor_dict,
-)
-from .errors import (
-    CollectiveError,
-    CollectiveTimeout,
-    CommError,
-    ConsistencyError,
-    FastdistError,
-    GlooRunError,
-    LibraryError,
-    LibraryNotFoundError,
-    MeshError,
-    NoBackendError,
-    ReductionDtypeError,
-    TargetError,
-)
-from .mesh import DEFAULT_ORDER, AxisName, Mesh
-from .replication import ReplicationError, as_partial
-from .sharding import P, PartitionSpec
-from .simulate import simulate
-from .spmd import spmd
-from .stateless import StatelessGroup
-from .uneven import (
-    all_gather_v,
-    exchange_sizes,
-    gather_v,
-    indexed_all_to_all_v,
-    ragged_all_to_all,
-    reduce_scatter_v,
-    scatter_v,
-)
-from .visual import plot_ranks, show_ranks, show_sharding
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import (
+        mq,  # fastdist.mq: message queue broadcaster, node locality (serving)
+        nn,  # fastdist.nn: parallel layers
+        profile,  # fastdist.profile: communication profile, dry runs, layout planner
+        train,  # fastdist.train: data parallelism, ZeRO, distributed checkpoints
+    )
+    from .collectives import (
+        all_gather,
+        all_gather_invariant,
+        all_to_all,
+        all_to_all_4d,
+        axis_index,
+        axis_size,
+        broadcast,
+        local_chunk,
+        pmax,
+        pmean,
+        pmin,
+        ppermute,
+        psum,
+        psum_scatter,
+        pvary,
+        ring_shift,
+    )
+    from .distributed import (
+        GraphCaptureContext,
+        all_gather_object,
+        barrier,
+        broadcast_object,
+        broadcast_tensor_dict,
+        comm_guard,
+        graph_capture,
+        recv,
+        recv_object,
+        recv_tensor_dict,
+        send,
+        send_object,
+        send_tensor_dict,
+    )
+    from .errors import (
+        CollectiveError,
+        CollectiveTimeout,
+        CommArgumentError,
+        CommError,
+        ConsistencyError,
+        FastdistError,
+        GlooRunError,
+        LibraryError,
+        LibraryNotFoundError,
+        MeshError,
+        NoBackendError,
+        ReductionDtypeError,
+        TargetError,
+    )
+    from .mesh import (
+        DEFAULT_ORDER,
+        AxisName,
+        Mesh,
+    )
+    from .replication import (
+        ReplicationError,
+        as_partial,
+    )
+    from .sharding import (
+        P,
+        PartitionSpec,
+    )
+    from .simulate import (
+        simulate,
+    )
+    from .spmd import (
+        spmd,
+    )
+    from .stateless import (
+        StatelessGroup,
+    )
+    from .uneven import (
+        all_gather_v,
+        exchange_sizes,
+        gather_v,
+        indexed_all_to_all_v,
+        ragged_all_to_all,
+        reduce_scatter_v,
+        scatter_v,
+    )
+    from .visual import (
+        plot_ranks,
+        show_ranks,
+        show_sharding,
+    )
 
 __version__ = "0.1.0"
 
@@ -134,6 +164,7 @@ __all__ = [
     "send",
     "recv",
     "barrier",
+    "comm_guard",
     "StatelessGroup",
     "show_ranks",
     "plot_ranks",
@@ -144,6 +175,7 @@ __all__ = [
     "ReductionDtypeError",
     "NoBackendError",
     "CommError",
+    "CommArgumentError",
     "CollectiveTimeout",
     "ConsistencyError",
     "LibraryError",
@@ -152,3 +184,122 @@ __all__ = [
     "TargetError",
     "GlooRunError",
 ]
+
+#: Where each public name is defined. ``import fastdist`` imports none of these modules (nor
+#: torch): the first use of a name imports its module (PEP 562), so ``python -m fastdist --help``
+#: starts in milliseconds and ``fd.nn``, ``fd.train``, ``fd.mq``, ``fd.profile`` cost nothing
+#: until used. tests/test_import_time.py checks that this table, the imports above and
+#: ``__all__`` list the same names.
+_SUBMODULES = ("mq", "nn", "profile", "train")
+_EXPORTS: dict[str, str] = {
+    **{name: name for name in _SUBMODULES},
+    **dict.fromkeys(
+        (
+            "all_gather",
+            "all_gather_invariant",
+            "all_to_all",
+            "all_to_all_4d",
+            "axis_index",
+            "axis_size",
+            "broadcast",
+            "local_chunk",
+            "pmax",
+            "pmean",
+            "pmin",
+            "ppermute",
+            "psum",
+            "psum_scatter",
+            "pvary",
+            "ring_shift",
+        ),
+        "collectives",
+    ),
+    **dict.fromkeys(
+        (
+            "GraphCaptureContext",
+            "all_gather_object",
+            "barrier",
+            "broadcast_object",
+            "broadcast_tensor_dict",
+            "comm_guard",
+            "graph_capture",
+            "recv",
+            "recv_object",
+            "recv_tensor_dict",
+            "send",
+            "send_object",
+            "send_tensor_dict",
+        ),
+        "distributed",
+    ),
+    **dict.fromkeys(
+        (
+            "CollectiveError",
+            "CollectiveTimeout",
+            "CommArgumentError",
+            "CommError",
+            "ConsistencyError",
+            "FastdistError",
+            "GlooRunError",
+            "LibraryError",
+            "LibraryNotFoundError",
+            "MeshError",
+            "NoBackendError",
+            "ReductionDtypeError",
+            "TargetError",
+        ),
+        "errors",
+    ),
+    **dict.fromkeys(("DEFAULT_ORDER", "AxisName", "Mesh"), "mesh"),
+    **dict.fromkeys(("ReplicationError", "as_partial"), "replication"),
+    **dict.fromkeys(("P", "PartitionSpec"), "sharding"),
+    **dict.fromkeys(("simulate",), "simulate"),
+    **dict.fromkeys(("spmd",), "spmd"),
+    **dict.fromkeys(("StatelessGroup",), "stateless"),
+    **dict.fromkeys(
+        (
+            "all_gather_v",
+            "exchange_sizes",
+            "gather_v",
+            "indexed_all_to_all_v",
+            "ragged_all_to_all",
+            "reduce_scatter_v",
+            "scatter_v",
+        ),
+        "uneven",
+    ),
+    **dict.fromkeys(("plot_ranks", "show_ranks", "show_sharding"), "visual"),
+}
+
+
+class _Package(types.ModuleType):
+    """The ``fastdist`` module object: public names import their module on first use.
+
+    Importing the submodule ``fastdist.simulate`` (or ``fastdist.spmd``) binds the module to the
+    package's attribute of that name; the package keeps the function of the same name instead,
+    as the eager ``from .simulate import simulate`` did.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            if name.startswith("__") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            # a submodule not in __all__ (fastdist.testing, fastdist.native, ...)
+            return importlib.import_module(f"{__name__}.{name}")
+        value = importlib.import_module(f"{__name__}.{module}")
+        if name not in _SUBMODULES:
+            value = getattr(value, name)
+        setattr(self, name, value)  # the next lookup finds it without this method
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _EXPORTS and name not in _SUBMODULES:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_EXPORTS})
+
+
+sys.modules[__name__].__class__ = _Package

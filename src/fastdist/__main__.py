@@ -7,9 +7,10 @@ import argparse
 import os
 import sys
 
-import torch
-
 __all__ = ["main"]
+
+#: The most simulated ranks the demo runs (dp x tp): it prints one line per rank.
+MAX_DEMO_RANKS = 1024
 
 
 DESCRIPTION = """fastdist's command line.
@@ -32,7 +33,23 @@ def _prog(argv0: str) -> str:
     return "python -m fastdist" if name in ("__main__.py", "") or name.startswith("-") else name
 
 
+def _degree(text: str) -> int:
+    """argparse type of ``--dp`` / ``--tp``: a whole number of ranks, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} ranks: the degree must be at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); the exit status.
+
+    Mistakes in the arguments exit with status 2 and argparse's usage message. ``--help`` and the
+    argument checks import neither torch nor the rest of fastdist.
+    """
     prog = _prog(sys.argv[0] if sys.argv else "")
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -48,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             "checked against one device. Exit status 0 when every rank matches, 1 otherwise."
         ),
     )
-    demo.add_argument("--dp", type=int, default=2, help="data-parallel degree (default 2)")
-    demo.add_argument("--tp", type=int, default=4, help="tensor-parallel degree (default 4)")
+    demo.add_argument("--dp", type=_degree, default=2, help="data-parallel degree (default 2)")
+    demo.add_argument("--tp", type=_degree, default=4, help="tensor-parallel degree (default 4)")
     demo.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     demo.add_argument(
         "--compile", action="store_true", help="also run the step under torch.compile"
@@ -72,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         "--hccl-library", help="check this HCCL shared object instead of discovering one"
     )
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.dp * args.tp > MAX_DEMO_RANKS:
+        demo.error(
+            f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} simulated ranks; the demo runs "
+            f"at most {MAX_DEMO_RANKS} (it prints one line per rank)"
+        )
 
     if args.command == "info":
         from .info import report
 
         print(report(args.nccl_library, args.hccl_library))
         return 0
+
+    import torch
 
     from .demo import run_demo
 
@@ -94,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  global loss {res.loss:.10f}   single device {res.reference_loss:.10f}")
         for name, diff in res.max_grad_diff.items():
             print(f"  max |grad {name} - single-device grad {name}| over all ranks: {diff:.2e}")
-        verdict = "OK" if res.ok else "MISMATCH"
-        print(f"  {verdict}: every rank matches the single device within {res.tolerance:g}\n")
+        if res.ok:
+            print(f"  OK: every rank matches the single device within {res.tolerance:g}\n")
+        else:
+            worst = ", ".join(f"{name} by {diff:.2e}" for name, diff in res.mismatches.items())
+            print(
+                f"  MISMATCH: the ranks differ from the single device beyond {res.tolerance:g}: "
+                f"{worst}\n"
+            )
         ok = ok and res.ok
     return 0 if ok else 1
 

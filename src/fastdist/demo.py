@@ -53,9 +53,21 @@ class DemoResult:
     tolerance: float
 
     @property
+    def mismatches(self) -> dict[str, float]:
+        """What deviates from the single-device run by more than ``tolerance``: ``"loss"`` and
+        ``"grad <name>"`` to their largest absolute difference over all ranks (empty when
+        :attr:`ok`)."""
+        diffs = {
+            "loss": abs(self.loss - self.reference_loss),
+            **{f"grad {name}": diff for name, diff in self.max_grad_diff.items()},
+        }
+        # NaN counts as a mismatch
+        return {k: d for k, d in diffs.items() if not d <= self.tolerance}
+
+    @property
     def ok(self) -> bool:
-        diffs = [*self.max_grad_diff.values(), abs(self.loss - self.reference_loss)]
-        return all(d <= self.tolerance for d in diffs)
+        """Whether every rank's loss and gradients match the single device within ``tolerance``."""
+        return not self.mismatches
 
 
 def run_demo(
