@@ -131,6 +131,7 @@ def _t(
 
 # ===================================================================== NCCL (nccl.h)
 # ncclComm_t, cudaStream_t, buffers and ncclWindow_t are pointers; enums are ints.
+#: The NCCL binding (``nccl.h``): every function fastdist binds, with its ctypes signature.
 NCCL = LibrarySpec(
     kind="nccl",
     prefix="nccl",
@@ -192,6 +193,8 @@ NCCL = LibrarySpec(
 )
 
 # ===================================================================== HCCL (hccl.h, hccl_types.h)
+#: The HCCL binding (``hccl.h``, ``hccl_types.h``): every function fastdist binds, with its ctypes
+#: signature.
 HCCL = LibrarySpec(
     kind="hccl",
     prefix="Hccl",
@@ -249,6 +252,7 @@ HCCL = LibrarySpec(
     ),
 )
 
+#: The bindings by library kind: ``"nccl"`` and ``"hccl"``.
 SPECS: dict[str, LibrarySpec] = {"nccl": NCCL, "hccl": HCCL}
 
 
