@@ -778,10 +778,12 @@ def test_mixtral_plan_errors() -> None:
             {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel(tp_axis="tp")},
         )
     model = build_mixtral(layers=1)
-    model.model.layers[0].mlp.experts.has_bias = True  # a layout ExpertParallel does not implement
+    # a layout ExpertParallel does not implement: experts without a gate
+    model.model.layers[0].mlp.experts.has_gate = False
     with pytest.raises(
         fd.nn.ParallelizeError,
-        match=r"'model\.layers\.0\.mlp\.experts' stores its experts transposed.*Fix",
+        match=r"'model\.layers\.0\.mlp\.experts' \(MixtralExperts\) has experts without a "
+        r"gate.*Fix",
     ):
         fd.nn.parallelize(
             model, fd.Mesh({"ep": 2}), {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel()}

@@ -571,9 +571,15 @@ class ExpertParallelExperts(nn.Module):
         capacity: int | None = None,
         layer: str = "experts",
         layouts: dict[str, Any] | None = None,
+        gate_up_proj_bias: nn.Parameter | None = None,
+        down_proj_bias: nn.Parameter | None = None,
+        transposed: bool = False,
+        gate_fn: Callable[[Any, Tensor], Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, down_proj, act_fn
+        self.gate_up_proj_bias, self.down_proj_bias = gate_up_proj_bias, down_proj_bias
+        self.transposed, self._gate_fn = transposed, gate_fn
         self.mesh, self.axis, self.num_experts, self.strategy, self.tp_axis = (
             mesh,
             axis,
@@ -597,6 +603,34 @@ class ExpertParallelExperts(nn.Module):
         gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # (R, I/tp) each
         return F.linear(self.act_fn(gate) * up, self.down_proj[e])  # (R, H): a partial sum over tp
 
+    def _expert_fn(self) -> ExpertFn:
+        """This forward's expert: `_expert` for the plain layout, else the model's own gate
+        (``_apply_gate``) between projections stored transposed and/or with biases."""
+        if self._gate_fn is None and not self.transposed and self.gate_up_proj_bias is None:
+            return self._expert
+        down_bias: Tensor | None = self.down_proj_bias
+        if down_bias is not None and self.tp_axis is not None:
+            # the output is a partial sum over tp: the bias once, on tp rank 0 (each tp rank's
+            # gradient then summed by the pvary)
+            first = axis_index(self.mesh, self.tp_axis) == 0
+            down_bias = torch.where(first, pvary(down_bias, self.mesh, self.tp_axis), 0)
+
+        def expert(rows: Tensor, e: int) -> Tensor:
+            w1, w2 = self.gate_up_proj[e], self.down_proj[e]
+            # (R, 2I/tp): (2I/tp, H) stored as nn.Linear does, or (H, 2I/tp) transposed
+            h = rows @ w1 if self.transposed else F.linear(rows, w1)
+            if self.gate_up_proj_bias is not None:
+                h = h + self.gate_up_proj_bias[e]
+            if self._gate_fn is not None:
+                h = self._gate_fn(self, h)  # (R, I/tp)
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act_fn(gate) * up
+            y = h @ w2 if self.transposed else F.linear(h, w2)  # (R, H): a partial sum over tp
+            return y + down_bias[e] if down_bias is not None else y
+
+        return expert
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         x, idx, w = hidden_states, top_k_index, top_k_weights
         whole, T = idx, x.shape[0]
@@ -614,7 +648,7 @@ class ExpertParallelExperts(nn.Module):
             x,
             w,
             idx,
-            self._expert,
+            self._expert_fn(),
             self.mesh,
             self.axis,
             self.num_experts,
@@ -683,6 +717,20 @@ def dropped_counts(model: nn.Module) -> dict[str, Tensor]:
     }
 
 
+class _ExpertsLayout(NamedTuple):
+    """What `ExpertParallel` reads from a transformers experts module."""
+
+    gate_up: Tensor
+    down: Tensor
+    gate_up_bias: Tensor | None
+    down_bias: Tensor | None
+    transposed: bool  # (E, H, 2I) and (E, I, H), as GPT-OSS stores them
+    concatenated: bool  # gate | up side by side (else interleaved: gate_up[..., ::2] is the gate)
+    num_experts: int
+    inter: int
+    gate_fn: Callable[[Any, Tensor], Tensor] | None
+
+
 @dataclass(frozen=True)
 class ExpertParallel(Style):
     """A `fastdist.nn.parallelize` style for transformers' 3-D-parameter experts module
@@ -693,6 +741,16 @@ class ExpertParallel(Style):
     router stays the model's own (replicated), so routing, ``router_logits`` and the model's
     auxiliary loss are what one device computes. ``strategy``, ``capacity_factor``,
     ``capacity``: see `moe`; ``tokens``: see `ExpertParallelExperts`.
+
+    Layouts (transformers' flags on the experts class): gate and up concatenated
+    (``gate_up_proj`` (E, 2I, H): Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3) or interleaved,
+    stored transposed (``(E, H, 2I)`` / ``(E, I, H)``) and with biases
+    (``gate_up_proj_bias`` (E, 2I), ``down_proj_bias`` (E, H)): GPT-OSS. The gating between
+    the projections is the class's own ``_apply_gate`` where it has one (it must act feature
+    by feature, as transformers' default and GPT-OSS's clamped SwiGLU do), else
+    ``act_fn(gate) * up``. Over ``tp_axis`` an interleaved ``gate_up_proj`` splits into
+    contiguous column blocks (each holds whole (gate, up) pairs) and ``down_proj_bias`` is
+    added once, on tp rank 0, before the sum over tp.
     """
 
     axis: str = "ep"
@@ -702,61 +760,113 @@ class ExpertParallel(Style):
     capacity_factor: float | None = None
     capacity: int | None = None
 
-    def _shapes(self, module: nn.Module, name: str, mesh: Mesh) -> tuple[Tensor, Tensor, int, int]:
+    def _layout(self, module: nn.Module, name: str, mesh: Mesh) -> _ExpertsLayout:
         gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (
-            isinstance(gu, Tensor)
-            and isinstance(dn, Tensor)
-            and gu.dim() == 3
-            and dn.dim() == 3
-            and callable(getattr(module, "act_fn", None))
-        ):
+        kind = type(module).__name__
+        if not (isinstance(gu, Tensor) and isinstance(dn, Tensor) and gu.dim() == dn.dim() == 3):
             raise ParallelizeError(
-                f"parallelize: {name!r} ({type(module).__name__}) is not a 3-D-parameter experts "
-                "module (gate_up_proj (E, 2I, H), down_proj (E, H, I), act_fn). Fix: "
+                f"parallelize: {name!r} ({kind}) is not a 3-D-parameter experts "
+                "module (gate_up_proj (E, 2I, H), down_proj (E, H, I)). Fix: "
                 "apply ExpertParallel to the experts module (e.g. 'model.layers.*.mlp.experts')"
             )
+        if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({kind}) has experts without a gate (up_proj and an "
+                "activation) or with a norm after each expert; ExpertParallel implements gated "
+                "experts (gate_up_proj) only. Fix: keep this module replicated (no plan entry) "
+                "or write a style for this layout"
+            )
+        transposed = bool(getattr(module, "is_transposed", False))
+        concatenated = bool(getattr(module, "is_concatenated", True))
+        gb, db = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+        has_bias = getattr(module, "has_bias", None)
+        if has_bias is None:
+            has_bias = isinstance(gb, Tensor) or isinstance(db, Tensor)
+        if has_bias and not (isinstance(gb, Tensor) and isinstance(db, Tensor)):
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({kind}) says it has biases but lacks gate_up_proj_bias "
+                "or down_proj_bias. Fix: write a style for this layout"
+            )
+        E = int(gu.shape[0])
+        # (E, H, 2I) transposed, else (E, 2I, H)
+        H, I2 = (
+            (int(gu.shape[1]), int(gu.shape[2]))
+            if transposed
+            else (
+                int(gu.shape[2]),
+                int(gu.shape[1]),
+            )
+        )
+        want_dn = (E, I2 // 2, H) if transposed else (E, H, I2 // 2)
+        want_bias = ((E, I2), (E, H))
         if (
-            getattr(module, "is_transposed", False)
-            or getattr(module, "has_bias", False)
-            or not getattr(module, "is_concatenated", True)
-            or not getattr(module, "has_gate", True)
+            I2 % 2
+            or tuple(dn.shape) != want_dn
+            or (has_bias and (tuple(gb.shape), tuple(db.shape)) != want_bias)  # type: ignore[union-attr]
         ):
             raise ParallelizeError(
-                f"parallelize: {name!r} stores its experts transposed, interleaved, without a "
-                "gate or with biases, "
-                "which ExpertParallel does not implement. Fix: write a style for this layout"
+                f"parallelize: {name!r} ({kind}): gate_up_proj {tuple(gu.shape)} and down_proj "
+                f"{tuple(dn.shape)} (transposed={transposed}, biases={bool(has_bias)}) are not "
+                "the shapes of gated experts (down_proj should be "
+                f"{want_dn}). Fix: write a style for this layout"
             )
-        E, I2 = int(gu.shape[0]), int(gu.shape[1])
-        _check_split(name, E, mesh, self.axis)
-        n_tp = mesh.axis_size(self.tp_axis) if self.tp_axis else 1
-        if (I2 // 2) % n_tp:
+        gate_fn = getattr(type(module), "_apply_gate", None)
+        if gate_fn is None and not callable(getattr(module, "act_fn", None)):
             raise ParallelizeError(
-                f"parallelize: {name!r} has experts of {I2 // 2} intermediate features, not "
+                f"parallelize: {name!r} ({kind}) has neither an _apply_gate method nor an act_fn, "
+                "so the gating between its projections is unknown. Fix: write a style for this "
+                "layout"
+            )
+        _check_split(name, E, mesh, self.axis)
+        inter = I2 // 2
+        n_tp = mesh.axis_size(self.tp_axis) if self.tp_axis else 1
+        if inter % n_tp:
+            raise ParallelizeError(
+                f"parallelize: {name!r} has experts of {inter} intermediate features, not "
                 f"divisible by the {n_tp} ranks "
                 f"of {self.tp_axis!r}. Fix: another tp size, or tp_axis=None"
             )
-        return gu, dn, E, I2 // 2
+        plain = not transposed and concatenated and not has_bias
+        return _ExpertsLayout(
+            gu,
+            dn,
+            gb if has_bias else None,
+            db if has_bias else None,
+            transposed,
+            concatenated,
+            E,
+            inter,
+            None if plain else gate_fn,
+        )
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        self._shapes(module, name, mesh)
+        self._layout(module, name, mesh)
 
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
-        gu, dn, E, inter = self._shapes(module, name, ctx.mesh)
-        tp = self.tp_axis
-        layouts = {
-            "gate_up_proj": Layout(P(self.axis, tp, None), parts=(inter, inter), at=1)
-            if tp
-            else Layout(P(self.axis)),
-            "down_proj": Layout(P(self.axis, None, tp)) if tp else Layout(P(self.axis)),
+        lay = self._layout(module, name, ctx.mesh)
+        tp, inter = self.tp_axis, lay.inter
+        parts: tuple[int, ...] = (inter, inter) if lay.concatenated and tp else ()
+        feat = 2 if lay.transposed else 1  # the dim of gate_up_proj holding the 2I features
+        gu_spec: list[str | None] = [self.axis, None, None]
+        gu_spec[feat] = tp
+        dn_spec: list[str | None] = [self.axis, None, None]
+        dn_spec[1 if lay.transposed else 2] = tp
+        layouts: dict[str, Any] = {
+            "gate_up_proj": Layout(P(*gu_spec), parts=parts, at=feat if parts else None),
+            "down_proj": Layout(P(*dn_spec)),
         }
-        return ExpertParallelExperts(
-            ctx.param(gu, layouts["gate_up_proj"], f"{name}.gate_up_proj"),  # type: ignore[arg-type]
-            ctx.param(dn, layouts["down_proj"], f"{name}.down_proj"),  # type: ignore[arg-type]
-            module.act_fn,  # type: ignore[arg-type]
+        if lay.gate_up_bias is not None:
+            layouts["gate_up_proj_bias"] = Layout(
+                P(self.axis, tp), parts=parts, at=1 if parts else None
+            )
+            layouts["down_proj_bias"] = Layout(P(self.axis))
+        new = ExpertParallelExperts(
+            ctx.param(lay.gate_up, layouts["gate_up_proj"], f"{name}.gate_up_proj"),  # type: ignore[arg-type]
+            ctx.param(lay.down, layouts["down_proj"], f"{name}.down_proj"),  # type: ignore[arg-type]
+            getattr(module, "act_fn", None),  # type: ignore[arg-type]
             ctx.mesh,
             self.axis,
-            E,
+            lay.num_experts,
             strategy=self.strategy,
             tp_axis=tp,
             tokens=self.tokens,
@@ -764,4 +874,24 @@ class ExpertParallel(Style):
             capacity=self.capacity,
             layer=name,
             layouts=layouts,
+            gate_up_proj_bias=ctx.param(
+                lay.gate_up_bias,
+                layouts.get("gate_up_proj_bias", Layout()),
+                f"{name}.gate_up_proj_bias",
+            ),
+            down_proj_bias=ctx.param(
+                lay.down_bias, layouts.get("down_proj_bias", Layout()), f"{name}.down_proj_bias"
+            ),
+            transposed=lay.transposed,
+            gate_fn=lay.gate_fn,
         )
+        # the model's own gate may read plain attributes of its module (GPT-OSS: alpha, limit)
+        for key, value in vars(module).items():
+            if (
+                not key.startswith("_")
+                and key != "training"
+                and key not in vars(new)
+                and not isinstance(value, (Tensor, nn.Module))
+            ):
+                setattr(new, key, value)
+        return new

@@ -1,0 +1,568 @@
+"""Ready-made `fastdist.nn.parallelize` plans for the mixture-of-experts families of transformers.
+
+Each function reads the model's config and returns a plain dict plan (print it, edit it); each
+is registered in `fastdist.nn.plans.plan_for` by ``config.model_type``:
+
+* `qwen2_moe`: ``Qwen2MoeForCausalLM``: Llama-style attention (q/k/v bias) by heads over
+  ``axis``; routed experts over ``ep_axis`` (`fastdist.nn.moe.ExpertParallel`); the shared
+  expert column/row-parallel over ``axis``; the router and ``shared_expert_gate`` replicated;
+* `qwen3_moe`: ``Qwen3MoeForCausalLM``: as Qwen2-MoE without a shared expert, with per-head
+  q/k norms;
+* `olmoe`: ``OlmoeForCausalLM``: experts over ``ep_axis``; the attention **replicated**
+  (its ``q_norm``/``k_norm`` normalise the whole projection width, so a head split would
+  change them);
+* `deepseek_v2`, `deepseek_v3`: multi-head latent attention (`LatentAttention`): the per-head
+  projections (``q_proj`` or ``q_b_proj``, ``kv_b_proj``, ``o_proj``) by heads over ``axis``,
+  the latent projections (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) replicated;
+  routed experts over ``ep_axis``, shared experts over ``axis``, the first
+  ``first_k_dense_replace`` dense MLPs over ``axis``;
+* `gpt_oss`: ``GptOssForCausalLM``: attention by heads with each rank's attention sinks
+  (`HeadParams`), alternating sliding windows as the model computes them; its experts'
+  transposed, interleaved, biased layout over ``ep_axis`` (and ``axis`` inside each expert).
+
+Every plan keeps the router replicated (one device's routing, ``router_logits`` and aux loss)
+and makes the vocabulary parallel over ``axis`` as `fastdist.nn.plans.llama` does. With
+``axis == ep_axis`` (a mesh with only ``ep``) the ep ranks are also the attention's
+tensor-parallel group and every expert is whole on its rank. No plan has sequence
+parallelism yet (the experts take replicated tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..mesh import Mesh
+from ..sharding import P
+from .moe import ExpertParallel, Strategy
+from .state import Layout
+from .styles import (
+    ColwiseParallel,
+    HeadParallelAttention,
+    ParallelizeError,
+    PrepareInput,
+    PvaryParams,
+    RowwiseParallel,
+    Style,
+    VocabParallel,
+    _child,
+    _Context,
+    _linear_parts,
+    _swap,
+)
+
+__all__ = [
+    "FAMILIES",
+    "HeadParams",
+    "LatentAttention",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+    "moe_plan_for",
+    "olmoe",
+    "qwen2_moe",
+    "qwen3_moe",
+]
+
+Plan = dict[str, Any]
+
+
+# ============================================================================ styles
+@dataclass(frozen=True)
+class HeadParams(Style):
+    """Split the module's own per-head parameters (dim 0) over ``axis``, as its heads are split
+    (GPT-OSS's attention ``sinks``, one logit per head); use after `HeadParallelAttention` on the
+    same module.
+
+    >>> import torch, fastdist as fd
+    >>> attn = torch.nn.Module()
+    >>> attn.sinks = torch.nn.Parameter(torch.arange(4.0))
+    >>> pm = fd.nn.parallelize(attn, fd.Mesh({"tp": 2}), {"": HeadParams("tp", ("sinks",))})
+    >>> attn.sinks.tolist()                        # [rank, heads / 2]
+    [[0.0, 1.0], [2.0, 3.0]]
+    """
+
+    axis: str = "tp"
+    names: tuple[str, ...] = ("sinks",)
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        n = mesh.axis_size(self.axis)
+        for pname in self.names:
+            p = getattr(module, pname, None)
+            if not isinstance(p, nn.Parameter) or p.dim() == 0:
+                raise ParallelizeError(
+                    f"parallelize: {name!r} ({type(module).__name__}) has no per-head parameter "
+                    f"{pname!r}. Fix: name the module's own per-head parameters in "
+                    "HeadParams(names=...)"
+                )
+            if p.shape[0] % n:
+                raise ParallelizeError(
+                    f"parallelize: {name}.{pname} has {p.shape[0]} heads, not divisible by the "
+                    f"{n} ranks of {self.axis!r}. Fix: a {self.axis!r} size that divides "
+                    f"{p.shape[0]}"
+                )
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        self.check(module, name, ctx.mesh)
+        layout = Layout(P(self.axis))
+        for pname in self.names:
+            where = f"{name}.{pname}" if name else pname
+            setattr(module, pname, ctx.param(getattr(module, pname), layout, where))
+        # say how they split (fastdist.nn.param_layouts reads a module's param_layouts())
+        before = getattr(module, "param_layouts", None)
+        own = dict.fromkeys(self.names, layout)
+
+        def param_layouts() -> dict[str, Any]:
+            return {**(before() if callable(before) else {}), **own}
+
+        # an instance attribute: the model's own class stays as it is
+        object.__setattr__(module, "param_layouts", param_layouts)
+        return module
+
+
+@dataclass(frozen=True)
+class LatentAttention(Style):
+    """DeepSeek-V2/V3's multi-head latent attention with its heads split over ``axis``.
+
+    The module's own forward runs on this rank's heads. Split by heads (column-parallel):
+    ``q_proj`` (no q LoRA) or ``q_b_proj``, and ``kv_b_proj`` (each head's no-rope key and
+    value); row-parallel: ``o_proj``. Replicated: the latent projections ``q_a_proj``,
+    ``kv_a_proj_with_mqa`` (whose rope part is one key shared by every head) and their norms
+    ``q_a_layernorm``/``kv_a_layernorm``: every rank computes the latents of its tokens
+    (small: ``q_lora_rank + kv_lora_rank + qk_rope_head_dim`` features) and their parameters
+    are pvary'd, so each gets the gradient summed over its heads' ranks. The input is
+    prepared once (pvary; backward all-reduce), the output summed over ``axis``.
+    ``num_heads`` becomes this rank's heads.
+    """
+
+    num_heads: int
+    axis: str = "tp"
+
+    def _sizes(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        n = mesh.axis_size(self.axis)
+        h = self.num_heads
+        if h % n:
+            raise ParallelizeError(
+                f"parallelize: attention {name!r} has {h} heads, not divisible by the {n} ranks "
+                f"of {self.axis!r}. Fix: a tp size that divides {h}"
+            )
+        q = "q_proj" if getattr(module, "q_proj", None) is not None else "q_b_proj"
+        for child, side in ((q, "out"), ("kv_b_proj", "out"), ("o_proj", "in")):
+            _, _, _, inp, out = _linear_parts(_child(module, child, name), f"{name}.{child}")
+            size = out if side == "out" else inp
+            if size % h:
+                raise ParallelizeError(
+                    f"parallelize: attention {name!r}: {child} has {size} {side}put features, "
+                    f"not a multiple of the style's {h} heads. Fix: build the plan from this "
+                    "model's own config"
+                )
+        _child(module, "kv_a_proj_with_mqa", name)
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        self._sizes(module, name, mesh)
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        self._sizes(module, name, ctx.mesh)
+        ax = self.axis
+        PrepareInput(ax, "replicated").apply(module, name, ctx)
+        col = ColwiseParallel(ax)
+        for child in ("q_proj", "q_b_proj", "kv_b_proj"):
+            sub = getattr(module, child, None)
+            if isinstance(sub, nn.Module):
+                _swap(module, child, col.apply(sub, f"{name}.{child}", ctx))
+        o = RowwiseParallel(ax, "replicated").apply(
+            _child(module, "o_proj", name), f"{name}.o_proj", ctx
+        )
+        _swap(module, "o_proj", o)
+        for child in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+            sub = getattr(module, child, None)
+            if isinstance(sub, nn.Module):
+                PvaryParams(ax).apply(sub, f"{name}.{child}", ctx)
+        setattr(module, "num_heads", self.num_heads // ctx.mesh.axis_size(ax))  # noqa: B010
+        return module
+
+
+# ============================================================================ plan pieces
+def _config(model_or_config: Any) -> Any:
+    return getattr(model_or_config, "config", model_or_config)
+
+
+def _no_sequence_parallel(family: str, sequence_parallel: bool) -> None:
+    if sequence_parallel:
+        raise ParallelizeError(
+            f"parallelize: the {family} plan has no sequence parallelism yet (the experts take "
+            "replicated tokens). Fix: sequence_parallel=False"
+        )
+
+
+def _layer_patterns(prefix: str, which: list[int], layers: int) -> list[str]:
+    """The patterns naming decoder layers ``which``: ``layers.*`` when that is all of them."""
+    if len(which) == layers:
+        return [f"{prefix}.layers.*"]
+    return [f"{prefix}.layers.{i}" for i in which]
+
+
+def _dense_mlp(layer: str, axis: str, mlp: str = "mlp") -> Plan:
+    """A gated MLP (gate/up column-parallel, down row-parallel) over ``axis``."""
+    return {
+        f"{layer}.{mlp}": PrepareInput(axis, "replicated"),
+        f"{layer}.{mlp}.gate_proj": ColwiseParallel(axis),
+        f"{layer}.{mlp}.up_proj": ColwiseParallel(axis),
+        f"{layer}.{mlp}.down_proj": RowwiseParallel(axis, "replicated"),
+    }
+
+
+def _vocab(axis: str, prefix: str, gather_logits: bool) -> Plan:
+    return {
+        f"{prefix}.embed_tokens": VocabParallel(axis),
+        "lm_head": VocabParallel(axis, input="replicated", gather_output=gather_logits),
+    }
+
+
+def _attention(cfg: Any, axis: str, norms: tuple[str, ...] = ()) -> HeadParallelAttention:
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return HeadParallelAttention(
+        heads,
+        kv,
+        head_dim,
+        axis,
+        norms=norms,
+        attrs=(("num_key_value_groups", lambda hq, hkv, d: hq // hkv),),
+    )
+
+
+def _experts(
+    axis: str, ep_axis: str, strategy: Strategy, capacity_factor: float | None
+) -> ExpertParallel:
+    return ExpertParallel(
+        ep_axis, strategy, None if axis == ep_axis else axis, capacity_factor=capacity_factor
+    )
+
+
+def _qwen_moe(
+    model_or_config: Any,
+    family: str,
+    *,
+    axis: str,
+    ep_axis: str,
+    strategy: Strategy,
+    capacity_factor: float | None,
+    sequence_parallel: bool,
+    gather_logits: bool,
+    prefix: str,
+    shared: bool,
+    norms: tuple[str, ...],
+) -> Plan:
+    _no_sequence_parallel(family, sequence_parallel)
+    cfg = _config(model_or_config)
+    L = cfg.num_hidden_layers
+    sparse = [
+        i
+        for i in range(L)
+        if i not in (getattr(cfg, "mlp_only_layers", None) or [])
+        and cfg.num_experts > 0
+        and (i + 1) % cfg.decoder_sparse_step == 0
+    ]
+    plan: Plan = _vocab(axis, prefix, gather_logits)
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, norms)
+    for layer in _layer_patterns(prefix, sparse, L):
+        plan[f"{layer}.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
+        if shared:
+            plan.update(_dense_mlp(f"{layer}.mlp", axis, "shared_expert"))
+    dense = [i for i in range(L) if i not in sparse]
+    for layer in _layer_patterns(prefix, dense, L) if dense else []:
+        plan.update(_dense_mlp(layer, axis))
+    return plan
+
+
+# ============================================================================ the plans
+def qwen2_moe(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for Qwen2-MoE: attention by heads and the shared expert over ``axis``, the routed
+    experts over ``ep_axis`` (each expert's features over ``axis`` too unless
+    ``axis == ep_axis``); dense layers (``mlp_only_layers``, ``decoder_sparse_step``) over
+    ``axis``. The router and ``shared_expert_gate`` (one output) stay replicated.
+
+    >>> from transformers import Qwen2MoeConfig
+    >>> config = Qwen2MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    ...                         num_experts=4, num_hidden_layers=2)
+    >>> plan = qwen2_moe(config)
+    >>> print(*sorted(k for k in plan if "mlp" in k), sep="\\n")
+    model.layers.*.mlp.experts
+    model.layers.*.mlp.shared_expert
+    model.layers.*.mlp.shared_expert.down_proj
+    model.layers.*.mlp.shared_expert.gate_proj
+    model.layers.*.mlp.shared_expert.up_proj
+    """
+    return _qwen_moe(
+        model_or_config,
+        "Qwen2-MoE",
+        axis=axis,
+        ep_axis=ep_axis,
+        strategy=strategy,
+        capacity_factor=capacity_factor,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        shared=True,
+        norms=(),
+    )
+
+
+def qwen3_moe(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for Qwen3-MoE: as `qwen2_moe` without a shared expert; the per-head q/k norms
+    (``head_dim`` wide) are replicated and pvary'd.
+
+    >>> from transformers import Qwen3MoeConfig
+    >>> config = Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    ...                         num_experts=4, num_hidden_layers=2, mlp_only_layers=[0])
+    >>> print(*sorted(k for k in qwen3_moe(config) if "mlp" in k), sep="\\n")
+    model.layers.0.mlp
+    model.layers.0.mlp.down_proj
+    model.layers.0.mlp.gate_proj
+    model.layers.0.mlp.up_proj
+    model.layers.1.mlp.experts
+    """
+    return _qwen_moe(
+        model_or_config,
+        "Qwen3-MoE",
+        axis=axis,
+        ep_axis=ep_axis,
+        strategy=strategy,
+        capacity_factor=capacity_factor,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        shared=False,
+        norms=("q_norm", "k_norm"),
+    )
+
+
+def olmoe(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for OLMoE: the experts over ``ep_axis`` (each expert's features over ``axis``
+    too unless ``axis == ep_axis``), the vocabulary over ``axis``; the attention stays
+    **replicated**: OLMoE's ``q_norm``/``k_norm`` are RMS norms over the whole projection
+    width (all heads at once), so splitting the heads would change each token's norm.
+
+    >>> from transformers import OlmoeConfig
+    >>> config = OlmoeConfig(hidden_size=32, num_attention_heads=4, num_experts=4)
+    >>> sorted(olmoe(config))
+    ['lm_head', 'model.embed_tokens', 'model.layers.*.mlp.experts']
+    """
+    _no_sequence_parallel("OLMoE", sequence_parallel)
+    plan = _vocab(axis, prefix, gather_logits)
+    plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
+    return plan
+
+
+def _deepseek(
+    model_or_config: Any,
+    family: str,
+    *,
+    axis: str,
+    ep_axis: str,
+    strategy: Strategy,
+    capacity_factor: float | None,
+    sequence_parallel: bool,
+    gather_logits: bool,
+    prefix: str,
+) -> Plan:
+    _no_sequence_parallel(family, sequence_parallel)
+    cfg = _config(model_or_config)
+    L = cfg.num_hidden_layers
+    first = min(int(getattr(cfg, "first_k_dense_replace", 0) or 0), L)
+    plan: Plan = _vocab(axis, prefix, gather_logits)
+    plan[f"{prefix}.layers.*.self_attn"] = LatentAttention(cfg.num_attention_heads, axis)
+    for layer in _layer_patterns(prefix, list(range(first, L)), L) if first < L else []:
+        plan[f"{layer}.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
+        plan.update(_dense_mlp(f"{layer}.mlp", axis, "shared_experts"))
+    for layer in _layer_patterns(prefix, list(range(first)), L) if first else []:
+        plan.update(_dense_mlp(layer, axis))
+    return plan
+
+
+def deepseek_v3(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for DeepSeek-V3: `LatentAttention` over ``axis``; in the MoE layers the routed
+    experts over ``ep_axis`` and the shared experts over ``axis``; the first
+    ``first_k_dense_replace`` layers' dense MLPs over ``axis``. The router (sigmoid scores,
+    group-limited top-k with ``e_score_correction_bias``) stays replicated.
+
+    >>> from transformers import DeepseekV3Config
+    >>> config = DeepseekV3Config(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+    ...                           first_k_dense_replace=1, n_routed_experts=4)
+    >>> plan = deepseek_v3(config)
+    >>> plan["model.layers.*.self_attn"]
+    LatentAttention(num_heads=4, axis='tp')
+    >>> "model.layers.0.mlp.gate_proj" in plan and "model.layers.1.mlp.experts" in plan
+    True
+    """
+    return _deepseek(
+        model_or_config,
+        "DeepSeek-V3",
+        axis=axis,
+        ep_axis=ep_axis,
+        strategy=strategy,
+        capacity_factor=capacity_factor,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+    )
+
+
+def deepseek_v2(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for DeepSeek-V2: as `deepseek_v3` (its router: softmax scores, greedy or
+    group-limited top-k, replicated).
+
+    >>> from transformers import DeepseekV2Config
+    >>> config = DeepseekV2Config(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+    ...                           n_routed_experts=4)
+    >>> sorted(k for k in deepseek_v2(config) if "experts" in k)[:2]
+    ['model.layers.*.mlp.experts', 'model.layers.*.mlp.shared_experts']
+    """
+    return _deepseek(
+        model_or_config,
+        "DeepSeek-V2",
+        axis=axis,
+        ep_axis=ep_axis,
+        strategy=strategy,
+        capacity_factor=capacity_factor,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+    )
+
+
+def gpt_oss(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for GPT-OSS: attention by heads over ``axis`` with each rank's attention sinks
+    (`HeadParams`); the experts (stored transposed, gate and up interleaved, with biases) over
+    ``ep_axis``, each expert's features over ``axis`` too unless ``axis == ep_axis``; the
+    router (with its bias) replicated. Sliding-window and full layers alternate as the
+    model's own masks say (the masks do not depend on heads).
+
+    >>> from transformers import GptOssConfig
+    >>> config = GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    ...                       head_dim=8, num_local_experts=4)
+    >>> gpt_oss(config)["model.layers.*.self_attn"][1]
+    HeadParams(axis='tp', names=('sinks',))
+    """
+    _no_sequence_parallel("GPT-OSS", sequence_parallel)
+    cfg = _config(model_or_config)
+    plan: Plan = _vocab(axis, prefix, gather_logits)
+    plan[f"{prefix}.layers.*.self_attn"] = (_attention(cfg, axis), HeadParams(axis, ("sinks",)))
+    plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
+    return plan
+
+
+FAMILIES: dict[str, Callable[..., Plan]] = {
+    "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
+    "olmoe": olmoe,
+    "deepseek_v2": deepseek_v2,
+    "deepseek_v3": deepseek_v3,
+    "gpt_oss": gpt_oss,
+}
+
+
+def moe_plan_for(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+) -> Plan:
+    """The ready-made plan for a mixture-of-experts ``model`` (by ``config.model_type``) on
+    ``mesh``: the experts over ``"ep"`` when the mesh has that axis, else over ``axis`` itself
+    (whole experts per rank); the attention and vocabulary over ``axis``, or over ``"ep"`` on
+    a mesh without ``axis``.
+
+    >>> import fastdist as fd
+    >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+    ...     vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    ...     num_experts=4, num_hidden_layers=1, moe_intermediate_size=8))
+    >>> moe_plan_for(model, fd.Mesh({"tp": 2}))["model.layers.*.mlp.experts"].axis
+    'tp'
+    """
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in FAMILIES:
+        raise ParallelizeError(
+            f"parallelize: no ready-made mixture-of-experts plan for {type(model).__name__} "
+            f"(model_type {kind!r}); plans exist for {sorted(FAMILIES)}. Fix: pass plan="
+        )
+    names = mesh.axis_names
+    ep_axis = "ep" if "ep" in names else axis
+    if axis not in names and "ep" in names:
+        axis = "ep"
+    mesh.axis_indices(axis, "parallelize")
+    return FAMILIES[kind](
+        model,
+        axis=axis,
+        ep_axis=ep_axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+    )
