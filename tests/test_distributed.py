@@ -273,13 +273,16 @@ def test_check_mode_mismatch_raises_on_every_rank_with_what_each_passed(
         ), msg
         assert (
             "rank 0: all_gather(shapes=[(2,)], dtypes=['torch.float32'], params={'dim': 0, "
-            "'tiled': True})" in msg
+            "'tiled': True}) at reliability_worker.py:" in msg
         )
         assert (
             "rank 1: all_gather(shapes=[(3,)], dtypes=['torch.float32'], params={'dim': 0, "
-            "'tiled': True})" in msg
+            "'tiled': True}) at reliability_worker.py:" in msg
         )
-        assert msg.endswith("Fix: make every rank of the group make the same call")
+        assert msg.endswith(
+            "Fix: make every rank of the group make the same calls in the same order, each from "
+            "the same line of code"
+        )
         assert elapsed < 3, elapsed  # one small all-gather of the calls
 
 

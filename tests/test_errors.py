@@ -201,3 +201,151 @@ def test_raw_per_rank_op_on_a_plain_tensor_over_many_ranks(name: str) -> None:
         prim.per_rank_op(
             torch.zeros(3), *prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), params)
         )
+
+
+# Issue 32.7: the weak or silent cases of the error census. Each message names the op or module,
+# the axis (and the rank where there is one) and the fix.
+TP2 = fd.Mesh({"sp": 2, "tp": 2})
+
+
+def _linear_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv1d(4, 4, 1), torch.nn.Linear(4, 4))
+
+
+CENSUS = [
+    (
+        "all_gather tiled='no'",
+        lambda: fd.simulate(lambda x: fd.all_gather(x, TP2, "tp", tiled="no"), TP2)(
+            torch.ones(4, 3)
+        ),
+        fd.CollectiveError,
+        "fastdist.all_gather(axis='tp') on every rank: tiled='no' is not a bool. Fix: pass "
+        "tiled=True or tiled=False",
+    ),
+    (
+        "psum_scatter tiled=1",
+        lambda: fd.simulate(lambda x: fd.psum_scatter(x, TP2, "tp", tiled=1), TP2)(
+            torch.ones(4, 2)
+        ),
+        fd.CollectiveError,
+        "fastdist.psum_scatter(axis='tp') on every rank: tiled=1 is not a bool. Fix: pass "
+        "tiled=True or tiled=False",
+    ),
+    (
+        "padding_idx outside the vocabulary",
+        lambda: fd.nn.VocabParallelEmbedding(8, 4, TP2, "tp", padding_idx=9),
+        fd.MeshError,
+        "VocabParallelEmbedding(axis='tp'): padding_idx=9 is not an id of the 8-word vocabulary. "
+        "Fix: pass an id in [0, 8) (or [-8, -1] counted from the end, as nn.Embedding takes), or "
+        "None",
+    ),
+    (
+        "UlyssesAttention, unknown axis",
+        lambda: fd.nn.UlyssesAttention(TP2, "cp"),
+        fd.MeshError,
+        "UlyssesAttention: unknown mesh axis 'cp'; Mesh({'sp': 2, 'tp': 2}) has axes ('sp', 'tp') "
+        "(axis='cp'). Fix: use one of ('sp', 'tp')",
+    ),
+    (
+        "RingAttention, no mesh",
+        lambda: fd.nn.RingAttention({"sp": 2}),  # type: ignore[arg-type]
+        fd.MeshError,
+        "RingAttention: mesh must be a fastdist.Mesh, got dict. Fix: pass the Mesh the model "
+        "runs on",
+    ),
+    (
+        "spmd spec longer than the tensor",
+        lambda: fd.spmd(lambda x: x, TP2, (fd.P("sp", "tp"),), fd.P("sp"))(torch.ones(4)),
+        fd.MeshError,
+        "spmd: in_specs[0] P('sp', 'tp') has 2 entries but the tensor is 1-d (4,). Fix: give at "
+        "most 1 entry, one per leading dim of the tensor (dims left out are replicated)",
+    ),
+    (
+        "spmd bad check=",
+        lambda: fd.spmd(lambda x: x, TP2, (fd.P("sp"),), fd.P("sp"), check="yes"),
+        fd.MeshError,
+        "spmd: check must be 'insert', 'error', True or False, got 'yes'. Fix: check='insert' "
+        "(add the pvary a replicated value needs), check='error' (name it), or check=False (no "
+        "bookkeeping; needed under torch.compile)",
+    ),
+    (
+        "ColumnParallelLinear, indivisible",
+        lambda: fd.nn.ColumnParallelLinear(4, 5, TP2, "tp"),
+        fd.MeshError,
+        "ColumnParallelLinear(axis='tp'): out_features=5 is not divisible by the size 2 of axis "
+        "'tp'. Fix: choose out_features divisible by 2, or split the layer over a smaller axis",
+    ),
+    (
+        "RowParallelLinear, unknown axis",
+        lambda: fd.nn.RowParallelLinear(4, 4, TP2, "dp"),
+        fd.MeshError,
+        "RowParallelLinear(axis='dp'): unknown mesh axis 'dp'; Mesh({'sp': 2, 'tp': 2}) has axes "
+        "('sp', 'tp'). Fix: use one of ('sp', 'tp')",
+    ),
+    (
+        "MergedColumnParallelLinear, one projection indivisible",
+        lambda: fd.nn.MergedColumnParallelLinear(4, (4, 3), TP2, "tp", names=("q", "k")),
+        fd.MeshError,
+        "MergedColumnParallelLinear['k'](axis='tp'): out_features=3 is not divisible by the size "
+        "2 of axis 'tp'. Fix: choose out_features divisible by 2",
+    ),
+    (
+        "USPAttention, one axis twice",
+        lambda: fd.nn.USPAttention(TP2, "tp", "tp"),
+        fd.MeshError,
+        "USPAttention: ulysses_axis and ring_axis are both 'tp'; they must be different axes of "
+        "Mesh({'sp': 2, 'tp': 2}). Fix: pass another axis for one of them (e.g. "
+        "ulysses_axis='sp')",
+    ),
+    (
+        "parallelize, wrong module type",
+        lambda: fd.nn.parallelize(_linear_model(), TP2, {"0": fd.nn.ColwiseParallel()}),
+        fd.nn.ParallelizeError,
+        "parallelize: '0' is a Conv1d; ColwiseParallel(axis='tp') needs nn.Linear or "
+        "transformers' Conv1D. Fix: give this style to the linear layers only",
+    ),
+    (
+        "load_checkpoint, missing file",
+        lambda: fd.nn.load_checkpoint(
+            fd.nn.ColumnParallelLinear(4, 4, TP2, "tp"), "/nonexistent/model.safetensors", TP2
+        ),
+        fd.MeshError,
+        "fastdist.nn.load_checkpoint: /nonexistent/model.safetensors does not exist. Fix: pass a "
+        ".safetensors file, a save_pretrained directory",
+    ),
+    (
+        "load_checkpoint, rank out of range",
+        lambda: fd.nn.load_checkpoint(
+            fd.nn.ColumnParallelLinear(4, 4, TP2, "tp"), {}, TP2, rank=4, strict=False
+        ),
+        fd.MeshError,
+        "fastdist.nn.load_checkpoint: rank=4 is not a rank of Mesh({'sp': 2, 'tp': 2}) (ranks "
+        "0..3). Fix: pass rank= in 0..3",
+    ),
+    (
+        "from_torch timeout=-1",
+        lambda: fd.Mesh.from_torch(tp=2, timeout=-1),
+        fd.MeshError,
+        "Mesh.from_torch: timeout must be positive seconds or a positive timedelta, got -1. Fix: "
+        "pass timeout=<seconds> greater than 0 (e.g. timeout=60), or leave it out for the default "
+        "(600 s)",
+    ),
+    (
+        "from_torch check='yes'",
+        lambda: fd.Mesh.from_torch(tp=2, check="yes"),  # type: ignore[arg-type]
+        fd.MeshError,
+        "Mesh.from_torch: check must be True or False, got 'yes'. Fix: check=True",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, call, kind, start", CENSUS, ids=[c[0] for c in CENSUS])
+def test_census_messages_name_the_op_axis_and_fix(
+    case: str, call: Callable[[], object], kind: type[Exception], start: str
+) -> None:
+    """Issue 32.7 (the wrong world size for from_torch and meshes built in different orders run
+    on gloo: tests/test_reliability.py)."""
+    with pytest.raises(kind) as info:
+        call()
+    assert str(info.value).startswith(start), (case, str(info.value))
+    assert "Fix: " in str(info.value)

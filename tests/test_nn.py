@@ -628,7 +628,9 @@ def test_shard_unstack_and_errors() -> None:
         stacked = fd.nn.stack_state({"w": full}, {"w": spec}, mesh)["w"]
         assert torch.equal(fd.nn.unstack(stacked, spec, mesh), full)
     with pytest.raises(
-        fd.MeshError, match=r"out_features = 5 is not divisible by the size 2 of axis 'tp'"
+        fd.MeshError,
+        match=r"ColumnParallelLinear\(axis='tp'\): out_features=5 is not divisible by the size 2 "
+        r"of axis 'tp'\. Fix: choose out_features divisible by 2",
     ):
         fd.nn.ColumnParallelLinear(3, 5, mesh)
     with pytest.raises(

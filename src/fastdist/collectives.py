@@ -176,6 +176,18 @@ def _apply(
     return prim.bind(x, *extra, spec=spec, **params)
 
 
+def _flag(op: str, axis: AxisName, name: str, value: Any) -> bool:
+    """``value`` if it is a bool (``tiled="no"`` would read as true)."""
+    if not isinstance(value, bool):
+        raise CollectiveError(
+            op,
+            axis,
+            f"{name}={value!r} is not a bool",
+            f"pass {name}=True or {name}=False",
+        )
+    return value
+
+
 def _norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
     """Normalise a (possibly negative) dim in ``[-ndim, ndim)``."""
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
@@ -586,8 +598,9 @@ def all_gather(
             [1., 2., 3., 4.]])
     """
     x, spec = _enter("all_gather", x, mesh, axis)
+    tiled = _flag("all_gather", axis, "tiled", tiled)
     d = _norm_dim("all_gather", axis, "dim", dim, x.dim() if tiled else x.dim() + 1)
-    return _apply(all_gather_p, mesh, x, spec, dim=d, tiled=bool(tiled))
+    return _apply(all_gather_p, mesh, x, spec, dim=d, tiled=tiled)
 
 
 # ====================================================================== all_gather_invariant /
@@ -776,6 +789,7 @@ def psum_scatter(
     """
     x, spec = _enter("psum_scatter", x, mesh, axis)
     _need_reducible(psum_scatter_p, axis, x)
+    tiled = _flag("psum_scatter", axis, "tiled", tiled)
     d = _norm_dim("psum_scatter", axis, "dim", dim, x.dim())
     if tiled:
         _need_divisible(
@@ -788,7 +802,7 @@ def psum_scatter(
             f"tiled=False needs dim {d} of size {spec.n} (the axis size), got {x.shape[d]}",
             "use tiled=True to split the dim into n chunks",
         )
-    return _apply(psum_scatter_p, mesh, x, spec, dim=d, tiled=bool(tiled))
+    return _apply(psum_scatter_p, mesh, x, spec, dim=d, tiled=tiled)
 
 
 # ====================================================================== all_to_all

@@ -50,7 +50,7 @@ class PartitionSpec:
             ):
                 raise MeshError(
                     "PartitionSpec: each entry is None, an axis name or a tuple of names, got "
-                    f"{d!r}"
+                    f"{d!r}. Fix: e.g. P('dp', None) or P(('dp', 'tp'))"
                 )
         self.dims = tuple(dims)
         self.partial = (partial,) if isinstance(partial, str) else tuple(partial)
@@ -100,7 +100,11 @@ def block_of(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
 
 def check_spec(where: str, mesh: Mesh, spec: Any, t: Tensor | None) -> PartitionSpec:
     if not isinstance(spec, PartitionSpec):
-        raise MeshError(f"spmd: {where} must be a fastdist.P(...), got {spec!r}")
+        raise MeshError(
+            f"spmd: {where} must be a fastdist.P(...), got {spec!r}. Fix: e.g. P('dp') (dim 0 "
+            "split over 'dp'), P() (replicated)"
+            + (", or None for an argument that is not a tensor" if where.startswith("in") else "")
+        )
     seen = list(spec.sharded_axes) + list(spec.partial)
     for a in seen:
         mesh.axis_indices(a, f"spmd {where}")
@@ -113,7 +117,9 @@ def check_spec(where: str, mesh: Mesh, spec: Any, t: Tensor | None) -> Partition
         if len(spec.dims) > t.dim():
             raise MeshError(
                 f"spmd: {where} {spec!r} has {len(spec.dims)} entries but the tensor is "
-                f"{t.dim()}-d {tuple(t.shape)}"
+                f"{t.dim()}-d {tuple(t.shape)}. Fix: give at most {t.dim()} "
+                f"entr{'y' if t.dim() == 1 else 'ies'}, one per leading dim of the tensor (dims "
+                "left out are replicated)"
             )
         for i in range(len(spec.dims)):
             n = mesh.axis_size(spec.axes_of(i)) if spec.axes_of(i) else 1

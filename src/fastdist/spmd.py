@@ -152,7 +152,11 @@ def spmd(
     else:
         mode = check
     if mode is not None and mode not in ("insert", "error"):
-        raise MeshError(f"spmd: check must be 'insert', 'error', True or False, got {check!r}")
+        raise MeshError(
+            f"spmd: check must be 'insert', 'error', True or False, got {check!r}. Fix: "
+            "check='insert' (add the pvary a replicated value needs), check='error' (name it), "
+            "or check=False (no bookkeeping; needed under torch.compile)"
+        )
     single_out = isinstance(out_specs, PartitionSpec)
     outs: list[PartitionSpec] = (
         [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
@@ -193,7 +197,8 @@ def spmd(
         items = [result] if single else list(result)
         if len(items) != len(specs):
             raise MeshError(
-                f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}"
+                f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}. Fix: "
+                "give one out spec per output (a single P(...), not a tuple, for one tensor)"
             )
         joined = []
         for y, s in zip(items, specs):
@@ -271,7 +276,10 @@ def _check_outputs(
     items = [result] if single else list(result) if isinstance(result, (tuple, list)) else [result]
     for i, (y, s) in enumerate(zip(items, specs)):
         if not isinstance(y, Tensor):
-            raise MeshError(f"spmd: output {i} is a {type(y).__name__}, not a tensor")
+            raise MeshError(
+                f"spmd: output {i} is a {type(y).__name__}, not a tensor. Fix: return tensors "
+                "only (one per out spec)"
+            )
         rep = tracker.get(y)
         sharded = set(s.sharded_axes)
         for a in tracker.mesh.axis_names:

@@ -152,6 +152,22 @@ def _ulysses_heads(
     )
 
 
+def _check_axes(module: str, mesh: Any, **axes: Any) -> None:
+    """Check, when the module is built, that ``mesh`` is a Mesh and each of ``axes`` names its
+    axes (not at the first forward)."""
+    if not isinstance(mesh, Mesh):
+        raise MeshError(
+            f"{module}: mesh must be a fastdist.Mesh, got {type(mesh).__name__}. Fix: pass the "
+            "Mesh the model runs on"
+        )
+    for name, axis in axes.items():
+        try:
+            mesh.axis_indices(axis, module)
+        except MeshError as e:  # "<module>: unknown mesh axis ...; ... Fix: ...": add the argument
+            problem, _, fix = str(e).partition(". Fix: ")
+            raise MeshError(f"{problem} ({name}={axis!r}). Fix: {fix}") from None
+
+
 class UlyssesAttention(nn.Module):
     """Ulysses sequence parallelism: all-to-all (sequence shard of all heads -> whole sequence of a
     head shard), attention per head, and back.
@@ -174,6 +190,7 @@ class UlyssesAttention(nn.Module):
 
     def __init__(self, mesh: Mesh, axis: str = "sp", *, causal: bool = False) -> None:
         super().__init__()
+        _check_axes("UlyssesAttention", mesh, axis=axis)
         self.mesh, self.axis, self.causal = mesh, axis, causal
 
     def forward(
@@ -232,6 +249,7 @@ class RingAttention(nn.Module):
 
     def __init__(self, mesh: Mesh, axis: str = "sp", *, causal: bool = False) -> None:
         super().__init__()
+        _check_axes("RingAttention", mesh, axis=axis)
         self.mesh, self.axis, self.causal = mesh, axis, causal
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -315,9 +333,19 @@ class USPAttention(nn.Module):
         self, mesh: Mesh, ulysses_axis: str, ring_axis: str, *, causal: bool = False
     ) -> None:
         super().__init__()
+        _check_axes("USPAttention", mesh, ulysses_axis=ulysses_axis, ring_axis=ring_axis)
         if ulysses_axis == ring_axis:
-            raise MeshError("USPAttention: ulysses_axis and ring_axis must be different mesh axes")
-        mesh.axis_indices((ulysses_axis, ring_axis), "USPAttention")
+            others = [a for a in mesh.axis_names if a != ring_axis]
+            raise MeshError(
+                f"USPAttention: ulysses_axis and ring_axis are both {ring_axis!r}; they must be "
+                f"different axes of {mesh!r}. Fix: "
+                + (
+                    f"pass another axis for one of them (e.g. ulysses_axis={others[0]!r})"
+                    if others
+                    else "build a mesh with two axes (e.g. Mesh({'cp': 2, 'sp': 2})), or use "
+                    "UlyssesAttention or RingAttention over the one axis"
+                )
+            )
         self.mesh, self.ulysses_axis, self.ring_axis, self.causal = (
             mesh,
             ulysses_axis,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +34,27 @@ __all__ = [
 ]
 
 
-def _local(full: int, n: int, what: str, axis: str) -> int:
+def _axis_size(layer: str, mesh: Any, axis: Any) -> int:
+    """The size of ``axis`` of ``mesh``, checked when ``layer`` is built (the error names it)."""
+    if not isinstance(mesh, Mesh):
+        raise MeshError(
+            f"{layer}: mesh must be a fastdist.Mesh, got {type(mesh).__name__}. Fix: pass the "
+            "Mesh the model runs on"
+        )
+    try:
+        return mesh.axis_size(axis)
+    except MeshError as e:  # "...: unknown mesh axis ...; ... Fix: ...": name the layer
+        problem, _, fix = str(e).partition(". Fix: ")
+        problem = problem.split(": ", 1)[-1]
+        raise MeshError(f"{layer}(axis={axis!r}): {problem}. Fix: {fix}") from None
+
+
+def _local(layer: str, full: int, n: int, what: str, axis: str) -> int:
     if full % n:
         raise MeshError(
-            f"fastdist.nn: {what} = {full} is not divisible by the size {n} of axis {axis!r}. "
-            f"Fix: choose sizes divisible by {n}"
+            f"{layer}(axis={axis!r}): {what}={full} is not divisible by the size {n} of axis "
+            f"{axis!r}. Fix: choose {what} divisible by {n}, or split the layer over a smaller "
+            "axis"
         )
     return full // n
 
@@ -73,7 +89,8 @@ class ColumnParallelLinear(nn.Module):
             sequence_parallel,
             seq_dim,
         )
-        local = _local(out_features, mesh.axis_size(axis), "out_features", axis)
+        n = _axis_size("ColumnParallelLinear", mesh, axis)
+        local = _local("ColumnParallelLinear", out_features, n, "out_features", axis)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -205,6 +222,9 @@ class MergedColumnParallelLinear(nn.Module):
             sequence_parallel,
             seq_dim,
         )
+        n = _axis_size("MergedColumnParallelLinear", mesh, axis)
+        for name, out in zip(names, out_features):
+            _local(f"MergedColumnParallelLinear[{name!r}]", out, n, "out_features", axis)
         for name, out in zip(names, out_features):
             self.add_module(
                 name,
@@ -275,7 +295,8 @@ class RowParallelLinear(nn.Module):
             sequence_parallel,
             seq_dim,
         )
-        local = _local(in_features, mesh.axis_size(axis), "in_features", axis)
+        n = _axis_size("RowParallelLinear", mesh, axis)
+        local = _local("RowParallelLinear", in_features, n, "in_features", axis)
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -320,6 +341,20 @@ class VocabParallelEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        n = _axis_size("VocabParallelEmbedding", mesh, axis)
+        if padding_idx is not None:
+            if (
+                isinstance(padding_idx, bool)
+                or not isinstance(padding_idx, int)
+                or not -num_embeddings <= padding_idx < num_embeddings
+            ):
+                raise MeshError(
+                    f"VocabParallelEmbedding(axis={axis!r}): padding_idx={padding_idx!r} is not "
+                    f"an id of the {num_embeddings}-word vocabulary. Fix: pass an id in "
+                    f"[0, {num_embeddings}) (or [-{num_embeddings}, -1] counted from the end, as "
+                    "nn.Embedding takes), or None"
+                )
+            padding_idx %= num_embeddings  # as nn.Embedding: a negative id counts from the end
         self.mesh, self.axis, self.num_embeddings, self.padding_idx = (
             mesh,
             axis,
@@ -327,7 +362,7 @@ class VocabParallelEmbedding(nn.Module):
             padding_idx,
         )
         # ceil: padded to a multiple of the axis
-        self.local_rows = -(-num_embeddings // mesh.axis_size(axis))
+        self.local_rows = -(-num_embeddings // n)
         self.weight = nn.Parameter(torch.randn(self.local_rows, embedding_dim, dtype=dtype))
 
     def param_layouts(self) -> dict[str, Layout]:

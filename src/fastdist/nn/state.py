@@ -462,6 +462,12 @@ def _open_source(
     from safetensors import safe_open
 
     path = os.fspath(source)
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"fastdist.nn.load_checkpoint: {path} does not exist. Fix: pass a .safetensors file, "
+            "a save_pretrained directory (model.safetensors or model.safetensors.index.json) or "
+            "a state dict"
+        )
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -473,7 +479,8 @@ def _open_source(
             if not os.path.exists(single):
                 raise CheckpointError(
                     f"fastdist.nn.load_checkpoint: {path} holds neither model.safetensors nor "
-                    "model.safetensors.index.json"
+                    "model.safetensors.index.json. Fix: pass the directory save_pretrained("
+                    "..., safe_serialization=True) wrote, or the .safetensors file itself"
                 )
             files = {"": single}
     else:
@@ -568,6 +575,14 @@ def load_checkpoint(
     stacked = rank is None and mesh.backend is None
     if rank is None and not stacked:
         rank = mesh.rank
+    if rank is not None and (
+        isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.size
+    ):
+        raise CheckpointError(
+            f"fastdist.nn.load_checkpoint: rank={rank!r} is not a rank of {mesh!r} (ranks "
+            f"0..{mesh.size - 1}). Fix: pass rank= in 0..{mesh.size - 1}, or leave it out (real "
+            "ranks: this process's rank; simulated: every rank's shard, stacked)"
+        )
     to_file = (
         (lambda k: rename[k] if k in rename else k)
         if isinstance(rename, Mapping)
