@@ -135,6 +135,13 @@ def _math(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any,
 
 def _choice(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, opts: tuple[Any, ...]) -> int:
     dropout_p, is_causal, scale, enable_gqa = opts
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] == 0:
+        # torch's choice and math kernel divide the query heads by the key heads: a SIGFPE that
+        # kills the process for none (a model slicing its heads by the whole model's count)
+        raise RuntimeError(
+            f"scaled_dot_product_attention(enable_gqa=True): the key has 0 heads for "
+            f"{q.shape[-3]} query heads (shape {tuple(k.shape)})"
+        )
     return int(
         torch._fused_sdp_choice(
             q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa

@@ -58,6 +58,7 @@ from .styles import (
     _ReplicatedHeads,
     _swap,
 )
+from .verify import VerifyInputs, verify_plan
 
 __all__ = ["parallelize", "ParallelModel"]
 
@@ -586,7 +587,11 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def parallelize(
-    model: nn.Module, mesh: Mesh, plan: Mapping[str, PlanValue] | None = None
+    model: nn.Module,
+    mesh: Mesh,
+    plan: Mapping[str, PlanValue] | str | None = None,
+    *,
+    verify: VerifyInputs = False,
 ) -> ParallelModel:
     """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a
     `ParallelModel`.
@@ -601,7 +606,14 @@ def parallelize(
             mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
             the ready-made plan for the model's ``config.model_type``
-            (`fastdist.nn.plans.plan_for`).
+            (`fastdist.nn.plans.plan_for`). ``"auto"``: the plan `fastdist.nn.plans.auto` infers
+            from the module tree, checked as ``verify`` (on unless ``verify=False``).
+        verify: check the plan before applying it (`fastdist.nn.verify`): ``True`` runs a copy
+            of the model parallelized and one unparallelized, in float64 and eval mode, on a
+            small random ``input_ids`` batch, compares every module's output, and raises
+            `ParallelizeError` naming the first module that differs and the likely fix, with
+            ``model`` left unchanged. A dict of example keyword inputs, or a callable taking the
+            model and returning one, replaces the random batch.
 
     Raises `ParallelizeError` for a pattern that matches no module, a style applied to
     a module it cannot handle, or a head/feature count that does not split over the axis.
@@ -618,6 +630,16 @@ def parallelize(
     >>> bool(torch.allclose(out[1], ref, atol=1e-6))
     True
     """
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ParallelizeError(
+                f"parallelize: plan={plan!r}; the only plan named by a string is 'auto'. Fix: "
+                "plan='auto', a dict of styles, or None (the ready plan for the model's family)"
+            )
+        from .auto import auto
+
+        plan = auto(model, mesh=mesh, verify=True if verify is False else verify)
+        verify = False  # auto checked the plan it returns
     if plan is None:
         plan = plan_for(model, mesh)
     done_before = [
@@ -669,6 +691,9 @@ def parallelize(
     for name, module, pattern in matches:
         for style in styles[pattern]:
             style.check(module, name, mesh)
+    if verify is not False:
+        # on copies: the model is changed only after the plan passed
+        verify_plan(model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles))
     # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the
     # model's own init on its modules, and load recomputes meta buffers with it.
     try:

@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from ..mesh import Mesh
+from .auto import auto
 from .moe import ExpertParallel
 from .styles import (
     ColwiseParallel,
@@ -41,7 +42,7 @@ from .styles import (
     VocabParallel,
 )
 
-__all__ = ["gpt2", "llama", "mixtral", "plan_for"]
+__all__ = ["auto", "gpt2", "llama", "mixtral", "plan_for"]
 
 Plan = dict[str, Any]
 
