@@ -285,6 +285,42 @@ def test_site_has_install_notebooks_and_performance_pages(site: Path) -> None:
     )
 
 
+def test_notebook_pages_show_the_stored_outputs(site: Path) -> None:
+    """Each notebook's page shows what its cells printed (text), its rich displays (the mesh
+    and sharding tables) and its figures (PNG files of the site)."""
+    import base64
+
+    import nbformat
+
+    images = 0
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        page_dir = site / "notebooks" / nb_path.stem
+        page = (page_dir / "index.html").read_text()
+        text = html.unescape(re.sub(r"<[^>]+>", "", page))
+        nb = nbformat.read(nb_path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            for o in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                if o["output_type"] == "stream" and o["name"] == "stdout":
+                    for line in o["text"].strip().splitlines():
+                        assert line.strip() in text, f"{nb_path.name} cell {i}: {line!r}"
+                elif "image/png" in o.get("data", {}):
+                    srcs = re.findall(r'<img alt="[^"]*" src="([^"]+\.png)"', page)
+                    pngs = [(page_dir / src).resolve() for src in srcs]
+                    png = base64.b64decode(o["data"]["image/png"])
+                    assert any(p.read_bytes() == png for p in pngs), f"{nb_path.name} cell {i}"
+                    images += 1
+                elif "text/html" in o.get("data", {}):
+                    rows = re.findall(r"<tr>", o["data"]["text/html"])
+                    assert rows and o["data"]["text/html"].splitlines()[0] in page, (
+                        f"{nb_path.name} cell {i}: the display is not on the page"
+                    )
+    assert images >= 1
+    tour = (site / "notebooks" / "01_tour_of_collectives" / "index.html").read_text()
+    assert "ppermute 1-&gt;3  : [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 5.0]" in tour
+    shown = html.unescape(re.sub(r"<[^>]+>", " ", tour))
+    assert "global [8, 8] as P('dp', 'tp') on Mesh" in shown  # show_sharding's table
+
+
 def test_distributed_examples_are_highlighted(site: Path) -> None:
     """The examples that need a job (fenced ```py, run on gloo by test_docs_and_notebooks) render
     as highlighted Python, not plain text."""
