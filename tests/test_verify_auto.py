@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import re
 import warnings
 from typing import Any
 
@@ -411,3 +412,15 @@ def test_auto_refuses_a_model_without_blocks_and_a_bad_plan_string() -> None:
         fd.nn.plans.auto(mlp)
     with pytest.raises(fd.nn.ParallelizeError, match="only plan named by a string is 'auto'"):
         fd.nn.parallelize(mlp, fd.Mesh({"tp": 2}), "llama")
+
+
+# ============================================================================ real processes
+def test_verify_and_auto_on_two_gloo_processes() -> None:
+    """Real ranks: each compares its own blocks, and the ranks agree on the verdict."""
+    from fastdist.testing import run_on_gloo
+    from tests.verify_worker import verify_on_gloo
+
+    (layout0, msg0), (layout1, msg1) = run_on_gloo(verify_on_gloo, 2, timeout=300)
+    assert layout0 == layout1 == "'concat'"
+    assert msg0 == msg1  # the same error on every rank
+    assert re.search(r"'model\.layers\.0\.self_attn\.o_proj' .*differs .*on rank [01]", msg0)
