@@ -131,3 +131,97 @@ def test_from_torch_world_size_names_from_torch_and_torchrun(
             "several nodes, nodes x processes per node a multiple of 3), or choose degrees whose "
             "product divides 2",
         )
+
+
+# ---------------------------------------------------------------------------- threads (32.8)
+def test_two_threads_simulate_the_same_mesh_at_once() -> None:
+    """Both threads are inside ``simulate`` over one Mesh object at the same time (a barrier in the
+    per-rank code proves it), with collectives, autograd, spmd's replication checking and
+    simulate's SDPA batching; every value and gradient equals the single-device float64
+    reference."""
+    import threading
+
+    mesh = fd.Mesh({"dp": 2, "tp": 2})
+    f64 = torch.float64
+    both_inside = threading.Barrier(2, timeout=30)
+
+    def per_rank(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        both_inside.wait()  # traced once per call: both threads are in simulate now
+        y = fd.all_gather(x @ w, mesh, "tp", dim=1)  # (rows, 4): x @ W, whole
+        a = torch.nn.functional.scaled_dot_product_attention(y[None], y[None], y[None])[0]
+        return fd.psum((a * y).sum(), mesh, "dp") + fd.axis_index(mesh, "tp")
+
+    step = fd.simulate(per_rank, mesh)
+    checked = fd.spmd(  # spmd's replication checking runs on simulated ranks
+        lambda w, x: fd.all_gather_invariant(x @ w, mesh, "tp", dim=1),
+        mesh,
+        (fd.P(None, "tp"), fd.P()),
+        fd.P(),
+    )
+    results: dict[int, Any] = {}
+
+    def worker(t: int) -> None:
+        g = torch.Generator().manual_seed(t)
+        w_full = torch.randn(3, 4, dtype=f64, generator=g)
+        x = torch.randn(5, 3, dtype=f64, generator=g)
+        outs = []
+        for _ in range(3):
+            # rank (d, t) holds columns [2t, 2t + 2) of W
+            w = torch.stack([w_full[:, 2 * (r % 2) : 2 * (r % 2) + 2] for r in range(4)])
+            w.requires_grad_()
+            if t == 0:
+                out = step(w, x.expand(4, 5, 3))
+            else:  # one vmap level deeper: a binding taken from the other thread would not fit
+                out = torch.vmap(lambda d, w, x: step(w, x) + d, in_dims=(0, None, None))(
+                    torch.zeros(1, dtype=f64), w, x.expand(4, 5, 3)
+                )[0]
+            out.sum().backward()
+            wc = w_full.clone().requires_grad_()
+            outs.append((out.detach(), w.grad, checked(wc, x), wc))
+        results[t] = (w_full, x, outs)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(results) == [0, 1]
+    for w_full, x, outs in results.values():
+        ref_w = w_full.clone().requires_grad_()
+        y = x @ ref_w
+        a = torch.nn.functional.scaled_dot_product_attention(y[None], y[None], y[None])[0]
+        s = (a * y).sum()
+        want = torch.stack([2 * s.detach() + r % 2 for r in range(4)])  # psum over dp of s
+        s.backward()
+        # each rank's backward of its own loss: psum's backward gives this rank's own s the
+        # cotangent, and rank (d, t)'s columns of W feed s on the two tp ranks of row d
+        per_rank_cols = torch.stack(
+            [2 * ref_w.grad[:, 2 * (r % 2) : 2 * (r % 2) + 2] for r in range(4)]
+        )
+        for out, grad, spmd_out, _ in outs:
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad, per_rank_cols, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(spmd_out, x @ w_full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def threads_on_gloo() -> list[dict[str, Any]]:
+    return expect_ok(run_world("threads", 2, timeout=120, module="tests.reliability_worker"))
+
+
+def test_a_second_thread_on_a_busy_real_mesh_is_refused(
+    threads_on_gloo: list[dict[str, Any]],
+) -> None:
+    r0, r1 = threads_on_gloo
+    assert r0["main"] == r1["main"] == 3.0  # the first thread's psum went on undisturbed
+    kind, msg, secs = r0["intruder"]
+    assert kind == "CommError" and secs < 0.5, r0["intruder"]
+    assert msg.startswith("fastdist.psum(axis='tp') on rank 0 (group ranks [0, 1]): another thread")
+    assert "is inside a call on this mesh" in msg and "nothing was sent" in msg
+    assert "Fix: make the calls on a mesh from one thread at a time" in msg
+
+
+def test_two_threads_on_two_real_meshes(threads_on_gloo: list[dict[str, Any]]) -> None:
+    want = {t: [200.0 * t + 20 * i + 1 for i in range(20)] for t in range(2)}
+    for out in threads_on_gloo:
+        assert out["two_meshes"] == want

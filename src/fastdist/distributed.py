@@ -35,6 +35,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -195,6 +196,7 @@ class TorchComm:
         self.broken: str | None = (
             None  # what failed, once a failure dropped the groups (see abandon)
         )
+        self.in_call: int | None = None  # the thread inside a blocking call now (see enter)
         self.store: Any = c10d._get_default_store()
         shape = "_".join(f"{n}{s}" for n, s in mesh.shape.items())
         # which mesh of this shape this rank builds (0, 1, ...): the same on every rank that builds
@@ -367,6 +369,36 @@ class TorchComm:
         # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)
         while created:
             _drop_group(created.pop())
+
+    def enter(self, op: str, ac: AxisComm) -> bool:
+        """Mark this thread as inside a blocking call on the mesh (``in_call``); whether this call
+        set the mark (False: an outer call on this thread holds it; the caller clears it only
+        when True).
+
+        A mesh's groups pair calls by their order, so two threads calling on one mesh at once
+        would pair them differently on different processes (wrong data, or a hang): a call made
+        while another thread is inside one on the same mesh raises :class:`~fastdist.CommError`
+        at once, before anything is sent. Calls that do not overlap in time are not seen.
+        """
+        me = threading.get_ident()
+        owner = self.in_call
+        if owner == me:
+            return False
+        if owner is not None:
+            raise CommError(
+                op,
+                ac.label,
+                ac.ranks,
+                self.rank,
+                f"another thread (ident {owner}) is inside a call on this mesh: a mesh's groups "
+                "pair calls by their order, which two threads would make differ between the "
+                "processes (nothing was sent; the mesh stays usable)",
+                "make the calls on a mesh from one thread at a time (e.g. a lock around each "
+                "step), or give each thread its own mesh (Mesh.from_torch once per thread, built "
+                "in the same order on every rank)",
+            )
+        self.in_call = me
+        return True
 
     def check_usable(self, op: str, ac: AxisComm) -> None:
         """Raise if an earlier failure dropped this mesh's groups (see :meth:`abandon`)."""
@@ -661,6 +693,7 @@ class AxisComm:
         if torch.compiler.is_compiling():
             return fn(*args)
         self.comm.check_usable(op, self)
+        entered = self.comm.enter(op, self)
         self.calls += 1
         try:
             return fn(*args)
@@ -669,6 +702,9 @@ class AxisComm:
         except Exception as e:  # c10d raises RuntimeError/DistError for everything
             traceback.clear_frames(e.__traceback__)  # let go of the group (see _collective)
             raise self.failed(op, e, what) from e
+        finally:
+            if entered:
+                self.comm.in_call = None
 
     def failed(self, op: str, e: BaseException, what: str) -> CommError:
         """The error for a failed blocking call: its cause without source paths, and which peers
@@ -761,13 +797,14 @@ class AxisComm:
             return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
         if self.comm.broken is not None:
             self.comm.check_usable(op, self)
+        entered = self.comm.enter(op, self)
         self.calls += 1
-        t: TorchTransport | NativeCommunicator | None = (
-            self._transports.get(x.device.type) if self.comm.native_lib is None else None
-        )
-        if t is None:
-            t = self.transport(op, x)
+        t: TorchTransport | NativeCommunicator | None = None
         try:
+            if self.comm.native_lib is None:
+                t = self._transports.get(x.device.type)
+            if t is None:
+                t = self.transport(op, x)
             return cast(Tensor, getattr(t, method)(op, x, *args))
         except (CommError, MeshError, NoBackendError):
             raise
@@ -777,6 +814,9 @@ class AxisComm:
             # the same for the finished frames of the failed call
             traceback.clear_frames(e.__traceback__)
             raise self.failed(op, e, "the collective") from e
+        finally:
+            if entered:
+                self.comm.in_call = None
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""
