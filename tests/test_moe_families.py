@@ -136,11 +136,11 @@ def test_family_matches_one_device(
     family: str, axes: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights = TOL
-    if family.startswith("deepseek"):
-        # DeepSeek's routers compute in float32 even in a float64 model
-        # (``hidden_states.type(torch.float32)``, softmax in ``torch.float32``): here on both sides
-        # in float64, so that everything must agree to 1e-10 (test_deepseek_float32_router: as
-        # shipped)
+    if family.startswith("deepseek") or family == "olmoe":
+        # DeepSeek's routers and OLMoE's q/k norms compute in float32 even in a float64 model
+        # (``hidden_states.type(torch.float32)``, ``.to(torch.float32)``): here on both sides in
+        # float64, so that everything must agree to 1e-10 (test_float32_inside_float64_models:
+        # as shipped)
         monkeypatch.setattr(torch, "float32", torch.float64)
     if family == "deepseek_v2":
         # its rotary embedding runs in complex64 (``xq.float()``) on both sides, so the gradients
@@ -156,10 +156,10 @@ def check_family(
     axes: dict[str, int],
     forward: dict[str, float],
     grads_tol: dict[str, float],
-    weights: dict[str, float],
+    weights: dict[str, float] | None,
 ) -> None:
     """Logits, loss (+ aux loss), every gradient and two AdamW steps against one device, to the
-    given tolerances."""
+    given tolerances (``weights=None``: one step's forward and gradients only)."""
     ref = build(family)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
@@ -167,7 +167,7 @@ def check_family(
     vocab_axis = "tp" if "tp" in axes else "ep"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    for step in range(2):
+    for step in range(2 if weights is not None else 1):
         ids, labels = batch(10 + step)
         want_logits, want_loss, want_aux = reference(ref, ids, labels)
         out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
@@ -191,6 +191,8 @@ def check_family(
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
+    if weights is None:
+        return
     state = pm.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(
@@ -198,11 +200,96 @@ def check_family(
         )
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-def test_deepseek_float32_router(family: str) -> None:
-    """As transformers ships them, DeepSeek's routers run in float32 in a float64 model; the
-    float32 linear layer rounds differently in the simulation's batched kernels than in one
-    device's, so the parallel model agrees with one device to float32's precision (router
-    weights one float32 rounding apart)."""
-    f32 = {"rtol": 1e-6, "atol": 1e-7}
-    check_family(family, {"ep": 2, "tp": 2}, f32, f32, {"rtol": 1e-5, "atol": 1e-7})
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "olmoe"])
+def test_float32_inside_float64_models(family: str) -> None:
+    """As transformers ships them, DeepSeek's routers and OLMoE's q/k norms run in float32 in a
+    float64 model. float32 rounds differently in the simulation's batched kernels (and in a
+    norm's sum of squares summed over tp) than on one device, so the parallel model agrees
+    with one device to float32's precision: logits, loss and gradients (not the weights after
+    AdamW, whose first update lr * g / |g| flips with the sign of a gradient within float32
+    noise of 0)."""
+    f32 = {"rtol": 1e-5, "atol": 1e-6}
+    check_family(family, {"ep": 2, "tp": 2}, f32, f32, None)
+
+
+def test_plan_mistakes_raise_parallelize_errors_naming_the_module_and_the_fix() -> None:
+    from fastdist.nn import moe_plans
+
+    # GPT-OSS's attention sinks (one per head) left whole: refused before anything changes,
+    # instead of torch's "Sizes of tensors must match" from inside the model
+    model = build("gpt_oss")
+    plan = moe_plans.gpt_oss(model)
+    plan["model.layers.*.self_attn"] = moe_plans._attention(model.config, "tp")
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=r"'model\.layers\.0\.self_attn' \(GptOssAttention\): its own parameter 'sinks' .*"
+        r"Fix: HeadParallelAttention\(\.\.\., head_params=\('sinks',\)\)",
+    ):
+        fd.nn.parallelize(model, fd.Mesh({"ep": 2, "tp": 2}), plan)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)  # unchanged
+    # MLA heads that do not split
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=r"attention 'model\.layers\.0\.self_attn' has 4 heads, not divisible by the 3 "
+        r"ranks of 'tp'\. Fix",
+    ):
+        fd.nn.parallelize(build("deepseek_v3"), fd.Mesh({"tp": 3, "ep": 2}))
+    # GPT-OSS experts' 8 features over 3 tp ranks
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=r"'model\.layers\.0\.mlp\.experts' has experts of 8 intermediate features, not "
+        r"divisible by the 3 ranks of 'tp'\. Fix",
+    ):
+        fd.nn.parallelize(
+            build("gpt_oss"),
+            fd.Mesh({"ep": 2, "tp": 3}),
+            {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel(tp_axis="tp")},
+        )
+    # the style on the router instead of the experts
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=r"'model\.layers\.0\.mlp\.router' \(GptOssTopKRouter\) is not a 3-D-parameter "
+        r"experts module.*Fix: apply ExpertParallel to the experts module",
+    ):
+        fd.nn.parallelize(
+            build("gpt_oss"),
+            fd.Mesh({"ep": 2}),
+            {"model.layers.0.mlp.router": fd.nn.moe.ExpertParallel()},
+        )
+    # sinks that do not split
+    with pytest.raises(
+        fd.nn.ParallelizeError, match=r"self_attn\.sinks has 4 heads, not divisible by the 3"
+    ):
+        fd.nn.parallelize(
+            build("gpt_oss"),
+            fd.Mesh({"tp": 3}),
+            {"model.layers.0.self_attn": fd.nn.styles.HeadParams("tp", ("sinks",))},
+        )
+    # experts that do not divide over ep
+    with pytest.raises(
+        fd.nn.moe.MoEError, match=r"4 experts do not divide over the 3 ranks of 'ep'.*Fix"
+    ):
+        fd.nn.parallelize(
+            build("qwen3_moe"),
+            fd.Mesh({"ep": 3}),
+            {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel()},
+        )
+    for family in FAMILIES:  # no sequence parallelism in any MoE plan yet
+        with pytest.raises(fd.nn.ParallelizeError, match=r"no sequence parallelism.*Fix"):
+            fd.nn.plans.plan_for(build(family), fd.Mesh({"tp": 2}), sequence_parallel=True)
+
+
+def test_plan_for_picks_the_axes_from_the_mesh() -> None:
+    """Experts over ep when the mesh has it, else over tp itself; attention over tp, else ep."""
+    model = build("qwen2_moe")
+    for axes, attn, experts, inside in (
+        ({"tp": 2}, "tp", "tp", None),
+        ({"ep": 2}, "ep", "ep", None),
+        ({"ep": 2, "tp": 2}, "tp", "ep", "tp"),
+    ):
+        plan = fd.nn.plans.plan_for(model, fd.Mesh(axes))
+        assert plan["model.layers.*.self_attn"].axis == attn
+        style = plan["model.layers.1.mlp.experts"]
+        assert (style.axis, style.tp_axis) == (experts, inside)
+        assert plan["model.layers.1.mlp.shared_expert.gate_proj"].axis == attn
+        assert plan["model.layers.0.mlp.gate_proj"].axis == attn  # the dense layer

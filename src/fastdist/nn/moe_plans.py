@@ -8,16 +8,15 @@ is registered in `fastdist.nn.plans.plan_for` by ``config.model_type``:
   expert column/row-parallel over ``axis``; the router and ``shared_expert_gate`` replicated;
 * `qwen3_moe`: ``Qwen3MoeForCausalLM``: as Qwen2-MoE without a shared expert, with per-head
   q/k norms;
-* `olmoe`: ``OlmoeForCausalLM``: experts over ``ep_axis``; the attention **replicated**
-  (its ``q_norm``/``k_norm`` normalise the whole projection width, so a head split would
-  change them);
+* `olmoe`: ``OlmoeForCausalLM``: attention by heads with its whole-width ``q_norm``/``k_norm``
+  (statistics summed over ``axis``); experts over ``ep_axis``;
 * `deepseek_v2`, `deepseek_v3`: multi-head latent attention (`LatentAttention`): the per-head
   projections (``q_proj`` or ``q_b_proj``, ``kv_b_proj``, ``o_proj``) by heads over ``axis``,
   the latent projections (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) replicated;
   routed experts over ``ep_axis``, shared experts over ``axis``, the first
   ``first_k_dense_replace`` dense MLPs over ``axis``;
 * `gpt_oss`: ``GptOssForCausalLM``: attention by heads with each rank's attention sinks
-  (`HeadParams`), alternating sliding windows as the model computes them; its experts'
+  (``head_params``), alternating sliding windows as the model computes them; its experts'
   transposed, interleaved, biased layout over ``ep_axis`` (and ``axis`` inside each expert).
 
 Every plan keeps the router replicated (one device's routing, ``router_logits`` and aux loss)
@@ -36,12 +35,11 @@ from typing import Any
 from torch import nn
 
 from ..mesh import Mesh
-from ..sharding import P
 from .moe import ExpertParallel, Strategy
-from .state import Layout
 from .styles import (
     ColwiseParallel,
     HeadParallelAttention,
+    HeadParams,
     ParallelizeError,
     PrepareInput,
     PvaryParams,
@@ -71,58 +69,6 @@ Plan = dict[str, Any]
 
 
 # ============================================================================ styles
-@dataclass(frozen=True)
-class HeadParams(Style):
-    """Split the module's own per-head parameters (dim 0) over ``axis``, as its heads are split
-    (GPT-OSS's attention ``sinks``, one logit per head); use after `HeadParallelAttention` on the
-    same module.
-
-    >>> import torch, fastdist as fd
-    >>> attn = torch.nn.Module()
-    >>> attn.sinks = torch.nn.Parameter(torch.arange(4.0))
-    >>> pm = fd.nn.parallelize(attn, fd.Mesh({"tp": 2}), {"": HeadParams("tp", ("sinks",))})
-    >>> attn.sinks.tolist()                        # [rank, heads / 2]
-    [[0.0, 1.0], [2.0, 3.0]]
-    """
-
-    axis: str = "tp"
-    names: tuple[str, ...] = ("sinks",)
-
-    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        n = mesh.axis_size(self.axis)
-        for pname in self.names:
-            p = getattr(module, pname, None)
-            if not isinstance(p, nn.Parameter) or p.dim() == 0:
-                raise ParallelizeError(
-                    f"parallelize: {name!r} ({type(module).__name__}) has no per-head parameter "
-                    f"{pname!r}. Fix: name the module's own per-head parameters in "
-                    "HeadParams(names=...)"
-                )
-            if p.shape[0] % n:
-                raise ParallelizeError(
-                    f"parallelize: {name}.{pname} has {p.shape[0]} heads, not divisible by the "
-                    f"{n} ranks of {self.axis!r}. Fix: a {self.axis!r} size that divides "
-                    f"{p.shape[0]}"
-                )
-
-    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
-        self.check(module, name, ctx.mesh)
-        layout = Layout(P(self.axis))
-        for pname in self.names:
-            where = f"{name}.{pname}" if name else pname
-            setattr(module, pname, ctx.param(getattr(module, pname), layout, where))
-        # say how they split (fastdist.nn.param_layouts reads a module's param_layouts())
-        before = getattr(module, "param_layouts", None)
-        own = dict.fromkeys(self.names, layout)
-
-        def param_layouts() -> dict[str, Any]:
-            return {**(before() if callable(before) else {}), **own}
-
-        # an instance attribute: the model's own class stays as it is
-        object.__setattr__(module, "param_layouts", param_layouts)
-        return module
-
-
 @dataclass(frozen=True)
 class LatentAttention(Style):
     """DeepSeek-V2/V3's multi-head latent attention with its heads split over ``axis``.
@@ -222,18 +168,11 @@ def _vocab(axis: str, prefix: str, gather_logits: bool) -> Plan:
     }
 
 
-def _attention(cfg: Any, axis: str, norms: tuple[str, ...] = ()) -> HeadParallelAttention:
+def _attention(cfg: Any, axis: str, **options: Any) -> HeadParallelAttention:
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return HeadParallelAttention(
-        heads,
-        kv,
-        head_dim,
-        axis,
-        norms=norms,
-        attrs=(("num_key_value_groups", lambda hq, hkv, d: hq // hkv),),
-    )
+    return HeadParallelAttention(heads, kv, head_dim, axis, **options)
 
 
 def _experts(
@@ -269,7 +208,7 @@ def _qwen_moe(
         and (i + 1) % cfg.decoder_sparse_step == 0
     ]
     plan: Plan = _vocab(axis, prefix, gather_logits)
-    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, norms)
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, norms=norms)
     for layer in _layer_patterns(prefix, sparse, L):
         plan[f"{layer}.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
         if shared:
@@ -373,18 +312,24 @@ def olmoe(
     gather_logits: bool = False,
     prefix: str = "model",
 ) -> Plan:
-    """The plan for OLMoE: the experts over ``ep_axis`` (each expert's features over ``axis``
-    too unless ``axis == ep_axis``), the vocabulary over ``axis``; the attention stays
-    **replicated**: OLMoE's ``q_norm``/``k_norm`` are RMS norms over the whole projection
-    width (all heads at once), so splitting the heads would change each token's norm.
+    """The plan for OLMoE: attention by heads over ``axis``, the experts over ``ep_axis`` (each
+    expert's features over ``axis`` too unless ``axis == ep_axis``). OLMoE's ``q_norm`` and
+    ``k_norm`` are RMS norms over the whole projection width (all heads at once): split with
+    the heads, their sums of squares are summed over ``axis``
+    (``HeadParallelAttention(full_width_norms=...)``), so each token's norm is the whole
+    width's.
 
     >>> from transformers import OlmoeConfig
     >>> config = OlmoeConfig(hidden_size=32, num_attention_heads=4, num_experts=4)
-    >>> sorted(olmoe(config))
-    ['lm_head', 'model.embed_tokens', 'model.layers.*.mlp.experts']
+    >>> olmoe(config)["model.layers.*.self_attn"].full_width_norms
+    (('q_norm', 'q'), ('k_norm', 'k'))
     """
     _no_sequence_parallel("OLMoE", sequence_parallel)
+    cfg = _config(model_or_config)
     plan = _vocab(axis, prefix, gather_logits)
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(
+        cfg, axis, full_width_norms=(("q_norm", "q"), ("k_norm", "k"))
+    )
     plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
     return plan
 
@@ -498,25 +443,26 @@ def gpt_oss(
     prefix: str = "model",
 ) -> Plan:
     """The plan for GPT-OSS: attention by heads over ``axis`` with each rank's attention sinks
-    (`HeadParams`); the experts (stored transposed, gate and up interleaved, with biases) over
-    ``ep_axis``, each expert's features over ``axis`` too unless ``axis == ep_axis``; the
-    router (with its bias) replicated. Sliding-window and full layers alternate as the
-    model's own masks say (the masks do not depend on heads).
+    (``HeadParallelAttention(head_params=("sinks",))``); the experts (stored transposed, gate
+    and up interleaved, with biases) over ``ep_axis``, each expert's features over ``axis``
+    too unless ``axis == ep_axis``; the router (with its bias) replicated. Sliding-window and
+    full layers alternate as the model's own masks say (the masks do not depend on heads).
 
     >>> from transformers import GptOssConfig
     >>> config = GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
     ...                       head_dim=8, num_local_experts=4)
-    >>> gpt_oss(config)["model.layers.*.self_attn"][1]
-    HeadParams(axis='tp', names=('sinks',))
+    >>> gpt_oss(config)["model.layers.*.self_attn"].head_params
+    ('sinks',)
     """
     _no_sequence_parallel("GPT-OSS", sequence_parallel)
     cfg = _config(model_or_config)
     plan: Plan = _vocab(axis, prefix, gather_logits)
-    plan[f"{prefix}.layers.*.self_attn"] = (_attention(cfg, axis), HeadParams(axis, ("sinks",)))
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, head_params=("sinks",))
     plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
     return plan
 
 
+#: The plan of each MoE family by ``config.model_type`` (what `moe_plan_for` looks up).
 FAMILIES: dict[str, Callable[..., Plan]] = {
     "qwen2_moe": qwen2_moe,
     "qwen3_moe": qwen3_moe,

@@ -41,6 +41,7 @@ __all__ = [
     "HeadParallelAttention",
     "ParallelizeError",
     "ParallelLinear",
+    "HeadParams",
     "ScaledVocabParallelEmbedding",
 ]
 
@@ -664,6 +665,7 @@ def _reads(cls: type) -> tuple[set[str], set[str]]:
         except (OSError, TypeError, KeyError):
             continue
         attrs |= set(re.findall(r"\bmodule\.(\w+)", text))
+        fields |= set(re.findall(r"\bmodule\.config\.(\w+)", text))
     return attrs, fields
 
 
@@ -947,6 +949,7 @@ class HeadParallelAttention(Style):
     full_width_norms: tuple[tuple[str, Literal["q", "k"]], ...] = ()
     head_norm_lists: tuple[tuple[str, Literal["q", "k"]], ...] = ()
     keep: tuple[str, ...] = ()
+    head_params: tuple[str, ...] = ()
 
     def local_heads(self, n: int, name: str) -> tuple[int, int]:
         """(query heads, kv heads) on one rank; raises for a layout that does not split."""
@@ -997,18 +1000,17 @@ class HeadParallelAttention(Style):
         known.update({a: (hkv, kl) for a in _KV_HEAD_NAMES})
         known.update({a: (hq // hkv, hl // kl) for a in _GROUP_NAMES})
         # whole-model values that differ on a rank -> what they are
-        changed = {
-            v: what
-            for v, lv, what in (
-                (hq, hl, "query heads"),
-                (hkv, kl, "kv heads"),
-                (hq // hkv, hl // kl, "query heads per kv head"),
-                (hq * d, hl * d, "query width (heads x head_dim)"),
-                (hkv * d, kl * d, "kv width"),
-                ((hq + 2 * hkv) * d, (hl + 2 * kl) * d, "fused q|k|v width"),
-            )
-            if v != lv
-        }
+        changed: dict[int, str] = {}
+        for v, lv, what in (
+            (hq, hl, "query heads"),
+            (hkv, kl, "kv heads"),
+            (hq // hkv, hl // kl, "query heads per kv head"),
+            (hq * d, hl * d, "query width (heads x head_dim)"),
+            (hkv * d, kl * d, "kv width"),
+            ((hq + 2 * hkv) * d, (hl + 2 * kl) * d, "fused q|k|v width"),
+        ):
+            if v != lv:
+                changed.setdefault(v, what)
         given = {attr: fn(hl, kl, d) for attr, fn in self.attrs}
         attrs: dict[str, Any] = {}
         for attr, (whole, local) in known.items():
@@ -1052,6 +1054,11 @@ class HeadParallelAttention(Style):
                     config[field_name] = known[field_name][1]
                 elif value in changed:
                     refuse("self.config.", field_name, value)
+            if config:  # the view's head counts agree with each other
+                for field_name, (whole, local) in known.items():
+                    if type(getattr(cfg, field_name, None)) is int:
+                        if getattr(cfg, field_name) == whole and field_name not in self.keep:
+                            config.setdefault(field_name, local)
         return _PerRank(attrs, config)
 
     def _check_children(
@@ -1066,6 +1073,19 @@ class HeadParallelAttention(Style):
         handled |= {c for c, _ in self.full_width_norms} | {c for c, _ in self.head_norm_lists}
         heads = {self.num_kv_heads: "k", self.num_heads: "q"}
         widths = {self.num_kv_heads * self.head_dim: "k", self.num_heads * self.head_dim: "q"}
+        for pname, p in module.named_parameters(recurse=False):
+            # the module's own per-head parameter (GPT-OSS's attention sinks), left whole
+            if pname in self.head_params or pname in self.keep or p.dim() == 0:
+                continue
+            if p.shape[0] == self.num_heads and self.num_heads in changed:
+                raise ParallelizeError(
+                    f"parallelize: attention {name!r} ({type(module).__name__}): its own "
+                    f"parameter {pname!r} {tuple(p.shape)} has one entry per query head, but each "
+                    f"of the {n} ranks of {self.axis!r} holds only some heads; left whole it "
+                    "would fail or apply the wrong heads' values. Fix: "
+                    f"HeadParallelAttention(..., head_params=({pname!r},)) to split it with the "
+                    f"heads, or keep=({pname!r},) if it is not per head"
+                )
         for child, sub in module.named_children():
             if child in handled:
                 continue
@@ -1204,6 +1224,8 @@ class HeadParallelAttention(Style):
                 norm,
                 _HeadNormList(cast(nn.ModuleList, sub.norms), ctx.mesh, self.axis, heads, local),
             )
+        if self.head_params:
+            HeadParams(self.axis, self.head_params).apply(module, name, ctx)
         for attr, value in per_rank.attrs.items():
             setattr(module, attr, value)
         if per_rank.config:
@@ -1212,6 +1234,57 @@ class HeadParallelAttention(Style):
             for field_name, value in per_rank.config.items():
                 setattr(view, field_name, value)
             module.config = view
+        return module
+
+
+@dataclass(frozen=True)
+class HeadParams(Style):
+    """Split the module's own per-head parameters (dim 0: one entry per head) over ``axis``, as
+    its heads are split (GPT-OSS's attention ``sinks``). `HeadParallelAttention` applies it to
+    its ``head_params``.
+
+    >>> import torch, fastdist as fd
+    >>> attn = torch.nn.Module()
+    >>> attn.sinks = torch.nn.Parameter(torch.arange(4.0))
+    >>> pm = fd.nn.parallelize(attn, fd.Mesh({"tp": 2}), {"": HeadParams("tp", ("sinks",))})
+    >>> attn.sinks.tolist()                        # [rank, heads / 2]
+    [[0.0, 1.0], [2.0, 3.0]]
+    """
+
+    axis: str = "tp"
+    names: tuple[str, ...] = ("sinks",)
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        n = mesh.axis_size(self.axis)
+        for pname in self.names:
+            p = getattr(module, pname, None)
+            if not isinstance(p, nn.Parameter) or p.dim() == 0:
+                raise ParallelizeError(
+                    f"parallelize: {name!r} ({type(module).__name__}) has no per-head parameter "
+                    f"{pname!r}. Fix: name the module's own per-head parameters"
+                )
+            if p.shape[0] % n:
+                raise ParallelizeError(
+                    f"parallelize: {name}.{pname} has {p.shape[0]} heads, not divisible by the "
+                    f"{n} ranks of {self.axis!r}. Fix: a {self.axis!r} size that divides "
+                    f"{p.shape[0]}"
+                )
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        self.check(module, name, ctx.mesh)
+        layout = Layout(P(self.axis))
+        for pname in self.names:
+            where = f"{name}.{pname}" if name else pname
+            setattr(module, pname, ctx.param(getattr(module, pname), layout, where))
+        # how they split (fastdist.nn.param_layouts reads a module's param_layouts()): an
+        # instance attribute, so the model's own class stays as it is
+        before = getattr(module, "param_layouts", None)
+        own = dict.fromkeys(self.names, layout)
+
+        def param_layouts() -> dict[str, Any]:
+            return {**(before() if callable(before) else {}), **own}
+
+        object.__setattr__(module, "param_layouts", param_layouts)
         return module
 
 
