@@ -22,12 +22,16 @@ MODULES = (
     "fastdist.nn",
     "fastdist.nn.moe",
     "fastdist.nn.plans",
+    "fastdist.nn.moe_plans",
     "fastdist.train",
     "fastdist.mq",
     "fastdist.profile",
     "fastdist.native",
     "fastdist.testing",
 )
+# Plans are named after model families (`llama`, `qwen2_moe`), which the guides also name as
+# models: linked only when written with their module (`fd.nn.plans.llama`).
+PLANS = ("fastdist.nn.plans", "fastdist.nn.moe_plans")
 # Bare names that read as ordinary words or name other libraries' things too: linked only when
 # written with their module (`fd.nn.plans.llama`, `fastdist.train.save`).
 NOT_BARE = {
@@ -49,6 +53,8 @@ def bare_names() -> dict[str, str]:
     modules (``Layout``) are left out."""
     found: dict[str, dict[int, str]] = {}
     for modname in MODULES:
+        if modname in PLANS:
+            continue
         module = importlib.import_module(modname)
         for name in getattr(module, "__all__", ()):
             obj = getattr(module, name)
