@@ -49,12 +49,17 @@ backward collective is attributed to the module whose forward recorded it.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
+import statistics
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -69,17 +74,27 @@ from .mesh import Mesh
 from .simulate import _Binding
 
 __all__ = [
+    "CALIBRATED_KINDS",
     "NETWORKS",
+    "OPTIMIZER_STATE",
+    "CostModel",
+    "Fit",
+    "GradReady",
     "Layout",
     "Link",
+    "Memory",
     "Network",
+    "Param",
     "Plan",
+    "Point",
     "Prediction",
     "Profile",
     "ProfileError",
     "Record",
     "Recording",
+    "Work",
     "bus_factor",
+    "calibrate",
     "layouts",
     "plan",
     "predict",
@@ -240,6 +255,108 @@ class Record:
 _KEYS = ("op", "axis", "phase", "module", "kind", "n", "dtype")
 
 
+# ====================================================== compute and memory of a step
+@dataclass(frozen=True)
+class Work:
+    """The compute one rank runs between two events of a traced step (see :attr:`Profile.events`).
+
+    Attributes:
+        phase: ``"forward"`` or ``"backward"`` (kernels autograd runs).
+        flops: floating-point operations of its matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``:
+            ``2 m k n`` each) and attentions (``scaled_dot_product_attention`` forward: ``2 L S
+            (E + Ev)`` per batch and head, every score counted, causal or not; backward 2.5 x
+            that).
+        kernels: aten kernels run (views excluded), the matmuls included.
+        bytes: bytes the kernels other than matmuls and attention read and write (their tensor
+            inputs plus outputs).
+    """
+
+    phase: str
+    flops: float
+    kernels: int
+    bytes: float
+
+
+@dataclass(frozen=True)
+class GradReady:
+    """The gradient of parameter ``Profile.params[param]`` was accumulated (during backward)."""
+
+    param: int
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter of a traced step: a leaf tensor that required grad and received a gradient.
+
+    Attributes:
+        name: the module path (``model.layers.0.mlp.up_proj.weight``) or the argument's position
+            (``args[1]``, ``kwargs['w']``).
+        bytes: one rank's bytes (its shard).
+        dtype: element type.
+    """
+
+    name: str
+    bytes: int
+    dtype: torch.dtype
+
+
+#: bytes of optimizer state per byte of parameter (torch's defaults: state in the parameter dtype)
+OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd-momentum": 1.0, "sgd": 0.0, "none": 0.0}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One rank's memory of a step (bytes): what :meth:`Profile.memory` estimates.
+
+    Attributes:
+        params: the parameters (shards) that received a gradient.
+        grads: their gradients (same bytes).
+        optimizer: optimizer state (``OPTIMIZER_STATE[optimizer]`` x params).
+        activations: tensors autograd saved for backward (unique storages, parameters excluded),
+            the forward's peak of what backward needs; temporaries are not counted.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+# kernels that move no data (aliases the schema does not mark as views)
+_NOT_KERNELS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default}
+_SDPA = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+}
+
+
+def _sdpa_flops(q: Tensor, k: Tensor, v: Tensor) -> float:
+    # q [..., L, E], k [..., S, E], v [..., S, Ev]: scores q k^T, then probs v, per batch and head
+    return 2.0 * math.prod(q.shape[:-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+
+
+def _kernel_flops(func: Any, args: Sequence[Any]) -> float:
+    """Matmul / attention FLOPs of one aten kernel (0 for anything else)."""
+    name = func._opname
+    if name in ("mm", "addmm"):
+        a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+        return 2.0 * int(a.shape[0]) * int(a.shape[1]) * int(b.shape[1])
+    if name in ("bmm", "baddbmm"):
+        a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
+        return 2.0 * int(a.shape[0]) * int(a.shape[1]) * int(a.shape[2]) * int(b.shape[2])
+    if name in _SDPA:
+        return _sdpa_flops(args[0], args[1], args[2])
+    if name.removesuffix("_backward") in _SDPA:  # recompute scores, dV, dP, dQ, dK: 5 matmuls
+        return 2.5 * _sdpa_flops(args[1], args[2], args[3])
+    return 0.0
+
+
 @dataclass(frozen=True)
 class Profile:
     """The collectives of one traced step on one rank (see :func:`trace`).
@@ -259,6 +376,53 @@ class Profile:
 
     mesh: Mesh
     records: tuple[Record, ...]
+    events: tuple[Work | Record | GradReady, ...] = field(default=(), compare=False, repr=False)
+    params: tuple[Param, ...] = field(default=(), compare=False, repr=False)
+    activations: int = field(default=0, compare=False, repr=False)
+
+    # A profile reads as the tuple of its records: for r in prof, len(prof), prof[0], prof[-2:].
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Record, ...]: ...
+    def __getitem__(self, index: int | slice) -> Record | tuple[Record, ...]:
+        return self.records[index]
+
+    def flops(self, phase: str | None = None) -> float:
+        """Matmul and attention FLOPs of the step on this rank (of one ``phase``); a
+        :func:`trace` counts them, :func:`record` does not (0)."""
+        return sum(
+            e.flops
+            for e in self.events
+            if isinstance(e, Work) and (phase is None or e.phase == phase)
+        )
+
+    def memory(self, optimizer: str | float = "adamw") -> Memory:
+        """One rank's memory (bytes): parameters, gradients, optimizer state, activations.
+
+        Args:
+            optimizer: a name in :data:`OPTIMIZER_STATE` (``"adamw"``: 2 x the parameters) or
+                the bytes of state per byte of parameter.
+        """
+        if isinstance(optimizer, str):
+            if optimizer not in OPTIMIZER_STATE:
+                raise ProfileError(
+                    "Profile.memory",
+                    f"unknown optimizer {optimizer!r}",
+                    f"use one of {', '.join(OPTIMIZER_STATE)}, or bytes of state per parameter "
+                    "byte as a number",
+                )
+            factor = OPTIMIZER_STATE[optimizer]
+        else:
+            factor = float(optimizer)
+        params = sum(p.bytes for p in self.params)
+        return Memory(params, params, int(params * factor), self.activations)
 
     def filter(self, **where: Any) -> Profile:
         """The records whose fields equal the given values, e.g. ``filter(axis="tp",
@@ -405,6 +569,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.names, self.modules = names, modules
         self.records: list[Record] = []
+        # the step in issue order: compute between collectives, collectives, gradients ready
+        self.events: list[Work | Record | GradReady] = []
+        self._work: dict[str, list[float]] = {}  # phase -> [flops, kernels, bytes] not yet flushed
 
     def __torch_dispatch__(
         self,
@@ -416,7 +583,30 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if func.namespace == "fastdist":
             self._record(func, args, out)
+        elif func.namespace == "aten" and not func.is_view and func not in _NOT_KERNELS:
+            self._count(func, args, kwargs or {}, out)
         return out
+
+    def _count(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
+        """Charge one aten kernel: its matmul / attention FLOPs, or the bytes it reads and
+        writes."""
+        phase = "forward" if torch._C._current_autograd_node() is None else "backward"
+        if self._work and phase not in self._work:
+            self.flush()
+        acc = self._work.setdefault(phase, [0.0, 0.0, 0.0])
+        flops = _kernel_flops(func, args)
+        acc[1] += 1
+        if flops:
+            acc[0] += flops
+        else:
+            leaves = [*pytree.tree_leaves((args, kwargs)), *pytree.tree_leaves(out)]
+            acc[2] += sum(t.numel() * t.dtype.itemsize for t in leaves if isinstance(t, Tensor))
+
+    def flush(self) -> None:
+        """Close the compute run so far (before a collective or a gradient event)."""
+        for phase, (flops, kernels, nbytes) in self._work.items():
+            self.events.append(Work(phase, flops, int(kernels), nbytes))
+        self._work = {}
 
     def _record(self, func: Any, args: Sequence[Any], out: Any) -> None:
         name = func._opname
@@ -435,7 +625,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             prim.name, tensors, out, mesh_shape, axes, params, self.names, node is not None, module
         )
         if rec is not None:
+            self.flush()
             self.records.append(rec)
+            self.events.append(rec)
 
 
 class _RankShare:
@@ -602,6 +794,12 @@ def trace(
     names = {tuple(m.shape.values()): m.axis_names for m in reversed(all_meshes)}
     stack = _ModuleStack()
     recorder = _Recorder(names, stack)
+    # leaves that may receive a gradient: the arguments', then the modules' parameters
+    leaves: dict[int, tuple[str, Tensor]] = {}
+    for path, leaf in pytree.tree_flatten_with_path((fargs, fkwargs))[0]:
+        if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.is_leaf:
+            where = "args" if path[0] == pytree.SequenceKey(0) else "kwargs"
+            leaves.setdefault(id(leaf), (where + pytree.keystr(path[1:]), leaf))
     with ExitStack() as es:
         for module in modules:
             state = {
@@ -609,9 +807,15 @@ def trace(
                 **dict(module.named_buffers(remove_duplicate=False)),
             }
             fake_state = {k: _fake_param(mode, v, dev) for k, v in state.items()}
+            for k, v in fake_state.items():
+                if isinstance(v, nn.Parameter) and v.requires_grad:
+                    leaves.setdefault(id(v), (k, v))
             es.enter_context(
                 torch.nn.utils.stateless._reparametrize_module(module, fake_state, tie_weights=True)
             )
+        got = _watch_grads(recorder, list(leaves.values()), es)
+        saved = _SavedBytes([t for _, t in leaves.values()])
+        es.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
         es.enter_context(stack.hooks(modules))
         with mode:
             rank = torch.zeros((), dtype=torch.long, device=dev)
@@ -622,7 +826,55 @@ def trace(
         es.enter_context(_Tagger(stack))
         es.enter_context(_quiet())  # an open record() does not see the trace's collectives
         fn(*fargs, **fkwargs)
-    return Profile(mesh, tuple(recorder.records))
+        recorder.flush()
+    # parameters: the leaves that received a gradient, in argument / registration order
+    order = [i for i, _ in enumerate(leaves.values()) if i in got]
+    index = {i: k for k, i in enumerate(order)}
+    named = list(leaves.values())
+    params = tuple(
+        Param(named[i][0], named[i][1].numel() * named[i][1].dtype.itemsize, named[i][1].dtype)
+        for i in order
+    )
+    events = tuple(
+        GradReady(index[e.param]) if isinstance(e, GradReady) else e for e in recorder.events
+    )
+    return Profile(mesh, tuple(recorder.records), events, params, saved.bytes)
+
+
+def _watch_grads(
+    recorder: _Recorder, leaves: Sequence[tuple[str, Tensor]], es: ExitStack
+) -> set[int]:
+    """Post-accumulate-grad hooks on the traced leaves: each accumulation is a :class:`GradReady`
+    event (its index in ``leaves``, renumbered by :func:`trace`); returns the indices that got
+    one (filled during the trace)."""
+    got: set[int] = set()
+    for i, (_, leaf) in enumerate(leaves):
+
+        def hook(_t: Tensor, i: int = i) -> None:
+            recorder.flush()
+            recorder.events.append(GradReady(i))
+            got.add(i)
+
+        handle = leaf.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        es.callback(handle.remove)
+    return got
+
+
+class _SavedBytes:
+    """Bytes of the unique storages autograd saves for backward (parameters excluded)."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.skip = {t.untyped_storage()._cdata for t in params}
+        self.seen: dict[int, Any] = {}  # keeps the (fake) storages alive: no address reused
+        self.bytes = 0
+
+    def pack(self, t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.skip and key not in self.seen:
+            self.seen[key] = storage
+            self.bytes += storage.nbytes()
+        return t
 
 
 def _fake_param(mode: Any, t: Tensor, device: torch.device) -> Tensor:
@@ -831,27 +1083,58 @@ class Link:
 
 @dataclass(frozen=True)
 class Network:
-    """Two levels: GPUs within a node (``intra``) and across nodes (``inter``).
+    """Two levels: GPUs within a node (``intra``) and across nodes (``inter``), and optionally
+    the device's compute.
 
     Attributes:
         name: for tables.
         gpus_per_node: consecutive ranks ``[k*g, (k+1)*g)`` share node ``k``.
         intra: the link between GPUs of one node.
         inter: one GPU's share of the links between nodes.
+        flops: achieved matmul FLOP/s of one device (0: compute is not charged).
+        memory_bandwidth: achieved bytes/s of the other kernels (0: not charged).
+        kernel_latency: seconds charged per kernel launch (0: not charged).
     """
 
     name: str
     gpus_per_node: int
     intra: Link
     inter: Link
+    flops: float = 0.0
+    memory_bandwidth: float = 0.0
+    kernel_latency: float = 0.0
 
     def link(self, mesh_sizes: Sequence[int], axes: Sequence[int]) -> Link:
         """The link a group along ``axes`` of a row-major mesh runs over: ``intra`` if the
         group of rank 0 lies in one node, else ``inter`` (the slowest link bounds a ring)."""
-        strides = [math.prod(mesh_sizes[i + 1 :]) for i in range(len(mesh_sizes))]
-        # rank 0's group: ranks 0 .. span
-        span = sum((mesh_sizes[a] - 1) * strides[a] for a in axes)
-        return self.intra if span < self.gpus_per_node else self.inter
+        return self.intra if _in_node(mesh_sizes, axes, self.gpus_per_node) else self.inter
+
+    def collective_time(self, r: Record, mesh_sizes: Sequence[int], axes: Sequence[int]) -> float:
+        """The ring's ``steps x latency + bus_bytes / bandwidth`` on :meth:`link`."""
+        link = self.link(mesh_sizes, axes)
+        return r.steps * link.latency + r.bus_bytes / link.bandwidth
+
+    def compute_time(self, work: Work) -> float:
+        """``flops / flops + bytes / memory_bandwidth + kernels x kernel_latency`` (a rate of 0:
+        that term is not charged)."""
+        return _compute_time(work, self.flops, self.memory_bandwidth, self.kernel_latency)
+
+
+def _in_node(mesh_sizes: Sequence[int], axes: Sequence[int], gpus_per_node: int) -> bool:
+    """The group of rank 0 along ``axes`` of a row-major mesh lies in one node."""
+    strides = [math.prod(mesh_sizes[i + 1 :]) for i in range(len(mesh_sizes))]
+    # rank 0's group: ranks 0 .. span
+    span = sum((mesh_sizes[a] - 1) * strides[a] for a in axes)
+    return span < gpus_per_node
+
+
+def _compute_time(work: Work, flops: float, bandwidth: float, latency: float) -> float:
+    t = work.kernels * latency
+    if flops > 0:
+        t += work.flops / flops
+    if bandwidth > 0:
+        t += work.bytes / bandwidth
+    return t
 
 
 #: Documented defaults (see docs/profile.md for the sources). Bandwidths are per GPU and per
@@ -869,8 +1152,422 @@ NETWORKS: dict[str, Network] = {
 }
 
 
-def _record_time(r: Record, link: Link) -> float:
-    return r.steps * link.latency + r.bus_bytes / link.bandwidth
+# ====================================================== a cost model measured on the job:
+# calibrate
+#: the collective kinds :func:`calibrate` measures, and the fastdist op that measures each
+CALIBRATED_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
+# kinds priced with another kind's fit (the same bus factor (n-1)/n, or one hop)
+_SAME_AS = {"gather": "allgather", "scatter": "allgather", "broadcast": "allgather"}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``time = latency + size / bandwidth`` of one collective kind over a group of ``n`` ranks.
+
+    Attributes:
+        kind: the nccl-tests kind (:func:`bus_factor`).
+        n: ranks in the group.
+        intra: the groups it was measured on lie in one node (``CostModel.gpus_per_node``).
+        latency: seconds (the fit's intercept).
+        per_byte: seconds per byte of S (nccl-tests' size of ``kind``).
+        error: the largest ``|fit / measured - 1|`` over the points it was fitted to.
+    """
+
+    kind: str
+    n: int
+    intra: bool
+    latency: float
+    per_byte: float
+    error: float
+
+    def time(self, size: float) -> float:
+        return self.latency + self.per_byte * size
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement of :func:`calibrate`: the median over repetitions of the slowest rank."""
+
+    kind: str
+    axis: str
+    n: int
+    intra: bool
+    size: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A cost model measured on a running job (:func:`calibrate`); the planner takes it where it
+    takes a :class:`Network`.
+
+    Collectives: one :class:`Fit` per (kind, group size, in a node or not). A group size that
+    was not measured is priced by the rule :meth:`fit` states. Compute: measured matmul FLOP/s,
+    memory bandwidth and per-kernel time, as :meth:`Network.compute_time` charges them.
+
+    Attributes:
+        name: for tables.
+        gpus_per_node: ranks per node of the job it was measured on.
+        fits: the fitted collectives.
+        flops: matmul FLOP/s of one rank (every rank computing at once).
+        memory_bandwidth: bytes/s of an elementwise kernel on one rank (every rank at once).
+        kernel_latency: seconds per aten kernel of a chain of tiny ops, forward and backward.
+        points: the measurements the fits come from.
+    """
+
+    name: str
+    gpus_per_node: int
+    fits: tuple[Fit, ...]
+    flops: float
+    memory_bandwidth: float
+    kernel_latency: float
+    points: tuple[Point, ...] = ()
+
+    def fit(self, kind: str, n: int, intra: bool = True) -> Fit:
+        """The cost of ``kind`` over ``n`` ranks.
+
+        A measured group size: its fit. Between two measured sizes ``n1 < n < n2``: latency and
+        per-byte cost interpolated linearly in ``n``. Outside the measured sizes: the nearest
+        measured fit scaled as the ring scales, latency by ``steps(n) / steps(n0)`` (``2(n-1)``
+        for all-reduce, ``n-1`` otherwise, 1 for send/recv) and per-byte cost by
+        ``bus_factor(n) / bus_factor(n0)``. ``gather``, ``scatter`` and ``broadcast`` are priced
+        as ``allgather``.
+        """
+        kind = _SAME_AS.get(kind, kind)
+        have = sorted((f.n, f) for f in self.fits if f.kind == kind and f.intra == intra)
+        if not have:
+            where = "inside a node" if intra else "across nodes"
+            raise ProfileError(
+                "CostModel",
+                f"{self.name!r} has no measurement of {kind} over a group {where}",
+                "calibrate on a job whose mesh has such a group (e.g. an axis that crosses "
+                "nodes), with that kind in kinds=",
+            )
+        for m, f in have:
+            if m == n:
+                return f
+        below = [f for m, f in have if m < n]
+        above = [f for m, f in have if m > n]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (n - lo.n) / (hi.n - lo.n)
+            return Fit(
+                kind,
+                n,
+                intra,
+                lo.latency + w * (hi.latency - lo.latency),
+                lo.per_byte + w * (hi.per_byte - lo.per_byte),
+                max(lo.error, hi.error),
+            )
+        near = below[-1] if below else above[0]
+        alpha = _steps(kind, n) / max(_steps(kind, near.n), 1)
+        beta = bus_factor(kind, n) / max(bus_factor(kind, near.n), 1e-12)
+        return Fit(kind, n, intra, near.latency * alpha, near.per_byte * beta, near.error)
+
+    def collective_time(self, r: Record, mesh_sizes: Sequence[int], axes: Sequence[int]) -> float:
+        """The fitted time of one collective: ``latency + per_byte x size`` of its kind and
+        group size (see :meth:`fit`)."""
+        return self.fit(r.kind, r.n, _in_node(mesh_sizes, axes, self.gpus_per_node)).time(r.size)
+
+    def compute_time(self, work: Work) -> float:
+        """As :meth:`Network.compute_time`, with the measured rates."""
+        return _compute_time(work, self.flops, self.memory_bandwidth, self.kernel_latency)
+
+    def to_json(self) -> str:
+        """The model as JSON (:meth:`from_json` reads it back)."""
+        return json.dumps(
+            {
+                "format": "fastdist.profile.CostModel/1",
+                "name": self.name,
+                "gpus_per_node": self.gpus_per_node,
+                "flops": self.flops,
+                "memory_bandwidth": self.memory_bandwidth,
+                "kernel_latency": self.kernel_latency,
+                "fits": [asdict(f) for f in self.fits],
+                "points": [asdict(p) for p in self.points],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        """Read :meth:`to_json`'s output."""
+        try:
+            d = json.loads(text)
+            if d.get("format") != "fastdist.profile.CostModel/1":
+                raise ValueError(f"format {d.get('format')!r}")
+            return cls(
+                str(d["name"]),
+                int(d["gpus_per_node"]),
+                tuple(Fit(**f) for f in d["fits"]),
+                float(d["flops"]),
+                float(d["memory_bandwidth"]),
+                float(d["kernel_latency"]),
+                tuple(Point(**p) for p in d["points"]),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProfileError(
+                "CostModel.from_json",
+                f"not a saved CostModel ({e})",
+                "pass the text CostModel.to_json() (or save()) wrote",
+            ) from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostModel:
+        """Read a model :meth:`save` wrote."""
+        return cls.from_json(Path(path).read_text())
+
+
+def _fit_points(points: Sequence[Point]) -> tuple[Fit, ...]:
+    """One Fit per (kind, n, intra): least squares of the relative error of ``a + b S`` (in plain
+    floats: every rank fits bit-identical models), a and b kept >= 0."""
+    groups: dict[tuple[str, int, bool], list[Point]] = {}
+    for pt in points:
+        groups.setdefault((pt.kind, pt.n, pt.intra), []).append(pt)
+    fits = []
+    for (kind, n, intra), pts in sorted(groups.items()):
+        # rows u = 1/t, v = S/t: minimise sum (a u + b v - 1)^2 (the normal equations)
+        u = [1.0 / p.seconds for p in pts]
+        v = [p.size / p.seconds for p in pts]
+        uu, uv, vv = sum(x * x for x in u), sum(x * y for x, y in zip(u, v)), sum(y * y for y in v)
+        su, sv = sum(u), sum(v)
+        det = uu * vv - uv * uv
+        alpha, beta = (
+            ((su * vv - sv * uv) / det, (sv * uu - su * uv) / det) if det > 0 else (-1.0, -1.0)
+        )
+        if alpha < 0 or beta < 0:  # one term alone: the better of the two
+            only = [(su / uu, 0.0), (0.0, sv / vv)]
+            alpha, beta = min(
+                only, key=lambda ab: max(abs((ab[0] + ab[1] * p.size) / p.seconds - 1) for p in pts)
+            )
+        err = max(abs((alpha + beta * p.size) / p.seconds - 1) for p in pts)
+        fits.append(Fit(kind, n, intra, alpha, beta, err))
+    return tuple(fits)
+
+
+def _measure(fn: Callable[[], Any], reps: int, calls: int = 1, least: float = 0.0) -> float:
+    """Seconds per call: the median over ``reps`` repetitions, each started after a barrier of the
+    whole job, of ``calls`` back-to-back calls (one warm-up call first). ``least``: a local
+    kernel is repeated for at least that many seconds per repetition (sharing a core shows in a
+    window longer than a time slice); never for a collective (every rank must call it as
+    often)."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    fn()
+    if least > 0:
+        calls = max(calls, math.ceil(least / max(time.perf_counter() - t0, 1e-7)))
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def _collective_call(
+    kind: str, size: int, n: int, dtype: torch.dtype, mesh: Mesh, axis: Any
+) -> tuple[Callable[[], Any], int]:
+    """A call of the fastdist collective of ``kind`` with S about ``size`` bytes over ``n`` ranks,
+    and its exact S."""
+    from . import collectives as C
+
+    elems = max(n, size // dtype.itemsize // n * n)  # a multiple of n
+    if kind == "allreduce":
+        x = torch.zeros(elems, dtype=dtype)
+        return (lambda: C.psum(x, mesh, axis)), elems * dtype.itemsize
+    if kind == "allgather":  # S: the gathered output
+        x = torch.zeros(elems // n, dtype=dtype)
+        return (lambda: C.all_gather(x, mesh, axis)), elems * dtype.itemsize
+    if kind == "reducescatter":  # S: the input
+        x = torch.zeros(elems, dtype=dtype)
+        return (lambda: C.psum_scatter(x, mesh, axis)), elems * dtype.itemsize
+    if kind == "alltoall":  # S: one rank's send buffer; [n, elems/n] -> n blocks
+        x = torch.zeros(n, elems // n, dtype=dtype)
+        return (lambda: C.all_to_all(x, mesh, axis, 0, 0)), elems * dtype.itemsize
+    if kind == "sendrecv":
+        x = torch.zeros(elems, dtype=dtype)
+        return (lambda: C.ring_shift(x, mesh, axis, 1)), elems * dtype.itemsize
+    raise ProfileError(
+        "calibrate",
+        f"cannot measure collective kind {kind!r}",
+        f"choose kinds among {', '.join(CALIBRATED_KINDS)}",
+    )
+
+
+def _burst(size: int) -> int:
+    """Calls timed back to back for a point of S = ``size`` bytes: 8 up to 64 KiB, fewer above,
+    1 from 1 MiB."""
+    return max(1, min(8, (1 << 19) // max(size, 1)))
+
+
+def _kernel_chain(length: int) -> Callable[[], None]:
+    """Forward and backward of ``length`` tiny elementwise ops (the per-kernel cost)."""
+    x = torch.ones(16, requires_grad=True)
+
+    def run() -> None:
+        y = x
+        for _ in range(length):
+            y = y * 1.0001
+        y.sum().backward()  # type: ignore[no-untyped-call]
+
+    return run
+
+
+class _KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts aten kernels as :func:`trace` counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kernels = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        if func.namespace == "aten" and not func.is_view and func not in _NOT_KERNELS:
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def calibrate(
+    mesh: Mesh,
+    *,
+    axes: Sequence[str | tuple[str, ...]] | None = None,
+    kinds: Sequence[str] = CALIBRATED_KINDS,
+    sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
+    reps: int = 5,
+    matmul: int = 512,
+    dtype: torch.dtype = torch.float32,
+    gpus_per_node: int | None = None,
+    name: str = "calibrated",
+) -> CostModel:
+    """Measure the running job's collectives and compute, and fit a :class:`CostModel`.
+
+    A collective: every rank of ``mesh`` must call it (same arguments). For each axis (or
+    tuple of axes) in ``axes``, each collective kind in ``kinds`` and each size in ``sizes``
+    (S in bytes, nccl-tests' definition, rounded to a multiple of the group size), the
+    fastdist collective is timed ``reps`` times after a warm-up, each time after a barrier of
+    the job (below 1 MiB, a burst of up to 8 back-to-back calls, divided by their number); a
+    point is the median over the repetitions of the slowest rank. Points of the same
+    kind and group size (on any axis) are fitted together by ``latency + size / bandwidth``
+    (least squares of the relative error; see :meth:`CostModel.fit` for group sizes that were
+    not measured). Compute is measured the same way, every rank at once: a ``matmul`` x
+    ``matmul`` x ``matmul`` matmul (FLOP/s), an elementwise add of 4 Mi elements (bytes/s) and
+    a chain of tiny ops forward and backward (seconds per kernel), each repeated for at least
+    50 ms per repetition (so that ranks sharing a core show it). With the defaults and
+    two axes, a few seconds on 4 CPU processes; widen ``sizes`` and ``reps`` for a finer fit.
+
+    Args:
+        mesh: a mesh over the running job (``Mesh.from_torch``).
+        axes: what to measure: axis names or tuples of names (default: each axis of size > 1,
+            and the tuple of all of them when there are several).
+        kinds: collective kinds among :data:`CALIBRATED_KINDS`.
+        sizes: S in bytes.
+        reps: timed calls per point.
+        matmul: the side of the square matmul timed for the FLOP/s.
+        dtype: element type of the buffers and the matmul.
+        gpus_per_node: ranks per node (default: ``LOCAL_WORLD_SIZE`` from the environment, else
+            the whole job).
+        name: the model's name in tables.
+
+    Raises:
+        ProfileError: ``mesh`` is a plain mesh (simulated ranks: nothing to measure), or an
+            argument is invalid.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ProfileError(
+            "calibrate",
+            f"expected a fastdist.Mesh, got {type(mesh).__name__}",
+            "pass Mesh.from_torch(...) of the running job",
+        )
+    if mesh.backend is None:
+        raise ProfileError(
+            "calibrate",
+            f"{mesh!r} is a plain mesh: its ranks are simulated in this process, so there are no "
+            "links or devices to measure",
+            "run calibrate inside the job on Mesh.from_torch(...) and save() the model (then "
+            "CostModel.load(path) anywhere), or plan with a documented Network from NETWORKS",
+        )
+    bad = [k for k in kinds if k not in CALIBRATED_KINDS]
+    if bad or not kinds or not sizes or any(s < 1 for s in sizes) or reps < 1 or matmul < 1:
+        raise ProfileError(
+            "calibrate",
+            f"kinds={tuple(kinds)}, sizes={tuple(sizes)}, reps={reps}, matmul={matmul}",
+            f"kinds among {', '.join(CALIBRATED_KINDS)}, positive sizes, reps >= 1, matmul >= 1",
+        )
+    import torch.distributed as dist
+
+    names = mesh.axis_names
+    if axes is None:
+        big = tuple(a for a in names if mesh.shape[a] > 1)
+        groups: list[str | tuple[str, ...]] = [*big, *([big] if len(big) > 1 else [])]
+    else:
+        groups = list(axes)
+    for g in groups:
+        parts = (g,) if isinstance(g, str) else tuple(g)
+        if not parts or any(a not in names for a in parts):
+            raise ProfileError(
+                "calibrate",
+                f"{g!r} is not an axis (or tuple of axes) of {mesh!r}",
+                f"name axes among {names}",
+            )
+    node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    sizes_now = tuple(mesh.shape.values())
+    plan_: list[tuple[str, str, int, bool, int, Callable[[], Any]]] = []
+    for g in groups:
+        parts = (g,) if isinstance(g, str) else tuple(g)
+        n = math.prod(mesh.shape[a] for a in parts)
+        if n < 2:
+            continue
+        intra = _in_node(sizes_now, [names.index(a) for a in parts], node)
+        axis: Any = g if isinstance(g, str) else parts
+        for kind in kinds:
+            for size in sizes:
+                fn, exact = _collective_call(kind, size, n, dtype, mesh, axis)
+                plan_.append((kind, "+".join(parts), n, intra, exact, fn))
+    # small buffers: bursts of back-to-back calls (as in a step), not one call after a barrier
+    seconds = [_measure(fn, reps, _burst(exact)) for *_, exact, fn in plan_]
+    a = torch.randn(matmul, matmul, dtype=dtype)
+    b = torch.randn(matmul, matmul, dtype=dtype)
+    x, y = torch.randn(1 << 22, dtype=dtype), torch.randn(1 << 22, dtype=dtype)
+    z = torch.empty_like(x)
+    chain = _kernel_chain(64)
+    counter = _KernelCounter()
+    with counter:
+        chain()
+    compute = [  # each repetition at least 50 ms: every rank computing at once, sharing
+        _measure(lambda: torch.mm(a, b), reps, least=0.05),
+        _measure(lambda: torch.add(x, y, out=z), reps, least=0.05),
+        _measure(chain, reps, least=0.05),
+    ]
+    # the slowest rank's medians, on every rank (every rank then fits the same model)
+    slowest = torch.tensor([*seconds, *compute], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    times = slowest.tolist()
+    points = tuple(
+        Point(kind, axis_name, n, intra, exact, t)
+        for (kind, axis_name, n, intra, exact, _), t in zip(plan_, times)
+    )
+    t_mm, t_add, t_chain = times[len(plan_) :]
+    return CostModel(
+        name,
+        node,
+        _fit_points(points),
+        flops=2.0 * matmul**3 / t_mm,
+        memory_bandwidth=3.0 * x.numel() * x.dtype.itemsize / t_add,
+        kernel_latency=t_chain / max(counter.kernels, 1),
+        points=points,
+    )
 
 
 @dataclass(frozen=True)
@@ -901,21 +1598,96 @@ class Layout:
 
 @dataclass(frozen=True)
 class Prediction:
-    """The predicted communication time of one layout (seconds), in total and per axis and phase."""
+    """The predicted step of one layout (seconds): in total, and its parts.
+
+    Attributes:
+        layout: the layout.
+        time: the predicted step: compute and the collectives on the critical path, and the
+            part of the overlapped gradient reduction that backward does not hide. With a
+            network that charges no compute and no ``data_parallel``, the sum of the
+            collectives' times.
+        by_axis: time of the collectives per axis (all of it, overlapped or not).
+        by_phase: time of the collectives per phase.
+        profile: the profile it was predicted from.
+        compute: time of the compute (:class:`Work`), including packing the gradient buckets.
+        comm: time of every collective (overlapped or not).
+        exposed: the part of ``time`` spent waiting for collectives (``time - compute``).
+        memory: one rank's memory (:meth:`Profile.memory`), or None when not asked for.
+        fits: ``memory.total`` is within the memory budget (True when no budget is given).
+    """
 
     layout: Layout
     time: float
     by_axis: dict[str, float] = field(default_factory=dict)
     by_phase: dict[str, float] = field(default_factory=dict)
     profile: Profile | None = None
+    compute: float = 0.0
+    comm: float = 0.0
+    exposed: float = 0.0
+    memory: Memory | None = None
+    fits: bool = True
 
 
-def predict(profile: Profile, network: Network) -> Prediction:
-    """Alpha-beta time of every collective of ``profile``, one after the other (no overlap, no
-    congestion).
+def _axis_index(names: Sequence[str], axis: str) -> list[int]:
+    parts = axis.split("+")
+    return [names.index(a) for a in parts] if all(a in names for a in parts) else []
 
-    Each record costs ``steps * latency + bus_bytes / bandwidth`` on the link its group runs
-    over (:meth:`Network.link`).
+
+def _buckets(params: Sequence[Param], cap: int) -> list[list[int]]:
+    """DataParallel's buckets: reverse registration order, one open bucket per dtype, a new one
+    when the next parameter would pass ``cap`` bytes."""
+    out: list[list[int]] = []
+    used: list[int] = []
+    current: dict[torch.dtype, int] = {}
+    for i in reversed(range(len(params))):
+        b = current.get(params[i].dtype)
+        if b is None or used[b] + params[i].bytes > cap:
+            b = current[params[i].dtype] = len(out)
+            out.append([])
+            used.append(0)
+        out[b].append(i)
+        used[b] += params[i].bytes
+    return out
+
+
+def predict(
+    profile: Profile,
+    network: Network | CostModel,
+    *,
+    data_parallel: str | Sequence[str] | None = None,
+    bucket_mb: float = 25.0,
+    optimizer: str | float = "adamw",
+    memory: float | None = None,
+) -> Prediction:
+    """Predict one step of ``profile`` on ``network``: its compute, its collectives, and what
+    overlaps.
+
+    The traced step is walked in issue order (:attr:`Profile.events`): each compute run costs
+    ``network.compute_time`` and each collective ``network.collective_time`` (the ring's
+    alpha-beta on the link of its group for a :class:`Network`, the fitted cost of its kind
+    and group size for a :class:`CostModel`), one after the other: tensor-parallel
+    collectives are on the critical path. With ``data_parallel`` the gradient reduction of
+    :class:`fastdist.train.DataParallel` is added and overlapped: the gradients (``Param``)
+    are packed into its buckets (reverse registration order, ``bucket_mb`` MiB), a bucket's
+    all-reduce over the data axes starts when its last gradient is ready (:class:`GradReady`)
+    and the previous bucket has started, the all-reduces run one after another beside the
+    backward, and the end of backward waits for the last one. Packing and unpacking a bucket
+    (4 x its bytes of memory traffic) is compute on the critical path. Trace the step
+    *without* a data-parallel engine attached when you pass ``data_parallel``; an all-reduce
+    your step calls itself after backward is charged where it is issued, not overlapped.
+
+    A profile from :func:`record` (no events) is charged collective by collective.
+
+    Args:
+        profile: a :func:`trace` of the step (or a :func:`record`).
+        network: a :class:`Network` (documented links; compute charged when its ``flops`` etc.
+            are set) or a :class:`CostModel` from :func:`calibrate`.
+        data_parallel: the data axis (or axes) whose gradient reduction DataParallel overlaps.
+        bucket_mb: DataParallel's bucket size (MiB).
+        optimizer: for the memory: a name in :data:`OPTIMIZER_STATE` or bytes of state per
+            parameter byte.
+        memory: a budget in bytes per rank: ``fits`` says whether :meth:`Profile.memory`'s
+            total is within it.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 4})
@@ -928,24 +1700,103 @@ def predict(profile: Profile, network: Network) -> Prediction:
     names = profile.mesh.axis_names
     by_axis: dict[str, float] = {}
     by_phase: dict[str, float] = {}
-    total = 0.0
-    for r in profile.records:
-        idx = (
-            [names.index(a) for a in r.axis.split("+")]
-            if all(a in names for a in r.axis.split("+"))
-            else []
+    t = compute = comm = 0.0
+
+    def collective(r: Record) -> float:
+        nonlocal comm
+        dt = network.collective_time(r, sizes, _axis_index(names, r.axis))
+        comm += dt
+        by_axis[r.axis] = by_axis.get(r.axis, 0.0) + dt
+        by_phase[r.phase] = by_phase.get(r.phase, 0.0) + dt
+        return dt
+
+    def work(w: Work) -> float:
+        nonlocal compute
+        dt = network.compute_time(w)
+        compute += dt
+        return dt
+
+    # the data-parallel reduction: buckets over the data axes
+    dp = _data_axes(data_parallel)
+    missing = [a for a in dp if a not in names]
+    if missing:
+        raise ProfileError(
+            "predict",
+            f"data_parallel axis {missing[0]!r} is not an axis of the profile's mesh {names}",
+            "pass the data axis by the name the step's mesh uses (e.g. 'dp')",
         )
-        t = _record_time(r, network.link(sizes, idx))
-        total += t
-        by_axis[r.axis] = by_axis.get(r.axis, 0.0) + t
-        by_phase[r.phase] = by_phase.get(r.phase, 0.0) + t
+    n_dp = math.prod(profile.mesh.shape[a] for a in dp)
+    buckets = (
+        _buckets(profile.params, int(bucket_mb * 2**20)) if n_dp > 1 and profile.params else []
+    )
+    bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
+    ready: list[set[int]] = [set() for _ in buckets]
+    launched = 0
+    channel = 0.0  # when the data-parallel all-reduces in flight are done
+
+    def launch(b: int) -> None:
+        nonlocal t, channel
+        nbytes = sum(profile.params[i].bytes for i in buckets[b])
+        dtype = profile.params[buckets[b][0]].dtype
+        t += work(Work("backward", 0.0, 1, 2.0 * nbytes))  # pack
+        r = Record(
+            op="psum",
+            axis="+".join(dp),
+            n=n_dp,
+            kind="allreduce",
+            size=nbytes,
+            bus_bytes=nbytes * bus_factor("allreduce", n_dp),
+            steps=_steps("allreduce", n_dp),
+            phase="backward",
+            module="DataParallel",
+            dtype=dtype,
+            shape=(nbytes // dtype.itemsize,),
+        )
+        channel = max(channel, t) + collective(r)
+
+    events: tuple[Work | Record | GradReady, ...] = profile.events or profile.records
+    last = max(
+        (i for i, e in enumerate(events) if isinstance(e, GradReady)),
+        default=-1,
+    )
+    last = max(
+        [last]
+        + [
+            i
+            for i, e in enumerate(events)
+            if isinstance(e, (Work, Record)) and e.phase == "backward"
+        ]
+    )
+    for i, e in enumerate(events):
+        if isinstance(e, Work):
+            t += work(e)
+        elif isinstance(e, Record):
+            t += collective(e)
+        elif buckets and e.param in bucket_of:
+            ready[bucket_of[e.param]].add(e.param)
+            while launched < len(buckets) and len(ready[launched]) == len(buckets[launched]):
+                launch(launched)
+                launched += 1
+        if i == last and buckets:  # the end of backward launches the rest and waits
+            while launched < len(buckets):
+                launch(launched)
+                launched += 1
+            t = max(t, channel)
+            for b in buckets:  # unpack
+                t += work(Work("backward", 0.0, 1, 2.0 * sum(profile.params[j].bytes for j in b)))
+    mem = profile.memory(optimizer) if memory is not None or profile.params else None
     axes = tuple((a, n) for a, n in zip(names, sizes) if n > 1) or tuple(zip(names, sizes))[:1]
     return Prediction(
         Layout(axes, tuple(a for a in names if a not in dict(axes))),
-        total,
+        t,
         by_axis,
         by_phase,
         profile,
+        compute=compute,
+        comm=comm,
+        exposed=t - compute,
+        memory=mem,
+        fits=memory is None or (mem is not None and mem.total <= memory),
     )
 
 
@@ -999,9 +1850,10 @@ def layouts(
 
 @dataclass(frozen=True)
 class Plan:
-    """Layouts ranked by predicted communication time (fastest first)."""
+    """Layouts ranked by predicted step time (fastest first; layouts over the memory budget
+    after those that fit)."""
 
-    network: Network
+    network: Network | CostModel
     predictions: tuple[Prediction, ...]
 
     @property
@@ -1009,15 +1861,29 @@ class Plan:
         return self.predictions[0]
 
     def table(self) -> str:
-        """One line per layout: predicted time, and its share per axis."""
+        """One line per layout: predicted time, its share per axis, and (when compute or memory
+        was charged) compute, exposed communication, memory per rank and whether it fits."""
         axes = sorted({a for p in self.predictions for a in p.by_axis})
+        extra = any(p.compute > 0 or p.memory is not None for p in self.predictions)
         head = ["rank", "layout", "time (ms)", *(f"{a} (ms)" for a in axes)]
+        if extra:
+            head += ["compute (ms)", "exposed (ms)", "memory (MB)", "fits"]
         body = [
             [
                 str(i + 1),
                 str(p.layout),
                 f"{p.time * 1e3:.3f}",
                 *(f"{p.by_axis.get(a, 0.0) * 1e3:.3f}" for a in axes),
+                *(
+                    [
+                        f"{p.compute * 1e3:.3f}",
+                        f"{p.exposed * 1e3:.3f}",
+                        f"{p.memory.total / 1e6:.1f}" if p.memory is not None else "",
+                        "yes" if p.fits else "no",
+                    ]
+                    if extra
+                    else []
+                ),
             ]
             for i, p in enumerate(self.predictions)
         ]
@@ -1050,13 +1916,18 @@ class Plan:
 def plan(
     build: Callable[[Mesh], Profile],
     candidates: Iterable[Layout] | int,
-    network: Network | str,
+    network: Network | CostModel | str,
     *,
     axes: Sequence[str] = ("dp", "tp"),
     max_size: Mapping[str, int] | None = None,
     orders: bool = True,
+    data_parallel: str | Sequence[str] | None = None,
+    bucket_mb: float = 25.0,
+    optimizer: str | float = "adamw",
+    memory: float | None = None,
 ) -> Plan:
-    """Profile ``build(layout.mesh)`` for every candidate layout and rank them by :func:`predict`.
+    """Profile ``build(layout.mesh)`` for every candidate layout and rank them by :func:`predict`
+    (layouts whose memory per rank passes ``memory`` last, marked ``fits=False``).
 
     Args:
         build: makes the step for a mesh and traces it (usually ``lambda mesh:
@@ -1066,10 +1937,16 @@ def plan(
             collectives whatever the layout.
         candidates: a list of :class:`Layout` (e.g. from :func:`layouts`), or a world size: then
             ``layouts(candidates, axes, max_size=max_size, orders=orders)``.
-        network: a :class:`Network`, or the name of one in :data:`NETWORKS`.
+        network: a :class:`Network`, the name of one in :data:`NETWORKS`, or a
+            :class:`CostModel` from :func:`calibrate`.
         axes: the axis names, for a world size given as ``candidates`` (see :func:`layouts`).
         max_size: the largest size of each axis, for a world size given as ``candidates``.
         orders: every order of the axes onto the ranks, for a world size given as ``candidates``.
+        data_parallel: as for :func:`predict`: the data axes whose gradient reduction
+            DataParallel overlaps with backward.
+        bucket_mb: as for :func:`predict`.
+        optimizer: as for :func:`predict` (the optimizer state in the memory per rank).
+        memory: a memory budget per rank (bytes), as for :func:`predict`.
 
     >>> import torch, fastdist as fd
     >>> def build(mesh):   # a TP MLP (tokens 512, hidden 1024) with its dp gradient all-reduce
@@ -1112,8 +1989,22 @@ def plan(
                 f"build returned {type(prof).__name__} for {layout}, not a Profile",
                 "return trace(step, mesh, ...) from build",
             )
-        preds.append(replace(predict(prof, network), layout=layout))
-    return Plan(network, tuple(sorted(preds, key=lambda p: p.time)))
+        pred = predict(
+            prof,
+            network,
+            data_parallel=[a for a in _data_axes(data_parallel) if a in layout.mesh.axis_names],
+            bucket_mb=bucket_mb,
+            optimizer=optimizer,
+            memory=memory,
+        )
+        preds.append(replace(pred, layout=layout))
+    return Plan(network, tuple(sorted(preds, key=lambda p: (not p.fits, p.time))))
+
+
+def _data_axes(data_parallel: str | Sequence[str] | None) -> tuple[str, ...]:
+    if isinstance(data_parallel, str):
+        return (data_parallel,)
+    return tuple(data_parallel or ())
 
 
 def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) -> Profile:

@@ -1,0 +1,327 @@
+"""Does the planner predict what a user measures? Predicted against measured step times of
+several layouts on gloo processes, with the cost model calibrated on the same job.
+
+    python benchmarks/planner_accuracy.py            # 4 processes, about 2 minutes
+    python benchmarks/planner_accuracy.py --quick    # tiny models, 2 rounds: a smoke run
+
+In every process (one thread each):
+
+1. ``fastdist.profile.calibrate`` on a dp2 x tp2 mesh of the job (tp, dp and dp+tp: groups of
+   2 and 4 ranks): every collective kind over a sweep of sizes, a matmul, an elementwise kernel,
+   a chain of tiny kernels. One :class:`fastdist.profile.CostModel` (the same on every rank).
+2. For two models, an HF Llama (from a config, random weights) and a TP MLP (residual blocks
+   of up/GELU/down projections), and the layouts dp4, tp4, dp2 x tp2, tp4 + sp, dp2 x tp2 + sp
+   (sp: Megatron sequence parallelism over the tp axis): parallelize on the real mesh,
+   ``trace_model`` one step (fake tensors; before the data-parallel engine is attached) and
+   ``predict`` it with the cost model, the dp gradient reduction overlapped as
+   ``fastdist.train.DataParallel`` does it; then attach ``DataParallel`` over dp.
+3. Time the step (forward + backward + the dp gradient reduction; no optimizer) in rounds over
+   the layouts, interleaved (drifting load hits every layout alike); each round's time is the
+   slowest rank's; the measured step is the median over rounds.
+
+Printed: per layout the prediction (compute and exposed communication), the measured median
+with the spread over rounds, measured / predicted, and whether the rankings agree and the
+predicted best is within 10% of the measured best. ``--out DIR`` writes ``planner_accuracy.json``
+(and the calibrated model, ``cost_model.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+LAYOUTS = (  # (dp, tp, sequence parallel)
+    (4, 1, False),
+    (1, 4, False),
+    (2, 2, False),
+    (1, 4, True),
+    (2, 2, True),
+)
+
+
+def _name(dp: int, tp: int, sp: bool) -> str:
+    parts = [f"dp{dp}"] * (dp > 1) + [f"tp{tp}"] * (tp > 1)
+    return " x ".join(parts) + (" + sp" if sp else "")
+
+
+class Block(nn.Module):
+    """``x + down(gelu(up(x)))``."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MLP(nn.Module):
+    """Residual MLP blocks and a final LayerNorm; input ``[batch, seq, d]``."""
+
+    def __init__(self, d: int, h: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def _mlp_plan(sp: bool) -> dict[str, Any]:
+    import fastdist as fd
+
+    if not sp:
+        return {
+            "blocks.*.up": fd.nn.ColwiseParallel(input="replicated"),
+            "blocks.*.down": fd.nn.RowwiseParallel(),
+        }
+    return {
+        "blocks.0": fd.nn.SequenceShard(),
+        "blocks.*.up": fd.nn.ColwiseParallel(input="sequence"),
+        "blocks.*.down": fd.nn.RowwiseParallel(output="sequence"),
+        "norm": fd.nn.GatherSequence(),
+    }
+
+
+def _models(quick: bool) -> dict[str, Any]:
+    """name -> (base model, plan for sp, inputs for a global batch of `dp` ranks)."""
+    import transformers
+
+    import fastdist as fd
+
+    torch.manual_seed(0)
+    if quick:
+        lcfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=256)
+        lbatch, lseq, (d, h, n), mbatch, mseq = 4, 16, (64, 128, 1), 4, 16
+    else:
+        lcfg = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, vocab_size=4000)
+        lbatch, lseq, (d, h, n), mbatch, mseq = 8, 128, (256, 1024, 2), 4, 256
+    config = transformers.LlamaConfig(**lcfg, num_attention_heads=8, num_key_value_heads=4)
+    llama = transformers.LlamaForCausalLM(config).float().train()
+    mlp = MLP(d, h, n).train()
+
+    def llama_inputs(dp: int, dp_rank: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(dp_rank)
+        ids = torch.randint(0, config.vocab_size, (lbatch // dp, lseq), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+    def mlp_inputs(dp: int, dp_rank: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(dp_rank)
+        return {"x": torch.randn(mbatch // dp, mseq, d, generator=g)}
+
+    return {
+        "HF Llama": (
+            llama,
+            lambda sp: fd.nn.plans.llama(llama, sequence_parallel=sp),
+            llama_inputs,
+            f"hidden {lcfg['hidden_size']}, {lcfg['num_hidden_layers']} layers, vocab "
+            f"{lcfg['vocab_size']}, {sum(p.numel() for p in llama.parameters()) / 1e6:.1f}M "
+            f"parameters, batch {lbatch} x {lseq} tokens",
+        ),
+        "TP MLP": (
+            mlp,
+            _mlp_plan,
+            mlp_inputs,
+            f"{n} residual blocks d={d} h={h}, "
+            f"{sum(p.numel() for p in mlp.parameters()) / 1e6:.1f}M parameters, batch "
+            f"{mbatch} x {mseq} tokens",
+        ),
+    }
+
+
+def _loss(pm: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    if "x" in inputs:
+        return pm(inputs["x"]).sum()  # trace_model's backward of a tensor output: its sum
+    return pm(**inputs).loss
+
+
+def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
+    """One rank: calibrate, then predict and time every layout of every model."""
+    import torch.distributed as dist
+
+    import fastdist as fd
+    from fastdist.profile import calibrate, predict, trace_model
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    t0 = time.perf_counter()
+    cal_mesh = fd.Mesh.from_torch(order=("dp", "tp"), tp=2, timeout=600)
+    model = calibrate(
+        cal_mesh,
+        sizes=(1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22),
+        reps=2 if quick else 7,
+        matmul=128 if quick else 512,
+        name=f"gloo, {world} processes on this machine (calibrated)",
+    )
+    calibrate_s = time.perf_counter() - t0
+    if out and dist.get_rank() == 0:
+        model.save(Path(out) / "cost_model.json")
+    cases = []
+    for mname, (base, plan_for, inputs_for, desc) in _models(quick).items():
+        for dp, tp, sp in LAYOUTS:
+            if dp * tp != world:
+                continue
+            mesh = fd.Mesh.from_torch(order=("dp", "tp"), tp=tp, timeout=600)
+            pm = fd.nn.parallelize(copy.deepcopy(base), mesh, plan_for(sp))
+            dp_rank = mesh.rank // tp
+            inputs = inputs_for(dp, dp_rank)
+            # the trace: the same model parallelized on a plain mesh of the layout (one rank's
+            # shapes on fake tensors)
+            plain = fd.nn.parallelize(
+                copy.deepcopy(base), fd.Mesh({"dp": dp, "tp": tp}), plan_for(sp)
+            )
+            prof = trace_model(plain, **inputs)
+            del plain
+            pred = predict(prof, model, data_parallel="dp" if dp > 1 else None, bucket_mb=25.0)
+            if dp > 1:
+                pm.data_parallel("dp", bucket_mb=25.0)
+
+            def step(pm: Any = pm, inputs: dict[str, Any] = inputs) -> None:
+                _loss(pm, inputs).backward()  # type: ignore[no-untyped-call]
+                pm.module.zero_grad(set_to_none=True)
+
+            cases.append(
+                {
+                    "model": mname,
+                    "desc": desc,
+                    "layout": _name(dp, tp, sp),
+                    "step": step,
+                    "predicted_ms": pred.time * 1e3,
+                    "compute_ms": pred.compute * 1e3,
+                    "exposed_ms": pred.exposed * 1e3,
+                    "comm_ms": pred.comm * 1e3,
+                    "memory_MB": pred.memory.total / 1e6 if pred.memory else 0.0,
+                    "gflops": prof.flops() / 1e9,
+                }
+            )
+    for c in cases:  # warm-up: process groups, buckets, allocator
+        for _ in range(1 if quick else 2):
+            dist.barrier()
+            c["step"]()
+    times = torch.zeros(rounds, len(cases), dtype=torch.float64)
+    load = [os.getloadavg()[0]]
+    for r in range(rounds):
+        for i, c in enumerate(cases):
+            dist.barrier()
+            t = time.perf_counter()
+            c["step"]()
+            times[r, i] = time.perf_counter() - t
+        load.append(os.getloadavg()[0])
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # each round: the slowest rank
+    rows = []
+    for i, c in enumerate(cases):
+        col = sorted(times[:, i].tolist())
+        rows.append(
+            {
+                **{k: v for k, v in c.items() if k != "step"},
+                "measured_ms": 1e3 * statistics.median(col),
+                "min_ms": 1e3 * col[0],
+                "max_ms": 1e3 * col[-1],
+                "rounds_ms": [1e3 * x for x in times[:, i].tolist()],
+            }
+        )
+    return {
+        "rows": rows,
+        "calibrate_s": calibrate_s,
+        "load": load,
+        "model": json.loads(model.to_json()),
+    }
+
+
+def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str, Any]]:
+    rows = res["rows"]
+    m = res["model"]
+    lines = [
+        f"{world} gloo processes (1 thread each) on this machine; calibrate took "
+        f"{res['calibrate_s']:.1f} s: matmul {m['flops'] / 1e9:.1f} GFLOP/s per rank, "
+        f"{m['memory_bandwidth'] / 1e9:.1f} GB/s, {m['kernel_latency'] * 1e6:.1f} us per kernel; "
+        f"{rounds} interleaved rounds; 1-minute load average during the rounds "
+        f"{min(res['load']):.1f}-{max(res['load']):.1f}",
+        "",
+    ]
+    summary: dict[str, Any] = {}
+    for mname in dict.fromkeys(r["model"] for r in rows):
+        sub = [r for r in rows if r["model"] == mname]
+        by_pred = sorted(sub, key=lambda r: r["predicted_ms"])
+        by_meas = sorted(sub, key=lambda r: r["measured_ms"])
+        best_gap = by_pred[0]["measured_ms"] / by_meas[0]["measured_ms"] - 1
+        worst = max(abs(r["measured_ms"] / r["predicted_ms"] - 1) for r in sub)
+        summary[mname] = {
+            "ranking_agrees": [r["layout"] for r in by_pred] == [r["layout"] for r in by_meas],
+            "predicted_best": by_pred[0]["layout"],
+            "measured_best": by_meas[0]["layout"],
+            "best_gap": best_gap,
+            "worst_error": worst,
+        }
+        lines += [
+            f"{mname} ({sub[0]['desc']})",
+            "",
+            "| layout | predicted ms (compute + exposed comm) | measured ms, median [min-max] "
+            "| measured / predicted | rank predicted | rank measured | memory/rank MB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in sub:
+            lines.append(
+                f"| {r['layout']} | {r['predicted_ms']:.1f} ({r['compute_ms']:.1f} + "
+                f"{r['exposed_ms']:.1f}) | {r['measured_ms']:.1f} [{r['min_ms']:.1f}-"
+                f"{r['max_ms']:.1f}] | {r['measured_ms'] / r['predicted_ms']:.2f} | "
+                f"{by_pred.index(r) + 1} | {by_meas.index(r) + 1} | {r['memory_MB']:.1f} |"
+            )
+        s = summary[mname]
+        lines += [
+            "",
+            f"ranking agrees: {s['ranking_agrees']}; predicted best {s['predicted_best']}, "
+            f"measured best {s['measured_best']} (the predicted best is "
+            f"{100 * s['best_gap']:.0f}% slower than the measured best); largest "
+            f"|measured / predicted - 1| = {100 * worst:.0f}%",
+            "",
+        ]
+    return "\n".join(lines), summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny models, 2 rounds (a smoke run)")
+    ap.add_argument("--world", type=int, default=4, help="gloo processes (4 or 8)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 9)")
+    ap.add_argument("--out", type=Path, default=None, help="directory for the JSON results")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks.planner_accuracy import rank_fn as fn  # importable by the gloo processes
+    from fastdist.testing import run_on_gloo
+
+    rounds = args.rounds or (2 if args.quick else 9)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    before = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "?"
+    res = run_on_gloo(
+        fn, args.world, args.quick, rounds, str(args.out) if args.out else None, timeout=1800
+    )[0]
+    after = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "?"
+    text, summary = _report(res, args.world, rounds)
+    print(text)
+    print(f"/proc/loadavg before: {before}; after: {after}")
+    if args.out:
+        (args.out / "planner_accuracy.json").write_text(
+            json.dumps({**res, "summary": summary, "loadavg": [before, after]}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
