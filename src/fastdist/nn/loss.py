@@ -367,6 +367,18 @@ def causal_lm_loss(
     >>> bool(torch.allclose(loss, ref.expand(2)))
     True
     """
+    shift_labels = _shifted_labels(logits, labels, shift_labels, axis, ignore_index)
+    loss, counted = _token_losses(
+        "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size
+    )
+    return _reduce_tokens(loss, counted, num_items_in_batch)
+
+
+def _shifted_labels(
+    logits: Tensor, labels: Tensor | None, shift_labels: Tensor | None, axis: AxisName, ignore: int
+) -> Tensor:
+    """The label each token predicts: ``labels`` shifted left, padded with ``ignore``, unless
+    ``shift_labels`` is given."""
     if shift_labels is None:
         if labels is None:
             raise CollectiveError(
@@ -376,13 +388,88 @@ def causal_lm_loss(
                 "pass labels (or shift_labels, already shifted)",
             )
         # tokens < n predict n
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    shift_labels = shift_labels.to(logits.device)
-    loss, counted = _token_losses(
-        "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size
-    )
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+    return shift_labels.to(logits.device)
+
+
+def _reduce_tokens(
+    loss: Tensor, counted: Tensor, num_items_in_batch: Tensor | int | None
+) -> Tensor:
+    """The summed loss over the tokens not ignored, divided by ``num_items_in_batch`` when given,
+    else by their count."""
     if num_items_in_batch is None:
         return loss.sum() / counted.sum()
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss.sum() / num_items_in_batch
+
+
+def _gathered_causal_lm_loss(
+    logits: Tensor,
+    labels: Tensor | None,
+    mesh: Mesh,
+    axis: AxisName = "tp",
+    *,
+    vocab_size: int | None = None,
+    num_items_in_batch: Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """:func:`causal_lm_loss` for logits that hold the whole vocabulary on every rank of ``axis``
+    (a ``VocabParallel`` head with ``gather_output=True``, i.e. a plan's ``gather_logits=True``).
+
+    ``logits``: (batch, seq, V), the same on every rank of ``axis``; the rest as in
+    :func:`causal_lm_loss`, with the same targets check (:class:`~fastdist.errors.TargetError`)
+    and the same dtypes: float64 logits stay float64, float16/bfloat16 compute in float32. No
+    collective: every rank computes the same loss.
+
+    >>> import torch, torch.nn.functional as F, fastdist as fd
+    >>> from fastdist.nn.loss import _gathered_causal_lm_loss
+    >>> mesh = fd.Mesh({"tp": 2})
+    >>> full = torch.randn(1, 4, 6, dtype=torch.float64)
+    >>> labels = torch.tensor([[1, 4, -100, 2]])
+    >>> fn = lambda lg: _gathered_causal_lm_loss(lg, labels, mesh, "tp")
+    >>> loss = fd.simulate(fn, mesh)(full.expand(2, 1, 4, 6))
+    >>> ref = F.cross_entropy(full[0, :-1], labels[0, 1:])  # position t predicts label t + 1
+    >>> loss.dtype, bool(torch.allclose(loss, ref.expand(2), rtol=1e-15, atol=0))
+    (torch.float64, True)
+    """
+    op = "causal_lm_loss"
+    target = _shifted_labels(logits, labels, shift_labels, axis, ignore_index)
+    if not isinstance(logits, Tensor) or logits.dim() == 0 or not logits.is_floating_point():
+        raise CollectiveError(
+            op,
+            axis,
+            f"logits must be a floating tensor (..., V), got {type(logits).__name__} "
+            f"{getattr(logits, 'dtype', '')}",
+            "pass the gathered logits (the whole vocabulary as the last dim)",
+        )
+    n_cols = logits.shape[-1]
+    vocab = n_cols if vocab_size is None else vocab_size
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= n_cols:
+        raise CollectiveError(
+            op,
+            axis,
+            f"vocab_size={vocab_size!r} must be an int in [1, {n_cols}] (the gathered logits "
+            f"have {n_cols} columns)",
+            "pass the real vocabulary size, at most the number of columns",
+        )
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise CollectiveError(
+            op,
+            axis,
+            f"labels have shape {tuple(target.shape)}, logits {tuple(logits.shape)}: labels "
+            "must be logits.shape[:-1]",
+            "pass one label per token",
+        )
+    target = _checked_targets(op, target, mesh, axis, vocab, ignore_index)
+    # low precision computes in float32
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if vocab < n_cols:  # padding columns get no probability and no gradient
+        x = x.masked_fill(torch.arange(n_cols, device=x.device) >= vocab, float("-inf"))
+    counted = target != ignore_index
+    index = torch.where(counted, target, 0).unsqueeze(-1)  # (..., 1)
+    picked = x.gather(-1, index).squeeze(-1)  # (...): the target's logit
+    loss = torch.where(counted, torch.logsumexp(x, -1) - picked, 0.0)
+    return _reduce_tokens(loss, counted, num_items_in_batch)
