@@ -145,6 +145,15 @@ class Mesh:
         ``("pp", "dp", "ep", "cp", "sp", "tp")``, so tp is innermost as in
         Megatron and vLLM). ``dp`` is always present; other axes only when given.
 
+        Args:
+            world_size: the number of ranks.
+            order: the axes' order, outer to inner (the last varies fastest across ranks).
+            **degrees: the size of each axis you know (``tp=2, sp=2``); ``dp`` is inferred unless
+                given.
+
+        Returns:
+            a plain mesh (simulated ranks) with ``dp`` and the given axes, in ``order``.
+
         >>> Mesh.from_world_size(8, tp=2, sp=2)
         Mesh({'dp': 2, 'sp': 2, 'tp': 2})
         >>> Mesh.from_world_size(6, tp=4)
@@ -267,6 +276,16 @@ class Mesh:
 
         The DeviceMesh must have dimension names and the row-major rank layout
         (``init_device_mesh`` gives both). ``backend`` and ``library`` as in :meth:`from_torch`.
+
+        Args:
+            device_mesh: a ``DeviceMesh`` with dimension names and the row-major rank layout.
+            timeout: seconds (or a timedelta) every blocking call may wait for a peer, as in
+                :meth:`from_torch`.
+            check: consistency check mode (the ranks compare each collective's op, shapes,
+                dtypes and parameters first), as in :meth:`from_torch`.
+            backend: ``"torch"`` (the DeviceMesh's process groups), ``"nccl-ctypes"`` or
+                ``"hccl-ctypes"``, as in :meth:`from_torch`.
+            library: the NCCL/HCCL shared object for a ctypes backend, as in :meth:`from_torch`.
         """
 
         names = device_mesh.mesh_dim_names
@@ -287,14 +306,22 @@ class Mesh:
         )
 
     def to_device_mesh(self, device_type: str = "cpu") -> Any:
-        """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it)."""
+        """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it).
+
+        Args:
+            device_type: the device type of the ``DeviceMesh`` (``"cpu"``, ``"cuda"``).
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self._sizes, mesh_dim_names=self._names)
 
     def with_timeout(self, timeout: float | datetime.timedelta) -> Mesh:
         """The same axes on the same job with another timeout (its groups are created anew,
-        lazily)."""
+        lazily).
+
+        Args:
+            timeout: seconds (or a timedelta) every blocking call may wait for a peer.
+        """
 
         if self._comm is None:
             raise MeshError(
@@ -326,6 +353,11 @@ class Mesh:
         up front, and needed with a ctypes backend before CUDA graph capture: with its device
         type (``"cuda"``; ``"cpu"`` for the fake library) it also creates the NCCL/HCCL
         communicators, which must exist before capture. Every rank of each group must call it.
+
+        Args:
+            *axes: the axes (names or tuples of names) whose groups to create; default: each axis.
+            device_type: with a ctypes backend, the device type of its communicators (``"cuda"``;
+                ``"cpu"`` for the fake library).
         """
         import torch
 
@@ -374,6 +406,10 @@ class Mesh:
             mesh.reset()                    # on every rank
             loss = step(batch)
         ```
+
+        Args:
+            timeout: how long to wait for every rank to reset; default: twice the mesh's timeout
+                plus 5 s.
         """
         from . import distributed as D
 
@@ -396,6 +432,9 @@ class Mesh:
         finished.
 
         A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups).
+
+        Args:
+            timeout: seconds to wait for each communicator's abort.
         """
         return True if self._comm is None else bool(self._comm.close(timeout))
 
@@ -435,6 +474,10 @@ class Mesh:
         """Positions of ``axis`` (a name or tuple of names) among this mesh's axes.
 
         Raises :class:`MeshError` naming ``op`` for an unknown, repeated or empty axis.
+
+        Args:
+            axis: an axis name, or a tuple of names taken as one flattened axis (row-major).
+            op: the name the error message gives the caller.
         """
         names = (
             (axis,)
@@ -463,7 +506,14 @@ class Mesh:
         return tuple(self._names.index(n) for n in names)
 
     def axis_size(self, axis: AxisName) -> int:
-        """Size of ``axis`` (product of the sizes for a tuple of axes)."""
+        """Size of ``axis`` (product of the sizes for a tuple of axes).
+
+        Args:
+            axis: an axis name, or a tuple of names taken as one flattened axis (row-major).
+
+        Returns:
+            the number of ranks along ``axis``.
+        """
         return math.prod([self._sizes[i] for i in self.axis_indices(axis, "Mesh.axis_size")])
 
     # ------------------------------------------------------------------ ranks and coordinates
@@ -472,12 +522,26 @@ class Mesh:
             raise MeshError(f"{op}: rank {rank!r} is outside {self!r} (ranks 0..{self.size - 1})")
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank``: a mapping axis -> index along that axis."""
+        """Coordinates of ``rank``: a mapping axis -> index along that axis.
+
+        Args:
+            rank: a rank of the mesh, ``0 <= rank < size``.
+
+        Returns:
+            the index of ``rank`` along each axis, by axis name.
+        """
         self._check_rank(rank, "Mesh.coords")
         return {n: (rank // st) % sz for n, sz, st in zip(self._names, self._sizes, self._strides)}
 
     def rank_of(self, coords: Mapping[str, int]) -> int:
-        """Inverse of :meth:`coords`: the rank at the given coordinates (all axes required)."""
+        """Inverse of :meth:`coords`: the rank at the given coordinates (all axes required).
+
+        Args:
+            coords: the index along every axis, by axis name.
+
+        Returns:
+            the rank at ``coords``.
+        """
         if set(coords) != set(self._names):
             raise MeshError(
                 f"Mesh.rank_of: coordinates {dict(coords)} must name exactly the axes {self._names}"
@@ -491,7 +555,15 @@ class Mesh:
         return rank
 
     def index(self, rank: int, axis: AxisName) -> int:
-        """Index of ``rank`` within its group along ``axis`` (row-major over a tuple)."""
+        """Index of ``rank`` within its group along ``axis`` (row-major over a tuple).
+
+        Args:
+            rank: a rank of the mesh.
+            axis: an axis name, or a tuple of names taken as one flattened axis (row-major).
+
+        Returns:
+            the index of ``rank`` within its group along ``axis``.
+        """
         self._check_rank(rank, "Mesh.index")
         return int(self._index_of(rank, self.axis_indices(axis, "Mesh.index")))
 
@@ -509,6 +581,12 @@ class Mesh:
         Groups along different axes are orthogonal: any two intersect in at most
         one rank, by construction.
 
+        Args:
+            axis: an axis name, or a tuple of names taken as one flattened axis (row-major).
+
+        Returns:
+            one list of ranks per group, each in axis order.
+
         >>> Mesh({"dp": 2, "tp": 2}).groups(("tp", "dp"))
         [[0, 2, 1, 3]]
         """
@@ -520,7 +598,15 @@ class Mesh:
         ]
 
     def group(self, rank: int, axis: AxisName) -> list[int]:
-        """The group along ``axis`` that contains ``rank``, in axis order."""
+        """The group along ``axis`` that contains ``rank``, in axis order.
+
+        Args:
+            rank: a rank of the mesh.
+            axis: an axis name, or a tuple of names taken as one flattened axis (row-major).
+
+        Returns:
+            the ranks of ``rank``'s group along ``axis``, in axis order.
+        """
         self._check_rank(rank, "Mesh.group")
         idx = self.axis_indices(axis, "Mesh.group")
         base = rank - sum(
@@ -539,6 +625,9 @@ class Mesh:
     def submesh(self, axis: AxisName) -> Mesh:
         """The mesh of one group along ``axis``: those axes with their sizes, in the given order.
 
+        Args:
+            axis: the axis (or tuple of axes, in the order the submesh takes) of the group.
+
         >>> Mesh({"dp": 2, "sp": 2, "tp": 4}).submesh(("sp", "tp"))
         Mesh({'sp': 2, 'tp': 4})
         """
@@ -549,7 +638,11 @@ class Mesh:
     # ------------------------------------------------------------------ display
     def show(self, axis: AxisName | None = None) -> Any:
         """The rank grid (last axis as columns); with ``axis``, its groups lettered (coloured in
-        Jupyter)."""
+        Jupyter).
+
+        Args:
+            axis: the axis whose groups to letter; default: none.
+        """
         from .visual import MeshView
 
         return MeshView(self, axis)

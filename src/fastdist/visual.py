@@ -284,6 +284,15 @@ def show_sharding(x: Tensor | Sequence[int], spec: Any, mesh: Mesh) -> ShardingV
     Raises :class:`~fastdist.MeshError` for a spec ``spmd`` would refuse (a dim its axes'
     sizes do not divide, an unknown axis, more entries than dims).
 
+    Args:
+        x: the global tensor, or its shape.
+        spec: a ``PartitionSpec`` (``fd.P("dp", "tp")``): the mesh axes each dim is split over.
+        mesh: the mesh whose ranks hold the blocks.
+
+    Returns:
+        a display that prints as the box picture and per-rank table below (and as a coloured table
+        in Jupyter).
+
     >>> import fastdist as fd
     >>> print(fd.show_sharding((4, 6), fd.P("dp", "tp"), fd.Mesh({"dp": 2, "tp": 2})))
     global [4, 6] as P('dp', 'tp') on Mesh({'dp': 2, 'tp': 2})
@@ -348,6 +357,14 @@ def show_ranks(x: Tensor, mesh: Mesh, precision: int = 3) -> RanksView:
     """Each rank's slice of a stacked ``[world, ...]`` tensor (what :func:`fastdist.simulate`
     returns).
 
+    Args:
+        x: a stacked ``[world, ...]`` tensor, slice ``r`` being rank ``r``'s value.
+        mesh: the mesh whose ranks the slices belong to (``x.shape[0] == mesh.size``).
+        precision: the decimal places values are rounded to.
+
+    Returns:
+        a display that prints one line per rank (a table in Jupyter).
+
     >>> import torch, fastdist as fd
     >>> print(fd.show_ranks(torch.tensor([1.0, 2.0]), fd.Mesh({"tp": 2})))
     rank  coords  value []
@@ -364,6 +381,17 @@ def plot_ranks(
 
     A scalar per rank is a bar per rank; a vector per rank is a line per rank. With ``axis``,
     ranks in the same group along it share a colour. Returns the matplotlib ``Axes``.
+
+    Args:
+        x: a stacked ``[world, ...]`` tensor, slice ``r`` being rank ``r``'s value (flattened: one
+            value per rank draws bars, more draw lines).
+        mesh: the mesh whose ranks the slices belong to.
+        axis: colour the ranks by their group along this axis; default: one colour per rank.
+        ax: the matplotlib ``Axes`` to draw on; default: a new figure.
+        title: the plot's title; default: ``per-rank values on <mesh>`` (and the axis).
+
+    Returns:
+        the matplotlib ``Axes`` drawn on.
     """
     try:
         import matplotlib.pyplot as plt
