@@ -18,6 +18,7 @@ tensor([[0., 1.],
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
