@@ -78,6 +78,19 @@ def local_attention(
     mismatches raise ``MeshError``. ``q_pos``/``k_pos`` (global token positions, default
     ``arange``) define the causal mask; ``k_valid`` masks padding keys; a query row with no
     visible key comes back as zeros.
+
+    Args:
+        q: queries ``(B, Sq, Hq, D)``.
+        k: keys ``(B, Sk, Hkv, D)``, ``Hkv`` dividing ``Hq``.
+        v: values ``(B, Sk, Hkv, Dv)``.
+        causal: mask keys after each query, by position.
+        q_pos: the queries' global token positions, for the causal mask; default ``arange(Sq)``.
+        k_pos: the keys' global token positions, for the causal mask; default ``arange(Sk)``.
+        k_valid: a boolean mask over the keys: ``True`` for a real key, ``False`` for padding
+            (masked).
+
+    Returns:
+        the attention output ``(B, Sq, Hq, Dv)``; a query with no visible key gets zeros.
     """
     _check_qkv("local_attention", q, k, v, same_seq=False)
     # (B, Sq, Hkv, G, D): q heads grouped by their kv head
@@ -186,6 +199,11 @@ class UlyssesAttention(nn.Module):
     The sequence need not divide either: pass ``seq_sizes`` (the tokens on each rank, in axis
     order) with every rank's inputs padded to ``max(seq_sizes)`` rows; padding keys are
     masked, padding query rows come back as zeros.
+
+    Args:
+        mesh: the mesh the layer runs on.
+        axis: the sequence-parallel axis.
+        causal: apply a causal mask (by global token positions).
     """
 
     def __init__(self, mesh: Mesh, axis: str = "sp", *, causal: bool = False) -> None:
@@ -196,6 +214,18 @@ class UlyssesAttention(nn.Module):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, seq_sizes: list[int] | None = None
     ) -> Tensor:
+        """Attention of this rank's block of queries over the whole sequence.
+
+        Args:
+            q: this rank's queries ``(batch, seq/P, Hq, head_dim)``.
+            k: this rank's keys ``(batch, seq/P, Hkv, head_dim)``.
+            v: this rank's values, like ``k``.
+            seq_sizes: the tokens on each rank in axis order, for a sequence the axis size does not
+                divide (inputs padded to ``max(seq_sizes)`` rows).
+
+        Returns:
+            this rank's block of the attention output, shaped like ``q``.
+        """
         from ..collectives import all_to_all_4d
 
         _check_qkv("UlyssesAttention", q, k, v, same_seq=True)
@@ -245,6 +275,11 @@ class RingAttention(nn.Module):
 
     The next block's transfer is issued before the current block's compute, so a backend with
     asynchronous collectives (compiled steps on real ranks) overlaps them.
+
+    Args:
+        mesh: the mesh the layer runs on.
+        axis: the axis of the ring (sequence parallel).
+        causal: apply a causal mask (by global token positions).
     """
 
     def __init__(self, mesh: Mesh, axis: str = "sp", *, causal: bool = False) -> None:
@@ -253,6 +288,16 @@ class RingAttention(nn.Module):
         self.mesh, self.axis, self.causal = mesh, axis, causal
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention of this rank's block of queries over the whole sequence.
+
+        Args:
+            q: this rank's queries ``(batch, seq/P, Hq, head_dim)``.
+            k: this rank's keys ``(batch, seq/P, Hkv, head_dim)``.
+            v: this rank's values, like ``k``.
+
+        Returns:
+            this rank's block of the attention output, shaped like ``q``.
+        """
         _check_qkv("RingAttention", q, k, v, same_seq=True)
         return _ring(q, k, v, self.mesh, self.axis, self.causal)
 
@@ -327,6 +372,12 @@ class USPAttention(nn.Module):
     xDiT/yunchang group mismatch). Heads follow ``UlyssesAttention``'s rules over the Ulysses
     degree (MHA padded; grouped-query split or kv heads repeated, else ``MeshError``); the ring
     then carries the grouped k/v. The gradient is that of ``local_attention`` on the whole sequence.
+
+    Args:
+        mesh: the mesh the layer runs on.
+        ulysses_axis: the axis of the Ulysses all-to-all.
+        ring_axis: the axis of the ring (a different axis of the mesh).
+        causal: apply a causal mask (by global token positions).
     """
 
     def __init__(
@@ -354,6 +405,16 @@ class USPAttention(nn.Module):
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention of this rank's block of queries over the whole sequence.
+
+        Args:
+            q: this rank's queries ``(batch, seq/P, Hq, head_dim)``.
+            k: this rank's keys ``(batch, seq/P, Hkv, head_dim)``.
+            v: this rank's values, like ``k``.
+
+        Returns:
+            this rank's block of the attention output, shaped like ``q``.
+        """
         from ..collectives import all_to_all_4d
 
         _check_qkv("USPAttention", q, k, v, same_seq=True)

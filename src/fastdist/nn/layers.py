@@ -66,6 +66,18 @@ class ColumnParallelLinear(nn.Module):
     gathered first: backward reduce-scatters). Output: this rank's features, or all of them
     with ``gather_output`` (backward: a local slice). Parameters: ``weight`` (out/n, in),
     ``bias`` (out/n,).
+
+    Args:
+        in_features: the input features (whole on every rank).
+        out_features: the output features of the whole layer; each rank holds ``out_features / n``.
+        mesh: the mesh the layer runs on.
+        axis: the mesh axis the output features are split over.
+        bias: whether the layer has a bias (split like the output features).
+        gather_output: all-gather the output features, so every rank gets all of them.
+        sequence_parallel: the input arrives sharded on ``seq_dim`` over ``axis`` and is
+            all-gathered first (backward: reduce-scatter).
+        seq_dim: the sequence dim of the input, for ``sequence_parallel``.
+        dtype: the parameters' dtype; default: torch's default dtype.
     """
 
     def __init__(
@@ -108,7 +120,11 @@ class ColumnParallelLinear(nn.Module):
 
     def project(self, x: Tensor) -> Tensor:
         """The layer on an input already made rank-varying (gathered or ``pvary``'d): no input
-        collective."""
+        collective.
+
+        Args:
+            x: the input, already rank-varying over ``axis``.
+        """
         y = _linear(x, self.weight, self.bias)  # (..., out/n)
         return all_gather_invariant(y, self.mesh, self.axis, dim=-1) if self.gather_output else y
 
@@ -172,6 +188,20 @@ class MergedColumnParallelLinear(nn.Module):
     ``"0"``, ``"1"``, ... (an ``nn.ModuleList``'s names). A checkpoint whose projections sit
     one level up (HF's ``self_attn.q_proj.weight`` for the model's ``self_attn.qkv.q_proj.weight``)
     loads with ``fastdist.nn.load_checkpoint(..., rename=lambda k: k.replace(".qkv.", "."))``.
+
+    Args:
+        in_features: the input features (whole on every rank).
+        out_features: the output features of each projection (may differ: ``(D, D_kv, D_kv)``).
+        mesh: the mesh the layer runs on.
+        axis: the mesh axis the output features of every projection are split over.
+        bias: whether the projections have biases.
+        gather_output: all-gather each projection's output features.
+        sequence_parallel: the input arrives sharded on ``seq_dim`` over ``axis`` and is
+            all-gathered first (backward: reduce-scatter).
+        seq_dim: the sequence dim of the input, for ``sequence_parallel``.
+        dtype: the parameters' dtype; default: torch's default dtype.
+        names: the projections' names in checkpoints (``("q_proj", "k_proj", "v_proj")``); default
+            ``"0"``, ``"1"``, ...
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
@@ -272,6 +302,18 @@ class RowParallelLinear(nn.Module):
     the whole replicated input, split here. Output: the sum over ranks (replicated), or with
     ``sequence_parallel`` reduce-scattered on ``seq_dim``. Parameters: ``weight`` (out, in/n),
     ``bias`` (out,) replicated, added once after the reduction.
+
+    Args:
+        in_features: the input features of the whole layer; each rank holds ``in_features / n``.
+        out_features: the output features (whole on every rank).
+        mesh: the mesh the layer runs on.
+        axis: the mesh axis the input features are split over.
+        bias: whether the layer has a bias (replicated, added once after the reduction).
+        input_is_parallel: the input is already this rank's features (a column-parallel output);
+            ``False``: the whole replicated input, split here.
+        sequence_parallel: reduce-scatter the output on ``seq_dim`` instead of all-reducing it.
+        seq_dim: the sequence dim of the output, for ``sequence_parallel``.
+        dtype: the parameters' dtype; default: torch's default dtype.
     """
 
     def __init__(
@@ -328,6 +370,14 @@ class VocabParallelEmbedding(nn.Module):
     the padding belongs to the last ranks (:class:`fastdist.nn.Layout` with ``size``).
     ``padding_idx`` gets no gradient, as in ``nn.Embedding``. An id outside ``[0, num_embeddings)``
     raises :class:`fastdist.TargetError` (``nn.Embedding`` raises ``IndexError``), never a zero row.
+
+    Args:
+        num_embeddings: the vocabulary size (padded with zero rows to a multiple of the axis size).
+        embedding_dim: the embedding width.
+        mesh: the mesh the layer runs on.
+        axis: the mesh axis the vocabulary rows are split over.
+        padding_idx: an id whose row gets no gradient, as in ``nn.Embedding``.
+        dtype: the parameters' dtype; default: torch's default dtype.
     """
 
     def __init__(
