@@ -5,7 +5,10 @@ every gradient, and two AdamW steps, over tp, ep and ep x tp. Tiny configs: hidd
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,6 +122,31 @@ def build(family: str, seed: int = 0) -> Any:
     return model
 
 
+@contextlib.contextmanager
+def float64_inside(family: str) -> Iterator[None]:
+    """DeepSeek's routers and OLMoE's q/k norms compute in float32 even in a float64 model
+    (``hidden_states.type(torch.float32)``, ``.to(torch.float32)``): inside this block
+    ``torch.float32`` is float64 for them, on both sides, so that everything must agree to 1e-10
+    (test_float32_inside_float64_models: as shipped)."""
+    if not (family.startswith("deepseek") or family == "olmoe"):
+        yield
+        return
+    f32 = torch.float32
+    torch.float32 = torch.float64  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.float32 = f32  # type: ignore[misc]
+
+
+def weights_tolerance(family: str) -> dict[str, float]:
+    """The weights after AdamW steps: 1e-10, but DeepSeek-V2's rotary embedding runs in complex64
+    (``xq.float()``) on both sides, so the gradients of the rope features carry float32 rounding
+    (~1e-7 relative; within 1e-10 absolute here), and AdamW's update lr * m / sqrt(v) is
+    scale-free: the weights after two steps agree to lr * 1e-7."""
+    return {"rtol": 1e-6, "atol": 1e-8} if family == "deepseek_v2" else TOL
+
+
 def reference(model: Any, ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logits, loss, aux_loss) on one device; the cross-entropy in float64."""
     out = model(input_ids=ids)
@@ -132,23 +160,9 @@ def reference(model: Any, ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, 
 
 @pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_matches_one_device(
-    family: str, axes: dict[str, int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    weights = TOL
-    if family.startswith("deepseek") or family == "olmoe":
-        # DeepSeek's routers and OLMoE's q/k norms compute in float32 even in a float64 model
-        # (``hidden_states.type(torch.float32)``, ``.to(torch.float32)``): here on both sides in
-        # float64, so that everything must agree to 1e-10 (test_float32_inside_float64_models:
-        # as shipped)
-        monkeypatch.setattr(torch, "float32", torch.float64)
-    if family == "deepseek_v2":
-        # its rotary embedding runs in complex64 (``xq.float()``) on both sides, so the gradients
-        # of the rope features carry float32 rounding (~1e-7 relative; within 1e-10 absolute
-        # here); AdamW's update lr * m / sqrt(v) is scale-free, so the weights after two steps
-        # agree to lr * 1e-7
-        weights = {"rtol": 1e-6, "atol": 1e-8}
-    check_family(family, axes, TOL, TOL, weights)
+def test_family_matches_one_device(family: str, axes: dict[str, int]) -> None:
+    with float64_inside(family):
+        check_family(family, axes, TOL, TOL, weights_tolerance(family))
 
 
 def check_family(
@@ -293,3 +307,15 @@ def test_plan_for_picks_the_axes_from_the_mesh() -> None:
         assert (style.axis, style.tp_axis) == (experts, inside)
         assert plan["model.layers.1.mlp.shared_expert.gate_proj"].axis == attn
         assert plan["model.layers.0.mlp.gate_proj"].axis == attn  # the dense layer
+
+
+def test_every_family_on_two_gloo_processes(tmp_path: Path) -> None:
+    """Every family on 2 gloo processes (experts over the tp ranks), GPT-OSS loaded from its
+    save_pretrained output by slices: logits, loss, every gradient and an AdamW step against one
+    device."""
+    from fastdist.testing import run_on_gloo
+    from tests.moe_families_worker import moe_families_on_gloo
+
+    build("gpt_oss").save_pretrained(tmp_path / "gpt_oss")
+    done = run_on_gloo(moe_families_on_gloo, 2, FAMILIES, str(tmp_path), timeout=600)
+    assert done == [FAMILIES] * 2

@@ -1,0 +1,57 @@
+"""Rank function for tests/test_moe_families.py's gloo run (importable by
+fastdist.testing.run_on_gloo): every mixture-of-experts family in sequence on the same processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import fastdist as fd
+
+
+def moe_families_on_gloo(families: list[str], root: str) -> list[str]:
+    """One rank: for each family, build the model (GPT-OSS: from other random weights, then this
+    rank's slices of ``root/gpt_oss``, its ``save_pretrained`` output), parallelize it with its
+    ready plan over this mesh (experts over the tp ranks), run a forward/backward (logits, loss
+    with the aux loss, every gradient) and an AdamW step, and compare with one device (the
+    weights after the step too), in float64 to 1e-10. DeepSeek's routers and OLMoE's q/k norms
+    compute in float32 inside the float64 model: as in the simulated test, float32 is float64
+    for them on both sides."""
+    from tests.test_hf_models import VOCAB, batch
+    from tests.test_moe_families import TOL, build, float64_inside, reference, weights_tolerance
+
+    mesh = fd.Mesh.from_torch(tp=torch.distributed.get_world_size(), timeout=120)
+    done = []
+    for family in families:
+        with float64_inside(family):
+            ref = build(family)
+            model = build(family, seed=7) if family == "gpt_oss" else build(family)
+            pm = fd.nn.parallelize(model, mesh)
+            if family == "gpt_oss":
+                pm.load(Path(root) / family)  # this rank's slices only
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+            ids, labels = batch(30)
+            want_logits, want_loss, want_aux = reference(ref, ids, labels)
+            out = pm(input_ids=ids, labels=labels)
+            torch.testing.assert_close(out.loss, want_loss, **TOL)
+            if want_aux is not None:
+                torch.testing.assert_close(out.aux_loss, want_aux, **TOL)
+            whole = fd.all_gather_invariant(out.logits, mesh, "tp", dim=-1)[..., :VOCAB]
+            torch.testing.assert_close(whole, want_logits, **TOL)
+            want_loss.backward()
+            out.loss.backward()
+            grads = pm.grads()  # a collective: gathered on every rank, replicas checked
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, **TOL, msg=f"{family} {name}")
+            for o in (opt_ref, opt):
+                o.step()
+                o.zero_grad()
+            state = pm.state_dict()
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(
+                    state[name], p.detach(), **weights_tolerance(family), msg=f"{family} {name}"
+                )
+        done.append(family)
+    return done
