@@ -210,12 +210,21 @@ class NodeInfo:
     pids: tuple[tuple[int, int | None], ...]
 
     def same_host(self, i: int, j: int | None = None) -> bool:
-        """Whether axis indices ``i`` and ``j`` (default: this rank) run on one host."""
+        """Whether axis indices ``i`` and ``j`` (default: this rank) run on one host.
+
+        Args:
+            i: an index along the axis.
+            j: another index; default: this rank's.
+        """
         return self.host_keys[i] == self.host_keys[self.index if j is None else j]
 
     def same_host_as(self, i: int) -> list[bool]:
         """For every index, whether it shares a host with index ``i`` (FastVideo's
-        ``in_the_same_node_as``)."""
+        ``in_the_same_node_as``).
+
+        Args:
+            i: an index along the axis.
+        """
         return [k == self.host_keys[i] for k in self.host_keys]
 
     @property
@@ -273,6 +282,15 @@ def node_info(mesh: Any, axis: Any = None, *, hostname: str | None = None) -> No
     Under ``torchrun --nnodes=N --nproc-per-node=P`` the global ranks of a node are
     consecutive, so on the whole mesh :attr:`NodeInfo.local_rank` equals ``LOCAL_RANK``.
 
+    Args:
+        mesh: a mesh from ``Mesh.from_torch``.
+        axis: the axis whose ranks to locate; default: the whole mesh.
+        hostname: a name to report instead of ``socket.gethostname()`` (hosts are then compared by
+            these names alone).
+
+    Returns:
+        where the ranks of ``axis`` run, which share a host with which.
+
     >>> info = fastdist.mq.node_info(mesh)        # doctest: +SKIP
     >>> info.local_rank, info.local_size, info.nodes   # doctest: +SKIP
     (1, 4, [[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -310,6 +328,15 @@ def local_device(where: Any, device_type: str | None = None) -> torch.device:
     over the whole mesh: a collective). ``device_type`` defaults to ``cuda`` if available, else
     ``npu`` (``torch_npu``), else ``cpu``. Raises :class:`~fastdist.MeshError` when the host
     has fewer devices than ranks.
+
+    Args:
+        where: a ``NodeInfo`` of the whole mesh, or a mesh (then ``node_info`` runs over it: a
+            collective).
+        device_type: ``"cuda"``, ``"npu"`` or ``"cpu"``; default: ``cuda`` if available, else
+            ``npu``, else ``cpu``.
+
+    Returns:
+        this rank's device: ``cuda:<local_rank>``, ``npu:<local_rank>`` or ``cpu``.
 
     >>> dev = fastdist.mq.local_device(mesh)   # doctest: +SKIP
     >>> torch.cuda.set_device(dev)             # doctest: +SKIP
@@ -656,6 +683,11 @@ class MessageQueue:
         ``block=False``: raise :class:`QueueFull` at once (nothing sent) unless every slot the
         message needs is free and every remote reader's socket is writable.
 
+        Args:
+            obj: the picklable object to send.
+            timeout: seconds to wait at most; default: the queue's.
+            block: ``False``: raise ``QueueFull`` at once instead of waiting (nothing sent).
+
         >>> q.enqueue({"step": 7}, timeout=5)   # doctest: +SKIP
         """
         op = "enqueue"
@@ -767,6 +799,13 @@ class MessageQueue:
         ``obj``).
 
         The drop-in for ``fastdist.broadcast_object(obj, mesh, axis, src=writer)`` in a loop.
+
+        Args:
+            obj: the object to send (the writer); ignored on a reader.
+            timeout: seconds to wait at most; default: the queue's.
+
+        Returns:
+            the message: ``obj`` on the writer, the next message on a reader.
         """
         if self.is_writer:
             self.enqueue(obj, timeout=timeout)
@@ -779,6 +818,13 @@ class MessageQueue:
 
         ``block=False``: raise :class:`QueueEmpty` at once if no message has started to
         arrive (a message whose first part arrived is awaited whole, within the timeout).
+
+        Args:
+            timeout: seconds to wait at most; default: the queue's.
+            block: ``False``: raise ``QueueEmpty`` at once when no message has started to arrive.
+
+        Returns:
+            the next message, in the order written.
 
         >>> msg = q.dequeue(timeout=5)   # doctest: +SKIP
         """
@@ -928,7 +974,11 @@ class MessageQueue:
     # ------------------------------------------------------------------ teardown
     def close(self, *, timeout: float = 5.0) -> None:
         """Release this rank's end (idempotent). The writer marks the queue closed first: readers
-        get what was written, then :class:`QueueClosedError`."""
+        get what was written, then :class:`QueueClosedError`.
+
+        Args:
+            timeout: seconds the writer waits at most to send the close message to remote readers.
+        """
         if self._closed:
             return
         self._closed = True
@@ -1205,7 +1255,18 @@ def create_mq_broadcaster(
     mesh: Any, axis: Any = None, *, writer: int = 0, **kwargs: Any
 ) -> MessageQueue:
     """vLLM's ``GroupCoordinator.create_mq_broadcaster``: :meth:`MessageQueue.create` with every
-    other index reading. Collective."""
+    other index reading. Collective.
+
+    Args:
+        mesh: a mesh from ``Mesh.from_torch``.
+        axis: the axis of the queue; default: the whole mesh.
+        writer: the index along ``axis`` that writes.
+        **kwargs: passed to ``MessageQueue.create`` (``max_chunk_bytes``, ``max_chunks``,
+            ``timeout``, ...).
+
+    Returns:
+        this rank's end of the queue.
+    """
     return MessageQueue.create(mesh, axis, writer=writer, **kwargs)
 
 
@@ -1219,6 +1280,12 @@ def create_single_reader_mq_broadcasters(
     Returns ``(mine, theirs)``: on a writing rank ``mine`` is its queue (to ``enqueue``) and
     ``theirs`` is empty; on the reader ``mine`` is None and ``theirs[i]`` is the queue from
     index ``i`` (None at ``reader``). One setup for all queues (four small all-gathers).
+
+    Args:
+        mesh: a mesh from ``Mesh.from_torch``.
+        axis: the axis of the queues; default: the whole mesh.
+        reader: the index along ``axis`` that reads every queue.
+        **kwargs: passed to ``MessageQueue.create`` for every queue.
 
     >>> mine, theirs = create_single_reader_mq_broadcasters(mesh, "tp")        # doctest: +SKIP
     >>> replies = [q.dequeue() for q in theirs if q is not None]   # on index 0   # doctest: +SKIP

@@ -440,6 +440,14 @@ def as_partial(x: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     Forward and backward are the identity; only the checked mode of :func:`spmd` sees
     it, and then keeps the value out of anything but linear ops until a ``psum``:
 
+    Args:
+        x: this rank's addend.
+        mesh: the mesh the code runs on.
+        axis: the axis (or tuple of axes) the global value is the sum over.
+
+    Returns:
+        ``x`` itself, marked partial over ``axis`` for the checked mode of ``spmd``.
+
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
     >>> def row_parallel(x, w, b):

@@ -155,6 +155,14 @@ def grad_norm(model: Any, norm_type: float = 2.0, *, mesh: Mesh | None = None) -
     Returns a 0-d tensor on real ranks; on a simulated mesh a ``[world]`` tensor, each rank's
     value (all equal when replicas agree). Parameters without a gradient are skipped; with no
     gradient at all the norm is 0. See `clip_grad_norm_`.
+
+    Args:
+        model: a `fastdist.nn.ParallelModel` (or a module of fastdist layers, with ``mesh=``).
+        norm_type: p of the p-norm (finite > 0) or ``math.inf``.
+        mesh: the mesh, when ``model`` is a plain module.
+
+    Returns:
+        the total norm: 0-d on real ranks, ``[world]`` on a simulated mesh.
     """
     return _total(model, norm_type, mesh, "fastdist.nn.grad_norm")[0]
 

@@ -133,7 +133,16 @@ class Layout:
         self, full_shape: tuple[int, ...], mesh: Mesh, name: str = "tensor"
     ) -> tuple[int, ...]:
         """One rank's shape for a single-device tensor of ``full_shape``; raises if it does not
-        split."""
+        split.
+
+        Args:
+            full_shape: the single-device shape.
+            mesh: the mesh the tensor splits over.
+            name: the tensor's name, for error messages.
+
+        Returns:
+            one rank's block shape.
+        """
         if len(self.spec.dims) > len(full_shape):
             raise MeshError(
                 f"{name}: {self.spec!r} names {len(self.spec.dims)} dims but the tensor has shape "
@@ -167,7 +176,15 @@ class Layout:
         return tuple(out)
 
     def full_shape(self, local_shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
-        """The single-device shape whose blocks have ``local_shape`` (inverse of `local_shape`)."""
+        """The single-device shape whose blocks have ``local_shape`` (inverse of `local_shape`).
+
+        Args:
+            local_shape: one rank's block shape.
+            mesh: the mesh the tensor splits over.
+
+        Returns:
+            the single-device shape.
+        """
         out = list(local_shape)
         for d in range(len(self.spec.dims)):
             out[d] = local_shape[d] * self._n(mesh, d)
@@ -214,6 +231,11 @@ class Layout:
         fused ``parts`` give one per part; padding rows lie in no box (a box of only padding is
         left out). What a distributed checkpoint writes and reads for each rank.
 
+        Args:
+            full_shape: the single-device shape.
+            mesh: the mesh the tensor splits over.
+            rank: the rank whose block to describe.
+
         >>> import fastdist as fd
         >>> mesh = fd.Mesh({"tp": 2})
         >>> fused = fd.nn.Layout(fd.P(None, "tp"), parts=(2, 2, 2))
@@ -246,7 +268,16 @@ class Layout:
         self, get: Getter, full_shape: tuple[int, ...], mesh: Mesh, rank: int, name: str = "tensor"
     ) -> Tensor:
         """Rank ``rank``'s block, reading only its own slices through ``get(slices)`` (zeros for
-        padding)."""
+        padding).
+
+        Args:
+            get: reads the single-device tensor's elements at a tuple of slices (a checkpoint's lazy
+                slice).
+            full_shape: the single-device shape.
+            mesh: the mesh the tensor splits over.
+            rank: the rank whose block to read.
+            name: the tensor's name, for error messages.
+        """
         self.local_shape(tuple(full_shape), mesh, name)  # raises on a shape that does not split
         blocks = []
         for slices, _ in self._pieces(tuple(full_shape), mesh, rank):
@@ -271,7 +302,17 @@ class Layout:
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=self.dim)  # type: ignore[arg-type]
 
     def shard(self, full: Tensor, mesh: Mesh, rank: int, name: str = "tensor") -> Tensor:
-        """Rank ``rank``'s block of single-device ``full`` (a new tensor)."""
+        """Rank ``rank``'s block of single-device ``full`` (a new tensor).
+
+        Args:
+            full: the single-device tensor.
+            mesh: the mesh the tensor splits over.
+            rank: the rank whose block to take.
+            name: the tensor's name, for error messages.
+
+        Returns:
+            rank ``rank``'s block, a new tensor.
+        """
         return self.read(lambda s: full[s], tuple(full.shape), mesh, rank, name).clone()
 
     def join(
@@ -284,6 +325,15 @@ class Layout:
         across its holders is a partial sum (a missing ``fastdist.pvary``), or data-parallel
         replicas not yet averaged; it raises `ReplicaMismatchError` naming the
         tensor, the ranks and the fix, instead of silently keeping one copy.
+
+        Args:
+            stacked: every rank's block stacked on dim 0, ``[world, *local]``.
+            mesh: the mesh the tensor splits over.
+            check: require ranks holding the same block to agree (to a relative ``sqrt(eps)``).
+            name: the tensor's name, for error messages.
+
+        Returns:
+            the single-device tensor.
         """
         if stacked.dim() == 0 or stacked.shape[0] != mesh.size:
             raise MeshError(
@@ -390,7 +440,14 @@ def _listed(names: list[str], limit: int = 6) -> str:
 # ============================================================================ specs of a module
 def param_specs(module: nn.Module) -> dict[str, PartitionSpec]:
     """``PartitionSpec`` of every parameter of ``module`` by dotted name (replicated unless a
-    submodule says otherwise)."""
+    submodule says otherwise).
+
+    Args:
+        module: a module holding fastdist layers (or any module: everything replicated).
+
+    Returns:
+        the ``PartitionSpec`` of every parameter by dotted name.
+    """
     return {name: layout.spec for name, layout in param_layouts(module).items()}
 
 
@@ -400,6 +457,12 @@ def param_layouts(module: nn.Module) -> dict[str, Layout]:
     A submodule says how its own parameters split with ``param_layouts()`` (a dict of
     Layout) or ``param_specs()`` (a dict of PartitionSpec); anything else is replicated.
     Tied parameters appear once, under their first name (as ``named_parameters`` lists them).
+
+    Args:
+        module: a module holding fastdist layers (or any module: everything replicated).
+
+    Returns:
+        the ``Layout`` of every parameter by dotted name.
     """
     out: dict[str, Layout] = {name: Layout() for name, _ in module.named_parameters()}
     for prefix, sub in module.named_modules():
@@ -417,7 +480,18 @@ def shard_state(
     full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh, rank: int
 ) -> dict[str, Tensor]:
     """Rank ``rank``'s shard of every tensor of a single-device state dict (specs: PartitionSpec or
-    Layout)."""
+    Layout).
+
+    Args:
+        full: a single-device state dict.
+        specs: each tensor's ``PartitionSpec`` or ``Layout`` by name (what ``param_specs`` /
+            ``param_layouts`` give); names absent are replicated.
+        mesh: the mesh the tensors split over.
+        rank: the rank whose shards to take.
+
+    Returns:
+        rank ``rank``'s shard of every tensor, by name.
+    """
     missing = set(specs) - set(full)
     if missing:
         raise CheckpointError(
@@ -433,7 +507,17 @@ def stack_state(
     full: Mapping[str, Tensor], specs: Mapping[str, SpecLike], mesh: Mesh
 ) -> dict[str, Tensor]:
     """Every rank's shard stacked on a leading rank dim ``[world, *local]``, for
-    `fastdist.simulate`."""
+    `fastdist.simulate`.
+
+    Args:
+        full: a single-device state dict.
+        specs: each tensor's ``PartitionSpec`` or ``Layout`` by name (what ``param_specs`` /
+            ``param_layouts`` give); names absent are replicated.
+        mesh: the mesh the tensors split over.
+
+    Returns:
+        every tensor as ``[world, *local]`` stacked shards, by name.
+    """
     per_rank = [shard_state(full, specs, mesh, r) for r in range(mesh.size)]
     return {name: torch.stack([p[name] for p in per_rank]) for name in specs}
 
@@ -445,6 +529,16 @@ def unstack(
 
     Shards are joined along their dims. Ranks holding the same block must agree unless
     ``check=False`` (see `Layout.join`): a forgotten ``pvary`` raises here.
+
+    Args:
+        stacked: every rank's shard stacked on dim 0, ``[world, *local]``.
+        spec: the tensor's ``PartitionSpec`` or ``Layout``.
+        mesh: the mesh the tensor splits over.
+        check: require ranks holding the same block to agree (``False``: keep one copy unchecked).
+        name: the tensor's name, for error messages.
+
+    Returns:
+        the single-device tensor.
     """
     return _as_layout(spec).join(stacked, mesh, check=check, name=name)
 
@@ -660,6 +754,12 @@ def load_sharded(
     ``Mesh.from_torch``).
 
     Strict like ``load_state_dict``: see `load_checkpoint`.
+
+    Args:
+        module: the parallel module (its layers say how each parameter splits).
+        full: a single-device state dict.
+        mesh: the mesh from ``Mesh.from_torch`` the module runs on.
+        strict: raise on missing or unexpected keys, as ``load_state_dict`` does.
     """
     load_checkpoint(module, full, mesh, rank=mesh.rank, strict=strict)
 
@@ -691,6 +791,14 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     every rank gets the whole dict. Ranks that should hold equal copies are checked to agree
     (``check``; see `Layout.join`). A tensor still on the meta device (no values) raises
     `CheckpointError` naming it.
+
+    Args:
+        module: the parallel module.
+        mesh: the mesh it runs on (simulated or real ranks).
+        check: require ranks that should hold equal copies to agree (see `Layout.join`).
+
+    Returns:
+        the single-device state dict, on every rank.
     """
     meta = meta_names(module)
     if meta:
@@ -722,6 +830,15 @@ def save_checkpoint(
     Returns the single-device state dict (on every rank). Tied parameters are written once,
     under the first name, as ``save_pretrained`` does. ``path`` may be a directory: the file is
     then ``model.safetensors`` in it (what ``load_checkpoint`` and ``from_pretrained`` read).
+
+    Args:
+        module: the parallel module.
+        path: the ``.safetensors`` file to write, or a directory (then ``model.safetensors`` in it).
+        mesh: the mesh it runs on.
+        dst: the rank (global, on real ranks) that writes the file.
+
+    Returns:
+        the single-device state dict (on every rank).
     """
     from safetensors.torch import save_file
 
