@@ -284,6 +284,20 @@ def cross_entropy(
     Gradient: (softmax - one-hot) on this rank's columns, scaled by the reduction; zero into
     padding columns and from ignored tokens.
 
+    Args:
+        logits: ``(..., V_local)``, this rank's vocabulary columns ``[i*V_local, (i+1)*V_local)``.
+        target: ``(...)`` global class ids, the same on every rank of the axis.
+        mesh: the mesh the code runs on.
+        axis: the axis the vocabulary is split over.
+        ignore_index: a target id that contributes no loss and no gradient.
+        reduction: ``"mean"`` (over the tokens not ignored), ``"sum"`` or ``"none"`` (per token).
+        vocab_size: the real vocabulary when it was padded to ``V_local * n``; the padding columns
+            get no probability.
+
+    Returns:
+        replicated over ``axis``: the loss per token (``"none"``), its sum or its mean; float32 for
+        float16/bfloat16 logits.
+
     >>> import torch, torch.nn.functional as F, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
     >>> full, target = torch.randn(3, 6, dtype=torch.float64), torch.tensor([5, -100, 0])
@@ -321,6 +335,15 @@ def vocab_parallel_cross_entropy(
     ``cross_entropy(logits, target, mesh, axis, reduction="none")``.
     Gradient: softmax minus one-hot, on this rank's columns.
 
+    Args:
+        logits: ``(..., vocab/n)``, this rank's vocabulary columns.
+        target: ``(...)`` global ids, the same on every rank of the axis (-100: ignored).
+        mesh: the mesh the code runs on.
+        axis: the axis the vocabulary is split over.
+
+    Returns:
+        the loss per token, replicated over ``axis``.
+
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
     >>> logits = torch.zeros(2, 1, 2)  # rank r's two columns of a uniform 4-way vocabulary
@@ -357,6 +380,22 @@ def causal_lm_loss(
     axis="tp")`` can be a model's ``loss_function``. Unlike ``ForCausalLMLoss``, which always
     upcasts to float32, float64 logits stay float64 (float16/bfloat16 compute in float32).
     Gradient: that of :func:`cross_entropy` with ``reduction="sum"``, divided likewise.
+
+    Args:
+        logits: ``(batch, seq, V_local)``, this rank's vocabulary columns.
+        labels: ``(batch, seq)`` token ids, the same on every rank of the axis (shifted here: token
+            ``t`` predicts label ``t + 1``).
+        mesh: the mesh the code runs on.
+        axis: the axis the vocabulary is split over.
+        vocab_size: the real vocabulary (``config.vocab_size``) when the columns were padded.
+        num_items_in_batch: divide the summed loss by this instead of taking the mean.
+        ignore_index: a label id that contributes no loss.
+        shift_labels: labels already shifted (same shape as ``labels``), used instead.
+        **kwargs: ignored (what transformers passes a ``loss_function``).
+
+    Returns:
+        a 0-d tensor, replicated over ``axis``: the mean (or ``num_items_in_batch``-divided sum) of
+        the loss.
 
     >>> import torch, torch.nn.functional as F, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})

@@ -146,6 +146,16 @@ def route(
     call it on each rank's own tokens with a router weight that is ``pvary``'d over the axes
     the tokens are split over.
 
+    Args:
+        logits: the router logits ``(T, E)``.
+        top_k: the experts per token.
+        gating: ``"softmax"`` (probabilities) or ``"sigmoid"`` (independent scores, DeepSeek-V3).
+        normalize: divide the top-k gates by their sum.
+        layer: the MoE layer's name, for error messages.
+
+    Returns:
+        a `Routing`: the ``experts`` ``(T, k)``, their ``weights`` (gates) and the ``probs``.
+
     >>> import torch, fastdist as fd
     >>> r = fd.nn.moe.route(torch.tensor([[2.0, 0.0, 1.0]]), 2)
     >>> r.experts.tolist(), [round(w, 4) for w in r.weights[0].tolist()]
@@ -163,6 +173,15 @@ def route(
 def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Assignments one rank keeps per expert when dropping: ``ceil(capacity_factor * tokens * top_k
     / num_experts)``.
+
+    Args:
+        tokens: the tokens on one rank.
+        top_k: the experts per token.
+        num_experts: the number of experts.
+        capacity_factor: the slack over a perfectly balanced load (1.0: exactly balanced).
+
+    Returns:
+        ``ceil(capacity_factor * tokens * top_k / num_experts)``.
 
     >>> expert_capacity(10, 2, 4, 1.0)
     5
@@ -312,6 +331,15 @@ def combine(y: Tensor, handle: Dispatched, weights: Tensor) -> Tensor:
     outputs, already weighted (``allgather``: see `moe`). ``weights``: (T, k) gates
     (dropped assignments contribute nothing). Returns (T, H): ``sum_j w[t, j] * f_{e[t, j]}(x_t)``.
     Gradient: the reverse exchange; the gates get ``<f_e(x_t), g_t>``.
+
+    Args:
+        y: the experts' outputs for `dispatch`'s rows, ``(R, H)`` (``all_to_all``), or ``(ep*T, H)``
+            each gathered token's weighted sum of this rank's experts (``allgather``).
+        handle: what `dispatch` returned with the rows.
+        weights: the gates ``(T, k)``; dropped assignments contribute nothing.
+
+    Returns:
+        ``(T, H)``: ``sum_j w[t, j] * f_{e[t, j]}(x_t)`` for each token.
     """
     d = handle
     if d.strategy == "allgather":
@@ -482,6 +510,19 @@ def load_balancing_loss(
     Computed in float32 for bf16/fp16 logits, else in their dtype (transformers always uses
     float32). Gradient: through the probabilities only, as in transformers.
 
+    Args:
+        router_logits: ``(T, E)``, or one per layer (their statistics pooled).
+        top_k: the experts per token.
+        mesh: the mesh, with ``axes``.
+        axes: the mesh axes the tokens are split over (``("dp", "ep")``): the loss of the global
+            batch; ``()``: each rank's own tokens.
+        attention_mask: ``(T,)`` token weights (0: padding).
+        gating: ``"softmax"`` or ``"sigmoid"``, as in `route`.
+        layer: the MoE layer's name, for error messages.
+
+    Returns:
+        a 0-d tensor: the loss.
+
     >>> import torch, fastdist as fd
     >>> round(fd.nn.moe.load_balancing_loss(torch.zeros(4, 4), 1).item(), 4)  # uniform: 1
     1.0
@@ -515,6 +556,15 @@ def router_z_loss(
 
     Several layers' logits: the mean over all their tokens. ``axes``: the mean over the global
     batch (sums over those axes), as `load_balancing_loss`. Gradient: that mean's.
+
+    Args:
+        router_logits: ``(T, E)``, or one per layer (the mean over all their tokens).
+        mesh: the mesh, with ``axes``.
+        axes: the mesh axes the tokens are split over (``("dp", "ep")``): the loss of the global
+            batch; ``()``: each rank's own tokens.
+
+    Returns:
+        a 0-d tensor: the loss.
 
     >>> import torch, fastdist as fd
     >>> round(fd.nn.moe.router_z_loss(torch.zeros(3, 4)).item(), 4)   # log(4)**2
@@ -705,6 +755,12 @@ def _outside(t: Tensor, mesh: Mesh) -> Tensor:
 def dropped_counts(model: nn.Module) -> dict[str, Tensor]:
     """Every `ExpertParallelExperts` layer's drop count from its last forward, by module name (see
     its ``dropped``).
+
+    Args:
+        model: a model holding `ExpertParallelExperts` layers (any module: ``{}``).
+
+    Returns:
+        each layer's drop count from its last forward, by module name.
 
     >>> import torch
     >>> dropped_counts(torch.nn.Linear(2, 2))

@@ -665,6 +665,15 @@ def load(
     each param group). A mismatch raises `fastdist.nn.CheckpointError` naming the key, the rank
     and the fix, and leaves the model and optimizer untouched. The optimizer's state is
     replaced (``optimizer.load_state_dict``), hyperparameters included.
+
+    Args:
+        path: the checkpoint directory `save` wrote.
+        model: the model to load into (a `fastdist.nn.ParallelModel` or a module).
+        optimizer: an optimizer whose state to replace too.
+        strict: raise on missing or unexpected keys (``False``: skip them).
+
+    Returns:
+        the ``extra`` values saved with the checkpoint.
     """
     op = "fastdist.train.load"
     tgt = _target(model, op)

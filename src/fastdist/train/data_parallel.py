@@ -64,7 +64,15 @@ def _axes(axis: AxisName, mesh: Mesh, op: str) -> tuple[str, ...]:
 
 
 def reduce_axes(layout: Layout, data_axes: Sequence[str]) -> tuple[str, ...]:
-    """The data axes a parameter with ``layout`` is summed over: those it is not split over."""
+    """The data axes a parameter with ``layout`` is summed over: those it is not split over.
+
+    Args:
+        layout: the parameter's ``Layout``.
+        data_axes: the data-parallel axes of the mesh.
+
+    Returns:
+        the data axes the parameter is not split over, which its gradient is summed over.
+    """
     return tuple(a for a in data_axes if a not in layout.split_axes)
 
 
