@@ -72,6 +72,15 @@ def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
     assert "| HF Llama fwd+bwd, eager |" in (tmp_path / "hf_models.md").read_text()
 
 
+def test_families_benchmark_smoke_run(tmp_path: Path) -> None:
+    _run_quick("families.py", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "families.json").read_text())
+    cases = [r["case"] for r in rows]
+    assert cases[:2] == ["HF Llama fwd+bwd, eager", "HF Gemma 2 fwd+bwd, eager"], cases
+    assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 for r in rows)
+    assert "| HF Gemma 2 fwd+bwd, eager |" in (tmp_path / "families.md").read_text()
+
+
 def test_moe_benchmark_smoke_run(tmp_path: Path) -> None:
     _run_quick("moe.py", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "moe.json").read_text())
@@ -164,3 +173,25 @@ def test_import_time_benchmark_smoke_run(tmp_path: Path) -> None:
     assert all(len(t) == 1 and t[0] > 0 for t in times.values())
     for row in ("`import fastdist` |", "`python -m fastdist --help` |"):
         assert row in proc.stdout, proc.stdout
+
+
+def test_planner_accuracy_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/planner_accuracy.py --quick: calibrate on 4 gloo processes, then a tiny Llama
+    and a TP MLP over 5 layouts each: every layout predicted and measured (accuracy is reported,
+    not asserted); the saved cost model loads."""
+    from fastdist.profile import CostModel
+
+    proc = _run_quick("planner_accuracy.py", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "planner_accuracy.json").read_text())
+    layouts = ["dp4", "tp4", "dp2 x tp2", "tp4 + sp", "dp2 x tp2 + sp"]
+    assert [(r["model"], r["layout"]) for r in res["rows"]] == [
+        (m, lay) for m in ("HF Llama", "TP MLP") for lay in layouts
+    ]
+    assert all(
+        r["predicted_ms"] > 0 and r["compute_ms"] > 0 and r["measured_ms"] > 0 and r["gflops"] > 0
+        for r in res["rows"]
+    )
+    assert set(res["summary"]) == {"HF Llama", "TP MLP"}
+    model = CostModel.load(tmp_path / "cost_model.json")
+    assert model.flops > 0 and {f.n for f in model.fits} == {2, 4}
+    assert "| dp2 x tp2 + sp |" in proc.stdout and "ranking agrees" in proc.stdout

@@ -211,6 +211,11 @@ class ParallelModel:
         model's own init, as transformers' ``from_pretrained`` does (``_init_weights`` of the
         module that owns them: the rotary embedding's rope function).
 
+        Without ``rename``, the checkpoint names transformers renames when it loads this model
+        are renamed too (`fastdist.nn.plans.hf_checkpoint_renames`: GPT-NeoX's ``embed_out`` is
+        the model's ``lm_head``), so ``save_pretrained`` output and hub checkpoints load as
+        ``from_pretrained`` reads them.
+
         Raises `CheckpointError` naming the tensors: for a meta buffer no init computes, and for
         meta parameters a ``strict=False`` load would leave without storage (initialise first:
         `init_weights`, then ``load(..., strict=False)``); `ParallelizeError` for
@@ -224,6 +229,11 @@ class ParallelModel:
                 "own device and dtype)"
             )
         self._recompute_buffers(resolve_device(device))
+        if rename is None:
+            # transformers' own renamings of this model's checkpoints (GPT-NeoX's embed_out)
+            from .plans import hf_checkpoint_renames
+
+            rename = hf_checkpoint_renames(self.module, source)
         left = bool(meta_names(self.module))
         load_checkpoint(
             self.module,

@@ -23,6 +23,8 @@ loss of the whole vocabulary (``-100`` labels ignored), as the single-device mod
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -30,6 +32,8 @@ from torch import nn
 from ..mesh import Mesh
 from .auto import auto
 from .moe import ExpertParallel
+from .moe_plans import FAMILIES as MOE_FAMILIES
+from .moe_plans import moe_plan_for
 from .styles import (
     ColwiseParallel,
     GatherSequence,
@@ -42,7 +46,19 @@ from .styles import (
     VocabParallel,
 )
 
-__all__ = ["auto", "gpt2", "llama", "mixtral", "plan_for"]
+__all__ = [
+    "auto",
+    "falcon",
+    "gemma",
+    "gpt2",
+    "gpt_neox",
+    "llama",
+    "mixtral",
+    "olmo",
+    "phi3",
+    "plan_for",
+    "stablelm",
+]
 
 Plan = dict[str, Any]
 
@@ -209,6 +225,432 @@ def mixtral(
     return plan
 
 
+# ============================================================================ dense families
+def _head_dim(cfg: Any) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _decoder(
+    cfg: Any,
+    *,
+    axis: str,
+    sequence_parallel: bool,
+    gather_logits: bool,
+    prefix: str,
+    layers: str,
+    attn: str,
+    attention: Callable[[Any], HeadParallelAttention],
+    mlp: Plan,
+    layer_norms: tuple[str, ...],
+    final_norm: str,
+    embed: str,
+    head: str,
+    embed_scale: str | None = None,
+) -> Plan:
+    """A decoder-only causal LM: vocabulary-parallel embedding and head, head-parallel attention,
+    the MLP's column/row pieces (``mlp``: child name -> style, under ``{layers}.*.mlp``), and
+    Megatron sequence parallelism over ``layer_norms`` up to ``final_norm``."""
+    seq = _seq(sequence_parallel)
+    plan: Plan = {
+        f"{prefix}.{embed}": VocabParallel(axis, scale=embed_scale),
+        f"{prefix}.{layers}.*.{attn}": attention(seq),
+        f"{prefix}.{layers}.*.mlp": PrepareInput(axis, seq),
+        **{f"{prefix}.{layers}.*.mlp.{k}": v for k, v in mlp.items()},
+        head: VocabParallel(axis, input="replicated", gather_output=gather_logits),
+    }
+    if sequence_parallel:
+        plan.update(
+            _sequence_region(axis, f"{prefix}.{layers}", layer_norms, f"{prefix}.{final_norm}")
+        )
+    return plan
+
+
+def _gated_mlp(axis: str, seq: Any) -> Plan:
+    return {
+        "gate_proj": ColwiseParallel(axis),
+        "up_proj": ColwiseParallel(axis),
+        "down_proj": RowwiseParallel(axis, seq),
+    }
+
+
+def _refuse(family: str, why: str, fix: str) -> None:
+    raise ParallelizeError(
+        f"parallelize: the {family} plan cannot split this model ({why}). Fix: {fix}"
+    )
+
+
+def gemma(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for Gemma, Gemma 2 and Gemma 3 (text: ``Gemma3ForCausalLM``) over ``axis``.
+
+    The scaled embedding (``embed_tokens(ids) * sqrt(hidden)``) is vocabulary-parallel with
+    its own scale (``VocabParallel(scale="embed_scale")``) and stays tied to the head. Gemma 2/3's
+    final-logit soft-capping (``tanh(logits / cap) * cap``) is elementwise, so the head's
+    vocabulary shards are capped where they are and the loss is the whole vocabulary's;
+    attention soft-capping, ``query_pre_attn_scalar`` and the alternating sliding windows run
+    inside each rank's heads. Gemma 3's per-head ``q_norm``/``k_norm`` are pvary'd.
+
+    >>> from transformers import Gemma2Config
+    >>> plan = gemma(Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    ...                           head_dim=16), sequence_parallel=True)
+    >>> plan["model.embed_tokens"].scale
+    'embed_scale'
+    """
+    cfg = _config(model_or_config)
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
+    kind = getattr(cfg, "model_type", "gemma")
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    if kind != "gemma":
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    qk = ("q_norm", "k_norm") if kind.startswith("gemma3") else ()
+    return _decoder(
+        cfg,
+        axis=axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        layers="layers",
+        attn="self_attn",
+        attention=lambda seq: HeadParallelAttention(
+            heads, kv, d, axis, input=seq, output=seq, norms=qk
+        ),
+        mlp=_gated_mlp(axis, _seq(sequence_parallel)),
+        layer_norms=norms,
+        final_norm="norm",
+        embed="embed_tokens",
+        head="lm_head",
+        embed_scale="embed_scale",
+    )
+
+
+def phi3(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for Phi-3 and Phi-4 (``Phi3ForCausalLM``) over ``axis``: the fused ``qkv_proj``
+    (``[q | k | v]``) split by heads, the fused ``gate_up_proj`` as two parts. Its attention
+    slices ``qkv`` with ``self.config.num_attention_heads``: each attention module gets a
+    per-rank view of the config (see `HeadParallelAttention`).
+
+    >>> from transformers import Phi3Config
+    >>> plan = phi3(Phi3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    ...                        num_key_value_heads=2))
+    >>> plan["model.layers.*.mlp.gate_up_proj"].parts
+    (96, 96)
+    """
+    cfg = _config(model_or_config)
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
+    seq = _seq(sequence_parallel)
+    inter = cfg.intermediate_size
+    return _decoder(
+        cfg,
+        axis=axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        layers="layers",
+        attn="self_attn",
+        attention=lambda seq: HeadParallelAttention(
+            heads, kv, d, axis, input=seq, output=seq, qkv="qkv_proj"
+        ),
+        mlp={
+            "gate_up_proj": ColwiseParallel(axis, parts=(inter, inter)),
+            "down_proj": RowwiseParallel(axis, seq),
+        },
+        layer_norms=("input_layernorm", "post_attention_layernorm"),
+        final_norm="norm",
+        embed="embed_tokens",
+        head="lm_head",
+    )
+
+
+def gpt_neox(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "gpt_neox",
+) -> Plan:
+    """The plan for GPT-NeoX / Pythia over ``axis``: ``query_key_value`` is laid out per head
+    (``(heads, 3, head_dim)``), so each rank's heads are one block of its rows.
+
+    >>> from transformers import GPTNeoXConfig
+    >>> plan = gpt_neox(GPTNeoXConfig(hidden_size=64, num_attention_heads=4))
+    >>> plan["gpt_neox.layers.*.attention"].qkv_layout
+    'per_head'
+    """
+    cfg = _config(model_or_config)
+    heads = cfg.num_attention_heads
+    seq = _seq(sequence_parallel)
+    return _decoder(
+        cfg,
+        axis=axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        layers="layers",
+        attn="attention",
+        attention=lambda seq: HeadParallelAttention(
+            heads,
+            heads,
+            cfg.hidden_size // heads,
+            axis,
+            input=seq,
+            output=seq,
+            qkv="query_key_value",
+            o="dense",
+            qkv_layout="per_head",
+        ),
+        mlp={
+            "dense_h_to_4h": ColwiseParallel(axis),
+            "dense_4h_to_h": RowwiseParallel(axis, seq),
+        },
+        layer_norms=("input_layernorm", "post_attention_layernorm"),
+        final_norm="final_layer_norm",
+        embed="embed_in",
+        head="lm_head",
+    )
+
+
+def falcon(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "transformer",
+) -> Plan:
+    """The plan for Falcon over ``axis``: the new decoder architecture (``query_key_value``
+    grouped by kv head: ``(kv, q per kv + 2, head_dim)``), multi-query (``[q heads | k | v]``,
+    one kv head: every rank holds the fused weight whole and projects its heads' rows) and the
+    original per-head layout. ALiBi (``alibi=True``) is refused: its bias is built for every
+    head outside the attention.
+
+    >>> from transformers import FalconConfig
+    >>> cfg = FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+    ...                    new_decoder_architecture=True)
+    >>> falcon(cfg)["transformer.h.*.self_attention"].qkv_layout
+    'grouped'
+    """
+    cfg = _config(model_or_config)
+    if getattr(cfg, "alibi", False):
+        _refuse(
+            "Falcon",
+            "alibi=True: the model builds the ALiBi bias for all heads and each attention "
+            "views it by its own head count",
+            "a Falcon with rotary positions (alibi=False), or keep the attention replicated "
+            "(a plan without the self_attention entry)",
+        )
+    heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    layout: Any
+    if cfg.new_decoder_architecture:
+        kv, layout = cfg.num_kv_heads, "grouped"
+    elif cfg.multi_query:
+        kv, layout = 1, "concat"
+    else:
+        kv, layout = heads, "per_head"
+    seq = _seq(sequence_parallel)
+    if not cfg.parallel_attn:
+        norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    elif cfg.num_ln_in_parallel_attn == 2 or (
+        cfg.num_ln_in_parallel_attn is None and cfg.new_decoder_architecture
+    ):
+        norms = ("ln_attn", "ln_mlp")
+    else:
+        norms = ("input_layernorm",)
+    return _decoder(
+        cfg,
+        axis=axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        layers="h",
+        attn="self_attention",
+        attention=lambda seq: HeadParallelAttention(
+            heads,
+            kv,
+            d,
+            axis,
+            input=seq,
+            output=seq,
+            qkv="query_key_value",
+            o="dense",
+            qkv_layout=layout,
+        ),
+        mlp={
+            "dense_h_to_4h": ColwiseParallel(axis),
+            "dense_4h_to_h": RowwiseParallel(axis, seq),
+        },
+        layer_norms=norms,
+        final_norm="ln_f",
+        embed="word_embeddings",
+        head="lm_head",
+    )
+
+
+def stablelm(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for StableLM over ``axis``: its attention reads ``self.num_heads`` and
+    ``self.num_key_value_heads`` (set per rank), rotates part of each head (within a head:
+    unchanged), and with ``qk_layernorm`` normalises each head with its own LayerNorm (each
+    rank applies its heads' norms).
+
+    >>> from transformers import StableLmConfig
+    >>> plan = stablelm(StableLmConfig(hidden_size=64, num_attention_heads=4,
+    ...                                num_key_value_heads=4, qk_layernorm=True))
+    >>> plan["model.layers.*.self_attn"].head_norm_lists
+    (('q_layernorm', 'q'), ('k_layernorm', 'k'))
+    """
+    cfg = _config(model_or_config)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    qk: Any = (("q_layernorm", "q"), ("k_layernorm", "k")) if cfg.qk_layernorm else ()
+    norms: tuple[str, ...] = ("input_layernorm",)
+    if not cfg.use_parallel_residual:
+        norms += ("post_attention_layernorm",)
+    return _decoder(
+        cfg,
+        axis=axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        layers="layers",
+        attn="self_attn",
+        attention=lambda seq: HeadParallelAttention(
+            heads,
+            kv,
+            cfg.hidden_size // heads,
+            axis,
+            input=seq,
+            output=seq,
+            head_norm_lists=qk,
+        ),
+        mlp=_gated_mlp(axis, _seq(sequence_parallel)),
+        layer_norms=norms,
+        final_norm="norm",
+        embed="embed_tokens",
+        head="lm_head",
+    )
+
+
+def olmo(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for OLMo and OLMo-2 over ``axis``. OLMo-2's ``q_norm``/``k_norm`` are RMSNorms
+    over the whole projection (all heads together): each rank normalises its heads with the
+    sum of squares summed over ``axis`` (the single-device statistics; see
+    `HeadParallelAttention`'s ``full_width_norms``). OLMo's norms have no parameters.
+
+    >>> from transformers import Olmo2Config
+    >>> plan = olmo(Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2))
+    >>> plan["model.layers.*.self_attn"].full_width_norms
+    (('q_norm', 'q'), ('k_norm', 'k'))
+    """
+    cfg = _config(model_or_config)
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg)
+    two = getattr(cfg, "model_type", "olmo") == "olmo2"
+    full: Any = (("q_norm", "q"), ("k_norm", "k")) if two else ()
+    norms = (
+        ("post_attention_layernorm", "post_feedforward_layernorm")
+        if two
+        else ("input_layernorm", "post_attention_layernorm")
+    )
+    return _decoder(
+        cfg,
+        axis=axis,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
+        layers="layers",
+        attn="self_attn",
+        attention=lambda seq: HeadParallelAttention(
+            heads, kv, d, axis, input=seq, output=seq, full_width_norms=full
+        ),
+        mlp=_gated_mlp(axis, _seq(sequence_parallel)),
+        layer_norms=norms,
+        final_norm="norm",
+        embed="embed_tokens",
+        head="lm_head",
+    )
+
+
+# ============================================================================ checkpoint names
+def _checkpoint_keys(source: Any) -> list[str]:
+    """The tensor names of a safetensors file, a directory of them, or a state dict."""
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    if isinstance(source, Mapping):
+        return [str(k) for k in source]
+    if not isinstance(source, (str, Path)):
+        return []
+    path = Path(source)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    keys: list[str] = []
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - safetensors comes with transformers
+        return []
+    for file in files:
+        if file.suffix == ".safetensors" and file.is_file():
+            with safe_open(str(file), framework="pt") as f:
+                keys += list(f.keys())
+    return keys
+
+
+def hf_checkpoint_renames(model: nn.Module, source: Any) -> dict[str, str] | None:
+    """Model name -> checkpoint name for the renamings transformers applies when it loads this
+    model's checkpoints (``save_pretrained`` writes GPT-NeoX's ``lm_head`` as ``embed_out``, as
+    Pythia's checkpoints have it): only names the checkpoint holds and the model lacks. None
+    when nothing is renamed (or transformers has no such table)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return None
+    rules: list[tuple[str, str]] = []
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    for key in dict.fromkeys((type(model).__name__, kind)):
+        table = get_checkpoint_conversion_mapping(key) if key else None  # type: ignore[no-untyped-call]
+        for rule in table or []:
+            if type(rule) is WeightRenaming and len(rule.source_patterns) == 1:
+                rules.append((rule.source_patterns[0], rule.target_patterns[0]))
+    if not rules:
+        return None
+    own = set(model.state_dict(keep_vars=True))
+    out: dict[str, str] = {}
+    for key in _checkpoint_keys(source):
+        if key in own:
+            continue
+        new = key
+        for src, tgt in rules:
+            new = re.sub(src, tgt, new)
+        if new != key and new in own:
+            out[new] = key
+    return out or None
+
+
 FAMILIES = {
     "llama": llama,
     "mistral": llama,
@@ -216,6 +658,18 @@ FAMILIES = {
     "qwen3": llama,
     "gpt2": gpt2,
     "mixtral": mixtral,
+    # dense families: Gemma, Phi-3/4, GPT-NeoX, Falcon, StableLM, OLMo
+    "gemma": gemma,
+    "gemma2": gemma,
+    "gemma3_text": gemma,
+    "phi3": phi3,
+    "gpt_neox": gpt_neox,
+    "falcon": falcon,
+    "stablelm": stablelm,
+    "olmo": olmo,
+    "olmo2": olmo,
+    # Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS: fastdist.nn.moe_plans
+    **MOE_FAMILIES,
 }
 
 
@@ -230,6 +684,10 @@ def plan_for(
     """The ready-made plan for ``model`` (by ``config.model_type``); raises for a family without
     one."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in MOE_FAMILIES:
+        return moe_plan_for(
+            model, mesh, axis=axis, sequence_parallel=sequence_parallel, gather_logits=gather_logits
+        )
     if kind not in FAMILIES:
         raise ParallelizeError(
             f"parallelize: no ready-made plan for {type(model).__name__} (model_type {kind!r}); "

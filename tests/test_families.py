@@ -1,0 +1,554 @@
+"""The ready-made plans of the dense Hugging Face families (`fastdist.nn.plans.plan_for`), each
+against the same model on one device in float64: logits, loss, every gradient and two AdamW steps,
+tensor-parallel at tp=2 and tp=4, sequence-parallel, grouped-query / multi-query attention with
+kv heads fewer than ranks, tied embeddings, loading ``save_pretrained`` output; the mistakes the
+plans used to let through (issue 31's table) as `ParallelizeError`; and every family once on two
+gloo processes.
+
+``CASES`` is what runs; ``TABLE`` (derived from it) is what docs/models.md's family table must say.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fastdist as fd
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+VOCAB = 61  # prime: padded to a multiple of every tp size
+ROOT = Path(__file__).resolve().parent.parent
+
+#: model_type -> the family's name in the docs
+NAMES = {
+    "llama": "Llama 2/3/3.x",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2/2.5",
+    "qwen3": "Qwen3",
+    "gemma": "Gemma",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 (text)",
+    "phi3": "Phi-3/Phi-4",
+    "gpt_neox": "GPT-NeoX/Pythia",
+    "gpt2": "GPT-2",
+    "falcon": "Falcon",
+    "stablelm": "StableLM",
+    "olmo": "OLMo",
+    "olmo2": "OLMo-2",
+}
+
+
+def _common(kv: int) -> dict[str, Any]:
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv,
+        max_position_embeddings=64,
+    )
+
+
+def _falcon(variant: str, kv: int) -> Any:
+    layout = {
+        # Falcon-40B/180B: grouped q|k|v, two layer norms, parallel attention
+        "new": dict(new_decoder_architecture=True, num_kv_heads=kv),
+        # Falcon-7B: multi-query ([q heads | k | v]), parallel attention
+        "mqa": dict(new_decoder_architecture=False, multi_query=True),
+        # the original layout: per-head q|k|v, sequential attention then MLP
+        "per_head": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False),
+    }[variant]
+    cfg = transformers.FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        alibi=False,
+        bias=variant == "per_head",
+        **layout,
+    )
+    return transformers.FalconForCausalLM(cfg)
+
+
+def _model(family: str, kv: int) -> Any:
+    c = _common(kv)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**c, attention_bias=True))
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**c, sliding_window=5))
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**c))
+    if family == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**c, head_dim=8))
+    if family == "gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(**c, head_dim=8))
+    # Gemma 2/3: soft-capped logits and attention, query_pre_attn_scalar != head_dim, sliding
+    # windows (4) shorter than the batch's sequence (8) on alternate layers
+    gemma23 = dict(
+        head_dim=8,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        final_logit_softcapping=3.0,
+        attn_logit_softcapping=2.0,
+    )
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**c, **gemma23))
+    if family == "gemma3_text":
+        cfg = transformers.Gemma3TextConfig(
+            **c, **gemma23, layer_types=["sliding_attention", "full_attention"]
+        )
+        return transformers.Gemma3ForCausalLM(cfg)
+    if family == "phi3":
+        return transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(**c, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        )
+    if family == "gpt_neox":
+        c.pop("num_key_value_heads")
+        cfg = transformers.GPTNeoXConfig(
+            **c, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
+        )
+        return transformers.GPTNeoXForCausalLM(cfg)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        return transformers.GPT2LMHeadModel(cfg)
+    if family.startswith("falcon"):
+        return _falcon(family.partition(":")[2] or "new", kv)
+    if family == "stablelm":
+        # per-head q/k LayerNorms, a quarter of each head rotated, q/k/v bias
+        return transformers.StableLmForCausalLM(
+            transformers.StableLmConfig(**c, qk_layernorm=True, eos_token_id=1, bos_token_id=2)
+        )
+    if family == "olmo":
+        return transformers.OlmoForCausalLM(
+            transformers.OlmoConfig(**c, clip_qkv=0.5, pad_token_id=0, eos_token_id=1)
+        )
+    if family == "olmo2":
+        return transformers.Olmo2ForCausalLM(
+            transformers.Olmo2Config(**c, pad_token_id=0, eos_token_id=1)
+        )
+    raise AssertionError(family)
+
+
+def build(family: str, *, kv: int = 2, seed: int = 0) -> Any:
+    """A small single-device model of ``family`` (a model_type; ``falcon:new``, ``falcon:mqa``,
+    ``falcon:per_head`` pick Falcon's attention layout) in float64, eval mode."""
+    torch.manual_seed(seed)
+    return _model(family, kv).to(F64).eval()
+
+
+def batch(seed: int = 1, B: int = 2, S: int = 8) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # padding: ignored by the loss
+    labels[1, -2] = -100
+    return ids, labels
+
+
+def reference_loss(model: Any, ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(logits, loss) on one device, the loss in float64 over the whole vocabulary."""
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    return logits, loss
+
+
+def rep(t: Tensor, mesh: fd.Mesh) -> Tensor:
+    return t.expand(mesh.size, *t.shape)
+
+
+def full_logits(sharded: Tensor, mesh: fd.Mesh) -> Tensor:
+    """The whole vocabulary from the rank-stacked vocabulary shards, padding dropped."""
+    return torch.cat([sharded[r] for r in range(mesh.size)], -1)[..., :VOCAB]
+
+
+def tolerance(family: str) -> dict[str, float]:
+    """Exact to float64 rounding, except where the model itself computes in float32: Gemma's
+    RMSNorms multiply by ``1 + weight`` in float32 (the weights' gradients are float32 sums, here
+    summed per sequence shard or per head), OLMo-2's q/k norms take the mean of squares in
+    float32 (here summed over ranks), Qwen3's per-head q/k norms round their input to float32
+    (a column-parallel or per-head projection's last float64 bit can differ from one device's
+    matmul, and then the float32 rounding does); AdamW's normalised update then carries these
+    float32 differences of the gradients into the next step's weights. Measured: at most ~1e-6
+    absolute; anything a plan got wrong is off by 1e-2 or more."""
+    if family.startswith(("gemma", "olmo2", "qwen3")):
+        return {"rtol": 1e-4, "atol": 1e-5}
+    return {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _embeddings_tied(model: Any) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+# (family, tp, sequence parallel, kv heads, load save_pretrained output); heads are 4
+CASES: list[tuple[str, int, bool, int, bool]] = [
+    ("llama", 2, True, 2, True),
+    ("llama", 4, False, 1, False),  # MQA
+    ("mistral", 2, False, 2, True),
+    ("mistral", 4, True, 2, False),  # kv heads < tp: replicated
+    ("qwen2", 2, True, 2, True),
+    ("qwen2", 4, False, 1, False),
+    ("qwen3", 2, True, 2, True),
+    ("qwen3", 4, True, 2, False),
+    ("gemma", 2, True, 2, True),
+    ("gemma", 4, False, 1, False),
+    ("gemma2", 2, True, 2, True),
+    ("gemma2", 4, False, 2, False),
+    ("gemma3_text", 2, True, 2, True),
+    ("gemma3_text", 4, True, 1, False),
+    ("phi3", 2, True, 2, True),
+    ("phi3", 4, False, 1, False),  # fused qkv_proj with kv heads < tp
+    ("gpt_neox", 2, True, 4, True),  # save_pretrained writes lm_head as embed_out
+    ("gpt_neox", 4, False, 4, False),
+    ("gpt2", 2, False, 4, True),
+    ("gpt2", 4, True, 4, False),
+    ("falcon:new", 2, True, 2, True),
+    ("falcon:new", 4, False, 2, False),  # grouped q|k|v with kv heads < tp
+    ("falcon:mqa", 4, True, 1, False),
+    ("falcon:per_head", 2, True, 4, False),
+    ("stablelm", 2, True, 2, True),
+    ("stablelm", 4, False, 1, False),
+    ("olmo", 2, True, 2, True),
+    ("olmo", 4, False, 2, False),
+    ("olmo2", 2, True, 2, True),
+    ("olmo2", 4, True, 1, False),
+]
+
+
+def _run_case(
+    family: str, tp: int, sp: bool, kv: int, from_pretrained: bool, tmp_path: Path
+) -> None:
+    ref = build(family, kv=kv)
+    if from_pretrained:
+        ref.save_pretrained(tmp_path / "ckpt")
+        # other weights: everything must come from the checkpoint
+        model = build(family, kv=kv, seed=7)
+    else:
+        model = copy.deepcopy(ref)
+    config = model.config
+    heads_before = (config.num_attention_heads, getattr(config, "num_key_value_heads", None))
+    mesh = fd.Mesh({"tp": tp})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
+    if from_pretrained:
+        pm.load(tmp_path / "ckpt")
+    # the user's config is untouched (per-rank values live in per-module views)
+    assert model.config is config
+    assert (config.num_attention_heads, getattr(config, "num_key_value_heads", None)) == (
+        heads_before
+    )
+    assert _embeddings_tied(model) == _embeddings_tied(ref)
+    tol = tolerance(family)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for step in range(2):
+        ids, labels = batch(1 + step)
+        ref_logits, ref_loss = reference_loss(ref, ids, labels)
+        ref_loss.backward()
+        out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+        torch.testing.assert_close(full_logits(out.logits, mesh), ref_logits.detach(), **tol)
+        torch.testing.assert_close(out.loss, rep(ref_loss.detach(), mesh), **tol)
+        out.loss.sum().backward()
+        grads = pm.grads()  # single-device view; replicas checked to agree
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        assert grads.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(
+                grads[name], want[name], **tol, msg=lambda m, name=name: f"{name}: {m}"
+            )
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    state = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            state[name], p.detach(), **tol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize(
+    "family, tp, sp, kv, from_pretrained",
+    CASES,
+    ids=[f"{f}-tp{tp}{'-sp' if sp else ''}-kv{kv}" for f, tp, sp, kv, _ in CASES],
+)
+def test_family_matches_one_device(
+    tmp_path: Path, family: str, tp: int, sp: bool, kv: int, from_pretrained: bool
+) -> None:
+    _run_case(family, tp, sp, kv, from_pretrained, tmp_path)
+
+
+# ============================================================================ the docs' table
+def _features() -> dict[str, dict[str, str]]:
+    """What CASES exercise, per model_type: the docs table's cells."""
+    rows: dict[str, dict[str, str]] = {}
+    for family, tp, sp, kv, pretrained in CASES:
+        kind = family.partition(":")[0]
+        row = rows.setdefault(
+            kind, {"TP": "", "SP": "", "GQA/MQA": "", "tied": "", "MoE": "—", "save_pretrained": ""}
+        )
+        row["TP"] = ", ".join(sorted({*filter(None, row["TP"].split(", ")), f"tp={tp}"}))
+        row["SP"] = "✓" if sp or row["SP"] == "✓" else "—"
+        kinds = set(filter(None, row["GQA/MQA"].replace("—", "").split(", ")))
+        if kv == 1:
+            kinds.add("MQA")
+        elif kv < 4:
+            kinds.add("GQA")
+        if kv < tp:
+            kinds.add("kv < tp")
+        row["GQA/MQA"] = ", ".join(sorted(kinds)) or "—"
+        row["tied"] = "✓" if row["tied"] == "✓" or _ties_by_default(family) else "—"
+        row["save_pretrained"] = "✓" if pretrained or row["save_pretrained"] == "✓" else "—"
+    return rows
+
+
+def _ties_by_default(family: str) -> bool:
+    with torch.device("meta"):
+        return _embeddings_tied(_model(family, 2))
+
+
+TABLE = _features()
+COLUMNS = ("TP", "SP", "GQA/MQA", "tied", "MoE", "save_pretrained")
+
+
+def _docs_table() -> dict[str, dict[str, str]]:
+    """docs/models.md's family table: model_type -> column -> cell."""
+    text = (ROOT / "docs" / "models.md").read_text()
+    start = text.index("<!-- families table -->")
+    rows: dict[str, dict[str, str]] = {}
+    for line in text[start:].splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        match = re.fullmatch(r"`(\w+)`", cells[1])
+        if match is None:
+            continue  # the header and its rule
+        rows[match.group(1)] = dict(zip(COLUMNS, cells[2:], strict=True))
+    return rows
+
+
+def test_docs_table_rows_are_what_the_tests_check() -> None:
+    docs = _docs_table()
+    for kind, row in TABLE.items():
+        assert kind in fd.nn.plans.FAMILIES, kind
+        assert docs.get(kind) == row, f"{kind}: docs say {docs.get(kind)}, the tests check {row}"
+
+
+def test_docs_table_has_a_row_for_every_ready_plan() -> None:
+    """Every model_type in fd.nn.plans.FAMILIES has its row (the MoE families' rows are checked
+    against their own tests in tests/test_moe_families.py, where they define TABLE)."""
+    docs = _docs_table()
+    assert set(docs) == set(fd.nn.plans.FAMILIES), (
+        "docs/models.md's family table and fastdist.nn.plans.FAMILIES differ: "
+        f"{sorted(set(docs) ^ set(fd.nn.plans.FAMILIES))}"
+    )
+    from tests import test_moe_families
+
+    for kind, row in getattr(test_moe_families, "TABLE", {}).items():
+        assert docs[kind] == row, f"{kind}: docs say {docs[kind]}, the tests check {row}"
+
+
+# ============================================================================ refusals (issue 31)
+def _attention(model: Any) -> Any:
+    return next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn"))
+
+
+def test_phi3_attention_sees_a_per_rank_config_view_and_the_users_config_is_untouched() -> None:
+    """Phi-3 slices its fused qkv with self.config.num_attention_heads (a raw RuntimeError before):
+    each attention module gets a shallow copy with this rank's head counts; the model's config
+    and the modules that share it keep theirs."""
+    model = build("phi3")
+    config = model.config
+    mesh = fd.Mesh({"tp": 2})
+    fd.nn.parallelize(model, mesh)
+    attn = _attention(model)
+    assert attn.config is not config and attn.config.num_attention_heads == 2
+    assert attn.config.num_key_value_heads == 1 and attn.num_key_value_heads == 1
+    assert config.num_attention_heads == 4 and config.num_key_value_heads == 2
+    assert model.model.config is config and model.model.layers[0].mlp.config is config
+    assert attn.config.hidden_size == 32 and attn.config.vocab_size == VOCAB  # the rest shared
+    views = {id(m.self_attn.config) for m in model.model.layers}
+    assert len(views) == 2  # one view per module: nothing one of them changes leaks
+
+
+def test_stablelm_heads_are_set_per_rank_and_per_head_norm_lists_are_named() -> None:
+    """StableLM reads self.num_heads / num_key_value_heads (a raw reshape error with the Llama
+    plan before): set per rank; its per-head q/k LayerNorm lists, which the Llama plan would
+    apply as the first heads' norms on every rank, are refused with the fix."""
+    model = build("stablelm")
+    mesh = fd.Mesh({"tp": 2})
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=(
+            r"'model\.layers\.0\.self_attn' \(StableLmAttention\): its child 'q_layernorm' "
+            r"\(StableLmLayerNormPerHead\).*Fix: HeadParallelAttention\(\.\.\., "
+            r"head_norm_lists=\(\('q_layernorm', 'q'\),\)"
+        ),
+    ):
+        fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+    fd.nn.parallelize(model, mesh)
+    attn = _attention(model)
+    assert (attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups) == (2, 1, 2)
+
+
+def test_olmo2_full_width_norms_with_a_head_plan_are_refused_with_the_fix() -> None:
+    """OLMo-2's q_norm/k_norm normalise the whole projection (a raw RuntimeError with the Llama
+    plan before); the ready plan sums their statistics over tp (checked in CASES)."""
+    model = build("olmo2")
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=(
+            r"'model\.layers\.0\.self_attn' \(Olmo2Attention\): its child 'q_norm' "
+            r"\(Olmo2RMSNorm\) is sized by the whole model's query heads.*"
+            r"Fix: HeadParallelAttention\(\.\.\., full_width_norms=\(\('q_norm', 'q'\),\)"
+        ),
+    ):
+        fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.llama(model))
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing changed
+
+
+def test_gemma_scaled_embedding_needs_the_scale_style_and_stays_tied() -> None:
+    model = build("gemma2")
+    mesh = fd.Mesh({"tp": 2})
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=r"Gemma2TextScaledWordEmbedding.*own forward.*VocabParallel\(scale='embed_scale'\)",
+    ):
+        fd.nn.parallelize(model, mesh, {"model.embed_tokens": fd.nn.VocabParallel()})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"no scalar attribute 'scale'"):
+        fd.nn.parallelize(model, mesh, {"model.embed_tokens": fd.nn.VocabParallel(scale="scale")})
+    fd.nn.parallelize(model, mesh)
+    emb = model.model.embed_tokens
+    assert type(emb).__name__ == "ScaledVocabParallelEmbedding"
+    assert float(emb.embed_scale) == pytest.approx(32**0.5)
+    assert model.lm_head.weight is emb.weight
+
+
+def test_falcon_alibi_is_refused_with_the_reason_and_the_fix() -> None:
+    cfg = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True
+    )
+    with pytest.raises(fd.nn.ParallelizeError, match=r"Falcon plan.*alibi=True.*Fix: "):
+        fd.nn.plans.falcon(cfg)
+
+
+def test_an_unknown_head_count_attribute_is_refused_by_value_unless_named() -> None:
+    """A module whose forward reads a head count under a name no plan knows: found by value and
+    refused (a silent wrong result otherwise); attrs= gives its per-rank value, keep= says it is
+    not one."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(16, 16) for _ in range(3))
+            self.o_proj = nn.Linear(16, 16)
+            self.heads_here, self.window = 4, 4
+
+        def forward(self, x: Tensor) -> Tensor:
+            b, s, _ = x.shape
+            q, k, v = (
+                p(x).view(b, s, self.heads_here, 4).transpose(1, 2)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
+            )  # (b, heads, s, 4)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.window > 0)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (b, s, heads * 4)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attn()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.attn(x)
+
+    torch.manual_seed(0)
+    ref = Model().to(F64)
+    x = torch.randn(2, 5, 16, dtype=F64)
+    mesh = fd.Mesh({"tp": 2})
+    with pytest.raises(
+        fd.nn.ParallelizeError,
+        match=(
+            r"'attn' \(Attn\) reads self\.heads_here = 4, the whole model's query heads.*"
+            r"Fix: HeadParallelAttention\(\.\.\., attrs=\(\('heads_here', lambda hq, hkv, d: "
+        ),
+    ):
+        fd.nn.parallelize(copy.deepcopy(ref), mesh, {"attn": fd.nn.HeadParallelAttention(4, 4, 4)})
+    named = (("heads_here", lambda hq, hkv, d: hq),)
+    with pytest.raises(fd.nn.ParallelizeError, match=r"reads self\.window = 4.*keep=\('window',\)"):
+        fd.nn.parallelize(
+            copy.deepcopy(ref), mesh, {"attn": fd.nn.HeadParallelAttention(4, 4, 4, attrs=named)}
+        )
+    style = fd.nn.HeadParallelAttention(4, 4, 4, attrs=named, keep=("window",))
+    model = copy.deepcopy(ref)
+    pm = fd.nn.parallelize(model, mesh, {"attn": style})
+    assert model.attn.heads_here == 2 and model.attn.window == 4
+    torch.testing.assert_close(pm(rep(x, mesh)), rep(ref(x).detach(), mesh), rtol=1e-12, atol=1e-12)
+
+
+# ============================================================================ real processes
+#: (builder "module:function", family) run by one pair of gloo processes, in sequence; the
+#: builder is called as ``fn(family, seed=...)`` and returns a float64 eval-mode model
+GLOO_FAMILIES: list[tuple[str, str]] = [
+    ("tests.test_families:build", f)
+    for f in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+        "gpt_neox",
+        "gpt2",
+        "falcon:new",
+        "falcon:mqa",
+        "stablelm",
+        "olmo",
+        "olmo2",
+    )
+]
+
+
+def builder(ref: str) -> Callable[..., Any]:
+    import importlib
+
+    module, _, fn = ref.partition(":")
+    return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
+
+
+def test_every_family_on_two_gloo_processes(tmp_path: Path) -> None:
+    """Each family saved with save_pretrained; on 2 gloo ranks each rank loads its slices, runs a
+    sequence-parallel forward/backward and an AdamW step, and matches one device."""
+    from fastdist.testing import run_on_gloo
+    from tests.families_worker import families_on_gloo
+
+    for i, (ref, family) in enumerate(GLOO_FAMILIES):
+        builder(ref)(family).save_pretrained(tmp_path / str(i))
+    assert (
+        run_on_gloo(families_on_gloo, 2, GLOO_FAMILIES, str(tmp_path), timeout=600)
+        == [[f for _, f in GLOO_FAMILIES]] * 2
+    )
