@@ -589,7 +589,8 @@ def test_transformer_block_tp_sp_dp_matches_and_trains_like_one_device() -> None
     target = torch.randn(4, 6, 8, dtype=F64)
     x_spec = P("dp", "sp", None)
     state = {n: p.detach().clone() for n, p in full.named_parameters()}
-    # every rank's outputs and gradients equal the single-device block's
+    # every rank's outputs and gradients equal the single-device block's, as fd.spmd runs the
+    # block below: check="insert" sums the gradients of dp/sp-replicated parameters over dp/sp
     assert_matches_single_device(
         module_fn(par, names),
         lambda x, *ps: torch.func.functional_call(full, dict(zip(names, ps)), (x,)),
@@ -597,6 +598,7 @@ def test_transformer_block_tp_sp_dp_matches_and_trains_like_one_device() -> None
         [x, *(state[n] for n in names)],
         in_specs=(x_spec, *(specs[n] for n in names)),
         out_specs=x_spec,
+        check="insert",
     )
     # and a few SGD steps follow the same loss curve (global in, global out through spmd)
     step = fd.spmd(

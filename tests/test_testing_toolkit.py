@@ -52,7 +52,23 @@ def test_uneven_sizes_include_empty_shards() -> None:
 
 
 def _mlp(mesh: fd.Mesh):
+    """A dp x tp MLP as it must be written: x is replicated over tp and meets the tp-split w1,
+    the weights are replicated over dp and meet dp-split rows, so each goes through pvary (whose
+    backward sums the gradient over that axis)."""
+
     def local(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        w1, w2 = fd.pvary(w1, mesh, "dp"), fd.pvary(w2, mesh, "dp")
+        return fd.psum(torch.tanh(fd.pvary(x, mesh, "tp") @ w1) @ w2, mesh, "tp")
+
+    return local
+
+
+def _mlp_without_pvary(mesh: fd.Mesh):
+    """The same MLP missing the pvary of x: each rank's dx is its partial over tp (wrong outside
+    fd.spmd)."""
+
+    def local(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        w1, w2 = fd.pvary(w1, mesh, "dp"), fd.pvary(w2, mesh, "dp")
         return fd.psum(torch.tanh(x @ w1) @ w2, mesh, "tp")
 
     return local
@@ -67,43 +83,137 @@ def _inputs() -> list[Tensor]:
     ]
 
 
+def _reference(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    return torch.tanh(x @ w1) @ w2
+
+
 SPECS = {"in_specs": (P("dp", None), P(None, "tp"), P("tp", None)), "out_specs": P("dp", None)}
 
 
 def test_assert_matches_single_device_passes_for_correct_code(fastdist_mesh: fd.Mesh) -> None:
+    assert_matches_single_device(_mlp(fastdist_mesh), _reference, fastdist_mesh, _inputs(), **SPECS)
+
+
+def test_assert_matches_single_device_tests_the_code_as_written(fastdist_mesh: fd.Mesh) -> None:
+    """By default nothing is repaired: the missing pvary leaves dx partial on every rank, and the
+    failure names the input by position and name, the rank, and both norms."""
+    with pytest.raises(AssertionError) as info:
+        assert_matches_single_device(
+            _mlp_without_pvary(fastdist_mesh), _reference, fastdist_mesh, _inputs(), **SPECS
+        )
+    first = str(info.value).splitlines()[0]
+    ref = torch.func.grad(lambda x: (_reference(x, *_inputs()[1:]) * _cotangent()).sum())(
+        _inputs()[0]
+    )[:2]  # rank 0 holds rows 0..1 (dp=0)
+    assert first.startswith(
+        f"gradient of input 0 (x) on rank 0 {{'dp': 0, 'tp': 0}} (reference norm "
+        f"{torch.linalg.vector_norm(ref).item():.6g}, got norm "
+    ), first
+
+
+def _cotangent() -> Tensor:
+    """The cotangent assert_matches_single_device draws for a [4, 3] output with seed 0."""
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
+
+
+def test_check_insert_is_the_spmd_semantics_and_must_be_asked_for(fastdist_mesh: fd.Mesh) -> None:
+    """check="insert" runs the code as fd.spmd does (pvary inserted): the same MLP then passes;
+    check="error" refuses it, naming the missing pvary."""
     assert_matches_single_device(
-        _mlp(fastdist_mesh),
-        lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+        _mlp_without_pvary(fastdist_mesh),
+        _reference,
         fastdist_mesh,
         _inputs(),
+        check="insert",
         **SPECS,
     )
-
-
-def test_assert_matches_single_device_catches_a_wrong_gradient(fastdist_mesh: fd.Mesh) -> None:
-    """Without the checker (and without a hand-written pvary) dx is each rank's partial: caught,
-    naming the rank."""
-    with pytest.raises(AssertionError, match=r"gradient of input 0 on rank 0 \{'dp': 0, 'tp': 0\}"):
+    with pytest.raises(fd.ReplicationError, match="tp"):
         assert_matches_single_device(
-            _mlp(fastdist_mesh),
-            lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
+            _mlp_without_pvary(fastdist_mesh),
+            _reference,
             fastdist_mesh,
             _inputs(),
-            check=False,
+            check="error",
             **SPECS,
         )
 
 
 def test_assert_matches_single_device_catches_a_wrong_value(fastdist_mesh: fd.Mesh) -> None:
-    with pytest.raises(AssertionError, match=r"output on rank 0"):
+    """Twice the sum: the message gives both norms (the reference's and twice it)."""
+    x = torch.tensor([[1.5], [-4.0]], dtype=F64)
+    with pytest.raises(
+        AssertionError,
+        match=r"^output on rank 0 \{'dp': 0, 'tp': 0\} \(reference norm 2.5, got norm 5\): ",
+    ):
         assert_matches_single_device(
             lambda x: fd.psum(x, fastdist_mesh, "tp") * 2,
-            lambda x: x.sum(0, keepdim=True).expand(2, 1) * 1,
+            lambda x: x.sum(0, keepdim=True),
             fastdist_mesh,
-            [torch.randn(2, 1, dtype=F64)],
+            [x],
             in_specs=(P("tp", None),),
             out_specs=P(),
-            check=False,
+        )
+
+
+# ---------------------------------------------------- a user's own autograd.Function (Megatron)
+def _megatron_functions(mesh: fd.Mesh, *, wrong_backward: bool = False):
+    """Megatron-LM's pair as a user writes them: copy to the tp region (identity forward, psum
+    backward) and reduce from it (psum forward, identity backward). ``wrong_backward``: the copy's
+    backward forgets its psum (the bug a missing pvary is)."""
+
+    class CopyToTensorParallel(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx: object, inputs: tuple[Tensor], output: Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: object, g: Tensor) -> Tensor:
+            return g if wrong_backward else fd.psum(g, mesh, "tp")
+
+    class ReduceFromTensorParallel(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return fd.psum(x, mesh, "tp")
+
+        @staticmethod
+        def setup_context(ctx: object, inputs: tuple[Tensor], output: Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: object, g: Tensor) -> Tensor:
+            return g
+
+    def local(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        w1, w2 = fd.pvary(w1, mesh, "dp"), fd.pvary(w2, mesh, "dp")  # their gradient: sum over dp
+        h = torch.tanh(CopyToTensorParallel.apply(x) @ w1)
+        return ReduceFromTensorParallel.apply(h @ w2)
+
+    return local
+
+
+def test_a_correct_megatron_pair_passes(fastdist_mesh: fd.Mesh) -> None:
+    assert_matches_single_device(
+        _megatron_functions(fastdist_mesh), _reference, fastdist_mesh, _inputs(), **SPECS
+    )
+
+
+def test_a_megatron_pair_with_a_wrong_backward_fails(fastdist_mesh: fd.Mesh) -> None:
+    """The deliberately wrong backward (no psum) fails by default, naming x."""
+    with pytest.raises(AssertionError, match=r"^gradient of input 0 \(x\) on rank 0 "):
+        assert_matches_single_device(
+            _megatron_functions(fastdist_mesh, wrong_backward=True),
+            _reference,
+            fastdist_mesh,
+            _inputs(),
+            **SPECS,
         )
 
 
@@ -123,20 +233,12 @@ def gloo_fail() -> None:
 
 
 def gloo_same_test() -> str:
-    """The body of test_assert_matches_single_device_passes_for_correct_code, on a real mesh."""
+    """The body of test_assert_matches_single_device_passes_for_correct_code, then of
+    ..._tests_the_code_as_written, on a real mesh."""
     mesh = fd.Mesh.from_torch(tp=2)
-    assert_matches_single_device(
-        _mlp(mesh), lambda x, w1, w2: torch.tanh(x @ w1) @ w2, mesh, _inputs(), **SPECS
-    )
+    assert_matches_single_device(_mlp(mesh), _reference, mesh, _inputs(), **SPECS)
     try:
-        assert_matches_single_device(
-            _mlp(mesh),
-            lambda x, w1, w2: torch.tanh(x @ w1) @ w2,
-            mesh,
-            _inputs(),
-            check=False,
-            **SPECS,
-        )
+        assert_matches_single_device(_mlp_without_pvary(mesh), _reference, mesh, _inputs(), **SPECS)
     except AssertionError as e:
         return str(e).splitlines()[0]
     return "not caught"
@@ -144,9 +246,9 @@ def gloo_same_test() -> str:
 
 def test_the_same_check_runs_on_gloo_processes() -> None:
     firsts = run_on_gloo(gloo_same_test, 4)
-    assert [f.startswith(f"gradient of input 0 on rank {r} ") for r, f in enumerate(firsts)] == [
-        True
-    ] * 4
+    assert [
+        f.startswith(f"gradient of input 0 (x) on rank {r} ") for r, f in enumerate(firsts)
+    ] == [True] * 4
 
 
 def test_run_on_gloo_returns_every_rank_result() -> None:

@@ -13,13 +13,18 @@ a ``contextvars.ContextVar`` because dynamo cannot trace ``ContextVar.get``/``se
 ``torch.compile(simulate(fn, mesh), fullgraph=True)`` free of graph breaks. Entries are
 immutable tuples, replaced rather than mutated.
 
-Outside ``simulate``/``spmd`` both stacks are empty.
+Outside ``simulate``/``spmd`` both stacks are empty. One thing outlives a call: the
+backward of a ``torch.autograd.Function`` applied inside ``simulate`` runs after it
+returned, so ``simulate`` leaves what that backward needs on the Function's autograd node
+(not here), and :func:`simulation_of` reads it from the node being run.
 """
 
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from .mesh import Mesh
@@ -60,8 +65,21 @@ def _innermost(stack: tuple[tuple[Mesh, Any], ...], mesh: Mesh) -> Any:
 
 
 def simulation_of(mesh: Mesh) -> Any:
-    """The binding of the innermost simulation running over a mesh equal to ``mesh``, else None."""
-    return _innermost(_RUNNING.simulations, mesh)
+    """The binding of the innermost simulation running over a mesh equal to ``mesh``, else None.
+
+    In the backward of a ``torch.autograd.Function`` applied inside ``simulate`` (which runs
+    after ``simulate`` returned), the simulation that ``simulate`` left on the Function's
+    autograd node (``fastdist.simulate._Resume``), bound to the vmap over the ranks that torch
+    re-created for that backward.
+    """
+    found = _innermost(_RUNNING.simulations, mesh)
+    if found is not None or torch.compiler.is_compiling():
+        return found
+    node = torch._C._current_autograd_node()  # None outside a backward
+    for resume in reversed(getattr(node, "_fastdist_resume", ())):
+        if resume.covers(mesh):
+            return resume.binding(mesh)
+    return None
 
 
 def is_real(mesh: Mesh) -> bool:

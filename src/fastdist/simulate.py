@@ -20,11 +20,22 @@ looks its mesh up by value, so an equal mesh built elsewhere works; a collective
 mesh that no running simulation covers fails loudly instead of guessing. Threads
 simulate independently, the same mesh too.
 
+A user's ``torch.autograd.Function`` whose ``backward`` calls a collective (Megatron's
+"copy to the tensor-parallel region": identity forward, ``psum`` backward) runs that
+backward after ``simulate`` returned, when nothing is registered any more. torch runs it
+under a fresh vmap over the ranks (the Function's generated vmap rule), so what is missing is
+only the binding: while ``fn`` runs, simulate's ``TorchFunctionMode`` sees each such
+Function applied (torch routes it through ``custom_function_call``) and leaves a
+:class:`_Resume` on its autograd node; a collective called in that node's backward finds it
+(``fastdist._context.simulation_of``) and binds to the vmap torch re-created. See
+docs/testing.md, "Your own autograd.Function".
+
 ``F.scaled_dot_product_attention`` (which Hugging Face models call in every layer) has
 no vmap rule for its fused kernels in torch 2.13, so vmap would warn and loop over the
-ranks; while ``fn`` runs, ``simulate`` pushes ``fastdist._sdpa.SdpaMode``, which folds
-the rank dim into the batch dim and calls the kernel once (``batch_sdpa=False`` leaves
-it out).
+ranks; while ``fn`` runs, ``simulate`` pushes :class:`_SimulationMode` (a
+``fastdist._sdpa.SdpaMode``), which folds the rank dim into the batch dim and calls the
+kernel once, and marks the autograd.Functions applied (``batch_sdpa=False`` leaves the mode
+out, and with it both).
 """
 
 from __future__ import annotations
@@ -35,10 +46,13 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
+from torch._functorch.autograd_function import custom_function_call
+from torch._functorch.predispatch import _add_batch_dim
+from torch._functorch.pyfunctorch import coerce_cinterpreter
 from torch.utils import _pytree as pytree
 
 from ._context import pop_simulation, push_simulation, simulation_of
-from ._sdpa import SdpaMode
+from ._sdpa import _SDPA, SdpaMode, sdpa
 from .errors import MeshError, NoBackendError
 from .mesh import Mesh
 
@@ -56,6 +70,98 @@ class _Binding:
         self.rank = rank
         self.zero = rank * 0  # vmapped zero: adding it makes any tensor vary over ranks
         self.world = world
+
+
+_functorch: Any = torch._C._functorch
+_VMAP = _functorch.TransformType.Vmap
+
+
+class _Resume:
+    """Left on the autograd node of a ``torch.autograd.Function`` applied inside a simulation: how
+    a collective in its ``backward`` finds the simulation again.
+
+    The backward runs after ``simulate`` returned, under the vmap over the ranks that torch
+    re-creates for the Function's generated vmap rule: at the same position of the transform
+    stack (``depth``: the transforms active outside ``simulate``) as simulate's own.
+    """
+
+    __slots__ = ("meshes", "world", "depth", "device", "function")
+
+    def __init__(
+        self,
+        meshes: tuple[Mesh, ...],
+        world: int,
+        depth: int,
+        device: torch.device | None,
+        function: str,
+    ) -> None:
+        self.meshes, self.world, self.depth, self.device = meshes, world, depth, device
+        self.function = function  # the autograd.Function's name, for errors
+
+    def covers(self, mesh: Mesh) -> bool:
+        """Whether the simulation ran over a mesh equal to ``mesh``."""
+        return any(m is mesh or m == mesh for m in self.meshes)
+
+    def binding(self, mesh: Mesh) -> _Binding:
+        """The binding at the re-created vmap over the ranks; raises if the backward runs without
+        one."""
+        stack = _functorch.get_interpreter_stack() or []
+        if len(stack) > self.depth and stack[self.depth].key() == _VMAP:
+            interpreter = stack[self.depth]
+            vmap: Any = coerce_cinterpreter(interpreter)
+            if vmap.batch_size() == self.world:
+                rank = torch.arange(self.world, device=self.device)
+                return _Binding(_add_batch_dim(rank, 0, interpreter.level()), self.world)
+        raise NoBackendError(
+            f"the backward of autograd.Function {self.function}, applied inside "
+            f"fastdist.simulate over {mesh!r}, calls a collective but runs without simulate's vmap "
+            "over the ranks (torch re-creates it only from a generated vmap rule). Fix: give "
+            f"{self.function} generate_vmap_rule = True and a setup_context staticmethod "
+            '(not a vmap staticmethod); see docs/testing.md, "Your own autograd.Function"'
+        )
+
+
+def _mark_function_node(output: Any, resume: _Resume) -> None:
+    """Leave ``resume`` on the autograd node of the Function that produced ``output`` (the
+    innermost of nested simulations last)."""
+    for t in pytree.tree_leaves(output):
+        if not isinstance(t, Tensor):
+            continue
+        while _functorch.is_batchedtensor(t) or _functorch.is_gradtrackingtensor(t):
+            t = _functorch.get_unwrapped(t)  # down to the tensor autograd's engine sees
+        if isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
+            node: Any = t.grad_fn
+            node._fastdist_resume = (*getattr(node, "_fastdist_resume", ()), resume)
+            return  # the outputs of one Function share its node
+
+
+class _SimulationMode(SdpaMode):
+    """What ``simulate`` pushes while ``fn`` runs: SDPA folded over the ranks
+    (:class:`~fastdist._sdpa.SdpaMode`), and a :class:`_Resume` on the node of every
+    ``torch.autograd.Function`` applied."""
+
+    def __init__(
+        self, meshes: tuple[Mesh, ...], world: int, depth: int, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        self.simulation = (meshes, world, depth, device)
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is _SDPA:
+            return sdpa(*args, **(kwargs or {}))
+        if func is custom_function_call and not torch.compiler.is_compiling():
+            out = func(*args, **(kwargs or {}))  # args[0]: the user's autograd.Function class
+            _mark_function_node(out, _Resume(*self.simulation, getattr(args[0], "__name__", "?")))
+            return out
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
 
 
 def simulate(
@@ -81,7 +187,9 @@ def simulate(
             warning (torch has no vmap rule for the fused kernels), with the values and
             gradients of the per-rank calls. It costs a ``TorchFunctionMode`` while ``fn``
             runs: a few microseconds per torch call in ``fn``; ``False`` saves that for
-            per-rank code that never calls SDPA (see ``fastdist._sdpa``).
+            per-rank code that never calls SDPA (see ``fastdist._sdpa``) and never applies
+            a ``torch.autograd.Function`` whose backward calls a collective (the same mode
+            lets that backward, which runs after simulate returned, find the simulation).
 
     Returns:
         A function taking the same arguments as ``fn``, except that every tensor
@@ -98,6 +206,7 @@ def simulate(
     if not isinstance(mesh, Mesh):
         raise MeshError(f"simulate: mesh must be a fastdist.Mesh, got {type(mesh).__name__}")
     all_meshes = [mesh, *meshes]
+    meshes_tuple = tuple(all_meshes)
     for other in meshes:
         if not isinstance(other, Mesh) or other.size != mesh.size:
             raise MeshError(
@@ -119,14 +228,19 @@ def simulate(
                 )
         in_dims = pytree.tree_map(lambda a: 0 if isinstance(a, Tensor) else None, args)
         device = tensors[0].device if tensors else None
+        # the transforms active outside this simulation (a vmap over it, torch.func.grad of it)
+        depth = (
+            0 if torch.compiler.is_compiling() else len(_functorch.get_interpreter_stack() or ())
+        )
 
         def per_rank(rank: Tensor, *rank_args: Any) -> R:
             # this thread, for this call only
             push_simulation(all_meshes, _Binding(rank, mesh.size))
             try:
                 if batch_sdpa:
-                    # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa)
-                    with SdpaMode():
+                    # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa), and
+                    # the nodes of autograd.Functions marked for their backward
+                    with _SimulationMode(meshes_tuple, mesh.size, depth, device):
                         return fn(*rank_args, **kwargs)
                 return fn(*rank_args, **kwargs)
             finally:
@@ -149,6 +263,17 @@ def rank_binding(op: str, mesh: Mesh) -> _Binding | None:
         return binding
     if mesh.size == 1:
         return None
+    node = None if torch.compiler.is_compiling() else torch._C._current_autograd_node()
+    if node is not None:  # in a backward, after simulate (if any) returned
+        raise NoBackendError(
+            f"fastdist.{op}: called over {mesh!r} in the backward of autograd node "
+            f"{type(node).__name__}, where no simulation of this mesh is running. The backward "
+            "of a torch.autograd.Function applied inside fastdist.simulate finds its simulation "
+            "when simulate ran over this mesh (or got it in meshes=) with batch_sdpa=True (the "
+            "default). Fix: apply the Function inside simulate(fn, mesh), give it "
+            "generate_vmap_rule = True and a setup_context staticmethod, and leave batch_sdpa "
+            'on; see docs/testing.md, "Your own autograd.Function"'
+        )
     raise NoBackendError(
         f"fastdist.{op}: {mesh!r} has {mesh.size} ranks but no backend here: no simulation of "
         "this mesh is running. "
@@ -170,6 +295,17 @@ def promote(op: str, x: Tensor, binding: _Binding | None) -> Tensor:
         return x + binding.zero.to(device=x.device, dtype=x.dtype)
     if _has_rank_dim(op, x, binding):  # the usual case: no copy (adding zero costs a pass over x)
         return x
+    rank_level = _functorch.maybe_get_level(binding.rank)
+    if all(i.level() != rank_level for i in _functorch.get_interpreter_stack() or ()):
+        # torch re-created the vmap over the ranks at another level and hid simulate's: the
+        # forward of an autograd.Function applied under a torch.func transform outside simulate
+        raise NoBackendError(
+            f"fastdist.{op}: called where simulate's vmap over the ranks is hidden: in the forward "
+            "of a torch.autograd.Function applied inside fastdist.simulate that itself runs "
+            "under a torch.func transform (torch.func.grad(simulate(fn, mesh)), ...). Fix: "
+            "differentiate per rank inside fn (torch.func.grad inside simulate), or call "
+            ".backward() on simulate's output"
+        )
     return x + binding.zero.to(device=x.device, dtype=x.dtype)
 
 

@@ -1,9 +1,11 @@
-"""Testing toolkit for code written with fastdist (needs ``hypothesis``: ``pip install
-fastdist[testing]``).
+"""Testing toolkit for code written with fastdist.
 
-* Hypothesis strategies: :func:`meshes`, :func:`axes`, :func:`shard_sizes`, :func:`sharded`.
+* Hypothesis strategies: :func:`meshes`, :func:`axes`, :func:`shard_sizes`, :func:`sharded`
+  (they need ``hypothesis``: ``pip install "torch-fastdist[testing]"``; the rest of this
+  module does not).
 * :func:`assert_matches_single_device`: run per-rank code on every simulated rank and check
-  every rank's outputs *and* gradients against the single-device function.
+  every rank's outputs *and* gradients against the single-device function, as written (no
+  ``pvary`` inserted for it unless asked with ``check="insert"``).
 * :func:`run_on_gloo`: run a function on real gloo processes on this machine.
 * A pytest fixture ``mesh`` (see ``fastdist.pytest_plugin``), configurable with
   ``@pytest.mark.mesh(dp=2, tp=2)``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import io
 import math
 import multiprocessing as mp
@@ -33,10 +36,9 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from hypothesis import strategies as st
 from torch import Tensor
 
 from .errors import GlooRunError, MeshError
@@ -45,6 +47,9 @@ from .replication import CheckMode, Rep
 from .sharding import PartitionSpec, block_of
 from .simulate import simulate
 from .spmd import checked_call
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import DrawFn, SearchStrategy
 
 __all__ = [
     "meshes",
@@ -59,50 +64,81 @@ __all__ = [
 
 
 # ============================================================================ strategies
-@st.composite
+def _hypothesis(name: str) -> Any:
+    """``hypothesis.strategies``, imported when a strategy is built (the only part of this module
+    that needs it)."""
+    try:
+        from hypothesis import strategies as st
+    except ImportError as e:
+        raise ImportError(
+            f"fastdist.testing.{name} is a hypothesis strategy and hypothesis is not installed. "
+            'Fix: pip install "torch-fastdist[testing]" (or pip install hypothesis)',
+            name="hypothesis",
+        ) from e
+    return st
+
+
 def meshes(
-    draw: st.DrawFn,
     *,
     max_size: int = 16,
     max_axes: int = 3,
     names: Sequence[str] = ("dp", "sp", "tp"),
-) -> Mesh:
+) -> SearchStrategy[Mesh]:
     """Meshes of 1..``max_axes`` axes (named from ``names``) with at most ``max_size`` ranks."""
-    k = draw(st.integers(1, min(max_axes, len(names))))
-    sizes: list[int] = []
-    for _ in range(k):
-        budget = max_size // math.prod(sizes) if sizes else max_size
-        sizes.append(draw(st.integers(1, max(1, min(4, budget)))))
-    return Mesh(list(zip(names[:k], sizes)))
+    st = _hypothesis("meshes")
+
+    @st.composite  # type: ignore[untyped-decorator]
+    def draw_mesh(draw: DrawFn) -> Mesh:
+        k = draw(st.integers(1, min(max_axes, len(names))))
+        sizes: list[int] = []
+        for _ in range(k):
+            budget = max_size // math.prod(sizes) if sizes else max_size
+            sizes.append(draw(st.integers(1, max(1, min(4, budget)))))
+        return Mesh(list(zip(names[:k], sizes)))
+
+    return draw_mesh()  # type: ignore[no-any-return]
 
 
-@st.composite
-def axes(draw: st.DrawFn, mesh: Mesh) -> AxisName:
+def axes(mesh: Mesh) -> SearchStrategy[AxisName]:
     """One axis name, or a tuple of distinct names in any order."""
-    chosen = draw(
-        st.lists(
-            st.sampled_from(list(mesh.axis_names)), min_size=1, max_size=mesh.ndim, unique=True
+    st = _hypothesis("axes")
+
+    @st.composite  # type: ignore[untyped-decorator]
+    def draw_axis(draw: DrawFn) -> AxisName:
+        chosen = draw(
+            st.lists(
+                st.sampled_from(list(mesh.axis_names)),
+                min_size=1,
+                max_size=mesh.ndim,
+                unique=True,
+            )
         )
-    )
-    return chosen[0] if len(chosen) == 1 and draw(st.booleans()) else tuple(chosen)
+        return chosen[0] if len(chosen) == 1 and draw(st.booleans()) else tuple(chosen)
+
+    return draw_axis()  # type: ignore[no-any-return]
 
 
-@st.composite
 def shard_sizes(
-    draw: st.DrawFn, n: int, *, total: int | None = None, even: bool = False, max_rows: int = 4
-) -> list[int]:
+    n: int, *, total: int | None = None, even: bool = False, max_rows: int = 4
+) -> SearchStrategy[list[int]]:
     """Row counts of ``n`` shards: equal if ``even``, else uneven with zeros allowed (summing to
     ``total`` if given)."""
-    if even:
-        per = (total // n) if total is not None else draw(st.integers(1, max_rows))
-        if total is not None and per * n != total:
-            raise MeshError(f"shard_sizes: total {total} does not split evenly into {n}")
-        return [per] * n
-    if total is None:
-        return draw(st.lists(st.integers(0, max_rows), min_size=n, max_size=n))
-    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=n - 1, max_size=n - 1)))
-    bounds = [0, *cuts, total]
-    return [bounds[i + 1] - bounds[i] for i in range(n)]
+    st = _hypothesis("shard_sizes")
+
+    @st.composite  # type: ignore[untyped-decorator]
+    def draw_sizes(draw: DrawFn) -> list[int]:
+        if even:
+            per = (total // n) if total is not None else draw(st.integers(1, max_rows))
+            if total is not None and per * n != total:
+                raise MeshError(f"shard_sizes: total {total} does not split evenly into {n}")
+            return [per] * n
+        if total is None:
+            return list(draw(st.lists(st.integers(0, max_rows), min_size=n, max_size=n)))
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=n - 1, max_size=n - 1)))
+        bounds = [0, *cuts, total]
+        return [bounds[i + 1] - bounds[i] for i in range(n)]
+
+    return draw_sizes()  # type: ignore[no-any-return]
 
 
 class Sharded(NamedTuple):
@@ -115,24 +151,28 @@ class Sharded(NamedTuple):
     dim: int
 
 
-@st.composite
 def sharded(
-    draw: st.DrawFn,
     n: int,
     *,
     even: bool = True,
     trailing: Sequence[int] = (3,),
     dim: int = 0,
     dtype: torch.dtype = torch.float64,
-) -> Sharded:
+) -> SearchStrategy[Sharded]:
     """A random global tensor split along ``dim`` into ``n`` shards (even, or uneven including
     empty ones)."""
-    sizes = draw(shard_sizes(n, even=even))
-    shape = list(trailing)
-    shape.insert(dim, sum(sizes))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    x = torch.randn(shape, generator=gen).to(dtype)
-    return Sharded(x, sizes, list(torch.split(x, sizes, dim=dim)), dim)
+    st = _hypothesis("sharded")
+
+    @st.composite  # type: ignore[untyped-decorator]
+    def draw_sharded(draw: DrawFn) -> Sharded:
+        sizes = draw(shard_sizes(n, even=even))
+        shape = list(trailing)
+        shape.insert(dim, sum(sizes))
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        x = torch.randn(shape, generator=gen).to(dtype)
+        return Sharded(x, sizes, list(torch.split(x, sizes, dim=dim)), dim)
+
+    return draw_sharded()  # type: ignore[no-any-return]
 
 
 # ============================================================================ single-device oracle
@@ -150,7 +190,7 @@ def assert_matches_single_device(
     *,
     in_specs: Sequence[PartitionSpec],
     out_specs: PartitionSpec,
-    check: CheckMode | bool = "insert",
+    check: CheckMode | bool = False,
     rtol: float | None = None,
     atol: float | None = None,
     seed: int = 0,
@@ -160,17 +200,31 @@ def assert_matches_single_device(
     Each rank gets its block of every global input (by ``in_specs``); its output must equal
     its block of the reference output (by ``out_specs``), and, with a random cotangent, its
     gradient for every floating-point input must equal its block of the reference gradient.
-    ``check`` is the replication checked mode (as in :func:`fastdist.spmd`).
+
+    ``check`` is the replication checked mode of :func:`fastdist.spmd`, off by default: the
+    code is tested as written. ``check="insert"`` inserts the ``pvary`` a replicated input
+    needs before it meets a rank-specific one, as ``fd.spmd`` does by default: a test then
+    passes code that is right only when it runs under ``fd.spmd`` (leave it off for layers,
+    hand-written ``torch.autograd.Function`` s and anything called outside ``spmd``).
+    ``check="error"`` raises :class:`~fastdist.ReplicationError` where a ``pvary`` is missing
+    instead of inserting it (``True`` means ``"insert"``).
 
     On a simulated mesh every rank is checked at once. On a mesh from
     ``Mesh.from_torch`` each process checks its own rank, so the same test body runs on
     gloo processes through :func:`run_on_gloo`.
-    Raises ``AssertionError`` naming the rank and the input on a mismatch.
+
+    Raises:
+        AssertionError: on the first mismatch, naming the rank, its coordinates, the input by
+            position and parameter name (``gradient of input 0 (x) on rank 1 {'tp': 1}``) and
+            the norms of the reference block and of what the rank got, followed by
+            ``torch.testing.assert_close``'s report.
+        MeshError: ``in_specs`` and ``inputs`` differ in length.
     """
     if len(in_specs) != len(inputs):
         raise MeshError(
             f"assert_matches_single_device: {len(inputs)} inputs but {len(in_specs)} in_specs"
         )
+    names = _input_names(parallel_fn, reference_fn, len(inputs))
     ref_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     ref_out = reference_fn(*ref_in)
     c = torch.randn(
@@ -213,29 +267,65 @@ def assert_matches_single_device(
         grads = [list(t.grad) if t.grad is not None else [None] * len(ranks) for t in local]
     for j, r in enumerate(ranks):
         where = f"rank {r} {mesh.coords(r)}"
+        expected = shard_for_rank(ref_out.detach(), out_specs, mesh, r)
         torch.testing.assert_close(
             outs[j],
-            shard_for_rank(ref_out.detach(), out_specs, mesh, r),
+            expected,
             rtol=rtol,
             atol=atol,
-            msg=_prefixed(f"output on {where}"),
+            msg=_prefixed(f"output on {where}", expected, outs[j]),
         )
         for i, rt in enumerate(ref_in):
             if rt.grad is not None:
                 got = grads[i][j]
-                assert got is not None, f"input {i} on {where}: no gradient reached it"
+                what = f"gradient of input {i}{names[i]} on {where}"
+                expected = shard_for_rank(rt.grad, in_specs[i], mesh, r)
+                assert got is not None, (
+                    f"{what}: no gradient reached it (reference norm {_norm(expected)})"
+                )
                 torch.testing.assert_close(
                     got,
-                    shard_for_rank(rt.grad, in_specs[i], mesh, r),
+                    expected,
                     rtol=rtol,
                     atol=atol,
-                    msg=_prefixed(f"gradient of input {i} on {where}"),
+                    msg=_prefixed(what, expected, got),
                 )
 
 
-def _prefixed(prefix: str) -> Callable[[str], str]:
-    """An ``assert_close`` message callback that says where the mismatch is."""
-    return lambda m: f"{prefix}: {m}"
+def _input_names(parallel_fn: Any, reference_fn: Any, n: int) -> list[str]:
+    """``" (x)"`` for each input whose parameter name ``parallel_fn`` (else ``reference_fn``)
+    declares, else ``""``."""
+    for fn in (parallel_fn, reference_fn):
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # a builtin or an object without a signature
+            continue
+        positional = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if len(positional) >= n:
+            return [f" ({name})" for name in positional[:n]]
+    return [""] * n
+
+
+def _norm(t: Tensor) -> str:
+    """The 2-norm of ``t`` for a failure message."""
+    return f"{torch.linalg.vector_norm(t.detach().double()).item():.6g}"
+
+
+def _prefixed(prefix: str, expected: Tensor, got: Tensor) -> Callable[[str], str]:
+    """An ``assert_close`` message callback that says where the mismatch is and how large both
+    sides are."""
+
+    def message(report: str) -> str:
+        sizes = (
+            f"reference norm {_norm(expected)}, got norm {_norm(got)}"
+            if got.shape == expected.shape
+            else f"reference shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
+        )
+        return f"{prefix} ({sizes}): {report}"
+
+    return message
 
 
 # ============================================================================ real gloo processes

@@ -1,0 +1,238 @@
+"""A user's own torch.autograd.Function whose backward calls a collective, under simulate.
+
+Megatron-LM's tensor-parallel regions are written this way: "copy to the region" is the
+identity forward with a psum backward, "reduce from the region" a psum forward with the
+identity backward, "gather from the region" an all_gather forward whose backward keeps the
+rank's own slice. The backward runs after simulate returned; simulate leaves on each
+Function's autograd node what a collective there needs to find the simulation again
+(fastdist.simulate._Resume). Every gradient is checked against one device in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import fastdist as fd
+
+F64 = torch.float64
+TP = 2
+
+
+def _regions(mesh: fd.Mesh) -> dict[str, Any]:
+    """The three Functions as a user writes them (generate_vmap_rule + setup_context)."""
+
+    class CopyToRegion(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor, scale: float) -> Tensor:
+            return x * scale
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Tensor, float], output: Tensor) -> None:
+            ctx.scale = inputs[1]  # non-tensor state on ctx
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+            return fd.psum(g, mesh, "tp") * ctx.scale, None
+
+    class ReduceFromRegion(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return fd.psum(x, mesh, "tp")
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            return g
+
+    class GatherFromRegion(torch.autograd.Function):
+        """All-gather the last dim; backward keeps this rank's slice (axis_index in backward),
+        with a saved tensor."""
+
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return fd.all_gather(x, mesh, "tp", dim=-1, tiled=True)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            (x,) = ctx.saved_tensors
+            i = fd.axis_index(mesh, "tp")
+            # [..., tp * d] -> [..., tp, d] -> this rank's [..., d]
+            own = g.unflatten(-1, (TP, x.shape[-1])).index_select(-2, i.reshape(1)).squeeze(-2)
+            return own
+
+    return {"copy": CopyToRegion, "reduce": ReduceFromRegion, "gather": GatherFromRegion}
+
+
+def _per_rank(mesh: fd.Mesh):
+    r = _regions(mesh)
+
+    def mlp(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        """Column-parallel w1, row-parallel w2, column-parallel w3 gathered: [b, 4] -> [b, 6]."""
+        h = torch.tanh(r["copy"].apply(x, 0.5) @ w1)  # [b, 8 / tp]
+        y = r["reduce"].apply(h @ w2)  # [b, 5], replicated
+        return r["gather"].apply(torch.sin(r["copy"].apply(y, 1.0) @ w3))  # [b, 6]
+
+    return mlp
+
+
+def _reference(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    return torch.sin((torch.tanh((x * 0.5) @ w1) @ w2) @ w3)
+
+
+def _problem() -> tuple[list[Tensor], Tensor, list[Tensor]]:
+    """Global inputs, the cotangent, and the single-device gradients (float64)."""
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(*s, dtype=F64, generator=g) for s in ((3, 4), (4, 8), (8, 5), (5, 6))]
+    c = torch.randn(3, 6, dtype=F64, generator=g)
+    leaves = [t.clone().requires_grad_() for t in full]
+    grads = torch.autograd.grad((_reference(*leaves) * c).sum(), leaves)
+    return full, c, list(grads)
+
+
+def _stacked(full: list[Tensor]) -> list[Tensor]:
+    """Each rank's inputs stacked: x replicated, w1 and w3 split by columns, w2 by rows."""
+    x, w1, w2, w3 = full
+    return [
+        x.expand(TP, *x.shape).clone(),
+        torch.stack(w1.chunk(TP, 1)),
+        torch.stack(w2.chunk(TP, 0)),
+        torch.stack(w3.chunk(TP, 1)),
+    ]
+
+
+def _check_rank_grads(grads: list[Tensor], ref: list[Tensor]) -> None:
+    """x's gradient whole on every rank, each weight's gradient the rank's block."""
+    gx, g1, g2, g3 = grads
+    for r in range(TP):
+        torch.testing.assert_close(gx[r], ref[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g1[r], ref[1].chunk(TP, 1)[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g2[r], ref[2].chunk(TP, 0)[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g3[r], ref[3].chunk(TP, 1)[r], rtol=1e-12, atol=1e-12)
+
+
+def test_backward_after_simulate_returned_gives_the_single_device_gradient() -> None:
+    mesh = fd.Mesh({"tp": TP})
+    full, c, ref = _problem()
+    leaves = [t.requires_grad_() for t in _stacked(full)]
+    out = fd.simulate(_per_rank(mesh), mesh)(*leaves)  # [tp, 3, 6]
+    torch.testing.assert_close(out, _reference(*full).expand(TP, 3, 6), rtol=1e-12, atol=1e-12)
+    (out * c).sum().backward()  # every rank's backward of its own loss
+    _check_rank_grads([t.grad for t in leaves], ref)
+
+
+def test_torch_func_grad_inside_simulate() -> None:
+    """Per-rank torch.func.grad: the backward runs while simulate is running."""
+    mesh = fd.Mesh({"tp": TP})
+    full, c, ref = _problem()
+    mlp = _per_rank(mesh)
+
+    def grads(*args: Tensor) -> tuple[Tensor, ...]:
+        return torch.func.grad(lambda *a: (mlp(*a) * c).sum(), argnums=(0, 1, 2, 3))(*args)
+
+    _check_rank_grads(list(fd.simulate(grads, mesh)(*_stacked(full))), ref)
+
+
+def test_vmap_over_simulate_and_a_wider_mesh() -> None:
+    """Two independent problems (a vmap over simulate) on a dp x tp mesh: the backward's vmap
+    over the ranks sits under the outer vmap, and tp groups are (0, 1) and (2, 3)."""
+    mesh = fd.Mesh({"dp": 2, "tp": TP})
+    full, c, ref = _problem()
+    # [2 problems, 4 ranks, ...]: problem p is the inputs scaled by (p + 1), ranks dp-replicated
+    per_rank = [torch.cat([s, s]) for s in _stacked(full)]
+    leaves = [torch.stack([t, 2 * t]).requires_grad_() for t in per_rank]
+    out = torch.vmap(fd.simulate(_per_rank(mesh), mesh))(*leaves)  # [2, 4, 3, 6]
+    (out[0] * c).sum().backward()  # problem 1 gets no loss: its gradients must be zero
+    for d in range(2):
+        _check_rank_grads([t.grad[0, d * TP : (d + 1) * TP] for t in leaves], ref)
+        assert all(bool((t.grad[1] == 0).all()) for t in leaves)
+
+
+def test_an_equal_mesh_built_elsewhere_and_meshes_argument() -> None:
+    """The Functions use a mesh equal to simulate's, given as a further mesh of simulate."""
+    mesh, other = fd.Mesh({"tp": TP}), fd.Mesh({"mp": TP})
+    full, c, ref = _problem()
+    leaves = [t.requires_grad_() for t in _stacked(full)]
+    inner = _per_rank(fd.Mesh({"tp": TP}))
+    (fd.simulate(inner, other, meshes=[mesh])(*leaves) * c).sum().backward()
+    _check_rank_grads([t.grad for t in leaves], ref)
+
+
+def test_without_the_simulation_mode_the_backward_says_what_to_do() -> None:
+    mesh = fd.Mesh({"tp": TP})
+    full, _, _ = _problem()
+    leaves = [t.requires_grad_() for t in _stacked(full)]
+    out = fd.simulate(_per_rank(mesh), mesh, batch_sdpa=False)(*leaves)
+    with pytest.raises(
+        fd.NoBackendError,
+        match=r"(?s)fastdist\.(psum|axis_index): called over Mesh\(\{'tp': 2\}\) in the "
+        r"backward of autograd node Vmapped\w+Backward.*batch_sdpa=True.*Fix: .*generate_vmap_rule",
+    ):
+        out.sum().backward()
+
+
+def test_a_function_applied_outside_simulate_says_what_to_do() -> None:
+    mesh = fd.Mesh({"tp": TP})
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    with pytest.raises(
+        fd.NoBackendError, match=r"in the backward of autograd node CopyToRegionBackward.*Fix: "
+    ):
+        _regions(mesh)["copy"].apply(x, 1.0).sum().backward()
+
+
+def test_a_function_with_its_own_vmap_rule_is_refused_in_backward() -> None:
+    """With a vmap staticmethod torch runs the backward on the stacked tensors, with no vmap
+    over the ranks: refused, naming the Function and the fix."""
+    mesh = fd.Mesh({"tp": TP})
+
+    class OwnVmap(torch.autograd.Function):
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            return fd.psum(g, mesh, "tp")
+
+        @staticmethod
+        def vmap(info: Any, in_dims: tuple[int | None], x: Tensor) -> tuple[Tensor, int | None]:
+            return OwnVmap.apply(x), in_dims[0]
+
+    x = torch.ones(TP, 3, dtype=F64, requires_grad=True)
+    out = fd.simulate(lambda x: OwnVmap.apply(x), mesh)(x)
+    with pytest.raises(
+        fd.NoBackendError,
+        match=r"backward of autograd\.Function OwnVmap, applied inside fastdist\.simulate .*"
+        r"Fix: give OwnVmap generate_vmap_rule = True",
+    ):
+        out.sum().backward()
+
+
+def test_grad_of_simulate_refuses_a_collective_in_a_functions_forward() -> None:
+    """torch.func.grad(simulate(...)) hides simulate's vmap from the Function's forward (torch
+    re-creates it at another level): a fastdist error, not torch's internal assert."""
+    mesh = fd.Mesh({"tp": TP})
+    reduce = _regions(mesh)["reduce"]
+    x = torch.ones(3, dtype=F64)
+    with pytest.raises(fd.NoBackendError, match=r"simulate's vmap over the ranks is hidden.*Fix: "):
+        torch.func.grad(lambda x: fd.simulate(reduce.apply, mesh)(x.expand(TP, 3)).sum())(x)
