@@ -45,6 +45,16 @@ def report(
 ) -> str:
     """A plain-text report: versions, devices, torch.distributed backends, ctypes libraries.
 
+    Args:
+        nccl_library: the NCCL shared object to report on; default: found as
+            `fastdist.native.find_library` finds it.
+        hccl_library: the HCCL shared object to report on; default: found likewise.
+        environ: where to read ``FASTDIST_NCCL_LIBRARY`` / ``FASTDIST_HCCL_LIBRARY``; default:
+            ``os.environ``.
+
+    Returns:
+        the report, plain text.
+
     >>> "torch " + torch.__version__ in report()
     True
     """

@@ -42,7 +42,12 @@ Exchange = Callable[[bytes | None], bytes]
 
 def exchange_over_group(group: Any, src: int = 0) -> Exchange:
     """An id exchange over a CPU (gloo) process group: ``src`` (a group rank) broadcasts the
-    bytes."""
+    bytes.
+
+    Args:
+        group: a CPU (gloo) process group of the communicator's members.
+        src: the group rank that makes the id.
+    """
     import torch.distributed as dist
 
     def exchange(data: bytes | None) -> bytes:
@@ -61,7 +66,12 @@ def exchange_over_group(group: Any, src: int = 0) -> Exchange:
 
 def exchange_over_stateless(group: Any, src: int = 0) -> Exchange:
     """An id exchange over a :class:`~fastdist.StatelessGroup` (a TCPStore, no process group
-    needed)."""
+    needed).
+
+    Args:
+        group: a ``StatelessGroup`` of the communicator's members.
+        src: the member that makes the id.
+    """
 
     def exchange(data: bytes | None) -> bytes:
         return bytes(group.broadcast_obj(data, src=src))
@@ -121,7 +131,24 @@ class NativeCommunicator:
         warmup: bool = True,
     ) -> NativeCommunicator:
         """Make the id on member 0, exchange it, init on ``device``, check with a warm-up
-        all-reduce."""
+        all-reduce.
+
+        Args:
+            lib: the bound library.
+            n: the members.
+            index: this member's index (its rank in the communicator).
+            exchange: passes member 0's id bytes to every member (`exchange_over_group`,
+                `exchange_over_stateless`).
+            device: the device of the buffers, of the library's device type; default: the current
+                device (cpu for the fake library).
+            label: what errors call the group (a mesh axis).
+            ranks: the members' global ranks, for error messages.
+            rank: this process's global rank, for error messages.
+            warmup: check the communicator with one all-reduce.
+
+        Returns:
+            the communicator, checked.
+        """
         ranks = tuple(range(n)) if ranks is None else tuple(ranks)
         rank = index if rank is None else rank
         device = _default_device(lib) if device is None else torch.device(device)
@@ -177,6 +204,12 @@ class NativeCommunicator:
 
         Abort can block while CUDA graphs that captured this communicator are alive, so it
         runs in a daemon thread. Returns whether it finished; warns if it did not.
+
+        Args:
+            timeout: seconds to wait at most.
+
+        Returns:
+            whether the abort finished within ``timeout``.
         """
         if self.closed:
             return True
@@ -307,7 +340,16 @@ class NativeCommunicator:
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise reduction over members (``"sum" | "prod" | "max" | "min" | "avg"``); same
-        shape."""
+        shape.
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: this member's tensor, on the communicator's device.
+            reduce_op: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``.
+
+        Returns:
+            the reduction, shaped like ``x``.
+        """
         emulate_avg = reduce_op == "avg" and "avg" not in self.lib.spec.reduce_ops
         code = self._reduce_code(op, "sum" if emulate_avg else reduce_op)
         w, dt, k = self._wire(op, x, reduce_op)
@@ -329,7 +371,15 @@ class NativeCommunicator:
         return out.reshape(-1).view(x.dtype).reshape(x.shape)
 
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
-        """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``."""
+        """Every member's ``x`` concatenated along dim 0, in member order: ``[n * s0, *rest]``.
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: this member's tensor, on the communicator's device.
+
+        Returns:
+            ``[n * s0, *rest]``: every member's ``x`` in member order.
+        """
         w, dt, k = self._wire(op, x)
         out = w.new_empty((self.n * w.numel(),))  # [n * k], in the wire dtype
         self._call(
@@ -342,7 +392,16 @@ class NativeCommunicator:
         )
 
     def reduce_scatter_rows(self, op: str, x: Tensor, reduce_op: str = "sum") -> Tensor:
-        """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``."""
+        """Reduce over members; member ``i`` keeps chunk ``i`` of dim 0: ``[s0 / n, *rest]``.
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: this member's tensor, ``n`` chunks along dim 0.
+            reduce_op: as in `all_reduce`.
+
+        Returns:
+            ``[s0 / n, *rest]``: this member's chunk of the reduction.
+        """
         code = self._reduce_code(op, reduce_op)
         w, dt, k = self._wire(op, x, reduce_op)
         out = w.new_empty((k // self.n,))  # [k / n]
@@ -360,7 +419,16 @@ class NativeCommunicator:
         return out.view(x.dtype).reshape(x.shape[0] // self.n, *x.shape[1:])
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
-        """Every member gets member ``src``'s ``x`` (a new tensor; ``x`` is not written)."""
+        """Every member gets member ``src``'s ``x`` (a new tensor; ``x`` is not written).
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: this member's tensor, on the communicator's device.
+            src: the member whose ``x`` every member gets.
+
+        Returns:
+            member ``src``'s ``x`` (a new tensor).
+        """
         w, dt, k = self._wire(op, x)
         out = w.clone() if self.index == src else torch.empty_like(w)
         if self._nccl:
@@ -375,7 +443,17 @@ class NativeCommunicator:
         self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
     ) -> Tensor:
         """Rows ``in_splits[j]`` of dim 0 go to member ``j``; what arrives is stacked by sender
-        (``None``: equal splits)."""
+        (``None``: equal splits).
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: this member's tensor, on the communicator's device.
+            out_splits: the rows arriving from each member (``None``: equal splits).
+            in_splits: the rows of ``x`` going to each member (``None``: equal splits).
+
+        Returns:
+            what arrived, stacked by sender along dim 0.
+        """
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
         w, dt, _ = self._wire(op, x)
@@ -442,6 +520,15 @@ class NativeCommunicator:
         One broadcast per root, grouped: no padding to the largest size. ``index`` is
         accepted for parity with :class:`fastdist.distributed.TorchTransport` (the
         communicator knows its own).
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: this member's rows (its first ``sizes[index]`` are sent).
+            sizes: every member's row count, in member order.
+            index: accepted for parity with ``TorchTransport`` (the communicator knows its own).
+
+        Returns:
+            ``[sum(sizes), *rest]``: every member's rows, in member order.
         """
         mine = x[: sizes[self.index]]
         w, dt, _ = self._wire(op, mine)
@@ -499,6 +586,16 @@ class NativeCommunicator:
 
         One reduce per root, grouped: ``[sizes[me], *rest]``. ``index`` as in
         :meth:`all_gather_v_rows`.
+
+        Args:
+            op: the fastdist op this serves, for error messages.
+            x: ``[sum(sizes), *rest]``.
+            sizes: the rows each member keeps, in member order.
+            index: as in `all_gather_v_rows`.
+            reduce_op: as in `all_reduce`.
+
+        Returns:
+            ``[sizes[me], *rest]``: this member's rows of the reduction.
         """
         code = self._reduce_code(op, reduce_op)
         w, dt, _ = self._wire(op, x, reduce_op)

@@ -257,7 +257,14 @@ SPECS: dict[str, LibrarySpec] = {"nccl": NCCL, "hccl": HCCL}
 
 
 def decode_nccl_version(code: int) -> Version:
-    """``ncclGetVersion``'s integer as ``(major, minor, patch)`` (the encoding changed at 2.9)."""
+    """``ncclGetVersion``'s integer as ``(major, minor, patch)`` (the encoding changed at 2.9).
+
+    Args:
+        code: the integer ``ncclGetVersion`` gives.
+
+    Returns:
+        ``(major, minor, patch)``.
+    """
     if code >= 10000:  # 2.9+: major * 10000 + minor * 100 + patch
         return code // 10000, code // 100 % 100, code % 100
     # before 2.9: major * 1000 + minor * 100 + patch
@@ -335,11 +342,25 @@ class NativeLibrary:
         return "version unknown" if self.version is None else ".".join(map(str, self.version))
 
     def has(self, name: str) -> bool:
-        """Whether ``name`` is bound (exported and new enough)."""
+        """Whether ``name`` is bound (exported and new enough).
+
+        Args:
+            name: the C function's name (``"ncclAllReduce"``).
+
+        Returns:
+            whether ``name`` is bound (exported and new enough).
+        """
         return name in self._fns
 
     def fn(self, name: str) -> Any:
-        """The bound function ``name``; a clear error when this library lacks it."""
+        """The bound function ``name``; a clear error when this library lacks it.
+
+        Args:
+            name: the C function's name (``"ncclAllReduce"``).
+
+        Returns:
+            the bound ctypes function.
+        """
         f = self._fns.get(name)
         if f is None:
             why = self.unbound.get(name, "not in fastdist's table")
@@ -350,7 +371,15 @@ class NativeLibrary:
         return f
 
     def error_text(self, rc: int, comm: Any = None) -> str:
-        """``GetErrorString(rc)``, plus ``ncclGetLastError`` when the library has it."""
+        """``GetErrorString(rc)``, plus ``ncclGetLastError`` when the library has it.
+
+        Args:
+            rc: the result code a library call returned.
+            comm: the communicator handle, for ``ncclGetLastError``.
+
+        Returns:
+            the library's text for ``rc``.
+        """
         text = (self._fns[self.spec.error_string](rc) or b"").decode(errors="replace")
         if self.has("ncclGetLastError"):
             last = (self._fns["ncclGetLastError"](comm) or b"").decode(errors="replace").strip()
@@ -390,7 +419,17 @@ def load_library(
     kind: str, path: str | None = None, *, environ: Mapping[str, str] | None = None
 ) -> NativeLibrary:
     """Find (see :func:`find_library`) and bind the ``"nccl"`` or ``"hccl"`` library; once per
-    path."""
+    path.
+
+    Args:
+        kind: ``"nccl"`` or ``"hccl"``.
+        path: the shared object to load; default: found as `find_library` finds it.
+        environ: where to read ``FASTDIST_NCCL_LIBRARY`` / ``FASTDIST_HCCL_LIBRARY``; default:
+            ``os.environ``.
+
+    Returns:
+        the bound library (the same object for the same path).
+    """
     if kind not in SPECS:
         raise LibraryError(
             f"fastdist: unknown native library {kind!r}. Fix: use one of {sorted(SPECS)}"
