@@ -29,6 +29,7 @@ FILES = [
     "tests/test_errors.py",
     "tests/test_nn.py",
     "tests/test_cross_entropy.py",
+    "tests/test_autograd_function_simulate.py",
 ]
 
 
