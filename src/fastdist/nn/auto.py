@@ -228,9 +228,15 @@ def _attention_styles(
         for a, v in sorted(vars(module).items())
         if type(v) is int and a not in patched and not re.search(r"head|group", a)
     )
+    # the module's own parameters with one entry per query head (GPT-OSS's attention sinks)
+    per_head = tuple(
+        n for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == hq
+    )
     out = []
     for layout in layouts:
         extra: dict[str, Any] = {"qkv_layout": layout} if "qkv" in names else {}
+        if per_head:
+            extra["head_params"] = per_head
         if keep and "keep" in known:
             extra["keep"] = keep
         if full:

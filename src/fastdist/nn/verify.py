@@ -50,7 +50,7 @@ from ..simulate import simulate
 from .state import Layout
 from .styles import HeadParallelAttention, ParallelizeError, ParallelLinear
 
-__all__ = ["VerifyInputs", "example_inputs", "small_config", "verify_plan"]
+__all__ = ["example_inputs", "small_config", "verify_plan"]
 
 #: what ``parallelize(verify=...)`` accepts: ``True``, a dict of example keyword inputs
 #: (single-device tensors), or a callable taking the single-device model and returning one
