@@ -12,7 +12,8 @@ literally and turn ``>>>`` into nested block quotes, so, at build time only:
   blank line) becomes a fenced ``pycon`` block;
 - a module constant documented by ``#:`` comments above it gets them as its docstring;
 - a public function, method or class whose docstring has no ``Args:`` section gets a parameters
-  table built from its signature (name, type, default; the prose above it describes them), so
+  table built from its signature (name, type, default; a parameter named like an entry of the
+  docstring's ``Attributes:`` gets that description; the prose above describes the others), so
   every callable of the reference shows its typed parameters. Docstrings that document their
   parameters (``Args:``) keep their own table.
 """
@@ -118,9 +119,12 @@ def _comment_docstring(attr: griffe.Attribute) -> None:
         attr.docstring = griffe.Docstring("\n".join(doc), lineno=i + 2, parent=attr)
 
 
-def _signature_parameters(params: griffe.Parameters) -> griffe.DocstringSectionParameters | None:
+def _signature_parameters(
+    params: griffe.Parameters, described: dict[str, str]
+) -> griffe.DocstringSectionParameters | None:
     """A parameters section with one row per parameter of the signature (``self``/``cls`` left
-    out), or None when there is none to list."""
+    out; a parameter named like a documented attribute gets its description), or None when
+    there is none to list."""
     rows = []
     for p in params:
         if p.name in ("self", "cls"):
@@ -128,10 +132,24 @@ def _signature_parameters(params: griffe.Parameters) -> griffe.DocstringSectionP
         stars = {"var_positional": "*", "var_keyword": "**"}.get(p.kind.name, "")
         rows.append(
             griffe.DocstringParameter(
-                stars + p.name, description="", annotation=p.annotation, value=p.default
+                stars + p.name,
+                description=described.get(p.name, ""),
+                annotation=p.annotation,
+                value=p.default,
             )
         )
     return griffe.DocstringSectionParameters(rows) if rows else None
+
+
+def _attribute_descriptions(sections: list[griffe.DocstringSection]) -> dict[str, str]:
+    """The ``Attributes:`` entries of a docstring by name (``op, axis: ...`` names both)."""
+    out: dict[str, str] = {}
+    for section in sections:
+        if section.kind is griffe.DocstringSectionKind.attributes:
+            for attr in section.value:
+                for name in attr.name.split(","):
+                    out[name.strip()] = attr.description
+    return out
 
 
 def _has_parameters(sections: list[griffe.DocstringSection]) -> bool:
@@ -158,7 +176,7 @@ class _SignatureDocstring(griffe.Docstring):
                 and _has_parameters(init.docstring.parsed)
             ):
                 return sections
-        section = _signature_parameters(obj.parameters)
+        section = _signature_parameters(obj.parameters, _attribute_descriptions(sections))
         return sections if section is None else [*sections, section]
 
 
@@ -172,6 +190,8 @@ def _add_parameters(obj: griffe.Function | griffe.Class) -> None:
 def _walk(obj: griffe.Object) -> None:
     for name, member in obj.members.items():
         if member.is_alias or (name.startswith("_") and not name.endswith("__")):
+            continue
+        if name == "__init__":  # its class's table lists the parameters
             continue
         if isinstance(member, (griffe.Function, griffe.Class)):
             _add_parameters(member)
