@@ -59,6 +59,7 @@ __all__ = [
     "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
+    "mixtral",
     "moe_plan_for",
     "olmoe",
     "qwen2_moe",
@@ -462,8 +463,17 @@ def gpt_oss(
     return plan
 
 
+def mixtral(model_or_config: Any, **options: Any) -> Plan:
+    """`fastdist.nn.plans.mixtral` (registered here so that `moe_plan_for` picks its axes from the
+    mesh as for the other MoE families)."""
+    from .plans import mixtral as plan
+
+    return plan(model_or_config, **options)
+
+
 #: The plan of each MoE family by ``config.model_type`` (what `moe_plan_for` looks up).
 FAMILIES: dict[str, Callable[..., Plan]] = {
+    "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
     "qwen3_moe": qwen3_moe,
     "olmoe": olmoe,
