@@ -54,6 +54,7 @@ from .styles import (
     ParallelizeError,
     ParallelLinear,
     Style,
+    VocabParallel,
     _Context,
     _ReplicatedHeads,
     _swap,
@@ -577,15 +578,18 @@ class _HFCausalLMLoss:
     """transformers' ``loss_function`` call, ``(logits, labels, vocab_size, **kwargs)`` by position
     or keyword, on vocabulary-parallel logits (``fastdist.nn.causal_lm_loss``)."""
 
-    def __init__(self, mesh: Mesh, axis: str) -> None:
-        self.mesh, self.axis = mesh, axis
+    def __init__(self, mesh: Mesh, axis: str, gathered: bool = False) -> None:
+        self.mesh, self.axis, self.gathered = mesh, axis, gathered
 
     def __call__(
         self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any
     ) -> Tensor:
-        from .loss import causal_lm_loss
+        from .loss import _gathered_causal_lm_loss, causal_lm_loss
 
-        return causal_lm_loss(logits, labels, self.mesh, self.axis, vocab_size=vocab_size, **kwargs)
+        # gathered logits (gather_output=True) hold the whole vocabulary: the same loss, no
+        # collective (transformers' own would compute in float32)
+        loss = _gathered_causal_lm_loss if self.gathered else causal_lm_loss
+        return loss(logits, labels, self.mesh, self.axis, vocab_size=vocab_size, **kwargs)
 
 
 PlanValue = Style | Sequence[Style]
@@ -713,8 +717,15 @@ def parallelize(
         original, why = None, f"{type(e).__name__}: {e}"
     # Phase 2: apply.
     ctx = _Context(mesh)
+    gathered_head: str | None = None  # the axis of a vocabulary-parallel head with gathered logits
     for name, module, pattern in matches:
         for style in styles[pattern]:
+            if (
+                isinstance(style, VocabParallel)
+                and style.gather_output
+                and not isinstance(module, nn.Embedding)
+            ):
+                gathered_head = style.axis
             axis = getattr(style, "axis", None)
             ctx.axes.extend([axis] if isinstance(axis, str) else [])
             module = style.apply(module, name, ctx)
@@ -724,6 +735,8 @@ def parallelize(
     if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
         # transformers' causal-LM models compute `labels=` losses through this attribute
         model.loss_function = _HFCausalLMLoss(mesh, ctx.sharded_logits)  # type: ignore[assignment]
+    elif gathered_head is not None and hasattr(type(model), "loss_function"):
+        model.loss_function = _HFCausalLMLoss(mesh, gathered_head, gathered=True)  # type: ignore[assignment]
     # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
     if mesh.backend is None:
         done = {id(v) for v in ctx.converted.values()}
