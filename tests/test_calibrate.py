@@ -253,3 +253,29 @@ def test_tp_collectives_are_on_the_critical_path() -> None:
     pred = predict(prof, net)
     assert pred.comm > 0 and math.isclose(pred.time, pred.compute + pred.comm, rel_tol=1e-12)
     assert math.isclose(pred.compute, prof.flops() / 1e9, rel_tol=1e-12)
+
+
+def test_trace_of_a_tied_meta_model() -> None:
+    """A model on the meta device whose head is tied to its embedding (GPT-2) traces: the tied
+    weight is one fake tensor, counted once in the parameters."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    per_rank = sum(p.numel() for p in model.parameters()) * 4  # tied: once
+    pm = fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.gpt2(model))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    prof = fd.profile.trace_model(pm, input_ids=ids, labels=ids)
+    assert prof.count(axis="tp") > 0 and prof.flops() > 0
+    # replicated (position embedding, norms, biases of row-parallel layers) plus tp shards
+    assert 0 < sum(p.bytes for p in prof.params) < per_rank
+    assert len({p.name for p in prof.params}) == len(prof.params)
+
+
+def test_predict_of_a_filtered_profile_charges_the_kept_collectives() -> None:
+    net = Network("toy", 8, Link(1e9, 1e-5), Link(1e9, 1e-5), flops=1e9)
+    prof = _tp_mlp(Layout((("tp", 4),), unit=("dp",)).mesh)
+    whole, fwd = predict(prof, net), predict(prof.filter(phase="forward"), net)
+    assert math.isclose(fwd.comm, whole.by_phase["forward"], rel_tol=1e-12)
+    assert math.isclose(fwd.time, whole.compute + whole.by_phase["forward"], rel_tol=1e-12)

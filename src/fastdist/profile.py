@@ -14,11 +14,20 @@ group, shape and dtype):
   the mesh: on a ``Mesh.from_torch`` mesh nothing is sent and the profile is the plain mesh's.
 * :func:`record` collects the same records from a step while it really runs, on real ranks
   or under :func:`fastdist.simulate`.
+  A trace also counts the step's compute (matmul and attention FLOPs, other kernels and their
+  bytes, per phase, in issue order between the collectives: :class:`Work`), the parameters
+  that receive gradients and when (:class:`GradReady`), and the activations autograd saves
+  (:meth:`Profile.memory`).
 * :class:`Network` describes the links (bandwidth and latency inside a node and across
-  nodes, GPUs per node); :data:`NETWORKS` holds documented defaults.
-* :func:`plan` profiles a step for every candidate layout of a world size (axis sizes and
-  their order onto node boundaries) and ranks the layouts by an alpha-beta prediction of the
-  communication time (:func:`predict`). No overlap with compute, no congestion: see
+  nodes, GPUs per node) and optionally the device's compute; :data:`NETWORKS` holds
+  documented defaults. :func:`calibrate` measures a :class:`CostModel` on the running job
+  instead (each collective kind per group size, matmul FLOP/s, memory bandwidth, per-kernel
+  time), saved and loaded as JSON.
+* :func:`predict` walks the traced step: compute, tensor-parallel collectives on the critical
+  path, the data-parallel gradient reduction overlapped with backward in buckets as
+  :class:`fastdist.train.DataParallel` runs it; and the memory per rank against a budget.
+  :func:`plan` profiles a step for every candidate layout of a world size (axis sizes and
+  their order onto node boundaries) and ranks the layouts by it. No congestion: see
   docs/profile.md.
 
 How the trace sees the collectives (no hook in the op machinery): for the duration of the
@@ -426,7 +435,8 @@ class Profile:
 
     def filter(self, **where: Any) -> Profile:
         """The records whose fields equal the given values, e.g. ``filter(axis="tp",
-        phase="backward")``."""
+        phase="backward")``; the compute and gradient events stay (:func:`predict` of the result
+        charges the compute and the kept collectives)."""
         bad = [k for k in where if k not in Record.__dataclass_fields__]
         if bad:
             raise ProfileError(
@@ -434,11 +444,14 @@ class Profile:
                 f"Record has no field {bad[0]!r}",
                 f"filter by {', '.join(Record.__dataclass_fields__)}",
             )
+
+        def keep(r: Record) -> bool:
+            return all(getattr(r, k) == v for k, v in where.items())
+
         return replace(
             self,
-            records=tuple(
-                r for r in self.records if all(getattr(r, k) == v for k, v in where.items())
-            ),
+            records=tuple(r for r in self.records if keep(r)),
+            events=tuple(e for e in self.events if not isinstance(e, Record) or keep(e)),
         )
 
     def count(self, **where: Any) -> int:
@@ -806,7 +819,11 @@ def trace(
                 **dict(module.named_parameters(remove_duplicate=False)),
                 **dict(module.named_buffers(remove_duplicate=False)),
             }
-            fake_state = {k: _fake_param(mode, v, dev) for k, v in state.items()}
+            made: dict[int, Tensor] = {}  # tied weights (a meta model's too) stay one tensor
+            for v in state.values():
+                if id(v) not in made:
+                    made[id(v)] = _fake_param(mode, v, dev)
+            fake_state = {k: made[id(v)] for k, v in state.items()}
             for k, v in fake_state.items():
                 if isinstance(v, nn.Parameter) and v.requires_grad:
                     leaves.setdefault(id(v), (k, v))
