@@ -1223,8 +1223,8 @@ def send_tensor_dict(
     ...     hidden = fd.recv_tensor_dict(mesh, "pp", src=0, all_gather_axis="tp")["h"]
     """
     op = "send_tensor_dict"
-    _check_src(op, _axis_comm(op, mesh, axis), "dst", dst, peer=True)
     gac = _ag_plan(op, mesh, axis, all_gather_axis)
+    _check_src(op, _axis_comm(op, mesh, axis), "dst", dst, peer=True)
     meta, tensors = _split_dict(d)
     send_object((meta, None if gac is None else gac.label), mesh, axis, dst)
     for t in tensors:
@@ -1245,8 +1245,8 @@ def recv_tensor_dict(
     once on the receiver (the sender's choice travels with the metadata).
     """
     op = "recv_tensor_dict"
-    _check_src(op, _axis_comm(op, mesh, axis), "src", src, peer=True)
     gac = _ag_plan(op, mesh, axis, all_gather_axis)
+    _check_src(op, _axis_comm(op, mesh, axis), "src", src, peer=True)
     meta, sender_ag = recv_object(mesh, axis, src)
     ac = _axis_comm(op, mesh, axis)
     mine = None if gac is None else gac.label
