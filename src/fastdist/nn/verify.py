@@ -190,6 +190,7 @@ class _Recorder:
     order they complete, and the modules entered but not yet left (where an exception rose)."""
 
     outputs: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
+    inputs: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
     order: list[tuple[str, int]] = field(default_factory=list)
     stack: list[str] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
@@ -208,6 +209,8 @@ class _Recorder:
                 i = self.calls.get(name, 0)
                 self.calls[name] = i + 1
                 self.outputs[(name, i)] = _leaves(out)
+                if isinstance(_m, (nn.Linear, ParallelLinear)):  # a row layer's input, for hints
+                    self.inputs[(name, i)] = _leaves(_args)[:1]
                 self.order.append((name, i))
 
             handles.append(module.register_forward_pre_hook(pre))
@@ -219,7 +222,7 @@ class _Recorder:
                 h.remove()
 
     def reset(self) -> None:
-        self.outputs, self.order, self.stack, self.calls = {}, [], [], {}
+        self.outputs, self.inputs, self.order, self.stack, self.calls = {}, {}, [], [], {}
 
 
 def _hooked(model: nn.Module, names: set[str] | None = None) -> list[tuple[str, nn.Module]]:
@@ -247,10 +250,17 @@ class _Diff:
     name: str
     detail: str
     error: BaseException | None = None
+    #: the module's input already differed (the layers feeding it are at fault)
+    upstream: bool = False
 
 
 def _block(
-    ref: Tensor, local: Tensor, module: nn.Module, mesh: Mesh, rank: int, axes: Sequence[str]
+    ref: Tensor,
+    local: Tensor,
+    module: nn.Module | None,
+    mesh: Mesh,
+    rank: int,
+    axes: Sequence[str],
 ) -> tuple[Tensor, Tensor] | None:
     """(rank ``rank``'s block of single-device ``ref``, ``local`` cut to it), or None when the
     local output is no block of it that verify can name."""
@@ -280,6 +290,46 @@ def _block(
     return None
 
 
+def _mismatch(
+    want: Sequence[Tensor],
+    got: Sequence[Tensor],
+    module: nn.Module | None,
+    mesh: Mesh,
+    axes: Sequence[str],
+    ranks: Sequence[int],
+    stacked: bool,
+    strict: bool,
+    what: str = "output",
+) -> str | None:
+    """How the trial's tensors ``got`` differ from their blocks of the reference's ``want``
+    (None: they match, or are no block verify can name and ``strict`` is off)."""
+    for j, (r_t, l_t) in enumerate(zip(want, got)):
+        if not (r_t.is_floating_point() and l_t.is_floating_point()):
+            continue
+        for k, rank in enumerate(ranks):
+            local = l_t[k] if stacked else l_t
+            cut = _block(r_t, local, module, mesh, rank, axes)
+            if cut is None:
+                if strict:
+                    return (
+                        f"{what} {j} has shape {tuple(local.shape)} on rank {rank}, no block of "
+                        f"the single-device {tuple(r_t.shape)}"
+                    )
+                continue
+            block, mine = cut
+            scale = max(1.0, float(block.abs().max()) if block.numel() else 0.0)
+            if not mine.isfinite().all() and block.isfinite().all():
+                diff = math.inf
+            else:
+                diff = float((mine - block).abs().max()) if block.numel() else 0.0
+            if diff > RTOL * scale:
+                return (
+                    f"max |difference| {diff:.3g} (largest single-device value {scale:.3g}) "
+                    f"in {what} {j} on rank {rank}"
+                )
+    return None
+
+
 def _compare(
     ref: Recorded,
     trial: Recorded,
@@ -294,44 +344,37 @@ def _compare(
         name = key[0]
         if key not in ref.outputs:
             continue
-        want, got = ref.outputs[key], trial.outputs[key]
-        for j, (r_t, l_t) in enumerate(zip(want, got)):
-            if not (r_t.is_floating_point() and l_t.is_floating_point()):
-                continue
-            for k, rank in enumerate(ranks):
-                local = l_t[k] if stacked else l_t
-                cut = _block(r_t, local, modules[name], mesh, rank, axes)
-                if cut is None:
-                    if name == "":
-                        return _Diff(
-                            index,
-                            name,
-                            f"output {j} has shape {tuple(local.shape)} on rank {rank}, no block "
-                            f"of the single-device {tuple(r_t.shape)}",
-                        )
-                    continue
-                block, mine = cut
-                scale = max(1.0, float(block.abs().max()) if block.numel() else 0.0)
-                if not mine.isfinite().all() and block.isfinite().all():
-                    diff = math.inf
-                else:
-                    diff = float((mine - block).abs().max()) if block.numel() else 0.0
-                if diff > RTOL * scale:
-                    return _Diff(
-                        index,
-                        name,
-                        f"max |difference| {diff:.3g} (largest single-device value {scale:.3g}) "
-                        f"in output {j} on rank {rank}",
-                    )
+        args = (modules[name], mesh, axes, ranks, stacked, name == "")
+        found = _mismatch(ref.outputs[key], trial.outputs[key], *args)
+        if found is None:
+            continue
+        module = modules[name]
+        if (
+            isinstance(module, ParallelLinear)
+            and module.kind == "row"
+            and key in ref.inputs
+            and key in trial.inputs
+            and _mismatch(
+                ref.inputs[key], trial.inputs[key], None, mesh, axes, ranks, stacked, False, "input"
+            )
+        ):
+            found += (
+                ". Its input already differs from its block of the single-device input: what "
+                "feeds it is at fault"
+            )
+            return _Diff(index, name, found, upstream=True)
+        return _Diff(index, name, found)
     return None
 
 
 @dataclass
 class Recorded:
-    """One run's outputs (plain tensors) by (name, call), in completion order."""
+    """One run's outputs (plain tensors) by (name, call), in completion order, and the first
+    positional input of each call."""
 
     outputs: dict[tuple[str, int], list[Tensor]]
     order: list[tuple[str, int]]
+    inputs: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
 
 
 # ============================================================================ hints
@@ -479,7 +522,7 @@ def _run_reference(model: nn.Module, inputs: Mapping[str, Any]) -> Recorded:
                 f"{type(e).__name__}: {e}). Fix: pass inputs it runs on, "
                 "verify={'input_ids': ...} or a callable model -> inputs"
             ) from e
-    return Recorded(rec.outputs, rec.order)
+    return Recorded(rec.outputs, rec.order, rec.inputs)
 
 
 def _to_f64(t: Any) -> Any:
@@ -547,7 +590,7 @@ def verify_plan(
         rec.reset()
         pm._run(params, (), kwargs)
         out_keys[:] = list(rec.order)
-        return [rec.outputs[k] for k in rec.order]
+        return [rec.outputs[k] for k in rec.order], [rec.inputs.get(k, []) for k in rec.order]
 
     with rec.hooks(trial_modules), torch.no_grad():
         try:
@@ -571,25 +614,36 @@ def verify_plan(
             error,
         )
     else:
-        got = Recorded(dict(zip(out_keys, outs)), out_keys)
+        outputs, inputs = outs
+        got = Recorded(dict(zip(out_keys, outputs)), out_keys, dict(zip(out_keys, inputs)))
         ranks = list(range(mesh.size)) if simulated else [mesh.rank]
         diff = _compare(reference, got, modules, mesh, axes, ranks, simulated)
     if not simulated:
         from ..distributed import all_gather_object
 
         verdicts = all_gather_object(
-            None if diff is None else (diff.index, diff.name, diff.detail), mesh
+            None if diff is None else (diff.index, diff.name, diff.detail, diff.upstream), mesh
         )
         found = [v for v in verdicts if v is not None]
-        if found:
-            index, name, detail = min(found, key=lambda v: v[0])
-            diff = _Diff(index, name, detail, diff.error if diff is not None else None)
+        if found:  # every rank reports the first difference any rank saw
+            index, name, detail, upstream = min(found, key=lambda v: v[0])
+            diff = _Diff(index, name, detail, diff.error if diff is not None else None, upstream)
     if diff is not None:
         cls = type(modules[diff.name]).__name__ if diff.name in modules else "?"
-        hint = _hint(diff.name, trial, ref, styles, mesh)
+        hint = (
+            "Fix: check the styles of the layers that feed it (a parts= or pad= on a layer that "
+            "is not fused, layers split over different axes, or a ColwiseParallel missing on "
+            "one of them)"
+            if diff.upstream
+            and not any(
+                isinstance(st, HeadParallelAttention)
+                for st in styles.get(diff.name.rpartition(".")[0], ())
+            )
+            else _hint(diff.name, trial, ref, styles, mesh)
+        )
         raise ParallelizeError(
             f"parallelize(verify=True): {diff.name or 'the model'!r} ({cls}) on {mesh!r} "
-            f"{'differs from the single-device model: ' if diff.error is None else ''}"
+            f"{'differs from the single-device model: ' if diff.index >= 0 else ''}"
             f"{diff.detail}. {hint}. The model was not changed."
         ) from diff.error
     return time.perf_counter() - start
