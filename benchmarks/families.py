@@ -1,7 +1,7 @@
 """Ready plans of several Hugging Face families on simulated ranks: the training step's time ratio
 (parallel step / one-device step), family beside family.
 
-    python benchmarks/families.py            # hidden 256, seq 128, tp=4 (a few minutes on 2 cores)
+    python benchmarks/families.py            # hidden 1024, seq 256, tp=4 (a few minutes on 2 cores)
     python benchmarks/families.py --quick    # tiny sizes: a smoke run
 
 Each family: the same model (float32, eval mode, 2 layers) on one device and parallelized with
@@ -33,14 +33,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def _sizes(quick: bool) -> dict[str, Any]:
+    # the sizes of benchmarks/hf_models.py's Llama, so the Llama rows compare
     return dict(
-        vocab_size=256 if quick else 8000,
-        hidden_size=64 if quick else 256,
-        intermediate_size=128 if quick else 768,
+        vocab_size=256 if quick else 32000,
+        hidden_size=64 if quick else 1024,
+        intermediate_size=128 if quick else 2816,
         num_hidden_layers=1 if quick else 2,
-        num_attention_heads=4 if quick else 8,
+        num_attention_heads=4 if quick else 16,
         num_key_value_heads=2 if quick else 4,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
     )
 
 
@@ -55,14 +56,30 @@ def gemma2(quick: bool) -> Any:
 
     s = _sizes(quick)
     head_dim = s["hidden_size"] // s["num_attention_heads"]
-    cfg = Gemma2Config(**s, head_dim=head_dim, sliding_window=64, query_pre_attn_scalar=head_dim)
+    cfg = Gemma2Config(**s, head_dim=head_dim, sliding_window=128, query_pre_attn_scalar=head_dim)
     return Gemma2ForCausalLM(cfg)  # soft-capped logits and attention, eager attention
+
+
+def qwen3_moe(quick: bool) -> Any:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    s = _sizes(quick)
+    cfg = Qwen3MoeConfig(
+        **s,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=s["intermediate_size"] // 4,
+        head_dim=s["hidden_size"] // s["num_attention_heads"],
+    )
+    return Qwen3MoeForCausalLM(cfg)  # one device: transformers' default experts implementation
 
 
 #: (label, builder(quick) -> model, mesh axes given tp, plan_for keywords)
 ROWS: list[tuple[str, Callable[[bool], Any], Callable[[int], dict[str, int]], dict[str, Any]]] = [
     ("Llama", llama, lambda tp: {"tp": tp}, {"sequence_parallel": True}),
     ("Gemma 2", gemma2, lambda tp: {"tp": tp}, {"sequence_parallel": True}),
+    # experts over ep, attention and each expert's features over tp (no sequence parallelism)
+    ("Qwen3-MoE", qwen3_moe, lambda tp: {"ep": 2, "tp": max(tp // 2, 1)}, {}),
 ]
 
 
@@ -87,7 +104,7 @@ def _paired(
 
 def bench(quick: bool, tp: int = 4) -> list[dict[str, Any]]:
     rows = []
-    B, S = (2, 16) if quick else (2, 128)
+    B, S = (2, 16) if quick else (2, 256)
     for label, build, axes, plan_kwargs in ROWS:
         torch.manual_seed(0)
         one = build(quick).eval()

@@ -180,8 +180,13 @@ def rep(t: Tensor, mesh: fd.Mesh) -> Tensor:
 
 
 def full_logits(sharded: Tensor, mesh: fd.Mesh) -> Tensor:
-    """The whole vocabulary from the rank-stacked vocabulary shards, padding dropped."""
-    return torch.cat([sharded[r] for r in range(mesh.size)], -1)[..., :VOCAB]
+    """The whole vocabulary from the rank-stacked vocabulary shards of rank 0's tp group, padding
+    dropped."""
+    ranks = [
+        mesh.rank_of({**{a: 0 for a in mesh.axis_names}, "tp": i})
+        for i in range(mesh.axis_size("tp"))
+    ]
+    return torch.cat([sharded[r] for r in ranks], -1)[..., :VOCAB]
 
 
 def tolerance(family: str) -> dict[str, float]:
@@ -237,6 +242,12 @@ CASES: list[tuple[str, int, bool, int, bool]] = [
 ]
 
 
+def _mesh(family: str, tp: int) -> fd.Mesh:
+    """The mesh a case runs on (tp only: the dense families; Mixtral and the other MoE families
+    are tests/test_moe_families.py's)."""
+    return fd.Mesh({"tp": tp})
+
+
 def _run_case(
     family: str, tp: int, sp: bool, kv: int, from_pretrained: bool, tmp_path: Path
 ) -> None:
@@ -249,7 +260,7 @@ def _run_case(
         model = copy.deepcopy(ref)
     config = model.config
     heads_before = (config.num_attention_heads, getattr(config, "num_key_value_heads", None))
-    mesh = fd.Mesh({"tp": tp})
+    mesh = _mesh(family, tp)
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
     if from_pretrained:
         pm.load(tmp_path / "ckpt")
@@ -306,8 +317,17 @@ def _features() -> dict[str, dict[str, str]]:
     for family, tp, sp, kv, pretrained in CASES:
         kind = family.partition(":")[0]
         row = rows.setdefault(
-            kind, {"TP": "", "SP": "", "GQA/MQA": "", "tied": "", "MoE": "—", "save_pretrained": ""}
+            kind, {"TP": "", "SP": "", "GQA/MQA": "", "tied": "", "MoE": "", "save_pretrained": ""}
         )
+        axes = _mesh(family, tp).shape
+        if "ep" in axes:
+            moe = {
+                *filter(None, row["MoE"].split(", ")),
+                "×".join(f"{a}={n}" for a, n in axes.items()),
+            }
+            row["MoE"] = ", ".join(sorted(moe))
+        else:
+            row["MoE"] = row["MoE"] or "—"
         row["TP"] = ", ".join(sorted({*filter(None, row["TP"].split(", ")), f"tp={tp}"}))
         row["SP"] = "✓" if sp or row["SP"] == "✓" else "—"
         kinds = set(filter(None, row["GQA/MQA"].replace("—", "").split(", ")))

@@ -13,7 +13,18 @@ output).
 * `gpt2`: ``GPT2LMHeadModel`` (``Conv1D`` weights stored (in, out), fused ``c_attn``
   split into q/k/v, vocabulary 50257 padded to a multiple of the axis);
 * `mixtral`: ``MixtralForCausalLM``: the Llama attention and vocabulary pieces over ``axis``,
-  the experts over ``ep`` (`fastdist.nn.moe.ExpertParallel`; see ``docs/moe.md``).
+  the experts over ``ep`` (`fastdist.nn.moe.ExpertParallel`; see ``docs/moe.md``);
+* `gemma`: Gemma, Gemma 2, Gemma 3 (text): the scaled embedding vocabulary-parallel with its
+  scale, soft-capped logits on the vocabulary shards;
+* `phi3`: Phi-3 and Phi-4 (fused ``qkv_proj`` and ``gate_up_proj``; a per-rank config view);
+* `gpt_neox`: GPT-NeoX / Pythia (per-head ``query_key_value``);
+* `falcon`: Falcon's new decoder architecture, multi-query and original layouts (no ALiBi);
+* `stablelm`: StableLM (per-head q/k LayerNorm lists);
+* `olmo`: OLMo and OLMo-2 (q/k norms over the whole width, their statistics summed over
+  ``axis``).
+
+`plan_for` picks one by ``config.model_type`` (`FAMILIES`; the MoE families are
+`fastdist.nn.moe_plans`'); the table of what is tested for each is in ``docs/models.md``.
 
 The LM head is vocabulary-parallel: ``logits`` are this rank's columns
 ``(batch, seq, V_padded / n)`` unless ``gather_logits``; the model's ``loss_function`` is
@@ -52,6 +63,7 @@ __all__ = [
     "gemma",
     "gpt2",
     "gpt_neox",
+    "hf_checkpoint_renames",
     "llama",
     "mixtral",
     "olmo",
