@@ -240,6 +240,12 @@ def test_every_callable_has_a_typed_signature_and_a_parameter_table(site: Path) 
             cells = [_text(c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
             assert cells[1] and len(cells[2]) > 10, f"{op}: {cells}"  # a type, a description
         assert 'doc-section-title">Returns:' in entry, op
+    # a Returns paragraph with a colon in its prose is one description, its type the annotation
+    for name, page in pages.items():
+        for table in re.findall(r"Returns:</span></p>\s*<table>(.*?)</table>", page, re.S):
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S)[1:]:
+                kind = _text(re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)[0]).strip()
+                assert not re.search(r"[a-z]+ [a-z]+", kind), f"api/{name}: Returns type {kind!r}"
 
 
 def test_guides_link_into_the_reference(site: Path) -> None:

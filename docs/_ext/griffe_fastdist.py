@@ -152,6 +152,19 @@ def _attribute_descriptions(sections: list[griffe.DocstringSection]) -> dict[str
     return out
 
 
+def _prose_returns(sections: list[griffe.DocstringSection], obj: Any) -> None:
+    """A ``Returns:`` paragraph whose first line has a colon in its prose (``the sum: one per
+    rank``) is one description, not a type (the text before the colon) and a description: the
+    type is the signature's return annotation."""
+    for section in sections:
+        if section.kind is not griffe.DocstringSectionKind.returns:
+            continue
+        for item in section.value:
+            if isinstance(item.annotation, str) and item.annotation.strip():
+                item.description = f"{item.annotation}: {item.description}"
+                item.annotation = obj.returns if isinstance(obj, griffe.Function) else None
+
+
 def _has_parameters(sections: list[griffe.DocstringSection]) -> bool:
     return any(s.kind is griffe.DocstringSectionKind.parameters for s in sections)
 
@@ -165,6 +178,7 @@ class _SignatureDocstring(griffe.Docstring):
     def parsed(self) -> list[griffe.DocstringSection]:
         sections = self.parse()
         obj = self.parent
+        _prose_returns(sections, obj)
         if _has_parameters(sections) or not isinstance(obj, (griffe.Function, griffe.Class)):
             return sections
         if isinstance(obj, griffe.Class):
