@@ -94,6 +94,13 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
 
     ``npu_available`` defaults to whether ``torch_npu`` can be imported.
 
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
+        npu_available: whether ``torch_npu`` is usable; default: whether it can be imported.
+
+    Returns:
+        the c10d backend name: ``"gloo"``, ``"nccl"`` or ``"hccl"``.
+
     >>> select_backend("cpu"), select_backend("cuda"), select_backend("npu", npu_available=True)
     ('gloo', 'nccl', 'hccl')
     """
@@ -1047,6 +1054,15 @@ def broadcast_object(obj: T, mesh: Mesh, axis: AxisName | None = None, src: int 
     ``axis``.
 
     ``axis=None`` means the whole mesh. Blocks up to the mesh's timeout.
+
+    Args:
+        obj: the picklable object (only ``src``'s is used).
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis of the group (or a tuple of axes); ``None``: the whole mesh.
+        src: the index along ``axis`` of the rank whose ``obj`` every rank gets.
+
+    Returns:
+        ``src``'s object, on every rank of the group.
     """
     ac = _axis_comm("broadcast_object", mesh, axis)
     _check_src("broadcast_object", ac, "src", src)
@@ -1057,7 +1073,16 @@ def broadcast_object(obj: T, mesh: Mesh, axis: AxisName | None = None, src: int 
 
 
 def all_gather_object(obj: T, mesh: Mesh, axis: AxisName | None = None) -> list[T]:
-    """The (picklable) ``obj`` of every rank of the group, in axis order."""
+    """The (picklable) ``obj`` of every rank of the group, in axis order.
+
+    Args:
+        obj: this rank's picklable object.
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis of the group (or a tuple of axes); ``None``: the whole mesh.
+
+    Returns:
+        every rank's object, in axis order.
+    """
     ac = _axis_comm("all_gather_object", mesh, axis)
     out: list[Any] = [None] * ac.n
     group = ac.cpu_group("all_gather_object")
@@ -1067,7 +1092,14 @@ def all_gather_object(obj: T, mesh: Mesh, axis: AxisName | None = None) -> list[
 
 def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
     """Send a picklable object to the rank with index ``dst`` along ``axis`` (pair with
-    :func:`recv_object`)."""
+    :func:`recv_object`).
+
+    Args:
+        obj: the picklable object.
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis (or tuple of axes) along which ``dst`` is an index.
+        dst: the index of the receiving rank (not this rank's own).
+    """
     ac = _axis_comm("send_object", mesh, axis)
     _check_src("send_object", ac, "dst", dst, peer=True)
     group = ac.cpu_group("send_object")
@@ -1075,7 +1107,16 @@ def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
 
 
 def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
-    """Receive the object sent by the rank with index ``src`` along ``axis``."""
+    """Receive the object sent by the rank with index ``src`` along ``axis``.
+
+    Args:
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis (or tuple of axes) along which ``src`` is an index.
+        src: the index of the sending rank (not this rank's own).
+
+    Returns:
+        the object ``src`` sent.
+    """
     ac = _axis_comm("recv_object", mesh, axis)
     _check_src("recv_object", ac, "src", src, peer=True)
     box: list[Any] = [None]
@@ -1086,7 +1127,14 @@ def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
 
 def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
     """Send tensor ``x`` to the rank with index ``dst`` along ``axis`` (not differentiable; see
-    ``ppermute``)."""
+    ``ppermute``).
+
+    Args:
+        x: the tensor to send.
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis (or tuple of axes) along which ``dst`` is an index.
+        dst: the index of the receiving rank (not this rank's own).
+    """
     ac = _axis_comm("send", mesh, axis)
     _check_src("send", ac, "dst", dst, peer=True)
     group = ac.comm.group(ac, select_backend(x.device.type), "send")
@@ -1095,7 +1143,17 @@ def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
 
 def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
     """Receive a tensor shaped like ``like`` (shape, dtype, device) from index ``src`` along
-    ``axis``."""
+    ``axis``.
+
+    Args:
+        like: a tensor with the shape, dtype and device of the one to receive.
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis (or tuple of axes) along which ``src`` is an index.
+        src: the index of the sending rank (not this rank's own).
+
+    Returns:
+        the received tensor.
+    """
     ac = _axis_comm("recv", mesh, axis)
     _check_src("recv", ac, "src", src, peer=True)
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
@@ -1143,6 +1201,15 @@ def broadcast_tensor_dict(
     ``None``.
 
     Metadata travels as one object; tensors by a broadcast each on their device's group.
+
+    Args:
+        d: the dict on ``src``; ``None`` on the other ranks.
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis of the group (or a tuple of axes); ``None``: the whole mesh.
+        src: the index along ``axis`` of the sending rank.
+
+    Returns:
+        ``src``'s dict, on every rank of the group.
     """
     op = "broadcast_tensor_dict"
     ac = _axis_comm(op, mesh, axis)
@@ -1215,6 +1282,14 @@ def send_tensor_dict(
     ``all_gather_axis``, all-gather the slices over it: n times less traffic on ``axis``.
     Other tensors travel whole.
 
+    Args:
+        d: a dict of tensors and picklable values.
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis (or tuple of axes) along which ``dst`` is an index.
+        dst: the index of the receiving rank.
+        all_gather_axis: an axis over which ``d`` is the same on every rank: each sends a slice, the
+            receivers all-gather them.
+
     >>> import fastdist as fd  # doctest: +SKIP
     >>> mesh = fd.Mesh.from_torch(pp=2, tp=4)  # doctest: +SKIP
     >>> if fd.axis_index(mesh, "pp") == 0:  # doctest: +SKIP
@@ -1243,6 +1318,15 @@ def recv_tensor_dict(
 
     Pass the sender's ``all_gather_axis``; a mismatch raises :class:`~fastdist.CommError` at
     once on the receiver (the sender's choice travels with the metadata).
+
+    Args:
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis (or tuple of axes) along which ``src`` is an index.
+        src: the index of the sending rank.
+        all_gather_axis: the sender's ``all_gather_axis``.
+
+    Returns:
+        the dict ``src`` sent.
     """
     op = "recv_tensor_dict"
     gac = _ag_plan(op, mesh, axis, all_gather_axis)
@@ -1275,7 +1359,12 @@ def recv_tensor_dict(
 
 class GraphCaptureContext:
     """What :func:`graph_capture` sets up: the ``stream`` to capture on (None on CPU) and the
-    ``device``."""
+    ``device``.
+
+    Args:
+        stream: the stream to capture on (``None`` on CPU).
+        device: the device.
+    """
 
     def __init__(self, stream: Any, device: torch.device) -> None:
         self.stream, self.device = stream, device
@@ -1300,6 +1389,13 @@ def graph_capture(
     (``torch.cuda.graph(g, stream=ctx.stream)``). On CPU there is nothing to capture: the
     groups are created and the block runs as is (``ctx.stream`` is None); with the fake NCCL
     library that is how the set-up is tested without a GPU. Every rank of each group must enter.
+
+    Args:
+        mesh: the mesh whose groups (and ctypes communicators) to create first.
+        *axes: the axes to prepare; default: every axis.
+        device: the CUDA device (or ``"cpu"``); default: the current CUDA device when there is one.
+        stream: the stream the block runs on; default: a new side stream that first waits for the
+            current one.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 2})
@@ -1337,6 +1433,11 @@ def barrier(
     missing ranks.
 
     ``timeout`` overrides the mesh's timeout for this call.
+
+    Args:
+        mesh: a mesh from ``Mesh.from_torch`` (real ranks).
+        axis: the mesh axis of the group (or a tuple of axes); ``None``: the whole mesh.
+        timeout: seconds (or a timedelta) to wait for this call; default: the mesh's timeout.
     """
     ac = _axis_comm("barrier", mesh, axis)
     td = _as_timedelta(timeout, ac.comm.timeout, "fastdist.barrier")
@@ -1391,6 +1492,10 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
         except fastdist.FastdistError:
             mesh.reset()          # every rank; the step is traced again on its next call
 
+    Args:
+        mesh: a mesh whose torch.distributed errors to translate (and whose groups to drop).
+        *meshes: more meshes, likewise.
+
     >>> import fastdist as fd
     >>> with fd.comm_guard(fd.Mesh({"tp": 2})):
     ...     pass
@@ -1417,7 +1522,15 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
 
     def translate(self, error: BaseException) -> CommError:
         """The fastdist error for ``error`` (torch.distributed's), after dropping the groups of
-        the real meshes given."""
+        the real meshes given.
+
+        Args:
+            error: the error torch.distributed raised.
+
+        Returns:
+            a ``CollectiveTimeout`` (a timeout) or ``CommError`` naming the block, the mesh's axes
+            and this rank.
+        """
         real = [m for m in self.meshes if m._comm is not None]
         msg = _clean(error)
         for m in real:

@@ -77,7 +77,19 @@ class StatelessGroup:
         timeout: float = 300.0,
         data_expiration: float = 3600.0,
     ) -> StatelessGroup:
-        """Connect to (rank 0: host) a ``TCPStore`` at ``host:port`` and form the group."""
+        """Connect to (rank 0: host) a ``TCPStore`` at ``host:port`` and form the group.
+
+        Args:
+            host: the address of the ``TCPStore`` (rank 0 hosts it).
+            port: its port.
+            rank: this member's rank in the group.
+            world_size: the members.
+            timeout: how long a receive waits for its sender (seconds).
+            data_expiration: seconds after which a member deletes the keys it wrote.
+
+        Returns:
+            the group, formed.
+        """
         try:
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 host,
@@ -172,13 +184,25 @@ class StatelessGroup:
     # ------------------------------------------------------------------ messages
     def send_obj(self, obj: Any, dst: int) -> None:
         """Send a picklable object to ``dst`` (returns at once; ``dst`` reads it with
-        :meth:`recv_obj`)."""
+        :meth:`recv_obj`).
+
+        Args:
+            obj: the picklable object.
+            dst: the receiving member.
+        """
         self._check_peer("StatelessGroup.send_obj", "dst", dst)
         self._put("StatelessGroup.send_obj", f"p2p/{self.rank}->{dst}/{self._sent[dst]}", obj)
         self._sent[dst] += 1
 
     def recv_obj(self, src: int) -> Any:
-        """The next object ``src`` sent to this member, in order."""
+        """The next object ``src`` sent to this member, in order.
+
+        Args:
+            src: the sending member.
+
+        Returns:
+            the next object ``src`` sent to this member.
+        """
         self._check_peer("StatelessGroup.recv_obj", "src", src)
         obj = self._get(
             "StatelessGroup.recv_obj", f"p2p/{src}->{self.rank}/{self._received[src]}", src
@@ -187,7 +211,15 @@ class StatelessGroup:
         return obj
 
     def broadcast_obj(self, obj: Any, src: int) -> Any:
-        """``src`` passes the object; every member returns it."""
+        """``src`` passes the object; every member returns it.
+
+        Args:
+            obj: the object (only ``src``'s is used).
+            src: the member whose object every member returns.
+
+        Returns:
+            ``src``'s object.
+        """
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise CommError(
                 "StatelessGroup.broadcast_obj",
@@ -205,7 +237,14 @@ class StatelessGroup:
         return self._get("StatelessGroup.broadcast_obj", key, src)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
-        """Every member's object, by rank."""
+        """Every member's object, by rank.
+
+        Args:
+            obj: this member's object.
+
+        Returns:
+            every member's object, by rank.
+        """
         return [
             self.broadcast_obj(obj if r == self.rank else None, src=r)
             for r in range(self.world_size)
