@@ -164,6 +164,37 @@ def test_vmap_over_simulate_and_a_wider_mesh() -> None:
         assert all(bool((t.grad[1] == 0).all()) for t in leaves)
 
 
+def test_transforms_around_simulate() -> None:
+    """torch.func.grad(simulate(...)) runs the backward inside itself, torch.func.vjp's function
+    after the transform is over, vmap(grad(...)) under one more vmap: the Function's backward
+    binds to the right re-created vmap each time (the collective in forward is a plain psum:
+    see the last test for a Function's forward)."""
+    mesh = fd.Mesh({"tp": TP})
+    full, c, ref = _problem()
+    x, *ws = full
+    copy = _regions(mesh)["copy"]
+    _, w1, w2, _ = _stacked(full)
+
+    def per_rank(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        return fd.psum(torch.tanh(copy.apply(x, 0.5) @ w1) @ w2, mesh, "tp")  # [3, 5]
+
+    def outputs(x: Tensor) -> Tensor:  # [tp, 3, 5]
+        return fd.simulate(per_rank, mesh)(x.expand(TP, *x.shape), w1, w2)
+
+    def loss(x: Tensor) -> Tensor:  # the sum over ranks of each rank's loss
+        return (outputs(x) * c[:, :5]).sum()
+
+    # each rank's gradient is the single-device one; x's copies on the ranks sum them
+    leaf = x.clone().requires_grad_()
+    (((torch.tanh((leaf * 0.5) @ ws[0]) @ ws[1]) * c[:, :5]).sum() * TP).backward()
+    torch.testing.assert_close(torch.func.grad(loss)(x), leaf.grad, rtol=1e-12, atol=1e-12)
+    _, vjp = torch.func.vjp(outputs, x)
+    (g,) = vjp(c[:, :5].expand(TP, 3, 5))
+    torch.testing.assert_close(g, leaf.grad, rtol=1e-12, atol=1e-12)
+    both = torch.vmap(torch.func.grad(loss))(torch.stack([x, x]))
+    torch.testing.assert_close(both, leaf.grad.expand(2, *x.shape), rtol=1e-12, atol=1e-12)
+
+
 def test_an_equal_mesh_built_elsewhere_and_meshes_argument() -> None:
     """The Functions use a mesh equal to simulate's, given as a further mesh of simulate."""
     mesh, other = fd.Mesh({"tp": TP}), fd.Mesh({"mp": TP})

@@ -80,22 +80,24 @@ class _Resume:
     """Left on the autograd node of a ``torch.autograd.Function`` applied inside a simulation: how
     a collective in its ``backward`` finds the simulation again.
 
-    The backward runs after ``simulate`` returned, under the vmap over the ranks that torch
-    re-creates for the Function's generated vmap rule: at the same position of the transform
-    stack (``depth``: the transforms active outside ``simulate``) as simulate's own.
+    The backward runs after ``simulate`` returned, under the vmaps that torch re-creates for
+    the Function's generated vmap rule, in the order they had: the one over the ranks comes
+    after the ``outer`` vmaps that were running around ``simulate``. (Other transforms around
+    ``simulate`` may be running or over by then: ``torch.func.grad`` runs the backward inside
+    itself, ``torch.func.vjp``'s function later; they are not counted.)
     """
 
-    __slots__ = ("meshes", "world", "depth", "device", "function")
+    __slots__ = ("meshes", "world", "outer", "device", "function")
 
     def __init__(
         self,
         meshes: tuple[Mesh, ...],
         world: int,
-        depth: int,
+        outer: int,
         device: torch.device | None,
         function: str,
     ) -> None:
-        self.meshes, self.world, self.depth, self.device = meshes, world, depth, device
+        self.meshes, self.world, self.outer, self.device = meshes, world, outer, device
         self.function = function  # the autograd.Function's name, for errors
 
     def covers(self, mesh: Mesh) -> bool:
@@ -105,9 +107,9 @@ class _Resume:
     def binding(self, mesh: Mesh) -> _Binding:
         """The binding at the re-created vmap over the ranks; raises if the backward runs without
         one."""
-        stack = _functorch.get_interpreter_stack() or []
-        if len(stack) > self.depth and stack[self.depth].key() == _VMAP:
-            interpreter = stack[self.depth]
+        vmaps = [i for i in _functorch.get_interpreter_stack() or () if i.key() == _VMAP]
+        if len(vmaps) > self.outer:
+            interpreter = vmaps[self.outer]
             vmap: Any = coerce_cinterpreter(interpreter)
             if vmap.batch_size() == self.world:
                 rank = torch.arange(self.world, device=self.device)
@@ -123,16 +125,25 @@ class _Resume:
 
 def _mark_function_node(output: Any, resume: _Resume) -> None:
     """Leave ``resume`` on the autograd node of the Function that produced ``output`` (the
-    innermost of nested simulations last)."""
+    innermost of nested simulations last).
+
+    The node is on the plain tensor under the vmap wrappers, or, under a ``torch.func`` grad
+    transform around ``simulate``, on that transform's wrapper: every level is looked at.
+    """
     for t in pytree.tree_leaves(output):
         if not isinstance(t, Tensor):
             continue
-        while _functorch.is_batchedtensor(t) or _functorch.is_gradtrackingtensor(t):
-            t = _functorch.get_unwrapped(t)  # down to the tensor autograd's engine sees
-        if isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
-            node: Any = t.grad_fn
-            node._fastdist_resume = (*getattr(node, "_fastdist_resume", ()), resume)
-            return  # the outputs of one Function share its node
+        marked = False
+        while True:
+            if isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
+                node: Any = t.grad_fn
+                node._fastdist_resume = (*getattr(node, "_fastdist_resume", ()), resume)
+                marked = True
+            if not (_functorch.is_batchedtensor(t) or _functorch.is_gradtrackingtensor(t)):
+                break
+            t = _functorch.get_unwrapped(t)
+        if marked:
+            return  # the outputs of one Function share its nodes
 
 
 class _SimulationMode(SdpaMode):
@@ -141,10 +152,10 @@ class _SimulationMode(SdpaMode):
     ``torch.autograd.Function`` applied."""
 
     def __init__(
-        self, meshes: tuple[Mesh, ...], world: int, depth: int, device: torch.device | None
+        self, meshes: tuple[Mesh, ...], world: int, outer: int, device: torch.device | None
     ) -> None:
         super().__init__()
-        self.simulation = (meshes, world, depth, device)
+        self.simulation = (meshes, world, outer, device)
 
     def __torch_function__(
         self,
@@ -228,9 +239,11 @@ def simulate(
                 )
         in_dims = pytree.tree_map(lambda a: 0 if isinstance(a, Tensor) else None, args)
         device = tensors[0].device if tensors else None
-        # the transforms active outside this simulation (a vmap over it, torch.func.grad of it)
-        depth = (
-            0 if torch.compiler.is_compiling() else len(_functorch.get_interpreter_stack() or ())
+        # the vmaps running around this simulation (an ensemble of simulations)
+        outer = (
+            0
+            if torch.compiler.is_compiling()
+            else sum(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ())
         )
 
         def per_rank(rank: Tensor, *rank_args: Any) -> R:
@@ -240,7 +253,7 @@ def simulate(
                 if batch_sdpa:
                     # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa), and
                     # the nodes of autograd.Functions marked for their backward
-                    with _SimulationMode(meshes_tuple, mesh.size, depth, device):
+                    with _SimulationMode(meshes_tuple, mesh.size, outer, device):
                         return fn(*rank_args, **kwargs)
                 return fn(*rank_args, **kwargs)
             finally:
