@@ -35,6 +35,12 @@ class PartitionSpec:
     named are replicated. ``partial=("tp",)`` (out_specs only) says the per-rank values
     are addends: the global value is their sum over ``tp``.
 
+    Args:
+        *dims: one entry per leading dim: an axis name, a tuple of names (the dim split over all of
+            them, row-major) or ``None`` (whole).
+        partial: out_specs only: the axes over which the per-rank values are addends of the global
+            value.
+
     >>> PartitionSpec(("dp", "tp"), None)
     P(('dp', 'tp'), None)
     """

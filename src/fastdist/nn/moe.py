@@ -807,6 +807,18 @@ class ExpertParallel(Style):
     ``act_fn(gate) * up``. Over ``tp_axis`` an interleaved ``gate_up_proj`` splits into
     contiguous column blocks (each holds whole (gate, up) pairs) and ``down_proj_bias`` is
     added once, on tp rank 0, before the sum over tp.
+
+    Args:
+        axis: the mesh axis the experts are split over.
+        strategy: ``"all_to_all"`` (tokens travel to their experts' ranks) or ``"allgather"`` (every
+            rank gets every token), as in `dispatch`.
+        tp_axis: an axis each expert's intermediate features are split over (gate and up each
+            split); ``None``: whole experts.
+        tokens: ``"replicated"`` (every rank of the ep group holds the same tokens) or ``"sharded"``
+            (each rank its own), as in `ExpertParallelExperts`.
+        capacity_factor: drop assignments past ``expert_capacity(T, k, E, capacity_factor)`` per
+            expert on each rank; ``None``: dropless.
+        capacity: the ``all_to_all`` receive buffer rows (see `dispatch`).
     """
 
     axis: str = "ep"
