@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -30,46 +31,51 @@ from fastdist.profile import (
 )
 from fastdist.testing import run_on_gloo
 
-# Held-out sizes must be within this factor of the fit. Each point is a median over few calls on a
-# 2-core machine shared with other jobs: one point can be several times off while the next is
-# not, so the test states a wide bound (the benchmark measures the accuracy that matters: whole
-# steps, benchmarks/planner_accuracy.py).
-HELD_OUT_FACTOR = 3.0
+# Held-out sizes, measured in the same sweep as the fitted ones (interleaved: the same load), are
+# reproduced by the fit within these factors: each point within 5x, their median within 2x. Each
+# point is a median over 5 bursts on a 2-core machine shared with other jobs (load averages of 10
+# to 20 while these tests were written): one point can be several times off while its neighbours
+# are not. The accuracy that matters, whole steps, is measured by benchmarks/planner_accuracy.py.
+POINT_FACTOR, MEDIAN_FACTOR = 5.0, 2.0
+FITTED, HELD_OUT = (1 << 12, 1 << 16, 1 << 20), (1 << 14, 1 << 18)
 
 
 def calibrate_ranks() -> Any:
-    """On 4 gloo ranks (dp2 x tp2): a small calibration, then held-out sizes measured alike."""
+    """On 4 gloo ranks (dp2 x tp2): one sweep over the fitted and the held-out sizes."""
     torch.set_num_threads(1)
     mesh = fd.Mesh.from_torch(order=("dp", "tp"), tp=2, timeout=120)
-    kinds = ("allreduce", "allgather")
-    model = calibrate(mesh, kinds=kinds, sizes=(1 << 12, 1 << 16, 1 << 20), reps=3, matmul=128)
-    held = calibrate(mesh, kinds=kinds, sizes=(1 << 14, 1 << 18), reps=3, matmul=64)
-    return model, held.points
+    sizes = tuple(sorted(FITTED + HELD_OUT))
+    return calibrate(mesh, kinds=("allreduce", "allgather"), sizes=sizes, reps=5, matmul=128)
 
 
 def test_calibrate_on_gloo_reproduces_held_out_sizes(tmp_path: Path) -> None:
+    from fastdist.profile import _fit_points
+
     results = run_on_gloo(calibrate_ranks, 4, timeout=300)
-    model, held = results[0]
+    full = results[0]
     # every rank fitted the same model from the slowest rank's medians
-    assert all(r[0] == model for r in results)
-    # groups of 2 (dp, tp) and 4 (dp+tp), both kinds; 3 sizes x (2 axes of size 2 + 1 of size 4)
-    assert {(f.kind, f.n) for f in model.fits} == {
+    assert all(r == full for r in results)
+    # groups of 2 (dp, tp) and 4 (dp+tp), both kinds; 5 sizes x 3 axes
+    assert {(f.kind, f.n) for f in full.fits} == {
         (k, n) for k in ("allreduce", "allgather") for n in (2, 4)
     }
-    assert len(model.points) == 2 * 3 * 3 and {p.axis for p in model.points} == {
-        "dp",
-        "tp",
-        "dp+tp",
-    }
-    assert model.flops > 0 and model.memory_bandwidth > 0 and model.kernel_latency > 0
+    assert len(full.points) == 2 * 5 * 3 and {p.axis for p in full.points} == {"dp", "tp", "dp+tp"}
+    assert full.flops > 0 and full.memory_bandwidth > 0 and full.kernel_latency > 0
+    # S rounded to a multiple of the group size: the sizes asked for (all divisible here)
+    assert {p.size for p in full.points} == set(FITTED + HELD_OUT)
+    fitted = [p for p in full.points if p.size in FITTED]
+    model = dataclasses.replace(full, fits=_fit_points(fitted), points=tuple(fitted))
     for f in model.fits:  # the stated error bounds the fit on its own points
         assert f.latency >= 0 and f.per_byte >= 0
-        for p in model.points:
+        for p in fitted:
             if (p.kind, p.n) == (f.kind, f.n):
                 assert abs(f.time(p.size) / p.seconds - 1) <= f.error + 1e-12
-    for p in held:  # held-out sizes: within HELD_OUT_FACTOR
-        ratio = model.fit(p.kind, p.n).time(p.size) / p.seconds
-        assert 1 / HELD_OUT_FACTOR <= ratio <= HELD_OUT_FACTOR, (p, ratio)
+    ratios = [
+        model.fit(p.kind, p.n).time(p.size) / p.seconds for p in full.points if p.size in HELD_OUT
+    ]
+    assert len(ratios) == 2 * 2 * 3
+    assert all(1 / POINT_FACTOR <= r <= POINT_FACTOR for r in ratios), ratios
+    assert 1 / MEDIAN_FACTOR <= statistics.median(ratios) <= MEDIAN_FACTOR, ratios
     # JSON round trip, through a file too
     assert CostModel.from_json(model.to_json()) == model
     model.save(tmp_path / "model.json")

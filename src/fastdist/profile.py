@@ -1366,30 +1366,39 @@ def _fit_points(points: Sequence[Point]) -> tuple[Fit, ...]:
     return tuple(fits)
 
 
-def _measure(fn: Callable[[], Any], reps: int, calls: int = 1, least: float = 0.0) -> float:
+def _measure(
+    fn: Callable[[], Any],
+    reps: int,
+    calls: int = 1,
+    least: float = 0.0,
+    sync: Callable[[], None] = lambda: None,
+) -> float:
     """Seconds per call: the median over ``reps`` repetitions, each started after a barrier of the
     whole job, of ``calls`` back-to-back calls (one warm-up call first). ``least``: a local
     kernel is repeated for at least that many seconds per repetition (sharing a core shows in a
     window longer than a time slice); never for a collective (every rank must call it as
-    often)."""
+    often). ``sync`` waits for the device (CUDA kernels are asynchronous)."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
     fn()
+    sync()
     if least > 0:
         calls = max(calls, math.ceil(least / max(time.perf_counter() - t0, 1e-7)))
     times = []
     for _ in range(reps):
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
 def _collective_call(
-    kind: str, size: int, n: int, dtype: torch.dtype, mesh: Mesh, axis: Any
+    kind: str, size: int, n: int, dtype: torch.dtype, mesh: Mesh, axis: Any, dev: torch.device
 ) -> tuple[Callable[[], Any], int]:
     """A call of the fastdist collective of ``kind`` with S about ``size`` bytes over ``n`` ranks,
     and its exact S."""
@@ -1397,19 +1406,19 @@ def _collective_call(
 
     elems = max(n, size // dtype.itemsize // n * n)  # a multiple of n
     if kind == "allreduce":
-        x = torch.zeros(elems, dtype=dtype)
+        x = torch.zeros(elems, dtype=dtype, device=dev)
         return (lambda: C.psum(x, mesh, axis)), elems * dtype.itemsize
     if kind == "allgather":  # S: the gathered output
-        x = torch.zeros(elems // n, dtype=dtype)
+        x = torch.zeros(elems // n, dtype=dtype, device=dev)
         return (lambda: C.all_gather(x, mesh, axis)), elems * dtype.itemsize
     if kind == "reducescatter":  # S: the input
-        x = torch.zeros(elems, dtype=dtype)
+        x = torch.zeros(elems, dtype=dtype, device=dev)
         return (lambda: C.psum_scatter(x, mesh, axis)), elems * dtype.itemsize
     if kind == "alltoall":  # S: one rank's send buffer; [n, elems/n] -> n blocks
-        x = torch.zeros(n, elems // n, dtype=dtype)
+        x = torch.zeros(n, elems // n, dtype=dtype, device=dev)
         return (lambda: C.all_to_all(x, mesh, axis, 0, 0)), elems * dtype.itemsize
     if kind == "sendrecv":
-        x = torch.zeros(elems, dtype=dtype)
+        x = torch.zeros(elems, dtype=dtype, device=dev)
         return (lambda: C.ring_shift(x, mesh, axis, 1)), elems * dtype.itemsize
     raise ProfileError(
         "calibrate",
@@ -1424,9 +1433,9 @@ def _burst(size: int) -> int:
     return max(1, min(8, (1 << 19) // max(size, 1)))
 
 
-def _kernel_chain(length: int) -> Callable[[], None]:
+def _kernel_chain(length: int, dev: torch.device) -> Callable[[], None]:
     """Forward and backward of ``length`` tiny elementwise ops (the per-kernel cost)."""
-    x = torch.ones(16, requires_grad=True)
+    x = torch.ones(16, device=dev, requires_grad=True)
 
     def run() -> None:
         y = x
@@ -1466,6 +1475,7 @@ def calibrate(
     matmul: int = 512,
     dtype: torch.dtype = torch.float32,
     gpus_per_node: int | None = None,
+    device: str | torch.device | None = None,
     name: str = "calibrated",
 ) -> CostModel:
     """Measure the running job's collectives and compute, and fit a :class:`CostModel`.
@@ -1495,6 +1505,8 @@ def calibrate(
         dtype: element type of the buffers and the matmul.
         gpus_per_node: ranks per node (default: ``LOCAL_WORLD_SIZE`` from the environment, else
             the whole job).
+        device: where the buffers and the compute live (default: this process's CUDA device
+            when the job's default process group is NCCL, else the CPU).
         name: the model's name in tables.
 
     Raises:
@@ -1539,6 +1551,12 @@ def calibrate(
                 f"name axes among {names}",
             )
     node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if device is not None:
+        dev = torch.device(device)
+    elif "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
     sizes_now = tuple(mesh.shape.values())
     plan_: list[tuple[str, str, int, bool, int, Callable[[], Any]]] = []
     for g in groups:
@@ -1550,22 +1568,23 @@ def calibrate(
         axis: Any = g if isinstance(g, str) else parts
         for kind in kinds:
             for size in sizes:
-                fn, exact = _collective_call(kind, size, n, dtype, mesh, axis)
+                fn, exact = _collective_call(kind, size, n, dtype, mesh, axis, dev)
                 plan_.append((kind, "+".join(parts), n, intra, exact, fn))
     # small buffers: bursts of back-to-back calls (as in a step), not one call after a barrier
-    seconds = [_measure(fn, reps, _burst(exact)) for *_, exact, fn in plan_]
-    a = torch.randn(matmul, matmul, dtype=dtype)
-    b = torch.randn(matmul, matmul, dtype=dtype)
-    x, y = torch.randn(1 << 22, dtype=dtype), torch.randn(1 << 22, dtype=dtype)
-    z = torch.empty_like(x)
-    chain = _kernel_chain(64)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    seconds = [_measure(fn, reps, _burst(exact), sync=sync) for *_, exact, fn in plan_]
+    a = torch.randn(matmul, matmul, dtype=dtype, device=dev)
+    b = torch.randn(matmul, matmul, dtype=dtype, device=dev)
+    x = torch.randn(1 << 22, dtype=dtype, device=dev)
+    y, z = torch.randn_like(x), torch.empty_like(x)
+    chain = _kernel_chain(64, dev)
     counter = _KernelCounter()
     with counter:
         chain()
     compute = [  # each repetition at least 50 ms: every rank computing at once, sharing
-        _measure(lambda: torch.mm(a, b), reps, least=0.05),
-        _measure(lambda: torch.add(x, y, out=z), reps, least=0.05),
-        _measure(chain, reps, least=0.05),
+        _measure(lambda: torch.mm(a, b), reps, least=0.05, sync=sync),
+        _measure(lambda: torch.add(x, y, out=z), reps, least=0.05, sync=sync),
+        _measure(chain, reps, least=0.05, sync=sync),
     ]
     # the slowest rank's medians, on every rank (every rank then fits the same model)
     slowest = torch.tensor([*seconds, *compute], dtype=torch.float64)
