@@ -279,6 +279,17 @@ class ColwiseParallel(Style):
     ``parts``: fused projections side by side (GPT-2's ``c_attn``: q, k, v), each split on
     its own. ``pad``: pad the output features to a multiple of the axis size (a vocabulary).
     ``gather_output``: all-gather the outputs (padding dropped).
+
+    Args:
+        axis: the mesh axis the output features are split over.
+        input: how the layer prepares its input: ``"replicated"`` (``pvary``; backward all-reduces
+            dx), ``"sequence"`` (all-gather of the sequence dim) or ``None`` (the parent already
+            did, with `PrepareInput`).
+        parts: the sizes of fused projections side by side (GPT-2's ``c_attn``: q, k, v), each split
+            on its own.
+        pad: pad the output features to a multiple of the axis size (a vocabulary).
+        gather_output: all-gather the outputs (padding dropped).
+        seq_dim: the sequence dim of the hidden states.
     """
 
     axis: str = "tp"
@@ -335,6 +346,12 @@ class RowwiseParallel(Style):
 
     ``output="replicated"``: all-reduce (backward: identity); ``"sequence"``: reduce-scatter
     of the sequence dim (sequence parallelism; backward: all-gather).
+
+    Args:
+        axis: the mesh axis the input features are split over.
+        output: ``"replicated"`` (all-reduce; backward: identity) or ``"sequence"`` (reduce-scatter
+            of the sequence dim; backward: all-gather).
+        seq_dim: the sequence dim of the hidden states.
     """
 
     axis: str = "tp"
@@ -381,6 +398,14 @@ class VocabParallel(Style):
     take ``vocab_size`` to mask them: `fastdist.nn.cross_entropy`), or with
     ``gather_output`` the whole vocabulary ``(..., V)``. ``input``: how the head prepares its input.
     A head tied to the embedding stays tied (one parameter, both uses' gradients).
+
+    Args:
+        axis: the mesh axis the vocabulary is split over.
+        input: how an LM head prepares its input (``"replicated"`` or ``"sequence"``).
+        gather_output: give an LM head's logits for the whole vocabulary ``(..., V)``.
+        seq_dim: the sequence dim of the hidden states.
+        scale: the name of an embedding module's scale attribute (Gemma's ``embed_scale``) the
+            output is multiplied by.
     """
 
     axis: str = "tp"
@@ -521,6 +546,10 @@ class SequenceShard(_InputHook):
 
     Megatron-style sequence parallelism starts here (the first decoder layer): the model
     computes positions and masks from the whole sequence before it.
+
+    Args:
+        axis: the mesh axis the sequence is split over.
+        seq_dim: the sequence dim of the hidden states.
     """
 
     axis: str = "tp"
@@ -542,7 +571,12 @@ class SequenceShard(_InputHook):
 class GatherSequence(_InputHook):
     """Gather the module's input hidden states from the sequence shards (forward: all-gather;
     backward: this rank's slice): the end of a sequence-parallel region. The module then runs
-    on the whole, replicated sequence (e.g. the final norm before a view by the whole length)."""
+    on the whole, replicated sequence (e.g. the final norm before a view by the whole length).
+
+    Args:
+        axis: the mesh axis the sequence is split over.
+        seq_dim: the sequence dim of the hidden states.
+    """
 
     axis: str = "tp"
     seq_dim: int = 1
@@ -558,6 +592,12 @@ class PrepareInput(_InputHook):
 
     ``"replicated"``: ``pvary`` (backward all-reduces dx); ``"sequence"``: all-gather of the
     sequence dim (backward reduce-scatter), so the module sees the whole sequence.
+
+    Args:
+        axis: the mesh axis of the column-parallel layers inside the module.
+        kind: ``"replicated"`` (``pvary``; backward all-reduces dx) or ``"sequence"`` (all-gather of
+            the sequence dim; backward reduce-scatter).
+        seq_dim: the sequence dim of the hidden states.
     """
 
     axis: str = "tp"
@@ -572,7 +612,11 @@ class PrepareInput(_InputHook):
 class PvaryParams(Style):
     """The module's replicated parameters meet rank-varying data (a norm on a sequence shard, a
     per-head norm on a head shard): ``pvary`` them at every call, so each rank's gradient is
-    summed over ``axis`` (without it every rank keeps only its shard's partial gradient)."""
+    summed over ``axis`` (without it every rank keeps only its shard's partial gradient).
+
+    Args:
+        axis: the mesh axis the data the parameters meet varies over.
+    """
 
     axis: str = "tp"
 
