@@ -318,7 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"/proc/loadavg before: {before}; after: {after}")
     if args.out:
         (args.out / "planner_accuracy.json").write_text(
-            json.dumps({**res, "summary": summary, "loadavg": [before, after]}, indent=1)
+            json.dumps(
+                {
+                    **res,
+                    "summary": summary,
+                    "loadavg": [before, after],
+                    "world": args.world,
+                    "rounds": rounds,
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                },
+                indent=1,
+            )
         )
     return 0
 
