@@ -419,6 +419,21 @@ def test_auto_finds_the_pieces() -> None:
     assert plan["model.layers.*.self_attn"].full_width_norms == (("q_norm", "q"), ("k_norm", "k"))
 
 
+def test_auto_keeps_the_first_candidate_that_verifies() -> None:
+    """Falcon's new decoder fuses q|k|v per kv group: the first guess ([q | k | v]) is wrong,
+    and only verification tells."""
+    model = build("falcon_new")
+    ref = copy.deepcopy(model)
+    mesh = fd.Mesh({"tp": 2})
+    where = "transformer.h.*.self_attention"
+    assert fd.nn.plans.auto(model)[where].qkv_layout == "concat"  # no mesh: unchecked
+    assert fd.nn.plans.auto(model, mesh=mesh)[where].qkv_layout == "grouped"
+    unchecked = fd.nn.parallelize(copy.deepcopy(model), mesh, "auto", verify=False)
+    with pytest.raises(AssertionError):
+        assert_matches_one_device(unchecked, ref, mesh)
+    assert_matches_one_device(fd.nn.parallelize(model, mesh, "auto"), ref, mesh)
+
+
 def test_auto_with_sequence_parallelism_and_replicated_kv_heads() -> None:
     for family, tp, sp in (("gemma2", 2, True), ("falcon_new", 2, True), ("stablelm", 4, False)):
         model = build(family)

@@ -605,7 +605,7 @@ def parallelize(
     mesh: Mesh,
     plan: Mapping[str, PlanValue] | str | None = None,
     *,
-    verify: VerifyInputs = False,
+    verify: VerifyInputs | None = None,
 ) -> ParallelModel:
     """Make ``model`` parallel over ``mesh`` in place, following ``plan``; returns a
     `ParallelModel`.
@@ -621,13 +621,14 @@ def parallelize(
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
             the ready-made plan for the model's ``config.model_type``
             (`fastdist.nn.plans.plan_for`). ``"auto"``: the plan `fastdist.nn.plans.auto` infers
-            from the module tree, checked as ``verify`` (on unless ``verify=False``).
+            from the module tree, checked as ``verify`` says (on unless ``verify=False``).
         verify: check the plan before applying it (`fastdist.nn.verify`): ``True`` runs a copy
             of the model parallelized and one unparallelized, in float64 and eval mode, on a
             small random ``input_ids`` batch, compares every module's output, and raises
             `ParallelizeError` naming the first module that differs and the likely fix, with
             ``model`` left unchanged. A dict of example keyword inputs, or a callable taking the
-            model and returning one, replaces the random batch.
+            model and returning one, replaces the random batch. ``None`` (the default): no
+            check, except for ``plan="auto"``.
 
     Raises `ParallelizeError` for a pattern that matches no module, a style applied to
     a module it cannot handle, or a head/feature count that does not split over the axis.
@@ -652,7 +653,7 @@ def parallelize(
             )
         from .auto import auto
 
-        plan = auto(model, mesh=mesh, verify=True if verify is False else verify)
+        plan = auto(model, mesh=mesh, verify=True if verify is None else verify)
         verify = False  # auto checked the plan it returns
     if plan is None:
         plan = plan_for(model, mesh)
@@ -705,7 +706,7 @@ def parallelize(
     for name, module, pattern in matches:
         for style in styles[pattern]:
             style.check(module, name, mesh)
-    if verify is not False:
+    if verify is not None and verify is not False:
         # on copies: the model is changed only after the plan passed
         verify_plan(model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles))
     # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the

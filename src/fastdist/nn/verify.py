@@ -560,7 +560,11 @@ def verify_plan(
         source = _small_model(model, mesh)
     ref = copy.deepcopy(source).to(torch.float64).eval()
     _float64_experts(ref)
-    inputs = {k: _to_f64(v) for k, v in example_inputs(ref, mesh, verify).items()}
+    device = next((t.device for t in ref.parameters()), torch.device("cpu"))
+    inputs = {
+        k: _to_f64(v).to(device) if isinstance(v, Tensor) else v
+        for k, v in example_inputs(ref, mesh, verify).items()
+    }
     accepts = inspect.signature(ref.forward).parameters
     if "use_cache" in accepts:
         inputs.setdefault("use_cache", False)
