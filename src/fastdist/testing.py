@@ -84,7 +84,13 @@ def meshes(
     max_axes: int = 3,
     names: Sequence[str] = ("dp", "sp", "tp"),
 ) -> SearchStrategy[Mesh]:
-    """Meshes of 1..``max_axes`` axes (named from ``names``) with at most ``max_size`` ranks."""
+    """Meshes of 1..``max_axes`` axes (named from ``names``) with at most ``max_size`` ranks.
+
+    Args:
+        max_size: the most ranks a mesh has.
+        max_axes: the most axes a mesh has.
+        names: the axis names to draw from (in this order).
+    """
     st = _hypothesis("meshes")
 
     @st.composite  # type: ignore[untyped-decorator]
@@ -100,7 +106,11 @@ def meshes(
 
 
 def axes(mesh: Mesh) -> SearchStrategy[AxisName]:
-    """One axis name, or a tuple of distinct names in any order."""
+    """One axis name, or a tuple of distinct names in any order.
+
+    Args:
+        mesh: the mesh whose axes to draw from.
+    """
     st = _hypothesis("axes")
 
     @st.composite  # type: ignore[untyped-decorator]
@@ -122,7 +132,14 @@ def shard_sizes(
     n: int, *, total: int | None = None, even: bool = False, max_rows: int = 4
 ) -> SearchStrategy[list[int]]:
     """Row counts of ``n`` shards: equal if ``even``, else uneven with zeros allowed (summing to
-    ``total`` if given)."""
+    ``total`` if given).
+
+    Args:
+        n: the number of shards.
+        total: the sum of the row counts, if fixed.
+        even: equal row counts.
+        max_rows: the most rows a shard has.
+    """
     st = _hypothesis("shard_sizes")
 
     @st.composite  # type: ignore[untyped-decorator]
@@ -160,7 +177,15 @@ def sharded(
     dtype: torch.dtype = torch.float64,
 ) -> SearchStrategy[Sharded]:
     """A random global tensor split along ``dim`` into ``n`` shards (even, or uneven including
-    empty ones)."""
+    empty ones).
+
+    Args:
+        n: the number of shards.
+        even: equal shards; ``False``: uneven, empty ones included.
+        trailing: the sizes of the other dims.
+        dim: the dim the tensor is split along.
+        dtype: the tensor's dtype.
+    """
     st = _hypothesis("sharded")
 
     @st.composite  # type: ignore[untyped-decorator]
@@ -178,7 +203,17 @@ def sharded(
 # ============================================================================ single-device oracle
 def shard_for_rank(x: Tensor, spec: PartitionSpec, mesh: Mesh, rank: int) -> Tensor:
     """The block of global ``x`` that ``rank`` holds under ``spec`` (replicated axes: the whole
-    dim)."""
+    dim).
+
+    Args:
+        x: the global tensor.
+        spec: how it splits over the mesh's axes.
+        mesh: the mesh.
+        rank: the rank whose block to take.
+
+    Returns:
+        ``rank``'s block of ``x`` (a view).
+    """
     return block_of(x, spec, mesh, rank)
 
 
@@ -212,6 +247,20 @@ def assert_matches_single_device(
     On a simulated mesh every rank is checked at once. On a mesh from
     ``Mesh.from_torch`` each process checks its own rank, so the same test body runs on
     gloo processes through :func:`run_on_gloo`.
+
+    Args:
+        parallel_fn: the per-rank code under test, called with each rank's blocks of ``inputs``.
+        reference_fn: the single-device function, called with the global ``inputs``.
+        mesh: a plain mesh (simulated ranks) or one from ``Mesh.from_torch``.
+        inputs: the global inputs.
+        in_specs: how each input splits over the mesh (one ``PartitionSpec`` per input).
+        out_specs: how the reference output splits over the mesh (what each rank's output must
+            equal).
+        check: the replication checked mode: ``False`` (the code as written), ``"insert"``
+            (``True``) or ``"error"``.
+        rtol: relative tolerance; default: ``torch.testing.assert_close``'s for the dtype.
+        atol: absolute tolerance; default: ``torch.testing.assert_close``'s for the dtype.
+        seed: the seed of the random cotangent.
 
     Raises:
         AssertionError: on the first mismatch, naming the rank, its coordinates, the input by
@@ -443,6 +492,16 @@ def run_on_gloo(
     can write and this process can load). The ranks meet through a ``TCPStore`` that this
     process opens on a port the OS picks (port 0), so runs in parallel threads or processes
     never collide.
+
+    Args:
+        fn: an importable (module-level) function each rank runs.
+        world_size: the number of gloo processes.
+        *args: the arguments of ``fn`` (picklable).
+        timeout: seconds before the ranks still running are killed.
+        grace: seconds the peers of a rank that died get to report before they are killed.
+
+    Returns:
+        each rank's result, by rank.
 
     Raises:
         GlooRunError: (an ``AssertionError``) saying what happened to each rank that gave no

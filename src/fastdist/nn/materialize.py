@@ -50,6 +50,13 @@ def module_seed(seed: int, name: str) -> int:
     """The seed of module ``name``'s init (``""``: the model itself): the first 8 bytes of
     ``sha256(f"{seed}/{name}")``, big-endian, shifted right by one (a 63-bit int).
 
+    Args:
+        seed: the model's seed.
+        name: the module's dotted name (``""``: the model itself).
+
+    Returns:
+        a 63-bit int, the same for the same ``(seed, name)`` on every rank.
+
     >>> module_seed(0, "model.layers.0.mlp.up_proj") == module_seed(0, "model.layers.0.mlp.up_proj")
     True
     """

@@ -102,6 +102,18 @@ def llama(
 ) -> Plan:
     """The plan for the Llama family (Llama, Mistral, Qwen2, Qwen3) over ``axis``.
 
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
+
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     >>> plan = llama(config, sequence_parallel=True)
@@ -153,6 +165,18 @@ def gpt2(
     prefix: str = "transformer",
 ) -> Plan:
     """The plan for GPT-2 over ``axis``: ``Conv1D`` layers, fused ``c_attn``, padded vocabulary.
+
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
 
     >>> from transformers import GPT2Config
     >>> print(*sorted(gpt2(GPT2Config(n_embd=64, n_head=4)))[:2])
@@ -207,6 +231,22 @@ def mixtral(
     (each ep rank dispatches its share and the outputs are gathered back), so the router,
     ``router_logits`` and the model's ``aux_loss`` are one device's. The router stays
     replicated. ``capacity_factor``: token dropping (default: dropless).
+
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        ep_axis: the mesh axis the experts are split over.
+        strategy: ``"all_to_all"`` or ``"allgather"``, as in `fastdist.nn.moe.dispatch`.
+        capacity_factor: drop assignments past the capacity; ``None``: dropless (see
+            `fastdist.nn.moe.moe`).
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
 
     >>> from transformers import MixtralConfig
     >>> config = MixtralConfig(
@@ -308,6 +348,18 @@ def gemma(
     attention soft-capping, ``query_pre_attn_scalar`` and the alternating sliding windows run
     inside each rank's heads. Gemma 3's per-head ``q_norm``/``k_norm`` are pvary'd.
 
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
+
     >>> from transformers import Gemma2Config
     >>> plan = gemma(Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
     ...                           head_dim=16), sequence_parallel=True)
@@ -354,6 +406,18 @@ def phi3(
     slices ``qkv`` with ``self.config.num_attention_heads``: each attention module gets a
     per-rank view of the config (see `HeadParallelAttention`).
 
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
+
     >>> from transformers import Phi3Config
     >>> plan = phi3(Phi3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
     ...                        num_key_value_heads=2))
@@ -396,6 +460,18 @@ def gpt_neox(
 ) -> Plan:
     """The plan for GPT-NeoX / Pythia over ``axis``: ``query_key_value`` is laid out per head
     (``(heads, 3, head_dim)``), so each rank's heads are one block of its rows.
+
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
 
     >>> from transformers import GPTNeoXConfig
     >>> plan = gpt_neox(GPTNeoXConfig(hidden_size=64, num_attention_heads=4))
@@ -448,6 +524,18 @@ def falcon(
     one kv head: every rank holds the fused weight whole and projects its heads' rows) and the
     original per-head layout. ALiBi (``alibi=True``) is refused: its bias is built for every
     head outside the attention.
+
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
 
     >>> from transformers import FalconConfig
     >>> cfg = FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2,
@@ -524,6 +612,18 @@ def stablelm(
     unchanged), and with ``qk_layernorm`` normalises each head with its own LayerNorm (each
     rank applies its heads' norms).
 
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
+
     >>> from transformers import StableLmConfig
     >>> plan = stablelm(StableLmConfig(hidden_size=64, num_attention_heads=4,
     ...                                num_key_value_heads=4, qk_layernorm=True))
@@ -573,6 +673,18 @@ def olmo(
     over the whole projection (all heads together): each rank normalises its heads with the
     sum of squares summed over ``axis`` (the single-device statistics; see
     `HeadParallelAttention`'s ``full_width_norms``). OLMo's norms have no parameters.
+
+    Args:
+        model_or_config: the model, or its ``config``.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+        prefix: the name of the base model inside the causal LM (``model`` in ``model.layers.*``).
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
 
     >>> from transformers import Olmo2Config
     >>> plan = olmo(Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2))
@@ -694,7 +806,20 @@ def plan_for(
     gather_logits: bool = False,
 ) -> Plan:
     """The ready-made plan for ``model`` (by ``config.model_type``); raises for a family without
-    one."""
+    one.
+
+    Args:
+        model: a transformers model.
+        mesh: the mesh it will run on.
+        axis: the mesh axis of tensor parallelism.
+        sequence_parallel: also split the sequence over ``axis`` between the attention and MLP
+            blocks (Megatron's sequence parallelism).
+        gather_logits: the LM head gives the whole vocabulary's logits ``(..., V)``; else each
+            rank's vocabulary shard.
+
+    Returns:
+        the plan: a dict from module name patterns to styles (print it, edit it).
+    """
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind in MOE_FAMILIES:
         return moe_plan_for(
