@@ -1502,10 +1502,9 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
     """
 
     def __init__(self, mesh: Mesh, *meshes: Mesh) -> None:
-        from .mesh import Mesh
-
         for m in (mesh, *meshes):
-            if not isinstance(m, Mesh):
+            # a Mesh (checked by its fields: this module does not import fastdist.mesh)
+            if not all(hasattr(m, f) for f in ("_comm", "axis_names", "size")):
                 raise MeshError(
                     f"fastdist.comm_guard: expected fastdist.Mesh values, got "
                     f"{type(m).__name__}. Fix: pass the meshes the guarded step runs on"
