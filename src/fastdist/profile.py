@@ -150,6 +150,13 @@ def bus_factor(kind: str, n: int) -> float:
     ``sendrecv``     ``1``               one rank's send buffer
     ===============  ==================  ====================================
 
+    Args:
+        kind: the nccl-tests collective (the table's first column).
+        n: the ranks in the group.
+
+    Returns:
+        the factor: bus bytes per byte of the size S.
+
     >>> bus_factor("allreduce", 4), bus_factor("allgather", 4), bus_factor("broadcast", 4)
     (1.5, 0.75, 1.0)
     """
@@ -405,7 +412,11 @@ class Profile:
 
     def flops(self, phase: str | None = None) -> float:
         """Matmul and attention FLOPs of the step on this rank (of one ``phase``); a
-        :func:`trace` counts them, :func:`record` does not (0)."""
+        :func:`trace` counts them, :func:`record` does not (0).
+
+        Args:
+            phase: ``"forward"`` or ``"backward"``; ``None``: both.
+        """
         return sum(
             e.flops
             for e in self.events
@@ -436,7 +447,14 @@ class Profile:
     def filter(self, **where: Any) -> Profile:
         """The records whose fields equal the given values, e.g. ``filter(axis="tp",
         phase="backward")``; the compute and gradient events stay (:func:`predict` of the result
-        charges the compute and the kept collectives)."""
+        charges the compute and the kept collectives).
+
+        Args:
+            **where: field values a record must have (``axis="tp"``, ``phase="backward"``).
+
+        Returns:
+            a `Profile` with the matching records.
+        """
         bad = [k for k in where if k not in Record.__dataclass_fields__]
         if bad:
             raise ProfileError(
@@ -455,20 +473,42 @@ class Profile:
         )
 
     def count(self, **where: Any) -> int:
-        """Number of collectives (matching ``where``, as :meth:`filter`)."""
+        """Number of collectives (matching ``where``, as :meth:`filter`).
+
+        Args:
+            **where: field values a record must have (``axis="tp"``, ``phase="backward"``), as in
+                `filter`.
+        """
         return len(self.filter(**where).records)
 
     def size(self, **where: Any) -> int:
-        """Sum of the nccl-tests sizes S in bytes (matching ``where``)."""
+        """Sum of the nccl-tests sizes S in bytes (matching ``where``).
+
+        Args:
+            **where: field values a record must have (``axis="tp"``, ``phase="backward"``), as in
+                `filter`.
+        """
         return sum(r.size for r in self.filter(**where).records)
 
     def bus_bytes(self, **where: Any) -> float:
-        """Bytes this rank sends (bus bytes, matching ``where``)."""
+        """Bytes this rank sends (bus bytes, matching ``where``).
+
+        Args:
+            **where: field values a record must have (``axis="tp"``, ``phase="backward"``), as in
+                `filter`.
+        """
         return sum(r.bus_bytes for r in self.filter(**where).records)
 
     def summary(self, by: Sequence[str] = ("axis", "op", "phase")) -> list[dict[str, Any]]:
         """Rows grouped by the given Record fields, in first-seen order: the fields, ``count``,
-        ``size``, ``bus_bytes``."""
+        ``size``, ``bus_bytes``.
+
+        Args:
+            by: the ``Record`` fields to group by.
+
+        Returns:
+            one row per group: the fields, ``count``, ``size``, ``bus_bytes``.
+        """
         bad = [k for k in by if k not in Record.__dataclass_fields__]
         if bad:
             raise ProfileError(
@@ -488,7 +528,14 @@ class Profile:
         return list(rows.values())
 
     def table(self, by: Sequence[str] = ("axis", "op", "phase")) -> str:
-        """:meth:`summary` as an aligned text table with a total row."""
+        """:meth:`summary` as an aligned text table with a total row.
+
+        Args:
+            by: the ``Record`` fields to group by.
+
+        Returns:
+            the text table.
+        """
         rows = self.summary(by)
         head = [*by, "count", "size (B)", "bus bytes"]
         body = [
@@ -1123,7 +1170,15 @@ class Network:
 
     def link(self, mesh_sizes: Sequence[int], axes: Sequence[int]) -> Link:
         """The link a group along ``axes`` of a row-major mesh runs over: ``intra`` if the
-        group of rank 0 lies in one node, else ``inter`` (the slowest link bounds a ring)."""
+        group of rank 0 lies in one node, else ``inter`` (the slowest link bounds a ring).
+
+        Args:
+            mesh_sizes: the mesh's axis sizes, outer to inner (row-major).
+            axes: the positions of the group's axes among them.
+
+        Returns:
+            ``intra`` or ``inter``.
+        """
         return self.intra if _in_node(mesh_sizes, axes, self.gpus_per_node) else self.inter
 
     def collective_time(self, r: Record, mesh_sizes: Sequence[int], axes: Sequence[int]) -> float:
@@ -1249,6 +1304,14 @@ class CostModel:
         for all-reduce, ``n-1`` otherwise, 1 for send/recv) and per-byte cost by
         ``bus_factor(n) / bus_factor(n0)``. ``gather``, ``scatter`` and ``broadcast`` are priced
         as ``allgather``.
+
+        Args:
+            kind: the nccl-tests kind (`bus_factor`).
+            n: the ranks in the group.
+            intra: the group lies in one node.
+
+        Returns:
+            the `Fit` that prices ``kind`` over ``n`` ranks.
         """
         kind = _SAME_AS.get(kind, kind)
         have = sorted((f.n, f) for f in self.fits if f.kind == kind and f.intra == intra)
@@ -1858,6 +1921,15 @@ def layouts(
     (which axes stay inside a node); otherwise the order given. Axes of size 1 are left out of
     the name and the order (they are the layout's ``unit`` axes: its mesh has them, with size 1).
 
+    Args:
+        world: the number of ranks.
+        axes: the axis names.
+        max_size: the largest size of each axis named (others: up to ``world``).
+        orders: every order of the axes of size > 1 onto the ranks; ``False``: the order given.
+
+    Returns:
+        the layouts, as `Layout` values.
+
     >>> [str(l) for l in layouts(4, ("dp", "tp"), orders=False)]
     ['tp4', 'dp2 x tp2', 'dp4']
     >>> len(layouts(8, ("dp", "tp")))   # tp8, dp8, and dp2 x tp4, dp4 x tp2 in both orders
@@ -1929,7 +2001,14 @@ class Plan:
         )
 
     def plot(self, ax: Any = None) -> Any:
-        """A horizontal stacked bar per layout (time per axis); returns the matplotlib Axes."""
+        """A horizontal stacked bar per layout (time per axis); returns the matplotlib Axes.
+
+        Args:
+            ax: the matplotlib ``Axes`` to draw on; default: a new figure.
+
+        Returns:
+            the matplotlib ``Axes``.
+        """
         import matplotlib.pyplot as plt
 
         if ax is None:
