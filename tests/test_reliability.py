@@ -4,6 +4,7 @@ and threads."""
 
 from __future__ import annotations
 
+import datetime
 import re
 from typing import Any
 
@@ -46,8 +47,8 @@ def test_point_to_point_to_own_index_is_an_argument_error(issue32: list[dict[str
 
 
 def test_argument_errors_are_one_family() -> None:
-    """A bad src/dst is a CollectiveError (a ValueError) for send as for broadcast; send's
-    CommArgumentError stays a CommError for older callers."""
+    """A bad src/dst is a CollectiveError (a ValueError) for send (and StatelessGroup's messages)
+    as for broadcast; CommArgumentError stays a CommError for older callers."""
     err = fd.CommArgumentError("send", "tp", [0, 1], 1, "dst=1 is this rank's own index", "x")
     assert isinstance(err, fd.CollectiveError) and isinstance(err, ValueError)
     assert isinstance(err, fd.CommError) and isinstance(err, fd.FastdistError)
@@ -55,6 +56,14 @@ def test_argument_errors_are_one_family() -> None:
     assert err.readdress(op="send_tensor_dict") is err and str(err).startswith(
         "fastdist.send_tensor_dict(axis='tp') on rank 1 (group ranks [0, 1]): dst=1"
     )
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5)
+    )  # a port the OS picks
+    group = fd.StatelessGroup(store, 0, 2, timeout=0.3)
+    with pytest.raises(fd.CommArgumentError, match=r"dst=0 is not another member"):
+        group.send_obj(1, dst=0)
+    with pytest.raises(fd.CommArgumentError, match=r"src=2 is not a member"):
+        group.broadcast_obj(1, src=2)
     mesh = fd.Mesh({"tp": 2})
     with pytest.raises(fd.CollectiveError, match=r"src=2 is not an index along the axis"):
         fd.simulate(lambda x: fd.broadcast(x, mesh, "tp", src=2), mesh)(torch.ones(2, 1))

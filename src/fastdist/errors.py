@@ -143,8 +143,9 @@ class CommError(FastdistError, RuntimeError):
 
 class CommArgumentError(CollectiveError, CommError):  # type: ignore[misc]  # rank: "rank N"
     """A helper on real ranks (``send``/``recv``, ``send_object``/``recv_object``,
-    ``broadcast_object``, the tensor-dict helpers) got an argument that cannot work: ``dst`` or
-    ``src`` not an index along the axis, or this rank's own index.
+    ``broadcast_object``, the tensor-dict helpers, :class:`~fastdist.StatelessGroup`'s messages)
+    got an argument that cannot work: ``dst`` or ``src`` not an index along the axis (a member),
+    or this rank's own index.
 
     Raised before any communication, so the mesh stays usable. A :class:`CollectiveError` (and so
     a ``ValueError``), like the same mistake in a collective (``broadcast(src=...)``); also a

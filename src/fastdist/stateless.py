@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommError, MeshError
+from .errors import CollectiveTimeout, CommArgumentError, CommError, MeshError
 
 __all__ = ["StatelessGroup"]
 
@@ -171,7 +171,7 @@ class StatelessGroup:
             or not 0 <= peer < self.world_size
             or peer == self.rank
         ):
-            raise CommError(
+            raise CommArgumentError(
                 op,
                 None,
                 list(range(self.world_size)),
@@ -221,7 +221,7 @@ class StatelessGroup:
             ``src``'s object.
         """
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise CommError(
+            raise CommArgumentError(
                 "StatelessGroup.broadcast_obj",
                 None,
                 list(range(self.world_size)),
