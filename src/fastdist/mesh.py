@@ -392,7 +392,9 @@ class Mesh:
         of the mesh** calls ``mesh.reset()``; it destroys the groups (a peer still waiting in
         one fails at once), moves the mesh to a new epoch agreed through the job's store, and
         returns once every rank has reset. The next collectives create new groups. Then redo
-        the step on every rank. Compiled steps are traced again on their next call.
+        the step on every rank. Compiled steps are traced again on their next call; run them
+        under :class:`fastdist.comm_guard` so that a failure inside the compiled graph raises
+        fastdist's errors too (torch's own ``RuntimeError`` otherwise).
 
         Waits up to ``timeout`` (default: twice the mesh's timeout plus 5 s, since a peer may
         need a whole timeout to notice the failure) and raises
@@ -401,7 +403,7 @@ class Mesh:
 
         ```text
         try:
-            loss = step(batch)
+            loss = step(batch)              # compiled: step = fastdist.comm_guard(mesh)(compiled)
         except fastdist.FastdistError:      # CommError, CollectiveTimeout, or this rank's own error
             mesh.reset()                    # on every rank
             loss = step(batch)
