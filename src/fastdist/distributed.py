@@ -880,7 +880,7 @@ class AxisComm:
         if any(e != every[0] for e in every):
             table = "; ".join(
                 f"rank {r}: {e[0]}(shapes={e[1]}, dtypes={e[2]}, params={e[3]}) at "
-                f"{Path(e[4][0]).name}:{e[4][1]}"
+                f"{e[4][0]}:{e[4][1]}"
                 for r, e in zip(self.ranks, every)
             )
             where = (
@@ -908,13 +908,14 @@ _LIBRARY_DIRS = (
 
 
 def _call_site() -> tuple[str, int]:
-    """``(file, line)`` of the innermost frame outside fastdist and torch: where the user's code
-    called the collective (check mode compares it between ranks)."""
+    """``(file name, line)`` of the innermost frame outside fastdist and torch: where the user's
+    code called the collective (check mode compares it between ranks). The file's name without
+    its directory: the script may sit in different directories on different nodes."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_LIBRARY_DIRS):
-            return name, frame.f_lineno
+            return os.path.basename(name), frame.f_lineno
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>", 0
 
