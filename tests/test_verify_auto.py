@@ -187,6 +187,26 @@ def test_verify_accepts_every_ready_plan(family: str, tp: int, sp: bool) -> None
         assert_matches_one_device(pm, ref, mesh)
 
 
+READY = ["gemma", "gemma2", "gemma3", "phi3", "gpt_neox", "falcon", "falcon_new"]
+READY += ["stablelm", "olmo", "olmo2", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", READY)
+def test_verify_accepts_the_other_ready_plans(family: str) -> None:
+    """Every family's ready plan passes verify at tp=4 (2 kv heads: replicated over the ranks)
+    and, where it has sequence parallelism, at tp=2 with it (tests/test_families.py checks
+    the plans themselves against one device)."""
+    for tp, sp in ((4, False), (2, True)):
+        model = build(family)
+        mesh = fd.Mesh({"tp": tp})
+        try:
+            plan = fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp)
+        except fd.nn.ParallelizeError as e:
+            assert sp and "no sequence parallelism" in str(e)  # the MoE plans
+            continue
+        fd.nn.parallelize(model, mesh, plan, verify=True)
+
+
 def _gpt2_without_split_size() -> tuple[Any, dict[str, Any], str]:
     model = build("gpt2")
     plan = fd.nn.plans.gpt2(model)

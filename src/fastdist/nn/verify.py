@@ -283,7 +283,9 @@ def _block(
     full, size = ref.shape[d], local.shape[d]
     for axis in axes:
         n = mesh.axis_size(axis)
-        if n > 1 and size == -(-full // n):
+        # an even split, or one padded at the end (a vocabulary: every rank but the last full);
+        # not a head several ranks hold whole (kv heads fewer than ranks)
+        if n > 1 and (size * n == full or (size == -(-full // n) and full > size * (n - 1))):
             i = mesh.index(rank, axis)
             keep = max(0, min(size, full - i * size))  # vocabulary padding dropped
             return ref.narrow(d, i * size, keep), local.narrow(d, 0, keep)
