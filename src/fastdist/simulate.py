@@ -308,8 +308,10 @@ def promote(op: str, x: Tensor, binding: _Binding | None) -> Tensor:
         return x + binding.zero.to(device=x.device, dtype=x.dtype)
     if _has_rank_dim(op, x, binding):  # the usual case: no copy (adding zero costs a pass over x)
         return x
-    rank_level = _functorch.maybe_get_level(binding.rank)
-    if all(i.level() != rank_level for i in _functorch.get_interpreter_stack() or ()):
+    rank_level = _functorch.maybe_get_level(binding.rank)  # -1: a plain rank (fastdist.profile)
+    if rank_level >= 0 and all(
+        i.level() != rank_level for i in _functorch.get_interpreter_stack() or ()
+    ):
         # torch re-created the vmap over the ranks at another level and hid simulate's: the
         # forward of an autograd.Function applied under a torch.func transform outside simulate
         raise NoBackendError(
