@@ -342,9 +342,10 @@ def assert_matches_single_device(
 
 
 def _input_names(parallel_fn: Any, reference_fn: Any, n: int) -> list[str]:
-    """``" (x)"`` for each input whose parameter name ``parallel_fn`` (else ``reference_fn``)
-    declares, else ``""``."""
-    for fn in (parallel_fn, reference_fn):
+    """``" (x)"`` for each input whose positional parameter name ``parallel_fn`` (else
+    ``reference_fn``) declares, else ``""`` (an input taken by ``*args``)."""
+    names = [""] * n
+    for fn in (reference_fn, parallel_fn):  # parallel_fn's names win
         try:
             params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):  # a builtin or an object without a signature
@@ -352,9 +353,9 @@ def _input_names(parallel_fn: Any, reference_fn: Any, n: int) -> list[str]:
         positional = [
             p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
-        if len(positional) >= n:
-            return [f" ({name})" for name in positional[:n]]
-    return [""] * n
+        for i, name in enumerate(positional[:n]):
+            names[i] = f" ({name})"
+    return names
 
 
 def _norm(t: Tensor) -> str:
