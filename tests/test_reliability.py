@@ -140,6 +140,13 @@ def test_from_torch_world_size_names_from_torch_and_torchrun(
             "several nodes, nodes x processes per node a multiple of 3), or choose degrees whose "
             "product divides 2",
         )
+        assert out["world_dp"][:2] == (
+            "MeshError",
+            "Mesh.from_torch: dp=3 with no degrees gives 3 ranks, not the job's world size 2 "
+            "(torch.distributed). Fix: launch 3 processes (torchrun --nproc-per-node 3; on several "
+            "nodes, nodes x processes per node = 3), or leave dp out to infer it from the job's 2 "
+            "ranks",
+        )
 
 
 # ---------------------------------------------------------------------------- threads (32.8)

@@ -250,15 +250,23 @@ class Mesh:
             text = str(e).removeprefix("Mesh.from_world_size: ")
             if "world size" not in text:  # a bad degree or order: not about the job's size
                 raise MeshError(f"Mesh.from_torch: {text}") from None
-            asked = math.prod(d for n, d in degrees.items() if n != "dp" and isinstance(d, int))
             problem = text.split(". Fix: ", 1)[0].replace(
                 f"world size {world}", f"the job's world size {world} (torch.distributed)"
             )
-            raise MeshError(
-                f"Mesh.from_torch: {problem}. Fix: launch a multiple of {asked} processes "
-                f"(torchrun --nproc-per-node {asked}; on several nodes, nodes x processes per "
-                f"node a multiple of {asked}), or choose degrees whose product divides {world}"
-            ) from None
+            asked = math.prod(degrees.values())  # valid ints here; with dp: the whole job
+            if "dp" in degrees:
+                fix = (
+                    f"launch {asked} processes (torchrun --nproc-per-node {asked}; on several "
+                    f"nodes, nodes x processes per node = {asked}), or leave dp out to infer it "
+                    f"from the job's {world} ranks"
+                )
+            else:
+                fix = (
+                    f"launch a multiple of {asked} processes (torchrun --nproc-per-node {asked}; "
+                    f"on several nodes, nodes x processes per node a multiple of {asked}), or "
+                    f"choose degrees whose product divides {world}"
+                )
+            raise MeshError(f"Mesh.from_torch: {problem}. Fix: {fix}") from None
         return plain._over_job(timeout, check=check, backend=backend, library=library)
 
     @classmethod
