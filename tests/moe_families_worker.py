@@ -11,8 +11,8 @@ import fastdist as fd
 
 
 def moe_families_on_gloo(families: list[str], root: str) -> list[str]:
-    """One rank: for each family, build the model (GPT-OSS: from other random weights, then this
-    rank's slices of ``root/gpt_oss``, its ``save_pretrained`` output), parallelize it with its
+    """One rank: for each family, build the model from other random weights, then load this
+    rank's slices of ``root/<family>``, its ``save_pretrained`` output, parallelize it with its
     ready plan over this mesh (experts over the tp ranks), run a forward/backward (logits, loss
     with the aux loss, every gradient) and an AdamW step, and compare with one device (the
     weights after the step too), in float64 to 1e-10. DeepSeek's routers and OLMoE's q/k norms
@@ -36,8 +36,9 @@ def moe_families_on_gloo(families: list[str], root: str) -> list[str]:
             loads = family in LOADS_SAVE_PRETRAINED
             model = build(family, seed=7) if loads else build(family)
             pm = fd.nn.parallelize(model, mesh)
-            if loads:
-                pm.load(Path(root) / family)  # this rank's slices only
+            if loads:  # this rank's slices only (per-expert tensors fused as they are read)
+                with fd.nn.moe_plans.fused_experts(pm.module, Path(root) / family) as checkpoint:
+                    pm.load(checkpoint)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
             ids, labels = batch(30)
