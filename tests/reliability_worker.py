@@ -237,6 +237,7 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
     out["world"] = timed(lambda: fd.Mesh.from_torch(tp=3), fd.MeshError)
     out["world_dp"] = timed(lambda: fd.Mesh.from_torch(dp=3), fd.MeshError)
     mesh = fd.Mesh.from_torch(tp=world, timeout=3)
+    out["with_timeout"] = timed(lambda: mesh.with_timeout(0), fd.MeshError)
     x = torch.ones(2)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0, 2.0]
     errors = (fd.CommArgumentError,)

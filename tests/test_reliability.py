@@ -140,6 +140,11 @@ def test_from_torch_world_size_names_from_torch_and_torchrun(
             "several nodes, nodes x processes per node a multiple of 3), or choose degrees whose "
             "product divides 2",
         )
+        assert out["with_timeout"][:2] == (
+            "MeshError",
+            "Mesh.with_timeout: timeout must be positive seconds or a positive timedelta, got 0. "
+            "Fix: pass timeout=<seconds> greater than 0 (e.g. timeout=60)",
+        )
         assert out["world_dp"][:2] == (
             "MeshError",
             "Mesh.from_torch: dp=3 with no degrees gives 3 ranks, not the job's world size 2 "

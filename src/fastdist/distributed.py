@@ -125,12 +125,13 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
 
 def _as_timedelta(
     timeout: float | datetime.timedelta | None,
-    default: datetime.timedelta,
+    default: datetime.timedelta | None,
     who: str = "fastdist",
 ) -> datetime.timedelta:
-    """``timeout`` (seconds or a timedelta, > 0) as a timedelta; ``default`` for None. ``who``
-    (e.g. ``"Mesh.from_torch"``) names the call in the error."""
-    if timeout is None:
+    """``timeout`` (seconds or a timedelta, > 0) as a timedelta; ``default`` for None (no
+    ``default``: None is refused too). ``who`` (e.g. ``"Mesh.from_torch"``) names the call in the
+    error."""
+    if timeout is None and default is not None:
         return default
     if isinstance(timeout, datetime.timedelta) and timeout > datetime.timedelta(0):
         return timeout
@@ -140,10 +141,14 @@ def _as_timedelta(
         and 0 < timeout < float("inf")
     ):
         return datetime.timedelta(seconds=float(timeout))
+    leave_out = (
+        f", or leave it out for the default ({default.total_seconds():g} s)"
+        if default is not None
+        else ""
+    )
     raise MeshError(
         f"{who}: timeout must be positive seconds or a positive timedelta, got {timeout!r}. "
-        f"Fix: pass timeout=<seconds> greater than 0 (e.g. timeout=60), or leave it out for the "
-        f"default ({default.total_seconds():g} s)"
+        f"Fix: pass timeout=<seconds> greater than 0 (e.g. timeout=60){leave_out}"
     )
 
 

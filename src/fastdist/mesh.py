@@ -267,7 +267,9 @@ class Mesh:
                     f"choose degrees whose product divides {world}"
                 )
             raise MeshError(f"Mesh.from_torch: {problem}. Fix: {fix}") from None
-        return plain._over_job(timeout, check=check, backend=backend, library=library)
+        return plain._over_job(
+            timeout, "Mesh.from_torch", check=check, backend=backend, library=library
+        )
 
     @classmethod
     def from_device_mesh(
@@ -310,7 +312,12 @@ class Mesh:
             )
         plain = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
         return plain._over_job(
-            timeout, check=check, device_mesh=device_mesh, backend=backend, library=library
+            timeout,
+            "Mesh.from_device_mesh",
+            check=check,
+            device_mesh=device_mesh,
+            backend=backend,
+            library=library,
         )
 
     def to_device_mesh(self, device_type: str = "cpu") -> Any:
@@ -336,19 +343,28 @@ class Mesh:
                 f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it "
                 "with Mesh.from_torch"
             )
+        from . import distributed as D
+
+        D._as_timedelta(timeout, None, "Mesh.with_timeout")  # required: None is refused too
         old = self._comm
         plain = Mesh(list(zip(self._names, self._sizes)))
         return plain._over_job(
-            timeout, check=old.check, backend=old.backend, library=old.native_lib
+            timeout,
+            "Mesh.with_timeout",
+            check=old.check,
+            backend=old.backend,
+            library=old.native_lib,
         )
 
-    def _over_job(self, timeout: float | datetime.timedelta | None, **comm_args: Any) -> Mesh:
+    def _over_job(
+        self, timeout: float | datetime.timedelta | None, who: str, **comm_args: Any
+    ) -> Mesh:
         """This plain mesh's axes over the running torch.distributed job, with a new
-        communicator."""
+        communicator; ``who`` (e.g. ``"Mesh.with_timeout"``) names the call in errors."""
         from . import distributed as D
 
         comm = D.TorchComm(
-            self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, "Mesh"), **comm_args
+            self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, who), **comm_args
         )
         return type(self)(self.shape.items(), _comm=comm)
 
