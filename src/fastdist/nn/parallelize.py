@@ -184,6 +184,12 @@ class ParallelModel:
         Ranks holding the same block must agree (``check``): a replicated parameter whose
         gradient differs across ranks (a missing pvary) raises `fastdist.nn.ReplicaMismatchError`.
         On real ranks a collective: call it on every rank.
+
+        Args:
+            check: require ranks holding the same block to agree (a missing ``pvary`` raises).
+
+        Returns:
+            every parameter's single-device gradient, by name.
         """
         return {
             name: gather_full(
@@ -221,6 +227,16 @@ class ParallelModel:
         meta parameters a ``strict=False`` load would leave without storage (initialise first:
         `init_weights`, then ``load(..., strict=False)``); `ParallelizeError` for
         ``device``/``dtype`` given to a model with nothing on the meta device.
+
+        Args:
+            source: a ``.safetensors`` file, a ``save_pretrained`` directory, or a single-device
+                state dict.
+            strict: like ``load_state_dict``: a missing or unexpected key raises; ``False`` skips
+                them (shapes are always checked).
+            rename: model key -> checkpoint key (a mapping or a function); default: transformers'
+                renames for this model.
+            device: where parameters still on the meta device get their storage (default cpu).
+            dtype: the dtype of floating-point meta parameters (default: their own).
         """
         if (device is not None or dtype is not None) and not meta_names(self.module):
             raise ParallelizeError(
@@ -249,7 +265,12 @@ class ParallelModel:
 
     def save(self, path: Any, *, dst: int = 0) -> dict[str, Tensor]:
         """Write the single-device weights as one safetensors file (rank ``dst``): see
-        `fastdist.nn.save_checkpoint`."""
+        `fastdist.nn.save_checkpoint`.
+
+        Args:
+            path: the ``.safetensors`` file, or a directory (then ``model.safetensors`` in it).
+            dst: the rank that writes the file.
+        """
         return save_checkpoint(self.module, path, self.mesh, dst=dst)
 
     # ------------------------------------------------------------------ models built on meta
@@ -492,7 +513,16 @@ class ParallelModel:
     ) -> Tensor:
         """Clip the gradients by their single-device total norm and return it: see
         `fastdist.nn.clip_grad_norm_` (``torch.nn.utils.clip_grad_norm_`` would give every rank
-        its own norm)."""
+        its own norm).
+
+        Args:
+            max_norm: the largest total norm kept.
+            norm_type: p of the p-norm (finite > 0) or ``math.inf``.
+            error_if_nonfinite: raise ``RuntimeError`` (every rank alike) if the norm is nan/inf.
+
+        Returns:
+            the total norm before clipping: 0-d on real ranks, ``[world]`` on a simulated mesh.
+        """
         from .clip import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
