@@ -412,6 +412,16 @@ def test_phi3_attention_sees_a_per_rank_config_view_and_the_users_config_is_unto
     assert attn.config.hidden_size == 32 and attn.config.vocab_size == VOCAB  # the rest shared
     views = {id(m.self_attn.config) for m in model.model.layers}
     assert len(views) == 2  # one view per module: nothing one of them changes leaks
+    # a plan written by hand from the documented styles (issue 31's case) now equals one device
+    ref = build("phi3")
+    hand = copy.deepcopy(ref)
+    plan = {"model.layers.*.self_attn": fd.nn.HeadParallelAttention(4, 2, 8, qkv="qkv_proj")}
+    pm = fd.nn.parallelize(hand, mesh, plan)
+    ids, _ = batch()
+    got = pm(input_ids=rep(ids, mesh)).logits
+    torch.testing.assert_close(
+        got, rep(ref(input_ids=ids).logits.detach(), mesh), **tolerance("phi3")
+    )
 
 
 def test_stablelm_heads_are_set_per_rank_and_per_head_norm_lists_are_named() -> None:
@@ -432,6 +442,21 @@ def test_stablelm_heads_are_set_per_rank_and_per_head_norm_lists_are_named() -> 
     fd.nn.parallelize(model, mesh)
     attn = _attention(model)
     assert (attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups) == (2, 1, 2)
+    # without per-head norms the Llama plan fits StableLM (a raw reshape error before)
+    torch.manual_seed(0)
+    cfg = transformers.StableLmConfig(
+        **_common(2), qk_layernorm=False, eos_token_id=1, bos_token_id=2
+    )
+    ref = transformers.StableLmForCausalLM(cfg).to(F64).eval()
+    plain = copy.deepcopy(ref)
+    pm = fd.nn.parallelize(plain, mesh, fd.nn.plans.llama(plain, sequence_parallel=True))
+    ids, labels = batch()
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    want_logits, want_loss = reference_loss(ref, ids, labels)
+    torch.testing.assert_close(
+        full_logits(out.logits, mesh), want_logits.detach(), **tolerance("stablelm")
+    )
+    torch.testing.assert_close(out.loss, rep(want_loss.detach(), mesh), **tolerance("stablelm"))
 
 
 def test_olmo2_full_width_norms_with_a_head_plan_are_refused_with_the_fix() -> None:
