@@ -596,6 +596,11 @@ class ExpertParallelExperts(nn.Module):
     ``ep`` group holds the same tokens (attention tensor-parallel or replicated): each rank
     dispatches its ``1/ep`` share and the outputs are all-gathered back (every rank's result
     is the whole layer's); ``"sharded"``: each rank's own tokens (data-parallel attention).
+    Layouts transformers stores otherwise (see `ExpertParallel`): ``transposed`` (``(E/ep, H,
+    2I/tp)`` and ``(E/ep, I/tp, H)``), ``gate_up_proj_bias`` (E/ep, 2I/tp) and ``down_proj_bias``
+    (E/ep, H) (added once, on tp rank 0, before the sum over tp), ``gate_fn``: the model's own
+    ``_apply_gate(module, h)`` (GPT-OSS's clamped SwiGLU on interleaved gate/up), called with
+    this module (which carries the original's plain attributes, e.g. ``alpha``, ``limit``).
 
     ``dropped``: after each forward (eager mode), the number of (token, expert) assignments
     that forward dropped (``capacity_factor``; 0 when dropless) among the tokens of this
