@@ -310,6 +310,25 @@ def test_family_matches_one_device(
     _run_case(family, tp, sp, kv, from_pretrained, tmp_path)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "olmo2", "falcon:mqa", "stablelm"])
+def test_family_built_on_the_meta_device_loads_save_pretrained(tmp_path: Path, family: str) -> None:
+    """The new pieces (the scaled embedding's buffer, the full-width norm's shards, a fused
+    projection held whole, per-head norm lists) on a model that never sat whole on one rank."""
+    ref = build(family)
+    ref.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = _model(family, 2)
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=True))
+    pm.load(tmp_path, dtype=F64)
+    ids, labels = batch()
+    out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    want_logits, want_loss = reference_loss(ref, ids, labels)
+    tol = tolerance(family)
+    torch.testing.assert_close(full_logits(out.logits, mesh), want_logits.detach(), **tol)
+    torch.testing.assert_close(out.loss, rep(want_loss.detach(), mesh), **tol)
+
+
 # ============================================================================ the docs' table
 def _features() -> dict[str, dict[str, str]]:
     """What CASES exercise, per model_type: the docs table's cells."""
