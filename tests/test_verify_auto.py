@@ -432,8 +432,8 @@ def test_auto_plan_per_family(family: str) -> None:
         ref = copy.deepcopy(model)
         mesh = fd.Mesh({"tp": tp})
         if sp:
-            plan = fd.nn.plans.auto(model, sequence_parallel=True, mesh=mesh)
-            pm = fd.nn.parallelize(model, mesh, plan)
+            plan = fd.nn.plans.auto(model, sequence_parallel=True)
+            pm = fd.nn.parallelize(model, mesh, plan, verify=True)
         else:
             pm = fd.nn.parallelize(model, mesh, "auto")
         assert_matches_one_device(pm, ref, mesh, tol)
@@ -460,12 +460,17 @@ def test_auto_keeps_the_first_candidate_that_verifies() -> None:
     ref = copy.deepcopy(model)
     mesh = fd.Mesh({"tp": 2})
     where = "transformer.h.*.self_attention"
-    assert fd.nn.plans.auto(model)[where].qkv_layout == "concat"  # no mesh: unchecked
-    assert fd.nn.plans.auto(model, mesh=mesh)[where].qkv_layout == "grouped"
+    plan = fd.nn.plans.auto(model)
+    assert plan[where].qkv_layout == "concat"  # the first guess, unchecked
+    assert [c[where].qkv_layout for c in plan.candidates] == ["concat", "grouped"]
     unchecked = fd.nn.parallelize(copy.deepcopy(model), mesh, "auto", verify=False)
     with pytest.raises(AssertionError):
         assert_matches_one_device(unchecked, ref, mesh)
-    assert_matches_one_device(fd.nn.parallelize(model, mesh, "auto"), ref, mesh)
+    with pytest.raises(fd.nn.ParallelizeError, match="self_attention"):
+        fd.nn.parallelize(copy.deepcopy(model), mesh, dict(plan), verify=True)  # concat alone
+    pm = fd.nn.parallelize(model, mesh, "auto")
+    assert pm.plan[where].qkv_layout == "grouped"
+    assert_matches_one_device(pm, ref, mesh)
 
 
 def test_auto_with_sequence_parallelism_and_replicated_kv_heads() -> None:
@@ -473,9 +478,10 @@ def test_auto_with_sequence_parallelism_and_replicated_kv_heads() -> None:
         model = build(family)
         ref = copy.deepcopy(model)
         mesh = fd.Mesh({"tp": tp})
-        plan = fd.nn.plans.auto(model, sequence_parallel=sp, mesh=mesh)
+        plan = fd.nn.plans.auto(model, sequence_parallel=sp)
         assert any(isinstance(s, fd.nn.SequenceShard) for s in plan.values()) == sp
-        assert_matches_one_device(fd.nn.parallelize(model, mesh, plan), ref, mesh)
+        pm = fd.nn.parallelize(model, mesh, plan, verify=True)
+        assert_matches_one_device(pm, ref, mesh)
     with pytest.raises(fd.nn.ParallelizeError, match="experts .*no sequence parallelism"):
         fd.nn.plans.auto(build("mixtral"), sequence_parallel=True)
 
@@ -495,6 +501,6 @@ def test_verify_and_auto_on_two_gloo_processes() -> None:
     from tests.verify_worker import verify_on_gloo
 
     (layout0, msg0), (layout1, msg1) = run_on_gloo(verify_on_gloo, 2, timeout=300)
-    assert layout0 == layout1 == "'concat'"
+    assert layout0 == layout1 == "'grouped'"  # the second candidate, as on simulated ranks
     assert msg0 == msg1  # the same error on every rank
     assert re.search(r"'model\.layers\.0\.self_attn\.o_proj' .*differs .*on rank [01]", msg0)

@@ -14,7 +14,8 @@ import fastdist as fd
 def verify_on_gloo() -> tuple[str, str]:
     """One rank: the ready Llama plan passes verify on real ranks (and the model then matches one
     device on this rank's logits), and a silently wrong plan is refused on every rank with the
-    same message. Returns (the auto plan's attention style, the refusal's message)."""
+    same message. Returns (the fused q|k|v layout of the plan auto verified, the refusal's
+    message)."""
     from tests.test_verify_auto import V, build, ids
 
     world = torch.distributed.get_world_size()
@@ -40,5 +41,5 @@ def verify_on_gloo() -> tuple[str, str]:
         message = str(e)
     else:
         raise AssertionError("verify accepted a wrong plan")
-    auto = fd.nn.plans.auto(build("phi3"), mesh=mesh)
-    return repr(auto["model.layers.*.self_attn"].qkv_layout), message
+    auto = fd.nn.parallelize(build("falcon_new"), mesh, "auto").plan  # the candidate that verified
+    return repr(auto["transformer.h.*.self_attention"].qkv_layout), message

@@ -20,10 +20,11 @@
   the embedding cannot be and the head shares its weight.
 
 Where a choice cannot be read off the shapes (a fused q|k|v laid out ``[q | k | v]``, per head,
-or per kv group), `auto` with a ``mesh`` tries each and keeps the first that `verify` accepts;
-without a mesh it returns the first guess unchecked. ``parallelize(model, mesh, "auto")`` is
-``parallelize(model, mesh, auto(model, mesh=mesh))``. A model `auto` cannot read, or whose every
-candidate plan fails verification, is refused with a `ParallelizeError` naming the module.
+or per kv group), the plan holds every choice as ``candidates``; ``parallelize`` with ``verify``
+tries them in turn and applies the first that matches one device. ``parallelize(model, mesh,
+"auto")`` is ``parallelize(model, mesh, auto(model), verify=True)``. A model `auto` cannot read,
+or whose every candidate fails verification, is refused with a `ParallelizeError` naming the
+module.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from ..mesh import Mesh
 from .moe import ExpertParallel
 from .styles import (
     ColwiseParallel,
@@ -49,9 +49,8 @@ from .styles import (
     SequenceShard,
     VocabParallel,
 )
-from .verify import VerifyInputs
 
-__all__ = ["auto"]
+__all__ = ["AutoPlan", "auto"]
 
 Plan = dict[str, Any]
 
@@ -423,25 +422,27 @@ def _candidates(model: nn.Module, axis: str, sequence_parallel: bool) -> list[Pl
     return [{**common, f"{layers}.*.{rel}": style} for style in attn_styles]
 
 
-def auto(
-    model: nn.Module,
-    *,
-    axis: str = "tp",
-    sequence_parallel: bool = False,
-    mesh: Mesh | None = None,
-    verify: VerifyInputs = True,
-) -> Plan:
+class AutoPlan(dict[str, Any]):
+    """The plan `auto` returns: a plain dict of styles (its first guess) that also holds the
+    ``candidates`` to try where the module tree leaves a choice open (the first guess first).
+    `fastdist.nn.parallelize` with ``verify`` tries them in order and applies the first that
+    matches one device."""
+
+    candidates: list[Plan]
+
+
+def auto(model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = False) -> AutoPlan:
     """A tensor-parallel plan over ``axis`` inferred from ``model``'s module tree (see the module
-    docstring for what it finds).
+    docstring for what it finds), with Megatron-style sequence parallelism when
+    ``sequence_parallel``.
 
-    Without ``mesh``: the first candidate plan, unchecked. With ``mesh``: each candidate is
-    checked with `fastdist.nn.verify` (``verify``: ``True`` or example inputs, as
-    ``parallelize(verify=...)``; ``False`` skips the check) on copies of the model, and the first
-    that matches the single-device model is returned; ``model`` is not changed.
+    The result is the first guess, unchecked; ``parallelize(model, mesh, auto(model),
+    verify=True)`` (or ``parallelize(model, mesh, "auto")``) verifies it and, where the shapes
+    left a choice open (a fused q|k|v's layout), tries the other ``candidates`` in turn.
 
-    Raises `ParallelizeError` naming the module auto cannot read (no repeated blocks, no
-    attention or MLP it recognises, a norm it cannot place) or, with ``mesh``, the first
-    candidate's verification error.
+    Raises `ParallelizeError` naming the module auto cannot read: no repeated blocks, no
+    attention or MLP it recognises, a child of the attention it cannot place, experts with
+    ``sequence_parallel``.
 
     >>> import torch, fastdist as fd
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -450,27 +451,10 @@ def auto(
     >>> plan = fd.nn.plans.auto(m)
     >>> print(*sorted(plan)[:3])
     lm_head model.embed_tokens model.layers.*.mlp
-    >>> plan["model.layers.*.self_attn"].num_kv_heads
-    2
+    >>> plan["model.layers.*.self_attn"].num_kv_heads, len(plan.candidates)
+    (2, 1)
     """
     candidates = _candidates(model, axis, sequence_parallel)
-    if mesh is None or verify is False:
-        return candidates[0]
-    mesh.axis_indices(axis, "plans.auto")
-    from .parallelize import parallelize
-    from .verify import verify_plan
-
-    first: ParallelizeError | None = None
-    for plan in candidates:
-        try:
-            styles = {k: (v,) for k, v in plan.items()}
-
-            def apply(m: nn.Module, p: Plan = plan) -> Any:
-                return parallelize(m, mesh, p)
-
-            verify_plan(model, mesh, styles, verify, apply)
-            return plan
-        except ParallelizeError as e:
-            first = first or e
-    assert first is not None
-    raise ParallelizeError(f"plans.auto: {type(model).__name__}: {first}") from first
+    plan = AutoPlan(candidates[0])
+    plan.candidates = candidates
+    return plan

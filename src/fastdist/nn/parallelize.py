@@ -71,6 +71,8 @@ class ParallelModel:
         module: the model itself, modified in place (its parameters hold shards).
         mesh: the mesh it runs on.
         layouts: how each parameter (by the model's own name) splits the single-device tensor.
+        plan: the plan that was applied (pattern -> styles; with ``plan="auto"``, the candidate
+            that verified).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class ParallelModel:
     ) -> None:
         self.module, self.mesh = module, mesh
         self.layouts = param_layouts(module)
+        self.plan: dict[str, Any] = {}
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
         self._pvary_sites = list(pvary_params)
@@ -650,8 +653,10 @@ def parallelize(
             mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
             the ready-made plan for the model's ``config.model_type``
-            (`fastdist.nn.plans.plan_for`). ``"auto"``: the plan `fastdist.nn.plans.auto` infers
-            from the module tree, checked as ``verify`` says (on unless ``verify=False``).
+            (`fastdist.nn.plans.plan_for`). ``"auto"``: ``fastdist.nn.plans.auto(model)``, the
+            plan inferred from the module tree, verified unless ``verify=False``. A plan from
+            `fastdist.nn.plans.auto` with several ``candidates`` (a fused q|k|v's layout left
+            open) and ``verify``: each is tried in turn, the first that verifies applied.
         verify: check the plan before applying it (`fastdist.nn.verify`): ``True`` runs a copy
             of the model parallelized and one unparallelized, in float64 and eval mode, on a
             small random ``input_ids`` batch, compares every module's output, and raises
@@ -683,8 +688,21 @@ def parallelize(
             )
         from .auto import auto
 
-        plan = auto(model, mesh=mesh, verify=True if verify is None else verify)
-        verify = False  # auto checked the plan it returns
+        plan = auto(model)
+        verify = True if verify is None else verify
+    candidates = getattr(plan, "candidates", None)
+    if isinstance(candidates, list) and len(candidates) > 1 and verify not in (None, False):
+        # auto's open choices: the first candidate that verifies (the model is changed only then)
+        first: ParallelizeError | None = None
+        for candidate in candidates:
+            try:
+                return parallelize(model, mesh, dict(candidate), verify=verify)
+            except ParallelizeError as e:
+                first = first or e
+        raise ParallelizeError(
+            f"parallelize(plan='auto'): none of the {len(candidates)} candidate plans for "
+            f"{type(model).__name__} verifies; the first: {first}"
+        ) from first
     if plan is None:
         plan = plan_for(model, mesh)
     done_before = [
@@ -738,7 +756,7 @@ def parallelize(
             style.check(module, name, mesh)
     if verify is not None and verify is not False:
         # on copies: the model is changed only after the plan passed
-        verify_plan(model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles))
+        verify_plan(model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles), _matches)
     # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the
     # model's own init on its modules, and load recomputes meta buffers with it.
     try:
@@ -777,4 +795,5 @@ def parallelize(
                     setattr(mod, pname, ctx.param(p, Layout(), f"{mod_name}.{pname}"))
     pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes)
     pm._attach_original(original, why)
+    pm.plan = dict(plan)
     return pm

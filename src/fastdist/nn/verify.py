@@ -500,13 +500,13 @@ def _hint(
 
 
 # ============================================================================ the check
-def _styles_by_name(model: nn.Module, plan: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
-    from .parallelize import _matches
-
+def _styles_by_name(
+    model: nn.Module, plan: Mapping[str, Sequence[Any]], match: Callable[[str, str], bool]
+) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for name, _ in model.named_modules():
         for pattern, st in plan.items():
-            if _matches(pattern, name):
+            if match(pattern, name):
                 out.setdefault(name, []).extend(st)
     return out
 
@@ -549,12 +549,13 @@ def verify_plan(
     plan: Mapping[str, Sequence[Any]],
     verify: VerifyInputs,
     apply: Callable[[nn.Module], Any],
+    match: Callable[[str, str], bool],
 ) -> float:
     """Check ``plan`` on copies of ``model``; raise `ParallelizeError` on the first difference.
 
     ``apply(copy)`` parallelizes a copy with the plan (``parallelize(copy, mesh, plan)``) and
-    returns its `ParallelModel`. ``model`` itself is not changed. Returns the seconds the check
-    took.
+    returns its `ParallelModel`; ``match(pattern, name)``: whether a plan pattern matches a
+    module name. ``model`` itself is not changed. Returns the seconds the check took.
     """
     start = time.perf_counter()
     source = model
@@ -572,7 +573,7 @@ def verify_plan(
         inputs.setdefault("use_cache", False)
     reference = _run_reference(ref, inputs)
     trial = copy.deepcopy(ref)
-    styles = _styles_by_name(trial, plan)
+    styles = _styles_by_name(trial, plan, match)
     try:
         pm = apply(trial)
     except ParallelizeError as e:
