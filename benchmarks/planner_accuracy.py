@@ -9,9 +9,12 @@ In every process (one thread each):
 1. ``fastdist.profile.calibrate`` on a dp2 x tp2 mesh of the job (tp, dp and dp+tp: groups of
    2 and 4 ranks): every collective kind over a sweep of sizes, a matmul, an elementwise kernel,
    a chain of tiny kernels. One :class:`fastdist.profile.CostModel` (the same on every rank).
-2. For two models, an HF Llama (from a config, random weights) and a TP MLP (residual blocks
-   of up/GELU/down projections), and the layouts dp4, tp4, dp2 x tp2, tp4 + sp, dp2 x tp2 + sp
-   (sp: Megatron sequence parallelism over the tp axis): parallelize on the real mesh,
+2. For an HF Llama (from a config, random weights) and a TP MLP (residual blocks of
+   up/GELU/down projections), the layouts dp4, tp4, dp2 x tp2, tp4 + sp, dp2 x tp2 + sp (sp:
+   Megatron sequence parallelism over the tp axis); for an HF Mixtral (4 experts, top-2,
+   dropless) dp4, ep4, dp2 x ep2, ep2 x tp2, tp4 (``fd.nn.plans.mixtral``; the trace charges
+   every expert every routed token slot, an upper bound: the routing is data): parallelize on
+   the real mesh,
    ``trace_model`` one step (fake tensors; before the data-parallel engine is attached) and
    ``predict`` it with the cost model, the dp gradient reduction overlapped as
    ``fastdist.train.DataParallel`` does it; then attach ``DataParallel`` over dp.
@@ -41,17 +44,18 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-LAYOUTS = (  # (dp, tp, sequence parallel)
-    (4, 1, False),
-    (1, 4, False),
-    (2, 2, False),
-    (1, 4, True),
-    (2, 2, True),
+DENSE = (  # (dp, ep, tp, sequence parallel) on the mesh (dp, ep, tp)
+    (4, 1, 1, False),
+    (1, 1, 4, False),
+    (2, 1, 2, False),
+    (1, 1, 4, True),
+    (2, 1, 2, True),
 )
+MOE = ((4, 1, 1, False), (1, 4, 1, False), (2, 2, 1, False), (1, 2, 2, False), (1, 1, 4, False))
 
 
-def _name(dp: int, tp: int, sp: bool) -> str:
-    parts = [f"dp{dp}"] * (dp > 1) + [f"tp{tp}"] * (tp > 1)
+def _name(dp: int, ep: int, tp: int, sp: bool) -> str:
+    parts = [f"{a}{n}" for a, n in (("dp", dp), ("ep", ep), ("tp", tp)) if n > 1]
     return " x ".join(parts) + (" + sp" if sp else "")
 
 
@@ -97,7 +101,8 @@ def _mlp_plan(sp: bool) -> dict[str, Any]:
 
 
 def _models(quick: bool) -> dict[str, Any]:
-    """name -> (base model, plan for sp, inputs for a global batch of `dp` ranks)."""
+    """name -> (base model, plan for sp, inputs for a global batch of `dp` ranks, description,
+    layouts)."""
     import transformers
 
     import fastdist as fd
@@ -106,16 +111,33 @@ def _models(quick: bool) -> dict[str, Any]:
     if quick:
         lcfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=256)
         lbatch, lseq, (d, h, n), mbatch, mseq = 4, 16, (64, 128, 1), 4, 16
+        xcfg, xbatch, xseq = dict(lcfg), 4, 16
     else:
         lcfg = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, vocab_size=4000)
         lbatch, lseq, (d, h, n), mbatch, mseq = 8, 128, (256, 1024, 2), 4, 256
+        xcfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=4000)
+        xbatch, xseq = 8, 64
     config = transformers.LlamaConfig(**lcfg, num_attention_heads=8, num_key_value_heads=4)
     llama = transformers.LlamaForCausalLM(config).float().train()
     mlp = MLP(d, h, n).train()
+    mcfg = transformers.MixtralConfig(
+        **xcfg,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+    )
+    mixtral = transformers.MixtralForCausalLM(mcfg).float().train()
 
     def llama_inputs(dp: int, dp_rank: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(dp_rank)
         ids = torch.randint(0, config.vocab_size, (lbatch // dp, lseq), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+    def mixtral_inputs(dp: int, dp_rank: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(dp_rank)
+        ids = torch.randint(0, mcfg.vocab_size, (xbatch // dp, xseq), generator=g)
         return {"input_ids": ids, "labels": ids}
 
     def mlp_inputs(dp: int, dp_rank: int) -> dict[str, Any]:
@@ -130,6 +152,7 @@ def _models(quick: bool) -> dict[str, Any]:
             f"hidden {lcfg['hidden_size']}, {lcfg['num_hidden_layers']} layers, vocab "
             f"{lcfg['vocab_size']}, {sum(p.numel() for p in llama.parameters()) / 1e6:.1f}M "
             f"parameters, batch {lbatch} x {lseq} tokens",
+            DENSE,
         ),
         "TP MLP": (
             mlp,
@@ -138,6 +161,17 @@ def _models(quick: bool) -> dict[str, Any]:
             f"{n} residual blocks d={d} h={h}, "
             f"{sum(p.numel() for p in mlp.parameters()) / 1e6:.1f}M parameters, batch "
             f"{mbatch} x {mseq} tokens",
+            DENSE,
+        ),
+        "HF Mixtral (MoE)": (
+            mixtral,
+            lambda sp: fd.nn.plans.mixtral(mixtral),
+            mixtral_inputs,
+            f"hidden {xcfg['hidden_size']}, {xcfg['num_hidden_layers']} layers, 4 experts top-2 "
+            f"(dropless, all-to-all dispatch), vocab {xcfg['vocab_size']}, "
+            f"{sum(p.numel() for p in mixtral.parameters()) / 1e6:.1f}M parameters, batch "
+            f"{xbatch} x {xseq} tokens",
+            MOE,
         ),
     }
 
@@ -170,18 +204,18 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
     if out and dist.get_rank() == 0:
         model.save(Path(out) / "cost_model.json")
     cases = []
-    for mname, (base, plan_for, inputs_for, desc) in _models(quick).items():
-        for dp, tp, sp in LAYOUTS:
-            if dp * tp != world:
+    for mname, (base, plan_for, inputs_for, desc, layouts) in _models(quick).items():
+        for dp, ep, tp, sp in layouts:
+            if dp * ep * tp != world:
                 continue
-            mesh = fd.Mesh.from_torch(order=("dp", "tp"), tp=tp, timeout=600)
+            mesh = fd.Mesh.from_torch(order=("dp", "ep", "tp"), ep=ep, tp=tp, timeout=600)
             pm = fd.nn.parallelize(copy.deepcopy(base), mesh, plan_for(sp))
-            dp_rank = mesh.rank // tp
+            dp_rank = mesh.rank // (ep * tp)
             inputs = inputs_for(dp, dp_rank)
             # the trace: the same model parallelized on a plain mesh of the layout (one rank's
             # shapes on fake tensors)
             plain = fd.nn.parallelize(
-                copy.deepcopy(base), fd.Mesh({"dp": dp, "tp": tp}), plan_for(sp)
+                copy.deepcopy(base), fd.Mesh({"dp": dp, "ep": ep, "tp": tp}), plan_for(sp)
             )
             prof = trace_model(plain, **inputs)
             del plain
@@ -197,7 +231,7 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
                 {
                     "model": mname,
                     "desc": desc,
-                    "layout": _name(dp, tp, sp),
+                    "layout": _name(dp, ep, tp, sp),
                     "step": step,
                     "predicted_ms": pred.time * 1e3,
                     "compute_ms": pred.compute * 1e3,

@@ -176,22 +176,24 @@ def test_import_time_benchmark_smoke_run(tmp_path: Path) -> None:
 
 
 def test_planner_accuracy_benchmark_smoke_run(tmp_path: Path) -> None:
-    """benchmarks/planner_accuracy.py --quick: calibrate on 4 gloo processes, then a tiny Llama
-    and a TP MLP over 5 layouts each: every layout predicted and measured (accuracy is reported,
-    not asserted); the saved cost model loads."""
+    """benchmarks/planner_accuracy.py --quick: calibrate on 4 gloo processes, then a tiny Llama,
+    a TP MLP and a tiny Mixtral over 5 layouts each: every layout predicted and measured
+    (accuracy is reported, not asserted); the saved cost model loads."""
     from fastdist.profile import CostModel
 
     proc = _run_quick("planner_accuracy.py", "--out", str(tmp_path))
     res = json.loads((tmp_path / "planner_accuracy.json").read_text())
-    layouts = ["dp4", "tp4", "dp2 x tp2", "tp4 + sp", "dp2 x tp2 + sp"]
+    dense = ["dp4", "tp4", "dp2 x tp2", "tp4 + sp", "dp2 x tp2 + sp"]
+    moe = ["dp4", "ep4", "dp2 x ep2", "ep2 x tp2", "tp4"]
     assert [(r["model"], r["layout"]) for r in res["rows"]] == [
-        (m, lay) for m in ("HF Llama", "TP MLP") for lay in layouts
+        *((m, lay) for m in ("HF Llama", "TP MLP") for lay in dense),
+        *(("HF Mixtral (MoE)", lay) for lay in moe),
     ]
     assert all(
         r["predicted_ms"] > 0 and r["compute_ms"] > 0 and r["measured_ms"] > 0 and r["gflops"] > 0
         for r in res["rows"]
     )
-    assert set(res["summary"]) == {"HF Llama", "TP MLP"}
+    assert set(res["summary"]) == {"HF Llama", "TP MLP", "HF Mixtral (MoE)"}
     model = CostModel.load(tmp_path / "cost_model.json")
     assert model.flops > 0 and {f.n for f in model.fits} == {2, 4}
     assert "| dp2 x tp2 + sp |" in proc.stdout and "ranking agrees" in proc.stdout
