@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
-MESHES = [{"tp": 2}, {"ep": 2}, {"ep": 2, "tp": 2}]
+MESHES = [{"tp": 2}, {"tp": 4}, {"ep": 2}, {"ep": 2, "tp": 2}]  # tp=4: 2 kv heads replicated
 #: the families test_every_family_on_two_gloo_processes loads from save_pretrained output (all:
 #: one tensor per expert read through fd.nn.moe_plans.fused_experts, GPT-OSS's fused as saved)
 LOADS_SAVE_PRETRAINED = tuple(FAMILIES)
@@ -142,11 +142,11 @@ def build(family: str, seed: int = 0) -> Any:
 
 @contextlib.contextmanager
 def float64_inside(family: str) -> Iterator[None]:
-    """DeepSeek's routers and OLMoE's q/k norms compute in float32 even in a float64 model
-    (``hidden_states.type(torch.float32)``, ``.to(torch.float32)``): inside this block
-    ``torch.float32`` is float64 for them, on both sides, so that everything must agree to 1e-10
-    (test_float32_inside_float64_models: as shipped)."""
-    if not (family.startswith("deepseek") or family == "olmoe"):
+    """DeepSeek's routers and OLMoE's and Qwen3-MoE's q/k norms compute in float32 even in a
+    float64 model (``hidden_states.type(torch.float32)``, ``.to(torch.float32)``): inside this
+    block ``torch.float32`` is float64 for them, on both sides, so that everything must agree to
+    1e-10 (test_float32_inside_float64_models: as shipped)."""
+    if not (family.startswith("deepseek") or family in ("olmoe", "qwen3_moe")):
         yield
         return
     f32 = torch.float32
@@ -232,16 +232,17 @@ def check_family(
         )
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "olmoe", "qwen3_moe"])
 def test_float32_inside_float64_models(family: str) -> None:
-    """As transformers ships them, DeepSeek's routers and OLMoE's q/k norms run in float32 in a
-    float64 model. float32 rounds differently in the simulation's batched kernels (and in a
-    norm's sum of squares summed over tp) than on one device, so the parallel model agrees
+    """As transformers ships them, DeepSeek's routers and OLMoE's and Qwen3-MoE's q/k norms run
+    in float32 in a float64 model. float32 rounds differently in the simulation's batched
+    kernels (and in a norm's sum of squares summed over tp) than on one device, so the parallel
+    model agrees
     with one device to float32's precision: logits, loss and gradients (not the weights after
     AdamW, whose first update lr * g / |g| flips with the sign of a gradient within float32
     noise of 0)."""
     f32 = {"rtol": 1e-5, "atol": 1e-6}
-    check_family(family, {"ep": 2, "tp": 2}, f32, f32, None)
+    check_family(family, {"ep": 2, "tp": 4}, f32, f32, None)
 
 
 def test_plan_mistakes_raise_parallelize_errors_naming_the_module_and_the_fix() -> None:
@@ -349,7 +350,10 @@ def _row(family: str) -> dict[str, str]:
     if family.startswith("deepseek"):
         attention = "MLA"
     else:
-        attention = "GQA" if cfg.num_key_value_heads < cfg.num_attention_heads else "—"
+        kinds = ["GQA"] if cfg.num_key_value_heads < cfg.num_attention_heads else []
+        if any(cfg.num_key_value_heads < a.get("tp", 1) for a in MESHES):
+            kinds.append("kv < tp")
+        attention = ", ".join(kinds) or "—"
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     moe = [
         "×".join(f"{a}={n}" for a, n in axes.items())
