@@ -295,6 +295,16 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
     else:
         _, a = fd.Mesh.from_torch(tp=world, timeout=4), fd.Mesh.from_torch(tp=world, timeout=3)
     out["order"] = timed(lambda: fd.psum(torch.ones(1), a, "tp"), fd.FastdistError)
+    # the same, compiled: the group is created while dynamo traces, and the error it raises there
+    # (wrapped by torch.compile) comes out of comm_guard as itself
+    if rank == 0:
+        c, _ = fd.Mesh.from_torch(tp=world, timeout=3), fd.Mesh.from_torch(tp=world, timeout=4)
+    else:
+        _, c = fd.Mesh.from_torch(tp=world, timeout=4), fd.Mesh.from_torch(tp=world, timeout=3)
+    compiled = fd.comm_guard(c)(
+        torch.compile(lambda t: fd.psum(t, c, "tp"), fullgraph=True, backend="aot_eager")
+    )
+    out["order_compiled"] = timed(lambda: compiled(torch.ones(1)), fd.FastdistError)
     return out
 
 

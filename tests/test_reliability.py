@@ -127,6 +127,14 @@ def test_meshes_built_in_different_orders_are_named(issue32: list[dict[str, Any]
             "(Mesh.from_torch, Mesh.from_device_mesh and mesh.with_timeout each count; this is "
             f"mesh {2 + rank} of shape dp1_tp2 built on this rank" in msg
         )
+        # compiled under comm_guard: the same error, not torch.compile's wrapper around it
+        kind, msg, secs = out["order_compiled"]
+        assert kind == "CollectiveTimeout" and secs < 3 + 3, out["order_compiled"]
+        assert msg.startswith(
+            f"fastdist.psum(axis='tp') on rank {rank} (group ranks [0, 1]): a peer did not arrive "
+            "for creating the process group within the timeout (3 s)"
+        )
+        assert f"this is mesh {4 + rank} of shape dp1_tp2 built on this rank" in msg
 
 
 def test_from_torch_world_size_names_from_torch_and_torchrun(

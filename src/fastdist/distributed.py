@@ -1486,8 +1486,10 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
     message comes from c10d, gloo or NCCL) becomes a :class:`~fastdist.CollectiveTimeout` (a
     timeout) or :class:`~fastdist.CommError` naming the block, the mesh's axes and this rank, with
     torch's error as its ``__cause__``; the groups of every mesh given are dropped, as eagerly,
-    so that peers still waiting in them fail at once. Other exceptions (fastdist's own, a shape
-    error in the model) pass through unchanged. Plain (simulated) meshes may be given: they have
+    so that peers still waiting in them fail at once. A fastdist error raised while dynamo
+    traces the step (say creating a process group times out), which torch.compile wraps in its
+    own exception, is raised as itself. Other exceptions (fastdist's own, a shape error in the
+    model) pass through unchanged. Plain (simulated) meshes may be given: they have
     no groups.
 
     As a decorator (``step = fastdist.comm_guard(mesh)(torch.compile(step))``) or a block::
@@ -1521,7 +1523,15 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
-        if error is None or not isinstance(error, Exception) or not _is_c10d_error(error):
+        if error is None or not isinstance(error, Exception):
+            return
+        inner = _wrapped_fastdist_error(error)
+        if inner is not None:
+            # fastdist's own error, raised while dynamo traced (e.g. creating a group) and wrapped
+            # by it: raised as itself, shown with its own cause, not dynamo's wrapper
+            inner.__suppress_context__ = True
+            raise inner
+        if not _is_c10d_error(error):
             return
         raise self.translate(error) from error
 
@@ -1572,6 +1582,23 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
             "a peer closed the connection: it failed (see its log) or exited; if every rank is "
             "still alive, " + reset,
         )
+
+
+def _wrapped_fastdist_error(error: BaseException) -> BaseException | None:
+    """The fastdist error that torch.compile wrapped in ``error`` (one of dynamo's or inductor's
+    exceptions, whose cause chain holds it), else None."""
+    from .errors import FastdistError
+
+    if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        return None
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, FastdistError):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _is_c10d_error(error: BaseException) -> bool:
