@@ -947,7 +947,8 @@ def _native_library(backend: str, library: Any) -> NativeLibrary | None:
     if backend == "torch":
         if library is not None:
             raise MeshError(
-                "fastdist: library= only applies to backend='nccl-ctypes' or 'hccl-ctypes'"
+                "fastdist: library= only applies to backend='nccl-ctypes' or 'hccl-ctypes'. Fix: "
+                "drop library=, or pass backend='nccl-ctypes' (or 'hccl-ctypes') with it"
             )
         return None
     if library is not None and not isinstance(library, (str, Path)):

@@ -163,7 +163,8 @@ class Mesh:
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise MeshError(
-                f"Mesh.from_world_size: world_size must be a positive int, got {world_size!r}"
+                f"Mesh.from_world_size: world_size must be a positive int, got {world_size!r}. "
+                "Fix: pass the number of processes (torch.distributed.get_world_size())"
             )
         order = tuple(order)
         unknown = [n for n in degrees if n not in order]
@@ -469,8 +470,8 @@ class Mesh:
         """This process's rank, on a mesh built from torch.distributed."""
         if self._comm is None:
             raise MeshError(
-                f"Mesh.rank: {self!r} describes ranks but is not one of them (use "
-                "Mesh.from_torch, or fastdist.axis_index inside simulate)"
+                f"Mesh.rank: {self!r} describes ranks but is not one of them. Fix: build the mesh "
+                "with Mesh.from_torch, or use fastdist.axis_index inside simulate"
             )
         return int(self._comm.rank)
 
@@ -545,7 +546,10 @@ class Mesh:
     # ------------------------------------------------------------------ ranks and coordinates
     def _check_rank(self, rank: int, op: str) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
-            raise MeshError(f"{op}: rank {rank!r} is outside {self!r} (ranks 0..{self.size - 1})")
+            raise MeshError(
+                f"{op}: rank {rank!r} is outside {self!r} (ranks 0..{self.size - 1}). Fix: pass "
+                f"a rank in 0..{self.size - 1}"
+            )
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank``: a mapping axis -> index along that axis.
@@ -576,7 +580,10 @@ class Mesh:
         for n, sz, st in zip(self._names, self._sizes, self._strides):
             c = coords[n]
             if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < sz:
-                raise MeshError(f"Mesh.rank_of: coordinate {n}={c!r} is outside 0..{sz - 1}")
+                raise MeshError(
+                    f"Mesh.rank_of: coordinate {n}={c!r} is outside 0..{sz - 1}. Fix: pass "
+                    f"{n} in 0..{sz - 1}"
+                )
             rank += c * st
         return rank
 

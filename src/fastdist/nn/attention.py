@@ -233,8 +233,9 @@ class UlyssesAttention(nn.Module):
         sizes = torch.tensor(seq_sizes if seq_sizes is not None else [m] * n, device=q.device)
         if sizes.numel() != n or int(sizes.max()) > m:
             raise MeshError(
-                f"UlyssesAttention: seq_sizes {seq_sizes} must have {n} entries, none above the "
-                f"{m} local rows"
+                f"UlyssesAttention(axis={self.axis!r}): seq_sizes {seq_sizes} must have {n} "
+                f"entries, none above the {m} local rows. Fix: pass each rank's token count, in "
+                f"axis order, with every rank's inputs padded to max(seq_sizes) = {m} rows"
             )
         offsets = sizes.cumsum(0) - sizes
         # global position of each gathered row
