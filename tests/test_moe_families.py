@@ -400,3 +400,74 @@ def test_save_pretrained_loads_by_slices_with_fused_experts(family: str, tmp_pat
     state = pm.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=0, msg=name)
+
+
+class _Experts(torch.nn.Module):
+    """A gated experts module in any of the layouts transformers' flags describe, with a plain
+    one-device forward (the reference)."""
+
+    def __init__(self, transposed: bool, concatenated: bool, bias: bool) -> None:
+        super().__init__()
+        E, H, I = 4, 6, 4
+        g = torch.Generator().manual_seed(0)
+        self.is_transposed, self.is_concatenated, self.has_bias = transposed, concatenated, bias
+        gu, dn = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+        self.gate_up_proj = torch.nn.Parameter(gu.transpose(1, 2) if transposed else gu)
+        self.down_proj = torch.nn.Parameter(dn.transpose(1, 2) if transposed else dn)
+        if bias:
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=g))
+            self.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=g))
+        self.act_fn = torch.nn.SiLU()
+
+    def _apply_gate(self, h: Tensor) -> Tensor:
+        gate, up = h.chunk(2, -1) if self.is_concatenated else (h[..., ::2], h[..., 1::2])
+        return self.act_fn(gate) * torch.tanh(up)  # not act(gate) * up: the class's own gate
+
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            tok, slot = torch.where(idx == e)
+            w1, w2 = self.gate_up_proj[e], self.down_proj[e]
+            h = x[tok] @ w1 if self.is_transposed else x[tok] @ w1.T
+            h = h + self.gate_up_proj_bias[e] if self.has_bias else h
+            h = self._apply_gate(h)
+            y = h @ w2 if self.is_transposed else h @ w2.T
+            y = y + self.down_proj_bias[e] if self.has_bias else y
+            out = out.index_add(0, tok, y * w[tok, slot, None])
+        return out
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        return self.experts(x, idx, w)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("concatenated", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_expert_layout_over_ep_and_tp(
+    transposed: bool, concatenated: bool, bias: bool
+) -> None:
+    """Each combination of transformers' experts flags (transposed, gate|up concatenated or
+    interleaved, biases), with the class's own gate, at ep=2 x tp=2 against one device."""
+    ref = _Holder(_Experts(transposed, concatenated, bias).to(F64))
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 6, dtype=F64, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])  # (10, 2)
+    w = torch.rand(10, 2, dtype=F64, generator=g)
+    mesh = fd.Mesh({"ep": 2, "tp": 2})
+    pm = fd.nn.parallelize(model, mesh, {"experts": fd.nn.moe.ExpertParallel("ep", tp_axis="tp")})
+    c = torch.arange(60, dtype=F64).reshape(10, 6) / 10
+    want = ref(x, idx, w)
+    (want * c).sum().backward()
+    got = pm(rep(x, mesh), rep(idx, mesh), rep(w, mesh))
+    torch.testing.assert_close(got, rep(want.detach(), mesh), **TOL)
+    (got * c).sum().backward()
+    grads = pm.grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)

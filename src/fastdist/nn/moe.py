@@ -899,7 +899,6 @@ class ExpertParallel(Style):
                 f"divisible by the {n_tp} ranks "
                 f"of {self.tp_axis!r}. Fix: another tp size, or tp_axis=None"
             )
-        plain = not transposed and concatenated and not has_bias
         return _ExpertsLayout(
             gu,
             dn,
@@ -909,7 +908,7 @@ class ExpertParallel(Style):
             concatenated,
             E,
             inter,
-            None if plain else gate_fn,
+            gate_fn,  # the class's own, even on the plain layout (it may not be act(gate) * up)
         )
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
