@@ -19,11 +19,15 @@ is registered in `fastdist.nn.plans.plan_for` by ``config.model_type``:
   (``head_params``), alternating sliding windows as the model computes them; its experts'
   transposed, interleaved, biased layout over ``ep_axis`` (and ``axis`` inside each expert).
 
+* `mixtral`: `fastdist.nn.plans.mixtral`, registered here too so that `moe_plan_for` picks its
+  axes from the mesh.
+
 Every plan keeps the router replicated (one device's routing, ``router_logits`` and aux loss)
 and makes the vocabulary parallel over ``axis`` as `fastdist.nn.plans.llama` does. With
-``axis == ep_axis`` (a mesh with only ``ep``) the ep ranks are also the attention's
-tensor-parallel group and every expert is whole on its rank. No plan has sequence
-parallelism yet (the experts take replicated tokens).
+``axis == ep_axis`` (a mesh with only ``ep``, or only ``tp``: `moe_plan_for`) the same ranks
+are the attention's tensor-parallel group and the experts' group, and every expert is whole on
+its rank. No plan has sequence parallelism yet (the experts take replicated tokens).
+`fused_experts` reads ``save_pretrained`` checkpoints that store one tensor per expert.
 """
 
 from __future__ import annotations
