@@ -538,7 +538,10 @@ def test_usp_attention_on_orthogonal_axes(causal: bool) -> None:
         in_specs=(spec, spec, spec),
         out_specs=spec,
     )
-    with pytest.raises(fd.MeshError, match="must be different mesh axes"):
+    with pytest.raises(
+        fd.MeshError,
+        match=r"ulysses_axis and ring_axis are both 'uly'; they must be different axes",
+    ):
         fd.nn.USPAttention(mesh, "uly", "uly")
 
 
