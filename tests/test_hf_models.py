@@ -402,7 +402,9 @@ def test_plan_errors_name_the_module_and_the_fix() -> None:
             build("llama"), fd.Mesh({"tp": 2}), {"model.embed": fd.nn.VocabParallel()}
         )
     with pytest.raises(
-        fd.nn.ParallelizeError, match=r"'model\.norm' is a LlamaRMSNorm; a linear style"
+        fd.nn.ParallelizeError,
+        match=r"'model\.norm' is a LlamaRMSNorm; ColwiseParallel\(axis='tp'\) needs "
+        r"nn\.Linear.*Fix: ",
     ):
         fd.nn.parallelize(
             build("llama"), fd.Mesh({"tp": 2}), {"model.norm": fd.nn.ColwiseParallel()}
