@@ -37,8 +37,7 @@ def moe_families_on_gloo(families: list[str], root: str) -> list[str]:
             model = build(family, seed=7) if loads else build(family)
             pm = fd.nn.parallelize(model, mesh)
             if loads:  # this rank's slices only (per-expert tensors fused as they are read)
-                with fd.nn.moe_plans.fused_experts(pm.module, Path(root) / family) as checkpoint:
-                    pm.load(checkpoint)
+                pm.load(Path(root) / family)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
             ids, labels = batch(30)

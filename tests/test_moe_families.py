@@ -385,21 +385,29 @@ def test_docs_table_rows_are_what_the_tests_check() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_loads_by_slices_with_fused_experts(family: str, tmp_path: Path) -> None:
-    """save_pretrained writes one tensor per expert (all but GPT-OSS); fused_experts shows them
-    under the model's fused names, and each rank reads its own experts' slices."""
+    """save_pretrained writes one tensor per expert (all but GPT-OSS); pm.load reads them under
+    the model's fused names (fused_experts), each rank its own experts' slices; a state dict of
+    per-expert tensors is not fused (strict: the missing fused tensors are named)."""
     ref = build(family)
     ref.save_pretrained(tmp_path)
-    model = build(family, seed=7)
     mesh = fd.Mesh({"ep": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh)
+    for explicit in (False, True):
+        model = build(family, seed=7)
+        pm = fd.nn.parallelize(model, mesh)
+        if explicit:
+            with fd.nn.moe_plans.fused_experts(pm.module, tmp_path) as checkpoint:
+                pm.load(checkpoint)
+        else:
+            pm.load(tmp_path)
+        state = pm.state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=0, msg=name)
     if family != "gpt_oss":
+        from safetensors.torch import load_file
+
+        per_expert = load_file(str(tmp_path / "model.safetensors"))
         with pytest.raises(fd.nn.CheckpointError, match=r"missing keys.*experts\.gate_up_proj"):
-            pm.load(tmp_path)  # the per-expert tensors, unfused
-    with fd.nn.moe_plans.fused_experts(pm.module, tmp_path) as checkpoint:
-        pm.load(checkpoint)
-    state = pm.state_dict()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=0, msg=name)
+            pm.load(per_expert)
 
 
 class _Experts(torch.nn.Module):

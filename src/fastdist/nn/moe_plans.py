@@ -19,8 +19,8 @@ is registered in `fastdist.nn.plans.plan_for` by ``config.model_type``:
   (``head_params``), alternating sliding windows as the model computes them; its experts'
   transposed, interleaved, biased layout over ``ep_axis`` (and ``axis`` inside each expert).
 
-* `mixtral`: `fastdist.nn.plans.mixtral`, registered here too so that `moe_plan_for` picks its
-  axes from the mesh.
+* `mixtral`: ``MixtralForCausalLM`` (also `fastdist.nn.plans.mixtral`): attention by heads,
+  experts over ``ep_axis``.
 
 Every plan keeps the router replicated (one device's routing, ``router_logits`` and aux loss)
 and makes the vocabulary parallel over ``axis`` as `fastdist.nn.plans.llama` does. With
@@ -471,15 +471,35 @@ def gpt_oss(
     return plan
 
 
-def mixtral(model_or_config: Any, **options: Any) -> Plan:
-    """`fastdist.nn.plans.mixtral` (registered here so that `moe_plan_for` picks its axes from the
-    mesh as for the other MoE families)."""
-    from .plans import mixtral as plan
+def mixtral(
+    model_or_config: Any,
+    *,
+    axis: str = "tp",
+    ep_axis: str = "ep",
+    strategy: Strategy = "all_to_all",
+    capacity_factor: float | None = None,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    prefix: str = "model",
+) -> Plan:
+    """The plan for Mixtral (also `fastdist.nn.plans.mixtral`): attention by heads and the
+    vocabulary over ``axis``, the experts over ``ep_axis`` (each expert's features over ``axis``
+    too unless ``axis == ep_axis``); the router replicated.
 
-    return plan(model_or_config, **options)
+    >>> from transformers import MixtralConfig
+    >>> config = MixtralConfig(
+    ...     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    >>> sorted(mixtral(config))
+    ['lm_head', 'model.embed_tokens', 'model.layers.*.mlp.experts', 'model.layers.*.self_attn']
+    """
+    _no_sequence_parallel("Mixtral", sequence_parallel)
+    cfg = _config(model_or_config)
+    plan = _vocab(axis, prefix, gather_logits)
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis)
+    plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
+    return plan
 
 
-#: The plan of each MoE family by ``config.model_type`` (what `moe_plan_for` looks up).
 FAMILIES: dict[str, Callable[..., Plan]] = {
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
@@ -579,6 +599,8 @@ def _converters(model: nn.Module) -> list[tuple[list[str], str, bool]]:
     """transformers' rules that fuse per-expert checkpoint tensors into a model's 3-D expert
     parameters: (source patterns, target pattern, concatenated), for the two layouts it uses
     (experts merged on dim 0, then gate and up concatenated on dim 1, or not)."""
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
+        return []  # not a transformers model: nothing to ask transformers about
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # pragma: no cover - a transformers without conversion rules

@@ -223,7 +223,9 @@ class ParallelModel:
 
         Without ``rename``, the checkpoint names transformers renames when it loads this model
         are renamed too (`fastdist.nn.plans.hf_checkpoint_renames`: GPT-NeoX's ``embed_out`` is
-        the model's ``lm_head``), so ``save_pretrained`` output and hub checkpoints load as
+        the model's ``lm_head``), and a checkpoint with one tensor per expert is read under the
+        model's fused expert names (`fastdist.nn.moe_plans.fused_experts`: Mixtral, Qwen2/3-MoE,
+        OLMoE, DeepSeek), so ``save_pretrained`` output and hub checkpoints load as
         ``from_pretrained`` reads them.
 
         Raises `CheckpointError` naming the tensors: for a meta buffer no init computes, and for
@@ -248,6 +250,14 @@ class ParallelModel:
                 "the meta device. Fix: drop them (the checkpoint is converted to the parameters' "
                 "own device and dtype)"
             )
+        if rename is None and not isinstance(source, Mapping):
+            # a checkpoint with one tensor per expert (transformers' save_pretrained of Mixtral,
+            # Qwen2/3-MoE, OLMoE, DeepSeek): read under the model's fused 3-D names, by slices
+            from .moe_plans import _converters, fused_experts
+
+            if _converters(self.module):
+                with fused_experts(self.module, source) as fused:
+                    return self.load(fused, strict=strict, device=device, dtype=dtype)
         self._recompute_buffers(resolve_device(device))
         if rename is None:
             # transformers' own renamings of this model's checkpoints (GPT-NeoX's embed_out)

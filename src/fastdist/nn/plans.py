@@ -42,8 +42,8 @@ from torch import nn
 
 from ..mesh import Mesh
 from .auto import auto
-from .moe import ExpertParallel
 from .moe_plans import FAMILIES as MOE_FAMILIES
+from .moe_plans import mixtral as _moe_mixtral
 from .moe_plans import moe_plan_for
 from .styles import (
     ColwiseParallel,
@@ -256,25 +256,17 @@ def mixtral(
     ExpertParallel(axis='ep', strategy='all_to_all', tp_axis='tp', tokens='replicated',
                    capacity_factor=None, capacity=None)
     """
-    if sequence_parallel:
-        raise ParallelizeError(
-            "parallelize: the Mixtral plan has no sequence parallelism yet (the experts take "
-            "replicated tokens). Fix: sequence_parallel=False"
-        )
-    plan = {
-        k: v
-        for k, v in llama(
-            model_or_config, axis=axis, gather_logits=gather_logits, prefix=prefix
-        ).items()
-        if ".mlp" not in k
-    }
-    plan[f"{prefix}.layers.*.mlp.experts"] = ExpertParallel(
-        ep_axis,
-        strategy,  # type: ignore[arg-type]
-        None if axis == ep_axis else axis,
+    # one implementation, with the other MoE families' (fastdist.nn.moe_plans)
+    return _moe_mixtral(
+        model_or_config,
+        axis=axis,
+        ep_axis=ep_axis,
+        strategy=strategy,  # type: ignore[arg-type]
         capacity_factor=capacity_factor,
+        sequence_parallel=sequence_parallel,
+        gather_logits=gather_logits,
+        prefix=prefix,
     )
-    return plan
 
 
 # ============================================================================ dense families
@@ -831,10 +823,6 @@ def plan_for(
             f"plans exist for {sorted(FAMILIES)}. "
             "Fix: pass plan= (see fastdist.nn.plans.llama for the shape of one)"
         )
-    # experts over ep; attention over tp, or over ep itself on a mesh without tp
-    if kind == "mixtral":
-        axis = axis if axis in mesh.axis_names else "ep"
-        mesh.axis_indices("ep", "parallelize")
     mesh.axis_indices(axis, "parallelize")
     return FAMILIES[kind](
         model, axis=axis, sequence_parallel=sequence_parallel, gather_logits=gather_logits
