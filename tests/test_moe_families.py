@@ -183,19 +183,31 @@ def test_family_matches_one_device(family: str, axes: dict[str, int]) -> None:
         check_family(family, axes, TOL, TOL, weights_tolerance(family))
 
 
+@pytest.mark.parametrize("axes", [{"tp": 2}, {"ep": 2, "tp": 2}], ids=["tp2", "ep2xtp2"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_sequence_parallel(family: str, axes: dict[str, int]) -> None:
+    """Sequence parallelism over tp: norms and residuals on sequence shards, each MoE block on
+    the whole sequence (its input gathered, its output cut back), so routing and the aux loss
+    are still one device's."""
+    with float64_inside(family):
+        check_family(family, axes, TOL, TOL, weights_tolerance(family), sequence_parallel=True)
+
+
 def check_family(
     family: str,
     axes: dict[str, int],
     forward: dict[str, float],
     grads_tol: dict[str, float],
     weights: dict[str, float] | None,
+    sequence_parallel: bool = False,
 ) -> None:
     """Logits, loss (+ aux loss), every gradient and two AdamW steps against one device, to the
     given tolerances (``weights=None``: one step's forward and gradients only)."""
     ref = build(family)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
-    pm = fd.nn.parallelize(model, mesh)  # plan_for by model_type
+    plan = fd.nn.plans.plan_for(model, mesh, sequence_parallel=sequence_parallel)
+    pm = fd.nn.parallelize(model, mesh, plan)  # plan_for by model_type
     vocab_axis = "tp" if "tp" in axes else "ep"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -252,7 +264,7 @@ def test_plan_mistakes_raise_parallelize_errors_naming_the_module_and_the_fix() 
     # instead of torch's "Sizes of tensors must match" from inside the model
     model = build("gpt_oss")
     plan = moe_plans.gpt_oss(model)
-    plan["model.layers.*.self_attn"] = moe_plans._attention(model.config, "tp")
+    plan["model.layers.*.self_attn"] = moe_plans._attention(model.config, "tp", False)
     with pytest.raises(
         fd.nn.ParallelizeError,
         match=r"'model\.layers\.0\.self_attn' \(GptOssAttention\): its own parameter 'sinks' .*"
@@ -307,9 +319,6 @@ def test_plan_mistakes_raise_parallelize_errors_naming_the_module_and_the_fix() 
             fd.Mesh({"ep": 3}),
             {"model.layers.*.mlp.experts": fd.nn.moe.ExpertParallel()},
         )
-    for family in FAMILIES:  # no sequence parallelism in any MoE plan yet
-        with pytest.raises(fd.nn.ParallelizeError, match=r"no sequence parallelism.*Fix"):
-            fd.nn.plans.plan_for(build(family), fd.Mesh({"tp": 2}), sequence_parallel=True)
 
 
 def test_plan_for_picks_the_axes_from_the_mesh() -> None:
@@ -362,7 +371,7 @@ def _row(family: str) -> dict[str, str]:
     ]
     return {
         "TP": ", ".join(sorted({f"tp={a['tp']}" for a in MESHES if "tp" in a})),
-        "SP": "—",  # refused: test_plan_mistakes_raise_parallelize_errors_naming_the_module...
+        "SP": "✓",  # test_family_sequence_parallel
         "GQA/MQA": attention,
         "tied": "✓" if tied else "—",
         "MoE": ", ".join(moe),

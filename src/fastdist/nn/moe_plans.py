@@ -26,7 +26,9 @@ Every plan keeps the router replicated (one device's routing, ``router_logits`` 
 and makes the vocabulary parallel over ``axis`` as `fastdist.nn.plans.llama` does. With
 ``axis == ep_axis`` (a mesh with only ``ep``, or only ``tp``: `moe_plan_for`) the same ranks
 are the attention's tensor-parallel group and the experts' group, and every expert is whole on
-its rank. No plan has sequence parallelism yet (the experts take replicated tokens).
+its rank. With ``sequence_parallel`` the norms and residuals sit on sequence shards of
+``axis`` (Megatron) and each MoE block runs on the whole sequence (`SequenceGather`: its input
+all-gathered, its output cut back), so routing and the aux loss stay one device's.
 `fused_experts` reads ``save_pretrained`` checkpoints that store one tensor per expert.
 """
 
@@ -36,21 +38,24 @@ import contextlib
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from ..collectives import local_chunk
 from ..mesh import Mesh
 from .moe import ExpertParallel, Strategy
 from .styles import (
     ColwiseParallel,
+    GatherSequence,
     HeadParallelAttention,
     HeadParams,
     ParallelizeError,
     PrepareInput,
     PvaryParams,
     RowwiseParallel,
+    SequenceShard,
     Style,
     VocabParallel,
     _child,
@@ -63,6 +68,7 @@ __all__ = [
     "FAMILIES",
     "HeadParams",
     "LatentAttention",
+    "SequenceGather",
     "deepseek_v2",
     "deepseek_v3",
     "fused_experts",
@@ -95,6 +101,8 @@ class LatentAttention(Style):
 
     num_heads: int
     axis: str = "tp"
+    input: Literal["replicated", "sequence"] = "replicated"
+    output: Literal["replicated", "sequence"] = "replicated"
 
     def _sizes(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         n = mesh.axis_size(self.axis)
@@ -122,13 +130,13 @@ class LatentAttention(Style):
     def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
         self._sizes(module, name, ctx.mesh)
         ax = self.axis
-        PrepareInput(ax, "replicated").apply(module, name, ctx)
+        PrepareInput(ax, self.input).apply(module, name, ctx)
         col = ColwiseParallel(ax)
         for child in ("q_proj", "q_b_proj", "kv_b_proj"):
             sub = getattr(module, child, None)
             if isinstance(sub, nn.Module):
                 _swap(module, child, col.apply(sub, f"{name}.{child}", ctx))
-        o = RowwiseParallel(ax, "replicated").apply(
+        o = RowwiseParallel(ax, self.output).apply(
             _child(module, "o_proj", name), f"{name}.o_proj", ctx
         )
         _swap(module, "o_proj", o)
@@ -140,17 +148,54 @@ class LatentAttention(Style):
         return module
 
 
+@dataclass(frozen=True)
+class SequenceGather(Style):
+    """A module that runs on the whole sequence inside a sequence-parallel region (a mixture of
+    experts block: its router and experts take replicated tokens): its input hidden states are
+    all-gathered over ``axis`` (backward: this rank's slice of the gradient), its output (or
+    the output's first element, for a block returning a tuple) cut back to this rank's
+    sequence shard (backward: all-gather).
+    """
+
+    axis: str = "tp"
+    seq_dim: int = 1
+
+    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+        mesh, axis, dim = ctx.mesh, self.axis, self.seq_dim
+        GatherSequence(axis, dim).apply(module, name, ctx)
+
+        def shard(mod: nn.Module, args: Any, out: Any) -> Any:
+            if isinstance(out, tuple):
+                return (local_chunk(out[0], mesh, axis, dim=dim), *out[1:])
+            return local_chunk(out, mesh, axis, dim=dim)
+
+        module.register_forward_hook(shard)
+        return module
+
+
 # ============================================================================ plan pieces
 def _config(model_or_config: Any) -> Any:
     return getattr(model_or_config, "config", model_or_config)
 
 
-def _no_sequence_parallel(family: str, sequence_parallel: bool) -> None:
+def _seq(sequence_parallel: bool) -> Literal["replicated", "sequence"]:
+    return "sequence" if sequence_parallel else "replicated"
+
+
+def _sequence_parallel(
+    plan: Plan, axis: str, prefix: str, sequence_parallel: bool, moe_layers: list[str]
+) -> Plan:
+    """Megatron-style sequence parallelism from the first decoder layer to the final norm: the
+    norms on sequence shards (pvary'd), the MoE blocks on the whole sequence
+    (`SequenceGather`)."""
     if sequence_parallel:
-        raise ParallelizeError(
-            f"parallelize: the {family} plan has no sequence parallelism yet (the experts take "
-            "replicated tokens). Fix: sequence_parallel=False"
-        )
+        plan[f"{prefix}.layers.0"] = SequenceShard(axis)
+        plan[f"{prefix}.norm"] = GatherSequence(axis)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            plan[f"{prefix}.layers.*.{norm}"] = PvaryParams(axis)
+        for layer in moe_layers:
+            plan[f"{layer}.mlp"] = SequenceGather(axis)
+    return plan
 
 
 def _layer_patterns(prefix: str, which: list[int], layers: int) -> list[str]:
@@ -160,13 +205,13 @@ def _layer_patterns(prefix: str, which: list[int], layers: int) -> list[str]:
     return [f"{prefix}.layers.{i}" for i in which]
 
 
-def _dense_mlp(layer: str, axis: str, mlp: str = "mlp") -> Plan:
+def _dense_mlp(layer: str, axis: str, mlp: str = "mlp", seq: Any = "replicated") -> Plan:
     """A gated MLP (gate/up column-parallel, down row-parallel) over ``axis``."""
     return {
-        f"{layer}.{mlp}": PrepareInput(axis, "replicated"),
+        f"{layer}.{mlp}": PrepareInput(axis, seq),
         f"{layer}.{mlp}.gate_proj": ColwiseParallel(axis),
         f"{layer}.{mlp}.up_proj": ColwiseParallel(axis),
-        f"{layer}.{mlp}.down_proj": RowwiseParallel(axis, "replicated"),
+        f"{layer}.{mlp}.down_proj": RowwiseParallel(axis, seq),
     }
 
 
@@ -177,11 +222,13 @@ def _vocab(axis: str, prefix: str, gather_logits: bool) -> Plan:
     }
 
 
-def _attention(cfg: Any, axis: str, **options: Any) -> HeadParallelAttention:
+def _attention(cfg: Any, axis: str, sp: bool, **options: Any) -> HeadParallelAttention:
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return HeadParallelAttention(heads, kv, head_dim, axis, **options)
+    return HeadParallelAttention(
+        heads, kv, head_dim, axis, input=_seq(sp), output=_seq(sp), **options
+    )
 
 
 def _experts(
@@ -206,8 +253,8 @@ def _qwen_moe(
     shared: bool,
     norms: tuple[str, ...],
 ) -> Plan:
-    _no_sequence_parallel(family, sequence_parallel)
     cfg = _config(model_or_config)
+    sp = sequence_parallel
     L = cfg.num_hidden_layers
     sparse = [
         i
@@ -217,15 +264,16 @@ def _qwen_moe(
         and (i + 1) % cfg.decoder_sparse_step == 0
     ]
     plan: Plan = _vocab(axis, prefix, gather_logits)
-    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, norms=norms)
-    for layer in _layer_patterns(prefix, sparse, L):
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, sp, norms=norms)
+    moe = _layer_patterns(prefix, sparse, L) if sparse else []
+    for layer in moe:
         plan[f"{layer}.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
         if shared:
             plan.update(_dense_mlp(f"{layer}.mlp", axis, "shared_expert"))
     dense = [i for i in range(L) if i not in sparse]
     for layer in _layer_patterns(prefix, dense, L) if dense else []:
-        plan.update(_dense_mlp(layer, axis))
-    return plan
+        plan.update(_dense_mlp(layer, axis, seq=_seq(sp)))
+    return _sequence_parallel(plan, axis, prefix, sp, moe)
 
 
 # ============================================================================ the plans
@@ -333,14 +381,13 @@ def olmoe(
     >>> olmoe(config)["model.layers.*.self_attn"].full_width_norms
     (('q_norm', 'q'), ('k_norm', 'k'))
     """
-    _no_sequence_parallel("OLMoE", sequence_parallel)
     cfg = _config(model_or_config)
     plan = _vocab(axis, prefix, gather_logits)
     plan[f"{prefix}.layers.*.self_attn"] = _attention(
-        cfg, axis, full_width_norms=(("q_norm", "q"), ("k_norm", "k"))
+        cfg, axis, sequence_parallel, full_width_norms=(("q_norm", "q"), ("k_norm", "k"))
     )
     plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
-    return plan
+    return _sequence_parallel(plan, axis, prefix, sequence_parallel, [f"{prefix}.layers.*"])
 
 
 def _deepseek(
@@ -355,18 +402,19 @@ def _deepseek(
     gather_logits: bool,
     prefix: str,
 ) -> Plan:
-    _no_sequence_parallel(family, sequence_parallel)
     cfg = _config(model_or_config)
+    seq = _seq(sequence_parallel)
     L = cfg.num_hidden_layers
     first = min(int(getattr(cfg, "first_k_dense_replace", 0) or 0), L)
     plan: Plan = _vocab(axis, prefix, gather_logits)
-    plan[f"{prefix}.layers.*.self_attn"] = LatentAttention(cfg.num_attention_heads, axis)
-    for layer in _layer_patterns(prefix, list(range(first, L)), L) if first < L else []:
+    plan[f"{prefix}.layers.*.self_attn"] = LatentAttention(cfg.num_attention_heads, axis, seq, seq)
+    moe = _layer_patterns(prefix, list(range(first, L)), L) if first < L else []
+    for layer in moe:
         plan[f"{layer}.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
         plan.update(_dense_mlp(f"{layer}.mlp", axis, "shared_experts"))
     for layer in _layer_patterns(prefix, list(range(first)), L) if first else []:
-        plan.update(_dense_mlp(layer, axis))
-    return plan
+        plan.update(_dense_mlp(layer, axis, seq=seq))
+    return _sequence_parallel(plan, axis, prefix, sequence_parallel, moe)
 
 
 def deepseek_v3(
@@ -390,7 +438,7 @@ def deepseek_v3(
     ...                           first_k_dense_replace=1, n_routed_experts=4)
     >>> plan = deepseek_v3(config)
     >>> plan["model.layers.*.self_attn"]
-    LatentAttention(num_heads=4, axis='tp')
+    LatentAttention(num_heads=4, axis='tp', input='replicated', output='replicated')
     >>> "model.layers.0.mlp.gate_proj" in plan and "model.layers.1.mlp.experts" in plan
     True
     """
@@ -463,12 +511,13 @@ def gpt_oss(
     >>> gpt_oss(config)["model.layers.*.self_attn"].head_params
     ('sinks',)
     """
-    _no_sequence_parallel("GPT-OSS", sequence_parallel)
     cfg = _config(model_or_config)
     plan: Plan = _vocab(axis, prefix, gather_logits)
-    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, head_params=("sinks",))
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(
+        cfg, axis, sequence_parallel, head_params=("sinks",)
+    )
     plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
-    return plan
+    return _sequence_parallel(plan, axis, prefix, sequence_parallel, [f"{prefix}.layers.*"])
 
 
 def mixtral(
@@ -492,12 +541,11 @@ def mixtral(
     >>> sorted(mixtral(config))
     ['lm_head', 'model.embed_tokens', 'model.layers.*.mlp.experts', 'model.layers.*.self_attn']
     """
-    _no_sequence_parallel("Mixtral", sequence_parallel)
     cfg = _config(model_or_config)
     plan = _vocab(axis, prefix, gather_logits)
-    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis)
+    plan[f"{prefix}.layers.*.self_attn"] = _attention(cfg, axis, sequence_parallel)
     plan[f"{prefix}.layers.*.mlp.experts"] = _experts(axis, ep_axis, strategy, capacity_factor)
-    return plan
+    return _sequence_parallel(plan, axis, prefix, sequence_parallel, [f"{prefix}.layers.*"])
 
 
 FAMILIES: dict[str, Callable[..., Plan]] = {
