@@ -10,6 +10,7 @@ Function's autograd node what a collective there needs to find the simulation ag
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -267,3 +268,226 @@ def test_grad_of_simulate_refuses_a_collective_in_a_functions_forward() -> None:
     x = torch.ones(3, dtype=F64)
     with pytest.raises(fd.NoBackendError, match=r"simulate's vmap over the ranks is hidden.*Fix: "):
         torch.func.grad(lambda x: fd.simulate(reduce.apply, mesh)(x.expand(TP, 3)).sum())(x)
+
+
+# torch.compile. torch 2.13's compiler gets an autograd.Function under vmap wrong: it ignores
+# the generated vmap rule and, since no tensor inside vmap requires grad in its trace, inlines the
+# forward and differentiates that, dropping the Function's backward. simulate refuses a Function
+# applied with gradients on while dynamo traces it, with or without fullgraph. The tests use
+# backend="aot_eager": the refusal happens in dynamo's trace, before any backend.
+
+
+def _compile_error(name: str) -> str:
+    """The refusal's message, naming Function ``name``."""
+    return (
+        r"(?s)fastdist\.simulate over Mesh\(\{'tp': 2\}\) under torch\.compile: autograd\."
+        rf"Function {name} is applied with gradients on.*drops the Function's backward.*Fix: run "
+        rf"the step eagerly under fastdist\.simulate.*run_on_gloo.*replace {name} by fastdist's "
+        r"collectives"
+    )
+
+
+def _plain_function() -> Any:
+    """A Function with no collective whose backward is not its forward's derivative (a scaled
+    gradient, as gradient-reversal and straight-through layers do)."""
+
+    class ScaledGrad(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            return g * 3
+
+    return ScaledGrad
+
+
+def _identity_copy(mesh: fd.Mesh) -> Any:
+    """Megatron's copy_to_tensor_model_parallel_region exactly: the forward returns its input."""
+
+    class IdentityCopy(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return x
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            return fd.psum(g, mesh, "tp")
+
+    return IdentityCopy
+
+
+def test_torch_compile_of_vmap_drops_a_functions_backward() -> None:
+    """torch's own bug, without fastdist (why simulate refuses): if this fails, torch fixed it and
+    the refusal below can be revisited."""
+    scaled = _plain_function()
+    x = torch.randn(2, 3, dtype=F64)
+    grads = []
+    for compile_ in (False, True):
+        leaf = x.clone().requires_grad_()
+        f = torch.vmap(lambda t: scaled.apply(t).sin())
+        if compile_:
+            torch._dynamo.reset()
+            f = torch.compile(f, backend="aot_eager")
+        f(leaf).sum().backward()
+        grads.append(leaf.grad)
+    cos = (2 * x).cos()
+    torch.testing.assert_close(grads[0], 3 * cos)  # the Function's backward
+    torch.testing.assert_close(grads[1], 2 * cos)  # the forward's derivative
+
+
+@pytest.mark.parametrize("kind", ["copy", "identity_copy", "no_collective"])
+def test_compiled_simulate_refuses_a_function_with_gradients(kind: str) -> None:
+    """Each Function, the identity forward too (nothing of it is left in the compiled graph),
+    with batch_sdpa on and off, with and without fullgraph: fastdist's error naming the
+    Function, where the compiled gradients were wrong before."""
+    mesh = fd.Mesh({"tp": TP})
+    fn = {
+        "copy": _regions(mesh)["copy"],
+        "identity_copy": _identity_copy(mesh),
+        "no_collective": _plain_function(),
+    }[kind]
+    name = fn.__name__
+
+    def per_rank(x: Tensor, w: Tensor) -> Tensor:
+        y = fn.apply(x, 1.0) if kind == "copy" else fn.apply(x)
+        return fd.psum(torch.tanh(y @ w), mesh, "tp")
+
+    x = torch.randn(TP, 3, 4, dtype=F64, requires_grad=True)
+    w = torch.randn(TP, 4, 2, dtype=F64, requires_grad=True)
+    for batch_sdpa in (True, False):
+        for fullgraph in (True, False):
+            torch._dynamo.reset()
+            step = fd.simulate(per_rank, mesh, batch_sdpa=batch_sdpa)
+            with pytest.raises(Exception, match=_compile_error(name)):
+                torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x, w)
+
+
+def test_what_compiles_with_such_functions() -> None:
+    """simulate(torch.compile(fn)) runs fn eagerly (dynamo does not compile under an eager vmap)
+    and gives one device's gradients; torch.compile(simulate(fn)) under torch.no_grad() (forward
+    only: no backward to drop) gives one device's values, bit for bit the eager ones."""
+    mesh = fd.Mesh({"tp": TP})
+    full, c, ref = _problem()
+    torch._dynamo.reset()
+    leaves = [t.requires_grad_() for t in _stacked(full)]
+    out = fd.simulate(torch.compile(_per_rank(mesh), backend="aot_eager"), mesh)(*leaves)
+    torch.testing.assert_close(out, _reference(*full).expand(TP, 3, 6), rtol=1e-12, atol=1e-12)
+    (out * c).sum().backward()
+    _check_rank_grads([t.grad for t in leaves], ref)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        step = fd.simulate(_per_rank(mesh), mesh)
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(*_stacked(full))
+        torch.testing.assert_close(compiled, step(*_stacked(full)), rtol=0, atol=0)
+    torch.testing.assert_close(compiled, _reference(*full).expand(TP, 3, 6), rtol=1e-12, atol=1e-12)
+
+
+class _Megatron(torch.nn.Module):
+    """A tensor-parallel MLP written Megatron's way: copy to the region (identity forward, psum
+    backward), column- then row-parallel weights, reduce from the region (psum forward)."""
+
+    def __init__(self, mesh: fd.Mesh, w1: Tensor, w2: Tensor) -> None:
+        super().__init__()
+        regions = _regions(mesh)
+        self.copy, self.reduce = _identity_copy(mesh), regions["reduce"]
+        self.w1, self.w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)  # this rank's blocks
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.reduce.apply(torch.tanh(self.copy.apply(x) @ self.w1) @ self.w2)
+
+
+def test_compiled_module_forward_under_simulate() -> None:
+    """A module's forward with such Functions: torch.compile(simulate(...)) refuses;
+    simulate(torch.compile(...)) runs the module eagerly, with one device's gradients; under
+    torch.no_grad() the compiled forward is exact."""
+    mesh = fd.Mesh({"tp": TP})
+    full, c, _ = _problem()
+    x, w1, w2, _ = full
+    c5 = c[:, :5]
+    one = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    ((torch.tanh(one[0] @ one[1]) @ one[2]) * c5).sum().backward()  # one device
+    gx, g1, g2 = (t.grad for t in one)
+    _, sw1, sw2, _ = _stacked(full)
+    names = ["w1", "w2"]
+
+    def per_rank(module: torch.nn.Module, x: Tensor, *ws: Tensor) -> Tensor:
+        return torch.func.functional_call(module, dict(zip(names, ws)), (x,))  # [3, 5]
+
+    module = _Megatron(mesh, sw1[0], sw2[0])
+    xs = x.expand(TP, 3, 4)
+    torch._dynamo.reset()
+    step = fd.simulate(functools.partial(per_rank, module), mesh)
+    with pytest.raises(Exception, match=_compile_error("IdentityCopy")):
+        torch.compile(step, backend="aot_eager")(xs, sw1, sw2)
+
+    torch._dynamo.reset()
+    inner = torch.compile(functools.partial(per_rank, module), backend="aot_eager")
+    leaves = [
+        xs.clone().requires_grad_(),
+        sw1.clone().requires_grad_(),
+        sw2.clone().requires_grad_(),
+    ]
+    (fd.simulate(inner, mesh)(*leaves) * c5).sum().backward()
+    for r in range(TP):  # x's gradient whole on every rank, each weight's its block
+        torch.testing.assert_close(leaves[0].grad[r], gx, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(leaves[1].grad[r], g1.chunk(TP, 1)[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(leaves[2].grad[r], g2.chunk(TP, 0)[r], rtol=1e-12, atol=1e-12)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(step, backend="aot_eager")(xs, sw1, sw2)
+    want = (torch.tanh(x @ w1) @ w2).expand(TP, 3, 5)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def gloo_compiled_megatron() -> list[Tensor]:
+    """One gloo rank: the Megatron pair compiled, backward; this rank's gradients. (With
+    fullgraph=True dynamo refuses to trace the backward's closure over the Mesh: torch's
+    Unsupported "SourcelessBuilder.create does not know how to wrap Mesh".)"""
+    mesh = fd.Mesh.from_torch(tp=TP)
+    regions = _regions(mesh)
+    full, c, _ = _problem()
+    x, w1, w2, _ = full
+    r = mesh.rank
+    leaves = [
+        x.clone().requires_grad_(),
+        w1.chunk(TP, 1)[r].clone().requires_grad_(),
+        w2.chunk(TP, 0)[r].clone().requires_grad_(),
+    ]
+
+    def step(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        h = torch.tanh(regions["copy"].apply(x, 0.5) @ w1)  # [3, 8 / tp]
+        return (regions["reduce"].apply(h @ w2) * c[:, :5]).sum()
+
+    torch.compile(step, backend="aot_eager")(*leaves).backward()
+    return [t.grad for t in leaves]
+
+
+def test_compiled_functions_on_real_ranks_are_exact() -> None:
+    """Where the refusal sends compiled steps: on gloo ranks (no vmap) torch.compile (without
+    fullgraph) keeps the Functions' backwards, and each rank's gradients are one device's."""
+    from fastdist.testing import run_on_gloo
+
+    full, c, _ = _problem()
+    one = [t.clone().requires_grad_() for t in full[:3]]
+    ((torch.tanh((one[0] * 0.5) @ one[1]) @ one[2]) * c[:, :5]).sum().backward()
+    gx, g1, g2 = (t.grad for t in one)
+    for r, (x_grad, w1_grad, w2_grad) in enumerate(run_on_gloo(gloo_compiled_megatron, TP)):
+        torch.testing.assert_close(x_grad, gx, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w1_grad, g1.chunk(TP, 1)[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w2_grad, g2.chunk(TP, 0)[r], rtol=1e-12, atol=1e-12)

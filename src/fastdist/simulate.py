@@ -11,7 +11,8 @@ sum over ranks of the per-rank losses) leaves in slice ``r`` of each ``.grad``
 exactly what rank ``r`` would get by calling ``backward()`` on its own loss,
 because each collective's registered *per-rank* backward rule runs (see
 ``fastdist._primitive``). ``torch.func.grad`` of the per-rank loss inside ``fn``
-gives the same, and so does ``torch.compile(simulate(fn, mesh))`` + backward.
+gives the same, and so does ``torch.compile(simulate(fn, mesh))`` + backward (which refuses
+a ``torch.autograd.Function`` of the user's own: see below).
 
 How collectives find the simulation: while ``fn`` runs, ``simulate`` registers a
 binding (the vmapped rank id) for the mesh values it was given, on this thread
@@ -28,7 +29,10 @@ only the binding: while ``fn`` runs, simulate's ``TorchFunctionMode`` sees each 
 Function applied (torch routes it through ``custom_function_call``) and leaves a
 :class:`_Resume` on its autograd node; a collective called in that node's backward finds it
 (``fastdist._context.simulation_of``) and binds to the vmap torch re-created. See
-docs/testing.md, "Your own autograd.Function".
+docs/testing.md, "Your own autograd.Function". Under ``torch.compile`` torch 2.13 drops such a
+Function's backward under vmap (wrong gradients, in torch itself), so while dynamo traces
+``fn`` with grad mode on, a Function applied there raises :class:`NoBackendError` naming it
+(:func:`_refuse_traced_functions`).
 
 ``F.scaled_dot_product_attention`` (which Hugging Face models call in every layer) has
 no vmap rule for its fused kernels in torch 2.13, so vmap would warn and loop over the
@@ -175,6 +179,75 @@ class _SimulationMode(SdpaMode):
         return func(*args)
 
 
+def _traced_code() -> list[Any]:
+    """While dynamo traces: the code objects it has traced in this frame so far, in the order
+    it finished them (``torch._guards.TracingContext.get_traced_code()``)."""
+    from torch._guards import TracingContext
+
+    codes = TracingContext.get_traced_code()
+    if codes is None:  # a torch without the list: fail loudly rather than check nothing
+        raise NoBackendError(
+            "fastdist.simulate under torch.compile: this torch's compiler keeps no list of the "
+            "code it traced (torch._guards.TracingContext.get_traced_code()), which simulate "
+            "needs to refuse a torch.autograd.Function that the compiler would get wrong under "
+            "vmap. Fix: run the step eagerly under fastdist.simulate, or use torch 2.13"
+        )
+    return codes
+
+
+def _traced_code_count() -> int:
+    """While dynamo traces: how many code objects it has traced in this frame so far.
+
+    Called by dynamo at trace time, its result a constant of the graph: the attribute below is
+    what ``torch.compiler.assume_constant_result`` sets (which would import ``torch._dynamo``
+    with ``fastdist.simulate``).
+    """
+    return len(_traced_code())
+
+
+_traced_code_count._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _refuse_traced_functions(start: int, mesh: str) -> bool:
+    """While dynamo traces ``simulate``'s ``fn`` with gradients on: raise if dynamo traced the
+    ``forward`` of a ``torch.autograd.Function`` since its ``start``-th code object (``fn``
+    applied one). Called by dynamo at trace time, like :func:`_traced_code_count`.
+
+    torch 2.13's compiler gets a Function under vmap wrong: it ignores the generated vmap rule
+    and, as no tensor inside vmap requires grad in its trace, inlines the ``forward`` and
+    differentiates that, dropping the Function's ``backward`` (a ``psum`` there never runs);
+    ``torch.compile(torch.vmap(f))`` does the same without fastdist. Dynamo lists every function
+    it inlined (``TracingContext.traced_code``), the Function's ``forward`` included, whichever
+    way it traced the Function. Raised here, outside the traced code, the error stops the
+    compilation (torch.compile re-raises it inside its ``InternalTorchDynamoError``, with or
+    without ``fullgraph``); raised in traced code it would be a graph break, after which dynamo
+    would run the call eagerly.
+    """
+    codes = set(_traced_code()[start:])
+    pending = list(torch.autograd.Function.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if getattr(getattr(cls, "forward", None), "__code__", None) not in codes:
+            continue
+        name = cls.__name__
+        raise NoBackendError(
+            f"fastdist.simulate over {mesh} under torch.compile: autograd.Function {name} is "
+            "applied with gradients on, and torch's compiler (2.13) gets a Function under "
+            "simulate's vmap wrong: it drops the Function's backward and differentiates its "
+            "forward instead (wrong gradients, silently; torch.compile(torch.vmap(...)) does "
+            "the same). Fix: run the step eagerly under fastdist.simulate (exact), test the "
+            "compiled step on real ranks (fastdist.testing.run_on_gloo; exact there), or replace "
+            f"{name} by fastdist's collectives and fastdist.nn layers (custom ops with their "
+            "own rules, exact when compiled); a forward-only step may be compiled under "
+            'torch.no_grad(). See docs/testing.md, "Your own autograd.Function"'
+        )
+    return False
+
+
+_refuse_traced_functions._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def simulate(
     fn: Callable[..., R],
     mesh: Mesh,
@@ -217,6 +290,7 @@ def simulate(
     if not isinstance(mesh, Mesh):
         raise MeshError(f"simulate: mesh must be a fastdist.Mesh, got {type(mesh).__name__}")
     all_meshes = [mesh, *meshes]
+    described = repr(mesh)  # for an error raised while dynamo traces
     meshes_tuple = tuple(all_meshes)
     for other in meshes:
         if not isinstance(other, Mesh) or other.size != mesh.size:
@@ -250,12 +324,19 @@ def simulate(
             # this thread, for this call only
             push_simulation(all_meshes, _Binding(rank, mesh.size))
             try:
+                # while dynamo traces with gradients on: where the trace of fn starts
+                traced = torch.compiler.is_compiling() and torch.is_grad_enabled()
+                start = _traced_code_count() if traced else 0
                 if batch_sdpa:
                     # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa), and
                     # the nodes of autograd.Functions marked for their backward
                     with _SimulationMode(meshes_tuple, mesh.size, outer, device):
-                        return fn(*rank_args, **kwargs)
-                return fn(*rank_args, **kwargs)
+                        out = fn(*rank_args, **kwargs)
+                else:
+                    out = fn(*rank_args, **kwargs)
+                if traced:
+                    _refuse_traced_functions(start, described)
+                return out
             finally:
                 pop_simulation(len(all_meshes))
 
