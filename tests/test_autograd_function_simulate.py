@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 import fastdist as fd
+from fastdist import P
 
 F64 = torch.float64
 TP = 2
@@ -491,3 +492,20 @@ def test_compiled_functions_on_real_ranks_are_exact() -> None:
         torch.testing.assert_close(x_grad, gx, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(w1_grad, g1.chunk(TP, 1)[r], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(w2_grad, g2.chunk(TP, 0)[r], rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_spmd_refuses_too() -> None:
+    """fd.spmd over a simulated mesh runs through simulate: the same refusal."""
+    mesh = fd.Mesh({"tp": TP})
+    copy = _identity_copy(mesh)
+
+    def per_rank(x: Tensor, w: Tensor) -> Tensor:
+        return torch.tanh(copy.apply(x) @ w)  # [3, 4 / tp]: column-parallel
+
+    specs = {"in_specs": (P(), P(None, "tp")), "out_specs": P(None, "tp")}
+    step = fd.spmd(per_rank, mesh, **specs, check=False)
+    x = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=F64, requires_grad=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=_compile_error("IdentityCopy")):
+        torch.compile(step, backend="aot_eager")(x, w)
