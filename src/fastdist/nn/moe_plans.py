@@ -548,6 +548,7 @@ def mixtral(
     return _sequence_parallel(plan, axis, prefix, sequence_parallel, [f"{prefix}.layers.*"])
 
 
+#: The ready-made MoE plans by ``config.model_type`` (merged into `fastdist.nn.plans.FAMILIES`).
 FAMILIES: dict[str, Callable[..., Plan]] = {
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
