@@ -197,3 +197,13 @@ def test_planner_accuracy_benchmark_smoke_run(tmp_path: Path) -> None:
     model = CostModel.load(tmp_path / "cost_model.json")
     assert model.flops > 0 and {f.n for f in model.fits} == {2, 4}
     assert "| dp2 x tp2 + sp |" in proc.stdout and "ranking agrees" in proc.stdout
+
+
+def test_verify_cost_benchmark_smoke_run() -> None:
+    """benchmarks/verify_cost.py --quick: parallelize, verify=True and 'auto' on a tiny Llama, each
+    a row with a ratio to plain parallelize."""
+    proc = _run_quick("verify_cost.py")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| Llama")]
+    assert len(rows) == 1, proc.stdout
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert float(cells[5]) > 1 and float(cells[7]) > 1, rows  # verify costs more than plain
