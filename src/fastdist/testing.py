@@ -444,7 +444,13 @@ def _gloo_entry(
         sys.stderr.flush()
         os._exit(1)  # no teardown: a process group with a peer stuck in a collective can block it
     _save(path, ("ok", value))
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # a crash here is reported ("while tearing down")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip the interpreter's teardown: torch's native threads (gloo, DCP's writers) can abort in
+    # their static destructors after the result is saved and the group destroyed ("terminate
+    # called without an active exception"), which says nothing about fn
+    os._exit(0)
 
 
 def _outcome(rank: int, exitcode: int | None, out_dir: str) -> tuple[bool, Any]:
