@@ -219,10 +219,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only while the wrapper is built (its flat chunks); afterwards refused."""
-        if (
-            getattr(self, "inner", None) is not None
-            and self.param_groups is self.inner.param_groups
-        ):
+        if getattr(self, "_built", False):  # set at the end of __init__
             raise MeshError(
                 "fastdist.train.ZeroOptimizer.add_param_group: the parameters are flattened into "
                 "chunks when the optimizer is built. Fix: build a new ZeroOptimizer"
