@@ -75,6 +75,7 @@ if TYPE_CHECKING:
         LibraryNotFoundError,
         MeshError,
         NoBackendError,
+        PipelineError,
         ReductionDtypeError,
         TargetError,
     )
@@ -184,6 +185,7 @@ __all__ = [
     "ReplicationError",
     "TargetError",
     "GlooRunError",
+    "PipelineError",
 ]
 
 #: Where each public name is defined. ``import fastdist`` imports none of these modules (nor
@@ -246,6 +248,7 @@ _EXPORTS: dict[str, str] = {
             "LibraryNotFoundError",
             "MeshError",
             "NoBackendError",
+            "PipelineError",
             "ReductionDtypeError",
             "TargetError",
         ),

@@ -27,6 +27,7 @@ __all__ = [
     "LibraryNotFoundError",
     "TargetError",
     "GlooRunError",
+    "PipelineError",
 ]
 
 
@@ -111,6 +112,12 @@ class ReductionDtypeError(CollectiveError, TypeError):
     ) -> None:
         self.dtype, self.reduction = dtype, reduction
         super().__init__(op, axis, problem, fix, rank=rank)
+
+
+class PipelineError(FastdistError, ValueError):
+    """A pipeline was built or run with arguments that cannot work: a schedule that does not
+    suit the micro-batch count, stages that do not divide the layers, a model family the
+    stage split does not know. The message names the stage (or rank), the problem and the fix."""
 
 
 class NoBackendError(FastdistError, RuntimeError):
