@@ -164,13 +164,23 @@ class TorchComm:
     (``torch.distributed.new_group`` names a group by how many groups the process already made,
     which deadlocks then).
 
+    Ranks: mesh rank ``r`` is global rank ``ranks[r]``: the identity over the whole job for
+    :meth:`fastdist.Mesh.from_torch`, this process's slice for :meth:`fastdist.Mesh.without`
+    (:meth:`slice`). ``rank`` is this process's mesh rank (coordinates, shards); everything that
+    names processes (group members and names, store keys, error messages, :class:`AxisComm`'s
+    ``ranks`` and ``rank``) uses global ranks. A slice's ``<shape>`` is its parent's uid and the
+    slice's coordinates (``pp2_tp2.0-pp1``), so two slices of one shape never share a name.
+
     Args:
-        mesh: the mesh (its size must equal the world size).
+        mesh: the mesh (its size must equal the world size, or ``len(ranks)``).
         timeout: the timeout of every group this comm creates.
         check: consistency check mode (see :meth:`AxisComm.check`).
         device_mesh: a ``DeviceMesh`` whose per-dimension groups to reuse.
         backend: ``"torch"`` or a ctypes backend (see :func:`fastdist.Mesh.from_torch`).
         library: the ctypes backend's library (a path or an already bound library).
+        ranks: the global rank of each mesh rank; default: the whole job, in order.
+        base: the name the uid counts from; default: the mesh's shape (``dp2_tp2``).
+        where: which slice of its parent mesh this is, e.g. ``"pp=1"``; ``""`` for the whole job.
     """
 
     def __init__(
@@ -182,6 +192,9 @@ class TorchComm:
         device_mesh: Any = None,
         backend: str = "torch",
         library: Any = None,
+        ranks: Sequence[int] | None = None,
+        base: str | None = None,
+        where: str = "",
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise NoBackendError(
@@ -189,12 +202,25 @@ class TorchComm:
                 "torch.distributed.init_process_group first (torchrun sets its environment)"
             )
         world = dist.get_world_size()
-        if mesh.size != world:
+        if ranks is None and mesh.size != world:
             raise MeshError(
                 f"fastdist: {mesh!r} has {mesh.size} ranks but the torch.distributed world has "
                 f"{world}. Fix: choose degrees whose product is {world}"
             )
-        self.mesh, self.rank, self.timeout, self.check = mesh, dist.get_rank(), timeout, check
+        #: the global rank of each mesh rank (mesh rank r is global rank ranks[r])
+        self.ranks: tuple[int, ...] = tuple(range(world) if ranks is None else ranks)
+        self.global_rank = dist.get_rank()
+        if len(self.ranks) != mesh.size or self.global_rank not in self.ranks:
+            raise MeshError(
+                f"fastdist: {mesh!r} ({mesh.size} ranks) cannot span global ranks "
+                f"{list(self.ranks)} from rank {self.global_rank}. Fix: build slices with "
+                "Mesh.without"
+            )
+        # self.rank: this process's rank on the mesh (its global rank when the mesh spans the job)
+        self.mesh, self.rank = mesh, self.ranks.index(self.global_rank)
+        self.timeout, self.check = timeout, check
+        #: "" for a mesh over the whole job, else which slice of it, e.g. "pp=1"
+        self.where = where
         self._device_mesh = device_mesh
         self._groups: dict[tuple[tuple[int, ...], str], Any] = {}
         self._created: list[
@@ -202,6 +228,7 @@ class TorchComm:
         ] = []  # the groups this comm made (not a DeviceMesh's): reset() destroys them
         self._axes: dict[tuple[int, ...], AxisComm] = {}
         self._specs: dict[Any, GroupSpec] = {}  # axis -> the collectives' group spec (see spec)
+        self._slices: dict[tuple[int, ...], TorchComm] = {}  # removed axes -> slice (see slice)
         self.backend: str = backend
         self.native_lib: NativeLibrary | None = _native_library(backend, library)
         self._native: dict[tuple[int, ...], NativeCommunicator] = {}
@@ -210,15 +237,61 @@ class TorchComm:
         )
         self.in_call: int | None = None  # the thread inside a blocking call now (see enter)
         self.store: Any = c10d._get_default_store()
-        shape = "_".join(f"{n}{s}" for n, s in mesh.shape.items())
-        # which mesh of this shape this rank builds (0, 1, ...): the same on every rank that builds
+        # the shape, or for a slice its parent's uid and the slice's coordinates: unique in the job
+        self.base = base or "_".join(f"{n}{s}" for n, s in mesh.shape.items())
+        # which mesh of this base this rank builds (0, 1, ...): the same on every rank that builds
         # its meshes in the same order
-        self.uid = (
-            f"{shape}.{int(self.store.add(f'fastdist/meshes/{shape}/rank{self.rank}', 1)) - 1}"
-        )
+        count = self.store.add(f"fastdist/meshes/{self.base}/rank{self.global_rank}", 1)
+        self.uid = f"{self.base}.{int(count) - 1}"
         self.epoch = 0
         # names this comm's groups; read (and guarded on) by dynamo when it traces a step
         self.tag = f"{self.uid}.e0"
+
+    def slice(self, removed: tuple[int, ...], mesh: Mesh) -> TorchComm:
+        """The communicator of ``mesh`` (this mesh without the axes at positions ``removed``) over
+        this process's slice: the ranks that share its indices along ``removed`` (cached, so
+        repeated slicing gives the same comm). Creates no group and talks to no peer."""
+        key = tuple(sorted(removed))
+        got = self._slices.get(key)
+        if got is not None:
+            return got
+        names = self.mesh.axis_names
+        coords = self.mesh.coords(self.rank)
+        kept = tuple(n for i, n in enumerate(names) if i not in key)
+        # mesh ranks of the slice, row-major over the kept axes (a mesh of no axes: this rank)
+        members = self.mesh.group(self.rank, kept) if kept else [self.rank]
+        at = ",".join(f"{names[i]}={coords[names[i]]}" for i in key)
+        comm = TorchComm(
+            mesh,
+            timeout=self.timeout,
+            check=self.check,
+            backend=self.backend,
+            library=self.native_lib,
+            ranks=[self.ranks[r] for r in members],
+            base=f"{self.uid}-" + "_".join(f"{names[i]}{coords[names[i]]}" for i in key),
+            where=f"{self.where},{at}" if self.where else at,
+        )
+        if not torch.compiler.is_compiling():
+            self._slices[key] = comm
+        return comm
+
+    def renewed(self, mesh: Mesh, timeout: datetime.timedelta) -> TorchComm:
+        """A new communicator over the same ranks with another timeout (new groups, lazily)."""
+        return TorchComm(
+            mesh,
+            timeout=timeout,
+            check=self.check,
+            backend=self.backend,
+            library=self.native_lib,
+            ranks=self.ranks,
+            base=self.base,
+            where=self.where,
+        )
+
+    def in_slice(self) -> str:
+        """`` (slice pp=1: global ranks [4, 5, 6, 7])`` for a slice's messages; ``""`` for a mesh
+        over the whole job."""
+        return f" (slice {self.where}: global ranks {list(self.ranks)})" if self.where else ""
 
     # ------------------------------------------------------------------ groups
     def group_name(self, ranks: Sequence[int], backend: str) -> str:
@@ -255,7 +328,10 @@ class TorchComm:
     def _new_axis(self, idx: tuple[int, ...]) -> AxisComm:
         names = tuple(self.mesh.axis_names[i] for i in idx)
         label: Any = names[0] if len(names) == 1 else names
-        return AxisComm(self, idx, label, tuple(self.mesh.group(self.rank, names)))
+        # the group's global ranks, in axis order
+        return AxisComm(
+            self, idx, label, tuple(self.ranks[r] for r in self.mesh.group(self.rank, names))
+        )
 
     def group(self, ac: AxisComm, backend: str, op: str) -> Any:
         """The process group for ``ac`` on ``backend``, created on first use by the ranks in it
@@ -270,7 +346,7 @@ class TorchComm:
                 op,
                 ac.label,
                 ac.ranks,
-                self.rank,
+                self.global_rank,
                 f"the {backend} process group is needed outside a collective",
                 "run this call eagerly",
             )
@@ -319,7 +395,7 @@ class TorchComm:
                 op,
                 ac.label,
                 ac.ranks,
-                self.rank,
+                self.global_rank,
                 f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under "
                 "torch.compile",
                 "compile with backend='torch'",
@@ -333,7 +409,7 @@ class TorchComm:
                 op,
                 ac.label,
                 ac.ranks,
-                self.rank,
+                self.global_rank,
                 f"the {self.backend} communicator for this axis does not exist yet, and it cannot "
                 "be created during CUDA graph capture",
                 "call mesh.create_groups(device_type='cuda') once before capturing",
@@ -351,7 +427,7 @@ class TorchComm:
                 device=x.device,
                 label=ac.label,
                 ranks=ac.ranks,
-                rank=self.rank,
+                rank=self.global_rank,
             ),
             what="creating the communicator",
         )
@@ -401,7 +477,7 @@ class TorchComm:
                 op,
                 ac.label,
                 ac.ranks,
-                self.rank,
+                self.global_rank,
                 f"another thread (ident {owner}) is inside a call on this mesh: a mesh's groups "
                 "pair calls by their order, which two threads would make differ between the "
                 "processes (nothing was sent; the mesh stays usable)",
@@ -419,7 +495,7 @@ class TorchComm:
                 op,
                 ac.label,
                 ac.ranks,
-                self.rank,
+                self.global_rank,
                 f"this mesh's process groups were dropped after an earlier failure ({self.broken})",
                 "call mesh.reset() on every rank of the mesh, then redo the step",
             )
@@ -441,7 +517,7 @@ class TorchComm:
         self._device_mesh = (
             None  # a DeviceMesh's groups may be broken too: from now on this mesh makes its own
         )
-        everyone = list(range(self.mesh.size))
+        everyone = list(self.ranks)  # global ranks: the store's keys and the messages name them
         key = f"fastdist/{self.uid}/epoch"
         try:
             self.store.add(key, 0)  # "0" when missing
@@ -449,14 +525,14 @@ class TorchComm:
             self.epoch = int(self.store.compare_set(key, str(self.epoch), str(self.epoch + 1)))
             self.tag = f"{self.uid}.e{self.epoch}"
             arrived = f"fastdist/{self.uid}/e{self.epoch}/reset/"
-            self.store.set(arrived + str(self.rank), "1")
+            self.store.set(arrived + str(self.global_rank), "1")
             missing = _wait_for_keys(self.store, arrived, everyone, timeout.total_seconds())
         except Exception as e:  # the store itself is gone
             raise CommError(
                 "Mesh.reset",
                 self.mesh.axis_names,
                 everyone,
-                self.rank,
+                self.global_rank,
                 f"the job's store is unreachable ({_clean(e)})",
                 "the process hosting the store (rank 0, or torchrun's agent) probably exited: "
                 "restart the job",
@@ -466,9 +542,9 @@ class TorchComm:
                 "Mesh.reset",
                 self.mesh.axis_names,
                 everyone,
-                self.rank,
+                self.global_rank,
                 f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-                f"call reset within {timeout.total_seconds():g} s",
+                f"call reset within {timeout.total_seconds():g} s{self.in_slice()}",
                 "every rank of the mesh must call mesh.reset() after a failure; a rank that "
                 "exited cannot rejoin: restart the job",
             )
@@ -689,8 +765,8 @@ class AxisComm:
     ) -> None:
         self.comm, self.idx, self.label, self.ranks = comm, idx, label, ranks
         self.n = len(ranks)
-        self.index = ranks.index(comm.rank)
-        self.rank = comm.rank
+        self.index = ranks.index(comm.global_rank)
+        self.rank = comm.global_rank  # global, as the ranks
         self._transports: dict[str, TorchTransport] = {}
         # blocking calls made on this group (eagerly): names the call a failure report is about
         self.calls = 0
@@ -979,6 +1055,7 @@ def _comm_error(
     """
     msg = _clean(e)
     extra = f"; {peers}" if peers else ""
+    where = ac.comm.in_slice()
     timed_out = (
         "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError)
     )
@@ -987,10 +1064,11 @@ def _comm_error(
         order = "check that every rank of the group makes this call in the same order"
         if what == "creating the process group":  # the ranks may be on different meshes
             shape, k = ac.comm.uid.rsplit(".", 1)
+            which = f"slice {ac.comm.where} of those" if ac.comm.where else f"shape {shape}"
             order = (
                 "check that every rank builds its meshes of one shape in the same order "
                 "(Mesh.from_torch, Mesh.from_device_mesh and mesh.with_timeout each count; this is "
-                f"mesh {k} of shape {shape} built on this rank, and a group's name carries that "
+                f"mesh {k} of {which} built on this rank, and a group's name carries that "
                 "number, so meshes built in different orders never meet), and that every rank of "
                 "the group makes this call"
             )
@@ -999,7 +1077,8 @@ def _comm_error(
             ac.label,
             ac.ranks,
             rank,
-            f"a peer did not arrive for {what} within the timeout ({secs:g} s): {msg}{extra}",
+            f"a peer did not arrive for {what}{where} within the timeout ({secs:g} s): "
+            f"{msg}{extra}",
             f"{order}; to go on after a failure call mesh.reset() on every rank; "
             "raise the timeout with Mesh.from_torch(timeout=...) or mesh.with_timeout(...)",
         )
@@ -1008,7 +1087,7 @@ def _comm_error(
         ac.label,
         ac.ranks,
         rank,
-        f"{what} failed: {msg}{extra}",
+        f"{what}{where} failed: {msg}{extra}",
         "a peer closed the connection: it failed (see its log) or exited; if every rank is still "
         "alive, call mesh.reset() on every rank to go on",
     )
@@ -1551,12 +1630,13 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
         msg = _clean(error)
         for m in real:
             comm = cast(TorchComm, m._comm)
-            comm.abandon(f"fastdist.comm_guard: a call on rank {comm.rank} failed: {msg}")
+            comm.abandon(f"fastdist.comm_guard: a call on rank {comm.global_rank} failed: {msg}")
         mesh = real[0] if real else self.meshes[0]
         comm = mesh._comm
-        rank = comm.rank if comm is not None else -1
-        axes = mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
-        ranks = list(range(mesh.size))
+        rank = comm.global_rank if comm is not None else -1
+        names = mesh.axis_names
+        axes = names[0] if len(names) == 1 else names
+        ranks = list(comm.ranks) if comm is not None else list(range(mesh.size))
         timed_out = isinstance(error, TimeoutError) or any(
             w in msg.lower() for w in ("timed out", "timeout")
         )

@@ -329,6 +329,12 @@ class Mesh:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self._comm is not None and self._comm.where:
+            raise MeshError(
+                f"Mesh.to_device_mesh: {self!r} is the slice {self._comm.where} of a larger mesh, "
+                "and a DeviceMesh spans the whole job. Fix: call to_device_mesh on the whole mesh "
+                "and index the DeviceMesh (device_mesh['tp'])"
+            )
         return init_device_mesh(device_type, self._sizes, mesh_dim_names=self._names)
 
     def with_timeout(self, timeout: float | datetime.timedelta) -> Mesh:
@@ -346,16 +352,10 @@ class Mesh:
             )
         from . import distributed as D
 
-        D._as_timedelta(timeout, None, "Mesh.with_timeout")  # required: None is refused too
-        old = self._comm
+        td = D._as_timedelta(timeout, None, "Mesh.with_timeout")  # required: None is refused too
         plain = Mesh(list(zip(self._names, self._sizes)))
-        return plain._over_job(
-            timeout,
-            "Mesh.with_timeout",
-            check=old.check,
-            backend=old.backend,
-            library=old.native_lib,
-        )
+        # the same ranks (a slice stays that slice), check mode and backend
+        return type(self)(plain.shape.items(), _comm=self._comm.renewed(plain, td))
 
     def _over_job(
         self, timeout: float | datetime.timedelta | None, who: str, **comm_args: Any
@@ -467,7 +467,8 @@ class Mesh:
 
     @property
     def rank(self) -> int:
-        """This process's rank, on a mesh built from torch.distributed."""
+        """This process's rank on the mesh, on a mesh built from torch.distributed (within its
+        slice for a mesh from :meth:`without`; the global rank for :meth:`from_torch`)."""
         if self._comm is None:
             raise MeshError(
                 f"Mesh.rank: {self!r} describes ranks but is not one of them. Fix: build the mesh "
@@ -667,6 +668,44 @@ class Mesh:
         return Mesh(
             [(self._names[i], self._sizes[i]) for i in self.axis_indices(axis, "Mesh.submesh")]
         )
+
+    def without(self, axis: AxisName) -> Mesh:
+        """The mesh of the other axes (in order): what one pipeline stage is parallelized over.
+
+        On a plain mesh, the :class:`Mesh` of those axes. On a mesh over real ranks
+        (:meth:`from_torch`), the same axes over **this process's slice**: the ranks with this
+        process's index along ``axis``, e.g. for ``Mesh.from_torch(pp=2, tp=2)`` on 4 processes
+        ``mesh.without("pp")`` spans global ranks 0, 1 on ranks 0 and 1 and ranks 2, 3 on ranks 2
+        and 3. Its ``rank`` is the rank within the slice, and every collective on it, over any
+        of its axes or all of them, stays inside the slice. It has its own process groups,
+        created lazily by the slice's members only (named after the slice, so slices of one
+        shape never meet), and the parent's timeout, check mode and backend. Calling
+        ``without`` again with the same axes gives the same (equal) mesh. It is not a collective:
+        nothing is sent and no peer needs to call it. Errors name global ranks and the slice
+        (``pp=1``); :meth:`reset` on the slice involves only its ranks.
+
+        Removing every axis gives a mesh with no axes (size 1, this process alone): it has no
+        axis to run a collective over (each raises :class:`MeshError`).
+
+        Args:
+            axis: the axis (or tuple of axes) to remove.
+
+        Returns:
+            the mesh of the remaining axes, in this mesh's order.
+
+        >>> mesh = Mesh({"pp": 2, "dp": 2, "tp": 2})
+        >>> mesh.without("pp")
+        Mesh({'dp': 2, 'tp': 2})
+        >>> mesh.without(("pp", "tp")), mesh.without(("pp", "dp", "tp")).size
+        (Mesh({'dp': 2}), 1)
+        """
+        idx = self.axis_indices(axis, "Mesh.without")
+        rest = Mesh(
+            [(n, s) for i, (n, s) in enumerate(zip(self._names, self._sizes)) if i not in idx]
+        )
+        if self._comm is None:
+            return rest
+        return type(self)(rest.shape.items(), _comm=self._comm.slice(idx, rest))
 
     # ------------------------------------------------------------------ display
     def show(self, axis: AxisName | None = None) -> Any:
