@@ -26,7 +26,7 @@ import contextlib
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -135,11 +135,19 @@ class ParallelModel:
                 "draw different masks for activations they must hold equal, and diverge silently. "
                 "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
             )
+        return self._call(args, kwargs)
+
+    def _call(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], per_rank: Mapping[str, Any] = {}
+    ) -> Any:
+        """``__call__``'s work; ``per_rank`` tensors go to the module's ``forward`` as they are
+        (on a simulated mesh: one slice per rank, not checked against the plan's groups; a
+        pipeline stage's input activation)."""
         if self._wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
-            return self._wrapped(*args, **kwargs)
+            return self._wrapped(*args, **kwargs, **per_rank)
         if not self.simulated:
             params = dict(self.module.named_parameters()) if self._pvary else {}
-            return self._run(params, args, kwargs)
+            return self._run(params, args, {**kwargs, **per_rank})
         kwargs = {**self._no_cache, **kwargs}  # a KV cache object cannot leave the simulation
         tensors, rest = _split_kwargs(kwargs)
         if not torch.compiler.is_compiling():
@@ -156,6 +164,7 @@ class ParallelModel:
                         rest[k] = tensors.pop(k)[0]
                 else:
                     _check_replicated(k, v, self.mesh, self._axes)
+        tensors.update(per_rank)
         try:
             return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
         except RuntimeError as e:
@@ -206,7 +215,7 @@ class ParallelModel:
         self,
         source: Any,
         *,
-        strict: bool = True,
+        strict: bool | Literal["missing"] = True,
         rename: Any = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -237,7 +246,7 @@ class ParallelModel:
             source: a ``.safetensors`` file, a ``save_pretrained`` directory, or a single-device
                 state dict.
             strict: like ``load_state_dict``: a missing or unexpected key raises; ``False`` skips
-                them (shapes are always checked).
+                them (shapes are always checked); ``"missing"`` raises for missing keys only.
             rename: model key -> checkpoint key (a mapping or a function); default: transformers'
                 renames for this model.
             device: where parameters still on the meta device get their storage (default cpu).

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Any, Literal, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -623,7 +623,7 @@ def load_checkpoint(
     mesh: Mesh,
     *,
     rank: int | None = None,
-    strict: bool = True,
+    strict: bool | Literal["missing"] = True,
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -643,7 +643,8 @@ def load_checkpoint(
             `fastdist.nn.parallelize` leaves it) and every rank is read.
         strict: like ``load_state_dict``: a missing key, an unexpected key or a shape that does not
             match raises `CheckpointError` naming the key and both shapes. ``False`` skips missing
-            and unexpected keys (shapes are always checked).
+            and unexpected keys (shapes are always checked). ``"missing"`` raises for missing
+            keys only (a pipeline stage reads its part of the whole model's checkpoint).
         rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose
             merged projection is named differently from the checkpoint.
         device: where parameters and persistent buffers still on the meta device (a model built
@@ -695,7 +696,7 @@ def load_checkpoint(
                     "the checkpoint gives "
                     f"them shapes {tuple(shapes[alias])} and {tuple(shapes[key])}"
                 )
-        if strict and (missing or unexpected):
+        if (missing and strict) or (unexpected and strict is True):
             raise CheckpointError(
                 "fastdist.nn.load_checkpoint: missing keys "
                 f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "

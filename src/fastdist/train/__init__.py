@@ -6,11 +6,25 @@
   own collectives.
 * `save` / `load`: distributed checkpoints through ``torch.distributed.checkpoint``, each rank
   writing its own slices, loadable on any other layout.
+* `pipeline` / `Pipeline`: a model split into stages over a ``pp`` axis, each stage parallelized
+  over the other axes, run by a schedule of `fastdist.train.schedules` (GPipe, 1F1B,
+  interleaved 1F1B) on simulated or real ranks.
 * Clipping lives with the layouts: `fastdist.nn.clip_grad_norm_`.
 """
 
+from . import schedules
 from .checkpoint import load, save
 from .data_parallel import DataParallel, reduce_axes
+from .pipeline import Pipeline, pipeline
 from .zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "reduce_axes", "ZeroOptimizer", "save", "load"]
+__all__ = [
+    "DataParallel",
+    "reduce_axes",
+    "ZeroOptimizer",
+    "save",
+    "load",
+    "pipeline",
+    "Pipeline",
+    "schedules",
+]

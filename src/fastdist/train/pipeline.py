@@ -1,0 +1,881 @@
+"""Pipeline parallelism over a mesh axis: an unmodified decoder split into stages by layer
+index, each stage parallelized over the mesh's other axes, run by a schedule of
+`fastdist.train.schedules` on simulated or real ranks.
+
+How a stage runs the model's own code. Every stage is a copy of the model's skeleton (its
+config, rotary embedding, mask code: everything but the decoder layers and the ends) holding
+only its own layers; the other layers are parameter-free placeholders, so parameter names stay
+the model's own (``model.layers.5.mlp.up_proj.weight``) and ``pm.load(save_pretrained_dir)``
+reads only each stage's slices. The model's ``forward`` runs as on one device (positions,
+masks and rotary embeddings from ``input_ids``), with two hooks:
+
+==============  ================================================  ==========================
+where           forward                                           backward
+==============  ================================================  ==========================
+stage input     the first own layer's hidden-states input is      its gradient is sent back
+                replaced by the activation received from the      to the previous stage
+                previous stage (the first stage embeds
+                ``input_ids`` itself)
+stage output    the last own layer's output is sent to the next   ``backward(output, the
+                stage and the rest of the model is skipped (the   gradient received from
+                last stage runs on: final norm, LM head, loss)    the next stage)``
+==============  ================================================  ==========================
+
+Placeholders on a stage without the embedding produce zeros of the hidden size (never used:
+the first own layer's input is replaced); the final norm and the LM head are absent on the
+other stages and raise if reached.
+
+The loss. The last stage computes each micro-batch's loss with ``num_items_in_batch`` set to
+the whole batch's count of predicted tokens, so the micro-batch losses add up to the loss of
+the whole batch (transformers' mean over its tokens) and their gradients to its gradient: the
+step is exactly one device's step on the whole batch, whatever the micro-batch count.
+
+Transfers. On a simulated mesh the schedule runs in one process, action by action in
+timeline order (`Schedule.order`), and a transfer hands the stacked tensor over. On real
+ranks each rank runs its own actions; a transfer is an asynchronous send (kept until the step
+ends) and a blocking receive with the mesh's timeout, over the ``pp`` axis's process group, each
+message tagged and preceded by a header (kind, micro-batch, stage, dtype, shape) that the
+receiver checks: a peer that sends something else raises instead of being misread.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import CommError, PipelineError
+from ..mesh import Mesh
+from .schedules import Schedule, schedule, stage_layers
+
+__all__ = ["Pipeline", "pipeline", "SPLITS", "StageSplit", "Event"]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Where a family keeps its decoder layers and what belongs to the first and last stages.
+
+    Attributes:
+        layers: the name of the ``nn.ModuleList`` of decoder layers.
+        first: modules only the first stage holds (embeddings).
+        last: modules only the last stage holds (final norm, LM head).
+    """
+
+    layers: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+
+
+_DECODER = StageSplit("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+
+#: model_type -> how its decoder splits into stages
+SPLITS: dict[str, StageSplit] = {
+    **dict.fromkeys(
+        (
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+            "phi3",
+            "stablelm",
+            "olmo",
+            "olmo2",
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "olmoe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "gpt_oss",
+        ),
+        _DECODER,
+    ),
+    "gpt2": StageSplit(
+        "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")
+    ),
+    "gpt_neox": StageSplit(
+        "gpt_neox.layers", ("gpt_neox.embed_in",), ("gpt_neox.final_layer_norm", "embed_out")
+    ),
+    "falcon": StageSplit(
+        "transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action as it ran: on ``rank`` (along ``pp``), from ``start`` to ``end`` seconds after
+    the step began (the wall clock of the process that ran it)."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    stage: int
+    start: float
+    end: float
+
+
+# ====================================================================== stage modules
+class _Skip(nn.Module):
+    """A layer another stage holds: passes its hidden-states input through (never with
+    parameters; what it passes is replaced at this stage's first own layer)."""
+
+    def forward(self, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states
+
+
+class _Zeros(nn.Module):
+    """An embedding another stage holds: zeros of the hidden size (replaced before they are
+    used)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class _Absent(nn.Module):
+    """A module only the last stage holds; reaching it on another stage is a bug."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.what = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"pipeline: {self.what} ran on a stage that does not hold it (the stage's last layer "
+            "should have ended its forward). Fix: report this as a fastdist bug"
+        )
+
+
+_PLACEHOLDERS = (_Skip, _Zeros, _Absent)
+
+
+class _Handoff(Exception):  # noqa: N818 - control flow, not an error
+    """Ends a non-last stage's forward at its last layer, carrying that layer's output."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+#: the keyword under which a stage module receives its input activation
+_STAGE_INPUT = "fastdist_stage_input"
+
+
+class _StageHooks:
+    """The hooks that make a copy of the model one stage: take the received activation at the
+    first own layer, hand the last own layer's output on."""
+
+    def __init__(self, module: nn.Module, first: nn.Module | None, last: nn.Module | None) -> None:
+        self.received: Tensor | None = None
+        self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
+        if first is not None:
+            self.handles.append(
+                first.register_forward_pre_hook(self._substitute, with_kwargs=True, prepend=True)
+            )
+        if last is not None:
+            self.handles.append(last.register_forward_hook(self._hand_on))
+            model_forward = module.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                # inside the (simulated) rank's call: the handoff's tensor is this rank's output
+                try:
+                    return model_forward(*args, **kwargs)
+                except _Handoff as h:
+                    return h.hidden
+
+            module.forward = forward
+
+    def _take(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        self.received = kwargs.pop(_STAGE_INPUT, None)
+        return args, kwargs
+
+    def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        x, self.received = self.received, None
+        if x is None:
+            raise PipelineError(
+                "pipeline: a stage after the first ran without the previous stage's activation. "
+                "Fix: report this as a fastdist bug"
+            )
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
+        raise _Handoff(out[0] if isinstance(out, (tuple, list)) else out)
+
+
+def _family(model: nn.Module) -> tuple[str, StageSplit]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    split = SPLITS.get(model_type) if isinstance(model_type, str) else None
+    if split is None:
+        raise PipelineError(
+            f"pipeline: no stage split for {type(model).__name__} (model_type={model_type!r}). "
+            f"Fix: use one of {sorted(SPLITS)}, or add a StageSplit(layers=..., first=..., "
+            "last=...) for it with split=..."
+        )
+    return str(model_type), split
+
+
+def _split_model(
+    model: nn.Module, split: StageSplit, ranges: Sequence[range], keep: Sequence[int]
+) -> dict[int, nn.Module]:
+    """Stage modules ``{stage: copy of the model's skeleton holding its layers}`` for the stages
+    in ``keep``; every parameter of ``model`` must belong to a layer or an end module."""
+    layers = _layer_list(model, split)
+    try:
+        ends = {n: model.get_submodule(n) for n in (*split.first, *split.last)}
+    except AttributeError as e:
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} lacks a module its split names ({e}). Fix: pass "
+            f"split= naming its first-stage and last-stage modules"
+        ) from None
+    n_layers = len(layers)
+    if ranges[-1].stop != n_layers:
+        raise PipelineError(
+            f"pipeline: the stages cover {ranges[-1].stop} layers, {split.layers} holds "
+            f"{n_layers}. Fix: layers_per_stage= summing to {n_layers}"
+        )
+    owner: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where = next(
+            (
+                part
+                for part in (split.layers, *split.first, *split.last)
+                if name.startswith(part + ".")
+            ),
+            None,
+        )
+        if where is None:
+            raise PipelineError(
+                f"pipeline: parameter {name} of {type(model).__name__} belongs to no stage "
+                f"(not in {split.layers}, {split.first} or {split.last}). Fix: pass split= "
+                "with the module holding it among first= or last="
+            )
+        ends_of = "first" if where in split.first else "last" if where in split.last else where
+        if owner.setdefault(id(p), ends_of) != ends_of and len(ranges) > 1:
+            raise PipelineError(
+                f"pipeline: parameter {name} is shared by the first and the last stage (tied "
+                "input and output embeddings): fastdist's pipeline does not sum a tied weight's "
+                "gradient across stages yet. Fix: build the model with "
+                "tie_word_embeddings=False (and copy the weight), or run without a pipeline axis"
+            )
+    emb = ends[split.first[0]]
+    weight = getattr(emb, "weight", None)
+    if weight is None:
+        raise PipelineError(
+            f"pipeline: {split.first[0]} has no weight to size the hidden states by. Fix: pass "
+            "split= whose first module is the token embedding"
+        )
+    dim, dtype = int(weight.shape[-1]), weight.dtype
+    own = list(layers)
+    # the skeleton: the model without its layers and ends (a cheap copy)
+    stubs: dict[str, nn.Module] = {
+        **{n: _Zeros(dim, dtype) for n in split.first},
+        **{n: _Absent(n) for n in split.last},
+    }
+
+    def put(root: nn.Module, name: str, module: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent) if parent else root, child, module)
+
+    put(model, split.layers, nn.ModuleList([_Skip() for _ in own]))
+    for n, stub in stubs.items():
+        put(model, n, stub)
+    try:
+        skeleton = copy.deepcopy(model)
+    finally:
+        put(model, split.layers, layers)
+        for n, m in ends.items():
+            put(model, n, m)
+    stages: dict[int, nn.Module] = {}
+    for j in keep:
+        st = copy.deepcopy(skeleton)
+        lst = st.get_submodule(split.layers)
+        assert isinstance(lst, nn.ModuleList)
+        for i in ranges[j]:
+            lst[i] = own[i]
+        if j == 0:
+            for n in split.first:
+                put(st, n, ends[n])
+        if j == len(ranges) - 1:
+            for n in split.last:
+                put(st, n, ends[n])
+        stages[j] = st
+    return stages
+
+
+def _stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
+    """The plan's entries that match a module this stage holds (not a placeholder)."""
+    from ..nn.parallelize import _matches
+
+    real = [n for n, m in module.named_modules() if not isinstance(m, _PLACEHOLDERS)]
+    return {p: v for p, v in plan.items() if any(_matches(p, n) for n in real)}
+
+
+# ====================================================================== transfers
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HEADER = 16  # int64 slots: kind, microbatch, stage, dtype, ndim, shape...
+
+
+class _Ranks:
+    """Transfers between the ranks of the pipeline axis of a real mesh: asynchronous sends,
+    receives with the mesh's timeout, headers checked."""
+
+    def __init__(self, mesh: Mesh, axis: str) -> None:
+        from ..distributed import _axis_comm, select_backend
+
+        self.ac = _axis_comm("pipeline", mesh, axis)
+        self.axis = axis
+        self.index = self.ac.index
+        self._backend = select_backend
+        self.pending: list[tuple[Any, Tensor]] = []
+
+    def _group(self, device: torch.device) -> Any:
+        return self.ac.comm.group(self.ac, self._backend(device.type), "pipeline")
+
+    def send(self, t: Tensor, peer: int, kind: str, micro: int, stage: int) -> None:
+        import torch.distributed as dist
+
+        t = t.detach().contiguous()
+        if t.dtype not in _DTYPES or t.dim() > _HEADER - 5:
+            raise PipelineError(
+                f"pipeline: stage {stage} hands on a {t.dtype} tensor of {t.dim()} dims. Fix: "
+                "stage outputs are floating-point hidden states of at most 11 dims"
+            )
+        head = torch.zeros(_HEADER, dtype=torch.int64)
+        head[:5] = torch.tensor(
+            [0 if kind == "F" else 1, micro, stage, _DTYPES.index(t.dtype), t.dim()]
+        )
+        head[5 : 5 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        tag = self._tag(kind, micro, stage)
+        group = self._group(t.device)
+        for payload in (head.to(t.device), t):
+            work = self.ac.run(
+                "pipeline send",
+                lambda p=payload: dist.isend(p, group=group, group_dst=peer, tag=tag),
+            )
+            self.pending.append((work, payload))
+
+    def recv(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> Tensor:
+        import torch.distributed as dist
+
+        tag = self._tag(kind, micro, stage)
+        group = self._group(device)
+        what = (
+            f"the {'activation' if kind == 'F' else 'gradient'} of micro-batch {micro} for "
+            f"stage {stage} from {self.axis}={peer}"
+        )
+        timeout = self.ac.comm.timeout
+        head = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        self.ac.run(
+            "pipeline recv",
+            lambda: _work(dist.irecv(head, group=group, group_src=peer, tag=tag)).wait(timeout),
+            what=what,
+        )
+        k, m, s, code, ndim = (int(v) for v in head[:5].tolist())
+        if (k, m, s) != (0 if kind == "F" else 1, micro, stage) or not 0 <= code < len(_DTYPES):
+            raise CommError(
+                "pipeline recv",
+                self.axis,
+                list(self.ac.ranks),
+                self.ac.rank,
+                f"expected {what}, but {self.axis}={peer} sent "
+                f"{'FB'[k] if k in (0, 1) else '?'}{m} of stage {s}: the ranks run different "
+                "schedules",
+                "build the Pipeline with the same schedule, micro-batches and layers on every rank",
+            )
+        out = torch.empty(
+            [int(v) for v in head[5 : 5 + ndim].tolist()], dtype=_DTYPES[code], device=device
+        )
+        self.ac.run(
+            "pipeline recv",
+            lambda: _work(dist.irecv(out, group=group, group_src=peer, tag=tag)).wait(timeout),
+            what=what,
+        )
+        return out
+
+    def finish(self) -> None:
+        """Wait for this step's sends (the peers received them, or the timeout names them)."""
+        timeout = self.ac.comm.timeout
+        pending, self.pending = self.pending, []
+        for work, _ in pending:
+            self.ac.run("pipeline send", lambda w=work: w.wait(timeout), what="a send's delivery")
+
+    @staticmethod
+    def _tag(kind: str, micro: int, stage: int) -> int:
+        return (micro * 4096 + stage) * 2 + (0 if kind == "F" else 1)
+
+
+# ====================================================================== the pipeline
+class Pipeline:
+    """A model split into pipeline stages over ``axis``, each stage parallelized over the mesh's
+    other axes, and the schedule that runs a training step over micro-batches.
+
+    Build it with :func:`pipeline`. On a simulated mesh it holds every stage; on real ranks only
+    the stages of this process's index along ``axis``.
+
+    Attributes:
+        mesh: the whole mesh (with the pipeline axis).
+        axis: the pipeline axis.
+        schedule: the `fastdist.train.schedules.Schedule` a step runs.
+        stage_mesh: the mesh each stage is parallelized over (the other axes).
+        stages: ``{stage index: ParallelModel}`` held here.
+        layers: ``layers[j]`` are the decoder layer indices of stage ``j``.
+        events: what the last step ran, where and when (:class:`Event`; per rank on a simulated
+            mesh, this process's actions on real ranks).
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        axis: str,
+        sched: Schedule,
+        stage_mesh: Mesh,
+        stages: dict[int, Any],
+        layers: list[range],
+    ) -> None:
+        self.mesh, self.axis, self.schedule, self.stage_mesh = mesh, axis, sched, stage_mesh
+        self.stages, self.layers = stages, layers
+        self.events: list[Event] = []
+        self._ranks = _Ranks(mesh, axis) if mesh.backend is not None else None
+        self.rank = self._ranks.index if self._ranks is not None else None
+
+    @property
+    def simulated(self) -> bool:
+        """True on a plain mesh: every stage is here, each over the simulated stage mesh."""
+        return self._ranks is None
+
+    # ------------------------------------------------------------------ parameters
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters of the stages held here, by the model's own names."""
+        for j in sorted(self.stages):
+            yield from self.stages[j].named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of the stages held here (give them to the optimizer)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def grads(self, *, check: bool = True) -> dict[str, Tensor]:
+        """The single-device gradients of the stages held here, by name (on real ranks a
+        collective over each stage's mesh)."""
+        out: dict[str, Tensor] = {}
+        for j in sorted(self.stages):
+            out.update(self.stages[j].grads(check=check))
+        return out
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The single-device weights of the stages held here, by name."""
+        out: dict[str, Tensor] = {}
+        for j in sorted(self.stages):
+            out.update(self.stages[j].state_dict())
+        return out
+
+    def load(self, source: Any, **kwargs: Any) -> None:
+        """Load each stage held here from the whole model's single-device checkpoint (a
+        ``save_pretrained`` directory, a safetensors file or a state dict), each rank reading
+        only its stages' slices; a key a stage needs and the checkpoint lacks raises."""
+        kwargs.setdefault("strict", "missing")
+        for j in sorted(self.stages):
+            self.stages[j].load(source, **kwargs)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of the stages held here (``grad = None``)."""
+        for p in self.parameters():
+            p.grad = None
+
+    # ------------------------------------------------------------------ a step
+    def step(self, **batch: Any) -> Tensor:
+        """Forward and backward of one batch through the schedule; gradients accumulate into the
+        parameters' ``.grad`` as one device's ``loss.backward()`` on the whole batch would.
+
+        Args:
+            batch: the model's keyword inputs for the whole batch: ``input_ids`` and ``labels``
+                (required), optionally ``attention_mask``, ``position_ids``. Every rank along
+                the pipeline axis gets the same batch (stages after the first read only its
+                shape and masks, the last stage its labels). On a simulated mesh each carries
+                the leading rank dim ``[mesh.size, batch, ...]``.
+
+        Returns:
+            the loss of the whole batch (the mean over its predicted tokens), detached: on a
+            simulated mesh ``[mesh.size]`` (every rank's), on real ranks a 0-d tensor on every
+            rank of the pipeline axis.
+        """
+        micro = self._micro_batches(batch)
+        self.events = []
+        if self.simulated:
+            return self._run_simulated(micro)
+        return self._run_ranks(micro)
+
+    def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        m, sim = self.schedule.microbatches, self.simulated
+        for key in ("input_ids", "labels"):
+            if not isinstance(batch.get(key), Tensor):
+                raise PipelineError(
+                    f"Pipeline.step: {key}= is required (a tensor). Fix: pass input_ids= and "
+                    "labels= (the loss is computed on the last stage)"
+                )
+        unknown = sorted(set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"})
+        if unknown:
+            raise PipelineError(
+                f"Pipeline.step: inputs {unknown} are not supported. Fix: pass input_ids, labels "
+                "and optionally attention_mask, position_ids"
+            )
+        ids = batch["input_ids"]
+        bdim = 1 if sim else 0  # [rank, batch, seq] simulated, [batch, seq] on a rank
+        if sim and (ids.dim() < 2 or ids.shape[0] != self.mesh.size):
+            raise PipelineError(
+                f"Pipeline.step: input_ids of shape {tuple(ids.shape)} on a simulated "
+                f"{self.mesh!r}: every input carries the leading rank dim. Fix: pass "
+                f"[{self.mesh.size}, batch, seq] (e.g. ids.expand({self.mesh.size}, *ids.shape))"
+            )
+        b = ids.shape[bdim]
+        if b % m:
+            divisors = [d for d in range(1, b + 1) if b % d == 0]
+            raise PipelineError(
+                f"Pipeline.step: a batch of {b} sequences does not split into {m} micro-batches "
+                f"(schedule {self.schedule.name!r}). Fix: a batch size that is a multiple of {m}, "
+                f"or microbatches= one of {divisors}"
+            )
+        labels = batch["labels"]
+        # predicted tokens of the whole batch (shifted labels, -100 ignored), per rank
+        dims = tuple(range(1, labels.dim())) if sim else tuple(range(labels.dim()))
+        count = (labels[..., 1:] != -100).sum(dims) if labels.dim() > bdim + 1 else None
+        if count is None:
+            raise PipelineError(
+                f"Pipeline.step: labels of shape {tuple(labels.shape)}. Fix: [batch, seq] "
+                "(simulated: [rank, batch, seq]), as input_ids"
+            )
+        out = []
+        for k in range(m):
+            mb: dict[str, Any] = {}
+            for key, v in batch.items():
+                if isinstance(v, Tensor) and v.dim() > bdim and v.shape[bdim] == b:
+                    mb[key] = v.narrow(bdim, k * (b // m), b // m)
+                else:
+                    mb[key] = v
+            mb["num_items_in_batch"] = count
+            out.append(mb)
+        return out
+
+    def _rows(self, stage: int, mb: Mapping[str, Any]) -> dict[str, Any]:
+        """A simulated stage's inputs: the rows of the ranks at its index along the axis."""
+        r = self.schedule.rank_of(stage)
+        rows = torch.tensor(
+            [
+                self.mesh.rank_of({**self.stage_mesh.coords(i), self.axis: r})
+                for i in range(self.stage_mesh.size)
+            ]
+        )
+        return {k: v.index_select(0, rows) if isinstance(v, Tensor) else v for k, v in mb.items()}
+
+    def _forward(self, j: int, mb: Mapping[str, Any], x: Tensor | None) -> Tensor:
+        pm = self.stages[j]
+        kwargs = dict(mb)
+        if j != self.schedule.stages - 1:
+            kwargs.pop("labels", None)
+            kwargs.pop("num_items_in_batch", None)
+        per_rank = {_STAGE_INPUT: x} if x is not None else {}
+        out = pm._call((), kwargs, per_rank)
+        if j == self.schedule.stages - 1:
+            out = out.loss if hasattr(out, "loss") else out["loss"]
+        assert isinstance(out, Tensor)  # the loss, or the last own layer's output (_StageHooks)
+        return out
+
+    def _backward(self, j: int, y: Tensor, g: Tensor | None, last_of_stage: bool) -> None:
+        pm = self.stages[j]
+        ctx = pm.no_sync() if not last_of_stage else _nothing()
+        with ctx:
+            # the last stage: every rank's own loss (simulated: their sum); else the output's
+            torch.autograd.backward(y.sum() if g is None else y, g)
+
+    def _run_simulated(self, micro: list[dict[str, Any]]) -> Tensor:
+        s = self.schedule
+        last = s.stages - 1
+        acts: dict[tuple[int, int], Tensor] = {}  # (stage, micro) -> activation into the stage
+        grads: dict[tuple[int, int], Tensor] = {}  # (stage, micro) -> gradient of its output
+        inputs: dict[tuple[int, int], Tensor] = {}
+        outputs: dict[tuple[int, int], Tensor] = {}
+        left_b = {j: s.microbatches for j in range(s.stages)}
+        loss: Tensor | None = None
+        t0 = time.perf_counter()
+        for a in s.order():
+            j, m = a.stage, a.microbatch
+            start = time.perf_counter() - t0
+            if a.kind == "F":
+                x = acts.pop((j, m), None)
+                if x is not None:
+                    x = x.detach().requires_grad_(True)
+                    inputs[(j, m)] = x
+                y = self._forward(j, self._rows(j, micro[m]), x)
+                outputs[(j, m)] = y
+                if j == last:
+                    loss = y.detach() if loss is None else loss + y.detach()
+                else:
+                    acts[(j + 1, m)] = y
+            else:
+                left_b[j] -= 1
+                self._backward(j, outputs.pop((j, m)), grads.pop((j, m), None), not left_b[j])
+                x = inputs.pop((j, m), None)
+                if x is not None:
+                    grads[(j - 1, m)] = _grad_of(x, j, m)
+            self.events.append(Event(s.rank_of(j), a.kind, m, j, start, time.perf_counter() - t0))
+        assert loss is not None
+        # every rank's loss: rank r holds its stage-mesh index's loss of the last stage
+        idx = torch.tensor(
+            [
+                self.stage_mesh.rank_of(
+                    {a: c for a, c in self.mesh.coords(r).items() if a != self.axis}
+                )
+                for r in range(self.mesh.size)
+            ]
+        )
+        return loss.index_select(0, idx)
+
+    def _run_ranks(self, micro: list[dict[str, Any]]) -> Tensor:
+        assert self._ranks is not None and self.rank is not None
+        s, me, ranks = self.schedule, self.rank, self._ranks
+        last = s.stages - 1
+        device = next(self.parameters()).device
+        inputs: dict[tuple[int, int], Tensor] = {}
+        outputs: dict[tuple[int, int], Tensor] = {}
+        local: dict[tuple[str, int, int], Tensor] = {}  # transfers between stages on this rank
+        left_b = {j: s.microbatches for j in s.stages_of(me)}
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        t0 = time.perf_counter()
+        try:
+            for a in s.actions[me]:
+                j, m = a.stage, a.microbatch
+                start = time.perf_counter() - t0
+                if a.kind == "F":
+                    x = None
+                    if j > 0:
+                        src = s.rank_of(j - 1)
+                        x = (
+                            local.pop(("F", m, j))
+                            if src == me
+                            else ranks.recv(src, "F", m, j, device)
+                        )
+                        x = x.detach().requires_grad_(True)
+                        inputs[(j, m)] = x
+                    y = self._forward(j, micro[m], x)
+                    outputs[(j, m)] = y
+                    if j == last:
+                        loss += y.detach().to(torch.float64)
+                    elif s.rank_of(j + 1) == me:
+                        local[("F", m, j + 1)] = y
+                    else:
+                        ranks.send(y, s.rank_of(j + 1), "F", m, j + 1)
+                else:
+                    g = None
+                    if j < last:
+                        src = s.rank_of(j + 1)
+                        g = (
+                            local.pop(("B", m, j))
+                            if src == me
+                            else ranks.recv(src, "B", m, j, device)
+                        )
+                    left_b[j] -= 1
+                    self._backward(j, outputs.pop((j, m)), g, not left_b[j])
+                    x = inputs.pop((j, m), None)
+                    if x is not None:
+                        gx = _grad_of(x, j, m)
+                        if s.rank_of(j - 1) == me:
+                            local[("B", m, j - 1)] = gx
+                        else:
+                            ranks.send(gx, s.rank_of(j - 1), "B", m, j - 1)
+                self.events.append(Event(me, a.kind, m, j, start, time.perf_counter() - t0))
+            ranks.finish()
+        finally:
+            ranks.pending.clear()
+        from ..collectives import broadcast
+
+        # the last stage's loss on every rank of the pipeline axis
+        return broadcast(loss, self.mesh, self.axis, src=s.rank_of(last)).to(
+            self._loss_dtype(micro)
+        )
+
+    def _loss_dtype(self, micro: list[dict[str, Any]]) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    # ------------------------------------------------------------------ inspection
+    def show(self) -> str:
+        """The schedule's timeline (see `Schedule.show`)."""
+        return self.schedule.show()
+
+    def measured_bubble(self) -> dict[int, float]:
+        """Per rank along the axis, the share of the last step's span that its actions did not
+        cover (real ranks: this rank's; from :attr:`events`)."""
+        if not self.events:
+            raise PipelineError("Pipeline.measured_bubble: no step has run. Fix: call step first")
+        span = max(e.end for e in self.events) - min(e.start for e in self.events)
+        out: dict[int, float] = {}
+        for r in sorted({e.rank for e in self.events}):
+            busy = sum(e.end - e.start for e in self.events if e.rank == r)
+            out[r] = 1.0 - busy / span if span > 0 else 0.0
+        return out
+
+
+class _nothing:  # noqa: N801 - a context manager used like contextlib.nullcontext
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _grad_of(x: Tensor, stage: int, micro: int) -> Tensor:
+    if x.grad is None:
+        raise PipelineError(
+            f"pipeline: stage {stage}'s input got no gradient in the backward of micro-batch "
+            f"{micro} (its output does not depend on it). Fix: report this as a fastdist bug"
+        )
+    return x.grad
+
+
+def pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    axis: str = "pp",
+    schedule: str | Schedule = "1f1b",
+    microbatches: int | None = None,
+    virtual: int = 1,
+    plan: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False,
+    layers_per_stage: Sequence[int] | None = None,
+    split: StageSplit | None = None,
+) -> Pipeline:
+    """Split ``model`` into pipeline stages over ``axis`` and parallelize each stage over the
+    mesh's other axes.
+
+    Args:
+        model: a transformers causal LM (a family of :data:`SPLITS`), with weights or built on
+            the meta device. It is taken apart: use the returned pipeline, not ``model``.
+        mesh: a plain mesh (simulated ranks: every stage here) or a ``Mesh.from_torch`` mesh
+            (this process builds and holds only its own stages).
+        axis: the pipeline axis of ``mesh``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a built `Schedule`.
+        microbatches: micro-batches per step (default: the axis size).
+        virtual: stages per rank (``"interleaved_1f1b"``; default 2 there).
+        plan: the plan for the whole model (default: the ready plan of its family over the
+            other axes); each stage applies the entries that match its modules.
+        sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
+            (stages hand on sequence shards).
+        layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.
+        split: where the decoder layers and the ends are (default: ``SPLITS[model_type]``).
+
+    Returns:
+        the :class:`Pipeline`.
+
+    >>> import torch, fastdist as fd
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = LlamaForCausalLM(cfg).double()
+    >>> ids = torch.randint(0, 64, (4, 8))
+    >>> one_device = model(input_ids=ids, labels=ids).loss
+    >>> mesh = fd.Mesh({"pp": 2, "tp": 2})
+    >>> pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    >>> loss = pipe.step(input_ids=ids.expand(4, 4, 8), labels=ids.expand(4, 4, 8))
+    >>> bool(torch.allclose(loss, one_device.detach()))
+    True
+    """
+    if not isinstance(mesh, Mesh):
+        raise PipelineError(f"pipeline: mesh={mesh!r} is not a fastdist.Mesh. Fix: pass one")
+    if axis not in mesh.axis_names:
+        raise PipelineError(
+            f"pipeline: {mesh!r} has no axis {axis!r}. Fix: add it (e.g. Mesh({{'{axis}': 2, "
+            f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
+        )
+    pp = mesh.shape[axis]
+    if isinstance(schedule, Schedule):
+        sched = schedule
+        if sched.pp != pp:
+            raise PipelineError(
+                f"pipeline: the schedule is for pp={sched.pp}, the mesh's {axis!r} has {pp} "
+                "ranks. Fix: build the schedule for the mesh's axis size"
+            )
+    else:
+        sched = _schedule_for(schedule, pp, pp if microbatches is None else microbatches, virtual)
+    _, fam = _family(model) if split is None else ("", split)
+    layer_list = _layer_list(model, fam)
+    ranges = stage_layers(len(layer_list), sched.stages, layers_per_stage)
+    if mesh.backend is None:
+        stage_mesh = (
+            mesh.submesh(tuple(a for a in mesh.axis_names if a != axis))
+            if mesh.ndim > 1
+            else Mesh({})
+        )
+        keep = list(range(sched.stages))
+    else:
+        stage_mesh = mesh.without(axis)
+        keep = list(sched.stages_of(mesh.index(mesh.rank, axis)))
+    from ..nn.parallelize import parallelize
+    from ..nn.plans import plan_for
+
+    if plan is None:
+        plan = (
+            plan_for(model, stage_mesh, sequence_parallel=sequence_parallel)
+            if "tp" in stage_mesh.axis_names
+            else {}
+        )
+    modules = _split_model(model, fam, ranges, keep)
+    stages: dict[int, Any] = {}
+    for j, module in modules.items():
+        pm = parallelize(module, stage_mesh, _stage_plan(plan, module))
+        own = _layer_list(module, fam)
+        first = None if j == 0 else own[ranges[j][0]]
+        last = None if j == sched.stages - 1 else own[ranges[j][-1]]
+        pm._stage_hooks = _StageHooks(module, first, last)  # type: ignore[attr-defined]
+        stages[j] = pm
+    return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
+
+
+def _layer_list(model: nn.Module, split: StageSplit) -> nn.ModuleList:
+    try:
+        layers = model.get_submodule(split.layers)
+    except AttributeError:
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} has no module {split.layers!r} (the decoder "
+            "layers). Fix: pass split= naming its layer list"
+        ) from None
+    if not isinstance(layers, nn.ModuleList):
+        raise PipelineError(
+            f"pipeline: {split.layers} of {type(model).__name__} is a {type(layers).__name__}, "
+            "not an nn.ModuleList of decoder layers. Fix: pass split= naming the layer list"
+        )
+    return layers
+
+
+def _work(work: Any) -> Any:
+    """A started transfer's handle (torch types it as optional)."""
+    assert work is not None
+    return work
+
+
+def _schedule_for(name: Any, pp: int, microbatches: int, virtual: int) -> Schedule:
+    if not isinstance(name, str):
+        raise PipelineError(
+            f"pipeline: schedule={name!r}. Fix: a name ('gpipe', '1f1b', 'interleaved_1f1b') or "
+            "a fastdist.train.schedules.Schedule"
+        )
+    return schedule(name, pp, microbatches, virtual)
+
+
+del math
