@@ -61,6 +61,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import threading
 import time
@@ -68,7 +69,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -82,6 +83,9 @@ from .errors import FastdistError
 from .mesh import Mesh
 from .simulate import _Binding
 
+if TYPE_CHECKING:
+    from .train.schedules import Schedule
+
 __all__ = [
     "CALIBRATED_KINDS",
     "NETWORKS",
@@ -94,6 +98,8 @@ __all__ = [
     "Memory",
     "Network",
     "Param",
+    "Pipeline",
+    "PipelineCost",
     "Plan",
     "Point",
     "Prediction",
@@ -380,6 +386,9 @@ class Profile:
     Attributes:
         mesh: the mesh the step ran on.
         records: every collective in issue order (forward, then backward).
+        outputs: ``(module path, bytes)`` of the first tensor each traced module's forward
+            returned (one rank's; the last call's): a pipeline's stage boundary is the output of
+            a layer (:class:`Pipeline`). Empty without ``modules=``.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"dp": 4})
@@ -395,6 +404,7 @@ class Profile:
     events: tuple[Work | Record | GradReady, ...] = field(default=(), compare=False, repr=False)
     params: tuple[Param, ...] = field(default=(), compare=False, repr=False)
     activations: int = field(default=0, compare=False, repr=False)
+    outputs: tuple[tuple[str, int], ...] = field(default=(), compare=False, repr=False)
 
     # A profile reads as the tuple of its records: for r in prof, len(prof), prof[0], prof[-2:].
     def __iter__(self) -> Iterator[Record]:
@@ -567,6 +577,7 @@ class _ModuleStack:
 
     def __init__(self) -> None:
         self.stack: list[str] = []
+        self.outputs: dict[str, int] = {}  # module path -> bytes of its output's first tensor
 
     @property
     def current(self) -> str:
@@ -581,9 +592,14 @@ class _ModuleStack:
                 def pre(_m: nn.Module, _a: Any, name: str = name) -> None:
                     self.stack.append(name)
 
-                def post(_m: nn.Module, _a: Any, _o: Any) -> None:
+                def post(_m: nn.Module, _a: Any, out: Any, name: str = name) -> None:
                     if self.stack:
                         self.stack.pop()
+                    first = next(
+                        (t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)), None
+                    )
+                    if first is not None:
+                        self.outputs[name] = first.numel() * first.dtype.itemsize
 
                 handles.append(m.register_forward_pre_hook(pre))
                 handles.append(m.register_forward_hook(post, always_call=True))
@@ -902,7 +918,8 @@ def trace(
     events = tuple(
         GradReady(index[e.param]) if isinstance(e, GradReady) else e for e in recorder.events
     )
-    return Profile(mesh, tuple(recorder.records), events, params, saved.bytes)
+    outputs = tuple(stack.outputs.items())
+    return Profile(mesh, tuple(recorder.records), events, params, saved.bytes, outputs)
 
 
 def _watch_grads(
@@ -1670,6 +1687,105 @@ def calibrate(
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """How a step is pipelined over a mesh axis: :func:`predict` and :func:`plan` price it.
+
+    The profile given to :func:`predict` is then **one micro-batch's** step through the whole
+    model (forward and backward, on the other axes: tp, sp, ep; nothing over ``axis``), and
+    ``microbatches`` of them make a step. The model is cut into ``pp x virtual`` stages (``pp``:
+    the size of ``axis`` on the profile's mesh; stage ``j`` on rank ``j % pp``, as
+    :mod:`fastdist.train.schedules` places them).
+
+    Attributes:
+        microbatches: micro-batches per step.
+        schedule: a name in :data:`fastdist.train.schedules.NAMES` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved_1f1b"``).
+        virtual: stages per rank: ``1``, or 2 and more for ``"interleaved_1f1b"``.
+        axis: the mesh axis the stages lie along.
+        boundary_bytes: bytes one rank sends across a stage boundary per micro-batch (the hidden
+            states, and as many back for their gradient); ``None``: the output of a traced layer
+            module (``model.layers.N``: :attr:`Profile.outputs`, so trace with ``modules=``).
+
+    >>> str(Pipeline(8))
+    '1f1b, 8 micro-batches'
+    """
+
+    microbatches: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    axis: str = "pp"
+    boundary_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        from .train.schedules import NAMES
+
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        if not count(self.microbatches) or not count(self.virtual):
+            raise ProfileError(
+                "Pipeline",
+                f"microbatches={self.microbatches!r}, virtual={self.virtual!r}",
+                "pass positive ints",
+            )
+        if self.schedule not in NAMES:
+            raise ProfileError(
+                "Pipeline",
+                f"schedule {self.schedule!r} is not known",
+                f"use one of {', '.join(NAMES)}",
+            )
+        interleaved = self.schedule == "interleaved_1f1b"
+        if interleaved != (self.virtual > 1):
+            raise ProfileError(
+                "Pipeline",
+                f"schedule {self.schedule!r} with virtual={self.virtual}",
+                "use virtual >= 2 with 'interleaved_1f1b' and virtual=1 with the others",
+            )
+        if self.boundary_bytes is not None and not count(self.boundary_bytes):
+            raise ProfileError(
+                "Pipeline",
+                f"boundary_bytes={self.boundary_bytes!r}",
+                "pass the positive bytes of one micro-batch's hidden states on one rank, or None "
+                "to take them from the trace",
+            )
+
+    def __str__(self) -> str:
+        v = f", {self.virtual} stages per rank" if self.virtual > 1 else ""
+        return f"{self.schedule}, {self.microbatches} micro-batches{v}"
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """What :func:`predict` charged for a :class:`Pipeline` (seconds, bytes), as
+    ``Prediction.pipeline``.
+
+    Attributes:
+        schedule: the schedule (its ``show(forward, backward)`` draws the predicted timeline).
+        boundary_bytes: bytes one rank sends across a boundary per micro-batch and direction.
+        transfer: seconds of one such send on the link of the pipeline axis.
+        forward: one rank's forward of one micro-batch (all its stages), as the timeline charges
+            it: ``traced forward / pp + virtual x transfer``.
+        backward: the same for the backward.
+        makespan: the schedule's timeline with those costs: first action to last.
+        bubble: the share of ``pp x makespan`` that ranks sit idle in that timeline.
+        finish: per pipeline rank, when its step ends: its last backward, then the data-parallel
+            reduction of its stages' gradients not hidden behind that backward.
+        memory: per pipeline rank, its memory (its stages' parameters, gradients, optimizer
+            state, and activations of ``peak_in_flight(rank)`` micro-batch-stages).
+    """
+
+    schedule: Schedule = field(repr=False)
+    boundary_bytes: int
+    transfer: float
+    forward: float
+    backward: float
+    makespan: float
+    bubble: float
+    finish: tuple[float, ...]
+    memory: tuple[Memory, ...]
+
+
+@dataclass(frozen=True)
 class Layout:
     """Axis sizes in mesh order (outer to inner: the last axis varies fastest, so it is the one
     kept inside a node).
@@ -1679,20 +1795,25 @@ class Layout:
         unit: names of further axes of size 1 (:func:`layouts` leaves them out of ``axes``); the
             :attr:`mesh` has them too, innermost, so a step may use every axis whatever the layout
             (a collective over a size-1 axis moves nothing and is not recorded). Not compared.
+        pipeline: how the step is pipelined over ``pipeline.axis`` (:class:`Pipeline`), or None.
 
     >>> dict(Layout((("dp", 4),), unit=("tp",)).mesh.shape)
     {'dp': 4, 'tp': 1}
+    >>> str(Layout((("pp", 2), ("tp", 4)), pipeline=Pipeline(8)))
+    'pp2 x tp4 (1f1b, 8 micro-batches)'
     """
 
     axes: tuple[tuple[str, int], ...]
     unit: tuple[str, ...] = field(default=(), compare=False)
+    pipeline: Pipeline | None = None
 
     @property
     def mesh(self) -> Mesh:
         return Mesh((*self.axes, *((name, 1) for name in self.unit if name not in dict(self.axes))))
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}{s}" for a, s in self.axes)
+        name = " x ".join(f"{a}{s}" for a, s in self.axes)
+        return f"{name} ({self.pipeline})" if self.pipeline is not None else name
 
 
 @dataclass(frozen=True)
@@ -1711,8 +1832,12 @@ class Prediction:
         compute: time of the compute (:class:`Work`), including packing the gradient buckets.
         comm: time of every collective (overlapped or not).
         exposed: the part of ``time`` spent waiting for collectives (``time - compute``).
-        memory: one rank's memory (:meth:`Profile.memory`), or None when not asked for.
+        memory: one rank's memory (:meth:`Profile.memory`), or None when not asked for; with a
+            pipeline, the rank with the most.
         fits: ``memory.total`` is within the memory budget (True when no budget is given).
+        pipeline: with a :class:`Pipeline`, what it charged (:class:`PipelineCost`); then
+            ``by_axis``, ``by_phase``, ``compute`` and ``comm`` are one rank's over the whole
+            step (the rank that finishes last), and ``exposed`` includes the bubble.
     """
 
     layout: Layout
@@ -1725,6 +1850,7 @@ class Prediction:
     exposed: float = 0.0
     memory: Memory | None = None
     fits: bool = True
+    pipeline: PipelineCost | None = None
 
 
 def _axis_index(names: Sequence[str], axis: str) -> list[int]:
@@ -1757,6 +1883,7 @@ def predict(
     bucket_mb: float = 25.0,
     optimizer: str | float = "adamw",
     memory: float | None = None,
+    pipeline: Pipeline | None = None,
 ) -> Prediction:
     """Predict one step of ``profile`` on ``network``: its compute, its collectives, and what
     overlaps.
@@ -1777,6 +1904,16 @@ def predict(
 
     A profile from :func:`record` (no events) is charged collective by collective.
 
+    With ``pipeline`` (:class:`Pipeline`) the profile is one micro-batch through the whole
+    model, and the step is the pipeline's: each rank runs ``1 / pp`` of the traced forward
+    and backward (compute and collectives, in series as above) per micro-batch, plus the
+    sends of the hidden states to the next stage and of their gradient to the previous one
+    (``send`` records on the pipeline axis); the schedule's timeline
+    (:meth:`fastdist.train.schedules.Schedule.timeline`) with those costs gives the step and
+    its bubble; each rank then reduces its stages' gradients over ``data_parallel``. Memory per
+    rank: its stages' parameters and ``peak_in_flight`` micro-batch-stages of activations.
+    See docs/profile.md, "Pipelines", for every assumption.
+
     Args:
         profile: a :func:`trace` of the step (or a :func:`record`).
         network: a :class:`Network` (documented links; compute charged when its ``flops`` etc.
@@ -1787,6 +1924,7 @@ def predict(
             parameter byte.
         memory: a budget in bytes per rank: ``fits`` says whether :meth:`Profile.memory`'s
             total is within it.
+        pipeline: how the step is pipelined over one of the mesh's axes (:class:`Pipeline`).
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"tp": 4})
@@ -1824,6 +1962,8 @@ def predict(
             f"data_parallel axis {missing[0]!r} is not an axis of the profile's mesh {names}",
             "pass the data axis by the name the step's mesh uses (e.g. 'dp')",
         )
+    if pipeline is not None:
+        return _predict_pipeline(profile, network, pipeline, dp, bucket_mb, optimizer, memory)
     n_dp = math.prod(profile.mesh.shape[a] for a in dp)
     buckets = (
         _buckets(profile.params, int(bucket_mb * 2**20)) if n_dp > 1 and profile.params else []
@@ -1899,6 +2039,256 @@ def predict(
     )
 
 
+# ====================================================================== pipelines
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")  # a parameter of a numbered layer: prefix, index
+_NUMBERED_MODULE = re.compile(r"^(.*)\.(\d+)$")  # a numbered module: model.layers.3
+
+
+def _pipeline_schedule(pipe: Pipeline, pp: int) -> Schedule:
+    """``pipe``'s schedule over ``pp`` ranks; the schedule's own refusal as a ProfileError."""
+    from .errors import PipelineError
+    from .train.schedules import schedule
+
+    try:
+        return schedule(pipe.schedule, pp, pipe.microbatches, pipe.virtual)
+    except PipelineError as e:
+        problem, _, fix = str(e).partition(". Fix: ")
+        raise ProfileError("predict", f"pipeline over {pipe.axis}={pp}: {problem}", fix) from None
+
+
+def _stage_params(params: Sequence[Param], stages: int) -> list[list[Param]]:
+    """The parameters each stage holds, in registration order.
+
+    Parameters of numbered layers (the first ``prefix.N.`` in their names, ``model.layers.3.``)
+    go to stage ``N // (layers / stages)``; the others before the first layer (embeddings) to
+    the first stage, those after it (final norm, head) to the last. Without numbered layers,
+    every parameter is split evenly (``bytes // stages`` on each stage).
+    """
+    found = [_NUMBERED.match(p.name) for p in params]
+    prefix = next((m.group(1) for m in found if m), None)
+    if prefix is None:
+        return [[replace(p, bytes=p.bytes // stages) for p in params] for _ in range(stages)]
+    index = [int(m.group(2)) if m and m.group(1) == prefix else None for m in found]
+    layers = max(i for i in index if i is not None) + 1
+    if layers % stages:
+        fits = [d for d in range(1, layers + 1) if layers % d == 0]
+        raise ProfileError(
+            "predict",
+            f"the traced model has {layers} layers ({prefix}.N), which do not split evenly into "
+            f"{stages} pipeline stages",
+            f"use pp x virtual among {', '.join(map(str, fits))}",
+        )
+    first = next(k for k, i in enumerate(index) if i is not None)
+    out: list[list[Param]] = [[] for _ in range(stages)]
+    for k, (p, i) in enumerate(zip(params, index)):
+        stage = i // (layers // stages) if i is not None else (0 if k < first else stages - 1)
+        out[stage].append(p)
+    return out
+
+
+def _boundary_bytes(profile: Profile, pipe: Pipeline) -> int:
+    """Bytes one rank sends across a stage boundary per micro-batch: given, or the largest
+    output of the outermost numbered modules the trace saw (``model.layers.N``)."""
+    if pipe.boundary_bytes is not None:
+        return pipe.boundary_bytes
+    numbered = [
+        (m.group(1), b) for name, b in profile.outputs if (m := _NUMBERED_MODULE.match(name))
+    ]
+    if not numbered:
+        raise ProfileError(
+            "predict",
+            "the profile has no numbered layer module (e.g. model.layers.0) whose output would "
+            "cross a stage boundary",
+            "pass Pipeline(boundary_bytes=...) (one micro-batch's hidden states on one rank), or "
+            "trace the model with modules=[model] (trace_model does)",
+        )
+    outer = min((prefix for prefix, _ in numbered), key=len)
+    return max(b for prefix, b in numbered if prefix == outer)
+
+
+def _predict_pipeline(
+    profile: Profile,
+    network: Network | CostModel,
+    pipe: Pipeline,
+    dp: tuple[str, ...],
+    bucket_mb: float,
+    optimizer: str | float,
+    memory: float | None,
+) -> Prediction:
+    """:func:`predict` of a pipelined step (see docs/profile.md, "Pipelines")."""
+    sizes = tuple(profile.mesh.shape.values())
+    names = profile.mesh.axis_names
+    if pipe.axis not in names or pipe.axis in dp:
+        raise ProfileError(
+            "predict",
+            f"pipeline axis {pipe.axis!r} is not a non-data axis of the profile's mesh {names} "
+            f"(data_parallel={dp})",
+            "trace on a mesh with the pipeline axis (e.g. Layout((('pp', 2), ...)).mesh) and "
+            "name it in Pipeline(axis=...), apart from the data axes",
+        )
+    on_pp = [r for r in profile.records if pipe.axis in r.axis.split("+")]
+    if on_pp:
+        raise ProfileError(
+            "predict",
+            f"the traced step issues {on_pp[0].op} over the pipeline axis {on_pp[0].axis!r} "
+            f"({on_pp[0].module or 'outside any module'})",
+            "trace one micro-batch through the whole model with collectives over the other axes "
+            "only: predict adds the pipeline's sends",
+        )
+    pp, m, v = profile.mesh.shape[pipe.axis], pipe.microbatches, pipe.virtual
+    sched = _pipeline_schedule(pipe, pp)
+    stages = sched.stages
+    # one micro-batch through the whole model, per phase: compute, and collectives per axis
+    compute = {"forward": 0.0, "backward": 0.0}
+    comm: dict[tuple[str, str], float] = {}
+    for e in profile.events or profile.records:
+        if isinstance(e, Work):
+            compute[e.phase] += network.compute_time(e)
+        elif isinstance(e, Record):
+            key = (e.phase, e.axis)
+            dt = network.collective_time(e, sizes, _axis_index(names, e.axis))
+            comm[key] = comm.get(key, 0.0) + dt
+    # the sends between consecutive stages, one micro-batch: activations forward (sent by stage
+    # j), their gradients backward (sent by stage j + 1)
+    nbytes = _boundary_bytes(profile, pipe) if pp > 1 else 0
+    sends = tuple(
+        Record(
+            op="send",
+            axis=pipe.axis,
+            n=pp,
+            kind="sendrecv",
+            size=nbytes,
+            bus_bytes=float(nbytes),
+            steps=_steps("sendrecv", pp),
+            phase=phase,
+            module=f"pipeline.stage{j if phase == 'forward' else j + 1}",
+            dtype=torch.uint8,
+            shape=(nbytes,),
+        )
+        for phase in ("forward", "backward")
+        for j in range(stages - 1)
+    )
+    transfer = network.collective_time(sends[0], sizes, [names.index(pipe.axis)]) if sends else 0.0
+
+    def per_rank(phase: str) -> float:  # one micro-batch through one rank's stages
+        traced = compute[phase] + sum(t for (ph, _), t in comm.items() if ph == phase)
+        return traced / pp + (v * transfer if sends else 0.0)
+
+    fwd, bwd = per_rank("forward"), per_rank("backward")
+    if fwd <= 0 or bwd <= 0:
+        raise ProfileError(
+            "predict",
+            f"the pipeline's forward ({fwd:g} s) or backward ({bwd:g} s) of a micro-batch costs "
+            "nothing on this network",
+            "trace the backward too (call backward() in the step) and charge compute "
+            "(Network(..., flops=...) or a CostModel from calibrate)",
+        )
+    slots = sched.timeline(fwd, bwd)
+    makespan = max(s.end for s in slots)
+    bubble = 1.0 - sum(s.end - s.start for s in slots) / (pp * makespan)
+    # each rank: its stages' gradients reduced over dp, overlapped with its last backward
+    held = _stage_params(profile.params, stages)
+    n_dp = math.prod(profile.mesh.shape[a] for a in dp)
+    finish, reduce, pack, mems = [], [], [], []
+    for r in range(pp):
+        mine = [p for j in sched.stages_of(r) for p in held[j]]
+        last = max((s for s in slots if s.rank == r), key=lambda s: s.end)
+        end, busy_dp, busy_pack = _reduce_overlapped(
+            mine, last.start, last.end, network, sizes, names, dp, n_dp, bucket_mb
+        )
+        finish.append(end)
+        reduce.append(busy_dp)
+        pack.append(busy_pack)
+        act = profile.activations * sched.peak_in_flight(r) // stages
+        mems.append(replace(profile, params=tuple(mine), activations=act).memory(optimizer))
+    c = max(range(pp), key=lambda r: finish[r])  # the rank that finishes last
+    by_axis = {ax: 0.0 for _, ax in comm}
+    by_phase = {"forward": 0.0, "backward": 0.0}
+    for (phase, ax), t in comm.items():
+        by_axis[ax] += m * t / pp
+        by_phase[phase] += m * t / pp
+    if sends:
+        by_axis[pipe.axis] = 2 * m * v * transfer
+        by_phase["forward"] += m * v * transfer
+        by_phase["backward"] += m * v * transfer
+    if reduce[c] > 0:
+        dp_name = "+".join(dp)
+        by_axis[dp_name] = by_axis.get(dp_name, 0.0) + reduce[c]
+        by_phase["backward"] += reduce[c]
+    busy = m * (compute["forward"] + compute["backward"]) / pp + pack[c]
+    worst = max(mems, key=lambda mem: mem.total)
+    cost = PipelineCost(
+        sched, nbytes, transfer, fwd, bwd, makespan, bubble, tuple(finish), tuple(mems)
+    )
+    axes = tuple((a, n) for a, n in zip(names, sizes) if n > 1) or tuple(zip(names, sizes))[:1]
+    return Prediction(
+        Layout(axes, tuple(a for a in names if a not in dict(axes)), pipe),
+        finish[c],
+        {a: t for a, t in by_axis.items() if t > 0 or a == pipe.axis},
+        by_phase,
+        replace(
+            profile,
+            records=profile.records + sends,
+            events=profile.events + sends if profile.events else (),
+        ),
+        compute=busy,
+        comm=sum(by_axis.values()),
+        exposed=finish[c] - busy,
+        memory=worst,
+        fits=memory is None or worst.total <= memory,
+        pipeline=cost,
+    )
+
+
+def _reduce_overlapped(
+    params: Sequence[Param],
+    start: float,
+    end: float,
+    network: Network | CostModel,
+    sizes: tuple[int, ...],
+    names: Sequence[str],
+    dp: tuple[str, ...],
+    n_dp: int,
+    bucket_mb: float,
+) -> tuple[float, float, float]:
+    """One pipeline rank's data-parallel reduction: ``(when its step ends, seconds of
+    all-reduce, seconds of packing)``.
+
+    DataParallel's buckets of ``params`` (reverse registration order); the backward that ends at
+    ``end`` (the rank's last, from ``start``) makes their gradients final in proportion to
+    their bytes, so bucket ``b`` is ready at ``start + (end - start) x (bytes of buckets 0..b) /
+    (all bytes)``; the all-reduces run one after another from then; packing and unpacking
+    (4 x the bytes of memory traffic per bucket) comes after the last one.
+    """
+    if n_dp <= 1 or not params:
+        return end, 0.0, 0.0
+    total = sum(p.bytes for p in params)
+    done = 0
+    channel = reduced = packed = 0.0
+    for bucket in _buckets(params, int(bucket_mb * 2**20)):
+        nbytes = sum(params[i].bytes for i in bucket)
+        dtype = params[bucket[0]].dtype
+        done += nbytes
+        r = Record(
+            op="psum",
+            axis="+".join(dp),
+            n=n_dp,
+            kind="allreduce",
+            size=nbytes,
+            bus_bytes=nbytes * bus_factor("allreduce", n_dp),
+            steps=_steps("allreduce", n_dp),
+            phase="backward",
+            module="DataParallel",
+            dtype=dtype,
+            shape=(nbytes // dtype.itemsize,),
+        )
+        dt = network.collective_time(r, sizes, [names.index(a) for a in dp])
+        channel = max(channel, start + (end - start) * done / max(total, 1)) + dt
+        reduced += dt
+        packed += network.compute_time(Work("backward", 0.0, 2, 4.0 * nbytes))
+    return max(end, channel) + packed, reduced, packed
+
+
 def _factorizations(world: int, k: int) -> Iterator[tuple[int, ...]]:
     if k == 1:
         yield (world,)
@@ -1970,12 +2360,16 @@ class Plan:
 
     def table(self) -> str:
         """One line per layout: predicted time, its share per axis, and (when compute or memory
-        was charged) compute, exposed communication, memory per rank and whether it fits."""
+        was charged) compute, exposed communication, memory per rank and whether it fits; with
+        pipelined layouts, the bubble (idle share of the pipeline's timeline)."""
         axes = sorted({a for p in self.predictions for a in p.by_axis})
         extra = any(p.compute > 0 or p.memory is not None for p in self.predictions)
+        piped = any(p.pipeline is not None for p in self.predictions)
         head = ["rank", "layout", "time (ms)", *(f"{a} (ms)" for a in axes)]
         if extra:
             head += ["compute (ms)", "exposed (ms)", "memory (MB)", "fits"]
+        if piped:
+            head += ["bubble"]
         body = [
             [
                 str(i + 1),
@@ -1992,6 +2386,7 @@ class Plan:
                     if extra
                     else []
                 ),
+                *([f"{p.pipeline.bubble:.3f}" if p.pipeline else ""] if piped else []),
             ]
             for i, p in enumerate(self.predictions)
         ]
@@ -2040,6 +2435,7 @@ def plan(
     bucket_mb: float = 25.0,
     optimizer: str | float = "adamw",
     memory: float | None = None,
+    pipeline: Pipeline | None = None,
 ) -> Plan:
     """Profile ``build(layout.mesh)`` for every candidate layout and rank them by :func:`predict`
     (layouts whose memory per rank passes ``memory`` last, marked ``fits=False``).
@@ -2062,6 +2458,11 @@ def plan(
         bucket_mb: as for :func:`predict`.
         optimizer: as for :func:`predict` (the optimizer state in the memory per rank).
         memory: a memory budget per rank (bytes), as for :func:`predict`.
+        pipeline: how a layout whose ``pipeline.axis`` has size > 1 pipelines its step (a
+            :class:`Layout` given with its own ``pipeline`` keeps it); ``build`` then traces one
+            micro-batch (its mesh has the pipeline axis, so it can tell). Put the axis among
+            ``axes`` (e.g. ``axes=("pp", "dp", "tp")``, ``max_size={"pp": 4}``) to rank layouts
+            with and without a pipeline together.
 
     >>> import torch, fastdist as fd
     >>> def build(mesh):   # a TP MLP (tokens 512, hidden 1024) with its dp gradient all-reduce
@@ -2097,6 +2498,9 @@ def plan(
         )
     preds = []
     for layout in cands:
+        if layout.pipeline is None and pipeline is not None:
+            if layout.mesh.shape.get(pipeline.axis, 1) > 1:
+                layout = replace(layout, pipeline=pipeline)
         prof = build(layout.mesh)
         if not isinstance(prof, Profile):
             raise ProfileError(
@@ -2111,6 +2515,7 @@ def plan(
             bucket_mb=bucket_mb,
             optimizer=optimizer,
             memory=memory,
+            pipeline=layout.pipeline,
         )
         preds.append(replace(pred, layout=layout))
     return Plan(network, tuple(sorted(preds, key=lambda p: (not p.fits, p.time))))
