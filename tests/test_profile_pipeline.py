@@ -149,6 +149,18 @@ def test_sends_priced_by_a_calibrated_cost_model() -> None:
     assert pred.time == pytest.approx((m + 1) * 2 * c, rel=1e-12)
 
 
+def test_pipeline_over_one_rank_is_gradient_accumulation() -> None:
+    """pp=1: m micro-batches one after another, no send, one micro-batch's activations held."""
+    L, d, t, m = 2, 64, 16, 3
+    prof = _chained(_model(L, d), fd.Mesh({"pp": 1, "dp": 1}), t)
+    pred = predict(prof, NET, pipeline=Pipeline(m))
+    fwd, bwd = L * 2 * t * d * d, L * 2 * t * d * d + (L - 1) * 2 * t * d * d
+    assert pred.time == pytest.approx(m * (fwd + bwd) / RATE, rel=1e-12)
+    assert pred.pipeline is not None and pred.pipeline.bubble == pytest.approx(0.0, abs=1e-12)
+    assert pred.profile is not None and pred.profile.count(axis="pp") == 0
+    assert pred.memory is not None and pred.memory.activations == prof.activations
+
+
 # ====================================================================== memory per rank
 @pytest.mark.parametrize("schedule, peaks", [("1f1b", [4, 3, 2, 1]), ("gpipe", [8] * 4)])
 def test_memory_per_rank_stage_params_and_peak_in_flight(schedule: str, peaks: list[int]) -> None:

@@ -2166,7 +2166,7 @@ def _predict_pipeline(
             shape=(nbytes,),
         )
         for phase in ("forward", "backward")
-        for j in range(stages - 1)
+        for j in range(stages - 1 if pp > 1 else 0)  # stages on one rank pass in memory
     )
     transfer = network.collective_time(sends[0], sizes, [names.index(pipe.axis)]) if sends else 0.0
 
