@@ -35,7 +35,9 @@ def slices_pp_tp() -> dict[str, Any]:
     mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=30)
     m = mesh.without("pp")
     x = torch.tensor([float(g)], dtype=F64)
+    out = _extras(g, mesh, m)
     return {
+        **out,
         "rank": m.rank,
         "shape": dict(m.shape),
         "same": m == mesh.without("pp"),
@@ -48,6 +50,36 @@ def slices_pp_tp() -> dict[str, Any]:
         "objects": fd.distributed.all_gather_object(g, m),
         "whole": fd.psum(x, mesh, mesh.axis_names).item(),  # the parent still spans the job
     }
+
+
+def _extras(g: int, mesh: fd.Mesh, m: fd.Mesh) -> dict[str, Any]:
+    """The slice's group names, with_timeout (still the slice), check mode (inherited, naming global
+    ranks) and the mesh of no axes."""
+    out: dict[str, Any] = {}
+    x = torch.tensor([float(g)])
+    w = m.with_timeout(7)
+    out["with_timeout"] = (
+        w.rank,
+        w == m,
+        w._comm.timeout.total_seconds(),
+        fd.psum(x, w, "tp").item(),
+    )
+    tp = m._comm.axis(m.axis_indices("tp"))
+    out["group_name"] = str(m._comm.group(tp, "gloo", "test").group_name)
+    empty = mesh.without(mesh.axis_names)
+    out["empty"] = (empty.rank, empty.size, empty.axis_names)
+    try:
+        fd.psum(x, empty, ())
+    except fd.MeshError as e:
+        out["empty_error"] = str(e)
+    checked = fd.Mesh.from_torch(pp=2, tp=2, timeout=30, check=True).without("pp")
+    out["check"] = checked._comm.check
+    if g >= 2:  # slice pp=1 disagrees: rank 2 passes 1 element, rank 3 two
+        try:
+            fd.psum(torch.ones(g - 1), checked, "tp")
+        except fd.ConsistencyError as e:
+            out["consistency"] = str(e)
+    return out
 
 
 def _mlp(d: int, h: int, seed: int) -> nn.Module:

@@ -24,6 +24,7 @@ def test_without_on_a_plain_mesh_is_the_mesh_of_the_other_axes() -> None:
 
 
 def test_without_every_axis_is_the_one_rank_mesh_of_no_axes() -> None:
+    assert fd.Mesh({"pp": 4}).without("pp") == fd.Mesh({})
     empty = fd.Mesh({"dp": 2, "tp": 2}).without(("dp", "tp"))
     assert empty == fd.Mesh({}) and empty.size == 1 and empty.axis_names == ()
     assert empty.coords(0) == {} and empty.rank_of({}) == 0
@@ -56,6 +57,19 @@ def test_slices_of_pp2_tp2_talk_only_inside_the_slice() -> None:
         assert r["psum_tp"] == r["psum_all"] == sum(members), (g, stage, r)
         assert r["gather_tp"] == [float(m) for m in members] and r["objects"] == members, (g, r)
         assert r["whole"] == 0 + 1 + 2 + 3
+        # still the slice, with its own groups and the new timeout
+        assert r["with_timeout"] == (g % 2, False, 7.0, float(sum(members))), r
+        # named after the parent mesh (pp2_dp1_tp2, the first of its shape) and the slice
+        assert (
+            r["group_name"]
+            == f"fastdist.pp2_dp1_tp2.0-pp{stage}.0.e0.{g - g % 2}-{g - g % 2 + 1}.gloo"
+        )
+        assert r["empty"] == (0, 1, ()) and "names no mesh axis" in r["empty_error"], r
+        assert r["check"] is True
+        if stage == 1:  # check mode: both members of the slice raise, naming global ranks
+            assert "rank 2: psum(shapes=[(1,)]" in r["consistency"], r
+            assert "rank 3: psum(shapes=[(2,)]" in r["consistency"], r
+            assert f"on rank {g} (group ranks [2, 3])" in r["consistency"], r
 
 
 def test_each_slice_parallelizes_its_own_model() -> None:

@@ -684,8 +684,11 @@ class Mesh:
         nothing is sent and no peer needs to call it. Errors name global ranks and the slice
         (``pp=1``); :meth:`reset` on the slice involves only its ranks.
 
-        Removing every axis gives a mesh with no axes (size 1, this process alone): it has no
-        axis to run a collective over (each raises :class:`MeshError`).
+        Removing every axis gives a mesh with no axes (size 1, this process alone), e.g.
+        ``Mesh({"pp": 4}).without("pp") == Mesh({})``. It describes one rank; on real ranks it
+        has no axis to run a collective over, so collectives, the object helpers and
+        ``ParallelModel.grads()``/``state_dict()`` on it raise :class:`MeshError` (keep a size-1
+        axis, as ``Mesh.from_torch`` keeps ``dp``, to run them).
 
         Args:
             axis: the axis (or tuple of axes) to remove.
