@@ -492,6 +492,99 @@ class Pipeline:
         for j in sorted(self.stages):
             self.stages[j].load(source, **kwargs)
 
+    def data_parallel(self, axis: Any = "dp", engine: str = "fastdist", **kwargs: Any) -> None:
+        """Reduce each stage's gradients over the data axes (`ParallelModel.data_parallel` on
+        every stage held here). A step reduces once per stage, in the backward of the stage's
+        last micro-batch (the earlier ones run under ``no_sync``)."""
+        for j in sorted(self.stages):
+            self.stages[j].data_parallel(axis, engine=engine, **kwargs)
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The single-device total norm of every stage's gradients (a collective over the mesh
+        on real ranks): ``[mesh.size]`` simulated, 0-d on real ranks."""
+        return self._norm(norm_type)[0]
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip every stage's gradients by the whole model's single-device total norm, and
+        return that norm (``fastdist.nn.clip_grad_norm_`` on one stage would see only that
+        stage's norm and clip the stages by different factors).
+
+        The norm combines each stage's (`fastdist.nn.grad_norm` rules: shards summed,
+        replicas once) over the stages: ``(sum of p-th powers) ** (1/p)``, the largest for
+        the inf-norm; on real ranks a collective over the whole mesh. Call it after the
+        data-parallel reduction (after `step`)."""
+        total, grads = self._norm(norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total).all()):
+            raise RuntimeError(
+                f"Pipeline.clip_grad_norm_: the total norm of the gradients is non-finite "
+                f"({total.tolist()}). Fix: find the nan/inf gradient, or pass "
+                "error_if_nonfinite=False"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+        with torch.no_grad():
+            for j, gs in grads.items():
+                c = coef.index_select(0, self._stage_rows(j)) if self.simulated else coef
+                for g in gs:
+                    local = g.to_local() if hasattr(g, "to_local") else g
+                    k = c.view(-1, *[1] * (local.dim() - 1)) if self.simulated else c
+                    local.mul_(k.to(local.dtype))
+        return total
+
+    def _norm(self, norm_type: float) -> tuple[Tensor, dict[int, list[Tensor]]]:
+        from ..nn.clip import _norm_type, _total
+
+        op = "Pipeline.clip_grad_norm_"
+        p = _norm_type(norm_type, op)
+        grads: dict[int, list[Tensor]] = {}
+        per_stage: list[Tensor] = []
+        for j in sorted(self.stages):
+            total, gs, _ = _total(self.stages[j], p, None, op)
+            grads[j] = gs
+            t = total.to(torch.float64)
+            if self.simulated:  # [stage mesh size] -> [mesh size]: rows of this stage's rank
+                t = torch.zeros(self.mesh.size, dtype=torch.float64).index_copy(
+                    0, self._stage_rows(j), t
+                )
+            per_stage.append(t if p == math.inf else t**p)
+        if self.simulated:
+            stacked = torch.stack(per_stage)  # [stages, mesh size]: zeros off the stage's rows
+            # every rank: its stage-mesh index's value summed over the stages
+            per_rank = stacked.amax(0) if p == math.inf else stacked.sum(0)
+            by_index = per_rank.index_select(0, self._peers()).view(-1, self.mesh.size)
+            combined = by_index.amax(0) if p == math.inf else by_index.sum(0)
+        else:
+            from ..collectives import pmax, psum
+
+            mine = torch.stack(per_stage)
+            local = mine.amax(0) if p == math.inf else mine.sum(0)
+            combined = (pmax if p == math.inf else psum)(local, self.mesh, self.axis)
+        total = combined if p == math.inf else combined ** (1.0 / p)
+        dtype = next(self.parameters()).dtype
+        return total.to(dtype), grads
+
+    def _stage_rows(self, stage: int) -> Tensor:
+        """The mesh ranks of ``stage``'s rank along the axis, in stage-mesh order."""
+        r = self.schedule.rank_of(stage)
+        return torch.tensor(
+            [
+                self.mesh.rank_of({**self.stage_mesh.coords(i), self.axis: r})
+                for i in range(self.stage_mesh.size)
+            ]
+        )
+
+    def _peers(self) -> Tensor:
+        """For each pipeline-axis index r (outer) and mesh rank (inner): the mesh rank with r
+        along the axis and the same other coordinates."""
+        return torch.tensor(
+            [
+                self.mesh.rank_of({**self.mesh.coords(q), self.axis: r})
+                for r in range(self.schedule.pp)
+                for q in range(self.mesh.size)
+            ]
+        )
+
     def zero_grad(self) -> None:
         """Drop every gradient of the stages held here (``grad = None``)."""
         for p in self.parameters():
@@ -573,13 +666,7 @@ class Pipeline:
 
     def _rows(self, stage: int, mb: Mapping[str, Any]) -> dict[str, Any]:
         """A simulated stage's inputs: the rows of the ranks at its index along the axis."""
-        r = self.schedule.rank_of(stage)
-        rows = torch.tensor(
-            [
-                self.mesh.rank_of({**self.stage_mesh.coords(i), self.axis: r})
-                for i in range(self.stage_mesh.size)
-            ]
-        )
+        rows = self._stage_rows(stage)
         return {k: v.index_select(0, rows) if isinstance(v, Tensor) else v for k, v in mb.items()}
 
     def _forward(self, j: int, mb: Mapping[str, Any], x: Tensor | None) -> Tensor:
@@ -876,6 +963,3 @@ def _schedule_for(name: Any, pp: int, microbatches: int, virtual: int) -> Schedu
             "a fastdist.train.schedules.Schedule"
         )
     return schedule(name, pp, microbatches, virtual)
-
-
-del math
