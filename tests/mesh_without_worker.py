@@ -142,6 +142,14 @@ def one_slice_fails() -> dict[str, Any]:
     if g >= 2:
         m.reset(timeout=30)
         out["after_reset"] = fd.psum(x, m, "tp").item()
+    if g == 2:  # a call over all of the slice's axes that its peer skips
+        try:
+            fd.psum(x, m, m.axis_names)
+        except fd.CollectiveTimeout as e:
+            out["all_axes_error"] = str(e)
+        store.set("mesh_without/created", "1")
+    elif g == 3:
+        store.wait(["mesh_without/created"], datetime.timedelta(seconds=60))
     return out
 
 

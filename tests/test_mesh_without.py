@@ -96,6 +96,9 @@ def test_a_failure_in_one_slice_names_its_ranks_and_spares_the_other() -> None:
     assert "Fix: " in msg
     assert r["seconds"] < 3 + 6, r  # the mesh's timeout (3 s), plus the roll call and load
     assert got[2]["after_reset"] == got[3]["after_reset"] == 5.0  # reset within the slice only
+    msg = got[2]["all_axes_error"]  # over all of the slice's axes: still only its ranks
+    assert "psum(axis=('dp', 'tp')) on rank 2 (group ranks [2, 3])" in msg, msg
+    assert "(slice pp=1: global ranks [2, 3]) within the timeout (3 s)" in msg, msg
 
 
 def test_slices_of_pp2_dp2_tp2_on_eight_ranks() -> None:

@@ -288,11 +288,6 @@ class TorchComm:
             where=self.where,
         )
 
-    def in_slice(self) -> str:
-        """`` (slice pp=1: global ranks [4, 5, 6, 7])`` for a slice's messages; ``""`` for a mesh
-        over the whole job."""
-        return f" (slice {self.where}: global ranks {list(self.ranks)})" if self.where else ""
-
     # ------------------------------------------------------------------ groups
     def group_name(self, ranks: Sequence[int], backend: str) -> str:
         """The name of the group of ``ranks`` (in axis order) on ``backend``: the same on every
@@ -544,10 +539,17 @@ class TorchComm:
                 everyone,
                 self.global_rank,
                 f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-                f"call reset within {timeout.total_seconds():g} s{self.in_slice()}",
+                f"call reset within {timeout.total_seconds():g} s{_in_slice(self)}",
                 "every rank of the mesh must call mesh.reset() after a failure; a rank that "
                 "exited cannot rejoin: restart the job",
             )
+
+
+def _in_slice(comm: Any) -> str:
+    """`` (slice pp=1: global ranks [4, 5, 6, 7])`` for a slice's messages; ``""`` for a mesh over
+    the whole job (or a stand-in comm without slices)."""
+    where = getattr(comm, "where", "")
+    return f" (slice {where}: global ranks {list(comm.ranks)})" if where else ""
 
 
 def _members(ranks: Sequence[int]) -> str:
@@ -1055,7 +1057,7 @@ def _comm_error(
     """
     msg = _clean(e)
     extra = f"; {peers}" if peers else ""
-    where = ac.comm.in_slice()
+    where = _in_slice(ac.comm)
     timed_out = (
         "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError)
     )
@@ -1063,12 +1065,16 @@ def _comm_error(
         secs = ac.comm.timeout.total_seconds()
         order = "check that every rank of the group makes this call in the same order"
         if what == "creating the process group":  # the ranks may be on different meshes
-            shape, k = ac.comm.uid.rsplit(".", 1)
-            which = f"slice {ac.comm.where} of those" if ac.comm.where else f"shape {shape}"
+            base, k = ac.comm.uid.rsplit(".", 1)
+            which = (
+                f"slice {ac.comm.where} number {k} of mesh {base.rsplit('-', 1)[0]}"
+                if ac.comm.where
+                else f"mesh {k} of shape {base}"
+            )
             order = (
                 "check that every rank builds its meshes of one shape in the same order "
                 "(Mesh.from_torch, Mesh.from_device_mesh and mesh.with_timeout each count; this is "
-                f"mesh {k} of {which} built on this rank, and a group's name carries that "
+                f"{which} built on this rank, and a group's name carries that "
                 "number, so meshes built in different orders never meet), and that every rank of "
                 "the group makes this call"
             )
