@@ -424,7 +424,8 @@ class Mesh:
         Waits up to ``timeout`` (default: twice the mesh's timeout plus 5 s, since a peer may
         need a whole timeout to notice the failure) and raises
         :class:`~fastdist.CollectiveTimeout` naming the ranks that did not reset. A rank that
-        exited cannot rejoin: restart the job then. Other meshes are not affected.
+        exited cannot rejoin: restart the job then. Other meshes are not affected: on a slice
+        (:meth:`without`) only the slice's ranks reset, and its parent keeps its groups.
 
         ```text
         try:
@@ -458,7 +459,8 @@ class Mesh:
         """Release this mesh's ctypes communicators (abort with a bounded wait); True if all
         finished.
 
-        A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups).
+        A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups). A slice
+        (:meth:`without`) has its own communicators: close it too.
 
         Args:
             timeout: seconds to wait for each communicator's abort.
