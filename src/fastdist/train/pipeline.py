@@ -903,15 +903,10 @@ def pipeline(
     _, fam = _family(model) if split is None else ("", split)
     layer_list = _layer_list(model, fam)
     ranges = stage_layers(len(layer_list), sched.stages, layers_per_stage)
+    stage_mesh = mesh.without(axis)  # real ranks: over this process's slice
     if mesh.backend is None:
-        stage_mesh = (
-            mesh.submesh(tuple(a for a in mesh.axis_names if a != axis))
-            if mesh.ndim > 1
-            else Mesh({})
-        )
         keep = list(range(sched.stages))
     else:
-        stage_mesh = mesh.without(axis)
         keep = list(sched.stages_of(mesh.index(mesh.rank, axis)))
     from ..nn.parallelize import parallelize
     from ..nn.plans import plan_for
