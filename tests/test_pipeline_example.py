@@ -1,0 +1,104 @@
+"""examples/train_pipeline.py under torchrun on 4 gloo processes (pp=2 x tp=2): the losses and
+clipped norms it prints are those of the same model trained on one device in this process, and
+it exits non-zero when a difference exceeds its tolerance."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+DIFFS = re.compile(r"max differences from one device: loss (\S+), norm (\S+), weights (\S+): (\w+)")
+
+
+def _example() -> Any:
+    path = ROOT / "examples" / "train_pipeline.py"
+    spec = importlib.util.spec_from_file_location("train_pipeline_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(ROOT / "examples" / "train_pipeline.py"),
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@functools.cache
+def _one_device(steps: int = 3) -> list[tuple[float, float]]:
+    """(loss, clipped norm) of each step of the example's model trained on one device, with the
+    example's defaults."""
+    ex = _example()
+    args = ex.parse([])
+    model = ex.build_model(args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    vocab = model.config.vocab_size
+    return [
+        ex.reference_step(model, opt, ex.global_batch(s, args.batch, args.seq, vocab), args.clip)
+        for s in range(steps)
+    ]
+
+
+def _printed(out: str) -> list[tuple[float, float]]:
+    rows = re.findall(r"^step (\d+)  loss (\S+)  norm (\S+)$", out, flags=re.M)
+    assert [int(s) for s, _, _ in rows] == [0, 1, 2], out
+    return [(float(loss), float(norm)) for _, loss, norm in rows]
+
+
+def test_1f1b_on_4_gloo_processes_prints_one_devices_losses_and_ok() -> None:
+    proc = _torchrun()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "pipeline 1f1b on Mesh({'pp': 2, 'dp': 1, 'tp': 2}), 4 micro-batches" in out, out
+    found = DIFFS.search(out)
+    assert found and found.group(4) == "OK", out
+    assert all(float(d) <= 1e-9 for d in found.groups()[:3]), out
+    printed = _printed(out)
+    # the printed values are the one-device run's, to the 10 digits printed
+    for (loss, norm), (ref_loss, ref_norm) in zip(printed, _one_device()):
+        assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9, (printed, out)
+    assert printed[0] != printed[1]  # it stepped: another batch, other weights
+    assert out.count(": OK") == 1  # rank 0 alone reports
+
+
+def test_interleaved_run_matches_and_a_difference_above_the_tolerance_exits_1() -> None:
+    """Interleaved 1F1B (two stages per rank, four stages) agrees with one device, and with a
+    tolerance no float run meets (1e-300) the same run prints MISMATCH and exits 1."""
+    proc = _torchrun("--schedule", "interleaved_1f1b", "--tol", "1e-300")
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    found = DIFFS.search(out)
+    assert found and found.group(4) == "MISMATCH", out + proc.stderr[-3000:]
+    assert all(float(d) <= 1e-9 for d in found.groups()[:3]), out
+    for (loss, norm), (ref_loss, ref_norm) in zip(_printed(out), _one_device()):
+        assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9, out
