@@ -435,7 +435,9 @@ class Pipeline:
         stages: ``{stage index: ParallelModel}`` held here.
         layers: ``layers[j]`` are the decoder layer indices of stage ``j``.
         events: what the last step ran, where and when (:class:`Event`; per rank on a simulated
-            mesh, this process's actions on real ranks).
+            mesh, this process's actions on real ranks, timing the compute without the wait
+            for the input).
+        span: the last step's wall time on this rank (real ranks), in seconds.
     """
 
     def __init__(
@@ -450,6 +452,7 @@ class Pipeline:
         self.mesh, self.axis, self.schedule, self.stage_mesh = mesh, axis, sched, stage_mesh
         self.stages, self.layers = stages, layers
         self.events: list[Event] = []
+        self.span = 0.0  # the last step's wall time on this rank (real ranks), seconds
         self._ranks = _Ranks(mesh, axis) if mesh.backend is not None else None
         self.rank = self._ranks.index if self._ranks is not None else None
 
@@ -495,7 +498,18 @@ class Pipeline:
     def data_parallel(self, axis: Any = "dp", engine: str = "fastdist", **kwargs: Any) -> None:
         """Reduce each stage's gradients over the data axes (`ParallelModel.data_parallel` on
         every stage held here). A step reduces once per stage, in the backward of the stage's
-        last micro-batch (the earlier ones run under ``no_sync``)."""
+        last micro-batch (the earlier ones run under ``no_sync``).
+
+        Only fastdist's engine (`fastdist.train.DataParallel`) is supported: DDP decides in each
+        forward whether the next backward reduces, and a schedule runs several forwards before
+        their backwards (1F1B); FSDP2 under a pipeline has not been tested. Both are refused
+        rather than risked."""
+        if engine != "fastdist":
+            raise PipelineError(
+                f"Pipeline.data_parallel: engine={engine!r} is not supported under a pipeline "
+                "(DDP prepares each forward's reduction, and 1F1B runs several forwards before "
+                "their backwards; FSDP2 is untested here). Fix: engine='fastdist'"
+            )
         for j in sorted(self.stages):
             self.stages[j].data_parallel(axis, engine=engine, **kwargs)
 
@@ -746,7 +760,6 @@ class Pipeline:
         try:
             for a in s.actions[me]:
                 j, m = a.stage, a.microbatch
-                start = time.perf_counter() - t0
                 if a.kind == "F":
                     x = None
                     if j > 0:
@@ -758,7 +771,9 @@ class Pipeline:
                         )
                         x = x.detach().requires_grad_(True)
                         inputs[(j, m)] = x
+                    start = time.perf_counter() - t0  # compute only: the wait is idle time
                     y = self._forward(j, micro[m], x)
+                    end = time.perf_counter() - t0
                     outputs[(j, m)] = y
                     if j == last:
                         loss += y.detach().to(torch.float64)
@@ -776,7 +791,9 @@ class Pipeline:
                             else ranks.recv(src, "B", m, j, device)
                         )
                     left_b[j] -= 1
+                    start = time.perf_counter() - t0
                     self._backward(j, outputs.pop((j, m)), g, not left_b[j])
+                    end = time.perf_counter() - t0
                     x = inputs.pop((j, m), None)
                     if x is not None:
                         gx = _grad_of(x, j, m)
@@ -784,19 +801,16 @@ class Pipeline:
                             local[("B", m, j - 1)] = gx
                         else:
                             ranks.send(gx, s.rank_of(j - 1), "B", m, j - 1)
-                self.events.append(Event(me, a.kind, m, j, start, time.perf_counter() - t0))
+                self.events.append(Event(me, a.kind, m, j, start, end))
             ranks.finish()
+            self.span = time.perf_counter() - t0
         finally:
             ranks.pending.clear()
         from ..collectives import broadcast
 
         # the last stage's loss on every rank of the pipeline axis
-        return broadcast(loss, self.mesh, self.axis, src=s.rank_of(last)).to(
-            self._loss_dtype(micro)
-        )
-
-    def _loss_dtype(self, micro: list[dict[str, Any]]) -> torch.dtype:
-        return next(self.parameters()).dtype
+        dtype = next(self.parameters()).dtype
+        return broadcast(loss, self.mesh, self.axis, src=s.rank_of(last)).to(dtype)
 
     # ------------------------------------------------------------------ inspection
     def show(self) -> str:
@@ -804,11 +818,18 @@ class Pipeline:
         return self.schedule.show()
 
     def measured_bubble(self) -> dict[int, float]:
-        """Per rank along the axis, the share of the last step's span that its actions did not
-        cover (real ranks: this rank's; from :attr:`events`)."""
+        """This rank's idle share of the last step: ``1 - (time computing its actions) / (the
+        step's wall time)``, from :attr:`events` (each action's compute, not the wait for its
+        input) and :attr:`span`; ``{rank along the axis: share}``."""
+        if self.simulated:
+            raise PipelineError(
+                "Pipeline.measured_bubble: on a simulated mesh the stages run one after another in "
+                "one process, so there is no idle time to measure. Fix: pipe.schedule.bubble() "
+                "for the schedule's own, or measure on real ranks"
+            )
         if not self.events:
             raise PipelineError("Pipeline.measured_bubble: no step has run. Fix: call step first")
-        span = max(e.end for e in self.events) - min(e.start for e in self.events)
+        span = self.span
         out: dict[int, float] = {}
         for r in sorted({e.rank for e in self.events}):
             busy = sum(e.end - e.start for e in self.events if e.rank == r)
