@@ -119,21 +119,43 @@ def test_equal_costs_step_bubble_and_sends_closed_form(schedule: str, virtual: i
 
 
 def test_unequal_costs_1f1b_and_gpipe_makespan() -> None:
-    """B != F: GPipe and 1F1B both take (m + pp - 1)(F + B); the bubble is still
-    (pp - 1) / (m + pp - 1) (the timeline's, not a formula in predict)."""
+    """B != F, and stages that differ: layer 0's backward has no input gradient (u = 2 t d^2
+    FLOPs: forward u per layer, backward u on stage 0 and 2u on the others). Every rank is
+    charged the slowest stage's; GPipe and 1F1B both take (m + pp - 1)(F + B), the bubble is
+    still (pp - 1) / (m + pp - 1) (the timeline's, not a formula in predict)."""
     L, d, t, pp, m = 4, 64, 32, 4, 6
     prof = _chained(_model(L, d), fd.Mesh({"pp": pp}), t)
-    fwd, bwd = L * 2 * t * d * d, L * 2 * t * d * d + (L - 1) * 2 * t * d * d
-    assert (prof.flops("forward"), prof.flops("backward")) == (fwd, bwd)
+    u = 2 * t * d * d
+    assert (prof.flops("forward"), prof.flops("backward")) == (L * u, L * u + (L - 1) * u)
     # pp4 over 2-GPU nodes: the group crosses nodes, sends go over the inter-node link
     transfer = NET.inter.latency + t * d * F4 / NET.inter.bandwidth
-    F, B = fwd / RATE / pp + transfer, bwd / RATE / pp + transfer
+    F, B = u / RATE + transfer, 2 * u / RATE + transfer
     for name in ("gpipe", "1f1b"):
         pred = predict(prof, NET, pipeline=Pipeline(m, name))
         assert pred.time == pytest.approx((m + pp - 1) * (F + B), rel=1e-12), name
         assert pred.pipeline is not None
         assert pred.pipeline.bubble == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-12)
         assert pred.pipeline.finish[0] == pytest.approx(pred.time, rel=1e-12)
+        want = [x for j in range(pp) for x in (u / RATE, (1 if j == 0 else 2) * u / RATE)]
+        got = [x for stage in pred.pipeline.stages for x in stage]
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_stage_work_by_module_embedding_and_head_on_the_ends() -> None:
+    """pp=2 over 2 layers, ``scale`` before them and ``head`` after: the first stage computes
+    layer 0 (forward u, backward 2u: its input needs a gradient for ``scale``), the last layer 1
+    and the head (forward 2u, backward 4u); the timeline charges every rank the last's."""
+    d, t, m = 64, 32, 4
+    prof = _chained(_model(2, d, ends=True), fd.Mesh({"pp": 2}), t)
+    pred = predict(prof, NET, pipeline=Pipeline(m))
+    assert pred.pipeline is not None
+    u = 2 * t * d * d / RATE
+    got = [x for stage in pred.pipeline.stages for x in stage]
+    assert got == pytest.approx([u, 2 * u, 2 * u, 4 * u], rel=1e-12)
+    transfer = NET.intra.latency + t * d * F4 / NET.intra.bandwidth
+    assert pred.time == pytest.approx((m + 1) * (6 * u + 2 * transfer), rel=1e-12)
+    # the rank that ends last is rank 0 (1F1B): its own compute, its sends
+    assert pred.compute == pytest.approx(m * 3 * u, rel=1e-12)
 
 
 def test_sends_priced_by_a_calibrated_cost_model() -> None:
@@ -283,6 +305,9 @@ def test_plan_slow_network_across_nodes_pp_wins() -> None:
     L, d, m, tokens = 4, 256, 4, 64
     model = _model(L, d)
     fwd_tok, bwd_tok = L * 2 * d * d, (2 * L - 1) * 2 * d * d  # FLOPs per token
+    # per token and stage of 2 layers: forward 2 x 2d^2; backward 3 x 2d^2 on the first stage
+    # (layer 0 has no input gradient), 4 x 2d^2 on the second: the slowest paces the pipeline
+    stage_fwd, stage_bwd = 2 * 2 * d * d, 4 * 2 * d * d
 
     def allreduce(link: Link, n: int, nbytes: float) -> float:
         return 2 * (n - 1) * link.latency + nbytes * 2 * (n - 1) / n / link.bandwidth
@@ -293,7 +318,7 @@ def test_plan_slow_network_across_nodes_pp_wins() -> None:
     def piped(pp_link: Link, dp_link: Link) -> float:  # pp2 x dp2 in either order
         mb = tokens // 2 // m  # tokens per micro-batch
         send = pp_link.latency + mb * d * F4 / pp_link.bandwidth
-        F, B = mb * fwd_tok / RATE / 2 + send, mb * bwd_tok / RATE / 2 + send
+        F, B = mb * stage_fwd / RATE + send, mb * stage_bwd / RATE + send
         # rank 0 ends last (1F1B): then its stage's gradients (2 layers) over dp
         return (m + 1) * (F + B) + allreduce(dp_link, 2, L // 2 * d * d * F4)
 
@@ -311,7 +336,7 @@ def test_plan_slow_network_across_nodes_pp_wins() -> None:
     got = {str(pr.layout): pr.time for pr in p.predictions}
     assert got == {k: pytest.approx(v, rel=1e-12) for k, v in want.items()}
     assert [str(pr.layout) for pr in p.predictions] == sorted(want, key=want.__getitem__)
-    assert str(p.best.layout) == "pp2 x dp2 (1f1b, 4 micro-batches)" and dp4 > 1.2 * p.best.time
+    assert str(p.best.layout) == "pp2 x dp2 (1f1b, 4 micro-batches)" and dp4 > 1.15 * p.best.time
     best = p.best
     assert best.profile is not None and best.by_axis["dp"] > 0 and best.by_axis["pp"] > 0
     rows = {(r["axis"], r["op"], r["phase"]): r for r in best.profile.summary()}

@@ -57,6 +57,7 @@ backward collective is attributed to the module whose forward recorded it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -291,12 +292,16 @@ class Work:
         kernels: aten kernels run (views excluded), the matmuls included.
         bytes: bytes the kernels other than matmuls and attention read and write (their tensor
             inputs plus outputs).
+        module: dotted path of the innermost ``nn.Module`` whose forward ran the kernels (for
+            backward kernels: whose forward recorded the autograd node that runs them); ``""``
+            outside any traced module (or for nodes no module recorded).
     """
 
     phase: str
     flops: float
     kernels: int
     bytes: float
+    module: str = ""
 
 
 @dataclass(frozen=True)
@@ -611,7 +616,8 @@ class _ModuleStack:
 
 
 class _Tagger(TorchFunctionMode):
-    """Tags the autograd node of each forward fastdist op with the module it ran in."""
+    """Tags the autograd node of each forward op's output with the module it ran in (a node
+    tagged before keeps its module: an op that returns its input unchanged does not move it)."""
 
     def __init__(self, modules: _ModuleStack) -> None:
         super().__init__()
@@ -625,15 +631,22 @@ class _Tagger(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if (
-            isinstance(func, torch._ops.OpOverload)
-            and func.namespace == "fastdist"
-            and isinstance(out, Tensor)
-            and out.grad_fn is not None
-        ):
-            node: Any = out.grad_fn
-            node.metadata[_META_KEY] = self.modules.current
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                _tag(t.grad_fn, self.modules.current)
         return out
+
+
+def _tag(node: Any, module: str) -> None:
+    """Tag ``node`` and the untagged nodes it reaches (the ones the same call made: ``linear``
+    of a 3-d input is a view, a matmul and a view) with ``module``; tagged nodes stop the walk."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n is None or _META_KEY in n.metadata:
+            continue
+        n.metadata[_META_KEY] = module
+        todo.extend(f for f, _ in n.next_functions)
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -647,7 +660,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.records: list[Record] = []
         # the step in issue order: compute between collectives, collectives, gradients ready
         self.events: list[Work | Record | GradReady] = []
-        self._work: dict[str, list[float]] = {}  # phase -> [flops, kernels, bytes] not yet flushed
+        # (phase, module) -> [flops, kernels, bytes] not yet flushed
+        self._work: dict[tuple[str, str], list[float]] = {}
 
     def __torch_dispatch__(
         self,
@@ -666,10 +680,12 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _count(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
         """Charge one aten kernel: its matmul / attention FLOPs, or the bytes it reads and
         writes."""
-        phase = "forward" if torch._C._current_autograd_node() is None else "backward"
-        if self._work and phase not in self._work:
+        node: Any = torch._C._current_autograd_node()
+        phase = "forward" if node is None else "backward"
+        module = self.modules.current if node is None else str(node.metadata.get(_META_KEY, ""))
+        if self._work and (phase, module) not in self._work:
             self.flush()
-        acc = self._work.setdefault(phase, [0.0, 0.0, 0.0])
+        acc = self._work.setdefault((phase, module), [0.0, 0.0, 0.0])
         flops = _kernel_flops(func, args)
         acc[1] += 1
         if flops:
@@ -680,8 +696,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def flush(self) -> None:
         """Close the compute run so far (before a collective or a gradient event)."""
-        for phase, (flops, kernels, nbytes) in self._work.items():
-            self.events.append(Work(phase, flops, int(kernels), nbytes))
+        for (phase, module), (flops, kernels, nbytes) in self._work.items():
+            self.events.append(Work(phase, flops, int(kernels), nbytes, module))
         self._work = {}
 
     def _record(self, func: Any, args: Sequence[Any], out: Any) -> None:
@@ -1763,8 +1779,9 @@ class PipelineCost:
         schedule: the schedule (its ``show(forward, backward)`` draws the predicted timeline).
         boundary_bytes: bytes one rank sends across a boundary per micro-batch and direction.
         transfer: seconds of one such send on the link of the pipeline axis.
-        forward: one rank's forward of one micro-batch (all its stages), as the timeline charges
-            it: ``traced forward / pp + virtual x transfer``.
+        forward: what the timeline charges every rank for the forward of one micro-batch through
+            its stages: the slowest rank's (its stages' share of the traced forward) plus
+            ``virtual x transfer``.
         backward: the same for the backward.
         makespan: the schedule's timeline with those costs: first action to last.
         bubble: the share of ``pp x makespan`` that ranks sit idle in that timeline.
@@ -1772,6 +1789,8 @@ class PipelineCost:
             reduction of its stages' gradients not hidden behind that backward.
         memory: per pipeline rank, its memory (its stages' parameters, gradients, optimizer
             state, and activations of ``peak_in_flight(rank)`` micro-batch-stages).
+        stages: per stage, ``(forward, backward)`` of one micro-batch: its compute and
+            collectives, the sends excluded.
     """
 
     schedule: Schedule = field(repr=False)
@@ -1783,6 +1802,7 @@ class PipelineCost:
     bubble: float
     finish: tuple[float, ...]
     memory: tuple[Memory, ...]
+    stages: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -1905,13 +1925,15 @@ def predict(
     A profile from :func:`record` (no events) is charged collective by collective.
 
     With ``pipeline`` (:class:`Pipeline`) the profile is one micro-batch through the whole
-    model, and the step is the pipeline's: each rank runs ``1 / pp`` of the traced forward
-    and backward (compute and collectives, in series as above) per micro-batch, plus the
-    sends of the hidden states to the next stage and of their gradient to the previous one
-    (``send`` records on the pipeline axis); the schedule's timeline
-    (:meth:`fastdist.train.schedules.Schedule.timeline`) with those costs gives the step and
-    its bubble; each rank then reduces its stages' gradients over ``data_parallel``. Memory per
-    rank: its stages' parameters and ``peak_in_flight`` micro-batch-stages of activations.
+    model, and the step is the pipeline's: each stage runs the traced forward and backward
+    (compute and collectives, in series as above) of its layers (by the module that ran
+    them: ``model.layers.N``; the embedding on the first stage, the head and loss on the last),
+    plus the sends of the hidden states to the next stage and of their gradient to the
+    previous one (``send`` records on the pipeline axis); the schedule's timeline
+    (:meth:`fastdist.train.schedules.Schedule.timeline`) with the slowest rank's costs gives
+    the step and its bubble; each rank then reduces its stages' gradients over
+    ``data_parallel``. Memory per rank: its stages' parameters and ``peak_in_flight``
+    micro-batch-stages of activations.
     See docs/profile.md, "Pipelines", for every assumption.
 
     Args:
@@ -2040,7 +2062,7 @@ def predict(
 
 
 # ====================================================================== pipelines
-_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")  # a parameter of a numbered layer: prefix, index
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")  # the first numbered part: model.layers, 3
 _NUMBERED_MODULE = re.compile(r"^(.*)\.(\d+)$")  # a numbered module: model.layers.3
 
 
@@ -2065,10 +2087,28 @@ def _stage_params(params: Sequence[Param], stages: int) -> list[list[Param]]:
     every parameter is split evenly (``bytes // stages`` on each stage).
     """
     found = [_NUMBERED.match(p.name) for p in params]
-    prefix = next((m.group(1) for m in found if m), None)
+    prefix = _layer_prefix(found)
     if prefix is None:
         return [[replace(p, bytes=p.bytes // stages) for p in params] for _ in range(stages)]
     index = [int(m.group(2)) if m and m.group(1) == prefix else None for m in found]
+    layers = _layer_count(index, stages, prefix)
+    first = next(k for k, i in enumerate(index) if i is not None)
+    out: list[list[Param]] = [[] for _ in range(stages)]
+    for k, (p, i) in enumerate(zip(params, index)):
+        stage = i // (layers // stages) if i is not None else (0 if k < first else stages - 1)
+        out[stage].append(p)
+    return out
+
+
+def _layer_prefix(found: Sequence[re.Match[str] | None]) -> str | None:
+    """The prefix most numbered names share (``model.layers``), or None."""
+    counts = collections.Counter(m.group(1) for m in found if m)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _layer_count(index: Sequence[int | None], stages: int, prefix: str) -> int:
+    """The layers ``prefix.N`` numbers (the largest N + 1); they must split evenly into
+    ``stages``."""
     layers = max(i for i in index if i is not None) + 1
     if layers % stages:
         fits = [d for d in range(1, layers + 1) if layers % d == 0]
@@ -2078,11 +2118,46 @@ def _stage_params(params: Sequence[Param], stages: int) -> list[list[Param]]:
             f"{stages} pipeline stages",
             f"use pp x virtual among {', '.join(map(str, fits))}",
         )
-    first = next(k for k, i in enumerate(index) if i is not None)
-    out: list[list[Param]] = [[] for _ in range(stages)]
-    for k, (p, i) in enumerate(zip(params, index)):
-        stage = i // (layers // stages) if i is not None else (0 if k < first else stages - 1)
-        out[stage].append(p)
+    return layers
+
+
+def _stage_costs(
+    profile: Profile, network: Network | CostModel, stages: int
+) -> list[dict[tuple[str, str], float]]:
+    """Seconds of one micro-batch's work on each stage, keyed ``(phase, axis)`` (axis ``""``:
+    compute).
+
+    Compute runs and collectives of a numbered module (the first ``prefix.N`` of its path, the
+    prefix most of them share: ``model.layers.3.mlp``) go to the stage holding layer ``N``
+    (``layers / stages`` consecutive layers a stage); the others to the stage of the numbered
+    work before them in the same phase, or, before any, to the first stage in the forward (the
+    embedding) and the last in the backward (the loss and the head). Without numbered modules
+    every stage gets ``1 / stages`` of everything.
+    """
+    sizes, names = tuple(profile.mesh.shape.values()), profile.mesh.axis_names
+    events = [e for e in profile.events or profile.records if isinstance(e, (Work, Record))]
+
+    def cost(e: Work | Record) -> tuple[tuple[str, str], float]:
+        if isinstance(e, Work):
+            return (e.phase, ""), network.compute_time(e)
+        return (e.phase, e.axis), network.collective_time(e, sizes, _axis_index(names, e.axis))
+
+    out: list[dict[tuple[str, str], float]] = [{} for _ in range(stages)]
+    found = [_NUMBERED.match(e.module) for e in events]
+    prefix = _layer_prefix(found)
+    index = [int(m.group(2)) if m and m.group(1) == prefix else None for m in found]
+    per = _layer_count(index, stages, prefix) // stages if prefix is not None else 0
+    at = {"forward": 0, "backward": stages - 1}
+    for e, i in zip(events, index):
+        key, dt = cost(e)
+        if prefix is None:  # no layers to go by: evenly
+            for st in out:
+                st[key] = st.get(key, 0.0) + dt / stages
+            continue
+        if i is not None:
+            at[e.phase] = i // per
+        st = out[at[e.phase]]
+        st[key] = st.get(key, 0.0) + dt
     return out
 
 
@@ -2138,16 +2213,8 @@ def _predict_pipeline(
     pp, m, v = profile.mesh.shape[pipe.axis], pipe.microbatches, pipe.virtual
     sched = _pipeline_schedule(pipe, pp)
     stages = sched.stages
-    # one micro-batch through the whole model, per phase: compute, and collectives per axis
-    compute = {"forward": 0.0, "backward": 0.0}
-    comm: dict[tuple[str, str], float] = {}
-    for e in profile.events or profile.records:
-        if isinstance(e, Work):
-            compute[e.phase] += network.compute_time(e)
-        elif isinstance(e, Record):
-            key = (e.phase, e.axis)
-            dt = network.collective_time(e, sizes, _axis_index(names, e.axis))
-            comm[key] = comm.get(key, 0.0) + dt
+    # one micro-batch's work on each stage: compute, and collectives per axis
+    costs = _stage_costs(profile, network, stages)
     # the sends between consecutive stages, one micro-batch: activations forward (sent by stage
     # j), their gradients backward (sent by stage j + 1)
     nbytes = _boundary_bytes(profile, pipe) if pp > 1 else 0
@@ -2170,11 +2237,16 @@ def _predict_pipeline(
     )
     transfer = network.collective_time(sends[0], sizes, [names.index(pipe.axis)]) if sends else 0.0
 
-    def per_rank(phase: str) -> float:  # one micro-batch through one rank's stages
-        traced = compute[phase] + sum(t for (ph, _), t in comm.items() if ph == phase)
-        return traced / pp + (v * transfer if sends else 0.0)
+    def on_stage(st: dict[tuple[str, str], float], phase: str, axis: str | None = None) -> float:
+        return sum(t for (ph, ax), t in st.items() if ph == phase and axis in (None, ax))
 
-    fwd, bwd = per_rank("forward"), per_rank("backward")
+    def on_rank(r: int, phase: str, axis: str | None = None) -> float:  # one micro-batch
+        return sum(on_stage(costs[j], phase, axis) for j in sched.stages_of(r))
+
+    # the timeline takes one F and one B for every rank: the slowest rank's, with its sends
+    sent = v * transfer if sends else 0.0
+    fwd = max(on_rank(r, "forward") for r in range(pp)) + sent
+    bwd = max(on_rank(r, "backward") for r in range(pp)) + sent
     if fwd <= 0 or bwd <= 0:
         raise ProfileError(
             "predict",
@@ -2202,11 +2274,12 @@ def _predict_pipeline(
         act = profile.activations * sched.peak_in_flight(r) // stages
         mems.append(replace(profile, params=tuple(mine), activations=act).memory(optimizer))
     c = max(range(pp), key=lambda r: finish[r])  # the rank that finishes last
-    by_axis = {ax: 0.0 for _, ax in comm}
+    by_axis: dict[str, float] = {}
     by_phase = {"forward": 0.0, "backward": 0.0}
-    for (phase, ax), t in comm.items():
-        by_axis[ax] += m * t / pp
-        by_phase[phase] += m * t / pp
+    for (phase, ax), t in ((k, t) for j in sched.stages_of(c) for k, t in costs[j].items()):
+        if ax:
+            by_axis[ax] = by_axis.get(ax, 0.0) + m * t
+            by_phase[phase] += m * t
     if sends:
         by_axis[pipe.axis] = 2 * m * v * transfer
         by_phase["forward"] += m * v * transfer
@@ -2215,10 +2288,20 @@ def _predict_pipeline(
         dp_name = "+".join(dp)
         by_axis[dp_name] = by_axis.get(dp_name, 0.0) + reduce[c]
         by_phase["backward"] += reduce[c]
-    busy = m * (compute["forward"] + compute["backward"]) / pp + pack[c]
+    busy = m * (on_rank(c, "forward", "") + on_rank(c, "backward", "")) + pack[c]
     worst = max(mems, key=lambda mem: mem.total)
+    per_stage = tuple((on_stage(st, "forward"), on_stage(st, "backward")) for st in costs)
     cost = PipelineCost(
-        sched, nbytes, transfer, fwd, bwd, makespan, bubble, tuple(finish), tuple(mems)
+        sched,
+        nbytes,
+        transfer,
+        fwd,
+        bwd,
+        makespan,
+        bubble,
+        tuple(finish),
+        tuple(mems),
+        per_stage,
     )
     axes = tuple((a, n) for a, n in zip(names, sizes) if n > 1) or tuple(zip(names, sizes))[:1]
     return Prediction(
