@@ -204,51 +204,110 @@ def bubble_theory(schedule: str, pp: int, microbatches: int, stages_per_rank: in
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
+#: one compute action of a rank: (stage index, "F" | "B" | "W", micro-batch, start s, end s),
+#: times from the step's start (B: the full backward, or the input-gradient half when a "W"
+#: follows; the last stage's loss counted in its F)
+Action = tuple[int, str, int, float, float]
+
+
 class StageTimer:
     """Busy time of one rank inside a pipeline schedule: wall-clock seconds spent in the stages'
     ``forward_one_chunk`` / ``backward_one_chunk`` (and ``backward_weight_one_chunk``) and in the
-    loss function.
+    loss function, and each of those actions' start and end (`actions`).
 
     Those are the schedule's compute actions: torch's schedules post and wait for every send and
     receive outside them (``get_*_ops`` + ``_batch_p2p``/``_wait_batch_p2p``), so the time
     outside them is waiting for a peer (the bubble) plus communication and the schedule's own
     bookkeeping. ``1 - busy / wall`` is what the pipeline leaves idle on this rank; it is the
-    theory's bubble plus those overheads. Wraps the methods on the stage instances (their
-    classes are untouched); `wrap_loss` wraps a loss function the same way.
+    theory's bubble plus those overheads (`replay_bubble` takes the overheads out). Wraps the
+    methods on the stage instances (their classes are untouched); `wrap_loss` wraps a loss
+    function the same way. Call `reset` at the start of each step.
     """
 
     def __init__(self, stages: list[Any]) -> None:
-        self.busy = 0.0
-        self.actions = 0
+        self.busy, self.start = 0.0, time.perf_counter()
+        self.actions: list[Action] = []
         for stage in stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._timed(getattr(stage, name)))
+            for name, kind in (
+                ("forward_one_chunk", "F"),
+                ("backward_one_chunk", "B"),
+                ("backward_weight_one_chunk", "W"),
+            ):
+                setattr(stage, name, self._timed(getattr(stage, name), stage.stage_index, kind))
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    def _timed(self, fn: Callable[..., Any], stage_index: int, kind: str) -> Callable[..., Any]:
+        def timed(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return fn(chunk_id, *args, **kwargs)
             finally:
-                self.busy += time.perf_counter() - t0
-                self.actions += 1
+                t1 = time.perf_counter()
+                self.busy += t1 - t0
+                self.actions.append((stage_index, kind, chunk_id, t0 - self.start, t1 - self.start))
 
         return timed
 
     def wrap_loss(self, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., Tensor]:
-        """``loss_fn`` timed into `busy` (the last stage computes it between actions)."""
+        """``loss_fn`` timed into `busy` and into the last stage's forward action that precedes
+        it (the schedules compute the loss right after that forward)."""
 
         def timed(output: Tensor, target: Tensor) -> Tensor:
             t0 = time.perf_counter()
             try:
                 return loss_fn(output, target)
             finally:
-                self.busy += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.busy += dt
+                if self.actions and self.actions[-1][1] == "F":  # not in metadata inference
+                    s, kind, mb, a, b = self.actions[-1]
+                    self.actions[-1] = (s, kind, mb, a, b + dt)
 
         return timed
 
     def reset(self) -> None:
-        self.busy, self.actions = 0.0, 0
+        self.busy, self.start, self.actions = 0.0, time.perf_counter(), []
+
+
+def replay_bubble(actions: list[list[Action]]) -> list[float]:
+    """The idle fraction each rank would have if communication and the schedule's bookkeeping
+    were free: every rank runs its recorded actions (``actions[rank]``, in the order it ran
+    them) with their measured durations, each as soon as the rank is free and its inputs exist
+    (F of stage s, micro-batch i after F of s - 1, i; B of s, i after F of s, i and B of
+    s + 1, i; W after B). Theory's bubble assumes equal stages too; this one keeps the stages'
+    real (unequal) times. Returns ``1 - busy / makespan`` per rank.
+
+    Raises:
+        PipelineError: the actions cannot all run (a dependency never recorded).
+    """
+    n_stages = 1 + max(a[0] for acts in actions for a in acts)
+    done: dict[tuple[int, str, int], float] = {}
+    free, pos = [0.0] * len(actions), [0] * len(actions)
+    moved = True
+    while moved:
+        moved = False
+        for r, acts in enumerate(actions):
+            while pos[r] < len(acts):
+                s, kind, mb, t0, t1 = acts[pos[r]]
+                deps = {
+                    "F": [(s - 1, "F", mb)] if s > 0 else [],
+                    "B": [(s, "F", mb)] + ([(s + 1, "B", mb)] if s < n_stages - 1 else []),
+                    "W": [(s, "B", mb)],
+                }[kind]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                done[(s, kind, mb)] = free[r] = start + (t1 - t0)
+                pos[r] += 1
+                moved = True
+    stuck = [r for r, acts in enumerate(actions) if pos[r] < len(acts)]
+    if stuck:
+        raise PipelineError(
+            f"replay_bubble: ranks {stuck} have actions whose inputs were never recorded "
+            f"(first: {[actions[r][pos[r]][:3] for r in stuck]}). Fix: pass every rank's "
+            f"actions of one step."
+        )
+    makespan = max(free)
+    return [1 - sum(a[4] - a[3] for a in acts) / makespan for acts in actions]
 
 
 def _stage_example(module: LlamaStage, stage_index: int, mb: int, seq: int, config: Any) -> Tensor:
@@ -292,7 +351,9 @@ def torch_pipeline_step(
         last step (None where a parameter got no gradient); ``step_s``: the median over the
         timed steps of the step's wall time (the slowest rank's, from a common barrier);
         ``busy_s`` / ``bubble``: this rank's median busy time and ``1 - busy / step wall``
-        (`StageTimer`); ``rank``, ``stages`` (indices held here).
+        (`StageTimer`); ``bubble_replay``: the median of `replay_bubble` (the same actions with
+        free communication); ``actions``: this rank's `Action` s of the last step; ``rank``,
+        ``stages`` (indices held here).
 
     Raises:
         PipelineError: an unknown schedule, or a stage count the schedule or the layers do not
@@ -343,26 +404,28 @@ def torch_pipeline_step(
     ids, labels = make_batch(config, batch, seq, seed)
     has_first, has_last = 0 in mine, n_stages - 1 in mine
 
-    walls, busys, loss = [], [], None
+    walls, busys, actions, loss = [], [], [], None
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
-        timer.reset()
         dist.barrier()
-        t0 = time.perf_counter()
+        timer.reset()
         sched.step(
             *((ids,) if has_first else ()),
             **({"target": labels, "losses": losses} if has_last else {}),
         )
-        walls.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - timer.start)
         busys.append(timer.busy)
+        actions.append(timer.actions)
         if has_last:
             loss = torch.stack(losses).mean().detach()
     # the step's wall time is the slowest rank's (all started at the barrier)
     wall = torch.tensor(walls, dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, actions)
     timed = range(1, steps) if steps > 1 else range(steps)  # the first step infers metadata
-    step_wall = [float(wall[i]) for i in timed]
+    replay = [replay_bubble([every[r][i] for r in range(world)])[rank] for i in timed]
     grads = {
         module.hf_names[n]: (None if p.grad is None else p.grad.detach().clone())
         for s in mine
@@ -374,9 +437,11 @@ def torch_pipeline_step(
         "stages": mine,
         "loss": loss,
         "grads": grads,
-        "step_s": statistics.median(step_wall),
+        "step_s": statistics.median(float(wall[i]) for i in timed),
         "busy_s": statistics.median(busys[i] for i in timed),
         "bubble": statistics.median(1 - busys[i] / float(wall[i]) for i in timed),
+        "bubble_replay": statistics.median(replay),
+        "actions": actions[-1],
     }
 
 

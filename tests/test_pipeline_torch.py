@@ -18,6 +18,7 @@ from tests.pipeline_torch_ref import (
     llama_config,
     make_batch,
     reference,
+    replay_bubble,
     split_llama,
     torch_pipeline_cases,
 )
@@ -93,6 +94,13 @@ def test_torch_pipelining_equals_one_device(world: int, cases: list[dict[str, An
         stages = sorted(s for r in results for s in r["stages"])
         assert stages == list(range(world * case["stages_per_rank"])), label
         _check(results, case["config_kwargs"], label)
+        # the timer saw every compute action: F and B of each micro-batch on each stage
+        for r in results:
+            kinds = sorted((a[0], a[1], a[2]) for a in r["actions"])
+            assert kinds == sorted(
+                (s, k, i) for s in r["stages"] for k in "FB" for i in range(M)
+            ), label
+            assert 0 <= r["bubble_replay"] < 1 and 0 <= r["bubble"] < 1, label
 
 
 def test_stage_split_names_and_errors() -> None:
@@ -119,3 +127,39 @@ def test_bubble_theory() -> None:
     assert bubble_theory("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert bubble_theory("gpipe", 2, 4) == pytest.approx(1 / 5)
     assert bubble_theory("interleaved_1f1b", 2, 4, 2) == pytest.approx(1 / 9)
+
+
+def _one_f_one_b(
+    pp: int, m: int, f: float, b: float
+) -> list[list[tuple[int, str, int, float, float]]]:
+    """Each rank's actions in torch's 1F1B order (warm-up ``pp - rank`` forwards, then
+    backward/forward pairs, then the remaining backwards), with durations ``f`` and ``b`` (start
+    times are irrelevant to the replay)."""
+    out = []
+    for s in range(pp):
+        order, nf, nb = [], 0, 0
+        for _ in range(min(m, pp - s)):
+            order.append(("F", nf))
+            nf += 1
+        while nb < m:
+            order.append(("B", nb))
+            nb += 1
+            if nf < m:
+                order.append(("F", nf))
+                nf += 1
+        out.append([(s, k, i, 0.0, f if k == "F" else b) for k, i in order])
+    return out
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (3, 5)])
+def test_replay_bubble_of_equal_stages_is_the_theory(pp: int, m: int) -> None:
+    """Equal stages, free communication: replaying 1F1B's action order gives every rank
+    exactly (pp - 1) / (m + pp - 1), for any forward/backward ratio."""
+    got = replay_bubble(_one_f_one_b(pp, m, 1.0, 2.0))
+    assert got == pytest.approx([bubble_theory("1f1b", pp, m)] * pp, abs=1e-12)
+    # a last stage twice as slow: the others wait for it, the bubble grows
+    slow = _one_f_one_b(pp, m, 1.0, 2.0)
+    slow[-1] = [(s, k, i, 0.0, 2 * t1) for s, k, i, _, t1 in slow[-1]]
+    assert min(replay_bubble(slow)[:-1]) > bubble_theory("1f1b", pp, m) + 0.1
+    with pytest.raises(PipelineError, match="never recorded.*Fix"):
+        replay_bubble([[(0, "B", 0, 0.0, 1.0)], [(1, "F", 0, 0.0, 1.0)]])
