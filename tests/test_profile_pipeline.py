@@ -249,6 +249,19 @@ def test_hf_llama_stage_split_and_boundary_from_the_trace() -> None:
         want = sum(p.bytes for p in prof.params if held(p.name) == r)
         assert pred.pipeline.memory[r].params == want > 0, r
     assert pred.profile is not None and {r.axis for r in pred.profile.records} == {"tp", "pp"}
+    # the work by stage, matmul FLOPs only (links that cost nothing): per tp rank and micro-batch
+    # of 16 tokens, a layer runs q 16384, k 8192, v 8192, o 16384, gate, up, down 32768 each and
+    # attention 2 sequences x 2 heads x 2 x 8 x 8 x 16 = 8192 forward; its backward twice the
+    # linears and 2.5 x the attention; the LM head (32 of the 64 vocabulary rows) 2 x 16 x 32 x
+    # 32 forward, twice that backward, on the last stage
+    layer_f = 16384 + 8192 + 8192 + 16384 + 3 * 32768 + 8192
+    layer_b = 2 * (layer_f - 8192) + 2.5 * 8192
+    head_f = 2 * 16 * 32 * 32
+    free = Network("flops only", 4, Link(1e30, 0.0), Link(1e30, 0.0), flops=RATE)
+    cost = predict(prof, free, pipeline=Pipeline(4)).pipeline
+    assert cost is not None
+    flops = [2 * layer_f, 2 * layer_b, 2 * layer_f + head_f, 2 * layer_b + 2 * head_f]
+    assert [x * RATE for stage in cost.stages for x in stage] == pytest.approx(flops, rel=1e-9)
 
 
 # ====================================================================== plan: pp against no pp
