@@ -38,6 +38,7 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -173,20 +174,32 @@ class Schedule:
         return [Action("B", a.microbatch, a.stage + 1)]
 
     # ------------------------------------------------------------------ time
-    def timeline(self, forward: float = 1.0, backward: float = 1.0) -> list[Slot]:
+    def timeline(
+        self,
+        forward: float | Sequence[float] = 1.0,
+        backward: float | Sequence[float] = 1.0,
+        *,
+        transfer: float = 0.0,
+    ) -> list[Slot]:
         """Every action placed in time: it starts when its rank is free and what it waits for
-        has ended (transfers take no time). ``forward`` and ``backward`` are the costs of one
-        micro-batch through all the stages one rank holds, so one action costs
-        ``forward / virtual`` (``backward / virtual``).
+        has ended and, from another rank, arrived.
+
+        Args:
+            forward: the cost of one micro-batch's forward through all the stages one rank
+                holds (one action costs ``forward / virtual``), or one cost per stage
+                (``stages`` values: stages of different sizes).
+            backward: the same for the backward.
+            transfer: the time a stage's output (or input gradient) takes to reach a stage on
+                another rank; stages on one rank pass it at no cost.
 
         Returns:
             the slots in the order they start (ties: lower rank first).
         """
-        if forward <= 0 or backward <= 0:
+        cost = {"F": self._costs("forward", forward), "B": self._costs("backward", backward)}
+        if not (math.isfinite(transfer) and transfer >= 0):
             raise PipelineError(
-                f"Schedule.timeline: forward={forward}, backward={backward}. Fix: positive costs"
+                f"Schedule.timeline: transfer={transfer}. Fix: a time >= 0 (0: free transfers)"
             )
-        cost = {"F": forward / self.virtual, "B": backward / self.virtual}
         end: dict[Action, float] = {}
         nxt = [0] * self.pp
         free = [0.0] * self.pp
@@ -200,8 +213,9 @@ class Schedule:
                     deps = self._deps(a)
                     if any(d not in end for d in deps):
                         break
-                    start = max([free[r], *(end[d] for d in deps)])
-                    end[a] = free[r] = start + cost[a.kind]
+                    arrive = [end[d] + (transfer if d.stage % self.pp != r else 0.0) for d in deps]
+                    start = max([free[r], *arrive])
+                    end[a] = free[r] = start + cost[a.kind][a.stage]
                     slots.append(Slot(r, start, end[a], a))
                     nxt[r] += 1
                     left -= 1
@@ -220,14 +234,42 @@ class Schedule:
                 )
         return sorted(slots, key=lambda s: (s.start, s.rank))
 
-    def makespan(self, forward: float = 1.0, backward: float = 1.0) -> float:
-        """The time from the first action's start to the last one's end."""
-        return max(s.end for s in self.timeline(forward, backward))
+    def _costs(self, what: str, value: float | Sequence[float]) -> list[float]:
+        """One action's cost on each stage."""
+        if isinstance(value, (int, float)):
+            values = [value / self.virtual] * self.stages
+        else:
+            values = list(value)
+            if len(values) != self.stages:
+                raise PipelineError(
+                    f"Schedule.timeline: {what}= has {len(values)} costs for {self.stages} "
+                    f"stages. Fix: one number (a rank's micro-batch) or one per stage"
+                )
+        if not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in values):
+            raise PipelineError(f"Schedule.timeline: {what}={value!r}. Fix: positive finite costs")
+        return [float(c) for c in values]
 
-    def bubble(self, forward: float = 1.0, backward: float = 1.0) -> float:
+    def makespan(
+        self,
+        forward: float | Sequence[float] = 1.0,
+        backward: float | Sequence[float] = 1.0,
+        *,
+        transfer: float = 0.0,
+    ) -> float:
+        """The time from the first action's start to the last one's end."""
+        return max(s.end for s in self.timeline(forward, backward, transfer=transfer))
+
+    def bubble(
+        self,
+        forward: float | Sequence[float] = 1.0,
+        backward: float | Sequence[float] = 1.0,
+        *,
+        transfer: float = 0.0,
+    ) -> float:
         """The share of ``pp x makespan`` that ranks sit idle."""
-        busy = self.microbatches * (forward + backward)  # per rank: all its stages' work
-        return 1.0 - busy / self.makespan(forward, backward)
+        slots = self.timeline(forward, backward, transfer=transfer)
+        busy = sum(s.end - s.start for s in slots)
+        return 1.0 - busy / (self.pp * max(s.end for s in slots))
 
     def order(self) -> Iterator[Action]:
         """All actions in timeline order: how one process runs the whole schedule (simulated
