@@ -103,7 +103,7 @@ SPLITS: dict[str, StageSplit] = {
         "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")
     ),
     "gpt_neox": StageSplit(
-        "gpt_neox.layers", ("gpt_neox.embed_in",), ("gpt_neox.final_layer_norm", "embed_out")
+        "gpt_neox.layers", ("gpt_neox.embed_in",), ("gpt_neox.final_layer_norm", "lm_head")
     ),
     "falcon": StageSplit(
         "transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")
