@@ -224,7 +224,7 @@ def test_a_schedule_with_a_list_per_rank_missing_raises() -> None:
         (lambda: S.interleaved_1f1b(2, 4, 0), "virtual=0. Fix: a positive int"),
         (lambda: S.interleaved_1f1b(4, 6), "Fix: use 4 or 8 micro-batches"),
         (lambda: S.interleaved_1f1b(4, 3), "Fix: use 4 micro-batches"),
-        (lambda: S.gpipe(2, 2).timeline(0.0, 1.0), "Fix: positive costs"),
+        (lambda: S.gpipe(2, 2).timeline(0.0, 1.0), "forward=0.0"),
         (lambda: S.stage_layers(6, 4), "Fix: use a stage count that divides 6 (1, 2, 3, 6)"),
         (lambda: S.stage_layers(6, 2, [2, 2]), "sums to 4, the model has 6 layers"),
         (lambda: S.stage_layers(6, 2, [2, 2, 2]), "for 2 stages. Fix: 2 positive ints"),
