@@ -183,3 +183,9 @@ def slice_on_fake_nccl(lib: str) -> dict[str, Any]:
     m.close()
     mesh.close()
     return {"backend": m.backend, "psum": y.tolist(), "calls": calls}
+
+
+def pp_tp_checks() -> dict[str, Any]:
+    """:func:`slices_pp_tp` and :func:`stages_hold_different_models` in one launch (process start-up
+    is most of their time)."""
+    return {"slices": slices_pp_tp(), "model": stages_hold_different_models()}

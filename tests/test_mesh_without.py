@@ -4,6 +4,7 @@ pipeline stages)."""
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import pytest
 
@@ -47,8 +48,14 @@ def test_without_refuses_bad_axes(axis: object, match: str) -> None:
 
 
 # ----------------------------------------------------------------------------- real ranks
-def test_slices_of_pp2_tp2_talk_only_inside_the_slice() -> None:
-    got = run_on_gloo(W.slices_pp_tp, 4, timeout=120)
+@pytest.fixture(scope="module")
+def pp_tp() -> list[dict[str, Any]]:
+    """Each rank's results of the pp=2 x tp=2 checks (one launch of 4 gloo processes)."""
+    return run_on_gloo(W.pp_tp_checks, 4, timeout=150)
+
+
+def test_slices_of_pp2_tp2_talk_only_inside_the_slice(pp_tp: list[dict[str, Any]]) -> None:
+    got = [r["slices"] for r in pp_tp]
     for g, r in enumerate(got):
         stage, members = g // 2, [2 * (g // 2), 2 * (g // 2) + 1]
         assert r["rank"] == g % 2 and r["index"] == g % 2, (g, r)
@@ -72,10 +79,10 @@ def test_slices_of_pp2_tp2_talk_only_inside_the_slice() -> None:
             assert f"on rank {g} (group ranks [2, 3])" in r["consistency"], r
 
 
-def test_each_slice_parallelizes_its_own_model() -> None:
+def test_each_slice_parallelizes_its_own_model(pp_tp: list[dict[str, Any]]) -> None:
     """Different shapes per stage: a gather that strayed into the other slice would fail or hang;
     grads and state equal one device's (float64)."""
-    got = run_on_gloo(W.stages_hold_different_models, 4, timeout=120)
+    got = [r["model"] for r in pp_tp]
     assert [r["stage"] for r in got] == [0, 0, 1, 1]
     assert [r["local_w"] for r in got] == [(4, 4), (4, 4), (5, 6), (5, 6)]  # colwise: h/2 rows
     for r in got:
