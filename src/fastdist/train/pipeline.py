@@ -945,6 +945,15 @@ def pipeline(
         own = _layer_list(module, fam)
         first = None if j == 0 else own[ranges[j][0]]
         last = None if j == sched.stages - 1 else own[ranges[j][-1]]
+        if last is None and hasattr(type(module), "loss_function"):
+            from ..nn.parallelize import _HFCausalLMLoss
+
+            if not isinstance(getattr(module, "loss_function", None), _HFCausalLMLoss):
+                # no vocabulary-parallel head (no tp): fastdist's loss all the same, so that the
+                # step's loss and gradients keep the model's dtype (transformers' own loss
+                # computes in float32), as with a tp plan
+                axis_name = stage_mesh.axis_names[-1] if stage_mesh.ndim else "tp"
+                module.loss_function = _HFCausalLMLoss(stage_mesh, axis_name, gathered=True)
         pm._stage_hooks = _StageHooks(module, first, last)  # type: ignore[attr-defined]
         stages[j] = pm
     return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
