@@ -106,7 +106,7 @@ def _names_this_rank(fn: _F) -> _F:
                 and mesh._comm is not None
                 and simulation_of(mesh) is None
             ):
-                e.readdress(rank=f"rank {mesh._comm.rank}")
+                e.readdress(rank=f"rank {mesh._comm.global_rank}")
             raise
 
     return cast(_F, op)
