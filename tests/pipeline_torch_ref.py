@@ -15,7 +15,10 @@ Public helpers:
   final norm + LM head on the last; each stage makes its own rotary embeddings and causal mask).
 * `torch_pipeline_step(config_kwargs, schedule, microbatches, seed, batch, seq, ...)`: one
   rank's run of torch's schedule: loss, this rank's gradients by HF name, step times and the
-  measured bubble (`StageTimer`).
+  measured bubble (`StageTimer`); `torch_pipeline_cases(cases)`: several such runs on the same
+  processes.
+* `StageTimer(stages)`: busy time and per-action start/end inside torch's schedules;
+  `replay_bubble(actions)`: the bubble those actions leave with free communication.
 * `bubble_theory(schedule, pp, microbatches, stages_per_rank)`.
 
 What made torch's pipelining hang or lose stage 0's gradients (torch 2.13, gloo, checked on 2
@@ -52,7 +55,9 @@ of micro-batches after the last backward (``PipelineScheduleSingle.perform_reduc
 ``stage.scale_grads`` in the multi-stage schedules), so the gradients are those of the mean of
 the micro-batch means, which equals the whole batch's mean when every micro-batch has the same
 number of tokens (no ignored labels). The losses the schedule returns are unscaled; the step's
-loss is their mean.
+loss is their mean. The division applies to ``p.grad`` as a whole, including what it held
+before the step: gradients accumulated over several ``step()`` calls are divided again at each
+one, so they are set to None before each step here.
 """
 
 from __future__ import annotations
