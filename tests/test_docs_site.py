@@ -49,6 +49,7 @@ API_MODULES = (  # the modules whose ``__all__`` is the public API (docs/_ext/cr
     "fastdist.nn.plans",
     "fastdist.nn.moe_plans",
     "fastdist.train",
+    "fastdist.train.schedules",
     "fastdist.mq",
     "fastdist.profile",
     "fastdist.native",

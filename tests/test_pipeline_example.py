@@ -89,6 +89,11 @@ def test_1f1b_on_4_gloo_processes_prints_one_devices_losses_and_ok() -> None:
         assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9, (printed, out)
     assert printed[0] != printed[1]  # it stepped: another batch, other weights
     assert out.count(": OK") == 1  # rank 0 alone reports
+    # docs/pipeline.md shows this run's output
+    doc = (ROOT / "docs" / "pipeline.md").read_text()
+    for line in out.splitlines():
+        if line.startswith("step "):
+            assert f"\n{line}\n" in doc, f"docs/pipeline.md does not show {line!r}"
 
 
 def test_interleaved_run_matches_and_a_difference_above_the_tolerance_exits_1() -> None:

@@ -24,6 +24,7 @@ MODULES = (
     "fastdist.nn.plans",
     "fastdist.nn.moe_plans",
     "fastdist.train",
+    "fastdist.train.schedules",
     "fastdist.mq",
     "fastdist.profile",
     "fastdist.native",
@@ -39,7 +40,7 @@ NOT_BARE = {
     "route", "dispatch", "combine", "send", "recv", "barrier", "broadcast", "axes", "meshes",
     "sharded", "predict", "layouts", "Record", "Profile", "Plan", "Link", "Network", "Layout",
     "Style", "Function", "NCCL", "HCCL", "SPECS", "BACKENDS", "llama", "gpt2", "mixtral",
-    "report", "auto", "verify",
+    "report", "auto", "verify", "schedule", "NAMES",
 }  # fmt: skip
 
 CODE = re.compile(r"(?<![`\w])(`+)(?!`)(.+?)(?<!`)\1(?!`)")
