@@ -85,7 +85,7 @@ from .mesh import Mesh
 from .simulate import _Binding
 
 if TYPE_CHECKING:
-    from .train.schedules import Schedule
+    from .train.schedules import Schedule, Slot
 
 __all__ = [
     "CALIBRATED_KINDS",
@@ -1776,33 +1776,39 @@ class PipelineCost:
     ``Prediction.pipeline``.
 
     Attributes:
-        schedule: the schedule (its ``show(forward, backward)`` draws the predicted timeline).
+        schedule: the schedule (``pp x virtual`` stages, stage ``j`` on rank ``j % pp``).
         boundary_bytes: bytes one rank sends across a boundary per micro-batch and direction.
-        transfer: seconds of one such send on the link of the pipeline axis.
-        forward: what the timeline charges every rank for the forward of one micro-batch through
-            its stages: the slowest rank's (its stages' share of the traced forward) plus
-            ``virtual x transfer``.
+        transfer: seconds of one such send on the link of the pipeline axis: the time a stage's
+            output (or input gradient) takes to reach the next (previous) stage on another
+            rank, charged on that dependency, not to either rank.
+        forward: per stage, one micro-batch's forward through it: its compute and its
+            collectives over the other axes (tp, sp, ep), in series; the sends excluded.
         backward: the same for the backward.
-        makespan: the schedule's timeline with those costs: first action to last.
-        bubble: the share of ``pp x makespan`` that ranks sit idle in that timeline.
+        makespan: the schedule's timeline with those costs and ``transfer`` (:meth:`timeline`):
+            first action to last.
+        bubble: the share of ``pp x makespan`` that ranks sit idle in that timeline (fill and
+            drain, waits for slower stages, waits for transfers).
         finish: per pipeline rank, when its step ends: its last backward, then the data-parallel
             reduction of its stages' gradients not hidden behind that backward.
         memory: per pipeline rank, its memory (its stages' parameters, gradients, optimizer
             state, and activations of ``peak_in_flight(rank)`` micro-batch-stages).
-        stages: per stage, ``(forward, backward)`` of one micro-batch: its compute and
-            collectives, the sends excluded.
     """
 
     schedule: Schedule = field(repr=False)
     boundary_bytes: int
     transfer: float
-    forward: float
-    backward: float
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
     makespan: float
     bubble: float
     finish: tuple[float, ...]
     memory: tuple[Memory, ...]
-    stages: tuple[tuple[float, float], ...] = ()
+
+    def timeline(self) -> list[Slot]:
+        """The predicted timeline: every action of the step placed in time
+        (:meth:`fastdist.train.schedules.Schedule.timeline` with :attr:`forward`,
+        :attr:`backward` and :attr:`transfer`)."""
+        return self.schedule.timeline(self.forward, self.backward, transfer=self.transfer)
 
 
 @dataclass(frozen=True)
@@ -1857,7 +1863,8 @@ class Prediction:
         fits: ``memory.total`` is within the memory budget (True when no budget is given).
         pipeline: with a :class:`Pipeline`, what it charged (:class:`PipelineCost`); then
             ``by_axis``, ``by_phase``, ``compute`` and ``comm`` are one rank's over the whole
-            step (the rank that finishes last), and ``exposed`` includes the bubble.
+            step (the rank that finishes last; on the pipeline axis, the sends it issues), and
+            ``exposed`` includes the bubble.
     """
 
     layout: Layout
@@ -1928,12 +1935,14 @@ def predict(
     model, and the step is the pipeline's: each stage runs the traced forward and backward
     (compute and collectives, in series as above) of its layers (by the module that ran
     them: ``model.layers.N``; the embedding on the first stage, the head and loss on the last),
-    plus the sends of the hidden states to the next stage and of their gradient to the
-    previous one (``send`` records on the pipeline axis); the schedule's timeline
-    (:meth:`fastdist.train.schedules.Schedule.timeline`) with the slowest rank's costs gives
-    the step and its bubble; each rank then reduces its stages' gradients over
-    ``data_parallel``. Memory per rank: its stages' parameters and ``peak_in_flight``
-    micro-batch-stages of activations.
+    at its own cost; the hidden states reach the next stage, and their gradient the previous
+    one, ``transfer`` seconds after they are made (a ``send`` record on the pipeline axis, per
+    boundary and direction; stages on one rank pass them for free), while the sending rank
+    goes on computing. The schedule's timeline
+    (:meth:`fastdist.train.schedules.Schedule.timeline` with the per-stage costs and the
+    transfer on its edges) gives the step and its bubble; each rank then reduces its stages'
+    gradients over ``data_parallel``. Memory per rank: its stages' parameters and
+    ``peak_in_flight`` micro-batch-stages of activations.
     See docs/profile.md, "Pipelines", for every assumption.
 
     Args:
@@ -2210,7 +2219,7 @@ def _predict_pipeline(
             "trace one micro-batch through the whole model with collectives over the other axes "
             "only: predict adds the pipeline's sends",
         )
-    pp, m, v = profile.mesh.shape[pipe.axis], pipe.microbatches, pipe.virtual
+    pp, m = profile.mesh.shape[pipe.axis], pipe.microbatches
     sched = _pipeline_schedule(pipe, pp)
     stages = sched.stages
     # one micro-batch's work on each stage: compute, and collectives per axis
@@ -2240,22 +2249,20 @@ def _predict_pipeline(
     def on_stage(st: dict[tuple[str, str], float], phase: str, axis: str | None = None) -> float:
         return sum(t for (ph, ax), t in st.items() if ph == phase and axis in (None, ax))
 
-    def on_rank(r: int, phase: str, axis: str | None = None) -> float:  # one micro-batch
-        return sum(on_stage(costs[j], phase, axis) for j in sched.stages_of(r))
-
-    # the timeline takes one F and one B for every rank: the slowest rank's, with its sends
-    sent = v * transfer if sends else 0.0
-    fwd = max(on_rank(r, "forward") for r in range(pp)) + sent
-    bwd = max(on_rank(r, "backward") for r in range(pp)) + sent
-    if fwd <= 0 or bwd <= 0:
-        raise ProfileError(
-            "predict",
-            f"the pipeline's forward ({fwd:g} s) or backward ({bwd:g} s) of a micro-batch costs "
-            "nothing on this network",
-            "trace the backward too (call backward() in the step) and charge compute "
-            "(Network(..., flops=...) or a CostModel from calibrate)",
-        )
-    slots = sched.timeline(fwd, bwd)
+    # each stage at its own cost; the sends on the timeline's edges between ranks
+    fwd = tuple(on_stage(st, "forward") for st in costs)
+    bwd = tuple(on_stage(st, "backward") for st in costs)
+    for j in range(stages):
+        if fwd[j] <= 0 or bwd[j] <= 0:
+            raise ProfileError(
+                "predict",
+                f"pipeline stage {j} (rank {sched.rank_of(j)} of {pipe.axis}): its forward "
+                f"({fwd[j]:g} s) or backward ({bwd[j]:g} s) of a micro-batch costs nothing on "
+                "this network",
+                "trace the backward too (call backward() in the step) and charge compute "
+                "(Network(..., flops=...) or a CostModel from calibrate)",
+            )
+    slots = sched.timeline(fwd, bwd, transfer=transfer)
     makespan = max(s.end for s in slots)
     bubble = 1.0 - sum(s.end - s.start for s in slots) / (pp * makespan)
     # each rank: its stages' gradients reduced over dp, overlapped with its last backward
@@ -2280,28 +2287,23 @@ def _predict_pipeline(
         if ax:
             by_axis[ax] = by_axis.get(ax, 0.0) + m * t
             by_phase[phase] += m * t
-    if sends:
-        by_axis[pipe.axis] = 2 * m * v * transfer
-        by_phase["forward"] += m * v * transfer
-        by_phase["backward"] += m * v * transfer
+    if sends:  # the sends rank c issues: forward out of all but the last stage, backward out of
+        # all but the first
+        out_f = sum(1 for j in sched.stages_of(c) if j < stages - 1)
+        out_b = sum(1 for j in sched.stages_of(c) if j > 0)
+        by_axis[pipe.axis] = m * (out_f + out_b) * transfer
+        by_phase["forward"] += m * out_f * transfer
+        by_phase["backward"] += m * out_b * transfer
     if reduce[c] > 0:
         dp_name = "+".join(dp)
         by_axis[dp_name] = by_axis.get(dp_name, 0.0) + reduce[c]
         by_phase["backward"] += reduce[c]
-    busy = m * (on_rank(c, "forward", "") + on_rank(c, "backward", "")) + pack[c]
+    phases = ("forward", "backward")
+    busy = m * sum(on_stage(costs[j], ph, "") for j in sched.stages_of(c) for ph in phases)
+    busy += pack[c]
     worst = max(mems, key=lambda mem: mem.total)
-    per_stage = tuple((on_stage(st, "forward"), on_stage(st, "backward")) for st in costs)
     cost = PipelineCost(
-        sched,
-        nbytes,
-        transfer,
-        fwd,
-        bwd,
-        makespan,
-        bubble,
-        tuple(finish),
-        tuple(mems),
-        per_stage,
+        sched, nbytes, transfer, fwd, bwd, makespan, bubble, tuple(finish), tuple(mems)
     )
     axes = tuple((a, n) for a, n in zip(names, sizes) if n > 1) or tuple(zip(names, sizes))[:1]
     return Prediction(
