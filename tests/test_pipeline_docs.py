@@ -49,3 +49,48 @@ def test_the_schedules_table_states_their_bubbles_and_in_flight_micro_batches() 
         assert re.match(", ".join(map(str, in_flight)), cells[5]), (name, cells)
     assert "`min(pp - r, m)`" in _row(text, "1f1b")[4]
     assert "`min(2 (pp - r - 1) + (v - 1) pp + 1, v m)`" in _row(text, "interleaved_1f1b")[4]
+
+
+def _transfers(s: schedules.Schedule) -> tuple[dict, dict]:
+    """For each (sender, receiver) pair of ranks: the messages in the order the sender's actions
+    send them, and in the order the receiver's actions receive them (what `Pipeline.step` does on
+    real ranks: an ``F`` receives its input and sends its output, a ``B`` receives its output's
+    gradient and sends its input's)."""
+    sends: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    last = s.stages - 1
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            j, m = a.stage, a.microbatch
+            src, dst = (j - 1, j + 1) if a.kind == "F" else (j + 1, j - 1)
+            if 0 <= src <= last and s.rank_of(src) != r:
+                recvs.setdefault((s.rank_of(src), r), []).append((a.kind, m, j))
+            if 0 <= dst <= last and s.rank_of(dst) != r:
+                sends.setdefault((r, s.rank_of(dst)), []).append((a.kind, m, dst))
+    return sends, recvs
+
+
+def test_each_pair_of_ranks_sends_and_receives_in_one_order() -> None:
+    """What the page says about NCCL (which matches point-to-point messages in order, ignoring
+    tags): on every pair of ranks the sender's order of messages is the receiver's."""
+    built = [
+        schedules.schedule(name, pp, m)
+        for name in ("gpipe", "1f1b")
+        for pp in (2, 3, 4, 8)
+        for m in (1, 2, 3, 4, 8, 16)
+    ]
+    built += [
+        schedules.interleaved_1f1b(pp, m, v)
+        for pp in (2, 3, 4, 8)
+        for m in (pp, 2 * pp, 4 * pp)
+        for v in (2, 3)
+    ]
+    for s in built:
+        sends, recvs = _transfers(s)
+        assert sends == recvs, (s.name, s.pp, s.microbatches, s.virtual)
+        assert sum(map(len, sends.values())) == 2 * s.microbatches * (s.stages - 1)
+    # the check can fail: a rank that takes its forwards in another order
+    s = schedules.gpipe(2, 2)
+    swapped = (s.actions[0], (s.actions[1][1], s.actions[1][0], *s.actions[1][2:]))
+    sends, recvs = _transfers(schedules.Schedule("gpipe", 2, 2, 1, swapped))
+    assert sends != recvs
