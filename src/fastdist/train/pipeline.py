@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -327,18 +328,34 @@ def _stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
 
 # ====================================================================== transfers
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_HEADER = 16  # int64 slots: kind, microbatch, stage, dtype, ndim, shape...
+_HEADER = 16  # int64 slots: kind, microbatch, stage, dtype, ndim, schedule (3), shape...
+_SHAPE = 8  # where the shape starts: at most _HEADER - _SHAPE = 8 dims
+
+
+def _schedule_id(sched: Schedule, layers: Sequence[range]) -> tuple[int, int, int]:
+    """What a transfer's header says about the sender's pipeline: ``(checksum of its schedule's
+    actions and layer split, micro-batches, stages)``, equal on every rank that built the same
+    pipeline (a checksum, not Python's per-process ``hash``)."""
+    text = repr(
+        (
+            sched.name,
+            [[str(a) for a in acts] for acts in sched.actions],
+            [(r.start, r.stop) for r in layers],
+        )
+    )
+    return zlib.crc32(text.encode()), sched.microbatches, sched.stages
 
 
 class _Ranks:
     """Transfers between the ranks of the pipeline axis of a real mesh: asynchronous sends,
     receives with the mesh's timeout, headers checked."""
 
-    def __init__(self, mesh: Mesh, axis: str) -> None:
+    def __init__(self, mesh: Mesh, axis: str, schedule_id: tuple[int, int, int]) -> None:
         from ..distributed import _axis_comm, select_backend
 
         self.ac = _axis_comm("pipeline", mesh, axis)
         self.axis = axis
+        self.schedule_id = schedule_id  # (checksum, micro-batches, stages): `_schedule_id`
         self.index = self.ac.index
         self._backend = select_backend
         self.pending: list[tuple[Any, Tensor]] = []
@@ -350,16 +367,17 @@ class _Ranks:
         import torch.distributed as dist
 
         t = t.detach().contiguous()
-        if t.dtype not in _DTYPES or t.dim() > _HEADER - 5:
+        if t.dtype not in _DTYPES or t.dim() > _HEADER - _SHAPE:
             raise PipelineError(
                 f"pipeline: stage {stage} hands on a {t.dtype} tensor of {t.dim()} dims. Fix: "
-                "stage outputs are floating-point hidden states of at most 11 dims"
+                f"stage outputs are floating-point hidden states of at most {_HEADER - _SHAPE} dims"
             )
         head = torch.zeros(_HEADER, dtype=torch.int64)
-        head[:5] = torch.tensor(
+        head[:_SHAPE] = torch.tensor(
             [0 if kind == "F" else 1, micro, stage, _DTYPES.index(t.dtype), t.dim()]
+            + list(self.schedule_id)
         )
-        head[5 : 5 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        head[_SHAPE : _SHAPE + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         tag = self._tag(kind, micro, stage)
         group = self._group(t.device)
         for payload in (head.to(t.device), t):
@@ -374,9 +392,11 @@ class _Ranks:
 
         tag = self._tag(kind, micro, stage)
         group = self._group(device)
+        # `stage` receives; the sender holds the stage before it (forward) or after it (backward)
         what = (
-            f"the {'activation' if kind == 'F' else 'gradient'} of micro-batch {micro} for "
-            f"stage {stage} from {self.axis}={peer}"
+            f"the {'activation' if kind == 'F' else 'gradient'} of micro-batch {micro} from "
+            f"stage {stage - 1 if kind == 'F' else stage + 1} ({self.axis}={peer}, rank "
+            f"{self.ac.ranks[peer]}) for stage {stage}"
         )
         timeout = self.ac.comm.timeout
         head = torch.empty(_HEADER, dtype=torch.int64, device=device)
@@ -385,20 +405,36 @@ class _Ranks:
             lambda: _work(dist.irecv(head, group=group, group_src=peer, tag=tag)).wait(timeout),
             what=what,
         )
-        k, m, s, code, ndim = (int(v) for v in head[:5].tolist())
-        if (k, m, s) != (0 if kind == "F" else 1, micro, stage) or not 0 <= code < len(_DTYPES):
+        k, m, s, code, ndim, *theirs = (int(v) for v in head[:_SHAPE].tolist())
+        if (
+            (k, m, s) != (0 if kind == "F" else 1, micro, stage)
+            or tuple(theirs) != self.schedule_id
+            or not 0 <= code < len(_DTYPES)
+        ):
+            _, mine_m, mine_s = self.schedule_id
+            same_counts = tuple(theirs[1:]) == (mine_m, mine_s)
+            problem = (
+                f"expected {what}, but {self.axis}={peer} (rank {self.ac.ranks[peer]}) sent "
+                f"{'FB'[k] if k in (0, 1) else '?'}{m} of stage {s} from a pipeline of "
+                f"{theirs[1]} micro-batches over {theirs[2]} stages (this rank: {mine_m} over "
+                f"{mine_s}{', but another schedule or layer split' if same_counts else ''}): "
+                "the ranks run different schedules"
+            )
+            # drop the groups so that the peers waiting on this rank fail now, not at the timeout
+            self.ac.comm.abandon(f"fastdist.pipeline recv failed on this rank: {problem}")
             raise CommError(
                 "pipeline recv",
                 self.axis,
                 list(self.ac.ranks),
                 self.ac.rank,
-                f"expected {what}, but {self.axis}={peer} sent "
-                f"{'FB'[k] if k in (0, 1) else '?'}{m} of stage {s}: the ranks run different "
-                "schedules",
-                "build the Pipeline with the same schedule, micro-batches and layers on every rank",
+                problem,
+                "build the Pipeline with the same schedule, micro-batches, virtual stages and "
+                "layers_per_stage on every rank; then mesh.reset() on every rank",
             )
         out = torch.empty(
-            [int(v) for v in head[5 : 5 + ndim].tolist()], dtype=_DTYPES[code], device=device
+            [int(v) for v in head[_SHAPE : _SHAPE + ndim].tolist()],
+            dtype=_DTYPES[code],
+            device=device,
         )
         self.ac.run(
             "pipeline recv",
@@ -453,7 +489,9 @@ class Pipeline:
         self.stages, self.layers = stages, layers
         self.events: list[Event] = []
         self.span = 0.0  # the last step's wall time on this rank (real ranks), seconds
-        self._ranks = _Ranks(mesh, axis) if mesh.backend is not None else None
+        self._ranks = (
+            _Ranks(mesh, axis, _schedule_id(sched, layers)) if mesh.backend is not None else None
+        )
         self.rank = self._ranks.index if self._ranks is not None else None
 
     @property
@@ -603,6 +641,26 @@ class Pipeline:
         """Drop every gradient of the stages held here (``grad = None``)."""
         for p in self.parameters():
             p.grad = None
+
+    def reset(self) -> None:
+        """Recover on real ranks after a failed step (a `CommError`, a `CollectiveTimeout`, or
+        an error one rank raised while its peers waited): ``mesh.reset()`` and the stage mesh's
+        ``reset()``, then drop the gradients. Call it on **every** rank, then redo the step.
+
+        ``mesh.reset()`` alone is not enough: a failure can leave the ranks of one stage at
+        different points (one got its gradient and went on into the backward's collectives
+        over the stage mesh, its peer in the stage waited for one that never came), which
+        breaks the stage mesh's groups too. The gradients of the failed step are partial.
+        """
+        if self.simulated:
+            raise PipelineError(
+                "Pipeline.reset: a simulated pipeline has no process groups to reset. Fix: "
+                "call it on real ranks (Mesh.from_torch) after a failed step"
+            )
+        self.mesh.reset()
+        if self.stage_mesh.ndim:  # the mesh of no axes has no groups
+            self.stage_mesh.reset()
+        self.zero_grad()
 
     # ------------------------------------------------------------------ a step
     def step(self, **batch: Any) -> Tensor:

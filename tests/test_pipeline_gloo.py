@@ -1,0 +1,190 @@
+"""`fastdist.train.pipeline` on real gloo processes (issue 34 points 3 and 5): every schedule, pp x
+tp (+ sequence parallelism), pp4, pp x dp x tp with different data per dp rank, the whole-model
+clip and an AdamW step, each against one device in float64 (loss by hand, every gradient, to
+1e-9); then faults: ranks built with different schedules, a stage rank that raises mid-step, a
+stage that exits mid-step. The workers are in tests/pipeline_worker.py; each launch runs several
+cases (spawning the processes is most of the time)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import fastdist as fd
+from fastdist.testing import run_on_gloo
+from tests import pipeline_worker as W
+
+TOL = 1e-9
+
+
+def _stage_of(name: str, layers: int, stages: int) -> int:
+    """The stage that holds parameter ``name`` of `W.tiny_llama` split evenly into ``stages``."""
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith(("model.norm.", "lm_head.")):
+        return stages - 1
+    layer = int(re.match(r"model\.layers\.(\d+)\.", name).group(1))  # type: ignore[union-attr]
+    return layer // (layers // stages)
+
+
+def _check_case(got: list[dict[str, Any]], layers: int, stages: int) -> None:
+    """Each rank: loss and gradients equal one device; the loss is 0-d and the same on every rank
+    (of a dp group); every parameter has its gradient on exactly the ranks of its stage."""
+    for g, r in enumerate(got):
+        assert r["loss_shape"] == () and r["loss_err"] <= TOL, (g, r["loss_err"])
+        assert r["grad_err"] <= TOL, (g, r["grad_err"])
+        mine = sorted(n for n in r["model"] if _stage_of(n, layers, stages) in r["stages"])
+        assert r["names"] == r["held"] == mine, g
+    covered = {n for r in got for n in r["names"]}
+    assert covered == set(got[0]["model"])
+
+
+# ----------------------------------------------------------------------------- correct
+@pytest.fixture(scope="module")
+def on_4() -> list[dict[str, Any]]:
+    return run_on_gloo(W.schedules_on_4, 4, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("case", "stages"),
+    [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 4), ("1f1b_sp", 2)],
+)
+def test_pp2_tp2_each_schedule_equals_one_device(
+    on_4: list[dict[str, Any]], case: str, stages: int
+) -> None:
+    got = [r[case] for r in on_4]
+    _check_case(got, layers=4, stages=stages)
+    assert [r["pp"] for r in got] == [0, 0, 1, 1]
+    # interleaved: pp=0 holds stages 0 and 2, pp=1 stages 1 and 3
+    assert [r["stages"] for r in got] == (
+        [[0, 2], [0, 2], [1, 3], [1, 3]] if stages == 4 else [[0], [0], [1], [1]]
+    )
+    assert len({r["loss"] for r in got}) == 1
+
+
+def test_pp4_1f1b_over_8_layers_equals_one_device(on_4: list[dict[str, Any]]) -> None:
+    """pp=4 alone: each stage's mesh has no axes (fastdist's loss, float64 throughout)."""
+    got = [r["pp4"] for r in on_4]
+    _check_case(got, layers=8, stages=4)
+    assert [r["stages"] for r in got] == [[0], [1], [2], [3]]
+    assert len({r["loss"] for r in got}) == 1
+
+
+def test_clip_and_adamw_equal_torch_on_one_device(on_4: list[dict[str, Any]]) -> None:
+    """``clip_grad_norm_(0.1)``: the whole model's norm (not a stage's) on every rank, gradients
+    scaled as torch's clip scales them; one AdamW step then gives torch's weights."""
+    for g, r in enumerate(c["clip_adamw"] for c in on_4):
+        assert r["ref_total"] > 1.0  # the clip does scale
+        assert abs(r["total"] - r["ref_total"]) <= TOL, (g, r)
+        assert r["clipped_err"] <= TOL and r["weight_err"] <= TOL, (g, r)
+        assert r["clipped_norm"] < 0.1  # this rank's stage's share of the clipped norm
+    names = {n for c in on_4 for n in c["clip_adamw"]["names"]}
+    assert names == set(on_4[0]["1f1b"]["model"])
+
+
+@pytest.fixture(scope="module")
+def on_8() -> list[dict[str, Any]]:
+    return run_on_gloo(W.data_parallel_on_8, 8, timeout=300)
+
+
+@pytest.mark.parametrize(("case", "stages"), [("1f1b", 2), ("interleaved_sp", 4)])
+def test_pp2_dp2_tp2_data_parallel_is_the_mean_over_dp_ranks(
+    on_8: list[dict[str, Any]], case: str, stages: int
+) -> None:
+    """Each dp rank its own batch: the loss is this rank's batch's, the gradient the mean of the
+    two batches' (checked against the mean, to 1e-9, so a missing reduction fails)."""
+    got = [r[case] for r in on_8]
+    _check_case(got, layers=4, stages=stages)
+    assert [(r["pp"], r["dp"]) for r in on_8] == [
+        (p, d) for p in (0, 1) for d in (0, 1) for _ in "tp"
+    ]
+    for r in got:
+        assert abs(r["loss"] - r["other_loss"]) > 1e-3  # the dp ranks' data differ
+
+
+# ----------------------------------------------------------------------------- faults
+@pytest.fixture(scope="module")
+def faults() -> list[dict[str, Any]]:
+    return run_on_gloo(W.faults_on_4, 4, timeout=300)
+
+
+def test_ranks_with_different_schedules_raise_and_recover(faults: list[dict[str, Any]]) -> None:
+    """4 micro-batches on pp=0, 2 on pp=1: the pp=1 ranks raise at their first receive (the
+    header says the sender's pipeline), dropping the groups so that the pp=0 ranks raise at
+    once too; none hangs until the timeout or computes on. Then ``mesh.reset()`` and a step
+    equal to one device."""
+    for g, r in enumerate(faults):
+        e = r["mismatch"]
+        assert e["fastdist"] and e["type"] == "CommError", (g, e)
+        assert e["elapsed"] < W.TIMEOUT, (g, e)  # no wait for the timeout
+        if r["pp"] == 1:
+            assert e["msg"].startswith(
+                f"fastdist.pipeline recv(axis='pp') on rank {g} (group ranks [{g - 2}, {g}]): "
+                f"expected the activation of micro-batch 0 from stage 0 (pp=0, rank {g - 2}) for "
+                f"stage 1, but pp=0 (rank {g - 2}) sent F0 of stage 1 from a pipeline of 4 "
+                "micro-batches over 2 stages (this rank: 2 over 2): the ranks run different "
+                "schedules. Fix: build the Pipeline with the same schedule"
+            ), e["msg"]
+        else:
+            assert "the gradient of micro-batch 0 from stage 1 (pp=1, rank" in e["msg"], e["msg"]
+        after = r["after_mismatch"]
+        assert after["loss_err"] <= TOL and after["grad_err"] <= TOL, (g, after)
+
+
+def test_a_stage_rank_that_raises_mid_step_is_named_and_pipe_reset_recovers(
+    faults: list[dict[str, Any]],
+) -> None:
+    """Rank 3 (pp=1, tp=1) raises in its second forward: rank 2, its stage peer, times out in the
+    stage's collective; ranks 0 and 1 time out in their receive of micro-batch 1's gradient from
+    stage 1, naming it and the peer; all within the mesh's timeout and the roll call. Then
+    ``pipe.reset()`` on every rank (``mesh.reset()`` alone leaves rank 2's stage mesh broken) and
+    a step equal to one device."""
+    assert faults[3]["raised"]["type"] == "RuntimeError"
+    assert faults[3]["raised"]["msg"] == "injected failure in the stage's forward"
+    for g in (0, 1, 2):
+        e = faults[g]["raised"]
+        assert e["type"] == "CollectiveTimeout", (g, e)
+        assert W.TIMEOUT - 1 < e["elapsed"] < W.TIMEOUT + 6, (g, e)
+        # rank 0's peer along pp is rank 2, itself waiting in stage 1's collective
+        assert f"rank {2 if g == 0 else 3} did not reach this call" in e["msg"], (g, e["msg"])
+    for g in (0, 1):
+        assert faults[g]["raised"]["msg"].startswith(
+            f"fastdist.pipeline recv(axis='pp') on rank {g} (group ranks [{g}, {g + 2}]): a peer "
+            f"did not arrive for the gradient of micro-batch 1 from stage 1 (pp=1, rank {g + 2}) "
+            f"for stage 0 within the timeout ({W.TIMEOUT:g} s)"
+        ), faults[g]["raised"]["msg"]
+    assert faults[2]["raised"]["msg"].startswith(
+        "fastdist.psum(axis='tp') on rank 2 (group ranks [2, 3]): a peer did not arrive for the "
+        "collective (slice pp=1: global ranks [2, 3])"
+    ), faults[2]["raised"]["msg"]
+    for g, r in enumerate(faults):
+        after = r["after_raised"]
+        assert after["loss_err"] <= TOL and after["grad_err"] <= TOL, (g, after)
+
+
+def test_a_stage_that_exits_mid_step_makes_its_peers_raise_within_the_timeout(
+    tmp_path: Any,
+) -> None:
+    """The pp=1 ranks ``os._exit(3)`` in their second forward: the pp=0 ranks raise a fastdist
+    error naming the gradient they waited for (micro-batch 1 from stage 1), the peer and its
+    rank, within the mesh's timeout plus the roll call, and never hang."""
+    with pytest.raises(fd.GlooRunError) as info:
+        run_on_gloo(W.stage_exits, 4, str(tmp_path), timeout=300, grace=W.TIMEOUT + 10)
+    assert info.value.exitcodes == {0: 0, 1: 0, 2: 3, 3: 3}, info.value
+    for g in (0, 1):
+        r = torch.load(os.path.join(tmp_path, f"rank{g}.pt"))
+        assert r["pp"] == 0 and r["fastdist"], r
+        assert r["type"] in ("CommError", "CollectiveTimeout"), r
+        assert r["elapsed"] < W.TIMEOUT + 4, r
+        assert r["msg"].startswith(
+            f"fastdist.pipeline recv(axis='pp') on rank {g} (group ranks [{g}, {g + 2}]): "
+        ), r["msg"]
+        assert (
+            f"the gradient of micro-batch 1 from stage 1 (pp=1, rank {g + 2}) for stage 0"
+            in (r["msg"])
+        ), r["msg"]
+        assert f"rank {g + 2} did not reach this call" in r["msg"], r["msg"]
