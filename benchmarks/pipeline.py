@@ -25,7 +25,9 @@ processes than cores, plus the time the OS gives the other ranks).
 
 The fastdist columns come from `fastdist_pipeline_step` (same arguments as
 `tests.pipeline_torch_ref.torch_pipeline_step`, run on the same processes right after torch's
-side of each row); it returns None until fastdist's pipeline exists, and the columns say so.
+side of each row): the same model, stages, schedule and batch through `fastdist.train.pipeline`;
+its loss must equal the one-device reference too (checked here to 1e-9), and its gradients
+torch's (tests/test_pipeline_gloo.py checks them against one device).
 """
 
 from __future__ import annotations
@@ -80,11 +82,68 @@ def fastdist_pipeline_step(
     stages_per_rank: int = 1,
     steps: int = 3,
 ) -> dict[str, Any] | None:
-    """fastdist's side of a row, on one rank: the same model, split and schedule through
-    fastdist's pipeline (src/fastdist/train/pipeline.py). Must return what
-    `tests.pipeline_torch_ref.torch_pipeline_step` returns (at least ``loss``, ``step_s`` and
-    ``bubble``), measured the same way. None until that pipeline exists."""
-    return None
+    """fastdist's side of a row, on one rank: the same model (`build_model`, same seed), split
+    into the same stages (rank ``r`` holds stages ``r, r + world, ...``) by
+    `fastdist.train.pipeline` over a ``Mesh.from_torch(pp=world)``, the same schedule and
+    micro-batches, the same batch with the same (aligned) labels (``shift_labels=``), timed the
+    same way as `tests.pipeline_torch_ref.torch_pipeline_step`: gradients dropped before each
+    step, a barrier, the slowest rank's wall time, the first step untimed. ``busy`` is the
+    compute of this rank's actions (`Pipeline.events`: each action timed after its input
+    arrived); ``bubble_replay`` re-runs the schedule's timeline with each stage's measured mean
+    forward and backward and free transfers (`Schedule.timeline`)."""
+    import torch
+    import torch.distributed as dist
+
+    import fastdist as fd
+    from tests.pipeline_torch_ref import build_model, llama_config, make_batch
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = llama_config(**config_kwargs)
+    mesh = fd.Mesh.from_torch(pp=world, timeout=600)
+    pipe = fd.train.pipeline(
+        build_model(config, seed),
+        mesh,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual=stages_per_rank,
+    )
+    ids, labels = make_batch(config, batch, seq, seed)
+    walls, busys, loss = [], [], None
+    per_stage: dict[tuple[str, int], list[float]] = {}
+    for _ in range(steps):
+        pipe.zero_grad()
+        dist.barrier()
+        loss = pipe.step(input_ids=ids, shift_labels=labels)
+        walls.append(pipe.span)
+        busys.append(sum(e.end - e.start for e in pipe.events))
+        for e in pipe.events:
+            per_stage.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    wall = torch.tensor(walls, dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    # every stage's mean action times, from the rank that holds it
+    mine = {k: statistics.mean(v) for k, v in per_stage.items()}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    means = {k: v for d in every for k, v in d.items()}
+    sched = pipe.schedule
+    fwd = [means[("F", j)] for j in range(sched.stages)]
+    bwd = [means[("B", j)] for j in range(sched.stages)]
+    slots = sched.timeline(fwd, bwd)
+    span = max(x.end for x in slots)
+    replay = 1 - sum(x.end - x.start for x in slots if x.rank == rank) / span
+    timed = range(1, steps) if steps > 1 else range(steps)
+    last = sched.rank_of(sched.stages - 1) == rank
+    return {
+        "rank": rank,
+        "stages": list(sched.stages_of(rank)),
+        "loss": None if not last or loss is None else loss.detach(),
+        "grads": {n: p.grad for n, p in pipe.named_parameters()},
+        "step_s": statistics.median(float(wall[i]) for i in timed),
+        "busy_s": statistics.median(busys[i] for i in timed),
+        "bubble": statistics.median(1 - busys[i] / float(wall[i]) for i in timed),
+        "bubble_replay": replay,
+    }
 
 
 def rank_fn(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -94,6 +153,12 @@ def rank_fn(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for case in cases:
         res = {"torch": torch_pipeline_step(**case), "fastdist": fastdist_pipeline_step(**case)}
+        mine, theirs = res["fastdist"], res["torch"]
+        if mine is not None:  # this rank holds the same stages on both sides
+            assert set(mine["grads"]) == {n for n, g in theirs["grads"].items() if g is not None}
+            mine["grad_diff"] = max(
+                float((g - theirs["grads"][n]).abs().max()) for n, g in mine["grads"].items()
+            )
         for side in res.values():  # gradients are checked by tests/test_pipeline_torch.py
             if side is not None:
                 side.pop("grads", None)
@@ -155,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             ids, labels = make_batch(config, case["batch"], sz["seq"], SEED)
             loss_ref = float(reference(config, ids, labels, SEED)[0])
             assert abs(torch_side["loss"] - loss_ref) < 1e-9, (schedule, pp, m, loss_ref)
+            if fd_side is not None:
+                assert abs(fd_side["loss"] - loss_ref) < 1e-9, (schedule, pp, m, loss_ref)
+                diff = max(ranks[i]["fastdist"]["grad_diff"] for ranks in per_rank)
+                assert diff < 1e-9, ("fastdist and torch gradients differ", schedule, pp, m, diff)
             row = {
                 "schedule": schedule if v == 1 else f"{schedule} (v={v})",
                 "pp": pp,

@@ -669,7 +669,9 @@ class Pipeline:
 
         Args:
             batch: the model's keyword inputs for the whole batch: ``input_ids`` and ``labels``
-                (required), optionally ``attention_mask``, ``position_ids``. Every rank along
+                (required; or ``shift_labels``, labels already aligned with the positions as
+                transformers' loss takes them), optionally ``attention_mask``,
+                ``position_ids``. Every rank along
                 the pipeline axis gets the same batch (stages after the first read only its
                 shape and masks, the last stage its labels). On a simulated mesh each carries
                 the leading rank dim ``[mesh.size, batch, ...]``.
@@ -687,17 +689,21 @@ class Pipeline:
 
     def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         m, sim = self.schedule.microbatches, self.simulated
+        batch = dict(batch)
+        if "labels" not in batch and isinstance(batch.get("shift_labels"), Tensor):
+            batch["labels"] = batch["shift_labels"]  # the model computes a loss only with labels
         for key in ("input_ids", "labels"):
             if not isinstance(batch.get(key), Tensor):
                 raise PipelineError(
                     f"Pipeline.step: {key}= is required (a tensor). Fix: pass input_ids= and "
                     "labels= (the loss is computed on the last stage)"
                 )
-        unknown = sorted(set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"})
+        known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids"}
+        unknown = sorted(set(batch) - known)
         if unknown:
             raise PipelineError(
                 f"Pipeline.step: inputs {unknown} are not supported. Fix: pass input_ids, labels "
-                "and optionally attention_mask, position_ids"
+                "(or shift_labels) and optionally attention_mask, position_ids"
             )
         ids = batch["input_ids"]
         bdim = 1 if sim else 0  # [rank, batch, seq] simulated, [batch, seq] on a rank
@@ -715,15 +721,17 @@ class Pipeline:
                 f"(schedule {self.schedule.name!r}). Fix: a batch size that is a multiple of {m}, "
                 f"or microbatches= one of {divisors}"
             )
-        labels = batch["labels"]
-        # predicted tokens of the whole batch (shifted labels, -100 ignored), per rank
-        dims = tuple(range(1, labels.dim())) if sim else tuple(range(labels.dim()))
-        count = (labels[..., 1:] != -100).sum(dims) if labels.dim() > bdim + 1 else None
-        if count is None:
+        aligned = isinstance(batch.get("shift_labels"), Tensor)
+        labels = batch["shift_labels" if aligned else "labels"]
+        if labels.dim() != bdim + 2 or labels.shape[: bdim + 1] != ids.shape[: bdim + 1]:
             raise PipelineError(
-                f"Pipeline.step: labels of shape {tuple(labels.shape)}. Fix: [batch, seq] "
-                "(simulated: [rank, batch, seq]), as input_ids"
+                f"Pipeline.step: {'shift_labels' if aligned else 'labels'} of shape "
+                f"{tuple(labels.shape)} for input_ids of shape {tuple(ids.shape)}. Fix: "
+                "[batch, seq] (simulated: [rank, batch, seq]), as input_ids"
             )
+        # predicted tokens of the whole batch (-100 ignored; labels shift by one), per rank
+        dims = tuple(range(1, labels.dim())) if sim else tuple(range(labels.dim()))
+        count = ((labels if aligned else labels[..., 1:]) != -100).sum(dims)
         out = []
         for k in range(m):
             mb: dict[str, Any] = {}
@@ -745,8 +753,8 @@ class Pipeline:
         pm = self.stages[j]
         kwargs = dict(mb)
         if j != self.schedule.stages - 1:
-            kwargs.pop("labels", None)
-            kwargs.pop("num_items_in_batch", None)
+            for key in ("labels", "shift_labels", "num_items_in_batch"):
+                kwargs.pop(key, None)
         per_rank = {_STAGE_INPUT: x} if x is not None else {}
         out = pm._call((), kwargs, per_rank)
         if j == self.schedule.stages - 1:
@@ -1011,7 +1019,7 @@ def pipeline(
                 # step's loss and gradients keep the model's dtype (transformers' own loss
                 # computes in float32), as with a tp plan
                 axis_name = stage_mesh.axis_names[-1] if stage_mesh.ndim else "tp"
-                module.loss_function = _HFCausalLMLoss(stage_mesh, axis_name, gathered=True)
+                module.loss_function = _HFCausalLMLoss(stage_mesh, axis_name, gathered=True)  # type: ignore[assignment]
         pm._stage_hooks = _StageHooks(module, first, last)  # type: ignore[attr-defined]
         stages[j] = pm
     return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
