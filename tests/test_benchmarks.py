@@ -153,6 +153,28 @@ def test_checkpoint_benchmark_smoke_run(tmp_path: Path) -> None:
     assert "| save: fastdist.train.save (DCP) |" in proc.stdout
 
 
+def test_pipeline_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/pipeline.py --quick: torch.distributed.pipelining and fastdist's pipeline on the
+    same gloo processes, same model, stages, schedule and batch; the script asserts both losses
+    equal one device and the two sides' gradients equal each other (1e-9)."""
+    proc = _run_quick("pipeline.py", "--out", str(tmp_path))
+    rows = [
+        line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    assert len(rows) == 1 + 4, proc.stdout  # header + one row per case
+    assert "not built yet" not in proc.stdout
+    table = json.loads((tmp_path / "pipeline.json").read_text())
+    assert [(r["schedule"], r["pp"], r["m"]) for r in table] == [
+        ("gpipe", 2, 4),
+        ("1f1b", 2, 4),
+        ("interleaved_1f1b (v=2)", 2, 4),
+        ("1f1b", 4, 4),
+    ]
+    for r in table:
+        assert r["fastdist"] is not None and r["ratio"] > 0
+        assert 0 <= r["bubble_theory"] < 1 and r["torch"]["bubble_max"] < 1
+
+
 def test_meta_memory_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/meta_memory.py --quick: a tiny Llama on 2 gloo processes, built whole and on the
     meta device (load, init_weights); per-rank peaks and ratios reported, the losses agree."""
