@@ -133,6 +133,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "examples/train_pipeline.py runs on real ranks: launch it with torchrun --standalone "
+            "--nproc-per-node 4 examples/train_pipeline.py (pp x tp processes, or a multiple)"
+        )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = fd.Mesh.from_torch(pp=args.pp, tp=args.tp, timeout=120)

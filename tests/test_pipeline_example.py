@@ -107,3 +107,15 @@ def test_interleaved_run_matches_and_a_difference_above_the_tolerance_exits_1() 
     assert all(float(d) <= 1e-9 for d in found.groups()[:3]), out
     for (loss, norm), (ref_loss, ref_norm) in zip(_printed(out), _one_device()):
         assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9, out
+
+
+def test_without_torchrun_it_says_how_to_launch_it() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_pipeline.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "launch it with torchrun --standalone" in proc.stderr, proc
