@@ -358,7 +358,7 @@ class _Ranks:
         self.schedule_id = schedule_id  # (checksum, micro-batches, stages): `_schedule_id`
         self.index = self.ac.index
         self._backend = select_backend
-        self.pending: list[tuple[Any, Tensor]] = []
+        self.pending: list[tuple[Any, Tensor, str]] = []  # (work, payload, what it carries)
 
     def _group(self, device: torch.device) -> Any:
         return self.ac.comm.group(self.ac, self._backend(device.type), "pipeline")
@@ -380,12 +380,19 @@ class _Ranks:
         head[_SHAPE : _SHAPE + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         tag = self._tag(kind, micro, stage)
         group = self._group(t.device)
+        # `stage` receives: the stage after this one (forward) or before it (backward)
+        what = (
+            f"the delivery of the {'activation' if kind == 'F' else 'gradient'} of micro-batch "
+            f"{micro} from stage {stage - 1 if kind == 'F' else stage + 1} for stage {stage} "
+            f"({self.axis}={peer}, rank {self.ac.ranks[peer]})"
+        )
         for payload in (head.to(t.device), t):
             work = self.ac.run(
                 "pipeline send",
                 lambda p=payload: dist.isend(p, group=group, group_dst=peer, tag=tag),
+                what=what,
             )
-            self.pending.append((work, payload))
+            self.pending.append((work, payload, what))
 
     def recv(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> Tensor:
         import torch.distributed as dist
@@ -447,8 +454,8 @@ class _Ranks:
         """Wait for this step's sends (the peers received them, or the timeout names them)."""
         timeout = self.ac.comm.timeout
         pending, self.pending = self.pending, []
-        for work, _ in pending:
-            self.ac.run("pipeline send", lambda w=work: w.wait(timeout), what="a send's delivery")
+        for work, _, what in pending:
+            self.ac.run("pipeline send", lambda w=work: w.wait(timeout), what=what)
 
     @staticmethod
     def _tag(kind: str, micro: int, stage: int) -> int:
