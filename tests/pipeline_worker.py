@@ -248,7 +248,8 @@ def faults_on_4() -> dict[str, Any]:
 
     1. the ranks build different schedules (4 micro-batches on pp=0, 2 on pp=1): the pp=1 ranks
        raise at their first receive (the header names the other schedule), their peers at once;
-       ``mesh.reset()`` on every rank and the next step equals one device;
+       ``mesh.reset()`` on every rank and the next step equals one device; likewise for the same
+       counts over another layer split;
     2. one rank of stage 1 (pp=1, tp=1) raises in its second forward: its stage peer times out
        in the stage's collective, the pp=0 ranks in their receive, naming the micro-batch, the
        stage and the peer; ``pipe.reset()`` (the mesh and the stage mesh) on every rank and the
@@ -278,6 +279,14 @@ def faults_on_4() -> dict[str, Any]:
     loss = pipe.step(input_ids=ids, labels=labels)
     out["after_mismatch"] = compare(pipe, loss, losses[0], grads)
     pipe.zero_grad()
+
+    # 1b. the same counts, another layer split (2 + 2 layers on pp=0, 1 + 3 on pp=1)
+    split = fd.train.pipeline(
+        copy.deepcopy(model), mesh, schedule="1f1b", layers_per_stage=[2, 2] if pp == 0 else [1, 3]
+    )
+    out["split"] = timed(lambda: split.step(input_ids=ids, labels=labels))
+    meet("split")
+    mesh.reset()
 
     # 2. one rank of a stage raises mid-step
     if (pp, tp) == (1, 1):

@@ -133,7 +133,7 @@ def test_ranks_with_different_schedules_raise_and_recover(faults: list[dict[str,
     header says the sender's pipeline), dropping the groups so that the pp=0 ranks raise at
     once too (in the receive of the first gradient, or a send of the warm-up's activations);
     none hangs until the timeout or computes on. Then ``mesh.reset()`` and a step equal to one
-    device."""
+    device. The same for pipelines of equal counts over different layer splits."""
     for g, r in enumerate(faults):
         e = r["mismatch"]
         assert e["fastdist"] and e["type"] == "CommError", (g, e)
@@ -150,6 +150,16 @@ def test_ranks_with_different_schedules_raise_and_recover(faults: list[dict[str,
             assert _names_the_transfer(e["msg"], g, g + 2), e["msg"]
         after = r["after_mismatch"]
         assert after["loss_err"] <= TOL and after["grad_err"] <= TOL, (g, after)
+        # the same counts, another layer split: the checksum tells
+        e = r["split"]
+        assert e["fastdist"] and e["type"] == "CommError" and e["elapsed"] < W.TIMEOUT, (g, e)
+        if r["pp"] == 1:
+            assert (
+                "from a pipeline of 2 micro-batches over 2 stages (this rank: 2 over 2, but "
+                "another schedule or layer split): the ranks run different schedules"
+            ) in e["msg"], e["msg"]
+        else:
+            assert _names_the_transfer(e["msg"], g, g + 2), e["msg"]
 
 
 def test_a_stage_rank_that_raises_mid_step_is_named_and_pipe_reset_recovers(
