@@ -13,19 +13,23 @@ In every process (one thread each):
    up/GELU/down projections), the layouts dp4, tp4, dp2 x tp2, tp4 + sp, dp2 x tp2 + sp (sp:
    Megatron sequence parallelism over the tp axis); for an HF Mixtral (4 experts, top-2,
    dropless) dp4, ep4, dp2 x ep2, ep2 x tp2, tp4 (``fd.nn.plans.mixtral``; the trace charges
-   every expert every routed token slot, an upper bound: the routing is data): parallelize on
-   the real mesh,
-   ``trace_model`` one step (fake tensors; before the data-parallel engine is attached) and
-   ``predict`` it with the cost model, the dp gradient reduction overlapped as
-   ``fastdist.train.DataParallel`` does it; then attach ``DataParallel`` over dp.
-3. Time the step (forward + backward + the dp gradient reduction; no optimizer) in rounds over
+   each expert a balanced router's expected load, ``trace_model``'s default; the worst case,
+   ``routing="bound"``, is predicted too for comparison): parallelize on the real mesh,
+   ``trace_model`` one step (fake tensors; before the data-parallel engine is attached); then
+   attach ``DataParallel`` over dp and run 2 warm-up steps per layout.
+3. ``fastdist.profile.calibrate_kernels``: every distinct kernel of the traced steps (matmuls,
+   attention, elementwise, forward and backward, with their shapes) replayed and timed on
+   every rank at once, 5 interleaved rounds; then ``predict`` every layout with that model,
+   the dp gradient reduction overlapped as ``fastdist.train.DataParallel`` does it (and with
+   step 1's rates only, for comparison).
+4. Time the step (forward + backward + the dp gradient reduction; no optimizer) in rounds over
    the layouts, interleaved (drifting load hits every layout alike); each round's time is the
    slowest rank's; the measured step is the median over rounds.
 
 Printed: per layout the prediction (compute and exposed communication), the measured median
 with the spread over rounds, measured / predicted, and whether the rankings agree and the
 predicted best is within 10% of the measured best. ``--out DIR`` writes ``planner_accuracy.json``
-(and the calibrated model, ``cost_model.json``).
+(and the calibrated models, ``cost_model.json`` and ``cost_model_kernels.json``).
 """
 
 from __future__ import annotations
@@ -187,7 +191,7 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fastdist as fd
-    from fastdist.profile import calibrate, predict, trace_model
+    from fastdist.profile import calibrate, calibrate_kernels, predict, trace_model
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
@@ -217,9 +221,10 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
             plain = fd.nn.parallelize(
                 copy.deepcopy(base), fd.Mesh({"dp": dp, "ep": ep, "tp": tp}), plan_for(sp)
             )
-            prof = trace_model(plain, **inputs)
+            prof = trace_model(plain, **inputs)  # MoE: balanced routing (the default)
+            # the MoE's worst case too, for comparison
+            bound = trace_model(plain, **inputs, routing="bound") if layouts is MOE else None
             del plain
-            pred = predict(prof, model, data_parallel="dp" if dp > 1 else None, bucket_mb=25.0)
             if dp > 1:
                 pm.data_parallel("dp", bucket_mb=25.0)
 
@@ -233,11 +238,9 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
                     "desc": desc,
                     "layout": _name(dp, ep, tp, sp),
                     "step": step,
-                    "predicted_ms": pred.time * 1e3,
-                    "compute_ms": pred.compute * 1e3,
-                    "exposed_ms": pred.exposed * 1e3,
-                    "comm_ms": pred.comm * 1e3,
-                    "memory_MB": pred.memory.total / 1e6 if pred.memory else 0.0,
+                    "profile": prof,
+                    "bound_profile": bound,
+                    "dp": dp,
                     "gflops": prof.flops() / 1e9,
                 }
             )
@@ -245,6 +248,32 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
         for _ in range(1 if quick else 2):
             dist.barrier()
             c["step"]()
+    # the traced steps' own kernels, timed on this job just before the rounds
+    t0 = time.perf_counter()
+    kmodel = calibrate_kernels(
+        cal_mesh, [c["profile"] for c in cases], model, reps=2 if quick else 5
+    )
+    kernels_s = time.perf_counter() - t0
+    if out and dist.get_rank() == 0:
+        kmodel.save(Path(out) / "cost_model_kernels.json")
+    for c in cases:
+        dp_axis = "dp" if c.pop("dp") > 1 else None
+        prof, bound = c.pop("profile"), c.pop("bound_profile")
+        pred = predict(prof, kmodel, data_parallel=dp_axis, bucket_mb=25.0)
+        generic = predict(prof, model, data_parallel=dp_axis, bucket_mb=25.0)
+        c.update(
+            predicted_ms=pred.time * 1e3,
+            compute_ms=pred.compute * 1e3,
+            exposed_ms=pred.exposed * 1e3,
+            comm_ms=pred.comm * 1e3,
+            memory_MB=pred.memory.total / 1e6 if pred.memory else 0.0,
+            generic_ms=generic.time * 1e3,
+            bound_ms=(
+                predict(bound, kmodel, data_parallel=dp_axis, bucket_mb=25.0).time * 1e3
+                if bound is not None
+                else None
+            ),
+        )
     times = torch.zeros(rounds, len(cases), dtype=torch.float64)
     load = [os.getloadavg()[0]]
     for r in range(rounds):
@@ -270,6 +299,9 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
     return {
         "rows": rows,
         "calibrate_s": calibrate_s,
+        "kernels_s": kernels_s,
+        "kernels": len(kmodel.kernel_times),
+        "kernel_overhead": kmodel.kernel_overhead,
         "load": load,
         "model": json.loads(model.to_json()),
     }
@@ -282,6 +314,8 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
         f"{world} gloo processes (1 thread each) on this machine; calibrate took "
         f"{res['calibrate_s']:.1f} s: matmul {m['flops'] / 1e9:.1f} GFLOP/s per rank, "
         f"{m['memory_bandwidth'] / 1e9:.1f} GB/s, {m['kernel_latency'] * 1e6:.1f} us per kernel; "
+        f"calibrate_kernels took {res['kernels_s']:.1f} s: {res['kernels']} distinct kernels, "
+        f"{res['kernel_overhead'] * 1e6:.1f} us overhead per kernel; "
         f"{rounds} interleaved rounds; 1-minute load average during the rounds "
         f"{min(res['load']):.1f}-{max(res['load']):.1f}",
         "",
@@ -293,31 +327,42 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
         by_meas = sorted(sub, key=lambda r: r["measured_ms"])
         best_gap = by_pred[0]["measured_ms"] / by_meas[0]["measured_ms"] - 1
         worst = max(abs(r["measured_ms"] / r["predicted_ms"] - 1) for r in sub)
+        ratios = [r["measured_ms"] / r["predicted_ms"] for r in sub]
+        generic = [r["measured_ms"] / r["generic_ms"] for r in sub]
         summary[mname] = {
             "ranking_agrees": [r["layout"] for r in by_pred] == [r["layout"] for r in by_meas],
             "predicted_best": by_pred[0]["layout"],
             "measured_best": by_meas[0]["layout"],
             "best_gap": best_gap,
             "worst_error": worst,
+            "within_30": sum(abs(x - 1) <= 0.3 for x in ratios),
+            "ratios": [min(ratios), max(ratios)],
+            "generic_ratios": [min(generic), max(generic)],
         }
+        has_bound = any(r.get("bound_ms") for r in sub)
         lines += [
             f"{mname} ({sub[0]['desc']})",
             "",
             "| layout | predicted ms (compute + exposed comm) | measured ms, median [min-max] "
-            "| measured / predicted | rank predicted | rank measured | memory/rank MB |",
-            "|---|---|---|---|---|---|---|",
+            "| measured / predicted | rank predicted | rank measured | memory/rank MB "
+            "| measured / predicted with calibrate's rates only"
+            + (" | measured / predicted, MoE upper bound |" if has_bound else " |"),
+            "|---|---|---|---|---|---|---|---|" + ("---|" if has_bound else ""),
         ]
         for r in sub:
             lines.append(
                 f"| {r['layout']} | {r['predicted_ms']:.1f} ({r['compute_ms']:.1f} + "
                 f"{r['exposed_ms']:.1f}) | {r['measured_ms']:.1f} [{r['min_ms']:.1f}-"
                 f"{r['max_ms']:.1f}] | {r['measured_ms'] / r['predicted_ms']:.2f} | "
-                f"{by_pred.index(r) + 1} | {by_meas.index(r) + 1} | {r['memory_MB']:.1f} |"
+                f"{by_pred.index(r) + 1} | {by_meas.index(r) + 1} | {r['memory_MB']:.1f} | "
+                f"{r['measured_ms'] / r['generic_ms']:.2f} |"
+                + (f" {r['measured_ms'] / r['bound_ms']:.2f} |" if has_bound else "")
             )
         s = summary[mname]
         lines += [
             "",
-            f"ranking agrees: {s['ranking_agrees']}; predicted best {s['predicted_best']}, "
+            f"within +-30%: {s['within_30']} of {len(sub)}; ranking agrees: "
+            f"{s['ranking_agrees']}; predicted best {s['predicted_best']}, "
             f"measured best {s['measured_best']} (the predicted best is "
             f"{100 * s['best_gap']:.0f}% slower than the measured best); largest "
             f"|measured / predicted - 1| = {100 * worst:.0f}%",

@@ -102,6 +102,7 @@ __all__ = [
     "Pipeline",
     "PipelineCost",
     "Plan",
+    "ROUTINGS",
     "Point",
     "Prediction",
     "Profile",
@@ -111,6 +112,7 @@ __all__ = [
     "Work",
     "bus_factor",
     "calibrate",
+    "calibrate_kernels",
     "layouts",
     "plan",
     "predict",
@@ -295,6 +297,10 @@ class Work:
         module: dotted path of the innermost ``nn.Module`` whose forward ran the kernels (for
             backward kernels: whose forward recorded the autograd node that runs them); ``""``
             outside any traced module (or for nodes no module recorded).
+        calls: the kernels one by one, grouped by signature: ``(key, count, flops, bytes)`` per
+            distinct kernel (``key``: the aten op with its arguments' shapes, strides, dtypes
+            and other values, as :func:`calibrate_kernels` times it; ``flops`` / ``bytes``:
+            one call's). Empty for work not traced kernel by kernel (a bucket's packing).
     """
 
     phase: str
@@ -302,6 +308,7 @@ class Work:
     kernels: int
     bytes: float
     module: str = ""
+    calls: tuple[tuple[str, int, float, float], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -385,6 +392,100 @@ def _kernel_flops(func: Any, args: Sequence[Any]) -> float:
 
 
 @dataclass(frozen=True)
+class _TensorSpec:
+    """Shape, strides, storage offset and dtype of one tensor argument of a traced kernel."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    def key(self) -> str:
+        text = f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        contiguous = math.prod(self.shape) == 0 or self.stride == _contiguous(self.shape)
+        return (
+            text
+            + ("" if contiguous else f"s{list(self.stride)}")
+            + (f"+{self.offset}" if self.offset else "")
+        )
+
+
+class _Device:
+    """A device argument of a traced kernel (replayed on the calibration's device)."""
+
+    def __repr__(self) -> str:
+        return "device"
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def _spec_of(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return _TensorSpec(
+            tuple(int(d) for d in a.shape),
+            tuple(int(d) for d in a.stride()),
+            int(a.storage_offset()),
+            a.dtype,
+        )
+    if isinstance(a, torch.device):
+        return _Device()
+    return a
+
+
+def _key_text(a: Any) -> str:
+    if isinstance(a, _TensorSpec):
+        return a.key()
+    if isinstance(a, (list, tuple)):
+        return "[" + ",".join(_key_text(x) for x in a) + "]"
+    if isinstance(a, dict):
+        return "{" + ",".join(f"{k}={_key_text(v)}" for k, v in a.items()) + "}"
+    return repr(a)
+
+
+def _kernel_key(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A traced kernel's signature: ``aten::mm(float32[64, 32],float32[32, 16])`` (strides when
+    not contiguous, other arguments by value)."""
+    spec = pytree.tree_map(_spec_of, (tuple(args), dict(kwargs)))
+    text = ",".join(_key_text(a) for a in spec[0])
+    if spec[1]:
+        text += "," + ",".join(f"{k}={_key_text(v)}" for k, v in sorted(spec[1].items()))
+    return f"{func}({text})"
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One distinct kernel of a traced step, replayable on real tensors of its shapes."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _materialize(spec: Any, dev: torch.device) -> Any:
+    """A real tensor for a ``_TensorSpec`` (floats: normal, integers: 0 (valid indices), bools:
+    True), the device for a ``_Device``, other values unchanged."""
+    if isinstance(spec, _Device):
+        return dev
+    if not isinstance(spec, _TensorSpec):
+        return spec
+    extent = spec.offset + (
+        1 + sum((n - 1) * st for n, st in zip(spec.shape, spec.stride))
+        if all(n > 0 for n in spec.shape)
+        else 0
+    )
+    base = torch.empty(extent, dtype=spec.dtype, device=dev)
+    if spec.dtype.is_floating_point or spec.dtype.is_complex:
+        base.normal_()
+    elif spec.dtype == torch.bool:
+        base.fill_(True)
+    else:
+        base.zero_()
+    return base.as_strided(spec.shape, spec.stride, spec.offset)
+
+
+@dataclass(frozen=True)
 class Profile:
     """The collectives of one traced step on one rank (see :func:`trace`).
 
@@ -394,6 +495,8 @@ class Profile:
         outputs: ``(module path, bytes)`` of the first tensor each traced module's forward
             returned (one rank's; the last call's): a pipeline's stage boundary is the output of
             a layer (:class:`Pipeline`). Empty without ``modules=``.
+        kernels: each distinct kernel of :attr:`Work.calls` by its key, replayable on real
+            tensors (:func:`calibrate_kernels`); empty for a :func:`record`.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"dp": 4})
@@ -410,6 +513,7 @@ class Profile:
     params: tuple[Param, ...] = field(default=(), compare=False, repr=False)
     activations: int = field(default=0, compare=False, repr=False)
     outputs: tuple[tuple[str, int], ...] = field(default=(), compare=False, repr=False)
+    kernels: Mapping[str, _Kernel] = field(default_factory=dict, compare=False, repr=False)
 
     # A profile reads as the tuple of its records: for r in prof, len(prof), prof[0], prof[-2:].
     def __iter__(self) -> Iterator[Record]:
@@ -662,6 +766,10 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.events: list[Work | Record | GradReady] = []
         # (phase, module) -> [flops, kernels, bytes] not yet flushed
         self._work: dict[tuple[str, str], list[float]] = {}
+        # (phase, module) -> kernel key -> [calls, flops, bytes of one call] not yet flushed
+        self._calls: dict[tuple[str, str], dict[str, list[Any]]] = {}
+        # kernel key -> how to replay it (calibrate_kernels)
+        self.kernels: dict[str, _Kernel] = {}
 
     def __torch_dispatch__(
         self,
@@ -687,18 +795,32 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.flush()
         acc = self._work.setdefault((phase, module), [0.0, 0.0, 0.0])
         flops = _kernel_flops(func, args)
+        nbytes = 0.0
         acc[1] += 1
         if flops:
             acc[0] += flops
         else:
             leaves = [*pytree.tree_leaves((args, kwargs)), *pytree.tree_leaves(out)]
-            acc[2] += sum(t.numel() * t.dtype.itemsize for t in leaves if isinstance(t, Tensor))
+            nbytes = float(
+                sum(t.numel() * t.dtype.itemsize for t in leaves if isinstance(t, Tensor))
+            )
+            acc[2] += nbytes
+        key = _kernel_key(func, args, kwargs)
+        if key not in self.kernels:
+            self.kernels[key] = _Kernel(func, *pytree.tree_map(_spec_of, (tuple(args), kwargs)))
+        calls = self._calls.setdefault((phase, module), {})
+        one = calls.setdefault(key, [0, flops, nbytes])
+        one[0] += 1
 
     def flush(self) -> None:
         """Close the compute run so far (before a collective or a gradient event)."""
         for (phase, module), (flops, kernels, nbytes) in self._work.items():
-            self.events.append(Work(phase, flops, int(kernels), nbytes, module))
+            calls = tuple(
+                (k, int(c), f, b) for k, (c, f, b) in self._calls.get((phase, module), {}).items()
+            )
+            self.events.append(Work(phase, flops, int(kernels), nbytes, module, calls))
         self._work = {}
+        self._calls = {}
 
     def _record(self, func: Any, args: Sequence[Any], out: Any) -> None:
         name = func._opname
@@ -823,6 +945,7 @@ def trace(
     modules: Sequence[nn.Module] = (),
     stacked: bool = False,
     device: str | torch.device = "cpu",
+    routing: str = "bound",
     **kwargs: Any,
 ) -> Profile:
     """Run per-rank step ``fn`` once on fake tensors and return its collectives.
@@ -840,6 +963,15 @@ def trace(
             the ``module`` field of each record. ``fn`` may call them directly.
         stacked: the tensors carry a leading rank dim (as for ``simulate``); rank 0's shape is used.
         device: device of the fake tensors made from meta tensors.
+        routing: how a routed MoE layer (``fastdist.nn.moe``: which expert a token goes to is
+            data) is charged. ``"bound"``: what its per-rank code issues on simulated ranks,
+            the worst case: every local expert runs on every row of the ``ep x T x k``-row
+            receive buffer, and the combine sends that buffer back (records ``bound=True``).
+            ``"balanced"``: the expected load of a balanced router: each of the ``E`` experts
+            runs on ``ceil(ep x T x k / E)`` rows, gathered and scattered back as real ranks
+            do, and ``all_to_all`` dispatch receives (and the combine sends back) its local
+            experts' share of that; the ragged records stay marked ``bound=True`` (their sizes
+            are then expectations). Other layers are unaffected.
         **kwargs: ``fn``'s keyword arguments, faked as ``args``.
 
     Returns:
@@ -921,6 +1053,7 @@ def trace(
         es.enter_context(recorder)
         es.enter_context(_Tagger(stack))
         es.enter_context(_quiet())  # an open record() does not see the trace's collectives
+        es.enter_context(_routing(routing))
         fn(*fargs, **fkwargs)
         recorder.flush()
     # parameters: the leaves that received a gradient, in argument / registration order
@@ -935,7 +1068,9 @@ def trace(
         GradReady(index[e.param]) if isinstance(e, GradReady) else e for e in recorder.events
     )
     outputs = tuple(stack.outputs.items())
-    return Profile(mesh, tuple(recorder.records), events, params, saved.bytes, outputs)
+    return Profile(
+        mesh, tuple(recorder.records), events, params, saved.bytes, outputs, recorder.kernels
+    )
 
 
 def _watch_grads(
@@ -982,9 +1117,12 @@ def _fake_param(mode: Any, t: Tensor, device: torch.device) -> Tensor:
 # ====================================================================== recording a step as it runs
 class _Running(threading.local):
     """Per thread: inside a recorded collective (its inner calls are not recorded again), or inside
-    :func:`trace`."""
+    :func:`trace`; ``routing``: the MoE charge of the trace running on this thread, and the rows
+    each expert runs on (set by the dispatch, read by the experts that follow it)."""
 
     depth = 0
+    routing = "bound"
+    expert_rows = 0
 
 
 _RUNNING = _Running()
@@ -1002,6 +1140,95 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         _RUNNING.depth -= 1
+
+
+# ---------------------------------------------------------------- MoE routing under a trace
+#: how :func:`trace` charges a routed MoE layer (``fastdist.nn.moe``), whose row counts are data
+ROUTINGS = ("balanced", "bound")
+_MOE_PATCHED: list[tuple[Any, dict[str, Any]]] = []  # (module, originals) while traces run
+
+
+def _balanced_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``fastdist.nn.moe.dispatch`` that, in a ``routing="balanced"`` trace, receives the rows of
+    a balanced routing: each of the ``E`` experts gets ``ceil(ep T k / E)`` rows (``T`` tokens
+    with ``k`` experts each, on each of ``ep`` ranks), so ``all_to_all`` receives ``E_local x``
+    that (at most ``capacity``) instead of the worst case ``ep T k``."""
+
+    def dispatch(
+        x: Tensor, experts: Tensor, mesh: Mesh, axis: str, num_experts: int, **kw: Any
+    ) -> Any:
+        if _RUNNING.routing != "balanced":
+            return original(x, experts, mesh, axis, num_experts, **kw)
+        n = mesh.axis_size(axis)
+        T, k = experts.shape
+        el = max(num_experts // n, 1)
+        rows = math.ceil(n * T * k / num_experts)  # one expert's expected rows
+        cap = kw.get("capacity")
+        if cap is not None:
+            rows = min(rows, cap // el)
+        _RUNNING.expert_rows = rows
+        if kw.get("strategy", "all_to_all") == "all_to_all":
+            kw["capacity"] = el * rows
+        return original(x, experts, mesh, axis, num_experts, **kw)
+
+    return dispatch
+
+
+def _balanced_experts(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``fastdist.nn.moe._run_experts`` that, in a ``routing="balanced"`` trace, runs each local
+    expert as real ranks do (gather its rows, the expert, scatter-add back) on the balanced
+    count of rows the dispatch set, instead of every expert on every row."""
+
+    def run(
+        x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: Any, simulated: bool
+    ) -> Tensor:
+        if _RUNNING.routing != "balanced" or not simulated:
+            out: Tensor = original(x, assign, scale, expert_fn, simulated)
+            return out
+        rows = min(_RUNNING.expert_rows or x.shape[0], x.shape[0])
+        idx = torch.arange(rows, device=x.device)  # (rows,): which rows does not change the cost
+        y = x.new_zeros(x.shape[0], x.shape[-1])  # (R, H)
+        for e in range(assign.shape[-1]):
+            ye = expert_fn(x.index_select(0, idx), e)  # (rows, H)
+            if scale is not None:
+                ye = ye * scale[:, e].index_select(0, idx).unsqueeze(-1).to(ye.dtype)
+            y = y.index_add(0, idx, ye)
+        return y
+
+    return run
+
+
+@contextmanager
+def _routing(routing: str) -> Iterator[None]:
+    """Charge MoE layers by ``routing`` on this thread for the duration (see :func:`trace`)."""
+    if routing not in ROUTINGS:
+        raise ProfileError(
+            "trace", f"routing={routing!r}", f"choose routing among {', '.join(ROUTINGS)}"
+        )
+    if routing == "bound":
+        yield
+        return
+    from .nn import moe as M
+
+    with _INSTALL:
+        if not _MOE_PATCHED:
+            saved: dict[str, Any] = {"dispatch": M.dispatch, "_run_experts": M._run_experts}
+            M.dispatch = _balanced_dispatch(saved["dispatch"])
+            M._run_experts = _balanced_experts(saved["_run_experts"])
+            _MOE_PATCHED.append((M, saved))
+        else:
+            _MOE_PATCHED.append(_MOE_PATCHED[0])
+    before = _RUNNING.routing
+    _RUNNING.routing, _RUNNING.expert_rows = routing, 0
+    try:
+        yield
+    finally:
+        _RUNNING.routing, _RUNNING.expert_rows = before, 0
+        with _INSTALL:
+            mod, saved = _MOE_PATCHED.pop()
+            if not _MOE_PATCHED:
+                for name, fn in saved.items():
+                    setattr(mod, name, fn)
 
 
 def _unwrapped(t: Tensor) -> Tensor:
@@ -1318,6 +1545,11 @@ class CostModel:
         memory_bandwidth: bytes/s of an elementwise kernel on one rank (every rank at once).
         kernel_latency: seconds per aten kernel of a chain of tiny ops, forward and backward.
         points: the measurements the fits come from.
+        kernel_times: ``(key, seconds)`` of each kernel :func:`calibrate_kernels` replayed (one
+            call, the kernel alone); empty: every kernel is charged by the rates above.
+        kernel_overhead: seconds added to each replayed kernel's time for what a step spends
+            around it (autograd, Python, dispatch beyond the kernel; see
+            :func:`calibrate_kernels`).
     """
 
     name: str
@@ -1327,6 +1559,12 @@ class CostModel:
     memory_bandwidth: float
     kernel_latency: float
     points: tuple[Point, ...] = ()
+    kernel_times: tuple[tuple[str, float], ...] = ()
+    kernel_overhead: float = 0.0
+    _times: dict[str, float] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_times", dict(self.kernel_times))
 
     def fit(self, kind: str, n: int, intra: bool = True) -> Fit:
         """The cost of ``kind`` over ``n`` ranks.
@@ -1383,8 +1621,23 @@ class CostModel:
         return self.fit(r.kind, r.n, _in_node(mesh_sizes, axes, self.gpus_per_node)).time(r.size)
 
     def compute_time(self, work: Work) -> float:
-        """As :meth:`Network.compute_time`, with the measured rates."""
-        return _compute_time(work, self.flops, self.memory_bandwidth, self.kernel_latency)
+        """Seconds of ``work``: each of its kernels (:attr:`Work.calls`) that
+        :func:`calibrate_kernels` timed costs its replayed time plus ``kernel_overhead``; the
+        others (and work without calls) as :meth:`Network.compute_time` charges them, with the
+        measured rates."""
+        if not self._times or not work.calls:
+            return _compute_time(work, self.flops, self.memory_bandwidth, self.kernel_latency)
+        t = 0.0
+        for key, count, flops, nbytes in work.calls:
+            known = self._times.get(key)
+            if known is not None:
+                t += count * (known + self.kernel_overhead)
+            else:
+                one = Work(work.phase, flops, 1, nbytes)
+                t += count * _compute_time(
+                    one, self.flops, self.memory_bandwidth, self.kernel_latency
+                )
+        return t
 
     def to_json(self) -> str:
         """The model as JSON (:meth:`from_json` reads it back)."""
@@ -1398,6 +1651,8 @@ class CostModel:
                 "kernel_latency": self.kernel_latency,
                 "fits": [asdict(f) for f in self.fits],
                 "points": [asdict(p) for p in self.points],
+                "kernel_overhead": self.kernel_overhead,
+                "kernel_times": dict(self.kernel_times),
             },
             indent=1,
         )
@@ -1417,6 +1672,8 @@ class CostModel:
                 float(d["memory_bandwidth"]),
                 float(d["kernel_latency"]),
                 tuple(Point(**p) for p in d["points"]),
+                tuple((str(k), float(v)) for k, v in d.get("kernel_times", {}).items()),
+                float(d.get("kernel_overhead", 0.0)),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ProfileError(
@@ -1699,6 +1956,146 @@ def calibrate(
         memory_bandwidth=3.0 * x.numel() * x.dtype.itemsize / t_add,
         kernel_latency=t_chain / max(counter.kernels, 1),
         points=points,
+    )
+
+
+def _replay(kernel: _Kernel, dev: torch.device, least: float, sync: Callable[[], None]) -> float:
+    """Seconds per call of one kernel on real tensors of its shapes: a warm-up call, then back to
+    back calls for at least ``least`` seconds; ``inf`` when it cannot be replayed."""
+    try:
+        args, kwargs = pytree.tree_map(lambda a: _materialize(a, dev), (kernel.args, kernel.kwargs))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            kernel.func(*args, **kwargs)
+            sync()
+            calls = max(1, min(10_000, math.ceil(least / max(time.perf_counter() - t0, 1e-7))))
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                kernel.func(*args, **kwargs)
+            sync()
+            return (time.perf_counter() - t0) / calls
+    except Exception:  # noqa: BLE001 - a kernel that cannot run on made-up data: not timed
+        return math.inf
+
+
+def _chain_step(x: Tensor) -> None:
+    y = x
+    for _ in range(64):
+        y = y * 1.0001
+    y.sum().backward()  # type: ignore[no-untyped-call]
+
+
+def calibrate_kernels(
+    mesh: Mesh,
+    profiles: Profile | Sequence[Profile],
+    model: CostModel,
+    *,
+    reps: int = 5,
+    least: float = 2e-3,
+    device: str | torch.device | None = None,
+) -> CostModel:
+    """Time the kernels the traced steps issue on this job's devices: ``model`` with
+    :attr:`CostModel.kernel_times` (a collective over ``mesh``'s job).
+
+    Every distinct kernel of ``profiles`` (:attr:`Profile.kernels`: the aten op with its shapes,
+    strides, dtypes and other arguments: matmuls, attention, elementwise kernels, forward and
+    backward) is replayed on real tensors of those shapes (floats drawn from a normal, integers
+    0, bools True): a warm-up call, then back-to-back calls for at least ``least`` seconds. The
+    kernels are timed in ``reps`` interleaved rounds (each round after a barrier, every rank at
+    once, as in a step: ranks sharing a core show it); a kernel's time is its median over the
+    rounds, then the slowest rank's. A kernel that cannot be replayed (or on any rank) is left
+    out and charged by ``model``'s rates.
+
+    ``kernel_overhead``: a step also spends time around each kernel (autograd, Python,
+    dispatch). A chain of 64 tiny multiplications, forward and backward, is timed the same
+    way, whole and kernel by kernel: the overhead is ``(whole - sum of its kernels) / kernels``
+    (at least 0).
+
+    :meth:`CostModel.compute_time` then charges each timed kernel ``kernel_times[key] +
+    kernel_overhead``; a :class:`Work` without calls (DataParallel's packing) and kernels not
+    timed keep the rates. Contract: every rank passes profiles with the same kernels (trace the
+    same layouts on every rank), else :class:`ProfileError`; every rank returns the same model.
+
+    Args:
+        mesh: a mesh over the running job (``Mesh.from_torch``): every rank calls this.
+        profiles: :func:`trace` results (one per layout to price).
+        model: the :func:`calibrate` model to extend (collectives and fallback rates).
+        reps: interleaved rounds.
+        least: seconds of back-to-back calls per kernel per round.
+        device: where to replay (default: as :func:`calibrate`).
+
+    Returns:
+        ``model`` with ``kernel_times`` and ``kernel_overhead`` set (``name`` unchanged).
+
+    Raises:
+        ProfileError: ``mesh`` is a plain mesh, the ranks' profiles differ, or an argument is
+            invalid.
+    """
+    if not isinstance(mesh, Mesh) or mesh.backend is None:
+        raise ProfileError(
+            "calibrate_kernels",
+            f"{mesh!r} is not a mesh over a running job",
+            "pass Mesh.from_torch(...) inside the job (every rank calls calibrate_kernels)",
+        )
+    if reps < 1 or least <= 0:
+        raise ProfileError(
+            "calibrate_kernels", f"reps={reps}, least={least}", "reps >= 1 and least > 0"
+        )
+    import torch.distributed as dist
+
+    profs = [profiles] if isinstance(profiles, Profile) else list(profiles)
+    if device is not None:
+        dev = torch.device(device)
+    elif "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    sync: Callable[[], None] = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    kernels: dict[str, _Kernel] = {}
+    for p in profs:
+        for k, v in p.kernels.items():
+            kernels.setdefault(k, v)
+    keys = sorted(kernels)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, keys)
+    differ = [r for r, other in enumerate(every) if other != keys]
+    if differ:
+        raise ProfileError(
+            "calibrate_kernels",
+            f"rank {dist.get_rank()}'s profiles issue {len(keys)} distinct kernels, rank "
+            f"{differ[0]}'s {len(every[differ[0]])} others or more",
+            "trace the same steps (the same layouts and one rank's shapes) on every rank",
+        )
+    chain = trace(_chain_step, Mesh({"one": 1}), torch.ones(16, requires_grad=True))
+    chain_calls = [c for w in chain.events if isinstance(w, Work) for c in w.calls]
+    chain_kernels = sum(c[1] for c in chain_calls)
+    chain_keys = sorted({c[0] for c in chain_calls} - set(keys))
+    todo = [kernels[k] for k in keys] + [chain.kernels[k] for k in chain_keys]
+    x = torch.ones(16, device=dev, requires_grad=True)
+    rounds: list[list[float]] = []
+    for _ in range(reps):
+        dist.barrier()
+        row = [_replay(k, dev, least, sync) for k in todo]
+        t0 = time.perf_counter()
+        calls = 0
+        while time.perf_counter() - t0 < least * 5 or calls < 2:
+            _chain_step(x)
+            calls += 1
+        sync()
+        rounds.append([*row, (time.perf_counter() - t0) / calls])
+    # (kernels + 1,): each kernel's median over the rounds
+    per = torch.tensor([statistics.median(col) for col in zip(*rounds)], dtype=torch.float64)
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)  # the slowest rank; inf: not replayable somewhere
+    times = per.tolist()
+    timed = dict(zip(keys + chain_keys, times))
+    replayed = sum(c * timed.get(k, math.inf) for k, c in ((c[0], c[1]) for c in chain_calls))
+    overhead = (
+        max(0.0, (times[-1] - replayed) / max(chain_kernels, 1)) if math.isfinite(replayed) else 0.0
+    )
+    return replace(
+        model,
+        kernel_times=tuple((k, t) for k, t in zip(keys, times) if math.isfinite(t)),
+        kernel_overhead=overhead,
     )
 
 
@@ -2612,7 +3009,9 @@ def _data_axes(data_parallel: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(data_parallel or ())
 
 
-def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) -> Profile:
+def trace_model(
+    model: Any, *args: Any, backward: bool = True, routing: str = "balanced", **kwargs: Any
+) -> Profile:
     """:func:`trace` of one forward (and backward) of a :func:`fastdist.nn.parallelize` model.
 
     Args:
@@ -2621,6 +3020,9 @@ def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) ->
         *args: one rank's positional inputs (no rank dim).
         backward: also run ``backward()`` of the output's ``loss`` (or of its sum when the
             output is a tensor).
+        routing: MoE layers charged at a balanced router's expected load (``"balanced"``, the
+            default here: what a planner should price) or at the worst case (``"bound"``);
+            see :func:`trace`.
         **kwargs: one rank's keyword inputs (no rank dim), e.g. ``input_ids=``, ``labels=``.
 
     Records carry the model's module paths (``model.layers.0.mlp.down_proj``).
@@ -2639,4 +3041,4 @@ def trace_model(model: Any, *args: Any, backward: bool = True, **kwargs: Any) ->
                 )
             loss.sum().backward()
 
-    return trace(step, model.mesh, params, args, kwargs, modules=[model.module])
+    return trace(step, model.mesh, params, args, kwargs, modules=[model.module], routing=routing)
