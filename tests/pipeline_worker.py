@@ -132,15 +132,24 @@ def meet(name: str, timeout: float = 60.0) -> None:
 
 
 # ============================================================================ point 3: correct
-def _one_step(mesh: fd.Mesh, layers: int, seeds: list[int], mine: int, **kw: Any) -> dict:
+def _one_step(
+    mesh: fd.Mesh, layers: int, seeds: list[int], mine: int, again: bool = False, **kw: Any
+) -> dict[str, Any]:
     """Build a pipeline of a fresh tiny Llama, run one step on batch ``seeds[mine]``, compare
-    with the one-device reference (the mean gradient over ``seeds``)."""
+    with the one-device reference (the mean gradient over ``seeds``); ``again``: then
+    ``pipe.reset()`` (no failure: the groups are remade, the gradients dropped) and the same
+    step, compared again."""
     model = tiny_llama(layers, seed=1)
     losses, grads = reference(model, seeds)
     pipe = fd.train.pipeline(model, mesh, **kw)
     ids, labels = batch(seeds[mine])
     loss = pipe.step(input_ids=ids, labels=labels)
-    return {**compare(pipe, loss, losses[mine], grads), "model": sorted(grads)}
+    out = {**compare(pipe, loss, losses[mine], grads), "model": sorted(grads)}
+    out["stage_axes"] = pipe.stage_mesh.axis_names
+    if again:
+        pipe.reset()
+        out["again"] = compare(pipe, pipe.step(input_ids=ids, labels=labels), losses[mine], grads)
+    return out
 
 
 def schedules_on_4() -> dict[str, Any]:
@@ -162,7 +171,7 @@ def schedules_on_4() -> dict[str, Any]:
         out[name]["seconds"] = time.monotonic() - t0
     t0 = time.monotonic()
     pp4 = fd.Mesh.from_torch(pp=4, timeout=60)  # no tp: the stage meshes have no axes
-    out["pp4"] = _one_step(pp4, 8, [0], 0, schedule="1f1b", microbatches=4)
+    out["pp4"] = _one_step(pp4, 8, [0], 0, again=True, schedule="1f1b", microbatches=4)
     out["pp4"]["pp"] = pp4.index(pp4.rank, "pp")
     out["pp4"]["seconds"] = time.monotonic() - t0
     out["clip_adamw"] = clip_and_adamw(mesh)

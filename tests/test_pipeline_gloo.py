@@ -88,6 +88,27 @@ def test_pp4_1f1b_over_8_layers_equals_one_device(on_4: list[dict[str, Any]]) ->
     _check_case(got, layers=8, stages=4)
     assert [r["stages"] for r in got] == [[0], [1], [2], [3]]
     assert len({r["loss"] for r in got}) == 1
+    # pipe.reset() with nothing failed: fresh groups, no gradients, the same step again
+    assert got[0]["stage_axes"] == ("dp",)  # Mesh.from_torch(pp=4) adds dp=1
+    for g, r in enumerate(got):
+        assert r["again"]["loss_err"] <= TOL and r["again"]["grad_err"] <= TOL, (g, r["again"])
+
+
+def test_reset_on_a_simulated_pipeline_is_refused() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    pipe = fd.train.pipeline(LlamaForCausalLM(cfg), fd.Mesh({"pp": 2}))
+    with pytest.raises(fd.PipelineError, match=r"^Pipeline\.reset: a simulated pipeline has no"):
+        pipe.reset()
 
 
 def test_clip_and_adamw_equal_torch_on_one_device(on_4: list[dict[str, Any]]) -> None:
