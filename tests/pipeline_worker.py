@@ -211,7 +211,8 @@ def clip_and_adamw(mesh: fd.Mesh) -> dict[str, Any]:
 def data_parallel_on_8() -> dict[str, Any]:
     """8 ranks, pp2 x dp2 x tp2: each dp rank its own batch, gradients reduced over dp by
     ``Pipeline.data_parallel``: the mean over the dp ranks of each one's whole-batch gradient;
-    under 1f1b and under interleaved 1f1b with sequence parallelism."""
+    under 1f1b and under interleaved 1f1b with sequence parallelism; then a second step that
+    accumulates (no ``zero_grad``)."""
     _setup()
     mesh = fd.Mesh.from_torch(pp=2, dp=2, tp=2, timeout=90)
     dp = mesh.index(mesh.rank, "dp")
@@ -223,12 +224,19 @@ def data_parallel_on_8() -> dict[str, Any]:
         t0 = time.monotonic()
         model = tiny_llama(4, seed=3)
         losses, grads = reference(model, [10, 11])
+        later, grads2 = reference(model, [12, 13])
         pipe = fd.train.pipeline(model, mesh, microbatches=4, **kw)
         pipe.data_parallel("dp")
         ids, labels = batch(10 + dp)
         loss = pipe.step(input_ids=ids, labels=labels)
         out[name] = {**compare(pipe, loss, losses[dp], grads), "model": sorted(grads)}
         out[name]["other_loss"] = losses[1 - dp]
+        # a second step without zero_grad: the two steps' dp-mean gradients add up (the
+        # reduction must not average what an earlier step already reduced in again, nor miss it)
+        ids, labels = batch(12 + dp)
+        loss = pipe.step(input_ids=ids, labels=labels)
+        total = {n: grads[n] + grads2[n] for n in grads}
+        out[name]["accumulated"] = compare(pipe, loss, later[dp], total)
         out[name]["seconds"] = time.monotonic() - t0
     return out
 

@@ -133,14 +133,18 @@ def test_pp2_dp2_tp2_data_parallel_is_the_mean_over_dp_ranks(
     on_8: list[dict[str, Any]], case: str, stages: int
 ) -> None:
     """Each dp rank its own batch: the loss is this rank's batch's, the gradient the mean of the
-    two batches' (checked against the mean, to 1e-9, so a missing reduction fails)."""
+    two batches' (checked against the mean, to 1e-9, so a missing reduction fails); a second
+    step without ``zero_grad`` adds its dp-mean gradient to the first's."""
     got = [r[case] for r in on_8]
     _check_case(got, layers=4, stages=stages)
     assert [(r["pp"], r["dp"]) for r in on_8] == [
         (p, d) for p in (0, 1) for d in (0, 1) for _ in "tp"
     ]
-    for r in got:
+    for g, r in enumerate(got):
         assert abs(r["loss"] - r["other_loss"]) > 1e-3  # the dp ranks' data differ
+        # a second step accumulates: the sum of the two steps' dp-mean gradients
+        acc = r["accumulated"]
+        assert acc["loss_err"] <= TOL and acc["grad_err"] <= TOL, (g, acc)
 
 
 # ----------------------------------------------------------------------------- faults
