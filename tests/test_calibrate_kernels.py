@@ -95,7 +95,8 @@ class _Block(nn.Module):
         self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+        y: torch.Tensor = x + self.down(F.gelu(self.up(self.norm(x))))
+        return y
 
 
 def _steps() -> list[tuple[nn.Module, torch.Tensor]]:
@@ -104,7 +105,7 @@ def _steps() -> list[tuple[nn.Module, torch.Tensor]]:
 
 
 def _run(model: nn.Module, x: torch.Tensor) -> None:
-    model(x).sum().backward()  # type: ignore[no-untyped-call]
+    model(x).sum().backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -190,7 +191,7 @@ def _moe_step(
             g, u = F.linear(rows, gu[i]).chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, dn[i])
 
-        out = M.moe(x, r.weights, r.experts, expert, mesh, "ep", E, strategy=strategy).out
+        out = M.moe(x, r.weights, r.experts, expert, mesh, "ep", E, strategy=strategy).out  # type: ignore[arg-type]
         out.sum().backward()  # type: ignore[no-untyped-call]
 
     def new(*shape: int) -> torch.Tensor:
