@@ -265,12 +265,12 @@ def faults_on_4() -> dict[str, Any]:
 
     1. the ranks build different schedules (4 micro-batches on pp=0, 2 on pp=1): the pp=1 ranks
        raise at their first receive (the header names the other schedule), their peers at once;
-       ``mesh.reset()`` on every rank and the next step equals one device; likewise for the same
+       ``reset()`` on every rank and the next step equals one device; likewise for the same
        counts over another layer split;
-    2. one rank of stage 1 (pp=1, tp=1) raises in its second forward: its stage peer times out
-       in the stage's collective, the pp=0 ranks in their receive, naming the micro-batch, the
-       stage and the peer; ``pipe.reset()`` (the mesh and the stage mesh) on every rank and the
-       next step equals one device.
+    2. one rank of stage 1 (pp=1, tp=1) raises in its second forward, which drops the groups of
+       the mesh and of its stage mesh: its stage peer and the pp=0 ranks raise at once (no
+       timeout), in their receive (naming the micro-batch, the stage and the peer) or in the
+       stage's collective; ``pipe.reset()`` on every rank and the next step equals one device.
     """
     _setup()
     out: dict[str, Any] = {}
@@ -291,7 +291,7 @@ def faults_on_4() -> dict[str, Any]:
     out["mismatch"] = timed(lambda: bad.step(input_ids=ids, labels=labels))
     meet("mismatch")
     t0 = time.monotonic()
-    mesh.reset()
+    bad.reset()  # the mesh and the stage mesh (the failed step dropped both)
     out["mismatch_reset"] = time.monotonic() - t0
     loss = pipe.step(input_ids=ids, labels=labels)
     out["after_mismatch"] = compare(pipe, loss, losses[0], grads)
@@ -303,7 +303,7 @@ def faults_on_4() -> dict[str, Any]:
     )
     out["split"] = timed(lambda: split.step(input_ids=ids, labels=labels))
     meet("split")
-    mesh.reset()
+    split.reset()
 
     # 2. one rank of a stage raises mid-step
     if (pp, tp) == (1, 1):

@@ -157,7 +157,7 @@ def test_ranks_with_different_schedules_raise_and_recover(faults: list[dict[str,
     """4 micro-batches on pp=0, 2 on pp=1: the pp=1 ranks raise at their first receive (the
     header says the sender's pipeline), dropping the groups so that the pp=0 ranks raise at
     once too (in the receive of the first gradient, or a send of the warm-up's activations);
-    none hangs until the timeout or computes on. Then ``mesh.reset()`` and a step equal to one
+    none hangs until the timeout or computes on. Then ``reset()`` and a step equal to one
     device. The same for pipelines of equal counts over different layer splits."""
     for g, r in enumerate(faults):
         e = r["mismatch"]
@@ -190,31 +190,33 @@ def test_ranks_with_different_schedules_raise_and_recover(faults: list[dict[str,
 def test_a_stage_rank_that_raises_mid_step_is_named_and_pipe_reset_recovers(
     faults: list[dict[str, Any]],
 ) -> None:
-    """Rank 3 (pp=1, tp=1) raises in its second forward: rank 2, its stage peer, times out in the
-    stage's collective; ranks 0 and 1 time out in their receive of micro-batch 1's (or 0's)
-    gradient from stage 1, naming it and the peer; all within the mesh's timeout and the roll
-    call. Then ``pipe.reset()`` on every rank (``mesh.reset()`` alone leaves rank 2's stage mesh
-    broken) and a step equal to one device."""
+    """Rank 3 (pp=1, tp=1) raises in its second forward, and drops the groups of the mesh and of
+    its stage mesh on the way out: its peers raise a fastdist error at once, not at the mesh's
+    timeout. Ranks 0 and 1 are in their receive of a gradient from stage 1 (naming it and the
+    peer) or, when their own pp peer dropped the groups first, in a transfer or a collective of
+    a mesh already dropped (naming this step's failure); rank 2, the stage peer, in the stage's
+    collective or a transfer. Then ``pipe.reset()`` on every rank (``mesh.reset()`` alone leaves
+    the stage mesh broken) and a step equal to one device."""
     assert faults[3]["raised"]["type"] == "RuntimeError"
     assert faults[3]["raised"]["msg"] == "injected failure in the stage's forward"
     for g in (0, 1, 2):
         e = faults[g]["raised"]
-        assert e["type"] == "CollectiveTimeout", (g, e)
-        assert W.TIMEOUT - 1 < e["elapsed"] < W.TIMEOUT + 6, (g, e)
-        # rank 0's peer along pp is rank 2, itself waiting in stage 1's collective
-        assert f"rank {2 if g == 0 else 3} did not reach this call" in e["msg"], (g, e["msg"])
+        assert e["fastdist"] and e["type"] in ("CommError", "CollectiveTimeout"), (g, e)
+        assert e["elapsed"] < W.TIMEOUT - 1, (g, e)  # no wait for the timeout
+        assert (
+            "the pipeline step failed on this rank" in e["msg"]  # a group dropped by a peer
+            or "micro-batch" in e["msg"]  # the transfer it was in
+            or "slice pp=1" in e["msg"]  # the stage's collective
+        ), (g, e["msg"])
     for g in (0, 1):
-        # micro-batch 0's gradient too, when the raise dropped its send before it went out
-        assert re.match(
-            rf"fastdist\.pipeline recv\(axis='pp'\) on rank {g} \(group ranks \[{g}, {g + 2}\]\): "
-            rf"a peer did not arrive for the gradient of micro-batch [01] from stage 1 \(pp=1, "
-            rf"rank {g + 2}\) for stage 0 within the timeout \({W.TIMEOUT:g} s\)",
-            faults[g]["raised"]["msg"],
-        ), faults[g]["raised"]["msg"]
-    assert faults[2]["raised"]["msg"].startswith(
-        "fastdist.psum(axis='tp') on rank 2 (group ranks [2, 3]): a peer did not arrive for the "
-        "collective (slice pp=1: global ranks [2, 3])"
-    ), faults[2]["raised"]["msg"]
+        msg = faults[g]["raised"]["msg"]
+        if msg.startswith("fastdist.pipeline recv"):
+            assert re.match(
+                rf"fastdist\.pipeline recv\(axis='pp'\) on rank {g} "
+                rf"\(group ranks \[{g}, {g + 2}\]\).*the gradient of micro-batch [01] "
+                rf"from stage 1 \(pp=1, rank {g + 2}\) for stage 0",
+                msg,
+            ), msg
     for g, r in enumerate(faults):
         after = r["after_raised"]
         assert after["loss_err"] <= TOL and after["grad_err"] <= TOL, (g, after)

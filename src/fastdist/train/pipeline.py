@@ -436,7 +436,7 @@ class _Ranks:
                 self.ac.rank,
                 problem,
                 "build the Pipeline with the same schedule, micro-batches, virtual stages and "
-                "layers_per_stage on every rank; then mesh.reset() on every rank",
+                "layers_per_stage on every rank; then pipe.reset() on every rank",
             )
         out = torch.empty(
             [int(v) for v in head[_SHAPE : _SHAPE + ndim].tolist()],
@@ -651,8 +651,9 @@ class Pipeline:
 
     def reset(self) -> None:
         """Recover on real ranks after a failed step (a `CommError`, a `CollectiveTimeout`, or
-        an error one rank raised while its peers waited): ``mesh.reset()`` and the stage mesh's
-        ``reset()``, then drop the gradients. Call it on **every** rank, then redo the step.
+        any error one rank raised mid-step, which drops the mesh's and the stage mesh's groups
+        so that its peers fail at once): ``mesh.reset()`` and the stage mesh's ``reset()``,
+        then drop the gradients. Call it on **every** rank, then redo the step.
 
         ``mesh.reset()`` alone is not enough: a failure can leave the ranks of one stage at
         different points (one got its gradient and went on into the backward's collectives
@@ -877,6 +878,15 @@ class Pipeline:
                 self.events.append(Event(me, a.kind, m, j, start, end))
             ranks.finish()
             self.span = time.perf_counter() - t0
+        except Exception as e:
+            # peers wait on this rank's transfers and its stage's collectives: drop the groups of
+            # both meshes so that they fail now, not at their timeout (a fastdist error dropped
+            # only the groups of the mesh it happened on)
+            why = f"the pipeline step failed on this rank ({type(e).__name__}: {e})"
+            for held in (self.mesh, self.stage_mesh):
+                if held._comm is not None and held._comm.broken is None:
+                    held._comm.abandon(why)
+            raise
         finally:
             ranks.pending.clear()
         from ..collectives import broadcast
