@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -180,6 +181,20 @@ def _models(quick: bool) -> dict[str, Any]:
     }
 
 
+def _median_model(models: list[Any]) -> Any:
+    """One model from several ``calibrate_kernels`` results: each kernel's median time (over the
+    models that timed it) and the median overhead."""
+    times: dict[str, list[float]] = {}
+    for m in models:
+        for k, t in m.kernel_times:
+            times.setdefault(k, []).append(t)
+    return dataclasses.replace(
+        models[0],
+        kernel_times=tuple((k, statistics.median(v)) for k, v in times.items()),
+        kernel_overhead=statistics.median(m.kernel_overhead for m in models),
+    )
+
+
 def _loss(pm: Any, inputs: dict[str, Any]) -> torch.Tensor:
     if "x" in inputs:
         return pm(inputs["x"]).sum()  # trace_model's backward of a tensor output: its sum
@@ -248,41 +263,45 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
         for _ in range(1 if quick else 2):
             dist.barrier()
             c["step"]()
-    # the traced steps' own kernels, timed on this job just before the rounds
+    profiles = [c["profile"] for c in cases]
+    # the traced steps' own kernels, timed on this job just before the rounds (once, as a user
+    # would) ...
     t0 = time.perf_counter()
-    kmodel = calibrate_kernels(
-        cal_mesh, [c["profile"] for c in cases], model, reps=2 if quick else 5
-    )
+    before = calibrate_kernels(cal_mesh, profiles, model, reps=2 if quick else 5)
     kernels_s = time.perf_counter() - t0
-    if out and dist.get_rank() == 0:
-        kmodel.save(Path(out) / "cost_model_kernels.json")
-    for c in cases:
-        dp_axis = "dp" if c.pop("dp") > 1 else None
-        prof, bound = c.pop("profile"), c.pop("bound_profile")
-        pred = predict(prof, kmodel, data_parallel=dp_axis, bucket_mb=25.0)
-        generic = predict(prof, model, data_parallel=dp_axis, bucket_mb=25.0)
-        c.update(
-            predicted_ms=pred.time * 1e3,
-            compute_ms=pred.compute * 1e3,
-            exposed_ms=pred.exposed * 1e3,
-            comm_ms=pred.comm * 1e3,
-            memory_MB=pred.memory.total / 1e6 if pred.memory else 0.0,
-            generic_ms=generic.time * 1e3,
-            bound_ms=(
-                predict(bound, kmodel, data_parallel=dp_axis, bucket_mb=25.0).time * 1e3
-                if bound is not None
-                else None
-            ),
-        )
+    # ... and once more in every round, before its steps: the same load as the measurements
     times = torch.zeros(rounds, len(cases), dtype=torch.float64)
     load = [os.getloadavg()[0]]
+    per_round = []
     for r in range(rounds):
+        per_round.append(calibrate_kernels(cal_mesh, profiles, model, reps=1))
         for i, c in enumerate(cases):
             dist.barrier()
             t = time.perf_counter()
             c["step"]()
             times[r, i] = time.perf_counter() - t
         load.append(os.getloadavg()[0])
+    kmodel = _median_model(per_round)
+    if out and dist.get_rank() == 0:
+        kmodel.save(Path(out) / "cost_model_kernels.json")
+    for c in cases:
+        dp_axis = "dp" if c.pop("dp") > 1 else None
+        prof, bound = c.pop("profile"), c.pop("bound_profile")
+        pred = predict(prof, kmodel, data_parallel=dp_axis, bucket_mb=25.0)
+        c.update(
+            predicted_ms=pred.time * 1e3,
+            compute_ms=pred.compute * 1e3,
+            exposed_ms=pred.exposed * 1e3,
+            comm_ms=pred.comm * 1e3,
+            memory_MB=pred.memory.total / 1e6 if pred.memory else 0.0,
+            before_ms=predict(prof, before, data_parallel=dp_axis, bucket_mb=25.0).time * 1e3,
+            generic_ms=predict(prof, model, data_parallel=dp_axis, bucket_mb=25.0).time * 1e3,
+            bound_ms=(
+                predict(bound, kmodel, data_parallel=dp_axis, bucket_mb=25.0).time * 1e3
+                if bound is not None
+                else None
+            ),
+        )
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # each round: the slowest rank
     rows = []
     for i, c in enumerate(cases):
@@ -302,6 +321,7 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
         "kernels_s": kernels_s,
         "kernels": len(kmodel.kernel_times),
         "kernel_overhead": kmodel.kernel_overhead,
+        "kernel_overhead_before": before.kernel_overhead,
         "load": load,
         "model": json.loads(model.to_json()),
     }
@@ -314,8 +334,9 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
         f"{world} gloo processes (1 thread each) on this machine; calibrate took "
         f"{res['calibrate_s']:.1f} s: matmul {m['flops'] / 1e9:.1f} GFLOP/s per rank, "
         f"{m['memory_bandwidth'] / 1e9:.1f} GB/s, {m['kernel_latency'] * 1e6:.1f} us per kernel; "
-        f"calibrate_kernels took {res['kernels_s']:.1f} s: {res['kernels']} distinct kernels, "
-        f"{res['kernel_overhead'] * 1e6:.1f} us overhead per kernel; "
+        f"calibrate_kernels before the rounds took {res['kernels_s']:.1f} s: "
+        f"{res['kernels']} distinct kernels, {res['kernel_overhead_before'] * 1e6:.1f} us "
+        f"overhead per kernel (in the rounds, median: {res['kernel_overhead'] * 1e6:.1f} us); "
         f"{rounds} interleaved rounds; 1-minute load average during the rounds "
         f"{min(res['load']):.1f}-{max(res['load']):.1f}",
         "",
@@ -329,6 +350,7 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
         worst = max(abs(r["measured_ms"] / r["predicted_ms"] - 1) for r in sub)
         ratios = [r["measured_ms"] / r["predicted_ms"] for r in sub]
         generic = [r["measured_ms"] / r["generic_ms"] for r in sub]
+        once = [r["measured_ms"] / r["before_ms"] for r in sub]
         summary[mname] = {
             "ranking_agrees": [r["layout"] for r in by_pred] == [r["layout"] for r in by_meas],
             "predicted_best": by_pred[0]["layout"],
@@ -338,6 +360,8 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
             "within_30": sum(abs(x - 1) <= 0.3 for x in ratios),
             "ratios": [min(ratios), max(ratios)],
             "generic_ratios": [min(generic), max(generic)],
+            "before_ratios": [min(once), max(once)],
+            "before_within_30": sum(abs(x - 1) <= 0.3 for x in once),
         }
         has_bound = any(r.get("bound_ms") for r in sub)
         lines += [
@@ -345,9 +369,10 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
             "",
             "| layout | predicted ms (compute + exposed comm) | measured ms, median [min-max] "
             "| measured / predicted | rank predicted | rank measured | memory/rank MB "
-            "| measured / predicted with calibrate's rates only"
+            "| measured / predicted, kernels timed once before the rounds "
+            "| measured / predicted, calibrate's rates only"
             + (" | measured / predicted, MoE upper bound |" if has_bound else " |"),
-            "|---|---|---|---|---|---|---|---|" + ("---|" if has_bound else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if has_bound else ""),
         ]
         for r in sub:
             lines.append(
@@ -355,13 +380,15 @@ def _report(res: dict[str, Any], world: int, rounds: int) -> tuple[str, dict[str
                 f"{r['exposed_ms']:.1f}) | {r['measured_ms']:.1f} [{r['min_ms']:.1f}-"
                 f"{r['max_ms']:.1f}] | {r['measured_ms'] / r['predicted_ms']:.2f} | "
                 f"{by_pred.index(r) + 1} | {by_meas.index(r) + 1} | {r['memory_MB']:.1f} | "
+                f"{r['measured_ms'] / r['before_ms']:.2f} | "
                 f"{r['measured_ms'] / r['generic_ms']:.2f} |"
                 + (f" {r['measured_ms'] / r['bound_ms']:.2f} |" if has_bound else "")
             )
         s = summary[mname]
         lines += [
             "",
-            f"within +-30%: {s['within_30']} of {len(sub)}; ranking agrees: "
+            f"within +-30%: {s['within_30']} of {len(sub)} (kernels timed once before the "
+            f"rounds: {s['before_within_30']}); ranking agrees: "
             f"{s['ranking_agrees']}; predicted best {s['predicted_best']}, "
             f"measured best {s['measured_best']} (the predicted best is "
             f"{100 * s['best_gap']:.0f}% slower than the measured best); largest "
