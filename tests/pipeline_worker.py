@@ -332,3 +332,26 @@ def stage_exits(out_dir: str) -> None:
         _fails_at(pipe, 1, lambda: os._exit(3))
     got = timed(lambda: pipe.step(input_ids=ids, labels=labels))
     torch.save({"pp": pp, **got}, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+
+
+def shapes_change_on_2() -> list[dict[str, Any]]:
+    """pp=2, 1f1b: steps over batches of sequence lengths 8, 8, 6, 8 (the first step of each
+    input shape sends every transfer's header, the others only the tensors); each step alone
+    (gradients dropped between) against one device."""
+    _setup()
+    mesh = fd.Mesh.from_torch(pp=2, timeout=60)
+    model = tiny_llama(4, seed=2)
+    pipe = fd.train.pipeline(copy.deepcopy(model), mesh, schedule="1f1b", microbatches=2)
+    out = []
+    for seq in (8, 8, 6, 8):
+        ids, labels = (t[:, :seq] for t in batch(seq))
+        ref = copy.deepcopy(model)
+        ref_loss = loss_by_hand(ref, ids, labels)
+        ref_loss.backward()
+        pipe.zero_grad()
+        loss = pipe.step(input_ids=ids, labels=labels)
+        out.append(
+            compare(pipe, loss, ref_loss.item(), {n: p.grad for n, p in ref.named_parameters()})
+        )
+        out[-1]["headers_known"] = len(pipe._ranks.known) + len(pipe._ranks.sent)
+    return out

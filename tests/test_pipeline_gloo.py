@@ -94,6 +94,18 @@ def test_pp4_1f1b_over_8_layers_equals_one_device(on_4: list[dict[str, Any]]) ->
         assert r["again"]["loss_err"] <= TOL and r["again"]["grad_err"] <= TOL, (g, r["again"])
 
 
+def test_steps_of_new_input_shapes_send_headers_again() -> None:
+    """The first step with an input shape sends each transfer's header and the next ones only
+    the tensors: steps of sequence length 8, 8, 6, 8 all equal one device, and the shapes the
+    headers taught grow only when a new input shape comes (this rank's sends or receives: 2
+    micro-batches x 1 boundary per step shape)."""
+    per_rank = run_on_gloo(W.shapes_change_on_2, 2, timeout=300)
+    for g, steps in enumerate(per_rank):
+        for r in steps:
+            assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (g, r)
+        assert [r["headers_known"] for r in steps] == [4, 4, 8, 8], (g, steps)
+
+
 def test_reset_on_a_simulated_pipeline_is_refused() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -359,6 +359,16 @@ class _Ranks:
         self.index = self.ac.index
         self._backend = select_backend
         self.pending: list[tuple[Any, Tensor, str]] = []  # (work, payload, what it carries)
+        # (step's input signature, kind, micro-batch, stage) -> (shape, dtype) of the transfer,
+        # once its header went (sent) / came (known): the same step shapes move without one
+        self.sent: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}
+        self.known: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}
+        self.signature: Any = None  # the running step's (see Pipeline.step)
+
+    def forget(self) -> None:
+        """Drop what the headers taught (after a failure, with `Pipeline.reset` on every rank)."""
+        self.sent.clear()
+        self.known.clear()
 
     def _group(self, device: torch.device) -> Any:
         return self.ac.comm.group(self.ac, self._backend(device.type), "pipeline")
@@ -386,13 +396,24 @@ class _Ranks:
             f"{micro} from stage {stage - 1 if kind == 'F' else stage + 1} for stage {stage} "
             f"({self.axis}={peer}, rank {self.ac.ranks[peer]})"
         )
-        for payload in (head.to(t.device), t):
+        key = (self.signature, kind, micro, stage)
+        seen = self.sent.get(key)
+        if seen is not None and seen != (tuple(t.shape), t.dtype):
+            raise PipelineError(
+                f"pipeline: stage {stage - 1 if kind == 'F' else stage + 1} hands on a "
+                f"{t.dtype} tensor of shape {tuple(t.shape)} where the same inputs gave "
+                f"{seen[1]} {seen[0]} before. Fix: report this as a fastdist bug"
+            )
+        # the header once per step shapes (tag 2k), then the tensor (tag 2k + 1)
+        payloads = [(t, 2 * tag + 1)] if seen else [(head.to(t.device), 2 * tag), (t, 2 * tag + 1)]
+        for payload, ptag in payloads:
             work = self.ac.run(
                 "pipeline send",
-                lambda p=payload: dist.isend(p, group=group, group_dst=peer, tag=tag),
+                lambda p=payload, g=ptag: dist.isend(p, group=group, group_dst=peer, tag=g),
                 what=what,
             )
             self.pending.append((work, payload, what))
+        self.sent[key] = (tuple(t.shape), t.dtype)
 
     def recv(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> Tensor:
         import torch.distributed as dist
@@ -406,10 +427,22 @@ class _Ranks:
             f"{self.ac.ranks[peer]}) for stage {stage}"
         )
         timeout = self.ac.comm.timeout
+        key = (self.signature, kind, micro, stage)
+        seen = self.known.get(key)
+        if seen is not None:
+            out = torch.empty(seen[0], dtype=seen[1], device=device)
+            self.ac.run(
+                "pipeline recv",
+                lambda: _work(dist.irecv(out, group=group, group_src=peer, tag=2 * tag + 1)).wait(
+                    timeout
+                ),
+                what=what,
+            )
+            return out
         head = torch.empty(_HEADER, dtype=torch.int64, device=device)
         self.ac.run(
             "pipeline recv",
-            lambda: _work(dist.irecv(head, group=group, group_src=peer, tag=tag)).wait(timeout),
+            lambda: _work(dist.irecv(head, group=group, group_src=peer, tag=2 * tag)).wait(timeout),
             what=what,
         )
         k, m, s, code, ndim, *theirs = (int(v) for v in head[:_SHAPE].tolist())
@@ -445,9 +478,12 @@ class _Ranks:
         )
         self.ac.run(
             "pipeline recv",
-            lambda: _work(dist.irecv(out, group=group, group_src=peer, tag=tag)).wait(timeout),
+            lambda: _work(dist.irecv(out, group=group, group_src=peer, tag=2 * tag + 1)).wait(
+                timeout
+            ),
             what=what,
         )
+        self.known[key] = (tuple(out.shape), out.dtype)
         return out
 
     def finish(self) -> None:
@@ -668,6 +704,8 @@ class Pipeline:
         self.mesh.reset()
         if self.stage_mesh.ndim:  # the mesh of no axes has no groups
             self.stage_mesh.reset()
+        assert self._ranks is not None
+        self._ranks.forget()  # the next step's transfers carry their headers again
         self.zero_grad()
 
     # ------------------------------------------------------------------ a step
@@ -690,6 +728,14 @@ class Pipeline:
             rank of the pipeline axis.
         """
         micro = self._micro_batches(batch)
+        if self._ranks is not None:
+            # the first step with these input shapes sends every transfer's header (shape,
+            # dtype, the sender's pipeline); later ones only the tensors
+            self._ranks.signature = tuple(
+                sorted(
+                    (k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, Tensor)
+                )
+            )
         self.events = []
         if self.simulated:
             return self._run_simulated(micro)
