@@ -113,6 +113,7 @@ __all__ = [
     "bus_factor",
     "calibrate",
     "calibrate_kernels",
+    "calibrate_step",
     "layouts",
     "plan",
     "predict",
@@ -2097,6 +2098,78 @@ def calibrate_kernels(
         kernel_times=tuple((k, t) for k, t in zip(keys, times) if math.isfinite(t)),
         kernel_overhead=overhead,
     )
+
+
+def calibrate_step(
+    mesh: Mesh,
+    step: Callable[[], Any],
+    profile: Profile,
+    model: CostModel,
+    *,
+    data_parallel: str | Sequence[str] | None = None,
+    bucket_mb: float = 25.0,
+    reps: int = 5,
+) -> CostModel:
+    """Fit ``model.kernel_overhead`` to one real step of the running job (a collective over
+    ``mesh``'s job).
+
+    ``step()`` runs, on this rank, the step ``profile`` traced: the same model, layout and
+    shapes, with the data-parallel engine ``data_parallel`` and ``bucket_mb`` describe to
+    :func:`predict`. It is called once (warm-up), then ``reps`` times, each after a barrier of
+    the job; the measured step is the slowest rank's median. With ``predicted =
+    predict(profile, model, ...).time`` and ``kernels`` the number of the step's kernels
+    ``model`` has replayed times for (:func:`calibrate_kernels`), the returned model's overhead
+    is ``max(0, model.kernel_overhead + (measured - predicted) / kernels)``: what this model's
+    steps spend beyond their replayed kernels and fitted collectives (the Python of the model
+    and of fastdist's real-rank paths, autograd, host synchronizations), charged per kernel to
+    every layout it then prices. Price other layouts of the same model with it; the layout it
+    was fitted on is no longer a prediction.
+
+    Args:
+        mesh: a mesh over the running job (every rank calls this).
+        step: one step on this rank (forward, backward, the engine's reduction).
+        profile: :func:`trace` (or :func:`trace_model`) of that step on one rank.
+        model: a :func:`calibrate_kernels` model.
+        data_parallel: as for :func:`predict`.
+        bucket_mb: as for :func:`predict`.
+        reps: timed steps.
+
+    Returns:
+        ``model`` with the fitted ``kernel_overhead`` (every rank the same).
+
+    Raises:
+        ProfileError: ``mesh`` is a plain mesh, ``model`` has no kernel times for the step, or
+            ``reps < 1``.
+    """
+    if not isinstance(mesh, Mesh) or mesh.backend is None:
+        raise ProfileError(
+            "calibrate_step",
+            f"{mesh!r} is not a mesh over a running job",
+            "pass Mesh.from_torch(...) inside the job (every rank calls calibrate_step)",
+        )
+    kernels = sum(
+        c[1] for e in profile.events if isinstance(e, Work) for c in e.calls if c[0] in model._times
+    )
+    if kernels == 0 or reps < 1:
+        raise ProfileError(
+            "calibrate_step",
+            f"{model.name!r} has replayed times for {kernels} of the step's kernels (reps={reps})",
+            "call calibrate_kernels(mesh, profile, model) on the step's profile first, reps >= 1",
+        )
+    import torch.distributed as dist
+
+    step()
+    seconds: list[float] = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - t0)
+    measured = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    predicted = predict(profile, model, data_parallel=data_parallel, bucket_mb=bucket_mb).time
+    overhead = model.kernel_overhead + (float(measured) - predicted) / kernels
+    return replace(model, kernel_overhead=max(0.0, overhead))
 
 
 @dataclass(frozen=True)
