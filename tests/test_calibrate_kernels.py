@@ -22,6 +22,7 @@ from fastdist.profile import (
     ProfileError,
     Work,
     calibrate_kernels,
+    calibrate_step,
     predict,
     trace,
 )
@@ -110,7 +111,8 @@ def _run(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def kernel_ranks() -> dict[str, Any]:
-    """On 2 gloo ranks: trace the steps, calibrate their kernels, then time the real steps."""
+    """On 2 gloo ranks: trace the steps, calibrate their kernels interleaved with the real steps;
+    a rank with other profiles; calibrate_step on a step that sleeps."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -146,7 +148,28 @@ def kernel_ranks() -> dict[str, Any]:
         calibrate_kernels(mesh, trace(_run, one, bad[0], bad[1], modules=[bad[0]]), base)
     except ProfileError as e:
         error = str(e)
-    return {"model": models[-1], "ratios": ratios, "error": error}
+    # a step that spends 50 ms beyond its kernels: calibrate_step charges it per kernel
+    m, x = cases[0]
+
+    def slow() -> None:
+        time.sleep(0.05)
+        _run(m, x)
+
+    fitted = calibrate_step(mesh, slow, profs[0], models[-1], reps=3)
+    refused = ""
+    try:
+        calibrate_step(mesh, slow, profs[0], base)
+    except ProfileError as e:
+        refused = str(e)
+    return {
+        "model": models[-1],
+        "ratios": ratios,
+        "error": error,
+        "fitted": fitted,
+        "before_fit": predict(profs[0], models[-1]).time,
+        "after_fit": predict(profs[0], fitted).time,
+        "refused": refused,
+    }
 
 
 def test_calibrate_kernels_predicts_held_out_steps_on_gloo() -> None:
@@ -165,6 +188,11 @@ def test_calibrate_kernels_predicts_held_out_steps_on_gloo() -> None:
     assert len(outside) <= OUTLIERS, ratios
     assert 1 / MEDIAN_FACTOR <= statistics.median(ratios) <= MEDIAN_FACTOR, ratios
     assert "rank 0" in res["error"] and "Fix:" in res["error"], res["error"]
+    # calibrate_step: the 50 ms the step sleeps, charged per kernel (kernel times unchanged)
+    assert res["fitted"].kernel_times == model.kernel_times
+    assert res["before_fit"] < 0.05 <= res["after_fit"] < 0.05 * POINT_FACTOR, res
+    assert all(r["fitted"] == res["fitted"] for r in results)
+    assert "calibrate_kernels" in res["refused"] and "Fix:" in res["refused"], res["refused"]
 
 
 def test_calibrate_kernels_refuses_a_simulated_mesh() -> None:
@@ -172,6 +200,8 @@ def test_calibrate_kernels_refuses_a_simulated_mesh() -> None:
     prof = trace(lambda x: x.sum(), fd.Mesh({"one": 1}), torch.ones(3))
     with pytest.raises(ProfileError, match="Mesh.from_torch"):
         calibrate_kernels(fd.Mesh({"dp": 2}), prof, base)
+    with pytest.raises(ProfileError, match="Mesh.from_torch"):
+        calibrate_step(fd.Mesh({"dp": 2}), lambda: None, prof, base)
 
 
 # ====================================================================== MoE routing
