@@ -250,16 +250,29 @@ def clip_grad_norm_(
     """
     op = "fastdist.nn.clip_grad_norm_"
     total, grads, mesh = _total(model, norm_type, mesh, op)
+    _scale(grads, _coefficient(op, total, max_norm, norm_type, error_if_nonfinite), mesh)
+    return total
+
+
+def _coefficient(
+    op: str, total: Tensor, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> Tensor:
+    """torch's clipping factor ``min(1, max_norm / (total + 1e-6))``; raises for a non-finite
+    norm with ``error_if_nonfinite`` (every rank alike: they hold the same total)."""
     if error_if_nonfinite and not bool(torch.isfinite(total).all()):
         raise RuntimeError(
             f"{op}: the total norm of order {float(norm_type)} of the gradients is non-finite "
             f"({total.tolist()}), so it cannot be clipped. Fix: find the nan/inf gradient, or "
             "pass error_if_nonfinite=False"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _scale(grads: list[Tensor], coef: Tensor, mesh: Mesh) -> None:
+    """Multiply each gradient (an FSDP2 DTensor's local block) by ``coef``: 0-d on real ranks,
+    ``[world]`` (one per rank, along the stacked rank dim) on a simulated mesh."""
     with torch.no_grad():
         for g in grads:
             local = g.to_local() if hasattr(g, "to_local") else g
             c = coef.view(-1, *[1] * (local.dim() - 1)) if mesh.backend is None else coef
             local.mul_(c.to(local.dtype))
-    return total

@@ -610,21 +610,18 @@ class Pipeline:
         replicas once) over the stages: ``(sum of p-th powers) ** (1/p)``, the largest for
         the inf-norm; on real ranks a collective over the whole mesh. Call it after the
         data-parallel reduction (after `step`)."""
+        from ..nn.clip import _coefficient, _scale
+
         total, grads = self._norm(norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total).all()):
-            raise RuntimeError(
-                f"Pipeline.clip_grad_norm_: the total norm of the gradients is non-finite "
-                f"({total.tolist()}). Fix: find the nan/inf gradient, or pass "
-                "error_if_nonfinite=False"
+        op = "Pipeline.clip_grad_norm_"
+        coef = _coefficient(op, total, max_norm, norm_type, error_if_nonfinite)
+        for j, gs in grads.items():
+            # simulated: the factors of the ranks of stage j's rank along the axis
+            _scale(
+                gs,
+                coef.index_select(0, self._stage_rows(j)) if self.simulated else coef,
+                self.stage_mesh,
             )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
-        with torch.no_grad():
-            for j, gs in grads.items():
-                c = coef.index_select(0, self._stage_rows(j)) if self.simulated else coef
-                for g in gs:
-                    local = g.to_local() if hasattr(g, "to_local") else g
-                    k = c.view(-1, *[1] * (local.dim() - 1)) if self.simulated else c
-                    local.mul_(k.to(local.dtype))
         return total
 
     def _norm(self, norm_type: float) -> tuple[Tensor, dict[int, list[Tensor]]]:
