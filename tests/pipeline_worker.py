@@ -355,3 +355,29 @@ def shapes_change_on_2() -> list[dict[str, Any]]:
         )
         out[-1]["headers_known"] = len(pipe._ranks.known) + len(pipe._ranks.sent)
     return out
+
+
+def meta_load_on_4(ckpt: str) -> dict[str, Any]:
+    """pp2 x tp2: a Llama built on the meta device on every rank, split by the pipeline (each
+    rank builds only its stage), ``pipe.load(save_pretrained_dir)`` (each rank reads only its
+    stage's and its tp slices), then a step against one device; and the bytes this rank holds."""
+    from transformers import LlamaForCausalLM
+
+    _setup()
+    model = tiny_llama(4, seed=3)
+    losses, grads = reference(model, [5])
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(model.config)
+    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=60)
+    pipe = fd.train.pipeline(meta, mesh, schedule="1f1b", microbatches=2)
+    was_meta = all(p.is_meta for p in pipe.parameters())
+    pipe.load(ckpt, dtype=F64)
+    ids, labels = batch(5)
+    loss = pipe.step(input_ids=ids, labels=labels)
+    held = sum(p.numel() for p in pipe.parameters())
+    return {
+        **compare(pipe, loss, losses[0], grads),
+        "was_meta": was_meta,
+        "held": held,
+        "whole": sum(p.numel() for p in model.parameters()),
+    }

@@ -106,6 +106,19 @@ def test_steps_of_new_input_shapes_send_headers_again() -> None:
         assert [r["headers_known"] for r in steps] == [4, 4, 8, 8], (g, steps)
 
 
+def test_meta_model_loads_each_stage_and_rank_slices_on_gloo(tmp_path: Any) -> None:
+    """A model built on the meta device on every rank of pp2 x tp2: each rank materialises only
+    its stage's tp slices from save_pretrained output (it holds well under half the model's
+    parameters: its stage's half, split over tp, plus replicated norms and the kv heads), and
+    the step equals one device."""
+    W.tiny_llama(4, seed=3).save_pretrained(tmp_path)
+    per_rank = run_on_gloo(W.meta_load_on_4, 4, str(tmp_path), timeout=300)
+    for g, r in enumerate(per_rank):
+        assert r["was_meta"], g
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (g, r)
+        assert r["held"] < 0.45 * r["whole"], (g, r["held"], r["whole"])
+
+
 def test_reset_on_a_simulated_pipeline_is_refused() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
