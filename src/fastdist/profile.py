@@ -2479,20 +2479,7 @@ def predict(
         nbytes = sum(profile.params[i].bytes for i in buckets[b])
         dtype = profile.params[buckets[b][0]].dtype
         t += work(Work("backward", 0.0, 1, 2.0 * nbytes))  # pack
-        r = Record(
-            op="psum",
-            axis="+".join(dp),
-            n=n_dp,
-            kind="allreduce",
-            size=nbytes,
-            bus_bytes=nbytes * bus_factor("allreduce", n_dp),
-            steps=_steps("allreduce", n_dp),
-            phase="backward",
-            module="DataParallel",
-            dtype=dtype,
-            shape=(nbytes // dtype.itemsize,),
-        )
-        channel = max(channel, t) + collective(r)
+        channel = max(channel, t) + collective(_bucket_record(nbytes, dtype, dp, n_dp))
 
     events: tuple[Work | Record | GradReady, ...] = profile.events or profile.records
     last = max(
@@ -2795,6 +2782,23 @@ def _predict_pipeline(
     )
 
 
+def _bucket_record(nbytes: int, dtype: torch.dtype, dp: tuple[str, ...], n_dp: int) -> Record:
+    """The all-reduce of one `fastdist.train.DataParallel` bucket of ``nbytes`` over ``dp``."""
+    return Record(
+        op="psum",
+        axis="+".join(dp),
+        n=n_dp,
+        kind="allreduce",
+        size=nbytes,
+        bus_bytes=nbytes * bus_factor("allreduce", n_dp),
+        steps=_steps("allreduce", n_dp),
+        phase="backward",
+        module="DataParallel",
+        dtype=dtype,
+        shape=(nbytes // dtype.itemsize,),  # the bucket's flat buffer
+    )
+
+
 def _reduce_overlapped(
     params: Sequence[Param],
     start: float,
@@ -2824,19 +2828,7 @@ def _reduce_overlapped(
         nbytes = sum(params[i].bytes for i in bucket)
         dtype = params[bucket[0]].dtype
         done += nbytes
-        r = Record(
-            op="psum",
-            axis="+".join(dp),
-            n=n_dp,
-            kind="allreduce",
-            size=nbytes,
-            bus_bytes=nbytes * bus_factor("allreduce", n_dp),
-            steps=_steps("allreduce", n_dp),
-            phase="backward",
-            module="DataParallel",
-            dtype=dtype,
-            shape=(nbytes // dtype.itemsize,),
-        )
+        r = _bucket_record(nbytes, dtype, dp, n_dp)
         dt = network.collective_time(r, sizes, [names.index(a) for a in dp])
         channel = max(channel, start + (end - start) * done / max(total, 1)) + dt
         reduced += dt
