@@ -143,6 +143,11 @@ def _worker(
         Path(out).write_text(json.dumps(agg))
     dist.barrier()
     dist.destroy_process_group()
+    # exit without the interpreter's teardown: torch's native gloo threads can abort in their
+    # static destructors after everything is done (SIGABRT at exit, seen in CI)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

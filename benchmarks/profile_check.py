@@ -115,6 +115,11 @@ def _worker(
         dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    # exit without the interpreter's teardown: torch's native gloo threads can abort in their
+    # static destructors after everything is done (SIGABRT at exit, seen in CI)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fit(calibration: list[dict[str, Any]]) -> Link:

@@ -1023,12 +1023,14 @@ def pipeline(
     ...                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
     >>> model = LlamaForCausalLM(cfg).double()
     >>> ids = torch.randint(0, 64, (4, 8))
-    >>> one_device = model(input_ids=ids, labels=ids).loss
+    >>> logits = model(input_ids=ids).logits                  # one device, float64
+    >>> one_device = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64),
+    ...                                                 ids[:, 1:].reshape(-1))
     >>> mesh = fd.Mesh({"pp": 2, "tp": 2})
     >>> pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
     >>> loss = pipe.step(input_ids=ids.expand(4, 4, 8), labels=ids.expand(4, 4, 8))
-    >>> bool(torch.allclose(loss, one_device.detach()))
-    True
+    >>> loss.dtype, bool(torch.allclose(loss, one_device.detach(), rtol=1e-12, atol=0))
+    (torch.float64, True)
     """
     if not isinstance(mesh, Mesh):
         raise PipelineError(f"pipeline: mesh={mesh!r} is not a fastdist.Mesh. Fix: pass one")
