@@ -680,3 +680,19 @@ def test_bad_step_input_raises(pipe22: Any, inputs: Any, fragments: list[str]) -
     for f in fragments:
         assert f in msg, (f, msg)
     assert "Fix:" in msg
+
+
+def test_dropout_in_training_mode_is_refused_as_on_a_parallel_model() -> None:
+    """A stage in training mode with dropout would draw different masks on the ranks of a tp
+    group (silently diverging): the step raises as `ParallelModel.__call__` does; in eval mode
+    it runs."""
+    model = transformers.LlamaForCausalLM(llama_config(4, attention_dropout=0.1)).to(F64).train()
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    ids, labels = make_batch(3)
+    with pytest.raises(fd.nn.ParallelizeError, match="training mode with dropout"):
+        pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    assert pipe.eval() is pipe and not any(pm.module.training for pm in pipe.stages.values())
+    loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    assert torch.isfinite(loss).all()
+    assert all(m.training for pm in pipe.train().stages.values() for m in pm.module.modules())

@@ -128,13 +128,6 @@ class ParallelModel:
         (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped
         there (``use_cache=False`` unless asked). On real ranks the model's output is returned as
         is."""
-        if self.module.training and self._dropout:
-            raise ParallelizeError(
-                f"{type(self.module).__name__} is in training mode with dropout "
-                f"({', '.join(self._dropout[:4])}): the ranks of a tensor-parallel group would "
-                "draw different masks for activations they must hold equal, and diverge silently. "
-                "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
-            )
         return self._call(args, kwargs)
 
     def _call(
@@ -143,6 +136,13 @@ class ParallelModel:
         """``__call__``'s work; ``per_rank`` tensors go to the module's ``forward`` as they are
         (on a simulated mesh: one slice per rank, not checked against the plan's groups; a
         pipeline stage's input activation)."""
+        if self.module.training and self._dropout:
+            raise ParallelizeError(
+                f"{type(self.module).__name__} is in training mode with dropout "
+                f"({', '.join(self._dropout[:4])}): the ranks of a tensor-parallel group would "
+                "draw different masks for activations they must hold equal, and diverge silently. "
+                "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
+            )
         if self._wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
             return self._wrapped(*args, **kwargs, **per_rank)
         if not self.simulated:

@@ -677,6 +677,18 @@ class Pipeline:
             ]
         )
 
+    def train(self, mode: bool = True) -> Pipeline:
+        """Put every stage held here in training mode (``mode=False``: eval), as
+        ``nn.Module.train`` does; returns the pipeline. (The model given to `pipeline` is not
+        the stages: its ``train()`` / ``eval()`` do not reach their copies of its skeleton.)"""
+        for pm in self.stages.values():
+            pm.module.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """``train(False)``: every stage held here in eval mode (dropout off)."""
+        return self.train(False)
+
     def zero_grad(self) -> None:
         """Drop every gradient of the stages held here (``grad = None``)."""
         for p in self.parameters():
