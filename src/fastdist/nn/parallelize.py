@@ -252,13 +252,12 @@ class ParallelModel:
             device: where parameters still on the meta device get their storage (default cpu).
             dtype: the dtype of floating-point meta parameters (default: their own).
         """
-        if (device is not None or dtype is not None) and not meta_names(self.module):
-            raise ParallelizeError(
-                f"ParallelModel.load: device={device!r} / dtype={dtype!r} choose where tensors on "
-                f"the meta device get their storage, but {type(self.module).__name__} has none on "
-                "the meta device. Fix: drop them (the checkpoint is converted to the parameters' "
-                "own device and dtype)"
-            )
+        self._need_meta_for(
+            "ParallelModel.load",
+            device,
+            dtype,
+            "the checkpoint is converted to the parameters' own device and dtype",
+        )
         if rename is None and not isinstance(source, Mapping):
             # a checkpoint with one tensor per expert (transformers' save_pretrained of Mixtral,
             # Qwen2/3-MoE, OLMoE, DeepSeek): read under the model's fused 3-D names, by slices
@@ -331,13 +330,12 @@ class ParallelModel:
         buffer no init writes, an init that cannot run on the meta device or uses values from
         before any init, and for ``device``/``dtype`` with nothing on the meta device.
         """
-        if (device is not None or dtype is not None) and not meta_names(self.module):
-            raise ParallelizeError(
-                f"ParallelModel.init_weights: device={device!r} / dtype={dtype!r} choose where "
-                f"tensors on the meta device get their storage, but {type(self.module).__name__} "
-                "has none on the meta device. Fix: drop them (tensors with storage are "
-                "initialised where they are)"
-            )
+        self._need_meta_for(
+            "ParallelModel.init_weights",
+            device,
+            dtype,
+            "tensors with storage are initialised where they are",
+        )
         original = self._original_for("ParallelModel.init_weights", ParallelizeError)
         try:
             steps = init_steps(original)
@@ -461,6 +459,15 @@ class ParallelModel:
                 "Fix: a model that copy.deepcopy can copy"
             )
         return original
+
+    def _need_meta_for(self, op: str, device: Any, dtype: Any, instead: str) -> None:
+        """``device`` / ``dtype`` place what is on the meta device: refused when nothing is."""
+        if (device is not None or dtype is not None) and not meta_names(self.module):
+            raise ParallelizeError(
+                f"{op}: device={device!r} / dtype={dtype!r} choose where tensors on the meta "
+                f"device get their storage, but {type(self.module).__name__} has none on the meta "
+                f"device. Fix: drop them ({instead})"
+            )
 
     def _settle_meta(self) -> None:
         """Drop the call guard once nothing is left on the meta device."""
