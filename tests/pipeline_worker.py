@@ -354,6 +354,11 @@ def shapes_change_on_2() -> list[dict[str, Any]]:
             compare(pipe, loss, ref_loss.item(), {n: p.grad for n, p in ref.named_parameters()})
         )
         out[-1]["headers_known"] = len(pipe._ranks.known) + len(pipe._ranks.sent)
+    # the two ranks along pp given different masks: both refuse the step (no transfer yet)
+    ids, labels = batch(8)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0 if mesh.rank == 1 else 1
+    out.append(timed(lambda: pipe.step(input_ids=ids, labels=labels, attention_mask=mask)))
     return out
 
 

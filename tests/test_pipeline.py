@@ -696,3 +696,55 @@ def test_dropout_in_training_mode_is_refused_as_on_a_parallel_model() -> None:
     loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     assert torch.isfinite(loss).all()
     assert all(m.training for pm in pipe.train().stages.values() for m in pm.module.modules())
+
+
+def test_the_model_given_to_pipeline_refuses_calls() -> None:
+    """Its layers belong to the stages now (parallelized in place): calling it raises, naming
+    the fix (and the optimizer rule)."""
+    model = llama(4)
+    fd.train.pipeline(model, fd.Mesh({"pp": 2, "tp": 2}), schedule="1f1b", microbatches=2)
+    ids, _ = make_batch(1)
+    with pytest.raises(PipelineError, match=r"taken apart.*pipe\.parameters\(\)"):
+        model(input_ids=ids)
+
+
+def test_different_inputs_along_pp_are_refused() -> None:
+    """Every stage reads its own copy of the batch: copies that differ along pp (here the
+    attention mask of the pp=1 ranks) would mix two batches into one loss, so the step refuses;
+    differing along tp is refused by the stage's own check."""
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    pipe = fd.train.pipeline(llama(4), mesh, schedule="1f1b", microbatches=2)
+    ids, labels = make_batch(2)
+    mask = rep(torch.ones_like(ids), mesh).clone()
+    mask[2:, 0, :3] = 0  # ranks 2, 3 (pp=1)
+    with pytest.raises(PipelineError, match="ranks along 'pp' were given different attention_mask"):
+        pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh), attention_mask=mask)
+    other = rep(labels, mesh).clone()
+    other[3, 1, 4] = (other[3, 1, 4] + 1) % VOCAB
+    with pytest.raises(PipelineError, match="different labels"):
+        pipe.step(input_ids=rep(ids, mesh), labels=other)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"attention_mask": "no rank dim"}, "attention_mask of shape"),
+        ({"attention_mask": "short"}, "attention_mask of shape"),
+        ({"position_ids": "short"}, "position_ids of shape"),
+        ({"input_ids": "float"}, "input_ids of dtype torch.float64"),
+    ],
+)
+def test_inputs_of_the_wrong_shape_or_dtype_are_refused(bad: dict[str, str], match: str) -> None:
+    mesh = fd.Mesh({"pp": 2})
+    pipe = fd.train.pipeline(llama(4), mesh, schedule="1f1b", microbatches=2)
+    ids, labels = make_batch(2)
+    kw: dict[str, Any] = {"input_ids": rep(ids, mesh), "labels": rep(labels, mesh)}
+    (key, how) = next(iter(bad.items()))
+    if how == "no rank dim":
+        kw[key] = torch.ones_like(ids)
+    elif how == "short":
+        kw[key] = rep(torch.ones_like(ids), mesh)[..., :6]
+    else:
+        kw[key] = kw[key].to(F64)
+    with pytest.raises(PipelineError, match=match):
+        pipe.step(**kw)

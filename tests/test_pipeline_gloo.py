@@ -98,12 +98,15 @@ def test_steps_of_new_input_shapes_send_headers_again() -> None:
     """The first step with an input shape sends each transfer's header and the next ones only
     the tensors: steps of sequence length 8, 8, 6, 8 all equal one device, and the shapes the
     headers taught grow only when a new input shape comes (this rank's sends or receives: 2
-    micro-batches x 1 boundary per step shape)."""
+    micro-batches x 1 boundary per step shape). Then ranks given different masks refuse."""
     per_rank = run_on_gloo(W.shapes_change_on_2, 2, timeout=300)
-    for g, steps in enumerate(per_rank):
+    for g, (*steps, mixed) in enumerate(per_rank):
         for r in steps:
             assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (g, r)
         assert [r["headers_known"] for r in steps] == [4, 4, 8, 8], (g, steps)
+        # then the two ranks get different attention masks: both refuse, naming the input
+        assert mixed["type"] == "PipelineError", (g, mixed)
+        assert "the ranks along 'pp' were given different attention_mask" in mixed["msg"], mixed
 
 
 def test_meta_model_loads_each_stage_and_rank_slices_on_gloo(tmp_path: Any) -> None:

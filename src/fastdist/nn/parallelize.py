@@ -136,12 +136,18 @@ class ParallelModel:
         """``__call__``'s work; ``per_rank`` tensors go to the module's ``forward`` as they are
         (on a simulated mesh: one slice per rank, not checked against the plan's groups; a
         pipeline stage's input activation)."""
-        if self.module.training and self._dropout:
+        if self.module.training and self._dropout and (self._axes or self.simulated):
+            why = (
+                "the ranks of a tensor-parallel group would draw different masks for activations "
+                "they must hold equal, and diverge silently"
+                if self._axes
+                else "simulated ranks run every rank at once under torch.vmap, which draws no "
+                "per-rank random masks"
+            )
             raise ParallelizeError(
                 f"{type(self.module).__name__} is in training mode with dropout "
-                f"({', '.join(self._dropout[:4])}): the ranks of a tensor-parallel group would "
-                "draw different masks for activations they must hold equal, and diverge silently. "
-                "Fix: set the dropout probabilities to 0 (e.g. in the config) or call model.eval()"
+                f"({', '.join(self._dropout[:4])}): {why}. Fix: set the dropout probabilities to "
+                "0 (e.g. in the config) or call model.eval()"
             )
         if self._wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
             return self._wrapped(*args, **kwargs, **per_rank)

@@ -737,6 +737,7 @@ class Pipeline:
             rank of the pipeline axis.
         """
         micro = self._micro_batches(batch)
+        self._check_same_batch(batch)
         if self._ranks is not None:
             # the first step with these input shapes sends every transfer's header (shape,
             # dtype, the sender's pipeline); later ones only the tensors
@@ -749,6 +750,45 @@ class Pipeline:
         if self.simulated:
             return self._run_simulated(micro)
         return self._run_ranks(micro)
+
+    def _check_same_batch(self, batch: Mapping[str, Any]) -> None:
+        """Every rank along the pipeline axis must be given the same batch: each stage reads its
+        own copy (the first its ids, every stage the masks and positions, the last the labels),
+        so copies that differ would mix two batches into one loss. Simulated: the rows are
+        compared; real ranks: a digest of each input, all-gathered over the axis (one small
+        collective per step)."""
+        keys = sorted(k for k, v in batch.items() if isinstance(v, Tensor))
+        if self.simulated:
+            pp, size = self.schedule.pp, self.mesh.size
+            for k in keys:
+                v = batch[k]
+                # [pp, mesh size, ...]: row r holds every rank's copy as the rank with pp=r has it
+                rows = v.index_select(0, self._peers()).view(pp, size, *v.shape[1:])
+                if not bool((rows == rows[:1]).all()):
+                    self._differs(k)
+            return
+        from ..collectives import all_gather_invariant
+
+        digests = []
+        for k in keys:
+            v = batch[k].detach().reshape(-1).long()  # [n]
+            weights = torch.arange(v.numel(), device=v.device) % 1000003 + 1  # [n]
+            digests.append(torch.stack([v.sum(), (v * weights).sum()]))
+        mine = torch.stack(digests).reshape(1, -1)  # [1, 2 * len(keys)], int64
+        every = all_gather_invariant(mine, self.mesh, self.axis, dim=0)  # [pp, 2 * len(keys)]
+        for i, k in enumerate(keys):
+            if not bool((every[:, 2 * i : 2 * i + 2] == every[:1, 2 * i : 2 * i + 2]).all()):
+                self._differs(k)
+
+    def _differs(self, key: str) -> None:
+        raise PipelineError(
+            f"Pipeline.step: the ranks along {self.axis!r} were given different {key} (every "
+            "stage reads its own copy of the batch: the first its input_ids, every stage the "
+            "masks and positions, the last the labels, so different copies would mix two "
+            "batches into one loss). Fix: give every rank with the same coordinates on the "
+            f"other axes the same batch (e.g. seed the data loader by the data-parallel index, "
+            f"not by the global rank)"
+        )
 
     def _micro_batches(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         m, sim = self.schedule.microbatches, self.simulated
@@ -776,6 +816,27 @@ class Pipeline:
                 f"{self.mesh!r}: every input carries the leading rank dim. Fix: pass "
                 f"[{self.mesh.size}, batch, seq] (e.g. ids.expand({self.mesh.size}, *ids.shape))"
             )
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dim() != bdim + 2:
+            raise PipelineError(
+                f"Pipeline.step: input_ids of dtype {ids.dtype} and shape {tuple(ids.shape)}. "
+                "Fix: integer token ids [batch, seq] (simulated: [rank, batch, seq])"
+            )
+        for key in ("attention_mask", "position_ids"):
+            v = batch.get(key)
+            if v is None:
+                continue
+            # the same [batch, seq] as input_ids (position_ids: or a batch of 1, broadcast)
+            ok = isinstance(v, Tensor) and v.dim() == ids.dim() and v.shape[-1] == ids.shape[-1]
+            ok = ok and v.shape[:bdim] == ids.shape[:bdim]
+            ok = ok and v.shape[bdim] in (
+                (ids.shape[bdim], 1) if key == "position_ids" else (ids.shape[bdim],)
+            )
+            if not ok:
+                raise PipelineError(
+                    f"Pipeline.step: {key} of shape {tuple(getattr(v, 'shape', ()))} for input_ids "
+                    f"of shape {tuple(ids.shape)}. Fix: a tensor of input_ids' shape"
+                    + (" (simulated: with the leading rank dim)" if sim else "")
+                )
         b = ids.shape[bdim]
         if b % m:
             divisors = [d for d in range(1, b + 1) if b % d == 0]
@@ -1010,7 +1071,10 @@ def pipeline(
 
     Args:
         model: a transformers causal LM (a family of :data:`SPLITS`), with weights or built on
-            the meta device. It is taken apart: use the returned pipeline, not ``model``.
+            the meta device. It is taken apart: use the returned pipeline, not ``model`` (its
+            calls raise), and build the optimizer afterwards from ``pipe.parameters()``: one
+            built before holds the model's old parameters, which receive no gradient, and
+            torch's optimizers skip those without a word.
         mesh: a plain mesh (simulated ranks: every stage here) or a ``Mesh.from_torch`` mesh
             (this process builds and holds only its own stages).
         axis: the pipeline axis of ``mesh``.
@@ -1079,6 +1143,7 @@ def pipeline(
             else {}
         )
     modules = _split_model(model, fam, ranges, keep)
+    _retire(model)
     stages: dict[int, Any] = {}
     for j, module in modules.items():
         pm = parallelize(module, stage_mesh, _stage_plan(plan, module))
@@ -1097,6 +1162,21 @@ def pipeline(
         pm._stage_hooks = _StageHooks(module, first, last)  # type: ignore[attr-defined]
         stages[j] = pm
     return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
+
+
+def _retire(model: nn.Module) -> None:
+    """The model given to `pipeline` lends its layers and ends to the stages, which parallelize
+    them in place: called afterwards it would run a mix of both. Its calls raise instead."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"{type(model).__name__} was taken apart by fastdist.train.pipeline: its layers now "
+            "belong to the pipeline's stages (parallelized in place). Fix: call the Pipeline "
+            "(pipe.step), and build the optimizer from pipe.parameters(); for a one-device "
+            "model, copy.deepcopy it before pipeline()"
+        )
+
+    model.forward = forward
 
 
 def _layer_list(model: nn.Module, split: StageSplit) -> nn.ModuleList:
