@@ -1819,6 +1819,18 @@ class _KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+def _calibration_device(device: Any) -> torch.device:
+    """Where calibration measures: ``device``, else the current CUDA device under NCCL, else
+    the CPU."""
+    import torch.distributed as dist
+
+    if device is not None:
+        return torch.device(device)
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def calibrate(
     mesh: Mesh,
     *,
@@ -1905,12 +1917,7 @@ def calibrate(
                 f"name axes among {names}",
             )
     node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    if device is not None:
-        dev = torch.device(device)
-    elif "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
+    dev = _calibration_device(device)
     sizes_now = tuple(mesh.shape.values())
     plan_: list[tuple[str, str, int, bool, int, Callable[[], Any]]] = []
     for g in groups:
@@ -2045,12 +2052,7 @@ def calibrate_kernels(
     import torch.distributed as dist
 
     profs = [profiles] if isinstance(profiles, Profile) else list(profiles)
-    if device is not None:
-        dev = torch.device(device)
-    elif "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
+    dev = _calibration_device(device)
     sync: Callable[[], None] = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     kernels: dict[str, _Kernel] = {}
     for p in profs:

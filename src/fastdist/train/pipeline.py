@@ -44,7 +44,7 @@ import copy
 import math
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -427,24 +427,38 @@ class _Ranks:
             f"{self.ac.ranks[peer]}) for stage {stage}"
         )
         timeout = self.ac.comm.timeout
-        key = (self.signature, kind, micro, stage)
-        seen = self.known.get(key)
-        if seen is not None:
-            out = torch.empty(seen[0], dtype=seen[1], device=device)
+
+        def receive(buf: Tensor, t: int) -> None:
             self.ac.run(
                 "pipeline recv",
-                lambda: _work(dist.irecv(out, group=group, group_src=peer, tag=2 * tag + 1)).wait(
-                    timeout
-                ),
+                lambda: _work(dist.irecv(buf, group=group, group_src=peer, tag=t)).wait(timeout),
                 what=what,
             )
-            return out
+
+        key = (self.signature, kind, micro, stage)
+        seen = self.known.get(key)
+        if seen is None:  # the first step of these input shapes: the header says what comes
+            seen = self._read_header(receive, peer, kind, micro, stage, tag, what, device)
+        out = torch.empty(seen[0], dtype=seen[1], device=device)
+        receive(out, 2 * tag + 1)
+        self.known[key] = seen
+        return out
+
+    def _read_header(
+        self,
+        receive: Callable[[Tensor, int], None],
+        peer: int,
+        kind: str,
+        micro: int,
+        stage: int,
+        tag: int,
+        what: str,
+        device: torch.device,
+    ) -> tuple[tuple[int, ...], torch.dtype]:
+        """Receive the header of ``what`` (tag ``2 tag``) and check it; the shape and dtype of
+        the tensor that follows."""
         head = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        self.ac.run(
-            "pipeline recv",
-            lambda: _work(dist.irecv(head, group=group, group_src=peer, tag=2 * tag)).wait(timeout),
-            what=what,
-        )
+        receive(head, 2 * tag)
         k, m, s, code, ndim, *theirs = (int(v) for v in head[:_SHAPE].tolist())
         if (
             (k, m, s) != (0 if kind == "F" else 1, micro, stage)
@@ -471,20 +485,7 @@ class _Ranks:
                 "build the Pipeline with the same schedule, micro-batches, virtual stages and "
                 "layers_per_stage on every rank; then pipe.reset() on every rank",
             )
-        out = torch.empty(
-            [int(v) for v in head[_SHAPE : _SHAPE + ndim].tolist()],
-            dtype=_DTYPES[code],
-            device=device,
-        )
-        self.ac.run(
-            "pipeline recv",
-            lambda: _work(dist.irecv(out, group=group, group_src=peer, tag=2 * tag + 1)).wait(
-                timeout
-            ),
-            what=what,
-        )
-        self.known[key] = (tuple(out.shape), out.dtype)
-        return out
+        return tuple(int(v) for v in head[_SHAPE : _SHAPE + ndim].tolist()), _DTYPES[code]
 
     def finish(self) -> None:
         """Wait for this step's sends (the peers received them, or the timeout names them)."""
