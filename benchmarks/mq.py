@@ -1,5 +1,5 @@
-"""Small-object broadcast: fastdist.mq.MessageQueue vs fastdist.broadcast_object over gloo, 4
-processes.
+"""Small-object broadcast: fastdist.serving.mq.MessageQueue vs fastdist.broadcast_object over
+gloo, 4 processes.
 
     python benchmarks/mq.py            # about 30 s
     python benchmarks/mq.py --quick    # few messages (the smoke test)
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastdist as fd
-from fastdist import mq
+from fastdist.serving import mq
 
 WORLD = 4
 

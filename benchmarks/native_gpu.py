@@ -2,7 +2,7 @@
 
     python benchmarks/native_gpu.py [--library /path/libnccl.so.2] [--iters 200]
 
-On a one-GPU world it runs every op of :class:`fastdist.native.NativeCommunicator` through the
+On a one-GPU world it runs every op of :class:`fastdist.comm.native.NativeCommunicator` through the
 real NCCL, eagerly and inside ``torch.cuda.graph`` capture set up by ``fastdist.graph_capture``
 (then replayed with new inputs), and
 checks the values; then it times small all-reduces: ctypes NCCL eager, torch's NCCL process
@@ -29,7 +29,7 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, failures: list[str]
 
 
 def run_ops(comm: object, dev: torch.device, failures: list[str]) -> None:
-    from fastdist.native import NativeCommunicator
+    from fastdist.comm.native import NativeCommunicator
 
     assert isinstance(comm, NativeCommunicator)
     x = torch.arange(24.0, device=dev).reshape(6, 4)
@@ -59,7 +59,7 @@ def run_ops(comm: object, dev: torch.device, failures: list[str]) -> None:
 
 
 def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: list[str]) -> None:
-    from fastdist.native import NativeCommunicator
+    from fastdist.comm.native import NativeCommunicator
 
     assert isinstance(comm, NativeCommunicator)
     static = torch.zeros(6, 4, device=dev)
@@ -90,7 +90,7 @@ def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: li
 def bench(comm: object, mesh: fastdist.Mesh, dev: torch.device, iters: int) -> None:
     import torch.distributed as dist
 
-    from fastdist.native import NativeCommunicator
+    from fastdist.comm.native import NativeCommunicator
 
     assert isinstance(comm, NativeCommunicator)
     x = torch.ones(1, device=dev)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch.distributed as dist
 
-    from fastdist.native import NativeCommunicator, load_library
+    from fastdist.comm.native import NativeCommunicator, load_library
     from fastdist.testing import _free_port
 
     dev = torch.device("cuda", 0)

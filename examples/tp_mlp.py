@@ -1,7 +1,7 @@
 """Tensor-parallel MLP on real ranks:
 ``torchrun --standalone --nproc-per-node 4 examples/tp_mlp.py``.
 
-The per-rank model code (fastdist.demo.tp_mlp) is the same that `python -m fastdist demo`
+The per-rank model code (fastdist.tools.demo.tp_mlp) is the same that `python -m fastdist demo`
 runs on simulated ranks. Every rank checks its gradients against the unsharded MLP
 computed locally; the script exits non-zero on a mismatch.
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 import fastdist as fd
-from fastdist.demo import tp_mlp
+from fastdist.tools.demo import tp_mlp
 
 
 def main() -> int:

@@ -133,7 +133,7 @@ def ops(rank: int, world: int) -> int:
 @scenario
 def models(rank: int, world: int) -> str:
     """TP MLP (dp x tp) and Ulysses attention (sp) on real ranks against one device."""
-    from fastdist.demo import tp_mlp
+    from fastdist.tools.demo import tp_mlp
 
     mesh = fd.Mesh.from_torch(tp=2)  # dp = world / 2
     dp, tp, B, D, H = mesh.shape["dp"], 2, 3, 5, 4
@@ -190,7 +190,7 @@ def models(rank: int, world: int) -> str:
 def compiled(rank: int, world: int) -> str:
     """A compiled step on real ranks (fullgraph, functional collectives), and torch.func.grad of
     it: gradients equal eager."""
-    from fastdist.demo import tp_mlp
+    from fastdist.tools.demo import tp_mlp
 
     mesh = fd.Mesh.from_torch(tp=world)
     g = torch.Generator().manual_seed(rank)
@@ -671,7 +671,7 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
 def native(rank: int, world: int) -> dict[str, Any]:
     """ops and uneven on the ctypes backend named by the parent, then what the library was asked to
     do."""
-    from fastdist.native import fake
+    from fastdist.comm.native import fake
 
     lib = os.environ["FASTDIST_TEST_LIBRARY"]
     checks = ops(rank, world)
@@ -726,7 +726,7 @@ def native(rank: int, world: int) -> dict[str, Any]:
 def native_exchange(rank: int, world: int) -> dict[str, Any]:
     """The unique id travels over the axis's gloo group, and over a StatelessGroup; communicators
     work."""
-    from fastdist.native import (
+    from fastdist.comm.native import (
         NativeCommunicator,
         exchange_over_group,
         exchange_over_stateless,

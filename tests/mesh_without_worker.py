@@ -47,7 +47,7 @@ def slices_pp_tp() -> dict[str, Any]:
         "psum_all": fd.psum(x, m, m.axis_names).item(),
         "gather_tp": fd.all_gather(x, m, "tp").tolist(),
         "index": int(fd.axis_index(m, "tp")),
-        "objects": fd.distributed.all_gather_object(g, m),
+        "objects": fd.comm.distributed.all_gather_object(g, m),
         "whole": fd.psum(x, mesh, mesh.axis_names).item(),  # the parent still spans the job
     }
 
@@ -172,7 +172,7 @@ def slices_pp_dp_tp() -> dict[str, Any]:
 def slice_on_fake_nccl(lib: str) -> dict[str, Any]:
     """A slice of a ctypes-backend mesh (host-memory fake NCCL): it keeps the backend, and its psum
     goes through the library, inside the slice."""
-    from fastdist.native import fake
+    from fastdist.comm.native import fake
 
     g = _setup()
     mesh = fd.Mesh.from_torch(pp=2, tp=2, backend="nccl-ctypes", library=lib, timeout=30)

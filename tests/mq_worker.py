@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fastdist as fd
-from fastdist import mq
+from fastdist.serving import mq
 
 N_MESSAGES = 10_000
 TIMEOUT = 3.0  # the queues' per-call timeout in the failure scenarios
@@ -380,7 +380,7 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
         # before attaching (the writer makes its segment, then finds this rank gone)
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == who == 0:
-        import fastdist.distributed as D
+        import fastdist.comm.distributed as D
 
         real = D.all_gather_object
 

@@ -5,7 +5,7 @@ identity forward with a psum backward, "reduce from the region" a psum forward w
 identity backward, "gather from the region" an all_gather forward whose backward keeps the
 rank's own slice. The backward runs after simulate returned; simulate leaves on each
 Function's autograd node what a collective there needs to find the simulation again
-(fastdist.simulate._Resume). Every gradient is checked against one device in float64.
+(fastdist.sim.simulate._Resume). Every gradient is checked against one device in float64.
 """
 
 from __future__ import annotations

@@ -512,10 +512,10 @@ def test_property_reads_keep_the_state() -> None:
 
 def test_tracker_forgets_dead_tensors() -> None:
     mesh = fd.Mesh({"tp": 2})
-    tracker = fd.replication.RepTracker(mesh, "insert", simulated=True)
+    tracker = fd.check.replication.RepTracker(mesh, "insert", simulated=True)
     for _ in range(100):
         t = torch.randn(3)
-        tracker.set(t, fd.replication.Rep(frozenset({"tp"})))
+        tracker.set(t, fd.check.replication.Rep(frozenset({"tp"})))
         assert tracker.get(t).state("tp") == "V"
     del t
     assert len(tracker._states) == 0

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fastdist as fd
-from fastdist._primitive import FAST_PATH, PRIMITIVES, GroupSpec, Primitive
+from fastdist.core.primitive import FAST_PATH, PRIMITIVES, GroupSpec, Primitive
 
 from .reference import axes_of, meshes, per_group, ref
 
@@ -164,7 +164,7 @@ def test_func_grad_outside_simulate_matches_backward(op: str, data: st.DataObjec
     """``torch.func.grad`` around simulate (a grad layer under the rank vmap) == outer backward().
 
     Outer ``backward()`` records the stacked op's autograd; an active grad transform routes
-    through the autograd.Function instead (fastdist._primitive.bind): both must agree.
+    through the autograd.Function instead (fastdist.core.primitive.bind): both must agree.
     """
     mesh, axis, kw, xs = data.draw(cases(op, (torch.float64,)))
     xs = xs + torch.rand(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(4)) * (
@@ -340,7 +340,7 @@ def test_two_meshes_in_one_simulation() -> None:
     )
     out = f(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert out.tolist() == [10 + 1 + 10, 10 + 2 + 10, 10 + 3 + 10, 10 + 4 + 10]
-    assert fd._context._RUNNING.simulations == ()  # dropped once the call returned
+    assert fd.core.context._RUNNING.simulations == ()  # dropped once the call returned
 
 
 def test_outer_vmap_over_simulate_is_a_data_dim() -> None:

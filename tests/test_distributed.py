@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist.distributed import AxisComm, _comm_error, select_backend
+from fastdist.comm.distributed import AxisComm, _comm_error, select_backend
 
 from .dist_harness import ROOT, expect_ok, run_world
 

@@ -195,16 +195,16 @@ def test_the_api_check_of_distributed_blocks_can_fail() -> None:
         [
             "fd.Mesh.from_torchh(tp=2)\nmesh.resett()\nfd.mq.node_info(m)",
             # a submodule the package does not import must be imported by the block
-            "lib = fastdist.native.fake.build('/tmp/x')",
-            "from fastdist.native import fake\nfake.build('/tmp/x')",
-            "from fastdist.native import fak\nimport fastdist.nope",
-            "from fastdist.native import fake\nfake.buld('/tmp/x')",
+            "lib = fastdist.comm.native.fake.build('/tmp/x')",
+            "from fastdist.comm.native import fake\nfake.build('/tmp/x')",
+            "from fastdist.comm.native import fak\nimport fastdist.nope",
+            "from fastdist.comm.native import fake\nfake.buld('/tmp/x')",
         ]
     ) == [
         ["fd.Mesh.from_torchh", "mesh.resett (Mesh)"],
-        ["fastdist.native.fake.build"],
+        ["fastdist.comm.native.fake.build"],
         [],
-        ["from fastdist.native import fak", "import fastdist.nope"],
+        ["from fastdist.comm.native import fak", "import fastdist.nope"],
         ["fake.buld"],
     ]
     assert sum(len(_dist_blocks(p)) for p in DOCS) >= 13  # the fences above are found
@@ -406,16 +406,16 @@ def test_cli_help_is_plain_text_and_names_how_it_was_called() -> None:
 def test_cli_demo_exits_nonzero_on_mismatch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import fastdist.demo
+    import fastdist.tools.demo
     from fastdist.__main__ import main
 
-    real = fastdist.demo.run_demo
+    real = fastdist.tools.demo.run_demo
 
     def broken(*a, **k):
         res = real(*a, **k)
         res.max_grad_diff["W1"] = 1.0  # as if a gradient were wrong
         return res
 
-    monkeypatch.setattr(fastdist.demo, "run_demo", broken)
+    monkeypatch.setattr(fastdist.tools.demo, "run_demo", broken)
     assert main(["demo", "--dp", "1", "--tp", "2"]) == 1
     assert "MISMATCH" in capsys.readouterr().out

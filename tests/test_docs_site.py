@@ -50,9 +50,9 @@ API_MODULES = (  # the modules whose ``__all__`` is the public API (docs/_ext/cr
     "fastdist.nn.moe_plans",
     "fastdist.train",
     "fastdist.train.schedules",
-    "fastdist.mq",
+    "fastdist.serving.mq",
     "fastdist.profile",
-    "fastdist.native",
+    "fastdist.comm.native",
     "fastdist.testing",
 )
 HEADING = re.compile(
@@ -83,7 +83,7 @@ def _entries(page: str) -> list[tuple[str, str, str]]:
 
 
 def _resolve(identifier: str) -> object:
-    """The object an identifier of the reference names (``fastdist.simulate.simulate``: the
+    """The object an identifier of the reference names (``fastdist.sim.simulate.simulate``: the
     function of the module that the package's ``simulate`` attribute shadows)."""
     parts = identifier.split(".")
     for i in range(len(parts), 0, -1):
@@ -132,7 +132,7 @@ def test_built_site_reads_right(site: Path) -> None:
     example = re.search(r"Example \(every rank.*?</pre>", mq, flags=re.DOTALL)
     assert example and '<span class="n">MessageQueue</span>' in example.group(0)
     # internal helpers are not API
-    assert "rank_binding" not in api and "fastdist.simulate.promote" not in api
+    assert "rank_binding" not in api and "fastdist.sim.simulate.promote" not in api
     assert "checked_call" not in api
     assert re.search(
         r"<td[^>]*>(?:(?!</td>).)*A function taking the same arguments(?:(?!</td>).)*Results "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist._primitive import PRIMITIVES
+from fastdist.core.primitive import PRIMITIVES
 
 MESH = fd.Mesh({"dp": 2, "tp": 4})
 X = torch.zeros(8, 6, 5)  # per rank (6, 5)
@@ -151,7 +151,7 @@ def test_collective_on_a_mesh_not_given_to_simulate() -> None:
         fd.NoBackendError, match=r"no simulation of this mesh is running.*meshes=\[\.\.\.\]"
     ):
         sim(lambda x: fd.psum(x, other, "tp"))
-    assert fd._context._RUNNING.simulations == ()  # dropped even on error
+    assert fd.core.context._RUNNING.simulations == ()  # dropped even on error
 
 
 def test_simulate_argument_errors() -> None:
@@ -183,7 +183,7 @@ def test_user_vmap_inside_simulate_over_a_collective_is_refused(rows: int) -> No
 def test_vmap_rule_refuses_a_batch_that_is_not_the_world() -> None:
     """The compiled path cannot inspect functorch levels; the vmap rule still checks the size."""
     prim = PRIMITIVES["psum"]
-    args = prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), {})
+    args = prim._op_args(fd.core.primitive.GroupSpec((2, 4), (1,)), {})
     with pytest.raises(
         fd.NoBackendError, match=r"fastdist\.psum: vmapped over 3 entries, but the mesh has 8 ranks"
     ):
@@ -199,7 +199,7 @@ def test_raw_per_rank_op_on_a_plain_tensor_over_many_ranks(name: str) -> None:
         match=rf"fastdist\.{name}: called on a plain tensor over a mesh of 8 ranks",
     ):
         prim.per_rank_op(
-            torch.zeros(3), *prim._op_args(fd._primitive.GroupSpec((2, 4), (1,)), params)
+            torch.zeros(3), *prim._op_args(fd.core.primitive.GroupSpec((2, 4), (1,)), params)
         )
 
 

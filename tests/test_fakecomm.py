@@ -1,4 +1,4 @@
-"""Tests for the host-memory fake NCCL/HCCL library ``src/fastdist/native/fakecomm.c``.
+"""Tests for the host-memory fake NCCL/HCCL library ``src/fastdist/comm/native/fakecomm.c``.
 
 The library is built with gcc into a temporary directory and driven through ctypes: single
 rank semantics, the call log, failure injection, the compile-time macros, several ranks as

@@ -20,7 +20,7 @@ import torch
 import fastdist as fd
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch._dynamo", "torch.distributed.checkpoint", "transformers", "fastdist.mq")
+HEAVY = ("torch._dynamo", "torch.distributed.checkpoint", "transformers", "fastdist.serving.mq")
 
 
 def _loaded(code: str, *modules: str) -> list[str]:
@@ -35,16 +35,16 @@ def _loaded(code: str, *modules: str) -> list[str]:
 
 
 def test_import_fastdist_imports_no_torch_and_first_use_nothing_heavy() -> None:
-    assert _loaded("import fastdist", "torch", "fastdist.collectives") == []
+    assert _loaded("import fastdist", "torch", "fastdist.ops.collectives") == []
     # the probe sees modules: a use loads them
-    assert _loaded("import fastdist as fd; fd.psum", "torch", "fastdist.collectives") == [
+    assert _loaded("import fastdist as fd; fd.psum", "torch", "fastdist.ops.collectives") == [
         "torch",
-        "fastdist.collectives",
+        "fastdist.ops.collectives",
     ]
     core = "import fastdist as fd; fd.Mesh, fd.psum, fd.simulate, fd.spmd, fd.send, fd.all_gather_v"
     assert _loaded(core, *HEAVY, "fastdist.nn", "fastdist.train") == []
     assert _loaded("import fastdist.nn", *HEAVY, "fastdist.train") == []
-    assert _loaded("import fastdist as fd; fd.mq", *HEAVY) == ["fastdist.mq"]
+    assert _loaded("import fastdist as fd; fd.serving", *HEAVY) == ["fastdist.serving.mq"]
 
 
 def test_python_m_fastdist_help_imports_no_torch() -> None:
@@ -56,7 +56,7 @@ def test_python_m_fastdist_help_imports_no_torch() -> None:
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code"
     )
-    assert _loaded(code, "torch", "fastdist.collectives", "argparse") == ["argparse"]
+    assert _loaded(code, "torch", "fastdist.ops.collectives", "argparse") == ["argparse"]
     # the argument checks too
     code = code.replace("'--help'", "'demo', '--dp', '0'").replace("== 0", "== 2")
     assert _loaded(code, "torch", "argparse") == ["argparse"]
@@ -68,7 +68,7 @@ def test_the_lazy_table_the_type_checking_imports_and_all_agree() -> None:
     tree = ast.parse((ROOT / "src" / "fastdist" / "__init__.py").read_text())
     (block,) = [n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n)]
     typed = {
-        a.name: (a.name if node.module is None else node.module)
+        a.name: (a.name if node.module == "fastdist" else node.module.removeprefix("fastdist."))
         for node in block.body
         if isinstance(node, ast.ImportFrom)
         for a in node.names
@@ -79,24 +79,31 @@ def test_the_lazy_table_the_type_checking_imports_and_all_agree() -> None:
     for name, module in exports.items():
         obj = getattr(fd, name)
         home = sys.modules[f"fastdist.{module}"]
-        assert obj is (home if name in ("mq", "nn", "profile", "train") else getattr(home, name))
+        assert obj is (
+            home if name in ("nn", "profile", "serving", "train") else getattr(home, name)
+        )
     assert set(fd.__all__) <= set(dir(fd))
     with pytest.raises(AttributeError, match="module 'fastdist' has no attribute 'psumm'"):
         fd.psumm  # type: ignore[attr-defined]  # noqa: B018
 
 
 def test_fd_simulate_stays_the_function_when_its_module_is_imported_first() -> None:
-    """Importing the submodule ``fastdist.simulate`` binds ``fastdist.simulate``; the package keeps
-    the function of that name (and ``fastdist.spmd``'s)."""
+    """Importing the submodules ``fastdist.sim.simulate`` and ``fastdist.check.spmd`` first
+    leaves ``fd.simulate`` and ``fd.spmd`` the functions."""
     code = (
-        "import fastdist.nn, fastdist.simulate, fastdist.spmd\n"
+        "import fastdist.nn, fastdist.sim.simulate, fastdist.check.spmd\n"
         "import fastdist as fd\n"
         "print(fd.simulate.__module__, fd.simulate.__name__, fd.spmd.__module__, fd.spmd.__name__)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    assert out.stdout.split() == ["fastdist.simulate", "simulate", "fastdist.spmd", "spmd"]
+    assert out.stdout.split() == [
+        "fastdist.sim.simulate",
+        "simulate",
+        "fastdist.check.spmd",
+        "spmd",
+    ]
 
 
 def test_the_dynamo_marker_set_without_importing_dynamo_is_torchs() -> None:
@@ -104,7 +111,7 @@ def test_the_dynamo_marker_set_without_importing_dynamo_is_torchs() -> None:
     does, without importing dynamo; if torch changes how it marks them, this fails."""
     import torch._dynamo
 
-    from fastdist import distributed
+    from fastdist.comm import distributed
 
     def probe() -> int:
         return 0
@@ -143,12 +150,12 @@ def test_the_demo_checks_its_arguments(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_demo_verdict_says_what_differs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import fastdist.demo
+    import fastdist.tools.demo
     from fastdist.__main__ import main
 
-    real = fastdist.demo.run_demo
+    real = fastdist.tools.demo.run_demo
 
-    def broken(*a: object, **k: object) -> fastdist.demo.DemoResult:
+    def broken(*a: object, **k: object) -> fastdist.tools.demo.DemoResult:
         res = real(*a, **k)  # type: ignore[arg-type]
         res.max_grad_diff["W1"] = 0.5  # as if a gradient were wrong
         res.loss += 3e-3
@@ -157,7 +164,7 @@ def test_the_demo_verdict_says_what_differs(
     assert main(["demo", "--dp", "1", "--tp", "2"]) == 0
     ok = capsys.readouterr().out
     assert "  OK: every rank matches the single device within 1e-10\n" in ok
-    monkeypatch.setattr(fastdist.demo, "run_demo", broken)
+    monkeypatch.setattr(fastdist.tools.demo, "run_demo", broken)
     assert main(["demo", "--dp", "1", "--tp", "2"]) == 1
     out = capsys.readouterr().out
     (line,) = [ln for ln in out.splitlines() if "MISMATCH" in ln]

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fastdist as fd
-from fastdist import _context
+from fastdist.core import context
 
 from .reference import axes_of, meshes
 
@@ -159,7 +159,7 @@ def test_two_meshes_coexist_without_global_state() -> None:
     a, b = fd.Mesh({"tp": 4}), fd.Mesh({"dp": 2, "tp": 2})
     assert a.groups("tp") == [[0, 1, 2, 3]] and b.groups("tp") == [[0, 1], [2, 3]]
     # nothing left running
-    assert _context._RUNNING.simulations == () and _context._RUNNING.checks == ()
+    assert context._RUNNING.simulations == () and context._RUNNING.checks == ()
 
 
 # ---------------------------------------------------------------------- a Mesh is an immutable
@@ -183,7 +183,7 @@ def test_equal_meshes_are_interchangeable() -> None:
     # an unequal mesh is not covered
     with pytest.raises(fd.NoBackendError, match="no simulation of this mesh"):
         fd.simulate(lambda v: fd.psum(v, fd.Mesh({"dp": 4}), "dp"), m1)(x)
-    assert _context._RUNNING.simulations == () and _context._RUNNING.checks == ()
+    assert context._RUNNING.simulations == () and context._RUNNING.checks == ()
 
 
 def test_mesh_cannot_be_mutated_and_copies_are_itself() -> None:
@@ -234,7 +234,7 @@ def test_threads_simulate_the_same_mesh_at_once() -> None:
     for name, scale in (("a", 1.0), ("b", 10.0)):
         expect = torch.full((4, 4), 6.0 * scale) + torch.arange(4.0)[:, None]
         assert torch.equal(results[name], expect), name
-    assert _context._RUNNING.simulations == ()
+    assert context._RUNNING.simulations == ()
 
 
 def test_compiled_simulation_over_an_equal_mesh_is_one_graph() -> None:

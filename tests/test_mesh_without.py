@@ -121,7 +121,7 @@ def test_slices_of_pp2_dp2_tp2_on_eight_ranks() -> None:
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the fake library")
 def test_a_slice_keeps_the_ctypes_backend(tmp_path: object) -> None:
-    from fastdist.native import fake
+    from fastdist.comm.native import fake
 
     lib = fake.build(tmp_path)
     got = run_on_gloo(W.slice_on_fake_nccl, 4, lib, timeout=120)

@@ -8,7 +8,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 import fastdist as fd
-from fastdist.demo import run_demo, tp_mlp
+from fastdist.tools.demo import run_demo, tp_mlp
 
 F64 = torch.float64
 

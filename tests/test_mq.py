@@ -1,4 +1,4 @@
-"""fastdist.mq on 4 real processes: delivery, failures (never a hang, never a silent loss),
+"""fastdist.serving.mq on 4 real processes: delivery, failures (never a hang, never a silent loss),
 /dev/shm hygiene, node locality.
 
 Each scenario runs ``tests/mq_worker.py`` on 4 processes under a hard wall timeout.
@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from fastdist import errors as fd_errors
-from fastdist import mq
+from fastdist.serving import mq
 
 from .mq_worker import N_MESSAGES, SHORT, TIMEOUT
 
@@ -291,7 +291,8 @@ npu.is_available = lambda: True
 npu.device_count = lambda: 4
 torch._register_device_module("npu", npu)
 torch.cuda.is_available = lambda: False
-from fastdist import mq, MeshError
+from fastdist import MeshError
+from fastdist.serving import mq
 hosts = ("a",) * 8
 info = mq.NodeInfo(None, tuple(range(8)), 3, hosts, hosts, tuple((1, None) for _ in range(8)))
 print("DEVICE", mq.local_device(info))

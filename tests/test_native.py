@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist.native import (
+from fastdist.comm.native import (
     HCCL,
     NCCL,
     SPECS,
@@ -28,7 +28,7 @@ from fastdist.native import (
     find_library,
     load_library,
 )
-from fastdist.native.library import NativeLibrary, _open
+from fastdist.comm.native.library import NativeLibrary, _open
 
 from .dist_harness import ROOT, expect_ok, run_world
 
@@ -202,7 +202,7 @@ def test_discovery_order_path_then_env_then_loaded_then_wheel_then_soname(tmp_pa
     assert find_library("nccl", environ={}, loaded=_nowhere, wheel_file=wheel) == d
     # the soname through the dynamic loader (LD_LIBRARY_PATH is read at process start: use a child)
     code = (
-        "from fastdist.native import find_library; print(find_library('nccl', environ={}, "
+        "from fastdist.comm.native import find_library; print(find_library('nccl', environ={}, "
         "loaded=lambda: [], wheel_file=lambda w: None))"
     )
     out = subprocess.run(
@@ -418,7 +418,7 @@ def test_close_waits_a_bounded_time_for_a_blocking_abort(fakelib: str) -> None:
 # ============================================================================ mesh backend
 # selection
 def test_mesh_backend_argument_is_checked() -> None:
-    from fastdist.distributed import _native_library
+    from fastdist.comm.distributed import _native_library
 
     with pytest.raises(
         fd.MeshError, match="unknown backend 'nccl'.*'torch', 'nccl-ctypes', 'hccl-ctypes'"
@@ -489,7 +489,7 @@ def test_info_reports_the_library_and_why_not(fakelib: str) -> None:
     assert f"torch {torch.__version__}" in out and "gloo (cpu): available" in out
     assert f"nccl-ctypes: library {fakelib} (NCCL 2.21.5)" in out and "fake library" in out
     assert "hccl-ctypes: unavailable" in out and "FASTDIST_HCCL_LIBRARY: not set" in out
-    from fastdist.info import report
+    from fastdist.tools.info import report
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -83,7 +83,7 @@ def test_the_license_and_its_metadata_ship_in_the_wheel_and_the_sdist(
     assert readme in meta and "](docs/" not in readme and "](notebooks/" not in readme
     assert readme.index("pip install torch-fastdist") < readme.index("git clone ")
     assert {"LICENSE", "README.md", "pyproject.toml", "src/fastdist/__init__.py"} <= names
-    assert {"src/fastdist/native/fakecomm.c", "src/fastdist_pytest/__init__.py"} <= names
+    assert {"src/fastdist/comm/native/fakecomm.c", "src/fastdist_pytest/__init__.py"} <= names
     assert not [n for n in names if n.startswith("tests/")]
 
 
@@ -94,7 +94,7 @@ def test_the_wheel_is_torch_fastdist_with_both_packages(wheel: Path) -> None:
     for f in (
         "fastdist/__init__.py",
         "fastdist/py.typed",
-        "fastdist/native/fakecomm.c",
+        "fastdist/comm/native/fakecomm.c",
         "fastdist/nn/parallelize.py",
         "fastdist_pytest/__init__.py",
         "fastdist_pytest/py.typed",

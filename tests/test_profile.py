@@ -797,7 +797,7 @@ def test_record_under_simulate_equals_trace(
 def test_record_scope_and_nesting() -> None:
     """Only what runs inside the block is recorded; nested recordings each see their part; a trace
     inside a recording stays out of it; afterwards the collectives are the plain methods again."""
-    from fastdist._primitive import PRIMITIVES
+    from fastdist.core.primitive import PRIMITIVES
 
     mesh, x = fd.Mesh({"tp": 4}), torch.ones(4, 3)
 

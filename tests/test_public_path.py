@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist import _primitive
+from fastdist.core import primitive
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [
@@ -34,7 +34,7 @@ FILES = [
 
 
 def test_the_switch_is_read_from_the_environment() -> None:
-    code = "import fastdist._primitive as p; print(p.FAST_PATH)"
+    code = "import fastdist.core.primitive as p; print(p.FAST_PATH)"
     env = {**os.environ, "FASTDIST_FAST_PATH": "0"}
     off = subprocess.run(
         [sys.executable, "-c", code],
@@ -45,7 +45,7 @@ def test_the_switch_is_read_from_the_environment() -> None:
         check=True,
     )
     assert off.stdout.strip() == "False"
-    assert _primitive.FAST_PATH is (os.environ.get("FASTDIST_FAST_PATH", "1") != "0")
+    assert primitive.FAST_PATH is (os.environ.get("FASTDIST_FAST_PATH", "1") != "0")
 
 
 @pytest.mark.skipif(os.environ.get("FASTDIST_FAST_PATH") == "0", reason="already the public route")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fastdist as fd
-from fastdist._primitive import PRIMITIVES
-from fastdist.native import NativeCommunicator, fake, load_library
+from fastdist.comm.native import NativeCommunicator, fake, load_library
+from fastdist.core.primitive import PRIMITIVES
 from fastdist.testing import run_on_gloo
 
 # The rule, written out (docs/api.md, "Dtypes of reductions"): the specification the code is checked

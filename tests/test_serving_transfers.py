@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fastdist as fd
-import fastdist.distributed as D
-from fastdist.native import fake
+import fastdist.comm.distributed as D
+from fastdist.comm.native import fake
 from fastdist.testing import run_on_gloo
 
 DICT = {

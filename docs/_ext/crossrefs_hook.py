@@ -25,9 +25,9 @@ MODULES = (
     "fastdist.nn.moe_plans",
     "fastdist.train",
     "fastdist.train.schedules",
-    "fastdist.mq",
+    "fastdist.serving.mq",
     "fastdist.profile",
-    "fastdist.native",
+    "fastdist.comm.native",
     "fastdist.testing",
 )
 # Plans are named after model families (`llama`, `qwen2_moe`), which the guides also name as

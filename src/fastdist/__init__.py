@@ -24,13 +24,63 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from . import (
-        mq,  # fastdist.mq: message queue broadcaster, node locality (serving)
+    from fastdist import (
         nn,  # fastdist.nn: parallel layers
         profile,  # fastdist.profile: communication profile, dry runs, layout planner
+        serving,  # fastdist.serving: message queue broadcaster, node locality
         train,  # fastdist.train: data parallelism, ZeRO, distributed checkpoints
     )
-    from .collectives import (
+    from fastdist.check.replication import (
+        ReplicationError,
+        as_partial,
+    )
+    from fastdist.check.spmd import (
+        spmd,
+    )
+    from fastdist.comm.distributed import (
+        GraphCaptureContext,
+        all_gather_object,
+        barrier,
+        broadcast_object,
+        broadcast_tensor_dict,
+        comm_guard,
+        graph_capture,
+        recv,
+        recv_object,
+        recv_tensor_dict,
+        send,
+        send_object,
+        send_tensor_dict,
+    )
+    from fastdist.comm.stateless import (
+        StatelessGroup,
+    )
+    from fastdist.core.mesh import (
+        DEFAULT_ORDER,
+        AxisName,
+        Mesh,
+    )
+    from fastdist.core.sharding import (
+        P,
+        PartitionSpec,
+    )
+    from fastdist.errors import (
+        CollectiveError,
+        CollectiveTimeout,
+        CommArgumentError,
+        CommError,
+        ConsistencyError,
+        FastdistError,
+        GlooRunError,
+        LibraryError,
+        LibraryNotFoundError,
+        MeshError,
+        NoBackendError,
+        PipelineError,
+        ReductionDtypeError,
+        TargetError,
+    )
+    from fastdist.ops.collectives import (
         all_gather,
         all_gather_invariant,
         all_to_all,
@@ -48,60 +98,7 @@ if TYPE_CHECKING:
         pvary,
         ring_shift,
     )
-    from .distributed import (
-        GraphCaptureContext,
-        all_gather_object,
-        barrier,
-        broadcast_object,
-        broadcast_tensor_dict,
-        comm_guard,
-        graph_capture,
-        recv,
-        recv_object,
-        recv_tensor_dict,
-        send,
-        send_object,
-        send_tensor_dict,
-    )
-    from .errors import (
-        CollectiveError,
-        CollectiveTimeout,
-        CommArgumentError,
-        CommError,
-        ConsistencyError,
-        FastdistError,
-        GlooRunError,
-        LibraryError,
-        LibraryNotFoundError,
-        MeshError,
-        NoBackendError,
-        PipelineError,
-        ReductionDtypeError,
-        TargetError,
-    )
-    from .mesh import (
-        DEFAULT_ORDER,
-        AxisName,
-        Mesh,
-    )
-    from .replication import (
-        ReplicationError,
-        as_partial,
-    )
-    from .sharding import (
-        P,
-        PartitionSpec,
-    )
-    from .simulate import (
-        simulate,
-    )
-    from .spmd import (
-        spmd,
-    )
-    from .stateless import (
-        StatelessGroup,
-    )
-    from .uneven import (
+    from fastdist.ops.uneven import (
         all_gather_v,
         exchange_sizes,
         gather_v,
@@ -110,7 +107,10 @@ if TYPE_CHECKING:
         reduce_scatter_v,
         scatter_v,
     )
-    from .visual import (
+    from fastdist.sim.simulate import (
+        simulate,
+    )
+    from fastdist.tools.visual import (
         plot_ranks,
         show_ranks,
         show_sharding,
@@ -121,7 +121,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh",
     "nn",
-    "mq",
+    "serving",
     "profile",
     "train",
     "AxisName",
@@ -190,10 +190,10 @@ __all__ = [
 
 #: Where each public name is defined. ``import fastdist`` imports none of these modules (nor
 #: torch): the first use of a name imports its module (PEP 562), so ``python -m fastdist --help``
-#: starts in milliseconds and ``fd.nn``, ``fd.train``, ``fd.mq``, ``fd.profile`` cost nothing
+#: starts in milliseconds and ``fd.nn``, ``fd.train``, ``fd.serving``, ``fd.profile`` cost nothing
 #: until used. tests/test_import_time.py checks that this table, the imports above and
 #: ``__all__`` list the same names.
-_SUBMODULES = ("mq", "nn", "profile", "train")
+_SUBMODULES = ("nn", "profile", "serving", "train")
 _EXPORTS: dict[str, str] = {
     **{name: name for name in _SUBMODULES},
     **dict.fromkeys(
@@ -215,7 +215,7 @@ _EXPORTS: dict[str, str] = {
             "pvary",
             "ring_shift",
         ),
-        "collectives",
+        "ops.collectives",
     ),
     **dict.fromkeys(
         (
@@ -233,7 +233,7 @@ _EXPORTS: dict[str, str] = {
             "send_object",
             "send_tensor_dict",
         ),
-        "distributed",
+        "comm.distributed",
     ),
     **dict.fromkeys(
         (
@@ -254,12 +254,12 @@ _EXPORTS: dict[str, str] = {
         ),
         "errors",
     ),
-    **dict.fromkeys(("DEFAULT_ORDER", "AxisName", "Mesh"), "mesh"),
-    **dict.fromkeys(("ReplicationError", "as_partial"), "replication"),
-    **dict.fromkeys(("P", "PartitionSpec"), "sharding"),
-    **dict.fromkeys(("simulate",), "simulate"),
-    **dict.fromkeys(("spmd",), "spmd"),
-    **dict.fromkeys(("StatelessGroup",), "stateless"),
+    **dict.fromkeys(("DEFAULT_ORDER", "AxisName", "Mesh"), "core.mesh"),
+    **dict.fromkeys(("ReplicationError", "as_partial"), "check.replication"),
+    **dict.fromkeys(("P", "PartitionSpec"), "core.sharding"),
+    **dict.fromkeys(("simulate",), "sim.simulate"),
+    **dict.fromkeys(("spmd",), "check.spmd"),
+    **dict.fromkeys(("StatelessGroup",), "comm.stateless"),
     **dict.fromkeys(
         (
             "all_gather_v",
@@ -270,37 +270,27 @@ _EXPORTS: dict[str, str] = {
             "reduce_scatter_v",
             "scatter_v",
         ),
-        "uneven",
+        "ops.uneven",
     ),
-    **dict.fromkeys(("plot_ranks", "show_ranks", "show_sharding"), "visual"),
+    **dict.fromkeys(("plot_ranks", "show_ranks", "show_sharding"), "tools.visual"),
 }
 
 
 class _Package(types.ModuleType):
-    """The ``fastdist`` module object: public names import their module on first use.
-
-    Importing the submodule ``fastdist.simulate`` (or ``fastdist.spmd``) binds the module to the
-    package's attribute of that name; the package keeps the function of the same name instead,
-    as the eager ``from .simulate import simulate`` did.
-    """
+    """The ``fastdist`` module object: public names import their module on first use."""
 
     def __getattr__(self, name: str) -> Any:
         module = _EXPORTS.get(name)
         if module is None:
             if name.startswith("__") or importlib.util.find_spec(f"{__name__}.{name}") is None:
                 raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-            # a submodule not in __all__ (fastdist.testing, fastdist.native, ...)
+            # a submodule not in __all__ (fastdist.testing, fastdist.comm.native, ...)
             return importlib.import_module(f"{__name__}.{name}")
         value = importlib.import_module(f"{__name__}.{module}")
         if name not in _SUBMODULES:
             value = getattr(value, name)
         setattr(self, name, value)  # the next lookup finds it without this method
         return value
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and name in _EXPORTS and name not in _SUBMODULES:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
 
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), *_EXPORTS})

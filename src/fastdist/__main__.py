@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if args.command == "info":
-        from .info import report
+        from fastdist.tools.info import report
 
         print(report(args.nccl_library, args.hccl_library))
         return 0
 
     import torch
 
-    from .demo import run_demo
+    from fastdist.tools.demo import run_demo
 
     ok = True
     for compiled in (False, True) if args.compile else (False,):

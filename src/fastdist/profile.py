@@ -78,14 +78,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._context import pop_simulation, push_simulation, simulation_of
-from ._primitive import PRIMITIVES, Primitive
-from .errors import FastdistError
-from .mesh import Mesh
-from .simulate import _Binding
+from fastdist.core.context import pop_simulation, push_simulation, simulation_of
+from fastdist.core.mesh import Mesh
+from fastdist.core.primitive import PRIMITIVES, Primitive
+from fastdist.errors import FastdistError
+from fastdist.sim.simulate import _Binding
 
 if TYPE_CHECKING:
-    from .train.schedules import Schedule, Slot
+    from fastdist.train.schedules import Schedule, Slot
 
 __all__ = [
     "CALIBRATED_KINDS",
@@ -1209,7 +1209,7 @@ def _routing(routing: str) -> Iterator[None]:
     if routing == "bound":
         yield
         return
-    from .nn import moe as M
+    from fastdist.nn import moe as M
 
     with _INSTALL:
         if not _MOE_PATCHED:
@@ -1756,7 +1756,7 @@ def _collective_call(
 ) -> tuple[Callable[[], Any], int]:
     """A call of the fastdist collective of ``kind`` with S about ``size`` bytes over ``n`` ranks,
     and its exact S."""
-    from . import collectives as C
+    from fastdist.ops import collectives as C
 
     elems = max(n, size // dtype.itemsize // n * n)  # a multiple of n
     if kind == "allreduce":
@@ -2205,7 +2205,7 @@ class Pipeline:
     boundary_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        from .train.schedules import NAMES
+        from fastdist.train.schedules import NAMES
 
         def count(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -2536,8 +2536,8 @@ _NUMBERED_MODULE = re.compile(r"^(.*)\.(\d+)$")  # a numbered module: model.laye
 
 def _pipeline_schedule(pipe: Pipeline, pp: int) -> Schedule:
     """``pipe``'s schedule over ``pp`` ranks; the schedule's own refusal as a ProfileError."""
-    from .errors import PipelineError
-    from .train.schedules import schedule
+    from fastdist.errors import PipelineError
+    from fastdist.train.schedules import schedule
 
     try:
         return schedule(pipe.schedule, pp, pipe.microbatches, pipe.virtual)

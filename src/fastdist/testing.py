@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .errors import GlooRunError, MeshError
-from .mesh import AxisName, Mesh
-from .replication import CheckMode, Rep
-from .sharding import PartitionSpec, block_of
-from .simulate import simulate
-from .spmd import checked_call
+from fastdist.check.replication import CheckMode, Rep
+from fastdist.check.spmd import checked_call
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.core.sharding import PartitionSpec, block_of
+from fastdist.errors import GlooRunError, MeshError
+from fastdist.sim.simulate import simulate
 
 if TYPE_CHECKING:
     from hypothesis.strategies import DrawFn, SearchStrategy

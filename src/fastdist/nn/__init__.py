@@ -26,20 +26,20 @@ sequence parallelism does.
 True
 """
 
-from . import moe, plans  # noqa: E402
-from .attention import RingAttention, UlyssesAttention, USPAttention, local_attention
-from .clip import clip_grad_norm_, grad_norm
-from .layers import (
+from fastdist.nn import moe, plans  # noqa: E402
+from fastdist.nn.attention import RingAttention, UlyssesAttention, USPAttention, local_attention
+from fastdist.nn.clip import clip_grad_norm_, grad_norm
+from fastdist.nn.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from .loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
-from .materialize import init_weights, module_seed
-from .moe import MoEError  # noqa: E402
-from .parallelize import ParallelModel, parallelize
-from .state import (
+from fastdist.nn.loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
+from fastdist.nn.materialize import init_weights, module_seed
+from fastdist.nn.moe import MoEError  # noqa: E402
+from fastdist.nn.parallelize import ParallelModel, parallelize
+from fastdist.nn.state import (
     CheckpointError,
     Layout,
     ReplicaMismatchError,
@@ -53,7 +53,7 @@ from .state import (
     stack_state,
     unstack,
 )
-from .styles import (
+from fastdist.nn.styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,

@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from .moe import ExpertParallel
-from .styles import (
+from fastdist.nn.moe import ExpertParallel
+from fastdist.nn.styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,

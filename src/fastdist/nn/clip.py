@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import MeshError
-from ..mesh import Mesh
-from .state import Layout, module_and_mesh, param_layouts
+from fastdist.core.mesh import Mesh
+from fastdist.errors import MeshError
+from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -136,7 +136,7 @@ def _partial_norms(
 
 def _combine(sums: dict[tuple[str, ...], Tensor], mesh: Mesh, p: float) -> Tensor:
     """One rank's total norm from its partial sums: each axis set reduced over its axes."""
-    from ..collectives import pmax, psum
+    from fastdist.ops.collectives import pmax, psum
 
     total: Tensor | None = None
     for axes in sorted(sums):  # the same order on every rank
@@ -179,7 +179,7 @@ def _total(
             zero = torch.zeros(mesh.size if simulated else ())
             return zero, grads, mesh
         if simulated:
-            from ..simulate import simulate
+            from fastdist.sim.simulate import simulate
 
             total = simulate(lambda s: _combine(s, mesh, p), mesh)(sums)
             _check_equal(total, mesh, op)

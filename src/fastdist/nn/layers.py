@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..collectives import (
+from fastdist.core.mesh import Mesh
+from fastdist.core.sharding import P, PartitionSpec
+from fastdist.errors import NO_IGNORE_INDEX, MeshError
+from fastdist.nn.loss import _checked_targets
+from fastdist.nn.state import Layout
+from fastdist.ops.collectives import (
     all_gather,
     all_gather_invariant,
     axis_index,
@@ -20,11 +25,6 @@ from ..collectives import (
     psum_scatter,
     pvary,
 )
-from ..errors import NO_IGNORE_INDEX, MeshError
-from ..mesh import Mesh
-from ..sharding import P, PartitionSpec
-from .loss import _checked_targets
-from .state import Layout
 
 __all__ = [
     "ColumnParallelLinear",
@@ -153,7 +153,7 @@ def _checked_mode_active() -> bool:
     through) is active."""
     if not torch._C._is_torch_function_mode_enabled():
         return False
-    from .._sdpa import SdpaMode
+    from fastdist.sim.sdpa import SdpaMode
 
     modes = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
     return any(not isinstance(m, SdpaMode) for m in modes)

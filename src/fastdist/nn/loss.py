@@ -25,11 +25,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._context import is_real
-from ..collectives import _names_this_rank, axis_index, pmax, psum
-from ..errors import CollectiveError, TargetError
-from ..mesh import AxisName, Mesh
-from ..simulate import rank_binding
+from fastdist.core.context import is_real
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.errors import CollectiveError, TargetError
+from fastdist.ops.collectives import _names_this_rank, axis_index, pmax, psum
+from fastdist.sim.simulate import rank_binding
 
 __all__ = ["causal_lm_loss", "cross_entropy", "vocab_parallel_cross_entropy"]
 

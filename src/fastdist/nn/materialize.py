@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .state import _listed, materialize_
+from fastdist.nn.state import _listed, materialize_
 
 __all__ = ["init_weights", "module_seed"]
 
@@ -421,7 +421,7 @@ def init_weights(
     >>> fd.nn.init_weights(net, seed=1)[0].weight.device
     device(type='cpu')
     """
-    from .styles import ParallelizeError
+    from fastdist.nn.styles import ParallelizeError
 
     parallel = _parallel_modules(model)
     if parallel:

@@ -44,7 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..collectives import (
+from fastdist.core.mesh import Mesh
+from fastdist.core.sharding import P
+from fastdist.errors import CollectiveError, FastdistError, NoBackendError
+from fastdist.nn.state import Layout
+from fastdist.nn.styles import ParallelizeError, Style, _Context
+from fastdist.ops.collectives import (
     all_gather,
     all_gather_invariant,
     all_to_all,
@@ -54,13 +59,8 @@ from ..collectives import (
     psum_scatter,
     pvary,
 )
-from ..errors import CollectiveError, FastdistError, NoBackendError
-from ..mesh import Mesh
-from ..sharding import P
-from ..simulate import rank_binding
-from ..uneven import indexed_all_to_all_v, ragged_all_to_all
-from .state import Layout
-from .styles import ParallelizeError, Style, _Context
+from fastdist.ops.uneven import indexed_all_to_all_v, ragged_all_to_all
+from fastdist.sim.simulate import rank_binding
 
 __all__ = [
     "Dispatched",

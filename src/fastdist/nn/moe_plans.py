@@ -43,10 +43,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..collectives import local_chunk
-from ..mesh import Mesh
-from .moe import ExpertParallel, Strategy
-from .styles import (
+from fastdist.core.mesh import Mesh
+from fastdist.nn.moe import ExpertParallel, Strategy
+from fastdist.nn.styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,
@@ -63,6 +62,7 @@ from .styles import (
     _linear_parts,
     _swap,
 )
+from fastdist.ops.collectives import local_chunk
 
 __all__ = [
     "FAMILIES",
@@ -710,7 +710,7 @@ def fused_experts(model: nn.Module, source: Any) -> Iterator[Mapping[str, Any]]:
     >>> with fused_experts(pm.module, saved) as checkpoint:
     ...     pm.load(checkpoint)
     """
-    from .state import _open_source
+    from fastdist.nn.state import _open_source
 
     rules, renames = _converters(model), _renamings(model)
     with _open_source(source) as (shapes, reader):

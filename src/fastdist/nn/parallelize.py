@@ -32,13 +32,18 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ..collectives import pvary
-from ..mesh import Mesh
-from ..simulate import simulate
-from .layers import VocabParallelEmbedding
-from .materialize import InitError, Original, init_steps, resolve_device, run_inits, unwritten
-from .plans import plan_for
-from .state import (
+from fastdist.core.mesh import Mesh
+from fastdist.nn.layers import VocabParallelEmbedding
+from fastdist.nn.materialize import (
+    InitError,
+    Original,
+    init_steps,
+    resolve_device,
+    run_inits,
+    unwritten,
+)
+from fastdist.nn.plans import plan_for
+from fastdist.nn.state import (
     CheckpointError,
     Layout,
     _listed,
@@ -50,7 +55,7 @@ from .state import (
     param_layouts,
     save_checkpoint,
 )
-from .styles import (
+from fastdist.nn.styles import (
     ParallelizeError,
     ParallelLinear,
     Style,
@@ -59,7 +64,9 @@ from .styles import (
     _ReplicatedHeads,
     _swap,
 )
-from .verify import VerifyInputs, verify_plan
+from fastdist.nn.verify import VerifyInputs, verify_plan
+from fastdist.ops.collectives import pvary
+from fastdist.sim.simulate import simulate
 
 __all__ = ["parallelize", "ParallelModel"]
 
@@ -267,7 +274,7 @@ class ParallelModel:
         if rename is None and not isinstance(source, Mapping):
             # a checkpoint with one tensor per expert (transformers' save_pretrained of Mixtral,
             # Qwen2/3-MoE, OLMoE, DeepSeek): read under the model's fused 3-D names, by slices
-            from .moe_plans import _converters, fused_experts
+            from fastdist.nn.moe_plans import _converters, fused_experts
 
             if _converters(self.module):
                 with fused_experts(self.module, source) as fused:
@@ -275,7 +282,7 @@ class ParallelModel:
         self._recompute_buffers(resolve_device(device))
         if rename is None:
             # transformers' own renamings of this model's checkpoints (GPT-NeoX's embed_out)
-            from .plans import hf_checkpoint_renames
+            from fastdist.nn.plans import hf_checkpoint_renames
 
             rename = hf_checkpoint_renames(self.module, source)
         left = bool(meta_names(self.module))
@@ -501,7 +508,7 @@ class ParallelModel:
         losses; `grads`, `state_dict` and `clip_grad_norm_` understand their parameters (FSDP2's
         DTensors too). Calls of this model go through DDP / FSDP2 afterwards.
         """
-        from ..train.data_parallel import DataParallel, PvaryHooks, ddp, fsdp
+        from fastdist.train.data_parallel import DataParallel, PvaryHooks, ddp, fsdp
 
         op = f"ParallelModel.data_parallel(engine={engine!r})"
         if self.engine is not None:
@@ -558,7 +565,7 @@ class ParallelModel:
         Returns:
             the total norm before clipping: 0-d on real ranks, ``[world]`` on a simulated mesh.
         """
-        from .clip import clip_grad_norm_
+        from fastdist.nn.clip import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
@@ -649,7 +656,7 @@ class _HFCausalLMLoss:
     def __call__(
         self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any
     ) -> Tensor:
-        from .loss import _gathered_causal_lm_loss, causal_lm_loss
+        from fastdist.nn.loss import _gathered_causal_lm_loss, causal_lm_loss
 
         # gathered logits (gather_output=True) hold the whole vocabulary: the same loss, no
         # collective (transformers' own would compute in float32)
@@ -718,7 +725,7 @@ def parallelize(
                 f"parallelize: plan={plan!r}; the only plan named by a string is 'auto'. Fix: "
                 "plan='auto', a dict of styles, or None (the ready plan for the model's family)"
             )
-        from .auto import auto
+        from fastdist.nn.auto import auto
 
         plan = auto(model)
         verify = True if verify is None else verify

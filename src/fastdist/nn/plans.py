@@ -40,12 +40,12 @@ from typing import Any
 
 from torch import nn
 
-from ..mesh import Mesh
-from .auto import auto
-from .moe_plans import FAMILIES as MOE_FAMILIES
-from .moe_plans import mixtral as _moe_mixtral
-from .moe_plans import moe_plan_for
-from .styles import (
+from fastdist.core.mesh import Mesh
+from fastdist.nn.auto import auto
+from fastdist.nn.moe_plans import FAMILIES as MOE_FAMILIES
+from fastdist.nn.moe_plans import mixtral as _moe_mixtral
+from fastdist.nn.moe_plans import moe_plan_for
+from fastdist.nn.styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,

@@ -29,9 +29,9 @@ from typing import Any, Literal, Union, cast
 import torch
 from torch import Tensor, nn
 
-from ..errors import FastdistError, MeshError
-from ..mesh import Mesh
-from ..sharding import P, PartitionSpec
+from fastdist.core.mesh import Mesh
+from fastdist.core.sharding import P, PartitionSpec
+from fastdist.errors import FastdistError, MeshError
 
 __all__ = [
     "Layout",
@@ -773,7 +773,7 @@ def gather_full(
     if hasattr(t, "full_tensor"):  # an FSDP2 DTensor: this rank's whole block first
         t = t.full_tensor()
     if mesh.backend is not None:
-        from ..collectives import all_gather_invariant
+        from fastdist.ops.collectives import all_gather_invariant
 
         # [world, *local], rank order
         t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)

@@ -22,12 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..collectives import all_gather_invariant, axis_index, local_chunk, psum, psum_scatter, pvary
-from ..errors import MeshError
-from ..mesh import Mesh
-from ..sharding import P
-from .layers import VocabParallelEmbedding, _column_input, _linear
-from .state import Layout
+from fastdist.core.mesh import Mesh
+from fastdist.core.sharding import P
+from fastdist.errors import MeshError
+from fastdist.nn.layers import VocabParallelEmbedding, _column_input, _linear
+from fastdist.nn.state import Layout
+from fastdist.ops.collectives import (
+    all_gather_invariant,
+    axis_index,
+    local_chunk,
+    psum,
+    psum_scatter,
+    pvary,
+)
 
 __all__ = [
     "Style",

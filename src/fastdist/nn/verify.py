@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..mesh import Mesh
-from ..sharding import P
-from ..simulate import simulate
-from .state import Layout
-from .styles import HeadParallelAttention, ParallelizeError, ParallelLinear
+from fastdist.core.mesh import Mesh
+from fastdist.core.sharding import P
+from fastdist.nn.state import Layout
+from fastdist.nn.styles import HeadParallelAttention, ParallelizeError, ParallelLinear
+from fastdist.sim.simulate import simulate
 
 __all__ = ["example_inputs", "small_config", "verify_plan"]
 
@@ -626,7 +626,7 @@ def verify_plan(
         ranks = list(range(mesh.size)) if simulated else [mesh.rank]
         diff = _compare(reference, got, modules, mesh, axes, ranks, simulated)
     if not simulated:
-        from ..distributed import all_gather_object
+        from fastdist.comm.distributed import all_gather_object
 
         verdicts = all_gather_object(
             None if diff is None else (diff.index, diff.name, diff.detail, diff.upstream), mesh

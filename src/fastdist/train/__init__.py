@@ -12,11 +12,11 @@
 * Clipping lives with the layouts: `fastdist.nn.clip_grad_norm_`.
 """
 
-from . import schedules
-from .checkpoint import load, save
-from .data_parallel import DataParallel, reduce_axes
-from .pipeline import Pipeline, pipeline
-from .zero import ZeroOptimizer
+from fastdist.train import schedules
+from fastdist.train.checkpoint import load, save
+from fastdist.train.data_parallel import DataParallel, reduce_axes
+from fastdist.train.pipeline import Pipeline, pipeline
+from fastdist.train.zero import ZeroOptimizer
 
 __all__ = [
     "DataParallel",

@@ -86,10 +86,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from ..mesh import Mesh
-from ..nn.parallelize import ParallelModel
-from ..nn.state import CheckpointError, Layout, param_layouts
-from .zero import ZeroOptimizer
+from fastdist.core.mesh import Mesh
+from fastdist.nn.parallelize import ParallelModel
+from fastdist.nn.state import CheckpointError, Layout, param_layouts
+from fastdist.train.zero import ZeroOptimizer
 
 __all__ = ["save", "load"]
 

@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import MeshError
-from ..mesh import AxisName, Mesh
-from ..nn.state import Layout, module_and_mesh, param_layouts
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.errors import MeshError
+from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 
 if TYPE_CHECKING:
-    from ..nn.parallelize import ParallelModel
+    from fastdist.nn.parallelize import ParallelModel
 
 __all__ = ["DataParallel", "reduce_axes"]
 
@@ -324,7 +324,7 @@ class DataParallel:
         the part kept apart; zeros and a 0 flag where nothing) and start its all-reduce."""
         import torch.distributed as dist
 
-        from ..distributed import _axis_comm
+        from fastdist.comm.distributed import _axis_comm
 
         b = self._buckets[i]
         b.ready.clear()
@@ -351,7 +351,7 @@ class DataParallel:
         )
 
     def _wait(self, b: _Bucket, write: bool = True) -> None:
-        from ..distributed import _axis_comm
+        from fastdist.comm.distributed import _axis_comm
 
         ac = _axis_comm(_OP, self.mesh, b.axes)
         ac.run(_OP, b.work.wait, what="the gradient all-reduce")
@@ -418,7 +418,7 @@ class PvaryHooks:
     """
 
     def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
-        from ..collectives import pvary
+        from fastdist.ops.collectives import pvary
 
         self._handles: list[Any] = []
         by_module: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
@@ -454,7 +454,7 @@ def ddp(pm: ParallelModel, axis: AxisName = "dp", **kwargs: Any) -> nn.Module:
     group (real ranks). See `fastdist.nn.ParallelModel.data_parallel`."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..distributed import _axis_comm
+    from fastdist.comm.distributed import _axis_comm
 
     op = "ParallelModel.data_parallel(engine='ddp')"
     refuse_meta(pm.module, op)

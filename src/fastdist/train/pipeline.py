@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import CommError, PipelineError
-from ..mesh import Mesh
-from .schedules import Schedule, schedule, stage_layers
+from fastdist.core.mesh import Mesh
+from fastdist.errors import CommError, PipelineError
+from fastdist.train.schedules import Schedule, schedule, stage_layers
 
 __all__ = ["Pipeline", "pipeline", "SPLITS", "StageSplit", "Event"]
 
@@ -320,7 +320,7 @@ def _split_model(
 
 def _stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
     """The plan's entries that match a module this stage holds (not a placeholder)."""
-    from ..nn.parallelize import _matches
+    from fastdist.nn.parallelize import _matches
 
     real = [n for n, m in module.named_modules() if not isinstance(m, _PLACEHOLDERS)]
     return {p: v for p, v in plan.items() if any(_matches(p, n) for n in real)}
@@ -351,7 +351,7 @@ class _Ranks:
     receives with the mesh's timeout, headers checked."""
 
     def __init__(self, mesh: Mesh, axis: str, schedule_id: tuple[int, int, int]) -> None:
-        from ..distributed import _axis_comm, select_backend
+        from fastdist.comm.distributed import _axis_comm, select_backend
 
         self.ac = _axis_comm("pipeline", mesh, axis)
         self.axis = axis
@@ -611,7 +611,7 @@ class Pipeline:
         replicas once) over the stages: ``(sum of p-th powers) ** (1/p)``, the largest for
         the inf-norm; on real ranks a collective over the whole mesh. Call it after the
         data-parallel reduction (after `step`)."""
-        from ..nn.clip import _coefficient, _scale
+        from fastdist.nn.clip import _coefficient, _scale
 
         total, grads = self._norm(norm_type)
         op = "Pipeline.clip_grad_norm_"
@@ -626,7 +626,7 @@ class Pipeline:
         return total
 
     def _norm(self, norm_type: float) -> tuple[Tensor, dict[int, list[Tensor]]]:
-        from ..nn.clip import _norm_type, _total
+        from fastdist.nn.clip import _norm_type, _total
 
         op = "Pipeline.clip_grad_norm_"
         p = _norm_type(norm_type, op)
@@ -648,7 +648,7 @@ class Pipeline:
             by_index = per_rank.index_select(0, self._peers()).view(-1, self.mesh.size)
             combined = by_index.amax(0) if p == math.inf else by_index.sum(0)
         else:
-            from ..collectives import pmax, psum
+            from fastdist.ops.collectives import pmax, psum
 
             mine = torch.stack(per_stage)
             local = mine.amax(0) if p == math.inf else mine.sum(0)
@@ -768,7 +768,7 @@ class Pipeline:
                 if not bool((rows == rows[:1]).all()):
                     self._differs(k)
             return
-        from ..collectives import all_gather_invariant
+        from fastdist.ops.collectives import all_gather_invariant
 
         digests = []
         for k in keys:
@@ -1006,7 +1006,7 @@ class Pipeline:
             raise
         finally:
             ranks.pending.clear()
-        from ..collectives import broadcast
+        from fastdist.ops.collectives import broadcast
 
         # the last stage's loss on every rank of the pipeline axis
         dtype = next(self.parameters()).dtype
@@ -1134,8 +1134,8 @@ def pipeline(
         keep = list(range(sched.stages))
     else:
         keep = list(sched.stages_of(mesh.index(mesh.rank, axis)))
-    from ..nn.parallelize import parallelize
-    from ..nn.plans import plan_for
+    from fastdist.nn.parallelize import parallelize
+    from fastdist.nn.plans import plan_for
 
     if plan is None:
         plan = (
@@ -1152,7 +1152,7 @@ def pipeline(
         first = None if j == 0 else own[ranges[j][0]]
         last = None if j == sched.stages - 1 else own[ranges[j][-1]]
         if last is None and hasattr(type(module), "loss_function"):
-            from ..nn.parallelize import _HFCausalLMLoss
+            from fastdist.nn.parallelize import _HFCausalLMLoss
 
             if not isinstance(getattr(module, "loss_function", None), _HFCausalLMLoss):
                 # no vocabulary-parallel head (no tp): fastdist's loss all the same, so that the

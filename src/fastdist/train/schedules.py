@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import PipelineError
+from fastdist.errors import PipelineError
 
 __all__ = [
     "Action",

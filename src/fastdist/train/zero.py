@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import MeshError
-from ..mesh import AxisName, Mesh
-from ..nn.state import Layout, module_and_mesh, param_layouts
-from .data_parallel import _axes, reduce_axes, refuse_meta
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.errors import MeshError
+from fastdist.nn.state import Layout, module_and_mesh, param_layouts
+from fastdist.train.data_parallel import _axes, reduce_axes, refuse_meta
 
 if TYPE_CHECKING:
-    from ..nn.parallelize import ParallelModel
+    from fastdist.nn.parallelize import ParallelModel
 
 __all__ = ["ZeroOptimizer"]
 
@@ -143,13 +143,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _per_rank(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         if self._stacked:
-            from ..simulate import simulate
+            from fastdist.sim.simulate import simulate
 
             return simulate(fn, self.mesh)(x)
         return fn(x)
 
     def _chunk(self, flat: Tensor) -> Tensor:
-        from ..collectives import local_chunk
+        from fastdist.ops.collectives import local_chunk
 
         return self._per_rank(lambda v: local_chunk(v, self.mesh, self.axes, dim=0), flat)
 
@@ -166,7 +166,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's chunk with the wrapped optimizer, then all-gather every chunk into
         the parameters (a collective on real ranks)."""
-        from ..collectives import all_gather_invariant
+        from fastdist.ops.collectives import all_gather_invariant
 
         loss = None
         if closure is not None:

@@ -10,13 +10,13 @@ Gradients are those of a real multi-process run: ``out.sum().backward()`` (the
 sum over ranks of the per-rank losses) leaves in slice ``r`` of each ``.grad``
 exactly what rank ``r`` would get by calling ``backward()`` on its own loss,
 because each collective's registered *per-rank* backward rule runs (see
-``fastdist._primitive``). ``torch.func.grad`` of the per-rank loss inside ``fn``
+``fastdist.core.primitive``). ``torch.func.grad`` of the per-rank loss inside ``fn``
 gives the same, and so does ``torch.compile(simulate(fn, mesh))`` + backward (which refuses
 a ``torch.autograd.Function`` of the user's own: see below).
 
 How collectives find the simulation: while ``fn`` runs, ``simulate`` registers a
 binding (the vmapped rank id) for the mesh values it was given, on this thread
-(``fastdist._context``), and drops it when ``fn`` returns or raises. A collective
+(``fastdist.core.context``), and drops it when ``fn`` returns or raises. A collective
 looks its mesh up by value, so an equal mesh built elsewhere works; a collective on a
 mesh that no running simulation covers fails loudly instead of guessing. Threads
 simulate independently, the same mesh too.
@@ -28,7 +28,7 @@ under a fresh vmap over the ranks (the Function's generated vmap rule), so what 
 only the binding: while ``fn`` runs, simulate's ``TorchFunctionMode`` sees each such
 Function applied (torch routes it through ``custom_function_call``) and leaves a
 :class:`_Resume` on its autograd node; a collective called in that node's backward finds it
-(``fastdist._context.simulation_of``) and binds to the vmap torch re-created. See
+(``fastdist.core.context.simulation_of``) and binds to the vmap torch re-created. See
 docs/testing.md, "Your own autograd.Function". Under ``torch.compile`` torch 2.13 drops such a
 Function's backward under vmap (wrong gradients, in torch itself), so while dynamo traces
 ``fn`` with grad mode on, a Function applied there raises :class:`NoBackendError` naming it
@@ -37,7 +37,7 @@ Function's backward under vmap (wrong gradients, in torch itself), so while dyna
 ``F.scaled_dot_product_attention`` (which Hugging Face models call in every layer) has
 no vmap rule for its fused kernels in torch 2.13, so vmap would warn and loop over the
 ranks; while ``fn`` runs, ``simulate`` pushes :class:`_SimulationMode` (a
-``fastdist._sdpa.SdpaMode``), which folds the rank dim into the batch dim and calls the
+``fastdist.sim.sdpa.SdpaMode``), which folds the rank dim into the batch dim and calls the
 kernel once, and marks the autograd.Functions applied (``batch_sdpa=False`` leaves the mode
 out, and with it both).
 """
@@ -55,10 +55,10 @@ from torch._functorch.predispatch import _add_batch_dim
 from torch._functorch.pyfunctorch import coerce_cinterpreter
 from torch.utils import _pytree as pytree
 
-from ._context import pop_simulation, push_simulation, simulation_of
-from ._sdpa import _SDPA, SdpaMode, sdpa
-from .errors import MeshError, NoBackendError
-from .mesh import Mesh
+from fastdist.core.context import pop_simulation, push_simulation, simulation_of
+from fastdist.core.mesh import Mesh
+from fastdist.errors import MeshError, NoBackendError
+from fastdist.sim.sdpa import _SDPA, SdpaMode, sdpa
 
 __all__ = ["simulate", "rank_binding", "promote"]
 
@@ -152,7 +152,7 @@ def _mark_function_node(output: Any, resume: _Resume) -> None:
 
 class _SimulationMode(SdpaMode):
     """What ``simulate`` pushes while ``fn`` runs: SDPA folded over the ranks
-    (:class:`~fastdist._sdpa.SdpaMode`), and a :class:`_Resume` on the node of every
+    (:class:`~fastdist.sim.sdpa.SdpaMode`), and a :class:`_Resume` on the node of every
     ``torch.autograd.Function`` applied."""
 
     def __init__(
@@ -271,7 +271,7 @@ def simulate(
             warning (torch has no vmap rule for the fused kernels), with the values and
             gradients of the per-rank calls. It costs a ``TorchFunctionMode`` while ``fn``
             runs: a few microseconds per torch call in ``fn``; ``False`` saves that for
-            per-rank code that never calls SDPA (see ``fastdist._sdpa``) and never applies
+            per-rank code that never calls SDPA (see ``fastdist.sim.sdpa``) and never applies
             a ``torch.autograd.Function`` whose backward calls a collective (the same mode
             lets that backward, which runs after simulate returned, find the simulation).
 
@@ -328,7 +328,7 @@ def simulate(
                 traced = torch.compiler.is_compiling() and torch.is_grad_enabled()
                 start = _traced_code_count() if traced else 0
                 if batch_sdpa:
-                    # F.scaled_dot_product_attention folded over the ranks (fastdist._sdpa), and
+                    # F.scaled_dot_product_attention folded over the ranks (fastdist.sim.sdpa), and
                     # the nodes of autograd.Functions marked for their backward
                     with _SimulationMode(meshes_tuple, mesh.size, outer, device):
                         out = fn(*rank_args, **kwargs)

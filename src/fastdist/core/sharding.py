@@ -2,7 +2,7 @@
 
 One place computes which block of a global tensor a rank holds (:func:`block_of`); ``spmd``,
 ``fastdist.nn`` (state dicts, layouts), ``fastdist.testing`` and the sharding pictures of
-``fastdist.visual`` all use it, so they cannot disagree.
+``fastdist.tools.visual`` all use it, so they cannot disagree.
 
 >>> import torch, fastdist as fd
 >>> mesh = fd.Mesh({"dp": 2, "tp": 2})
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .errors import MeshError
+from fastdist.errors import MeshError
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from fastdist.core.mesh import Mesh
 
 __all__ = ["PartitionSpec", "P", "block_of", "check_spec", "holders", "blocks"]
 

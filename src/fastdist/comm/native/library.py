@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LibraryError, LibraryNotFoundError
+from fastdist.errors import LibraryError, LibraryNotFoundError
 
 __all__ = [
     "Function",
@@ -286,7 +286,7 @@ class NativeLibrary:
         version: ``(major, minor, patch)``, or ``None`` where the library cannot say (HCCL).
         unbound: function name -> why it is not bound (too old, not exported).
         device_type: torch device type of the buffers it takes (``"cpu"`` for the host-memory
-            test library of :mod:`fastdist.native.fake`).
+            test library of :mod:`fastdist.comm.native.fake`).
     """
 
     def __init__(self, spec: LibrarySpec, path: str, cdll: ctypes.CDLL) -> None:

@@ -3,7 +3,7 @@ outputs.
 
 On simulated meshes the per-rank function runs under :func:`fastdist.simulate`; on real ranks
 each process runs its own shard. The replication states of the outputs are checked against the
-out specs (``fastdist.replication``).
+out specs (``fastdist.check.replication``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import Tensor
 
-from ._primitive import apply_function
-from .errors import MeshError
-from .replication import CheckMode, Rep, ReplicationError, RepTracker, tracking
-from .sharding import PartitionSpec, block_of, blocks, check_spec, holders
-from .simulate import simulate
+from fastdist.check.replication import CheckMode, Rep, ReplicationError, RepTracker, tracking
+from fastdist.core.primitive import apply_function
+from fastdist.core.sharding import PartitionSpec, block_of, blocks, check_spec, holders
+from fastdist.errors import MeshError
+from fastdist.sim.simulate import simulate
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from fastdist.core.mesh import Mesh
 
 __all__ = ["spmd", "checked_call"]
 
@@ -187,12 +187,12 @@ def spmd(
         return _join(result, outs, single_out)
 
     def _local_chunk(t: Tensor, axes: tuple[str, ...], dim: int) -> Tensor:
-        from .collectives import local_chunk
+        from fastdist.ops.collectives import local_chunk
 
         return local_chunk(t, mesh, axes if len(axes) > 1 else axes[0], dim)
 
     def _join(result: Any, specs: list[PartitionSpec], single: bool) -> Any:
-        from .collectives import all_gather_invariant, psum
+        from fastdist.ops.collectives import all_gather_invariant, psum
 
         items = [result] if single else list(result)
         if len(items) != len(specs):

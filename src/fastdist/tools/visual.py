@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .errors import MeshError
-from .sharding import block_of
+from fastdist.core.sharding import block_of
+from fastdist.errors import MeshError
 
 if TYPE_CHECKING:
-    from .mesh import AxisName, Mesh
+    from fastdist.core.mesh import AxisName, Mesh
 
 __all__ = ["MeshView", "RanksView", "ShardingView", "plot_ranks", "show_ranks", "show_sharding"]
 
@@ -115,7 +115,7 @@ class MeshView:
 class ShardingView:
     """Which block of a global tensor each rank holds under a ``PartitionSpec``.
 
-    The blocks come from :func:`fastdist.sharding.block_of`, the one block function that
+    The blocks come from :func:`fastdist.core.sharding.block_of`, the one block function that
     ``spmd``, ``fastdist.nn`` and ``fastdist.testing`` use, so a spec they refuse (a dim that
     the axes' sizes do not divide, an unknown axis) raises :class:`~fastdist.MeshError` here too.
     For 1-D and 2-D shapes ``str()`` starts with a picture: one box per block, naming the

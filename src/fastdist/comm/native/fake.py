@@ -7,7 +7,7 @@ through files in a rendezvous directory named by the unique id. It records every
 its CPU tensors through it, so the whole ctypes call path (id exchange, init, grouped
 calls, dtype and op enums) is exercised on a CPU-only machine.
 
->>> import shutil, tempfile, fastdist.native.fake as fake
+>>> import shutil, tempfile, fastdist.comm.native.fake as fake
 >>> if shutil.which("gcc"):
 ...     lib = fake.build(tempfile.mkdtemp())
 ...     lib.endswith("libnccl.so.2")
@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ..errors import LibraryError
+from fastdist.errors import LibraryError
 
 __all__ = ["SOURCE", "build", "call_log", "clear_log"]
 
@@ -49,7 +49,7 @@ def build(
     compiler = shutil.which(cc)
     if compiler is None:
         raise LibraryError(
-            f"fastdist.native.fake.build: no C compiler {cc!r} on PATH. Fix: install gcc"
+            f"fastdist.comm.native.fake.build: no C compiler {cc!r} on PATH. Fix: install gcc"
         )
     out = Path(out_dir) / name
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,9 @@ def build(
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
-        raise LibraryError(f"fastdist.native.fake.build: {' '.join(cmd)} failed:\n{res.stderr}")
+        raise LibraryError(
+            f"fastdist.comm.native.fake.build: {' '.join(cmd)} failed:\n{res.stderr}"
+        )
     return str(out)
 
 

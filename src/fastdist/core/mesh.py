@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from .errors import MeshError
+from fastdist.errors import MeshError
 
 __all__ = ["Mesh", "AxisName", "DEFAULT_ORDER"]
 
@@ -108,7 +108,7 @@ class Mesh:
         setattr_(self, "_sizes", tuple(sizes))
         # stride of axis i = product of the sizes after it (row-major, last axis fastest)
         setattr_(self, "_strides", tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes))))
-        # The real-rank communicator (fastdist.distributed.TorchComm) of a mesh built by
+        # The real-rank communicator (fastdist.comm.distributed.TorchComm) of a mesh built by
         # Mesh.from_torch / from_device_mesh: part of the mesh's value; None for a plain mesh.
         setattr_(self, "_comm", _comm)
 
@@ -217,7 +217,7 @@ class Mesh:
 
         Args:
             timeout: seconds (or a timedelta) every blocking call may wait for a peer;
-                default :data:`fastdist.distributed.DEFAULT_TIMEOUT` (10 minutes).
+                default :data:`fastdist.comm.distributed.DEFAULT_TIMEOUT` (10 minutes).
             check: consistency check mode: before each collective the ranks of the
                 group compare op, shapes, dtypes and parameters, and all raise
                 :class:`~fastdist.ConsistencyError` on a mismatch (eager mode only; it
@@ -227,11 +227,11 @@ class Mesh:
                 called directly with ctypes, usable inside CUDA graph capture; CPU tensors
                 still use gloo). Results do not depend on the choice.
             library: the NCCL/HCCL shared object for a ctypes backend (default: discovered,
-                see :func:`fastdist.native.find_library`).
+                see :func:`fastdist.comm.native.find_library`).
         """
         import torch.distributed as dist
 
-        from . import distributed as D
+        from fastdist.comm import distributed as D
 
         D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, "Mesh.from_torch")  # checked before the job
         if not isinstance(check, bool):
@@ -350,7 +350,7 @@ class Mesh:
                 f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it "
                 "with Mesh.from_torch"
             )
-        from . import distributed as D
+        from fastdist.comm import distributed as D
 
         td = D._as_timedelta(timeout, None, "Mesh.with_timeout")  # required: None is refused too
         plain = Mesh(list(zip(self._names, self._sizes)))
@@ -362,7 +362,7 @@ class Mesh:
     ) -> Mesh:
         """This plain mesh's axes over the running torch.distributed job, with a new
         communicator; ``who`` (e.g. ``"Mesh.with_timeout"``) names the call in errors."""
-        from . import distributed as D
+        from fastdist.comm import distributed as D
 
         comm = D.TorchComm(
             self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, who), **comm_args
@@ -386,7 +386,7 @@ class Mesh:
         """
         import torch
 
-        from . import distributed as D
+        from fastdist.comm import distributed as D
 
         if self._comm is None:
             raise MeshError(
@@ -439,7 +439,7 @@ class Mesh:
             timeout: how long to wait for every rank to reset; default: twice the mesh's timeout
                 plus 5 s.
         """
-        from . import distributed as D
+        from fastdist.comm import distributed as D
 
         if self._comm is None:
             raise MeshError(
@@ -720,12 +720,12 @@ class Mesh:
         Args:
             axis: the axis whose groups to letter; default: none.
         """
-        from .visual import MeshView
+        from fastdist.tools.visual import MeshView
 
         return MeshView(self, axis)
 
     def _repr_html_(self) -> str:
-        from .visual import MeshView
+        from fastdist.tools.visual import MeshView
 
         return MeshView(self)._repr_html_()
 

@@ -33,9 +33,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._context import is_real
-from ._primitive import GroupSpec, Primitive
-from .collectives import (
+from fastdist.comm.distributed import AxisComm, _pad_rows
+from fastdist.core.context import is_real
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.core.primitive import GroupSpec, Primitive
+from fastdist.errors import CollectiveError, NoBackendError
+from fastdist.ops.collectives import (
     _apply,
     _enter,
     _index,
@@ -46,9 +49,6 @@ from .collectives import (
     _real_view,
     all_gather,
 )
-from .distributed import AxisComm, _pad_rows
-from .errors import CollectiveError, NoBackendError
-from .mesh import AxisName, Mesh
 
 __all__ = [
     "all_gather_v",
@@ -843,7 +843,7 @@ def _exchange_checked_sizes(
 def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """``recv[i] = send_of_rank_i[me]``: the transpose of the send-size matrix (one small
     all-to-all)."""
-    from .collectives import all_to_all
+    from fastdist.ops.collectives import all_to_all
 
     return all_to_all(send.reshape(-1, 1), mesh, axis, split_dim=0, concat_dim=0).reshape(-1)
 

@@ -38,12 +38,12 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._context import check_of, pop_check, push_check
-from ._primitive import needs_grad
-from .errors import FastdistError, MeshError
+from fastdist.core.context import check_of, pop_check, push_check
+from fastdist.core.primitive import needs_grad
+from fastdist.errors import FastdistError, MeshError
 
 if TYPE_CHECKING:
-    from .mesh import AxisName, Mesh
+    from fastdist.core.mesh import AxisName, Mesh
 
 __all__ = ["Rep", "RepTracker", "ReplicationError", "as_partial", "tracking", "CheckMode"]
 
@@ -222,7 +222,7 @@ class RepTracker:
             self._suspended -= 1
 
     def _pvary(self, t: Tensor, axes: Sequence[str]) -> Tensor:
-        from .collectives import pvary
+        from fastdist.ops.collectives import pvary
 
         with self.suspended():
             out = pvary(t, self.mesh, tuple(axes))

@@ -14,9 +14,9 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from .collectives import psum, pvary
-from .mesh import Mesh
-from .simulate import simulate
+from fastdist.core.mesh import Mesh
+from fastdist.ops.collectives import psum, pvary
+from fastdist.sim.simulate import simulate
 
 __all__ = ["tp_mlp", "DemoResult", "run_demo"]
 

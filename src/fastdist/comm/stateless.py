@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommArgumentError, CommError, MeshError
+from fastdist.errors import CollectiveTimeout, CommArgumentError, CommError, MeshError
 
 __all__ = ["StatelessGroup"]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from fastdist.core.mesh import Mesh
 
 __all__ = [
     "simulation_of",
@@ -69,7 +69,7 @@ def simulation_of(mesh: Mesh) -> Any:
 
     In the backward of a ``torch.autograd.Function`` applied inside ``simulate`` (which runs
     after ``simulate`` returned), the simulation that ``simulate`` left on the Function's
-    autograd node (``fastdist.simulate._Resume``), bound to the vmap over the ranks that torch
+    autograd node (``fastdist.sim.simulate._Resume``), bound to the vmap over the ranks that torch
     re-created for that backward.
     """
     found = _innermost(_RUNNING.simulations, mesh)

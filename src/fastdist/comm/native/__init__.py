@@ -5,13 +5,17 @@ go through a :class:`NativeCommunicator` per axis group (usable inside CUDA grap
 capture); CPU tensors and objects still use the mesh's gloo groups. The ops' results
 do not depend on the backend.
 
-- :mod:`fastdist.native.library`: the binding tables, discovery, loading.
-- :mod:`fastdist.native.comm`: the communicator (id exchange, init, ops, abort).
-- :mod:`fastdist.native.fake`: a host-memory fake library to test all of it on CPU.
+- :mod:`fastdist.comm.native.library`: the binding tables, discovery, loading.
+- :mod:`fastdist.comm.native.comm`: the communicator (id exchange, init, ops, abort).
+- :mod:`fastdist.comm.native.fake`: a host-memory fake library to test all of it on CPU.
 """
 
-from .comm import NativeCommunicator, exchange_over_group, exchange_over_stateless
-from .library import (
+from fastdist.comm.native.comm import (
+    NativeCommunicator,
+    exchange_over_group,
+    exchange_over_stateless,
+)
+from fastdist.comm.native.library import (
     HCCL,
     NCCL,
     SPECS,

@@ -61,7 +61,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from .errors import NoBackendError
+from fastdist.errors import NoBackendError
 
 __all__ = [
     "GroupSpec",
@@ -95,7 +95,7 @@ class GroupSpec:
     _others: tuple[int, ...] = field(init=False, compare=False, repr=False)
     #: the group's axes are consecutive mesh axes in mesh order (axis_view is then a view)
     _consecutive: bool = field(init=False, compare=False, repr=False)
-    #: on real ranks: this rank's group along the axes (a fastdist.distributed.AxisComm)
+    #: on real ranks: this rank's group along the axes (a fastdist.comm.distributed.AxisComm)
     comm: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -270,7 +270,7 @@ class Primitive:
         shape: ``shape(n, *per_rank_input_shapes, **params) -> output shape``.
         stacked: ``stacked(spec, *stacked_inputs, **params) -> [world, ...] tensor``.
         distributed: ``distributed(comm, *inputs, **params)``: the forward on one real rank,
-            with ``comm`` the rank's :class:`~fastdist.distributed.AxisComm` (functional
+            with ``comm`` the rank's :class:`~fastdist.comm.distributed.AxisComm` (functional
             collectives, traceable by dynamo). Only called for groups of 2+ ranks.
         backward: ``backward(ops, spec, g, saved, **params) -> grads per tensor input``,
             where ``ops`` calls other primitives (per-rank or stacked, whichever
@@ -282,10 +282,10 @@ class Primitive:
         replication: ``(accepted, output)`` replication states over the op's axes,
             from ``V`` (varying), ``I`` (invariant), ``P`` (partial sum), e.g.
             ``("VP", "I")`` for psum; ``None`` for internal ops. Read by the checked
-            mode of :func:`fastdist.spmd` (``fastdist.replication``).
+            mode of :func:`fastdist.spmd` (``fastdist.check.replication``).
         reduces: the kind of reduction the op performs across ranks (``"sum"``, ``"mean"``,
             ``"max"``, ``"min"``), or ``None`` for ops that only move data. Its public
-            function checks the input dtype against the one rule of ``fastdist._dtype_rule``.
+            function checks the input dtype against the one rule of ``fastdist.core.dtype_rule``.
     """
 
     def __init__(
@@ -611,7 +611,7 @@ class Primitive:
             "setup_context": staticmethod(setup_context),
             "backward": staticmethod(backward),
             "__doc__": f"Eager autograd for fastdist.{self.name} on "
-            f"{'real' if distributed else 'simulated'} ranks (see fastdist._primitive).",
+            f"{'real' if distributed else 'simulated'} ranks (see fastdist.core.primitive).",
         }
         if not distributed:
             attrs["generate_vmap_rule"] = True

@@ -10,7 +10,7 @@ a one-element all-reduce checks the result before the communicator is handed out
 Every op runs on the current CUDA (or NPU) stream, allocates its output with torch, and
 never synchronises with the host, so it can be captured in ``torch.cuda.graph``. Tensors
 whose dtype the library lacks travel as bytes (fp8 as uint8). Reductions follow fastdist's one
-dtype rule (``fastdist._dtype_rule``): complex tensors are summed as their real view, bool
+dtype rule (``fastdist.core.dtype_rule``): complex tensors are summed as their real view, bool
 max/min runs on uint8, and a dtype the rule refuses raises :class:`~fastdist.ReductionDtypeError`.
 All-gather-v and reduce-scatter-v are grouped broadcasts / reduces, one per root.
 ``close(timeout)`` aborts with a bounded wait (abort blocks while captured graphs live).
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._dtype_rule import check_reduction_dtype
-from ..errors import CommError, LibraryError
-from .library import NativeLibrary
+from fastdist.comm.native.library import NativeLibrary
+from fastdist.core.dtype_rule import check_reduction_dtype
+from fastdist.errors import CommError, LibraryError
 
 __all__ = ["NativeCommunicator", "exchange_over_group", "exchange_over_stateless"]
 
@@ -518,7 +518,7 @@ class NativeCommunicator:
         ``[sum(sizes), *rest]``.
 
         One broadcast per root, grouped: no padding to the largest size. ``index`` is
-        accepted for parity with :class:`fastdist.distributed.TorchTransport` (the
+        accepted for parity with :class:`fastdist.comm.distributed.TorchTransport` (the
         communicator knows its own).
 
         Args:

@@ -10,7 +10,7 @@ axis group talks through a transport (:class:`TorchTransport`): direct c10d call
 eager (the least work per call), torch's functional collectives
 (``torch.ops._c10d_functional``) under ``torch.compile``, so a step compiles without
 graph breaks from fastdist. A mesh with a ctypes backend uses
-:class:`fastdist.native.NativeCommunicator` for device tensors instead.
+:class:`fastdist.comm.native.NativeCommunicator` for device tensors instead.
 
 Process groups belong to the mesh (its :class:`TorchComm`), one per axis (or tuple of
 axes) and backend, created on first use and only by the ranks in them, with members in
@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
-from ._primitive import GroupSpec
-from .errors import (
+from fastdist.core.primitive import GroupSpec
+from fastdist.errors import (
     CollectiveTimeout,
     CommArgumentError,
     CommError,
@@ -58,8 +58,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .mesh import AxisName, Mesh
-    from .native import NativeCommunicator, NativeLibrary
+    from fastdist.comm.native import NativeCommunicator, NativeLibrary
+    from fastdist.core.mesh import AxisName, Mesh
 
 __all__ = [
     "TorchComm",
@@ -409,7 +409,7 @@ class TorchComm:
                 "be created during CUDA graph capture",
                 "call mesh.create_groups(device_type='cuda') once before capturing",
             )
-        from .native import NativeCommunicator, exchange_over_group
+        from fastdist.comm.native import NativeCommunicator, exchange_over_group
 
         exchange = exchange_over_group(ac.cpu_group(op))
         nc = ac.run(
@@ -837,7 +837,8 @@ class AxisComm:
 
     # --------------------------------------------------------------- collectives
     # Each method picks the transport for x's device -- torch.distributed (TorchTransport) or,
-    # on a ctypes mesh, NCCL/HCCL (fastdist.native.NativeCommunicator): same methods, same results.
+    # on a ctypes mesh, NCCL/HCCL (fastdist.comm.native.NativeCommunicator): same methods and
+    # results.
     def transport(self, op: str, x: Tensor) -> TorchTransport | NativeCommunicator:
         """The transport of this axis group for ``x``'s device (memoised per device type;
         functional under compile)."""
@@ -1015,7 +1016,7 @@ def _pad_rows(x: Tensor, rows: int, dim: int = 0) -> Tensor:
 def _native_library(backend: str, library: Any) -> NativeLibrary | None:
     """The bound library for a ctypes backend (loaded when the mesh is built, so errors come
     early)."""
-    from .native import BACKENDS, load_library
+    from fastdist.comm.native import BACKENDS, load_library
 
     if backend not in BACKENDS:
         raise MeshError(
@@ -1597,7 +1598,7 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
 
     def __init__(self, mesh: Mesh, *meshes: Mesh) -> None:
         for m in (mesh, *meshes):
-            # a Mesh (checked by its fields: this module does not import fastdist.mesh)
+            # a Mesh (checked by its fields: this module does not import fastdist.core.mesh)
             if not all(hasattr(m, f) for f in ("_comm", "axis_names", "size")):
                 raise MeshError(
                     f"fastdist.comm_guard: expected fastdist.Mesh values, got "
@@ -1674,7 +1675,7 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
 def _wrapped_fastdist_error(error: BaseException) -> BaseException | None:
     """The fastdist error that torch.compile wrapped in ``error`` (one of dynamo's or inductor's
     exceptions, whose cause chain holds it), else None."""
-    from .errors import FastdistError
+    from fastdist.errors import FastdistError
 
     if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
         return None
@@ -1690,7 +1691,7 @@ def _wrapped_fastdist_error(error: BaseException) -> BaseException | None:
 
 def _is_c10d_error(error: BaseException) -> bool:
     """Whether ``error`` comes from torch.distributed (not from fastdist, not from the model)."""
-    from .errors import FastdistError
+    from fastdist.errors import FastdistError
 
     if isinstance(error, FastdistError):
         return False

@@ -18,7 +18,7 @@ The serving side of vLLM's ``GroupCoordinator`` (``create_mq_broadcaster``,
 
 >>> import fastdist as fd                                     # doctest: +SKIP
 >>> mesh = fd.Mesh.from_torch(tp=4)                           # doctest: +SKIP
->>> with fd.mq.MessageQueue.create(mesh, "tp") as q:          # doctest: +SKIP
+>>> with fd.serving.mq.MessageQueue.create(mesh, "tp") as q:          # doctest: +SKIP
 ...     step = q.broadcast_object({"step": 3} if q.is_writer else None)
 """
 
@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .collectives import _names_this_rank
-from .errors import (
+from fastdist.errors import (
     CollectiveError,
     CollectiveTimeout,
     CommError,
     FastdistError,
     MeshError,
 )
+from fastdist.ops.collectives import _names_this_rank
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; fastdist supports 3.10
     from typing_extensions import Self
@@ -188,7 +188,7 @@ class NodeInfo:
     What rank 9 of ``torchrun --nnodes 2 --nproc-per-node 8`` sees (written out by hand here;
     :func:`node_info` fills it in a job):
 
-    >>> from fastdist.mq import NodeInfo, local_device
+    >>> from fastdist.serving.mq import NodeInfo, local_device
     >>> hosts = ("node-a",) * 8 + ("node-b",) * 8
     >>> ids = tuple((100 + r, None) for r in range(16))
     >>> info = NodeInfo(None, tuple(range(16)), 9, hosts, hosts, ids)
@@ -259,7 +259,7 @@ class NodeInfo:
 
 def _group(op: str, mesh: Any, axis: Any) -> tuple[tuple[int, ...], int, Any]:
     if getattr(mesh, "_comm", None) is None:
-        from .errors import NoBackendError
+        from fastdist.errors import NoBackendError
 
         raise NoBackendError(
             f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with "
@@ -291,11 +291,11 @@ def node_info(mesh: Any, axis: Any = None, *, hostname: str | None = None) -> No
     Returns:
         where the ranks of ``axis`` run, which share a host with which.
 
-    >>> info = fastdist.mq.node_info(mesh)        # doctest: +SKIP
+    >>> info = fastdist.serving.mq.node_info(mesh)        # doctest: +SKIP
     >>> info.local_rank, info.local_size, info.nodes   # doctest: +SKIP
     (1, 4, [[0, 1, 2, 3], [4, 5, 6, 7]])
     """
-    from .distributed import all_gather_object
+    from fastdist.comm.distributed import all_gather_object
 
     ranks, index, label = _group("node_info", mesh, axis)
     host = socket.gethostname() if hostname is None else hostname
@@ -338,7 +338,7 @@ def local_device(where: Any, device_type: str | None = None) -> torch.device:
     Returns:
         this rank's device: ``cuda:<local_rank>``, ``npu:<local_rank>`` or ``cpu``.
 
-    >>> dev = fastdist.mq.local_device(mesh)   # doctest: +SKIP
+    >>> dev = fastdist.serving.mq.local_device(mesh)   # doctest: +SKIP
     >>> torch.cuda.set_device(dev)             # doctest: +SKIP
     """
     info = where if isinstance(where, NodeInfo) else node_info(where)
@@ -1129,7 +1129,7 @@ def _connect(
 ) -> None:
     """The collective part of :func:`_build`: segments and sockets made, attached, connected,
     unlinked."""
-    from .distributed import all_gather_object
+    from fastdist.comm.distributed import all_gather_object
 
     error = ""
     handles: dict[int, tuple[str | None, str | None, int, bytes]] = {}

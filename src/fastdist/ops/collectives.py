@@ -6,7 +6,7 @@ Read this file like a table (as JAX's ``lax/parallel.py``). Each block has
 * ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
   (the simulated implementation, reached through the generic vmap rule);
 * ``_<op>_dist``: the forward on one real rank, with torch's functional
-  collectives on the rank's group ``comm`` (a ``fastdist.distributed.AxisComm``);
+  collectives on the rank's group ``comm`` (a ``fastdist.comm.distributed.AxisComm``);
 * ``_<op>_bwd``: the per-rank gradient rule, written with other primitives;
 * the public function: argument checks with errors that name the op, the axis
   and the fix, then ``<op>_p.bind``.
@@ -54,15 +54,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import Tensor
 
-from ._context import check_of, is_real, simulation_of
-from ._dtype_rule import check_reduction_dtype
-from ._primitive import GroupSpec, Primitive
-from .errors import CollectiveError, MeshError
-from .mesh import AxisName, Mesh
-from .simulate import promote, rank_binding
+from fastdist.core.context import check_of, is_real, simulation_of
+from fastdist.core.dtype_rule import check_reduction_dtype
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.core.primitive import GroupSpec, Primitive
+from fastdist.errors import CollectiveError, MeshError
+from fastdist.sim.simulate import promote, rank_binding
 
 if TYPE_CHECKING:
-    from .distributed import AxisComm
+    from fastdist.comm.distributed import AxisComm
 
 __all__ = [
     "psum",
@@ -212,7 +212,7 @@ def _need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: s
 
 
 def _need_reducible(prim: Primitive, axis: AxisName, x: Tensor) -> None:
-    """The one dtype rule of reductions (``fastdist._dtype_rule``), for ``prim``'s kind of
+    """The one dtype rule of reductions (``fastdist.core.dtype_rule``), for ``prim``'s kind of
     reduction."""
     check_reduction_dtype(prim.name, axis, x.dtype, cast(str, prim.reduces))
 

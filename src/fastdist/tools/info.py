@@ -8,13 +8,13 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import FastdistError
+from fastdist.errors import FastdistError
 
 __all__ = ["report"]
 
 
 def _native(kind: str, path: str | None, environ: Mapping[str, str] | None) -> list[str]:
-    from .native import SPECS, find_library, load_library
+    from fastdist.comm.native import SPECS, find_library, load_library
 
     spec = SPECS[kind]
     try:
@@ -28,7 +28,7 @@ def _native(kind: str, path: str | None, environ: Mapping[str, str] | None) -> l
         lines.append(f"    not bound: {', '.join(gated)}")
     if lib.device_type == "cpu":
         lines.append(
-            "    this is fastdist's host-memory fake library (fastdist.native.fake): CPU "
+            "    this is fastdist's host-memory fake library (fastdist.comm.native.fake): CPU "
             "tensors, for tests"
         )
     elif lib.device_type == "cuda" and not torch.cuda.is_available():
@@ -47,7 +47,7 @@ def report(
 
     Args:
         nccl_library: the NCCL shared object to report on; default: found as
-            `fastdist.native.find_library` finds it.
+            `fastdist.comm.native.find_library` finds it.
         hccl_library: the HCCL shared object to report on; default: found likewise.
         environ: where to read ``FASTDIST_NCCL_LIBRARY`` / ``FASTDIST_HCCL_LIBRARY``; default:
             ``os.environ``.
@@ -58,7 +58,7 @@ def report(
     >>> "torch " + torch.__version__ in report()
     True
     """
-    from . import __version__
+    from fastdist import __version__
 
     cuda = (
         f"{torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}"

@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from .errors import ReductionDtypeError
+from fastdist.errors import ReductionDtypeError
 
 __all__ = ["REDUCTION_DTYPES", "Reduction", "check_reduction_dtype", "reduction_dtype_problem"]
 

@@ -1,0 +1,1 @@
+"""Checked modes: replication tracking and ``spmd`` (shard_map-style) bodies."""

@@ -1,0 +1,1 @@
+"""Simulated ranks in one process: ``simulate`` and its attention mode."""
