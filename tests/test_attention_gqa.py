@@ -218,7 +218,7 @@ def test_ring_carries_the_kv_heads_it_was_given() -> None:
 
     q, k, v, _ = inputs(1, 4, 4, 1)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fd.ops.collectives, "ring_shift", spy)
+        mp.setattr(fd.ops, "ring_shift", spy)
         fd.simulate(fd.nn.RingAttention(mesh, "sp", causal=True), mesh)(
             *(rearrange(t, "b (n s) h d -> n b s h d", n=2) for t in (q, k, v))
         )

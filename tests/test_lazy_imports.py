@@ -35,11 +35,11 @@ def _loaded(code: str, *modules: str) -> list[str]:
 
 
 def test_import_fastdist_imports_no_torch_and_first_use_nothing_heavy() -> None:
-    assert _loaded("import fastdist", "torch", "fastdist.ops.collectives") == []
+    assert _loaded("import fastdist", "torch", "fastdist.ops") == []
     # the probe sees modules: a use loads them
-    assert _loaded("import fastdist as fd; fd.psum", "torch", "fastdist.ops.collectives") == [
+    assert _loaded("import fastdist as fd; fd.psum", "torch", "fastdist.ops") == [
         "torch",
-        "fastdist.ops.collectives",
+        "fastdist.ops",
     ]
     core = "import fastdist as fd; fd.Mesh, fd.psum, fd.simulate, fd.spmd, fd.send, fd.all_gather_v"
     assert _loaded(core, *HEAVY, "fastdist.nn", "fastdist.train") == []
@@ -56,7 +56,7 @@ def test_python_m_fastdist_help_imports_no_torch() -> None:
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code"
     )
-    assert _loaded(code, "torch", "fastdist.ops.collectives", "argparse") == ["argparse"]
+    assert _loaded(code, "torch", "fastdist.ops", "argparse") == ["argparse"]
     # the argument checks too
     code = code.replace("'--help'", "'demo', '--dp', '0'").replace("== 0", "== 2")
     assert _loaded(code, "torch", "argparse") == ["argparse"]

@@ -80,14 +80,18 @@ if TYPE_CHECKING:
         ReductionDtypeError,
         TargetError,
     )
-    from fastdist.ops.collectives import (
+    from fastdist.ops import (
         all_gather,
         all_gather_invariant,
+        all_gather_v,
         all_to_all,
         all_to_all_4d,
         axis_index,
         axis_size,
         broadcast,
+        exchange_sizes,
+        gather_v,
+        indexed_all_to_all_v,
         local_chunk,
         pmax,
         pmean,
@@ -96,15 +100,9 @@ if TYPE_CHECKING:
         psum,
         psum_scatter,
         pvary,
-        ring_shift,
-    )
-    from fastdist.ops.uneven import (
-        all_gather_v,
-        exchange_sizes,
-        gather_v,
-        indexed_all_to_all_v,
         ragged_all_to_all,
         reduce_scatter_v,
+        ring_shift,
         scatter_v,
     )
     from fastdist.sim.simulate import (
@@ -215,7 +213,7 @@ _EXPORTS: dict[str, str] = {
             "pvary",
             "ring_shift",
         ),
-        "ops.collectives",
+        "ops",
     ),
     **dict.fromkeys(
         (
@@ -270,7 +268,7 @@ _EXPORTS: dict[str, str] = {
             "reduce_scatter_v",
             "scatter_v",
         ),
-        "ops.uneven",
+        "ops",
     ),
     **dict.fromkeys(("plot_ranks", "show_ranks", "show_sharding"), "tools.visual"),
 }

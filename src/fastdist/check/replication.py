@@ -222,7 +222,7 @@ class RepTracker:
             self._suspended -= 1
 
     def _pvary(self, t: Tensor, axes: Sequence[str]) -> Tensor:
-        from fastdist.ops.collectives import pvary
+        from fastdist.ops import pvary
 
         with self.suspended():
             out = pvary(t, self.mesh, tuple(axes))

@@ -187,12 +187,12 @@ def spmd(
         return _join(result, outs, single_out)
 
     def _local_chunk(t: Tensor, axes: tuple[str, ...], dim: int) -> Tensor:
-        from fastdist.ops.collectives import local_chunk
+        from fastdist.ops import local_chunk
 
         return local_chunk(t, mesh, axes if len(axes) > 1 else axes[0], dim)
 
     def _join(result: Any, specs: list[PartitionSpec], single: bool) -> Any:
-        from fastdist.ops.collectives import all_gather_invariant, psum
+        from fastdist.ops import all_gather_invariant, psum
 
         items = [result] if single else list(result)
         if len(items) != len(specs):

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError
-from fastdist.ops.collectives import axis_index
+from fastdist.ops import axis_index
 
 __all__ = ["local_attention", "UlyssesAttention", "RingAttention", "USPAttention"]
 
@@ -226,7 +226,7 @@ class UlyssesAttention(nn.Module):
         Returns:
             this rank's block of the attention output, shaped like ``q``.
         """
-        from fastdist.ops.collectives import all_to_all_4d
+        from fastdist.ops import all_to_all_4d
 
         _check_qkv("UlyssesAttention", q, k, v, same_seq=True)
         n, H, m = self.mesh.axis_size(self.axis), q.shape[2], q.shape[1]
@@ -304,7 +304,7 @@ class RingAttention(nn.Module):
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, causal: bool) -> Tensor:
-    from fastdist.ops.collectives import ring_shift
+    from fastdist.ops import ring_shift
 
     n, m, D, hk = mesh.axis_size(axis), q.shape[1], q.shape[3], k.shape[2]
     g = q.shape[2] // hk  # q heads per kv head
@@ -416,7 +416,7 @@ class USPAttention(nn.Module):
         Returns:
             this rank's block of the attention output, shaped like ``q``.
         """
-        from fastdist.ops.collectives import all_to_all_4d
+        from fastdist.ops import all_to_all_4d
 
         _check_qkv("USPAttention", q, k, v, same_seq=True)
         n, H = self.mesh.axis_size(self.ulysses_axis), q.shape[2]

@@ -29,13 +29,22 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = [
+    "clip_grad_norm_",
+    "grad_norm",
+    "check_norm_type",
+    "clip_coefficient",
+    "scale_grads",
+    "total_norm",
+]
 
 #: the dtype of the per-axis-set partial sums (scalars) that the ranks reduce
 _SUM = torch.float64
 
 
-def _norm_type(norm_type: float, op: str) -> float:
+def check_norm_type(norm_type: float, op: str) -> float:
+    """``norm_type`` as a float; raises `MeshError` (naming ``op``) unless it is a finite p > 0 or
+    ``math.inf``."""
     p = float(norm_type)
     if not (p == math.inf or (math.isfinite(p) and p > 0)):
         raise MeshError(
@@ -136,7 +145,7 @@ def _partial_norms(
 
 def _combine(sums: dict[tuple[str, ...], Tensor], mesh: Mesh, p: float) -> Tensor:
     """One rank's total norm from its partial sums: each axis set reduced over its axes."""
-    from fastdist.ops.collectives import pmax, psum
+    from fastdist.ops import pmax, psum
 
     total: Tensor | None = None
     for axes in sorted(sums):  # the same order on every rank
@@ -164,14 +173,17 @@ def grad_norm(model: Any, norm_type: float = 2.0, *, mesh: Mesh | None = None) -
     Returns:
         the total norm: 0-d on real ranks, ``[world]`` on a simulated mesh.
     """
-    return _total(model, norm_type, mesh, "fastdist.nn.grad_norm")[0]
+    return total_norm(model, norm_type, mesh, "fastdist.nn.grad_norm")[0]
 
 
-def _total(
+def total_norm(
     model: Any, norm_type: float, mesh: Mesh | None, op: str
 ) -> tuple[Tensor, list[Tensor], Mesh]:
+    """(total norm of the single-device gradients, this rank's gradients to scale, the mesh) of
+    ``model``: what `grad_norm` returns and `clip_grad_norm_` scales by; ``op`` names the caller
+    in errors."""
     module, mesh = module_and_mesh(model, mesh, op)
-    p = _norm_type(norm_type, op)
+    p = check_norm_type(norm_type, op)
     simulated = mesh.backend is None
     with torch.no_grad():
         sums, grads, dtype = _partial_norms(module, mesh, p, simulated)
@@ -249,12 +261,12 @@ def clip_grad_norm_(
     True
     """
     op = "fastdist.nn.clip_grad_norm_"
-    total, grads, mesh = _total(model, norm_type, mesh, op)
-    _scale(grads, _coefficient(op, total, max_norm, norm_type, error_if_nonfinite), mesh)
+    total, grads, mesh = total_norm(model, norm_type, mesh, op)
+    scale_grads(grads, clip_coefficient(op, total, max_norm, norm_type, error_if_nonfinite), mesh)
     return total
 
 
-def _coefficient(
+def clip_coefficient(
     op: str, total: Tensor, max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> Tensor:
     """torch's clipping factor ``min(1, max_norm / (total + 1e-6))``; raises for a non-finite
@@ -268,7 +280,7 @@ def _coefficient(
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-def _scale(grads: list[Tensor], coef: Tensor, mesh: Mesh) -> None:
+def scale_grads(grads: list[Tensor], coef: Tensor, mesh: Mesh) -> None:
     """Multiply each gradient (an FSDP2 DTensor's local block) by ``coef``: 0-d on real ranks,
     ``[world]`` (one per rank, along the stacked rank dim) on a simulated mesh."""
     with torch.no_grad():

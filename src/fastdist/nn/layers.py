@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P, PartitionSpec
 from fastdist.errors import NO_IGNORE_INDEX, MeshError
-from fastdist.nn.loss import _checked_targets
+from fastdist.nn.loss import checked_targets
 from fastdist.nn.state import Layout
-from fastdist.ops.collectives import (
+from fastdist.ops import (
     all_gather,
     all_gather_invariant,
     axis_index,
@@ -31,6 +31,8 @@ __all__ = [
     "MergedColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "column_input",
+    "linear",
 ]
 
 
@@ -115,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.project(
-            _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)
+            column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)
         )
 
     def project(self, x: Tensor) -> Tensor:
@@ -125,11 +127,11 @@ class ColumnParallelLinear(nn.Module):
         Args:
             x: the input, already rank-varying over ``axis``.
         """
-        y = _linear(x, self.weight, self.bias)  # (..., out/n)
+        y = linear(x, self.weight, self.bias)  # (..., out/n)
         return all_gather_invariant(y, self.mesh, self.axis, dim=-1) if self.gather_output else y
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear``, except that under :func:`fastdist.simulate`'s vmap the bias goes in place.
 
     vmap's rule for ``linear`` with a batched bias adds it out of place: a second output-sized
@@ -159,7 +161,7 @@ def _checked_mode_active() -> bool:
     return any(not isinstance(m, SdpaMode) for m in modes)
 
 
-def _column_input(
+def column_input(
     x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int
 ) -> Tensor:
     """A column-parallel layer's input collective: its forward/backward pair, written once."""
@@ -280,7 +282,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         # once for every projection
-        x = _column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)
+        x = column_input(x, self.mesh, self.axis, self.sequence_parallel, self.seq_dim)
         parts = list(self)
         if len(parts) == 1:
             return (parts[0].project(x),)
@@ -289,7 +291,7 @@ class MergedColumnParallelLinear(nn.Module):
         weight = torch.cat([p.weight for p in parts])  # (sum out_i/n, in)
         bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None  # type: ignore[misc]
         # (..., out_i/n) each
-        ys = torch.split(_linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)
+        ys = torch.split(linear(x, weight, bias), [p.weight.shape[0] for p in parts], dim=-1)
         if parts[0].gather_output:
             return tuple(all_gather_invariant(y, self.mesh, self.axis, dim=-1) for y in ys)
         return tuple(ys)
@@ -419,7 +421,7 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": Layout(P(self.axis, None), size=self.num_embeddings)}
 
     def forward(self, ids: Tensor) -> Tensor:
-        ids = _checked_targets(
+        ids = checked_targets(
             "VocabParallelEmbedding",
             ids,
             self.mesh,

@@ -25,13 +25,20 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from fastdist.core.binding import rank_binding
 from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import CollectiveError, TargetError
-from fastdist.ops.collectives import _names_this_rank, axis_index, pmax, psum
-from fastdist.sim.simulate import rank_binding
+from fastdist.ops import axis_index, pmax, psum
+from fastdist.ops.prelude import names_this_rank
 
-__all__ = ["causal_lm_loss", "cross_entropy", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "causal_lm_loss",
+    "cross_entropy",
+    "vocab_parallel_cross_entropy",
+    "checked_targets",
+    "gathered_causal_lm_loss",
+]
 
 Reduction = Literal["none", "mean", "sum"]
 
@@ -106,7 +113,7 @@ def _check_targets_vmap(
     return _check_targets(t, r, *params), 0
 
 
-def _checked_targets(
+def checked_targets(
     op: str, target: Tensor, mesh: Mesh, axis: AxisName, vocab_size: int, ignore_index: int
 ) -> Tensor:
     """``target`` through ``fastdist::check_targets`` with this rank's global rank id."""
@@ -229,7 +236,7 @@ def _token_losses(
             f"columns on each of {n_cols // n_local} ranks)",
             "pass the real vocabulary size, at most the padded one",
         )
-    target = _checked_targets(op, target, mesh, axis, vocab, ignore_index)
+    target = checked_targets(op, target, mesh, axis, vocab, ignore_index)
 
     # low precision computes in float32
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -254,7 +261,7 @@ def _token_losses(
     return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
 
 
-@_names_this_rank
+@names_this_rank
 def cross_entropy(
     logits: Tensor,
     target: Tensor,
@@ -323,7 +330,7 @@ def cross_entropy(
     return loss.sum() / counted.sum()
 
 
-@_names_this_rank
+@names_this_rank
 def vocab_parallel_cross_entropy(
     logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName = "tp"
 ) -> Tensor:
@@ -355,7 +362,7 @@ def vocab_parallel_cross_entropy(
     return _token_losses("vocab_parallel_cross_entropy", logits, target, mesh, axis, -100, None)[0]
 
 
-@_names_this_rank
+@names_this_rank
 def causal_lm_loss(
     logits: Tensor,
     labels: Tensor | None,
@@ -443,7 +450,7 @@ def _reduce_tokens(
     return loss.sum() / num_items_in_batch
 
 
-def _gathered_causal_lm_loss(
+def gathered_causal_lm_loss(
     logits: Tensor,
     labels: Tensor | None,
     mesh: Mesh,
@@ -464,11 +471,11 @@ def _gathered_causal_lm_loss(
     collective: every rank computes the same loss.
 
     >>> import torch, torch.nn.functional as F, fastdist as fd
-    >>> from fastdist.nn.loss import _gathered_causal_lm_loss
+    >>> from fastdist.nn.loss import gathered_causal_lm_loss
     >>> mesh = fd.Mesh({"tp": 2})
     >>> full = torch.randn(1, 4, 6, dtype=torch.float64)
     >>> labels = torch.tensor([[1, 4, -100, 2]])
-    >>> fn = lambda lg: _gathered_causal_lm_loss(lg, labels, mesh, "tp")
+    >>> fn = lambda lg: gathered_causal_lm_loss(lg, labels, mesh, "tp")
     >>> loss = fd.simulate(fn, mesh)(full.expand(2, 1, 4, 6))
     >>> ref = F.cross_entropy(full[0, :-1], labels[0, 1:])  # position t predicts label t + 1
     >>> loss.dtype, bool(torch.allclose(loss, ref.expand(2), rtol=1e-15, atol=0))
@@ -502,7 +509,7 @@ def _gathered_causal_lm_loss(
             "must be logits.shape[:-1]",
             "pass one label per token",
         )
-    target = _checked_targets(op, target, mesh, axis, vocab, ignore_index)
+    target = checked_targets(op, target, mesh, axis, vocab, ignore_index)
     # low precision computes in float32
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if vocab < n_cols:  # padding columns get no probability and no gradient

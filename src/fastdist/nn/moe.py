@@ -44,12 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastdist.core.binding import rank_binding
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P
-from fastdist.errors import CollectiveError, FastdistError, NoBackendError
+from fastdist.errors import CollectiveError, MoEError, NoBackendError, ParallelizeError
 from fastdist.nn.state import Layout
-from fastdist.nn.styles import ParallelizeError, Style, _Context
-from fastdist.ops.collectives import (
+from fastdist.nn.styles import Style, StyleContext
+from fastdist.ops import (
     all_gather,
     all_gather_invariant,
     all_to_all,
@@ -60,13 +61,11 @@ from fastdist.ops.collectives import (
     pvary,
 )
 from fastdist.ops.uneven import indexed_all_to_all_v, ragged_all_to_all
-from fastdist.sim.simulate import rank_binding
 
 __all__ = [
     "Dispatched",
     "ExpertParallel",
     "ExpertParallelExperts",
-    "MoEError",
     "MoEOutput",
     "Routing",
     "combine",
@@ -82,12 +81,6 @@ __all__ = [
 Strategy = Literal["allgather", "all_to_all"]
 Gating = Literal["softmax", "sigmoid"]
 ExpertFn = Callable[[Tensor, int], Tensor]
-
-
-class MoEError(FastdistError, ValueError):
-    """An expert-parallel layer cannot run as asked: experts that do not split over ``ep``, top-k
-    larger than the number of experts, a capacity too small for a dropless run on simulated ranks.
-    The message names the layer and the fix."""
 
 
 class Routing(NamedTuple):
@@ -914,7 +907,7 @@ class ExpertParallel(Style):
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         self._layout(module, name, mesh)
 
-    def apply(self, module: nn.Module, name: str, ctx: _Context) -> nn.Module:
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         lay = self._layout(module, name, ctx.mesh)
         tp, inter = self.tp_axis, lay.inter
         parts: tuple[int, ...] = (inter, inter) if lay.concatenated and tp else ()

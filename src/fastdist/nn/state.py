@@ -18,20 +18,17 @@ Every move goes through one function per direction:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union, cast
+from typing import Any, Union, cast
 
 import torch
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P, PartitionSpec
-from fastdist.errors import FastdistError, MeshError
+from fastdist.errors import CheckpointError, MeshError, ReplicaMismatchError
 
 __all__ = [
     "Layout",
@@ -42,28 +39,14 @@ __all__ = [
     "shard_state",
     "stack_state",
     "unstack",
-    "load_sharded",
-    "load_checkpoint",
     "full_state_dict",
     "gather_full",
-    "save_checkpoint",
+    "named_tensors",
+    "tied_aliases",
 ]
 
 SpecLike = Union[PartitionSpec, "Layout"]
 Getter = Callable[[tuple[slice, ...]], Tensor]
-
-
-class ReplicaMismatchError(FastdistError, ValueError):
-    """Ranks that should hold equal copies of a tensor (a replicated parameter, its gradient)
-    differ."""
-
-
-class CheckpointError(MeshError, KeyError):
-    """A checkpoint does not match the model: a missing or unexpected key, or a shape that
-    differs."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -431,7 +414,7 @@ def meta_names(module: nn.Module) -> list[str]:
     ]
 
 
-def _listed(names: list[str], limit: int = 6) -> str:
+def listed(names: list[str], limit: int = 6) -> str:
     """``['a', 'b'] (and 7 more)``: a list of names for a message, cut at ``limit``."""
     more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
     return f"{names[:limit]}{more}"
@@ -543,56 +526,8 @@ def unstack(
     return _as_layout(spec).join(stacked, mesh, check=check, name=name)
 
 
-# ============================================================================ checkpoints
-@contextmanager
-def _open_source(
-    source: str | os.PathLike[str] | Mapping[str, Tensor],
-) -> Iterator[tuple[dict[str, tuple[int, ...]], Callable[[str], Getter]]]:
-    """(shape of every key, key -> slicing reader) for a state dict, a .safetensors file or a
-    save_pretrained directory."""
-    if isinstance(source, Mapping):
-        yield {k: tuple(v.shape) for k, v in source.items()}, lambda k: lambda s: source[k][s]
-        return
-    from safetensors import safe_open
-
-    path = os.fspath(source)
-    if not os.path.exists(path):
-        raise CheckpointError(
-            f"fastdist.nn.load_checkpoint: {path} does not exist. Fix: pass a .safetensors file, "
-            "a save_pretrained directory (model.safetensors or model.safetensors.index.json) or "
-            "a state dict"
-        )
-    if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
-        else:
-            single = os.path.join(path, "model.safetensors")
-            if not os.path.exists(single):
-                raise CheckpointError(
-                    f"fastdist.nn.load_checkpoint: {path} holds neither model.safetensors nor "
-                    "model.safetensors.index.json. Fix: pass the directory save_pretrained("
-                    "..., safe_serialization=True) wrote, or the .safetensors file itself"
-                )
-            files = {"": single}
-    else:
-        files = {"": path}
-    handles: dict[str, Any] = {f: safe_open(f, framework="pt") for f in set(files.values())}
-    try:
-        where = (
-            {k: h for h in handles.values() for k in h.keys()}
-            if "" in files
-            else {k: handles[f] for k, f in files.items()}
-        )
-        shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in where.items()}
-        yield shapes, lambda k: lambda s: where[k].get_slice(k)[s]
-    finally:
-        handles.clear()
-
-
-def _named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
+# ============================================================================ state dicts
+def named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     """Parameters and persistent buffers by state-dict name (tied parameters once), each with "is a
     parameter".
 
@@ -604,7 +539,7 @@ def _named_tensors(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     return out
 
 
-def _tied_aliases(module: nn.Module) -> dict[str, str]:
+def tied_aliases(module: nn.Module) -> dict[str, str]:
     """Second names of tied parameters -> the first name (GPT-2's ``lm_head.weight`` ->
     ``transformer.wte.weight``)."""
     first: dict[int, str] = {}
@@ -617,154 +552,6 @@ def _tied_aliases(module: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def load_checkpoint(
-    module: nn.Module,
-    source: str | os.PathLike[str] | Mapping[str, Tensor],
-    mesh: Mesh,
-    *,
-    rank: int | None = None,
-    strict: bool | Literal["missing"] = True,
-    rename: Mapping[str, str] | Callable[[str], str] | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Load a single-device checkpoint into a parallel module, each rank reading only its own
-    slices.
-
-    Args:
-        module: a module with per-rank parameters (``fastdist.nn`` layers, or a model after
-            `fastdist.nn.parallelize`); its parameters' local shapes and layouts say what to read.
-        source: a ``.safetensors`` file, a ``save_pretrained`` directory (one file or an index
-            of several), or a single-device state dict. Files are read with
-            ``safe_open(...).get_slice``: only this rank's bytes.
-        mesh: the mesh the module was built for.
-        rank: whose shard to load. Default: ``mesh.rank`` on real ranks; on a simulated mesh, the
-            module holds every rank's shard stacked (``[world, *local]``, as
-            `fastdist.nn.parallelize` leaves it) and every rank is read.
-        strict: like ``load_state_dict``: a missing key, an unexpected key or a shape that does not
-            match raises `CheckpointError` naming the key and both shapes. ``False`` skips missing
-            and unexpected keys (shapes are always checked). ``"missing"`` raises for missing
-            keys only (a pipeline stage reads its part of the whole model's checkpoint).
-        rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose
-            merged projection is named differently from the checkpoint.
-        device: where parameters and persistent buffers still on the meta device (a model built
-            under ``torch.device("meta")``, then parallelized) get their storage: each gets only
-            its shard's, allocated as it is read (default cpu).
-        dtype: the dtype of floating-point meta parameters (default: their own; the checkpoint's
-            values are converted). Buffers keep theirs.
-
-    Raises `CheckpointError` (before anything is read) for a meta tensor the load would not
-    fill: a key missing under ``strict=False``, or a non-persistent buffer (no checkpoint holds
-    one; `fastdist.nn.ParallelModel.load` recomputes them), and for ``device``/``dtype`` given to
-    a module with nothing on the meta device.
-    """
-    layouts = param_layouts(module)
-    tensors = _named_tensors(module)
-    if (device is not None or dtype is not None) and not meta_names(module):
-        raise CheckpointError(
-            f"fastdist.nn.load_checkpoint: device={device!r} / dtype={dtype!r} choose where "
-            f"tensors on the meta device get their storage, but {type(module).__name__} has none "
-            "on the meta device. Fix: drop them (the checkpoint is converted to the parameters' "
-            "own device and dtype), or move the model first (module.to(...))"
-        )
-    stacked = rank is None and mesh.backend is None
-    if rank is None and not stacked:
-        rank = mesh.rank
-    if rank is not None and (
-        isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.size
-    ):
-        raise CheckpointError(
-            f"fastdist.nn.load_checkpoint: rank={rank!r} is not a rank of {mesh!r} (ranks "
-            f"0..{mesh.size - 1}). Fix: pass rank= in 0..{mesh.size - 1}, or leave it out (real "
-            "ranks: this process's rank; simulated: every rank's shard, stacked)"
-        )
-    to_file = (
-        (lambda k: rename[k] if k in rename else k)
-        if isinstance(rename, Mapping)
-        else (rename or (lambda k: k))
-    )
-    tied = {to_file(alias): to_file(name) for alias, name in _tied_aliases(module).items()}
-    with _open_source(source) as (shapes, reader):
-        wanted = {to_file(name): name for name in tensors}
-        missing = sorted(k for k in wanted if k not in shapes)
-        # a tied copy (HF's state_dict has both) is known
-        unexpected = sorted(k for k in shapes if k not in wanted and k not in tied)
-        for alias, key in tied.items():
-            if alias in shapes and key in shapes and tuple(shapes[alias]) != tuple(shapes[key]):
-                raise CheckpointError(
-                    f"fastdist.nn.load_checkpoint: {alias!r} is tied to {key!r} in the model, but "
-                    "the checkpoint gives "
-                    f"them shapes {tuple(shapes[alias])} and {tuple(shapes[key])}"
-                )
-        if (missing and strict) or (unexpected and strict is True):
-            raise CheckpointError(
-                "fastdist.nn.load_checkpoint: missing keys "
-                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
-                f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(missing)} "
-                f"missing, {len(unexpected)} unexpected). Fix: load the checkpoint of the same "
-                "model (same config), map names with rename=, or pass strict=False"
-            )
-        unfilled = [n for k, n in wanted.items() if k not in shapes and tensors[n][0].is_meta]
-        if unfilled:
-            raise CheckpointError(
-                f"fastdist.nn.load_checkpoint: {_listed(unfilled)} are on the meta device and "
-                f"the checkpoint has no key for them ({len(unfilled)} in all): strict=False skips "
-                "a missing key, but these would stay without storage. Fix: load a checkpoint "
-                "that has them, or initialise the model first (ParallelModel.init_weights("
-                "seed=...)) and then load with strict=False"
-            )
-        computed = [n for n, b in module.named_buffers() if b.is_meta and n not in tensors]
-        if computed:
-            raise CheckpointError(
-                f"fastdist.nn.load_checkpoint: the non-persistent buffers {_listed(computed)} are "
-                "on the meta device; no checkpoint holds them (the model computes them when it is "
-                "built, e.g. a rotary embedding's inv_freq). Fix: load through "
-                "fastdist.nn.parallelize's ParallelModel.load, which recomputes them with the "
-                "model's own init, or assign them yourself before loading"
-            )
-        with torch.no_grad():
-            for key, name in wanted.items():
-                if key not in shapes:
-                    continue
-                (t, is_param), layout = tensors[name], layouts.get(name, Layout())
-                # simulated: parameters hold every rank's shard; buffers are whole
-                per_rank = stacked and is_param
-                local = tuple(t.shape[1:]) if per_rank else tuple(t.shape)
-                expect = layout.full_shape(local, mesh)
-                if tuple(shapes[key]) != expect:
-                    raise CheckpointError(
-                        f"fastdist.nn.load_checkpoint: {key!r} has shape {tuple(shapes[key])} in "
-                        f"the checkpoint but the model expects {expect} (each rank holds {local}). "
-                        "Fix: load the checkpoint of the same config"
-                    )
-                get = reader(key)
-                if t.is_meta:  # storage for this rank's shard only, allocated now
-                    floating = is_param and t.is_floating_point()
-                    materialize_(t, device, dtype if floating else None)
-                if per_rank:  # rank by rank: no stacked copy in flight
-                    for r in range(mesh.size):
-                        t[r].copy_(layout.read(get, expect, mesh, r, key))
-                else:
-                    t.copy_(layout.read(get, expect, mesh, rank or 0, key))
-
-
-def load_sharded(
-    module: nn.Module, full: Mapping[str, Tensor], mesh: Mesh, *, strict: bool = True
-) -> None:
-    """Copy this process's shard of a single-device state dict into ``module`` (a mesh from
-    ``Mesh.from_torch``).
-
-    Strict like ``load_state_dict``: see `load_checkpoint`.
-
-    Args:
-        module: the parallel module (its layers say how each parameter splits).
-        full: a single-device state dict.
-        mesh: the mesh from ``Mesh.from_torch`` the module runs on.
-        strict: raise on missing or unexpected keys, as ``load_state_dict`` does.
-    """
-    load_checkpoint(module, full, mesh, rank=mesh.rank, strict=strict)
-
-
 def gather_full(
     t: Tensor, layout: Layout, mesh: Mesh, *, check: bool = True, name: str = "tensor"
 ) -> Tensor:
@@ -773,7 +560,7 @@ def gather_full(
     if hasattr(t, "full_tensor"):  # an FSDP2 DTensor: this rank's whole block first
         t = t.full_tensor()
     if mesh.backend is not None:
-        from fastdist.ops.collectives import all_gather_invariant
+        from fastdist.ops import all_gather_invariant
 
         # [world, *local], rank order
         t = all_gather_invariant(t.unsqueeze(0), mesh, mesh.axis_names, dim=0)
@@ -785,7 +572,7 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     their names).
 
     Tied parameters appear under every name, as ``nn.Module.state_dict`` gives them (so a
-    single-device model loads it strictly); :func:`save_checkpoint` writes them once.
+    single-device model loads it strictly); `fastdist.checkpoint.save` writes them once.
 
     On a simulated mesh the module holds stacked shards (``[world, *local]``); on real
     ranks every rank all-gathers every parameter (a collective: call it on every rank) and
@@ -804,13 +591,13 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
     meta = meta_names(module)
     if meta:
         raise CheckpointError(
-            f"fastdist.nn.full_state_dict: {_listed(meta)} are on the meta device (no values "
+            f"fastdist.nn.full_state_dict: {listed(meta)} are on the meta device (no values "
             "yet; a model built under torch.device('meta')). Fix: materialise them first: "
-            "ParallelModel.load(checkpoint) or ParallelModel.init_weights(seed=...)"
+            "fastdist.checkpoint.load(path, pm) or ParallelModel.init_weights(seed=...)"
         )
     layouts = param_layouts(module)
     out = {}
-    for name, (t, is_param) in _named_tensors(module).items():
+    for name, (t, is_param) in named_tensors(module).items():
         t = t.detach()
         # buffers: whole on every rank
         out[name] = (
@@ -818,34 +605,5 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
             if is_param
             else t.clone()
         )
-    out.update({alias: out[name] for alias, name in _tied_aliases(module).items()})
+    out.update({alias: out[name] for alias, name in tied_aliases(module).items()})
     return out
-
-
-def save_checkpoint(
-    module: nn.Module, path: str | os.PathLike[str], mesh: Mesh, *, dst: int = 0
-) -> dict[str, Tensor]:
-    """Gather a parallel module's weights and write them as one single-device ``.safetensors`` file
-    on rank ``dst``.
-
-    Returns the single-device state dict (on every rank). Tied parameters are written once,
-    under the first name, as ``save_pretrained`` does. ``path`` may be a directory: the file is
-    then ``model.safetensors`` in it (what ``load_checkpoint`` and ``from_pretrained`` read).
-
-    Args:
-        module: the parallel module.
-        path: the ``.safetensors`` file to write, or a directory (then ``model.safetensors`` in it).
-        mesh: the mesh it runs on.
-        dst: the rank (global, on real ranks) that writes the file.
-
-    Returns:
-        the single-device state dict (on every rank).
-    """
-    from safetensors.torch import save_file
-
-    state = full_state_dict(module, mesh)
-    if mesh.backend is None or mesh.rank == dst:
-        target = os.path.join(path, "model.safetensors") if os.path.isdir(path) else os.fspath(path)
-        aliases = _tied_aliases(module)
-        save_file({k: v.contiguous() for k, v in state.items() if k not in aliases}, target)
-    return state

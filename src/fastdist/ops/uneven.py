@@ -38,16 +38,16 @@ from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.errors import CollectiveError, NoBackendError
-from fastdist.ops.collectives import (
-    _apply,
-    _enter,
-    _index,
-    _like,
-    _names_this_rank,
-    _need_reducible,
-    _norm_dim,
-    _real_view,
-    all_gather,
+from fastdist.ops.gathers import all_gather
+from fastdist.ops.prelude import (
+    apply_primitive,
+    check_index,
+    enter,
+    like,
+    names_this_rank,
+    need_reducible,
+    norm_dim,
+    real_view,
 )
 
 __all__ = [
@@ -251,8 +251,8 @@ def _rsv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], capacity: 
 
 
 def _rsv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int) -> Tensor:
-    mine = _like(
-        comm.reduce_scatter_v_rows("reduce_scatter_v", _real_view(x[: sum(sizes)]), sizes), x
+    mine = like(
+        comm.reduce_scatter_v_rows("reduce_scatter_v", real_view(x[: sum(sizes)]), sizes), x
     )  # [sizes[me], *f]
     return _pad_rows(mine, _out_rows(capacity, sizes[comm.index]))
 
@@ -285,7 +285,7 @@ reduce_scatter_v_p = Primitive(
 )
 
 
-@_names_this_rank
+@names_this_rank
 def all_gather_v(
     x: Tensor,
     mesh: Mesh,
@@ -323,8 +323,8 @@ def all_gather_v(
     >>> fd.simulate(lambda x: fd.all_gather_v(x, mesh, "tp", [1, 2, 2]), mesh)(x)[0]
     tensor([1., 2., 3., 4., 5.])
     """
-    x, spec = _enter("all_gather_v", x, mesh, axis)
-    d = _norm_dim("all_gather_v", axis, "dim", dim, x.dim())
+    x, spec = enter("all_gather_v", x, mesh, axis)
+    d = norm_dim("all_gather_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("all_gather_v", axis, sizes, spec.n)
     xm = x.movedim(d, 0)
     _local_rows(
@@ -335,12 +335,12 @@ def all_gather_v(
         spec.comm is None,
         None if spec.comm is None else spec.comm.index,
     )
-    return _apply(
+    return apply_primitive(
         all_gather_v_p, mesh, xm, spec, sizes=tuple(sz), accumulate_fp32=bool(accumulate_fp32)
     ).movedim(0, d)
 
 
-@_names_this_rank
+@names_this_rank
 def reduce_scatter_v(
     x: Tensor,
     mesh: Mesh,
@@ -371,9 +371,9 @@ def reduce_scatter_v(
         this rank's rows of the group's sum: ``sizes[i]`` rows along ``dim`` (``capacity`` with
         padding).
     """
-    x, spec = _enter("reduce_scatter_v", x, mesh, axis)
-    _need_reducible(reduce_scatter_v_p, axis, x)
-    d = _norm_dim("reduce_scatter_v", axis, "dim", dim, x.dim())
+    x, spec = enter("reduce_scatter_v", x, mesh, axis)
+    need_reducible(reduce_scatter_v_p, axis, x)
+    d = norm_dim("reduce_scatter_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("reduce_scatter_v", axis, sizes, spec.n)
     if x.shape[d] != sum(sz):
         raise CollectiveError(
@@ -384,7 +384,7 @@ def reduce_scatter_v(
         )
     cap = _check_capacity("reduce_scatter_v", axis, capacity, max(sz), "the largest chunk")
     _need_static_shape("reduce_scatter_v", axis, spec, cap, sz)
-    return _apply(
+    return apply_primitive(
         reduce_scatter_v_p, mesh, x.movedim(d, 0), spec, sizes=tuple(sz), capacity=cap
     ).movedim(0, d)
 
@@ -510,7 +510,7 @@ scatter_v_p = Primitive(
 )
 
 
-@_names_this_rank
+@names_this_rank
 def gather_v(
     x: Tensor,
     mesh: Mesh,
@@ -545,10 +545,10 @@ def gather_v(
         on ``dst``, the ``sum(sizes)`` gathered rows; elsewhere an empty tensor (or ``capacity``
         rows of zeros).
     """
-    x, spec = _enter("gather_v", x, mesh, axis)
-    d = _norm_dim("gather_v", axis, "dim", dim, x.dim())
+    x, spec = enter("gather_v", x, mesh, axis)
+    d = norm_dim("gather_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("gather_v", axis, sizes, spec.n)
-    _index("gather_v", axis, "dst", dst, spec.n)
+    check_index("gather_v", axis, "dst", dst, spec.n)
     xm = x.movedim(d, 0)
     _local_rows(
         "gather_v", axis, xm, sz, spec.comm is None, None if spec.comm is None else spec.comm.index
@@ -563,10 +563,12 @@ def gather_v(
             f"pass capacity={sum(sz)} (non-destination ranks get zeros; the same code then runs "
             "on real ranks)",
         )
-    return _apply(gather_v_p, mesh, xm, spec, sizes=tuple(sz), dst=dst, capacity=cap).movedim(0, d)
+    return apply_primitive(
+        gather_v_p, mesh, xm, spec, sizes=tuple(sz), dst=dst, capacity=cap
+    ).movedim(0, d)
 
 
-@_names_this_rank
+@names_this_rank
 def scatter_v(
     x: Tensor,
     mesh: Mesh,
@@ -600,10 +602,10 @@ def scatter_v(
     Returns:
         chunk ``i`` of ``src``'s ``x``: ``sizes[i]`` rows along ``dim`` (``capacity`` with padding).
     """
-    x, spec = _enter("scatter_v", x, mesh, axis)
-    d = _norm_dim("scatter_v", axis, "dim", dim, x.dim())
+    x, spec = enter("scatter_v", x, mesh, axis)
+    d = norm_dim("scatter_v", axis, "dim", dim, x.dim())
     sz = _check_sizes("scatter_v", axis, sizes, spec.n)
-    _index("scatter_v", axis, "src", src, spec.n)
+    check_index("scatter_v", axis, "src", src, spec.n)
     if x.shape[d] != sum(sz):
         raise CollectiveError(
             "scatter_v",
@@ -613,7 +615,7 @@ def scatter_v(
         )
     cap = _check_capacity("scatter_v", axis, capacity, max(sz), "the largest chunk")
     _need_static_shape("scatter_v", axis, spec, cap, sz)
-    return _apply(
+    return apply_primitive(
         scatter_v_p, mesh, x.movedim(d, 0), spec, sizes=tuple(sz), src=src, capacity=cap
     ).movedim(0, d)
 
@@ -733,7 +735,7 @@ ragged_all_to_all_p = Primitive(
 )
 
 
-@_names_this_rank
+@names_this_rank
 def ragged_all_to_all(
     x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, *, capacity: int
 ) -> tuple[Tensor, Tensor]:
@@ -771,7 +773,7 @@ def ragged_all_to_all(
             [11., 12.,  0.]]), tensor([[1, 2],
             [2, 0]]))
     """
-    x, spec = _enter("ragged_all_to_all", x, mesh, axis)
+    x, spec = enter("ragged_all_to_all", x, mesh, axis)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise CollectiveError(
             "ragged_all_to_all",
@@ -803,10 +805,14 @@ def ragged_all_to_all(
         )
     if spec.comm is not None:
         recv = _exchange_checked_sizes(x, mesh, axis, send, capacity, spec.comm)
-        return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
+        return apply_primitive(
+            ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity
+        ), recv
     recv = all_to_all_sizes(send, mesh, axis)
     try:
-        return _apply(ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity), recv
+        return apply_primitive(
+            ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity
+        ), recv
     except CollectiveError as e:
         # the stacked rule found a bad size; it knows the group, not the axis's name
         if e.op == "ragged_all_to_all" and e.axis is None:
@@ -839,11 +845,11 @@ def _exchange_checked_sizes(
     return sends[:, comm.index].contiguous()  # recv[i] = what index i sends to this rank
 
 
-@_names_this_rank
+@names_this_rank
 def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """``recv[i] = send_of_rank_i[me]``: the transpose of the send-size matrix (one small
     all-to-all)."""
-    from fastdist.ops.collectives import all_to_all
+    from fastdist.ops import all_to_all
 
     return all_to_all(send.reshape(-1, 1), mesh, axis, split_dim=0, concat_dim=0).reshape(-1)
 
@@ -851,7 +857,7 @@ def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-@_names_this_rank
+@names_this_rank
 def indexed_all_to_all_v(
     x: Tensor,
     mesh: Mesh,
@@ -932,7 +938,7 @@ def indexed_all_to_all_v(
     return out.to(x.dtype), recv
 
 
-@_names_this_rank
+@names_this_rank
 def exchange_sizes(local_size: int | Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
     """Every rank's row count along ``axis`` (an int64 tensor, axis order), from each rank's own
     count.

@@ -50,7 +50,7 @@ from fastdist.errors import (
     FastdistError,
     MeshError,
 )
-from fastdist.ops.collectives import _names_this_rank
+from fastdist.ops.prelude import names_this_rank
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; fastdist supports 3.10
     from typing_extensions import Self
@@ -515,7 +515,7 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    @_names_this_rank
+    @names_this_rank
     def create(
         cls,
         mesh: Any,
@@ -1250,7 +1250,7 @@ def _accept(q: MessageQueue, token: bytes, deadline: float) -> None:
     q._listener = None
 
 
-@_names_this_rank
+@names_this_rank
 def create_mq_broadcaster(
     mesh: Any, axis: Any = None, *, writer: int = 0, **kwargs: Any
 ) -> MessageQueue:
@@ -1270,7 +1270,7 @@ def create_mq_broadcaster(
     return MessageQueue.create(mesh, axis, writer=writer, **kwargs)
 
 
-@_names_this_rank
+@names_this_rank
 def create_single_reader_mq_broadcasters(
     mesh: Any, axis: Any = None, *, reader: int = 0, **kwargs: Any
 ) -> tuple[MessageQueue | None, list[MessageQueue | None]]:

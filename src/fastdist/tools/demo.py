@@ -15,7 +15,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from fastdist.core.mesh import Mesh
-from fastdist.ops.collectives import psum, pvary
+from fastdist.ops import psum, pvary
 from fastdist.sim.simulate import simulate
 
 __all__ = ["tp_mlp", "DemoResult", "run_demo"]

@@ -418,7 +418,7 @@ class PvaryHooks:
     """
 
     def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
-        from fastdist.ops.collectives import pvary
+        from fastdist.ops import pvary
 
         self._handles: list[Any] = []
         by_module: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}

@@ -149,7 +149,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return fn(x)
 
     def _chunk(self, flat: Tensor) -> Tensor:
-        from fastdist.ops.collectives import local_chunk
+        from fastdist.ops import local_chunk
 
         return self._per_rank(lambda v: local_chunk(v, self.mesh, self.axes, dim=0), flat)
 
@@ -166,7 +166,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's chunk with the wrapped optimizer, then all-gather every chunk into
         the parameters (a collective on real ranks)."""
-        from fastdist.ops.collectives import all_gather_invariant
+        from fastdist.ops import all_gather_invariant
 
         loss = None
         if closure is not None:

@@ -1,0 +1,208 @@
+"""The shared helpers of the op blocks: argument checks that name the op, the axis and the fix,
+entering a collective (the rank binding on simulated ranks, the communicator on real ones), and
+running a primitive under a replication check. Public to the ``fastdist.ops`` modules and the
+layers above that declare ops of their own (``fastdist.nn.loss``, ``fastdist.serving``)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from torch import Tensor
+
+from fastdist.core.binding import promote, rank_binding
+from fastdist.core.context import check_of, simulation_of
+from fastdist.core.dtype_rule import check_reduction_dtype
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.core.primitive import GroupSpec, Primitive
+from fastdist.errors import CollectiveError, MeshError
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "names_this_rank",
+    "enter",
+    "plain_spec",
+    "apply_primitive",
+    "flag",
+    "norm_dim",
+    "need_divisible",
+    "need_reducible",
+    "real_view",
+    "like",
+    "same_shape",
+    "check_index",
+    "where_member",
+]
+
+# ====================================================================== shared helpers
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def names_this_rank(fn: _F) -> _F:
+    """Argument checks run on each rank with that rank's own inputs. On simulated ranks one
+    program checks them all (``on every rank``); on a real mesh the error a check raises names
+    the rank it ran on instead, as the rank's inputs may differ from its peers'."""
+    at = list(inspect.signature(fn).parameters).index("mesh")
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CollectiveError as e:
+            mesh = args[at] if len(args) > at else kwargs.get("mesh")
+            if (
+                e.rank == "every rank"
+                and isinstance(mesh, Mesh)
+                and mesh._comm is not None
+                and simulation_of(mesh) is None
+            ):
+                e.readdress(rank=f"rank {mesh._comm.global_rank}")
+            raise
+
+    return cast(_F, op)
+
+
+def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpec]:
+    """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group
+    spec."""
+    if not isinstance(x, Tensor):
+        raise CollectiveError(
+            op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor"
+        )
+    if not isinstance(mesh, Mesh):
+        raise CollectiveError(
+            op,
+            axis,
+            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
+            "pass the Mesh the code runs on",
+        )
+    binding = simulation_of(mesh)
+    # real ranks (a simulation over the mesh takes precedence)
+    if binding is None and mesh._comm is not None:
+        return x, mesh._comm.spec(axis, f"fastdist.{op}")
+    spec = plain_spec(op, mesh, axis)
+    if binding is None:
+        binding = rank_binding(op, mesh)  # raises unless the mesh has one rank
+    tracker = check_of(mesh)
+    if tracker is None:
+        return promote(op, x, binding), spec
+    # fastdist's own plumbing is not user code: keep the state, unobserved
+    with tracker.suspended():
+        y = promote(op, x, binding)
+    tracker.set(y, tracker.get(x))
+    return y, spec
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_plain_spec(mesh: Mesh, axis: str | tuple[str, ...]) -> GroupSpec:
+    return GroupSpec(mesh._sizes, mesh.axis_indices(axis, "fastdist"))
+
+
+def plain_spec(op: str, mesh: Mesh, axis: AxisName) -> GroupSpec:
+    """The group spec of ``axis`` on a simulated mesh: a pure function of the axes, memoised.
+
+    The memo is a cache of a pure function (outside dynamo tracing); an invalid axis is not
+    cached and raises naming ``op``.
+    """
+    if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():
+        try:
+            return _cached_plain_spec(mesh, axis)
+        except (MeshError, TypeError):
+            # re-raised below naming the op (TypeError: unhashable parts)
+            pass
+    return GroupSpec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
+
+
+def apply_primitive(
+    prim: Primitive, mesh: Mesh, x: Tensor, spec: GroupSpec, *extra: Tensor, **params: Any
+) -> Tensor:
+    """Run the primitive on ``x`` (and extra tensor inputs such as sizes).
+
+    Under a replication check (``fastdist.spmd``) the tracker checks ``x``'s state first.
+    """
+    tracker = check_of(mesh)
+    if tracker is not None:
+        return cast(Tensor, tracker.collective(prim, mesh, x, spec, params, extra))
+    return prim.bind(x, *extra, spec=spec, **params)
+
+
+def flag(op: str, axis: AxisName, name: str, value: Any) -> bool:
+    """``value`` if it is a bool (``tiled="no"`` would read as true)."""
+    if not isinstance(value, bool):
+        raise CollectiveError(
+            op,
+            axis,
+            f"{name}={value!r} is not a bool",
+            f"pass {name}=True or {name}=False",
+        )
+    return value
+
+
+def norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
+    """Normalise a (possibly negative) dim in ``[-ndim, ndim)``."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        rng = f"[{-ndim}, {ndim - 1}]" if ndim else "none: the tensor is 0-d"
+        raise CollectiveError(
+            op,
+            axis,
+            f"{name}={dim!r} is out of range for a {ndim}-d tensor",
+            f"use a {name} in {rng}",
+        )
+    return dim % ndim
+
+
+def need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: str) -> None:
+    if x.shape[dim] % n:
+        raise CollectiveError(
+            op,
+            axis,
+            f"dim {dim} has size {x.shape[dim]}, not divisible by the axis size {n}",
+            f"pad dim {dim} to a multiple of {n}, or {alt}",
+        )
+
+
+def need_reducible(prim: Primitive, axis: AxisName, x: Tensor) -> None:
+    """The one dtype rule of reductions (``fastdist.core.dtype_rule``), for ``prim``'s kind of
+    reduction."""
+    check_reduction_dtype(prim.name, axis, x.dtype, cast(str, prim.reduces))
+
+
+def real_view(x: Tensor) -> Tensor:
+    """A complex tensor as its ``[..., 2]`` float view, for sums on real ranks (torch's c10d
+    reduce-scatter and functional all-reduce, and NCCL, take no complex dtype); other tensors as
+    they are."""
+    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+
+
+def like(y: Tensor, x: Tensor) -> Tensor:
+    """Undo :func:`real_view` on a result ``y`` of the same kind as ``x``."""
+    return torch.view_as_complex(y.contiguous()) if x.is_complex() else y
+
+
+def same_shape(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[Any, ...]:
+    return s
+
+
+def check_index(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise CollectiveError(
+            op,
+            axis,
+            f"{name}={value!r} is not an index along the axis (size {n})",
+            f"use {name} in 0..{n - 1}",
+        )
+    return value
+
+
+def where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
+    """``y`` where the ``[G, n]`` member mask holds, zero elsewhere."""
+    return torch.where(
+        mask.reshape(*mask.shape, *(1,) * (y.dim() - 2)),
+        y,
+        torch.zeros((), dtype=y.dtype, device=y.device),
+    )
