@@ -13,6 +13,16 @@ a ``contextvars.ContextVar`` because dynamo cannot trace ``ContextVar.get``/``se
 ``torch.compile(simulate(fn, mesh), fullgraph=True)`` free of graph breaks. Entries are
 immutable tuples, replaced rather than mutated.
 
+Two declared hook points live here too, for code that watches or prices a step without
+replacing anyone's functions (``fastdist.profile`` uses both):
+
+* :data:`COLLECTIVE_OBSERVERS`: process-wide observers that ``Primitive.bind`` and
+  ``Primitive.bind_stacked`` call around every collective (a recording sees the backward
+  too, which autograd may run on its own threads, so this one is not per thread). With
+  none installed, ``bind`` pays one attribute read.
+* :func:`routing_policy`: per thread, how the routed MoE layers of ``fastdist.nn.moe``
+  charge a routing whose row counts are data (a trace's ``routing="balanced"``).
+
 Outside ``simulate``/``spmd`` both stacks are empty. One thing outlives a call: the
 backward of a ``torch.autograd.Function`` applied inside ``simulate`` runs after it
 returned, so ``simulate`` leaves what that backward needs on the Function's autograd node
@@ -22,11 +32,14 @@ returned, so ``simulate`` leaves what that backward needs on the Function's auto
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from fastdist.core.mesh import Mesh
 
 __all__ = [
@@ -37,20 +50,29 @@ __all__ = [
     "push_check",
     "pop_check",
     "is_real",
+    "COLLECTIVE_OBSERVERS",
+    "CollectiveObserver",
+    "CollectiveObservers",
+    "routing_policy",
+    "push_routing",
+    "pop_routing",
 ]
 
 
 class _Running(threading.local):
-    """Per-thread stacks of ``(mesh, binding)`` and ``(mesh, tracker)`` pairs, innermost last."""
+    """Per-thread stacks of ``(mesh, binding)`` and ``(mesh, tracker)`` pairs and of MoE routing
+    policies, innermost last."""
 
     simulations: tuple[tuple[Mesh, Any], ...]
     checks: tuple[tuple[Mesh, Any], ...]
+    routings: tuple[Any, ...]
 
     def __init__(self) -> None:  # runs once per thread, on first use there
         # Instance attributes, not class defaults: dynamo traces an instance attribute of a
         # threading.local but not a class-level default read through it.
         self.simulations = ()
         self.checks = ()
+        self.routings = ()
 
 
 _RUNNING = _Running()
@@ -114,3 +136,86 @@ def push_check(mesh: Mesh, tracker: Any) -> None:
 def pop_check() -> None:
     """Drop the innermost check entry."""
     _RUNNING.checks = _RUNNING.checks[:-1]
+
+
+def routing_policy() -> Any:
+    """The innermost MoE routing policy installed on this thread (``fastdist.nn.moe.RoutingPolicy``),
+    else None: the routed layers then run as written."""
+    return _RUNNING.routings[-1] if _RUNNING.routings else None
+
+
+def push_routing(policy: Any) -> None:
+    """Install ``policy`` (a ``fastdist.nn.moe.RoutingPolicy``) on this thread until
+    :func:`pop_routing`."""
+    _RUNNING.routings = _RUNNING.routings + (policy,)
+
+
+def pop_routing() -> None:
+    """Drop the innermost routing policy of this thread."""
+    _RUNNING.routings = _RUNNING.routings[:-1]
+
+
+class CollectiveObserver(Protocol):
+    """Called around one collective: ``observer(prim, stacked, tensors, spec, params, run)``.
+
+    ``prim`` is the ``fastdist.core.primitive.Primitive``, ``stacked`` whether it came through
+    ``bind_stacked`` (``[world, ...]`` tensors), ``tensors``/``spec``/``params`` its arguments;
+    ``run()`` runs it (and any observer installed before this one) and returns its output,
+    which the observer returns.
+    """
+
+    def __call__(
+        self,
+        prim: Any,
+        stacked: bool,
+        tensors: tuple[Tensor, ...],
+        spec: Any,
+        params: dict[str, Any],
+        run: Callable[[], Tensor],
+    ) -> Tensor: ...
+
+
+class CollectiveObservers:
+    """The observers of every collective this process runs (:data:`COLLECTIVE_OBSERVERS`).
+
+    Process-wide rather than per thread: what is observed is a step, whose backward autograd
+    may run on threads of its own. ``active`` is an immutable tuple, replaced under a lock;
+    ``Primitive.bind`` reads it once per call and goes through :meth:`call` only when it is
+    not empty.
+    """
+
+    def __init__(self) -> None:
+        self.active: tuple[CollectiveObserver, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, observer: CollectiveObserver) -> None:
+        """Install ``observer`` (the last installed is the outermost)."""
+        with self._lock:
+            self.active = (*self.active, observer)
+
+    def remove(self, observer: CollectiveObserver) -> None:
+        """Uninstall ``observer``."""
+        with self._lock:
+            self.active = tuple(o for o in self.active if o is not observer)
+
+    def call(
+        self,
+        prim: Any,
+        stacked: bool,
+        tensors: tuple[Tensor, ...],
+        spec: Any,
+        params: dict[str, Any],
+        run: Callable[[], Tensor],
+    ) -> Tensor:
+        """Run one collective through every observer (``run``: the collective itself)."""
+        for observer in self.active:
+
+            def step(observer: CollectiveObserver = observer, inner: Callable[[], Tensor] = run) -> Tensor:
+                return observer(prim, stacked, tensors, spec, params, inner)
+
+            run = step
+        return run()
+
+
+#: the collective observers of this process (see :class:`CollectiveObservers`)
+COLLECTIVE_OBSERVERS = CollectiveObservers()

@@ -56,12 +56,16 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
+from fastdist.core.context import COLLECTIVE_OBSERVERS
 from fastdist.errors import NoBackendError
+
+if TYPE_CHECKING:
+    from fastdist.core.comm import AxisComm
 
 __all__ = [
     "GroupSpec",
@@ -95,8 +99,8 @@ class GroupSpec:
     _others: tuple[int, ...] = field(init=False, compare=False, repr=False)
     #: the group's axes are consecutive mesh axes in mesh order (axis_view is then a view)
     _consecutive: bool = field(init=False, compare=False, repr=False)
-    #: on real ranks: this rank's group along the axes (a fastdist.comm.distributed.AxisComm)
-    comm: Any = field(default=None, compare=False, repr=False)
+    #: on real ranks: this rank's group along the axes (a :class:`fastdist.core.comm.AxisComm`)
+    comm: AxisComm | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Computed once here (plain ints), so dynamo sees constants when tracing.
@@ -270,7 +274,7 @@ class Primitive:
         shape: ``shape(n, *per_rank_input_shapes, **params) -> output shape``.
         stacked: ``stacked(spec, *stacked_inputs, **params) -> [world, ...] tensor``.
         distributed: ``distributed(comm, *inputs, **params)``: the forward on one real rank,
-            with ``comm`` the rank's :class:`~fastdist.comm.distributed.AxisComm` (functional
+            with ``comm`` the rank's :class:`~fastdist.core.comm.AxisComm` (functional
             collectives, traceable by dynamo). Only called for groups of 2+ ranks.
         backward: ``backward(ops, spec, g, saved, **params) -> grads per tensor input``,
             where ``ops`` calls other primitives (per-rank or stacked, whichever
@@ -349,7 +353,17 @@ class Primitive:
     # ------------------------------------------------------------------ binding
     def bind(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
         """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a
-        one-rank mesh.
+        one-rank mesh; through the installed collective observers, if any
+        (``fastdist.core.context.COLLECTIVE_OBSERVERS``: one attribute read when there are none).
+        """
+        if COLLECTIVE_OBSERVERS.active:
+            return COLLECTIVE_OBSERVERS.call(
+                self, False, tensors, spec, params, lambda: self._bind(tensors, spec, params)
+            )
+        return self._bind(tensors, spec, params)
+
+    def _bind(self, tensors: Sequence[Tensor], spec: GroupSpec, params: dict[str, Any]) -> Tensor:
+        """:meth:`bind` itself: where the collective runs, and how its gradient is recorded.
 
         The autograd.Functions are used only where they are needed: on real ranks when a
         gradient can flow, and in simulation when a ``torch.func`` grad/jvp transform is
@@ -433,7 +447,17 @@ class Primitive:
         return cast(Tensor, _functorch._add_batch_dim(out, 0, level))
 
     def bind_stacked(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
-        """Apply on stacked ``[world, ...]`` tensors (all ranks at once)."""
+        """Apply on stacked ``[world, ...]`` tensors (all ranks at once), through the collective
+        observers as :meth:`bind`."""
+        if COLLECTIVE_OBSERVERS.active:
+            return COLLECTIVE_OBSERVERS.call(
+                self,
+                True,
+                tensors,
+                spec,
+                params,
+                lambda: cast(Tensor, self.stacked_op(*tensors, *self._op_args(spec, params))),
+            )
         return cast(Tensor, self.stacked_op(*tensors, *self._op_args(spec, params)))
 
     # ------------------------------------------------------------------ registrations
@@ -538,6 +562,7 @@ class Primitive:
         self, spec: GroupSpec, tensors: Sequence[Tensor], params: dict[str, Any]
     ) -> Tensor:
         comm = spec.comm
+        assert comm is not None  # real ranks only
         if comm.n == 1:  # nothing to exchange: the one-rank simulation is exact
             one = GroupSpec((1,), (0,))
             return self.stacked(one, *(t.unsqueeze(0) for t in tensors), **params).squeeze(0)

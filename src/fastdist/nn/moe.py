@@ -38,13 +38,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastdist.core.binding import rank_binding
+from fastdist.core.context import routing_policy
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P
 from fastdist.errors import CollectiveError, MoEError, NoBackendError, ParallelizeError
@@ -68,6 +69,7 @@ __all__ = [
     "ExpertParallelExperts",
     "MoEOutput",
     "Routing",
+    "RoutingPolicy",
     "combine",
     "dispatch",
     "dropped_counts",
@@ -81,6 +83,34 @@ __all__ = [
 Strategy = Literal["allgather", "all_to_all"]
 Gating = Literal["softmax", "sigmoid"]
 ExpertFn = Callable[[Tensor, int], Tensor]
+
+
+class RoutingPolicy(Protocol):
+    """How simulated MoE layers charge a routing whose row counts are data: the declared hook of
+    `dispatch` and of the experts' run, installed per thread with
+    ``fastdist.core.context.push_routing`` (``fastdist.profile.trace(routing="balanced")`` does).
+    With none installed the layers run as written.
+    """
+
+    def dispatch(
+        self,
+        n: int,
+        local_experts: int,
+        tokens: int,
+        k: int,
+        num_experts: int,
+        capacity: int | None,
+        strategy: str,
+    ) -> int | None:
+        """The ``capacity`` `dispatch` uses over ``n`` ranks (``local_experts`` each) for
+        ``tokens`` tokens of ``k`` experts each, given the caller's ``capacity``."""
+        ...
+
+    def run_experts(
+        self, x: Tensor, assign: Tensor, scale: Tensor | None, expert_fn: ExpertFn
+    ) -> Tensor:
+        """The local experts' summed output ``(R, H)`` on simulated ranks (see `moe`)."""
+        ...
 
 
 class Routing(NamedTuple):
@@ -269,6 +299,9 @@ def dispatch(
     el = _check_split(layer, num_experts, mesh, axis)
     T, k = experts.shape
     _check_k(layer, k, num_experts)
+    policy: RoutingPolicy | None = routing_policy()
+    if policy is not None:  # a declared routing policy prices this layer (a profile's trace)
+        capacity = policy.dispatch(n, el, T, k, num_experts, capacity, strategy)
     ids = _nowhere(experts, keep, num_experts)  # (T, k)
     if strategy == "allgather":
         xs = all_gather(x, mesh, axis, dim=0)  # (ep*T, H)
@@ -356,8 +389,12 @@ def _run_experts(
     every expert on every row and mask (the result is the same). An expert with no rows still
     runs (on zero rows): the result stays connected to the rows and to every expert's weights,
     so every rank's backward reaches the same collectives (the reverse exchange of `dispatch`,
-    the ``psum`` of weights replicated over ``dp``) even when no token came its way.
+    the ``psum`` of weights replicated over ``dp``) even when no token came its way. On
+    simulated ranks, a :class:`RoutingPolicy` installed on this thread runs the experts instead.
     """
+    policy: RoutingPolicy | None = routing_policy()
+    if policy is not None and simulated:
+        return policy.run_experts(x, assign, scale, expert_fn)
     y = x.new_zeros(x.shape[0], x.shape[-1])  # (R, H)
     for e in range(assign.shape[-1]):
         if simulated:
