@@ -11,6 +11,7 @@ helpers) is a :class:`CollectiveError`; a mesh built or addressed wrongly a
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Sequence
 
 __all__ = [
@@ -28,6 +29,16 @@ __all__ = [
     "TargetError",
     "GlooRunError",
     "PipelineError",
+    "ParallelizeError",
+    "MoEError",
+    "InitError",
+    "PeerLostError",
+    "QueueClosedError",
+    "QueueEmpty",
+    "QueueFull",
+    "CheckpointError",
+    "ReplicaMismatchError",
+    "ProfileError",
 ]
 
 
@@ -310,3 +321,80 @@ class GlooRunError(FastdistError, AssertionError):
         what = "timed out" if timed_out else "failed"
         body = "\n".join(f"--- rank {r}: {text}" for r, text in failures.items())
         super().__init__(f"run_on_gloo({fn}, {world_size}) {what}:\n{body}")
+
+
+class ParallelizeError(MeshError):
+    """A plan does not fit the model: a pattern that matches nothing, a module of the wrong kind,
+    heads that do not split (raised by `fastdist.nn.parallelize` and its styles)."""
+
+
+class MoEError(FastdistError, ValueError):
+    """An expert-parallel layer cannot run as asked: experts that do not split over ``ep``, top-k
+    larger than the number of experts, a capacity too small for a dropless run on simulated ranks.
+    The message names the layer and the fix."""
+
+
+class InitError(Exception):
+    """A module's init that cannot be reproduced shard by shard (internal to ``fastdist.nn``: the
+    public functions raise it as the caller's own error type, `ParallelizeError`)."""
+
+
+class PeerLostError(CommError):
+    """A message queue's peer exited (its process is gone, or its socket closed without the close
+    message).
+
+    Attributes (besides :class:`~fastdist.CommError`'s):
+        peer: the global rank of the peer that is gone.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        axis: object,
+        ranks: Sequence[int],
+        rank: int,
+        peer: int,
+        problem: str,
+        fix: str,
+    ) -> None:
+        self.peer = peer
+        super().__init__(op, axis, ranks, rank, problem, fix)
+
+
+class QueueClosedError(CommError):
+    """A reader asked for a message after the writer closed the queue and every message was read."""
+
+
+class QueueEmpty(FastdistError, queue.Empty):
+    """``dequeue(block=False)`` found no message (also a ``queue.Empty``)."""
+
+
+class QueueFull(FastdistError, queue.Full):
+    """``enqueue(block=False)`` could not place the message at once (also a ``queue.Full``);
+    nothing was sent."""
+
+
+class CheckpointError(MeshError, KeyError):
+    """A checkpoint does not match the model: a missing or unexpected key, or a shape that
+    differs (raised by `fastdist.checkpoint`, and by `fastdist.nn` state dicts)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class ReplicaMismatchError(FastdistError, ValueError):
+    """Ranks that should hold equal copies of a tensor (a replicated parameter, its gradient)
+    differ."""
+
+
+class ProfileError(FastdistError, ValueError):
+    """A profile, dry run or plan was asked for something it cannot compute (``fastdist.profile``).
+
+    Attributes:
+        op: what was being profiled or planned (e.g. ``"trace"``, ``"plan"``).
+        fix: one sentence on how to make the call valid.
+    """
+
+    def __init__(self, op: str, problem: str, fix: str) -> None:
+        self.op, self.fix = op, fix
+        super().__init__(f"fastdist.profile.{op}: {problem}. Fix: {fix}")
