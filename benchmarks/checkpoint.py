@@ -77,7 +77,7 @@ def rank_fn(quick: bool, reps: int, root: str) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     world = torch.distributed.get_world_size()
-    mesh = fd.Mesh.from_torch(tp=world, timeout=600)
+    mesh = fd.connect(tp=world, timeout=600)
     base = _model(quick)
     params = sum(p.numel() for p in base.parameters())
     pm = fd.nn.parallelize(base, mesh, fd.nn.plans.llama(base))

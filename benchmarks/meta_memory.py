@@ -155,7 +155,7 @@ def _warm_up(mesh: fd.Mesh) -> None:
 def _worker(rank: int, store: str, ckpt: str, names: list[str], quick: bool, out: str) -> None:
     world = 2 if quick else 4
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
-    mesh = fd.Mesh.from_torch(tp=world, timeout=300)
+    mesh = fd.connect(tp=world, timeout=300)
     torch.set_num_threads(1)
     _warm_up(mesh)
     res = {name: _variant(name, ckpt, quick, mesh) for name in names}

@@ -106,7 +106,7 @@ def _worker(
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    mesh = fd.Mesh.from_torch(tp=WORLD, timeout=60)
+    mesh = fd.connect(tp=WORLD, timeout=60)
     nodes = mq.node_info(
         mesh,
         "tp",

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         rank=0,
     )
     # what graph_capture prepares (groups; a one-rank axis needs none) and runs on its side stream
-    mesh = fastdist.Mesh.from_torch(tp=1)
+    mesh = fastdist.connect(tp=1)
     failures: list[str] = []
     print("eager ops:")
     run_ops(comm, dev, failures)

@@ -92,7 +92,7 @@ def fastdist_pipeline_step(
 ) -> dict[str, Any] | None:
     """fastdist's side of a row, on one rank: the same model (`build_model`, same seed), split
     into the same stages (rank ``r`` holds stages ``r, r + world, ...``) by
-    `fastdist.train.pipeline` over a ``Mesh.from_torch(pp=world)``, the same schedule and
+    `fastdist.train.pipeline` over a ``fastdist.connect(pp=world)``, the same schedule and
     micro-batches, the same batch with the same (aligned) labels (``shift_labels=``), timed the
     same way as `tests.pipeline_torch_ref.torch_pipeline_step`: gradients dropped before each
     step, a barrier, the slowest rank's wall time, the first step untimed. ``busy`` is the
@@ -108,7 +108,7 @@ def fastdist_pipeline_step(
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = llama_config(**config_kwargs)
-    mesh = fd.Mesh.from_torch(pp=world, timeout=600)
+    mesh = fd.connect(pp=world, timeout=600)
     pipe = fd.train.pipeline(
         build_model(config, seed),
         mesh,

@@ -217,7 +217,7 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
     torch.set_num_threads(1)
     world = dist.get_world_size()
     t0 = time.perf_counter()
-    cal_mesh = fd.Mesh.from_torch(order=("dp", "tp"), tp=2, timeout=600)
+    cal_mesh = fd.connect(order=("dp", "tp"), tp=2, timeout=600)
     model = calibrate(
         cal_mesh,
         sizes=(1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22),
@@ -233,7 +233,7 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
         for dp, ep, tp, sp in layouts:
             if dp * ep * tp != world:
                 continue
-            mesh = fd.Mesh.from_torch(order=("dp", "ep", "tp"), ep=ep, tp=tp, timeout=600)
+            mesh = fd.connect(order=("dp", "ep", "tp"), ep=ep, tp=tp, timeout=600)
             pm = fd.nn.parallelize(copy.deepcopy(base), mesh, plan_for(sp))
             dp_rank = mesh.rank // (ep * tp)
             inputs = inputs_for(dp, dp_rank)

@@ -94,14 +94,14 @@ def _worker(
     results: dict[str, Any] = {"calibration": [], "layouts": []}
     try:
         for n in (2, 4):  # calibration: all-reduce over n ranks of small and large buffers
-            cmesh = fd.Mesh.from_torch(tp=n, timeout=120)
+            cmesh = fd.connect(tp=n, timeout=120)
             for elems in calib:
                 buf = torch.zeros(elems)
                 t = _time(lambda buf=buf, cmesh=cmesh: fd.psum(buf, cmesh, "tp"), reps)
                 results["calibration"].append({"n": n, "bytes": elems * 4, "seconds": t})
         cases = []
         for degrees in LAYOUTS:
-            mesh = fd.Mesh.from_torch(order=("dp", "tp"), timeout=120, tp=degrees.get("tp", 1))
+            mesh = fd.connect(order=("dp", "tp"), timeout=120, tp=degrees.get("tp", 1))
             # the trace takes precedence over the process group
             cases.append((degrees, mesh, _step_profile(mesh, *sizes)))
         times: list[list[float]] = [[] for _ in cases]

@@ -671,8 +671,8 @@ def _overhead_worker(
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
-    mesh = fd.Mesh.from_torch(tp=world)
-    mesh.create_groups("tp")
+    mesh = fd.connect(tp=world)
+    fd.comm.create_groups(mesh, "tp")
     group = mesh._comm.group(mesh._comm.axis((mesh.axis_names.index("tp"),)), "gloo", "bench")
     results: list[dict[str, Any]] = []
     for nbytes in sizes:
@@ -810,10 +810,10 @@ def _groups_worker(rank: int, world: int, port: int, out: Any) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
-    mesh = fd.Mesh.from_torch(tp=2, sp=2)
+    mesh = fd.connect(tp=2, sp=2)
     dist.barrier()
     t = time.perf_counter()
-    mesh.create_groups()  # this rank's group per axis, created only by its members
+    fd.comm.create_groups(mesh)  # this rank's group per axis, created only by its members
     dist.barrier()
     t_fd = time.perf_counter() - t
     t = time.perf_counter()

@@ -53,12 +53,12 @@ def rank_fn(quick: bool, reps: int, bucket_mb: float) -> dict[str, Any]:
     import fastdist as fd
 
     torch.set_num_threads(1)
-    mesh = fd.Mesh.from_torch(tp=1, timeout=300)  # dp = world
+    mesh = fd.connect(tp=1, timeout=300)          # dp = world
     base = _model(quick)
     a = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.llama(base))
     b = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.llama(base))
     a.data_parallel("dp", bucket_mb=bucket_mb)
-    group = mesh.to_device_mesh()["dp"].get_group()
+    group = fd.comm.to_device_mesh(mesh)["dp"].get_group()
     g = torch.Generator().manual_seed(mesh.rank)
     ids = torch.randint(
         0, base.config.vocab_size, (2 if quick else 4, 16 if quick else 128), generator=g

@@ -23,7 +23,7 @@ import fastdist as fd
 
 def main() -> int:
     dist.init_process_group("gloo")
-    mesh = fd.Mesh.from_torch(tp=dist.get_world_size(), timeout=60)
+    mesh = fd.connect(tp=dist.get_world_size(), timeout=60)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=1001,

@@ -89,7 +89,7 @@ def make_mesh(args: argparse.Namespace) -> fd.Mesh:
     import torch.distributed as dist
 
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    return fd.Mesh.from_torch(**({"ep": args.tp} if ep else {"tp": args.tp}), timeout=120)
+    return fd.connect(**({"ep": args.tp} if ep else {"tp": args.tp}), timeout=120)
 
 
 def rank_slices(mesh: fd.Mesh, ids: torch.Tensor, accum: int) -> list[torch.Tensor]:
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.simulate:
         import torch.distributed as dist
 
-        mesh.close()
+        fd.comm.close(mesh)
         dist.destroy_process_group()
         # exit without the interpreter's teardown: torch's native gloo threads can abort in their
         # static destructors after everything is done (SIGABRT at exit, seen on 8 ranks)

@@ -5,7 +5,7 @@ tensor parallel over ``tp``, trained for a few AdamW steps and checked against o
     torchrun --standalone --nproc-per-node 4 examples/train_pipeline.py --schedule interleaved_1f1b
     torchrun --standalone --nproc-per-node 8 examples/train_pipeline.py --microbatches 8   # dp=2
 
-The mesh is ``Mesh.from_torch(pp=2, tp=2)`` (``--pp``, ``--tp``; the rest of the world is
+The mesh is ``fastdist.connect(pp=2, tp=2)`` (``--pp``, ``--tp``; the rest of the world is
 ``dp``). Every process builds the same seeded float64 model, keeps a copy as its one-device
 reference, and hands the model to `fd.train.pipeline`, which keeps only this process's stages.
 Each step runs the schedule over ``--microbatches`` micro-batches (`Pipeline.step`), clips the
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    mesh = fd.Mesh.from_torch(pp=args.pp, tp=args.tp, timeout=120)
+    mesh = fd.connect(pp=args.pp, tp=args.tp, timeout=120)
     dp = mesh.axis_size("dp")
     if args.batch % (dp * args.microbatches):
         raise SystemExit(
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             f"weights {worst[2]:.1e}: {'OK' if ok else 'MISMATCH'}",
             flush=True,
         )
-    mesh.close()
+    fd.comm.close(mesh)
     dist.destroy_process_group()
     # exit without the interpreter's teardown: torch's native gloo threads can abort in their
     # static destructors after everything is done (see examples/train.py)

@@ -104,7 +104,7 @@ def fsdp(pm: Any, mesh: fd.Mesh) -> None:
     """FSDP2 over the mesh's 'dp' axis: each decoder layer, then the whole model."""
     from torch.distributed.fsdp import fully_shard
 
-    dm = mesh.to_device_mesh("cpu")
+    dm = fd.comm.to_device_mesh(mesh, "cpu")
     for layer in getattr(getattr(pm.module, "transformer", None), "h", []):
         fully_shard(layer, mesh=dm["dp"])
     fully_shard(pm.module, mesh=dm["dp"])
@@ -141,7 +141,7 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
     (AdamW, ZeRO-1 over dp) and FSDP2 dp=2 x tp=2; save each (tp=4 after one more step); an
     optimizer of another kind raises."""
     res: dict[str, Any] = {}
-    tp4 = fd.Mesh.from_torch(tp=4, timeout=60)
+    tp4 = fd.connect(tp=4, timeout=60)
     pm = make("tiny", tp4, seed=7)
     opt = torch.optim.AdamW(pm.parameters(), lr=0.5)
     res["extra"] = checkpoint.load(src, pm, opt)
@@ -154,7 +154,7 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
     checkpoint.save(f"{out}/tp4", pm, opt, extra={"step": 3})
     res["tp4 step"] = (model_state(pm), optim_state(pm, opt))
 
-    mesh = fd.Mesh.from_torch(tp=2, timeout=60)
+    mesh = fd.connect(tp=2, timeout=60)
     pm = make("tiny", mesh, seed=8)
     opt = torch.optim.AdamW(pm.parameters())
     checkpoint.load(src, pm, opt)
@@ -180,7 +180,7 @@ def two_ranks(out: str) -> Any:
     """2 gloo ranks, tp=2: load what four_ranks saved (tp=4, dp=2 x tp=2, ZeRO-1, FSDP2); save
     tp=2 in place of the FSDP2 checkpoint."""
     res: dict[str, Any] = {}
-    mesh = fd.Mesh.from_torch(tp=2, timeout=60)
+    mesh = fd.connect(tp=2, timeout=60)
     for name in ("tp4", "dp2tp2", "zero", "fsdp"):
         pm = make("tiny", mesh, seed=11)
         opt = torch.optim.AdamW(pm.parameters())

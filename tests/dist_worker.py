@@ -31,11 +31,11 @@ def scenario(fn: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
 
 
 def from_torch(**kw: Any) -> fd.Mesh:
-    """Mesh.from_torch on the backend the parent test asked for (FASTDIST_TEST_BACKEND /
+    """fastdist.connect on the backend the parent test asked for (FASTDIST_TEST_BACKEND /
     _LIBRARY)."""
     backend = os.environ.get("FASTDIST_TEST_BACKEND", "torch")
     library = os.environ.get("FASTDIST_TEST_LIBRARY") if backend != "torch" else None
-    return fd.Mesh.from_torch(backend=backend, library=library, **kw)
+    return fd.connect(backend=backend, library=library, **kw)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -135,7 +135,7 @@ def models(rank: int, world: int) -> str:
     """TP MLP (dp x tp) and Ulysses attention (sp) on real ranks against one device."""
     from fastdist.tools.demo import tp_mlp
 
-    mesh = fd.Mesh.from_torch(tp=2)  # dp = world / 2
+    mesh = fd.connect(tp=2)          # dp = world / 2
     dp, tp, B, D, H = mesh.shape["dp"], 2, 3, 5, 4
     g = torch.Generator().manual_seed(0)
     x, W1, b1, W2 = (
@@ -164,7 +164,7 @@ def models(rank: int, world: int) -> str:
         "TP MLP dW2",
     )
 
-    sp = fd.Mesh.from_torch(order=("dp", "sp"), sp=world)
+    sp = fd.connect(order=("dp", "sp"), sp=world)
     P, S, Hh, Dh = world, 2 * world, world, 3
     q, k, v = (torch.randn(1, S, Hh, Dh, dtype=torch.float64, generator=g) for _ in range(3))
 
@@ -192,7 +192,7 @@ def compiled(rank: int, world: int) -> str:
     it: gradients equal eager."""
     from fastdist.tools.demo import tp_mlp
 
-    mesh = fd.Mesh.from_torch(tp=world)
+    mesh = fd.connect(tp=world)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     w1, b1, w2 = (
@@ -219,22 +219,22 @@ def compiled(rank: int, world: int) -> str:
     for a, b in zip(func_grads, eager):
         close(a, b.grad, "torch.func.grad")
     # groups created explicitly, then compiled without an eager run
-    fresh = fd.Mesh.from_torch(tp=world)
-    fresh.create_groups("tp")
+    fresh = fd.connect(tp=world)
+    fd.comm.create_groups(fresh, "tp")
     out = torch.compile(lambda t: fd.pmax(t, fresh, "tp"), fullgraph=True)(
         torch.tensor([float(rank)])
     )
     assert out.item() == world - 1
     # no eager run and no create_groups: the groups (a tuple axis's too) are made while dynamo
     # traces
-    late = fd.Mesh.from_torch(tp=world, timeout=30)
+    late = fd.connect(tp=world, timeout=30)
     f = torch.compile(
         lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, ("tp", "dp")).sum(),
         fullgraph=True,
     )
     want = world * (world - 1) / 2 * world * (world - 1) / 2
     assert f(torch.tensor([float(rank)])).item() == want
-    late.reset()  # the compiled step is traced again, on the new groups
+    fd.comm.reset(late)  # the compiled step is traced again, on the new groups
     assert f(torch.tensor([float(rank)])).item() == want
     names = {str(pg.group_name) for pg in late._comm._groups.values()}
     fd.barrier(late)
@@ -248,7 +248,7 @@ def compiled(rank: int, world: int) -> str:
 def spmd_checked(rank: int, world: int) -> str:
     """spmd on real ranks with the checked mode: a dp x tp MLP with no pvary, global in, global
     out."""
-    mesh = fd.Mesh.from_torch(tp=2)
+    mesh = fd.connect(tp=2)
     g = torch.Generator().manual_seed(0)
     x, w1, w2 = (
         torch.randn(4, 3, dtype=torch.float64, generator=g),
@@ -405,8 +405,8 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
 # DeviceMesh
 @scenario
 def two_meshes(rank: int, world: int) -> str:
-    big = fd.Mesh.from_torch(tp=world)  # a TP=world model
-    draft = fd.Mesh.from_torch(tp=1)  # a TP=1 draft model: {"dp": world, "tp": 1}
+    big = fd.connect(tp=world)          # a TP=world model
+    draft = fd.connect(tp=1)          # a TP=1 draft model: {"dp": world, "tp": 1}
     x = torch.tensor([float(rank + 1)])
     total = world * (world + 1) / 2
     assert fd.psum(x, big, "tp").item() == total
@@ -419,10 +419,10 @@ def two_meshes(rank: int, world: int) -> str:
 
 @scenario
 def device_mesh(rank: int, world: int) -> str:
-    mesh = fd.Mesh.from_torch(tp=2)
-    dm = mesh.to_device_mesh("cpu")
+    mesh = fd.connect(tp=2)
+    dm = fd.comm.to_device_mesh(mesh, "cpu")
     assert dm.mesh_dim_names == ("dp", "tp") and tuple(dm.mesh.shape) == (world // 2, 2)
-    back = fd.Mesh.from_device_mesh(dm)
+    back = fd.comm.from_device_mesh(dm)
     # same axes, another communicator: not the same value (a real mesh equals only meshes sharing
     # its groups)
     assert (
@@ -451,7 +451,7 @@ def _timed_failing_psum(mesh: fd.Mesh) -> dict[str, Any]:
 @scenario
 def timeout(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 skips a collective: rank 0 must raise CollectiveTimeout within the timeout."""
-    mesh = fd.Mesh.from_torch(tp=world, timeout=3)
+    mesh = fd.connect(tp=world, timeout=3)
     fd.psum(torch.ones(1), mesh, "tp")  # creates the group
     if rank == 1:
         time.sleep(8)
@@ -462,7 +462,7 @@ def timeout(rank: int, world: int) -> dict[str, Any]:
 @scenario
 def peer_exits(rank: int, world: int) -> dict[str, Any]:
     """The last rank exits: the others raise (CommError or CollectiveTimeout), none hangs."""
-    mesh = fd.Mesh.from_torch(tp=world, timeout=15)
+    mesh = fd.connect(tp=world, timeout=15)
     fd.psum(torch.ones(1), mesh, "tp")
     if rank == world - 1:
         os._exit(3)
@@ -471,7 +471,7 @@ def peer_exits(rank: int, world: int) -> dict[str, Any]:
 
 @scenario
 def check_mode(rank: int, world: int) -> dict[str, Any]:
-    mesh = fd.Mesh.from_torch(tp=world, check=True, timeout=30)
+    mesh = fd.connect(tp=world, check=True, timeout=30)
     # consistent calls pass
     assert fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2
     try:
@@ -483,7 +483,7 @@ def check_mode(rank: int, world: int) -> dict[str, Any]:
 
 @scenario
 def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
-    mesh = fd.Mesh.from_torch(tp=world, timeout=30)
+    mesh = fd.connect(tp=world, timeout=30)
     fd.barrier(mesh)  # everyone arrives
     if rank == world - 1:
         time.sleep(6)
@@ -500,8 +500,8 @@ def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
 def subset_first(rank: int, world: int) -> dict[str, Any]:
     """Ranks first touch the mesh's axes in different orders (some ranks before the others): no
     deadlock, right values."""
-    mesh = fd.Mesh.from_torch(tp=2, timeout=5)
-    twin = fd.Mesh.from_torch(tp=2, timeout=5)  # the same shape: its own groups
+    mesh = fd.connect(tp=2, timeout=5)
+    twin = fd.connect(tp=2, timeout=5)          # the same shape: its own groups
     x = torch.tensor([float(rank + 1)])
     t0 = time.monotonic()
     if rank < 2:  # ranks 0 and 1 use "tp" while ranks 2 and 3 have made no group yet
@@ -534,7 +534,7 @@ def subset_first(rank: int, world: int) -> dict[str, Any]:
 def recover(rank: int, world: int) -> dict[str, Any]:
     """One rank fails before a collective its peer waits in; both reset the mesh and go on. Bad
     ragged sizes raise everywhere."""
-    mesh = fd.Mesh.from_torch(tp=world, timeout=2)
+    mesh = fd.connect(tp=world, timeout=2)
     x = torch.ones(4)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0] * 4
     out: dict[str, Any] = {}
@@ -546,7 +546,7 @@ def recover(rank: int, world: int) -> dict[str, Any]:
     except fd.FastdistError as e:
         out["failure"] = (type(e).__name__, str(e), time.monotonic() - t0)
     t0 = time.monotonic()
-    mesh.reset()  # every rank: rank 0 waits here for rank 1
+    fd.comm.reset(mesh)  # every rank: rank 0 waits here for rank 1
     out["reset"] = time.monotonic() - t0
     assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0] * 4  # the mesh works again
     t0 = time.monotonic()
@@ -602,7 +602,7 @@ def stateless_host_exits(rank: int, world: int) -> dict[str, Any]:
 # point
 @scenario
 def objects(rank: int, world: int) -> str:
-    mesh = fd.Mesh.from_torch(tp=world)
+    mesh = fd.connect(tp=world)
     assert fd.broadcast_object({"from": rank}, mesh, "tp", src=1) == {"from": 1}
     assert fd.all_gather_object(("r", rank), mesh) == [("r", r) for r in range(world)]
     nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -677,7 +677,7 @@ def native(rank: int, world: int) -> dict[str, Any]:
     checks = ops(rank, world)
     fake.clear_log(lib)
     mesh = from_torch(tp=world)
-    mesh.create_groups(device_type="cpu")  # the communicator exists before the first op
+    fd.comm.create_groups(mesh, device_type="cpu")  # the communicator exists before the first op
     after_create = fake.call_log(lib)
     fake.clear_log(lib)
     x = torch.arange(6.0).reshape(3, 2) + rank
@@ -717,7 +717,7 @@ def native(rank: int, world: int) -> dict[str, Any]:
         "agv": agv_calls,
         "fp8": fp8_calls,
         "check": uneven_result["check"],
-        "closed": mesh.close(timeout=5.0),
+        "closed": fd.comm.close(mesh, timeout=5.0),
         "backend": mesh.backend,
     }
 
@@ -734,7 +734,7 @@ def native_exchange(rank: int, world: int) -> dict[str, Any]:
     )
 
     lib = load_library("nccl", os.environ["FASTDIST_TEST_LIBRARY"])
-    mesh = fd.Mesh.from_torch(tp=world)
+    mesh = fd.connect(tp=world)
     ac = mesh._comm.axis(mesh.axis_indices("tp", "test"))
     seen: list[bytes] = []
 

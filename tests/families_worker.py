@@ -18,7 +18,7 @@ def families_on_gloo(families: list[tuple[str, str]], root: str) -> list[str]:
     after the step too)."""
     from tests.test_families import VOCAB, batch, builder, tolerance
 
-    mesh = fd.Mesh.from_torch(tp=torch.distributed.get_world_size(), timeout=120)
+    mesh = fd.connect(tp=torch.distributed.get_world_size(), timeout=120)
     done = []
     for i, (ref_name, family) in enumerate(families):
         build = builder(ref_name)

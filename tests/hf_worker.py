@@ -24,7 +24,7 @@ def parallel_training_on_gloo(
 
     from tests.test_hf_models import VOCAB, batch, build
 
-    mesh = fd.Mesh.from_torch(tp=torch.distributed.get_world_size(), timeout=120)
+    mesh = fd.connect(tp=torch.distributed.get_world_size(), timeout=120)
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
     model = build(family, kv=ref.config.num_key_value_heads if family != "gpt2" else 4, seed=99)
     pm = fd.nn.parallelize(
@@ -70,7 +70,7 @@ def parallel_training_on_gloo(
         # tracing)
         from torch._dynamo.utils import counters
 
-        mesh.create_groups(*mesh.axis_names)
+        fd.comm.create_groups(mesh, *mesh.axis_names)
         ids, labels = batch(30)
         eager = pm(input_ids=ids, labels=labels).loss
         eager.backward()

@@ -32,7 +32,7 @@ def slices_pp_tp() -> dict[str, Any]:
     """pp=2 x tp=2 (x dp=1) on 4 ranks: the slice's rank, collectives over "tp" and over all its
     axes, the object helpers, equality and caching."""
     g = _setup()
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=30)
+    mesh = fd.connect(pp=2, tp=2, timeout=30)
     m = mesh.without("pp")
     x = torch.tensor([float(g)], dtype=F64)
     out = _extras(g, mesh, m)
@@ -57,7 +57,7 @@ def _extras(g: int, mesh: fd.Mesh, m: fd.Mesh) -> dict[str, Any]:
     ranks) and the mesh of no axes."""
     out: dict[str, Any] = {}
     x = torch.tensor([float(g)])
-    w = m.with_timeout(7)
+    w = fd.comm.with_timeout(m, 7)
     out["with_timeout"] = (
         w.rank,
         w == m,
@@ -72,7 +72,7 @@ def _extras(g: int, mesh: fd.Mesh, m: fd.Mesh) -> dict[str, Any]:
         fd.psum(x, empty, ())
     except fd.MeshError as e:
         out["empty_error"] = str(e)
-    checked = fd.Mesh.from_torch(pp=2, tp=2, timeout=30, check=True).without("pp")
+    checked = fd.connect(pp=2, tp=2, timeout=30, check=True).without("pp")
     out["check"] = checked._comm.check
     if g >= 2:  # slice pp=1 disagrees: rank 2 passes 1 element, rank 3 two
         try:
@@ -91,7 +91,7 @@ def stages_hold_different_models() -> dict[str, Any]:
     """Each pp slice parallelizes its own MLP (stage 0: 4 -> 8 -> 4, stage 1: 6 -> 10 -> 6) over
     tp; its gradients and state dict gather inside the slice and equal one device's."""
     _setup()
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=30)
+    mesh = fd.connect(pp=2, tp=2, timeout=30)
     stage = mesh.coords(mesh.rank)["pp"]
     m = mesh.without("pp")
     d, h = (4, 8) if stage == 0 else (6, 10)
@@ -120,7 +120,7 @@ def one_slice_fails() -> dict[str, Any]:
     Slice pp=0 runs its psums meanwhile, unaffected."""
     g = _setup()
     store = c10d._get_default_store()
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=3)
+    mesh = fd.connect(pp=2, tp=2, timeout=3)
     m = mesh.without("pp")
     x = torch.tensor([float(g)])
     first = fd.psum(x, m, "tp").item()  # the groups exist on both members
@@ -140,7 +140,7 @@ def one_slice_fails() -> dict[str, Any]:
     else:
         out["second"] = [fd.psum(x, m, "tp").item() for _ in range(3)]
     if g >= 2:
-        m.reset(timeout=30)
+        fd.comm.reset(m, timeout=30)
         out["after_reset"] = fd.psum(x, m, "tp").item()
     if g == 2:  # a call over all of the slice's axes that its peer skips
         try:
@@ -157,7 +157,7 @@ def slices_pp_dp_tp() -> dict[str, Any]:
     """pp=2 x dp=2 x tp=2 on 8 ranks: sums over the slice's axes, a nested slice, and a slice
     without two axes."""
     g = _setup()
-    mesh = fd.Mesh.from_torch(pp=2, dp=2, tp=2, timeout=60)
+    mesh = fd.connect(pp=2, dp=2, tp=2, timeout=60)
     m = mesh.without("pp")
     x = torch.tensor([float(g)], dtype=F64)
     return {
@@ -175,13 +175,13 @@ def slice_on_fake_nccl(lib: str) -> dict[str, Any]:
     from fastdist.comm.native import fake
 
     g = _setup()
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, backend="nccl-ctypes", library=lib, timeout=30)
+    mesh = fd.connect(pp=2, tp=2, backend="nccl-ctypes", library=lib, timeout=30)
     m = mesh.without("pp")
     fake.clear_log(lib)
     y = fd.psum(torch.tensor([1.0, 2.0]) * (g + 1), m, "tp")
     calls = [line.split()[0] for line in fake.call_log(lib)]
-    m.close()
-    mesh.close()
+    fd.comm.close(m)
+    fd.comm.close(mesh)
     return {"backend": m.backend, "psum": y.tolist(), "calls": calls}
 
 

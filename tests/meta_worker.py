@@ -20,7 +20,7 @@ def meta_llama_on_gloo(ckpt: str) -> str:
 
     tol = {"rtol": 1e-10, "atol": 1e-10}
     world = torch.distributed.get_world_size()
-    mesh = fd.Mesh.from_torch(tp=world, timeout=120)
+    mesh = fd.connect(tp=world, timeout=120)
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
     with torch.device("meta"):
         model = build("llama")

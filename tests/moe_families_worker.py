@@ -28,7 +28,7 @@ def moe_families_on_gloo(families: list[str], root: str) -> list[str]:
         weights_tolerance,
     )
 
-    mesh = fd.Mesh.from_torch(tp=torch.distributed.get_world_size(), timeout=120)
+    mesh = fd.connect(tp=torch.distributed.get_world_size(), timeout=120)
     done = []
     for family in families:
         with float64_inside(family):

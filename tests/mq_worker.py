@@ -52,7 +52,7 @@ BIG = 128 << 20
 
 
 def _mesh(timeout: float = 30) -> fd.Mesh:
-    return fd.Mesh.from_torch(tp=dist.get_world_size(), timeout=timeout)
+    return fd.connect(tp=dist.get_world_size(), timeout=timeout)
 
 
 def _nodes(mesh: fd.Mesh, rank: int, remote: int | None) -> mq.NodeInfo:

@@ -158,7 +158,7 @@ def schedules_on_4() -> dict[str, Any]:
     one device."""
     _setup()
     out: dict[str, Any] = {}
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=60)
+    mesh = fd.connect(pp=2, tp=2, timeout=60)
     for name, kw in {
         "gpipe": {"schedule": "gpipe"},
         "1f1b": {"schedule": "1f1b"},
@@ -170,7 +170,7 @@ def schedules_on_4() -> dict[str, Any]:
         out[name]["pp"] = mesh.index(mesh.rank, "pp")
         out[name]["seconds"] = time.monotonic() - t0
     t0 = time.monotonic()
-    pp4 = fd.Mesh.from_torch(pp=4, timeout=60)  # no tp: the stage meshes have no axes
+    pp4 = fd.connect(pp=4, timeout=60)          # no tp: the stage meshes have no axes
     out["pp4"] = _one_step(pp4, 8, [0], 0, again=True, schedule="1f1b", microbatches=4)
     out["pp4"]["pp"] = pp4.index(pp4.rank, "pp")
     out["pp4"]["seconds"] = time.monotonic() - t0
@@ -214,7 +214,7 @@ def data_parallel_on_8() -> dict[str, Any]:
     under 1f1b and under interleaved 1f1b with sequence parallelism; then a second step that
     accumulates (no ``zero_grad``)."""
     _setup()
-    mesh = fd.Mesh.from_torch(pp=2, dp=2, tp=2, timeout=90)
+    mesh = fd.connect(pp=2, dp=2, tp=2, timeout=90)
     dp = mesh.index(mesh.rank, "dp")
     out: dict[str, Any] = {"pp": mesh.index(mesh.rank, "pp"), "dp": dp}
     for name, kw in {
@@ -274,7 +274,7 @@ def faults_on_4() -> dict[str, Any]:
     """
     _setup()
     out: dict[str, Any] = {}
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=TIMEOUT)
+    mesh = fd.connect(pp=2, tp=2, timeout=TIMEOUT)
     pp, tp = mesh.index(mesh.rank, "pp"), mesh.index(mesh.rank, "tp")
     out["pp"], out["tp"] = pp, tp
     model = tiny_llama(4, seed=4)
@@ -323,7 +323,7 @@ def stage_exits(out_dir: str) -> None:
     the pp=0 ranks write what they raised and when to ``out_dir/rank<r>.pt`` (run_on_gloo reports
     the exited ranks as failures, and so keeps no result)."""
     _setup()
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=TIMEOUT)
+    mesh = fd.connect(pp=2, tp=2, timeout=TIMEOUT)
     pp = mesh.index(mesh.rank, "pp")
     pipe = fd.train.pipeline(tiny_llama(4, seed=4), mesh, schedule="1f1b", microbatches=4)
     ids, labels = batch(7)
@@ -339,7 +339,7 @@ def shapes_change_on_2() -> list[dict[str, Any]]:
     input shape sends every transfer's header, the others only the tensors); each step alone
     (gradients dropped between) against one device."""
     _setup()
-    mesh = fd.Mesh.from_torch(pp=2, timeout=60)
+    mesh = fd.connect(pp=2, timeout=60)
     model = tiny_llama(4, seed=2)
     pipe = fd.train.pipeline(copy.deepcopy(model), mesh, schedule="1f1b", microbatches=2)
     out = []
@@ -373,7 +373,7 @@ def meta_load_on_4(ckpt: str) -> dict[str, Any]:
     losses, grads = reference(model, [5])
     with torch.device("meta"):
         meta = LlamaForCausalLM(model.config)
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=60)
+    mesh = fd.connect(pp=2, tp=2, timeout=60)
     pipe = fd.train.pipeline(meta, mesh, schedule="1f1b", microbatches=2)
     was_meta = all(p.is_meta for p in pipe.parameters())
     pipe.load(ckpt, dtype=F64)

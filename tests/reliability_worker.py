@@ -54,7 +54,7 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
     timeout 20 s), every rank at once in check mode, and, when the failing rank stays alive, at the
     timeout with an error naming it (not a bare timeout)."""
     out: dict[str, Any] = {}
-    mesh = fd.Mesh.from_torch(tp=world, timeout=20)
+    mesh = fd.connect(tp=world, timeout=20)
     x = torch.ones(4)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0] * 4
     # rank 0's shard has 3 rows, not divisible by 2: it raises at once and resets (its error path);
@@ -63,7 +63,7 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
         lambda: fd.psum_scatter(torch.ones(3 if rank == 0 else 4), mesh, "tp"), fd.FastdistError
     )
     t0 = time.monotonic()
-    mesh.reset()  # every rank: rank 0 waits here for rank 1
+    fd.comm.reset(mesh)  # every rank: rank 0 waits here for rank 1
     out["reset"] = time.monotonic() - t0
     assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0] * 4  # the mesh works again
     # rank 0 sends 5 rows from 2: every rank raises the same error at once, and the mesh stays
@@ -105,7 +105,7 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
 
     # check mode: the ranks pass different shapes; every rank raises what each passed, long before
     # the 20 s timeout
-    checked = fd.Mesh.from_torch(tp=world, check=True, timeout=20)
+    checked = fd.connect(tp=world, check=True, timeout=20)
     # consistent calls pass
     assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
     out["check"] = timed(
@@ -116,13 +116,13 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
 
     # default mode, the failing rank stays alive (no reset, no exit): its peer times out, told which
     # rank did not come
-    slow = fd.Mesh.from_torch(tp=world, timeout=2)
+    slow = fd.connect(tp=world, timeout=2)
     assert fd.psum(torch.ones(1), slow, "tp").item() == world
     out["alive"] = timed(
         lambda: fd.exchange_sizes(2.5 if rank == 0 else 3, slow, "tp"), fd.FastdistError
     )
     meet("alive", world)
-    slow.reset()
+    fd.comm.reset(slow)
     assert fd.exchange_sizes(rank + 1, slow, "tp").tolist() == list(range(1, world + 1))
     return out
 
@@ -138,7 +138,7 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     # no eager call, no create_groups; a wait for a group would show against 120 s
-    late = fd.Mesh.from_torch(tp=world, timeout=120)
+    late = fd.connect(tp=world, timeout=120)
     f = torch.compile(
         lambda t: fd.psum(t, late, "tp") * fd.all_gather(t, late, "tp").sum(),
         fullgraph=True,
@@ -152,7 +152,7 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
         sorted(str(pg.group_name) for pg in late._comm._groups.values()),
     )
 
-    mesh = fd.Mesh.from_torch(tp=world, timeout=60)  # {"dp": 1, "tp": world}
+    mesh = fd.connect(tp=world, timeout=60)          # {"dp": 1, "tp": world}
 
     def written(
         x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor
@@ -234,10 +234,10 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
     then reset and a next compiled call; check mode seeing a skipped call of the same op and
     shape; meshes of one shape built in different orders."""
     out: dict[str, Any] = {}
-    out["world"] = timed(lambda: fd.Mesh.from_torch(tp=3), fd.MeshError)
-    out["world_dp"] = timed(lambda: fd.Mesh.from_torch(dp=3), fd.MeshError)
-    mesh = fd.Mesh.from_torch(tp=world, timeout=3)
-    out["with_timeout"] = timed(lambda: mesh.with_timeout(0), fd.MeshError)
+    out["world"] = timed(lambda: fd.connect(tp=3), fd.MeshError)
+    out["world_dp"] = timed(lambda: fd.connect(dp=3), fd.MeshError)
+    mesh = fd.connect(tp=world, timeout=3)
+    out["with_timeout"] = timed(lambda: fd.comm.with_timeout(mesh, 0), fd.MeshError)
     x = torch.ones(2)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0, 2.0]
     errors = (fd.CommArgumentError,)
@@ -265,7 +265,7 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
         except fd.CommError as e:
             out["after_failure"] = str(e)
     meet("compiled", world)
-    mesh.reset()
+    fd.comm.reset(mesh)
     out["recovered"] = step(torch.full((2,), rank + 1.0)).tolist()
     # an error from the model itself passes through unchanged, and leaves the mesh alone
 
@@ -277,7 +277,7 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
     assert fd.psum(x, mesh, "tp").tolist() == [2.0, 2.0]
 
     # check mode: rank 1 skips the middle psum (same op, same shape as the next one)
-    checked = fd.Mesh.from_torch(tp=world, check=True, timeout=20)
+    checked = fd.connect(tp=world, check=True, timeout=20)
 
     def program() -> None:
         fd.psum(torch.ones(2), checked, "tp")
@@ -291,16 +291,16 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
 
     # two meshes of one shape, built in different orders on the two ranks
     if rank == 0:
-        a, _ = fd.Mesh.from_torch(tp=world, timeout=3), fd.Mesh.from_torch(tp=world, timeout=4)
+        a, _ = fd.connect(tp=world, timeout=3), fd.connect(tp=world, timeout=4)
     else:
-        _, a = fd.Mesh.from_torch(tp=world, timeout=4), fd.Mesh.from_torch(tp=world, timeout=3)
+        _, a = fd.connect(tp=world, timeout=4), fd.connect(tp=world, timeout=3)
     out["order"] = timed(lambda: fd.psum(torch.ones(1), a, "tp"), fd.FastdistError)
     # the same, compiled: the group is created while dynamo traces, and the error it raises there
     # (wrapped by torch.compile) comes out of comm_guard as itself
     if rank == 0:
-        c, _ = fd.Mesh.from_torch(tp=world, timeout=3), fd.Mesh.from_torch(tp=world, timeout=4)
+        c, _ = fd.connect(tp=world, timeout=3), fd.connect(tp=world, timeout=4)
     else:
-        _, c = fd.Mesh.from_torch(tp=world, timeout=4), fd.Mesh.from_torch(tp=world, timeout=3)
+        _, c = fd.connect(tp=world, timeout=4), fd.connect(tp=world, timeout=3)
     compiled = fd.comm_guard(c)(
         torch.compile(lambda t: fd.psum(t, c, "tp"), fullgraph=True, backend="aot_eager")
     )
@@ -316,7 +316,7 @@ def threads(rank: int, world: int) -> dict[str, Any]:
     import threading
 
     out: dict[str, Any] = {}
-    mesh = fd.Mesh.from_torch(tp=world, timeout=20)
+    mesh = fd.connect(tp=world, timeout=20)
     assert fd.psum(torch.ones(1), mesh, "tp").item() == world
     second: dict[str, Any] = {}
 
@@ -338,7 +338,7 @@ def threads(rank: int, world: int) -> dict[str, Any]:
     assert fd.psum(torch.ones(1), mesh, "tp").item() == world  # still usable, no reset
 
     # two meshes, one per thread, built in the same order on every rank
-    meshes = [fd.Mesh.from_torch(tp=world, timeout=20) for _ in range(2)]
+    meshes = [fd.connect(tp=world, timeout=20) for _ in range(2)]
     got: dict[int, list[float]] = {}
 
     def loop(t: int) -> None:

@@ -460,7 +460,7 @@ def gloo_compiled_megatron() -> list[Tensor]:
     """One gloo rank: the Megatron pair compiled, backward; this rank's gradients. (With
     fullgraph=True dynamo refuses to trace the backward's closure over the Mesh: torch's
     Unsupported "SourcelessBuilder.create does not know how to wrap Mesh".)"""
-    mesh = fd.Mesh.from_torch(tp=TP)
+    mesh = fd.connect(tp=TP)
     regions = _regions(mesh)
     full, c, _ = _problem()
     x, w1, w2, _ = full

@@ -45,7 +45,7 @@ FITTED, HELD_OUT = (1 << 12, 1 << 16, 1 << 20), (1 << 14, 1 << 18)
 def calibrate_ranks() -> Any:
     """On 4 gloo ranks (dp2 x tp2): one sweep over the fitted and the held-out sizes."""
     torch.set_num_threads(1)
-    mesh = fd.Mesh.from_torch(order=("dp", "tp"), tp=2, timeout=120)
+    mesh = fd.connect(order=("dp", "tp"), tp=2, timeout=120)
     sizes = tuple(sorted(FITTED + HELD_OUT))
     return calibrate(mesh, kinds=("allreduce", "allgather"), sizes=sizes, reps=5, matmul=128)
 
@@ -88,7 +88,7 @@ def test_calibrate_on_gloo_reproduces_held_out_sizes(tmp_path: Path) -> None:
 def test_calibrate_refuses_a_simulated_mesh() -> None:
     with pytest.raises(ProfileError, match="nothing to measure|no links or devices to measure"):
         calibrate(fd.Mesh({"dp": 2, "tp": 2}))
-    with pytest.raises(ProfileError, match="Mesh.from_torch"):
+    with pytest.raises(ProfileError, match="fastdist.connect"):
         calibrate("tp")  # type: ignore[arg-type]
     with pytest.raises(ProfileError, match="not a saved CostModel"):
         CostModel.from_json('{"format": "something else"}')

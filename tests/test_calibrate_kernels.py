@@ -116,7 +116,7 @@ def kernel_ranks() -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    mesh = fd.Mesh.from_torch(order=("dp",), timeout=120)
+    mesh = fd.connect(order=("dp",), timeout=120)
     base = CostModel("base", 2, (), flops=1e9, memory_bandwidth=1e9, kernel_latency=1e-6)
     cases = _steps()
     one = fd.Mesh({"one": 1})
@@ -198,9 +198,9 @@ def test_calibrate_kernels_predicts_held_out_steps_on_gloo() -> None:
 def test_calibrate_kernels_refuses_a_simulated_mesh() -> None:
     base = CostModel("base", 1, (), 1e9, 1e9, 1e-6)
     prof = trace(lambda x: x.sum(), fd.Mesh({"one": 1}), torch.ones(3))
-    with pytest.raises(ProfileError, match="Mesh.from_torch"):
+    with pytest.raises(ProfileError, match="fastdist.connect"):
         calibrate_kernels(fd.Mesh({"dp": 2}), prof, base)
-    with pytest.raises(ProfileError, match="Mesh.from_torch"):
+    with pytest.raises(ProfileError, match="fastdist.connect"):
         calibrate_step(fd.Mesh({"dp": 2}), lambda: None, prof, base)
 
 

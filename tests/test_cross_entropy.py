@@ -481,7 +481,7 @@ def test_causal_lm_loss_float64_to_1e_10(num_items: int | None) -> None:
 def gloo_cross_entropy() -> str:
     """On 2 gloo ranks: -100 labels and a padded vocabulary (5 over 2 x 3 columns), every reduction;
     a bad target raises on the rank."""
-    mesh = fd.Mesh.from_torch(tp=2)
+    mesh = fd.connect(tp=2)
     full = make_logits((3, 2), 2, 3, 5)
     target = torch.tensor([[4, -100], [-100, 0], [2, 3]])
     for reduction in ("none", "sum", "mean"):

@@ -424,12 +424,12 @@ def test_from_torch_needs_an_initialised_job() -> None:
     with pytest.raises(
         fd.MeshError, match=r"torch\.distributed is not initialised.*init_process_group"
     ):
-        fd.Mesh.from_torch(tp=2)
+        fd.connect(tp=2)
     with pytest.raises(fd.NoBackendError, match=r"not backed by torch\.distributed"):
         fd.broadcast_object(1, fd.Mesh({"tp": 2}), "tp")
     with pytest.raises(fd.MeshError, match=r"Mesh\.rank: .* is not one of them"):
         _ = fd.Mesh({"tp": 2}).rank
-    for call in (lambda m: m.with_timeout(3), lambda m: m.create_groups()):
+    for call in (lambda m: fd.comm.with_timeout(m, 3), lambda m: fd.comm.create_groups(m)):
         with pytest.raises(fd.MeshError, match=r"not backed by torch\.distributed"):
             call(fd.Mesh({"tp": 2}))
 

@@ -324,17 +324,17 @@ CENSUS = [
     ),
     (
         "from_torch timeout=-1",
-        lambda: fd.Mesh.from_torch(tp=2, timeout=-1),
+        lambda: fd.connect(tp=2, timeout=-1),
         fd.MeshError,
-        "Mesh.from_torch: timeout must be positive seconds or a positive timedelta, got -1. Fix: "
+        "fastdist.connect: timeout must be positive seconds or a positive timedelta, got -1. Fix: "
         "pass timeout=<seconds> greater than 0 (e.g. timeout=60), or leave it out for the default "
         "(600 s)",
     ),
     (
         "from_torch check='yes'",
-        lambda: fd.Mesh.from_torch(tp=2, check="yes"),  # type: ignore[arg-type]
+        lambda: fd.connect(tp=2, check="yes"),          # type: ignore[arg-type]
         fd.MeshError,
-        "Mesh.from_torch: check must be True or False, got 'yes'. Fix: check=True",
+        "fastdist.connect: check must be True or False, got 'yes'. Fix: check=True",
     ),
 ]
 

@@ -7,6 +7,7 @@ importing the package's ``__init__`` are left out too (Python initialises the pa
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -72,9 +73,37 @@ def test_no_import_cycles() -> None:
             dfs(name)
 
 
-def test_the_mesh_imports_no_backend_at_module_level() -> None:
-    """``fastdist.core.mesh`` is arithmetic: at module level it imports only the errors
-    (backends load when asked)."""
-    tree = ast.parse((SRC / "fastdist" / "core" / "mesh.py").read_text())
-    top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.level}
-    assert top == {"errors"}
+def _every_import(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (functions and ``TYPE_CHECKING``
+    blocks included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{path.name}: relative import {ast.unparse(node)}"
+            found.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_the_mesh_is_a_torch_free_value() -> None:
+    """``fastdist.core.mesh`` (and its picture, ``core.mesh_view``) import nothing but the standard
+    library, ``fastdist.errors`` and ``fastdist.core``: no torch, no backend, no tool, not even
+    inside a function. Connecting a mesh to a job is ``fastdist.comm.connect``'s."""
+    for name in ("mesh.py", "mesh_view.py"):
+        imported = _every_import(SRC / "fastdist" / "core" / name)
+        assert "fastdist.errors" in imported or name == "mesh_view.py"  # the parser sees imports
+        outside = {
+            m
+            for m in imported
+            if m.split(".")[0] not in sys.stdlib_module_names
+            and m != "fastdist.errors"
+            and not m.startswith("fastdist.core.")
+        }
+        assert not outside, f"core/{name} imports {sorted(outside)}"
+
+
+def test_the_torch_free_check_can_fail(tmp_path: Path) -> None:
+    planted = tmp_path / "mesh.py"
+    planted.write_text("import math\n\ndef f():\n    from fastdist.comm import connect\n")
+    assert _every_import(planted) == {"math", "fastdist.comm"}

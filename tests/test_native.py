@@ -427,7 +427,7 @@ def test_mesh_backend_argument_is_checked() -> None:
     with pytest.raises(fd.MeshError, match="library= only applies"):
         _native_library("torch", "/x.so")
     assert _native_library("torch", None) is None
-    assert fd.Mesh({"tp": 2}).backend is None and fd.Mesh({"tp": 2}).close()
+    assert fd.Mesh({"tp": 2}).backend is None and fd.comm.close(fd.Mesh({"tp": 2}))
 
 
 @pytest.mark.parametrize(
@@ -499,17 +499,17 @@ def test_info_reports_the_library_and_why_not(fakelib: str) -> None:
 
 
 def _psum_over_fake_nccl(lib: str) -> list[float]:
-    mesh = fd.Mesh.from_torch(tp=2, backend="nccl-ctypes", library=lib)
+    mesh = fd.connect(tp=2, backend="nccl-ctypes", library=lib)
     out = fd.psum(torch.tensor([1.0, 2.0]) * (mesh.rank + 1), mesh, "tp")
     calls = _names(fake.call_log(lib))
     assert "ncclAllReduce" in calls, calls
-    mesh.close()
+    fd.comm.close(mesh)
     return [float(v) for v in out]
 
 
 def test_users_can_run_their_code_on_the_fake_library_with_run_on_gloo(fakelib: str) -> None:
     """The documented testing flow: fastdist.testing.run_on_gloo +
-    Mesh.from_torch(backend='nccl-ctypes', library=fake)."""
+    fastdist.connect(backend='nccl-ctypes', library=fake)."""
     from fastdist.testing import run_on_gloo
 
     assert run_on_gloo(_psum_over_fake_nccl, 2, fakelib) == [[3.0, 6.0], [3.0, 6.0]]

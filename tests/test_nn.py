@@ -681,18 +681,18 @@ def check_column_row(mesh: fd.Mesh, seed: int = 0) -> None:
 
 def gloo_layers() -> str:
     """Every layer on real ranks: the same checks as on simulated ranks."""
-    tp_mesh = fd.Mesh.from_torch(tp=2)  # dp = 2
+    tp_mesh = fd.connect(tp=2)          # dp = 2
     check_column_row(tp_mesh)
-    _vocab_check(fd.Mesh.from_torch(order=("dp", "tp"), tp=4), seed=3)
-    _sp_mlp_check(fd.Mesh.from_torch(order=("dp", "tp"), tp=4))
+    _vocab_check(fd.connect(order=("dp", "tp"), tp=4), seed=3)
+    _sp_mlp_check(fd.connect(order=("dp", "tp"), tp=4))
     for gather, sequence_parallel in ((False, True), (True, False)):
         check_merged(
             tp_mesh, (2, 2, 2) if not gather else (2, 1, 1), gather, sequence_parallel, seed=5
         )
-    sp = fd.Mesh.from_torch(order=("dp", "sp"), sp=4)
+    sp = fd.connect(order=("dp", "sp"), sp=4)
     for kind in ("ulysses", "ring"):
         check_attention(sp, kind, causal=True, H=3)
-    usp = fd.Mesh.from_torch(order=("dp", "ring", "uly"), ring=2, uly=2)
+    usp = fd.connect(order=("dp", "ring", "uly"), ring=2, uly=2)
     att = fd.nn.USPAttention(usp, "uly", "ring", causal=True)
     spec = P(None, ("ring", "uly"), None, None)
     assert_matches_single_device(

@@ -89,7 +89,7 @@ def test_pp4_1f1b_over_8_layers_equals_one_device(on_4: list[dict[str, Any]]) ->
     assert [r["stages"] for r in got] == [[0], [1], [2], [3]]
     assert len({r["loss"] for r in got}) == 1
     # pipe.reset() with nothing failed: fresh groups, no gradients, the same step again
-    assert got[0]["stage_axes"] == ("dp",)  # Mesh.from_torch(pp=4) adds dp=1
+    assert got[0]["stage_axes"] == ("dp",)  # fastdist.connect(pp=4) adds dp=1
     for g, r in enumerate(got):
         assert r["again"]["loss_err"] <= TOL and r["again"]["grad_err"] <= TOL, (g, r["again"])
 

@@ -823,7 +823,7 @@ def gloo_profiles() -> list[Any]:
     real mesh, equal their trace on a plain mesh of the same axes (module paths included); the MoE
     layer traces on a real mesh."""
     real, plain = (
-        fd.Mesh.from_torch(order=("dp", "sp", "tp"), sp=2, tp=2),
+        fd.connect(order=("dp", "sp", "tp"), sp=2, tp=2),
         fd.Mesh({"dp": 1, "sp": 2, "tp": 2}),
     )
     out: list[Any] = []
@@ -840,7 +840,7 @@ def gloo_profiles() -> list[Any]:
             else:
                 profiles.append(trace(_sp_block_step(blk, mesh), mesh, x, modules=[blk]).records)
         out.append((kind, len(profiles[0]), profiles[1] == profiles[0], profiles[2] == profiles[0]))
-    ep = fd.Mesh.from_torch(ep=4)
+    ep = fd.connect(ep=4)
     for strategy in ("allgather", "all_to_all"):
         step, args = _moe_step(ep, strategy)
         records = trace(step, ep, *args).records

@@ -280,9 +280,9 @@ def test_v_ops_refuse_non_integer_sizes_on_simulated_ranks() -> None:
 def gloo_reductions(lib: str | None) -> dict[Any, Any]:
     """Every (op, dtype) on a gloo mesh (and the fake-NCCL ctypes mesh): ``("ok", tensor)`` or
     ``("refused", message)``."""
-    meshes = {"gloo": fd.Mesh.from_torch(tp=2, timeout=60)}
+    meshes = {"gloo": fd.connect(tp=2, timeout=60)}
     if lib is not None:
-        meshes["nccl-ctypes"] = fd.Mesh.from_torch(
+        meshes["nccl-ctypes"] = fd.connect(
             tp=2, timeout=60, backend="nccl-ctypes", library=lib
         )
     out: dict[Any, Any] = {}
@@ -311,7 +311,7 @@ def gloo_reductions(lib: str | None) -> dict[Any, Any]:
         ).item()  # and no rank is left in a collective
     if lib is not None:
         out["calls"] = sorted({line.split()[0] for line in fake.call_log(lib)})
-        meshes["nccl-ctypes"].close()
+        fd.comm.close(meshes["nccl-ctypes"])
     return out
 
 

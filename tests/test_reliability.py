@@ -124,7 +124,7 @@ def test_meshes_built_in_different_orders_are_named(issue32: list[dict[str, Any]
         assert "creating the process group" in msg
         assert (
             "Fix: check that every rank builds its meshes of one shape in the same order "
-            "(Mesh.from_torch, Mesh.from_device_mesh and mesh.with_timeout each count; this is "
+            "(fastdist.connect, fastdist.comm.from_device_mesh and mesh.with_timeout each count; this is "
             f"mesh {2 + rank} of shape dp1_tp2 built on this rank" in msg
         )
         # compiled under comm_guard: the same error, not torch.compile's wrapper around it
@@ -143,7 +143,7 @@ def test_from_torch_world_size_names_from_torch_and_torchrun(
     for out in issue32:
         assert out["world"][:2] == (
             "MeshError",
-            "Mesh.from_torch: the job's world size 2 (torch.distributed) is not divisible by tp=3 "
+            "fastdist.connect: the job's world size 2 (torch.distributed) is not divisible by tp=3 "
             "(product 3). Fix: launch a multiple of 3 processes (torchrun --nproc-per-node 3; on "
             "several nodes, nodes x processes per node a multiple of 3), or choose degrees whose "
             "product divides 2",
@@ -155,7 +155,7 @@ def test_from_torch_world_size_names_from_torch_and_torchrun(
         )
         assert out["world_dp"][:2] == (
             "MeshError",
-            "Mesh.from_torch: dp=3 with no degrees gives 3 ranks, not the job's world size 2 "
+            "fastdist.connect: dp=3 with no degrees gives 3 ranks, not the job's world size 2 "
             "(torch.distributed). Fix: launch 3 processes (torchrun --nproc-per-node 3; on several "
             "nodes, nodes x processes per node = 3), or leave dp out to infer it from the job's 2 "
             "ranks",

@@ -26,7 +26,7 @@ DICT = {
 def _pp_transfer(all_gather_axis: str | None) -> dict[str, Any]:
     """pp=2 x tp=2: stage 0 sends DICT to stage 1 (same tp index); records what each rank put on the
     wire."""
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=20)
+    mesh = fd.connect(pp=2, tp=2, timeout=20)
     sent: list[int] = []
     real = D.send
 
@@ -63,7 +63,7 @@ def test_tensor_dict_between_stages_with_and_without_the_all_gather(
 
 
 def _mismatched_all_gather_axis() -> str:
-    mesh = fd.Mesh.from_torch(pp=2, tp=2, timeout=5)
+    mesh = fd.connect(pp=2, tp=2, timeout=5)
     with pytest.raises(
         fd.CommError,
         match=r"all_gather_axis=\('pp', 'tp'\) shares mesh axes with the transfer axis 'pp'",
@@ -93,12 +93,12 @@ def test_mismatched_or_overlapping_all_gather_axis_raises() -> None:
 
 
 def _capture_setup(lib: str) -> list[Any]:
-    mesh = fd.Mesh.from_torch(tp=2, backend="nccl-ctypes", library=lib)
+    mesh = fd.connect(tp=2, backend="nccl-ctypes", library=lib)
     with fd.graph_capture(mesh, device="cpu") as ctx:
         before = [line.split()[0] for line in fake.call_log(lib)]
         out = fd.psum(torch.tensor([1.0, 2.0]) * (mesh.rank + 1), mesh, "tp")
     after = [line.split()[0] for line in fake.call_log(lib)]
-    mesh.close()
+    fd.comm.close(mesh)
     return [ctx.stream is None, str(ctx.device), before, after, out.tolist()]
 
 

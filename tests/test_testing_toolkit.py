@@ -224,7 +224,7 @@ def test_fixture_marker_sets_the_axes(fastdist_mesh: fd.Mesh) -> None:
 
 # -------------------------------------------------------------------------- gloo
 def gloo_psum(scale: float) -> list[float]:
-    mesh = fd.Mesh.from_torch(tp=2)
+    mesh = fd.connect(tp=2)
     return (fd.psum(torch.tensor([float(mesh.rank)]), mesh, "tp") * scale).tolist()
 
 
@@ -235,7 +235,7 @@ def gloo_fail() -> None:
 def gloo_same_test() -> str:
     """The body of test_assert_matches_single_device_passes_for_correct_code, then of
     ..._tests_the_code_as_written, on a real mesh."""
-    mesh = fd.Mesh.from_torch(tp=2)
+    mesh = fd.connect(tp=2)
     assert_matches_single_device(_mlp(mesh), _reference, mesh, _inputs(), **SPECS)
     try:
         assert_matches_single_device(_mlp_without_pvary(mesh), _reference, mesh, _inputs(), **SPECS)
@@ -285,7 +285,7 @@ def test_run_on_gloo_reports_the_failing_rank() -> None:
 def gloo_many_tensors(n: int) -> dict[str, object]:
     """A result that holds many tensors (they once travelled as shared-memory handles that died with
     the rank)."""
-    mesh = fd.Mesh.from_torch(tp=2)
+    mesh = fd.connect(tp=2)
     big = torch.arange(1000.0)
     return {
         "rank": mesh.rank,
@@ -313,7 +313,7 @@ def gloo_exit(code: int) -> None:
     import os
     import time
 
-    if fd.Mesh.from_torch(tp=2).rank == 1:
+    if fd.connect(tp=2).rank == 1:
         os._exit(code)
     time.sleep(60)
 

@@ -17,7 +17,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
     from tests.test_hf_models import batch, build, reference_loss
 
     world = torch.distributed.get_world_size()
-    mesh = fd.Mesh.from_torch(tp=tp, timeout=120)  # dp = world // tp
+    mesh = fd.connect(tp=tp, timeout=120)          # dp = world // tp
     dp = mesh.axis_size("dp")
     me = mesh.coords(mesh.rank)["dp"]
     for engine in engines:
@@ -88,11 +88,11 @@ def peer_skips_backward() -> str:
     error naming DataParallel, the axis and the gradient all-reduce, within the mesh's timeout."""
     import time
 
-    mesh = fd.Mesh.from_torch(tp=1, timeout=5)
+    mesh = fd.connect(tp=1, timeout=5)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     pm = fd.nn.parallelize(model, mesh, {})
     pm.data_parallel("dp")
-    mesh.create_groups("dp")  # both ranks: the groups exist, so the all-reduce itself waits
+    fd.comm.create_groups(mesh, "dp")  # both ranks: the groups exist, so the all-reduce itself waits
     if mesh.rank == 1:
         time.sleep(8)  # alive, never reaching the all-reduce
         return "skipped"
@@ -116,7 +116,7 @@ def reducer_review_cases() -> str:
     * clipping with ``w.grad`` None on the ep=0 ranks runs the same collectives everywhere."""
     from tests.test_train_dp import Boom, _mean_over
 
-    mesh = fd.Mesh.from_torch(ep=2, timeout=60)
+    mesh = fd.connect(ep=2, timeout=60)
     sim = fd.Mesh(dict(mesh.shape))  # the same layout, for the expected values
     r = mesh.rank
     gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ def verify_on_gloo() -> tuple[str, str]:
     from tests.test_verify_auto import V, build, ids
 
     world = torch.distributed.get_world_size()
-    mesh = fd.Mesh.from_torch(tp=world, timeout=120)
+    mesh = fd.connect(tp=world, timeout=120)
     model = build("llama")
     ref = copy.deepcopy(model)
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model), verify=True)

@@ -1,7 +1,7 @@
 """mkdocs hook: the guides link into the API reference.
 
 In every page outside ``api/``, the first inline-code mention of a public fastdist name on the
-page (`` `psum` ``, `` `fd.psum` ``, `` `fastdist.nn.parallelize(...)` ``, `` `Mesh.from_torch` ``)
+page (`` `psum` ``, `` `fd.psum` ``, `` `fastdist.nn.parallelize(...)` ``, `` `fastdist.connect` ``)
 becomes a cross-reference to its entry in the reference. Code blocks, headings and code that is
 already a link are left alone.
 

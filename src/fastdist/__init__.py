@@ -52,6 +52,9 @@ if TYPE_CHECKING:
         send_object,
         send_tensor_dict,
     )
+    from fastdist.comm.connect import (
+        connect,
+    )
     from fastdist.comm.stateless import (
         StatelessGroup,
     )
@@ -118,6 +121,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Mesh",
+    "connect",
     "nn",
     "serving",
     "profile",
@@ -258,6 +262,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("simulate",), "sim.simulate"),
     **dict.fromkeys(("spmd",), "check.spmd"),
     **dict.fromkeys(("StatelessGroup",), "comm.stateless"),
+    **dict.fromkeys(("connect",), "comm.connect"),
     **dict.fromkeys(
         (
             "all_gather_v",

@@ -245,13 +245,13 @@ def assert_matches_single_device(
     instead of inserting it (``True`` means ``"insert"``).
 
     On a simulated mesh every rank is checked at once. On a mesh from
-    ``Mesh.from_torch`` each process checks its own rank, so the same test body runs on
+    ``fastdist.connect`` each process checks its own rank, so the same test body runs on
     gloo processes through :func:`run_on_gloo`.
 
     Args:
         parallel_fn: the per-rank code under test, called with each rank's blocks of ``inputs``.
         reference_fn: the single-device function, called with the global ``inputs``.
-        mesh: a plain mesh (simulated ranks) or one from ``Mesh.from_torch``.
+        mesh: a plain mesh (simulated ranks) or one from ``fastdist.connect``.
         inputs: the global inputs.
         in_specs: how each input splits over the mesh (one ``PartitionSpec`` per input).
         out_specs: how the reference output splits over the mesh (what each rank's output must
@@ -494,7 +494,7 @@ def run_on_gloo(
     each rank's result.
 
     ``fn`` must be importable (a module-level function); inside it, build the mesh with
-    ``fastdist.Mesh.from_torch(...)``. Each rank's result travels back with ``torch.save``
+    ``fastdist.connect(...)``. Each rank's result travels back with ``torch.save``
     through a file, so it may hold any number of tensors (and anything else ``torch.save``
     can write and this process can load). The ranks meet through a ``TCPStore`` that this
     process opens on a port the OS picks (port 0), so runs in parallel threads or processes

@@ -129,7 +129,7 @@ def spmd(
     On a simulated mesh (no torch.distributed) the call runs every rank with
     :func:`fastdist.simulate` and returns one global result; gradients with respect to
     the global inputs equal those of the single-device computation. On a mesh from
-    ``Mesh.from_torch`` each process passes the same global tensors and gets the global
+    ``fastdist.connect`` each process passes the same global tensors and gets the global
     result.
 
     >>> import torch, fastdist as fd

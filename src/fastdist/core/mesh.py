@@ -26,15 +26,15 @@ and nothing is global. Two meshes of different shapes live side by side.
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
+from fastdist.core.mesh_view import MeshView
 from fastdist.errors import MeshError
 
-__all__ = ["Mesh", "AxisName", "DEFAULT_ORDER"]
+__all__ = ["Mesh", "MeshComm", "AxisName", "DEFAULT_ORDER"]
 
 #: An axis name, or a tuple of axis names treated as one flattened axis.
 AxisName = str | Sequence[str]
@@ -44,6 +44,27 @@ AxisName = str | Sequence[str]
 DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "sp", "tp")
 
 
+class MeshComm(Protocol):
+    """What a mesh over real ranks carries: this process's communicator on the job.
+
+    :func:`fastdist.connect` builds it (a :class:`fastdist.comm.torch_comm.TorchComm`) and
+    ``fastdist.comm`` manages it; the mesh itself only reads this process's rank and the backend,
+    and asks for the communicator of a slice (:meth:`Mesh.without`).
+    """
+
+    @property
+    def rank(self) -> int:
+        """This process's rank on the mesh."""
+
+    @property
+    def backend(self) -> str:
+        """``"torch"``, ``"nccl-ctypes"`` or ``"hccl-ctypes"``."""
+
+    def slice(self, removed: tuple[int, ...], mesh: Mesh) -> MeshComm:
+        """The communicator of ``mesh`` (these axes without those at ``removed``) over this
+        process's slice."""
+
+
 class Mesh:
     """An ordered set of named axes, e.g. ``Mesh({"dp": 2, "sp": 2, "tp": 2})``.
 
@@ -51,14 +72,17 @@ class Mesh:
         axes: ordered mapping (or sequence of pairs) from axis name to size. Names
             must be distinct identifiers; sizes positive ints. The last axis
             varies fastest across ranks.
+        comm: the communicator over real ranks, set by :func:`fastdist.connect` (and the other
+            constructors of ``fastdist.comm``); leave it out for a plain mesh.
 
     A ``Mesh`` is an immutable value: meshes with equal axes compare and hash equal and
     are interchangeable (a collective on ``Mesh({"tp": 2})`` runs inside a simulation of
-    another ``Mesh({"tp": 2})``). A mesh over real ranks (:meth:`from_torch`) also carries
-    its communicator (its process groups), so it equals only itself and meshes sharing that
-    communicator. What is running over a mesh (a simulation, a replication check) is kept
-    per thread by ``simulate``/``spmd``, not on the mesh. Collectives take the mesh as an
-    argument; run them on all ranks at once with :func:`fastdist.simulate`.
+    another ``Mesh({"tp": 2})``). A mesh over real ranks (:func:`fastdist.connect`) also
+    carries its communicator (:attr:`comm`, its process groups), so it equals only itself and
+    meshes sharing that communicator; ``fastdist.comm`` manages those groups (``with_timeout``,
+    ``create_groups``, ``reset``, ``close``). What is running over a mesh (a simulation, a
+    replication check) is kept per thread by ``simulate``/``spmd``, not on the mesh. Collectives
+    take the mesh as an argument; run them on all ranks at once with :func:`fastdist.simulate`.
 
     >>> a, b = Mesh({"dp": 2, "tp": 2}), Mesh({"dp": 2, "tp": 2})
     >>> a == b, hash(a) == hash(b)
@@ -73,10 +97,14 @@ class Mesh:
     _names: tuple[str, ...]
     _sizes: tuple[int, ...]
     _strides: tuple[int, ...]
+    # typed Any: the real-rank runtime (fastdist.comm) reads its own communicator type through it
     _comm: Any
 
     def __init__(
-        self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, _comm: Any = None
+        self,
+        axes: Mapping[str, int] | Iterable[tuple[str, int]],
+        *,
+        comm: MeshComm | None = None,
     ) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else list(axes)
         names: list[str] = []
@@ -108,9 +136,10 @@ class Mesh:
         setattr_(self, "_sizes", tuple(sizes))
         # stride of axis i = product of the sizes after it (row-major, last axis fastest)
         setattr_(self, "_strides", tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes))))
-        # The real-rank communicator (fastdist.comm.distributed.TorchComm) of a mesh built by
-        # Mesh.from_torch / from_device_mesh: part of the mesh's value; None for a plain mesh.
-        setattr_(self, "_comm", _comm)
+        # The real-rank communicator (fastdist.comm.torch_comm.TorchComm) of a mesh built by
+        # fastdist.connect / fastdist.comm.from_device_mesh: part of the mesh's value; None for a
+        # plain mesh.
+        setattr_(self, "_comm", comm)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Mesh is immutable: cannot set {name!r}. Fix: build a new Mesh")
@@ -122,7 +151,7 @@ class Mesh:
         if self._comm is not None:
             raise MeshError(
                 f"Mesh: {self!r} holds this process's process groups and cannot be pickled. "
-                "Fix: send the axes (dict(mesh.shape)) and build the mesh with Mesh.from_torch in "
+                "Fix: send the axes (dict(mesh.shape)) and build the mesh with fastdist.connect in "
                 "the other process"
             )
         return (Mesh, (list(zip(self._names, self._sizes)),))
@@ -199,255 +228,16 @@ class Mesh:
         sizes = {**given, "dp": dp}
         return cls([(n, sizes[n]) for n in order if n in sizes])
 
-    @classmethod
-    def from_torch(
-        cls,
-        *,
-        order: Sequence[str] = DEFAULT_ORDER,
-        timeout: float | datetime.timedelta | None = None,
-        check: bool = False,
-        backend: str = "torch",
-        library: str | None = None,
-        **degrees: int,
-    ) -> Mesh:
-        """A mesh over the running ``torch.distributed`` job (after ``init_process_group``).
+    # ------------------------------------------------------------------ real ranks
+    @property
+    def comm(self) -> MeshComm | None:
+        """The communicator over real ranks set by :func:`fastdist.connect`; ``None`` for a plain
+        mesh.
 
-        Axes are laid out as in :meth:`from_world_size` over the job's world size; this
-        process is rank ``dist.get_rank()``. Collectives on the mesh run on real ranks.
-
-        Args:
-            timeout: seconds (or a timedelta) every blocking call may wait for a peer;
-                default :data:`fastdist.comm.distributed.DEFAULT_TIMEOUT` (10 minutes).
-            check: consistency check mode: before each collective the ranks of the
-                group compare op, shapes, dtypes and parameters, and all raise
-                :class:`~fastdist.ConsistencyError` on a mismatch (eager mode only; it
-                costs one small gloo all-gather per collective).
-            backend: ``"torch"`` (torch.distributed process groups: gloo, NCCL, HCCL),
-                ``"nccl-ctypes"`` or ``"hccl-ctypes"`` (device tensors through NCCL/HCCL
-                called directly with ctypes, usable inside CUDA graph capture; CPU tensors
-                still use gloo). Results do not depend on the choice.
-            library: the NCCL/HCCL shared object for a ctypes backend (default: discovered,
-                see :func:`fastdist.comm.native.find_library`).
+        >>> Mesh({"tp": 2}).comm is None
+        True
         """
-        import torch.distributed as dist
-
-        from fastdist.comm import distributed as D
-
-        D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, "Mesh.from_torch")  # checked before the job
-        if not isinstance(check, bool):
-            raise MeshError(
-                f"Mesh.from_torch: check must be True or False, got {check!r}. Fix: "
-                "check=True for consistency check mode, else leave it out"
-            )
-        if not (dist.is_available() and dist.is_initialized()):
-            raise MeshError(
-                "Mesh.from_torch: torch.distributed is not initialised. Fix: call "
-                "torch.distributed.init_process_group first (torchrun sets its environment)"
-            )
-        world = dist.get_world_size()
-        try:
-            plain = cls.from_world_size(world, order=order, **degrees)
-        except MeshError as e:
-            text = str(e).removeprefix("Mesh.from_world_size: ")
-            if "world size" not in text:  # a bad degree or order: not about the job's size
-                raise MeshError(f"Mesh.from_torch: {text}") from None
-            problem = text.split(". Fix: ", 1)[0].replace(
-                f"world size {world}", f"the job's world size {world} (torch.distributed)"
-            )
-            asked = math.prod(degrees.values())  # valid ints here; with dp: the whole job
-            if "dp" in degrees:
-                fix = (
-                    f"launch {asked} processes (torchrun --nproc-per-node {asked}; on several "
-                    f"nodes, nodes x processes per node = {asked}), or leave dp out to infer it "
-                    f"from the job's {world} ranks"
-                )
-            else:
-                fix = (
-                    f"launch a multiple of {asked} processes (torchrun --nproc-per-node {asked}; "
-                    f"on several nodes, nodes x processes per node a multiple of {asked}), or "
-                    f"choose degrees whose product divides {world}"
-                )
-            raise MeshError(f"Mesh.from_torch: {problem}. Fix: {fix}") from None
-        return plain._over_job(
-            timeout, "Mesh.from_torch", check=check, backend=backend, library=library
-        )
-
-    @classmethod
-    def from_device_mesh(
-        cls,
-        device_mesh: Any,
-        *,
-        timeout: float | datetime.timedelta | None = None,
-        check: bool = False,
-        backend: str = "torch",
-        library: str | None = None,
-    ) -> Mesh:
-        """A mesh with the axes of a ``torch.distributed.device_mesh.DeviceMesh``, reusing its
-        groups.
-
-        The DeviceMesh must have dimension names and the row-major rank layout
-        (``init_device_mesh`` gives both). ``backend`` and ``library`` as in :meth:`from_torch`.
-
-        Args:
-            device_mesh: a ``DeviceMesh`` with dimension names and the row-major rank layout.
-            timeout: seconds (or a timedelta) every blocking call may wait for a peer, as in
-                :meth:`from_torch`.
-            check: consistency check mode (the ranks compare each collective's op, shapes,
-                dtypes and parameters first), as in :meth:`from_torch`.
-            backend: ``"torch"`` (the DeviceMesh's process groups), ``"nccl-ctypes"`` or
-                ``"hccl-ctypes"``, as in :meth:`from_torch`.
-            library: the NCCL/HCCL shared object for a ctypes backend, as in :meth:`from_torch`.
-        """
-
-        names = device_mesh.mesh_dim_names
-        if not names:
-            raise MeshError(
-                "Mesh.from_device_mesh: the DeviceMesh has no mesh_dim_names. Fix: "
-                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-            )
-        layout = device_mesh.mesh.flatten().tolist()
-        if layout != list(range(len(layout))):
-            raise MeshError(
-                f"Mesh.from_device_mesh: the DeviceMesh's ranks {layout} are not row-major "
-                f"0..{len(layout) - 1}. Fix: build it with init_device_mesh"
-            )
-        plain = cls(list(zip(names, (int(s) for s in device_mesh.mesh.shape))))
-        return plain._over_job(
-            timeout,
-            "Mesh.from_device_mesh",
-            check=check,
-            device_mesh=device_mesh,
-            backend=backend,
-            library=library,
-        )
-
-    def to_device_mesh(self, device_type: str = "cpu") -> Any:
-        """A ``DeviceMesh`` with this mesh's axes (collective call: every rank must call it).
-
-        Args:
-            device_type: the device type of the ``DeviceMesh`` (``"cpu"``, ``"cuda"``).
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self._comm is not None and self._comm.where:
-            raise MeshError(
-                f"Mesh.to_device_mesh: {self!r} is the slice {self._comm.where} of a larger mesh, "
-                "and a DeviceMesh spans the whole job. Fix: call to_device_mesh on the whole mesh "
-                "and index the DeviceMesh (device_mesh['tp'])"
-            )
-        return init_device_mesh(device_type, self._sizes, mesh_dim_names=self._names)
-
-    def with_timeout(self, timeout: float | datetime.timedelta) -> Mesh:
-        """The same axes on the same job with another timeout (its groups are created anew,
-        lazily).
-
-        Args:
-            timeout: seconds (or a timedelta) every blocking call may wait for a peer.
-        """
-
-        if self._comm is None:
-            raise MeshError(
-                f"Mesh.with_timeout: {self!r} is not backed by torch.distributed. Fix: build it "
-                "with Mesh.from_torch"
-            )
-        from fastdist.comm import distributed as D
-
-        td = D._as_timedelta(timeout, None, "Mesh.with_timeout")  # required: None is refused too
-        plain = Mesh(list(zip(self._names, self._sizes)))
-        # the same ranks (a slice stays that slice), check mode and backend
-        return type(self)(plain.shape.items(), _comm=self._comm.renewed(plain, td))
-
-    def _over_job(
-        self, timeout: float | datetime.timedelta | None, who: str, **comm_args: Any
-    ) -> Mesh:
-        """This plain mesh's axes over the running torch.distributed job, with a new
-        communicator; ``who`` (e.g. ``"Mesh.with_timeout"``) names the call in errors."""
-        from fastdist.comm import distributed as D
-
-        comm = D.TorchComm(
-            self, timeout=D._as_timedelta(timeout, D.DEFAULT_TIMEOUT, who), **comm_args
-        )
-        return type(self)(self.shape.items(), _comm=comm)
-
-    def create_groups(self, *axes: AxisName, device_type: str = "cpu") -> None:
-        """Create now (instead of on first use) this rank's process groups for ``axes`` (default:
-        each axis).
-
-        Never required for correctness: groups are created on first use, in any order across
-        ranks, and under ``torch.compile`` while dynamo traces. Useful to pay the set-up cost
-        up front, and needed with a ctypes backend before CUDA graph capture: with its device
-        type (``"cuda"``; ``"cpu"`` for the fake library) it also creates the NCCL/HCCL
-        communicators, which must exist before capture. Every rank of each group must call it.
-
-        Args:
-            *axes: the axes (names or tuples of names) whose groups to create; default: each axis.
-            device_type: with a ctypes backend, the device type of its communicators (``"cuda"``;
-                ``"cpu"`` for the fake library).
-        """
-        import torch
-
-        from fastdist.comm import distributed as D
-
-        if self._comm is None:
-            raise MeshError(
-                f"Mesh.create_groups: {self!r} is not backed by torch.distributed. Fix: build it "
-                "with Mesh.from_torch"
-            )
-        lib = self._comm.native_lib
-        native = lib is not None and device_type == lib.device_type
-        backend = "gloo" if native else D.select_backend(device_type)
-        for axis in axes or self._names:
-            ac = self._comm.axis(self.axis_indices(axis, "Mesh.create_groups"))
-            if ac.n > 1:
-                self._comm.group(ac, backend, "create_groups")
-                if native:
-                    device = (
-                        torch.device("cuda", torch.cuda.current_device())
-                        if device_type == "cuda"
-                        else torch.device(device_type)
-                    )
-                    self._comm.native(ac, "create_groups", torch.empty(0, device=device))
-
-    def reset(self, timeout: float | datetime.timedelta | None = None) -> None:
-        """Recover after a failed collective: drop this mesh's process groups and start fresh ones.
-
-        After a :class:`~fastdist.CollectiveTimeout` or :class:`~fastdist.CommError` (or an
-        error that one rank raised while its peers waited in a collective) the mesh's groups
-        may hold half-finished messages, so every later call on them would fail. **Every rank
-        of the mesh** calls ``mesh.reset()``; it destroys the groups (a peer still waiting in
-        one fails at once), moves the mesh to a new epoch agreed through the job's store, and
-        returns once every rank has reset. The next collectives create new groups. Then redo
-        the step on every rank. Compiled steps are traced again on their next call; run them
-        under :class:`fastdist.comm_guard` so that a failure inside the compiled graph raises
-        fastdist's errors too (torch's own ``RuntimeError`` otherwise).
-
-        Waits up to ``timeout`` (default: twice the mesh's timeout plus 5 s, since a peer may
-        need a whole timeout to notice the failure) and raises
-        :class:`~fastdist.CollectiveTimeout` naming the ranks that did not reset. A rank that
-        exited cannot rejoin: restart the job then. Other meshes are not affected: on a slice
-        (:meth:`without`) only the slice's ranks reset, and its parent keeps its groups.
-
-        ```text
-        try:
-            loss = step(batch)              # compiled: step = fastdist.comm_guard(mesh)(compiled)
-        except fastdist.FastdistError:      # CommError, CollectiveTimeout, or this rank's own error
-            mesh.reset()                    # on every rank
-            loss = step(batch)
-        ```
-
-        Args:
-            timeout: how long to wait for every rank to reset; default: twice the mesh's timeout
-                plus 5 s.
-        """
-        from fastdist.comm import distributed as D
-
-        if self._comm is None:
-            raise MeshError(
-                f"Mesh.reset: {self!r} is not backed by torch.distributed. Fix: build it with "
-                "Mesh.from_torch"
-            )
-        default = 2 * self._comm.timeout + datetime.timedelta(seconds=5)
-        self._comm.reset(D._as_timedelta(timeout, default, "Mesh.reset"))
+        return self._comm  # type: ignore[no-any-return]
 
     @property
     def backend(self) -> str | None:
@@ -455,26 +245,14 @@ class Mesh:
         mesh."""
         return None if self._comm is None else str(self._comm.backend)
 
-    def close(self, timeout: float = 5.0) -> bool:
-        """Release this mesh's ctypes communicators (abort with a bounded wait); True if all
-        finished.
-
-        A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups). A slice
-        (:meth:`without`) has its own communicators: close it too.
-
-        Args:
-            timeout: seconds to wait for each communicator's abort.
-        """
-        return True if self._comm is None else bool(self._comm.close(timeout))
-
     @property
     def rank(self) -> int:
         """This process's rank on the mesh, on a mesh built from torch.distributed (within its
-        slice for a mesh from :meth:`without`; the global rank for :meth:`from_torch`)."""
+        slice for a mesh from :meth:`without`; the global rank for :func:`fastdist.connect`)."""
         if self._comm is None:
             raise MeshError(
                 f"Mesh.rank: {self!r} describes ranks but is not one of them. Fix: build the mesh "
-                "with Mesh.from_torch, or use fastdist.axis_index inside simulate"
+                "with fastdist.connect, or use fastdist.axis_index inside simulate"
             )
         return int(self._comm.rank)
 
@@ -675,22 +453,22 @@ class Mesh:
         """The mesh of the other axes (in order): what one pipeline stage is parallelized over.
 
         On a plain mesh, the :class:`Mesh` of those axes. On a mesh over real ranks
-        (:meth:`from_torch`), the same axes over **this process's slice**: the ranks with this
-        process's index along ``axis``, e.g. for ``Mesh.from_torch(pp=2, tp=2)`` on 4 processes
-        ``mesh.without("pp")`` spans global ranks 0, 1 on ranks 0 and 1 and ranks 2, 3 on ranks 2
-        and 3. Its ``rank`` is the rank within the slice, and every collective on it, over any
-        of its axes or all of them, stays inside the slice. It has its own process groups,
+        (:func:`fastdist.connect`), the same axes over **this process's slice**: the ranks with
+        this process's index along ``axis``, e.g. for ``fastdist.connect(pp=2, tp=2)`` on 4
+        processes ``mesh.without("pp")`` spans global ranks 0, 1 on ranks 0 and 1 and ranks 2, 3
+        on ranks 2 and 3. Its ``rank`` is the rank within the slice, and every collective on it,
+        over any of its axes or all of them, stays inside the slice. It has its own process groups,
         created lazily by the slice's members only (named after the slice, so slices of one
         shape never meet), and the parent's timeout, check mode and backend. Calling
         ``without`` again with the same axes gives the same (equal) mesh. It is not a collective:
         nothing is sent and no peer needs to call it. Errors name global ranks and the slice
-        (``pp=1``); :meth:`reset` on the slice involves only its ranks.
+        (``pp=1``); ``fastdist.comm.reset`` on the slice involves only its ranks.
 
         Removing every axis gives a mesh with no axes (size 1, this process alone), e.g.
         ``Mesh({"pp": 4}).without("pp") == Mesh({})``. It describes one rank; on real ranks it
         has no axis to run a collective over, so collectives, the object helpers and
         ``ParallelModel.grads()``/``state_dict()`` on it raise :class:`MeshError` (keep a size-1
-        axis, as ``Mesh.from_torch`` keeps ``dp``, to run them).
+        axis, as ``fastdist.connect`` keeps ``dp``, to run them).
 
         Args:
             axis: the axis (or tuple of axes) to remove.
@@ -710,23 +488,19 @@ class Mesh:
         )
         if self._comm is None:
             return rest
-        return type(self)(rest.shape.items(), _comm=self._comm.slice(idx, rest))
+        return type(self)(rest.shape.items(), comm=self._comm.slice(idx, rest))
 
     # ------------------------------------------------------------------ display
-    def show(self, axis: AxisName | None = None) -> Any:
+    def show(self, axis: AxisName | None = None) -> MeshView:
         """The rank grid (last axis as columns); with ``axis``, its groups lettered (coloured in
         Jupyter).
 
         Args:
             axis: the axis whose groups to letter; default: none.
         """
-        from fastdist.tools.visual import MeshView
-
         return MeshView(self, axis)
 
     def _repr_html_(self) -> str:
-        from fastdist.tools.visual import MeshView
-
         return MeshView(self)._repr_html_()
 
     # ------------------------------------------------------------------ value semantics

@@ -82,7 +82,7 @@ def _local_block(t: Tensor, mesh: Mesh) -> tuple[Tensor, tuple[str, ...], tuple[
         raise MeshError(
             f"clip_grad_norm_: a gradient is a DTensor with placements {tuple(placements)} over "
             f"mesh dims {names}, which {mesh!r} does not describe. Fix: build the DeviceMesh "
-            "with mesh.to_device_mesh() and reduce partial gradients before clipping"
+            "with fastdist.comm.to_device_mesh(mesh) and reduce partial gradients before clipping"
         )
     at = 0
     for i, pl in enumerate(placements):

@@ -12,7 +12,7 @@ The result, a `ParallelModel`, runs the same way on both kinds of mesh:
 * a plain (simulated) mesh: every parameter holds every rank's shard stacked on a
   leading rank dim (``[world, *local]``), and calling the model runs all ranks at once
   through `fastdist.simulate` (tensor arguments carry the rank dim too);
-* a mesh from ``Mesh.from_torch``: every parameter holds this rank's shard, and calling
+* a mesh from ``fastdist.connect``: every parameter holds this rank's shard, and calling
   the model runs this rank's part.
 
 Patterns match dotted module names segment by segment (``fnmatch`` per segment, so
@@ -525,7 +525,7 @@ class ParallelModel:
             raise ParallelizeError(
                 f"{op}: torch's {engine.upper()} needs real ranks (a process group); this mesh is "
                 "simulated. Fix: engine='fastdist' (the same gradients, on simulated and real "
-                "ranks), or build the mesh with Mesh.from_torch"
+                "ranks), or build the mesh with fastdist.connect"
             )
         wrapped = ddp(self, axis, **kwargs) if engine == "ddp" else fsdp(self, axis, **kwargs)
         self._pvary_hooks = PvaryHooks(self.mesh, self._pvary_sites)
@@ -689,7 +689,7 @@ def parallelize(
             materialise with `ParallelModel.load` or `ParallelModel.init_weights`, each rank
             its own shards). Its modules are swapped in place; parameter names do not change.
         mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
-            mesh from ``Mesh.from_torch`` (parameters become this rank's shards).
+            mesh from ``fastdist.connect`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
             the ready-made plan for the model's ``config.model_type``
             (`fastdist.nn.plans.plan_for`). ``"auto"``: ``fastdist.nn.plans.auto(model)``, the

@@ -24,7 +24,7 @@ from its config (two layers, small vocabulary and intermediate sizes, the same h
 head dim), given random values, and checked with the same plan; a model without a config, or a
 plan that does not fit the small model, is refused with the reason.
 
-On real ranks (a mesh from ``Mesh.from_torch``) every rank holds the whole model before the
+On real ranks (a mesh from ``fastdist.connect``) every rank holds the whole model before the
 plan is applied: each rank compares its own blocks and the ranks agree on the verdict (an
 all-gather of objects), so every rank raises the same error or none does.
 """

@@ -12,13 +12,13 @@ Mesh({'dp': 2, 'tp': 4}): 8 ranks; groups along 'tp' are lettered
 from __future__ import annotations
 
 import html
-import string
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from fastdist.core.mesh_view import COLOURS, MeshView, text_table
 from fastdist.core.sharding import block_of
 from fastdist.errors import MeshError
 
@@ -27,89 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MeshView", "RanksView", "ShardingView", "plot_ranks", "show_ranks", "show_sharding"]
 
-_COLOURS = ["#cfe8fc", "#fde2c8", "#d5f5d5", "#f9d0e0", "#e6dcfa", "#fff3b0", "#d0f0f0", "#f0d8c0"]
-
 
 def _coords_text(mesh: Mesh, rank: int) -> str:
     """``rank``'s coordinates as ``"dp=0 tp=1"``."""
     return " ".join(f"{a}={v}" for a, v in mesh.coords(rank).items())
-
-
-def _label(i: int) -> str:
-    letters = string.ascii_uppercase
-    return letters[i] if i < 26 else letters[i // 26 - 1] + letters[i % 26]
-
-
-def _grid(mesh: Mesh) -> tuple[list[str], list[tuple[str, list[int]]]]:
-    """Column headers (the last axis) and rows (every combination of the other axes)."""
-    last = mesh.axis_names[-1] if mesh.ndim else ""
-    cols = [f"{last}={i}" for i in range(mesh.shape[last])] if mesh.ndim else ["rank"]
-    width = len(cols)
-    rows = []
-    for start in range(0, mesh.size, width):
-        c = mesh.coords(start)
-        label = " ".join(f"{a}={c[a]}" for a in mesh.axis_names[:-1])
-        rows.append((label, list(range(start, start + width))))
-    return cols, rows
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(v).rjust(w) for v, w in zip(r, widths)) for r in [header, *rows]]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-class MeshView:
-    """A mesh's rank grid (last axis as columns); with ``axis``, the groups along it lettered and
-    coloured."""
-
-    def __init__(self, mesh: Mesh, axis: AxisName | None = None) -> None:
-        self.mesh, self.axis = mesh, axis
-        self._group_of: dict[int, int] = {}
-        if axis is not None:
-            self._group_of = {r: g for g, ranks in enumerate(mesh.groups(axis)) for r in ranks}
-
-    def _title(self) -> str:
-        t = f"{self.mesh!r}: {self.mesh.size} ranks"
-        return t + (f"; groups along {self.axis!r} are lettered" if self.axis is not None else "")
-
-    def __str__(self) -> str:
-        cols, rows = _grid(self.mesh)
-        cell = (lambda r: f"{r} {_label(self._group_of[r])}") if self._group_of else str
-        body = [[label, *(cell(r) for r in ranks)] for label, ranks in rows]
-        return (
-            self._title()
-            + "\n"
-            + "\n".join("  " + line for line in _table(["", *cols], body).splitlines())
-        )
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        cols, rows = _grid(self.mesh)
-        out = [
-            f"<div><b>{html.escape(self._title())}</b>"
-            "<table style='border-collapse:collapse;font-family:monospace'>"
-        ]
-        out.append(
-            "<tr><th></th>"
-            + "".join(f"<th style='padding:2px 8px'>{html.escape(c)}</th>" for c in cols)
-            + "</tr>"
-        )
-        for label, ranks in rows:
-            out.append(
-                f"<tr><th style='padding:2px 8px;text-align:right'>{html.escape(label)}</th>"
-            )
-            for r in ranks:
-                g = self._group_of.get(r)
-                style = "border:1px solid #999;padding:4px 10px;text-align:center"
-                if g is not None:
-                    style += f";background:{_COLOURS[g % len(_COLOURS)]}"
-                text = f"{r}" + (f"<sub>{_label(g)}</sub>" if g is not None else "")
-                out.append(f"<td style='{style}'>{text}</td>")
-            out.append("</tr>")
-        out.append("</table></div>")
-        return "".join(out)
 
 
 class ShardingView:
@@ -234,7 +155,7 @@ class ShardingView:
             self._title()
             + "\n"
             + (pic + "\n" if pic else "")
-            + _table(["rank", "coords", "block", "local shape"], body)
+            + text_table(["rank", "coords", "block", "local shape"], body)
         )
 
     __repr__ = __str__
@@ -259,7 +180,7 @@ class ShardingView:
                 )
                 for j in range(len(cols)):
                     held = ranks[(i, j)]
-                    colour = _COLOURS[(i * len(cols) + j) % len(_COLOURS)]
+                    colour = COLOURS[(i * len(cols) + j) % len(COLOURS)]
                     out.append(
                         "<td style='border:1px solid #999;padding:8px 14px;text-align:center;"
                         f"background:{colour}'>{','.join(map(str, held))}</td>"
@@ -337,7 +258,7 @@ class RanksView:
             [str(r), _coords_text(self.mesh, r), self._fmt(self.x[r])]
             for r in range(self.mesh.size)
         ]
-        return _table(["rank", "coords", f"value {list(self.x.shape[1:])}"], body)
+        return text_table(["rank", "coords", f"value {list(self.x.shape[1:])}"], body)
 
     __repr__ = __str__
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from fastdist.comm.connect import to_device_mesh
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import MeshError
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
@@ -482,7 +483,7 @@ def fsdp(
         raise MeshError(f"{op}: FSDP2 shards over one mesh axis here; got {axes}")
     _refuse_split_over(pm, axes, op)
     device = next(pm.module.parameters()).device
-    dm = pm.mesh.to_device_mesh(device.type)[axes[0]]
+    dm = to_device_mesh(pm.mesh, device.type)[axes[0]]
     kinds = set(
         blocks if blocks is not None else getattr(pm.module, "_no_split_modules", None) or ()
     )

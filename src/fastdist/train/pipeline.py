@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fastdist.comm.connect import reset as reset_mesh
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CommError, PipelineError
 from fastdist.train.schedules import Schedule, schedule, stage_layers
@@ -698,10 +699,10 @@ class Pipeline:
     def reset(self) -> None:
         """Recover on real ranks after a failed step (a `CommError`, a `CollectiveTimeout`, or
         any error one rank raised mid-step, which drops the mesh's and the stage mesh's groups
-        so that its peers fail at once): ``mesh.reset()`` and the stage mesh's ``reset()``,
-        then drop the gradients. Call it on **every** rank, then redo the step.
+        so that its peers fail at once): ``fastdist.comm.reset`` of the mesh and of the stage
+        mesh, then drop the gradients. Call it on **every** rank, then redo the step.
 
-        ``mesh.reset()`` alone is not enough: a failure can leave the ranks of one stage at
+        Resetting the mesh alone is not enough: a failure can leave the ranks of one stage at
         different points (one got its gradient and went on into the backward's collectives
         over the stage mesh, its peer in the stage waited for one that never came), which
         breaks the stage mesh's groups too. The gradients of the failed step are partial.
@@ -709,11 +710,11 @@ class Pipeline:
         if self.simulated:
             raise PipelineError(
                 "Pipeline.reset: a simulated pipeline has no process groups to reset. Fix: "
-                "call it on real ranks (Mesh.from_torch) after a failed step"
+                "call it on real ranks (fastdist.connect) after a failed step"
             )
-        self.mesh.reset()
+        reset_mesh(self.mesh)
         if self.stage_mesh.ndim:  # the mesh of no axes has no groups
-            self.stage_mesh.reset()
+            reset_mesh(self.stage_mesh)
         assert self._ranks is not None
         self._ranks.forget()  # the next step's transfers carry their headers again
         self.zero_grad()
@@ -1076,7 +1077,7 @@ def pipeline(
             calls raise), and build the optimizer afterwards from ``pipe.parameters()``: one
             built before holds the model's old parameters, which receive no gradient, and
             torch's optimizers skip those without a word.
-        mesh: a plain mesh (simulated ranks: every stage here) or a ``Mesh.from_torch`` mesh
+        mesh: a plain mesh (simulated ranks: every stage here) or a ``fastdist.connect`` mesh
             (this process builds and holds only its own stages).
         axis: the pipeline axis of ``mesh``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a built `Schedule`.

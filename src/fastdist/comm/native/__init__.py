@@ -1,6 +1,6 @@
 """Direct NCCL / HCCL through ctypes: the ``"nccl-ctypes"`` and ``"hccl-ctypes"`` mesh backends.
 
-Choose per mesh: ``Mesh.from_torch(tp=8, backend="nccl-ctypes")``. Device tensors then
+Choose per mesh: ``fastdist.connect(tp=8, backend="nccl-ctypes")``. Device tensors then
 go through a :class:`NativeCommunicator` per axis group (usable inside CUDA graph
 capture); CPU tensors and objects still use the mesh's gloo groups. The ops' results
 do not depend on the backend.

@@ -255,7 +255,7 @@ class NativeCommunicator:
                 self.ranks,
                 self.rank,
                 "the communicator was closed",
-                "build a new mesh (mesh.close() released it)",
+                "build a new mesh (fastdist.comm.close(mesh) released it)",
             )
         if x.device != self.device:
             raise CommError(

@@ -10,7 +10,7 @@ shared object; :func:`find_library` decides which one.
 
 Discovery order (:func:`find_library`), the first that applies wins:
 
-1. the ``path`` argument (``Mesh.from_torch(..., library=...)``);
+1. the ``path`` argument (``fastdist.connect(..., library=...)``);
 2. the environment variable ``FASTDIST_NCCL_LIBRARY`` / ``FASTDIST_HCCL_LIBRARY``;
 3. the copy this process already loaded (torch's CUDA wheel loads ``libnccl.so.2`` from
    the ``nvidia-nccl-cu*`` wheel; torch_npu loads ``libhccl.so``), then the wheel's file
@@ -553,5 +553,5 @@ def find_library(
         spec.kind,
         tried,
         f"{spec.install_hint}; or set {spec.env_var}=/path/to/{spec.sonames[0]}; or pass "
-        f"Mesh.from_torch(..., library='/path/to/{spec.sonames[0]}')",
+        f"fastdist.connect(..., library='/path/to/{spec.sonames[0]}')",
     )
