@@ -25,38 +25,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fastdist import (
+        checkpoint,  # fastdist.checkpoint: one save/load pair (DCP directories, safetensors)
+        comm,  # fastdist.comm: real ranks: lifecycle, point-to-point, objects, failures
         nn,  # fastdist.nn: parallel layers
         profile,  # fastdist.profile: communication profile, dry runs, layout planner
         serving,  # fastdist.serving: message queue broadcaster, node locality
-        train,  # fastdist.train: data parallelism, ZeRO, distributed checkpoints
+        train,  # fastdist.train: data parallelism, ZeRO, pipelines
     )
     from fastdist.check.replication import (
-        ReplicationError,
         as_partial,
     )
     from fastdist.check.spmd import (
         spmd,
     )
-    from fastdist.comm.distributed import (
-        GraphCaptureContext,
-        all_gather_object,
-        barrier,
-        broadcast_object,
-        broadcast_tensor_dict,
-        comm_guard,
-        graph_capture,
-        recv,
-        recv_object,
-        recv_tensor_dict,
-        send,
-        send_object,
-        send_tensor_dict,
-    )
     from fastdist.comm.connect import (
         connect,
-    )
-    from fastdist.comm.stateless import (
-        StatelessGroup,
     )
     from fastdist.core.mesh import (
         DEFAULT_ORDER,
@@ -81,6 +64,7 @@ if TYPE_CHECKING:
         NoBackendError,
         PipelineError,
         ReductionDtypeError,
+        ReplicationError,
         TargetError,
     )
     from fastdist.ops import (
@@ -122,7 +106,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh",
     "connect",
+    "comm",
     "nn",
+    "checkpoint",
     "serving",
     "profile",
     "train",
@@ -156,20 +142,6 @@ __all__ = [
     "broadcast",
     "axis_index",
     "axis_size",
-    "broadcast_object",
-    "all_gather_object",
-    "send_object",
-    "recv_object",
-    "broadcast_tensor_dict",
-    "send_tensor_dict",
-    "recv_tensor_dict",
-    "graph_capture",
-    "GraphCaptureContext",
-    "send",
-    "recv",
-    "barrier",
-    "comm_guard",
-    "StatelessGroup",
     "show_ranks",
     "plot_ranks",
     "show_sharding",
@@ -195,7 +167,7 @@ __all__ = [
 #: starts in milliseconds and ``fd.nn``, ``fd.train``, ``fd.serving``, ``fd.profile`` cost nothing
 #: until used. tests/test_import_time.py checks that this table, the imports above and
 #: ``__all__`` list the same names.
-_SUBMODULES = ("nn", "profile", "serving", "train")
+_SUBMODULES = ("checkpoint", "comm", "nn", "profile", "serving", "train")
 _EXPORTS: dict[str, str] = {
     **{name: name for name in _SUBMODULES},
     **dict.fromkeys(
@@ -221,24 +193,6 @@ _EXPORTS: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
-            "GraphCaptureContext",
-            "all_gather_object",
-            "barrier",
-            "broadcast_object",
-            "broadcast_tensor_dict",
-            "comm_guard",
-            "graph_capture",
-            "recv",
-            "recv_object",
-            "recv_tensor_dict",
-            "send",
-            "send_object",
-            "send_tensor_dict",
-        ),
-        "comm.distributed",
-    ),
-    **dict.fromkeys(
-        (
             "CollectiveError",
             "CollectiveTimeout",
             "CommArgumentError",
@@ -252,16 +206,16 @@ _EXPORTS: dict[str, str] = {
             "NoBackendError",
             "PipelineError",
             "ReductionDtypeError",
+            "ReplicationError",
             "TargetError",
         ),
         "errors",
     ),
     **dict.fromkeys(("DEFAULT_ORDER", "AxisName", "Mesh"), "core.mesh"),
-    **dict.fromkeys(("ReplicationError", "as_partial"), "check.replication"),
+    **dict.fromkeys(("as_partial",), "check.replication"),
     **dict.fromkeys(("P", "PartitionSpec"), "core.sharding"),
     **dict.fromkeys(("simulate",), "sim.simulate"),
     **dict.fromkeys(("spmd",), "check.spmd"),
-    **dict.fromkeys(("StatelessGroup",), "comm.stateless"),
     **dict.fromkeys(("connect",), "comm.connect"),
     **dict.fromkeys(
         (

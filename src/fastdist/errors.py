@@ -11,7 +11,10 @@ helpers) is a :class:`CollectiveError`; a mesh built or addressed wrongly a
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
+import traceback
 from collections.abc import Sequence
 
 __all__ = [
@@ -161,7 +164,7 @@ class CommError(FastdistError, RuntimeError):
 
 class CommArgumentError(CollectiveError, CommError):  # type: ignore[misc]  # rank: "rank N"
     """A helper on real ranks (``send``/``recv``, ``send_object``/``recv_object``,
-    ``broadcast_object``, the tensor-dict helpers, :class:`~fastdist.StatelessGroup`'s messages)
+    ``broadcast_object``, the tensor-dict helpers, :class:`~fastdist.comm.StatelessGroup`'s messages)
     got an argument that cannot work: ``dst`` or ``src`` not an index along the axis (a member),
     or this rank's own index.
 
@@ -398,3 +401,32 @@ class ProfileError(FastdistError, ValueError):
     def __init__(self, op: str, problem: str, fix: str) -> None:
         self.op, self.fix = op, fix
         super().__init__(f"fastdist.profile.{op}: {problem}. Fix: {fix}")
+
+
+def _user_line() -> str:
+    """``file:line: code`` of the innermost frame outside fastdist and torch (the user's line)."""
+    here = os.path.dirname(os.path.abspath(__file__))  # the fastdist package
+    torch = sys.modules.get("torch")
+    skip = (here,) if torch is None else (here, os.path.dirname(os.path.abspath(torch.__file__)))
+    for fs in reversed(traceback.extract_stack()):
+        path = os.path.abspath(fs.filename)
+        if not path.startswith(skip) and "contextlib" not in path:
+            return f"{fs.filename}:{fs.lineno}: {(fs.line or '').strip()}"
+    return "<unknown>"
+
+
+class ReplicationError(FastdistError, ValueError):
+    """A value's replication state does not fit how it is used (checked mode: ``fastdist.spmd``).
+
+    Attributes: ``op``, ``axis``, ``where`` (the user's source line), ``fix``.
+    """
+
+    def __init__(
+        self, op: str, axis: object, problem: str, fix: str, where: str | None = None
+    ) -> None:
+        self.op, self.axis, self.fix = op, axis, fix
+        self.where = where if where is not None else _user_line()
+        super().__init__(
+            f"fastdist check: {op} over axis {axis!r} on every rank, at {self.where}: {problem}. "
+            f"Fix: {fix}"
+        )

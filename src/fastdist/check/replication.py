@@ -25,22 +25,19 @@ Rules for ordinary torch ops, per axis:
 
 from __future__ import annotations
 
-import os
-import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fastdist.core.context import check_of, pop_check, push_check
 from fastdist.core.primitive import needs_grad
-from fastdist.errors import FastdistError, MeshError
+from fastdist.errors import MeshError, ReplicationError
 
 if TYPE_CHECKING:
     from fastdist.core.mesh import AxisName, Mesh
@@ -48,35 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["Rep", "RepTracker", "ReplicationError", "as_partial", "tracking", "CheckMode"]
 
 CheckMode = Literal["insert", "error"]
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _user_line() -> str:
-    """``file:line: code`` of the innermost frame outside fastdist and torch."""
-    for fs in reversed(traceback.extract_stack()):
-        path = os.path.abspath(fs.filename)
-        if not path.startswith((_HERE, _TORCH)) and "contextlib" not in path:
-            return f"{fs.filename}:{fs.lineno}: {(fs.line or '').strip()}"
-    return "<unknown>"
-
-
-class ReplicationError(FastdistError, ValueError):
-    """A value's replication state does not fit how it is used (checked mode).
-
-    Attributes: ``op``, ``axis``, ``where`` (the user's source line), ``fix``.
-    """
-
-    def __init__(
-        self, op: str, axis: object, problem: str, fix: str, where: str | None = None
-    ) -> None:
-        self.op, self.axis, self.fix = op, axis, fix
-        self.where = where if where is not None else _user_line()
-        super().__init__(
-            f"fastdist check: {op} over axis {axis!r} on every rank, at {self.where}: {problem}. "
-            f"Fix: {fix}"
-        )
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import Tensor
 
-from fastdist.check.replication import CheckMode, Rep, ReplicationError, RepTracker, tracking
+from fastdist.check.replication import CheckMode, Rep, RepTracker, tracking
 from fastdist.core.primitive import apply_function
 from fastdist.core.sharding import PartitionSpec, block_of, blocks, check_spec, holders
-from fastdist.errors import MeshError
+from fastdist.errors import MeshError, ReplicationError
 from fastdist.sim.simulate import simulate
 
 if TYPE_CHECKING:
@@ -142,6 +142,41 @@ def spmd(
     True
     """
     simulated = mesh._comm is None
+    mode = _check_mode(check, simulated)
+    single_out = isinstance(out_specs, PartitionSpec)
+    outs: list[PartitionSpec] = (
+        [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
+    )
+    for i, s in enumerate(outs):
+        check_spec(f"out_specs[{i}]", mesh, s, None)
+
+    def per_rank(*args: Any) -> Any:
+        if mode is not None and torch.compiler.is_compiling():
+            _refuse_checked_compile(mode)
+        local, states = _local_args(args, in_specs, mesh, simulated)
+        result = checked_call(fn, mesh, mode, local, states, outs, single_out, simulated=simulated)
+        return _join(result, outs, single_out, mesh, simulated)
+
+    def run(*args: Any) -> R:
+        _check_args(args, in_specs, mesh)
+        if not simulated:
+            return cast(R, per_rank(*args))
+        stacked = [
+            apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a
+            for a, s in zip(args, in_specs)
+        ]
+        out = simulate(per_rank, mesh)(*stacked)
+        full = tuple(
+            apply_function(_UnshardStacked, o, s, mesh)
+            for o, s in zip([out] if single_out else out, outs)
+        )
+        return cast(R, full[0] if single_out else full)
+
+    return run
+
+
+def _check_mode(check: CheckMode | bool | None, simulated: bool) -> CheckMode | None:
+    """The replication check mode ``spmd``'s ``check`` asks for (``None``: no tracking)."""
     mode: CheckMode | None
     if check is None:
         mode = "insert" if simulated else None
@@ -157,88 +192,76 @@ def spmd(
             "check='insert' (add the pvary a replicated value needs), check='error' (name it), "
             "or check=False (no bookkeeping; needed under torch.compile)"
         )
-    single_out = isinstance(out_specs, PartitionSpec)
-    outs: list[PartitionSpec] = (
-        [out_specs] if isinstance(out_specs, PartitionSpec) else list(out_specs)
-    )
-    for i, s in enumerate(outs):
-        check_spec(f"out_specs[{i}]", mesh, s, None)
+    return mode
 
-    def per_rank(*args: Any) -> Any:
-        if mode is not None and torch.compiler.is_compiling():
-            _refuse_checked_compile(mode)
-        # Real ranks: each process takes its blocks and joins the outputs with collectives.
-        # Simulated ranks get their blocks already cut (_ShardStacked) and return them as they
-        # are, to be assembled once outside (_UnshardStacked): the same values and gradients
-        # as local_chunk / all_gather_invariant per rank, without world-sized copies.
-        local = []
-        states: list[Rep | None] = []
-        for a, s in zip(args, in_specs):
-            if isinstance(a, Tensor):
-                s = cast(PartitionSpec, s)
-                for d in range(len(s.dims) if not simulated else 0):
-                    if s.axes_of(d):
-                        a = _local_chunk(a, s.axes_of(d), d)
-                states.append(Rep(frozenset(s.sharded_axes)))
-            else:
-                states.append(None)
-            local.append(a)
-        result = checked_call(fn, mesh, mode, local, states, outs, single_out, simulated=simulated)
-        return _join(result, outs, single_out)
 
-    def _local_chunk(t: Tensor, axes: tuple[str, ...], dim: int) -> Tensor:
-        from fastdist.ops import local_chunk
-
-        return local_chunk(t, mesh, axes if len(axes) > 1 else axes[0], dim)
-
-    def _join(result: Any, specs: list[PartitionSpec], single: bool) -> Any:
-        from fastdist.ops import all_gather_invariant, psum
-
-        items = [result] if single else list(result)
-        if len(items) != len(specs):
-            raise MeshError(
-                f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}. Fix: "
-                "give one out spec per output (a single P(...), not a tuple, for one tensor)"
-            )
-        joined = []
-        for y, s in zip(items, specs):
-            if s.partial:
-                y = psum(y, mesh, s.partial if len(s.partial) > 1 else s.partial[0])
-            for d in range(len(s.dims) if not simulated else 0):
-                if s.axes_of(d):
-                    axes = s.axes_of(d)
-                    y = all_gather_invariant(y, mesh, axes if len(axes) > 1 else axes[0], d)
-            joined.append(y)
-        return joined[0] if single else tuple(joined)
-
-    def run(*args: Any) -> R:
-        if len(args) != len(in_specs):
-            raise MeshError(
-                f"spmd: got {len(args)} arguments but {len(in_specs)} in_specs. Fix: one spec per "
-                "argument (None for non-tensors)"
-            )
-        for i, (a, s) in enumerate(zip(args, in_specs)):
-            if isinstance(a, Tensor):
-                if check_spec(f"in_specs[{i}]", mesh, s, a).partial:
-                    raise MeshError(
-                        f"spmd: in_specs[{i}] {s!r} is partial; partial= is for out_specs. Fix: "
-                        "pass the summed global value"
-                    )
-        if not simulated:
-            return cast(R, per_rank(*args))
-
-        stacked = [
-            apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a
-            for a, s in zip(args, in_specs)
-        ]
-        out = simulate(per_rank, mesh)(*stacked)
-        full = tuple(
-            apply_function(_UnshardStacked, o, s, mesh)
-            for o, s in zip([out] if single_out else out, outs)
+def _check_args(args: Sequence[Any], in_specs: Sequence[PartitionSpec | None], mesh: Mesh) -> None:
+    """One spec per argument, each valid for its tensor and not partial."""
+    if len(args) != len(in_specs):
+        raise MeshError(
+            f"spmd: got {len(args)} arguments but {len(in_specs)} in_specs. Fix: one spec per "
+            "argument (None for non-tensors)"
         )
-        return cast(R, full[0] if single_out else full)
+    for i, (a, s) in enumerate(zip(args, in_specs)):
+        if isinstance(a, Tensor):
+            if check_spec(f"in_specs[{i}]", mesh, s, a).partial:
+                raise MeshError(
+                    f"spmd: in_specs[{i}] {s!r} is partial; partial= is for out_specs. Fix: "
+                    "pass the summed global value"
+                )
 
-    return run
+
+def _local_args(
+    args: Sequence[Any], in_specs: Sequence[PartitionSpec | None], mesh: Mesh, simulated: bool
+) -> tuple[list[Any], list[Rep | None]]:
+    """Each rank's arguments and their replication states.
+
+    Real ranks: each process takes its blocks (and ``_join`` joins the outputs with
+    collectives). Simulated ranks get their blocks already cut (``_ShardStacked``) and return
+    them as they are, to be assembled once outside (``_UnshardStacked``): the same values and
+    gradients as local_chunk / all_gather_invariant per rank, without world-sized copies.
+    """
+    from fastdist.ops import local_chunk
+
+    local = []
+    states: list[Rep | None] = []
+    for a, s in zip(args, in_specs):
+        if isinstance(a, Tensor):
+            s = cast(PartitionSpec, s)
+            for d in range(len(s.dims) if not simulated else 0):
+                axes = s.axes_of(d)
+                if axes:
+                    a = local_chunk(a, mesh, axes if len(axes) > 1 else axes[0], d)
+            states.append(Rep(frozenset(s.sharded_axes)))
+        else:
+            states.append(None)
+        local.append(a)
+    return local, states
+
+
+def _join(
+    result: Any, specs: list[PartitionSpec], single: bool, mesh: Mesh, simulated: bool
+) -> Any:
+    """Per-rank outputs made global by their out specs: partial sums summed; on real ranks, the
+    split dims gathered (simulated ranks are joined outside, by ``_UnshardStacked``)."""
+    from fastdist.ops import all_gather_invariant, psum
+
+    items = [result] if single else list(result)
+    if len(items) != len(specs):
+        raise MeshError(
+            f"spmd: fn returned {len(items)} outputs but out_specs has {len(specs)}. Fix: "
+            "give one out spec per output (a single P(...), not a tuple, for one tensor)"
+        )
+    joined = []
+    for y, s in zip(items, specs):
+        if s.partial:
+            y = psum(y, mesh, s.partial if len(s.partial) > 1 else s.partial[0])
+        for d in range(len(s.dims) if not simulated else 0):
+            if s.axes_of(d):
+                axes = s.axes_of(d)
+                y = all_gather_invariant(y, mesh, axes if len(axes) > 1 else axes[0], d)
+        joined.append(y)
+    return joined[0] if single else tuple(joined)
 
 
 def checked_call(
