@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import fastdist as fd
-from fastdist.train import checkpoint
+from fastdist import checkpoint
 
 VOCAB = 61  # prime: padded over every tp > 1
 
@@ -57,7 +57,7 @@ def make(family: str, mesh: fd.Mesh | None, *, sp: bool = False, seed: int = 0, 
     model = build(family, kv=kv, seed=seed)
     if mesh is None:
         return model
-    return fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
+    return fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sp))
 
 
 def train(
@@ -162,7 +162,7 @@ def four_ranks(src: str, out: str, want: dict[str, Tensor], want_opt: dict[str, 
     checkpoint.save(f"{out}/dp2tp2", pm, opt)
 
     pm = make("tiny", mesh, seed=10)
-    pm.data_parallel("dp")
+    fd.train.DataParallel(pm, "dp")
     zero = fd.train.ZeroOptimizer(pm, torch.optim.AdamW)  # AdamW's state sharded over dp
     checkpoint.load(src, pm, zero)
     checkpoint.save(f"{out}/zero", pm, zero)

@@ -1,4 +1,4 @@
-"""Distributed checkpoints (fastdist.train.checkpoint): written slice by slice, read on any layout.
+"""Distributed checkpoints (fastdist.checkpoint): written slice by slice, read on any layout.
 
 Tiny float64 Hugging Face models (tests/test_hf_models.build): GPT-2 (vocabulary 61 padded over
 tp=4, lm_head tied to wte, fused c_attn) and Llama (kv heads replicated below tp). Every check
@@ -19,7 +19,7 @@ from torch import Tensor
 
 import fastdist as fd
 from fastdist.testing import run_on_gloo
-from fastdist.train import checkpoint
+from fastdist import checkpoint
 from tests.checkpoint_worker import make, model_state, optim_state, train
 
 pytest.importorskip("transformers")
@@ -203,7 +203,7 @@ def test_zero_optimizer_state_is_the_plain_optimizers(tmp_path: Path) -> None:
 
 
 def test_flat_boxes_cover_a_run_of_elements_in_order() -> None:
-    from fastdist.train.checkpoint import _flat_boxes
+    from fastdist.checkpoint.optimizer import flat_boxes as _flat_boxes
 
     shape = (3, 4, 5)
     for a in range(0, 61, 7):

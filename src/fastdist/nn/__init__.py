@@ -5,8 +5,8 @@ Each module holds **this rank's** parameters (local shapes) and says how they sp
 single-device module's parameters through :meth:`param_specs` (``PartitionSpec`` per name).
 The helpers below move weights between the two views:
 
-* :func:`shard_state` / :func:`load_sharded`: one rank's shard of a single-device state dict
-  (real ranks: each process loads its own);
+* :func:`shard_state`: one rank's shard of a single-device state dict (checkpoints on disk:
+  `fastdist.checkpoint.load`, each rank reading only its own slices);
 * :func:`stack_state` / :func:`unstack`: every rank's shard stacked along a leading rank dim,
   for :func:`fastdist.simulate` with ``torch.func.functional_call``, and back.
 
@@ -26,6 +26,7 @@ sequence parallelism does.
 True
 """
 
+from fastdist.errors import CheckpointError, MoEError, ParallelizeError, ReplicaMismatchError
 from fastdist.nn import moe, plans  # noqa: E402
 from fastdist.nn.attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from fastdist.nn.clip import clip_grad_norm_, grad_norm
@@ -37,18 +38,12 @@ from fastdist.nn.layers import (
 )
 from fastdist.nn.loss import causal_lm_loss, cross_entropy, vocab_parallel_cross_entropy
 from fastdist.nn.materialize import init_weights, module_seed
-from fastdist.nn.moe import MoEError  # noqa: E402
 from fastdist.nn.parallelize import ParallelModel, parallelize
 from fastdist.nn.state import (
-    CheckpointError,
     Layout,
-    ReplicaMismatchError,
     full_state_dict,
-    load_checkpoint,
-    load_sharded,
     param_layouts,
     param_specs,
-    save_checkpoint,
     shard_state,
     stack_state,
     unstack,
@@ -57,12 +52,12 @@ from fastdist.nn.styles import (
     ColwiseParallel,
     GatherSequence,
     HeadParallelAttention,
-    ParallelizeError,
     PrepareInput,
     PvaryParams,
     RowwiseParallel,
     SequenceShard,
     Style,
+    StyleContext,
     VocabParallel,
 )
 
@@ -84,9 +79,6 @@ __all__ = [
     "shard_state",
     "stack_state",
     "unstack",
-    "load_sharded",
-    "load_checkpoint",
-    "save_checkpoint",
     "full_state_dict",
     "param_layouts",
     "Layout",
@@ -98,6 +90,7 @@ __all__ = [
     "init_weights",
     "module_seed",
     "Style",
+    "StyleContext",
     "ColwiseParallel",
     "RowwiseParallel",
     "VocabParallel",

@@ -189,7 +189,8 @@ class MergedColumnParallelLinear(nn.Module):
     ``("q_proj", "k_proj", "v_proj")`` or ``("gate_proj", "up_proj")``; by default they are
     ``"0"``, ``"1"``, ... (an ``nn.ModuleList``'s names). A checkpoint whose projections sit
     one level up (HF's ``self_attn.q_proj.weight`` for the model's ``self_attn.qkv.q_proj.weight``)
-    loads with ``fastdist.nn.load_checkpoint(..., rename=lambda k: k.replace(".qkv.", "."))``.
+    loads with ``fastdist.checkpoint.load(path, model, mesh=mesh, rename=lambda k:
+    k.replace(".qkv.", "."))``.
 
     Args:
         in_features: the input features (whole on every rank).

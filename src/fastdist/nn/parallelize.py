@@ -22,53 +22,49 @@ pattern must match at least one module. Ready-made plans: `fastdist.nn.plans`.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fastdist.core.mesh import Mesh
+from fastdist.errors import InitError, ParallelizeError
 from fastdist.nn.layers import VocabParallelEmbedding
+from fastdist.nn.loss import HFCausalLMLoss
 from fastdist.nn.materialize import (
-    InitError,
     Original,
     init_steps,
     resolve_device,
     run_inits,
     unwritten,
 )
-from fastdist.nn.plans import plan_for
+from fastdist.nn.plans import plan as family_plan
 from fastdist.nn.state import (
     CheckpointError,
     Layout,
-    _listed,
     full_state_dict,
     gather_full,
-    load_checkpoint,
+    listed,
     materialize_,
     meta_names,
     param_layouts,
-    save_checkpoint,
 )
 from fastdist.nn.styles import (
-    ParallelizeError,
     ParallelLinear,
+    ReplicatedHeads,
     Style,
-    VocabParallel,
-    _Context,
-    _ReplicatedHeads,
-    _swap,
+    StyleContext,
+    swap_child,
 )
 from fastdist.nn.verify import VerifyInputs, verify_plan
-from fastdist.ops.collectives import pvary
+from fastdist.ops import pvary
 from fastdist.sim.simulate import simulate
 
-__all__ = ["parallelize", "ParallelModel"]
+__all__ = ["parallelize", "ParallelModel", "pattern_matches"]
 
 
 class ParallelModel:
@@ -94,11 +90,14 @@ class ParallelModel:
         self.plan: dict[str, Any] = {}
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
-        self._pvary_sites = list(pvary_params)
-        # set by data_parallel: the reducer (fastdist) or torch's wrapper (DDP / FSDP2) that
-        # real-rank calls go through
+        #: (module, parameter name, axis): parameters pvary'd inside their module's forward when
+        #: torch's engines (DDP, FSDP2) call the model (`fastdist.train.DataParallel`)
+        self.pvary_sites = list(pvary_params)
+        #: the data-parallel engine attached (`fastdist.train.DataParallel`), or None
         self.engine: Any = None
-        self._wrapped: nn.Module | None = None
+        #: torch's wrapper (DDP / FSDP2) that calls of this model go through on real ranks, set by
+        #: `fastdist.train.DataParallel(engine="ddp" | "fsdp")`; None: the model is called itself
+        self.wrapped: nn.Module | None = None
         # the axes the plan splits over: inputs are replicated over them
         self._axes = tuple(dict.fromkeys(axes))
         self._dropout = _dropout_sites(module)
@@ -156,8 +155,8 @@ class ParallelModel:
                 f"({', '.join(self._dropout[:4])}): {why}. Fix: set the dropout probabilities to "
                 "0 (e.g. in the config) or call model.eval()"
             )
-        if self._wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
-            return self._wrapped(*args, **kwargs, **per_rank)
+        if self.wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
+            return self.wrapped(*args, **kwargs, **per_rank)
         if not self.simulated:
             params = dict(self.module.named_parameters()) if self._pvary else {}
             return self._run(params, args, {**kwargs, **per_rank})
@@ -224,89 +223,6 @@ class ParallelModel:
             if p.grad is not None
         }
 
-    def load(
-        self,
-        source: Any,
-        *,
-        strict: bool | Literal["missing"] = True,
-        rename: Any = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """Load a single-device checkpoint (safetensors file or directory, or a state dict): see
-        `fastdist.nn.load_checkpoint`.
-
-        A model built on the meta device gets its storage here, each rank only its own shards
-        (read from the file by slices): on ``device`` (default cpu), floating-point parameters in
-        ``dtype`` (default: the meta parameter's). Its non-persistent buffers, which no
-        checkpoint holds (a rotary embedding's ``inv_freq``), are recomputed first with the
-        model's own init, as transformers' ``from_pretrained`` does (``_init_weights`` of the
-        module that owns them: the rotary embedding's rope function).
-
-        Without ``rename``, the checkpoint names transformers renames when it loads this model
-        are renamed too (`fastdist.nn.plans.hf_checkpoint_renames`: GPT-NeoX's ``embed_out`` is
-        the model's ``lm_head``), and a checkpoint with one tensor per expert is read under the
-        model's fused expert names (`fastdist.nn.moe_plans.fused_experts`: Mixtral, Qwen2/3-MoE,
-        OLMoE, DeepSeek), so ``save_pretrained`` output and hub checkpoints load as
-        ``from_pretrained`` reads them.
-
-        Raises `CheckpointError` naming the tensors: for a meta buffer no init computes, and for
-        meta parameters a ``strict=False`` load would leave without storage (initialise first:
-        `init_weights`, then ``load(..., strict=False)``); `ParallelizeError` for
-        ``device``/``dtype`` given to a model with nothing on the meta device.
-
-        Args:
-            source: a ``.safetensors`` file, a ``save_pretrained`` directory, or a single-device
-                state dict.
-            strict: like ``load_state_dict``: a missing or unexpected key raises; ``False`` skips
-                them (shapes are always checked); ``"missing"`` raises for missing keys only.
-            rename: model key -> checkpoint key (a mapping or a function); default: transformers'
-                renames for this model.
-            device: where parameters still on the meta device get their storage (default cpu).
-            dtype: the dtype of floating-point meta parameters (default: their own).
-        """
-        self._need_meta_for(
-            "ParallelModel.load",
-            device,
-            dtype,
-            "the checkpoint is converted to the parameters' own device and dtype",
-        )
-        if rename is None and not isinstance(source, Mapping):
-            # a checkpoint with one tensor per expert (transformers' save_pretrained of Mixtral,
-            # Qwen2/3-MoE, OLMoE, DeepSeek): read under the model's fused 3-D names, by slices
-            from fastdist.nn.moe_plans import _converters, fused_experts
-
-            if _converters(self.module):
-                with fused_experts(self.module, source) as fused:
-                    return self.load(fused, strict=strict, device=device, dtype=dtype)
-        self._recompute_buffers(resolve_device(device))
-        if rename is None:
-            # transformers' own renamings of this model's checkpoints (GPT-NeoX's embed_out)
-            from fastdist.nn.plans import hf_checkpoint_renames
-
-            rename = hf_checkpoint_renames(self.module, source)
-        left = bool(meta_names(self.module))
-        load_checkpoint(
-            self.module,
-            source,
-            self.mesh,
-            strict=strict,
-            rename=rename,
-            device=device if left else None,
-            dtype=dtype if left else None,
-        )
-        self._settle_meta()
-
-    def save(self, path: Any, *, dst: int = 0) -> dict[str, Tensor]:
-        """Write the single-device weights as one safetensors file (rank ``dst``): see
-        `fastdist.nn.save_checkpoint`.
-
-        Args:
-            path: the ``.safetensors`` file, or a directory (then ``model.safetensors`` in it).
-            dst: the rank that writes the file.
-        """
-        return save_checkpoint(self.module, path, self.mesh, dst=dst)
-
     # ------------------------------------------------------------------ models built on meta
     def init_weights(
         self,
@@ -364,8 +280,9 @@ class ParallelModel:
         if missing:
             raise ParallelizeError(
                 f"ParallelModel.init_weights: no init of {type(self.module).__name__} writes "
-                f"{_listed(missing)}. Fix: give their modules an init (a branch of "
-                "_init_weights, or reset_parameters), or load them from a checkpoint (pm.load)"
+                f"{listed(missing)}. Fix: give their modules an init (a branch of "
+                "_init_weights, or reset_parameters), or load them from a checkpoint "
+                "(fastdist.checkpoint.load)"
             )
         dev = resolve_device(device)
 
@@ -397,29 +314,30 @@ class ParallelModel:
             )
         except InitError as e:
             raise ParallelizeError(f"ParallelModel.init_weights: {e}") from e
-        self._settle_meta()
+        self.settle_meta()
 
-    def _recompute_buffers(self, device: torch.device) -> None:
+    def recompute_buffers(self, device: torch.device) -> None:
         """Non-persistent buffers on the meta device, recomputed by the model's own init (no
-        checkpoint holds them)."""
+        checkpoint holds them; `fastdist.checkpoint.load` calls it before reading), on
+        ``device``."""
         names = [n for n, b in self.module.named_buffers() if b.is_meta]
         if names:
             keys = set(self.module.state_dict(keep_vars=True))
             names = [n for n in names if n not in keys]
         if not names:
             return
-        original = self._original_for("ParallelModel.load", CheckpointError)
+        original = self._original_for("fastdist.checkpoint.load", CheckpointError)
         try:
             steps = init_steps(original)
         except InitError as e:
-            raise CheckpointError(f"ParallelModel.load: {e}") from e
+            raise CheckpointError(f"fastdist.checkpoint.load: {e}") from e
         lost = [n for n in names if n not in original.tensors]
         lost += unwritten(steps, [n for n in names if n in original.tensors])
         if lost:
             raise CheckpointError(
-                f"ParallelModel.load: the non-persistent buffers {_listed(lost)} are on the meta "
-                "device; no checkpoint holds them and no init of the model computes them. Fix: "
-                "build the modules that own them outside torch.device('meta') (accelerate's "
+                f"fastdist.checkpoint.load: the non-persistent buffers {listed(lost)} are on the "
+                "meta device; no checkpoint holds them and no init of the model computes them. "
+                "Fix: build the modules that own them outside torch.device('meta') (accelerate's "
                 "init_empty_weights keeps buffers real by default), or assign them before loading "
                 "(pm.module.get_submodule(...).register_buffer(name, value, persistent=False))"
             )
@@ -439,7 +357,7 @@ class ParallelModel:
         try:
             run_inits(original, steps, set(names), seed=0, alloc=alloc, deliver=deliver)
         except InitError as e:
-            raise CheckpointError(f"ParallelModel.load: {e}") from e
+            raise CheckpointError(f"fastdist.checkpoint.load: {e}") from e
 
     def _attach_original(self, original: Original | None, why: str) -> None:
         """Keep the meta copy of the single-device model (``why``: why there is none)."""
@@ -452,10 +370,10 @@ class ParallelModel:
                 meta = meta_names(module)
                 if meta:
                     raise ParallelizeError(
-                        f"parallelize: {type(module).__name__} was called with {_listed(meta)} "
+                        f"parallelize: {type(module).__name__} was called with {listed(meta)} "
                         f"on the meta device ({len(meta)} in all: built under "
                         "torch.device('meta'), with shapes but no values). Fix: materialise them "
-                        "first, each rank its own shards: pm.load(checkpoint) or "
+                        "first, each rank its own shards: fastdist.checkpoint.load(path, pm) or "
                         "pm.init_weights(seed=...)"
                     )
 
@@ -482,92 +400,12 @@ class ParallelModel:
                 f"device. Fix: drop them ({instead})"
             )
 
-    def _settle_meta(self) -> None:
-        """Drop the call guard once nothing is left on the meta device."""
+    def settle_meta(self) -> None:
+        """Drop the call guard once nothing is left on the meta device (after a load or an
+        init has given every tensor storage)."""
         if getattr(self, "_meta_hook", None) is not None and not meta_names(self.module):
             self._meta_hook.remove()
             self._meta_hook = None
-
-    def data_parallel(self, axis: Any = "dp", engine: str = "fastdist", **kwargs: Any) -> Any:
-        """Data parallelism over ``axis`` (each index along it runs its own batch); returns the
-        engine.
-
-        Args:
-            axis: the data axis (or tuple of axes) of the mesh.
-            engine: ``"fastdist"``: `fastdist.train.DataParallel` (simulated and real ranks;
-                buckets reduced during backward; ``no_sync()``; parameters split over a data
-                axis follow the MoE rule). ``"ddp"``: torch's ``DistributedDataParallel`` over
-                the mesh's data group (real ranks). ``"fsdp"``: FSDP2 ``fully_shard`` over the
-                data axis, each block (the model's ``_no_split_modules`` classes, or
-                ``blocks=[class names]``) then the root, as torchtitan builds a 2-D TP x FSDP
-                model (real ranks).
-            **kwargs: passed to the engine (``bucket_mb=``; DDP's keywords;
-                ``fully_shard``'s keywords and ``blocks=``).
-
-        Every engine gives each rank the single-device gradient of the mean of the data ranks'
-        losses; `grads`, `state_dict` and `clip_grad_norm_` understand their parameters (FSDP2's
-        DTensors too). Calls of this model go through DDP / FSDP2 afterwards.
-        """
-        from fastdist.train.data_parallel import DataParallel, PvaryHooks, ddp, fsdp
-
-        op = f"ParallelModel.data_parallel(engine={engine!r})"
-        if self.engine is not None:
-            raise ParallelizeError(
-                f"{op}: this model already runs data-parallel ({self.engine!r}). Fix: choose one "
-                "engine, once"
-            )
-        if engine == "fastdist":
-            self.engine = DataParallel(self, axis, **kwargs)
-            return self.engine
-        if engine not in ("ddp", "fsdp"):
-            raise ParallelizeError(f"{op}: engine must be 'fastdist', 'ddp' or 'fsdp'")
-        if self.simulated:
-            raise ParallelizeError(
-                f"{op}: torch's {engine.upper()} needs real ranks (a process group); this mesh is "
-                "simulated. Fix: engine='fastdist' (the same gradients, on simulated and real "
-                "ranks), or build the mesh with fastdist.connect"
-            )
-        wrapped = ddp(self, axis, **kwargs) if engine == "ddp" else fsdp(self, axis, **kwargs)
-        self._pvary_hooks = PvaryHooks(self.mesh, self._pvary_sites)
-        self.engine = self._wrapped = wrapped
-        return wrapped
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip the data-parallel gradient reduction inside (gradient accumulation), whatever
-        the engine: fastdist's and DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``.
-        The first backward after the block reduces the accumulated gradients. Without an engine
-        (no data parallelism) it does nothing."""
-        if self.engine is None:
-            yield
-        elif hasattr(self.engine, "no_sync"):
-            with self.engine.no_sync():
-                yield
-        else:  # FSDP2
-            self.engine.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self.engine.set_requires_gradient_sync(True)
-
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
-    ) -> Tensor:
-        """Clip the gradients by their single-device total norm and return it: see
-        `fastdist.nn.clip_grad_norm_` (``torch.nn.utils.clip_grad_norm_`` would give every rank
-        its own norm).
-
-        Args:
-            max_norm: the largest total norm kept.
-            norm_type: p of the p-norm (finite > 0) or ``math.inf``.
-            error_if_nonfinite: raise ``RuntimeError`` (every rank alike) if the norm is nan/inf.
-
-        Returns:
-            the total norm before clipping: 0-d on real ranks, ``[world]`` on a simulated mesh.
-        """
-        from fastdist.nn.clip import clip_grad_norm_
-
-        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def __repr__(self) -> str:
         return (
@@ -646,28 +484,14 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 
 # ============================================================================ parallelize
-class _HFCausalLMLoss:
-    """transformers' ``loss_function`` call, ``(logits, labels, vocab_size, **kwargs)`` by position
-    or keyword, on vocabulary-parallel logits (``fastdist.nn.causal_lm_loss``)."""
-
-    def __init__(self, mesh: Mesh, axis: str, gathered: bool = False) -> None:
-        self.mesh, self.axis, self.gathered = mesh, axis, gathered
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any
-    ) -> Tensor:
-        from fastdist.nn.loss import _gathered_causal_lm_loss, causal_lm_loss
-
-        # gathered logits (gather_output=True) hold the whole vocabulary: the same loss, no
-        # collective (transformers' own would compute in float32)
-        loss = _gathered_causal_lm_loss if self.gathered else causal_lm_loss
-        return loss(logits, labels, self.mesh, self.axis, vocab_size=vocab_size, **kwargs)
-
-
 PlanValue = Style | Sequence[Style]
+#: ``(dotted name, module, plan pattern)`` for every module a pattern of the plan matches
+Matches = list[tuple[str, nn.Module, str]]
 
 
-def _matches(pattern: str, name: str) -> bool:
+def pattern_matches(pattern: str, name: str) -> bool:
+    """Whether module ``name`` (dotted) matches plan ``pattern``: the same number of dotted parts,
+    each matched by ``fnmatch`` (``"model.layers.*.mlp"`` matches every layer's ``mlp``)."""
     ps, ns = pattern.split("."), name.split(".")
     return len(ps) == len(ns) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(ps, ns))
 
@@ -686,16 +510,17 @@ def parallelize(
         model: the single-device model (e.g. a Hugging Face ``LlamaForCausalLM``), holding the
             weights to shard, or built under ``torch.device("meta")`` (no values: each
             parameter becomes a meta shard of its local shape, the whole tensor never made;
-            materialise with `ParallelModel.load` or `ParallelModel.init_weights`, each rank
+            materialise with `fastdist.checkpoint.load` or `ParallelModel.init_weights`, each rank
             its own shards). Its modules are swapped in place; parameter names do not change.
         mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
             mesh from ``fastdist.connect`` (parameters become this rank's shards).
         plan: module-name pattern -> style (or a sequence of styles, applied in order). Default:
             the ready-made plan for the model's ``config.model_type``
-            (`fastdist.nn.plans.plan_for`). ``"auto"``: ``fastdist.nn.plans.auto(model)``, the
-            plan inferred from the module tree, verified unless ``verify=False``. A plan from
-            `fastdist.nn.plans.auto` with several ``candidates`` (a fused q|k|v's layout left
-            open) and ``verify``: each is tried in turn, the first that verifies applied.
+            (`fastdist.nn.plans.plan`). A family name (``"llama"``): that family's plan.
+            ``"auto"``: ``fastdist.nn.plans.plan(model, mesh, family="auto")``, the plan
+            inferred from the module tree, verified unless ``verify=False``. A plan with several
+            ``candidates`` (`fastdist.nn.plans.AutoPlan`: a fused q|k|v's layout left open) and
+            ``verify``: each is tried in turn, the first that verifies applied.
         verify: check the plan before applying it (`fastdist.nn.verify`): ``True`` runs a copy
             of the model parallelized and one unparallelized, in float64 and eval mode, on a
             small random ``input_ids`` batch, compares every module's output, and raises
@@ -719,35 +544,73 @@ def parallelize(
     >>> bool(torch.allclose(out[1], ref, atol=1e-6))
     True
     """
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ParallelizeError(
-                f"parallelize: plan={plan!r}; the only plan named by a string is 'auto'. Fix: "
-                "plan='auto', a dict of styles, or None (the ready plan for the model's family)"
-            )
-        from fastdist.nn.auto import auto
-
-        plan = auto(model)
-        verify = True if verify is None else verify
+    plan, verify = _resolve_plan(model, mesh, plan, verify)
     candidates = getattr(plan, "candidates", None)
     if isinstance(candidates, list) and len(candidates) > 1 and verify not in (None, False):
-        # auto's open choices: the first candidate that verifies (the model is changed only then)
-        first: ParallelizeError | None = None
-        for candidate in candidates:
-            try:
-                return parallelize(model, mesh, dict(candidate), verify=verify)
-            except ParallelizeError as e:
-                first = first or e
-        raise ParallelizeError(
-            f"parallelize(plan='auto'): none of the {len(candidates)} candidate plans for "
-            f"{type(model).__name__} verifies; the first: {first}"
-        ) from first
-    if plan is None:
-        plan = plan_for(model, mesh)
+        return _first_that_verifies(model, mesh, candidates, verify)
+    _refuse_parallel(model)
+    styles = _styles_of(plan)
+    # Phase 1: every match checked, nothing changed yet (a bad plan leaves the model as it was).
+    matches = _check(model, mesh, styles)
+    if verify is not None and verify is not False:
+        # on copies: the model is changed only after the plan passed
+        verify_plan(
+            model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles), pattern_matches
+        )
+    # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the
+    # model's own init on its modules, and load recomputes meta buffers with it.
+    try:
+        original: Original | None = Original.of(model)
+        why = ""
+    except Exception as e:  # noqa: BLE001 (reported when the copy is needed)
+        original, why = None, f"{type(e).__name__}: {e}"
+    # Phase 2: apply.
+    ctx = _apply(model, mesh, styles, matches)
+    pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes)
+    pm._attach_original(original, why)
+    pm.plan = dict(plan)
+    return pm
+
+
+def _resolve_plan(
+    model: nn.Module,
+    mesh: Mesh,
+    plan: Mapping[str, PlanValue] | str | None,
+    verify: VerifyInputs | None,
+) -> tuple[Mapping[str, PlanValue], VerifyInputs | None]:
+    """The plan ``parallelize`` was given as a dict (``"auto"``: the inferred plan, verified unless
+    ``verify=False``; a family name: its plan; ``None``: the ready plan for the model's family),
+    and ``verify``."""
+    if plan == "auto":
+        return family_plan(model, mesh, family="auto"), True if verify is None else verify
+    if plan is None or isinstance(plan, str):
+        return family_plan(model, mesh, family=plan), verify
+    return plan, verify
+
+
+def _first_that_verifies(
+    model: nn.Module, mesh: Mesh, candidates: list[Any], verify: VerifyInputs
+) -> ParallelModel:
+    """``auto``'s open choices: ``model`` parallelized with the first candidate plan that verifies
+    (the model is changed only then)."""
+    first: ParallelizeError | None = None
+    for candidate in candidates:
+        try:
+            return parallelize(model, mesh, dict(candidate), verify=verify)
+        except ParallelizeError as e:
+            first = first or e
+    raise ParallelizeError(
+        f"parallelize(plan='auto'): none of the {len(candidates)} candidate plans for "
+        f"{type(model).__name__} verifies; the first: {first}"
+    ) from first
+
+
+def _refuse_parallel(model: nn.Module) -> None:
+    """Refuse a model ``parallelize`` has already made parallel."""
     done_before = [
         n
         for n, m in model.named_modules()
-        if isinstance(m, (ParallelLinear, VocabParallelEmbedding, _ReplicatedHeads))
+        if isinstance(m, (ParallelLinear, VocabParallelEmbedding, ReplicatedHeads))
     ]
     if done_before:
         raise ParallelizeError(
@@ -755,6 +618,10 @@ def parallelize(
             "Fix: parallelize a fresh "
             "single-device model (e.g. copy.deepcopy before the first call)"
         )
+
+
+def _styles_of(plan: Mapping[str, PlanValue]) -> dict[str, tuple[Style, ...]]:
+    """The plan with each value a tuple of styles; raises for a value that is not a style."""
     styles: dict[str, tuple[Style, ...]] = {}
     for pattern, value in plan.items():
         styles[pattern] = cast(
@@ -776,14 +643,19 @@ def parallelize(
                     f"parallelize: plan[{pattern!r}] holds {style!r}{hint}, not a fastdist.nn "
                     "style instance"
                 )
-    # Phase 1: every match checked, nothing changed yet (a bad plan leaves the model as it was).
+    return styles
+
+
+def _check(model: nn.Module, mesh: Mesh, styles: dict[str, tuple[Style, ...]]) -> Matches:
+    """Every module the plan matches, each of its styles checked on it (nothing changed); raises
+    for a pattern that matches no module."""
     matches = [
         (name, module, pattern)
         for name, module in model.named_modules()
-        for pattern in plan
-        if _matches(pattern, name)
+        for pattern in styles
+        if pattern_matches(pattern, name)
     ]
-    unused = [p for p in plan if p not in {m[2] for m in matches}]
+    unused = [p for p in styles if p not in {m[2] for m in matches}]
     if unused:
         raise ParallelizeError(
             f"parallelize: plan patterns {unused} match no module of {type(model).__name__}. Fix: "
@@ -793,38 +665,29 @@ def parallelize(
     for name, module, pattern in matches:
         for style in styles[pattern]:
             style.check(module, name, mesh)
-    if verify is not None and verify is not False:
-        # on copies: the model is changed only after the plan passed
-        verify_plan(model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles), _matches)
-    # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the
-    # model's own init on its modules, and load recomputes meta buffers with it.
-    try:
-        original: Original | None = Original.of(model)
-        why = ""
-    except Exception as e:  # noqa: BLE001 (reported when the copy is needed)
-        original, why = None, f"{type(e).__name__}: {e}"
-    # Phase 2: apply.
-    ctx = _Context(mesh)
-    gathered_head: str | None = None  # the axis of a vocabulary-parallel head with gathered logits
+    return matches
+
+
+def _apply(
+    model: nn.Module, mesh: Mesh, styles: dict[str, tuple[Style, ...]], matches: Matches
+) -> StyleContext:
+    """Apply the checked styles in place; set a causal-LM model's loss for vocabulary-parallel
+    logits; give the parameters no style touched the rank dim on a simulated mesh."""
+    ctx = StyleContext(mesh)
     for name, module, pattern in matches:
         for style in styles[pattern]:
-            if (
-                isinstance(style, VocabParallel)
-                and style.gather_output
-                and not isinstance(module, nn.Embedding)
-            ):
-                gathered_head = style.axis
             axis = getattr(style, "axis", None)
             ctx.axes.extend([axis] if isinstance(axis, str) else [])
             module = style.apply(module, name, ctx)
         if name:
             parent, _, child = name.rpartition(".")
-            _swap(model.get_submodule(parent), child, module)
-    if ctx.sharded_logits is not None and hasattr(type(model), "loss_function"):
+            swap_child(model.get_submodule(parent), child, module)
+    if hasattr(type(model), "loss_function"):
         # transformers' causal-LM models compute `labels=` losses through this attribute
-        model.loss_function = _HFCausalLMLoss(mesh, ctx.sharded_logits)  # type: ignore[assignment]
-    elif gathered_head is not None and hasattr(type(model), "loss_function"):
-        model.loss_function = _HFCausalLMLoss(mesh, gathered_head, gathered=True)  # type: ignore[assignment]
+        if ctx.sharded_logits is not None:
+            model.loss_function = HFCausalLMLoss(mesh, ctx.sharded_logits)  # type: ignore[assignment]
+        elif ctx.gathered_logits is not None:
+            model.loss_function = HFCausalLMLoss(mesh, ctx.gathered_logits, gathered=True)  # type: ignore[assignment]
     # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
     if mesh.backend is None:
         done = {id(v) for v in ctx.converted.values()}
@@ -832,7 +695,4 @@ def parallelize(
             for pname, p in list(mod.named_parameters(recurse=False)):
                 if id(p) not in done:
                     setattr(mod, pname, ctx.param(p, Layout(), f"{mod_name}.{pname}"))
-    pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes)
-    pm._attach_original(original, why)
-    pm.plan = dict(plan)
-    return pm
+    return ctx

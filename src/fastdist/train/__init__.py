@@ -4,16 +4,14 @@
   ranks; buckets, ``no_sync``), and the rule for parameters split over a data axis (MoE).
 * `ZeroOptimizer`: ZeRO-1, the optimizer state sharded over a data axis, built from fastdist's
   own collectives.
-* `save` / `load`: distributed checkpoints through ``torch.distributed.checkpoint``, each rank
-  writing its own slices, loadable on any other layout.
 * `pipeline` / `Pipeline`: a model split into stages over a ``pp`` axis, each stage parallelized
   over the other axes, run by a schedule of `fastdist.train.schedules` (GPipe, 1F1B,
   interleaved 1F1B) on simulated or real ranks.
-* Clipping lives with the layouts: `fastdist.nn.clip_grad_norm_`.
+* Clipping lives with the layouts (`fastdist.nn.clip_grad_norm_`), checkpoints in
+  `fastdist.checkpoint` (`save` / `load`).
 """
 
 from fastdist.train import schedules
-from fastdist.train.checkpoint import load, save
 from fastdist.train.data_parallel import DataParallel, reduce_axes
 from fastdist.train.pipeline import Pipeline, pipeline
 from fastdist.train.zero import ZeroOptimizer
@@ -22,8 +20,6 @@ __all__ = [
     "DataParallel",
     "reduce_axes",
     "ZeroOptimizer",
-    "save",
-    "load",
     "pipeline",
     "Pipeline",
     "schedules",

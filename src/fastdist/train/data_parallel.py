@@ -32,20 +32,22 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fastdist.comm.connect import to_device_mesh
 from fastdist.core.mesh import AxisName, Mesh
-from fastdist.errors import MeshError
+from fastdist.errors import MeshError, PipelineError
+from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
+from fastdist.train.pipeline import Pipeline
 
-if TYPE_CHECKING:
-    from fastdist.nn.parallelize import ParallelModel
+__all__ = ["DataParallel", "reduce_axes", "data_axes", "ENGINES"]
 
-__all__ = ["DataParallel", "reduce_axes"]
+#: the engines `DataParallel` attaches: fastdist's own reduction, torch's DDP, FSDP2
+ENGINES = ("fastdist", "ddp", "fsdp")
 
 #: the op name errors on real ranks give (fastdist.<op>)
 _OP = "train.DataParallel"
@@ -57,7 +59,9 @@ _REENTRANT = (
 )
 
 
-def _axes(axis: AxisName, mesh: Mesh, op: str) -> tuple[str, ...]:
+def data_axes(axis: AxisName, mesh: Mesh, op: str) -> tuple[str, ...]:
+    """``axis`` (an axis name or a sequence of them) as a tuple in the mesh's axis order; raises
+    naming ``op`` for an axis the mesh lacks."""
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     mesh.axis_indices(names, op)  # raises naming the axis and the mesh's axes
     order = {a: i for i, a in enumerate(mesh.axis_names)}
@@ -99,6 +103,18 @@ class DataParallel:
         axis: the data axis or axes (default ``"dp"``): each index along them runs its own batch.
         mesh: the mesh, when ``model`` is a plain module.
         bucket_mb: on real ranks, the size of a bucket of gradients all-reduced at once (MiB).
+        engine: ``"fastdist"`` (this reducer, simulated and real ranks; a `Pipeline`: one per
+            stage held here, reduced in the backward of each stage's last micro-batch);
+            ``"ddp"``: torch's ``DistributedDataParallel`` over the mesh's data group (real
+            ranks); ``"fsdp"``: FSDP2 ``fully_shard`` over the data axis, each block (the
+            model's ``_no_split_modules`` classes, or ``blocks=[class names]``) then the root,
+            as torchtitan builds a 2-D TP x FSDP model (real ranks). With torch's engines, calls
+            of the `fastdist.nn.ParallelModel` go through their wrapper (`wrapped`).
+        **engine_kwargs: torch's engines' keywords (DDP's; ``fully_shard``'s and ``blocks=``).
+
+    Every engine gives each rank the single-device gradient of the mean of the data ranks'
+    losses; ``pm.grads()``, ``pm.state_dict()`` and `fastdist.nn.clip_grad_norm_` understand
+    their parameters (FSDP2's DTensors too).
 
     After each ``backward`` (outside `no_sync`) every rank's ``.grad`` holds the gradient the
     single-device model would have for the mean of every data rank's loss, added to what
@@ -127,20 +143,55 @@ class DataParallel:
 
     def __init__(
         self,
-        model: ParallelModel | nn.Module,
+        model: ParallelModel | nn.Module | Pipeline,
         axis: AxisName = "dp",
         *,
         mesh: Mesh | None = None,
         bucket_mb: float = 25.0,
+        engine: str = "fastdist",
+        **engine_kwargs: Any,
     ) -> None:
-        op = "fastdist.train.DataParallel"
-        module, mesh = module_and_mesh(model, mesh, op)
+        op = f"fastdist.train.DataParallel(engine={engine!r})"
+        if engine not in ENGINES:
+            raise MeshError(f"{op}: engine must be one of {ENGINES}")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise MeshError(f"{op}: bucket_mb={bucket_mb!r} must be a positive number of MiB")
+        self.engine = engine
+        #: torch's DDP / FSDP2 module that calls of the model go through (torch's engines)
+        self.wrapped: nn.Module | None = None
+        #: one reducer per pipeline stage held here (a `fastdist.train.Pipeline`)
+        self.parts: list[DataParallel] = []
+        self._handles: list[Any] = []
+        self._sync = True
+        self._task: int | None = None
+        if isinstance(model, Pipeline):
+            self._attach_stages(model, axis, bucket_mb, engine, engine_kwargs)
+            return
+        module, mesh = module_and_mesh(model, mesh, op)
+        self.module, self.mesh = module, mesh
+        if engine != "fastdist":
+            self._attach_torch(model, axis, engine_kwargs, op)
+            return
+        if engine_kwargs:
+            raise MeshError(
+                f"{op}: {sorted(engine_kwargs)} are keywords of torch's engines; fastdist's "
+                "takes bucket_mb=. Fix: drop them, or engine='ddp' / 'fsdp'"
+            )
+        self._attach_reducer(model, module, mesh, axis, bucket_mb, op)
+
+    def _attach_reducer(
+        self,
+        model: Any,
+        module: nn.Module,
+        mesh: Mesh,
+        axis: AxisName,
+        bucket_mb: float,
+        op: str,
+    ) -> None:
+        """fastdist's own reduction: hooks on every parameter, buckets on real ranks."""
         refuse_second_engine(model, module, op)
         refuse_meta(module, op)
-        self.module, self.mesh = module, mesh
-        self.axes = _axes(axis, mesh, op)
+        self.axes = data_axes(axis, mesh, op)
         self.size = math.prod(mesh.axis_size(a) for a in self.axes)
         layouts = param_layouts(module)
         self._axes_of = {
@@ -148,8 +199,6 @@ class DataParallel:
             for n, p in module.named_parameters()
         }
         self._names = {id(p): n for n, p in module.named_parameters()}
-        self._sync = True
-        self._task: int | None = None  # the autograd graph task of the backward being reduced
         #: parameters that received gradient since their last reduction; for those not summed
         #: over every data axis, what they received (their .grad may hold more: see _partial)
         self._pending: dict[int, Tensor | None] = {}
@@ -172,11 +221,73 @@ class DataParallel:
         if hasattr(model, "engine"):
             model.engine = self
 
+
+    def _attach_stages(
+        self,
+        pipe: Pipeline,
+        axis: AxisName,
+        bucket_mb: float,
+        engine: str,
+        engine_kwargs: dict[str, Any],
+    ) -> None:
+        """A pipeline: one reducer per stage held here. A step reduces once per stage, in the
+        backward of the stage's last micro-batch (the earlier ones run under the stage's
+        ``no_sync``)."""
+        if engine != "fastdist":
+            raise PipelineError(
+                f"fastdist.train.DataParallel(engine={engine!r}): not supported under a pipeline "
+                "(DDP prepares each forward's reduction, and 1F1B runs several forwards before "
+                "their backwards; FSDP2 is untested here). Fix: engine='fastdist'"
+            )
+        self.mesh, self.axes = pipe.mesh, data_axes(axis, pipe.mesh, "fastdist.train.DataParallel")
+        self.parts = [
+            DataParallel(pipe.stages[j], axis, bucket_mb=bucket_mb, **engine_kwargs)
+            for j in sorted(pipe.stages)
+        ]
+
+    def _attach_torch(
+        self, model: Any, axis: AxisName, engine_kwargs: dict[str, Any], op: str
+    ) -> None:
+        """torch's DDP or FSDP2 over the data axis: calls of the model go through its wrapper."""
+        if not isinstance(model, ParallelModel):
+            raise MeshError(f"{op}: torch's engines wrap a fastdist.nn.ParallelModel")
+        refuse_second_engine(model, model.module, op)
+        if model.simulated:
+            raise MeshError(
+                f"{op}: torch's {self.engine.upper()} needs real ranks (a process group); this "
+                "mesh is simulated. Fix: engine='fastdist' (the same gradients, on simulated and "
+                "real ranks), or build the mesh with fastdist.connect"
+            )
+        self.axes = data_axes(axis, model.mesh, op)
+        attach = ddp if self.engine == "ddp" else fsdp
+        self.wrapped = attach(model, axis, **engine_kwargs)
+        self._pvary_hooks = PvaryHooks(model.mesh, model.pvary_sites)
+        self._owner = model
+        model.engine, model.wrapped = self, self.wrapped
+
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip the reduction inside (gradient accumulation): gradients accumulate per rank; the
-        first backward after the block reduces everything received since the last reduction."""
+        first backward after the block reduces everything received since the last reduction.
+        With torch's engines: DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``."""
+        if self.parts:
+            with contextlib.ExitStack() as stack:
+                for part in self.parts:
+                    stack.enter_context(part.no_sync())
+                yield
+            return
+        if self.engine == "ddp":
+            with self.wrapped.no_sync():  # type: ignore[union-attr, operator]
+                yield
+            return
+        if self.engine == "fsdp":
+            self.wrapped.set_requires_gradient_sync(False)  # type: ignore[union-attr, operator]
+            try:
+                yield
+            finally:
+                self.wrapped.set_requires_gradient_sync(True)  # type: ignore[union-attr, operator]
+            return
         before, self._sync = self._sync, False
         try:
             yield
@@ -185,7 +296,17 @@ class DataParallel:
 
     def remove(self) -> None:
         """Stop reducing: remove the hooks (waits for reductions in flight first) and detach from
-        the model (another engine may be attached afterwards)."""
+        the model (another engine may be attached afterwards). Torch's engines cannot be
+        removed (their wrappers own the model)."""
+        if self.engine != "fastdist":
+            raise MeshError(
+                f"fastdist.train.DataParallel(engine={self.engine!r}).remove: torch's wrapper owns "
+                "the model's parameters. Fix: build a fresh model"
+            )
+        for part in self.parts:
+            part.remove()
+        if self.parts:
+            return
         self.finish()
         for h in self._handles:
             h.remove()
@@ -229,6 +350,10 @@ class DataParallel:
             self._task = None
 
     def __repr__(self) -> str:
+        if self.parts:
+            return f"DataParallel(axes={self.axes}, {len(self.parts)} pipeline stages)"
+        if self.engine != "fastdist":
+            return f"DataParallel(engine={self.engine!r}, axes={self.axes}, {self.mesh!r})"
         kind = "simulated" if self.mesh.backend is None else f"{len(self._buckets)} buckets"
         return f"DataParallel(axes={self.axes}, {self.mesh!r}, {kind})"
 
@@ -323,9 +448,7 @@ class DataParallel:
     def _launch(self, i: int) -> None:
         """Pack bucket ``i`` (what each parameter received since its last reduction: its grad, or
         the part kept apart; zeros and a 0 flag where nothing) and start its all-reduce."""
-        import torch.distributed as dist
-
-        from fastdist.comm.distributed import _axis_comm
+        from fastdist.comm.axes import axis_comm
 
         b = self._buckets[i]
         b.ready.clear()
@@ -343,19 +466,11 @@ class DataParallel:
             self._write(b)
             return
         flat = b.flat
-        ac = _axis_comm(_OP, self.mesh, b.axes)
-        group = ac.comm.group(ac, ac._backend(_OP, flat.device.type), _OP)
-        b.work = ac.run(
-            _OP,
-            lambda: dist.all_reduce(flat, group=group, async_op=True),
-            what="the gradient all-reduce",
-        )
+        ac = axis_comm(self.mesh, b.axes, _OP)
+        b.work = ac.all_reduce_async(_OP, flat, what="the gradient all-reduce")
 
     def _wait(self, b: _Bucket, write: bool = True) -> None:
-        from fastdist.comm.distributed import _axis_comm
-
-        ac = _axis_comm(_OP, self.mesh, b.axes)
-        ac.run(_OP, b.work.wait, what="the gradient all-reduce")
+        b.work.wait()
         b.work = None
         if write:
             self._write(b)
@@ -452,18 +567,18 @@ class PvaryHooks:
 
 def ddp(pm: ParallelModel, axis: AxisName = "dp", **kwargs: Any) -> nn.Module:
     """Wrap ``pm.module`` in ``torch.nn.parallel.DistributedDataParallel`` over the mesh's data
-    group (real ranks). See `fastdist.nn.ParallelModel.data_parallel`."""
+    group (real ranks). See `DataParallel`."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from fastdist.comm.distributed import _axis_comm
+    from fastdist.comm.axes import axis_comm
 
-    op = "ParallelModel.data_parallel(engine='ddp')"
+    op = "fastdist.train.DataParallel(engine='ddp')"
     refuse_meta(pm.module, op)
-    axes = _axes(axis, pm.mesh, op)
+    axes = data_axes(axis, pm.mesh, op)
     _refuse_split_over(pm, axes, op)
-    ac = _axis_comm(op, pm.mesh, axes)
+    ac = axis_comm(pm.mesh, axes, op)
     device = next(pm.module.parameters()).device
-    group = ac.comm.group(ac, ac._backend(op, device.type), op)
+    group = ac.process_group(op, device.type)
     wrapped = DistributedDataParallel(pm.module, process_group=group, **kwargs)
     pm.module._fastdist_data_parallel = axes  # type: ignore[assignment]
     return wrapped
@@ -473,12 +588,12 @@ def fsdp(
     pm: ParallelModel, axis: AxisName = "dp", blocks: Sequence[str] | None = None, **kwargs: Any
 ) -> nn.Module:
     """Shard ``pm.module`` over the mesh's data axis with FSDP2 ``fully_shard``: each block, then
-    the root, as torchtitan does (real ranks). See `fastdist.nn.ParallelModel.data_parallel`."""
+    the root, as torchtitan does (real ranks). See `DataParallel`."""
     from torch.distributed.fsdp import fully_shard
 
-    op = "ParallelModel.data_parallel(engine='fsdp')"
+    op = "fastdist.train.DataParallel(engine='fsdp')"
     refuse_meta(pm.module, op)
-    axes = _axes(axis, pm.mesh, op)
+    axes = data_axes(axis, pm.mesh, op)
     if len(axes) != 1:
         raise MeshError(f"{op}: FSDP2 shards over one mesh axis here; got {axes}")
     _refuse_split_over(pm, axes, op)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import MeshError
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
-from fastdist.train.data_parallel import _axes, reduce_axes, refuse_meta
+from fastdist.train.data_parallel import data_axes, reduce_axes, refuse_meta
 
 if TYPE_CHECKING:
     from fastdist.nn.parallelize import ParallelModel
@@ -83,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"sharding it would change its result. Fix: one of {', '.join(_ELEMENTWISE)}"
             )
         self.mesh, self.module = mesh, module
-        self.axes = _axes(axis, mesh, op)
+        self.axes = data_axes(axis, mesh, op)
         layouts = param_layouts(module)
         names = {id(p): n for n, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
@@ -111,7 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"{op}: the model's gradients are not reduced over {self.axes} (no data-parallel "
                 "engine over it); each rank would update its chunk with its own gradient and the "
                 "all-gather would make the wrong weights look consistent. Fix: "
-                f"pm.data_parallel({self.axes[0]!r}) (or fastdist.train.DataParallel) first"
+                f"fastdist.train.DataParallel(pm, {self.axes[0]!r}) first"
             )
         self._stacked = mesh.backend is None
         self._n = mesh.axis_size(self.axes)
@@ -130,6 +130,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._built = True
+
+    @property
+    def flat_groups(self) -> list[tuple[list[nn.Parameter], nn.Parameter]]:
+        """(the parameters, their flat shard) of each flat group, in ``inner``'s order: what
+        `fastdist.checkpoint` reads and writes per parameter name."""
+        return [(plist, shard) for plist, shard, _ in self._groups]
 
     def _local_numel(self, p: Tensor) -> int:
         return p[0].numel() if self._stacked else p.numel()
@@ -206,15 +212,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Refused: the wrapped optimizer's state is this rank's flat chunk, which no other layout
-        could load. Use `fastdist.train.save`, which writes it per parameter."""
+        could load. Use `fastdist.checkpoint.save`, which writes it per parameter."""
         raise MeshError(
             "fastdist.train.ZeroOptimizer.state_dict: the state is this rank's flat chunk of the "
-            "parameters. Fix: fastdist.train.save(path, pm, optimizer) / fastdist.train.load, "
+            "parameters. Fix: fastdist.checkpoint.save(path, pm, optimizer) / "
+            "fastdist.checkpoint.load, "
             "which write and read it per parameter name, for any layout"
         )
 
     def load_state_dict(self, state_dict: Any) -> None:
-        """Refused: see `state_dict`; use `fastdist.train.load`."""
+        """Refused: see `state_dict`; use `fastdist.checkpoint.load`."""
         self.state_dict()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -1,46 +1,9 @@
-"""Pipeline parallelism over a mesh axis: an unmodified decoder split into stages by layer
-index, each stage parallelized over the mesh's other axes, run by a schedule of
-`fastdist.train.schedules` on simulated or real ranks.
-
-How a stage runs the model's own code. Every stage is a copy of the model's skeleton (its
-config, rotary embedding, mask code: everything but the decoder layers and the ends) holding
-only its own layers; the other layers are parameter-free placeholders, so parameter names stay
-the model's own (``model.layers.5.mlp.up_proj.weight``) and ``pm.load(save_pretrained_dir)``
-reads only each stage's slices. The model's ``forward`` runs as on one device (positions,
-masks and rotary embeddings from ``input_ids``), with two hooks:
-
-==============  ================================================  ==========================
-where           forward                                           backward
-==============  ================================================  ==========================
-stage input     the first own layer's hidden-states input is      its gradient is sent back
-                replaced by the activation received from the      to the previous stage
-                previous stage (the first stage embeds
-                ``input_ids`` itself)
-stage output    the last own layer's output is sent to the next   ``backward(output, the
-                stage and the rest of the model is skipped (the   gradient received from
-                last stage runs on: final norm, LM head, loss)    the next stage)``
-==============  ================================================  ==========================
-
-Placeholders on a stage without the embedding produce zeros of the hidden size (never used:
-the first own layer's input is replaced); the final norm and the LM head are absent on the
-other stages and raise if reached.
-
-The loss. The last stage computes each micro-batch's loss with ``num_items_in_batch`` set to
-the whole batch's count of predicted tokens, so the micro-batch losses add up to the loss of
-the whole batch (transformers' mean over its tokens) and their gradients to its gradient: the
-step is exactly one device's step on the whole batch, whatever the micro-batch count.
-
-Transfers. On a simulated mesh the schedule runs in one process, action by action in
-timeline order (`Schedule.order`), and a transfer hands the stacked tensor over. On real
-ranks each rank runs its own actions; a transfer is an asynchronous send (kept until the step
-ends) and a blocking receive with the mesh's timeout, over the ``pp`` axis's process group, each
-message tagged and preceded by a header (kind, micro-batch, stage, dtype, shape) that the
-receiver checks: a peer that sends something else raises instead of being misread.
-"""
+"""Running a pipeline schedule: `Pipeline` (the stages held here, one step of a schedule on
+simulated or real ranks) and the transfers between ranks along ``pp`` (headers checked, sends
+asynchronous, receives with the mesh's timeout)."""
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 import zlib
@@ -54,63 +17,10 @@ from torch import Tensor, nn
 from fastdist.comm.connect import reset as reset_mesh
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CommError, PipelineError
-from fastdist.train.schedules import Schedule, schedule, stage_layers
+from fastdist.train.pipeline.split import STAGE_INPUT
+from fastdist.train.schedules import Schedule
 
-__all__ = ["Pipeline", "pipeline", "SPLITS", "StageSplit", "Event"]
-
-
-@dataclass(frozen=True)
-class StageSplit:
-    """Where a family keeps its decoder layers and what belongs to the first and last stages.
-
-    Attributes:
-        layers: the name of the ``nn.ModuleList`` of decoder layers.
-        first: modules only the first stage holds (embeddings).
-        last: modules only the last stage holds (final norm, LM head).
-    """
-
-    layers: str
-    first: tuple[str, ...]
-    last: tuple[str, ...]
-
-
-_DECODER = StageSplit("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
-
-#: model_type -> how its decoder splits into stages
-SPLITS: dict[str, StageSplit] = {
-    **dict.fromkeys(
-        (
-            "llama",
-            "mistral",
-            "qwen2",
-            "qwen3",
-            "gemma",
-            "gemma2",
-            "gemma3_text",
-            "phi3",
-            "stablelm",
-            "olmo",
-            "olmo2",
-            "mixtral",
-            "qwen2_moe",
-            "qwen3_moe",
-            "olmoe",
-            "deepseek_v2",
-            "deepseek_v3",
-            "gpt_oss",
-        ),
-        _DECODER,
-    ),
-    "gpt2": StageSplit(
-        "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")
-    ),
-    "gpt_neox": StageSplit(
-        "gpt_neox.layers", ("gpt_neox.embed_in",), ("gpt_neox.final_layer_norm", "lm_head")
-    ),
-    "falcon": StageSplit(
-        "transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")
-    ),
-}
+__all__ = ["Pipeline", "Event"]
 
 
 @dataclass(frozen=True)
@@ -124,207 +34,6 @@ class Event:
     stage: int
     start: float
     end: float
-
-
-# ====================================================================== stage modules
-class _Skip(nn.Module):
-    """A layer another stage holds: passes its hidden-states input through (never with
-    parameters; what it passes is replaced at this stage's first own layer)."""
-
-    def forward(self, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return hidden_states
-
-
-class _Zeros(nn.Module):
-    """An embedding another stage holds: zeros of the hidden size (replaced before they are
-    used)."""
-
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dim, self.dtype = dim, dtype
-
-    def forward(self, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
-
-
-class _Absent(nn.Module):
-    """A module only the last stage holds; reaching it on another stage is a bug."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.what = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineError(
-            f"pipeline: {self.what} ran on a stage that does not hold it (the stage's last layer "
-            "should have ended its forward). Fix: report this as a fastdist bug"
-        )
-
-
-_PLACEHOLDERS = (_Skip, _Zeros, _Absent)
-
-
-class _Handoff(Exception):  # noqa: N818 - control flow, not an error
-    """Ends a non-last stage's forward at its last layer, carrying that layer's output."""
-
-    def __init__(self, hidden: Tensor) -> None:
-        super().__init__()
-        self.hidden = hidden
-
-
-#: the keyword under which a stage module receives its input activation
-_STAGE_INPUT = "fastdist_stage_input"
-
-
-class _StageHooks:
-    """The hooks that make a copy of the model one stage: take the received activation at the
-    first own layer, hand the last own layer's output on."""
-
-    def __init__(self, module: nn.Module, first: nn.Module | None, last: nn.Module | None) -> None:
-        self.received: Tensor | None = None
-        self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
-        if first is not None:
-            self.handles.append(
-                first.register_forward_pre_hook(self._substitute, with_kwargs=True, prepend=True)
-            )
-        if last is not None:
-            self.handles.append(last.register_forward_hook(self._hand_on))
-            model_forward = module.forward
-
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                # inside the (simulated) rank's call: the handoff's tensor is this rank's output
-                try:
-                    return model_forward(*args, **kwargs)
-                except _Handoff as h:
-                    return h.hidden
-
-            module.forward = forward
-
-    def _take(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        self.received = kwargs.pop(_STAGE_INPUT, None)
-        return args, kwargs
-
-    def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        x, self.received = self.received, None
-        if x is None:
-            raise PipelineError(
-                "pipeline: a stage after the first ran without the previous stage's activation. "
-                "Fix: report this as a fastdist bug"
-            )
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
-
-    def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
-        raise _Handoff(out[0] if isinstance(out, (tuple, list)) else out)
-
-
-def _family(model: nn.Module) -> tuple[str, StageSplit]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    split = SPLITS.get(model_type) if isinstance(model_type, str) else None
-    if split is None:
-        raise PipelineError(
-            f"pipeline: no stage split for {type(model).__name__} (model_type={model_type!r}). "
-            f"Fix: use one of {sorted(SPLITS)}, or add a StageSplit(layers=..., first=..., "
-            "last=...) for it with split=..."
-        )
-    return str(model_type), split
-
-
-def _split_model(
-    model: nn.Module, split: StageSplit, ranges: Sequence[range], keep: Sequence[int]
-) -> dict[int, nn.Module]:
-    """Stage modules ``{stage: copy of the model's skeleton holding its layers}`` for the stages
-    in ``keep``; every parameter of ``model`` must belong to a layer or an end module."""
-    layers = _layer_list(model, split)
-    try:
-        ends = {n: model.get_submodule(n) for n in (*split.first, *split.last)}
-    except AttributeError as e:
-        raise PipelineError(
-            f"pipeline: {type(model).__name__} lacks a module its split names ({e}). Fix: pass "
-            f"split= naming its first-stage and last-stage modules"
-        ) from None
-    n_layers = len(layers)
-    if ranges[-1].stop != n_layers:
-        raise PipelineError(
-            f"pipeline: the stages cover {ranges[-1].stop} layers, {split.layers} holds "
-            f"{n_layers}. Fix: layers_per_stage= summing to {n_layers}"
-        )
-    owner: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        where = next(
-            (
-                part
-                for part in (split.layers, *split.first, *split.last)
-                if name.startswith(part + ".")
-            ),
-            None,
-        )
-        if where is None:
-            raise PipelineError(
-                f"pipeline: parameter {name} of {type(model).__name__} belongs to no stage "
-                f"(not in {split.layers}, {split.first} or {split.last}). Fix: pass split= "
-                "with the module holding it among first= or last="
-            )
-        ends_of = "first" if where in split.first else "last" if where in split.last else where
-        if owner.setdefault(id(p), ends_of) != ends_of and len(ranges) > 1:
-            raise PipelineError(
-                f"pipeline: parameter {name} is shared by the first and the last stage (tied "
-                "input and output embeddings): fastdist's pipeline does not sum a tied weight's "
-                "gradient across stages yet. Fix: build the model with "
-                "tie_word_embeddings=False (and copy the weight), or run without a pipeline axis"
-            )
-    emb = ends[split.first[0]]
-    weight = getattr(emb, "weight", None)
-    if weight is None:
-        raise PipelineError(
-            f"pipeline: {split.first[0]} has no weight to size the hidden states by. Fix: pass "
-            "split= whose first module is the token embedding"
-        )
-    dim, dtype = int(weight.shape[-1]), weight.dtype
-    own = list(layers)
-    # the skeleton: the model without its layers and ends (a cheap copy)
-    stubs: dict[str, nn.Module] = {
-        **{n: _Zeros(dim, dtype) for n in split.first},
-        **{n: _Absent(n) for n in split.last},
-    }
-
-    def put(root: nn.Module, name: str, module: nn.Module) -> None:
-        parent, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent) if parent else root, child, module)
-
-    put(model, split.layers, nn.ModuleList([_Skip() for _ in own]))
-    for n, stub in stubs.items():
-        put(model, n, stub)
-    try:
-        skeleton = copy.deepcopy(model)
-    finally:
-        put(model, split.layers, layers)
-        for n, m in ends.items():
-            put(model, n, m)
-    stages: dict[int, nn.Module] = {}
-    for j in keep:
-        st = copy.deepcopy(skeleton)
-        lst = st.get_submodule(split.layers)
-        assert isinstance(lst, nn.ModuleList)
-        for i in ranges[j]:
-            lst[i] = own[i]
-        if j == 0:
-            for n in split.first:
-                put(st, n, ends[n])
-        if j == len(ranges) - 1:
-            for n in split.last:
-                put(st, n, ends[n])
-        stages[j] = st
-    return stages
-
-
-def _stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
-    """The plan's entries that match a module this stage holds (not a placeholder)."""
-    from fastdist.nn.parallelize import _matches
-
-    real = [n for n, m in module.named_modules() if not isinstance(m, _PLACEHOLDERS)]
-    return {p: v for p, v in plan.items() if any(_matches(p, n) for n in real)}
 
 
 # ====================================================================== transfers
@@ -352,13 +61,12 @@ class _Ranks:
     receives with the mesh's timeout, headers checked."""
 
     def __init__(self, mesh: Mesh, axis: str, schedule_id: tuple[int, int, int]) -> None:
-        from fastdist.comm.distributed import _axis_comm, select_backend
+        from fastdist.comm.axes import axis_comm
 
-        self.ac = _axis_comm("pipeline", mesh, axis)
+        self.ac = axis_comm(mesh, axis, "pipeline")
         self.axis = axis
         self.schedule_id = schedule_id  # (checksum, micro-batches, stages): `_schedule_id`
         self.index = self.ac.index
-        self._backend = select_backend
         self.pending: list[tuple[Any, Tensor, str]] = []  # (work, payload, what it carries)
         # (step's input signature, kind, micro-batch, stage) -> (shape, dtype) of the transfer,
         # once its header went (sent) / came (known): the same step shapes move without one
@@ -372,7 +80,7 @@ class _Ranks:
         self.known.clear()
 
     def _group(self, device: torch.device) -> Any:
-        return self.ac.comm.group(self.ac, self._backend(device.type), "pipeline")
+        return self.ac.process_group("pipeline", device.type)
 
     def send(self, t: Tensor, peer: int, kind: str, micro: int, stage: int) -> None:
         import torch.distributed as dist
@@ -570,32 +278,6 @@ class Pipeline:
             out.update(self.stages[j].state_dict())
         return out
 
-    def load(self, source: Any, **kwargs: Any) -> None:
-        """Load each stage held here from the whole model's single-device checkpoint (a
-        ``save_pretrained`` directory, a safetensors file or a state dict), each rank reading
-        only its stages' slices; a key a stage needs and the checkpoint lacks raises."""
-        kwargs.setdefault("strict", "missing")
-        for j in sorted(self.stages):
-            self.stages[j].load(source, **kwargs)
-
-    def data_parallel(self, axis: Any = "dp", engine: str = "fastdist", **kwargs: Any) -> None:
-        """Reduce each stage's gradients over the data axes (`ParallelModel.data_parallel` on
-        every stage held here). A step reduces once per stage, in the backward of the stage's
-        last micro-batch (the earlier ones run under ``no_sync``).
-
-        Only fastdist's engine (`fastdist.train.DataParallel`) is supported: DDP decides in each
-        forward whether the next backward reduces, and a schedule runs several forwards before
-        their backwards (1F1B); FSDP2 under a pipeline has not been tested. Both are refused
-        rather than risked."""
-        if engine != "fastdist":
-            raise PipelineError(
-                f"Pipeline.data_parallel: engine={engine!r} is not supported under a pipeline "
-                "(DDP prepares each forward's reduction, and 1F1B runs several forwards before "
-                "their backwards; FSDP2 is untested here). Fix: engine='fastdist'"
-            )
-        for j in sorted(self.stages):
-            self.stages[j].data_parallel(axis, engine=engine, **kwargs)
-
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """The single-device total norm of every stage's gradients (a collective over the mesh
         on real ranks): ``[mesh.size]`` simulated, 0-d on real ranks."""
@@ -612,14 +294,14 @@ class Pipeline:
         replicas once) over the stages: ``(sum of p-th powers) ** (1/p)``, the largest for
         the inf-norm; on real ranks a collective over the whole mesh. Call it after the
         data-parallel reduction (after `step`)."""
-        from fastdist.nn.clip import _coefficient, _scale
+        from fastdist.nn.clip import clip_coefficient, scale_grads
 
         total, grads = self._norm(norm_type)
         op = "Pipeline.clip_grad_norm_"
-        coef = _coefficient(op, total, max_norm, norm_type, error_if_nonfinite)
+        coef = clip_coefficient(op, total, max_norm, norm_type, error_if_nonfinite)
         for j, gs in grads.items():
             # simulated: the factors of the ranks of stage j's rank along the axis
-            _scale(
+            scale_grads(
                 gs,
                 coef.index_select(0, self._stage_rows(j)) if self.simulated else coef,
                 self.stage_mesh,
@@ -627,14 +309,14 @@ class Pipeline:
         return total
 
     def _norm(self, norm_type: float) -> tuple[Tensor, dict[int, list[Tensor]]]:
-        from fastdist.nn.clip import _norm_type, _total
+        from fastdist.nn.clip import check_norm_type, total_norm
 
         op = "Pipeline.clip_grad_norm_"
-        p = _norm_type(norm_type, op)
+        p = check_norm_type(norm_type, op)
         grads: dict[int, list[Tensor]] = {}
         per_stage: list[Tensor] = []
         for j in sorted(self.stages):
-            total, gs, _ = _total(self.stages[j], p, None, op)
+            total, gs, _ = total_norm(self.stages[j], p, None, op)
             grads[j] = gs
             t = total.to(torch.float64)
             if self.simulated:  # [stage mesh size] -> [mesh size]: rows of this stage's rank
@@ -649,7 +331,7 @@ class Pipeline:
             by_index = per_rank.index_select(0, self._peers()).view(-1, self.mesh.size)
             combined = by_index.amax(0) if p == math.inf else by_index.sum(0)
         else:
-            from fastdist.ops.collectives import pmax, psum
+            from fastdist.ops import pmax, psum
 
             mine = torch.stack(per_stage)
             local = mine.amax(0) if p == math.inf else mine.sum(0)
@@ -769,7 +451,7 @@ class Pipeline:
                 if not bool((rows == rows[:1]).all()):
                     self._differs(k)
             return
-        from fastdist.ops.collectives import all_gather_invariant
+        from fastdist.ops import all_gather_invariant
 
         digests = []
         for k in keys:
@@ -881,16 +563,16 @@ class Pipeline:
         if j != self.schedule.stages - 1:
             for key in ("labels", "shift_labels", "num_items_in_batch"):
                 kwargs.pop(key, None)
-        per_rank = {_STAGE_INPUT: x} if x is not None else {}
+        per_rank = {STAGE_INPUT: x} if x is not None else {}
         out = pm._call((), kwargs, per_rank)
         if j == self.schedule.stages - 1:
             out = out.loss if hasattr(out, "loss") else out["loss"]
-        assert isinstance(out, Tensor)  # the loss, or the last own layer's output (_StageHooks)
+        assert isinstance(out, Tensor)  # the loss, or the last own layer's output (StageHooks)
         return out
 
     def _backward(self, j: int, y: Tensor, g: Tensor | None, last_of_stage: bool) -> None:
         pm = self.stages[j]
-        ctx = pm.no_sync() if not last_of_stage else _nothing()
+        ctx = pm.engine.no_sync() if pm.engine is not None and not last_of_stage else _nothing()
         with ctx:
             # the last stage: every rank's own loss (simulated: their sum); else the output's
             torch.autograd.backward(y.sum() if g is None else y, g)
@@ -1007,7 +689,7 @@ class Pipeline:
             raise
         finally:
             ranks.pending.clear()
-        from fastdist.ops.collectives import broadcast
+        from fastdist.ops import broadcast
 
         # the last stage's loss on every rank of the pipeline axis
         dtype = next(self.parameters()).dtype
@@ -1055,158 +737,7 @@ def _grad_of(x: Tensor, stage: int, micro: int) -> Tensor:
     return x.grad
 
 
-def pipeline(
-    model: nn.Module,
-    mesh: Mesh,
-    *,
-    axis: str = "pp",
-    schedule: str | Schedule = "1f1b",
-    microbatches: int | None = None,
-    virtual: int = 1,
-    plan: Mapping[str, Any] | None = None,
-    sequence_parallel: bool = False,
-    layers_per_stage: Sequence[int] | None = None,
-    split: StageSplit | None = None,
-) -> Pipeline:
-    """Split ``model`` into pipeline stages over ``axis`` and parallelize each stage over the
-    mesh's other axes.
-
-    Args:
-        model: a transformers causal LM (a family of :data:`SPLITS`), with weights or built on
-            the meta device. It is taken apart: use the returned pipeline, not ``model`` (its
-            calls raise), and build the optimizer afterwards from ``pipe.parameters()``: one
-            built before holds the model's old parameters, which receive no gradient, and
-            torch's optimizers skip those without a word.
-        mesh: a plain mesh (simulated ranks: every stage here) or a ``fastdist.connect`` mesh
-            (this process builds and holds only its own stages).
-        axis: the pipeline axis of ``mesh``.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a built `Schedule`.
-        microbatches: micro-batches per step (default: the axis size).
-        virtual: stages per rank (``"interleaved_1f1b"``; default 2 there).
-        plan: the plan for the whole model (default: the ready plan of its family over the
-            other axes); each stage applies the entries that match its modules.
-        sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
-            (stages hand on sequence shards).
-        layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.
-        split: where the decoder layers and the ends are (default: ``SPLITS[model_type]``).
-
-    Returns:
-        the :class:`Pipeline`.
-
-    >>> import torch, fastdist as fd
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-    <torch._C.Generator object at ...>
-    >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-    ...                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-    >>> model = LlamaForCausalLM(cfg).double()
-    >>> ids = torch.randint(0, 64, (4, 8))
-    >>> logits = model(input_ids=ids).logits                  # one device, float64
-    >>> one_device = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64),
-    ...                                                 ids[:, 1:].reshape(-1))
-    >>> mesh = fd.Mesh({"pp": 2, "tp": 2})
-    >>> pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
-    >>> loss = pipe.step(input_ids=ids.expand(4, 4, 8), labels=ids.expand(4, 4, 8))
-    >>> loss.dtype, bool(torch.allclose(loss, one_device.detach(), rtol=1e-12, atol=0))
-    (torch.float64, True)
-    """
-    if not isinstance(mesh, Mesh):
-        raise PipelineError(f"pipeline: mesh={mesh!r} is not a fastdist.Mesh. Fix: pass one")
-    if axis not in mesh.axis_names:
-        raise PipelineError(
-            f"pipeline: {mesh!r} has no axis {axis!r}. Fix: add it (e.g. Mesh({{'{axis}': 2, "
-            f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
-        )
-    pp = mesh.shape[axis]
-    if isinstance(schedule, Schedule):
-        sched = schedule
-        if sched.pp != pp:
-            raise PipelineError(
-                f"pipeline: the schedule is for pp={sched.pp}, the mesh's {axis!r} has {pp} "
-                "ranks. Fix: build the schedule for the mesh's axis size"
-            )
-    else:
-        sched = _schedule_for(schedule, pp, pp if microbatches is None else microbatches, virtual)
-    _, fam = _family(model) if split is None else ("", split)
-    layer_list = _layer_list(model, fam)
-    ranges = stage_layers(len(layer_list), sched.stages, layers_per_stage)
-    stage_mesh = mesh.without(axis)  # real ranks: over this process's slice
-    if mesh.backend is None:
-        keep = list(range(sched.stages))
-    else:
-        keep = list(sched.stages_of(mesh.index(mesh.rank, axis)))
-    from fastdist.nn.parallelize import parallelize
-    from fastdist.nn.plans import plan_for
-
-    if plan is None:
-        plan = (
-            plan_for(model, stage_mesh, sequence_parallel=sequence_parallel)
-            if "tp" in stage_mesh.axis_names
-            else {}
-        )
-    modules = _split_model(model, fam, ranges, keep)
-    _retire(model)
-    stages: dict[int, Any] = {}
-    for j, module in modules.items():
-        pm = parallelize(module, stage_mesh, _stage_plan(plan, module))
-        own = _layer_list(module, fam)
-        first = None if j == 0 else own[ranges[j][0]]
-        last = None if j == sched.stages - 1 else own[ranges[j][-1]]
-        if last is None and hasattr(type(module), "loss_function"):
-            from fastdist.nn.parallelize import _HFCausalLMLoss
-
-            if not isinstance(getattr(module, "loss_function", None), _HFCausalLMLoss):
-                # no vocabulary-parallel head (no tp): fastdist's loss all the same, so that the
-                # step's loss and gradients keep the model's dtype (transformers' own loss
-                # computes in float32), as with a tp plan
-                axis_name = stage_mesh.axis_names[-1] if stage_mesh.ndim else "tp"
-                module.loss_function = _HFCausalLMLoss(stage_mesh, axis_name, gathered=True)  # type: ignore[assignment]
-        pm._stage_hooks = _StageHooks(module, first, last)  # type: ignore[attr-defined]
-        stages[j] = pm
-    return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
-
-
-def _retire(model: nn.Module) -> None:
-    """The model given to `pipeline` lends its layers and ends to the stages, which parallelize
-    them in place: called afterwards it would run a mix of both. Its calls raise instead."""
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        raise PipelineError(
-            f"{type(model).__name__} was taken apart by fastdist.train.pipeline: its layers now "
-            "belong to the pipeline's stages (parallelized in place). Fix: call the Pipeline "
-            "(pipe.step), and build the optimizer from pipe.parameters(); for a one-device "
-            "model, copy.deepcopy it before pipeline()"
-        )
-
-    model.forward = forward
-
-
-def _layer_list(model: nn.Module, split: StageSplit) -> nn.ModuleList:
-    try:
-        layers = model.get_submodule(split.layers)
-    except AttributeError:
-        raise PipelineError(
-            f"pipeline: {type(model).__name__} has no module {split.layers!r} (the decoder "
-            "layers). Fix: pass split= naming its layer list"
-        ) from None
-    if not isinstance(layers, nn.ModuleList):
-        raise PipelineError(
-            f"pipeline: {split.layers} of {type(model).__name__} is a {type(layers).__name__}, "
-            "not an nn.ModuleList of decoder layers. Fix: pass split= naming the layer list"
-        )
-    return layers
-
-
 def _work(work: Any) -> Any:
     """A started transfer's handle (torch types it as optional)."""
     assert work is not None
     return work
-
-
-def _schedule_for(name: Any, pp: int, microbatches: int, virtual: int) -> Schedule:
-    if not isinstance(name, str):
-        raise PipelineError(
-            f"pipeline: schedule={name!r}. Fix: a name ('gpipe', '1f1b', 'interleaved_1f1b') or "
-            "a fastdist.train.schedules.Schedule"
-        )
-    return schedule(name, pp, microbatches, virtual)

@@ -1,0 +1,260 @@
+"""One save/load pair for every checkpoint: a distributed (DCP) directory, or single-device
+safetensors (a ``save_pretrained`` directory, a ``.safetensors`` file, a state dict in memory).
+
+The format is chosen by ``format=``, or else by what is at ``path``: a directory holding DCP
+``.metadata`` is a distributed checkpoint; a mapping, a ``.safetensors`` file or a directory of
+them is single-device safetensors. Both read only this rank's slices, for any layout of the
+model (`fastdist.checkpoint.planner` says which; `fastdist.checkpoint.dcp` and
+`fastdist.checkpoint.safetensors_io` store them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from fastdist.checkpoint import dcp, safetensors_io
+from fastdist.checkpoint.hf import fused_experts, has_fused_experts, hf_checkpoint_renames
+from fastdist.core.mesh import Mesh
+from fastdist.errors import CheckpointError
+from fastdist.nn.materialize import resolve_device
+from fastdist.nn.parallelize import ParallelModel
+from fastdist.nn.state import meta_names, module_and_mesh
+
+__all__ = ["save", "load", "Format", "Staged"]
+
+#: ``"dcp"``: a distributed checkpoint directory (every rank writes its slices; model, optimizer
+#: and ``extra``); ``"safetensors"``: single-device weights (one file, or a ``save_pretrained``
+#: directory; model only)
+Format = Literal["dcp", "safetensors"]
+_FORMATS = ("dcp", "safetensors")
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """A model split into stages (`fastdist.train.Pipeline`): the stages this process holds, each
+    a `fastdist.nn.ParallelModel` holding part of the whole model's parameters."""
+
+    @property
+    def stages(self) -> Mapping[int, ParallelModel]:
+        """Stage index -> the stage's model, for the stages held here."""
+        ...
+
+
+def _format(path: Any, format: str | None, op: str, default: str) -> str:
+    if format is not None:
+        if format not in _FORMATS:
+            raise CheckpointError(
+                f"{op}: format={format!r}; expected one of {_FORMATS}. Fix: 'dcp' for a "
+                "distributed checkpoint directory, 'safetensors' for single-device weights"
+            )
+        return format
+    if isinstance(path, Mapping):
+        return "safetensors"
+    if os.path.isdir(os.fspath(path)) and dcp.is_dcp(path):
+        return "dcp"
+    if os.fspath(path).endswith(".safetensors") or (
+        os.path.isdir(os.fspath(path))
+        and any(f.endswith(".safetensors") for f in os.listdir(os.fspath(path)))
+    ):
+        return "safetensors"
+    return default
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: ParallelModel | nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    format: Format | None = None,
+    extra: Mapping[str, Any] | None = None,
+    mesh: Mesh | None = None,
+    dst: int = 0,
+) -> None:
+    """Write ``model``'s state (and ``optimizer``'s, and ``extra``) to ``path``.
+
+    Args:
+        path: ``format="dcp"`` (the default): a directory (created; an earlier checkpoint there
+            is replaced), each rank writing only its own slices, loadable on any other layout.
+            ``format="safetensors"`` (the default for a path ending ``.safetensors``): the
+            single-device weights gathered and written as one file by rank ``dst`` (a
+            directory: ``model.safetensors`` in it, what ``from_pretrained`` reads).
+        model: a `fastdist.nn.ParallelModel` (simulated or real ranks; on real ranks a
+            **collective**: call it on every rank), or a module: with ``mesh=`` a module of
+            fastdist layers, without it a plain module on one device (``"dcp"`` only).
+        optimizer: an optimizer over the model's parameters (``"dcp"`` only), its state stored
+            by parameter name (a `fastdist.train.ZeroOptimizer` writes the same keys).
+        format: ``"dcp"`` or ``"safetensors"``.
+        extra: small values every rank agrees on (a step, an LR scheduler's ``state_dict()``),
+            ``"dcp"`` only; they must load with ``torch.load(weights_only=True)``.
+        mesh: the mesh of a plain module of fastdist layers (``"safetensors"``).
+        dst: the rank that writes the ``"safetensors"`` file.
+
+    Raises `fastdist.errors.CheckpointError` before anything is written (see
+    `fastdist.checkpoint.dcp.write`).
+
+    >>> import tempfile, torch, fastdist as fd
+    >>> def mlp():
+    ...     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+    ...                                torch.nn.Linear(8, 4))
+    >>> plan = {"0": fd.nn.ColwiseParallel(input="replicated"), "2": fd.nn.RowwiseParallel()}
+    >>> torch.manual_seed(0) and None
+    >>> pm4 = fd.nn.parallelize(mlp(), fd.Mesh({"tp": 4}), plan)       # simulated: 4 ranks
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     fd.checkpoint.save(path, pm4, extra={"step": 7})
+    ...     pm2 = fd.nn.parallelize(mlp(), fd.Mesh({"tp": 2}), plan)   # other weights, 2 ranks
+    ...     extra = fd.checkpoint.load(path, pm2)
+    >>> extra, all(torch.equal(pm4.state_dict()[k], v) for k, v in pm2.state_dict().items())
+    ({'step': 7}, True)
+    """
+    op = "fastdist.checkpoint.save"
+    fmt = format or ("safetensors" if os.fspath(path).endswith(".safetensors") else "dcp")
+    fmt = _format(path, fmt, op, "dcp")
+    if fmt == "dcp":
+        if mesh is not None:
+            raise CheckpointError(
+                f"{op}: mesh= is for format='safetensors' of a module of fastdist layers. Fix: "
+                "pass the ParallelModel parallelize returned"
+            )
+        dcp.write(path, model, optimizer, extra=extra)
+        return
+    if optimizer is not None or extra:
+        raise CheckpointError(
+            f"{op}: format='safetensors' holds the model's weights only, not optimizer= or "
+            "extra=. Fix: format='dcp' (the default) for a training checkpoint"
+        )
+    module, mesh = module_and_mesh(model, mesh, op)
+    safetensors_io.write(module, path, mesh, dst=dst)
+
+
+def load(
+    path: str | os.PathLike[str] | Mapping[str, Any],
+    model: ParallelModel | nn.Module | Staged,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    format: Format | None = None,
+    strict: bool | Literal["missing"] = True,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    mesh: Mesh | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``), each rank reading only its slices;
+    returns the ``extra`` values saved with it (``{}`` for safetensors).
+
+    Args:
+        path: a directory `save` wrote (``"dcp"``: from any mesh, simulated or real ranks, ZeRO
+            or not; torch's own DCP ``{"model": ..., "optim": ...}`` checkpoints too), or
+            single-device weights (``"safetensors"``): a ``save_pretrained`` directory (one
+            file or an index of several), a ``.safetensors`` file, or a state dict.
+        model: a `fastdist.nn.ParallelModel`; a module (with ``mesh=``: of fastdist layers;
+            without: one device, ``"dcp"`` only); or a pipeline (`Staged`: every stage held
+            here reads its part of the whole model's checkpoint).
+        optimizer: an optimizer whose state to replace too (``"dcp"`` only).
+        format: ``"dcp"`` or ``"safetensors"``; default: what is at ``path``.
+        strict: like ``load_state_dict``: a missing or unexpected key raises; ``False`` skips
+            them (shapes are always checked); ``"missing"`` (safetensors) raises for missing
+            keys only (the default for a pipeline's stages).
+        rename: (safetensors) model key -> checkpoint key, a mapping or a function; default:
+            the renamings transformers applies to this model's checkpoints
+            (`fastdist.checkpoint.hf.hf_checkpoint_renames`), and per-expert tensors read under
+            the model's fused names (`fastdist.checkpoint.hf.fused_experts`).
+        device: (safetensors) where tensors on the meta device get their storage (default cpu),
+            each rank only its shards'; non-persistent meta buffers are recomputed first by the
+            model's own init, as ``from_pretrained`` does.
+        dtype: (safetensors) the dtype of floating-point meta parameters (default: their own).
+        mesh: the mesh of a plain module of fastdist layers.
+
+    Everything is checked before anything is read; a mismatch raises
+    `fastdist.errors.CheckpointError` naming the key and the fix.
+    """
+    op = "fastdist.checkpoint.load"
+    if isinstance(model, Staged) and not isinstance(model, (ParallelModel, nn.Module)):
+        if optimizer is not None:
+            raise CheckpointError(
+                f"{op}: a pipeline loads its stages' weights from the whole model's checkpoint; "
+                "optimizer= is not supported. Fix: load without optimizer="
+            )
+        for j in sorted(model.stages):
+            load(
+                path,
+                model.stages[j],
+                format=format,
+                strict="missing" if strict is True else strict,
+                rename=rename,
+                device=device,
+                dtype=dtype,
+            )
+        return {}
+    fmt = _format(path, format, op, "safetensors")
+    if fmt == "dcp":
+        if isinstance(path, Mapping):
+            raise CheckpointError(f"{op}: format='dcp' needs a directory, not a state dict")
+        for name, value in (("rename", rename), ("device", device), ("dtype", dtype)):
+            if value is not None:
+                raise CheckpointError(
+                    f"{op}: {name}= applies to single-device safetensors, not to a distributed "
+                    f"checkpoint. Fix: drop {name}= (a DCP checkpoint loads into materialised "
+                    "models under their own names)"
+                )
+        if strict == "missing" or mesh is not None:
+            raise CheckpointError(
+                f"{op}: strict='missing' and mesh= apply to single-device safetensors. Fix: "
+                "strict=True or False, and a ParallelModel"
+            )
+        return dcp.read(path, model, optimizer, strict=bool(strict))
+    if optimizer is not None:
+        raise CheckpointError(
+            f"{op}: {path if not isinstance(path, Mapping) else 'a state dict'} holds "
+            "single-device weights, no optimizer state. Fix: load without optimizer= (a "
+            "training checkpoint is the directory fastdist.checkpoint.save writes)"
+        )
+    _load_weights(path, model, mesh, strict, rename, device, dtype, op)
+    return {}
+
+
+def _load_weights(
+    path: str | os.PathLike[str] | Mapping[str, Any],
+    model: ParallelModel | nn.Module,
+    mesh: Mesh | None,
+    strict: bool | Literal["missing"],
+    rename: Mapping[str, str] | Callable[[str], str] | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    op: str,
+) -> None:
+    """Single-device safetensors into a parallel model: transformers' names, fused experts, meta
+    tensors given storage (this rank's shards only)."""
+    module, mesh = module_and_mesh(model, mesh, op)
+    if (device is not None or dtype is not None) and not meta_names(module):
+        raise CheckpointError(
+            f"{op}: device={device!r} / dtype={dtype!r} choose where tensors on the meta device "
+            f"get their storage, but {type(module).__name__} has none on the meta device. Fix: "
+            "drop them (the checkpoint is converted to the parameters' own device and dtype)"
+        )
+    if rename is None and not isinstance(path, Mapping) and has_fused_experts(module):
+        # one tensor per expert (transformers' save_pretrained of Mixtral, Qwen2/3-MoE, OLMoE,
+        # DeepSeek): read under the model's fused 3-D names, by slices
+        with fused_experts(module, path) as fused:
+            _load_weights(fused, model, mesh, strict, None, device, dtype, op)
+            return
+    if isinstance(model, ParallelModel):
+        model.recompute_buffers(resolve_device(device))
+    if rename is None:  # transformers' own renamings of this model's checkpoints (GPT-NeoX)
+        rename = hf_checkpoint_renames(module, path)
+    left = bool(meta_names(module))
+    safetensors_io.read(
+        module,
+        path,
+        mesh,
+        strict=strict,
+        rename=rename,
+        device=device if left else None,
+        dtype=dtype if left else None,
+    )
+    if isinstance(model, ParallelModel):
+        model.settle_meta()

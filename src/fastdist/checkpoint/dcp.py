@@ -1,0 +1,274 @@
+"""Storage: a distributed checkpoint directory of ``torch.distributed.checkpoint`` (DCP).
+
+`write` stores the boxes the planner chose (`fastdist.checkpoint.planner`), each rank its own,
+one ``__<rank>_0.distcp`` file per writing rank plus ``.metadata``; `read` reads the boxes this
+process holds from whichever chunks hold them. The keys are the single-device state dict's
+(``model.<name>``, ``optim.state.<name>.<key>``, ``optim.param_groups.<i>.<hp>``,
+``extra.<key>``), so torch's own DCP tools read the directory
+(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from fastdist.checkpoint.optimizer import apply_optimizer_state, plan_optimizer, save_optimizer
+from fastdist.checkpoint.planner import (
+    FORMAT,
+    HEADER,
+    LoadPlanner,
+    SavePlanner,
+    few,
+    model_entries,
+    target,
+)
+from fastdist.errors import CheckpointError
+from fastdist.nn.parallelize import ParallelModel
+from fastdist.nn.state import tied_aliases
+
+__all__ = ["write", "read", "is_dcp"]
+
+
+def is_dcp(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a directory holding DCP metadata (``.metadata``)."""
+    return os.path.isfile(os.path.join(os.fspath(path), ".metadata"))
+
+
+@contextmanager
+def _quiet(distributed: bool) -> Iterator[None]:
+    """Silence DCP's "saving in a single process" warning where one process is the intent, and
+    raise a fastdist error that DCP wrapped (a rank's planner raised it) as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        try:
+            yield
+        except CheckpointException as e:
+            ours = [f[0] for f in e.failures.values() if isinstance(f[0], CheckpointError)]
+            if ours:
+                raise ours[0] from e
+            raise
+
+
+def write(
+    path: str | os.PathLike[str],
+    model: ParallelModel | nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``model``'s state (and ``optimizer``'s, and ``extra``) as a distributed checkpoint
+    in directory ``path``, each rank writing only its own slices.
+
+    Args:
+        path: a directory (created). An earlier checkpoint there is replaced: its files are
+            removed before any rank writes, so a save that dies half-way leaves no checkpoint
+            (no ``.metadata``), never a mix; other files are left alone.
+        model: a `fastdist.nn.ParallelModel` on a simulated mesh (this one process writes every
+            rank's slices) or on real ranks (a **collective**: call it on every rank of the
+            job; each rank writes one ``__<rank>_0.distcp`` file with its slices, a slice
+            several ranks hold written by one of them), or a plain ``nn.Module`` (one device;
+            a collective over the default process group when torch.distributed is initialised,
+            e.g. data-parallel replicas or FSDP2 ``DTensor`` parameters).
+        optimizer: a ``torch.optim`` optimizer over the model's parameters: its per-parameter
+            state (tensors of the parameter's shape split like the parameter; scalars such as
+            ``step`` stored once) by parameter name, and its param groups' hyperparameters. A
+            `fastdist.train.ZeroOptimizer` writes the same keys from its flat chunks (each data
+            rank the runs it holds), so a plain optimizer loads them and the other way round.
+        extra: small values every rank agrees on (a step counter, an LR scheduler's
+            ``state_dict()``, RNG states), written once (by rank 0); they must load with
+            ``torch.load(weights_only=True)``: tensors, numbers, strings, containers of them.
+
+    Raises `fastdist.errors.CheckpointError` (on every rank, before anything is written) for
+    optimizer parameters the model lacks, optimizer state of another shape than its
+    parameter's, or an ``extra`` value that would not load. Ranks that hold the same slice are
+    not compared (one of them writes it): ``pm.state_dict()`` checks that replicas agree.
+    """
+    op = "fastdist.checkpoint.save"
+    tgt = target(model, op)
+    where = os.fspath(path)
+    if os.path.exists(where) and not os.path.isdir(where):
+        raise CheckpointError(
+            f"{op} on {tgt.where}: {where} is a file; a distributed checkpoint is a directory. "
+            "Fix: pass a directory path (it is created)"
+        )
+    entries = model_entries(tgt)
+    values: dict[str, Any] = {}
+    header: dict[str, Any] = {
+        "format": FORMAT,
+        "mesh": dict(tgt.mesh.shape) if tgt.mesh is not None else None,
+        "simulated": tgt.simulated,
+        "model": type(tgt.module).__name__,
+        "optimizer": None,
+    }
+    if optimizer is not None:
+        header["optimizer"] = save_optimizer(tgt, optimizer, entries, values, op)
+    for k, v in (extra or {}).items():
+        if not isinstance(k, str) or not k:
+            raise CheckpointError(
+                f"{op} on {tgt.where}: extra key {k!r} is not a non-empty string. Fix: name "
+                "each extra value with a string"
+            )
+        values[f"extra.{k}"] = v
+    planner = SavePlanner(list(entries.values()), values, header, where, tgt.where)
+    with _quiet(tgt.distributed):
+        dcp_save(
+            {},
+            storage_writer=FileSystemWriter(where, overwrite=True),
+            planner=planner,
+            no_dist=not tgt.distributed,
+        )
+
+
+def _read_metadata(path: str, where: str, op: str) -> Metadata:
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except (OSError, EOFError, ValueError, TypeError, AttributeError, ImportError) as e:
+        raise CheckpointError(
+            f"{op} on {where}: {path} is not a distributed checkpoint (no readable .metadata: "
+            f"{type(e).__name__}: {e}). Fix: pass the directory that fastdist.checkpoint.save (or "
+            "torch.distributed.checkpoint.save) wrote, or format='safetensors' for a "
+            "save_pretrained directory or a safetensors file"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"{op} on {where}: {path}/.metadata holds a {type(metadata).__name__}, not DCP "
+            "metadata. Fix: pass the directory that fastdist.checkpoint.save wrote"
+        )
+    return metadata
+
+
+def _read_values(path: str, keys: list[str], where: str) -> dict[str, Any]:
+    """The small values under ``keys``, read by this process alone (no collective)."""
+    if not keys:
+        return {}
+    planner = LoadPlanner([], keys, where)
+    with _quiet(False):
+        dcp_load({}, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    return planner.values
+
+
+def read(
+    path: str | os.PathLike[str],
+    model: ParallelModel | nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint that `write` wrote (on any mesh) into ``model`` (and ``optimizer``);
+    returns the ``extra`` values.
+
+    Each rank reads only the boxes it holds, from whichever chunks hold them: the checkpoint
+    may come from another tensor-parallel size, data-parallel size, sequence-parallel setting,
+    simulated ranks, real ranks or one device. Padding rows are zero-filled. On real ranks a
+    **collective**: call it on every rank. A checkpoint that ``torch.distributed.checkpoint``
+    wrote from torch's ``get_state_dict`` (``{"model": ..., "optim": ...}``) loads too.
+
+    Everything is checked on every rank before anything is read: the keys (strict like
+    ``load_state_dict``: a missing or unexpected key raises; ``strict=False`` skips them), every
+    shape (the single-device shapes must match), the optimizer (same class, same parameters in
+    each param group). A mismatch raises `fastdist.errors.CheckpointError` naming the key, the rank
+    and the fix, and leaves the model and optimizer untouched. The optimizer's state is
+    replaced (``optimizer.load_state_dict``), hyperparameters included.
+
+    Args:
+        path: the checkpoint directory `write` wrote.
+        model: the model to load into (a `fastdist.nn.ParallelModel` or a module).
+        optimizer: an optimizer whose state to replace too.
+        strict: raise on missing or unexpected keys (``False``: skip them).
+
+    Returns:
+        the ``extra`` values saved with the checkpoint.
+    """
+    op = "fastdist.checkpoint.load"
+    tgt = target(model, op)
+    source = os.fspath(path)
+    metadata = _read_metadata(source, tgt.where, op)
+    stored = metadata.state_dict_metadata
+    header = metadata.planner_data.get(HEADER) if isinstance(metadata.planner_data, dict) else None
+    entries = model_entries(tgt)
+    aliases = {f"model.{a}": f"model.{n}" for a, n in tied_aliases(tgt.module).items()}
+    missing = sorted(k for k in entries if k not in stored)
+    unexpected = sorted(
+        k for k in stored if k.startswith("model.") and k not in entries and k not in aliases
+    )
+    if not any(k.startswith("model.") for k in stored) and stored:
+        raise CheckpointError(
+            f"{op} on {tgt.where}: {source} holds no model.* keys (it has e.g. "
+            f"{sorted(stored)[:3]}): not a model checkpoint. Fix: pass the directory that "
+            "fastdist.checkpoint.save wrote"
+        )
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{op} on {tgt.where}: {source} does not match {type(tgt.module).__name__}: missing "
+            f"keys {few(missing)}, unexpected keys {few(unexpected)} ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected). Fix: load the checkpoint of the same model (same "
+            "config), or pass strict=False to skip them"
+        )
+    for key in [k for k in missing if k in entries]:
+        del entries[key]
+    for alias, key in aliases.items():
+        if alias in stored and key in stored:
+            _check_shape(alias, stored[alias], stored[key], tgt.where, op, source)
+    values_wanted = [k for k, v in stored.items() if isinstance(v, BytesStorageMetadata)]
+    values_wanted = [
+        k for k in values_wanted if k.startswith("extra.") or (optimizer and k.startswith("optim"))
+    ]
+    values = _read_values(source, values_wanted, tgt.where)
+    restore = (
+        plan_optimizer(tgt, optimizer, stored, values, header, entries, strict)
+        if optimizer is not None
+        else None
+    )
+    for key, entry in entries.items():
+        md = stored[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{op} on {tgt.where}: {key!r} is not a tensor in {source}. Fix: load the "
+                "checkpoint of the same model"
+            )
+        if tuple(md.size) != entry.shape:
+            raise CheckpointError(
+                f"{op} on {tgt.where}: {key!r} has shape {tuple(md.size)} in {source} but the "
+                f"model expects {entry.shape} (single-device shapes). Fix: load the checkpoint "
+                "of the same config"
+            )
+    planner = LoadPlanner(list(entries.values()), [], tgt.where)
+    with _quiet(tgt.distributed):
+        dcp_load(
+            {},
+            storage_reader=FileSystemReader(source),
+            planner=planner,
+            no_dist=not tgt.distributed,
+        )
+    if optimizer is not None and restore is not None:
+        apply_optimizer_state(optimizer, *restore)
+    return {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}
+
+
+def _check_shape(alias: str, a: Any, b: Any, where: str, op: str, source: str) -> None:
+    sa, sb = getattr(a, "size", None), getattr(b, "size", None)
+    if sa != sb:
+        raise CheckpointError(
+            f"{op} on {where}: {alias!r} is tied to another parameter in the model, but "
+            f"{source} gives them shapes {sa} and {sb}. Fix: load the checkpoint of the same "
+            "model"
+        )

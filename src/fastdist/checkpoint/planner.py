@@ -1,0 +1,429 @@
+"""The planner of a distributed checkpoint: which bytes of which tensor each rank writes and
+reads.
+
+A rank's block of a parameter maps to rectangular boxes of the single-device tensor through its
+`fastdist.nn.Layout` (`Layout.boxes`): fused ``q|k|v`` parts give three boxes, vocabulary padding
+rows none. An `Entry` is one checkpoint key with the boxes this process holds (every simulated
+rank's, or this real rank's; a ``DTensor``'s local part); `SavePlanner` and `LoadPlanner` are
+``torch.distributed.checkpoint`` planners over those boxes: one writer per box on save, and on
+load each box read from whichever chunks hold it (resharding). How the boxes are stored is the
+storage's concern (`fastdist.checkpoint.dcp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import CheckpointError
+from fastdist.nn.parallelize import ParallelModel
+from fastdist.nn.state import Layout, named_tensors, param_layouts
+
+__all__ = [
+    "FORMAT",
+    "HEADER",
+    "Box",
+    "Entry",
+    "Target",
+    "target",
+    "entry",
+    "clip_box",
+    "model_entries",
+    "chunk",
+    "SavePlanner",
+    "LoadPlanner",
+    "few",
+]
+
+FORMAT = 1  # the version of this layout of keys (planner_data["fastdist"]["format"])
+HEADER = "fastdist"  # the key of this library's header in the metadata's planner_data
+
+
+# ============================================================================ what a rank holds
+@dataclass
+class Box:
+    """One rectangular box of a single-device tensor that this process holds: ``views`` are the
+    box's elements in each local copy (simulated ranks holding the same block: one view each)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    views: list[Tensor]
+
+
+@dataclass
+class Entry:
+    """One checkpoint key: its single-device shape and dtype, and the boxes this process holds."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    boxes: list[Box] = field(default_factory=list)
+    padded: list[Tensor] = field(default_factory=list)  # zero-filled before a load
+
+
+@dataclass
+class Target:
+    """How a model is held: on a simulated mesh (stacked), real ranks, or one device per
+    process."""
+
+    module: nn.Module
+    mesh: Mesh | None
+    layouts: dict[str, Layout]
+    distributed: bool  # a collective over torch.distributed's default group
+    where: str  # "simulated ranks", "rank 3", "one device"
+
+    @property
+    def simulated(self) -> bool:
+        return self.mesh is not None and self.mesh.backend is None
+
+
+def target(model: ParallelModel | nn.Module, op: str) -> Target:
+    if isinstance(model, ParallelModel):
+        mesh = model.mesh
+        if mesh.backend is None:
+            return Target(model.module, mesh, param_layouts(model.module), False, "simulated ranks")
+        return Target(model.module, mesh, param_layouts(model.module), True, f"rank {mesh.rank}")
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(
+            f"{op}: model is a {type(model).__name__}, not a fastdist.nn.ParallelModel nor a "
+            "torch.nn.Module. Fix: pass what fastdist.nn.parallelize returned, or a plain module"
+        )
+    distributed = dist.is_available() and dist.is_initialized()
+    where = f"rank {dist.get_rank()}" if distributed else "one device"
+    return Target(model, None, {}, distributed, where)
+
+
+def _local(t: Tensor) -> tuple[Tensor, tuple[int, ...]] | None:
+    """(the elements this process holds, their offset in ``t``'s own coordinates); a DTensor's
+    local shard and its offset, None where this rank is not in its mesh."""
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if t.device_mesh.get_coordinate() is None:
+            return None
+        if any(p.is_partial() for p in t.placements):
+            raise CheckpointError(
+                f"fastdist.checkpoint: a DTensor with placements {t.placements} holds "
+                "partial sums, which no checkpoint can store. Fix: reduce it first "
+                "(redistribute to Replicate or Shard)"
+            )
+        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t.to_local(), tuple(offsets)
+    return t, (0,) * t.dim()
+
+
+def clip_box(
+    glob: tuple[slice, ...], block: tuple[slice, ...], local: Tensor, origin: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], Tensor] | None:
+    """The part of a box (``glob`` of the single-device tensor, ``block`` of the rank's block)
+    that ``local`` holds (it starts at ``origin`` of the block): (offsets, sizes, view)."""
+    offsets, sizes, index = [], [], []
+    for d, (g, b) in enumerate(zip(glob, block)):
+        lo, hi = max(b.start, origin[d]), min(b.stop, origin[d] + local.shape[d])
+        if hi <= lo and b.stop > b.start:
+            return None  # no overlap
+        hi = max(hi, lo)
+        offsets.append(g.start + lo - b.start)
+        sizes.append(hi - lo)
+        index.append(slice(lo - origin[d], hi - origin[d]))
+    return tuple(offsets), tuple(sizes), local[tuple(index)]
+
+
+def entry(key: str, t: Tensor, layout: Layout, tgt: Target, stacked: bool) -> Entry:
+    """The boxes this process holds of tensor ``t`` (a parameter, a buffer, an optimizer state)
+    split like ``layout``."""
+    t = t.detach()
+    mesh = tgt.mesh
+    if stacked:  # simulated ranks: every rank's block, [world, *local]
+        assert mesh is not None
+        full = layout.full_shape(tuple(t.shape[1:]), mesh)
+        found: dict[tuple[tuple[int, ...], tuple[int, ...]], Box] = {}
+        for r in range(mesh.size):
+            for glob, block in layout.boxes(full, mesh, r):
+                offsets = tuple(s.start for s in glob)
+                sizes = tuple(s.stop - s.start for s in glob)
+                box = found.setdefault((offsets, sizes), Box(offsets, sizes, []))
+                box.views.append(t[r][block])
+        entry = Entry(key, full, t.dtype, list(found.values()))
+        entry.padded = [t] if layout.size is not None else []
+        return entry
+    if mesh is None or mesh.backend is None:  # whole on every rank (a simulated scalar, buffer)
+        full = tuple(t.shape)
+        boxes = [(tuple(slice(0, n) for n in full),) * 2]
+    else:
+        full = layout.full_shape(tuple(t.shape), mesh)
+        boxes = layout.boxes(full, mesh, mesh.rank)
+    entry = Entry(key, full, t.dtype)
+    held = _local(t)
+    if held is None:
+        return entry
+    local, origin = held
+    for glob, block in boxes:
+        part = clip_box(glob, block, local, origin)
+        if part is not None:
+            entry.boxes.append(Box(part[0], part[1], [part[2]]))
+    entry.padded = [local] if layout.size is not None else []
+    return entry
+
+
+def model_entries(tgt: Target) -> dict[str, Entry]:
+    """``model.<name>`` -> entry, for every parameter (tied ones once) and persistent buffer."""
+    out = {}
+    for name, (t, is_param) in named_tensors(tgt.module).items():
+        if t.is_meta:
+            raise CheckpointError(
+                f"fastdist.checkpoint on {tgt.where}: {name!r} is on the meta device: "
+                "there is nothing to save or load into. Fix: materialise the model first "
+                "(pm.init_weights(seed=...) or fastdist.checkpoint.load(<safetensors>, pm, "
+                "device=...)), then load"
+            )
+        layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
+        out[f"model.{name}"] = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
+    return out
+
+
+# ============================================================================ planners
+def chunk(box: Box) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+
+
+class SavePlanner(DefaultSavePlanner):
+    """Writes the boxes this process holds, one ``WriteItem`` each, in single-device coordinates.
+
+    The coordinator keeps one writer per box (ranks holding the same box: the one with the fewest
+    bytes so far, biggest boxes first), records the header and the nesting of keys, and removes
+    an earlier checkpoint's files from ``path`` before any rank writes (so a save that dies
+    half-way leaves no ``.metadata`` pointing into half-overwritten files)."""
+
+    def __init__(
+        self,
+        entries: list[Entry],
+        values: Mapping[str, Any],
+        header: dict[str, Any],
+        path: str,
+        where: str,
+    ) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries, self.values, self.header, self.path = entries, values, header, path
+        self.where = where
+        self.blobs: dict[str, bytes] = {}
+        self.sources = {(e.key, box.offsets): box.views[0] for e in entries for box in e.boxes}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [
+            WriteItem(
+                index=MetadataIndex(e.key, box.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk(box),
+                    properties=TensorProperties(dtype=e.dtype),
+                    size=torch.Size(e.shape),
+                ),
+            )
+            for e in self.entries
+            for box in e.boxes
+        ]
+        if self.is_coordinator:  # small values: written once, by the coordinator
+            self.blobs = {k: self._blob(k, v) for k, v in self.values.items()}
+            items += [
+                WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs
+            ]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def _blob(self, key: str, value: Any) -> bytes:
+        """``value`` as torch.save bytes, checked to load with ``weights_only=True`` (raised
+        inside DCP's planning, so every rank raises it)."""
+        name = f"extra[{key[len('extra.') :]!r}]" if key.startswith("extra.") else repr(key)
+        try:
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"fastdist.checkpoint.save on {self.where}: {name} (a {type(value).__name__}) "
+                f"would not load with torch.load(weights_only=True): {str(e).splitlines()[0]}. "
+                "Fix: store tensors, numbers, strings and lists/tuples/dicts of them (e.g. a "
+                "state_dict())"
+            ) from None
+        return buf.getvalue()
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans))
+        # no rank writes before this plan is scattered: remove the earlier checkpoint here
+        for name in sorted(os.listdir(self.path)):
+            if name == ".metadata" or re.fullmatch(r"__\d+_\d+\.distcp|__\d+\.metadata", name):
+                os.remove(os.path.join(self.path, name))
+        nesting: dict[str, Any] = {k: _nesting(k) for k in metadata.state_dict_metadata}
+        nesting[HEADER] = self.header
+        self.metadata = dataclasses.replace(metadata, planner_data=nesting)
+        return plans, self.metadata
+
+    def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.blobs[write_item.index.fqn])
+        offset = write_item.index.offset
+        return self.sources[(write_item.index.fqn, tuple(offset) if offset is not None else ())]
+
+
+def _one_writer_per_box(plans: list[SavePlan]) -> list[SavePlan]:
+    """Each box that several ranks hold kept in one plan only: the plan with the fewest bytes so
+    far, biggest boxes first (replicated parameters spread over their holders)."""
+
+    def ident(item: WriteItem) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        assert item.tensor_data is not None
+        chunk = item.tensor_data.chunk
+        return item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes)
+
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    nbytes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    for i, plan in enumerate(plans):
+        for item in plan.items:
+            if item.type == WriteItemType.SHARD and item.tensor_data is not None:
+                holders.setdefault(ident(item), []).append(i)
+                nbytes[ident(item)] = math.prod(item.tensor_data.chunk.sizes) * (
+                    torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+                )
+    load = [0] * len(plans)
+    writer = {}
+    for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
+        w = min(holders[key], key=lambda i: (load[i], i))
+        writer[key] = w
+        load[w] += nbytes[key]
+    return [
+        dataclasses.replace(
+            plan,
+            items=[
+                it
+                for it in plan.items
+                if it.type != WriteItemType.SHARD or writer.get(ident(it)) == i
+            ],
+        )
+        for i, plan in enumerate(plans)
+    ]
+
+
+def _nesting(key: str) -> tuple[str | int, ...]:
+    """Where a flat key sits in torch's nested ``get_state_dict`` layout (as DCP records it)."""
+    top, _, rest = key.partition(".")
+    if top == "optim" and rest.startswith("state."):
+        name, _, sub = rest[len("state.") :].rpartition(".")
+        return ("optim", "state", name, sub)
+    if top == "optim" and rest.startswith("param_groups."):
+        i, _, hp = rest[len("param_groups.") :].partition(".")
+        return ("optim", "param_groups", int(i), hp)
+    return (top, rest)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """Reads the boxes this process holds from whatever chunks the checkpoint has (resharding),
+    into every local copy; small values into ``values``."""
+
+    def __init__(self, entries: list[Entry], value_keys: list[str], where: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries, self.value_keys, self.where = entries, value_keys, where
+        self.values: dict[str, Any] = {}
+        self.by_key = {e.key: e for e in entries}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for e in self.entries:
+            md = self.metadata.state_dict_metadata[e.key]
+            assert isinstance(md, TensorStorageMetadata)
+            reads = create_read_items_for_chunk_list(e.key, md, [chunk(b) for b in e.boxes])
+            got = [0] * len(e.boxes)
+            for r in reads:
+                got[r.dest_index.index or 0] += math.prod(r.lengths)
+            for box, n in zip(e.boxes, got):
+                if n != math.prod(box.sizes):
+                    raise CheckpointError(
+                        f"fastdist.checkpoint.load on {self.where}: the checkpoint's chunks of "
+                        f"{e.key!r} cover {n} of the {math.prod(box.sizes)} elements at offsets "
+                        f"{box.offsets} (sizes {box.sizes}): the checkpoint is incomplete or "
+                        "damaged. Fix: load a checkpoint whose save finished"
+                    )
+            items += reads
+        with torch.no_grad():  # every rank's plan is checked before any rank reads
+            for e in self.entries:
+                for t in e.padded:
+                    t.zero_()  # padding rows: in no box
+        items += [
+            ReadItem(
+                type=LoadItemType.BYTE_IO,
+                dest_index=MetadataIndex(k),
+                dest_offsets=torch.Size((0,)),
+                storage_index=MetadataIndex(k),
+                storage_offsets=torch.Size((0,)),
+                lengths=torch.Size((0,)),
+            )
+            for k in self.value_keys
+        ]
+        return LoadPlan(items)
+
+    def _view(self, item: ReadItem, copy: int) -> Tensor:
+        box = self.by_key[item.dest_index.fqn].boxes[item.dest_index.index or 0]
+        return narrow_tensor_by_index(box.views[copy], item.dest_offsets, item.lengths)
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        return self._view(read_item, 0)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        box = self.by_key[read_item.dest_index.fqn].boxes[read_item.dest_index.index or 0]
+        for copy in range(1, len(box.views)):
+            self._view(read_item, copy).copy_(tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def few(keys: list[str]) -> str:
+    return f"{keys[:6]}{' ...' if len(keys) > 6 else ''}"

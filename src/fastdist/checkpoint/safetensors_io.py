@@ -1,0 +1,226 @@
+"""Storage: single-device safetensors (a ``.safetensors`` file, a ``save_pretrained`` directory of
+one file or an index of several, or a state dict in memory), each rank reading only its slices.
+
+`read` loads such a source into a parallel module through each parameter's
+`fastdist.nn.Layout` (``safe_open(...).get_slice``: only this rank's bytes); `write` gathers a
+parallel module's single-device state dict and writes it as one ``.safetensors`` file on one
+rank. The names transformers renames and the experts it fuses live in `fastdist.checkpoint.hf`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import CheckpointError
+from fastdist.nn.state import (
+    Getter,
+    Layout,
+    full_state_dict,
+    listed,
+    materialize_,
+    named_tensors,
+    param_layouts,
+    tied_aliases,
+)
+
+__all__ = ["open_source", "read", "write", "Source"]
+
+#: what `read` reads: a ``.safetensors`` file, a ``save_pretrained`` directory, or a state dict
+Source = str | os.PathLike[str] | Mapping[str, Any]
+
+
+@contextmanager
+def open_source(
+    source: Source,
+) -> Iterator[tuple[dict[str, tuple[int, ...]], Callable[[str], Getter]]]:
+    """(shape of every key, key -> slicing reader) for a state dict, a .safetensors file or a
+    save_pretrained directory."""
+    if isinstance(source, Mapping):
+        yield {k: tuple(v.shape) for k, v in source.items()}, lambda k: lambda s: source[k][s]
+        return
+    from safetensors import safe_open
+
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"fastdist.checkpoint.load: {path} does not exist. Fix: pass a .safetensors file, "
+            "a save_pretrained directory (model.safetensors or model.safetensors.index.json) or "
+            "a state dict"
+        )
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise CheckpointError(
+                    f"fastdist.checkpoint.load: {path} holds neither model.safetensors nor "
+                    "model.safetensors.index.json. Fix: pass the directory save_pretrained("
+                    "..., safe_serialization=True) wrote, or the .safetensors file itself"
+                )
+            files = {"": single}
+    else:
+        files = {"": path}
+    handles: dict[str, Any] = {f: safe_open(f, framework="pt") for f in set(files.values())}
+    try:
+        where = (
+            {k: h for h in handles.values() for k in h.keys()}
+            if "" in files
+            else {k: handles[f] for k, f in files.items()}
+        )
+        shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in where.items()}
+        yield shapes, lambda k: lambda s: where[k].get_slice(k)[s]
+    finally:
+        handles.clear()
+
+
+def read(
+    module: nn.Module,
+    source: Source,
+    mesh: Mesh,
+    *,
+    strict: bool | Literal["missing"] = True,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Load a single-device checkpoint into a parallel module, each rank reading only its own
+    slices.
+
+    Args:
+        module: a module with per-rank parameters (``fastdist.nn`` layers, or a model after
+            `fastdist.nn.parallelize`); its parameters' local shapes and layouts say what to read.
+        source: a ``.safetensors`` file, a ``save_pretrained`` directory (one file or an index
+            of several), or a single-device state dict. Files are read with
+            ``safe_open(...).get_slice``: only this rank's bytes.
+        mesh: the mesh the module was built for: on real ranks this rank's shard is read; on a
+            simulated mesh the module holds every rank's shard stacked (``[world, *local]``, as
+            `fastdist.nn.parallelize` leaves it) and every rank's is read.
+        strict: like ``load_state_dict``: a missing key, an unexpected key or a shape that does not
+            match raises `CheckpointError` naming the key and both shapes. ``False`` skips missing
+            and unexpected keys (shapes are always checked). ``"missing"`` raises for missing
+            keys only (a pipeline stage reads its part of the whole model's checkpoint).
+        rename: model key -> checkpoint key (a mapping or a function), e.g. for a module whose
+            merged projection is named differently from the checkpoint.
+        device: where parameters and persistent buffers still on the meta device (a model built
+            under ``torch.device("meta")``, then parallelized) get their storage: each gets only
+            its shard's, allocated as it is read (default cpu).
+        dtype: the dtype of floating-point meta parameters (default: their own; the checkpoint's
+            values are converted). Buffers keep theirs.
+
+    Raises `CheckpointError` (before anything is read) for a meta tensor the load would not
+    fill: a key missing under ``strict=False``, or a non-persistent buffer (no checkpoint holds
+    one; `fastdist.checkpoint.load` of a ParallelModel recomputes them).
+    """
+    layouts = param_layouts(module)
+    tensors = named_tensors(module)
+    stacked = mesh.backend is None
+    rank = None if stacked else mesh.rank
+    to_file = (
+        (lambda k: rename[k] if k in rename else k)
+        if isinstance(rename, Mapping)
+        else (rename or (lambda k: k))
+    )
+    tied = {to_file(alias): to_file(name) for alias, name in tied_aliases(module).items()}
+    with open_source(source) as (shapes, reader):
+        wanted = {to_file(name): name for name in tensors}
+        missing = sorted(k for k in wanted if k not in shapes)
+        # a tied copy (HF's state_dict has both) is known
+        unexpected = sorted(k for k in shapes if k not in wanted and k not in tied)
+        for alias, key in tied.items():
+            if alias in shapes and key in shapes and tuple(shapes[alias]) != tuple(shapes[key]):
+                raise CheckpointError(
+                    f"fastdist.checkpoint.load: {alias!r} is tied to {key!r} in the model, but "
+                    "the checkpoint gives "
+                    f"them shapes {tuple(shapes[alias])} and {tuple(shapes[key])}"
+                )
+        if (missing and strict) or (unexpected and strict is True):
+            raise CheckpointError(
+                "fastdist.checkpoint.load: missing keys "
+                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected keys "
+                f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(missing)} "
+                f"missing, {len(unexpected)} unexpected). Fix: load the checkpoint of the same "
+                "model (same config), map names with rename=, or pass strict=False"
+            )
+        unfilled = [n for k, n in wanted.items() if k not in shapes and tensors[n][0].is_meta]
+        if unfilled:
+            raise CheckpointError(
+                f"fastdist.checkpoint.load: {listed(unfilled)} are on the meta device and "
+                f"the checkpoint has no key for them ({len(unfilled)} in all): strict=False skips "
+                "a missing key, but these would stay without storage. Fix: load a checkpoint "
+                "that has them, or initialise the model first (ParallelModel.init_weights("
+                "seed=...)) and then load with strict=False"
+            )
+        computed = [n for n, b in module.named_buffers() if b.is_meta and n not in tensors]
+        if computed:
+            raise CheckpointError(
+                f"fastdist.checkpoint.load: the non-persistent buffers {listed(computed)} are "
+                "on the meta device; no checkpoint holds them (the model computes them when it is "
+                "built, e.g. a rotary embedding's inv_freq). Fix: load into the ParallelModel "
+                "fastdist.nn.parallelize returned (its own init recomputes them), or assign them "
+                "yourself before loading"
+            )
+        with torch.no_grad():
+            for key, name in wanted.items():
+                if key not in shapes:
+                    continue
+                (t, is_param), layout = tensors[name], layouts.get(name, Layout())
+                # simulated: parameters hold every rank's shard; buffers are whole
+                per_rank = stacked and is_param
+                local = tuple(t.shape[1:]) if per_rank else tuple(t.shape)
+                expect = layout.full_shape(local, mesh)
+                if tuple(shapes[key]) != expect:
+                    raise CheckpointError(
+                        f"fastdist.checkpoint.load: {key!r} has shape {tuple(shapes[key])} in "
+                        f"the checkpoint but the model expects {expect} (each rank holds {local}). "
+                        "Fix: load the checkpoint of the same config"
+                    )
+                get = reader(key)
+                if t.is_meta:  # storage for this rank's shard only, allocated now
+                    floating = is_param and t.is_floating_point()
+                    materialize_(t, device, dtype if floating else None)
+                if per_rank:  # rank by rank: no stacked copy in flight
+                    for r in range(mesh.size):
+                        t[r].copy_(layout.read(get, expect, mesh, r, key))
+                else:
+                    t.copy_(layout.read(get, expect, mesh, rank or 0, key))
+
+
+def write(
+    module: nn.Module, path: str | os.PathLike[str], mesh: Mesh, *, dst: int = 0
+) -> dict[str, Tensor]:
+    """Gather a parallel module's weights and write them as one single-device ``.safetensors`` file
+    on rank ``dst``.
+
+    Returns the single-device state dict (on every rank). Tied parameters are written once,
+    under the first name, as ``save_pretrained`` does. ``path`` may be a directory: the file is
+    then ``model.safetensors`` in it (what ``load_checkpoint`` and ``from_pretrained`` read).
+
+    Args:
+        module: the parallel module.
+        path: the ``.safetensors`` file to write, or a directory (then ``model.safetensors`` in it).
+        mesh: the mesh it runs on.
+        dst: the rank (global, on real ranks) that writes the file.
+
+    Returns:
+        the single-device state dict (on every rank).
+    """
+    from safetensors.torch import save_file
+
+    state = full_state_dict(module, mesh)
+    if mesh.backend is None or mesh.rank == dst:
+        target = os.path.join(path, "model.safetensors") if os.path.isdir(path) else os.fspath(path)
+        aliases = tied_aliases(module)
+        save_file({k: v.contiguous() for k, v in state.items() if k not in aliases}, target)
+    return state

@@ -1,0 +1,145 @@
+"""The `pipeline` entry point: split a model into stages, parallelize each over the mesh's other
+axes, and choose the schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import PipelineError
+from fastdist.train.pipeline.runtime import Pipeline
+from fastdist.train.pipeline.split import (
+    StageHooks,
+    StageSplit,
+    decoder_layers,
+    family_split,
+    retire,
+    split_model,
+    stage_plan,
+)
+from fastdist.train.schedules import Schedule, schedule, stage_layers
+
+__all__ = ["pipeline"]
+
+
+def pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    axis: str = "pp",
+    schedule: str | Schedule = "1f1b",
+    microbatches: int | None = None,
+    virtual: int = 1,
+    plan: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False,
+    layers_per_stage: Sequence[int] | None = None,
+    split: StageSplit | None = None,
+) -> Pipeline:
+    """Split ``model`` into pipeline stages over ``axis`` and parallelize each stage over the
+    mesh's other axes.
+
+    Args:
+        model: a transformers causal LM (a family of :data:`SPLITS`), with weights or built on
+            the meta device. It is taken apart: use the returned pipeline, not ``model`` (its
+            calls raise), and build the optimizer afterwards from ``pipe.parameters()``: one
+            built before holds the model's old parameters, which receive no gradient, and
+            torch's optimizers skip those without a word.
+        mesh: a plain mesh (simulated ranks: every stage here) or a ``fastdist.connect`` mesh
+            (this process builds and holds only its own stages).
+        axis: the pipeline axis of ``mesh``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or a built `Schedule`.
+        microbatches: micro-batches per step (default: the axis size).
+        virtual: stages per rank (``"interleaved_1f1b"``; default 2 there).
+        plan: the plan for the whole model (default: the ready plan of its family over the
+            other axes); each stage applies the entries that match its modules.
+        sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
+            (stages hand on sequence shards).
+        layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.
+        split: where the decoder layers and the ends are (default: ``SPLITS[model_type]``).
+
+    Returns:
+        the :class:`Pipeline`.
+
+    >>> import torch, fastdist as fd
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = LlamaForCausalLM(cfg).double()
+    >>> ids = torch.randint(0, 64, (4, 8))
+    >>> logits = model(input_ids=ids).logits                  # one device, float64
+    >>> one_device = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64),
+    ...                                                 ids[:, 1:].reshape(-1))
+    >>> mesh = fd.Mesh({"pp": 2, "tp": 2})
+    >>> pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    >>> loss = pipe.step(input_ids=ids.expand(4, 4, 8), labels=ids.expand(4, 4, 8))
+    >>> loss.dtype, bool(torch.allclose(loss, one_device.detach(), rtol=1e-12, atol=0))
+    (torch.float64, True)
+    """
+    if not isinstance(mesh, Mesh):
+        raise PipelineError(f"pipeline: mesh={mesh!r} is not a fastdist.Mesh. Fix: pass one")
+    if axis not in mesh.axis_names:
+        raise PipelineError(
+            f"pipeline: {mesh!r} has no axis {axis!r}. Fix: add it (e.g. Mesh({{'{axis}': 2, "
+            f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
+        )
+    pp = mesh.shape[axis]
+    if isinstance(schedule, Schedule):
+        sched = schedule
+        if sched.pp != pp:
+            raise PipelineError(
+                f"pipeline: the schedule is for pp={sched.pp}, the mesh's {axis!r} has {pp} "
+                "ranks. Fix: build the schedule for the mesh's axis size"
+            )
+    else:
+        sched = _schedule_for(schedule, pp, pp if microbatches is None else microbatches, virtual)
+    _, fam = family_split(model) if split is None else ("", split)
+    layer_list = decoder_layers(model, fam)
+    ranges = stage_layers(len(layer_list), sched.stages, layers_per_stage)
+    stage_mesh = mesh.without(axis)  # real ranks: over this process's slice
+    if mesh.backend is None:
+        keep = list(range(sched.stages))
+    else:
+        keep = list(sched.stages_of(mesh.index(mesh.rank, axis)))
+    from fastdist.nn.parallelize import parallelize
+    from fastdist.nn.plans import plan as family_plan
+
+    if plan is None:
+        plan = (
+            family_plan(model, stage_mesh, sequence_parallel=sequence_parallel)
+            if "tp" in stage_mesh.axis_names
+            else {}
+        )
+    modules = split_model(model, fam, ranges, keep)
+    retire(model)
+    stages: dict[int, Any] = {}
+    for j, module in modules.items():
+        pm = parallelize(module, stage_mesh, stage_plan(plan, module))
+        own = decoder_layers(module, fam)
+        first = None if j == 0 else own[ranges[j][0]]
+        last = None if j == sched.stages - 1 else own[ranges[j][-1]]
+        if last is None and hasattr(type(module), "loss_function"):
+            from fastdist.nn.loss import HFCausalLMLoss
+
+            if not isinstance(getattr(module, "loss_function", None), HFCausalLMLoss):
+                # no vocabulary-parallel head (no tp): fastdist's loss all the same, so that the
+                # step's loss and gradients keep the model's dtype (transformers' own loss
+                # computes in float32), as with a tp plan
+                axis_name = stage_mesh.axis_names[-1] if stage_mesh.ndim else "tp"
+                module.loss_function = HFCausalLMLoss(stage_mesh, axis_name, gathered=True)  # type: ignore[assignment]
+        pm._stage_hooks = StageHooks(module, first, last)  # type: ignore[attr-defined]
+        stages[j] = pm
+    return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
+
+
+def _schedule_for(name: Any, pp: int, microbatches: int, virtual: int) -> Schedule:
+    if not isinstance(name, str):
+        raise PipelineError(
+            f"pipeline: schedule={name!r}. Fix: a name ('gpipe', '1f1b', 'interleaved_1f1b') or "
+            "a fastdist.train.schedules.Schedule"
+        )
+    return schedule(name, pp, microbatches, virtual)

@@ -1,0 +1,313 @@
+"""A model split into pipeline stages: each stage a copy of the model's skeleton holding only its
+own decoder layers (placeholders for the rest, so parameter names stay the model's own), with
+the hooks that hand activations in and out (see `fastdist.train.pipeline`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fastdist.errors import PipelineError
+
+__all__ = [
+    "SPLITS",
+    "StageSplit",
+    "StageHooks",
+    "split_model",
+    "stage_plan",
+    "retire",
+    "decoder_layers",
+    "family_split",
+    "STAGE_INPUT",
+]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Where a family keeps its decoder layers and what belongs to the first and last stages.
+
+    Attributes:
+        layers: the name of the ``nn.ModuleList`` of decoder layers.
+        first: modules only the first stage holds (embeddings).
+        last: modules only the last stage holds (final norm, LM head).
+    """
+
+    layers: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+
+
+_DECODER = StageSplit("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+
+#: model_type -> how its decoder splits into stages
+SPLITS: dict[str, StageSplit] = {
+    **dict.fromkeys(
+        (
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+            "phi3",
+            "stablelm",
+            "olmo",
+            "olmo2",
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "olmoe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "gpt_oss",
+        ),
+        _DECODER,
+    ),
+    "gpt2": StageSplit(
+        "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")
+    ),
+    "gpt_neox": StageSplit(
+        "gpt_neox.layers", ("gpt_neox.embed_in",), ("gpt_neox.final_layer_norm", "lm_head")
+    ),
+    "falcon": StageSplit(
+        "transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")
+    ),
+}
+
+
+# ====================================================================== stage modules
+class _Skip(nn.Module):
+    """A layer another stage holds: passes its hidden-states input through (never with
+    parameters; what it passes is replaced at this stage's first own layer)."""
+
+    def forward(self, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states
+
+
+class _Zeros(nn.Module):
+    """An embedding another stage holds: zeros of the hidden size (replaced before they are
+    used)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class _Absent(nn.Module):
+    """A module only the last stage holds; reaching it on another stage is a bug."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.what = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"pipeline: {self.what} ran on a stage that does not hold it (the stage's last layer "
+            "should have ended its forward). Fix: report this as a fastdist bug"
+        )
+
+
+_PLACEHOLDERS = (_Skip, _Zeros, _Absent)
+
+
+class _Handoff(Exception):  # noqa: N818 - control flow, not an error
+    """Ends a non-last stage's forward at its last layer, carrying that layer's output."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+#: the keyword under which a stage module receives its input activation
+STAGE_INPUT = "fastdist_stage_input"
+
+
+class StageHooks:
+    """The hooks that make a copy of the model one stage: take the received activation at the
+    first own layer, hand the last own layer's output on."""
+
+    def __init__(self, module: nn.Module, first: nn.Module | None, last: nn.Module | None) -> None:
+        self.received: Tensor | None = None
+        self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
+        if first is not None:
+            self.handles.append(
+                first.register_forward_pre_hook(self._substitute, with_kwargs=True, prepend=True)
+            )
+        if last is not None:
+            self.handles.append(last.register_forward_hook(self._hand_on))
+            model_forward = module.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                # inside the (simulated) rank's call: the handoff's tensor is this rank's output
+                try:
+                    return model_forward(*args, **kwargs)
+                except _Handoff as h:
+                    return h.hidden
+
+            module.forward = forward
+
+    def _take(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        self.received = kwargs.pop(STAGE_INPUT, None)
+        return args, kwargs
+
+    def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        x, self.received = self.received, None
+        if x is None:
+            raise PipelineError(
+                "pipeline: a stage after the first ran without the previous stage's activation. "
+                "Fix: report this as a fastdist bug"
+            )
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
+        raise _Handoff(out[0] if isinstance(out, (tuple, list)) else out)
+
+
+def family_split(model: nn.Module) -> tuple[str, StageSplit]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    split = SPLITS.get(model_type) if isinstance(model_type, str) else None
+    if split is None:
+        raise PipelineError(
+            f"pipeline: no stage split for {type(model).__name__} (model_type={model_type!r}). "
+            f"Fix: use one of {sorted(SPLITS)}, or add a StageSplit(layers=..., first=..., "
+            "last=...) for it with split=..."
+        )
+    return str(model_type), split
+
+
+def split_model(
+    model: nn.Module, split: StageSplit, ranges: Sequence[range], keep: Sequence[int]
+) -> dict[int, nn.Module]:
+    """Stage modules ``{stage: copy of the model's skeleton holding its layers}`` for the stages
+    in ``keep``; every parameter of ``model`` must belong to a layer or an end module."""
+    layers = decoder_layers(model, split)
+    try:
+        ends = {n: model.get_submodule(n) for n in (*split.first, *split.last)}
+    except AttributeError as e:
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} lacks a module its split names ({e}). Fix: pass "
+            f"split= naming its first-stage and last-stage modules"
+        ) from None
+    n_layers = len(layers)
+    if ranges[-1].stop != n_layers:
+        raise PipelineError(
+            f"pipeline: the stages cover {ranges[-1].stop} layers, {split.layers} holds "
+            f"{n_layers}. Fix: layers_per_stage= summing to {n_layers}"
+        )
+    owner: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where = next(
+            (
+                part
+                for part in (split.layers, *split.first, *split.last)
+                if name.startswith(part + ".")
+            ),
+            None,
+        )
+        if where is None:
+            raise PipelineError(
+                f"pipeline: parameter {name} of {type(model).__name__} belongs to no stage "
+                f"(not in {split.layers}, {split.first} or {split.last}). Fix: pass split= "
+                "with the module holding it among first= or last="
+            )
+        ends_of = "first" if where in split.first else "last" if where in split.last else where
+        if owner.setdefault(id(p), ends_of) != ends_of and len(ranges) > 1:
+            raise PipelineError(
+                f"pipeline: parameter {name} is shared by the first and the last stage (tied "
+                "input and output embeddings): fastdist's pipeline does not sum a tied weight's "
+                "gradient across stages yet. Fix: build the model with "
+                "tie_word_embeddings=False (and copy the weight), or run without a pipeline axis"
+            )
+    emb = ends[split.first[0]]
+    weight = getattr(emb, "weight", None)
+    if weight is None:
+        raise PipelineError(
+            f"pipeline: {split.first[0]} has no weight to size the hidden states by. Fix: pass "
+            "split= whose first module is the token embedding"
+        )
+    dim, dtype = int(weight.shape[-1]), weight.dtype
+    own = list(layers)
+    # the skeleton: the model without its layers and ends (a cheap copy)
+    stubs: dict[str, nn.Module] = {
+        **{n: _Zeros(dim, dtype) for n in split.first},
+        **{n: _Absent(n) for n in split.last},
+    }
+
+    def put(root: nn.Module, name: str, module: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent) if parent else root, child, module)
+
+    put(model, split.layers, nn.ModuleList([_Skip() for _ in own]))
+    for n, stub in stubs.items():
+        put(model, n, stub)
+    try:
+        skeleton = copy.deepcopy(model)
+    finally:
+        put(model, split.layers, layers)
+        for n, m in ends.items():
+            put(model, n, m)
+    stages: dict[int, nn.Module] = {}
+    for j in keep:
+        st = copy.deepcopy(skeleton)
+        lst = st.get_submodule(split.layers)
+        assert isinstance(lst, nn.ModuleList)
+        for i in ranges[j]:
+            lst[i] = own[i]
+        if j == 0:
+            for n in split.first:
+                put(st, n, ends[n])
+        if j == len(ranges) - 1:
+            for n in split.last:
+                put(st, n, ends[n])
+        stages[j] = st
+    return stages
+
+
+def stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
+    """The plan's entries that match a module this stage holds (not a placeholder)."""
+    from fastdist.nn.parallelize import pattern_matches
+
+    real = [n for n, m in module.named_modules() if not isinstance(m, _PLACEHOLDERS)]
+    return {p: v for p, v in plan.items() if any(pattern_matches(p, n) for n in real)}
+
+
+def retire(model: nn.Module) -> None:
+    """The model given to `pipeline` lends its layers and ends to the stages, which parallelize
+    them in place: called afterwards it would run a mix of both. Its calls raise instead."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"{type(model).__name__} was taken apart by fastdist.train.pipeline: its layers now "
+            "belong to the pipeline's stages (parallelized in place). Fix: call the Pipeline "
+            "(pipe.step), and build the optimizer from pipe.parameters(); for a one-device "
+            "model, copy.deepcopy it before pipeline()"
+        )
+
+    model.forward = forward
+
+
+def decoder_layers(model: nn.Module, split: StageSplit) -> nn.ModuleList:
+    try:
+        layers = model.get_submodule(split.layers)
+    except AttributeError:
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} has no module {split.layers!r} (the decoder "
+            "layers). Fix: pass split= naming its layer list"
+        ) from None
+    if not isinstance(layers, nn.ModuleList):
+        raise PipelineError(
+            f"pipeline: {split.layers} of {type(model).__name__} is a {type(layers).__name__}, "
+            "not an nn.ModuleList of decoder layers. Fix: pass split= naming the layer list"
+        )
+    return layers
