@@ -1,4 +1,4 @@
-"""Small-object broadcast: fastdist.serving.mq.MessageQueue vs fastdist.broadcast_object over
+"""Small-object broadcast: fastdist.serving.serving.MessageQueue vs fastdist.broadcast_object over
 gloo, 4 processes.
 
     python benchmarks/mq.py            # about 30 s
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastdist as fd
-from fastdist.serving import mq
+from fastdist import serving
 
 WORLD = 4
 
@@ -50,7 +50,7 @@ def _obj(i: int) -> dict[str, Any]:
     }
 
 
-def _stream_mq(q: mq.MessageQueue, mesh: fd.Mesh, k: int) -> float:
+def _stream_mq(q: serving.MessageQueue, mesh: fd.Mesh, k: int) -> float:
     fd.barrier(mesh)
     t0 = time.perf_counter()
     for i in range(k):
@@ -69,9 +69,9 @@ def _stream_gloo(mesh: fd.Mesh, k: int) -> float:
 
 
 def _rtt_mq(
-    q: mq.MessageQueue,
-    mine: mq.MessageQueue | None,
-    theirs: list[mq.MessageQueue | None],
+    q: serving.MessageQueue,
+    mine: serving.MessageQueue | None,
+    theirs: list[serving.MessageQueue | None],
     mesh: fd.Mesh,
     k: int,
 ) -> float:
@@ -107,13 +107,13 @@ def _worker(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     mesh = fd.connect(tp=WORLD, timeout=60)
-    nodes = mq.node_info(
+    nodes = serving.node_info(
         mesh,
         "tp",
         hostname=("host-b" if rank == WORLD - 1 else "host-a") if socket_reader else None,
     )
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, nodes=nodes, timeout=60)
-    mine, theirs = mq.create_single_reader_mq_broadcasters(
+    q = serving.MessageQueue.create(mesh, "tp", writer=0, nodes=nodes, timeout=60)
+    mine, theirs = serving.create_single_reader_mq_broadcasters(
         mesh, "tp", reader=0, nodes=nodes, timeout=60
     )
     for _ in range(2):  # warm up both

@@ -27,9 +27,9 @@ def unknown_names(code: str) -> list[str]:
     holds = {
         "mesh": fd.Mesh,
         "mesh2": fd.Mesh,
-        "q": fd.serving.mq.MessageQueue,
-        "mine": fd.serving.mq.MessageQueue,
-        "info": fd.serving.mq.NodeInfo,
+        "q": fd.serving.MessageQueue,
+        "mine": fd.serving.MessageQueue,
+        "info": fd.serving.NodeInfo,
         "pm": fd.nn.ParallelModel,
         "ctx": fd.GraphCaptureContext,
     }

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fastdist as fd
-from fastdist.serving import mq
+from fastdist import serving
 
 N_MESSAGES = 10_000
 TIMEOUT = 3.0  # the queues' per-call timeout in the failure scenarios
@@ -55,15 +55,15 @@ def _mesh(timeout: float = 30) -> fd.Mesh:
     return fd.connect(tp=dist.get_world_size(), timeout=timeout)
 
 
-def _nodes(mesh: fd.Mesh, rank: int, remote: int | None) -> mq.NodeInfo:
+def _nodes(mesh: fd.Mesh, rank: int, remote: int | None) -> serving.NodeInfo:
     """Pretend ``remote`` runs on another host (so it reads over the socket)."""
-    return mq.node_info(mesh, "tp", hostname="host-b" if rank == remote else "host-a")
+    return serving.node_info(mesh, "tp", hostname="host-b" if rank == remote else "host-a")
 
 
 def stream(rank: int, out: Path) -> Any:
     """10,000 mixed messages; readers 1, 2 through shared memory, reader 3 through the socket."""
     mesh = _mesh()
-    q = mq.MessageQueue.create(
+    q = serving.MessageQueue.create(
         mesh,
         "tp",
         writer=0,
@@ -93,7 +93,7 @@ def stream(rank: int, out: Path) -> Any:
         try:
             q.dequeue(timeout=10)
             closed = "no error"
-        except mq.QueueClosedError as e:
+        except serving.QueueClosedError as e:
             closed = str(e)
         q.close()
     return {
@@ -111,7 +111,7 @@ def writer_dies(rank: int, out: Path) -> Any:
     """The writer SIGKILLs itself after 300 messages; every reader must get all 300, then
     PeerLostError naming rank 0."""
     mesh = _mesh()
-    q = mq.MessageQueue.create(
+    q = serving.MessageQueue.create(
         mesh,
         "tp",
         writer=0,
@@ -145,7 +145,7 @@ def reader_dies(rank: int, out: Path, victim: int) -> Any:
     """Reader ``victim`` SIGKILLs itself after 50 messages; the writer must raise PeerLostError
     naming it."""
     mesh = _mesh()
-    q = mq.MessageQueue.create(
+    q = serving.MessageQueue.create(
         mesh,
         "tp",
         writer=0,
@@ -180,7 +180,7 @@ def reader_dies(rank: int, out: Path, victim: int) -> Any:
             if rank == victim and got == 50:
                 (out / "killed.txt").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
-    except mq.QueueClosedError:
+    except serving.QueueClosedError:
         return {"got": got, "type": "QueueClosedError"}
 
 
@@ -188,20 +188,20 @@ def locality(rank: int, out: Path) -> Any:
     """node_info / local_device on one host; the single-reader variant; non-blocking modes; a
     per-call timeout."""
     mesh = _mesh()
-    info = mq.node_info(mesh)
+    info = serving.node_info(mesh)
     res: dict[str, Any] = {
         "local_rank": info.local_rank,
         "local_size": info.local_size,
         "nodes": info.nodes,
         "single_host": info.single_host,
-        "device": str(mq.local_device(info)),
+        "device": str(serving.local_device(info)),
         "same_as_0": info.same_host_as(0),
     }
     fake = _nodes(mesh, rank, 3)
     res["fake_nodes"], res["fake_local"] = fake.nodes, (fake.local_rank, fake.local_size)
     # single reader: ranks 1..3 each write to rank 0 (rank 3 over the socket); one message larger
     # than a slot
-    mine, theirs = mq.create_single_reader_mq_broadcasters(
+    mine, theirs = serving.create_single_reader_mq_broadcasters(
         mesh, "tp", reader=0, nodes=fake, max_chunk_bytes=1024, max_chunks=2, timeout=20
     )
     if mine is not None:
@@ -218,7 +218,7 @@ def locality(rank: int, out: Path) -> Any:
             if q is not None:
                 q.close()
     # non-blocking and timeouts
-    q = mq.MessageQueue.create(
+    q = serving.MessageQueue.create(
         mesh, "tp", writer=0, nodes=fake, max_chunks=2, max_chunk_bytes=1024, timeout=20
     )
     fd.barrier(mesh)
@@ -226,7 +226,7 @@ def locality(rank: int, out: Path) -> Any:
         try:
             q.dequeue(block=False)
             res["empty"] = "no error"
-        except mq.QueueEmpty as e:
+        except serving.QueueEmpty as e:
             res["empty"] = str(e)
         t0 = time.monotonic()
         try:
@@ -241,7 +241,7 @@ def locality(rank: int, out: Path) -> Any:
         try:
             q.enqueue(3, block=False)
             res["full"] = "no error"
-        except mq.QueueFull as e:
+        except serving.QueueFull as e:
             res["full"] = str(e)
         try:
             q.dequeue()
@@ -266,8 +266,8 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
     """
     mesh = _mesh()
     res: dict[str, Any] = {}
-    same = mq.node_info(mesh, "tp")
-    q = mq.MessageQueue.create(
+    same = serving.node_info(mesh, "tp")
+    q = serving.MessageQueue.create(
         mesh,
         "tp",
         writer=0,
@@ -300,12 +300,12 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
         res["read"].append(q.dequeue())
         try:
             q.dequeue(timeout=20)
-        except mq.QueueClosedError as e:
+        except serving.QueueClosedError as e:
             res["after_close"] = str(e)
     q.close()
     # B: reader 3 on "another host" does not read a message larger than the socket buffers
     fake = _nodes(mesh, rank, 3)
-    q = mq.MessageQueue.create(mesh, "tp", writer=0, readers=[3], nodes=fake, timeout=20)
+    q = serving.MessageQueue.create(mesh, "tp", writer=0, readers=[3], nodes=fake, timeout=20)
     if q.is_writer:
         big = bytes(BIG)
         t0 = time.monotonic()
@@ -322,7 +322,7 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
             res["sock_broken"], res["sock_broken_type"] = str(e), type(e).__name__
     _close_then_read(mesh, q, res, "sock_reader")
     # C: shared memory, a 5-slot message into a 2-slot ring that reader 2 does not drain
-    q = mq.MessageQueue.create(
+    q = serving.MessageQueue.create(
         mesh,
         "tp",
         writer=0,
@@ -393,7 +393,7 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
         D.all_gather_object = dies_after_making_the_segment  # type: ignore[assignment]
     t0 = time.monotonic()
     try:
-        mq.MessageQueue.create(
+        serving.MessageQueue.create(
             mesh, "tp", writer=0, nodes=nodes, max_chunks=2, max_chunk_bytes=1024, timeout=5
         )
         res: dict[str, Any] = {"type": None}

@@ -103,7 +103,7 @@ def test_profile_check_smoke_run() -> None:
 
 
 def test_mq_benchmark_smoke_run(tmp_path: Path) -> None:
-    """benchmarks/mq.py --quick: fastdist.serving.mq.MessageQueue vs broadcast_object over gloo on 4
+    """benchmarks/mq.py --quick: fastdist.serving.MessageQueue vs broadcast_object over gloo on 4
     processes, ratios reported."""
     proc = _run_quick("mq.py", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "mq.json").read_text())

@@ -50,7 +50,7 @@ API_MODULES = (  # the modules whose ``__all__`` is the public API (docs/_ext/cr
     "fastdist.nn.moe_plans",
     "fastdist.train",
     "fastdist.train.schedules",
-    "fastdist.serving.mq",
+    "fastdist.serving",
     "fastdist.profile",
     "fastdist.comm.native",
     "fastdist.testing",
@@ -128,8 +128,8 @@ def test_built_site_reads_right(site: Path) -> None:
     assert prompts >= 80 and prompts == api.count("&gt;&gt;&gt;")
     prose = re.sub(r"<(pre|code)\b.*?</\1>", "", api, flags=re.DOTALL)
     assert not re.search(r"\w::\s*</p>", prose), "an Example:: literal block rendered as prose"
-    mq = _api_pages(site)["mq"]
-    example = re.search(r"Example \(every rank.*?</pre>", mq, flags=re.DOTALL)
+    serving = _api_pages(site)["serving"]
+    example = re.search(r"Example \(every rank.*?</pre>", serving, flags=re.DOTALL)
     assert example and '<span class="n">MessageQueue</span>' in example.group(0)
     # internal helpers are not API
     assert "rank_binding" not in api and "fastdist.sim.simulate.promote" not in api

@@ -20,7 +20,7 @@ import torch
 import fastdist as fd
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch._dynamo", "torch.distributed.checkpoint", "transformers", "fastdist.serving.mq")
+HEAVY = ("torch._dynamo", "torch.distributed.checkpoint", "transformers", "fastdist.serving.queue")
 
 
 def _loaded(code: str, *modules: str) -> list[str]:
@@ -44,7 +44,7 @@ def test_import_fastdist_imports_no_torch_and_first_use_nothing_heavy() -> None:
     core = "import fastdist as fd; fd.Mesh, fd.psum, fd.simulate, fd.spmd, fd.send, fd.all_gather_v"
     assert _loaded(core, *HEAVY, "fastdist.nn", "fastdist.train") == []
     assert _loaded("import fastdist.nn", *HEAVY, "fastdist.train") == []
-    assert _loaded("import fastdist as fd; fd.serving", *HEAVY) == ["fastdist.serving.mq"]
+    assert _loaded("import fastdist as fd; fd.serving", *HEAVY) == ["fastdist.serving.queue"]
 
 
 def test_python_m_fastdist_help_imports_no_torch() -> None:

@@ -1,4 +1,4 @@
-"""fastdist.serving.mq on 4 real processes: delivery, failures (never a hang, never a silent loss),
+"""fastdist.serving on 4 real processes: delivery, failures (never a hang, never a silent loss),
 /dev/shm hygiene, node locality.
 
 Each scenario runs ``tests/mq_worker.py`` on 4 processes under a hard wall timeout.
@@ -21,7 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from fastdist import errors as fd_errors
-from fastdist.serving import mq
+from fastdist import serving
+from fastdist.serving import shm_ring
 
 from .mq_worker import N_MESSAGES, SHORT, TIMEOUT
 
@@ -89,7 +90,7 @@ def run(scenario: str, out: Path, world: int = 4) -> tuple[list[Any], list[int],
     # segment is unlinked by its resource tracker, which may take a moment after the kill
     give_up = time.monotonic() + 5.0
     while (
-        left := [f for p in procs for f in glob.glob(f"/dev/shm/{mq._SHM_PREFIX}{p.pid}_*")]
+        left := [f for p in procs for f in glob.glob(f"/dev/shm/{shm_ring.SHM_PREFIX}{p.pid}_*")]
     ) and time.monotonic() < give_up:
         time.sleep(0.05)
     assert not left, f"{scenario} left shared-memory segments behind: {left}"
@@ -246,7 +247,7 @@ def test_crash_before_readers_attach_leaves_no_segment(who: int, tmp_path: Path)
     values, codes, texts = run(f"setup_crash:{who}", tmp_path)
     assert codes[who] == -9
     segment = (tmp_path / "segment.txt").read_text()
-    assert segment.startswith(mq._SHM_PREFIX) and not os.path.exists(f"/dev/shm/{segment}")
+    assert segment.startswith(shm_ring.SHM_PREFIX) and not os.path.exists(f"/dev/shm/{segment}")
     for r in range(4):
         if r == who:
             continue
@@ -265,14 +266,16 @@ def test_local_device_cuda_branch(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     hosts = ("node-a",) * 8 + ("node-b",) * 8
-    info = mq.NodeInfo(None, tuple(range(16)), 9, hosts, hosts, tuple((1, None) for _ in range(16)))
+    info = serving.NodeInfo(
+        None, tuple(range(16)), 9, hosts, hosts, tuple((1, None) for _ in range(16))
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert mq.local_device(info) == torch.device("cuda", 1)
-    assert mq.local_device(info, "cpu") == torch.device("cpu")
+    assert serving.local_device(info) == torch.device("cuda", 1)
+    assert serving.local_device(info, "cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(fd_errors.MeshError) as e:
-        mq.local_device(info)
+        serving.local_device(info)
     msg = str(e.value)
     assert (
         "rank 9 is local rank 1 of 8 on host 'node-b', which has 1 cuda device(s)" in msg
@@ -292,12 +295,12 @@ npu.device_count = lambda: 4
 torch._register_device_module("npu", npu)
 torch.cuda.is_available = lambda: False
 from fastdist import MeshError
-from fastdist.serving import mq
+from fastdist import serving
 hosts = ("a",) * 8
-info = mq.NodeInfo(None, tuple(range(8)), 3, hosts, hosts, tuple((1, None) for _ in range(8)))
-print("DEVICE", mq.local_device(info))
+info = serving.NodeInfo(None, tuple(range(8)), 3, hosts, hosts, tuple((1, None) for _ in range(8)))
+print("DEVICE", serving.local_device(info))
 try:
-    mq.local_device(mq.NodeInfo(None, tuple(range(8)), 5, hosts, hosts, info.pids))
+    serving.local_device(serving.NodeInfo(None, tuple(range(8)), 5, hosts, hosts, info.pids))
 except MeshError as e:
     print("ERROR", e)
 """

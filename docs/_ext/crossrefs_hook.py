@@ -25,7 +25,7 @@ MODULES = (
     "fastdist.nn.moe_plans",
     "fastdist.train",
     "fastdist.train.schedules",
-    "fastdist.serving.mq",
+    "fastdist.serving",
     "fastdist.profile",
     "fastdist.comm.native",
     "fastdist.testing",
@@ -92,7 +92,8 @@ def identifier(code: str, bare: dict[str, str]) -> str | None:
         return None
     dotted = m.group(1)
     head, _, rest = dotted.partition(".")
-    if code.startswith(("fd.", "fastdist.")) or head in ("nn", "mq", "train", "profile", "testing"):
+    subpackages = ("nn", "serving", "train", "profile", "testing")
+    if code.startswith(("fd.", "fastdist.")) or head in subpackages:
         target = f"fastdist.{dotted}"
     elif head in bare:
         target = bare[head] + (f".{rest}" if rest else "")

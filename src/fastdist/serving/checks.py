@@ -1,0 +1,81 @@
+"""The argument checks of the message queue's setup: each names the caller, the axis and the fix,
+and raises :class:`~fastdist.CollectiveError` on every rank before anything is made."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastdist.errors import CollectiveError
+
+__all__ = ["check_index", "check_options", "check_readers"]
+
+
+def check_options(
+    op: str, label: Any, max_chunk_bytes: int, max_chunks: int, timeout: float
+) -> None:
+    """Refuse a slot size or count that is not a positive int, or a timeout that is not positive
+    seconds.
+
+    Args:
+        op: the public name of the caller.
+        label: the axis the errors name.
+        max_chunk_bytes: the size of one slot.
+        max_chunks: how many slots.
+        timeout: the queue's default timeout in seconds.
+    """
+    for arg, v in (("max_chunk_bytes", max_chunk_bytes), ("max_chunks", max_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CollectiveError(
+                op, label, f"{arg}={v!r} is not a positive int", f"pass {arg} >= 1"
+            )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise CollectiveError(
+            op, label, f"timeout={timeout!r} is not positive seconds", "pass timeout > 0"
+        )
+
+
+def check_index(op: str, label: Any, n: int, arg: str, value: int) -> None:
+    """Refuse ``value`` (the argument ``arg``) unless it is an index along an axis of ``n`` ranks.
+
+    Args:
+        op: the public name of the caller.
+        label: the axis the error names.
+        n: the axis size.
+        arg: the argument's name (``"writer"``, ``"reader"``).
+        value: what was passed.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise CollectiveError(
+            op,
+            label,
+            f"{arg}={value!r} is not an index along the axis (size {n})",
+            f"use 0..{n - 1}",
+        )
+
+
+def check_readers(
+    op: str, label: Any, n: int, writer: int, readers: Sequence[int] | None
+) -> tuple[int, ...]:
+    """The checked reader indices of a queue written by ``writer`` on an axis of ``n`` ranks.
+
+    Args:
+        op: the public name of the caller.
+        label: the axis the errors name.
+        n: the axis size.
+        writer: the writer's index.
+        readers: the readers' indices; ``None``: every index but the writer's.
+    """
+    check_index(op, label, n, "writer", writer)
+    rd = tuple(i for i in range(n) if i != writer) if readers is None else tuple(readers)
+    if any(
+        isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n or r == writer for r in rd
+    ) or len(set(rd)) != len(rd):
+        raise CollectiveError(
+            op,
+            label,
+            f"readers={list(rd)} must be distinct indices along the axis other than the "
+            f"writer {writer}",
+            f"use indices in 0..{n - 1}",
+        )
+    return rd
