@@ -139,8 +139,8 @@ def pop_check() -> None:
 
 
 def routing_policy() -> Any:
-    """The innermost MoE routing policy installed on this thread (``fastdist.nn.moe.RoutingPolicy``),
-    else None: the routed layers then run as written."""
+    """The innermost MoE routing policy installed on this thread
+    (``fastdist.nn.moe.RoutingPolicy``), else None: the routed layers then run as written."""
     return _RUNNING.routings[-1] if _RUNNING.routings else None
 
 
@@ -210,7 +210,9 @@ class CollectiveObservers:
         """Run one collective through every observer (``run``: the collective itself)."""
         for observer in self.active:
 
-            def step(observer: CollectiveObserver = observer, inner: Callable[[], Tensor] = run) -> Tensor:
+            def step(
+                observer: CollectiveObserver = observer, inner: Callable[[], Tensor] = run
+            ) -> Tensor:
                 return observer(prim, stacked, tensors, spec, params, inner)
 
             run = step
