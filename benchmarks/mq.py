@@ -1,5 +1,5 @@
-"""Small-object broadcast: fastdist.serving.serving.MessageQueue vs fastdist.broadcast_object over
-gloo, 4 processes.
+"""Small-object broadcast: fastdist.serving.serving.MessageQueue vs fastdist.comm.broadcast_object
+over gloo, 4 processes.
 
     python benchmarks/mq.py            # about 30 s
     python benchmarks/mq.py --quick    # few messages (the smoke test)
@@ -51,20 +51,20 @@ def _obj(i: int) -> dict[str, Any]:
 
 
 def _stream_mq(q: serving.MessageQueue, mesh: fd.Mesh, k: int) -> float:
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     t0 = time.perf_counter()
     for i in range(k):
         q.broadcast_object(_obj(i) if q.is_writer else None)
-    fd.barrier(mesh)  # every rank has all k
+    fd.comm.barrier(mesh)  # every rank has all k
     return (time.perf_counter() - t0) / k
 
 
 def _stream_gloo(mesh: fd.Mesh, k: int) -> float:
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     t0 = time.perf_counter()
     for i in range(k):
-        fd.broadcast_object(_obj(i) if mesh.rank == 0 else None, mesh, "tp", src=0)
-    fd.barrier(mesh)
+        fd.comm.broadcast_object(_obj(i) if mesh.rank == 0 else None, mesh, "tp", src=0)
+    fd.comm.barrier(mesh)
     return (time.perf_counter() - t0) / k
 
 
@@ -75,7 +75,7 @@ def _rtt_mq(
     mesh: fd.Mesh,
     k: int,
 ) -> float:
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     t0 = time.perf_counter()
     for i in range(k):
         if q.is_writer:
@@ -87,17 +87,17 @@ def _rtt_mq(
             step = q.dequeue()
             assert mine is not None
             mine.enqueue(step["step"])
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     return (time.perf_counter() - t0) / k
 
 
 def _rtt_gloo(mesh: fd.Mesh, k: int) -> float:
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     t0 = time.perf_counter()
     for i in range(k):
-        step = fd.broadcast_object(_obj(i) if mesh.rank == 0 else None, mesh, "tp", src=0)
-        fd.all_gather_object(step["step"], mesh, "tp")
-    fd.barrier(mesh)
+        step = fd.comm.broadcast_object(_obj(i) if mesh.rank == 0 else None, mesh, "tp", src=0)
+        fd.comm.all_gather_object(step["step"], mesh, "tp")
+    fd.comm.barrier(mesh)
     return (time.perf_counter() - t0) / k
 
 
@@ -136,7 +136,7 @@ def _worker(
     for t in [mine, *theirs]:
         if t is not None:
             t.close()
-    every = fd.all_gather_object(rows, mesh, "tp")
+    every = fd.comm.all_gather_object(rows, mesh, "tp")
     if rank == 0:
         # per round, the slowest rank's time (a broadcast is done when every rank has it)
         agg = {key: [max(e[key][i] for e in every) for i in range(rounds)] for key in rows}

@@ -3,7 +3,7 @@
     python benchmarks/native_gpu.py [--library /path/libnccl.so.2] [--iters 200]
 
 On a one-GPU world it runs every op of :class:`fastdist.comm.native.NativeCommunicator` through the
-real NCCL, eagerly and inside ``torch.cuda.graph`` capture set up by ``fastdist.graph_capture``
+real NCCL, eagerly and inside ``torch.cuda.graph`` capture set up by ``fastdist.comm.graph_capture``
 (then replayed with new inputs), and
 checks the values; then it times small all-reduces: ctypes NCCL eager, torch's NCCL process
 group eager, and ctypes NCCL replayed from a CUDA graph, printed as ratios to torch's time.
@@ -66,7 +66,7 @@ def run_graph(comm: object, mesh: fastdist.Mesh, dev: torch.device, failures: li
     g = torch.cuda.CUDAGraph()
     # graph_capture: the mesh's groups exist before capture, and the block runs on a side stream
     # that waits for the current one (capture cannot run on the default stream)
-    with fastdist.graph_capture(mesh, device=dev) as ctx:
+    with fastdist.comm.graph_capture(mesh, device=dev) as ctx:
         comm.all_reduce("psum", static, "sum")  # warm up on the capture stream
         with torch.cuda.graph(g, stream=ctx.stream):
             outs = {
@@ -109,7 +109,7 @@ def bench(comm: object, mesh: fastdist.Mesh, dev: torch.device, iters: int) -> N
     t_native = timed(lambda: comm.all_reduce("psum", x, "sum"))
     g = torch.cuda.CUDAGraph()
     k = 32
-    with fastdist.graph_capture(mesh, device=dev) as ctx:
+    with fastdist.comm.graph_capture(mesh, device=dev) as ctx:
         comm.all_reduce("psum", x, "sum")  # warm up on the capture stream
         with torch.cuda.graph(g, stream=ctx.stream):
             for _ in range(k):
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     print("eager ops:")
     run_ops(comm, dev, failures)
-    print("inside torch.cuda.graph (fastdist.graph_capture's stream):")
+    print("inside torch.cuda.graph (fastdist.comm.graph_capture's stream):")
     run_graph(comm, mesh, dev, failures)
     bench(comm, mesh, dev, args.iters)
     print("closed within 5 s:", comm.close(timeout=5.0))

@@ -46,13 +46,13 @@ def main() -> int:
         (xl.grad - rearrange(ref[0].grad, "(dp b) d -> dp b d", dp=dp)[d]).abs().max().item(),
         (dW1 - rearrange(ref[1].grad, "d (tp h) -> tp d h", tp=tp)[t]).abs().max().item(),
     )
-    worst = max(fd.all_gather_object(diff, mesh))
+    worst = max(fd.comm.all_gather_object(diff, mesh))
     if rank == 0:
         print(
             f"tp_mlp on {mesh!r}: loss of dp replica 0 = {loss.item():.6f}, max grad diff over "
             f"ranks = {worst:.2e}"
         )
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     dist.destroy_process_group()
     return 0 if worst < 1e-10 else 1
 

@@ -237,7 +237,7 @@ def compiled(rank: int, world: int) -> str:
     fd.comm.reset(late)  # the compiled step is traced again, on the new groups
     assert f(torch.tensor([float(rank)])).item() == want
     names = {str(pg.group_name) for pg in late._comm._groups.values()}
-    fd.barrier(late)
+    fd.comm.barrier(late)
     assert names == {f"fastdist.dp1_tp{world}.2.e1.{'-'.join(map(str, range(world)))}.gloo"}, (
         names
     )  # the third mesh of this shape, epoch 1
@@ -484,13 +484,13 @@ def check_mode(rank: int, world: int) -> dict[str, Any]:
 @scenario
 def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
     mesh = fd.connect(tp=world, timeout=30)
-    fd.barrier(mesh)  # everyone arrives
+    fd.comm.barrier(mesh)  # everyone arrives
     if rank == world - 1:
         time.sleep(6)
         return {"skipped": True}
     t0 = time.monotonic()
     try:
-        fd.barrier(mesh, "tp", timeout=2)
+        fd.comm.barrier(mesh, "tp", timeout=2)
     except fd.CollectiveTimeout as e:
         return {"msg": str(e), "elapsed": time.monotonic() - t0}
     return {"msg": None}
@@ -526,7 +526,8 @@ def subset_first(rank: int, world: int) -> dict[str, Any]:
         meta = None
     except fd.NoBackendError as e:
         meta = str(e)
-    fd.barrier(mesh)  # rank 0 hosts the store: it must not exit while the others still make groups
+    # rank 0 hosts the store: it must not exit while the others still make groups
+    fd.comm.barrier(mesh)
     return {"elapsed": elapsed, "names": names, "meta": meta}
 
 
@@ -580,7 +581,7 @@ def recover(rank: int, world: int) -> dict[str, Any]:
 def stateless_host_exits(rank: int, world: int) -> dict[str, Any]:
     """The process hosting a StatelessGroup's store exits: the others learn that the connection
     closed, at once."""
-    g = fd.StatelessGroup.create(
+    g = fd.comm.StatelessGroup.create(
         "127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=20
     )
     g.barrier()
@@ -603,41 +604,43 @@ def stateless_host_exits(rank: int, world: int) -> dict[str, Any]:
 @scenario
 def objects(rank: int, world: int) -> str:
     mesh = fd.connect(tp=world)
-    assert fd.broadcast_object({"from": rank}, mesh, "tp", src=1) == {"from": 1}
-    assert fd.all_gather_object(("r", rank), mesh) == [("r", r) for r in range(world)]
+    assert fd.comm.broadcast_object({"from": rank}, mesh, "tp", src=1) == {"from": 1}
+    assert fd.comm.all_gather_object(("r", rank), mesh) == [("r", r) for r in range(world)]
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     # even ranks send first, odd ranks receive first: no deadlock for any world size
     if rank % 2 == 0:
-        fd.send_object([rank] * 3, mesh, "tp", dst=nxt)
-        got = fd.recv_object(mesh, "tp", src=prv)
+        fd.comm.send_object([rank] * 3, mesh, "tp", dst=nxt)
+        got = fd.comm.recv_object(mesh, "tp", src=prv)
     else:
-        got = fd.recv_object(mesh, "tp", src=prv)
-        fd.send_object([rank] * 3, mesh, "tp", dst=nxt)
+        got = fd.comm.recv_object(mesh, "tp", src=prv)
+        fd.comm.send_object([rank] * 3, mesh, "tp", dst=nxt)
     assert got == [prv] * 3
     d = {"x": torch.arange(6.0).reshape(2, 3) + rank, "ids": torch.tensor([rank]), "step": 7}
-    got_d = fd.broadcast_tensor_dict(d if rank == 0 else None, mesh, "tp", src=0)
+    got_d = fd.comm.broadcast_tensor_dict(d if rank == 0 else None, mesh, "tp", src=0)
     assert (
         got_d["step"] == 7
         and torch.equal(got_d["x"], torch.arange(6.0).reshape(2, 3))
         and got_d["ids"].tolist() == [0]
     )
     if rank == 0:
-        fd.send_tensor_dict(
+        fd.comm.send_tensor_dict(
             {"a": torch.ones(4, dtype=torch.int32), "note": "hi"}, mesh, "tp", dst=1
         )
-        fd.send(torch.full((2, 2), 5.0), mesh, "tp", dst=1)
+        fd.comm.send(torch.full((2, 2), 5.0), mesh, "tp", dst=1)
     elif rank == 1:
-        td = fd.recv_tensor_dict(mesh, "tp", src=0)
+        td = fd.comm.recv_tensor_dict(mesh, "tp", src=0)
         assert td["note"] == "hi" and td["a"].dtype == torch.int32 and td["a"].tolist() == [1] * 4
-        assert fd.recv(torch.empty(2, 2), mesh, "tp", src=0).tolist() == [[5.0, 5.0]] * 2
-    fd.barrier(mesh)
+        assert fd.comm.recv(torch.empty(2, 2), mesh, "tp", src=0).tolist() == [[5.0, 5.0]] * 2
+    fd.comm.barrier(mesh)
     return "ok"
 
 
 @scenario
 def stateless(rank: int, world: int) -> dict[str, Any]:
     port = int(os.environ["FASTDIST_TEST_STORE_PORT"])
-    g = fd.StatelessGroup.create("127.0.0.1", port, rank, world, timeout=20, data_expiration=0.5)
+    g = fd.comm.StatelessGroup.create(
+        "127.0.0.1", port, rank, world, timeout=20, data_expiration=0.5
+    )
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     for i in range(3):
         g.send_obj((rank, i), dst=nxt)
@@ -651,7 +654,7 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
     g.barrier()  # every member has expired its keys
     gone = not g.store.check([f"p2p/{prv}->{rank}/0"])
     # fresh counters: waits for an expired key
-    late = fd.StatelessGroup(g.store, rank, world, timeout=1.0)
+    late = fd.comm.StatelessGroup(g.store, rank, world, timeout=1.0)
     t0 = time.monotonic()
     try:
         late.recv_obj(src=prv)
@@ -746,10 +749,10 @@ def native_exchange(rank: int, world: int) -> dict[str, Any]:
     comm = NativeCommunicator.create(
         lib, n=world, index=rank, exchange=spy, label="tp", ranks=ac.ranks, rank=rank
     )
-    ids = fd.all_gather_object(seen[0], mesh)
+    ids = fd.comm.all_gather_object(seen[0], mesh)
     total = comm.all_reduce("psum", torch.tensor([float(rank)]), "sum").item()
     comm.close()
-    sg = fd.StatelessGroup.create(
+    sg = fd.comm.StatelessGroup.create(
         "127.0.0.1", int(os.environ["FASTDIST_TEST_STORE_PORT"]), rank, world, timeout=30
     )
     comm2 = NativeCommunicator.create(

@@ -31,7 +31,7 @@ def unknown_names(code: str) -> list[str]:
         "mine": fd.serving.MessageQueue,
         "info": fd.serving.NodeInfo,
         "pm": fd.nn.ParallelModel,
-        "ctx": fd.GraphCaptureContext,
+        "ctx": fd.comm.GraphCaptureContext,
     }
     roots: dict[str, object] = {"fd": fd, "fastdist": fd}
     bad = []

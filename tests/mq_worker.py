@@ -221,7 +221,7 @@ def locality(rank: int, out: Path) -> Any:
     q = serving.MessageQueue.create(
         mesh, "tp", writer=0, nodes=fake, max_chunks=2, max_chunk_bytes=1024, timeout=20
     )
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     if q.is_reader:
         try:
             q.dequeue(block=False)
@@ -234,7 +234,7 @@ def locality(rank: int, out: Path) -> Any:
             res["timeout"] = "no error"
         except fd.CollectiveTimeout as e:
             res["timeout"], res["timeout_s"] = str(e), time.monotonic() - t0
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     if q.is_writer:
         q.enqueue(1, block=False)
         q.enqueue(2, block=False)
@@ -247,10 +247,10 @@ def locality(rank: int, out: Path) -> Any:
             q.dequeue()
         except fd.CollectiveError as e:
             res["wrong_role"] = str(e)
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     if q.is_reader:
         res["read"] = [q.dequeue(), q.dequeue()]
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     q.enqueue(4) if q.is_writer else res.setdefault("read", []).append(q.broadcast_object())
     q.close()
     return res
@@ -282,7 +282,7 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
         q.enqueue("m1")
     elif rank == 1:
         res["read"] = [q.dequeue(), q.dequeue()]
-    fd.barrier(mesh)  # reader 1 read both; reader 2 read nothing: both slots are held
+    fd.comm.barrier(mesh)  # reader 1 read both; reader 2 read nothing: both slots are held
     if q.is_writer:
         t0 = time.monotonic()
         try:
@@ -290,10 +290,10 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
             res["shm"] = "no error"
         except fd.CollectiveTimeout as e:
             res["shm"], res["shm_s"] = str(e), time.monotonic() - t0
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     if rank == 2:
         res["read"] = [q.dequeue(), q.dequeue()]
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     if q.is_writer:
         q.enqueue("m2")  # the queue goes on after a timeout that sent nothing
     elif q.is_reader:
@@ -346,7 +346,7 @@ def enqueue_timeout(rank: int, out: Path) -> Any:
 def _close_then_read(mesh: Any, q: Any, res: dict[str, Any], key: str) -> None:
     """After a cut-off message: the writer closes; the reader's next dequeue must raise (recorded
     under ``key``)."""
-    fd.barrier(mesh)
+    fd.comm.barrier(mesh)
     if q.is_writer:
         q.close()
     elif q.is_reader:
@@ -380,7 +380,7 @@ def setup_crash(rank: int, out: Path, who: int) -> Any:
         # before attaching (the writer makes its segment, then finds this rank gone)
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == who == 0:
-        import fastdist.comm.distributed as D
+        import fastdist.serving.queue as D
 
         real = D.all_gather_object
 

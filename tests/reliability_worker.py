@@ -241,20 +241,22 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
     x = torch.ones(2)
     assert fd.psum(x, mesh, "tp").tolist() == [2.0, 2.0]
     errors = (fd.CommArgumentError,)
-    out["send_self"] = timed(lambda: fd.send(x, mesh, "tp", rank), *errors)
-    out["recv_self"] = timed(lambda: fd.recv(x, mesh, "tp", rank), *errors)
-    out["send_object_self"] = timed(lambda: fd.send_object(1, mesh, "tp", rank), *errors)
-    out["send_dict_self"] = timed(lambda: fd.send_tensor_dict({"x": x}, mesh, "tp", rank), *errors)
-    out["dst7"] = timed(lambda: fd.send(x, mesh, "tp", 7), *errors)
+    out["send_self"] = timed(lambda: fd.comm.send(x, mesh, "tp", rank), *errors)
+    out["recv_self"] = timed(lambda: fd.comm.recv(x, mesh, "tp", rank), *errors)
+    out["send_object_self"] = timed(lambda: fd.comm.send_object(1, mesh, "tp", rank), *errors)
+    out["send_dict_self"] = timed(
+        lambda: fd.comm.send_tensor_dict({"x": x}, mesh, "tp", rank), *errors
+    )
+    out["dst7"] = timed(lambda: fd.comm.send(x, mesh, "tp", 7), *errors)
     # no group was dropped: the mesh works without a reset, point to point included
     assert fd.psum(x * (rank + 1), mesh, "tp").tolist() == [3.0, 3.0]
     if rank == 0:
-        fd.send(x * 5, mesh, "tp", 1)
+        fd.comm.send(x * 5, mesh, "tp", 1)
     else:
-        out["p2p"] = fd.recv(x, mesh, "tp", 0).tolist()
+        out["p2p"] = fd.comm.recv(x, mesh, "tp", 0).tolist()
 
     # a compiled step under comm_guard: rank 1 skips a call, rank 0 gets fastdist's timeout
-    step = fd.comm_guard(mesh)(
+    step = fd.comm.comm_guard(mesh)(
         torch.compile(lambda t: fd.psum(t, mesh, "tp") * 2, fullgraph=True, backend="aot_eager")
     )
     assert step(torch.full((2,), rank + 1.0)).tolist() == [6.0, 6.0]
@@ -270,7 +272,7 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
     # an error from the model itself passes through unchanged, and leaves the mesh alone
 
     def model_error() -> None:
-        with fd.comm_guard(mesh):
+        with fd.comm.comm_guard(mesh):
             torch.ones(2, 3) @ torch.ones(2, 3)
 
     out["model_error"] = timed(model_error, RuntimeError)
@@ -301,7 +303,7 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
         c, _ = fd.connect(tp=world, timeout=3), fd.connect(tp=world, timeout=4)
     else:
         _, c = fd.connect(tp=world, timeout=4), fd.connect(tp=world, timeout=3)
-    compiled = fd.comm_guard(c)(
+    compiled = fd.comm.comm_guard(c)(
         torch.compile(lambda t: fd.psum(t, c, "tp"), fullgraph=True, backend="aot_eager")
     )
     out["order_compiled"] = timed(lambda: compiled(torch.ones(1)), fd.FastdistError)

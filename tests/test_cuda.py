@@ -106,7 +106,7 @@ def test_hf_llama_bf16_on_cuda_is_close_to_float64() -> None:
     want = ref(input_ids=ids, labels=labels).loss
     model = copy.deepcopy(ref).to(torch.bfloat16)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True))
     got = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss
     got.sum().backward()
     assert got.dtype == torch.float32  # HF's loss upcasts
@@ -128,12 +128,12 @@ def test_native_nccl_benchmark_checks_pass() -> None:
 
 
 def test_graph_capture_of_a_simulated_step_replays_with_new_inputs() -> None:
-    """fd.graph_capture's side stream + torch.cuda.graph: a simulated psum step captured once,
+    """fd.comm.graph_capture's side stream + torch.cuda.graph: a simulated psum step captured once,
     replayed on new data."""
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     step = fd.simulate(lambda x: torch.tanh(fd.psum(x, mesh, "tp")), mesh)
     static = torch.zeros(4, 3, device=CUDA)
-    with fd.graph_capture(mesh) as ctx:
+    with fd.comm.graph_capture(mesh) as ctx:
         assert ctx.stream is not None and ctx.device.type == "cuda"
         step(static)  # warm up on the capture stream
         g = torch.cuda.CUDAGraph()

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist.comm.distributed import AxisComm, _comm_error, select_backend
+from fastdist.comm.axes import TorchAxisComm
+from fastdist.comm.failures import comm_error
+from fastdist.comm.transports import select_backend
 
 from .dist_harness import ROOT, expect_ok, run_world
 
@@ -121,7 +123,7 @@ def test_skipped_collective_raises_timeout_naming_op_axis_ranks() -> None:
     assert "third_party" not in r0["msg"] and ".cc:" not in r0["msg"]
     assert (
         "rank 1 did not reach this call (call 2 on this group)" in r0["msg"]
-        and "mesh.reset() on every rank" in r0["msg"]
+        and "fastdist.comm.reset(mesh) on every rank" in r0["msg"]
     )
     # the 3 s timeout (+ 0.75 s for the peers' notes), plus margin for a loaded machine
     assert 2.5 < r0["elapsed"] < 3 + 10
@@ -175,7 +177,7 @@ def test_mesh_recovers_after_a_rank_fails_and_ragged_sizes_fail_everywhere(
 ) -> None:
     """Issue 20.2: a rank raises before a collective its peer waits in and resets (its error path
     drops the groups): the peer learns it within seconds, not at the mesh's 20 s timeout;
-    mesh.reset() on both and the mesh works again."""
+    fastdist.comm.reset(mesh) on both and the mesh works again."""
     r0, r1 = reliability
     kind, msg, elapsed = r0["failure"]
     assert (
@@ -195,7 +197,8 @@ def test_mesh_recovers_after_a_rank_fails_and_ragged_sizes_fail_everywhere(
         "rank 0 did not reach this call (call 2 on this group)" in msg
         and "may have raised an error before it" in msg
     )
-    assert "mesh.reset() on every rank" in msg and "third_party" not in msg and "GLHF" not in msg
+    assert "fastdist.comm.reset(mesh) on every rank" in msg
+    assert "third_party" not in msg and "GLHF" not in msg
     # the roll call (at most 2 s) plus margin for a loaded machine: far from the 20 s timeout
     assert elapsed < 7, elapsed
     assert r0["reset"] < 10 and r1["reset"] < 2  # rank 0 waited in reset for rank 1
@@ -242,7 +245,7 @@ def test_a_failed_rank_that_stays_alive_is_named_at_the_timeout(
         "rank 0 did not reach this call (call 2 on this group) within 0.5 s of this failure: it "
         "may have raised an error before it" in msg
     )
-    assert "mesh.reset() on every rank" in msg and "third_party" not in msg
+    assert "fastdist.comm.reset(mesh) on every rank" in msg and "third_party" not in msg
     assert 2 - 0.1 < elapsed < 2 + 0.5 + 4, elapsed  # the timeout, the roll call, margin
 
 
@@ -426,7 +429,7 @@ def test_from_torch_needs_an_initialised_job() -> None:
     ):
         fd.connect(tp=2)
     with pytest.raises(fd.NoBackendError, match=r"not backed by torch\.distributed"):
-        fd.broadcast_object(1, fd.Mesh({"tp": 2}), "tp")
+        fd.comm.broadcast_object(1, fd.Mesh({"tp": 2}), "tp")
     with pytest.raises(fd.MeshError, match=r"Mesh\.rank: .* is not one of them"):
         _ = fd.Mesh({"tp": 2}).rank
     for call in (lambda m: fd.comm.with_timeout(m, 3), lambda m: fd.comm.create_groups(m)):
@@ -438,16 +441,16 @@ def test_error_classification() -> None:
     class FakeComm:
         timeout = datetime.timedelta(seconds=7)
 
-    ac = AxisComm.__new__(AxisComm)
+    ac = TorchAxisComm.__new__(TorchAxisComm)
     ac.comm, ac.label, ac.ranks = FakeComm(), "tp", (4, 5)  # type: ignore[assignment]
-    t = _comm_error(
+    t = comm_error(
         "psum", ac, 5, RuntimeError("[gloo] Timed out waiting 7000ms for recv"), "the collective"
     )
     assert isinstance(t, fd.CollectiveTimeout) and isinstance(t, TimeoutError)
     assert str(t).startswith(
         "fastdist.psum(axis='tp') on rank 5 (group ranks [4, 5]): a peer did not arrive"
     ) and "(7 s)" in str(t)
-    c = _comm_error("psum", ac, 5, RuntimeError("Connection closed by peer"), "the collective")
+    c = comm_error("psum", ac, 5, RuntimeError("Connection closed by peer"), "the collective")
     assert type(
         c
     ) is fd.CommError and "a peer closed the connection: it failed (see its log) or exited" in str(
@@ -458,7 +461,7 @@ def test_error_classification() -> None:
         "by peer [127.0.0.1]:26499. This is typically caused by a remote worker crashing. "
         "Check the logs of the remote worker before reporting an error. GLHF!"
     )
-    c = _comm_error("psum", ac, 5, gloo, "the collective", peers="rank 4 did not reach this call")
+    c = comm_error("psum", ac, 5, gloo, "the collective", peers="rank 4 did not reach this call")
     assert (
         "the collective failed: Connection closed by peer [127.0.0.1]:26499; rank 4 did not reach "
         "this call. Fix:" in str(c)
@@ -468,13 +471,13 @@ def test_error_classification() -> None:
 
 def test_stateless_group_argument_errors() -> None:
     with pytest.raises(fd.MeshError, match="rank 3 is outside 0..1"):
-        fd.StatelessGroup(None, 3, 2)
+        fd.comm.StatelessGroup(None, 3, 2)
     with pytest.raises(fd.MeshError, match="world_size must be a positive int"):
-        fd.StatelessGroup(None, 0, 0)
+        fd.comm.StatelessGroup(None, 0, 0)
     store = torch.distributed.TCPStore(
         "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5)
     )  # a port the OS picks
-    g = fd.StatelessGroup(store, 0, 2, timeout=0.3)
+    g = fd.comm.StatelessGroup(store, 0, 2, timeout=0.3)
     with pytest.raises(fd.CommError, match=r"dst=0 is not another member"):
         g.send_obj(1, dst=0)
     with pytest.raises(fd.CommError, match=r"src=2 is not a member"):

@@ -26,7 +26,7 @@ import torch
 if shutil.which("gcc") is None:
     pytest.skip("gcc is needed to build fakecomm.c", allow_module_level=True)
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "fastdist" / "native" / "fakecomm.c"
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "fastdist" / "comm" / "native" / "fakecomm.c"
 T = TypeVar("T")
 
 P = ctypes.POINTER

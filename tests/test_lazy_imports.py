@@ -41,7 +41,10 @@ def test_import_fastdist_imports_no_torch_and_first_use_nothing_heavy() -> None:
         "torch",
         "fastdist.ops",
     ]
-    core = "import fastdist as fd; fd.Mesh, fd.psum, fd.simulate, fd.spmd, fd.send, fd.all_gather_v"
+    core = (
+        "import fastdist as fd; fd.Mesh, fd.psum, fd.simulate, fd.spmd, fd.comm.send, "
+        "fd.all_gather_v"
+    )
     assert _loaded(core, *HEAVY, "fastdist.nn", "fastdist.train") == []
     assert _loaded("import fastdist.nn", *HEAVY, "fastdist.train") == []
     assert _loaded("import fastdist as fd; fd.serving", *HEAVY) == ["fastdist.serving.queue"]
@@ -80,7 +83,7 @@ def test_the_lazy_table_the_type_checking_imports_and_all_agree() -> None:
         obj = getattr(fd, name)
         home = sys.modules[f"fastdist.{module}"]
         assert obj is (
-            home if name in ("nn", "profile", "serving", "train") else getattr(home, name)
+            home if name in fd._SUBMODULES else getattr(home, name)  # type: ignore[attr-defined]
         )
     assert set(fd.__all__) <= set(dir(fd))
     with pytest.raises(AttributeError, match="module 'fastdist' has no attribute 'psumm'"):
@@ -111,14 +114,14 @@ def test_the_dynamo_marker_set_without_importing_dynamo_is_torchs() -> None:
     does, without importing dynamo; if torch changes how it marks them, this fails."""
     import torch._dynamo
 
-    from fastdist.comm import distributed
+    from fastdist.comm import axes, failures
 
     def probe() -> int:
         return 0
 
     torch._dynamo.assume_constant_result(probe)  # type: ignore[no-untyped-call]
     assert vars(probe) == {"_dynamo_marked_constant": True}
-    for fn in (distributed._group_name_while_tracing, distributed._raise_while_tracing):
+    for fn in (axes.group_name_while_tracing, failures.raise_while_tracing):
         assert vars(fn)["_dynamo_marked_constant"] is True
 
 

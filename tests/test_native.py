@@ -418,15 +418,15 @@ def test_close_waits_a_bounded_time_for_a_blocking_abort(fakelib: str) -> None:
 # ============================================================================ mesh backend
 # selection
 def test_mesh_backend_argument_is_checked() -> None:
-    from fastdist.comm.distributed import _native_library
+    from fastdist.comm.torch_comm import native_library
 
     with pytest.raises(
         fd.MeshError, match="unknown backend 'nccl'.*'torch', 'nccl-ctypes', 'hccl-ctypes'"
     ):
-        _native_library("nccl", None)
+        native_library("nccl", None)
     with pytest.raises(fd.MeshError, match="library= only applies"):
-        _native_library("torch", "/x.so")
-    assert _native_library("torch", None) is None
+        native_library("torch", "/x.so")
+    assert native_library("torch", None) is None
     assert fd.Mesh({"tp": 2}).backend is None and fd.comm.close(fd.Mesh({"tp": 2}))
 
 

@@ -1,5 +1,5 @@
 """Issue 32's reliability points: argument errors of the point-to-point helpers, recovery of a
-compiled step (fastdist.comm_guard), check mode seeing a skipped call, mesh construction order,
+compiled step (fastdist.comm.comm_guard), check mode seeing a skipped call, mesh construction order,
 and threads."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_argument_errors_are_one_family() -> None:
     store = torch.distributed.TCPStore(
         "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5)
     )  # a port the OS picks
-    group = fd.StatelessGroup(store, 0, 2, timeout=0.3)
+    group = fd.comm.StatelessGroup(store, 0, 2, timeout=0.3)
     with pytest.raises(fd.CommArgumentError, match=r"dst=0 is not another member"):
         group.send_obj(1, dst=0)
     with pytest.raises(fd.CommArgumentError, match=r"src=2 is not a member"):
@@ -83,13 +83,14 @@ def test_compiled_step_timeout_is_a_fastdist_error_and_recovers(
         )
         and "Fix: check that every rank makes the same collectives in the same order; call " in msg
     )
-    assert "mesh.reset()" in msg and "third_party" not in msg
+    assert "fastdist.comm.reset(mesh)" in msg and "third_party" not in msg
     # the groups were dropped, as eagerly: the next call says so at once
     assert (
         "process groups were dropped after an earlier failure (fastdist.comm_guard"
         in (r0["after_failure"])
     )
-    # after mesh.reset() on both ranks the compiled step runs again: psum([1, 2]) * 2 = 6
+    # after fastdist.comm.reset(mesh) on both ranks the compiled step runs again:
+    # psum([1, 2]) * 2 = 6
     assert r0["recovered"] == r1["recovered"] == [6.0, 6.0]
     # an error of the model itself is not taken for a communication failure
     for out in issue32:
@@ -124,8 +125,8 @@ def test_meshes_built_in_different_orders_are_named(issue32: list[dict[str, Any]
         assert "creating the process group" in msg
         assert (
             "Fix: check that every rank builds its meshes of one shape in the same order "
-            "(fastdist.connect, fastdist.comm.from_device_mesh and mesh.with_timeout each count; this is "
-            f"mesh {2 + rank} of shape dp1_tp2 built on this rank" in msg
+            "(fastdist.connect, fastdist.comm.from_device_mesh and fastdist.comm.with_timeout "
+            f"each count; this is mesh {2 + rank} of shape dp1_tp2 built on this rank" in msg
         )
         # compiled under comm_guard: the same error, not torch.compile's wrapper around it
         kind, msg, secs = out["order_compiled"]
@@ -150,8 +151,8 @@ def test_from_torch_world_size_names_from_torch_and_torchrun(
         )
         assert out["with_timeout"][:2] == (
             "MeshError",
-            "Mesh.with_timeout: timeout must be positive seconds or a positive timedelta, got 0. "
-            "Fix: pass timeout=<seconds> greater than 0 (e.g. timeout=60)",
+            "fastdist.comm.with_timeout: timeout must be positive seconds or a positive timedelta, "
+            "got 0. Fix: pass timeout=<seconds> greater than 0 (e.g. timeout=60)",
         )
         assert out["world_dp"][:2] == (
             "MeshError",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastdist as fd
-import fastdist.comm.distributed as D
+import fastdist.comm.p2p as D
 from fastdist.comm.native import fake
 from fastdist.testing import run_on_gloo
 
@@ -38,9 +38,9 @@ def _pp_transfer(all_gather_axis: str | None) -> dict[str, Any]:
     D.send = counting_send  # type: ignore[assignment]
     try:
         if mesh.index(mesh.rank, "pp") == 0:
-            fd.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis=all_gather_axis)
+            fd.comm.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis=all_gather_axis)
             return {"sent": sent}
-        return {"got": fd.recv_tensor_dict(mesh, "pp", 0, all_gather_axis=all_gather_axis)}
+        return {"got": fd.comm.recv_tensor_dict(mesh, "pp", 0, all_gather_axis=all_gather_axis)}
     finally:
         D.send = real  # type: ignore[assignment]
 
@@ -69,10 +69,10 @@ def _mismatched_all_gather_axis() -> str:
         match=r"all_gather_axis=\('pp', 'tp'\) shares mesh axes with the transfer axis 'pp'",
     ):
         # refused before anything is sent
-        fd.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis=("pp", "tp"))
+        fd.comm.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis=("pp", "tp"))
     if mesh.index(mesh.rank, "pp") == 0:
         try:
-            fd.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis="tp")
+            fd.comm.send_tensor_dict(DICT, mesh, "pp", 1, all_gather_axis="tp")
             return "sent"
         except fd.FastdistError as e:
             return type(e).__name__
@@ -83,7 +83,7 @@ def _mismatched_all_gather_axis() -> str:
             r"all_gather_axis on both sides"
         ),
     ):
-        fd.recv_tensor_dict(mesh, "pp", 0)
+        fd.comm.recv_tensor_dict(mesh, "pp", 0)
     return "raised"
 
 
@@ -94,7 +94,7 @@ def test_mismatched_or_overlapping_all_gather_axis_raises() -> None:
 
 def _capture_setup(lib: str) -> list[Any]:
     mesh = fd.connect(tp=2, backend="nccl-ctypes", library=lib)
-    with fd.graph_capture(mesh, device="cpu") as ctx:
+    with fd.comm.graph_capture(mesh, device="cpu") as ctx:
         before = [line.split()[0] for line in fake.call_log(lib)]
         out = fd.psum(torch.tensor([1.0, 2.0]) * (mesh.rank + 1), mesh, "tp")
     after = [line.split()[0] for line in fake.call_log(lib)]
@@ -115,8 +115,11 @@ def test_graph_capture_creates_the_communicators_first(tmp_path: Path) -> None:
 
 def test_graph_capture_on_a_simulated_mesh_runs_the_block_as_is() -> None:
     mesh = fd.Mesh({"tp": 2})
-    with fd.graph_capture(mesh, device="cpu") as ctx:
+    with fd.comm.graph_capture(mesh, device="cpu") as ctx:
         out = fd.simulate(lambda x: fd.psum(x, mesh, "tp"), mesh)(torch.tensor([1.0, 2.0]))
     assert ctx.stream is None and out.tolist() == [3.0, 3.0]
-    with pytest.raises(fd.MeshError, match="nope"), fd.graph_capture(mesh, "nope", device="cpu"):
+    with (
+        pytest.raises(fd.MeshError, match="nope"),
+        fd.comm.graph_capture(mesh, "nope", device="cpu"),
+    ):
         pass

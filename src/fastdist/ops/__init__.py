@@ -8,7 +8,7 @@ JAX's ``lax/parallel.py``). Each block has
 * ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
   (the simulated implementation, reached through the generic vmap rule);
 * ``_<op>_dist``: the forward on one real rank, with torch's functional
-  collectives on the rank's group ``comm`` (a ``fastdist.comm.distributed.AxisComm``);
+  collectives on the rank's group ``comm`` (a ``fastdist.core.comm.AxisComm``);
 * ``_<op>_bwd``: the per-rank gradient rule, written with other primitives;
 * the public function: argument checks with errors that name the op, the axis
   and the fix, then ``<op>_p.bind``.

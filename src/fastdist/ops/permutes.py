@@ -16,7 +16,7 @@ from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.errors import CollectiveError
 
 if TYPE_CHECKING:
-    from fastdist.comm.distributed import AxisComm
+    from fastdist.core.comm import AxisComm
 from fastdist.ops.prelude import (
     apply_primitive,
     check_index,

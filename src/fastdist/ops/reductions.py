@@ -12,7 +12,7 @@ from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
 
 if TYPE_CHECKING:
-    from fastdist.comm.distributed import AxisComm
+    from fastdist.core.comm import AxisComm
 from fastdist.ops.prelude import (
     apply_primitive,
     enter,

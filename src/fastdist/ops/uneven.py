@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
-from fastdist.comm.distributed import AxisComm, _pad_rows
 from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
+from fastdist.core.rows import pad_rows
 from fastdist.errors import CollectiveError, NoBackendError
 from fastdist.ops.gathers import all_gather
 from fastdist.ops.prelude import (
@@ -49,6 +49,9 @@ from fastdist.ops.prelude import (
     norm_dim,
     real_view,
 )
+
+if TYPE_CHECKING:
+    from fastdist.core.comm import AxisComm
 
 __all__ = [
     "all_gather_v",
@@ -246,7 +249,7 @@ def _rsv_stacked(spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], capacity: 
     total = spec.to_groups(x).sum(1, dtype=x.dtype)  # [G, sum, *f]
     rows = _capacity_or_uniform(capacity, sizes)
     # n x [G, rows, *f]
-    chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(total, list(sizes), dim=1)]
+    chunks = [pad_rows(t, rows, dim=1) for t in torch.split(total, list(sizes), dim=1)]
     return spec.from_groups(torch.stack(chunks, dim=1))  # member i keeps chunk i
 
 
@@ -254,7 +257,7 @@ def _rsv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], capacity: int)
     mine = like(
         comm.reduce_scatter_v_rows("reduce_scatter_v", real_view(x[: sum(sizes)]), sizes), x
     )  # [sizes[me], *f]
-    return _pad_rows(mine, _out_rows(capacity, sizes[comm.index]))
+    return pad_rows(mine, _out_rows(capacity, sizes[comm.index]))
 
 
 def _rsv_bwd(
@@ -416,7 +419,7 @@ def _gv_stacked(
     y = spec.to_groups(x)  # [G, n, C, *f]
     whole = torch.cat([y[:, i, : sizes[i]] for i in range(spec.n)], dim=1)  # [G, sum, *f]
     rows = _out_rows(capacity, sum(sizes))
-    whole = _pad_rows(whole, rows, dim=1)  # [G, rows, *f]
+    whole = pad_rows(whole, rows, dim=1)  # [G, rows, *f]
     out = torch.zeros(whole.shape[0], spec.n, *whole.shape[1:], dtype=x.dtype, device=x.device)
     out[:, dst] = whole  # only dst receives; the others get zeros, never uninitialised memory
     return spec.from_groups(out)
@@ -428,7 +431,7 @@ def _gv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], dst: int, capac
     recvs = list(sizes) if me == dst else [0] * comm.n
     # dst: [sum, *f]; others: [0, *f] (empty)
     got = comm.all_to_all_rows("gather_v", x[: sum(sends)], recvs, sends)
-    return _pad_rows(got, capacity) if capacity >= 0 else got
+    return pad_rows(got, capacity) if capacity >= 0 else got
 
 
 def _gv_bwd(
@@ -460,7 +463,7 @@ def _sv_stacked(
 ) -> Tensor:
     whole = spec.to_groups(x)[:, src, : sum(sizes)]  # [G, sum, *f]: the source's tensor
     rows = _capacity_or_uniform(capacity, sizes)
-    chunks = [_pad_rows(t, rows, dim=1) for t in torch.split(whole, list(sizes), dim=1)]
+    chunks = [pad_rows(t, rows, dim=1) for t in torch.split(whole, list(sizes), dim=1)]
     return spec.from_groups(torch.stack(chunks, dim=1))  # [G, n, rows, *f]: member i gets chunk i
 
 
@@ -469,7 +472,7 @@ def _sv_dist(comm: AxisComm, x: Tensor, *, sizes: Sequence[int], src: int, capac
     sends = list(sizes) if me == src else [0] * comm.n
     recvs = [sizes[me] if i == src else 0 for i in range(comm.n)]
     got = comm.all_to_all_rows("scatter_v", x[: sum(sends)], recvs, sends)  # [sizes[me], *f]
-    return _pad_rows(got, _out_rows(capacity, sizes[me]))
+    return pad_rows(got, _out_rows(capacity, sizes[me]))
 
 
 def _sv_bwd(
@@ -708,7 +711,7 @@ def _ragged_a2a_dist(
     _ragged_a2a_check(send, recv, x.shape[0], capacity, lambda r: f"rank {comm.rank}", comm.label)
     s, r = send.tolist(), recv.tolist()  # split sizes to the host (one sync)
     got = comm.all_to_all_rows("ragged_all_to_all", x[: sum(s)], r, s)  # [sum(recv), *f], by source
-    return _pad_rows(got, capacity)
+    return pad_rows(got, capacity)
 
 
 def _ragged_a2a_bwd(

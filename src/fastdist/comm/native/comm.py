@@ -4,7 +4,7 @@ A :class:`NativeCommunicator` is what a mesh with ``backend="nccl-ctypes"`` (or
 ``"hccl-ctypes"``) uses for the device tensors of one axis group. It is created
 collectively by the group's members: member 0 makes the unique id (NCCL) or root info
 (HCCL), the bytes go to the others over a CPU channel (the axis's gloo group, or a
-:class:`~fastdist.StatelessGroup`), every member calls ``CommInitRank`` on its device, and
+:class:`~fastdist.comm.StatelessGroup`), every member calls ``CommInitRank`` on its device, and
 a one-element all-reduce checks the result before the communicator is handed out.
 
 Every op runs on the current CUDA (or NPU) stream, allocates its output with torch, and
@@ -65,7 +65,7 @@ def exchange_over_group(group: Any, src: int = 0) -> Exchange:
 
 
 def exchange_over_stateless(group: Any, src: int = 0) -> Exchange:
-    """An id exchange over a :class:`~fastdist.StatelessGroup` (a TCPStore, no process group
+    """An id exchange over a :class:`~fastdist.comm.StatelessGroup` (a TCPStore, no process group
     needed).
 
     Args:
@@ -518,7 +518,7 @@ class NativeCommunicator:
         ``[sum(sizes), *rest]``.
 
         One broadcast per root, grouped: no padding to the largest size. ``index`` is
-        accepted for parity with :class:`fastdist.comm.distributed.TorchTransport` (the
+        accepted for parity with :class:`fastdist.comm.transports.TorchTransport` (the
         communicator knows its own).
 
         Args:
