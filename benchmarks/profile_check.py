@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastdist as fd
-from fastdist.profile import Layout, Link, Network, Profile, Record, predict, trace
+from fastdist.profile import Link, MeshLayout, Network, Profile, Record, predict, trace
 
 WORLD = 4
 LAYOUTS = ({"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 4})
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for entry in res["layouts"]:
         degrees = entry["degrees"]
-        layout = Layout(tuple((k, degrees[k]) for k in ("dp", "tp") if k in degrees))
+        layout = MeshLayout(tuple((k, degrees[k]) for k in ("dp", "tp") if k in degrees))
         pred = predict(_step_profile(layout.mesh, *sizes), net)
         rows.append((str(layout), pred.time, entry["seconds"]))
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]

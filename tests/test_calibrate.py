@@ -19,8 +19,8 @@ from fastdist.profile import (
     CostModel,
     Fit,
     GradReady,
-    Layout,
     Link,
+    MeshLayout,
     Network,
     ProfileError,
     Work,
@@ -51,7 +51,7 @@ def calibrate_ranks() -> Any:
 
 
 def test_calibrate_on_gloo_reproduces_held_out_sizes(tmp_path: Path) -> None:
-    from fastdist.profile import _fit_points
+    from fastdist.profile.cost_model import fit_points
 
     results = run_on_gloo(calibrate_ranks, 4, timeout=300)
     full = results[0]
@@ -66,7 +66,7 @@ def test_calibrate_on_gloo_reproduces_held_out_sizes(tmp_path: Path) -> None:
     # S rounded to a multiple of the group size: the sizes asked for (all divisible here)
     assert {p.size for p in full.points} == set(FITTED + HELD_OUT)
     fitted = [p for p in full.points if p.size in FITTED]
-    model = dataclasses.replace(full, fits=_fit_points(fitted), points=tuple(fitted))
+    model = dataclasses.replace(full, fits=fit_points(fitted), points=tuple(fitted))
     for f in model.fits:  # the stated error bounds the fit on its own points
         assert f.latency >= 0 and f.per_byte >= 0
         for p in fitted:
@@ -258,7 +258,7 @@ def test_dp_reduction_overlaps_backward_as_written_out() -> None:
 
 def test_tp_collectives_are_on_the_critical_path() -> None:
     net = Network("toy", 8, Link(1e9, 1e-5), Link(1e9, 1e-5), flops=1e9)
-    prof = _tp_mlp(Layout((("tp", 4),), unit=("dp",)).mesh)
+    prof = _tp_mlp(MeshLayout((("tp", 4),), unit=("dp",)).mesh)
     pred = predict(prof, net)
     assert pred.comm > 0 and math.isclose(pred.time, pred.compute + pred.comm, rel_tol=1e-12)
     assert math.isclose(pred.compute, prof.flops() / 1e9, rel_tol=1e-12)
@@ -284,7 +284,7 @@ def test_trace_of_a_tied_meta_model() -> None:
 
 def test_predict_of_a_filtered_profile_charges_the_kept_collectives() -> None:
     net = Network("toy", 8, Link(1e9, 1e-5), Link(1e9, 1e-5), flops=1e9)
-    prof = _tp_mlp(Layout((("tp", 4),), unit=("dp",)).mesh)
+    prof = _tp_mlp(MeshLayout((("tp", 4),), unit=("dp",)).mesh)
     whole, fwd = predict(prof, net), predict(prof.filter(phase="forward"), net)
     assert math.isclose(fwd.comm, whole.by_phase["forward"], rel_tol=1e-12)
     assert math.isclose(fwd.time, whole.compute + whole.by_phase["forward"], rel_tol=1e-12)

@@ -35,7 +35,7 @@ F4 = 4
 def test_trace_keys_every_kernel_and_replays_it() -> None:
     """Each traced kernel is keyed by its op, shapes and arguments; the keys' counts add up to the
     kernel count, their FLOPs and bytes to the Work's; each kernel replays on real tensors."""
-    from fastdist.profile import _replay
+    from fastdist.profile.calibration import _replay
 
     mesh = fd.Mesh({"one": 1})
     mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))

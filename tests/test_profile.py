@@ -22,8 +22,8 @@ from torch import nn
 import fastdist as fd
 from fastdist.profile import (
     NETWORKS,
-    Layout,
     Link,
+    MeshLayout,
     Network,
     Profile,
     ProfileError,
@@ -399,7 +399,7 @@ def test_planner_ranks_like_closed_form() -> None:
             torch.empty(g_bytes // F4, device="meta"),
         )
 
-    def closed_form(layout: Layout) -> float:
+    def closed_form(layout: MeshLayout) -> float:
         sizes = dict(layout.axes)
         total, inner = 0.0, 1
         # innermost first: the group of rank 0 spans ranks 0 .. inner * (n - 1)
@@ -865,7 +865,7 @@ def test_real_ranks_profile_like_plain_mesh() -> None:
 TOY = Network("toy", 4, Link(100e9, 1e-6), Link(10e9, 20e-6))  # 4 GPUs a node
 
 
-def _group_time(net: Network, layout: Layout, axis: str, kind: str, size: float) -> float:
+def _group_time(net: Network, layout: MeshLayout, axis: str, kind: str, size: float) -> float:
     """Alpha-beta time of one ring collective of S = ``size`` bytes over ``axis`` of ``layout``, by
     hand."""
     names = [a for a, _ in layout.axes]
@@ -908,7 +908,7 @@ def _tp_sp_dp_build(mesh: fd.Mesh) -> Profile:
     return trace(step, mesh, _meta(N_TOK // (dp * sp), D_MODEL), _meta(D_MODEL, D_MODEL // tp))
 
 
-def _tp_sp_dp_closed_form(layout: Layout) -> float:
+def _tp_sp_dp_closed_form(layout: MeshLayout) -> float:
     sizes = {"dp": 1, "sp": 1, "tp": 1, **dict(layout.axes)}
     t, tp, sp = N_TOK // (sizes["dp"] * sizes["sp"]), sizes["tp"], sizes["sp"]
     return (
@@ -964,7 +964,7 @@ def test_planner_moe_ep_dp_closed_form() -> None:
         )
         return trace(step, mesh, *args)
 
-    def closed_form(layout: Layout) -> float:
+    def closed_form(layout: MeshLayout) -> float:
         sizes = {"dp": 1, "ep": 1, **dict(layout.axes)}
         ep, t = sizes["ep"], N_TOK // (sizes["dp"] * sizes["ep"])
         a2a = (

@@ -1,5 +1,5 @@
-"""The planner's pipelines (issue 34.6): ``predict(..., pipeline=Pipeline(...))`` and ``plan(...,
-pipeline=...)`` against closed forms written by hand.
+"""The planner's pipelines (issue 34.6): ``predict(..., pipeline=PipelineSpec(...))`` and
+``plan(..., pipeline=...)`` against closed forms written by hand.
 
 Toy model: ``L`` bias-free ``Linear(d, d)`` layers named ``layers.N`` (traced on meta tensors), a
 network that charges matmul FLOPs only (no memory traffic, no per-kernel cost), so every time is
@@ -18,10 +18,10 @@ import fastdist as fd
 from fastdist.profile import (
     CostModel,
     Fit,
-    Layout,
     Link,
+    MeshLayout,
     Network,
-    Pipeline,
+    PipelineSpec,
     Profile,
     ProfileError,
     plan,
@@ -124,7 +124,7 @@ def test_equal_costs_step_bubble_and_sends_closed_form(schedule: str, virtual: i
     prof = _detached(_model(L, d), fd.Mesh({"pp": pp}), t)
     fwd_flops = L * 2 * t * d * d  # per micro-batch, whole model
     assert prof.flops("forward") == prof.flops("backward") == fwd_flops
-    pred = predict(prof, NET, pipeline=Pipeline(m, schedule, virtual))
+    pred = predict(prof, NET, pipeline=PipelineSpec(m, schedule, virtual))
     cost = pred.pipeline
     assert cost is not None
     stages = pp * virtual
@@ -141,7 +141,7 @@ def test_equal_costs_step_bubble_and_sends_closed_form(schedule: str, virtual: i
     assert max(s.end for s in slots) == cost.makespan and len(slots) == 2 * m * stages
     # free links: the textbook bubble, the step (v m + pp - 1)(f + b)
     free = Network("free links", 2, Link(1e30, 0.0), Link(1e30, 0.0), flops=RATE)
-    ideal = predict(prof, free, pipeline=Pipeline(m, schedule, virtual))
+    ideal = predict(prof, free, pipeline=PipelineSpec(m, schedule, virtual))
     assert ideal.pipeline is not None and ideal.pipeline.transfer < 1e-25
     assert ideal.time == pytest.approx((virtual * m + pp - 1) * 2 * f, rel=1e-12)
     assert ideal.pipeline.bubble == pytest.approx((pp - 1) / (virtual * m + pp - 1), rel=1e-12)
@@ -163,7 +163,7 @@ def test_equal_costs_step_bubble_and_sends_closed_form(schedule: str, virtual: i
     assert pred.by_axis == {"pp": pytest.approx(m * (1 if virtual == 1 else 3) * transfer)}
     assert pred.compute == pytest.approx(m * 2 * fwd_flops / RATE / pp, rel=1e-12)
     assert pred.exposed == pytest.approx(pred.time - pred.compute, rel=1e-12)
-    assert str(pred.layout) == f"pp2 ({Pipeline(m, schedule, virtual)})"
+    assert str(pred.layout) == f"pp2 ({PipelineSpec(m, schedule, virtual)})"
 
 
 def test_unequal_stages_gpipe_each_stage_at_its_own_pace() -> None:
@@ -180,7 +180,7 @@ def test_unequal_stages_gpipe_each_stage_at_its_own_pace() -> None:
     u = flops / RATE
     # pp4 over 2-GPU nodes: the group crosses nodes, sends go over the inter-node link
     tr = NET.inter.latency + t * d * F4 / NET.inter.bandwidth
-    pred = predict(prof, NET, pipeline=Pipeline(m, "gpipe"))
+    pred = predict(prof, NET, pipeline=PipelineSpec(m, "gpipe"))
     cost = pred.pipeline
     assert cost is not None and cost.transfer == pytest.approx(tr, rel=1e-12)
     assert cost.forward == pytest.approx((u,) * pp, rel=1e-12)
@@ -213,7 +213,7 @@ def test_unequal_stages_1f1b_round_trips_or_the_slow_stage(slow: bool) -> None:
     u = 2 * t * d * d / RATE
     net = Network("slow", 2, Link(1e10, 3e-4), Link(1e8, 1e-5), flops=RATE) if slow else NET
     tr = net.intra.latency + t * d * F4 / net.intra.bandwidth
-    pred = predict(prof, net, pipeline=Pipeline(m))
+    pred = predict(prof, net, pipeline=PipelineSpec(m))
     cost = pred.pipeline
     assert cost is not None and cost.transfer == pytest.approx(tr, rel=1e-12)
     assert cost.forward == pytest.approx((u, u)) and cost.backward == pytest.approx((u, 2 * u))
@@ -262,7 +262,7 @@ def test_unequal_stages_against_the_longest_chain(schedule: str, virtual: int) -
     fwd = (per * u,) * (pp * virtual)
     bwd = ((2 * per - 1) * u, *((2 * per * u,) * (pp * virtual - 1)))
     tr = NET.inter.latency + t * d * F4 / NET.inter.bandwidth
-    pred = predict(prof, NET, pipeline=Pipeline(m, schedule, virtual))
+    pred = predict(prof, NET, pipeline=PipelineSpec(m, schedule, virtual))
     cost = pred.pipeline
     assert cost is not None
     assert cost.forward == pytest.approx(fwd) and cost.backward == pytest.approx(bwd)
@@ -279,7 +279,7 @@ def test_stage_work_by_module_embedding_and_head_on_the_ends() -> None:
     f0 + b0 + 2t + m (f1 + b1), the round trips cost less than the slow stage's work)."""
     d, t, m = 64, 32, 4
     prof = _chained(_model(2, d, ends=True), fd.Mesh({"pp": 2}), t)
-    pred = predict(prof, NET, pipeline=Pipeline(m))
+    pred = predict(prof, NET, pipeline=PipelineSpec(m))
     assert pred.pipeline is not None
     u = 2 * t * d * d / RATE
     assert pred.pipeline.forward == pytest.approx((u, 2 * u), rel=1e-12)
@@ -297,7 +297,7 @@ def test_sends_priced_by_a_calibrated_cost_model() -> None:
     prof = _detached(_model(L, d), fd.Mesh({"pp": 2}), t)
     fit = Fit("sendrecv", 2, True, latency=5e-5, per_byte=2e-9, error=0.0)
     model = CostModel("job", 2, (fit,), flops=RATE, memory_bandwidth=0.0, kernel_latency=0.0)
-    pred = predict(prof, model, pipeline=Pipeline(m))
+    pred = predict(prof, model, pipeline=PipelineSpec(m))
     assert pred.pipeline is not None
     tr = 5e-5 + 2e-9 * t * d * F4
     assert pred.pipeline.transfer == pytest.approx(tr, rel=1e-12)
@@ -309,7 +309,7 @@ def test_pipeline_over_one_rank_is_gradient_accumulation() -> None:
     """pp=1: m micro-batches one after another, no send, one micro-batch's activations held."""
     L, d, t, m = 2, 64, 16, 3
     prof = _chained(_model(L, d), fd.Mesh({"pp": 1, "dp": 1}), t)
-    pred = predict(prof, NET, pipeline=Pipeline(m))
+    pred = predict(prof, NET, pipeline=PipelineSpec(m))
     fwd, bwd = L * 2 * t * d * d, L * 2 * t * d * d + (L - 1) * 2 * t * d * d
     assert pred.time == pytest.approx(m * (fwd + bwd) / RATE, rel=1e-12)
     assert pred.pipeline is not None and pred.pipeline.bubble == pytest.approx(0.0, abs=1e-12)
@@ -334,7 +334,7 @@ def test_memory_per_rank_stage_params_and_peak_in_flight(schedule: str, peaks: l
     params = [d * F4 + layer, layer, layer, layer + layer]
     # the worst rank's total, exactly: parameters, gradients, AdamW's two moments, activations
     budget = max(4 * params[r] + prof.activations * peaks[r] // pp for r in range(pp))
-    pred = predict(prof, NET, pipeline=Pipeline(m, schedule), memory=budget)
+    pred = predict(prof, NET, pipeline=PipelineSpec(m, schedule), memory=budget)
     assert pred.pipeline is not None
     for r, mem in enumerate(pred.pipeline.memory):
         assert mem.params == mem.grads == params[r], r
@@ -342,7 +342,7 @@ def test_memory_per_rank_stage_params_and_peak_in_flight(schedule: str, peaks: l
         assert mem.activations == prof.activations * peaks[r] // pp, r
     assert pred.memory == max(pred.pipeline.memory, key=lambda mem: mem.total)
     assert pred.fits and pred.memory.total == budget
-    assert not predict(prof, NET, pipeline=Pipeline(m, schedule), memory=budget - 1).fits
+    assert not predict(prof, NET, pipeline=PipelineSpec(m, schedule), memory=budget - 1).fits
 
 
 def test_hf_llama_stage_split_and_boundary_from_the_trace() -> None:
@@ -367,7 +367,7 @@ def test_hf_llama_stage_split_and_boundary_from_the_trace() -> None:
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
     ids = torch.zeros(2, 8, dtype=torch.long)  # one micro-batch: 2 sequences of 8
     prof = trace_model(pm, input_ids=ids, labels=ids)
-    pred = predict(prof, NET, pipeline=Pipeline(4))
+    pred = predict(prof, NET, pipeline=PipelineSpec(4))
     assert pred.pipeline is not None
     assert pred.pipeline.boundary_bytes == 2 * 8 * 32 * F4
 
@@ -392,7 +392,7 @@ def test_hf_llama_stage_split_and_boundary_from_the_trace() -> None:
     layer_b = 2 * (layer_f - 8192) + 2.5 * 8192
     head_f = 2 * 16 * 32 * 32
     free = Network("flops only", 4, Link(1e30, 0.0), Link(1e30, 0.0), flops=RATE)
-    cost = predict(prof, free, pipeline=Pipeline(4)).pipeline
+    cost = predict(prof, free, pipeline=PipelineSpec(4)).pipeline
     assert cost is not None
     assert [x * RATE for x in cost.forward] == pytest.approx(
         [2 * layer_f, 2 * layer_f + head_f], rel=1e-9
@@ -428,13 +428,13 @@ def test_plan_memory_budget_only_fits_with_pp() -> None:
         orders=False,
         data_parallel="dp",
         memory=3 * 2**20,
-        pipeline=Pipeline(m),
+        pipeline=PipelineSpec(m),
     )
     by = {str(pr.layout): pr for pr in p.predictions}
     assert set(by) == {"dp4", "pp2 x dp2 (1f1b, 4 micro-batches)", "pp4 (1f1b, 4 micro-batches)"}
     assert by["dp4"].memory is not None and by["dp4"].memory.params == weights
     assert not by["dp4"].fits and p.predictions[-1] is by["dp4"]
-    assert all(pr.fits for pr in p.predictions[:-1]) and p.best.layout.pipeline == Pipeline(m)
+    assert all(pr.fits for pr in p.predictions[:-1]) and p.best.layout.pipeline == PipelineSpec(m)
     for pr in p.predictions:  # plan gives what predict gives for the layout
         again = predict(
             _build(model, 64, m)(pr.layout.mesh),
@@ -489,16 +489,16 @@ def test_plan_slow_network_across_nodes_pp_wins() -> None:
         return step + allreduce(dp_link, 2, L // 2 * d * d * F4)
 
     cands = [
-        Layout((("dp", 4),), unit=("pp",)),
-        Layout((("pp", 2), ("dp", 2))),  # stages across nodes, dp inside a node
-        Layout((("dp", 2), ("pp", 2))),  # stages inside a node, dp across nodes
+        MeshLayout((("dp", 4),), unit=("pp",)),
+        MeshLayout((("pp", 2), ("dp", 2))),  # stages across nodes, dp inside a node
+        MeshLayout((("dp", 2), ("pp", 2))),  # stages inside a node, dp across nodes
     ]
     want = {
         "dp4": dp4,
         "pp2 x dp2 (1f1b, 4 micro-batches)": piped(NET.inter, NET.intra),
         "dp2 x pp2 (1f1b, 4 micro-batches)": piped(NET.intra, NET.inter),
     }
-    p = plan(_build(model, tokens, m), cands, NET, data_parallel="dp", pipeline=Pipeline(m))
+    p = plan(_build(model, tokens, m), cands, NET, data_parallel="dp", pipeline=PipelineSpec(m))
     got = {str(pr.layout): pr.time for pr in p.predictions}
     assert got == {k: pytest.approx(v, rel=1e-12) for k, v in want.items()}
     assert [str(pr.layout) for pr in p.predictions] == sorted(want, key=want.__getitem__)
@@ -518,45 +518,45 @@ def test_bad_pipelines_raise_profile_errors_with_a_fix() -> None:
             make()
         assert e.value.fix and str(e.value).endswith(e.value.fix)
 
-    refused("microbatches=0", lambda: Pipeline(0))
-    refused("microbatches=True", lambda: Pipeline(True))
-    refused("schedule 'zb' is not known", lambda: Pipeline(4, "zb"))
-    refused("'interleaved_1f1b' with virtual=1", lambda: Pipeline(4, "interleaved_1f1b"))
-    refused("'1f1b' with virtual=2", lambda: Pipeline(4, "1f1b", virtual=2))
-    refused("boundary_bytes=-1", lambda: Pipeline(4, boundary_bytes=-1))
+    refused("microbatches=0", lambda: PipelineSpec(0))
+    refused("microbatches=True", lambda: PipelineSpec(True))
+    refused("schedule 'zb' is not known", lambda: PipelineSpec(4, "zb"))
+    refused("'interleaved_1f1b' with virtual=1", lambda: PipelineSpec(4, "interleaved_1f1b"))
+    refused("'1f1b' with virtual=2", lambda: PipelineSpec(4, "1f1b", virtual=2))
+    refused("boundary_bytes=-1", lambda: PipelineSpec(4, boundary_bytes=-1))
     refused(
         "'stage' is not a non-data axis",
-        lambda: predict(prof, NET, pipeline=Pipeline(4, axis="stage")),
+        lambda: predict(prof, NET, pipeline=PipelineSpec(4, axis="stage")),
     )
     refused(
         "'pp' is not a non-data axis",
-        lambda: predict(prof, NET, data_parallel=("dp", "pp"), pipeline=Pipeline(4)),
+        lambda: predict(prof, NET, data_parallel=("dp", "pp"), pipeline=PipelineSpec(4)),
     )
     # interleaving runs micro-batches in rounds of pp: the schedule's refusal, as a ProfileError
     with pytest.raises(ProfileError, match=r"pipeline over pp=2: .*3 micro-batches") as e:
-        predict(prof, NET, pipeline=Pipeline(3, "interleaved_1f1b", 2))
+        predict(prof, NET, pipeline=PipelineSpec(3, "interleaved_1f1b", 2))
     assert "use 2 or 4 micro-batches" in e.value.fix
     # 4 layers into pp4 x virtual 2 = 8 stages
     prof8 = _chained(_model(4, 32), fd.Mesh({"pp": 4}), 8)
     with pytest.raises(ProfileError, match="4 layers .* into 8 pipeline stages") as e:
-        predict(prof8, NET, pipeline=Pipeline(4, "interleaved_1f1b", 2))
+        predict(prof8, NET, pipeline=PipelineSpec(4, "interleaved_1f1b", 2))
     assert "1, 2, 4" in e.value.fix
     # a plain function's trace has no layer module: the boundary must be given
     mesh = fd.Mesh({"pp": 2})
     w = torch.empty(32, 32, device="meta", requires_grad=True)
     plain = trace(lambda x, w: (x @ w).sum().backward(), mesh, torch.empty(8, 32), w)
-    refused("no numbered layer module", lambda: predict(plain, NET, pipeline=Pipeline(2)))
-    assert predict(plain, NET, pipeline=Pipeline(2, boundary_bytes=1024)).time > 0
+    refused("no numbered layer module", lambda: predict(plain, NET, pipeline=PipelineSpec(2)))
+    assert predict(plain, NET, pipeline=PipelineSpec(2, boundary_bytes=1024)).time > 0
     # collectives over the pipeline axis in the traced step
     over = trace(lambda x: fd.psum(x, mesh, "pp").sum(), mesh, torch.empty(8, device="meta"))
     refused(
         "issues psum over the pipeline axis",
-        lambda: predict(over, NET, pipeline=Pipeline(2, boundary_bytes=8)),
+        lambda: predict(over, NET, pipeline=PipelineSpec(2, boundary_bytes=8)),
     )
     # nothing charged: no compute rate and no sends (pp=1)
     one = _chained(_model(2, 32), fd.Mesh({"pp": 1}), 8)
     free = Network("free", 2, Link(1e9, 0.0), Link(1e9, 0.0))
     refused(
         r"pipeline stage 0 \(rank 0 of pp\).*costs nothing",
-        lambda: predict(one, free, pipeline=Pipeline(2)),
+        lambda: predict(one, free, pipeline=PipelineSpec(2)),
     )
