@@ -38,6 +38,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "checked_targets",
     "gathered_causal_lm_loss",
+    "HFCausalLMLoss",
 ]
 
 Reduction = Literal["none", "mean", "sum"]
@@ -519,3 +520,21 @@ def gathered_causal_lm_loss(
     picked = x.gather(-1, index).squeeze(-1)  # (...): the target's logit
     loss = torch.where(counted, torch.logsumexp(x, -1) - picked, 0.0)
     return _reduce_tokens(loss, counted, num_items_in_batch)
+
+
+class HFCausalLMLoss:
+    """transformers' ``loss_function`` call, ``(logits, labels, vocab_size, **kwargs)`` by position
+    or keyword, on vocabulary-parallel logits (`causal_lm_loss`) or, with ``gathered``, on logits
+    gathered over ``axis`` (`gathered_causal_lm_loss`). ``parallelize`` sets it as a causal-LM
+    model's ``loss_function``; a pipeline stage holding the head does too."""
+
+    def __init__(self, mesh: Mesh, axis: str, gathered: bool = False) -> None:
+        self.mesh, self.axis, self.gathered = mesh, axis, gathered
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any
+    ) -> Tensor:
+        # gathered logits (gather_output=True) hold the whole vocabulary: the same loss, no
+        # collective (transformers' own would compute in float32)
+        loss = gathered_causal_lm_loss if self.gathered else causal_lm_loss
+        return loss(logits, labels, self.mesh, self.axis, vocab_size=vocab_size, **kwargs)

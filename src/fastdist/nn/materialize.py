@@ -36,14 +36,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastdist.nn.state import _listed, materialize_
+from fastdist.errors import InitError, ParallelizeError
+from fastdist.nn.state import listed, materialize_
 
 __all__ = ["init_weights", "module_seed"]
-
-
-class InitError(Exception):
-    """A module's init that cannot be reproduced shard by shard (raised as the caller's own error
-    type, `fastdist.nn.ParallelizeError`, by the public functions)."""
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -245,7 +241,7 @@ def init_steps(original: Original) -> list[Step]:
         ]
         if replaced:
             raise InitError(
-                f"{what} of {name or 'the model'!r} replaces {_listed(sorted(set(replaced)))} "
+                f"{what} of {name or 'the model'!r} replaces {listed(sorted(set(replaced)))} "
                 "with new tensors instead of writing them in place (e.g. module.weight = "
                 "nn.Parameter(...), or .data = ...), which cannot be done shard by shard. Fix: "
                 "write in place (torch.nn.init.*_, tensor.copy_), or load a checkpoint"
@@ -324,7 +320,7 @@ def run_inits(
         before = sorted(step.needs - seen)
         if before:
             raise InitError(
-                f"{step.what} of {step.name or 'the model'!r} uses the values {_listed(before)} "
+                f"{step.what} of {step.name or 'the model'!r} uses the values {listed(before)} "
                 "had before any init wrote them (from when the model was built), which a model "
                 "on the meta device never had. Fix: load these from a checkpoint "
                 "(ParallelModel.load)"
@@ -347,7 +343,7 @@ def run_inits(
         stray = sorted({n for n, kind in recorder.events if n not in mine and kind != "read"})
         if stray:
             raise InitError(
-                f"{step.what} of {step.name or 'the model'!r} wrote {_listed(stray)} on real "
+                f"{step.what} of {step.name or 'the model'!r} wrote {listed(stray)} on real "
                 "tensors but not on the meta copy (an init that branches on the device?), so "
                 "they cannot be computed shard by shard. Fix: load a checkpoint"
             )
@@ -421,8 +417,6 @@ def init_weights(
     >>> fd.nn.init_weights(net, seed=1)[0].weight.device
     device(type='cpu')
     """
-    from fastdist.nn.styles import ParallelizeError
-
     parallel = _parallel_modules(model)
     if parallel:
         raise ParallelizeError(
@@ -446,7 +440,7 @@ def init_weights(
     if missing or lost:
         raise ParallelizeError(
             f"fastdist.nn.init_weights: no init of {type(model).__name__} writes "
-            f"{_listed(missing + lost)}. Fix: give their modules an init (a branch of "
+            f"{listed(missing + lost)}. Fix: give their modules an init (a branch of "
             "_init_weights, or reset_parameters), or load them from a checkpoint"
         )
     buffers = set(original.tensors) - original.params

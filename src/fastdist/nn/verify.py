@@ -39,15 +39,16 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P
+from fastdist.errors import ParallelizeError
 from fastdist.nn.state import Layout
-from fastdist.nn.styles import HeadParallelAttention, ParallelizeError, ParallelLinear
+from fastdist.nn.styles import HeadParallelAttention, ParallelLinear
 from fastdist.sim.simulate import simulate
 
 __all__ = ["example_inputs", "small_config", "verify_plan"]
@@ -585,9 +586,26 @@ def verify_plan(
             "Fix: verify the plan on a small model with values, then parallelize this one with "
             "verify=False"
         ) from e
-    trial_modules = _hooked(trial, {k[0] for k in reference.order})
-    modules = dict(trial_modules)
-    axes = pm._axes
+    modules = dict(_hooked(trial, {k[0] for k in reference.order}))
+    diff = _run_trial(pm, trial, modules, inputs, reference, mesh)
+    if mesh.backend is not None:
+        diff = _first_on_any_rank(diff, mesh)
+    if diff is not None:
+        _refuse(diff, modules, styles, trial, ref, mesh)
+    return time.perf_counter() - start
+
+
+def _run_trial(
+    pm: Any,
+    trial: nn.Module,
+    modules: dict[str, nn.Module],
+    inputs: dict[str, Any],
+    reference: Recorded,
+    mesh: Mesh,
+) -> _Diff | None:
+    """Run the parallelized ``trial`` (``pm`` its `ParallelModel`) on ``inputs`` with every module
+    in ``modules`` recorded; the first difference from ``reference`` on this process's ranks
+    (or the exception the run raised, in the module it was in), or ``None``."""
     rec = _Recorder()
     error: BaseException | None = None
     simulated = mesh.backend is None
@@ -599,7 +617,7 @@ def verify_plan(
         out_keys[:] = list(rec.order)
         return [rec.outputs[k] for k in rec.order], [rec.inputs.get(k, []) for k in rec.order]
 
-    with rec.hooks(trial_modules), torch.no_grad():
+    with rec.hooks(list(modules.items())), torch.no_grad():
         try:
             if simulated:
                 outs = simulate(rank_fn, mesh)(dict(trial.named_parameters()), **inputs)
@@ -608,10 +626,9 @@ def verify_plan(
                 outs = rank_fn(params, **inputs)
         except Exception as e:  # noqa: BLE001 (reported as the plan's error)
             error = e
-    diff: _Diff | None
     if error is not None:
         where = rec.stack[-1] if rec.stack else ""
-        diff = _Diff(
+        return _Diff(
             -1,
             where,
             f"raised {type(error).__name__} inside it: "
@@ -620,37 +637,49 @@ def verify_plan(
             else f"raised {type(error).__name__} inside it",
             error,
         )
-    else:
-        outputs, inputs = outs
-        got = Recorded(dict(zip(out_keys, outputs)), out_keys, dict(zip(out_keys, inputs)))
-        ranks = list(range(mesh.size)) if simulated else [mesh.rank]
-        diff = _compare(reference, got, modules, mesh, axes, ranks, simulated)
-    if not simulated:
-        from fastdist.comm.distributed import all_gather_object
+    outputs, ins = outs
+    got = Recorded(dict(zip(out_keys, outputs)), out_keys, dict(zip(out_keys, ins)))
+    ranks = list(range(mesh.size)) if simulated else [mesh.rank]
+    return _compare(reference, got, modules, mesh, pm._axes, ranks, simulated)
 
-        verdicts = all_gather_object(
-            None if diff is None else (diff.index, diff.name, diff.detail, diff.upstream), mesh
+
+def _first_on_any_rank(diff: _Diff | None, mesh: Mesh) -> _Diff | None:
+    """On real ranks: the first difference any rank saw, the same on every rank (a collective)."""
+    from fastdist.comm.p2p import all_gather_object
+
+    verdicts = all_gather_object(
+        None if diff is None else (diff.index, diff.name, diff.detail, diff.upstream), mesh
+    )
+    found = [v for v in verdicts if v is not None]
+    if not found:
+        return diff
+    index, name, detail, upstream = min(found, key=lambda v: v[0])
+    return _Diff(index, name, detail, diff.error if diff is not None else None, upstream)
+
+
+def _refuse(
+    diff: _Diff,
+    modules: dict[str, nn.Module],
+    styles: Mapping[str, Sequence[Any]],
+    trial: nn.Module,
+    ref: nn.Module,
+    mesh: Mesh,
+) -> NoReturn:
+    """Raise the `ParallelizeError` for ``diff``: the module, what differs, the likely fix."""
+    cls = type(modules[diff.name]).__name__ if diff.name in modules else "?"
+    hint = (
+        "Fix: check the styles of the layers that feed it (a parts= or pad= on a layer that "
+        "is not fused, layers split over different axes, or a ColwiseParallel missing on "
+        "one of them)"
+        if diff.upstream
+        and not any(
+            isinstance(st, HeadParallelAttention)
+            for st in styles.get(diff.name.rpartition(".")[0], ())
         )
-        found = [v for v in verdicts if v is not None]
-        if found:  # every rank reports the first difference any rank saw
-            index, name, detail, upstream = min(found, key=lambda v: v[0])
-            diff = _Diff(index, name, detail, diff.error if diff is not None else None, upstream)
-    if diff is not None:
-        cls = type(modules[diff.name]).__name__ if diff.name in modules else "?"
-        hint = (
-            "Fix: check the styles of the layers that feed it (a parts= or pad= on a layer that "
-            "is not fused, layers split over different axes, or a ColwiseParallel missing on "
-            "one of them)"
-            if diff.upstream
-            and not any(
-                isinstance(st, HeadParallelAttention)
-                for st in styles.get(diff.name.rpartition(".")[0], ())
-            )
-            else _hint(diff.name, trial, ref, styles, mesh)
-        )
-        raise ParallelizeError(
-            f"parallelize(verify=True): {diff.name or 'the model'!r} ({cls}) on {mesh!r} "
-            f"{'differs from the single-device model: ' if diff.index >= 0 else ''}"
-            f"{diff.detail}. {hint}. The model was not changed."
-        ) from diff.error
-    return time.perf_counter() - start
+        else _hint(diff.name, trial, ref, styles, mesh)
+    )
+    raise ParallelizeError(
+        f"parallelize(verify=True): {diff.name or 'the model'!r} ({cls}) on {mesh!r} "
+        f"{'differs from the single-device model: ' if diff.index >= 0 else ''}"
+        f"{diff.detail}. {hint}. The model was not changed."
+    ) from diff.error

@@ -1,0 +1,116 @@
+"""What every style shares: the `Style` protocol and the `StyleContext` a plan is applied in.
+
+A style says how one module of an unmodified model becomes parallel (``check``, then
+``apply``); :func:`fastdist.nn.parallelize` walks the model, checks every match, then applies
+them all with one `StyleContext`. Styles written outside this package (expert parallelism in
+`fastdist.nn.moe`, the MoE families' attention styles) build on the same pieces: `StyleContext`,
+`get_child` and `swap_child`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.state import Layout
+
+__all__ = ["Style", "StyleContext", "get_child", "swap_child"]
+
+
+@dataclass
+class StyleContext:
+    """What the styles of one ``parallelize`` call share: the mesh, the parameters already
+    converted (tied weights stay tied), the parameters to ``pvary`` at every call, and what
+    the model's loss must know. A style's ``apply`` takes it; `param` makes a parallel
+    parameter from a single-device one.
+    """
+
+    mesh: Mesh
+    #: id(single-device parameter) -> its parallel replacement, so tied weights stay tied
+    converted: dict[int, nn.Parameter] = field(default_factory=dict)
+    #: parameter (module, name) pairs to pvary over these axes at every call
+    pvary: list[tuple[nn.Module, str, str]] = field(default_factory=list)
+    #: the axis of a vocabulary-parallel LM head that gives sharded logits (the loss must know)
+    sharded_logits: str | None = None
+    #: the axis of a vocabulary-parallel LM head that gathers its logits (``gather_output``)
+    gathered_logits: str | None = None
+    #: every axis a style split something over
+    axes: list[str] = field(default_factory=list)
+
+    def param(
+        self, old: Tensor | None, layout: Layout, where: str, *, linear_weight: bool = False
+    ) -> nn.Parameter | None:
+        """The parallel parameter for single-device ``old`` (stacked over ranks on a simulated
+        mesh).
+
+        ``linear_weight``: an (out, in) weight that ``F.linear`` consumes. Stacked, it is stored
+        (in, out)-contiguous and viewed as (out, in): the batched backward produces its gradient
+        in that stride order, so gradient accumulation needs no copy (and the forward's batched
+        matmul reads the transposed weight contiguously), as one device's ``mm`` does.
+        """
+        if old is None:
+            return None
+        if id(old) in self.converted:
+            return self.converted[id(old)]
+        full = old.detach()
+        if full.is_meta:
+            # a model built on the meta device: a meta shard of the local shape, no values (the
+            # whole tensor is never made); ParallelModel.load / init_weights give it storage
+            local = layout.local_shape(tuple(full.shape), self.mesh, where)
+            stacked = self.mesh.backend is None
+            data = torch.empty(
+                (self.mesh.size, *local) if stacked else local, dtype=full.dtype, device="meta"
+            )
+            if stacked and linear_weight and data.dim() == 3:
+                # as below: a [world, out, in] view of [world, in, out] memory
+                data = data.transpose(1, 2).contiguous().transpose(1, 2)
+        elif self.mesh.backend is None:
+            data = torch.stack(
+                [layout.shard(full, self.mesh, r, where) for r in range(self.mesh.size)]
+            )  # [world, out, in]
+            if linear_weight and data.dim() == 3:
+                # [world, out, in] view of [world, in, out] memory
+                data = data.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            data = layout.shard(full, self.mesh, self.mesh.rank, where)
+        new = nn.Parameter(data, requires_grad=old.requires_grad)
+        self.converted[id(old)] = new
+        return new
+
+
+class Style:
+    """How one module becomes parallel. ``apply`` returns the module to put in its place (possibly
+    itself).
+
+    ``check`` raises for a module the style cannot handle, changing nothing: ``parallelize``
+    checks every match before it applies any, so a bad plan leaves the model as it was.
+    """
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        pass
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        raise NotImplementedError
+
+
+def get_child(module: nn.Module, child: str, name: str) -> nn.Module:
+    """``module``'s submodule ``child``; raises `ParallelizeError` naming ``name`` (the module's
+    dotted name in the model) when there is none."""
+    sub = getattr(module, child, None)
+    if not isinstance(sub, nn.Module):
+        raise ParallelizeError(
+            f"parallelize: {name!r} ({type(module).__name__}) has no submodule {child!r}. Fix: "
+            "name the projections of this attention class in the style (q=, k=, v=, o= or qkv=)"
+        )
+    return sub
+
+
+def swap_child(parent: nn.Module, child: str, new: nn.Module) -> None:
+    """Put ``new`` in place of ``parent``'s submodule ``child`` (nothing when it is already
+    there)."""
+    if getattr(parent, child) is not new:
+        setattr(parent, child, new)
