@@ -160,6 +160,7 @@ def record(
     charges them (``ragged_all_to_all``: the send buffer, ``bound=True``).
 
     >>> import torch, fastdist as fd
+    >>> from fastdist.profile import trace
     >>> mesh = fd.Mesh({"tp": 4})
     >>> with record(mesh) as rec:
     ...     out = fd.simulate(lambda x: fd.all_gather(x, mesh, "tp"), mesh)(torch.ones(4, 2, 3))

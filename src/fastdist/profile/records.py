@@ -152,6 +152,7 @@ class Profile:
             tensors (:func:`calibrate_kernels`); empty for a :func:`record`.
 
     >>> import torch, fastdist as fd
+    >>> from fastdist.profile import trace
     >>> mesh = fd.Mesh({"dp": 4})
     >>> prof = trace(lambda x: fd.all_gather(x, mesh, "dp"), mesh, torch.ones(2, 3))
     >>> print(prof.table())

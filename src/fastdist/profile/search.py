@@ -196,6 +196,7 @@ def plan(
             with and without a pipeline together.
 
     >>> import torch, fastdist as fd
+    >>> from fastdist.profile import trace
     >>> def build(mesh):   # a TP MLP (tokens 512, hidden 1024) with its dp gradient all-reduce
     ...     dp, tp = mesh.shape["dp"], mesh.shape["tp"]
     ...     def step(x, w):
