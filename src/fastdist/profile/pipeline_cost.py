@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastdist.errors import ProfileError
+from fastdist.errors import PipelineError, ProfileError
 from fastdist.profile._common import axis_index, bucket_record, buckets
 from fastdist.profile.bytes import ring_steps
 from fastdist.profile.cost_model import CostModel
@@ -142,7 +142,6 @@ _NUMBERED_MODULE = re.compile(r"^(.*)\.(\d+)$")  # a numbered module: model.laye
 
 def _pipeline_schedule(pipe: PipelineSpec, pp: int) -> Schedule:
     """``pipe``'s schedule over ``pp`` ranks; the schedule's own refusal as a ProfileError."""
-    from fastdist.errors import PipelineError
     from fastdist.train.schedules import schedule
 
     try:
