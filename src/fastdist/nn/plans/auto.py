@@ -1,6 +1,7 @@
-"""An automatic plan: the styles for a family nobody wrote a plan for, read off its module tree.
+"""An automatic plan: the `Family` record of a model nobody wrote a row for, read off its module
+tree.
 
-`auto` finds, from the modules and their shapes (not from class names it knows):
+`infer` finds, from the modules and their shapes (not from class names it knows):
 
 * the decoder blocks: the largest ``nn.ModuleList`` of modules of one class;
 * in the first block, the attention: a module with ``q``/``k``/``v``/``o`` projections (names
@@ -20,11 +21,12 @@
   the embedding cannot be and the head shares its weight.
 
 Where a choice cannot be read off the shapes (a fused q|k|v laid out ``[q | k | v]``, per head,
-or per kv group), the plan holds every choice as ``candidates``; ``parallelize`` with ``verify``
-tries them in turn and applies the first that matches one device. ``parallelize(model, mesh,
-"auto")`` is ``parallelize(model, mesh, auto(model), verify=True)``. A model `auto` cannot read,
-or whose every candidate fails verification, is refused with a `ParallelizeError` naming the
-module.
+or per kv group), `infer` returns every layout; the plan (`AutoPlan`) holds one plan per layout
+as ``candidates``, and ``parallelize`` with ``verify`` tries them in turn and applies the first
+that matches one device. ``parallelize(model, mesh, "auto")`` is ``parallelize(model, mesh,
+fastdist.nn.plans.plan(model, mesh, family="auto"), verify=True)``. A model `infer` cannot
+read, or whose every candidate fails verification, is refused with a `ParallelizeError` naming
+the module.
 """
 
 from __future__ import annotations
@@ -32,27 +34,15 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import fields
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from torch import Tensor, nn
 
-from fastdist.nn.moe import ExpertParallel
-from fastdist.nn.styles import (
-    ColwiseParallel,
-    GatherSequence,
-    HeadParallelAttention,
-    ParallelizeError,
-    PrepareInput,
-    PvaryParams,
-    RowwiseParallel,
-    SequenceShard,
-    VocabParallel,
-)
+from fastdist.errors import ParallelizeError
+from fastdist.nn.plans.family import Family, Mlp, Plan, build
 
-__all__ = ["AutoPlan", "auto"]
-
-Plan = dict[str, Any]
+__all__ = ["AutoPlan", "auto_plan", "infer"]
 
 _Q = ("q_proj", "query", "q", "wq", "q_lin")
 _K = ("k_proj", "key", "k", "wk", "k_lin")
@@ -126,16 +116,11 @@ def _find_attention(block: nn.Module) -> tuple[str, nn.Module, dict[str, str]] |
     return None
 
 
-def _attention_styles(
-    where: str,
-    module: nn.Module,
-    roles: dict[str, str],
-    config: Any,
-    axis: str,
-    seq: Literal["replicated", "sequence"],
-) -> list[HeadParallelAttention]:
-    """The candidate styles for one attention module (several for a fused q|k|v whose layout
-    the shapes do not tell)."""
+def _heads(
+    where: str, module: nn.Module, roles: dict[str, str], config: Any
+) -> tuple[int, int, int, list[str], dict[str, Any]]:
+    """(query heads, kv heads, head dim, the fused q|k|v layouts to try, the projections'
+    names) of one attention module."""
     kind = type(module).__name__
     d = _cfg_int(module, "head_dim", "head_size") or _cfg_int(config, "head_dim")
     hq = _cfg_int(module, "num_heads", "num_attention_heads") or _cfg_int(
@@ -178,6 +163,14 @@ def _attention_styles(
             f"plans.auto: attention {where!r} ({kind}): {roles['o']!r} takes {o_in} features, "
             f"not the {hq} heads x {d} the projections give. Fix: write a plan for it"
         )
+    return hq, hkv, d, layouts, names
+
+
+def _inner_norms(
+    where: str, module: nn.Module, roles: dict[str, str], hq: int, hkv: int, d: int
+) -> dict[str, Any]:
+    """The attention's norms as `Family` fields: over one head (``head_norms``), over a whole
+    projection (``full_width_norms``), lists of per-head norms (``head_norm_lists``)."""
     norms: list[str] = []
     full: list[tuple[str, str]] = []
     lists: list[tuple[str, str]] = []
@@ -196,11 +189,24 @@ def _attention_styles(
             lists.append((child, which if hq == hkv else ("q" if len(inner) == hq else "k")))
         else:
             raise ParallelizeError(
-                f"plans.auto: attention {where!r} ({kind}) has a child {child!r} "
-                f"({type(sub).__name__}) with parameters that is neither a projection nor a "
-                f"norm over one head ({d}), a whole projection ({hq * d} or {hkv * d}) or a "
-                "list of per-head norms. Fix: write a HeadParallelAttention for it"
+                f"plans.auto: attention {where!r} ({type(module).__name__}) has a child "
+                f"{child!r} ({type(sub).__name__}) with parameters that is neither a projection "
+                f"nor a norm over one head ({d}), a whole projection ({hq * d} or {hkv * d}) or "
+                "a list of per-head norms. Fix: write a HeadParallelAttention for it"
             )
+    return {
+        "head_norms": tuple(norms),
+        "full_width_norms": tuple(full),
+        "head_norm_lists": tuple(lists),
+    }
+
+
+def _attention_fields(
+    where: str, rel: str, module: nn.Module, roles: dict[str, str], config: Any
+) -> tuple[dict[str, Any], list[str]]:
+    """The `Family` fields of one attention module, and the fused q|k|v layouts to try (several
+    where the shapes do not tell)."""
+    hq, hkv, d, layouts, names = _heads(where, module, roles, config)
     widths = {hq * d: "hq*d", hkv * d: "hkv*d", (hq + 2 * hkv) * d: "all*d"}
     funcs: dict[str, Callable[[int, int, int], int]] = {
         "hq*d": lambda a, b, e: a * e,
@@ -217,7 +223,6 @@ def _attention_styles(
         and attr in reads
         and attr not in _NOT_WIDTHS
     )
-    known = {f.name for f in fields(HeadParallelAttention)}
     # Other integers the module holds are left as they are (the style would refuse those whose
     # value equals a head count or width, e.g. GPT-J's rotary_dim = 4 = its head count): the
     # candidate is verified, which finds the ones that had to change.
@@ -231,38 +236,18 @@ def _attention_styles(
     per_head = tuple(
         n for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == hq
     )
-    out = []
-    for layout in layouts:
-        extra: dict[str, Any] = {"qkv_layout": layout} if "qkv" in names else {}
-        if per_head:
-            extra["head_params"] = per_head
-        if keep and "keep" in known:
-            extra["keep"] = keep
-        if full:
-            extra["full_width_norms"] = tuple(full)
-        if lists:
-            extra["head_norm_lists"] = tuple(lists)
-        missing = [k for k in extra if k not in known]
-        if missing:
-            raise ParallelizeError(
-                f"plans.auto: attention {where!r} ({kind}) needs HeadParallelAttention({missing[0]}"
-                "=...), which this fastdist does not have. Fix: write a plan for it"
-            )
-        out.append(
-            HeadParallelAttention(
-                hq,
-                hkv,
-                d,
-                axis,
-                input=seq,
-                output=seq,
-                attrs=attrs,
-                norms=tuple(norms),
-                **names,
-                **extra,
-            )
-        )
-    return out
+    out = {
+        "attention": rel,
+        "heads": hq,
+        "kv_heads": hkv,
+        "head_dim": d,
+        **names,
+        **_inner_norms(where, module, roles, hq, hkv, d),
+        "attrs": attrs,
+        "keep": keep,
+        "head_params": per_head,
+    }
+    return out, layouts
 
 
 def _dense_mlps(
@@ -325,12 +310,73 @@ def _name_of(model: nn.Module, target: nn.Module | None) -> str | None:
     return next((n for n, m in model.named_modules() if m is target), None)
 
 
-def _candidates(model: nn.Module, axis: str, sequence_parallel: bool) -> list[Plan]:
+def _vocab_fields(model: nn.Module) -> dict[str, Any]:
+    """The embedding (with its scale) and the LM head as `Family` fields (``None``: left
+    replicated)."""
+    emb = _call(model, "get_input_embeddings")
+    emb_name = _name_of(model, emb)
+    head = _call(model, "get_output_embeddings")
+    head_name = _name_of(model, head)
+    out: dict[str, Any] = {"embed": None, "head": None}
+    if emb_name and isinstance(emb, nn.Embedding):
+        scaled = hasattr(emb, "embed_scale") and type(emb).forward is not nn.Embedding.forward
+        if scaled:
+            out.update(embed=emb_name, embed_scale="embed_scale")
+        elif type(emb).forward is nn.Embedding.forward:
+            out["embed"] = emb_name
+    tied = (
+        head is not None
+        and emb is not None
+        and getattr(head, "weight", None) is getattr(emb, "weight", 0)
+    )
+    if head_name and head is not None and _dims(head) is not None:
+        if out["embed"] is not None or not tied:
+            out["head"] = head_name
+    return out
+
+
+def _hidden(model: nn.Module, config: Any) -> int:
+    emb_weight = getattr(_call(model, "get_input_embeddings"), "weight", None)
+    hidden = (
+        int(emb_weight.shape[1])
+        if isinstance(emb_weight, Tensor) and emb_weight.dim() == 2
+        else _cfg_int(config, "hidden_size", "n_embd", "d_model")
+    )
+    if hidden is None:
+        raise ParallelizeError(
+            f"plans.auto: {type(model).__name__}: the hidden size is neither the input "
+            "embedding's width nor config.hidden_size. Fix: write a plan for it"
+        )
+    return hidden
+
+
+def _norm_fields(model: nn.Module, layers: str, block: nn.Module) -> dict[str, Any]:
+    """The norm after the decoder blocks and the blocks' own norms (for sequence parallelism)."""
+    parent = layers.rpartition(".")[0]
+    owner = model.get_submodule(parent) if parent else model
+    final = [n for n, c in owner.named_children() if "norm" in (n + type(c).__name__).lower()]
+    if len(final) != 1:
+        raise ParallelizeError(
+            f"plans.auto: {type(model).__name__}: sequence parallelism needs the one norm after "
+            f"{layers} (found {final} among the children of {parent or 'the model'!r}). Fix: "
+            "sequence_parallel=False, or write a plan"
+        )
+    norms = tuple(
+        n
+        for n, c in block.named_children()
+        if "norm" in (n + type(c).__name__).lower() and list(c.parameters())
+    )
+    return {"final_norm": f"{parent}.{final[0]}".lstrip("."), "norms": norms}
+
+
+def infer(model: nn.Module, *, sequence_parallel: bool = False) -> tuple[Family, list[str]]:
+    """The `Family` record of ``model``, read off its module tree (see the module docstring),
+    and the fused q|k|v layouts to try (the record's first). Raises `ParallelizeError` naming
+    the module it cannot read."""
     config = getattr(model, "config", None)
     kind = type(model).__name__
     layers, blocks = _blocks(model)
     block = blocks[0]
-    seq: Literal["replicated", "sequence"] = "sequence" if sequence_parallel else "replicated"
     found = _find_attention(block)
     if found is None:
         raise ParallelizeError(
@@ -340,121 +386,83 @@ def _candidates(model: nn.Module, axis: str, sequence_parallel: bool) -> list[Pl
             f"{[n for n, _ in block.named_modules()][1:8]}. Fix: write a plan for it"
         )
     rel, attention, roles = found
-    where = f"{layers}.0.{rel}"
-    attn_styles = _attention_styles(where, attention, roles, config, axis, seq)
-    emb = _call(model, "get_input_embeddings")
-    emb_weight = getattr(emb, "weight", None)
-    hidden = (
-        int(emb_weight.shape[1])
-        if isinstance(emb_weight, Tensor) and emb_weight.dim() == 2
-        else _cfg_int(config, "hidden_size", "n_embd", "d_model")
+    attn, layouts = _attention_fields(f"{layers}.0.{rel}", rel, attention, roles, config)
+    hidden = _hidden(model, config)
+    mlps = tuple(
+        Mlp(mlp, tuple(up for up, _ in ups), down, tuple((u, h) for u, h in ups if h))
+        for mlp, ups, down in _dense_mlps(block, hidden, rel)
     )
-    if hidden is None:
-        raise ParallelizeError(
-            f"plans.auto: {kind}: the hidden size is neither the input embedding's width nor "
-            "config.hidden_size. Fix: write a plan for it"
-        )
-    common: Plan = {}
-    mlps = list(_dense_mlps(block, hidden, rel))
-    for mlp, ups, down in mlps:
-        base = f"{layers}.*.{mlp}" if mlp else f"{layers}.*"
-        common[base] = PrepareInput(axis, seq)
-        for up, half in ups:
-            common[f"{base}.{up}"] = ColwiseParallel(axis, parts=(half, half) if half else ())
-        common[f"{base}.{down}"] = RowwiseParallel(axis, seq)
-    experts = _experts(block)
+    experts = tuple(_experts(block))
     if experts and sequence_parallel:
         raise ParallelizeError(
             f"plans.auto: {kind} has experts ({layers}.0.{experts[0]}), which take replicated "
             "tokens: no sequence parallelism. Fix: sequence_parallel=False"
         )
-    for ex in experts:
-        common[f"{layers}.*.{ex}"] = ExpertParallel(axis, "all_to_all", None)
     if not mlps and not experts:
         raise ParallelizeError(
             f"plans.auto: {kind}: no MLP found in {layers}.0 (a module whose linear layers go "
             f"from {hidden} features to I, or 2I fused, and one back from I) and no experts "
             "with 3-D gate_up_proj/down_proj. Fix: write a plan for it"
         )
-    emb_name = _name_of(model, emb)
-    head = _call(model, "get_output_embeddings")
-    head_name = _name_of(model, head)
-    emb_style: VocabParallel | None = None
-    if emb_name and isinstance(emb, nn.Embedding):
-        scaled = hasattr(emb, "embed_scale") and type(emb).forward is not nn.Embedding.forward
-        has_scale = "scale" in {f.name for f in fields(VocabParallel)}
-        if not scaled:
-            emb_style = VocabParallel(axis)
-        elif has_scale:
-            scale: dict[str, Any] = {"scale": "embed_scale"}
-            emb_style = VocabParallel(axis, **scale)
-        if type(emb).forward is not nn.Embedding.forward and not scaled:
-            emb_style = None
-    if emb_style is not None:
-        common[emb_name] = emb_style  # type: ignore[index]
-    tied = (
-        head is not None
-        and emb is not None
-        and getattr(head, "weight", None) is getattr(emb, "weight", 0)
+    family = Family(
+        (str(getattr(config, "model_type", kind)),),
+        prefix="",
+        layers=layers,
+        **attn,
+        qkv_layout=layouts[0],  # type: ignore[arg-type]
+        # with experts, the block's MLPs (shared experts) sit beside them in every layer
+        mlps=() if experts else mlps,
+        experts=experts,
+        shared=mlps if experts else (),
+        moe_block="",
+        **_vocab_fields(model),
+        **(_norm_fields(model, layers, block) if sequence_parallel else {}),
     )
-    if (
-        head_name
-        and head is not None
-        and _dims(head) is not None
-        and (emb_style is not None or not tied)
-    ):
-        common[head_name] = VocabParallel(axis, input="replicated")
-    if sequence_parallel:
-        parent = layers.rpartition(".")[0]
-        owner = model.get_submodule(parent) if parent else model
-        final = [n for n, c in owner.named_children() if "norm" in (n + type(c).__name__).lower()]
-        if len(final) != 1:
-            raise ParallelizeError(
-                f"plans.auto: {kind}: sequence parallelism needs the one norm after {layers} "
-                f"(found {final} among the children of {parent or 'the model'!r}). Fix: "
-                "sequence_parallel=False, or write a plan"
-            )
-        common[f"{layers}.0"] = SequenceShard(axis)
-        common[f"{parent}.{final[0]}".lstrip(".")] = GatherSequence(axis)
-        for n, c in block.named_children():
-            if "norm" in (n + type(c).__name__).lower() and list(c.parameters()):
-                common[f"{layers}.*.{n}"] = PvaryParams(axis)
-    return [{**common, f"{layers}.*.{rel}": style} for style in attn_styles]
+    return family, layouts
 
 
 class AutoPlan(dict[str, Any]):
-    """The plan `auto` returns: a plain dict of styles (its first guess) that also holds the
-    ``candidates`` to try where the module tree leaves a choice open (the first guess first).
-    `fastdist.nn.parallelize` with ``verify`` tries them in order and applies the first that
-    matches one device."""
+    """The plan `auto_plan` returns: a plain dict of styles (its first guess) that also holds the
+    ``candidates`` to try where the module tree leaves a choice open (the first guess first)
+    and the ``family`` record they were built from. `fastdist.nn.parallelize` with ``verify``
+    tries them in order and applies the first that matches one device."""
 
     candidates: list[Plan]
+    family: Family
 
 
-def auto(model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = False) -> AutoPlan:
-    """A tensor-parallel plan over ``axis`` inferred from ``model``'s module tree (see the module
-    docstring for what it finds), with Megatron-style sequence parallelism when
-    ``sequence_parallel``.
-
-    The result is the first guess, unchecked; ``parallelize(model, mesh, auto(model),
-    verify=True)`` (or ``parallelize(model, mesh, "auto")``) verifies it and, where the shapes
-    left a choice open (a fused q|k|v's layout), tries the other ``candidates`` in turn.
-
-    Raises `ParallelizeError` naming the module auto cannot read: no repeated blocks, no
-    attention or MLP it recognises, a child of the attention it cannot place, experts with
-    ``sequence_parallel``.
+def auto_plan(model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = False) -> AutoPlan:
+    """A tensor-parallel plan over ``axis`` built from `infer`'s record of ``model``, with
+    Megatron-style sequence parallelism when ``sequence_parallel``: the first guess, unchecked,
+    with one candidate plan per fused q|k|v layout left open (what
+    ``fastdist.nn.plans.plan(model, mesh, family="auto")`` returns).
 
     >>> import torch, fastdist as fd
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
     ...     num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2))
-    >>> plan = fd.nn.plans.auto(m)
+    >>> plan = fd.nn.plans.plan(m, fd.Mesh({"tp": 2}), family="auto")
     >>> print(*sorted(plan)[:3])
     lm_head model.embed_tokens model.layers.*.mlp
     >>> plan["model.layers.*.self_attn"].num_kv_heads, len(plan.candidates)
     (2, 1)
     """
-    candidates = _candidates(model, axis, sequence_parallel)
+    family, layouts = infer(model, sequence_parallel=sequence_parallel)
+    config = getattr(model, "config", None)
+    candidates = [
+        build(
+            replace(family, qkv_layout=layout),  # type: ignore[arg-type]
+            config,
+            axis=axis,
+            ep_axis=None,
+            strategy="all_to_all",
+            capacity_factor=None,
+            sequence_parallel=sequence_parallel,
+            gather_logits=False,
+        )
+        for layout in layouts
+    ]
     plan = AutoPlan(candidates[0])
     plan.candidates = candidates
+    plan.family = family
     return plan

@@ -1,0 +1,41 @@
+"""Ready-made `fastdist.nn.parallelize` plans for Hugging Face model families, with families as
+data.
+
+A plan is a plain dict (module-name pattern -> styles): print it, copy it, edit it. One entry
+point makes one: ``plan(model_or_config, mesh, family=None | "auto" | name, **options)``, also
+what ``fastdist.nn.parallelize(model, mesh, plan=None | "auto" | name)`` uses.
+
+One file per concern:
+
+* ``family``: the `Family` record (where a family's modules are, its attention's layout, its
+  experts) and `build`, the one function that turns a record and a config into a plan;
+* ``dense`` and ``moe``: one row per family (Llama/Mistral/Qwen2, Qwen3, GPT-2, Gemma 1/2/3,
+  Phi-3/4, GPT-NeoX, Falcon, StableLM, OLMo/OLMo-2; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+  DeepSeek-V2/V3, GPT-OSS);
+* ``hooks``: the code a row needs where data cannot say it (DeepSeek's `LatentAttention`, the
+  MoE block's `SequenceGather`, Falcon's layouts);
+* ``auto``: the same record read off a model nobody wrote a row for (`AutoPlan`);
+* ``registry``: the table by ``config.model_type`` (`TABLE`) and `plan`.
+
+The table of what is tested for each family is in ``docs/models.md``.
+"""
+
+from fastdist.nn.plans.auto import AutoPlan, infer
+from fastdist.nn.plans.family import Family, Mlp, Plan, build
+from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
+from fastdist.nn.plans.registry import TABLE, lookup, plan, table
+
+__all__ = [
+    "TABLE",
+    "AutoPlan",
+    "Family",
+    "LatentAttention",
+    "Mlp",
+    "Plan",
+    "SequenceGather",
+    "build",
+    "infer",
+    "lookup",
+    "plan",
+    "table",
+]

@@ -1,0 +1,213 @@
+"""A model family as data (`Family`, `Mlp`) and the one function that turns a family and a model's
+config into a plan (`build`).
+
+A row names where the pieces of a decoder-only causal LM are (embedding, decoder layers, attention
+and its projections, MLPs, experts, norms, head) and how its attention is laid out (separate or
+fused q|k|v, per-head or whole-width norms, per-head parameters). What a row cannot say as data is
+a named hook it references: ``variant`` (fields read off the config: Falcon's three layouts, a
+refusal), ``attention_style`` (an attention `HeadParallelAttention` does not describe: DeepSeek's
+`fastdist.nn.plans.hooks.LatentAttention`) and ``moe_layers`` (which layers hold experts).
+
+The plan `build` returns (a plain dict, module-name pattern -> style): the embedding and the LM
+head vocabulary-parallel over ``axis``; the attention by heads over ``axis``; each MLP's up
+projections column-parallel and its down projection row-parallel over ``axis``; the experts over
+``ep_axis`` (`fastdist.nn.moe.ExpertParallel`, each expert's features over ``axis`` too unless
+``axis == ep_axis``; the router replicated), shared experts over ``axis``; with
+``sequence_parallel``, Megatron's sequence parallelism from the first decoder layer to the final
+norm (norms on sequence shards, each MoE block on the whole sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from fastdist.nn.moe import ExpertParallel, Strategy
+from fastdist.nn.plans.hooks import SequenceGather
+from fastdist.nn.styles.attention import HeadParallelAttention
+from fastdist.nn.styles.base import Style
+from fastdist.nn.styles.heads import QkvLayout
+from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
+from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
+
+__all__ = ["Family", "Mlp", "Plan", "Seq", "build"]
+
+Plan = dict[str, Any]
+Seq = Literal["replicated", "sequence"]
+#: (attribute, width from (query heads, kv heads, head dim)): an attention attribute set per rank
+Attr = tuple[str, Callable[[int, int, int], Any]]
+#: a norm inside the attention, with the projection it normalises
+QKNorm = tuple[str, Literal["q", "k"]]
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """A dense MLP: its ``up`` children column-parallel, ``down`` row-parallel.
+
+    ``name`` is relative to a decoder layer (``""``: the layer itself); ``fused`` names the ``up``
+    children that hold two projections side by side (gate|up), with each half's width or the
+    config key holding it.
+    """
+
+    name: str = "mlp"
+    up: tuple[str, ...] = ("gate_proj", "up_proj")
+    down: str = "down_proj"
+    fused: tuple[tuple[str, int | str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of decoder-only causal LMs, as data: where its modules are and how its attention
+    is laid out. Names are relative to ``prefix`` (``""``: the model itself), attention, MLP and
+    norm names relative to a decoder layer. Head counts are config keys (or numbers); ``None``:
+    as many kv heads as query heads, ``hidden_size / heads`` for the head dim.
+    """
+
+    model_types: tuple[str, ...]
+    prefix: str = "model"
+    layers: str = "layers"
+    embed: str | None = "embed_tokens"
+    embed_scale: str | None = None
+    head: str | None = "lm_head"
+    final_norm: str = "norm"
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # attention
+    attention: str = "self_attn"
+    heads: str | int = "num_attention_heads"
+    kv_heads: str | int | None = "num_key_value_heads"
+    head_dim: str | int | None = "head_dim"
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    qkv: str | None = None
+    qkv_layout: QkvLayout = "concat"
+    head_norms: tuple[str, ...] = ()
+    full_width_norms: tuple[QKNorm, ...] = ()
+    head_norm_lists: tuple[QKNorm, ...] = ()
+    head_params: tuple[str, ...] = ()
+    attrs: tuple[Attr, ...] = ()
+    keep: tuple[str, ...] = ()
+    # MLPs and experts
+    mlps: tuple[Mlp, ...] = (Mlp(),)
+    experts: tuple[str, ...] = ()
+    shared: tuple[Mlp, ...] = ()
+    moe_block: str = "mlp"
+    # hooks: the code a row needs where data cannot say it
+    variant: Callable[[Any], Mapping[str, Any]] | None = field(default=None, compare=False)
+    attention_style: Callable[[Any, str, Seq], Style] | None = field(default=None, compare=False)
+    moe_layers: Callable[[Any], list[int]] | None = field(default=None, compare=False)
+
+    @property
+    def moe(self) -> bool:
+        """Whether the family has experts."""
+        return bool(self.experts)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _count(config: Any, key: str | int | None, default: int) -> int:
+    if isinstance(key, int):
+        return key
+    value = getattr(config, key, None) if key else None
+    return int(value) if value else default
+
+
+def _attention(fam: Family, config: Any, axis: str, seq: Seq) -> Style:
+    if fam.attention_style is not None:
+        return fam.attention_style(config, axis, seq)
+    heads = _count(config, fam.heads, 0)
+    kv = _count(config, fam.kv_heads, heads)
+    d = _count(config, fam.head_dim, int(getattr(config, "hidden_size", 0)) // max(heads, 1))
+    names = {"q": fam.q, "k": fam.k, "v": fam.v, "o": fam.o, "qkv": fam.qkv}
+    return HeadParallelAttention(
+        heads,
+        kv,
+        d,
+        axis,
+        input=seq,
+        output=seq,
+        **names,  # type: ignore[arg-type]
+        qkv_layout=fam.qkv_layout,
+        norms=fam.head_norms,
+        full_width_norms=fam.full_width_norms,
+        head_norm_lists=fam.head_norm_lists,
+        head_params=fam.head_params,
+        attrs=fam.attrs,
+        keep=fam.keep,
+    )
+
+
+def _mlp(plan: Plan, where: str, mlp: Mlp, config: Any, axis: str, seq: Seq) -> None:
+    base = _join(where, mlp.name)
+    fused = dict(mlp.fused)
+    plan[base] = PrepareInput(axis, seq)
+    for up in mlp.up:
+        half = _count(config, fused[up], 0) if up in fused else 0
+        plan[f"{base}.{up}"] = ColwiseParallel(axis, parts=(half, half) if half else ())
+    plan[f"{base}.{mlp.down}"] = RowwiseParallel(axis, seq)
+
+
+def _layer_patterns(layers: str, which: list[int], count: int) -> list[str]:
+    """The patterns naming decoder layers ``which``: ``layers.*`` when that is all of them."""
+    if len(which) == count:
+        return [f"{layers}.*"]
+    return [f"{layers}.{i}" for i in which]
+
+
+def build(
+    family: Family,
+    config: Any,
+    *,
+    axis: str,
+    ep_axis: str | None,
+    strategy: Strategy,
+    capacity_factor: float | None,
+    sequence_parallel: bool,
+    gather_logits: bool,
+) -> Plan:
+    """The plan for a model of ``family`` with ``config`` (the options as `fastdist.nn.plans.plan`
+    resolved them): tensor parallelism over ``axis``, the experts over ``ep_axis`` (``None``:
+    ``axis``) with ``strategy`` and ``capacity_factor`` (see
+    `fastdist.nn.moe.moe`), Megatron sequence parallelism over ``axis`` when
+    ``sequence_parallel``, the whole vocabulary's logits when ``gather_logits``.
+
+    Raises `ParallelizeError` where the family's ``variant`` refuses the config.
+    """
+    fam = replace(family, **family.variant(config)) if family.variant else family
+    seq: Seq = "sequence" if sequence_parallel else "replicated"
+    layers = _join(fam.prefix, fam.layers)
+    plan: Plan = {}
+    if fam.embed:
+        plan[_join(fam.prefix, fam.embed)] = VocabParallel(axis, scale=fam.embed_scale)
+    plan[f"{layers}.*.{fam.attention}"] = _attention(fam, config, axis, seq)
+    moe: list[str] = [f"{layers}.*"] if fam.moe else []
+    dense = [] if fam.moe else [f"{layers}.*"]
+    if fam.moe_layers is not None:
+        count = int(config.num_hidden_layers)
+        sparse = fam.moe_layers(config)
+        rest = [i for i in range(count) if i not in sparse]
+        moe = _layer_patterns(layers, sparse, count) if sparse else []
+        dense = _layer_patterns(layers, rest, count) if rest else []
+    for layer in moe:
+        tp = None if axis == (ep_axis or axis) else axis
+        for experts in fam.experts:
+            plan[f"{layer}.{experts}"] = ExpertParallel(
+                ep_axis or axis, strategy, tp, capacity_factor=capacity_factor
+            )
+        for mlp in fam.shared:
+            _mlp(plan, _join(layer, fam.moe_block), mlp, config, axis, "replicated")
+    for layer in dense:
+        for mlp in fam.mlps:
+            _mlp(plan, layer, mlp, config, axis, seq)
+    if fam.head:
+        plan[fam.head] = VocabParallel(axis, input="replicated", gather_output=gather_logits)
+    if sequence_parallel:
+        plan[f"{layers}.0"] = SequenceShard(axis)
+        plan[_join(fam.prefix, fam.final_norm)] = GatherSequence(axis)
+        plan.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in fam.norms})
+        plan.update({_join(layer, fam.moe_block): SequenceGather(axis) for layer in moe})
+    return plan
