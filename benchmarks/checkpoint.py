@@ -80,7 +80,7 @@ def rank_fn(quick: bool, reps: int, root: str) -> dict[str, Any]:
     mesh = fd.connect(tp=world, timeout=600)
     base = _model(quick)
     params = sum(p.numel() for p in base.parameters())
-    pm = fd.nn.parallelize(base, mesh, fd.nn.plans.llama(base))
+    pm = fd.nn.parallelize(base, mesh, fd.nn.plans.plan(base, family="llama"))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     for p in pm.parameters():
         p.grad = torch.zeros_like(p)

@@ -5,7 +5,7 @@
     python benchmarks/families.py --quick    # tiny sizes: a smoke run
 
 Each family: the same model (float32, eval mode, 2 layers) on one device and parallelized with
-its ready plan (`fastdist.nn.plans.plan_for`, tensor + sequence parallel) on a simulated
+its ready plan (`fastdist.nn.plans.plan`, tensor + sequence parallel) on a simulated
 ``tp`` mesh; both run forward with labels and backward on the same batch, alternating (median
 of per-pair ratios). Before timing, the two losses are checked to agree. ``ROWS`` lists the
 families: add a ``(label, builder, mesh axes, plan keywords)`` entry for another one (the MoE
@@ -74,7 +74,7 @@ def qwen3_moe(quick: bool) -> Any:
     return Qwen3MoeForCausalLM(cfg)  # one device: transformers' default experts implementation
 
 
-#: (label, builder(quick) -> model, mesh axes given tp, plan_for keywords)
+#: (label, builder(quick) -> model, mesh axes given tp, plan keywords)
 ROWS: list[tuple[str, Callable[[bool], Any], Callable[[int], dict[str, int]], dict[str, Any]]] = [
     ("Llama", llama, lambda tp: {"tp": tp}, {"sequence_parallel": True}),
     ("Gemma 2", gemma2, lambda tp: {"tp": tp}, {"sequence_parallel": True}),
@@ -110,7 +110,7 @@ def bench(quick: bool, tp: int = 4) -> list[dict[str, Any]]:
         one = build(quick).eval()
         model = copy.deepcopy(one)
         mesh = fd.Mesh(axes(tp))
-        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, **plan_kwargs))
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, **plan_kwargs))
         ids = torch.randint(
             0, one.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0)
         )

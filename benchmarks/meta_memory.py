@@ -121,7 +121,9 @@ def _variant(name: str, ckpt: str, quick: bool, mesh: fd.Mesh) -> dict[str, Any]
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(cfg)
     model.eval()
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     if name == "meta + init_weights":
         pm.init_weights(seed=0)
     else:
@@ -146,7 +148,9 @@ def _warm_up(mesh: fd.Mesh) -> None:
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(_config(True))
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     pm.init_weights(seed=0)
     with torch.no_grad():
         pm(input_ids=torch.zeros(2, 8, dtype=torch.long))

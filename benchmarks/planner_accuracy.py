@@ -12,7 +12,7 @@ In every process (one thread each):
 2. For an HF Llama (from a config, random weights) and a TP MLP (residual blocks of
    up/GELU/down projections), the layouts dp4, tp4, dp2 x tp2, tp4 + sp, dp2 x tp2 + sp (sp:
    Megatron sequence parallelism over the tp axis); for an HF Mixtral (4 experts, top-2,
-   dropless) dp4, ep4, dp2 x ep2, ep2 x tp2, tp4 (``fd.nn.plans.mixtral``; the trace charges
+   dropless) dp4, ep4, dp2 x ep2, ep2 x tp2, tp4 (``fd.nn.plans.plan``; the trace charges
    each expert a balanced router's expected load, ``trace_model``'s default; the worst case,
    ``routing="bound"``, is predicted too for comparison): parallelize on the real mesh,
    ``trace_model`` one step (fake tensors; before the data-parallel engine is attached); then
@@ -152,7 +152,7 @@ def _models(quick: bool) -> dict[str, Any]:
     return {
         "HF Llama": (
             llama,
-            lambda sp: fd.nn.plans.llama(llama, sequence_parallel=sp),
+            lambda sp: fd.nn.plans.plan(llama, family="llama", sequence_parallel=sp),
             llama_inputs,
             f"hidden {lcfg['hidden_size']}, {lcfg['num_hidden_layers']} layers, vocab "
             f"{lcfg['vocab_size']}, {sum(p.numel() for p in llama.parameters()) / 1e6:.1f}M "
@@ -170,7 +170,7 @@ def _models(quick: bool) -> dict[str, Any]:
         ),
         "HF Mixtral (MoE)": (
             mixtral,
-            lambda sp: fd.nn.plans.mixtral(mixtral),
+            lambda sp: fd.nn.plans.plan(mixtral, family="mixtral"),
             mixtral_inputs,
             f"hidden {xcfg['hidden_size']}, {xcfg['num_hidden_layers']} layers, 4 experts top-2 "
             f"(dropless, all-to-all dispatch), vocab {xcfg['vocab_size']}, "

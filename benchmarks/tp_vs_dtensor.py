@@ -116,7 +116,7 @@ def _dtensor(model: Any, mesh: Any, prepare_inputs: bool) -> Any:
 
 def _fastdist(model: Any, vocab_parallel: bool) -> Any:
     mesh = fd.connect(tp=WORLD, timeout=120)
-    plan = fd.nn.plans.llama(model)
+    plan = fd.nn.plans.plan(model, family="llama")
     if not vocab_parallel:  # the embedding and the head stay replicated, as on the DTensor side
         del plan["model.embed_tokens"], plan["lm_head"]
     return fd.nn.parallelize(model, mesh, plan)

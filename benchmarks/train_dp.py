@@ -55,9 +55,9 @@ def rank_fn(quick: bool, reps: int, bucket_mb: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = fd.connect(tp=1, timeout=300)          # dp = world
     base = _model(quick)
-    a = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.llama(base))
-    b = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.llama(base))
-    a.data_parallel("dp", bucket_mb=bucket_mb)
+    a = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.plan(base, family="llama"))
+    b = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.plan(base, family="llama"))
+    fd.train.DataParallel(a, "dp", bucket_mb=bucket_mb)
     group = fd.comm.to_device_mesh(mesh)["dp"].get_group()
     g = torch.Generator().manual_seed(mesh.rank)
     ids = torch.randint(

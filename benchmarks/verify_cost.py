@@ -49,7 +49,7 @@ def timed(model: Any, mesh: fd.Mesh, how: str, repeat: int) -> tuple[float, floa
         if how == "auto":
             fd.nn.parallelize(m, mesh, "auto")
         else:
-            fd.nn.parallelize(m, mesh, fd.nn.plans.llama(m), verify=how == "verify")
+            fd.nn.parallelize(m, mesh, fd.nn.plans.plan(m, family="llama"), verify=how == "verify")
         cpu.append(time.process_time() - start_cpu)
         wall.append(time.perf_counter() - start)
     return min(cpu[1:]), min(wall[1:])  # the first: warm-up

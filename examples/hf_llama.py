@@ -36,7 +36,9 @@ def main() -> int:
     model = LlamaForCausalLM(config).double()
     reference = copy.deepcopy(model)  # the same model on one device, for the check
 
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     worst = 0.0

@@ -116,10 +116,8 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
     for m in model.modules():  # no dropout in these configs; say so if a config adds one
         assert not isinstance(m, torch.nn.Dropout) or m.p == 0
     reference = copy.deepcopy(model) if args.check else None
-    pm = fd.nn.parallelize(
-        model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=args.sp)
-    )
-    pm.data_parallel("dp", engine=args.engine)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=args.sp))
+    reducer = fd.train.DataParallel(pm, "dp", engine=args.engine)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     ref_opt = ref_sched = None
@@ -145,7 +143,7 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
             last = i == args.accum - 1
             with (
                 torch.autocast("cuda", torch.bfloat16, enabled=use_bf16),
-                pm.no_sync() if not last else contextlib.nullcontext(),
+                reducer.no_sync() if not last else contextlib.nullcontext(),
             ):
                 loss = pm(input_ids=micro, labels=micro).loss  # [world] simulated
                 (loss.sum() if simulated else loss).div(args.accum).backward()

@@ -24,10 +24,8 @@ def families_on_gloo(families: list[tuple[str, str]], root: str) -> list[str]:
         build = builder(ref_name)
         ref = build(family)  # the weights that were saved (seed 0)
         model = build(family, seed=7)
-        pm = fd.nn.parallelize(
-            model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=True)
-        )
-        pm.load(Path(root) / str(i))  # this rank's slices only
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
+        fd.checkpoint.load(Path(root) / str(i), pm)  # this rank's slices only
         tol = tolerance(family)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)

@@ -28,7 +28,7 @@ def parallel_training_on_gloo(
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
     model = build(family, kv=ref.config.num_key_value_heads if family != "gpt2" else 4, seed=99)
     pm = fd.nn.parallelize(
-        model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sequence_parallel)
+        model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sequence_parallel)
     )
     pm.load(ckpt)  # this rank's slices only (safe_open(...).get_slice)
     # a shard, padded

@@ -24,7 +24,9 @@ def meta_llama_on_gloo(ckpt: str) -> str:
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
     with torch.device("meta"):
         model = build("llama")
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     up = model.model.layers[0].mlp.up_proj.weight
     assert up.is_meta and tuple(up.shape) == (48 // world, 32), up.shape  # this rank's shard
     pm.load(ckpt)  # storage for this rank's shards only, read by slices
@@ -48,7 +50,9 @@ def meta_llama_on_gloo(ckpt: str) -> str:
 
     with torch.device("meta"):
         fresh = build("llama")
-    pm2 = fd.nn.parallelize(fresh, mesh, fd.nn.plans.llama(fresh, sequence_parallel=True))
+    pm2 = fd.nn.parallelize(
+        fresh, mesh, fd.nn.plans.plan(fresh, family="llama", sequence_parallel=True)
+    )
     pm2.init_weights(seed=11)  # each rank computes its shards only
     with torch.device("meta"):
         one = build("llama")

@@ -273,7 +273,7 @@ def test_trace_of_a_tied_meta_model() -> None:
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(cfg)
     per_rank = sum(p.numel() for p in model.parameters()) * 4  # tied: once
-    pm = fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.gpt2(model))
+    pm = fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.plan(model, family="gpt2"))
     ids = torch.zeros(2, 8, dtype=torch.long)
     prof = fd.profile.trace_model(pm, input_ids=ids, labels=ids)
     assert prof.count(axis="tp") > 0 and prof.flops() > 0

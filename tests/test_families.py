@@ -1,4 +1,4 @@
-"""The ready-made plans of the dense Hugging Face families (`fastdist.nn.plans.plan_for`), each
+"""The ready-made plans of the dense Hugging Face families (`fastdist.nn.plans.plan`), each
 against the same model on one device in float64: logits, loss, every gradient and two AdamW steps,
 tensor-parallel at tp=2 and tp=4, sequence-parallel, grouped-query / multi-query attention with
 kv heads fewer than ranks, tied embeddings, loading ``save_pretrained`` output; the mistakes the
@@ -11,8 +11,10 @@ gloo processes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +263,7 @@ def _run_case(
     config = model.config
     heads_before = (config.num_attention_heads, getattr(config, "num_key_value_heads", None))
     mesh = _mesh(family, tp)
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sp))
     if from_pretrained:
         pm.load(tmp_path / "ckpt")
     # the user's config is untouched (per-rank values live in per-module views)
@@ -310,6 +312,46 @@ def test_family_matches_one_device(
     _run_case(family, tp, sp, kv, from_pretrained, tmp_path)
 
 
+def _row_model(kind: str) -> tuple[Any, fd.Mesh, Any]:
+    """A tiny model of ``kind``'s family (the builders of this file and of
+    tests/test_moe_families.py), the mesh its row runs on, and the context it runs in."""
+    if fd.nn.plans.TABLE[kind].moe:
+        from tests import test_moe_families as moe
+
+        return moe.build(kind), fd.Mesh({"ep": 2, "tp": 2}), moe.float64_inside(kind)
+    return build("falcon:new" if kind == "falcon" else kind), fd.Mesh({"tp": 2}), nullcontext()
+
+
+@pytest.mark.parametrize("kind", sorted(fd.nn.plans.TABLE))
+def test_every_row_of_the_table_matches_one_device(kind: str) -> None:
+    """Each row of `fastdist.nn.plans.TABLE`, by its model type: the plan on a tiny model of the
+    family, tensor- and sequence-parallel, gives one device's logits (the families' full checks,
+    gradients and optimizer steps included, are test_family_matches_one_device above and in
+    tests/test_moe_families.py)."""
+    ref, mesh, inside = _row_model(kind)
+    model = copy.deepcopy(ref)
+    with inside:
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
+        ids, _ = batch(3)
+        want = ref(input_ids=ids).logits
+        got = pm(input_ids=rep(ids, mesh)).logits
+    ranks = [
+        mesh.rank_of({"tp": i, **{a: 0 for a in mesh.axis_names if a != "tp"}}) for i in (0, 1)
+    ]
+    got = torch.cat([got[r] for r in ranks], -1)[..., : ref.config.vocab_size]
+    torch.testing.assert_close(got, want.detach(), **tolerance(kind))
+
+
+def test_a_model_type_in_two_rows_is_refused() -> None:
+    """The table is built by `fastdist.nn.plans.table`, which refuses a model type claimed twice
+    (at import), instead of one row silently replacing the other."""
+    llama = fd.nn.plans.TABLE["llama"]
+    with pytest.raises(ValueError, match="two family rows for model_type 'mistral'"):
+        fd.nn.plans.table(
+            llama, dataclasses.replace(fd.nn.plans.TABLE["olmo"], model_types=("mistral",))
+        )
+
+
 @pytest.mark.parametrize("family", ["gemma2", "olmo2", "falcon:mqa", "stablelm"])
 def test_family_built_on_the_meta_device_loads_save_pretrained(tmp_path: Path, family: str) -> None:
     """The new pieces (the scaled embedding's buffer, the full-width norm's shards, a fused
@@ -319,8 +361,8 @@ def test_family_built_on_the_meta_device_loads_save_pretrained(tmp_path: Path, f
     with torch.device("meta"):
         model = _model(family, 2)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=True))
-    pm.load(tmp_path, dtype=F64)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
+    fd.checkpoint.load(tmp_path, pm, dtype=F64)
     ids, labels = batch()
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     want_logits, want_loss = reference_loss(ref, ids, labels)
@@ -392,17 +434,17 @@ def _docs_table() -> dict[str, dict[str, str]]:
 def test_docs_table_rows_are_what_the_tests_check() -> None:
     docs = _docs_table()
     for kind, row in TABLE.items():
-        assert kind in fd.nn.plans.FAMILIES, kind
+        assert kind in fd.nn.plans.TABLE, kind
         assert docs.get(kind) == row, f"{kind}: docs say {docs.get(kind)}, the tests check {row}"
 
 
 def test_docs_table_has_a_row_for_every_ready_plan() -> None:
-    """Every model_type in fd.nn.plans.FAMILIES has its row (the MoE families' rows are checked
+    """Every model_type in fd.nn.plans.TABLE has its row (the MoE families' rows are checked
     against their own tests in tests/test_moe_families.py, where they define TABLE)."""
     docs = _docs_table()
-    assert set(docs) == set(fd.nn.plans.FAMILIES), (
-        "docs/models.md's family table and fastdist.nn.plans.FAMILIES differ: "
-        f"{sorted(set(docs) ^ set(fd.nn.plans.FAMILIES))}"
+    assert set(docs) == set(fd.nn.plans.TABLE), (
+        "docs/models.md's family table and fastdist.nn.plans.TABLE differ: "
+        f"{sorted(set(docs) ^ set(fd.nn.plans.TABLE))}"
     )
     from tests import test_moe_families
 
@@ -457,7 +499,7 @@ def test_stablelm_heads_are_set_per_rank_and_per_head_norm_lists_are_named() -> 
             r"head_norm_lists=\(\('q_layernorm', 'q'\),\)"
         ),
     ):
-        fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+        fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"))
     fd.nn.parallelize(model, mesh)
     attn = _attention(model)
     assert (attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups) == (2, 1, 2)
@@ -468,7 +510,9 @@ def test_stablelm_heads_are_set_per_rank_and_per_head_norm_lists_are_named() -> 
     )
     ref = transformers.StableLmForCausalLM(cfg).to(F64).eval()
     plain = copy.deepcopy(ref)
-    pm = fd.nn.parallelize(plain, mesh, fd.nn.plans.llama(plain, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        plain, mesh, fd.nn.plans.plan(plain, family="llama", sequence_parallel=True)
+    )
     ids, labels = batch()
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     want_logits, want_loss = reference_loss(ref, ids, labels)
@@ -490,7 +534,7 @@ def test_olmo2_full_width_norms_with_a_head_plan_are_refused_with_the_fix() -> N
             r"Fix: HeadParallelAttention\(\.\.\., full_width_norms=\(\('q_norm', 'q'\),\)"
         ),
     ):
-        fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.llama(model))
+        fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.plan(model, family="llama"))
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing changed
 
 
@@ -516,7 +560,7 @@ def test_falcon_alibi_is_refused_with_the_reason_and_the_fix() -> None:
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True
     )
     with pytest.raises(fd.nn.ParallelizeError, match=r"Falcon plan.*alibi=True.*Fix: "):
-        fd.nn.plans.falcon(cfg)
+        fd.nn.plans.plan(cfg, family="falcon")
 
 
 def test_an_unknown_head_count_attribute_is_refused_by_value_unless_named() -> None:

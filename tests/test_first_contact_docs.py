@@ -103,7 +103,7 @@ def test_qwen2_moe_through_the_mixtral_plan_matches_one_device() -> None:
     coef = ref.config.router_aux_loss_coef
     (want_ce + coef * want_aux).backward()
     mesh = fd.Mesh({"ep": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis="tp"))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="mixtral", axis="tp"))
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     torch.testing.assert_close(whole_logits(out.logits, mesh, "tp"), want_logits.detach(), **TOL)
     torch.testing.assert_close(out.aux_loss, rep(want_aux.detach(), mesh), **TOL)
@@ -124,7 +124,7 @@ def test_which_assignments_are_dropped_depends_on_the_ep_size() -> None:
         for ep in (1, 2, 4):
             model = copy.deepcopy(ref)
             mesh = fd.Mesh({"ep": ep})
-            plan = fd.nn.plans.mixtral(model, axis="ep", capacity_factor=capacity_factor)
+            plan = fd.nn.plans.plan(model, family="mixtral", axis="ep", capacity_factor=capacity_factor)
             pm = fd.nn.parallelize(model, mesh, plan)
             out = pm(input_ids=rep(ids, mesh))
             logits[capacity_factor, ep] = whole_logits(out.logits, mesh, "ep").detach()

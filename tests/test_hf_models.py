@@ -108,7 +108,7 @@ def run_parallel(family: str, tp: int, sp: bool, kv: int = 2, device: str = "cpu
     ref_logits, ref_loss = reference_loss(ref, ids, labels)
     ref_loss.backward()
     mesh = fd.Mesh({"tp": tp})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sp))
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     torch.testing.assert_close(full_logits(out.logits, mesh), ref_logits.detach(), **TOL)
     # every rank: the whole loss
@@ -148,7 +148,9 @@ def test_dp_x_tp_mesh_with_sequence_parallelism() -> None:
     model = copy.deepcopy(ref)
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     (ids0, lab0), (ids1, lab1) = batch(1), batch(2)
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     ids = torch.stack([ids0, ids0, ids1, ids1])  # rank = dp * 2 + tp
     labels = torch.stack([lab0, lab0, lab1, lab1])
     out = pm(input_ids=ids, labels=labels)
@@ -174,7 +176,9 @@ def test_attention_mask_and_training_mode_on_simulated_ranks() -> None:
     ref = build("llama")
     model = copy.deepcopy(ref)
     pm = fd.nn.parallelize(
-        model, fd.Mesh({"dp": 2, "tp": 2}), fd.nn.plans.llama(model, sequence_parallel=True)
+        model,
+        fd.Mesh({"dp": 2, "tp": 2}),
+        fd.nn.plans.plan(model, family="llama", sequence_parallel=True),
     )
     ids, _ = batch()
     mask = torch.ones_like(ids)
@@ -199,7 +203,9 @@ def test_three_adamw_steps_equal_one_device() -> None:
     ref = build("llama", kv=1)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     # elementwise: the stacked update is every rank's update
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -224,7 +230,7 @@ def test_missing_pvary_is_caught_when_gradients_are_gathered() -> None:
     gradient; grads() raises."""
     model = build("llama")
     mesh = fd.Mesh({"tp": 2})
-    plan = fd.nn.plans.llama(model, sequence_parallel=True)
+    plan = fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
     del plan["model.layers.*.input_layernorm"]
     pm = fd.nn.parallelize(model, mesh, plan)
     ids, labels = batch()
@@ -244,7 +250,9 @@ def test_compiled_parallel_step_is_one_graph_and_equals_eager() -> None:
     ref = build("llama", layers=1)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     ids, labels = batch()
 
     def step(ids: Tensor, labels: Tensor) -> Tensor:
@@ -276,7 +284,7 @@ def test_sharded_logits_and_causal_lm_loss_on_tied_gpt2() -> None:
     model = build("gpt2")
     assert model.lm_head.weight is model.transformer.wte.weight
     mesh = fd.Mesh({"tp": 4})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.gpt2(model))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="gpt2"))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert tuple(model.lm_head.weight.shape) == (4, 16, 32)  # [rank, ceil(61 / 4), hidden]
     assert "lm_head.weight" not in pm.layouts and pm.layouts["transformer.wte.weight"].size == VOCAB
@@ -290,8 +298,10 @@ def test_load_from_save_pretrained_reads_slices_and_round_trips(tmp_path: Any) -
     ref.save_pretrained(tmp_path / "ckpt")
     model = build("gpt2", seed=4)  # other weights: everything must come from the checkpoint
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.gpt2(model, sequence_parallel=True))
-    pm.load(tmp_path / "ckpt")
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="gpt2", sequence_parallel=True)
+    )
+    fd.checkpoint.load(tmp_path / "ckpt", pm)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(pm.state_dict()[name], p.detach(), rtol=0, atol=0)
     ids, labels = batch()
@@ -317,7 +327,7 @@ def test_load_checkpoint_is_strict(tmp_path: Any) -> None:
     state = {k: v.contiguous() for k, v in ref.state_dict().items()}
     model = build("llama", kv=1)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"))
 
     bad = dict(state, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(50, 32, dtype=F64)})
     save_file(bad, str(tmp_path / "shape.safetensors"))
@@ -434,7 +444,7 @@ def test_mistakes_raise_before_anything_changes() -> None:
         fd.nn.ParallelizeError,
         match=r"'model\.embed_tokens' is a GemmaTextScaledWordEmbedding.*own forward",
     ):
-        fd.nn.parallelize(gemma, mesh, fd.nn.plans.llama(gemma))
+        fd.nn.parallelize(gemma, mesh, fd.nn.plans.plan(gemma, family="llama"))
     assert {
         n: type(m) for n, m in gemma.named_modules()
     } == before and gemma.lm_head.weight.dim() == 2  # nothing swapped or sharded
@@ -445,7 +455,7 @@ def test_mistakes_raise_before_anything_changes() -> None:
         fd.nn.ParallelizeError,
         match=r"k_proj has 16 output features.*1 kv heads and head_dim 8 say 8",
     ):
-        fd.nn.parallelize(model, mesh, fd.nn.plans.llama(other))
+        fd.nn.parallelize(model, mesh, fd.nn.plans.plan(other, family="llama"))
     with pytest.raises(
         fd.nn.ParallelizeError, match=r"the class itself: write ColwiseParallel\(\)"
     ):

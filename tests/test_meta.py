@@ -65,7 +65,7 @@ def test_meta_model_loads_its_shards_and_matches_one_device(
     ref.save_pretrained(tmp_path)
     model = on_meta(family)
     mesh = fd.Mesh({"tp": tp})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sp))
     if family == "gpt2":  # tied, vocabulary 61 padded: meta shards of the local shape, still tied
         assert model.lm_head.weight is model.transformer.wte.weight
         assert model.lm_head.weight.is_meta and tuple(model.lm_head.weight.shape) == (2, 31, 32)
@@ -95,7 +95,7 @@ def test_meta_mixtral_loads_through_its_ready_plan() -> None:
     with torch.device("meta"):
         model = build_mixtral()
     mesh = fd.Mesh({"ep": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis="tp"))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="mixtral", axis="tp"))
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     assert experts.is_meta and tuple(experts.shape) == (4, 2, 16, 32)
     pm.load(ref.state_dict())
@@ -136,14 +136,16 @@ def test_init_empty_weights_style_and_dtype(tmp_path: Any) -> None:
         model = build("llama")
     assert model.lm_head.weight.is_meta and not model.model.rotary_emb.inv_freq.is_meta
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
-    pm.load(tmp_path)
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
+    fd.checkpoint.load(tmp_path, pm)
     assert meta_left(model) == []
     check_against(pm, ref, mesh)
 
     model32 = on_meta("llama")
-    pm32 = fd.nn.parallelize(model32, mesh, fd.nn.plans.llama(model32))
-    pm32.load(tmp_path, dtype=torch.float32)
+    pm32 = fd.nn.parallelize(model32, mesh, fd.nn.plans.plan(model32, family="llama"))
+    fd.checkpoint.load(tmp_path, pm32, dtype=torch.float32)
     assert {p.dtype for p in model32.parameters()} == {torch.float32}
     assert model32.model.rotary_emb.inv_freq.dtype == torch.float64  # as built
     want = ref.model.layers[1].mlp.down_proj.weight.detach().float()
@@ -210,7 +212,9 @@ def test_init_weights_mixtral_and_a_plain_torch_model() -> None:
 
     with torch.device("meta"):
         model = build_mixtral()
-    pm = fd.nn.parallelize(model, fd.Mesh({"ep": 2, "tp": 2}), fd.nn.plans.mixtral(model))
+    pm = fd.nn.parallelize(
+        model, fd.Mesh({"ep": 2, "tp": 2}), fd.nn.plans.plan(model, family="mixtral")
+    )
     pm.init_weights(seed=3)
     with torch.device("meta"):
         one = build_mixtral()
@@ -241,7 +245,9 @@ def test_a_meta_model_refuses_to_run_and_partial_loads(tmp_path: Any) -> None:
     state = {k: v.contiguous() for k, v in ref.state_dict().items()}
     model = on_meta("llama")
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model, sequence_parallel=True))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
+    )
     ids, _ = batch()
     with pytest.raises(
         fd.nn.ParallelizeError,

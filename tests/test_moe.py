@@ -566,7 +566,7 @@ def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None
     coef = ref.config.router_aux_loss_coef
     mesh = fd.Mesh(axes)
     tp = "tp" if "tp" in axes else "ep"
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis=tp, strategy=strategy))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="mixtral", axis=tp, strategy=strategy))
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (
         mesh.size,
         4 // axes["ep"],
@@ -601,11 +601,11 @@ def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None
     compare_grads(pm, ref, **TOL)
 
 
-def test_mixtral_three_adamw_steps_and_plan_for() -> None:
+def test_mixtral_three_adamw_steps_and_the_family_plan() -> None:
     ref = build_mixtral(seed=2)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh({"ep": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh)  # plan_for: mixtral, experts over ep, attention over tp
+    pm = fd.nn.parallelize(model, mesh)  # the mixtral row, experts over ep, attention over tp
     opt_ref, opt = (
         torch.optim.AdamW(ref.parameters(), lr=1e-2),
         torch.optim.AdamW(pm.parameters(), lr=1e-2),
@@ -652,7 +652,7 @@ def test_mixtral_skewed_routing_and_empty_experts() -> None:
         mesh = fd.Mesh({"ep": 2})
         ids, labels = lm_batch(5)
         logits, ce, aux = reference(r, ids, labels)
-        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.mixtral(model, axis="ep"))
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="mixtral", axis="ep"))
         out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
         torch.testing.assert_close(whole_logits(out.logits, mesh, "ep"), logits.detach(), **TOL)
         torch.testing.assert_close(out.aux_loss[0], aux.detach(), **TOL)
@@ -727,7 +727,7 @@ def test_mixtral_token_dropping_reported_in_the_model_path(
     pm = fd.nn.parallelize(
         model,
         mesh,
-        fd.nn.plans.mixtral(model, axis=tp, strategy=strategy, capacity_factor=capacity_factor),
+        fd.nn.plans.plan(model, family="mixtral", axis=tp, strategy=strategy, capacity_factor=capacity_factor),
     )
     assert M.dropped_counts(model) == {}  # nothing before the first forward
     coef = ref.config.router_aux_loss_coef

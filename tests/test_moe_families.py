@@ -1,7 +1,7 @@
-"""The ready plans for the mixture-of-experts families (fastdist.nn.moe_plans) against one device,
-in float64 on simulated ranks: logits, the loss with the router's aux loss where the model adds it,
-every gradient, and two AdamW steps, over tp, ep and ep x tp. Tiny configs: hidden 32, 2 layers,
-4 experts, vocabulary 61 (padded)."""
+"""The ready plans for the mixture-of-experts families (the MoE rows of fastdist.nn.plans) against
+one device, in float64 on simulated ranks: logits, the loss with the router's aux loss where the
+model adds it, every gradient, and two AdamW steps, over tp, ep and ep x tp. Tiny configs: hidden
+32, 2 layers, 4 experts, vocabulary 61 (padded)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ TOL = {"rtol": 1e-10, "atol": 1e-10}
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 MESHES = [{"tp": 2}, {"tp": 4}, {"ep": 2}, {"ep": 2, "tp": 2}]  # tp=4: 2 kv heads replicated
 #: the families test_every_family_on_two_gloo_processes loads from save_pretrained output (all:
-#: one tensor per expert read through fd.nn.moe_plans.fused_experts, GPT-OSS's fused as saved)
+#: one tensor per expert read through fd.checkpoint.hf.fused_experts, GPT-OSS's fused as saved)
 LOADS_SAVE_PRETRAINED = tuple(FAMILIES)
 #: model_type -> the family's name in docs/models.md's table
 NAMES = {
@@ -206,8 +206,8 @@ def check_family(
     ref = build(family)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
-    plan = fd.nn.plans.plan_for(model, mesh, sequence_parallel=sequence_parallel)
-    pm = fd.nn.parallelize(model, mesh, plan)  # plan_for by model_type
+    plan = fd.nn.plans.plan(model, mesh, sequence_parallel=sequence_parallel)
+    pm = fd.nn.parallelize(model, mesh, plan)  # the row of model_type
     vocab_axis = "tp" if "tp" in axes else "ep"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -258,13 +258,14 @@ def test_float32_inside_float64_models(family: str) -> None:
 
 
 def test_plan_mistakes_raise_parallelize_errors_naming_the_module_and_the_fix() -> None:
-    from fastdist.nn import moe_plans
-
     # GPT-OSS's attention sinks (one per head) left whole: refused before anything changes,
     # instead of torch's "Sizes of tensors must match" from inside the model
     model = build("gpt_oss")
-    plan = moe_plans.gpt_oss(model)
-    plan["model.layers.*.self_attn"] = moe_plans._attention(model.config, "tp", False)
+    plan = fd.nn.plans.plan(model)
+    # the Mixtral row's attention: no head_params
+    plan["model.layers.*.self_attn"] = fd.nn.plans.plan(model, family="mixtral")[
+        "model.layers.*.self_attn"
+    ]
     with pytest.raises(
         fd.nn.ParallelizeError,
         match=r"'model\.layers\.0\.self_attn' \(GptOssAttention\): its own parameter 'sinks' .*"
@@ -321,7 +322,7 @@ def test_plan_mistakes_raise_parallelize_errors_naming_the_module_and_the_fix() 
         )
 
 
-def test_plan_for_picks_the_axes_from_the_mesh() -> None:
+def test_plan_picks_the_axes_from_the_mesh() -> None:
     """Experts over ep when the mesh has it, else over tp itself; attention over tp, else ep."""
     model = build("qwen2_moe")
     for axes, attn, experts, inside in (
@@ -329,7 +330,7 @@ def test_plan_for_picks_the_axes_from_the_mesh() -> None:
         ({"ep": 2}, "ep", "ep", None),
         ({"ep": 2, "tp": 2}, "tp", "ep", "tp"),
     ):
-        plan = fd.nn.plans.plan_for(model, fd.Mesh(axes))
+        plan = fd.nn.plans.plan(model, fd.Mesh(axes))
         assert plan["model.layers.*.self_attn"].axis == attn
         style = plan["model.layers.1.mlp.experts"]
         assert (style.axis, style.tp_axis) == (experts, inside)
@@ -404,8 +405,8 @@ def test_save_pretrained_loads_by_slices_with_fused_experts(family: str, tmp_pat
         model = build(family, seed=7)
         pm = fd.nn.parallelize(model, mesh)
         if explicit:
-            with fd.nn.moe_plans.fused_experts(pm.module, tmp_path) as checkpoint:
-                pm.load(checkpoint)
+            with fd.checkpoint.hf.fused_experts(pm.module, tmp_path) as checkpoint:
+                fd.checkpoint.load(checkpoint, pm)
         else:
             pm.load(tmp_path)
         state = pm.state_dict()

@@ -364,7 +364,7 @@ def test_hf_llama_stage_split_and_boundary_from_the_trace() -> None:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     mesh = fd.Mesh({"pp": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"))
     ids = torch.zeros(2, 8, dtype=torch.long)  # one micro-batch: 2 sequences of 8
     prof = trace_model(pm, input_ids=ids, labels=ids)
     pred = predict(prof, NET, pipeline=PipelineSpec(4))

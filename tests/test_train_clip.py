@@ -26,7 +26,7 @@ def _parallel_pair(
     """(one-device model, its parallel copy), both after one backward of the same batch."""
     ref = build(family, kv=kv)
     pm = fd.nn.parallelize(
-        copy.deepcopy(ref), mesh, fd.nn.plans.plan_for(ref, mesh, sequence_parallel=sp)
+        copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, mesh, sequence_parallel=sp)
     )
     ids, labels = batch()
     reference_loss(ref, ids, labels)[1].backward()
@@ -51,7 +51,7 @@ def test_clip_equals_one_device(family: str, tp: int, sp: bool, norm_type: float
     ref, pm = _parallel_pair(family, mesh, sp, kv)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
     before = fd.nn.grad_norm(pm, norm_type)
-    got = pm.clip_grad_norm_(0.05, norm_type)
+    got = fd.nn.clip_grad_norm_(pm, 0.05, norm_type)
     torch.testing.assert_close(before, got)
     torch.testing.assert_close(got, want.expand(tp), **TOL)  # every rank: the one-device norm
     assert float(want) > 0.05  # the clip did scale
@@ -112,7 +112,7 @@ def test_non_finite_norms_behave_as_torch() -> None:
     with pytest.raises(RuntimeError, match="non-finite"):
         pm.clip_grad_norm_(1.0, error_if_nonfinite=True)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    got = pm.clip_grad_norm_(1.0)
+    got = fd.nn.clip_grad_norm_(pm, 1.0)
     assert torch.isnan(want) and torch.isnan(got).all()  # every rank: nan, grads scaled by nan
     assert all(torch.isnan(p.grad).all() for p in pm.parameters())
 
@@ -120,7 +120,7 @@ def test_non_finite_norms_behave_as_torch() -> None:
 def test_unreduced_data_parallel_replicas_and_bad_arguments_raise() -> None:
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     model = build("llama")
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"))
     (i0, l0), (i1, l1) = batch(1), batch(2)
     out = pm(input_ids=torch.stack([i0, i0, i1, i1]), labels=torch.stack([l0, l0, l1, l1]))
     out.loss.sum().backward()

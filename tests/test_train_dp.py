@@ -48,7 +48,9 @@ def compare(pm: Any, ref: Any, **tol: float) -> None:
 def test_gradients_clipping_and_adamw_equal_one_device(axes: dict[str, int], sp: bool) -> None:
     ref = build("llama")
     mesh = fd.Mesh(axes)
-    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref, sequence_parallel=sp))
+    pm = fd.nn.parallelize(
+        copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, family="llama", sequence_parallel=sp)
+    )
     dp = fd.train.DataParallel(pm, "dp")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -75,7 +77,7 @@ def test_gradients_clipping_and_adamw_equal_one_device(axes: dict[str, int], sp:
 def test_no_sync_accumulates_then_reduces_the_sum() -> None:
     ref = build("llama")
     mesh = fd.Mesh({"dp": 2, "tp": 2})
-    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref))
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, family="llama"))
     dp = fd.train.DataParallel(pm)
     micro = [per_rank(mesh, ("dp",), s) for s in (1, 5)]
     with dp.no_sync():
@@ -97,7 +99,7 @@ def test_moe_experts_split_over_ep_reduce_over_dp_only() -> None:
 
     ref = build_mixtral()
     mesh = fd.Mesh({"dp": 2, "ep": 2})
-    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh)  # plan_for: experts over ep
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh)  # the family plan: experts over ep
     dp = fd.train.DataParallel(pm, "dp")
     layouts = pm.layouts
     expert = next(n for n in layouts if "experts" in n)
@@ -146,7 +148,7 @@ def test_ep_as_a_data_axis_divides_expert_sums_by_every_data_rank() -> None:
 def test_bad_arguments_raise() -> None:
     mesh = fd.Mesh({"dp": 2, "tp": 2})
     model = build("llama")
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"))
     with pytest.raises(fd.MeshError, match="'data'"):
         fd.train.DataParallel(pm, "data")
     with pytest.raises(fd.MeshError, match="bucket_mb"):
@@ -179,8 +181,10 @@ def test_engines_on_gloo_equal_one_device(
 def test_zero1_adamw_equals_replicated_adamw_with_half_the_state() -> None:
     ref = build("llama")
     mesh = fd.Mesh({"dp": 2, "tp": 2})
-    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref, sequence_parallel=True))
-    pm.data_parallel("dp")
+    pm = fd.nn.parallelize(
+        copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, family="llama", sequence_parallel=True)
+    )
+    fd.train.DataParallel(pm, "dp")
     opt = fd.train.ZeroOptimizer(pm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))

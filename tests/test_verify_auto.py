@@ -1,4 +1,4 @@
-"""``parallelize(..., verify=True)`` and the automatic plan (``plans.auto``, ``plan="auto"``).
+"""``parallelize(..., verify=True)`` and the automatic plan (``family="auto"``, ``plan="auto"``).
 
 Every model is built from a tiny config with random init in float64 (nothing downloaded) and run
 on simulated ranks; results are compared with the same model on one device.
@@ -176,7 +176,7 @@ def test_verify_accepts_every_ready_plan(family: str, tp: int, sp: bool) -> None
     model = build(family)
     ref = copy.deepcopy(model)
     mesh = fd.Mesh({"ep": tp} if family == "mixtral" else {"tp": tp})
-    plan = fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp)
+    plan = fd.nn.plans.plan(model, mesh, sequence_parallel=sp)
     pm = fd.nn.parallelize(model, mesh, plan, verify=True)
     if family == "mixtral":
         x = ids()
@@ -200,7 +200,7 @@ def test_verify_accepts_the_other_ready_plans(family: str) -> None:
         model = build(family)
         mesh = fd.Mesh({"tp": tp})
         try:
-            plan = fd.nn.plans.plan_for(model, mesh, sequence_parallel=sp)
+            plan = fd.nn.plans.plan(model, mesh, sequence_parallel=sp)
         except fd.nn.ParallelizeError as e:
             assert sp and "no sequence parallelism" in str(e)  # the MoE plans
             continue
@@ -209,7 +209,7 @@ def test_verify_accepts_the_other_ready_plans(family: str) -> None:
 
 def _gpt2_without_split_size() -> tuple[Any, dict[str, Any], str]:
     model = build("gpt2")
-    plan = fd.nn.plans.gpt2(model)
+    plan = fd.nn.plans.plan(model, family="gpt2")
     attn = plan["transformer.h.*.attn"]
     # the style is told split_size is not a width (keep=) and patches nothing: the forward
     # splits the fused projection by the whole model's width
@@ -219,14 +219,14 @@ def _gpt2_without_split_size() -> tuple[Any, dict[str, Any], str]:
 
 def _llama_colwise_down() -> tuple[Any, dict[str, Any], str]:
     model = build("llama")
-    plan = fd.nn.plans.llama(model)
+    plan = fd.nn.plans.plan(model, family="llama")
     plan["model.layers.*.mlp.down_proj"] = fd.nn.ColwiseParallel()  # its input is already split
     return model, plan, r"'model\.layers\.0\.mlp\.down_proj' \(ParallelLinear\) .*raised"
 
 
 def _llama_wrong_scaling() -> tuple[Any, dict[str, Any], str]:
     model = build("llama")
-    plan = fd.nn.plans.llama(model)
+    plan = fd.nn.plans.plan(model, family="llama")
     attn = plan["model.layers.*.self_attn"]
     # silently wrong: no exception, only other numbers
     plan["model.layers.*.self_attn"] = dataclasses.replace(
@@ -242,7 +242,7 @@ def _llama_wrong_scaling() -> tuple[Any, dict[str, Any], str]:
 
 def _llama_columns_in_parts() -> tuple[Any, dict[str, Any], str]:
     model = build("llama")
-    plan = fd.nn.plans.llama(model)
+    plan = fd.nn.plans.plan(model, family="llama")
     # up_proj is not fused: splitting it as two parts gives each rank other columns than
     # gate_proj's, silently
     plan["model.layers.*.mlp.up_proj"] = fd.nn.ColwiseParallel(parts=(24, 24))
@@ -296,7 +296,7 @@ def test_verify_runs_eval_copies_of_a_model_in_training_mode() -> None:
     ref = copy.deepcopy(model)
     model.train()  # dropout on: verify compares eval-mode copies, the model stays in train mode
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.gpt2(model), verify=True)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="gpt2"), verify=True)
     assert model.training and model.transformer.h[0].attn.attn_dropout.training
     model.eval()
     assert_matches_one_device(pm, ref, mesh)
@@ -336,12 +336,12 @@ def test_verify_a_meta_model_on_a_small_model_of_its_family() -> None:
     with torch.device("meta"):
         model = T.LlamaForCausalLM(cfg)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model), verify=True)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"), verify=True)
     assert pm.module.model.layers[5].mlp.up_proj.weight.is_meta  # still on meta: checked only
     with torch.device("meta"):
         model = T.LlamaForCausalLM(cfg)
     before = snapshot(model)
-    plan = fd.nn.plans.llama(model)
+    plan = fd.nn.plans.plan(model, family="llama")
     plan["model.layers.*.self_attn"] = dataclasses.replace(
         plan["model.layers.*.self_attn"], attrs=(("scaling", lambda hq, hkv, d: 1.0),)
     )
@@ -432,7 +432,7 @@ def test_auto_plan_per_family(family: str) -> None:
         ref = copy.deepcopy(model)
         mesh = fd.Mesh({"tp": tp})
         if sp:
-            plan = fd.nn.plans.auto(model, sequence_parallel=True)
+            plan = fd.nn.plans.plan(model, family="auto", sequence_parallel=True)
             pm = fd.nn.parallelize(model, mesh, plan, verify=True)
         else:
             pm = fd.nn.parallelize(model, mesh, "auto")
@@ -440,16 +440,16 @@ def test_auto_plan_per_family(family: str) -> None:
 
 
 def test_auto_finds_the_pieces() -> None:
-    plan = fd.nn.plans.auto(build("phi3"))
+    plan = fd.nn.plans.plan(build("phi3"), family="auto")
     attn = plan["model.layers.*.self_attn"]
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv) == (4, 2, 8, "qkv_proj")
     assert plan["model.layers.*.mlp.gate_up_proj"].parts == (48, 48)  # fused gate|up
     assert plan["model.embed_tokens"] == fd.nn.VocabParallel("tp")
-    plan = fd.nn.plans.auto(build("qwen2_moe"))
+    plan = fd.nn.plans.plan(build("qwen2_moe"), family="auto")
     assert isinstance(plan["model.layers.*.mlp.shared_expert.down_proj"], fd.nn.RowwiseParallel)
     assert plan["model.layers.*.mlp.experts"].axis == "tp"
     assert "model.layers.*.mlp.gate" not in plan  # the router stays replicated
-    plan = fd.nn.plans.auto(build("olmo2"))
+    plan = fd.nn.plans.plan(build("olmo2"), family="auto")
     assert plan["model.layers.*.self_attn"].full_width_norms == (("q_norm", "q"), ("k_norm", "k"))
 
 
@@ -460,7 +460,7 @@ def test_auto_keeps_the_first_candidate_that_verifies() -> None:
     ref = copy.deepcopy(model)
     mesh = fd.Mesh({"tp": 2})
     where = "transformer.h.*.self_attention"
-    plan = fd.nn.plans.auto(model)
+    plan = fd.nn.plans.plan(model, family="auto")
     assert plan[where].qkv_layout == "concat"  # the first guess, unchecked
     assert [c[where].qkv_layout for c in plan.candidates] == ["concat", "grouped"]
     unchecked = fd.nn.parallelize(copy.deepcopy(model), mesh, "auto", verify=False)
@@ -478,20 +478,20 @@ def test_auto_with_sequence_parallelism_and_replicated_kv_heads() -> None:
         model = build(family)
         ref = copy.deepcopy(model)
         mesh = fd.Mesh({"tp": tp})
-        plan = fd.nn.plans.auto(model, sequence_parallel=sp)
+        plan = fd.nn.plans.plan(model, family="auto", sequence_parallel=sp)
         assert any(isinstance(s, fd.nn.SequenceShard) for s in plan.values()) == sp
         pm = fd.nn.parallelize(model, mesh, plan, verify=True)
         assert_matches_one_device(pm, ref, mesh)
     with pytest.raises(fd.nn.ParallelizeError, match="experts .*no sequence parallelism"):
-        fd.nn.plans.auto(build("mixtral"), sequence_parallel=True)
+        fd.nn.plans.plan(build("mixtral"), family="auto", sequence_parallel=True)
 
 
 def test_auto_refuses_a_model_without_blocks_and_a_bad_plan_string() -> None:
     mlp = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     with pytest.raises(fd.nn.ParallelizeError, match="no list of repeated blocks"):
-        fd.nn.plans.auto(mlp)
-    with pytest.raises(fd.nn.ParallelizeError, match="only plan named by a string is 'auto'"):
-        fd.nn.parallelize(mlp, fd.Mesh({"tp": 2}), "llama")
+        fd.nn.plans.plan(mlp, family="auto")
+    with pytest.raises(fd.nn.ParallelizeError, match="no ready-made plan for .*'nonesuch'"):
+        fd.nn.parallelize(mlp, fd.Mesh({"tp": 2}), "nonesuch")
 
 
 # ============================================================================ real processes

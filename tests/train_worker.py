@@ -23,7 +23,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
     for engine in engines:
         ref = build("llama")
         pm = fd.nn.parallelize(
-            copy.deepcopy(ref), mesh, fd.nn.plans.llama(ref, sequence_parallel=sp)
+            copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, family="llama", sequence_parallel=sp)
         )
         wrapped = pm.data_parallel("dp", engine="fastdist" if engine == "zero" else engine)
         if engine == "fsdp":  # 2-D: each parameter a DTensor over dp of this rank's tp block
@@ -65,7 +65,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
             if mesh.coords(mesh.rank)["tp"] == tp - 1 and (engine != "fsdp" or me == dp - 1):
                 local[-1] = 1e3
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-            got = pm.clip_grad_norm_(0.5)
+            got = fd.nn.clip_grad_norm_(pm, 0.5)
             torch.testing.assert_close(got, want, rtol=1e-10, atol=0, msg=engine)
             opt_ref.step()
             opt.step()

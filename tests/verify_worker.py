@@ -22,7 +22,7 @@ def verify_on_gloo() -> tuple[str, str]:
     mesh = fd.connect(tp=world, timeout=120)
     model = build("llama")
     ref = copy.deepcopy(model)
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.llama(model), verify=True)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama"), verify=True)
     x = ids()
     got = pm(input_ids=x).logits  # this rank's vocabulary shard (61 padded to 62 over 2)
     width = got.shape[-1]
@@ -31,7 +31,7 @@ def verify_on_gloo() -> tuple[str, str]:
     assert width * world >= V
 
     bad = build("llama")
-    plan = fd.nn.plans.llama(bad)
+    plan = fd.nn.plans.plan(bad, family="llama")
     plan["model.layers.*.self_attn"] = dataclasses.replace(
         plan["model.layers.*.self_attn"], attrs=(("scaling", lambda hq, hkv, d: 1.0),)
     )

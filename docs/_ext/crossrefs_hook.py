@@ -22,7 +22,6 @@ MODULES = (
     "fastdist.nn",
     "fastdist.nn.moe",
     "fastdist.nn.plans",
-    "fastdist.nn.moe_plans",
     "fastdist.train",
     "fastdist.train.schedules",
     "fastdist.serving",
@@ -32,9 +31,9 @@ MODULES = (
 )
 # Plans are named after model families (`llama`, `qwen2_moe`), which the guides also name as
 # models: linked only when written with their module (`fd.nn.plans.llama`).
-PLANS = ("fastdist.nn.plans", "fastdist.nn.moe_plans")
+PLANS = ("fastdist.nn.plans",)
 # Bare names that read as ordinary words or name other libraries' things too: linked only when
-# written with their module (`fd.nn.plans.llama`, `fastdist.train.save`).
+# written with their module (`fd.nn.plans.llama`, `fastdist.checkpoint.save`).
 NOT_BARE = {
     "P", "nn", "mq", "profile", "train", "plans", "moe", "load", "save", "plan", "trace", "record",
     "route", "dispatch", "combine", "send", "recv", "barrier", "broadcast", "axes", "meshes",
