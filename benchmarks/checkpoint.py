@@ -1,7 +1,7 @@
 """Checkpoints on gloo processes: each rank writing its own slices through
-``torch.distributed.checkpoint`` (`fastdist.train.save` / `fastdist.train.load`) against
-today's ``pm.save`` (every parameter all-gathered, rank 0 writes one safetensors file) and
-``pm.load`` (each rank reads its slices of that file).
+``torch.distributed.checkpoint`` (`fastdist.checkpoint.save` / `load`, ``format="dcp"``) against
+``format="safetensors"`` (every parameter all-gathered, rank 0 writes one safetensors file; each
+rank reads its slices of that file).
 
     python benchmarks/checkpoint.py            # 4 processes, tp=4, an HF Llama of ~28M parameters
     python benchmarks/checkpoint.py --quick    # tiny sizes, 2 processes: a smoke run
@@ -90,11 +90,15 @@ def rank_fn(quick: bool, reps: int, root: str) -> dict[str, Any]:
         Path(st).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     cases: dict[str, Callable[[], Any]] = {
-        "save: pm.save (gather, rank 0 writes)": lambda: pm.save(st),
-        "save: fastdist.train.save (DCP)": lambda: fd.train.save(dcp, pm),
-        "load: pm.load (safetensors slices)": lambda: pm.load(st),
-        "load: fastdist.train.load (DCP)": lambda: fd.train.load(dcp, pm),
-        "save with AdamW state: fastdist.train.save (DCP)": lambda: fd.train.save(dcp_opt, pm, opt),
+        "save: safetensors (gather, rank 0 writes)": lambda: fd.checkpoint.save(
+            st, pm, format="safetensors"
+        ),
+        "save: fastdist.checkpoint.save (DCP)": lambda: fd.checkpoint.save(dcp, pm),
+        "load: safetensors (slices)": lambda: fd.checkpoint.load(st, pm, format="safetensors"),
+        "load: fastdist.checkpoint.load (DCP)": lambda: fd.checkpoint.load(dcp, pm),
+        "save with AdamW state: fastdist.checkpoint.save (DCP)": lambda: fd.checkpoint.save(
+            dcp_opt, pm, opt
+        ),
     }
     names = list(cases)
     out: dict[str, Any] = {n: {"s": [], "peak": []} for n in names}

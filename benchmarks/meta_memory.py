@@ -8,9 +8,9 @@ Variants, each on fresh processes (``--quick``: one after another in the same pr
 reset in between; its numbers are not meaningful):
 
 * ``whole``: ``LlamaForCausalLM(config)`` on every rank (random init), ``parallelize``, then
-  ``pm.load(save_pretrained dir)``: every rank holds the whole model for a while;
+  ``fd.checkpoint.load(save_pretrained dir, pm)``: every rank holds the whole model for a while;
 * ``meta + load``: built under ``torch.device("meta")``, ``parallelize`` (meta shards),
-  ``pm.load(dir)``: each rank allocates and reads only its shards;
+  ``fd.checkpoint.load(dir, pm)``: each rank allocates and reads only its shards;
 * ``meta + init_weights``: built on meta, ``pm.init_weights(seed=0)``: each module's whole
   tensors exist only while its init runs.
 
@@ -127,7 +127,7 @@ def _variant(name: str, ckpt: str, quick: bool, mesh: fd.Mesh) -> dict[str, Any]
     if name == "meta + init_weights":
         pm.init_weights(seed=0)
     else:
-        pm.load(ckpt)
+        fd.checkpoint.load(ckpt, pm)
     peak = _status("VmHWM") - start
     anon_peak = anon.stop()
     local = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -229,25 +229,25 @@ def rank_fn(quick: bool, rounds: int, out: str | None) -> dict[str, Any]:
     if out and dist.get_rank() == 0:
         model.save(Path(out) / "cost_model.json")
     cases = []
-    for mname, (base, plan_for, inputs_for, desc, layouts) in _models(quick).items():
+    for mname, (base, plan_of, inputs_for, desc, layouts) in _models(quick).items():
         for dp, ep, tp, sp in layouts:
             if dp * ep * tp != world:
                 continue
             mesh = fd.connect(order=("dp", "ep", "tp"), ep=ep, tp=tp, timeout=600)
-            pm = fd.nn.parallelize(copy.deepcopy(base), mesh, plan_for(sp))
+            pm = fd.nn.parallelize(copy.deepcopy(base), mesh, plan_of(sp))
             dp_rank = mesh.rank // (ep * tp)
             inputs = inputs_for(dp, dp_rank)
             # the trace: the same model parallelized on a plain mesh of the layout (one rank's
             # shapes on fake tensors)
             plain = fd.nn.parallelize(
-                copy.deepcopy(base), fd.Mesh({"dp": dp, "ep": ep, "tp": tp}), plan_for(sp)
+                copy.deepcopy(base), fd.Mesh({"dp": dp, "ep": ep, "tp": tp}), plan_of(sp)
             )
             prof = trace_model(plain, **inputs)  # MoE: balanced routing (the default)
             # the MoE's worst case too, for comparison
             bound = trace_model(plain, **inputs, routing="bound") if layouts is MOE else None
             del plain
             if dp > 1:
-                pm.data_parallel("dp", bucket_mb=25.0)
+                fd.train.DataParallel(pm, "dp", bucket_mb=25.0)
 
             def step(pm: Any = pm, inputs: dict[str, Any] = inputs) -> None:
                 _loss(pm, inputs).backward()  # type: ignore[no-untyped-call]

@@ -53,7 +53,7 @@ def rank_fn(quick: bool, reps: int, bucket_mb: float) -> dict[str, Any]:
     import fastdist as fd
 
     torch.set_num_threads(1)
-    mesh = fd.connect(tp=1, timeout=300)          # dp = world
+    mesh = fd.connect(tp=1, timeout=300)  # dp = world
     base = _model(quick)
     a = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.plan(base, family="llama"))
     b = fd.nn.parallelize(copy.deepcopy(base), mesh, fd.nn.plans.plan(base, family="llama"))

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_llama.py
 
 Every rank builds the same small model (same seed; a real job would load a checkpoint
-with ``pm.load("path/to/save_pretrained_dir")``, each rank reading only its slices),
+with ``fd.checkpoint.load("path/to/save_pretrained_dir", pm)``, each rank reading only its slices),
 parallelizes it with the ready-made Llama plan, and trains a few AdamW steps. Each
 rank also trains the single-device model and checks that losses and weights agree;
 the script exits non-zero on a mismatch.

@@ -126,11 +126,11 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda(args))
     start = 0
     if args.resume:
-        extra = fd.train.load(args.resume, pm, opt)
+        extra = fd.checkpoint.load(args.resume, pm, opt)
         start = int(extra["step"])
         sched.load_state_dict(extra["scheduler"])
         if reference is not None:  # the one-device run resumes from the same checkpoint
-            fd.train.load(args.resume, reference, ref_opt)
+            fd.checkpoint.load(args.resume, reference, ref_opt)
             ref_sched.load_state_dict(extra["scheduler"])  # type: ignore[union-attr]
     use_bf16 = args.bf16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     vocab = model.config.vocab_size
@@ -150,7 +150,7 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
             # the mean over the data ranks (tp ranks hold the same loss)
             mean = loss.detach().mean() if simulated else fd.pmean(loss.detach(), mesh, "dp")
             total += float(mean) / args.accum
-        norm = pm.clip_grad_norm_(args.clip)
+        norm = fd.nn.clip_grad_norm_(pm, args.clip)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -167,7 +167,9 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
             worst["loss"] = max(worst["loss"], abs(total - float(ref_loss.detach())))
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             path = os.path.join(args.ckpt_dir, f"step_{step + 1}")
-            fd.train.save(path, pm, opt, extra={"step": step + 1, "scheduler": sched.state_dict()})
+            fd.checkpoint.save(
+                path, pm, opt, extra={"step": step + 1, "scheduler": sched.state_dict()}
+            )
         if _is_first(mesh) and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {losses[-1]:.6f}  norm {float(norm.reshape(-1)[0]):.4f}")
     out: dict[str, Any] = {"losses": losses, "state": pm.state_dict()}

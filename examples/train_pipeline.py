@@ -82,7 +82,7 @@ def train(args: argparse.Namespace, mesh: fd.Mesh) -> dict[str, Any]:
     )
     dp = mesh.axis_size("dp")
     if dp > 1:
-        pipe.data_parallel("dp")
+        fd.train.DataParallel(pipe, "dp")
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1)
     vocab = model.config.vocab_size

@@ -30,7 +30,7 @@ def parallel_training_on_gloo(
     pm = fd.nn.parallelize(
         model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sequence_parallel)
     )
-    pm.load(ckpt)  # this rank's slices only (safe_open(...).get_slice)
+    fd.checkpoint.load(ckpt, pm)  # this rank's slices only (safe_open(...).get_slice)
     # a shard, padded
     assert pm.module.lm_head.weight.shape[0] == -(-VOCAB // mesh.size), (
         pm.module.lm_head.weight.shape
@@ -102,7 +102,8 @@ def parallel_training_on_gloo(
             step = pm(input_ids=ids[:, -1:], past_key_values=prefix.past_key_values).logits
             torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-10, atol=1e-10)
     out_file = Path(ckpt) / "trained.safetensors"
-    state = pm.save(out_file)  # gathered; rank 0 writes
+    fd.checkpoint.save(out_file, pm)  # gathered; rank 0 writes
+    state = pm.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(
             state[name],

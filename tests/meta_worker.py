@@ -29,7 +29,7 @@ def meta_llama_on_gloo(ckpt: str) -> str:
     )
     up = model.model.layers[0].mlp.up_proj.weight
     assert up.is_meta and tuple(up.shape) == (48 // world, 32), up.shape  # this rank's shard
-    pm.load(ckpt)  # storage for this rank's shards only, read by slices
+    fd.checkpoint.load(ckpt, pm)  # storage for this rank's shards only, read by slices
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
 

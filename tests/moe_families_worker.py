@@ -37,7 +37,7 @@ def moe_families_on_gloo(families: list[str], root: str) -> list[str]:
             model = build(family, seed=7) if loads else build(family)
             pm = fd.nn.parallelize(model, mesh)
             if loads:  # this rank's slices only (per-expert tensors fused as they are read)
-                pm.load(Path(root) / family)
+                fd.checkpoint.load(Path(root) / family, pm)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
             ids, labels = batch(30)

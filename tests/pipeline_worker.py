@@ -170,7 +170,7 @@ def schedules_on_4() -> dict[str, Any]:
         out[name]["pp"] = mesh.index(mesh.rank, "pp")
         out[name]["seconds"] = time.monotonic() - t0
     t0 = time.monotonic()
-    pp4 = fd.connect(pp=4, timeout=60)          # no tp: the stage meshes have no axes
+    pp4 = fd.connect(pp=4, timeout=60)  # no tp: the stage meshes have no axes
     out["pp4"] = _one_step(pp4, 8, [0], 0, again=True, schedule="1f1b", microbatches=4)
     out["pp4"]["pp"] = pp4.index(pp4.rank, "pp")
     out["pp4"]["seconds"] = time.monotonic() - t0
@@ -226,7 +226,7 @@ def data_parallel_on_8() -> dict[str, Any]:
         losses, grads = reference(model, [10, 11])
         later, grads2 = reference(model, [12, 13])
         pipe = fd.train.pipeline(model, mesh, microbatches=4, **kw)
-        pipe.data_parallel("dp")
+        fd.train.DataParallel(pipe, "dp")
         ids, labels = batch(10 + dp)
         loss = pipe.step(input_ids=ids, labels=labels)
         out[name] = {**compare(pipe, loss, losses[dp], grads), "model": sorted(grads)}
@@ -364,7 +364,8 @@ def shapes_change_on_2() -> list[dict[str, Any]]:
 
 def meta_load_on_4(ckpt: str) -> dict[str, Any]:
     """pp2 x tp2: a Llama built on the meta device on every rank, split by the pipeline (each
-    rank builds only its stage), ``pipe.load(save_pretrained_dir)`` (each rank reads only its
+    rank builds only its stage), ``fd.checkpoint.load(save_pretrained_dir, pipe)`` (each rank
+    reads only its
     stage's and its tp slices), then a step against one device; and the bytes this rank holds."""
     from transformers import LlamaForCausalLM
 
@@ -376,7 +377,7 @@ def meta_load_on_4(ckpt: str) -> dict[str, Any]:
     mesh = fd.connect(pp=2, tp=2, timeout=60)
     pipe = fd.train.pipeline(meta, mesh, schedule="1f1b", microbatches=2)
     was_meta = all(p.is_meta for p in pipe.parameters())
-    pipe.load(ckpt, dtype=F64)
+    fd.checkpoint.load(ckpt, pipe, dtype=F64)
     ids, labels = batch(5)
     loss = pipe.step(input_ids=ids, labels=labels)
     held = sum(p.numel() for p in pipe.parameters())

@@ -140,17 +140,17 @@ def test_tp_vs_dtensor_benchmark_smoke_run(tmp_path: Path) -> None:
 
 
 def test_checkpoint_benchmark_smoke_run(tmp_path: Path) -> None:
-    """benchmarks/checkpoint.py --quick: DCP save/load against pm.save/pm.load on 2 gloo
+    """benchmarks/checkpoint.py --quick: DCP save/load against safetensors save/load on 2 gloo
     processes; every row timed, the ratios and per-rank peaks reported."""
     proc = _run_quick("checkpoint.py", "--out", str(tmp_path))
     res = json.loads((tmp_path / "checkpoint.json").read_text())
     assert len(res["rows"]) == 5 and res["world"] == 2
     assert all(r["s"] > 0 and len(r["peak_mb_per_rank"]) == 2 for r in res["rows"])
     assert [r["case"] for r in res["rows"] if r.get("time_ratio", 0) > 0] == [
-        "save: fastdist.train.save (DCP)",
-        "load: fastdist.train.load (DCP)",
+        "save: fastdist.checkpoint.save (DCP)",
+        "load: fastdist.checkpoint.load (DCP)",
     ]
-    assert "| save: fastdist.train.save (DCP) |" in proc.stdout
+    assert "| save: fastdist.checkpoint.save (DCP) |" in proc.stdout
 
 
 def test_pipeline_benchmark_smoke_run(tmp_path: Path) -> None:

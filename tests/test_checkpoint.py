@@ -262,7 +262,10 @@ def test_errors_name_the_key_the_rank_and_the_fix(tmp_path: Path) -> None:
     from tests.test_hf_models import build
 
     build("llama").save_pretrained(tmp_path / "hf")
-    fails(r"not a distributed checkpoint.*pm\.load", tmp_path / "hf", other)
+    fails(
+        r"not a distributed checkpoint.*format='safetensors'", tmp_path / "hf", other, format="dcp"
+    )
+    fails(r"single-device weights, no optimizer state", tmp_path / "hf", other, opt)
     kv1 = make("llama", fd.Mesh({"tp": 2}), kv=1)  # k_proj, v_proj: other shapes
     fails(
         r"'model.model.layers.0.self_attn.k_proj.weight' has shape \(16, 32\).*expects \(8, 32\)",

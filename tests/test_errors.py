@@ -305,22 +305,13 @@ CENSUS = [
         "transformers' Conv1D. Fix: give this style to the linear layers only",
     ),
     (
-        "load_checkpoint, missing file",
-        lambda: fd.nn.load_checkpoint(
-            fd.nn.ColumnParallelLinear(4, 4, TP2, "tp"), "/nonexistent/model.safetensors", TP2
+        "checkpoint.load, missing file",
+        lambda: fd.checkpoint.load(
+            "/nonexistent/model.safetensors", fd.nn.ColumnParallelLinear(4, 4, TP2, "tp"), mesh=TP2
         ),
         fd.MeshError,
-        "fastdist.nn.load_checkpoint: /nonexistent/model.safetensors does not exist. Fix: pass a "
+        "fastdist.checkpoint.load: /nonexistent/model.safetensors does not exist. Fix: pass a "
         ".safetensors file, a save_pretrained directory",
-    ),
-    (
-        "load_checkpoint, rank out of range",
-        lambda: fd.nn.load_checkpoint(
-            fd.nn.ColumnParallelLinear(4, 4, TP2, "tp"), {}, TP2, rank=4, strict=False
-        ),
-        fd.MeshError,
-        "fastdist.nn.load_checkpoint: rank=4 is not a rank of Mesh({'sp': 2, 'tp': 2}) (ranks "
-        "0..3). Fix: pass rank= in 0..3",
     ),
     (
         "from_torch timeout=-1",
@@ -332,7 +323,7 @@ CENSUS = [
     ),
     (
         "from_torch check='yes'",
-        lambda: fd.connect(tp=2, check="yes"),          # type: ignore[arg-type]
+        lambda: fd.connect(tp=2, check="yes"),  # type: ignore[arg-type]
         fd.MeshError,
         "fastdist.connect: check must be True or False, got 'yes'. Fix: check=True",
     ),

@@ -265,7 +265,7 @@ def _run_case(
     mesh = _mesh(family, tp)
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sp))
     if from_pretrained:
-        pm.load(tmp_path / "ckpt")
+        fd.checkpoint.load(tmp_path / "ckpt", pm)
     # the user's config is untouched (per-rank values live in per-module views)
     assert model.config is config
     assert (config.num_attention_heads, getattr(config, "num_key_value_heads", None)) == (

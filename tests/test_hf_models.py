@@ -310,9 +310,13 @@ def test_load_from_save_pretrained_reads_slices_and_round_trips(tmp_path: Any) -
     fresh = build("gpt2", seed=5)
     # strict: tied lm_head.weight included, as nn.Module.state_dict gives it
     fresh.load_state_dict(pm.state_dict())
-    pm.load(fresh.state_dict())  # and HF's own state dict (with the tied key) loads back
+    fd.checkpoint.load(
+        fresh.state_dict(), pm
+    )  # and HF's own state dict (with the tied key) loads back
     (tmp_path / "back").mkdir()
-    pm.save(tmp_path / "back")  # a directory: model.safetensors in it
+    fd.checkpoint.save(
+        tmp_path / "back", pm, format="safetensors"
+    )  # a directory: model.safetensors in it
     saved = load_file(str(tmp_path / "back" / "model.safetensors"))
     original = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert saved.keys() == original.keys()
@@ -338,19 +342,21 @@ def test_load_checkpoint_is_strict(tmp_path: Any) -> None:
             r"\(each rank holds \(24, 32\)\)"
         ),
     ):
-        pm.load(tmp_path / "shape.safetensors")
+        fd.checkpoint.load(tmp_path / "shape.safetensors", pm)
     with pytest.raises(fd.nn.CheckpointError, match=r"unexpected keys \['extra\.weight'\]"):
-        pm.load(dict(state, **{"extra.weight": torch.zeros(1)}))
+        fd.checkpoint.load(dict(state, **{"extra.weight": torch.zeros(1)}), pm)
     missing = {k: v for k, v in state.items() if k != "lm_head.weight"}
     with pytest.raises(fd.nn.CheckpointError, match=r"missing keys \['lm_head\.weight'\]"):
-        pm.load(missing)
-    pm.load(missing, strict=False)  # explicitly partial
+        fd.checkpoint.load(missing, pm)
+    fd.checkpoint.load(missing, pm, strict=False)  # explicitly partial
     renamed = {
         ("backbone." + k[len("model.") :] if k.startswith("model.") else k): v
         for k, v in state.items()
     }
-    pm.load(
-        renamed, rename=lambda k: "backbone." + k[len("model.") :] if k.startswith("model.") else k
+    fd.checkpoint.load(
+        renamed,
+        pm,
+        rename=lambda k: "backbone." + k[len("model.") :] if k.startswith("model.") else k,
     )
     torch.testing.assert_close(pm.state_dict()["model.norm.weight"], state["model.norm.weight"])
 
@@ -375,7 +381,7 @@ def test_buffers_load_and_gather_whole_also_into_a_meta_model() -> None:
         "lin.bias": True,
         "scale": True,
     }
-    pm.load({**state, "scale": torch.tensor([5.0, 6.0])})
+    fd.checkpoint.load({**state, "scale": torch.tensor([5.0, 6.0])}, pm)
     assert model.scale.tolist() == [5.0, 6.0]  # a buffer: whole, no rank dim
     x = torch.randn(3, 4)
     torch.testing.assert_close(
@@ -390,7 +396,7 @@ def test_buffers_load_and_gather_whole_also_into_a_meta_model() -> None:
         meta, mesh, {"lin": fd.nn.ColwiseParallel(input="replicated", gather_output=True)}
     )
     assert meta.lin.weight.is_meta and tuple(meta.lin.weight.shape) == (2, 3, 4)
-    pm.load({**state, "scale": torch.tensor([5.0, 6.0])})
+    fd.checkpoint.load({**state, "scale": torch.tensor([5.0, 6.0])}, pm)
     assert not meta.lin.weight.is_meta and meta.scale.tolist() == [5.0, 6.0]
     torch.testing.assert_close(
         pm(x.expand(2, 3, 4))[1],

@@ -76,7 +76,7 @@ def test_meta_model_loads_its_shards_and_matches_one_device(
             and tuple(q.shape) == (tp, 32 // tp, 32)
             and q.stride() == (1024 // tp, 1, 32 // tp)
         )
-    pm.load(tmp_path)
+    fd.checkpoint.load(tmp_path, pm)
     assert meta_left(model) == []
     if family == "llama":  # a non-persistent buffer: recomputed by the model's own init
         assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
@@ -98,7 +98,7 @@ def test_meta_mixtral_loads_through_its_ready_plan() -> None:
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="mixtral", axis="tp"))
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     assert experts.is_meta and tuple(experts.shape) == (4, 2, 16, 32)
-    pm.load(ref.state_dict())
+    fd.checkpoint.load(ref.state_dict(), pm)
     assert meta_left(model) == []
     ids, labels = lm_batch()
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
@@ -259,17 +259,17 @@ def test_a_meta_model_refuses_to_run_and_partial_loads(tmp_path: Any) -> None:
         pm.state_dict()
     partial = {k: v for k, v in state.items() if k != "lm_head.weight"}
     with pytest.raises(fd.nn.CheckpointError, match=r"missing keys \['lm_head\.weight'\]"):
-        pm.load(partial)
+        fd.checkpoint.load(partial, pm)
     with pytest.raises(
         fd.nn.CheckpointError,
         match=r"\['lm_head\.weight'\] are on the meta device and the checkpoint has no key.*"
         r"init_weights",
     ):
-        pm.load(partial, strict=False)
+        fd.checkpoint.load(partial, pm, strict=False)
     assert model.model.embed_tokens.weight.is_meta  # refused before anything was read
     # the way to load part of a model: initialise, then load what the checkpoint has
     pm.init_weights(seed=1)
-    pm.load(partial, strict=False)
+    fd.checkpoint.load(partial, pm, strict=False)
     got = pm.state_dict()
     head = fd.nn.init_weights(on_meta("llama"), seed=1).lm_head.weight
     assert torch.equal(got["lm_head.weight"], head)
@@ -277,7 +277,7 @@ def test_a_meta_model_refuses_to_run_and_partial_loads(tmp_path: Any) -> None:
         got["model.layers.1.mlp.up_proj.weight"], state["model.layers.1.mlp.up_proj.weight"]
     )
     with pytest.raises(fd.nn.ParallelizeError, match=r"device='cuda'.*none on the meta device"):
-        pm.load(state, device="cuda")
+        fd.checkpoint.load(state, pm, device="cuda")
     with pytest.raises(
         fd.nn.ParallelizeError, match=r"holds per-rank parameters.*ParallelModel\.init_weights"
     ):
@@ -311,14 +311,14 @@ def test_what_cannot_be_recomputed_is_named() -> None:
         match=r"non-persistent buffers \['table'\].*no init of the model computes them.*"
         r"Fix: .*register_buffer",
     ):
-        pm.load(state)
+        fd.checkpoint.load(state, pm)
     with pytest.raises(
         fd.nn.ParallelizeError, match=r"no init of Table writes \['gain', 'table'\].*Fix"
     ):
         pm.init_weights()
     assert model.lin.weight.is_meta  # refused before anything changed
     model.register_buffer("table", torch.arange(6.0), persistent=False)  # the fix
-    pm.load(state)
+    fd.checkpoint.load(state, pm)
     x = torch.randn(3, 4)
     want = Table()
     want.load_state_dict(state)

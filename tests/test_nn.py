@@ -60,7 +60,7 @@ def dp_tp(draw: Any) -> fd.Mesh:
 @given(mesh=dp_tp(), gather=st.booleans(), seed=st.integers(0, 99), checked=st.booleans())
 def test_column_parallel_linear(mesh: fd.Mesh, gather: bool, seed: int, checked: bool) -> None:
     # unchecked: no replication-checking mode, so the simulated layer adds its bias in place
-    # (fastdist.nn._linear); and no pvary is inserted over dp, so only a dp=1 mesh gives
+    # (fastdist.nn.layers.linear); and no pvary is inserted over dp, so only a dp=1 mesh gives
     # single-device gradients
     assume(checked or mesh.shape["dp"] == 1)
     tp, dp = mesh.shape["tp"], mesh.shape["dp"]
@@ -282,7 +282,7 @@ def test_merged_projections_take_checkpoint_names_and_load_hf_keys() -> None:
     ]
     for p in model.parameters():  # a simulated mesh holds every rank's shard stacked
         p.data = p.data.expand(2, *p.shape).clone()
-    fd.nn.load_checkpoint(model, ckpt, mesh, rename=lambda k: k.replace(".qkv.", "."))
+    fd.checkpoint.load(ckpt, model, mesh=mesh, rename=lambda k: k.replace(".qkv.", "."))
     x = torch.randn(3, 4, dtype=F64)
     params = dict(model.named_parameters())
     outs = fd.simulate(
@@ -295,7 +295,7 @@ def test_merged_projections_take_checkpoint_names_and_load_hf_keys() -> None:
         # rank r: columns r of each projection
         torch.testing.assert_close(torch.cat(list(got), -1), lin(x).detach())
     with pytest.raises(fd.nn.CheckpointError, match="missing keys"):
-        fd.nn.load_checkpoint(model, ckpt, mesh)  # without the rename nothing matches
+        fd.checkpoint.load(ckpt, model, mesh=mesh)  # without the rename nothing matches
     with pytest.raises(fd.MeshError, match="names"):
         fd.nn.MergedColumnParallelLinear(4, (4, 2), mesh, "tp", names=("q", "q"))
 
@@ -681,7 +681,7 @@ def check_column_row(mesh: fd.Mesh, seed: int = 0) -> None:
 
 def gloo_layers() -> str:
     """Every layer on real ranks: the same checks as on simulated ranks."""
-    tp_mesh = fd.connect(tp=2)          # dp = 2
+    tp_mesh = fd.connect(tp=2)  # dp = 2
     check_column_row(tp_mesh)
     _vocab_check(fd.connect(order=("dp", "tp"), tp=4), seed=3)
     _sp_mlp_check(fd.connect(order=("dp", "tp"), tp=4))
@@ -705,7 +705,7 @@ def gloo_layers() -> str:
     )
     col = fd.nn.ColumnParallelLinear(4, 6, tp_mesh, gather_output=True, dtype=F64)
     full = nn.Linear(4, 6, dtype=F64)
-    fd.nn.load_sharded(col, full.state_dict(), tp_mesh)
+    fd.checkpoint.load(full.state_dict(), col, mesh=tp_mesh)
     x = torch.randn(3, 4, dtype=F64)
     torch.testing.assert_close(col(x), full(x))
     return "ok"

@@ -159,7 +159,7 @@ def test_step_equals_one_device(name: str, virtual: int, layout: str) -> None:
         sizes = kw_interleaved["layers_per_stage"] if virtual > 1 else kw["layers_per_stage"]
         assert [len(r) for r in pipe.layers] == sizes
     if dp:
-        pipe.data_parallel("dp")
+        fd.train.DataParallel(pipe, "dp")
     ids, labels, batches = per_data_rank(mesh, seed=1)
     loss = pipe.step(input_ids=ids, labels=labels)
 
@@ -299,7 +299,7 @@ def test_clip_grad_norm_equals_torch_on_one_device(
     mesh = fd.Mesh(axes)
     pipe = fd.train.pipeline(copy.deepcopy(ref), mesh, schedule=name, microbatches=2)
     if "dp" in axes:
-        pipe.data_parallel("dp")
+        fd.train.DataParallel(pipe, "dp")
     ids, labels, batches = per_data_rank(mesh, seed=5)
     pipe.step(input_ids=ids, labels=labels)
     losses = [hand_loss(ref, i, lab) for i, lab in batches]
@@ -458,7 +458,7 @@ def test_meta_model_loads_save_pretrained_per_stage(tmp_path: Path, dtype_at: st
     mesh = fd.Mesh({"pp": 2, "tp": 2})
     pipe = fd.train.pipeline(model, mesh, schedule="interleaved_1f1b", microbatches=2)
     assert all(p.is_meta for p in pipe.parameters())
-    pipe.load(tmp_path, **({"dtype": F64} if dtype_at == "load" else {}))
+    fd.checkpoint.load(tmp_path, pipe, **({"dtype": F64} if dtype_at == "load" else {}))
     assert not any(p.is_meta for p in pipe.parameters())
     # each stage holds only its layers (and the ends it owns)
     for j, pm in pipe.stages.items():
@@ -487,7 +487,7 @@ def test_gpt_neox_loads_save_pretrained_whose_head_is_embed_out(tmp_path: Path) 
         model = transformers.GPTNeoXForCausalLM(ref.config).to(F64)
     mesh = fd.Mesh({"pp": 2, "tp": 2})
     pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
-    pipe.load(tmp_path)
+    fd.checkpoint.load(tmp_path, pipe)
     assert_weights(pipe, ref)
     ids, labels = make_batch(4)
     loss_ref = hand_loss(ref, ids, labels)

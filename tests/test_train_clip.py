@@ -96,7 +96,7 @@ def test_padding_rows_count_zero_and_moe_experts_sum_over_ep() -> None:
     _, ce, aux = reference(ref, ids, labels)
     (ce + ref.config.router_aux_loss_coef * aux).backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
-    torch.testing.assert_close(pm.clip_grad_norm_(1e-3), want.expand(4), **TOL)
+    torch.testing.assert_close(fd.nn.clip_grad_norm_(pm, 1e-3), want.expand(4), **TOL)
     grads = pm.grads()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
@@ -110,7 +110,7 @@ def test_non_finite_norms_behave_as_torch() -> None:
     with pytest.raises(RuntimeError, match="non-finite"):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, error_if_nonfinite=True)
     with pytest.raises(RuntimeError, match="non-finite"):
-        pm.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        fd.nn.clip_grad_norm_(pm, 1.0, error_if_nonfinite=True)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     got = fd.nn.clip_grad_norm_(pm, 1.0)
     assert torch.isnan(want) and torch.isnan(got).all()  # every rank: nan, grads scaled by nan
@@ -125,13 +125,13 @@ def test_unreduced_data_parallel_replicas_and_bad_arguments_raise() -> None:
     out = pm(input_ids=torch.stack([i0, i0, i1, i1]), labels=torch.stack([l0, l0, l1, l1]))
     out.loss.sum().backward()
     with pytest.raises(fd.MeshError, match="different total norms.*data-parallel"):
-        pm.clip_grad_norm_(1.0)
+        fd.nn.clip_grad_norm_(pm, 1.0)
     with pytest.raises(fd.MeshError, match="norm_type=-1"):
-        pm.clip_grad_norm_(1.0, norm_type=-1)
+        fd.nn.clip_grad_norm_(pm, 1.0, norm_type=-1)
     with pytest.raises(fd.MeshError, match="ParallelModel"):
         fd.nn.clip_grad_norm_(torch.nn.Linear(2, 2), 1.0)
     pm.module.zero_grad(set_to_none=True)
-    torch.testing.assert_close(pm.clip_grad_norm_(1.0), torch.zeros(4))  # no grads: norm 0
+    torch.testing.assert_close(fd.nn.clip_grad_norm_(pm, 1.0), torch.zeros(4))  # no grads: norm 0
 
 
 def test_plain_module_of_fastdist_layers_with_mesh() -> None:

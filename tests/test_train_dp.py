@@ -63,7 +63,7 @@ def test_gradients_clipping_and_adamw_equal_one_device(axes: dict[str, int], sp:
         if step == 0:
             compare(pm, ref, **TOL)
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        torch.testing.assert_close(pm.clip_grad_norm_(0.5), want.expand(mesh.size), **TOL)
+        torch.testing.assert_close(fd.nn.clip_grad_norm_(pm, 0.5), want.expand(mesh.size), **TOL)
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -194,7 +194,7 @@ def test_zero1_adamw_equals_replicated_adamw_with_half_the_state() -> None:
         pm(input_ids=ids, labels=labels).loss.sum().backward()
         losses = [reference_loss(ref, i, lab)[1] for i, lab in batches]
         (sum(losses) / len(losses)).backward()
-        pm.clip_grad_norm_(0.5)
+        fd.nn.clip_grad_norm_(pm, 0.5)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         opt.step()
         opt_ref.step()
@@ -212,17 +212,17 @@ def test_zero1_adamw_equals_replicated_adamw_with_half_the_state() -> None:
 def test_zero1_refuses_what_it_cannot_shard() -> None:
     mesh = fd.Mesh({"dp": 2})
     pm = fd.nn.parallelize(torch.nn.Linear(3, 2), mesh, {})
-    with pytest.raises(fd.MeshError, match=r"not reduced over \('dp',\).*pm.data_parallel"):
+    with pytest.raises(fd.MeshError, match=r"not reduced over \('dp',\).*DataParallel"):
         fd.train.ZeroOptimizer(pm, torch.optim.SGD, lr=0.1)  # no engine: chunks would drift
-    pm.data_parallel("dp")
+    fd.train.DataParallel(pm, "dp")
     with pytest.raises(fd.MeshError, match="LBFGS is not known"):
         fd.train.ZeroOptimizer(pm, torch.optim.LBFGS)
     with pytest.raises(fd.MeshError, match="'tp'"):
         fd.train.ZeroOptimizer(pm, torch.optim.AdamW, "tp")
     opt = fd.train.ZeroOptimizer(pm, torch.optim.SGD, lr=0.1)
-    with pytest.raises(fd.MeshError, match=r"fastdist.train.save"):
+    with pytest.raises(fd.MeshError, match=r"fastdist.checkpoint.save"):
         opt.state_dict()  # a flat chunk no other layout could load
-    with pytest.raises(fd.MeshError, match=r"fastdist.train.load"):
+    with pytest.raises(fd.MeshError, match=r"fastdist.checkpoint.load"):
         opt.load_state_dict({})
     with pytest.raises(fd.MeshError, match="build a new ZeroOptimizer"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
@@ -241,7 +241,7 @@ def test_meta_models_are_refused_until_materialized() -> None:
     with pytest.raises(fd.MeshError, match="meta device"):
         fd.train.ZeroOptimizer(pm, torch.optim.AdamW)
     pm.init_weights(seed=0)
-    dp = pm.data_parallel("dp")  # materialized: accepted
+    dp = fd.train.DataParallel(pm, "dp")  # materialized: accepted
     assert pm.engine is dp
 
 
@@ -346,13 +346,13 @@ def test_a_standalone_reducer_is_the_models_engine() -> None:
     dp = fd.train.DataParallel(pm, "dp")
     assert pm.engine is dp
     x = torch.randn(2, 4, 3, dtype=torch.float64)
-    with pm.no_sync():  # the model's no_sync is the reducer's
+    with pm.engine.no_sync():  # the model's engine is the reducer
         pm(x).sum().backward()
     w = pm.module.weight
     assert w.grad is not None
     torch.testing.assert_close(w.grad, x.sum(1)[:, None])  # per rank: not reduced
-    with pytest.raises(fd.nn.ParallelizeError, match="already runs data-parallel"):
-        pm.data_parallel("dp")
+    with pytest.raises(fd.MeshError, match="already runs data-parallel"):
+        fd.train.DataParallel(pm, "dp")
     dp.remove()
     assert pm.engine is None
     w.grad = None

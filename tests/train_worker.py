@@ -17,7 +17,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
     from tests.test_hf_models import batch, build, reference_loss
 
     world = torch.distributed.get_world_size()
-    mesh = fd.connect(tp=tp, timeout=120)          # dp = world // tp
+    mesh = fd.connect(tp=tp, timeout=120)  # dp = world // tp
     dp = mesh.axis_size("dp")
     me = mesh.coords(mesh.rank)["dp"]
     for engine in engines:
@@ -25,7 +25,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
         pm = fd.nn.parallelize(
             copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, family="llama", sequence_parallel=sp)
         )
-        wrapped = pm.data_parallel("dp", engine="fastdist" if engine == "zero" else engine)
+        wrapped = fd.train.DataParallel(pm, "dp", engine="fastdist" if engine == "zero" else engine)
         if engine == "fsdp":  # 2-D: each parameter a DTensor over dp of this rank's tp block
             w = pm.module.model.layers[0].mlp.gate_proj.weight
             assert type(w).__name__ == "DTensor" and w.to_local().shape[0] == 48 // tp // dp
@@ -35,7 +35,7 @@ def engines_on_gloo(engines: list[str], tp: int, sp: bool, steps: int = 2) -> st
             except fd.MeshError as e:
                 assert "are DTensors" in str(e), e
         elif engine == "ddp":
-            assert type(wrapped).__name__ == "DistributedDataParallel"
+            assert type(wrapped.wrapped).__name__ == "DistributedDataParallel"
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = (
             fd.train.ZeroOptimizer(pm, torch.optim.AdamW, lr=1e-2)
@@ -91,8 +91,9 @@ def peer_skips_backward() -> str:
     mesh = fd.connect(tp=1, timeout=5)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     pm = fd.nn.parallelize(model, mesh, {})
-    pm.data_parallel("dp")
-    fd.comm.create_groups(mesh, "dp")  # both ranks: the groups exist, so the all-reduce itself waits
+    fd.train.DataParallel(pm, "dp")
+    # both ranks: the groups exist, so the all-reduce itself waits
+    fd.comm.create_groups(mesh, "dp")
     if mesh.rank == 1:
         time.sleep(8)  # alive, never reaching the all-reduce
         return "skipped"

@@ -112,8 +112,8 @@ def save(
     ({'step': 7}, True)
     """
     op = "fastdist.checkpoint.save"
-    fmt = format or ("safetensors" if os.fspath(path).endswith(".safetensors") else "dcp")
-    fmt = _format(path, fmt, op, "dcp")
+    guess = "safetensors" if os.fspath(path).endswith(".safetensors") else "dcp"
+    fmt = _format(path, format or guess, op, "dcp")
     if fmt == "dcp":
         if mesh is not None:
             raise CheckpointError(
@@ -155,7 +155,8 @@ def load(
             without: one device, ``"dcp"`` only); or a pipeline (`Staged`: every stage held
             here reads its part of the whole model's checkpoint).
         optimizer: an optimizer whose state to replace too (``"dcp"`` only).
-        format: ``"dcp"`` or ``"safetensors"``; default: what is at ``path``.
+        format: ``"dcp"`` or ``"safetensors"``; default: what is at ``path`` (a state dict, a
+            ``.safetensors`` file or a directory holding one: safetensors; else DCP).
         strict: like ``load_state_dict``: a missing or unexpected key raises; ``False`` skips
             them (shapes are always checked); ``"missing"`` (safetensors) raises for missing
             keys only (the default for a pipeline's stages).
@@ -190,7 +191,7 @@ def load(
                 dtype=dtype,
             )
         return {}
-    fmt = _format(path, format, op, "safetensors")
+    fmt = _format(path, format, op, "dcp")
     if fmt == "dcp":
         if isinstance(path, Mapping):
             raise CheckpointError(f"{op}: format='dcp' needs a directory, not a state dict")

@@ -420,7 +420,7 @@ def apply_optimizer_state(
     if isinstance(optimizer, ShardedOptimizer):
         optimizer.inner.load_state_dict({"state": state, "param_groups": groups})
         # the wrapper shows the wrapped optimizer's (now new) groups and state
-        optimizer.param_groups, optimizer.state = (  # type: ignore[misc]
+        optimizer.param_groups, optimizer.state = (
             optimizer.inner.param_groups,
             optimizer.inner.state,
         )
