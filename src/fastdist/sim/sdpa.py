@@ -48,9 +48,10 @@ from torch._functorch.predispatch import _add_batch_dim, _remove_batch_dim
 from torch._functorch.pyfunctorch import coerce_cinterpreter
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SdpaMode", "sdpa"]
+__all__ = ["SdpaMode", "sdpa", "TORCH_SDPA"]
 
-_SDPA: Any = torch.nn.functional.scaled_dot_product_attention
+#: torch's own function, captured at import: what a mode recognises in ``__torch_function__``
+TORCH_SDPA: Any = torch.nn.functional.scaled_dot_product_attention
 _MATH: Any = torch.ops.aten._scaled_dot_product_attention_math.default
 _functorch: Any = torch._C._functorch
 _VMAP = _functorch.TransformType.Vmap
@@ -68,7 +69,7 @@ class SdpaMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is _SDPA:
+        if func is TORCH_SDPA:
             return sdpa(*args, **(kwargs or {}))
         if kwargs:
             return func(*args, **kwargs)
@@ -92,7 +93,7 @@ def sdpa(
         return _compiled(query, key, value, attn_mask, opts)
     stack = _functorch.get_interpreter_stack()
     if not stack:
-        return _call(_SDPA, query, key, value, attn_mask, opts)
+        return _call(TORCH_SDPA, query, key, value, attn_mask, opts)
     levels = []  # the innermost run of vmap levels, innermost first
     below = len(stack)
     while below and stack[below - 1].key() == _VMAP:
@@ -191,7 +192,7 @@ def _eager(
         phys.append(t)
         have.append(mine)
     if not sizes:  # nothing batched at these levels (e.g. the inputs of an already folded call)
-        return _call(_SDPA, q, k, v, mask, opts)
+        return _call(TORCH_SDPA, q, k, v, mask, opts)
     pq, pk, pv, pmask = phys
     assert pq is not None and pk is not None and pv is not None
     cpu = q.device.type == "cpu"
@@ -215,7 +216,7 @@ def _eager(
         choice = choice if _choice(sq, sk, sv, smask, opts) == choice else _MATH_BACKEND
     if choice == _MATH_BACKEND:
         return _math(q, k, v, mask, opts)  # what that rank computes, through ops vmap batches
-    out = _call(_SDPA, fq, fk, fv, fmask, opts)
+    out = _call(TORCH_SDPA, fq, fk, fv, fmask, opts)
     out = out.view(*lead, q.shape[0], *out.shape[1:])
     for level in order:  # outermost first: each wrap hides the leading dim
         out = _functorch._add_batch_dim(out, 0, level)
@@ -263,13 +264,13 @@ def _compiled(
     """Under dynamo: fold the innermost vmap level with the functorch primitives dynamo traces."""
     top = _functorch.peek_interpreter_stack()
     if top is None:
-        return _call(_SDPA, q, k, v, mask, opts)
+        return _call(TORCH_SDPA, q, k, v, mask, opts)
     ci: Any = coerce_cinterpreter(top)
     if ci.key() != _VMAP or opts[0] > 0:
         return _math(q, k, v, mask, opts)
     batched = [t is not None and _functorch.is_batchedtensor(t) for t in (q, k, v, mask)]
     if not any(batched):
-        return _call(_SDPA, q, k, v, mask, opts)
+        return _call(TORCH_SDPA, q, k, v, mask, opts)
     if not _foldable(q, k, v, mask):
         return _math(q, k, v, mask, opts)  # the math backend is what one rank gets here
     level, n = ci.level(), ci.batch_size()
@@ -288,5 +289,5 @@ def _compiled(
         if pmask is None
         else _fold_mask(pmask, [level] if batched[3] else [], [level], [n], n, q.shape[0])
     )
-    out = _call(_SDPA, fq, fk, fv, fmask, opts)
+    out = _call(TORCH_SDPA, fq, fk, fv, fmask, opts)
     return _add_batch_dim(out.view(n, q.shape[0], *out.shape[1:]), 0, level)

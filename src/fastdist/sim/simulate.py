@@ -59,7 +59,7 @@ from fastdist.core.binding import RankBinding
 from fastdist.core.context import pop_simulation, push_simulation
 from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError, NoBackendError
-from fastdist.sim.sdpa import _SDPA, SdpaMode, sdpa
+from fastdist.sim.sdpa import TORCH_SDPA, SdpaMode, sdpa
 
 __all__ = ["simulate"]
 
@@ -158,7 +158,7 @@ class _SimulationMode(SdpaMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is _SDPA:
+        if func is TORCH_SDPA:
             return sdpa(*args, **(kwargs or {}))
         if func is custom_function_call and not torch.compiler.is_compiling():
             out = func(*args, **(kwargs or {}))  # args[0]: the user's autograd.Function class
