@@ -56,12 +56,13 @@ from fastdist.ops import (
     all_gather_invariant,
     all_to_all,
     axis_index,
+    indexed_all_to_all_v,
     local_chunk,
     psum,
     psum_scatter,
     pvary,
+    ragged_all_to_all,
 )
-from fastdist.ops.uneven import indexed_all_to_all_v, ragged_all_to_all
 
 __all__ = [
     "Dispatched",

@@ -56,16 +56,9 @@ from fastdist.ops.gathers import (
     psum_scatter,
 )
 from fastdist.ops.permutes import axis_index, axis_size, broadcast, ppermute, ring_shift
+from fastdist.ops.ragged import exchange_sizes, indexed_all_to_all_v, ragged_all_to_all
 from fastdist.ops.reductions import pmax, pmean, pmin, psum, pvary
-from fastdist.ops.uneven import (
-    all_gather_v,
-    exchange_sizes,
-    gather_v,
-    indexed_all_to_all_v,
-    ragged_all_to_all,
-    reduce_scatter_v,
-    scatter_v,
-)
+from fastdist.ops.uneven import all_gather_v, gather_v, reduce_scatter_v, scatter_v
 
 __all__ = [
     "psum",

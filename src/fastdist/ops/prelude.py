@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -18,12 +19,18 @@ from fastdist.core.context import check_of, simulation_of
 from fastdist.core.dtype_rule import check_reduction_dtype
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
-from fastdist.errors import CollectiveError, MeshError
+from fastdist.errors import CollectiveError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
     pass
 
 __all__ = [
+    "out_rows",
+    "capacity_or_uniform",
+    "check_sizes",
+    "row_count",
+    "check_capacity",
+    "local_rows",
     "names_this_rank",
     "enter",
     "plain_spec",
@@ -206,3 +213,149 @@ def where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
         y,
         torch.zeros((), dtype=y.dtype, device=y.device),
     )
+
+
+# ====================================================================== uneven sizes and capacities
+def out_rows(capacity: int, exact: int) -> int:
+    return capacity if capacity >= 0 else exact
+
+
+def capacity_or_uniform(capacity: int, sizes: Sequence[int]) -> int:
+    """Rows of a ragged output shared by all ranks: ``capacity``, or the common size when sizes are
+    equal."""
+    if capacity >= 0:
+        return capacity
+    if len(set(sizes)) != 1:
+        raise NoBackendError(
+            "fastdist: a ragged output without capacity has a rank-dependent shape; pass "
+            "capacity=max(sizes)"
+        )
+    return int(sizes[0])
+
+
+def check_sizes(op: str, axis: AxisName, sizes: Any, n: int) -> list[int]:
+    """``sizes`` as ``n`` Python ints >= 0; raises naming the op, the axis and the first bad entry.
+
+    Each entry may be a Python int, a numpy integer or a 0-d integer tensor (a 1-D integer
+    tensor counts as its entries). A bool, a float (even ``2.0``), a complex or a negative
+    number is refused: rows are never rounded or truncated silently.
+    """
+    if isinstance(sizes, Tensor) and (
+        sizes.dim() != 1 or torch._C._functorch.is_batchedtensor(sizes)
+    ):
+        raise CollectiveError(
+            op,
+            axis,
+            "sizes must be the same list of ints on every rank",
+            "use exchange_sizes(...).tolist() on real ranks, or ragged_all_to_all for "
+            "data-dependent sizes",
+        )
+    if isinstance(sizes, (str, bytes)):
+        raise CollectiveError(
+            op,
+            axis,
+            f"sizes={sizes!r} is not a list of ints",
+            f"pass {n} row counts, one per rank along the axis",
+        )
+    try:
+        entries = list(sizes)
+    except TypeError:
+        raise CollectiveError(
+            op,
+            axis,
+            f"sizes={sizes!r} is not a list of ints",
+            f"pass {n} row counts, one per rank along the axis",
+        ) from None
+    out = [row_count(op, axis, f"sizes[{i}]", s) for i, s in enumerate(entries)]
+    if len(out) != n:
+        raise CollectiveError(
+            op,
+            axis,
+            f"sizes has {len(out)} entries but the axis has {n} ranks",
+            f"pass {n} row counts, one per rank along the axis",
+        )
+    return out
+
+
+def row_count(op: str, axis: AxisName, what: str, value: Any) -> int:
+    """One row count: a Python int, a numpy integer or a 0-d integer tensor, >= 0 (never a bool or
+    a float, even a whole one)."""
+    count: int | None = None
+    if type(value) is int:  # the usual case, first (and plain for dynamo)
+        count, kind = value, "int"
+    elif isinstance(value, Tensor):
+        if torch._C._functorch.is_batchedtensor(value):
+            raise CollectiveError(
+                op,
+                axis,
+                f"{what} differs per rank (a per-rank tensor)",
+                "pass the same Python ints on every rank, or use ragged_all_to_all for "
+                "data-dependent sizes",
+            )
+        if value.dim() == 0 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+        ):
+            count = int(value.item())
+        kind = f"a {value.dim()}-d {value.dtype} tensor"
+    elif isinstance(value, torch.SymInt):
+        count = int(value)
+        kind = "SymInt"
+    elif isinstance(value, bool) or (
+        not torch.compiler.is_compiling()
+        and getattr(getattr(value, "dtype", None), "kind", "") == "b"
+    ):
+        # Python or numpy (numpy 1.x lets np.bool_ pass operator.index); dynamo cannot read a numpy
+        # dtype
+        kind = "bool"
+    else:
+        try:
+            # int, numpy integers: yes; float (even 2.0), complex, str: TypeError
+            count = operator.index(value)
+        except TypeError:
+            pass
+        kind = type(value).__name__
+    if count is None:
+        raise CollectiveError(
+            op,
+            axis,
+            f"{what} = {value!r} is {kind if kind.startswith('a ') else 'a ' + kind}, not an "
+            "integer row count",
+            "pass Python ints (numpy ints and 0-d integer tensors also do); round explicitly "
+            "(int(round(s))) if you computed them as floats",
+        )
+    if count < 0:
+        raise CollectiveError(op, axis, f"{what} = {count} is negative", "row counts are >= 0")
+    return count
+
+
+def check_capacity(op: str, axis: AxisName, capacity: int | None, need: int, what: str) -> int:
+    if capacity is None:
+        return -1
+    capacity = row_count(op, axis, "capacity", capacity)  # an int (numpy and 0-d ones too)
+    if capacity < need:
+        raise CollectiveError(
+            op,
+            axis,
+            f"capacity={capacity!r} cannot hold {what} ({need} rows)",
+            f"use capacity >= {need}",
+        )
+    return capacity
+
+
+def local_rows(
+    op: str, axis: AxisName, x: Tensor, sizes: Sequence[int], simulated: bool, index: int | None
+) -> None:
+    """Every rank's input must hold at least its own rows (more are padding)."""
+    need, who = (
+        (max(sizes), "max(sizes) (simulated ranks share one shape)")
+        if simulated
+        else (sizes[cast(int, index)], f"sizes[{index}]")
+    )
+    if x.shape[0] < need:
+        raise CollectiveError(
+            op,
+            axis,
+            f"the local shard has {x.shape[0]} rows along the ragged dim but {who} = {need}",
+            f"pass at least {need} rows (rows past the size are ignored)",
+            rank="every rank" if simulated else f"rank index {index}",
+        )

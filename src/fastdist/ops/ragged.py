@@ -1,0 +1,391 @@
+"""Ragged collectives with data-dependent sizes (MoE dispatch): ``ragged_all_to_all``,
+``indexed_all_to_all_v``, ``exchange_sizes``, one block per primitive. Sizes, capacities and
+padding follow the conventions of ``fastdist.ops.uneven``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from fastdist.core.context import is_real
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.core.primitive import GroupSpec, Primitive
+from fastdist.core.rows import pad_rows
+from fastdist.errors import CollectiveError
+from fastdist.ops.gathers import all_gather
+from fastdist.ops.prelude import (
+    apply_primitive,
+    enter,
+    names_this_rank,
+    row_count,
+)
+
+if TYPE_CHECKING:
+    from fastdist.core.comm import AxisComm
+
+
+__all__ = [
+    "ragged_all_to_all",
+    "indexed_all_to_all_v",
+    "exchange_sizes",
+    "all_to_all_sizes",
+]
+
+
+# ====================================================================== ragged_all_to_all
+# (data-dependent sizes)
+def _ragged_a2a_shape(
+    n: int, s: tuple[Any, ...], ss: tuple[Any, ...], rs: tuple[Any, ...], *, capacity: int
+) -> tuple[Any, ...]:
+    return (capacity, *s[1:])
+
+
+def _ragged_a2a_check(
+    send: Tensor,
+    recv: Tensor,
+    rows: int | Tensor,
+    capacity: int | Tensor,
+    ranks: Any,
+    axis: AxisName | None = None,
+) -> None:
+    """Data-dependent checks, on real (stacked or local) size tensors: raise naming the rank.
+
+    ``rows`` and ``capacity`` are one int for every rank, or a tensor with one per rank.
+    """
+    rows_t, cap_t = (
+        torch.as_tensor(rows, device=send.device),
+        torch.as_tensor(capacity, device=send.device),
+    )
+
+    def at(t: Tensor, i: int) -> int:  # rank i's value of a per-rank (or shared) number
+        return int(t.reshape(-1)[i if t.dim() else 0])
+
+    checks: list[tuple[Callable[[int], str], Tensor, str]] = [
+        (lambda i: "negative send sizes", (send < 0).any(-1), "row counts are >= 0"),
+        (
+            lambda i: f"send sizes summing past the {at(rows_t, i)} rows of its input",
+            send.sum(-1) > rows_t,
+            "the rows to send must fit in x",
+        ),
+        (
+            lambda i: f"more rows arriving than capacity={at(cap_t, i)}",
+            recv.sum(-1) > cap_t,
+            "raise capacity (the most any rank can receive)",
+        ),
+    ]
+    for what, bad, fix in checks:
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0].item()) if bad.dim() else 0
+            where = ranks(i)
+            raise CollectiveError(
+                "ragged_all_to_all", axis, f"{where} has {what(i)}", fix, rank=where
+            )
+
+
+def _ragged_a2a_stacked(
+    spec: GroupSpec, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int
+) -> Tensor:
+    _ragged_a2a_check(send, recv, x.shape[1], capacity, lambda r: f"rank {r}")
+    X = spec.to_groups(x)  # [G, i, C, *f]
+    S = spec.to_groups(send)  # [G, i, j]: rows sender i sends to receiver j
+    G, n, C = X.shape[0], spec.n, X.shape[2]
+    if C == 0:  # nothing to send anywhere: every buffer is zeros
+        return spec.from_groups(x.new_zeros(G, n, capacity, *X.shape[3:]))
+    send_off = S.cumsum(-1) - S  # [G, i, j]: where i's rows for j start in i's input
+    R = S.transpose(1, 2)  # [G, j, i]: rows j receives from i
+    incl = R.cumsum(-1)  # [G, j, i]
+    t = torch.arange(capacity, device=x.device)  # receive-buffer row
+    # [G, j, cap]: the source that fills row t
+    src = (incl.unsqueeze(-1) <= t).sum(-2).clamp(max=n - 1)
+    valid = t < incl[..., -1:]  # [G, j, cap]
+    # [G, j, cap]: first row of that source's block in j's buffer
+    start = (incl - R).gather(-1, src)
+    # [G, j, cap]: where that block starts in the source's input
+    off = send_off.transpose(1, 2).gather(-1, src)
+    row = torch.where(valid, off + t - start, 0).clamp(0, C - 1)
+    flat = X.reshape(G, n * C, *X.shape[3:])  # [G, i*C, *f]
+    idx = (src * C + row).reshape(G, -1)  # [G, j*cap]
+    picked = flat[torch.arange(G, device=x.device).unsqueeze(1), idx].reshape(
+        G, n, capacity, *X.shape[3:]
+    )
+    mask = valid.reshape(G, n, capacity, *([1] * (X.dim() - 3)))
+    return spec.from_groups(
+        torch.where(mask, picked, torch.zeros((), dtype=x.dtype, device=x.device))
+    )
+
+
+def _ragged_a2a_dist(
+    comm: AxisComm, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int
+) -> Tensor:
+    _ragged_a2a_check(send, recv, x.shape[0], capacity, lambda r: f"rank {comm.rank}", comm.label)
+    s, r = send.tolist(), recv.tolist()  # split sizes to the host (one sync)
+    got = comm.all_to_all_rows("ragged_all_to_all", x[: sum(s)], r, s)  # [sum(recv), *f], by source
+    return pad_rows(got, capacity)
+
+
+def _ragged_a2a_bwd(
+    ops: Any, spec: GroupSpec, g: Tensor, saved: Any, *, capacity: int
+) -> tuple[Any, ...]:
+    x, send, recv, _ = saved
+    return (
+        ops.ragged_all_to_all(g, recv, send, spec=spec, capacity=ops.local_shape(x)[0]),
+        None,
+        None,
+    )
+
+
+ragged_all_to_all_p = Primitive(
+    "ragged_all_to_all",
+    inputs=("x", "send_sizes", "recv_sizes"),
+    params=(("capacity", "int"),),
+    shape=_ragged_a2a_shape,
+    stacked=_ragged_a2a_stacked,
+    distributed=_ragged_a2a_dist,
+    backward=_ragged_a2a_bwd,
+    saves=True,
+    replication=("V", "V"),
+)
+
+
+@names_this_rank
+def ragged_all_to_all(
+    x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, *, capacity: int
+) -> tuple[Tensor, Tensor]:
+    """Exchange data-dependent numbers of rows: send ``send_sizes[j]`` rows to the rank with index
+    ``j``.
+
+    ``x``'s rows are packed by destination (first ``send_sizes[0]`` rows for index 0, then
+    index 1, ...); rows past ``send_sizes.sum()`` are padding. Returns ``(out, recv_sizes)``:
+    ``out`` has ``capacity`` rows, packed by source in axis order, zeros after
+    ``recv_sizes.sum()``; ``recv_sizes[i]`` rows came from index ``i``. Shape: ``capacity``
+    rows. Gradient: the same exchange backwards (send and receive sizes swapped).
+    On real ranks the sizes are read to the host once per call.
+
+    Args:
+        x: this rank's rows, packed by destination; rows past ``send_sizes.sum()`` are padding.
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        send_sizes: this rank's int64 row counts per destination, ``send_sizes[j]`` rows for index
+            ``j``.
+        capacity: the rows of ``out`` (at least the most rows any rank receives).
+
+    Returns:
+        ``(out, recv_sizes)``: ``out`` has ``capacity`` rows packed by source in axis order, zeros
+        after ``recv_sizes.sum()``; ``recv_sizes[i]`` rows came from index ``i``.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"ep": 2})
+    >>> x = torch.tensor([[10., 11., 12.], [20., 21., 0.]])  # rank 0: 3 rows, rank 1: 2 (+1 pad)
+    >>> sizes = torch.tensor([[1, 2], [2, 0]])  # rank 0 sends 1 row to 0, 2 to 1; rank 1: 2 to 0
+    >>> a2a = lambda x, s: fd.ragged_all_to_all(x, mesh, "ep", s, capacity=3)
+    >>> out, got = fd.simulate(a2a, mesh)(x, sizes)
+    >>> out, got
+    (tensor([[10., 20., 21.],
+            [11., 12.,  0.]]), tensor([[1, 2],
+            [2, 0]]))
+    """
+    x, spec = enter("ragged_all_to_all", x, mesh, axis)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise CollectiveError(
+            "ragged_all_to_all",
+            axis,
+            f"capacity={capacity!r} is not a row count",
+            "pass the most rows any rank can receive",
+        )
+    if x.dim() == 0:
+        raise CollectiveError(
+            "ragged_all_to_all", axis, "x is 0-d; rows are dim 0", "pass a tensor of rows"
+        )
+    send = torch.as_tensor(send_sizes)
+    if send.is_floating_point() or send.is_complex() or send.dtype == torch.bool:
+        raise CollectiveError(
+            "ragged_all_to_all",
+            axis,
+            f"send_sizes has dtype {send.dtype}, but row counts are integers (they are never "
+            "truncated)",
+            "pass an integer tensor, e.g. F.one_hot(expert, n).sum(0), or round explicitly "
+            "(.round().long())",
+        )
+    send = send.to(torch.long)
+    if send.shape != (spec.n,):
+        raise CollectiveError(
+            "ragged_all_to_all",
+            axis,
+            f"send_sizes has shape {tuple(send.shape)}, not ({spec.n},)",
+            f"pass one row count per rank along the axis ({spec.n})",
+        )
+    if spec.comm is not None:
+        recv = _exchange_checked_sizes(x, mesh, axis, send, capacity, spec.comm)
+        return apply_primitive(
+            ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity
+        ), recv
+    recv = all_to_all_sizes(send, mesh, axis)
+    try:
+        return apply_primitive(
+            ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity
+        ), recv
+    except CollectiveError as e:
+        # the stacked rule found a bad size; it knows the group, not the axis's name
+        if e.op == "ragged_all_to_all" and e.axis is None:
+            e.readdress(axis=axis)
+        raise
+
+
+def _exchange_checked_sizes(
+    x: Tensor, mesh: Mesh, axis: AxisName, send: Tensor, capacity: int, comm: AxisComm
+) -> Tensor:
+    """Real ranks: this rank's receive sizes, after every rank checked every rank's sizes.
+
+    One small all-gather of each rank's send sizes, row count and capacity (in place of the
+    all-to-all of the send sizes): a bad size on one rank then raises the same error on every
+    rank of the group at once, naming that rank, and no rank is left waiting in the exchange.
+    """
+    mine = torch.cat(
+        [send, torch.tensor([x.shape[0], capacity], dtype=torch.long, device=send.device)]
+    )  # [n + 2]
+    table = all_gather(mine.reshape(1, -1), mesh, axis, dim=0)  # [n, n + 2]: row i from index i
+    sends = table[:, : comm.n]  # [n, n]: rows index i sends to index j
+    _ragged_a2a_check(
+        sends,
+        sends.t(),
+        table[:, comm.n],
+        table[:, comm.n + 1],
+        lambda i: f"rank {comm.ranks[i]}",
+        comm.label,
+    )
+    return sends[:, comm.index].contiguous()  # recv[i] = what index i sends to this rank
+
+
+@names_this_rank
+def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """``recv[i] = send_of_rank_i[me]``: the transpose of the send-size matrix (one small
+    all-to-all)."""
+    from fastdist.ops import all_to_all
+
+    return all_to_all(send.reshape(-1, 1), mesh, axis, split_dim=0, concat_dim=0).reshape(-1)
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+@names_this_rank
+def indexed_all_to_all_v(
+    x: Tensor,
+    mesh: Mesh,
+    axis: AxisName,
+    index: Tensor,
+    send_sizes: Tensor,
+    *,
+    capacity: int,
+    accumulate_fp32: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Gather rows ``x[index]`` (packed by destination, counts ``send_sizes``) and exchange them.
+
+    The MoE dispatch: ``index`` orders this rank's tokens by destination expert rank. Returns
+    ``(out, recv_sizes)`` as :func:`ragged_all_to_all`. Gradient: the reverse exchange, then
+    ``index_add`` back into ``x``'s rows (in float32 for bf16/fp16 when ``accumulate_fp32``).
+
+    Args:
+        x: this rank's rows (tokens).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+        index: the rows of ``x`` to send, ordered by destination (``x[index]`` is packed as
+            ``send_sizes`` says).
+        send_sizes: this rank's int64 row counts per destination, ``send_sizes[j]`` rows for index
+            ``j``.
+        capacity: the rows of ``out`` (at least the most rows any rank receives).
+        accumulate_fp32: sum the gradient in float32 for bfloat16 / float16 inputs.
+
+    Returns:
+        ``(out, recv_sizes)``, as :func:`ragged_all_to_all`.
+    """
+    op = "indexed_all_to_all_v"
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        got = "a 0-d tensor" if isinstance(x, Tensor) else type(x).__name__
+        raise CollectiveError(
+            op, axis, f"x must be a tensor of rows, got {got}", "pass a tensor with rows on dim 0"
+        )
+    # index_select takes int64 and int32 indices only
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in _INDEX_DTYPES:
+        got = (
+            f"shape {tuple(index.shape)}, dtype {index.dtype}"
+            if isinstance(index, Tensor)
+            else type(index).__name__
+        )
+        raise CollectiveError(
+            op,
+            axis,
+            f"index must be a 1-d integer tensor of row numbers, got {got}",
+            "pass an int64 (or int32) tensor, e.g. torch.argsort(destination)",
+        )
+    # real ranks, host values only (no device sync; simulated ranks hold a batched index, and
+    # index_select raises on a bad one there)
+    if (
+        is_real(mesh)
+        and index.device.type == "cpu"
+        and index.numel()
+        and not torch.compiler.is_compiling()
+    ):
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= x.shape[0]:
+            rows = f"rows 0..{x.shape[0] - 1}" if x.shape[0] else "no rows: x has none"
+            raise CollectiveError(
+                op,
+                axis,
+                f"index holds {lo if lo < 0 else hi}, outside the {x.shape[0]} rows of x",
+                f"index {rows}",
+            )
+    src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
+    try:
+        out, recv = ragged_all_to_all(
+            src.index_select(0, index), mesh, axis, send_sizes, capacity=capacity
+        )
+    except CollectiveError as e:  # its exchange's checks: name the op the caller called
+        if e.op == "ragged_all_to_all":
+            # the exchange's input is x[index]: its rows are the ones index selects
+            e.readdress(op=op, problem=e.problem.replace("of its input", "index selects"))
+        raise
+    return out.to(x.dtype), recv
+
+
+@names_this_rank
+def exchange_sizes(local_size: int | Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
+    """Every rank's row count along ``axis`` (an int64 tensor, axis order), from each rank's own
+    count.
+
+    One small all-gather. On real ranks call ``.tolist()`` for the static-size ops; on
+    simulated ranks the result is per-rank data (use it with ``ragged_all_to_all``).
+
+    Args:
+        local_size: this rank's row count (an int, or a 0-d integer tensor).
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        every rank's row count along ``axis``, an int64 tensor in axis order.
+    """
+    if isinstance(local_size, Tensor):
+        if (
+            local_size.is_floating_point()
+            or local_size.is_complex()
+            or local_size.dtype == torch.bool
+        ):
+            raise CollectiveError(
+                "exchange_sizes",
+                axis,
+                f"local_size has dtype {local_size.dtype}, but a row count is an integer",
+                "pass an int or an integer tensor",
+            )
+        t = local_size.to(torch.long).reshape(1)
+    else:
+        t = torch.tensor(
+            [row_count("exchange_sizes", axis, "local_size", local_size)], dtype=torch.long
+        )
+    return all_gather(t, mesh, axis, dim=0)
