@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -184,3 +185,19 @@ def test_no_file_is_over_1000_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 1000
     }
     assert not long, long
+
+
+def test_the_design_page_lists_every_file_with_its_concern() -> None:
+    """docs/design.md's floor plan names each file of the package once, and no file that is gone."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    listed = re.findall(r"^\| `([\w/]+\.py)` \| \S", text, flags=re.M)
+    files = [
+        str(p.relative_to(PKG))
+        for p in sorted(PKG.rglob("*.py"))
+        if not (p.name == "__init__.py" and p.parent != PKG and p.parent.name != "ops")
+    ]
+    assert sorted(listed) == sorted(set(listed)), "a file listed twice"
+    assert set(files) == set(listed), (
+        sorted(set(files) - set(listed)),
+        sorted(set(listed) - set(files)),
+    )
