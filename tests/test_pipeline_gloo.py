@@ -223,7 +223,7 @@ def test_a_stage_rank_that_raises_mid_step_is_named_and_pipe_reset_recovers(
     timeout. Ranks 0 and 1 are in their receive of a gradient from stage 1 (naming it and the
     peer) or, when their own pp peer dropped the groups first, in a transfer or a collective of
     a mesh already dropped (naming this step's failure); rank 2, the stage peer, in the stage's
-    collective or a transfer. Then ``pipe.reset()`` on every rank (``mesh.reset()`` alone leaves
+    collective or a transfer. Then ``pipe.reset()`` on every rank (resetting the mesh alone leaves
     the stage mesh broken) and a step equal to one device."""
     assert faults[3]["raised"]["type"] == "RuntimeError"
     assert faults[3]["raised"]["msg"] == "injected failure in the stage's forward"
