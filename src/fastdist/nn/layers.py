@@ -161,9 +161,7 @@ def _checked_mode_active() -> bool:
     return any(not isinstance(m, SdpaMode) for m in modes)
 
 
-def column_input(
-    x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int
-) -> Tensor:
+def column_input(x: Tensor, mesh: Mesh, axis: str, sequence_parallel: bool, seq_dim: int) -> Tensor:
     """A column-parallel layer's input collective: its forward/backward pair, written once."""
     if sequence_parallel:
         return all_gather(x, mesh, axis, dim=seq_dim)  # whole sequence; backward reduce-scatters
