@@ -20,7 +20,7 @@ from fastdist.tools.demo import tp_mlp
 
 def main() -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    mesh = fd.connect(tp=2, timeout=60)          # dp = world size / 2
+    mesh = fd.connect(tp=2, timeout=60)  # dp = world size / 2
     rank, dp, tp = mesh.rank, mesh.shape["dp"], mesh.shape["tp"]
     d, t = mesh.coords(rank)["dp"], mesh.coords(rank)["tp"]
 

@@ -135,7 +135,7 @@ def models(rank: int, world: int) -> str:
     """TP MLP (dp x tp) and Ulysses attention (sp) on real ranks against one device."""
     from fastdist.tools.demo import tp_mlp
 
-    mesh = fd.connect(tp=2)          # dp = world / 2
+    mesh = fd.connect(tp=2)  # dp = world / 2
     dp, tp, B, D, H = mesh.shape["dp"], 2, 3, 5, 4
     g = torch.Generator().manual_seed(0)
     x, W1, b1, W2 = (
@@ -405,8 +405,8 @@ def uneven(rank: int, world: int) -> dict[str, Any]:
 # DeviceMesh
 @scenario
 def two_meshes(rank: int, world: int) -> str:
-    big = fd.connect(tp=world)          # a TP=world model
-    draft = fd.connect(tp=1)          # a TP=1 draft model: {"dp": world, "tp": 1}
+    big = fd.connect(tp=world)  # a TP=world model
+    draft = fd.connect(tp=1)  # a TP=1 draft model: {"dp": world, "tp": 1}
     x = torch.tensor([float(rank + 1)])
     total = world * (world + 1) / 2
     assert fd.psum(x, big, "tp").item() == total
@@ -471,8 +471,7 @@ def peer_exits(rank: int, world: int) -> dict[str, Any]:
 
 @scenario
 def check_mode(rank: int, world: int) -> dict[str, Any]:
-    mesh = fd.connect(tp=world, check=True, timeout=30)
-    # consistent calls pass
+    mesh = fd.connect(tp=world, check=True, timeout=30)  # consistent calls pass
     assert fd.psum(torch.ones(2), mesh, "tp").tolist() == [float(world)] * 2
     try:
         fd.all_gather(torch.ones(2 + rank), mesh, "tp")
@@ -501,7 +500,7 @@ def subset_first(rank: int, world: int) -> dict[str, Any]:
     """Ranks first touch the mesh's axes in different orders (some ranks before the others): no
     deadlock, right values."""
     mesh = fd.connect(tp=2, timeout=5)
-    twin = fd.connect(tp=2, timeout=5)          # the same shape: its own groups
+    twin = fd.connect(tp=2, timeout=5)  # the same shape: its own groups
     x = torch.tensor([float(rank + 1)])
     t0 = time.monotonic()
     if rank < 2:  # ranks 0 and 1 use "tp" while ranks 2 and 3 have made no group yet

@@ -252,7 +252,7 @@ def moe_on_gloo() -> str:
     assert torch.distributed.get_world_size() == 4
     ep4 = fd.connect(ep=4, timeout=60)
     ep2tp2 = fd.connect(ep=2, tp=2, timeout=60)
-    dp2ep2 = fd.connect(ep=2, timeout=60)          # dp inferred: 2
+    dp2ep2 = fd.connect(ep=2, timeout=60)  # dp inferred: 2
     for mesh, name in ((ep4, "ep=4"), (ep2tp2, "ep=2 x tp=2"), (dp2ep2, "dp=2 x ep=2")):
         check_layer_on_ranks(mesh, name)
     for mesh, axis, name in ((ep4, "ep", "ep=4"), (ep2tp2, "tp", "ep=2 x tp=2")):

@@ -105,8 +105,7 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
 
     # check mode: the ranks pass different shapes; every rank raises what each passed, long before
     # the 20 s timeout
-    checked = fd.connect(tp=world, check=True, timeout=20)
-    # consistent calls pass
+    checked = fd.connect(tp=world, check=True, timeout=20)  # consistent calls pass
     assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
     out["check"] = timed(
         lambda: fd.all_gather(torch.ones(2 + rank), checked, "tp"), fd.ConsistencyError
@@ -152,7 +151,7 @@ def compiled_timed(rank: int, world: int) -> dict[str, Any]:
         sorted(str(pg.group_name) for pg in late._comm._groups.values()),
     )
 
-    mesh = fd.connect(tp=world, timeout=60)          # {"dp": 1, "tp": world}
+    mesh = fd.connect(tp=world, timeout=60)  # {"dp": 1, "tp": world}
 
     def written(
         x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor
