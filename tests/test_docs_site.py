@@ -51,6 +51,7 @@ API_MODULES = (  # the modules whose ``__all__`` is the public API (docs/_ext/cr
     "fastdist.train.schedules",
     "fastdist.serving",
     "fastdist.profile",
+    "fastdist.comm",
     "fastdist.comm.native",
     "fastdist.testing",
 )

@@ -26,6 +26,7 @@ MODULES = (
     "fastdist.train.schedules",
     "fastdist.serving",
     "fastdist.profile",
+    "fastdist.comm",
     "fastdist.comm.native",
     "fastdist.testing",
 )

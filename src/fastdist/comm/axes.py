@@ -56,7 +56,14 @@ def group_name_while_tracing(
 
 class TorchAxisComm:
     """This rank's group along one axis (or tuple of axes): ranks in axis order, own index,
-    groups."""
+    groups. Get it with :func:`axis_comm`.
+
+    Args:
+        comm: the mesh's communicator.
+        idx: the positions of the group's axes in the mesh.
+        label: the axis name (or tuple of names), for messages.
+        ranks: the members' global ranks, in axis order.
+    """
 
     def __init__(
         self, comm: TorchComm, idx: tuple[int, ...], label: Any, ranks: tuple[int, ...]
@@ -375,7 +382,7 @@ def axis_comm(mesh: Mesh, axis: AxisName | None, op: str) -> TorchAxisComm:
     Returns:
         the group's communicator (cached by the mesh).
     """
-    comm = mesh._comm
+    comm = cast("TorchComm | None", mesh.comm)
     if comm is None:
         raise NoBackendError(
             f"fastdist.{op}: {mesh!r} is not backed by torch.distributed. Fix: build it with "

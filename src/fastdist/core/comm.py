@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fastdist.core.mesh import MeshComm
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -67,8 +69,9 @@ class Pending(Protocol):
         ...
 
 
-class Comm(Protocol):
-    """The communicator of a mesh on this process (a mesh's ``_comm``)."""
+class Comm(MeshComm, Protocol):
+    """The communicator of a mesh on this process (a mesh's ``comm``), as the collectives use it:
+    :class:`~fastdist.core.mesh.MeshComm` (what the mesh itself reads) and the axis groups."""
 
     @property
     def global_rank(self) -> int:
