@@ -86,7 +86,7 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
         raise ParallelizeError(
             f"plans.auto: {type(model).__name__} has no list of repeated blocks (an "
             "nn.ModuleList of modules of one class) to read a plan from. Fix: write a plan "
-            "(see fastdist.nn.plans.llama for the shape of one)"
+            "(print fastdist.nn.plans.plan(model, mesh) of a known family for the shape of one)"
         )
     return best[1], best[2]
 

@@ -52,18 +52,18 @@ LLAMA = Family(("llama", "mistral", "qwen2"), attrs=(("num_key_value_groups", _k
 QWEN3 = replace(LLAMA, model_types=("qwen3",), head_norms=("q_norm", "k_norm"))
 GPT2 = Family(
     ("gpt2",),
+    attention="attn",
+    qkv="c_attn",
+    o="c_proj",
+    attrs=(("split_size", _split_width),),
+    kv_heads=None,
+    head_dim=None,
+    mlps=(Mlp(up=("c_fc",), down="c_proj"),),
     prefix="transformer",
     layers="h",
     embed="wte",
     final_norm="ln_f",
     norms=("ln_1", "ln_2"),
-    attention="attn",
-    kv_heads=None,
-    head_dim=None,
-    qkv="c_attn",
-    o="c_proj",
-    attrs=(("split_size", _split_width),),
-    mlps=(Mlp(up=("c_fc",), down="c_proj"),),
 )
 GEMMA = Family(("gemma",), embed_scale="embed_scale")
 GEMMA2 = replace(

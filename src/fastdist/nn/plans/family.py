@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from fastdist.nn.moe import ExpertParallel, Strategy
+from fastdist.nn.moe import ExpertParallel
+from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.hooks import SequenceGather
 from fastdist.nn.styles.attention import HeadParallelAttention
 from fastdist.nn.styles.base import Style

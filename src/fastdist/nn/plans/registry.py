@@ -12,7 +12,7 @@ from torch import nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.moe import Strategy
+from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.auto import auto_plan
 from fastdist.nn.plans.dense import DENSE
 from fastdist.nn.plans.family import Family, Plan, build
