@@ -16,6 +16,7 @@ from torch import Tensor
 
 import fastdist as fd
 from fastdist.nn import moe as M
+from fastdist.nn.moe import routing
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -240,7 +241,10 @@ def test_token_dropping_reports_what_it_dropped(strategy: str) -> None:
     # every token to experts 0 and 1: capacity ceil(1.0 * 6 * 2 / 4) = 3 each per rank
     e = torch.tensor([[0, 1]] * (ep * T))
     keep = torch.cat(
-        [M._keep_mask(chunk, E, M.expert_capacity(T, k, E, 1.0)) for chunk in e.reshape(ep, T, k)]
+        [
+            routing.capacity_keep_mask(chunk, E, M.expert_capacity(T, k, E, 1.0))
+            for chunk in e.reshape(ep, T, k)
+        ]
     )
     assert keep.sum().item() == ep * 2 * 3
     dropped = check_layer(x, w, e, E, fd.Mesh({"ep": ep}), strategy, keep=keep, capacity_factor=1.0)
@@ -425,7 +429,7 @@ def test_router_z_loss_matches_switch_transformers() -> None:
 def test_errors_name_the_layer_and_the_fix() -> None:
     x, w, e = random_routing(2, 3, 4, 2, seed=1)
     with pytest.raises(
-        M.MoEError,
+        fd.nn.MoEError,
         match=r"layer 'blocks\.0\.moe'.*4 experts do not divide over the 3 ranks of 'ep'.*Fix",
     ):
         fd.simulate(
@@ -437,18 +441,18 @@ def test_errors_name_the_layer_and_the_fix() -> None:
             fd.Mesh({"ep": 3}),
         )(x[:3].expand(3, 3, H), w[:3].expand(3, 3, 2), e[:3].expand(3, 3, 2))
     with pytest.raises(
-        M.MoEError,
+        fd.nn.MoEError,
         match=r"layer 'blocks\.1\.router': top_k=5 but there are 4 experts.*Fix: 1 <= top_k <= 4",
     ):
         M.route(torch.zeros(3, 4), 5, layer="blocks.1.router")
     with pytest.raises(
-        M.MoEError,
+        fd.nn.MoEError,
         match=r"layer 'blocks\.2\.aux': top_k=0 but there are 4 experts.*Fix: 1 <= top_k <= 4",
     ):
         M.load_balancing_loss(torch.zeros(3, 4), 0, layer="blocks.2.aux")
     mesh = fd.Mesh({"ep": 2})
     with pytest.raises(
-        M.MoEError,
+        fd.nn.MoEError,
         match=r"layer 'blocks\.3\.moe': top_k=3 but there are 2 experts.*Fix: 1 <= top_k <= 2",
     ):
         fd.simulate(
@@ -456,7 +460,7 @@ def test_errors_name_the_layer_and_the_fix() -> None:
             mesh,
         )(x.reshape(2, 3, H), torch.ones(2, 3, 3), torch.zeros(2, 3, 3, dtype=torch.long))
     with pytest.raises(
-        M.MoEError,
+        fd.nn.MoEError,
         match=r"layer 'blocks\.4\.moe': strategy='ring'.*Fix: 'allgather' or 'all_to_all'",
     ):
         fd.simulate(
@@ -470,7 +474,7 @@ def test_errors_name_the_layer_and_the_fix() -> None:
     skew = torch.zeros(2, 3, 2, dtype=torch.long)
     skew[..., 1] = 1  # every assignment to rank 0: 12 rows arrive
     with pytest.raises(
-        M.MoEError,
+        fd.nn.MoEError,
         match=r"layer 'blocks\.5\.moe': .*receives more token assignments than "
         r"capacity=8.*simulated ranks.*capacity >= 12",
     ):
@@ -566,7 +570,9 @@ def test_mixtral_matches_one_device(axes: dict[str, int], strategy: str) -> None
     coef = ref.config.router_aux_loss_coef
     mesh = fd.Mesh(axes)
     tp = "tp" if "tp" in axes else "ep"
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="mixtral", axis=tp, strategy=strategy))
+    pm = fd.nn.parallelize(
+        model, mesh, fd.nn.plans.plan(model, family="mixtral", axis=tp, strategy=strategy)
+    )
     assert tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape) == (
         mesh.size,
         4 // axes["ep"],
@@ -727,7 +733,9 @@ def test_mixtral_token_dropping_reported_in_the_model_path(
     pm = fd.nn.parallelize(
         model,
         mesh,
-        fd.nn.plans.plan(model, family="mixtral", axis=tp, strategy=strategy, capacity_factor=capacity_factor),
+        fd.nn.plans.plan(
+            model, family="mixtral", axis=tp, strategy=strategy, capacity_factor=capacity_factor
+        ),
     )
     assert M.dropped_counts(model) == {}  # nothing before the first forward
     coef = ref.config.router_aux_loss_coef
