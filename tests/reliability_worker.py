@@ -105,7 +105,8 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
 
     # check mode: the ranks pass different shapes; every rank raises what each passed, long before
     # the 20 s timeout
-    checked = fd.connect(tp=world, check=True, timeout=20)  # consistent calls pass
+    checked = fd.connect(tp=world, check=True, timeout=20)
+    # consistent calls pass
     assert fd.psum(torch.ones(2), checked, "tp").tolist() == [float(world)] * 2
     out["check"] = timed(
         lambda: fd.all_gather(torch.ones(2 + rank), checked, "tp"), fd.ConsistencyError
@@ -313,40 +314,51 @@ def issue32(rank: int, world: int) -> dict[str, Any]:
 def threads(rank: int, world: int) -> dict[str, Any]:
     """Issue 32.8 on real ranks: a second thread calling on a mesh while another thread is inside
     a call on it is refused at once (the mesh stays usable); two threads on two meshes run
-    concurrently and get right values."""
+    concurrently and get right values, their groups created at once in opposite orders on the
+    two ranks."""
     import threading
 
     out: dict[str, Any] = {}
+    store = c10d._get_default_store()
     mesh = fd.connect(tp=world, timeout=20)
     assert fd.psum(torch.ones(1), mesh, "tp").item() == world
     second: dict[str, Any] = {}
 
     def intruder() -> None:
-        deadline = time.monotonic() + 10
-        while mesh._comm.in_call is None and time.monotonic() < deadline:  # main is in its psum
-            time.sleep(0.005)
-        second["result"] = timed(lambda: fd.psum(torch.ones(1), mesh, "tp"), fd.CommError)
+        try:
+            deadline = time.monotonic() + 60
+            while mesh._comm.in_call is None and time.monotonic() < deadline:  # main's psum
+                time.sleep(0.005)
+            second["result"] = timed(lambda: fd.psum(torch.ones(1), mesh, "tp"), fd.CommError)
+        finally:  # only now may the peer join main's psum: main stays inside it until here
+            store.set("reliability/threads/intruded", "1")
 
     if rank == 0:
         helper = threading.Thread(target=intruder)
         helper.start()
-    else:
-        time.sleep(1.5)  # rank 0's psum waits for this rank meanwhile
+    else:  # rank 0's psum waits for this rank meanwhile, however slowly its intruder runs
+        store.wait(["reliability/threads/intruded"], datetime.timedelta(seconds=90))
     out["main"] = fd.psum(torch.full((1,), rank + 1.0), mesh, "tp").item()
     if rank == 0:
         helper.join()
         out["intruder"] = second["result"]
     assert fd.psum(torch.ones(1), mesh, "tp").item() == world  # still usable, no reset
 
-    # two meshes, one per thread, built in the same order on every rank
+    # two meshes, one per thread, built in the same order on every rank; each rank makes its
+    # first call (which creates the mesh's group) on one mesh half a second before the other,
+    # rank 0 on mesh 0 and rank 1 on mesh 1, so the creations overlap in opposite orders
     meshes = [fd.connect(tp=world, timeout=20) for _ in range(2)]
-    got: dict[int, list[float]] = {}
+    got: dict[int, Any] = {}
 
     def loop(t: int) -> None:
-        vals = []
-        for i in range(20):
-            x = torch.full((1,), float(100 * t + 10 * i + rank))
-            vals.append(fd.psum(x, meshes[t], "tp").item())
+        time.sleep(0.5 * ((t + rank) % 2))
+        vals: list[Any] = []
+        try:
+            for i in range(20):
+                x = torch.full((1,), float(100 * t + 10 * i + rank))
+                vals.append(fd.psum(x, meshes[t], "tp").item())
+        except fd.FastdistError as e:  # shown in the parent's diff, not only in this log
+            vals.append(f"{type(e).__name__}: {e}")
         got[t] = vals
 
     workers = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
