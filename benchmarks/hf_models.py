@@ -84,7 +84,7 @@ def bench(
     one = _llama(quick).to(device=device, dtype=dtype)
     model = copy.deepcopy(one)
     mesh = fd.Mesh({"tp": tp})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
     B, S = (2, 32) if quick else (2, 256)
     ids = torch.randint(
         0, one.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0)

@@ -187,7 +187,7 @@ def check_mixtral_on_ranks(
     pm = fd.nn.parallelize(
         model,
         mesh,
-        fd.nn.plans.plan(model, family="mixtral", axis=axis, strategy=strategy, capacity_factor=capacity_factor),
+        fd.nn.plans.plan(model, axis=axis, strategy=strategy, capacity_factor=capacity_factor),
     )
     opt_ref, opt = (
         torch.optim.AdamW(ref.parameters(), lr=1e-2),

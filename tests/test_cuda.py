@@ -106,7 +106,7 @@ def test_hf_llama_bf16_on_cuda_is_close_to_float64() -> None:
     want = ref(input_ids=ids, labels=labels).loss
     model = copy.deepcopy(ref).to(torch.bfloat16)
     mesh = fd.Mesh({"tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
     got = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss
     got.sum().backward()
     assert got.dtype == torch.float32  # HF's loss upcasts

@@ -124,7 +124,7 @@ def test_which_assignments_are_dropped_depends_on_the_ep_size() -> None:
         for ep in (1, 2, 4):
             model = copy.deepcopy(ref)
             mesh = fd.Mesh({"ep": ep})
-            plan = fd.nn.plans.plan(model, family="mixtral", axis="ep", capacity_factor=capacity_factor)
+            plan = fd.nn.plans.plan(model, mesh, capacity_factor=capacity_factor)
             pm = fd.nn.parallelize(model, mesh, plan)
             out = pm(input_ids=rep(ids, mesh))
             logits[capacity_factor, ep] = whole_logits(out.logits, mesh, "ep").detach()

@@ -362,7 +362,7 @@ def test_hf_llama_modules_and_phases() -> None:
     )
     model = transformers.LlamaForCausalLM(cfg)
     mesh = fd.Mesh({"dp": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
     ids = torch.randint(0, 61, (2, 8))
     prof = trace_model(pm, input_ids=ids, labels=ids)
     act = 2 * 8 * 32 * F4  # [batch, tokens, hidden] gathered over tp (sequence parallel)
