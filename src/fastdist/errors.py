@@ -164,9 +164,9 @@ class CommError(FastdistError, RuntimeError):
 
 class CommArgumentError(CollectiveError, CommError):  # type: ignore[misc]  # rank: "rank N"
     """A helper on real ranks (``send``/``recv``, ``send_object``/``recv_object``,
-    ``broadcast_object``, the tensor-dict helpers, :class:`~fastdist.comm.StatelessGroup`'s messages)
-    got an argument that cannot work: ``dst`` or ``src`` not an index along the axis (a member),
-    or this rank's own index.
+    ``broadcast_object``, the tensor-dict helpers, the messages of
+    :class:`~fastdist.comm.StatelessGroup`) got an argument that cannot work: ``dst`` or ``src`` not
+    an index along the axis (a member), or this rank's own index.
 
     Raised before any communication, so the mesh stays usable. A :class:`CollectiveError` (and so
     a ``ValueError``), like the same mistake in a collective (``broadcast(src=...)``); also a
@@ -406,8 +406,10 @@ class ProfileError(FastdistError, ValueError):
 def _user_line() -> str:
     """``file:line: code`` of the innermost frame outside fastdist and torch (the user's line)."""
     here = os.path.dirname(os.path.abspath(__file__))  # the fastdist package
-    torch = sys.modules.get("torch")
-    skip = (here,) if torch is None else (here, os.path.dirname(os.path.abspath(torch.__file__)))
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    skip: tuple[str, ...] = (here,)
+    if torch_file is not None:
+        skip += (os.path.dirname(os.path.abspath(torch_file)),)
     for fs in reversed(traceback.extract_stack()):
         path = os.path.abspath(fs.filename)
         if not path.startswith(skip) and "contextlib" not in path:
