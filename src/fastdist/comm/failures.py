@@ -246,13 +246,15 @@ class comm_guard(contextlib.ContextDecorator):  # noqa: N801 - used like a funct
             a ``CollectiveTimeout`` (a timeout) or ``CommError`` naming the block, the mesh's axes
             and this rank.
         """
-        real = [m for m in self.meshes if m._comm is not None]
+        real = [m for m in self.meshes if m.comm is not None]
         msg = clean_error(error)
         for m in real:
-            comm = cast(TorchComm, m._comm)
-            comm.abandon(f"fastdist.comm_guard: a call on rank {comm.global_rank} failed: {msg}")
+            dropped = cast("TorchComm", m.comm)
+            dropped.abandon(
+                f"fastdist.comm_guard: a call on rank {dropped.global_rank} failed: {msg}"
+            )
         mesh = real[0] if real else self.meshes[0]
-        comm = mesh._comm
+        comm = cast("TorchComm | None", mesh.comm)
         rank = comm.global_rank if comm is not None else -1
         names = mesh.axis_names
         axes = names[0] if len(names) == 1 else names
