@@ -1,5 +1,16 @@
+"""Suite-wide settings: hypothesis profiles, one torch thread, and the ``slow`` tier.
+
+``python -m pytest -m "not slow"`` is the fast tier for iteration (a few minutes on 2 cores);
+CI runs everything. A test is slow when it spawns gloo processes, builds Hugging Face models on
+several ranks, runs an external tool over the repository (mypy, mkdocs, a wheel build, notebooks)
+or takes more than about 3 s. The lists below are the one place that says which: whole files in
+``SLOW_FILES``, single tests of otherwise fast files in ``SLOW_TESTS`` (by function name, so every
+parametrization of a test goes with it).
+"""
+
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -13,3 +24,92 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(1)  # simulated ranks are tiny tensors; threads only add overhead
+
+# files (relative to the repository root) whose every test is slow
+SLOW_FILES = frozenset(
+    {
+        "tests/test_benchmarks.py",
+        "tests/test_checkpoint.py",
+        "tests/test_distributed.py",
+        "tests/test_docs_and_notebooks.py",
+        "tests/test_docs_site.py",
+        "tests/test_families.py",
+        "tests/test_hf_models.py",
+        "tests/test_moe_families.py",
+        "tests/test_mq.py",
+        "tests/test_native.py",
+        "tests/test_packaging.py",
+        "tests/test_pipeline_example.py",
+        "tests/test_pipeline_gloo.py",
+        "tests/test_pipeline_torch.py",
+        "tests/test_public_path.py",
+        "tests/test_reliability.py",
+        "tests/test_train_example.py",
+        "tests/test_typing.py",
+    }
+)
+
+# the slow tests of files that are otherwise fast: file -> test function names
+SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_autograd_function_simulate.py": frozenset(
+        {"test_compiled_functions_on_real_ranks_are_exact"}
+    ),
+    "tests/test_calibrate.py": frozenset({"test_calibrate_on_gloo_reproduces_held_out_sizes"}),
+    "tests/test_calibrate_kernels.py": frozenset(
+        {"test_calibrate_kernels_predicts_held_out_steps_on_gloo"}
+    ),
+    "tests/test_cross_entropy.py": frozenset({"test_cross_entropy_on_gloo"}),
+    "tests/test_mesh_without.py": frozenset(
+        {
+            "test_slices_of_pp2_tp2_talk_only_inside_the_slice",
+            "test_each_slice_parallelizes_its_own_model",
+            "test_a_failure_in_one_slice_names_its_ranks_and_spares_the_other",
+            "test_slices_of_pp2_dp2_tp2_on_eight_ranks",
+            "test_a_slice_keeps_the_ctypes_backend",
+        }
+    ),
+    "tests/test_meta.py": frozenset({"test_meta_llama_on_two_gloo_processes"}),
+    "tests/test_moe.py": frozenset({"test_moe_on_gloo"}),
+    "tests/test_nn.py": frozenset({"test_layers_on_gloo"}),
+    "tests/test_profile.py": frozenset(
+        {"test_dry_run_4096_ranks_resident_memory", "test_real_ranks_profile_like_plain_mesh"}
+    ),
+    "tests/test_reduction_dtypes.py": frozenset({"test_real_ranks_follow_the_same_rule"}),
+    "tests/test_serving_transfers.py": frozenset(
+        {
+            "test_tensor_dict_between_stages_with_and_without_the_all_gather",
+            "test_mismatched_or_overlapping_all_gather_axis_raises",
+            "test_graph_capture_creates_the_communicators_first",
+        }
+    ),
+    "tests/test_testing_toolkit.py": frozenset(
+        {
+            "test_the_same_check_runs_on_gloo_processes",
+            "test_run_on_gloo_returns_every_rank_result",
+            "test_run_on_gloo_reports_the_failing_rank",
+            "test_run_on_gloo_returns_results_holding_many_tensors",
+            "test_run_on_gloo_reports_a_rank_that_died_promptly",
+            "test_run_on_gloo_times_out_and_says_so",
+            "test_concurrent_run_on_gloo_calls_do_not_collide",
+        }
+    ),
+    "tests/test_train_dp.py": frozenset(
+        {
+            "test_engines_on_gloo_equal_one_device",
+            "test_review_cases_on_gloo",
+            "test_a_peer_that_never_reduces_is_reported_within_the_timeout",
+        }
+    ),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests named in ``SLOW_FILES`` and ``SLOW_TESTS`` with ``slow``."""
+    for item in items:
+        try:
+            where = item.path.relative_to(config.rootpath).as_posix()
+        except ValueError:  # a test outside the repository
+            continue
+        name = getattr(item, "originalname", item.name)
+        if where in SLOW_FILES or name in SLOW_TESTS.get(where, ()):
+            item.add_marker(pytest.mark.slow)
