@@ -25,8 +25,8 @@ from fastdist.profile import (
     ProfileError,
     Work,
     calibrate,
-    plan,
     predict,
+    rank_layouts,
     trace,
 )
 from fastdist.testing import run_on_gloo
@@ -199,14 +199,16 @@ def _tp_mlp(mesh: fd.Mesh, tokens: int = 64, d: int = 256, h: int = 1024) -> Any
 
 def test_plan_marks_layouts_over_the_memory_budget() -> None:
     net = Network("toy", 8, Link(1e9, 1e-6), Link(1e8, 1e-5), flops=1e9)
-    free = plan(_tp_mlp, 4, net, axes=("dp", "tp"), orders=False, data_parallel="dp")
+    free = rank_layouts(_tp_mlp, 4, net, axes=("dp", "tp"), orders=False, data_parallel="dp")
     # parameters 2 x 256 x 1024 floats / tp, x4 with grads and AdamW: dp4 holds 8 MiB
     mem = {str(p.layout): p.memory for p in free.predictions}
     assert all(m is not None for m in mem.values())
     params = {k: 2 * 256 * 1024 * 4 // t for k, t in (("tp4", 4), ("dp2 x tp2", 2), ("dp4", 1))}
     assert {k: m.params for k, m in mem.items() if m} == params
     budget = 5e6  # fits tp4 (2 MiB of parameters x 4 + activations), not dp4
-    p = plan(_tp_mlp, 4, net, axes=("dp", "tp"), orders=False, data_parallel="dp", memory=budget)
+    p = rank_layouts(
+        _tp_mlp, 4, net, axes=("dp", "tp"), orders=False, data_parallel="dp", memory=budget
+    )
     fits = {str(q.layout): q.fits for q in p.predictions}
     assert fits == {k: (mem[k].total <= budget) for k in mem if mem[k]}  # type: ignore[union-attr]
     assert fits["tp4"] and not fits["dp4"]

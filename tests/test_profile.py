@@ -29,8 +29,8 @@ from fastdist.profile import (
     ProfileError,
     bus_factor,
     layouts,
-    plan,
     predict,
+    rank_layouts,
     record,
     trace,
     trace_model,
@@ -422,7 +422,7 @@ def test_planner_ranks_like_closed_form() -> None:
         "dp8 x tp2",
         "tp2 x dp8",
     }
-    p = plan(build, cands, net)
+    p = rank_layouts(build, cands, net)
     want = sorted(cands, key=closed_form)
     assert [pr.layout for pr in p.predictions] == want
     for pr in p.predictions:
@@ -439,8 +439,8 @@ def test_predict_and_layout_errors() -> None:
     assert predict(prof, net).time == pytest.approx(3 * 1e-6 + 4000 * 0.75 / 1e9)
     with pytest.raises(ProfileError, match="layouts"):
         layouts(0, ("dp",))
-    with pytest.raises(ProfileError, match="plan"):
-        plan(lambda m: prof, [], net)
+    with pytest.raises(ProfileError, match="rank_layouts"):
+        rank_layouts(lambda m: prof, [], net)
     with pytest.raises(ProfileError, match="filter"):
         prof.filter(nope=1)
 
@@ -931,25 +931,25 @@ def test_planner_tp_sp_dp_closed_form() -> None:
         "sp16",
         "dp4 x tp4",
     }
-    p = plan(_tp_sp_dp_build, cands, TOY)
+    p = rank_layouts(_tp_sp_dp_build, cands, TOY)
     assert sorted(str(pr.layout) for pr in p.predictions) == sorted(map(str, cands))
     for pr in p.predictions:
         assert pr.time == pytest.approx(_tp_sp_dp_closed_form(pr.layout), rel=1e-9), str(pr.layout)
     assert [pr.time for pr in p.predictions] == sorted(pr.time for pr in p.predictions)
     assert p.best.time == pytest.approx(min(map(_tp_sp_dp_closed_form, cands)), rel=1e-9)
     # the convenience form: a world size (every order of the axes) and a network by name
-    q = plan(_tp_sp_dp_build, 16, TOY, axes=("dp", "sp", "tp"))
+    q = rank_layouts(_tp_sp_dp_build, 16, TOY, axes=("dp", "sp", "tp"))
     assert [(pr.layout, pr.time) for pr in q.predictions] == [
         (pr.layout, pr.time) for pr in p.predictions
     ]
     assert (
-        plan(_tp_sp_dp_build, 8, "dgx-h100", axes=("dp", "sp", "tp")).network
+        rank_layouts(_tp_sp_dp_build, 8, "dgx-h100", axes=("dp", "sp", "tp")).network
         is NETWORKS["dgx-h100"]
     )
     with pytest.raises(ProfileError, match="no network named 'nvl72'"):
-        plan(_tp_sp_dp_build, 8, "nvl72")
+        rank_layouts(_tp_sp_dp_build, 8, "nvl72")
     with pytest.raises(ProfileError, match="not a Profile"):
-        plan(lambda mesh: None, 4, TOY)  # type: ignore[arg-type,return-value]
+        rank_layouts(lambda mesh: None, 4, TOY)  # type: ignore[arg-type,return-value]
 
 
 def test_planner_moe_ep_dp_closed_form() -> None:
@@ -983,7 +983,7 @@ def test_planner_moe_ep_dp_closed_form() -> None:
             + _group_time(TOY, layout, "dp", "allreduce", down)
         )
 
-    p = plan(build, 8, TOY, axes=("dp", "ep"))
+    p = rank_layouts(build, 8, TOY, axes=("dp", "ep"))
     assert {str(pr.layout) for pr in p.predictions} == {
         "ep8",
         "dp8",
@@ -1011,7 +1011,7 @@ def test_plan_plot_bars_and_labels() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = plan(_tp_sp_dp_build, 8, TOY, axes=("dp", "sp", "tp"))
+    p = rank_layouts(_tp_sp_dp_build, 8, TOY, axes=("dp", "sp", "tp"))
     ax = p.plot()
     try:
         labels = [str(pr.layout) for pr in p.predictions]

@@ -1,5 +1,5 @@
 """The planner's pipelines (issue 34.6): ``predict(..., pipeline=PipelineSpec(...))`` and
-``plan(..., pipeline=...)`` against closed forms written by hand.
+``rank_layouts(..., pipeline=...)`` against closed forms written by hand.
 
 Toy model: ``L`` bias-free ``Linear(d, d)`` layers named ``layers.N`` (traced on meta tensors), a
 network that charges matmul FLOPs only (no memory traffic, no per-kernel cost), so every time is
@@ -24,8 +24,8 @@ from fastdist.profile import (
     PipelineSpec,
     Profile,
     ProfileError,
-    plan,
     predict,
+    rank_layouts,
     trace,
 )
 from fastdist.train.schedules import Action, Schedule, theoretical_bubble
@@ -420,7 +420,7 @@ def test_plan_memory_budget_only_fits_with_pp() -> None:
     L, d, m = 4, 256, 4
     model = _model(L, d)
     weights = L * d * d * F4
-    p = plan(
+    p = rank_layouts(
         _build(model, 64, m),
         4,
         NET,
@@ -498,7 +498,9 @@ def test_plan_slow_network_across_nodes_pp_wins() -> None:
         "pp2 x dp2 (1f1b, 4 micro-batches)": piped(NET.inter, NET.intra),
         "dp2 x pp2 (1f1b, 4 micro-batches)": piped(NET.intra, NET.inter),
     }
-    p = plan(_build(model, tokens, m), cands, NET, data_parallel="dp", pipeline=PipelineSpec(m))
+    p = rank_layouts(
+        _build(model, tokens, m), cands, NET, data_parallel="dp", pipeline=PipelineSpec(m)
+    )
     got = {str(pr.layout): pr.time for pr in p.predictions}
     assert got == {k: pytest.approx(v, rel=1e-12) for k, v in want.items()}
     assert [str(pr.layout) for pr in p.predictions] == sorted(want, key=want.__getitem__)

@@ -27,7 +27,7 @@ group, shape and dtype):
 * :func:`predict` walks the traced step: compute, tensor-parallel collectives on the critical
   path, the data-parallel gradient reduction overlapped with backward in buckets as
   :class:`fastdist.train.DataParallel` runs it; and the memory per rank against a budget.
-  :func:`plan` profiles a step for every candidate layout of a world size (axis sizes and
+  :func:`rank_layouts` profiles a step for every candidate layout of a world size (axis sizes and
   their order onto node boundaries) and ranks the layouts by it. No congestion: see
   docs/profile.md.
 
@@ -41,7 +41,7 @@ collective), :mod:`~fastdist.profile.records` (:class:`Record`, :class:`Work`,
 :func:`calibrate_step`), :mod:`~fastdist.profile.prediction` (:func:`predict`,
 :class:`MeshLayout`, :class:`Prediction`), :mod:`~fastdist.profile.pipeline_cost`
 (:class:`PipelineSpec`, :class:`PipelineCost`), :mod:`~fastdist.profile.search`
-(:func:`layouts`, :func:`plan`, :class:`LayoutRanking`).
+(:func:`layouts`, :func:`rank_layouts`, :class:`LayoutRanking`).
 
 How the trace sees the collectives (no hook in the op machinery): for the duration of the
 call it pushes a rank binding onto the meshes (as :func:`fastdist.simulate` does, with a fake
@@ -87,7 +87,7 @@ from fastdist.profile.records import (
     Record,
     Work,
 )
-from fastdist.profile.search import LayoutRanking, layouts, plan
+from fastdist.profile.search import LayoutRanking, layouts, rank_layouts
 from fastdist.profile.tracing import ROUTINGS, trace, trace_model
 
 __all__ = [
@@ -118,8 +118,8 @@ __all__ = [
     "calibrate_kernels",
     "calibrate_step",
     "layouts",
-    "plan",
     "predict",
+    "rank_layouts",
     "record",
     "trace",
     "trace_model",

@@ -149,7 +149,7 @@ def compute_time(work: Work, flops: float, bandwidth: float, latency: float) -> 
     return t
 
 
-def axis_index(names: Sequence[str], axis: str) -> list[int]:
+def axis_positions(names: Sequence[str], axis: str) -> list[int]:
     """The positions among ``names`` of a record's axis (``"dp+tp"``); ``[]`` if one is not
     there."""
     parts = axis.split("+")
@@ -190,7 +190,7 @@ def bucket_record(nbytes: int, dtype: torch.dtype, dp: tuple[str, ...], n_dp: in
     )
 
 
-def data_axes(data_parallel: str | Sequence[str] | None) -> tuple[str, ...]:
+def data_parallel_axes(data_parallel: str | Sequence[str] | None) -> tuple[str, ...]:
     """``predict``'s ``data_parallel`` argument as a tuple of axis names."""
     if isinstance(data_parallel, str):
         return (data_parallel,)

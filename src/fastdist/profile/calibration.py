@@ -235,7 +235,8 @@ def _check_calibrate(
             f"{mesh!r} is a plain mesh: its ranks are simulated in this process, so there are no "
             "links or devices to measure",
             "run calibrate inside the job on fastdist.connect(...) and save() the model (then "
-            "CostModel.load(path) anywhere), or plan with a documented Network from NETWORKS",
+            "CostModel.load(path) anywhere), or rank layouts with a documented Network from "
+            "NETWORKS",
         )
     bad = [k for k in kinds if k not in CALIBRATED_KINDS]
     if bad or not kinds or not sizes or any(s < 1 for s in sizes) or reps < 1 or matmul < 1:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastdist.errors import PipelineError, ProfileError
-from fastdist.profile._common import axis_index, bucket_record, buckets
+from fastdist.profile._common import axis_positions, bucket_record, buckets
 from fastdist.profile.bytes import ring_steps
 from fastdist.profile.cost_model import CostModel
 from fastdist.profile.network import Network
@@ -29,7 +29,7 @@ __all__ = ["PipelineCost", "PipelineSpec", "PipelineStep", "pipeline_step"]
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """How a step is pipelined over a mesh axis: :func:`predict` and :func:`plan` price it.
+    """How a step is pipelined over a mesh axis: :func:`predict` and :func:`rank_layouts` price it.
 
     The profile given to :func:`predict` is then **one micro-batch's** step through the whole
     model (forward and backward, on the other axes: tp, sp, ep; nothing over ``axis``), and
@@ -213,7 +213,7 @@ def _stage_costs(
     def cost(e: Work | Record) -> tuple[tuple[str, str], float]:
         if isinstance(e, Work):
             return (e.phase, ""), network.compute_time(e)
-        return (e.phase, e.axis), network.collective_time(e, sizes, axis_index(names, e.axis))
+        return (e.phase, e.axis), network.collective_time(e, sizes, axis_positions(names, e.axis))
 
     out: list[dict[tuple[str, str], float]] = [{} for _ in range(stages)]
     found = [_NUMBERED.match(e.module) for e in events]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ProfileError
-from fastdist.profile._common import axis_index, bucket_record, buckets, data_axes
+from fastdist.profile._common import axis_positions, bucket_record, buckets, data_parallel_axes
 from fastdist.profile.cost_model import CostModel
 from fastdist.profile.network import Network
 from fastdist.profile.pipeline_cost import PipelineCost, PipelineSpec, pipeline_step
@@ -151,7 +151,7 @@ def predict(
     12.0
     """
     names = profile.mesh.axis_names
-    dp = data_axes(data_parallel)
+    dp = data_parallel_axes(data_parallel)
     missing = [a for a in dp if a not in names]
     if missing:
         raise ProfileError(
@@ -244,7 +244,7 @@ class _Walk:
 
     def collective(self, r: Record) -> float:
         dt = self.network.collective_time(
-            r, self.sizes, axis_index(self.profile.mesh.axis_names, r.axis)
+            r, self.sizes, axis_positions(self.profile.mesh.axis_names, r.axis)
         )
         self.comm += dt
         self.by_axis[r.axis] = self.by_axis.get(r.axis, 0.0) + dt

@@ -1,5 +1,5 @@
 """The layout planner: :func:`layouts` enumerates the candidate layouts of a world size,
-:func:`plan` profiles and predicts each, :class:`LayoutRanking` ranks them."""
+:func:`rank_layouts` profiles and predicts each, :class:`LayoutRanking` ranks them."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ProfileError
-from fastdist.profile._common import data_axes
+from fastdist.profile._common import data_parallel_axes
 from fastdist.profile.cost_model import CostModel
 from fastdist.profile.network import NETWORKS, Network
 from fastdist.profile.pipeline_cost import PipelineSpec
 from fastdist.profile.prediction import MeshLayout, Prediction, predict
 from fastdist.profile.records import Profile
 
-__all__ = ["LayoutRanking", "layouts", "plan"]
+__all__ = ["LayoutRanking", "layouts", "rank_layouts"]
 
 
 def _factorizations(world: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -154,7 +154,7 @@ class LayoutRanking:
         return self.table()
 
 
-def plan(
+def rank_layouts(
     build: Callable[[Mesh], Profile],
     candidates: Iterable[MeshLayout] | int,
     network: Network | CostModel | str,
@@ -205,14 +205,14 @@ def plan(
     ...     x = torch.empty(512 // dp, 1024, device="meta")
     ...     w = torch.empty(1024, 4096 // tp, device="meta", requires_grad=True)
     ...     return trace(step, mesh, x, w)
-    >>> p = plan(build, 16, "dgx-h100", axes=("dp", "tp"), max_size={"tp": 8})
+    >>> p = rank_layouts(build, 16, "dgx-h100", axes=("dp", "tp"), max_size={"tp": 8})
     >>> str(p.best.layout)   # the 16 MiB/tp gradient all-reduce over dp stays inside a node
     'tp2 x dp8'
     """
     if isinstance(network, str):
         if network not in NETWORKS:
             raise ProfileError(
-                "plan",
+                "rank_layouts",
                 f"no network named {network!r}",
                 f"use one of {', '.join(NETWORKS)}, or pass a Network",
             )
@@ -224,7 +224,7 @@ def plan(
     )
     if not cands:
         raise ProfileError(
-            "plan",
+            "rank_layouts",
             "no candidate layout",
             "pass a world size, layouts(world, axes) or a non-empty list of MeshLayout",
         )
@@ -236,14 +236,16 @@ def plan(
         prof = build(layout.mesh)
         if not isinstance(prof, Profile):
             raise ProfileError(
-                "plan",
+                "rank_layouts",
                 f"build returned {type(prof).__name__} for {layout}, not a Profile",
                 "return trace(step, mesh, ...) from build",
             )
         pred = predict(
             prof,
             network,
-            data_parallel=[a for a in data_axes(data_parallel) if a in layout.mesh.axis_names],
+            data_parallel=[
+                a for a in data_parallel_axes(data_parallel) if a in layout.mesh.axis_names
+            ],
             bucket_mb=bucket_mb,
             optimizer=optimizer,
             memory=memory,

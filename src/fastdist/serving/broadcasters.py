@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastdist.ops.prelude import names_this_rank
-from fastdist.serving.checks import check_index
+from fastdist.ops.prelude import check_index, names_this_rank
 from fastdist.serving.node import axis_group
 from fastdist.serving.queue import MessageQueue, build_queues
 
@@ -57,7 +56,7 @@ def create_single_reader_mq_broadcasters(
     op = "create_single_reader_mq_broadcasters"
     ranks, index, label = axis_group(op, mesh, axis)
     n = len(ranks)
-    check_index(op, label, n, "reader", reader)
+    check_index(op, label, "reader", reader, n)
     writers = [i for i in range(n) if i != reader]
     opts = {"max_chunk_bytes": 1 << 20, "max_chunks": 8, "timeout": 60.0, "nodes": None, **kwargs}
     qs = build_queues(

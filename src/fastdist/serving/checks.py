@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastdist.errors import CollectiveError
+from fastdist.ops.prelude import check_index
 
-__all__ = ["check_index", "check_options", "check_readers"]
+__all__ = ["check_options", "check_readers"]
 
 
 def check_options(
@@ -35,25 +36,6 @@ def check_options(
         )
 
 
-def check_index(op: str, label: Any, n: int, arg: str, value: int) -> None:
-    """Refuse ``value`` (the argument ``arg``) unless it is an index along an axis of ``n`` ranks.
-
-    Args:
-        op: the public name of the caller.
-        label: the axis the error names.
-        n: the axis size.
-        arg: the argument's name (``"writer"``, ``"reader"``).
-        value: what was passed.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
-        raise CollectiveError(
-            op,
-            label,
-            f"{arg}={value!r} is not an index along the axis (size {n})",
-            f"use 0..{n - 1}",
-        )
-
-
 def check_readers(
     op: str, label: Any, n: int, writer: int, readers: Sequence[int] | None
 ) -> tuple[int, ...]:
@@ -66,7 +48,7 @@ def check_readers(
         writer: the writer's index.
         readers: the readers' indices; ``None``: every index but the writer's.
     """
-    check_index(op, label, n, "writer", writer)
+    check_index(op, label, "writer", writer, n)
     rd = tuple(i for i in range(n) if i != writer) if readers is None else tuple(readers)
     if any(
         isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n or r == writer for r in rd
