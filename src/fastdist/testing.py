@@ -283,7 +283,7 @@ def assert_matches_single_device(
 
     states = [Rep(frozenset(s.sharded_axes)) for s in in_specs]
     mode: CheckMode | None = "insert" if check is True else None if check is False else check
-    if mesh._comm is not None:  # real ranks: this process checks its own rank
+    if mesh.comm is not None:  # real ranks: this process checks its own rank
         ranks = [mesh.rank]
         local = [
             shard_for_rank(t.detach(), s, mesh, mesh.rank)

@@ -141,7 +141,7 @@ def spmd(
     >>> bool(torch.equal(f(x, w), x @ w))
     True
     """
-    simulated = mesh._comm is None
+    simulated = mesh.comm is None
     mode = _check_mode(check, simulated)
     single_out = isinstance(out_specs, PartitionSpec)
     outs: list[PartitionSpec] = (

@@ -107,7 +107,7 @@ def simulation_of(mesh: Mesh) -> Any:
 def is_real(mesh: Mesh) -> bool:
     """Whether collectives on ``mesh`` go to real ranks: a communicator and no simulation over
     it."""
-    return mesh._comm is not None and simulation_of(mesh) is None
+    return mesh.comm is not None and simulation_of(mesh) is None
 
 
 def push_simulation(meshes: list[Mesh], binding: Any) -> None:

@@ -16,7 +16,7 @@ from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.errors import CollectiveError
 
 if TYPE_CHECKING:
-    from fastdist.core.comm import AxisComm
+    from fastdist.core.comm import AxisComm, Comm
 from fastdist.ops.prelude import (
     apply_primitive,
     check_index,
@@ -289,7 +289,7 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
         )
     idx = mesh.axis_indices(axis, "fastdist.axis_index")
     if is_real(mesh):
-        index = torch.tensor(mesh._comm.axis(idx).index)
+        index = torch.tensor(cast("Comm", mesh.comm).axis(idx).index)
     else:
         # the running simulation (None on a one-rank mesh)
         binding = rank_binding("axis_index", mesh)

@@ -22,7 +22,7 @@ from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.errors import CollectiveError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
-    pass
+    from fastdist.core.comm import Comm
 
 __all__ = [
     "out_rows",
@@ -65,10 +65,10 @@ def names_this_rank(fn: _F) -> _F:
             if (
                 e.rank == "every rank"
                 and isinstance(mesh, Mesh)
-                and mesh._comm is not None
+                and mesh.comm is not None
                 and simulation_of(mesh) is None
             ):
-                e.readdress(rank=f"rank {mesh._comm.global_rank}")
+                e.readdress(rank=f"rank {cast('Comm', mesh.comm).global_rank}")
             raise
 
     return cast(_F, op)
@@ -90,8 +90,9 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
         )
     binding = simulation_of(mesh)
     # real ranks (a simulation over the mesh takes precedence)
-    if binding is None and mesh._comm is not None:
-        return x, mesh._comm.spec(axis, f"fastdist.{op}")
+    comm = cast("Comm | None", mesh.comm)
+    if binding is None and comm is not None:
+        return x, comm.spec(axis, f"fastdist.{op}")
     spec = plain_spec(op, mesh, axis)
     if binding is None:
         binding = rank_binding(op, mesh)  # raises unless the mesh has one rank

@@ -9,7 +9,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,9 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import CommError, PipelineError
 from fastdist.train.pipeline.split import STAGE_INPUT
 from fastdist.train.schedules import Schedule
+
+if TYPE_CHECKING:
+    from fastdist.comm.torch_comm import TorchComm
 
 __all__ = ["Pipeline", "Event"]
 
@@ -684,8 +687,9 @@ class Pipeline:
             # only the groups of the mesh it happened on)
             why = f"the pipeline step failed on this rank ({type(e).__name__}: {e})"
             for held in (self.mesh, self.stage_mesh):
-                if held._comm is not None and held._comm.broken is None:
-                    held._comm.abandon(why)
+                comm = cast("TorchComm | None", held.comm)
+                if comm is not None and comm.broken is None:
+                    comm.abandon(why)
             raise
         finally:
             ranks.pending.clear()
