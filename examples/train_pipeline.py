@@ -15,7 +15,7 @@ reference trains on the whole global batch with torch's own clipping.
 At the end every rank compares the weights of its stages with the reference's, and rank 0 prints
 the largest differences of loss, clipped norm and weights over all ranks, then ``OK`` (exit 0) or
 ``MISMATCH`` (exit 1). With ``--dp`` > 1 each data rank runs its slice of the global batch and
-the stages' gradients are averaged over ``dp`` (`Pipeline.data_parallel`).
+the stages' gradients are averaged over ``dp`` (`fastdist.train.DataParallel`).
 """
 
 from __future__ import annotations

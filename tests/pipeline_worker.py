@@ -210,7 +210,8 @@ def clip_and_adamw(mesh: fd.Mesh) -> dict[str, Any]:
 
 def data_parallel_on_8() -> dict[str, Any]:
     """8 ranks, pp2 x dp2 x tp2: each dp rank its own batch, gradients reduced over dp by
-    ``Pipeline.data_parallel``: the mean over the dp ranks of each one's whole-batch gradient;
+    ``fd.train.DataParallel(pipe, "dp")``: the mean over the dp ranks of each one's whole-batch
+    gradient;
     under 1f1b and under interleaved 1f1b with sequence parallelism; then a second step that
     accumulates (no ``zero_grad``)."""
     _setup()

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 import fastdist as fd
-from fastdist.testing import run_on_gloo
 from fastdist import checkpoint
+from fastdist.testing import run_on_gloo
 from tests.checkpoint_worker import make, model_state, optim_state, train
 
 pytest.importorskip("transformers")

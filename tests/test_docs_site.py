@@ -47,6 +47,7 @@ API_MODULES = (  # the modules whose ``__all__`` is the public API (docs/_ext/cr
     "fastdist.nn",
     "fastdist.nn.moe",
     "fastdist.nn.plans",
+    "fastdist.checkpoint",
     "fastdist.train",
     "fastdist.train.schedules",
     "fastdist.serving",

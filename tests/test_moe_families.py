@@ -395,9 +395,9 @@ def test_docs_table_rows_are_what_the_tests_check() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_loads_by_slices_with_fused_experts(family: str, tmp_path: Path) -> None:
-    """save_pretrained writes one tensor per expert (all but GPT-OSS); pm.load reads them under
-    the model's fused names (fused_experts), each rank its own experts' slices; a state dict of
-    per-expert tensors is not fused (strict: the missing fused tensors are named)."""
+    """save_pretrained writes one tensor per expert (all but GPT-OSS); fd.checkpoint.load reads
+    them under the model's fused names (fused_experts), each rank its own experts' slices; a state
+    dict of per-expert tensors is not fused (strict: the missing fused tensors are named)."""
     ref = build(family)
     ref.save_pretrained(tmp_path)
     mesh = fd.Mesh({"ep": 2, "tp": 2})

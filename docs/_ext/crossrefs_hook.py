@@ -22,6 +22,7 @@ MODULES = (
     "fastdist.nn",
     "fastdist.nn.moe",
     "fastdist.nn.plans",
+    "fastdist.checkpoint",
     "fastdist.train",
     "fastdist.train.schedules",
     "fastdist.serving",

@@ -14,6 +14,6 @@ ZeRO optimizer is recognised by its `optimizer.ShardedOptimizer` shape, a pipeli
 """
 
 from fastdist.checkpoint import hf
-from fastdist.checkpoint.api import Format, Staged, load, save
+from fastdist.checkpoint.api import Staged, load, save
 
-__all__ = ["save", "load", "Format", "Staged", "hf"]
+__all__ = ["save", "load", "Staged", "hf"]

@@ -172,9 +172,9 @@ def fused_experts(model: nn.Module, source: Any) -> Iterator[Mapping[str, Any]]:
     ``save_pretrained`` writes for Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3:
     ``...experts.0.gate_proj.weight``, ``...experts.0.up_proj.weight``, ...), seen with the
     model's fused 3-D names (``...experts.gate_up_proj`` (E, 2I, H), ``...experts.down_proj``),
-    for `fastdist.checkpoint.load`: each rank still reads only its own slices (its experts' rows of its tp
-    shard), as transformers' own conversion rules say (experts merged on dim 0, gate and up
-    concatenated on dim 1; renamings such as Mixtral's ``block_sparse_moe`` applied). Other
+    for `fastdist.checkpoint.load`: each rank still reads only its own slices (its experts' rows
+    of its tp shard), as transformers' own conversion rules say (experts merged on dim 0, gate
+    and up concatenated on dim 1; renamings such as Mixtral's ``block_sparse_moe`` applied). Other
     tensors pass through. ``model``: the (parallelized) model; ``source``: a ``save_pretrained``
     directory or ``.safetensors`` file.
 

@@ -36,8 +36,15 @@ class ShardedOptimizer(Protocol):
     """A ZeRO-1 optimizer: ``inner`` (the torch optimizer) steps flat shards, each the data
     rank's chunk of its parameters (this rank's blocks, side by side, padded) over ``axes``."""
 
-    inner: torch.optim.Optimizer
-    axes: tuple[str, ...]
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps the flat shards."""
+        ...
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The data axes the shards split over."""
+        ...
 
     @property
     def flat_groups(self) -> Sequence[tuple[Sequence[nn.Parameter], nn.Parameter]]:

@@ -90,13 +90,13 @@ class ParallelModel:
         self.plan: dict[str, Any] = {}
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
-        #: (module, parameter name, axis): parameters pvary'd inside their module's forward when
-        #: torch's engines (DDP, FSDP2) call the model (`fastdist.train.DataParallel`)
+        # (module, parameter name, axis): parameters pvary'd inside their module's forward when
+        # torch's engines (DDP, FSDP2) call the model (fastdist.train.DataParallel)
         self.pvary_sites = list(pvary_params)
-        #: the data-parallel engine attached (`fastdist.train.DataParallel`), or None
+        # the data-parallel engine attached (fastdist.train.DataParallel), or None
         self.engine: Any = None
-        #: torch's wrapper (DDP / FSDP2) that calls of this model go through on real ranks, set by
-        #: `fastdist.train.DataParallel(engine="ddp" | "fsdp")`; None: the model is called itself
+        # torch's wrapper (DDP / FSDP2) that calls of this model go through on real ranks, set by
+        # fastdist.train.DataParallel(engine="ddp" | "fsdp"); None: the model is called itself
         self.wrapped: nn.Module | None = None
         # the axes the plan splits over: inputs are replicated over them
         self._axes = tuple(dict.fromkeys(axes))

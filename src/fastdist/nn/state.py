@@ -363,7 +363,7 @@ def _check_agree(a: Tensor, b: Tensor, ra: int, rb: int, name: str, mesh: Mesh) 
             f"fastdist.nn.unstack({name}): ranks {ra} and {rb} of {mesh!r} hold the same block but "
             f"differ (max difference {diff:.3g}). Causes: (1) a per-rank clip or optimizer "
             "step: torch.nn.utils.clip_grad_norm_ gives every rank its own norm, so the ranks "
-            "scale by different factors (use fastdist.nn.clip_grad_norm_ / pm.clip_grad_norm_); "
+            "scale by different factors (use fastdist.nn.clip_grad_norm_); "
             "(2) a replicated parameter whose gradient got only a partial sum: it meets "
             "rank-varying data (a sequence shard, a head shard) without fastdist.pvary (in a "
             "parallelize plan: the PvaryParams style); (3) data-parallel replicas not reduced yet "

@@ -157,9 +157,9 @@ class DataParallel:
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise MeshError(f"{op}: bucket_mb={bucket_mb!r} must be a positive number of MiB")
         self.engine = engine
-        #: torch's DDP / FSDP2 module that calls of the model go through (torch's engines)
+        # torch's DDP / FSDP2 module that calls of the model go through (torch's engines)
         self.wrapped: nn.Module | None = None
-        #: one reducer per pipeline stage held here (a `fastdist.train.Pipeline`)
+        # one reducer per pipeline stage held here (a fastdist.train.Pipeline)
         self.parts: list[DataParallel] = []
         self._handles: list[Any] = []
         self._sync = True
@@ -220,7 +220,6 @@ class DataParallel:
         module._fastdist_data_parallel = self.axes  # type: ignore[assignment]
         if hasattr(model, "engine"):
             model.engine = self
-
 
     def _attach_stages(
         self,
