@@ -1,7 +1,7 @@
 """Models that never sit whole on one rank: the model's own initialisation, one module at a time.
 
 A model built under ``with torch.device("meta"):`` has shapes but no values. After
-`fastdist.nn.parallelize` each of its parameters is a meta shard; ``ParallelModel.load`` reads
+`fastdist.nn.parallelize` each of its parameters is a meta shard; ``fastdist.checkpoint.load`` reads
 values from a checkpoint, and ``ParallelModel.init_weights`` (here: `init_weights` for a
 single-device model) computes them with the model's own init:
 
@@ -231,7 +231,7 @@ def init_steps(original: Original) -> list[Step]:
             raise InitError(
                 f"{what} of {name or 'the model'!r} ({type(module).__name__}) cannot run on the "
                 f"meta device ({type(e).__name__}: {e}), so what it writes is unknown. Fix: "
-                "load the weights from a checkpoint instead (ParallelModel.load)"
+                "load the weights from a checkpoint instead (fastdist.checkpoint.load)"
             ) from e
         replaced = [
             n
@@ -323,7 +323,7 @@ def run_inits(
                 f"{step.what} of {step.name or 'the model'!r} uses the values {listed(before)} "
                 "had before any init wrote them (from when the model was built), which a model "
                 "on the meta device never had. Fix: load these from a checkpoint "
-                "(ParallelModel.load)"
+                "(fastdist.checkpoint.load)"
             )
         seen |= step.touched
     last = {n: i for i, step in enumerate(chosen) for n in step.touched}

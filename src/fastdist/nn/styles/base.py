@@ -59,7 +59,7 @@ class StyleContext:
         full = old.detach()
         if full.is_meta:
             # a model built on the meta device: a meta shard of the local shape, no values (the
-            # whole tensor is never made); ParallelModel.load / init_weights give it storage
+            # whole tensor is never made); fastdist.checkpoint.load / init_weights give it storage
             local = layout.local_shape(tuple(full.shape), self.mesh, where)
             stacked = self.mesh.backend is None
             data = torch.empty(
