@@ -193,7 +193,7 @@ def test_doc_distributed_blocks_parse_and_name_real_api() -> None:
 def test_the_api_check_of_distributed_blocks_can_fail() -> None:
     assert _unknown_names(
         [
-            "fd.connectt(tp=2)\nmesh.resett()\nfd.mq.node_info(m)",
+            "fd.connectt(tp=2)\nmesh.resett()\nfd.serving.node_info(m)",
             # a submodule the package does not import must be imported by the block
             "lib = fastdist.comm.native.fake.build('/tmp/x')",
             "from fastdist.comm.native import fake\nfake.build('/tmp/x')",
