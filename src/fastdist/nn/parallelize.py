@@ -129,6 +129,15 @@ class ParallelModel:
             return torch.func.functional_call(self.module, swapped, args, kwargs)
         return self.module(*args, **kwargs)
 
+    def forward_rank(
+        self, params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """One rank's forward with ``params`` (the model's parameter names -> tensors, e.g. fake
+        tensors of one rank's shard) and one rank's inputs (no rank dim), without a KV cache
+        (``use_cache=False`` where the model's ``forward`` takes it): what
+        `fastdist.profile.trace_model` traces."""
+        return self._run(params, args, {**self._no_cache, **kwargs})
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
         (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped

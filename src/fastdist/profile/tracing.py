@@ -509,7 +509,7 @@ def trace_model(
     params = {n: p[0] if model.simulated else p for n, p in model.module.named_parameters()}
 
     def step(params: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        out = model._run(params, args, {**model._no_cache, **kwargs})
+        out = model.forward_rank(params, args, kwargs)
         if backward:
             loss = out if isinstance(out, Tensor) else out.loss
             if loss is None:

@@ -8,7 +8,7 @@ what ``fastdist.nn.parallelize(model, mesh, plan=None | "auto" | name)`` uses.
 One file per concern:
 
 * ``family``: the `Family` record (where a family's modules are, its attention's layout, its
-  experts) and `build`, the one function that turns a record and a config into a plan;
+  experts) and `build_plan`, the one function that turns a record and a config into a plan;
 * ``dense`` and ``moe``: one row per family (Llama/Mistral/Qwen2, Qwen3, GPT-2, Gemma 1/2/3,
   Phi-3/4, GPT-NeoX, Falcon, StableLM, OLMo/OLMo-2; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
   DeepSeek-V2/V3, GPT-OSS);
@@ -21,7 +21,7 @@ The table of what is tested for each family is in ``docs/models.md``.
 """
 
 from fastdist.nn.plans.auto import AutoPlan, infer
-from fastdist.nn.plans.family import Family, Mlp, Plan, build
+from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
 from fastdist.nn.plans.registry import TABLE, lookup, plan, table
 
@@ -33,7 +33,7 @@ __all__ = [
     "Mlp",
     "Plan",
     "SequenceGather",
-    "build",
+    "build_plan",
     "infer",
     "lookup",
     "plan",

@@ -40,7 +40,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from fastdist.errors import ParallelizeError
-from fastdist.nn.plans.family import Family, Mlp, Plan, build
+from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 
 __all__ = ["AutoPlan", "auto_plan", "infer"]
 
@@ -450,7 +450,7 @@ def auto_plan(model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = F
     family, layouts = infer(model, sequence_parallel=sequence_parallel)
     config = getattr(model, "config", None)
     candidates = [
-        build(
+        build_plan(
             replace(family, qkv_layout=layout),  # type: ignore[arg-type]
             config,
             axis=axis,

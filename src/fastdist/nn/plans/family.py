@@ -1,5 +1,5 @@
 """A model family as data (`Family`, `Mlp`) and the one function that turns a family and a model's
-config into a plan (`build`).
+config into a plan (`build_plan`).
 
 A row names where the pieces of a decoder-only causal LM are (embedding, decoder layers, attention
 and its projections, MLPs, experts, norms, head) and how its attention is laid out (separate or
@@ -8,7 +8,7 @@ a named hook it references: ``variant`` (fields read off the config: Falcon's th
 refusal), ``attention_style`` (an attention `HeadParallelAttention` does not describe: DeepSeek's
 `fastdist.nn.plans.hooks.LatentAttention`) and ``moe_layers`` (which layers hold experts).
 
-The plan `build` returns (a plain dict, module-name pattern -> style): the embedding and the LM
+The plan `build_plan` returns (a plain dict, module-name pattern -> style): the embedding and the LM
 head vocabulary-parallel over ``axis``; the attention by heads over ``axis``; each MLP's up
 projections column-parallel and its down projection row-parallel over ``axis``; the experts over
 ``ep_axis`` (`fastdist.nn.moe.ExpertParallel`, each expert's features over ``axis`` too unless
@@ -32,7 +32,7 @@ from fastdist.nn.styles.heads import QkvLayout
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
 from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
 
-__all__ = ["Family", "Mlp", "Plan", "Seq", "build"]
+__all__ = ["Family", "Mlp", "Plan", "Seq", "build_plan"]
 
 Plan = dict[str, Any]
 Seq = Literal["replicated", "sequence"]
@@ -159,7 +159,7 @@ def _layer_patterns(layers: str, which: list[int], count: int) -> list[str]:
     return [f"{layers}.{i}" for i in which]
 
 
-def build(
+def build_plan(
     family: Family,
     config: Any,
     *,

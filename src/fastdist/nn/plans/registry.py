@@ -15,7 +15,7 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.auto import auto_plan
 from fastdist.nn.plans.dense import DENSE
-from fastdist.nn.plans.family import Family, Plan, build
+from fastdist.nn.plans.family import Family, Plan, build_plan
 from fastdist.nn.plans.moe import MOE
 
 __all__ = ["TABLE", "lookup", "plan", "table"]
@@ -121,7 +121,7 @@ def plan(
         axis = "ep"
     if mesh is not None:
         mesh.axis_indices(axis, "parallelize")
-    return build(
+    return build_plan(
         row,
         config,
         axis=axis,
