@@ -496,14 +496,25 @@ def _new_named_group(
     Only the members call it. ``torch.distributed.new_group`` takes no name and derives one
     from how many groups this process made, which differs between ranks that used the mesh in
     different orders; the helper below is what ``new_group`` calls with that name.
+
+    The group meets its peers through its own clone of the job's store (its own connection): a
+    store client serves one request at a time and holds its connection while it waits for a
+    key, so two threads creating groups of two meshes at once through the shared client would
+    block each other, and ranks whose threads got there in opposite orders deadlock until the
+    timeout.
     """
     default = c10d._get_default_group()
+    store = c10d._get_default_store()
+    try:
+        store = store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a custom store without clone
+        pass
     pg, _ = c10d._new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
         ranks,
         c10d.Backend(backend),
-        c10d._get_default_store(),
+        store,
         c10d.GroupName(name),
         timeout=timeout,
         device_id=default.bound_device_id,
