@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     from fastdist.core.mesh import AxisName
     from fastdist.core.primitive import GroupSpec
 
-__all__ = ["Transport", "Pending", "AxisComm", "Comm"]
+__all__ = ["GroupCollectives", "Transport", "Pending", "AxisComm", "Comm"]
 
 
-class Transport(Protocol):
-    """The collectives of one axis group on one device type (c10d, functional or ctypes)."""
+class GroupCollectives(Protocol):
+    """The collectives an axis group's :class:`Transport` and :class:`AxisComm` have alike."""
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min" | "prod"``) over members."""
@@ -51,6 +51,10 @@ class Transport(Protocol):
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
         """Every member gets member ``src``'s ``x``."""
         ...
+
+
+class Transport(GroupCollectives, Protocol):
+    """The collectives of one axis group on one device type (c10d, functional or ctypes)."""
 
     def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
         """Member ``i`` contributes ``x[:sizes[i]]``; all get them concatenated on dim 0."""
@@ -92,7 +96,7 @@ class Comm(MeshComm, Protocol):
         ...
 
 
-class AxisComm(Protocol):
+class AxisComm(GroupCollectives, Protocol):
     """This rank's group along one axis (or tuple of axes) on real ranks: ``spec.comm``.
 
     ``n`` members, ranks in axis order, this rank at ``index``; the collectives of
@@ -127,28 +131,6 @@ class AxisComm(Protocol):
     @property
     def label(self) -> Any:
         """The axis name (or tuple of names), for messages."""
-        ...
-
-    def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
-        """Elementwise ``reduce_op`` over members; same shape."""
-        ...
-
-    def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
-        """Every member's ``x`` concatenated along dim 0, in axis order."""
-        ...
-
-    def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
-        """Sum over members; member ``i`` keeps chunk ``i`` of dim 0."""
-        ...
-
-    def all_to_all_rows(
-        self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
-    ) -> Tensor:
-        """Rows ``in_splits[j]`` go to member ``j``; received rows stacked by sender."""
-        ...
-
-    def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
-        """Every member gets member ``src``'s ``x``."""
         ...
 
     def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int]) -> Tensor:

@@ -59,7 +59,7 @@ from fastdist.core.binding import RankBinding
 from fastdist.core.context import pop_simulation, push_simulation
 from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError, NoBackendError
-from fastdist.sim.sdpa import TORCH_SDPA, SdpaMode, sdpa
+from fastdist.sim.sdpa import SdpaMode
 
 __all__ = ["simulate"]
 
@@ -151,22 +151,12 @@ class _SimulationMode(SdpaMode):
         super().__init__()
         self.simulation = (meshes, world, outer, device)
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if func is TORCH_SDPA:
-            return sdpa(*args, **(kwargs or {}))
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is custom_function_call and not torch.compiler.is_compiling():
-            out = func(*args, **(kwargs or {}))  # args[0]: the user's autograd.Function class
+            out = func(*args, **kwargs)  # args[0]: the user's autograd.Function class
             _mark_function_node(out, _Resume(*self.simulation, getattr(args[0], "__name__", "?")))
             return out
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+        return super().call(func, args, kwargs)
 
 
 def _traced_code() -> list[Any]:
