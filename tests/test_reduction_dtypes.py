@@ -282,9 +282,7 @@ def gloo_reductions(lib: str | None) -> dict[Any, Any]:
     ``("refused", message)``."""
     meshes = {"gloo": fd.connect(tp=2, timeout=60)}
     if lib is not None:
-        meshes["nccl-ctypes"] = fd.connect(
-            tp=2, timeout=60, backend="nccl-ctypes", library=lib
-        )
+        meshes["nccl-ctypes"] = fd.connect(tp=2, timeout=60, backend="nccl-ctypes", library=lib)
     out: dict[Any, Any] = {}
     for backend, mesh in meshes.items():
         for op, (kind, fn) in OPS.items():
