@@ -30,7 +30,7 @@ from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import CollectiveError, TargetError
 from fastdist.ops import axis_index, pmax, psum
-from fastdist.ops.prelude import names_this_rank
+from fastdist.ops.prelude import check_mesh, names_this_rank
 
 __all__ = [
     "causal_lm_loss",
@@ -196,13 +196,7 @@ def _token_losses(
             f"{type(target).__name__}",
             "pass tensors",
         )
-    if not isinstance(mesh, Mesh):
-        raise CollectiveError(
-            op,
-            axis,
-            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
-            "pass the Mesh the code runs on",
-        )
+    check_mesh(op, mesh, axis)
     if logits.dim() == 0 or logits.shape[-1] == 0 or not logits.is_floating_point():
         raise CollectiveError(
             op,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 from fastdist.ops.prelude import (
     apply_primitive,
     check_index,
+    check_mesh,
     enter,
     names_this_rank,
     same_shape,
@@ -280,13 +281,7 @@ def axis_index(mesh: Mesh, axis: AxisName) -> Tensor:
     ...     torch.zeros(4, dtype=torch.long))
     tensor([0, 0, 1, 1])
     """
-    if not isinstance(mesh, Mesh):
-        raise CollectiveError(
-            "axis_index",
-            axis,
-            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
-            "pass the Mesh the code runs on",
-        )
+    check_mesh("axis_index", mesh, axis)
     idx = mesh.axis_indices(axis, "fastdist.axis_index")
     if is_real(mesh):
         index = torch.tensor(cast("Comm", mesh.comm).axis(idx).index)
@@ -319,11 +314,5 @@ def axis_size(mesh: Mesh, axis: AxisName) -> int:
     >>> fastdist.axis_size(fastdist.Mesh({"dp": 2, "tp": 4}), ("dp", "tp"))
     8
     """
-    if not isinstance(mesh, Mesh):
-        raise CollectiveError(
-            "axis_size",
-            axis,
-            f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
-            "pass the Mesh the code runs on",
-        )
+    check_mesh("axis_size", mesh, axis)
     return mesh.axis_size(axis)

@@ -32,6 +32,7 @@ __all__ = [
     "check_capacity",
     "local_rows",
     "names_this_rank",
+    "check_mesh",
     "enter",
     "plain_spec",
     "apply_primitive",
@@ -74,13 +75,9 @@ def names_this_rank(fn: _F) -> _F:
     return cast(_F, op)
 
 
-def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpec]:
-    """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group
-    spec."""
-    if not isinstance(x, Tensor):
-        raise CollectiveError(
-            op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor"
-        )
+def check_mesh(op: str, mesh: Any, axis: AxisName) -> None:
+    """Refuse a ``mesh`` that is not a :class:`~fastdist.core.mesh.Mesh` (``op`` the public name
+    of the caller, ``axis`` the axis the error names)."""
     if not isinstance(mesh, Mesh):
         raise CollectiveError(
             op,
@@ -88,6 +85,16 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
             f"mesh must be a fastdist.Mesh, got {type(mesh).__name__}",
             "pass the Mesh the code runs on",
         )
+
+
+def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpec]:
+    """Check ``x``/``mesh``/``axis`` and return ``x`` with the rank dimension, plus the group
+    spec."""
+    if not isinstance(x, Tensor):
+        raise CollectiveError(
+            op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor"
+        )
+    check_mesh(op, mesh, axis)
     binding = simulation_of(mesh)
     # real ranks (a simulation over the mesh takes precedence)
     comm = cast("Comm | None", mesh.comm)
@@ -197,6 +204,8 @@ def same_shape(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[A
 
 
 def check_index(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
+    """``value`` (the argument ``name``) if it is an index along ``axis`` of ``n`` ranks; else
+    raise naming ``op``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
         raise CollectiveError(
             op,
