@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError
-from fastdist.ops import axis_index
+from fastdist.ops import all_to_all_4d, axis_index
 
 __all__ = ["local_attention", "UlyssesAttention", "RingAttention", "USPAttention"]
 
@@ -406,18 +406,8 @@ class USPAttention(nn.Module):
         )
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention of this rank's block of queries over the whole sequence.
-
-        Args:
-            q: this rank's queries ``(batch, seq/P, Hq, head_dim)``.
-            k: this rank's keys ``(batch, seq/P, Hkv, head_dim)``.
-            v: this rank's values, like ``k``.
-
-        Returns:
-            this rank's block of the attention output, shaped like ``q``.
-        """
-        from fastdist.ops import all_to_all_4d
-
+        """Attention of this rank's block of queries over the whole sequence: the arguments and
+        result of :meth:`RingAttention.forward`."""
         _check_qkv("USPAttention", q, k, v, same_seq=True)
         n, H = self.mesh.axis_size(self.ulysses_axis), q.shape[2]
         # (B, n*m, heads/n, D)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
@@ -228,13 +228,9 @@ class Profile:
         Returns:
             a `Profile` with the matching records.
         """
-        bad = [k for k in where if k not in Record.__dataclass_fields__]
-        if bad:
-            raise ProfileError(
-                "Profile.filter",
-                f"Record has no field {bad[0]!r}",
-                f"filter by {', '.join(Record.__dataclass_fields__)}",
-            )
+        _check_fields(
+            "Profile.filter", where, f"filter by {', '.join(Record.__dataclass_fields__)}"
+        )
 
         def keep(r: Record) -> bool:
             return all(getattr(r, k) == v for k, v in where.items())
@@ -282,13 +278,7 @@ class Profile:
         Returns:
             one row per group: the fields, ``count``, ``size``, ``bus_bytes``.
         """
-        bad = [k for k in by if k not in Record.__dataclass_fields__]
-        if bad:
-            raise ProfileError(
-                "Profile.summary",
-                f"Record has no field {bad[0]!r}",
-                f"group by any of {', '.join(_KEYS)}",
-            )
+        _check_fields("Profile.summary", by, f"group by any of {', '.join(_KEYS)}")
         rows: dict[tuple[Any, ...], dict[str, Any]] = {}
         for r in self.records:
             key = tuple(getattr(r, k) for k in by)
@@ -331,3 +321,11 @@ class Profile:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _check_fields(op: str, names: Iterable[str], fix: str) -> None:
+    """Refuse any of ``names`` that is not a ``Record`` field (``op`` the caller, ``fix`` the
+    error's remedy)."""
+    bad = [k for k in names if k not in Record.__dataclass_fields__]
+    if bad:
+        raise ProfileError(op, f"Record has no field {bad[0]!r}", fix)

@@ -215,14 +215,12 @@ class ColwiseParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         weight, bias, transposed, wl, bl, size = self._layouts(module, name, ctx.mesh)
-        return ParallelLinear(
-            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),  # type: ignore[arg-type]
-            ctx.param(bias, bl, f"{name}.bias"),
-            ctx.mesh,
+        return _parallel_linear(
+            ctx,
+            name,
+            (weight, bias, transposed, wl, bl),
             self.axis,
             kind="col",
-            transposed=transposed,
-            layouts={"weight": wl, "bias": bl},
             input=self.input,
             gather_output=self.gather_output,
             size=size,
@@ -265,17 +263,36 @@ class RowwiseParallel(Style):
         )
         wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
         bl = Layout()
-        return ParallelLinear(
-            ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),  # type: ignore[arg-type]
-            ctx.param(bias, bl, f"{name}.bias"),
-            ctx.mesh,
+        return _parallel_linear(
+            ctx,
+            name,
+            (weight, bias, transposed, wl, bl),
             self.axis,
             kind="row",
-            transposed=transposed,
-            layouts={"weight": wl, "bias": bl},
             output=self.output,
             seq_dim=self.seq_dim,
         )
+
+
+def _parallel_linear(
+    ctx: StyleContext,
+    name: str,
+    parts: tuple[Any, Any, bool, Layout, Layout],
+    axis: str,
+    **opts: Any,
+) -> ParallelLinear:
+    """The ``ParallelLinear`` replacing the linear layer ``name``: ``parts`` its weight, bias,
+    whether the weight is stored transposed, and their layouts; ``opts`` the kind's options."""
+    weight, bias, transposed, wl, bl = parts
+    return ParallelLinear(
+        ctx.param(weight, wl, f"{name}.weight", linear_weight=not transposed),  # type: ignore[arg-type]
+        ctx.param(bias, bl, f"{name}.bias"),
+        ctx.mesh,
+        axis,
+        transposed=transposed,
+        layouts={"weight": wl, "bias": bl},
+        **opts,
+    )
 
 
 # ============================================================================ vocabulary
