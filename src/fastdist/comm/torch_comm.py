@@ -504,7 +504,7 @@ def _new_named_group(
     timeout.
     """
     default = c10d._get_default_group()
-    store = c10d._get_default_store()
+    store: Any = c10d._get_default_store()  # torch's stubs lack Store.clone
     try:
         store = store.clone()
     except (AttributeError, RuntimeError, NotImplementedError):  # a custom store without clone
