@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.test_hf_models import VOCAB, batch, build, rep  # noqa: E402
 from tests.test_moe import build_mixtral, lm_batch, reference, whole_logits  # noqa: E402
+from tests import tiny_models  # noqa: E402
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 
@@ -35,7 +36,7 @@ def test_gathered_logits_keep_fastdists_float64_loss(family: str, tp: int) -> No
     assert hf.dtype == torch.float32 and (hf.double() - want).abs() > 1e-12
     want.backward()
     mesh = fd.Mesh({"tp": tp})
-    plan = getattr(fd.nn.plans, family)(model, gather_logits=True)
+    plan = fd.nn.plans.plan(model, family=family, gather_logits=True)
     pm = fd.nn.parallelize(model, mesh, plan)
     out = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
     assert out.logits.shape == (tp, *logits.shape)  # every rank: the whole vocabulary
@@ -74,24 +75,15 @@ def test_a_profile_reads_as_the_tuple_of_its_records() -> None:
 
 
 def _qwen2_moe(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2MoeConfig(
-        vocab_size=61,
-        hidden_size=32,
+    """Qwen2-MoE with every layer sparse (no dense ``mlp_only_layers``), all MLPs 16 wide."""
+    return tiny_models.build(
+        "qwen2_moe",
+        seed=seed,
         intermediate_size=16,
         moe_intermediate_size=16,
         shared_expert_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        router_aux_loss_coef=0.05,
-        output_router_logits=True,
-        experts_implementation="eager",
+        mlp_only_layers=None,
     )
-    return transformers.Qwen2MoeForCausalLM(cfg).to(torch.float64).eval()
 
 
 def test_qwen2_moe_through_the_mixtral_plan_matches_one_device() -> None:
