@@ -32,10 +32,10 @@ MODULES = (
     "fastdist.testing",
 )
 # Plans are named after model families (`llama`, `qwen2_moe`), which the guides also name as
-# models: linked only when written with their module (`fd.nn.plans.llama`).
+# models: linked only when written with their module (`fd.nn.plans.plan`).
 PLANS = ("fastdist.nn.plans",)
 # Bare names that read as ordinary words or name other libraries' things too: linked only when
-# written with their module (`fd.nn.plans.llama`, `fastdist.checkpoint.save`).
+# written with their module (`fd.nn.plans.plan`, `fastdist.checkpoint.save`).
 NOT_BARE = {
     "P", "nn", "mq", "profile", "train", "plans", "moe", "load", "save", "plan", "trace", "record",
     "route", "dispatch", "combine", "send", "recv", "barrier", "broadcast", "axes", "meshes",
