@@ -27,7 +27,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fastdist.checkpoint.optimizer import apply_optimizer_state, plan_optimizer, save_optimizer
+from fastdist.checkpoint.optimizer import (
+    Saved,
+    apply_optimizer_state,
+    plan_optimizer,
+    save_optimizer,
+)
 from fastdist.checkpoint.planner import (
     FORMAT,
     HEADER,
@@ -234,7 +239,7 @@ def read(
     ]
     values = _read_values(source, values_wanted, tgt.where)
     restore = (
-        plan_optimizer(tgt, optimizer, stored, values, header, entries, strict)
+        plan_optimizer(tgt, optimizer, Saved(stored, values, header, strict), entries)
         if optimizer is not None
         else None
     )

@@ -10,7 +10,8 @@ chunks, so a plain optimizer loads them and the other way round.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -24,6 +25,7 @@ from fastdist.nn.state import Layout
 
 __all__ = [
     "ShardedOptimizer",
+    "Saved",
     "flat_boxes",
     "save_optimizer",
     "plan_optimizer",
@@ -50,6 +52,67 @@ class ShardedOptimizer(Protocol):
     def flat_groups(self) -> Sequence[tuple[Sequence[nn.Parameter], nn.Parameter]]:
         """(the parameters, their flat shard) of each flat group, in ``inner``'s order."""
         ...
+
+
+PlanResult = tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]
+"""(param groups, state by parameter index): what ``load_state_dict`` takes, once read."""
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a load knows of a checkpoint before reading its tensors: each key's storage
+    metadata, the values (non-tensors) read, the fastdist header, and whether state the
+    optimizer does not hold is an error."""
+
+    stored: Mapping[str, Any]
+    values: Mapping[str, Any]
+    header: Any
+    strict: bool
+
+    def n_groups(self) -> int:
+        """How many param groups the saved optimizer had (0: no optimizer state)."""
+        return len({k.split(".")[2] for k in self.values if k.startswith("optim.param_groups.")})
+
+    def check_kind(self, tgt: Target, kind: str, op: str, wrapped: str, fix: str) -> None:
+        """Raise unless the checkpoint holds the state of a ``kind`` optimizer (or says not)."""
+        saved_kind = self.header.get("optimizer") if isinstance(self.header, dict) else None
+        if saved_kind is not None and saved_kind != kind:
+            raise CheckpointError(
+                f"{op} on {tgt.where}: the checkpoint holds the state of a {saved_kind}, not of a "
+                f"{kind}{wrapped}. Fix: {fix}"
+            )
+
+    def group(
+        self, tgt: Target, i: int, names: list[str], holder: str, fix: str, op: str
+    ) -> dict[str, Any]:
+        """Param group ``i``'s hyperparameters (``params``: the saved names); raises unless it
+        holds the parameters ``names``."""
+        saved = list(self.values.get(f"optim.param_groups.{i}.params", []))
+        if sorted(saved) != sorted(names):
+            raise CheckpointError(
+                f"{op} on {tgt.where}: param group {i} holds other parameters in the checkpoint "
+                f"than in this {holder} (they differ in {few(sorted(set(saved) ^ set(names)))}"
+                f"). Fix: {fix}"
+            )
+        prefix = f"optim.param_groups.{i}."
+        return {k[len(prefix) :]: v for k, v in self.values.items() if k.startswith(prefix)}
+
+    def state_keys(
+        self, tgt: Target, known: Container[str], holder: str, fix: str, op: str
+    ) -> Iterator[tuple[str, str, str]]:
+        """(key, parameter name, state name) of each saved state of a parameter in ``known``;
+        one of another parameter raises when strict."""
+        for key in self.stored:
+            if not key.startswith("optim.state."):
+                continue
+            name, _, sub = key[len("optim.state.") :].rpartition(".")
+            if name in known:
+                yield key, name, sub
+            elif self.strict:
+                raise CheckpointError(
+                    f"{op} on {tgt.where}: the checkpoint holds optimizer state {key!r} for a "
+                    f"parameter this {holder} does not hold. Fix: {fix}, or pass strict=False"
+                )
 
 
 def param_names(tgt: Target, optimizer: torch.optim.Optimizer, op: str) -> list[list[str]]:
@@ -89,30 +152,20 @@ def state_layout(
 
 
 def optimizer_plan(
-    tgt: Target,
-    optimizer: torch.optim.Optimizer,
-    stored: Mapping[str, Any],
-    values: Mapping[str, Any],
-    header: Any,
-    entries: dict[str, Entry],
-    strict: bool,
-) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    tgt: Target, optimizer: torch.optim.Optimizer, saved: Saved, entries: dict[str, Entry]
+) -> PlanResult:
     """Check the optimizer against the checkpoint; add its state's entries (new tensors) to
     ``entries``; return the param groups and the state to hand ``optimizer.load_state_dict``."""
     op = "fastdist.checkpoint.load"
-    kind = optimizer_kind(optimizer)
-    saved_kind = header.get("optimizer") if isinstance(header, dict) else None
-    n_groups = len({k.split(".")[2] for k in values if k.startswith("optim.param_groups.")})
+    n_groups = saved.n_groups()
     if n_groups == 0:
         raise CheckpointError(
             f"{op} on {tgt.where}: the checkpoint holds no optimizer state. Fix: load it without "
             "optimizer= (or save with optimizer=)"
         )
-    if saved_kind is not None and saved_kind != kind:
-        raise CheckpointError(
-            f"{op} on {tgt.where}: the checkpoint holds the state of a {saved_kind}, not of a "
-            f"{kind}. Fix: build the optimizer it was saved with"
-        )
+    saved.check_kind(
+        tgt, optimizer_kind(optimizer), op, "", "build the optimizer it was saved with"
+    )
     names = param_names(tgt, optimizer, op)
     if n_groups != len(names):
         raise CheckpointError(
@@ -121,36 +174,18 @@ def optimizer_plan(
             "param groups"
         )
     index = {n: i for i, n in enumerate(n for group in names for n in group)}
-    groups = []
-    for i, group in enumerate(names):
-        saved = list(values.get(f"optim.param_groups.{i}.params", []))
-        if sorted(saved) != sorted(group):
-            diff = sorted(set(saved) ^ set(group))
-            raise CheckpointError(
-                f"{op} on {tgt.where}: param group {i} holds other parameters in the checkpoint "
-                f"than in this optimizer (they differ in {few(diff)}). Fix: build the optimizer "
-                "with the same param groups"
-            )
-        prefix = f"optim.param_groups.{i}."
-        hps = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
-        groups.append({**hps, "params": [index[n] for n in group]})
+    fix = "build the optimizer with the same param groups"
+    groups = [
+        {**saved.group(tgt, i, group, "optimizer", fix, op), "params": [index[n] for n in group]}
+        for i, group in enumerate(names)
+    ]
     params = dict(tgt.module.named_parameters())
     state: dict[int, dict[str, Any]] = {}
-    for key in stored:
-        if not key.startswith("optim.state."):
-            continue
-        name, _, sub = key[len("optim.state.") :].rpartition(".")
-        if name not in index:
-            if strict:
-                raise CheckpointError(
-                    f"{op} on {tgt.where}: the checkpoint holds optimizer state {key!r} for a "
-                    "parameter this optimizer does not hold. Fix: load the checkpoint of the "
-                    "same model and optimizer, or pass strict=False"
-                )
-            continue
-        md, p = stored[key], params[name]
+    fix = "load the checkpoint of the same model and optimizer"
+    for key, name, sub in saved.state_keys(tgt, index, "optimizer", fix, op):
+        md, p = saved.stored[key], params[name]
         if isinstance(md, BytesStorageMetadata):
-            state.setdefault(index[name], {})[sub] = values[key]
+            state.setdefault(index[name], {})[sub] = saved.values[key]
             continue
         full = entries[f"model.{name}"].shape if f"model.{name}" in entries else None
         if tuple(md.size) == full:
@@ -281,29 +316,18 @@ def zero_save(
                     )
 
 
-def zero_plan(
-    tgt: Target,
-    z: Any,
-    stored: Mapping[str, Any],
-    values: Mapping[str, Any],
-    header: Any,
-    entries: dict[str, Entry],
-    strict: bool,
-) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+def zero_plan(tgt: Target, z: Any, saved: Saved, entries: dict[str, Entry]) -> PlanResult:
     """Check a ZeroOptimizer against the checkpoint (a plain or a ZeRO optimizer's); add the
     entries that fill new flat state tensors; return what ``z.inner.load_state_dict`` takes."""
     op = "fastdist.checkpoint.load"
     shards = zero_groups(tgt, z, op)
-    kind = optimizer_kind(z.inner)
-    saved_kind = header.get("optimizer") if isinstance(header, dict) else None
-    if saved_kind is not None and saved_kind != kind:
-        raise CheckpointError(
-            f"{op} on {tgt.where}: the checkpoint holds the state of a {saved_kind}, not of a "
-            f"{kind} (wrapped by this ZeroOptimizer). Fix: wrap the optimizer it was saved with"
-        )
+    wrapped = " (wrapped by this ZeroOptimizer)"
+    saved.check_kind(
+        tgt, optimizer_kind(z.inner), op, wrapped, "wrap the optimizer it was saved with"
+    )
     by_shard = {id(shard): [n for n, _, _ in params] for shard, params in shards}
     index = {id(shard): i for i, (shard, _) in enumerate(shards)}
-    n_groups = len({k.split(".")[2] for k in values if k.startswith("optim.param_groups.")})
+    n_groups = saved.n_groups()
     if n_groups != len(z.inner.param_groups):
         raise CheckpointError(
             f"{op} on {tgt.where}: the checkpoint's optimizer has {n_groups} param groups, this "
@@ -311,31 +335,17 @@ def zero_plan(
             "a checkpoint of an optimizer over all the model's parameters in one group"
             + (" (it holds no optimizer state: load without optimizer=)" if not n_groups else "")
         )
+    fix = "load the checkpoint of an optimizer over the same parameters"
     groups = []
     for i, group in enumerate(z.inner.param_groups):
         mine = [n for s in group["params"] for n in by_shard[id(s)]]
-        saved = list(values.get(f"optim.param_groups.{i}.params", []))
-        if sorted(saved) != sorted(mine):
-            raise CheckpointError(
-                f"{op} on {tgt.where}: param group {i} holds other parameters in the checkpoint "
-                f"than in this ZeroOptimizer (they differ in {few(sorted(set(saved) ^ set(mine)))}"
-                "). Fix: load the checkpoint of an optimizer over the same parameters"
-            )
-        prefix = f"optim.param_groups.{i}."
-        hps = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+        hps = saved.group(tgt, i, mine, "ZeroOptimizer", fix, op)
         groups.append({**hps, "params": [index[id(s)] for s in group["params"]]})
     known = {n for names in by_shard.values() for n in names}
     subs: dict[str, set[str]] = {}
-    for key in stored:
-        if key.startswith("optim.state."):
-            name, _, sub = key[len("optim.state.") :].rpartition(".")
-            if name not in known and strict:
-                raise CheckpointError(
-                    f"{op} on {tgt.where}: the checkpoint holds optimizer state {key!r} for a "
-                    "parameter this ZeroOptimizer does not hold. Fix: load the checkpoint of the "
-                    "same model, or pass strict=False"
-                )
-            subs.setdefault(name, set()).add(sub)
+    fix = "load the checkpoint of the same model"
+    for _, name, sub in saved.state_keys(tgt, known, "ZeroOptimizer", fix, op):
+        subs.setdefault(name, set()).add(sub)
     state: dict[int, dict[str, Any]] = {}
     for shard, params in shards:
         have = [subs.get(n, set()) for n, _, _ in params]
@@ -349,9 +359,9 @@ def zero_plan(
         st: dict[str, Any] = {}
         for sub in sorted(have[0]):
             first = f"optim.state.{params[0][0]}.{sub}"
-            md = stored[first]
+            md = saved.stored[first]
             if isinstance(md, BytesStorageMetadata):
-                st[sub] = values[first]
+                st[sub] = saved.values[first]
             elif len(md.size) == 0:
                 st[sub] = torch.zeros((), dtype=md.properties.dtype)
                 entries[first] = entry(first, st[sub], Layout(), tgt, False)
@@ -361,11 +371,12 @@ def zero_plan(
                     key = f"optim.state.{name}.{sub}"
                     layout = tgt.layouts.get(name, Layout())
                     entries[key] = zero_entry(key, st[sub], p, offset, layout, tgt, z)
-                    if tuple(stored[key].size) != entries[key].shape:
+                    size = tuple(saved.stored[key].size)
+                    if size != entries[key].shape:
                         raise CheckpointError(
-                            f"{op} on {tgt.where}: optimizer state {key!r} has shape "
-                            f"{tuple(stored[key].size)} in the checkpoint, not its parameter's "
-                            f"{entries[key].shape}. Fix: load the checkpoint of the same model"
+                            f"{op} on {tgt.where}: optimizer state {key!r} has shape {size} in "
+                            f"the checkpoint, not its parameter's {entries[key].shape}. Fix: "
+                            "load the checkpoint of the same model"
                         )
         if st:
             state[index[id(shard)]] = st
@@ -403,19 +414,12 @@ def save_optimizer(
 
 
 def plan_optimizer(
-    tgt: Target,
-    optimizer: torch.optim.Optimizer,
-    stored: Mapping[str, Any],
-    values: Mapping[str, Any],
-    header: Any,
-    entries: dict[str, Entry],
-    strict: bool,
-) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    tgt: Target, optimizer: torch.optim.Optimizer, saved: Saved, entries: dict[str, Entry]
+) -> PlanResult:
     """Check ``optimizer`` against the checkpoint and add the entries its state is read into;
     returns (param groups, state) for `apply_optimizer_state` once they are read."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return zero_plan(tgt, optimizer, stored, values, header, entries, strict)
-    return optimizer_plan(tgt, optimizer, stored, values, header, entries, strict)
+    plan = zero_plan if isinstance(optimizer, ShardedOptimizer) else optimizer_plan
+    return plan(tgt, optimizer, saved, entries)
 
 
 def apply_optimizer_state(
