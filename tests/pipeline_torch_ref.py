@@ -7,7 +7,8 @@ schedules on gloo processes.
 
 Public helpers:
 
-* `llama_config(**overrides)`: a small ``LlamaConfig`` (float64-safe, untied embeddings).
+* `llama_config(**overrides)`: a small ``LlamaConfig`` (float64-safe, untied embeddings; from
+  tests/tiny_models.py).
 * `make_batch(config, batch, seq, seed)`: the ``(ids, labels)`` every side uses.
 * `reference(config, ids, labels, seed)`: one device, float64: loss and every gradient by the
   model's own parameter names.
@@ -73,6 +74,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastdist.errors import PipelineError
+from tests.tiny_models import llama_config
 
 #: schedule name -> (torch class name, stages per rank it needs: None = any >= 1)
 SCHEDULES: dict[str, tuple[str, int | None]] = {
@@ -80,27 +82,6 @@ SCHEDULES: dict[str, tuple[str, int | None]] = {
     "1f1b": ("Schedule1F1B", 1),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", None),
 }
-
-
-def llama_config(**overrides: Any) -> Any:
-    """A small ``LlamaConfig`` that runs in float64 on CPU: 4 layers, hidden 32, GQA (4 query
-    heads, 2 key-value heads), vocabulary 128, eager attention, untied embeddings (the LM head
-    lives on the last stage, the embedding on the first). ``overrides`` replace any field."""
-    from transformers import LlamaConfig
-
-    kw: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    kw.update(overrides)
-    return LlamaConfig(**kw)
 
 
 def build_model(config: Any, seed: int) -> Any:

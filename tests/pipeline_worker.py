@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed import distributed_c10d as c10d
 
 import fastdist as fd
+from tests.tiny_models import tiny_llama
 
 F64 = torch.float64
 VOCAB, BATCH, SEQ = 64, 4, 8
@@ -33,26 +34,6 @@ TIMEOUT = 10.0  # the fault tests' mesh timeout (seconds)
 
 
 # ============================================================================ the reference
-def tiny_llama(layers: int = 4, seed: int = 0) -> nn.Module:
-    """A float64 Llama small enough for 8 processes on 2 cores: hidden 16, GQA (4 query heads, 2
-    key-value heads), vocabulary 64, untied embeddings (the LM head lives on the last stage)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(F64).train()
-
-
 def batch(seed: int) -> tuple[Tensor, Tensor]:
     """``(ids, labels)`` ``[BATCH, SEQ]``; some labels are -100, unevenly over the rows, so the
     micro-batches predict different numbers of tokens (the whole batch's mean must still come

@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fastdist as fd
+from tests import tiny_models
+from tests.tiny_models import VOCAB
 
 transformers = pytest.importorskip("transformers")
 
 F64 = torch.float64
-VOCAB = 61  # prime: padded to a multiple of every tp size
 ROOT = Path(__file__).resolve().parent.parent
 
 #: model_type -> the family's name in the docs
@@ -50,113 +51,10 @@ NAMES = {
 }
 
 
-def _common(kv: int) -> dict[str, Any]:
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv,
-        max_position_embeddings=64,
-    )
-
-
-def _falcon(variant: str, kv: int) -> Any:
-    layout = {
-        # Falcon-40B/180B: grouped q|k|v, two layer norms, parallel attention
-        "new": dict(new_decoder_architecture=True, num_kv_heads=kv),
-        # Falcon-7B: multi-query ([q heads | k | v]), parallel attention
-        "mqa": dict(new_decoder_architecture=False, multi_query=True),
-        # the original layout: per-head q|k|v, sequential attention then MLP
-        "per_head": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False),
-    }[variant]
-    cfg = transformers.FalconConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        alibi=False,
-        bias=variant == "per_head",
-        **layout,
-    )
-    return transformers.FalconForCausalLM(cfg)
-
-
-def _model(family: str, kv: int) -> Any:
-    c = _common(kv)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**c, attention_bias=True))
-    if family == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**c, sliding_window=5))
-    if family == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**c))
-    if family == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**c, head_dim=8))
-    if family == "gemma":
-        return transformers.GemmaForCausalLM(transformers.GemmaConfig(**c, head_dim=8))
-    # Gemma 2/3: soft-capped logits and attention, query_pre_attn_scalar != head_dim, sliding
-    # windows (4) shorter than the batch's sequence (8) on alternate layers
-    gemma23 = dict(
-        head_dim=8,
-        query_pre_attn_scalar=16,
-        sliding_window=4,
-        final_logit_softcapping=3.0,
-        attn_logit_softcapping=2.0,
-    )
-    if family == "gemma2":
-        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**c, **gemma23))
-    if family == "gemma3_text":
-        cfg = transformers.Gemma3TextConfig(
-            **c, **gemma23, layer_types=["sliding_attention", "full_attention"]
-        )
-        return transformers.Gemma3ForCausalLM(cfg)
-    if family == "phi3":
-        return transformers.Phi3ForCausalLM(
-            transformers.Phi3Config(**c, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-        )
-    if family == "gpt_neox":
-        c.pop("num_key_value_heads")
-        cfg = transformers.GPTNeoXConfig(
-            **c, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
-        )
-        return transformers.GPTNeoXForCausalLM(cfg)
-    if family == "gpt2":
-        cfg = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        return transformers.GPT2LMHeadModel(cfg)
-    if family.startswith("falcon"):
-        return _falcon(family.partition(":")[2] or "new", kv)
-    if family == "stablelm":
-        # per-head q/k LayerNorms, a quarter of each head rotated, q/k/v bias
-        return transformers.StableLmForCausalLM(
-            transformers.StableLmConfig(**c, qk_layernorm=True, eos_token_id=1, bos_token_id=2)
-        )
-    if family == "olmo":
-        return transformers.OlmoForCausalLM(
-            transformers.OlmoConfig(**c, clip_qkv=0.5, pad_token_id=0, eos_token_id=1)
-        )
-    if family == "olmo2":
-        return transformers.Olmo2ForCausalLM(
-            transformers.Olmo2Config(**c, pad_token_id=0, eos_token_id=1)
-        )
-    raise AssertionError(family)
-
-
 def build(family: str, *, kv: int = 2, seed: int = 0) -> Any:
     """A small single-device model of ``family`` (a model_type; ``falcon:new``, ``falcon:mqa``,
     ``falcon:per_head`` pick Falcon's attention layout) in float64, eval mode."""
-    torch.manual_seed(seed)
-    return _model(family, kv).to(F64).eval()
+    return tiny_models.build(family, kv=kv, seed=seed)
 
 
 def batch(seed: int = 1, B: int = 2, S: int = 8) -> tuple[Tensor, Tensor]:
@@ -359,7 +257,7 @@ def test_family_built_on_the_meta_device_loads_save_pretrained(tmp_path: Path, f
     ref = build(family)
     ref.save_pretrained(tmp_path)
     with torch.device("meta"):
-        model = _model(family, 2)
+        model = tiny_models.instantiate(family)
     mesh = fd.Mesh({"tp": 2})
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
     fd.checkpoint.load(tmp_path, pm, dtype=F64)
@@ -406,7 +304,7 @@ def _features() -> dict[str, dict[str, str]]:
 
 def _ties_by_default(family: str) -> bool:
     with torch.device("meta"):
-        return _embeddings_tied(_model(family, 2))
+        return _embeddings_tied(tiny_models.instantiate(family))
 
 
 TABLE = _features()
@@ -504,11 +402,7 @@ def test_stablelm_heads_are_set_per_rank_and_per_head_norm_lists_are_named() -> 
     attn = _attention(model)
     assert (attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups) == (2, 1, 2)
     # without per-head norms the Llama plan fits StableLM (a raw reshape error before)
-    torch.manual_seed(0)
-    cfg = transformers.StableLmConfig(
-        **_common(2), qk_layernorm=False, eos_token_id=1, bos_token_id=2
-    )
-    ref = transformers.StableLmForCausalLM(cfg).to(F64).eval()
+    ref = tiny_models.build("stablelm", qk_layernorm=False)
     plain = copy.deepcopy(ref)
     pm = fd.nn.parallelize(
         plain, mesh, fd.nn.plans.plan(plain, family="llama", sequence_parallel=True)

@@ -15,9 +15,9 @@ from fastdist.profile import Profile, Record
 
 transformers = pytest.importorskip("transformers")
 
+from tests import tiny_models  # noqa: E402
 from tests.test_hf_models import VOCAB, batch, build, rep  # noqa: E402
 from tests.test_moe import build_mixtral, lm_batch, reference, whole_logits  # noqa: E402
-from tests import tiny_models  # noqa: E402
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 

@@ -17,53 +17,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fastdist as fd
+from tests import tiny_models
+from tests.tiny_models import VOCAB
 
 transformers = pytest.importorskip("transformers")
 
 F64 = torch.float64
-VOCAB = 61  # prime: padded to a multiple of every tp size
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 
 
 def build(family: str, *, kv: int = 2, layers: int = 2, seed: int = 0) -> Any:
     """A small single-device model of ``family`` in float64, eval mode (no dropout)."""
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=kv,
-        max_position_embeddings=64,
-    )
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(**common, attention_bias=True)
-        )
-    elif family == "mistral":
-        model = transformers.MistralForCausalLM(
-            transformers.MistralConfig(**common, sliding_window=5)
-        )
-    elif family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    elif family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8))
-    elif family == "gpt2":
-        cfg = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=layers,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:
-        raise AssertionError(family)
-    return model.to(F64).eval()
+    return tiny_models.build(family, kv=kv, layers=layers, seed=seed)
 
 
 def batch(seed: int = 1, B: int = 2, S: int = 8) -> tuple[Tensor, Tensor]:

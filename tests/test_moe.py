@@ -17,6 +17,7 @@ from torch import Tensor
 import fastdist as fd
 from fastdist.nn import moe as M
 from fastdist.nn.moe import routing
+from tests import tiny_models
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -493,22 +494,10 @@ VOCAB = 61
 
 
 def build_mixtral(seed: int = 0, experts: int = 4, layers: int = 2) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        router_aux_loss_coef=0.05,
-        output_router_logits=True,
-        experts_implementation="eager",
-    )  # grouped_mm (the default) has no float64
-    return transformers.MixtralForCausalLM(cfg).to(F64).eval()
+    """A Mixtral with ``experts`` experts (intermediate 16), float64, eval mode."""
+    return tiny_models.build(
+        "mixtral", seed=seed, layers=layers, intermediate_size=16, num_local_experts=experts
+    )
 
 
 def lm_batch(seed: int = 1, B: int = 2, S: int = 7) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fastdist as fd
+from tests import tiny_models
 from tests.test_hf_models import VOCAB, batch, full_logits, rep
 
 transformers = pytest.importorskip("transformers")
@@ -41,103 +42,9 @@ NAMES = {
 
 
 def build(family: str, seed: int = 0) -> Any:
-    """A small single-device model of ``family`` in float64, eval mode, eager experts."""
-    torch.manual_seed(seed)
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_experts_per_tok=2,
-        experts_implementation="eager",  # grouped_mm (the default) has no float64
-    )
-    router = dict(output_router_logits=True, router_aux_loss_coef=0.05)
-    if family == "mixtral":
-        cfg = transformers.MixtralConfig(
-            **common, **router, num_key_value_heads=2, intermediate_size=8, num_local_experts=4
-        )
-        model = transformers.MixtralForCausalLM(cfg)
-    elif family == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(
-            **common,
-            **router,
-            num_key_value_heads=2,
-            intermediate_size=24,
-            moe_intermediate_size=8,
-            shared_expert_intermediate_size=16,
-            num_experts=4,
-            mlp_only_layers=[0],  # layer 0 dense, layer 1 sparse
-        )
-        model = transformers.Qwen2MoeForCausalLM(cfg)
-    elif family == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(
-            **common,
-            **router,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=24,
-            moe_intermediate_size=8,
-            num_experts=4,
-            norm_topk_prob=True,
-        )
-        model = transformers.Qwen3MoeForCausalLM(cfg)
-    elif family == "olmoe":
-        cfg = transformers.OlmoeConfig(
-            **common, **router, num_key_value_heads=2, intermediate_size=8, num_experts=4
-        )
-        model = transformers.OlmoeForCausalLM(cfg)
-    elif family in ("deepseek_v2", "deepseek_v3"):
-        mla = dict(
-            num_key_value_heads=4,
-            intermediate_size=24,
-            moe_intermediate_size=8,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            kv_lora_rank=12,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=6,
-            v_head_dim=8,
-            n_group=2,
-            topk_group=1,
-        )
-        if family == "deepseek_v2":
-            # no q LoRA (q_proj by heads), every layer sparse, group-limited softmax routing
-            cfg = transformers.DeepseekV2Config(
-                **common,
-                **mla,
-                q_lora_rank=None,
-                first_k_dense_replace=0,
-                topk_method="group_limited_greedy",
-            )
-            model = transformers.DeepseekV2ForCausalLM(cfg)
-        else:
-            cfg = transformers.DeepseekV3Config(
-                **common, **mla, q_lora_rank=16, first_k_dense_replace=1, rope_interleave=True
-            )
-            model = transformers.DeepseekV3ForCausalLM(cfg)
-            for layer in model.model.layers[1:]:  # the correction bias (a buffer) takes part
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)
-    elif family == "gpt_oss":
-        cfg = transformers.GptOssConfig(
-            **common,
-            **router,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=8,
-            num_local_experts=4,
-            sliding_window=3,  # layer 0 sliding, layer 1 full
-            attn_implementation="eager",  # attention sinks
-        )
-        model = transformers.GptOssForCausalLM(cfg)
-    else:
-        raise AssertionError(family)
-    model = model.to(F64).eval()
-    with torch.no_grad():  # some inits leave zeros (routers, biases, sinks): random values
-        for name, p in model.named_parameters():
-            if not p.is_meta and (p.abs().max() == 0 or "sinks" in name):
-                p.normal_(0, 0.3)
-    return model
+    """A small single-device model of ``family`` in float64, eval mode, eager experts; the
+    parameters some inits leave zero (routers, biases, sinks) drawn at random."""
+    return tiny_models.build(family, seed=seed, fill_zeros=True)
 
 
 @contextlib.contextmanager

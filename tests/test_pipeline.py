@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist import PipelineError
+from tests import tiny_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,14 +39,14 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 
 # ============================================================================ models and data
 def llama_config(layers: int = 4, **kw: Any) -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
+    """The tiny Llama's config at hidden 16 (intermediate 32), vocabulary 64, no q/k/v bias."""
+    return tiny_models.config(
+        "llama",
+        vocab=VOCAB,
+        layers=layers,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        attention_bias=False,
         **kw,
     )
 
@@ -318,77 +319,28 @@ def test_clip_grad_norm_equals_torch_on_one_device(
 
 
 # ============================================================================ families
+#: family -> its overrides of the tiny_models row here (untied unless ``tie``)
+_FAMILY = {
+    "llama": dict(attention_bias=False),
+    "qwen3": {},
+    "gemma": {},
+    "gpt2": {},
+    "gpt_neox": {},
+    "falcon": {},
+    "mixtral": dict(output_router_logits=False, router_aux_loss_coef=0.001),
+}
+
+
 def family_model(family: str, *, tie: bool = False, layers: int = 2, seed: int = 0) -> Any:
     """A tiny float64 model of ``family`` (eval mode); ``tie``: the family's default tied
-    embeddings (gemma, gpt2, falcon), else untied."""
-    torch.manual_seed(seed)
-    t = transformers
-    untie = {} if tie else {"tie_word_embeddings": False}
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    embeddings (gemma, gpt2, falcon), else untied. Zero-initialised weights (routers, biases):
+    random values."""
+    untie = (
+        {} if tie or family not in ("gemma", "gpt2", "falcon") else {"tie_word_embeddings": False}
     )
-    if family == "llama":
-        model = t.LlamaForCausalLM(t.LlamaConfig(**common))
-    elif family == "qwen3":
-        model = t.Qwen3ForCausalLM(t.Qwen3Config(**common, head_dim=8))
-    elif family == "gemma":
-        model = t.GemmaForCausalLM(t.GemmaConfig(**common, head_dim=8, **untie))
-    elif family == "gpt2":
-        cfg = t.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=layers,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            **untie,
-        )
-        model = t.GPT2LMHeadModel(cfg)
-    elif family == "gpt_neox":
-        common.pop("num_key_value_heads")
-        cfg = t.GPTNeoXConfig(
-            **common, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
-        )
-        model = t.GPTNeoXForCausalLM(cfg)
-    elif family == "falcon":
-        cfg = t.FalconConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_kv_heads=2,
-            new_decoder_architecture=True,
-            max_position_embeddings=64,
-            alibi=False,
-            bias=False,
-            **untie,
-        )
-        model = t.FalconForCausalLM(cfg)
-    elif family == "mixtral":
-        cfg = t.MixtralConfig(
-            **{**common, "intermediate_size": 8},
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=False,
-            experts_implementation="eager",  # grouped_mm has no float64
-        )
-        model = t.MixtralForCausalLM(cfg)
-    else:
-        raise AssertionError(family)
-    model = model.to(F64).eval()
-    with torch.no_grad():  # zero-initialised weights (routers, biases): random values
-        for p in model.parameters():
-            if p.abs().max() == 0:
-                p.normal_(0, 0.3)
-    return model
+    return tiny_models.build(
+        family, vocab=VOCAB, layers=layers, seed=seed, fill_zeros=True, **_FAMILY[family], **untie
+    )
 
 
 #: family -> (schedule, tolerance). Exact to float64 rounding (measured <= 2e-16 on the loss and

@@ -17,12 +17,14 @@ import torch
 import fastdist as fd
 from fastdist.testing import run_on_gloo
 from tests import pipeline_worker as W
+from tests import tiny_models
 
 TOL = 1e-9
 
 
 def _stage_of(name: str, layers: int, stages: int) -> int:
-    """The stage that holds parameter ``name`` of `W.tiny_llama` split evenly into ``stages``."""
+    """The stage that holds parameter ``name`` of `tiny_models.tiny_llama` split evenly into
+    ``stages``."""
     if name.startswith("model.embed_tokens."):
         return 0
     if name.startswith(("model.norm.", "lm_head.")):
@@ -114,7 +116,7 @@ def test_meta_model_loads_each_stage_and_rank_slices_on_gloo(tmp_path: Any) -> N
     its stage's tp slices from save_pretrained output (it holds well under half the model's
     parameters: its stage's half, split over tp, plus replicated norms and the kv heads), and
     the step equals one device."""
-    W.tiny_llama(4, seed=3).save_pretrained(tmp_path)
+    tiny_models.tiny_llama(4, seed=3).save_pretrained(tmp_path)
     per_rank = run_on_gloo(W.meta_load_on_4, 4, str(tmp_path), timeout=300)
     for g, r in enumerate(per_rank):
         assert r["was_meta"], g

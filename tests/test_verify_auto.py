@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import re
-import warnings
 from typing import Any
 
 import pytest
@@ -18,105 +16,18 @@ import torch
 from torch import Tensor, nn
 
 import fastdist as fd
+from tests import tiny_models
+from tests.tiny_models import VOCAB as V
 
 T = pytest.importorskip("transformers")
 
 F64 = torch.float64
-V = 61  # prime: the vocabulary is padded on every tp size
 TOL = {"rtol": 1e-10, "atol": 1e-10}
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MOE = dict(num_experts_per_tok=2, experts_implementation="eager")  # grouped_mm: no float64
 
 
 def build(family: str) -> Any:
     """A tiny float64 model of ``family`` in eval mode."""
-    torch.manual_seed(0)
-    c: dict[str, Any] = dict(COMMON)
-    small = dict(vocab_size=V, num_hidden_layers=2, num_attention_heads=4)
-    makers = {
-        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**c, attention_bias=True)),
-        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**c, sliding_window=5)),
-        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**c)),
-        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**c, head_dim=8)),
-        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**c, head_dim=8)),
-        "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**c, head_dim=8, sliding_window=5)),
-        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**c)),
-        "gpt_neox": lambda: T.GPTNeoXForCausalLM(
-            T.GPTNeoXConfig(**small, hidden_size=32, intermediate_size=48)
-        ),
-        "gpt2": lambda: T.GPT2LMHeadModel(
-            T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-        ),
-        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(**small, hidden_size=32)),
-        "falcon_new": lambda: T.FalconForCausalLM(
-            T.FalconConfig(**small, hidden_size=32, num_kv_heads=2, new_decoder_architecture=True)
-        ),
-        "stablelm": lambda: T.StableLmForCausalLM(T.StableLmConfig(**c)),
-        "olmo": lambda: T.OlmoForCausalLM(T.OlmoConfig(**c)),
-        "olmo2": lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**c)),
-        "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**c, num_local_experts=4, **MOE)),
-        "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(
-            T.Qwen2MoeConfig(
-                **c,
-                num_experts=4,
-                moe_intermediate_size=16,
-                shared_expert_intermediate_size=24,
-                **MOE,
-            )
-        ),
-        "gemma3": lambda: T.Gemma3ForCausalLM(
-            T.Gemma3TextConfig(**c, head_dim=8, sliding_window=5)
-        ),
-        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
-            T.Qwen3MoeConfig(**c, head_dim=8, num_experts=4, moe_intermediate_size=16, **MOE)
-        ),
-        "olmoe": lambda: T.OlmoeForCausalLM(T.OlmoeConfig(**c, num_experts=4, **MOE)),
-        "gpt_oss": lambda: T.GptOssForCausalLM(
-            T.GptOssConfig(**c, head_dim=8, num_local_experts=4, **MOE)
-        ),
-        "codegen": lambda: T.CodeGenForCausalLM(
-            T.CodeGenConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4)
-        ),
-        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(**small, hidden_size=32)),
-        "opt": lambda: T.OPTForCausalLM(
-            T.OPTConfig(**small, hidden_size=32, ffn_dim=48, max_position_embeddings=64)
-        ),
-        "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(
-            T.DeepseekV3Config(
-                **c,
-                n_routed_experts=4,
-                moe_intermediate_size=16,
-                q_lora_rank=16,
-                kv_lora_rank=16,
-                qk_rope_head_dim=4,
-                qk_nope_head_dim=4,
-                v_head_dim=8,
-                first_k_dense_replace=1,
-                n_group=1,
-                topk_group=1,
-                **MOE,
-            )
-        ),
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            model = makers[family]()
-        finally:
-            logging.disable(logging.NOTSET)
-    return model.to(F64).eval()
+    return tiny_models.auto_zoo(family)
 
 
 def ids(seed: int = 5) -> Tensor:
