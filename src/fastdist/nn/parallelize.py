@@ -143,14 +143,12 @@ class ParallelModel:
         (``[world, ...]``) and so does every result; non-tensor results (a KV cache) are dropped
         there (``use_cache=False`` unless asked). On real ranks the model's output is returned as
         is."""
-        return self._call(args, kwargs)
+        return self.call_with({}, *args, **kwargs)
 
-    def _call(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], per_rank: Mapping[str, Any] = {}
-    ) -> Any:
-        """``__call__``'s work; ``per_rank`` tensors go to the module's ``forward`` as they are
-        (on a simulated mesh: one slice per rank, not checked against the plan's groups; a
-        pipeline stage's input activation)."""
+    def call_with(self, per_rank: Mapping[str, Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run the model as calling it does, with the ``per_rank`` keyword arguments handed to
+        the module's ``forward`` as they are (on a simulated mesh: one slice per rank, not
+        checked against the plan's groups): e.g. a pipeline stage's input activation."""
         if self.module.training and self._dropout and (self._axes or self.simulated):
             why = (
                 "the ranks of a tensor-parallel group would draw different masks for activations "

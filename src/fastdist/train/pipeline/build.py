@@ -131,7 +131,7 @@ def pipeline(
                 # computes in float32), as with a tp plan
                 axis_name = stage_mesh.axis_names[-1] if stage_mesh.ndim else "tp"
                 module.loss_function = HFCausalLMLoss(stage_mesh, axis_name, gathered=True)  # type: ignore[assignment]
-        pm._stage_hooks = StageHooks(module, first, last)  # type: ignore[attr-defined]
+        StageHooks(module, first, last)  # held by the hooks it registers on the module
         stages[j] = pm
     return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
 

@@ -567,7 +567,7 @@ class Pipeline:
             for key in ("labels", "shift_labels", "num_items_in_batch"):
                 kwargs.pop(key, None)
         per_rank = {STAGE_INPUT: x} if x is not None else {}
-        out = pm._call((), kwargs, per_rank)
+        out = pm.call_with(per_rank, **kwargs)
         if j == self.schedule.stages - 1:
             out = out.loss if hasattr(out, "loss") else out["loss"]
         assert isinstance(out, Tensor)  # the loss, or the last own layer's output (StageHooks)

@@ -205,6 +205,29 @@ def split_model(
             f"pipeline: the stages cover {ranges[-1].stop} layers, {split.layers} holds "
             f"{n_layers}. Fix: layers_per_stage= summing to {n_layers}"
         )
+    _check_owners(model, split, len(ranges))
+    skeleton = _skeleton(model, split, layers, ends)
+    own = list(layers)
+    stages: dict[int, nn.Module] = {}
+    for j in keep:
+        st = copy.deepcopy(skeleton)
+        lst = st.get_submodule(split.layers)
+        assert isinstance(lst, nn.ModuleList)
+        for i in ranges[j]:
+            lst[i] = own[i]
+        if j == 0:
+            for n in split.first:
+                _put(st, n, ends[n])
+        if j == len(ranges) - 1:
+            for n in split.last:
+                _put(st, n, ends[n])
+        stages[j] = st
+    return stages
+
+
+def _check_owners(model: nn.Module, split: StageSplit, n_stages: int) -> None:
+    """Raise unless every parameter belongs to the layers or an end module, and (with more than
+    one stage) none is shared by the first and the last stage."""
     owner: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         where = next(
@@ -222,56 +245,46 @@ def split_model(
                 "with the module holding it among first= or last="
             )
         ends_of = "first" if where in split.first else "last" if where in split.last else where
-        if owner.setdefault(id(p), ends_of) != ends_of and len(ranges) > 1:
+        if owner.setdefault(id(p), ends_of) != ends_of and n_stages > 1:
             raise PipelineError(
                 f"pipeline: parameter {name} is shared by the first and the last stage (tied "
                 "input and output embeddings): fastdist's pipeline does not sum a tied weight's "
                 "gradient across stages yet. Fix: build the model with "
                 "tie_word_embeddings=False (and copy the weight), or run without a pipeline axis"
             )
-    emb = ends[split.first[0]]
-    weight = getattr(emb, "weight", None)
+
+
+def _skeleton(
+    model: nn.Module, split: StageSplit, layers: nn.ModuleList, ends: Mapping[str, nn.Module]
+) -> nn.Module:
+    """A copy of ``model`` without its layers (skipped) and ends (stubs), made cheaply by
+    swapping them out of ``model`` for the copy and back."""
+    weight = getattr(ends[split.first[0]], "weight", None)
     if weight is None:
         raise PipelineError(
             f"pipeline: {split.first[0]} has no weight to size the hidden states by. Fix: pass "
             "split= whose first module is the token embedding"
         )
     dim, dtype = int(weight.shape[-1]), weight.dtype
-    own = list(layers)
-    # the skeleton: the model without its layers and ends (a cheap copy)
     stubs: dict[str, nn.Module] = {
         **{n: _Zeros(dim, dtype) for n in split.first},
         **{n: _Absent(n) for n in split.last},
     }
-
-    def put(root: nn.Module, name: str, module: nn.Module) -> None:
-        parent, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent) if parent else root, child, module)
-
-    put(model, split.layers, nn.ModuleList([_Skip() for _ in own]))
+    _put(model, split.layers, nn.ModuleList([_Skip() for _ in layers]))
     for n, stub in stubs.items():
-        put(model, n, stub)
+        _put(model, n, stub)
     try:
-        skeleton = copy.deepcopy(model)
+        return copy.deepcopy(model)
     finally:
-        put(model, split.layers, layers)
+        _put(model, split.layers, layers)
         for n, m in ends.items():
-            put(model, n, m)
-    stages: dict[int, nn.Module] = {}
-    for j in keep:
-        st = copy.deepcopy(skeleton)
-        lst = st.get_submodule(split.layers)
-        assert isinstance(lst, nn.ModuleList)
-        for i in ranges[j]:
-            lst[i] = own[i]
-        if j == 0:
-            for n in split.first:
-                put(st, n, ends[n])
-        if j == len(ranges) - 1:
-            for n in split.last:
-                put(st, n, ends[n])
-        stages[j] = st
-    return stages
+            _put(model, n, m)
+
+
+def _put(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Set ``root``'s submodule ``name`` (dotted) to ``module``."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
 def stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
