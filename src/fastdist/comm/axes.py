@@ -76,6 +76,10 @@ class TorchAxisComm:
         # blocking calls made on this group (eagerly): names the call a failure report is about
         self.calls = 0
 
+    def drop_transports(self) -> None:
+        """Forget the transports made so far (their groups are gone: `TorchComm.abandon`)."""
+        self._transports.clear()
+
     def cpu_group(self, op: str) -> Any:
         """A gloo group for objects and metadata (the device group when tensors live on CPU)."""
         return self.comm.group(self, "gloo", op)

@@ -247,7 +247,7 @@ class TorchComm:
             # TypeError: an unhashable axis (e.g. a list), validated below
             pass
         idx = self.mesh.axis_indices(axis, op)
-        spec = GroupSpec(self.mesh._sizes, idx, comm=self.axis(idx))
+        spec = GroupSpec(self.mesh.sizes, idx, comm=self.axis(idx))
         # a trace must not mutate the cache
         if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():
             self._specs[axis] = spec
@@ -269,16 +269,15 @@ class TorchComm:
             return pg
         self.check_usable(op, ac)
         # only eager helpers get here (collectives use group names while tracing)
-        if torch.compiler.is_compiling():
-            raise_while_tracing(
-                op,
-                ac.label,
-                ac.ranks,
-                self.global_rank,
-                f"the {backend} process group is needed outside a collective",
-                "run this call eagerly",
-            )
+        problem = f"the {backend} process group is needed outside a collective"
+        self._eager_only(op, ac, problem, "run this call eagerly")
         return self._create_group(ac, backend, op)
+
+    def _eager_only(self, op: str, ac: TorchAxisComm, problem: str, fix: str) -> None:
+        """Raise :class:`~fastdist.CommError` (from inside dynamo's tracing) when ``op`` on
+        ``ac`` is traced: it runs eagerly only."""
+        if torch.compiler.is_compiling():
+            raise_while_tracing(op, ac.label, ac.ranks, self.global_rank, problem, fix)
 
     def _create_group(self, ac: TorchAxisComm, backend: str, op: str) -> Any:
         key = (ac.ranks, backend)
@@ -318,16 +317,8 @@ class TorchComm:
         lib = self.native_lib
         if lib is None or x.device.type != lib.device_type:
             return None
-        if torch.compiler.is_compiling():
-            raise_while_tracing(
-                op,
-                ac.label,
-                ac.ranks,
-                self.global_rank,
-                f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under "
-                "torch.compile",
-                "compile with backend='torch'",
-            )
+        problem = f"the {self.backend} backend runs eagerly (and in CUDA graphs), not under "
+        self._eager_only(op, ac, problem + "torch.compile", "compile with backend='torch'")
         nc = self._native.get(ac.ranks)
         if nc is not None:
             return nc
@@ -377,7 +368,7 @@ class TorchComm:
         self.broken = why
         self.close(timeout=5.0)
         for ac in self._axes.values():
-            ac._transports.clear()
+            ac.drop_transports()
         self._groups.clear()
         created, self._created = self._created, []
         # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)

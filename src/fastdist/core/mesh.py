@@ -268,6 +268,11 @@ class Mesh:
         return self._names
 
     @property
+    def sizes(self) -> tuple[int, ...]:
+        """Axis sizes, in axis order."""
+        return self._sizes
+
+    @property
     def shape(self) -> Mapping[str, int]:
         """Read-only mapping axis name -> size, in axis order."""
         return MappingProxyType(dict(zip(self._names, self._sizes)))

@@ -464,32 +464,18 @@ class NativeCommunicator:
         recv_off = [sum(out_splits[:j]) * per_row for j in range(self.n)]
         stream = self._stream()
         if self._nccl:
-            flat = w.reshape(-1)
+            # (function, buffer, offsets, rows) of the send to and the receive from each peer
+            sides = (
+                ("ncclSend", w.reshape(-1), send_off, in_splits),
+                ("ncclRecv", out, recv_off, out_splits),
+            )
 
             def body() -> None:
                 for j in range(self.n):
-                    if in_splits[j]:
-                        self._call(
-                            op,
-                            "ncclSend",
-                            _ptr(flat[send_off[j] :]),
-                            in_splits[j] * per_row,
-                            dt,
-                            j,
-                            self._handle,
-                            stream,
-                        )
-                    if out_splits[j]:
-                        self._call(
-                            op,
-                            "ncclRecv",
-                            _ptr(out[recv_off[j] :]),
-                            out_splits[j] * per_row,
-                            dt,
-                            j,
-                            self._handle,
-                            stream,
-                        )
+                    for fn, buf, offs, rows in sides:
+                        if rows[j]:
+                            ptr = _ptr(buf[offs[j] :])
+                            self._call(op, fn, ptr, rows[j] * per_row, dt, j, self._handle, stream)
 
             self._group(op, body)
         else:
