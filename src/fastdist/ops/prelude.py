@@ -115,7 +115,7 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
 
 @functools.lru_cache(maxsize=4096)
 def _cached_plain_spec(mesh: Mesh, axis: str | tuple[str, ...]) -> GroupSpec:
-    return GroupSpec(mesh._sizes, mesh.axis_indices(axis, "fastdist"))
+    return GroupSpec(mesh.sizes, mesh.axis_indices(axis, "fastdist"))
 
 
 def plain_spec(op: str, mesh: Mesh, axis: AxisName) -> GroupSpec:
@@ -130,7 +130,7 @@ def plain_spec(op: str, mesh: Mesh, axis: AxisName) -> GroupSpec:
         except (MeshError, TypeError):
             # re-raised below naming the op (TypeError: unhashable parts)
             pass
-    return GroupSpec(mesh._sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
+    return GroupSpec(mesh.sizes, mesh.axis_indices(axis, f"fastdist.{op}"))
 
 
 def apply_primitive(
