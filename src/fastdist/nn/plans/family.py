@@ -34,6 +34,8 @@ from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams
 
 __all__ = ["Family", "Mlp", "Plan", "Seq", "build_plan"]
 
+#: A plan: module-name patterns (``fnmatch``, e.g. ``"model.layers.*.mlp.down_proj"``) mapped to
+#: the `Style` that makes each matching module parallel; what `fastdist.nn.parallelize` takes.
 Plan = dict[str, Any]
 Seq = Literal["replicated", "sequence"]
 #: (attribute, width from (query heads, kv heads, head dim)): an attention attribute set per rank
