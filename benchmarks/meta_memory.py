@@ -11,7 +11,7 @@ reset in between; its numbers are not meaningful):
   ``fd.checkpoint.load(save_pretrained dir, pm)``: every rank holds the whole model for a while;
 * ``meta + load``: built under ``torch.device("meta")``, ``parallelize`` (meta shards),
   ``fd.checkpoint.load(dir, pm)``: each rank allocates and reads only its shards;
-* ``meta + init_weights``: built on meta, ``pm.init_weights(seed=0)``: each module's whole
+* ``meta + init_weights``: built on meta, ``fd.nn.init_weights(pm, seed=0)``: each module's whole
   tensors exist only while its init runs.
 
 Each rank reports the increase of its peak resident set (``VmHWM`` in ``/proc/self/status``, reset
@@ -125,7 +125,7 @@ def _variant(name: str, ckpt: str, quick: bool, mesh: fd.Mesh) -> dict[str, Any]
         model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
     )
     if name == "meta + init_weights":
-        pm.init_weights(seed=0)
+        fd.nn.init_weights(pm, seed=0)
     else:
         fd.checkpoint.load(ckpt, pm)
     peak = _status("VmHWM") - start
@@ -151,7 +151,7 @@ def _warm_up(mesh: fd.Mesh) -> None:
     pm = fd.nn.parallelize(
         model, mesh, fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
     )
-    pm.init_weights(seed=0)
+    fd.nn.init_weights(pm, seed=0)
     with torch.no_grad():
         pm(input_ids=torch.zeros(2, 8, dtype=torch.long))
 

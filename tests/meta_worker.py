@@ -53,7 +53,7 @@ def meta_llama_on_gloo(ckpt: str) -> str:
     pm2 = fd.nn.parallelize(
         fresh, mesh, fd.nn.plans.plan(fresh, family="llama", sequence_parallel=True)
     )
-    pm2.init_weights(seed=11)  # each rank computes its shards only
+    fd.nn.init_weights(pm2, seed=11)  # each rank computes its shards only
     with torch.device("meta"):
         one = build("llama")
     want = fd.nn.init_weights(one, seed=11).state_dict()

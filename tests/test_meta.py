@@ -1,6 +1,6 @@
 """Models that never sit whole on one rank: built on the meta device, parallelized, then
 materialised shard by shard (``fd.checkpoint.load`` from a save_pretrained checkpoint, or
-``pm.init_weights``), against the same model on one device in float64.
+``fd.nn.init_weights(pm)``), against the same model on one device in float64.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_init_weights_on_shards_equals_one_device(family: str, axes: dict[str, i
     mesh = fd.Mesh(axes)
     pm = fd.nn.parallelize(model, mesh)
     state = torch.get_rng_state()
-    pm.init_weights(seed=7)
+    fd.nn.init_weights(pm, seed=7)
     assert torch.equal(torch.get_rng_state(), state)  # the global generator is left as it was
     assert meta_left(model) == []
     one = fd.nn.init_weights(on_meta(family), seed=7)
@@ -215,7 +215,7 @@ def test_init_weights_mixtral_and_a_plain_torch_model() -> None:
     pm = fd.nn.parallelize(
         model, fd.Mesh({"ep": 2, "tp": 2}), fd.nn.plans.plan(model, family="mixtral")
     )
-    pm.init_weights(seed=3)
+    fd.nn.init_weights(pm, seed=3)
     with torch.device("meta"):
         one = build_mixtral()
     fd.nn.init_weights(one, seed=3, device="cpu")
@@ -229,7 +229,7 @@ def test_init_weights_mixtral_and_a_plain_torch_model() -> None:
         meta = mlp()
     plan = {"0": fd.nn.ColwiseParallel(input="replicated"), "2": fd.nn.RowwiseParallel()}
     pm = fd.nn.parallelize(meta, fd.Mesh({"tp": 2}), plan)
-    pm.init_weights(seed=1)
+    fd.nn.init_weights(pm, seed=1)
     ref = mlp()
     for i in (0, 2):
         with torch.random.fork_rng(devices=[]):
@@ -252,7 +252,7 @@ def test_a_meta_model_refuses_to_run_and_partial_loads(tmp_path: Any) -> None:
     with pytest.raises(
         fd.nn.ParallelizeError,
         match=r"called with \['model\.embed_tokens\.weight'.*meta device.*"
-        r"Fix: .*fastdist\.checkpoint\.load\(path, pm\) or pm\.init_weights",
+        r"Fix: .*fastdist\.checkpoint\.load\(path, pm\) or fastdist\.nn\.init_weights\(pm",
     ):
         pm(input_ids=rep(ids, mesh))
     with pytest.raises(fd.nn.CheckpointError, match=r"meta device.*Fix: materialise"):
@@ -268,7 +268,7 @@ def test_a_meta_model_refuses_to_run_and_partial_loads(tmp_path: Any) -> None:
         fd.checkpoint.load(partial, pm, strict=False)
     assert model.model.embed_tokens.weight.is_meta  # refused before anything was read
     # the way to load part of a model: initialise, then load what the checkpoint has
-    pm.init_weights(seed=1)
+    fd.nn.init_weights(pm, seed=1)
     fd.checkpoint.load(partial, pm, strict=False)
     got = pm.state_dict()
     head = fd.nn.init_weights(on_meta("llama"), seed=1).lm_head.weight
@@ -279,7 +279,9 @@ def test_a_meta_model_refuses_to_run_and_partial_loads(tmp_path: Any) -> None:
     with pytest.raises(fd.nn.CheckpointError, match=r"device='cuda'.*none on the meta device"):
         fd.checkpoint.load(state, pm, device="cuda")
     with pytest.raises(
-        fd.nn.ParallelizeError, match=r"holds per-rank parameters.*ParallelModel\.init_weights"
+        fd.nn.ParallelizeError,
+        match=r"holds per-rank parameters.*Fix: pass the ParallelModel itself, "
+        r"fastdist\.nn\.init_weights\(pm",
     ):
         fd.nn.init_weights(model)
 
@@ -315,7 +317,7 @@ def test_what_cannot_be_recomputed_is_named() -> None:
     with pytest.raises(
         fd.nn.ParallelizeError, match=r"no init of Table writes \['gain', 'table'\].*Fix"
     ):
-        pm.init_weights()
+        fd.nn.init_weights(pm)
     assert model.lin.weight.is_meta  # refused before anything changed
     model.register_buffer("table", torch.arange(6.0), persistent=False)  # the fix
     fd.checkpoint.load(state, pm)

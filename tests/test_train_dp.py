@@ -240,7 +240,7 @@ def test_meta_models_are_refused_until_materialized() -> None:
         fd.train.DataParallel(pm, "dp")
     with pytest.raises(fd.MeshError, match="meta device"):
         fd.train.ZeroOptimizer(pm, torch.optim.AdamW)
-    pm.init_weights(seed=0)
+    fd.nn.init_weights(pm, seed=0)
     dp = fd.train.DataParallel(pm, "dp")  # materialized: accepted
     assert pm.engine is dp
 

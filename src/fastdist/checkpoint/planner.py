@@ -206,8 +206,8 @@ def model_entries(tgt: Target) -> dict[str, Entry]:
             raise CheckpointError(
                 f"fastdist.checkpoint on {tgt.where}: {name!r} is on the meta device: "
                 "there is nothing to save or load into. Fix: materialise the model first "
-                "(pm.init_weights(seed=...) or fastdist.checkpoint.load(<safetensors>, pm, "
-                "device=...)), then load"
+                "(fastdist.nn.init_weights(pm, seed=...) or "
+                "fastdist.checkpoint.load(<safetensors>, pm, device=...)), then load"
             )
         layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
         out[f"model.{name}"] = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)

@@ -159,8 +159,8 @@ def read(
                 f"fastdist.checkpoint.load: {listed(unfilled)} are on the meta device and "
                 f"the checkpoint has no key for them ({len(unfilled)} in all): strict=False skips "
                 "a missing key, but these would stay without storage. Fix: load a checkpoint "
-                "that has them, or initialise the model first (ParallelModel.init_weights("
-                "seed=...)) and then load with strict=False"
+                "that has them, or initialise the model first (fastdist.nn.init_weights("
+                "pm, seed=...)) and then load with strict=False"
             )
         computed = [n for n, b in module.named_buffers() if b.is_meta and n not in tensors]
         if computed:

@@ -2,8 +2,8 @@
 
 A model built under ``with torch.device("meta"):`` has shapes but no values. After
 `fastdist.nn.parallelize` each of its parameters is a meta shard; ``fastdist.checkpoint.load`` reads
-values from a checkpoint, and ``ParallelModel.init_weights`` (here: `init_weights` for a
-single-device model) computes them with the model's own init:
+values from a checkpoint, and `init_weights` (here, for a parallel model as for a
+single-device one) computes them with the model's own init:
 
 * every module of the original (single-device) model gets its init run once, children before
   parents (the order of transformers' ``initialize_weights``): transformers' ``_init_weights``
@@ -19,8 +19,8 @@ single-device model) computes them with the model's own init:
   modules in flight: one module's in transformers' models (GPT-2's attention re-initialises its
   ``c_proj`` child: that weight waits for it).
 
-The same code fills a single-device model (`init_weights`) and a parallel one, so the parallel
-model's shards are slices of exactly the tensors the single-device model gets.
+The same code fills a single-device model and a parallel one, so the parallel model's shards are
+slices of exactly the tensors the single-device model gets.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastdist.core.mesh import Mesh
 from fastdist.errors import InitError, ParallelizeError
-from fastdist.nn.state import listed, materialize_
+from fastdist.nn.state import Layout, listed, materialize_, meta_names
 
 __all__ = ["init_weights", "module_seed"]
 
@@ -374,42 +375,75 @@ def _parallel_modules(model: nn.Module) -> list[str]:
     ]
 
 
+class ShardedModel(Protocol):
+    """What `init_weights` needs of a parallel model (`fastdist.nn.ParallelModel`): its module
+    (parameters holding shards), mesh, layouts, the meta copy of the single-device model, and the
+    call guard to drop once nothing is left on the meta device."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+    @property
+    def layouts(self) -> dict[str, Layout]: ...
+
+    @property
+    def simulated(self) -> bool: ...
+
+    def original_for(self, what: str, error: type[Exception]) -> Original: ...
+
+    def settle_meta(self) -> None: ...
+
+
+_M = TypeVar("_M", bound="nn.Module | ShardedModel")
+
+
 def init_weights(
-    model: nn.Module,
+    model: _M,
     *,
     seed: int = 0,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """Initialise a single-device model in place as `fastdist.nn.ParallelModel.init_weights` does
-    on shards: the same seed gives this model exactly the tensors whose slices the parallel
-    model's ranks get. Returns ``model``.
+) -> _M:
+    """Initialise a model in place with its own init; tensors on the meta device get their storage
+    here. Returns ``model``.
+
+    Given a `fastdist.nn.ParallelModel`, each rank computes only its own shards' values: the
+    single-device model's modules are initialised one at a time, each module's whole tensors exist
+    only while its init runs, then each rank keeps its slices and the whole tensors are freed (the
+    peak is one module's tensors, not the model's). Given a single-device model, its tensors are
+    filled whole.
 
     Each module's own init runs once, children before parents: transformers' ``_init_weights``
     (of the nearest ``PreTrainedModel``), or ``reset_parameters`` in a model that is not a
     transformers model; each seeded with `module_seed` ``(seed, module name)`` on the generator of
-    the tensors' device (the global generator is left as it was). The result is not the model's
+    the tensors' device (the global generator is left as it was). Buffers an init writes are
+    recomputed too (a rotary embedding's ``inv_freq``). The result is not the model's
     construction-time init (which draws from the global generator in module order), but depends on
     nothing but ``seed``, the model's structure, dtype and device.
 
     Args:
-        model: a single-device model, with real tensors, on the meta device, or both.
-        seed: the seed every module's seed derives from.
-        device: where tensors on the meta device get their storage (default cpu). Tensors that
-            have storage stay where they are.
+        model: a `fastdist.nn.ParallelModel`, or a single-device model (real tensors, on the meta
+            device, or both).
+        seed: the seed every module's seed derives from (the same on every rank).
+        device: where tensors on the meta device get their storage (default cpu); the whole
+            tensors are computed there too. Tensors that have storage stay where they are.
         dtype: the dtype of floating-point parameters on the meta device (default: their own).
             Buffers keep theirs.
 
     Raises `fastdist.nn.ParallelizeError` (before anything changes) for a parameter no init
     writes (it would keep what it had: nothing, on the meta device), a buffer on the meta device
     no init writes, an init that cannot run on the meta device or uses values from before any
-    init, and for a parallel model (call ``ParallelModel.init_weights``).
+    init; for a parallel model also for ``device``/``dtype`` with nothing on the meta device, and
+    for the module of a parallel model passed on its own (pass the ``ParallelModel``).
 
-    Exact (bitwise, against `fastdist.nn.ParallelModel.init_weights` with the same seed) for every
-    init that writes in place with the random functions of the tensors' device, as transformers'
-    ``_init_weights`` and torch's ``reset_parameters`` do (tested: Llama, GPT-2, Mixtral,
-    ``nn.Linear``). The random streams of CPU and CUDA differ: compare on one device type, and in
-    one dtype.
+    Exact: a parallel model's shards are bitwise slices of what the same seed gives the
+    single-device model, for every init that writes in place with the random functions of the
+    tensors' device, as transformers' ``_init_weights`` and torch's ``reset_parameters`` do
+    (tested: Llama, GPT-2, Mixtral, ``nn.Linear``). The random streams of CPU and CUDA differ:
+    compare on one device type, and in one dtype.
 
     >>> import torch, fastdist as fd
     >>> with torch.device("meta"):
@@ -417,12 +451,23 @@ def init_weights(
     >>> fd.nn.init_weights(net, seed=1)[0].weight.device
     device(type='cpu')
     """
+    if isinstance(model, nn.Module):
+        _init_single(model, seed, device, dtype)
+    else:
+        _init_shards(model, seed, device, dtype)
+    return model
+
+
+def _init_single(
+    model: nn.Module, seed: int, device: torch.device | str | None, dtype: torch.dtype | None
+) -> None:
+    """`init_weights` of a single-device model."""
     parallel = _parallel_modules(model)
     if parallel:
         raise ParallelizeError(
             f"fastdist.nn.init_weights: {type(model).__name__} holds per-rank parameters "
-            f"({parallel[:3]}); this function initialises a single-device model. Fix: "
-            "ParallelModel.init_weights(seed=...) on the result of fastdist.nn.parallelize"
+            f"({parallel[:3]}): it is the module of a parallel model. Fix: pass the "
+            "ParallelModel itself, fastdist.nn.init_weights(pm, seed=...)"
         )
     try:
         original = Original.of(model)
@@ -465,4 +510,65 @@ def init_weights(
         run_inits(original, steps, wanted, seed=seed, alloc=alloc, deliver=deliver)
     except InitError as e:
         raise ParallelizeError(f"fastdist.nn.init_weights: {e}") from e
-    return model
+
+
+def _init_shards(
+    pm: ShardedModel, seed: int, device: torch.device | str | None, dtype: torch.dtype | None
+) -> None:
+    """`init_weights` of a parallel model: each rank computes only its own shards' values."""
+    what = "fastdist.nn.init_weights"
+    if (device is not None or dtype is not None) and not meta_names(pm.module):
+        raise ParallelizeError(
+            f"{what}: device={device!r} / dtype={dtype!r} choose where tensors on the meta "
+            f"device get their storage, but {type(pm.module).__name__} has none on the meta "
+            "device. Fix: drop them (tensors with storage are initialised where they are)"
+        )
+    original = pm.original_for(what, ParallelizeError)
+    try:
+        steps = init_steps(original)
+    except InitError as e:
+        raise ParallelizeError(f"{what}: {e}") from e
+    params = dict(pm.module.named_parameters())
+    buffers = {n: b for n, b in pm.module.named_buffers() if n not in params}
+    known = [n for n in buffers if n in original.tensors]
+    written = set(known) - set(unwritten(steps, known))
+    missing = [n for n in params if n not in original.params]
+    missing += unwritten(steps, [n for n in params if n in original.params])
+    missing += [n for n, b in buffers.items() if b.is_meta and n not in written]
+    if missing:
+        raise ParallelizeError(
+            f"{what}: no init of {type(pm.module).__name__} writes "
+            f"{listed(missing)}. Fix: give their modules an init (a branch of "
+            "_init_weights, or reset_parameters), or load them from a checkpoint "
+            "(fastdist.checkpoint.load)"
+        )
+    dev = resolve_device(device)
+    mesh, simulated = pm.mesh, pm.simulated
+
+    def alloc(n: str) -> tuple[torch.device, torch.dtype]:
+        t = params.get(n, buffers.get(n))
+        meta = original.tensors[n]
+        if t is None or t.is_meta:
+            floating = n in params and meta.is_floating_point()
+            return dev, dtype if dtype is not None and floating else meta.dtype
+        return t.device, t.dtype
+
+    def deliver(n: str, whole: Tensor) -> None:
+        t = params.get(n, buffers.get(n))
+        assert t is not None
+        if t.is_meta:
+            materialize_(t, whole.device, whole.dtype)
+        with torch.no_grad():
+            if n not in params:
+                t.copy_(whole)
+                return
+            layout, shape = pm.layouts[n], tuple(whole.shape)
+            for r in range(mesh.size) if simulated else (mesh.rank,):
+                block = layout.read(lambda s: whole[s], shape, mesh, r, n)
+                (t[r] if simulated else t).copy_(block)
+
+    try:
+        run_inits(original, steps, set(params) | written, seed=seed, alloc=alloc, deliver=deliver)
+    except InitError as e:
+        raise ParallelizeError(f"{what}: {e}") from e
+    pm.settle_meta()

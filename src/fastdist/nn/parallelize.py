@@ -38,7 +38,6 @@ from fastdist.nn.loss import HFCausalLMLoss
 from fastdist.nn.materialize import (
     Original,
     init_steps,
-    resolve_device,
     run_inits,
     unwritten,
 )
@@ -231,98 +230,6 @@ class ParallelModel:
         }
 
     # ------------------------------------------------------------------ models built on meta
-    def init_weights(
-        self,
-        *,
-        seed: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """Initialise every parameter in place with the model's own init, each rank computing only
-        its own shards' values; tensors on the meta device get their storage here.
-
-        The single-device model's modules are initialised one at a time, children before
-        parents: each module's whole tensors exist only while its init runs (transformers'
-        ``_init_weights``, or ``reset_parameters`` in a model that is not a transformers model,
-        seeded with `fastdist.nn.module_seed` ``(seed, module name)``), then each rank keeps its
-        slices and the whole tensors are freed. The peak is one module's tensors, not the
-        model's. Buffers an init writes are recomputed too (a rotary embedding's ``inv_freq``).
-
-        Exact: the shards are bitwise slices of what `fastdist.nn.init_weights` (the same seed)
-        gives the single-device model, for every init that writes in place with the random
-        functions of the tensors' device, as transformers' ``_init_weights`` and torch's
-        ``reset_parameters`` do (tested: Llama, GPT-2, Mixtral, ``nn.Linear``). The result is
-        not the model's construction-time init (that one draws from the global generator in
-        module order). CPU and CUDA random streams differ: compare on one device type, in one
-        dtype.
-
-        Args:
-            seed: the seed every module's seed derives from (the same on every rank).
-            device: where tensors on the meta device get their storage (default cpu); the
-                whole tensors are computed there too. Tensors with storage stay where they are.
-            dtype: floating-point meta parameters' dtype (default: their own). Buffers keep theirs.
-
-        Raises `ParallelizeError` (before anything changes) for a parameter no init writes, a meta
-        buffer no init writes, an init that cannot run on the meta device or uses values from
-        before any init, and for ``device``/``dtype`` with nothing on the meta device.
-        """
-        self._need_meta_for(
-            "ParallelModel.init_weights",
-            device,
-            dtype,
-            "tensors with storage are initialised where they are",
-        )
-        original = self._original_for("ParallelModel.init_weights", ParallelizeError)
-        try:
-            steps = init_steps(original)
-        except InitError as e:
-            raise ParallelizeError(f"ParallelModel.init_weights: {e}") from e
-        params = dict(self.module.named_parameters())
-        buffers = {n: b for n, b in self.module.named_buffers() if n not in params}
-        known = [n for n in buffers if n in original.tensors]
-        written = set(known) - set(unwritten(steps, known))
-        missing = [n for n in params if n not in original.params]
-        missing += unwritten(steps, [n for n in params if n in original.params])
-        missing += [n for n, b in buffers.items() if b.is_meta and n not in written]
-        if missing:
-            raise ParallelizeError(
-                f"ParallelModel.init_weights: no init of {type(self.module).__name__} writes "
-                f"{listed(missing)}. Fix: give their modules an init (a branch of "
-                "_init_weights, or reset_parameters), or load them from a checkpoint "
-                "(fastdist.checkpoint.load)"
-            )
-        dev = resolve_device(device)
-
-        def alloc(n: str) -> tuple[torch.device, torch.dtype]:
-            t = params.get(n, buffers.get(n))
-            meta = original.tensors[n]
-            if t is None or t.is_meta:
-                floating = n in params and meta.is_floating_point()
-                return dev, dtype if dtype is not None and floating else meta.dtype
-            return t.device, t.dtype
-
-        def deliver(n: str, whole: Tensor) -> None:
-            t = params.get(n, buffers.get(n))
-            assert t is not None
-            if t.is_meta:
-                materialize_(t, whole.device, whole.dtype)
-            with torch.no_grad():
-                if n not in params:
-                    t.copy_(whole)
-                    return
-                layout, shape = self.layouts[n], tuple(whole.shape)
-                for r in range(self.mesh.size) if self.simulated else (self.mesh.rank,):
-                    block = layout.read(lambda s: whole[s], shape, self.mesh, r, n)
-                    (t[r] if self.simulated else t).copy_(block)
-
-        try:
-            run_inits(
-                original, steps, set(params) | written, seed=seed, alloc=alloc, deliver=deliver
-            )
-        except InitError as e:
-            raise ParallelizeError(f"ParallelModel.init_weights: {e}") from e
-        self.settle_meta()
-
     def recompute_buffers(self, device: torch.device) -> None:
         """Non-persistent buffers on the meta device, recomputed by the model's own init (no
         checkpoint holds them; `fastdist.checkpoint.load` calls it before reading), on
@@ -333,7 +240,7 @@ class ParallelModel:
             names = [n for n in names if n not in keys]
         if not names:
             return
-        original = self._original_for("fastdist.checkpoint.load", CheckpointError)
+        original = self.original_for("fastdist.checkpoint.load", CheckpointError)
         try:
             steps = init_steps(original)
         except InitError as e:
@@ -381,14 +288,25 @@ class ParallelModel:
                         f"on the meta device ({len(meta)} in all: built under "
                         "torch.device('meta'), with shapes but no values). Fix: materialise them "
                         "first, each rank its own shards: fastdist.checkpoint.load(path, pm) or "
-                        "pm.init_weights(seed=...)"
+                        "fastdist.nn.init_weights(pm, seed=...)"
                     )
 
             self._meta_hook = self.module.register_forward_pre_hook(
                 refuse_meta, prepend=True, with_kwargs=True
             )
 
-    def _original_for(self, what: str, error: type[Exception]) -> Original:
+    def original_for(self, what: str, error: type[Exception]) -> Original:
+        """The meta copy of the single-device model (the modules before `parallelize`), which
+        `fastdist.nn.init_weights` and `fastdist.checkpoint.load` run the model's own init on;
+        raises ``error`` when no copy could be made.
+
+        Args:
+            what: the operation that needs the copy (the start of the error message).
+            error: the exception class to raise.
+
+        Returns:
+            the meta copy `parallelize` made of the model before changing it.
+        """
         original: Original | None = getattr(self, "_original", None)
         if original is None:
             raise error(
@@ -397,15 +315,6 @@ class ParallelModel:
                 "Fix: a model that copy.deepcopy can copy"
             )
         return original
-
-    def _need_meta_for(self, op: str, device: Any, dtype: Any, instead: str) -> None:
-        """``device`` / ``dtype`` place what is on the meta device: refused when nothing is."""
-        if (device is not None or dtype is not None) and not meta_names(self.module):
-            raise ParallelizeError(
-                f"{op}: device={device!r} / dtype={dtype!r} choose where tensors on the meta "
-                f"device get their storage, but {type(self.module).__name__} has none on the meta "
-                f"device. Fix: drop them ({instead})"
-            )
 
     def settle_meta(self) -> None:
         """Drop the call guard once nothing is left on the meta device (after a load or an
@@ -517,7 +426,7 @@ def parallelize(
         model: the single-device model (e.g. a Hugging Face ``LlamaForCausalLM``), holding the
             weights to shard, or built under ``torch.device("meta")`` (no values: each
             parameter becomes a meta shard of its local shape, the whole tensor never made;
-            materialise with `fastdist.checkpoint.load` or `ParallelModel.init_weights`, each rank
+            materialise with `fastdist.checkpoint.load` or `fastdist.nn.init_weights`, each rank
             its own shards). Its modules are swapped in place; parameter names do not change.
         mesh: a plain mesh (simulated ranks: parameters become stacked ``[world, *local]``) or a
             mesh from ``fastdist.connect`` (parameters become this rank's shards).
@@ -564,7 +473,7 @@ def parallelize(
         verify_plan(
             model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles), pattern_matches
         )
-    # The single-device structure, as a meta copy (no data): ParallelModel.init_weights runs the
+    # The single-device structure, as a meta copy (no data): fastdist.nn.init_weights runs the
     # model's own init on its modules, and load recomputes meta buffers with it.
     try:
         original: Original | None = Original.of(model)

@@ -593,7 +593,7 @@ def full_state_dict(module: nn.Module, mesh: Mesh, *, check: bool = True) -> dic
         raise CheckpointError(
             f"fastdist.nn.full_state_dict: {listed(meta)} are on the meta device (no values "
             "yet; a model built under torch.device('meta')). Fix: materialise them first: "
-            "fastdist.checkpoint.load(path, pm) or ParallelModel.init_weights(seed=...)"
+            "fastdist.checkpoint.load(path, pm) or fastdist.nn.init_weights(pm, seed=...)"
         )
     layouts = param_layouts(module)
     out = {}

@@ -512,13 +512,13 @@ def refuse_second_engine(model: Any, module: nn.Module, op: str) -> None:
 
 def refuse_meta(module: nn.Module, op: str) -> None:
     """Hooks on meta parameters would be lost when they get storage (`fastdist.checkpoint.load`,
-    ``init_weights``)."""
+    `fastdist.nn.init_weights`)."""
     meta = [n for n, p in module.named_parameters() if p.is_meta]
     if meta:
         raise MeshError(
             f"{op}: {meta[:3]} are on the meta device; their storage (fastdist.checkpoint.load or "
-            "pm.init_weights) replaces the tensors this would hook. Fix: materialize the model "
-            "first, then attach data parallelism"
+            "fastdist.nn.init_weights) replaces the tensors this would hook. Fix: materialize the "
+            "model first, then attach data parallelism"
         )
 
 
