@@ -1,31 +1,50 @@
 """Storage: a distributed checkpoint directory of ``torch.distributed.checkpoint`` (DCP).
 
 `write` stores the boxes the planner chose (`fastdist.checkpoint.planner`), each rank its own,
-one ``__<rank>_0.distcp`` file per writing rank plus ``.metadata``; `read` reads the boxes this
-process holds from whichever chunks hold them. The keys are the single-device state dict's
+one ``__<rank>_<save>_0.distcp`` file per writing rank plus ``.metadata``; `read` reads the boxes
+this process holds from whichever chunks hold them. The keys are the single-device state dict's
 (``model.<name>``, ``optim.state.<name>.<key>``, ``optim.param_groups.<i>.<hp>``,
 ``extra.<key>``), so torch's own DCP tools read the directory
 (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``).
+
+Failing whole: a save writes new file names and commits by one atomic rename of ``.metadata``
+(`Writer`); a load reads every box into staging tensors, checks each stored item's length and
+CRC-32 (`Reader`), and copies into the model only once everything was read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
+import pickle
+import re
+import uuid
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    FileSystemReader,
+    FileSystemWriter,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from fastdist.checkpoint.optimizer import (
     Saved,
@@ -37,16 +56,18 @@ from fastdist.checkpoint.planner import (
     FORMAT,
     HEADER,
     LoadPlanner,
-    SavePlanner,
     few,
     model_entries,
     target,
 )
+from fastdist.checkpoint.planner import SavePlanner as BoxSavePlanner
 from fastdist.errors import CheckpointError
 from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import tied_aliases
 
-__all__ = ["write", "read", "is_dcp"]
+__all__ = ["write", "read", "is_dcp", "Writer", "Reader"]
+
+_OURS = re.compile(r"__\d+_.*\.distcp|__\d+\.metadata")  # files a DCP save writes
 
 
 def is_dcp(path: str | os.PathLike[str]) -> bool:
@@ -54,10 +75,104 @@ def is_dcp(path: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), ".metadata"))
 
 
+def _crc_key(info: _StorageInfo) -> str:
+    return f"{info.relative_path}:{info.offset}"
+
+
+class Writer(FileSystemWriter):
+    """A ``FileSystemWriter`` whose save replaces an earlier checkpoint atomically.
+
+    Every save writes files of new names (``__<rank>_<save id>_<n>.distcp``; the save id is the
+    coordinator's), so no byte of the checkpoint already at ``path`` is touched while ranks write;
+    each rank records the CRC-32 of every item it wrote (read back from its file); the
+    coordinator then writes ``.metadata.tmp`` (with the CRCs in the fastdist header) and renames it
+    over ``.metadata`` (``os.replace``: the commit point), and only then removes the files of the
+    checkpoint it replaced. A save that dies before the rename leaves the old checkpoint whole
+    (plus files no ``.metadata`` names, removed by the next save)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, overwrite=True)
+        self.save_id = uuid.uuid4().hex[:8]
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_{self.save_id}_"))
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        written = super().write_data(plan, planner).wait()
+        results = []
+        for wr in written:
+            info = wr.storage_data
+            with open(os.path.join(self.path, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                crc = zlib.crc32(f.read(info.length))
+            results.append(dataclasses.replace(wr, storage_data=(info, crc)))
+        out: Future[list[WriteResult]] = Future()
+        out.set_result(results)
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage: dict[Any, _StorageInfo] = {}
+        crcs: dict[str, int] = {}
+        for wr in (wr for rank in results for wr in rank):
+            info, crc = wr.storage_data
+            storage[wr.index], crcs[_crc_key(info)] = info, crc
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        data = dict(metadata.planner_data or {})
+        data[HEADER] = {**data.get(HEADER, {}), "crc32": crcs}
+        metadata.planner_data = data
+        final = os.path.join(self.path, ".metadata")
+        with open(final + ".tmp", "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(final + ".tmp", final)  # the commit
+        keep = {info.relative_path for info in storage.values()}
+        for name in sorted(os.listdir(self.path)):
+            if _OURS.fullmatch(name) and name not in keep:
+                os.remove(os.path.join(self.path, name))
+
+
+class Reader(FileSystemReader):
+    """A ``FileSystemReader`` that checks each stored item it reads before torch parses it: its
+    length (a truncated file) and, where the save recorded one, its CRC-32 (damaged bytes),
+    raising `fastdist.errors.CheckpointError` naming the file."""
+
+    def __init__(self, path: str, crcs: Mapping[str, int], where: str, op: str) -> None:
+        super().__init__(path)
+        self.crcs, self.where, self.op = crcs, where, op
+
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+        data = super()._slice_file(file, sinfo).read()
+        name = os.path.join(self.path, sinfo.relative_path)
+        problem = None
+        if len(data) != sinfo.length:
+            problem = (
+                f"is truncated: it holds {len(data)} of the {sinfo.length} bytes stored at "
+                f"offset {sinfo.offset}"
+            )
+        elif (want := self.crcs.get(_crc_key(sinfo))) is not None and zlib.crc32(data) != want:
+            problem = (
+                f"is damaged: the {sinfo.length} bytes at offset {sinfo.offset} fail their CRC-32"
+            )
+        if problem is not None:
+            raise CheckpointError(
+                f"{self.op} on {self.where}: {name} {problem}. Nothing was loaded: the model and "
+                "optimizer are as they were. Fix: load another (older) checkpoint, or save again"
+            )
+        return io.BytesIO(data)
+
+
 @contextmanager
-def _quiet(distributed: bool) -> Iterator[None]:
+def _quiet(distributed: bool, failed: str, fix: str) -> Iterator[None]:
     """Silence DCP's "saving in a single process" warning where one process is the intent, and
-    raise a fastdist error that DCP wrapped (a rank's planner raised it) as itself."""
+    turn DCP's ``CheckpointException`` (a ``BaseException``) into a `CheckpointError`: a fastdist
+    error a rank raised as itself, any other as ``failed`` with the first rank's cause and
+    ``fix``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():
@@ -67,10 +182,15 @@ def _quiet(distributed: bool) -> Iterator[None]:
         try:
             yield
         except CheckpointException as e:
-            ours = [f[0] for f in e.failures.values() if isinstance(f[0], CheckpointError)]
+            causes = {r: f[0] for r, f in sorted(e.failures.items())}
+            ours = [c for c in causes.values() if isinstance(c, CheckpointError)]
             if ours:
                 raise ours[0] from e
-            raise
+            rank, cause = next(iter(causes.items())) if causes else (0, e)
+            text = (str(cause).strip().splitlines() or [""])[0]
+            raise CheckpointError(
+                f"{failed} (process rank {rank}: {type(cause).__name__}: {text}). Fix: {fix}"
+            ) from e
 
 
 def write(
@@ -84,12 +204,14 @@ def write(
     in directory ``path``, each rank writing only its own slices.
 
     Args:
-        path: a directory (created). An earlier checkpoint there is replaced: its files are
-            removed before any rank writes, so a save that dies half-way leaves no checkpoint
-            (no ``.metadata``), never a mix; other files are left alone.
+        path: a directory (created, parents too). An earlier checkpoint there is replaced
+            atomically (`Writer`): the new files get new names, the commit is one rename of
+            ``.metadata``, and the old checkpoint's files are removed only after it; a save that
+            dies before the commit leaves the old checkpoint loadable, never a mix. Other files
+            in the directory are left alone.
         model: a `fastdist.nn.ParallelModel` on a simulated mesh (this one process writes every
             rank's slices) or on real ranks (a **collective**: call it on every rank of the
-            job; each rank writes one ``__<rank>_0.distcp`` file with its slices, a slice
+            job; each rank writes one ``__<rank>_<save id>_0.distcp`` file with its slices, a slice
             several ranks hold written by one of them), or a plain ``nn.Module`` (one device;
             a collective over the default process group when torch.distributed is initialised,
             e.g. data-parallel replicas or FSDP2 ``DTensor`` parameters).
@@ -104,8 +226,10 @@ def write(
 
     Raises `fastdist.errors.CheckpointError` (on every rank, before anything is written) for
     optimizer parameters the model lacks, optimizer state of another shape than its
-    parameter's, or an ``extra`` value that would not load. Ranks that hold the same slice are
-    not compared (one of them writes it): ``pm.state_dict()`` checks that replicas agree.
+    parameter's, or an ``extra`` value that would not load; and (on every rank) for a write
+    that fails (a full disk), the earlier checkpoint at ``path`` then left as it was. Ranks that
+    hold the same slice are not compared (one of them writes it): ``pm.state_dict()`` checks that
+    replicas agree.
     """
     op = "fastdist.checkpoint.save"
     tgt = target(model, op)
@@ -133,11 +257,12 @@ def write(
                 "each extra value with a string"
             )
         values[f"extra.{k}"] = v
-    planner = SavePlanner(list(entries.values()), values, header, where, tgt.where)
-    with _quiet(tgt.distributed):
+    planner = BoxSavePlanner(list(entries.values()), values, header, tgt.where)
+    failed = f"{op} on {tgt.where}: writing {where} failed; a checkpoint there before is unchanged"
+    with _quiet(tgt.distributed, failed, "free space or fix the directory's permissions"):
         dcp_save(
             {},
-            storage_writer=FileSystemWriter(where, overwrite=True),
+            storage_writer=Writer(where),
             planner=planner,
             no_dist=not tgt.distributed,
         )
@@ -161,14 +286,18 @@ def _read_metadata(path: str, where: str, op: str) -> Metadata:
     return metadata
 
 
-def _read_values(path: str, keys: list[str], where: str) -> dict[str, Any]:
+def _read_values(path: str, keys: list[str], crcs: Mapping[str, int], where: str) -> dict[str, Any]:
     """The small values under ``keys``, read by this process alone (no collective)."""
     if not keys:
         return {}
+    op = "fastdist.checkpoint.load"
     planner = LoadPlanner([], keys, where)
-    with _quiet(False):
-        dcp_load({}, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    with _quiet(False, f"{op} on {where}: reading {path} failed; nothing was loaded", _REREAD):
+        dcp_load({}, storage_reader=Reader(path, crcs, where, op), planner=planner, no_dist=True)
     return planner.values
+
+
+_REREAD = "load another (older) checkpoint, or save again (the files may be damaged or missing)"
 
 
 def read(
@@ -209,6 +338,7 @@ def read(
     metadata = _read_metadata(source, tgt.where, op)
     stored = metadata.state_dict_metadata
     header = metadata.planner_data.get(HEADER) if isinstance(metadata.planner_data, dict) else None
+    crcs = header.get("crc32", {}) if isinstance(header, dict) else {}
     entries = model_entries(tgt)
     aliases = {f"model.{a}": f"model.{n}" for a, n in tied_aliases(tgt.module).items()}
     missing = sorted(k for k in entries if k not in stored)
@@ -237,7 +367,7 @@ def read(
     values_wanted = [
         k for k in values_wanted if k.startswith("extra.") or (optimizer and k.startswith("optim"))
     ]
-    values = _read_values(source, values_wanted, tgt.where)
+    values = _read_values(source, values_wanted, crcs, tgt.where)
     restore = (
         plan_optimizer(tgt, optimizer, Saved(stored, values, header, strict), entries)
         if optimizer is not None
@@ -257,13 +387,15 @@ def read(
                 "of the same config"
             )
     planner = LoadPlanner(list(entries.values()), [], tgt.where)
-    with _quiet(tgt.distributed):
+    failed = f"{op} on {tgt.where}: reading {source} failed; nothing was loaded"
+    with _quiet(tgt.distributed, failed, _REREAD):
         dcp_load(
             {},
-            storage_reader=FileSystemReader(source),
+            storage_reader=Reader(source, crcs, tgt.where, op),
             planner=planner,
             no_dist=not tgt.distributed,
         )
+    planner.apply()  # every rank read everything: now into the model
     if optimizer is not None and restore is not None:
         apply_optimizer_state(optimizer, *restore)
     return {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,20 +221,18 @@ class SavePlanner(DefaultSavePlanner):
     """Writes the boxes this process holds, one ``WriteItem`` each, in single-device coordinates.
 
     The coordinator keeps one writer per box (ranks holding the same box: the one with the fewest
-    bytes so far, biggest boxes first), records the header and the nesting of keys, and removes
-    an earlier checkpoint's files from ``path`` before any rank writes (so a save that dies
-    half-way leaves no ``.metadata`` pointing into half-overwritten files)."""
+    bytes so far, biggest boxes first) and records the header and the nesting of keys. (Replacing
+    an earlier checkpoint atomically is the storage's concern: `fastdist.checkpoint.dcp.Writer`.)"""
 
     def __init__(
         self,
         entries: list[Entry],
         values: Mapping[str, Any],
         header: dict[str, Any],
-        path: str,
         where: str,
     ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.entries, self.values, self.header, self.path = entries, values, header, path
+        self.entries, self.values, self.header = entries, values, header
         self.where = where
         self.blobs: dict[str, bytes] = {}
         self.sources = {(e.key, box.offsets): box.views[0] for e in entries for box in e.boxes}
@@ -290,10 +286,6 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans))
-        # no rank writes before this plan is scattered: remove the earlier checkpoint here
-        for name in sorted(os.listdir(self.path)):
-            if name == ".metadata" or re.fullmatch(r"__\d+_\d+\.distcp|__\d+\.metadata", name):
-                os.remove(os.path.join(self.path, name))
         nesting: dict[str, Any] = {k: _nesting(k) for k in metadata.state_dict_metadata}
         nesting[HEADER] = self.header
         self.metadata = dataclasses.replace(metadata, planner_data=nesting)
@@ -356,14 +348,19 @@ def _nesting(key: str) -> tuple[str | int, ...]:
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """Reads the boxes this process holds from whatever chunks the checkpoint has (resharding),
-    into every local copy; small values into ``values``."""
+    """Reads the boxes this process holds from whatever chunks the checkpoint has (resharding);
+    small values into ``values``.
+
+    Nothing is written into the model while DCP reads: every piece goes to a staging tensor, and
+    `apply` (called once the whole read succeeded on every rank) copies them into every local
+    copy and zero-fills padding rows, so a read that fails leaves the model as it was."""
 
     def __init__(self, entries: list[Entry], value_keys: list[str], where: str) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.entries, self.value_keys, self.where = entries, value_keys, where
         self.values: dict[str, Any] = {}
         self.by_key = {e.key: e for e in entries}
+        self.staged: list[tuple[ReadItem, Tensor]] = []
 
     def set_up_planner(
         self,
@@ -392,10 +389,6 @@ class LoadPlanner(DefaultLoadPlanner):
                         "damaged. Fix: load a checkpoint whose save finished"
                     )
             items += reads
-        with torch.no_grad():  # every rank's plan is checked before any rank reads
-            for e in self.entries:
-                for t in e.padded:
-                    t.zero_()  # padding rows: in no box
         items += [
             ReadItem(
                 type=LoadItemType.BYTE_IO,
@@ -414,12 +407,24 @@ class LoadPlanner(DefaultLoadPlanner):
         return narrow_tensor_by_index(box.views[copy], item.dest_offsets, item.lengths)
 
     def resolve_tensor(self, read_item: ReadItem) -> Tensor:
-        return self._view(read_item, 0)
+        view = self._view(read_item, 0)
+        return torch.empty(view.shape, dtype=view.dtype)  # staged: see `apply`
 
     def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
-        box = self.by_key[read_item.dest_index.fqn].boxes[read_item.dest_index.index or 0]
-        for copy in range(1, len(box.views)):
-            self._view(read_item, copy).copy_(tensor)
+        self.staged.append((read_item, tensor))
+
+    def apply(self) -> None:
+        """Copy what was read into the model (every local copy of each box); padding rows, in no
+        box, zero-filled. Call it only after the whole read succeeded."""
+        with torch.no_grad():
+            for e in self.entries:
+                for t in e.padded:
+                    t.zero_()
+            for item, tensor in self.staged:
+                box = self.by_key[item.dest_index.fqn].boxes[item.dest_index.index or 0]
+                for copy in range(len(box.views)):
+                    self._view(item, copy).copy_(tensor)
+        self.staged = []
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
