@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import InitError, ParallelizeError
+from fastdist.nn.hf_save import install as install_save_pretrained
 from fastdist.nn.layers import VocabParallelEmbedding
 from fastdist.nn.loss import HFCausalLMLoss
 from fastdist.nn.materialize import (
@@ -485,6 +486,7 @@ def parallelize(
     pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes)
     pm._attach_original(original, why)
     pm.plan = dict(plan)
+    install_save_pretrained(model, mesh)  # model.save_pretrained writes the whole model
     return pm
 
 
