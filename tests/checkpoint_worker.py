@@ -192,3 +192,45 @@ def two_ranks(out: str) -> Any:
     except fd.nn.CheckpointError as e:
         res["other model"] = str(e)
     return res
+
+
+def cut(path: str, fraction: float) -> None:
+    """Truncate ``path`` to ``fraction`` of its bytes."""
+    import os
+
+    with open(path, "r+b") as f:
+        f.truncate(int(os.path.getsize(path) * fraction))
+
+
+def fail_whole(out: str) -> Any:
+    """2 gloo ranks, tp=2 Llama: save (2 files); rank 0 truncates rank 1's file to 10 %; a fresh
+    model and optimizer load it; returns (error type, message, model unchanged, optimizer
+    state empty) on each rank. Then ``model.save_pretrained(out/hf)`` on every rank (rank 0
+    writes the gathered model) and the model's state."""
+    import glob
+
+    from fastdist.comm import barrier
+
+    mesh = fd.connect(tp=2, timeout=60)
+    pm = make("llama", mesh)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    train(pm, opt, 1)
+    checkpoint.save(f"{out}/ck", pm, opt)
+    if mesh.rank == 0:
+        (second,) = glob.glob(f"{out}/ck/__1_*.distcp")
+        cut(second, 0.1)
+    barrier(mesh)
+    fresh = make("llama", mesh, seed=4)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    before = model_state(fresh)
+    res: dict[str, Any] = {}
+    try:
+        checkpoint.load(f"{out}/ck", fresh, fresh_opt)
+    except Exception as e:  # what a training loop's fallback catches
+        res["error"] = (type(e).__name__, str(e))
+    after = model_state(fresh)
+    res["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    res["optimizer empty"] = len(fresh_opt.state) == 0
+    pm.module.save_pretrained(f"{out}/hf")
+    res["state"] = model_state(pm)
+    return res

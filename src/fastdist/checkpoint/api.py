@@ -81,8 +81,12 @@ def save(
         path: ``format="dcp"`` (the default): a directory (created; an earlier checkpoint there
             is replaced), each rank writing only its own slices, loadable on any other layout.
             ``format="safetensors"`` (the default for a path ending ``.safetensors``): the
-            single-device weights gathered and written as one file by rank ``dst`` (a
-            directory: ``model.safetensors`` in it, what ``from_pretrained`` reads).
+            single-device weights gathered and written as one file by rank ``dst`` (written
+            to ``.tmp`` and renamed into place); a path not ending ``.safetensors`` is a
+            directory (created) holding ``model.safetensors`` and, for a transformers model,
+            its ``config.json``: a plain ``from_pretrained`` loads it. (``model.save_pretrained``
+            of a parallelized transformers model writes the whole model too:
+            `fastdist.nn.hf_save`.)
         model: a `fastdist.nn.ParallelModel` (simulated or real ranks; on real ranks a
             **collective**: call it on every rank), or a module: with ``mesh=`` a module of
             fastdist layers, without it a plain module on one device (``"dcp"`` only).
@@ -95,7 +99,8 @@ def save(
         dst: the rank that writes the ``"safetensors"`` file.
 
     Raises `fastdist.errors.CheckpointError` before anything is written (see
-    `fastdist.checkpoint.dcp.write`).
+    `fastdist.checkpoint.dcp.write`), or when a write fails (the checkpoint that was at
+    ``path`` then left as it was: a save replaces it atomically).
 
     >>> import tempfile, torch, fastdist as fd
     >>> def mlp():
@@ -171,7 +176,10 @@ def load(
         mesh: the mesh of a plain module of fastdist layers.
 
     Everything is checked before anything is read; a mismatch raises
-    `fastdist.errors.CheckpointError` naming the key and the fix.
+    `fastdist.errors.CheckpointError` naming the key and the fix. A load fails whole: a
+    checkpoint that cannot be read completely (a missing, truncated or damaged file: each item
+    of a distributed checkpoint carries a CRC-32) raises `fastdist.errors.CheckpointError` (an
+    ``Exception``) naming the file, with the model and optimizer as they were.
     """
     op = "fastdist.checkpoint.load"
     if isinstance(model, Staged) and not isinstance(model, (ParallelModel, nn.Module)):

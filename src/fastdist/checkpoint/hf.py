@@ -13,6 +13,7 @@ renames when it loads a model, and the experts it stores one tensor per expert.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -26,26 +27,12 @@ __all__ = ["fused_experts", "hf_checkpoint_renames", "has_fused_experts"]
 
 
 def _checkpoint_keys(source: Any) -> list[str]:
-    """The tensor names of a safetensors file, a directory of them, or a state dict."""
-    from collections.abc import Mapping
-    from pathlib import Path
-
-    if isinstance(source, Mapping):
-        return [str(k) for k in source]
-    if not isinstance(source, (str, Path)):
+    """The tensor names of a safetensors file, a ``save_pretrained`` directory, or a state dict (a
+    file that cannot be read raises `fastdist.errors.CheckpointError` naming it)."""
+    if not isinstance(source, (str, os.PathLike, Mapping)):
         return []
-    path = Path(source)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    keys: list[str] = []
-    try:
-        from safetensors import safe_open
-    except ImportError:  # pragma: no cover - safetensors comes with transformers
-        return []
-    for file in files:
-        if file.suffix == ".safetensors" and file.is_file():
-            with safe_open(str(file), framework="pt") as f:
-                keys += list(f.keys())
-    return keys
+    with open_source(source) as (shapes, _):
+        return [str(k) for k in shapes]
 
 
 def hf_checkpoint_renames(model: nn.Module, source: Any) -> dict[str, str] | None:

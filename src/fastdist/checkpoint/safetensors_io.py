@@ -72,14 +72,32 @@ def open_source(
             files = {"": single}
     else:
         files = {"": path}
-    handles: dict[str, Any] = {f: safe_open(f, framework="pt") for f in set(files.values())}
+    handles: dict[str, Any] = {}
+    for file in sorted(set(files.values())):  # every file opened (its header read) before any read
+        try:
+            handles[file] = safe_open(file, framework="pt")
+        except Exception as e:  # noqa: BLE001 (missing, truncated, not safetensors: all one answer)
+            raise CheckpointError(
+                f"fastdist.checkpoint.load: {file} cannot be read ({type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0]}); nothing was loaded. Fix: load "
+                "another checkpoint, or write this one again (it may be truncated or missing)"
+            ) from e
     try:
         where = (
             {k: h for h in handles.values() for k in h.keys()}
             if "" in files
             else {k: handles[f] for k, f in files.items()}
         )
-        shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in where.items()}
+        shapes = {}
+        for k, h in where.items():
+            try:
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+            except Exception as e:  # noqa: BLE001 (an index naming a tensor its file lacks)
+                raise CheckpointError(
+                    f"fastdist.checkpoint.load: {files.get(k, path)} has no tensor {k!r} "
+                    f"({type(e).__name__}: {e}); nothing was loaded. Fix: write the checkpoint "
+                    "again (its index and files disagree)"
+                ) from e
         yield shapes, lambda k: lambda s: where[k].get_slice(k)[s]
     finally:
         handles.clear()
@@ -204,12 +222,15 @@ def write(
     on rank ``dst``.
 
     Returns the single-device state dict (on every rank). Tied parameters are written once,
-    under the first name, as ``save_pretrained`` does. ``path`` may be a directory: the file is
-    then ``model.safetensors`` in it (what ``load_checkpoint`` and ``from_pretrained`` read).
+    under the first name, as ``save_pretrained`` does. The file is written as ``<file>.tmp`` and
+    renamed into place (``os.replace``), so a crash while writing leaves an earlier file whole.
 
     Args:
         module: the parallel module.
-        path: the ``.safetensors`` file to write, or a directory (then ``model.safetensors`` in it).
+        path: the ``.safetensors`` file to write (its directory created), or any other path: a
+            directory (created) holding ``model.safetensors`` and, for a transformers model, its
+            ``config.json`` (what ``from_pretrained`` reads). A path that does not exist never
+            becomes a file unless it ends in ``.safetensors``.
         mesh: the mesh it runs on.
         dst: the rank (global, on real ranks) that writes the file.
 
@@ -218,9 +239,23 @@ def write(
     """
     from safetensors.torch import save_file
 
+    where = os.fspath(path)
+    as_file = where.endswith(".safetensors") and not os.path.isdir(where)
+    if not as_file and os.path.isfile(where):
+        raise CheckpointError(
+            f"fastdist.checkpoint.save: {where} is a file and does not end in .safetensors. Fix: "
+            "pass a directory (it is created) or a path ending in .safetensors"
+        )
     state = full_state_dict(module, mesh)
     if mesh.backend is None or mesh.rank == dst:
-        target = os.path.join(path, "model.safetensors") if os.path.isdir(path) else os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(where)) if as_file else where
+        os.makedirs(folder, exist_ok=True)
+        target = where if as_file else os.path.join(where, "model.safetensors")
         aliases = tied_aliases(module)
-        save_file({k: v.contiguous() for k, v in state.items() if k not in aliases}, target)
+        tensors = {k: v.contiguous() for k, v in state.items() if k not in aliases}
+        save_file(tensors, target + ".tmp", metadata={"format": "pt"})
+        os.replace(target + ".tmp", target)
+        config = getattr(module, "config", None)
+        if not as_file and callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(where)  # type: ignore[union-attr]
     return state
