@@ -62,6 +62,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "tests/test_calibrate.py": frozenset({"test_calibrate_on_gloo_reproduces_held_out_sizes"}),
+    "tests/test_checkpoint_fail_whole.py": frozenset(
+        {"test_on_gloo_a_damaged_checkpoint_fails_whole_on_every_rank"}
+    ),
     "tests/test_calibrate_kernels.py": frozenset(
         {"test_calibrate_kernels_predicts_held_out_steps_on_gloo"}
     ),
