@@ -378,8 +378,11 @@ class QueueFull(FastdistError, queue.Full):
 
 
 class CheckpointError(MeshError, KeyError):
-    """A checkpoint does not match the model: a missing or unexpected key, or a shape that
-    differs (raised by `fastdist.checkpoint`, and by `fastdist.nn` state dicts)."""
+    """A checkpoint does not match the model (a missing or unexpected key, a shape that differs),
+    cannot be read completely (a missing, truncated or damaged file, named in the message; the
+    model and optimizer are then left as they were), or cannot be written (raised by
+    `fastdist.checkpoint`, and by `fastdist.nn` state dicts). An ``Exception``, unlike torch's
+    ``CheckpointException``, so ``except Exception`` catches it."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
