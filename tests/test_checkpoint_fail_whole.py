@@ -185,3 +185,37 @@ def test_on_gloo_a_damaged_checkpoint_fails_whole_on_every_rank(tmp_path: Path) 
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
     got = back.state_dict()
     assert all(torch.equal(res[0]["state"][k], got[k]) for k in got)
+
+
+def test_a_meta_model_loads_a_distributed_checkpoint_shards_only(tmp_path: Path) -> None:
+    """A Llama built on the meta device and parallelized (tp=2) loads a DCP checkpoint with no
+    init first: each tensor gets its shard's storage (the local shape), the values equal the
+    saved model's bitwise, and the model runs; a load that fails (a truncated file) puts every
+    tensor back on the meta device."""
+    from tests.test_hf_models import rep
+    from tests.tiny_models import instantiate
+
+    pm, opt = trained_llama()
+    want = model_state(pm)
+    checkpoint.save(tmp_path / "ck", pm, opt)
+    bad = copy_dir(tmp_path / "ck", tmp_path / "bad")
+    (file,) = bad.glob("*.distcp")
+    cut(str(file), 0.1)
+
+    def meta() -> Any:
+        with torch.device("meta"):
+            model = instantiate("llama").eval()
+        return fd.nn.parallelize(model, fd.Mesh({"tp": 2}))
+
+    lazy = meta()
+    with pytest.raises(fd.nn.CheckpointError, match="is truncated"):
+        checkpoint.load(bad, lazy)
+    assert all(p.is_meta for p in lazy.module.parameters())
+    checkpoint.load(tmp_path / "ck", lazy, dtype=torch.float64)
+    local = {n: tuple(p.shape) for n, p in pm.module.named_parameters()}
+    assert {n: tuple(p.shape) for n, p in lazy.module.named_parameters()} == local
+    got = model_state(lazy)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    ids = torch.randint(0, 61, (2, 5))
+    out, ref = lazy(input_ids=rep(ids, lazy.mesh)), pm(input_ids=rep(ids, pm.mesh))
+    assert torch.equal(out.logits, ref.logits)

@@ -169,10 +169,10 @@ def load(
             the renamings transformers applies to this model's checkpoints
             (`fastdist.checkpoint.hf.hf_checkpoint_renames`), and per-expert tensors read under
             the model's fused names (`fastdist.checkpoint.hf.fused_experts`).
-        device: (safetensors) where tensors on the meta device get their storage (default cpu),
-            each rank only its shards'; non-persistent meta buffers are recomputed first by the
-            model's own init, as ``from_pretrained`` does.
-        dtype: (safetensors) the dtype of floating-point meta parameters (default: their own).
+        device: where tensors on the meta device get their storage (default cpu), each rank
+            only its shards' (safetensors and DCP alike: no init first); non-persistent meta
+            buffers are recomputed first by the model's own init, as ``from_pretrained`` does.
+        dtype: the dtype of floating-point meta parameters (default: their own).
         mesh: the mesh of a plain module of fastdist layers.
 
     Everything is checked before anything is read; a mismatch raises
@@ -203,19 +203,17 @@ def load(
     if fmt == "dcp":
         if isinstance(path, Mapping):
             raise CheckpointError(f"{op}: format='dcp' needs a directory, not a state dict")
-        for name, value in (("rename", rename), ("device", device), ("dtype", dtype)):
-            if value is not None:
-                raise CheckpointError(
-                    f"{op}: {name}= applies to single-device safetensors, not to a distributed "
-                    f"checkpoint. Fix: drop {name}= (a DCP checkpoint loads into materialised "
-                    "models under their own names)"
-                )
+        if rename is not None:
+            raise CheckpointError(
+                f"{op}: rename= applies to single-device safetensors, not to a distributed "
+                "checkpoint. Fix: drop rename= (a DCP checkpoint loads under the model's own names)"
+            )
         if strict == "missing" or mesh is not None:
             raise CheckpointError(
                 f"{op}: strict='missing' and mesh= apply to single-device safetensors. Fix: "
                 "strict=True or False, and a ParallelModel"
             )
-        return dcp.read(path, model, optimizer, strict=bool(strict))
+        return dcp.read(path, model, optimizer, strict=bool(strict), device=device, dtype=dtype)
     if optimizer is not None:
         raise CheckpointError(
             f"{op}: {path if not isinstance(path, Mapping) else 'a state dict'} holds "

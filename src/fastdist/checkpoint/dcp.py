@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     FileSystemReader,
@@ -56,14 +56,16 @@ from fastdist.checkpoint.planner import (
     FORMAT,
     HEADER,
     LoadPlanner,
+    Target,
     few,
     model_entries,
     target,
 )
 from fastdist.checkpoint.planner import SavePlanner as BoxSavePlanner
 from fastdist.errors import CheckpointError
+from fastdist.nn.materialize import resolve_device
 from fastdist.nn.parallelize import ParallelModel
-from fastdist.nn.state import tied_aliases
+from fastdist.nn.state import materialize_, meta_names, named_tensors, tied_aliases
 
 __all__ = ["write", "read", "is_dcp", "Writer", "Reader"]
 
@@ -306,6 +308,8 @@ def read(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint that `write` wrote (on any mesh) into ``model`` (and ``optimizer``);
     returns the ``extra`` values.
@@ -328,13 +332,67 @@ def read(
         model: the model to load into (a `fastdist.nn.ParallelModel` or a module).
         optimizer: an optimizer whose state to replace too.
         strict: raise on missing or unexpected keys (``False``: skip them).
+        device: where the tensors of a `fastdist.nn.ParallelModel` built on the meta device
+            get their storage (default cpu): each only its rank's shard (its local shape), no
+            whole tensor and no init first; non-persistent buffers are recomputed by the
+            model's own init. A load that fails puts them back on the meta device.
+        dtype: the dtype of floating-point meta parameters (default: their own).
 
     Returns:
         the ``extra`` values saved with the checkpoint.
     """
     op = "fastdist.checkpoint.load"
     tgt = target(model, op)
-    source = os.fspath(path)
+    made = _materialize(model, tgt, device, dtype, op)
+    try:
+        out = _read_into(os.fspath(path), tgt, optimizer, strict, {f"model.{n}" for n in made}, op)
+    except BaseException:
+        for t in made.values():  # back to the meta device: as it was
+            materialize_(t, "meta")
+        raise
+    if made and isinstance(model, ParallelModel):
+        model.settle_meta()
+    return out
+
+
+def _materialize(
+    model: ParallelModel | nn.Module,
+    tgt: Target,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    op: str,
+) -> dict[str, Tensor]:
+    """Storage for this rank's shards of the tensors still on the meta device (values written by
+    the load); returns them by name."""
+    if not meta_names(tgt.module):
+        if device is not None or dtype is not None:
+            raise CheckpointError(
+                f"{op}: device={device!r} / dtype={dtype!r} choose where tensors on the meta "
+                f"device get their storage, but {type(tgt.module).__name__} has none there. Fix: "
+                "drop them"
+            )
+        return {}
+    if not isinstance(model, ParallelModel):
+        return {}  # model_entries names them and the fix
+    model.recompute_buffers(resolve_device(device))
+    made = {}
+    for name, (t, is_param) in named_tensors(tgt.module).items():
+        if t.is_meta:
+            materialize_(t, device, dtype if is_param and t.is_floating_point() else None)
+            made[name] = t
+    return made
+
+
+def _read_into(
+    source: str,
+    tgt: Target,
+    optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+    fresh: set[str],
+    op: str,
+) -> dict[str, Any]:
+    """`read` of a model whose tensors all have storage (``fresh``: the keys given storage for
+    this load, which must then be in the checkpoint)."""
     metadata = _read_metadata(source, tgt.where, op)
     stored = metadata.state_dict_metadata
     header = metadata.planner_data.get(HEADER) if isinstance(metadata.planner_data, dict) else None
@@ -357,6 +415,12 @@ def read(
             f"keys {few(missing)}, unexpected keys {few(unexpected)} ({len(missing)} missing, "
             f"{len(unexpected)} unexpected). Fix: load the checkpoint of the same model (same "
             "config), or pass strict=False to skip them"
+        )
+    if fresh & set(missing):
+        raise CheckpointError(
+            f"{op} on {tgt.where}: {few(sorted(fresh & set(missing)))} are on the meta device and "
+            f"{source} has no key for them: they would stay without values. Fix: load a "
+            "checkpoint that has them, or fastdist.nn.init_weights(pm, seed=...) first"
         )
     for key in [k for k in missing if k in entries]:
         del entries[key]
