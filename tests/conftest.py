@@ -73,6 +73,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     ),
     "tests/test_cross_entropy.py": frozenset({"test_cross_entropy_on_gloo"}),
     "tests/test_fakecomm.py": frozenset({"test_three_processes"}),
+    "tests/test_generate.py": frozenset({"test_generate_on_gloo_equals_one_device"}),
     "tests/test_lazy_imports.py": frozenset(
         {
             "test_import_fastdist_imports_no_torch_and_first_use_nothing_heavy",

@@ -1,0 +1,290 @@
+"""Generation with a parallel model: Hugging Face ``generate`` made exact on real and simulated
+ranks.
+
+A plan's vocabulary-parallel LM head gives each rank its share of the logits, which is what a
+loss wants and what ``generate`` must not see: the argmax (or a sample) inside one rank's share
+is a wrong token, silently. Two things make generation right:
+
+* `DirectCalls`, hooks `fastdist.nn.parallelize` puts on a model whose layers it split: a call
+  of the model itself (``model(...)``, ``model.generate(...)``: not through `ParallelModel`)
+  gets the whole vocabulary's logits, as the unmodified model returns them, and on real ranks its
+  token inputs are checked equal across the ranks of every group the plan splits over (ranks
+  that drew different samples diverge; they are stopped at the next step, never silently). On a
+  simulated mesh such a call cannot run (the parameters hold every rank's shard): it raises,
+  naming `ParallelModel.generate`.
+* `generate` (`ParallelModel.generate`): the inputs checked once, every rank of a group drawing
+  with the random state of the group's first rank (so sampling draws one device's tokens, and
+  the other ranks' own random state is left as it was), then the model's own ``generate``. On a
+  simulated mesh every step runs all ranks through `ParallelModel` without a KV cache (a cache
+  object cannot leave the simulation), fine for a notebook's few tokens.
+
+The logits are gathered (``all_gather`` of the last position's ``V / n`` columns: transformers
+computes only the positions ``generate`` keeps); argmax and top-k/top-p over the sharded logits
+without gathering would save ``V`` floats per sequence and step, which is small next to one
+layer's collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.styles import ParallelLinear
+from fastdist.ops import all_gather
+
+if TYPE_CHECKING:
+    from fastdist.nn.parallelize import ParallelModel
+
+__all__ = ["DirectCalls", "generate"]
+
+#: the inputs of a causal LM's forward that every rank of a tensor-parallel group must share
+TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+
+
+def sharded_head(model: nn.Module) -> ParallelLinear | None:
+    """The model's LM head when a plan made it give vocabulary-parallel logits, else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, ParallelLinear) and head.kind == "col" and not head.gather_output:
+        return head
+    return None
+
+
+@contextlib.contextmanager
+def whole_logits(model: nn.Module) -> Iterator[None]:
+    """Within the block, the model's vocabulary-parallel head (if any) gives the whole
+    vocabulary's logits ``(..., V)`` (an all-gather, the padding columns dropped)."""
+    head = sharded_head(model)
+    if head is None:
+        yield
+        return
+    head.gather_output = True
+    try:
+        yield
+    finally:
+        head.gather_output = False
+
+
+def _fingerprint(values: Mapping[str, Any]) -> Tensor:
+    """A float64 vector that differs when any token input differs (its shape, sum and a
+    position-weighted sum, per input)."""
+    parts: list[Tensor] = []
+    for key in TOKEN_INPUTS:
+        v = values.get(key)
+        if not isinstance(v, Tensor):
+            parts.append(torch.zeros(4, dtype=torch.float64))
+            continue
+        flat = v.detach().reshape(-1).to(device="cpu", dtype=torch.float64)  # (numel,)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+        parts.append(
+            torch.stack(
+                [
+                    torch.tensor(float(v.dim())),
+                    torch.tensor(float(flat.numel())),
+                    flat.sum(),
+                    (flat * weights.sin()).sum(),
+                ]
+            ).to(torch.float64)
+        )
+    return torch.cat(parts)  # (4 * len(TOKEN_INPUTS),)
+
+
+def check_same_inputs(
+    values: Mapping[str, Any], mesh: Mesh, axes: Sequence[str], what: str
+) -> None:
+    """Raise `ParallelizeError` if the token inputs differ across the ranks of any group over
+    ``axes`` (real ranks; a collective: every rank calls it)."""
+    mine = _fingerprint(values)
+    device = _comm_device(values)
+    for axis in axes:
+        every = all_gather(mine.to(device), mesh, axis, tiled=False).cpu()  # (n, k)
+        differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+        if differ:
+            raise ParallelizeError(
+                f"{what}: the token inputs differ across the ranks of the {axis!r} group (rank "
+                f"{mesh.rank}: index {differ[0]} differs from index 0). The model's layers are "
+                f"split over {axis!r}, so every rank must run the same request; ranks that "
+                "sampled different tokens diverge. Fix: give every rank of the group the same "
+                "prompt, and generate with ParallelModel.generate (every rank samples with the "
+                "group's first rank's random state) or seed every rank the same"
+            )
+
+
+def _comm_device(values: Mapping[str, Any]) -> torch.device:
+    for v in values.values():
+        if isinstance(v, Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+class DirectCalls:
+    """Hooks on a model whose layers a plan split, for calls of the model itself (not through
+    `ParallelModel`): the whole vocabulary's logits, and (real ranks) the token inputs checked
+    equal across the plan's groups. ``bypass()``: a block whose calls are `ParallelModel`'s own
+    (the logits stay sharded); ``trusted()``: calls whose inputs were already checked
+    (`generate`)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, axes: Sequence[str]) -> None:
+        self.mesh, self.axes = mesh, tuple(axes)
+        self.name = type(model).__name__
+        self._bypass = 0
+        self._trusted = 0
+        self._gathering: list[contextlib.ExitStack] = []
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
+
+    @contextlib.contextmanager
+    def bypass(self) -> Iterator[None]:
+        self._bypass += 1
+        try:
+            yield
+        finally:
+            self._bypass -= 1
+
+    @contextlib.contextmanager
+    def trusted(self) -> Iterator[None]:
+        self._trusted += 1
+        try:
+            yield
+        finally:
+            self._trusted -= 1
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._bypass:
+            return
+        if self.mesh.backend is None:
+            raise ParallelizeError(
+                f"{self.name} was called itself on a simulated mesh, where its parameters hold "
+                "every rank's shard stacked: it cannot run outside the simulation. Fix: call "
+                "the ParallelModel that parallelize returned (pm(...), or pm.generate(...) to "
+                "generate)"
+            )
+        if not self._trusted and self.axes:
+            values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
+            check_same_inputs(values, self.mesh, self.axes, f"{self.name} called on real ranks")
+        stack = contextlib.ExitStack()
+        stack.enter_context(whole_logits(module))
+        self._gathering.append(stack)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if self._gathering and not self._bypass:
+            self._gathering.pop().close()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _rng_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _group_rng_state(model: nn.Module, mesh: Mesh, axes: Sequence[str]) -> tuple[Tensor, bool]:
+    """(the random state of the first rank of this rank's group over ``axes``, whether this rank
+    is that first rank); the state of the device the model's parameters live on."""
+    device = _rng_device(model)
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    shared = state.to(torch.int64)  # (bytes,): gloo and NCCL gather int64
+    first = True
+    for axis in axes:
+        every = all_gather(shared.to(device), mesh, axis, tiled=False)  # (n, bytes)
+        shared = every[0].cpu()
+        first = first and mesh.index(mesh.rank, axis) == 0
+    return shared.to(torch.uint8), first
+
+
+@contextlib.contextmanager
+def _group_rng(model: nn.Module, mesh: Mesh, axes: Sequence[str]) -> Iterator[None]:
+    """Within the block, every rank of a group draws from its first rank's random state; the
+    first rank's own state advances as on one device, the others' is restored after."""
+    state, first = _group_rng_state(model, mesh, axes)
+    device = _rng_device(model)
+    with contextlib.ExitStack() as stack:
+        if not first:
+            stack.enter_context(
+                torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            )
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(state, device)
+            else:
+                torch.set_rng_state(state)
+        yield
+
+
+def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
+    """``pm.module.generate(*args, **kwargs)`` (Hugging Face's), exact on a parallel model: the
+    result equals the unmodified model's on one device (greedy, beam search, sampling with the
+    same random state). See this module's docstring."""
+    model = pm.module
+    if not callable(getattr(type(model), "generate", None)):
+        raise ParallelizeError(
+            f"ParallelModel.generate: {type(model).__name__} has no generate method (a Hugging "
+            "Face model's GenerationMixin). Fix: generate with a causal LM, or write the "
+            "decoding loop over pm(...)"
+        )
+    if not pm.simulated:
+        values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
+        check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate")
+        with _group_rng(model, pm.mesh, pm.axes), pm.direct_calls.trusted():
+            return model.generate(*args, **kwargs)
+    return _simulated_generate(pm, *args, **kwargs)
+
+
+def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
+    """HF ``generate`` whose every model call runs all simulated ranks through ``pm`` (no KV
+    cache), the logits gathered and rank 0's taken (checked equal on every rank)."""
+    if kwargs.get("use_cache"):
+        raise ParallelizeError(
+            "ParallelModel.generate on a simulated mesh: use_cache=True cannot hold, a KV cache "
+            "object cannot leave the simulation. Fix: leave use_cache unset (every step "
+            "recomputes the sequence) or generate on real ranks"
+        )
+    model = pm.module
+    world = pm.mesh.size
+
+    def call(*a: Any, **k: Any) -> Any:
+        batched = {
+            key: v.expand(world, *v.shape) if isinstance(v, Tensor) and v.dim() else v
+            for key, v in {**dict(zip(TOKEN_INPUTS, a, strict=False)), **k}.items()
+        }
+        batched.pop("use_cache", None)
+        with whole_logits(model):
+            out = pm(**batched)
+        logits = out["logits"]  # (world, batch, positions, V)
+        if not torch.equal(logits, logits[:1].expand_as(logits)):
+            raise ParallelizeError(
+                "ParallelModel.generate on a simulated mesh: the ranks' logits differ; the plan "
+                "does not give every rank the whole output. Fix: check the plan with verify=True"
+            )
+        out["logits"] = logits[0]
+        return out
+
+    proxy = _SimulatedProxy.of(model, call)
+    return type(model).generate(proxy, *args, use_cache=False, **kwargs)
+
+
+class _SimulatedProxy:
+    """An instance of a subclass of the model's class sharing the model's attributes, whose call
+    is ``call``: HF's ``generate`` runs on it as on the model (``isinstance`` and ``super()`` hold),
+    and every forward it makes goes through the simulation."""
+
+    @staticmethod
+    def of(model: nn.Module, call: Any) -> nn.Module:
+        cls = type(model)
+        sub = type(
+            f"{cls.__name__}OnSimulatedRanks",
+            (cls,),
+            {"__call__": lambda self, *a, **k: call(*a, **k)},
+        )
+        proxy = object.__new__(sub)
+        proxy.__dict__ = model.__dict__  # the same modules, parameters, config
+        return proxy  # type: ignore[no-any-return]
