@@ -554,3 +554,40 @@ def test_every_family_on_two_gloo_processes(tmp_path: Path) -> None:
         run_on_gloo(families_on_gloo, 2, GLOO_FAMILIES, str(tmp_path), timeout=600)
         == [[f for _, f in GLOO_FAMILIES]] * 2
     )
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no-prepare-input", "sp-norms-not-pvaryd"])
+def test_a_hand_plan_leaving_per_rank_gradients_is_refused_naming_the_fix(sp: bool) -> None:
+    """A hand-edited Llama plan whose replicated values would get per-rank gradients: the MLP's
+    ColwiseParallel() layers without the PrepareInput before them (the hidden states' gradient,
+    and with it every parameter before, would be each rank's own share), or sequence parallelism
+    without the norms' PvaryParams (each norm sees its sequence shard). The forward of either is
+    exact; parallelize refuses both, naming the parameter or module and the fix; without the
+    check (verify=False) the replicas' gradients differ."""
+    mesh = fd.Mesh({"tp": 2})
+    model = build("llama")
+    plan = fd.nn.plans.plan(model, mesh, sequence_parallel=sp)
+    if sp:
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            del plan[f"model.layers.*.{norm}"]
+        message = (
+            r"replicated parameter 'model\.layers\.0\.input_layernorm\.weight'.*"
+            r"Fix: pvary it over 'tp': plan\['model\.layers\.\*\.input_layernorm'\] = "
+            r"fastdist\.nn\.PvaryParams\('tp'\)"
+        )
+        drifting = "model.layers.0.input_layernorm.weight"
+    else:
+        del plan["model.layers.*.mlp"]
+        message = (
+            r"a replicated input of 'model\.layers\.0\.mlp\.gate_proj' \(ParallelLinear\) meets "
+            r"values that vary over 'tp'.*Fix: prepare the input: plan\[<its parent>\] = "
+            r"fastdist\.nn\.PrepareInput\('tp'\)"
+        )
+        drifting = "model.layers.0.post_attention_layernorm.weight"
+    with pytest.raises(fd.nn.ParallelizeError, match=message):
+        fd.nn.parallelize(copy.deepcopy(model), mesh, plan)
+    pm = fd.nn.parallelize(model, mesh, plan, verify=False)
+    ids, labels = batch(1)
+    pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss.sum().backward()
+    g = model.get_parameter(drifting).grad  # [world, hidden]
+    assert (g - g[:1]).abs().max() > 1e-4

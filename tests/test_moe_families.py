@@ -107,13 +107,16 @@ def check_family(
     grads_tol: dict[str, float],
     weights: dict[str, float] | None,
     sequence_parallel: bool = False,
+    plan: dict[str, Any] | None = None,
 ) -> None:
     """Logits, loss (+ aux loss), every gradient and two AdamW steps against one device, to the
-    given tolerances (``weights=None``: one step's forward and gradients only)."""
+    given tolerances (``weights=None``: one step's forward and gradients only), with the family's
+    ready plan or ``plan``."""
     ref = build(family)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
-    plan = fd.nn.plans.plan(model, mesh, sequence_parallel=sequence_parallel)
+    if plan is None:
+        plan = fd.nn.plans.plan(model, mesh, sequence_parallel=sequence_parallel)
     pm = fd.nn.parallelize(model, mesh, plan)  # the row of model_type
     vocab_axis = "tp" if "tp" in axes else "ep"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -149,6 +152,45 @@ def check_family(
         torch.testing.assert_close(
             state[name], p.detach(), **weights, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("axes", [{"ep": 4}, {"ep": 2, "tp": 2}], ids=["ep4", "ep2xtp2"])
+def test_another_familys_plan_leaving_per_rank_gradients_is_refused(axes: dict[str, int]) -> None:
+    """Mixtral's plan on a Qwen3-MoE model leaves its per-head q/k norms (which Mixtral has not)
+    replicated on each rank's heads: the forward is exact, but each rank's norm gradient is its
+    own heads' only (ranks differ; silently so in ``p.grad``). parallelize refuses it, naming the
+    parameter and the fix (verify=True: on a copy, the model unchanged); the fix applied matches
+    one device."""
+    mesh = fd.Mesh(axes)
+    with float64_inside("qwen3_moe"):
+        model = build("qwen3_moe")
+        plan = fd.nn.plans.plan(model, mesh, family="mixtral")
+        axis = plan["model.layers.*.self_attn"].axis
+        refused = (
+            rf"replicated parameter 'model\.layers\.0\.self_attn\.q_norm\.weight' .* vary over "
+            rf"'{axis}'.*k_norm\.weight.*Fix: pvary it over '{axis}': plan\['model\.layers\.\*\."
+            rf"self_attn\.q_norm'\] = fastdist\.nn\.PvaryParams\('{axis}'\)"
+        )
+        with pytest.raises(fd.nn.ParallelizeError, match=refused + ".*was not changed"):
+            fd.nn.parallelize(model, mesh, plan, verify=True)
+        assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+        with pytest.raises(fd.nn.ParallelizeError, match=refused + ".*has been changed"):
+            fd.nn.parallelize(model, mesh, plan)
+        # what the refusal prevents (verify=False: no check): the replicas' gradients differ
+        model = build("qwen3_moe")
+        pm = fd.nn.parallelize(model, mesh, plan, verify=False)
+        ids, labels = batch(10)
+        pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss.sum().backward()
+        g = model.model.layers[0].self_attn.q_norm.weight.grad  # [world, head_dim]
+        assert (g - g[:1]).abs().max() > 1e-4
+        fixed = {
+            **plan,
+            **{
+                f"model.layers.*.self_attn.{n}": fd.nn.PvaryParams(axis)
+                for n in ("q_norm", "k_norm")
+            },
+        }
+        check_family("qwen3_moe", axes, TOL, TOL, None, plan=fixed)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "olmoe", "qwen3_moe"])

@@ -149,10 +149,21 @@ _INTROSPECTION = {
 class RepTracker:
     """Replication states of the tensors of one running ``spmd`` call (see module docstring)."""
 
-    def __init__(self, mesh: Mesh, mode: CheckMode, *, simulated: bool) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        mode: CheckMode,
+        *,
+        simulated: bool,
+        on_insert: Callable[[Tensor, tuple[str, ...]], None] | None = None,
+    ) -> None:
+        """``on_insert(t, axes)``: called for every ``pvary`` the tracker inserts (``t`` the
+        invariant value, ``axes`` those it is pvary'd over); `fastdist.nn.parallelize` uses it to
+        find replicated parameters that meet rank-varying values."""
         if mode not in ("insert", "error"):
             raise MeshError(f"spmd: check must be 'insert', 'error' or False, got {mode!r}")
         self.mesh, self.mode, self.simulated = mesh, mode, simulated
+        self.on_insert = on_insert
         self._states: dict[int, tuple[weakref.ref[Tensor], Rep]] = {}
         self._suspended = 0
 
@@ -192,6 +203,8 @@ class RepTracker:
     def _pvary(self, t: Tensor, axes: Sequence[str]) -> Tensor:
         from fastdist.ops import pvary
 
+        if self.on_insert is not None:
+            self.on_insert(t, tuple(axes))
         with self.suspended():
             out = pvary(t, self.mesh, tuple(axes))
         rep = self.get(t)

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P
 from fastdist.errors import ParallelizeError
+from fastdist.nn.replicas import check_replicas
 from fastdist.nn.state import Layout
 from fastdist.nn.styles import HeadParallelAttention, ParallelLinear
 from fastdist.sim.simulate import simulate
@@ -592,6 +593,8 @@ def verify_plan(
         diff = _first_on_any_rank(diff, mesh)
     if diff is not None:
         _refuse(diff, modules, styles, trial, ref, mesh)
+    # the gradients: no replicated parameter left with per-rank gradients (on the copy)
+    check_replicas(trial, mesh, pm.layouts, pm.axes, pm.probe, inputs, changed=False)
     return time.perf_counter() - start
 
 
@@ -613,7 +616,7 @@ def _run_trial(
 
     def rank_fn(params: Mapping[str, Tensor], **kwargs: Any) -> Any:
         rec.reset()
-        pm._run(params, (), kwargs)
+        pm.probe(params, kwargs)
         out_keys[:] = list(rec.order)
         return [rec.outputs[k] for k in rec.order], [rec.inputs.get(k, []) for k in rec.order]
 
@@ -622,8 +625,7 @@ def _run_trial(
             if simulated:
                 outs = simulate(rank_fn, mesh)(dict(trial.named_parameters()), **inputs)
             else:
-                params = dict(trial.named_parameters()) if pm._pvary else {}
-                outs = rank_fn(params, **inputs)
+                outs = rank_fn(dict(trial.named_parameters()), **inputs)
         except Exception as e:  # noqa: BLE001 (reported as the plan's error)
             error = e
     if error is not None:
@@ -640,7 +642,7 @@ def _run_trial(
     outputs, ins = outs
     got = Recorded(dict(zip(out_keys, outputs)), out_keys, dict(zip(out_keys, ins)))
     ranks = list(range(mesh.size)) if simulated else [mesh.rank]
-    return _compare(reference, got, modules, mesh, pm._axes, ranks, simulated)
+    return _compare(reference, got, modules, mesh, pm.axes, ranks, simulated)
 
 
 def _first_on_any_rank(diff: _Diff | None, mesh: Mesh) -> _Diff | None:

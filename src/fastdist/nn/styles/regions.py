@@ -100,7 +100,10 @@ class GatherSequence(_InputHook):
     seq_dim: int = 1
 
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
-        return all_gather_invariant(x, mesh, self.axis, dim=self.seq_dim)
+        # contiguous: on real ranks the gather along the sequence dim of a batch of several
+        # sequences is a strided view, which model code that .view()s its input (transformers'
+        # MoE blocks: hidden_states.view(-1, hidden)) cannot take
+        return all_gather_invariant(x, mesh, self.axis, dim=self.seq_dim).contiguous()
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ class PrepareInput(_InputHook):
     seq_dim: int = 1
 
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
-        return column_input(x, mesh, self.axis, self.kind == "sequence", self.seq_dim)
+        # contiguous: as GatherSequence's, for modules that .view() their gathered input
+        return column_input(x, mesh, self.axis, self.kind == "sequence", self.seq_dim).contiguous()
 
 
 @dataclass(frozen=True)
