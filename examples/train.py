@@ -18,11 +18,11 @@ weight differs.
 
 The data is text the model can learn: the Zen of Python (it ships with every Python, as the
 ``this`` module), one token per byte, windows of ``--seq`` bytes at random offsets. The loss
-starts near ln(503) = 6.2 (uniform over the vocabulary) and falls below 3.5 within the 20
-default steps, at every layout. The global batch of every step is the same whatever the
-layout: ``--batch`` windows, split over the data ranks, then into ``--accum`` micro-batches.
-Every sequence has the same length and no ignored labels, so the mean of the per-rank losses
-is the single-device loss.
+starts near ln(503) = 6.2 (uniform over the vocabulary) and falls to about 3.6 in the 20
+default steps, the same at every layout (``examples/loss_curves.py`` draws it). The global
+batch of every step is the same whatever the layout: ``--batch`` windows, split over the data
+ranks, then into ``--accum`` micro-batches. Every sequence has the same length and no ignored
+labels, so the mean of the per-rank losses is the single-device loss.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (ep for mixtral)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (1: no pipeline)")
     p.add_argument(
-        "--dp", type=int, default=2, help="data-parallel ranks (--simulate; real: world / tp pp)"
+        "--dp", type=int, default=2, help="data-parallel ranks (--simulate; real ranks: the rest)"
     )
     p.add_argument(
         "--sp",
