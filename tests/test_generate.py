@@ -56,3 +56,11 @@ def test_generate_refuses_a_model_without_generate() -> None:
     pm = fd.nn.parallelize(mlp, fd.Mesh({"tp": 2}), plan)
     with pytest.raises(ParallelizeError, match="no generate method"):
         pm.generate(torch.zeros(1, 4))
+
+
+def test_generate_refuses_a_sequence_parallel_plan() -> None:
+    model = tm.build("llama")
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
+    with pytest.raises(ParallelizeError, match="cannot be split"):
+        pm.generate(torch.tensor([[3, 5, 7, 11]]), max_new_tokens=2)

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.styles import ParallelLinear
+from fastdist.nn.styles import ParallelLinear, SequenceShard
 from fastdist.ops import all_gather
 
 if TYPE_CHECKING:
@@ -231,12 +231,33 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "Face model's GenerationMixin). Fix: generate with a causal LM, or write the "
             "decoding loop over pm(...)"
         )
+    _refuse_sequence_parallel(pm)
     if not pm.simulated:
         values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
         check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate")
         with _group_rng(model, pm.mesh, pm.axes), pm.direct_calls.trusted():
-            return model.generate(*args, **kwargs)
+            return cast(Any, model).generate(*args, **kwargs)
     return _simulated_generate(pm, *args, **kwargs)
+
+
+def _refuse_sequence_parallel(pm: ParallelModel) -> None:
+    """Sequence parallelism splits every step's tokens over the ranks; a decoding step has one
+    token per sequence, which does not split: refused before the first step."""
+    split = [
+        pattern
+        for pattern, styles in pm.plan.items()
+        for style in (styles if isinstance(styles, (list, tuple)) else [styles])
+        if isinstance(style, SequenceShard)
+    ]
+    if split:
+        raise ParallelizeError(
+            f"ParallelModel.generate: the plan splits the sequence over the ranks ({split[0]!r}: "
+            "SequenceShard, a plan's sequence_parallel=True), and a decoding step's single new "
+            "token cannot be split. Fix: generate with the model parallelized without sequence "
+            "parallelism (fastdist.nn.plans.plan(model, mesh, sequence_parallel=False)): the "
+            "parameters and their shards are the same, so a checkpoint of the training run loads "
+            "into it (fastdist.checkpoint.load)"
+        )
 
 
 def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
@@ -269,7 +290,7 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
         return out
 
     proxy = _SimulatedProxy.of(model, call)
-    return type(model).generate(proxy, *args, use_cache=False, **kwargs)
+    return cast(Any, type(model)).generate(proxy, *args, use_cache=False, **kwargs)
 
 
 class _SimulatedProxy:
@@ -285,6 +306,6 @@ class _SimulatedProxy:
             (cls,),
             {"__call__": lambda self, *a, **k: call(*a, **k)},
         )
-        proxy = object.__new__(sub)
+        proxy: nn.Module = object.__new__(sub)
         proxy.__dict__ = model.__dict__  # the same modules, parameters, config
-        return proxy  # type: ignore[no-any-return]
+        return proxy
