@@ -52,6 +52,9 @@ SLOW_FILES = frozenset(
 
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_activation_checkpointing.py": frozenset(
+        {"test_hf_checkpointing_on_gloo", "test_checkpoint_in_per_rank_code_on_gloo"}
+    ),
     "tests/test_autograd_function_simulate.py": frozenset(
         {
             "test_compiled_functions_on_real_ranks_are_exact",

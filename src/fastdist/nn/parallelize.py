@@ -22,6 +22,7 @@ pattern must match at least one module. Ready-made plans: `fastdist.nn.plans`.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,6 +44,7 @@ from fastdist.nn.materialize import (
     unwritten,
 )
 from fastdist.nn.plans import plan as family_plan
+from fastdist.nn.pvary_sites import PvarySites
 from fastdist.nn.state import (
     CheckpointError,
     Layout,
@@ -61,7 +63,6 @@ from fastdist.nn.styles import (
     swap_child,
 )
 from fastdist.nn.verify import VerifyInputs, verify_plan
-from fastdist.ops import pvary
 from fastdist.sim.simulate import simulate
 
 __all__ = ["parallelize", "ParallelModel", "pattern_matches"]
@@ -90,9 +91,11 @@ class ParallelModel:
         self.plan: dict[str, Any] = {}
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
-        # (module, parameter name, axis): parameters pvary'd inside their module's forward when
-        # torch's engines (DDP, FSDP2) call the model (fastdist.train.DataParallel)
+        # (module, parameter name, axis): parameters pvary'd inside their module's forward, by
+        # hooks: every call of that module (a checkpoint's recomputation in backward, a call by
+        # DDP / FSDP2) pvary's them again (fastdist.nn.pvary_sites)
         self.pvary_sites = list(pvary_params)
+        self.pvary_hooks = PvarySites(mesh, self.pvary_sites)
         # the data-parallel engine attached (fastdist.train.DataParallel), or None
         self.engine: Any = None
         # torch's wrapper (DDP / FSDP2) that calls of this model go through on real ranks, set by
@@ -120,13 +123,10 @@ class ParallelModel:
     def _run(
         self, params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """One rank's call: parameters that meet rank-varying data are pvary'd first."""
-        if self._pvary or self.simulated:
-            swapped = {
-                n: pvary(p, self.mesh, self._pvary[n]) if n in self._pvary else p
-                for n, p in params.items()
-            }
-            return torch.func.functional_call(self.module, swapped, args, kwargs)
+        """One rank's call with ``params`` swapped in (none: the module's own); parameters that
+        meet rank-varying data are pvary'd inside their module's forward (`pvary_hooks`)."""
+        if params:
+            return torch.func.functional_call(self.module, dict(params), args, kwargs)
         return self.module(*args, **kwargs)
 
     def forward_rank(
@@ -165,8 +165,7 @@ class ParallelModel:
         if self.wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
             return self.wrapped(*args, **kwargs, **per_rank)
         if not self.simulated:
-            params = dict(self.module.named_parameters()) if self._pvary else {}
-            return self._run(params, args, {**kwargs, **per_rank})
+            return self._run({}, args, {**kwargs, **per_rank})
         kwargs = {**self._no_cache, **kwargs}  # a KV cache object cannot leave the simulation
         tensors, rest = _split_kwargs(kwargs)
         if not torch.compiler.is_compiling():
@@ -185,7 +184,8 @@ class ParallelModel:
                     _check_replicated(k, v, self.mesh, self._axes)
         tensors.update(per_rank)
         try:
-            return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
+            with _no_recomputation(self.module):
+                return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
         except RuntimeError as e:
             if "data-dependent control flow" not in str(e):
                 raise
@@ -329,6 +329,25 @@ class ParallelModel:
             f"ParallelModel({type(self.module).__name__}, {self.mesh!r}, "
             f"{'simulated' if self.simulated else 'real ranks'})"
         )
+
+
+@contextlib.contextmanager
+def _no_recomputation(module: nn.Module) -> Iterator[None]:
+    """transformers' gradient checkpointing turned off inside (on simulated ranks: a checkpoint
+    would recompute its layer in backward, outside the simulation's vmap over the ranks, which
+    torch cannot do). The layers then keep their activations: the same values and gradients."""
+    layers = (
+        [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if module.training
+        else []
+    )
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def _tensors_only(out: Any) -> Any:

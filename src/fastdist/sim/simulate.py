@@ -54,6 +54,7 @@ from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.predispatch import _add_batch_dim
 from torch._functorch.pyfunctorch import coerce_cinterpreter
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from fastdist.core.binding import RankBinding
 from fastdist.core.context import pop_simulation, push_simulation
@@ -150,13 +151,87 @@ class _SimulationMode(SdpaMode):
     ) -> None:
         super().__init__()
         self.simulation = (meshes, world, outer, device)
+        # saved-tensor hooks pushed inside the simulation are not these (a checkpoint)
+        self.hooks_at_start = _top_saved_tensors_hooks()
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is custom_function_call and not torch.compiler.is_compiling():
             out = func(*args, **kwargs)  # args[0]: the user's autograd.Function class
             _mark_function_node(out, _Resume(*self.simulation, getattr(args[0], "__name__", "?")))
             return out
+        if func is Tensor.requires_grad_:
+            return _requires_grad_(func, args, kwargs)
+        if self.hooks_at_start != _top_saved_tensors_hooks():
+            _refuse_recomputation(self.simulation[0][0])
         return super().call(func, args, kwargs)
+
+
+def _top_saved_tensors_hooks() -> Any:
+    """The innermost saved-tensor hooks (pack, unpack) now, or None (also while dynamo traces:
+    it traces checkpoints as a higher-order op, without these hooks)."""
+    if torch.compiler.is_compiling():
+        return None
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _refuse_recomputation(mesh: Mesh) -> None:
+    """Raise for non-reentrant ``torch.utils.checkpoint`` entered inside the simulation (its
+    saved-tensor hooks are innermost), at its first op."""
+    hooks = _top_saved_tensors_hooks()
+    pack = getattr(hooks[0], "__qualname__", "") if hooks else ""
+    if pack.startswith("_checkpoint_hook."):
+        raise NoBackendError(_checkpoint_inside(mesh, "use_reentrant=False"))
+
+
+def _checkpoint_inside(mesh: Mesh, variant: str) -> str:
+    """What `simulate` says about ``torch.utils.checkpoint`` called inside it."""
+    return (
+        f"torch.utils.checkpoint(..., {variant}) inside fastdist.simulate over {mesh!r}: a "
+        "checkpoint recomputes its region in backward, after the simulation returned, on "
+        "tensors of the simulation's vmap over the ranks, which torch.vmap cannot do (torch "
+        "transforms support neither saved-tensor hooks nor a Function without setup_context). "
+        "Fix: checkpoint only on real ranks (e.g. `if mesh.backend is not None`; simulated ranks "
+        "hold every activation anyway), or put the checkpoint around the whole simulated call. "
+        "A fastdist.nn.ParallelModel turns transformers' gradient checkpointing off by itself "
+        "for its simulated calls"
+    )
+
+
+def _reentrant_checkpoint(e: RuntimeError) -> bool:
+    """Whether ``e`` is torch refusing reentrant ``torch.utils.checkpoint`` under vmap (its
+    ``CheckpointFunction`` has no ``setup_context``)."""
+    if isinstance(e, NoBackendError) or "setup_context" not in str(e):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is checkpoint.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _requires_grad_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Tensor.requires_grad_`` inside the simulation, where torch.vmap refuses it: a no-op on a
+    tensor whose ranks already require grad (transformers' ``enable_input_require_grads`` hook on
+    the embeddings' output); a fastdist error for any other."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        t = inner = args[0]
+        while _functorch.is_batchedtensor(inner) or _functorch.is_gradtrackingtensor(inner):
+            inner = _functorch.get_unwrapped(inner)
+        if inner is t or "inside of a function being transformed" not in str(e):
+            raise
+        if inner.requires_grad:
+            return t
+        raise NoBackendError(
+            "Tensor.requires_grad_() inside fastdist.simulate on a tensor that does not require "
+            "grad: torch.vmap cannot start tracking gradients inside the simulation (e.g. "
+            "transformers' enable_input_require_grads on frozen embeddings, which only matters "
+            "for reentrant checkpointing, and simulated ranks do not recompute). Fix: make the "
+            "tensor require grad before the simulated call (an input), or remove the hook "
+            "(model.disable_input_require_grads())"
+        ) from e
 
 
 def _traced_code() -> list[Any]:
@@ -307,13 +382,18 @@ def simulate(
                 # while dynamo traces with gradients on: where the trace of fn starts
                 traced = torch.compiler.is_compiling() and torch.is_grad_enabled()
                 start = _traced_code_count() if traced else 0
-                if batch_sdpa:
-                    # F.scaled_dot_product_attention folded over the ranks (fastdist.sim.sdpa), and
-                    # the nodes of autograd.Functions marked for their backward
-                    with _SimulationMode(meshes_tuple, mesh.size, outer, device):
+                try:
+                    if batch_sdpa:
+                        # F.scaled_dot_product_attention folded over the ranks (fastdist.sim.sdpa),
+                        # the nodes of autograd.Functions marked for their backward
+                        with _SimulationMode(meshes_tuple, mesh.size, outer, device):
+                            out = fn(*rank_args, **kwargs)
+                    else:
                         out = fn(*rank_args, **kwargs)
-                else:
-                    out = fn(*rank_args, **kwargs)
+                except RuntimeError as e:
+                    if _reentrant_checkpoint(e):
+                        raise NoBackendError(_checkpoint_inside(mesh, "use_reentrant=True")) from e
+                    raise
                 if traced:
                     _refuse_traced_functions(start, described)
                 return out

@@ -260,7 +260,6 @@ class DataParallel:
         self.axes = data_axes(axis, model.mesh, op)
         attach = ddp if self.engine == "ddp" else fsdp
         self.wrapped = attach(model, axis, **engine_kwargs)
-        self._pvary_hooks = PvaryHooks(model.mesh, model.pvary_sites)
         self._owner = model
         model.engine, model.wrapped = self, self.wrapped
 
@@ -523,48 +522,6 @@ def refuse_meta(module: nn.Module, op: str) -> None:
 
 
 # ============================================================================ torch's engines
-class PvaryHooks:
-    """On real ranks, ``pvary`` a module's parameters inside its own forward (pre-hook swaps the
-    parameter for ``pvary(parameter)``, a forward hook puts it back, also when forward raises).
-
-    `fastdist.nn.ParallelModel` normally swaps these parameters with ``functional_call`` around
-    the whole model; DDP and FSDP2 must call the model themselves, and FSDP2 installs its
-    unsharded parameters at each block's forward, so the swap happens at the innermost module,
-    after them: the gradient reaches the very parameter the engine reduces.
-    """
-
-    def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
-        from fastdist.ops import pvary
-
-        self._handles: list[Any] = []
-        by_module: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
-        for module, name, axis in sites:
-            by_module.setdefault(id(module), (module, []))[1].append((name, axis))
-        for module, names in by_module.values():
-
-            def pre(m: nn.Module, args: Any, names: list[tuple[str, str]] = names) -> None:
-                for name, axis in names:
-                    p = m._parameters.pop(name)
-                    m.__dict__[name] = pvary(p, mesh, axis)  # type: ignore[arg-type]
-                    m.__dict__[f"_fastdist_pvaried_{name}"] = p
-
-            def post(
-                m: nn.Module, args: Any, out: Any, names: list[tuple[str, str]] = names
-            ) -> None:
-                for name, _ in names:
-                    if f"_fastdist_pvaried_{name}" in m.__dict__:
-                        del m.__dict__[name]
-                        m._parameters[name] = m.__dict__.pop(f"_fastdist_pvaried_{name}")
-
-            self._handles.append(module.register_forward_pre_hook(pre))
-            self._handles.append(module.register_forward_hook(post, always_call=True))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
 def ddp(pm: ParallelModel, axis: AxisName = "dp", **kwargs: Any) -> nn.Module:
     """Wrap ``pm.module`` in ``torch.nn.parallel.DistributedDataParallel`` over the mesh's data
     group (real ranks). See `DataParallel`."""

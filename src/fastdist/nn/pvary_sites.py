@@ -1,0 +1,94 @@
+"""Replicated parameters that meet rank-varying data, ``pvary``'d inside their own module's forward.
+
+A parameter replicated over an axis but used on data that differs across that axis (a norm on a
+sequence shard, a per-head norm on a head shard; the `fastdist.nn.PvaryParams` style) must be
+``pvary``'d where it is used, so that its gradient is summed over the axis (``pvary``'s backward
+is ``psum``). `PvarySites` does it at the innermost place: a forward pre-hook on the owning
+module puts ``pvary(parameter)`` in the parameter's slot for the duration of that module's
+forward, and a forward hook puts the parameter back (also when forward raises).
+
+Doing it there, rather than around the whole model's call, is what makes every way of running
+the module exact:
+
+* activation checkpointing: a recomputation runs the module's forward again (reentrant
+  checkpointing recomputes in backward, after the model's call returned), so the parameter is
+  ``pvary``'d again and its gradient summed, as in the first forward;
+* torch's engines (DDP, FSDP2) call the model themselves, and FSDP2 installs its unsharded
+  parameters at each block's forward: the swap happens after, at the innermost module, so the
+  gradient reaches the very parameter the engine reduces;
+* simulated ranks: inside ``torch.func.functional_call`` the slot holds the simulation's
+  per-rank parameter, which is what gets ``pvary``'d.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.ops import pvary
+
+__all__ = ["PvarySites"]
+
+#: where the parameter a pre-hook replaced is kept until its forward hook puts it back
+_KEPT = "_fastdist_pvary_kept"
+
+
+class PvarySites:
+    """Hooks that ``pvary`` each site's parameter inside its module's forward.
+
+    Args:
+        mesh: the mesh the parameters' axes belong to.
+        sites: ``(module, parameter name, axis)`` for each parameter to ``pvary`` over ``axis``
+            (a parameter directly owned by ``module``).
+
+    Each module gets one forward pre-hook (prepended: it runs before the module's other
+    pre-hooks, which see the ``pvary``'d tensor like the forward does) and one forward hook
+    (``always_call``). A forward of the module running inside another forward of the same
+    module (nothing in a model does this) sees the parameter ``pvary``'d once, by the outer call.
+    """
+
+    def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
+        self.sites = list(sites)
+        self._handles: list[Any] = []
+        by_module: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
+        for module, name, axis in self.sites:
+            by_module.setdefault(id(module), (module, []))[1].append((name, axis))
+        for module, names in by_module.values():
+            pre, post = _hooks(mesh, tuple(names))
+            self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
+            self._handles.append(module.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters are then used as they are)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _hooks(mesh: Mesh, names: tuple[tuple[str, str], ...]) -> tuple[Any, Any]:
+    """The (pre-hook, forward hook) pair of one module whose parameters ``names`` (name, axis)
+    are ``pvary``'d."""
+
+    def pre(m: nn.Module, args: Any) -> None:
+        if _KEPT in m.__dict__:
+            return  # a forward of m inside another one: already pvary'd
+        kept: dict[str, Tensor | None] = {}
+        for name, axis in names:
+            p = m._parameters[name]
+            kept[name] = p
+            if p is not None:
+                # the slot holds a plain tensor while forward runs, as torch.func.functional_call
+                # leaves it
+                m._parameters[name] = pvary(p, mesh, axis)  # type: ignore[assignment]
+        m.__dict__[_KEPT] = kept
+
+    def post(m: nn.Module, args: Any, out: Any) -> None:
+        kept = m.__dict__.pop(_KEPT, None)
+        if kept is not None:
+            for name, p in kept.items():
+                m._parameters[name] = p  # type: ignore[assignment]
+
+    return pre, post
