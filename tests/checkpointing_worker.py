@@ -118,3 +118,44 @@ def per_rank_checkpoint_on_gloo() -> list[float]:
         (y**2).sum().backward()
         out.append(worst(pm.grads(), norm_reference()))
     return out
+
+
+#: (data-parallel engine, use_reentrant) the 4-rank run checks
+ENGINE_CASES = [
+    ("fastdist", False),
+    ("fastdist", True),  # refused: a backward inside a backward
+    ("ddp", False),
+    ("ddp", True),
+    ("fsdp", False),
+    ("fsdp", True),
+]
+
+
+def engines_on_gloo() -> list[float | str]:
+    """One rank of dp 2 x tp 2: the sequence-parallel Llama with transformers' checkpointing under
+    each data-parallel engine, each dp rank its own batch; per case the worst gradient difference
+    from one device (the mean loss over both batches), or the error raised."""
+    mesh = fd.connect(tp=2, timeout=120)  # dp = 2
+    me = mesh.coords(mesh.rank)["dp"]
+    out: list[float | str] = []
+    for engine, reentrant in ENGINE_CASES:
+        model = hf_model("llama", reentrant)
+        batches = [(batch("llama") + i) % VOCAB for i in range(2)]
+        ref = copy.deepcopy(model)
+        losses = []
+        for ids in batches:
+            logits = ref(input_ids=ids).logits
+            losses.append(
+                F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            )
+        (sum(losses) / 2).backward()
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        try:
+            pm = checkpointed(model, mesh, True, reentrant, False)
+            fd.train.DataParallel(pm, "dp", engine=engine)
+            ids = batches[me]
+            pm(input_ids=ids, labels=ids).loss.backward()
+            out.append(worst(pm.grads(), want))
+        except fd.MeshError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out

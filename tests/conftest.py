@@ -53,7 +53,11 @@ SLOW_FILES = frozenset(
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_activation_checkpointing.py": frozenset(
-        {"test_hf_checkpointing_on_gloo", "test_checkpoint_in_per_rank_code_on_gloo"}
+        {
+            "test_hf_checkpointing_on_gloo",
+            "test_checkpoint_in_per_rank_code_on_gloo",
+            "test_hf_checkpointing_with_data_parallel_engines_on_gloo",
+        }
     ),
     "tests/test_autograd_function_simulate.py": frozenset(
         {

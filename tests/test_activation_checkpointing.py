@@ -85,6 +85,19 @@ def test_checkpoint_in_per_rank_code_on_gloo() -> None:
         assert max(rank) < TOL, rank
 
 
+def test_hf_checkpointing_with_data_parallel_engines_on_gloo() -> None:
+    """dp 2 x tp 2 on 4 gloo processes with fastdist's reducer, DDP and FSDP2: exact; fastdist's
+    reducer refuses reentrant checkpointing (a backward inside a backward) with the fix."""
+    from fastdist.testing import run_on_gloo
+
+    for rank in run_on_gloo(cw.engines_on_gloo, 4, timeout=400):
+        for (engine, reentrant), got in zip(cw.ENGINE_CASES, rank):
+            if engine == "fastdist" and reentrant:
+                assert isinstance(got, str) and "use_reentrant=False" in got, got
+            else:
+                assert isinstance(got, float) and got < TOL, (engine, reentrant, got)
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpoint_around_a_simulated_call_is_exact(reentrant: bool) -> None:
     """A checkpoint around the whole simulated call recomputes the whole simulation: exact."""

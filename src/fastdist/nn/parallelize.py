@@ -342,12 +342,12 @@ def _no_recomputation(module: nn.Module) -> Iterator[None]:
         else []
     )
     for m in layers:
-        m.gradient_checkpointing = False
+        setattr(m, "gradient_checkpointing", False)  # noqa: B010 (an attribute of transformers)
     try:
         yield
     finally:
         for m in layers:
-            m.gradient_checkpointing = True
+            setattr(m, "gradient_checkpointing", True)  # noqa: B010
 
 
 def _tensors_only(out: Any) -> Any:

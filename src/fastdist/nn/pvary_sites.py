@@ -89,6 +89,6 @@ def _hooks(mesh: Mesh, names: tuple[tuple[str, str], ...]) -> tuple[Any, Any]:
         kept = m.__dict__.pop(_KEPT, None)
         if kept is not None:
             for name, p in kept.items():
-                m._parameters[name] = p  # type: ignore[assignment]
+                m._parameters[name] = p
 
     return pre, post
