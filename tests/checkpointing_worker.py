@@ -49,7 +49,7 @@ def one_device_grads(model: Any, ids: Tensor) -> dict[str, Tensor]:
     if getattr(out, "aux_loss", None) is not None:
         loss = loss + model.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
-    return {n: p.grad for n, p in model.named_parameters()}
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def checkpointed(model: Any, mesh: fd.Mesh, sp: bool, reentrant: bool, before: bool) -> Any:
@@ -158,4 +158,22 @@ def engines_on_gloo() -> list[float | str]:
             out.append(worst(pm.grads(), want))
         except fd.MeshError as e:
             out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def frozen_embeddings_on_gloo() -> list[float]:
+    """One rank: reentrant checkpointing with frozen embeddings (transformers'
+    ``enable_input_require_grads`` makes the layers' input require grad, and must survive the
+    embedding's swap when enabled before `parallelize`), enabled before and after; the worst
+    gradient difference from one device (checkpointed the same way) of each."""
+    mesh = fd.connect(tp=torch.distributed.get_world_size(), timeout=120)
+    out = []
+    for before in (True, False):
+        model = hf_model("llama", True)
+        model.model.embed_tokens.weight.requires_grad_(False)
+        ids = batch("llama")
+        want = one_device_grads(model, ids)
+        pm = checkpointed(model, mesh, True, True, before)
+        pm(input_ids=ids, labels=ids).loss.backward()
+        out.append(worst(pm.grads(), want))
     return out

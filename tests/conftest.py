@@ -57,6 +57,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
             "test_hf_checkpointing_on_gloo",
             "test_checkpoint_in_per_rank_code_on_gloo",
             "test_hf_checkpointing_with_data_parallel_engines_on_gloo",
+            "test_frozen_embeddings_with_reentrant_checkpointing_on_gloo",
         }
     ),
     "tests/test_autograd_function_simulate.py": frozenset(

@@ -98,6 +98,16 @@ def test_hf_checkpointing_with_data_parallel_engines_on_gloo() -> None:
                 assert isinstance(got, float) and got < TOL, (engine, reentrant, got)
 
 
+def test_frozen_embeddings_with_reentrant_checkpointing_on_gloo() -> None:
+    """Frozen embeddings: transformers' hook that makes the layers' input require grad (without
+    it reentrant checkpoints compute no gradient for the layers) is installed again on the
+    vocabulary-parallel embedding when checkpointing was enabled before `parallelize`."""
+    from fastdist.testing import run_on_gloo
+
+    for rank in run_on_gloo(cw.frozen_embeddings_on_gloo, 2, timeout=120):
+        assert max(rank) < TOL, rank
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpoint_around_a_simulated_call_is_exact(reentrant: bool) -> None:
     """A checkpoint around the whole simulated call recomputes the whole simulation: exact."""
@@ -131,15 +141,16 @@ def test_checkpoint_inside_simulate_is_refused_at_the_first_call(reentrant: bool
         fd.simulate(per_rank, mesh)(params, shards)
 
 
-def test_input_require_grads_hook_on_simulated_ranks() -> None:
-    """transformers' ``enable_input_require_grads`` (installed by ``gradient_checkpointing_enable``
-    after `parallelize`) is a no-op on embeddings that train; on frozen ones torch.vmap cannot
-    start tracking gradients: a fastdist error naming the fix."""
+@pytest.mark.parametrize("before", [True, False])
+def test_input_require_grads_hook_on_simulated_ranks(before: bool) -> None:
+    """transformers' ``enable_input_require_grads`` (installed by ``gradient_checkpointing_enable``)
+    is a no-op on embeddings that train; on frozen ones torch.vmap cannot start tracking
+    gradients: a fastdist error naming the fix."""
     model = cw.hf_model("llama", False)
     mesh = fd.Mesh({"tp": 2})
     ids = cw.batch("llama")
     frozen = copy.deepcopy(model)
-    pm = cw.checkpointed(frozen, mesh, True, False, False)
+    pm = cw.checkpointed(frozen, mesh, True, False, before)
     frozen.model.embed_tokens.weight.requires_grad_(False)
     with pytest.raises(fd.NoBackendError, match=r"disable_input_require_grads"):
         pm(input_ids=rep(ids, mesh), labels=rep(ids, mesh))

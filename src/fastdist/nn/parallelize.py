@@ -625,6 +625,12 @@ def _apply(
             model.loss_function = HFCausalLMLoss(mesh, ctx.sharded_logits)  # type: ignore[assignment]
         elif ctx.gathered_logits is not None:
             model.loss_function = HFCausalLMLoss(mesh, ctx.gathered_logits, gathered=True)  # type: ignore[assignment]
+    hf: Any = model
+    if getattr(hf, "_require_grads_hooks", None):
+        # transformers' enable_input_require_grads (gradient_checkpointing_enable installs it)
+        # hooks the input embeddings' module, which a style may have replaced: hook the new one
+        hf.disable_input_require_grads()
+        hf.enable_input_require_grads()
     # Parameters no style touched are replicated: on a simulated mesh they too carry the rank dim.
     if mesh.backend is None:
         done = {id(v) for v in ctx.converted.values()}

@@ -22,6 +22,7 @@ the module exact:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,25 +71,28 @@ class PvarySites:
 
 def _hooks(mesh: Mesh, names: tuple[tuple[str, str], ...]) -> tuple[Any, Any]:
     """The (pre-hook, forward hook) pair of one module whose parameters ``names`` (name, axis)
-    are ``pvary``'d."""
+    are ``pvary``'d (partials of module-level functions: a model holding them still pickles)."""
+    return functools.partial(_swap_in, mesh, names), functools.partial(_put_back, names)
 
-    def pre(m: nn.Module, args: Any) -> None:
-        if _KEPT in m.__dict__:
-            return  # a forward of m inside another one: already pvary'd
-        kept: dict[str, Tensor | None] = {}
-        for name, axis in names:
-            p = m._parameters[name]
-            kept[name] = p
-            if p is not None:
-                # the slot holds a plain tensor while forward runs, as torch.func.functional_call
-                # leaves it
-                m._parameters[name] = pvary(p, mesh, axis)  # type: ignore[assignment]
-        m.__dict__[_KEPT] = kept
 
-    def post(m: nn.Module, args: Any, out: Any) -> None:
-        kept = m.__dict__.pop(_KEPT, None)
-        if kept is not None:
-            for name, p in kept.items():
-                m._parameters[name] = p
+def _swap_in(mesh: Mesh, names: tuple[tuple[str, str], ...], m: nn.Module, args: Any) -> None:
+    """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)``."""
+    if _KEPT in m.__dict__:
+        return  # a forward of m inside another one: already pvary'd
+    kept: dict[str, Tensor | None] = {}
+    for name, axis in names:
+        p = m._parameters[name]
+        kept[name] = p
+        if p is not None:
+            # the slot holds a plain tensor while forward runs, as torch.func.functional_call
+            # leaves it
+            m._parameters[name] = pvary(p, mesh, axis)  # type: ignore[assignment]
+    m.__dict__[_KEPT] = kept
 
-    return pre, post
+
+def _put_back(names: tuple[tuple[str, str], ...], m: nn.Module, args: Any, out: Any) -> None:
+    """Forward hook (also when forward raised): the parameters back in their slots."""
+    kept = m.__dict__.pop(_KEPT, None)
+    if kept is not None:
+        for name, p in kept.items():
+            m._parameters[name] = p
