@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import InitError, ParallelizeError
+from fastdist.nn.generate import DirectCalls, generate
 from fastdist.nn.hf_save import install as install_save_pretrained
 from fastdist.nn.layers import VocabParallelEmbedding
 from fastdist.nn.loss import HFCausalLMLoss
@@ -45,6 +46,7 @@ from fastdist.nn.materialize import (
 )
 from fastdist.nn.plans import plan as family_plan
 from fastdist.nn.pvary_sites import PvarySites
+from fastdist.nn.replicas import check_replicas
 from fastdist.nn.state import (
     CheckpointError,
     Layout,
@@ -102,7 +104,9 @@ class ParallelModel:
         # fastdist.train.DataParallel(engine="ddp" | "fsdp"); None: the model is called itself
         self.wrapped: nn.Module | None = None
         # the axes the plan splits over: inputs are replicated over them
-        self._axes = tuple(dict.fromkeys(axes))
+        self.axes: tuple[str, ...] = tuple(dict.fromkeys(axes))
+        # calls of the module itself (HF generate): whole logits, inputs checked across ranks
+        self.direct_calls = DirectCalls(module, mesh, self.axes)
         self._dropout = _dropout_sites(module)
         # all ranks at once (used on a plain mesh)
         self._simulated = simulate(self._simulated_rank, mesh)
@@ -136,7 +140,14 @@ class ParallelModel:
         tensors of one rank's shard) and one rank's inputs (no rank dim), without a KV cache
         (``use_cache=False`` where the model's ``forward`` takes it): what
         `fastdist.profile.trace_model` traces."""
-        return self._run(params, args, {**self._no_cache, **kwargs})
+        with self.direct_calls.bypass():
+            return self._run(params, args, {**self._no_cache, **kwargs})
+
+    def probe(self, params: Mapping[str, Tensor], kwargs: Mapping[str, Any]) -> Any:
+        """`forward_rank` of keyword inputs, as a call of this model (what `parallelize` checks
+        the replicas' gradients with: `fastdist.nn.replicas`)."""
+        with self.direct_calls.bypass():
+            return self.forward_rank(params, (), kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
@@ -149,11 +160,11 @@ class ParallelModel:
         """Run the model as calling it does, with the ``per_rank`` keyword arguments handed to
         the module's ``forward`` as they are (on a simulated mesh: one slice per rank, not
         checked against the plan's groups): e.g. a pipeline stage's input activation."""
-        if self.module.training and self._dropout and (self._axes or self.simulated):
+        if self.module.training and self._dropout and (self.axes or self.simulated):
             why = (
                 "the ranks of a tensor-parallel group would draw different masks for activations "
                 "they must hold equal, and diverge silently"
-                if self._axes
+                if self.axes
                 else "simulated ranks run every rank at once under torch.vmap, which draws no "
                 "per-rank random masks"
             )
@@ -162,6 +173,19 @@ class ParallelModel:
                 f"({', '.join(self._dropout[:4])}): {why}. Fix: set the dropout probabilities to "
                 "0 (e.g. in the config) or call model.eval()"
             )
+        with self.direct_calls.bypass():
+            return self._call(per_rank, args, kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's Hugging Face ``generate``, equal to the unmodified model's on one device:
+        the whole vocabulary's logits, every rank of a group sampling with its first rank's
+        random state, the prompt checked equal across the ranks the plan splits over; on a
+        simulated mesh every rank runs each step (no KV cache). See `fastdist.nn.generate`."""
+        return generate(self, *args, **kwargs)
+
+    def _call(
+        self, per_rank: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if self.wrapped is not None:  # DDP / FSDP2: they call the model; pvary by hooks
             return self.wrapped(*args, **kwargs, **per_rank)
         if not self.simulated:
@@ -181,7 +205,7 @@ class ParallelModel:
                     if k in tensors:
                         rest[k] = tensors.pop(k)[0]
                 else:
-                    _check_replicated(k, v, self.mesh, self._axes)
+                    _check_replicated(k, v, self.mesh, self.axes)
         tensors.update(per_rank)
         try:
             with _no_recomputation(self.module):
@@ -462,8 +486,11 @@ def parallelize(
             small random ``input_ids`` batch, compares every module's output, and raises
             `ParallelizeError` naming the first module that differs and the likely fix, with
             ``model`` left unchanged. A dict of example keyword inputs, or a callable taking the
-            model and returning one, replaces the random batch. ``None`` (the default): no
-            check, except for ``plan="auto"``.
+            model and returning one, replaces the random batch; the copy is then checked as
+            below. ``None`` (the default): no comparison, except for ``plan="auto"``; a model
+            that takes ``input_ids`` runs once on a small batch under the replication types
+            (`fastdist.nn.replicas`), and a replicated parameter or input that would get
+            per-rank gradients (a missing ``pvary``) is refused. ``False``: no check.
 
     Raises `ParallelizeError` for a pattern that matches no module, a style applied to
     a module it cannot handle, or a head/feature count that does not split over the axis.
@@ -491,7 +518,12 @@ def parallelize(
     if verify is not None and verify is not False:
         # on copies: the model is changed only after the plan passed
         verify_plan(
-            model, mesh, styles, verify, lambda m: parallelize(m, mesh, styles), pattern_matches
+            model,
+            mesh,
+            styles,
+            verify,
+            lambda m: parallelize(m, mesh, styles, verify=False),
+            pattern_matches,
         )
     # The single-device structure, as a meta copy (no data): fastdist.nn.init_weights runs the
     # model's own init on its modules, and load recomputes meta buffers with it.
@@ -506,6 +538,8 @@ def parallelize(
     pm._attach_original(original, why)
     pm.plan = dict(plan)
     install_save_pretrained(model, mesh)  # model.save_pretrained writes the whole model
+    if verify is None:  # a replicated parameter meeting rank-varying values unreduced: refused
+        check_replicas(model, mesh, pm.layouts, pm.axes, pm.probe)  # (verify checks a copy)
     return pm
 
 
