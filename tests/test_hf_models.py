@@ -191,13 +191,15 @@ def test_three_adamw_steps_equal_one_device() -> None:
 
 
 def test_missing_pvary_is_caught_when_gradients_are_gathered() -> None:
-    """A plan that forgets PvaryParams on sequence-parallel norms: each rank keeps a partial
-    gradient; grads() raises."""
+    """A plan that forgets PvaryParams on sequence-parallel norms: parallelize refuses it; with
+    the check off (verify=False), each rank keeps a partial gradient and grads() raises."""
     model = build("llama")
     mesh = fd.Mesh({"tp": 2})
     plan = fd.nn.plans.plan(model, family="llama", sequence_parallel=True)
     del plan["model.layers.*.input_layernorm"]
-    pm = fd.nn.parallelize(model, mesh, plan)
+    with pytest.raises(fd.nn.ParallelizeError, match="input_layernorm"):
+        fd.nn.parallelize(copy.deepcopy(model), mesh, plan)
+    pm = fd.nn.parallelize(model, mesh, plan, verify=False)
     ids, labels = batch()
     pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh)).loss.sum().backward()
     with pytest.raises(
