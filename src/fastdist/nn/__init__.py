@@ -30,6 +30,7 @@ from fastdist.errors import CheckpointError, MoEError, ParallelizeError, Replica
 from fastdist.nn import moe, plans  # noqa: E402
 from fastdist.nn.attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from fastdist.nn.clip import clip_grad_norm_, grad_norm
+from fastdist.nn.domain import DomainConv
 from fastdist.nn.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -75,6 +76,7 @@ __all__ = [
     "UlyssesAttention",
     "RingAttention",
     "USPAttention",
+    "DomainConv",
     "param_specs",
     "shard_state",
     "stack_state",

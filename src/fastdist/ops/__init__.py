@@ -1,8 +1,8 @@
 """fastdist.ops: the collectives, one block per primitive, with its shape, forward and backward
 rules.
 
-Read the op modules (``reductions``, ``gathers``, ``permutes``, ``uneven``) like a table (as
-JAX's ``lax/parallel.py``). Each block has
+Read the op modules (``reductions``, ``gathers``, ``permutes``, ``uneven``; ``halo`` composes
+``ppermute``) like a table (as JAX's ``lax/parallel.py``). Each block has
 
 * ``_<op>_shape``: the per-rank output shape (the fake rule);
 * ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
@@ -34,6 +34,7 @@ op                  forward                          backward (per rank)
 ``psum_scatter``    sum, keep own chunk              ``all_gather``
 ``all_to_all``      split ``a``, concatenate ``comm``   ``all_to_all`` with ``a``, ``comm`` swapped
 ``ppermute``        send along (src, dst) pairs      ``ppermute`` along the inverse pairs
+``halo_exchange``   pad with neighbours' edge rows   halo gradients added to the senders' edges
 ``broadcast``       copy of ``src``'s value          ``g`` on ``src``, zero elsewhere
 ==================  ===============================  ==================================
 
@@ -55,6 +56,7 @@ from fastdist.ops.gathers import (
     local_chunk,
     psum_scatter,
 )
+from fastdist.ops.halo import halo_exchange
 from fastdist.ops.permutes import axis_index, axis_size, broadcast, ppermute, ring_shift
 from fastdist.ops.ragged import exchange_sizes, indexed_all_to_all_v, ragged_all_to_all
 from fastdist.ops.reductions import pmax, pmean, pmin, psum, pvary
@@ -74,6 +76,7 @@ __all__ = [
     "all_to_all_4d",
     "ppermute",
     "ring_shift",
+    "halo_exchange",
     "broadcast",
     "axis_index",
     "axis_size",
