@@ -210,12 +210,15 @@ class Engine:
             position_ids=torch.tensor([[n] for n in lengths]),  # (batch, 1): its own position
             past_key_values=cache,
         )
-        for b, rid in enumerate(rids):
+        for b, rid in enumerate(rids):  # this token's key/value, (1, kv heads, 1, head_dim)
+            new = [
+                (layer.keys[b : b + 1, :, -1:], layer.values[b : b + 1, :, -1:])
+                for layer in cache.layers
+            ]
             self.caches[rid] = [
-                (torch.cat([k, layer.keys[b : b + 1, :, -1:]], dim=-2),
-                 torch.cat([v, layer.values[b : b + 1, :, -1:]], dim=-2))
-                for (k, v), layer in zip(self.caches[rid], cache.layers)
-            ]  # fmt: skip
+                (torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2))
+                for (k, v), (nk, nv) in zip(self.caches[rid], new)
+            ]
         return {rid: out.logits[b, -1] for b, rid in enumerate(rids)}
 
 

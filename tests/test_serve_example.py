@@ -113,6 +113,11 @@ def test_serving_on_2_gloo_processes_equals_one_device() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "serving 6 requests with llama on Mesh({'dp': 1, 'tp': 2}), at most 3" in proc.stdout
     _check_run(proc.stdout, _one_device("llama", None), most=3)
+    # docs/inference.md shows this run's output
+    doc = (ROOT / "docs" / "inference.md").read_text()
+    for line in proc.stdout.splitlines():
+        if line.startswith(("serving ", "step ", "r0: ", "every request")):
+            assert f"\n{line}\n" in doc, f"docs/inference.md does not show {line!r}"
 
 
 def test_serving_qwen3_on_4_gloo_processes_with_a_stop_token() -> None:
