@@ -108,6 +108,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
             "test_merged_sequence_parallel_projection_compiles_with_dynamic_shapes",
         }
     ),
+    "tests/test_pipeline_checkpoint.py": frozenset({"test_pipeline_checkpoint_on_gloo"}),
     "tests/test_profile.py": frozenset(
         {
             "test_dry_run_4096_ranks_resident_memory",

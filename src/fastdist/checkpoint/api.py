@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fastdist.checkpoint import dcp, safetensors_io
 from fastdist.checkpoint.hf import fused_experts, has_fused_experts, hf_checkpoint_renames
+from fastdist.checkpoint.planner import Staged
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CheckpointError
 from fastdist.nn.materialize import resolve_device
@@ -32,17 +33,6 @@ __all__ = ["save", "load", "Format", "Staged"]
 #: directory; model only)
 Format = Literal["dcp", "safetensors"]
 _FORMATS = ("dcp", "safetensors")
-
-
-@runtime_checkable
-class Staged(Protocol):
-    """A model split into stages (`fastdist.train.Pipeline`): the stages this process holds, each
-    a `fastdist.nn.ParallelModel` holding part of the whole model's parameters."""
-
-    @property
-    def stages(self) -> Mapping[int, ParallelModel]:
-        """Stage index -> the stage's model, for the stages held here."""
-        ...
 
 
 def _format(path: Any, format: str | None, op: str, default: str) -> str:
@@ -67,7 +57,7 @@ def _format(path: Any, format: str | None, op: str, default: str) -> str:
 
 def save(
     path: str | os.PathLike[str],
-    model: ParallelModel | nn.Module,
+    model: ParallelModel | nn.Module | Staged,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     format: Format | None = None,
@@ -89,9 +79,13 @@ def save(
             `fastdist.nn.hf_save`.)
         model: a `fastdist.nn.ParallelModel` (simulated or real ranks; on real ranks a
             **collective**: call it on every rank), or a module: with ``mesh=`` a module of
-            fastdist layers, without it a plain module on one device (``"dcp"`` only).
-        optimizer: an optimizer over the model's parameters (``"dcp"`` only), its state stored
-            by parameter name (a `fastdist.train.ZeroOptimizer` writes the same keys).
+            fastdist layers, without it a plain module on one device (``"dcp"`` only); or a
+            pipeline (`Staged`, ``"dcp"`` only): the stages held here write the whole model's
+            checkpoint under its own names, loadable into any other pipeline layout (pp, tp,
+            dp) or into the model without a pipeline.
+        optimizer: an optimizer over the model's parameters (``"dcp"`` only; a pipeline's over
+            ``pipe.parameters()``), its state stored by parameter name (a
+            `fastdist.train.ZeroOptimizer` writes the same keys).
         format: ``"dcp"`` or ``"safetensors"``.
         extra: small values every rank agrees on (a step, an LR scheduler's ``state_dict()``),
             ``"dcp"`` only; they must load with ``torch.load(weights_only=True)``.
@@ -119,6 +113,13 @@ def save(
     op = "fastdist.checkpoint.save"
     guess = "safetensors" if os.fspath(path).endswith(".safetensors") else "dcp"
     fmt = _format(path, format or guess, op, "dcp")
+    if _is_pipeline(model) and fmt != "dcp":
+        raise CheckpointError(
+            f"{op}: format={fmt!r} of a pipeline is not supported (each stage holds part of the "
+            "model). Fix: format='dcp' (the default for a directory); it loads into the model "
+            "without a pipeline too, whose fastdist.checkpoint.save(path, model, "
+            "format='safetensors') then writes single-device weights"
+        )
     if fmt == "dcp":
         if mesh is not None:
             raise CheckpointError(
@@ -134,6 +135,10 @@ def save(
         )
     module, mesh = module_and_mesh(model, mesh, op)
     safetensors_io.write(module, path, mesh, dst=dst)
+
+
+def _is_pipeline(model: Any) -> bool:
+    return isinstance(model, Staged) and not isinstance(model, (ParallelModel, nn.Module))
 
 
 def load(
@@ -158,7 +163,9 @@ def load(
             file or an index of several), a ``.safetensors`` file, or a state dict.
         model: a `fastdist.nn.ParallelModel`; a module (with ``mesh=``: of fastdist layers;
             without: one device, ``"dcp"`` only); or a pipeline (`Staged`: every stage held
-            here reads its part of the whole model's checkpoint).
+            here reads its part of the whole model's checkpoint, single-device safetensors or
+            a distributed checkpoint of any layout, pipelined or not; with ``optimizer=`` over
+            ``pipe.parameters()`` from a distributed checkpoint).
         optimizer: an optimizer whose state to replace too (``"dcp"`` only).
         format: ``"dcp"`` or ``"safetensors"``; default: what is at ``path`` (a state dict, a
             ``.safetensors`` file or a directory holding one: safetensors; else DCP).
@@ -182,11 +189,13 @@ def load(
     ``Exception``) naming the file, with the model and optimizer as they were.
     """
     op = "fastdist.checkpoint.load"
-    if isinstance(model, Staged) and not isinstance(model, (ParallelModel, nn.Module)):
+    if _is_pipeline(model) and _format(path, format, op, "dcp") == "safetensors":
+        assert isinstance(model, Staged)
         if optimizer is not None:
             raise CheckpointError(
-                f"{op}: a pipeline loads its stages' weights from the whole model's checkpoint; "
-                "optimizer= is not supported. Fix: load without optimizer="
+                f"{op}: {path if not isinstance(path, Mapping) else 'a state dict'} holds "
+                "single-device weights, no optimizer state. Fix: load without optimizer= (a "
+                "training checkpoint is the directory fastdist.checkpoint.save writes)"
             )
         for j in sorted(model.stages):
             load(
@@ -220,6 +229,7 @@ def load(
             "single-device weights, no optimizer state. Fix: load without optimizer= (a "
             "training checkpoint is the directory fastdist.checkpoint.save writes)"
         )
+    assert isinstance(model, (ParallelModel, nn.Module))  # a pipeline's stages: above
     _load_weights(path, model, mesh, strict, rename, device, dtype, op)
     return {}
 

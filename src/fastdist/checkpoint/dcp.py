@@ -55,9 +55,13 @@ from fastdist.checkpoint.optimizer import (
 from fastdist.checkpoint.planner import (
     FORMAT,
     HEADER,
+    Entry,
     LoadPlanner,
+    Staged,
     Target,
+    agree,
     few,
+    gather_job,
     model_entries,
     target,
 )
@@ -65,7 +69,7 @@ from fastdist.checkpoint.planner import SavePlanner as BoxSavePlanner
 from fastdist.errors import CheckpointError
 from fastdist.nn.materialize import resolve_device
 from fastdist.nn.parallelize import ParallelModel
-from fastdist.nn.state import materialize_, meta_names, named_tensors, tied_aliases
+from fastdist.nn.state import materialize_
 
 __all__ = ["write", "read", "is_dcp", "Writer", "Reader"]
 
@@ -197,7 +201,7 @@ def _quiet(distributed: bool, failed: str, fix: str) -> Iterator[None]:
 
 def write(
     path: str | os.PathLike[str],
-    model: ParallelModel | nn.Module,
+    model: ParallelModel | nn.Module | Staged,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: Mapping[str, Any] | None = None,
@@ -216,10 +220,15 @@ def write(
             job; each rank writes one ``__<rank>_<save id>_0.distcp`` file with its slices, a slice
             several ranks hold written by one of them), or a plain ``nn.Module`` (one device;
             a collective over the default process group when torch.distributed is initialised,
-            e.g. data-parallel replicas or FSDP2 ``DTensor`` parameters).
-        optimizer: a ``torch.optim`` optimizer over the model's parameters: its per-parameter
-            state (tensors of the parameter's shape split like the parameter; scalars such as
-            ``step`` stored once) by parameter name, and its param groups' hyperparameters. A
+            e.g. data-parallel replicas or FSDP2 ``DTensor`` parameters), or a pipeline
+            (`fastdist.checkpoint.planner.Staged`: every stage held here writes its parameters
+            under the model's own names, so the checkpoint is the whole model's, loadable on any
+            other pipeline or none; on real ranks a collective of every rank).
+        optimizer: a ``torch.optim`` optimizer over the model's parameters (a pipeline's:
+            over ``pipe.parameters()``, its param groups' names joined over the stages): its
+            per-parameter state (tensors of the parameter's shape split like the parameter;
+            scalars such as ``step`` stored once) by parameter name, and its param groups'
+            hyperparameters. A
             `fastdist.train.ZeroOptimizer` writes the same keys from its flat chunks (each data
             rank the runs it holds), so a plain optimizer loads them and the other way round.
         extra: small values every rank agrees on (a step counter, an LR scheduler's
@@ -241,24 +250,38 @@ def write(
             f"{op} on {tgt.where}: {where} is a file; a distributed checkpoint is a directory. "
             "Fix: pass a directory path (it is created)"
         )
-    entries = model_entries(tgt)
+    entries: dict[str, Entry] = {}
     values: dict[str, Any] = {}
     header: dict[str, Any] = {
         "format": FORMAT,
         "mesh": dict(tgt.mesh.shape) if tgt.mesh is not None else None,
         "simulated": tgt.simulated,
-        "model": type(tgt.module).__name__,
+        "model": tgt.name,
         "optimizer": None,
+        "pipeline": tgt.pipeline,
     }
-    if optimizer is not None:
-        header["optimizer"] = save_optimizer(tgt, optimizer, entries, values, op)
-    for k, v in (extra or {}).items():
-        if not isinstance(k, str) or not k:
-            raise CheckpointError(
-                f"{op} on {tgt.where}: extra key {k!r} is not a non-empty string. Fix: name "
-                "each extra value with a string"
-            )
-        values[f"extra.{k}"] = v
+    failure = None
+    try:
+        entries = model_entries(tgt)
+        if optimizer is not None:
+            header["optimizer"] = save_optimizer(tgt, optimizer, entries, values, op)
+        for k, v in (extra or {}).items():
+            if not isinstance(k, str) or not k:
+                raise CheckpointError(
+                    f"{op} on {tgt.where}: extra key {k!r} is not a non-empty string. Fix: name "
+                    "each extra value with a string"
+                )
+            values[f"extra.{k}"] = v
+    except CheckpointError as e:
+        failure = e
+    agree(tgt, failure)  # a pipeline on real ranks: every rank raises, or none
+    n_groups = len(optimizer.param_groups) if optimizer is not None else 0
+    groups = [list(values.get(f"optim.param_groups.{i}.params", [])) for i in range(n_groups)]
+    model_keys = {k for k in entries if k.startswith("model.")}
+    gather_job(tgt, model_keys, groups if optimizer is not None else None)
+    if tgt.job is not None and tgt.job.groups is not None:  # each group: every stage's names
+        for i, names in enumerate(tgt.job.groups):
+            values[f"optim.param_groups.{i}.params"] = names
     planner = BoxSavePlanner(list(entries.values()), values, header, tgt.where)
     failed = f"{op} on {tgt.where}: writing {where} failed; a checkpoint there before is unchanged"
     with _quiet(tgt.distributed, failed, "free space or fix the directory's permissions"):
@@ -304,7 +327,7 @@ _REREAD = "load another (older) checkpoint, or save again (the files may be dama
 
 def read(
     path: str | os.PathLike[str],
-    model: ParallelModel | nn.Module,
+    model: ParallelModel | nn.Module | Staged,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
@@ -343,40 +366,45 @@ def read(
     """
     op = "fastdist.checkpoint.load"
     tgt = target(model, op)
-    made = _materialize(model, tgt, device, dtype, op)
+    parts: list[Any] = [model]
+    if isinstance(model, Staged) and not isinstance(model, (ParallelModel, nn.Module)):
+        parts = [model.stages[j] for j in sorted(model.stages)]
+    made = _materialize(parts, tgt, device, dtype, op)
     try:
         out = _read_into(os.fspath(path), tgt, optimizer, strict, {f"model.{n}" for n in made}, op)
     except BaseException:
         for t in made.values():  # back to the meta device: as it was
             materialize_(t, "meta")
         raise
-    if made and isinstance(model, ParallelModel):
-        model.settle_meta()
+    if made:
+        for part in parts:
+            if isinstance(part, ParallelModel):
+                part.settle_meta()
     return out
 
 
 def _materialize(
-    model: ParallelModel | nn.Module,
+    parts: list[Any],
     tgt: Target,
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     op: str,
 ) -> dict[str, Tensor]:
     """Storage for this rank's shards of the tensors still on the meta device (values written by
-    the load); returns them by name."""
-    if not meta_names(tgt.module):
+    the load); returns them by name. ``parts``: the model, or a pipeline's stages held here."""
+    if not tgt.meta_names():
         if device is not None or dtype is not None:
             raise CheckpointError(
                 f"{op}: device={device!r} / dtype={dtype!r} choose where tensors on the meta "
-                f"device get their storage, but {type(tgt.module).__name__} has none there. Fix: "
-                "drop them"
+                f"device get their storage, but {tgt.name} has none there. Fix: drop them"
             )
         return {}
-    if not isinstance(model, ParallelModel):
+    if not all(isinstance(part, ParallelModel) for part in parts):
         return {}  # model_entries names them and the fix
-    model.recompute_buffers(resolve_device(device))
+    for part in parts:
+        part.recompute_buffers(resolve_device(device))
     made = {}
-    for name, (t, is_param) in named_tensors(tgt.module).items():
+    for name, t, is_param in tgt.named_tensors():
         if t.is_meta:
             materialize_(t, device, dtype if is_param and t.is_floating_point() else None)
             made[name] = t
@@ -393,15 +421,59 @@ def _read_into(
 ) -> dict[str, Any]:
     """`read` of a model whose tensors all have storage (``fresh``: the keys given storage for
     this load, which must then be in the checkpoint)."""
+    held = {id(p): n for n, p in tgt.named_parameters()}
+    groups = (
+        [[held[id(p)] for p in g["params"] if id(p) in held] for g in optimizer.param_groups]
+        if optimizer is not None
+        else None
+    )
+    gather_job(tgt, {f"model.{n}" for n, _, _ in tgt.named_tensors()}, groups)
+    try:
+        checked = _check_read(source, tgt, optimizer, strict, fresh, op)
+    except CheckpointError as e:
+        agree(tgt, e)
+        raise
+    agree(tgt, None)  # a pipeline on real ranks: every rank found the checkpoint good
+    entries, values, restore, crcs = checked
+    planner = LoadPlanner(list(entries.values()), [], tgt.where)
+    failed = f"{op} on {tgt.where}: reading {source} failed; nothing was loaded"
+    with _quiet(tgt.distributed, failed, _REREAD):
+        dcp_load(
+            {},
+            storage_reader=Reader(source, crcs, tgt.where, op),
+            planner=planner,
+            no_dist=not tgt.distributed,
+        )
+    planner.apply()  # every rank read everything: now into the model
+    if optimizer is not None and restore is not None:
+        apply_optimizer_state(optimizer, *restore)
+    return {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}
+
+
+Checked = tuple[dict[str, Entry], dict[str, Any], Any, Mapping[str, int]]
+"""(the entries to read, the small values read, the optimizer's plan, the CRC-32s)"""
+
+
+def _check_read(
+    source: str,
+    tgt: Target,
+    optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+    fresh: set[str],
+    op: str,
+) -> Checked:
+    """Everything `_read_into` checks before reading a tensor: keys, shapes, the optimizer;
+    reads the small values (this process alone)."""
     metadata = _read_metadata(source, tgt.where, op)
     stored = metadata.state_dict_metadata
     header = metadata.planner_data.get(HEADER) if isinstance(metadata.planner_data, dict) else None
     crcs = header.get("crc32", {}) if isinstance(header, dict) else {}
     entries = model_entries(tgt)
-    aliases = {f"model.{a}": f"model.{n}" for a, n in tied_aliases(tgt.module).items()}
+    aliases = {f"model.{a}": f"model.{n}" for a, n in tgt.tied_aliases().items()}
+    known = tgt.job.keys if tgt.job is not None else set(entries)  # a pipeline: every stage's
     missing = sorted(k for k in entries if k not in stored)
     unexpected = sorted(
-        k for k in stored if k.startswith("model.") and k not in entries and k not in aliases
+        k for k in stored if k.startswith("model.") and k not in known and k not in aliases
     )
     if not any(k.startswith("model.") for k in stored) and stored:
         raise CheckpointError(
@@ -411,8 +483,8 @@ def _read_into(
         )
     if strict and (missing or unexpected):
         raise CheckpointError(
-            f"{op} on {tgt.where}: {source} does not match {type(tgt.module).__name__}: missing "
-            f"keys {few(missing)}, unexpected keys {few(unexpected)} ({len(missing)} missing, "
+            f"{op} on {tgt.where}: {source} does not match {tgt.name}: missing keys "
+            f"{few(missing)}, unexpected keys {few(unexpected)} ({len(missing)} missing, "
             f"{len(unexpected)} unexpected). Fix: load the checkpoint of the same model (same "
             "config), or pass strict=False to skip them"
         )
@@ -450,19 +522,7 @@ def _read_into(
                 f"model expects {entry.shape} (single-device shapes). Fix: load the checkpoint "
                 "of the same config"
             )
-    planner = LoadPlanner(list(entries.values()), [], tgt.where)
-    failed = f"{op} on {tgt.where}: reading {source} failed; nothing was loaded"
-    with _quiet(tgt.distributed, failed, _REREAD):
-        dcp_load(
-            {},
-            storage_reader=Reader(source, crcs, tgt.where, op),
-            planner=planner,
-            no_dist=not tgt.distributed,
-        )
-    planner.apply()  # every rank read everything: now into the model
-    if optimizer is not None and restore is not None:
-        apply_optimizer_state(optimizer, *restore)
-    return {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}
+    return entries, values, restore, crcs
 
 
 def _check_shape(alias: str, a: Any, b: Any, where: str, op: str, source: str) -> None:

@@ -88,6 +88,8 @@ class Saved:
         """Param group ``i``'s hyperparameters (``params``: the saved names); raises unless it
         holds the parameters ``names``."""
         saved = list(self.values.get(f"optim.param_groups.{i}.params", []))
+        if tgt.job is not None and tgt.job.groups is not None and i < len(tgt.job.groups):
+            names = tgt.job.groups[i]  # a pipeline on real ranks: every rank's stages together
         if sorted(saved) != sorted(names):
             raise CheckpointError(
                 f"{op} on {tgt.where}: param group {i} holds other parameters in the checkpoint "
@@ -101,14 +103,16 @@ class Saved:
         self, tgt: Target, known: Container[str], holder: str, fix: str, op: str
     ) -> Iterator[tuple[str, str, str]]:
         """(key, parameter name, state name) of each saved state of a parameter in ``known``;
-        one of another parameter raises when strict."""
+        one of another parameter raises when strict (a pipeline on real ranks: unless another
+        rank's stage holds it)."""
+        elsewhere = {k[len("model.") :] for k in tgt.job.keys} if tgt.job is not None else set()
         for key in self.stored:
             if not key.startswith("optim.state."):
                 continue
             name, _, sub = key[len("optim.state.") :].rpartition(".")
             if name in known:
                 yield key, name, sub
-            elif self.strict:
+            elif self.strict and name not in elsewhere:
                 raise CheckpointError(
                     f"{op} on {tgt.where}: the checkpoint holds optimizer state {key!r} for a "
                     f"parameter this {holder} does not hold. Fix: {fix}, or pass strict=False"
@@ -117,7 +121,7 @@ class Saved:
 
 def param_names(tgt: Target, optimizer: torch.optim.Optimizer, op: str) -> list[list[str]]:
     """The names of each param group's parameters; raises for a parameter the model lacks."""
-    names = {id(p): n for n, p in tgt.module.named_parameters()}
+    names = {id(p): n for n, p in tgt.named_parameters()}
     groups = []
     for i, group in enumerate(optimizer.param_groups):
         foreign = [j for j, p in enumerate(group["params"]) if id(p) not in names]
@@ -179,7 +183,7 @@ def optimizer_plan(
         {**saved.group(tgt, i, group, "optimizer", fix, op), "params": [index[n] for n in group]}
         for i, group in enumerate(names)
     ]
-    params = dict(tgt.module.named_parameters())
+    params = dict(tgt.named_parameters())
     state: dict[int, dict[str, Any]] = {}
     fix = "load the checkpoint of the same model and optimizer"
     for key, name, sub in saved.state_keys(tgt, index, "optimizer", fix, op):
@@ -270,7 +274,7 @@ def zero_groups(tgt: Target, z: Any, op: str) -> list[tuple[Tensor, list[tuple[s
             "expects (a mesh, its flat groups). Fix: build it as ZeroOptimizer(pm, ...) over the "
             "ParallelModel being saved"
         )
-    names = {id(p): n for n, p in tgt.module.named_parameters()}
+    names = {id(p): n for n, p in tgt.named_parameters()}
     out = []
     for plist, shard in z.flat_groups:
         params, offset = [], 0
@@ -394,10 +398,11 @@ def save_optimizer(
     """Add ``optimizer``'s state to ``entries`` (tensors) and ``values`` (the rest); returns
     the optimizer's kind for the header (a ZeRO optimizer: the wrapped one's)."""
     if isinstance(optimizer, ShardedOptimizer):
+        _no_zero_pipeline(tgt, op)
         zero_save(tgt, optimizer, entries, values, op)
         return optimizer_kind(optimizer.inner)
     groups = param_names(tgt, optimizer, op)
-    params = dict(tgt.module.named_parameters())
+    params = dict(tgt.named_parameters())
     for i, (group, names) in enumerate(zip(optimizer.param_groups, groups)):
         for hp, v in group.items():
             values[f"optim.param_groups.{i}.{hp}"] = names if hp == "params" else v
@@ -418,8 +423,19 @@ def plan_optimizer(
 ) -> PlanResult:
     """Check ``optimizer`` against the checkpoint and add the entries its state is read into;
     returns (param groups, state) for `apply_optimizer_state` once they are read."""
-    plan = zero_plan if isinstance(optimizer, ShardedOptimizer) else optimizer_plan
-    return plan(tgt, optimizer, saved, entries)
+    if isinstance(optimizer, ShardedOptimizer):
+        _no_zero_pipeline(tgt, "fastdist.checkpoint.load")
+        return zero_plan(tgt, optimizer, saved, entries)
+    return optimizer_plan(tgt, optimizer, saved, entries)
+
+
+def _no_zero_pipeline(tgt: Target, op: str) -> None:
+    if tgt.pipeline is not None:
+        raise CheckpointError(
+            f"{op} on {tgt.where}: a ZeRO optimizer over a pipeline's stages is not supported "
+            "(its flat shards are laid out per ParallelModel). Fix: a torch optimizer over "
+            "pipe.parameters()"
+        )
 
 
 def apply_optimizer_state(

@@ -17,7 +17,7 @@ import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CheckpointError
 from fastdist.nn.parallelize import ParallelModel
-from fastdist.nn.state import Layout, named_tensors, param_layouts
+from fastdist.nn.state import Layout, meta_names, named_tensors, param_layouts, tied_aliases
 
 __all__ = [
     "FORMAT",
@@ -55,7 +55,11 @@ __all__ = [
     "Box",
     "Entry",
     "Target",
+    "Staged",
+    "Job",
     "target",
+    "gather_job",
+    "agree",
     "entry",
     "clip_box",
     "model_entries",
@@ -91,28 +95,81 @@ class Entry:
     padded: list[Tensor] = field(default_factory=list)  # zero-filled before a load
 
 
+@runtime_checkable
+class Staged(Protocol):
+    """A model split into pipeline stages (`fastdist.train.Pipeline`): the stages this process
+    holds, each a `fastdist.nn.ParallelModel` over the same stage mesh holding part of the whole
+    model's parameters under the model's own names; ``mesh`` is the whole mesh (with the
+    pipeline axis ``axis``)."""
+
+    mesh: Mesh
+    axis: str
+
+    @property
+    def stages(self) -> Mapping[int, ParallelModel]:
+        """Stage index -> the stage's model, for the stages held here."""
+        ...
+
+
+@dataclass
+class Job:
+    """What the other ranks of a pipeline hold (gathered: a rank holds only its stages): every
+    model key held anywhere, and the union of each param group's parameter names."""
+
+    keys: set[str]
+    groups: list[list[str]] | None
+
+
 @dataclass
 class Target:
     """How a model is held: on a simulated mesh (stacked), real ranks, or one device per
-    process."""
+    process; a pipeline as its stages held here (``modules``: parameters of distinct names, a
+    buffer of the model's skeleton in every stage)."""
 
-    module: nn.Module
+    modules: tuple[nn.Module, ...]
     mesh: Mesh | None
     layouts: dict[str, Layout]
     distributed: bool  # a collective over torch.distributed's default group
     where: str  # "simulated ranks", "rank 3", "one device"
+    simulated: bool = False  # every rank's block stacked, [mesh.size, *local]
+    pipeline: dict[str, Any] | None = None  # a pipeline's whole mesh and axis
+    job: Job | None = None  # a pipeline on real ranks: what every rank holds (`gather_job`)
 
     @property
-    def simulated(self) -> bool:
-        return self.mesh is not None and self.mesh.backend is None
+    def name(self) -> str:
+        """The model's class name (for messages)."""
+        return type(self.modules[0]).__name__ if self.modules else "Pipeline"
+
+    @property
+    def staged(self) -> bool:
+        """A pipeline on real ranks: other ranks hold other parameters."""
+        return self.pipeline is not None and self.distributed
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter held here by the model's name (tied ones once)."""
+        return [(n, p) for m in self.modules for n, p in m.named_parameters()]
+
+    def named_tensors(self) -> list[tuple[str, Tensor, bool]]:
+        """(name, tensor, is a parameter) of every parameter and persistent buffer held here; a
+        skeleton buffer once per stage."""
+        return [(n, t, is_p) for m in self.modules for n, (t, is_p) in named_tensors(m).items()]
+
+    def tied_aliases(self) -> dict[str, str]:
+        return {a: n for m in self.modules for a, n in tied_aliases(m).items()}
+
+    def meta_names(self) -> list[str]:
+        return [n for m in self.modules for n in meta_names(m)]
 
 
-def target(model: ParallelModel | nn.Module, op: str) -> Target:
+def target(model: ParallelModel | nn.Module | Staged, op: str) -> Target:
     if isinstance(model, ParallelModel):
         mesh = model.mesh
+        layouts = param_layouts(model.module)
         if mesh.backend is None:
-            return Target(model.module, mesh, param_layouts(model.module), False, "simulated ranks")
-        return Target(model.module, mesh, param_layouts(model.module), True, f"rank {mesh.rank}")
+            return Target((model.module,), mesh, layouts, False, "simulated ranks", True)
+        return Target((model.module,), mesh, layouts, True, f"rank {mesh.rank}")
+    if isinstance(model, Staged) and not isinstance(model, nn.Module):
+        return _staged_target(model, op)
     if not isinstance(model, nn.Module):
         raise CheckpointError(
             f"{op}: model is a {type(model).__name__}, not a fastdist.nn.ParallelModel nor a "
@@ -120,7 +177,66 @@ def target(model: ParallelModel | nn.Module, op: str) -> Target:
         )
     distributed = dist.is_available() and dist.is_initialized()
     where = f"rank {dist.get_rank()}" if distributed else "one device"
-    return Target(model, None, {}, distributed, where)
+    return Target((model,), None, {}, distributed, where)
+
+
+def _staged_target(pipe: Staged, op: str) -> Target:
+    """A pipeline: the stages held here, under the model's names, over their common stage mesh."""
+    stages = [pipe.stages[j] for j in sorted(pipe.stages)]
+    meshes = {pm.mesh for pm in stages}
+    if not stages or len(meshes) != 1:
+        raise CheckpointError(
+            f"{op}: the pipeline holds {len(stages)} stages here over {len(meshes)} meshes; a "
+            "checkpoint needs at least one stage, all over the same stage mesh. Fix: pass what "
+            "fastdist.train.pipeline returned"
+        )
+    mesh = stages[0].mesh
+    layouts: dict[str, Layout] = {}
+    for pm in stages:
+        layouts.update(param_layouts(pm.module))
+    real = pipe.mesh.backend is not None
+    info = {"mesh": dict(pipe.mesh.shape), "axis": pipe.axis}
+    return Target(
+        tuple(pm.module for pm in stages),
+        mesh,
+        layouts,
+        real,
+        f"rank {pipe.mesh.rank}" if real else "simulated ranks",
+        not real,
+        info,
+    )
+
+
+def gather_job(tgt: Target, keys: set[str], groups: list[list[str]] | None) -> None:
+    """A pipeline on real ranks: set ``tgt.job`` to the union of every rank's model ``keys``
+    and of each param group's names (``groups``: this rank's; None: no optimizer). A
+    collective over the default group (every rank holds a pipeline); elsewhere nothing."""
+    if not tgt.staged:
+        return
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (sorted(keys), groups))
+    union: list[list[str]] | None = None
+    if groups is not None:
+        union = [[] for _ in groups]
+        for _, theirs in got:
+            for i, names in enumerate((theirs or [])[: len(union)]):
+                union[i] += [n for n in names if n not in union[i]]
+    tgt.job = Job({k for mine, _ in got for k in mine}, union)
+
+
+def agree(tgt: Target, failure: CheckpointError | None) -> None:
+    """A pipeline on real ranks: raise on every rank when any rank found a problem (its own
+    error, or the first failing rank's), so that no rank waits in a collective the others left;
+    elsewhere: raise ``failure``, if any. A collective for a pipeline on real ranks."""
+    if tgt.staged:
+        got: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(got, None if failure is None else str(failure))
+        bad = [(r, m) for r, m in enumerate(got) if m is not None]
+        if failure is None and bad:
+            rank, msg = bad[0]
+            raise CheckpointError(f"process rank {rank} refused the checkpoint: {msg}")
+    if failure is not None:
+        raise failure
 
 
 def _local(t: Tensor) -> tuple[Tensor, tuple[int, ...]] | None:
@@ -197,9 +313,10 @@ def entry(key: str, t: Tensor, layout: Layout, tgt: Target, stacked: bool) -> En
 
 
 def model_entries(tgt: Target) -> dict[str, Entry]:
-    """``model.<name>`` -> entry, for every parameter (tied ones once) and persistent buffer."""
-    out = {}
-    for name, (t, is_param) in named_tensors(tgt.module).items():
+    """``model.<name>`` -> entry, for every parameter (tied ones once) and persistent buffer held
+    here."""
+    out: dict[str, Entry] = {}
+    for name, t, is_param in tgt.named_tensors():
         if t.is_meta:
             raise CheckpointError(
                 f"fastdist.checkpoint on {tgt.where}: {name!r} is on the meta device: "
@@ -208,8 +325,23 @@ def model_entries(tgt: Target) -> dict[str, Entry]:
                 "fastdist.checkpoint.load(<safetensors>, pm, device=...)), then load"
             )
         layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
-        out[f"model.{name}"] = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
+        new = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
+        if new.key in out:  # a buffer of a pipeline's skeleton, in every stage: written once,
+            _merge(out[new.key], new)  # read into each copy
+        else:
+            out[new.key] = new
     return out
+
+
+def _merge(into: Entry, other: Entry) -> None:
+    """``other``'s copies of the same boxes added to ``into``'s (one write, every copy read)."""
+    boxes = {(b.offsets, b.sizes): b for b in into.boxes}
+    for b in other.boxes:
+        if (b.offsets, b.sizes) in boxes:
+            boxes[(b.offsets, b.sizes)].views += b.views
+        else:
+            into.boxes.append(b)
+    into.padded += other.padded
 
 
 # ============================================================================ planners

@@ -1,0 +1,196 @@
+"""Pipelines checkpoint like everything else (issue 40, point 4): `fastdist.checkpoint.save` of
+a `fastdist.train.Pipeline` and its AdamW state writes the whole model's checkpoint under the
+model's own names (each stage its own parameters), which loads into another pipeline layout
+(pp 2 -> 4, tp 2 -> 1, with dp), into the model without a pipeline (parallel or on one
+device), and back; on simulated ranks and on 4 gloo processes.
+
+Every load is compared bitwise with the single-device state that was saved (weights and AdamW
+state, gathered), and a step after it with the same step on one device (float64, 1e-9: the
+reference sums in another order).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastdist as fd
+from fastdist import checkpoint
+from fastdist.errors import CheckpointError
+from fastdist.testing import run_on_gloo
+from tests.pipeline_checkpoint_worker import States, adamw, llama, on_four_ranks, states, step
+
+pytest.importorskip("transformers")
+
+TOL = {"rtol": 0.0, "atol": 1e-9}
+
+
+def equal(a: States, b: States) -> bool:
+    """Same names, bitwise equal weights and optimizer state."""
+    (wa, oa), (wb, ob) = a, b
+    if wa.keys() != wb.keys() or oa.keys() != ob.keys():
+        return False
+    return all(torch.equal(wa[k], wb[k]) for k in wa) and all(
+        oa[n].keys() == ob[n].keys() and all(torch.equal(oa[n][k], ob[n][k]) for k in oa[n])
+        for n in oa
+    )
+
+
+def close(a: States, b: States) -> None:
+    """Equal within `TOL` (another layout's sums run in another order)."""
+    (wa, oa), (wb, ob) = a, b
+    assert wa.keys() == wb.keys() and oa.keys() == ob.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
+    for n in oa:
+        assert oa[n].keys() == ob[n].keys(), n
+        for k in oa[n]:
+            torch.testing.assert_close(oa[n][k], ob[n][k], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def merged(per_rank: list[States]) -> States:
+    """A pipeline on real ranks: the union of what every rank holds."""
+    weights: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for w, o in per_rank:
+        weights.update(w)
+        optim.update(o)
+    return weights, optim
+
+
+def one_device(steps: int) -> tuple[Any, torch.optim.Optimizer]:
+    """The plain model after ``steps`` AdamW steps (batches 0, 1, ...)."""
+    ref = llama()
+    opt = adamw(ref.parameters())
+    for s in range(steps):
+        step(ref, opt, s)
+    return ref, opt
+
+
+def pipe_of(mesh: dict[str, int], seed: int, **kw: Any) -> tuple[Any, torch.optim.Optimizer]:
+    pipe = fd.train.pipeline(llama(seed), fd.Mesh(mesh), microbatches=kw.pop("m", 2), **kw)
+    return pipe, adamw(pipe.parameters())
+
+
+def test_pipeline_checkpoint_reshards_across_pp_tp_dp_and_onto_one_device(tmp_path: Path) -> None:
+    """pp=2 x tp=2 after two steps, saved with AdamW -> pp=4 (tp 1), pp=2 x dp=2, tp=2 without a
+    pipeline and the plain model: each holds the saved single-device state bitwise, and its next
+    step is one device's."""
+    ref, ref_opt = one_device(2)
+    pipe = fd.train.pipeline(copy.deepcopy(llama()), fd.Mesh({"pp": 2, "tp": 2}), microbatches=2)
+    opt = adamw(pipe.parameters())
+    for s in range(2):
+        step(pipe, opt, s)
+    want = states(pipe, opt)
+    close(want, states(ref, ref_opt))
+    checkpoint.save(tmp_path, pipe, opt, extra={"step": 2})
+    step(ref, ref_opt, 2)
+    after = states(ref, ref_opt)
+
+    model = llama(seed=5)
+    tp2 = fd.nn.parallelize(model, fd.Mesh({"tp": 2}), fd.nn.plans.plan(model, fd.Mesh({"tp": 2})))
+    plain = llama(seed=6)
+    targets = {
+        "pp4": pipe_of({"pp": 4}, 7, m=4),
+        "pp2xdp2": pipe_of({"pp": 2, "dp": 2}, 8),
+        "tp2": (tp2, adamw(tp2.parameters())),
+        "one device": (plain, adamw(plain.parameters())),
+    }
+    for name, (model, opt) in targets.items():
+        assert checkpoint.load(tmp_path, model, opt) == {"step": 2}, name
+        assert equal(states(model, opt), want), name
+        step(model, opt, 2)
+        close(states(model, opt), after)
+
+
+def test_checkpoints_without_a_pipeline_load_into_one(tmp_path: Path) -> None:
+    """The one-device checkpoint into an interleaved pp=2 x tp=2 pipeline; that pipeline's
+    checkpoint into one built on the meta device (each rank's shards given storage by the
+    load): the single-device state bitwise, then one device's step."""
+    ref, ref_opt = one_device(2)
+    checkpoint.save(tmp_path / "one", ref, ref_opt, extra={"step": 2})
+    want = states(ref, ref_opt)
+    step(ref, ref_opt, 2)
+    after = states(ref, ref_opt)
+
+    pipe, opt = pipe_of({"pp": 2, "tp": 2}, 3, schedule="interleaved_1f1b")
+    assert checkpoint.load(tmp_path / "one", pipe, opt) == {"step": 2}
+    assert equal(states(pipe, opt), want)
+    checkpoint.save(tmp_path / "pp", pipe, opt)
+
+    with torch.device("meta"):
+        meta = llama()
+    pipe = fd.train.pipeline(meta, fd.Mesh({"pp": 2, "tp": 2}), microbatches=2)
+    opt = adamw(pipe.parameters())
+    checkpoint.load(tmp_path / "pp", pipe, opt)
+    assert not any(p.is_meta for p in pipe.parameters())
+    assert equal(states(pipe, opt), want)
+    step(pipe, opt, 2)
+    close(states(pipe, opt), after)
+
+
+def test_pipeline_checkpoint_errors(tmp_path: Path) -> None:
+    """Refused with the fix: a pipeline saved as safetensors; another model's checkpoint (keys
+    missing from a stage) with the model and optimizer left as they were."""
+    pipe, opt = pipe_of({"pp": 2}, 0)
+    with pytest.raises(CheckpointError, match="format='safetensors' of a pipeline"):
+        checkpoint.save(tmp_path / "w.safetensors", pipe)
+    small = fd.train.pipeline(tiny_two_layers(), fd.Mesh({"pp": 2}), microbatches=2)
+    checkpoint.save(tmp_path / "small", small, adamw(small.parameters()))
+    before = states(pipe, opt)
+    with pytest.raises(CheckpointError, match="missing keys") as e:
+        checkpoint.load(tmp_path / "small", pipe, opt)
+    assert "model.layers.2" in str(e.value) and "Fix:" in str(e.value)
+    assert equal(states(pipe, opt), before)
+
+
+def tiny_two_layers() -> Any:
+    from tests.tiny_models import tiny_llama
+
+    return tiny_llama(2, seed=1).eval()
+
+
+def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
+    """4 gloo processes: the one-device checkpoint -> pp=2 x tp=2 -> (a step) -> pp=4 -> (a step)
+    -> dp=2 x tp=2 without a pipeline -> the plain model here. Every load bitwise equal to the
+    state saved; every step one device's; each rank writes its own slices, nothing twice; another
+    model's checkpoint refused on every rank (also the ranks whose stages it matches)."""
+    from tests.test_checkpoint import nbytes, payload
+
+    ref, ref_opt = one_device(2)
+    checkpoint.save(tmp_path / "one", ref, ref_opt, extra={"step": 2})
+    small = fd.train.pipeline(tiny_two_layers(), fd.Mesh({"pp": 2}), microbatches=2)
+    checkpoint.save(tmp_path / "other", small)
+    want = states(ref, ref_opt)
+    steps = []
+    for s in (2, 3):
+        step(ref, ref_opt, s)
+        steps.append(states(ref, ref_opt))
+
+    res = run_on_gloo(on_four_ranks, 4, str(tmp_path / "one"), str(tmp_path), timeout=240)
+    assert [r["pp2tp2 extra"] for r in res] == [{"step": 2}] * 4
+    assert equal(merged([r["pp2tp2"] for r in res]), want)
+    pp2_step = merged([r["pp2tp2 step"] for r in res])
+    close(pp2_step, steps[0])
+    assert [r["pp4 extra"] for r in res] == [{"step": 3}] * 4
+    assert equal(merged([r["pp4"] for r in res]), pp2_step)
+    pp4_step = merged([r["pp4 step"] for r in res])
+    close(pp4_step, steps[1])
+    assert res[0]["dp2tp2 extra"] == {"step": 4}
+    assert all(equal(r["dp2tp2"], pp4_step) for r in res)
+    for r in res:
+        assert "missing keys" in r["other model"] and "model.layers.2" in r["other model"]
+    assert "process rank 2 refused" in res[0]["other model"]  # pp=0 holds what it has
+
+    for name in ("pp2tp2", "pp4"):
+        files = payload(tmp_path / name)
+        assert len(files) == 4, (name, files)  # one file per rank
+        assert sum(files.values()) == nbytes(*want), name  # nothing twice, no padding
+    plain = llama(seed=9)
+    opt = adamw(plain.parameters())
+    assert checkpoint.load(tmp_path / "pp4", plain, opt) == {"step": 4}
+    assert equal(states(plain, opt), pp4_step)
