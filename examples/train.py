@@ -11,10 +11,10 @@ from a small config; AdamW with linear warmup and cosine decay; gradient accumul
 (``--accum``) with the data-parallel reduction only on the last micro-batch; global-norm
 clipping that every rank agrees on; bf16 autocast where the device has it (``--bf16``); a
 distributed checkpoint every ``--ckpt-every`` steps (each rank writes its own slices); and
-``--resume`` from any such checkpoint, at any tp / dp. ``--pp`` splits the model into pipeline
-stages (`fastdist.train.pipeline`, 1F1B over ``--accum`` micro-batches). ``--check`` trains the
-same model on one device alongside (the whole global batch) and exits non-zero if a loss or a
-weight differs.
+``--resume`` from any such checkpoint, at any tp / dp / pp. ``--pp`` splits the model into
+pipeline stages (`fastdist.train.pipeline`, 1F1B over ``--accum`` micro-batches). ``--check``
+trains the same model on one device alongside (the whole global batch) and exits non-zero if a
+loss or a weight differs.
 
 The data is text the model can learn: the Zen of Python (it ships with every Python, as the
 ``this`` module), one token per byte, windows of ``--seq`` bytes at random offsets. The loss
@@ -307,8 +307,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--pp {args.pp} --model mixtral: the pipeline's plan has no ep axis for the experts; "
             "use --pp with llama, or mixtral without --pp"
         )
-    if args.pp > 1 and (args.ckpt_every or args.resume):
-        raise SystemExit(f"--pp {args.pp}: checkpoints of a pipeline are not supported yet")
     mesh = make_mesh(args)
     dp = mesh.axis_size("dp")
     if args.batch % (dp * args.accum):

@@ -129,16 +129,23 @@ def test_default_run_learns_at_every_layout(layout: str) -> None:
     assert par[0] > 6.0 and par[-1] < 4.0  # from uniform over 503 tokens (ln 503 = 6.2)
 
 
-def test_pipeline_run_equals_one_device_and_refusals() -> None:
+def test_pipeline_run_equals_one_device_resumes_without_and_refusals(tmp_path: Path) -> None:
     ex = _example()
-    args = ex.parse(["--simulate", "--dtype", "float64", "--check", "--steps", "3", "--pp", "2"])
+    common = ["--simulate", "--dtype", "float64", "--check", "--steps", "3"]
+    args = ex.parse([*common, "--pp", "2", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path)])
     out = ex.train(args, ex.make_mesh(args))  # pp2 x dp2 x tp2, sequence parallel, 1F1B
     assert max(out["max_loss_diff"], out["max_norm_diff"], out["max_weight_diff"]) <= 1e-9
     assert len(out["state"]) == 21  # every stage's weights, by the model's names
+    # the pipeline's checkpoint of step 2 resumed without a pipeline, at dp=1 x tp=4
+    resume = ["--dp", "1", "--tp", "4", "--no-sp", "--resume", f"{tmp_path}/step_2"]
+    resumed = ex.train(ex.parse([*common, *resume]), ex.make_mesh(ex.parse([*common, *resume])))
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(out["losses"][2:]), rtol=1e-12, atol=1e-12
+    )
+    for name, value in out["state"].items():
+        torch.testing.assert_close(resumed["state"][name], value, rtol=1e-12, atol=1e-12)
     with pytest.raises(SystemExit, match="pipeline's plan has no ep axis"):
         ex.main(["--simulate", "--model", "mixtral", "--pp", "2"])
-    with pytest.raises(SystemExit, match="checkpoints of a pipeline are not supported yet"):
-        ex.main(["--simulate", "--pp", "2", "--ckpt-every", "5"])
     with pytest.raises(SystemExit, match="a pipeline takes fastdist's"):
         ex.main(["--simulate", "--pp", "2", "--engine", "ddp"])
 
