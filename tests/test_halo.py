@@ -202,6 +202,9 @@ LAYER_CASES = [
     (3, "replicate", [3, 2], 3, {"kernel_size": 3, "padding": 1, "stride": (2, 1, 1)}),
     (3, "zeros", [2, 2, 2], 2, {"kernel_size": (2, 3, 3), "padding": "same"}),
     (1, "zeros", [3, 3], -1, {"kernel_size": 4, "padding": "same", "bias": False}),
+    (2, "zeros", [4, 2, 3], 2, {"kernel_size": 3, "padding": 1, "stride": 2}),
+    (3, "reflect", [3, 6, 5], 4, {"kernel_size": (1, 3, 5), "padding": (0, 1, 2), "stride": 3}),
+    (1, "circular", [4, 4], 2, {"kernel_size": 2, "padding": "same"}),
 ]
 
 
@@ -221,13 +224,15 @@ def test_domain_conv_equals_one_device(
     params = {k: v.requires_grad_() for k, v in state.items()}
     xs = blocks(x, sizes, d).requires_grad_()
     out = fd.simulate(lambda p, b: torch.func.functional_call(layer, p, (b,)), mesh)(params, xs)
-    assert torch.equal(out, out * (blocks(cot, sizes, d) != 0))  # padding rows: 0
+    osz = list(layer.out_sizes or [])  # ceil(sizes / stride)
+    assert osz == [-(-r // conv.stride[d - 2]) for r in sizes]  # type: ignore[index]
+    assert torch.equal(out, out * (blocks(cot, osz, d) != 0))  # padding rows: 0
     ref = conv(x)
-    assert torch.allclose(out, blocks(ref, sizes, d), atol=TOL)
+    assert torch.allclose(out, blocks(ref, osz, d), atol=TOL)
     xr = x.clone().requires_grad_()
     loss = (conv(xr) * cot).sum()
     grads = torch.autograd.grad(loss, [xr, *conv.parameters()])
-    mine = torch.autograd.grad((out * blocks(cot, sizes, d)).sum(), [xs, *params.values()])
+    mine = torch.autograd.grad((out * blocks(cot, osz, d)).sum(), [xs, *params.values()])
     assert torch.allclose(mine[0], blocks(grads[0], sizes, d), atol=TOL)
     for got, want in zip(mine[1:], grads[1:]):  # every rank holds the whole gradient
         assert torch.allclose(got, want.expand_as(got), atol=TOL)
@@ -247,8 +252,11 @@ def test_errors_name_the_op_and_the_fix() -> None:
     run = fd.simulate(lambda b: fd.halo_exchange(b, mesh, "sp", 0, (1, -1)), mesh)
     with pytest.raises(fd.CollectiveError, match="width="):
         run(torch.zeros(2, 2))
-    with pytest.raises(fd.MeshError, match="stride 2"):
-        fd.nn.DomainConv(nn.Conv2d(1, 1, 3, stride=2, padding=1), mesh, "sp")
+    with pytest.raises(fd.MeshError, match="multiple of 2 rows"):
+        fd.nn.DomainConv(nn.Conv2d(1, 1, 3, stride=2, padding=1), mesh, "sp", sizes=[3, 4])
+    strided = fd.nn.DomainConv(nn.Conv2d(1, 1, 3, stride=2, padding=1), mesh, "sp")
+    with pytest.raises(fd.MeshError, match="multiple of 2 rows"):
+        fd.simulate(strided, mesh)(torch.zeros(2, 1, 1, 3, 3))
     with pytest.raises(fd.MeshError, match="keeps the length"):
         fd.nn.DomainConv(nn.Conv2d(1, 1, 3), mesh, "sp")
     with pytest.raises(fd.MeshError, match="not a spatial dim"):

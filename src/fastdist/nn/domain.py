@@ -27,8 +27,8 @@ class DomainConv(nn.Module):
     (:func:`fastdist.halo_exchange`), and computes its block of the output.
 
     The result equals the convolution of the whole domain on one device, cut the same way
-    (forward and backward): any kernel size, dilation, groups and stride on the other dims;
-    stride 1 along the split dim, with a padding that keeps its length (``padding="same"``, or
+    (forward and backward): any kernel size, dilation, groups and stride, with a padding along
+    the split dim that keeps its length at stride 1 (``padding="same"``, or
     ``dilation * (kernel - 1) == 2 * padding`` there); every ``padding_mode`` (``zeros``,
     ``reflect``, ``replicate``, ``circular``: the domain's ends are padded as one device pads).
     Parameters: the conv's own ``weight`` and ``bias`` (the same tensors, the same names),
@@ -38,8 +38,11 @@ class DomainConv(nn.Module):
     ``torch.func.functional_call``, as for the other parallel layers.
 
     Uneven blocks: ``sizes[i]`` rows along the split dim on rank ``i`` (an input may carry
-    padding rows after them; on simulated ranks every input has ``max(sizes)`` rows); the
-    output keeps the same rows, its padding rows zero. The halo must fit in the smallest block.
+    padding rows after them; on simulated ranks every input has ``max(sizes)`` rows); rank
+    ``i``'s output has ``out_sizes[i] = ceil(sizes[i] / stride)`` valid rows, its padding rows
+    zero. The halo must fit in the smallest block; with a stride ``s`` along the split dim every
+    block but the last must have a multiple of ``s`` rows (each block then starts on an output
+    row).
 
     Args:
         conv: the single-device convolution (its parameters are shared, not copied).
@@ -52,7 +55,8 @@ class DomainConv(nn.Module):
 
     Raises:
         MeshError: a module that is not a ``Conv1d/2d/3d``, ``dim`` not a spatial dim, a
-            stride other than 1 or a length-changing padding along the split dim.
+            length-changing padding along the split dim, or blocks that a stride does not
+            divide.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"sp": 2})
@@ -94,13 +98,21 @@ class DomainConv(nn.Module):
         self.pads = _pads(c, nsp)  # (before, after) per spatial dim
         k, s = self.split, self.stride[self.split]
         lo, hi = self.pads[k]
-        if s != 1 or lo + hi != self.dilation[k] * (c.kernel_size[k] - 1):
+        if lo + hi != self.dilation[k] * (c.kernel_size[k] - 1):
             raise MeshError(
-                f"DomainConv: along the split spatial dim {k} the convolution has stride {s} "
-                f"and padding ({lo}, {hi}) for kernel {c.kernel_size[k]}, dilation "
-                f"{self.dilation[k]}: only stride 1 with a padding that keeps the length is "
-                "built. Fix: split another spatial dim, or use padding='same'"
+                f"DomainConv: along the split spatial dim {k} the convolution has padding "
+                f"({lo}, {hi}) for kernel {c.kernel_size[k]}, dilation {self.dilation[k]}: only a "
+                "padding that keeps the length (at stride 1) is built. Fix: split another "
+                "spatial dim, or use padding='same' (an odd kernel: padding=(kernel - 1) // 2)"
             )
+        if self.sizes is not None and any(r % s for r in self.sizes[:-1]):
+            raise MeshError(
+                f"DomainConv: stride {s} along the split spatial dim {k} with blocks of "
+                f"sizes={list(self.sizes)}: every block but the last must have a multiple of "
+                f"{s} rows, so that each starts on an output row. Fix: choose such sizes"
+            )
+        #: each rank's valid output rows along the split dim (``None``: even blocks)
+        self.out_sizes = None if self.sizes is None else tuple(-(-r // s) for r in self.sizes)
         self.weight = c.weight
         self.bias = c.bias
 
@@ -110,6 +122,14 @@ class DomainConv(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         d = x.dim() - self.nsp + self.split  # the split dim of this input
+        s = self.stride[self.split]
+        if self.sizes is None and x.shape[d] % s and self.mesh.axis_size(self.axis) > 1:
+            raise MeshError(
+                f"DomainConv: stride {s} along the split dim {d} with even blocks of "
+                f"{x.shape[d]} rows: a block must have a multiple of {s} rows, so that each "
+                "starts on an output row. Fix: split a length divisible by "
+                f"{s * self.mesh.axis_size(self.axis)}, or pass sizes= with such blocks"
+            )
         x = halo_exchange(
             x, self.mesh, self.axis, d, self.pads[self.split], mode=self.mode, sizes=self.sizes
         )
@@ -129,7 +149,7 @@ class DomainConv(nn.Module):
 
     def _zero_padding_rows(self, y: Tensor, d: int) -> Tensor:
         """The output rows past this rank's size (computed from padding rows) set to zero."""
-        sizes = self.sizes
+        sizes = self.out_sizes
         assert sizes is not None
         own = torch.tensor(sizes, device=y.device)[axis_index(self.mesh, self.axis).to(y.device)]
         keep = torch.arange(y.shape[d], device=y.device) < own  # [rows]
