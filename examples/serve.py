@@ -66,7 +66,7 @@ def build_model(family: str = "llama", eos: int | None = None, seed: int = 0) ->
     )
     torch.manual_seed(seed)
     if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+        model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **fields))
     else:
@@ -177,7 +177,7 @@ class Engine:
         logits: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for rid, prompt in step["prefill"]:  # one forward per prompt: no padding
-                cache = DynamicCache()
+                cache: Any = DynamicCache()  # this request's, filled by the forward
                 out = self.model(
                     input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1
                 )
@@ -202,7 +202,7 @@ class Engine:
             keys = torch.cat([F.pad(self.caches[r][i][0], p) for r, p in zip(rids, pad)])
             values = torch.cat([F.pad(self.caches[r][i][1], p) for r, p in zip(rids, pad)])
             layers.append((keys, values))  # (batch, kv heads, longest, head_dim)
-        cache = DynamicCache(ddp_cache_data=layers)
+        cache: Any = DynamicCache(ddp_cache_data=layers)
         mask = torch.tensor([[0] * (longest - n) + [1] * (n + 1) for n in lengths])  # (B, L+1)
         out = self.model(
             input_ids=torch.tensor([[token] for _, token in batch]),  # (batch, 1)
