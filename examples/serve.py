@@ -84,7 +84,6 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
-    admitted: int = -1  # the step it joined the running batch
 
 
 def make_requests(seed: int = 1) -> list[Request]:
@@ -131,7 +130,6 @@ class Scheduler:
         prefill: list[tuple[int, list[int]]] = []
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting.popleft()
-            req.admitted = self.clock
             self.running[req.rid] = req
             prefill.append((req.rid, req.prompt))
         step = Step(step=self.clock, prefill=prefill, decode=decode, free=self.free)
