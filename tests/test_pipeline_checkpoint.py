@@ -148,6 +148,27 @@ def test_pipeline_checkpoint_errors(tmp_path: Path) -> None:
     assert equal(states(pipe, opt), before)
 
 
+def test_a_skeleton_buffer_in_every_stage_is_written_once_and_read_into_each(
+    tmp_path: Path,
+) -> None:
+    """A persistent buffer outside the layers and the ends sits in every stage's copy of the
+    skeleton: the checkpoint holds it once (as the one-device model's does), and a load fills
+    every stage's copy."""
+    model = llama()
+    model.model.register_buffer("scale", torch.arange(3.0, dtype=torch.float64))
+    pipe = fd.train.pipeline(model, fd.Mesh({"pp": 2, "tp": 2}), microbatches=2)
+    checkpoint.save(tmp_path / "pp", pipe)
+    plain = llama(seed=2)
+    plain.model.register_buffer("scale", torch.zeros(3, dtype=torch.float64))
+    checkpoint.load(tmp_path / "pp", plain)
+    assert torch.equal(plain.model.scale, torch.arange(3.0, dtype=torch.float64))
+    plain.model.scale.fill_(7.0)
+    checkpoint.save(tmp_path / "one", plain)
+    checkpoint.load(tmp_path / "one", pipe)
+    for pm in pipe.stages.values():
+        assert torch.equal(pm.module.model.scale, torch.full((3,), 7.0, dtype=torch.float64))
+
+
 def tiny_two_layers() -> Any:
     from tests.tiny_models import tiny_llama
 

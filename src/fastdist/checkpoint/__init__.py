@@ -10,7 +10,8 @@ optimizer, each rank writing and reading only its own slices, on any layout.
 
 Layer: above `fastdist.nn`; `fastdist.train` may use it, it does not use `fastdist.train` (a
 ZeRO optimizer is recognised by its `optimizer.ShardedOptimizer` shape, a pipeline by
-`api.Staged`).
+`planner.Staged`: its stages write and read the whole model's checkpoint under the model's
+names).
 """
 
 from fastdist.checkpoint import hf
