@@ -161,6 +161,31 @@ def test_two_split_dims_over_two_axes_equal_one_device() -> None:
     assert torch.allclose(gx, rx, atol=TOL) and torch.allclose(gw, rw, atol=TOL)
 
 
+@pytest.mark.parametrize("check", ["insert", False])
+def test_under_spmd_with_a_data_axis(check: Any) -> None:
+    """Batch over ``dp``, H over ``sp`` through ``fd.spmd`` (the checked mode inserts the weight's
+    ``pvary``; unchecked, it is written): equal to one device, the weight's gradient summed over
+    both axes."""
+    torch.manual_seed(0)
+    mesh = fd.Mesh({"dp": 2, "sp": 2})
+    x = torch.randn(2, 2, 8, 5, dtype=F64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=F64, requires_grad=True)
+
+    def rank(x: Tensor, w: Tensor) -> Tensor:
+        w = w if check else fd.pvary(w, mesh, ("dp", "sp"))
+        h = fd.halo_exchange(x, mesh, "sp", 2, 1, mode="circular")
+        return F.conv2d(h, w, padding=(0, 1))
+
+    spec = fd.P("dp", None, "sp")
+    out = fd.spmd(rank, mesh, (spec, fd.P()), spec, check=check)(x, w)
+    ref = F.conv2d(F.pad(x, (0, 0, 1, 1), mode="circular"), w, padding=(0, 1))
+    assert torch.allclose(out, ref, atol=TOL)
+    cot = torch.randn_like(ref)
+    got = torch.autograd.grad((out * cot).sum(), (x, w))
+    want = torch.autograd.grad((ref * cot).sum(), (x, w))
+    assert all(torch.allclose(a, b, atol=TOL) for a, b in zip(got, want))
+
+
 def test_under_torch_func_grad() -> None:
     """``torch.func.grad`` inside the simulation (the autograd.Function route) agrees."""
     mesh = fd.Mesh({"sp": 3})
