@@ -117,6 +117,12 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "tests/test_reduction_dtypes.py": frozenset({"test_real_ranks_follow_the_same_rule"}),
+    "tests/test_speculative_example.py": frozenset(
+        {
+            "test_speculative_example_on_gloo_equals_one_device",
+            "test_without_torchrun_it_says_how_to_launch_it",
+        }
+    ),
     "tests/test_serving_transfers.py": frozenset(
         {
             "test_tensor_dict_between_stages_with_and_without_the_all_gather",
