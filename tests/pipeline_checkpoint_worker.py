@@ -96,8 +96,8 @@ def states(model: Any, opt: torch.optim.Optimizer) -> States:
 def on_four_ranks(src: str, out: str) -> dict[str, Any]:
     """4 gloo ranks: the one-device checkpoint ``src`` (after 2 steps) into pp=2 x tp=2 (1F1B),
     a step, saved to ``out/pp2tp2``; that into pp=4 (tp=1), a step, saved to ``out/pp4``; that
-    into dp=2 x tp=2 without a pipeline. The states each layout holds after each load and
-    step."""
+    into pp=2 x dp=2 interleaved (two stages per rank), saved to ``out/pp2dp2``; that into
+    dp=2 x tp=2 without a pipeline. The states each layout holds after each load and step."""
     res: dict[str, Any] = {}
     mesh = fd.connect(pp=2, tp=2, timeout=60)
     pipe = fd.train.pipeline(llama(seed=3), mesh, schedule="1f1b", microbatches=2)
@@ -117,11 +117,18 @@ def on_four_ranks(src: str, out: str) -> dict[str, Any]:
     res["pp4 step"] = states(pipe, opt)
     checkpoint.save(f"{out}/pp4", pipe, opt, extra={"step": 4})
 
+    mesh = fd.connect(pp=2, timeout=60)  # pp=2 x dp=2, two stages per rank
+    pipe = fd.train.pipeline(llama(seed=7), mesh, schedule="interleaved_1f1b", microbatches=2)
+    opt = adamw(pipe.parameters())
+    res["pp2dp2 extra"] = checkpoint.load(f"{out}/pp4", pipe, opt)
+    res["pp2dp2"] = states(pipe, opt)
+    checkpoint.save(f"{out}/pp2dp2", pipe, opt, extra={"step": 4})
+
     mesh = fd.connect(tp=2, timeout=60)  # dp=2 x tp=2, no pipeline
     model = llama(seed=5)
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh))
     opt = adamw(pm.parameters())
-    res["dp2tp2 extra"] = checkpoint.load(f"{out}/pp4", pm, opt)
+    res["dp2tp2 extra"] = checkpoint.load(f"{out}/pp2dp2", pm, opt)
     res["dp2tp2"] = states(pm, opt)
 
     # a checkpoint of another model (2 layers) refused on every rank, naming the keys

@@ -177,7 +177,8 @@ def tiny_two_layers() -> Any:
 
 def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
     """4 gloo processes: the one-device checkpoint -> pp=2 x tp=2 -> (a step) -> pp=4 -> (a step)
-    -> dp=2 x tp=2 without a pipeline -> the plain model here. Every load bitwise equal to the
+    -> pp=2 x dp=2 interleaved (two stages per rank; dp replicas written once) -> dp=2 x tp=2
+    without a pipeline -> the plain model here. Every load bitwise equal to the
     state saved; every step one device's; each rank writes its own slices, nothing twice; another
     model's checkpoint refused on every rank (also the ranks whose stages it matches)."""
     from tests.test_checkpoint import nbytes, payload
@@ -201,13 +202,16 @@ def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
     assert equal(merged([r["pp4"] for r in res]), pp2_step)
     pp4_step = merged([r["pp4 step"] for r in res])
     close(pp4_step, steps[1])
+    assert [r["pp2dp2 extra"] for r in res] == [{"step": 4}] * 4
+    assert equal(merged([r["pp2dp2"] for r in res]), pp4_step)
+    assert all(equal(merged([r["pp2dp2"] for r in res[d::2]]), pp4_step) for d in (0, 1))
     assert res[0]["dp2tp2 extra"] == {"step": 4}
     assert all(equal(r["dp2tp2"], pp4_step) for r in res)
     for r in res:
         assert "missing keys" in r["other model"] and "model.layers.2" in r["other model"]
     assert "process rank 2 refused" in res[0]["other model"]  # pp=0 holds what it has
 
-    for name in ("pp2tp2", "pp4"):
+    for name in ("pp2tp2", "pp4", "pp2dp2"):
         files = payload(tmp_path / name)
         assert len(files) == 4, (name, files)  # one file per rank
         assert sum(files.values()) == nbytes(*want), name  # nothing twice, no padding
