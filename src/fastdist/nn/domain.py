@@ -53,6 +53,10 @@ class DomainConv(nn.Module):
             spatial dim.
         sizes: each rank's rows along the split dim, in axis order; ``None``: even blocks.
 
+    Attributes:
+        out_sizes: each rank's valid output rows along the split dim, ``ceil(sizes[i] /
+            stride)`` (``None`` for even blocks): the ``sizes`` of the next layer.
+
     Raises:
         MeshError: a module that is not a ``Conv1d/2d/3d``, ``dim`` not a spatial dim, a
             length-changing padding along the split dim, or blocks that a stride does not
@@ -111,7 +115,7 @@ class DomainConv(nn.Module):
                 f"sizes={list(self.sizes)}: every block but the last must have a multiple of "
                 f"{s} rows, so that each starts on an output row. Fix: choose such sizes"
             )
-        #: each rank's valid output rows along the split dim (``None``: even blocks)
+        # each rank's valid output rows along the split dim (None: even blocks)
         self.out_sizes = None if self.sizes is None else tuple(-(-r // s) for r in self.sizes)
         self.weight = c.weight
         self.bias = c.bias
