@@ -72,6 +72,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     ),
     "tests/test_calibrate.py": frozenset({"test_calibrate_on_gloo_reproduces_held_out_sizes"}),
     "tests/test_halo.py": frozenset({"test_halo_exchange_and_domain_conv_on_gloo"}),
+    "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
     "tests/test_checkpoint_fail_whole.py": frozenset(
         {"test_on_gloo_a_damaged_checkpoint_fails_whole_on_every_rank"}
     ),

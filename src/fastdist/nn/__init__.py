@@ -51,11 +51,13 @@ from fastdist.nn.state import (
 )
 from fastdist.nn.styles import (
     ColwiseParallel,
+    ContextParallel,
     GatherSequence,
     HeadParallelAttention,
     PrepareInput,
     PvaryParams,
     RowwiseParallel,
+    SequenceParallelAttention,
     SequenceShard,
     Style,
     StyleContext,
@@ -101,6 +103,8 @@ __all__ = [
     "PrepareInput",
     "PvaryParams",
     "HeadParallelAttention",
+    "ContextParallel",
+    "SequenceParallelAttention",
     "plans",
     "moe",
     "MoEError",

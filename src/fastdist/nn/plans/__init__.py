@@ -14,6 +14,7 @@ One file per concern:
   DeepSeek-V2/V3, GPT-OSS);
 * ``hooks``: the code a row needs where data cannot say it (DeepSeek's `LatentAttention`, the
   MoE block's `SequenceGather`, Falcon's layouts);
+* ``dit``: diffusers' diffusion transformers (Wan): context-parallel plans (`wan`);
 * ``auto``: the same record read off a model nobody wrote a row for (`AutoPlan`);
 * ``registry``: the table by ``config.model_type`` (`TABLE`) and `plan`.
 
@@ -21,12 +22,14 @@ The table of what is tested for each family is in ``docs/models.md``.
 """
 
 from fastdist.nn.plans.auto import AutoPlan, infer
+from fastdist.nn.plans.dit import DIT_PLANS, wan
 from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
 from fastdist.nn.plans.registry import TABLE, lookup, plan, table
 
 __all__ = [
     "TABLE",
+    "DIT_PLANS",
     "AutoPlan",
     "Family",
     "LatentAttention",
@@ -38,4 +41,5 @@ __all__ = [
     "lookup",
     "plan",
     "table",
+    "wan",
 ]

@@ -15,6 +15,7 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.auto import auto_plan
 from fastdist.nn.plans.dense import DENSE
+from fastdist.nn.plans.dit import dit_plan, is_diffusers_dit
 from fastdist.nn.plans.family import Family, Plan, build_plan
 from fastdist.nn.plans.moe import MOE
 
@@ -97,6 +98,9 @@ def plan(
     lm_head model.embed_tokens model.layers.*.input_layernorm
     """
     names = mesh.axis_names if mesh is not None else ()
+    if family in (None, "auto") and isinstance(model_or_config, nn.Module):
+        if is_diffusers_dit(model_or_config):  # context parallelism over "sp"
+            return dit_plan(model_or_config, mesh)
     if family == "auto":
         if not isinstance(model_or_config, nn.Module):
             raise ParallelizeError(

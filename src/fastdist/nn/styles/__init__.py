@@ -8,12 +8,14 @@ attention on this rank's heads), and the input styles ``SequenceShard``, ``Gathe
 :func:`fastdist.nn.parallelize` walks the model and applies them.
 
 One file per family: ``base`` (`Style`, `StyleContext`), ``linear`` (column, row, vocabulary),
-``regions`` (input hooks), ``attention`` (head-parallel attention) and ``heads`` (the modules
-it puts inside an attention).
+``regions`` (input hooks), ``attention`` (head-parallel attention), ``heads`` (the modules
+it puts inside an attention) and ``context`` (a whole transformer's tokens split over an axis:
+`ContextParallel`, Ulysses self-attention `SequenceParallelAttention`).
 """
 
 from fastdist.nn.styles.attention import HeadParallelAttention, HeadParams
 from fastdist.nn.styles.base import Style, StyleContext, get_child, swap_child
+from fastdist.nn.styles.context import ContextParallel, SequenceParallelAttention
 from fastdist.nn.styles.heads import ReplicatedHeads
 from fastdist.nn.styles.linear import (
     ColwiseParallel,
@@ -37,6 +39,8 @@ __all__ = [
     "PvaryParams",
     "HeadParallelAttention",
     "HeadParams",
+    "ContextParallel",
+    "SequenceParallelAttention",
     "ParallelLinear",
     "ReplicatedHeads",
     "ScaledVocabParallelEmbedding",

@@ -1,0 +1,90 @@
+"""Ready plans for diffusers' diffusion transformers (DiTs): context parallelism of an unmodified
+``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video), and the recognition
+of diffusers' attention (``to_q``/``to_k``/``to_v``/``to_out``) that ``plan="auto"`` uses.
+
+Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
+after the patch embedding, at the input of ``blocks.0``; they stay split through every block
+(``norm1``..``norm3``, the FFN and the modulation are token-local); ``attn1`` runs as Ulysses,
+``attn2`` (cross-attention to the replicated text states) locally; ``proj_out``'s output is
+gathered before the unpatchify. See `fastdist.nn.styles.context` and docs/context_parallel.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.plans.family import Plan
+from fastdist.nn.styles.context import ContextParallel
+
+__all__ = ["DIT_PLANS", "dit_plan", "is_diffusers_dit", "wan"]
+
+
+def wan(model: Any = None, mesh: Mesh | None = None, *, axis: str = "sp") -> Plan:
+    """The context-parallel plan of a diffusers ``WanTransformer3DModel``: its tokens split over
+    ``axis`` (Ulysses self-attention), gathered after ``proj_out``.
+
+    Args:
+        model: the model (or ``None``): only read to refuse one this plan does not fit.
+        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
+        axis: the sequence-parallel axis.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.wan(axis="sp")
+    {'': ContextParallel(axis='sp', blocks='blocks', attention=('attn1',), cross=('attn2',), \
+whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
+output='proj_out')}
+    """
+    if mesh is not None:
+        mesh.axis_indices(axis, "plans.wan")
+    if isinstance(model, nn.Module) and type(model).__name__ != "WanTransformer3DModel":
+        raise ParallelizeError(
+            f"plans.wan: {type(model).__name__} is not a diffusers WanTransformer3DModel. Fix: "
+            f"a plan for it (ready DiT plans: {sorted(DIT_PLANS)})"
+        )
+    return {"": ContextParallel(axis=axis)}
+
+
+#: diffusers model class name -> its ready plan function
+DIT_PLANS = {"WanTransformer3DModel": wan}
+
+#: diffusers' attention projections
+_DIFFUSERS_ATTENTION = ("to_q", "to_k", "to_v", "to_out")
+
+
+def is_diffusers_dit(model: nn.Module) -> bool:
+    """Whether ``model`` is a diffusers model (a ``diffusers`` class) holding diffusers-style
+    attention (``to_q``/``to_k``/``to_v``/``to_out``, or a fused ``to_qkv``)."""
+    if not type(model).__module__.startswith("diffusers."):
+        return False
+    return any(
+        all(hasattr(m, p) for p in _DIFFUSERS_ATTENTION) or hasattr(m, "to_qkv")
+        for m in model.modules()
+    )
+
+
+def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
+    """``plan="auto"`` (and the default plan) of a diffusers DiT: its ready plan (context
+    parallelism over ``axis``); refuses one without a ready plan, naming those that exist, and a
+    mesh without ``axis``."""
+    kind = type(model).__name__
+    if kind not in DIT_PLANS:
+        raise ParallelizeError(
+            f"plans.auto: {kind} is a diffusers transformer (attention with to_q/to_k/to_v/"
+            f"to_out) without a ready plan; context-parallel plans exist for {sorted(DIT_PLANS)}. "
+            "Fix: a plan of fastdist.nn.ContextParallel(...) naming its blocks, self- and "
+            "cross-attentions, the modules before the split and the output (see "
+            "docs/context_parallel.md)"
+        )
+    if mesh is not None and axis not in mesh.axis_names:
+        raise ParallelizeError(
+            f"plans.auto: {kind} is a diffusers transformer; its ready plan splits the tokens "
+            f"over an {axis!r} axis (context parallelism), which {mesh!r} lacks (tensor "
+            "parallelism of DiTs is not built). Fix: a mesh with an 'sp' axis, e.g. "
+            f"Mesh({{'sp': 2}}), or plan=fastdist.nn.plans.{DIT_PLANS[kind].__name__}(model, "
+            "mesh, axis=<the sequence axis>)"
+        )
+    return DIT_PLANS[kind](model, mesh, axis=axis)

@@ -1,0 +1,145 @@
+"""Context parallelism of an unmodified diffusers ``WanTransformer3DModel`` (issue 38, first
+slice): its tokens split over ``sp`` (Ulysses self-attention), forward and backward against the
+same model on one device, on simulated ranks and on 2 gloo processes; and the refusals.
+
+The model is float64, but Wan computes its norms (``FP32LayerNorm``) and modulation
+(``.float()``) in float32 on purpose: gradients summed over the ranks' tokens in another order
+differ from one device's by float32 rounding, hence a tolerance of 1e-6 of each gradient's
+largest entry (the forward is exact).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fastdist as fd
+from fastdist.errors import MeshError, ParallelizeError
+
+# at collection: diffusers' import takes seconds, which no single test should be charged
+wan_module = pytest.importorskip("diffusers.models.transformers.transformer_wan")
+
+N = 2  # the sp size
+
+
+def tiny_wan(heads: int = 2, layers: int = 2, seed: int = 0) -> nn.Module:
+    """A tiny float64 Wan text-to-video transformer (random init; nothing downloaded)."""
+    torch.manual_seed(seed)
+    model = wan_module.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=12,  # 3-D RoPE: 4 (frames) + 4 (height) + 4 (width)
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
+    return model.to(torch.float64)
+
+
+def inputs(frames: int = 2, size: int = 4, seed: int = 1) -> dict[str, Tensor]:
+    """Latents (2 samples, 4 channels, ``frames`` x ``size`` x ``size``: ``frames * (size/2)^2``
+    tokens), one timestep per sample, 5 text tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(2, 4, frames, size, size, generator=g, dtype=torch.float64),
+        "timestep": torch.tensor([3.0, 700.0], dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(2, 5, 16, generator=g, dtype=torch.float64),
+    }
+
+
+def reference(model: nn.Module, x: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """One device: the output and the gradient of ``sum(out**2)`` by parameter name."""
+    out = model(**x).sample
+    out.pow(2).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, g in want.items():
+        err = float((got[name] - g).abs().max() / g.abs().max())  # relative to the largest entry
+        assert err < 1e-6, f"{name}: {err:.2e}"
+
+
+def run_simulated(pm: Any, x: dict[str, Tensor]) -> Tensor:
+    """Every rank's output (each rank gets the same inputs); backward of each rank's
+    ``sum(out**2)``."""
+    out = pm(**{k: v.expand(N, *v.shape) for k, v in x.items()}).sample  # (N, *out)
+    out.pow(2).sum().backward()
+    return out.detach()
+
+
+def test_wan_ulysses_equals_one_device_simulated() -> None:
+    model, x = tiny_wan(), inputs()
+    out, grads = reference(copy.deepcopy(model), x)
+    pm = fd.nn.parallelize(model, fd.Mesh({"sp": N}))  # the ready plan (fd.nn.plans.wan)
+    assert pm.plan == fd.nn.plans.wan(axis="sp")
+    assert model.blocks[0].attn1.heads == 1  # 2 heads / 2 ranks
+    got = run_simulated(pm, x)
+    for r in range(N):
+        torch.testing.assert_close(got[r], out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
+def test_wan_auto_uses_the_plan_and_verifies() -> None:
+    model, x = tiny_wan(layers=1), inputs()
+    with pytest.raises(ParallelizeError, match="takes no input_ids"):
+        fd.nn.parallelize(copy.deepcopy(model), fd.Mesh({"sp": N}), "auto")  # verify needs inputs
+    out, grads = reference(copy.deepcopy(model), x)
+    pm = fd.nn.parallelize(model, fd.Mesh({"sp": N}), "auto", verify=x)
+    assert pm.plan == fd.nn.plans.wan(axis="sp")
+    got = run_simulated(pm, x)
+    torch.testing.assert_close(got[1], out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
+def test_refusals() -> None:
+    mesh = fd.Mesh({"sp": N})
+    with pytest.raises(ParallelizeError, match="3 heads, which the 2 ranks of 'sp' do not divide"):
+        fd.nn.parallelize(tiny_wan(heads=3, layers=1), mesh)
+    with pytest.raises(ParallelizeError, match="lacks"):
+        fd.nn.parallelize(tiny_wan(layers=1), fd.Mesh({"tp": N}), "auto")
+    forgot = {"": fd.nn.ContextParallel("sp", cross=())}  # attn2 would silently stay local
+    with pytest.raises(ParallelizeError, match=r"blocks\.0\.attn2 .* ContextParallel was not"):
+        fd.nn.parallelize(tiny_wan(layers=1), mesh, forgot)
+    fused = tiny_wan(layers=1)
+    fused.blocks[0].attn1.fuse_projections()
+    with pytest.raises(ParallelizeError, match="unfuse_projections"):
+        fd.nn.parallelize(fused, mesh)
+    with pytest.raises(MeshError, match="unknown mesh axis 'sp'"):
+        fd.nn.plans.wan(mesh=fd.Mesh({"dp": 2}))
+    pm = fd.nn.parallelize(tiny_wan(layers=1), mesh)
+    odd = inputs(frames=3, size=2)  # 3 tokens over 2 ranks
+    with pytest.raises(ParallelizeError, match="3 tokens .* do not divide"):
+        pm(**{k: v.expand(N, *v.shape) for k, v in odd.items()})
+    x = inputs()
+    per_token = {**x, "timestep": torch.full((2, 8), 5.0, dtype=torch.float64)}
+    with pytest.raises(ParallelizeError, match="per-token timesteps"):
+        pm(**{k: v.expand(N, *v.shape) for k, v in per_token.items()})
+
+
+# ------------------------------------------------------------------ real ranks
+def wan_on_gloo() -> tuple[Tensor, dict[str, Tensor]]:
+    """One gloo rank of sp=2: the whole output and every parameter's single-device gradient."""
+    mesh = fd.connect(sp=torch.distributed.get_world_size(), timeout=120)
+    pm = fd.nn.parallelize(tiny_wan(), mesh)
+    out = pm(**inputs()).sample
+    out.pow(2).sum().backward()
+    return out.detach(), pm.grads()
+
+
+def test_wan_ulysses_on_gloo() -> None:
+    from fastdist.testing import run_on_gloo
+
+    out, grads = reference(tiny_wan(), inputs())
+    for got, got_grads in run_on_gloo(wan_on_gloo, N, timeout=240):
+        torch.testing.assert_close(got, out, rtol=0, atol=1e-12)
+        assert_grads(got_grads, grads)
