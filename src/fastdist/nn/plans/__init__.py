@@ -22,14 +22,13 @@ The table of what is tested for each family is in ``docs/models.md``.
 """
 
 from fastdist.nn.plans.auto import AutoPlan, infer
-from fastdist.nn.plans.dit import DIT_PLANS, wan
+from fastdist.nn.plans.dit import wan
 from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
 from fastdist.nn.plans.registry import TABLE, lookup, plan, table
 
 __all__ = [
     "TABLE",
-    "DIT_PLANS",
     "AutoPlan",
     "Family",
     "LatentAttention",
