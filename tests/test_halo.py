@@ -263,6 +263,26 @@ def test_domain_conv_equals_one_device(
         assert torch.allclose(got, want.expand_as(got), atol=TOL)
 
 
+@pytest.mark.parametrize("sizes", [[3, 3], [4, 2, 3]])
+def test_causal_temporal_padding_equals_one_device(sizes: list[int]) -> None:
+    """A video VAE's causal conv (``padding=0``, the input padded by hand with ``2 * p`` frames
+    before and none after): ``padding=`` gives the split T that padding; equal to one device."""
+    conv, x, _ = _layer_case(3, "zeros", sizes, 2, 2, kernel_size=3)
+    ref = conv(F.pad(x, (1, 1, 1, 1, 2, 0)))  # [N, C, T, H, W]: T causal
+    mesh = fd.Mesh({"sp": len(sizes)})
+    layer = fd.nn.DomainConv(conv, mesh, "sp", 2, sizes=sizes, padding=[(2, 0), (1, 1), (1, 1)])
+    state = fd.nn.stack_state(conv.state_dict(), fd.nn.param_specs(layer), mesh)
+    params = {k: v.requires_grad_() for k, v in state.items()}
+    out = fd.simulate(lambda p, b: torch.func.functional_call(layer, p, (b,)), mesh)(
+        params, blocks(x, sizes, 2)
+    )
+    assert torch.allclose(out, blocks(ref, sizes, 2), atol=TOL)
+    cot = ref.detach()
+    (out * blocks(cot, sizes, 2)).sum().backward()
+    (gw,) = torch.autograd.grad((ref * cot).sum(), conv.weight)
+    assert torch.allclose(params["weight"].grad, gw.expand_as(params["weight"]), atol=TOL)  # type: ignore[arg-type]
+
+
 def test_errors_name_the_op_and_the_fix() -> None:
     mesh = fd.Mesh({"sp": 2})
     run = fd.simulate(lambda b: fd.halo_exchange(b, mesh, "sp", 0, 3, sizes=[2, 4]), mesh)
@@ -286,6 +306,8 @@ def test_errors_name_the_op_and_the_fix() -> None:
         fd.nn.DomainConv(nn.Conv2d(1, 1, 3), mesh, "sp")
     with pytest.raises(fd.MeshError, match="not a spatial dim"):
         fd.nn.DomainConv(nn.Conv2d(1, 1, 3, padding=1), mesh, "sp", dim=1)
+    with pytest.raises(fd.MeshError, match="before, after"):
+        fd.nn.DomainConv(nn.Conv2d(1, 1, 3), mesh, "sp", padding=[(1, 1)])
     with pytest.raises(fd.MeshError, match="ConvTranspose2d"):
         fd.nn.DomainConv(nn.ConvTranspose2d(1, 1, 3), mesh, "sp")
 

@@ -52,6 +52,10 @@ class DomainConv(nn.Module):
             a video; negative counts from the end); an unbatched input is split on the same
             spatial dim.
         sizes: each rank's rows along the split dim, in axis order; ``None``: even blocks.
+        padding: ``(before, after)`` rows of padding for each spatial dim, in place of the
+            conv's own (which is then ignored): a causal temporal convolution, as video VAEs
+            pad it by hand before a ``padding=0`` conv, is ``[(dilation * (k - 1), 0), ...]``
+            on T. The ends are padded with the conv's ``padding_mode``.
 
     Attributes:
         out_sizes: each rank's valid output rows along the split dim, ``ceil(sizes[i] /
@@ -82,6 +86,7 @@ class DomainConv(nn.Module):
         dim: int = 2,
         *,
         sizes: Sequence[int] | None = None,
+        padding: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         kind = next((k for k in _CONVS if type(conv) is k), None)
@@ -99,7 +104,8 @@ class DomainConv(nn.Module):
         self.fn = _CONVS[kind]
         self.stride, self.dilation, self.groups = c.stride, c.dilation, c.groups
         self.mode: str = c.padding_mode
-        self.pads = _pads(c, nsp)  # (before, after) per spatial dim
+        # (before, after) per spatial dim
+        self.pads = _pads(c, nsp) if padding is None else _given_pads(padding, nsp)
         k, s = self.split, self.stride[self.split]
         lo, hi = self.pads[k]
         if lo + hi != self.dilation[k] * (c.kernel_size[k] - 1):
@@ -172,6 +178,20 @@ def _spatial_index(dim: int, nsp: int) -> int:
             f"Fix: pass one of {list(range(2, 2 + nsp))} (or {list(range(-nsp, 0))})"
         )
     return k
+
+
+def _given_pads(padding: Any, nsp: int) -> list[tuple[int, int]]:
+    """``padding`` checked: ``nsp`` pairs of row counts >= 0."""
+    try:
+        pads = [(int(a), int(b)) for a, b in padding]
+    except (TypeError, ValueError):
+        pads = []
+    if len(pads) != nsp or any(v < 0 for p in pads for v in p):
+        raise MeshError(
+            f"DomainConv: padding={padding!r} is not {nsp} (before, after) pairs of rows >= 0, "
+            f"one per spatial dim. Fix: pass e.g. {[(1, 1)] * nsp}"
+        )
+    return pads
 
 
 def _pads(conv: Any, nsp: int) -> list[tuple[int, int]]:
