@@ -27,6 +27,24 @@ def llama(seed: int = 0) -> nn.Module:
     return tiny_llama(4, seed=seed).eval()
 
 
+def tied_llama(seed: int = 0) -> nn.Module:
+    """`llama` with tied input and output embeddings."""
+    from transformers import LlamaForCausalLM
+
+    from tests.tiny_models import llama_config
+
+    cfg = llama_config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
 def batch(step: int) -> tuple[Tensor, Tensor]:
     """``(ids, labels)`` ``[BATCH, SEQ]`` of ``step``; a few labels ignored."""
     g = torch.Generator().manual_seed(500 + step)
@@ -50,9 +68,10 @@ def hand_loss(model: nn.Module, ids: Tensor, labels: Tensor) -> Tensor:
     )
 
 
-def step(model: Any, opt: torch.optim.Optimizer, s: int) -> None:
+def step(model: Any, opt: torch.optim.Optimizer, s: int, clip: float | None = None) -> Any:
     """One AdamW step on batch ``s`` (every rank the same batch): a pipeline (``pipe.step``), a
-    parallel model (its plan's loss) or the plain model (by hand)."""
+    parallel model (its plan's loss) or the plain model (by hand); with ``clip``, clipped by the
+    whole model's norm first (returned)."""
     ids, labels = batch(s)
     if isinstance(model, fd.train.Pipeline):
         if model.simulated:
@@ -64,8 +83,14 @@ def step(model: Any, opt: torch.optim.Optimizer, s: int) -> None:
         model(input_ids=ids, labels=labels).loss.sum().backward()
     else:
         hand_loss(model, ids, labels).backward()
+    norm = None
+    if clip is not None and isinstance(model, fd.train.Pipeline):
+        norm = model.clip_grad_norm_(clip)
+    elif clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad()
+    return norm
 
 
 def states(model: Any, opt: torch.optim.Optimizer) -> States:
@@ -82,7 +107,9 @@ def states(model: Any, opt: torch.optim.Optimizer) -> States:
             weights.update(pm.state_dict())
             named = pm.module.named_parameters()
         else:
-            weights.update({k: v.detach().clone() for k, v in pm.state_dict().items()})
+            once = {n for n, _ in pm.named_parameters()} | {n for n, _ in pm.named_buffers()}
+            state = pm.state_dict()  # a tied weight: under its first name only
+            weights.update({k: v.detach().clone() for k, v in state.items() if k in once})
             named = pm.named_parameters()
         for name, p in named:
             optim[name] = {}
@@ -130,6 +157,16 @@ def on_four_ranks(src: str, out: str) -> dict[str, Any]:
     opt = adamw(pm.parameters())
     res["dp2tp2 extra"] = checkpoint.load(f"{out}/pp2dp2", pm, opt)
     res["dp2tp2"] = states(pm, opt)
+
+    # tied embeddings across the stages: a one-device checkpoint in, a clipped step, saved
+    mesh = fd.connect(pp=2, tp=2, timeout=60)
+    pipe = fd.train.pipeline(tied_llama(seed=8), mesh, schedule="1f1b", microbatches=2)
+    opt = adamw(pipe.parameters())
+    checkpoint.load(f"{out}/tied_one", pipe, opt)
+    res["tied"] = states(pipe, opt)
+    res["tied norm"] = float(step(pipe, opt, 2, clip=0.5))
+    res["tied step"] = states(pipe, opt)
+    checkpoint.save(f"{out}/tied_pp", pipe, opt)
 
     # a checkpoint of another model (2 layers) refused on every rank, naming the keys
     mesh = fd.connect(pp=2, tp=2, timeout=60)

@@ -22,7 +22,15 @@ import fastdist as fd
 from fastdist import checkpoint
 from fastdist.errors import CheckpointError
 from fastdist.testing import run_on_gloo
-from tests.pipeline_checkpoint_worker import States, adamw, llama, on_four_ranks, states, step
+from tests.pipeline_checkpoint_worker import (
+    States,
+    adamw,
+    llama,
+    on_four_ranks,
+    states,
+    step,
+    tied_llama,
+)
 
 pytest.importorskip("transformers")
 
@@ -169,6 +177,49 @@ def test_a_skeleton_buffer_in_every_stage_is_written_once_and_read_into_each(
         assert torch.equal(pm.module.model.scale, torch.full((3,), 7.0, dtype=torch.float64))
 
 
+def untie(s: States, tied: dict[str, str]) -> States:
+    """A pipeline's state without the last stage's copies of tied weights (checked equal to
+    the first's): the one-device model's names."""
+    weights, optim = dict(s[0]), dict(s[1])
+    for alias, name in tied.items():
+        assert torch.equal(weights.pop(alias), weights[name]), alias
+        copy_ = optim.pop(alias)
+        assert copy_.keys() == optim[name].keys()
+        assert all(torch.equal(copy_[k], optim[name][k]) for k in copy_), alias
+    return weights, optim
+
+
+def test_tied_embeddings_across_stages_checkpoint_and_train(tmp_path: Path) -> None:
+    """Tied embeddings at pp=2 x tp=2 (a copy on the first and the last stage, gradients
+    summed): two clipped AdamW steps equal one device's; the checkpoint holds the weight once,
+    as the tied one-device model's does, and loads into it, into pp=4 and back (both copies)."""
+    ref = tied_llama()
+    ref_opt = adamw(ref.parameters())
+    pipe = fd.train.pipeline(copy.deepcopy(ref), fd.Mesh({"pp": 2, "tp": 2}), microbatches=2)
+    opt = adamw(pipe.parameters())
+    for s in range(2):
+        norm = step(pipe, opt, s, clip=0.5)
+        torch.testing.assert_close(norm, torch.full_like(norm, step(ref, ref_opt, s, 0.5)), **TOL)
+    want = untie(states(pipe, opt), pipe.tied)
+    close(want, states(ref, ref_opt))
+    checkpoint.save(tmp_path / "pp", pipe, opt, extra={"step": 2})
+    md = torch.distributed.checkpoint.FileSystemReader(tmp_path / "pp").read_metadata()
+    assert "model.lm_head.weight" not in md.state_dict_metadata
+
+    one = tied_llama(seed=4)
+    one_opt = adamw(one.parameters())
+    checkpoint.load(tmp_path / "pp", one, one_opt)
+    assert equal(states(one, one_opt), want)
+    checkpoint.save(tmp_path / "one", one, one_opt)
+    pipe4 = fd.train.pipeline(tied_llama(seed=5), fd.Mesh({"pp": 4}), microbatches=4)
+    opt4 = adamw(pipe4.parameters())
+    checkpoint.load(tmp_path / "one", pipe4, opt4)
+    assert equal(untie(states(pipe4, opt4), pipe4.tied), want)
+    step(ref, ref_opt, 2, 0.5)
+    step(pipe4, opt4, 2, 0.5)
+    close(untie(states(pipe4, opt4), pipe4.tied), states(ref, ref_opt))
+
+
 def tiny_two_layers() -> Any:
     from tests.tiny_models import tiny_llama
 
@@ -178,9 +229,11 @@ def tiny_two_layers() -> Any:
 def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
     """4 gloo processes: the one-device checkpoint -> pp=2 x tp=2 -> (a step) -> pp=4 -> (a step)
     -> pp=2 x dp=2 interleaved (two stages per rank; dp replicas written once) -> dp=2 x tp=2
-    without a pipeline -> the plain model here. Every load bitwise equal to the
-    state saved; every step one device's; each rank writes its own slices, nothing twice; another
-    model's checkpoint refused on every rank (also the ranks whose stages it matches)."""
+    without a pipeline -> the plain model here; tied embeddings at pp=2 x tp=2 (a clipped step:
+    the copies on the first and the last stage's ranks stay bitwise equal) and back. Every load
+    bitwise equal to the state saved; every step one device's; each rank writes its own slices,
+    nothing twice; another model's checkpoint refused on every rank (also the ranks whose
+    stages it matches)."""
     from tests.test_checkpoint import nbytes, payload
 
     ref, ref_opt = one_device(2)
@@ -192,6 +245,13 @@ def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
     for s in (2, 3):
         step(ref, ref_opt, s)
         steps.append(states(ref, ref_opt))
+    tied = tied_llama()
+    tied_opt = adamw(tied.parameters())
+    for s in range(2):
+        step(tied, tied_opt, s, clip=0.5)
+    checkpoint.save(tmp_path / "tied_one", tied, tied_opt)
+    want_tied = states(tied, tied_opt)
+    tied_norm = float(step(tied, tied_opt, 2, clip=0.5))
 
     res = run_on_gloo(on_four_ranks, 4, str(tmp_path / "one"), str(tmp_path), timeout=240)
     assert [r["pp2tp2 extra"] for r in res] == [{"step": 2}] * 4
@@ -207,6 +267,16 @@ def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
     assert all(equal(merged([r["pp2dp2"] for r in res[d::2]]), pp4_step) for d in (0, 1))
     assert res[0]["dp2tp2 extra"] == {"step": 4}
     assert all(equal(r["dp2tp2"], pp4_step) for r in res)
+    # tied embeddings: the copies on the first and the last stage's ranks equal, bitwise
+    alias = {"lm_head.weight": "model.embed_tokens.weight"}
+    assert equal(untie(merged([r["tied"] for r in res]), alias), want_tied)
+    assert all(abs(r["tied norm"] - tied_norm) < 1e-12 for r in res)
+    tied_step = untie(merged([r["tied step"] for r in res]), alias)
+    close(tied_step, states(tied, tied_opt))
+    back = tied_llama(seed=3)
+    back_opt = adamw(back.parameters())
+    checkpoint.load(tmp_path / "tied_pp", back, back_opt)
+    assert equal(states(back, back_opt), tied_step)
     for r in res:
         assert "missing keys" in r["other model"] and "model.layers.2" in r["other model"]
     assert "process rank 2 refused" in res[0]["other model"]  # pp=0 holds what it has

@@ -371,9 +371,11 @@ def read(
         parts = [model.stages[j] for j in sorted(model.stages)]
     made = _materialize(parts, tgt, device, dtype, op)
     try:
-        out = _read_into(os.fspath(path), tgt, optimizer, strict, {f"model.{n}" for n in made}, op)
+        out = _read_into(
+            os.fspath(path), tgt, optimizer, strict, {f"model.{n}" for n, _ in made}, op
+        )
     except BaseException:
-        for t in made.values():  # back to the meta device: as it was
+        for _, t in made:  # back to the meta device: as it was
             materialize_(t, "meta")
         raise
     if made:
@@ -389,25 +391,26 @@ def _materialize(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     op: str,
-) -> dict[str, Tensor]:
+) -> list[tuple[str, Tensor]]:
     """Storage for this rank's shards of the tensors still on the meta device (values written by
-    the load); returns them by name. ``parts``: the model, or a pipeline's stages held here."""
+    the load); returns them with their names. ``parts``: the model, or a pipeline's stages held
+    here."""
     if not tgt.meta_names():
         if device is not None or dtype is not None:
             raise CheckpointError(
                 f"{op}: device={device!r} / dtype={dtype!r} choose where tensors on the meta "
                 f"device get their storage, but {tgt.name} has none there. Fix: drop them"
             )
-        return {}
+        return []
     if not all(isinstance(part, ParallelModel) for part in parts):
-        return {}  # model_entries names them and the fix
+        return []  # model_entries names them and the fix
     for part in parts:
         part.recompute_buffers(resolve_device(device))
-    made = {}
+    made = []
     for name, t, is_param in tgt.named_tensors():
         if t.is_meta:
             materialize_(t, device, dtype if is_param and t.is_floating_point() else None)
-            made[name] = t
+            made.append((name, t))
     return made
 
 

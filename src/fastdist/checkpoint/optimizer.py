@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from fastdist.checkpoint.planner import Box, Entry, Target, clip_box, entry, few
+from fastdist.checkpoint.planner import Box, Entry, Target, clip_box, entry, few, merge
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CheckpointError
 from fastdist.nn.state import Layout
@@ -177,36 +177,52 @@ def optimizer_plan(
             f"{type(optimizer).__name__} {len(names)}. Fix: build the optimizer with the same "
             "param groups"
         )
-    index = {n: i for i, n in enumerate(n for group in names for n in group)}
+    # by position, as load_state_dict numbers them (a weight tied across a pipeline's stages:
+    # two parameters, one name)
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    where: dict[str, list[int]] = {}
+    for i, n in enumerate(n for group in names for n in group):
+        where.setdefault(n, []).append(i)
     fix = "build the optimizer with the same param groups"
-    groups = [
-        {**saved.group(tgt, i, group, "optimizer", fix, op), "params": [index[n] for n in group]}
-        for i, group in enumerate(names)
-    ]
-    params = dict(tgt.named_parameters())
+    groups, start = [], 0
+    for i, group in enumerate(names):
+        hps = saved.group(tgt, i, list(dict.fromkeys(group)), "optimizer", fix, op)
+        groups.append({**hps, "params": list(range(start, start + len(group)))})
+        start += len(group)
     state: dict[int, dict[str, Any]] = {}
     fix = "load the checkpoint of the same model and optimizer"
-    for key, name, sub in saved.state_keys(tgt, index, "optimizer", fix, op):
-        md, p = saved.stored[key], params[name]
-        if isinstance(md, BytesStorageMetadata):
-            state.setdefault(index[name], {})[sub] = saved.values[key]
-            continue
-        full = entries[f"model.{name}"].shape if f"model.{name}" in entries else None
-        if tuple(md.size) == full:
-            dest = torch.empty_like(p.detach(), dtype=md.properties.dtype)
-            layout, stacked = tgt.layouts.get(name, Layout()), tgt.simulated
-        elif len(md.size) == 0:
-            dest = torch.empty((), dtype=md.properties.dtype)
-            layout, stacked = Layout(), False
-        else:
-            raise CheckpointError(
-                f"{op} on {tgt.where}: optimizer state {key!r} has shape {tuple(md.size)} in the "
-                f"checkpoint, neither its parameter's {full} nor a scalar. Fix: load the "
-                "checkpoint of the same model and optimizer"
-            )
-        entries[key] = entry(key, dest, layout, tgt, stacked)
-        state.setdefault(index[name], {})[sub] = dest
+    for key, name, sub in saved.state_keys(tgt, where, "optimizer", fix, op):
+        md = saved.stored[key]
+        for i in where[name]:
+            if isinstance(md, BytesStorageMetadata):
+                state.setdefault(i, {})[sub] = saved.values[key]
+                continue
+            dest, layout, stacked = _state_dest(tgt, key, name, md, flat[i], entries, op)
+            new = entry(key, dest, layout, tgt, stacked)
+            if key in entries:  # the second copy of a tied weight: read into both
+                merge(entries[key], new)
+            else:
+                entries[key] = new
+            state.setdefault(i, {})[sub] = dest
     return groups, state
+
+
+def _state_dest(
+    tgt: Target, key: str, name: str, md: Any, p: Tensor, entries: dict[str, Entry], op: str
+) -> tuple[Tensor, Layout, bool]:
+    """A new tensor for saved optimizer state ``key`` of parameter ``p``: (tensor, its layout,
+    stacked over simulated ranks)."""
+    full = entries[f"model.{name}"].shape if f"model.{name}" in entries else None
+    if tuple(md.size) == full:
+        dest = torch.empty_like(p.detach(), dtype=md.properties.dtype)
+        return dest, tgt.layouts.get(name, Layout()), tgt.simulated
+    if len(md.size) == 0:
+        return torch.empty((), dtype=md.properties.dtype), Layout(), False
+    raise CheckpointError(
+        f"{op} on {tgt.where}: optimizer state {key!r} has shape {tuple(md.size)} in the "
+        f"checkpoint, neither its parameter's {full} nor a scalar. Fix: load the checkpoint of "
+        "the same model and optimizer"
+    )
 
 
 # ============================================================================ ZeRO-1
@@ -404,10 +420,12 @@ def save_optimizer(
     groups = param_names(tgt, optimizer, op)
     params = dict(tgt.named_parameters())
     for i, (group, names) in enumerate(zip(optimizer.param_groups, groups)):
-        for hp, v in group.items():
-            values[f"optim.param_groups.{i}.{hp}"] = names if hp == "params" else v
+        for hp, v in group.items():  # a weight tied across a pipeline's stages: named once
+            values[f"optim.param_groups.{i}.{hp}"] = (
+                list(dict.fromkeys(names)) if hp == "params" else v
+            )
     for names in groups:
-        for name in names:
+        for name in dict.fromkeys(names):
             for k, v in optimizer.state.get(params[name], {}).items():
                 key = f"optim.state.{name}.{k}"
                 if not isinstance(v, Tensor):

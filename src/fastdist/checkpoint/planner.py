@@ -60,6 +60,7 @@ __all__ = [
     "target",
     "gather_job",
     "agree",
+    "merge",
     "entry",
     "clip_box",
     "model_entries",
@@ -100,10 +101,12 @@ class Staged(Protocol):
     """A model split into pipeline stages (`fastdist.train.Pipeline`): the stages this process
     holds, each a `fastdist.nn.ParallelModel` over the same stage mesh holding part of the whole
     model's parameters under the model's own names; ``mesh`` is the whole mesh (with the
-    pipeline axis ``axis``)."""
+    pipeline axis ``axis``); ``tied``: weights of which the first and the last stage each hold a
+    copy (tied embeddings), written once under the first stage's name and read into both."""
 
     mesh: Mesh
     axis: str
+    tied: Mapping[str, str]  # a weight the first and last stage both hold: last's name -> first's
 
     @property
     def stages(self) -> Mapping[int, ParallelModel]:
@@ -134,6 +137,7 @@ class Target:
     simulated: bool = False  # every rank's block stacked, [mesh.size, *local]
     pipeline: dict[str, Any] | None = None  # a pipeline's whole mesh and axis
     job: Job | None = None  # a pipeline on real ranks: what every rank holds (`gather_job`)
+    renames: dict[str, str] = field(default_factory=dict)  # a tied copy's name -> the first's
 
     @property
     def name(self) -> str:
@@ -146,13 +150,18 @@ class Target:
         return self.pipeline is not None and self.distributed
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Every parameter held here by the model's name (tied ones once)."""
-        return [(n, p) for m in self.modules for n, p in m.named_parameters()]
+        """Every parameter held here by the model's name (tied ones once; a pipeline's copy of
+        a weight tied across stages under the first stage's name, beside it)."""
+        return [(self.renames.get(n, n), p) for m in self.modules for n, p in m.named_parameters()]
 
     def named_tensors(self) -> list[tuple[str, Tensor, bool]]:
         """(name, tensor, is a parameter) of every parameter and persistent buffer held here; a
-        skeleton buffer once per stage."""
-        return [(n, t, is_p) for m in self.modules for n, (t, is_p) in named_tensors(m).items()]
+        skeleton buffer once per stage; a copy of a tied weight under the first's name."""
+        return [
+            (self.renames.get(n, n), t, is_p)
+            for m in self.modules
+            for n, (t, is_p) in named_tensors(m).items()
+        ]
 
     def tied_aliases(self) -> dict[str, str]:
         return {a: n for m in self.modules for a, n in tied_aliases(m).items()}
@@ -194,6 +203,10 @@ def _staged_target(pipe: Staged, op: str) -> Target:
     layouts: dict[str, Layout] = {}
     for pm in stages:
         layouts.update(param_layouts(pm.module))
+    renames = dict(pipe.tied)
+    for alias, name in renames.items():  # split alike (the pipeline checks): one layout
+        if alias in layouts:
+            layouts.setdefault(name, layouts.pop(alias))
     real = pipe.mesh.backend is not None
     info = {"mesh": dict(pipe.mesh.shape), "axis": pipe.axis}
     return Target(
@@ -204,6 +217,7 @@ def _staged_target(pipe: Staged, op: str) -> Target:
         f"rank {pipe.mesh.rank}" if real else "simulated ranks",
         not real,
         info,
+        renames=renames,
     )
 
 
@@ -326,14 +340,14 @@ def model_entries(tgt: Target) -> dict[str, Entry]:
             )
         layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
         new = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
-        if new.key in out:  # a buffer of a pipeline's skeleton, in every stage: written once,
-            _merge(out[new.key], new)  # read into each copy
+        if new.key in out:  # a skeleton buffer in every stage, a tied weight: written once,
+            merge(out[new.key], new)  # read into each copy
         else:
             out[new.key] = new
     return out
 
 
-def _merge(into: Entry, other: Entry) -> None:
+def merge(into: Entry, other: Entry) -> None:
     """``other``'s copies of the same boxes added to ``into``'s (one write, every copy read)."""
     boxes = {(b.offsets, b.sizes): b for b in into.boxes}
     for b in other.boxes:

@@ -19,6 +19,7 @@ from fastdist.train.pipeline.split import (
     retire,
     split_model,
     stage_plan,
+    tied_across_stages,
 )
 from fastdist.train.schedules import Schedule, schedule, stage_layers
 
@@ -114,6 +115,7 @@ def pipeline(
             if "tp" in stage_mesh.axis_names
             else {}
         )
+    tied = tied_across_stages(model, fam, len(ranges))
     modules = split_model(model, fam, ranges, keep)
     retire(model)
     stages: dict[int, Any] = {}
@@ -133,7 +135,26 @@ def pipeline(
                 module.loss_function = HFCausalLMLoss(stage_mesh, axis_name, gathered=True)  # type: ignore[assignment]
         StageHooks(module, first, last)  # held by the hooks it registers on the module
         stages[j] = pm
-    return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges)
+    if 0 in stages and sched.stages - 1 in stages:
+        _check_tied_layouts(stages[0], stages[sched.stages - 1], tied)
+    return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, tied)
+
+
+def _check_tied_layouts(first: Any, last: Any, tied: Mapping[str, str]) -> None:
+    """The two copies of a tied weight must be split alike (their gradients are summed block by
+    block): the same boxes of the single-device weight on every rank."""
+    mesh = first.mesh
+    for alias, name in tied.items():
+        a, b = first.layouts[name], last.layouts[alias]
+        shape = tuple(first.module.get_parameter(name).shape[1 if mesh.backend is None else 0 :])
+        full = a.full_shape(shape, mesh)
+        if any(a.boxes(full, mesh, r) != b.boxes(full, mesh, r) for r in range(mesh.size)):
+            raise PipelineError(
+                f"pipeline: the tied weights {name} ({a.spec}) and {alias} ({b.spec}) are split "
+                "differently on the first and the last stage; their gradients are summed block "
+                "by block. Fix: a plan that splits the input and output embeddings alike (the "
+                "family's ready plan does), or untie them"
+            )
 
 
 def _schedule_for(name: Any, pp: int, microbatches: int, virtual: int) -> Schedule:

@@ -43,6 +43,7 @@ class Event:
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _HEADER = 16  # int64 slots: kind, microbatch, stage, dtype, ndim, schedule (3), shape...
 _SHAPE = 8  # where the shape starts: at most _HEADER - _SHAPE = 8 dims
+_TIED_TAG = 1 << 28  # the tags of a tied weight's gradient halves (above every transfer's)
 
 
 def _schedule_id(sched: Schedule, layers: Sequence[range]) -> tuple[int, int, int]:
@@ -206,6 +207,40 @@ class _Ranks:
         for work, _, what in pending:
             self.ac.run("pipeline send", lambda w=work: w.wait(timeout), what=what)
 
+    def swap(self, t: Tensor, peer: int, what: str) -> Tensor:
+        """Send ``t`` to ``peer`` and receive its tensor of the same shape and dtype (checked
+        first), e.g. the two halves of a tied weight's gradient."""
+        import torch.distributed as dist
+
+        group, timeout = self._group(t.device), self.ac.comm.timeout
+        t = t.detach().contiguous()
+        kind = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+        head = torch.tensor([t.dim(), kind, *t.shape, *[0] * (_HEADER - t.dim())])
+        theirs = torch.empty_like(head)
+        out = torch.empty_like(t)
+        for mine, buf, tag in ((head.to(t.device), theirs, _TIED_TAG), (t, out, _TIED_TAG + 1)):
+            sent = self.ac.run(
+                "pipeline send",
+                lambda m=mine, g=tag: dist.isend(m, group=group, group_dst=peer, tag=g),
+                what=what,
+            )
+            self.ac.run(
+                "pipeline recv",
+                lambda b=buf, g=tag: _work(dist.irecv(b, group=group, group_src=peer, tag=g)).wait(
+                    timeout
+                ),
+                what=what,
+            )
+            self.ac.run("pipeline send", lambda w=sent: _work(w).wait(timeout), what=what)
+            if tag == _TIED_TAG and not torch.equal(theirs.cpu(), head):
+                raise PipelineError(
+                    f"pipeline: {what}: this rank holds shape {tuple(t.shape)}, {self.axis}="
+                    f"{peer} another ({theirs.tolist()}): the tied weights are split differently "
+                    "on the first and the last stage. Fix: a plan that splits the input and "
+                    "output embeddings alike (the family's ready plan does)"
+                )
+        return out
+
     @staticmethod
     def _tag(kind: str, micro: int, stage: int) -> int:
         return (micro * 4096 + stage) * 2 + (0 if kind == "F" else 1)
@@ -226,6 +261,10 @@ class Pipeline:
         stage_mesh: the mesh each stage is parallelized over (the other axes).
         stages: ``{stage index: ParallelModel}`` held here.
         layers: ``layers[j]`` are the decoder layer indices of stage ``j``.
+        tied: weights the first and the last stage share (tied embeddings), ``{name in the
+            last stage: name in the first}``: each stage holds a copy, and a step sums their
+            gradients (Megatron's embedding group), so the copies stay equal; the norm counts
+            the weight once, a checkpoint holds it once (under the first name).
         events: what the last step ran, where and when (:class:`Event`; per rank on a simulated
             mesh, this process's actions on real ranks, timing the compute without the wait
             for the input).
@@ -240,9 +279,11 @@ class Pipeline:
         stage_mesh: Mesh,
         stages: dict[int, Any],
         layers: list[range],
+        tied: Mapping[str, str] | None = None,
     ) -> None:
         self.mesh, self.axis, self.schedule, self.stage_mesh = mesh, axis, sched, stage_mesh
         self.stages, self.layers = stages, layers
+        self.tied = dict(tied or {})
         self.events: list[Event] = []
         self.span = 0.0  # the last step's wall time on this rank (real ranks), seconds
         self._ranks = (
@@ -318,9 +359,17 @@ class Pipeline:
         p = check_norm_type(norm_type, op)
         grads: dict[int, list[Tensor]] = {}
         per_stage: list[Tensor] = []
-        for j in sorted(self.stages):
-            total, gs, _ = total_norm(self.stages[j], p, None, op)
-            grads[j] = gs
+        copies = [b for _, _, b in self._tied_params() if b is not None and b.grad is not None]
+        hidden = [(b, b.grad) for b in copies if b.grad is not None]  # counted once: as the first
+        for b in copies:
+            b.grad = None
+        try:
+            norms = {j: total_norm(self.stages[j], p, None, op) for j in sorted(self.stages)}
+        finally:
+            for b, g in hidden:
+                b.grad = g
+        for j, (total, gs, _) in norms.items():
+            grads[j] = gs + [g for _, g in hidden] if j == self.schedule.stages - 1 else gs
             t = total.to(torch.float64)
             if self.simulated:  # [stage mesh size] -> [mesh size]: rows of this stage's rank
                 t = torch.zeros(self.mesh.size, dtype=torch.float64).index_copy(
@@ -612,6 +661,7 @@ class Pipeline:
                     grads[(j - 1, m)] = _grad_of(x, j, m)
             self.events.append(Event(s.rank_of(j), a.kind, m, j, start, time.perf_counter() - t0))
         assert loss is not None
+        self._sum_tied()
         # every rank's loss: rank r holds its stage-mesh index's loss of the last stage
         idx = torch.tensor(
             [
@@ -680,6 +730,7 @@ class Pipeline:
                             ranks.send(gx, s.rank_of(j - 1), "B", m, j - 1)
                 self.events.append(Event(me, a.kind, m, j, start, end))
             ranks.finish()
+            self._sum_tied()
             self.span = time.perf_counter() - t0
         except Exception as e:
             # peers wait on this rank's transfers and its stage's collectives: drop the groups of
@@ -698,6 +749,37 @@ class Pipeline:
         # the last stage's loss on every rank of the pipeline axis
         dtype = next(self.parameters()).dtype
         return broadcast(loss, self.mesh, self.axis, src=s.rank_of(last)).to(dtype)
+
+    def _tied_params(self) -> list[tuple[str, nn.Parameter | None, nn.Parameter | None]]:
+        """(alias, the first stage's copy, the last stage's copy) of each tied weight, None
+        where this process does not hold that stage."""
+        first, last = self.stages.get(0), self.stages.get(self.schedule.stages - 1)
+        return [
+            (
+                alias,
+                first.module.get_parameter(name) if first is not None else None,
+                last.module.get_parameter(alias) if last is not None else None,
+            )
+            for alias, name in self.tied.items()
+        ]
+
+    def _sum_tied(self) -> None:
+        """Both copies of each tied weight get the sum of their gradients (first + last, the
+        same order everywhere: bitwise equal copies); on real ranks one exchange between the
+        first and the last stage's ranks."""
+        for alias, a, b in self._tied_params():
+            if a is not None and b is not None:
+                if a.grad is not None and b.grad is not None:
+                    a.grad = a.grad + b.grad
+                    b.grad = a.grad.clone()
+                continue
+            mine = a if a is not None else b
+            if mine is None or mine.grad is None or self._ranks is None:
+                continue
+            peer = self.schedule.rank_of(self.schedule.stages - 1 if a is not None else 0)
+            what = f"the gradient of the tied weight {self.tied[alias]} / {alias}"
+            theirs = self._ranks.swap(mine.grad, peer, what)
+            mine.grad = mine.grad + theirs if a is not None else theirs + mine.grad
 
     # ------------------------------------------------------------------ inspection
     def show(self) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "StageSplit",
     "StageHooks",
     "split_model",
+    "tied_across_stages",
     "stage_plan",
     "retire",
     "decoder_layers",
@@ -205,7 +206,7 @@ def split_model(
             f"pipeline: the stages cover {ranges[-1].stop} layers, {split.layers} holds "
             f"{n_layers}. Fix: layers_per_stage= summing to {n_layers}"
         )
-    _check_owners(model, split, len(ranges))
+    tied = tied_across_stages(model, split, len(ranges))
     skeleton = _skeleton(model, split, layers, ends)
     own = list(layers)
     stages: dict[int, nn.Module] = {}
@@ -221,14 +222,22 @@ def split_model(
         if j == len(ranges) - 1:
             for n in split.last:
                 _put(st, n, ends[n])
+            for alias in tied:  # the last stage's own copy; `Pipeline` sums the two gradients
+                p = st.get_parameter(alias)
+                parent, _, leaf = alias.rpartition(".")
+                copy_ = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                setattr(st.get_submodule(parent), leaf, copy_)
         stages[j] = st
     return stages
 
 
-def _check_owners(model: nn.Module, split: StageSplit, n_stages: int) -> None:
-    """Raise unless every parameter belongs to the layers or an end module, and (with more than
-    one stage) none is shared by the first and the last stage."""
-    owner: dict[int, str] = {}
+def tied_across_stages(model: nn.Module, split: StageSplit, n_stages: int) -> dict[str, str]:
+    """Parameters shared by the first and the last stage (tied input and output embeddings), as
+    ``{name in the last stage's module: name in the first stage's}``; empty with one stage.
+    Raises unless every parameter belongs to the layers or an end module, and for any other
+    sharing across stages."""
+    owner: dict[int, tuple[str, str]] = {}
+    tied: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         where = next(
             (
@@ -245,13 +254,17 @@ def _check_owners(model: nn.Module, split: StageSplit, n_stages: int) -> None:
                 "with the module holding it among first= or last="
             )
         ends_of = "first" if where in split.first else "last" if where in split.last else where
-        if owner.setdefault(id(p), ends_of) != ends_of and n_stages > 1:
+        seen, first_name = owner.setdefault(id(p), (ends_of, name))
+        if seen == ends_of or n_stages == 1:
+            continue
+        if (seen, ends_of) != ("first", "last"):
             raise PipelineError(
-                f"pipeline: parameter {name} is shared by the first and the last stage (tied "
-                "input and output embeddings): fastdist's pipeline does not sum a tied weight's "
-                "gradient across stages yet. Fix: build the model with "
-                "tie_word_embeddings=False (and copy the weight), or run without a pipeline axis"
+                f"pipeline: parameter {name} is shared by {first_name} of another stage; only "
+                "the first stage's and the last stage's ends may share one (tied embeddings). "
+                "Fix: untie them (copy the weight), or run without a pipeline axis"
             )
+        tied[name] = first_name
+    return tied
 
 
 def _skeleton(
