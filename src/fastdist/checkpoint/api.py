@@ -198,12 +198,15 @@ def load(
                 "training checkpoint is the directory fastdist.checkpoint.save writes)"
             )
         for j in sorted(model.stages):
+            stage = model.stages[j]
+            held = {n for n, _ in stage.module.named_parameters()}
+            tied = {a: n for a, n in model.tied.items() if a in held}
             load(
                 path,
-                model.stages[j],
+                stage,
                 format=format,
                 strict="missing" if strict is True else strict,
-                rename=rename,
+                rename=_tied_rename(rename, tied, stage.module, path) if tied else rename,
                 device=device,
                 dtype=dtype,
             )
@@ -232,6 +235,20 @@ def load(
     assert isinstance(model, (ParallelModel, nn.Module))  # a pipeline's stages: above
     _load_weights(path, model, mesh, strict, rename, device, dtype, op)
     return {}
+
+
+def _tied_rename(
+    rename: Mapping[str, str] | Callable[[str], str] | None,
+    tied: Mapping[str, str],
+    module: nn.Module,
+    path: Any,
+) -> Mapping[str, str] | Callable[[str], str]:
+    """A pipeline's last stage: its copy of a tied weight reads the first stage's name (a tied
+    model's checkpoint holds it once), after ``rename`` (default: transformers' renamings)."""
+    base = rename if rename is not None else (hf_checkpoint_renames(module, path) or {})
+    if isinstance(base, Mapping):
+        return {**base, **{alias: base.get(name, name) for alias, name in tied.items()}}
+    return lambda key: base(tied.get(key, key))
 
 
 def _load_weights(
