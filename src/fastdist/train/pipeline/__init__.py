@@ -38,6 +38,9 @@ ends) and a blocking receive with the mesh's timeout, over the ``pp`` axis's pro
 message tagged and preceded by a header (kind, micro-batch, stage, dtype, shape) that the
 receiver checks: a peer that sends something else raises instead of being misread.
 
+Tied input and output embeddings: the first and the last stage each hold a copy
+(``Pipeline.tied``), and a step sums their gradients (Megatron's embedding group).
+
 Modules: `split` (model -> stages), `runtime` (`Pipeline`: running a schedule, transfers),
 `build` (the `pipeline` entry point). Data parallelism over the stages:
 ``fastdist.train.DataParallel(pipe, "dp")``.

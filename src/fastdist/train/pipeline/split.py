@@ -191,7 +191,9 @@ def split_model(
     model: nn.Module, split: StageSplit, ranges: Sequence[range], keep: Sequence[int]
 ) -> dict[int, nn.Module]:
     """Stage modules ``{stage: copy of the model's skeleton holding its layers}`` for the stages
-    in ``keep``; every parameter of ``model`` must belong to a layer or an end module."""
+    in ``keep``; every parameter of ``model`` must belong to a layer or an end module. A weight
+    tied between the first and the last stage (`tied_across_stages`): the last stage holds a
+    copy of it (and the model given is untied)."""
     layers = decoder_layers(model, split)
     try:
         ends = {n: model.get_submodule(n) for n in (*split.first, *split.last)}
