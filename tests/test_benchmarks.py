@@ -229,3 +229,18 @@ def test_verify_cost_benchmark_smoke_run() -> None:
     assert len(rows) == 1, proc.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert float(cells[5]) > 1 and float(cells[7]) > 1, rows  # verify costs more than plain
+
+
+def test_decode_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/decode.py --quick: a tiny Llama on 2 gloo processes against one device; the run
+    itself checks the greedy tokens are one device's before timing; ratios and the load reported."""
+    proc = _run_quick("decode.py", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "decode.json").read_text())
+    assert [r["case"] for r in res["rows"]] == [
+        "decode loop, batch 1",
+        "HF generate, batch 1",
+        "input check",
+    ]
+    assert all(r["tp"] == 2 and r["ratio"] > 0 and r["a_ms"] > 0 for r in res["rows"])
+    assert 0 < res["rows"][0]["own_share"] < 1 and len(res["loadavg"]) == 2
+    assert "| tp / one device |" in proc.stdout and "/proc/loadavg before" in proc.stdout
