@@ -710,3 +710,21 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_refused(bad: dict[str, str], mat
         kw[key] = kw[key].to(F64)
     with pytest.raises(PipelineError, match=match):
         pipe.step(**kw)
+
+
+# ============================================================================ checkpointing
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_in_a_pipeline_equals_one_device(reentrant: bool) -> None:
+    """transformers' gradient checkpointing enabled on the model a pipeline splits (pp2 x tp2):
+    the step's gradients are one device's (simulated ranks run each layer once)."""
+    ref = llama()
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    ids, labels = make_batch(1)
+    loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    loss_ref = hand_loss(ref, ids, labels)
+    loss_ref.backward()
+    torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **TOL)
+    assert_grads(pipe, ref)

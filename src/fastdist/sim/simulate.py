@@ -220,9 +220,12 @@ def _requires_grad_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         t = inner = args[0]
         while _functorch.is_batchedtensor(inner) or _functorch.is_gradtrackingtensor(inner):
             inner = _functorch.get_unwrapped(inner)
-        if inner is t or "inside of a function being transformed" not in str(e):
+        if "inside of a function being transformed" not in str(e):
             raise
-        if inner.requires_grad:
+        if inner is t or inner.requires_grad:
+            # already tracked, or made inside the simulation from no input (a pipeline stage's
+            # stub embedding): a leaf nobody reads the gradient of; simulated ranks do not
+            # recompute, so the hook's purpose (reentrant checkpointing) does not arise
             return t
         raise NoBackendError(
             "Tensor.requires_grad_() inside fastdist.simulate on a tensor that does not require "

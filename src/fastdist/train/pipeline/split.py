@@ -5,12 +5,14 @@ the hooks that hand activations in and out (see `fastdist.train.pipeline`)."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from fastdist.errors import PipelineError
 
@@ -288,8 +290,20 @@ def _skeleton(
     _put(model, split.layers, nn.ModuleList([_Skip() for _ in layers]))
     for n, stub in stubs.items():
         _put(model, n, stub)
+    # handles of hooks on the modules swapped out (transformers' enable_input_require_grads
+    # keeps them for the embedding) cannot be copied without those modules: the copies hold
+    # handles of nothing (removing them is a no-op; the hooks themselves stay on the modules
+    # the stages take over)
+    handles = [
+        h
+        for m in model.modules()
+        for v in vars(m).values()
+        for h in (v if isinstance(v, list) else [v])
+        if isinstance(h, RemovableHandle)
+    ]
+    memo: dict[int, Any] = {id(h): RemovableHandle(OrderedDict()) for h in handles}
     try:
-        return copy.deepcopy(model)
+        return copy.deepcopy(model, memo)
     finally:
         _put(model, split.layers, layers)
         for n, m in ends.items():
