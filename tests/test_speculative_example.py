@@ -91,9 +91,9 @@ def _torchrun(world: int, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize(("world", "k"), [(2, 4), (4, 3)])
-def test_speculative_example_on_gloo_equals_one_device(world: int, k: int) -> None:
-    new_tokens = 20
+@pytest.mark.parametrize(("world", "k", "new_tokens"), [(2, 4, 24), (4, 3, 20)])
+def test_speculative_example_on_gloo_equals_one_device(world: int, k: int, new_tokens: int) -> None:
+    """2 processes: the example's defaults (the run docs/inference.md shows); 4: other k."""
     proc = _torchrun(world, "--k", str(k), "--new-tokens", str(new_tokens))
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
@@ -114,6 +114,10 @@ def test_speculative_example_on_gloo_equals_one_device(world: int, k: int) -> No
     target = ex.build_target()
     ref = ex.speculate(target, ex.build_draft(target), ex.PROMPT, new_tokens, k)
     assert [(n, added) for n, _, added in steps] == ref.steps, out
+    if world == 2:  # docs/inference.md shows this run's output
+        doc = (ROOT / "docs" / "inference.md").read_text()
+        for line in out.splitlines():
+            assert f"\n{line}\n" in doc, f"docs/inference.md does not show {line!r}"
 
 
 def test_without_torchrun_it_says_how_to_launch_it() -> None:
