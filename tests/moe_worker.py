@@ -20,6 +20,7 @@ from torch import Tensor
 import fastdist as fd
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
+AUX_TOL = {"rtol": 1e-6, "atol": 1e-6}  # a float32 quantity (a few ulps)
 
 
 @contextlib.contextmanager
@@ -203,8 +204,10 @@ def check_mixtral_on_ranks(
             logits,
             **TOL,
         )
-        torch.testing.assert_close(out.aux_loss, aux, **TOL)
-        torch.testing.assert_close(out.loss, ce + coef * aux, **TOL)
+        # transformers computes the aux loss in float32 whatever the model's dtype: sums over
+        # the ranks' tokens in another order may differ from one device's by a float32 ulp
+        torch.testing.assert_close(out.aux_loss, aux, **AUX_TOL)
+        torch.testing.assert_close(out.loss, ce + coef * aux, rtol=0, atol=1e-10 + coef * 1e-6)
         if counts is not None:
             got = {n: int(c) for n, c in M.dropped_counts(model).items()}
             assert got == {n: c[-1] for n, c in counts.items()}, (got, counts)
