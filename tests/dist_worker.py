@@ -658,13 +658,11 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
     try:
         late.recv_obj(src=prv)
     except fd.CollectiveTimeout as e:
-        return {
-            "expired": expired,
-            "gone": gone,
-            "timeout_msg": str(e),
-            "elapsed": time.monotonic() - t0,
-        }
-    return {"expired": expired, "gone": gone, "timeout_msg": None}
+        msg, elapsed = str(e), time.monotonic() - t0
+    else:
+        msg, elapsed = None, 0.0
+    g.barrier()  # the store's host (rank 0) stays until every rank's wait has timed out
+    return {"expired": expired, "gone": gone, "timeout_msg": msg, "elapsed": elapsed}
 
 
 # ============================================================================ ctypes backend (fake

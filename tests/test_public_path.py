@@ -56,7 +56,7 @@ def test_simulated_rank_suite_passes_on_the_public_route() -> None:
         "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-x", *FILES],
         cwd=ROOT,
         env=env,
         capture_output=True,
