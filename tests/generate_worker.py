@@ -55,6 +55,14 @@ def on_ranks(family: str, degrees: dict[str, int], sequence_parallel: bool) -> d
         out[name] = run_case(pm.generate, family, gen, seed).tolist()
     res = run_case(pm.generate, family, {**CASES["greedy"], "return_dict_in_generate": True})
     out["cache_keys"] = tuple(res.past_key_values.layers[0].keys.shape)
+    # the cache is this model's: another parallel model (the same shapes here) refuses it
+    other = tm.build(family)
+    fd.nn.parallelize(other, mesh, fd.nn.plans.plan(other, mesh))
+    try:
+        other(input_ids=res.sequences[:, -1:], past_key_values=res.past_key_values)
+        out["foreign_cache"] = "no error"
+    except ParallelizeError as e:
+        out["foreign_cache"] = str(e)
     out["direct_greedy"] = run_case(model.generate, family, CASES["greedy"]).tolist()
     try:
         run_case(model.generate, family, {**CASES["sample"], "max_new_tokens": 3}, seed)

@@ -29,6 +29,7 @@ def test_generate_on_gloo_equals_one_device(family: str, degrees: dict[str, int]
         assert got["direct_greedy"] == want["greedy"], rank
         # the KV cache holds this rank's kv heads only
         assert got["cache_keys"][1] == max(kv // world, 1), got["cache_keys"]
+        assert "another parallel model filled" in got["foreign_cache"], got["foreign_cache"]
         # sampling through the model's own generate with unequal random states: ranks draw
         # different tokens, and the next step refuses them
         assert "token inputs differ" in got["direct_sample"], got["direct_sample"]

@@ -136,6 +136,7 @@ class DirectCalls:
         self._bypass = 0
         self._trusted = 0
         self._gathering: list[contextlib.ExitStack] = []
+        self._token = object()  # the mark of the KV caches this model filled (`_claim`)
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -170,9 +171,30 @@ class DirectCalls:
         if not self._trusted and self.axes:
             values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
             check_same_inputs(values, self.mesh, self.axes, f"{self.name} called on real ranks")
+        self._claim(kwargs.get("past_key_values"))
         stack = contextlib.ExitStack()
         stack.enter_context(whole_logits(module))
         self._gathering.append(stack)
+
+    def _claim(self, cache: Any) -> None:
+        """A KV cache object is this model's from its first use here: one another parallel
+        model (another mesh, another plan: other heads per rank) filled is refused, also when
+        its shapes happen to fit."""
+        if cache is None or isinstance(cache, (Tensor, tuple, list)):
+            return
+        owner = getattr(cache, "_fastdist_owner", None)
+        if owner is None:
+            try:
+                cache._fastdist_owner = self._token
+            except AttributeError:  # a cache type without a __dict__: not tagged
+                return
+        elif owner is not self._token:
+            raise ParallelizeError(
+                f"{self.name} called on real ranks with a KV cache (past_key_values, "
+                f"{type(cache).__name__}) that another parallel model filled: its keys and values "
+                "are that model's heads on that mesh. Fix: give each model its own cache (a new "
+                "one per model, e.g. DynamicCache())"
+            )
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if self._gathering and not self._bypass:
