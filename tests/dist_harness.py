@@ -143,3 +143,42 @@ def expect_ok(results: list[RankResult]) -> list[Any]:
         f"--- rank {r.rank} exited {r.returncode} ---\n{r.output[-4000:]}" for r in bad
     )
     return [r.value for r in results]
+
+
+# ============================================================================ examples
+def torchrun_example(example: str, world: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``examples/<example> <args>`` under ``torchrun --standalone`` on ``world`` gloo processes
+    (skipped where torch has no gloo); the completed process, whatever its exit code."""
+    import pytest
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            str(ROOT / "examples" / example),
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def run_example_without_torchrun(example: str) -> subprocess.CompletedProcess[str]:
+    """``examples/<example>`` run as a plain script (no torchrun environment)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

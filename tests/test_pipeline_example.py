@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.dist_harness import run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,30 +27,6 @@ def _example() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(ROOT / "examples" / "train_pipeline.py"),
-            *args,
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @functools.cache
@@ -76,7 +51,7 @@ def _printed(out: str) -> list[tuple[float, float]]:
 
 
 def test_1f1b_on_4_gloo_processes_prints_one_devices_losses_and_ok() -> None:
-    proc = _torchrun()
+    proc = torchrun_example("train_pipeline.py", 4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "pipeline 1f1b on Mesh({'pp': 2, 'dp': 1, 'tp': 2}), 4 micro-batches" in out, out
@@ -99,7 +74,9 @@ def test_1f1b_on_4_gloo_processes_prints_one_devices_losses_and_ok() -> None:
 def test_interleaved_run_matches_and_a_difference_above_the_tolerance_exits_1() -> None:
     """Interleaved 1F1B (two stages per rank, four stages) agrees with one device, and with a
     tolerance no float run meets (1e-300) the same run prints MISMATCH and exits 1."""
-    proc = _torchrun("--schedule", "interleaved_1f1b", "--tol", "1e-300")
+    proc = torchrun_example(
+        "train_pipeline.py", 4, "--schedule", "interleaved_1f1b", "--tol", "1e-300"
+    )
     out = proc.stdout
     assert proc.returncode != 0, out
     found = DIFFS.search(out)
@@ -110,12 +87,5 @@ def test_interleaved_run_matches_and_a_difference_above_the_tolerance_exits_1() 
 
 
 def test_without_torchrun_it_says_how_to_launch_it() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_pipeline.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_example_without_torchrun("train_pipeline.py")
     assert proc.returncode == 1 and "launch it with torchrun --standalone" in proc.stderr, proc

@@ -9,15 +9,15 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.dist_harness import run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,30 +34,6 @@ def _example() -> Any:
     sys.modules[spec.name] = module  # its dataclasses look their module up while being made
     spec.loader.exec_module(module)
     return module
-
-
-def _torchrun(world: int, *args: str) -> subprocess.CompletedProcess[str]:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-            str(ROOT / "examples" / "serve.py"),
-            *args,
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @functools.cache
@@ -109,7 +85,7 @@ def _check_run(out: str, want: dict[int, tuple[list[int], list[int]]], most: int
 
 
 def test_serving_on_2_gloo_processes_equals_one_device() -> None:
-    proc = _torchrun(2)
+    proc = torchrun_example("serve.py", 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "serving 6 requests with llama on Mesh({'dp': 1, 'tp': 2}), at most 3" in proc.stdout
     _check_run(proc.stdout, _one_device("llama", None), most=3)
@@ -127,18 +103,13 @@ def test_serving_qwen3_on_4_gloo_processes_with_a_stop_token() -> None:
     eos = free[4][1][1]
     want = _one_device("qwen3", eos)
     assert want[4][1] == free[4][1][:2]  # the stop token ends request 4 early
-    proc = _torchrun(4, "--family", "qwen3", "--max-running", "2", "--eos", str(eos))
+    proc = torchrun_example(
+        "serve.py", 4, "--family", "qwen3", "--max-running", "2", "--eos", str(eos)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_run(proc.stdout, want, most=2)
 
 
 def test_without_torchrun_it_says_how_to_launch_it() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "serve.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_example_without_torchrun("serve.py")
     assert proc.returncode == 1 and "launch it with torchrun --standalone" in proc.stderr, proc

@@ -11,15 +11,15 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.dist_harness import run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,34 +67,10 @@ def test_speculate_with_an_unrelated_draft_still_equals_generate() -> None:
     assert sum(n for n, _ in got.steps) < len(got.steps)  # few proposals accepted
 
 
-def _torchrun(world: int, *args: str) -> subprocess.CompletedProcess[str]:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-            str(ROOT / "examples" / "speculative.py"),
-            *args,
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.mark.parametrize(("world", "k", "new_tokens"), [(2, 4, 24), (4, 3, 20)])
 def test_speculative_example_on_gloo_equals_one_device(world: int, k: int, new_tokens: int) -> None:
     """2 processes: the example's defaults (the run docs/inference.md shows); 4: other k."""
-    proc = _torchrun(world, "--k", str(k), "--new-tokens", str(new_tokens))
+    proc = torchrun_example("speculative.py", world, "--k", str(k), "--new-tokens", str(new_tokens))
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert (
@@ -121,12 +97,5 @@ def test_speculative_example_on_gloo_equals_one_device(world: int, k: int, new_t
 
 
 def test_without_torchrun_it_says_how_to_launch_it() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "speculative.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_example_without_torchrun("speculative.py")
     assert proc.returncode == 1 and "launch it with torchrun --standalone" in proc.stderr, proc
