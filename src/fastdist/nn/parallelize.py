@@ -146,8 +146,7 @@ class ParallelModel:
     def probe(self, params: Mapping[str, Tensor], kwargs: Mapping[str, Any]) -> Any:
         """`forward_rank` of keyword inputs, as a call of this model (what `parallelize` checks
         the replicas' gradients with: `fastdist.nn.replicas`)."""
-        with self.direct_calls.bypass():
-            return self.forward_rank(params, (), kwargs)
+        return self.forward_rank(params, (), kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. On a simulated mesh every tensor argument carries a leading rank dim
