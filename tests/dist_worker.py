@@ -638,8 +638,8 @@ def objects(rank: int, world: int) -> str:
 def stateless(rank: int, world: int) -> dict[str, Any]:
     port = int(os.environ["FASTDIST_TEST_STORE_PORT"])
     g = fd.comm.StatelessGroup.create(
-        "127.0.0.1", port, rank, world, timeout=20, data_expiration=0.5
-    )
+        "127.0.0.1", port, rank, world, timeout=20
+    )  # the default data_expiration (an hour): a slow rank under load still finds every key
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     for i in range(3):
         g.send_obj((rank, i), dst=nxt)
@@ -649,7 +649,7 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
     assert g.all_gather_obj(rank * 10) == [r * 10 for r in range(world)]
     g.barrier()
     time.sleep(0.6)
-    expired = g.expire()  # this rank's keys older than data_expiration are deleted
+    expired = g.expire(older_than=0.5)  # this rank's keys older than 0.5 s are deleted
     g.barrier()  # every member has expired its keys
     gone = not g.store.check([f"p2p/{prv}->{rank}/0"])
     # fresh counters: waits for an expired key

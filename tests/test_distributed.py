@@ -484,3 +484,18 @@ def test_stateless_group_argument_errors() -> None:
         g.broadcast_obj(1, src=2)
     with pytest.raises(fd.CollectiveTimeout, match=r"nothing from rank 1 within 0.3 s"):
         g.recv_obj(src=1)
+
+
+def test_stateless_group_sends_expire_their_old_keys() -> None:
+    """Every send deletes this member's keys older than ``data_expiration``; ``expire`` takes
+    another age."""
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5)
+    )
+    g = fd.comm.StatelessGroup(store, 0, 2, timeout=0.3, data_expiration=0.05)
+    g.send_obj("a", dst=1)
+    time.sleep(0.1)
+    g.send_obj("b", dst=1)  # deletes p2p/0->1/0, written more than 0.05 s ago
+    assert not store.check(["p2p/0->1/0"]) and store.check(["p2p/0->1/1"])
+    assert g.expire(older_than=3600) == 0 and g.expire(older_than=0) == 1
+    assert not store.check(["p2p/0->1/1"])

@@ -155,11 +155,23 @@ class StatelessGroup:
             "to go on",
         )
 
-    def expire(self) -> int:
-        """Delete the keys this member wrote more than ``data_expiration`` seconds ago; return how
-        many."""
+    def expire(self, older_than: float | None = None) -> int:
+        """Delete the keys this member wrote more than ``older_than`` seconds ago (default
+        ``data_expiration``); return how many.
+
+        Every send calls it with the default. A key a slow receiver has not read yet is lost
+        once it expires (that receive then times out), so keep ``data_expiration`` well above
+        the longest time a message may wait to be read.
+
+        Args:
+            older_than: the age in seconds above which keys are deleted.
+
+        Returns:
+            how many keys were deleted.
+        """
+        age = self.data_expiration if older_than is None else float(older_than)
         now, n = time.monotonic(), 0
-        while self._written and now - self._written[0][1] > self.data_expiration:
+        while self._written and now - self._written[0][1] > age:
             self.store.delete_key(self._written.popleft()[0])
             n += 1
         return n
