@@ -198,6 +198,36 @@ def _ends(
     return torch.where(k == 0, mine[0], before), torch.where(k == n - 1, mine[1], after)
 
 
+def _fill_ends(
+    mesh: Mesh,
+    axis: AxisName,
+    spec: GroupSpec,
+    before: Tensor,
+    after: Tensor,
+    mode: str,
+    xm: Tensor,
+    own: int | Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The domain's ends filled as ``mode`` pads them (``replicate`` / ``reflect``; the others
+    are done by the exchange): rank 0's ``before`` and rank ``n-1``'s ``after`` become copies
+    of its own rows. ``own``: this rank's valid rows of ``xm`` (an int, or a per-rank 0-d
+    tensor on simulated uneven ranks); one index rule for both, rows picked by ``index_select``.
+    """
+    if mode not in ("replicate", "reflect"):
+        return before, after
+    dev, top = xm.device, xm.shape[0] - 1
+    up_lo = torch.arange(before.shape[0], device=dev)
+    up_hi = torch.arange(after.shape[0], device=dev)
+    own_t = torch.as_tensor(own, device=dev)
+    if mode == "replicate":  # the first row lo times, the last valid row hi times
+        first, last = 0 * up_lo, own_t - 1 + 0 * up_hi
+    else:  # rows lo..1 before, rows own-2, own-3, ... after (a middle rank's: clamped, unused)
+        first = (before.shape[0] - up_lo).clamp(max=top)
+        last = (own_t - 2 - up_hi).clamp(min=0)
+    mine = (xm.index_select(0, first), xm.index_select(0, last))
+    return _ends(mesh, axis, spec, before, after, mine)
+
+
 def _static(
     mesh: Mesh,
     axis: AxisName,
@@ -212,15 +242,8 @@ def _static(
     rank)."""
     block = xm[:own]  # [own, *rest]
     before, after = _exchange(mesh, spec, block[own - lo :], block[:hi], mode == "circular")
-    rest = block.shape[1:]
-    if mode == "replicate":
-        mine = (block[:1].expand(lo, *rest), block[own - 1 :].expand(hi, *rest))
-        before, after = _ends(mesh, axis, spec, before, after, mine)
-    elif mode == "reflect":
-        # only an end rank's are used; a middle block may be too short (clamped)
-        mine = (block[1 : lo + 1].flip(0), block[max(own - 1 - hi, 0) : own - 1].flip(0))
-        before, after = _ends(mesh, axis, spec, before, after, mine)
-    tail = xm.new_zeros(xm.shape[0] - own, *rest)  # the padding rows, zeroed
+    before, after = _fill_ends(mesh, axis, spec, before, after, mode, block, own)
+    tail = xm.new_zeros(xm.shape[0] - own, *block.shape[1:])  # the padding rows, zeroed
     return torch.cat([before, block, after, tail])  # [lo + rows + hi, *rest]
 
 
@@ -238,15 +261,9 @@ def _ragged(
     picked with per-rank index tensors (``index_select`` under the rank vmap)."""
     dev, rows = xm.device, xm.shape[0]
     own = torch.tensor(sizes, device=dev)[axis_index(mesh, axis).to(dev)]  # this rank's rows
-    up_lo, up_hi = torch.arange(lo, device=dev), torch.arange(hi, device=dev)
-    last = xm.index_select(0, own - lo + up_lo)  # [lo, *rest]
+    last = xm.index_select(0, own - lo + torch.arange(lo, device=dev))  # [lo, *rest]
     before, after = _exchange(mesh, spec, last, xm[:hi], mode == "circular")
-    if mode == "replicate":
-        mine = (xm[:1].expand(lo, *xm.shape[1:]), xm.index_select(0, own - 1 + 0 * up_hi))
-        before, after = _ends(mesh, axis, spec, before, after, mine)
-    elif mode == "reflect":
-        mine = (xm[1 : lo + 1].flip(0), xm.index_select(0, (own - 2 - up_hi).clamp(min=0)))
-        before, after = _ends(mesh, axis, spec, before, after, mine)
+    before, after = _fill_ends(mesh, axis, spec, before, after, mode, xm, own)
     zero = xm.new_zeros(1, *xm.shape[1:])
     src = torch.cat([before, xm, after, zero])  # [lo + rows + hi + 1, *rest]
     j = torch.arange(lo + rows + hi, device=dev)

@@ -1,0 +1,13 @@
+"""Domain parallelism: a spatial domain (an image, a volume, a video) split across the ranks of one
+or more mesh axes, each rank holding its block, every layer that looks at neighbours exchanging a
+halo (:func:`fastdist.halo_exchange`).
+
+``conv`` (`DomainConv`: one convolution, one split dim, uneven blocks), ``windows`` (the layer
+computations on a rank's block: convolutions, transposed convolutions, pooling, upsampling),
+``norms`` (group / batch / instance norms with statistics over the whole domain) and ``style``
+(`DomainParallel`: a whole unmodified conv net made domain-parallel by ``fastdist.nn.parallelize``).
+"""
+
+from fastdist.nn.domain.conv import DomainConv
+
+__all__ = ["DomainConv"]
