@@ -30,7 +30,7 @@ from fastdist.errors import CheckpointError, MoEError, ParallelizeError, Replica
 from fastdist.nn import moe, plans  # noqa: E402
 from fastdist.nn.attention import RingAttention, UlyssesAttention, USPAttention, local_attention
 from fastdist.nn.clip import clip_grad_norm_, grad_norm
-from fastdist.nn.domain import DomainConv
+from fastdist.nn.domain import DomainConv, DomainParallel
 from fastdist.nn.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -79,6 +79,7 @@ __all__ = [
     "RingAttention",
     "USPAttention",
     "DomainConv",
+    "DomainParallel",
     "param_specs",
     "shard_state",
     "stack_state",

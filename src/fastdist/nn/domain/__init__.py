@@ -4,10 +4,12 @@ halo (:func:`fastdist.halo_exchange`).
 
 ``conv`` (`DomainConv`: one convolution, one split dim, uneven blocks), ``windows`` (the layer
 computations on a rank's block: convolutions, transposed convolutions, pooling, upsampling),
-``norms`` (group / batch / instance norms with statistics over the whole domain) and ``style``
+``norms`` (group / batch / instance norms with statistics over the whole domain), ``layers``
+(which modules a region holds, and the forward each gets) and ``style``
 (`DomainParallel`: a whole unmodified conv net made domain-parallel by ``fastdist.nn.parallelize``).
 """
 
 from fastdist.nn.domain.conv import DomainConv
+from fastdist.nn.domain.style import DomainParallel
 
-__all__ = ["DomainConv"]
+__all__ = ["DomainConv", "DomainParallel"]

@@ -15,7 +15,7 @@ from fastdist.core.sharding import P, PartitionSpec
 from fastdist.errors import MeshError
 from fastdist.ops import axis_index, halo_exchange, pvary
 
-__all__ = ["DomainConv"]
+__all__ = ["DomainConv", "conv_padding"]
 
 _CONVS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 
@@ -105,7 +105,7 @@ class DomainConv(nn.Module):
         self.stride, self.dilation, self.groups = c.stride, c.dilation, c.groups
         self.mode: str = c.padding_mode
         # (before, after) per spatial dim
-        self.pads = _pads(c, nsp) if padding is None else _given_pads(padding, nsp)
+        self.pads = conv_padding(c, nsp) if padding is None else _given_pads(padding, nsp)
         k, s = self.split, self.stride[self.split]
         lo, hi = self.pads[k]
         if lo + hi != self.dilation[k] * (c.kernel_size[k] - 1):
@@ -194,7 +194,7 @@ def _given_pads(padding: Any, nsp: int) -> list[tuple[int, int]]:
     return pads
 
 
-def _pads(conv: Any, nsp: int) -> list[tuple[int, int]]:
+def conv_padding(conv: Any, nsp: int) -> list[tuple[int, int]]:
     """``(before, after)`` padding of each spatial dim, as the conv pads (``"same"``: the extra
     row after, as torch does)."""
     if conv.padding == "valid":

@@ -1,0 +1,285 @@
+"""Which modules of a conv net a domain-parallel region can hold, and how each runs on a rank's
+block: `classify` sorts a module (a windowed layer, a whole-domain norm, a token-local module,
+a container, or one refused with the reason and the fix) and `domain_forward` is the ``forward``
+the style puts in a layer's place (the module object, its parameters and its class stay).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.domain.conv import conv_padding
+from fastdist.nn.domain.norms import domain_batch_norm, domain_group_norm
+from fastdist.nn.domain.windows import (
+    UPSAMPLE_HALO,
+    Split,
+    domain_conv,
+    domain_conv_transpose,
+    domain_pool,
+    domain_upsample,
+)
+
+__all__ = ["Site", "classify", "domain_forward", "inside_layer", "layer_depth"]
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONVTS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_POOLS = {
+    nn.MaxPool1d: ("max", 1), nn.MaxPool2d: ("max", 2), nn.MaxPool3d: ("max", 3),
+    nn.AvgPool1d: ("avg", 1), nn.AvgPool2d: ("avg", 2), nn.AvgPool3d: ("avg", 3),
+}  # fmt: skip
+_ADAPTIVE = (
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)  # fmt: skip
+_INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+#: modules that act on each position alone (elementwise, or over channels only)
+_LOCAL = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+    nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.PReLU, nn.SELU,
+    nn.CELU, nn.GLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+    nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle,
+)  # fmt: skip
+
+#: the nesting depth of domain layers running now (their own F.pad / F.interpolate calls are
+#: not checked by the functional guard)
+_DEPTH = [0]
+
+
+def layer_depth() -> int:
+    """How many domain layers are running now (0: model code between them)."""
+    return _DEPTH[0]
+
+
+@contextmanager
+def inside_layer() -> Iterator[None]:
+    """Inside a domain layer: its functional calls are its own, not the model's."""
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a layer runs: the mesh, the split, and its name for messages."""
+
+    mesh: Mesh
+    split: Split
+    where: str
+
+
+def _is_causal_conv(m: nn.Module) -> bool:
+    """diffusers' causal convolutions (``WanCausalConv3d``): a ``Conv3d`` subclass that pads by
+    hand with ``_padding`` (``F.pad`` order) before a ``padding=0`` convolution, and takes an
+    optional ``cache_x`` of earlier frames."""
+    pad = getattr(m, "_padding", None)
+    return isinstance(m, nn.Conv3d) and isinstance(pad, (tuple, list)) and len(pad) == 6
+
+
+def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
+    """``(kind, None)`` for a module the style runs (``kind``: the forward it gets, or
+    ``"local"`` / ``"container"`` / ``"linear"``), ``("", why and fix)`` for one it refuses."""
+    t = type(m)
+    name = t.__name__
+    if "Attention" in name or isinstance(m, nn.MultiheadAttention):
+        return "", (
+            "self-attention over spatial tokens mixes the whole domain and is not built in the "
+            "domain-parallel style. Fix: a model without it (diffusers: mid_block_add_attention="
+            "False), or end the domain-parallel region before it"
+        )
+    if isinstance(m, local):
+        return "local", None
+    if t in _CONVS:
+        return "conv", None
+    if _is_causal_conv(m):
+        return "causal_conv", None
+    if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, _CONVTS):
+        return "", (
+            f"a {name} (a convolution subclass whose forward may differ from the convolution). "
+            "Fix: a plain torch.nn.Conv*d, or pass local=(...) if it is local to each pixel"
+        )
+    if t in _CONVTS:
+        return ("conv_t", None) if m.padding_mode == "zeros" else ("", "padding_mode != zeros")  # type: ignore[attr-defined]
+    if t in _POOLS:
+        p: Any = m
+        if p.ceil_mode or getattr(p, "return_indices", False):
+            return "", "ceil_mode=True or return_indices=True is not built. Fix: the defaults"
+        return "pool", None
+    if isinstance(m, _ADAPTIVE):
+        return "", (
+            f"{name} pools the whole domain to a fixed size (global pooling). Fix: end the "
+            "domain-parallel region before it (DomainParallel on the conv trunk, output="
+            "'gather'), or a fixed-kernel AvgPool / MaxPool"
+        )
+    if isinstance(m, nn.Upsample):
+        return _upsample_check(m)
+    if t is nn.GroupNorm:
+        return "group_norm", None
+    if isinstance(m, _INSTANCE):
+        if m.track_running_stats:  # type: ignore[attr-defined]
+            return "", "track_running_stats=True is not built. Fix: track_running_stats=False"
+        return "instance_norm", None
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return "batch_norm", None
+    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        if len(m.normalized_shape) != 1:
+            return "", (
+                f"normalized_shape={tuple(m.normalized_shape)}: a norm over several dims may "
+                "span the split dims. Fix: normalize over channels only (a GroupNorm(1, C) "
+                "normalizes over the whole domain)"
+            )
+        return "local", None
+    if name.endswith(("RMSNorm", "RMS_norm")) and not list(m.children()):
+        return "local", None  # diffusers' RMS norms: over channels
+    if isinstance(m, _LOCAL):
+        return "local", None
+    if isinstance(m, nn.Linear):
+        return "linear", None
+    if isinstance(m, (nn.Flatten, nn.Unflatten)):
+        return "", (
+            f"{name} flattens the field, and a layer after it (a Linear over the flattened "
+            "field) mixes the whole domain. Fix: end the domain-parallel region before it "
+            "(DomainParallel on the conv trunk, output='gather')"
+        )
+    if list(m.children()):
+        return "container", None
+    return "", (
+        f"{name} is not known to the domain-parallel style. Fix: if it acts on each position "
+        f"alone (over channels), pass DomainParallel(..., local=({name},))"
+    )
+
+
+def _upsample_check(m: nn.Upsample) -> tuple[str, str | None]:
+    if m.size is not None:
+        return "", "Upsample(size=...) is the whole domain's size. Fix: scale_factor="
+    if m.align_corners:
+        return "", "align_corners=True maps rows through the whole length. Fix: align_corners=False"
+    if m.mode not in UPSAMPLE_HALO:
+        return "", f"mode={m.mode!r} is not built. Fix: one of {sorted(UPSAMPLE_HALO)}"
+    scale = m.scale_factor if isinstance(m.scale_factor, tuple) else (m.scale_factor,)
+    if any(s is None or float(s) != int(s) for s in scale):
+        return "", f"scale_factor={m.scale_factor}: only integer factors are built"
+    return "upsample", None
+
+
+def _ints(v: Any, n: int) -> tuple[int, ...]:
+    return tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v),) * n
+
+
+def _conv(site: Site, m: Any, x: Tensor) -> Tensor:
+    nsp = len(m.kernel_size)
+    return domain_conv(
+        x, m.weight, m.bias, stride=m.stride, dilation=m.dilation, groups=m.groups,
+        pads=conv_padding(m, nsp), mode=m.padding_mode, mesh=site.mesh, split=site.split,
+        where=site.where,
+    )  # fmt: skip
+
+
+def _causal_conv(site: Site, m: Any, x: Tensor, cache_x: Tensor | None = None) -> Tensor:
+    pad = list(m._padding)  # F.pad order: W, H, T pairs
+    if cache_x is not None and pad[4] > 0:
+        if any(d == -3 for d, _ in site.split):
+            raise ParallelizeError(
+                f"domain parallel: {site.where} got cache_x (earlier frames) with T split: "
+                "the cache of a chunked decode belongs to the frames before the whole chunk. "
+                "Fix: split H / W for a chunked (cached) decode, or decode without the cache"
+            )
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        pad[4] = max(pad[4] - cache_x.shape[2], 0)
+    pads = [(pad[4], pad[5]), (pad[2], pad[3]), (pad[0], pad[1])]
+    return domain_conv(
+        x, m.weight, m.bias, stride=m.stride, dilation=m.dilation, groups=m.groups, pads=pads,
+        mode=m.padding_mode, mesh=site.mesh, split=site.split, where=site.where,
+    )  # fmt: skip
+
+
+def _conv_t(site: Site, m: Any, x: Tensor, output_size: Any = None) -> Tensor:
+    if output_size is not None:
+        raise ParallelizeError(
+            f"domain parallel: {site.where} was called with output_size=, the whole domain's. "
+            "Fix: call it without (the output_padding of the module decides)"
+        )
+    return domain_conv_transpose(
+        x, m.weight, m.bias, stride=m.stride, padding=m.padding,
+        output_padding=m.output_padding, dilation=m.dilation, groups=m.groups,
+        mesh=site.mesh, split=site.split, where=site.where,
+    )  # fmt: skip
+
+
+def _pool(site: Site, m: Any, x: Tensor) -> Tensor:
+    kind, nsp = _POOLS[type(m)]
+    return domain_pool(
+        x, kind, nsp, kernel=_ints(m.kernel_size, nsp), stride=_ints(m.stride, nsp),
+        padding=_ints(m.padding, nsp), dilation=_ints(getattr(m, "dilation", 1), nsp),
+        count_include_pad=getattr(m, "count_include_pad", True),
+        divisor_override=getattr(m, "divisor_override", None), mesh=site.mesh,
+        split=site.split, where=site.where,
+    )  # fmt: skip
+
+
+def _upsample(site: Site, m: Any, x: Tensor) -> Tensor:
+    scale = _ints(m.scale_factor, x.dim() - 2)
+    return domain_upsample(x, scale, m.mode, mesh=site.mesh, split=site.split, where=site.where)
+
+
+def _group_norm(site: Site, m: Any, x: Tensor) -> Tensor:
+    return domain_group_norm(
+        x, m.num_groups, m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split
+    )
+
+
+def _instance_norm(site: Site, m: Any, x: Tensor) -> Tensor:
+    return domain_group_norm(x, x.shape[1], m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split)
+
+
+def _batch_norm(site: Site, m: Any, x: Tensor) -> Tensor:
+    return domain_batch_norm(
+        x, m, m.weight, m.bias, mesh=site.mesh, split=site.split, where=site.where
+    )
+
+
+def _linear(site: Site, m: Any, x: Tensor) -> Tensor:
+    if x.shape[-1] != m.in_features:
+        raise ParallelizeError(
+            f"domain parallel: {site.where} (in_features={m.in_features}) got an input whose "
+            f"last dim is {x.shape[-1]}: a Linear over the split (or flattened) field mixes the "
+            "whole domain. Fix: end the domain-parallel region before it"
+        )
+    return F.linear(x, m.weight, m.bias)
+
+
+_FORWARDS: dict[str, Callable[..., Tensor]] = {
+    "conv": _conv,
+    "causal_conv": _causal_conv,
+    "conv_t": _conv_t,
+    "pool": _pool,
+    "upsample": _upsample,
+    "group_norm": _group_norm,
+    "instance_norm": _instance_norm,
+    "batch_norm": _batch_norm,
+    "linear": _linear,
+}
+
+
+def _run(kind: str, site: Site, m: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+    with inside_layer():
+        return _FORWARDS[kind](site, m, *args, **kwargs)
+
+
+def domain_forward(kind: str, site: Site, m: nn.Module) -> Callable[..., Tensor] | None:
+    """The ``forward`` of a layer of ``kind`` on a rank's block (``None``: its own forward runs,
+    for token-local modules and containers)."""
+    if kind not in _FORWARDS:
+        return None
+    return functools.partial(_run, kind, site, m)

@@ -1,0 +1,130 @@
+"""Normalizations of a domain-parallel model whose statistics span the split dims: group,
+instance and batch norm, each rank's sums all-reduced over the split axes (``psum``) so that every
+rank normalizes with the whole domain's mean and variance.
+
+The statistics are invariant over the split axes and meet each rank's own rows, so they are
+``pvary``'d after the ``psum``: in backward each rank's share of their gradient is summed over the
+axes, which is the gradient of one device's mean and variance. Blocks are even (every rank's
+count the same). Token-local norms (``LayerNorm`` / ``RMSNorm`` over channels) need nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.domain.windows import Split, split_here
+from fastdist.ops import psum, pvary
+
+__all__ = ["domain_moments", "domain_group_norm", "domain_batch_norm"]
+
+
+def domain_moments(
+    x: Tensor, reduce: tuple[int, ...], nsp: int, mesh: Mesh, split: Split
+) -> tuple[Tensor, Tensor, int]:
+    """``(mean, biased variance, count)`` of ``x`` over the dims ``reduce`` of the whole domain
+    (keepdim): local sums ``psum``'d over the axes of the split dims among ``reduce`` (two passes:
+    the mean, then the squared deviations). ``nsp``: the spatial dims at the end of ``x`` (a split
+    dim beyond them is in the batch)."""
+    axes = tuple(a for _, d, a in split_here(split, nsp) if x.dim() + d in reduce)
+    count = 1
+    for r in reduce:
+        count *= x.shape[r]
+    if axes:
+        count *= mesh.axis_size(axes)
+    mean = _total(x.sum(reduce, keepdim=True), mesh, axes) / count
+    var = _total(((x - mean) ** 2).sum(reduce, keepdim=True), mesh, axes) / count
+    return mean, var, count
+
+
+def _total(t: Tensor, mesh: Mesh, axes: tuple[str, ...]) -> Tensor:
+    """The sum of ``t`` over ``axes``, ``pvary``'d back for use with each rank's rows."""
+    return pvary(psum(t, mesh, axes), mesh, axes) if axes else t
+
+
+def domain_group_norm(
+    x: Tensor,
+    groups: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    *,
+    mesh: Mesh,
+    split: Split,
+) -> Tensor:
+    """``F.group_norm`` of the whole domain on this rank's block ``[N, C, *spatial]`` (an
+    instance norm is ``groups == C``)."""
+    n, c = x.shape[:2]
+    xg = x.reshape(n, groups, c // groups, *x.shape[2:])  # [N, G, C/G, *spatial]
+    # (the split dims, counted from the end, are the same on xg)
+    mean, var, _ = domain_moments(xg, tuple(range(2, xg.dim())), x.dim() - 2, mesh, split)
+    y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(x.shape)
+    shape = (-1, *[1] * (x.dim() - 2))
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
+
+
+def domain_batch_norm(
+    x: Tensor,
+    module: torch.nn.modules.batchnorm._BatchNorm,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    mesh: Mesh,
+    split: Split,
+    where: str,
+) -> Tensor:
+    """``BatchNorm`` of the whole domain: in training (or without running statistics) the batch
+    statistics over ``N`` and every spatial dim, all-reduced; the running statistics updated as
+    one device updates them (real ranks; every rank the same values). In eval with running
+    statistics the norm is local."""
+    m = module
+    shape = (1, -1, *[1] * (x.dim() - 2))
+    use_batch = m.training or m.running_mean is None
+    if not use_batch:
+        assert m.running_mean is not None and m.running_var is not None
+        mean, var = m.running_mean.reshape(shape), m.running_var.reshape(shape)
+    else:
+        reduce = (0, *range(2, x.dim()))
+        mean, var, count = domain_moments(x, reduce, x.dim() - 2, mesh, split)
+        if m.training and m.track_running_stats and m.running_mean is not None:
+            _update_running(m, mean, var, count, mesh, where)
+    y = (x - mean) * torch.rsqrt(var + m.eps)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
+
+
+def _update_running(
+    m: torch.nn.modules.batchnorm._BatchNorm,
+    mean: Tensor,
+    var: Tensor,
+    count: int,
+    mesh: Mesh,
+    where: str,
+) -> None:
+    """The running statistics updated from the whole domain's batch statistics (unbiased
+    variance), as ``F.batch_norm`` does on one device."""
+    if mesh.backend is None:
+        raise ParallelizeError(
+            f"domain parallel: {where} is a BatchNorm in training mode with running statistics "
+            "on simulated ranks, which run every rank at once and cannot update one buffer from "
+            "each. Fix: model.eval(), track_running_stats=False, or real ranks (fastdist.connect)"
+        )
+    assert m.running_mean is not None and m.running_var is not None
+    assert m.num_batches_tracked is not None
+    with torch.no_grad():
+        m.num_batches_tracked.add_(1)
+        factor = (
+            1.0 / float(m.num_batches_tracked) if m.momentum is None else float(m.momentum)
+        )
+        unbiased = var.flatten() * count / max(count - 1, 1)
+        m.running_mean.mul_(1 - factor).add_(mean.flatten(), alpha=factor)
+        m.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)

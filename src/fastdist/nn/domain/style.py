@@ -1,0 +1,315 @@
+"""`DomainParallel`: the ``parallelize`` style that makes an unmodified conv net domain-parallel
+over one or more mesh axes (H; H x W; T x H x W).
+
+Where the module is entered its input (the whole field, the same on every rank) is cut to this
+rank's block; every layer that looks at neighbours runs on the block with a halo
+(`fastdist.nn.domain.layers`), norms take statistics over the whole domain, token-local modules
+run as they are; where it returns, the output is gathered (``output="gather"``) or left split.
+Every parameter is replicated and ``pvary``'d over the split axes, so each rank's gradient is the
+whole gradient. A module that mixes the whole domain is refused at ``parallelize`` time (named,
+with the fix); functional calls in the model's own code that would silently act on a block
+(``F.pad`` of a split dim, ``F.scaled_dot_product_attention``, a functional pooling or norm) are
+refused when they run, and ``F.interpolate`` is run domain-parallel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.domain.layers import Site, classify, domain_forward, inside_layer, layer_depth
+from fastdist.nn.domain.windows import UPSAMPLE_HALO, Split, domain_upsample
+from fastdist.nn.styles.base import Style, StyleContext
+from fastdist.ops import all_gather_invariant, local_chunk
+
+__all__ = ["DomainParallel"]
+
+#: the argument names a field may be passed by (when not positional)
+_FIELD_NAMES = ("sample", "hidden_states", "x", "input", "z")
+
+
+class DomainParallel(Style):
+    """Split a conv net's spatial domain over mesh axes: ``dims`` maps a dim of the activations,
+    counted from the end (``-1``: W, ``-2``: H, ``-3``: T of a video), to the mesh axis it is split
+    over.
+
+    Apply it to the module where the field enters (the model, or its decoder): its first
+    positional argument (or ``input=``, or the first of ``sample=`` / ``hidden_states=`` / ``x=``)
+    is cut to this rank's block along every split dim, and its output (every tensor of at least
+    as many dims) is gathered (``output="gather"``) or left as this rank's block
+    (``output="split"``). Blocks are even: each split dim divisible by its axis size at every
+    layer (a clear error names the layer otherwise).
+
+    Built layers: ``Conv1d/2d/3d`` (any kernel, stride, dilation, groups; padding modes zeros,
+    reflect, replicate, circular; a strided padding such that the length divides by the
+    stride), diffusers' causal ``WanCausalConv3d`` (with its frame cache when T is not split),
+    ``ConvTranspose1d/2d/3d`` (length times the stride), ``MaxPool`` / ``AvgPool`` 1-3d,
+    ``Upsample`` (nearest, nearest-exact, linear, bilinear, trilinear, bicubic; integer factors,
+    ``align_corners=False``) and ``F.interpolate`` in the model's code, ``GroupNorm``,
+    ``InstanceNorm`` and ``BatchNorm`` with statistics over the whole domain (training or eval),
+    and, as they are, token-local modules: ``LayerNorm`` / ``RMSNorm`` over channels,
+    activations, ``Linear`` over channels (checked at the call), pixel (un)shuffle.
+    Refused at ``parallelize`` time: attention over spatial tokens, adaptive (global) pooling,
+    ``Flatten``, norms over several dims, unknown leaf modules (``local=`` declares a class
+    token-local).
+
+    Args:
+        dims: ``{dim from the end: mesh axis}``, e.g. ``{-2: "h"}`` or ``{-2: "h", -1: "w"}``.
+        output: ``"gather"`` (every rank gets the whole output) or ``"split"`` (its block).
+        input: the name of the field's argument when it is passed by keyword.
+        local: module classes that act on each position alone (run as they are).
+
+    >>> import torch, fastdist as fd
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.GroupNorm(2, 4),
+    ...                           torch.nn.SiLU(), torch.nn.Conv2d(4, 2, 3, padding=1))
+    >>> x = torch.randn(1, 2, 8, 6)
+    >>> ref = net(x)
+    >>> mesh = fd.Mesh({"h": 2})
+    >>> pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+    >>> out = pm(x.expand(2, *x.shape))          # every rank: the whole field in and out
+    >>> bool(torch.allclose(out[1], ref, atol=1e-5))
+    True
+    """
+
+    def __init__(
+        self,
+        dims: Mapping[int, str],
+        *,
+        output: str = "gather",
+        input: str | None = None,
+        local: tuple[type, ...] = (),
+    ) -> None:
+        self.split: Split = tuple(sorted((int(d), str(a)) for d, a in dict(dims).items()))
+        self.output, self.input, self.local = output, input, tuple(local)
+        self.axes = tuple(a for _, a in self.split)
+
+    def __repr__(self) -> str:
+        return f"DomainParallel({dict(self.split)}, output={self.output!r})"
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        where = name or type(module).__name__
+        if not self.split or any(d >= 0 for d, _ in self.split):
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: dims={dict(self.split)} must map dims counted "
+                "from the end (negative: -2 is H, -1 is W) to mesh axes. Fix: e.g. {-2: 'h'}"
+            )
+        if len(set(self.axes)) != len(self.axes):
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: dims={dict(self.split)} splits two dims over one "
+                "axis. Fix: one axis per split dim"
+            )
+        for a in self.axes:
+            mesh.axis_size(a)  # an unknown axis raises, naming it
+        if self.output not in ("gather", "split"):
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: output={self.output!r}. Fix: 'gather' or 'split'"
+            )
+        bad = []
+        skip: list[str] = []
+        for sub_name, sub in module.named_modules():
+            if any(sub_name.startswith(s + ".") for s in skip):
+                continue
+            kind, why = classify(sub, self.local)
+            if why is not None:
+                full = ".".join(p for p in (name, sub_name) if p)
+                bad.append(f"{full or where!r} ({type(sub).__name__}): {why}")
+                skip.append(sub_name)
+        if bad:
+            more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+            raise ParallelizeError(
+                f"DomainParallel on {where!r} cannot split these modules over "
+                f"{dict(self.split)}: " + "; ".join(bad[:3]) + more
+            )
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        mesh = ctx.mesh
+        for sub_name, sub in module.named_modules():
+            kind, _ = classify(sub, self.local)
+            full = ".".join(p for p in (name, sub_name) if p) or type(module).__name__
+            site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})")
+            forward = domain_forward(kind, site, sub)
+            if forward is not None:
+                sub.forward = forward  # type: ignore[method-assign]
+            for pname, _ in sub.named_parameters(recurse=False):
+                ctx.pvary.append((sub, pname, self.axes))  # type: ignore[arg-type]
+        ctx.axes.extend(self.axes)
+        where = name or type(module).__name__
+        guard = _Guard(mesh, self.split, where)
+        module.register_forward_pre_hook(
+            functools.partial(_enter, self, mesh, guard, where), with_kwargs=True
+        )
+        module.register_forward_hook(
+            functools.partial(_leave, self, mesh, guard), always_call=True
+        )
+        return module
+
+
+def _enter(
+    style: DomainParallel,
+    mesh: Mesh,
+    guard: _Guard,
+    where: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook: the field cut to this rank's block; the functional guard on."""
+    key = style.input or next((k for k in _FIELD_NAMES if k in kwargs), None)
+    if style.input is None and args:
+        args = (_cut(args[0], style.split, mesh, where), *args[1:])
+    elif key is not None and key in kwargs:
+        kwargs = {**kwargs, key: _cut(kwargs[key], style.split, mesh, where)}
+    else:
+        raise ParallelizeError(
+            f"DomainParallel on {where!r}: called without the field (no positional argument and "
+            f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
+        )
+    guard.__enter__()
+    return args, kwargs
+
+
+def _cut(x: Any, split: Split, mesh: Mesh, where: str) -> Tensor:
+    """This rank's block of the whole field ``x`` (the same on every rank)."""
+    if not isinstance(x, Tensor) or x.dim() < max(-d for d, _ in split):
+        raise ParallelizeError(
+            f"DomainParallel on {where!r}: the field is {type(x).__name__} "
+            f"{tuple(getattr(x, 'shape', ()))}, not a tensor with the split dims "
+            f"{[d for d, _ in split]}"
+        )
+    for d, axis in split:
+        n = mesh.axis_size(axis)
+        if x.shape[d] % n:
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: dim {d} of the field has {x.shape[d]} rows, not "
+                f"divisible by the {n} ranks of {axis!r}. Fix: a length divisible by {n} (times "
+                "the strides of the layers on the way)"
+            )
+        x = local_chunk(x, mesh, axis, x.dim() + d)
+    return x
+
+
+def _leave(
+    style: DomainParallel, mesh: Mesh, guard: _Guard, module: nn.Module, args: Any, out: Any
+) -> Any:
+    """Forward hook: the guard off; the output gathered (``output="gather"``)."""
+    guard.__exit__(None, None, None)
+    if style.output == "split":
+        return out
+    return _gather_tree(out, style.split, mesh)
+
+
+def _gather_tree(out: Any, split: Split, mesh: Mesh) -> Any:
+    """Every tensor of ``out`` that holds the split dims, gathered along them."""
+    if isinstance(out, Tensor):
+        if out.dim() < 2 + max(-d for d, _ in split):
+            return out
+        for d, axis in split:
+            out = all_gather_invariant(out, mesh, axis, out.dim() + d)
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_gather_tree(v, split, mesh) for v in out)
+    if hasattr(out, "keys") and hasattr(out, "__setitem__"):  # dicts, diffusers' BaseOutput
+        for k in list(out.keys()):
+            out[k] = _gather_tree(out[k], split, mesh)
+    return out
+
+
+# ============================================================================ functional guard
+_REFUSED = {
+    F.scaled_dot_product_attention: "self-attention over spatial tokens mixes the whole domain",
+    F.group_norm: "a functional group norm takes statistics over this rank's block only",
+    F.batch_norm: "a functional batch norm takes statistics over this rank's block only",
+    F.instance_norm: "a functional instance norm takes statistics over this rank's block only",
+    F.unfold: "a functional unfold reads past this rank's block",
+    F.fold: "a functional fold writes past this rank's block",
+    **{
+        f: "a functional pooling or convolution reads past this rank's block"
+        for f in (
+            F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+            F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+            F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.max_pool1d, F.max_pool2d,
+            F.max_pool3d, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+            F.conv_transpose2d, F.conv_transpose3d,
+        )  # fmt: skip
+    },
+}
+
+
+class _Guard(TorchFunctionMode):
+    """While a domain-parallel module runs: functional calls of the model's own code (between
+    the style's layers) that would act on this rank's block as if it were the whole domain
+    raise; ``F.interpolate`` runs domain-parallel."""
+
+    def __init__(self, mesh: Mesh, split: Split, where: str) -> None:
+        super().__init__()
+        self.mesh, self.split, self.where = mesh, split, where
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if layer_depth() == 0:
+            if func is F.interpolate:
+                return self._interpolate(*args, **kwargs)
+            if func is F.pad:
+                self._check_pad(*args, **kwargs)
+            elif func in _REFUSED:
+                raise ParallelizeError(
+                    f"DomainParallel on {self.where!r}: the model calls {func.__name__} itself, "
+                    f"not through a module the style runs: {_REFUSED[func]}. Fix: use the "
+                    "torch.nn module (Conv2d, GroupNorm, ...) or end the region before it"
+                )
+        return func(*args, **kwargs)
+
+    def _check_pad(self, x: Tensor, pad: Any, *args: Any, **kwargs: Any) -> None:
+        for j in range(len(pad) // 2):  # pad[2j], pad[2j+1]: dim -1-j
+            if (pad[2 * j] or pad[2 * j + 1]) and any(d == -1 - j for d, _ in self.split):
+                raise ParallelizeError(
+                    f"DomainParallel on {self.where!r}: the model pads the split dim {-1 - j} "
+                    f"itself (F.pad {tuple(pad)}): each rank would pad its own block. Fix: pad "
+                    "through the convolution (fastdist.nn.DomainConv padding=), or do not split "
+                    "that dim"
+                )
+
+    def _interpolate(
+        self,
+        x: Tensor,
+        size: Any = None,
+        scale_factor: Any = None,
+        mode: str = "nearest",
+        align_corners: bool | None = None,
+        recompute_scale_factor: bool | None = None,
+        antialias: bool = False,
+    ) -> Tensor:
+        nsp = x.dim() - 2
+        n_of = {nsp + d: self.mesh.axis_size(a) for d, a in self.split if -d <= nsp}
+        if size is not None:  # the whole domain's size: a factor per dim
+            sizes = size if isinstance(size, (tuple, list)) else [size] * nsp
+            factor = [s / (x.shape[2 + i] * n_of.get(i, 1)) for i, s in enumerate(sizes)]
+        else:
+            sf = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor] * nsp
+            factor = [float(s) for s in sf]
+        if (
+            mode not in UPSAMPLE_HALO
+            or align_corners
+            or antialias
+            or any(f != int(f) or f < 1 for f in factor)
+        ):
+            raise ParallelizeError(
+                f"DomainParallel on {self.where!r}: F.interpolate(mode={mode!r}, align_corners="
+                f"{align_corners}, factors {factor}) over a split field is built for integer "
+                f"factors >= 1, align_corners=False, modes {sorted(UPSAMPLE_HALO)}. Fix: such "
+                "an upsampling, or end the region before it"
+            )
+        with inside_layer():
+            return domain_upsample(
+                x, [int(f) for f in factor], mode, mesh=self.mesh, split=self.split,
+                where=self.where,
+            )  # fmt: skip

@@ -1,0 +1,276 @@
+"""The windowed layers of a domain-parallel model on one rank's block: convolutions, transposed
+convolutions, pooling and upsampling, each equal to its rows of the whole domain's result.
+
+A split is a tuple of ``(dim, axis)`` pairs, ``dim`` a negative index counted from the end of
+the activations (``-2``: H of an image or a video, ``-1``: W, ``-3``: T of a video), so the same
+split holds for a ``Conv3d`` on ``[N, C, T, H, W]`` and a ``Conv2d`` on the frames folded into
+the batch (``[N * T, C, H, W]``): a split dim beyond a layer's spatial dims is in its batch, and
+the layer is local along it. Blocks are even (every rank of an axis the same rows); a layer whose
+output would not split evenly (a stride that does not divide a block) raises naming the module.
+
+The halo a window reaches (kernel ``k``, stride ``s``, dilation ``d``, padding ``(lo, hi)``
+along a split dim, ``D = d * (k - 1)``): ``lo`` rows before, ``D - lo - s + 1`` after (a
+negative count: rows cropped from the block's end), which gives every rank ``rows / s`` output
+rows when ``D + 1 - s <= lo + hi <= D`` (the whole output is ``L / s`` rows long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.ops import axis_index, halo_exchange
+
+__all__ = [
+    "Split",
+    "split_here",
+    "window_halo",
+    "exchange",
+    "domain_conv",
+    "domain_conv_transpose",
+    "domain_pool",
+    "domain_upsample",
+]
+
+#: ``(dim counted from the end, mesh axis)`` for every split dim
+Split = tuple[tuple[int, str], ...]
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def split_here(split: Split, nsp: int) -> list[tuple[int, int, str]]:
+    """``(spatial index, dim from the end, axis)`` of the split dims among a layer's ``nsp``
+    spatial dims (the others are in its batch: nothing to exchange)."""
+    return [(nsp + d, d, axis) for d, axis in split if -d <= nsp]
+
+
+def window_halo(
+    where: str, dim: int, rows: int, k: int, s: int, d: int, lo: int, hi: int
+) -> tuple[int, int]:
+    """``(before, after)`` halo rows of a window op along one split dim with ``rows`` rows per
+    block (``after < 0``: crop); raises where the ranks' outputs would not split the whole one
+    evenly."""
+    span = d * (k - 1)
+    if not span + 1 - s <= lo + hi <= span:
+        raise ParallelizeError(
+            f"domain parallel: {where} has kernel {k}, stride {s}, dilation {d} and padding "
+            f"({lo}, {hi}) along the split dim {dim}: its output is not the input's length / {s}, "
+            "so the ranks' blocks would not tile it. Fix: a padding that keeps the length at "
+            f"stride 1 (lo + hi == {span}), or do not split dim {dim}"
+        )
+    if rows % s:
+        raise ParallelizeError(
+            f"domain parallel: {where} has stride {s} along the split dim {dim} and blocks of "
+            f"{rows} rows: every block must hold a multiple of {s} rows so that each starts on "
+            "an output row. Fix: a domain length divisible by the stride times the ranks"
+        )
+    return lo, span - lo - s + 1
+
+
+def exchange(
+    x: Tensor, mesh: Mesh, axis: str, dim: int, before: int, after: int, mode: str = "zeros"
+) -> Tensor:
+    """``x`` with ``before`` / ``after`` halo rows along ``dim`` (``after < 0``: that many rows
+    cropped from the end), the domain's ends padded as ``mode`` pads."""
+    d = x.dim() + dim if dim < 0 else dim
+    x = halo_exchange(x, mesh, axis, d, (before, max(after, 0)), mode=mode)
+    return x if after >= 0 else x.narrow(d, 0, x.shape[d] + after)
+
+
+def _end_rows(x: Tensor, mesh: Mesh, axis: str, dim: int, before: int, after: int) -> Tensor:
+    """A bool mask broadcastable to ``x`` (halo-padded along ``dim``): True on the halo rows
+    that lie outside the domain (rank 0's ``before``, the last rank's ``after``)."""
+    d = x.dim() + dim if dim < 0 else dim
+    n, rows = mesh.axis_size(axis), x.shape[d]
+    k = axis_index(mesh, axis).to(x.device)
+    j = torch.arange(rows, device=x.device)
+    outside = ((j < before) & (k == 0)) | ((j >= rows - max(after, 0)) & (k == n - 1))
+    return outside.reshape(rows, *[1] * (x.dim() - d - 1))
+
+
+def _flat_pad(pads: Sequence[tuple[int, int]]) -> list[int]:
+    """``(before, after)`` per spatial dim as ``F.pad`` takes them (the last dim first)."""
+    return [v for p in reversed(pads) for v in p]
+
+
+def domain_conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    pads: Sequence[tuple[int, int]],
+    mode: str,
+    mesh: Mesh,
+    split: Split,
+    where: str,
+) -> Tensor:
+    """A convolution (``weight``: ``[out, in / groups, *kernel]``) of this rank's block: each split
+    dim's halo exchanged (the ends padded as ``mode``), the other dims padded by ``pads`` (one
+    ``(before, after)`` pair per spatial dim), then a convolution without padding."""
+    nsp = weight.dim() - 2
+    pads = list(pads)
+    for i, d, axis in split_here(split, nsp):
+        k = weight.shape[2 + i]
+        lo, hi = pads[i]
+        before, after = window_halo(
+            where, d, x.shape[d], k, stride[i], dilation[i], lo, hi
+        )
+        x = exchange(x, mesh, axis, d, before, after, mode)
+        pads[i] = (0, 0)
+    if any(v for p in pads for v in p):
+        x = F.pad(x, _flat_pad(pads), mode="constant" if mode == "zeros" else mode)
+    return _CONV[nsp](x, weight, bias, tuple(stride), 0, tuple(dilation), groups)
+
+
+def domain_conv_transpose(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    output_padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    mesh: Mesh,
+    split: Split,
+    where: str,
+) -> Tensor:
+    """A transposed convolution of this rank's block: along a split dim (stride ``s``) each input
+    row spreads over ``s`` output rows and their kernel's reach, so the block takes the input
+    rows whose spread reaches its ``rows * s`` output rows (a halo of
+    ``(D - p) // s`` before and ``(p - 1) // s + 1`` after, zeros at the ends), is transposed
+    without padding, and its own output rows are cut out."""
+    nsp = weight.dim() - 2
+    here = split_here(split, nsp)
+    pad, outpad = list(padding), list(output_padding)
+    cuts: list[tuple[int, int, int]] = []  # (dim from the end, start, rows)
+    for i, d, axis in here:
+        s, p, span = stride[i], padding[i], dilation[i] * (weight.shape[2 + i] - 1)
+        if span + output_padding[i] + 1 - 2 * p != s:
+            raise ParallelizeError(
+                f"domain parallel: {where} (stride {s}, kernel {weight.shape[2 + i]}, padding "
+                f"{p}, output_padding {output_padding[i]}, dilation {dilation[i]}) does not "
+                f"multiply the length of the split dim {d} by {s}, so the ranks' outputs would "
+                "not tile the whole one. Fix: e.g. kernel 2s with padding s/2, or do not split "
+                f"dim {d}"
+            )
+        rows = x.shape[d]
+        before, after = max(0, (span - p) // s), max(0, (p - 1) // s + 1)
+        x = exchange(x, mesh, axis, d, before, after)
+        cuts.append((d, before * s + p, rows * s))
+        pad[i], outpad[i] = 0, 0
+    y = _CONVT[nsp](x, weight, None, tuple(stride), tuple(pad), tuple(outpad), groups,
+                    tuple(dilation))
+    for d, start, rows in cuts:
+        short = start + rows - y.shape[d]
+        if short > 0:  # rows no input row reaches (the output padding): zeros
+            y = F.pad(y, [0, 0] * (-d - 1) + [0, short])
+        y = y.narrow(y.dim() + d, start, rows)
+    if bias is not None:
+        y = y + bias.reshape(-1, *[1] * nsp)
+    return y
+
+
+def domain_pool(
+    x: Tensor,
+    kind: str,
+    nsp: int,
+    *,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    count_include_pad: bool,
+    divisor_override: int | None,
+    mesh: Mesh,
+    split: Split,
+    where: str,
+) -> Tensor:
+    """Max (``kind="max"``) or average pooling of this rank's block: each split dim's halo
+    exchanged; at the domain's ends the halo rows are what pooling pads with (``-inf`` for max,
+    zeros for average, left out of the count unless ``count_include_pad``)."""
+    pad = list(padding)
+    outside: Tensor | None = None
+    for i, d, axis in split_here(split, nsp):
+        before, after = window_halo(
+            where, d, x.shape[d], kernel[i], stride[i], dilation[i], padding[i], padding[i]
+        )
+        x = exchange(x, mesh, axis, d, before, after)
+        ends = _end_rows(x, mesh, axis, d, before, after)
+        outside = ends if outside is None else outside | ends
+        pad[i] = 0
+    if kind == "max":
+        if outside is not None:
+            x = x.masked_fill(outside, float("-inf"))
+        return _MAXPOOL[nsp](x, tuple(kernel), tuple(stride), tuple(pad), tuple(dilation))
+    if outside is None or count_include_pad or divisor_override is not None:
+        return _avg(x, nsp, kernel, stride, pad, count_include_pad, divisor_override)
+    # the mean over the window's rows inside the domain: a sum over a count
+    total = _avg(x, nsp, kernel, stride, pad, True, 1)
+    inside = (~outside).to(x.dtype).expand(*[1] * (x.dim() - nsp), *x.shape[-nsp:])
+    count = _avg(inside, nsp, kernel, stride, pad, True, 1)
+    return total / count
+
+
+def _avg(
+    x: Tensor,
+    nsp: int,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    pad: Sequence[int],
+    include: bool,
+    divisor: int | None,
+) -> Tensor:
+    """``F.avg_pool{nsp}d`` (``avg_pool1d`` has no ``divisor_override``: a 2-D pool of height
+    1 stands in)."""
+    if nsp == 1:
+        y = F.avg_pool2d(
+            x.unsqueeze(-2), (1, kernel[0]), (1, stride[0]), (0, pad[0]), False, include, divisor
+        )
+        return y.squeeze(-2)
+    return _AVGPOOL[nsp](x, tuple(kernel), tuple(stride), tuple(pad), False, include, divisor)
+
+
+#: the halo rows an interpolation mode reads beyond a block (align_corners=False)
+UPSAMPLE_HALO = {
+    "nearest": 0,
+    "nearest-exact": 0,
+    "linear": 1,
+    "bilinear": 1,
+    "trilinear": 1,
+    "bicubic": 2,
+}
+
+
+def domain_upsample(
+    x: Tensor, scale: Sequence[int], mode: str, *, mesh: Mesh, split: Split, where: str
+) -> Tensor:
+    """``F.interpolate(x, scale_factor=scale, mode=mode)`` (``align_corners=False``) of this
+    rank's block, integer factors: nearest modes are local; the linear modes (and bicubic) read
+    one row (two) beyond the block, so each split dim gets that halo, the domain's ends
+    replicated (the whole interpolation clamps there), and the rows it adds are cut away."""
+    nsp = len(scale)
+    halo = UPSAMPLE_HALO[mode]
+    cuts: list[tuple[int, int, int]] = []
+    if halo:
+        for _, d, axis in split_here(split, nsp):
+            rows = x.shape[d]
+            x = exchange(x, mesh, axis, d, halo, halo, "replicate")
+            cuts.append((d, halo * scale[nsp + d], rows * scale[nsp + d]))
+    extra = {} if mode.startswith("nearest") else {"align_corners": False}
+    y = F.interpolate(x, scale_factor=tuple(float(s) for s in scale), mode=mode, **extra)
+    for d, start, rows in cuts:
+        y = y.narrow(y.dim() + d, start, rows)
+    return y
