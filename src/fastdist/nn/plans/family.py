@@ -23,16 +23,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from fastdist.errors import ParallelizeError
 from fastdist.nn.moe import ExpertParallel
 from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.hooks import SequenceGather
 from fastdist.nn.styles.attention import HeadParallelAttention
 from fastdist.nn.styles.base import Style
+from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree
 from fastdist.nn.styles.heads import QkvLayout
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
 from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
 
-__all__ = ["Family", "Mlp", "Plan", "Seq", "build_plan"]
+__all__ = ["Family", "Mlp", "Plan", "Seq", "add_context_parallel", "build_plan"]
 
 #: A plan: module-name patterns (``fnmatch``, e.g. ``"model.layers.*.mlp.down_proj"``) mapped to
 #: the `Style` that makes each matching module parallel; what `fastdist.nn.parallelize` takes.
@@ -171,16 +173,24 @@ def build_plan(
     capacity_factor: float | None,
     sequence_parallel: bool,
     gather_logits: bool,
+    context_parallel: CausalContextParallel | None = None,
+    tensor_parallel: bool = True,
 ) -> Plan:
     """The plan for a model of ``family`` with ``config`` (the options as `fastdist.nn.plans.plan`
     resolved them): tensor parallelism over ``axis``, the experts over ``ep_axis`` (``None``:
     ``axis``) with ``strategy`` and ``capacity_factor`` (see
     `fastdist.nn.moe.moe`), Megatron sequence parallelism over ``axis`` when
-    ``sequence_parallel``, the whole vocabulary's logits when ``gather_logits``.
+    ``sequence_parallel``, the whole vocabulary's logits when ``gather_logits``; context
+    parallelism when ``context_parallel`` (`add_context_parallel`); ``tensor_parallel=False``:
+    only that (a mesh without ``axis``).
 
     Raises `ParallelizeError` where the family's ``variant`` refuses the config.
     """
     fam = replace(family, **family.variant(config)) if family.variant else family
+    if not tensor_parallel:
+        if context_parallel is None:
+            raise ParallelizeError("build_plan: tensor_parallel=False needs context_parallel")
+        return add_context_parallel({}, fam, context_parallel)
     seq: Seq = "sequence" if sequence_parallel else "replicated"
     layers = _join(fam.prefix, fam.layers)
     plan: Plan = {}
@@ -213,4 +223,36 @@ def build_plan(
         plan[_join(fam.prefix, fam.final_norm)] = GatherSequence(axis)
         plan.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in fam.norms})
         plan.update({_join(layer, fam.moe_block): SequenceGather(axis) for layer in moe})
-    return plan
+    return plan if context_parallel is None else add_context_parallel(plan, fam, context_parallel)
+
+
+def add_context_parallel(plan: Plan, fam: Family, cp: CausalContextParallel) -> Plan:
+    """``plan`` with the tokens split over ``cp.axis``: ``cp`` on the base model, and `PvaryTree`
+    after the last style of every decoder-layer entry whose module no other entry reaches into
+    (so it sees the children the other styles swapped in), on the norms and the final norm; with
+    no tensor-parallel entries, on each whole decoder layer. Refuses Megatron sequence
+    parallelism (both split the sequence) and mixture-of-experts families (not built)."""
+    if any(isinstance(s, SequenceShard) for s in plan.values()):
+        raise ParallelizeError(
+            "plans.plan: context_parallel and sequence_parallel=True both split the sequence. "
+            "Fix: one of them (context parallelism also splits the attention)"
+        )
+    if fam.moe:
+        raise ParallelizeError(
+            f"plans.plan: context parallelism of mixture-of-experts families ({fam.model_types}) "
+            "is not built. Fix: a dense family, or expert/tensor parallelism without it"
+        )
+    layers = _join(fam.prefix, fam.layers)
+    tree = PvaryTree(cp.axis)
+    out: Plan = {fam.prefix: cp} if fam.prefix not in plan else {}
+    for pattern, styles in plan.items():
+        inner = any(p.startswith(f"{pattern}.") for p in plan)
+        if pattern.startswith(f"{layers}.") and not inner:
+            styles = (*(styles if isinstance(styles, (tuple, list)) else (styles,)), tree)
+        out[pattern] = styles
+    if not plan:
+        out[f"{layers}.*"] = tree
+    for norm in (*(f"{layers}.*.{n}" for n in fam.norms), _join(fam.prefix, fam.final_norm)):
+        old = out.get(norm)
+        out[norm] = tree if old is None else (*(old if isinstance(old, tuple) else (old,)), tree)
+    return out

@@ -18,6 +18,7 @@ from fastdist.nn.plans.dense import DENSE
 from fastdist.nn.plans.dit import dit_plan, is_diffusers_dit
 from fastdist.nn.plans.family import Family, Plan, build_plan
 from fastdist.nn.plans.moe import MOE
+from fastdist.nn.styles.context_llm import CausalContextParallel
 
 __all__ = ["TABLE", "lookup", "plan", "table"]
 
@@ -64,6 +65,7 @@ def plan(
     sequence_parallel: bool = False,
     gather_logits: bool = False,
     prefix: str | None = None,
+    context_parallel: str | CausalContextParallel | None = None,
 ) -> Plan:
     """The plan (a plain dict: module-name pattern -> styles; print it, edit it) for a model of a
     Hugging Face family on ``mesh``.
@@ -89,6 +91,12 @@ def plan(
             rank's vocabulary shard.
         prefix: the name of the base model inside the causal LM (the row's: ``model`` in
             ``model.layers.*``).
+        context_parallel: split the tokens over this mesh axis (``"cp"``) from the embedding
+            output to the final norm, each attention a causal ring over it (zig-zag layout);
+            a `fastdist.nn.CausalContextParallel` chooses ``mode="ulysses"``. With ``axis``
+            on the mesh too, tensor parallelism over it as well (heads over ``tp``, tokens over
+            ``cp``); a mesh without ``axis``: context parallelism alone. See
+            ``docs/context_parallel.md``.
 
     >>> import fastdist as fd
     >>> from transformers import LlamaConfig
@@ -123,8 +131,16 @@ def plan(
         ep_axis = "ep" if "ep" in names or mesh is None else axis
     if row.moe and axis not in names and "ep" in names:
         axis = "ep"
+    cp = (
+        CausalContextParallel(context_parallel)
+        if isinstance(context_parallel, str)
+        else context_parallel
+    )
     if mesh is not None:
-        mesh.axis_indices(axis, "parallelize")
+        if cp is not None:
+            mesh.axis_indices(cp.axis, "parallelize")
+        if cp is None or axis in names:
+            mesh.axis_indices(axis, "parallelize")
     return build_plan(
         row,
         config,
@@ -134,4 +150,6 @@ def plan(
         capacity_factor=capacity_factor,
         sequence_parallel=sequence_parallel,
         gather_logits=gather_logits,
+        context_parallel=cp,
+        tensor_parallel=cp is None or mesh is None or axis in names,
     )

@@ -1,0 +1,457 @@
+"""Context parallelism of a Hugging Face decoder LLM: `CausalContextParallel` splits the token
+sequence over one mesh axis (``"cp"``) from the embedding output through every decoder layer and
+runs each attention over the whole sequence as a causal ring or as Ulysses.
+
+What is split where (``n`` ranks of ``axis``, a sequence of ``S`` tokens cut into ``2n`` chunks of
+``c = S / 2n``):
+
+* **zig-zag layout** (load balance for the causal mask): rank ``r`` holds chunks ``r`` and
+  ``2n - 1 - r`` (rank 0 of 2: chunks 0 and 3; rank 1: chunks 1 and 2), so every rank has as
+  many early as late tokens and the same number of visible (query, key) pairs;
+* the base model's forward pre-hook computes the rank's ``position_ids`` (its tokens' own
+  positions: the rotary embedding of each rank is its own) and the token index and padding flags
+  the attention masks with; the first decoder layer's pre-hook cuts the embedding output
+  ``(B, S, D)`` to ``(B, 2c, D)`` (``local_chunk``: backward gathers the gradient);
+* every attention runs through transformers' attention registry (``ALL_ATTENTION_FUNCTIONS``:
+  one function registered per model, ``config._attn_implementation`` pointing at it; nothing of
+  transformers is patched): ``"ring"`` rotates k, v and their token indices around the axis
+  (``ring_shift``) and merges the blocks with an online softmax, masking by token index (causal,
+  sliding window, padding keys); ``"ulysses"`` trades tokens for heads (``all_to_all_4d``),
+  attends over the whole sequence, and trades back;
+* the base model's output (after the final norm) is gathered and put back in token order
+  (``all_gather_invariant``), so the LM head, the logits and the loss see the whole sequence,
+  replicated over the axis, exactly as on one device;
+* every parameter of the split region (decoder layers, final norm) meets this rank's tokens: the
+  plan ``pvary``'s it over the axis (`PvaryTree`), so its gradient is summed over the ranks.
+
+Every rank computes every ring block (with its mask): the zig-zag layout balances the *visible*
+work, which a kernel that skips masked tiles (flash attention) turns into balanced time; the
+half-block skipping of the zig-zag ring is not built. Ulysses with grouped-query attention needs
+the query heads (on the rank, after tensor parallelism) to divide by ``n`` and the kv heads to
+divide by ``n`` or ``n`` by them (kv heads repeated); other head counts are refused (use ring).
+
+Generation (``ParallelModel.generate``): a prompt whose length divides by ``2n`` is prefilled
+split, then the KV cache is gathered (every rank holds the whole cache of its heads) and each
+decoding step's single token runs whole on every rank; `decoding` allows that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from fastdist.core.mesh import Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.styles.base import Style, StyleContext
+from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk, ring_shift
+
+__all__ = ["CausalContextParallel", "PvaryTree", "decoding", "zigzag_gather", "zigzag_shard"]
+
+Mode = Literal["ring", "ulysses"]
+_NAMES = itertools.count()
+#: the attribute of the base model holding its `ContextState`
+STATE_ATTR = "fastdist_context_state"
+
+
+# ============================================================================ zig-zag layout
+def zigzag_shard(x: Tensor, mesh: Mesh, axis: str, dim: int) -> Tensor:
+    """This rank's two chunks of ``x`` along ``dim`` (``S`` divisible by ``2n``): chunks ``r`` and
+    ``2n - 1 - r`` of ``2n``, concatenated. Backward gathers the gradient.
+
+    >>> import torch, fastdist as fd
+    >>> mesh = fd.Mesh({"cp": 2})
+    >>> x = torch.arange(8.0).expand(2, 8)  # every rank: tokens 0..7
+    >>> fd.simulate(lambda t: zigzag_shard(t, mesh, "cp", 0), mesh)(x).tolist()
+    [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
+    """
+    n = mesh.axis_size(axis)
+    dim = dim % x.dim()
+    y = x.unflatten(dim, (2, n, x.shape[dim] // (2 * n)))  # (.., 2, n, c, ..)
+    first, last = y.select(dim, 0), y.select(dim, 1).flip(dim)  # (.., n, c, ..) each
+    z = torch.stack([first, last], dim=dim + 1)  # (.., n, 2, c, ..): rank j's chunks at j
+    return local_chunk(z, mesh, axis, dim=dim).flatten(dim, dim + 2)  # (.., 2c, ..)
+
+
+def zigzag_gather(x: Tensor, mesh: Mesh, axis: str, dim: int) -> Tensor:
+    """The whole sequence, in token order, from every rank's `zigzag_shard` (replicated over
+    ``axis``; backward: this rank's chunks of the gradient)."""
+    dim = dim % x.dim()
+    y = x.unflatten(dim, (1, 2, x.shape[dim] // 2))  # (.., 1, 2, c, ..)
+    every = all_gather_invariant(y, mesh, axis, dim=dim)  # (.., n, 2, c, ..)
+    first, last = every.select(dim + 1, 0), every.select(dim + 1, 1).flip(dim)  # (.., n, c, ..)
+    return torch.cat([first, last], dim=dim).flatten(dim, dim + 1).contiguous()  # (.., S, ..)
+
+
+# ============================================================================ per-call state
+@dataclass
+class ContextState:
+    """What the hooks of one model share during a forward: whether the tokens are split, the
+    token index (for causal masks) and padding flags of this rank's keys."""
+
+    mesh: Mesh
+    axis: str
+    mode: Mode
+    name: str
+    #: this forward's tokens are split over the axis (else every rank runs them whole)
+    split: bool = False
+    #: (1 or B, tokens on this rank): each token's index in the whole sequence
+    index: Tensor | None = None
+    #: (B, tokens on this rank) True for a real token, or None (no padding mask)
+    valid: Tensor | None = None
+    #: a forward that cannot split (a decoding step, a length 2n does not divide) runs whole
+    whole_ok: bool = False
+    #: (B, all keys) padding flags of a forward run whole
+    whole_valid: Tensor | None = None
+    handles: list[Any] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def decoding(model: nn.Module) -> Iterator[None]:
+    """Within the block, a forward of ``model`` (or its base model) whose tokens cannot be split
+    (a decoding step with a KV cache, a length ``2n`` does not divide) runs whole on every rank
+    instead of raising; nothing when the model is not context parallel."""
+    states = [s for m in model.modules() if (s := getattr(m, STATE_ATTR, None)) is not None]
+    old = [s.whole_ok for s in states]
+    for s in states:
+        s.whole_ok = True
+    try:
+        yield
+    finally:
+        for s, o in zip(states, old, strict=True):
+            s.whole_ok = o
+
+
+def context_states(model: nn.Module) -> list[ContextState]:
+    """The `ContextState` of every context-parallel base model inside ``model``."""
+    return [s for m in model.modules() if (s := getattr(m, STATE_ATTR, None)) is not None]
+
+
+# ============================================================================ hooks
+def _cache_length(cache: Any) -> int:
+    if cache is None:
+        return 0
+    length = cache.get_seq_length()
+    return int(length)
+
+
+def _enter_model(
+    state: ContextState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of the base model: decide split or whole; give this rank's position ids."""
+    if args:  # positional arguments by the forward's own parameter names
+        names = list(inspect.signature(module.forward).parameters)
+        kwargs = {**dict(zip(names, args)), **kwargs}
+    kw = dict(kwargs)
+    tokens = kw.get("input_ids")
+    tokens = tokens if tokens is not None else kw.get("inputs_embeds")
+    if not isinstance(tokens, Tensor):
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: {type(module).__name__} was called without "
+            "input_ids or inputs_embeds. Fix: pass the token ids"
+        )
+    if kw.get("output_hidden_states") or kw.get("output_attentions"):
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: output_hidden_states / "
+            "output_attentions would return this rank's tokens only. Fix: leave them unset"
+        )
+    mask = kw.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() != 2:
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: a {mask.dim()}-d attention_mask (a "
+            "prepared or custom mask) is not supported; only the (batch, tokens) padding mask. "
+            "Fix: pass the 2-d padding mask (or none)"
+        )
+    n, S = state.mesh.axis_size(state.axis), tokens.shape[1]
+    past = _cache_length(kw.get("past_key_values"))
+    state.split = past == 0 and S % (2 * n) == 0
+    if not state.split:
+        if not state.whole_ok:
+            why = (
+                f"a KV cache holding {past} tokens (a decoding step)"
+                if past
+                else f"{S} tokens, which the 2 x {n} zig-zag chunks do not divide"
+            )
+            raise ParallelizeError(
+                f"context parallelism over {state.axis!r}: {type(module).__name__} got {why}. "
+                f"Fix: pad the batch to a multiple of {2 * n} tokens (padding masked with "
+                "attention_mask and labels=-100); generate with ParallelModel.generate, which "
+                "runs the decoding steps whole"
+            )
+        state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
+        return (), kw
+    mesh, axis = state.mesh, state.axis
+    positions = kw.get("position_ids")
+    whole_index = torch.arange(S, device=tokens.device).unsqueeze(0)  # (1, S)
+    if positions is None:
+        positions = whole_index
+    state.index = zigzag_shard(whole_index, mesh, axis, 1)  # (1, 2c)
+    state.valid = zigzag_shard(mask.bool(), mesh, axis, 1) if isinstance(mask, Tensor) else None
+    kw["position_ids"] = zigzag_shard(positions, mesh, axis, 1)  # (1 or B, 2c)
+    return (), kw
+
+
+def _split_first_layer(
+    state: ContextState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook of the first decoder layer: the hidden states cut to this rank's chunks."""
+    if not state.split:
+        return None
+    if args:
+        return (zigzag_shard(args[0], state.mesh, state.axis, 1), *args[1:]), kwargs
+    x = kwargs["hidden_states"]
+    return args, {**kwargs, "hidden_states": zigzag_shard(x, state.mesh, state.axis, 1)}
+
+
+def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook of the base model: the output (and a KV cache filled by this forward) gathered
+    into the whole sequence, in token order."""
+    if not state.split:
+        return out
+    mesh, axis = state.mesh, state.axis
+    out["last_hidden_state"] = zigzag_gather(out["last_hidden_state"], mesh, axis, 1)
+    cache = out.get("past_key_values")
+    for layer in getattr(cache, "layers", ()):
+        if type(layer).__name__ != "DynamicLayer":
+            raise ParallelizeError(
+                f"context parallelism over {axis!r}: the KV cache layer {type(layer).__name__} "
+                "(a sliding-window or static cache) cannot be gathered after a split prefill. "
+                "Fix: generate with a DynamicCache (a config without sliding_window), or "
+                "use_cache=False"
+            )
+        # (B, Hkv, 2c, D) -> (B, Hkv, S, D): every rank holds the whole cache of its heads
+        layer.keys = zigzag_gather(layer.keys, mesh, axis, 2)
+        layer.values = zigzag_gather(layer.values, mesh, axis, 2)
+    state.split = False
+    return out
+
+
+# ============================================================================ attention
+def _keep(
+    qi: Tensor, ki: Tensor, kvalid: Tensor | None, window: int | None
+) -> Tensor:
+    """(Bm, 1, 1, Sq, Sk) True where query (token index ``qi`` (Bm, Sq)) may see key ``ki``."""
+    keep = ki.unsqueeze(-2) <= qi.unsqueeze(-1)  # (Bm, Sq, Sk)
+    if window is not None:
+        keep = keep & (qi.unsqueeze(-1) - ki.unsqueeze(-2) < window)
+    if kvalid is not None:
+        keep = keep & kvalid.unsqueeze(-2)
+    return keep[:, None, None]
+
+
+def _attend(
+    q: Tensor,
+    blocks: Iterator[tuple[Tensor, Tensor, Tensor, Tensor | None]],
+    qi: Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """Softmax attention of q ``(B, Hq, Sq, D)`` over key blocks ``(k, v, token index, valid)``
+    (k ``(B, Hkv, Sk, D)``) merged with an online softmax -> ``(B, Sq, Hq, Dv)``."""
+    B, hq, sq, _ = q.shape
+    top = total = acc = None
+    for k, v, ki, kvalid in blocks:
+        qg = q.unflatten(1, (k.shape[1], hq // k.shape[1]))  # (B, Hkv, G, Sq, D)
+        s = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scaling  # (B, Hkv, G, Sq, Sk)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        keep = _keep(qi, ki, kvalid, window)
+        # the running max only shifts the exponents: from detached scores, as flash attention
+        block_top = torch.where(keep, s.detach(), float("-inf")).amax(-1, keepdim=True)
+        new_top = block_top if top is None else torch.maximum(top, block_top)
+        shift = torch.where(new_top.isfinite(), new_top, 0.0)  # rows that saw no key yet
+        p = torch.exp(torch.where(keep, s - shift, float("-inf")))  # (B, Hkv, G, Sq, Sk)
+        block_sum, block_acc = p.sum(-1, keepdim=True), p @ v.unsqueeze(2)
+        if total is None or acc is None or top is None:
+            total, acc = block_sum, block_acc
+        else:
+            scale = torch.exp(torch.where(top.isfinite(), top, 0.0) - shift)
+            total, acc = total * scale + block_sum, acc * scale + block_acc
+        top = new_top
+    assert total is not None and acc is not None
+    out = torch.where(total > 0, acc / total.clamp_min(1e-300), 0.0)  # (B, Hkv, G, Sq, Dv)
+    return out.flatten(1, 2).transpose(1, 2)  # (B, Sq, Hq, Dv)
+
+
+def _ring_blocks(
+    state: ContextState, k: Tensor, v: Tensor, ki: Tensor, kvalid: Tensor | None
+) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+    """This rank's k/v block, then every other rank's, passed around the ring (the next transfer
+    issued before the current block is used)."""
+    mesh, axis, n = state.mesh, state.axis, state.mesh.axis_size(state.axis)
+
+    def shift(t: Tensor | None) -> Tensor | None:
+        return None if t is None else ring_shift(t, mesh, axis)
+
+    for step in range(n):
+        nxt = (shift(k), shift(v), shift(ki), shift(kvalid)) if step < n - 1 else None
+        yield k, v, ki, kvalid
+        if nxt is not None:
+            k, v, ki, kvalid = nxt  # type: ignore[assignment]
+
+
+def _ulysses_kv_heads(state: ContextState, module: Any, hq: int, hkv: int) -> int:
+    """How many times each kv head is repeated before the Ulysses exchange; raises for head
+    counts that do not split over the axis."""
+    n = state.mesh.axis_size(state.axis)
+    if hq % n == 0 and hkv % n == 0:
+        return 1
+    if hq % n == 0 and n % hkv == 0:
+        return n // hkv
+    raise ParallelizeError(
+        f"context parallelism over {state.axis!r} (Ulysses): attention layer "
+        f"{getattr(module, 'layer_idx', '?')} has {hq} query and {hkv} kv heads on this rank, "
+        f"which the {n} ranks do not split (query heads must divide by {n}, kv heads divide by "
+        f"{n} or {n} by them). Fix: CausalContextParallel(mode='ring'), or a {state.axis!r} "
+        "size that fits the heads"
+    )
+
+
+def context_attention(
+    state: ContextState,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The attention function registered with transformers for a context-parallel model: q
+    ``(B, Hq, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` (HF's layout) -> ``(B, Sq, Hq, Dv)``, causal."""
+    if dropout:
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: attention dropout ({dropout}) is not "
+            "built. Fix: attention_dropout=0.0 in the config, or model.eval()"
+        )
+    if not getattr(module, "is_causal", True):
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: {type(module).__name__} is not causal; "
+            "only decoder (causal) self-attention is split. Fix: a plan for this attention"
+        )
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if not state.split:  # every rank holds every token: one block, indices from the shapes
+        sq, sk = query.shape[2], key.shape[2]
+        ki = torch.arange(sk, device=query.device).unsqueeze(0)  # (1, Sk)
+        qi = ki[:, sk - sq :]  # (1, Sq)
+        blocks = iter([(key, value, ki, state.whole_valid)])
+        return _attend(query, blocks, qi, scale, sliding_window, softcap), None
+    assert state.index is not None
+    if state.mode == "ring":
+        blocks = _ring_blocks(state, key, value, state.index, state.valid)
+        return _attend(query, blocks, state.index, scale, sliding_window, softcap), None
+    mesh, axis = state.mesh, state.axis
+    reps = _ulysses_kv_heads(state, module, query.shape[1], key.shape[1])
+    # (B, 2c, H, D) tokens of every head -> (B, S', H/n, D) every token (zig-zag order) of H/n
+    qh, kh, vh = (
+        all_to_all_4d(t.transpose(1, 2), mesh, axis).transpose(1, 2)
+        for t in (
+            query,
+            key.repeat_interleave(reps, dim=1),
+            value.repeat_interleave(reps, dim=1),
+        )
+    )
+    index = all_gather_invariant(state.index, mesh, axis, dim=1)  # (1, S')
+    valid = None if state.valid is None else all_gather_invariant(state.valid, mesh, axis, dim=1)
+    o = _attend(qh, iter([(kh, vh, index, valid)]), index, scale, sliding_window, softcap)
+    # (B, S', H/n, Dv) -> (B, 2c, H, Dv)
+    return all_to_all_4d(o, mesh, axis, scatter_dim=1, gather_dim=2), None
+
+
+# ============================================================================ styles
+def _register_attention(state: ContextState, module: nn.Module) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(state.name, functools.partial(context_attention, state))
+    module.config._attn_implementation = state.name  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class CausalContextParallel(Style):
+    """A Hugging Face decoder's base model (``model.model`` of a ``LlamaForCausalLM``) with its
+    token sequence split over ``axis`` in the zig-zag layout; see this module's docstring.
+
+    Pair it with `PvaryTree` on the decoder layers and the final norm (the family plans do:
+    ``fastdist.nn.plans.plan(model, mesh, context_parallel="cp")``).
+
+    Args:
+        axis: the mesh axis the tokens are split over.
+        mode: ``"ring"`` (k/v blocks around the axis, any head counts) or ``"ulysses"`` (heads
+            exchanged for tokens).
+        layers: the base model's ``ModuleList`` of decoder layers.
+    """
+
+    axis: str = "cp"
+    mode: Mode = "ring"
+    layers: str = "layers"
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        mesh.axis_indices(self.axis, "CausalContextParallel")
+        if self.mode not in ("ring", "ulysses"):
+            raise ParallelizeError(
+                f"parallelize: {name!r}: CausalContextParallel(mode={self.mode!r}): the modes "
+                "are 'ring' and 'ulysses'"
+            )
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation"):
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has no transformers config "
+                "whose attention implementation can be set. Fix: apply CausalContextParallel "
+                "to a transformers base model (e.g. 'model' of a LlamaForCausalLM)"
+            )
+        layers = getattr(module, self.layers, None)
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({type(module).__name__}) has no ModuleList "
+                f"{self.layers!r} of decoder layers. Fix: CausalContextParallel(layers=...)"
+            )
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        self.check(module, name, ctx.mesh)
+        state = ContextState(ctx.mesh, self.axis, self.mode, f"fastdist_context_{next(_NAMES)}")
+        _register_attention(state, module)
+        layers: Any = getattr(module, self.layers)
+        state.handles = [
+            module.register_forward_pre_hook(
+                functools.partial(_enter_model, state), with_kwargs=True
+            ),
+            layers[0].register_forward_pre_hook(
+                functools.partial(_split_first_layer, state), with_kwargs=True
+            ),
+            module.register_forward_hook(functools.partial(_leave_model, state)),
+        ]
+        setattr(module, STATE_ATTR, state)
+        return module
+
+
+@dataclass(frozen=True)
+class PvaryTree(Style):
+    """Every parameter of the module and its submodules meets rank-varying data over ``axis``
+    (a sequence shard): ``pvary`` it at every call (its gradient summed over the axis). Put it
+    after a style that swaps the module's children (in the same plan entry), so it sees the
+    final ones; a parameter already ``pvary``'d over ``axis`` is skipped.
+
+    Args:
+        axis: the mesh axis the data the parameters meet varies over.
+    """
+
+    axis: str = "cp"
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        done = {(id(m), p, a) for m, p, a in ctx.pvary}
+        for sub in module.modules():
+            for p, _ in sub.named_parameters(recurse=False):
+                if (id(sub), p, self.axis) not in done:
+                    ctx.pvary.append((sub, p, self.axis))
+        return module
