@@ -172,6 +172,7 @@ def _enter(
             f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
         )
     guard.__enter__()
+    guard.active = True
     return args, kwargs
 
 
@@ -198,7 +199,11 @@ def _cut(x: Any, split: Split, mesh: Mesh, where: str) -> Tensor:
 def _leave(
     style: DomainParallel, mesh: Mesh, guard: _Guard, module: nn.Module, args: Any, out: Any
 ) -> Any:
-    """Forward hook: the guard off; the output gathered (``output="gather"``)."""
+    """Forward hook: the guard off (when the pre-hook got to turn it on); the output gathered
+    (``output="gather"``)."""
+    if not guard.active:  # the pre-hook raised before entering
+        return out
+    guard.active = False
     guard.__exit__(None, None, None)
     if style.output == "split":
         return out
@@ -250,6 +255,7 @@ class _Guard(TorchFunctionMode):
     def __init__(self, mesh: Mesh, split: Split, where: str) -> None:
         super().__init__()
         self.mesh, self.split, self.where = mesh, split, where
+        self.active = False  # entered by the pre-hook, left by the forward hook
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None

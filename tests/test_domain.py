@@ -1,0 +1,393 @@
+"""`fastdist.nn.DomainParallel`: unmodified conv nets split over H, H x W and T x H x W on
+simulated ranks, against the same net on one device in float64, forward and backward (the output,
+the input's gradient and every parameter's gradient), and the refusals."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fastdist as fd
+
+F64 = torch.float64
+TOL = 1e-10
+MESHES = {
+    "h": ({"h": 2}, {-2: "h"}),
+    "h3": ({"h": 3}, {-2: "h"}),
+    "hw": ({"h": 2, "w": 2}, {-2: "h", -1: "w"}),
+    "w": ({"w": 2}, {-1: "w"}),
+    "thw": ({"t": 2, "h": 2, "w": 2}, {-3: "t", -2: "h", -1: "w"}),
+}
+
+
+def equal_to_one_device(
+    net: nn.Module,
+    shape: tuple[int, ...],
+    split: str,
+    *,
+    call: Callable[[Any, Tensor], Tensor] | None = None,
+    seed: int = 0,
+    **style: Any,
+) -> fd.nn.ParallelModel:
+    """``net`` domain-parallel over ``MESHES[split]`` equals ``net`` on one device: the output,
+    the input's gradient (on every rank's copy) and every parameter's gradient (every rank's output
+    weighted by the same cotangent, as every rank computing the same loss does)."""
+    torch.manual_seed(seed)
+    net = net.to(F64)
+    ref = copy.deepcopy(net)
+    axes, dims = MESHES[split]
+    mesh = fd.Mesh(axes)
+    x = torch.randn(*shape, dtype=F64)
+    run = call or (lambda m, t: m(t))
+    want = run(ref, xr := x.clone().requires_grad_())
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel(dims, **style)})
+    xs = x.expand(mesh.size, *shape).clone().requires_grad_()
+    got = run(pm, xs)
+    assert got.shape == (mesh.size, *want.shape)
+    assert torch.allclose(got, want.expand_as(got), atol=TOL), (got - want).abs().max()
+    cot = torch.randn(want.shape, dtype=F64)
+    (want * cot).sum().backward()
+    (got * cot).sum().backward()
+    assert xs.grad is not None and xr.grad is not None
+    # the field is replicated: every rank's copy gets the whole gradient (local_chunk's rule)
+    assert torch.allclose(xs.grad, xr.grad.expand_as(xs.grad), atol=TOL)
+    grads = pm.grads()  # checks every rank's replicated gradient agrees
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        assert torch.allclose(grads[name], p.grad, atol=TOL), name
+    assert len(grads) == len(list(ref.parameters()))
+    return pm
+
+
+# ------------------------------------------------------------------ convolutions
+CONVS = [
+    ("h", nn.Conv2d(2, 4, 3, padding=1), (2, 2, 8, 5)),
+    ("hw", nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect", groups=2), (1, 2, 6, 8)),
+    ("hw", nn.Conv2d(2, 4, 3, padding=1, padding_mode="replicate", stride=2), (1, 2, 8, 8)),
+    ("h3", nn.Conv2d(2, 4, 5, padding=4, dilation=2, padding_mode="circular"), (1, 2, 12, 5)),
+    ("hw", nn.Conv2d(2, 4, (3, 5), padding="same", padding_mode="circular"), (1, 2, 6, 8)),
+    ("h", nn.Conv2d(2, 4, 4, padding="same"), (1, 2, 8, 4)),
+    ("hw", nn.Conv2d(2, 4, 2, stride=2), (1, 2, 8, 8)),
+    ("w", nn.Conv1d(2, 3, 3, padding=1, padding_mode="reflect"), (2, 2, 8)),
+    ("thw", nn.Conv3d(2, 3, 3, padding=1), (1, 2, 4, 4, 6)),
+    ("thw", nn.Conv3d(2, 3, (1, 3, 3), padding=(0, 1, 1), stride=(1, 2, 2)), (1, 2, 4, 8, 4)),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@pytest.mark.parametrize(("split", "conv", "shape"), CONVS)
+def test_convolutions(split: str, conv: nn.Module, shape: tuple[int, ...]) -> None:
+    equal_to_one_device(conv, shape, split)
+
+
+def test_a_padding_module_on_a_split_dim_is_refused() -> None:
+    """A module that pads by itself (``ZeroPad2d``, as diffusers' ``Downsample2D`` pads by hand
+    before a stride-2 conv) would pad every rank's block: refused, named."""
+    net = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(2, 2, 3, stride=2))
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'0' \(ZeroPad2d\)"):
+        fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+
+
+# ------------------------------------------------------------------ causal convolutions (Wan)
+def _wan_conv(cin: int, cout: int, k: int = 3, padding: int = 1) -> nn.Module:
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    return WanCausalConv3d(cin, cout, k, padding=padding)
+
+
+class CachedWan(nn.Module):
+    """Two causal convs and Wan's channel RMS norm; with ``cached``, the first conv gets the
+    first two frames as ``cache_x`` (earlier frames, as Wan's chunked decode passes them) and
+    the rest as its input."""
+
+    def __init__(self, cached: bool) -> None:
+        super().__init__()
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+        self.cached = cached
+        self.conv1 = _wan_conv(2, 4)
+        self.norm = WanRMS_norm(4, images=False)
+        self.act = nn.SiLU()
+        self.conv2 = _wan_conv(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(x[:, :, 2:], cache_x=x[:, :, :2]) if self.cached else self.conv1(x)
+        return self.conv2(self.act(self.norm(h)))
+
+
+def test_wan_causal_conv() -> None:
+    """diffusers' ``WanCausalConv3d`` (causal T padding ``(2, 0)``) split over T x H x W, and
+    over H x W with its frame cache; a cache with T split is refused."""
+    equal_to_one_device(CachedWan(False), (1, 2, 4, 4, 4), "thw")
+    equal_to_one_device(CachedWan(True), (1, 2, 5, 4, 4), "hw")
+    net = CachedWan(True).double()
+    pm = fd.nn.parallelize(net, fd.Mesh({"t": 2}), {"": fd.nn.DomainParallel({-3: "t"})})
+    with pytest.raises(fd.nn.ParallelizeError, match="cache_x"):
+        pm(torch.zeros(2, 1, 2, 8, 4, 4, dtype=F64))
+
+
+# ------------------------------------------------------------------ transposed convolutions
+CONVTS = [
+    ("h", nn.ConvTranspose2d(2, 3, 4, stride=2, padding=1), (1, 2, 4, 5)),
+    ("hw", nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1), (1, 2, 4, 6)),
+    ("hw", nn.ConvTranspose2d(4, 2, 2, stride=2, groups=2), (1, 4, 4, 4)),
+    ("h3", nn.ConvTranspose2d(2, 2, 3, padding=1), (1, 2, 6, 3)),
+    ("h", nn.ConvTranspose2d(2, 2, 3, stride=2, padding=2, dilation=2, output_padding=1),
+     (1, 2, 4, 3)),
+    ("w", nn.ConvTranspose1d(2, 3, 5, stride=3, padding=1), (2, 2, 4)),
+    ("thw", nn.ConvTranspose3d(2, 2, (1, 4, 4), stride=(1, 2, 2), padding=(0, 1, 1)),
+     (1, 2, 2, 4, 4)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("split", "conv", "shape"), CONVTS)
+def test_transposed_convolutions(split: str, conv: nn.Module, shape: tuple[int, ...]) -> None:
+    equal_to_one_device(conv, shape, split)
+
+
+# ------------------------------------------------------------------ pooling
+POOLS = [
+    ("hw", nn.MaxPool2d(2), (1, 2, 8, 8)),
+    ("hw", nn.MaxPool2d(3, 1, 1), (1, 2, 6, 6)),
+    ("h", nn.MaxPool2d(3, 2, 1, dilation=1), (1, 2, 8, 5)),
+    ("h", nn.MaxPool2d(2, 3, 1, dilation=2), (1, 2, 12, 5)),
+    ("hw", nn.AvgPool2d(3, 1, 1), (1, 2, 6, 6)),
+    ("hw", nn.AvgPool2d(3, 1, 1, count_include_pad=False), (1, 2, 6, 6)),
+    ("h", nn.AvgPool2d(3, 2, 1, count_include_pad=False), (1, 2, 8, 5)),
+    ("h", nn.AvgPool2d(3, 1, 1, divisor_override=2), (1, 2, 6, 4)),
+    ("w", nn.AvgPool1d(3, 1, 1, count_include_pad=False), (2, 2, 8)),
+    ("thw", nn.AvgPool3d(2), (1, 2, 4, 4, 4)),
+    ("thw", nn.MaxPool3d(3, 1, 1), (1, 1, 4, 4, 4)),
+]
+
+
+@pytest.mark.parametrize(("split", "pool", "shape"), POOLS)
+def test_pooling(split: str, pool: nn.Module, shape: tuple[int, ...]) -> None:
+    equal_to_one_device(pool, shape, split)
+
+
+# ------------------------------------------------------------------ upsampling
+UPSAMPLES = [
+    ("hw", nn.Upsample(scale_factor=2), (1, 2, 4, 6)),
+    ("h", nn.Upsample(scale_factor=3, mode="nearest-exact"), (1, 2, 4, 3)),
+    ("hw", nn.Upsample(scale_factor=2, mode="bilinear"), (1, 2, 4, 6)),
+    ("h3", nn.Upsample(scale_factor=(3, 2), mode="bilinear"), (1, 2, 3, 4)),
+    ("hw", nn.Upsample(scale_factor=2, mode="bicubic"), (1, 2, 4, 4)),
+    ("w", nn.Upsample(scale_factor=2, mode="linear"), (2, 2, 4)),
+    ("thw", nn.Upsample(scale_factor=2, mode="trilinear"), (1, 1, 2, 4, 2)),
+    ("thw", nn.Upsample(scale_factor=(1, 2, 2), mode="nearest"), (1, 1, 2, 4, 2)),
+]
+
+
+@pytest.mark.parametrize(("split", "up", "shape"), UPSAMPLES)
+def test_upsampling(split: str, up: nn.Module, shape: tuple[int, ...]) -> None:
+    """Bilinear (and linear, trilinear, bicubic) with ``align_corners=False`` read past the block:
+    a replicated halo at the domain's ends gives the clamped edge rows exactly."""
+    equal_to_one_device(up, shape, split)
+
+
+class FunctionalUp(nn.Module):
+    """``F.interpolate`` in the model's own code, by factor and by the whole domain's size (as
+    diffusers' ``Upsample2D`` calls it, with ``output_size`` from a skip connection)."""
+
+    def __init__(self, mode: str, by_size: bool) -> None:
+        super().__init__()
+        self.mode, self.by_size = mode, by_size
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.by_size:
+            whole = (8, 12)  # the whole field's H, W times 2
+            return self.conv(F.interpolate(x, size=whole, mode=self.mode))
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode=self.mode))
+
+
+@pytest.mark.parametrize(("mode", "by_size"), [("nearest", False), ("bilinear", True)])
+def test_functional_interpolate(mode: str, by_size: bool) -> None:
+    equal_to_one_device(FunctionalUp(mode, by_size), (1, 2, 4, 6), "hw")
+
+
+# ------------------------------------------------------------------ norms
+class ChannelsLast(nn.Module):
+    """LayerNorm and Linear over channels on a channels-last view: token-local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+        self.rms = nn.RMSNorm(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv(x).permute(0, 2, 3, 1)  # [N, H, W, C]
+        return self.rms(self.proj(self.norm(h))).permute(0, 3, 1, 2)
+
+
+def _bn(track: bool) -> nn.Module:
+    bn = nn.BatchNorm2d(4, track_running_stats=track)
+    if track:  # non-trivial running statistics, eval mode
+        bn.running_mean.normal_()  # type: ignore[union-attr]
+        bn.running_var.uniform_(0.5, 2)  # type: ignore[union-attr]
+        bn.eval()
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), bn)
+
+
+NORMS = [
+    ("hw", lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)), (2, 2, 4, 6)),
+    ("h3", lambda: nn.GroupNorm(1, 2), (2, 2, 6, 3)),
+    ("thw", lambda: nn.GroupNorm(2, 4), (2, 4, 2, 4, 4)),
+    ("hw", lambda: nn.InstanceNorm2d(2, affine=True), (2, 2, 4, 6)),
+    ("hw", lambda: _bn(False), (2, 2, 4, 6)),
+    ("h", lambda: _bn(True), (2, 2, 4, 6)),
+    ("thw", lambda: nn.BatchNorm3d(4, track_running_stats=False), (2, 4, 2, 4, 4)),
+    ("hw", ChannelsLast, (2, 2, 4, 6)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("split", "make", "shape"), NORMS)
+def test_norms(split: str, make: Callable[[], nn.Module], shape: tuple[int, ...]) -> None:
+    """GroupNorm / InstanceNorm / BatchNorm with statistics over the whole domain (a psum of the
+    ranks' sums, pvary'd back: the gradient through the statistics is one device's);
+    LayerNorm / RMSNorm / Linear over channels run as they are."""
+    equal_to_one_device(make(), shape, split)
+
+
+def test_batch_norm_training_with_running_stats_on_simulated_ranks_is_refused() -> None:
+    net = nn.BatchNorm2d(2).double()
+    pm = fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    with pytest.raises(fd.nn.ParallelizeError, match="running statistics on simulated ranks"):
+        pm(torch.zeros(2, 1, 2, 4, 4, dtype=F64))
+
+
+# ------------------------------------------------------------------ a UNet-like stack
+class TinyUNet(nn.Module):
+    """Conv, norm, pooling down, transposed conv up, a skip connection, bilinear upsampling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU())
+        self.down = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"))
+        self.mid = nn.Sequential(nn.BatchNorm2d(8, track_running_stats=False), nn.GELU())
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.out = nn.Sequential(
+            nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"),
+            nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+            nn.Upsample(scale_factor=2, mode="bilinear"),
+            nn.Conv2d(4, 2, 1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.inc(x)
+        b = self.up(self.mid(self.down(a)))
+        return self.out(torch.cat([a, b], dim=1))
+
+
+@pytest.mark.parametrize("split", ["h", "hw"])
+def test_unet_like_stack(split: str) -> None:
+    equal_to_one_device(TinyUNet(), (1, 2, 8, 12), split)
+
+
+def test_output_split_leaves_each_rank_its_block() -> None:
+    torch.manual_seed(0)
+    net = nn.Conv2d(2, 2, 3, padding=1).double()
+    ref = net(x := torch.randn(1, 2, 8, 6, dtype=F64))
+    mesh = fd.Mesh({"h": 2, "w": 2})
+    style = fd.nn.DomainParallel({-2: "h", -1: "w"}, output="split")
+    out = fd.nn.parallelize(net, mesh, {"": style})(x.expand(4, *x.shape))
+    want = torch.stack([b for rows in ref.chunk(2, 2) for b in rows.chunk(2, 3)])
+    assert torch.allclose(out, want, atol=TOL)
+
+
+# ------------------------------------------------------------------ refusals
+class SpatialAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q = nn.Linear(2, 2)
+
+
+class Custom(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2
+
+
+REFUSED: list[tuple[Callable[[], nn.Module], str]] = [
+    (lambda: nn.Sequential(nn.Conv2d(2, 2, 3), nn.AdaptiveAvgPool2d(1)), r"'1' \(Adaptive.*global"),
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 2)), r"'0' \(Flatten.*flattened field"),
+    (lambda: nn.Sequential(SpatialAttention()), r"'0' \(SpatialAttention\): self-attention"),
+    (lambda: nn.Sequential(Custom()), r"not known.*local=\(Custom,\)"),
+    (lambda: nn.LayerNorm([2, 4, 4]), r"normalized_shape=\(2, 4, 4\)"),
+    (lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), "align_corners"),
+    (lambda: nn.Upsample(size=8), "size="),
+    (lambda: nn.MaxPool2d(2, ceil_mode=True), "ceil_mode"),
+]
+
+
+@pytest.mark.parametrize(("make", "match"), REFUSED)
+def test_modules_that_mix_the_domain_are_refused_at_parallelize_time(
+    make: Callable[[], nn.Module], match: str
+) -> None:
+    net = make()
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(fd.nn.ParallelizeError, match=match):
+        fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())  # unchanged
+
+
+def test_local_declares_a_module_token_local() -> None:
+    equal_to_one_device(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), Custom()), (1, 2, 4, 4),
+                        "h", local=(Custom,))  # fmt: skip
+
+
+class PadsByHand(nn.Module):
+    def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.conv = nn.Conv2d(2, 2, 3, stride=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(self.fn(x))
+
+
+CALL_ERRORS: list[tuple[nn.Module, tuple[int, ...], Mapping[int, str], str]] = [
+    (PadsByHand(lambda x: F.pad(x, (0, 1, 0, 1))), (1, 2, 8, 8), {-2: "h"}, "pads the split dim -2"),
+    (PadsByHand(lambda x: F.scaled_dot_product_attention(x, x, x)), (1, 2, 8, 8), {-2: "h"},
+     "scaled_dot_product_attention"),
+    (PadsByHand(lambda x: x.mean((2, 3), keepdim=True) + F.adaptive_avg_pool2d(x, 1)), (1, 2, 8, 8),
+     {-2: "h"}, "adaptive_avg_pool2d"),
+    (nn.Conv2d(2, 2, 3, stride=2, padding=1), (1, 2, 6, 6), {-2: "h"}, "multiple of 2 rows"),
+    (nn.Conv2d(2, 2, 3), (1, 2, 6, 6), {-2: "h"}, "padding .0, 0. along the split dim"),
+    (nn.Conv2d(2, 2, 3, padding=1), (1, 2, 5, 6), {-2: "h"}, "5 rows, not divisible by the 2"),
+    (nn.Sequential(nn.Conv2d(2, 2, 1), nn.Linear(6, 6)), (1, 2, 6, 6), {-1: "h"},
+     "in_features=6.*last dim is 3"),
+    (nn.Conv2d(2, 2, 3, padding=1), (1, 2, 6, 6), {-2: "h"}, ""),  # the control: no error
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("net", "shape", "dims", "match"), CALL_ERRORS)
+def test_what_cannot_be_right_raises_at_the_first_call(
+    net: nn.Module, shape: tuple[int, ...], dims: Mapping[int, str], match: str
+) -> None:
+    pm = fd.nn.parallelize(net.double(), fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel(dims)})
+    x = torch.zeros(2, *shape, dtype=F64)
+    if not match:
+        pm(x)
+        return
+    with pytest.raises(fd.nn.ParallelizeError, match=match):
+        pm(x)
+
+
+def test_bad_styles_are_refused() -> None:
+    mesh = fd.Mesh({"h": 2})
+    for dims, match in [({2: "h"}, "counted from the end"), ({-1: "h", -2: "h"}, "one axis")]:
+        with pytest.raises(fd.nn.ParallelizeError, match=match):
+            fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel(dims)})
+    with pytest.raises(fd.nn.ParallelizeError, match="output="):
+        fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "h"}, output="x")})
+    with pytest.raises(fd.MeshError):
+        fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "sp"})})
