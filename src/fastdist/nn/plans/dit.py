@@ -5,8 +5,9 @@ of diffusers' attention (``to_q``/``to_k``/``to_v``/``to_out``) that ``plan="aut
 Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
 after the patch embedding, at the input of ``blocks.0``; they stay split through every block
 (``norm1``..``norm3``, the FFN and the modulation are token-local); ``attn1`` runs as Ulysses,
-``attn2`` (cross-attention to the replicated text states) locally; ``proj_out``'s output is
-gathered before the unpatchify. See `fastdist.nn.styles.context` and docs/context_parallel.md.
+ring or USP, with the rotary embedding cut to each rank's positions; ``attn2``
+(cross-attention to the replicated text states) runs locally; ``proj_out``'s output is gathered
+before the unpatchify. See `fastdist.nn.styles.context` and docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -18,34 +19,46 @@ from torch import nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.plans.family import Plan
-from fastdist.nn.styles.context import ContextParallel
+from fastdist.nn.styles.context import ContextParallel, Mode
 
 __all__ = ["DIT_PLANS", "dit_plan", "is_diffusers_dit", "wan"]
 
 
-def wan(model: Any = None, mesh: Mesh | None = None, *, axis: str = "sp") -> Plan:
+def wan(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
     """The context-parallel plan of a diffusers ``WanTransformer3DModel``: its tokens split over
-    ``axis`` (Ulysses self-attention), gathered after ``proj_out``.
+    ``axis`` (and ``ring_axis``), self-attention as Ulysses, ring or USP, the rotary embedding
+    cut to each rank's positions, gathered after ``proj_out``.
 
     Args:
         model: the model (or ``None``): only read to refuse one this plan does not fit.
         mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
-        axis: the sequence-parallel axis.
+        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"`` (`fastdist.nn.SequenceParallelAttention`).
+        ring_axis: for ``"usp"``: the ring's axis.
 
     >>> import fastdist as fd
     >>> fd.nn.plans.wan(axis="sp")
     {'': ContextParallel(axis='sp', blocks='blocks', attention=('attn1',), cross=('attn2',), \
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
-output='proj_out')}
+output='proj_out', mode='ulysses', ring_axis=None, rotary='rope')}
     """
     if mesh is not None:
         mesh.axis_indices(axis, "plans.wan")
+        if ring_axis is not None:
+            mesh.axis_indices(ring_axis, "plans.wan")
     if isinstance(model, nn.Module) and type(model).__name__ != "WanTransformer3DModel":
         raise ParallelizeError(
             f"plans.wan: {type(model).__name__} is not a diffusers WanTransformer3DModel. Fix: "
             f"a plan for it (ready DiT plans: {sorted(DIT_PLANS)})"
         )
-    return {"": ContextParallel(axis=axis)}
+    return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)}
 
 
 #: diffusers model class name -> its ready plan function

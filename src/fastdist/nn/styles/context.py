@@ -1,79 +1,136 @@
 """Context (sequence) parallelism of a whole transformer: `ContextParallel` splits the token
-sequence over one mesh axis where it enters the blocks, keeps it split through every block, runs
-each self-attention as Ulysses (`SequenceParallelAttention`) and gathers it where it leaves.
+sequence over one mesh axis (or two: Ulysses x ring) where it enters the blocks, keeps it split
+through every block, runs each self-attention as Ulysses, ring or USP
+(`SequenceParallelAttention`) and gathers it where it leaves.
 
 The model's own forward runs unchanged; only hooks and per-rank attributes are added, so the
 parameter names (and checkpoints) stay the single-device model's:
 
-* the first block's ``hidden_states`` are cut to this rank's block of tokens (``local_chunk``:
-  backward gathers the gradient, so the patch embedding before it gets the whole gradient);
+* the first block's ``hidden_states`` are cut to this rank's tokens (`TokenSplit.shard`:
+  backward gathers the gradient, so the patch embedding before it gets the whole gradient); a
+  token count the ranks do not divide is split unevenly, exactly (see
+  `fastdist.nn.styles.ring_split`);
+* the ``rotary`` module's output (the rotary embedding of the whole position grid) is cut the
+  same way, so each rank rotates its own tokens by their own positions;
 * the outputs of the ``whole`` modules that feed every block (a DiT's condition embedder:
   timestep embedding, text states) are ``pvary``'d: they meet this rank's tokens, so their
-  gradient is summed over the axis;
+  gradient is summed over the axes; per-token timesteps (Wan 2.2 TI2V) are cut with the tokens;
 * every parameter of the split region (the blocks, the output norm and projection, the model's
   own parameters such as Wan's ``scale_shift_table``) is ``pvary``'d in its module's forward
   (`fastdist.nn.pvary_sites`), so its gradient is the sum over the ranks' tokens;
-* the self-attentions exchange heads for sequence (all-to-all) around the attention itself;
-  cross-attentions to replicated encoder states run on the rank's queries as they are;
-* the ``output`` module's result is gathered (``all_gather_invariant`` along the tokens), so
-  what follows (the unpatchify) sees the whole sequence, replicated.
-
-Only the even split is built: a token count or head count the axis does not divide is refused.
+* in each self-attention the one ``F.scaled_dot_product_attention`` its processor calls (after
+  the projections, q/k norms and rotary embedding, all token-local) is replaced by the
+  sequence-parallel attention (`fastdist.nn.styles.ring_split.split_attention`); cross-attentions
+  to replicated encoder states run on the rank's queries as they are;
+* the ``output`` module's result is gathered along the tokens, so what follows (the unpatchify)
+  sees the whole sequence, replicated.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import Style, StyleContext, get_child
-from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk, pvary
+from fastdist.nn.styles.ring_split import AttentionSwap, TokenSplit, split_attention
+from fastdist.ops import pvary
 
-__all__ = ["ContextParallel", "SequenceParallelAttention"]
+__all__ = ["ContextParallel", "SequenceParallelAttention", "KNOWN_PROCESSORS", "MODES"]
 
 #: attention processors whose forward `SequenceParallelAttention` knows: q, k, v projected by
-#: ``to_q``/``to_k``/``to_v``, q and k normalized over all heads by ``norm_q``/``norm_k``, then
-#: unflattened into ``attn.heads`` heads, attended, flattened and projected by ``to_out[0]``
+#: ``to_q``/``to_k``/``to_v``, normalized and rotated token by token, attended by one call of
+#: ``F.scaled_dot_product_attention`` (the native backend), projected by ``to_out``
 KNOWN_PROCESSORS = frozenset({"WanAttnProcessor"})
 
+#: the attention modes: Ulysses (heads <-> tokens all-to-all), ring (k/v passed around the
+#: axis), USP (Ulysses over ``axis``, ring over ``ring_axis``)
+MODES = ("ulysses", "ring", "usp")
 
-# ============================================================================ Ulysses exchanges
-def _to_heads(mesh: Mesh, axis: str, heads: int, x: Tensor) -> Tensor:
-    """(B, S/n, H*D) this rank's tokens of every head -> (B, S, H/n*D) every token of this rank's
-    heads."""
-    if x.dim() != 3 or x.shape[-1] % heads:
+Mode = Literal["ulysses", "ring", "usp"]
+
+
+def _split_axes(
+    style: str, axis: str, mode: str, ring_axis: str | None, mesh: Mesh
+) -> tuple[tuple[str, ...], str | None, str | None]:
+    """(the token split's axes, the Ulysses axis, the ring axis) of a mode; refuses bad
+    combinations."""
+    if mode not in MODES:
         raise ParallelizeError(
-            f"sequence-parallel attention over {axis!r}: a projection gave {tuple(x.shape)}, "
-            f"not (batch, tokens, {heads} heads x head_dim). Fix: a plan for this attention"
+            f"parallelize: {style}(mode={mode!r}) is not a mode. Fix: one of {list(MODES)}"
         )
-    x4 = x.reshape(*x.shape[:2], heads, -1)  # (B, S/n, H, D)
-    return all_to_all_4d(x4, mesh, axis).flatten(2)  # (B, S, H/n*D)
+    mesh.axis_indices(axis, style)
+    if mode == "usp":
+        if ring_axis is None or ring_axis == axis:
+            raise ParallelizeError(
+                f"parallelize: {style}(mode='usp') runs Ulysses over axis={axis!r} and the ring "
+                f"over another axis, but ring_axis={ring_axis!r}. Fix: ring_axis=<a second mesh "
+                f"axis>, e.g. Mesh({{'cp': 2, {axis!r}: 2}}) with ring_axis='cp'"
+            )
+        mesh.axis_indices(ring_axis, style)
+        return (ring_axis, axis), axis, ring_axis
+    if ring_axis is not None:
+        raise ParallelizeError(
+            f"parallelize: {style}(mode={mode!r}, ring_axis={ring_axis!r}): ring_axis is for "
+            f"mode='usp' only. Fix: mode='usp', or drop ring_axis"
+        )
+    return (axis,), (axis if mode == "ulysses" else None), (axis if mode == "ring" else None)
 
 
-def _to_tokens(mesh: Mesh, axis: str, local_heads: int, x: Tensor) -> Tensor:
-    """(B, S, H/n*D) every token of this rank's heads -> (B, S/n, H*D) this rank's tokens of
-    every head (the attention output before ``to_out``)."""
-    x4 = x.reshape(*x.shape[:2], local_heads, -1)  # (B, S, H/n, D)
-    return all_to_all_4d(x4, mesh, axis, scatter_dim=1, gather_dim=2).flatten(2)  # (B, S/n, H*D)
+class _Current:
+    """The token split of the forward running now (set where the tokens are split), shared by
+    the hooks and attention processors of one model."""
+
+    def __init__(self) -> None:
+        self.split: TokenSplit | None = None
 
 
-def _output_to_heads(
-    mesh: Mesh, axis: str, heads: int, module: nn.Module, args: Any, out: Tensor
-) -> Tensor:
-    """Forward hook of ``norm_q`` / ``norm_k`` / ``to_v``: its output exchanged to heads."""
-    return _to_heads(mesh, axis, heads, out)
+class SplitProcessor:
+    """An attention processor that runs ``inner`` (the model's own) with its one
+    ``F.scaled_dot_product_attention`` replaced by the sequence-parallel attention over this
+    forward's token split."""
 
+    def __init__(
+        self,
+        inner: Any,
+        where: str,
+        mesh: Mesh,
+        axes: tuple[str, ...],
+        ulysses_axis: str | None,
+        ring_axis: str | None,
+        current: _Current,
+    ) -> None:
+        self.inner, self.where, self.mesh, self.axes = inner, where, mesh, axes
+        self.ulysses_axis, self.ring_axis, self.current = ulysses_axis, ring_axis, current
 
-def _input_to_tokens(
-    mesh: Mesh, axis: str, local_heads: int, module: nn.Module, args: tuple[Any, ...]
-) -> tuple[Any, ...]:
-    """Forward pre-hook of ``to_out[0]``: its input exchanged back to tokens."""
-    return (_to_tokens(mesh, axis, local_heads, args[0]), *args[1:])
+    def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        split = self.current.split
+        if split is None:  # used without ContextParallel: the rows are an even split
+            n = self.mesh.axis_size(self.axes[0] if len(self.axes) == 1 else self.axes)
+            split = TokenSplit(self.mesh, self.axes, hidden_states.shape[1] * n)
+        if hidden_states.shape[1] != split.rows:
+            raise ParallelizeError(
+                f"sequence-parallel attention {self.where!r} got {hidden_states.shape[1]} tokens, "
+                f"not this rank's {split.rows} rows of the {split.tokens} split over "
+                f"{split.axes}. Fix: call it on the hidden states of the split blocks"
+            )
+        attend = functools.partial(
+            split_attention, split=split, ulysses_axis=self.ulysses_axis, ring_axis=self.ring_axis
+        )
+        with AttentionSwap(attend, self.where) as swap:
+            out = self.inner(attn, hidden_states, *args, **kwargs)
+        if swap.calls != 1:
+            raise ParallelizeError(
+                f"sequence-parallel attention {self.where!r}: its processor called "
+                f"scaled_dot_product_attention {swap.calls} times, not once (another attention "
+                "backend, e.g. set_attention_backend(...)?). Fix: the native backend "
+                "(attn.processor._attention_backend = None) or a plan for this attention"
+            )
+        return out
 
 
 def _self_attention_only(
@@ -97,37 +154,43 @@ def _self_attention_only(
 @dataclass(frozen=True)
 class SequenceParallelAttention(Style):
     """A diffusers self-attention (``to_q``/``to_k``/``to_v``/``to_out``, e.g. Wan's
-    ``WanAttention``) on a sequence split over ``axis``, run as Ulysses: after ``norm_q``,
-    ``norm_k`` (which normalize over all heads of a token) and ``to_v``, an all-to-all trades
-    this rank's tokens of every head for every token of ``heads / n`` heads; the model's own
-    processor then applies the rotary embedding (of the whole sequence: each rank now holds every
-    position) and attends; before ``to_out[0]`` the inverse all-to-all gives the rank its tokens
-    back. ``attn.heads`` is set to the local head count for the processor's unflatten.
+    ``WanAttention``) on a token sequence split over ``axis`` (and ``ring_axis``). Its processor
+    runs unchanged (projections, q/k norms over all heads of a token, the rotary embedding of
+    the rank's own positions: all token-local); only its one ``F.scaled_dot_product_attention``
+    runs over the whole sequence, as
 
-    Use it inside `ContextParallel` (which splits the sequence and sums the parameters'
-    gradients over the axis); alone it is refused by nothing but computes on unsplit data.
+    * ``"ulysses"``: an all-to-all gives each rank every token of ``heads / n`` heads, torch's
+      attention runs on them, the inverse all-to-all gives the rank its tokens back;
+    * ``"ring"``: queries stay, key/value blocks go around ``axis`` (`fastdist.nn.RingAttention`,
+      online softmax); any head count;
+    * ``"usp"``: Ulysses over ``axis``, ring over ``ring_axis`` (the tokens split over
+      ``(ring_axis, axis)``, ring-major).
 
-    Refused: heads the axis size does not divide, fused projections (``fuse_projections()``),
-    cross-attention modules, a processor other than those in `KNOWN_PROCESSORS`, and at call
-    time encoder states or an attention mask.
+    Use it inside `ContextParallel` (which splits the tokens and the rotary embedding, and sums
+    the parameters' gradients over the axes); alone it takes its input as an even split.
+
+    Refused at ``parallelize``: heads the Ulysses degree does not divide (naming the module and
+    the fix: ``mode="ring"`` or another size), fused projections (``fuse_projections()``),
+    cross-attention modules, a processor other than those in `KNOWN_PROCESSORS`; at the call:
+    encoder states, an attention mask, a processor that does not call
+    ``F.scaled_dot_product_attention`` exactly once unmasked.
 
     Args:
-        axis: the mesh axis the sequence is split over.
-        mode: ``"ulysses"`` (the only one built; ring and USP on real models are later steps).
+        axis: the mesh axis of the sequence split (Ulysses or ring axis by ``mode``).
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
+        ring_axis: for ``"usp"``: the second axis, the ring's.
     """
 
     axis: str = "sp"
-    mode: Literal["ulysses"] = "ulysses"
+    mode: Mode = "ulysses"
+    ring_axis: str | None = None
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        n = mesh.axis_size(self.axis)
+        _, ulysses, _ = _split_axes(
+            "SequenceParallelAttention", self.axis, self.mode, self.ring_axis, mesh
+        )
         kind = type(module).__name__
-        if self.mode != "ulysses":
-            raise ParallelizeError(
-                f"parallelize: {name!r}: SequenceParallelAttention(mode={self.mode!r}) is not "
-                "built; only 'ulysses'. Fix: mode='ulysses'"
-            )
-        for child in ("to_q", "to_k", "to_v", "to_out", "norm_q", "norm_k"):
+        for child in ("to_q", "to_k", "to_v", "to_out"):
             get_child(module, child, name)
         processor = type(getattr(module, "processor", None)).__name__
         if processor not in KNOWN_PROCESSORS:
@@ -148,95 +211,120 @@ class SequenceParallelAttention(Style):
                 "splits self-attention. Fix: list it in ContextParallel(cross=...)"
             )
         heads = getattr(module, "heads", None)
+        n = mesh.axis_size(ulysses) if ulysses is not None else 1
         if type(heads) is not int or heads % n:
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) has {heads} heads, which the {n} ranks of "
-                f"{self.axis!r} do not divide: Ulysses gives each rank heads / {n} whole heads. "
-                f"Fix: an {self.axis!r} size that divides {heads}"
-            )
-        width = get_child(module, "to_q", name)
-        out = getattr(width, "out_features", None)
-        for norm in ("norm_q", "norm_k"):
-            sub = get_child(module, norm, name)
-            shape = getattr(sub, "normalized_shape", None)
-            if not isinstance(sub, nn.Identity) and (shape is None or tuple(shape) != (out,)):
-                raise ParallelizeError(
-                    f"parallelize: {name}.{norm} ({type(sub).__name__}, normalized_shape "
-                    f"{shape}) is not a norm over the whole projection ({out} features, all "
-                    "heads), which is where the Ulysses exchange is placed. Fix: a plan for this "
-                    "attention"
+                f"{ulysses!r} do not divide: Ulysses gives each rank heads / {n} whole heads. "
+                f"Fix: mode='ring' (any head count), or an {ulysses!r} size that divides {heads}"
+                + (
+                    " (mode='usp': a smaller Ulysses axis, a larger ring axis)"
+                    if self.ring_axis
+                    else ""
                 )
+            )
 
-    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
-        self.check(module, name, ctx.mesh)
-        mesh, axis = ctx.mesh, self.axis
-        heads = int(module.heads)  # type: ignore[arg-type]
-        local = heads // mesh.axis_size(axis)
-        to_heads = functools.partial(_output_to_heads, mesh, axis, heads)
-        for child in ("norm_q", "norm_k", "to_v"):
-            get_child(module, child, name).register_forward_hook(to_heads)
-        out = get_child(module, "to_out", name)
-        first = out[0] if isinstance(out, (nn.ModuleList, nn.Sequential)) else out
-        first.register_forward_pre_hook(functools.partial(_input_to_tokens, mesh, axis, local))
+    def install(self, module: nn.Module, name: str, mesh: Mesh, current: _Current) -> None:
+        """Put the split processor in place (``check`` first); ``current`` is where the running
+        forward's token split is found."""
+        axes, ulysses, ring = _split_axes(
+            "SequenceParallelAttention", self.axis, self.mode, self.ring_axis, mesh
+        )
+        inner = module.processor
+        processor = SplitProcessor(inner, name, mesh, axes, ulysses, ring, current)
+        object.__setattr__(module, "processor", processor)
         module.register_forward_pre_hook(
             functools.partial(_self_attention_only, name), with_kwargs=True
         )
-        # the processor unflattens by attn.heads: this rank's heads
-        object.__setattr__(module, "heads", local)
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        self.check(module, name, ctx.mesh)
+        self.install(module, name, ctx.mesh, _Current())
         return module
 
 
 # ============================================================================ the region
 def _shard_tokens(
-    mesh: Mesh, axis: str, where: str, module: nn.Module, args: tuple[Any, ...], kwargs: Any
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    where: str,
+    current: _Current,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Any,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Forward pre-hook of the first block: its hidden states cut to this rank's tokens."""
+    """Forward pre-hook of the first block: its hidden states cut to this rank's tokens; the
+    split is recorded for the attentions and the output."""
     key = "hidden_states" if not args else None
     x = kwargs[key] if key is not None else args[0]
-    n = mesh.axis_size(axis)
     if not isinstance(x, Tensor) or x.dim() != 3:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ParallelizeError(
-            f"context parallelism over {axis!r}: {where} gets hidden states {got}, not "
+            f"context parallelism over {axes}: {where} gets hidden states {got}, not "
             "(batch, tokens, dim). Fix: ContextParallel(blocks=...) naming the list of "
             "transformer blocks"
         )
-    if x.shape[1] % n:
-        raise ParallelizeError(
-            f"context parallelism over {axis!r}: {where} gets {x.shape[1]} tokens (hidden "
-            f"states {tuple(x.shape)}), which the {n} ranks do not divide (uneven token counts "
-            f"are not built yet). Fix: a frame count / resolution whose number of patches "
-            f"divides by {n}, or another {axis!r} size"
-        )
-    mine = local_chunk(x, mesh, axis, dim=1)  # (B, S/n, D)
+    split = TokenSplit(mesh, axes, x.shape[1])
+    current.split = split
+    mine = split.shard(x, dim=1)  # (B, rows, D)
     if key is not None:
         return args, {**kwargs, key: mine}
     return (mine, *args[1:]), kwargs
 
 
-def _vary_outputs(
-    mesh: Mesh, axis: str, where: str, module: nn.Module, args: Any, kwargs: Any, out: Any
+def _shard_rotary(
+    mesh: Mesh, axes: tuple[str, ...], where: str, module: nn.Module, args: Any, out: Any
 ) -> Any:
-    """Forward hook of a ``whole`` module feeding the blocks: every tensor output ``pvary``'d."""
-    if kwargs.get("timestep_seq_len") is not None:
+    """Forward hook of the rotary module: each of its ``(1, tokens, ...)`` outputs cut to this
+    rank's positions."""
+    outs = out if isinstance(out, tuple) else (out,)
+    if not all(isinstance(t, Tensor) and t.dim() >= 2 for t in outs):
         raise ParallelizeError(
-            f"context parallelism over {axis!r}: {where} got per-token timesteps (a 2-d "
-            "timestep, Wan 2.2 TI2V): splitting them with the tokens is not built yet. Fix: a "
-            "1-d timestep (one per sample), or run without context parallelism"
+            f"context parallelism over {axes}: the rotary module {where!r} returned "
+            f"{type(out).__name__}, not tensors (1, tokens, ...). Fix: ContextParallel(rotary=None)"
+            " and a plan that gives each rank its positions"
         )
-    if isinstance(out, Tensor):
-        return pvary(out, mesh, axis)
-    if isinstance(out, tuple):
-        return tuple(pvary(t, mesh, axis) if isinstance(t, Tensor) else t for t in out)
-    raise ParallelizeError(
-        f"context parallelism over {axis!r}: {where} returned {type(out).__name__}, not a tensor "
-        "or a tuple of them. Fix: a plan naming the modules whose outputs feed the blocks"
-    )
+    mine = tuple(TokenSplit(mesh, axes, t.shape[1]).shard(t, dim=1) for t in outs)
+    return mine if isinstance(out, tuple) else mine[0]
 
 
-def _gather_tokens(mesh: Mesh, axis: str, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+def _feed_outputs(
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    where: str,
+    module: nn.Module,
+    args: Any,
+    kwargs: Any,
+    out: Any,
+) -> Any:
+    """Forward hook of a ``whole`` module feeding the blocks: every tensor output ``pvary``'d;
+    with per-token timesteps (``timestep_seq_len``, Wan 2.2 TI2V) its outputs with one row per
+    token (dim 1) are cut to this rank's tokens instead."""
+    axis = axes[0] if len(axes) == 1 else axes
+    tokens = kwargs.get("timestep_seq_len")
+    outs = out if isinstance(out, tuple) else (out,)
+    if not all(t is None or isinstance(t, Tensor) for t in outs):
+        raise ParallelizeError(
+            f"context parallelism over {axes}: {where} returned {type(out).__name__}, not a "
+            "tensor or a tuple of them. Fix: a plan naming the modules whose outputs feed the "
+            "blocks"
+        )
+
+    def one(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        if tokens is not None and t.dim() >= 2 and t.shape[1] == tokens:
+            return TokenSplit(mesh, axes, tokens).shard(t, dim=1)  # per-token: (B, rows, ...)
+        return pvary(t, mesh, axis)
+
+    mine = tuple(one(t) for t in outs)
+    return mine if isinstance(out, tuple) else mine[0]
+
+
+def _gather_tokens(current: _Current, module: nn.Module, args: Any, out: Tensor) -> Tensor:
     """Forward hook of the output module: the whole sequence, replicated on every rank."""
-    return all_gather_invariant(out, mesh, axis, dim=1).contiguous()  # (B, S, F)
+    assert current.split is not None  # set by the first block's pre-hook
+    return current.split.gather(out, dim=1)  # (B, T, F)
 
 
 @dataclass(frozen=True)
@@ -245,11 +333,11 @@ class ContextParallel(Style):
     applied to the model itself (plan pattern ``""``).
 
     Args:
-        axis: the mesh axis the tokens are split over.
+        axis: the mesh axis the tokens are split over (for ``"usp"``: the Ulysses axis).
         blocks: the ``nn.ModuleList`` of transformer blocks; the first one's ``hidden_states``
-            (``(batch, tokens, dim)``) are cut to this rank's ``tokens / n``.
-        attention: in every block, the self-attentions run as Ulysses
-            (`SequenceParallelAttention`).
+            (``(batch, tokens, dim)``) are cut to this rank's tokens.
+        attention: in every block, the self-attentions run sequence-parallel
+            (`SequenceParallelAttention` in ``mode``).
         cross: in every block, the cross-attentions to replicated encoder states: they run on the
             rank's queries as they are.
         whole: modules that run on the whole, replicated input before the split (patch
@@ -258,11 +346,16 @@ class ContextParallel(Style):
         feeds: those of ``whole`` whose outputs every block uses next to its tokens (a DiT's
             timestep and text embeddings): ``pvary``'d.
         output: the module whose output (``(batch, tokens, features)``) is gathered along the
-            tokens; every module after it must run on the whole sequence.
+            tokens; what follows it (a DiT's unpatchify) runs on the whole sequence.
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"`` (see `SequenceParallelAttention`).
+        ring_axis: for ``"usp"``: the ring's axis; the tokens are split over
+            ``(ring_axis, axis)``, ring-major.
+        rotary: the module (in ``whole``) whose outputs ``(1, tokens, ...)`` are the rotary
+            embedding of every position: cut to this rank's positions; ``None``: none.
 
-    Every other parameter of the model is in the split region and is ``pvary``'d over ``axis``.
-    ``check`` refuses a block attention listed in neither ``attention`` nor ``cross`` (it would
-    silently attend only within a rank's tokens).
+    Every other parameter of the model is in the split region and is ``pvary``'d over the split
+    axes. ``check`` refuses a block attention listed in neither ``attention`` nor ``cross`` (it
+    would silently attend only within a rank's tokens).
     """
 
     axis: str = "sp"
@@ -272,6 +365,9 @@ class ContextParallel(Style):
     whole: tuple[str, ...] = ("rope", "patch_embedding", "condition_embedder")
     feeds: tuple[str, ...] = ("condition_embedder",)
     output: str = "proj_out"
+    mode: Mode = "ulysses"
+    ring_axis: str | None = None
+    rotary: str | None = "rope"
 
     def _blocks(self, model: nn.Module, name: str) -> nn.ModuleList:
         try:
@@ -286,13 +382,22 @@ class ContextParallel(Style):
             )
         return blocks
 
+    def _attention(self) -> SequenceParallelAttention:
+        return SequenceParallelAttention(self.axis, self.mode, self.ring_axis)
+
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        mesh.axis_indices(self.axis, "ContextParallel")
+        _split_axes("ContextParallel", self.axis, self.mode, self.ring_axis, mesh)
         kind = type(module).__name__
         if name:
             raise ParallelizeError(
                 f"parallelize: ContextParallel applies to the whole model (plan pattern ''), not "
                 f"{name!r}. Fix: plan={{'': ContextParallel(...)}}"
+            )
+        if self.rotary is not None and self.rotary not in self.whole:
+            raise ParallelizeError(
+                f"parallelize: ContextParallel(rotary={self.rotary!r}) is not one of whole="
+                f"{self.whole}: the rotary embedding is computed for the whole grid, then cut. "
+                "Fix: add it to whole"
             )
         for child in (*self.whole, *self.feeds, self.output):
             try:
@@ -302,7 +407,7 @@ class ContextParallel(Style):
                     f"parallelize: ContextParallel: {kind} has no module {child!r}. Fix: name "
                     f"its modules ({[n for n, _ in module.named_children()]})"
                 ) from None
-        attention = SequenceParallelAttention(self.axis)
+        attention = self._attention()
         for i, block in enumerate(self._blocks(module, name)):
             where = f"{self.blocks}.{i}"
             for rel in self.attention:
@@ -322,25 +427,34 @@ class ContextParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        mesh, axis = ctx.mesh, self.axis
+        mesh = ctx.mesh
+        axes, _, _ = _split_axes("ContextParallel", self.axis, self.mode, self.ring_axis, mesh)
+        if self.ring_axis is not None:
+            ctx.axes.append(self.ring_axis)
+        current = _Current()
         blocks = self._blocks(module, name)
         first = f"{self.blocks}.0"
         blocks[0].register_forward_pre_hook(
-            functools.partial(_shard_tokens, mesh, axis, first), with_kwargs=True
+            functools.partial(_shard_tokens, mesh, axes, first, current), with_kwargs=True
         )
+        if self.rotary is not None:
+            module.get_submodule(self.rotary).register_forward_hook(
+                functools.partial(_shard_rotary, mesh, axes, self.rotary)
+            )
         for feed in self.feeds:
             module.get_submodule(feed).register_forward_hook(
-                functools.partial(_vary_outputs, mesh, axis, feed), with_kwargs=True
+                functools.partial(_feed_outputs, mesh, axes, feed), with_kwargs=True
             )
         module.get_submodule(self.output).register_forward_hook(
-            functools.partial(_gather_tokens, mesh, axis)
+            functools.partial(_gather_tokens, current)
         )
-        attention = SequenceParallelAttention(axis)
+        attention = self._attention()
         for i, block in enumerate(blocks):
             for rel in self.attention:
                 where = f"{self.blocks}.{i}.{rel}"
-                attention.apply(get_child(block, rel, where), where, ctx)
+                attention.install(get_child(block, rel, where), where, mesh, current)
         # every parameter of the split region meets this rank's tokens: its gradient is summed
+        axis = cast(str, axes[0] if len(axes) == 1 else axes)  # pvary takes a tuple of axes too
         whole = tuple(self.whole)
         for mod_name, sub in module.named_modules():
             if any(mod_name == w or mod_name.startswith(f"{w}.") for w in whole):

@@ -1,0 +1,254 @@
+"""A token sequence split over one mesh axis or two (Ulysses x ring), evenly or not, and the
+attention over it: what `fastdist.nn.ContextParallel` runs inside an unmodified model.
+
+`TokenSplit` is the layout: ``T`` tokens over the ``n`` ranks of ``axes`` (one axis, or
+``(ring_axis, ulysses_axis)`` ring-major, so that after the Ulysses all-to-all each ring rank
+holds one contiguous block). Rank ``i`` owns ``sizes[i]`` consecutive tokens, ``T // n`` or one
+more (the first ``T % n`` ranks); every rank holds ``m = ceil(T / n)`` rows, its tokens first,
+then zero rows when ``n`` does not divide ``T``. The padding rows never reach a result: the
+attention masks them as keys, their outputs are dropped by `TokenSplit.gather`, so their
+gradient is zero. Nothing of the user's sequence is padded: the result is that of the whole
+``T`` tokens.
+
+`split_attention` is one self-attention over the split tokens, given this rank's q, k, v
+(rotary embedding already applied, for the rank's own positions):
+
+* ``ulysses``: all-to-all to every token of ``H / n`` heads, ``F.scaled_dot_product_attention``
+  (with a key mask when uneven), all-to-all back;
+* ``ring``: `fastdist.nn.RingAttention` over the axis (any head count);
+* ``usp``: the Ulysses all-to-all over ``ulysses_axis``, then the ring over ``ring_axis``.
+
+The ring has no key mask; for uneven splits a padding key is given a score of about -1e4 by one
+extra head dimension (``q' = [q * sqrt((D+1)/D), 1]``, ``k' = [k, 0 or -1e4 * sqrt(D+1)]``), so
+its softmax weight is ``exp(-1e4) = 0`` exactly in every float dtype, and a real key's score is
+unchanged up to rounding.
+
+`AttentionSwap` is the ``TorchFunctionMode`` that puts `split_attention` in place of the one
+``F.scaled_dot_product_attention`` a model's attention processor calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.errors import ParallelizeError
+from fastdist.nn.attention import RingAttention
+from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
+
+__all__ = ["TokenSplit", "split_attention", "AttentionSwap", "SDPA"]
+
+#: torch's own attention function, captured at import: what `AttentionSwap` replaces
+SDPA: Any = F.scaled_dot_product_attention
+
+#: the score a padding key gets in the ring (exp of it is 0 in every float dtype)
+_MASKED_SCORE = 1e4
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """``tokens`` split over the ranks of ``axes`` (see the module docstring for the layout).
+
+    Args:
+        mesh: the mesh.
+        axes: the split axes, row-major (``(ring_axis, ulysses_axis)`` for USP).
+        tokens: the whole sequence length ``T``.
+
+    >>> import fastdist as fd
+    >>> s = TokenSplit(fd.Mesh({"sp": 2}), ("sp",), 5)
+    >>> s.sizes, s.rows, s.even
+    ((3, 2), 3, False)
+    """
+
+    mesh: Mesh
+    axes: tuple[str, ...]
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < self.n:
+            raise ParallelizeError(
+                f"context parallelism over {self.axes}: {self.tokens} tokens over {self.n} "
+                f"ranks leaves a rank without tokens. Fix: at least {self.n} tokens (more frames "
+                "or a higher resolution), or fewer ranks"
+            )
+
+    @property
+    def axis(self) -> AxisName:
+        """The axes as the collectives take them (one name, or a tuple row-major)."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    @property
+    def n(self) -> int:
+        """The number of ranks the tokens are split over."""
+        return self.mesh.axis_size(self.axis)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The tokens each rank owns, in (row-major) axis order."""
+        q, r = divmod(self.tokens, self.n)
+        return tuple(q + (i < r) for i in range(self.n))
+
+    @property
+    def rows(self) -> int:
+        """The rows every rank holds: ``ceil(T / n)``."""
+        return -(-self.tokens // self.n)
+
+    @property
+    def even(self) -> bool:
+        """Whether ``n`` divides ``T`` (no padding row anywhere)."""
+        return self.tokens % self.n == 0
+
+    def _padded_index(self, device: Any) -> Tensor:
+        """(n * rows,) the token of each padded row, ``T`` (a zero row) for padding."""
+        m, idx, start = self.rows, [], 0
+        for size in self.sizes:
+            idx += [*range(start, start + size), *[self.tokens] * (m - size)]
+            start += size
+        return torch.tensor(idx, device=device)
+
+    def _valid_rows(self, device: Any) -> Tensor:
+        """(n * rows,) the padded rows that hold a token, in order."""
+        m = self.rows
+        keep = torch.arange(m) < torch.tensor(self.sizes).unsqueeze(1)  # (n, m)
+        return keep.flatten().nonzero().squeeze(1).to(device)
+
+    def shard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's rows of a replicated ``x`` whose ``dim`` has the ``T`` tokens (its tokens,
+        then zero rows). Backward gathers the gradient (``local_chunk``)."""
+        if x.shape[dim] != self.tokens:
+            raise ParallelizeError(
+                f"context parallelism over {self.axes}: a tensor {tuple(x.shape)} meant to be "
+                f"split with the {self.tokens} tokens has {x.shape[dim]} along dim {dim}. Fix: "
+                "a plan whose split tensors all follow the tokens"
+            )
+        if not self.even:
+            zero = torch.zeros_like(x.narrow(dim, 0, 1))
+            # (.., n * rows, ..): every rank's block padded to `rows`
+            x = torch.cat([x, zero], dim).index_select(dim, self._padded_index(x.device))
+        return local_chunk(x, self.mesh, self.axis, dim=dim)
+
+    def gather(self, x: Tensor, dim: int = 1) -> Tensor:
+        """The whole sequence (``T`` along ``dim``), replicated, from every rank's rows; padding
+        rows dropped. Backward: each rank keeps the gradient of its own rows."""
+        whole = all_gather_invariant(x, self.mesh, self.axis, dim=dim)  # (.., n * rows, ..)
+        if self.even:
+            return whole.contiguous()
+        return whole.index_select(dim, self._valid_rows(x.device))  # (.., T, ..)
+
+    def key_flags(self, ring_axis: str | None, device: Any) -> Tensor:
+        """(keys,) which rows of the keys one attention sees are real tokens: with a ring, this
+        ring rank's block (``n_ulysses * rows``, after the Ulysses exchange); without, every
+        padded row of the sequence."""
+        nr = self.mesh.axis_size(ring_axis) if ring_axis is not None else 1
+        sizes = torch.tensor(self.sizes, device=device).view(nr, -1)  # (ring, ulysses)
+        if ring_axis is not None:
+            sizes = sizes[axis_index(self.mesh, ring_axis).to(device)]  # (ulysses,) this ring rank
+        return (torch.arange(self.rows, device=device) < sizes.unsqueeze(-1)).flatten()
+
+
+def _ring(q: Tensor, k: Tensor, v: Tensor, split: TokenSplit, ring_axis: str) -> Tensor:
+    """Ring attention over ``ring_axis`` of ``(B, S, H, D)`` blocks; padding keys masked."""
+    ring = RingAttention(split.mesh, ring_axis)
+    if split.even:
+        return cast(Tensor, ring(q, k, v))
+    d = q.shape[-1]
+    flags = split.key_flags(ring_axis, q.device)  # (S,) bool
+    # one more head dim: a real key's score is unchanged, a padding key's is ~ -1e4
+    extra = torch.where(flags, 0.0, -_MASKED_SCORE * math.sqrt(d + 1)).to(k.dtype)
+    ones = q.new_ones(*q.shape[:-1], 1)
+    q1 = torch.cat([q * math.sqrt((d + 1) / d), ones], -1)  # (B, S, H, D + 1)
+    k1 = torch.cat([k, extra.view(1, -1, 1, 1).expand(*k.shape[:-1], 1)], -1)  # (B, S, H, D+1)
+    return cast(Tensor, ring(q1, k1, v))
+
+
+def split_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    split: TokenSplit,
+    *,
+    ulysses_axis: str | None,
+    ring_axis: str | None,
+) -> Tensor:
+    """Unmasked, non-causal attention of this rank's queries over the whole split sequence.
+
+    Args:
+        q: this rank's queries ``(batch, rows, heads, head_dim)`` (rotary applied).
+        k: this rank's keys, like ``q``.
+        v: this rank's values ``(batch, rows, heads, v_dim)``.
+        split: the token layout (its axes: ``(ulysses_axis,)``, ``(ring_axis,)`` or
+            ``(ring_axis, ulysses_axis)``).
+        ulysses_axis: the axis of the heads <-> tokens all-to-all, or ``None``.
+        ring_axis: the axis whose ranks pass k/v around, or ``None``.
+
+    Returns:
+        this rank's rows of the output ``(batch, rows, heads, v_dim)``; padding rows are not
+        meaningful.
+    """
+    if ulysses_axis is not None:
+        # (B, n_u * rows, H / n_u, D): every token of this ring block, this rank's heads
+        q, k, v = (all_to_all_4d(t, split.mesh, ulysses_axis) for t in (q, k, v))
+    if ring_axis is not None:
+        o = _ring(q, k, v, split, ring_axis)
+    else:
+        mask = None if split.even else split.key_flags(None, q.device)
+        o = SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        o = o.transpose(1, 2)  # (B, S, H', Dv)
+    if ulysses_axis is not None:
+        o = all_to_all_4d(o, split.mesh, ulysses_axis, scatter_dim=1, gather_dim=2)
+    return o  # (B, rows, H, Dv)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class AttentionSwap(TorchFunctionMode):
+    """While active, ``F.scaled_dot_product_attention(q, k, v)`` (``(B, H, S, D)``, no mask, no
+    dropout, not causal, the default scale) runs as ``attend(q, k, v)`` on ``(B, S, H, D)``
+    tensors; any other attention call is refused. ``calls`` counts the replaced calls.
+
+    Args:
+        attend: the attention over ``(B, S, H, D)`` q, k, v.
+        where: the attention module's name, for errors.
+    """
+
+    def __init__(self, attend: Callable[[Tensor, Tensor, Tensor], Tensor], where: str) -> None:
+        super().__init__()
+        self.attend, self.where, self.calls = attend, where, 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not SDPA:
+            return func(*args, **kwargs)
+        given = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+        q, k, v = given["query"], given["key"], given["value"]
+        scale = given.get("scale")
+        odd = {
+            "attn_mask": given.get("attn_mask") is not None,
+            "dropout_p": bool(given.get("dropout_p", 0.0)),
+            "is_causal": bool(given.get("is_causal", False)),
+            "enable_gqa": bool(given.get("enable_gqa", False)),
+            "scale": scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5),
+            "shape": q.dim() != 4 or q.shape[-2] != k.shape[-2],
+        }
+        bad = [name for name, is_odd in odd.items() if is_odd]
+        if bad:
+            raise ParallelizeError(
+                f"sequence-parallel attention {self.where!r}: its processor called "
+                f"scaled_dot_product_attention with {bad} (q {tuple(q.shape)}, k "
+                f"{tuple(k.shape)}); only an unmasked, non-causal self-attention without dropout "
+                "is split. Fix: run this attention without context parallelism, or a plan for it"
+            )
+        self.calls += 1
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2)  # (B, H, S, Dv)

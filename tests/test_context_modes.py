@@ -1,0 +1,125 @@
+"""Context parallelism of an unmodified diffusers ``WanTransformer3DModel`` in every attention
+mode (issue 38): ring and USP (Ulysses x ring over two axes) next to Ulysses, at 2 and 4 ranks;
+token counts the ranks do not divide; per-token timesteps (Wan 2.2 TI2V); heads Ulysses cannot
+split. Forward and backward against the same model on one device in float64 (the tolerance of
+the gradients is explained in tests/test_context_parallel.py: Wan's float32 norms).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import fastdist as fd
+from fastdist.errors import ParallelizeError
+from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan
+
+#: (mesh axes, plan keywords) of each mode
+MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
+    "ulysses-4": ({"sp": 4}, {"mode": "ulysses"}),
+    "ring-2": ({"sp": 2}, {"mode": "ring"}),
+    "ring-4": ({"sp": 4}, {"mode": "ring"}),
+    "usp-2x2": ({"cp": 2, "sp": 2}, {"mode": "usp", "ring_axis": "cp"}),
+}
+
+
+def run(pm: Any, x: dict[str, Tensor], n: int) -> Tensor:
+    """Every simulated rank's output (each rank gets the same inputs); backward of the sum of
+    each rank's ``sum(out**2)``."""
+    out = pm(**{k: v.expand(n, *v.shape) for k, v in x.items()}).sample  # (n, *out)
+    out.pow(2).sum().backward()
+    return out.detach()
+
+
+def check_mode(mode: str, x: dict[str, Tensor], heads: int = 4) -> None:
+    axes, kw = MODES[mode]
+    n = int(torch.tensor(list(axes.values())).prod())
+    model = tiny_wan(heads=heads)
+    out, grads = reference(copy.deepcopy(model), x)
+    plan = {"": fd.nn.ContextParallel("sp", **kw)}
+    pm = fd.nn.parallelize(model, fd.Mesh(axes), plan)
+    got = run(pm, x, n)
+    for r in range(n):
+        torch.testing.assert_close(got[r], out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_modes_equal_one_device(mode: str) -> None:
+    """8 tokens (2 frames x 2 x 2 patches) over 2 or 4 ranks."""
+    check_mode(mode, inputs())
+
+
+@pytest.mark.parametrize("mode", ["ulysses-4", "ring-2", "usp-2x2"])
+def test_uneven_tokens_equal_one_device(mode: str) -> None:
+    """6 tokens (3 frames x 1 x 2 patches): 3 + 3 over 2 ranks is even, 2+2+1+1 over 4 is not;
+    9 tokens (1 frame x 3 x 3) over 2 ranks: 5 + 4."""
+    g = torch.Generator().manual_seed(3)
+    x = inputs()
+    x["hidden_states"] = torch.randn(2, 4, 3, 2, 4, generator=g, dtype=torch.float64)  # 6 tokens
+    check_mode(mode, x)
+    x["hidden_states"] = torch.randn(2, 4, 1, 6, 6, generator=g, dtype=torch.float64)  # 9 tokens
+    check_mode(mode, x)
+
+
+def test_per_token_timesteps_equal_one_device() -> None:
+    """Wan 2.2 TI2V's 2-d timestep (one per token): cut with the tokens (9 over 2 ranks)."""
+    g = torch.Generator().manual_seed(4)
+    x = inputs()
+    x["hidden_states"] = torch.randn(2, 4, 1, 6, 6, generator=g, dtype=torch.float64)
+    x["timestep"] = torch.rand(2, 9, generator=g, dtype=torch.float64) * 1000
+    check_mode("ring-2", x)
+
+
+def test_ring_takes_heads_ulysses_cannot_split() -> None:
+    """3 heads over 2 ranks: Ulysses refuses naming the module and the fix; ring runs."""
+    with pytest.raises(ParallelizeError, match=r"'blocks\.0\.attn1' .* 3 heads.*mode='ring'"):
+        fd.nn.parallelize(tiny_wan(heads=3), fd.Mesh({"sp": 2}))
+    check_mode("ring-2", inputs(), heads=3)
+
+
+def test_mode_refusals() -> None:
+    mesh = fd.Mesh({"cp": 2, "sp": 2})
+    with pytest.raises(ParallelizeError, match="ring_axis=None"):
+        fd.nn.parallelize(tiny_wan(layers=1), mesh, {"": fd.nn.ContextParallel(mode="usp")})
+    bad = {"": fd.nn.ContextParallel(mode="ring", ring_axis="cp")}
+    with pytest.raises(ParallelizeError, match="for mode='usp' only"):
+        fd.nn.parallelize(tiny_wan(layers=1), mesh, bad)
+    with pytest.raises(ParallelizeError, match="not a mode"):
+        fd.nn.parallelize(tiny_wan(layers=1), mesh, {"": fd.nn.ContextParallel(mode="zigzag")})  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(tiny_wan(layers=1), fd.Mesh({"sp": 4}), fd.nn.plans.wan(mode="ring"))
+    few = inputs(frames=1, size=2)  # 1 token over 4 ranks
+    with pytest.raises(ParallelizeError, match="leaves a rank without tokens"):
+        pm(**{k: v.expand(4, *v.shape) for k, v in few.items()})
+
+
+# ------------------------------------------------------------------ real ranks
+def usp_on_gloo() -> tuple[Tensor, dict[str, Tensor]]:
+    """One gloo rank of cp=2 x sp=2 (USP), 9 tokens (uneven): the whole output and every
+    parameter's single-device gradient."""
+    mesh = fd.connect(cp=2, sp=2, timeout=120)
+    pm = fd.nn.parallelize(tiny_wan(heads=4), mesh, fd.nn.plans.wan(mode="usp", ring_axis="cp"))
+    out = pm(**nine_tokens()).sample
+    out.pow(2).sum().backward()
+    return out.detach(), pm.grads()
+
+
+def nine_tokens() -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        **inputs(),
+        "hidden_states": torch.randn(2, 4, 1, 6, 6, generator=g, dtype=torch.float64),
+    }
+
+
+def test_wan_usp_uneven_on_gloo() -> None:
+    from fastdist.testing import run_on_gloo
+
+    out, grads = reference(tiny_wan(heads=4), nine_tokens())
+    for got, got_grads in run_on_gloo(usp_on_gloo, 4, timeout=300):
+        torch.testing.assert_close(got, out, rtol=0, atol=1e-12)
+        assert_grads(got_grads, grads)
