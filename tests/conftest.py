@@ -31,6 +31,7 @@ SLOW_FILES = frozenset(
     {
         "tests/test_benchmarks.py",
         "tests/test_checkpoint.py",
+        "tests/test_context_llm_gloo.py",
         "tests/test_distributed.py",
         "tests/test_docs_and_notebooks.py",
         "tests/test_docs_site.py",
@@ -73,6 +74,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_calibrate.py": frozenset({"test_calibrate_on_gloo_reproduces_held_out_sizes"}),
     "tests/test_halo.py": frozenset({"test_halo_exchange_and_domain_conv_on_gloo"}),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
+    "tests/test_context_modes.py": frozenset({"test_wan_usp_uneven_on_gloo"}),
     "tests/test_checkpoint_fail_whole.py": frozenset(
         {"test_on_gloo_a_damaged_checkpoint_fails_whole_on_every_rank"}
     ),
