@@ -29,7 +29,15 @@ from fastdist.nn.domain.windows import (
     domain_upsample,
 )
 
-__all__ = ["Site", "classify", "domain_forward", "inside_layer", "layer_depth"]
+__all__ = [
+    "DOWNSAMPLE_PADS",
+    "Site",
+    "classify",
+    "domain_forward",
+    "inside_layer",
+    "is_diffusers_downsample",
+    "layer_depth",
+]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONVTS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -77,6 +85,8 @@ class Site:
     mesh: Mesh
     split: Split
     where: str
+    #: a convolution's padding in place of its own, one (before, after) per spatial dim
+    pads: tuple[tuple[int, int], ...] | None = None
 
 
 def _is_causal_conv(m: nn.Module) -> bool:
@@ -87,11 +97,29 @@ def _is_causal_conv(m: nn.Module) -> bool:
     return isinstance(m, nn.Conv3d) and isinstance(pad, (tuple, list)) and len(pad) == 6
 
 
+def is_diffusers_downsample(m: nn.Module) -> bool:
+    """diffusers' ``Downsample2D`` with ``padding=0``: it pads ``(0, 1)`` on H and W by hand
+    (``F.pad``) before its stride-2 convolution; the style folds that padding into the
+    convolution (its ``conv`` child gets ``Site.pads``) and runs the rest of its forward."""
+    return (
+        type(m).__name__ == "Downsample2D"
+        and getattr(m, "use_conv", False) is True
+        and getattr(m, "padding", None) == 0
+        and isinstance(getattr(m, "conv", None), nn.Conv2d)
+    )
+
+
+#: the padding of a diffusers ``Downsample2D``'s convolution: (0, 1) on H and W
+DOWNSAMPLE_PADS = ((0, 1), (0, 1))
+
+
 def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
     """``(kind, None)`` for a module the style runs (``kind``: the forward it gets, or
     ``"local"`` / ``"container"`` / ``"linear"``), ``("", why and fix)`` for one it refuses."""
     t = type(m)
     name = t.__name__
+    if is_diffusers_downsample(m):
+        return "downsample2d", None
     if "Attention" in name or isinstance(m, nn.MultiheadAttention):
         return "", (
             "self-attention over spatial tokens mixes the whole domain and is not built in the "
@@ -152,7 +180,7 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
             "field) mixes the whole domain. Fix: end the domain-parallel region before it "
             "(DomainParallel on the conv trunk, output='gather')"
         )
-    if list(m.children()):
+    if list(m.children()) or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         return "container", None
     return "", (
         f"{name} is not known to the domain-parallel style. Fix: if it acts on each position "
@@ -181,7 +209,7 @@ def _conv(site: Site, m: Any, x: Tensor) -> Tensor:
     nsp = len(m.kernel_size)
     return domain_conv(
         x, m.weight, m.bias, stride=m.stride, dilation=m.dilation, groups=m.groups,
-        pads=conv_padding(m, nsp), mode=m.padding_mode, mesh=site.mesh, split=site.split,
+        pads=site.pads or conv_padding(m, nsp), mode=m.padding_mode, mesh=site.mesh, split=site.split,
         where=site.where,
     )  # fmt: skip
 
@@ -249,6 +277,13 @@ def _batch_norm(site: Site, m: Any, x: Tensor) -> Tensor:
     )
 
 
+def _downsample2d(site: Site, m: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """diffusers' ``Downsample2D.forward`` without its ``F.pad`` (its convolution pads)."""
+    if m.norm is not None:
+        x = m.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # over channels
+    return m.conv(x)
+
+
 def _linear(site: Site, m: Any, x: Tensor) -> Tensor:
     if x.shape[-1] != m.in_features:
         raise ParallelizeError(
@@ -269,6 +304,7 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
     "instance_norm": _instance_norm,
     "batch_norm": _batch_norm,
     "linear": _linear,
+    "downsample2d": _downsample2d,
 }
 
 

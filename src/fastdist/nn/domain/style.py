@@ -24,12 +24,23 @@ from torch.overrides import TorchFunctionMode
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.domain.layers import Site, classify, domain_forward, inside_layer, layer_depth
+from fastdist.nn.domain.layers import (
+    DOWNSAMPLE_PADS,
+    Site,
+    classify,
+    domain_forward,
+    inside_layer,
+    is_diffusers_downsample,
+    layer_depth,
+)
 from fastdist.nn.domain.windows import UPSAMPLE_HALO, Split, domain_upsample
 from fastdist.nn.styles.base import Style, StyleContext
 from fastdist.ops import all_gather_invariant, local_chunk
 
 __all__ = ["DomainParallel"]
+
+#: the attribute that marks a module the style was applied to
+_DONE = "_fastdist_domain_parallel"
 
 #: the argument names a field may be passed by (when not positional)
 _FIELD_NAMES = ("sample", "hidden_states", "x", "input", "z")
@@ -107,6 +118,12 @@ class DomainParallel(Style):
             )
         for a in self.axes:
             mesh.axis_size(a)  # an unknown axis raises, naming it
+        done = [n for n, m in module.named_modules() if m.__dict__.get(_DONE)]
+        if done:
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: {done[0] or where!r} is already domain-parallel. "
+                "Fix: parallelize a fresh single-device model (copy.deepcopy before the first call)"
+            )
         if self.output not in ("gather", "split"):
             raise ParallelizeError(
                 f"DomainParallel on {where!r}: output={self.output!r}. Fix: 'gather' or 'split'"
@@ -130,16 +147,21 @@ class DomainParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         mesh = ctx.mesh
+        padded = set()  # the convolutions of diffusers' Downsample2D: they take its F.pad
         for sub_name, sub in module.named_modules():
             kind, _ = classify(sub, self.local)
+            if is_diffusers_downsample(sub):
+                padded.add(id(getattr(sub, "conv")))  # noqa: B009
             full = ".".join(p for p in (name, sub_name) if p) or type(module).__name__
-            site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})")
+            pads = DOWNSAMPLE_PADS if id(sub) in padded else None
+            site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})", pads)
             forward = domain_forward(kind, site, sub)
             if forward is not None:
                 sub.forward = forward  # type: ignore[method-assign]
             for pname, _ in sub.named_parameters(recurse=False):
                 ctx.pvary.append((sub, pname, self.axes))  # type: ignore[arg-type]
         ctx.axes.extend(self.axes)
+        module.__dict__[_DONE] = True
         where = name or type(module).__name__
         guard = _Guard(mesh, self.split, where)
         module.register_forward_pre_hook(
