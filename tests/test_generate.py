@@ -65,3 +65,21 @@ def test_generate_refuses_a_sequence_parallel_plan() -> None:
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
     with pytest.raises(ParallelizeError, match="cannot be split"):
         pm.generate(torch.tensor([[3, 5, 7, 11]]), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("degrees,mode", [({"cp": 2}, "ring"), ({"cp": 2, "tp": 2}, "ulysses")])
+def test_generate_context_parallel_on_simulated_ranks_equals_one_device(
+    degrees: dict[str, int], mode: str
+) -> None:
+    """A context-parallel plan generates one device's tokens: a step whose length divides by
+    2 x cp runs split, the others whole (no KV cache on simulated ranks)."""
+    want = one_device("llama")
+    model = tm.build("llama")
+    mesh = fd.Mesh(degrees)
+    cp = fd.nn.styles.context_llm.CausalContextParallel("cp", mode)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    for name, gen in CASES.items():
+        assert run_case(pm.generate, "llama", gen).tolist() == want[name], name
+    # outside generate, a length the zig-zag chunks do not divide is refused, not run whole
+    with pytest.raises(ParallelizeError, match="zig-zag"):
+        pm(input_ids=torch.tensor(PROMPT).expand(mesh.size, 1, 5))

@@ -18,6 +18,12 @@ is a wrong token, silently. Two things make generation right:
   simulated mesh every step runs all ranks through `ParallelModel` without a KV cache (a cache
   object cannot leave the simulation), fine for a notebook's few tokens.
 
+A context-parallel model (`fastdist.nn.CausalContextParallel`) prefills a prompt whose length
+divides by ``2 x cp`` split over the sequence, then gathers the KV cache (each rank holds every
+token's keys and values of its heads) and runs each decoding step's single token whole on every
+rank (`fastdist.nn.styles.context_llm.decoding`). Megatron sequence parallelism
+(``sequence_parallel=True``) is refused: its split needs every step's tokens to divide.
+
 The logits are gathered (``all_gather`` of the last position's ``V / n`` columns: transformers
 computes only the positions ``generate`` keeps); argmax and top-k/top-p over the sharded logits
 without gathering would save ``V`` floats per sequence and step, which is small next to one
@@ -36,6 +42,7 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles import ParallelLinear, SequenceShard
+from fastdist.nn.styles.context_llm import decoding
 from fastdist.ops import all_gather
 
 if TYPE_CHECKING:
@@ -254,17 +261,20 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "decoding loop over pm(...)"
         )
     _refuse_sequence_parallel(pm)
-    if not pm.simulated:
-        values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
-        check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate")
-        with _group_rng(model, pm.mesh, pm.axes), pm.direct_calls.trusted():
-            return cast(Any, model).generate(*args, **kwargs)
-    return _simulated_generate(pm, *args, **kwargs)
+    with decoding(model):  # context parallel: prefill split, decoding steps whole
+        if not pm.simulated:
+            values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
+            check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate")
+            with _group_rng(model, pm.mesh, pm.axes), pm.direct_calls.trusted():
+                return cast(Any, model).generate(*args, **kwargs)
+        return _simulated_generate(pm, *args, **kwargs)
 
 
 def _refuse_sequence_parallel(pm: ParallelModel) -> None:
-    """Sequence parallelism splits every step's tokens over the ranks; a decoding step has one
-    token per sequence, which does not split: refused before the first step."""
+    """Megatron sequence parallelism splits every step's tokens over the ranks; a decoding step
+    has one token per sequence, which does not split: refused before the first step. (Context
+    parallelism, `fastdist.nn.CausalContextParallel`, is not refused: its prefill runs split and
+    its decoding steps whole, against the gathered KV cache.)"""
     split = [
         pattern
         for pattern, styles in pm.plan.items()
@@ -276,7 +286,9 @@ def _refuse_sequence_parallel(pm: ParallelModel) -> None:
             f"ParallelModel.generate: the plan splits the sequence over the ranks ({split[0]!r}: "
             "SequenceShard, a plan's sequence_parallel=True), and a decoding step's single new "
             "token cannot be split. Fix: generate with the model parallelized without sequence "
-            "parallelism (fastdist.nn.plans.plan(model, mesh, sequence_parallel=False)): the "
+            "parallelism (fastdist.nn.plans.plan(model, mesh, sequence_parallel=False)), or "
+            "with context parallelism (plans.plan(..., context_parallel='cp'), which prefills "
+            "split and decodes whole): the "
             "parameters and their shards are the same, so a checkpoint of the training run loads "
             "into it (fastdist.checkpoint.load)"
         )

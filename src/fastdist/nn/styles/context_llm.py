@@ -43,7 +43,7 @@ import inspect
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -449,9 +449,18 @@ class PvaryTree(Style):
     axis: str = "cp"
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
-        done = {(id(m), p, a) for m, p, a in ctx.pvary}
+        # one site per parameter: a parameter another style pvary's over another axis (a
+        # per-head norm over tp) gets both axes in that site (one pvary over the two)
+        where = {(id(m), p): i for i, (m, p, _) in enumerate(ctx.pvary)}
         for sub in module.modules():
             for p, _ in sub.named_parameters(recurse=False):
-                if (id(sub), p, self.axis) not in done:
+                i = where.get((id(sub), p))
+                if i is None:
+                    where[(id(sub), p)] = len(ctx.pvary)
                     ctx.pvary.append((sub, p, self.axis))
+                    continue
+                axes = ctx.pvary[i][2]
+                axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+                if self.axis not in axes_t:
+                    ctx.pvary[i] = (sub, p, cast(str, (*axes_t, self.axis)))
         return module

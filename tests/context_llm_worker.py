@@ -1,0 +1,74 @@
+"""Context-parallel LLM scenarios for tests/test_context_llm_gloo.py, run on every rank of a gloo
+job (through `fastdist.testing.run_on_gloo`) and compared there with one device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fastdist as fd
+from fastdist.nn.styles.context_llm import CausalContextParallel
+from tests import tiny_models as tm
+from tests.tiny_models import VOCAB
+
+#: a prompt of 8 tokens: split over cp = 2 and 4 at prefill (2 x cp divides 8)
+PROMPT = [[3, 5, 7, 11, 13, 17, 19, 23], [2, 4, 6, 8, 10, 12, 14, 16]]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def one_device(family: str) -> dict[str, Any]:
+    """The unmodified model's loss, logits and gradients on `batch`, and its greedy tokens."""
+    model = tm.build(family)
+    ids, labels = batch()
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
+    return {"loss": loss.detach(), "logits": logits.detach(), "grads": grads, "greedy": tokens}
+
+
+def on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, Any]:
+    """One rank: a training step's loss, logits and (single-device view) gradients, and greedy
+    tokens through ParallelModel.generate with the split prefill's per-rank length."""
+    mesh = fd.connect(**degrees)
+    model = tm.build(family)
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp", mode))
+    pm = fd.nn.parallelize(model, mesh, plan)
+    ids, labels = batch()
+    if "tp" in degrees:  # fastdist's loss over the vocabulary shards (float64)
+        out = pm(input_ids=ids, labels=labels, use_cache=False)
+        loss = out.loss
+        shards = fd.all_gather_invariant(out.logits.detach().contiguous(), mesh, "tp", dim=-1)
+        logits = shards[..., :VOCAB]
+    else:  # transformers' loss is float32: the float64 loss here
+        logits = pm(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    loss.backward()
+    seen: list[int] = []
+
+    def count(module: Any, args: Any) -> None:
+        seen.append(args[0].shape[1])  # the tokens the first decoder layer runs on
+
+    handle = model.model.layers[1].register_forward_pre_hook(count)
+    res = pm.generate(
+        torch.tensor(PROMPT), max_new_tokens=6, do_sample=False, return_dict_in_generate=True
+    )
+    handle.remove()
+    return {
+        "loss": loss.detach(),
+        "logits": logits.detach(),
+        "grads": pm.grads(),
+        "greedy": res.sequences,
+        "cache_keys": tuple(res.past_key_values.layers[0].keys.shape),
+        "layer_tokens": seen,
+    }
