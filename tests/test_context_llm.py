@@ -122,7 +122,9 @@ def _loss(
 @pytest.mark.parametrize(
     "family, axes, mode, kv",
     CASES,
-    ids=["-".join([f, *(f"{a}{n}" for a, n in ax.items()), m, f"kv{kv}"]) for f, ax, m, kv in CASES],
+    ids=[
+        "-".join([f, *(f"{a}{n}" for a, n in ax.items()), m, f"kv{kv}"]) for f, ax, m, kv in CASES
+    ],
 )
 def test_training_step_matches_one_device(
     family: str, axes: dict[str, int], mode: str, kv: int

@@ -63,6 +63,7 @@ from fastdist.nn.styles import (
     StyleContext,
     VocabParallel,
 )
+from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree
 
 __all__ = [
     "ColumnParallelLinear",
@@ -105,6 +106,8 @@ __all__ = [
     "PvaryParams",
     "HeadParallelAttention",
     "ContextParallel",
+    "CausalContextParallel",
+    "PvaryTree",
     "SequenceParallelAttention",
     "plans",
     "moe",

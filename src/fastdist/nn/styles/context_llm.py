@@ -74,7 +74,7 @@ def zigzag_shard(x: Tensor, mesh: Mesh, axis: str, dim: int) -> Tensor:
     """
     n = mesh.axis_size(axis)
     dim = dim % x.dim()
-    y = x.unflatten(dim, (2, n, x.shape[dim] // (2 * n)))  # (.., 2, n, c, ..)
+    y = x.reshape(*x.shape[:dim], 2, n, -1, *x.shape[dim + 1 :])  # (.., 2, n, c, ..)
     first, last = y.select(dim, 0), y.select(dim, 1).flip(dim)  # (.., n, c, ..) each
     z = torch.stack([first, last], dim=dim + 1)  # (.., n, 2, c, ..): rank j's chunks at j
     return local_chunk(z, mesh, axis, dim=dim).flatten(dim, dim + 2)  # (.., 2c, ..)
@@ -84,7 +84,7 @@ def zigzag_gather(x: Tensor, mesh: Mesh, axis: str, dim: int) -> Tensor:
     """The whole sequence, in token order, from every rank's `zigzag_shard` (replicated over
     ``axis``; backward: this rank's chunks of the gradient)."""
     dim = dim % x.dim()
-    y = x.unflatten(dim, (1, 2, x.shape[dim] // 2))  # (.., 1, 2, c, ..)
+    y = x.reshape(*x.shape[:dim], 1, 2, -1, *x.shape[dim + 1 :])  # (.., 1, 2, c, ..)
     every = all_gather_invariant(y, mesh, axis, dim=dim)  # (.., n, 2, c, ..)
     first, last = every.select(dim + 1, 0), every.select(dim + 1, 1).flip(dim)  # (.., n, c, ..)
     return torch.cat([first, last], dim=dim).flatten(dim, dim + 1).contiguous()  # (.., S, ..)
@@ -234,9 +234,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
 
 
 # ============================================================================ attention
-def _keep(
-    qi: Tensor, ki: Tensor, kvalid: Tensor | None, window: int | None
-) -> Tensor:
+def _keep(qi: Tensor, ki: Tensor, kvalid: Tensor | None, window: int | None) -> Tensor:
     """(Bm, 1, 1, Sq, Sk) True where query (token index ``qi`` (Bm, Sq)) may see key ``ki``."""
     keep = ki.unsqueeze(-2) <= qi.unsqueeze(-1)  # (Bm, Sq, Sk)
     if window is not None:
@@ -259,7 +257,7 @@ def _attend(
     B, hq, sq, _ = q.shape
     top = total = acc = None
     for k, v, ki, kvalid in blocks:
-        qg = q.unflatten(1, (k.shape[1], hq // k.shape[1]))  # (B, Hkv, G, Sq, D)
+        qg = q.reshape(B, k.shape[1], hq // k.shape[1], sq, -1)  # (B, Hkv, G, Sq, D)
         s = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scaling  # (B, Hkv, G, Sq, Sk)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
