@@ -34,7 +34,7 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.state import Layout
 from fastdist.sim.simulate import simulate
 
-__all__ = ["Unreduced", "check_replicas", "unreduced"]
+__all__ = ["Unreduced", "check_replicas", "unreduced", "module_stack"]
 
 #: one rank's forward: (parameters by name, keyword inputs) -> the model's output
 RankForward = Callable[[Mapping[str, Tensor], Mapping[str, Any]], Any]
@@ -94,7 +94,7 @@ def unreduced(
         return torch.zeros(())  # (simulate returns tensors only)
 
     try:
-        with _unchanged(module), _module_stack(module, stack), torch.enable_grad():
+        with _unchanged(module), module_stack(module, stack), torch.enable_grad():
             module.eval()
             params = dict(module.named_parameters())
             if mesh.backend is None:
@@ -122,20 +122,41 @@ def _unchanged(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _module_stack(module: nn.Module, stack: list[str]) -> Iterator[None]:
-    """Keep ``stack`` the dotted names of the modules running now (innermost last)."""
+def module_stack(
+    roots: nn.Module | Sequence[nn.Module],
+    stack: list[str],
+    on_output: Callable[[str, Any], None] | None = None,
+) -> Iterator[None]:
+    """Keep ``stack`` the dotted names of the modules of ``roots`` running now (innermost last;
+    a name is relative to its root, the root itself ``""``) while the block runs, by forward
+    hooks removed after it; ``on_output(name, output)`` is called as each forward returns, its
+    name still on the stack. `check_replicas` names a module by it, `fastdist.profile` the
+    module of each collective it records.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> stack, seen = [], []
+    >>> with module_stack(model, stack, on_output=lambda name, out: seen.append(list(stack))):
+    ...     _ = model(torch.ones(1, 2))
+    >>> seen, stack
+    ([['', '0'], ['', '1'], ['']], [])
+    """
     handles = []
-    for name, m in module.named_modules():
+    for root in [roots] if isinstance(roots, nn.Module) else roots:
+        for name, m in root.named_modules():
 
-        def pre(_m: nn.Module, _args: Any, name: str = name) -> None:
-            stack.append(name)
+            def pre(_m: nn.Module, _args: Any, name: str = name) -> None:
+                stack.append(name)
 
-        def post(_m: nn.Module, _args: Any, _out: Any) -> None:
-            if stack:
-                stack.pop()
+            def post(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
+                if on_output is not None:
+                    on_output(name, out)
+                if stack:
+                    stack.pop()
 
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post, always_call=True))
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post, always_call=True))
     try:
         yield
     finally:

@@ -36,29 +36,17 @@ class ModuleStack:
 
     @contextmanager
     def hooks(self, modules: Sequence[nn.Module]) -> Iterator[None]:
-        handles = []
-        for root in modules:
-            for name, m in root.named_modules():
+        # fastdist.nn (about 0.2 s) is imported when a trace first hooks modules, not by
+        # `import fastdist.profile` (issue 42.4); the hooks themselves are fastdist.nn's
+        from fastdist.nn.replicas import module_stack
 
-                def pre(_m: nn.Module, _a: Any, name: str = name) -> None:
-                    self.stack.append(name)
-
-                def post(_m: nn.Module, _a: Any, out: Any, name: str = name) -> None:
-                    if self.stack:
-                        self.stack.pop()
-                    first = next(
-                        (t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)), None
-                    )
-                    if first is not None:
-                        self.outputs[name] = first.numel() * first.dtype.itemsize
-
-                handles.append(m.register_forward_pre_hook(pre))
-                handles.append(m.register_forward_hook(post, always_call=True))
-        try:
+        with module_stack(modules, self.stack, on_output=self._output):
             yield
-        finally:
-            for h in handles:
-                h.remove()
+
+    def _output(self, name: str, out: Any) -> None:
+        first = next((t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)), None)
+        if first is not None:
+            self.outputs[name] = first.numel() * first.dtype.itemsize
 
 
 class RankShare:
