@@ -10,8 +10,12 @@ optimizer, each rank writing and reading only its own slices, on any layout.
 
 Layer: above `fastdist.nn`; `fastdist.train` may use it, it does not use `fastdist.train` (a
 ZeRO optimizer is recognised by its `optimizer.ShardedOptimizer` shape, a pipeline by
-`planner.Staged`: its stages write and read the whole model's checkpoint under the model's
+`staged.Staged`: its stages write and read the whole model's checkpoint under the model's
 names).
+
+``import fastdist.checkpoint`` does not import ``torch.distributed.checkpoint`` (nor DTensor and
+sympy through it: about a second): `dcp` and `planner` are imported by the first distributed
+save or load (tests/test_import_time.py).
 """
 
 from fastdist.checkpoint import hf

@@ -17,22 +17,33 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fastdist.checkpoint import dcp, safetensors_io
+from fastdist.checkpoint import safetensors_io
 from fastdist.checkpoint.hf import fused_experts, has_fused_experts, hf_checkpoint_renames
-from fastdist.checkpoint.planner import Staged
+from fastdist.checkpoint.staged import Staged
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CheckpointError
 from fastdist.nn.materialize import resolve_device
 from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import meta_names, module_and_mesh
 
-__all__ = ["save", "load", "Format", "Staged"]
+__all__ = ["save", "load", "is_dcp", "Format", "Staged"]
 
 #: ``"dcp"``: a distributed checkpoint directory (every rank writes its slices; model, optimizer
 #: and ``extra``); ``"safetensors"``: single-device weights (one file, or a ``save_pretrained``
 #: directory; model only)
 Format = Literal["dcp", "safetensors"]
 _FORMATS = ("dcp", "safetensors")
+
+
+def is_dcp(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a directory holding DCP metadata (``.metadata``, the file
+    ``torch.distributed.checkpoint``'s writer commits last).
+
+    >>> import tempfile
+    >>> is_dcp(tempfile.mkdtemp())
+    False
+    """
+    return os.path.isfile(os.path.join(os.fspath(path), ".metadata"))
 
 
 def _format(path: Any, format: str | None, op: str, default: str) -> str:
@@ -45,7 +56,7 @@ def _format(path: Any, format: str | None, op: str, default: str) -> str:
         return format
     if isinstance(path, Mapping):
         return "safetensors"
-    if os.path.isdir(os.fspath(path)) and dcp.is_dcp(path):
+    if os.path.isdir(os.fspath(path)) and is_dcp(path):
         return "dcp"
     if os.fspath(path).endswith(".safetensors") or (
         os.path.isdir(os.fspath(path))
@@ -126,6 +137,10 @@ def save(
                 f"{op}: mesh= is for format='safetensors' of a module of fastdist layers. Fix: "
                 "pass the ParallelModel parallelize returned"
             )
+        # torch.distributed.checkpoint (DTensor, sympy: about a second) is imported by the first
+        # distributed save or load, not by `import fastdist.checkpoint` (issue 42.4)
+        from fastdist.checkpoint import dcp
+
         dcp.write(path, model, optimizer, extra=extra)
         return
     if optimizer is not None or extra:
@@ -225,6 +240,8 @@ def load(
                 f"{op}: strict='missing' and mesh= apply to single-device safetensors. Fix: "
                 "strict=True or False, and a ParallelModel"
             )
+        from fastdist.checkpoint import dcp  # imported on first use: see `save`
+
         return dcp.read(path, model, optimizer, strict=bool(strict), device=device, dtype=dtype)
     if optimizer is not None:
         raise CheckpointError(

@@ -57,7 +57,6 @@ from fastdist.checkpoint.planner import (
     HEADER,
     Entry,
     LoadPlanner,
-    Staged,
     Target,
     agree,
     few,
@@ -66,19 +65,15 @@ from fastdist.checkpoint.planner import (
     target,
 )
 from fastdist.checkpoint.planner import SavePlanner as BoxSavePlanner
+from fastdist.checkpoint.staged import Staged
 from fastdist.errors import CheckpointError
 from fastdist.nn.materialize import resolve_device
 from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import materialize_
 
-__all__ = ["write", "read", "is_dcp", "Writer", "Reader"]
+__all__ = ["write", "read", "Writer", "Reader"]
 
 _OURS = re.compile(r"__\d+_.*\.distcp|__\d+\.metadata")  # files a DCP save writes
-
-
-def is_dcp(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a directory holding DCP metadata (``.metadata``)."""
-    return os.path.isfile(os.path.join(os.fspath(path), ".metadata"))
 
 
 def _crc_key(info: _StorageInfo) -> str:
@@ -221,7 +216,7 @@ def write(
             several ranks hold written by one of them), or a plain ``nn.Module`` (one device;
             a collective over the default process group when torch.distributed is initialised,
             e.g. data-parallel replicas or FSDP2 ``DTensor`` parameters), or a pipeline
-            (`fastdist.checkpoint.planner.Staged`: every stage held here writes its parameters
+            (`fastdist.checkpoint.staged.Staged`: every stage held here writes its parameters
             under the model's own names, so the checkpoint is the whole model's, loadable on any
             other pipeline or none; on real ranks a collective of every rank).
         optimizer: a ``torch.optim`` optimizer over the model's parameters (a pipeline's:

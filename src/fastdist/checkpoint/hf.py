@@ -40,6 +40,8 @@ def hf_checkpoint_renames(model: nn.Module, source: Any) -> dict[str, str] | Non
     model's checkpoints (``save_pretrained`` writes GPT-NeoX's ``lm_head`` as ``embed_out``, as
     Pythia's checkpoints have it): only names the checkpoint holds and the model lacks. None
     when nothing is renamed (or transformers has no such table)."""
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
+        return None  # not a transformers model: transformers (and DTensor, sympy) not imported
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming

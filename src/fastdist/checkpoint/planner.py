@@ -17,7 +17,7 @@ import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from fastdist.checkpoint.staged import Staged
 from fastdist.core.mesh import Mesh
 from fastdist.errors import CheckpointError
 from fastdist.nn.parallelize import ParallelModel
@@ -55,7 +56,6 @@ __all__ = [
     "Box",
     "Entry",
     "Target",
-    "Staged",
     "Job",
     "target",
     "gather_job",
@@ -94,24 +94,6 @@ class Entry:
     dtype: torch.dtype
     boxes: list[Box] = field(default_factory=list)
     padded: list[Tensor] = field(default_factory=list)  # zero-filled before a load
-
-
-@runtime_checkable
-class Staged(Protocol):
-    """A model split into pipeline stages (`fastdist.train.Pipeline`): the stages this process
-    holds, each a `fastdist.nn.ParallelModel` over the same stage mesh holding part of the whole
-    model's parameters under the model's own names; ``mesh`` is the whole mesh (with the
-    pipeline axis ``axis``); ``tied``: weights of which the first and the last stage each hold a
-    copy (tied embeddings), written once under the first stage's name and read into both."""
-
-    mesh: Mesh
-    axis: str
-    tied: Mapping[str, str]  # a weight the first and last stage both hold: last's name -> first's
-
-    @property
-    def stages(self) -> Mapping[int, ParallelModel]:
-        """Stage index -> the stage's model, for the stages held here."""
-        ...
 
 
 @dataclass
