@@ -75,6 +75,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_halo.py": frozenset({"test_halo_exchange_and_domain_conv_on_gloo"}),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
     "tests/test_context_modes.py": frozenset({"test_wan_usp_uneven_on_gloo"}),
+    "tests/test_video_dit_example.py": frozenset(
+        {"test_example_on_gloo", "test_example_without_torchrun"}
+    ),
     "tests/test_checkpoint_fail_whole.py": frozenset(
         {"test_on_gloo_a_damaged_checkpoint_fails_whole_on_every_rank"}
     ),

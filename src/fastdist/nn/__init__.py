@@ -29,6 +29,7 @@ True
 from fastdist.errors import CheckpointError, MoEError, ParallelizeError, ReplicaMismatchError
 from fastdist.nn import moe, plans  # noqa: E402
 from fastdist.nn.attention import RingAttention, UlyssesAttention, USPAttention, local_attention
+from fastdist.nn.cfg import GuidedModel, cfg_branch, cfg_combine
 from fastdist.nn.clip import clip_grad_norm_, grad_norm
 from fastdist.nn.domain import DomainConv, DomainParallel
 from fastdist.nn.layers import (
@@ -108,6 +109,9 @@ __all__ = [
     "ContextParallel",
     "CausalContextParallel",
     "PvaryTree",
+    "GuidedModel",
+    "cfg_branch",
+    "cfg_combine",
     "SequenceParallelAttention",
     "plans",
     "moe",
