@@ -213,3 +213,15 @@ def test_combinations_that_cannot_be_right_are_refused() -> None:
     mask4 = torch.ones(2, 1, 8, 8)
     with pytest.raises(ParallelizeError, match="4-d attention_mask"):
         pm(input_ids=rep(ids, m2), attention_mask=rep(mask4, m2), use_cache=False)
+
+
+def test_context_memory_benchmark_smoke() -> None:
+    """benchmarks/context_memory.py runs and reports every layout (the numbers are not
+    asserted beyond context parallelism keeping less than one device)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "context_memory.py"
+    rows = runpy.run_path(str(script))["main"](["--quick", "--n", "2"])
+    assert len(rows) == 1 and len(rows[0]) == 5, rows
+    assert rows[0]["CP ring (cp=2)"] < rows[0]["one device"], rows
