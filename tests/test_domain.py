@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fastdist as fd
+from tests.domain_gloo_worker import TinyUNet, unet_and_inputs, unet_on_gloo
 
 F64 = torch.float64
 TOL = 1e-10
@@ -266,28 +267,6 @@ def test_batch_norm_training_with_running_stats_on_simulated_ranks_is_refused() 
 
 
 # ------------------------------------------------------------------ a UNet-like stack
-class TinyUNet(nn.Module):
-    """Conv, norm, pooling down, transposed conv up, a skip connection, bilinear upsampling."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inc = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU())
-        self.down = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"))
-        self.mid = nn.Sequential(nn.BatchNorm2d(8, track_running_stats=False), nn.GELU())
-        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
-        self.out = nn.Sequential(
-            nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"),
-            nn.AvgPool2d(3, 1, 1, count_include_pad=False),
-            nn.Upsample(scale_factor=2, mode="bilinear"),
-            nn.Conv2d(4, 2, 1),
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        a = self.inc(x)
-        b = self.up(self.mid(self.down(a)))
-        return self.out(torch.cat([a, b], dim=1))
-
-
 @pytest.mark.parametrize("split", ["h", "hw"])
 def test_unet_like_stack(split: str) -> None:
     equal_to_one_device(TinyUNet(), (1, 2, 8, 12), split)
@@ -391,3 +370,23 @@ def test_bad_styles_are_refused() -> None:
         fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "h"}, output="x")})
     with pytest.raises(fd.MeshError):
         fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "sp"})})
+
+
+def test_unet_like_stack_on_gloo() -> None:
+    """4 gloo processes (H x W over 2 x 2), training mode: outputs, gradients and the batch
+    norm's running statistics (every rank updates them from the whole domain's statistics)
+    equal one device."""
+    from fastdist.testing import run_on_gloo
+
+    net, x, cot = unet_and_inputs()
+    xr = x.clone().requires_grad_()
+    out = net(xr)
+    (out * cot).sum().backward()
+    bn: Any = net.mid[0]
+    for got in run_on_gloo(unet_on_gloo, 4, timeout=180):
+        assert torch.allclose(got["out"], out, atol=TOL)
+        assert torch.allclose(got["dx"], xr.grad, atol=TOL)  # type: ignore[arg-type]
+        for name, p in net.named_parameters():
+            assert torch.allclose(got["grads"][name], p.grad, atol=TOL), name  # type: ignore[arg-type]
+        assert torch.allclose(got["running"][0], bn.running_mean, atol=1e-12)
+        assert torch.allclose(got["running"][1], bn.running_var, atol=1e-12)

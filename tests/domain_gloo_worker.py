@@ -1,0 +1,66 @@
+"""Domain-parallel scenarios on real gloo ranks (`tests/test_domain.py` runs them with
+`fastdist.testing.run_on_gloo`) and the UNet-like model they share with the simulated tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import fastdist as fd
+
+F64 = torch.float64
+
+
+class TinyUNet(nn.Module):
+    """Conv, group norm, pooling down, batch norm, transposed conv up, a skip connection, average
+    pooling, bilinear upsampling. ``track``: the batch norm keeps running statistics (updated in
+    training mode: real ranks only)."""
+
+    def __init__(self, track: bool = False) -> None:
+        super().__init__()
+        self.inc = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU())
+        self.down = nn.Sequential(
+            nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect")
+        )
+        self.mid = nn.Sequential(nn.BatchNorm2d(8, track_running_stats=track), nn.GELU())
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.out = nn.Sequential(
+            nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"),
+            nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+            nn.Upsample(scale_factor=2, mode="bilinear"),
+            nn.Conv2d(4, 2, 1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.inc(x)
+        b = self.up(self.mid(self.down(a)))
+        return self.out(torch.cat([a, b], dim=1))
+
+
+def unet_and_inputs() -> tuple[nn.Module, Tensor, Tensor]:
+    """The model (running statistics on), its input field and the output's cotangent."""
+    torch.manual_seed(1)
+    net = TinyUNet(track=True).to(F64)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 2, 8, 12, generator=g, dtype=F64)
+    return net, x, torch.randn(2, 2, 16, 24, generator=g, dtype=F64)
+
+
+def unet_on_gloo() -> dict[str, Any]:
+    """One rank of a 2 x 2 mesh (H over ``h``, W over ``w``): the model forward and backward in
+    training mode; the whole output, the input and parameter gradients, the running statistics."""
+    mesh = fd.connect(dp=1, h=2, w=2, order=("dp", "h", "w"), timeout=120)
+    net, x, cot = unet_and_inputs()
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h", -1: "w"})})
+    xr = x.clone().requires_grad_()
+    out = pm(xr)
+    (out * cot).sum().backward()
+    bn: Any = net.mid[0]
+    return {
+        "out": out.detach(),
+        "dx": xr.grad,
+        "grads": pm.grads(),
+        "running": (bn.running_mean.clone(), bn.running_var.clone()),
+    }
