@@ -15,6 +15,19 @@ from tests.tiny_models import VOCAB
 
 #: a prompt of 8 tokens: split over cp = 2 and 4 at prefill (2 x cp divides 8)
 PROMPT = [[3, 5, 7, 11, 13, 17, 19, 23], [2, 4, 6, 8, 10, 12, 14, 16]]
+#: the same batch left-padded: the padding masked at prefill and at every decoding step
+MASK = [[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8]
+
+
+def generations(generate: Any) -> dict[str, torch.Tensor]:
+    """Greedy tokens of `PROMPT`, plain and left-padded."""
+    ids = torch.tensor(PROMPT)
+    return {
+        "greedy": generate(ids, max_new_tokens=6, do_sample=False),
+        "padded": generate(
+            ids, attention_mask=torch.tensor(MASK), max_new_tokens=6, do_sample=False
+        ),
+    }
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,9 +50,17 @@ def one_device(family: str) -> dict[str, Any]:
     return {"loss": loss.detach(), "logits": logits.detach(), "grads": grads, "greedy": tokens}
 
 
-def on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, Any]:
+def one_device_generations(family: str) -> dict[str, torch.Tensor]:
+    return generations(tm.build(family).generate)
+
+
+def on_ranks(
+    family: str, degrees: dict[str, int], mode: str, others: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """One rank: a training step's loss, logits and (single-device view) gradients, and greedy
-    tokens through ParallelModel.generate with the split prefill's per-rank length."""
+    tokens through ParallelModel.generate with the split prefill's per-rank length; then
+    `generations` of each of the ``others`` families, context parallel over the same mesh
+    (Mistral, Gemma 2: sliding-window KV caches)."""
     mesh = fd.connect(**degrees)
     model = tm.build(family)
     plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp", mode))
@@ -64,7 +85,13 @@ def on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, Any]:
         torch.tensor(PROMPT), max_new_tokens=6, do_sample=False, return_dict_in_generate=True
     )
     handle.remove()
+    gen = {}
+    for other in others:
+        m = tm.build(other)
+        p = fd.nn.plans.plan(m, mesh, context_parallel=CausalContextParallel("cp", mode))
+        gen[other] = generations(fd.nn.parallelize(m, mesh, p).generate)
     return {
+        "others": gen,
         "loss": loss.detach(),
         "logits": logits.detach(),
         "grads": pm.grads(),

@@ -188,6 +188,9 @@ def _enter_model(
         state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
         return (), kw
     mesh, axis = state.mesh, state.axis
+    for layer in getattr(kw.get("past_key_values"), "layers", ()):
+        if getattr(layer, "is_sliding", False):  # keep the rank's every token until gathered
+            layer.record_past = True
     positions = kw.get("position_ids")
     whole_index = torch.arange(S, device=tokens.device).unsqueeze(0)  # (1, S)
     if positions is None:
@@ -219,16 +222,22 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     out["last_hidden_state"] = zigzag_gather(out["last_hidden_state"], mesh, axis, 1)
     cache = out.get("past_key_values")
     for layer in getattr(cache, "layers", ()):
-        if type(layer).__name__ != "DynamicLayer":
+        kind = type(layer).__name__
+        if kind not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
             raise ParallelizeError(
-                f"context parallelism over {axis!r}: the KV cache layer {type(layer).__name__} "
-                "(a sliding-window or static cache) cannot be gathered after a split prefill. "
-                "Fix: generate with a DynamicCache (a config without sliding_window), or "
-                "use_cache=False"
+                f"context parallelism over {axis!r}: the KV cache layer {kind} (a static or "
+                "offloaded cache) cannot be gathered after a split prefill. Fix: generate with "
+                "the default dynamic cache, or use_cache=False"
             )
         # (B, Hkv, 2c, D) -> (B, Hkv, S, D): every rank holds the whole cache of its heads
-        layer.keys = zigzag_gather(layer.keys, mesh, axis, 2)
-        layer.values = zigzag_gather(layer.values, mesh, axis, 2)
+        keys = zigzag_gather(layer.keys, mesh, axis, 2)
+        values = zigzag_gather(layer.values, mesh, axis, 2)
+        if kind == "DynamicSlidingWindowLayer":  # as its own update keeps: the last window - 1
+            keep = layer.sliding_window - 1
+            keys, values = keys[:, :, -keep:], values[:, :, -keep:]
+            layer.cumulative_length = out["last_hidden_state"].shape[1]
+            layer.record_past = False
+        layer.keys, layer.values = keys, values
     state.split = False
     return out
 
@@ -343,7 +352,9 @@ def context_attention(
         sq, sk = query.shape[2], key.shape[2]
         ki = torch.arange(sk, device=query.device).unsqueeze(0)  # (1, Sk)
         qi = ki[:, sk - sq :]  # (1, Sq)
-        blocks = iter([(key, value, ki, state.whole_valid)])
+        valid = state.whole_valid
+        valid = None if valid is None else valid[:, -sk:]  # a sliding cache holds the last keys
+        blocks = iter([(key, value, ki, valid)])
         return _attend(query, blocks, qi, scale, sliding_window, softcap), None
     assert state.index is not None
     if state.mode == "ring":
