@@ -1,5 +1,6 @@
 """Ready plans for diffusers' diffusion transformers (DiTs): context parallelism of an unmodified
-``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video), and the recognition
+``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video) and
+``LTXVideoTransformer3DModel`` (LTX-Video), and the recognition
 of diffusers' attention (``to_q``/``to_k``/``to_v``/``to_out``) that ``plan="auto"`` uses.
 
 Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
@@ -21,7 +22,7 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.plans.family import Plan
 from fastdist.nn.styles.context import ContextParallel, Mode
 
-__all__ = ["DIT_PLANS", "dit_plan", "is_diffusers_dit", "wan"]
+__all__ = ["DIT_PLANS", "JOINT_ATTENTION", "dit_plan", "is_diffusers_dit", "ltx_video", "wan"]
 
 
 def wan(
@@ -49,20 +50,78 @@ def wan(
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
 output='proj_out', mode='ulysses', ring_axis=None, rotary='rope')}
     """
-    if mesh is not None:
-        mesh.axis_indices(axis, "plans.wan")
-        if ring_axis is not None:
-            mesh.axis_indices(ring_axis, "plans.wan")
-    if isinstance(model, nn.Module) and type(model).__name__ != "WanTransformer3DModel":
-        raise ParallelizeError(
-            f"plans.wan: {type(model).__name__} is not a diffusers WanTransformer3DModel. Fix: "
-            f"a plan for it (ready DiT plans: {sorted(DIT_PLANS)})"
-        )
+    _check(model, mesh, axis, ring_axis, "WanTransformer3DModel", "wan")
     return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)}
 
 
+def ltx_video(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``LTXVideoTransformer3DModel`` (LTX-Video): its
+    tokens (it takes them patchified, ``(batch, tokens, channels)``) split over ``axis`` (and
+    ``ring_axis``) at the first of its ``transformer_blocks``; ``attn1`` as Ulysses, ring or USP
+    with the rotary embedding cut to each rank's positions, ``attn2`` (cross-attention to the
+    replicated, masked text states) local; ``proj_out``'s output gathered.
+
+    Args:
+        model: the model (or ``None``): only read to refuse one this plan does not fit.
+        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
+        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
+        ring_axis: for ``"usp"``: the ring's axis.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.ltx_video(mode="ring")[""].blocks
+    'transformer_blocks'
+    """
+    _check(model, mesh, axis, ring_axis, "LTXVideoTransformer3DModel", "ltx_video")
+    return {
+        "": ContextParallel(
+            axis=axis,
+            blocks="transformer_blocks",
+            whole=("rope", "proj_in", "time_embed", "caption_projection"),
+            feeds=("time_embed", "caption_projection"),
+            mode=mode,
+            ring_axis=ring_axis,
+        )
+    }
+
+
+def _check(
+    model: Any, mesh: Mesh | None, axis: str, ring_axis: str | None, kind: str, plan: str
+) -> None:
+    """Refuse a mesh without the plan's axes and a model of another class."""
+    if mesh is not None:
+        mesh.axis_indices(axis, f"plans.{plan}")
+        if ring_axis is not None:
+            mesh.axis_indices(ring_axis, f"plans.{plan}")
+    if isinstance(model, nn.Module) and type(model).__name__ != kind:
+        raise ParallelizeError(
+            f"plans.{plan}: {type(model).__name__} is not a diffusers {kind}. Fix: a plan for "
+            f"it (ready DiT plans: {sorted(DIT_PLANS)})"
+        )
+
+
 #: diffusers model class name -> its ready plan function
-DIT_PLANS = {"WanTransformer3DModel": wan}
+DIT_PLANS = {"WanTransformer3DModel": wan, "LTXVideoTransformer3DModel": ltx_video}
+
+#: diffusers DiTs whose attention joins the text tokens to the image tokens (MM-DiT), which no
+#: context-parallel style splits yet
+JOINT_ATTENTION = frozenset(
+    {
+        "FluxTransformer2DModel",
+        "Flux2Transformer2DModel",
+        "SD3Transformer2DModel",
+        "CogVideoXTransformer3DModel",
+        "HunyuanVideoTransformer3DModel",
+        "QwenImageTransformer2DModel",
+    }
+)
 
 #: diffusers' attention projections
 _DIFFUSERS_ATTENTION = ("to_q", "to_k", "to_v", "to_out")
@@ -84,6 +143,19 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
     parallelism over ``axis``); refuses one without a ready plan, naming those that exist, and a
     mesh without ``axis``."""
     kind = type(model).__name__
+    joint = kind in JOINT_ATTENTION or any(
+        getattr(m, "add_q_proj", None) is not None for m in model.modules()
+    )
+    if kind not in DIT_PLANS and joint:
+        raise ParallelizeError(
+            f"plans.auto: {kind} is a diffusers transformer with joint text-image attention "
+            "(the text tokens join the image tokens inside each attention, MM-DiT), which "
+            "context parallelism does not split yet: ContextParallel splits self-attention over "
+            "the image tokens and runs cross-attention to replicated text states locally. "
+            f"Context-parallel plans exist for {sorted(DIT_PLANS)}. Fix: run {kind} without "
+            "context parallelism (e.g. data parallelism, or fastdist.nn.GuidedModel over a "
+            "'cfg' axis with plan={})"
+        )
     if kind not in DIT_PLANS:
         raise ParallelizeError(
             f"plans.auto: {kind} is a diffusers transformer (attention with to_q/to_k/to_v/"

@@ -45,7 +45,7 @@ __all__ = ["ContextParallel", "SequenceParallelAttention", "KNOWN_PROCESSORS", "
 #: attention processors whose forward `SequenceParallelAttention` knows: q, k, v projected by
 #: ``to_q``/``to_k``/``to_v``, normalized and rotated token by token, attended by one call of
 #: ``F.scaled_dot_product_attention`` (the native backend), projected by ``to_out``
-KNOWN_PROCESSORS = frozenset({"WanAttnProcessor"})
+KNOWN_PROCESSORS = frozenset({"WanAttnProcessor", "LTXVideoAttnProcessor"})
 
 #: the attention modes: Ulysses (heads <-> tokens all-to-all), ring (k/v passed around the
 #: axis), USP (Ulysses over ``axis``, ring over ``ring_axis``)
