@@ -2,8 +2,9 @@
 route too.
 
 ``FASTDIST_FAST_PATH=0`` turns off the two shortcuts that use private torch internals;
-every value and gradient must be the same. The files below run again in a subprocess with
-the switch off (the main run, with the default on, covers the fast path).
+every value and gradient must be the same. The fast tier of the files below, and one gloo
+test, run again in a subprocess with the switch off (the main run, with the default on, covers
+the fast path).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ FILES = [
     "tests/test_cross_entropy.py",
     "tests/test_autograd_function_simulate.py",
 ]
+#: real ranks: the Function's C entry point (the fast path's first shortcut) against Function.apply
+GLOO_TEST = "tests/test_cross_entropy.py::test_cross_entropy_on_gloo"
 
 
 def test_the_switch_is_read_from_the_environment() -> None:
@@ -55,18 +58,22 @@ def test_simulated_rank_suite_passes_on_the_public_route() -> None:
         "FASTDIST_FAST_PATH": "0",
         "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-x", *FILES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
+    # the fast tier of FILES (their slow tests compile, where the fast path is off anyway, or
+    # spawn gloo processes), and one gloo test for the real-rank shortcut (apply_function)
+    for selection in (["-m", "not slow", *FILES], [GLOO_TEST]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-x"]
+            + selection,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
+        tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, tail
+        assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
 
 
 def test_the_fast_path_switch_is_per_thread() -> None:
