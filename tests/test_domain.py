@@ -334,7 +334,8 @@ class PadsByHand(nn.Module):
 
 
 CALL_ERRORS: list[tuple[nn.Module, tuple[int, ...], Mapping[int, str], str]] = [
-    (PadsByHand(lambda x: F.pad(x, (0, 1, 0, 1))), (1, 2, 8, 8), {-2: "h"}, "pads the split dim -2"),
+    (PadsByHand(lambda x: F.pad(x, (0, 1, 0, 1))), (1, 2, 8, 8), {-2: "h"},
+     "pads the split dim -2"),
     (PadsByHand(lambda x: F.scaled_dot_product_attention(x, x, x)), (1, 2, 8, 8), {-2: "h"},
      "scaled_dot_product_attention"),
     (PadsByHand(lambda x: x.mean((2, 3), keepdim=True) + F.adaptive_avg_pool2d(x, 1)), (1, 2, 8, 8),
@@ -367,7 +368,9 @@ def test_bad_styles_are_refused() -> None:
         with pytest.raises(fd.nn.ParallelizeError, match=match):
             fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel(dims)})
     with pytest.raises(fd.nn.ParallelizeError, match="output="):
-        fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "h"}, output="x")})
+        fd.nn.parallelize(
+            nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "h"}, output="x")}
+        )
     with pytest.raises(fd.MeshError):
         fd.nn.parallelize(nn.Conv2d(1, 1, 1), mesh, {"": fd.nn.DomainParallel({-1: "sp"})})
 

@@ -79,4 +79,3 @@ def test_wan_decoder_attention_is_refused() -> None:
                            temperal_downsample=[True])  # fmt: skip
     with pytest.raises(fd.nn.ParallelizeError, match=r"mid_block.attentions.0.*self-attention"):
         fd.nn.parallelize(vae.decoder, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
-

@@ -138,7 +138,8 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
             "Fix: a plain torch.nn.Conv*d, or pass local=(...) if it is local to each pixel"
         )
     if t in _CONVTS:
-        return ("conv_t", None) if m.padding_mode == "zeros" else ("", "padding_mode != zeros")  # type: ignore[attr-defined]
+        ok = m.padding_mode == "zeros"
+        return ("conv_t", None) if ok else ("", "padding_mode != 'zeros' is not built")
     if t in _POOLS:
         p: Any = m
         if p.ceil_mode or getattr(p, "return_indices", False):
@@ -155,7 +156,7 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
     if t is nn.GroupNorm:
         return "group_norm", None
     if isinstance(m, _INSTANCE):
-        if m.track_running_stats:  # type: ignore[attr-defined]
+        if m.track_running_stats:
             return "", "track_running_stats=True is not built. Fix: track_running_stats=False"
         return "instance_norm", None
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -209,8 +210,8 @@ def _conv(site: Site, m: Any, x: Tensor) -> Tensor:
     nsp = len(m.kernel_size)
     return domain_conv(
         x, m.weight, m.bias, stride=m.stride, dilation=m.dilation, groups=m.groups,
-        pads=site.pads or conv_padding(m, nsp), mode=m.padding_mode, mesh=site.mesh, split=site.split,
-        where=site.where,
+        pads=site.pads or conv_padding(m, nsp), mode=m.padding_mode, mesh=site.mesh,
+        split=site.split, where=site.where,
     )  # fmt: skip
 
 
@@ -268,7 +269,9 @@ def _group_norm(site: Site, m: Any, x: Tensor) -> Tensor:
 
 
 def _instance_norm(site: Site, m: Any, x: Tensor) -> Tensor:
-    return domain_group_norm(x, x.shape[1], m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split)
+    return domain_group_norm(
+        x, x.shape[1], m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split
+    )
 
 
 def _batch_norm(site: Site, m: Any, x: Tensor) -> Tensor:
@@ -281,7 +284,8 @@ def _downsample2d(site: Site, m: Any, x: Tensor, *args: Any, **kwargs: Any) -> T
     """diffusers' ``Downsample2D.forward`` without its ``F.pad`` (its convolution pads)."""
     if m.norm is not None:
         x = m.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # over channels
-    return m.conv(x)
+    y: Tensor = m.conv(x)
+    return y
 
 
 def _linear(site: Site, m: Any, x: Tensor) -> Tensor:

@@ -122,9 +122,7 @@ def _update_running(
     assert m.num_batches_tracked is not None
     with torch.no_grad():
         m.num_batches_tracked.add_(1)
-        factor = (
-            1.0 / float(m.num_batches_tracked) if m.momentum is None else float(m.momentum)
-        )
+        factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else float(m.momentum)
         unbiased = var.flatten() * count / max(count - 1, 1)
         m.running_mean.mul_(1 - factor).add_(mean.flatten(), alpha=factor)
         m.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)

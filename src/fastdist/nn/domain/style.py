@@ -157,7 +157,7 @@ class DomainParallel(Style):
             site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})", pads)
             forward = domain_forward(kind, site, sub)
             if forward is not None:
-                sub.forward = forward  # type: ignore[method-assign]
+                sub.forward = forward
             for pname, _ in sub.named_parameters(recurse=False):
                 ctx.pvary.append((sub, pname, self.axes))  # type: ignore[arg-type]
         ctx.axes.extend(self.axes)
@@ -167,9 +167,7 @@ class DomainParallel(Style):
         module.register_forward_pre_hook(
             functools.partial(_enter, self, mesh, guard, where), with_kwargs=True
         )
-        module.register_forward_hook(
-            functools.partial(_leave, self, mesh, guard), always_call=True
-        )
+        module.register_forward_hook(functools.partial(_leave, self, mesh, guard), always_call=True)
         return module
 
 
@@ -193,13 +191,14 @@ def _enter(
             f"DomainParallel on {where!r}: called without the field (no positional argument and "
             f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
         )
-    guard.__enter__()
+    guard.__enter__()  # type: ignore[no-untyped-call]
     guard.active = True
     return args, kwargs
 
 
-def _cut(x: Any, split: Split, mesh: Mesh, where: str) -> Tensor:
-    """This rank's block of the whole field ``x`` (the same on every rank)."""
+def _cut(field: Any, split: Split, mesh: Mesh, where: str) -> Tensor:
+    """This rank's block of the whole field (the same on every rank)."""
+    x = field
     if not isinstance(x, Tensor) or x.dim() < max(-d for d, _ in split):
         raise ParallelizeError(
             f"DomainParallel on {where!r}: the field is {type(x).__name__} "
@@ -226,7 +225,7 @@ def _leave(
     if not guard.active:  # the pre-hook raised before entering
         return out
     guard.active = False
-    guard.__exit__(None, None, None)
+    guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     if style.output == "split":
         return out
     return _gather_tree(out, style.split, mesh)
@@ -249,7 +248,7 @@ def _gather_tree(out: Any, split: Split, mesh: Mesh) -> Any:
 
 
 # ============================================================================ functional guard
-_REFUSED = {
+_REFUSED: dict[Any, str] = {
     F.scaled_dot_product_attention: "self-attention over spatial tokens mixes the whole domain",
     F.group_norm: "a functional group norm takes statistics over this rank's block only",
     F.batch_norm: "a functional batch norm takes statistics over this rank's block only",
@@ -259,11 +258,24 @@ _REFUSED = {
     **{
         f: "a functional pooling or convolution reads past this rank's block"
         for f in (
-            F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
-            F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
-            F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.max_pool1d, F.max_pool2d,
-            F.max_pool3d, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
-            F.conv_transpose2d, F.conv_transpose3d,
+            F.adaptive_avg_pool1d,
+            F.adaptive_avg_pool2d,
+            F.adaptive_avg_pool3d,
+            F.adaptive_max_pool1d,
+            F.adaptive_max_pool2d,
+            F.adaptive_max_pool3d,
+            F.avg_pool1d,
+            F.avg_pool2d,
+            F.avg_pool3d,
+            F.max_pool1d,
+            F.max_pool2d,
+            F.max_pool3d,
+            F.conv1d,
+            F.conv2d,
+            F.conv3d,
+            F.conv_transpose1d,
+            F.conv_transpose2d,
+            F.conv_transpose3d,
         )  # fmt: skip
     },
 }

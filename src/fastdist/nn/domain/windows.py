@@ -17,6 +17,7 @@ rows when ``D + 1 - s <= lo + hi <= D`` (the whole output is ``L / s`` rows long
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,9 +124,7 @@ def domain_conv(
     for i, d, axis in split_here(split, nsp):
         k = weight.shape[2 + i]
         lo, hi = pads[i]
-        before, after = window_halo(
-            where, d, x.shape[d], k, stride[i], dilation[i], lo, hi
-        )
+        before, after = window_halo(where, d, x.shape[d], k, stride[i], dilation[i], lo, hi)
         x = exchange(x, mesh, axis, d, before, after, mode)
         pads[i] = (0, 0)
     if any(v for p in pads for v in p):
@@ -171,8 +170,9 @@ def domain_conv_transpose(
         x = exchange(x, mesh, axis, d, before, after)
         cuts.append((d, before * s + p, rows * s))
         pad[i], outpad[i] = 0, 0
-    y = _CONVT[nsp](x, weight, None, tuple(stride), tuple(pad), tuple(outpad), groups,
-                    tuple(dilation))
+    y = _CONVT[nsp](
+        x, weight, None, tuple(stride), tuple(pad), tuple(outpad), groups, tuple(dilation)
+    )
     for d, start, rows in cuts:
         short = start + rows - y.shape[d]
         if short > 0:  # rows no input row reaches (the output padding): zeros
@@ -240,7 +240,9 @@ def _avg(
             x.unsqueeze(-2), (1, kernel[0]), (1, stride[0]), (0, pad[0]), False, include, divisor
         )
         return y.squeeze(-2)
-    return _AVGPOOL[nsp](x, tuple(kernel), tuple(stride), tuple(pad), False, include, divisor)
+    pool: Any = _AVGPOOL[nsp]  # (2-d and 3-d: they take divisor_override)
+    out: Tensor = pool(x, tuple(kernel), tuple(stride), tuple(pad), False, include, divisor)
+    return out
 
 
 #: the halo rows an interpolation mode reads beyond a block (align_corners=False)
