@@ -62,7 +62,9 @@ def measure(seq: int, n: int, hidden: int, layers: int) -> dict[str, float]:
     """Activation MiB per rank at sequence length ``seq`` for each layout."""
     base = model(hidden, layers)
     ids = torch.randint(0, 128, (1, seq))
-    out = {"one device": saved_bytes(lambda: base(input_ids=ids, use_cache=False).logits)}
+    out: dict[str, float] = {
+        "one device": saved_bytes(lambda: base(input_ids=ids, use_cache=False).logits)
+    }
     layouts: dict[str, tuple[fd.Mesh, dict[str, Any]]] = {
         f"Megatron SP (tp={n})": (fd.Mesh({"tp": n}), {"sequence_parallel": True}),
         f"CP ring (cp={n})": (fd.Mesh({"cp": n}), {"context_parallel": "cp"}),

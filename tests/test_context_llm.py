@@ -65,6 +65,8 @@ CASES: list[tuple[str, dict[str, int], str, int]] = [
     ("qwen3", {"cp": 2, "tp": 2}, "ulysses", 2),
     ("mistral", {"cp": 2}, "ring", 2),  # sliding window 5
     ("gemma2", {"cp": 2}, "ring", 2),  # soft-capping, sliding window, query_pre_attn_scalar
+    ("llama", {"cp": 4}, "ring:contiguous", 2),
+    ("qwen3", {"cp": 2, "tp": 2}, "ulysses:contiguous", 2),
 ]
 
 
@@ -72,8 +74,9 @@ def _run(family: str, axes: dict[str, int], mode: str, kv: int) -> None:
     ref = tiny_models.build(family, kv=kv)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
-    plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp", mode))
-    pm = fd.nn.parallelize(model, mesh, plan)
+    attention, _, layout = mode.partition(":")
+    cp = CausalContextParallel("cp", attention, layout=layout or "zigzag")  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
     tol = tolerance(family)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -147,6 +150,18 @@ def test_the_layers_see_a_shard_and_a_missing_pvary_is_refused() -> None:
         fd.nn.parallelize(bare, mesh, {"model": CausalContextParallel("cp")})
 
 
+def test_verify_checks_the_contiguous_layout() -> None:
+    """parallelize(verify=True) compares every module's output with its contiguous block of the
+    single-device output: the contiguous layout passes it (cp alone: with tp too, verify's
+    column-parallel comparison assumes the whole sequence)."""
+    for mode in ("ring", "ulysses"):
+        model = tiny_models.build("qwen3", kv=2)
+        mesh = fd.Mesh({"cp": 2})
+        cp = CausalContextParallel("cp", mode, layout="contiguous")  # type: ignore[arg-type]
+        plan = fd.nn.plans.plan(model, mesh, context_parallel=cp)
+        fd.nn.parallelize(model, mesh, plan, verify=True)
+
+
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_padding_mask_matches_one_device(mode: str) -> None:
     """A left-padded batch: the padding keys masked on every rank (logits of real tokens equal)."""
@@ -186,7 +201,7 @@ def _pm(family: str = "llama", kv: int = 2, **opts: Any) -> tuple[Any, fd.Mesh]:
 def test_a_length_the_zigzag_chunks_do_not_divide_is_refused() -> None:
     pm, mesh = _pm(context_parallel="cp")
     ids = torch.zeros(2, 6, dtype=torch.long)
-    with pytest.raises(ParallelizeError, match="6 tokens, which the 2 x 2 zig-zag"):
+    with pytest.raises(ParallelizeError, match="6 tokens, which the 4 chunks of the zigzag"):
         pm(input_ids=rep(ids, mesh), use_cache=False)
 
 

@@ -81,5 +81,5 @@ def test_generate_context_parallel_on_simulated_ranks_equals_one_device(
     for name, gen in CASES.items():
         assert run_case(pm.generate, "llama", gen).tolist() == want[name], name
     # outside generate, a length the zig-zag chunks do not divide is refused, not run whole
-    with pytest.raises(ParallelizeError, match="zig-zag"):
+    with pytest.raises(ParallelizeError, match="zigzag layout"):
         pm(input_ids=torch.tensor(PROMPT).expand(mesh.size, 1, 5))

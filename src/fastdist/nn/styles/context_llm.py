@@ -56,6 +56,7 @@ from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk, ring_
 __all__ = ["CausalContextParallel", "PvaryTree", "decoding", "zigzag_gather", "zigzag_shard"]
 
 Mode = Literal["ring", "ulysses"]
+Split = Literal["zigzag", "contiguous"]
 _NAMES = itertools.count()
 #: the attribute of the base model holding its `ContextState`
 STATE_ATTR = "fastdist_context_state"
@@ -100,6 +101,7 @@ class ContextState:
     axis: str
     mode: Mode
     name: str
+    layout: Split = "zigzag"
     #: this forward's tokens are split over the axis (else every rank runs them whole)
     split: bool = False
     #: (1 or B, tokens on this rank): each token's index in the whole sequence
@@ -111,6 +113,24 @@ class ContextState:
     #: (B, all keys) padding flags of a forward run whole
     whole_valid: Tensor | None = None
     handles: list[Any] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        """How many chunks the sequence is cut into: ``2n`` (zig-zag) or ``n``."""
+        n = self.mesh.axis_size(self.axis)
+        return 2 * n if self.layout == "zigzag" else n
+
+    def shard(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's tokens of ``x`` along ``dim``."""
+        if self.layout == "zigzag":
+            return zigzag_shard(x, self.mesh, self.axis, dim)
+        return local_chunk(x, self.mesh, self.axis, dim=dim)
+
+    def gather(self, x: Tensor, dim: int) -> Tensor:
+        """The whole sequence in token order, replicated."""
+        if self.layout == "zigzag":
+            return zigzag_gather(x, self.mesh, self.axis, dim)
+        return all_gather_invariant(x, self.mesh, self.axis, dim=dim).contiguous()
 
 
 @contextlib.contextmanager
@@ -171,23 +191,23 @@ def _enter_model(
         )
     n, S = state.mesh.axis_size(state.axis), tokens.shape[1]
     past = _cache_length(kw.get("past_key_values"))
-    state.split = past == 0 and S % (2 * n) == 0
+    state.split = past == 0 and S % state.chunks == 0
     if not state.split:
         if not state.whole_ok:
             why = (
                 f"a KV cache holding {past} tokens (a decoding step)"
                 if past
-                else f"{S} tokens, which the 2 x {n} zig-zag chunks do not divide"
+                else f"{S} tokens, which the {state.chunks} chunks of the {state.layout} layout "
+                f"over {n} ranks do not divide"
             )
             raise ParallelizeError(
                 f"context parallelism over {state.axis!r}: {type(module).__name__} got {why}. "
-                f"Fix: pad the batch to a multiple of {2 * n} tokens (padding masked with "
+                f"Fix: pad the batch to a multiple of {state.chunks} tokens (padding masked with "
                 "attention_mask and labels=-100); generate with ParallelModel.generate, which "
                 "runs the decoding steps whole"
             )
         state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
         return (), kw
-    mesh, axis = state.mesh, state.axis
     for layer in getattr(kw.get("past_key_values"), "layers", ()):
         if getattr(layer, "is_sliding", False):  # keep the rank's every token until gathered
             layer.record_past = True
@@ -195,9 +215,9 @@ def _enter_model(
     whole_index = torch.arange(S, device=tokens.device).unsqueeze(0)  # (1, S)
     if positions is None:
         positions = whole_index
-    state.index = zigzag_shard(whole_index, mesh, axis, 1)  # (1, 2c)
-    state.valid = zigzag_shard(mask.bool(), mesh, axis, 1) if isinstance(mask, Tensor) else None
-    kw["position_ids"] = zigzag_shard(positions, mesh, axis, 1)  # (1 or B, 2c)
+    state.index = state.shard(whole_index, 1)  # (1, S/n)
+    state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
+    kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
 
 
@@ -208,9 +228,8 @@ def _split_first_layer(
     if not state.split:
         return None
     if args:
-        return (zigzag_shard(args[0], state.mesh, state.axis, 1), *args[1:]), kwargs
-    x = kwargs["hidden_states"]
-    return args, {**kwargs, "hidden_states": zigzag_shard(x, state.mesh, state.axis, 1)}
+        return (state.shard(args[0], 1), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": state.shard(kwargs["hidden_states"], 1)}
 
 
 def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) -> Any:
@@ -218,8 +237,8 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     into the whole sequence, in token order."""
     if not state.split:
         return out
-    mesh, axis = state.mesh, state.axis
-    out["last_hidden_state"] = zigzag_gather(out["last_hidden_state"], mesh, axis, 1)
+    axis = state.axis
+    out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
     cache = out.get("past_key_values")
     for layer in getattr(cache, "layers", ()):
         kind = type(layer).__name__
@@ -230,8 +249,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
                 "the default dynamic cache, or use_cache=False"
             )
         # (B, Hkv, 2c, D) -> (B, Hkv, S, D): every rank holds the whole cache of its heads
-        keys = zigzag_gather(layer.keys, mesh, axis, 2)
-        values = zigzag_gather(layer.values, mesh, axis, 2)
+        keys, values = state.gather(layer.keys, 2), state.gather(layer.values, 2)
         if kind == "DynamicSlidingWindowLayer":  # as its own update keeps: the last window - 1
             keep = layer.sliding_window - 1
             keys, values = keys[:, :, -keep:], values[:, :, -keep:]
@@ -399,18 +417,24 @@ class CausalContextParallel(Style):
         mode: ``"ring"`` (k/v blocks around the axis, any head counts) or ``"ulysses"`` (heads
             exchanged for tokens).
         layers: the base model's ``ModuleList`` of decoder layers.
+        layout: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2n - 1 - r`` of ``2n``: the
+            causal work balanced) or ``"contiguous"`` (rank ``r`` holds block ``r`` of ``n``:
+            the last rank's queries see the most keys; what ``parallelize(verify=True)``,
+            which compares contiguous blocks with the single-device outputs, can check).
     """
 
     axis: str = "cp"
     mode: Mode = "ring"
     layers: str = "layers"
+    layout: Split = "zigzag"
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         mesh.axis_indices(self.axis, "CausalContextParallel")
-        if self.mode not in ("ring", "ulysses"):
+        if self.mode not in ("ring", "ulysses") or self.layout not in ("zigzag", "contiguous"):
             raise ParallelizeError(
-                f"parallelize: {name!r}: CausalContextParallel(mode={self.mode!r}): the modes "
-                "are 'ring' and 'ulysses'"
+                f"parallelize: {name!r}: CausalContextParallel(mode={self.mode!r}, "
+                f"layout={self.layout!r}): the modes are 'ring' and 'ulysses', the layouts "
+                "'zigzag' and 'contiguous'"
             )
         config = getattr(module, "config", None)
         if config is None or not hasattr(config, "_attn_implementation"):
@@ -428,7 +452,8 @@ class CausalContextParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        state = ContextState(ctx.mesh, self.axis, self.mode, f"fastdist_context_{next(_NAMES)}")
+        name_ = f"fastdist_context_{next(_NAMES)}"
+        state = ContextState(ctx.mesh, self.axis, self.mode, name_, self.layout)
         _register_attention(state, module)
         layers: Any = getattr(module, self.layers)
         state.handles = [
