@@ -123,3 +123,33 @@ def test_wan_usp_uneven_on_gloo() -> None:
     for got, got_grads in run_on_gloo(usp_on_gloo, 4, timeout=300):
         torch.testing.assert_close(got, out, rtol=0, atol=1e-12)
         assert_grads(got_grads, grads)
+
+
+def checkpointed_on_gloo() -> dict[str, Tensor]:
+    """One gloo rank of sp=2 (ring), gradient checkpointing on: a forward of 9 tokens (5 + 4),
+    then one of 10 (5 + 5), then the first one's backward, whose recomputed blocks must use the
+    9-token split (the same 5 rows per rank, other padding)."""
+    mesh = fd.connect(sp=torch.distributed.get_world_size(), timeout=120)
+    model = tiny_wan(heads=4)
+    model.enable_gradient_checkpointing()
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.wan(mode="ring"))
+    first = pm(**nine_tokens()).sample
+    pm(**ten_tokens()).sample.sum()  # a second forward in between, never backpropagated
+    first.pow(2).sum().backward()
+    return pm.grads()
+
+
+def ten_tokens() -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(6)
+    return {
+        **inputs(),
+        "hidden_states": torch.randn(2, 4, 1, 4, 10, generator=g, dtype=torch.float64),
+    }
+
+
+def test_checkpointed_blocks_recompute_with_their_own_split_on_gloo() -> None:
+    from fastdist.testing import run_on_gloo
+
+    _, grads = reference(tiny_wan(heads=4), nine_tokens())
+    for got in run_on_gloo(checkpointed_on_gloo, 2, timeout=300):
+        assert_grads(got, grads)

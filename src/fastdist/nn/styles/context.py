@@ -81,6 +81,20 @@ def _split_axes(
     return (axis,), (axis if mode == "ulysses" else None), (axis if mode == "ring" else None)
 
 
+class SplitRotary(tuple):  # type: ignore[type-arg]
+    """The rotary module's outputs cut to this rank's positions, carrying the forward's token
+    split: the attention processors read the split off their rotary argument, so a block that
+    gradient checkpointing recomputes in backward uses its own forward's split, whatever ran
+    since."""
+
+    split: TokenSplit
+
+    def __new__(cls, items: tuple[Any, ...], split: TokenSplit) -> SplitRotary:
+        self = super().__new__(cls, items)
+        self.split = split
+        return self
+
+
 class _Current:
     """The token split of the forward running now (set where the tokens are split), shared by
     the hooks and attention processors of one model."""
@@ -108,7 +122,8 @@ class SplitProcessor:
         self.ulysses_axis, self.ring_axis, self.current = ulysses_axis, ring_axis, current
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
-        split = self.current.split
+        carried = [a for a in (*args, *kwargs.values()) if isinstance(a, SplitRotary)]
+        split = carried[0].split if carried else self.current.split
         if split is None:  # used without ContextParallel: the rows are an even split
             n = self.mesh.axis_size(self.axes[0] if len(self.axes) == 1 else self.axes)
             split = TokenSplit(self.mesh, self.axes, hidden_states.shape[1] * n)
@@ -284,8 +299,16 @@ def _shard_rotary(
             f"{type(out).__name__}, not tensors (1, tokens, ...). Fix: ContextParallel(rotary=None)"
             " and a plan that gives each rank its positions"
         )
-    mine = tuple(TokenSplit(mesh, axes, t.shape[1]).shard(t, dim=1) for t in outs)
-    return mine if isinstance(out, tuple) else mine[0]
+    tokens = {t.shape[1] for t in outs}
+    if len(tokens) != 1:
+        raise ParallelizeError(
+            f"context parallelism over {axes}: the rotary module {where!r} returned tensors of "
+            f"{sorted(tokens)} positions, not one count. Fix: ContextParallel(rotary=None) and a "
+            "plan that gives each rank its positions"
+        )
+    split = TokenSplit(mesh, axes, tokens.pop())
+    mine = tuple(split.shard(t, dim=1) for t in outs)
+    return SplitRotary(mine, split) if isinstance(out, tuple) else mine[0]
 
 
 def _feed_outputs(
