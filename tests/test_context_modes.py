@@ -16,7 +16,7 @@ from torch import Tensor
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
-from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan
+from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan, wan_module
 
 #: (mesh axes, plan keywords) of each mode
 MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
@@ -73,6 +73,29 @@ def test_per_token_timesteps_equal_one_device() -> None:
     x["hidden_states"] = torch.randn(2, 4, 1, 6, 6, generator=g, dtype=torch.float64)
     x["timestep"] = torch.rand(2, 9, generator=g, dtype=torch.float64) * 1000
     check_mode("ring-2", x)
+
+
+def test_wan_image_to_video_equals_one_device() -> None:
+    """Wan I2V: ``attn2`` also attends to the image states (``add_k_proj``), locally; 9 tokens
+    over 2 ranks (ring). Wan's processor takes the last 512 text tokens as the text."""
+    torch.manual_seed(0)
+    model = wan_module.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+        rope_max_seq_len=32, image_dim=8, added_kv_proj_dim=48,
+    ).to(torch.float64)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    x = {
+        **nine_tokens(),
+        "encoder_hidden_states": torch.randn(2, 512, 16, generator=g, dtype=torch.float64),
+        "encoder_hidden_states_image": torch.randn(2, 3, 8, generator=g, dtype=torch.float64),
+    }
+    out, grads = reference(copy.deepcopy(model), x)
+    pm = fd.nn.parallelize(model, fd.Mesh({"sp": 2}), fd.nn.plans.wan(mode="ring"))
+    got = run(pm, x, 2)
+    for r in range(2):
+        torch.testing.assert_close(got[r], out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
 
 
 def test_ring_takes_heads_ulysses_cannot_split() -> None:
