@@ -3,6 +3,7 @@ step time and the measured bubble against the schedule's theoretical one (issue 
 
     python benchmarks/pipeline.py            # pp 2 and 4; GPipe, 1F1B, interleaved 1F1B; m 4, 8, 16
     python benchmarks/pipeline.py --quick    # tiny sizes: each schedule at pp 2, 1F1B at pp 4; m 4
+    python benchmarks/pipeline.py --only 4:1f1b:8   # one row (pp:schedule:m), repeatable
 
 Each row: the same float64 model (tests/pipeline_torch_ref.py: `llama_config`, seed 0) split
 into ``pp`` stages (``pp * v`` for interleaved, ``v = 2``) by layer index, one micro-batch of
@@ -195,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--only", action="append", default=[], help="run only these rows, pp:schedule:m")
     args = p.parse_args(argv)
+    only = [tuple(x.split(":")) for x in args.only]
+    chosen = [r for r in rows(args.quick) if not only or (str(r[0]), r[1], str(r[2])) in only]
+    load_before = os.getloadavg()
     sys.path.insert(0, str(HERE.parent))
     from benchmarks.pipeline import rank_fn as fn  # importable by the gloo processes
     from fastdist.testing import run_on_gloo
@@ -204,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     sz = sizes(args.quick)
     steps = 3 if args.quick else 6
     table = []
-    for pp in sorted({r[0] for r in rows(args.quick)}):
-        mine = [r for r in rows(args.quick) if r[0] == pp]
+    for pp in sorted({r[0] for r in chosen}):
+        mine = [r for r in chosen if r[0] == pp]
         cases = [
             dict(
                 config_kwargs=sz["config"],
@@ -249,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"HF Llama, float64, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
         f"vocab {c['vocab_size']}; micro-batch {sz['mb']} x {sz['seq']} tokens; gloo processes "
-        f"on {os.cpu_count()} CPU cores; median of {steps - 1} steps"
+        f"on {os.cpu_count()} CPU cores; median of {steps - 1} steps; load average (1, 5, 15 "
+        f"min) {' '.join(f'{x:.2f}' for x in load_before)} before, "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after"
     )
     print(
         "| schedule | pp | m | torch step ms | bubble measured (range over ranks) | "

@@ -1,6 +1,7 @@
 """Running a pipeline schedule: `Pipeline` (the stages held here, one step of a schedule on
 simulated or real ranks) and the transfers between ranks along ``pp`` (headers checked, sends
-asynchronous, receives with the mesh's timeout)."""
+asynchronous, receives with the mesh's timeout, posted one action ahead once their shapes are
+known)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,14 @@ def _schedule_id(sched: Schedule, layers: Sequence[range]) -> tuple[int, int, in
 
 class _Ranks:
     """Transfers between the ranks of the pipeline axis of a real mesh: asynchronous sends,
-    receives with the mesh's timeout, headers checked."""
+    receives with the mesh's timeout, headers checked.
+
+    A transfer's bytes move only once its receive is posted (gloo's rendezvous: the sender's
+    data waits for the receiver's notice), so a receive posted when the action needs it waits,
+    idle, for two processes' I/O threads to wake (on busy cores, for a time slice). `post`
+    starts the receive of the next action's input before this rank computes the current one:
+    the bytes arrive meanwhile. Only transfers whose shape an earlier step's header taught
+    are posted early (a first step reads the header first)."""
 
     def __init__(self, mesh: Mesh, axis: str, schedule_id: tuple[int, int, int]) -> None:
         from fastdist.comm.axes import axis_comm
@@ -77,11 +85,14 @@ class _Ranks:
         self.sent: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}
         self.known: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}
         self.signature: Any = None  # the running step's (see Pipeline.step)
+        # (kind, micro-batch, stage) -> (work, buffer) of a receive posted ahead (`post`)
+        self.posted: dict[tuple[str, int, int], tuple[Any, Tensor]] = {}
 
     def forget(self) -> None:
         """Drop what the headers taught (after a failure, with `Pipeline.reset` on every rank)."""
         self.sent.clear()
         self.known.clear()
+        self.posted.clear()
 
     def _group(self, device: torch.device) -> Any:
         return self.ac.process_group("pipeline", device.type)
@@ -128,18 +139,43 @@ class _Ranks:
             self.pending.append((work, payload, what))
         self.sent[key] = (tuple(t.shape), t.dtype)
 
-    def recv(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> Tensor:
-        import torch.distributed as dist
-
-        tag = self._tag(kind, micro, stage)
-        group = self._group(device)
+    def _what_recv(self, peer: int, kind: str, micro: int, stage: int) -> str:
         # `stage` receives; the sender holds the stage before it (forward) or after it (backward)
-        what = (
+        return (
             f"the {'activation' if kind == 'F' else 'gradient'} of micro-batch {micro} from "
             f"stage {stage - 1 if kind == 'F' else stage + 1} ({self.axis}={peer}, rank "
             f"{self.ac.ranks[peer]}) for stage {stage}"
         )
+
+    def post(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> None:
+        """Start receiving the tensor `recv` will return for this transfer, if an earlier step's
+        header taught its shape (else `recv` reads the header first); at most once."""
+        import torch.distributed as dist
+
+        seen = self.known.get((self.signature, kind, micro, stage))
+        if seen is None or (kind, micro, stage) in self.posted:
+            return
+        buf = torch.empty(seen[0], dtype=seen[1], device=device)
+        group, tag = self._group(device), 2 * self._tag(kind, micro, stage) + 1
+        work = self.ac.run(
+            "pipeline recv",
+            lambda: dist.irecv(buf, group=group, group_src=peer, tag=tag),
+            what=self._what_recv(peer, kind, micro, stage),
+        )
+        self.posted[(kind, micro, stage)] = (work, buf)
+
+    def recv(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> Tensor:
+        import torch.distributed as dist
+
+        what = self._what_recv(peer, kind, micro, stage)
         timeout = self.ac.comm.timeout
+        posted = self.posted.pop((kind, micro, stage), None)
+        if posted is not None:
+            work, buf = posted
+            self.ac.run("pipeline recv", lambda: _work(work).wait(timeout), what=what)
+            return buf
+        tag = self._tag(kind, micro, stage)
+        group = self._group(device)
 
         def receive(buf: Tensor, t: int) -> None:
             self.ac.run(
@@ -683,9 +719,11 @@ class Pipeline:
         local: dict[tuple[str, int, int], Tensor] = {}  # transfers between stages on this rank
         left_b = {j: s.microbatches for j in s.stages_of(me)}
         loss = torch.zeros((), dtype=torch.float64, device=device)
+        acts = s.actions[me]
         t0 = time.perf_counter()
         try:
-            for a in s.actions[me]:
+            self._post_next(acts, -1, device)  # the first action's input
+            for i, a in enumerate(acts):
                 j, m = a.stage, a.microbatch
                 if a.kind == "F":
                     x = None
@@ -698,6 +736,7 @@ class Pipeline:
                         )
                         x = x.detach().requires_grad_(True)
                         inputs[(j, m)] = x
+                    self._post_next(acts, i, device)
                     start = time.perf_counter() - t0  # compute only: the wait is idle time
                     y = self._forward(j, micro[m], x)
                     end = time.perf_counter() - t0
@@ -718,6 +757,7 @@ class Pipeline:
                             else ranks.recv(src, "B", m, j, device)
                         )
                     left_b[j] -= 1
+                    self._post_next(acts, i, device)
                     start = time.perf_counter() - t0
                     self._backward(j, outputs.pop((j, m)), g, not left_b[j])
                     end = time.perf_counter() - t0
@@ -744,11 +784,22 @@ class Pipeline:
             raise
         finally:
             ranks.pending.clear()
+            ranks.posted.clear()
         from fastdist.ops import broadcast
 
         # the last stage's loss on every rank of the pipeline axis
         dtype = next(self.parameters()).dtype
         return broadcast(loss, self.mesh, self.axis, src=s.rank_of(last)).to(dtype)
+
+    def _post_next(self, acts: Sequence[Any], i: int, device: torch.device) -> None:
+        """Post the receive of the input of this rank's action after ``acts[i]`` (if it comes
+        from another rank), so that its bytes move while ``acts[i]`` computes."""
+        if i + 1 == len(acts) or self._ranks is None:
+            return
+        s, a = self.schedule, acts[i + 1]
+        j = a.stage + (-1 if a.kind == "F" else 1)  # the stage that sends it
+        if 0 <= j < s.stages and s.rank_of(j) != self.rank:
+            self._ranks.post(s.rank_of(j), a.kind, a.microbatch, a.stage, device)
 
     def _tied_params(self) -> list[tuple[str, nn.Parameter | None, nn.Parameter | None]]:
         """(alias, the first stage's copy, the last stage's copy) of each tied weight, None
