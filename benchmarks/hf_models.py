@@ -1,16 +1,20 @@
-"""An unmodified Hugging Face Llama, parallelized (simulated tp=4 + sequence parallelism), against
-the model on one device.
+"""Unmodified Hugging Face models, parallelized with their ready plans on simulated ranks, against
+the same model on one device: the training step's time ratio, family beside family.
 
-    python benchmarks/hf_models.py            # hidden 1024, seq 256 (a few minutes on 2 cores)
+    python benchmarks/hf_models.py            # hidden 1024, seq 256, tp=4 (minutes on 2 cores)
     python benchmarks/hf_models.py --quick    # tiny sizes: a smoke run
     python benchmarks/hf_models.py --device cuda --dtype bfloat16   # on a GPU
 
-Both sides run a training step (forward with labels, backward) on the same batch, eager
-and under ``torch.compile``; the ratio is fastdist's time over one device's, measured in
-the same run with the two sides alternating (median of per-pair ratios). The simulated
-step does the same arithmetic as one device (each rank a quarter of every matmul) plus
-what tensor/sequence parallelism adds: the gathers and reduce-scatters (here copies and
-sums over the rank dim), per-rank norms, and the vocabulary-parallel loss.
+Both sides run a training step (forward with labels, backward) on the same batch; the ratio is
+fastdist's time over one device's, measured in the same run with the two sides alternating
+(median of per-pair ratios); the losses are checked to agree first. The simulated step does the
+same arithmetic as one device (each rank a quarter of every matmul) plus what tensor/sequence
+parallelism adds: the gathers and reduce-scatters (here copies and sums over the rank dim),
+per-rank norms, and the vocabulary-parallel loss.
+
+``ROWS`` is the table of families: a `Row` per model (its builder, the mesh, the plan's keywords,
+whether it is also timed under ``torch.compile``). The machine's load average is printed before
+and after: compare ratios of one run only.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,30 +39,77 @@ import fastdist as fd
 HERE = Path(__file__).resolve().parent
 
 
-def _llama(quick: bool) -> Any:
+def _sizes(quick: bool) -> dict[str, Any]:
+    """Every family at the Llama's sizes (the MoE families split the MLP into experts)."""
+    return dict(
+        vocab_size=256 if quick else 32000,
+        hidden_size=64 if quick else 1024,
+        intermediate_size=128 if quick else 2816,
+        num_hidden_layers=1 if quick else 2,
+        num_attention_heads=4 if quick else 16,
+        num_key_value_heads=2 if quick else 4,
+        max_position_embeddings=1024,
+    )
+
+
+def llama(quick: bool) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    if quick:
-        cfg = LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    else:
-        cfg = LlamaConfig(
-            vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_hidden_layers=2,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            max_position_embeddings=1024,
-        )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(**_sizes(quick)))
+
+
+def gemma2(quick: bool) -> Any:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    s = _sizes(quick)
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    cfg = Gemma2Config(**s, head_dim=head_dim, sliding_window=128, query_pre_attn_scalar=head_dim)
+    return Gemma2ForCausalLM(cfg)  # soft-capped logits and attention, eager attention
+
+
+def qwen3_moe(quick: bool) -> Any:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    s = _sizes(quick)
+    cfg = Qwen3MoeConfig(
+        **s,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=s["intermediate_size"] // 4,
+        head_dim=s["hidden_size"] // s["num_attention_heads"],
+    )
+    return Qwen3MoeForCausalLM(cfg)  # one device: transformers' default experts implementation
+
+
+def mixtral(quick: bool) -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    s = _sizes(quick)
+    cfg = MixtralConfig(
+        **{**s, "intermediate_size": s["intermediate_size"] // 4}, num_local_experts=8
+    )
+    return MixtralForCausalLM(cfg)  # 8 experts of a quarter of the MLP, top-2
+
+
+@dataclass(frozen=True)
+class Row:
+    """One family of the table."""
+
+    label: str
+    build: Callable[[bool], Any]  # quick -> the model on one device
+    axes: Callable[[int], dict[str, int]]  # tp -> the mesh's axes
+    plan: dict[str, Any] = field(default_factory=dict)  # keywords of fd.nn.plans.plan
+    compiled: bool = False  # also timed under torch.compile
+
+
+ROWS: list[Row] = [
+    Row("Llama", llama, lambda tp: {"tp": tp}, {"sequence_parallel": True}, compiled=True),
+    Row("Gemma 2", gemma2, lambda tp: {"tp": tp}, {"sequence_parallel": True}),
+    # experts over ep, attention and each expert's features over tp (no sequence parallelism)
+    Row("Qwen3-MoE", qwen3_moe, lambda tp: {"ep": 2, "tp": max(tp // 2, 1)}),
+    # every expert whole on one of tp ranks: attention over tp, experts over ep
+    Row("Mixtral", mixtral, lambda tp: {"ep": tp}),
+]
 
 
 def _paired(
@@ -78,60 +131,65 @@ def _paired(
     return statistics.median(tb), statistics.median(tf), statistics.median(ratios)
 
 
-def bench(
-    quick: bool, tp: int = 4, device: str = "cpu", dtype: torch.dtype = torch.float32
+def _step(
+    loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[Any], sync: Any
+) -> Callable[[], None]:
+    def run() -> None:
+        for p in params:
+            p.grad = None
+        loss(x).backward()
+        sync()  # a device's work is asynchronous: time it done
+
+    return run
+
+
+def bench_row(
+    row: Row, quick: bool, tp: int, device: str, dtype: torch.dtype
 ) -> list[dict[str, Any]]:
-    one = _llama(quick).to(device=device, dtype=dtype)
+    """The row's eager (and compiled) step ratios."""
+    torch.manual_seed(0)
+    one = row.build(quick).to(device=device, dtype=dtype).eval()
     model = copy.deepcopy(one)
-    mesh = fd.Mesh({"tp": tp})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
-    B, S = (2, 32) if quick else (2, 256)
-    ids = torch.randint(
-        0, one.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0)
-    ).to(device)
+    mesh = fd.Mesh(row.axes(tp))
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, **row.plan))
+    B, S = (2, 16) if quick else (2, 256)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, one.config.vocab_size, (B, S), generator=gen).to(device)
+    ids_r = ids.expand(mesh.size, B, S)  # every rank the same batch
+    with torch.no_grad():  # the parallel model is the same model
+        want = one(input_ids=ids, labels=ids).loss
+        got = pm(input_ids=ids_r, labels=ids_r).loss
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want.expand(mesh.size), rtol=tol, atol=tol)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    ids_r = ids.expand(tp, B, S)
 
-    def one_loss(ids: torch.Tensor) -> torch.Tensor:
-        return one(input_ids=ids, labels=ids).loss
+    def one_loss(x: torch.Tensor) -> torch.Tensor:
+        return one(input_ids=x, labels=x).loss
 
-    def par_loss(ids: torch.Tensor) -> torch.Tensor:
-        return pm(input_ids=ids, labels=ids).loss.sum()
-
-    def step(
-        loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Any
-    ) -> Callable[[], None]:
-        def run() -> None:
-            for p in params:
-                p.grad = None
-            loss(x).backward()
-            sync()  # a device's work is asynchronous: time it done
-
-        return run
+    def par_loss(x: torch.Tensor) -> torch.Tensor:
+        return pm(input_ids=x, labels=x).loss.sum()
 
     rows = []
-    reps = 3 if quick else 7
-    for mode in ("eager", "compiled"):
+    for mode in ("eager", "compiled") if row.compiled else ("eager",):
         f_one, f_par = (
             (one_loss, par_loss)
             if mode == "eager"
             else (torch.compile(one_loss), torch.compile(par_loss))
         )
-        base, fn = (
-            step(f_one, ids, list(one.parameters())),
-            step(f_par, ids_r, list(pm.parameters())),
-        )
+        base = _step(f_one, ids, list(one.parameters()), sync)
+        fn = _step(f_par, ids_r, list(pm.parameters()), sync)
         t0 = time.perf_counter()
         base(), fn()  # compile (timed apart)
         first = time.perf_counter() - t0
-        tb, tf, ratio = _paired(base, fn, reps)
+        tb, tf, ratio = _paired(base, fn, 3 if quick else 7)
+        where = "" if device == "cpu" else f", {device} {str(dtype).removeprefix('torch.')}"
         rows.append(
             {
-                "case": f"HF Llama fwd+bwd, {mode}"
-                + ("" if device == "cpu" else f", {device} {str(dtype).removeprefix('torch.')}"),
+                "case": f"HF {row.label} fwd+bwd, {mode}{where}",
+                "family": one.config.model_type,
                 "hidden": one.config.hidden_size,
                 "seq": S,
-                "tp": tp,
+                "mesh": row.axes(tp),
                 "one_device_ms": tb * 1e3,
                 "fastdist_ms": tf * 1e3,
                 "ratio": ratio,
@@ -146,26 +204,38 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--only", nargs="*", default=None, help="labels of ROWS to run (default all)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)
-    torch.set_num_threads(torch.get_num_threads())
-    rows = bench(args.quick, device=args.device, dtype=getattr(torch, args.dtype))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hf_models.json").write_text(json.dumps(rows, indent=1))
+    load_before = os.getloadavg()
+    rows = [
+        r
+        for row in ROWS
+        if args.only is None or row.label in args.only
+        for r in bench_row(row, args.quick, args.tp, args.device, getattr(torch, args.dtype))
+    ]
+    load_after = os.getloadavg()
     lines = [
-        "| case | hidden | seq | tp | one device ms | fastdist (all ranks) ms | ratio |",
+        "| case | hidden | seq | mesh | one device ms | fastdist (all ranks) ms | ratio |",
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['case']} | {r['hidden']} | {r['seq']} | {r['tp']} | {r['one_device_ms']:.1f} | "
+        f"| {r['case']} | {r['hidden']} | {r['seq']} | {r['mesh']} | {r['one_device_ms']:.1f} | "
         f"{r['fastdist_ms']:.1f} | {r['ratio']:.3f} |"
         for r in rows
     ]
-    (args.out / "hf_models.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    table = "\n".join(lines)
+    load = f"load average (1 min) before {load_before[0]:.1f}, after {load_after[0]:.1f}"
+    print(table + "\n\n" + load)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hf_models.json").write_text(
+        json.dumps({"rows": rows, "loadavg": [load_before[0], load_after[0]]}, indent=1)
+    )
+    (args.out / "hf_models.md").write_text(table + "\n\n" + load + "\n")
     return 0
 
 

@@ -65,20 +65,21 @@ def test_benchmark_suite_smoke_run(tmp_path: Path) -> None:
 
 
 def test_hf_models_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/hf_models.py --quick: every family of its table (Llama eager and compiled,
+    Gemma 2, Qwen3-MoE, Mixtral at ep 4) checked against one device, then timed."""
     _run_quick("hf_models.py", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "hf_models.json").read_text())
-    assert [r["case"] for r in rows] == ["HF Llama fwd+bwd, eager", "HF Llama fwd+bwd, compiled"]
-    assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 and r["tp"] == 4 for r in rows)
-    assert "| HF Llama fwd+bwd, eager |" in (tmp_path / "hf_models.md").read_text()
-
-
-def test_families_benchmark_smoke_run(tmp_path: Path) -> None:
-    _run_quick("families.py", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "families.json").read_text())
-    cases = [r["case"] for r in rows]
-    assert cases[:2] == ["HF Llama fwd+bwd, eager", "HF Gemma 2 fwd+bwd, eager"], cases
-    assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 for r in rows)
-    assert "| HF Gemma 2 fwd+bwd, eager |" in (tmp_path / "families.md").read_text()
+    res = json.loads((tmp_path / "hf_models.json").read_text())
+    assert [r["case"] for r in res["rows"]] == [
+        "HF Llama fwd+bwd, eager",
+        "HF Llama fwd+bwd, compiled",
+        "HF Gemma 2 fwd+bwd, eager",
+        "HF Qwen3-MoE fwd+bwd, eager",
+        "HF Mixtral fwd+bwd, eager",
+    ]
+    assert all(r["ratio"] > 0 and r["one_device_ms"] > 0 for r in res["rows"])
+    assert res["rows"][-1]["mesh"] == {"ep": 4} and len(res["loadavg"]) == 2
+    md = (tmp_path / "hf_models.md").read_text()
+    assert "| HF Gemma 2 fwd+bwd, eager |" in md and "load average" in md
 
 
 def test_moe_benchmark_smoke_run(tmp_path: Path) -> None:
