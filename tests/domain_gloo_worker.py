@@ -50,17 +50,22 @@ def unet_and_inputs() -> tuple[nn.Module, Tensor, Tensor]:
 
 def unet_on_gloo() -> dict[str, Any]:
     """One rank of a 2 x 2 mesh (H over ``h``, W over ``w``): the model forward and backward in
-    training mode; the whole output, the input and parameter gradients, the running statistics."""
+    training mode, with even blocks and with uneven W blocks (4 and 8 columns); the whole outputs,
+    the input and parameter gradients, the running statistics."""
     mesh = fd.connect(dp=1, h=2, w=2, order=("dp", "h", "w"), timeout=120)
-    net, x, cot = unet_and_inputs()
-    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h", -1: "w"})})
-    xr = x.clone().requires_grad_()
-    out = pm(xr)
-    (out * cot).sum().backward()
-    bn: Any = net.mid[0]
-    return {
-        "out": out.detach(),
-        "dx": xr.grad,
-        "grads": pm.grads(),
-        "running": (bn.running_mean.clone(), bn.running_var.clone()),
-    }
+    results = {}
+    for name, sizes in [("even", None), ("uneven", {-1: [4, 8]})]:
+        net, x, cot = unet_and_inputs()
+        style = fd.nn.DomainParallel({-2: "h", -1: "w"}, sizes=sizes)
+        pm = fd.nn.parallelize(net, mesh, {"": style})
+        xr = x.clone().requires_grad_()
+        out = pm(xr)
+        (out * cot).sum().backward()
+        bn: Any = net.mid[0]
+        results[name] = {
+            "out": out.detach(),
+            "dx": xr.grad,
+            "grads": pm.grads(),
+            "running": (bn.running_mean.clone(), bn.running_var.clone()),
+        }
+    return results

@@ -376,9 +376,10 @@ def test_bad_styles_are_refused() -> None:
 
 
 def test_unet_like_stack_on_gloo() -> None:
-    """4 gloo processes (H x W over 2 x 2), training mode: outputs, gradients and the batch
-    norm's running statistics (every rank updates them from the whole domain's statistics)
-    equal one device."""
+    """4 gloo processes (H x W over 2 x 2), training mode, even blocks and uneven W blocks (4 and
+    8 columns: the norms' counts summed, the output gathered by each rank's own rows): outputs,
+    gradients and the batch norm's running statistics (every rank updates them from the whole
+    domain's statistics) equal one device."""
     from fastdist.testing import run_on_gloo
 
     net, x, cot = unet_and_inputs()
@@ -386,10 +387,23 @@ def test_unet_like_stack_on_gloo() -> None:
     out = net(xr)
     (out * cot).sum().backward()
     bn: Any = net.mid[0]
-    for got in run_on_gloo(unet_on_gloo, 4, timeout=180):
-        assert torch.allclose(got["out"], out, atol=TOL)
-        assert torch.allclose(got["dx"], xr.grad, atol=TOL)  # type: ignore[arg-type]
-        for name, p in net.named_parameters():
-            assert torch.allclose(got["grads"][name], p.grad, atol=TOL), name  # type: ignore[arg-type]
-        assert torch.allclose(got["running"][0], bn.running_mean, atol=1e-12)
-        assert torch.allclose(got["running"][1], bn.running_var, atol=1e-12)
+    for per_rank in run_on_gloo(unet_on_gloo, 4, timeout=180):
+        for got in per_rank.values():
+            assert torch.allclose(got["out"], out, atol=TOL)
+            assert torch.allclose(got["dx"], xr.grad, atol=TOL)  # type: ignore[arg-type]
+            for name, p in net.named_parameters():
+                assert torch.allclose(got["grads"][name], p.grad, atol=TOL), name  # type: ignore[arg-type]
+            assert torch.allclose(got["running"][0], bn.running_mean, atol=1e-12)
+            assert torch.allclose(got["running"][1], bn.running_var, atol=1e-12)
+
+
+def test_uneven_blocks_are_refused_on_simulated_ranks() -> None:
+    mesh = fd.Mesh({"h": 2})
+    for sizes, match in [
+        ({-2: [2, 6]}, "real ranks only"),
+        ({-2: [8]}, "1 blocks for the 2 ranks"),
+        ({-1: [4, 4]}, "does not split"),
+    ]:
+        style = fd.nn.DomainParallel({-2: "h"}, sizes=sizes)
+        with pytest.raises(fd.nn.ParallelizeError, match=match):
+            fd.nn.parallelize(nn.Conv2d(1, 1, 3, padding=1), mesh, {"": style})

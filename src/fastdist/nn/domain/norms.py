@@ -4,8 +4,9 @@ rank normalizes with the whole domain's mean and variance.
 
 The statistics are invariant over the split axes and meet each rank's own rows, so they are
 ``pvary``'d after the ``psum``: in backward each rank's share of their gradient is summed over the
-axes, which is the gradient of one device's mean and variance. Blocks are even (every rank's
-count the same). Token-local norms (``LayerNorm`` / ``RMSNorm`` over channels) need nothing.
+axes, which is the gradient of one device's mean and variance. On real ranks the counts are summed
+too (blocks may be uneven there). Token-local norms (``LayerNorm`` / ``RMSNorm`` over channels)
+need nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def domain_moments(
     count = 1
     for r in reduce:
         count *= x.shape[r]
-    if axes:
+    if axes and mesh.backend is None:  # simulated ranks: even blocks
         count *= mesh.axis_size(axes)
+    elif axes:  # real ranks: blocks may be uneven, so the counts are summed too
+        count = int(psum(x.new_tensor(float(count)), mesh, axes).item())
     mean = _total(x.sum(reduce, keepdim=True), mesh, axes) / count
     var = _total(((x - mean) ** 2).sum(reduce, keepdim=True), mesh, axes) / count
     return mean, var, count

@@ -15,9 +15,10 @@ refused when they run, and ``F.interpolate`` is run domain-parallel.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
@@ -35,7 +36,13 @@ from fastdist.nn.domain.layers import (
 )
 from fastdist.nn.domain.windows import UPSAMPLE_HALO, Split, domain_upsample
 from fastdist.nn.styles.base import Style, StyleContext
-from fastdist.ops import all_gather_invariant, local_chunk
+from fastdist.ops import (
+    all_gather,
+    all_gather_invariant,
+    all_gather_v,
+    axis_index,
+    local_chunk,
+)
 
 __all__ = ["DomainParallel"]
 
@@ -56,7 +63,8 @@ class DomainParallel(Style):
     is cut to this rank's block along every split dim, and its output (every tensor of at least
     as many dims) is gathered (``output="gather"``) or left as this rank's block
     (``output="split"``). Blocks are even: each split dim divisible by its axis size at every
-    layer (a clear error names the layer otherwise).
+    layer (a clear error names the layer otherwise); on real ranks ``sizes=`` gives uneven
+    blocks (each a multiple of the strides on the way).
 
     Built layers: ``Conv1d/2d/3d`` (any kernel, stride, dilation, groups; padding modes zeros,
     reflect, replicate, circular; a strided padding such that the length divides by the
@@ -76,6 +84,8 @@ class DomainParallel(Style):
         output: ``"gather"`` (every rank gets the whole output) or ``"split"`` (its block).
         input: the name of the field's argument when it is passed by keyword.
         local: module classes that act on each position alone (run as they are).
+        sizes: ``{dim from the end: each rank's rows}`` for uneven blocks of the field (real ranks
+            only: simulated ranks share one shape); the layers follow each rank's own rows.
 
     >>> import torch, fastdist as fd
     >>> net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.GroupNorm(2, 4),
@@ -96,10 +106,12 @@ class DomainParallel(Style):
         output: str = "gather",
         input: str | None = None,
         local: tuple[type, ...] = (),
+        sizes: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         self.split: Split = tuple(sorted((int(d), str(a)) for d, a in dict(dims).items()))
         self.output, self.input, self.local = output, input, tuple(local)
         self.axes = tuple(a for _, a in self.split)
+        self.sizes = {int(d): tuple(int(v) for v in s) for d, s in dict(sizes or {}).items()}
 
     def __repr__(self) -> str:
         return f"DomainParallel({dict(self.split)}, output={self.output!r})"
@@ -123,6 +135,24 @@ class DomainParallel(Style):
             raise ParallelizeError(
                 f"DomainParallel on {where!r}: {done[0] or where!r} is already domain-parallel. "
                 "Fix: parallelize a fresh single-device model (copy.deepcopy before the first call)"
+            )
+        if set(self.sizes) - {d for d, _ in self.split}:
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: sizes= names dims {sorted(self.sizes)} that dims= "
+                f"does not split ({[d for d, _ in self.split]}). Fix: one entry per split dim"
+            )
+        for d, a in self.split:
+            if d in self.sizes and len(self.sizes[d]) != mesh.axis_size(a):
+                raise ParallelizeError(
+                    f"DomainParallel on {where!r}: sizes[{d}]={list(self.sizes[d])} has "
+                    f"{len(self.sizes[d])} blocks for the {mesh.axis_size(a)} ranks of {a!r}. "
+                    "Fix: one block size per rank"
+                )
+        if self.sizes and mesh.backend is None:
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: uneven blocks (sizes=) run on real ranks only: "
+                "simulated ranks share one shape. Fix: even blocks on a simulated mesh, or a mesh "
+                "from fastdist.connect"
             )
         if self.output not in ("gather", "split"):
             raise ParallelizeError(
@@ -183,9 +213,9 @@ def _enter(
     """Forward pre-hook: the field cut to this rank's block; the functional guard on."""
     key = style.input or next((k for k in _FIELD_NAMES if k in kwargs), None)
     if style.input is None and args:
-        args = (_cut(args[0], style.split, mesh, where), *args[1:])
+        args = (_cut(args[0], style, mesh, where), *args[1:])
     elif key is not None and key in kwargs:
-        kwargs = {**kwargs, key: _cut(kwargs[key], style.split, mesh, where)}
+        kwargs = {**kwargs, key: _cut(kwargs[key], style, mesh, where)}
     else:
         raise ParallelizeError(
             f"DomainParallel on {where!r}: called without the field (no positional argument and "
@@ -196,9 +226,10 @@ def _enter(
     return args, kwargs
 
 
-def _cut(field: Any, split: Split, mesh: Mesh, where: str) -> Tensor:
-    """This rank's block of the whole field (the same on every rank)."""
-    x = field
+def _cut(field: Any, style: DomainParallel, mesh: Mesh, where: str) -> Tensor:
+    """This rank's block of the whole field (the same on every rank): even blocks, or on real
+    ranks the blocks of ``style.sizes``."""
+    x, split = field, style.split
     if not isinstance(x, Tensor) or x.dim() < max(-d for d, _ in split):
         raise ParallelizeError(
             f"DomainParallel on {where!r}: the field is {type(x).__name__} "
@@ -207,14 +238,58 @@ def _cut(field: Any, split: Split, mesh: Mesh, where: str) -> Tensor:
         )
     for d, axis in split:
         n = mesh.axis_size(axis)
+        sizes = style.sizes.get(d)
+        if sizes is not None:
+            if sum(sizes) != x.shape[d]:
+                raise ParallelizeError(
+                    f"DomainParallel on {where!r}: sizes[{d}]={list(sizes)} add up to "
+                    f"{sum(sizes)} rows, the field has {x.shape[d]}. Fix: blocks that tile it"
+                )
+            x = ChunkV.apply(x, mesh, axis, x.dim() + d, sizes)  # type: ignore[no-untyped-call]
+            continue
         if x.shape[d] % n:
             raise ParallelizeError(
                 f"DomainParallel on {where!r}: dim {d} of the field has {x.shape[d]} rows, not "
                 f"divisible by the {n} ranks of {axis!r}. Fix: a length divisible by {n} (times "
-                "the strides of the layers on the way)"
+                "the strides of the layers on the way), or sizes= (uneven blocks, real ranks)"
             )
         x = local_chunk(x, mesh, axis, x.dim() + d)
-    return x
+    block: Tensor = x
+    return block
+
+
+class ChunkV(torch.autograd.Function):
+    """This rank's rows ``sizes[i]`` of a replicated tensor along ``dim`` (real ranks); backward:
+    the gradient of every rank's rows gathered (``all_gather_v``), so every rank's copy of the
+    input gets the whole gradient (``local_chunk``'s rule, uneven)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, mesh: Mesh, axis: str, dim: int, sizes: Any) -> Tensor:
+        ctx.mesh, ctx.axis, ctx.dim, ctx.sizes = mesh, axis, dim, sizes
+        i = int(axis_index(mesh, axis))
+        block: Tensor = x.narrow(dim, sum(sizes[:i]), sizes[i]).clone()
+        return block
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        whole = all_gather_v(g.contiguous(), ctx.mesh, ctx.axis, ctx.sizes, ctx.dim)
+        return whole, None, None, None, None
+
+
+class GatherV(torch.autograd.Function):
+    """Every rank's uneven block concatenated along ``dim`` for a replicated consumer (real
+    ranks); backward: this rank's rows of the gradient (``all_gather_invariant``'s rule,
+    uneven)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, mesh: Mesh, axis: str, dim: int, sizes: Any) -> Tensor:
+        i = int(axis_index(mesh, axis))
+        ctx.dim, ctx.start, ctx.rows = dim, sum(sizes[:i]), sizes[i]
+        return all_gather_v(x.contiguous(), mesh, axis, sizes, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        return g.narrow(ctx.dim, ctx.start, ctx.rows).contiguous(), None, None, None, None
 
 
 def _leave(
@@ -228,22 +303,29 @@ def _leave(
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     if style.output == "split":
         return out
-    return _gather_tree(out, style.split, mesh)
+    return _gather_tree(out, style.split, mesh, bool(style.sizes))
 
 
-def _gather_tree(out: Any, split: Split, mesh: Mesh) -> Any:
-    """Every tensor of ``out`` that holds the split dims, gathered along them."""
+def _gather_tree(out: Any, split: Split, mesh: Mesh, uneven: bool) -> Any:
+    """Every tensor of ``out`` that holds the split dims, gathered along them (``uneven``: each
+    rank's rows told to the others first)."""
     if isinstance(out, Tensor):
         if out.dim() < 2 + max(-d for d, _ in split):
             return out
         for d, axis in split:
-            out = all_gather_invariant(out, mesh, axis, out.dim() + d)
+            dim = out.dim() + d
+            if not uneven:
+                out = all_gather_invariant(out, mesh, axis, dim)
+                continue
+            rows = all_gather(out.new_tensor([float(out.shape[dim])]), mesh, axis)
+            sizes = [int(r) for r in rows.tolist()]
+            out = GatherV.apply(out, mesh, axis, dim, sizes)  # type: ignore[no-untyped-call]
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_gather_tree(v, split, mesh) for v in out)
+        return type(out)(_gather_tree(v, split, mesh, uneven) for v in out)
     if hasattr(out, "keys") and hasattr(out, "__setitem__"):  # dicts, diffusers' BaseOutput
         for k in list(out.keys()):
-            out[k] = _gather_tree(out[k], split, mesh)
+            out[k] = _gather_tree(out[k], split, mesh, uneven)
     return out
 
 
