@@ -67,11 +67,13 @@ def test_uneven_tokens_equal_one_device(mode: str) -> None:
 
 
 def test_per_token_timesteps_equal_one_device() -> None:
-    """Wan 2.2 TI2V's 2-d timestep (one per token): cut with the tokens (9 over 2 ranks)."""
+    """Wan 2.2 TI2V's 2-d timestep (one per token): cut with the tokens (9 over 2 ranks); the
+    text states, 9 tokens long too, stay whole."""
     g = torch.Generator().manual_seed(4)
     x = inputs()
     x["hidden_states"] = torch.randn(2, 4, 1, 6, 6, generator=g, dtype=torch.float64)
     x["timestep"] = torch.rand(2, 9, generator=g, dtype=torch.float64) * 1000
+    x["encoder_hidden_states"] = torch.randn(2, 9, 16, generator=g, dtype=torch.float64)
     check_mode("ring-2", x)
 
 

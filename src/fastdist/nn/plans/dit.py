@@ -48,7 +48,7 @@ def wan(
     >>> fd.nn.plans.wan(axis="sp")
     {'': ContextParallel(axis='sp', blocks='blocks', attention=('attn1',), cross=('attn2',), \
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
-output='proj_out', mode='ulysses', ring_axis=None, rotary='rope')}
+output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1))}
     """
     _check(model, mesh, axis, ring_axis, "WanTransformer3DModel", "wan")
     return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)}

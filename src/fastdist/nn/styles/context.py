@@ -315,14 +315,16 @@ def _feed_outputs(
     mesh: Mesh,
     axes: tuple[str, ...],
     where: str,
+    per_token: tuple[int, ...],
     module: nn.Module,
     args: Any,
     kwargs: Any,
     out: Any,
 ) -> Any:
     """Forward hook of a ``whole`` module feeding the blocks: every tensor output ``pvary``'d;
-    with per-token timesteps (``timestep_seq_len``, Wan 2.2 TI2V) its outputs with one row per
-    token (dim 1) are cut to this rank's tokens instead."""
+    with per-token timesteps (a ``timestep_seq_len`` keyword, Wan 2.2 TI2V) its outputs at the
+    indices ``per_token`` hold one row per token (dim 1) and are cut to this rank's tokens
+    instead."""
     axis = axes[0] if len(axes) == 1 else axes
     tokens = kwargs.get("timestep_seq_len")
     outs = out if isinstance(out, tuple) else (out,)
@@ -333,14 +335,21 @@ def _feed_outputs(
             "blocks"
         )
 
-    def one(t: Tensor | None) -> Tensor | None:
+    def one(i: int, t: Tensor | None) -> Tensor | None:
         if t is None:
             return None
-        if tokens is not None and t.dim() >= 2 and t.shape[1] == tokens:
-            return TokenSplit(mesh, axes, tokens).shard(t, dim=1)  # per-token: (B, rows, ...)
-        return pvary(t, mesh, axis)
+        if tokens is None or i not in per_token:
+            return pvary(t, mesh, axis)
+        if t.dim() < 2 or t.shape[1] != tokens:
+            raise ParallelizeError(
+                f"context parallelism over {axes}: {where} got per-token timesteps "
+                f"(timestep_seq_len={tokens}) but its output {i} is {tuple(t.shape)}, not one row "
+                "per token. Fix: ContextParallel(per_token=...) naming the outputs that carry a "
+                "row per token"
+            )
+        return TokenSplit(mesh, axes, tokens).shard(t, dim=1)  # per-token: (B, rows, ...)
 
-    mine = tuple(one(t) for t in outs)
+    mine = tuple(one(i, t) for i, t in enumerate(outs))
     return mine if isinstance(out, tuple) else mine[0]
 
 
@@ -375,6 +384,10 @@ class ContextParallel(Style):
             ``(ring_axis, axis)``, ring-major.
         rotary: the module (in ``whole``) whose outputs ``(1, tokens, ...)`` are the rotary
             embedding of every position: cut to this rank's positions; ``None``: none.
+        per_token: with per-token timesteps (a ``timestep_seq_len`` keyword to a ``feeds``
+            module, Wan 2.2 TI2V), the indices of that module's outputs that hold one row per
+            token (Wan: the timestep embedding and its projection): cut with the tokens, not
+            ``pvary``'d. Only these: a text state as long as the video is still replicated.
 
     Every other parameter of the model is in the split region and is ``pvary``'d over the split
     axes. ``check`` refuses a block attention listed in neither ``attention`` nor ``cross`` (it
@@ -391,6 +404,7 @@ class ContextParallel(Style):
     mode: Mode = "ulysses"
     ring_axis: str | None = None
     rotary: str | None = "rope"
+    per_token: tuple[int, ...] = (0, 1)
 
     def _blocks(self, model: nn.Module, name: str) -> nn.ModuleList:
         try:
@@ -466,7 +480,8 @@ class ContextParallel(Style):
             )
         for feed in self.feeds:
             module.get_submodule(feed).register_forward_hook(
-                functools.partial(_feed_outputs, mesh, axes, feed), with_kwargs=True
+                functools.partial(_feed_outputs, mesh, axes, feed, self.per_token),
+                with_kwargs=True,
             )
         module.get_submodule(self.output).register_forward_hook(
             functools.partial(_gather_tokens, current)
