@@ -240,3 +240,26 @@ def test_context_memory_benchmark_smoke() -> None:
     rows = runpy.run_path(str(script))["main"](["--quick", "--n", "2"])
     assert len(rows) == 1 and len(rows[0]) == 5, rows
     assert rows[0]["CP ring (cp=2)"] < rows[0]["one device"], rows
+
+
+def test_two_context_parallel_models_keep_their_own_state() -> None:
+    """transformers' registry holds one attention function; it finds each model's state on the
+    attention module it is given, so two models (other meshes, modes) run side by side; a model
+    that names the function without being context parallel is refused."""
+    ref = tiny_models.build("llama", kv=2)
+    runs = []
+    for n, mode in ((2, "ring"), (4, "ulysses")):
+        model = copy.deepcopy(ref)
+        mesh = fd.Mesh({"cp": n})
+        cp = CausalContextParallel("cp", mode)  # type: ignore[arg-type]
+        plan = fd.nn.plans.plan(model, mesh, context_parallel=cp)
+        runs.append((fd.nn.parallelize(model, mesh, plan), mesh))
+    ids, _ = batch(4)
+    want = ref(input_ids=ids, use_cache=False).logits.detach()
+    for pm, mesh in runs + runs[::-1]:
+        got = pm(input_ids=rep(ids, mesh), use_cache=False).logits
+        torch.testing.assert_close(got, rep(want, mesh), rtol=1e-9, atol=1e-10)
+    plain = tiny_models.build("llama", kv=2)
+    plain.config._attn_implementation = "fastdist_context"
+    with pytest.raises(ParallelizeError, match="belongs to no context-parallel model"):
+        plain(input_ids=ids, use_cache=False)

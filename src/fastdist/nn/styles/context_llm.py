@@ -13,11 +13,12 @@ What is split where (``n`` ranks of ``axis``, a sequence of ``S`` tokens cut int
   the attention masks with; the first decoder layer's pre-hook cuts the embedding output
   ``(B, S, D)`` to ``(B, 2c, D)`` (``local_chunk``: backward gathers the gradient);
 * every attention runs through transformers' attention registry (``ALL_ATTENTION_FUNCTIONS``:
-  one function registered per model, ``config._attn_implementation`` pointing at it; nothing of
-  transformers is patched): ``"ring"`` rotates k, v and their token indices around the axis
-  (``ring_shift``) and merges the blocks with an online softmax, masking by token index (causal,
-  sliding window, padding keys); ``"ulysses"`` trades tokens for heads (``all_to_all_4d``),
-  attends over the whole sequence, and trades back;
+  one function, `context_attention`, registered as ``"fastdist_context"`` and named by the
+  model's ``config._attn_implementation``; it finds the model's state on the attention module
+  it is given; nothing of transformers is patched): ``"ring"`` rotates k, v and their token
+  indices around the axis (``ring_shift``) and merges the blocks with an online softmax,
+  masking by token index (causal, sliding window, padding keys); ``"ulysses"`` trades tokens
+  for heads (``all_to_all_4d``), attends over the whole sequence, and trades back;
 * the base model's output (after the final norm) is gathered and put back in token order
   (``all_gather_invariant``), so the LM head, the logits and the loss see the whole sequence,
   replicated over the axis, exactly as on one device;
@@ -40,9 +41,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
@@ -57,9 +57,12 @@ __all__ = ["CausalContextParallel", "PvaryTree", "decoding", "zigzag_gather", "z
 
 Mode = Literal["ring", "ulysses"]
 Split = Literal["zigzag", "contiguous"]
-_NAMES = itertools.count()
-#: the attribute of the base model holding its `ContextState`
+#: the attribute of the base model, and of every module of its decoder layers, holding the
+#: model's `ContextState` (the attention function finds it on the attention module it is given,
+#: so a copy of the model, ``copy.deepcopy``, uses its own)
 STATE_ATTR = "fastdist_context_state"
+#: the name of the attention function in transformers' registry (``config._attn_implementation``)
+ATTENTION = "fastdist_context"
 
 
 # ============================================================================ zig-zag layout
@@ -100,7 +103,6 @@ class ContextState:
     mesh: Mesh
     axis: str
     mode: Mode
-    name: str
     layout: Split = "zigzag"
     #: this forward's tokens are split over the axis (else every rank runs them whole)
     split: bool = False
@@ -112,7 +114,6 @@ class ContextState:
     whole_ok: bool = False
     #: (B, all keys) padding flags of a forward run whole
     whole_valid: Tensor | None = None
-    handles: list[Any] = field(default_factory=list)
 
     @property
     def chunks(self) -> int:
@@ -136,9 +137,10 @@ class ContextState:
 @contextlib.contextmanager
 def decoding(model: nn.Module) -> Iterator[None]:
     """Within the block, a forward of ``model`` (or its base model) whose tokens cannot be split
-    (a decoding step with a KV cache, a length ``2n`` does not divide) runs whole on every rank
+    (a decoding step with a KV cache, a length the chunks do not divide) runs whole on every rank
     instead of raising; nothing when the model is not context parallel."""
-    states = [s for m in model.modules() if (s := getattr(m, STATE_ATTR, None)) is not None]
+    found = (m.__dict__.get(STATE_ATTR) for m in model.modules())
+    states = list({id(s): s for s in found if isinstance(s, ContextState)}.values())
     old = [s.whole_ok for s in states]
     for s in states:
         s.whole_ok = True
@@ -147,11 +149,6 @@ def decoding(model: nn.Module) -> Iterator[None]:
     finally:
         for s, o in zip(states, old, strict=True):
             s.whole_ok = o
-
-
-def context_states(model: nn.Module) -> list[ContextState]:
-    """The `ContextState` of every context-parallel base model inside ``model``."""
-    return [s for m in model.modules() if (s := getattr(m, STATE_ATTR, None)) is not None]
 
 
 # ============================================================================ hooks
@@ -233,9 +230,11 @@ def _split_first_layer(
 
 
 def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) -> Any:
-    """Forward hook of the base model: the output (and a KV cache filled by this forward) gathered
-    into the whole sequence, in token order."""
-    if not state.split:
+    """Forward hook of the base model (also when its forward raised): the output (and a KV cache
+    filled by this forward) gathered into the whole sequence, in token order; the per-call
+    tensors dropped (inside a simulation they are the simulation's, which must not outlive it)."""
+    state.index = state.valid = state.whole_valid = None
+    if not state.split or out is None:
         return out
     axis = state.axis
     out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
@@ -341,7 +340,6 @@ def _ulysses_kv_heads(state: ContextState, module: Any, hq: int, hkv: int) -> in
 
 
 def context_attention(
-    state: ContextState,
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -353,8 +351,17 @@ def context_attention(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """The attention function registered with transformers for a context-parallel model: q
-    ``(B, Hq, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` (HF's layout) -> ``(B, Sq, Hq, Dv)``, causal."""
+    """The attention function registered with transformers (`ATTENTION`) for context-parallel
+    models: q ``(B, Hq, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` (HF's layout) -> ``(B, Sq, Hq, Dv)``,
+    causal, with the state of the model ``module`` belongs to."""
+    state = module.__dict__.get(STATE_ATTR)
+    if not isinstance(state, ContextState):
+        raise ParallelizeError(
+            f"attention implementation {ATTENTION!r}: {type(module).__name__} belongs to no "
+            "context-parallel model (CausalContextParallel sets it on its decoder layers). Fix: "
+            "parallelize the model with a context_parallel plan, or set another "
+            "attn_implementation"
+        )
     if dropout:
         raise ParallelizeError(
             f"context parallelism over {state.axis!r}: attention dropout ({dropout}) is not "
@@ -397,11 +404,11 @@ def context_attention(
 
 
 # ============================================================================ styles
-def _register_attention(state: ContextState, module: nn.Module) -> None:
+def _register_attention(module: nn.Module) -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(state.name, functools.partial(context_attention, state))
-    module.config._attn_implementation = state.name  # type: ignore[union-attr]
+    AttentionInterface.register(ATTENTION, context_attention)
+    module.config._attn_implementation = ATTENTION  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -452,20 +459,16 @@ class CausalContextParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        name_ = f"fastdist_context_{next(_NAMES)}"
-        state = ContextState(ctx.mesh, self.axis, self.mode, name_, self.layout)
-        _register_attention(state, module)
+        state = ContextState(ctx.mesh, self.axis, self.mode, self.layout)
+        _register_attention(module)
         layers: Any = getattr(module, self.layers)
-        state.handles = [
-            module.register_forward_pre_hook(
-                functools.partial(_enter_model, state), with_kwargs=True
-            ),
-            layers[0].register_forward_pre_hook(
-                functools.partial(_split_first_layer, state), with_kwargs=True
-            ),
-            module.register_forward_hook(functools.partial(_leave_model, state)),
-        ]
-        setattr(module, STATE_ATTR, state)
+        module.register_forward_pre_hook(functools.partial(_enter_model, state), with_kwargs=True)
+        layers[0].register_forward_pre_hook(
+            functools.partial(_split_first_layer, state), with_kwargs=True
+        )
+        module.register_forward_hook(functools.partial(_leave_model, state), always_call=True)
+        for sub in (module, *layers.modules()):
+            sub.__dict__[STATE_ATTR] = state  # a plain attribute (not a submodule or buffer)
         return module
 
 
