@@ -363,6 +363,14 @@ _REFUSED: dict[Any, str] = {
 }
 
 
+#: reductions that, over a split dim, would reduce this rank's block as if it were the domain
+_REDUCTIONS = {
+    f
+    for name in ("mean", "sum", "amax", "amin", "var", "std", "logsumexp", "prod", "nansum")
+    for f in (getattr(torch, name), getattr(Tensor, name))
+}
+
+
 class _Guard(TorchFunctionMode):
     """While a domain-parallel module runs: functional calls of the model's own code (between
     the style's layers) that would act on this rank's block as if it were the whole domain
@@ -382,6 +390,8 @@ class _Guard(TorchFunctionMode):
                 return self._interpolate(*args, **kwargs)
             if func is F.pad:
                 self._check_pad(*args, **kwargs)
+            elif func in _REDUCTIONS:
+                self._check_reduction(func, *args, **kwargs)
             elif func in _REFUSED:
                 raise ParallelizeError(
                     f"DomainParallel on {self.where!r}: the model calls {func.__name__} itself, "
@@ -389,6 +399,25 @@ class _Guard(TorchFunctionMode):
                     "torch.nn module (Conv2d, GroupNorm, ...) or end the region before it"
                 )
         return func(*args, **kwargs)
+
+    def _check_reduction(self, func: Any, x: Any = None, *args: Any, **kwargs: Any) -> None:
+        """A reduction (``mean``, ``sum``, ``amax``, ...) over a split dim of the field: this
+        rank's block only, where one device reduces the whole domain."""
+        if not isinstance(x, Tensor):
+            return
+        dim = kwargs.get("dim", args[0] if args and not isinstance(args[0], bool) else None)
+        if isinstance(dim, (str, torch.dtype)):  # e.g. sum(dtype=...) positionally: no dims
+            dim = None
+        dims = range(x.dim()) if dim is None else dim if isinstance(dim, (tuple, list)) else [dim]
+        reduced = {int(r) % max(x.dim(), 1) for r in dims}
+        hit = [d for d, _ in self.split if x.dim() >= 2 - d and x.dim() + d in reduced]
+        if hit:
+            raise ParallelizeError(
+                f"DomainParallel on {self.where!r}: the model reduces a tensor of shape "
+                f"{tuple(x.shape)} over the split dim {hit[0]} itself ({func.__name__}): this "
+                "rank's block only, where one device reduces the whole domain. Fix: a module the "
+                "style runs (GroupNorm, a pooling), or end the domain-parallel region before it"
+            )
 
     def _check_pad(self, x: Tensor, pad: Any, *args: Any, **kwargs: Any) -> None:
         for j in range(len(pad) // 2):  # pad[2j], pad[2j+1]: dim -1-j
