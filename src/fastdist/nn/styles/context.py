@@ -231,7 +231,9 @@ class SequenceParallelAttention(Style):
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) has {heads} heads, which the {n} ranks of "
                 f"{ulysses!r} do not divide: Ulysses gives each rank heads / {n} whole heads. "
-                f"Fix: mode='ring' (any head count), or an {ulysses!r} size that divides {heads}"
+                "Fix: mode='ring' (any head count: the ready plan's mode, e.g. "
+                "plan=fastdist.nn.plans.wan(model, mesh, mode='ring'), or "
+                f"ContextParallel(mode='ring')), or an {ulysses!r} size that divides {heads}"
                 + (
                     " (mode='usp': a smaller Ulysses axis, a larger ring axis)"
                     if self.ring_axis
