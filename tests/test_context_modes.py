@@ -122,6 +122,31 @@ def test_mode_refusals() -> None:
         pm(**{k: v.expand(4, *v.shape) for k, v in few.items()})
 
 
+def test_processor_guards() -> None:
+    """The swap refuses a processor that calls the attention other than once, unmasked."""
+    model = tiny_wan(heads=4, layers=1)
+    pm = fd.nn.parallelize(model, fd.Mesh({"sp": 2}), fd.nn.plans.wan(mode="ring"))
+    processor = model.blocks[0].attn1.processor
+    inner = processor.inner
+    x = {k: v.expand(2, *v.shape) for k, v in inputs().items()}
+
+    def twice(attn: Any, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        inner(attn, h, *args, **kwargs)
+        return inner(attn, h, *args, **kwargs)  # type: ignore[no-any-return]
+
+    def masked(attn: Any, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        q = h.unflatten(2, (4, -1)).transpose(1, 2)  # (B, H, S, D)
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    processor.inner = twice
+    with pytest.raises(ParallelizeError, match=r"'blocks\.0\.attn1'.* 2 times, not once"):
+        pm(**x)
+    processor.inner = masked
+    with pytest.raises(ParallelizeError, match=r"'blocks\.0\.attn1'.*\['attn_mask'\]"):
+        pm(**x)
+
+
 # ------------------------------------------------------------------ real ranks
 def usp_on_gloo() -> tuple[Tensor, dict[str, Tensor]]:
     """One gloo rank of cp=2 x sp=2 (USP), 9 tokens (uneven): the whole output and every
