@@ -8,8 +8,9 @@ run as they are; where it returns, the output is gathered (``output="gather"``) 
 Every parameter is replicated and ``pvary``'d over the split axes, so each rank's gradient is the
 whole gradient. A module that mixes the whole domain is refused at ``parallelize`` time (named,
 with the fix); functional calls in the model's own code that would silently act on a block
-(``F.pad`` of a split dim, ``F.scaled_dot_product_attention``, a functional pooling or norm) are
-refused when they run, and ``F.interpolate`` is run domain-parallel.
+(``F.pad`` of a split dim, ``F.scaled_dot_product_attention``, a functional pooling or norm, a
+reduction over a split dim) are refused when they run, and ``F.interpolate`` is run
+domain-parallel.
 """
 
 from __future__ import annotations
