@@ -263,3 +263,37 @@ def test_two_context_parallel_models_keep_their_own_state() -> None:
     plain.config._attn_implementation = "fastdist_context"
     with pytest.raises(ParallelizeError, match="belongs to no context-parallel model"):
         plain(input_ids=ids, use_cache=False)
+
+
+def test_data_parallel_times_context_parallel_matches_one_device() -> None:
+    """dp x cp: each data rank its own batch, its tokens split over cp; DataParallel averages
+    the gradients over dp; clipping and an AdamW step equal one device on the mean loss."""
+    ref = tiny_models.build("llama", kv=2)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"dp": 2, "cp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel="cp"))
+    fd.train.DataParallel(pm, "dp")
+    batches = [batch(10 + i) for i in range(2)]
+    ids = torch.stack([batches[mesh.coords(r)["dp"]][0] for r in range(mesh.size)])
+    labels = torch.stack([batches[mesh.coords(r)["dp"]][1] for r in range(mesh.size)])
+    logits = pm(input_ids=ids, use_cache=False).logits  # (world, B, S, V)
+    losses = [
+        F.cross_entropy(lg[:, :-1].reshape(-1, VOCAB), lab[:, 1:].reshape(-1), ignore_index=-100)
+        for lg, lab in zip(logits.unbind(0), labels.unbind(0), strict=True)
+    ]
+    torch.stack(losses).sum().backward()
+    want = []
+    for i, lab in batches:
+        lg = ref(input_ids=i, use_cache=False).logits
+        want.append(
+            F.cross_entropy(
+                lg[:, :-1].reshape(-1, VOCAB), lab[:, 1:].reshape(-1), ignore_index=-100
+            )
+        )
+    (sum(want) / len(want)).backward()
+    tol = {"rtol": 1e-9, "atol": 1e-10}
+    grads = pm.grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.testing.assert_close(fd.nn.clip_grad_norm_(pm, 0.5), norm.expand(mesh.size), **tol)
