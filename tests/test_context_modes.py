@@ -145,6 +145,13 @@ def test_processor_guards() -> None:
     processor.inner = masked
     with pytest.raises(ParallelizeError, match=r"'blocks\.0\.attn1'.*\['attn_mask'\]"):
         pm(**x)
+    processor.inner = inner
+    model.set_attention_backend("_native_math")  # reaches the model's own processor
+    assert inner._attention_backend is not None
+    pm(**x)  # the math backend calls torch's attention too: swapped as before
+    model.blocks[0].attn1.set_processor(type(inner)())
+    with pytest.raises(ParallelizeError, match="processor was replaced after parallelize"):
+        pm(**x)
 
 
 # ------------------------------------------------------------------ real ranks

@@ -121,6 +121,24 @@ class SplitProcessor:
         self.inner, self.where, self.mesh, self.axes = inner, where, mesh, axes
         self.ulysses_axis, self.ring_axis, self.current = ulysses_axis, ring_axis, current
 
+    # diffusers sets these on every processor (model.set_attention_backend, enable_parallelism):
+    # they reach the model's own processor, whose attention call the swap then checks
+    @property
+    def _attention_backend(self) -> Any:
+        return getattr(self.inner, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, value: Any) -> None:
+        self.inner._attention_backend = value
+
+    @property
+    def _parallel_config(self) -> Any:
+        return getattr(self.inner, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value: Any) -> None:
+        self.inner._parallel_config = value
+
     def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         carried = [a for a in (*args, *kwargs.values()) if isinstance(a, SplitRotary)]
         split = carried[0].split if carried else self.current.split
@@ -153,7 +171,15 @@ def _self_attention_only(
 ) -> None:
     """Forward pre-hook of a sequence-parallel self-attention: refuse encoder states (this
     attention was planned as self-attention) and masks (a mask over the whole sequence does not
-    fit a rank's block of queries)."""
+    fit a rank's block of queries), and a processor set after ``parallelize`` (it would attend
+    within the rank's tokens alone)."""
+    if not isinstance(getattr(module, "processor", None), SplitProcessor):
+        raise ParallelizeError(
+            f"sequence-parallel attention {name!r}: its processor was replaced after parallelize "
+            f"(now {type(getattr(module, 'processor', None)).__name__}, e.g. by "
+            "set_attn_processor); it would attend within this rank's tokens alone. Fix: set the "
+            "processor before parallelize"
+        )
     given = dict(zip(("hidden_states", "encoder_hidden_states", "attention_mask"), args))
     given.update(kwargs)
     for key in ("encoder_hidden_states", "attention_mask"):
