@@ -148,6 +148,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         {
             "test_the_same_check_runs_on_gloo_processes",
             "test_run_on_gloo_returns_every_rank_result",
+            "test_run_on_gloo_from_a_forkserver",
             "test_run_on_gloo_reports_the_failing_rank",
             "test_run_on_gloo_returns_results_holding_many_tensors",
             "test_run_on_gloo_reports_a_rank_that_died_promptly",

@@ -661,7 +661,13 @@ def stateless(rank: int, world: int) -> dict[str, Any]:
         msg, elapsed = str(e), time.monotonic() - t0
     else:
         msg, elapsed = None, 0.0
-    g.barrier()  # the store's host (rank 0) stays until every rank's wait has timed out
+    g.barrier()  # every rank's wait has timed out
+    # the store's host (rank 0) exits last: a barrier is not enough (rank 0 may leave it while
+    # a slower rank still reads the last keys), so every other rank says when it is done
+    if rank:
+        g.send_obj("done", dst=0)
+    else:
+        assert [g.recv_obj(src=r) for r in range(1, world)] == ["done"] * (world - 1)
     return {"expired": expired, "gone": gone, "timeout_msg": msg, "elapsed": elapsed}
 
 

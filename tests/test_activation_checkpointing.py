@@ -69,7 +69,7 @@ def test_hf_checkpointing_with_data_parallel_on_simulated_ranks() -> None:
 def test_hf_checkpointing_on_gloo() -> None:
     """The same cases on 2 gloo processes, where checkpoints do recompute in backward (reentrant:
     after the model's call returned)."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     for rank in run_on_gloo(cw.hf_cases_on_gloo, 2, timeout=300):
         for case, diff in zip(cw.HF_CASES, rank):
@@ -79,7 +79,7 @@ def test_hf_checkpointing_on_gloo() -> None:
 def test_checkpoint_in_per_rank_code_on_gloo() -> None:
     """``torch.utils.checkpoint`` around a parallel model call in per-rank code: its
     recomputation pvary's the replicated parameters again."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     for rank in run_on_gloo(cw.per_rank_checkpoint_on_gloo, 2, timeout=120):
         assert max(rank) < TOL, rank
@@ -88,7 +88,7 @@ def test_checkpoint_in_per_rank_code_on_gloo() -> None:
 def test_hf_checkpointing_with_data_parallel_engines_on_gloo() -> None:
     """dp 2 x tp 2 on 4 gloo processes with fastdist's reducer, DDP and FSDP2: exact; fastdist's
     reducer refuses reentrant checkpointing (a backward inside a backward) with the fix."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     for rank in run_on_gloo(cw.engines_on_gloo, 4, timeout=400):
         for (engine, reentrant), got in zip(cw.ENGINE_CASES, rank):
@@ -102,7 +102,7 @@ def test_frozen_embeddings_with_reentrant_checkpointing_on_gloo() -> None:
     """Frozen embeddings: transformers' hook that makes the layers' input require grad (without
     it reentrant checkpoints compute no gradient for the layers) is installed again on the
     vocabulary-parallel embedding when checkpointing was enabled before `parallelize`."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     for rank in run_on_gloo(cw.frozen_embeddings_on_gloo, 2, timeout=120):
         assert max(rank) < TOL, rank

@@ -482,7 +482,7 @@ def gloo_compiled_megatron() -> list[Tensor]:
 def test_compiled_functions_on_real_ranks_are_exact() -> None:
     """Where the refusal sends compiled steps: on gloo ranks (no vmap) torch.compile (without
     fullgraph) keeps the Functions' backwards, and each rank's gradients are one device's."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     full, c, _ = _problem()
     one = [t.clone().requires_grad_() for t in full[:3]]

@@ -29,7 +29,7 @@ from fastdist.profile import (
     rank_layouts,
     trace,
 )
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 
 # Held-out sizes, measured in the same sweep as the fitted ones (interleaved: the same load), are
 # reproduced by the fit within these factors: their median within 2x, and all but OUTLIERS of the

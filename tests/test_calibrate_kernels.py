@@ -26,7 +26,7 @@ from fastdist.profile import (
     predict,
     trace,
 )
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 
 F4 = 4
 

@@ -20,8 +20,8 @@ from torch import Tensor
 
 import fastdist as fd
 from fastdist import checkpoint
-from fastdist.testing import run_on_gloo
 from tests.checkpoint_worker import make, model_state, optim_state, train
+from tests.dist_harness import run_on_gloo
 
 pytest.importorskip("transformers")
 

@@ -22,8 +22,8 @@ import torch
 import fastdist as fd
 from fastdist import checkpoint
 from fastdist.checkpoint import dcp
-from fastdist.testing import run_on_gloo
 from tests.checkpoint_worker import cut, fail_whole, make, model_state, train
+from tests.dist_harness import run_on_gloo
 
 pytest.importorskip("transformers")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdist.testing import run_on_gloo
 from tests.context_llm_worker import PROMPT, on_ranks, one_device, one_device_generations
+from tests.dist_harness import run_on_gloo
 
 pytest.importorskip("transformers")
 

@@ -16,7 +16,8 @@ from torch import Tensor
 import fastdist as fd
 from fastdist import P
 from fastdist.errors import CollectiveError, TargetError
-from fastdist.testing import assert_matches_single_device, run_on_gloo, shard_for_rank
+from fastdist.testing import assert_matches_single_device, shard_for_rank
+from tests.dist_harness import run_on_gloo
 
 F64 = torch.float64
 GARBAGE = 1e3  # what the padding columns hold: must get no probability and no gradient

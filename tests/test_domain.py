@@ -383,7 +383,7 @@ def test_unet_like_stack_on_gloo() -> None:
     8 columns: the norms' counts summed, the output gathered by each rank's own rows): outputs,
     gradients and the batch norm's running statistics (every rank updates them from the whole
     domain's statistics) equal one device."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     net, x, cot = unet_and_inputs()
     xr = x.clone().requires_grad_()

@@ -545,7 +545,7 @@ def builder(ref: str) -> Callable[..., Any]:
 def test_every_family_on_two_gloo_processes(tmp_path: Path) -> None:
     """Each family saved with save_pretrained; on 2 gloo ranks each rank loads its slices, runs a
     sequence-parallel forward/backward and an AdamW step, and matches one device."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.families_worker import families_on_gloo
 
     for i, (ref, family) in enumerate(GLOO_FAMILIES):

@@ -9,8 +9,8 @@ import torch
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
-from fastdist.testing import run_on_gloo
 from tests import tiny_models as tm
+from tests.dist_harness import run_on_gloo
 from tests.generate_worker import CASES, PROMPT, on_ranks, one_device, run_case
 
 

@@ -339,7 +339,7 @@ def halo_on_gloo() -> list[Tensor]:
 
 
 def test_halo_exchange_and_domain_conv_on_gloo() -> None:
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     conv, x, cot = _layer_case(2, "reflect", GLOO_SIZES, 2, 1, kernel_size=3, padding=1)
     xr = x.clone().requires_grad_()

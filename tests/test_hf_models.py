@@ -529,7 +529,7 @@ def test_parallel_training_on_gloo_from_save_pretrained(
     real ranks equals eager."""
     from safetensors import safe_open
 
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.hf_worker import parallel_training_on_gloo
 
     ref = build(family, kv=2)  # llama on 4 ranks: 2 kv heads, replicated

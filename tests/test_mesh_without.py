@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import fastdist as fd
-from fastdist.testing import run_on_gloo
 from tests import mesh_without_worker as W
+from tests.dist_harness import run_on_gloo
 
 
 # ----------------------------------------------------------------------------- plain meshes

@@ -331,7 +331,7 @@ def test_what_cannot_be_recomputed_is_named() -> None:
 def test_meta_llama_on_two_gloo_processes(tmp_path: Any) -> None:
     """Each rank allocates and reads only its shards of a save_pretrained checkpoint and matches
     one device; init_weights on ranks equals the one-device helper."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.meta_worker import meta_llama_on_gloo
 
     build("llama", seed=3).save_pretrained(tmp_path)

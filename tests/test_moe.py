@@ -807,7 +807,7 @@ def test_moe_on_gloo() -> None:
     loss, loss, the cross-entropy's and the aux loss's gradients, weights), skewed routing with
     empty experts, and token dropping with its reported counts; all against one device in float64
     to 1e-10."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.moe_worker import moe_on_gloo
 
     assert run_on_gloo(moe_on_gloo, 4, timeout=300) == ["ok"] * 4

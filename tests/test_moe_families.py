@@ -291,7 +291,7 @@ def test_every_family_on_two_gloo_processes(tmp_path: Path) -> None:
     """Every family on 2 gloo processes (experts over the tp ranks), GPT-OSS loaded from its
     save_pretrained output by slices: logits, loss, every gradient and an AdamW step against one
     device."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.moe_families_worker import moe_families_on_gloo
 
     for family in LOADS_SAVE_PRETRAINED:

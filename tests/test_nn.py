@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist import P
-from fastdist.testing import assert_matches_single_device, run_on_gloo
+from fastdist.testing import assert_matches_single_device
+from tests.dist_harness import run_on_gloo
 
 F64 = torch.float64
 

@@ -21,7 +21,7 @@ import torch
 import fastdist as fd
 from fastdist import checkpoint
 from fastdist.errors import CheckpointError
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 from tests.pipeline_checkpoint_worker import (
     States,
     adamw,

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist.testing import run_on_gloo
 from tests import pipeline_worker as W
 from tests import tiny_models
+from tests.dist_harness import run_on_gloo
 
 TOL = 1e-9
 

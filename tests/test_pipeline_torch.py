@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdist.errors import PipelineError
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 from tests.pipeline_torch_ref import (
     bubble_theory,
     build_model,

@@ -35,7 +35,7 @@ from fastdist.profile import (
     trace,
     trace_model,
 )
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 
 MESH = fd.Mesh({"dp": 2, "tp": 4})
 F4 = 4  # bytes per float32

@@ -20,7 +20,7 @@ from torch import Tensor
 import fastdist as fd
 from fastdist.comm.native import NativeCommunicator, fake, load_library
 from fastdist.core.primitive import PRIMITIVES
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 
 # The rule, written out (docs/api.md, "Dtypes of reductions"): the specification the code is checked
 # against.

@@ -12,7 +12,7 @@ import torch
 import fastdist as fd
 import fastdist.comm.p2p as D
 from fastdist.comm.native import fake
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 
 DICT = {
     "h": torch.arange(12.0).reshape(3, 4),

@@ -255,6 +255,19 @@ def test_run_on_gloo_returns_every_rank_result() -> None:
     assert run_on_gloo(gloo_psum, 2, 10.0) == [[10.0], [10.0]]
 
 
+def test_run_on_gloo_from_a_forkserver() -> None:
+    """``start_method="forkserver"``: the ranks fork from a server that imported torch once; the
+    same results, a rank's failure reported the same way; any other start method is refused."""
+    from tests.dist_harness import forkserver
+
+    forkserver()  # the suite's preload (multiprocessing.set_forkserver_preload), as other tests
+    assert run_on_gloo(gloo_psum, 2, 10.0, start_method="forkserver") == [[10.0], [10.0]]
+    with pytest.raises(fd.GlooRunError, match=r"rank \d: raised ValueError: boom on purpose"):
+        run_on_gloo(gloo_fail, 2, start_method="forkserver")
+    with pytest.raises(fd.MeshError, match=r"start_method='fork' is not 'spawn' or 'forkserver'"):
+        run_on_gloo(gloo_psum, 2, 1.0, start_method="fork")  # type: ignore[arg-type]
+
+
 def test_run_on_gloo_reports_the_failing_rank() -> None:
     with pytest.raises(
         fd.GlooRunError,

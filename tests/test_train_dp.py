@@ -172,7 +172,7 @@ def test_engines_on_gloo_equal_one_device(
     """dp x tp on gloo processes: fastdist's reducer, DDP, FSDP2 (2-D TP x FSDP) and fastdist's
     reducer with ZeRO-1 AdamW each give one device's gradients, clipped norm and weights after 2
     AdamW steps."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.train_worker import engines_on_gloo
 
     assert run_on_gloo(engines_on_gloo, world, engines, tp, sp, timeout=400) == ["ok"] * world
@@ -362,14 +362,14 @@ def test_a_standalone_reducer_is_the_models_engine() -> None:
 
 def test_review_cases_on_gloo() -> None:
     """tests/train_worker.py reducer_review_cases on 4 gloo processes (dp=2 x ep=2)."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.train_worker import reducer_review_cases
 
     assert run_on_gloo(reducer_review_cases, 4, timeout=200) == ["ok"] * 4
 
 
 def test_a_peer_that_never_reduces_is_reported_within_the_timeout() -> None:
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.train_worker import peer_skips_backward
 
     got, skipped = run_on_gloo(peer_skips_backward, 2, timeout=120)

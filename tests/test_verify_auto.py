@@ -408,7 +408,7 @@ def test_auto_refuses_a_model_without_blocks_and_a_bad_plan_string() -> None:
 # ============================================================================ real processes
 def test_verify_and_auto_on_two_gloo_processes() -> None:
     """Real ranks: each compares its own blocks, and the ranks agree on the verdict."""
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
     from tests.verify_worker import verify_on_gloo
 
     (layout0, msg0), (layout1, msg1) = run_on_gloo(verify_on_gloo, 2, timeout=300)
