@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -171,10 +172,11 @@ def bench_row(
 
     rows = []
     for mode in ("eager", "compiled") if row.compiled else ("eager",):
+        # the smoke run traces with aot_eager: dynamo and AOTAutograd as in a real run, no
+        # inductor code generation
+        compiled = functools.partial(torch.compile, backend="aot_eager" if quick else "inductor")
         f_one, f_par = (
-            (one_loss, par_loss)
-            if mode == "eager"
-            else (torch.compile(one_loss), torch.compile(par_loss))
+            (one_loss, par_loss) if mode == "eager" else (compiled(one_loss), compiled(par_loss))
         )
         base = _step(f_one, ids, list(one.parameters()), sync)
         fn = _step(f_par, ids_r, list(pm.parameters()), sync)

@@ -182,6 +182,13 @@ _Case = tuple[
 ]
 
 
+def compile_for(quick: bool) -> Callable[..., Any]:
+    """``torch.compile`` for the timed rows; the smoke run (``--quick``) compiles with
+    ``backend="aot_eager"``: dynamo and AOTAutograd trace forward and backward as in a real run
+    (a graph break or a missing rule still fails), inductor's C++ code generation is skipped."""
+    return functools.partial(torch.compile, backend="aot_eager") if quick else torch.compile
+
+
 def _mlp_case(quick: bool, device: str = "cpu") -> _Case:
     """Tensor-parallel MLP on 8 simulated ranks: (label, one device, simulated, compiled one device,
     compiled simulated, loop)."""
@@ -203,7 +210,7 @@ def _mlp_case(quick: bool, device: str = "cpu") -> _Case:
         lambda x, w1, w2: fd.psum(torch.tanh(fd.pvary(x, mesh, "tp") @ w1) @ w2, mesh, "tp").sum(),
         mesh,
     )
-    one_c, sim_c = torch.compile(one), torch.compile(sim)
+    one_c, sim_c = compile_for(quick)(one), compile_for(quick)(sim)
 
     def run(f: Callable[..., torch.Tensor], *ts: torch.Tensor) -> Callable[[], None]:
         return _step(lambda *ls: f(*ls).sum(), ts)
@@ -318,7 +325,8 @@ def _block_case(
         return _step(lambda *ps: f(x, *ps).sum(), [state[n] for n in names])
 
     one, simulated = make(full_fn, True), make(step, False)
-    one_c, sim_c = make(torch.compile(full_fn), True), make(torch.compile(step), False)
+    compiled = compile_for(quick)
+    one_c, sim_c = make(compiled(full_fn), True), make(compiled(step), False)
 
     # The way a sharded model trains: parameters live as per-rank shards (stacked), nothing is
     # sharded or gathered per step.
