@@ -174,7 +174,7 @@ def nine_tokens() -> dict[str, Tensor]:
 
 
 def test_wan_usp_uneven_on_gloo() -> None:
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     out, grads = reference(tiny_wan(heads=4), nine_tokens())
     for got, got_grads in run_on_gloo(usp_on_gloo, 4, timeout=300):
@@ -205,7 +205,7 @@ def ten_tokens() -> dict[str, Tensor]:
 
 
 def test_checkpointed_blocks_recompute_with_their_own_split_on_gloo() -> None:
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     _, grads = reference(tiny_wan(heads=4), nine_tokens())
     for got in run_on_gloo(checkpointed_on_gloo, 2, timeout=300):

@@ -130,7 +130,7 @@ def wan_on_gloo() -> tuple[Tensor, dict[str, Tensor]]:
 
 
 def test_wan_ulysses_on_gloo() -> None:
-    from fastdist.testing import run_on_gloo
+    from tests.dist_harness import run_on_gloo
 
     out, grads = reference(tiny_wan(), inputs())
     for got, got_grads in run_on_gloo(wan_on_gloo, N, timeout=240):
