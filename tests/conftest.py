@@ -47,6 +47,7 @@ SLOW_FILES = frozenset(
         "tests/test_pipeline_gloo.py",
         "tests/test_pipeline_torch.py",
         "tests/test_public_path.py",
+        "tests/test_pvary_sites.py",
         "tests/test_reliability.py",
         "tests/test_serve_example.py",
         "tests/test_train_example.py",

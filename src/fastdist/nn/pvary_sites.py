@@ -54,11 +54,15 @@ class PvarySites:
     def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
         self.sites = list(sites)
         self._handles: list[Any] = []
-        by_module: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
+        # module -> parameter name -> its axes, in order, each once (a parameter listed for two
+        # axes is pvary'd over both; listed twice for one axis, once: its gradient summed once)
+        by_module: dict[int, tuple[nn.Module, dict[str, list[str]]]] = {}
         for module, name, axis in self.sites:
-            by_module.setdefault(id(module), (module, []))[1].append((name, axis))
+            axes = by_module.setdefault(id(module), (module, {}))[1].setdefault(name, [])
+            if axis not in axes:
+                axes.append(axis)
         for module, names in by_module.values():
-            pre, post = _hooks(mesh, tuple(names))
+            pre, post = _hooks(mesh, tuple((n, tuple(a)) for n, a in names.items()))
             self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(module.register_forward_hook(post, always_call=True))
 
@@ -69,28 +73,35 @@ class PvarySites:
         self._handles = []
 
 
-def _hooks(mesh: Mesh, names: tuple[tuple[str, str], ...]) -> tuple[Any, Any]:
-    """The (pre-hook, forward hook) pair of one module whose parameters ``names`` (name, axis)
+def _hooks(mesh: Mesh, names: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[Any, Any]:
+    """The (pre-hook, forward hook) pair of one module whose parameters ``names`` (name, axes)
     are ``pvary``'d (partials of module-level functions: a model holding them still pickles)."""
     return functools.partial(_swap_in, mesh, names), functools.partial(_put_back, names)
 
 
-def _swap_in(mesh: Mesh, names: tuple[tuple[str, str], ...], m: nn.Module, args: Any) -> None:
-    """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)``."""
+def _swap_in(
+    mesh: Mesh, names: tuple[tuple[str, tuple[str, ...]], ...], m: nn.Module, args: Any
+) -> None:
+    """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)`` over its axes."""
     if _KEPT in m.__dict__:
         return  # a forward of m inside another one: already pvary'd
     kept: dict[str, Tensor | None] = {}
-    for name, axis in names:
+    for name, axes in names:
         p = m._parameters[name]
-        kept[name] = p
+        kept[name] = p  # the parameter itself, put back by _put_back
         if p is not None:
+            v: Tensor = p
+            for axis in axes:
+                v = pvary(v, mesh, axis)
             # the slot holds a plain tensor while forward runs, as torch.func.functional_call
             # leaves it
-            m._parameters[name] = pvary(p, mesh, axis)  # type: ignore[assignment]
+            m._parameters[name] = v  # type: ignore[assignment]
     m.__dict__[_KEPT] = kept
 
 
-def _put_back(names: tuple[tuple[str, str], ...], m: nn.Module, args: Any, out: Any) -> None:
+def _put_back(
+    names: tuple[tuple[str, tuple[str, ...]], ...], m: nn.Module, args: Any, out: Any
+) -> None:
     """Forward hook (also when forward raised): the parameters back in their slots."""
     kept = m.__dict__.pop(_KEPT, None)
     if kept is not None:
