@@ -101,6 +101,9 @@ def test_from_world_size_puts_tp_innermost_and_infers_dp() -> None:
     assert fd.Mesh.from_world_size(
         8, order=("dp", "ring", "ulysses"), ulysses=2, ring=2
     ) == fd.Mesh({"dp": 2, "ring": 2, "ulysses": 2})
+    # axes of the user's own naming, none in the default order: as written, inside dp
+    assert fd.Mesh.from_world_size(8, w=2, h=2) == fd.Mesh({"dp": 2, "w": 2, "h": 2})
+    assert fd.Mesh.from_world_size(4, h=2, w=2, dp=1) == fd.Mesh({"dp": 1, "h": 2, "w": 2})
     # The FastVideo bug (non-orthogonal TP and SP groups) cannot happen: tp and sp groups meet in
     # one rank.
     m = fd.Mesh.from_world_size(8, tp=2, sp=4)
@@ -116,7 +119,7 @@ def test_from_world_size_puts_tp_innermost_and_infers_dp() -> None:
             r"dp=2 with tp=2 gives 4 ranks, not world size 8.*dp=4",
         ),
         (
-            lambda: fd.Mesh.from_world_size(8, zz=2),
+            lambda: fd.Mesh.from_world_size(8, tp=2, zz=2),
             r"axis 'zz' is not in the layout order.*Fix: pass order=",
         ),
         (lambda: fd.Mesh.from_world_size(0), r"world_size must be a positive int"),

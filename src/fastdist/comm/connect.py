@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fastdist.comm.torch_comm import DEFAULT_TIMEOUT, TorchComm, as_timedelta
 from fastdist.comm.transports import select_backend
-from fastdist.core.mesh import DEFAULT_ORDER, AxisName, Mesh
+from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import MeshError
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
 
 def connect(
     *,
-    order: Sequence[str] = DEFAULT_ORDER,
+    order: Sequence[str] | None = None,
     timeout: float | datetime.timedelta | None = None,
     check: bool = False,
     backend: str = "torch",

@@ -165,7 +165,7 @@ class Mesh:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_world_size(
-        cls, world_size: int, *, order: Sequence[str] = DEFAULT_ORDER, **degrees: int
+        cls, world_size: int, *, order: Sequence[str] | None = None, **degrees: int
     ) -> Mesh:
         """Build a mesh from a world size and the parallel degrees you know.
 
@@ -173,10 +173,13 @@ class Mesh:
         Axes are laid out in ``order`` (outer to inner; default
         ``("pp", "dp", "ep", "cp", "sp", "tp")``, so tp is innermost as in
         Megatron and vLLM). ``dp`` is always present; other axes only when given.
+        Axes of your own naming (a domain's ``h`` and ``w``), none of them in the default
+        order, are laid out as you wrote them, inside ``dp``.
 
         Args:
             world_size: the number of ranks.
-            order: the axes' order, outer to inner (the last varies fastest across ranks).
+            order: the axes' order, outer to inner (the last varies fastest across ranks);
+                default as above.
             **degrees: the size of each axis you know (``tp=2, sp=2``); ``dp`` is inferred unless
                 given.
 
@@ -185,6 +188,8 @@ class Mesh:
 
         >>> Mesh.from_world_size(8, tp=2, sp=2)
         Mesh({'dp': 2, 'sp': 2, 'tp': 2})
+        >>> Mesh.from_world_size(4, h=2, w=2)
+        Mesh({'dp': 1, 'h': 2, 'w': 2})
         >>> Mesh.from_world_size(6, tp=4)
         Traceback (most recent call last):
         ...
@@ -195,12 +200,17 @@ class Mesh:
                 f"Mesh.from_world_size: world_size must be a positive int, got {world_size!r}. "
                 "Fix: pass the number of processes (torch.distributed.get_world_size())"
             )
+        if order is None:
+            own = [n for n in degrees if n != "dp"]
+            custom = bool(own) and not any(n in DEFAULT_ORDER for n in own)
+            order = ("dp", *own) if custom else DEFAULT_ORDER
         order = tuple(order)
         unknown = [n for n in degrees if n not in order]
         if unknown:
             raise MeshError(
                 f"Mesh.from_world_size: axis {unknown[0]!r} is not in the layout order {order}. "
-                f"Fix: pass order=(..., {unknown[0]!r}, ...) listing every axis outer to inner"
+                f"Fix: pass order=(..., {unknown[0]!r}, ...) listing every axis outer to inner, "
+                "'dp' included"
             )
         if "dp" not in order:
             raise MeshError(
