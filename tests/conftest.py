@@ -43,6 +43,7 @@ SLOW_FILES = frozenset(
         "tests/test_mq.py",
         "tests/test_native.py",
         "tests/test_packaging.py",
+        "tests/test_pipeline_ckpt_gloo.py",
         "tests/test_pipeline_example.py",
         "tests/test_pipeline_gloo.py",
         "tests/test_pipeline_torch.py",
