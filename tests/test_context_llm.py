@@ -152,13 +152,19 @@ def test_the_layers_see_a_shard_and_a_missing_pvary_is_refused() -> None:
 
 def test_verify_checks_the_contiguous_layout() -> None:
     """parallelize(verify=True) compares every module's output with its contiguous block of the
-    single-device output: the contiguous layout passes it (cp alone: with tp too, verify's
-    column-parallel comparison assumes the whole sequence)."""
-    for mode in ("ring", "ulysses"):
+    single-device output: the contiguous layout passes it, alone and with tp (the vocabulary
+    split over tp next to a cp axis of the same size); the zig-zag layout, whose blocks are not
+    contiguous, is refused by name instead of failing a right plan."""
+    for mode, axes in (("ring", {"cp": 2}), ("ulysses", {"cp": 2}), ("ring", {"cp": 2, "tp": 2})):
         model = tiny_models.build("qwen3", kv=2)
-        mesh = fd.Mesh({"cp": 2})
+        mesh = fd.Mesh(axes)
         cp = CausalContextParallel("cp", mode, layout="contiguous")  # type: ignore[arg-type]
         plan = fd.nn.plans.plan(model, mesh, context_parallel=cp)
+        fd.nn.parallelize(model, mesh, plan, verify=True)
+    model = tiny_models.build("qwen3", kv=2)
+    mesh = fd.Mesh({"cp": 2})
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp"))
+    with pytest.raises(ParallelizeError, match=r"cannot be verified: in the zig-zag layout"):
         fd.nn.parallelize(model, mesh, plan, verify=True)
 
 

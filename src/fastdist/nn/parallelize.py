@@ -515,6 +515,7 @@ def parallelize(
     # Phase 1: every match checked, nothing changed yet (a bad plan leaves the model as it was).
     matches = _check(model, mesh, styles)
     if verify is not None and verify is not False:
+        _refuse_unverifiable(styles)
         # on copies: the model is changed only after the plan passed
         verify_plan(
             model,
@@ -588,6 +589,19 @@ def _refuse_parallel(model: nn.Module) -> None:
             "Fix: parallelize a fresh "
             "single-device model (e.g. copy.deepcopy before the first call)"
         )
+
+
+def _refuse_unverifiable(styles: Mapping[str, tuple[Style, ...]]) -> None:
+    """Raise for a plan with a style ``verify`` cannot check (it would refuse a right plan)."""
+    for pattern, group in styles.items():
+        for style in group:
+            why = style.unverifiable()
+            if why is not None:
+                raise ParallelizeError(
+                    f"parallelize(verify=True): plan[{pattern!r}] = {style!r} cannot be "
+                    f"verified: {why}. Fix: verify=False (and a test against one device), or "
+                    "the style's verifiable form named there"
+                )
 
 
 def _styles_of(plan: Mapping[str, PlanValue]) -> dict[str, tuple[Style, ...]]:

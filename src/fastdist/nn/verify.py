@@ -256,33 +256,39 @@ class _Diff:
     upstream: bool = False
 
 
-def _block(
+def _blocks(
     ref: Tensor,
     local: Tensor,
     module: nn.Module | None,
     mesh: Mesh,
     rank: int,
     axes: Sequence[str],
-) -> tuple[Tensor, Tensor] | None:
-    """(rank ``rank``'s block of single-device ``ref``, ``local`` cut to it), or None when the
-    local output is no block of it that verify can name."""
+) -> list[tuple[Tensor, Tensor]]:
+    """The candidate (rank ``rank``'s block of single-device ``ref``, ``local`` cut to it) pairs:
+    one, or one per axis of the size that fits (a dim split over one of two equal axes, say the
+    vocabulary over ``tp`` next to ``cp``, could be either); empty when the local output is no
+    block of it that verify can name."""
     if isinstance(module, ParallelLinear) and module.kind == "col" and not module.gather_output:
         spec = P(*([None] * (ref.dim() - 1)), module.axis)
         lay = module._layouts["bias"]
         layout = Layout(spec, parts=lay.parts, size=lay.size)
         try:
-            return layout.shard(ref, mesh, rank), local
+            block = layout.shard(ref, mesh, rank)
         except Exception:  # noqa: BLE001 (not this layer's own output layout)
-            pass
+            block = None
+        if block is not None and block.shape == local.shape:
+            return [(block, local)]
+        # else the output is also split elsewhere (tokens under context parallelism)
     if ref.shape == local.shape:
-        return ref, local
+        return [(ref, local)]
     if ref.dim() != local.dim():
-        return None
+        return []
     dims = [d for d in range(ref.dim()) if ref.shape[d] != local.shape[d]]
     if len(dims) != 1:
-        return None
+        return []
     d = dims[0]
     full, size = ref.shape[d], local.shape[d]
+    cuts = []
     for axis in axes:
         n = mesh.axis_size(axis)
         # an even split, or one padded at the end (a vocabulary: every rank but the last full);
@@ -290,8 +296,16 @@ def _block(
         if n > 1 and (size * n == full or (size == -(-full // n) and full > size * (n - 1))):
             i = mesh.index(rank, axis)
             keep = max(0, min(size, full - i * size))  # vocabulary padding dropped
-            return ref.narrow(d, i * size, keep), local.narrow(d, 0, keep)
-    return None
+            cuts.append((ref.narrow(d, i * size, keep), local.narrow(d, 0, keep)))
+    return cuts
+
+
+def _difference(block: Tensor, mine: Tensor) -> tuple[float, float]:
+    """(max |mine - block|, the scale it is compared with)."""
+    scale = max(1.0, float(block.abs().max()) if block.numel() else 0.0)
+    if not mine.isfinite().all() and block.isfinite().all():
+        return math.inf, scale
+    return (float((mine - block).abs().max()) if block.numel() else 0.0), scale
 
 
 def _mismatch(
@@ -312,20 +326,16 @@ def _mismatch(
             continue
         for k, rank in enumerate(ranks):
             local = l_t[k] if stacked else l_t
-            cut = _block(r_t, local, module, mesh, rank, axes)
-            if cut is None:
+            cuts = _blocks(r_t, local, module, mesh, rank, axes)
+            if not cuts:
                 if strict:
                     return (
                         f"{what} {j} has shape {tuple(local.shape)} on rank {rank}, no block of "
                         f"the single-device {tuple(r_t.shape)}"
                     )
                 continue
-            block, mine = cut
-            scale = max(1.0, float(block.abs().max()) if block.numel() else 0.0)
-            if not mine.isfinite().all() and block.isfinite().all():
-                diff = math.inf
-            else:
-                diff = float((mine - block).abs().max()) if block.numel() else 0.0
+            # the closest candidate (an output matching the block of one of them is right)
+            diff, scale = min(_difference(block, mine) for block, mine in cuts)
             if diff > RTOL * scale:
                 return (
                     f"max |difference| {diff:.3g} (largest single-device value {scale:.3g}) "

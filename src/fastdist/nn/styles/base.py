@@ -96,6 +96,11 @@ class Style:
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         raise NotImplementedError
 
+    def unverifiable(self) -> str | None:
+        """Why ``parallelize(verify=True)`` cannot check this style (it compares every module's
+        output with a block of the single-device output), or None: it can."""
+        return None
+
 
 def get_child(module: nn.Module, child: str, name: str) -> nn.Module:
     """``module``'s submodule ``child``; raises `ParallelizeError` naming ``name`` (the module's

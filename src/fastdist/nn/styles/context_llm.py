@@ -435,6 +435,14 @@ class CausalContextParallel(Style):
     layers: str = "layers"
     layout: Split = "zigzag"
 
+    def unverifiable(self) -> str | None:
+        if self.layout == "zigzag":
+            return (
+                "in the zig-zag layout a rank holds chunks r and 2n-1-r of the sequence, no "
+                "contiguous block of the single-device output (layout='contiguous' verifies)"
+            )
+        return None
+
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         mesh.axis_indices(self.axis, "CausalContextParallel")
         if self.mode not in ("ring", "ulysses") or self.layout not in ("zigzag", "contiguous"):
