@@ -1,7 +1,8 @@
 """Context parallelism of DiT families besides Wan (issue 38.2): diffusers'
 ``LTXVideoTransformer3DModel`` (LTX-Video: self-attention with 3-D rotary embeddings,
 cross-attention to masked text states) in every mode, forward and backward against one device in
-float64; and the refusal of joint text-image attention families (Flux, SD3, CogVideoX)."""
+float64; and the refusal of the joint text-image attention families without a plan (Flux,
+CogVideoX; SD3's is in tests/test_context_mmdit.py)."""
 
 from __future__ import annotations
 
@@ -98,5 +99,13 @@ def test_joint_attention_families_are_refused() -> None:
         kind = type(model).__name__
         with pytest.raises(ParallelizeError, match=f"{kind} .* joint text-image attention"):
             fd.nn.parallelize(model, fd.Mesh({"sp": 2}), "auto", verify=False)
+    # a plan written by hand listing Flux's joint attention: its processor is not built
+    embed = ("pos_embed", "x_embedder", "time_text_embed", "context_embedder")
+    plan = fd.nn.ContextParallel(
+        blocks="transformer_blocks", attention=(), cross=(), joint=("attn",), whole=embed,
+        feeds=embed[2:], rotary=None,
+    )  # fmt: skip
+    with pytest.raises(ParallelizeError, match=r"runs the processor FluxAttnProcessor"):
+        fd.nn.parallelize(flux, fd.Mesh({"sp": 2}), {"": plan})
     with pytest.raises(ParallelizeError, match="not a diffusers LTXVideoTransformer3DModel"):
         fd.nn.plans.ltx_video(cog)

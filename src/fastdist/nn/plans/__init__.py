@@ -14,7 +14,7 @@ One file per concern:
   DeepSeek-V2/V3, GPT-OSS);
 * ``hooks``: the code a row needs where data cannot say it (DeepSeek's `LatentAttention`, the
   MoE block's `SequenceGather`, Falcon's layouts);
-* ``dit``: diffusers' diffusion transformers: context-parallel plans (`wan`, `ltx_video`);
+* ``dit``: diffusers' diffusion transformers: context-parallel plans (`wan`, `ltx_video`, `sd3`);
 * ``auto``: the same record read off a model nobody wrote a row for (`AutoPlan`);
 * ``registry``: the table by ``config.model_type`` (`TABLE`) and `plan`.
 
@@ -22,7 +22,7 @@ The table of what is tested for each family is in ``docs/models.md``.
 """
 
 from fastdist.nn.plans.auto import AutoPlan, infer
-from fastdist.nn.plans.dit import ltx_video, wan
+from fastdist.nn.plans.dit import ltx_video, sd3, wan
 from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
 from fastdist.nn.plans.registry import TABLE, lookup, plan, table
@@ -40,6 +40,7 @@ __all__ = [
     "lookup",
     "ltx_video",
     "plan",
+    "sd3",
     "table",
     "wan",
 ]

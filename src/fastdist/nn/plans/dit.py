@@ -20,9 +20,17 @@ from torch import nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.plans.family import Plan
-from fastdist.nn.styles.context import ContextParallel, Mode
+from fastdist.nn.styles.context import JOINT_PROCESSORS, ContextParallel, Mode
 
-__all__ = ["DIT_PLANS", "JOINT_ATTENTION", "dit_plan", "is_diffusers_dit", "ltx_video", "wan"]
+__all__ = [
+    "DIT_PLANS",
+    "JOINT_ATTENTION",
+    "dit_plan",
+    "is_diffusers_dit",
+    "ltx_video",
+    "sd3",
+    "wan",
+]
 
 
 def wan(
@@ -48,7 +56,7 @@ def wan(
     >>> fd.nn.plans.wan(axis="sp")
     {'': ContextParallel(axis='sp', blocks='blocks', attention=('attn1',), cross=('attn2',), \
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
-output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1))}
+output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1), joint=())}
     """
     _check(model, mesh, axis, ring_axis, "WanTransformer3DModel", "wan")
     return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)}
@@ -92,6 +100,57 @@ def ltx_video(
     }
 
 
+def sd3(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``SD3Transformer2DModel`` (Stable Diffusion 3 /
+    3.5, an MM-DiT): its image tokens split over ``axis`` (and ``ring_axis``) at the first of
+    its ``transformer_blocks``; the text tokens (``context_embedder``'s output) replicated on
+    every rank. Each block's joint attention ``attn`` joins the text tokens to the rank's image
+    tokens: Ulysses, ring or USP over the image tokens with the text keys counted once, the text
+    output the same on every rank (`fastdist.nn.styles.ring_split.joint_attention`); SD3.5's
+    image-only ``attn2`` (dual-attention layers) is a split self-attention; ``proj_out``'s output
+    is gathered before the unpatchify.
+
+    Every parameter of the blocks (the text stream's ``add_*_proj``, ``norm1_context``,
+    ``ff_context`` too) and of ``norm_out``/``proj_out`` is ``pvary``'d, and so are the outputs
+    of ``time_text_embed`` and ``context_embedder``: each rank's gradient of the text stream is
+    its part (through its image tokens and, with Ulysses, its heads), summed over the ranks.
+
+    Args:
+        model: the model (or ``None``): only read to refuse one this plan does not fit.
+        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
+        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
+        ring_axis: for ``"usp"``: the ring's axis.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.sd3(mode="ring")[""].joint
+    ('attn',)
+    """
+    _check(model, mesh, axis, ring_axis, "SD3Transformer2DModel", "sd3")
+    return {
+        "": ContextParallel(
+            axis=axis,
+            blocks="transformer_blocks",
+            attention=("attn2",),
+            cross=(),
+            joint=("attn",),
+            whole=("pos_embed", "time_text_embed", "context_embedder"),
+            feeds=("time_text_embed", "context_embedder"),
+            output="proj_out",
+            mode=mode,
+            ring_axis=ring_axis,
+            rotary=None,
+        )
+    }
+
+
 def _check(
     model: Any, mesh: Mesh | None, axis: str, ring_axis: str | None, kind: str, plan: str
 ) -> None:
@@ -108,15 +167,18 @@ def _check(
 
 
 #: diffusers model class name -> its ready plan function
-DIT_PLANS = {"WanTransformer3DModel": wan, "LTXVideoTransformer3DModel": ltx_video}
+DIT_PLANS = {
+    "WanTransformer3DModel": wan,
+    "LTXVideoTransformer3DModel": ltx_video,
+    "SD3Transformer2DModel": sd3,
+}
 
-#: diffusers DiTs whose attention joins the text tokens to the image tokens (MM-DiT), which no
-#: context-parallel style splits yet
+#: diffusers DiTs whose attention joins the text tokens to the image tokens (MM-DiT) and that
+#: have no ready plan yet (SD3's is `sd3`)
 JOINT_ATTENTION = frozenset(
     {
         "FluxTransformer2DModel",
         "Flux2Transformer2DModel",
-        "SD3Transformer2DModel",
         "CogVideoXTransformer3DModel",
         "HunyuanVideoTransformer3DModel",
         "QwenImageTransformer2DModel",
@@ -149,9 +211,10 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
     if kind not in DIT_PLANS and joint:
         raise ParallelizeError(
             f"plans.auto: {kind} is a diffusers transformer with joint text-image attention "
-            "(the text tokens join the image tokens inside each attention, MM-DiT), which "
-            "context parallelism does not split yet: ContextParallel splits self-attention over "
-            "the image tokens and runs cross-attention to replicated text states locally. "
+            "(the text tokens join the image tokens inside each attention, MM-DiT) without a "
+            "ready context-parallel plan: joint attention is split for the processors "
+            f"{sorted(JOINT_PROCESSORS)} only (SD3's), and {kind}'s attention processor (its "
+            "text order, rotary embedding, single-stream blocks) is not built. "
             f"Context-parallel plans exist for {sorted(DIT_PLANS)}. Fix: run {kind} without "
             "context parallelism (e.g. data parallelism, or fastdist.nn.GuidedModel over a "
             "'cfg' axis with plan={})"

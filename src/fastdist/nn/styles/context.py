@@ -37,15 +37,32 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import Style, StyleContext, get_child
-from fastdist.nn.styles.ring_split import AttentionSwap, TokenSplit, split_attention
+from fastdist.nn.styles.ring_split import (
+    AttentionSwap,
+    TokenSplit,
+    joint_attention,
+    split_attention,
+)
 from fastdist.ops import pvary
 
-__all__ = ["ContextParallel", "SequenceParallelAttention", "KNOWN_PROCESSORS", "MODES"]
+__all__ = [
+    "ContextParallel",
+    "SequenceParallelAttention",
+    "KNOWN_PROCESSORS",
+    "JOINT_PROCESSORS",
+    "MODES",
+]
 
 #: attention processors whose forward `SequenceParallelAttention` knows: q, k, v projected by
 #: ``to_q``/``to_k``/``to_v``, normalized and rotated token by token, attended by one call of
 #: ``F.scaled_dot_product_attention`` (the native backend), projected by ``to_out``
-KNOWN_PROCESSORS = frozenset({"WanAttnProcessor", "LTXVideoAttnProcessor"})
+KNOWN_PROCESSORS = frozenset({"WanAttnProcessor", "LTXVideoAttnProcessor", "JointAttnProcessor2_0"})
+
+#: joint text-image attention processors (MM-DiT) `SequenceParallelAttention(joint=True)` knows,
+#: with whether they put the text rows first: they project the image rows (``to_q``...) and the
+#: text rows (``add_q_proj``...), normalize them token by token, join them along the tokens and
+#: call ``F.scaled_dot_product_attention`` once on the joint sequence
+JOINT_PROCESSORS = {"JointAttnProcessor2_0": False}
 
 #: the attention modes: Ulysses (heads <-> tokens all-to-all), ring (k/v passed around the
 #: axis), USP (Ulysses over ``axis``, ring over ``ring_axis``)
@@ -139,7 +156,8 @@ class SplitProcessor:
     def _parallel_config(self, value: Any) -> None:
         self.inner._parallel_config = value
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+    def _split(self, hidden_states: Tensor, args: tuple[Any, ...], kwargs: Any) -> TokenSplit:
+        """This forward's token split (carried by the rotary argument, else the current one)."""
         carried = [a for a in (*args, *kwargs.values()) if isinstance(a, SplitRotary)]
         split = carried[0].split if carried else self.current.split
         if split is None:  # used without ContextParallel: the rows are an even split
@@ -151,9 +169,17 @@ class SplitProcessor:
                 f"not this rank's {split.rows} rows of the {split.tokens} split over "
                 f"{split.axes}. Fix: call it on the hidden states of the split blocks"
             )
-        attend = functools.partial(
+        return split
+
+    def _attend(self, split: TokenSplit, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """The attention over ``(B, S, H, D)`` q, k, v that replaces the processor's SDPA."""
+        return functools.partial(
             split_attention, split=split, ulysses_axis=self.ulysses_axis, ring_axis=self.ring_axis
         )
+
+    def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        split = self._split(hidden_states, args, kwargs)
+        attend = self._attend(split, args, kwargs)
         with AttentionSwap(attend, self.where) as swap:
             out = self.inner(attn, hidden_states, *args, **kwargs)
         if swap.calls != 1:
@@ -166,13 +192,39 @@ class SplitProcessor:
         return out
 
 
+class JointSplitProcessor(SplitProcessor):
+    """A joint text-image attention processor (`JOINT_PROCESSORS`) whose one SDPA call over the
+    joined ``[image rows; text]`` (or ``[text; image rows]``) runs as
+    `fastdist.nn.styles.ring_split.joint_attention`; called without encoder states (SD3.5's
+    second, image-only attention) it is a plain split self-attention."""
+
+    text_first: bool = False
+
+    def _attend(self, split: TokenSplit, args: tuple[Any, ...], kwargs: Any) -> Any:
+        text_states = kwargs.get("encoder_hidden_states", args[0] if args else None)
+        if text_states is None:
+            return super()._attend(split, args, kwargs)
+        return functools.partial(
+            joint_attention,
+            split=split,
+            text=text_states.shape[1],
+            text_first=self.text_first,
+            ulysses_axis=self.ulysses_axis,
+            ring_axis=self.ring_axis,
+        )
+
+
 def _self_attention_only(
-    name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    name: str,
+    refused: tuple[str, ...],
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> None:
-    """Forward pre-hook of a sequence-parallel self-attention: refuse encoder states (this
-    attention was planned as self-attention) and masks (a mask over the whole sequence does not
-    fit a rank's block of queries), and a processor set after ``parallelize`` (it would attend
-    within the rank's tokens alone)."""
+    """Forward pre-hook of a sequence-parallel attention: refuse the ``refused`` arguments
+    (encoder states of an attention planned as self-attention, masks: a mask over the whole
+    sequence does not fit a rank's block of queries), and a processor set after ``parallelize``
+    (it would attend within the rank's tokens alone)."""
     if not isinstance(getattr(module, "processor", None), SplitProcessor):
         raise ParallelizeError(
             f"sequence-parallel attention {name!r}: its processor was replaced after parallelize "
@@ -182,7 +234,7 @@ def _self_attention_only(
         )
     given = dict(zip(("hidden_states", "encoder_hidden_states", "attention_mask"), args))
     given.update(kwargs)
-    for key in ("encoder_hidden_states", "attention_mask"):
+    for key in refused:
         if given.get(key) is not None:
             raise ParallelizeError(
                 f"sequence-parallel attention {name!r} was called with {key}: only unmasked "
@@ -216,28 +268,32 @@ class SequenceParallelAttention(Style):
     encoder states, an attention mask, a processor that does not call
     ``F.scaled_dot_product_attention`` exactly once unmasked.
 
+    With ``joint=True`` it is a joint text-image attention (MM-DiT, a processor of
+    `JOINT_PROCESSORS`: SD3's ``JointAttnProcessor2_0``): the text tokens (its
+    ``encoder_hidden_states``, replicated on every rank) join the rank's image rows inside the
+    attention and attend, and are attended, over the whole sequence
+    (`fastdist.nn.styles.ring_split.joint_attention`); the text output is the same on every rank.
+
     Args:
         axis: the mesh axis of the sequence split (Ulysses or ring axis by ``mode``).
         mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
         ring_axis: for ``"usp"``: the second axis, the ring's.
+        joint: a joint text-image attention (``add_q_proj``/``add_k_proj``/``add_v_proj``).
     """
 
     axis: str = "sp"
     mode: Mode = "ulysses"
     ring_axis: str | None = None
+    joint: bool = False
 
-    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        _, ulysses, _ = _split_axes(
-            "SequenceParallelAttention", self.axis, self.mode, self.ring_axis, mesh
-        )
+    def _check_processor(self, module: nn.Module, name: str) -> None:
         kind = type(module).__name__
-        for child in ("to_q", "to_k", "to_v", "to_out"):
-            get_child(module, child, name)
         processor = type(getattr(module, "processor", None)).__name__
-        if processor not in KNOWN_PROCESSORS:
+        known = sorted(JOINT_PROCESSORS if self.joint else KNOWN_PROCESSORS)
+        if processor not in known:
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) runs the processor {processor}, whose forward "
-                f"SequenceParallelAttention does not know (known: {sorted(KNOWN_PROCESSORS)}); "
+                f"SequenceParallelAttention(joint={self.joint}) does not know (known: {known}); "
                 "splitting around an unknown forward could compute something else. Fix: "
                 "module.set_processor(<a known processor>) or a plan for this attention"
             )
@@ -246,11 +302,27 @@ class SequenceParallelAttention(Style):
                 f"parallelize: {name!r} ({kind}) has fused projections (to_qkv). Fix: call "
                 "unfuse_projections() on the model before parallelize"
             )
-        if getattr(module, "is_cross_attention", False) or getattr(module, "add_k_proj", None):
+        added = getattr(module, "add_k_proj", None) is not None
+        if self.joint and not added:
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({kind}) has no add_q_proj/add_k_proj/add_v_proj: not a "
+                "joint text-image attention. Fix: list it in ContextParallel(attention=...)"
+            )
+        if not self.joint and (getattr(module, "is_cross_attention", False) or added):
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) is a cross-attention; SequenceParallelAttention "
-                "splits self-attention. Fix: list it in ContextParallel(cross=...)"
+                "splits self-attention. Fix: list it in ContextParallel(cross=...) (or "
+                "joint=... if its text tokens join the image tokens: an MM-DiT)"
             )
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        _, ulysses, _ = _split_axes(
+            "SequenceParallelAttention", self.axis, self.mode, self.ring_axis, mesh
+        )
+        kind = type(module).__name__
+        for child in ("to_q", "to_k", "to_v", "to_out"):
+            get_child(module, child, name)
+        self._check_processor(module, name)
         heads = getattr(module, "heads", None)
         n = mesh.axis_size(ulysses) if ulysses is not None else 1
         if type(heads) is not int or heads % n:
@@ -275,9 +347,14 @@ class SequenceParallelAttention(Style):
         )
         inner = module.processor
         processor = SplitProcessor(inner, name, mesh, axes, ulysses, ring, current)
+        refused: tuple[str, ...] = ("encoder_hidden_states", "attention_mask")
+        if self.joint:
+            joint = JointSplitProcessor(inner, name, mesh, axes, ulysses, ring, current)
+            joint.text_first = JOINT_PROCESSORS[type(inner).__name__]
+            processor, refused = joint, ("attention_mask",)
         object.__setattr__(module, "processor", processor)
         module.register_forward_pre_hook(
-            functools.partial(_self_attention_only, name), with_kwargs=True
+            functools.partial(_self_attention_only, name, refused), with_kwargs=True
         )
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
@@ -400,6 +477,11 @@ class ContextParallel(Style):
             (`SequenceParallelAttention` in ``mode``).
         cross: in every block, the cross-attentions to replicated encoder states: they run on the
             rank's queries as they are.
+        joint: in every block, the joint text-image attentions (MM-DiT: SD3's ``attn``), whose
+            text tokens (replicated) join the rank's image tokens inside the attention
+            (`SequenceParallelAttention` with ``joint=True``). A block whose attribute is
+            ``None`` (SD3.5's ``attn2`` outside its dual-attention layers) is skipped, for
+            ``attention`` too.
         whole: modules that run on the whole, replicated input before the split (patch
             embedding, rotary embedding, condition embedder); their parameters get whole
             gradients and are not ``pvary``'d.
@@ -433,6 +515,7 @@ class ContextParallel(Style):
     ring_axis: str | None = None
     rotary: str | None = "rope"
     per_token: tuple[int, ...] = (0, 1)
+    joint: tuple[str, ...] = ()
 
     def _blocks(self, model: nn.Module, name: str) -> nn.ModuleList:
         try:
@@ -447,8 +530,17 @@ class ContextParallel(Style):
             )
         return blocks
 
-    def _attention(self) -> SequenceParallelAttention:
-        return SequenceParallelAttention(self.axis, self.mode, self.ring_axis)
+    def _attentions(
+        self, block: nn.Module, where: str
+    ) -> list[tuple[str, nn.Module, SequenceParallelAttention]]:
+        """(name, module, style) of the block's split attentions (``None`` ones skipped)."""
+        found = []
+        for rels, joint in ((self.attention, False), (self.joint, True)):
+            style = SequenceParallelAttention(self.axis, self.mode, self.ring_axis, joint)
+            for rel in rels:
+                if getattr(block, rel, True) is not None:
+                    found.append((f"{where}.{rel}", get_child(block, rel, where), style))
+        return found
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         _split_axes("ContextParallel", self.axis, self.mode, self.ring_axis, mesh)
@@ -472,14 +564,13 @@ class ContextParallel(Style):
                     f"parallelize: ContextParallel: {kind} has no module {child!r}. Fix: name "
                     f"its modules ({[n for n, _ in module.named_children()]})"
                 ) from None
-        attention = self._attention()
         for i, block in enumerate(self._blocks(module, name)):
             where = f"{self.blocks}.{i}"
-            for rel in self.attention:
-                attention.check(get_child(block, rel, where), f"{where}.{rel}", mesh)
+            for at, sub, style in self._attentions(block, where):
+                style.check(sub, at, mesh)
             for rel in self.cross:
                 get_child(block, rel, where)
-            listed = {*self.attention, *self.cross}
+            listed = {*self.attention, *self.cross, *self.joint}
             for rel, sub in block.named_modules():
                 if rel and rel.split(".")[0] not in listed and hasattr(sub, "to_q"):
                     raise ParallelizeError(
@@ -487,7 +578,8 @@ class ContextParallel(Style):
                         "ContextParallel was not told about: on a rank's tokens alone it would "
                         "attend within them and compute something else. Fix: "
                         f"ContextParallel(attention=(..., {rel!r})) for a self-attention, "
-                        f"cross=(..., {rel!r}) for one to replicated encoder states"
+                        f"cross=(..., {rel!r}) for one to replicated encoder states, "
+                        f"joint=(..., {rel!r}) for one whose text tokens join the image tokens"
                     )
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
@@ -514,11 +606,9 @@ class ContextParallel(Style):
         module.get_submodule(self.output).register_forward_hook(
             functools.partial(_gather_tokens, current)
         )
-        attention = self._attention()
         for i, block in enumerate(blocks):
-            for rel in self.attention:
-                where = f"{self.blocks}.{i}.{rel}"
-                attention.install(get_child(block, rel, where), where, mesh, current)
+            for at, sub, style in self._attentions(block, f"{self.blocks}.{i}"):
+                style.install(sub, at, mesh, current)
         # every parameter of the split region meets this rank's tokens: its gradient is summed
         axis = cast(str, axes[0] if len(axes) == 1 else axes)  # pvary takes a tuple of axes too
         whole = tuple(self.whole)

@@ -42,9 +42,15 @@ from torch.overrides import TorchFunctionMode
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.attention import RingAttention
-from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
+from fastdist.ops import (
+    all_gather,
+    all_gather_invariant,
+    all_to_all_4d,
+    axis_index,
+    local_chunk,
+)
 
-__all__ = ["TokenSplit", "split_attention", "AttentionSwap", "SDPA"]
+__all__ = ["TokenSplit", "split_attention", "joint_attention", "AttentionSwap", "SDPA"]
 
 #: torch's own attention function, captured at import: what `AttentionSwap` replaces
 SDPA: Any = F.scaled_dot_product_attention
@@ -154,13 +160,17 @@ class TokenSplit:
         return (torch.arange(self.rows, device=device) < sizes.unsqueeze(-1)).flatten()
 
 
-def _ring(q: Tensor, k: Tensor, v: Tensor, split: TokenSplit, ring_axis: str) -> Tensor:
-    """Ring attention over ``ring_axis`` of ``(B, S, H, D)`` blocks; padding keys masked."""
+def _ring(
+    q: Tensor, k: Tensor, v: Tensor, split: TokenSplit, ring_axis: str, flags: Tensor | None = None
+) -> Tensor:
+    """Ring attention over ``ring_axis`` of ``(B, S, H, D)`` blocks; the keys whose ``flags``
+    (``(S,)`` bool, this rank's block) are False masked (default: the split's padding rows)."""
     ring = RingAttention(split.mesh, ring_axis)
-    if split.even:
-        return cast(Tensor, ring(q, k, v))
+    if flags is None:
+        if split.even:
+            return cast(Tensor, ring(q, k, v))
+        flags = split.key_flags(ring_axis, q.device)  # (S,) bool
     d = q.shape[-1]
-    flags = split.key_flags(ring_axis, q.device)  # (S,) bool
     # one more head dim: a real key's score is unchanged, a padding key's is ~ -1e4
     extra = torch.where(flags, 0.0, -_MASKED_SCORE * math.sqrt(d + 1)).to(k.dtype)
     ones = q.new_ones(*q.shape[:-1], 1)
@@ -205,6 +215,87 @@ def split_attention(
     if ulysses_axis is not None:
         o = all_to_all_4d(o, split.mesh, ulysses_axis, scatter_dim=1, gather_dim=2)
     return o  # (B, rows, H, Dv)
+
+
+def _my_heads(t: Tensor, mesh: Mesh, axis: str) -> Tensor:
+    """This rank's ``H / n`` heads of a ``(B, S, H, D)`` tensor that every rank of ``axis``
+    holds: a plain slice (its gradient stays on this rank's heads, zero elsewhere)."""
+    n = mesh.axis_size(axis)
+    idx = axis_index(mesh, axis).to(t.device)
+    heads = t.view(*t.shape[:2], n, t.shape[2] // n, *t.shape[3:])  # (B, S, n, H / n, D)
+    return heads[:, :, idx]  # (B, S, H / n, D)
+
+
+def joint_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    split: TokenSplit,
+    *,
+    text: int,
+    text_first: bool,
+    ulysses_axis: str | None,
+    ring_axis: str | None,
+) -> Tensor:
+    """Joint text-image attention (MM-DiT) over the split image tokens and the ``text`` tokens
+    every rank holds: every query (text and this rank's image rows) attends over the text keys
+    once and every image key of the whole sequence.
+
+    * Ulysses: the image rows go through the all-to-all (every image token, ``H / n`` heads); the
+      text q, k, v are cut to the same ``H / n`` heads (every rank holds them all); one attention
+      over ``[text; image]``; the image rows go back through the all-to-all, the text output's
+      heads are gathered (``all_gather``: its gradient is summed over the ranks, each rank's
+      text gradient being partial).
+    * ring: each rank's queries are ``[text; image rows]``; the key/value block that travels is
+      ``[text; image rows]`` too, its text rows real on ring rank 0 only and masked elsewhere, so
+      the text keys count once. Every ring rank computes the text queries' output over the whole
+      sequence (the same value on every rank).
+    * USP: both, Ulysses first.
+
+    The text rows' gradients this returns are a rank's part of the whole (they sum over the
+    ranks): the text stream must be ``pvary``'d, as `ContextParallel` does with every parameter
+    of the blocks and with the outputs of its ``feeds``.
+
+    Args:
+        q: ``(batch, text + rows, heads, head_dim)``: the text rows and this rank's image rows,
+            in the processor's order (``text_first``).
+        k: like ``q``.
+        v: ``(batch, text + rows, heads, v_dim)``.
+        split: the image token layout.
+        text: the number of text tokens.
+        text_first: whether the text rows come first (Flux, CogVideoX) or last (SD3).
+        ulysses_axis: the axis of the heads <-> tokens all-to-all, or ``None``.
+        ring_axis: the axis whose ranks pass k/v around, or ``None``.
+
+    Returns:
+        the output ``(batch, text + rows, heads, v_dim)`` in the same order.
+    """
+    rows = q.shape[1] - text
+
+    def parts(t: Tensor) -> tuple[Tensor, Tensor]:  # (text part, image part)
+        return (t[:, :text], t[:, text:]) if text_first else (t[:, rows:], t[:, :rows])
+
+    (qt, qi), (kt, ki), (vt, vi) = parts(q), parts(k), parts(v)
+    if ulysses_axis is not None:
+        # (B, n_u * rows, H / n_u, D): every image token of this ring block, this rank's heads
+        qi, ki, vi = (all_to_all_4d(t, split.mesh, ulysses_axis) for t in (qi, ki, vi))
+        qt, kt, vt = (_my_heads(t, split.mesh, ulysses_axis) for t in (qt, kt, vt))
+    qj, kj, vj = (torch.cat(pair, 1) for pair in ((qt, qi), (kt, ki), (vt, vi)))  # text first
+    if ring_axis is not None:
+        first = axis_index(split.mesh, ring_axis).to(q.device) == 0  # the text keys' ring rank
+        flags = torch.cat([first.expand(text), split.key_flags(ring_axis, q.device)])
+        o = _ring(qj, kj, vj, split, ring_axis, flags)
+    else:
+        mask = None
+        if not split.even:
+            mask = torch.cat([q.new_ones(text, dtype=torch.bool), split.key_flags(None, q.device)])
+        o = SDPA(qj.transpose(1, 2), kj.transpose(1, 2), vj.transpose(1, 2), attn_mask=mask)
+        o = o.transpose(1, 2)  # (B, text + S, H', Dv)
+    ot, oi = o[:, :text], o[:, text:]
+    if ulysses_axis is not None:
+        oi = all_to_all_4d(oi, split.mesh, ulysses_axis, scatter_dim=1, gather_dim=2)
+        ot = all_gather(ot.contiguous(), split.mesh, ulysses_axis, dim=2)  # (B, text, H, Dv)
+    return torch.cat([ot, oi] if text_first else [oi, ot], 1)  # (B, text + rows, H, Dv)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -1,0 +1,137 @@
+"""Context parallelism of joint text-image attention DiTs (MM-DiT, issue 38.1): diffusers'
+``SD3Transformer2DModel`` (SD3, and SD3.5's dual attention with q/k RMS norms), whose text
+tokens, replicated on every rank, join the split image tokens inside every attention. Forward
+and backward against the same model on one device in float64, in every mode, with image token
+counts the ranks do not divide; ``plan="auto"``; the refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fastdist as fd
+from fastdist.errors import ParallelizeError
+
+sd3_module = pytest.importorskip("diffusers.models.transformers.transformer_sd3")
+
+#: (mesh axes, plan keywords) of each mode
+MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
+    "ulysses-2": ({"sp": 2}, {}),
+    "ulysses-4": ({"sp": 4}, {}),
+    "ring-2": ({"sp": 2}, {"mode": "ring"}),
+    "ring-4": ({"sp": 4}, {"mode": "ring"}),
+    "usp-2x2": ({"cp": 2, "sp": 2}, {"mode": "usp", "ring_axis": "cp"}),
+}
+
+
+def tiny_sd3(seed: int = 0, **kw: Any) -> nn.Module:
+    """2 joint blocks (the last one ``context_pre_only``), 4 heads of 8, patch 1."""
+    torch.manual_seed(seed)
+    model = sd3_module.SD3Transformer2DModel(
+        sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
+        pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8, **kw,
+    )  # fmt: skip
+    return cast(nn.Module, model.to(torch.float64))
+
+
+def sd3_inputs(size: int = 3, text: int = 5) -> dict[str, Tensor]:
+    """``size * size`` image tokens (9: 5 + 4 over 2 ranks, 3 + 2 + 2 + 2 over 4), ``text``
+    text tokens."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(2, 4, size, size, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(2, text, 16, generator=g, dtype=torch.float64),
+        "pooled_projections": torch.randn(2, 8, generator=g, dtype=torch.float64),
+        "timestep": torch.tensor([3.0, 700.0], dtype=torch.float64),
+    }
+
+
+def reference(model: nn.Module, x: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """The output and every parameter's gradient of ``sum(out**2)`` on one device."""
+    out = model(**x).sample
+    out.pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    """Every gradient within 1e-9 of the largest entry of its parameter's (SD3 has no float32
+    norms); the last block's ``add_q_proj`` (its text queries' output is dropped:
+    ``context_pre_only``) has a zero gradient, which must be zero here too."""
+    assert sorted(got) == sorted(want)
+    for name, g in want.items():
+        err = float((got[name] - g).abs().max() / max(float(g.abs().max()), 1.0))
+        assert err < 1e-9, f"{name}: {err:.2e}"
+
+
+def check(mode: str, model: nn.Module, x: dict[str, Tensor]) -> None:
+    axes, kw = MODES[mode]
+    out, grads = reference(copy.deepcopy(model), x)
+    mesh = fd.Mesh(axes)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.sd3(model, mesh, **kw))
+    n = mesh.size
+    got = pm(**{k: v.expand(n, *v.shape) for k, v in x.items()}).sample
+    got.pow(2).sum().backward()
+    for r in range(n):
+        torch.testing.assert_close(got[r].detach(), out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sd3_equals_one_device(mode: str) -> None:
+    """9 image tokens (uneven over 2 and 4 ranks), 5 text tokens on every rank."""
+    check(mode, tiny_sd3(), sd3_inputs())
+
+
+def test_sd3_even_tokens_and_long_text() -> None:
+    """16 image tokens (even), 11 text tokens (more than a rank's image rows), ring over 4."""
+    check("ring-4", tiny_sd3(), sd3_inputs(size=4, text=11))
+
+
+@pytest.mark.parametrize("mode", ["ulysses-2", "usp-2x2"])
+def test_sd35_dual_attention_equals_one_device(mode: str) -> None:
+    """SD3.5: block 0 has a second, image-only attention (``attn2``, a split self-attention),
+    q/k RMS norms on both streams."""
+    check(mode, tiny_sd3(dual_attention_layers=(0,), qk_norm="rms_norm"), sd3_inputs())
+
+
+def test_sd3_is_auto() -> None:
+    pm = fd.nn.parallelize(tiny_sd3(), fd.Mesh({"sp": 2}), "auto", verify=False)
+    assert pm.plan == fd.nn.plans.sd3(axis="sp")
+
+
+def test_sd3_refusals() -> None:
+    mesh = fd.Mesh({"sp": 2})
+    with pytest.raises(ParallelizeError, match=r"'transformer_blocks\.0\.attn' .* 3 heads"):
+        model = sd3_module.SD3Transformer2DModel(
+            sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+            num_attention_heads=3, joint_attention_dim=16, caption_projection_dim=24,
+            pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8,
+        )  # fmt: skip
+        fd.nn.parallelize(model, mesh, fd.nn.plans.sd3())
+    with pytest.raises(ParallelizeError, match=r"is a cross-attention.*joint="):
+        bad = dict(vars(fd.nn.plans.sd3()[""]), attention=("attn",), joint=())
+        fd.nn.parallelize(tiny_sd3(), mesh, {"": fd.nn.ContextParallel(**bad)})
+    with pytest.raises(ParallelizeError, match=r"attn2' .* not a joint text-image attention"):
+        bad = dict(vars(fd.nn.plans.sd3()[""]), attention=(), joint=("attn", "attn2"))
+        dual = tiny_sd3(dual_attention_layers=(0,))
+        fd.nn.parallelize(dual, mesh, {"": fd.nn.ContextParallel(**bad)})
+    model = tiny_sd3()
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.sd3(mode="ring"))
+    x = {k: v.expand(2, *v.shape) for k, v in sd3_inputs().items()}
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    blocks = cast(nn.ModuleList, model.transformer_blocks)
+    blocks[0].attn.set_processor(AttnProcessor2_0())  # type: ignore[no-untyped-call]
+    with pytest.raises(ParallelizeError, match="processor was replaced after parallelize"):
+        pm(**x)
+    with pytest.raises(ParallelizeError, match=r"runs the processor AttnProcessor2_0"):
+        fd.nn.parallelize(model, mesh, fd.nn.plans.sd3())
+    with pytest.raises(ParallelizeError, match="not a diffusers SD3Transformer2DModel"):
+        fd.nn.plans.sd3(nn.Linear(2, 2))
