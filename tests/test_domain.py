@@ -34,6 +34,7 @@ def equal_to_one_device(
     *,
     call: Callable[[Any, Tensor], Tensor] | None = None,
     seed: int = 0,
+    plan_key: str = "",
     **style: Any,
 ) -> fd.nn.ParallelModel:
     """``net`` domain-parallel over ``MESHES[split]`` equals ``net`` on one device: the output,
@@ -47,7 +48,7 @@ def equal_to_one_device(
     x = torch.randn(*shape, dtype=F64)
     run = call or (lambda m, t: m(t))
     want = run(ref, xr := x.clone().requires_grad_())
-    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel(dims, **style)})
+    pm = fd.nn.parallelize(net, mesh, {plan_key: fd.nn.DomainParallel(dims, **style)})
     xs = x.expand(mesh.size, *shape).clone().requires_grad_()
     got = run(pm, xs)
     assert got.shape == (mesh.size, *want.shape)
@@ -59,10 +60,14 @@ def equal_to_one_device(
     # the field is replicated: every rank's copy gets the whole gradient (local_chunk's rule)
     assert torch.allclose(xs.grad, xr.grad.expand_as(xs.grad), atol=TOL)
     grads = pm.grads()  # checks every rank's replicated gradient agrees
+    used = 0
     for name, p in ref.named_parameters():
-        assert p.grad is not None
+        if p.grad is None:  # unused on one device too (Wan's time_conv without a frame cache)
+            assert name not in grads or not grads[name].any(), name
+            continue
+        used += 1
         assert torch.allclose(grads[name], p.grad, atol=TOL), name
-    assert len(grads) == len(list(ref.parameters()))
+    assert len(grads) >= used == len([p for p in ref.parameters() if p.grad is not None])
     return pm
 
 
@@ -298,7 +303,7 @@ class Custom(nn.Module):
 REFUSED: list[tuple[Callable[[], nn.Module], str]] = [
     (lambda: nn.Sequential(nn.Conv2d(2, 2, 3), nn.AdaptiveAvgPool2d(1)), r"'1' \(Adaptive.*global"),
     (lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 2)), r"'0' \(Flatten.*flattened field"),
-    (lambda: nn.Sequential(SpatialAttention()), r"'0' \(SpatialAttention\): self-attention"),
+    (lambda: nn.Sequential(SpatialAttention()), r"'0' \(SpatialAttention\): an attention module"),
     (lambda: nn.Sequential(Custom()), r"not known.*local=\(Custom,\)"),
     (lambda: nn.LayerNorm([2, 4, 4]), r"normalized_shape=\(2, 4, 4\)"),
     (lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), "align_corners"),

@@ -1,7 +1,8 @@
 """Real diffusers models (tiny configs, random init) made domain-parallel with
 `fastdist.nn.DomainParallel`, against the same model on one device in float64, forward and
-backward, on simulated ranks: ``AutoencoderKL``'s decoder and encoder, ``UNet2DModel``; Wan's
-video VAE decoder is refused (its mid-block attention spans the split H x W)."""
+backward, on simulated ranks: ``AutoencoderKL``'s decoder and encoder (with and without their
+mid-block attention over H x W), ``UNet2DModel`` (with attention blocks), Wan's video VAE decoder
+(per-frame attention over H x W; its frame-cached ``decode`` split over H x W)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.test_domain import equal_to_one_device
 pytest.importorskip("diffusers")
 
 
-def tiny_vae() -> Any:
+def tiny_vae(attention: bool = False) -> Any:
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
@@ -30,7 +31,7 @@ def tiny_vae() -> Any:
         latent_channels=4,
         norm_num_groups=4,
         sample_size=16,
-        mid_block_add_attention=False,
+        mid_block_add_attention=attention,
     )
 
 
@@ -70,12 +71,93 @@ def test_unet2d_model() -> None:
     )
 
 
-def test_wan_decoder_attention_is_refused() -> None:
-    """Wan's decoder attends over each frame's H x W tokens (``WanAttentionBlock``): refused at
-    parallelize time, named, with the fix."""
+def test_autoencoder_kl_mid_block_attention() -> None:
+    """The mid-block ``Attention`` (its ``group_norm`` on the flattened tokens, whole-domain
+    statistics) attends each rank's queries over the whole H x W's keys: decoder over H x W,
+    encoder over H."""
+    equal_to_one_device(tiny_vae(attention=True).decoder, (1, 4, 4, 6), "hw")
+    equal_to_one_device(tiny_vae(attention=True).encoder, (1, 3, 8, 12), "h")
+
+
+def test_unet2d_model_with_attention() -> None:
+    """``AttnDownBlock2D`` / ``AttnUpBlock2D`` (several heads) over H x W."""
+    from diffusers import UNet2DModel
+    from diffusers.models.embeddings import Timesteps
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(
+        sample_size=8,
+        in_channels=2,
+        out_channels=2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+        attention_head_dim=4,
+    )
+    equal_to_one_device(
+        unet, (1, 2, 8, 12), "hw", call=lambda m, x: m(x, 3.0).sample, local=(Timesteps,)
+    )
+
+
+def tiny_wan() -> Any:
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                           temperal_downsample=[True])  # fmt: skip
-    with pytest.raises(fd.nn.ParallelizeError, match=r"mid_block.attentions.0.*self-attention"):
-        fd.nn.parallelize(vae.decoder, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                            temperal_downsample=[True])  # fmt: skip
+
+
+@pytest.mark.parametrize("split", ["hw", "thw"])
+def test_wan_decoder(split: str) -> None:
+    """Wan's decoder called on a whole latent video (no frame cache): causal 3-d convs, RMS norms,
+    ``WanUpsample`` (float32 nearest-exact), per-frame attention over H x W (a T split is in its
+    batch)."""
+    frames = 4 if split == "thw" else 2  # the causal halo (2 frames) fits a block
+    equal_to_one_device(tiny_wan().decoder, (1, 4, frames, 4, 6), split)
+
+
+class WanDecode(torch.nn.Module):
+    """``AutoencoderKLWan.decode``: frame by frame through the decoder, with its frame cache."""
+
+    def __init__(self, vae: Any) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.vae.decode(z).sample
+        return out
+
+
+def test_wan_decode_with_frame_cache() -> None:
+    """The real decode (one latent frame at a time, the causal convs' frame cache held as each
+    rank's block), the decoder split over H x W, equal to one device forward and backward."""
+    equal_to_one_device(WanDecode(tiny_wan()), (1, 4, 3, 4, 6), "hw", plan_key="vae.decoder")
+
+
+def test_wan_decode_with_frame_cache_refuses_a_t_split() -> None:
+    """The decode runs the decoder one latent frame at a time (then a cache of the frames before):
+    a T split is refused at the first call, naming the one-frame field."""
+    pm = fd.nn.parallelize(
+        WanDecode(tiny_wan()).double(), fd.Mesh({"t": 2}),
+        {"vae.decoder": fd.nn.DomainParallel({-3: "t"})},
+    )  # fmt: skip
+    with pytest.raises(fd.nn.ParallelizeError, match=r"dim -3 of the field has 1 rows"):
+        pm(torch.randn(1, 4, 4, 4, 4, dtype=torch.float64).expand(2, -1, -1, -1, -1, -1))
+
+
+def test_attention_refusals() -> None:
+    """An attention processor without ``F.scaled_dot_product_attention`` raises at the first call
+    (its keys would be this rank's only); ``nn.MultiheadAttention`` is refused at parallelize
+    time."""
+    from diffusers.models.attention_processor import AttnProcessor
+
+    vae = tiny_vae(attention=True).double()
+    vae.decoder.mid_block.attentions[0].set_processor(AttnProcessor())
+    pm = fd.nn.parallelize(vae.decoder, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"ran no F.scaled_dot_product_attention"):
+        pm(torch.randn(1, 4, 4, 6, dtype=torch.float64).expand(2, -1, -1, -1, -1))
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1), torch.nn.MultiheadAttention(4, 1))
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'1' \(MultiheadAttention\): an attention"):
+        fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})

@@ -18,6 +18,12 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.domain.attention import (
+    current_attention,
+    flat_split,
+    is_spatial_attention,
+    run_attention,
+)
 from fastdist.nn.domain.conv import conv_padding
 from fastdist.nn.domain.norms import domain_batch_norm, domain_group_norm
 from fastdist.nn.domain.windows import (
@@ -120,11 +126,13 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
     name = t.__name__
     if is_diffusers_downsample(m):
         return "downsample2d", None
+    if is_spatial_attention(m):
+        return "attention", None
     if "Attention" in name or isinstance(m, nn.MultiheadAttention):
         return "", (
-            "self-attention over spatial tokens mixes the whole domain and is not built in the "
-            "domain-parallel style. Fix: a model without it (diffusers: mid_block_add_attention="
-            "False), or end the domain-parallel region before it"
+            "an attention module the domain-parallel style does not know (built: diffusers' "
+            "Attention over a field [N, C, H, W], Wan's WanAttentionBlock). Fix: one of those, "
+            "or end the domain-parallel region before it"
         )
     if isinstance(m, local):
         return "local", None
@@ -152,7 +160,10 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
             "'gather'), or a fixed-kernel AvgPool / MaxPool"
         )
     if isinstance(m, nn.Upsample):
-        return _upsample_check(m)
+        kind, why = _upsample_check(m)
+        # a subclass (Wan's WanUpsample casts to float32) runs its own forward: the functional
+        # guard runs its F.interpolate domain-parallel
+        return ("local" if why is None and t is not nn.Upsample else kind), why
     if t is nn.GroupNorm:
         return "group_norm", None
     if isinstance(m, _INSTANCE):
@@ -263,9 +274,10 @@ def _upsample(site: Site, m: Any, x: Tensor) -> Tensor:
 
 
 def _group_norm(site: Site, m: Any, x: Tensor) -> Tensor:
-    return domain_group_norm(
-        x, m.num_groups, m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split
-    )
+    split, call = site.split, current_attention()
+    if call is not None and x.dim() == 3:  # diffusers' Attention.group_norm: [N, C, H * W]
+        split = flat_split(call)
+    return domain_group_norm(x, m.num_groups, m.weight, m.bias, m.eps, mesh=site.mesh, split=split)
 
 
 def _instance_norm(site: Site, m: Any, x: Tensor) -> Tensor:
@@ -320,6 +332,8 @@ def _run(kind: str, site: Site, m: nn.Module, *args: Any, **kwargs: Any) -> Tens
 def domain_forward(kind: str, site: Site, m: nn.Module) -> Callable[..., Tensor] | None:
     """The ``forward`` of a layer of ``kind`` on a rank's block (``None``: its own forward runs,
     for token-local modules and containers)."""
+    if kind == "attention":  # its own forward, its sdpa given the whole domain's keys
+        return functools.partial(run_attention, site.mesh, site.split, site.where, m.forward)
     if kind not in _FORWARDS:
         return None
     return functools.partial(_run, kind, site, m)

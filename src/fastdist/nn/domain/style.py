@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.domain.attention import current_attention, gathered_sdpa
 from fastdist.nn.domain.layers import (
     DOWNSAMPLE_PADS,
     Site,
@@ -389,6 +390,9 @@ class _Guard(TorchFunctionMode):
         if layer_depth() == 0:
             if func is F.interpolate:
                 return self._interpolate(*args, **kwargs)
+            call = current_attention()
+            if func is F.scaled_dot_product_attention and call is not None:
+                return gathered_sdpa(call, *args, **kwargs)
             if func is F.pad:
                 self._check_pad(*args, **kwargs)
             elif func in _REDUCTIONS:
