@@ -69,3 +69,26 @@ def unet_on_gloo() -> dict[str, Any]:
             "running": (bn.running_mean.clone(), bn.running_var.clone()),
         }
     return results
+
+
+def vae_attention_inputs() -> tuple[nn.Module, Tensor, Tensor]:
+    """A tiny diffusers ``AutoencoderKL`` decoder with its mid-block attention, a 4 x 6 latent and
+    the output's cotangent."""
+    from tests.test_domain_models import tiny_vae
+
+    net = tiny_vae(attention=True).decoder.to(F64)
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(1, 4, 4, 6, generator=g, dtype=F64)
+    return net, z, torch.randn(1, 3, 8, 12, generator=g, dtype=F64)
+
+
+def vae_attention_on_gloo() -> dict[str, Any]:
+    """One rank of 2 (W over ``w``, uneven blocks of 2 and 4 latent columns): the decoder's
+    attention gathers keys of different lengths (``all_gather_v``); output and gradients."""
+    mesh = fd.connect(w=2, timeout=120)
+    net, z, cot = vae_attention_inputs()
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-1: "w"}, sizes={-1: [2, 4]})})
+    zr = z.clone().requires_grad_()
+    out = pm(zr)
+    (out * cot).sum().backward()
+    return {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}

@@ -161,3 +161,20 @@ def test_attention_refusals() -> None:
     net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1), torch.nn.MultiheadAttention(4, 1))
     with pytest.raises(fd.nn.ParallelizeError, match=r"'1' \(MultiheadAttention\): an attention"):
         fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+
+
+def test_attention_with_uneven_blocks_on_gloo() -> None:
+    """2 gloo processes, W split into 2 and 4 latent columns: the mid-block attention gathers
+    keys of 8 and 16 tokens (``all_gather_v``), equal to one device forward and backward."""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import vae_attention_inputs, vae_attention_on_gloo
+
+    net, z, cot = vae_attention_inputs()
+    zr = z.clone().requires_grad_()
+    out = net(zr)
+    (out * cot).sum().backward()
+    for got in run_on_gloo(vae_attention_on_gloo, 2, timeout=180):
+        assert torch.allclose(got["out"], out, atol=1e-10)
+        assert torch.allclose(got["dz"], zr.grad, atol=1e-10)  # type: ignore[arg-type]
+        for name, p in net.named_parameters():
+            assert torch.allclose(got["grads"][name], p.grad, atol=1e-10), name  # type: ignore[arg-type]
