@@ -178,6 +178,52 @@ def test_pooling(split: str, pool: nn.Module, shape: tuple[int, ...]) -> None:
     equal_to_one_device(pool, shape, split)
 
 
+class SqueezeExcite(nn.Module):
+    """A conv, then the field scaled by a gate computed from its global average."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.gate = nn.Sequential(nn.Conv2d(4, 4, 1), nn.Sigmoid())
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv(x)
+        return y * self.gate(self.pool(y))
+
+
+ADAPTIVE = [
+    ("h", nn.AdaptiveAvgPool2d((4, 3)), (1, 2, 10, 6)),  # bins of 3 rows overlapping by 1
+    ("hw", nn.AdaptiveMaxPool2d((2, 4)), (1, 2, 6, 8)),
+    ("h3", nn.AdaptiveAvgPool2d((6, None)), (1, 2, 9, 4)),
+    ("hw", nn.AdaptiveAvgPool2d(1), (2, 2, 6, 4)),  # global: weighted psum
+    ("hw", nn.AdaptiveMaxPool2d((1, 2)), (1, 2, 4, 6)),  # global over H (pmax), 2 bins over W
+    ("thw", nn.AdaptiveAvgPool3d((2, 1, 4)), (1, 2, 4, 4, 8)),
+    ("w", nn.AdaptiveMaxPool1d(1), (2, 3, 8)),
+    ("hw", SqueezeExcite(), (1, 2, 4, 6)),  # the global result used with every rank's rows
+]
+
+
+@pytest.mark.parametrize(("split", "pool", "shape"), ADAPTIVE)
+def test_adaptive_pooling(split: str, pool: nn.Module, shape: tuple[int, ...]) -> None:
+    """Each rank pools its block to its share of the bins; pooled to one row (global pooling),
+    the ranks' means (weighted by rows) or maxima are combined, and leave the region once."""
+    equal_to_one_device(pool, shape, split)
+
+
+def test_adaptive_pooling_refusals() -> None:
+    """An output size whose bins straddle the blocks, and a halo read from a globally pooled
+    field, raise at the first call."""
+    x = torch.randn(1, 2, 8, 4, dtype=F64).expand(2, -1, -1, -1, -1)
+    mesh, style = fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})}
+    pm = fd.nn.parallelize(nn.AdaptiveAvgPool2d(3), mesh, style)
+    with pytest.raises(fd.nn.ParallelizeError, match=r"pools the split dim -2 .* to 3 rows"):
+        pm(x)
+    net = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(2, 2, 3, padding=1)).to(F64)
+    with pytest.raises(fd.nn.ParallelizeError, match=r"global pooling reduced to one row"):
+        fd.nn.parallelize(net, mesh, style)(x)
+
+
 # ------------------------------------------------------------------ upsampling
 UPSAMPLES = [
     ("hw", nn.Upsample(scale_factor=2), (1, 2, 4, 6)),
@@ -301,7 +347,7 @@ class Custom(nn.Module):
 
 
 REFUSED: list[tuple[Callable[[], nn.Module], str]] = [
-    (lambda: nn.Sequential(nn.Conv2d(2, 2, 3), nn.AdaptiveAvgPool2d(1)), r"'1' \(Adaptive.*global"),
+    (lambda: nn.AdaptiveMaxPool2d(1, return_indices=True), "return_indices"),
     (lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 2)), r"'0' \(Flatten.*flattened field"),
     (lambda: nn.Sequential(SpatialAttention()), r"'0' \(SpatialAttention\): an attention module"),
     (lambda: nn.Sequential(Custom()), r"not known.*local=\(Custom,\)"),

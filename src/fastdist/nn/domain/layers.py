@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.domain.adaptive import domain_adaptive_pool
 from fastdist.nn.domain.attention import (
     current_attention,
     flat_split,
@@ -154,11 +155,9 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
             return "", "ceil_mode=True or return_indices=True is not built. Fix: the defaults"
         return "pool", None
     if isinstance(m, _ADAPTIVE):
-        return "", (
-            f"{name} pools the whole domain to a fixed size (global pooling). Fix: end the "
-            "domain-parallel region before it (DomainParallel on the conv trunk, output="
-            "'gather'), or a fixed-kernel AvgPool / MaxPool"
-        )
+        if getattr(m, "return_indices", False):
+            return "", "return_indices=True is not built. Fix: the default"
+        return "adaptive", None
     if isinstance(m, nn.Upsample):
         kind, why = _upsample_check(m)
         # a subclass (Wan's WanUpsample casts to float32) runs its own forward: the functional
@@ -268,6 +267,15 @@ def _pool(site: Site, m: Any, x: Tensor) -> Tensor:
     )  # fmt: skip
 
 
+def _adaptive(site: Site, m: Any, x: Tensor) -> Tensor:
+    kind = "max" if "Max" in type(m).__name__ else "avg"
+    nsp = int(type(m).__name__[-2])  # AdaptiveAvgPool2d: 2
+    size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size,) * nsp
+    return domain_adaptive_pool(
+        x, kind, nsp, size, mesh=site.mesh, split=site.split, where=site.where
+    )
+
+
 def _upsample(site: Site, m: Any, x: Tensor) -> Tensor:
     scale = _ints(m.scale_factor, x.dim() - 2)
     return domain_upsample(x, scale, m.mode, mesh=site.mesh, split=site.split, where=site.where)
@@ -316,6 +324,7 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
     "conv_t": _conv_t,
     "pool": _pool,
     "upsample": _upsample,
+    "adaptive": _adaptive,
     "group_norm": _group_norm,
     "instance_norm": _instance_norm,
     "batch_norm": _batch_norm,

@@ -36,7 +36,7 @@ from fastdist.nn.domain.layers import (
     is_diffusers_downsample,
     layer_depth,
 )
-from fastdist.nn.domain.windows import UPSAMPLE_HALO, Split, domain_upsample
+from fastdist.nn.domain.windows import POOLED, UPSAMPLE_HALO, Split, domain_upsample
 from fastdist.nn.styles.base import Style, StyleContext
 from fastdist.ops import (
     all_gather,
@@ -44,6 +44,7 @@ from fastdist.ops import (
     all_gather_v,
     axis_index,
     local_chunk,
+    pmean,
 )
 
 __all__ = ["DomainParallel"]
@@ -223,6 +224,7 @@ def _enter(
             f"DomainParallel on {where!r}: called without the field (no positional argument and "
             f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
         )
+    POOLED.clear()
     guard.__enter__()  # type: ignore[no-untyped-call]
     guard.active = True
     return args, kwargs
@@ -303,19 +305,28 @@ def _leave(
         return out
     guard.active = False
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    pooled = frozenset(POOLED)
+    POOLED.clear()
     if style.output == "split":
         return out
-    return _gather_tree(out, style.split, mesh, bool(style.sizes))
+    return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled)
 
 
-def _gather_tree(out: Any, split: Split, mesh: Mesh, uneven: bool) -> Any:
+def _gather_tree(
+    out: Any, split: Split, mesh: Mesh, uneven: bool, pooled: frozenset[str] = frozenset()
+) -> Any:
     """Every tensor of ``out`` that holds the split dims, gathered along them (``uneven``: each
-    rank's rows told to the others first)."""
+    rank's rows told to the others first); one row along an axis a global pooling reduced
+    (``pooled``) is already the whole, the same on every rank (``pmean``: its gradient counted
+    once)."""
     if isinstance(out, Tensor):
         if out.dim() < 2 + max(-d for d, _ in split):
             return out
         for d, axis in split:
             dim = out.dim() + d
+            if axis in pooled and out.shape[dim] == 1:
+                out = pmean(out, mesh, axis)
+                continue
             if not uneven:
                 out = all_gather_invariant(out, mesh, axis, dim)
                 continue
@@ -324,10 +335,10 @@ def _gather_tree(out: Any, split: Split, mesh: Mesh, uneven: bool) -> Any:
             out = GatherV.apply(out, mesh, axis, dim, sizes)  # type: ignore[no-untyped-call]
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_gather_tree(v, split, mesh, uneven) for v in out)
+        return type(out)(_gather_tree(v, split, mesh, uneven, pooled) for v in out)
     if hasattr(out, "keys") and hasattr(out, "__setitem__"):  # dicts, diffusers' BaseOutput
         for k in list(out.keys()):
-            out[k] = _gather_tree(out[k], split, mesh, uneven)
+            out[k] = _gather_tree(out[k], split, mesh, uneven, pooled)
     return out
 
 

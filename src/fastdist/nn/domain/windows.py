@@ -28,6 +28,7 @@ from fastdist.errors import ParallelizeError
 from fastdist.ops import axis_index, halo_exchange
 
 __all__ = [
+    "POOLED",
     "Split",
     "split_here",
     "window_halo",
@@ -40,6 +41,10 @@ __all__ = [
 
 #: ``(dim counted from the end, mesh axis)`` for every split dim
 Split = tuple[tuple[int, str], ...]
+
+#: the split axes a global (adaptive) pooling has reduced to one row, the same on every rank, in
+#: the region running now (the style clears it where the region is entered)
+POOLED: set[str] = set()
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -82,6 +87,12 @@ def exchange(
     """``x`` with ``before`` / ``after`` halo rows along ``dim`` (``after < 0``: that many rows
     cropped from the end), the domain's ends padded as ``mode`` pads."""
     d = x.dim() + dim if dim < 0 else dim
+    if axis in POOLED and (before or after > 0) and x.shape[d] == 1:
+        raise ParallelizeError(
+            f"domain parallel: a window reads a halo along {axis!r} of a field a global pooling "
+            "reduced to one row (the same on every rank). Fix: end the domain-parallel region "
+            "at the pooling, or a 1-wide kernel after it"
+        )
     x = halo_exchange(x, mesh, axis, d, (before, max(after, 0)), mode=mode)
     return x if after >= 0 else x.narrow(d, 0, x.shape[d] + after)
 
