@@ -135,3 +135,23 @@ def test_sd3_refusals() -> None:
         fd.nn.parallelize(model, mesh, fd.nn.plans.sd3())
     with pytest.raises(ParallelizeError, match="not a diffusers SD3Transformer2DModel"):
         fd.nn.plans.sd3(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ real ranks
+def sd3_usp_on_gloo() -> tuple[Tensor, dict[str, Tensor]]:
+    """One gloo rank of cp=2 x sp=2 (USP: the text heads cut and gathered over sp, the text keys
+    on ring rank 0 only), 9 image tokens (uneven): the whole output and every gradient."""
+    mesh = fd.connect(cp=2, sp=2, timeout=120)
+    pm = fd.nn.parallelize(tiny_sd3(), mesh, fd.nn.plans.sd3(mode="usp", ring_axis="cp"))
+    out = pm(**sd3_inputs()).sample
+    out.pow(2).sum().backward()
+    return out.detach(), pm.grads()
+
+
+def test_sd3_usp_uneven_on_gloo() -> None:
+    from tests.dist_harness import run_on_gloo
+
+    out, grads = reference(tiny_sd3(), sd3_inputs())
+    for got, got_grads in run_on_gloo(sd3_usp_on_gloo, 4, timeout=300):
+        torch.testing.assert_close(got, out, rtol=0, atol=1e-12)
+        assert_grads(got_grads, grads)
