@@ -14,7 +14,7 @@ gradient counted once), and a window over it (a halo) raises. Any other output s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -26,7 +26,7 @@ from fastdist.ops import all_gather, pmax, psum, pvary
 
 __all__ = ["domain_adaptive_pool"]
 
-_ADAPTIVE = {
+_ADAPTIVE: dict[tuple[str, int], Callable[..., Tensor]] = {
     ("avg", 1): F.adaptive_avg_pool1d, ("avg", 2): F.adaptive_avg_pool2d,
     ("avg", 3): F.adaptive_avg_pool3d, ("max", 1): F.adaptive_max_pool1d,
     ("max", 2): F.adaptive_max_pool2d, ("max", 3): F.adaptive_max_pool3d,
@@ -73,7 +73,7 @@ def domain_adaptive_pool(
                 "pooling), or end the region before it"
             )
         local[i] = x.shape[x.dim() + d] * o // whole
-    y: Tensor = _ADAPTIVE[(kind, nsp)](x, tuple(local))
+    y = _ADAPTIVE[(kind, nsp)](x, tuple(local))
     if not pooled:
         return y
     axes = tuple(a for a, _ in pooled)
