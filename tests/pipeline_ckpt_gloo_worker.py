@@ -5,13 +5,14 @@ Llama of tests/pipeline_worker.py and its one-device reference itself."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import fastdist as fd
+from tests.pipeline_checkpoint_worker import tied_llama
 from tests.pipeline_worker import batch, compare, reference
 from tests.tiny_models import tiny_llama
 
@@ -51,14 +52,45 @@ def count_layer_calls(pipe: Any) -> list[int]:
 
 
 def fsdp_on_4() -> dict[str, Any]:
-    """4 ranks, pp2 x dp2: ``fd.train.DataParallel(pipe, "dp", engine="fsdp")``; what it raises
-    (type, message) on this rank."""
+    """4 ranks, pp2 x dp2: FSDP2 on each stage (``fd.train.DataParallel(pipe, "dp",
+    engine="fsdp")``), each dp rank its own batch, 2 micro-batches, under 1F1B and GPipe; this
+    rank's loss and gradient errors against one device (the mean gradient over both batches),
+    then the whole-model clip's norm and an AdamW step's weights; and what DDP and a tied model
+    raise."""
     torch.set_num_threads(1)
     mesh = fd.connect(pp=2, timeout=90)  # dp = 2
-    model = tiny_llama(4, seed=5)
-    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
-    try:
+    dp = mesh.index(mesh.rank, "dp")
+    out: dict[str, Any] = {"pp": mesh.index(mesh.rank, "pp"), "dp": dp}
+    for schedule in ("1f1b", "gpipe"):
+        model = tiny_llama(4, seed=5)
+        ref = copy.deepcopy(model)
+        losses, grads = reference(model, [30, 31])
+        pipe = fd.train.pipeline(model, mesh, schedule=schedule, microbatches=2)
         fd.train.DataParallel(pipe, "dp", engine="fsdp")
-    except fd.FastdistError as e:
-        return {"type": type(e).__name__, "msg": str(e), "rank": dist.get_rank()}
-    return {"type": None, "msg": None, "rank": dist.get_rank()}
+        ids, labels = batch(30 + dp)
+        loss = pipe.step(input_ids=ids, labels=labels)
+        res = compare(pipe, loss, losses[dp], grads)
+        res["dtensor"] = all(hasattr(p, "full_tensor") for p in pipe.parameters())
+        # the clip and an AdamW step against torch's on one device
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone()
+        res["ref_total"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+        res["total"] = pipe.clip_grad_norm_(0.05).item()
+        torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
+        torch.optim.AdamW(pipe.parameters(), lr=1e-2).step()
+        want = dict(ref.named_parameters())
+        res["weight_err"] = max(
+            (w - want[n].detach()).abs().max().item() for n, w in pipe.state_dict().items()
+        )
+        out[schedule] = res
+    for name, build, engine in (
+        ("ddp", lambda: tiny_llama(4, seed=5), "ddp"),
+        ("tied", lambda: tied_llama(5), "fsdp"),
+    ):
+        pipe = fd.train.pipeline(build(), mesh, schedule="1f1b", microbatches=2)
+        try:
+            fd.train.DataParallel(pipe, "dp", engine=engine)
+            out[name] = None
+        except fd.FastdistError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests import pipeline_ckpt_gloo_worker as W
+from tests import tiny_models
 from tests.dist_harness import run_on_gloo
 
 TOL = 1e-9
@@ -33,3 +34,49 @@ def test_activation_checkpointing_in_a_pipeline_on_gloo_equals_one_device(
     # the two stages together hold every parameter's gradient
     assert {n for r in got for n in r["names"]} == set(got[0]["names"]) | set(got[2]["names"])
     assert not set(got[0]["names"]) & set(got[2]["names"])
+
+
+@pytest.fixture(scope="module")
+def fsdp() -> list[dict[str, Any]]:
+    return run_on_gloo(W.fsdp_on_4, 4, timeout=300)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_fsdp2_under_a_pipeline_on_gloo_equals_one_device(
+    fsdp: list[dict[str, Any]], schedule: str
+) -> None:
+    """pp2 x dp2, FSDP2 on each stage: gradients (mean over the dp ranks' batches), the
+    whole-model clip's norm and an AdamW step equal one device."""
+    assert [(r["pp"], r["dp"]) for r in fsdp] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    got = [r[schedule] for r in fsdp]
+    for g, r in enumerate(got):
+        assert r["dtensor"], g  # FSDP2 did shard the stage
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (g, r["loss_err"], r["grad_err"])
+        assert r["names"] == r["held"] and r["names"], g
+        assert abs(r["total"] - r["ref_total"]) <= TOL, (g, r["total"], r["ref_total"])
+        assert r["weight_err"] <= 1e-12, (g, r["weight_err"])
+    assert set(got[0]["names"]) | set(got[2]["names"]) == set(got[0]["names"] + got[2]["names"])
+    assert not set(got[0]["names"]) & set(got[2]["names"])
+
+
+def test_ddp_and_tied_fsdp2_under_a_pipeline_are_refused(fsdp: list[dict[str, Any]]) -> None:
+    for r in fsdp:
+        assert r["ddp"].startswith(
+            "PipelineError: fastdist.train.DataParallel(engine='ddp'): "
+            "not supported under a pipeline"
+        ), r["ddp"]
+        assert "1F1B runs several forwards before their backwards" in r["ddp"]
+        assert r["tied"].startswith(
+            "PipelineError: fastdist.train.DataParallel(engine='fsdp'): the tied weights"
+        ), r["tied"]
+        assert "Fix: engine='fastdist'" in r["tied"]
+
+
+def test_fsdp2_under_a_simulated_pipeline_is_refused() -> None:
+    import fastdist as fd
+
+    pipe = fd.train.pipeline(
+        tiny_models.tiny_llama(4), fd.Mesh({"pp": 2, "dp": 2}), schedule="1f1b", microbatches=2
+    )
+    with pytest.raises(fd.MeshError, match=r"FSDP2 needs real ranks .* engine='fastdist'"):
+        fd.train.DataParallel(pipe, "dp", engine="fsdp")

@@ -43,6 +43,7 @@ from fastdist.errors import MeshError, PipelineError
 from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 from fastdist.train.pipeline import Pipeline
+from fastdist.train.pipeline.split import hand_on_last
 
 __all__ = ["DataParallel", "reduce_axes", "data_axes", "ENGINES"]
 
@@ -108,8 +109,11 @@ class DataParallel:
             ``"ddp"``: torch's ``DistributedDataParallel`` over the mesh's data group (real
             ranks); ``"fsdp"``: FSDP2 ``fully_shard`` over the data axis, each block (the
             model's ``_no_split_modules`` classes, or ``blocks=[class names]``) then the root,
-            as torchtitan builds a 2-D TP x FSDP model (real ranks). With torch's engines, calls
-            of the `fastdist.nn.ParallelModel` go through their wrapper (`wrapped`).
+            as torchtitan builds a 2-D TP x FSDP model (real ranks; a `Pipeline`: each stage held
+            here, over the data axis of the whole job's DeviceMesh, synced in the backward of
+            the stage's last micro-batch; not with tied embeddings across stages). With torch's
+            engines, calls of the `fastdist.nn.ParallelModel` go through their wrapper
+            (`wrapped`). DDP is refused under a pipeline.
         **engine_kwargs: torch's engines' keywords (DDP's; ``fully_shard``'s and ``blocks=``).
 
     Every engine gives each rank the single-device gradient of the mean of the data ranks'
@@ -232,17 +236,49 @@ class DataParallel:
         """A pipeline: one reducer per stage held here. A step reduces once per stage, in the
         backward of the stage's last micro-batch (the earlier ones run under the stage's
         ``no_sync``)."""
-        if engine != "fastdist":
+        op = f"fastdist.train.DataParallel(engine={engine!r})"
+        if engine == "ddp":
             raise PipelineError(
-                f"fastdist.train.DataParallel(engine={engine!r}): not supported under a pipeline "
-                "(DDP prepares each forward's reduction, and 1F1B runs several forwards before "
-                "their backwards; FSDP2 is untested here). Fix: engine='fastdist'"
+                f"{op}: not supported under a pipeline (DDP prepares each forward's reduction "
+                "for the next backward, and 1F1B runs several forwards before their backwards). "
+                "Fix: engine='fastdist', or engine='fsdp'"
             )
         self.mesh, self.axes = pipe.mesh, data_axes(axis, pipe.mesh, "fastdist.train.DataParallel")
+        if engine == "fsdp":
+            self.parts = self._fsdp_stages(pipe, axis, engine_kwargs, op)
+            return
         self.parts = [
             DataParallel(pipe.stages[j], axis, bucket_mb=bucket_mb, **engine_kwargs)
             for j in sorted(pipe.stages)
         ]
+
+    def _fsdp_stages(
+        self, pipe: Pipeline, axis: AxisName, engine_kwargs: dict[str, Any], op: str
+    ) -> list[DataParallel]:
+        """FSDP2 on every stage held here (real ranks), over the data axis of the whole job's
+        DeviceMesh (a stage's mesh is a slice of it); each stage's hand-on hook then moved
+        behind FSDP2's post-forward hooks."""
+        if pipe.simulated:
+            raise MeshError(
+                f"{op}: torch's FSDP2 needs real ranks (a process group); this mesh is "
+                "simulated. Fix: engine='fastdist' (the same gradients), or build the mesh with "
+                "fastdist.connect"
+            )
+        if pipe.tied:
+            raise PipelineError(
+                f"{op}: the tied weights {sorted(pipe.tied.values())} would be FSDP2 shards on "
+                "two stages, and the pipeline sums the two copies' gradients as whole tensors; "
+                "this is not built. Fix: engine='fastdist'"
+            )
+        device = next(pipe.parameters()).device
+        job = to_device_mesh(pipe.mesh, device.type)
+        parts = [
+            DataParallel(pipe.stages[j], axis, engine="fsdp", device_mesh=job, **engine_kwargs)
+            for j in sorted(pipe.stages)
+        ]
+        for j in sorted(pipe.stages):
+            hand_on_last(pipe.stages[j].module)
+        return parts
 
     def _attach_torch(
         self, model: Any, axis: AxisName, engine_kwargs: dict[str, Any], op: str
@@ -542,10 +578,15 @@ def ddp(pm: ParallelModel, axis: AxisName = "dp", **kwargs: Any) -> nn.Module:
 
 
 def fsdp(
-    pm: ParallelModel, axis: AxisName = "dp", blocks: Sequence[str] | None = None, **kwargs: Any
+    pm: ParallelModel,
+    axis: AxisName = "dp",
+    blocks: Sequence[str] | None = None,
+    device_mesh: Any = None,
+    **kwargs: Any,
 ) -> nn.Module:
     """Shard ``pm.module`` over the mesh's data axis with FSDP2 ``fully_shard``: each block, then
-    the root, as torchtitan does (real ranks). See `DataParallel`."""
+    the root, as torchtitan does (real ranks). ``device_mesh``: the whole job's DeviceMesh
+    when ``pm.mesh`` is a slice of it (a pipeline stage's). See `DataParallel`."""
     from torch.distributed.fsdp import fully_shard
 
     op = "fastdist.train.DataParallel(engine='fsdp')"
@@ -555,7 +596,7 @@ def fsdp(
         raise MeshError(f"{op}: FSDP2 shards over one mesh axis here; got {axes}")
     _refuse_split_over(pm, axes, op)
     device = next(pm.module.parameters()).device
-    dm = to_device_mesh(pm.mesh, device.type)[axes[0]]
+    dm = (device_mesh if device_mesh is not None else to_device_mesh(pm.mesh, device.type))[axes[0]]
     kinds = set(
         blocks if blocks is not None else getattr(pm.module, "_no_split_modules", None) or ()
     )

@@ -20,6 +20,7 @@ __all__ = [
     "SPLITS",
     "StageSplit",
     "StageHooks",
+    "hand_on_last",
     "split_model",
     "tied_across_stages",
     "stage_plan",
@@ -175,6 +176,22 @@ class StageHooks:
 
     def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
         raise _Handoff(out[0] if isinstance(out, (tuple, list)) else out)
+
+
+def hand_on_last(module: nn.Module) -> int:
+    """Move the hand-on hook of each of ``module``'s layers behind every other forward hook of
+    that layer; the number of hooks moved. The hand-on ends the layer's call by raising, so a
+    hook registered after it (FSDP2's post-forward, which reshards the layer and hooks its
+    output for the backward's unshard) would never run: call this after wrapping a stage."""
+    moved = 0
+    for m in module.modules():
+        for key, hook in list(m._forward_hooks.items()):
+            if getattr(hook, "__func__", None) is StageHooks._hand_on:
+                hooks = m._forward_hooks  # an OrderedDict: the call order
+                assert isinstance(hooks, OrderedDict)
+                hooks.move_to_end(key)
+                moved += 1
+    return moved
 
 
 def family_split(model: nn.Module) -> tuple[str, StageSplit]:
