@@ -461,3 +461,51 @@ def test_uneven_blocks_are_refused_on_simulated_ranks() -> None:
         style = fd.nn.DomainParallel({-2: "h"}, sizes=sizes)
         with pytest.raises(fd.nn.ParallelizeError, match=match):
             fd.nn.parallelize(nn.Conv2d(1, 1, 3, padding=1), mesh, {"": style})
+
+
+# ------------------------------------------------------------------ with data parallelism
+def _dp_steps(net: nn.Module, steps: int = 2, **style: Any) -> None:
+    """A dp x h mesh: H split over ``h`` by the style, each data rank its own batch of 2 and
+    ``fastdist.train.DataParallel`` over ``dp``; SGD steps equal one device on the concatenated
+    batch with the mean of the data ranks' losses (outputs and weights)."""
+    net = net.to(F64)
+    ref = copy.deepcopy(net)
+    mesh = fd.Mesh({"dp": 2, "h": 2})
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"}, **style)})
+    dp = fd.train.DataParallel(pm, "dp")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(2, 2, 2, 8, 12, generator=g, dtype=F64)  # [dp, batch, C, H, W]
+        cot = torch.randn(2, 2, 2, 16, 24, generator=g, dtype=F64)
+        out = pm(x.repeat_interleave(2, dim=0))  # ranks (dp, h): each h group one batch
+        (out * cot.repeat_interleave(2, dim=0)).sum().backward()
+        dp.finish()
+        opt.step()
+        opt.zero_grad()
+        want = ref(x.flatten(0, 1))
+        (want * cot.flatten(0, 1)).sum().div(2).backward()  # the mean over the data ranks
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.allclose(out[::2].flatten(0, 1), want, atol=TOL)
+    state = pm.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(state[name], p, atol=TOL), name
+
+
+def test_with_data_parallelism() -> None:
+    """GroupNorm: statistics per sample, nothing to sync over ``dp``."""
+    net = TinyUNet()
+    net.mid[0] = nn.GroupNorm(2, 8)
+    _dp_steps(net)
+
+
+def test_with_data_parallelism_batch_norm_over_the_data_ranks() -> None:
+    """BatchNorm over the whole batch: ``batch_axes=("dp",)`` sums its statistics over the data
+    ranks too (SyncBatchNorm); without it the style refuses to choose."""
+    _dp_steps(TinyUNet(), batch_axes=("dp",))
+    mesh = fd.Mesh({"dp": 2, "h": 2})
+    pm = fd.nn.parallelize(TinyUNet().to(F64), mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"axes \['dp'\].*batch_axes=\('dp',\)"):
+        pm(torch.randn(1, 2, 2, 8, 12, dtype=F64).expand(4, -1, -1, -1, -1, -1).flatten(1, 2))

@@ -94,6 +94,8 @@ class Site:
     where: str
     #: a convolution's padding in place of its own, one (before, after) per spatial dim
     pads: tuple[tuple[int, int], ...] | None = None
+    #: the axes a BatchNorm's statistics span besides the split ones (``None``: not said)
+    batch_axes: tuple[str, ...] | None = None
 
 
 def _is_causal_conv(m: nn.Module) -> bool:
@@ -296,8 +298,9 @@ def _instance_norm(site: Site, m: Any, x: Tensor) -> Tensor:
 
 def _batch_norm(site: Site, m: Any, x: Tensor) -> Tensor:
     return domain_batch_norm(
-        x, m, m.weight, m.bias, mesh=site.mesh, split=site.split, where=site.where
-    )
+        x, m, m.weight, m.bias, mesh=site.mesh, split=site.split, where=site.where,
+        batch_axes=site.batch_axes,
+    )  # fmt: skip
 
 
 def _downsample2d(site: Site, m: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -23,13 +23,19 @@ __all__ = ["domain_moments", "domain_group_norm", "domain_batch_norm"]
 
 
 def domain_moments(
-    x: Tensor, reduce: tuple[int, ...], nsp: int, mesh: Mesh, split: Split
+    x: Tensor,
+    reduce: tuple[int, ...],
+    nsp: int,
+    mesh: Mesh,
+    split: Split,
+    batch_axes: tuple[str, ...] = (),
 ) -> tuple[Tensor, Tensor, int]:
     """``(mean, biased variance, count)`` of ``x`` over the dims ``reduce`` of the whole domain
     (keepdim): local sums ``psum``'d over the axes of the split dims among ``reduce`` (two passes:
-    the mean, then the squared deviations). ``nsp``: the spatial dims at the end of ``x`` (a split
+    the mean, then the squared deviations), and over ``batch_axes`` (the data-parallel ranks'
+    batches: a synchronized batch norm). ``nsp``: the spatial dims at the end of ``x`` (a split
     dim beyond them is in the batch)."""
-    axes = tuple(a for _, d, a in split_here(split, nsp) if x.dim() + d in reduce)
+    axes = tuple(a for _, d, a in split_here(split, nsp) if x.dim() + d in reduce) + batch_axes
     count = 1
     for r in reduce:
         count *= x.shape[r]
@@ -81,11 +87,14 @@ def domain_batch_norm(
     mesh: Mesh,
     split: Split,
     where: str,
+    batch_axes: tuple[str, ...] | None = None,
 ) -> Tensor:
     """``BatchNorm`` of the whole domain: in training (or without running statistics) the batch
-    statistics over ``N`` and every spatial dim, all-reduced; the running statistics updated as
-    one device updates them (real ranks; every rank the same values). In eval with running
-    statistics the norm is local."""
+    statistics over ``N`` and every spatial dim, all-reduced (over ``batch_axes`` too: every
+    data rank's batch); the running statistics updated as one device updates them (real ranks;
+    every rank the same values). In eval with running statistics the norm is local.
+    ``batch_axes=None`` on a mesh with axes of more than one rank besides the split ones raises
+    (the statistics of one data rank's batch, or of all: the caller says which)."""
     m = module
     shape = (1, -1, *[1] * (x.dim() - 2))
     use_batch = m.training or m.running_mean is None
@@ -94,7 +103,9 @@ def domain_batch_norm(
         mean, var = m.running_mean.reshape(shape), m.running_var.reshape(shape)
     else:
         reduce = (0, *range(2, x.dim()))
-        mean, var, count = domain_moments(x, reduce, x.dim() - 2, mesh, split)
+        if batch_axes is None:
+            batch_axes = _no_other_axes(mesh, split, where)
+        mean, var, count = domain_moments(x, reduce, x.dim() - 2, mesh, split, batch_axes)
         if m.training and m.track_running_stats and m.running_mean is not None:
             _update_running(m, mean, var, count, mesh, where)
     y = (x - mean) * torch.rsqrt(var + m.eps)
@@ -103,6 +114,22 @@ def domain_batch_norm(
     if bias is not None:
         y = y + bias.reshape(shape)
     return y
+
+
+def _no_other_axes(mesh: Mesh, split: Split, where: str) -> tuple[str, ...]:
+    """``()`` where every axis of more than one rank is a split axis; raises otherwise."""
+    split_axes = {a for _, a in split}
+    other = [a for a in mesh.axis_names if a not in split_axes and mesh.axis_size(a) > 1]
+    if other:
+        raise ParallelizeError(
+            f"domain parallel: {where} is a BatchNorm taking batch statistics on a mesh with "
+            f"the axes {other} besides the split ones: one device normalizes over the whole "
+            "batch, each data rank holds a part. Fix: DomainParallel(..., "
+            f"batch_axes={tuple(other)!r}) (statistics over their batches too, as "
+            "SyncBatchNorm), or batch_axes=() (each rank's own batch, as DDP without "
+            "SyncBatchNorm)"
+        )
+    return ()
 
 
 def _update_running(

@@ -89,6 +89,9 @@ class DomainParallel(Style):
         local: module classes that act on each position alone (run as they are).
         sizes: ``{dim from the end: each rank's rows}`` for uneven blocks of the field (real ranks
             only: simulated ranks share one shape); the layers follow each rank's own rows.
+        batch_axes: the data-parallel axes a ``BatchNorm``'s batch statistics span too (as
+            ``SyncBatchNorm``), or ``()`` for each data rank's own batch; required (a clear error
+            at the call) when the mesh has axes of more than one rank besides the split ones.
 
     >>> import torch, fastdist as fd
     >>> net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.GroupNorm(2, 4),
@@ -110,11 +113,13 @@ class DomainParallel(Style):
         input: str | None = None,
         local: tuple[type, ...] = (),
         sizes: Mapping[int, Sequence[int]] | None = None,
+        batch_axes: Sequence[str] | None = None,
     ) -> None:
         self.split: Split = tuple(sorted((int(d), str(a)) for d, a in dict(dims).items()))
         self.output, self.input, self.local = output, input, tuple(local)
         self.axes = tuple(a for _, a in self.split)
         self.sizes = {int(d): tuple(int(v) for v in s) for d, s in dict(sizes or {}).items()}
+        self.batch_axes = None if batch_axes is None else tuple(str(a) for a in batch_axes)
 
     def __repr__(self) -> str:
         return f"DomainParallel({dict(self.split)}, output={self.output!r})"
@@ -131,8 +136,13 @@ class DomainParallel(Style):
                 f"DomainParallel on {where!r}: dims={dict(self.split)} splits two dims over one "
                 "axis. Fix: one axis per split dim"
             )
-        for a in self.axes:
+        for a in (*self.axes, *(self.batch_axes or ())):
             mesh.axis_size(a)  # an unknown axis raises, naming it
+        if set(self.batch_axes or ()) & set(self.axes):
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: batch_axes={self.batch_axes} names a split axis. "
+                "Fix: the data-parallel axes only"
+            )
         done = [n for n, m in module.named_modules() if m.__dict__.get(_DONE)]
         if done:
             raise ParallelizeError(
@@ -187,7 +197,7 @@ class DomainParallel(Style):
                 padded.add(id(getattr(sub, "conv")))  # noqa: B009
             full = ".".join(p for p in (name, sub_name) if p) or type(module).__name__
             pads = DOWNSAMPLE_PADS if id(sub) in padded else None
-            site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})", pads)
+            site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})", pads, self.batch_axes)
             forward = domain_forward(kind, site, sub)
             if forward is not None:
                 sub.forward = forward
