@@ -6,11 +6,12 @@ rank's block; every layer that looks at neighbours runs on the block with a halo
 (`fastdist.nn.domain.layers`), norms take statistics over the whole domain, token-local modules
 run as they are; where it returns, the output is gathered (``output="gather"``) or left split.
 Every parameter is replicated and ``pvary``'d over the split axes, so each rank's gradient is the
-whole gradient. A module that mixes the whole domain is refused at ``parallelize`` time (named,
-with the fix); functional calls in the model's own code that would silently act on a block
-(``F.pad`` of a split dim, ``F.scaled_dot_product_attention``, a functional pooling or norm, a
-reduction over a split dim) are refused when they run, and ``F.interpolate`` is run
-domain-parallel.
+whole gradient. A module that mixes the whole domain in a way the style does not know is refused
+at ``parallelize`` time (named, with the fix); functional calls in the model's own code that
+would silently act on a block (``F.pad`` of a split dim, ``F.scaled_dot_product_attention``
+outside a known attention module, a functional pooling or norm, a reduction over a split dim) are
+refused when they run; ``F.interpolate`` is run domain-parallel, and the
+``F.scaled_dot_product_attention`` of a known attention module gets the whole domain's keys.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ class DomainParallel(Style):
     ``align_corners=False``) and ``F.interpolate`` in the model's code, ``GroupNorm``,
     ``InstanceNorm`` and ``BatchNorm`` with statistics over the whole domain (training or eval),
     and, as they are, token-local modules: ``LayerNorm`` / ``RMSNorm`` over channels,
-    activations, ``Linear`` over channels (checked at the call), pixel (un)shuffle.
-    Refused at ``parallelize`` time: attention over spatial tokens, adaptive (global) pooling,
+    activations, ``Linear`` over channels (checked at the call), pixel (un)shuffle; adaptive
+    pooling (whole bins per block, or global: combined over the ranks); self-attention over H x W
+    tokens in diffusers' ``Attention`` and Wan's ``WanAttentionBlock`` (each rank's queries over
+    the whole domain's gathered keys). Refused at ``parallelize`` time: other attention modules,
     ``Flatten``, norms over several dims, unknown leaf modules (``local=`` declares a class
     token-local).
 
