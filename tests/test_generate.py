@@ -16,7 +16,13 @@ from tests.generate_worker import CASES, PROMPT, on_ranks, one_device, run_case
 
 @pytest.mark.parametrize(
     "family,degrees,sp",
-    [("llama", {"tp": 4}, False), ("qwen3", {"tp": 2}, False), ("mixtral", {"tp": 2}, False)],
+    [
+        ("llama", {"tp": 4}, False),
+        ("qwen3", {"tp": 2}, False),
+        ("mixtral", {"tp": 2}, False),
+        ("llama", {"tp": 2}, True),
+        ("mixtral", {"tp": 2}, True),
+    ],
 )
 def test_generate_on_gloo_equals_one_device(family: str, degrees: dict[str, int], sp: bool) -> None:
     want = one_device(family)
@@ -59,12 +65,19 @@ def test_generate_refuses_a_model_without_generate() -> None:
         pm.generate(torch.zeros(1, 4))
 
 
-def test_generate_refuses_a_sequence_parallel_plan() -> None:
-    model = tm.build("llama")
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_generate_sequence_parallel_on_simulated_ranks_equals_one_device(family: str) -> None:
+    """Megatron sequence parallelism: a step whose tokens divide the ranks runs split, the others
+    on the whole sequence on every rank (fastdist.nn.styles.whole_sequence); outside generate a
+    length that does not divide is still refused (training must pad)."""
+    want = one_device(family)
+    model = tm.build(family)
     mesh = fd.Mesh({"tp": 2})
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=True))
-    with pytest.raises(ParallelizeError, match="cannot be split"):
-        pm.generate(torch.tensor([[3, 5, 7, 11]]), max_new_tokens=2)
+    for name, gen in CASES.items():
+        assert run_case(pm.generate, family, gen).tolist() == want[name], (family, name)
+    with pytest.raises(ParallelizeError, match="does not divide by the 2 ranks"):
+        pm(input_ids=torch.tensor(PROMPT).expand(2, 1, 5))
 
 
 @pytest.mark.parametrize("degrees,mode", [({"cp": 2}, "ring"), ({"cp": 2, "tp": 2}, "ulysses")])

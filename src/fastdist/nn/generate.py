@@ -22,7 +22,9 @@ A context-parallel model (`fastdist.nn.CausalContextParallel`) prefills a prompt
 divides by ``2 x cp`` split over the sequence, then gathers the KV cache (each rank holds every
 token's keys and values of its heads) and runs each decoding step's single token whole on every
 rank (`fastdist.nn.styles.context_llm.decoding`). Megatron sequence parallelism
-(``sequence_parallel=True``) is refused: its split needs every step's tokens to divide.
+(``sequence_parallel=True``) runs a call whose tokens divide the ranks split (the prefill) and
+one whose tokens do not (a decoding step's single token) on the whole sequence on every rank
+(`fastdist.nn.styles.whole_sequence`).
 
 The logits are gathered (``all_gather`` of the last position's ``V / n`` columns: transformers
 computes only the positions ``generate`` keeps); argmax and top-k/top-p over the sharded logits
@@ -41,14 +43,14 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.styles import ParallelLinear, SequenceShard
+from fastdist.nn.styles import ParallelLinear, SequenceShard, whole_sequence
 from fastdist.nn.styles.context_llm import decoding
 from fastdist.ops import all_gather
 
 if TYPE_CHECKING:
     from fastdist.nn.parallelize import ParallelModel
 
-__all__ = ["DirectCalls", "generate"]
+__all__ = ["DirectCalls", "generate", "indivisible", "sequence_sizes"]
 
 #: the inputs of a causal LM's forward that every rank of a tensor-parallel group must share
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
@@ -137,8 +139,10 @@ class DirectCalls:
     (the logits stay sharded); ``trusted()``: calls whose inputs were already checked
     (`generate`)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, axes: Sequence[str]) -> None:
-        self.mesh, self.axes = mesh, tuple(axes)
+    def __init__(
+        self, model: nn.Module, mesh: Mesh, axes: Sequence[str], sequence: Sequence[int] = ()
+    ) -> None:
+        self.mesh, self.axes, self.sequence = mesh, tuple(axes), tuple(sequence)
         self.name = type(model).__name__
         self._bypass = 0
         self._trusted = 0
@@ -175,12 +179,14 @@ class DirectCalls:
                 "the ParallelModel that parallelize returned (pm(...), or pm.generate(...) to "
                 "generate)"
             )
+        values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
         if not self._trusted and self.axes:
-            values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
             check_same_inputs(values, self.mesh, self.axes, f"{self.name} called on real ranks")
         self._claim(kwargs.get("past_key_values"))
         stack = contextlib.ExitStack()
         stack.enter_context(whole_logits(module))
+        # Megatron sequence parallelism: a call whose tokens do not divide runs whole
+        stack.enter_context(whole_sequence(module, on=indivisible(values, self.sequence)))
         self._gathering.append(stack)
 
     def _claim(self, cache: Any) -> None:
@@ -260,7 +266,6 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "Face model's GenerationMixin). Fix: generate with a causal LM, or write the "
             "decoding loop over pm(...)"
         )
-    _refuse_sequence_parallel(pm)
     with decoding(model):  # context parallel: prefill split, decoding steps whole
         if not pm.simulated:
             values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
@@ -270,28 +275,31 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
         return _simulated_generate(pm, *args, **kwargs)
 
 
-def _refuse_sequence_parallel(pm: ParallelModel) -> None:
-    """Megatron sequence parallelism splits every step's tokens over the ranks; a decoding step
-    has one token per sequence, which does not split: refused before the first step. (Context
-    parallelism, `fastdist.nn.CausalContextParallel`, is not refused: its prefill runs split and
-    its decoding steps whole, against the gathered KV cache.)"""
-    split = [
-        pattern
-        for pattern, styles in pm.plan.items()
+def sequence_sizes(plan: Mapping[str, Any], mesh: Mesh) -> tuple[int, ...]:
+    """The sizes of the axes a plan's Megatron sequence parallelism (`SequenceShard`) splits
+    the tokens over (empty: none)."""
+    return tuple(
+        mesh.axis_size(style.axis)
+        for styles in plan.values()
         for style in (styles if isinstance(styles, (list, tuple)) else [styles])
         if isinstance(style, SequenceShard)
-    ]
-    if split:
-        raise ParallelizeError(
-            f"ParallelModel.generate: the plan splits the sequence over the ranks ({split[0]!r}: "
-            "SequenceShard, a plan's sequence_parallel=True), and a decoding step's single new "
-            "token cannot be split. Fix: generate with the model parallelized without sequence "
-            "parallelism (fastdist.nn.plans.plan(model, mesh, sequence_parallel=False)), or "
-            "with context parallelism (plans.plan(..., context_parallel='cp'), which prefills "
-            "split and decodes whole): the "
-            "parameters and their shards are the same, so a checkpoint of the training run loads "
-            "into it (fastdist.checkpoint.load)"
-        )
+    )
+
+
+def indivisible(values: Mapping[str, Any], sizes: Sequence[int]) -> bool:
+    """Whether a call's tokens (``input_ids`` ``(..., tokens)`` or ``inputs_embeds``
+    ``(..., tokens, hidden)``) do not divide one of the sequence-parallel ``sizes``: such a call
+    (a decoding step's single new token) runs on the whole sequence
+    (`fastdist.nn.styles.whole_sequence`), a prefill split; the values and the KV cache (every
+    token of the rank's heads) are the same either way."""
+    ids, embeds = values.get("input_ids"), values.get("inputs_embeds")
+    if isinstance(ids, Tensor):
+        length = ids.shape[-1]
+    elif isinstance(embeds, Tensor):
+        length = embeds.shape[-2]
+    else:
+        return False
+    return any(length % n for n in sizes)
 
 
 def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
@@ -312,7 +320,8 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             for key, v in {**dict(zip(TOKEN_INPUTS, a, strict=False)), **k}.items()
         }
         batched.pop("use_cache", None)
-        with whole_logits(model):
+        sizes = sequence_sizes(pm.plan, pm.mesh)
+        with whole_logits(model), whole_sequence(model, on=indivisible(batched, sizes)):
             out = pm(**batched)
         logits = out["logits"]  # (world, batch, positions, V)
         if not torch.equal(logits, logits[:1].expand_as(logits)):

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import InitError, ParallelizeError
-from fastdist.nn.generate import DirectCalls, generate
+from fastdist.nn.generate import DirectCalls, generate, sequence_sizes
 from fastdist.nn.hf_save import install as install_save_pretrained
 from fastdist.nn.layers import VocabParallelEmbedding
 from fastdist.nn.loss import HFCausalLMLoss
@@ -87,10 +87,11 @@ class ParallelModel:
         mesh: Mesh,
         pvary_params: Sequence[tuple[nn.Module, str, str]],
         axes: Sequence[str] = (),
+        plan: Mapping[str, Any] | None = None,
     ) -> None:
         self.module, self.mesh = module, mesh
         self.layouts = param_layouts(module)
-        self.plan: dict[str, Any] = {}
+        self.plan: dict[str, Any] = dict(plan or {})
         owner = {id(m): prefix for prefix, m in module.named_modules()}
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
         # (module, parameter name, axis): parameters pvary'd inside their module's forward, by
@@ -106,7 +107,7 @@ class ParallelModel:
         # the axes the plan splits over: inputs are replicated over them
         self.axes: tuple[str, ...] = tuple(dict.fromkeys(axes))
         # calls of the module itself (HF generate): whole logits, inputs checked across ranks
-        self.direct_calls = DirectCalls(module, mesh, self.axes)
+        self.direct_calls = DirectCalls(module, mesh, self.axes, sequence_sizes(self.plan, mesh))
         self._dropout = _dropout_sites(module)
         # all ranks at once (used on a plain mesh)
         self._simulated = simulate(self._simulated_rank, mesh)
@@ -534,9 +535,8 @@ def parallelize(
         original, why = None, f"{type(e).__name__}: {e}"
     # Phase 2: apply.
     ctx = _apply(model, mesh, styles, matches)
-    pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes)
+    pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes, plan)
     pm._attach_original(original, why)
-    pm.plan = dict(plan)
     install_save_pretrained(model, mesh)  # model.save_pretrained writes the whole model
     if verify is None:  # a replicated parameter meeting rank-varying values unreduced: refused
         check_replicas(model, mesh, pm.layouts, pm.axes, pm.probe)  # (verify checks a copy)

@@ -25,6 +25,7 @@ from fastdist.nn.styles import (
     StyleContext,
     get_child,
     linear_parts,
+    runs_whole,
     swap_child,
 )
 from fastdist.ops import local_chunk
@@ -123,6 +124,8 @@ class SequenceGather(Style):
         GatherSequence(axis, dim).apply(module, name, ctx)
 
         def shard(mod: nn.Module, args: Any, out: Any) -> Any:
+            if runs_whole(mod):  # the whole sequence on every rank (whole_sequence)
+                return out
             if isinstance(out, tuple):
                 return (local_chunk(out[0], mesh, axis, dim=dim), *out[1:])
             return local_chunk(out, mesh, axis, dim=dim)

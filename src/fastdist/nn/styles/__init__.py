@@ -14,7 +14,14 @@ it puts inside an attention) and ``context`` (a whole transformer's tokens split
 """
 
 from fastdist.nn.styles.attention import HeadParallelAttention, HeadParams
-from fastdist.nn.styles.base import Style, StyleContext, get_child, swap_child
+from fastdist.nn.styles.base import (
+    Style,
+    StyleContext,
+    get_child,
+    runs_whole,
+    swap_child,
+    whole_sequence,
+)
 from fastdist.nn.styles.context import ContextParallel, SequenceParallelAttention
 from fastdist.nn.styles.heads import ReplicatedHeads
 from fastdist.nn.styles.linear import (
@@ -46,5 +53,7 @@ __all__ = [
     "ScaledVocabParallelEmbedding",
     "get_child",
     "linear_parts",
+    "runs_whole",
     "swap_child",
+    "whole_sequence",
 ]

@@ -9,6 +9,8 @@ them all with one `StyleContext`. Styles written outside this package (expert pa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +20,42 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.state import Layout
 
-__all__ = ["Style", "StyleContext", "get_child", "swap_child"]
+__all__ = ["Style", "StyleContext", "get_child", "runs_whole", "swap_child", "whole_sequence"]
+
+#: the mark `whole_sequence` puts in a module's ``__dict__``
+_WHOLE = "_fastdist_whole_sequence"
+
+
+def runs_whole(module: nn.Module) -> bool:
+    """Whether ``module``'s sequence-parallel collectives run on the whole sequence now
+    (`whole_sequence`)."""
+    return bool(module.__dict__.get(_WHOLE, False))
+
+
+@contextlib.contextmanager
+def whole_sequence(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """Within the block (``on``), Megatron sequence parallelism in ``model`` runs on the whole
+    sequence, replicated on every rank: `SequenceShard` keeps the hidden states whole,
+    `GatherSequence` has nothing to gather, a column-parallel layer's ``"sequence"`` input is
+    taken as replicated and a row-parallel layer's ``"sequence"`` output is all-reduced. The
+    values are the same as split (norms and dropout then run on every token on every rank): for
+    a call whose tokens do not divide the ranks, a decoding step's single new token.
+
+    Args:
+        model: the parallelized model.
+        on: whether to run whole (``False``: the block changes nothing).
+    """
+    if not on:
+        yield
+        return
+    marked = [m for m in model.modules() if _WHOLE not in m.__dict__]
+    for m in marked:
+        m.__dict__[_WHOLE] = True
+    try:
+        yield
+    finally:
+        for m in marked:
+            m.__dict__.pop(_WHOLE, None)
 
 
 @dataclass

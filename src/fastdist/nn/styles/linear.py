@@ -16,7 +16,7 @@ from fastdist.core.sharding import P
 from fastdist.errors import ParallelizeError
 from fastdist.nn.layers import VocabParallelEmbedding, column_input, linear
 from fastdist.nn.state import Layout
-from fastdist.nn.styles.base import Style, StyleContext
+from fastdist.nn.styles.base import Style, StyleContext, runs_whole
 from fastdist.ops import all_gather_invariant, psum, psum_scatter, pvary
 
 __all__ = [
@@ -89,9 +89,11 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight.t() if self.transposed else self.weight  # (out_local, in) either way
+        whole = runs_whole(self)  # sequence parallelism on the whole sequence (whole_sequence)
         if self.kind == "col":
             if self.input is not None:
-                x = column_input(x, self.mesh, self.axis, self.input == "sequence", self.seq_dim)
+                split = self.input == "sequence" and not whole
+                x = column_input(x, self.mesh, self.axis, split, self.seq_dim)
             y = linear(x, w, self.bias)  # (..., out/n)
             if self.gather_output:
                 y = all_gather_invariant(y, self.mesh, self.axis, dim=-1)  # (..., out padded)
@@ -99,7 +101,7 @@ class ParallelLinear(nn.Module):
                     y = y.narrow(-1, 0, self.size)  # drop the padding columns
             return y
         y = F.linear(x, w)  # (..., out): this rank's partial sum
-        if self.output == "sequence":
+        if self.output == "sequence" and not whole:
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
             # meets per-rank rows
             bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None

@@ -13,27 +13,27 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.layers import column_input
-from fastdist.nn.styles.base import Style, StyleContext
+from fastdist.nn.styles.base import Style, StyleContext, runs_whole
 from fastdist.ops import all_gather_invariant, local_chunk
 
 __all__ = ["SequenceShard", "GatherSequence", "PrepareInput", "PvaryParams"]
 
 
-def _hidden_hook(fn: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
-    """A forward pre-hook applying ``fn`` to a module's hidden states (first positional or
-    ``hidden_states=``)."""
+def _hidden_hook(fn: Callable[[nn.Module, Tensor], Tensor]) -> Callable[..., Any]:
+    """A forward pre-hook applying ``fn(module, hidden states)`` to a module's hidden states
+    (first positional or ``hidden_states=``)."""
 
     def hook(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:
-            return (fn(args[0]), *args[1:]), kwargs
+            return (fn(module, args[0]), *args[1:]), kwargs
         if "hidden_states" not in kwargs:
             raise ParallelizeError(
                 f"parallelize: {type(module).__name__} was called without hidden states to prepare "
                 "(no positional argument and no hidden_states=)"
             )
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        return args, {**kwargs, "hidden_states": fn(module, kwargs["hidden_states"])}
 
     return hook
 
@@ -49,10 +49,17 @@ class _InputHook(Style):
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
         raise NotImplementedError
 
+    def whole(self, x: Tensor, mesh: Mesh) -> Tensor:
+        """``prepare`` on the whole, replicated sequence (`whole_sequence`): nothing to move."""
+        return x
+
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         mesh = ctx.mesh
         module.register_forward_pre_hook(
-            _hidden_hook(lambda x: self.prepare(x, mesh)), with_kwargs=True
+            _hidden_hook(
+                lambda m, x: self.whole(x, mesh) if runs_whole(m) else self.prepare(x, mesh)
+            ),
+            with_kwargs=True,
         )
         return module
 
@@ -128,6 +135,9 @@ class PrepareInput(_InputHook):
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
         # contiguous: as GatherSequence's, for modules that .view() their gathered input
         return column_input(x, mesh, self.axis, self.kind == "sequence", self.seq_dim).contiguous()
+
+    def whole(self, x: Tensor, mesh: Mesh) -> Tensor:
+        return column_input(x, mesh, self.axis, False, self.seq_dim)  # already whole: replicated
 
 
 @dataclass(frozen=True)
