@@ -20,7 +20,8 @@ from tests.generate_worker import CASES, PROMPT, on_ranks, one_device, run_case
         ("llama", {"tp": 4}, False),
         ("qwen3", {"tp": 2}, False),
         ("mixtral", {"tp": 2}, False),
-        ("llama", {"tp": 2}, True),
+        ("llama", {"tp": 4}, True),
+        ("qwen3", {"tp": 2}, True),
         ("mixtral", {"tp": 2}, True),
     ],
 )
@@ -65,7 +66,7 @@ def test_generate_refuses_a_model_without_generate() -> None:
         pm.generate(torch.zeros(1, 4))
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
 def test_generate_sequence_parallel_on_simulated_ranks_equals_one_device(family: str) -> None:
     """Megatron sequence parallelism: a step whose tokens divide the ranks runs split, the others
     on the whole sequence on every rank (fastdist.nn.styles.whole_sequence); outside generate a
