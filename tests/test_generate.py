@@ -97,3 +97,16 @@ def test_generate_context_parallel_on_simulated_ranks_equals_one_device(
     # outside generate, a length the zig-zag chunks do not divide is refused, not run whole
     with pytest.raises(ParallelizeError, match="zigzag layout"):
         pm(input_ids=torch.tensor(PROMPT).expand(mesh.size, 1, 5))
+
+
+def test_generate_refuses_logits_it_cannot_gather() -> None:
+    """A plan that splits an output head generation cannot gather (here: the model does not
+    name it as its output embeddings) raises at the first step, naming the fix, instead of
+    taking the argmax of each rank's shard."""
+    model = tm.build("llama")
+    mesh = fd.Mesh({"tp": 2})
+    plan = fd.nn.plans.plan(model, mesh)
+    model.get_output_embeddings = lambda: None  # type: ignore[method-assign]
+    pm = fd.nn.parallelize(model, mesh, plan)
+    with pytest.raises(ParallelizeError, match=r"logits have 31 columns, not the vocabulary's 61"):
+        pm.generate(torch.tensor(PROMPT), max_new_tokens=2)

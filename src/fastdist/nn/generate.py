@@ -80,6 +80,28 @@ def whole_logits(model: nn.Module) -> Iterator[None]:
         head.gather_output = False
 
 
+def check_whole_logits(model: nn.Module, out: Any, op: str) -> None:
+    """Raise if a call meant to give the whole vocabulary's logits gave fewer columns than the
+    model's ``config.vocab_size``: the plan splits an output head that is not the one
+    ``get_output_embeddings()`` returns (or not a column-parallel `ParallelLinear`), which
+    `whole_logits` cannot gather; the argmax or sample of a shard would be a wrong token."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    if not isinstance(vocab, int) or not isinstance(logits, Tensor):
+        return
+    if logits.shape[-1] < vocab:
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        raise ParallelizeError(
+            f"{op}: {type(model).__name__}'s logits have {logits.shape[-1]} columns, not the "
+            f"vocabulary's {vocab}: the plan splits the output head in a way generation cannot "
+            "gather (fastdist gathers the head get_output_embeddings() returns when it is a "
+            f"column-parallel layer; that is {type(head).__name__}). Fix: split the head "
+            "get_output_embeddings() returns (fastdist.nn.VocabParallel on it), or "
+            "ColwiseParallel(gather_output=True) on the one the plan splits"
+        )
+
+
 def _fingerprint(values: Mapping[str, Any]) -> Tensor:
     """A float64 vector that differs when any token input differs (its shape, sum and a
     position-weighted sum, per input)."""
@@ -212,6 +234,7 @@ class DirectCalls:
     def _post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if self._gathering and not self._bypass:
             self._gathering.pop().close()
+            check_whole_logits(module, out, f"{self.name} called on real ranks")
 
     def remove(self) -> None:
         for h in self.handles:
@@ -323,6 +346,7 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
         sizes = sequence_sizes(pm.plan, pm.mesh)
         with whole_logits(model), whole_sequence(model, on=indivisible(batched, sizes)):
             out = pm(**batched)
+        check_whole_logits(model, {"logits": out["logits"]}, "ParallelModel.generate")
         logits = out["logits"]  # (world, batch, positions, V)
         if not torch.equal(logits, logits[:1].expand_as(logits)):
             raise ParallelizeError(
