@@ -110,3 +110,16 @@ def test_generate_refuses_logits_it_cannot_gather() -> None:
     pm = fd.nn.parallelize(model, mesh, plan)
     with pytest.raises(ParallelizeError, match=r"logits have 31 columns, not the vocabulary's 61"):
         pm.generate(torch.tensor(PROMPT), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_generate_at_tp4_on_simulated_ranks_equals_one_device(family: str, sp: bool) -> None:
+    """Qwen3 and Mixtral at tp 4 (one kv head per two ranks), with and without sequence
+    parallelism: every case equals one device."""
+    want = one_device(family)
+    model = tm.build(family)
+    mesh = fd.Mesh({"tp": 4})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=sp))
+    for name, gen in CASES.items():
+        assert run_case(pm.generate, family, gen).tolist() == want[name], (family, sp, name)
