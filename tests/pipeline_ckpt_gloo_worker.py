@@ -94,3 +94,34 @@ def fsdp_on_4() -> dict[str, Any]:
         except fd.FastdistError as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def tied_moe_save_pretrained_on_4(directory: str) -> dict[str, Any]:
+    """4 ranks, pp2 x tp2: a tied tiny Qwen3-MoE after a step and an SGD step;
+    ``pipe.save_pretrained(directory)`` (a collective: rank 0 writes); this rank's weights (the
+    stages it holds, single-device), and whether a fresh pipeline loading the directory with
+    ``fd.checkpoint.load`` holds them bitwise."""
+    from tests import tiny_models
+
+    torch.set_num_threads(1)
+    mesh = fd.connect(pp=2, tp=2, timeout=90)
+
+    def build() -> Any:
+        return tiny_models.build(
+            "qwen3_moe", kv=2, seed=3, fill_zeros=True, tie_word_embeddings=True
+        ).train()
+
+    pipe = fd.train.pipeline(build(), mesh, schedule="1f1b", microbatches=2)
+    ids = torch.randint(0, tiny_models.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    pipe.step(input_ids=ids, labels=ids)
+    torch.optim.SGD(pipe.parameters(), lr=0.5).step()
+    pipe.save_pretrained(directory)
+    want = pipe.state_dict()
+    again = fd.train.pipeline(build(), mesh, schedule="1f1b", microbatches=2)
+    fd.checkpoint.load(directory, again)
+    got = again.state_dict()
+    return {
+        "weights": want,
+        "reloaded": got.keys() == want.keys()
+        and all(torch.equal(got[k], w) for k, w in want.items()),
+    }

@@ -300,3 +300,64 @@ def test_pipeline_checkpoint_on_gloo(tmp_path: Path) -> None:
     opt = adamw(plain.parameters())
     assert checkpoint.load(tmp_path / "pp4", plain, opt) == {"step": 4}
     assert equal(states(plain, opt), pp4_step)
+
+
+def tied_moe(family: str) -> Any:
+    """A tiny float64 MoE (4 experts, 2 layers) with tied input and output embeddings."""
+    from tests import tiny_models
+
+    return tiny_models.build(
+        family, kv=2, seed=3, fill_zeros=True, tie_word_embeddings=True, output_router_logits=False
+    )
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return sorted(f.keys())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_tied_moe_pipeline_save_pretrained_loads_in_from_pretrained(
+    tmp_path: Path, family: str
+) -> None:
+    """A tied MoE at pp2 x tp2 after an SGD step: ``save_pretrained`` (the pipeline's, the
+    model's given to pipeline(), a stage's) writes the files one device's ``save_pretrained``
+    writes (one tensor per expert, the tied weight once), which plain ``from_pretrained`` loads
+    bitwise equal to the pipeline's weights (the embedding owned by the first stage, used by the
+    last); and ``fd.checkpoint.load`` reads them back into a fresh pipeline."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import VOCAB
+
+    model = tied_moe(family).train()
+    tied_moe(family).save_pretrained(tmp_path / "one")
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    assert pipe.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = ids.expand(mesh.size, *ids.shape)  # [ranks, 2, 8]
+    pipe.step(input_ids=ids, labels=ids)
+    torch.optim.SGD(pipe.parameters(), lr=0.5).step()
+    want = pipe.state_dict()
+    assert torch.equal(want["lm_head.weight"], want["model.embed_tokens.weight"])
+    assert not torch.equal(want["model.embed_tokens.weight"], tied_moe(family).lm_head.weight)
+    for name, save in {
+        "pipe": pipe.save_pretrained,
+        "model": model.save_pretrained,
+        "stage": pipe.stages[1].module.save_pretrained,
+    }.items():
+        save(tmp_path / name)
+        assert safetensors_keys(tmp_path / name) == safetensors_keys(tmp_path / "one"), name
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float64)
+        assert back.lm_head.weight is back.model.embed_tokens.weight
+        got = back.state_dict()
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], w) for k, w in want.items()), name
+    # the per-expert files into a fresh tied pipeline (the last stage reads the tied weight
+    # under the first stage's name, the experts under their fused names)
+    again = fd.train.pipeline(tied_moe(family), mesh, schedule="1f1b", microbatches=2)
+    checkpoint.load(tmp_path / "pipe", again)
+    got = again.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], w) for k, w in want.items())

@@ -4,9 +4,11 @@ inside a pp2 x tp2 pipeline equals one device without checkpointing; FSDP2 under
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests import pipeline_ckpt_gloo_worker as W
 from tests import tiny_models
@@ -80,3 +82,19 @@ def test_fsdp2_under_a_simulated_pipeline_is_refused() -> None:
     )
     with pytest.raises(fd.MeshError, match=r"FSDP2 needs real ranks .* engine='fastdist'"):
         fd.train.DataParallel(pipe, "dp", engine="fsdp")
+
+
+def test_tied_moe_pipeline_save_pretrained_on_gloo(tmp_path: Path) -> None:
+    """pp2 x tp2 on 4 processes: ``pipe.save_pretrained`` of a tied Qwen3-MoE writes what plain
+    ``from_pretrained`` loads bitwise equal to every rank's stage weights (per-expert tensors,
+    the tied weight once), and a fresh pipeline loads it back bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    got = run_on_gloo(W.tied_moe_save_pretrained_on_4, 4, str(tmp_path), timeout=300)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    state = back.state_dict()
+    assert {k for r in got for k in r["weights"]} == set(state)
+    for g, r in enumerate(got):
+        assert r["reloaded"], g
+        assert all(torch.equal(w, state[k]) for k, w in r["weights"].items()), g

@@ -216,6 +216,13 @@ def load(
             stage = model.stages[j]
             held = {n for n, _ in stage.module.named_parameters()}
             tied = {a: n for a, n in model.tied.items() if a in held}
+            fuse = rename is None and not isinstance(path, Mapping)
+            if tied and fuse and has_fused_experts(stage.module):
+                # per-expert tensors seen under the fused names first: a rename= (the tied
+                # weight's) would skip that view
+                with fused_experts(stage.module, path) as fused:
+                    _load_stage(fused, stage, tied, strict, device, dtype)
+                continue
             load(
                 path,
                 stage,
@@ -252,6 +259,26 @@ def load(
     assert isinstance(model, (ParallelModel, nn.Module))  # a pipeline's stages: above
     _load_weights(path, model, mesh, strict, rename, device, dtype, op)
     return {}
+
+
+def _load_stage(
+    fused: Mapping[str, Any],
+    stage: ParallelModel,
+    tied: Mapping[str, str],
+    strict: bool | Literal["missing"],
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> None:
+    """A pipeline stage holding a tied weight's copy, from a checkpoint already seen with the
+    model's fused expert names: the copy reads the first stage's name."""
+    load(
+        fused,
+        stage,
+        strict="missing" if strict is True else strict,
+        rename=_tied_rename(None, tied, stage.module, fused),
+        device=device,
+        dtype=dtype,
+    )
 
 
 def _tied_rename(

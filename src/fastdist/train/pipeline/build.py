@@ -10,6 +10,7 @@ from torch import nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
+from fastdist.train.pipeline.hf import install as install_save_pretrained
 from fastdist.train.pipeline.runtime import Pipeline
 from fastdist.train.pipeline.split import (
     StageHooks,
@@ -137,7 +138,9 @@ def pipeline(
         stages[j] = pm
     if 0 in stages and sched.stages - 1 in stages:
         _check_tied_layouts(stages[0], stages[sched.stages - 1], tied)
-    return Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, tied)
+    pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, tied)
+    install_save_pretrained(pipe, model)  # the model's and the stages' write the whole model
+    return pipe
 
 
 def _check_tied_layouts(first: Any, last: Any, tied: Mapping[str, str]) -> None:

@@ -6,6 +6,7 @@ known)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -342,6 +343,13 @@ class Pipeline:
         """The parameters of the stages held here (give them to the optimizer)."""
         for _, p in self.named_parameters():
             yield p
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> Any:
+        """transformers' ``save_pretrained`` of the whole model, every stage's weights (on real
+        ranks a collective; see `fastdist.train.pipeline.hf.PipelineSavePretrained`)."""
+        from fastdist.train.pipeline.hf import PipelineSavePretrained
+
+        return PipelineSavePretrained(self)(save_directory, **kwargs)
 
     def grads(self, *, check: bool = True) -> dict[str, Tensor]:
         """The single-device gradients of the stages held here, by name (on real ranks a
