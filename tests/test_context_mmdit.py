@@ -1,8 +1,9 @@
 """Context parallelism of joint text-image attention DiTs (MM-DiT, issue 38.1): diffusers'
-``SD3Transformer2DModel`` (SD3, and SD3.5's dual attention with q/k RMS norms), whose text
-tokens, replicated on every rank, join the split image tokens inside every attention. Forward
-and backward against the same model on one device in float64, in every mode, with image token
-counts the ranks do not divide; ``plan="auto"``; the refusals.
+``SD3Transformer2DModel`` (SD3, and SD3.5's dual attention with q/k RMS norms) and
+``FluxTransformer2DModel`` (double- and single-stream blocks, rotary embedding of text and image
+positions), whose text tokens, replicated on every rank, join the split image tokens inside every
+attention. Forward and backward against the same model on one device in float64, in every mode,
+with image token counts the ranks do not divide; ``plan="auto"``; the refusals.
 """
 
 from __future__ import annotations
@@ -135,6 +136,77 @@ def test_sd3_refusals() -> None:
         fd.nn.parallelize(model, mesh, fd.nn.plans.sd3())
     with pytest.raises(ParallelizeError, match="not a diffusers SD3Transformer2DModel"):
         fd.nn.plans.sd3(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ Flux
+def tiny_flux(seed: int = 0) -> nn.Module:
+    """2 double-stream and 2 single-stream blocks, 4 heads of 8, 3-axis rotary (2, 2, 4)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    return cast(nn.Module, model.to(torch.float64))
+
+
+def flux_inputs(size: int = 3, text: int = 5) -> dict[str, Tensor]:
+    """``size * size`` packed image tokens at grid positions, ``text`` text tokens at distinct
+    positions (so the text rows of the rotary embedding matter)."""
+    g = torch.Generator().manual_seed(1)
+    grid = torch.meshgrid(
+        torch.zeros(1), torch.arange(size * 1.0), torch.arange(size * 1.0), indexing="ij"
+    )
+    return {
+        "hidden_states": torch.randn(2, size * size, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(2, text, 16, generator=g, dtype=torch.float64),
+        "pooled_projections": torch.randn(2, 8, generator=g, dtype=torch.float64),
+        "timestep": torch.tensor([0.003, 0.7], dtype=torch.float64),
+        "img_ids": torch.stack(grid, -1).reshape(-1, 3).to(torch.float64),  # (tokens, 3)
+        "txt_ids": torch.arange(3.0 * text, dtype=torch.float64).view(text, 3),
+    }
+
+
+@pytest.mark.parametrize("mode", ["ulysses-2", "ring-4", "usp-2x2"])
+def test_flux_equals_one_device(mode: str) -> None:
+    """9 image tokens (5 + 4 over 2 ranks, 3 + 2 + 2 + 2 over 4), 5 text tokens."""
+    axes, kw = MODES[mode]
+    model, x = tiny_flux(), flux_inputs()
+    out, grads = reference(copy.deepcopy(model), x)
+    mesh = fd.Mesh(axes)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.flux(model, mesh, **kw))
+    n = mesh.size
+    got = pm(**{k: v.expand(n, *v.shape) for k, v in x.items()}).sample
+    got.pow(2).sum().backward()
+    for r in range(n):
+        torch.testing.assert_close(got[r].detach(), out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
+def test_flux_is_auto() -> None:
+    pm = fd.nn.parallelize(tiny_flux(), fd.Mesh({"sp": 2}), "auto", verify=False)
+    assert pm.plan == fd.nn.plans.flux(axis="sp")
+
+
+def test_flux_refusals() -> None:
+    mesh = fd.Mesh({"sp": 2})
+    plan = vars(fd.nn.plans.flux()[""])
+
+    def refused(match: str, **change: Any) -> None:
+        with pytest.raises(ParallelizeError, match=match):
+            fd.nn.parallelize(tiny_flux(), mesh, {"": fd.nn.ContextParallel(**{**plan, **change})})
+
+    # the single-stream blocks left out: their attention would see the rank's tokens alone
+    refused(r"single_transformer_blocks\.0\.attn .* outside", single_blocks=None)
+    # a single-stream attention (text in its hidden states) listed as joint, and the reverse
+    single = "single_transformer_blocks"
+    refused(
+        r"single_transformer_blocks\.0\.attn' .* not a joint", blocks=single, single_blocks=None
+    )
+    refused(r"transformer_blocks\.0\.attn' .* encoder states", single_blocks="transformer_blocks")
+    refused(r"text='context_embedder'.* not one of whole", whole=plan["whole"][:3], feeds=())
 
 
 # ------------------------------------------------------------------ real ranks

@@ -14,7 +14,8 @@ One file per concern:
   DeepSeek-V2/V3, GPT-OSS);
 * ``hooks``: the code a row needs where data cannot say it (DeepSeek's `LatentAttention`, the
   MoE block's `SequenceGather`, Falcon's layouts);
-* ``dit``: diffusers' diffusion transformers: context-parallel plans (`wan`, `ltx_video`, `sd3`);
+* ``dit``: diffusers' diffusion transformers: context-parallel plans (`wan`, `ltx_video`,
+  `sd3`, `flux`);
 * ``auto``: the same record read off a model nobody wrote a row for (`AutoPlan`);
 * ``registry``: the table by ``config.model_type`` (`TABLE`) and `plan`.
 
@@ -22,7 +23,7 @@ The table of what is tested for each family is in ``docs/models.md``.
 """
 
 from fastdist.nn.plans.auto import AutoPlan, infer
-from fastdist.nn.plans.dit import ltx_video, sd3, wan
+from fastdist.nn.plans.dit import flux, ltx_video, sd3, wan
 from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
 from fastdist.nn.plans.registry import TABLE, lookup, plan, table
@@ -36,6 +37,7 @@ __all__ = [
     "Plan",
     "SequenceGather",
     "build_plan",
+    "flux",
     "infer",
     "lookup",
     "ltx_video",

@@ -26,6 +26,7 @@ __all__ = [
     "DIT_PLANS",
     "JOINT_ATTENTION",
     "dit_plan",
+    "flux",
     "is_diffusers_dit",
     "ltx_video",
     "sd3",
@@ -56,7 +57,8 @@ def wan(
     >>> fd.nn.plans.wan(axis="sp")
     {'': ContextParallel(axis='sp', blocks='blocks', attention=('attn1',), cross=('attn2',), \
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
-output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1), joint=())}
+output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1), joint=(), \
+single_blocks=None, joined=(), text=None, rotary_dim=1)}
     """
     _check(model, mesh, axis, ring_axis, "WanTransformer3DModel", "wan")
     return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)}
@@ -151,6 +153,57 @@ def sd3(
     }
 
 
+def flux(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``FluxTransformer2DModel`` (FLUX.1, an MM-DiT
+    with double- and single-stream blocks): its image tokens (it takes them packed,
+    ``(batch, tokens, channels)``) split over ``axis`` (and ``ring_axis``) at the first of its
+    ``transformer_blocks``; the text tokens (``context_embedder``'s output) replicated. The
+    double-stream blocks' ``attn`` is a joint attention (text as encoder states), the
+    single-stream blocks' ``attn`` gets ``[text; the rank's image rows]`` (``joined``); the
+    rotary embedding of ``[text; image]`` positions (``pos_embed``'s ``(tokens, dim)`` tables)
+    keeps the text rows and is cut to the rank's image rows; ``proj_out``'s output is gathered.
+    Gradients as in `sd3`: the text stream is ``pvary``'d with the image stream.
+
+    Args:
+        model: the model (or ``None``): only read to refuse one this plan does not fit.
+        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
+        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
+        ring_axis: for ``"usp"``: the ring's axis.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.flux()[""].joined
+    ('attn',)
+    """
+    _check(model, mesh, axis, ring_axis, "FluxTransformer2DModel", "flux")
+    return {
+        "": ContextParallel(
+            axis=axis,
+            blocks="transformer_blocks",
+            attention=(),
+            cross=(),
+            joint=("attn",),
+            single_blocks="single_transformer_blocks",
+            joined=("attn",),
+            whole=("pos_embed", "x_embedder", "time_text_embed", "context_embedder"),
+            feeds=("time_text_embed", "context_embedder"),
+            output="proj_out",
+            mode=mode,
+            ring_axis=ring_axis,
+            rotary="pos_embed",
+            rotary_dim=0,
+            text="context_embedder",
+        )
+    }
+
+
 def _check(
     model: Any, mesh: Mesh | None, axis: str, ring_axis: str | None, kind: str, plan: str
 ) -> None:
@@ -171,13 +224,13 @@ DIT_PLANS = {
     "WanTransformer3DModel": wan,
     "LTXVideoTransformer3DModel": ltx_video,
     "SD3Transformer2DModel": sd3,
+    "FluxTransformer2DModel": flux,
 }
 
 #: diffusers DiTs whose attention joins the text tokens to the image tokens (MM-DiT) and that
-#: have no ready plan yet (SD3's is `sd3`)
+#: have no ready plan yet (SD3's is `sd3`, Flux's `flux`)
 JOINT_ATTENTION = frozenset(
     {
-        "FluxTransformer2DModel",
         "Flux2Transformer2DModel",
         "CogVideoXTransformer3DModel",
         "HunyuanVideoTransformer3DModel",
@@ -213,8 +266,8 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
             f"plans.auto: {kind} is a diffusers transformer with joint text-image attention "
             "(the text tokens join the image tokens inside each attention, MM-DiT) without a "
             "ready context-parallel plan: joint attention is split for the processors "
-            f"{sorted(JOINT_PROCESSORS)} only (SD3's), and {kind}'s attention processor (its "
-            "text order, rotary embedding, single-stream blocks) is not built. "
+            f"{sorted(JOINT_PROCESSORS)} only (SD3's, Flux's), and {kind}'s attention processor "
+            "(its text order, rotary embedding, single-stream blocks) is not built. "
             f"Context-parallel plans exist for {sorted(DIT_PLANS)}. Fix: run {kind} without "
             "context parallelism (e.g. data parallelism, or fastdist.nn.GuidedModel over a "
             "'cfg' axis with plan={})"

@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+import torch
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
@@ -62,7 +63,7 @@ KNOWN_PROCESSORS = frozenset({"WanAttnProcessor", "LTXVideoAttnProcessor", "Join
 #: with whether they put the text rows first: they project the image rows (``to_q``...) and the
 #: text rows (``add_q_proj``...), normalize them token by token, join them along the tokens and
 #: call ``F.scaled_dot_product_attention`` once on the joint sequence
-JOINT_PROCESSORS = {"JointAttnProcessor2_0": False}
+JOINT_PROCESSORS = {"JointAttnProcessor2_0": False, "FluxAttnProcessor": True}
 
 #: the attention modes: Ulysses (heads <-> tokens all-to-all), ring (k/v passed around the
 #: axis), USP (Ulysses over ``axis``, ring over ``ring_axis``)
@@ -118,6 +119,7 @@ class _Current:
 
     def __init__(self) -> None:
         self.split: TokenSplit | None = None
+        self.text: int | None = None  # the text tokens of this forward (ContextParallel(text=))
 
 
 class SplitProcessor:
@@ -156,6 +158,10 @@ class SplitProcessor:
     def _parallel_config(self, value: Any) -> None:
         self.inner._parallel_config = value
 
+    def _image_rows(self, hidden_states: Tensor, split: TokenSplit) -> int:
+        """The image rows of the hidden states the processor gets."""
+        return hidden_states.shape[1]
+
     def _split(self, hidden_states: Tensor, args: tuple[Any, ...], kwargs: Any) -> TokenSplit:
         """This forward's token split (carried by the rotary argument, else the current one)."""
         carried = [a for a in (*args, *kwargs.values()) if isinstance(a, SplitRotary)]
@@ -163,7 +169,7 @@ class SplitProcessor:
         if split is None:  # used without ContextParallel: the rows are an even split
             n = self.mesh.axis_size(self.axes[0] if len(self.axes) == 1 else self.axes)
             split = TokenSplit(self.mesh, self.axes, hidden_states.shape[1] * n)
-        if hidden_states.shape[1] != split.rows:
+        if self._image_rows(hidden_states, split) != split.rows:
             raise ParallelizeError(
                 f"sequence-parallel attention {self.where!r} got {hidden_states.shape[1]} tokens, "
                 f"not this rank's {split.rows} rows of the {split.tokens} split over "
@@ -171,7 +177,9 @@ class SplitProcessor:
             )
         return split
 
-    def _attend(self, split: TokenSplit, args: tuple[Any, ...], kwargs: Any) -> Any:
+    def _attend(
+        self, split: TokenSplit, hidden_states: Tensor, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
         """The attention over ``(B, S, H, D)`` q, k, v that replaces the processor's SDPA."""
         return functools.partial(
             split_attention, split=split, ulysses_axis=self.ulysses_axis, ring_axis=self.ring_axis
@@ -179,7 +187,7 @@ class SplitProcessor:
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         split = self._split(hidden_states, args, kwargs)
-        attend = self._attend(split, args, kwargs)
+        attend = self._attend(split, hidden_states, args, kwargs)
         with AttentionSwap(attend, self.where) as swap:
             out = self.inner(attn, hidden_states, *args, **kwargs)
         if swap.calls != 1:
@@ -196,18 +204,34 @@ class JointSplitProcessor(SplitProcessor):
     """A joint text-image attention processor (`JOINT_PROCESSORS`) whose one SDPA call over the
     joined ``[image rows; text]`` (or ``[text; image rows]``) runs as
     `fastdist.nn.styles.ring_split.joint_attention`; called without encoder states (SD3.5's
-    second, image-only attention) it is a plain split self-attention."""
+    second, image-only attention) it is a plain split self-attention. With ``joined``, the text
+    rows are already the first rows of its hidden states (Flux's single-stream blocks)."""
 
     text_first: bool = False
+    joined: bool = False
 
-    def _attend(self, split: TokenSplit, args: tuple[Any, ...], kwargs: Any) -> Any:
-        text_states = kwargs.get("encoder_hidden_states", args[0] if args else None)
-        if text_states is None:
-            return super()._attend(split, args, kwargs)
+    def _image_rows(self, hidden_states: Tensor, split: TokenSplit) -> int:
+        if not self.joined:
+            return hidden_states.shape[1]
+        text = self.current.text  # the text tokens of this forward, where the plan records them
+        if text is None:  # not recorded: whatever precedes the image rows
+            return min(hidden_states.shape[1], split.rows)
+        return hidden_states.shape[1] - text
+
+    def _attend(
+        self, split: TokenSplit, hidden_states: Tensor, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        if self.joined:  # [text; image rows]
+            text = hidden_states.shape[1] - split.rows
+        else:
+            states = kwargs.get("encoder_hidden_states", args[0] if args else None)
+            text = 0 if states is None else states.shape[1]
+        if text == 0:
+            return super()._attend(split, hidden_states, args, kwargs)
         return functools.partial(
             joint_attention,
             split=split,
-            text=text_states.shape[1],
+            text=text,
             text_first=self.text_first,
             ulysses_axis=self.ulysses_axis,
             ring_axis=self.ring_axis,
@@ -279,21 +303,27 @@ class SequenceParallelAttention(Style):
         mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
         ring_axis: for ``"usp"``: the second axis, the ring's.
         joint: a joint text-image attention (``add_q_proj``/``add_k_proj``/``add_v_proj``).
+        joined: a joint attention whose hidden states already hold the text rows, first
+            (Flux's single-stream blocks: ``[text; the rank's image rows]``).
     """
 
     axis: str = "sp"
     mode: Mode = "ulysses"
     ring_axis: str | None = None
     joint: bool = False
+    joined: bool = False
 
     def _check_processor(self, module: nn.Module, name: str) -> None:
         kind = type(module).__name__
         processor = type(getattr(module, "processor", None)).__name__
-        known = sorted(JOINT_PROCESSORS if self.joint else KNOWN_PROCESSORS)
+        joint = self.joint or self.joined
+        known = sorted(JOINT_PROCESSORS if joint else KNOWN_PROCESSORS)
+        if self.joined:
+            known = [k for k in known if JOINT_PROCESSORS[k]]  # those that put the text first
         if processor not in known:
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) runs the processor {processor}, whose forward "
-                f"SequenceParallelAttention(joint={self.joint}) does not know (known: {known}); "
+                f"SequenceParallelAttention(joint={joint}) does not know (known: {known}); "
                 "splitting around an unknown forward could compute something else. Fix: "
                 "module.set_processor(<a known processor>) or a plan for this attention"
             )
@@ -308,7 +338,13 @@ class SequenceParallelAttention(Style):
                 f"parallelize: {name!r} ({kind}) has no add_q_proj/add_k_proj/add_v_proj: not a "
                 "joint text-image attention. Fix: list it in ContextParallel(attention=...)"
             )
-        if not self.joint and (getattr(module, "is_cross_attention", False) or added):
+        if self.joined and added:
+            raise ParallelizeError(
+                f"parallelize: {name!r} ({kind}) has add_q_proj/add_k_proj/add_v_proj: its text "
+                "comes as encoder states, not joined in its hidden states. Fix: list it in "
+                "ContextParallel(joint=...)"
+            )
+        if not joint and (getattr(module, "is_cross_attention", False) or added):
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) is a cross-attention; SequenceParallelAttention "
                 "splits self-attention. Fix: list it in ContextParallel(cross=...) (or "
@@ -320,9 +356,12 @@ class SequenceParallelAttention(Style):
             "SequenceParallelAttention", self.axis, self.mode, self.ring_axis, mesh
         )
         kind = type(module).__name__
-        for child in ("to_q", "to_k", "to_v", "to_out"):
-            get_child(module, child, name)
         self._check_processor(module, name)
+        # a single-stream attention (joined) has no output projection of its own (Flux)
+        for child in (
+            ("to_q", "to_k", "to_v") if self.joined else ("to_q", "to_k", "to_v", "to_out")
+        ):
+            get_child(module, child, name)
         heads = getattr(module, "heads", None)
         n = mesh.axis_size(ulysses) if ulysses is not None else 1
         if type(heads) is not int or heads % n:
@@ -348,9 +387,9 @@ class SequenceParallelAttention(Style):
         inner = module.processor
         processor = SplitProcessor(inner, name, mesh, axes, ulysses, ring, current)
         refused: tuple[str, ...] = ("encoder_hidden_states", "attention_mask")
-        if self.joint:
+        if self.joint or self.joined:
             joint = JointSplitProcessor(inner, name, mesh, axes, ulysses, ring, current)
-            joint.text_first = JOINT_PROCESSORS[type(inner).__name__]
+            joint.text_first, joint.joined = JOINT_PROCESSORS[type(inner).__name__], self.joined
             processor, refused = joint, ("attention_mask",)
         object.__setattr__(module, "processor", processor)
         module.register_forward_pre_hook(
@@ -393,27 +432,48 @@ def _shard_tokens(
 
 
 def _shard_rotary(
-    mesh: Mesh, axes: tuple[str, ...], where: str, module: nn.Module, args: Any, out: Any
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    where: str,
+    dim: int,
+    current: _Current,
+    module: nn.Module,
+    args: Any,
+    out: Any,
 ) -> Any:
-    """Forward hook of the rotary module: each of its ``(1, tokens, ...)`` outputs cut to this
-    rank's positions."""
+    """Forward hook of the rotary module: each of its outputs (tokens along ``dim``) cut to this
+    rank's positions; with text tokens recorded (``ContextParallel(text=...)``: Flux's rotary
+    embedding of ``[text; image]``), the leading text rows are kept whole and the image rows
+    after them are cut."""
     outs = out if isinstance(out, tuple) else (out,)
-    if not all(isinstance(t, Tensor) and t.dim() >= 2 for t in outs):
+    if not all(isinstance(t, Tensor) and t.dim() > dim for t in outs):
         raise ParallelizeError(
             f"context parallelism over {axes}: the rotary module {where!r} returned "
-            f"{type(out).__name__}, not tensors (1, tokens, ...). Fix: ContextParallel(rotary=None)"
-            " and a plan that gives each rank its positions"
+            f"{type(out).__name__}, not tensors with the tokens along dim {dim}. Fix: "
+            "ContextParallel(rotary=None) and a plan that gives each rank its positions"
         )
-    tokens = {t.shape[1] for t in outs}
-    if len(tokens) != 1:
+    tokens = {t.shape[dim] for t in outs}
+    text = current.text or 0
+    if len(tokens) != 1 or min(tokens) <= text:
         raise ParallelizeError(
             f"context parallelism over {axes}: the rotary module {where!r} returned tensors of "
-            f"{sorted(tokens)} positions, not one count. Fix: ContextParallel(rotary=None) and a "
-            "plan that gives each rank its positions"
+            f"{sorted(tokens)} positions along dim {dim}, not one count above the {text} text "
+            "tokens. Fix: ContextParallel(rotary=None) and a plan that gives each rank its "
+            "positions"
         )
-    split = TokenSplit(mesh, axes, tokens.pop())
-    mine = tuple(split.shard(t, dim=1) for t in outs)
+    split = TokenSplit(mesh, axes, tokens.pop() - text)
+
+    def cut(t: Tensor) -> Tensor:  # (.., text + rows, ..): the text rows, this rank's rows
+        image = split.shard(t.narrow(dim, text, split.tokens), dim=dim)
+        return torch.cat([t.narrow(dim, 0, text), image], dim) if text else image
+
+    mine = tuple(cut(t) for t in outs)
     return SplitRotary(mine, split) if isinstance(out, tuple) else mine[0]
+
+
+def _record_text(current: _Current, module: nn.Module, args: Any, out: Any) -> None:
+    """Forward hook of the text module: the number of text tokens of this forward."""
+    current.text = out.shape[1]  # (B, text, D)
 
 
 def _feed_outputs(
@@ -482,6 +542,15 @@ class ContextParallel(Style):
             (`SequenceParallelAttention` with ``joint=True``). A block whose attribute is
             ``None`` (SD3.5's ``attn2`` outside its dual-attention layers) is skipped, for
             ``attention`` too.
+        single_blocks: a second ``nn.ModuleList`` of blocks after ``blocks`` (Flux's
+            single-stream ``single_transformer_blocks``), on the same split tokens.
+        joined: in every block of ``single_blocks``, the joint attentions whose hidden states
+            already hold the text rows, first (``[text; the rank's image rows]``).
+        text: the module (in ``whole``) whose output ``(batch, text tokens, dim)`` is the text
+            stream: its length is recorded for the rotary embedding (whose first rows, the text
+            tokens', are kept whole) and the ``joined`` attentions.
+        rotary_dim: the dim of the rotary module's outputs that holds the tokens (Wan, LTX: 1;
+            Flux's ``(tokens, dim)`` tables: 0).
         whole: modules that run on the whole, replicated input before the split (patch
             embedding, rotary embedding, condition embedder); their parameters get whole
             gradients and are not ``pvary``'d.
@@ -516,31 +585,62 @@ class ContextParallel(Style):
     rotary: str | None = "rope"
     per_token: tuple[int, ...] = (0, 1)
     joint: tuple[str, ...] = ()
+    single_blocks: str | None = None
+    joined: tuple[str, ...] = ()
+    text: str | None = None
+    rotary_dim: int = 1
 
-    def _blocks(self, model: nn.Module, name: str) -> nn.ModuleList:
+    def _blocks(self, model: nn.Module, name: str, attr: str | None = None) -> nn.ModuleList:
+        attr = attr or self.blocks
         try:
-            blocks = model.get_submodule(self.blocks)
+            blocks = model.get_submodule(attr)
         except AttributeError:
             blocks = None
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
             raise ParallelizeError(
-                f"parallelize: ContextParallel(blocks={self.blocks!r}): {type(model).__name__} "
-                f"has no non-empty ModuleList {self.blocks!r}. Fix: name the list of "
-                "transformer blocks"
+                f"parallelize: ContextParallel: {type(model).__name__} has no non-empty "
+                f"ModuleList {attr!r}. Fix: name the list of transformer blocks"
             )
         return blocks
 
+    def _all_blocks(self, model: nn.Module, name: str) -> list[tuple[str, nn.Module, bool]]:
+        """(name, block, whether single-stream) of every block, ``blocks`` then
+        ``single_blocks``."""
+        found = [(f"{self.blocks}.{i}", b, False) for i, b in enumerate(self._blocks(model, name))]
+        if self.single_blocks is not None:
+            single = self._blocks(model, name, self.single_blocks)
+            found += [(f"{self.single_blocks}.{i}", b, True) for i, b in enumerate(single)]
+        return found
+
     def _attentions(
-        self, block: nn.Module, where: str
+        self, block: nn.Module, where: str, single: bool
     ) -> list[tuple[str, nn.Module, SequenceParallelAttention]]:
         """(name, module, style) of the block's split attentions (``None`` ones skipped)."""
+        kinds = [(self.joined, False, True)] if single else []
+        if not single:
+            kinds = [(self.attention, False, False), (self.joint, True, False)]
         found = []
-        for rels, joint in ((self.attention, False), (self.joint, True)):
-            style = SequenceParallelAttention(self.axis, self.mode, self.ring_axis, joint)
+        for rels, joint, joined in kinds:
+            style = SequenceParallelAttention(self.axis, self.mode, self.ring_axis, joint, joined)
             for rel in rels:
                 if getattr(block, rel, True) is not None:
                     found.append((f"{where}.{rel}", get_child(block, rel, where), style))
         return found
+
+    def _check_outside(self, model: nn.Module) -> None:
+        """Refuse an attention outside the block lists and ``whole`` (e.g. Flux's single-stream
+        blocks without ``single_blocks``): it would run on the rank's tokens alone."""
+        lists = (self.blocks, *((self.single_blocks,) if self.single_blocks else ()))
+        inside = (*lists, *self.whole)
+        for rel, sub in model.named_modules():
+            if hasattr(sub, "to_q") and not any(rel.startswith(f"{p}.") for p in inside):
+                raise ParallelizeError(
+                    f"parallelize: {rel} ({type(sub).__name__}) is an attention outside "
+                    f"ContextParallel's blocks {list(lists)} and whole={self.whole}: it was not "
+                    "told about it, and on a rank's tokens alone it would attend within them. "
+                    "Fix: ContextParallel(single_blocks=...) naming its list of blocks (with "
+                    "joined=... or ...), or whole=(..., its module) if it runs before the split"
+                )
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         _split_axes("ContextParallel", self.axis, self.mode, self.ring_axis, mesh)
@@ -556,6 +656,11 @@ class ContextParallel(Style):
                 f"{self.whole}: the rotary embedding is computed for the whole grid, then cut. "
                 "Fix: add it to whole"
             )
+        if self.text is not None and self.text not in self.whole:
+            raise ParallelizeError(
+                f"parallelize: ContextParallel(text={self.text!r}) is not one of whole="
+                f"{self.whole}: the text stream is computed whole. Fix: add it to whole"
+            )
         for child in (*self.whole, *self.feeds, self.output):
             try:
                 module.get_submodule(child)
@@ -564,13 +669,12 @@ class ContextParallel(Style):
                     f"parallelize: ContextParallel: {kind} has no module {child!r}. Fix: name "
                     f"its modules ({[n for n, _ in module.named_children()]})"
                 ) from None
-        for i, block in enumerate(self._blocks(module, name)):
-            where = f"{self.blocks}.{i}"
-            for at, sub, style in self._attentions(block, where):
+        for where, block, single in self._all_blocks(module, name):
+            for at, sub, style in self._attentions(block, where, single):
                 style.check(sub, at, mesh)
-            for rel in self.cross:
+            for rel in () if single else self.cross:
                 get_child(block, rel, where)
-            listed = {*self.attention, *self.cross, *self.joint}
+            listed = set(self.joined) if single else {*self.attention, *self.cross, *self.joint}
             for rel, sub in block.named_modules():
                 if rel and rel.split(".")[0] not in listed and hasattr(sub, "to_q"):
                     raise ParallelizeError(
@@ -579,8 +683,10 @@ class ContextParallel(Style):
                         "attend within them and compute something else. Fix: "
                         f"ContextParallel(attention=(..., {rel!r})) for a self-attention, "
                         f"cross=(..., {rel!r}) for one to replicated encoder states, "
-                        f"joint=(..., {rel!r}) for one whose text tokens join the image tokens"
+                        f"joint=(..., {rel!r}) for one whose text tokens join the image tokens "
+                        f"(joined=(..., {rel!r}) in single_blocks)"
                     )
+        self._check_outside(module)
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
@@ -594,9 +700,13 @@ class ContextParallel(Style):
         blocks[0].register_forward_pre_hook(
             functools.partial(_shard_tokens, mesh, axes, first, current), with_kwargs=True
         )
+        if self.text is not None:
+            module.get_submodule(self.text).register_forward_hook(
+                functools.partial(_record_text, current)
+            )
         if self.rotary is not None:
             module.get_submodule(self.rotary).register_forward_hook(
-                functools.partial(_shard_rotary, mesh, axes, self.rotary)
+                functools.partial(_shard_rotary, mesh, axes, self.rotary, self.rotary_dim, current)
             )
         for feed in self.feeds:
             module.get_submodule(feed).register_forward_hook(
@@ -606,8 +716,8 @@ class ContextParallel(Style):
         module.get_submodule(self.output).register_forward_hook(
             functools.partial(_gather_tokens, current)
         )
-        for i, block in enumerate(blocks):
-            for at, sub, style in self._attentions(block, f"{self.blocks}.{i}"):
+        for where, block, single in self._all_blocks(module, name):
+            for at, sub, style in self._attentions(block, where, single):
                 style.install(sub, at, mesh, current)
         # every parameter of the split region meets this rank's tokens: its gradient is summed
         axis = cast(str, axes[0] if len(axes) == 1 else axes)  # pvary takes a tuple of axes too
