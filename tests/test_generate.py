@@ -22,7 +22,9 @@ from tests.generate_worker import CASES, PROMPT, on_ranks, one_device, run_case
         ("mixtral", {"tp": 2}, False),
         ("llama", {"tp": 4}, True),
         ("qwen3", {"tp": 2}, True),
+        ("qwen3", {"tp": 4}, True),
         ("mixtral", {"tp": 2}, True),
+        ("mixtral", {"tp": 4}, False),
     ],
 )
 def test_generate_on_gloo_equals_one_device(family: str, degrees: dict[str, int], sp: bool) -> None:
