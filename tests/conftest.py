@@ -77,7 +77,13 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     ),
     "tests/test_calibrate.py": frozenset({"test_calibrate_on_gloo_reproduces_held_out_sizes"}),
     "tests/test_halo.py": frozenset({"test_halo_exchange_and_domain_conv_on_gloo"}),
-    "tests/test_domain.py": frozenset({"test_unet_like_stack_on_gloo", "test_wan_causal_conv"}),
+    "tests/test_domain.py": frozenset(
+        {
+            "test_unet_like_stack_on_gloo",
+            "test_wan_causal_conv",
+            "test_with_data_parallelism_on_gloo",
+        }
+    ),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
     "tests/test_context_modes.py": frozenset(
         {

@@ -92,3 +92,36 @@ def vae_attention_on_gloo() -> dict[str, Any]:
     out = pm(zr)
     (out * cot).sum().backward()
     return {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}
+
+
+def dp_inputs() -> tuple[nn.Module, Tensor, Tensor]:
+    """The UNet-like model (running statistics on), a batch of 2 per data rank
+    ``[dp, batch, C, H, W]`` and the output's cotangent."""
+    torch.manual_seed(4)
+    net = TinyUNet(track=True).to(F64)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 2, 2, 8, 12, generator=g, dtype=F64)
+    return net, x, torch.randn(2, 2, 2, 16, 24, generator=g, dtype=F64)
+
+
+def dp_step_on_gloo() -> dict[str, Any]:
+    """One rank of dp 2 x h 2: H split over ``h``, ``fastdist.train.DataParallel`` over ``dp``,
+    the batch norm's statistics over both (``batch_axes=("dp",)``); one SGD step in training
+    mode: the output, the weights after the step, the running statistics."""
+    mesh = fd.connect(dp=2, h=2, order=("dp", "h"), timeout=120)
+    net, x, cot = dp_inputs()
+    r = mesh.rank // 2  # this rank's data index (dp, h row-major)
+    style = fd.nn.DomainParallel({-2: "h"}, batch_axes=("dp",))
+    pm = fd.nn.parallelize(net, mesh, {"": style})
+    dp = fd.train.DataParallel(pm, "dp")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    out = pm(x[r])
+    (out * cot[r]).sum().backward()
+    dp.finish()
+    opt.step()
+    bn: Any = net.mid[0]
+    return {
+        "out": out.detach(),
+        "weights": {n: p.detach().clone() for n, p in net.named_parameters()},
+        "running": (bn.running_mean.clone(), bn.running_var.clone()),
+    }

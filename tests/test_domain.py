@@ -509,3 +509,24 @@ def test_with_data_parallelism_batch_norm_over_the_data_ranks() -> None:
     pm = fd.nn.parallelize(TinyUNet().to(F64), mesh, {"": fd.nn.DomainParallel({-2: "h"})})
     with pytest.raises(fd.nn.ParallelizeError, match=r"axes \['dp'\].*batch_axes=\('dp',\)"):
         pm(torch.randn(1, 2, 2, 8, 12, dtype=F64).expand(4, -1, -1, -1, -1, -1).flatten(1, 2))
+
+
+def test_with_data_parallelism_on_gloo() -> None:
+    """4 gloo processes, dp 2 x h 2, a training-mode BatchNorm with statistics over the data
+    ranks too: the output, the weights after one SGD step and the running statistics equal one
+    device on the whole batch."""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import dp_inputs, dp_step_on_gloo
+
+    net, x, cot = dp_inputs()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out = net(x.flatten(0, 1))
+    (out * cot.flatten(0, 1)).sum().div(2).backward()  # the mean over the data ranks' losses
+    opt.step()
+    bn: Any = net.mid[0]
+    for rank, got in enumerate(run_on_gloo(dp_step_on_gloo, 4, timeout=180)):
+        assert torch.allclose(got["out"], out.unflatten(0, (2, 2))[rank // 2], atol=TOL)
+        for name, p in net.named_parameters():
+            assert torch.allclose(got["weights"][name], p, atol=TOL), name
+        assert torch.allclose(got["running"][0], bn.running_mean, atol=1e-12)
+        assert torch.allclose(got["running"][1], bn.running_var, atol=1e-12)
