@@ -125,3 +125,22 @@ def tied_moe_save_pretrained_on_4(directory: str) -> dict[str, Any]:
         "reloaded": got.keys() == want.keys()
         and all(torch.equal(got[k], w) for k, w in want.items()),
     }
+
+
+def fsdp_tp_on_8() -> dict[str, Any]:
+    """8 ranks, pp2 x dp2 x tp2 with sequence parallelism, FSDP2 over dp on each stage
+    (torchtitan's pp x FSDP x tp), each dp rank its own batch: this rank's loss and gradient
+    errors against one device."""
+    torch.set_num_threads(1)
+    mesh = fd.connect(pp=2, tp=2, timeout=120)  # dp = 2
+    dp = mesh.index(mesh.rank, "dp")
+    model = tiny_llama(4, seed=6)
+    losses, grads = reference(model, [40, 41])
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2, sequence_parallel=True)
+    fd.train.DataParallel(pipe, "dp", engine="fsdp")
+    ids, labels = batch(40 + dp)
+    loss = pipe.step(input_ids=ids, labels=labels)
+    res = compare(pipe, loss, losses[dp], grads)
+    res["dtensor"] = all(hasattr(p, "full_tensor") for p in pipe.parameters())
+    res["model"] = sorted(grads)
+    return res

@@ -1,6 +1,8 @@
 """Issue 40's last pipeline gaps on real gloo processes (workers in
 tests/pipeline_ckpt_gloo_worker.py): transformers' activation checkpointing, reentrant and not,
-inside a pp2 x tp2 pipeline equals one device without checkpointing; FSDP2 under a pipeline."""
+inside a pp2 x tp2 pipeline equals one device without checkpointing; FSDP2 under a pipeline
+(pp2 x dp2 on 4 processes, pp2 x dp2 x tp2 on 8) equals one device, and its refusals;
+``pipe.save_pretrained`` of a tied MoE loads in plain ``from_pretrained`` bitwise."""
 
 from __future__ import annotations
 
@@ -98,3 +100,13 @@ def test_tied_moe_pipeline_save_pretrained_on_gloo(tmp_path: Path) -> None:
     for g, r in enumerate(got):
         assert r["reloaded"], g
         assert all(torch.equal(w, state[k]) for k, w in r["weights"].items()), g
+
+
+def test_fsdp2_under_a_pipeline_with_tp_on_8_gloo_processes() -> None:
+    """pp2 x dp2 x tp2 (sequence parallel), FSDP2 over dp on each stage: one device's
+    gradients."""
+    got = run_on_gloo(W.fsdp_tp_on_8, 8, timeout=400)
+    for g, r in enumerate(got):
+        assert r["dtensor"], g
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (g, r["loss_err"], r["grad_err"])
+    assert {n for r in got for n in r["names"]} == set(got[0]["model"])
