@@ -51,12 +51,13 @@ def count_layer_calls(pipe: Any) -> list[int]:
     return calls
 
 
-def fsdp_on_4() -> dict[str, Any]:
+def fsdp_on_4(directory: str) -> dict[str, Any]:
     """4 ranks, pp2 x dp2: FSDP2 on each stage (``fd.train.DataParallel(pipe, "dp",
     engine="fsdp")``), each dp rank its own batch, 2 micro-batches, under 1F1B and GPipe; this
     rank's loss and gradient errors against one device (the mean gradient over both batches),
-    then the whole-model clip's norm and an AdamW step's weights; and what DDP and a tied model
-    raise."""
+    then the whole-model clip's norm and an AdamW step's weights, written by
+    ``pipe.save_pretrained(directory)`` (GPipe's; this rank's weights returned); and what DDP
+    and a tied model raise."""
     torch.set_num_threads(1)
     mesh = fd.connect(pp=2, timeout=90)  # dp = 2
     dp = mesh.index(mesh.rank, "dp")
@@ -83,6 +84,8 @@ def fsdp_on_4() -> dict[str, Any]:
             (w - want[n].detach()).abs().max().item() for n, w in pipe.state_dict().items()
         )
         out[schedule] = res
+    pipe.save_pretrained(directory)
+    out["weights"] = pipe.state_dict()
     for name, build, engine in (
         ("ddp", lambda: tiny_llama(4, seed=5), "ddp"),
         ("tied", lambda: tied_llama(5), "fsdp"),

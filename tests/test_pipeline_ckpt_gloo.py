@@ -41,8 +41,10 @@ def test_activation_checkpointing_in_a_pipeline_on_gloo_equals_one_device(
 
 
 @pytest.fixture(scope="module")
-def fsdp() -> list[dict[str, Any]]:
-    return run_on_gloo(W.fsdp_on_4, 4, timeout=300)
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("fsdp_pipe")
+    got = run_on_gloo(W.fsdp_on_4, 4, str(out), timeout=300)
+    return [{**r, "saved": out} for r in got]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -61,6 +63,17 @@ def test_fsdp2_under_a_pipeline_on_gloo_equals_one_device(
         assert r["weight_err"] <= 1e-12, (g, r["weight_err"])
     assert set(got[0]["names"]) | set(got[2]["names"]) == set(got[0]["names"] + got[2]["names"])
     assert not set(got[0]["names"]) & set(got[2]["names"])
+
+
+def test_save_pretrained_of_a_pipeline_under_fsdp2(fsdp: list[dict[str, Any]]) -> None:
+    """The FSDP2-sharded stages' ``save_pretrained``: plain ``from_pretrained`` loads every
+    rank's (gathered) weights bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(fsdp[0]["saved"], dtype=torch.float64).state_dict()
+    assert {k for r in fsdp for k in r["weights"]} == set(state)
+    for g, r in enumerate(fsdp):
+        assert all(torch.equal(w, state[k]) for k, w in r["weights"].items()), g
 
 
 def test_ddp_and_tied_fsdp2_under_a_pipeline_are_refused(fsdp: list[dict[str, Any]]) -> None:
