@@ -1,7 +1,9 @@
 """Ready plans for diffusers' diffusion transformers (DiTs): context parallelism of an unmodified
-``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video) and
-``LTXVideoTransformer3DModel`` (LTX-Video), and the recognition
-of diffusers' attention (``to_q``/``to_k``/``to_v``/``to_out``) that ``plan="auto"`` uses.
+``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video),
+``LTXVideoTransformer3DModel`` (LTX-Video) and the joint text-image attention (MM-DiT)
+``SD3Transformer2DModel`` (SD3 / SD3.5) and ``FluxTransformer2DModel`` (FLUX.1), and the
+recognition of diffusers' attention (``to_q``/``to_k``/``to_v``/``to_out``) that ``plan="auto"``
+uses.
 
 Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
 after the patch embedding, at the input of ``blocks.0``; they stay split through every block
