@@ -93,10 +93,10 @@ def test_convolutions(split: str, conv: nn.Module, shape: tuple[int, ...]) -> No
 
 
 def test_a_padding_module_on_a_split_dim_is_refused() -> None:
-    """A module that pads by itself (``ZeroPad2d``, as diffusers' ``Downsample2D`` pads by hand
-    before a stride-2 conv) would pad every rank's block: refused, named."""
-    net = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(2, 2, 3, stride=2))
-    with pytest.raises(fd.nn.ParallelizeError, match=r"'0' \(ZeroPad2d\)"):
+    """A module that pads by itself would pad every rank's block: refused, named, unless it is a
+    zero padding right before a convolution (folded into its halo, below)."""
+    net = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.MaxPool2d(2))
+    with pytest.raises(fd.nn.ParallelizeError, match=r"'0' \(ZeroPad2d\): a zero padding"):
         fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
 
 
@@ -190,6 +190,15 @@ class SqueezeExcite(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = self.conv(x)
         return y * self.gate(self.pool(y))
+
+
+def test_zero_padding_folded_into_the_next_convolution() -> None:
+    """``Sequential(ZeroPad2d, Conv2d)`` (Wan's downsampling): the padding becomes the
+    convolution's halo along the split dims (and its own padding along the others)."""
+    net = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(2, 3, 3, stride=2))
+    equal_to_one_device(net, (1, 2, 8, 12), "hw")
+    net = nn.Sequential(nn.ConstantPad2d((1, 0, 2, 0), 0.0), nn.Conv2d(2, 3, 3, padding=(0, 1)))
+    equal_to_one_device(net, (1, 2, 8, 6), "h")
 
 
 ADAPTIVE = [
@@ -348,6 +357,7 @@ class Custom(nn.Module):
 
 REFUSED: list[tuple[Callable[[], nn.Module], str]] = [
     (lambda: nn.AdaptiveMaxPool2d(1, return_indices=True), "return_indices"),
+    (lambda: nn.ReflectionPad2d(1), r"not known"),
     (lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 2)), r"'0' \(Flatten.*flattened field"),
     (lambda: nn.Sequential(SpatialAttention()), r"'0' \(SpatialAttention\): an attention module"),
     (lambda: nn.Sequential(Custom()), r"not known.*local=\(Custom,\)"),

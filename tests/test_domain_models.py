@@ -2,7 +2,7 @@
 `fastdist.nn.DomainParallel`, against the same model on one device in float64, forward and
 backward, on simulated ranks: ``AutoencoderKL``'s decoder and encoder (with and without their
 mid-block attention over H x W), ``UNet2DModel`` (with attention blocks), Wan's video VAE decoder
-(per-frame attention over H x W; its frame-cached ``decode`` split over H x W)."""
+(per-frame attention over H x W; its frame-cached ``decode`` split over H x W) and encoder."""
 
 from __future__ import annotations
 
@@ -134,6 +134,27 @@ def test_wan_decode_with_frame_cache() -> None:
     """The real decode (one latent frame at a time, the causal convs' frame cache held as each
     rank's block), the decoder split over H x W, equal to one device forward and backward."""
     equal_to_one_device(WanDecode(tiny_wan()), (1, 4, 3, 4, 6), "hw", plan_key="vae.decoder")
+
+
+class WanEncode(torch.nn.Module):
+    """``AutoencoderKLWan.encode``: the first frame, then chunks of 4, with the frame cache."""
+
+    def __init__(self, vae: Any) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.vae.encode(x).latent_dist.mean
+        return out
+
+
+def test_wan_encoder() -> None:
+    """Wan's encoder over H x W: its downsampling ``Sequential(ZeroPad2d((0, 1, 0, 1)),
+    Conv2d(stride=2))`` (the padding folded into the convolution's halo), called on one frame,
+    and the real ``encode`` (5 frames: 1 then 4, with the frame cache and the strided temporal
+    convolution)."""
+    equal_to_one_device(tiny_wan().encoder, (1, 3, 1, 8, 12), "hw")
+    equal_to_one_device(WanEncode(tiny_wan()), (1, 3, 5, 8, 12), "hw", plan_key="vae.encoder")
 
 
 def test_wan_decode_with_frame_cache_refuses_a_t_split() -> None:

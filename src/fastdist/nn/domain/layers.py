@@ -38,6 +38,7 @@ from fastdist.nn.domain.windows import (
 
 __all__ = [
     "DOWNSAMPLE_PADS",
+    "folded_pads",
     "Site",
     "classify",
     "domain_forward",
@@ -122,6 +123,43 @@ def is_diffusers_downsample(m: nn.Module) -> bool:
 DOWNSAMPLE_PADS = ((0, 1), (0, 1))
 
 
+def _is_zero_pad(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.padding._ConstantPadNd) and float(m.value) == 0.0
+
+
+def folded_pads(
+    module: nn.Module,
+) -> tuple[dict[int, tuple[tuple[int, int], ...]], list[tuple[str, nn.Module]]]:
+    """Zero paddings (``nn.ZeroPad2d``, ``nn.ConstantPad*d(value=0)``) folded into the
+    convolution that follows them in an ``nn.Sequential`` (Wan's downsampling
+    ``Sequential(ZeroPad2d((0, 1, 0, 1)), Conv2d(stride=2))``): ``{id(conv): (before, after) per
+    spatial dim}``, and the ``(name, module)`` of every zero padding with no such convolution."""
+    folds: dict[int, tuple[tuple[int, int], ...]] = {}
+    alone: list[tuple[str, nn.Module]] = []
+    for name, seq in module.named_modules():
+        kids = list(seq.named_children())
+        for j, (kid_name, kid) in enumerate(kids):
+            if not _is_zero_pad(kid):
+                continue
+            nxt = kids[j + 1][1] if isinstance(seq, nn.Sequential) and j + 1 < len(kids) else None
+            pad: Any = kid
+            nsp = len(pad.padding) // 2
+            if type(nxt) not in _CONVS or len(getattr(nxt, "kernel_size", ())) != nsp:
+                alone.append((".".join(p for p in (name, kid_name) if p), kid))
+                continue
+            conv: Any = nxt
+            if conv.padding_mode != "zeros":
+                alone.append((".".join(p for p in (name, kid_name) if p), kid))
+                continue
+            own = conv_padding(conv, nsp)
+            flat = list(pad.padding)  # F.pad order: the last dim first
+            folds[id(conv)] = tuple(
+                (own[i][0] + flat[2 * (nsp - 1 - i)], own[i][1] + flat[2 * (nsp - 1 - i) + 1])
+                for i in range(nsp)
+            )
+    return folds, alone
+
+
 def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
     """``(kind, None)`` for a module the style runs (``kind``: the forward it gets, or
     ``"local"`` / ``"container"`` / ``"linear"``), ``("", why and fix)`` for one it refuses."""
@@ -139,6 +177,8 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         )
     if isinstance(m, local):
         return "local", None
+    if _is_zero_pad(m):
+        return "fold_pad", None  # folded into the next convolution (checked by folded_pads)
     if t in _CONVS:
         return "conv", None
     if _is_causal_conv(m):
@@ -321,7 +361,13 @@ def _linear(site: Site, m: Any, x: Tensor) -> Tensor:
     return F.linear(x, m.weight, m.bias)
 
 
+def _fold_pad(site: Site, m: Any, x: Tensor) -> Tensor:
+    """A zero padding folded into the next convolution's halo: nothing here."""
+    return x
+
+
 _FORWARDS: dict[str, Callable[..., Tensor]] = {
+    "fold_pad": _fold_pad,
     "conv": _conv,
     "causal_conv": _causal_conv,
     "conv_t": _conv_t,

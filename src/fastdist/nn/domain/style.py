@@ -33,6 +33,7 @@ from fastdist.nn.domain.layers import (
     Site,
     classify,
     domain_forward,
+    folded_pads,
     inside_layer,
     is_diffusers_downsample,
     layer_depth,
@@ -184,6 +185,13 @@ class DomainParallel(Style):
                 full = ".".join(p for p in (name, sub_name) if p)
                 bad.append(f"{full or where!r} ({type(sub).__name__}): {why}")
                 skip.append(sub_name)
+        for pad_name, pad in folded_pads(module)[1]:
+            full = ".".join(p for p in (name, pad_name) if p)
+            bad.append(
+                f"{full!r} ({type(pad).__name__}): a zero padding is built only right before a "
+                "Conv1d/2d/3d with padding_mode='zeros' in an nn.Sequential (folded into its "
+                "halo). Fix: pad through the convolution's padding="
+            )
         if bad:
             more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
             raise ParallelizeError(
@@ -193,13 +201,15 @@ class DomainParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         mesh = ctx.mesh
-        padded = set()  # the convolutions of diffusers' Downsample2D: they take its F.pad
+        # convolutions that take a padding before them: diffusers' Downsample2D's F.pad, a
+        # ZeroPad2d before them in a Sequential
+        folds = folded_pads(module)[0]
         for sub_name, sub in module.named_modules():
             kind, _ = classify(sub, self.local)
             if is_diffusers_downsample(sub):
-                padded.add(id(getattr(sub, "conv")))  # noqa: B009
+                folds[id(getattr(sub, "conv"))] = DOWNSAMPLE_PADS  # noqa: B009
             full = ".".join(p for p in (name, sub_name) if p) or type(module).__name__
-            pads = DOWNSAMPLE_PADS if id(sub) in padded else None
+            pads = folds.get(id(sub))
             site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})", pads, self.batch_axes)
             forward = domain_forward(kind, site, sub)
             if forward is not None:
