@@ -147,3 +147,36 @@ def fsdp_tp_on_8() -> dict[str, Any]:
     res["dtensor"] = all(hasattr(p, "full_tensor") for p in pipe.parameters())
     res["model"] = sorted(grads)
     return res
+
+
+def fsdp_checkpoint_on_4(directory: str) -> dict[str, float]:
+    """4 ranks, pp2 x dp2 under FSDP2: a step and an AdamW step, ``fd.checkpoint.save`` of the
+    pipeline and optimizer; another pipeline (other weights, its own AdamW step) loads it; then
+    the same step on both: the largest weight difference after the load and after that step."""
+    torch.set_num_threads(1)
+    mesh = fd.connect(pp=2, timeout=90)  # dp = 2
+    ids, labels = batch(30 + mesh.index(mesh.rank, "dp"))
+
+    def trained(seed: int) -> tuple[Any, torch.optim.Optimizer]:
+        pipe = fd.train.pipeline(tiny_llama(4, seed=seed), mesh, schedule="1f1b", microbatches=2)
+        fd.train.DataParallel(pipe, "dp", engine="fsdp")
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        pipe.step(input_ids=ids, labels=labels)
+        opt.step()
+        opt.zero_grad()
+        return pipe, opt
+
+    def diff(a: Any, b: Any) -> float:
+        sa, sb = a.state_dict(), b.state_dict()
+        return max((sa[k] - w).abs().max().item() for k, w in sb.items())
+
+    pipe, opt = trained(5)
+    fd.checkpoint.save(directory, pipe, opt)
+    other, other_opt = trained(9)
+    fd.checkpoint.load(directory, other, other_opt)
+    out = {"loaded": diff(other, pipe)}
+    for p, o in ((pipe, opt), (other, other_opt)):
+        p.step(input_ids=ids, labels=labels)
+        o.step()
+    out["stepped"] = diff(other, pipe)
+    return out
