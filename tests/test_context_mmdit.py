@@ -209,6 +209,26 @@ def test_flux_refusals() -> None:
     refused(r"text='context_embedder'.* not one of whole", whole=plan["whole"][:3], feeds=())
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_gradient_checkpointing_equals_one_device(family: str) -> None:
+    """diffusers' gradient checkpointing (blocks recomputed in backward, called with positional
+    arguments): ring over 2 ranks, 9 image tokens."""
+    build, inputs, plan = {
+        "sd3": (tiny_sd3, sd3_inputs, fd.nn.plans.sd3),
+        "flux": (tiny_flux, flux_inputs, fd.nn.plans.flux),
+    }[family]
+    model, x = build(), inputs()
+    out, grads = reference(copy.deepcopy(model), x)
+    model.enable_gradient_checkpointing()  # type: ignore[operator]
+    mesh = fd.Mesh({"sp": 2})
+    pm = fd.nn.parallelize(model, mesh, plan(model, mesh, mode="ring"))
+    got = pm(**{k: v.expand(2, *v.shape) for k, v in x.items()}).sample
+    got.pow(2).sum().backward()
+    for r in range(2):
+        torch.testing.assert_close(got[r].detach(), out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
 # ------------------------------------------------------------------ real ranks
 def sd3_usp_on_gloo() -> tuple[Tensor, dict[str, Tensor]]:
     """One gloo rank of cp=2 x sp=2 (USP: the text heads cut and gathered over sp, the text keys
