@@ -138,7 +138,8 @@ def parallel_model(args: argparse.Namespace, mesh: fd.Mesh, model: Any) -> tuple
         pipe = fd.train.pipeline(
             model, mesh, schedule="1f1b", microbatches=args.accum, sequence_parallel=args.sp
         )
-        return pipe, fd.train.DataParallel(pipe, "dp") if mesh.axis_size("dp") > 1 else None
+        dp = mesh.axis_size("dp") > 1
+        return pipe, fd.train.DataParallel(pipe, "dp", engine=args.engine) if dp else None
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, sequence_parallel=args.sp))
     return pm, fd.train.DataParallel(pm, "dp", engine=args.engine)
 
@@ -300,8 +301,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.pp > 1 and args.engine != "fastdist":
-        raise SystemExit(f"--pp {args.pp} --engine {args.engine}: a pipeline takes fastdist's")
+    if args.pp > 1 and args.engine == "ddp":
+        raise SystemExit(
+            f"--pp {args.pp} --engine ddp: a pipeline takes fastdist's engine or fsdp (DDP's "
+            "hooks do not fit a stage's micro-batches)"
+        )
     if args.pp > 1 and args.model == "mixtral":
         raise SystemExit(
             f"--pp {args.pp} --model mixtral: the pipeline's plan has no ep axis for the experts; "

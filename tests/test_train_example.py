@@ -91,6 +91,16 @@ def test_torchrun_4_and_8_gloo_processes_resume_at_other_layouts(tmp_path: Path)
     assert _last_step(out) == end
 
 
+def test_torchrun_pipeline_with_fsdp2_equals_one_device() -> None:
+    """pp2 x dp2 with FSDP2 sharding each stage over the data ranks, on 4 gloo processes: the
+    run checks itself against one device."""
+    out = torchrun(
+        "train.py", 4, "--pp", "2", "--tp", "1", "--engine", "fsdp", "--steps", "3",
+        "--dtype", "float64", "--check",
+    )  # fmt: skip
+    assert "train on Mesh({'pp': 2, 'dp': 2, 'tp': 1})" in out and ": OK" in out, out
+
+
 # ============================================================== a first run that looks right
 def _svg_losses(path: Path) -> dict[str, Any]:
     """The losses a picture of examples/loss_curves.py keeps in its metadata."""
@@ -146,7 +156,7 @@ def test_pipeline_run_equals_one_device_resumes_without_and_refusals(tmp_path: P
         torch.testing.assert_close(resumed["state"][name], value, rtol=1e-12, atol=1e-12)
     with pytest.raises(SystemExit, match="pipeline's plan has no ep axis"):
         ex.main(["--simulate", "--model", "mixtral", "--pp", "2"])
-    with pytest.raises(SystemExit, match="a pipeline takes fastdist's"):
+    with pytest.raises(SystemExit, match="a pipeline takes fastdist's engine or fsdp"):
         ex.main(["--simulate", "--pp", "2", "--engine", "ddp"])
 
 
