@@ -247,3 +247,34 @@ def test_sd3_usp_uneven_on_gloo() -> None:
     for got, got_grads in run_on_gloo(sd3_usp_on_gloo, 4, timeout=300):
         torch.testing.assert_close(got, out, rtol=0, atol=1e-12)
         assert_grads(got_grads, grads)
+
+
+def ulysses_on_gloo() -> list[tuple[Tensor, dict[str, Tensor]]]:
+    """One gloo rank of sp=2 (Ulysses), 9 image tokens (5 + 4: the key mask of torch's attention
+    on real tensors): Flux, and SD3.5 with a dual (image-only, plain split) attention; each
+    one's whole output and every gradient."""
+    mesh = fd.connect(sp=2, timeout=120)
+    runs = [
+        (tiny_flux(), flux_inputs(), fd.nn.plans.flux()),
+        (tiny_sd3(dual_attention_layers=(0,)), sd3_inputs(), fd.nn.plans.sd3()),
+    ]
+    results = []
+    for model, x, plan in runs:
+        pm = fd.nn.parallelize(model, mesh, plan)
+        out = pm(**x).sample
+        out.pow(2).sum().backward()
+        results.append((out.detach(), pm.grads()))
+    return results
+
+
+def test_flux_and_sd35_ulysses_uneven_on_gloo() -> None:
+    from tests.dist_harness import run_on_gloo
+
+    want = [
+        reference(tiny_flux(), flux_inputs()),
+        reference(tiny_sd3(dual_attention_layers=(0,)), sd3_inputs()),
+    ]
+    for got in run_on_gloo(ulysses_on_gloo, 2, timeout=300):
+        for (out, grads), (got_out, got_grads) in zip(want, got, strict=True):
+            torch.testing.assert_close(got_out, out, rtol=0, atol=1e-12)
+            assert_grads(got_grads, grads)

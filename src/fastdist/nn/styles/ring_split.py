@@ -209,7 +209,7 @@ def split_attention(
     if ring_axis is not None:
         o = _ring(q, k, v, split, ring_axis)
     else:
-        mask = None if split.even else split.key_flags(None, q.device)
+        mask = None if split.even else split.key_flags(None, q.device).view(1, 1, 1, -1)
         o = SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         o = o.transpose(1, 2)  # (B, S, H', Dv)
     if ulysses_axis is not None:
@@ -288,7 +288,8 @@ def joint_attention(
     else:
         mask = None
         if not split.even:
-            mask = torch.cat([q.new_ones(text, dtype=torch.bool), split.key_flags(None, q.device)])
+            keys = [q.new_ones(text, dtype=torch.bool), split.key_flags(None, q.device)]
+            mask = torch.cat(keys).view(1, 1, 1, -1)  # (1, 1, 1, keys): every query, head
         o = SDPA(qj.transpose(1, 2), kj.transpose(1, 2), vj.transpose(1, 2), attn_mask=mask)
         o = o.transpose(1, 2)  # (B, text + S, H', Dv)
     ot, oi = o[:, :text], o[:, text:]
