@@ -9,6 +9,7 @@ with image token counts the ranks do not divide; ``plan="auto"``; the refusals.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, cast
 
 import pytest
@@ -278,3 +279,82 @@ def test_flux_and_sd35_ulysses_uneven_on_gloo() -> None:
         for (out, grads), (got_out, got_grads) in zip(want, got, strict=True):
             torch.testing.assert_close(got_out, out, rtol=0, atol=1e-12)
             assert_grads(got_grads, grads)
+
+
+def ten_tokens(family: str) -> dict[str, Tensor]:
+    """10 image tokens (5 + 5 over 2 ranks: the same 5 rows per rank as 9 tokens, no padding)
+    and 7 text tokens, other values."""
+    g = torch.Generator().manual_seed(2)
+    x = {**(sd3_inputs if family == "sd3" else flux_inputs)(text=7)}
+    if family == "sd3":
+        x["hidden_states"] = torch.randn(2, 4, 2, 5, generator=g, dtype=torch.float64)
+        return x
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(2.0), torch.arange(5.0), indexing="ij")
+    x["hidden_states"] = torch.randn(2, 10, 4, generator=g, dtype=torch.float64)
+    x["img_ids"] = torch.stack(grid, -1).reshape(-1, 3).to(torch.float64)  # (10, 3)
+    return x
+
+
+#: (family, reentrant checkpoint) of each run of the checkpointing test
+CHECKPOINTED = [("sd3", False), ("sd3", True), ("flux", False), ("flux", True)]
+
+
+def checkpointed_on_gloo() -> tuple[list[dict[str, Tensor]], str]:
+    """One gloo rank of sp=2 (ring), gradient checkpointing on, for each of `CHECKPOINTED`: a
+    forward of 9 image tokens (5 + 4), then one of 10 (5 + 5, 7 text tokens) never
+    backpropagated, then the first one's backward; every gradient."""
+    mesh = fd.connect(sp=2, timeout=120)
+    results = []
+    for family, reentrant in CHECKPOINTED:
+        build, inputs, plan = {
+            "sd3": (tiny_sd3, sd3_inputs, fd.nn.plans.sd3),
+            "flux": (tiny_flux, flux_inputs, fd.nn.plans.flux),
+        }[family]
+        model = build()
+        model.enable_gradient_checkpointing(  # type: ignore[operator]
+            functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
+        )
+        pm = fd.nn.parallelize(model, mesh, plan(model, mesh, mode="ring"))
+        first = pm(**inputs()).sample
+        pm(**ten_tokens(family)).sample.sum()  # a second forward, never backpropagated
+        first.pow(2).sum().backward()
+        results.append(pm.grads())
+    return results, refused_on_gloo(mesh)
+
+
+def refused_on_gloo(mesh: fd.Mesh) -> str:
+    """Reentrant checkpointing with both forwards' graphs alive: which one a recomputed block
+    belongs to cannot be known; the error."""
+    model = tiny_sd3()
+    model.enable_gradient_checkpointing(  # type: ignore[operator]
+        functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    )
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.sd3(mode="ring"))
+    first = pm(**sd3_inputs()).sample
+    second = pm(**ten_tokens("sd3")).sample.sum()  # alive: its graph too
+    try:
+        first.pow(2).sum().backward()
+    except ParallelizeError as e:
+        return str(e)
+    finally:
+        del second
+    return "not refused"
+
+
+def test_checkpointed_blocks_recompute_with_their_own_split_on_gloo() -> None:
+    """The recomputed blocks of the first forward use its own split (SD3 has no rotary
+    embedding to carry it: the blocks' inputs carry it), with diffusers' (non-reentrant)
+    checkpointing and a reentrant one (which drops what the inputs carry: the one forward whose
+    graph is alive is used); with both forwards' graphs alive, a reentrant recomputation is
+    refused."""
+    from tests.dist_harness import run_on_gloo
+
+    want = {
+        f: reference(b(), i())[1]
+        for f, b, i in [("sd3", tiny_sd3, sd3_inputs), ("flux", tiny_flux, flux_inputs)]
+    }
+    for got, refused in run_on_gloo(checkpointed_on_gloo, 2, timeout=300):
+        for (family, _), grads in zip(CHECKPOINTED, got, strict=True):
+            assert_grads(grads, want[family])
+        assert "transformer_blocks.1 is recomputed in backward" in refused, refused
+        assert "[(9, None), (10, None)]" in refused and "use_reentrant=False" in refused
