@@ -212,8 +212,10 @@ def test_flux_refusals() -> None:
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_gradient_checkpointing_equals_one_device(family: str) -> None:
-    """diffusers' gradient checkpointing (blocks recomputed in backward, called with positional
-    arguments): ring over 2 ranks, 9 image tokens."""
+    """diffusers' gradient checkpointing enabled: ring over 2 ranks, 9 image tokens. On simulated
+    ranks fastdist turns it off inside the model (no recomputation in the simulation's vmap): the
+    blocks' recomputation is tested on gloo
+    (`test_checkpointed_blocks_recompute_with_their_own_split_on_gloo`)."""
     build, inputs, plan = {
         "sd3": (tiny_sd3, sd3_inputs, fd.nn.plans.sd3),
         "flux": (tiny_flux, flux_inputs, fd.nn.plans.flux),
