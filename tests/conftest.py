@@ -92,7 +92,11 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "tests/test_context_mmdit.py": frozenset(
-        {"test_sd3_usp_uneven_on_gloo", "test_flux_and_sd35_ulysses_uneven_on_gloo"}
+        {
+            "test_sd3_usp_uneven_on_gloo",
+            "test_flux_and_sd35_ulysses_uneven_on_gloo",
+            "test_checkpointed_blocks_recompute_with_their_own_split_on_gloo",
+        }
     ),
     "tests/test_video_dit_example.py": frozenset(
         {"test_example_on_gloo", "test_example_without_torchrun"}
