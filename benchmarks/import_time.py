@@ -1,7 +1,7 @@
 """Start-up cost: every fastdist namespace and ``python -m fastdist --help`` vs ``import torch``.
 
     python benchmarks/import_time.py            # 9 rounds, about 5 min on 2 CPU cores
-    python benchmarks/import_time.py --quick    # 1 round, no warm-up (the smoke test)
+    python benchmarks/import_time.py --quick    # 1 round, no warm-up, 5 commands (the smoke test)
 
 Two measures per namespace:
 
@@ -82,9 +82,22 @@ def _run(args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(rounds: int, warmup: bool = True) -> dict[str, list[float]]:
-    """Seconds per command per round, after one unmeasured round that warms the file cache."""
-    names = list(COMMANDS)
+#: the smoke run's commands (``--quick``): the baselines, the top-level import, one namespace
+QUICK = (
+    "python (nothing imported)",
+    "import torch",
+    "import fastdist",
+    "import fastdist.nn",
+    "python -m fastdist --help",
+)
+
+
+def measure(
+    rounds: int, warmup: bool = True, names: list[str] | None = None
+) -> dict[str, list[float]]:
+    """Seconds per command (default all) per round, after one unmeasured round that warms the
+    file cache."""
+    names = list(COMMANDS) if names is None else names
     for name in names if warmup else ():
         _run(COMMANDS[name])
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -125,10 +138,12 @@ def importtime(ns: str) -> tuple[float, float, dict[str, float]]:
     return total, float(proc.stdout.split()[-1]), own
 
 
-def measure_importtime(rounds: int) -> dict[str, dict[str, object]]:
+def measure_importtime(
+    rounds: int, namespaces: tuple[str, ...] = NAMESPACES
+) -> dict[str, dict[str, object]]:
     """Per namespace: the seconds of every round and the costliest modules of all rounds."""
     out: dict[str, dict[str, object]] = {}
-    for ns in NAMESPACES:
+    for ns in namespaces:
         totals, cpu, own = [], [], dict[str, float]()
         for _ in range(rounds):
             t, c, o = importtime(ns)
@@ -149,6 +164,8 @@ def table(times: dict[str, list[float]], xtimes: dict[str, dict[str, object]]) -
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row, base in ROWS.items():
+        if row not in times:  # not measured (--quick)
+            continue
         a, b = times[row], times[base]
         added = statistics.median(x - y for x, y in zip(a, b)) * 1e3
         ratio = statistics.median(x / y for x, y in zip(a, b))
@@ -169,13 +186,18 @@ def table(times: dict[str, list[float]], xtimes: dict[str, dict[str, object]]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 round, no warm-up (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round, no warm-up, 5 commands (a smoke run)"
+    )
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", type=Path, help="also write the times here as JSON")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    times = measure(1, warmup=False) if args.quick else measure(args.rounds)
-    xtimes = measure_importtime(1 if args.quick else args.rounds)
+    if args.quick:
+        times = measure(1, warmup=False, names=list(QUICK))
+        xtimes = measure_importtime(1, ("fastdist.nn",))
+    else:
+        times, xtimes = measure(args.rounds), measure_importtime(args.rounds)
     load_after = os.getloadavg()
     import torch
 
