@@ -356,23 +356,18 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
         out["logits"] = logits[0]
         return out
 
-    proxy = _SimulatedProxy.of(model, call)
+    proxy = _simulated_proxy(model, call)
     return cast(Any, type(model)).generate(proxy, *args, use_cache=False, **kwargs)
 
 
-class _SimulatedProxy:
+def _simulated_proxy(model: nn.Module, call: Any) -> nn.Module:
     """An instance of a subclass of the model's class sharing the model's attributes, whose call
     is ``call``: HF's ``generate`` runs on it as on the model (``isinstance`` and ``super()`` hold),
     and every forward it makes goes through the simulation."""
-
-    @staticmethod
-    def of(model: nn.Module, call: Any) -> nn.Module:
-        cls = type(model)
-        sub = type(
-            f"{cls.__name__}OnSimulatedRanks",
-            (cls,),
-            {"__call__": lambda self, *a, **k: call(*a, **k)},
-        )
-        proxy: nn.Module = object.__new__(sub)
-        proxy.__dict__ = model.__dict__  # the same modules, parameters, config
-        return proxy
+    cls = type(model)
+    sub = type(
+        f"{cls.__name__}OnSimulatedRanks", (cls,), {"__call__": lambda self, *a, **k: call(*a, **k)}
+    )
+    proxy: nn.Module = object.__new__(sub)
+    proxy.__dict__ = model.__dict__  # the same modules, parameters, config
+    return proxy
