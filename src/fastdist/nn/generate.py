@@ -343,10 +343,10 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             for key, v in {**dict(zip(TOKEN_INPUTS, a, strict=False)), **k}.items()
         }
         batched.pop("use_cache", None)
-        sizes = sequence_sizes(pm.plan, pm.mesh)
-        with whole_logits(model), whole_sequence(model, on=indivisible(batched, sizes)):
+        whole = indivisible(batched, pm.direct_calls.sequence)  # sequence parallel: run whole
+        with whole_logits(model), whole_sequence(model, on=whole):
             out = pm(**batched)
-        check_whole_logits(model, {"logits": out["logits"]}, "ParallelModel.generate")
+        check_whole_logits(model, out, "ParallelModel.generate")
         logits = out["logits"]  # (world, batch, positions, V)
         if not torch.equal(logits, logits[:1].expand_as(logits)):
             raise ParallelizeError(
