@@ -37,13 +37,15 @@ import sys
 import time
 from pathlib import Path
 
-#: every namespace a user imports (``fastdist`` itself imports nothing until a name is used)
+#: every namespace a user imports (``fastdist`` itself imports nothing until a name is used);
+#: tests/test_import_time.py reads this list and checks it names every subpackage
 NAMESPACES = (
     "fastdist.nn",
     "fastdist.train",
     "fastdist.checkpoint",
     "fastdist.profile",
     "fastdist.serving",
+    "fastdist.core",
     "fastdist.comm",
     "fastdist.ops",
     "fastdist.sim",

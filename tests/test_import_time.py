@@ -6,6 +6,7 @@ distributed save or load. The start-up times themselves are a benchmark
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,21 +14,20 @@ from pathlib import Path
 
 import fastdist
 
-NAMESPACES = (
-    "fastdist",
-    "fastdist.nn",
-    "fastdist.train",
-    "fastdist.checkpoint",
-    "fastdist.profile",
-    "fastdist.serving",
-    "fastdist.core",
-    "fastdist.comm",
-    "fastdist.ops",
-    "fastdist.sim",
-    "fastdist.check",
-    "fastdist.tools",
-    "fastdist.testing",
-)
+
+
+def _benchmark_namespaces() -> tuple[str, ...]:
+    """The namespace list of benchmarks/import_time.py (one list serves the benchmark and this
+    test)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "import_time.py"
+    spec = importlib.util.spec_from_file_location("import_time_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.NAMESPACES)
+
+
+NAMESPACES = ("fastdist", *_benchmark_namespaces())
 #: the modules no namespace may import
 HEAVY = ("torch.distributed.checkpoint", "sympy", "torch.distributed.tensor")
 
