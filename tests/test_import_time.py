@@ -15,7 +15,6 @@ from pathlib import Path
 import fastdist
 
 
-
 def _benchmark_namespaces() -> tuple[str, ...]:
     """The namespace list of benchmarks/import_time.py (one list serves the benchmark and this
     test)."""
