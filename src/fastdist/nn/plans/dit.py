@@ -1,9 +1,11 @@
-"""Ready plans for diffusers' diffusion transformers (DiTs): context parallelism of an unmodified
-``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video),
-``LTXVideoTransformer3DModel`` (LTX-Video) and the joint text-image attention (MM-DiT)
-``SD3Transformer2DModel`` (SD3 / SD3.5) and ``FluxTransformer2DModel`` (FLUX.1), and the
-recognition of diffusers' attention (``to_q``/``to_k``/``to_v``/``to_out``) that ``plan="auto"``
-uses.
+"""Ready plans for diffusers' diffusion transformers (DiTs), with the families as data: one
+`DitFamily` record per diffusers class (the `ContextParallel` fields that place its modules),
+one table (`DIT_FAMILIES`), one builder (`family_plan`), and a thin public function per family
+(`wan`, `ltx_video`, `sd3`, `flux`) that `plan="auto"` picks by the model's class.
+
+The families: ``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video),
+``LTXVideoTransformer3DModel`` (LTX-Video), and the joint text-image attention (MM-DiT)
+``SD3Transformer2DModel`` (SD3 / SD3.5) and ``FluxTransformer2DModel`` (FLUX.1).
 
 Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
 after the patch embedding, at the input of ``blocks.0``; they stay split through every block
@@ -15,6 +17,8 @@ before the unpatchify. See `fastdist.nn.styles.context` and docs/context_paralle
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -25,15 +29,128 @@ from fastdist.nn.plans.family import Plan
 from fastdist.nn.styles.context import JOINT_PROCESSORS, ContextParallel, Mode
 
 __all__ = [
+    "DIT_FAMILIES",
     "DIT_PLANS",
     "JOINT_ATTENTION",
+    "DitFamily",
     "dit_plan",
+    "family_plan",
     "flux",
     "is_diffusers_dit",
     "ltx_video",
     "sd3",
     "wan",
 ]
+
+
+@dataclass(frozen=True)
+class DitFamily:
+    """One diffusers DiT class and where its modules are, as `ContextParallel` fields.
+
+    Args:
+        name: the plan's name (its public function in `fastdist.nn.plans`).
+        kind: the diffusers model class name it fits.
+        fields: the `ContextParallel` fields besides ``axis``, ``mode`` and ``ring_axis``
+            (blocks, attentions, the modules before the split, the output...).
+        refuse: reads the model (``None``: no check); a reason to refuse a configuration of the
+            class the plan does not fit, or ``None``.
+    """
+
+    name: str
+    kind: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    refuse: Callable[[nn.Module], str | None] | None = None
+
+
+#: every ready family, by plan name
+DIT_FAMILIES: dict[str, DitFamily] = {
+    f.name: f
+    for f in (
+        # Wan: ContextParallel's defaults (blocks, attn1 / attn2, rope, condition_embedder)
+        DitFamily("wan", "WanTransformer3DModel"),
+        DitFamily(
+            "ltx_video",
+            "LTXVideoTransformer3DModel",
+            dict(
+                blocks="transformer_blocks",
+                whole=("rope", "proj_in", "time_embed", "caption_projection"),
+                feeds=("time_embed", "caption_projection"),
+            ),
+        ),
+        DitFamily(
+            "sd3",
+            "SD3Transformer2DModel",
+            dict(
+                blocks="transformer_blocks",
+                attention=("attn2",),
+                cross=(),
+                joint=("attn",),
+                whole=("pos_embed", "time_text_embed", "context_embedder"),
+                feeds=("time_text_embed", "context_embedder"),
+                rotary=None,
+            ),
+        ),
+        DitFamily(
+            "flux",
+            "FluxTransformer2DModel",
+            dict(
+                blocks="transformer_blocks",
+                attention=(),
+                cross=(),
+                joint=("attn",),
+                single_blocks="single_transformer_blocks",
+                joined=("attn",),
+                whole=("pos_embed", "x_embedder", "time_text_embed", "context_embedder"),
+                feeds=("time_text_embed", "context_embedder"),
+                rotary="pos_embed",
+                rotary_dim=0,
+                text="context_embedder",
+            ),
+        ),
+    )
+}
+
+
+def family_plan(
+    family: str | DitFamily,
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a DiT family: ``{"": ContextParallel(...)}`` with the
+    family's fields.
+
+    Args:
+        family: the family's name in `DIT_FAMILIES` (``"wan"``...) or its record.
+        model: the model (or ``None``): only read to refuse one this plan does not fit (another
+            class, or a configuration the family refuses).
+        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
+        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
+        mode: ``"ulysses"``, ``"ring"`` or ``"usp"`` (`fastdist.nn.SequenceParallelAttention`).
+        ring_axis: for ``"usp"``: the ring's axis.
+
+    >>> family_plan("ltx_video", mode="ring")[""].blocks
+    'transformer_blocks'
+    """
+    fam = DIT_FAMILIES[family] if isinstance(family, str) else family
+    where = f"plans.{fam.name}"
+    if mesh is not None:
+        mesh.axis_indices(axis, where)
+        if ring_axis is not None:
+            mesh.axis_indices(ring_axis, where)
+    if isinstance(model, nn.Module):
+        if type(model).__name__ != fam.kind:
+            raise ParallelizeError(
+                f"{where}: {type(model).__name__} is not a diffusers {fam.kind}. Fix: a plan for "
+                f"it (ready DiT plans: {sorted(DIT_PLANS)})"
+            )
+        reason = fam.refuse(model) if fam.refuse is not None else None
+        if reason is not None:
+            raise ParallelizeError(f"{where}: {reason}")
+    return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis, **fam.fields)}
 
 
 def wan(
@@ -46,14 +163,8 @@ def wan(
 ) -> Plan:
     """The context-parallel plan of a diffusers ``WanTransformer3DModel``: its tokens split over
     ``axis`` (and ``ring_axis``), self-attention as Ulysses, ring or USP, the rotary embedding
-    cut to each rank's positions, gathered after ``proj_out``.
-
-    Args:
-        model: the model (or ``None``): only read to refuse one this plan does not fit.
-        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
-        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
-        mode: ``"ulysses"``, ``"ring"`` or ``"usp"`` (`fastdist.nn.SequenceParallelAttention`).
-        ring_axis: for ``"usp"``: the ring's axis.
+    cut to each rank's positions, cross-attention to the replicated text states local, gathered
+    after ``proj_out``. Arguments as in `family_plan`.
 
     >>> import fastdist as fd
     >>> fd.nn.plans.wan(axis="sp")
@@ -62,8 +173,7 @@ whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embed
 output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1), joint=(), \
 single_blocks=None, joined=(), text=None, rotary_dim=1)}
     """
-    _check(model, mesh, axis, ring_axis, "WanTransformer3DModel", "wan")
-    return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)}
+    return family_plan("wan", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
 
 
 def ltx_video(
@@ -75,33 +185,16 @@ def ltx_video(
     ring_axis: str | None = None,
 ) -> Plan:
     """The context-parallel plan of a diffusers ``LTXVideoTransformer3DModel`` (LTX-Video): its
-    tokens (it takes them patchified, ``(batch, tokens, channels)``) split over ``axis`` (and
-    ``ring_axis``) at the first of its ``transformer_blocks``; ``attn1`` as Ulysses, ring or USP
-    with the rotary embedding cut to each rank's positions, ``attn2`` (cross-attention to the
-    replicated, masked text states) local; ``proj_out``'s output gathered.
-
-    Args:
-        model: the model (or ``None``): only read to refuse one this plan does not fit.
-        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
-        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
-        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
-        ring_axis: for ``"usp"``: the ring's axis.
+    tokens (it takes them patchified, ``(batch, tokens, channels)``) split at the first of its
+    ``transformer_blocks``; ``attn1`` as Ulysses, ring or USP with the rotary embedding cut to
+    each rank's positions, ``attn2`` (cross-attention to the replicated, masked text states)
+    local; ``proj_out``'s output gathered. Arguments as in `family_plan`.
 
     >>> import fastdist as fd
     >>> fd.nn.plans.ltx_video(mode="ring")[""].blocks
     'transformer_blocks'
     """
-    _check(model, mesh, axis, ring_axis, "LTXVideoTransformer3DModel", "ltx_video")
-    return {
-        "": ContextParallel(
-            axis=axis,
-            blocks="transformer_blocks",
-            whole=("rope", "proj_in", "time_embed", "caption_projection"),
-            feeds=("time_embed", "caption_projection"),
-            mode=mode,
-            ring_axis=ring_axis,
-        )
-    }
+    return family_plan("ltx_video", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
 
 
 def sd3(
@@ -113,46 +206,24 @@ def sd3(
     ring_axis: str | None = None,
 ) -> Plan:
     """The context-parallel plan of a diffusers ``SD3Transformer2DModel`` (Stable Diffusion 3 /
-    3.5, an MM-DiT): its image tokens split over ``axis`` (and ``ring_axis``) at the first of
-    its ``transformer_blocks``; the text tokens (``context_embedder``'s output) replicated on
-    every rank. Each block's joint attention ``attn`` joins the text tokens to the rank's image
-    tokens: Ulysses, ring or USP over the image tokens with the text keys counted once, the text
-    output the same on every rank (`fastdist.nn.styles.ring_split.joint_attention`); SD3.5's
-    image-only ``attn2`` (dual-attention layers) is a split self-attention; ``proj_out``'s output
-    is gathered before the unpatchify.
+    3.5, an MM-DiT): its image tokens split at the first of its ``transformer_blocks``; the text
+    tokens (``context_embedder``'s output) replicated on every rank. Each block's joint
+    attention ``attn`` joins the text tokens to the rank's image tokens: Ulysses, ring or USP
+    over the image tokens with the text keys counted once, the text output the same on every
+    rank (`fastdist.nn.styles.ring_split.joint_attention`); SD3.5's image-only ``attn2``
+    (dual-attention layers) is a split self-attention; ``proj_out``'s output is gathered.
 
     Every parameter of the blocks (the text stream's ``add_*_proj``, ``norm1_context``,
     ``ff_context`` too) and of ``norm_out``/``proj_out`` is ``pvary``'d, and so are the outputs
     of ``time_text_embed`` and ``context_embedder``: each rank's gradient of the text stream is
     its part (through its image tokens and, with Ulysses, its heads), summed over the ranks.
-
-    Args:
-        model: the model (or ``None``): only read to refuse one this plan does not fit.
-        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
-        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
-        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
-        ring_axis: for ``"usp"``: the ring's axis.
+    Arguments as in `family_plan`.
 
     >>> import fastdist as fd
     >>> fd.nn.plans.sd3(mode="ring")[""].joint
     ('attn',)
     """
-    _check(model, mesh, axis, ring_axis, "SD3Transformer2DModel", "sd3")
-    return {
-        "": ContextParallel(
-            axis=axis,
-            blocks="transformer_blocks",
-            attention=("attn2",),
-            cross=(),
-            joint=("attn",),
-            whole=("pos_embed", "time_text_embed", "context_embedder"),
-            feeds=("time_text_embed", "context_embedder"),
-            output="proj_out",
-            mode=mode,
-            ring_axis=ring_axis,
-            rotary=None,
-        )
-    }
+    return family_plan("sd3", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
 
 
 def flux(
@@ -164,73 +235,28 @@ def flux(
     ring_axis: str | None = None,
 ) -> Plan:
     """The context-parallel plan of a diffusers ``FluxTransformer2DModel`` (FLUX.1, an MM-DiT
-    with double- and single-stream blocks): its image tokens (it takes them packed,
-    ``(batch, tokens, channels)``) split over ``axis`` (and ``ring_axis``) at the first of its
-    ``transformer_blocks``; the text tokens (``context_embedder``'s output) replicated. The
-    double-stream blocks' ``attn`` is a joint attention (text as encoder states), the
+    with double- and single-stream blocks): its image tokens (packed, ``(batch, tokens,
+    channels)``) split at the first of its ``transformer_blocks``; the text tokens replicated.
+    The double-stream blocks' ``attn`` is a joint attention (text as encoder states), the
     single-stream blocks' ``attn`` gets ``[text; the rank's image rows]`` (``joined``); the
     rotary embedding of ``[text; image]`` positions (``pos_embed``'s ``(tokens, dim)`` tables)
     keeps the text rows and is cut to the rank's image rows; ``proj_out``'s output is gathered.
-    Gradients as in `sd3`: the text stream is ``pvary``'d with the image stream.
-
-    Args:
-        model: the model (or ``None``): only read to refuse one this plan does not fit.
-        mesh: the mesh it will run on (``None``: not checked); must have ``axis``.
-        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
-        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
-        ring_axis: for ``"usp"``: the ring's axis.
+    Gradients as in `sd3`. Arguments as in `family_plan`.
 
     >>> import fastdist as fd
     >>> fd.nn.plans.flux()[""].joined
     ('attn',)
     """
-    _check(model, mesh, axis, ring_axis, "FluxTransformer2DModel", "flux")
-    return {
-        "": ContextParallel(
-            axis=axis,
-            blocks="transformer_blocks",
-            attention=(),
-            cross=(),
-            joint=("attn",),
-            single_blocks="single_transformer_blocks",
-            joined=("attn",),
-            whole=("pos_embed", "x_embedder", "time_text_embed", "context_embedder"),
-            feeds=("time_text_embed", "context_embedder"),
-            output="proj_out",
-            mode=mode,
-            ring_axis=ring_axis,
-            rotary="pos_embed",
-            rotary_dim=0,
-            text="context_embedder",
-        )
-    }
-
-
-def _check(
-    model: Any, mesh: Mesh | None, axis: str, ring_axis: str | None, kind: str, plan: str
-) -> None:
-    """Refuse a mesh without the plan's axes and a model of another class."""
-    if mesh is not None:
-        mesh.axis_indices(axis, f"plans.{plan}")
-        if ring_axis is not None:
-            mesh.axis_indices(ring_axis, f"plans.{plan}")
-    if isinstance(model, nn.Module) and type(model).__name__ != kind:
-        raise ParallelizeError(
-            f"plans.{plan}: {type(model).__name__} is not a diffusers {kind}. Fix: a plan for "
-            f"it (ready DiT plans: {sorted(DIT_PLANS)})"
-        )
+    return family_plan("flux", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
 
 
 #: diffusers model class name -> its ready plan function
-DIT_PLANS = {
-    "WanTransformer3DModel": wan,
-    "LTXVideoTransformer3DModel": ltx_video,
-    "SD3Transformer2DModel": sd3,
-    "FluxTransformer2DModel": flux,
+DIT_PLANS: dict[str, Callable[..., Plan]] = {
+    DIT_FAMILIES[f.__name__].kind: f for f in (wan, ltx_video, sd3, flux)
 }
 
 #: diffusers DiTs whose attention joins the text tokens to the image tokens (MM-DiT) and that
-#: have no ready plan yet (SD3's is `sd3`, Flux's `flux`)
+#: have no ready plan (refused by ``plan="auto"`` with the reason)
 JOINT_ATTENTION = frozenset(
     {
         "Flux2Transformer2DModel",
@@ -239,7 +265,6 @@ JOINT_ATTENTION = frozenset(
         "QwenImageTransformer2DModel",
     }
 )
-
 #: diffusers' attention projections
 _DIFFUSERS_ATTENTION = ("to_q", "to_k", "to_v", "to_out")
 
