@@ -25,25 +25,33 @@ parameter names (and checkpoints) stay the single-device model's:
 * the ``output`` module's result is gathered along the tokens, so what follows (the unpatchify)
   sees the whole sequence, replicated;
 * every block's input and output tensors carry their forward's split and text count (recorded
-  weakly, `_Current`): a block that gradient checkpointing recomputes in backward runs with its
-  own forward's split, whatever forwards ran since; where a reentrant checkpoint drops what the
-  inputs carry, the one alive forward that fits is used, and several are refused.
+  weakly, `fastdist.nn.styles.context_recompute`): a block that gradient checkpointing
+  recomputes in backward runs with its own forward's split, whatever forwards ran since; where a
+  reentrant checkpoint drops what the inputs carry, the one alive forward that fits is used, and
+  several are refused.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import Style, StyleContext, get_child
+from fastdist.nn.styles.context_recompute import (
+    CurrentSplit,
+    Forward,
+    SplitRotary,
+    carried_split,
+    carry_outputs,
+    in_backward,
+    lost_carry,
+)
 from fastdist.nn.styles.ring_split import (
     AttentionSwap,
     TokenSplit,
@@ -105,100 +113,6 @@ def _split_axes(
     return (axis,), (axis if mode == "ulysses" else None), (axis if mode == "ring" else None)
 
 
-class SplitRotary(tuple):  # type: ignore[type-arg]
-    """The rotary module's outputs cut to this rank's positions, carrying the forward's token
-    split: the attention processors read the split off their rotary argument, so a block that
-    gradient checkpointing recomputes in backward uses its own forward's split, whatever ran
-    since."""
-
-    split: TokenSplit
-
-    def __new__(cls, items: tuple[Any, ...], split: TokenSplit) -> SplitRotary:
-        self = super().__new__(cls, items)
-        self.split = split
-        return self
-
-
-@dataclass(frozen=True)
-class _Forward:
-    """One forward's token split and text tokens (``None``: not recorded): what the tensors
-    between its blocks carry."""
-
-    split: TokenSplit
-    text: int | None
-
-    @property
-    def key(self) -> tuple[int, int | None]:
-        return self.split.tokens, self.text
-
-
-class _Current:
-    """The token split of the forward running now (set where the tokens are split, and again
-    before every block from what its inputs carry), shared by the hooks and attention processors
-    of one model.
-
-    Every block's input and output tensors are recorded in ``carried`` (weakly) with their
-    forward: a block that gradient checkpointing recomputes in backward gets the same input
-    tensors, so it runs with its own forward's split and text count, whatever forward ran since
-    (SD3 has no rotary embedding that could carry them)."""
-
-    def __init__(self) -> None:
-        self.split: TokenSplit | None = None
-        self.text: int | None = None  # the text tokens of this forward (ContextParallel(text=))
-        self.carried: Any = WeakIdKeyDictionary()  # Tensor -> _Forward
-
-    def enter(self, forward: _Forward) -> None:
-        """Make ``forward`` the running one (a block of it starts)."""
-        self.split, self.text = forward.split, forward.text
-
-    def found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Forward | None:
-        """The forward the tensors among a block's arguments carry, if any."""
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Tensor) and a in self.carried:
-                return cast(_Forward, self.carried[a])
-        return None
-
-    def alive(self, fits: Callable[[_Forward], bool]) -> list[_Forward]:
-        """The distinct forwards (by split and text) whose carrying tensors are alive (their
-        graphs not freed) and ``fits(forward)``."""
-        seen: dict[tuple[int, int | None], _Forward] = {}
-        for forward in list(self.carried.values()):
-            if fits(forward):
-                seen.setdefault(forward.key, forward)
-        return list(seen.values())
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a checkpointed block
-    is being recomputed)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _lost_carry(
-    current: _Current,
-    where: str,
-    axes: tuple[str, ...],
-    fits: Callable[[_Forward], bool],
-    what: str,
-) -> _Forward | None:
-    """The forward of a block recomputed in backward whose inputs carry none (a reentrant
-    checkpoint detaches them): the one alive forward that ``fits``; ``None`` if none does;
-    refused if several do."""
-    alive = current.alive(fits)
-    if len(alive) > 1:
-        raise ParallelizeError(
-            f"context parallelism over {axes}: {where} is recomputed in backward (gradient "
-            "checkpointing) on inputs that do not carry their forward's token split (a "
-            f"reentrant checkpoint detaches them), and forwards of {what} "
-            f"{sorted(f.key for f in alive)} (image tokens, text tokens) are alive: which one "
-            "this is cannot be known, and the wrong one would give wrong gradients. Fix: "
-            "non-reentrant checkpointing (diffusers' default: enable_gradient_checkpointing() "
-            "without a function, or use_reentrant=False), or each forward's backward before "
-            "the next forward of another size"
-        )
-    return alive[0] if alive else None
-
-
 class SplitProcessor:
     """An attention processor that runs ``inner`` (the model's own) with its one
     ``F.scaled_dot_product_attention`` replaced by the sequence-parallel attention over this
@@ -212,7 +126,7 @@ class SplitProcessor:
         axes: tuple[str, ...],
         ulysses_axis: str | None,
         ring_axis: str | None,
-        current: _Current,
+        current: CurrentSplit,
     ) -> None:
         self.inner, self.where, self.mesh, self.axes = inner, where, mesh, axes
         self.ulysses_axis, self.ring_axis, self.current = ulysses_axis, ring_axis, current
@@ -455,7 +369,7 @@ class SequenceParallelAttention(Style):
                 )
             )
 
-    def install(self, module: nn.Module, name: str, mesh: Mesh, current: _Current) -> None:
+    def install(self, module: nn.Module, name: str, mesh: Mesh, current: CurrentSplit) -> None:
         """Put the split processor in place (``check`` first); ``current`` is where the running
         forward's token split is found."""
         axes, ulysses, ring = _split_axes(
@@ -475,7 +389,7 @@ class SequenceParallelAttention(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        self.install(module, name, ctx.mesh, _Current())
+        self.install(module, name, ctx.mesh, CurrentSplit())
         return module
 
 
@@ -484,7 +398,7 @@ def _shard_tokens(
     mesh: Mesh,
     axes: tuple[str, ...],
     where: str,
-    current: _Current,
+    current: CurrentSplit,
     module: nn.Module,
     args: tuple[Any, ...],
     kwargs: Any,
@@ -501,13 +415,13 @@ def _shard_tokens(
             "transformer blocks"
         )
     forward = current.found((x,), {})
-    if forward is None and _in_backward():  # recomputed by a checkpoint that detached x
+    if forward is None and in_backward():  # recomputed by a checkpoint that detached x
         tokens = x.shape[1]
-        forward = _lost_carry(
+        forward = lost_carry(
             current, where, axes, lambda f: f.split.tokens == tokens, f"{tokens} tokens"
         )
     if forward is None:  # a new forward
-        forward = _Forward(TokenSplit(mesh, axes, x.shape[1]), current.text)
+        forward = Forward(TokenSplit(mesh, axes, x.shape[1]), current.text)
     current.carried[x] = forward
     current.enter(forward)
     split = forward.split
@@ -517,51 +431,12 @@ def _shard_tokens(
     return (mine, *args[1:]), kwargs
 
 
-def _carried_split(
-    current: _Current,
-    axes: tuple[str, ...],
-    where: str,
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> None:
-    """Forward pre-hook of every block after the first: its forward (split, text count) is the
-    one its input tensors carry (a block recomputed by gradient checkpointing gets its own
-    forward's inputs); without any, the running forward's, or in backward the one alive
-    forward whose rows fit."""
-    forward = current.found(args, kwargs)
-    if forward is None and _in_backward():
-        x = kwargs.get("hidden_states", args[0] if args else None)
-        rows = x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else None
-        what = f"{rows} rows per rank"
-        forward = _lost_carry(current, where, axes, lambda f: f.split.rows == rows, what)
-        if forward is None:
-            raise ParallelizeError(
-                f"context parallelism over {axes}: {where} is recomputed in backward on "
-                "inputs that carry no token split, and no alive forward has their rows. Fix: "
-                "non-reentrant gradient checkpointing (diffusers' default)"
-            )
-    if forward is not None:
-        current.enter(forward)
-
-
-def _carry_outputs(current: _Current, module: nn.Module, args: Any, out: Any) -> None:
-    """Forward hook of every block: its tensor outputs (the next block's inputs) carry the
-    running forward."""
-    if current.split is None:
-        return
-    forward = _Forward(current.split, current.text)
-    for t in out if isinstance(out, tuple) else (out,):
-        if isinstance(t, Tensor):
-            current.carried[t] = forward
-
-
 def _shard_rotary(
     mesh: Mesh,
     axes: tuple[str, ...],
     where: str,
     dim: int,
-    current: _Current,
+    current: CurrentSplit,
     module: nn.Module,
     args: Any,
     out: Any,
@@ -596,7 +471,7 @@ def _shard_rotary(
     return SplitRotary(mine, split) if isinstance(out, tuple) else mine[0]
 
 
-def _record_text(current: _Current, module: nn.Module, args: Any, out: Any) -> None:
+def _record_text(current: CurrentSplit, module: nn.Module, args: Any, out: Any) -> None:
     """Forward hook of the text module: the number of text tokens of this forward."""
     current.text = out.shape[1]  # (B, text, D)
 
@@ -643,7 +518,7 @@ def _feed_outputs(
     return mine if isinstance(out, tuple) else mine[0]
 
 
-def _gather_tokens(current: _Current, module: nn.Module, args: Any, out: Tensor) -> Tensor:
+def _gather_tokens(current: CurrentSplit, module: nn.Module, args: Any, out: Tensor) -> Tensor:
     """Forward hook of the output module: the whole sequence, replicated on every rank."""
     assert current.split is not None  # set by the first block's pre-hook
     return current.split.gather(out, dim=1)  # (B, T, F)
@@ -819,7 +694,7 @@ class ContextParallel(Style):
         axes, _, _ = _split_axes("ContextParallel", self.axis, self.mode, self.ring_axis, mesh)
         if self.ring_axis is not None:
             ctx.axes.append(self.ring_axis)
-        current = _Current()
+        current = CurrentSplit()
         blocks = self._blocks(module, name)
         first = f"{self.blocks}.0"
         blocks[0].register_forward_pre_hook(
@@ -844,9 +719,9 @@ class ContextParallel(Style):
         for i, (where, block, single) in enumerate(self._all_blocks(module, name)):
             if i:  # the first one's is _shard_tokens
                 block.register_forward_pre_hook(
-                    functools.partial(_carried_split, current, axes, where), with_kwargs=True
+                    functools.partial(carried_split, current, axes, where), with_kwargs=True
                 )
-            block.register_forward_hook(functools.partial(_carry_outputs, current))
+            block.register_forward_hook(functools.partial(carry_outputs, current))
             for at, sub, style in self._attentions(block, where, single):
                 style.install(sub, at, mesh, current)
         # every parameter of the split region meets this rank's tokens: its gradient is summed
