@@ -99,3 +99,26 @@ def on_ranks(
         "cache_keys": tuple(res.past_key_values.layers[0].keys.shape),
         "layer_tokens": seen,
     }
+
+
+def moe_one_device(family: str) -> dict[str, Any]:
+    """The unmodified mixture-of-experts model's loss (with the router's aux loss) and
+    gradients on `batch`."""
+    model = tm.build(family)
+    ids, labels = batch()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "grads": grads}
+
+
+def moe_on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, Any]:
+    """One rank of a context-parallel mixture-of-experts model: `moe_one_device`'s values."""
+    mesh = fd.connect(**degrees)
+    model = tm.build(family)
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp", mode))
+    pm = fd.nn.parallelize(model, mesh, plan)
+    ids, labels = batch()
+    out = pm(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "grads": pm.grads()}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fastdist as fd
-from fastdist.errors import ParallelizeError
+from fastdist.errors import MoEError, ParallelizeError
 from fastdist.nn.styles.context_llm import CausalContextParallel, zigzag_gather, zigzag_shard
 from tests import tiny_models
 from tests.tiny_models import VOCAB
@@ -227,8 +227,9 @@ def test_combinations_that_cannot_be_right_are_refused() -> None:
     with pytest.raises(ParallelizeError, match="both split the sequence"):
         fd.nn.plans.plan(model, mesh, context_parallel="cp", sequence_parallel=True)
     moe = tiny_models.build("mixtral", kv=2)
-    with pytest.raises(ParallelizeError, match="mixture-of-experts"):
-        fd.nn.plans.plan(moe, mesh, context_parallel="cp")
+    with pytest.raises(MoEError, match=r"4 experts do not divide over the 3 ranks of .cp."):
+        m3 = fd.Mesh({"cp": 3})
+        fd.nn.parallelize(moe, m3, fd.nn.plans.plan(moe, m3, context_parallel="cp"))
     pm, m2 = _pm(context_parallel="cp")
     ids = torch.zeros(2, 8, dtype=torch.long)
     mask4 = torch.ones(2, 1, 8, 8)
@@ -303,3 +304,44 @@ def test_data_parallel_times_context_parallel_matches_one_device() -> None:
         torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     torch.testing.assert_close(fd.nn.clip_grad_norm_(pm, 0.5), norm.expand(mesh.size), **tol)
+
+
+MOE_CASES: list[tuple[str, dict[str, int], str]] = [
+    ("mixtral", {"cp": 2}, "ring"),  # the experts over cp itself (tokens sharded)
+    ("qwen3_moe", {"cp": 2}, "ulysses"),
+    ("mixtral", {"cp": 2, "ep": 2}, "ring"),  # experts (and heads) over ep, tokens over cp
+    ("qwen3_moe", {"cp": 2, "tp": 2}, "ring"),
+]
+
+
+@pytest.mark.parametrize(
+    "family, axes, mode",
+    MOE_CASES,
+    ids=["-".join([f, *(f"{a}{n}" for a, n in ax.items()), m]) for f, ax, m in MOE_CASES],
+)
+def test_mixture_of_experts_training_step_matches_one_device(
+    family: str, axes: dict[str, int], mode: str
+) -> None:
+    """Mixtral and Qwen3-MoE with context parallelism: the logits, the model's own loss with
+    the router's load-balancing term (each layer's router logits gathered into the whole
+    batch: the term is a product of means over every token) and every gradient equal one
+    device. The router is pvary'd over cp (its gradient summed over the ranks' tokens)."""
+    ref = tiny_models.build(family)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh(axes)
+    cp = CausalContextParallel("cp", mode)  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    ids, labels = batch(7)
+    want = ref(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    got = pm(input_ids=rep(ids, mesh), labels=rep(labels, mesh), use_cache=False)
+    # the aux loss is float32 inside transformers (its router statistics)
+    tol = {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got.aux_loss, rep(want.aux_loss.detach(), mesh), **tol)
+    torch.testing.assert_close(got.loss, rep(want.loss.detach(), mesh).to(got.loss.dtype), **tol)
+    if len(axes) == 1:
+        torch.testing.assert_close(got.logits, rep(want.logits.detach(), mesh), **tolerance(family))
+    got.loss.sum().backward()
+    grads = pm.grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.context_llm_worker import PROMPT, on_ranks, one_device, one_device_generations
+from tests.context_llm_worker import (
+    PROMPT,
+    moe_on_ranks,
+    moe_one_device,
+    on_ranks,
+    one_device,
+    one_device_generations,
+)
 from tests.dist_harness import run_on_gloo
 
 pytest.importorskip("transformers")
@@ -49,3 +56,26 @@ def test_context_parallel_on_gloo_equals_one_device(
         assert got["layer_tokens"] == [len(PROMPT[0]) // degrees["cp"]] + [1] * 5, got
         # after the prefill every rank holds every token's keys (of its kv heads)
         assert got["cache_keys"][2] == len(PROMPT[0]) + 5, got["cache_keys"]
+
+
+@pytest.mark.parametrize(
+    "family,degrees,mode",
+    [("mixtral", {"cp": 2}, "ring"), ("qwen3_moe", {"cp": 2, "ep": 2}, "ulysses")],
+)
+def test_mixture_of_experts_context_parallel_on_gloo_equals_one_device(
+    family: str, degrees: dict[str, int], mode: str
+) -> None:
+    """Mixtral with its experts over cp itself (each rank's tokens to their experts' ranks,
+    ragged all-to-all), Qwen3-MoE with experts and heads over ep: the model's loss with the
+    router's aux loss, and every gradient, equal one device."""
+    want = moe_one_device(family)
+    world = 1
+    for n in degrees.values():
+        world *= n
+    tol = {"rtol": 1e-5, "atol": 1e-6}  # transformers' aux loss is float32
+    for rank, got in enumerate(run_on_gloo(moe_on_ranks, world, family, degrees, mode)):
+        torch.testing.assert_close(got["aux"], want["aux"], **tol, msg=lambda m, r=rank: f"{r} {m}")
+        torch.testing.assert_close(got["loss"], want["loss"].to(got["loss"].dtype), **tol)
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, **tol, msg=lambda m, n=name: n)

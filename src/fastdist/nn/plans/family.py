@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 from fastdist.errors import ParallelizeError
@@ -34,7 +35,7 @@ from fastdist.nn.styles.heads import QkvLayout
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
 from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
 
-__all__ = ["Family", "Mlp", "Plan", "Seq", "add_context_parallel", "build_plan"]
+__all__ = ["Family", "Mlp", "Plan", "Seq", "add_context_parallel", "build_plan", "context_experts"]
 
 #: A plan: module-name patterns (``fnmatch``, e.g. ``"model.layers.*.mlp.down_proj"``) mapped to
 #: the `Style` that makes each matching module parallel; what `fastdist.nn.parallelize` takes.
@@ -190,7 +191,8 @@ def build_plan(
     if not tensor_parallel:
         if context_parallel is None:
             raise ParallelizeError("build_plan: tensor_parallel=False needs context_parallel")
-        return add_context_parallel({}, fam, context_parallel)
+        experts = context_experts(fam, config, context_parallel)
+        return add_context_parallel(experts, fam, context_parallel)
     seq: Seq = "sequence" if sequence_parallel else "replicated"
     layers = _join(fam.prefix, fam.layers)
     plan: Plan = {}
@@ -231,28 +233,73 @@ def add_context_parallel(plan: Plan, fam: Family, cp: CausalContextParallel) -> 
     after the last style of every decoder-layer entry whose module no other entry reaches into
     (so it sees the children the other styles swapped in), on the norms and the final norm; with
     no tensor-parallel entries, on each whole decoder layer. Refuses Megatron sequence
-    parallelism (both split the sequence) and mixture-of-experts families (not built)."""
+    parallelism (both split the sequence).
+
+    A mixture-of-experts layer meets the rank's tokens in its router too: `PvaryTree` on the
+    whole layer, the children other entries style excluded (they get their own after their
+    styles), covers the router and everything else no entry styles; experts split over ``cp``
+    itself (`context_experts`: ``cp`` alone) need none."""
     if any(isinstance(s, SequenceShard) for s in plan.values()):
         raise ParallelizeError(
             "plans.plan: context_parallel and sequence_parallel=True both split the sequence. "
             "Fix: one of them (context parallelism also splits the attention)"
-        )
-    if fam.moe:
-        raise ParallelizeError(
-            f"plans.plan: context parallelism of mixture-of-experts families ({fam.model_types}) "
-            "is not built. Fix: a dense family, or expert/tensor parallelism without it"
         )
     layers = _join(fam.prefix, fam.layers)
     tree = PvaryTree(cp.axis)
     out: Plan = {fam.prefix: cp} if fam.prefix not in plan else {}
     for pattern, styles in plan.items():
         inner = any(p.startswith(f"{pattern}.") for p in plan)
-        if pattern.startswith(f"{layers}.") and not inner:
+        if pattern.startswith(f"{layers}.") and not inner and not _over(styles, cp.axis):
             styles = (*(styles if isinstance(styles, (tuple, list)) else (styles,)), tree)
         out[pattern] = styles
+    if fam.moe:  # every layer: the router and what no entry styles
+        every = f"{layers}.*"
+        styled = tuple(dict.fromkeys(r for p in plan if (r := _relative(p, every))))
+        mine = PvaryTree(cp.axis, exclude=styled)
+        out[every] = (*_tuple(out[every]), mine) if every in out else mine
     if not plan:
         out[f"{layers}.*"] = tree
     for norm in (*(f"{layers}.*.{n}" for n in fam.norms), _join(fam.prefix, fam.final_norm)):
         old = out.get(norm)
         out[norm] = tree if old is None else (*(old if isinstance(old, tuple) else (old,)), tree)
     return out
+
+
+def context_experts(fam: Family, config: Any, cp: CausalContextParallel) -> Plan:
+    """The experts of a mixture-of-experts family split over the context-parallel axis itself
+    (a mesh with ``cp`` alone): `ExpertParallel` with ``tokens="sharded"`` (each rank's tokens
+    go to their experts' ranks and back), as torchtitan's expert parallelism borrows the
+    context-parallel ranks; ``{}`` for a dense family."""
+    if not fam.moe:
+        return {}
+    layers = _join(fam.prefix, fam.layers)
+    count = int(config.num_hidden_layers)
+    sparse = fam.moe_layers(config) if fam.moe_layers is not None else list(range(count))
+    style = ExpertParallel(cp.axis, tokens="sharded")
+    return {
+        f"{layer}.{experts}": style
+        for layer in (_layer_patterns(layers, sparse, count) if sparse else [])
+        for experts in fam.experts
+    }
+
+
+def _tuple(styles: Any) -> tuple[Any, ...]:
+    return tuple(styles) if isinstance(styles, (tuple, list)) else (styles,)
+
+
+def _over(styles: Any, axis: str) -> bool:
+    """Whether an entry splits its module's parameters over ``axis`` (experts over ``cp``)."""
+    return any(isinstance(s, ExpertParallel) and s.axis == axis for s in _tuple(styles))
+
+
+def _segments_match(a: list[str], b: list[str]) -> bool:
+    return all(fnmatchcase(x, y) or fnmatchcase(y, x) for x, y in zip(a, b, strict=True))
+
+
+def _relative(pattern: str, layer: str) -> str:
+    """``pattern``'s part below ``layer`` when it names a module inside the layers ``layer``
+    matches (segment by segment, ``*`` either way), else ``""``."""
+    p, lay = pattern.split("."), layer.split(".")
+    if len(p) <= len(lay) or not _segments_match(p[: len(lay)], lay):
+        return ""
+    return ".".join(p[len(lay) :])

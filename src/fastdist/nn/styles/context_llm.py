@@ -39,6 +39,7 @@ decoding step's single token runs whole on every rank; `decoding` allows that.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import inspect
 from collections.abc import Iterator
@@ -238,6 +239,15 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
         return out
     axis = state.axis
     out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
+    batch = out["last_hidden_state"].shape[0]
+    routers = out.get("router_logits")
+    if isinstance(routers, (tuple, list)) and routers:
+        # mixture of experts: each layer's (B x 2c, E) router logits of this rank's tokens ->
+        # (B x S, E) of the whole batch in token order, so the model's load-balancing loss is
+        # one device's (a product of means over all tokens, not a sum of per-rank terms)
+        out["router_logits"] = tuple(
+            state.gather(r.reshape(batch, -1, r.shape[-1]), 1).flatten(0, 1) for r in routers
+        )
     cache = out.get("past_key_values")
     for layer in getattr(cache, "layers", ()):
         kind = type(layer).__name__
@@ -489,15 +499,22 @@ class PvaryTree(Style):
 
     Args:
         axis: the mesh axis the data the parameters meet varies over.
+        exclude: submodules (names relative to the module, ``fnmatch`` patterns) left out with
+            everything under them: the ones another plan entry styles (a mixture-of-experts
+            block's experts), which get their own `PvaryTree` after their own styles, or none
+            when they are split over ``axis`` themselves.
     """
 
     axis: str = "cp"
+    exclude: tuple[str, ...] = ()
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         # one site per parameter: a parameter another style pvary's over another axis (a
         # per-head norm over tp) gets both axes in that site (one pvary over the two)
         where = {(id(m), p): i for i, (m, p, _) in enumerate(ctx.pvary)}
-        for sub in module.modules():
+        for sub_name, sub in module.named_modules():
+            if any(_under(sub_name, pattern) for pattern in self.exclude):
+                continue
             for p, _ in sub.named_parameters(recurse=False):
                 i = where.get((id(sub), p))
                 if i is None:
@@ -509,3 +526,9 @@ class PvaryTree(Style):
                 if self.axis not in axes_t:
                     ctx.pvary[i] = (sub, p, cast(str, (*axes_t, self.axis)))
         return module
+
+
+def _under(name: str, pattern: str) -> bool:
+    """Whether the module ``name`` is ``pattern`` (``fnmatch``) or inside a module it matches."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
