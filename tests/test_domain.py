@@ -461,16 +461,56 @@ def test_unet_like_stack_on_gloo() -> None:
             assert torch.allclose(got["running"][1], bn.running_var, atol=1e-12)
 
 
-def test_uneven_blocks_are_refused_on_simulated_ranks() -> None:
+UNEVEN: list[tuple[Callable[[], nn.Module], tuple[int, ...], str, dict[int, list[int]]]] = [
+    (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                           nn.Conv2d(4, 2, 3, padding=1)), (1, 2, 7, 5), "h", {-2: [3, 4]}),
+    (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, stride=2), nn.MaxPool2d(3, 1, 1),
+                           nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+                           nn.Upsample(scale_factor=2, mode="bicubic"), nn.InstanceNorm2d(4)),
+     (1, 2, 18, 6), "h3", {-2: [4, 6, 8]}),
+    (lambda: nn.Sequential(nn.Conv3d(2, 2, 3, padding=1, padding_mode="replicate"),
+                           nn.BatchNorm3d(2, track_running_stats=False),
+                           nn.Upsample(scale_factor=2, mode="trilinear")),
+     (2, 2, 5, 4, 6), "thw", {-3: [2, 3], -1: [4, 2]}),
+    (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d((3, 1)),
+                           nn.Conv2d(4, 4, 1)), (1, 2, 9, 5), "hw", {-2: [3, 6], -1: [2, 3]}),
+    (SqueezeExcite, (1, 2, 5, 4), "h", {-2: [2, 3]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "shape", "split", "sizes"), UNEVEN)
+def test_uneven_blocks_on_simulated_ranks(
+    make: Callable[[], nn.Module], shape: tuple[int, ...], split: str, sizes: dict[int, list[int]]
+) -> None:
+    """Simulated ranks share one shape: each block is padded to the largest, every layer follows
+    each rank's own rows (the halo after them, the padding rows zeroed after a window, masked
+    out of the norms' statistics and the adaptive pooling's bins), and the output gathers each
+    rank's own rows: equal to one device, forward and backward."""
+    equal_to_one_device(make(), shape, split, sizes=sizes)
+
+
+def test_unet_like_stack_with_uneven_blocks() -> None:
+    """The UNet-like model (max pooling down, reflect and circular convolutions, a transposed
+    convolution up, a batch norm) with uneven H and W blocks on a 2 x 2 grid."""
+    equal_to_one_device(TinyUNet(), (1, 2, 12, 12), "hw", sizes={-2: [4, 8], -1: [8, 4]})
+
+
+def test_uneven_blocks_refusals() -> None:
     mesh = fd.Mesh({"h": 2})
-    for sizes, match in [
-        ({-2: [2, 6]}, "real ranks only"),
-        ({-2: [8]}, "1 blocks for the 2 ranks"),
-        ({-1: [4, 4]}, "does not split"),
+    for sizes, match, kw in [
+        ({-2: [8]}, "1 blocks for the 2 ranks", {}),
+        ({-1: [4, 4]}, "does not split", {}),
+        ({-2: [2, 6]}, "output='split' with uneven blocks", {"output": "split"}),
     ]:
-        style = fd.nn.DomainParallel({-2: "h"}, sizes=sizes)
+        style = fd.nn.DomainParallel({-2: "h"}, sizes=sizes, **kw)
         with pytest.raises(fd.nn.ParallelizeError, match=match):
             fd.nn.parallelize(nn.Conv2d(1, 1, 3, padding=1), mesh, {"": style})
+    # a stride that does not divide a block: named at the call
+    net = nn.Conv2d(1, 1, 3, stride=2, padding=1).double()
+    style = fd.nn.DomainParallel({-2: "h"}, sizes={-2: [3, 5]})
+    pm = fd.nn.parallelize(net, mesh, {"": style})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"stride 2 .* blocks of \[3, 5\] rows"):
+        pm(torch.zeros(2, 1, 1, 8, 4, dtype=F64))
 
 
 # ------------------------------------------------------------------ with data parallelism

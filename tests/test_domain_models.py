@@ -79,6 +79,64 @@ def test_autoencoder_kl_mid_block_attention() -> None:
     equal_to_one_device(tiny_vae(attention=True).encoder, (1, 3, 8, 12), "h")
 
 
+@pytest.mark.parametrize(
+    ("shape", "split", "sizes"),
+    [((1, 4, 5, 6), "h", {-2: [2, 3]}), ((1, 4, 5, 6), "hw", {-2: [3, 2], -1: [2, 4]})],
+)
+def test_autoencoder_kl_decoder_with_uneven_blocks(
+    shape: tuple[int, ...], split: str, sizes: dict[int, list[int]]
+) -> None:
+    """A latent H the ranks do not divide (5 rows over 2 ranks): the blocks padded to one shape
+    on simulated ranks, the mid-block attention's padding keys masked out, its group norm over
+    the valid tokens only."""
+    equal_to_one_device(tiny_vae(attention=True).decoder, shape, split, sizes=sizes)
+
+
+def test_autoencoder_kl_encoder_with_uneven_blocks() -> None:
+    """``Downsample2D``'s stride 2 on blocks of 4 and 6 rows (2 and 3 after it)."""
+    equal_to_one_device(tiny_vae(attention=True).encoder, (1, 3, 10, 12), "h", sizes={-2: [4, 6]})
+
+
+@pytest.mark.parametrize(
+    ("shape", "split", "sizes"),
+    [((1, 4, 4, 6), "hw", None), ((1, 4, 7, 6), "h3", {-2: [2, 2, 3]})],
+)
+def test_ring_attention(shape: tuple[int, ...], split: str, sizes: Any) -> None:
+    """``attention="ring"``: the keys and values pass around the ranks of the split axes (H x W:
+    one flattened ring of 4), merged with an online softmax; equal to one device, even and
+    uneven blocks (the padding keys masked in every block)."""
+    vae = tiny_vae(attention=True)
+    equal_to_one_device(vae.decoder, shape, split, attention="ring", sizes=sizes)
+
+
+def test_ring_attention_holds_one_block_of_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The largest key / value tensor a rank holds in the mid-block attention (an 8 x 8 latent
+    over a 2 x 2 grid, 16 tokens per rank): gathered, the whole domain's 64 tokens; ring, one
+    block of 16 (each received block, never a concatenation)."""
+    import fastdist.nn.domain.attention as attention
+
+    held: list[int] = []
+    for name in ("all_gather", "ring_shift"):
+        fn = getattr(attention, name)
+
+        def record(t: torch.Tensor, *args: Any, _fn: Any = fn, **kwargs: Any) -> torch.Tensor:
+            out: torch.Tensor = _fn(t, *args, **kwargs)
+            held.append(out.shape[-2])  # [N, heads, tokens, head_dim]
+            return out
+
+        monkeypatch.setattr(attention, name, record)
+    most = {}
+    for form in ("gather", "ring"):
+        held.clear()
+        mesh = fd.Mesh({"h": 2, "w": 2})
+        style = fd.nn.DomainParallel({-2: "h", -1: "w"}, attention=form)
+        pm = fd.nn.parallelize(tiny_vae(attention=True).decoder.double(), mesh, {"": style})
+        with torch.no_grad():
+            pm(torch.randn(1, 4, 8, 8, dtype=torch.float64).expand(4, -1, -1, -1, -1))
+        most[form] = max(held)
+    assert most == {"gather": 64, "ring": 16}
+
+
 def test_unet2d_model_with_attention() -> None:
     """``AttnDownBlock2D`` / ``AttnUpBlock2D`` (several heads) over H x W."""
     from diffusers import UNet2DModel

@@ -16,12 +16,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.domain.windows import POOLED, Split, split_here
+from fastdist.nn.domain.windows import (
+    POOLED,
+    Split,
+    ragged_mask,
+    ragged_sizes,
+    split_here,
+    zero_padding_rows,
+)
 from fastdist.ops import all_gather, pmax, psum, pvary
 
 __all__ = ["domain_adaptive_pool"]
@@ -33,10 +41,12 @@ _ADAPTIVE: dict[tuple[str, int], Callable[..., Tensor]] = {
 }  # fmt: skip
 
 
-def _rows(x: Tensor, mesh: Mesh, axis: str, dim: int) -> list[int]:
-    """Every rank's rows along ``dim`` (even blocks on simulated ranks)."""
+def _rows(x: Tensor, mesh: Mesh, axis: str, dim: int, where: str) -> list[int]:
+    """Every rank's rows along ``dim`` (simulated ranks: even blocks, or the ragged sizes of
+    blocks padded to one shape)."""
     if mesh.backend is None:
-        return [x.shape[dim]] * mesh.axis_size(axis)
+        sizes = ragged_sizes(mesh, axis, dim - x.dim(), x.shape[dim], where)
+        return sizes if sizes is not None else [x.shape[dim]] * mesh.axis_size(axis)
     got = all_gather(x.new_tensor([float(x.shape[dim])]), mesh, axis)
     return [int(r) for r in got.tolist()]
 
@@ -56,8 +66,11 @@ def domain_adaptive_pool(
     dim, the whole result on every rank)."""
     local: list[int | None] = list(output)
     pooled: list[tuple[str, float]] = []  # (axis, this rank's share of the rows)
+    mask = ragged_mask(x, nsp, mesh, split, where)
+    if mask is not None:  # simulated uneven blocks: padding rows out of every bin they reach
+        x = torch.where(mask, x, x.new_full((), float("-inf") if kind == "max" else 0.0))
     for i, d, axis in split_here(split, nsp):
-        rows = _rows(x, mesh, axis, x.dim() + d)
+        rows = _rows(x, mesh, axis, x.dim() + d, where)
         whole = sum(rows)
         o = whole if output[i] is None else int(output[i])  # type: ignore[arg-type]
         if o == 1 and len(rows) > 1:
@@ -72,8 +85,13 @@ def domain_adaptive_pool(
                 f"divisible by the {len(rows)} ranks of {axis!r} (even blocks), 1 (global "
                 "pooling), or end the region before it"
             )
+        # (padded blocks: the bins of the padded rows follow, the same bin width)
         local[i] = x.shape[x.dim() + d] * o // whole
     y = _ADAPTIVE[(kind, nsp)](x, tuple(local))
+    if mask is not None:  # the bins of padding rows zeroed (global ones are the whole's)
+        done = {a for a, _ in pooled}
+        y = y.nan_to_num(0.0, 0.0, 0.0)
+        y = zero_padding_rows(y, nsp, mesh, tuple(p for p in split if p[1] not in done), where)
     if not pooled:
         return y
     axes = tuple(a for a, _ in pooled)

@@ -9,6 +9,14 @@ row-major order. The attention module's own ``forward`` runs (diffusers' ``Atten
 ``AttnProcessor2_0``, Wan's ``WanAttentionBlock``): `attention_call` marks it, and the style's
 functional guard sends its ``F.scaled_dot_product_attention`` to `gathered_sdpa`. A forward that
 ran no ``F.scaled_dot_product_attention`` (another processor) raises after it, at the first call.
+
+``ring=True`` (``DomainParallel(..., attention="ring")``): no rank gathers the whole domain's keys;
+the blocks of keys and values travel around the ring of the split axes (``ring_shift`` over them
+taken as one flattened axis), and each rank merges its queries' scores against each block with an
+online softmax (a running max, sum and weighted sum of values, `ring_sdpa`). A forward holds this
+rank's block and the one arriving, never ``n`` blocks in one tensor; autograd keeps each step's
+received block for the backward. Uneven blocks on simulated ranks (padded to one shape): the
+padding tokens are masked out of the keys (`AttentionCall.valid`), in both forms.
 """
 
 from __future__ import annotations
@@ -19,12 +27,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.ops import all_gather, all_gather_v
+from fastdist.nn.domain.windows import ragged_mask
+from fastdist.ops import all_gather, all_gather_v, ring_shift
 
 __all__ = [
     "AttentionCall",
@@ -33,6 +43,7 @@ __all__ = [
     "flat_split",
     "gathered_sdpa",
     "is_spatial_attention",
+    "ring_sdpa",
     "run_attention",
 ]
 
@@ -47,6 +58,10 @@ class AttentionCall:
     tokens: int
     cross: bool
     hits: int = 0
+    #: keys passed around a ring (online softmax) in place of gathered
+    ring: bool = False
+    #: this rank's valid tokens ``[tokens]`` (bool; simulated uneven blocks), or ``None``: all
+    valid: Tensor | None = None
 
 
 #: the attention modules running now (innermost last)
@@ -87,6 +102,7 @@ def run_attention(
     mesh: Mesh,
     split: tuple[tuple[int, str], ...],
     where: str,
+    ring: bool,
     forward: Callable[..., Tensor],
     *args: Any,
     **kwargs: Any,
@@ -108,7 +124,10 @@ def run_attention(
     token_dims = (-2, -1)
     axes = tuple(a for d, a in split if d in token_dims)
     tokens = math.prod(x.shape[d] for d in token_dims)
-    with attention_call(AttentionCall(mesh, where, axes, tokens, cross)):
+    valid = ragged_mask(x, 2, mesh, split, where, token_dims)
+    if valid is not None:  # [H, 1], [W] or [H, W] -> [H * W]
+        valid = valid.expand(x.shape[-2:]).flatten()
+    with attention_call(AttentionCall(mesh, where, axes, tokens, cross, ring=ring, valid=valid)):
         out: Tensor = forward(*args, **kwargs)
     return out
 
@@ -138,16 +157,61 @@ def gathered_sdpa(
             "attention over the field's H x W tokens, or end the region before it"
         )
     call.hits += 1
-    if not call.cross and call.axes:
-        k, v = gather_tokens(k, call), gather_tokens(v, call)
-    out: Tensor = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if call.cross or not call.axes:
+        out: Tensor = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return out
+    if call.ring:
+        return ring_sdpa(call, q, k, v, scale=kwargs.get("scale"))
+    k, v = gather_tokens(k, call), gather_tokens(v, call)
+    if call.valid is not None:  # padding keys (simulated uneven blocks) left out
+        keep = gather_tokens(call.valid.to(q.dtype), call, 0) > 0.5
+        kwargs = {**kwargs, "attn_mask": keep.reshape(*[1] * (q.dim() - 1), -1)}
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
     return out
 
 
-def gather_tokens(t: Tensor, call: AttentionCall) -> Tensor:
-    """Every rank's tokens (dim -2) over ``call.axes``: ``all_gather`` (even blocks) or, on real
-    ranks whose blocks differ, ``all_gather_v`` by each rank's token count."""
-    mesh, dim = call.mesh, t.dim() - 2
+def ring_sdpa(
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None
+) -> Tensor:
+    """Attention of this rank's queries ``[..., Lq, d]`` over every rank's keys and values
+    ``[..., Lk, d]`` of ``call.axes`` (one flattened ring): each block's scores merged with an
+    online softmax, the next block's transfer issued before this block's products."""
+    axis: Any = call.axes[0] if len(call.axes) == 1 else call.axes
+    n = call.mesh.axis_size(axis)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    valid = None if call.valid is None else call.valid.to(q.dtype)  # [Lk]: 1 on real tokens
+    top = total = acc = None
+    for step in range(n):
+        if step + 1 < n:  # the block of rank (i - step - 1) % n, on its way
+            nxt = [ring_shift(t, call.mesh, axis) for t in (k, v)]
+            nxt_valid = None if valid is None else ring_shift(valid, call.mesh, axis)
+        s = q @ k.transpose(-1, -2)  # [..., Lq, Lk]: this block's scores
+        if valid is not None:
+            s = s.masked_fill(valid < 0.5, float("-inf"))
+        # the running max only shifts the exponents: from detached scores (no max to
+        # differentiate); every rank's own block has a real token, so it starts finite
+        block_top = s.detach().amax(-1, keepdim=True)  # [..., Lq, 1]
+        new_top = block_top if top is None else torch.maximum(top, block_top)
+        p = torch.exp(s - new_top)
+        if top is None or total is None or acc is None:
+            total, acc = p.sum(-1, keepdim=True), p @ v  # [..., Lq, 1], [..., Lq, dv]
+        else:
+            rescale = torch.exp(top - new_top)
+            total = total * rescale + p.sum(-1, keepdim=True)
+            acc = acc * rescale + p @ v
+        top = new_top
+        if step + 1 < n:
+            k, v = nxt
+            valid = nxt_valid
+    assert acc is not None and total is not None
+    return acc / total
+
+
+def gather_tokens(t: Tensor, call: AttentionCall, dim: int = -2) -> Tensor:
+    """Every rank's tokens (dim ``dim``) over ``call.axes``: ``all_gather`` (even blocks, or
+    simulated uneven ones padded to one shape) or, on real ranks whose blocks differ,
+    ``all_gather_v`` by each rank's token count."""
+    mesh, dim = call.mesh, dim % t.dim()
     for axis in call.axes:
         if mesh.backend is None:
             t = all_gather(t, mesh, axis, dim)

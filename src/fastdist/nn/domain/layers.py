@@ -97,6 +97,8 @@ class Site:
     pads: tuple[tuple[int, int], ...] | None = None
     #: the axes a BatchNorm's statistics span besides the split ones (``None``: not said)
     batch_axes: tuple[str, ...] | None = None
+    #: how a spatial attention sees the other ranks' keys: ``"gather"`` or ``"ring"``
+    attention: str = "gather"
 
 
 def _is_causal_conv(m: nn.Module) -> bool:
@@ -324,16 +326,20 @@ def _upsample(site: Site, m: Any, x: Tensor) -> Tensor:
 
 
 def _group_norm(site: Site, m: Any, x: Tensor) -> Tensor:
-    split, call = site.split, current_attention()
+    split, call, mask = site.split, current_attention(), None
     if call is not None and x.dim() == 3:  # diffusers' Attention.group_norm: [N, C, H * W]
-        split = flat_split(call)
-    return domain_group_norm(x, m.num_groups, m.weight, m.bias, m.eps, mesh=site.mesh, split=split)
+        split, mask = flat_split(call), call.valid
+    return domain_group_norm(
+        x, m.num_groups, m.weight, m.bias, m.eps, mesh=site.mesh, split=split, mask=mask,
+        where=site.where,
+    )  # fmt: skip
 
 
 def _instance_norm(site: Site, m: Any, x: Tensor) -> Tensor:
     return domain_group_norm(
-        x, x.shape[1], m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split
-    )
+        x, x.shape[1], m.weight, m.bias, m.eps, mesh=site.mesh, split=site.split,
+        where=site.where,
+    )  # fmt: skip
 
 
 def _batch_norm(site: Site, m: Any, x: Tensor) -> Tensor:
@@ -391,7 +397,8 @@ def domain_forward(kind: str, site: Site, m: nn.Module) -> Callable[..., Tensor]
     """The ``forward`` of a layer of ``kind`` on a rank's block (``None``: its own forward runs,
     for token-local modules and containers)."""
     if kind == "attention":  # its own forward, its sdpa given the whole domain's keys
-        return functools.partial(run_attention, site.mesh, site.split, site.where, m.forward)
+        ring = site.attention == "ring"
+        return functools.partial(run_attention, site.mesh, site.split, site.where, ring, m.forward)
     if kind not in _FORWARDS:
         return None
     return functools.partial(_run, kind, site, m)

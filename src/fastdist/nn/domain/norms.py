@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.domain.windows import Split, split_here
+from fastdist.nn.domain.windows import Split, ragged_mask, split_here
 from fastdist.ops import psum, pvary
 
 __all__ = ["domain_moments", "domain_group_norm", "domain_batch_norm"]
@@ -29,13 +29,28 @@ def domain_moments(
     mesh: Mesh,
     split: Split,
     batch_axes: tuple[str, ...] = (),
+    *,
+    mask: Tensor | None = None,
+    where: str = "a norm",
 ) -> tuple[Tensor, Tensor, int]:
     """``(mean, biased variance, count)`` of ``x`` over the dims ``reduce`` of the whole domain
     (keepdim): local sums ``psum``'d over the axes of the split dims among ``reduce`` (two passes:
     the mean, then the squared deviations), and over ``batch_axes`` (the data-parallel ranks'
     batches: a synchronized batch norm). ``nsp``: the spatial dims at the end of ``x`` (a split
-    dim beyond them is in the batch)."""
-    axes = tuple(a for _, d, a in split_here(split, nsp) if x.dim() + d in reduce) + batch_axes
+    dim beyond them is in the batch). ``mask`` (bool, broadcastable to ``x``): the valid rows
+    (simulated uneven blocks; by default those of the ragged split dims among ``reduce``); the
+    count is then a tensor."""
+    here = [(d, a) for _, d, a in split_here(split, nsp) if x.dim() + d in reduce]
+    axes = tuple(a for _, a in here) + batch_axes
+    if mask is None:
+        mask = ragged_mask(x, nsp, mesh, split, where, [d for d, _ in here])
+    if mask is not None:
+        keep = mask.expand(x.shape)
+        n = _total(keep.to(x.dtype).sum(reduce, keepdim=True), mesh, axes)
+        zero = x.new_zeros(())
+        mean = _total(torch.where(keep, x, zero).sum(reduce, keepdim=True), mesh, axes) / n
+        dev = torch.where(keep, x - mean, zero)
+        return mean, _total((dev**2).sum(reduce, keepdim=True), mesh, axes) / n, n  # type: ignore[return-value]
     count = 1
     for r in reduce:
         count *= x.shape[r]
@@ -62,13 +77,18 @@ def domain_group_norm(
     *,
     mesh: Mesh,
     split: Split,
+    mask: Tensor | None = None,
+    where: str = "a group norm",
 ) -> Tensor:
     """``F.group_norm`` of the whole domain on this rank's block ``[N, C, *spatial]`` (an
-    instance norm is ``groups == C``)."""
+    instance norm is ``groups == C``); ``mask``: the valid positions (simulated uneven blocks,
+    by default from the split)."""
     n, c = x.shape[:2]
     xg = x.reshape(n, groups, c // groups, *x.shape[2:])  # [N, G, C/G, *spatial]
     # (the split dims, counted from the end, are the same on xg)
-    mean, var, _ = domain_moments(xg, tuple(range(2, xg.dim())), x.dim() - 2, mesh, split)
+    mean, var, _ = domain_moments(
+        xg, tuple(range(2, xg.dim())), x.dim() - 2, mesh, split, mask=mask, where=where
+    )
     y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(x.shape)
     shape = (-1, *[1] * (x.dim() - 2))
     if weight is not None:
@@ -105,7 +125,9 @@ def domain_batch_norm(
         reduce = (0, *range(2, x.dim()))
         if batch_axes is None:
             batch_axes = _no_other_axes(mesh, split, where)
-        mean, var, count = domain_moments(x, reduce, x.dim() - 2, mesh, split, batch_axes)
+        mean, var, count = domain_moments(
+            x, reduce, x.dim() - 2, mesh, split, batch_axes, where=where
+        )
         if m.training and m.track_running_stats and m.running_mean is not None:
             _update_running(m, mean, var, count, mesh, where)
     y = (x - mean) * torch.rsqrt(var + m.eps)

@@ -17,6 +17,7 @@ refused when they run; ``F.interpolate`` is run domain-parallel, and the
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +39,14 @@ from fastdist.nn.domain.layers import (
     is_diffusers_downsample,
     layer_depth,
 )
-from fastdist.nn.domain.windows import POOLED, UPSAMPLE_HALO, Split, domain_upsample
+from fastdist.nn.domain.windows import (
+    POOLED,
+    RAGGED,
+    UPSAMPLE_HALO,
+    Split,
+    domain_upsample,
+    ragged_sizes,
+)
 from fastdist.nn.styles.base import Style, StyleContext
 from fastdist.ops import (
     all_gather,
@@ -67,9 +75,9 @@ class DomainParallel(Style):
     positional argument (or ``input=``, or the first of ``sample=`` / ``hidden_states=`` / ``x=``)
     is cut to this rank's block along every split dim, and its output (every tensor of at least
     as many dims) is gathered (``output="gather"``) or left as this rank's block
-    (``output="split"``). Blocks are even: each split dim divisible by its axis size at every
-    layer (a clear error names the layer otherwise); on real ranks ``sizes=`` gives uneven
-    blocks (each a multiple of the strides on the way).
+    (``output="split"``). Blocks are even (each split dim divisible by its axis size at every
+    layer: a clear error names the layer otherwise), or uneven with ``sizes=`` (each a multiple
+    of the strides on the way).
 
     Built layers: ``Conv1d/2d/3d`` (any kernel, stride, dilation, groups; padding modes zeros,
     reflect, replicate, circular; a strided padding such that the length divides by the
@@ -91,11 +99,15 @@ class DomainParallel(Style):
         output: ``"gather"`` (every rank gets the whole output) or ``"split"`` (its block).
         input: the name of the field's argument when it is passed by keyword.
         local: module classes that act on each position alone (run as they are).
-        sizes: ``{dim from the end: each rank's rows}`` for uneven blocks of the field (real ranks
-            only: simulated ranks share one shape); the layers follow each rank's own rows.
+        sizes: ``{dim from the end: each rank's rows}`` for uneven blocks of the field; the
+            layers follow each rank's own rows (simulated ranks, which share one shape: every
+            block padded to the largest, the padding rows masked out of every layer).
         batch_axes: the data-parallel axes a ``BatchNorm``'s batch statistics span too (as
             ``SyncBatchNorm``), or ``()`` for each data rank's own batch; required (a clear error
             at the call) when the mesh has axes of more than one rank besides the split ones.
+        attention: how a spatial self-attention sees the other ranks' keys and values:
+            ``"gather"`` (all-gathered: each rank holds the whole domain's) or ``"ring"``
+            (passed around the ranks one block at a time, merged with an online softmax).
 
     >>> import torch, fastdist as fd
     >>> net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.GroupNorm(2, 4),
@@ -118,12 +130,14 @@ class DomainParallel(Style):
         local: tuple[type, ...] = (),
         sizes: Mapping[int, Sequence[int]] | None = None,
         batch_axes: Sequence[str] | None = None,
+        attention: str = "gather",
     ) -> None:
         self.split: Split = tuple(sorted((int(d), str(a)) for d, a in dict(dims).items()))
         self.output, self.input, self.local = output, input, tuple(local)
         self.axes = tuple(a for _, a in self.split)
         self.sizes = {int(d): tuple(int(v) for v in s) for d, s in dict(sizes or {}).items()}
         self.batch_axes = None if batch_axes is None else tuple(str(a) for a in batch_axes)
+        self.attention = attention
 
     def __repr__(self) -> str:
         return f"DomainParallel({dict(self.split)}, output={self.output!r})"
@@ -165,11 +179,16 @@ class DomainParallel(Style):
                     f"{len(self.sizes[d])} blocks for the {mesh.axis_size(a)} ranks of {a!r}. "
                     "Fix: one block size per rank"
                 )
-        if self.sizes and mesh.backend is None:
+        if self.output == "split" and self.sizes and mesh.backend is None:
             raise ParallelizeError(
-                f"DomainParallel on {where!r}: uneven blocks (sizes=) run on real ranks only: "
-                "simulated ranks share one shape. Fix: even blocks on a simulated mesh, or a mesh "
-                "from fastdist.connect"
+                f"DomainParallel on {where!r}: output='split' with uneven blocks on simulated "
+                "ranks would return blocks padded to one shape. Fix: output='gather', or real "
+                "ranks (fastdist.connect)"
+            )
+        if self.attention not in ("gather", "ring"):
+            raise ParallelizeError(
+                f"DomainParallel on {where!r}: attention={self.attention!r}. Fix: 'gather' or "
+                "'ring'"
             )
         if self.output not in ("gather", "split"):
             raise ParallelizeError(
@@ -210,7 +229,10 @@ class DomainParallel(Style):
                 folds[id(getattr(sub, "conv"))] = DOWNSAMPLE_PADS  # noqa: B009
             full = ".".join(p for p in (name, sub_name) if p) or type(module).__name__
             pads = folds.get(id(sub))
-            site = Site(mesh, self.split, f"{full!r} ({type(sub).__name__})", pads, self.batch_axes)
+            site = Site(
+                mesh, self.split, f"{full!r} ({type(sub).__name__})", pads, self.batch_axes,
+                self.attention,
+            )  # fmt: skip
             forward = domain_forward(kind, site, sub)
             if forward is not None:
                 sub.forward = forward
@@ -248,6 +270,9 @@ def _enter(
             f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
         )
     POOLED.clear()
+    RAGGED.clear()
+    if mesh.backend is None:
+        RAGGED.update(style.sizes)
     guard.__enter__()  # type: ignore[no-untyped-call]
     guard.active = True
     return args, kwargs
@@ -272,17 +297,48 @@ def _cut(field: Any, style: DomainParallel, mesh: Mesh, where: str) -> Tensor:
                     f"DomainParallel on {where!r}: sizes[{d}]={list(sizes)} add up to "
                     f"{sum(sizes)} rows, the field has {x.shape[d]}. Fix: blocks that tile it"
                 )
-            x = ChunkV.apply(x, mesh, axis, x.dim() + d, sizes)  # type: ignore[no-untyped-call]
+            if mesh.backend is None:
+                x = _cut_padded(x, mesh, axis, x.dim() + d, sizes)
+            else:
+                x = ChunkV.apply(x, mesh, axis, x.dim() + d, sizes)  # type: ignore[no-untyped-call]
             continue
         if x.shape[d] % n:
             raise ParallelizeError(
                 f"DomainParallel on {where!r}: dim {d} of the field has {x.shape[d]} rows, not "
                 f"divisible by the {n} ranks of {axis!r}. Fix: a length divisible by {n} (times "
-                "the strides of the layers on the way), or sizes= (uneven blocks, real ranks)"
+                "the strides of the layers on the way), or sizes= (uneven blocks)"
             )
         x = local_chunk(x, mesh, axis, x.dim() + d)
     block: Tensor = x
     return block
+
+
+def _cut_padded(x: Tensor, mesh: Mesh, axis: str, dim: int, sizes: Sequence[int]) -> Tensor:
+    """Simulated ranks, uneven blocks: rank ``i``'s ``sizes[i]`` rows of the replicated ``x``
+    along ``dim``, then zero rows up to ``max(sizes)``. Every rank's padded block is laid out
+    once (``[n * max(sizes)]`` rows, the same on every rank) and ``local_chunk`` takes this
+    rank's: in backward every rank's copy of ``x`` gets the whole gradient."""
+    top, length = max(sizes), x.shape[dim]
+    pick = [
+        start + j if j < rows else length  # row `length`: the zero row appended below
+        for start, rows in zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True)
+        for j in range(top)
+    ]
+    zero = x.new_zeros(*x.shape[:dim], 1, *x.shape[dim + 1 :])
+    laid = torch.cat([x, zero], dim).index_select(dim, torch.tensor(pick, device=x.device))
+    block: Tensor = local_chunk(laid, mesh, axis, dim)  # [..., max(sizes), ...]
+    return block
+
+
+def _gather_padded(y: Tensor, mesh: Mesh, axis: str, dim: int, where: str) -> Tensor:
+    """Simulated ranks, uneven blocks padded to one shape: every rank's valid rows of ``y``
+    along ``dim``, concatenated (the whole domain's, the same on every rank)."""
+    rows = y.shape[dim]
+    sizes = ragged_sizes(mesh, axis, dim - y.dim(), rows, where)
+    assert sizes is not None
+    laid = all_gather_invariant(y, mesh, axis, dim)  # [..., n * rows, ...]
+    pick = [i * rows + j for i, r in enumerate(sizes) for j in range(r)]
+    return laid.index_select(dim, torch.tensor(pick, device=y.device))
 
 
 class ChunkV(torch.autograd.Function):
@@ -330,9 +386,12 @@ def _leave(
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     pooled = frozenset(POOLED)
     POOLED.clear()
-    if style.output == "split":
-        return out
-    return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled)
+    try:
+        if style.output == "split":
+            return out
+        return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled)
+    finally:
+        RAGGED.clear()
 
 
 def _gather_tree(
@@ -352,6 +411,12 @@ def _gather_tree(
                 continue
             if not uneven:
                 out = all_gather_invariant(out, mesh, axis, dim)
+                continue
+            if mesh.backend is None:
+                if d in RAGGED:
+                    out = _gather_padded(out, mesh, axis, dim, "the region's output")
+                else:
+                    out = all_gather_invariant(out, mesh, axis, dim)
                 continue
             rows = all_gather(out.new_tensor([float(out.shape[dim])]), mesh, axis)
             sizes = [int(r) for r in rows.tolist()]
@@ -468,6 +533,17 @@ class _Guard(TorchFunctionMode):
                     "that dim"
                 )
 
+    def _whole_rows(self, x: Tensor, d: int, axis: str) -> int:
+        """The whole domain's rows along the split dim ``d`` of ``x`` (uneven blocks: simulated
+        ranks' ragged sizes, or every real rank's rows)."""
+        ragged = ragged_sizes(self.mesh, axis, d, x.shape[d], self.where)
+        if ragged is not None:
+            return sum(ragged)
+        if self.mesh.backend is None:
+            return x.shape[d] * self.mesh.axis_size(axis)
+        rows = all_gather(x.new_tensor([float(x.shape[d])]), self.mesh, axis)
+        return int(rows.sum().item())
+
     def _interpolate(
         self,
         x: Tensor,
@@ -479,10 +555,13 @@ class _Guard(TorchFunctionMode):
         antialias: bool = False,
     ) -> Tensor:
         nsp = x.dim() - 2
-        n_of = {nsp + d: self.mesh.axis_size(a) for d, a in self.split if -d <= nsp}
         if size is not None:  # the whole domain's size: a factor per dim
             sizes = size if isinstance(size, (tuple, list)) else [size] * nsp
-            factor = [s / (x.shape[2 + i] * n_of.get(i, 1)) for i, s in enumerate(sizes)]
+            whole = [x.shape[2 + i] for i in range(nsp)]
+            for d, a in self.split:
+                if -d <= nsp:
+                    whole[nsp + d] = self._whole_rows(x, d, a)
+            factor = [s / w for s, w in zip(sizes, whole, strict=True)]
         else:
             sf = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor] * nsp
             factor = [float(s) for s in sf]

@@ -12,6 +12,14 @@ The halo a window reaches (kernel ``k``, stride ``s``, dilation ``d``, padding `
 along a split dim, ``D = d * (k - 1)``): ``lo`` rows before, ``D - lo - s + 1`` after (a
 negative count: rows cropped from the block's end), which gives every rank ``rows / s`` output
 rows when ``D + 1 - s <= lo + hi <= D`` (the whole output is ``L / s`` rows long).
+
+Uneven blocks on simulated ranks (which share one shape): every rank's block is padded to the
+largest block's rows, and `RAGGED` holds each split dim's block sizes at the field's resolution
+while the region runs. At a layer whose input has ``m`` rows along a split dim (the largest
+block's rows at that layer's resolution, ``M`` at the field's), rank ``i`` holds
+``sizes[i] * m / M`` valid rows first (`ragged_sizes`); the rows after them are padding, which
+the halo exchange skips (its ``sizes=``), the windowed layers zero in their output, and the norms,
+the adaptive pooling and the attention leave out (a mask of the valid rows, `ragged_mask`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from fastdist.ops import axis_index, halo_exchange
 
 __all__ = [
     "POOLED",
+    "RAGGED",
+    "ragged_sizes",
+    "ragged_mask",
+    "zero_padding_rows",
     "Split",
     "split_here",
     "window_halo",
@@ -46,6 +58,10 @@ Split = tuple[tuple[int, str], ...]
 #: the region running now (the style clears it where the region is entered)
 POOLED: set[str] = set()
 
+#: the uneven blocks of the region running now on simulated ranks: ``{dim from the end: each
+#: rank's rows at the field's resolution}`` (the style sets it where the region is entered)
+RAGGED: dict[int, tuple[int, ...]] = {}
+
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -58,8 +74,65 @@ def split_here(split: Split, nsp: int) -> list[tuple[int, int, str]]:
     return [(nsp + d, d, axis) for d, axis in split if -d <= nsp]
 
 
+def ragged_sizes(mesh: Mesh, axis: str, dim: int, rows: int, where: str) -> list[int] | None:
+    """Each rank's valid rows along the split dim ``dim`` (from the end, over ``axis``) of a
+    tensor padded to ``rows`` there, on simulated ranks with uneven blocks; ``None`` for even
+    blocks, real ranks (each holds its own rows) and a global pooling's one row."""
+    base = RAGGED.get(dim)
+    if base is None or mesh.backend is not None or (axis in POOLED and rows == 1):
+        return None
+    top = max(base)
+    if any((b * rows) % top for b in base):
+        raise ParallelizeError(
+            f"domain parallel: {where} gets {rows} rows along the split dim {dim} where the "
+            f"field's blocks are {list(base)}: the blocks scaled by {rows}/{top} are not whole "
+            "rows (a stride that does not divide every block). Fix: blocks that are multiples "
+            "of the strides on the way"
+        )
+    return [b * rows // top for b in base]
+
+
+def _own(mesh: Mesh, axis: str, sizes: Sequence[int], device: Any) -> Tensor:
+    """This rank's entry of ``sizes`` (a per-rank 0-d tensor on simulated ranks)."""
+    return torch.tensor(list(sizes), device=device)[axis_index(mesh, axis).to(device)]
+
+
+def ragged_mask(
+    x: Tensor, nsp: int, mesh: Mesh, split: Split, where: str, dims: Sequence[int] | None = None
+) -> Tensor | None:
+    """A bool mask broadcastable to ``x`` (``nsp`` spatial dims at its end): True on this rank's
+    valid rows along every ragged split dim (among ``dims`` from the end, if given); ``None``
+    where no split dim is ragged."""
+    mask: Tensor | None = None
+    for _, d, axis in split_here(split, nsp):
+        if dims is not None and d not in dims:
+            continue
+        sizes = ragged_sizes(mesh, axis, d, x.shape[d], where)
+        if sizes is None:
+            continue
+        rows = torch.arange(x.shape[d], device=x.device) < _own(mesh, axis, sizes, x.device)
+        rows = rows.reshape(x.shape[d], *[1] * (-d - 1))
+        mask = rows if mask is None else mask & rows
+    return mask
+
+
+def zero_padding_rows(y: Tensor, nsp: int, mesh: Mesh, split: Split, where: str) -> Tensor:
+    """``y`` with the padding rows of ragged split dims set to zero (they stay finite: a layer
+    after it never reads them, a norm masks them)."""
+    mask = ragged_mask(y, nsp, mesh, split, where)
+    return y if mask is None else torch.where(mask, y, y.new_zeros(()))
+
+
 def window_halo(
-    where: str, dim: int, rows: int, k: int, s: int, d: int, lo: int, hi: int
+    where: str,
+    dim: int,
+    rows: int,
+    k: int,
+    s: int,
+    d: int,
+    lo: int,
+    hi: int,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """``(before, after)`` halo rows of a window op along one split dim with ``rows`` rows per
     block (``after < 0``: crop); raises where the ranks' outputs would not split the whole one
@@ -72,20 +145,29 @@ def window_halo(
             "so the ranks' blocks would not tile it. Fix: a padding that keeps the length at "
             f"stride 1 (lo + hi == {span}), or do not split dim {dim}"
         )
-    if rows % s:
+    if any(r % s for r in (sizes or [rows])):
         raise ParallelizeError(
             f"domain parallel: {where} has stride {s} along the split dim {dim} and blocks of "
-            f"{rows} rows: every block must hold a multiple of {s} rows so that each starts on "
-            "an output row. Fix: a domain length divisible by the stride times the ranks"
+            f"{list(sizes or [rows])} rows: every block must hold a multiple of {s} rows so "
+            "that each starts on an output row. Fix: a domain length divisible by the stride "
+            "times the ranks (uneven blocks: each a multiple of the strides on the way)"
         )
     return lo, span - lo - s + 1
 
 
 def exchange(
-    x: Tensor, mesh: Mesh, axis: str, dim: int, before: int, after: int, mode: str = "zeros"
+    x: Tensor,
+    mesh: Mesh,
+    axis: str,
+    dim: int,
+    before: int,
+    after: int,
+    mode: str = "zeros",
+    sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """``x`` with ``before`` / ``after`` halo rows along ``dim`` (``after < 0``: that many rows
-    cropped from the end), the domain's ends padded as ``mode`` pads."""
+    cropped from the end), the domain's ends padded as ``mode`` pads; ``sizes``: each rank's
+    valid rows (simulated uneven blocks: the halo follows them, then the padding rows)."""
     d = x.dim() + dim if dim < 0 else dim
     if axis in POOLED and (before or after > 0) and x.shape[d] == 1:
         raise ParallelizeError(
@@ -93,18 +175,28 @@ def exchange(
             "reduced to one row (the same on every rank). Fix: end the domain-parallel region "
             "at the pooling, or a 1-wide kernel after it"
         )
-    x = halo_exchange(x, mesh, axis, d, (before, max(after, 0)), mode=mode)
+    x = halo_exchange(x, mesh, axis, d, (before, max(after, 0)), mode=mode, sizes=sizes)
     return x if after >= 0 else x.narrow(d, 0, x.shape[d] + after)
 
 
-def _end_rows(x: Tensor, mesh: Mesh, axis: str, dim: int, before: int, after: int) -> Tensor:
+def _end_rows(
+    x: Tensor,
+    mesh: Mesh,
+    axis: str,
+    dim: int,
+    before: int,
+    after: int,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
     """A bool mask broadcastable to ``x`` (halo-padded along ``dim``): True on the halo rows
-    that lie outside the domain (rank 0's ``before``, the last rank's ``after``)."""
+    that lie outside the domain (rank 0's ``before``, the last rank's rows after its own: its
+    ``after``, and with ragged ``sizes`` its padding rows too)."""
     d = x.dim() + dim if dim < 0 else dim
     n, rows = mesh.axis_size(axis), x.shape[d]
     k = axis_index(mesh, axis).to(x.device)
     j = torch.arange(rows, device=x.device)
-    outside = ((j < before) & (k == 0)) | ((j >= rows - max(after, 0)) & (k == n - 1))
+    end = rows - max(after, 0) if sizes is None else before + _own(mesh, axis, sizes, x.device)
+    outside = ((j < before) & (k == 0)) | ((j >= end) & (k == n - 1))
     return outside.reshape(rows, *[1] * (x.dim() - d - 1))
 
 
@@ -135,12 +227,14 @@ def domain_conv(
     for i, d, axis in split_here(split, nsp):
         k = weight.shape[2 + i]
         lo, hi = pads[i]
-        before, after = window_halo(where, d, x.shape[d], k, stride[i], dilation[i], lo, hi)
-        x = exchange(x, mesh, axis, d, before, after, mode)
+        sizes = ragged_sizes(mesh, axis, d, x.shape[d], where)
+        before, after = window_halo(where, d, x.shape[d], k, stride[i], dilation[i], lo, hi, sizes)
+        x = exchange(x, mesh, axis, d, before, after, mode, sizes)
         pads[i] = (0, 0)
     if any(v for p in pads for v in p):
         x = F.pad(x, _flat_pad(pads), mode="constant" if mode == "zeros" else mode)
-    return _CONV[nsp](x, weight, bias, tuple(stride), 0, tuple(dilation), groups)
+    y = _CONV[nsp](x, weight, bias, tuple(stride), 0, tuple(dilation), groups)
+    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
 
 
 def domain_conv_transpose(
@@ -178,7 +272,8 @@ def domain_conv_transpose(
             )
         rows = x.shape[d]
         before, after = max(0, (span - p) // s), max(0, (p - 1) // s + 1)
-        x = exchange(x, mesh, axis, d, before, after)
+        sizes = ragged_sizes(mesh, axis, d, rows, where)
+        x = exchange(x, mesh, axis, d, before, after, sizes=sizes)
         cuts.append((d, before * s + p, rows * s))
         pad[i], outpad[i] = 0, 0
     y = _CONVT[nsp](
@@ -191,7 +286,7 @@ def domain_conv_transpose(
         y = y.narrow(y.dim() + d, start, rows)
     if bias is not None:
         y = y + bias.reshape(-1, *[1] * nsp)
-    return y
+    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
 
 
 def domain_pool(
@@ -215,24 +310,28 @@ def domain_pool(
     pad = list(padding)
     outside: Tensor | None = None
     for i, d, axis in split_here(split, nsp):
+        sizes = ragged_sizes(mesh, axis, d, x.shape[d], where)
         before, after = window_halo(
-            where, d, x.shape[d], kernel[i], stride[i], dilation[i], padding[i], padding[i]
-        )
-        x = exchange(x, mesh, axis, d, before, after)
-        ends = _end_rows(x, mesh, axis, d, before, after)
+            where, d, x.shape[d], kernel[i], stride[i], dilation[i], padding[i], padding[i],
+            sizes,
+        )  # fmt: skip
+        x = exchange(x, mesh, axis, d, before, after, sizes=sizes)
+        ends = _end_rows(x, mesh, axis, d, before, after, sizes)
         outside = ends if outside is None else outside | ends
         pad[i] = 0
     if kind == "max":
         if outside is not None:
             x = x.masked_fill(outside, float("-inf"))
-        return _MAXPOOL[nsp](x, tuple(kernel), tuple(stride), tuple(pad), tuple(dilation))
-    if outside is None or count_include_pad or divisor_override is not None:
-        return _avg(x, nsp, kernel, stride, pad, count_include_pad, divisor_override)
-    # the mean over the window's rows inside the domain: a sum over a count
-    total = _avg(x, nsp, kernel, stride, pad, True, 1)
-    inside = (~outside).to(x.dtype).expand(*[1] * (x.dim() - nsp), *x.shape[-nsp:])
-    count = _avg(inside, nsp, kernel, stride, pad, True, 1)
-    return total / count
+        y = _MAXPOOL[nsp](x, tuple(kernel), tuple(stride), tuple(pad), tuple(dilation))
+    elif outside is None or count_include_pad or divisor_override is not None:
+        y = _avg(x, nsp, kernel, stride, pad, count_include_pad, divisor_override)
+    else:
+        # the mean over the window's rows inside the domain: a sum over a count (at least 1:
+        # a window over padding rows only counts none, and its result is zeroed below)
+        total = _avg(x, nsp, kernel, stride, pad, True, 1)
+        inside = (~outside).to(x.dtype).expand(*[1] * (x.dim() - nsp), *x.shape[-nsp:])
+        y = total / _avg(inside, nsp, kernel, stride, pad, True, 1).clamp(min=1)
+    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
 
 
 def _avg(
@@ -280,10 +379,11 @@ def domain_upsample(
     if halo:
         for _, d, axis in split_here(split, nsp):
             rows = x.shape[d]
-            x = exchange(x, mesh, axis, d, halo, halo, "replicate")
+            sizes = ragged_sizes(mesh, axis, d, rows, where)
+            x = exchange(x, mesh, axis, d, halo, halo, "replicate", sizes)
             cuts.append((d, halo * scale[nsp + d], rows * scale[nsp + d]))
     extra = {} if mode.startswith("nearest") else {"align_corners": False}
     y = F.interpolate(x, scale_factor=tuple(float(s) for s in scale), mode=mode, **extra)
     for d, start, rows in cuts:
         y = y.narrow(y.dim() + d, start, rows)
-    return y
+    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
