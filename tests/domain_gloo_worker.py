@@ -84,14 +84,19 @@ def vae_attention_inputs() -> tuple[nn.Module, Tensor, Tensor]:
 
 def vae_attention_on_gloo() -> dict[str, Any]:
     """One rank of 2 (W over ``w``, uneven blocks of 2 and 4 latent columns): the decoder's
-    attention gathers keys of different lengths (``all_gather_v``); output and gradients."""
+    attention gathers keys of different lengths (``all_gather_v``), or passes them around a ring
+    (padded to one length, the padding masked); output and gradients of each."""
     mesh = fd.connect(w=2, timeout=120)
-    net, z, cot = vae_attention_inputs()
-    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-1: "w"}, sizes={-1: [2, 4]})})
-    zr = z.clone().requires_grad_()
-    out = pm(zr)
-    (out * cot).sum().backward()
-    return {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}
+    results = {}
+    for form in ("gather", "ring"):  # the keys gathered, or passed around (padded to travel)
+        net, z, cot = vae_attention_inputs()
+        style = fd.nn.DomainParallel({-1: "w"}, sizes={-1: [2, 4]}, attention=form)
+        pm = fd.nn.parallelize(net, mesh, {"": style})
+        zr = z.clone().requires_grad_()
+        out = pm(zr)
+        (out * cot).sum().backward()
+        results[form] = {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}
+    return results
 
 
 def dp_inputs() -> tuple[nn.Module, Tensor, Tensor]:

@@ -244,7 +244,8 @@ def test_attention_refusals() -> None:
 
 def test_attention_with_uneven_blocks_on_gloo() -> None:
     """2 gloo processes, W split into 2 and 4 latent columns: the mid-block attention gathers
-    keys of 8 and 16 tokens (``all_gather_v``), equal to one device forward and backward."""
+    keys of 8 and 16 tokens (``all_gather_v``), or passes them around a ring (``attention="ring"``:
+    padded to 16, the padding masked), equal to one device forward and backward."""
     from tests.dist_harness import run_on_gloo
     from tests.domain_gloo_worker import vae_attention_inputs, vae_attention_on_gloo
 
@@ -252,7 +253,8 @@ def test_attention_with_uneven_blocks_on_gloo() -> None:
     zr = z.clone().requires_grad_()
     out = net(zr)
     (out * cot).sum().backward()
-    for got in run_on_gloo(vae_attention_on_gloo, 2, timeout=180):
+    results = run_on_gloo(vae_attention_on_gloo, 2, timeout=180)
+    for got in (g for per_rank in results for g in per_rank.values()):
         assert torch.allclose(got["out"], out, atol=1e-10)
         assert torch.allclose(got["dz"], zr.grad, atol=1e-10)  # type: ignore[arg-type]
         for name, p in net.named_parameters():

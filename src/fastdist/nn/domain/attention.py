@@ -180,6 +180,13 @@ def ring_sdpa(
     n = call.mesh.axis_size(axis)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
     valid = None if call.valid is None else call.valid.to(q.dtype)  # [Lk]: 1 on real tokens
+    if call.mesh.backend is not None:  # real ranks: uneven blocks padded to one shape to travel
+        rows = all_gather(k.new_tensor([float(k.shape[-2])]), call.mesh, axis)
+        top_rows, own = int(rows.max().item()), k.shape[-2]
+        if top_rows != own:
+            k, v = (F.pad(t, (0, 0, 0, top_rows - own)) for t in (k, v))
+        if int(rows.min().item()) != top_rows:
+            valid = (torch.arange(top_rows, device=q.device) < own).to(q.dtype)
     top = total = acc = None
     for step in range(n):
         if step + 1 < n:  # the block of rank (i - step - 1) % n, on its way
