@@ -345,3 +345,37 @@ def test_mixture_of_experts_training_step_matches_one_device(
     grads = pm.grads()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_zigzag_ring_computes_only_the_visible_half_blocks() -> None:
+    """cp = 4, 16 tokens: chunks of c = 2, each rank holds 2 chunks. Per layer and rank the
+    zig-zag ring computes its own block's 3 visible c x c products and 2 of each other block's
+    4 (ring-flash-attention's skip): (2n + 1) c^2 = 36 (query, key) pairs, not 4 n c^2 = 64,
+    and the logits and gradients still equal one device. The contiguous layout computes every
+    block, masked."""
+    from fastdist.nn.styles.causal_ring import count_work
+
+    ref = tiny_models.build("llama", kv=2)
+    ids, labels = batch(11)
+    want = ref(input_ids=ids, use_cache=False).logits
+    want.pow(2).mean().backward()
+    for layout, pairs, shapes in (
+        ("zigzag", 36, [(2, 2), (2, 4)] + [(2, 2), (2, 2)] * 3),
+        ("contiguous", 64, [(4, 4)] * 4),
+    ):
+        model = copy.deepcopy(ref)
+        model.zero_grad()
+        mesh = fd.Mesh({"cp": 4})
+        cp = CausalContextParallel("cp", "ring", layout=layout)  # type: ignore[arg-type]
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+        with count_work() as work:
+            got = pm(input_ids=rep(ids, mesh), use_cache=False).logits
+        assert work == shapes * 2, (layout, work)  # 2 layers
+        assert sum(a * b for a, b in work) == 2 * pairs, layout
+        torch.testing.assert_close(got, rep(want.detach(), mesh), rtol=1e-9, atol=1e-10)
+        got.pow(2).mean(dim=(1, 2, 3)).sum().backward()
+        grads = pm.grads()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(
+                grads[name], p.grad, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}"
+            )

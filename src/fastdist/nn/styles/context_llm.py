@@ -52,7 +52,8 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import Style, StyleContext
-from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk, ring_shift
+from fastdist.nn.styles.causal_ring import attend, ring_blocks, zigzag_ring
+from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk
 
 __all__ = ["CausalContextParallel", "PvaryTree", "decoding", "zigzag_gather", "zigzag_shard"]
 
@@ -270,68 +271,6 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
 
 
 # ============================================================================ attention
-def _keep(qi: Tensor, ki: Tensor, kvalid: Tensor | None, window: int | None) -> Tensor:
-    """(Bm, 1, 1, Sq, Sk) True where query (token index ``qi`` (Bm, Sq)) may see key ``ki``."""
-    keep = ki.unsqueeze(-2) <= qi.unsqueeze(-1)  # (Bm, Sq, Sk)
-    if window is not None:
-        keep = keep & (qi.unsqueeze(-1) - ki.unsqueeze(-2) < window)
-    if kvalid is not None:
-        keep = keep & kvalid.unsqueeze(-2)
-    return keep[:, None, None]
-
-
-def _attend(
-    q: Tensor,
-    blocks: Iterator[tuple[Tensor, Tensor, Tensor, Tensor | None]],
-    qi: Tensor,
-    scaling: float,
-    window: int | None,
-    softcap: float | None,
-) -> Tensor:
-    """Softmax attention of q ``(B, Hq, Sq, D)`` over key blocks ``(k, v, token index, valid)``
-    (k ``(B, Hkv, Sk, D)``) merged with an online softmax -> ``(B, Sq, Hq, Dv)``."""
-    B, hq, sq, _ = q.shape
-    top = total = acc = None
-    for k, v, ki, kvalid in blocks:
-        qg = q.reshape(B, k.shape[1], hq // k.shape[1], sq, -1)  # (B, Hkv, G, Sq, D)
-        s = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scaling  # (B, Hkv, G, Sq, Sk)
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        keep = _keep(qi, ki, kvalid, window)
-        # the running max only shifts the exponents: from detached scores, as flash attention
-        block_top = torch.where(keep, s.detach(), float("-inf")).amax(-1, keepdim=True)
-        new_top = block_top if top is None else torch.maximum(top, block_top)
-        shift = torch.where(new_top.isfinite(), new_top, 0.0)  # rows that saw no key yet
-        p = torch.exp(torch.where(keep, s - shift, float("-inf")))  # (B, Hkv, G, Sq, Sk)
-        block_sum, block_acc = p.sum(-1, keepdim=True), p @ v.unsqueeze(2)
-        if total is None or acc is None or top is None:
-            total, acc = block_sum, block_acc
-        else:
-            scale = torch.exp(torch.where(top.isfinite(), top, 0.0) - shift)
-            total, acc = total * scale + block_sum, acc * scale + block_acc
-        top = new_top
-    assert total is not None and acc is not None
-    out = torch.where(total > 0, acc / total.clamp_min(1e-300), 0.0)  # (B, Hkv, G, Sq, Dv)
-    return out.flatten(1, 2).transpose(1, 2)  # (B, Sq, Hq, Dv)
-
-
-def _ring_blocks(
-    state: ContextState, k: Tensor, v: Tensor, ki: Tensor, kvalid: Tensor | None
-) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
-    """This rank's k/v block, then every other rank's, passed around the ring (the next transfer
-    issued before the current block is used)."""
-    mesh, axis, n = state.mesh, state.axis, state.mesh.axis_size(state.axis)
-
-    def shift(t: Tensor | None) -> Tensor | None:
-        return None if t is None else ring_shift(t, mesh, axis)
-
-    for step in range(n):
-        nxt = (shift(k), shift(v), shift(ki), shift(kvalid)) if step < n - 1 else None
-        yield k, v, ki, kvalid
-        if nxt is not None:
-            k, v, ki, kvalid = nxt  # type: ignore[assignment]
-
-
 def _ulysses_kv_heads(state: ContextState, module: Any, hq: int, hkv: int) -> int:
     """How many times each kv head is repeated before the Ulysses exchange; raises for head
     counts that do not split over the axis."""
@@ -390,11 +329,17 @@ def context_attention(
         valid = state.whole_valid
         valid = None if valid is None else valid[:, -sk:]  # a sliding cache holds the last keys
         blocks = iter([(key, value, ki, valid)])
-        return _attend(query, blocks, qi, scale, sliding_window, softcap), None
+        return attend(query, blocks, qi, scale, sliding_window, softcap), None
     assert state.index is not None
-    if state.mode == "ring":
-        blocks = _ring_blocks(state, key, value, state.index, state.valid)
-        return _attend(query, blocks, state.index, scale, sliding_window, softcap), None
+    mine = (key, value, state.index, state.valid)
+    if state.mode == "ring" and state.layout == "zigzag":  # only the visible half-blocks
+        out = zigzag_ring(
+            query, mine, state.index, state.mesh, state.axis, scale, sliding_window, softcap
+        )
+        return out, None
+    if state.mode == "ring":  # contiguous: every block, masked
+        blocks = ring_blocks(state.mesh, state.axis, mine)
+        return attend(query, blocks, state.index, scale, sliding_window, softcap), None
     mesh, axis = state.mesh, state.axis
     reps = _ulysses_kv_heads(state, module, query.shape[1], key.shape[1])
     # (B, 2c, H, D) tokens of every head -> (B, S', H/n, D) every token (zig-zag order) of H/n
@@ -408,7 +353,7 @@ def context_attention(
     )
     index = all_gather_invariant(state.index, mesh, axis, dim=1)  # (1, S')
     valid = None if state.valid is None else all_gather_invariant(state.valid, mesh, axis, dim=1)
-    o = _attend(qh, iter([(kh, vh, index, valid)]), index, scale, sliding_window, softcap)
+    o = attend(qh, iter([(kh, vh, index, valid)]), index, scale, sliding_window, softcap)
     # (B, S', H/n, Dv) -> (B, 2c, H, Dv)
     return all_to_all_4d(o, mesh, axis, scatter_dim=1, gather_dim=2), None
 
