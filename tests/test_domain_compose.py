@@ -1,0 +1,79 @@
+"""Domain parallelism composed with the rest of fastdist, against the unmodified models on one
+device: a whole text-to-video step on one set of ranks (a tiny diffusers Wan DiT context-parallel
+over ``sp``, then the Wan VAE decoding its latents domain-parallel over the same ``sp`` ranks,
+split by frames or by height), on simulated ranks; and ``fastdist.train.DataParallel``'s DDP and
+FSDP2 engines over ``dp`` x ``h`` on gloo processes.
+
+Wan's DiT computes its norms and modulation in float32 on purpose, so what flows through it is
+compared relative to each tensor's largest entry (1e-6), as in ``tests/test_context_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fastdist as fd
+from tests.test_context_parallel import inputs, tiny_wan
+from tests.test_domain_models import WanDecode
+from tests.test_domain_models import tiny_wan as tiny_wan_vae
+
+F64 = torch.float64
+
+
+def close(got: Tensor, want: Tensor, tol: float = 1e-6) -> None:
+    """Equal relative to ``want``'s largest entry."""
+    err = float((got.detach() - want).abs().max() / want.abs().max())
+    assert err < tol, f"{err:.2e}"
+
+
+def text_to_video_step(dit: Any, decode: Any, z: Tensor, t: Tensor, text: Tensor) -> Any:
+    """One denoising step, then the decode: the DiT's velocity at ``t``, an Euler step of the
+    latents ``z - dt * v``, and the VAE's decode of the new latents. ``dit`` and ``decode``: the
+    single-device modules, or their ParallelModels (on simulated ranks every tensor has a leading
+    rank dim, and the step between them runs on each rank's copy)."""
+    v = dit(hidden_states=z, timestep=t, encoder_hidden_states=text).sample
+    latents = z - 0.1 * v  # [(ranks,) N, 4, T, H, W]
+    return latents, decode(latents)
+
+
+@pytest.mark.parametrize(
+    ("cached", "dims"), [(False, {-3: "sp"}), (True, {-2: "sp"})], ids=["frames", "height-cached"]
+)
+def test_text_to_video_step_dit_then_vae_on_the_same_ranks(
+    cached: bool, dims: dict[int, str]
+) -> None:
+    """sp = 2 simulated ranks: the DiT's tokens split over ``sp`` (``parallelize(..., "auto")``:
+    Wan's context-parallel plan), then the VAE decoder domain-parallel over the same ``sp`` ranks
+    (by frames: 4 latent frames, 2 per rank; or by height through Wan's frame-cached
+    ``decode``). The new latents, the decoded video and every gradient of a loss on the video
+    (the DiT's parameters through the decode, the VAE's) equal one device's."""
+    x = inputs(frames=4)
+    z, t, text = x["hidden_states"], x["timestep"], x["encoder_hidden_states"]
+    dit, vae = tiny_wan(layers=1), tiny_wan_vae().to(F64)
+    decode: nn.Module = WanDecode(vae) if cached else vae.decoder
+    ref_dit, ref_decode = copy.deepcopy(dit), copy.deepcopy(decode)
+    want_lat, want_video = text_to_video_step(ref_dit, ref_decode, z, t, text)
+    cot = torch.randn(want_video.shape, dtype=F64)
+    (want_video * cot).sum().backward()
+
+    mesh = fd.Mesh({"sp": 2})
+    pm_dit = fd.nn.parallelize(dit, mesh, "auto", verify=x)
+    assert pm_dit.plan == fd.nn.plans.wan(axis="sp")
+    where = "vae.decoder" if cached else ""
+    pm_vae = fd.nn.parallelize(decode, mesh, {where: fd.nn.DomainParallel(dims)})
+    on_ranks = [a.expand(2, *a.shape) for a in (z, t, text)]
+    lat, video = text_to_video_step(pm_dit, pm_vae, *on_ranks)
+    for r in range(2):
+        close(lat[r], want_lat)
+        close(video[r], want_video)
+    (video * cot).sum().backward()  # every rank's loss: the same video
+    for pm, ref in ((pm_dit, ref_dit), (pm_vae, ref_decode)):
+        grads = pm.grads()
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                close(grads[name], p.grad)
