@@ -37,6 +37,31 @@ __all__ = ["open_source", "read", "write", "Source"]
 Source = str | os.PathLike[str] | Mapping[str, Any]
 
 
+#: the weight file names save_pretrained writes: transformers', diffusers'
+_WEIGHT_NAMES = ("model", "diffusion_pytorch_model")
+
+
+def _directory_files(path: str) -> dict[str, str]:
+    """key -> file of a save_pretrained directory (``{"": file}``: one file holding every key),
+    transformers' (``model.safetensors``) or diffusers' (``diffusion_pytorch_model.safetensors``),
+    one file or sharded with an index."""
+    for name in _WEIGHT_NAMES:
+        index = os.path.join(path, f"{name}.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        single = os.path.join(path, f"{name}.safetensors")
+        if os.path.exists(single):
+            return {"": single}
+    raise CheckpointError(
+        f"fastdist.checkpoint.load: {path} holds neither model.safetensors nor "
+        "model.safetensors.index.json (nor diffusers' diffusion_pytorch_model.safetensors). Fix: "
+        "pass the directory save_pretrained(..., safe_serialization=True) wrote, or the "
+        ".safetensors file itself"
+    )
+
+
 @contextmanager
 def open_source(
     source: Source,
@@ -56,20 +81,7 @@ def open_source(
             "a state dict"
         )
     if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
-        else:
-            single = os.path.join(path, "model.safetensors")
-            if not os.path.exists(single):
-                raise CheckpointError(
-                    f"fastdist.checkpoint.load: {path} holds neither model.safetensors nor "
-                    "model.safetensors.index.json. Fix: pass the directory save_pretrained("
-                    "..., safe_serialization=True) wrote, or the .safetensors file itself"
-                )
-            files = {"": single}
+        files = _directory_files(path)
     else:
         files = {"": path}
     handles: dict[str, Any] = {}

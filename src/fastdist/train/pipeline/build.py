@@ -89,6 +89,7 @@ def pipeline(
             f"pipeline: {mesh!r} has no axis {axis!r}. Fix: add it (e.g. Mesh({{'{axis}': 2, "
             f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
         )
+    _refuse_dit(model)
     pp = mesh.shape[axis]
     if isinstance(schedule, Schedule):
         sched = schedule
@@ -141,6 +142,23 @@ def pipeline(
     pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, tied)
     install_save_pretrained(pipe, model)  # the model's and the stages' write the whole model
     return pipe
+
+
+def _refuse_dit(model: nn.Module) -> None:
+    """Refuse a diffusers DiT: stages are cut from a causal LM (a step takes ``input_ids`` and
+    ``labels`` and its last stage computes transformers' loss); a DiT's step (latents, timesteps,
+    text states in, a denoising loss out) is not built."""
+    from fastdist.nn.plans.dit import is_diffusers_dit
+
+    if is_diffusers_dit(model):
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} is a diffusers diffusion transformer; pipeline "
+            "stages are built for transformers causal LMs (a step takes input_ids and labels "
+            "and ends in their loss), and a DiT's step is not built. Fix: split its tokens "
+            "instead (fastdist.nn.parallelize(model, mesh) over an 'sp' axis, "
+            "fastdist.nn.plans.dit_tp.wan_tp for heads over 'tp' too) with "
+            "fastdist.train.DataParallel over 'dp'"
+        )
 
 
 def _check_tied_layouts(first: Any, last: Any, tied: Mapping[str, str]) -> None:
