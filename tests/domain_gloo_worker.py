@@ -130,3 +130,27 @@ def dp_step_on_gloo() -> dict[str, Any]:
         "weights": {n: p.detach().clone() for n, p in net.named_parameters()},
         "running": (bn.running_mean.clone(), bn.running_var.clone()),
     }
+
+
+def dp_engines_on_gloo() -> dict[str, Any]:
+    """One rank of dp 2 x h 2: H split over ``h``, torch's DDP and FSDP2 engines over ``dp``
+    (``fastdist.train.DataParallel(engine=...)``), a group norm (statistics per sample); one SGD
+    step each: the output and the whole weights after the step (``pm.state_dict()``)."""
+    mesh = fd.connect(dp=2, h=2, order=("dp", "h"), timeout=120)
+    r = mesh.rank // 2  # this rank's data index (dp, h row-major)
+    results = {}
+    for engine in ("ddp", "fsdp"):
+        net, x, cot = dp_inputs()
+        net.mid[0] = nn.GroupNorm(2, 8).to(F64)
+        pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+        kwargs = {"blocks": ["Sequential"]} if engine == "fsdp" else {}
+        fd.train.DataParallel(pm, "dp", engine=engine, **kwargs)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        out = pm(x[r])
+        (out * cot[r]).sum().backward()
+        opt.step()
+        results[engine] = {
+            "out": out.detach(),
+            "weights": {n: v.detach().clone() for n, v in pm.state_dict().items()},
+        }
+    return results

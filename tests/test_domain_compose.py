@@ -77,3 +77,24 @@ def test_text_to_video_step_dit_then_vae_on_the_same_ranks(
         for name, p in ref.named_parameters():
             if p.grad is not None:
                 close(grads[name], p.grad)
+
+
+def test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo() -> None:
+    """4 gloo processes, dp 2 x h 2: the UNet-like model with H split over ``h`` and torch's DDP,
+    then FSDP2 (its Sequential blocks, then the root, sharded over ``dp``), over ``dp``: the
+    outputs and the weights after one SGD step equal one device on the whole batch with the
+    mean of the data ranks' losses."""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import dp_engines_on_gloo, dp_inputs
+
+    net, x, cot = dp_inputs()
+    net.mid[0] = nn.GroupNorm(2, 8).to(F64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out = net(x.flatten(0, 1))
+    (out * cot.flatten(0, 1)).sum().div(2).backward()  # the mean over the data ranks' losses
+    opt.step()
+    for rank, per_engine in enumerate(run_on_gloo(dp_engines_on_gloo, 4, timeout=240)):
+        for engine, got in per_engine.items():
+            assert torch.allclose(got["out"], out.unflatten(0, (2, 2))[rank // 2], atol=1e-10)
+            for name, p in net.named_parameters():
+                assert torch.allclose(got["weights"][name], p, atol=1e-10), (engine, name)
