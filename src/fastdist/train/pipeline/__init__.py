@@ -41,9 +41,9 @@ receiver checks: a peer that sends something else raises instead of being misrea
 Tied input and output embeddings: the first and the last stage each hold a copy
 (``Pipeline.tied``), and a step sums their gradients (Megatron's embedding group).
 
-Modules: `split` (model -> stages), `runtime` (`Pipeline`: running a schedule, transfers),
-`build` (the `pipeline` entry point). Data parallelism over the stages:
-``fastdist.train.DataParallel(pipe, "dp")``.
+Modules: `split` (model -> stages), `runtime` (`Pipeline`: running a schedule),
+`transfers` (between the ranks along the axis), `build` (the `pipeline` entry point). Data
+parallelism over the stages: ``fastdist.train.DataParallel(pipe, "dp")``.
 """
 
 from fastdist.train.pipeline.build import pipeline

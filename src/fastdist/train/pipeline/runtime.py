@@ -1,15 +1,13 @@
 """Running a pipeline schedule: `Pipeline` (the stages held here, one step of a schedule on
-simulated or real ranks) and the transfers between ranks along ``pp`` (headers checked, sends
-asynchronous, receives with the mesh's timeout, posted one action ahead once their shapes are
-known)."""
+simulated or real ranks). The transfers between ranks along ``pp`` are
+`fastdist.train.pipeline.transfers`."""
 
 from __future__ import annotations
 
 import math
 import os
 import time
-import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,8 +16,9 @@ from torch import Tensor, nn
 
 from fastdist.comm.connect import reset as reset_mesh
 from fastdist.core.mesh import Mesh
-from fastdist.errors import CommError, PipelineError
+from fastdist.errors import PipelineError
 from fastdist.train.pipeline.split import STAGE_INPUT
+from fastdist.train.pipeline.transfers import Transfers, schedule_id
 from fastdist.train.schedules import Schedule
 
 if TYPE_CHECKING:
@@ -39,248 +38,6 @@ class Event:
     stage: int
     start: float
     end: float
-
-
-# ====================================================================== transfers
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_HEADER = 16  # int64 slots: kind, microbatch, stage, dtype, ndim, schedule (3), shape...
-_SHAPE = 8  # where the shape starts: at most _HEADER - _SHAPE = 8 dims
-_TIED_TAG = 1 << 28  # the tags of a tied weight's gradient halves (above every transfer's)
-
-
-def _schedule_id(sched: Schedule, layers: Sequence[range]) -> tuple[int, int, int]:
-    """What a transfer's header says about the sender's pipeline: ``(checksum of its schedule's
-    actions and layer split, micro-batches, stages)``, equal on every rank that built the same
-    pipeline (a checksum, not Python's per-process ``hash``)."""
-    text = repr(
-        (
-            sched.name,
-            [[str(a) for a in acts] for acts in sched.actions],
-            [(r.start, r.stop) for r in layers],
-        )
-    )
-    return zlib.crc32(text.encode()), sched.microbatches, sched.stages
-
-
-class _Ranks:
-    """Transfers between the ranks of the pipeline axis of a real mesh: asynchronous sends,
-    receives with the mesh's timeout, headers checked.
-
-    A transfer's bytes move only once its receive is posted (gloo's rendezvous: the sender's
-    data waits for the receiver's notice), so a receive posted when the action needs it waits,
-    idle, for two processes' I/O threads to wake (on busy cores, for a time slice). `post`
-    starts the receive of the next action's input before this rank computes the current one:
-    the bytes arrive meanwhile. Only transfers whose shape an earlier step's header taught
-    are posted early (a first step reads the header first)."""
-
-    def __init__(self, mesh: Mesh, axis: str, schedule_id: tuple[int, int, int]) -> None:
-        from fastdist.comm.axes import axis_comm
-
-        self.ac = axis_comm(mesh, axis, "pipeline")
-        self.axis = axis
-        self.schedule_id = schedule_id  # (checksum, micro-batches, stages): `_schedule_id`
-        self.index = self.ac.index
-        self.pending: list[tuple[Any, Tensor, str]] = []  # (work, payload, what it carries)
-        # (step's input signature, kind, micro-batch, stage) -> (shape, dtype) of the transfer,
-        # once its header went (sent) / came (known): the same step shapes move without one
-        self.sent: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}
-        self.known: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.dtype]] = {}
-        self.signature: Any = None  # the running step's (see Pipeline.step)
-        # (kind, micro-batch, stage) -> (work, buffer) of a receive posted ahead (`post`)
-        self.posted: dict[tuple[str, int, int], tuple[Any, Tensor]] = {}
-
-    def forget(self) -> None:
-        """Drop what the headers taught (after a failure, with `Pipeline.reset` on every rank)."""
-        self.sent.clear()
-        self.known.clear()
-        self.posted.clear()
-
-    def _group(self, device: torch.device) -> Any:
-        return self.ac.process_group("pipeline", device.type)
-
-    def send(self, t: Tensor, peer: int, kind: str, micro: int, stage: int) -> None:
-        import torch.distributed as dist
-
-        t = t.detach().contiguous()
-        if t.dtype not in _DTYPES or t.dim() > _HEADER - _SHAPE:
-            raise PipelineError(
-                f"pipeline: stage {stage} hands on a {t.dtype} tensor of {t.dim()} dims. Fix: "
-                f"stage outputs are floating-point hidden states of at most {_HEADER - _SHAPE} dims"
-            )
-        head = torch.zeros(_HEADER, dtype=torch.int64)
-        head[:_SHAPE] = torch.tensor(
-            [0 if kind == "F" else 1, micro, stage, _DTYPES.index(t.dtype), t.dim()]
-            + list(self.schedule_id)
-        )
-        head[_SHAPE : _SHAPE + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        tag = self._tag(kind, micro, stage)
-        group = self._group(t.device)
-        # `stage` receives: the stage after this one (forward) or before it (backward)
-        what = (
-            f"the delivery of the {'activation' if kind == 'F' else 'gradient'} of micro-batch "
-            f"{micro} from stage {stage - 1 if kind == 'F' else stage + 1} for stage {stage} "
-            f"({self.axis}={peer}, rank {self.ac.ranks[peer]})"
-        )
-        key = (self.signature, kind, micro, stage)
-        seen = self.sent.get(key)
-        if seen is not None and seen != (tuple(t.shape), t.dtype):
-            raise PipelineError(
-                f"pipeline: stage {stage - 1 if kind == 'F' else stage + 1} hands on a "
-                f"{t.dtype} tensor of shape {tuple(t.shape)} where the same inputs gave "
-                f"{seen[1]} {seen[0]} before. Fix: report this as a fastdist bug"
-            )
-        # the header once per step shapes (tag 2k), then the tensor (tag 2k + 1)
-        payloads = [(t, 2 * tag + 1)] if seen else [(head.to(t.device), 2 * tag), (t, 2 * tag + 1)]
-        for payload, ptag in payloads:
-            work = self.ac.run(
-                "pipeline send",
-                lambda p=payload, g=ptag: dist.isend(p, group=group, group_dst=peer, tag=g),
-                what=what,
-            )
-            self.pending.append((work, payload, what))
-        self.sent[key] = (tuple(t.shape), t.dtype)
-
-    def _what_recv(self, peer: int, kind: str, micro: int, stage: int) -> str:
-        # `stage` receives; the sender holds the stage before it (forward) or after it (backward)
-        return (
-            f"the {'activation' if kind == 'F' else 'gradient'} of micro-batch {micro} from "
-            f"stage {stage - 1 if kind == 'F' else stage + 1} ({self.axis}={peer}, rank "
-            f"{self.ac.ranks[peer]}) for stage {stage}"
-        )
-
-    def post(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> None:
-        """Start receiving the tensor `recv` will return for this transfer, if an earlier step's
-        header taught its shape (else `recv` reads the header first); at most once."""
-        import torch.distributed as dist
-
-        seen = self.known.get((self.signature, kind, micro, stage))
-        if seen is None or (kind, micro, stage) in self.posted:
-            return
-        buf = torch.empty(seen[0], dtype=seen[1], device=device)
-        group, tag = self._group(device), 2 * self._tag(kind, micro, stage) + 1
-        work = self.ac.run(
-            "pipeline recv",
-            lambda: dist.irecv(buf, group=group, group_src=peer, tag=tag),
-            what=self._what_recv(peer, kind, micro, stage),
-        )
-        self.posted[(kind, micro, stage)] = (work, buf)
-
-    def recv(self, peer: int, kind: str, micro: int, stage: int, device: torch.device) -> Tensor:
-        import torch.distributed as dist
-
-        what = self._what_recv(peer, kind, micro, stage)
-        timeout = self.ac.comm.timeout
-        posted = self.posted.pop((kind, micro, stage), None)
-        if posted is not None:
-            work, buf = posted
-            self.ac.run("pipeline recv", lambda: _work(work).wait(timeout), what=what)
-            return buf
-        tag = self._tag(kind, micro, stage)
-        group = self._group(device)
-
-        def receive(buf: Tensor, t: int) -> None:
-            self.ac.run(
-                "pipeline recv",
-                lambda: _work(dist.irecv(buf, group=group, group_src=peer, tag=t)).wait(timeout),
-                what=what,
-            )
-
-        key = (self.signature, kind, micro, stage)
-        seen = self.known.get(key)
-        if seen is None:  # the first step of these input shapes: the header says what comes
-            seen = self._read_header(receive, peer, kind, micro, stage, tag, what, device)
-        out = torch.empty(seen[0], dtype=seen[1], device=device)
-        receive(out, 2 * tag + 1)
-        self.known[key] = seen
-        return out
-
-    def _read_header(
-        self,
-        receive: Callable[[Tensor, int], None],
-        peer: int,
-        kind: str,
-        micro: int,
-        stage: int,
-        tag: int,
-        what: str,
-        device: torch.device,
-    ) -> tuple[tuple[int, ...], torch.dtype]:
-        """Receive the header of ``what`` (tag ``2 tag``) and check it; the shape and dtype of
-        the tensor that follows."""
-        head = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        receive(head, 2 * tag)
-        k, m, s, code, ndim, *theirs = (int(v) for v in head[:_SHAPE].tolist())
-        if (
-            (k, m, s) != (0 if kind == "F" else 1, micro, stage)
-            or tuple(theirs) != self.schedule_id
-            or not 0 <= code < len(_DTYPES)
-        ):
-            _, mine_m, mine_s = self.schedule_id
-            same_counts = tuple(theirs[1:]) == (mine_m, mine_s)
-            problem = (
-                f"expected {what}, but {self.axis}={peer} (rank {self.ac.ranks[peer]}) sent "
-                f"{'FB'[k] if k in (0, 1) else '?'}{m} of stage {s} from a pipeline of "
-                f"{theirs[1]} micro-batches over {theirs[2]} stages (this rank: {mine_m} over "
-                f"{mine_s}{', but another schedule or layer split' if same_counts else ''}): "
-                "the ranks run different schedules"
-            )
-            # drop the groups so that the peers waiting on this rank fail now, not at the timeout
-            self.ac.comm.abandon(f"fastdist.pipeline recv failed on this rank: {problem}")
-            raise CommError(
-                "pipeline recv",
-                self.axis,
-                list(self.ac.ranks),
-                self.ac.rank,
-                problem,
-                "build the Pipeline with the same schedule, micro-batches, virtual stages and "
-                "layers_per_stage on every rank; then pipe.reset() on every rank",
-            )
-        return tuple(int(v) for v in head[_SHAPE : _SHAPE + ndim].tolist()), _DTYPES[code]
-
-    def finish(self) -> None:
-        """Wait for this step's sends (the peers received them, or the timeout names them)."""
-        timeout = self.ac.comm.timeout
-        pending, self.pending = self.pending, []
-        for work, _, what in pending:
-            self.ac.run("pipeline send", lambda w=work: w.wait(timeout), what=what)
-
-    def swap(self, t: Tensor, peer: int, what: str) -> Tensor:
-        """Send ``t`` to ``peer`` and receive its tensor of the same shape and dtype (checked
-        first), e.g. the two halves of a tied weight's gradient."""
-        import torch.distributed as dist
-
-        group, timeout = self._group(t.device), self.ac.comm.timeout
-        t = t.detach().contiguous()
-        kind = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
-        head = torch.tensor([t.dim(), kind, *t.shape, *[0] * (_HEADER - t.dim())])
-        theirs = torch.empty_like(head)
-        out = torch.empty_like(t)
-        for mine, buf, tag in ((head.to(t.device), theirs, _TIED_TAG), (t, out, _TIED_TAG + 1)):
-            sent = self.ac.run(
-                "pipeline send",
-                lambda m=mine, g=tag: dist.isend(m, group=group, group_dst=peer, tag=g),
-                what=what,
-            )
-            self.ac.run(
-                "pipeline recv",
-                lambda b=buf, g=tag: _work(dist.irecv(b, group=group, group_src=peer, tag=g)).wait(
-                    timeout
-                ),
-                what=what,
-            )
-            self.ac.run("pipeline send", lambda w=sent: _work(w).wait(timeout), what=what)
-            if tag == _TIED_TAG and not torch.equal(theirs.cpu(), head):
-                raise PipelineError(
-                    f"pipeline: {what}: this rank holds shape {tuple(t.shape)}, {self.axis}="
-                    f"{peer} another ({theirs.tolist()}): the tied weights are split differently "
-                    "on the first and the last stage. Fix: a plan that splits the input and "
-                    "output embeddings alike (the family's ready plan does)"
-                )
-        return out
-
-    @staticmethod
-    def _tag(kind: str, micro: int, stage: int) -> int:
-        return (micro * 4096 + stage) * 2 + (0 if kind == "F" else 1)
 
 
 # ====================================================================== the pipeline
@@ -324,7 +81,7 @@ class Pipeline:
         self.events: list[Event] = []
         self.span = 0.0  # the last step's wall time on this rank (real ranks), seconds
         self._ranks = (
-            _Ranks(mesh, axis, _schedule_id(sched, layers)) if mesh.backend is not None else None
+            Transfers(mesh, axis, schedule_id(sched, layers)) if mesh.backend is not None else None
         )
         self.rank = self._ranks.index if self._ranks is not None else None
 
@@ -517,7 +274,7 @@ class Pipeline:
             rank of the pipeline axis.
         """
         micro = self._micro_batches(batch)
-        self._check_same_batch(batch)
+        self._check_same_batch(batch)  # real ranks: started here, checked before any transfer
         if self._ranks is not None:
             # the first step with these input shapes sends every transfer's header (shape,
             # dtype, the sender's pipeline); later ones only the tensors
@@ -536,7 +293,8 @@ class Pipeline:
         own copy (the first its ids, every stage the masks and positions, the last the labels),
         so copies that differ would mix two batches into one loss. Simulated: the rows are
         compared; real ranks: a digest of each input, all-gathered over the axis (one small
-        collective per step)."""
+        collective per step, started here and waited for by the step's first transfer:
+        `Transfers.gate`, so that it runs while the first forward computes)."""
         keys = sorted(k for k, v in batch.items() if isinstance(v, Tensor))
         if self.simulated:
             pp, size = self.schedule.pp, self.mesh.size
@@ -547,18 +305,26 @@ class Pipeline:
                 if not bool((rows == rows[:1]).all()):
                     self._differs(k)
             return
-        from fastdist.ops import all_gather_invariant
+        assert self._ranks is not None
+        ranks = self._ranks
+        # an all-gather as a sum: every rank fills its own row of zeros (exact in int64)
+        device = batch[keys[0]].device
+        every = torch.zeros(ranks.ac.n, 2 * len(keys), dtype=torch.int64, device=device)
+        for i, k in enumerate(keys):  # every: [pp, 2 * len(keys)]
+            v = batch[k].detach().reshape(-1).long().to(device)  # [n]
+            weights = torch.arange(v.numel(), device=device) % 1000003 + 1  # [n]
+            every[ranks.index, 2 * i : 2 * i + 2] = torch.stack([v.sum(), (v * weights).sum()])
+        pending = ranks.ac.all_reduce_async(
+            "Pipeline.step", every, what="the digest of the batch (every rank's must be equal)"
+        )
 
-        digests = []
-        for k in keys:
-            v = batch[k].detach().reshape(-1).long()  # [n]
-            weights = torch.arange(v.numel(), device=v.device) % 1000003 + 1  # [n]
-            digests.append(torch.stack([v.sum(), (v * weights).sum()]))
-        mine = torch.stack(digests).reshape(1, -1)  # [1, 2 * len(keys)], int64
-        every = all_gather_invariant(mine, self.mesh, self.axis, dim=0)  # [pp, 2 * len(keys)]
-        for i, k in enumerate(keys):
-            if not bool((every[:, 2 * i : 2 * i + 2] == every[:1, 2 * i : 2 * i + 2]).all()):
-                self._differs(k)
+        def check() -> None:
+            pending.wait()
+            for i, k in enumerate(keys):
+                if not bool((every[:, 2 * i : 2 * i + 2] == every[:1, 2 * i : 2 * i + 2]).all()):
+                    self._differs(k)
+
+        ranks.gate = check
 
     def _differs(self, key: str) -> None:
         raise PipelineError(
@@ -777,6 +543,7 @@ class Pipeline:
                         else:
                             ranks.send(gx, s.rank_of(j - 1), "B", m, j - 1)
                 self.events.append(Event(me, a.kind, m, j, start, end))
+            ranks.open_gate()  # no transfer on this rank: the batch check still holds
             ranks.finish()
             self._sum_tied()
             self.span = time.perf_counter() - t0
@@ -793,6 +560,7 @@ class Pipeline:
         finally:
             ranks.pending.clear()
             ranks.posted.clear()
+            ranks.gate = None
         from fastdist.ops import broadcast
 
         # the last stage's loss on every rank of the pipeline axis
@@ -880,9 +648,3 @@ def _grad_of(x: Tensor, stage: int, micro: int) -> Tensor:
             f"{micro} (its output does not depend on it). Fix: report this as a fastdist bug"
         )
     return x.grad
-
-
-def _work(work: Any) -> Any:
-    """A started transfer's handle (torch types it as optional)."""
-    assert work is not None
-    return work
