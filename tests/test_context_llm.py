@@ -379,3 +379,35 @@ def test_the_zigzag_ring_computes_only_the_visible_half_blocks() -> None:
             torch.testing.assert_close(
                 grads[name], p.grad, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def test_one_sequence_switch_per_model_and_no_walk_per_step(monkeypatch: Any) -> None:
+    """parallelize puts one SequenceSwitch on every module of the model; generate's decoding
+    span (`decoding`) and a step run whole (`whole_sequence`, Megatron sequence parallelism)
+    set it without walking the modules; a context-parallel model reads the same switch."""
+    from fastdist.nn.styles import decoding, runs_whole, switch_of, whole_sequence
+
+    pms = []
+    for opts, axes in (
+        ({"context_parallel": "cp"}, {"cp": 2}),
+        ({"sequence_parallel": True}, {"tp": 2}),
+    ):
+        model = tiny_models.build("llama")
+        mesh = fd.Mesh(axes)
+        pms.append(fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, **opts)))
+    for pm in pms:
+        switch = switch_of(pm.module)
+        assert switch is not None
+        assert all(switch_of(m) is switch for m in pm.module.modules())
+        monkeypatch.setattr(type(pm.module), "modules", lambda self: pytest.fail("walked"))
+        with decoding(pm.module):
+            assert switch.decoding and not runs_whole(pm.module.model.layers[0].mlp)
+            with whole_sequence(pm.module):
+                assert runs_whole(pm.module.model.layers[0].mlp)
+        assert not switch.decoding and not runs_whole(pm.module.model.layers[0].mlp)
+        monkeypatch.undo()
+    cp_state = pms[0].module.model.__dict__["fastdist_context_state"]
+    assert cp_state.switch is switch_of(pms[0].module)
+    other = copy.deepcopy(pms[0].module)  # a copy has its own switch
+    assert switch_of(other) is not switch_of(pms[0].module)
+    assert switch_of(other.model.layers[1]) is switch_of(other)

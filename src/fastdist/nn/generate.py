@@ -21,10 +21,12 @@ is a wrong token, silently. Two things make generation right:
 A context-parallel model (`fastdist.nn.CausalContextParallel`) prefills a prompt whose length
 divides by ``2 x cp`` split over the sequence, then gathers the KV cache (each rank holds every
 token's keys and values of its heads) and runs each decoding step's single token whole on every
-rank (`fastdist.nn.styles.context_llm.decoding`). Megatron sequence parallelism
-(``sequence_parallel=True``) runs a call whose tokens divide the ranks split (the prefill) and
-one whose tokens do not (a decoding step's single token) on the whole sequence on every rank
-(`fastdist.nn.styles.whole_sequence`).
+rank. Megatron sequence parallelism (``sequence_parallel=True``) runs a call whose tokens divide
+the ranks split (the prefill) and one whose tokens do not (a decoding step's single token) on
+the whole sequence on every rank (`fastdist.nn.styles.whole_sequence`). Both read the model's
+one `fastdist.nn.styles.SequenceSwitch` (on every module since ``parallelize``): ``generate``
+turns on its ``decoding`` for its span (`fastdist.nn.styles.decoding`), and each call sets its
+``whole``; no call walks the modules.
 
 The logits are gathered (``all_gather`` of the last position's ``V / n`` columns: transformers
 computes only the positions ``generate`` keeps); argmax and top-k/top-p over the sharded logits
@@ -43,8 +45,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.styles import ParallelLinear, SequenceShard, whole_sequence
-from fastdist.nn.styles.context_llm import decoding
+from fastdist.nn.styles import ParallelLinear, SequenceShard, decoding, whole_sequence
 from fastdist.ops import all_gather
 
 if TYPE_CHECKING:

@@ -62,6 +62,7 @@ from fastdist.nn.styles import (
     ReplicatedHeads,
     Style,
     StyleContext,
+    install_switch,
     swap_child,
 )
 from fastdist.nn.verify import VerifyInputs, verify_plan
@@ -685,4 +686,6 @@ def _apply(
             for pname, p in list(mod.named_parameters(recurse=False)):
                 if id(p) not in done:
                     setattr(mod, pname, ctx.param(p, Layout(), f"{mod_name}.{pname}"))
+    # one sequence switch for the model, on every module (generate's decoding steps: no walk)
+    install_switch(model, ctx.switch)
     return ctx

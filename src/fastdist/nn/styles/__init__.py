@@ -15,11 +15,15 @@ it puts inside an attention) and ``context`` (a whole transformer's tokens split
 
 from fastdist.nn.styles.attention import HeadParallelAttention, HeadParams
 from fastdist.nn.styles.base import (
+    SequenceSwitch,
     Style,
     StyleContext,
+    decoding,
     get_child,
+    install_switch,
     runs_whole,
     swap_child,
+    switch_of,
     whole_sequence,
 )
 from fastdist.nn.styles.context import ContextParallel, SequenceParallelAttention
@@ -56,4 +60,8 @@ __all__ = [
     "runs_whole",
     "swap_child",
     "whole_sequence",
+    "SequenceSwitch",
+    "decoding",
+    "install_switch",
+    "switch_of",
 ]

@@ -20,16 +20,73 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.state import Layout
 
-__all__ = ["Style", "StyleContext", "get_child", "runs_whole", "swap_child", "whole_sequence"]
+__all__ = [
+    "SequenceSwitch",
+    "Style",
+    "StyleContext",
+    "decoding",
+    "get_child",
+    "install_switch",
+    "runs_whole",
+    "swap_child",
+    "switch_of",
+    "whole_sequence",
+]
 
-#: the mark `whole_sequence` puts in a module's ``__dict__``
-_WHOLE = "_fastdist_whole_sequence"
+#: the attribute of every module of a parallel model holding the model's `SequenceSwitch`
+SWITCH = "_fastdist_sequence_switch"
+
+
+@dataclass
+class SequenceSwitch:
+    """One per parallel model, the same object on every one of its modules (`install_switch`,
+    which `fastdist.nn.parallelize` calls once): how a call whose tokens the plan's sequence
+    split cannot take runs. Both kinds of sequence splitting read it, with no walk over the
+    modules per call:
+
+    * ``decoding`` (`decoding`: the span of ``generate``): a call that cannot split (a decoding
+      step's single new token against a KV cache, a prompt length the ranks do not divide) runs
+      whole on every rank instead of raising; context parallelism (`CausalContextParallel`)
+      decides at its base model's entry, a decoding step against a KV cache it left split
+      attends over every rank's shard;
+    * ``whole`` (`whole_sequence`): this call runs on the whole sequence on every rank;
+      Megatron sequence parallelism's styles read it (`runs_whole`); its value is decided per
+      call where the call enters (`fastdist.nn.generate`: from the token count).
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> switch = install_switch(model)
+    >>> with decoding(model), whole_sequence(model):
+    ...     print(switch.decoding, runs_whole(model[0]))
+    True True
+    >>> print(switch.decoding, runs_whole(model[0]))
+    False False
+    """
+
+    decoding: bool = False
+    whole: bool = False
+
+
+def install_switch(model: nn.Module, switch: SequenceSwitch | None = None) -> SequenceSwitch:
+    """Put ``switch`` (a new one when None) on every module of ``model`` (one walk, at
+    ``parallelize``); returns it."""
+    switch = switch if switch is not None else SequenceSwitch()
+    for m in model.modules():
+        m.__dict__[SWITCH] = switch  # a plain attribute, not a submodule or buffer
+    return switch
+
+
+def switch_of(module: nn.Module) -> SequenceSwitch | None:
+    """The `SequenceSwitch` of the parallel model ``module`` belongs to (None: not parallel)."""
+    found = module.__dict__.get(SWITCH)
+    return found if isinstance(found, SequenceSwitch) else None
 
 
 def runs_whole(module: nn.Module) -> bool:
     """Whether ``module``'s sequence-parallel collectives run on the whole sequence now
     (`whole_sequence`)."""
-    return bool(module.__dict__.get(_WHOLE, False))
+    switch = module.__dict__.get(SWITCH)
+    return isinstance(switch, SequenceSwitch) and switch.whole
 
 
 @contextlib.contextmanager
@@ -39,23 +96,39 @@ def whole_sequence(model: nn.Module, on: bool = True) -> Iterator[None]:
     `GatherSequence` has nothing to gather, a column-parallel layer's ``"sequence"`` input is
     taken as replicated and a row-parallel layer's ``"sequence"`` output is all-reduced. The
     values are the same as split (norms and dropout then run on every token on every rank): for
-    a call whose tokens do not divide the ranks, a decoding step's single new token.
+    a call whose tokens do not divide the ranks, a decoding step's single new token. Sets the
+    model's `SequenceSwitch` (nothing to do for a model that is not parallel).
 
     Args:
         model: the parallelized model.
         on: whether to run whole (``False``: the block changes nothing).
     """
-    if not on:
+    switch = switch_of(model)
+    if not on or switch is None:
         yield
         return
-    marked = [m for m in model.modules() if _WHOLE not in m.__dict__]
-    for m in marked:
-        m.__dict__[_WHOLE] = True
+    old, switch.whole = switch.whole, True
     try:
         yield
     finally:
-        for m in marked:
-            m.__dict__.pop(_WHOLE, None)
+        switch.whole = old
+
+
+@contextlib.contextmanager
+def decoding(model: nn.Module) -> Iterator[None]:
+    """Within the block, a forward of ``model`` whose tokens its sequence split cannot take (a
+    decoding step with a KV cache, a length the ranks do not divide) runs whole on every rank,
+    or, for context parallelism with a KV cache it left split, attends over every rank's shard,
+    instead of raising (`SequenceSwitch`); nothing for a model that is not parallel."""
+    switch = switch_of(model)
+    if switch is None:
+        yield
+        return
+    old, switch.decoding = switch.decoding, True
+    try:
+        yield
+    finally:
+        switch.decoding = old
 
 
 @dataclass
@@ -77,6 +150,8 @@ class StyleContext:
     gathered_logits: str | None = None
     #: every axis a style split something over
     axes: list[str] = field(default_factory=list)
+    #: the model's one `SequenceSwitch` (put on every module after the styles are applied)
+    switch: SequenceSwitch = field(default_factory=SequenceSwitch)
 
     def param(
         self, old: Tensor | None, layout: Layout, where: str, *, linear_weight: bool = False

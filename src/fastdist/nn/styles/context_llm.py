@@ -33,17 +33,16 @@ divide by ``n`` or ``n`` by them (kv heads repeated); other head counts are refu
 
 Generation (``ParallelModel.generate``): a prompt whose length divides by ``2n`` is prefilled
 split, then the KV cache is gathered (every rank holds the whole cache of its heads) and each
-decoding step's single token runs whole on every rank; `decoding` allows that.
+decoding step's single token runs whole on every rank; `fastdist.nn.styles.decoding` (the
+model's `SequenceSwitch`) allows that.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import inspect
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import torch
@@ -51,11 +50,11 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.styles.base import Style, StyleContext
+from fastdist.nn.styles.base import SequenceSwitch, Style, StyleContext
 from fastdist.nn.styles.causal_ring import attend, ring_blocks, zigzag_ring
 from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk
 
-__all__ = ["CausalContextParallel", "PvaryTree", "decoding", "zigzag_gather", "zigzag_shard"]
+__all__ = ["CausalContextParallel", "PvaryTree", "zigzag_gather", "zigzag_shard"]
 
 Mode = Literal["ring", "ulysses"]
 Split = Literal["zigzag", "contiguous"]
@@ -112,8 +111,9 @@ class ContextState:
     index: Tensor | None = None
     #: (B, tokens on this rank) True for a real token, or None (no padding mask)
     valid: Tensor | None = None
-    #: a forward that cannot split (a decoding step, a length 2n does not divide) runs whole
-    whole_ok: bool = False
+    #: the model's switch: ``decoding`` lets a forward that cannot split (a decoding step, a
+    #: length 2n does not divide) run whole (or against a split KV cache)
+    switch: SequenceSwitch = field(default_factory=SequenceSwitch)
     #: (B, all keys) padding flags of a forward run whole
     whole_valid: Tensor | None = None
 
@@ -134,23 +134,6 @@ class ContextState:
         if self.layout == "zigzag":
             return zigzag_gather(x, self.mesh, self.axis, dim)
         return all_gather_invariant(x, self.mesh, self.axis, dim=dim).contiguous()
-
-
-@contextlib.contextmanager
-def decoding(model: nn.Module) -> Iterator[None]:
-    """Within the block, a forward of ``model`` (or its base model) whose tokens cannot be split
-    (a decoding step with a KV cache, a length the chunks do not divide) runs whole on every rank
-    instead of raising; nothing when the model is not context parallel."""
-    found = (m.__dict__.get(STATE_ATTR) for m in model.modules())
-    states = list({id(s): s for s in found if isinstance(s, ContextState)}.values())
-    old = [s.whole_ok for s in states]
-    for s in states:
-        s.whole_ok = True
-    try:
-        yield
-    finally:
-        for s, o in zip(states, old, strict=True):
-            s.whole_ok = o
 
 
 # ============================================================================ hooks
@@ -192,7 +175,7 @@ def _enter_model(
     past = _cache_length(kw.get("past_key_values"))
     state.split = past == 0 and S % state.chunks == 0
     if not state.split:
-        if not state.whole_ok:
+        if not state.switch.decoding:
             why = (
                 f"a KV cache holding {past} tokens (a decoding step)"
                 if past
@@ -422,7 +405,7 @@ class CausalContextParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        state = ContextState(ctx.mesh, self.axis, self.mode, self.layout)
+        state = ContextState(ctx.mesh, self.axis, self.mode, self.layout, switch=ctx.switch)
         _register_attention(module)
         layers: Any = getattr(module, self.layers)
         module.register_forward_pre_hook(functools.partial(_enter_model, state), with_kwargs=True)
