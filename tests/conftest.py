@@ -87,7 +87,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "tests/test_domain_compose.py": frozenset(
-        {"test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo"}
+        {"test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo", "test_domain_benchmark_smoke_run"}
     ),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
     "tests/test_context_modes.py": frozenset(

@@ -11,6 +11,10 @@ compared relative to each tensor's largest entry (1e-6), as in ``tests/test_cont
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,3 +102,25 @@ def test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo() -> None:
             assert torch.allclose(got["out"], out.unflatten(0, (2, 2))[rank // 2], atol=1e-10)
             for name, p in net.named_parameters():
                 assert torch.allclose(got["weights"][name], p, atol=1e-10), (engine, name)
+
+
+def test_domain_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/domain.py --quick: the conv net and the Wan VAE decoder at 2 gloo ranks against
+    one device: every rank's output equal to one device's (float32), each rank's saved
+    activations fewer than one device's, the ratios and the load reported."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/domain.py", "--quick", "--out", str(tmp_path)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "domain.json").read_text())
+    assert [(r["model"], r["ranks"]) for r in res["rows"]] == [
+        ("conv net", 1), ("conv net", 2), ("Wan VAE decoder", 1), ("Wan VAE decoder", 2)
+    ]  # fmt: skip
+    for r in res["rows"][1::2]:
+        assert r["diff"] < 1e-4 and 0 < r["mem_ratio"] < 1 and r["time_ratio"] > 0, r
+    assert len(res["loadavg"]) == 2 and "| / one device |" in proc.stdout
