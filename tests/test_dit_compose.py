@@ -97,6 +97,16 @@ def test_tp_times_sp_refusals() -> None:
         fd.nn.parallelize(i2v, mesh, wan_tp(mesh=mesh))
     with pytest.raises(ParallelizeError, match="not a diffusers WanTransformer3DModel"):
         wan_tp(nn.Linear(2, 2))
+    ltx = pytest.importorskip("diffusers.models.transformers.transformer_ltx")
+    model = ltx.LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=12,
+        cross_attention_dim=48, num_layers=1, caption_channels=16,
+    )  # fmt: skip
+    plan = {
+        "": ContextTensorParallel(fd.nn.plans.ltx_video()[""], ffn=(("ff.net.0.proj", "ff.net.2"),))
+    }
+    with pytest.raises(ParallelizeError, match="LTXVideoAttnProcessor.*over the width"):
+        fd.nn.parallelize(model, mesh, plan)  # its rotary table spans every head
 
 
 @pytest.mark.xfail(
@@ -258,3 +268,16 @@ def test_width_rms_norm_equals_torch() -> None:
         torch.testing.assert_close(torch.cat(list(got), -1), want, rtol=0, atol=1e-14)
         got.pow(3).sum().backward()
         torch.testing.assert_close(w.grad.reshape(8), wgrad, rtol=0, atol=1e-12)  # type: ignore[union-attr]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="plans.dit.dit_plan (the default and 'auto' plan) ignores a 'tp' axis: the model runs "
+    "context-parallel over sp and replicated over tp (right values, tp unused); patch in the "
+    "report of issue 38's composition slice: dit_plan returns wan_tp on a mesh with 'tp'",
+)
+def test_default_plan_uses_tp_when_the_mesh_has_it() -> None:
+    model = tiny_wan(heads=4, layers=1)
+    mesh = fd.Mesh({"tp": 2, "sp": 2})
+    pm = fd.nn.parallelize(model, mesh)
+    assert pm.plan == wan_tp(mesh=mesh)

@@ -46,7 +46,7 @@ from fastdist.nn.styles.context import ContextParallel, Mode
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel
 from fastdist.ops import psum, pvary
 
-__all__ = ["ContextTensorParallel", "WidthRMSNorm", "wan_tp"]
+__all__ = ["TP_PROCESSORS", "ContextTensorParallel", "WidthRMSNorm", "wan_tp"]
 
 
 class WidthRMSNorm(nn.Module):
@@ -82,6 +82,13 @@ class WidthRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"width={self.width} over {self.axis!r}, eps={self.eps}"
+
+
+#: attention processors whose forward works on a rank's heads: projections, norms over the width
+#: (`WidthRMSNorm`), ``unflatten(2, (attn.heads, -1))``, a rotary embedding per head
+#: (``head_dim`` wide: the same on every rank), SDPA, ``to_out``. Not LTX-Video's: it rotates q
+#: and k over the whole width (its table would need cutting by ``tp`` columns too)
+TP_PROCESSORS = frozenset({"WanAttnProcessor"})
 
 
 def _is_rms_norm(module: nn.Module | None, width: int) -> bool:
@@ -129,6 +136,14 @@ class ContextTensorParallel(Style):
 
     def _check_attention(self, attn: nn.Module, where: str, mesh: Mesh) -> None:
         kind, n = type(attn).__name__, mesh.axis_size(self.tp)
+        processor = type(getattr(attn, "processor", None)).__name__
+        if processor not in TP_PROCESSORS:
+            raise ParallelizeError(
+                f"parallelize: {where!r} ({kind}) runs the processor {processor}; splitting its "
+                f"heads over {self.tp!r} is built for {sorted(TP_PROCESSORS)} only (e.g. "
+                "LTX-Video's rotates q and k over the width of all heads). Fix: a mesh without "
+                f"{self.tp!r} (context parallelism alone), or a style for this processor"
+            )
         if getattr(attn, "fused_projections", False):
             raise ParallelizeError(
                 f"parallelize: {where!r} ({kind}) has fused projections. Fix: call "
