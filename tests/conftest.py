@@ -90,6 +90,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         {"test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo", "test_domain_benchmark_smoke_run"}
     ),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
+    "tests/test_dit_families_joint.py": frozenset({"test_hunyuan_video_and_cogvideox_on_gloo"}),
     "tests/test_context_modes.py": frozenset(
         {
             "test_wan_usp_uneven_on_gloo",

@@ -1,8 +1,9 @@
 """Context parallelism of DiT families besides Wan (issue 38.2): diffusers'
 ``LTXVideoTransformer3DModel`` (LTX-Video: self-attention with 3-D rotary embeddings,
 cross-attention to masked text states) in every mode, forward and backward against one device in
-float64; and the refusal of the joint text-image attention families without a plan (CogVideoX,
-QwenImage; SD3's and Flux's plans are in tests/test_context_mmdit.py)."""
+float64; and the refusal of a joint text-image attention whose processor the split does not know
+(SD3's and Flux's plans: tests/test_context_mmdit.py; CogVideoX, QwenImage, Flux 2,
+HunyuanVideo: tests/test_dit_families_joint.py)."""
 
 from __future__ import annotations
 
@@ -82,30 +83,25 @@ def test_ltx_video_is_auto() -> None:
     assert pm.plan == fd.nn.plans.ltx_video(axis="sp")
 
 
-def test_joint_attention_families_are_refused() -> None:
-    """CogVideoX and QwenImage (joint attention, no plan) are refused by ``plan="auto"``; a
-    hand-written joint plan over CogVideoX is refused at ``parallelize`` (its processor joins the
-    text before ``to_q``, which the split does not know)."""
-    from diffusers import CogVideoXTransformer3DModel, QwenImageTransformer2DModel
+def test_unknown_joint_attention_is_refused() -> None:
+    """A hand-written joint plan over a DiT whose attention processor the split does not know
+    (AuraFlow's) is refused at ``parallelize``; a ready plan refuses a model of another class.
+    (``plan="auto"`` over AuraFlow, and the joint families with ready plans:
+    tests/test_dit_families_joint.py.)"""
+    from diffusers import AuraFlowTransformer2DModel
 
-    cog = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        time_embed_dim=8, text_embed_dim=16, num_layers=1, sample_width=4, sample_height=4,
-        sample_frames=3, patch_size=2, temporal_compression_ratio=2, max_text_seq_length=4,
+    aura = AuraFlowTransformer2DModel(
+        sample_size=4, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+        caption_projection_dim=16, out_channels=4, pos_embed_max_size=16,
     )  # fmt: skip
-    qwen = QwenImageTransformer2DModel(
-        patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
-    )  # fmt: skip
-    for model in (cog, qwen):
-        kind = type(model).__name__
-        with pytest.raises(ParallelizeError, match=f"{kind} .* joint text-image attention"):
-            fd.nn.parallelize(model, fd.Mesh({"sp": 2}), "auto", verify=False)
     plan = fd.nn.ContextParallel(
-        blocks="transformer_blocks", attention=(), cross=(), joint=("attn1",),
-        whole=("patch_embed", "time_embedding"), feeds=("time_embedding",), rotary=None,
+        blocks="joint_transformer_blocks", attention=(), cross=(), joint=("attn",),
+        single_blocks="single_transformer_blocks", joined=("attn",),
+        whole=("pos_embed", "time_step_embed", "context_embedder"),
+        feeds=("time_step_embed", "context_embedder"), rotary=None,
     )  # fmt: skip
-    with pytest.raises(ParallelizeError, match=r"runs the processor CogVideoXAttnProcessor2_0"):
-        fd.nn.parallelize(cog, fd.Mesh({"sp": 2}), {"": plan})
+    with pytest.raises(ParallelizeError, match=r"runs the processor AuraFlowAttnProcessor2_0"):
+        fd.nn.parallelize(aura, fd.Mesh({"sp": 2}), {"": plan})
     with pytest.raises(ParallelizeError, match="not a diffusers LTXVideoTransformer3DModel"):
-        fd.nn.plans.ltx_video(cog)
+        fd.nn.plans.ltx_video(aura)

@@ -15,7 +15,7 @@ One file per concern:
 * ``hooks``: the code a row needs where data cannot say it (DeepSeek's `LatentAttention`, the
   MoE block's `SequenceGather`, Falcon's layouts);
 * ``dit``: diffusers' diffusion transformers: context-parallel plans (`wan`, `ltx_video`,
-  `sd3`, `flux`);
+  `sd3`, `flux`, `cogvideox`, `qwen_image`, `flux2`, `hunyuan_video`);
 * ``auto``: the same record read off a model nobody wrote a row for (`AutoPlan`);
 * ``registry``: the table by ``config.model_type`` (`TABLE`) and `plan`.
 
@@ -23,7 +23,16 @@ The table of what is tested for each family is in ``docs/models.md``.
 """
 
 from fastdist.nn.plans.auto import AutoPlan, infer
-from fastdist.nn.plans.dit import flux, ltx_video, sd3, wan
+from fastdist.nn.plans.dit import (
+    cogvideox,
+    flux,
+    flux2,
+    hunyuan_video,
+    ltx_video,
+    qwen_image,
+    sd3,
+    wan,
+)
 from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 from fastdist.nn.plans.hooks import LatentAttention, SequenceGather
 from fastdist.nn.plans.registry import TABLE, lookup, plan, table
@@ -37,11 +46,15 @@ __all__ = [
     "Plan",
     "SequenceGather",
     "build_plan",
+    "cogvideox",
     "flux",
+    "flux2",
+    "hunyuan_video",
     "infer",
     "lookup",
     "ltx_video",
     "plan",
+    "qwen_image",
     "sd3",
     "table",
     "wan",

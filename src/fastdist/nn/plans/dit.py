@@ -1,11 +1,15 @@
 """Ready plans for diffusers' diffusion transformers (DiTs), with the families as data: one
 `DitFamily` record per diffusers class (the `ContextParallel` fields that place its modules),
 one table (`DIT_FAMILIES`), one builder (`family_plan`), and a thin public function per family
-(`wan`, `ltx_video`, `sd3`, `flux`) that `plan="auto"` picks by the model's class.
+that `plan="auto"` picks by the model's class.
 
-The families: ``WanTransformer3DModel`` (Wan 2.1 / 2.2 text-to-video and image-to-video),
-``LTXVideoTransformer3DModel`` (LTX-Video), and the joint text-image attention (MM-DiT)
-``SD3Transformer2DModel`` (SD3 / SD3.5) and ``FluxTransformer2DModel`` (FLUX.1).
+The families: ``WanTransformer3DModel`` (`wan`: Wan 2.1 / 2.2 text-to-video and
+image-to-video) and ``LTXVideoTransformer3DModel`` (`ltx_video`), whose text is a
+cross-attention; and the joint text-image attention DiTs (MM-DiT, the text tokens replicated on
+every rank and joined to its image tokens inside each attention): ``SD3Transformer2DModel``
+(`sd3`: SD3 / SD3.5), ``FluxTransformer2DModel`` (`flux`: FLUX.1), ``Flux2Transformer2DModel``
+(`flux2`), ``QwenImageTransformer2DModel`` (`qwen_image`), ``CogVideoXTransformer3DModel``
+(`cogvideox`) and ``HunyuanVideoTransformer3DModel`` (`hunyuan_video`).
 
 Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
 after the patch embedding, at the input of ``blocks.0``; they stay split through every block
@@ -31,13 +35,16 @@ from fastdist.nn.styles.context import JOINT_PROCESSORS, ContextParallel, Mode
 __all__ = [
     "DIT_FAMILIES",
     "DIT_PLANS",
-    "JOINT_ATTENTION",
     "DitFamily",
+    "cogvideox",
     "dit_plan",
     "family_plan",
     "flux",
+    "flux2",
     "is_diffusers_dit",
+    "hunyuan_video",
     "ltx_video",
+    "qwen_image",
     "sd3",
     "wan",
 ]
@@ -107,8 +114,102 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 text="context_embedder",
             ),
         ),
+        # CogVideoX joins the text before to_q; its rotary tables are a model input
+        DitFamily(
+            "cogvideox",
+            "CogVideoXTransformer3DModel",
+            dict(
+                blocks="transformer_blocks",
+                attention=(),
+                cross=(),
+                joint=("attn1",),
+                whole=("patch_embed", "time_embedding"),
+                feeds=("time_embedding",),
+                rotary=None,
+                rotary_arg="image_rotary_emb",
+                rotary_dim=0,
+                text_input="encoder_hidden_states",
+            ),
+        ),
+        DitFamily(
+            "qwen_image",
+            "QwenImageTransformer2DModel",
+            dict(
+                blocks="transformer_blocks",
+                attention=(),
+                cross=(),
+                joint=("attn",),
+                whole=("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in"),
+                feeds=("time_text_embed", "txt_in"),
+                rotary="pos_embed",
+                rotary_dim=0,
+                rotary_outputs=(0,),  # (image tables, text tables)
+            ),
+            refuse=lambda m: _config_refusal(
+                m,
+                "zero_cond_t",
+                "its per-image-token modulation index (modulate_index, the edit models' "
+                "zero_cond_t) is not cut with the tokens",
+            ),
+        ),
+        DitFamily(
+            "flux2",
+            "Flux2Transformer2DModel",
+            dict(
+                blocks="transformer_blocks",
+                attention=(),
+                cross=(),
+                joint=("attn",),
+                single_blocks="single_transformer_blocks",
+                joined=("attn",),
+                # the modulations run on the pvary'd timestep embedding (norm_out uses it too):
+                # in the split region, their parameters' gradients summed over the ranks
+                whole=("pos_embed", "time_guidance_embed", "x_embedder", "context_embedder"),
+                feeds=("time_guidance_embed", "context_embedder"),
+                rotary=None,
+                rotary_arg="image_rotary_emb",  # [text; image] tables joined in the forward
+                rotary_dim=0,
+                text="context_embedder",
+            ),
+        ),
+        DitFamily(
+            "hunyuan_video",
+            "HunyuanVideoTransformer3DModel",
+            dict(
+                blocks="transformer_blocks",
+                attention=(),
+                cross=(),
+                joint=("attn",),
+                single_blocks="single_transformer_blocks",
+                single_joint=("attn",),
+                # context_embedder: the token refiner (self-attention over the text, masked)
+                whole=("x_embedder", "context_embedder", "time_text_embed", "rope"),
+                feeds=("context_embedder", "time_text_embed"),
+                rotary="rope",
+                rotary_dim=0,
+                key_mask="attention_mask",  # (B, 1, 1, image + text): text padding
+            ),
+            refuse=lambda m: (
+                None
+                if getattr(m.config, "image_condition_type", None) != "token_replace"
+                else "HunyuanVideoTransformer3DModel with image_condition_type='token_replace' "
+                "(image-to-video): its blocks modulate the first frame's tokens apart "
+                "(first_frame_num_tokens), which is not cut with the tokens. Fix: run it "
+                "without context parallelism"
+            ),
+        ),
     )
 }
+
+
+def _config_refusal(model: nn.Module, key: str, why: str) -> str | None:
+    """A reason to refuse ``model`` if its config sets ``key``."""
+    if not getattr(getattr(model, "config", None), key, False):
+        return None
+    return (
+        f"{type(model).__name__} with {key}=True: {why}. Fix: {key}=False, or run it without "
+        "context parallelism"
+    )
 
 
 def family_plan(
@@ -171,7 +272,8 @@ def wan(
     {'': ContextParallel(axis='sp', blocks='blocks', attention=('attn1',), cross=('attn2',), \
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
 output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1), joint=(), \
-single_blocks=None, joined=(), text=None, rotary_dim=1)}
+single_blocks=None, joined=(), text=None, rotary_dim=1, rotary_outputs=None, rotary_arg=None, \
+text_input=None, key_mask=None, single_joint=())}
     """
     return family_plan("wan", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
 
@@ -250,21 +352,114 @@ def flux(
     return family_plan("flux", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
 
 
+def cogvideox(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``CogVideoXTransformer3DModel`` (CogVideoX 1.0 /
+    1.5): its video tokens split at the first of its ``transformer_blocks``; the text tokens
+    (the first rows of ``patch_embed``'s output) replicated on every rank, ``pvary``'d where
+    they enter the first block. Each block's ``attn1`` joins ``[text; the rank's video rows]``
+    before its projections (text first) and runs as a joint attention (the text keys counted
+    once); the rotary tables (``image_rotary_emb``, a model input of every video position) are
+    cut to the rank's positions before every block; ``proj_out``'s output is gathered.
+
+    Why the text is replicated, not split with the video: CogVideoX's text is at most 226
+    tokens against thousands of video tokens, its stream is token-local in every block, and a
+    split text would tie its count to the ranks; each rank redoes the small text stream.
+    Arguments as in `family_plan`.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.cogvideox()[""].rotary_arg
+    'image_rotary_emb'
+    """
+    return family_plan("cogvideox", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+
+
+def qwen_image(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``QwenImageTransformer2DModel`` (Qwen-Image, an
+    MM-DiT of double-stream blocks): its image tokens (packed, ``(batch, tokens, channels)``)
+    split at the first of its ``transformer_blocks``; the text tokens (``txt_in``'s output)
+    replicated. Each block's ``attn`` joins ``[text; the rank's image rows]`` (text first); of
+    ``pos_embed``'s ``(image tables, text tables)`` only the image ones are cut to the rank's
+    positions. Refused with ``zero_cond_t=True`` (the edit models' per-token modulation
+    index). Gradients as in `sd3`. Arguments as in `family_plan`.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.qwen_image()[""].rotary_outputs
+    (0,)
+    """
+    return family_plan("qwen_image", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+
+
+def flux2(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``Flux2Transformer2DModel`` (FLUX.2): as `flux`
+    (double-stream joint attentions, single-stream blocks on ``[text; the rank's image rows]``,
+    text replicated), with Flux 2's module names; its rotary tables of ``[text; image]`` are
+    joined in the model's forward, so they are cut where they enter every block
+    (``rotary_arg``), the text rows kept; its single-stream attention projects q, k, v and the
+    MLP in one ``to_qkv_mlp_proj``. The timestep embedding is ``pvary``'d and the modulations
+    run in the split region. The reference-image KV cache (``kv_cache_mode``) is not supported.
+    Arguments as in `family_plan`.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.flux2()[""].single_blocks
+    'single_transformer_blocks'
+    """
+    return family_plan("flux2", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+
+
+def hunyuan_video(
+    model: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "sp",
+    mode: Mode = "ulysses",
+    ring_axis: str | None = None,
+) -> Plan:
+    """The context-parallel plan of a diffusers ``HunyuanVideoTransformer3DModel``
+    (HunyuanVideo text-to-video): its video tokens split at the first of its
+    ``transformer_blocks``; the text tokens (the token refiner ``context_embedder``'s output,
+    computed whole) replicated. The double-stream blocks' ``attn`` projects the text with
+    ``add_*_proj``, the single-stream blocks' ``attn`` with ``to_q``... after joining it; both
+    put the text last (``[the rank's video rows; text]``). The model's attention mask over
+    ``[video; text]`` (text padding from ``encoder_attention_mask``) is cut before every block
+    to the rank's ``[video rows; text]`` keys and masks them in the joint attention; ``rope``'s
+    tables are cut to the rank's positions; ``proj_out``'s output is gathered. Refused with
+    ``image_condition_type="token_replace"`` (image-to-video). Gradients as in `sd3`.
+    Arguments as in `family_plan`.
+
+    >>> import fastdist as fd
+    >>> fd.nn.plans.hunyuan_video()[""].key_mask
+    'attention_mask'
+    """
+    return family_plan("hunyuan_video", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+
+
 #: diffusers model class name -> its ready plan function
 DIT_PLANS: dict[str, Callable[..., Plan]] = {
-    DIT_FAMILIES[f.__name__].kind: f for f in (wan, ltx_video, sd3, flux)
+    DIT_FAMILIES[f.__name__].kind: f
+    for f in (wan, ltx_video, sd3, flux, cogvideox, qwen_image, flux2, hunyuan_video)
 }
 
-#: diffusers DiTs whose attention joins the text tokens to the image tokens (MM-DiT) and that
-#: have no ready plan (refused by ``plan="auto"`` with the reason)
-JOINT_ATTENTION = frozenset(
-    {
-        "Flux2Transformer2DModel",
-        "CogVideoXTransformer3DModel",
-        "HunyuanVideoTransformer3DModel",
-        "QwenImageTransformer2DModel",
-    }
-)
 #: diffusers' attention projections
 _DIFFUSERS_ATTENTION = ("to_q", "to_k", "to_v", "to_out")
 
@@ -285,16 +480,14 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
     parallelism over ``axis``); refuses one without a ready plan, naming those that exist, and a
     mesh without ``axis``."""
     kind = type(model).__name__
-    joint = kind in JOINT_ATTENTION or any(
-        getattr(m, "add_q_proj", None) is not None for m in model.modules()
-    )
+    joint = any(getattr(m, "add_q_proj", None) is not None for m in model.modules())
     if kind not in DIT_PLANS and joint:
         raise ParallelizeError(
             f"plans.auto: {kind} is a diffusers transformer with joint text-image attention "
             "(the text tokens join the image tokens inside each attention, MM-DiT) without a "
             "ready context-parallel plan: joint attention is split for the processors "
-            f"{sorted(JOINT_PROCESSORS)} only (SD3's, Flux's), and {kind}'s attention processor "
-            "(its text order, rotary embedding, single-stream blocks) is not built. "
+            f"{sorted(JOINT_PROCESSORS)} only, and a plan for {kind} (its text order, rotary "
+            "embedding, single-stream blocks, masks) is not written. "
             f"Context-parallel plans exist for {sorted(DIT_PLANS)}. Fix: run {kind} without "
             "context parallelism (e.g. data parallelism, or fastdist.nn.GuidedModel over a "
             "'cfg' axis with plan={})"

@@ -34,15 +34,16 @@ parameter names (and checkpoints) stay the single-device model's:
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-import torch
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import Style, StyleContext, get_child
+from fastdist.nn.styles.context_args import BlockArgs, cut_positions, hook
 from fastdist.nn.styles.context_recompute import (
     CurrentSplit,
     Forward,
@@ -65,6 +66,7 @@ __all__ = [
     "SequenceParallelAttention",
     "KNOWN_PROCESSORS",
     "JOINT_PROCESSORS",
+    "JOINS_BEFORE_PROJECTION",
     "MODES",
 ]
 
@@ -75,9 +77,23 @@ KNOWN_PROCESSORS = frozenset({"WanAttnProcessor", "LTXVideoAttnProcessor", "Join
 
 #: joint text-image attention processors (MM-DiT) `SequenceParallelAttention(joint=True)` knows,
 #: with whether they put the text rows first: they project the image rows (``to_q``...) and the
-#: text rows (``add_q_proj``...), normalize them token by token, join them along the tokens and
-#: call ``F.scaled_dot_product_attention`` once on the joint sequence
-JOINT_PROCESSORS = {"JointAttnProcessor2_0": False, "FluxAttnProcessor": True}
+#: text rows (``add_q_proj``..., or ``to_q`` too: `JOINS_BEFORE_PROJECTION`), normalize and rotate
+#: them token by token, join them along the tokens and call ``F.scaled_dot_product_attention``
+#: once on the joint sequence (with at most a key mask: `fastdist.nn.styles.ring_split`)
+JOINT_PROCESSORS = {
+    "JointAttnProcessor2_0": False,  # SD3
+    "FluxAttnProcessor": True,
+    "Flux2AttnProcessor": True,
+    "Flux2ParallelSelfAttnProcessor": True,  # Flux 2's single-stream blocks (joined)
+    "CogVideoXAttnProcessor2_0": True,
+    "QwenDoubleStreamAttnProcessor2_0": True,
+    "HunyuanVideoAttnProcessor2_0": False,
+}
+
+#: joint processors that may join the text (encoder states) to the image rows before projecting
+#: both with ``to_q``/``to_k``/``to_v`` (CogVideoX; HunyuanVideo's single-stream blocks): their
+#: attention needs no ``add_q_proj``
+JOINS_BEFORE_PROJECTION = frozenset({"CogVideoXAttnProcessor2_0", "HunyuanVideoAttnProcessor2_0"})
 
 #: the attention modes: Ulysses (heads <-> tokens all-to-all), ring (k/v passed around the
 #: axis), USP (Ulysses over ``axis``, ring over ``ring_axis``)
@@ -130,6 +146,11 @@ class SplitProcessor:
     ) -> None:
         self.inner, self.where, self.mesh, self.axes = inner, where, mesh, axes
         self.ulysses_axis, self.ring_axis, self.current = ulysses_axis, ring_axis, current
+        # diffusers' Attention passes a processor only the keywords its __call__'s signature
+        # names (image_rotary_emb...): show it the model's own processor's signature
+        call = functools.partial(type(self).__call__, self)
+        call.__signature__ = inspect.signature(inner.__call__)  # type: ignore[attr-defined]
+        setattr(self, "__call__", call)  # noqa: B010  (what inspect finds; calls use the type's)
 
     # diffusers sets these on every processor (model.set_attention_backend, enable_parallelism):
     # they reach the model's own processor, whose attention call the swap then checks
@@ -179,7 +200,8 @@ class SplitProcessor:
     def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         split = self._split(hidden_states, args, kwargs)
         attend = self._attend(split, hidden_states, args, kwargs)
-        with AttentionSwap(attend, self.where) as swap:
+        masks = getattr(attend, "func", None) is joint_attention  # it takes text key masks
+        with AttentionSwap(attend, self.where, key_masks=masks) as swap:
             out = self.inner(attn, hidden_states, *args, **kwargs)
         if swap.calls != 1:
             raise ParallelizeError(
@@ -324,7 +346,7 @@ class SequenceParallelAttention(Style):
                 "unfuse_projections() on the model before parallelize"
             )
         added = getattr(module, "add_k_proj", None) is not None
-        if self.joint and not added:
+        if self.joint and not added and processor not in JOINS_BEFORE_PROJECTION:
             raise ParallelizeError(
                 f"parallelize: {name!r} ({kind}) has no add_q_proj/add_k_proj/add_v_proj: not a "
                 "joint text-image attention. Fix: list it in ContextParallel(attention=...)"
@@ -348,10 +370,13 @@ class SequenceParallelAttention(Style):
         )
         kind = type(module).__name__
         self._check_processor(module, name)
-        # a single-stream attention (joined) has no output projection of its own (Flux)
-        for child in (
-            ("to_q", "to_k", "to_v") if self.joined else ("to_q", "to_k", "to_v", "to_out")
-        ):
+        # a single-stream attention may have no output projection of its own (Flux,
+        # HunyuanVideo), or one projection for q, k, v and the MLP (Flux 2)
+        joint = self.joint or self.joined
+        children = ("to_q", "to_k", "to_v") if joint else ("to_q", "to_k", "to_v", "to_out")
+        if self.joined and hasattr(module, "to_qkv_mlp_proj"):
+            children = ("to_qkv_mlp_proj",)
+        for child in children:
             get_child(module, child, name)
         heads = getattr(module, "heads", None)
         n = mesh.axis_size(ulysses) if ulysses is not None else 1
@@ -381,7 +406,7 @@ class SequenceParallelAttention(Style):
         if self.joint or self.joined:
             joint = JointSplitProcessor(inner, name, mesh, axes, ulysses, ring, current)
             joint.text_first, joint.joined = JOINT_PROCESSORS[type(inner).__name__], self.joined
-            processor, refused = joint, ("attention_mask",)
+            processor, refused = joint, ()  # a mask: a key mask the swap takes, or refused
         object.__setattr__(module, "processor", processor)
         module.register_forward_pre_hook(
             functools.partial(_self_attention_only, name, refused), with_kwargs=True
@@ -436,39 +461,18 @@ def _shard_rotary(
     axes: tuple[str, ...],
     where: str,
     dim: int,
+    indices: tuple[int, ...] | None,
     current: CurrentSplit,
     module: nn.Module,
     args: Any,
     out: Any,
 ) -> Any:
-    """Forward hook of the rotary module: each of its outputs (tokens along ``dim``) cut to this
-    rank's positions; with text tokens recorded (``ContextParallel(text=...)``: Flux's rotary
-    embedding of ``[text; image]``), the leading text rows are kept whole and the image rows
-    after them are cut."""
-    outs = out if isinstance(out, tuple) else (out,)
-    if not all(isinstance(t, Tensor) and t.dim() > dim for t in outs):
-        raise ParallelizeError(
-            f"context parallelism over {axes}: the rotary module {where!r} returned "
-            f"{type(out).__name__}, not tensors with the tokens along dim {dim}. Fix: "
-            "ContextParallel(rotary=None) and a plan that gives each rank its positions"
-        )
-    tokens = {t.shape[dim] for t in outs}
+    """Forward hook of the rotary module: its outputs (those at ``indices``; tokens along
+    ``dim``) cut to this rank's positions; with text tokens recorded
+    (``ContextParallel(text=...)``: Flux's rotary embedding of ``[text; image]``), the leading
+    text rows are kept whole and the image rows after them are cut."""
     text = current.text or 0
-    if len(tokens) != 1 or min(tokens) <= text:
-        raise ParallelizeError(
-            f"context parallelism over {axes}: the rotary module {where!r} returned tensors of "
-            f"{sorted(tokens)} positions along dim {dim}, not one count above the {text} text "
-            "tokens. Fix: ContextParallel(rotary=None) and a plan that gives each rank its "
-            "positions"
-        )
-    split = TokenSplit(mesh, axes, tokens.pop() - text)
-
-    def cut(t: Tensor) -> Tensor:  # (.., text + rows, ..): the text rows, this rank's rows
-        image = split.shard(t.narrow(dim, text, split.tokens), dim=dim)
-        return torch.cat([t.narrow(dim, 0, text), image], dim) if text else image
-
-    mine = tuple(cut(t) for t in outs)
-    return SplitRotary(mine, split) if isinstance(out, tuple) else mine[0]
+    return cut_positions(axes, where, dim, text, indices, out, lambda n: TokenSplit(mesh, axes, n))
 
 
 def _record_text(current: CurrentSplit, module: nn.Module, args: Any, out: Any) -> None:
@@ -567,6 +571,21 @@ class ContextParallel(Style):
             module, Wan 2.2 TI2V), the indices of that module's outputs that hold one row per
             token (Wan: the timestep embedding and its projection): cut with the tokens, not
             ``pvary``'d. Only these: a text state as long as the video is still replicated.
+        rotary_outputs: the indices of the rotary tables to cut (QwenImage's ``pos_embed``
+            returns ``(image tables, text tables)``: ``(0,)``); ``None``: every one.
+        rotary_arg: the blocks' argument holding rotary tables of every position (tokens along
+            ``rotary_dim``; ``text`` leading rows kept) where no module computes them
+            (CogVideoX's ``image_rotary_emb``, a model input; Flux 2's ``[text; image]``
+            tables, joined in the model's forward): cut to the rank's positions before every
+            block (`fastdist.nn.styles.context_args`).
+        text_input: the first block's argument holding the text stream when no ``feeds`` module
+            outputs it alone (CogVideoX slices it off its patch embedding): ``pvary``'d there.
+        key_mask: the blocks' argument holding a key mask over the whole ``[image; text]``
+            sequence, ``(batch, 1, 1, image + text)`` (HunyuanVideo's ``attention_mask``: text
+            padding): cut to this rank's ``[image rows; text]`` before every block; the joint
+            attentions then mask those keys.
+        single_joint: in every block of ``single_blocks``, the joint attentions that get the
+            text as encoder states (HunyuanVideo's single-stream blocks).
 
     Every other parameter of the model is in the split region and is ``pvary``'d over the split
     axes. ``check`` refuses a block attention listed in neither ``attention`` nor ``cross`` (it
@@ -589,6 +608,11 @@ class ContextParallel(Style):
     joined: tuple[str, ...] = ()
     text: str | None = None
     rotary_dim: int = 1
+    rotary_outputs: tuple[int, ...] | None = None
+    rotary_arg: str | None = None
+    text_input: str | None = None
+    key_mask: str | None = None
+    single_joint: tuple[str, ...] = ()
 
     def _blocks(self, model: nn.Module, name: str, attr: str | None = None) -> nn.ModuleList:
         attr = attr or self.blocks
@@ -616,7 +640,7 @@ class ContextParallel(Style):
         self, block: nn.Module, where: str, single: bool
     ) -> list[tuple[str, nn.Module, SequenceParallelAttention]]:
         """(name, module, style) of the block's split attentions (``None`` ones skipped)."""
-        kinds = [(self.joined, False, True)] if single else []
+        kinds = [(self.joined, False, True), (self.single_joint, True, False)] if single else []
         if not single:
             kinds = [(self.attention, False, False), (self.joint, True, False)]
         found = []
@@ -626,6 +650,27 @@ class ContextParallel(Style):
                 if getattr(block, rel, True) is not None:
                     found.append((f"{where}.{rel}", get_child(block, rel, where), style))
         return found
+
+    def _block_args(self) -> list[str]:
+        """The block arguments cut per rank (`fastdist.nn.styles.context_args`)."""
+        return [a for a in (self.rotary_arg, self.text_input, self.key_mask) if a is not None]
+
+    def _block_args_spec(self, mesh: Mesh, axes: tuple[str, ...]) -> BlockArgs:
+        return BlockArgs(
+            mesh, axes, self.rotary_arg, self.rotary_dim, self.rotary_outputs, self.text_input,
+            self.key_mask,
+        )  # fmt: skip
+
+    def _check_block_args(self, block: nn.Module, where: str) -> None:
+        """Refuse a block whose forward lacks an argument the plan cuts."""
+        params = inspect.signature(block.forward).parameters
+        for arg in self._block_args():
+            if arg not in params:
+                raise ParallelizeError(
+                    f"parallelize: ContextParallel: {where} ({type(block).__name__}) has no "
+                    f"argument {arg!r} (its arguments: {list(params)}). Fix: name one of them "
+                    "in rotary_arg / text_input / key_mask, or None"
+                )
 
     def _check_outside(self, model: nn.Module) -> None:
         """Refuse an attention outside the block lists and ``whole`` (e.g. Flux's single-stream
@@ -672,9 +717,14 @@ class ContextParallel(Style):
         for where, block, single in self._all_blocks(module, name):
             for at, sub, style in self._attentions(block, where, single):
                 style.check(sub, at, mesh)
+            self._check_block_args(block, where)
             for rel in () if single else self.cross:
                 get_child(block, rel, where)
-            listed = set(self.joined) if single else {*self.attention, *self.cross, *self.joint}
+            listed = (
+                {*self.joined, *self.single_joint}
+                if single
+                else {*self.attention, *self.cross, *self.joint}
+            )
             for rel, sub in block.named_modules():
                 if rel and rel.split(".")[0] not in listed and hasattr(sub, "to_q"):
                     raise ParallelizeError(
@@ -706,7 +756,15 @@ class ContextParallel(Style):
             )
         if self.rotary is not None:
             module.get_submodule(self.rotary).register_forward_hook(
-                functools.partial(_shard_rotary, mesh, axes, self.rotary, self.rotary_dim, current)
+                functools.partial(
+                    _shard_rotary,
+                    mesh,
+                    axes,
+                    self.rotary,
+                    self.rotary_dim,
+                    self.rotary_outputs,
+                    current,
+                )
             )
         for feed in self.feeds:
             module.get_submodule(feed).register_forward_hook(
@@ -722,6 +780,11 @@ class ContextParallel(Style):
                     functools.partial(carried_split, current, axes, where), with_kwargs=True
                 )
             block.register_forward_hook(functools.partial(carry_outputs, current))
+            if self._block_args():  # after the split's pre-hook
+                block.register_forward_pre_hook(
+                    hook(self._block_args_spec(mesh, axes), current, where, i == 0),
+                    with_kwargs=True,
+                )
             for at, sub, style in self._attentions(block, where, single):
                 style.install(sub, at, mesh, current)
         # every parameter of the split region meets this rank's tokens: its gradient is summed

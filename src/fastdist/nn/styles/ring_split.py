@@ -164,7 +164,8 @@ def _ring(
     q: Tensor, k: Tensor, v: Tensor, split: TokenSplit, ring_axis: str, flags: Tensor | None = None
 ) -> Tensor:
     """Ring attention over ``ring_axis`` of ``(B, S, H, D)`` blocks; the keys whose ``flags``
-    (``(S,)`` bool, this rank's block) are False masked (default: the split's padding rows)."""
+    (``(S,)`` or ``(B, S)`` bool, this rank's block) are False masked (default: the split's
+    padding rows)."""
     ring = RingAttention(split.mesh, ring_axis)
     if flags is None:
         if split.even:
@@ -175,7 +176,8 @@ def _ring(
     extra = torch.where(flags, 0.0, -_MASKED_SCORE * math.sqrt(d + 1)).to(k.dtype)
     ones = q.new_ones(*q.shape[:-1], 1)
     q1 = torch.cat([q * math.sqrt((d + 1) / d), ones], -1)  # (B, S, H, D + 1)
-    k1 = torch.cat([k, extra.view(1, -1, 1, 1).expand(*k.shape[:-1], 1)], -1)  # (B, S, H, D+1)
+    extra = extra.view(-1 if flags.dim() == 2 else 1, k.shape[1], 1, 1)  # (B or 1, S, 1, 1)
+    k1 = torch.cat([k, extra.expand(*k.shape[:-1], 1)], -1)  # (B, S, H, D + 1)
     return cast(Tensor, ring(q1, k1, v))
 
 
@@ -236,6 +238,7 @@ def joint_attention(
     text_first: bool,
     ulysses_axis: str | None,
     ring_axis: str | None,
+    key_mask: Tensor | None = None,
 ) -> Tensor:
     """Joint text-image attention (MM-DiT) over the split image tokens and the ``text`` tokens
     every rank holds: every query (text and this rank's image rows) attends over the text keys
@@ -266,6 +269,11 @@ def joint_attention(
         text_first: whether the text rows come first (Flux, CogVideoX) or last (SD3).
         ulysses_axis: the axis of the heads <-> tokens all-to-all, or ``None``.
         ring_axis: the axis whose ranks pass k/v around, or ``None``.
+        key_mask: ``(batch, text + rows)`` bool, in the order of ``q``: which of this rank's
+            keys (text, the same on every rank, and its image rows) are attended (text padding:
+            HunyuanVideo, QwenImage); ``None``: all. The image rows' flags go with their keys
+            (through the all-to-all, around the ring); a query whose keys are all masked is not
+            supported (its row is NaN, as on one device).
 
     Returns:
         the output ``(batch, text + rows, heads, v_dim)`` in the same order.
@@ -276,6 +284,7 @@ def joint_attention(
         return (t[:, :text], t[:, text:]) if text_first else (t[:, rows:], t[:, :rows])
 
     (qt, qi), (kt, ki), (vt, vi) = parts(q), parts(k), parts(v)
+    text_keys, image_keys = _joint_key_flags(key_mask, parts, split, ulysses_axis)
     if ulysses_axis is not None:
         # (B, n_u * rows, H / n_u, D): every image token of this ring block, this rank's heads
         qi, ki, vi = (all_to_all_4d(t, split.mesh, ulysses_axis) for t in (qi, ki, vi))
@@ -284,12 +293,16 @@ def joint_attention(
     if ring_axis is not None:
         first = axis_index(split.mesh, ring_axis).to(q.device) == 0  # the text keys' ring rank
         flags = torch.cat([first.expand(text), split.key_flags(ring_axis, q.device)])
+        if key_mask is not None:  # (B, text + S): and the mask's
+            flags = flags & torch.cat([text_keys, image_keys], 1)
         o = _ring(qj, kj, vj, split, ring_axis, flags)
     else:
         mask = None
-        if not split.even:
+        if not split.even or key_mask is not None:
             keys = [q.new_ones(text, dtype=torch.bool), split.key_flags(None, q.device)]
             mask = torch.cat(keys).view(1, 1, 1, -1)  # (1, 1, 1, keys): every query, head
+            if key_mask is not None:  # (B, 1, 1, keys)
+                mask = mask & torch.cat([text_keys, image_keys], 1)[:, None, None]
         o = SDPA(qj.transpose(1, 2), kj.transpose(1, 2), vj.transpose(1, 2), attn_mask=mask)
         o = o.transpose(1, 2)  # (B, text + S, H', Dv)
     ot, oi = o[:, :text], o[:, text:]
@@ -297,6 +310,24 @@ def joint_attention(
         oi = all_to_all_4d(oi, split.mesh, ulysses_axis, scatter_dim=1, gather_dim=2)
         ot = all_gather(ot.contiguous(), split.mesh, ulysses_axis, dim=2)  # (B, text, H, Dv)
     return torch.cat([ot, oi] if text_first else [oi, ot], 1)  # (B, text + rows, H, Dv)
+
+
+def _joint_key_flags(
+    key_mask: Tensor | None,
+    parts: Callable[[Tensor], tuple[Tensor, Tensor]],
+    split: TokenSplit,
+    ulysses_axis: str | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(text key flags ``(B, text)``, image key flags of the attention's image keys: after the
+    Ulysses exchange every rank's rows of this ring block ``(B, n_u * rows)``) of a joint key
+    mask ``(B, text + rows)``; ``(None, None)`` without one."""
+    if key_mask is None:
+        return None, None
+    text_keys, image_keys = parts(key_mask.bool())
+    if ulysses_axis is not None:  # every rank's image rows of the block, in rank order
+        flags = image_keys.to(torch.float32)  # gathered as numbers (B, n_u * rows)
+        image_keys = all_gather_invariant(flags, split.mesh, ulysses_axis, dim=1) > 0.5
+    return text_keys, image_keys
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -310,11 +341,13 @@ class AttentionSwap(TorchFunctionMode):
     Args:
         attend: the attention over ``(B, S, H, D)`` q, k, v.
         where: the attention module's name, for errors.
+        key_masks: also take a boolean key mask ``(B or 1, 1, 1, keys)`` (the same for every
+            query and head: text padding), given to ``attend`` as ``key_mask=(B, keys)``.
     """
 
-    def __init__(self, attend: Callable[[Tensor, Tensor, Tensor], Tensor], where: str) -> None:
+    def __init__(self, attend: Callable[..., Tensor], where: str, key_masks: bool = False) -> None:
         super().__init__()
-        self.attend, self.where, self.calls = attend, where, 0
+        self.attend, self.where, self.calls, self.key_masks = attend, where, 0, key_masks
 
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
@@ -325,8 +358,10 @@ class AttentionSwap(TorchFunctionMode):
         given = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
         q, k, v = given["query"], given["key"], given["value"]
         scale = given.get("scale")
+        mask = given.get("attn_mask")
+        key_mask = self._key_mask(mask, q, k) if self.key_masks else None
         odd = {
-            "attn_mask": given.get("attn_mask") is not None,
+            "attn_mask": mask is not None and key_mask is None,
             "dropout_p": bool(given.get("dropout_p", 0.0)),
             "is_causal": bool(given.get("is_causal", False)),
             "enable_gqa": bool(given.get("enable_gqa", False)),
@@ -338,9 +373,27 @@ class AttentionSwap(TorchFunctionMode):
             raise ParallelizeError(
                 f"sequence-parallel attention {self.where!r}: its processor called "
                 f"scaled_dot_product_attention with {bad} (q {tuple(q.shape)}, k "
-                f"{tuple(k.shape)}); only an unmasked, non-causal self-attention without dropout "
-                "is split. Fix: run this attention without context parallelism, or a plan for it"
+                f"{tuple(k.shape)}); only a non-causal attention without dropout, unmasked (a "
+                "joint attention: a boolean key mask (batch, 1, 1, keys)), is split. Fix: run "
+                "this attention without context parallelism, or a plan for it"
             )
         self.calls += 1
-        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        extra = {} if key_mask is None else {"key_mask": key_mask}
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **extra)
         return out.transpose(1, 2)  # (B, H, S, Dv)
+
+    @staticmethod
+    def _key_mask(mask: Any, q: Tensor, k: Tensor) -> Tensor | None:
+        """``(B, keys)`` of a boolean key mask ``(B or 1, 1, 1, keys)``; ``None`` for no mask
+        or any other (refused by the caller)."""
+        keys = k.shape[-2]
+        if not (
+            isinstance(mask, Tensor)
+            and mask.dtype == torch.bool
+            and mask.dim() == 4
+            and mask.shape[1] == mask.shape[2] == 1
+            and mask.shape[3] == keys
+            and mask.shape[0] in (1, q.shape[0])
+        ):
+            return None
+        return mask.reshape(mask.shape[0], keys).expand(q.shape[0], keys)
