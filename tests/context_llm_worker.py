@@ -46,8 +46,20 @@ def one_device(family: str) -> dict[str, Any]:
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
-    return {"loss": loss.detach(), "logits": logits.detach(), "grads": grads, "greedy": tokens}
+    res = model.generate(
+        torch.tensor(PROMPT),
+        max_new_tokens=6,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    return {
+        "loss": loss.detach(),
+        "logits": logits.detach(),
+        "grads": grads,
+        "greedy": res.sequences,
+        "gen_logits": torch.stack(res.logits),
+    }
 
 
 def one_device_generations(family: str) -> dict[str, torch.Tensor]:
@@ -82,7 +94,11 @@ def on_ranks(
 
     handle = model.model.layers[1].register_forward_pre_hook(count)
     res = pm.generate(
-        torch.tensor(PROMPT), max_new_tokens=6, do_sample=False, return_dict_in_generate=True
+        torch.tensor(PROMPT),
+        max_new_tokens=6,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
     handle.remove()
     gen = {}
@@ -96,6 +112,7 @@ def on_ranks(
         "logits": logits.detach(),
         "grads": pm.grads(),
         "greedy": res.sequences,
+        "gen_logits": torch.stack(res.logits),
         "cache_keys": tuple(res.past_key_values.layers[0].keys.shape),
         "layer_tokens": seen,
     }

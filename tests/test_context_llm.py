@@ -411,3 +411,54 @@ def test_one_sequence_switch_per_model_and_no_walk_per_step(monkeypatch: Any) ->
     other = copy.deepcopy(pms[0].module)  # a copy has its own switch
     assert switch_of(other) is not switch_of(pms[0].module)
     assert switch_of(other.model.layers[1]) is switch_of(other)
+
+
+#: a prompt of 8 tokens (2 x cp divides it at cp = 2 and 4)
+PROMPT = [[3, 5, 7, 11, 13, 17, 19, 23], [2, 4, 6, 8, 10, 12, 14, 16]]
+
+
+def _greedy(call: Any, config: Any, ids: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+    """A greedy loop with a KV cache: the prefill, then ``steps`` decoding steps; every step's
+    last-position logits and the cache's key count (this rank's)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    out = call(input_ids=ids, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1, keepdim=True)  # (B, 1)
+        out = call(input_ids=nxt, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits), torch.tensor(cache.layers[0].keys.shape[2])
+
+
+@pytest.mark.parametrize("axes, mode", [({"cp": 2}, "ring"), ({"cp": 4}, "ulysses")])
+def test_decoding_against_a_split_kv_cache_matches_one_device(
+    axes: dict[str, int], mode: str
+) -> None:
+    """After a split prefill each cp rank keeps its own tokens' keys and values (8 / cp) plus the
+    decoded tokens' (the tail, counted on rank 0 only); each decoding step attends over every
+    rank's shard with a log-sum-exp merge: every step's logits equal one device's greedy loop
+    (the whole loop runs inside one simulation: a KV cache cannot leave it)."""
+    from fastdist.nn.styles import decoding
+
+    ref = tiny_models.build("llama")
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh(axes)
+    cp = CausalContextParallel("cp", mode)  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    ids, steps = torch.tensor(PROMPT), 4
+    with torch.no_grad():
+        want, length = _greedy(ref, ref.config, ids, steps)
+    assert int(length) == 8 + steps
+
+    def on_rank(params: dict[str, Tensor], prompt: Tensor) -> tuple[Tensor, Tensor]:
+        def call(**kw: Any) -> Any:
+            return torch.func.functional_call(model, params, (), kw)
+
+        with decoding(model), pm.direct_calls.bypass(), torch.no_grad():
+            return _greedy(call, model.config, prompt, steps)
+
+    got, local = fd.simulate(on_rank, mesh)(dict(model.named_parameters()), rep(ids, mesh))
+    torch.testing.assert_close(got, rep(want, mesh), rtol=1e-9, atol=1e-10)
+    assert local.tolist() == [8 // axes["cp"] + steps] * mesh.size  # the cache stays split

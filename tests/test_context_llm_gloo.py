@@ -1,5 +1,6 @@
 """Context parallelism of an HF decoder LLM on gloo processes: a training step and greedy
-generation (prefill split over the sequence, decoding steps whole) equal one device."""
+generation (prefill split over the sequence, decoding steps against the split KV cache; the
+sliding-window families' caches gathered) equal one device; mixture-of-experts training."""
 
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ def test_context_parallel_on_gloo_equals_one_device(
         for name, g in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, **tol, msg=lambda m, n=name: n)
         assert torch.equal(got["greedy"], want["greedy"]), rank
-        # prefill: each rank's 8 / cp prompt tokens; then one token per step, whole
+        torch.testing.assert_close(got["gen_logits"], want["gen_logits"], **tol)
+        # prefill: each rank's 8 / cp prompt tokens; then one token per step, on every rank
         assert got["layer_tokens"] == [len(PROMPT[0]) // degrees["cp"]] + [1] * 5, got
-        # after the prefill every rank holds every token's keys (of its kv heads)
-        assert got["cache_keys"][2] == len(PROMPT[0]) + 5, got["cache_keys"]
+        # the cache stays split: each rank holds its 8 / cp prompt tokens' keys (of its kv
+        # heads) and the 5 decoded tokens' (each step attends over every rank's shard)
+        assert got["cache_keys"][2] == len(PROMPT[0]) // degrees["cp"] + 5, got["cache_keys"]
 
 
 @pytest.mark.parametrize(

@@ -51,19 +51,31 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import SequenceSwitch, Style, StyleContext
-from fastdist.nn.styles.causal_ring import attend, ring_blocks, zigzag_ring
-from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk
+from fastdist.nn.styles.causal_ring import (
+    Partial,
+    attend,
+    finish,
+    merge,
+    partial,
+    ring_blocks,
+    update,
+    zigzag_ring,
+)
+from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
 
 __all__ = ["CausalContextParallel", "PvaryTree", "zigzag_gather", "zigzag_shard"]
 
 Mode = Literal["ring", "ulysses"]
 Split = Literal["zigzag", "contiguous"]
+CacheLayout = Literal["split", "gathered"]
 #: the attribute of the base model, and of every module of its decoder layers, holding the
 #: model's `ContextState` (the attention function finds it on the attention module it is given,
 #: so a copy of the model, ``copy.deepcopy``, uses its own)
 STATE_ATTR = "fastdist_context_state"
 #: the name of the attention function in transformers' registry (``config._attn_implementation``)
 ATTENTION = "fastdist_context"
+#: the attribute of a KV cache a split prefill left split: the prefill's token count
+SPLIT_CACHE = "_fastdist_split_prefill"
 
 
 # ============================================================================ zig-zag layout
@@ -116,6 +128,10 @@ class ContextState:
     switch: SequenceSwitch = field(default_factory=SequenceSwitch)
     #: (B, all keys) padding flags of a forward run whole
     whole_valid: Tensor | None = None
+    #: after a split prefill: leave the KV cache split (``"split"``) or gather it
+    cache: CacheLayout = "split"
+    #: a decoding forward against a KV cache a split prefill of this many tokens left split
+    decode: int | None = None
 
     @property
     def chunks(self) -> int:
@@ -172,7 +188,8 @@ def _enter_model(
             "Fix: pass the 2-d padding mask (or none)"
         )
     n, S = state.mesh.axis_size(state.axis), tokens.shape[1]
-    past = _cache_length(kw.get("past_key_values"))
+    cache = kw.get("past_key_values")
+    past = _cache_length(cache)
     state.split = past == 0 and S % state.chunks == 0
     if not state.split:
         if not state.switch.decoding:
@@ -189,6 +206,12 @@ def _enter_model(
                 "runs the decoding steps whole"
             )
         state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
+        prefill = getattr(cache, SPLIT_CACHE, None) if past else None
+        if isinstance(prefill, int):  # attend over every rank's shard of the cache
+            state.decode = prefill
+            if kw.get("position_ids") is None:  # the cache's length here is this rank's shard
+                start = prefill + past - prefill // n  # tokens before this call, on all ranks
+                kw["position_ids"] = torch.arange(start, start + S, device=tokens.device)[None]
         return (), kw
     for layer in getattr(kw.get("past_key_values"), "layers", ()):
         if getattr(layer, "is_sliding", False):  # keep the rank's every token until gathered
@@ -218,7 +241,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     """Forward hook of the base model (also when its forward raised): the output (and a KV cache
     filled by this forward) gathered into the whole sequence, in token order; the per-call
     tensors dropped (inside a simulation they are the simulation's, which must not outlive it)."""
-    state.index = state.valid = state.whole_valid = None
+    state.index = state.valid = state.whole_valid = state.decode = None
     if not state.split or out is None:
         return out
     axis = state.axis
@@ -233,7 +256,17 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
             state.gather(r.reshape(batch, -1, r.shape[-1]), 1).flatten(0, 1) for r in routers
         )
     cache = out.get("past_key_values")
-    for layer in getattr(cache, "layers", ()):
+    layers = getattr(cache, "layers", ())
+    if (
+        state.cache == "split"
+        and layers
+        and all(type(x).__name__ == "DynamicLayer" for x in layers)
+    ):
+        # each rank keeps its tokens' keys and values; decoding steps attend over every shard
+        cache.__dict__[SPLIT_CACHE] = out["last_hidden_state"].shape[1]
+        state.split = False
+        return out
+    for layer in layers:
         kind = type(layer).__name__
         if kind not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
             raise ParallelizeError(
@@ -305,6 +338,8 @@ def context_attention(
             "only decoder (causal) self-attention is split. Fix: a plan for this attention"
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if state.decode is not None:
+        return _split_cache_attention(state, query, key, value, scale, sliding_window, softcap)
     if not state.split:  # every rank holds every token: one block, indices from the shapes
         sq, sk = query.shape[2], key.shape[2]
         ki = torch.arange(sk, device=query.device).unsqueeze(0)  # (1, Sk)
@@ -341,6 +376,50 @@ def context_attention(
     return all_to_all_4d(o, mesh, axis, scatter_dim=1, gather_dim=2), None
 
 
+def _split_cache_attention(
+    state: ContextState,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> tuple[Tensor, None]:
+    """A decoding step against a KV cache a split prefill of ``P`` tokens left split: this rank's
+    cache holds its ``P / n`` prefill tokens (its chunks), then every token decoded since (the
+    tail, the same on every rank: each rank runs the new tokens whole). Each rank attends its
+    queries (the step's ``Sq`` new tokens, replicated) over its keys, the tail counted on rank 0
+    only; the partial results (row max, sum, weighted values) are gathered over the axis and
+    merged (log-sum-exp): the softmax over every key, exactly."""
+    mesh, axis, prefill = state.mesh, state.axis, cast(int, state.decode)
+    own = prefill // mesh.axis_size(axis)
+    sq, tail = query.shape[2], key.shape[2] - own
+    total = prefill + tail  # tokens so far, this step's included
+    dev = query.device
+    qi = torch.arange(total - sq, total, device=dev)[None]  # (1, Sq)
+    mine = state.shard(torch.arange(prefill, device=dev)[None], 1)  # (1, P/n)
+    ki = torch.cat([mine, torch.arange(prefill, total, device=dev)[None]], 1)  # (1, keys)
+    first = (axis_index(mesh, axis) == 0).expand(1, tail)  # (1, tail): the tail on rank 0
+    mask = state.whole_valid  # (B, total) or None
+    if mask is None:
+        valid = torch.cat([torch.ones(1, own, dtype=torch.bool, device=dev), first], 1)
+    else:
+        valid = torch.cat([state.shard(mask[:, :prefill], 1), mask[:, prefill:total] & first], 1)
+    part = update(
+        partial(query, key.shape[1], value.shape[-1]),
+        query,
+        (key, value, ki, valid),
+        qi,
+        scale,
+        window,
+        softcap,
+    )
+    # (n, B, Hkv, G, Sq, .) every rank's partial result
+    every = [all_gather_invariant(t[None].contiguous(), mesh, axis, dim=0) for t in part]
+    parts = [Partial(*(t[r] for t in every)) for r in range(every[0].shape[0])]
+    return finish(merge(parts)), None
+
+
 # ============================================================================ styles
 def _register_attention(module: nn.Module) -> None:
     from transformers import AttentionInterface
@@ -372,6 +451,7 @@ class CausalContextParallel(Style):
     mode: Mode = "ring"
     layers: str = "layers"
     layout: Split = "zigzag"
+    cache: CacheLayout = "split"
 
     def unverifiable(self) -> str | None:
         if self.layout == "zigzag":
@@ -383,11 +463,16 @@ class CausalContextParallel(Style):
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         mesh.axis_indices(self.axis, "CausalContextParallel")
-        if self.mode not in ("ring", "ulysses") or self.layout not in ("zigzag", "contiguous"):
+        if (
+            self.mode not in ("ring", "ulysses")
+            or self.layout not in ("zigzag", "contiguous")
+            or self.cache not in ("split", "gathered")
+        ):
             raise ParallelizeError(
                 f"parallelize: {name!r}: CausalContextParallel(mode={self.mode!r}, "
-                f"layout={self.layout!r}): the modes are 'ring' and 'ulysses', the layouts "
-                "'zigzag' and 'contiguous'"
+                f"layout={self.layout!r}, cache={self.cache!r}): the modes are 'ring' and "
+                "'ulysses', the layouts 'zigzag' and 'contiguous', the caches 'split' and "
+                "'gathered'"
             )
         config = getattr(module, "config", None)
         if config is None or not hasattr(config, "_attn_implementation"):
@@ -405,7 +490,9 @@ class CausalContextParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        state = ContextState(ctx.mesh, self.axis, self.mode, self.layout, switch=ctx.switch)
+        state = ContextState(
+            ctx.mesh, self.axis, self.mode, self.layout, switch=ctx.switch, cache=self.cache
+        )
         _register_attention(module)
         layers: Any = getattr(module, self.layers)
         module.register_forward_pre_hook(functools.partial(_enter_model, state), with_kwargs=True)
