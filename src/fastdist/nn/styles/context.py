@@ -373,7 +373,7 @@ class SequenceParallelAttention(Style):
         # a single-stream attention may have no output projection of its own (Flux,
         # HunyuanVideo), or one projection for q, k, v and the MLP (Flux 2)
         joint = self.joint or self.joined
-        children = ("to_q", "to_k", "to_v") if joint else ("to_q", "to_k", "to_v", "to_out")
+        children: tuple[str, ...] = ("to_q", "to_k", "to_v", *(() if joint else ("to_out",)))
         if self.joined and hasattr(module, "to_qkv_mlp_proj"):
             children = ("to_qkv_mlp_proj",)
         for child in children:

@@ -284,7 +284,7 @@ def joint_attention(
         return (t[:, :text], t[:, text:]) if text_first else (t[:, rows:], t[:, :rows])
 
     (qt, qi), (kt, ki), (vt, vi) = parts(q), parts(k), parts(v)
-    text_keys, image_keys = _joint_key_flags(key_mask, parts, split, ulysses_axis)
+    keys = _joint_key_flags(key_mask, parts, split, ulysses_axis)  # (B, text + S) or None
     if ulysses_axis is not None:
         # (B, n_u * rows, H / n_u, D): every image token of this ring block, this rank's heads
         qi, ki, vi = (all_to_all_4d(t, split.mesh, ulysses_axis) for t in (qi, ki, vi))
@@ -293,16 +293,16 @@ def joint_attention(
     if ring_axis is not None:
         first = axis_index(split.mesh, ring_axis).to(q.device) == 0  # the text keys' ring rank
         flags = torch.cat([first.expand(text), split.key_flags(ring_axis, q.device)])
-        if key_mask is not None:  # (B, text + S): and the mask's
-            flags = flags & torch.cat([text_keys, image_keys], 1)
+        if keys is not None:  # (B, text + S): and the mask's
+            flags = flags & keys
         o = _ring(qj, kj, vj, split, ring_axis, flags)
     else:
         mask = None
-        if not split.even or key_mask is not None:
-            keys = [q.new_ones(text, dtype=torch.bool), split.key_flags(None, q.device)]
-            mask = torch.cat(keys).view(1, 1, 1, -1)  # (1, 1, 1, keys): every query, head
-            if key_mask is not None:  # (B, 1, 1, keys)
-                mask = mask & torch.cat([text_keys, image_keys], 1)[:, None, None]
+        if not split.even or keys is not None:
+            real = [q.new_ones(text, dtype=torch.bool), split.key_flags(None, q.device)]
+            mask = torch.cat(real).view(1, 1, 1, -1)  # (1, 1, 1, keys): every query, head
+            if keys is not None:  # (B, 1, 1, keys)
+                mask = mask & keys[:, None, None]
         o = SDPA(qj.transpose(1, 2), kj.transpose(1, 2), vj.transpose(1, 2), attn_mask=mask)
         o = o.transpose(1, 2)  # (B, text + S, H', Dv)
     ot, oi = o[:, :text], o[:, text:]
@@ -317,17 +317,18 @@ def _joint_key_flags(
     parts: Callable[[Tensor], tuple[Tensor, Tensor]],
     split: TokenSplit,
     ulysses_axis: str | None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """(text key flags ``(B, text)``, image key flags of the attention's image keys: after the
-    Ulysses exchange every rank's rows of this ring block ``(B, n_u * rows)``) of a joint key
-    mask ``(B, text + rows)``; ``(None, None)`` without one."""
+) -> Tensor | None:
+    """The flags ``(B, text + S)`` of the keys one joint attention sees, text first: the text
+    keys', then the image keys' (after the Ulysses exchange, every rank's rows of this ring
+    block: ``S = n_u * rows``), from this rank's joint key mask ``(B, text + rows)``; ``None``
+    without one."""
     if key_mask is None:
-        return None, None
+        return None
     text_keys, image_keys = parts(key_mask.bool())
     if ulysses_axis is not None:  # every rank's image rows of the block, in rank order
         flags = image_keys.to(torch.float32)  # gathered as numbers (B, n_u * rows)
         image_keys = all_gather_invariant(flags, split.mesh, ulysses_axis, dim=1) > 0.5
-    return text_keys, image_keys
+    return torch.cat([text_keys, image_keys], 1)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
