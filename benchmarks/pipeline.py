@@ -34,10 +34,12 @@ torch's (tests/test_pipeline_gloo.py checks them against one device).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,7 @@ def fastdist_pipeline_step(
     seq: int,
     stages_per_rank: int = 1,
     steps: int = 3,
+    profile: bool = False,
 ) -> dict[str, Any] | None:
     """fastdist's side of a row, on one rank: the same model (`build_model`, same seed), split
     into the same stages (rank ``r`` holds stages ``r, r + world, ...``) by
@@ -120,14 +123,21 @@ def fastdist_pipeline_step(
     ids, labels = make_batch(config, batch, seq, seed)
     walls, busys, loss = [], [], None
     per_stage: dict[tuple[str, int], list[float]] = {}
-    for _ in range(steps):
-        pipe.zero_grad()
-        dist.barrier()
-        loss = pipe.step(input_ids=ids, shift_labels=labels)
-        walls.append(pipe.span)
-        busys.append(sum(e.end - e.start for e in pipe.events))
-        for e in pipe.events:
-            per_stage.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    parts: list[dict[str, float]] = []
+    with _Breakdown() if profile else contextlib.nullcontext() as clock:
+        for _ in range(steps):
+            pipe.zero_grad()
+            dist.barrier()
+            if clock is not None:
+                clock.reset()
+            t0 = time.perf_counter()  # as torch's side: from the barrier to step's return
+            loss = pipe.step(input_ids=ids, shift_labels=labels)
+            walls.append(time.perf_counter() - t0)
+            busys.append(sum(e.end - e.start for e in pipe.events))
+            if clock is not None:
+                parts.append(clock.parts(walls[-1], pipe.span, busys[-1]))
+            for e in pipe.events:
+                per_stage.setdefault((e.kind, e.stage), []).append(e.end - e.start)
     wall = torch.tensor(walls, dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     # every stage's mean action times, from the rank that holds it
@@ -152,7 +162,60 @@ def fastdist_pipeline_step(
         "busy_s": statistics.median(busys[i] for i in timed),
         "bubble": statistics.median(1 - busys[i] / float(wall[i]) for i in timed),
         "bubble_replay": replay,
+        "parts": {k: statistics.median(p[k] for p in parts[1:]) for k in parts[0]}
+        if len(parts) > 1
+        else None,
     }
+
+
+class _Breakdown:
+    """``--profile``: where a fastdist step's wall time goes on this rank, by wrapping (in this
+    benchmark's processes only, for the ``with`` block) the methods of
+    `fastdist.train.pipeline.transfers.Transfers` that wait or send, and the step's checks.
+
+    ``parts``: ``before`` and ``after`` (the step outside the schedule's run: the micro-batch
+    split, the batch digest all-gather, the loss broadcast), ``compute`` (the actions, from
+    `Pipeline.events`), ``recv`` (blocked in receives: waiting for a peer), ``send``, ``post``
+    (posting receives ahead), ``finish`` (waiting for the step's sends), ``other`` (the rest of
+    the schedule's run: Python bookkeeping per action), each in ms."""
+
+    WRAPPED = ("recv", "send", "post", "finish", "swap")
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def __enter__(self) -> _Breakdown:
+        from fastdist.train.pipeline.transfers import Transfers
+
+        self.saved = {name: getattr(Transfers, name) for name in self.WRAPPED}
+        for name, fn in self.saved.items():
+            setattr(Transfers, name, self._timed(name, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from fastdist.train.pipeline.transfers import Transfers
+
+        for name, fn in self.saved.items():
+            setattr(Transfers, name, fn)
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    def reset(self) -> None:
+        self.spent = {}
+
+    def parts(self, wall: float, span: float, busy: float) -> dict[str, float]:
+        comm = {k: self.spent.get(k, 0.0) for k in self.WRAPPED}
+        out = {"wall": wall, "outside": wall - span, "compute": busy, **comm}
+        out["other"] = span - busy - sum(comm.values())
+        return {k: 1e3 * v for k, v in out.items()}
 
 
 def rank_fn(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -161,7 +224,8 @@ def rank_fn(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for case in cases:
-        res = {"torch": torch_pipeline_step(**case), "fastdist": fastdist_pipeline_step(**case)}
+        base = {k: v for k, v in case.items() if k != "profile"}
+        res = {"torch": torch_pipeline_step(**base), "fastdist": fastdist_pipeline_step(**case)}
         mine, theirs = res["fastdist"], res["torch"]
         if mine is not None:  # this rank holds the same stages on both sides
             assert set(mine["grads"]) == {n for n, g in theirs["grads"].items() if g is not None}
@@ -189,6 +253,8 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any] | None:
         "bubble_max": max(bubbles),
         "bubble_replay": statistics.mean(r["bubble_replay"] for r in per_rank),
         "loss": loss,
+        "parts": [r.get("parts") for r in per_rank],
+        "busy_ms": [1e3 * r["busy_s"] for r in per_rank],
     }
 
 
@@ -197,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--only", action="append", default=[], help="run only these rows, pp:schedule:m")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where fastdist's step time goes on each rank (ms): outside the "
+        "schedule's run, compute, receives, sends, posts, the rest",
+    )
     args = p.parse_args(argv)
     only = [tuple(x.split(":")) for x in args.only]
     chosen = [r for r in rows(args.quick) if not only or (str(r[0]), r[1], str(r[2])) in only]
@@ -221,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 seq=sz["seq"],
                 stages_per_rank=v,
                 steps=steps,
+                profile=args.profile,
             )
             for _, schedule, m, v in mine
         ]
@@ -276,7 +349,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['bubble']:.3f} ({t['bubble_min']:.3f}–{t['bubble_max']:.3f}) | "
             f"{t['bubble_replay']:.3f} | {r['bubble_theory']:.3f} | {fd_cols} |"
         )
+    if args.profile:
+        _print_parts(table)
     return 0
+
+
+def _print_parts(table: list[dict[str, Any]]) -> None:
+    """``--profile``: fastdist's step on each rank, in ms (median over the timed steps)."""
+    keys = ("wall", "outside", "compute", "recv", "send", "post", "finish", "swap", "other")
+    print("\nfastdist's step per rank, ms (`_Breakdown`), and torch's compute on that rank")
+    print("| schedule | pp | m | rank | " + " | ".join(keys) + " | torch compute |")
+    print("|---|---|---|---|" + "---|" * (len(keys) + 1))
+    for r in table:
+        f = r["fastdist"]
+        for rank, parts in enumerate(f["parts"] if f is not None else []):
+            if parts:
+                cells = " | ".join(f"{parts[k]:.1f}" for k in keys)
+                theirs = r["torch"]["busy_ms"][rank]
+                print(
+                    f"| {r['schedule']} | {r['pp']} | {r['m']} | {rank} | {cells} | {theirs:.1f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ this run. Nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -114,6 +116,27 @@ def _dtensor(model: Any, mesh: Any, prepare_inputs: bool) -> Any:
     return parallelize_module(model, mesh, plan)
 
 
+def _dtensor_vocab(model: Any, mesh: Any) -> Any:
+    """``model`` as `_dtensor` makes it, plus the vocabulary split as torch's Llama tutorial splits
+    it: the embedding ``RowwiseParallel(input_layouts=Replicate())`` (an all-reduce of its output)
+    and the LM head ``ColwiseParallel(use_local_output=False)``: the logits stay a DTensor
+    sharded over the vocabulary, and the step runs under ``loss_parallel()`` so that transformers'
+    own ``F.cross_entropy`` on them is DTensor's vocabulary-parallel loss."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = _dtensor(model, mesh, prepare_inputs=True)
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(use_local_output=False),
+    }
+    return parallelize_module(model, mesh, plan)
+
+
 def _fastdist(model: Any, vocab_parallel: bool) -> Any:
     mesh = fd.connect(tp=WORLD, timeout=120)
     plan = fd.nn.plans.plan(model, family="llama")
@@ -122,9 +145,14 @@ def _fastdist(model: Any, vocab_parallel: bool) -> Any:
     return fd.nn.parallelize(model, mesh, plan)
 
 
-def _step(model: Any, ids: torch.Tensor, opt: torch.optim.Optimizer | None) -> Callable[[], None]:
+def _step(
+    model: Any, ids: torch.Tensor, opt: torch.optim.Optimizer | None, loss_parallel: bool
+) -> Callable[[], None]:
+    from torch.distributed.tensor.parallel import loss_parallel as lp
+
     def run() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
+        with lp() if loss_parallel else contextlib.nullcontext():  # forward and backward in it
+            model(input_ids=ids, labels=ids).loss.backward()
         if opt is not None:
             opt.step()
         _zero_grad(model)
@@ -150,10 +178,12 @@ def _check(one: Any, sides: dict[str, Any], ids: torch.Tensor) -> dict[str, floa
     one.zero_grad(set_to_none=True)
     diffs = {}
     for name, m in sides.items():
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
+        with _loss_ctx(name):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+        loss = _local(loss.detach())  # DTensor's loss_parallel: a replicated DTensor
         d = abs(loss.item() - ref.item())
-        if name != "fastdist_vocab":  # a vocabulary shard: the loss alone
+        if name not in VOCAB:  # a vocabulary shard: the loss alone
             g = _local(getattr(m, "module", m).model.embed_tokens.weight.grad)
             d = max(d, (g - ref_g).abs().max().item())
         _zero_grad(m)
@@ -164,6 +194,12 @@ def _check(one: Any, sides: dict[str, Any], ids: torch.Tensor) -> dict[str, floa
             )
         diffs[name] = d
     return diffs
+
+
+def _loss_ctx(name: str) -> Any:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if name == "dtensor_vocab" else contextlib.nullcontext()
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -180,15 +216,21 @@ PAIRS = (
     ("fastdist_vocab", "dtensor", False),
     ("fastdist_vocab", "dtensor", True),
     ("fastdist", "dtensor_per_linear", False),
+    ("fastdist_vocab", "dtensor_vocab", False),
+    ("fastdist_vocab", "dtensor_vocab", True),
 )
+VOCAB = ("fastdist_vocab", "dtensor_vocab")  # sides whose embedding holds a vocabulary shard
 CASES = {
     "fastdist": "vocabulary replicated",
     "fastdist_vocab": "fastdist vocabulary-parallel, DTensor replicated",
+    "dtensor_vocab": "vocabulary-parallel on both sides (DTensor: loss_parallel)",
     "dtensor_per_linear": "vocabulary replicated, DTensor without PrepareModuleInput",
 }
 
 
-def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
+def _rank(
+    size: tuple[int, ...], reps: int, warmup: int, pairs: tuple[tuple[str, str, bool], ...]
+) -> dict[str, Any]:
     """One rank: build the single-device model and the parallel copies, check them, time the
     pairs. Returns the differences against one device and this rank's step times (seconds)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -202,17 +244,23 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
         "fastdist_vocab": _fastdist(copy.deepcopy(one), vocab_parallel=True),
         "dtensor": _dtensor(copy.deepcopy(one), dmesh, prepare_inputs=True),
         "dtensor_per_linear": _dtensor(copy.deepcopy(one), dmesh, prepare_inputs=False),
+        "dtensor_vocab": _dtensor_vocab(copy.deepcopy(one), dmesh),
     }
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     diffs = _check(one, sides, ids)
     del one
     steps = {
-        (k, adamw): _step(m, ids, torch.optim.AdamW(m.parameters(), lr=1e-4) if adamw else None)
+        (k, adamw): _step(
+            m,
+            ids,
+            torch.optim.AdamW(m.parameters(), lr=1e-4) if adamw else None,
+            loss_parallel=k == "dtensor_vocab",
+        )
         for k, m in sides.items()
         for adamw in (False, True)
     }
     times = []
-    for fast, base, adamw in PAIRS:
+    for fast, base, adamw in pairs:
         pair = (steps[fast, adamw], steps[base, adamw])
         for _ in range(warmup):
             for f in pair:
@@ -226,14 +274,15 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     return {"diffs": diffs, "times": times}
 
 
-def bench(quick: bool) -> list[dict[str, Any]]:
+def bench(quick: bool, vocab_only: bool = False) -> list[dict[str, Any]]:
     rows = []
+    pairs = tuple(p for p in PAIRS if p[1] == "dtensor_vocab" or not vocab_only)
     for name in ("quick",) if quick else ("512", "1024"):
         size = SIZES[name]
         reps, warmup = (3, 1) if quick else (11, 2)
-        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=1800)
+        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, pairs, timeout=1800)
         hidden, inter, heads, kv, layers, vocab, batch, seq = size
-        for n, (fast, base, adamw) in enumerate(PAIRS):
+        for n, (fast, base, adamw) in enumerate(pairs):
             # a step is over when its slowest rank is
             f, d = (
                 [max(r["times"][n][side][i] for r in per_rank) for i in range(reps)]
@@ -243,6 +292,7 @@ def bench(quick: bool) -> list[dict[str, Any]]:
                 {
                     "case": f"fwd+bwd{'+AdamW' if adamw else ''}, "
                     + CASES[base if base != "dtensor" else fast],
+                    "load_average": list(os.getloadavg()),
                     "hidden": hidden,
                     "intermediate": inter,
                     "heads": f"{heads}/{kv}",
@@ -265,8 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument(
+        "--vocab-only",
+        action="store_true",
+        help="only the rows with the vocabulary split on both sides (DTensor's loss_parallel)",
+    )
     args = ap.parse_args(argv)
-    rows = bench(args.quick)
+    print(f"load average before: {os.getloadavg()}")
+    rows = bench(args.quick, args.vocab_only)
+    print(f"load average after: {os.getloadavg()}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tp_vs_dtensor.json").write_text(json.dumps(rows, indent=1))
     lines = [

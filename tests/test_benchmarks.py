@@ -128,7 +128,8 @@ def test_tp_vs_dtensor_benchmark_smoke_run(tmp_path: Path) -> None:
     Llama over 2 gloo processes; the run itself checks both against one device before timing."""
     proc = _run_quick("tp_vs_dtensor.py", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "tp_vs_dtensor.json").read_text())
-    assert len(rows) == 5 and sum("AdamW" in r["case"] for r in rows) == 2
+    assert len(rows) == 7 and sum("AdamW" in r["case"] for r in rows) == 3
+    assert sum("loss_parallel" in r["case"] for r in rows) == 2  # DTensor's vocabulary split
     assert all(
         r["ratio"] > 0
         and r["fastdist_ms"] > 0
@@ -157,12 +158,15 @@ def test_checkpoint_benchmark_smoke_run(tmp_path: Path) -> None:
 def test_pipeline_benchmark_smoke_run(tmp_path: Path) -> None:
     """benchmarks/pipeline.py --quick: torch.distributed.pipelining and fastdist's pipeline on the
     same gloo processes, same model, stages, schedule and batch; the script asserts both losses
-    equal one device and the two sides' gradients equal each other (1e-9)."""
-    proc = _run_quick("pipeline.py", "--out", str(tmp_path))
+    equal one device and the two sides' gradients equal each other (1e-9). ``--profile``: where
+    fastdist's step went on each rank (the parts add up to the step's wall time)."""
+    proc = _run_quick("pipeline.py", "--out", str(tmp_path), "--profile")
+    main_table = proc.stdout.split("\n\n")[0]  # the profile's table follows a blank line
     rows = [
-        line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line
+        line for line in main_table.splitlines() if line.startswith("| ") and "---" not in line
     ]
     assert len(rows) == 1 + 4, proc.stdout  # header + one row per case
+    assert "fastdist's step per rank, ms" in proc.stdout
     assert "not built yet" not in proc.stdout
     table = json.loads((tmp_path / "pipeline.json").read_text())
     assert [(r["schedule"], r["pp"], r["m"]) for r in table] == [
@@ -174,6 +178,9 @@ def test_pipeline_benchmark_smoke_run(tmp_path: Path) -> None:
     for r in table:
         assert r["fastdist"] is not None and r["ratio"] > 0
         assert 0 <= r["bubble_theory"] < 1 and r["torch"]["bubble_max"] < 1
+        for parts in r["fastdist"]["parts"]:  # one per rank, ms
+            assert parts["compute"] > 0 and parts["recv"] >= 0 and parts["send"] >= 0
+            assert parts["compute"] + parts["recv"] + parts["send"] <= parts["wall"]
 
 
 def test_meta_memory_benchmark_smoke_run(tmp_path: Path) -> None:

@@ -163,6 +163,33 @@ def test_padded_vocabulary_10_over_4_ranks() -> None:
     assert bool(torch.isfinite(out).all()) and out.max() < 100
 
 
+def test_rank_of_padding_only_and_very_negative_logits() -> None:
+    """Vocabulary 5 over tp=4 as 4 x 2 columns: rank 3 holds padding only (its largest logit is
+    -inf), and the real logits sit near -1e4 (a shift by 0 would underflow every exponential):
+    values and gradients as F.cross_entropy's."""
+    mesh = fd.Mesh({"tp": 4})
+    full = make_logits((3, 2), 4, 2, 5) - 1e4
+    target = torch.tensor([[4, 0], [-100, 2], [3, 4]])
+    for reduction in ("none", "sum", "mean"):
+        check_cross_entropy(mesh, full, target, 5, reduction=reduction)
+
+
+def test_one_collective_in_the_forward_none_in_the_backward() -> None:
+    """The loss crosses the axis once per step: one all-gather of (largest logit, sum of
+    exponentials, target's logit) per token; the backward crosses nothing."""
+    mesh = fd.Mesh({"tp": 4})
+    target = torch.tensor([[9, 0], [-100, 5]])
+
+    def step(logits: Tensor) -> None:
+        fd.nn.cross_entropy(logits, target, mesh, "tp", vocab_size=10).backward()
+
+    logits = torch.randn(2, 2, 3, dtype=F64, requires_grad=True)
+    records = fd.profile.trace(step, mesh, logits).records
+    assert [(r.op, r.phase, r.shape) for r in records] == [
+        ("all_gather_invariant", "forward", (1, 3, 2, 2))
+    ]
+
+
 def test_torch_func_grad_inside_and_around_simulate_equals_one_device() -> None:
     """The eager loss is a Function with its own backward: torch.func.grad (per rank, and around
     simulate) and vmap over an extra batch dim give F.cross_entropy's gradient, padding columns and

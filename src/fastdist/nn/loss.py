@@ -3,8 +3,8 @@
 :func:`cross_entropy` is ``torch.nn.functional.cross_entropy`` for logits whose last
 dimension (the vocabulary) is split evenly over a mesh axis: rank ``i`` along the axis
 holds columns ``[i * V_local, (i + 1) * V_local)``. No rank ever holds the whole
-vocabulary; per token, one ``pmax`` (a shift for stability, no gradient) and one ``psum``
-(of the local sum of exponentials and the target's logit) cross the axis.
+vocabulary; per token, one all-gather of three numbers crosses the axis (each rank's largest
+logit, its sum of exponentials shifted by it, the target's logit), and none in the backward.
 :func:`causal_lm_loss` is the vocabulary-parallel twin of transformers' ``ForCausalLMLoss``.
 
 Targets are checked: a class id that is neither ``ignore_index`` nor in ``[0, vocab_size)``
@@ -29,7 +29,7 @@ from fastdist.core.binding import rank_binding
 from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import CollectiveError, TargetError
-from fastdist.ops import axis_index, pmax, psum
+from fastdist.ops import all_gather_invariant, axis_index
 from fastdist.ops.prelude import check_mesh, names_this_rank
 
 __all__ = [
@@ -238,22 +238,33 @@ def _token_losses(
     start = axis_index(mesh, axis) * n_local  # this rank's first global column
     if vocab < n_cols:  # padding columns get no probability and no gradient
         x = x.masked_fill(start + torch.arange(n_local, device=x.device) >= vocab, float("-inf"))
-    top = pmax(x.detach().amax(-1), mesh, axis)  # (...): a shift for stability, no gradient needed
+    # Each rank shifts by its own largest logit top_r (a shard of padding columns only: by 0, its
+    # sum is 0), and one all-gather of (top_r, sum_r, the target's logit) per token combines them
+    # as an online softmax does: logsumexp = M + log(sum_r sum_r * exp(top_r - M)), M the largest
+    # top_r. One collective, not a pmax and then a psum (on busy cores each is a wait).
+    top = x.detach().amax(-1)  # (...): this rank's largest logit, no gradient needed
+    shift = torch.where(top == float("-inf"), 0.0, top)  # (...)
     mine = (target >= start) & (target < start + n_local)  # the target's column is on this rank
     # (...) local column of the target (0 where not mine)
     index = torch.where(mine, target - start, 0)
     if torch.compiler.is_compiling():  # plain ops: the compiler fuses them
-        shifted = x - top.unsqueeze(-1)
+        shifted = x - shift.unsqueeze(-1)
         local_sum, picked = (
             shifted.exp().sum(-1),
             shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1),
         )
     else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
-        local_sum, picked, _ = _LocalSoftmaxStats.apply(x, top, index)  # type: ignore[no-untyped-call]
-    # one collective for both
-    sums = psum(torch.stack([local_sum, torch.where(mine, picked, 0.0)]), mesh, axis)
+        local_sum, picked, _ = _LocalSoftmaxStats.apply(x, shift, index)  # type: ignore[no-untyped-call]
+    mine_stats = torch.stack([top, local_sum, torch.where(mine, picked + shift, 0.0)])  # (3, ...)
+    # (n, 3, ...): the gradient of each rank's part stays on it (no collective in the backward)
+    every = all_gather_invariant(mine_stats.unsqueeze(0), mesh, axis, dim=0)
+    tops = every[:, 0].detach()  # (n, ...)
+    high = tops.amax(0)  # (...): the largest logit of the token
+    scale = (tops - high).exp()  # (n, ...): 0 for a rank of padding columns only (top -inf)
+    total = (every[:, 1] * scale).sum(0)  # (...): sum over the vocabulary of exp(x - high)
+    target_logit = every[:, 2].sum(0)  # (...): on one rank, 0 on the others
     counted = target != ignore_index
-    return torch.where(counted, sums[0].log() - sums[1], 0.0), counted
+    return torch.where(counted, total.log() - (target_logit - high), 0.0), counted
 
 
 @names_this_rank

@@ -94,12 +94,6 @@ class Transfers:
                 f"pipeline: stage {stage} hands on a {t.dtype} tensor of {t.dim()} dims. Fix: "
                 f"stage outputs are floating-point hidden states of at most {_HEADER - _SHAPE} dims"
             )
-        head = torch.zeros(_HEADER, dtype=torch.int64)
-        head[:_SHAPE] = torch.tensor(
-            [0 if kind == "F" else 1, micro, stage, _DTYPES.index(t.dtype), t.dim()]
-            + list(self.schedule_id)
-        )
-        head[_SHAPE : _SHAPE + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         tag = self._tag(kind, micro, stage)
         group = self._group(t.device)
         # `stage` receives: the stage after this one (forward) or before it (backward)
@@ -117,7 +111,11 @@ class Transfers:
                 f"{seen[1]} {seen[0]} before. Fix: report this as a fastdist bug"
             )
         # the header once per step shapes (tag 2k), then the tensor (tag 2k + 1)
-        payloads = [(t, 2 * tag + 1)] if seen else [(head.to(t.device), 2 * tag), (t, 2 * tag + 1)]
+        payloads = [(t, 2 * tag + 1)]
+        if seen is None:
+            head = [0 if kind == "F" else 1, micro, stage, _DTYPES.index(t.dtype), t.dim()]
+            head += [*self.schedule_id, *t.shape, *[0] * (_HEADER - _SHAPE - t.dim())]
+            payloads.insert(0, (torch.tensor(head, dtype=torch.int64, device=t.device), 2 * tag))
         for payload, ptag in payloads:
             work = self.ac.run(
                 "pipeline send",
