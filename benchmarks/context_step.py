@@ -158,11 +158,11 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     return {"diffs": diffs, "mem": mem, "times": times}
 
 
-def bench(quick: bool) -> dict[str, Any]:
+def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     rows, torch_cp = [], ""
-    for name in ("quick",) if quick else ("1k", "2k"):
+    for name in ("quick",) if quick else only or ("1k", "2k"):
         size = SIZES[name]
-        reps, warmup = (3, 1) if quick else (9, 2)
+        reps, warmup = (3, 1) if quick else (7, 1)
         per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=3000)
         tried = run_on_gloo(_torch_context_parallel, WORLD, size, timeout=600)
         # a rank whose peer failed first reports a closed connection: the other's error is the cause
@@ -191,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--only", nargs="+", choices=[k for k in SIZES if k != "quick"])
     args = ap.parse_args(argv)
     load = [os.getloadavg()]
-    res = bench(args.quick)
+    res = bench(args.quick, args.only)
     load.append(os.getloadavg())
     res["loadavg"] = load
     args.out.mkdir(parents=True, exist_ok=True)

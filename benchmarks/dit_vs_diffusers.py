@@ -1,7 +1,7 @@
 """fastdist's context parallelism against diffusers' own ``enable_parallelism`` on the same
 unmodified diffusers ``WanTransformer3DModel``, 2 gloo processes.
 
-    python benchmarks/dit_vs_diffusers.py          # 1024 and 4096 tokens (~6 min on 2 cores)
+    python benchmarks/dit_vs_diffusers.py          # 1024 and 2048 tokens (~20 min on 2 busy cores)
     python benchmarks/dit_vs_diffusers.py --quick  # tiny sizes: a smoke run (~30 s)
 
 fastdist: ``fd.nn.parallelize(model, fd.connect(sp=2))`` (Wan's ready plan, Ulysses; and
@@ -68,8 +68,8 @@ STEPS = 4  # denoising steps per timed loop
 # tokens = frames x (height / 2) x (width / 2) (patch 1 x 2 x 2)
 SIZES = {
     "quick": (2, 8, 32, 1, 4, 2, 4, 4),
-    "1k": (8, 32, 1024, 2, 16, 4, 32, 64),
-    "4k": (8, 32, 1024, 2, 16, 4, 64, 64),
+    "1k": (4, 32, 512, 2, 16, 4, 32, 32),
+    "2k": (4, 32, 512, 2, 16, 8, 32, 32),
 }
 TEXT_DIM = 64
 
@@ -262,11 +262,11 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     return {"diffs": diffs, "times": times, "diffusers_ring": ring}
 
 
-def bench(quick: bool) -> dict[str, Any]:
+def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     rows, checks, ring = [], {}, ""
-    for name in ("quick",) if quick else ("1k", "4k"):
+    for name in ("quick",) if quick else only or ("1k", "2k"):
         size = SIZES[name]
-        reps, warmup = (3, 1) if quick else (9, 2)
+        reps, warmup = (3, 1) if quick else (7, 1)
         per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=3000)
         heads, head_dim, ffn, layers, _, frames, hw, text = size
         tokens = frames * (hw // 2) ** 2
@@ -298,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--only", nargs="+", choices=[k for k in SIZES if k != "quick"])
     args = ap.parse_args(argv)
     load = [os.getloadavg()]
-    res = bench(args.quick)
+    res = bench(args.quick, args.only)
     load.append(os.getloadavg())
     res["loadavg"] = load
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ torch.set_num_threads(1)  # simulated ranks are tiny tensors; threads only add o
 SLOW_FILES = frozenset(
     {
         "tests/test_benchmarks.py",
+        "tests/test_benchmarks_context.py",
         "tests/test_checkpoint.py",
         "tests/test_context_llm_gloo.py",
         "tests/test_dit_compose_gloo.py",
