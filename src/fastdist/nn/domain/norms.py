@@ -32,14 +32,15 @@ def domain_moments(
     *,
     mask: Tensor | None = None,
     where: str = "a norm",
-) -> tuple[Tensor, Tensor, int]:
-    """``(mean, biased variance, count)`` of ``x`` over the dims ``reduce`` of the whole domain
-    (keepdim): local sums ``psum``'d over the axes of the split dims among ``reduce`` (two passes:
-    the mean, then the squared deviations), and over ``batch_axes`` (the data-parallel ranks'
-    batches: a synchronized batch norm). ``nsp``: the spatial dims at the end of ``x`` (a split
-    dim beyond them is in the batch). ``mask`` (bool, broadcastable to ``x``): the valid rows
-    (simulated uneven blocks; by default those of the ragged split dims among ``reduce``); the
-    count is then a tensor."""
+) -> tuple[Tensor, Tensor, int, Tensor]:
+    """``(mean, biased variance, count, x - mean)`` of ``x`` over the dims ``reduce`` of the
+    whole domain (keepdim; the centered ``x`` once, for the norm to scale: autograd then keeps
+    one tensor of ``x``'s size, as torch's fused norms do): local sums ``psum``'d over the axes
+    of the split dims among ``reduce`` (two passes: the mean, then the squared deviations), and
+    over ``batch_axes`` (the data-parallel ranks' batches: a synchronized batch norm). ``nsp``:
+    the spatial dims at the end of ``x`` (a split dim beyond them is in the batch). ``mask``
+    (bool, broadcastable to ``x``): the valid rows (simulated uneven blocks; by default those of
+    the ragged split dims among ``reduce``); the count is then a tensor."""
     here = [(d, a) for _, d, a in split_here(split, nsp) if x.dim() + d in reduce]
     axes = tuple(a for _, a in here) + batch_axes
     if mask is None:
@@ -49,8 +50,10 @@ def domain_moments(
         n = _total(keep.to(x.dtype).sum(reduce, keepdim=True), mesh, axes)
         zero = x.new_zeros(())
         mean = _total(torch.where(keep, x, zero).sum(reduce, keepdim=True), mesh, axes) / n
-        dev = torch.where(keep, x - mean, zero)
-        return mean, _total((dev**2).sum(reduce, keepdim=True), mesh, axes) / n, n  # type: ignore[return-value]
+        centered = x - mean
+        dev = torch.where(keep, centered, zero)
+        var = _total((dev * dev).sum(reduce, keepdim=True), mesh, axes) / n
+        return mean, var, n, centered  # type: ignore[return-value]
     count = 1
     for r in reduce:
         count *= x.shape[r]
@@ -59,8 +62,9 @@ def domain_moments(
     elif axes:  # real ranks: blocks may be uneven, so the counts are summed too
         count = int(psum(x.new_tensor(float(count)), mesh, axes).item())
     mean = _total(x.sum(reduce, keepdim=True), mesh, axes) / count
-    var = _total(((x - mean) ** 2).sum(reduce, keepdim=True), mesh, axes) / count
-    return mean, var, count
+    centered = x - mean
+    var = _total((centered * centered).sum(reduce, keepdim=True), mesh, axes) / count
+    return mean, var, count, centered
 
 
 def _total(t: Tensor, mesh: Mesh, axes: tuple[str, ...]) -> Tensor:
@@ -86,16 +90,17 @@ def domain_group_norm(
     n, c = x.shape[:2]
     xg = x.reshape(n, groups, c // groups, *x.shape[2:])  # [N, G, C/G, *spatial]
     # (the split dims, counted from the end, are the same on xg)
-    mean, var, _ = domain_moments(
+    _, var, _, centered = domain_moments(
         xg, tuple(range(2, xg.dim())), x.dim() - 2, mesh, split, mask=mask, where=where
     )
-    y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(x.shape)
-    shape = (-1, *[1] * (x.dim() - 2))
-    if weight is not None:
-        y = y * weight.reshape(shape)
+    scale = torch.rsqrt(var + eps)  # [N, G, 1, 1...]: small
+    gshape = (1, groups, c // groups, *[1] * (x.dim() - 2))
+    if weight is not None:  # folded into the small scale: one full-size product, one saved
+        scale = scale * weight.reshape(gshape)
+    y = centered * scale
     if bias is not None:
-        y = y + bias.reshape(shape)
-    return y
+        y = y + bias.reshape(gshape)
+    return y.reshape(x.shape)
 
 
 def domain_batch_norm(
@@ -125,14 +130,15 @@ def domain_batch_norm(
         reduce = (0, *range(2, x.dim()))
         if batch_axes is None:
             batch_axes = _no_other_axes(mesh, split, where)
-        mean, var, count = domain_moments(
+        mean, var, count, centered = domain_moments(
             x, reduce, x.dim() - 2, mesh, split, batch_axes, where=where
         )
         if m.training and m.track_running_stats and m.running_mean is not None:
             _update_running(m, mean, var, count, mesh, where)
-    y = (x - mean) * torch.rsqrt(var + m.eps)
-    if weight is not None:
-        y = y * weight.reshape(shape)
+    scale = torch.rsqrt(var + m.eps)
+    if weight is not None:  # folded into the per-channel scale
+        scale = scale * weight.reshape(shape)
+    y = (centered if use_batch else x - mean) * scale
     if bias is not None:
         y = y + bias.reshape(shape)
     return y
