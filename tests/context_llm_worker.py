@@ -120,13 +120,19 @@ def on_ranks(
 
 def moe_one_device(family: str) -> dict[str, Any]:
     """The unmodified mixture-of-experts model's loss (with the router's aux loss) and
-    gradients on `batch`."""
+    gradients on `batch`, and its greedy tokens of `PROMPT`."""
     model = tm.build(family)
     ids, labels = batch()
     out = model(input_ids=ids, labels=labels, use_cache=False)
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "grads": grads}
+    tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    return {
+        "loss": out.loss.detach(),
+        "aux": out.aux_loss.detach(),
+        "grads": grads,
+        "greedy": tokens,
+    }
 
 
 def moe_on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, Any]:
@@ -138,4 +144,10 @@ def moe_on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, A
     ids, labels = batch()
     out = pm(input_ids=ids, labels=labels, use_cache=False)
     out.loss.backward()
-    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "grads": pm.grads()}
+    tokens = pm.generate(torch.tensor(PROMPT), max_new_tokens=4, do_sample=False)
+    return {
+        "loss": out.loss.detach(),
+        "aux": out.aux_loss.detach(),
+        "grads": pm.grads(),
+        "greedy": tokens,  # prefill split, decoding against the split KV cache
+    }

@@ -70,7 +70,8 @@ def test_mixture_of_experts_context_parallel_on_gloo_equals_one_device(
 ) -> None:
     """Mixtral with its experts over cp itself (each rank's tokens to their experts' ranks,
     ragged all-to-all), Qwen3-MoE with experts and heads over ep: the model's loss with the
-    router's aux loss, and every gradient, equal one device."""
+    router's aux loss, and every gradient, equal one device; so does greedy generation (the
+    prefill split, decoding against the split KV cache)."""
     want = moe_one_device(family)
     world = 1
     for n in degrees.values():
@@ -82,3 +83,4 @@ def test_mixture_of_experts_context_parallel_on_gloo_equals_one_device(
         assert got["grads"].keys() == want["grads"].keys()
         for name, g in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, **tol, msg=lambda m, n=name: n)
+        assert torch.equal(got["greedy"], want["greedy"]), rank
