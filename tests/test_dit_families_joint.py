@@ -248,16 +248,38 @@ def test_wrong_inputs_are_refused_at_the_call() -> None:
 
 
 # ------------------------------------------------------------------ real ranks
+def other_size(family: str) -> Inputs:
+    """Another token count (CogVideoX: 2 latent frames, 18 tokens; HunyuanVideo: 1 frame, 9)
+    with other values."""
+    _, x = TINY[family]()
+    g = torch.Generator().manual_seed(2)
+    if family == "cogvideox":
+        x["hidden_states"] = _randn(g, 2, 2, 4, 6, 6)
+        x["image_rotary_emb"] = (_randn(g, 18, 8), _randn(g, 18, 8))
+    else:
+        x["hidden_states"] = _randn(g, 2, 4, 1, 3, 3)
+    return x
+
+
 def families_on_gloo() -> list[tuple[Tensor, dict[str, Tensor]]]:
     """One gloo rank of sp=2: HunyuanVideo with Ulysses (its text mask and 18 video tokens),
-    CogVideoX with the ring (27 video tokens: uneven); each one's whole output and every
-    gradient."""
+    CogVideoX with the ring (27 video tokens: uneven); then both with diffusers' gradient
+    checkpointing, ring: a forward, a second one of another token count never backpropagated,
+    the first one's backward (the recomputed blocks cut their rotary tables and mask with their
+    own forward's split; HunyuanVideo calls its blocks positionally). Each run's output and
+    every gradient."""
     mesh = fd.connect(sp=2, timeout=120)
     results = []
-    for family, kw in (("hunyuan_video", {}), ("cogvideox", {"mode": "ring"})):
+    runs = [("hunyuan_video", "ulysses", False), ("cogvideox", "ring", False)]
+    runs += [("cogvideox", "ring", True), ("hunyuan_video", "ring", True)]
+    for family, mode, checkpointed in runs:
         model, x = TINY[family]()
-        pm = fd.nn.parallelize(model, mesh, getattr(fd.nn.plans, family)(**kw))
+        if checkpointed:
+            model.enable_gradient_checkpointing()  # type: ignore[operator]
+        pm = fd.nn.parallelize(model, mesh, getattr(fd.nn.plans, family)(mode=mode))
         out = pm(**x).sample
+        if checkpointed:
+            pm(**other_size(family)).sample.sum()  # never backpropagated
         out.pow(2).sum().backward()
         results.append((out.detach(), pm.grads()))
     return results
@@ -266,7 +288,8 @@ def families_on_gloo() -> list[tuple[Tensor, dict[str, Tensor]]]:
 def test_hunyuan_video_and_cogvideox_on_gloo() -> None:
     from tests.dist_harness import run_on_gloo
 
-    want = [reference(*TINY[f]()) for f in ("hunyuan_video", "cogvideox")]
+    families = ("hunyuan_video", "cogvideox", "cogvideox", "hunyuan_video")
+    want = [reference(*TINY[f]()) for f in families]
     for got in run_on_gloo(families_on_gloo, 2, timeout=300):
         for (out, grads), (got_out, got_grads) in zip(want, got, strict=True):
             torch.testing.assert_close(got_out, out, rtol=0, atol=1e-12)
