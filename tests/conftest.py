@@ -88,7 +88,11 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         }
     ),
     "tests/test_domain_compose.py": frozenset(
-        {"test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo", "test_domain_benchmark_smoke_run"}
+        {
+            "test_ddp_and_fsdp_engines_over_dp_times_h_on_gloo",
+            "test_domain_benchmark_smoke_run",
+            "test_text_to_video_step_on_gloo",
+        }
     ),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
     "tests/test_dit_families_joint.py": frozenset({"test_hunyuan_video_and_cogvideox_on_gloo"}),

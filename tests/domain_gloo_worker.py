@@ -154,3 +154,19 @@ def dp_engines_on_gloo() -> dict[str, Any]:
             "weights": {n: v.detach().clone() for n, v in pm.state_dict().items()},
         }
     return results
+
+
+def text_to_video_on_gloo() -> dict[str, Any]:
+    """One rank of sp 2: the Wan DiT context-parallel over ``sp`` then the Wan VAE decoder split
+    by frames over the same ranks (`tests/test_domain_compose.py`'s step); the latents, the
+    video and the gradients of a loss on the video."""
+    from tests.test_domain_compose import t2v_inputs, text_to_video_step
+
+    mesh = fd.connect(sp=2, timeout=120)
+    dit, decoder, (z, t, text), cot = t2v_inputs()
+    pm_dit = fd.nn.parallelize(dit, mesh, fd.nn.plans.wan(axis="sp"))
+    pm_vae = fd.nn.parallelize(decoder, mesh, {"": fd.nn.DomainParallel({-3: "sp"})})
+    lat, video = text_to_video_step(pm_dit, pm_vae, z, t, text)
+    (video * cot).sum().backward()
+    return {"lat": lat.detach(), "video": video.detach(), "dit": pm_dit.grads(),
+            "vae": pm_vae.grads()}  # fmt: skip

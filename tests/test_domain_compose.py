@@ -45,6 +45,16 @@ def text_to_video_step(dit: Any, decode: Any, z: Tensor, t: Tensor, text: Tensor
     return latents, decode(latents)
 
 
+def t2v_inputs() -> tuple[nn.Module, nn.Module, tuple[Tensor, Tensor, Tensor], Tensor]:
+    """The one-layer Wan DiT, the tiny Wan VAE's decoder, the step's inputs (latents of 4
+    frames, timesteps, text) and the decoded video's cotangent (float64)."""
+    x = inputs(frames=4)
+    dit, decoder = tiny_wan(layers=1), tiny_wan_vae().to(F64).decoder
+    g = torch.Generator().manual_seed(7)
+    cot = torch.randn(2, 3, 4, 8, 8, generator=g, dtype=F64)  # the decoded video
+    return dit, decoder, (x["hidden_states"], x["timestep"], x["encoder_hidden_states"]), cot
+
+
 @pytest.mark.parametrize(
     ("cached", "dims"), [(False, {-3: "sp"}), (True, {-2: "sp"})], ids=["frames", "height-cached"]
 )
@@ -124,3 +134,22 @@ def test_domain_benchmark_smoke_run(tmp_path: Path) -> None:
     for r in res["rows"][1::2]:
         assert r["diff"] < 1e-4 and 0 < r["mem_ratio"] < 1 and r["time_ratio"] > 0, r
     assert len(res["loadavg"]) == 2 and "| / one device |" in proc.stdout
+
+
+def test_text_to_video_step_on_gloo() -> None:
+    """2 gloo processes: the DiT over ``sp`` then the VAE decoder split by frames over the same
+    ranks; latents, video and gradients equal one device's."""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import text_to_video_on_gloo
+
+    dit, decoder, (z, t, text), cot = t2v_inputs()
+    lat, video = text_to_video_step(dit, decoder, z, t, text)
+    assert video.shape == cot.shape
+    (video * cot).sum().backward()
+    for got in run_on_gloo(text_to_video_on_gloo, 2, timeout=300):
+        close(got["lat"], lat)
+        close(got["video"], video)
+        for key, ref in (("dit", dit), ("vae", decoder)):
+            for name, p in ref.named_parameters():
+                if p.grad is not None:
+                    close(got[key][name], p.grad)
