@@ -19,12 +19,14 @@ is a wrong token, silently. Two things make generation right:
   object cannot leave the simulation), fine for a notebook's few tokens.
 
 A context-parallel model (`fastdist.nn.CausalContextParallel`) prefills a prompt whose length
-divides by ``2 x cp`` split over the sequence, then gathers the KV cache (each rank holds every
-token's keys and values of its heads) and runs each decoding step's single token whole on every
-rank. Megatron sequence parallelism (``sequence_parallel=True``) runs a call whose tokens divide
-the ranks split (the prefill) and one whose tokens do not (a decoding step's single token) on
-the whole sequence on every rank (`fastdist.nn.styles.whole_sequence`). Both read the model's
-one `fastdist.nn.styles.SequenceSwitch` (on every module since ``parallelize``): ``generate``
+divides by ``2 x cp`` split over the sequence and keeps the KV cache split: each decoding step's
+single token runs on every rank, attending over every rank's shard of the cache (a log-sum-exp
+merge over ``cp``); a cache with sliding-window layers is gathered after the prefill instead and
+each decoding step runs whole. Megatron sequence parallelism (``sequence_parallel=True``) runs
+a call whose tokens divide the ranks split (the prefill) and one whose tokens do not (a
+decoding step's single token) on the whole sequence on every rank
+(`fastdist.nn.styles.whole_sequence`). Both read the model's one
+`fastdist.nn.styles.SequenceSwitch` (on every module since ``parallelize``): ``generate``
 turns on its ``decoding`` for its span (`fastdist.nn.styles.decoding`), and each call sets its
 ``whole``; no call walks the modules.
 
@@ -290,7 +292,7 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "Face model's GenerationMixin). Fix: generate with a causal LM, or write the "
             "decoding loop over pm(...)"
         )
-    with decoding(model):  # context parallel: prefill split, decoding steps whole
+    with decoding(model):  # sequence / context parallel: calls that cannot split may run
         if not pm.simulated:
             values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
             check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate")

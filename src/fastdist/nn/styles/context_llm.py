@@ -23,18 +23,27 @@ What is split where (``n`` ranks of ``axis``, a sequence of ``S`` tokens cut int
   (``all_gather_invariant``), so the LM head, the logits and the loss see the whole sequence,
   replicated over the axis, exactly as on one device;
 * every parameter of the split region (decoder layers, final norm) meets this rank's tokens: the
-  plan ``pvary``'s it over the axis (`PvaryTree`), so its gradient is summed over the ranks.
+  plan ``pvary``'s it over the axis (`PvaryTree`), so its gradient is summed over the ranks; a
+  mixture-of-experts layer's router too, and each layer's ``router_logits`` are gathered into
+  the whole batch with the output (the load-balancing loss is a product of means over every
+  token).
 
-Every rank computes every ring block (with its mask): the zig-zag layout balances the *visible*
-work, which a kernel that skips masked tiles (flash attention) turns into balanced time; the
-half-block skipping of the zig-zag ring is not built. Ulysses with grouped-query attention needs
-the query heads (on the rank, after tensor parallelism) to divide by ``n`` and the kv heads to
-divide by ``n`` or ``n`` by them (kv heads repeated); other head counts are refused (use ring).
+The zig-zag ring computes only the half-blocks the causal mask leaves visible
+(`fastdist.nn.styles.causal_ring.zigzag_ring`: ``(2n + 1) c^2`` query-key products per rank
+instead of ``4 n c^2``); the contiguous layout's ring computes every block, masked. Ulysses with
+grouped-query attention needs the query heads (on the rank, after tensor parallelism) to divide
+by ``n`` and the kv heads to divide by ``n`` or ``n`` by them (kv heads repeated); other head
+counts are refused (use ring).
 
 Generation (``ParallelModel.generate``): a prompt whose length divides by ``2n`` is prefilled
-split, then the KV cache is gathered (every rank holds the whole cache of its heads) and each
-decoding step's single token runs whole on every rank; `fastdist.nn.styles.decoding` (the
-model's `SequenceSwitch`) allows that.
+split; the KV cache stays split (``cache="split"``, the default: each rank keeps its tokens'
+keys and values), each decoding step's new token runs on every rank, its keys and values are
+appended on every rank (counted on rank 0 only) and its attention over every rank's shard is
+merged with a log-sum-exp (`fastdist.nn.styles.causal_ring.merge`). A cache with sliding-window
+layers (Mistral, Gemma 2), or ``cache="gathered"``, is gathered after the prefill instead (every
+rank holds the whole cache of its heads) and each decoding step runs whole. The model's
+`fastdist.nn.styles.SequenceSwitch` (``decoding``, set by ``generate``) allows calls that
+cannot split.
 """
 
 from __future__ import annotations
@@ -203,7 +212,7 @@ def _enter_model(
                 f"context parallelism over {state.axis!r}: {type(module).__name__} got {why}. "
                 f"Fix: pad the batch to a multiple of {state.chunks} tokens (padding masked with "
                 "attention_mask and labels=-100); generate with ParallelModel.generate, which "
-                "runs the decoding steps whole"
+                "runs the decoding steps (within fastdist.nn.styles.decoding(model))"
             )
         state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
         prefill = getattr(cache, SPLIT_CACHE, None) if past else None
