@@ -109,12 +109,6 @@ def test_tp_times_sp_refusals() -> None:
         fd.nn.parallelize(model, mesh, plan)  # its rotary table spans every head
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a plan of ContextParallel at '' next to column/row-parallel entries fails with a "
-    "KeyError inside ParallelModel: ContextParallel registers the parameters of the modules the "
-    "later entries swap out (patch in the report of issue 38's composition slice); use wan_tp",
-)
 def test_separate_entries_are_refused_clearly() -> None:
     mesh = fd.Mesh({"tp": 2, "sp": 2})
     plan = {

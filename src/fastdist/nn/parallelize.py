@@ -94,6 +94,7 @@ class ParallelModel:
         self.layouts = param_layouts(module)
         self.plan: dict[str, Any] = dict(plan or {})
         owner = {id(m): prefix for prefix, m in module.named_modules()}
+        _refuse_replaced_sites(module, owner, pvary_params)
         self._pvary = {f"{owner[id(m)]}.{n}".lstrip("."): axis for m, n, axis in pvary_params}
         # (module, parameter name, axis): parameters pvary'd inside their module's forward, by
         # hooks: every call of that module (a checkpoint's recomputation in backward, a call by
@@ -373,6 +374,25 @@ def _no_recomputation(module: nn.Module) -> Iterator[None]:
     finally:
         for m in layers:
             setattr(m, "gradient_checkpointing", True)  # noqa: B010
+
+
+def _refuse_replaced_sites(
+    module: nn.Module, owner: Mapping[int, str], sites: Sequence[tuple[nn.Module, str, str]]
+) -> None:
+    """Refuse a plan in which a style registered a module's parameters to be ``pvary``'d and a
+    later entry replaced that module (``ContextParallel`` at ``""`` next to column-parallel
+    entries on its blocks): the replacement's parameters would get no gradient sum."""
+    gone = sorted({f"{type(m).__name__}.{n} over {a!r}" for m, n, a in sites if id(m) not in owner})
+    if gone:
+        raise ParallelizeError(
+            f"parallelize: a style of the plan registered the parameters {gone[:3]} of "
+            f"{type(module).__name__} for a gradient sum over their axis, and a later plan entry "
+            "replaced the modules holding them (the model's own entry is applied first, its "
+            "children's after): the new modules' gradients would not be summed. Fix: one style "
+            "that swaps the modules first (a DiT over tp x sp: "
+            "fastdist.nn.plans.dit_tp.wan_tp, i.e. ContextTensorParallel), or plan entries "
+            "that do not replace modules of that region"
+        )
 
 
 def _tensors_only(out: Any) -> Any:
