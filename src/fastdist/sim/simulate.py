@@ -60,7 +60,7 @@ from fastdist.core.binding import RankBinding
 from fastdist.core.context import pop_simulation, push_simulation
 from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError, NoBackendError
-from fastdist.sim.sdpa import SdpaMode
+from fastdist.sim.sdpa import TORCH_SDPA, SdpaMode, sdpa
 
 __all__ = ["simulate"]
 
@@ -154,16 +154,36 @@ class _SimulationMode(SdpaMode):
         # saved-tensor hooks pushed inside the simulation are not these (a checkpoint)
         self.hooks_at_start = _top_saved_tensors_hooks()
 
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # Every torch call in fn comes here (attribute reads too): one frame, the common case
+        # (none of the functions below, no checkpoint entered) first.
+        if func is TORCH_SDPA or func is custom_function_call or func is _REQUIRES_GRAD:
+            return self.call(func, args, kwargs or {})
+        if not _is_compiling() and _saved_tensors_hooks(False) != self.hooks_at_start:
+            _refuse_recomputation(self.simulation[0][0])
+        return func(*args, **kwargs) if kwargs else func(*args)
+
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func is TORCH_SDPA:
+            return sdpa(*args, **kwargs)
         if func is custom_function_call and not torch.compiler.is_compiling():
             out = func(*args, **kwargs)  # args[0]: the user's autograd.Function class
             _mark_function_node(out, _Resume(*self.simulation, getattr(args[0], "__name__", "?")))
             return out
-        if func is Tensor.requires_grad_:
+        if func is _REQUIRES_GRAD:
             return _requires_grad_(func, args, kwargs)
-        if self.hooks_at_start != _top_saved_tensors_hooks():
-            _refuse_recomputation(self.simulation[0][0])
         return super().call(func, args, kwargs)
+
+
+_REQUIRES_GRAD = Tensor.requires_grad_
+_is_compiling = torch.compiler.is_compiling
+_saved_tensors_hooks: Any = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _top_saved_tensors_hooks() -> Any:
