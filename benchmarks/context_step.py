@@ -15,10 +15,12 @@ softmax) or Ulysses (heads <-> tokens all-to-all around SDPA).
 
 A step is forward with ``labels``, backward, gradients then dropped (``p.grad = None``); after
 warm-up the layouts run in turn (the order rotating every round), each step after a barrier; a
-step's time is its slowest rank's; each ratio is the median of per-round ratios against Megatron
-SP. Before timing, every layout's loss is checked against the single-device model's (float32,
-1e-4). The activation memory is the bytes autograd saves during one forward on a real rank
-(``context_memory.saved_bytes``): not a CUDA peak, and nothing here has run on a GPU.
+step's wall time is its slowest rank's, its CPU time both ranks' process CPU time added (the
+work done, without waiting for a core or a peer: the steadier on a loaded machine); each ratio
+is the median of per-round ratios against Megatron SP. Before timing, every layout's loss is
+checked against the single-device model's (float32, 1e-4). The activation memory is the bytes
+autograd saves during one forward on a real rank (``context_memory.saved_bytes``): not a CUDA
+peak, and nothing here has run on a GPU.
 
 torch's ``torch.distributed.tensor.experimental.context_parallel`` is tried on the same model
 (``buffers=[input_ids, position_ids, labels]``); on a CPU it does not run: its ring replaces
@@ -123,11 +125,13 @@ def _step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    dist.barrier()  # every rank starts together; a step's time is then its slowest rank's
-    t0 = time.perf_counter()
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """Wall seconds (after a barrier: a step's time is then its slowest rank's) and this
+    process's CPU seconds (its own work, without the time it waited for a core or a peer)."""
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
@@ -149,7 +153,7 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     for _ in range(warmup):
         for f in steps:
             f()
-    times: list[list[float]] = [[] for _ in LAYOUTS]
+    times: list[list[tuple[float, float]]] = [[] for _ in LAYOUTS]
     for i in range(reps):
         for j in range(len(LAYOUTS)):
             k = (i + j) % len(LAYOUTS)  # the order rotates: no layout always first
@@ -162,13 +166,14 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     rows, torch_cp = [], ""
     for name in ("quick",) if quick else only or ("1k", "2k"):
         size = SIZES[name]
-        reps, warmup = (3, 1) if quick else (7, 1)
+        reps, warmup = (3, 1) if quick else (11, 1)
         per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=3000)
         tried = run_on_gloo(_torch_context_parallel, WORLD, size, timeout=600)
         # a rank whose peer failed first reports a closed connection: the other's error is the cause
         torch_cp = min(tried, key=lambda e: "closed by peer" in e)
-        # a step is over when its slowest rank is
-        t = [[max(r["times"][k][i] for r in per_rank) for i in range(reps)] for k in range(3)]
+        # wall: a step is over when its slowest rank is; CPU: the ranks' work added
+        t = [[max(r["times"][k][i][0] for r in per_rank) for i in range(reps)] for k in range(3)]
+        c = [[sum(r["times"][k][i][1] for r in per_rank) for i in range(reps)] for k in range(3)]
         for k, layout in enumerate(LAYOUTS):
             rows.append(
                 {
@@ -177,6 +182,8 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
                     "model": f"hidden {size[0]}, {size[4]} layers, {size[2]}/{size[3]} heads",
                     "ms": statistics.median(t[k]) * 1e3,
                     "ratio_vs_sp": statistics.median(a / b for a, b in zip(t[k], t[0])),
+                    "cpu_ms": statistics.median(c[k]) * 1e3,
+                    "cpu_ratio_vs_sp": statistics.median(a / b for a, b in zip(c[k], c[0])),
                     "activation_mib": max(r["mem"][layout] for r in per_rank) / 2**20,
                     "one_device_mib": per_rank[0]["mem"]["one device"] / 2**20,
                     "loss_diff": max(r["diffs"][layout] for r in per_rank),
@@ -203,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before {load[0][0]:.2f}, after {load[1][0]:.2f} (1 min); "
         f"torch {torch.__version__}, 2 gloo processes, 1 thread each",
         "",
-        "| tokens | layout | step ms | / Megatron SP | activations MiB per rank (one device) "
-        "| loss diff vs one device |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| tokens | layout | step ms | / Megatron SP | CPU ms, both ranks | / Megatron SP (CPU) "
+        "| activations MiB per rank (one device) | loss diff vs one device |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['tokens']} | {r['layout']} | {r['ms']:.1f} | {r['ratio_vs_sp']:.3f} | "
+        f"{r['cpu_ms']:.1f} | {r['cpu_ratio_vs_sp']:.3f} | "
         f"{r['activation_mib']:.1f} ({r['one_device_mib']:.1f}) | {r['loss_diff']:.0e} |"
         for r in res["rows"]
     ]

@@ -36,8 +36,10 @@ diffusers.
 
 Before any timing, every rank checks both sides against the single-device model in float64
 (output and every gradient) and the float32 denoising loops' latents against each other; the
-differences are reported. A step's time is its slowest rank's (a barrier before each step);
-the ratio is the median of per-pair ratios. Nothing here asserts a time.
+differences are reported. A step's wall time is its slowest rank's (a barrier before each
+step); its CPU time is both ranks' process CPU time added (the work done, without the time
+spent waiting for a core or a peer: on a shared, loaded machine the steadier of the two). Each
+ratio is the median of per-pair ratios. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -203,11 +205,13 @@ def _check(size: tuple[int, ...]) -> dict[str, float]:
     return diffs
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()  # both ranks start together; a step's time is then its slowest rank's
-    t0 = time.perf_counter()
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall seconds (after a barrier: a step's time is then its slowest rank's) and this
+    process's CPU seconds (its own work, without the time it waited for a core or a peer)."""
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 # (row name, fastdist side, diffusers side, what): "train" fwd+bwd, "denoise" a denoising step
@@ -253,7 +257,7 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
         for _ in range(warmup):
             for f in pair:
                 f()
-        got: tuple[list[float], list[float]] = ([], [])
+        got: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
         for i in range(reps):
             for j in (0, 1) if i % 2 == 0 else (1, 0):  # A B, B A, ...: neither always first
                 got[j].append(_timed(pair[j]))
@@ -266,15 +270,20 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     rows, checks, ring = [], {}, ""
     for name in ("quick",) if quick else only or ("1k", "2k"):
         size = SIZES[name]
-        reps, warmup = (3, 1) if quick else (7, 1)
+        reps, warmup = (3, 1) if quick else (15, 1)
         per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=3000)
         heads, head_dim, ffn, layers, _, frames, hw, text = size
         tokens = frames * (hw // 2) ** 2
         ring = per_rank[0]["diffusers_ring"]
         checks[name] = {k: max(r["diffs"][k] for r in per_rank) for k in per_rank[0]["diffs"]}
         for n, (case, _, _, what) in enumerate(PAIRS):
+            # wall: a step is over when its slowest rank is; CPU: the ranks' work added
             f, d = (
-                [max(r["times"][n][side][i] for r in per_rank) for i in range(reps)]
+                [max(r["times"][n][side][i][0] for r in per_rank) for i in range(reps)]
+                for side in (0, 1)
+            )
+            fc, dc = (
+                [sum(r["times"][n][side][i][1] for r in per_rank) for i in range(reps)]
                 for side in (0, 1)
             )
             per = STEPS if what == "denoise" else 1
@@ -287,6 +296,9 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
                     "fastdist_ms": statistics.median(f) * 1e3 / per,
                     "diffusers_ms": statistics.median(d) * 1e3 / per,
                     "ratio": statistics.median(a / b for a, b in zip(f, d)),
+                    "fastdist_cpu_ms": statistics.median(fc) * 1e3 / per,
+                    "diffusers_cpu_ms": statistics.median(dc) * 1e3 / per,
+                    "cpu_ratio": statistics.median(a / b for a, b in zip(fc, dc)),
                 }
             )
     return {"rows": rows, "checks": checks, "diffusers_ring": ring}
@@ -310,12 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before {load[0][0]:.2f}, after {load[1][0]:.2f} (1 min); "
         f"torch {torch.__version__}, 2 gloo processes, 1 thread each",
         "",
-        "| case | tokens | fastdist ms | diffusers ms | fastdist / diffusers |",
-        "|---|---:|---:|---:|---:|",
+        "| case | tokens | fastdist ms | diffusers ms | fastdist / diffusers (wall) "
+        "| CPU ms, both ranks (fastdist / diffusers) | fastdist / diffusers (CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['case']} | {r['tokens']} | {r['fastdist_ms']:.1f} | {r['diffusers_ms']:.1f} | "
-        f"{r['ratio']:.3f} |"
+        f"{r['ratio']:.3f} | {r['fastdist_cpu_ms']:.1f} / {r['diffusers_cpu_ms']:.1f} | "
+        f"{r['cpu_ratio']:.3f} |"
         for r in res["rows"]
     ]
     lines += ["", "| max difference | " + " | ".join(res["checks"]) + " |"]
