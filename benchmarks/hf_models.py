@@ -7,10 +7,10 @@ the same model on one device: the training step's time ratio, family beside fami
 
 Both sides run a training step (forward with labels, backward) on the same batch; the ratio is
 fastdist's time over one device's, measured in the same run with the two sides alternating
-(median of per-pair ratios); the losses are checked to agree first. The simulated step does the
-same arithmetic as one device (each rank a quarter of every matmul) plus what tensor/sequence
-parallelism adds: the gathers and reduce-scatters (here copies and sums over the rank dim),
-per-rank norms, and the vocabulary-parallel loss.
+(median of per-pair ratios, their quartiles beside it; ``--reps`` pairs); the losses are checked
+to agree first. The simulated step does the same arithmetic as one device (each rank a quarter
+of every matmul) plus what tensor/sequence parallelism adds: the gathers and reduce-scatters
+(here copies and sums over the rank dim), per-rank norms, and the vocabulary-parallel loss.
 
 ``ROWS`` is the table of families: a `Row` per model (its builder, the mesh, the plan's keywords,
 whether it is also timed under ``torch.compile``). The machine's load average is printed before
@@ -115,8 +115,9 @@ ROWS: list[Row] = [
 
 def _paired(
     base: Callable[[], Any], fn: Callable[[], Any], reps: int
-) -> tuple[float, float, float]:
-    """(median base s, median fn s, median of per-pair fn/base) with the two sides alternating."""
+) -> tuple[float, float, list[float]]:
+    """(median base s, median fn s, every pair's fn/base, sorted) with the two sides
+    alternating."""
     for _ in range(2):
         base(), fn()
     tb, tf, ratios = [], [], []
@@ -129,7 +130,14 @@ def _paired(
         tb.append(t1 - t0)
         tf.append(t2 - t1)
         ratios.append((t2 - t1) / (t1 - t0))
-    return statistics.median(tb), statistics.median(tf), statistics.median(ratios)
+    return statistics.median(tb), statistics.median(tf), sorted(ratios)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``xs`` (linear between neighbours)."""
+    at = q * (len(xs) - 1)
+    lo = int(at)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
 
 
 def _step(
@@ -145,7 +153,7 @@ def _step(
 
 
 def bench_row(
-    row: Row, quick: bool, tp: int, device: str, dtype: torch.dtype
+    row: Row, quick: bool, tp: int, device: str, dtype: torch.dtype, reps: int = 7
 ) -> list[dict[str, Any]]:
     """The row's eager (and compiled) step ratios."""
     torch.manual_seed(0)
@@ -183,7 +191,7 @@ def bench_row(
         t0 = time.perf_counter()
         base(), fn()  # compile (timed apart)
         first = time.perf_counter() - t0
-        tb, tf, ratio = _paired(base, fn, 3 if quick else 7)
+        tb, tf, ratios = _paired(base, fn, 3 if quick else reps)
         where = "" if device == "cpu" else f", {device} {str(dtype).removeprefix('torch.')}"
         rows.append(
             {
@@ -194,7 +202,10 @@ def bench_row(
                 "mesh": row.axes(tp),
                 "one_device_ms": tb * 1e3,
                 "fastdist_ms": tf * 1e3,
-                "ratio": ratio,
+                "ratio": statistics.median(ratios),
+                # the per-pair ratios' quartiles: how far one run's median can move on this load
+                "ratio_q1": _quantile(ratios, 0.25),
+                "ratio_q3": _quantile(ratios, 0.75),
                 "first_call_s": first,
             }
         )
@@ -211,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=7, help="timed pairs per row (default 7)")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)
     load_before = os.getloadavg()
@@ -218,16 +230,19 @@ def main(argv: list[str] | None = None) -> int:
         r
         for row in ROWS
         if args.only is None or row.label in args.only
-        for r in bench_row(row, args.quick, args.tp, args.device, getattr(torch, args.dtype))
+        for r in bench_row(
+            row, args.quick, args.tp, args.device, getattr(torch, args.dtype), args.reps
+        )
     ]
     load_after = os.getloadavg()
     lines = [
-        "| case | hidden | seq | mesh | one device ms | fastdist (all ranks) ms | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| case | hidden | seq | mesh | one device ms | fastdist (all ranks) ms | ratio | "
+        "pairs' quartiles |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['case']} | {r['hidden']} | {r['seq']} | {r['mesh']} | {r['one_device_ms']:.1f} | "
-        f"{r['fastdist_ms']:.1f} | {r['ratio']:.3f} |"
+        f"{r['fastdist_ms']:.1f} | {r['ratio']:.3f} | {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f} |"
         for r in rows
     ]
     table = "\n".join(lines)
