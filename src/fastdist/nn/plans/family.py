@@ -191,8 +191,9 @@ def build_plan(
     if not tensor_parallel:
         if context_parallel is None:
             raise ParallelizeError("build_plan: tensor_parallel=False needs context_parallel")
-        experts = context_experts(fam, config, context_parallel)
-        return add_context_parallel(experts, fam, context_parallel)
+        return add_context_parallel(
+            context_experts(fam, config, context_parallel), fam, context_parallel
+        )
     seq: Seq = "sequence" if sequence_parallel else "replicated"
     layers = _join(fam.prefix, fam.layers)
     plan: Plan = {}
