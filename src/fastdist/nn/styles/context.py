@@ -11,7 +11,9 @@ parameter names (and checkpoints) stay the single-device model's:
   token count the ranks do not divide is split unevenly, exactly (see
   `fastdist.nn.styles.ring_split`);
 * the ``rotary`` module's output (the rotary embedding of the whole position grid) is cut the
-  same way, so each rank rotates its own tokens by their own positions;
+  same way, so each rank rotates its own tokens by their own positions; rotary tables, a text
+  stream or a key mask that the model hands its blocks as arguments are cut before every block
+  (`fastdist.nn.styles.context_args`);
 * the outputs of the ``whole`` modules that feed every block (a DiT's condition embedder:
   timestep embedding, text states) are ``pvary``'d: they meet this rank's tokens, so their
   gradient is summed over the axes; per-token timesteps (Wan 2.2 TI2V) are cut with the tokens;
@@ -303,10 +305,12 @@ class SequenceParallelAttention(Style):
     the fix: ``mode="ring"`` or another size), fused projections (``fuse_projections()``),
     cross-attention modules, a processor other than those in `KNOWN_PROCESSORS`; at the call:
     encoder states, an attention mask, a processor that does not call
-    ``F.scaled_dot_product_attention`` exactly once unmasked.
+    ``F.scaled_dot_product_attention`` exactly once unmasked (a joint attention: with at most a
+    boolean key mask ``(batch, 1, 1, keys)``, text padding, which it then applies).
 
     With ``joint=True`` it is a joint text-image attention (MM-DiT, a processor of
-    `JOINT_PROCESSORS`: SD3's ``JointAttnProcessor2_0``): the text tokens (its
+    `JOINT_PROCESSORS`: SD3's ``JointAttnProcessor2_0``, Flux's, Flux 2's, QwenImage's,
+    CogVideoX's, HunyuanVideo's): the text tokens (its
     ``encoder_hidden_states``, replicated on every rank) join the rank's image rows inside the
     attention and attend, and are attended, over the whole sequence
     (`fastdist.nn.styles.ring_split.joint_attention`); the text output is the same on every rank.
