@@ -12,8 +12,9 @@ against the single-device model's (float32). The one-device row runs in this pro
 thread, in the same run; each gloo process runs one thread too. A step's time is its slowest
 rank's (the ranks start it after a barrier), the median over the repetitions.
 
-Activation memory: the bytes of the tensors autograd saves during one forward
-(``context_memory.saved_bytes``, each storage once), on each real rank, the largest rank's:
+Activation memory: the bytes of the tensors autograd saves during one forward (as
+``context_memory.saved_bytes`` counts them, each storage once, but without the model's
+parameters, which a convolution saves too), on each real rank, the largest rank's:
 that is what a training step holds at the end of its forward, without gradient buffers or the
 allocator's slack. Not a CUDA peak: nothing here has run on a GPU. The goal is ~1/ranks of one
 device's plus the halos; the field itself (whole on every rank here, as the style's input)
@@ -41,14 +42,32 @@ import fastdist as fd
 from fastdist.testing import run_on_gloo
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from context_memory import saved_bytes  # noqa: E402  (the measure of benchmarks/context_memory.py)
 
-# model: (field shape, its output's shape from the field) per size
+
+#: the ranks of each gloo job (quick: the smoke run)
+RANKS = {True: (2,), False: (2, 4)}
+# model: its input field's shape, per size
 SIZES = {
     "quick": {"conv net": (1, 4, 16, 16), "Wan VAE decoder": (1, 4, 1, 4, 4)},
     "full": {"conv net": (1, 8, 128, 128), "Wan VAE decoder": (1, 4, 2, 16, 16)},
 }
+
+
+def activation_bytes(run: Any, model: nn.Module) -> int:
+    """Bytes of the distinct storages autograd saves while ``run()`` executes a forward, the
+    model's parameters (which a convolution saves for its backward too) left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
 
 
 def build(name: str, quick: bool) -> nn.Module:
@@ -66,8 +85,9 @@ def build(name: str, quick: bool) -> nn.Module:
     from diffusers import AutoencoderKLWan
 
     base = 8 if quick else 16
-    vae = AutoencoderKLWan(base_dim=base, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                           temperal_downsample=[True])  # fmt: skip
+    vae: Any = AutoencoderKLWan(  # type: ignore[no-untyped-call]
+        base_dim=base, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True]
+    )
     decoder: nn.Module = vae.decoder
     return decoder
 
@@ -89,26 +109,29 @@ def _step(model: Any, x: torch.Tensor, cot: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def _rank(name: str, quick: bool, reps: int, warmup: int) -> dict[str, Any]:
-    """One gloo rank: the model split over H across every rank; its output difference from the
+def _rank(quick: bool, reps: int, warmup: int) -> dict[str, dict[str, Any]]:
+    """One gloo rank: each model split over H across every rank; its output difference from the
     single-device model, its saved-activation bytes, and its step times."""
     torch.set_num_threads(1)
     n = dist.get_world_size()
     mesh = fd.connect(h=n, timeout=600)
-    net = build(name, quick)
-    ref = copy.deepcopy(net)
-    x, cot = field(SIZES["quick" if quick else "full"][name], ref)
-    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
-    with torch.no_grad():
-        diff = float((pm(x) - ref(x)).abs().max())
-    mem = saved_bytes(lambda: pm(x))
-    for _ in range(warmup):
-        _step(pm, x, cot)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        times.append(_step(pm, x, cot))
-    return {"diff": diff, "mem": mem, "times": times}
+    results = {}
+    for name, shape in SIZES["quick" if quick else "full"].items():
+        net = build(name, quick)
+        ref = copy.deepcopy(net)
+        x, cot = field(shape, ref)
+        pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+        with torch.no_grad():
+            diff = float((pm(x) - ref(x)).abs().max())
+        mem = activation_bytes(lambda pm=pm, x=x: pm(x), net)
+        for _ in range(warmup):
+            _step(pm, x, cot)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            times.append(_step(pm, x, cot))
+        results[name] = {"diff": diff, "mem": mem, "times": times}
+    return results
 
 
 def one_device(name: str, quick: bool, reps: int, warmup: int) -> dict[str, Any]:
@@ -118,7 +141,7 @@ def one_device(name: str, quick: bool, reps: int, warmup: int) -> dict[str, Any]
     try:
         net = build(name, quick)
         x, cot = field(SIZES["quick" if quick else "full"][name], net)
-        mem = saved_bytes(lambda: net(x))
+        mem = activation_bytes(lambda: net(x), net)
         for _ in range(warmup):
             _step(net, x, cot)
         return {"mem": mem, "times": [_step(net, x, cot) for _ in range(reps)]}
@@ -128,19 +151,20 @@ def one_device(name: str, quick: bool, reps: int, warmup: int) -> dict[str, Any]
 
 def bench(quick: bool) -> list[dict[str, Any]]:
     reps, warmup = (2, 1) if quick else (7, 2)
+    base = {name: one_device(name, quick, reps, warmup) for name in SIZES["quick"]}
+    jobs = {n: run_on_gloo(_rank, n, quick, reps, warmup, timeout=3000) for n in RANKS[quick]}
     rows = []
-    for name in SIZES["quick"]:
-        base = one_device(name, quick, reps, warmup)
-        t1 = statistics.median(base["times"])
+    for name, one in base.items():
+        t1 = statistics.median(one["times"])
         rows.append({"model": name, "ranks": 1, "ms": t1 * 1e3, "time_ratio": 1.0,
-                     "mib": base["mem"] / 2**20, "mem_ratio": 1.0, "diff": 0.0})  # fmt: skip
-        for n in (2,) if quick else (2, 4):
-            per_rank = run_on_gloo(_rank, n, name, quick, reps, warmup, timeout=1800)
+                     "mib": one["mem"] / 2**20, "mem_ratio": 1.0, "diff": 0.0})  # fmt: skip
+        for n, job in jobs.items():
+            per_rank = [r[name] for r in job]
             t = statistics.median(max(r["times"][i] for r in per_rank) for i in range(reps))
             mem = max(r["mem"] for r in per_rank)
             rows.append({
                 "model": name, "ranks": n, "ms": t * 1e3, "time_ratio": t / t1,
-                "mib": mem / 2**20, "mem_ratio": mem / base["mem"],
+                "mib": mem / 2**20, "mem_ratio": mem / one["mem"],
                 "diff": max(r["diff"] for r in per_rank),
             })  # fmt: skip
     return rows
