@@ -141,6 +141,8 @@ class ContextState:
     cache: CacheLayout = "split"
     #: a decoding forward against a KV cache a split prefill of this many tokens left split
     decode: int | None = None
+    #: in such a forward: the tokens so far on all ranks, the forward's own included
+    decode_total: int = 0
 
     @property
     def chunks(self) -> int:
@@ -217,9 +219,10 @@ def _enter_model(
         state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
         prefill = getattr(cache, SPLIT_CACHE, None) if past else None
         if isinstance(prefill, int):  # attend over every rank's shard of the cache
-            state.decode = prefill
-            if kw.get("position_ids") is None:  # the cache's length here is this rank's shard
-                start = prefill + past - prefill // n  # tokens before this call, on all ranks
+            # the cache's length here counts this rank's prefill tokens and every decoded one
+            start = prefill + past - prefill // n  # tokens before this call, on all ranks
+            state.decode, state.decode_total = prefill, start + S
+            if kw.get("position_ids") is None:
                 kw["position_ids"] = torch.arange(start, start + S, device=tokens.device)[None]
         return (), kw
     for layer in getattr(kw.get("past_key_values"), "layers", ()):
@@ -266,13 +269,17 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
         )
     cache = out.get("past_key_values")
     layers = getattr(cache, "layers", ())
-    if (
-        state.cache == "split"
-        and layers
-        and all(type(x).__name__ == "DynamicLayer" for x in layers)
-    ):
+    dynamic = ("DynamicLayer", "DynamicSlidingWindowLayer")
+    if state.cache == "split" and layers and all(type(x).__name__ in dynamic for x in layers):
         # each rank keeps its tokens' keys and values; decoding steps attend over every shard
         cache.__dict__[SPLIT_CACHE] = out["last_hidden_state"].shape[1]
+        for layer in layers:
+            if type(layer).__name__ == "DynamicSlidingWindowLayer":
+                # as its own update keeps: the rank's last window - 1 (its newest tokens: the
+                # keys a later query can see are the newest of every rank)
+                keep = layer.sliding_window - 1
+                layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+                layer.record_past = False
         state.split = False
         return out
     for layer in layers:
@@ -396,24 +403,27 @@ def _split_cache_attention(
 ) -> tuple[Tensor, None]:
     """A decoding step against a KV cache a split prefill of ``P`` tokens left split: this rank's
     cache holds its ``P / n`` prefill tokens (its chunks), then every token decoded since (the
-    tail, the same on every rank: each rank runs the new tokens whole). Each rank attends its
+    tail, the same on every rank: each rank runs the new tokens whole); a sliding-window layer
+    only the newest ``window - 1`` of them (its own update crops: the keys a later query can
+    see are among every rank's newest). Each rank attends its
     queries (the step's ``Sq`` new tokens, replicated) over its keys, the tail counted on rank 0
     only; the partial results (row max, sum, weighted values) are gathered over the axis and
     merged (log-sum-exp): the softmax over every key, exactly."""
     mesh, axis, prefill = state.mesh, state.axis, cast(int, state.decode)
     own = prefill // mesh.axis_size(axis)
-    sq, tail = query.shape[2], key.shape[2] - own
-    total = prefill + tail  # tokens so far, this step's included
-    dev = query.device
+    sq, total, dev = query.shape[2], state.decode_total, query.device  # total: this step's too
+    tail = total - prefill
     qi = torch.arange(total - sq, total, device=dev)[None]  # (1, Sq)
     mine = state.shard(torch.arange(prefill, device=dev)[None], 1)  # (1, P/n)
-    ki = torch.cat([mine, torch.arange(prefill, total, device=dev)[None]], 1)  # (1, keys)
+    ki = torch.cat([mine, torch.arange(prefill, total, device=dev)[None]], 1)  # (1, own + tail)
     first = (axis_index(mesh, axis) == 0).expand(1, tail)  # (1, tail): the tail on rank 0
     mask = state.whole_valid  # (B, total) or None
     if mask is None:
         valid = torch.cat([torch.ones(1, own, dtype=torch.bool, device=dev), first], 1)
     else:
         valid = torch.cat([state.shard(mask[:, :prefill], 1), mask[:, prefill:total] & first], 1)
+    # a sliding-window layer holds (and gives) only the newest of them
+    ki, valid = ki[:, -key.shape[2] :], valid[:, -key.shape[2] :]
     part = update(
         partial(query, key.shape[1], value.shape[-1]),
         query,
