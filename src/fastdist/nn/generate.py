@@ -21,8 +21,7 @@ is a wrong token, silently. Two things make generation right:
 A context-parallel model (`fastdist.nn.CausalContextParallel`) prefills a prompt whose length
 divides by ``2 x cp`` split over the sequence and keeps the KV cache split: each decoding step's
 single token runs on every rank, attending over every rank's shard of the cache (a log-sum-exp
-merge over ``cp``); a cache with sliding-window layers is gathered after the prefill instead and
-each decoding step runs whole. Megatron sequence parallelism (``sequence_parallel=True``) runs
+merge over ``cp``). Megatron sequence parallelism (``sequence_parallel=True``) runs
 a call whose tokens divide the ranks split (the prefill) and one whose tokens do not (a
 decoding step's single token) on the whole sequence on every rank
 (`fastdist.nn.styles.whole_sequence`). Both read the model's one

@@ -39,9 +39,10 @@ Generation (``ParallelModel.generate``): a prompt whose length divides by ``2n``
 split; the KV cache stays split (``cache="split"``, the default: each rank keeps its tokens'
 keys and values), each decoding step's new token runs on every rank, its keys and values are
 appended on every rank (counted on rank 0 only) and its attention over every rank's shard is
-merged with a log-sum-exp (`fastdist.nn.styles.causal_ring.merge`). A cache with sliding-window
-layers (Mistral, Gemma 2), or ``cache="gathered"``, is gathered after the prefill instead (every
-rank holds the whole cache of its heads) and each decoding step runs whole. The model's
+merged with a log-sum-exp (`fastdist.nn.styles.causal_ring.merge`); a sliding-window layer
+(Mistral, Gemma 2) keeps the rank's newest ``window - 1`` keys. With ``cache="gathered"`` the
+cache is gathered after the prefill instead (every rank holds the whole cache of its heads) and
+each decoding step runs whole. The model's
 `fastdist.nn.styles.SequenceSwitch` (``decoding``, set by ``generate``) allows calls that
 cannot split.
 """
@@ -464,6 +465,10 @@ class CausalContextParallel(Style):
             causal work balanced) or ``"contiguous"`` (rank ``r`` holds block ``r`` of ``n``:
             the last rank's queries see the most keys; what ``parallelize(verify=True)``,
             which compares contiguous blocks with the single-device outputs, can check).
+        cache: after a split prefill, ``"split"`` (each rank keeps its tokens' keys and values;
+            a decoding step attends over every rank's shard, merged with a log-sum-exp) or
+            ``"gathered"`` (every rank gathers the whole cache of its heads; decoding steps run
+            whole).
     """
 
     axis: str = "cp"
