@@ -437,6 +437,7 @@ SPLIT_CACHE_CASES = [
     ("llama", {"cp": 4}, "ulysses"),
     ("mistral", {"cp": 2}, "ring"),  # sliding window 5: every layer's cache crops
     ("gemma2", {"cp": 2}, "ulysses"),  # window 4 on alternate layers, soft caps
+    ("mistral", {"cp": 2}, "ring:gathered"),  # the cache gathered, decoding steps whole
 ]
 
 
@@ -458,7 +459,8 @@ def test_decoding_against_a_split_kv_cache_matches_one_device(
     ref = tiny_models.build(family)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
-    cp = CausalContextParallel("cp", mode)  # type: ignore[arg-type]
+    attention, _, cache = mode.partition(":")
+    cp = CausalContextParallel("cp", attention, cache=cache or "split")  # type: ignore[arg-type]
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
     ids, steps = torch.tensor(PROMPT), 4
     with torch.no_grad():
@@ -474,4 +476,5 @@ def test_decoding_against_a_split_kv_cache_matches_one_device(
 
     got, local = fd.simulate(on_rank, mesh)(dict(model.named_parameters()), rep(ids, mesh))
     torch.testing.assert_close(got, rep(want, mesh), **tolerance(family))
-    assert local.tolist() == [8 // axes["cp"] + steps] * mesh.size  # the cache stays split
+    held = 8 if cache else 8 // axes["cp"]  # gathered, or each rank's prompt tokens
+    assert local.tolist() == [held + steps] * mesh.size
