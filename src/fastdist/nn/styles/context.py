@@ -655,26 +655,13 @@ class ContextParallel(Style):
                     found.append((f"{where}.{rel}", get_child(block, rel, where), style))
         return found
 
-    def _block_args(self) -> list[str]:
+    def _block_args(self, mesh: Mesh) -> BlockArgs:
         """The block arguments cut per rank (`fastdist.nn.styles.context_args`)."""
-        return [a for a in (self.rotary_arg, self.text_input, self.key_mask) if a is not None]
-
-    def _block_args_spec(self, mesh: Mesh, axes: tuple[str, ...]) -> BlockArgs:
+        axes, _, _ = _split_axes("ContextParallel", self.axis, self.mode, self.ring_axis, mesh)
         return BlockArgs(
             mesh, axes, self.rotary_arg, self.rotary_dim, self.rotary_outputs, self.text_input,
             self.key_mask,
         )  # fmt: skip
-
-    def _check_block_args(self, block: nn.Module, where: str) -> None:
-        """Refuse a block whose forward lacks an argument the plan cuts."""
-        params = inspect.signature(block.forward).parameters
-        for arg in self._block_args():
-            if arg not in params:
-                raise ParallelizeError(
-                    f"parallelize: ContextParallel: {where} ({type(block).__name__}) has no "
-                    f"argument {arg!r} (its arguments: {list(params)}). Fix: name one of them "
-                    "in rotary_arg / text_input / key_mask, or None"
-                )
 
     def _check_outside(self, model: nn.Module) -> None:
         """Refuse an attention outside the block lists and ``whole`` (e.g. Flux's single-stream
@@ -721,7 +708,7 @@ class ContextParallel(Style):
         for where, block, single in self._all_blocks(module, name):
             for at, sub, style in self._attentions(block, where, single):
                 style.check(sub, at, mesh)
-            self._check_block_args(block, where)
+            self._block_args(mesh).check(block, where)
             for rel in () if single else self.cross:
                 get_child(block, rel, where)
             listed = (
@@ -784,10 +771,9 @@ class ContextParallel(Style):
                     functools.partial(carried_split, current, axes, where), with_kwargs=True
                 )
             block.register_forward_hook(functools.partial(carry_outputs, current))
-            if self._block_args():  # after the split's pre-hook
+            if self._block_args(mesh).names:  # after the split's pre-hook
                 block.register_forward_pre_hook(
-                    hook(self._block_args_spec(mesh, axes), current, where, i == 0),
-                    with_kwargs=True,
+                    hook(self._block_args(mesh), current, where, i == 0), with_kwargs=True
                 )
             for at, sub, style in self._attentions(block, where, single):
                 style.install(sub, at, mesh, current)

@@ -99,6 +99,22 @@ class BlockArgs:
     text_input: str | None = None
     key_mask: str | None = None
 
+    @property
+    def names(self) -> list[str]:
+        """The arguments cut (none: no hook needed)."""
+        return [a for a in (self.rotary, self.text_input, self.key_mask) if a is not None]
+
+    def check(self, block: nn.Module, where: str) -> None:
+        """Refuse a block whose forward lacks an argument the plan cuts."""
+        params = inspect.signature(block.forward).parameters
+        for arg in self.names:
+            if arg not in params:
+                raise ParallelizeError(
+                    f"parallelize: ContextParallel: {where} ({type(block).__name__}) has no "
+                    f"argument {arg!r} (its arguments: {list(params)}). Fix: name one of them "
+                    "in rotary_arg / text_input / key_mask, or None"
+                )
+
     def __call__(
         self,
         current: CurrentSplit,
