@@ -55,13 +55,14 @@ SIZES = {
 
 def activation_bytes(run: Any, model: nn.Module) -> int:
     """Bytes of the distinct storages autograd saves while ``run()`` executes a forward, the
-    model's parameters (which a convolution saves for its backward too) left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    model's parameters (which a convolution saves for its backward too; on the ranks, their
+    ``pvary``'d copies: tensors of a parameter's shape) left out."""
+    shapes = {tuple(p.shape) for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if tuple(t.shape) not in shapes:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
