@@ -264,12 +264,6 @@ def test_width_rms_norm_equals_torch() -> None:
         torch.testing.assert_close(w.grad.reshape(8), wgrad, rtol=0, atol=1e-12)  # type: ignore[union-attr]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plans.dit.dit_plan (the default and 'auto' plan) ignores a 'tp' axis: the model runs "
-    "context-parallel over sp and replicated over tp (right values, tp unused); patch in the "
-    "report of issue 38's composition slice: dit_plan returns wan_tp on a mesh with 'tp'",
-)
 def test_default_plan_uses_tp_when_the_mesh_has_it() -> None:
     model = tiny_wan(heads=4, layers=1)
     mesh = fd.Mesh({"tp": 2, "sp": 2})

@@ -29,6 +29,7 @@ from torch import nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.plans.dit_tp import wan_tp
 from fastdist.nn.plans.family import Plan
 from fastdist.nn.styles.context import JOINT_PROCESSORS, ContextParallel, Mode
 
@@ -504,8 +505,19 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
         raise ParallelizeError(
             f"plans.auto: {kind} is a diffusers transformer; its ready plan splits the tokens "
             f"over an {axis!r} axis (context parallelism), which {mesh!r} lacks (tensor "
-            "parallelism of DiTs is not built). Fix: a mesh with an 'sp' axis, e.g. "
+            "parallelism of a DiT runs with it: heads over 'tp', tokens over 'sp'). Fix: a "
+            "mesh with an 'sp' axis, e.g. "
             f"Mesh({{'sp': 2}}), or plan=fastdist.nn.plans.{DIT_PLANS[kind].__name__}(model, "
             "mesh, axis=<the sequence axis>)"
         )
+    if mesh is not None and "tp" in mesh.axis_names:
+        if kind != "WanTransformer3DModel":
+            raise ParallelizeError(
+                f"plans.auto: {kind} on a mesh with a 'tp' axis: splitting a DiT's heads over "
+                "'tp' (with its tokens over 'sp') is built for WanTransformer3DModel only "
+                "(fastdist.nn.plans.dit_tp.wan_tp). Fix: a mesh without 'tp', or "
+                f"plan=fastdist.nn.plans.{DIT_PLANS[kind].__name__}(model, mesh) to run "
+                "replicated over 'tp'"
+            )
+        return wan_tp(model, mesh, axis=axis)
     return DIT_PLANS[kind](model, mesh, axis=axis)
