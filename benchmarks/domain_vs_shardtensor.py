@@ -29,9 +29,11 @@ parameter gradients are the whole gradient on both sides. Rows:
 - **float64 check**: the output blocks, the input gradient and every parameter gradient of both
   sides against one device (the whole field on one process) and against each other (max abs).
 - **time per forward + backward** (float32, 1 thread per rank): after warm-up the two sides
-  alternate step by step (A B, B A, ...), each step after a barrier; a step's time is its slowest
-  rank's; the ratio is the median of the per-pair ratios fastdist / ShardTensor; the load average
-  is printed before and after.
+  alternate step by step (A B, B A, ...), each step after a barrier; a step's wall time is its
+  slowest rank's, its CPU time (``time.process_time``) the sum of both ranks' (a rank waiting in a
+  collective or descheduled by other load adds to wall time only); each ratio is the median of
+  the per-pair ratios fastdist / ShardTensor; the load average is printed before and after. The
+  collectives of one step of each side are counted with the profiler.
 - **memory per rank** (float32): the bytes saved for backward at the end of the forward (unique
   storages, ``ShardTensor`` unwrapped to its local tensor: the activations autograd holds) and the
   peak of the bytes allocated during forward + backward (the profiler's CPU allocation events
@@ -160,6 +162,7 @@ def physicsnemo_unet() -> nn.Module:
 # name: (batch, channels, H, W, width) of the timed field; the float64 check uses the same
 SIZES = {
     "quick": (1, 4, 32, 16, 8),
+    "64": (1, 4, 64, 64, 16),
     "128": (1, 4, 128, 128, 16),
     "256": (1, 4, 256, 256, 32),
 }
@@ -283,15 +286,31 @@ def _memory(sides: Sides, one: nn.Module, x: Tensor, cot: Tensor) -> dict[str, i
     return got
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """Wall and CPU seconds of ``fn()`` on this rank (CPU: this process, gloo's threads too; a
+    rank waiting in a collective, or descheduled by the machine's load, adds to wall only)."""
     dist.barrier()  # both ranks start together; a step's time is then its slowest rank's
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _times(sides: Sides, x: Tensor, cot: Tensor, reps: int, warmup: int) -> list[list[float]]:
-    """This rank's step times (seconds): [fastdist, ShardTensor], alternating A B, B A, ..."""
+def _collectives(step: Callable[[], None]) -> dict[str, int]:
+    """The c10d collectives one ``step()`` calls on this rank, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        if e.name.startswith("c10d::"):
+            counts[e.name] = counts.get(e.name, 0) + 1
+    return counts
+
+
+def _times(sides: Sides, x: Tensor, cot: Tensor, reps: int, warmup: int) -> dict[str, Any]:
+    """This rank's step times (wall and CPU seconds): [fastdist, ShardTensor], alternating
+    A B, B A, ...; and the collectives of one step of each."""
 
     def step(run: Callable[[Tensor], Tensor], module: nn.Module) -> Callable[[], None]:
         def go() -> None:
@@ -304,11 +323,12 @@ def _times(sides: Sides, x: Tensor, cot: Tensor, reps: int, warmup: int) -> list
     for _ in range(warmup):
         for f in pair:
             f()
-    got: list[list[float]] = [[], []]
+    calls = [_collectives(f) for f in pair]
+    got: list[list[tuple[float, float]]] = [[], []]
     for i in range(reps):
         for j in (0, 1) if i % 2 == 0 else (1, 0):  # neither side always first
             got[j].append(_timed(pair[j]))
-    return got
+    return {"steps": got, "collectives": calls}
 
 
 def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
@@ -401,7 +421,10 @@ def bench(name: str, reps: int, warmup: int) -> dict[str, Any]:
             3,
         ),
     }
-    f, s = ([max(r["times"][side][i] for r in per_rank) for i in range(reps)] for side in (0, 1))
+    steps = [r["times"]["steps"] for r in per_rank]
+    # a step's wall time is its slowest rank's; its CPU time the sum of both ranks'
+    f, s = ([max(r[side][i][0] for r in steps) for i in range(reps)] for side in (0, 1))
+    fc, sc = ([sum(r[side][i][1] for r in steps) for i in range(reps)] for side in (0, 1))
     mem = [r["memory"] for r in per_rank]
     return {
         "size": name,
@@ -413,6 +436,10 @@ def bench(name: str, reps: int, warmup: int) -> dict[str, Any]:
         "fastdist_ms": statistics.median(f) * 1e3,
         "shardtensor_ms": statistics.median(s) * 1e3,
         "ratio": statistics.median(a / b for a, b in zip(f, s)),
+        "fastdist_cpu_ms": statistics.median(fc) * 1e3,
+        "shardtensor_cpu_ms": statistics.median(sc) * 1e3,
+        "cpu_ratio": statistics.median(a / b for a, b in zip(fc, sc)),
+        "collectives": per_rank[0]["times"]["collectives"],
         "memory": {
             k: max(m[k] for m in mem) for k in ("fd_saved", "st_saved", "fd_peak", "st_peak")
         }
@@ -424,21 +451,40 @@ def _fmt(v: Any) -> str:
     return f"{v:.0e}" if isinstance(v, float) else str(v)
 
 
+def _calls(counts: dict[str, int]) -> str:
+    return " + ".join(
+        f"{n} {k.removeprefix('c10d::').rstrip('_')}" for k, n in sorted(counts.items())
+    )
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     mb = 2**20
     lines = [
-        "| field (N x C x H x W), width | fastdist ms | ShardTensor ms | fastdist / ShardTensor | "
-        "saved for backward per rank, MB (fastdist / ShardTensor / one device) | "
-        "peak per rank, MB (fastdist / ShardTensor / one device) | load before -> after |",
+        "| field (N x C x H x W), width | wall ms, fastdist / ShardTensor | ratio | "
+        "CPU ms (both ranks), fastdist / ShardTensor | CPU ratio | "
+        "collectives per step, fastdist / ShardTensor | load before -> after |",
         "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fc, sc = r["collectives"]
+        lines.append(
+            f"| {r['field']}, {r['width']} | {r['fastdist_ms']:.1f} / {r['shardtensor_ms']:.1f} | "
+            f"{r['ratio']:.3f} | {r['fastdist_cpu_ms']:.1f} / {r['shardtensor_cpu_ms']:.1f} | "
+            f"{r['cpu_ratio']:.3f} | {_calls(fc)} / {_calls(sc)} | "
+            f"{r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f} |"
+        )
+    lines += [
+        "",
+        "| field, width | saved for backward per rank, MB (fastdist / ShardTensor / one device) | "
+        "peak per rank, MB (fastdist / ShardTensor / one device) |",
+        "|---|---|---|",
     ]
     for r in rows:
         m = r["memory"]
         lines.append(
-            f"| {r['field']}, {r['width']} | {r['fastdist_ms']:.1f} | {r['shardtensor_ms']:.1f} | "
-            f"{r['ratio']:.3f} | {m['fd_saved'] / mb:.2f} / {m['st_saved'] / mb:.2f} / "
+            f"| {r['field']}, {r['width']} | {m['fd_saved'] / mb:.2f} / {m['st_saved'] / mb:.2f} / "
             f"{m['one_saved'] / mb:.2f} | {m['fd_peak'] / mb:.2f} / {m['st_peak'] / mb:.2f} / "
-            f"{m['one_peak'] / mb:.2f} | {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f} |"
+            f"{m['one_peak'] / mb:.2f} |"
         )
     lines += [
         "",
@@ -460,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="a tiny field (a smoke run)")
-    ap.add_argument("--sizes", nargs="*", default=["128", "256"], choices=sorted(SIZES))
-    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--sizes", nargs="*", default=["64", "128", "256"], choices=sorted(SIZES))
+    ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
     import_physicsnemo()  # fail here, before any rank starts, when it is not installed

@@ -20,7 +20,7 @@ PIP=("$ENV/bin/pip" install -q -c "$ROOT/constraints.txt")
 "${PIP[@]}" warp-lang packaging requests s3fs tqdm treelib tensordict termcolor jaxtyping \
   nvtx omegaconf
 "${PIP[@]}" --no-deps timm                      # timm's own deps would pull torchvision
-"${PIP[@]}" pyyaml huggingface_hub safetensors  # timm's deps, less torchvision
+"${PIP[@]}" pyyaml huggingface_hub safetensors pillow  # timm's deps, less torchvision
 if "$ENV/bin/python" -c "import torchvision" 2>/dev/null; then
   echo "torchvision got installed into $ENV: pip uninstall -y torchvision" >&2
   exit 1
