@@ -101,6 +101,8 @@ def on_ranks(
         output_logits=True,
     )
     handle.remove()
+    # the model's own generate (a direct call on real ranks): decodes against the split cache too
+    direct = model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False)
     gen = {}
     for other in others:
         m = tm.build(other)
@@ -112,6 +114,7 @@ def on_ranks(
         "logits": logits.detach(),
         "grads": pm.grads(),
         "greedy": res.sequences,
+        "direct_greedy": direct,
         "gen_logits": torch.stack(res.logits),
         "cache_keys": tuple(res.past_key_values.layers[0].keys.shape),
         "layer_tokens": seen,

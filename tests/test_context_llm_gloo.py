@@ -53,6 +53,7 @@ def test_context_parallel_on_gloo_equals_one_device(
         for name, g in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, **tol, msg=lambda m, n=name: n)
         assert torch.equal(got["greedy"], want["greedy"]), rank
+        assert torch.equal(got["direct_greedy"], want["greedy"]), rank  # model.generate itself
         torch.testing.assert_close(got["gen_logits"], want["gen_logits"], **tol)
         # prefill: each rank's 8 / cp prompt tokens; then one token per step, on every rank
         assert got["layer_tokens"] == [len(PROMPT[0]) // degrees["cp"]] + [1] * 5, got

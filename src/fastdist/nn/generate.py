@@ -209,6 +209,9 @@ class DirectCalls:
         self._claim(kwargs.get("past_key_values"))
         stack = contextlib.ExitStack()
         stack.enter_context(whole_logits(module))
+        # a direct call is inference (the model's own generate): a call that cannot split may
+        # run whole, or, context parallel, against the KV cache a split prefill left split
+        stack.enter_context(decoding(module))
         # Megatron sequence parallelism: a call whose tokens do not divide runs whole
         stack.enter_context(whole_sequence(module, on=indivisible(values, self.sequence)))
         self._gathering.append(stack)
