@@ -4,6 +4,7 @@ step time and the measured bubble against the schedule's theoretical one (issue 
     python benchmarks/pipeline.py            # pp 2 and 4; GPipe, 1F1B, interleaved 1F1B; m 4, 8, 16
     python benchmarks/pipeline.py --quick    # tiny sizes: each schedule at pp 2, 1F1B at pp 4; m 4
     python benchmarks/pipeline.py --only 4:1f1b:8   # one row (pp:schedule:m), repeatable
+    python benchmarks/pipeline.py --only 4:1f1b:8 --profile  # and where fastdist's step goes
 
 Each row: the same float64 model (tests/pipeline_torch_ref.py: `llama_config`, seed 0) split
 into ``pp`` stages (``pp * v`` for interleaved, ``v = 2``) by layer index, one micro-batch of
@@ -28,7 +29,15 @@ The fastdist columns come from `fastdist_pipeline_step` (same arguments as
 `tests.pipeline_torch_ref.torch_pipeline_step`, run on the same processes right after torch's
 side of each row): the same model, stages, schedule and batch through `fastdist.train.pipeline`;
 its loss must equal the one-device reference too (checked here to 1e-9), and its gradients
-torch's (tests/test_pipeline_gloo.py checks them against one device).
+torch's (tests/test_pipeline_gloo.py checks them against one device). Its step is timed as
+torch's: from the barrier to ``step()``'s return (the micro-batch split, the check that every
+rank got the same batch and the loss's broadcast included).
+
+``--profile`` also prints, per rank, where fastdist's step went (`_Breakdown`, which wraps the
+transfer methods in this benchmark's processes only, nothing in ``src``): outside the
+schedule's run, the actions' compute (and torch's on the same rank), blocked in receives,
+sends, posting receives ahead, waiting for the sends at the end, and the rest (the schedule's
+Python bookkeeping per action).
 """
 
 from __future__ import annotations
