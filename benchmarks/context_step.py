@@ -11,7 +11,11 @@ transformers default). Megatron SP splits the heads and the MLP over ``tp`` and 
 between them (norms, residuals), gathering the whole sequence before each attention and MLP;
 context parallelism keeps every weight whole on every rank and splits the tokens through every
 layer (zig-zag), running the attention as a ring (k/v passed around, fastdist's PyTorch online
-softmax) or Ulysses (heads <-> tokens all-to-all around SDPA).
+softmax) or Ulysses (heads <-> tokens all-to-all around the same PyTorch attention over the
+whole sequence of a head shard). fastdist's context-parallel attention is plain PyTorch (it
+materializes each block's scores, like transformers' ``eager`` attention), not a fused kernel,
+so Megatron SP is timed twice: with SDPA (torch's fused CPU kernel, what a user gets) and with
+``attn_implementation="eager"`` (the same kind of attention as the CP side).
 
 A step is forward with ``labels``, backward, gradients then dropped (``p.grad = None``); after
 warm-up the layouts run in turn (the order rotating every round), each step after a barrier; a
@@ -61,7 +65,12 @@ SIZES = {
     "1k": (256, 688, 8, 4, 2, 4096, 1024),
     "2k": (256, 688, 8, 4, 2, 4096, 2048),
 }
-LAYOUTS = ("Megatron SP (tp=2)", "CP ring (cp=2)", "CP Ulysses (cp=2)")
+LAYOUTS = (
+    "Megatron SP (tp=2)",
+    "Megatron SP (tp=2), eager attention",
+    "CP ring (cp=2)",
+    "CP Ulysses (cp=2)",
+)
 
 
 def _llama(size: tuple[int, ...]) -> Any:
@@ -84,6 +93,8 @@ def _llama(size: tuple[int, ...]) -> Any:
 
 def _layout(one: Any, name: str) -> Any:
     model = copy.deepcopy(one)
+    if "eager" in name:  # the S x S scores materialized, as fastdist's CP attention does
+        model.set_attn_implementation("eager")
     if name.startswith("Megatron"):
         mesh = fd.connect(tp=WORLD, timeout=120)
         plan = fd.nn.plans.plan(model, mesh, sequence_parallel=True)
@@ -149,6 +160,10 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
             raise AssertionError(f"rank {dist.get_rank()}: {name} loss off by {diffs[name]:.3g}")
         mem[name] = saved_bytes(lambda m=m: m(input_ids=ids, labels=ids, use_cache=False).loss)
     mem["one device"] = saved_bytes(lambda: one(input_ids=ids, labels=ids, use_cache=False).loss)
+    one.set_attn_implementation("eager")
+    mem["one device, eager"] = saved_bytes(
+        lambda: one(input_ids=ids, labels=ids, use_cache=False).loss
+    )
     steps = [_step(models[name], ids) for name in LAYOUTS]
     for _ in range(warmup):
         for f in steps:
@@ -172,8 +187,9 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
         # a rank whose peer failed first reports a closed connection: the other's error is the cause
         torch_cp = min(tried, key=lambda e: "closed by peer" in e)
         # wall: a step is over when its slowest rank is; CPU: the ranks' work added
-        t = [[max(r["times"][k][i][0] for r in per_rank) for i in range(reps)] for k in range(3)]
-        c = [[sum(r["times"][k][i][1] for r in per_rank) for i in range(reps)] for k in range(3)]
+        n = len(LAYOUTS)
+        t = [[max(r["times"][k][i][0] for r in per_rank) for i in range(reps)] for k in range(n)]
+        c = [[sum(r["times"][k][i][1] for r in per_rank) for i in range(reps)] for k in range(n)]
         for k, layout in enumerate(LAYOUTS):
             rows.append(
                 {
@@ -186,6 +202,7 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
                     "cpu_ratio_vs_sp": statistics.median(a / b for a, b in zip(c[k], c[0])),
                     "activation_mib": max(r["mem"][layout] for r in per_rank) / 2**20,
                     "one_device_mib": per_rank[0]["mem"]["one device"] / 2**20,
+                    "one_device_eager_mib": per_rank[0]["mem"]["one device, eager"] / 2**20,
                     "loss_diff": max(r["diffs"][layout] for r in per_rank),
                 }
             )
@@ -211,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, 2 gloo processes, 1 thread each",
         "",
         "| tokens | layout | step ms | / Megatron SP | CPU ms, both ranks | / Megatron SP (CPU) "
-        "| activations MiB per rank (one device) | loss diff vs one device |",
+        "| activations MiB per rank (one device: SDPA / eager) | loss diff vs one device |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['tokens']} | {r['layout']} | {r['ms']:.1f} | {r['ratio_vs_sp']:.3f} | "
         f"{r['cpu_ms']:.1f} | {r['cpu_ratio_vs_sp']:.3f} | "
-        f"{r['activation_mib']:.1f} ({r['one_device_mib']:.1f}) | {r['loss_diff']:.0e} |"
+        f"{r['activation_mib']:.1f} ({r['one_device_mib']:.1f} / {r['one_device_eager_mib']:.1f}) "
+        f"| {r['loss_diff']:.0e} |"
         for r in res["rows"]
     ]
     lines += ["", f"torch context_parallel (cp=2): {res['torch_context_parallel']}"]

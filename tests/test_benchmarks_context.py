@@ -50,6 +50,7 @@ def test_context_step_smoke_run(tmp_path: Path) -> None:
     res = _run_quick("context_step.py", tmp_path)
     assert [r["layout"] for r in res["rows"]] == [
         "Megatron SP (tp=2)",
+        "Megatron SP (tp=2), eager attention",
         "CP ring (cp=2)",
         "CP Ulysses (cp=2)",
     ]
