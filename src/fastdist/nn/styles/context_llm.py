@@ -199,33 +199,11 @@ def _enter_model(
             "prepared or custom mask) is not supported; only the (batch, tokens) padding mask. "
             "Fix: pass the 2-d padding mask (or none)"
         )
-    n, S = state.mesh.axis_size(state.axis), tokens.shape[1]
-    cache = kw.get("past_key_values")
-    past = _cache_length(cache)
+    S = tokens.shape[1]
+    past = _cache_length(kw.get("past_key_values"))
     state.split = past == 0 and S % state.chunks == 0
     if not state.split:
-        if not state.switch.decoding:
-            why = (
-                f"a KV cache holding {past} tokens (a decoding step)"
-                if past
-                else f"{S} tokens, which the {state.chunks} chunks of the {state.layout} layout "
-                f"over {n} ranks do not divide"
-            )
-            raise ParallelizeError(
-                f"context parallelism over {state.axis!r}: {type(module).__name__} got {why}. "
-                f"Fix: pad the batch to a multiple of {state.chunks} tokens (padding masked with "
-                "attention_mask and labels=-100); generate with ParallelModel.generate, which "
-                "runs the decoding steps (within fastdist.nn.styles.decoding(model))"
-            )
-        state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
-        prefill = getattr(cache, SPLIT_CACHE, None) if past else None
-        if isinstance(prefill, int):  # attend over every rank's shard of the cache
-            # the cache's length here counts this rank's prefill tokens and every decoded one
-            start = prefill + past - prefill // n  # tokens before this call, on all ranks
-            state.decode, state.decode_total = prefill, start + S
-            if kw.get("position_ids") is None:
-                kw["position_ids"] = torch.arange(start, start + S, device=tokens.device)[None]
-        return (), kw
+        return (), _enter_whole(state, module, kw, tokens, past)
     for layer in getattr(kw.get("past_key_values"), "layers", ()):
         if getattr(layer, "is_sliding", False):  # keep the rank's every token until gathered
             layer.record_past = True
@@ -237,6 +215,38 @@ def _enter_model(
     state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
     kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
+
+
+def _enter_whole(
+    state: ContextState, module: nn.Module, kw: dict[str, Any], tokens: Tensor, past: int
+) -> dict[str, Any]:
+    """A forward that cannot split (a decoding step, a length the chunks do not divide): refused
+    outside `fastdist.nn.styles.decoding`; else run on every rank, against the split KV cache
+    a split prefill left (``state.decode``) or the whole one."""
+    n, S = state.mesh.axis_size(state.axis), tokens.shape[1]
+    if not state.switch.decoding:
+        why = (
+            f"a KV cache holding {past} tokens (a decoding step)"
+            if past
+            else f"{S} tokens, which the {state.chunks} chunks of the {state.layout} layout "
+            f"over {n} ranks do not divide"
+        )
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: {type(module).__name__} got {why}. "
+            f"Fix: pad the batch to a multiple of {state.chunks} tokens (padding masked with "
+            "attention_mask and labels=-100); generate with ParallelModel.generate, which "
+            "runs the decoding steps (within fastdist.nn.styles.decoding(model))"
+        )
+    mask = kw.get("attention_mask")
+    state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
+    prefill = getattr(kw.get("past_key_values"), SPLIT_CACHE, None) if past else None
+    if isinstance(prefill, int):  # attend over every rank's shard of the cache
+        # the cache's length here counts this rank's prefill tokens and every decoded one
+        start = prefill + past - prefill // n  # tokens before this call, on all ranks
+        state.decode, state.decode_total = prefill, start + S
+        if kw.get("position_ids") is None:
+            kw["position_ids"] = torch.arange(start, start + S, device=tokens.device)[None]
+    return kw
 
 
 def _split_first_layer(
