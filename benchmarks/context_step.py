@@ -2,7 +2,7 @@
 Megatron sequence parallelism (tp = 2, ``sequence_parallel=True``) against context parallelism
 (cp = 2, ring and Ulysses), and torch's ``context_parallel`` where it runs.
 
-    python benchmarks/context_step.py          # 1024 and 2048 tokens (~5 min on 2 cores)
+    python benchmarks/context_step.py          # 1024 and 2048 tokens (~10 min on 2 busy cores)
     python benchmarks/context_step.py --quick  # tiny sizes: a smoke run (~30 s)
 
 All three fastdist layouts are ``fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh,

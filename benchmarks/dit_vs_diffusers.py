@@ -1,7 +1,7 @@
 """fastdist's context parallelism against diffusers' own ``enable_parallelism`` on the same
 unmodified diffusers ``WanTransformer3DModel``, 2 gloo processes.
 
-    python benchmarks/dit_vs_diffusers.py          # 1024 and 2048 tokens (~20 min on 2 busy cores)
+    python benchmarks/dit_vs_diffusers.py          # 1024 and 2048 tokens (~10 min on 2 busy cores)
     python benchmarks/dit_vs_diffusers.py --quick  # tiny sizes: a smoke run (~30 s)
 
 fastdist: ``fd.nn.parallelize(model, fd.connect(sp=2))`` (Wan's ready plan, Ulysses; and
