@@ -110,9 +110,10 @@ def test_ring_attention(shape: tuple[int, ...], split: str, sizes: Any) -> None:
 
 
 def test_ring_attention_holds_one_block_of_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The largest key / value tensor a rank holds in the mid-block attention (an 8 x 8 latent
-    over a 2 x 2 grid, 16 tokens per rank): gathered, the whole domain's 64 tokens; ring, one
-    block of 16 (each received block, never a concatenation)."""
+    """The largest key / value tensor a rank receives in the mid-block attention's forward and
+    backward (an 8 x 8 latent over a 2 x 2 grid, 16 tokens per rank): gathered, the whole
+    domain's 64 tokens; ring, one block of 16 (each received block, never a concatenation). And
+    the ring's backward keeps fewer bytes: its own blocks, not the gathered keys."""
     import fastdist.nn.domain.attention as attention
 
     held: list[int] = []
@@ -121,20 +122,30 @@ def test_ring_attention_holds_one_block_of_keys(monkeypatch: pytest.MonkeyPatch)
 
         def record(t: torch.Tensor, *args: Any, _fn: Any = fn, **kwargs: Any) -> torch.Tensor:
             out: torch.Tensor = _fn(t, *args, **kwargs)
-            held.append(out.shape[-2])  # [N, heads, tokens, head_dim]
+            if out.dim() == 4:  # [N, heads, tokens, head_dim] (not the key mask, the counts)
+                held.append(out.shape[-2])
             return out
 
         monkeypatch.setattr(attention, name, record)
-    most = {}
+    most, saved = {}, {}
+    z = torch.randn(1, 4, 8, 8, dtype=torch.float64).expand(4, -1, -1, -1, -1)
     for form in ("gather", "ring"):
         held.clear()
         mesh = fd.Mesh({"h": 2, "w": 2})
         style = fd.nn.DomainParallel({-2: "h", -1: "w"}, attention=form)
         pm = fd.nn.parallelize(tiny_vae(attention=True).decoder.double(), mesh, {"": style})
-        with torch.no_grad():
-            pm(torch.randn(1, 4, 8, 8, dtype=torch.float64).expand(4, -1, -1, -1, -1))
-        most[form] = max(held)
+        sizes: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, _sizes: dict[int, int] = sizes) -> torch.Tensor:
+            _sizes[id(t)] = t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = pm(z)
+        out.sum().backward()
+        most[form], saved[form] = max(held), sum(sizes.values())
     assert most == {"gather": 64, "ring": 16}
+    assert saved["ring"] < saved["gather"], saved
 
 
 def test_unet2d_model_with_attention() -> None:

@@ -13,9 +13,11 @@ ran no ``F.scaled_dot_product_attention`` (another processor) raises after it, a
 ``ring=True`` (``DomainParallel(..., attention="ring")``): no rank gathers the whole domain's keys;
 the blocks of keys and values travel around the ring of the split axes (``ring_shift`` over them
 taken as one flattened axis), and each rank merges its queries' scores against each block with an
-online softmax (a running max, sum and weighted sum of values, `ring_sdpa`). A forward holds this
-rank's block and the one arriving, never ``n`` blocks in one tensor; autograd keeps each step's
-received block for the backward. Uneven blocks on simulated ranks (padded to one shape): the
+online softmax (a running max, sum and weighted sum of values, `ring_sdpa`). `RingAttention` has
+its own backward, which passes the blocks around again with their gradients' accumulators (as
+flash attention recomputes its scores): neither pass holds more than this rank's block and the
+one arriving, and the backward keeps only this rank's ``q``, ``k``, ``v``, the output and the
+log-sum-exp of each query's scores. Uneven blocks on simulated ranks (padded to one shape): the
 padding tokens are masked out of the keys (`AttentionCall.valid`), in both forms.
 """
 
@@ -43,6 +45,7 @@ __all__ = [
     "flat_split",
     "gathered_sdpa",
     "is_spatial_attention",
+    "RingAttention",
     "ring_sdpa",
     "run_attention",
 ]
@@ -175,10 +178,10 @@ def ring_sdpa(
 ) -> Tensor:
     """Attention of this rank's queries ``[..., Lq, d]`` over every rank's keys and values
     ``[..., Lk, d]`` of ``call.axes`` (one flattened ring): each block's scores merged with an
-    online softmax, the next block's transfer issued before this block's products."""
+    online softmax, the next block's transfer issued before this block's products. The backward
+    passes the blocks around again (with their gradients' accumulators), so neither pass keeps
+    more than this rank's block and the one arriving."""
     axis: Any = call.axes[0] if len(call.axes) == 1 else call.axes
-    n = call.mesh.axis_size(axis)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
     valid = None if call.valid is None else call.valid.to(q.dtype)  # [Lk]: 1 on real tokens
     if call.mesh.backend is not None:  # real ranks: uneven blocks padded to one shape to travel
         rows = all_gather(k.new_tensor([float(k.shape[-2])]), call.mesh, axis)
@@ -187,31 +190,82 @@ def ring_sdpa(
             k, v = (F.pad(t, (0, 0, 0, top_rows - own)) for t in (k, v))
         if int(rows.min().item()) != top_rows:
             valid = (torch.arange(top_rows, device=q.device) < own).to(q.dtype)
-    top = total = acc = None
-    for step in range(n):
-        if step + 1 < n:  # the block of rank (i - step - 1) % n, on its way
-            nxt = [ring_shift(t, call.mesh, axis) for t in (k, v)]
-            nxt_valid = None if valid is None else ring_shift(valid, call.mesh, axis)
-        s = q @ k.transpose(-1, -2)  # [..., Lq, Lk]: this block's scores
-        if valid is not None:
-            s = s.masked_fill(valid < 0.5, float("-inf"))
-        # the running max only shifts the exponents: from detached scores (no max to
-        # differentiate); every rank's own block has a real token, so it starts finite
-        block_top = s.detach().amax(-1, keepdim=True)  # [..., Lq, 1]
-        new_top = block_top if top is None else torch.maximum(top, block_top)
-        p = torch.exp(s - new_top)
-        if top is None or total is None or acc is None:
-            total, acc = p.sum(-1, keepdim=True), p @ v  # [..., Lq, 1], [..., Lq, dv]
-        else:
-            rescale = torch.exp(top - new_top)
-            total = total * rescale + p.sum(-1, keepdim=True)
-            acc = acc * rescale + p @ v
-        top = new_top
-        if step + 1 < n:
-            k, v = nxt
-            valid = nxt_valid
-    assert acc is not None and total is not None
-    return acc / total
+    if valid is None:
+        valid = q.new_ones(k.shape[-2])
+    factor = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = RingAttention.apply(q, k, v, valid, call.mesh, axis, factor)  # type: ignore[no-untyped-call]
+    result: Tensor = out
+    return result
+
+
+def _scores(q: Tensor, k: Tensor, valid: Tensor, factor: float) -> Tensor:
+    """``q k^T * factor`` ``[..., Lq, Lk]``, the padding keys (``valid < 0.5``) at ``-inf``."""
+    return (q @ k.transpose(-1, -2) * factor).masked_fill(valid < 0.5, float("-inf"))
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention over the ranks of ``axis`` with its own backward: the forward merges the
+    blocks with an online softmax and keeps only this rank's ``q``, ``k``, ``v``, the output and
+    the log-sum-exp per query; the backward passes ``k``, ``v`` around again with the
+    accumulators of their gradients (``n`` shifts bring each accumulator home)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        q: Tensor, k: Tensor, v: Tensor, valid: Tensor, mesh: Mesh, axis: Any, factor: float
+    ) -> tuple[Tensor, Tensor]:
+        n = mesh.axis_size(axis)
+        top = total = acc = None
+        for step in range(n):
+            if step + 1 < n:  # the block of rank (i - step - 1) % n, on its way
+                nxt = [ring_shift(t, mesh, axis) for t in (k, v, valid)]
+            s = _scores(q, k, valid, factor)  # [..., Lq, Lk]
+            # every rank's own block has a real token, so the running max starts finite
+            new_top = (
+                s.amax(-1, keepdim=True)
+                if top is None
+                else torch.maximum(top, s.amax(-1, keepdim=True))
+            )
+            p = torch.exp(s - new_top)
+            if top is None or total is None or acc is None:
+                total, acc = p.sum(-1, keepdim=True), p @ v  # [..., Lq, 1], [..., Lq, dv]
+            else:
+                rescale = torch.exp(top - new_top)
+                total = total * rescale + p.sum(-1, keepdim=True)
+                acc = acc * rescale + p @ v
+            top = new_top
+            if step + 1 < n:
+                k, v, valid = nxt
+        assert acc is not None and total is not None and top is not None
+        return acc / total, top + torch.log(total)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        q, k, v, valid, mesh, axis, factor = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, valid, out, lse)
+        ctx.mesh, ctx.axis, ctx.factor = mesh, axis, factor
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, valid, out, lse = ctx.saved_tensors
+        mesh, axis, factor = ctx.mesh, ctx.axis, ctx.factor
+        n = mesh.axis_size(axis)
+        delta = (dout * out).sum(-1, keepdim=True)  # [..., Lq, 1]
+        dq = torch.zeros_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block
+        for step in range(n):
+            p = torch.exp(_scores(q, k, valid, factor) - lse)  # [..., Lq, Lk]: the softmax
+            dv = dv + p.transpose(-1, -2) @ dout
+            ds = p * (dout @ v.transpose(-1, -2) - delta)
+            dq = dq + ds @ k * factor
+            dk = dk + ds.transpose(-1, -2) @ q * factor
+            if step + 1 < n:
+                k, v, valid = (ring_shift(t, mesh, axis) for t in (k, v, valid))
+            dk, dv = ring_shift(dk, mesh, axis), ring_shift(dv, mesh, axis)
+        return dq, dk, dv, None, None, None, None
 
 
 def gather_tokens(t: Tensor, call: AttentionCall, dim: int = -2) -> Tensor:
