@@ -2,7 +2,7 @@
 over H on the same 2 gloo processes (issue 41.4).
 
     benchmarks/setup_physicsnemo_env.sh             # once: /tmp/pnvenv, fastdist + physicsnemo
-    /tmp/pnvenv/bin/python benchmarks/domain_vs_shardtensor.py           # ~5 min on 2 cores
+    /tmp/pnvenv/bin/python benchmarks/domain_vs_shardtensor.py           # ~10 min on 2 cores
     /tmp/pnvenv/bin/python benchmarks/domain_vs_shardtensor.py --quick   # a smoke run
 
 physicsnemo is not a dependency of this repository and is not installed in its ``.venv``:
