@@ -19,9 +19,14 @@ patch.
 
 Rows: fwd+bwd and fwd+bwd+AdamW with the vocabulary replicated on both sides; the same with
 fastdist's own plan (embedding and LM head split over the vocabulary, the vocabulary-parallel
-loss) against the same replicated DTensor model; and fwd+bwd against DTensor with the column
+loss) against the same replicated DTensor model; fwd+bwd against DTensor with the column
 and row styles alone (no ``PrepareModuleInput``: each column-parallel linear wraps its own
-input, so the backward all-reduces three, then two, gradients: 7 all-reduces per layer).
+input, so the backward all-reduces three, then two, gradients: 7 all-reduces per layer); and
+the vocabulary split on both sides: fastdist's plan against DTensor's own split as torch's
+Llama tutorial makes it (the embedding ``RowwiseParallel(input_layouts=Replicate())``, the
+head ``ColwiseParallel(use_local_output=False)``, the step under ``loss_parallel()`` so that
+transformers' own ``F.cross_entropy`` is DTensor's vocabulary-parallel loss). ``--vocab-only``
+runs those two rows alone.
 
 Before any timing, each rank checks that every model's loss (and, with the vocabulary
 replicated, the embedding's gradient, which every layer's backward reaches) equals the
@@ -29,7 +34,9 @@ single-device model's on the same batch to 1e-4 (float32). A step is forward wit
 backward (``+AdamW``: then ``optimizer.step()``); after warm-up the two sides alternate step by
 step (the order swapping every pair), each step after a barrier; a step's time is its slowest
 rank's, and the ratio is the median of the per-pair ratios fastdist / DTensor, both measured in
-this run. Nothing here asserts a time.
+this run. The CPU columns add up both ranks' process CPU time of each step (every thread): on
+cores shared with other jobs the wall time also holds the time slices the OS gave them, the CPU
+time does not. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -202,11 +209,12 @@ def _loss_ctx(name: str) -> Any:
     return loss_parallel() if name == "dtensor_vocab" else contextlib.nullcontext()
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one step on this rank; CPU: this process's, all its threads."""
     dist.barrier()  # both ranks start together; a step's time is then its slowest rank's
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 # (fastdist side, DTensor side, with AdamW): the pairs timed, one row each
@@ -265,7 +273,7 @@ def _rank(
         for _ in range(warmup):
             for f in pair:
                 f()
-        got: tuple[list[float], list[float]] = ([], [])
+        got: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
         for i in range(reps):
             for j in (0, 1) if i % 2 == 0 else (1, 0):  # A B, B A, ...: neither always first
                 got[j].append(_timed(pair[j]))
@@ -274,18 +282,22 @@ def _rank(
     return {"diffs": diffs, "times": times}
 
 
-def bench(quick: bool, vocab_only: bool = False) -> list[dict[str, Any]]:
+def bench(quick: bool, vocab_only: bool = False, reps_full: int = 11) -> list[dict[str, Any]]:
     rows = []
     pairs = tuple(p for p in PAIRS if p[1] == "dtensor_vocab" or not vocab_only)
     for name in ("quick",) if quick else ("512", "1024"):
         size = SIZES[name]
-        reps, warmup = (3, 1) if quick else (11, 2)
+        reps, warmup = (3, 1) if quick else (reps_full, 2)
         per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, pairs, timeout=1800)
         hidden, inter, heads, kv, layers, vocab, batch, seq = size
         for n, (fast, base, adamw) in enumerate(pairs):
-            # a step is over when its slowest rank is
+            # a step is over when its slowest rank is; its CPU time is both ranks' together
             f, d = (
-                [max(r["times"][n][side][i] for r in per_rank) for i in range(reps)]
+                [max(r["times"][n][side][i][0] for r in per_rank) for i in range(reps)]
+                for side in (0, 1)
+            )
+            fc, dc = (
+                [sum(r["times"][n][side][i][1] for r in per_rank) for i in range(reps)]
                 for side in (0, 1)
             )
             rows.append(
@@ -302,6 +314,9 @@ def bench(quick: bool, vocab_only: bool = False) -> list[dict[str, Any]]:
                     "fastdist_ms": statistics.median(f) * 1e3,
                     "dtensor_ms": statistics.median(d) * 1e3,
                     "ratio": statistics.median(a / b for a, b in zip(f, d)),
+                    "fastdist_cpu_ms": statistics.median(fc) * 1e3,
+                    "dtensor_cpu_ms": statistics.median(dc) * 1e3,
+                    "cpu_ratio": statistics.median(a / b for a, b in zip(fc, dc)),
                     "fastdist_diff": max(r["diffs"][fast] for r in per_rank),
                     "dtensor_diff": max(r["diffs"][base] for r in per_rank),
                 }
@@ -320,20 +335,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the rows with the vocabulary split on both sides (DTensor's loss_parallel)",
     )
+    ap.add_argument("--reps", type=int, default=11, help="timed pairs per row (default 11)")
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()}")
-    rows = bench(args.quick, args.vocab_only)
+    rows = bench(args.quick, args.vocab_only, args.reps)
     print(f"load average after: {os.getloadavg()}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tp_vs_dtensor.json").write_text(json.dumps(rows, indent=1))
     lines = [
         "| case | hidden | layers | tokens | fastdist ms | DTensor ms | fastdist / DTensor | "
+        "CPU ms, both ranks (fastdist / DTensor) | CPU fastdist / DTensor | "
         "diff vs one device (fastdist / DTensor) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['case']} | {r['hidden']} | {r['layers']} | {r['tokens']} | "
         f"{r['fastdist_ms']:.1f} | {r['dtensor_ms']:.1f} | {r['ratio']:.3f} | "
+        f"{r['fastdist_cpu_ms']:.1f} / {r['dtensor_cpu_ms']:.1f} | {r['cpu_ratio']:.3f} | "
         f"{r['fastdist_diff']:.0e} / {r['dtensor_diff']:.0e} |"
         for r in rows
     ]
