@@ -69,10 +69,10 @@ def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
         assert err < 1e-6, f"{name}: {err:.2e}"
 
 
-def run_simulated(pm: Any, x: dict[str, Tensor]) -> Tensor:
-    """Every rank's output (each rank gets the same inputs); backward of each rank's
-    ``sum(out**2)``."""
-    out = pm(**{k: v.expand(N, *v.shape) for k, v in x.items()}).sample  # (N, *out)
+def run_simulated(pm: Any, x: dict[str, Tensor], n: int = N) -> Tensor:
+    """Every rank's output (each of the ``n`` ranks gets the same inputs); backward of each
+    rank's ``sum(out**2)``."""
+    out = pm(**{k: v.expand(n, *v.shape) for k, v in x.items()}).sample  # (n, *out)
     out.pow(2).sum().backward()
     return out.detach()
 
@@ -98,6 +98,19 @@ def test_wan_auto_uses_the_plan_and_verifies() -> None:
     assert pm.plan == fd.nn.plans.wan(axis="sp")
     got = run_simulated(pm, x)
     torch.testing.assert_close(got[1], out, rtol=0, atol=1e-12)
+    assert_grads(pm.grads(), grads)
+
+
+@pytest.mark.parametrize("frames,size,sp", [(2, 6, 4), (2, 10, 4)])
+def test_wan_auto_verifies_uneven_tokens(frames: int, size: int, sp: int) -> None:
+    """verify=True accepts the ready plan when the tokens do not divide by sp (18 and 50 tokens
+    over 4 ranks: blocks of 5,5,4,4 and 13,13,12,12, balanced, each padded at its end), and the
+    model equals one device."""
+    model, x = tiny_wan(heads=4, layers=1), inputs(frames, size)
+    out, grads = reference(copy.deepcopy(model), x)
+    pm = fd.nn.parallelize(model, fd.Mesh({"sp": sp}), "auto", verify=x)
+    got = run_simulated(pm, x, sp)
+    torch.testing.assert_close(got[sp - 1], out, rtol=0, atol=1e-12)
     assert_grads(pm.grads(), grads)
 
 

@@ -297,6 +297,10 @@ def _blocks(
             i = mesh.index(rank, axis)
             keep = max(0, min(size, full - i * size))  # vocabulary padding dropped
             cuts.append((ref.narrow(d, i * size, keep), local.narrow(d, 0, keep)))
+            if full % n:  # or balanced, padded at each block's end (uneven context tokens)
+                q, r = divmod(full, n)
+                start, keep = i * q + min(i, r), q + (i < r)
+                cuts.append((ref.narrow(d, start, keep), local.narrow(d, 0, keep)))
     return cuts
 
 
