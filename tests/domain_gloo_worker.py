@@ -170,3 +170,17 @@ def text_to_video_on_gloo() -> dict[str, Any]:
     (video * cot).sum().backward()
     return {"lat": lat.detach(), "video": video.detach(), "dit": pm_dit.grads(),
             "vae": pm_vae.grads()}  # fmt: skip
+
+
+def vae_ring_grid_on_gloo() -> dict[str, Any]:
+    """One rank of a 2 x 2 grid (H over ``h``, W over ``w``, uneven W blocks of 2 and 4 latent
+    columns): the decoder's attention as one ring over both axes (``ring_shift`` over the pair,
+    each block padded to the largest to travel); output and gradients."""
+    mesh = fd.connect(h=2, w=2, timeout=120)
+    net, z, cot = vae_attention_inputs()
+    style = fd.nn.DomainParallel({-2: "h", -1: "w"}, sizes={-1: [2, 4]}, attention="ring")
+    pm = fd.nn.parallelize(net, mesh, {"": style})
+    zr = z.clone().requires_grad_()
+    out = pm(zr)
+    (out * cot).sum().backward()
+    return {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}

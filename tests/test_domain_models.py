@@ -270,3 +270,21 @@ def test_attention_with_uneven_blocks_on_gloo() -> None:
         assert torch.allclose(got["dz"], zr.grad, atol=1e-10)  # type: ignore[arg-type]
         for name, p in net.named_parameters():
             assert torch.allclose(got["grads"][name], p.grad, atol=1e-10), name  # type: ignore[arg-type]
+
+
+def test_ring_attention_over_a_grid_on_gloo() -> None:
+    """4 gloo processes, H x W over 2 x 2 with uneven W blocks: the ring runs over both axes as
+    one flattened ring (its own backward passing the blocks around again), equal to one device
+    forward and backward."""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import vae_attention_inputs, vae_ring_grid_on_gloo
+
+    net, z, cot = vae_attention_inputs()
+    zr = z.clone().requires_grad_()
+    out = net(zr)
+    (out * cot).sum().backward()
+    for got in run_on_gloo(vae_ring_grid_on_gloo, 4, timeout=180):
+        assert torch.allclose(got["out"], out, atol=1e-10)
+        assert torch.allclose(got["dz"], zr.grad, atol=1e-10)  # type: ignore[arg-type]
+        for name, p in net.named_parameters():
+            assert torch.allclose(got["grads"][name], p.grad, atol=1e-10), name  # type: ignore[arg-type]
