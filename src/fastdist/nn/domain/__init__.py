@@ -5,7 +5,8 @@ halo (:func:`fastdist.halo_exchange`).
 ``conv`` (`DomainConv`: one convolution, one split dim, uneven blocks), ``windows`` (the layer
 computations on a rank's block: convolutions, transposed convolutions, pooling, upsampling),
 ``norms`` (group / batch / instance norms with statistics over the whole domain),
-``attention`` (self-attention over spatial tokens: the keys gathered over the split axes),
+``attention`` (self-attention over spatial tokens: the keys gathered over the split axes, or
+passed around a ring),
 ``adaptive`` (adaptive and global pooling), ``layers``
 (which modules a region holds, and the forward each gets) and ``style``
 (`DomainParallel`: a whole unmodified conv net made domain-parallel by ``fastdist.nn.parallelize``).
