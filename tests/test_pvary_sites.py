@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist.nn.pvary_sites import PvarySites
@@ -34,3 +34,128 @@ def test_a_parameter_listed_for_two_axes_and_twice_on_gloo() -> None:
     for r in run_on_gloo(listed_twice_on_gloo, 2):
         assert r["same_parameter"]
         torch.testing.assert_close(r["grad"], r["want"])
+
+
+# ------------------------------------------------------------------ bucketed gradient sums
+
+
+class _TwoNorms(nn.Module):
+    """Replicated parameters met by per-rank data: two layer norms (one used twice) and a
+    linear layer, all ``pvary``'d over ``sp``; ``out`` used outside any site too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(4, dtype=torch.float64)
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.norm2 = nn.LayerNorm(4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm2(self.lin(self.norm1(x)))
+        return self.norm2(h * h).sum() + self.lin.bias.sum()  # norm2 twice; bias also outside
+
+
+def _sites(m: _TwoNorms) -> list[tuple[nn.Module, str, str]]:
+    return [(mod, n, "sp") for mod in (m.norm1, m.lin, m.norm2) for n, _ in mod.named_parameters()]
+
+
+def _reference(xs: torch.Tensor, steps: int) -> dict[str, Tensor]:
+    """One device: the whole batch (both ranks' rows), ``steps`` backwards accumulated; the
+    term outside the sites is replicated (every rank's copy of it is the one loss term)."""
+    torch.manual_seed(0)
+    m = _TwoNorms()
+    for _ in range(steps):
+        once = (xs.shape[0] - 1) * m.lin.bias.sum()
+        loss = sum(m(xs[r]) for r in range(xs.shape[0])) - once
+        loss.backward()  # type: ignore[union-attr]
+    return {n: p.grad for n, p in m.named_parameters()}  # type: ignore[misc]
+
+
+def bucketed_on_gloo(bucket: bool, checkpoint: bool) -> dict[str, Any]:
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    from fastdist.core.context import COLLECTIVE_OBSERVERS
+
+    mesh = fd.connect(sp=2)
+    rank = mesh.index(mesh.rank, "sp")
+    torch.manual_seed(0)
+    m = _TwoNorms()
+    PvarySites(mesh, _sites(m), bucket=bucket)
+    xs = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    calls: list[str] = []
+
+    def observe(prim: Any, stacked: bool, tensors: Any, spec: Any, params: Any, run: Any) -> Any:
+        calls.append(prim.name)
+        return run()
+
+    COLLECTIVE_OBSERVERS.add(observe)
+    try:
+        with torch.no_grad():
+            m(xs[rank])  # no graph: no collective, nothing kept
+        for _ in range(2):  # two backwards: the second adds to the first's .grad
+            loss = ckpt(m, xs[rank].clone().requires_grad_(), use_reentrant=True) if checkpoint else m(xs[rank])
+            loss.backward()
+        # torch.autograd.grad: the sums returned to autograd, per parameter
+        (g_w,) = torch.autograd.grad(m(xs[rank]), [m.norm1.weight])
+    finally:
+        COLLECTIVE_OBSERVERS.remove(observe)
+    return {
+        "grads": {n: p.grad for n, p in m.named_parameters()},
+        "psums": calls.count("psum"),
+        "calls": len(calls),
+        "autograd_grad": g_w,
+    }
+
+
+def _check_bucketed(bucket: bool, checkpoint: bool) -> list[dict[str, Any]]:
+    xs = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want, once = _reference(xs, 2), _reference(xs, 1)
+    out = run_on_gloo(bucketed_on_gloo, 2, bucket, checkpoint)
+    for r in out:
+        for n, g in want.items():
+            torch.testing.assert_close(r["grads"][n], g, rtol=1e-12, atol=1e-12, msg=n)
+        torch.testing.assert_close(r["autograd_grad"], once["norm1.weight"], rtol=1e-12, atol=0)
+    return out
+
+
+def test_bucketed_gradient_sums_on_gloo_equal_one_device_with_fewer_collectives() -> None:
+    bucketed = _check_bucketed(bucket=True, checkpoint=False)
+    per_param = _check_bucketed(bucket=False, checkpoint=False)
+    # per parameter: 6 psums per backward (norm2 used twice: its uses' sums, 2 more) + the
+    # autograd.grad call's; bucketed: one flat psum per backward (autograd.grad: per parameter)
+    assert per_param[0]["psums"] >= 2 * 6
+    assert bucketed[0]["psums"] <= 2 * 1 + 6
+    assert bucketed[0]["psums"] < per_param[0]["psums"] - 6
+    assert bucketed[0]["calls"] == bucketed[0]["psums"]  # nothing else, none under no_grad
+
+
+def test_bucketed_gradient_sums_with_reentrant_checkpointing_on_gloo() -> None:
+    # the first forward runs under no_grad (skipped), the recomputation pvary's once: no double sum
+    _check_bucketed(bucket=True, checkpoint=True)
+
+
+def test_no_grad_forward_skips_the_hooks_on_simulated_ranks() -> None:
+    calls: list[str] = []
+
+    def observe(prim: Any, stacked: bool, tensors: Any, spec: Any, params: Any, run: Any) -> Any:
+        calls.append(prim.name)
+        return run()
+
+    from fastdist.core.context import COLLECTIVE_OBSERVERS
+
+    mesh = fd.Mesh({"sp": 2})
+    torch.manual_seed(0)
+    m = _TwoNorms()
+    PvarySites(mesh, _sites(m))
+    xs = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    COLLECTIVE_OBSERVERS.add(observe)
+    try:
+        with torch.no_grad():
+            out = fd.simulate(m, mesh)(xs)
+        with torch.enable_grad():
+            fd.simulate(m, mesh)(xs).sum()
+    finally:
+        COLLECTIVE_OBSERVERS.remove(observe)
+    torch.manual_seed(0)
+    ref = _TwoNorms()
+    torch.testing.assert_close(out, torch.stack([ref(x) for x in xs]).detach())
+    assert calls.count("pvary") == 8  # the graph-recording forward only (norm2 called twice)

@@ -18,6 +18,18 @@ the module exact:
   gradient reaches the very parameter the engine reduces;
 * simulated ranks: inside ``torch.func.functional_call`` the slot holds the simulation's
   per-rank parameter, which is what gets ``pvary``'d.
+
+Two shortcuts, each taken only where it gives the same result:
+
+* a forward that records no graph (``torch.no_grad()``, inference mode) on real ranks, or on
+  simulated ranks outside a replication check, skips the hooks' work (``pvary``'s forward is the
+  identity: only its backward does anything);
+* on real ranks, the gradient sums are bucketed (`fastdist.nn.grad_buckets`): a leaf parameter
+  is ``deferred_pvary``'d, its partial gradient kept and summed with the others' in a few flat
+  collectives at the end of the backward, instead of one ``psum`` per parameter. Not under
+  ``torch.compile``, and never once DDP or FSDP2 has been seen in this process (they read the
+  gradient during the backward); `fastdist.nn.grad_buckets` lists the checks its backward does.
+  ``PvarySites(..., bucket=False)`` keeps one ``psum`` per parameter everywhere.
 """
 
 from __future__ import annotations
@@ -26,9 +38,12 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from fastdist.core.context import check_of, is_real
 from fastdist.core.mesh import Mesh
+from fastdist.nn.grad_buckets import deferred_pvary, drop_pending, pending_sums
 from fastdist.ops import pvary
 
 __all__ = ["PvarySites"]
@@ -44,6 +59,8 @@ class PvarySites:
         mesh: the mesh the parameters' axes belong to.
         sites: ``(module, parameter name, axis)`` for each parameter to ``pvary`` over ``axis``
             (a parameter directly owned by ``module``).
+        bucket: on real ranks, sum the gradients in few flat collectives at the end of the
+            backward (`fastdist.nn.grad_buckets`) rather than one ``psum`` per parameter.
 
     Each module gets one forward pre-hook (prepended: it runs before the module's other
     pre-hooks, which see the ``pvary``'d tensor like the forward does) and one forward hook
@@ -51,7 +68,9 @@ class PvarySites:
     module (nothing in a model does this) sees the parameter ``pvary``'d once, by the outer call.
     """
 
-    def __init__(self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]]) -> None:
+    def __init__(
+        self, mesh: Mesh, sites: Sequence[tuple[nn.Module, str, str]], bucket: bool = True
+    ) -> None:
         self.sites = list(sites)
         self._handles: list[Any] = []
         # module -> parameter name -> its axes, in order, each once (a parameter listed for two
@@ -62,7 +81,7 @@ class PvarySites:
             if axis not in axes:
                 axes.append(axis)
         for module, names in by_module.values():
-            pre, post = _hooks(mesh, tuple((n, tuple(a)) for n, a in names.items()))
+            pre, post = _hooks(mesh, tuple((n, tuple(a)) for n, a in names.items()), bucket)
             self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(module.register_forward_hook(post, always_call=True))
 
@@ -73,26 +92,60 @@ class PvarySites:
         self._handles = []
 
 
-def _hooks(mesh: Mesh, names: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[Any, Any]:
+def _hooks(
+    mesh: Mesh, names: tuple[tuple[str, tuple[str, ...]], ...], bucket: bool
+) -> tuple[Any, Any]:
     """The (pre-hook, forward hook) pair of one module whose parameters ``names`` (name, axes)
     are ``pvary``'d (partials of module-level functions: a model holding them still pickles)."""
-    return functools.partial(_swap_in, mesh, names), functools.partial(_put_back, names)
+    return functools.partial(_swap_in, mesh, names, bucket), functools.partial(_put_back, names)
+
+
+#: set once DDP or FSDP2 is seen: their hooks read gradients during backward, no deferring since
+_ENGINE_SEEN = [False]
+
+
+def _torch_engine_active() -> bool:
+    """DDP's forward is running, or FSDP2 / a composable API manages some module."""
+    if _ENGINE_SEEN[0]:
+        return True
+    from torch.distributed import _composable_state as composable
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    seen = getattr(DDP, "_active_ddp_module", None) is not None or bool(
+        getattr(composable, "_module_state_mapping", None)
+    )
+    _ENGINE_SEEN[0] = seen
+    return seen
 
 
 def _swap_in(
-    mesh: Mesh, names: tuple[tuple[str, tuple[str, ...]], ...], m: nn.Module, args: Any
+    mesh: Mesh,
+    names: tuple[tuple[str, tuple[str, ...]], ...],
+    bucket: bool,
+    m: nn.Module,
+    args: Any,
 ) -> None:
     """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)`` over its axes."""
     if _KEPT in m.__dict__:
         return  # a forward of m inside another one: already pvary'd
+    real = is_real(mesh)
+    engine = _torch_engine_active()  # checked under no_grad too (a reentrant checkpoint's)
+    if not torch.is_grad_enabled() and (real or check_of(mesh) is None):
+        return  # no graph: pvary's forward is the identity (_put_back finds nothing kept)
+    defer = bucket and real and not engine and not torch.compiler.is_compiling()
+    if defer and pending_sums() and torch._C._current_graph_task_id() == -1:
+        drop_pending()  # left by a backward that raised before its end
     kept: dict[str, Tensor | None] = {}
     for name, axes in names:
         p = m._parameters[name]
         kept[name] = p  # the parameter itself, put back by _put_back
         if p is not None:
             v: Tensor = p
-            for axis in axes:
-                v = pvary(v, mesh, axis)
+            if defer and p.is_leaf and p.requires_grad:
+                v = deferred_pvary(p, mesh, axes)
+            else:
+                for axis in axes:
+                    v = pvary(v, mesh, axis)
             # the slot holds a plain tensor while forward runs, as torch.func.functional_call
             # leaves it
             m._parameters[name] = v  # type: ignore[assignment]
