@@ -36,8 +36,9 @@ can check the skipped half-blocks stay skipped).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -62,8 +63,11 @@ __all__ = [
 #: ``(1 or B, Sk)`` and padding flags ``(B, Sk)`` (True: a real token) or None
 Block = tuple[Tensor, Tensor, Tensor, Tensor | None]
 
-#: the products `update` computed, while `count_work` records (else None)
-_WORK: list[list[tuple[int, int]]] = []
+#: the lists the open `count_work` blocks of this context record the products of `update` in
+#: (a context variable: each block sets and resets its own context's value, nothing global grows)
+_WORK: contextvars.ContextVar[tuple[list[tuple[int, int]], ...]] = contextvars.ContextVar(
+    "fastdist_causal_ring_work", default=()
+)
 
 
 class Partial(NamedTuple):
@@ -91,11 +95,11 @@ def count_work() -> Iterator[list[tuple[int, int]]]:
     [(4, 4)]
     """
     seen: list[tuple[int, int]] = []
-    _WORK.append(seen)
+    token = _WORK.set((*_WORK.get(), seen))
     try:
         yield seen
     finally:
-        _WORK.remove(seen)
+        _WORK.reset(token)
 
 
 def keep_mask(qi: Tensor, ki: Tensor, kvalid: Tensor | None, window: int | None) -> Tensor:
@@ -130,7 +134,7 @@ def update(
     with one more key block folded in."""
     k, v, ki, kvalid = block
     B, hq, sq, _ = q.shape
-    for seen in _WORK:
+    for seen in _WORK.get():
         seen.append((sq, k.shape[2]))
     qg = q.reshape(B, k.shape[1], hq // k.shape[1], sq, -1)  # (B, Hkv, G, Sq, D)
     s = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scaling  # (B, Hkv, G, Sq, Sk)
@@ -143,32 +147,56 @@ def update(
     shift = torch.where(top.isfinite(), top, 0.0)  # rows that saw no key yet
     p = torch.exp(torch.where(keep, s - shift, float("-inf")))  # (B, Hkv, G, Sq, Sk)
     # the old sums rescaled to the new max (0 where the old max is -inf: nothing seen)
-    scale = torch.where(state.top.isfinite(), torch.exp(state.top - shift), 0.0)
+    scale = _rescale(state.top, shift)
     total = state.total * scale + p.sum(-1, keepdim=True)
     acc = state.acc * scale + p @ v.unsqueeze(2)  # (B, Hkv, G, Sq, Dv)
     return Partial(top, total, acc)
 
 
+def _rescale(top: Tensor, shift: Tensor) -> Tensor:
+    """``exp(top - shift)``, 0 where ``top`` is ``-inf`` (nothing seen): the exponent is taken of
+    a finite value only, so no backward meets an infinite one."""
+    seen = top.isfinite()
+    return torch.where(seen, torch.exp(torch.where(seen, top - shift, 0.0)), 0.0)
+
+
 def finish(state: Partial) -> Tensor:
-    """The attention output ``(B, Sq, Hq, Dv)`` (0 for a query that saw no key)."""
-    out = torch.where(state.total > 0, state.acc / state.total.clamp_min(1e-300), 0.0)
+    """The attention output ``(B, Sq, Hq, Dv)`` (0 for a query that saw no key: a padding query).
+
+    The division's denominator is 1 where no key was seen, not a clamp: a tiny clamp underflows to
+    0 in float32 / bfloat16, and although ``torch.where`` hides the forward's ``0 / 0``, its
+    backward multiplies the masked-out zero gradient by ``1 / 0`` (NaN, spread to every gradient).
+
+    >>> import torch
+    >>> seen = Partial(torch.zeros(1, 1, 1, 2, 1), torch.tensor([2.0, 0.0]).reshape(1, 1, 1, 2, 1),
+    ...                torch.ones(1, 1, 1, 2, 3))
+    >>> finish(seen)[0, :, 0].tolist()  # query 1 saw no key
+    [[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]
+    """
+    seen = state.total > 0
+    out = torch.where(seen, state.acc / torch.where(seen, state.total, 1.0), 0.0)
     return out.flatten(1, 2).transpose(1, 2)  # (B, Hkv, G, Sq, Dv) -> (B, Sq, Hq, Dv)
 
 
 def merge(parts: list[Partial]) -> Partial:
     """One `Partial` from several over disjoint key sets of the same queries: each rescaled to
-    the common max (the log-sum-exp merge; exact: the softmax over the union of the keys)."""
+    the common max (the log-sum-exp merge; exact: the softmax over the union of the keys).
+
+    A query no part saw a key for keeps max ``-inf`` and sums 0 (`finish` gives it 0); every
+    exponent is of a finite difference (a part's ``-inf`` max is scaled by 0, not ``exp``'d).
+    """
+    if not parts:
+        raise ValueError("causal_ring.merge: no partial results to merge (an empty list)")
     top = parts[0].top
     for p in parts[1:]:
         top = torch.maximum(top, p.top)
     shift = torch.where(top.isfinite(), top, 0.0)
     total = acc = None
     for p in parts:
-        scale = torch.where(p.top.isfinite(), torch.exp(p.top - shift), 0.0)
+        scale = _rescale(p.top, shift)
         total = p.total * scale if total is None else total + p.total * scale
         acc = p.acc * scale if acc is None else acc + p.acc * scale
-    assert total is not None and acc is not None
-    return Partial(top, total, acc)
+    return Partial(top, cast(Tensor, total), cast(Tensor, acc))
 
 
 def attend(
@@ -186,7 +214,8 @@ def attend(
         if state is None:
             state = partial(q, block[0].shape[1], block[1].shape[-1])
         state = update(state, q, block, qi, scaling, window, softcap)
-    assert state is not None
+    if state is None:
+        raise ValueError("causal_ring.attend: no key blocks (an empty iterator)")
     return finish(state)
 
 
@@ -224,6 +253,10 @@ def _pick(cond: Tensor, a: Block, b: Block) -> Block:
 
 
 def _pick_state(cond: Tensor, a: Partial, b: Partial) -> Partial:
+    """``a`` where ``cond`` (a 0-d bool, per rank: the same on every element), else ``b``, each
+    of the three tensors (``top``, ``total``, ``acc``) chosen with ``torch.where``: the zig-zag
+    ring's one code path for the two cases of a block (``j < r`` or ``j > r``), which a
+    simulation's ``vmap`` can run (no Python branch on a rank-varying value)."""
     return Partial(*(torch.where(cond, x, y) for x, y in zip(a, b, strict=True)))
 
 

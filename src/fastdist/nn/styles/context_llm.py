@@ -84,7 +84,7 @@ CacheLayout = Literal["split", "gathered"]
 STATE_ATTR = "fastdist_context_state"
 #: the name of the attention function in transformers' registry (``config._attn_implementation``)
 ATTENTION = "fastdist_context"
-#: the attribute of a KV cache a split prefill left split: the prefill's token count
+#: the attribute of a KV cache a split prefill left split: its `SplitMark`
 SPLIT_CACHE = "_fastdist_split_prefill"
 
 
@@ -164,12 +164,94 @@ class ContextState:
         return all_gather_invariant(x, self.mesh, self.axis, dim=dim).contiguous()
 
 
-# ============================================================================ hooks
+# ============================================================================ split KV cache
+@dataclass
+class SplitMark:
+    """What a KV cache left split by a split prefill carries (as `SPLIT_CACHE`): the prefill's
+    token count on all ranks, and the rank-local length the cache held when this model's last
+    forward with it ended (a length that differs at the next call: the cache was changed
+    outside the model, and its split can no longer be read)."""
+
+    prefill: int
+    local: int
+
+
 def _cache_length(cache: Any) -> int:
+    """The token count a KV cache reports (0: none)."""
     if cache is None:
         return 0
     length = cache.get_seq_length()
     return int(length)
+
+
+def _mark_split(cache: Any, prefill: int, local: int, axis: str) -> None:
+    """Mark ``cache`` as left split by a prefill of ``prefill`` tokens, and guard its ``crop``."""
+    cache.__dict__[SPLIT_CACHE] = SplitMark(prefill, local)
+    cache.__dict__["crop"] = functools.partial(_split_crop, cache, axis)
+
+
+def _unmark(cache: Any) -> None:
+    """Drop a split mark (and the crop guard): the cache is empty, the next prefill starts anew."""
+    d = getattr(cache, "__dict__", {})
+    d.pop(SPLIT_CACHE, None)
+    if isinstance(d.get("crop"), functools.partial) and d["crop"].func is _split_crop:
+        del d["crop"]
+
+
+def _split_crop(cache: Any, axis: str, tokens_to_remove: int) -> None:
+    """``crop`` of a cache a split prefill left split: only ``crop(0)`` (nothing removed) and a
+    crop that empties the cache pass; any other is refused (the cache holds this rank's share of
+    the prompt; transformers' crop of the last tokens would cut different tokens on each rank's
+    books than the split's)."""
+    mark: SplitMark | None = cache.__dict__.get(SPLIT_CACHE)
+    local = _cache_length(cache)
+    if mark is not None and tokens_to_remove != 0 and -tokens_to_remove < local:
+        raise ParallelizeError(
+            f"context parallelism over {axis!r}: crop({tokens_to_remove}) of a KV cache a split "
+            f"prefill of {mark.prefill} tokens left split (each rank holds its own share of the "
+            "prompt), as assisted generation (assistant_model=, prompt_lookup_num_tokens=) "
+            "rolls back rejected tokens: cropping a split cache is not built. Fix: "
+            'CausalContextParallel(cache="gathered") (every rank holds the whole cache after the '
+            "prefill), or generate without assistance"
+        )
+    type(cache).crop(cache, tokens_to_remove)
+    if _cache_length(cache) == 0:
+        _unmark(cache)
+
+
+def _split_mark(state: ContextState, cache: Any, past: int, S: int, mask: Any) -> int | None:
+    """The split prefill's token count of a decoding forward's ``cache`` (None: the cache is
+    whole); raises where the cache was changed outside the model since its last forward, or where
+    the call re-feeds tokens the cache holds (transformers' ``generate`` continuing from a split
+    cache counts the cache's rank-local length as the tokens seen)."""
+    mark = getattr(cache, "__dict__", {}).get(SPLIT_CACHE)
+    if not isinstance(mark, SplitMark) or not past:
+        return None
+    axis, n = state.axis, state.mesh.axis_size(state.axis)
+    if past != mark.local:
+        raise ParallelizeError(
+            f"context parallelism over {axis!r}: the KV cache a split prefill of {mark.prefill} "
+            f"tokens left split holds {past} tokens on this rank, not the {mark.local} it held "
+            "after the model's last forward: it was changed outside the model (a crop, a reset "
+            "of some layers), and its split over the ranks can no longer be read. Fix: "
+            'CausalContextParallel(cache="gathered") to edit the cache, or a fresh cache '
+            "(cache.reset() empties it for a new prompt)"
+        )
+    total = mark.prefill + past - mark.prefill // n + S  # this call's included, all ranks
+    if isinstance(mask, Tensor) and mask.shape[1] != total:
+        raise ParallelizeError(
+            f"context parallelism over {axis!r}: a call of {S} tokens with an attention_mask of "
+            f"{mask.shape[1]} against a KV cache a split prefill of {mark.prefill} tokens left "
+            f"split, which with them holds {total} tokens on all ranks ({past} on this rank). "
+            "Continuing generate from a returned split cache (past_key_values=) is not built: "
+            "transformers counts the rank-local length as the tokens seen and feeds again "
+            'tokens the cache holds. Fix: CausalContextParallel(cache="gathered") (the cache '
+            "holds every token), or a new generate from the whole sequence without the cache"
+        )
+    return mark.prefill
+
+
+# ============================================================================ hooks
 
 
 def _enter_model(
@@ -201,6 +283,8 @@ def _enter_model(
         )
     S = tokens.shape[1]
     past = _cache_length(kw.get("past_key_values"))
+    if past == 0:  # an empty (new, reset) cache: a mark of an earlier prefill is stale
+        _unmark(kw.get("past_key_values"))
     state.split = past == 0 and S % state.chunks == 0
     if not state.split:
         return (), _enter_whole(state, module, kw, tokens, past)
@@ -239,8 +323,8 @@ def _enter_whole(
         )
     mask = kw.get("attention_mask")
     state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
-    prefill = getattr(kw.get("past_key_values"), SPLIT_CACHE, None) if past else None
-    if isinstance(prefill, int):  # attend over every rank's shard of the cache
+    prefill = _split_mark(state, kw.get("past_key_values"), past, S, mask)
+    if prefill is not None:  # attend over every rank's shard of the cache
         # the cache's length here counts this rank's prefill tokens and every decoded one
         start = prefill + past - prefill // n  # tokens before this call, on all ranks
         state.decode, state.decode_total = prefill, start + S
@@ -266,6 +350,10 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     tensors dropped (inside a simulation they are the simulation's, which must not outlive it)."""
     state.index = state.valid = state.whole_valid = state.decode = None
     if not state.split or out is None:
+        mark = getattr(out, "get", lambda _: None)("past_key_values")
+        mark = getattr(mark, "__dict__", {}).get(SPLIT_CACHE)
+        if isinstance(mark, SplitMark):  # the length a decoding step left
+            mark.local = _cache_length(out["past_key_values"])
         return out
     axis = state.axis
     out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
@@ -283,7 +371,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     dynamic = ("DynamicLayer", "DynamicSlidingWindowLayer")
     if state.cache == "split" and layers and all(type(x).__name__ in dynamic for x in layers):
         # each rank keeps its tokens' keys and values; decoding steps attend over every shard
-        cache.__dict__[SPLIT_CACHE] = out["last_hidden_state"].shape[1]
+        _mark_split(cache, out["last_hidden_state"].shape[1], _cache_length(cache), axis)
         for layer in layers:
             if type(layer).__name__ == "DynamicSlidingWindowLayer":
                 # as its own update keeps: the rank's last window - 1 (its newest tokens: the
@@ -366,7 +454,9 @@ def context_attention(
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     if state.decode is not None:
-        return _split_cache_attention(state, query, key, value, scale, sliding_window, softcap)
+        return _split_cache_attention(
+            state, module, query, key, value, scale, sliding_window, softcap
+        )
     if not state.split:  # every rank holds every token: one block, indices from the shapes
         sq, sk = query.shape[2], key.shape[2]
         ki = torch.arange(sk, device=query.device).unsqueeze(0)  # (1, Sk)
@@ -405,6 +495,7 @@ def context_attention(
 
 def _split_cache_attention(
     state: ContextState,
+    module: nn.Module,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -420,7 +511,12 @@ def _split_cache_attention(
     queries (the step's ``Sq`` new tokens, replicated) over its keys, the tail counted on rank 0
     only; the partial results (row max, sum, weighted values) are gathered over the axis and
     merged (log-sum-exp): the softmax over every key, exactly."""
-    mesh, axis, prefill = state.mesh, state.axis, cast(int, state.decode)
+    mesh, axis, prefill = state.mesh, state.axis, state.decode
+    if prefill is None:
+        raise ParallelizeError(
+            f"context parallelism over {axis!r}: a split-cache attention outside a decoding "
+            "forward against a split KV cache. Fix: call the model, not the attention function"
+        )
     own = prefill // mesh.axis_size(axis)
     sq, total, dev = query.shape[2], state.decode_total, query.device  # total: this step's too
     tail = total - prefill
@@ -433,8 +529,18 @@ def _split_cache_attention(
         valid = torch.cat([torch.ones(1, own, dtype=torch.bool, device=dev), first], 1)
     else:
         valid = torch.cat([state.shard(mask[:, :prefill], 1), mask[:, prefill:total] & first], 1)
+    held = key.shape[2]
+    if held > ki.shape[1] or (window is None and held != ki.shape[1]):
+        raise ParallelizeError(
+            f"context parallelism over {axis!r}: attention layer "
+            f"{getattr(module, 'layer_idx', '?')}'s KV cache gives {held} keys on this rank; a "
+            f"split prefill of {prefill} tokens and {tail} since leave it {ki.shape[1]} "
+            f"({own} of the prompt, the {tail} since){' at most' if window else ''}: the cache "
+            "was changed outside the model. Fix: a fresh cache, or "
+            'CausalContextParallel(cache="gathered") to edit the cache between calls'
+        )
     # a sliding-window layer holds (and gives) only the newest of them
-    ki, valid = ki[:, -key.shape[2] :], valid[:, -key.shape[2] :]
+    ki, valid = ki[:, -held:], valid[:, -held:]
     part = update(
         partial(query, key.shape[1], value.shape[-1]),
         query,
@@ -558,6 +664,18 @@ class PvaryTree(Style):
     exclude: tuple[str, ...] = ()
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        """Record every parameter of ``module`` (outside ``exclude``) as pvary'd over ``axis``
+        in ``ctx.pvary`` (``parallelize`` installs the hooks that pvary it at each call); the
+        module itself is returned unchanged.
+
+        >>> import torch, fastdist as fd
+        >>> from fastdist.nn.styles import StyleContext
+        >>> ctx = StyleContext(fd.Mesh({"cp": 2}))
+        >>> block = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+        >>> _ = PvaryTree("cp", exclude=("1",)).apply(block, "block", ctx)
+        >>> [(p, axis) for _, p, axis in ctx.pvary]
+        [('weight', 'cp'), ('bias', 'cp')]
+        """
         # one site per parameter: a parameter another style pvary's over another axis (a
         # per-head norm over tp) gets both axes in that site (one pvary over the two)
         where = {(id(m), p): i for i, (m, p, _) in enumerate(ctx.pvary)}
