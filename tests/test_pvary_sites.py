@@ -50,8 +50,9 @@ class _TwoNorms(nn.Module):
         self.norm2 = nn.LayerNorm(4, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm2(self.lin(self.norm1(x)))
-        return self.norm2(h * h).sum() + self.lin.bias.sum()  # norm2 twice; bias also outside
+        h: Tensor = self.norm2(self.lin(self.norm1(x)))
+        out: Tensor = self.norm2(h * h)
+        return out.sum() + self.lin.bias.sum()  # norm2 twice; bias also outside
 
 
 def _sites(m: _TwoNorms) -> list[tuple[nn.Module, str, str]]:
@@ -66,7 +67,7 @@ def _reference(xs: torch.Tensor, steps: int) -> dict[str, Tensor]:
     for _ in range(steps):
         once = (xs.shape[0] - 1) * m.lin.bias.sum()
         loss = sum(m(xs[r]) for r in range(xs.shape[0])) - once
-        loss.backward()  # type: ignore[union-attr]
+        loss.backward()
     return {n: p.grad for n, p in m.named_parameters()}  # type: ignore[misc]
 
 
@@ -92,7 +93,11 @@ def bucketed_on_gloo(bucket: bool, checkpoint: bool) -> dict[str, Any]:
         with torch.no_grad():
             m(xs[rank])  # no graph: no collective, nothing kept
         for _ in range(2):  # two backwards: the second adds to the first's .grad
-            loss = ckpt(m, xs[rank].clone().requires_grad_(), use_reentrant=True) if checkpoint else m(xs[rank])
+            loss = (
+                ckpt(m, xs[rank].clone().requires_grad_(), use_reentrant=True)
+                if checkpoint
+                else m(xs[rank])
+            )
             loss.backward()
         # torch.autograd.grad: the sums returned to autograd, per parameter
         (g_w,) = torch.autograd.grad(m(xs[rank]), [m.norm1.weight])
