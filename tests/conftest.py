@@ -82,6 +82,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_halo.py": frozenset({"test_halo_exchange_and_domain_conv_on_gloo"}),
     "tests/test_domain.py": frozenset(
         {
+            "test_a_layer_outside_its_region_raises_on_gloo",
             "test_unet_like_stack_on_gloo",
             "test_wan_causal_conv",
             "test_with_data_parallelism_on_gloo",

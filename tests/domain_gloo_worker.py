@@ -184,3 +184,34 @@ def vae_ring_grid_on_gloo() -> dict[str, Any]:
     out = pm(zr)
     (out * cot).sum().backward()
     return {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}
+
+
+class Checkpointed(nn.Module):
+    """A convolution recomputed by activation checkpointing in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.conv, x, use_reentrant=False)
+        return out
+
+
+def outside_region_on_gloo() -> dict[str, str]:
+    """One rank of 2 (H over ``h``): the errors of a layer called directly and of one recomputed
+    by activation checkpointing in the backward."""
+    mesh = fd.connect(h=2, timeout=60)
+    net = Checkpointed().to(F64)
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+    errors = {}
+    try:
+        net.conv(torch.zeros(1, 2, 4, 4, dtype=F64))
+    except fd.nn.ParallelizeError as e:
+        errors["direct"] = str(e)
+    out = pm(torch.randn(1, 2, 8, 4, dtype=F64, requires_grad=True))
+    try:
+        out.sum().backward()
+    except fd.nn.ParallelizeError as e:
+        errors["checkpoint"] = str(e)
+    return errors

@@ -513,6 +513,19 @@ def test_uneven_blocks_refusals() -> None:
         pm(torch.zeros(2, 1, 1, 8, 4, dtype=F64))
 
 
+def test_a_layer_outside_its_region_raises_on_gloo() -> None:
+    """2 gloo processes: a domain layer recomputed by activation checkpointing in the backward
+    (outside the region, where it cannot know its block) raises instead of treating a block as
+    the whole, and so does a layer called directly. (Simulated ranks refuse the checkpoint
+    itself, and a direct call at its parameters' pvary.)"""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import outside_region_on_gloo
+
+    for errors in run_on_gloo(outside_region_on_gloo, 2, timeout=120):
+        assert "'conv' (Conv2d) ran outside its DomainParallel region" in errors["direct"]
+        assert "recomputed by activation checkpointing" in errors["checkpoint"]
+
+
 # ------------------------------------------------------------------ with data parallelism
 def _dp_steps(net: nn.Module, steps: int = 2, **style: Any) -> None:
     """A dp x h mesh: H split over ``h`` by the style, each data rank its own batch of 2 and

@@ -28,12 +28,14 @@ from fastdist.nn.domain.attention import (
 from fastdist.nn.domain.conv import conv_padding
 from fastdist.nn.domain.norms import domain_batch_norm, domain_group_norm
 from fastdist.nn.domain.windows import (
+    REGIONS,
     UPSAMPLE_HALO,
     Split,
     domain_conv,
     domain_conv_transpose,
     domain_pool,
     domain_upsample,
+    outside_region,
 )
 
 __all__ = [
@@ -389,6 +391,8 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
 
 
 def _run(kind: str, site: Site, m: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+    if not REGIONS[0]:
+        raise outside_region(site.where)
     with inside_layer():
         return _FORWARDS[kind](site, m, *args, **kwargs)
 

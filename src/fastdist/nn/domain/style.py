@@ -42,6 +42,7 @@ from fastdist.nn.domain.layers import (
 from fastdist.nn.domain.windows import (
     POOLED,
     RAGGED,
+    REGIONS,
     UPSAMPLE_HALO,
     Split,
     domain_upsample,
@@ -275,6 +276,7 @@ def _enter(
         RAGGED.update(style.sizes)
     guard.__enter__()  # type: ignore[no-untyped-call]
     guard.active = True
+    REGIONS[0] += 1
     return args, kwargs
 
 
@@ -383,6 +385,7 @@ def _leave(
     if not guard.active:  # the pre-hook raised before entering
         return out
     guard.active = False
+    REGIONS[0] -= 1
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     pooled = frozenset(POOLED)
     POOLED.clear()

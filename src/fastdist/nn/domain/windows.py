@@ -38,6 +38,8 @@ from fastdist.ops import axis_index, halo_exchange
 __all__ = [
     "POOLED",
     "RAGGED",
+    "REGIONS",
+    "outside_region",
     "ragged_sizes",
     "ragged_mask",
     "zero_padding_rows",
@@ -58,6 +60,9 @@ Split = tuple[tuple[int, str], ...]
 #: the region running now (the style clears it where the region is entered)
 POOLED: set[str] = set()
 
+#: how many domain-parallel regions are running now (a layer of one runs only inside it)
+REGIONS: list[int] = [0]
+
 #: the uneven blocks of the region running now on simulated ranks: ``{dim from the end: each
 #: rank's rows at the field's resolution}`` (the style sets it where the region is entered)
 RAGGED: dict[int, tuple[int, ...]] = {}
@@ -72,6 +77,18 @@ def split_here(split: Split, nsp: int) -> list[tuple[int, int, str]]:
     """``(spatial index, dim from the end, axis)`` of the split dims among a layer's ``nsp``
     spatial dims (the others are in its batch: nothing to exchange)."""
     return [(nsp + d, d, axis) for d, axis in split if -d <= nsp]
+
+
+def outside_region(where: str) -> ParallelizeError:
+    """The error of a domain layer run outside its region: called directly, or recomputed by
+    activation checkpointing in the backward, it would treat a block as the whole or lose the
+    region's state (the ranks' rows, the functional guard)."""
+    return ParallelizeError(
+        f"domain parallel: {where} ran outside its DomainParallel region (called directly, or "
+        "recomputed by activation checkpointing in the backward), where it cannot know its "
+        "block. Fix: call the module the style was applied to, and no activation "
+        "checkpointing inside a domain-parallel region"
+    )
 
 
 def ragged_sizes(mesh: Mesh, axis: str, dim: int, rows: int, where: str) -> list[int] | None:
