@@ -5,6 +5,7 @@ ring and Ulysses, cp x tp; padding masks; the zig-zag layout; clear errors."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -478,3 +479,151 @@ def test_decoding_against_a_split_kv_cache_matches_one_device(
     torch.testing.assert_close(got, rep(want, mesh), **tolerance(family))
     held = 8 if cache else 8 // axes["cp"]  # gathered, or each rank's prompt tokens
     assert local.tolist() == [held + steps] * mesh.size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_that_sees_no_key_gives_finite_gradients(dtype: torch.dtype) -> None:
+    """A left-padding query sees no key (sum of exponentials 0): its output is 0 and, in float32
+    and bfloat16 too (where a tiny clamp of the sum underflows to 0), no gradient is NaN."""
+    from fastdist.nn.styles.causal_ring import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    i = torch.arange(4)[None]
+    valid = torch.tensor([[False, True, True, True]])  # token 0 is padding
+    out = attend(q, iter([(k, v, i, valid)]), i, 0.35, None, None)
+    assert out[:, 0].abs().max() == 0
+    out[:, 1:].float().sum().backward()  # a loss on the real tokens only
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_a_left_padded_float32_batch_has_one_devices_gradients(mode: str) -> None:
+    """float32, cp = 2, a left-padded row (its padding queries see no key): every gradient is
+    finite and equals one device's (a clamp underflowing to 0 made 17 of 29 NaN)."""
+    ref = tiny_models.build("llama", kv=2).float()
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"cp": 2})
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp", mode))
+    pm = fd.nn.parallelize(model, mesh, plan)
+    ids, _ = batch(5, S=8)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    real = mask.bool()
+    want = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    want[real].pow(2).mean().backward()
+    got = pm(input_ids=rep(ids, mesh), attention_mask=rep(mask, mesh), use_cache=False).logits
+    torch.stack([lg[real].pow(2).mean() for lg in got.unbind(0)]).sum().backward()
+    grads = pm.grads()
+    assert grads.keys() == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        assert bool(grads[name].isfinite().all()), name
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def _on_ranks(pm: Any, mesh: fd.Mesh, body: Any, *inputs: Tensor) -> Any:
+    """``body(call, cache, *inputs)`` on every simulated rank, decoding allowed, with one KV
+    cache (a cache object cannot leave a simulation) and ``call`` the model with ``params``."""
+    from transformers import DynamicCache
+
+    from fastdist.nn.styles import decoding
+
+    model = pm.module
+
+    def on_rank(params: dict[str, Tensor], *xs: Tensor) -> Any:
+        def call(**kw: Any) -> Any:
+            return torch.func.functional_call(model, params, (), {**kw, "use_cache": True})
+
+        with decoding(model), pm.direct_calls.bypass(), torch.no_grad():
+            return body(call, DynamicCache(config=model.config), *xs)
+
+    return fd.simulate(on_rank, mesh)(dict(model.named_parameters()), *(rep(x, mesh) for x in inputs))
+
+
+def _steps(call: Any, cache: Any, ids: Tensor, steps: int) -> Tensor:
+    """A prefill of ``ids`` then ``steps`` greedy steps into ``cache``: each step's last logits."""
+    out = call(input_ids=ids, past_key_values=cache)
+    logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        out = call(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=cache)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits)
+
+
+def test_a_reset_split_cache_reused_for_a_whole_prompt_matches_one_device() -> None:
+    """A cache a split prefill (8 tokens) left split, reset and reused for a 6-token prompt (which
+    runs whole): the decoding steps read it as the whole cache it now is, not as the old split
+    one (its mark was stale: max logit error 0.015). A cache changed outside the model between
+    calls (a layer cropped) is refused at the next call."""
+    from transformers import DynamicCache
+
+    ref = tiny_models.build("llama")
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"cp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel="cp"))
+    first, second = torch.tensor(PROMPT)[:1], torch.tensor([[2, 4, 6, 8, 10, 12]])
+    with torch.no_grad():
+        want = _steps(ref, DynamicCache(config=ref.config), second, 3)
+
+    def reuse(call: Any, cache: Any, a: Tensor, b: Tensor) -> Tensor:
+        _steps(call, cache, a, 2)
+        cache.reset()
+        return _steps(call, cache, b, 3)
+
+    got = _on_ranks(pm, mesh, reuse, first, second)
+    torch.testing.assert_close(got, rep(want, mesh), rtol=1e-9, atol=1e-10)
+
+    def edit(call: Any, cache: Any, a: Tensor) -> Tensor:
+        _steps(call, cache, a, 1)
+        cache.layers[1].crop(-1)  # outside the model: layer 1 now misses a key
+        cache.layers[0].crop(-1)
+        return _steps(call, cache, a[:, :1], 1)
+
+    with pytest.raises(ParallelizeError, match=r"holds 4 tokens on this rank, not the 5"):
+        _on_ranks(pm, mesh, edit, first)
+
+
+def test_cropping_a_split_cache_is_refused() -> None:
+    """Assisted generation rolls a cache back with ``crop``: a split cache (each rank its share of
+    the prompt) refuses it, naming cache="gathered"; crop(0) and a crop that empties the cache
+    (after which it takes a new prompt) pass."""
+    pm, mesh = _pm("llama", context_parallel="cp")
+    ids = torch.tensor(PROMPT)
+
+    def crop(k: int, call: Any, cache: Any, a: Tensor) -> Tensor:
+        _steps(call, cache, a, 2)
+        cache.crop(0)
+        cache.crop(k)
+        return _steps(call, cache, a, 1)
+
+    with pytest.raises(ParallelizeError, match=r'crop\(-1\) of a KV cache.*cache="gathered"'):
+        _on_ranks(pm, mesh, functools.partial(crop, -1), ids)
+    got = _on_ranks(pm, mesh, functools.partial(crop, -6), ids)  # 4 + 2 on each rank: emptied
+    assert got.shape == (2, 2, 2, VOCAB)
+
+
+def test_continuing_generate_from_a_split_cache_is_refused() -> None:
+    """transformers' generate continuing from a returned cache feeds the tokens past the cache's
+    ``get_seq_length()``, a split cache's rank-local count: it would feed again tokens the cache
+    holds. A call whose attention_mask does not cover the cache and its tokens exactly is
+    refused, naming cache="gathered"; the decoding steps that grow the mask by their tokens run."""
+    pm, mesh = _pm("llama", context_parallel="cp")
+    ids = torch.tensor(PROMPT)
+
+    def resume(call: Any, cache: Any, a: Tensor) -> Tensor:
+        mask = torch.ones(2, 8, dtype=torch.long)
+        out = call(input_ids=a, attention_mask=mask, past_key_values=cache)
+        seq = torch.cat([a, out.logits[:, -1:].argmax(-1)], 1)  # 9 tokens, the cache holds 8
+        for _ in range(2):  # decoding steps: the mask covers the cache and the new token
+            out = call(input_ids=seq[:, -1:], attention_mask=torch.ones_like(seq), past_key_values=cache)
+            seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], 1)
+        # generate(seq, past_key_values=cache) feeds seq[:, local:]: 11 - 6 tokens, 5 of them cached
+        local = cache.get_seq_length()
+        return call(
+            input_ids=seq[:, local:], attention_mask=torch.ones_like(seq), past_key_values=cache
+        ).logits
+
+    with pytest.raises(ParallelizeError, match=r'Continuing generate.*cache="gathered"'):
+        _on_ranks(pm, mesh, resume, ids)
