@@ -162,9 +162,7 @@ def test_pipeline_benchmark_smoke_run(tmp_path: Path) -> None:
     fastdist's step went on each rank (the parts add up to the step's wall time)."""
     proc = _run_quick("pipeline.py", "--out", str(tmp_path), "--profile")
     main_table = proc.stdout.split("\n\n")[0]  # the profile's table follows a blank line
-    rows = [
-        line for line in main_table.splitlines() if line.startswith("| ") and "---" not in line
-    ]
+    rows = [line for line in main_table.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + 4, proc.stdout  # header + one row per case
     assert "fastdist's step per rank, ms" in proc.stdout
     assert "not built yet" not in proc.stdout
