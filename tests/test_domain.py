@@ -593,3 +593,23 @@ def test_with_data_parallelism_on_gloo() -> None:
             assert torch.allclose(got["weights"][name], p, atol=TOL), name
         assert torch.allclose(got["running"][0], bn.running_mean, atol=1e-12)
         assert torch.allclose(got["running"][1], bn.running_var, atol=1e-12)
+
+
+def test_region_state_is_per_thread() -> None:
+    """The running region's state (depth, pooled axes, uneven blocks) is this thread's own: a
+    model running in another thread neither sees nor changes it."""
+    import threading
+
+    from fastdist.nn.domain.windows import region
+
+    mine = region()
+    mine.ragged[-2] = (3, 2)
+    seen: list[object] = []
+    t = threading.Thread(target=lambda: seen.append(region()))
+    t.start()
+    t.join()
+    try:
+        assert seen[0] is not mine and not seen[0].ragged  # type: ignore[attr-defined]
+        assert region() is mine
+    finally:
+        mine.ragged.clear()

@@ -23,10 +23,10 @@ from torch import Tensor
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.domain.windows import (
-    POOLED,
     Split,
     ragged_mask,
     ragged_sizes,
+    region,
     split_here,
     zero_padding_rows,
 )
@@ -99,5 +99,5 @@ def domain_adaptive_pool(
         y = pmax(y, mesh, axes)
     else:
         y = psum(y * math.prod(share for _, share in pooled), mesh, axes)
-    POOLED.update(axes)
+    region().pooled.update(axes)
     return pvary(y, mesh, axes)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.domain.windows import REGIONS, outside_region, ragged_mask
+from fastdist.nn.domain.windows import outside_region, ragged_mask, region
 from fastdist.ops import all_gather, all_gather_v, ring_shift
 
 __all__ = [
@@ -113,7 +113,7 @@ def run_attention(
     """An attention module's own ``forward`` on this rank's block ``[N, C, *spatial]``: its tokens
     are the last two spatial dims (H x W); a split dim before them (T of
     Wan's per-frame attention) is in its batch."""
-    if not REGIONS[0]:
+    if not region().depth:
         raise outside_region(where)
     x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
     cross = kwargs.get("encoder_hidden_states") is not None or (

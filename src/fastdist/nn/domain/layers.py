@@ -28,7 +28,6 @@ from fastdist.nn.domain.attention import (
 from fastdist.nn.domain.conv import conv_padding
 from fastdist.nn.domain.norms import domain_batch_norm, domain_group_norm
 from fastdist.nn.domain.windows import (
-    REGIONS,
     UPSAMPLE_HALO,
     Split,
     domain_conv,
@@ -36,6 +35,7 @@ from fastdist.nn.domain.windows import (
     domain_pool,
     domain_upsample,
     outside_region,
+    region,
 )
 
 __all__ = [
@@ -391,7 +391,7 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
 
 
 def _run(kind: str, site: Site, m: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
-    if not REGIONS[0]:
+    if not region().depth:
         raise outside_region(site.where)
     with inside_layer():
         return _FORWARDS[kind](site, m, *args, **kwargs)

@@ -40,13 +40,11 @@ from fastdist.nn.domain.layers import (
     layer_depth,
 )
 from fastdist.nn.domain.windows import (
-    POOLED,
-    RAGGED,
-    REGIONS,
     UPSAMPLE_HALO,
     Split,
     domain_upsample,
     ragged_sizes,
+    region,
 )
 from fastdist.nn.styles.base import Style, StyleContext
 from fastdist.ops import (
@@ -270,13 +268,14 @@ def _enter(
             f"DomainParallel on {where!r}: called without the field (no positional argument and "
             f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
         )
-    POOLED.clear()
-    RAGGED.clear()
+    state = region()
+    state.pooled.clear()
+    state.ragged.clear()
     if mesh.backend is None:
-        RAGGED.update(style.sizes)
+        state.ragged.update(style.sizes)
     guard.__enter__()  # type: ignore[no-untyped-call]
     guard.active = True
-    REGIONS[0] += 1
+    state.depth += 1
     return args, kwargs
 
 
@@ -385,16 +384,17 @@ def _leave(
     if not guard.active:  # the pre-hook raised before entering
         return out
     guard.active = False
-    REGIONS[0] -= 1
+    state = region()
+    state.depth -= 1
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-    pooled = frozenset(POOLED)
-    POOLED.clear()
+    pooled = frozenset(state.pooled)
+    state.pooled.clear()
     try:
         if style.output == "split":
             return out
         return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled)
     finally:
-        RAGGED.clear()
+        state.ragged.clear()
 
 
 def _gather_tree(
@@ -416,7 +416,7 @@ def _gather_tree(
                 out = all_gather_invariant(out, mesh, axis, dim)
                 continue
             if mesh.backend is None:
-                if d in RAGGED:
+                if d in region().ragged:
                     out = _gather_padded(out, mesh, axis, dim, "the region's output")
                 else:
                     out = all_gather_invariant(out, mesh, axis, dim)

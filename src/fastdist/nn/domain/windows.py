@@ -14,9 +14,9 @@ negative count: rows cropped from the block's end), which gives every rank ``row
 rows when ``D + 1 - s <= lo + hi <= D`` (the whole output is ``L / s`` rows long).
 
 Uneven blocks on simulated ranks (which share one shape): every rank's block is padded to the
-largest block's rows, and `RAGGED` holds each split dim's block sizes at the field's resolution
-while the region runs. At a layer whose input has ``m`` rows along a split dim (the largest
-block's rows at that layer's resolution, ``M`` at the field's), rank ``i`` holds
+largest block's rows, and `Region.ragged` holds each split dim's block sizes at the field's
+resolution while the region runs. At a layer whose input has ``m`` rows along a split dim
+(the largest block's rows at that layer's resolution, ``M`` at the field's), rank ``i`` holds
 ``sizes[i] * m / M`` valid rows first (`ragged_sizes`); the rows after them are padding, which
 the halo exchange skips (its ``sizes=``), the windowed layers zero in their output, and the norms,
 the adaptive pooling and the attention leave out (a mask of the valid rows, `ragged_mask`).
@@ -25,6 +25,8 @@ the adaptive pooling and the attention leave out (a mask of the valid rows, `rag
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,9 +38,8 @@ from fastdist.errors import ParallelizeError
 from fastdist.ops import axis_index, halo_exchange
 
 __all__ = [
-    "POOLED",
-    "RAGGED",
-    "REGIONS",
+    "Region",
+    "region",
     "outside_region",
     "ragged_sizes",
     "ragged_mask",
@@ -56,16 +57,36 @@ __all__ = [
 #: ``(dim counted from the end, mesh axis)`` for every split dim
 Split = tuple[tuple[int, str], ...]
 
-#: the split axes a global (adaptive) pooling has reduced to one row, the same on every rank, in
-#: the region running now (the style clears it where the region is entered)
-POOLED: set[str] = set()
 
-#: how many domain-parallel regions are running now (a layer of one runs only inside it)
-REGIONS: list[int] = [0]
+@dataclass
+class Region:
+    """The domain-parallel region running now in this thread (the style's hooks enter and
+    leave it around each call; nothing is shared between threads or models).
 
-#: the uneven blocks of the region running now on simulated ranks: ``{dim from the end: each
-#: rank's rows at the field's resolution}`` (the style sets it where the region is entered)
-RAGGED: dict[int, tuple[int, ...]] = {}
+    Attributes:
+        depth: how many regions are running now (a domain layer runs only inside one).
+        pooled: the split axes a global (adaptive) pooling has reduced to one row, the same on
+            every rank.
+        ragged: the uneven blocks on simulated ranks: ``{dim from the end: each rank's rows at
+            the field's resolution}``.
+    """
+
+    depth: int = 0
+    pooled: set[str] = field(default_factory=set)
+    ragged: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+_REGION: ContextVar[Region | None] = ContextVar("fastdist_domain_region", default=None)
+
+
+def region() -> Region:
+    """This thread's (this context's) `Region`, created at its first use."""
+    state = _REGION.get()
+    if state is None:
+        state = Region()
+        _REGION.set(state)
+    return state
+
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -95,8 +116,9 @@ def ragged_sizes(mesh: Mesh, axis: str, dim: int, rows: int, where: str) -> list
     """Each rank's valid rows along the split dim ``dim`` (from the end, over ``axis``) of a
     tensor padded to ``rows`` there, on simulated ranks with uneven blocks; ``None`` for even
     blocks, real ranks (each holds its own rows) and a global pooling's one row."""
-    base = RAGGED.get(dim)
-    if base is None or mesh.backend is not None or (axis in POOLED and rows == 1):
+    state = region()
+    base = state.ragged.get(dim)
+    if base is None or mesh.backend is not None or (axis in state.pooled and rows == 1):
         return None
     top = max(base)
     if any((b * rows) % top for b in base):
@@ -186,7 +208,7 @@ def exchange(
     cropped from the end), the domain's ends padded as ``mode`` pads; ``sizes``: each rank's
     valid rows (simulated uneven blocks: the halo follows them, then the padding rows)."""
     d = x.dim() + dim if dim < 0 else dim
-    if axis in POOLED and (before or after > 0) and x.shape[d] == 1:
+    if axis in region().pooled and (before or after > 0) and x.shape[d] == 1:
         raise ParallelizeError(
             f"domain parallel: a window reads a halo along {axis!r} of a field a global pooling "
             "reduced to one row (the same on every rank). Fix: end the domain-parallel region "
@@ -251,7 +273,7 @@ def domain_conv(
     if any(v for p in pads for v in p):
         x = F.pad(x, _flat_pad(pads), mode="constant" if mode == "zeros" else mode)
     y = _CONV[nsp](x, weight, bias, tuple(stride), 0, tuple(dilation), groups)
-    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
+    return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
 
 
 def domain_conv_transpose(
@@ -303,7 +325,7 @@ def domain_conv_transpose(
         y = y.narrow(y.dim() + d, start, rows)
     if bias is not None:
         y = y + bias.reshape(-1, *[1] * nsp)
-    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
+    return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
 
 
 def domain_pool(
@@ -348,7 +370,7 @@ def domain_pool(
         total = _avg(x, nsp, kernel, stride, pad, True, 1)
         inside = (~outside).to(x.dtype).expand(*[1] * (x.dim() - nsp), *x.shape[-nsp:])
         y = total / _avg(inside, nsp, kernel, stride, pad, True, 1).clamp(min=1)
-    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
+    return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
 
 
 def _avg(
@@ -403,4 +425,4 @@ def domain_upsample(
     y = F.interpolate(x, scale_factor=tuple(float(s) for s in scale), mode=mode, **extra)
     for d, start, rows in cuts:
         y = y.narrow(y.dim() + d, start, rows)
-    return zero_padding_rows(y, nsp, mesh, split, where) if RAGGED else y
+    return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
