@@ -430,7 +430,10 @@ def _greedy(call: Any, config: Any, ids: Tensor, steps: int) -> tuple[Tensor, Te
         nxt = logits[-1].argmax(-1, keepdim=True)  # (B, 1)
         out = call(input_ids=nxt, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
-    return torch.stack(logits), torch.tensor(cache.get_seq_length())
+    # the tokens the cache reports (a split one: on all ranks) and those it holds on this rank
+    return torch.stack(logits), torch.tensor(
+        [cache.get_seq_length(), type(cache).get_seq_length(cache)]
+    )
 
 
 SPLIT_CACHE_CASES = [
@@ -466,7 +469,7 @@ def test_decoding_against_a_split_kv_cache_matches_one_device(
     ids, steps = torch.tensor(PROMPT), 4
     with torch.no_grad():
         want, length = _greedy(ref, ref.config, ids, steps)
-    assert int(length) == 8 + steps
+    assert length.tolist() == [8 + steps] * 2
 
     def on_rank(params: dict[str, Tensor], prompt: Tensor) -> tuple[Tensor, Tensor]:
         def call(**kw: Any) -> Any:
@@ -478,7 +481,7 @@ def test_decoding_against_a_split_kv_cache_matches_one_device(
     got, local = fd.simulate(on_rank, mesh)(dict(model.named_parameters()), rep(ids, mesh))
     torch.testing.assert_close(got, rep(want, mesh), **tolerance(family))
     held = 8 if cache else 8 // axes["cp"]  # gathered, or each rank's prompt tokens
-    assert local.tolist() == [held + steps] * mesh.size
+    assert local.tolist() == [[8 + steps, held + steps]] * mesh.size
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -604,26 +607,35 @@ def test_cropping_a_split_cache_is_refused() -> None:
     assert got.shape == (2, 2, 2, VOCAB)
 
 
-def test_continuing_generate_from_a_split_cache_is_refused() -> None:
+def test_continuing_from_a_split_cache_feeds_the_right_tokens() -> None:
     """transformers' generate continuing from a returned cache feeds the tokens past the cache's
-    ``get_seq_length()``, a split cache's rank-local count: it would feed again tokens the cache
-    holds. A call whose attention_mask does not cover the cache and its tokens exactly is
-    refused, naming cache="gathered"; the decoding steps that grow the mask by their tokens run."""
-    pm, mesh = _pm("llama", context_parallel="cp")
+    ``get_seq_length()``: a split cache reports the tokens on all ranks (not this rank's share),
+    so the continuation's logits equal one device's. An attention_mask that does not cover the
+    cache and the call's tokens exactly is refused."""
+    from transformers import DynamicCache
+
+    ref = tiny_models.build("llama")
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"cp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel="cp"))
     ids = torch.tensor(PROMPT)
 
-    def resume(call: Any, cache: Any, a: Tensor) -> Tensor:
-        mask = torch.ones(2, 8, dtype=torch.long)
-        out = call(input_ids=a, attention_mask=mask, past_key_values=cache)
+    def resume(short: int, call: Any, cache: Any, a: Tensor) -> Tensor:
+        out = call(input_ids=a, attention_mask=torch.ones_like(a), past_key_values=cache)
         seq = torch.cat([a, out.logits[:, -1:].argmax(-1)], 1)  # 9 tokens, the cache holds 8
         for _ in range(2):  # decoding steps: the mask covers the cache and the new token
-            out = call(input_ids=seq[:, -1:], attention_mask=torch.ones_like(seq), past_key_values=cache)
+            mask = torch.ones_like(seq)
+            out = call(input_ids=seq[:, -1:], attention_mask=mask, past_key_values=cache)
             seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], 1)
-        # generate(seq, past_key_values=cache) feeds seq[:, local:]: 11 - 6 tokens, 5 of them cached
-        local = cache.get_seq_length()
-        return call(
-            input_ids=seq[:, local:], attention_mask=torch.ones_like(seq), past_key_values=cache
-        ).logits
+        seen = cache.get_seq_length()  # 10; 4 + 2 on each rank
+        mask = torch.ones_like(seq)[:, short:]
+        out = call(input_ids=seq[:, seen:], attention_mask=mask, past_key_values=cache)
+        return torch.cat([out.logits[:, -1], torch.full((2, 1), float(seen))], 1)
 
-    with pytest.raises(ParallelizeError, match=r'Continuing generate.*cache="gathered"'):
-        _on_ranks(pm, mesh, resume, ids)
+    with torch.no_grad():
+        want = resume(0, lambda **kw: ref(**kw, use_cache=True), DynamicCache(config=ref.config), ids)
+    assert want[0, -1] == 10
+    got = _on_ranks(pm, mesh, functools.partial(resume, 0), ids)
+    torch.testing.assert_close(got, rep(want, mesh), rtol=1e-9, atol=1e-10)
+    with pytest.raises(ParallelizeError, match=r"attention_mask of 10 .* must cover every"):
+        _on_ranks(pm, mesh, functools.partial(resume, 1), ids)

@@ -4,6 +4,8 @@ sliding-window families' caches gathered) equal one device; mixture-of-experts t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -85,3 +87,48 @@ def test_mixture_of_experts_context_parallel_on_gloo_equals_one_device(
         for name, g in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, **tol, msg=lambda m, n=name: n)
         assert torch.equal(got["greedy"], want["greedy"]), rank
+
+
+def _continue(generate: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens of `PROMPT`, then a second ``generate`` continuing from the returned cache
+    (``past_key_values=``): its tokens and its steps' logits."""
+    first = generate(
+        torch.tensor(PROMPT), max_new_tokens=3, do_sample=False, return_dict_in_generate=True
+    )
+    more = generate(
+        first.sequences,
+        past_key_values=first.past_key_values,
+        max_new_tokens=2,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    return more.sequences, torch.stack(more.logits)
+
+
+def continue_on_ranks(cache: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank of cp = 2 (ring): `_continue` through ParallelModel.generate."""
+    import fastdist as fd
+    from fastdist.nn.styles.context_llm import CausalContextParallel
+    from tests import tiny_models as tm
+
+    mesh = fd.connect(cp=2)
+    model = tm.build("llama")
+    cp = CausalContextParallel("cp", "ring", cache=cache)  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    return _continue(pm.generate)
+
+
+@pytest.mark.parametrize("cache", ["split", "gathered"])
+def test_continuing_generate_from_a_returned_cache_on_gloo(cache: str) -> None:
+    """transformers' generate continuing from a returned cache feeds the tokens past its
+    ``get_seq_length()``: a split cache (each rank its share of the prompt) reports the tokens
+    on all ranks, so the continuation's tokens and logits equal one device's (it fed cached
+    tokens again, at wrong positions, when the cache reported this rank's count); so do a
+    gathered cache's."""
+    from tests import tiny_models as tm
+
+    want_tokens, want_logits = _continue(tm.build("llama").generate)
+    for tokens, logits in run_on_gloo(continue_on_ranks, 2, cache, timeout=240):
+        assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-9, atol=1e-10)

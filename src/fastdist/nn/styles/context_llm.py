@@ -177,25 +177,37 @@ class SplitMark:
 
 
 def _cache_length(cache: Any) -> int:
-    """The token count a KV cache reports (0: none)."""
+    """The token count a KV cache holds on this rank (0: none): its class's ``get_seq_length``
+    (a split cache's own reports the count on all ranks, `_global_length`)."""
     if cache is None:
         return 0
-    length = cache.get_seq_length()
-    return int(length)
+    return int(type(cache).get_seq_length(cache))
 
 
-def _mark_split(cache: Any, prefill: int, local: int, axis: str) -> None:
-    """Mark ``cache`` as left split by a prefill of ``prefill`` tokens, and guard its ``crop``."""
+def _global_length(cache: Any, n: int, layer_idx: int = 0) -> int:
+    """``get_seq_length`` of a split cache: the tokens it holds on all ``n`` ranks (the prefill's
+    and every decoded one), which transformers' ``generate`` counts as the tokens seen (a
+    ``generate`` continuing from the cache feeds the tokens after them)."""
+    local = int(type(cache).get_seq_length(cache, layer_idx))
+    mark = cache.__dict__.get(SPLIT_CACHE)
+    return local if mark is None or not local else local + mark.prefill - mark.prefill // n
+
+
+def _mark_split(cache: Any, prefill: int, local: int, axis: str, n: int) -> None:
+    """Mark ``cache`` as left split by a prefill of ``prefill`` tokens over ``n`` ranks: its
+    ``get_seq_length`` reports the tokens on all ranks, its ``crop`` is guarded."""
     cache.__dict__[SPLIT_CACHE] = SplitMark(prefill, local)
     cache.__dict__["crop"] = functools.partial(_split_crop, cache, axis)
+    cache.__dict__["get_seq_length"] = functools.partial(_global_length, cache, n)
 
 
 def _unmark(cache: Any) -> None:
     """Drop a split mark (and the crop guard): the cache is empty, the next prefill starts anew."""
     d = getattr(cache, "__dict__", {})
     d.pop(SPLIT_CACHE, None)
-    if isinstance(d.get("crop"), functools.partial) and d["crop"].func is _split_crop:
-        del d["crop"]
+    for name, func in (("crop", _split_crop), ("get_seq_length", _global_length)):
+        if isinstance(d.get(name), functools.partial) and d[name].func is func:
+            del d[name]
 
 
 def _split_crop(cache: Any, axis: str, tokens_to_remove: int) -> None:
@@ -242,11 +254,10 @@ def _split_mark(state: ContextState, cache: Any, past: int, S: int, mask: Any) -
         raise ParallelizeError(
             f"context parallelism over {axis!r}: a call of {S} tokens with an attention_mask of "
             f"{mask.shape[1]} against a KV cache a split prefill of {mark.prefill} tokens left "
-            f"split, which with them holds {total} tokens on all ranks ({past} on this rank). "
-            "Continuing generate from a returned split cache (past_key_values=) is not built: "
-            "transformers counts the rank-local length as the tokens seen and feeds again "
-            'tokens the cache holds. Fix: CausalContextParallel(cache="gathered") (the cache '
-            "holds every token), or a new generate from the whole sequence without the cache"
+            f"split, which with them holds {total} tokens on all ranks ({past} on this rank): "
+            "the mask must cover every cached token and the call's. Fix: pass the whole "
+            f"sequence's mask ({total} columns), or, to feed tokens again or edit the cache, "
+            'CausalContextParallel(cache="gathered")'
         )
     return mark.prefill
 
@@ -371,7 +382,8 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     dynamic = ("DynamicLayer", "DynamicSlidingWindowLayer")
     if state.cache == "split" and layers and all(type(x).__name__ in dynamic for x in layers):
         # each rank keeps its tokens' keys and values; decoding steps attend over every shard
-        _mark_split(cache, out["last_hidden_state"].shape[1], _cache_length(cache), axis)
+        n = state.mesh.axis_size(axis)
+        _mark_split(cache, out["last_hidden_state"].shape[1], _cache_length(cache), axis, n)
         for layer in layers:
             if type(layer).__name__ == "DynamicSlidingWindowLayer":
                 # as its own update keeps: the rank's last window - 1 (its newest tokens: the
