@@ -542,7 +542,9 @@ def _on_ranks(pm: Any, mesh: fd.Mesh, body: Any, *inputs: Tensor) -> Any:
         with decoding(model), pm.direct_calls.bypass(), torch.no_grad():
             return body(call, DynamicCache(config=model.config), *xs)
 
-    return fd.simulate(on_rank, mesh)(dict(model.named_parameters()), *(rep(x, mesh) for x in inputs))
+    return fd.simulate(on_rank, mesh)(
+        dict(model.named_parameters()), *(rep(x, mesh) for x in inputs)
+    )
 
 
 def _steps(call: Any, cache: Any, ids: Tensor, steps: int) -> Tensor:
@@ -633,7 +635,9 @@ def test_continuing_from_a_split_cache_feeds_the_right_tokens() -> None:
         return torch.cat([out.logits[:, -1], torch.full((2, 1), float(seen))], 1)
 
     with torch.no_grad():
-        want = resume(0, lambda **kw: ref(**kw, use_cache=True), DynamicCache(config=ref.config), ids)
+        want = resume(
+            0, lambda **kw: ref(**kw, use_cache=True), DynamicCache(config=ref.config), ids
+        )
     assert want[0, -1] == 10
     got = _on_ranks(pm, mesh, functools.partial(resume, 0), ids)
     torch.testing.assert_close(got, rep(want, mesh), rtol=1e-9, atol=1e-10)
