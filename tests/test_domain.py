@@ -613,3 +613,51 @@ def test_region_state_is_per_thread() -> None:
         assert region() is mine
     finally:
         mine.ragged.clear()
+
+
+class Transforms(nn.Module):
+    """A convolution, then the model's own ``fn`` (an FFT, a roll, ...) on its output."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(self.conv(x))
+
+
+MIXING: list[tuple[Callable[[Tensor], Tensor], str | None]] = [
+    (lambda y: torch.fft.fftn(y, dim=(-2, -1)).real, "fftn over the split dim -2"),
+    (lambda y: torch.fft.fft2(y).real, "fft2 over the split dim -2"),
+    (lambda y: torch.fft.irfft2(torch.fft.rfft2(y)), "rfft2 over the split dim -2"),
+    (lambda y: torch.fft.fft(y, dim=2).imag, "fft over the split dim -2"),
+    (lambda y: torch.fft.fftn(y).real, "fftn over the split dim -2"),
+    (lambda y: torch.roll(y, 1, 2), "roll over the split dim -2"),
+    (lambda y: y.flip(-2), "flip over the split dim -2"),
+    (lambda y: y.cumsum(dim=-2), "cumsum over the split dim -2"),
+    (lambda y: torch.sort(y, dim=2).values, "sort over the split dim -2"),
+    # along dims that are not split: right on every rank's block, no error
+    (lambda y: torch.fft.fft(y).real + y.flip(-1) + torch.sort(y).values, None),
+    (lambda y: torch.fft.fftn(y, s=(4,)).real + y.cumsum(1), None),
+]
+
+
+@pytest.mark.parametrize(("fn", "match"), MIXING)
+def test_ops_that_mix_a_split_dim_raise_at_the_first_call(
+    fn: Callable[[Tensor], Tensor], match: str | None
+) -> None:
+    """An FFT, roll, flip, cumulative op or sort the model calls itself over a split dim raises
+    (each rank would transform its block as if it were the whole domain); over the dims that
+    are not split the model equals one device."""
+    torch.manual_seed(0)
+    net = Transforms(fn).double()
+    x = torch.randn(1, 2, 8, 4, dtype=F64)
+    want = net(x)
+    pm = fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    if match is None:
+        got = pm(x.expand(2, *x.shape))
+        torch.testing.assert_close(got[1], want, rtol=0, atol=1e-12)
+        return
+    with pytest.raises(fd.nn.ParallelizeError, match=match):
+        pm(x.expand(2, *x.shape))

@@ -475,6 +475,59 @@ _REDUCTIONS = {
 }
 
 
+def _fft_dims(default: tuple[int, ...] | None, at: int) -> Any:
+    """The dims an FFT call transforms: its ``dim`` (keyword or the ``at``-th positional after
+    the input), else the last ``len(s)`` dims when ``s`` is given, else ``default`` (``None``:
+    every dim)."""
+
+    def dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        dim = kwargs.get("dim", args[at] if len(args) > at else None)
+        if dim is not None:
+            return dim
+        s = kwargs.get("s", args[0] if args and at == 1 else None)
+        if s is not None and default is None:
+            return tuple(range(-len(s), 0))
+        return range(x.dim()) if default is None else default
+
+    return dims
+
+
+def _arg_dims(name: str, at: int, default: Any) -> Any:
+    """The dims of an op that takes them as ``name`` (keyword, or the ``at``-th positional
+    after the input), else ``default`` (``None``: every dim)."""
+
+    def dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        dim = kwargs.get(name, args[at] if len(args) > at else None)
+        return (range(x.dim()) if default is None else default) if dim is None else dim
+
+    return dims
+
+
+#: ops that mix values along their dims (each output row reads every input row, or another
+#: row): over a split dim they act on this rank's block as if it were the whole domain
+_MIXING: dict[Any, Any] = {
+    **{getattr(torch.fft, n): _fft_dims((-1,), 1) for n in ("fft", "ifft", "rfft", "irfft")},
+    **{getattr(torch.fft, n): _fft_dims((-1,), 1) for n in ("hfft", "ihfft")},
+    **{getattr(torch.fft, n): _fft_dims((-2, -1), 1) for n in ("fft2", "ifft2", "rfft2")},
+    **{getattr(torch.fft, n): _fft_dims((-2, -1), 1) for n in ("irfft2", "hfft2", "ihfft2")},
+    **{getattr(torch.fft, n): _fft_dims(None, 1) for n in ("fftn", "ifftn", "rfftn", "irfftn")},
+    **{getattr(torch.fft, n): _fft_dims(None, 1) for n in ("hfftn", "ihfftn")},
+    **{getattr(torch.fft, n): _fft_dims(None, 0) for n in ("fftshift", "ifftshift")},
+    **{f: _arg_dims("dims", 1, None) for f in (torch.roll, Tensor.roll)},
+    **{f: _arg_dims("dims", 0, None) for f in (torch.flip, Tensor.flip)},
+    **{
+        f: _arg_dims("dim", 0, None)
+        for name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")
+        for f in (getattr(torch, name), getattr(Tensor, name))
+    },
+    **{
+        f: _arg_dims("dim", 0, (-1,))
+        for name in ("sort", "argsort")
+        for f in (getattr(torch, name), getattr(Tensor, name))
+    },
+}
+
+
 class _Guard(TorchFunctionMode):
     """While a domain-parallel module runs: functional calls of the model's own code (between
     the style's layers) that would act on this rank's block as if it were the whole domain
@@ -499,6 +552,8 @@ class _Guard(TorchFunctionMode):
                 self._check_pad(*args, **kwargs)
             elif func in _REDUCTIONS:
                 self._check_reduction(func, *args, **kwargs)
+            elif func in _MIXING:
+                self._check_mixing(func, *args, **kwargs)
             elif func in _REFUSED:
                 raise ParallelizeError(
                     f"DomainParallel on {self.where!r}: the model calls {func.__name__} itself, "
@@ -524,6 +579,24 @@ class _Guard(TorchFunctionMode):
                 f"{tuple(x.shape)} over the split dim {hit[0]} itself ({func.__name__}): this "
                 "rank's block only, where one device reduces the whole domain. Fix: a module the "
                 "style runs (GroupNorm, a pooling), or end the domain-parallel region before it"
+            )
+
+    def _check_mixing(self, func: Any, x: Any = None, *args: Any, **kwargs: Any) -> None:
+        """An FFT, roll, flip, cumulative op or sort over a split dim of the field: each rank
+        would transform its own block as if it were the whole domain."""
+        if not isinstance(x, Tensor):
+            return
+        dims = _MIXING[func](x, args, kwargs)
+        dims = [dims] if isinstance(dims, int) else dims
+        spanned = {int(r) % max(x.dim(), 1) for r in dims}
+        hit = [d for d, _ in self.split if x.dim() >= 2 - d and x.dim() + d in spanned]
+        if hit:
+            raise ParallelizeError(
+                f"DomainParallel on {self.where!r}: the model calls {func.__name__} over the "
+                f"split dim {hit[0]} of a tensor of shape {tuple(x.shape)} itself: each rank "
+                "would transform its own block as if it were the whole domain (an FFT, a roll, "
+                "a flip, a cumulative op or a sort mixes every row of that dim). Fix: end the "
+                "domain-parallel region before it, or do not split that dim"
             )
 
     def _check_pad(self, x: Tensor, pad: Any, *args: Any, **kwargs: Any) -> None:
