@@ -67,13 +67,10 @@ class AttentionCall:
     valid: Tensor | None = None
 
 
-#: the attention modules running now (innermost last)
-_CALLS: list[AttentionCall] = []
-
-
 def current_attention() -> AttentionCall | None:
     """The innermost attention module running now, or ``None``."""
-    return _CALLS[-1] if _CALLS else None
+    calls = region().attention
+    return calls[-1] if calls else None
 
 
 def is_spatial_attention(m: nn.Module) -> bool:
@@ -88,11 +85,12 @@ def is_spatial_attention(m: nn.Module) -> bool:
 @contextmanager
 def attention_call(call: AttentionCall) -> Iterator[AttentionCall]:
     """Mark ``call`` running; raise after it if it attended without the gathered keys."""
-    _CALLS.append(call)
+    calls = region().attention
+    calls.append(call)
     try:
         yield call
     finally:
-        _CALLS.pop()
+        calls.pop()
     if call.hits == 0:
         raise ParallelizeError(
             f"domain parallel: {call.where} ran no F.scaled_dot_product_attention, so the style "

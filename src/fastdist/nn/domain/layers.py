@@ -68,24 +68,21 @@ _LOCAL = (
     nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle,
 )  # fmt: skip
 
-#: the nesting depth of domain layers running now (their own F.pad / F.interpolate calls are
-#: not checked by the functional guard)
-_DEPTH = [0]
-
 
 def layer_depth() -> int:
     """How many domain layers are running now (0: model code between them)."""
-    return _DEPTH[0]
+    return region().layers
 
 
 @contextmanager
 def inside_layer() -> Iterator[None]:
     """Inside a domain layer: its functional calls are its own, not the model's."""
-    _DEPTH[0] += 1
+    state = region()
+    state.layers += 1
     try:
         yield
     finally:
-        _DEPTH[0] -= 1
+        state.layers -= 1
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,16 @@ class Region:
             every rank.
         ragged: the uneven blocks on simulated ranks: ``{dim from the end: each rank's rows at
             the field's resolution}``.
+        layers: the nesting depth of domain layers running now (their own ``F.pad`` /
+            ``F.interpolate`` calls are not checked by the functional guard).
+        attention: the attention modules running now (``AttentionCall``, innermost last).
     """
 
     depth: int = 0
     pooled: set[str] = field(default_factory=set)
     ragged: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    layers: int = 0
+    attention: list[Any] = field(default_factory=list)
 
 
 _REGION: ContextVar[Region | None] = ContextVar("fastdist_domain_region", default=None)
