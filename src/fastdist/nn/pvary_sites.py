@@ -21,14 +21,15 @@ the module exact:
 
 Two shortcuts, each taken only where it gives the same result:
 
-* a forward that records no graph (``torch.no_grad()``, inference mode) on real ranks, or on
-  simulated ranks outside a replication check, skips the hooks' work (``pvary``'s forward is the
-  identity: only its backward does anything);
+* a forward that records no graph (``torch.no_grad()``, inference mode) outside a replication
+  check (``fastdist.spmd``, which reads every ``pvary``) skips the hooks' work (``pvary``'s
+  forward is the identity: only its backward does anything);
 * on real ranks, the gradient sums are bucketed (`fastdist.nn.grad_buckets`): a leaf parameter
   is ``deferred_pvary``'d, its partial gradient kept and summed with the others' in a few flat
   collectives at the end of the backward, instead of one ``psum`` per parameter. Not under
-  ``torch.compile``, and never once DDP or FSDP2 has been seen in this process (they read the
-  gradient during the backward); `fastdist.nn.grad_buckets` lists the checks its backward does.
+  ``torch.compile`` or a replication check, and never once DDP or FSDP2 has been seen in this
+  process (they read the gradient during the backward); `fastdist.nn.grad_buckets` lists the
+  checks its backward does.
   ``PvarySites(..., bucket=False)`` keeps one ``psum`` per parameter everywhere.
 """
 
