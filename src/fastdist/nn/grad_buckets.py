@@ -18,7 +18,8 @@ per-parameter ``psum`` returned to autograd, when:
 * the parameter has hooks that read its gradient during backward (``register_hook``,
   ``register_post_accumulate_grad_hook``: fastdist's ``DataParallel``).
 
-The caller (`fastdist.nn.pvary_sites`) uses it only on real ranks, outside ``torch.compile``,
+The caller (`fastdist.nn.pvary_sites`) uses it only on real ranks, outside ``torch.compile`` and
+replication checks,
 on leaf parameters, and never once DDP or FSDP2 has been seen (their C++ / module hooks read the
 gradient before the end of backward). Every kept partial of one backward is summed in the
 order the forward applied `deferred_pvary` (the same program on every rank: the same order).
