@@ -660,6 +660,24 @@ def test_dropout_in_training_mode_is_refused_as_on_a_parallel_model() -> None:
     assert all(m.training for pm in pipe.train().stages.values() for m in pm.module.modules())
 
 
+def test_plans_the_stages_cannot_apply_are_refused() -> None:
+    """A context-parallel plan (its style splits the tokens where they enter the whole model,
+    which no stage runs: the loss was silently off by 5e-4 in float64) and a pattern matching no
+    module (each stage dropped it) raise at build time, naming the fix; the model is untouched."""
+    model = llama(4)
+    plan = fd.nn.plans.plan(model, fd.Mesh({"cp": 2}), context_parallel="cp")
+    with pytest.raises(PipelineError, match="CausalContextParallel.*Fix: pipeline with tensor"):
+        fd.train.pipeline(model, fd.Mesh({"pp": 2, "cp": 2}), plan=plan)
+    plan = {
+        **fd.nn.plans.plan(model, fd.Mesh({"tp": 2})),
+        "model.nothing.*": fd.nn.ColwiseParallel(),
+    }
+    with pytest.raises(PipelineError, match=r"\['model.nothing.\*'\] match no module"):
+        fd.train.pipeline(model, fd.Mesh({"pp": 2, "tp": 2}), plan=plan)
+    ids, _ = make_batch(1)
+    model(input_ids=ids)  # not taken apart
+
+
 def test_the_model_given_to_pipeline_refuses_calls() -> None:
     """Its layers belong to the stages now (parallelized in place): calling it raises, naming
     the fix (and the optimizer rule)."""

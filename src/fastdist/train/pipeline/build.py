@@ -10,6 +10,8 @@ from torch import nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
+from fastdist.nn.styles.context import ContextParallel
+from fastdist.nn.styles.context_llm import CausalContextParallel
 from fastdist.train.pipeline.hf import install as install_save_pretrained
 from fastdist.train.pipeline.runtime import Pipeline
 from fastdist.train.pipeline.split import (
@@ -90,6 +92,7 @@ def pipeline(
             f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
         )
     _refuse_dit(model)
+    _refuse_context_parallel(plan)
     pp = mesh.shape[axis]
     if isinstance(schedule, Schedule):
         sched = schedule
@@ -117,6 +120,7 @@ def pipeline(
             if "tp" in stage_mesh.axis_names
             else {}
         )
+    _refuse_unmatched(plan, model)
     tied = tied_across_stages(model, fam, len(ranges))
     modules = split_model(model, fam, ranges, keep)
     retire(model)
@@ -159,6 +163,37 @@ def _refuse_dit(model: nn.Module) -> None:
             "fastdist.nn.plans.dit_tp.wan_tp for heads over 'tp' too) with "
             "fastdist.train.DataParallel over 'dp'"
         )
+
+
+def _refuse_unmatched(plan: Mapping[str, Any], model: nn.Module) -> None:
+    """Refuse plan patterns that match no module of the whole model (each stage applies the
+    entries that match its own modules, so a typo would be dropped by every stage)."""
+    from fastdist.nn.parallelize import pattern_matches
+
+    names = [n for n, _ in model.named_modules()]
+    unmatched = [p for p in plan if not any(pattern_matches(p, n) for n in names)]
+    if unmatched:
+        raise PipelineError(
+            f"pipeline: plan patterns {unmatched} match no module of {type(model).__name__}. "
+            f"Fix: check the names in model.named_modules(), e.g. {names[1:5]}"
+        )
+
+
+def _refuse_context_parallel(plan: Mapping[str, Any] | None) -> None:
+    """Refuse a context-parallel plan: its style splits the tokens where they enter the whole
+    model (and gathers them where they leave), which no stage runs; applied to the stages' layers
+    alone, the tokens would never be split and the loss silently differ from one device's."""
+    for pattern, styles in (plan or {}).items():
+        for style in styles if isinstance(styles, (list, tuple)) else (styles,):
+            if isinstance(style, (CausalContextParallel, ContextParallel)):
+                raise PipelineError(
+                    f"pipeline: the plan's {pattern!r} entry is {type(style).__name__} (context "
+                    "parallelism): it splits the tokens where they enter the whole model, which "
+                    "pipeline stages do not run, so the stages would compute a wrong loss. "
+                    "Context parallelism inside pipeline stages is not built. Fix: pipeline "
+                    "with tensor / data parallelism (sequence_parallel=True for Megatron's "
+                    "token split), or context parallelism without a pipeline"
+                )
 
 
 def _check_tied_layouts(first: Any, last: Any, tied: Mapping[str, str]) -> None:
