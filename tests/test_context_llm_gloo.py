@@ -132,3 +132,41 @@ def test_continuing_generate_from_a_returned_cache_on_gloo(cache: str) -> None:
     for tokens, logits in run_on_gloo(continue_on_ranks, 2, cache, timeout=240):
         assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
         torch.testing.assert_close(logits, want_logits, rtol=1e-9, atol=1e-10)
+
+
+#: 6 tokens whose last bigram repeats: prompt lookup proposes 2 candidates, the first target
+#: forward runs 8 tokens (split over cp = 2) and rejects them (a crop of the cache)
+LOOKUP = [[3, 5, 7, 3, 5, 7]]
+
+
+def assisted_on_ranks(cache: str) -> torch.Tensor | str:
+    """One rank of cp = 2 (ring): prompt-lookup generation of `LOOKUP`; the tokens, or the
+    error that refused it."""
+    import fastdist as fd
+    from fastdist.errors import ParallelizeError
+    from fastdist.nn.styles.context_llm import CausalContextParallel
+    from tests import tiny_models as tm
+
+    mesh = fd.connect(cp=2)
+    model = tm.build("llama")
+    cp = CausalContextParallel("cp", "ring", cache=cache)  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    try:
+        return pm.generate(
+            torch.tensor(LOOKUP), prompt_lookup_num_tokens=2, max_new_tokens=6, do_sample=False
+        )
+    except ParallelizeError as e:
+        return str(e)
+
+
+def test_assisted_generation_refuses_a_split_cache_on_gloo() -> None:
+    """Prompt-lookup generation rolls rejected candidates back with the cache's ``crop``: a split
+    cache (its prefill of prompt and candidates split over the ranks) refuses it on every rank,
+    naming cache="gathered"; with cache="gathered" the tokens equal one device's greedy ones."""
+    from tests import tiny_models as tm
+
+    want = tm.build("llama").generate(torch.tensor(LOOKUP), max_new_tokens=6, do_sample=False)
+    for got in run_on_gloo(assisted_on_ranks, 2, "split", timeout=240):
+        assert isinstance(got, str) and "crop(-2)" in got and 'cache="gathered"' in got, got
+    for got in run_on_gloo(assisted_on_ranks, 2, "gathered", timeout=240):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), (got, want)
