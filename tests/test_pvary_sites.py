@@ -164,3 +164,23 @@ def test_no_grad_forward_skips_the_hooks_on_simulated_ranks() -> None:
     ref = _TwoNorms()
     torch.testing.assert_close(out, torch.stack([ref(x) for x in xs]).detach())
     assert calls.count("pvary") == 8  # the graph-recording forward only (norm2 called twice)
+
+
+def test_pending_sums_are_per_backward_and_a_thread_drops_only_its_own() -> None:
+    """Kept partial gradients belong to one backward (graph task): a forward that finds stale
+    entries (a backward of this thread raised) drops those only, never another thread's running
+    backward's."""
+    import threading
+
+    from fastdist.nn.grad_buckets import PendingSums
+
+    pending = PendingSums()
+    other = threading.Thread(target=lambda: None)
+    other.start()
+    other.join()
+    pending.tasks = {1: {10: [0]}, 2: {20: [1]}}
+    pending.threads = {1: threading.get_ident(), 2: other.ident or -1}
+    assert pending.stale() and pending.pending() == 2
+    pending.drop()
+    assert list(pending.tasks) == [2] and not pending.stale()
+    assert pending.take(2) == [[1]] and pending.take(2) == []

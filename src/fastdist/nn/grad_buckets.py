@@ -27,6 +27,7 @@ order the forward applied `deferred_pvary` (the same program on every rank: the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Sequence
@@ -38,16 +39,75 @@ from torch import Tensor
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.ops import psum
 
-__all__ = ["BUCKET_BYTES", "deferred_pvary", "pending_sums", "drop_pending"]
+__all__ = ["BUCKET_BYTES", "PENDING", "PendingSums", "deferred_pvary"]
 
 #: the largest flat buffer one collective sums (DDP's default bucket_cap_mb is 25)
 BUCKET_BYTES = 25 * 1024 * 1024
 
-_ORDER = itertools.count()
-_LOCK = threading.Lock()
-# id(parameter) -> [order, parameter, mesh, axes, summed-so-far partial gradient]
-_PENDING: dict[int, list[Any]] = {}
-_QUEUED = [False]
+
+class PendingSums:
+    """The partial gradients kept for the end of each running backward (`PENDING`).
+
+    Process-wide, as the autograd engine is; each backward (graph task) has its own entries and
+    its own end-of-backward callback, so two backwards running at once (two threads, two models)
+    never sum or flush each other's. ``engine_seen``: DDP or FSDP2 was seen in this process
+    (their hooks read gradients during the backward: no deferring from then on).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.order = itertools.count()
+        #: graph task id -> id(parameter) -> [order, parameter, mesh, axes, partial gradient]
+        self.tasks: dict[int, dict[int, list[Any]]] = {}
+        #: graph task id -> the thread its backward kept partials on
+        self.threads: dict[int, int] = {}
+        self.engine_seen = False
+
+    def keep(self, task: int, order: int, p: Tensor, mesh: Mesh, axes: Any, g: Tensor) -> None:
+        """Keep ``p``'s partial ``g`` for the end of backward ``task`` (added to an earlier
+        partial of the same parameter), queuing the task's flush at its first entry."""
+        with self.lock:
+            entries = self.tasks.get(task)
+            if entries is None:
+                entries = self.tasks[task] = {}
+                self.threads[task] = threading.get_ident()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(_flush, self, task)
+                )
+            kept = entries.get(id(p))
+            if kept is None:
+                entries[id(p)] = [order, p, mesh, axes, g]
+            else:  # the parameter used again in the same forward: its partials add up
+                kept[4] = kept[4] + g
+
+    def take(self, task: int) -> list[Any]:
+        """The task's kept entries, in forward order, forgotten here."""
+        with self.lock:
+            self.threads.pop(task, None)
+            return sorted(self.tasks.pop(task, {}).values(), key=lambda e: e[0])
+
+    def pending(self) -> int:
+        """How many parameters' partial gradients wait for the end of a backward."""
+        return sum(len(e) for e in self.tasks.values())
+
+    def stale(self) -> bool:
+        """Whether partials kept on this thread wait (a forward outside any backward sees only
+        those of a backward that raised: this thread's backwards have ended)."""
+        me = threading.get_ident()
+        return any(t == me for t in self.threads.values())
+
+    def drop(self) -> None:
+        """Forget the partial gradients this thread's backwards left when they raised (their
+        end-of-backward callback never ran); other threads' running backwards keep theirs."""
+        me = threading.get_ident()
+        with self.lock:
+            for task in [k for k, t in self.threads.items() if t == me]:
+                self.threads.pop(task)
+                self.tasks.pop(task, None)
+
+
+#: the one registry of kept partial gradients (the autograd engine is process-wide)
+PENDING = PendingSums()
 
 
 def deferred_pvary(p: Tensor, mesh: Mesh, axes: Sequence[str]) -> Tensor:
@@ -62,20 +122,7 @@ def deferred_pvary(p: Tensor, mesh: Mesh, axes: Sequence[str]) -> Tensor:
     >>> p.grad
     tensor([1., 1.])
     """
-    return _Deferred.apply(p, mesh, tuple(axes), next(_ORDER))  # type: ignore[no-untyped-call,no-any-return]
-
-
-def pending_sums() -> int:
-    """How many parameters' partial gradients wait for the end of the current backward."""
-    return len(_PENDING)
-
-
-def drop_pending() -> None:
-    """Forget partial gradients left by a backward that raised (its end-of-backward callback
-    never ran); called when a new forward starts outside any backward."""
-    with _LOCK:
-        _PENDING.clear()
-        _QUEUED[0] = False
+    return _Deferred.apply(p, mesh, tuple(axes), next(PENDING.order))  # type: ignore[no-untyped-call,no-any-return]
 
 
 class _Deferred(torch.autograd.Function):
@@ -91,15 +138,8 @@ class _Deferred(torch.autograd.Function):
             for axis in ctx.axes:  # pvary's own backward, per parameter
                 g = psum(g, ctx.mesh, axis)
             return g, None, None, None
-        with _LOCK:
-            kept = _PENDING.get(id(p))
-            if kept is None:
-                _PENDING[id(p)] = [ctx.order, p, ctx.mesh, ctx.axes, g]
-            else:  # the parameter used again in the same forward: its partials add up
-                kept[4] = kept[4] + g
-            if not _QUEUED[0]:
-                _QUEUED[0] = True
-                torch.autograd.Variable._execution_engine.queue_callback(_flush)
+        task = torch._C._current_graph_task_id()
+        PENDING.keep(task, ctx.order, p, ctx.mesh, ctx.axes, g)
         return None, None, None, None
 
 
@@ -119,12 +159,9 @@ def _accumulates(p: Tensor) -> bool:
         return False
 
 
-def _flush() -> None:
-    """End of backward: sum the kept partial gradients, bucketed, and add them into ``.grad``."""
-    with _LOCK:
-        kept = sorted(_PENDING.values(), key=lambda e: e[0])
-        _PENDING.clear()
-        _QUEUED[0] = False
+def _flush(pending: PendingSums, task: int) -> None:
+    """End of backward ``task``: sum its kept partial gradients, bucketed, into ``.grad``."""
+    kept = pending.take(task)
     groups: dict[tuple[int, tuple[str, ...], torch.dtype, torch.device], list[Any]] = {}
     for e in kept:
         groups.setdefault((id(e[2]), e[3], e[4].dtype, e[4].device), []).append(e)

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from fastdist.core.context import check_of, is_real
 from fastdist.core.mesh import Mesh
-from fastdist.nn.grad_buckets import deferred_pvary, drop_pending, pending_sums
+from fastdist.nn.grad_buckets import PENDING, deferred_pvary
 from fastdist.ops import pvary
 
 __all__ = ["PvarySites"]
@@ -101,13 +101,10 @@ def _hooks(
     return functools.partial(_swap_in, mesh, names, bucket), functools.partial(_put_back, names)
 
 
-#: set once DDP or FSDP2 is seen: their hooks read gradients during backward, no deferring since
-_ENGINE_SEEN = [False]
-
-
 def _torch_engine_active() -> bool:
-    """DDP's forward is running, or FSDP2 / a composable API manages some module."""
-    if _ENGINE_SEEN[0]:
+    """DDP's forward is running, or FSDP2 / a composable API manages some module (remembered:
+    a reentrant checkpoint's recomputation runs outside DDP's forward)."""
+    if PENDING.engine_seen:
         return True
     from torch.distributed import _composable_state as composable
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -115,7 +112,7 @@ def _torch_engine_active() -> bool:
     seen = getattr(DDP, "_active_ddp_module", None) is not None or bool(
         getattr(composable, "_module_state_mapping", None)
     )
-    _ENGINE_SEEN[0] = seen
+    PENDING.engine_seen = seen
     return seen
 
 
@@ -135,8 +132,8 @@ def _swap_in(
     if not torch.is_grad_enabled() and not checking:
         return  # no graph: pvary's forward is the identity (_put_back finds nothing kept)
     defer = bucket and real and not engine and not checking and not torch.compiler.is_compiling()
-    if defer and pending_sums() and torch._C._current_graph_task_id() == -1:
-        drop_pending()  # left by a backward that raised before its end
+    if defer and PENDING.tasks and torch._C._current_graph_task_id() == -1 and PENDING.stale():
+        PENDING.drop()  # left by a backward that raised before its end
     kept: dict[str, Tensor | None] = {}
     for name, axes in names:
         p = m._parameters[name]
