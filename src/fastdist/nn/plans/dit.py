@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from torch import nn
 
@@ -213,6 +213,14 @@ def _config_refusal(model: nn.Module, key: str, why: str) -> str | None:
     )
 
 
+class PlanOptions(TypedDict, total=False):
+    """The keyword options of every ready DiT plan (`family_plan`'s; each has its default)."""
+
+    axis: str
+    mode: Mode
+    ring_axis: str | None
+
+
 def family_plan(
     family: str | DitFamily,
     model: Any = None,
@@ -255,14 +263,7 @@ def family_plan(
     return {"": ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis, **fam.fields)}
 
 
-def wan(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def wan(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``WanTransformer3DModel``: its tokens split over
     ``axis`` (and ``ring_axis``), self-attention as Ulysses, ring or USP, the rotary embedding
     cut to each rank's positions, cross-attention to the replicated text states local, gathered
@@ -276,17 +277,10 @@ output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 
 single_blocks=None, joined=(), text=None, rotary_dim=1, rotary_outputs=None, rotary_arg=None, \
 text_input=None, key_mask=None, single_joint=())}
     """
-    return family_plan("wan", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("wan", model, mesh, **options)
 
 
-def ltx_video(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def ltx_video(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``LTXVideoTransformer3DModel`` (LTX-Video): its
     tokens (it takes them patchified, ``(batch, tokens, channels)``) split at the first of its
     ``transformer_blocks``; ``attn1`` as Ulysses, ring or USP with the rotary embedding cut to
@@ -297,17 +291,10 @@ def ltx_video(
     >>> fd.nn.plans.ltx_video(mode="ring")[""].blocks
     'transformer_blocks'
     """
-    return family_plan("ltx_video", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("ltx_video", model, mesh, **options)
 
 
-def sd3(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def sd3(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``SD3Transformer2DModel`` (Stable Diffusion 3 /
     3.5, an MM-DiT): its image tokens split at the first of its ``transformer_blocks``; the text
     tokens (``context_embedder``'s output) replicated on every rank. Each block's joint
@@ -326,17 +313,10 @@ def sd3(
     >>> fd.nn.plans.sd3(mode="ring")[""].joint
     ('attn',)
     """
-    return family_plan("sd3", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("sd3", model, mesh, **options)
 
 
-def flux(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def flux(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``FluxTransformer2DModel`` (FLUX.1, an MM-DiT
     with double- and single-stream blocks): its image tokens (packed, ``(batch, tokens,
     channels)``) split at the first of its ``transformer_blocks``; the text tokens replicated.
@@ -350,17 +330,10 @@ def flux(
     >>> fd.nn.plans.flux()[""].joined
     ('attn',)
     """
-    return family_plan("flux", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("flux", model, mesh, **options)
 
 
-def cogvideox(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def cogvideox(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``CogVideoXTransformer3DModel`` (CogVideoX 1.0 /
     1.5): its video tokens split at the first of its ``transformer_blocks``; the text tokens
     (the first rows of ``patch_embed``'s output) replicated on every rank, ``pvary``'d where
@@ -378,17 +351,10 @@ def cogvideox(
     >>> fd.nn.plans.cogvideox()[""].rotary_arg
     'image_rotary_emb'
     """
-    return family_plan("cogvideox", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("cogvideox", model, mesh, **options)
 
 
-def qwen_image(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def qwen_image(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``QwenImageTransformer2DModel`` (Qwen-Image, an
     MM-DiT of double-stream blocks): its image tokens (packed, ``(batch, tokens, channels)``)
     split at the first of its ``transformer_blocks``; the text tokens (``txt_in``'s output)
@@ -401,17 +367,10 @@ def qwen_image(
     >>> fd.nn.plans.qwen_image()[""].rotary_outputs
     (0,)
     """
-    return family_plan("qwen_image", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("qwen_image", model, mesh, **options)
 
 
-def flux2(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
-) -> Plan:
+def flux2(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``Flux2Transformer2DModel`` (FLUX.2): as `flux`
     (double-stream joint attentions, single-stream blocks on ``[text; the rank's image rows]``,
     text replicated), with Flux 2's module names; its rotary tables of ``[text; image]`` are
@@ -425,16 +384,11 @@ def flux2(
     >>> fd.nn.plans.flux2()[""].single_blocks
     'single_transformer_blocks'
     """
-    return family_plan("flux2", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("flux2", model, mesh, **options)
 
 
 def hunyuan_video(
-    model: Any = None,
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "sp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
+    model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]
 ) -> Plan:
     """The context-parallel plan of a diffusers ``HunyuanVideoTransformer3DModel``
     (HunyuanVideo text-to-video): its video tokens split at the first of its
@@ -452,7 +406,7 @@ def hunyuan_video(
     >>> fd.nn.plans.hunyuan_video()[""].key_mask
     'attention_mask'
     """
-    return family_plan("hunyuan_video", model, mesh, axis=axis, mode=mode, ring_axis=ring_axis)
+    return family_plan("hunyuan_video", model, mesh, **options)
 
 
 #: diffusers model class name -> its ready plan function
