@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -488,61 +488,16 @@ class Pipeline:
         s, me, ranks = self.schedule, self.rank, self._ranks
         last = s.stages - 1
         device = next(self.parameters()).device
-        inputs: dict[tuple[int, int], Tensor] = {}
-        outputs: dict[tuple[int, int], Tensor] = {}
-        local: dict[tuple[str, int, int], Tensor] = {}  # transfers between stages on this rank
         left_b = {j: s.microbatches for j in s.stages_of(me)}
-        loss = torch.zeros((), dtype=torch.float64, device=device)
+        st = _Step(micro, device, left_b, loss=torch.zeros((), dtype=torch.float64, device=device))
         acts = s.actions[me]
         t0 = time.perf_counter()
         try:
             self._post_next(acts, -1, device)  # the first action's input
             for i, a in enumerate(acts):
-                j, m = a.stage, a.microbatch
-                if a.kind == "F":
-                    x = None
-                    if j > 0:
-                        src = s.rank_of(j - 1)
-                        x = (
-                            local.pop(("F", m, j))
-                            if src == me
-                            else ranks.recv(src, "F", m, j, device)
-                        )
-                        x = x.detach().requires_grad_(True)
-                        inputs[(j, m)] = x
-                    self._post_next(acts, i, device)
-                    start = time.perf_counter() - t0  # compute only: the wait is idle time
-                    y = self._forward(j, micro[m], x)
-                    end = time.perf_counter() - t0
-                    outputs[(j, m)] = y
-                    if j == last:
-                        loss += y.detach().to(torch.float64)
-                    elif s.rank_of(j + 1) == me:
-                        local[("F", m, j + 1)] = y
-                    else:
-                        ranks.send(y, s.rank_of(j + 1), "F", m, j + 1)
-                else:
-                    g = None
-                    if j < last:
-                        src = s.rank_of(j + 1)
-                        g = (
-                            local.pop(("B", m, j))
-                            if src == me
-                            else ranks.recv(src, "B", m, j, device)
-                        )
-                    left_b[j] -= 1
-                    self._post_next(acts, i, device)
-                    start = time.perf_counter() - t0
-                    self._backward(j, outputs.pop((j, m)), g, not left_b[j])
-                    end = time.perf_counter() - t0
-                    x = inputs.pop((j, m), None)
-                    if x is not None:
-                        gx = _grad_of(x, j, m)
-                        if s.rank_of(j - 1) == me:
-                            local[("B", m, j - 1)] = gx
-                        else:
-                            ranks.send(gx, s.rank_of(j - 1), "B", m, j - 1)
-                self.events.append(Event(me, a.kind, m, j, start, end))
+                run = self._forward_action if a.kind == "F" else self._backward_action
+                start, end = run(st, acts, i, t0)
+                self.events.append(Event(me, a.kind, a.microbatch, a.stage, start, end))
             ranks.open_gate()  # no transfer on this rank: the batch check still holds
             ranks.finish()
             self._sum_tied()
@@ -565,7 +520,62 @@ class Pipeline:
 
         # the last stage's loss on every rank of the pipeline axis
         dtype = next(self.parameters()).dtype
-        return broadcast(loss, self.mesh, self.axis, src=s.rank_of(last)).to(dtype)
+        return broadcast(st.loss, self.mesh, self.axis, src=s.rank_of(last)).to(dtype)
+
+    def _forward_action(
+        self, st: _Step, acts: Sequence[Any], i: int, t0: float
+    ) -> tuple[float, float]:
+        """Action ``acts[i]``, a forward: receive (or take) its input, post the next action's
+        receive, run the stage, hand its output on (the last stage: add its loss). Returns the
+        compute's (start, end) from ``t0``: the wait is idle time."""
+        assert self._ranks is not None
+        s, me, ranks, a = self.schedule, self.rank, self._ranks, acts[i]
+        j, m = a.stage, a.microbatch
+        x = None
+        if j > 0:
+            src = s.rank_of(j - 1)
+            x = st.local.pop(("F", m, j)) if src == me else ranks.recv(src, "F", m, j, st.device)
+            x = x.detach().requires_grad_(True)
+            st.inputs[(j, m)] = x
+        self._post_next(acts, i, st.device)
+        start = time.perf_counter() - t0
+        y = self._forward(j, st.micro[m], x)
+        end = time.perf_counter() - t0
+        st.outputs[(j, m)] = y
+        if j == s.stages - 1:
+            st.loss += y.detach().to(torch.float64)
+        elif s.rank_of(j + 1) == me:
+            st.local[("F", m, j + 1)] = y
+        else:
+            ranks.send(y, s.rank_of(j + 1), "F", m, j + 1)
+        return start, end
+
+    def _backward_action(
+        self, st: _Step, acts: Sequence[Any], i: int, t0: float
+    ) -> tuple[float, float]:
+        """Action ``acts[i]``, a backward: receive (or take) its output's gradient, post the
+        next action's receive, run the stage's backward, hand its input's gradient back.
+        Returns the compute's (start, end) from ``t0``."""
+        assert self._ranks is not None
+        s, me, ranks, a = self.schedule, self.rank, self._ranks, acts[i]
+        j, m = a.stage, a.microbatch
+        g = None
+        if j < s.stages - 1:
+            src = s.rank_of(j + 1)
+            g = st.local.pop(("B", m, j)) if src == me else ranks.recv(src, "B", m, j, st.device)
+        st.left_b[j] -= 1
+        self._post_next(acts, i, st.device)
+        start = time.perf_counter() - t0
+        self._backward(j, st.outputs.pop((j, m)), g, not st.left_b[j])
+        end = time.perf_counter() - t0
+        x = st.inputs.pop((j, m), None)
+        if x is not None:
+            gx = _grad_of(x, j, m)
+            if s.rank_of(j - 1) == me:
+                st.local[("B", m, j - 1)] = gx
+            else:
+                ranks.send(gx, s.rank_of(j - 1), "B", m, j - 1)
+        return start, end
 
     def _post_next(self, acts: Sequence[Any], i: int, device: torch.device) -> None:
         """Post the receive of the input of this rank's action after ``acts[i]`` (if it comes
@@ -639,6 +649,21 @@ class _nothing:  # noqa: N801 - a context manager used like contextlib.nullconte
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+@dataclass
+class _Step:
+    """One real-rank step's working state: the micro-batches, the device, each stage's
+    backwards still to run, the inputs and outputs kept for the backward, the transfers between
+    stages on this rank, and the last stage's summed loss."""
+
+    micro: list[dict[str, Any]]
+    device: torch.device
+    left_b: dict[int, int]
+    loss: Tensor  # float64, on the device
+    inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    local: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
 
 
 def _grad_of(x: Tensor, stage: int, micro: int) -> Tensor:
