@@ -74,6 +74,7 @@ def main() -> int:
             f"hf_llama on {mesh!r}: max loss diff {worst:.2e}, max weight diff {weight_diff:.2e}: "
             f"{'OK' if ok else 'MISMATCH'}"
         )
+    fd.comm.close(mesh)  # its groups released now, not torn down at interpreter exit
     dist.destroy_process_group()
     return 0 if ok else 1
 

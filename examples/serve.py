@@ -278,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     try:
         mesh = fd.connect(tp=dist.get_world_size(), timeout=args.timeout)
-        done = serve(args, mesh)
-        ok = check(args, done) if done is not None else True
+        try:
+            done = serve(args, mesh)
+            ok = check(args, done) if done is not None else True
+        finally:
+            fd.comm.close(mesh)  # its groups released now, not torn down at interpreter exit
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1

@@ -153,13 +153,11 @@ def speculate(target: Any, draft: Any, prompt: list[int], new_tokens: int, k: in
     return out
 
 
-def run(args: argparse.Namespace, world: int) -> tuple[Decoded, str]:
-    """Every rank: the two meshes, the two parallel models, the decoding. Returns the result and
-    a line naming the meshes."""
+def run(args: argparse.Namespace, target_mesh: fd.Mesh, draft_mesh: fd.Mesh) -> tuple[Decoded, str]:
+    """Every rank: the two parallel models, the decoding. Returns the result and a line naming
+    the meshes."""
     target = build_target(args.seed)
     draft = build_draft(target, args.draft_layers)
-    target_mesh = fd.connect(tp=world, timeout=args.timeout)  # every process: one target shard
-    draft_mesh = fd.connect(tp=1, timeout=args.timeout)  # dp=world: a whole draft per process
     pt = fd.nn.parallelize(target, target_mesh)  # the ready Llama plan over "tp"
     pd = fd.nn.parallelize(draft, draft_mesh)
     # the models themselves: whole-vocabulary logits, token inputs checked across each tp group
@@ -209,15 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    target_mesh = fd.connect(tp=world, timeout=args.timeout)  # every process: one target shard
+    draft_mesh = fd.connect(tp=1, timeout=args.timeout)  # dp=world: a whole draft per process
     try:
-        world = dist.get_world_size()
-        got, where = run(args, world)
+        got, where = run(args, target_mesh, draft_mesh)
         every: list[Any] = [None] * world
         dist.all_gather_object(every, got.tokens)  # the ranks accepted the same tokens
         if any(tokens != got.tokens for tokens in every):
             raise SystemExit(f"the ranks' tokens differ: {every}")
         ok = report(args, got, where) if dist.get_rank() == 0 else True
     finally:
+        fd.comm.close(target_mesh)  # their groups released now, not torn down at interpreter exit
+        fd.comm.close(draft_mesh)
         dist.destroy_process_group()
     return 0 if ok else 1
 

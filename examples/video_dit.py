@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo")
     try:
-        return run(args, mesh_for(args, dist.get_world_size()), torchrun)
+        mesh = mesh_for(args, dist.get_world_size())
+        try:
+            return run(args, mesh, torchrun)
+        finally:
+            fd.comm.close(mesh)  # its groups released now, not torn down at interpreter exit
     finally:
         dist.destroy_process_group()
 

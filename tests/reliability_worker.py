@@ -124,6 +124,13 @@ def reliability(rank: int, world: int) -> dict[str, Any]:
     meet("alive", world)
     fd.comm.reset(slow)
     assert fd.exchange_sizes(rank + 1, slow, "tp").tolist() == list(range(1, world + 1))
+
+    # close releases the mesh's groups now: a later call says the mesh was closed; reset reopens
+    made = len(slow._comm._created)
+    assert fd.comm.close(slow) and made > 0 and not slow._comm._created
+    out["closed"] = timed(lambda: fd.psum(torch.ones(1), slow, "tp"), fd.CommError)
+    fd.comm.reset(slow)
+    out["reopened"] = fd.psum(torch.ones(1), slow, "tp").item()
     return out
 
 

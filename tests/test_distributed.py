@@ -221,6 +221,21 @@ def test_mesh_recovers_after_a_rank_fails_and_ragged_sizes_fail_everywhere(
         )
 
 
+def test_a_closed_mesh_released_its_groups_and_says_so(
+    reliability: list[dict[str, Any]],
+) -> None:
+    """fastdist.comm.close destroys the groups the mesh made (examples close their meshes before
+    destroy_process_group, so no gloo group is torn down at interpreter exit); a later call
+    raises at once, saying the mesh was closed; reset makes it usable again."""
+    for rank, v in enumerate(reliability):
+        kind, msg, elapsed = v["closed"]
+        assert kind == "CommError" and elapsed < 1, v["closed"]
+        assert msg.startswith(f"fastdist.psum(axis='tp') on rank {rank}"), msg
+        assert "this mesh was closed (fastdist.comm.close released its process groups)" in msg
+        assert "fastdist.comm.reset(mesh) on every rank" in msg
+        assert v["reopened"] == 2.0
+
+
 def test_a_failed_rank_that_stays_alive_is_named_at_the_timeout(
     reliability: list[dict[str, Any]],
 ) -> None:

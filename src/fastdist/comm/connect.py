@@ -295,10 +295,15 @@ def reset(mesh: Mesh, timeout: float | datetime.timedelta | None = None) -> None
 
 
 def close(mesh: Mesh, timeout: float = 5.0) -> bool:
-    """Release ``mesh``'s ctypes communicators (abort with a bounded wait); True if all finished.
+    """Release ``mesh``'s communicators: abort its ctypes ones (with a bounded wait) and destroy
+    the process groups it created; True if every abort finished.
 
-    A no-op for ``backend="torch"`` and plain meshes (torch owns its process groups). A slice
-    (:meth:`fastdist.Mesh.without`) has its own communicators: close it too.
+    Call it on every rank before ``torch.distributed.destroy_process_group()``: groups still
+    referenced at interpreter exit are torn down after the program finished, where a gloo
+    group can abort the process. Later calls on the mesh raise
+    :class:`~fastdist.CommError` (``fastdist.comm.reset`` makes it usable again). A no-op for
+    plain meshes. A slice (:meth:`fastdist.Mesh.without`) has its own communicators: close it
+    too.
 
     Args:
         mesh: any mesh.

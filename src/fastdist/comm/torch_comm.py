@@ -85,6 +85,10 @@ def as_timedelta(
     )
 
 
+#: ``TorchComm.broken`` of a mesh that ``fastdist.comm.close`` released (not a failure)
+CLOSED = "closed"
+
+
 class TorchComm:
     """The process groups of one mesh on this process. Owned by the mesh; nothing global.
 
@@ -352,9 +356,26 @@ class TorchComm:
         return nc
 
     def close(self, timeout: float = 5.0) -> bool:
-        """Abort this mesh's ctypes communicators, waiting at most ``timeout`` seconds for each."""
+        """Release this mesh's communicators: abort its ctypes ones (waiting at most ``timeout``
+        seconds for each) and destroy the process groups it created. Later calls on the mesh
+        raise :class:`~fastdist.CommError` (until :meth:`reset`). Whether every abort finished.
+
+        Destroyed here, while the process runs, the groups do not outlive
+        ``torch.distributed.destroy_process_group()`` to be torn down at interpreter exit, where
+        a gloo group's threads can abort the process (``terminate called without an active
+        exception``) after the program has finished.
+        """
+        if self.broken is None:
+            self.broken = CLOSED
         done = all([nc.close(timeout) for nc in self._native.values()])
         self._native.clear()
+        for ac in self._axes.values():
+            ac.drop_transports()
+        self._groups.clear()
+        created, self._created = self._created, []
+        # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)
+        while created:
+            _drop_group(created.pop())
         return done
 
     # ------------------------------------------------------------------ recovery
@@ -367,13 +388,6 @@ class TorchComm:
         """
         self.broken = why
         self.close(timeout=5.0)
-        for ac in self._axes.values():
-            ac.drop_transports()
-        self._groups.clear()
-        created, self._created = self._created, []
-        # destroyed and unreferenced, a gloo group closes its connections (shutdown alone does not)
-        while created:
-            _drop_group(created.pop())
 
     def enter(self, op: str, ac: TorchAxisComm) -> bool:
         """Mark this thread as inside a blocking call on the mesh (``in_call``); whether this call
@@ -413,7 +427,9 @@ class TorchComm:
                 ac.label,
                 ac.ranks,
                 self.global_rank,
-                f"this mesh's process groups were dropped after an earlier failure ({self.broken})",
+                f"this mesh's process groups were dropped after an earlier failure ({self.broken})"
+                if self.broken != CLOSED
+                else "this mesh was closed (fastdist.comm.close released its process groups)",
                 "call fastdist.comm.reset(mesh) on every rank of the mesh, then redo the step",
             )
 
