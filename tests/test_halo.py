@@ -359,3 +359,72 @@ def test_halo_exchange_and_domain_conv_on_gloo() -> None:
         assert torch.allclose(gb2, xr2.grad.narrow(2, start, size), atol=TOL)  # type: ignore[union-attr]
         assert torch.allclose(gw2, conv.weight.grad, atol=TOL)  # type: ignore[arg-type]
         assert torch.allclose(gbias2, conv.bias.grad, atol=TOL)  # type: ignore[union-attr,arg-type]
+    for n in (2, 3):  # every mode, uneven blocks, unequal widths: one all-to-all each way
+        _check_halo_modes_on_gloo(n)
+
+
+# issue 41: both sides of a halo in one collective, on real ranks too
+GLOO_CASES = [
+    (mode, width, sizes)
+    for mode in MODES
+    for width in [(1, 2), (2, 0), (0, 1)]
+    for sizes in ([3, 2, 4], [3, 3, 3])
+    if fits(sizes, *width, mode)
+]
+
+
+def _one_field(sizes: list[int]) -> Tensor:
+    g = torch.Generator().manual_seed(sum(sizes))
+    return torch.randn(2, sum(sizes), 3, generator=g, dtype=F64)
+
+
+def halo_modes_on_gloo() -> list[tuple[Tensor, Tensor, int, int]]:
+    """One gloo rank (of 2 or 3): each case's ``halo_exchange`` of its own rows along dim 1, the
+    gradient of a weighted sum, and the all-to-alls of the forward and of the backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = torch.distributed.get_world_size()
+    mesh = fd.connect(sp=n, timeout=120)
+    i, got = mesh.rank, []
+    for mode, (lo, hi), sizes in GLOO_CASES:
+        sizes = sizes[:n]
+        if not fits(sizes, lo, hi, mode):
+            continue
+        x = _one_field(sizes)
+        b = x.narrow(1, sum(sizes[:i]), sizes[i]).clone().requires_grad_()
+        with profile(activities=[ProfilerActivity.CPU]) as fwd:
+            h = fd.halo_exchange(b, mesh, "sp", 1, (lo, hi), mode=mode, sizes=sizes)
+        weights = torch.arange(h.numel(), dtype=F64).reshape(h.shape).cos()
+        with profile(activities=[ProfilerActivity.CPU]) as bwd:
+            (gb,) = torch.autograd.grad((h * weights).sum(), b)
+        calls = [sum(e.name == "c10d::alltoall_base_" for e in p.events()) for p in (fwd, bwd)]
+        got.append((h.detach(), gb, *calls))
+    return got
+
+
+def _check_halo_modes_on_gloo(n: int) -> None:
+    """Each rank's padded block and input gradient equal one device's ``F.pad`` of the whole
+    domain (every mode, uneven blocks, unequal widths), with one all-to-all each way."""
+    from tests.dist_harness import run_on_gloo
+
+    per_rank = run_on_gloo(halo_modes_on_gloo, n, timeout=120)
+    cases = [
+        (mode, width, sizes[:n])
+        for mode, width, sizes in GLOO_CASES
+        if fits(sizes[:n], *width, mode)
+    ]
+    assert len(cases) > 10
+    for k, (mode, (lo, hi), sizes) in enumerate(cases):
+        x = _one_field(sizes).requires_grad_()
+        whole = F.pad(x.movedim(1, -1), (lo, hi), mode="constant" if mode == "zeros" else mode)
+        whole = whole.movedim(-1, 1)
+        loss = whole.new_zeros(())
+        for i, want in enumerate(windows(whole, sizes, 1, lo + hi)):
+            h, _, fwd_calls, bwd_calls = per_rank[i][k]
+            assert torch.equal(h, want), (mode, lo, hi, sizes, i)
+            assert (fwd_calls, bwd_calls) == (1, 1), (mode, lo, hi, sizes, i)
+            weights = torch.arange(h.numel(), dtype=F64).reshape(h.shape).cos()
+            loss = loss + (want * weights).sum()
+        (gx,) = torch.autograd.grad(loss, x)
+        for i, (start, size) in enumerate((sum(sizes[:j]), s) for j, s in enumerate(sizes)):
+            assert torch.allclose(per_rank[i][k][1], gx.narrow(1, start, size), atol=TOL)

@@ -1,24 +1,27 @@
 """Halo exchange: a block of a split spatial domain padded with its neighbours' edge rows
-(``halo_exchange``), composed from ``ppermute`` (conventions in ``fastdist.ops``).
+(``halo_exchange``), one collective per call (conventions in ``fastdist.ops``).
 
-No new primitive: the op is two ``ppermute``s of edge rows (one per side) and local slicing,
-padding and concatenation, so its gradient is theirs: each received halo row's gradient goes
-back along the inverse pairs and is added into the sender's edge row (the transpose of the
-exchange), and its replication rule is ``ppermute``'s (``V`` to ``V``).
+The collective is ``halo_swap`` (internal): every rank packs its two edges as ``[2, w, ...]``
+(``[0]``: its first rows, for the previous rank; ``[1]``: its last rows, for the next) and gets
+``[previous rank's [1], next rank's [0]]`` around the ring, both sides in one exchange (one
+``all_to_all`` on real ranks, one gather on simulated ranks). It is its own transpose, so its
+gradient is itself: each received halo row's gradient goes back to the sender and is added into
+its edge row. Replication rule: ``V`` to ``V``. The ends of a non-periodic domain are masked
+(``torch.where`` on every rank, so every rank's exchange stays in the graph).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from fastdist.core.mesh import AxisName, Mesh
-from fastdist.core.primitive import GroupSpec
+from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.errors import CollectiveError
-from fastdist.ops.permutes import axis_index, ppermute_p
+from fastdist.ops.permutes import axis_index
 from fastdist.ops.prelude import (
     apply_primitive,
     check_sizes,
@@ -26,7 +29,11 @@ from fastdist.ops.prelude import (
     local_rows,
     names_this_rank,
     norm_dim,
+    same_shape,
 )
+
+if TYPE_CHECKING:
+    from fastdist.core.comm import AxisComm
 
 __all__ = ["halo_exchange"]
 
@@ -59,7 +66,7 @@ def halo_exchange(
     Shape: ``dim`` grows by ``before + after`` rows. Gradient: the transpose of the exchange:
     the gradients of the received halo rows are sent back and added into the sender's edge rows
     (and, for ``replicate`` / ``reflect``, into the end ranks' own rows they copy). Built on
-    :func:`ppermute` (two per call), so the replication rule is its: varying to varying.
+    one collective per call (both sides at once), varying to varying.
 
     Uneven blocks: ``sizes[i]`` is the row count of rank ``i`` along ``dim``; a rank's input
     may hold more rows (padding, ignored; simulated ranks share one shape, so there every
@@ -156,21 +163,69 @@ def _check_widths(axis: AxisName, lo: int, hi: int, mode: str, sizes: Sequence[i
         )
 
 
+# ====================================================================== halo_swap
+def _swap_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
+    """``[world, 2, *s]``: member ``j`` gets ``[x[j-1][1], x[j+1][0]]`` (around the ring)."""
+    y, a = spec.axis_view(x)  # [*before, n, *after, 2, *s]
+    side, n = y.dim() - x.dim() + 1, spec.n
+    prev = torch.tensor([(j - 1) % n for j in range(n)], device=x.device)
+    nxt = torch.tensor([(j + 1) % n for j in range(n)], device=x.device)
+    before = y.select(side, 1).index_select(a, prev)
+    after = y.select(side, 0).index_select(a, nxt)
+    return spec.from_axis_view(torch.stack([before, after], side), x.shape[1:])
+
+
+def _swap_dist(comm: AxisComm, x: Tensor) -> Tensor:
+    """One ``all_to_all`` of the two sides (rows of dim 0): ``x[0]`` to the previous member,
+    ``x[1]`` to the next; received in member order, put back as ``[before, after]``."""
+    n, me = comm.n, comm.index
+    prev, nxt = (me - 1) % n, (me + 1) % n
+    sends, recvs = [0] * n, [0] * n
+    for j in (prev, nxt):
+        sends[j] += 1
+        recvs[j] += 1
+    # two members: both sides go to the other one, x's order; it sends [its 0, its 1], which
+    # are this rank's [after, before]. More: in member order, which the ring's wrap reverses.
+    wrap = n == 2 or prev > nxt
+    send = x.flip(0) if wrap and n > 2 else x
+    got = comm.all_to_all_rows("halo_exchange", send.contiguous(), recvs, sends)
+    return got.flip(0) if wrap else got
+
+
+def _swap_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
+    # the transpose: the gradient of rank i's before goes back to i-1 as the gradient of its
+    # [1], that of its after to i+1 as the gradient of its [0]: the same swap
+    return (ops.halo_swap(g, spec=spec),)
+
+
+#: internal: both sides of a halo in one exchange (``[2, w, ...]`` in and out; around the ring)
+halo_swap_p = Primitive(
+    "halo_swap",
+    shape=same_shape,
+    stacked=_swap_stacked,
+    distributed=_swap_dist,
+    backward=_swap_bwd,
+    replication=("V", "V"),
+)
+
+
 def _exchange(
-    mesh: Mesh, spec: GroupSpec, last: Tensor, first: Tensor, ring: bool
+    mesh: Mesh, spec: GroupSpec, xm: Tensor, lo: int, hi: int, start: int | Tensor
 ) -> tuple[Tensor, Tensor]:
-    """``(before, after)``: the previous rank's ``last`` rows and the next rank's ``first``
-    rows (zeros at the domain's ends, unless ``ring``)."""
-    n = spec.n
-    fwd = [v for i in range(n - 1) for v in (i, i + 1)] + ([n - 1, 0] if ring else [])
-    bwd = [v for i in range(n - 1) for v in (i + 1, i)] + ([0, n - 1] if ring else [])
-    before = (
-        apply_primitive(ppermute_p, mesh, last, spec, perm=tuple(fwd)) if last.shape[0] else last
-    )
-    after = (
-        apply_primitive(ppermute_p, mesh, first, spec, perm=tuple(bwd)) if first.shape[0] else first
-    )
-    return before, after
+    """``(before, after)``: the previous rank's last ``lo`` rows and the next rank's first
+    ``hi`` rows of ``xm`` around the ring (this rank's last rows start at ``start``: an int, or
+    a per-rank 0-d tensor), in one ``halo_swap``. The edges are picked by one ``index_select``
+    (its backward adds into the rows, no copy of the block per side)."""
+    w, dev = max(lo, hi), xm.device
+    if w == 0:
+        empty = xm[:0]
+        return empty, empty
+    up = torch.arange(w, device=dev)
+    first = torch.where(up < hi, up, 0)  # padding rows (past a side's width): row 0, unused
+    last = torch.where(up < lo, torch.as_tensor(start, device=dev) + up, 0)
+    edges = xm.index_select(0, torch.cat([first, last])).unflatten(0, (2, w))  # [2, w, *rest]
+    got = apply_primitive(halo_swap_p, mesh, edges, spec)  # [2, w, *rest]
+    return got[0, :lo], got[1, :hi]
 
 
 def _ends(
@@ -208,13 +263,17 @@ def _fill_ends(
     xm: Tensor,
     own: int | Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """The domain's ends filled as ``mode`` pads them (``replicate`` / ``reflect``; the others
-    are done by the exchange): rank 0's ``before`` and rank ``n-1``'s ``after`` become copies
-    of its own rows. ``own``: this rank's valid rows of ``xm`` (an int, or a per-rank 0-d
-    tensor on simulated uneven ranks); one index rule for both, rows picked by ``index_select``.
+    """The domain's ends filled as ``mode`` pads them (the exchange goes around the ring, as
+    ``circular`` pads): rank 0's ``before`` and rank ``n-1``'s ``after`` become zeros
+    (``zeros``) or copies of its own rows (``replicate`` / ``reflect``). ``own``: this rank's
+    valid rows of ``xm`` (an int, or a per-rank 0-d tensor on simulated uneven ranks); one index
+    rule for both, rows picked by ``index_select``.
     """
-    if mode not in ("replicate", "reflect"):
+    if mode == "circular":
         return before, after
+    if mode == "zeros":
+        zero = before.new_zeros(())
+        return _ends(mesh, axis, spec, before, after, (zero, zero))
     dev, top = xm.device, xm.shape[0] - 1
     up_lo = torch.arange(before.shape[0], device=dev)
     up_hi = torch.arange(after.shape[0], device=dev)
@@ -240,9 +299,11 @@ def _static(
 ) -> Tensor:
     """Every rank's block is its first ``own`` rows, a Python int (even blocks, or one real
     rank)."""
-    block = xm[:own]  # [own, *rest]
-    before, after = _exchange(mesh, spec, block[own - lo :], block[:hi], mode == "circular")
+    block = xm if own == xm.shape[0] else xm[:own]  # [own, *rest]
+    before, after = _exchange(mesh, spec, block, lo, hi, own - lo)
     before, after = _fill_ends(mesh, axis, spec, before, after, mode, block, own)
+    if own == xm.shape[0]:
+        return torch.cat([before, block, after])  # [lo + rows + hi, *rest]
     tail = xm.new_zeros(xm.shape[0] - own, *block.shape[1:])  # the padding rows, zeroed
     return torch.cat([before, block, after, tail])  # [lo + rows + hi, *rest]
 
@@ -261,8 +322,7 @@ def _ragged(
     picked with per-rank index tensors (``index_select`` under the rank vmap)."""
     dev, rows = xm.device, xm.shape[0]
     own = torch.tensor(sizes, device=dev)[axis_index(mesh, axis).to(dev)]  # this rank's rows
-    last = xm.index_select(0, own - lo + torch.arange(lo, device=dev))  # [lo, *rest]
-    before, after = _exchange(mesh, spec, last, xm[:hi], mode == "circular")
+    before, after = _exchange(mesh, spec, xm, lo, hi, own - lo)
     before, after = _fill_ends(mesh, axis, spec, before, after, mode, xm, own)
     zero = xm.new_zeros(1, *xm.shape[1:])
     src = torch.cat([before, xm, after, zero])  # [lo + rows + hi + 1, *rest]
