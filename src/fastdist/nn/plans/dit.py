@@ -29,7 +29,6 @@ from torch import nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.plans.dit_tp import wan_tp
 from fastdist.nn.plans.family import Plan
 from fastdist.nn.styles.context import JOINT_PROCESSORS, ContextParallel, Mode
 
@@ -37,6 +36,7 @@ __all__ = [
     "DIT_FAMILIES",
     "DIT_PLANS",
     "DitFamily",
+    "TpSplit",
     "cogvideox",
     "dit_plan",
     "family_plan",
@@ -52,6 +52,77 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class TpSplit:
+    """Where the blocks of one list of a DiT are split over a tensor-parallel axis (every path
+    relative to a block; a path a block lacks, e.g. SD3's ``attn2`` outside its dual-attention
+    layers, is skipped in that block).
+
+    Args:
+        blocks: the blocks' ``nn.ModuleList`` (``"transformer_blocks"``).
+        attentions: the diffusers attentions whose heads are split: their head counts become
+            the rank's, their norms over one head stay, norms over all heads are refused or
+            (a ``torch.nn.RMSNorm``) computed over the split width; every ``nn.Linear`` inside
+            them must be in ``column`` or ``row``.
+        column: column-parallel linear layers (q/k/v, the text stream's ``add_*_proj``, fused
+            projections, the MLPs' up / gate).
+        row: row-parallel linear layers (the output projections, the MLPs' down).
+        parts: fused layers of ``column`` or ``row`` and the sizes of the parts they hold side
+            by side, each a dotted attribute path from the block read before the split (Flux's
+            single-stream ``proj_out`` over ``[attention; MLP]``: ``("attn.inner_dim",
+            "proj_mlp.out_features")``); each part is split on its own.
+    """
+
+    blocks: str
+    attentions: tuple[str, ...]
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    parts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+def _under(attention: str, *projections: str) -> tuple[str, ...]:
+    """``attention.projection`` for each projection."""
+    return tuple(f"{attention}.{p}" for p in projections)
+
+
+_QKV = ("to_q", "to_k", "to_v")
+_ADDED = ("add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def _mmdit(
+    mlps: tuple[str, str] = ("ff", "ff_context"),
+    up: str = "net.0.proj",
+    down: str = "net.2",
+    extra: tuple[str, ...] = (),
+    gated: bool = False,
+) -> TpSplit:
+    """The double-stream blocks of an MM-DiT (``transformer_blocks``): ``attn``'s image and text
+    projections and outputs (``to_out.0``, ``to_add_out``), the image and text MLPs; ``extra``:
+    more image-only attentions (SD3.5's ``attn2``); ``gated``: the MLPs' up layer holds the
+    gate and the up projection side by side (SwiGLU)."""
+    halves = tuple((f"{m}.{up}", (f"{m}.{down}.in_features",) * 2) for m in mlps)
+    return TpSplit(
+        "transformer_blocks",
+        ("attn", *extra),
+        (*_under("attn", *_QKV, *_ADDED), *(p for a in extra for p in _under(a, *_QKV)))
+        + tuple(f"{m}.{up}" for m in mlps),
+        ("attn.to_out.0", "attn.to_add_out", *(f"{a}.to_out.0" for a in extra))
+        + tuple(f"{m}.{down}" for m in mlps),
+        halves if gated else (),
+    )
+
+
+#: single-stream blocks of Flux and HunyuanVideo: q/k/v of ``[text; image]`` and the MLP's up
+#: layer column-parallel, ``proj_out`` over ``[attention output; MLP hidden]`` row-parallel
+_SINGLE = TpSplit(
+    "single_transformer_blocks",
+    ("attn",),
+    (*_under("attn", *_QKV), "proj_mlp"),
+    ("proj_out",),
+    (("proj_out", ("attn.inner_dim", "proj_mlp.out_features")),),
+)
+
+
+@dataclass(frozen=True)
 class DitFamily:
     """One diffusers DiT class and where its modules are, as `ContextParallel` fields.
 
@@ -62,20 +133,38 @@ class DitFamily:
             (blocks, attentions, the modules before the split, the output...).
         refuse: reads the model (``None``: no check); a reason to refuse a configuration of the
             class the plan does not fit, or ``None``.
+        tp: where its blocks' heads and MLPs are split over a tensor-parallel axis
+            (`fastdist.nn.plans.dit_tp.dit_tp`); empty: not built, ``no_tp`` says why.
+        no_tp: why the family has no tensor-parallel split.
     """
 
     name: str
     kind: str
     fields: Mapping[str, Any] = field(default_factory=dict)
     refuse: Callable[[nn.Module], str | None] | None = None
+    tp: tuple[TpSplit, ...] = ()
+    no_tp: str = ""
 
 
 #: every ready family, by plan name
 DIT_FAMILIES: dict[str, DitFamily] = {
     f.name: f
     for f in (
-        # Wan: ContextParallel's defaults (blocks, attn1 / attn2, rope, condition_embedder)
-        DitFamily("wan", "WanTransformer3DModel"),
+        # Wan: ContextParallel's defaults (blocks, attn1 / attn2, rope, condition_embedder);
+        # image-to-video: attn2's image projections add_k_proj / add_v_proj
+        DitFamily(
+            "wan",
+            "WanTransformer3DModel",
+            tp=(
+                TpSplit(
+                    "blocks",
+                    ("attn1", "attn2"),
+                    (*_under("attn1", *_QKV), *_under("attn2", *_QKV, *_ADDED[1:]))
+                    + ("ffn.net.0.proj",),
+                    ("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"),
+                ),
+            ),
+        ),
         DitFamily(
             "ltx_video",
             "LTXVideoTransformer3DModel",
@@ -84,6 +173,9 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 whole=("rope", "proj_in", "time_embed", "caption_projection"),
                 feeds=("time_embed", "caption_projection"),
             ),
+            no_tp="its attention rotates q and k with tables over the width of all heads (and "
+            "normalizes them over that width), which a split of the heads would need cut by "
+            "columns",
         ),
         DitFamily(
             "sd3",
@@ -97,6 +189,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 feeds=("time_text_embed", "context_embedder"),
                 rotary=None,
             ),
+            tp=(_mmdit(extra=("attn2",)),),  # SD3.5's image-only attn2 in its dual layers
         ),
         DitFamily(
             "flux",
@@ -114,6 +207,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 rotary_dim=0,
                 text="context_embedder",
             ),
+            tp=(_mmdit(), _SINGLE),
         ),
         # CogVideoX joins the text before to_q; its rotary tables are a model input
         DitFamily(
@@ -131,6 +225,14 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 rotary_dim=0,
                 text_input="encoder_hidden_states",
             ),
+            tp=(
+                TpSplit(
+                    "transformer_blocks",
+                    ("attn1",),
+                    (*_under("attn1", *_QKV), "ff.net.0.proj"),
+                    ("attn1.to_out.0", "ff.net.2"),
+                ),
+            ),
         ),
         DitFamily(
             "qwen_image",
@@ -146,6 +248,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 rotary_dim=0,
                 rotary_outputs=(0,),  # (image tables, text tables)
             ),
+            tp=(_mmdit(mlps=("img_mlp", "txt_mlp")),),
             refuse=lambda m: _config_refusal(
                 m,
                 "zero_cond_t",
@@ -172,6 +275,20 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 rotary_dim=0,
                 text="context_embedder",
             ),
+            tp=(
+                _mmdit(up="linear_in", down="linear_out", gated=True),
+                # one fused projection of [q, k, v, MLP gate, MLP up]; to_out over [attn; MLP]
+                TpSplit(
+                    "single_transformer_blocks",
+                    ("attn",),
+                    ("attn.to_qkv_mlp_proj",),
+                    ("attn.to_out",),
+                    (
+                        ("attn.to_qkv_mlp_proj", ("attn.inner_dim",) * 3 + ("attn.mlp_hidden_dim",) * 2),
+                        ("attn.to_out", ("attn.inner_dim", "attn.mlp_hidden_dim")),
+                    ),
+                ),
+            ),
         ),
         DitFamily(
             "hunyuan_video",
@@ -190,6 +307,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 rotary_dim=0,
                 key_mask="attention_mask",  # (B, 1, 1, image + text): text padding
             ),
+            tp=(_mmdit(), _SINGLE),  # the token refiner (context_embedder) replicated
             refuse=lambda m: (
                 None
                 if getattr(m.config, "image_condition_type", None) != "token_replace"
@@ -432,8 +550,9 @@ def is_diffusers_dit(model: nn.Module) -> bool:
 
 def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
     """``plan="auto"`` (and the default plan) of a diffusers DiT: its ready plan (context
-    parallelism over ``axis``); refuses one without a ready plan, naming those that exist, and a
-    mesh without ``axis``."""
+    parallelism over ``axis``; on a mesh with a ``tp`` axis too, its tensor x context plan,
+    `fastdist.nn.plans.dit_tp.dit_tp`); refuses one without a ready plan, naming those that
+    exist, and a mesh without ``axis``."""
     kind = type(model).__name__
     joint = any(getattr(m, "add_q_proj", None) is not None for m in model.modules())
     if kind not in DIT_PLANS and joint:
@@ -465,13 +584,8 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
             "mesh, axis=<the sequence axis>)"
         )
     if mesh is not None and "tp" in mesh.axis_names:
-        if kind != "WanTransformer3DModel":
-            raise ParallelizeError(
-                f"plans.auto: {kind} on a mesh with a 'tp' axis: splitting a DiT's heads over "
-                "'tp' (with its tokens over 'sp') is built for WanTransformer3DModel only "
-                "(fastdist.nn.plans.dit_tp.wan_tp). Fix: a mesh without 'tp', or "
-                f"plan=fastdist.nn.plans.{DIT_PLANS[kind].__name__}(model, mesh) to run "
-                "replicated over 'tp'"
-            )
-        return wan_tp(model, mesh, axis=axis)
+        # the tensor-parallel plans build on this module's table: imported where they are used
+        from fastdist.nn.plans.dit_tp import dit_tp
+
+        return dit_tp(DIT_PLANS[kind].__name__, model, mesh, axis=axis)
     return DIT_PLANS[kind](model, mesh, axis=axis)

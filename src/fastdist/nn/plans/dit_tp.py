@@ -31,7 +31,7 @@ norms, modulation, embeddings, ``proj_out``  replicated over ``tp``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import torch
 from torch import Tensor, nn
@@ -39,14 +39,22 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.core.sharding import P
 from fastdist.errors import ParallelizeError
+from fastdist.nn.plans.dit import DIT_FAMILIES, DitFamily, PlanOptions, TpSplit, family_plan
 from fastdist.nn.plans.family import Plan
 from fastdist.nn.state import Layout
 from fastdist.nn.styles.base import Style, StyleContext, get_child, swap_child
-from fastdist.nn.styles.context import ContextParallel, Mode
-from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel
+from fastdist.nn.styles.context import ContextParallel
+from fastdist.nn.styles.linear import ColwiseParallel, ParallelLinear, RowwiseParallel
 from fastdist.ops import psum, pvary
 
-__all__ = ["TP_PROCESSORS", "ContextTensorParallel", "WidthRMSNorm", "wan_tp"]
+__all__ = [
+    "LOCAL_COUNTS",
+    "TP_PROCESSORS",
+    "ContextTensorParallel",
+    "WidthRMSNorm",
+    "dit_tp",
+    "wan_tp",
+]
 
 
 class WidthRMSNorm(nn.Module):
@@ -84,58 +92,180 @@ class WidthRMSNorm(nn.Module):
         return f"width={self.width} over {self.axis!r}, eps={self.eps}"
 
 
-#: attention processors whose forward works on a rank's heads: projections, norms over the width
-#: (`WidthRMSNorm`), ``unflatten(2, (attn.heads, -1))``, a rotary embedding per head
-#: (``head_dim`` wide: the same on every rank), SDPA, ``to_out``. Not LTX-Video's: it rotates q
-#: and k over the whole width (its table would need cutting by ``tp`` columns too)
-TP_PROCESSORS = frozenset({"WanAttnProcessor"})
+#: attention processors whose forward works on a rank's heads: projections, norms over one head
+#: (or over the width: `WidthRMSNorm`), a reshape by the head count or the head width, a rotary
+#: embedding per head (``head_dim`` wide: the same on every rank), the attention, the output
+#: projection. Not LTX-Video's: it rotates q and k over the whole width (its tables would need
+#: cutting by ``tp`` columns too)
+TP_PROCESSORS = frozenset(
+    {
+        "WanAttnProcessor",
+        "JointAttnProcessor2_0",  # SD3
+        "FluxAttnProcessor",
+        "Flux2AttnProcessor",
+        "Flux2ParallelSelfAttnProcessor",
+        "CogVideoXAttnProcessor2_0",
+        "QwenDoubleStreamAttnProcessor2_0",
+        "HunyuanVideoAttnProcessor2_0",
+    }
+)
+
+#: a diffusers attention's attributes that count features of all its heads (the processors
+#: reshape by them: Qwen-Image's ``inner_dim // heads``, Flux 2's ``inner_dim`` :
+#: ``mlp_hidden_dim`` ratio): set to the rank's share. ``head_dim`` stays.
+LOCAL_COUNTS = (
+    "heads",
+    "inner_dim",
+    "inner_kv_dim",
+    "kv_inner_dim",
+    "mlp_hidden_dim",
+    "sliceable_head_dim",
+)
 
 
-def _is_rms_norm(module: nn.Module | None, width: int) -> bool:
-    """A plain ``torch.nn.RMSNorm`` over the last dim of ``width`` features."""
-    return type(module) is nn.RMSNorm and tuple(module.normalized_shape) == (width,)
+def _find(block: nn.Module, path: str) -> nn.Module | None:
+    """``block``'s submodule at ``path``, or ``None`` where it has none (or holds ``None``)."""
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _norm_width(norm: nn.Module) -> int | None:
+    """The features a norm module normalizes over (torch's or diffusers' norms), or ``None``."""
+    shape = getattr(norm, "normalized_shape", None) or getattr(norm, "dim", None)
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, tuple) and len(shape) == 1 and isinstance(shape[0], int):
+        return shape[0]
+    return None
+
+
+def _head_dim(attn: nn.Module) -> int:
+    """One head's width: the attention's ``head_dim``, else ``inner_dim // heads``."""
+    width = getattr(attn, "head_dim", None)
+    if type(width) is int:
+        return width
+    return cast(int, attn.inner_dim) // cast(int, attn.heads)
+
+
+def _width_norms(attn: nn.Module, where: str, tp: str) -> list[str]:
+    """The attention's norms over all heads' features (``torch.nn.RMSNorm``, Wan's); norms over
+    one head (``head_dim`` wide) stay; any other norm is refused."""
+    head, heads = _head_dim(attn), cast(int, attn.heads)
+    wide = []
+    for name, sub in attn.named_children():
+        if not name.startswith("norm") or isinstance(sub, nn.Identity):
+            continue
+        width = _norm_width(sub)
+        if width == head:
+            continue  # applied to each head on its own: the same on a rank's heads
+        if type(sub) is nn.RMSNorm and width == head * heads:
+            wide.append(name)
+            continue
+        raise ParallelizeError(
+            f"parallelize: {where}.{name} ({type(sub).__name__}) normalizes {width} features: "
+            f"neither one head ({head}) nor a torch.nn.RMSNorm over all {heads} heads; split "
+            f"over {tp!r} by heads it would change. Fix: a mesh without {tp!r} (context "
+            "parallelism alone), or a style for this norm"
+        )
+    return wide
+
+
+def _parts(block: nn.Module, split: TpSplit, where: str) -> dict[str, tuple[int, ...]]:
+    """The fused layers' part sizes, read from the block (before any split)."""
+    out = {}
+    for path, sizes in split.parts:
+        if _find(block, path) is None:
+            continue
+        values = []
+        for attr in sizes:
+            obj: Any = block
+            for a in attr.split("."):
+                obj = getattr(obj, a, None)
+            if type(obj) is not int:
+                raise ParallelizeError(
+                    f"parallelize: {where}: the part size {attr!r} of {path!r} is {obj!r}, not "
+                    "an int. Fix: the TpSplit's parts name the block's attributes"
+                )
+            values.append(obj)
+        out[path] = tuple(values)
+    return out
 
 
 @dataclass(frozen=True)
 class ContextTensorParallel(Style):
     """A DiT's tokens over ``context.axis`` (`ContextParallel`) and, in every block, its
-    attentions' heads and its FFN's hidden features over ``tp`` (applied to the whole model,
+    attentions' heads and its MLPs' hidden features over ``tp`` (applied to the whole model,
     plan pattern ``""``).
 
     Args:
         context: the context-parallel style (e.g. ``plans.wan(...)[""]``).
         tp: the tensor-parallel axis.
-        attentions: in every block, the diffusers attentions (``to_q``/``to_k``/``to_v``,
-            ``to_out.0``, optional ``norm_q``/``norm_k`` RMSNorms over all heads) whose heads are
-            split: self- and cross-attentions alike.
-        ffn: in every block, ``(column, row)`` linear layers of each FFN (diffusers'
-            ``FeedForward``: ``ffn.net.0.proj``, ``ffn.net.2``).
+        split: where each list of blocks is split (`fastdist.nn.plans.dit.TpSplit`: the
+            attentions whose heads are split, the column- and row-parallel linear layers, the
+            fused ones' parts); default: Wan's.
 
-    Refused at ``parallelize`` (naming the module and the fix): heads ``tp`` does not divide;
-    with Ulysses, local heads (``H / tp``) ``sp`` does not divide; an attention with image
-    projections (``add_k_proj``, Wan image-to-video), fused projections, q/k norms other than
-    a plain ``RMSNorm`` over the width; FFN widths ``tp`` does not divide; a ``tp`` axis that is
-    one of the context's axes.
+    Refused at ``parallelize`` (naming the module and the fix): an attention whose processor is
+    not in `TP_PROCESSORS`, with fused projections, with an ``nn.Linear`` the split does not
+    name, or with a norm neither over one head nor a ``torch.nn.RMSNorm`` over all heads; heads
+    ``tp`` does not divide; with Ulysses, local heads (``H / tp``) the sequence axis does not
+    divide; linear widths (or fused parts) ``tp`` does not divide; a ``tp`` axis that is one of
+    the context's axes.
     """
 
     context: ContextParallel = field(default_factory=ContextParallel)
     tp: str = "tp"
-    attentions: tuple[str, ...] = ("attn1", "attn2")
-    ffn: tuple[tuple[str, str], ...] = (("ffn.net.0.proj", "ffn.net.2"),)
+    split: tuple[TpSplit, ...] = DIT_FAMILIES["wan"].tp
 
     @property
     def axis(self) -> str:
         """The sequence axis (what `parallelize` records as split by the root style)."""
         return self.context.axis
 
-    def _where(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        blocks = module.get_submodule(self.context.blocks)
-        return [
-            (f"{self.context.blocks}.{i}", b) for i, b in enumerate(cast(nn.ModuleList, blocks))
-        ]
+    def _where(self, module: nn.Module) -> list[tuple[TpSplit, str, nn.Module]]:
+        """(its split, its name, the block) of every block of every split list."""
+        found = []
+        for split in self.split:
+            blocks = _find(module, split.blocks)
+            if not isinstance(blocks, nn.ModuleList):
+                raise ParallelizeError(
+                    f"parallelize: ContextTensorParallel splits the blocks {split.blocks!r}, "
+                    f"which {type(module).__name__} does not hold as an nn.ModuleList. Fix: the "
+                    "TpSplit of this model's blocks"
+                )
+            found += [(split, f"{split.blocks}.{i}", b) for i, b in enumerate(blocks)]
+        return found
 
-    def _check_attention(self, attn: nn.Module, where: str, mesh: Mesh) -> None:
+    def _check_heads(self, attn: nn.Module, rel: str, where: str, mesh: Mesh) -> None:
         kind, n = type(attn).__name__, mesh.axis_size(self.tp)
+        heads = getattr(attn, "heads", None)
+        if type(heads) is not int or heads % n:
+            raise ParallelizeError(
+                f"parallelize: {where!r} ({kind}) has {heads} heads, which the {n} ranks of "
+                f"{self.tp!r} do not divide. Fix: a {self.tp!r} size that divides {heads}"
+            )
+        ulysses = self.context.mode != "ring" and rel not in self.context.cross
+        u = mesh.axis_size(self.context.axis) if ulysses else 1
+        if (heads // n) % u:
+            raise ParallelizeError(
+                f"parallelize: {where!r} ({kind}) has {heads} heads: {heads // n} per rank of "
+                f"{self.tp!r} ({n} ranks), which the {u} ranks of {self.context.axis!r} "
+                "(Ulysses) do not divide. Fix: mode='ring' (any head count), or sizes with "
+                f"{self.tp!r} x {self.context.axis!r} dividing {heads}"
+            )
+        for count in LOCAL_COUNTS[1:]:
+            value = getattr(attn, count, None)
+            if type(value) is int and value % n:
+                raise ParallelizeError(
+                    f"parallelize: {where!r} ({kind}) has {count}={value}, which the {n} ranks "
+                    f"of {self.tp!r} do not divide. Fix: a {self.tp!r} size that divides it"
+                )
+
+    def _check_attention(
+        self, attn: nn.Module, split: TpSplit, rel: str, where: str, mesh: Mesh
+    ) -> None:
+        kind = type(attn).__name__
         processor = type(getattr(attn, "processor", None)).__name__
         if processor not in TP_PROCESSORS:
             raise ParallelizeError(
@@ -149,50 +279,38 @@ class ContextTensorParallel(Style):
                 f"parallelize: {where!r} ({kind}) has fused projections. Fix: call "
                 "unfuse_projections() on the model before parallelize"
             )
-        if getattr(attn, "add_k_proj", None) is not None:
-            raise ParallelizeError(
-                f"parallelize: {where!r} ({kind}) has image projections (add_k_proj: Wan "
-                f"image-to-video); splitting them over {self.tp!r} is not built. Fix: a mesh "
-                f"without {self.tp!r} (context parallelism alone: plans.wan)"
-            )
-        heads = getattr(attn, "heads", None)
-        if type(heads) is not int or heads % n:
-            raise ParallelizeError(
-                f"parallelize: {where!r} ({kind}) has {heads} heads, which the {n} ranks of "
-                f"{self.tp!r} do not divide. Fix: a {self.tp!r} size that divides {heads}"
-            )
-        ulysses = self.context.mode != "ring" and where.rpartition(".")[2] in self.context.attention
-        u = mesh.axis_size(self.context.axis) if ulysses else 1
-        if (heads // n) % u:
-            raise ParallelizeError(
-                f"parallelize: {where!r} ({kind}) has {heads} heads: {heads // n} per rank of "
-                f"{self.tp!r} ({n} ranks), which the {u} ranks of {self.context.axis!r} "
-                "(Ulysses) do not divide. Fix: mode='ring' (any head count), or sizes with "
-                f"{self.tp!r} x {self.context.axis!r} dividing {heads}"
-            )
-        for child in ("to_q", "to_k", "to_v"):
-            if not isinstance(get_child(attn, child, where), nn.Linear):
+        self._check_heads(attn, rel, where, mesh)
+        named = set(split.column) | set(split.row)
+        for name, sub in attn.named_modules():
+            if isinstance(sub, nn.Linear) and f"{rel}.{name}" not in named:
                 raise ParallelizeError(
-                    f"parallelize: {where}.{child} is not an nn.Linear. Fix: a plan for {kind}"
+                    f"parallelize: {where}.{name} is a linear layer of an attention whose heads "
+                    f"are split over {self.tp!r}, but the split names it neither column- nor "
+                    f"row-parallel (e.g. Wan image-to-video's add_k_proj); left whole it would "
+                    f"meet a rank's heads. Fix: add {rel}.{name} to the TpSplit of "
+                    f"{split.blocks!r}"
                 )
-        out = getattr(attn, "to_out", None)
-        if not isinstance(out, nn.ModuleList) or not isinstance(out[0], nn.Linear):
-            raise ParallelizeError(
-                f"parallelize: {where!r} ({kind}) has no to_out[0] nn.Linear (diffusers' output "
-                f"projection). Fix: a plan for {kind}"
-            )
-        for norm, proj in (("norm_q", "to_q"), ("norm_k", "to_k")):
-            sub = getattr(attn, norm, None)
-            width = cast(nn.Linear, getattr(attn, proj)).out_features
-            if sub is not None and not _is_rms_norm(sub, width):
-                raise ParallelizeError(
-                    f"parallelize: {where}.{norm} ({type(sub).__name__}) is not a torch.nn.RMSNorm "
-                    f"over the {width} features of {proj}; splitting its heads over {self.tp!r} "
-                    "would change it. Fix: a style for this norm"
+        _width_norms(attn, where, self.tp)
+
+    def _linears(
+        self, block: nn.Module, split: TpSplit, where: str
+    ) -> list[tuple[str, nn.Module, Style]]:
+        """(path, layer, its style) of the block's column- and row-parallel layers."""
+        parts = _parts(block, split, where)
+        out: list[tuple[str, nn.Module, Style]] = []
+        for paths, row in ((split.column, False), (split.row, True)):
+            for path in paths:
+                layer = _find(block, path)
+                if layer is None:
+                    continue
+                p = parts.get(path, ())
+                style: Style = (
+                    RowwiseParallel(self.tp, parts=p)
+                    if row
+                    else ColwiseParallel(self.tp, input="replicated", parts=p)
                 )
-        for child in ("to_q", "to_k"):
-            ColwiseParallel(self.tp).check(get_child(attn, child, where), f"{where}.{child}", mesh)
-        RowwiseParallel(self.tp).check(out[0], f"{where}.to_out.0", mesh)
+                out.append((path, layer, style))
+        return out
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
         self.context.check(module, name, mesh)
@@ -203,89 +321,122 @@ class ContextTensorParallel(Style):
                 f"parallelize: ContextTensorParallel(tp={self.tp!r}) is also an axis of the "
                 f"token split ({self.context.axis!r}, ring {ring!r}). Fix: another mesh axis"
             )
-        for where, block in self._where(module):
-            for rel in self.attentions:
-                attn = getattr(block, rel, None)
+        for split, where, block in self._where(module):
+            for rel in split.attentions:
+                attn = _find(block, rel)
                 if attn is not None:
-                    self._check_attention(attn, f"{where}.{rel}", mesh)
-            for col, row in self.ffn:
-                ColwiseParallel(self.tp).check(block.get_submodule(col), f"{where}.{col}", mesh)
-                RowwiseParallel(self.tp).check(block.get_submodule(row), f"{where}.{row}", mesh)
+                    self._check_attention(attn, split, rel, f"{where}.{rel}", mesh)
+            for path, layer, style in self._linears(block, split, where):
+                style.check(layer, f"{where}.{path}", mesh)
 
     def _split_attention(self, attn: nn.Module, where: str, ctx: StyleContext) -> None:
-        """q/k/v column-parallel by heads, their norms over the split width, ``to_out.0``
-        row-parallel, ``heads`` the local count."""
-        col = ColwiseParallel(self.tp, input="replicated")
-        for child in ("to_q", "to_k", "to_v"):
-            swap_child(attn, child, col.apply(getattr(attn, child), f"{where}.{child}", ctx))
-        for norm in ("norm_q", "norm_k"):
-            sub = getattr(attn, norm, None)
-            if sub is None:
-                continue
+        """Norms over the width computed over the split width; the head counts the rank's."""
+        n = ctx.mesh.axis_size(self.tp)
+        for norm in _width_norms(attn, where, self.tp):
+            sub = cast(nn.RMSNorm, getattr(attn, norm))
             width = int(sub.normalized_shape[0])
             w = ctx.param(sub.weight, Layout(P(self.tp)), f"{where}.{norm}.weight")
             swap_child(attn, norm, WidthRMSNorm(w, sub.eps, ctx.mesh, self.tp, width))
-        out = cast(nn.ModuleList, attn.to_out)
-        swap_child(out, "0", RowwiseParallel(self.tp).apply(out[0], f"{where}.to_out.0", ctx))
-        attn.heads = cast(int, attn.heads) // ctx.mesh.axis_size(self.tp)  # type: ignore[assignment]
+        for count in LOCAL_COUNTS:
+            value = getattr(attn, count, None)
+            if type(value) is int:
+                setattr(attn, count, value // n)
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        for where, block in self._where(module):
-            for rel in self.attentions:
-                attn = getattr(block, rel, None)
+        attentions = []
+        for split, where, block in self._where(module):
+            linears = self._linears(block, split, where)  # fused parts read before the split
+            for rel in split.attentions:
+                attn = _find(block, rel)
                 if attn is not None:
                     self._split_attention(attn, f"{where}.{rel}", ctx)
-            for col, row in self.ffn:
-                for rel, style in (
-                    (col, ColwiseParallel(self.tp, input="replicated")),
-                    (row, RowwiseParallel(self.tp)),
-                ):
-                    parent, _, child = rel.rpartition(".")
-                    owner = block.get_submodule(parent) if parent else block
-                    new = style.apply(block.get_submodule(rel), f"{where}.{rel}", ctx)
-                    swap_child(owner, child, new)
+                    attentions.append(attn)
+            for path, layer, style in linears:
+                parent, _, child = path.rpartition(".")
+                owner = block.get_submodule(parent) if parent else block
+                swap_child(owner, child, style.apply(layer, f"{where}.{path}", ctx))
         ctx.axes.append(self.tp)
         # now the split region holds the parallel layers: their parameters are pvary'd over sp
-        return self.context.apply(module, name, ctx)
+        out = self.context.apply(module, name, ctx)
+        self._pvary_over_tp(attentions, ctx)
+        return out
+
+    def _pvary_over_tp(self, attentions: list[nn.Module], ctx: StyleContext) -> None:
+        """The split attentions' replicated parameters (norms over one head) meet the rank's
+        heads: ``pvary`` them over ``tp`` too (with the token split's axes the context gave
+        them), so each rank's gradient is summed over its heads' ranks."""
+        local = {
+            id(m)
+            for attn in attentions
+            for m in attn.modules()
+            if not isinstance(m, (ParallelLinear, WidthRMSNorm))
+        }
+        done = set()
+        for i, (m, p, axis) in enumerate(ctx.pvary):
+            if id(m) in local:
+                axes = (axis,) if isinstance(axis, str) else tuple(axis)
+                ctx.pvary[i] = (m, p, cast(str, (*axes, self.tp)))  # pvary takes a tuple too
+                done.add((id(m), p))
+        for attn in attentions:  # (the context pvary's every parameter of its blocks)
+            for m in attn.modules():
+                if id(m) in local:
+                    ctx.pvary.extend(
+                        (m, p, self.tp)
+                        for p, _ in m.named_parameters(recurse=False)
+                        if (id(m), p) not in done
+                    )
 
     def unverifiable(self) -> str | None:
         return "it splits the tokens and the heads at once; verify compares one split"
 
 
-def wan_tp(
+def dit_tp(
+    family: str | DitFamily,
     model: Any = None,
     mesh: Mesh | None = None,
     *,
-    axis: str = "sp",
     tp: str = "tp",
-    mode: Mode = "ulysses",
-    ring_axis: str | None = None,
+    **options: Unpack[PlanOptions],
 ) -> Plan:
-    """The plan of a diffusers ``WanTransformer3DModel`` over ``tp`` x ``axis``: every block's
-    attentions' heads and FFN over ``tp``, the tokens over ``axis`` (and ``ring_axis``) as in
-    `fastdist.nn.plans.wan` (``mode``).
+    """The tensor x context plan of a DiT family: its blocks' heads and MLPs over ``tp`` (the
+    family's `TpSplit` records), its tokens over ``axis`` (and ``ring_axis``) as its
+    context-parallel plan (`fastdist.nn.plans.dit.family_plan`, ``mode``).
 
     Args:
+        family: the family's name in `DIT_FAMILIES` (``"flux"``...) or its record.
         model: the model (or ``None``): only read to refuse one this plan does not fit.
         mesh: the mesh it will run on (``None``: not checked); must have ``axis`` and ``tp``.
-        axis: the sequence-parallel axis (for ``"usp"``, the Ulysses one).
         tp: the tensor-parallel axis.
-        mode: ``"ulysses"``, ``"ring"`` or ``"usp"``.
-        ring_axis: for ``"usp"``: the ring's axis.
+        options: ``axis``, ``mode``, ``ring_axis`` as in `family_plan`.
 
-    >>> from fastdist.nn.plans.dit_tp import wan_tp
+    >>> style = dit_tp("flux", mode="ring")[""]
+    >>> style.tp, style.context.mode, [s.blocks for s in style.split]
+    ('tp', 'ring', ['transformer_blocks', 'single_transformer_blocks'])
+    """
+    fam = DIT_FAMILIES[family] if isinstance(family, str) else family
+    where = f"plans.{fam.name}_tp"
+    if not fam.tp:
+        raise ParallelizeError(
+            f"{where}: splitting the heads of a {fam.kind} over {tp!r} is not built: "
+            f"{fam.no_tp}. Fix: a mesh without {tp!r}, or plan=fastdist.nn.plans.{fam.name}"
+            f"(model, mesh) to run replicated over {tp!r}"
+        )
+    if mesh is not None:
+        mesh.axis_indices(tp, where)
+    context = family_plan(fam, model, mesh, **options)[""]
+    return {"": ContextTensorParallel(context=cast(ContextParallel, context), tp=tp, split=fam.tp)}
+
+
+def wan_tp(
+    model: Any = None, mesh: Mesh | None = None, *, tp: str = "tp", **options: Unpack[PlanOptions]
+) -> Plan:
+    """`dit_tp` of a diffusers ``WanTransformer3DModel`` (text- and image-to-video): every
+    block's attentions' heads and FFN over ``tp``, the tokens over ``axis`` as in
+    `fastdist.nn.plans.wan`.
+
     >>> style = wan_tp(mode="ring")[""]
     >>> style.tp, style.context.axis, style.context.mode
     ('tp', 'sp', 'ring')
     """
-    if isinstance(model, nn.Module) and type(model).__name__ != "WanTransformer3DModel":
-        raise ParallelizeError(
-            f"plans.wan_tp: {type(model).__name__} is not a diffusers WanTransformer3DModel. "
-            "Fix: ContextTensorParallel(context=<its ContextParallel>, attentions=..., ffn=...)"
-        )
-    if mesh is not None:
-        for a in (axis, tp, *((ring_axis,) if ring_axis else ())):
-            mesh.axis_indices(a, "plans.wan_tp")
-    context = ContextParallel(axis=axis, mode=mode, ring_axis=ring_axis)
-    return {"": ContextTensorParallel(context=context, tp=tp)}
+    return dit_tp("wan", model, mesh, tp=tp, **options)

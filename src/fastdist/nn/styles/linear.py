@@ -243,28 +243,38 @@ class RowwiseParallel(Style):
         output: ``"replicated"`` (all-reduce; backward: identity) or ``"sequence"`` (reduce-scatter
             of the sequence dim; backward: all-gather).
         seq_dim: the sequence dim of the hidden states.
+        parts: the sizes of inputs joined side by side (a DiT's single-stream ``proj_out`` over
+            ``[attention output; MLP hidden]``, each column-parallel on its own), each split on
+            its own.
     """
 
     axis: str = "tp"
     output: Literal["replicated", "sequence"] = "replicated"
     seq_dim: int = 1
+    parts: tuple[int, ...] = ()
 
     def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
-        _, _, _, inp, _ = linear_parts(module, name, f"{type(self).__name__}(axis={self.axis!r})")
+        weight, _, transposed, inp, _ = linear_parts(
+            module, name, f"{type(self).__name__}(axis={self.axis!r})"
+        )
         if inp % mesh.axis_size(self.axis):
             raise ParallelizeError(
                 f"parallelize: {name!r} has {inp} input features, not divisible by the "
                 f"{mesh.axis_size(self.axis)} ranks of {self.axis!r}. "
                 f"Fix: a tp size that divides {inp}"
             )
+        self._layout(transposed).local_shape(tuple(weight.shape), mesh, f"{name}.weight")
+
+    def _layout(self, transposed: bool) -> Layout:
+        """The weight's layout: its input features (of each part) over ``axis``."""
+        return Layout(P(self.axis, None) if transposed else P(None, self.axis), parts=self.parts)
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
         weight, bias, transposed, _, _ = linear_parts(
             module, name, f"{type(self).__name__}(axis={self.axis!r})"
         )
-        wl = Layout(P(self.axis, None) if transposed else P(None, self.axis))
-        bl = Layout()
+        wl, bl = self._layout(transposed), Layout()
         return _parallel_linear(
             ctx,
             name,
