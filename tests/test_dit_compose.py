@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist.errors import CheckpointError, ParallelizeError, PipelineError
+from fastdist.nn.plans.dit import TpSplit
 from fastdist.nn.plans.dit_tp import ContextTensorParallel, WidthRMSNorm, wan_tp
 from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan, wan_module
 
@@ -88,13 +89,7 @@ def test_tp_times_sp_refusals() -> None:
     bad = {"": ContextTensorParallel(fd.nn.ContextParallel("sp"), tp="sp")}
     with pytest.raises(ParallelizeError, match="also an axis of the token split"):
         fd.nn.parallelize(tiny_wan(heads=4, layers=1), mesh, bad)
-    i2v = wan_module.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=4,
-        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
-        image_dim=8, added_kv_proj_dim=48,
-    )  # fmt: skip
-    with pytest.raises(ParallelizeError, match="image projections .* not built"):
-        fd.nn.parallelize(i2v, mesh, wan_tp(mesh=mesh))
+    # (Wan image-to-video's image projections split too: tests/test_dit_tp_families.py)
     with pytest.raises(ParallelizeError, match="not a diffusers WanTransformer3DModel"):
         wan_tp(nn.Linear(2, 2))
     ltx = pytest.importorskip("diffusers.models.transformers.transformer_ltx")
@@ -102,9 +97,11 @@ def test_tp_times_sp_refusals() -> None:
         in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=12,
         cross_attention_dim=48, num_layers=1, caption_channels=16,
     )  # fmt: skip
-    plan = {
-        "": ContextTensorParallel(fd.nn.plans.ltx_video()[""], ffn=(("ff.net.0.proj", "ff.net.2"),))
-    }
+    attns = ("attn1", "attn2")
+    qkv = tuple(f"{a}.{p}" for a in attns for p in ("to_q", "to_k", "to_v"))
+    out = tuple(f"{a}.to_out.0" for a in attns)
+    split = TpSplit("transformer_blocks", attns, (*qkv, "ff.net.0.proj"), (*out, "ff.net.2"))
+    plan = {"": ContextTensorParallel(fd.nn.plans.ltx_video()[""], split=(split,))}
     with pytest.raises(ParallelizeError, match="LTXVideoAttnProcessor.*over the width"):
         fd.nn.parallelize(model, mesh, plan)  # its rotary table spans every head
 

@@ -284,7 +284,10 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                     ("attn.to_qkv_mlp_proj",),
                     ("attn.to_out",),
                     (
-                        ("attn.to_qkv_mlp_proj", ("attn.inner_dim",) * 3 + ("attn.mlp_hidden_dim",) * 2),
+                        (
+                            "attn.to_qkv_mlp_proj",
+                            ("attn.inner_dim",) * 3 + ("attn.mlp_hidden_dim",) * 2,
+                        ),
                         ("attn.to_out", ("attn.inner_dim", "attn.mlp_hidden_dim")),
                     ),
                 ),

@@ -42,7 +42,7 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.plans.dit import DIT_FAMILIES, DitFamily, PlanOptions, TpSplit, family_plan
 from fastdist.nn.plans.family import Plan
 from fastdist.nn.state import Layout
-from fastdist.nn.styles.base import Style, StyleContext, get_child, swap_child
+from fastdist.nn.styles.base import Style, StyleContext, swap_child
 from fastdist.nn.styles.context import ContextParallel
 from fastdist.nn.styles.linear import ColwiseParallel, ParallelLinear, RowwiseParallel
 from fastdist.ops import psum, pvary
