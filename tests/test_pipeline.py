@@ -661,12 +661,13 @@ def test_dropout_in_training_mode_is_refused_as_on_a_parallel_model() -> None:
 
 
 def test_plans_the_stages_cannot_apply_are_refused() -> None:
-    """A context-parallel plan (its style splits the tokens where they enter the whole model,
-    which no stage runs: the loss was silently off by 5e-4 in float64) and a pattern matching no
-    module (each stage dropped it) raise at build time, naming the fix; the model is untouched."""
+    """A diffusion transformer's token split (`ContextParallel`: at the first block and the
+    output module, which no stage runs in one piece) and a pattern matching no module (each
+    stage dropped it) raise at build time, naming the fix; the model is untouched. (A decoder
+    LLM's `CausalContextParallel` composes with the stages: tests/test_pipeline_context.py.)"""
     model = llama(4)
-    plan = fd.nn.plans.plan(model, fd.Mesh({"cp": 2}), context_parallel="cp")
-    with pytest.raises(PipelineError, match="CausalContextParallel.*Fix: pipeline with tensor"):
+    plan = {"model": fd.nn.ContextParallel("cp", blocks="layers")}
+    with pytest.raises(PipelineError, match="ContextParallel.*CausalContextParallel"):
         fd.train.pipeline(model, fd.Mesh({"pp": 2, "cp": 2}), plan=plan)
     plan = {
         **fd.nn.plans.plan(model, fd.Mesh({"tp": 2})),

@@ -11,7 +11,6 @@ from torch import nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
 from fastdist.nn.styles.context import ContextParallel
-from fastdist.nn.styles.context_llm import CausalContextParallel
 from fastdist.train.pipeline.hf import install as install_save_pretrained
 from fastdist.train.pipeline.runtime import Pipeline
 from fastdist.train.pipeline.split import (
@@ -58,7 +57,13 @@ def pipeline(
         microbatches: micro-batches per step (default: the axis size).
         virtual: stages per rank (``"interleaved_1f1b"``; default 2 there).
         plan: the plan for the whole model (default: the ready plan of its family over the
-            other axes); each stage applies the entries that match its modules.
+            other axes); each stage applies the entries that match its modules. Context
+            parallelism of a decoder LLM composes with the stages
+            (``fastdist.nn.plans.plan(model, mesh.without(axis), context_parallel="cp")``):
+            the tokens are split where the first stage's embedding output enters its first
+            layer, travel split between the stages (each ``cp`` rank to the same ``cp`` rank
+            of the next stage), and are gathered after the last stage's final norm, so the
+            head and the loss see the whole sequence, as without a pipeline.
         sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
             (stages hand on sequence shards).
         layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.
@@ -180,19 +185,23 @@ def _refuse_unmatched(plan: Mapping[str, Any], model: nn.Module) -> None:
 
 
 def _refuse_context_parallel(plan: Mapping[str, Any] | None) -> None:
-    """Refuse a context-parallel plan: its style splits the tokens where they enter the whole
-    model (and gathers them where they leave), which no stage runs; applied to the stages' layers
-    alone, the tokens would never be split and the loss silently differ from one device's."""
+    """Refuse `ContextParallel` (the diffusion transformers' token split): it splits the tokens
+    where they enter the first block and gathers them at the model's output module, which a
+    stage of a causal LM does not run in one piece, so the stages would compute a wrong loss.
+    `CausalContextParallel` (a decoder LLM's) composes with the stages: every stage's base model
+    takes this rank's positions and masks, the first stage cuts the embedding output, the
+    activations travel split, the last stage gathers the final norm's output for the head."""
     for pattern, styles in (plan or {}).items():
         for style in styles if isinstance(styles, (list, tuple)) else (styles,):
-            if isinstance(style, (CausalContextParallel, ContextParallel)):
+            if isinstance(style, ContextParallel):
                 raise PipelineError(
-                    f"pipeline: the plan's {pattern!r} entry is {type(style).__name__} (context "
-                    "parallelism): it splits the tokens where they enter the whole model, which "
-                    "pipeline stages do not run, so the stages would compute a wrong loss. "
-                    "Context parallelism inside pipeline stages is not built. Fix: pipeline "
-                    "with tensor / data parallelism (sequence_parallel=True for Megatron's "
-                    "token split), or context parallelism without a pipeline"
+                    f"pipeline: the plan's {pattern!r} entry is ContextParallel (the diffusion "
+                    "transformers' token split, at the first block's input and the output "
+                    "module, which pipeline stages do not run in one piece): the stages would "
+                    "compute a wrong loss. Fix: for a decoder LLM, CausalContextParallel "
+                    "(fastdist.nn.plans.plan(model, mesh.without('pp'), "
+                    "context_parallel='cp')), which composes with a pipeline; a DiT: context "
+                    "parallelism without a pipeline"
                 )
 
 

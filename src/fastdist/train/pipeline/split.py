@@ -231,8 +231,9 @@ def split_model(
     skeleton = _skeleton(model, split, layers, ends)
     own = list(layers)
     stages: dict[int, nn.Module] = {}
+    shared = _configs(skeleton)  # the model's own (see `_skeleton`)
     for j in keep:
-        st = copy.deepcopy(skeleton)
+        st = copy.deepcopy(skeleton, {id(c): c for c in shared})
         lst = st.get_submodule(split.layers)
         assert isinstance(lst, nn.ModuleList)
         for i in ranges[j]:
@@ -319,12 +320,24 @@ def _skeleton(
         if isinstance(h, RemovableHandle)
     ]
     memo: dict[int, Any] = {id(h): RemovableHandle(OrderedDict()) for h in handles}
+    # the model's config objects are shared, not copied: the layers a stage takes over read the
+    # model's own (an attention reads ``self.config._attn_implementation`` at each call), so a
+    # style that sets a field on its stage's config (context parallelism's attention function)
+    # must reach them; a copy would leave them on the single-device attention, silently
+    memo.update({id(c): c for c in _configs(model)})
     try:
         return copy.deepcopy(model, memo)
     finally:
         _put(model, split.layers, layers)
         for n, m in ends.items():
             _put(model, n, m)
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """The config objects (transformers' ``PretrainedConfig``, anything under a module's
+    ``config`` attribute that is not a module or a tensor) of ``model``'s modules."""
+    found = (vars(m).get("config") for m in model.modules())
+    return [c for c in found if c is not None and not isinstance(c, (nn.Module, Tensor))]
 
 
 def _put(root: nn.Module, name: str, module: nn.Module) -> None:
