@@ -3,7 +3,8 @@
 and Ulysses, zig-zag and contiguous layouts; GPipe, 1F1B and interleaved 1F1B) for Llama and
 Qwen3, pp x cp x tp, pp x dp x cp with different data per data rank, and left padding with
 position ids; the loss and every parameter's gradient equal one device's, with ignored labels
-(-100) spread unevenly over the cp ranks' shards. What cannot be right is refused.
+(-100) spread unevenly over the cp ranks' shards. What cannot be right is refused. Then
+pp=2 x cp=2 on four gloo processes (1F1B ring, GPipe Ulysses).
 
 How the stages split the tokens: every stage's base model takes this rank's positions and masks
 (the whole batch reaches every stage), the first stage cuts its embedding output to the rank's
@@ -204,3 +205,57 @@ def test_the_diffusion_token_split_is_refused() -> None:
     plan = {"model": fd.nn.ContextParallel("cp", blocks="layers")}
     with pytest.raises(PipelineError, match="ContextParallel.*Fix: for a decoder LLM"):
         fd.train.pipeline(model, fd.Mesh({"pp": 2, "cp": 2}), plan=plan)
+
+
+# ============================================================================ gloo processes
+def cp_on_4() -> dict[str, Any]:
+    """A gloo worker, 4 ranks, pp=2 x cp=2 (`run_on_gloo`): each rank builds the tiny Llama and
+    its one-device reference, runs a step of its own stage on the whole batch, and returns its
+    loss error, largest gradient error and the names it holds gradients for, per case."""
+    torch.set_num_threads(1)
+    mesh = fd.connect(pp=2, cp=2, timeout=60)
+    out: dict[str, Any] = {"pp": mesh.index(mesh.rank, "pp")}
+    for case, schedule, mode in (
+        ("1f1b-ring", "1f1b", "ring"),
+        ("gpipe-ulysses", "gpipe", "ulysses"),
+    ):
+        ref = llama(4)
+        ids, labels = make_batch(1)
+        loss_ref = hand_loss(ref, ids, labels)
+        loss_ref.backward()
+        pipe = fd.train.pipeline(
+            copy.deepcopy(ref),
+            mesh,
+            schedule=schedule,
+            microbatches=2,
+            plan=cp_plan(ref, mesh, mode=mode),
+        )
+        loss = pipe.step(input_ids=ids, labels=labels)
+        got = pipe.grads()
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        out[case] = {
+            "shape": tuple(loss.shape),
+            "loss_err": abs(loss.item() - loss_ref.item()),
+            "grad_err": max((got[n] - want[n]).abs().max().item() for n in got),
+            "names": sorted(got),
+            "model": sorted(want),
+        }
+    return out
+
+
+def test_pp2_cp2_on_gloo_processes_equals_one_device() -> None:
+    """Real ranks: each cp rank of stage 0 sends its shard of the activations to the same cp
+    rank of stage 1 (and the gradients back); every rank's loss and its stage's gradients equal
+    one device's, and the ranks together cover every parameter."""
+    from tests.dist_harness import run_on_gloo
+
+    per_rank = run_on_gloo(cp_on_4, 4, timeout=300)
+    assert [r["pp"] for r in per_rank] == [0, 0, 1, 1]
+    for case in ("1f1b-ring", "gpipe-ulysses"):
+        got = [r[case] for r in per_rank]
+        for g, r in enumerate(got):
+            assert r["shape"] == () and r["loss_err"] <= 1e-9, (case, g, r["loss_err"])
+            assert r["grad_err"] <= 1e-9, (case, g, r["grad_err"])
+        assert got[0]["names"] == got[1]["names"] and got[2]["names"] == got[3]["names"]
+        assert not set(got[0]["names"]) & set(got[2]["names"])
+        assert set(got[0]["names"]) | set(got[2]["names"]) == set(got[0]["model"])
