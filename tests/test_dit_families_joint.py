@@ -196,7 +196,9 @@ def stacked(v: Any, n: int) -> Any:
         ("qwen_image", "usp-2x2"),
         ("flux2", "ulysses-2"),
         ("flux2", "ring-4"),
+        ("flux2", "ulysses-4"),
         ("hunyuan_video", "ring-2"),
+        ("hunyuan_video", "ulysses-4"),
         ("hunyuan_video", "usp-2x2"),
     ],
 )
@@ -272,13 +274,20 @@ def test_wrong_inputs_are_refused_at_the_call() -> None:
 
 # ------------------------------------------------------------------ real ranks
 def other_size(family: str) -> Inputs:
-    """Another token count (CogVideoX: 2 latent frames, 18 tokens; HunyuanVideo: 1 frame, 9)
-    with other values."""
+    """Another token count (CogVideoX: 2 latent frames, 18 tokens; HunyuanVideo: 1 frame, 9;
+    QwenImage and Flux2: 2 x 3 packed tokens, 6) with other values."""
     _, x = TINY[family]()
     g = torch.Generator().manual_seed(2)
     if family == "cogvideox":
         x["hidden_states"] = _randn(g, 2, 2, 4, 6, 6)
         x["image_rotary_emb"] = (_randn(g, 18, 8), _randn(g, 18, 8))
+    elif family == "qwen_image":
+        x["hidden_states"] = _randn(g, 2, 6, 4)
+        x["img_shapes"] = [[(1, 2, 3)]] * 2
+    elif family == "flux2":
+        x["hidden_states"] = _randn(g, 2, 6, 4)
+        grid = torch.meshgrid(*(torch.arange(n) for n in (1, 2, 3, 1)), indexing="ij")
+        x["img_ids"] = torch.stack(grid, -1).reshape(-1, 4)
     else:
         x["hidden_states"] = _randn(g, 2, 4, 1, 3, 3)
     return x
@@ -286,15 +295,17 @@ def other_size(family: str) -> Inputs:
 
 def families_on_gloo() -> list[tuple[Tensor, dict[str, Tensor]]]:
     """One gloo rank of sp=2: HunyuanVideo with Ulysses (its text mask and 18 video tokens),
-    CogVideoX with the ring (27 video tokens: uneven); then both with diffusers' gradient
-    checkpointing, ring: a forward, a second one of another token count never backpropagated,
-    the first one's backward (the recomputed blocks cut their rotary tables and mask with their
-    own forward's split; HunyuanVideo calls its blocks positionally). Each run's output and
-    every gradient."""
+    CogVideoX with the ring (27 video tokens: uneven); then these two, QwenImage and Flux2 (9
+    packed tokens: uneven) with diffusers' gradient checkpointing, ring: a forward, a second
+    one of another token count never backpropagated, the first one's backward (the recomputed
+    blocks cut their rotary tables and mask with their own forward's split; HunyuanVideo calls
+    its blocks positionally; Flux2's single-stream blocks get [text; image rows] joined between
+    blocks). Each run's output and every gradient."""
     mesh = fd.connect(sp=2, timeout=120)
     results = []
     runs = [("hunyuan_video", "ulysses", False), ("cogvideox", "ring", False)]
     runs += [("cogvideox", "ring", True), ("hunyuan_video", "ring", True)]
+    runs += [("qwen_image", "ring", True), ("flux2", "ring", True)]
     for family, mode, checkpointed in runs:
         model, x = TINY[family]()
         if checkpointed:
@@ -311,7 +322,7 @@ def families_on_gloo() -> list[tuple[Tensor, dict[str, Tensor]]]:
 def test_hunyuan_video_and_cogvideox_on_gloo() -> None:
     from tests.dist_harness import run_on_gloo
 
-    families = ("hunyuan_video", "cogvideox", "cogvideox", "hunyuan_video")
+    families = ("hunyuan_video", "cogvideox", "cogvideox", "hunyuan_video", "qwen_image", "flux2")
     want = [reference(*TINY[f]()) for f in families]
     for got in run_on_gloo(families_on_gloo, 2, timeout=300):
         for (out, grads), (got_out, got_grads) in zip(want, got, strict=True):

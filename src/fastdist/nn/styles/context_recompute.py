@@ -139,13 +139,20 @@ def carried_split(
     """Forward pre-hook of every block after the first: its forward (split, text count) is the
     one its input tensors carry (a block recomputed by gradient checkpointing gets its own
     forward's inputs); without any, the running forward's, or in backward the one alive
-    forward whose rows fit."""
+    forward whose rows fit: this rank's image rows, or its text and image rows (Flux2's
+    single-stream blocks get ``[text; image rows]``, joined by the model between blocks)."""
     forward = current.found(args, kwargs)
     if forward is None and in_backward():
         x = kwargs.get("hidden_states", args[0] if args else None)
         rows = x.shape[1] if isinstance(x, Tensor) and x.dim() == 3 else None
         what = f"{rows} rows per rank"
-        forward = lost_carry(current, where, axes, lambda f: f.split.rows == rows, what)
+        forward = lost_carry(
+            current,
+            where,
+            axes,
+            lambda f: rows in (f.split.rows, f.split.rows + (f.text or 0)),
+            what,
+        )
         if forward is None:
             raise ParallelizeError(
                 f"context parallelism over {axes}: {where} is recomputed in backward on "
