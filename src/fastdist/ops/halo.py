@@ -120,12 +120,12 @@ def halo_exchange(
     sz = [rows] * spec.n if sizes is None else check_sizes("halo_exchange", axis, sizes, spec.n)
     local_rows("halo_exchange", axis, xm, sz, simulated, index)
     _check_widths(axis, lo, hi, mode, sz)
+    # the rows are picked and joined along d itself: the result keeps x's memory layout (a
+    # convolution after it reads it without a copy)
     if simulated and any(s != rows for s in sz):
-        out = _ragged(mesh, axis, spec, xm, lo, hi, mode, sz)
-    else:
-        own = sz[0 if index is None else index]
-        out = _static(mesh, axis, spec, xm, lo, hi, mode, own)
-    return out.movedim(0, d)
+        return _ragged(mesh, axis, spec, x, d, lo, hi, mode, sz)
+    own = sz[0 if index is None else index]
+    return _static(mesh, axis, spec, x, d, lo, hi, mode, own)
 
 
 def _widths(axis: AxisName, width: Any) -> tuple[int, int]:
@@ -210,22 +210,23 @@ halo_swap_p = Primitive(
 
 
 def _exchange(
-    mesh: Mesh, spec: GroupSpec, xm: Tensor, lo: int, hi: int, start: int | Tensor
+    mesh: Mesh, spec: GroupSpec, x: Tensor, d: int, lo: int, hi: int, start: int | Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(before, after)``: the previous rank's last ``lo`` rows and the next rank's first
-    ``hi`` rows of ``xm`` around the ring (this rank's last rows start at ``start``: an int, or
-    a per-rank 0-d tensor), in one ``halo_swap``. The edges are picked by one ``index_select``
-    (its backward adds into the rows, no copy of the block per side)."""
-    w, dev = max(lo, hi), xm.device
-    if w == 0:
-        empty = xm[:0]
-        return empty, empty
+    ``hi`` rows of ``x`` along ``d`` around the ring (this rank's last rows start at ``start``:
+    an int, or a per-rank 0-d tensor), in one ``halo_swap``. The edges are picked by one
+    ``index_select`` (its backward adds into the rows: no copy of the block per side)."""
+    w, dev = max(lo, hi), x.device
+    if w == 0:  # nothing to exchange (new tensors: no zero-row slice of x in the graph)
+        shape = list(x.shape)
+        shape[d] = 0
+        return x.new_zeros(shape), x.new_zeros(shape)
     up = torch.arange(w, device=dev)
     first = torch.where(up < hi, up, 0)  # padding rows (past a side's width): row 0, unused
     last = torch.where(up < lo, torch.as_tensor(start, device=dev) + up, 0)
-    edges = xm.index_select(0, torch.cat([first, last])).unflatten(0, (2, w))  # [2, w, *rest]
-    got = apply_primitive(halo_swap_p, mesh, edges, spec)  # [2, w, *rest]
-    return got[0, :lo], got[1, :hi]
+    edges = x.index_select(d, torch.cat([first, last])).movedim(d, 0)  # [2w, *rest]
+    got = apply_primitive(halo_swap_p, mesh, edges.unflatten(0, (2, w)), spec)  # [2, w, *rest]
+    return got[0, :lo].movedim(0, d), got[1, :hi].movedim(0, d)
 
 
 def _ends(
@@ -236,7 +237,7 @@ def _ends(
     after: Tensor,
     mine: tuple[Tensor, Tensor],
 ) -> tuple[Tensor, Tensor]:
-    """Rank 0's ``before`` and rank ``n-1``'s ``after`` replaced by ``mine`` (its own rows).
+    """Rank 0's ``before`` and rank ``n-1``'s ``after`` replaced by ``mine``.
 
     Through ``torch.where`` on every rank, so the received tensors stay in the graph: every
     rank runs the exchange's backward (a real rank that skipped it would hang its peers)."""
@@ -257,33 +258,34 @@ def _fill_ends(
     mesh: Mesh,
     axis: AxisName,
     spec: GroupSpec,
-    before: Tensor,
-    after: Tensor,
+    halo: tuple[Tensor, Tensor],
     mode: str,
-    xm: Tensor,
+    x: Tensor,
+    d: int,
     own: int | Tensor,
 ) -> tuple[Tensor, Tensor]:
     """The domain's ends filled as ``mode`` pads them (the exchange goes around the ring, as
     ``circular`` pads): rank 0's ``before`` and rank ``n-1``'s ``after`` become zeros
-    (``zeros``) or copies of its own rows (``replicate`` / ``reflect``). ``own``: this rank's
-    valid rows of ``xm`` (an int, or a per-rank 0-d tensor on simulated uneven ranks); one index
-    rule for both, rows picked by ``index_select``.
+    (``zeros``) or copies of its own rows along ``d`` (``replicate`` / ``reflect``). ``own``:
+    this rank's valid rows of ``x`` (an int, or a per-rank 0-d tensor on simulated uneven
+    ranks); one index rule for both, rows picked by ``index_select``.
     """
+    before, after = halo
     if mode == "circular":
         return before, after
     if mode == "zeros":
         zero = before.new_zeros(())
         return _ends(mesh, axis, spec, before, after, (zero, zero))
-    dev, top = xm.device, xm.shape[0] - 1
-    up_lo = torch.arange(before.shape[0], device=dev)
-    up_hi = torch.arange(after.shape[0], device=dev)
+    dev, top = x.device, x.shape[d] - 1
+    up_lo = torch.arange(before.shape[d], device=dev)
+    up_hi = torch.arange(after.shape[d], device=dev)
     own_t = torch.as_tensor(own, device=dev)
     if mode == "replicate":  # the first row lo times, the last valid row hi times
         first, last = 0 * up_lo, own_t - 1 + 0 * up_hi
     else:  # rows lo..1 before, rows own-2, own-3, ... after (a middle rank's: clamped, unused)
-        first = (before.shape[0] - up_lo).clamp(max=top)
+        first = (before.shape[d] - up_lo).clamp(max=top)
         last = (own_t - 2 - up_hi).clamp(min=0)
-    mine = (xm.index_select(0, first), xm.index_select(0, last))
+    mine = (x.index_select(d, first), x.index_select(d, last))
     return _ends(mesh, axis, spec, before, after, mine)
 
 
@@ -291,28 +293,34 @@ def _static(
     mesh: Mesh,
     axis: AxisName,
     spec: GroupSpec,
-    xm: Tensor,
+    x: Tensor,
+    d: int,
     lo: int,
     hi: int,
     mode: str,
     own: int,
 ) -> Tensor:
-    """Every rank's block is its first ``own`` rows, a Python int (even blocks, or one real
-    rank)."""
-    block = xm if own == xm.shape[0] else xm[:own]  # [own, *rest]
-    before, after = _exchange(mesh, spec, block, lo, hi, own - lo)
-    before, after = _fill_ends(mesh, axis, spec, before, after, mode, block, own)
-    if own == xm.shape[0]:
-        return torch.cat([before, block, after])  # [lo + rows + hi, *rest]
-    tail = xm.new_zeros(xm.shape[0] - own, *block.shape[1:])  # the padding rows, zeroed
-    return torch.cat([before, block, after, tail])  # [lo + rows + hi, *rest]
+    """Every rank's block is its first ``own`` rows along ``d``, a Python int (even blocks, or
+    one real rank)."""
+    rows = x.shape[d]
+    if lo == hi == 0 and own == rows:
+        return x
+    block = x if own == rows else x.narrow(d, 0, own)
+    halo = _exchange(mesh, spec, block, d, lo, hi, own - lo)
+    before, after = _fill_ends(mesh, axis, spec, halo, mode, block, d, own)
+    if own == rows:
+        return torch.cat([before, block, after], d)  # lo + rows + hi rows along d
+    tail = list(x.shape)
+    tail[d] = rows - own
+    return torch.cat([before, block, after, x.new_zeros(tail)], d)  # the padding rows: zeros
 
 
 def _ragged(
     mesh: Mesh,
     axis: AxisName,
     spec: GroupSpec,
-    xm: Tensor,
+    x: Tensor,
+    d: int,
     lo: int,
     hi: int,
     mode: str,
@@ -320,15 +328,16 @@ def _ragged(
 ) -> Tensor:
     """Simulated ranks with uneven blocks: the edge rows' offsets differ per rank, so rows are
     picked with per-rank index tensors (``index_select`` under the rank vmap)."""
-    dev, rows = xm.device, xm.shape[0]
+    dev, rows = x.device, x.shape[d]
     own = torch.tensor(sizes, device=dev)[axis_index(mesh, axis).to(dev)]  # this rank's rows
-    before, after = _exchange(mesh, spec, xm, lo, hi, own - lo)
-    before, after = _fill_ends(mesh, axis, spec, before, after, mode, xm, own)
-    zero = xm.new_zeros(1, *xm.shape[1:])
-    src = torch.cat([before, xm, after, zero])  # [lo + rows + hi + 1, *rest]
+    halo = _exchange(mesh, spec, x, d, lo, hi, own - lo)
+    before, after = _fill_ends(mesh, axis, spec, halo, mode, x, d, own)
+    one = list(x.shape)
+    one[d] = 1
+    src = torch.cat([before, x, after, x.new_zeros(one)], d)  # a zero row last
     j = torch.arange(lo + rows + hi, device=dev)
     # row j of the result: before / own rows (j), after (j + rows - own), else the zero row
     pick = torch.where(
         j < lo + own, j, torch.where(j < lo + own + hi, j + rows - own, lo + rows + hi)
     )
-    return src.index_select(0, pick)  # [lo + rows + hi, *rest]
+    return src.index_select(d, pick)  # lo + rows + hi rows along d

@@ -275,9 +275,12 @@ def domain_conv(
         before, after = window_halo(where, d, x.shape[d], k, stride[i], dilation[i], lo, hi, sizes)
         x = exchange(x, mesh, axis, d, before, after, mode, sizes)
         pads[i] = (0, 0)
-    if any(v for p in pads for v in p):
+    conv_pad: Any = 0
+    if mode == "zeros" and all(lo == hi for lo, hi in pads):
+        conv_pad = tuple(lo for lo, _ in pads)  # the convolution pads (no copy of the block)
+    elif any(v for p in pads for v in p):
         x = F.pad(x, _flat_pad(pads), mode="constant" if mode == "zeros" else mode)
-    y = _CONV[nsp](x, weight, bias, tuple(stride), 0, tuple(dilation), groups)
+    y = _CONV[nsp](x, weight, bias, tuple(stride), conv_pad, tuple(dilation), groups)
     return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
 
 
@@ -320,9 +323,17 @@ def domain_conv_transpose(
         x = exchange(x, mesh, axis, d, before, after, sizes=sizes)
         cuts.append((d, before * s + p, rows * s))
         pad[i], outpad[i] = 0, 0
-    y = _CONVT[nsp](
-        x, weight, None, tuple(stride), tuple(pad), tuple(outpad), groups, tuple(dilation)
+    # no cut (each block's output is exactly its rows): the bias in the transposed convolution,
+    # no narrow (whose backward would zero-fill and copy the whole output)
+    uncut = all(output_padding[i] == 0 for i, _, _ in here) and all(
+        start == 0 and rows == x.shape[d] * stride[nsp + d] for d, start, rows in cuts
     )
+    y = _CONVT[nsp](
+        x, weight, bias if uncut else None, tuple(stride), tuple(pad), tuple(outpad), groups,
+        tuple(dilation),
+    )  # fmt: skip
+    if uncut:
+        return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
     for d, start, rows in cuts:
         short = start + rows - y.shape[d]
         if short > 0:  # rows no input row reaches (the output padding): zeros
