@@ -97,6 +97,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     ),
     "tests/test_context_parallel.py": frozenset({"test_wan_ulysses_on_gloo"}),
     "tests/test_dit_families_joint.py": frozenset({"test_hunyuan_video_and_cogvideox_on_gloo"}),
+    "tests/test_context_dit_families.py": frozenset({"test_ltx_video_checkpointed_on_gloo"}),
     "tests/test_context_modes.py": frozenset(
         {
             "test_wan_usp_uneven_on_gloo",
