@@ -661,3 +661,54 @@ def test_ops_that_mix_a_split_dim_raise_at_the_first_call(
         return
     with pytest.raises(fd.nn.ParallelizeError, match=match):
         pm(x.expand(2, *x.shape))
+
+
+# ------------------------------------------------------------ issue 41.2: foreign pass-throughs
+PHYSICSNEMO = "physicsnemo.nn.module.activations"
+
+
+def foreign(name: str, forward: Callable[..., Tensor], module: str = PHYSICSNEMO) -> type:
+    """A stand-in for another library's module class (physicsnemo is not installed here): the
+    class named ``name`` in ``module``, with that ``forward``."""
+    return type(name, (nn.Module,), {"forward": forward, "__module__": module})
+
+
+def test_physicsnemo_pass_through_modules_need_no_local() -> None:
+    """physicsnemo's Identity, Sin and SquarePlus (by exact class) run as they are, with no
+    ``local=``: equal to one device."""
+    identity = foreign("Identity", lambda self, x: x)
+    sin = foreign("Sin", lambda self, x: torch.sin(x))
+    square = foreign("SquarePlus", lambda self, x: 0.5 * (x + torch.sqrt(x * x + self.b)))
+    plus = square()
+    plus.b = 4
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), identity(), sin(), plus, nn.Conv2d(4, 2, 3, padding=1)
+    )
+    equal_to_one_device(net, (1, 2, 8, 6), "h")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["Stan", "subclass", "other_module", "tensor_b", "with_parameter"],
+)
+def test_other_pass_through_lookalikes_are_refused(case: str) -> None:
+    """Only the exact known classes pass: a subclass (its forward may differ), a same-named class
+    of another package, a per-position ``b``, a parameter of its own, physicsnemo's ``Stan``
+    (a learned ``beta`` broadcast over the last dim) are refused naming the class and the fix."""
+    identity = foreign("Identity", lambda self, x: x)
+    made: nn.Module
+    if case == "Stan":
+        made = foreign("Stan", lambda self, x: x)()
+    elif case == "subclass":
+        made = type("Identity", (identity,), {"forward": lambda self, x: x.flip(-2)})()
+    elif case == "other_module":
+        made = foreign("Identity", lambda self, x: x, module="somelib.layers")()
+    elif case == "tensor_b":
+        made = foreign("SquarePlus", lambda self, x: x + self.b)()
+        made.b = torch.ones(8, 1)  # type: ignore[assignment]
+    else:
+        made = identity()
+        made.scale = nn.Parameter(torch.ones(8, 1))
+    net = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), made)
+    with pytest.raises(fd.nn.ParallelizeError, match=r"not known to the domain-parallel style"):
+        fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})

@@ -68,6 +68,30 @@ _LOCAL = (
     nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle,
 )  # fmt: skip
 
+#: token-local classes of other libraries, by module and name (that exact class: a subclass may
+#: override ``forward``), each read in that library's source: ``{class: check of the instance}``.
+#: physicsnemo's activations: ``Identity`` returns its input, ``Sin`` is ``torch.sin``,
+#: ``SquarePlus`` is ``0.5 * (x + sqrt(x * x + b))`` with a number ``b``. Not its ``Stan``: a
+#: learned ``beta`` per feature broadcast over the last dim (a spatial dim of a field).
+_KNOWN_LOCAL: dict[str, Callable[[nn.Module], bool]] = {
+    f"{package}.{name}": check
+    for package in ("physicsnemo.nn.module.activations", "physicsnemo.models.layers.activations")
+    for name, check in (
+        ("Identity", lambda m: True),
+        ("Sin", lambda m: True),
+        ("SquarePlus", lambda m: type(getattr(m, "b", None)) in (int, float)),
+    )
+}
+
+
+def known_local(m: nn.Module) -> bool:
+    """Whether ``m`` is an instance of exactly one of the other libraries' token-local classes
+    the style knows (``_KNOWN_LOCAL``), with no parameters, buffers or children of its own."""
+    t = type(m)
+    check = _KNOWN_LOCAL.get(f"{t.__module__}.{t.__qualname__}")
+    bare = not any(True for _ in m.parameters()) and not any(True for _ in m.buffers())
+    return check is not None and bare and not list(m.children()) and check(m)
+
 
 def layer_depth() -> int:
     """How many domain layers are running now (0: model code between them)."""
@@ -224,7 +248,7 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         return "local", None
     if name.endswith(("RMSNorm", "RMS_norm")) and not list(m.children()):
         return "local", None  # diffusers' RMS norms: over channels
-    if isinstance(m, _LOCAL):
+    if isinstance(m, _LOCAL) or known_local(m):
         return "local", None
     if isinstance(m, nn.Linear):
         return "linear", None
@@ -237,8 +261,10 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
     if list(m.children()) or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         return "container", None
     return "", (
-        f"{name} is not known to the domain-parallel style. Fix: if it acts on each position "
-        f"alone (over channels), pass DomainParallel(..., local=({name},))"
+        f"{name} ({t.__module__}) is not known to the domain-parallel style (it knows torch.nn's "
+        "token-local modules and physicsnemo's Identity, Sin and SquarePlus, by exact class). "
+        f"Fix: if it acts on each position alone (elementwise, or over channels only), pass "
+        f"DomainParallel(..., local=({name},))"
     )
 
 
