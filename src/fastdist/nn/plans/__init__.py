@@ -15,13 +15,18 @@ One file per concern:
 * ``hooks``: the code a row needs where data cannot say it (DeepSeek's `LatentAttention`, the
   MoE block's `SequenceGather`, Falcon's layouts);
 * ``dit``: diffusers' diffusion transformers: context-parallel plans (`wan`, `ltx_video`,
-  `sd3`, `flux`, `cogvideox`, `qwen_image`, `flux2`, `hunyuan_video`);
+  `sd3`, `flux`, `cogvideox`, `qwen_image`, `flux2`, `hunyuan_video`), each family's record
+  (`DitFamily`, with its tensor-parallel `TpSplit`);
+* ``dit_tp``: tensor x context parallelism of those DiTs, heads over ``tp`` and tokens over
+  ``sp`` (``dit_tp.dit_tp(family, ...)``, ``dit_tp.wan_tp``: the module is imported here under
+  its name, its functions are not re-exported);
 * ``auto``: the same record read off a model nobody wrote a row for (`AutoPlan`);
 * ``registry``: the table by ``config.model_type`` (`TABLE`) and `plan`.
 
 The table of what is tested for each family is in ``docs/models.md``.
 """
 
+from fastdist.nn.plans import dit_tp  # the module (fastdist.nn.plans.dit_tp.wan_tp, dit_tp)
 from fastdist.nn.plans.auto import AutoPlan, infer
 from fastdist.nn.plans.dit import (
     cogvideox,
@@ -47,6 +52,7 @@ __all__ = [
     "SequenceGather",
     "build_plan",
     "cogvideox",
+    "dit_tp",
     "flux",
     "flux2",
     "hunyuan_video",
