@@ -435,6 +435,12 @@ def wan_tp(
     block's attentions' heads and FFN over ``tp``, the tokens over ``axis`` as in
     `fastdist.nn.plans.wan`.
 
+    Args:
+        model: the model (or ``None``): only read to refuse one this plan does not fit.
+        mesh: the mesh it will run on (``None``: not checked); must have ``axis`` and ``tp``.
+        tp: the tensor-parallel axis.
+        options: ``axis``, ``mode``, ``ring_axis`` as in `fastdist.nn.plans.dit.family_plan`.
+
     >>> style = wan_tp(mode="ring")[""]
     >>> style.tp, style.context.axis, style.context.mode
     ('tp', 'sp', 'ring')
