@@ -66,12 +66,14 @@ BUILD: dict[str, Callable[[], tuple[nn.Module, Inputs]]] = {
 }
 
 
-def run_tp(case: str, mode: str = "ulysses") -> None:
-    """``case`` on a simulated sp 2 x tp 2 mesh against one device."""
+def run_tp(case: str, mode: str = "ulysses", axes: dict[str, int] | None = None) -> None:
+    """``case`` on a simulated mesh (sp 2 x tp 2; with ``"usp"``, cp 2 the ring's axis) against
+    one device."""
     model, x = BUILD[case]()
     out, grads = reference(copy.deepcopy(model), x)
-    mesh = fd.Mesh({"sp": 2, "tp": 2})
-    pm = fd.nn.parallelize(model, mesh, dit_tp(case.split("-")[0], model, mesh, mode=mode))  # type: ignore[arg-type]
+    mesh = fd.Mesh(axes or {"sp": 2, "tp": 2})
+    kw: dict[str, Any] = {"mode": mode, "ring_axis": "cp" if mode == "usp" else None}
+    pm = fd.nn.parallelize(model, mesh, dit_tp(case.split("-")[0], model, mesh, **kw))
     got = pm(**{k: stacked(v, mesh.size) for k, v in x.items()}).sample
     got.pow(2).sum().backward()
     for r in range(mesh.size):
@@ -89,6 +91,12 @@ def test_tp_times_sp_equals_one_device(case: str) -> None:
 @pytest.mark.parametrize("case", ["flux", "hunyuan_video", "qwen_image"])
 def test_tp_times_ring_equals_one_device(case: str) -> None:
     run_tp(case, mode="ring")
+
+
+@pytest.mark.parametrize("case", ["sd3", "flux2"])
+def test_tp_times_usp_equals_one_device(case: str) -> None:
+    """cp 2 (ring) x sp 2 (Ulysses) x tp 2: 8 simulated ranks, 1 head each."""
+    run_tp(case, mode="usp", axes={"cp": 2, "sp": 2, "tp": 2})
 
 
 def test_the_split_is_the_records() -> None:
@@ -148,6 +156,13 @@ def test_refusals() -> None:
     )
     plan = {"": ContextTensorParallel(fd.nn.plans.flux()[""], split=(partial, single))}
     with pytest.raises(ParallelizeError, match=r"attn\.add_q_proj is a linear layer .* neither"):
+        fd.nn.parallelize(model, mesh, plan)
+    # an attention's projections split without its heads (the attention left out)
+    model, _ = BUILD["hunyuan_video"]()
+    double, single = DIT_FAMILIES["hunyuan_video"].tp
+    headless = TpSplit(double.blocks, (), double.column, double.row)
+    plan = {"": ContextTensorParallel(fd.nn.plans.hunyuan_video()[""], split=(headless, single))}
+    with pytest.raises(ParallelizeError, match=r"attn\.to_q is split .* does not name"):
         fd.nn.parallelize(model, mesh, plan)
     # Ulysses needs the sp ranks to divide a tp rank's heads (4 heads / 2 / 4)
     model, _ = BUILD["qwen_image"]()

@@ -141,18 +141,24 @@ def _norm_width(norm: nn.Module) -> int | None:
     return None
 
 
-def _head_dim(attn: nn.Module) -> int:
+def _head_dim(attn: nn.Module, where: str) -> int:
     """One head's width: the attention's ``head_dim``, else ``inner_dim // heads``."""
-    width = getattr(attn, "head_dim", None)
+    width, inner = getattr(attn, "head_dim", None), getattr(attn, "inner_dim", None)
     if type(width) is int:
         return width
-    return cast(int, attn.inner_dim) // cast(int, attn.heads)
+    if type(inner) is not int:
+        raise ParallelizeError(
+            f"parallelize: {where!r} ({type(attn).__name__}) has neither head_dim nor inner_dim "
+            "(diffusers' attentions have one): its heads' width is unknown. Fix: a style for "
+            "this attention class"
+        )
+    return inner // cast(int, attn.heads)
 
 
 def _width_norms(attn: nn.Module, where: str, tp: str) -> list[str]:
     """The attention's norms over all heads' features (``torch.nn.RMSNorm``, Wan's); norms over
     one head (``head_dim`` wide) stay; any other norm is refused."""
-    head, heads = _head_dim(attn), cast(int, attn.heads)
+    head, heads = _head_dim(attn, where), cast(int, attn.heads)
     wide = []
     for name, sub in attn.named_children():
         if not name.startswith("norm") or isinstance(sub, nn.Identity):
@@ -170,6 +176,22 @@ def _width_norms(attn: nn.Module, where: str, tp: str) -> list[str]:
             "parallelism alone), or a style for this norm"
         )
     return wide
+
+
+def _inside_split_attention(block: nn.Module, split: TpSplit, path: str, where: str) -> None:
+    """A linear layer inside a diffusers attention (a module with a ``processor``) is split only
+    with that attention's heads: left at all heads' count, its processor would reshape a rank's
+    columns into the wrong heads."""
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        rel = ".".join(parts[:i])
+        if hasattr(_find(block, rel), "processor") and rel not in split.attentions:
+            raise ParallelizeError(
+                f"parallelize: {where}.{path} is split over tensor parallelism inside the "
+                f"attention {where}.{rel}, whose heads the split does not name (TpSplit("
+                f"{split.blocks!r}).attentions); its processor would reshape the rank's columns "
+                f"by all heads. Fix: add {rel!r} to the attentions, or leave {path!r} out"
+            )
 
 
 def _parts(block: nn.Module, split: TpSplit, where: str) -> dict[str, tuple[int, ...]]:
@@ -327,6 +349,7 @@ class ContextTensorParallel(Style):
                 if attn is not None:
                     self._check_attention(attn, split, rel, f"{where}.{rel}", mesh)
             for path, layer, style in self._linears(block, split, where):
+                _inside_split_attention(block, split, path, where)
                 style.check(layer, f"{where}.{path}", mesh)
 
     def _split_attention(self, attn: nn.Module, where: str, ctx: StyleContext) -> None:
