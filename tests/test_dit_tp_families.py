@@ -13,6 +13,7 @@ name). Flux on gloo processes: ``test_flux_tp_on_gloo``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 import fastdist as fd
 from fastdist.errors import ParallelizeError
 from fastdist.nn.plans.dit import DIT_FAMILIES, TpSplit
-from fastdist.nn.plans.dit_tp import ContextTensorParallel, WidthRMSNorm, dit_tp
+from fastdist.nn.plans.dit_tp import ContextTensorParallel, WidthRMSNorm, dit_tp, wan_tp
 
 pytest.importorskip("diffusers")
 
@@ -63,6 +64,9 @@ BUILD: dict[str, Callable[[], tuple[nn.Module, Inputs]]] = {
     "sd3": lambda: (tiny_sd3(dual_attention_layers=(0,), qk_norm="rms_norm"), sd3_inputs()),
     "flux": lambda: (tiny_flux(), flux_inputs()),
     **{name: TINY[name] for name in ("cogvideox", "qwen_image", "flux2", "hunyuan_video")},
+    # q/k RMS norms and rotary tables over the width of all heads (cut to the rank's columns);
+    # attn2 a cross-attention to masked text
+    "ltx_video": lambda: (tiny_ltx(), ltx_inputs()),
 }
 
 
@@ -119,7 +123,7 @@ def test_the_split_is_the_records() -> None:
     assert tuple(attn2.add_k_proj.weight.shape[1:]) == (24, 48)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "cogvideox", "hunyuan_video"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "cogvideox", "hunyuan_video", "ltx_video"])
 def test_auto_picks_the_tp_plan(family: str) -> None:
     model, _ = BUILD[family]()
     mesh = fd.Mesh({"sp": 2, "tp": 2})
@@ -135,10 +139,16 @@ def test_every_family_with_a_context_plan_has_a_tp_split_or_a_reason() -> None:
 
 def test_refusals() -> None:
     mesh = fd.Mesh({"sp": 2, "tp": 2})
-    # LTX-Video rotates q and k over the width of all heads: no tp split, refused by name
-    with pytest.raises(ParallelizeError, match=r"plans.ltx_video_tp: .* over the width of all"):
-        fd.nn.parallelize(tiny_ltx(), mesh, "auto", verify=False)
-    assert ltx_inputs()  # (its builder and inputs: tests/test_context_dit_families.py)
+    # LTX-Video's tables over the width of all heads, left whole: refused at parallelize
+    ltx_plan = dit_tp("ltx_video")[""]
+    plan = {"": ContextTensorParallel(ltx_plan.context, split=ltx_plan.split)}
+    with pytest.raises(ParallelizeError, match=r"LTXVideoAttnProcessor, which rotates"):
+        fd.nn.parallelize(tiny_ltx(), mesh, plan)
+    # and cut from a module whose tables are not over that width (Wan's are per head)
+    model, x = BUILD["wan"]()
+    pm = fd.nn.parallelize(model, mesh, {"": dataclasses.replace(wan_tp()[""], rotary="rope")})
+    with pytest.raises(ParallelizeError, match=r"rotary='rope'.* not a table over the width"):
+        pm(**{k: stacked(v, mesh.size) for k, v in x.items()})
     # a norm over all heads that is not a torch RMSNorm (CogVideoX's per-head LayerNorm made
     # one over the width): never split silently
     model, _ = BUILD["cogvideox"]()

@@ -135,6 +135,8 @@ class DitFamily:
             class the plan does not fit, or ``None``.
         tp: where its blocks' heads and MLPs are split over a tensor-parallel axis
             (`fastdist.nn.plans.dit_tp.dit_tp`); empty: not built, ``no_tp`` says why.
+        tp_rotary: the module whose rotary tables span the width of all heads (LTX-Video's
+            ``rope``), cut to the rank's columns with the heads (``None``: tables per head).
         no_tp: why the family has no tensor-parallel split.
     """
 
@@ -143,6 +145,7 @@ class DitFamily:
     fields: Mapping[str, Any] = field(default_factory=dict)
     refuse: Callable[[nn.Module], str | None] | None = None
     tp: tuple[TpSplit, ...] = ()
+    tp_rotary: str | None = None
     no_tp: str = ""
 
 
@@ -173,9 +176,16 @@ DIT_FAMILIES: dict[str, DitFamily] = {
                 whole=("rope", "proj_in", "time_embed", "caption_projection"),
                 feeds=("time_embed", "caption_projection"),
             ),
-            no_tp="its attention rotates q and k with tables over the width of all heads (and "
-            "normalizes them over that width), which a split of the heads would need cut by "
-            "columns",
+            # its q/k norms and rotary tables span all heads: WidthRMSNorm, tables cut by columns
+            tp=(
+                TpSplit(
+                    "transformer_blocks",
+                    ("attn1", "attn2"),
+                    (*_under("attn1", *_QKV), *_under("attn2", *_QKV), "ff.net.0.proj"),
+                    ("attn1.to_out.0", "attn2.to_out.0", "ff.net.2"),
+                ),
+            ),
+            tp_rotary="rope",
         ),
         DitFamily(
             "sd3",

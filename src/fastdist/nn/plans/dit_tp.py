@@ -30,6 +30,7 @@ norms, modulation, embeddings, ``proj_out``  replicated over ``tp``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Unpack, cast
 
@@ -44,12 +45,14 @@ from fastdist.nn.plans.family import Plan
 from fastdist.nn.state import Layout
 from fastdist.nn.styles.base import Style, StyleContext, swap_child
 from fastdist.nn.styles.context import ContextParallel
+from fastdist.nn.styles.context_recompute import SplitRotary
 from fastdist.nn.styles.linear import ColwiseParallel, ParallelLinear, RowwiseParallel
-from fastdist.ops import psum, pvary
+from fastdist.ops import local_chunk, psum, pvary
 
 __all__ = [
     "LOCAL_COUNTS",
     "TP_PROCESSORS",
+    "WIDTH_ROTARY_PROCESSORS",
     "ContextTensorParallel",
     "WidthRMSNorm",
     "dit_tp",
@@ -95,8 +98,7 @@ class WidthRMSNorm(nn.Module):
 #: attention processors whose forward works on a rank's heads: projections, norms over one head
 #: (or over the width: `WidthRMSNorm`), a reshape by the head count or the head width, a rotary
 #: embedding per head (``head_dim`` wide: the same on every rank), the attention, the output
-#: projection. Not LTX-Video's: it rotates q and k over the whole width (its tables would need
-#: cutting by ``tp`` columns too)
+#: projection
 TP_PROCESSORS = frozenset(
     {
         "WanAttnProcessor",
@@ -109,6 +111,10 @@ TP_PROCESSORS = frozenset(
         "HunyuanVideoAttnProcessor2_0",
     }
 )
+
+#: processors that rotate q and k with tables over the width of all heads (LTX-Video's), known
+#: where `ContextTensorParallel` cuts those tables to the rank's columns (its ``rotary``)
+WIDTH_ROTARY_PROCESSORS = frozenset({"LTXVideoAttnProcessor"})
 
 #: a diffusers attention's attributes that count features of all its heads (the processors
 #: reshape by them: Qwen-Image's ``inner_dim // heads``, Flux 2's ``inner_dim`` :
@@ -194,6 +200,26 @@ def _inside_split_attention(block: nn.Module, split: TpSplit, path: str, where: 
             )
 
 
+def _cut_columns(
+    mesh: Mesh, axis: str, widths: set[int], where: str, module: nn.Module, args: Any, out: Any
+) -> Any:
+    """Forward hook of a rotary module whose tables span the width of all heads: each table
+    cut to this rank's columns over ``axis`` (its heads'), the token split it carries kept."""
+    tables = out if isinstance(out, tuple) else (out,)
+    for t in tables:
+        if not isinstance(t, Tensor) or t.shape[-1] not in widths:
+            raise ParallelizeError(
+                f"ContextTensorParallel(rotary={where!r}): its output "
+                f"{getattr(t, 'shape', type(t).__name__)} is not a table over the width of all "
+                f"heads ({sorted(widths)}), which the rank's heads' columns are cut from. Fix: "
+                "rotary=None for tables per head"
+            )
+    cut = tuple(local_chunk(t, mesh, axis, dim=-1) for t in tables)
+    if isinstance(out, SplitRotary):
+        return SplitRotary(cut, out.split)
+    return cut if isinstance(out, tuple) else cut[0]
+
+
 def _parts(block: nn.Module, split: TpSplit, where: str) -> dict[str, tuple[int, ...]]:
     """The fused layers' part sizes, read from the block (before any split)."""
     out = {}
@@ -227,6 +253,10 @@ class ContextTensorParallel(Style):
         split: where each list of blocks is split (`fastdist.nn.plans.dit.TpSplit`: the
             attentions whose heads are split, the column- and row-parallel linear layers, the
             fused ones' parts); default: Wan's.
+        rotary: the module whose rotary tables (its tensor outputs) span the width of all heads
+            (LTX-Video's ``rope``): after the context's cut to the rank's tokens, cut to the
+            rank's columns over ``tp`` (``None``: the tables are per head, as every other
+            family's); then `WIDTH_ROTARY_PROCESSORS` are split too.
 
     Refused at ``parallelize`` (naming the module and the fix): an attention whose processor is
     not in `TP_PROCESSORS`, with fused projections, with an ``nn.Linear`` the split does not
@@ -239,6 +269,7 @@ class ContextTensorParallel(Style):
     context: ContextParallel = field(default_factory=ContextParallel)
     tp: str = "tp"
     split: tuple[TpSplit, ...] = DIT_FAMILIES["wan"].tp
+    rotary: str | None = None
 
     @property
     def axis(self) -> str:
@@ -289,12 +320,19 @@ class ContextTensorParallel(Style):
     ) -> None:
         kind = type(attn).__name__
         processor = type(getattr(attn, "processor", None)).__name__
-        if processor not in TP_PROCESSORS:
+        if processor in WIDTH_ROTARY_PROCESSORS and self.rotary is None:
+            raise ParallelizeError(
+                f"parallelize: {where!r} ({kind}) runs the processor {processor}, which rotates "
+                f"q and k with tables over the width of all heads; split over {self.tp!r}, the "
+                "tables must be cut to the rank's columns. Fix: ContextTensorParallel(rotary="
+                "<the module making the tables>), as plans.dit_tp.dit_tp('ltx_video') does"
+            )
+        if processor not in TP_PROCESSORS | WIDTH_ROTARY_PROCESSORS:
             raise ParallelizeError(
                 f"parallelize: {where!r} ({kind}) runs the processor {processor}; splitting its "
-                f"heads over {self.tp!r} is built for {sorted(TP_PROCESSORS)} only (e.g. "
-                "LTX-Video's rotates q and k over the width of all heads). Fix: a mesh without "
-                f"{self.tp!r} (context parallelism alone), or a style for this processor"
+                f"heads over {self.tp!r} is built for {sorted(TP_PROCESSORS)} (and, with their "
+                f"rotary tables cut, {sorted(WIDTH_ROTARY_PROCESSORS)}) only. Fix: a mesh "
+                f"without {self.tp!r} (context parallelism alone), or a style for this processor"
             )
         if getattr(attn, "fused_projections", False):
             raise ParallelizeError(
@@ -343,6 +381,12 @@ class ContextTensorParallel(Style):
                 f"parallelize: ContextTensorParallel(tp={self.tp!r}) is also an axis of the "
                 f"token split ({self.context.axis!r}, ring {ring!r}). Fix: another mesh axis"
             )
+        if self.rotary is not None and _find(module, self.rotary) is None:
+            raise ParallelizeError(
+                f"parallelize: ContextTensorParallel(rotary={self.rotary!r}): "
+                f"{type(module).__name__} has no such module. Fix: the module making the "
+                "rotary tables"
+            )
         for split, where, block in self._where(module):
             for rel in split.attentions:
                 attn = _find(block, rel)
@@ -367,7 +411,13 @@ class ContextTensorParallel(Style):
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
-        attentions = []
+        attentions: list[nn.Module] = []
+        widths = {
+            cast(int, a.heads) * _head_dim(a, f"{w}.{rel}")
+            for split, w, b in self._where(module)
+            for rel in split.attentions
+            if (a := _find(b, rel)) is not None
+        }
         for split, where, block in self._where(module):
             linears = self._linears(block, split, where)  # fused parts read before the split
             for rel in split.attentions:
@@ -383,6 +433,9 @@ class ContextTensorParallel(Style):
         # now the split region holds the parallel layers: their parameters are pvary'd over sp
         out = self.context.apply(module, name, ctx)
         self._pvary_over_tp(attentions, ctx)
+        if self.rotary is not None:  # after the context's hook: the tables cut to my tokens
+            cut = functools.partial(_cut_columns, ctx.mesh, self.tp, widths, self.rotary)
+            module.get_submodule(self.rotary).register_forward_hook(cut)
         return out
 
     def _pvary_over_tp(self, attentions: list[nn.Module], ctx: StyleContext) -> None:
@@ -448,7 +501,10 @@ def dit_tp(
     if mesh is not None:
         mesh.axis_indices(tp, where)
     context = family_plan(fam, model, mesh, **options)[""]
-    return {"": ContextTensorParallel(context=cast(ContextParallel, context), tp=tp, split=fam.tp)}
+    style = ContextTensorParallel(
+        context=cast(ContextParallel, context), tp=tp, split=fam.tp, rotary=fam.tp_rotary
+    )
+    return {"": style}
 
 
 def wan_tp(
