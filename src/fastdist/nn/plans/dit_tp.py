@@ -1,29 +1,34 @@
-"""Tensor x context parallelism of a diffusers DiT: the heads (and the FFN's hidden features)
-over ``tp``, the tokens over ``sp`` (`ContextParallel`), in one plan entry.
+"""Tensor x context parallelism of a diffusers DiT: the heads (and the MLPs' hidden features)
+over ``tp``, the tokens over ``sp`` (`ContextParallel`), in one plan entry, for every family of
+`fastdist.nn.plans.dit.DIT_FAMILIES`: `dit_tp` reads the family's `TpSplit` records (which
+attentions' heads, which layers column- and row-parallel, the fused layers' parts) and builds
+one `ContextTensorParallel`; `wan_tp` is `dit_tp("wan")`.
 
 Why one entry (`ContextTensorParallel`, applied to the whole model) and not a plan of
 ``ContextParallel`` at ``""`` next to ``ColwiseParallel`` entries on the projections:
 `parallelize` applies the entries in module order, the model itself first, and
 ``ContextParallel`` registers the split region's parameters for ``pvary`` on the modules it
 finds then; the column- and row-parallel layers put in afterwards would be left out (their
-gradients not summed over ``sp``; today that plan fails with a ``KeyError`` inside
-`ParallelModel`). This style swaps the projections first, then applies ``ContextParallel``
-over the result.
+gradients not summed over ``sp``; `parallelize` refuses that plan). This style swaps the
+projections first, then applies ``ContextParallel`` over the result.
 
-On each rank of ``tp x sp`` (Wan's blocks; `wan_tp`):
+On each rank of ``tp x sp``, in every block of each `TpSplit`:
 
 ==========================================  ==================================================
 module                                      on rank (t, s)
 ==========================================  ==================================================
-``attn1``/``attn2`` ``to_q``/``to_k``/      column-parallel: the heads ``t*H/tp ..``
-``to_v``                                    (``attn.heads`` set to ``H/tp``)
-``norm_q``/``norm_k`` (RMSNorm over all     `WidthRMSNorm`: this rank's columns, the sum of
-heads of a token)                           squares summed over ``tp``
-``attn1``'s attention                       Ulysses / ring / USP over ``sp`` on the rank's
-                                            ``H/tp`` heads (Ulysses: ``sp`` must divide
-                                            ``H/tp``)
-``to_out.0``                                row-parallel (summed over ``tp``)
-``ffn.net.0.proj`` / ``ffn.net.2``          column- / row-parallel
+q/k/v projections (``to_q``... and the      column-parallel: the heads ``t*H/tp ..``
+text stream's ``add_*_proj``; fused ones    (`LOCAL_COUNTS`: ``attn.heads`` set to ``H/tp``,
+by parts)                                   ``inner_dim``... to the rank's share)
+q/k norms over one head                     as they are; their gradients summed over ``tp``
+q/k RMSNorm over all heads (Wan, LTX)       `WidthRMSNorm`: this rank's columns, the sum of
+                                            squares summed over ``tp``
+rotary tables over all heads (LTX)          cut to this rank's columns (``rotary``)
+the attention (self or joint)               Ulysses / ring / USP over ``sp`` on the rank's
+                                            ``H/tp`` heads of both streams (Ulysses: ``sp``
+                                            must divide ``H/tp``)
+``to_out.0``, ``to_add_out``                row-parallel (summed over ``tp``)
+MLP up (gate) / down                        column- / row-parallel (fused parts each split)
 norms, modulation, embeddings, ``proj_out``  replicated over ``tp``
 ==========================================  ==================================================
 """
