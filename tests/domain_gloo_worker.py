@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fastdist as fd
@@ -187,22 +188,96 @@ def vae_ring_grid_on_gloo() -> dict[str, Any]:
 
 
 class Checkpointed(nn.Module):
-    """A convolution recomputed by activation checkpointing in the backward."""
+    """A convolution recomputed by activation checkpointing in the backward (``reentrant``: a
+    reentrant checkpoint, which detaches its inputs)."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.conv, x, use_reentrant=self.reentrant)
+        return out
+
+
+class Up(nn.Module):
+    """A convolution, then the model's own bilinear ``F.interpolate`` (run domain-parallel by
+    the style's functional guard), then a sine (which saves the interpolation for the backward:
+    a checkpoint must recompute it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = torch.utils.checkpoint.checkpoint(self.conv, x, use_reentrant=False)
-        return out
+        return torch.sin(F.interpolate(self.conv(x), scale_factor=2, mode="bilinear"))
+
+
+class CheckpointedNet(nn.Module):
+    """Modules of a domain-parallel region checkpointed (``use_reentrant=False``): a conv block
+    with a group norm, an upsampling module whose ``F.interpolate`` the guard converts, a
+    convolution; ``how="function"``: a checkpointed function that calls ``F.interpolate``
+    itself, outside a module (refused at the forward)."""
+
+    def __init__(self, how: str = "modules") -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU())
+        self.up = Up()
+        self.out = nn.Conv2d(4, 2, 3, padding=1)
+        self.how = how
+
+    def forward(self, x: Tensor) -> Tensor:
+        def ck(f: Any, t: Tensor) -> Tensor:
+            out: Tensor = torch.utils.checkpoint.checkpoint(f, t, use_reentrant=False)
+            return out
+
+        if self.how == "function":
+            y = ck(lambda t: F.interpolate(self.block(t), scale_factor=2, mode="bilinear"), x)
+        else:
+            y = ck(self.up, ck(self.block, x))
+        return ck(self.out, y)
+
+
+def checkpointed_inputs() -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(4)
+    net = CheckpointedNet().to(F64)
+    x = torch.randn(2, 2, 8, 6, generator=g, dtype=F64)
+    return net, x, torch.randn(2, 2, 16, 12, generator=g, dtype=F64)
+
+
+def checkpointed_on_gloo() -> dict[str, Any]:
+    """One rank of 2 (H over ``h``): `CheckpointedNet` forward and backward, its modules
+    recomputed in the backward inside the region; and the refusal of a checkpointed function
+    that interpolates outside a module."""
+    mesh = fd.connect(h=2, timeout=120)
+    net, x, cot = checkpointed_inputs()
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+    xr = x.clone().requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = pm(xr)
+        (out * cot).sum().backward()
+    # 4 in the forward, 2 recomputed (the block's and up's: the last convolution saves only its
+    # input, so its checkpoint recomputes nothing)
+    convs = sum(e.name == "aten::convolution" for e in prof.events())
+    result: dict[str, Any] = {"out": out.detach(), "dx": xr.grad, "grads": pm.grads()}
+    result["convolutions"] = convs
+    bad = CheckpointedNet("function").to(F64)
+    pm2 = fd.nn.parallelize(bad, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
+    try:
+        pm2(x.clone().requires_grad_())
+        result["function"] = None
+    except fd.nn.ParallelizeError as e:
+        result["function"] = str(e)
+    return result
 
 
 def outside_region_on_gloo() -> dict[str, str]:
     """One rank of 2 (H over ``h``): the errors of a layer called directly and of one recomputed
     by activation checkpointing in the backward."""
     mesh = fd.connect(h=2, timeout=60)
-    net = Checkpointed().to(F64)
+    net = Checkpointed(reentrant=True).to(F64)
     pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
     errors = {}
     try:

@@ -523,7 +523,35 @@ def test_a_layer_outside_its_region_raises_on_gloo() -> None:
 
     for errors in run_on_gloo(outside_region_on_gloo, 2, timeout=120):
         assert "'conv' (Conv2d) ran outside its DomainParallel region" in errors["direct"]
-        assert "recomputed by activation checkpointing" in errors["checkpoint"]
+        # a reentrant checkpoint (issue 41.3: a non-reentrant one re-enters the region)
+        assert "'conv' (Conv2d) is recomputed in the backward" in errors["checkpoint"]
+        assert "reentrant checkpoint detaches them" in errors["checkpoint"]
+    checkpointed_modules_on_gloo()
+
+
+def checkpointed_modules_on_gloo() -> None:
+    """Issue 41.3, 2 gloo processes: modules of the region checkpointed with
+    ``use_reentrant=False`` (a conv block with a group norm, a module whose ``F.interpolate``
+    the guard runs domain-parallel, a convolution) are recomputed in the backward inside their
+    region: equal to one device (output, input and parameter gradients), two convolutions
+    recomputed; a checkpointed function that interpolates outside a module is refused at the
+    forward, naming the reason."""
+    from tests.dist_harness import run_on_gloo
+    from tests.domain_gloo_worker import checkpointed_inputs, checkpointed_on_gloo
+
+    net, x, cot = checkpointed_inputs()
+    xr = x.clone().requires_grad_()
+    want = net(xr)
+    (want * cot).sum().backward()
+    for got in run_on_gloo(checkpointed_on_gloo, 2, timeout=120):
+        assert torch.allclose(got["out"], want, atol=TOL)
+        assert torch.allclose(got["dx"], xr.grad, atol=TOL)  # type: ignore[arg-type]
+        for name, p in net.named_parameters():
+            assert torch.allclose(got["grads"][name], p.grad, atol=TOL), name  # type: ignore[arg-type]
+        assert got["convolutions"] == 6, got["convolutions"]
+        said = got["function"]
+        assert said is not None and "F.interpolate inside a function that" in said, said
+        assert "checkpoint a module" in said, said
 
 
 # ------------------------------------------------------------------ with data parallelism

@@ -39,6 +39,7 @@ from fastdist.nn.domain.layers import (
     is_diffusers_downsample,
     layer_depth,
 )
+from fastdist.nn.domain.recompute import Recompute, check_converted, saved_hooks_top
 from fastdist.nn.domain.windows import (
     UPSAMPLE_HALO,
     Split,
@@ -222,7 +223,12 @@ class DomainParallel(Style):
         # convolutions that take a padding before them: diffusers' Downsample2D's F.pad, a
         # ZeroPad2d before them in a Sequential
         folds = folded_pads(module)[0]
+        where = name or type(module).__name__
+        guard = _Guard(mesh, self.split, where)
+        recompute = Recompute(guard, where)  # checkpointed modules re-enter in the backward
         for sub_name, sub in module.named_modules():
+            if sub is not module:
+                recompute.install(sub, ".".join(p for p in (name, sub_name) if p))
             kind, _ = classify(sub, self.local)
             if is_diffusers_downsample(sub):
                 folds[id(getattr(sub, "conv"))] = DOWNSAMPLE_PADS  # noqa: B009
@@ -239,8 +245,6 @@ class DomainParallel(Style):
                 ctx.pvary.append((sub, pname, self.axes))  # type: ignore[arg-type]
         ctx.axes.extend(self.axes)
         module.__dict__[_DONE] = True
-        where = name or type(module).__name__
-        guard = _Guard(mesh, self.split, where)
         module.register_forward_pre_hook(
             functools.partial(_enter, self, mesh, guard, where), with_kwargs=True
         )
@@ -276,6 +280,7 @@ def _enter(
     guard.__enter__()  # type: ignore[no-untyped-call]
     guard.active = True
     state.depth += 1
+    state.frames.append(saved_hooks_top())
     return args, kwargs
 
 
@@ -386,6 +391,8 @@ def _leave(
     guard.active = False
     state = region()
     state.depth -= 1
+    if state.frames:
+        state.frames.pop()
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     pooled = frozenset(state.pooled)
     state.pooled.clear()
@@ -544,9 +551,11 @@ class _Guard(TorchFunctionMode):
         kwargs = kwargs or {}
         if layer_depth() == 0:
             if func is F.interpolate:
+                check_converted(self.where, "F.interpolate")
                 return self._interpolate(*args, **kwargs)
             call = current_attention()
             if func is F.scaled_dot_product_attention and call is not None:
+                check_converted(self.where, "F.scaled_dot_product_attention")
                 return gathered_sdpa(call, *args, **kwargs)
             if func is F.pad:
                 self._check_pad(*args, **kwargs)

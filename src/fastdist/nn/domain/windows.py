@@ -72,6 +72,8 @@ class Region:
         layers: the nesting depth of domain layers running now (their own ``F.pad`` /
             ``F.interpolate`` calls are not checked by the functional guard).
         attention: the attention modules running now (``AttentionCall``, innermost last).
+        frames: the saved-tensor hooks each running module started under (checkpointing).
+        reentered: the checkpointed modules that re-entered the region in the backward.
     """
 
     depth: int = 0
@@ -79,6 +81,11 @@ class Region:
     ragged: dict[int, tuple[int, ...]] = field(default_factory=dict)
     layers: int = 0
     attention: list[Any] = field(default_factory=list)
+    #: the saved-tensor hooks (a checkpoint's) each running module of the region started under,
+    #: the region's own first (`fastdist.nn.domain.recompute`)
+    frames: list[Any] = field(default_factory=list)
+    #: the modules recomputed in the backward that re-entered the region (their ids)
+    reentered: list[int] = field(default_factory=list)
 
 
 _REGION: ContextVar[Region | None] = ContextVar("fastdist_domain_region", default=None)
@@ -111,9 +118,9 @@ def outside_region(where: str) -> ParallelizeError:
     region's state (the ranks' rows, the functional guard)."""
     return ParallelizeError(
         f"domain parallel: {where} ran outside its DomainParallel region (called directly, or "
-        "recomputed by activation checkpointing in the backward), where it cannot know its "
-        "block. Fix: call the module the style was applied to, and no activation "
-        "checkpointing inside a domain-parallel region"
+        "recomputed by activation checkpointing in the backward with no record of its region), "
+        "where it cannot know its block. Fix: call the module the style was applied to; "
+        "checkpoint a module of the region with use_reentrant=False"
     )
 
 
