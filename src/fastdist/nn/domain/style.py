@@ -90,9 +90,11 @@ class DomainParallel(Style):
     activations, ``Linear`` over channels (checked at the call), pixel (un)shuffle; adaptive
     pooling (whole bins per block, or global: combined over the ranks); self-attention over H x W
     tokens in diffusers' ``Attention`` and Wan's ``WanAttentionBlock`` (each rank's queries over
-    the whole domain's gathered keys). Refused at ``parallelize`` time: other attention modules,
+    the whole domain's gathered keys); physicsnemo's ``Identity``, ``Sin`` and ``SquarePlus``
+    (exact classes) as token-local. Refused at ``parallelize`` time: other attention modules,
     ``Flatten``, norms over several dims, unknown leaf modules (``local=`` declares a class
-    token-local).
+    token-local). A module of the region checkpointed with ``use_reentrant=False`` re-enters
+    the region where the backward recomputes it (real ranks; `fastdist.nn.domain.recompute`).
 
     Args:
         dims: ``{dim from the end: mesh axis}``, e.g. ``{-2: "h"}`` or ``{-2: "h", -1: "w"}``.
