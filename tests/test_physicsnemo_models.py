@@ -193,16 +193,20 @@ def test_unet_on_gloo(case: GlooCase, unet_on_gloo: dict[str, Any]) -> None:
             assert torch.allclose(got["running"][name], r, atol=TOL), (rank, name)
 
 
-def test_unet_checkpointing_on_gloo_is_refused(unet_on_gloo: dict[str, Any]) -> None:
+def test_unet_checkpointing_on_gloo(unet_on_gloo: dict[str, Any]) -> None:
     """On real ranks the ``UNet``'s own activation checkpointing (``gradient_checkpointing=True``,
-    physicsnemo's default) recomputes its layers in the backward, outside the domain-parallel
-    region: the backward raises on every rank, naming the recomputed layer and the fix (no
-    activation checkpointing inside the region: ``gradient_checkpointing=False``), instead of
-    treating a block as the whole domain. (The simulated ranks recompute inside the region:
-    ``test_unet_options`` runs it there.)"""
-    for said in (r["checkpointing"] for r in unet_on_gloo["ranks"]):
-        assert said is not None and "ran outside its DomainParallel region" in said, said
-        assert "recomputed by activation checkpointing" in said, said
+    physicsnemo's default, non-reentrant) recomputes its layers in the backward, where each
+    re-enters its domain-parallel region: every rank's output, input gradient and parameter
+    gradients equal to one device's (the simulated ranks: ``test_unet_options``)."""
+    case = GlooCase("checkpointing", {-2: "h"}, (1, 2, 4, 8, 6), None, {})
+    want = one_device(case)
+    for rank, got in enumerate(r["checkpointing"] for r in unet_on_gloo["ranks"]):
+        assert "error" not in got, got.get("error")
+        assert torch.allclose(got["out"], want["out"], atol=TOL), rank
+        assert torch.allclose(got["dx"], want["dx"], atol=TOL), rank
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, g in want["grads"].items():
+            assert torch.allclose(got["grads"][name], g, atol=TOL), (rank, name)
 
 
 def test_side_by_side_with_shardtensor_on_gloo() -> None:
