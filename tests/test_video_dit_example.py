@@ -5,6 +5,7 @@ loop on one device; on simulated ranks (in this process) and under torchrun on g
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import sys
@@ -83,3 +84,36 @@ def test_example_on_gloo() -> None:
     proc = torchrun_example("video_dit.py", 4, "--mode", "ring")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout.splitlines(), proc.stdout
+
+
+def test_guidance_branches_every_prompt_keyword() -> None:
+    """SD3 takes the prompt twice: its encoder states and its pooled projections; the
+    unconditional branch gets the negative prompt's both (as diffusers' SD3 pipeline does).
+    A tensor ``uncond`` would use the prompt's pooled projections for both branches: refused;
+    the dict form equals one device."""
+    from tests.test_context_mmdit import sd3_inputs, tiny_sd3
+
+    model = tiny_sd3()
+    one = copy.deepcopy(model)  # parallelize changes the model in place
+    x = sd3_inputs()
+    g = torch.Generator().manual_seed(7)
+    neg = {
+        k: torch.randn(x[k].shape, generator=g, dtype=x[k].dtype)
+        for k in ("encoder_hidden_states", "pooled_projections")
+    }
+    with torch.no_grad():
+        cond, uncond = one(**x).sample, one(**{**x, **neg}).sample
+    want = uncond + 5.0 * (cond - uncond)
+    mesh = fd.Mesh({"cfg": 2, "sp": 2})
+    guided = fd.nn.GuidedModel(fd.nn.parallelize(model, mesh, fd.nn.plans.sd3(model, mesh)), 5.0)
+    with pytest.raises(ParallelizeError, match=r"prompt's \['pooled_projections'\].*uncond=\{"):
+        guided(**x, uncond=neg["encoder_hidden_states"])
+    with pytest.raises(ParallelizeError, match=r"prompt's \['encoder_hidden_states'\]"):
+        guided(**x, uncond={"pooled_projections": neg["pooled_projections"]})
+    torch.testing.assert_close(guided(**x, uncond=neg), want, rtol=1e-9, atol=1e-10)
+    shared = {**neg, "pooled_projections": x["pooled_projections"]}  # named: shared on purpose
+    with torch.no_grad():
+        half = one(**{**x, **shared}).sample
+    torch.testing.assert_close(
+        guided(**x, uncond=shared), half + 5.0 * (cond - half), rtol=1e-9, atol=1e-10
+    )

@@ -33,6 +33,11 @@ from fastdist.sim.simulate import simulate
 
 __all__ = ["cfg_branch", "cfg_combine", "GuidedModel"]
 
+#: diffusers keywords that carry the prompt besides its encoder states (SD3's, Flux's and
+#: HunyuanVideo's pooled text embedding; LTX-Video's and HunyuanVideo's text mask, QwenImage's):
+#: the negative prompt has its own, so a guided call must say what the unconditional branch gets
+PROMPT_KEYWORDS = ("pooled_projections", "encoder_attention_mask", "encoder_hidden_states_mask")
+
 
 def _check_axis(mesh: Mesh, axis: str, where: str) -> None:
     mesh.axis_indices(axis, where)
@@ -120,8 +125,13 @@ class GuidedModel:
             ``encoder_hidden_states``).
 
     Call it with the model's keyword inputs, whole and the same on every rank (no rank dim,
-    also on a simulated mesh), the conditional input under ``condition`` and the unconditional
-    one as ``uncond=``; it returns the guided prediction, one tensor, the same on every rank.
+    also on a simulated mesh), the conditional branch's; and ``uncond=``, the unconditional
+    branch's input under ``condition`` (a tensor), or a dict of every keyword whose value the
+    unconditional branch gets instead (e.g. SD3's ``{"encoder_hidden_states": negative,
+    "pooled_projections": negative_pooled}``). A prompt keyword of `PROMPT_KEYWORDS` given but
+    not in ``uncond`` is refused (never the prompt's value silently used for both branches):
+    to share it, name it in the dict with the same value. It returns the guided prediction,
+    one tensor, the same on every rank.
     """
 
     def __init__(
@@ -142,27 +152,55 @@ class GuidedModel:
         self.model, self.mesh, self.axis = model, mesh, axis
         self.guidance_scale, self.condition = float(guidance_scale), condition
 
-    def _simulated(self, uncond: Tensor, inputs: Mapping[str, Any]) -> Tensor:
-        world, cond = self.mesh.size, inputs[self.condition]
+    def _overrides(
+        self, uncond: Tensor | Mapping[str, Any], inputs: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        """The unconditional branch's inputs that differ from the conditional one's, checked."""
+        over = dict(uncond) if isinstance(uncond, Mapping) else {self.condition: uncond}
+        missing = [k for k in PROMPT_KEYWORDS if inputs.get(k) is not None and k not in over]
+        if self.condition not in over or missing:
+            what = [self.condition] if self.condition not in over else missing
+            keys = ", ".join(f"{k!r}: ..." for k in [self.condition, *missing])
+            raise ParallelizeError(
+                f"GuidedModel: the inputs give the prompt's {what}, and uncond= does not say "
+                "what the unconditional branch gets instead (the negative prompt has its own). "
+                f"Fix: uncond={{{keys}}} (the same value to share one)"
+            )
+        for k, v in over.items():
+            if not isinstance(v, Tensor) or not isinstance(inputs.get(k), Tensor):
+                raise ParallelizeError(
+                    f"GuidedModel: uncond[{k!r}] is {type(v).__name__} and the input is "
+                    f"{type(inputs.get(k)).__name__}: both branches' values must be tensors of "
+                    "one shape. Fix: pass the conditional value under that keyword, and a "
+                    "tensor like it (e.g. an all-ones mask) for the unconditional branch"
+                )
+        return over
+
+    def _simulated(self, over: Mapping[str, Tensor], inputs: Mapping[str, Any]) -> Tensor:
+        world = self.mesh.size
         per_rank = {
             k: v.expand(world, *v.shape) if isinstance(v, Tensor) else v for k, v in inputs.items()
         }
         branch = simulate(lambda c, u: cfg_branch(c, u, self.mesh, self.axis), self.mesh)
-        per_rank[self.condition] = branch(
-            cond.expand(world, *cond.shape), uncond.expand(world, *uncond.shape)
-        )
+        for k, uncond in over.items():
+            cond = inputs[k]
+            per_rank[k] = branch(
+                cond.expand(world, *cond.shape), uncond.expand(world, *uncond.shape)
+            )
         pred = _prediction(self.model(**per_rank))  # (world, *pred): each rank's branch
         combine = simulate(
             lambda p: cfg_combine(p, self.guidance_scale, self.mesh, self.axis), self.mesh
         )
         return combine(pred)[0]  # every rank holds the same
 
-    def __call__(self, *, uncond: Tensor, **inputs: Any) -> Tensor:
+    def __call__(self, *, uncond: Tensor | Mapping[str, Tensor], **inputs: Any) -> Tensor:
         """One guided prediction.
 
         Args:
-            uncond: the unconditional input (under the model's ``condition`` keyword).
-            inputs: the model's keyword inputs, the conditional one under ``condition``.
+            uncond: the unconditional input under the model's ``condition`` keyword (a tensor),
+                or a dict of the unconditional branch's inputs by keyword (``condition`` and
+                every prompt keyword of `PROMPT_KEYWORDS` that ``inputs`` give).
+            inputs: the model's keyword inputs, the conditional branch's.
 
         Returns:
             the guided prediction (no rank dim), the same on every rank.
@@ -172,9 +210,10 @@ class GuidedModel:
                 f"GuidedModel: no {self.condition!r} among the inputs {sorted(inputs)}: it "
                 "carries the conditional branch. Fix: pass it, or GuidedModel(condition=...)"
             )
+        over = self._overrides(uncond, inputs)
         with torch.no_grad():
             if self.mesh.backend is None:
-                return self._simulated(uncond, inputs)
-            branch = cfg_branch(inputs[self.condition], uncond, self.mesh, self.axis)
-            pred = _prediction(self.model(**{**inputs, self.condition: branch}))
+                return self._simulated(over, inputs)
+            branches = {k: cfg_branch(inputs[k], u, self.mesh, self.axis) for k, u in over.items()}
+            pred = _prediction(self.model(**{**inputs, **branches}))
             return cfg_combine(pred, self.guidance_scale, self.mesh, self.axis)
