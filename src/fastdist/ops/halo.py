@@ -225,7 +225,8 @@ def _exchange(
     first = torch.where(up < hi, up, 0)  # padding rows (past a side's width): row 0, unused
     last = torch.where(up < lo, torch.as_tensor(start, device=dev) + up, 0)
     edges = x.index_select(d, torch.cat([first, last])).movedim(d, 0)  # [2w, *rest]
-    got = apply_primitive(halo_swap_p, mesh, edges.unflatten(0, (2, w)), spec)  # [2, w, *rest]
+    pair = edges.reshape(2, w, *edges.shape[1:])
+    got = apply_primitive(halo_swap_p, mesh, pair, spec)  # [2, w, *rest]
     return got[0, :lo].movedim(0, d), got[1, :hi].movedim(0, d)
 
 

@@ -31,15 +31,17 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.domain.attention import current_attention, gathered_sdpa
 from fastdist.nn.domain.layers import (
     DOWNSAMPLE_PADS,
+    Recompute,
     Site,
+    check_converted,
     classify,
     domain_forward,
     folded_pads,
     inside_layer,
     is_diffusers_downsample,
     layer_depth,
+    saved_hooks_top,
 )
-from fastdist.nn.domain.recompute import Recompute, check_converted, saved_hooks_top
 from fastdist.nn.domain.windows import (
     UPSAMPLE_HALO,
     Split,
@@ -94,7 +96,7 @@ class DomainParallel(Style):
     (exact classes) as token-local. Refused at ``parallelize`` time: other attention modules,
     ``Flatten``, norms over several dims, unknown leaf modules (``local=`` declares a class
     token-local). A module of the region checkpointed with ``use_reentrant=False`` re-enters
-    the region where the backward recomputes it (real ranks; `fastdist.nn.domain.recompute`).
+    the region where the backward recomputes it (real ranks; `fastdist.nn.domain.layers.Recompute`).
 
     Args:
         dims: ``{dim from the end: mesh axis}``, e.g. ``{-2: "h"}`` or ``{-2: "h", -1: "w"}``.

@@ -82,7 +82,7 @@ class Region:
     layers: int = 0
     attention: list[Any] = field(default_factory=list)
     #: the saved-tensor hooks (a checkpoint's) each running module of the region started under,
-    #: the region's own first (`fastdist.nn.domain.recompute`)
+    #: the region's own first (`fastdist.nn.domain.layers.Recompute`)
     frames: list[Any] = field(default_factory=list)
     #: the modules recomputed in the backward that re-entered the region (their ids)
     reentered: list[int] = field(default_factory=list)
