@@ -167,12 +167,13 @@ def _head_dim(attn: nn.Module, where: str) -> int:
 
 
 def _width_norms(attn: nn.Module, where: str, tp: str) -> list[str]:
-    """The attention's norms over all heads' features (``torch.nn.RMSNorm``, Wan's); norms over
-    one head (``head_dim`` wide) stay; any other norm is refused."""
+    """The names of the attention's norms (its children of a ``*Norm*`` class, whatever their
+    names) over all heads' features (``torch.nn.RMSNorm``, Wan's); norms over one head
+    (``head_dim`` wide) stay; any other norm is refused."""
     head, heads = _head_dim(attn, where), cast(int, attn.heads)
     wide = []
     for name, sub in attn.named_children():
-        if not name.startswith("norm") or isinstance(sub, nn.Identity):
+        if "Norm" not in type(sub).__name__:  # LayerNorm, RMSNorm, FP32LayerNorm, GroupNorm...
             continue
         width = _norm_width(sub)
         if width == head:
