@@ -15,7 +15,7 @@ process only)::
     benchmarks/setup_physicsnemo_env.sh          # once: /tmp/pnvenv
     /tmp/pnvenv/bin/python -m pytest -p no:cacheprovider -n 0 tests/test_physicsnemo_models.py
 
-(about a minute on 2 cores). The skip asks only whether physicsnemo is installed (nothing is
+(about 3 minutes on 2 cores). The skip asks only whether physicsnemo is installed (nothing is
 imported, no stub is served where it is not): where it is, a broken import fails the file
 instead of skipping it.
 """
