@@ -97,6 +97,7 @@ def pipeline(
             f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
         )
     _refuse_dit(model)
+    _refuse_router_aux_loss(model)
     _refuse_context_parallel(plan)
     pp = mesh.shape[axis]
     if isinstance(schedule, Schedule):
@@ -167,6 +168,22 @@ def _refuse_dit(model: nn.Module) -> None:
             "instead (fastdist.nn.parallelize(model, mesh) over an 'sp' axis, "
             "fastdist.nn.plans.dit_tp.wan_tp for heads over 'tp' too) with "
             "fastdist.train.DataParallel over 'dp'"
+        )
+
+
+def _refuse_router_aux_loss(model: nn.Module) -> None:
+    """Refuse an MoE model whose loss adds transformers' load-balancing term: its last stage
+    would compute it from its own layers' router logits, per micro-batch (a wrong loss)."""
+    config = getattr(model, "config", None)
+    coef = getattr(config, "router_aux_loss_coef", 0) or 0
+    if getattr(config, "output_router_logits", False) and coef:
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} adds the router load-balancing loss "
+            f"(output_router_logits=True, router_aux_loss_coef={coef}) to its loss; a pipeline's "
+            "last stage would compute it from its own layers' router logits only, per "
+            "micro-batch, not the whole model's over the batch: a wrong loss. Fix: "
+            "model.config.output_router_logits = False (the loss without the auxiliary term), "
+            "or train without a pipeline (fastdist.nn.parallelize with expert parallelism)"
         )
 
 
