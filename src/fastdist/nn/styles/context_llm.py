@@ -71,6 +71,7 @@ from fastdist.nn.styles.causal_ring import (
     update,
     zigzag_ring,
 )
+from fastdist.nn.styles.context_recompute import in_backward
 from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
 
 __all__ = ["CausalContextParallel", "PvaryTree", "zigzag_gather", "zigzag_shard"]
@@ -285,6 +286,12 @@ def _enter_model(
             f"context parallelism over {state.axis!r}: output_hidden_states / "
             "output_attentions would return this rank's tokens only. Fix: leave them unset"
         )
+    if (
+        module.training
+        and torch.is_grad_enabled()
+        and getattr(module, "gradient_checkpointing", False)
+    ):
+        raise ParallelizeError(_RECOMPUTE.format(axis=state.axis, where=type(module).__name__))
     mask = kw.get("attention_mask")
     if isinstance(mask, Tensor) and mask.dim() != 2:
         raise ParallelizeError(
@@ -306,10 +313,34 @@ def _enter_model(
     whole_index = torch.arange(S, device=tokens.device).unsqueeze(0)  # (1, S)
     if positions is None:
         positions = whole_index
+    elif mask is None and kw.get("past_key_values") is None and _packed(positions):
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: the position_ids restart inside a row "
+            "(packed sequences, as DataCollatorWithFlattening gives), which transformers masks "
+            "apart; the split attention masks by token index only, so the documents would "
+            "attend to each other. Fix: one document per row, padded and masked with "
+            "attention_mask (labels=-100 on the padding)"
+        )
     state.index = state.shard(whole_index, 1)  # (1, S/n)
     state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
     kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
+
+
+def _packed(positions: Tensor) -> bool:
+    """Whether ``positions`` ``(1 or B, S)`` restart inside a row: transformers then attends
+    within each run of consecutive positions only (``find_packed_sequence_indices``)."""
+    return bool((torch.diff(positions, dim=-1) != 1).any())
+
+
+#: a decoder layer recomputed in backward would run after the forward's split state is gone,
+#: attending over the rank's own tokens as if they were the whole sequence (wrong gradients)
+_RECOMPUTE = (
+    "context parallelism over {axis!r}: {where} uses gradient checkpointing, whose recomputed "
+    "decoder layers are not built for CausalContextParallel (they would attend over this "
+    "rank's tokens only: wrong gradients). Fix: model.gradient_checkpointing_disable(); "
+    "context parallelism already divides the attention's activations by the axis size"
+)
 
 
 def _enter_whole(
@@ -464,6 +495,16 @@ def context_attention(
             f"context parallelism over {state.axis!r}: {type(module).__name__} is not causal; "
             "only decoder (causal) self-attention is split. Fix: a plan for this attention"
         )
+    if kwargs.get("s_aux") is not None:
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: {type(module).__name__} passes attention "
+            "sinks (s_aux, gpt-oss's per-head logit in every softmax's denominator), which the "
+            "split attention does not add (its outputs would be silently off). Fix: tensor or "
+            "expert parallelism for this model, without context_parallel"
+        )
+    if in_backward():  # a layer recomputed by a checkpoint the model's flag does not show
+        where = f"decoder layer {getattr(module, 'layer_idx', '?')}"
+        raise ParallelizeError(_RECOMPUTE.format(axis=state.axis, where=where))
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     if state.decode is not None:
         return _split_cache_attention(
