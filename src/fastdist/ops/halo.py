@@ -65,8 +65,10 @@ def halo_exchange(
 
     Shape: ``dim`` grows by ``before + after`` rows. Gradient: the transpose of the exchange:
     the gradients of the received halo rows are sent back and added into the sender's edge rows
-    (and, for ``replicate`` / ``reflect``, into the end ranks' own rows they copy). Built on
-    one collective per call (both sides at once), varying to varying.
+    (and, for ``replicate`` / ``reflect``, into the end ranks' own rows they copy). One
+    collective per call in the forward and one in the backward (both sides at once, each
+    ``max(before, after)`` rows; the exchange goes around the ring, so with a non-periodic
+    ``mode`` the first and last ranks also swap rows that are then dropped); varying to varying.
 
     Uneven blocks: ``sizes[i]`` is the row count of rank ``i`` along ``dim``; a rank's input
     may hold more rows (padding, ignored; simulated ranks share one shape, so there every
