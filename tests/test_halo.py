@@ -428,3 +428,44 @@ def _check_halo_modes_on_gloo(n: int) -> None:
         (gx,) = torch.autograd.grad(loss, x)
         for i, (start, size) in enumerate((sum(sizes[:j]), s) for j, s in enumerate(sizes)):
             assert torch.allclose(per_rank[i][k][1], gx.narrow(1, start, size), atol=TOL)
+
+
+def test_one_collective_per_split_dim_on_simulated_ranks() -> None:
+    """An H x W split (2 x 3 simulated ranks, unequal widths, zeros and circular): one
+    ``halo_swap`` per call in the forward and one in the backward, no ``ppermute``; the result
+    equals ``F.pad`` of the whole domain, forward and backward."""
+    from fastdist.core.context import COLLECTIVE_OBSERVERS
+
+    seen: list[tuple[str, bool]] = []
+
+    def observer(prim: Any, stacked: bool, tensors: Any, spec: Any, params: Any, run: Any) -> Any:
+        seen.append((prim.name, torch.is_grad_enabled()))
+        return run()
+
+    mesh = fd.Mesh({"h": 2, "w": 3})
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 6, generator=g, dtype=F64, requires_grad=True)
+
+    def rank(b: Tensor) -> Tensor:
+        b = fd.halo_exchange(b, mesh, "h", 1, (2, 1))
+        return fd.halo_exchange(b, mesh, "w", 2, (1, 0), mode="circular")
+
+    blocks_hw = x.unflatten(1, (2, 2)).unflatten(3, (3, 2)).permute(1, 3, 0, 2, 4)
+    COLLECTIVE_OBSERVERS.add(observer)
+    try:
+        out = fd.simulate(rank, mesh)(blocks_hw.reshape(6, 2, 2, 2))
+        forward = list(seen)
+        weights = torch.randn(out.shape, generator=g, dtype=F64)
+        (gx,) = torch.autograd.grad((out * weights).sum(), x)
+    finally:
+        COLLECTIVE_OBSERVERS.remove(observer)
+    assert [name for name, _ in forward] == ["halo_swap", "halo_swap"]
+    assert [name for name, _ in seen[2:]] == ["halo_swap", "halo_swap"]  # the backward
+    whole = F.pad(x, (0, 0, 2, 1))  # H: zeros, 2 before and 1 after
+    whole = torch.cat([whole[..., -1:], whole], dim=2)  # W: periodic, 1 before
+    want = torch.stack(
+        [whole[:, 2 * i : 2 * i + 5, 2 * j : 2 * j + 3] for i in range(2) for j in range(3)]
+    )
+    assert torch.equal(out, want)
+    (ref,) = torch.autograd.grad((want * weights).sum(), x)
+    assert torch.allclose(gx, ref, atol=TOL)
