@@ -502,7 +502,7 @@ class Recompute:
 
     def __init__(self, guard: Any, where: str) -> None:
         self.guard, self.where = guard, where
-        self.records: Any = WeakIdKeyDictionary()  # Tensor -> _State
+        self.records: Any = WeakIdKeyDictionary()  # Tensor -> {id(module): _State}
 
     def install(self, module: nn.Module, name: str) -> None:
         """The pre-hook and hook on ``module`` (named ``name`` for messages)."""
@@ -521,12 +521,14 @@ class Recompute:
                     frozenset(state.pooled), tuple(state.ragged.items()), tuple(state.attention)
                 )
                 for t in tensors:
-                    self.records[t] = snap
+                    self.records.setdefault(t, {})[id(m)] = snap
             state.frames.append(top)
             return
         if not in_backward():
             return  # called directly: the domain layers refuse it
-        found: _State | None = next((self.records[t] for t in tensors if t in self.records), None)
+        found: _State | None = next(
+            (self.records[t][id(m)] for t in tensors if id(m) in self.records.get(t, {})), None
+        )
         if found is None:
             raise ParallelizeError(
                 f"DomainParallel on {self.where!r}: {name!r} ({type(m).__name__}) is recomputed "
