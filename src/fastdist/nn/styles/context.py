@@ -203,7 +203,8 @@ class SplitProcessor:
         split = self._split(hidden_states, args, kwargs)
         attend = self._attend(split, hidden_states, args, kwargs)
         masks = getattr(attend, "func", None) is joint_attention  # it takes text key masks
-        with AttentionSwap(attend, self.where, key_masks=masks) as swap:
+        swap = AttentionSwap(attend, self.where, key_masks=masks)
+        with swap:  # not `as swap`: under torch.compile the mode's __enter__ returns None
             out = self.inner(attn, hidden_states, *args, **kwargs)
         if swap.calls != 1:
             raise ParallelizeError(
