@@ -263,6 +263,12 @@ def checkpointed_on_gloo() -> dict[str, Any]:
     convs = sum(e.name == "aten::convolution" for e in prof.events())
     result: dict[str, Any] = {"out": out.detach(), "dx": xr.grad, "grads": pm.grads()}
     result["convolutions"] = convs
+    net, x, cot = checkpointed_inputs()  # uneven blocks: rank 0 2 rows of H, rank 1 6
+    pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel({-2: "h"}, sizes={-2: [2, 6]})})
+    xr = x.clone().requires_grad_()
+    out = pm(xr)
+    (out * cot).sum().backward()
+    result["uneven"] = {"out": out.detach(), "dx": xr.grad, "grads": pm.grads()}
     bad = CheckpointedNet("function").to(F64)
     pm2 = fd.nn.parallelize(bad, mesh, {"": fd.nn.DomainParallel({-2: "h"})})
     try:

@@ -533,9 +533,9 @@ def checkpointed_modules_on_gloo() -> None:
     """Issue 41.3, 2 gloo processes: modules of the region checkpointed with
     ``use_reentrant=False`` (a conv block with a group norm, a module whose ``F.interpolate``
     the guard runs domain-parallel, a convolution) are recomputed in the backward inside their
-    region: equal to one device (output, input and parameter gradients), two convolutions
-    recomputed; a checkpointed function that interpolates outside a module is refused at the
-    forward, naming the reason."""
+    region: equal to one device (output, input and parameter gradients; even blocks and blocks
+    of 2 and 6 rows), two convolutions recomputed; a checkpointed function that interpolates
+    outside a module is refused at the forward, naming the reason."""
     from tests.dist_harness import run_on_gloo
     from tests.domain_gloo_worker import checkpointed_inputs, checkpointed_on_gloo
 
@@ -549,6 +549,11 @@ def checkpointed_modules_on_gloo() -> None:
         for name, p in net.named_parameters():
             assert torch.allclose(got["grads"][name], p.grad, atol=TOL), name  # type: ignore[arg-type]
         assert got["convolutions"] == 6, got["convolutions"]
+        uneven = got["uneven"]  # blocks of 2 and 6 rows
+        assert torch.allclose(uneven["out"], want, atol=TOL)
+        assert torch.allclose(uneven["dx"], xr.grad, atol=TOL)  # type: ignore[arg-type]
+        for name, p in net.named_parameters():
+            assert torch.allclose(uneven["grads"][name], p.grad, atol=TOL), name  # type: ignore[arg-type]
         said = got["function"]
         assert said is not None and "F.interpolate inside a function that" in said, said
         assert "checkpoint a module" in said, said
