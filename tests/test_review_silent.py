@@ -180,13 +180,6 @@ OWN_OPS: dict[str, tuple[Callable[[Tensor], Tensor], dict[int, str]]] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="domain/style.py _Guard: _REDUCTIONS / _MIXING / _REFUSED miss these ops (max, min, "
-    "norms, F.normalize, F.layer_norm, var_mean, nanmean, torch.gradient, constant_pad_nd, "
-    "grid_sample), and _check_reduction assumes the channels-first layout: each rank computes "
-    "over its block as if it were the whole domain",
-)
 @pytest.mark.parametrize("op", sorted(OWN_OPS))
 def test_model_code_over_a_split_dim_equals_one_device_or_raises(op: str) -> None:
     fn, dims = OWN_OPS[op]
@@ -262,12 +255,6 @@ MOVED: dict[str, tuple[Callable[[], nn.Module], dict[int, str]]] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="domain/style.py _Guard does not watch reshape/flatten/transpose of the split dims: "
-    "a flattened H x W attention (bmm + softmax) attends within the rank's block, a transposed "
-    "field runs the next layer's halo exchange along the wrong dim",
-)
 @pytest.mark.parametrize("case", sorted(MOVED))
 def test_model_code_moving_the_split_dims_equals_one_device_or_raises(case: str) -> None:
     build, dims = MOVED[case]

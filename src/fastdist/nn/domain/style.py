@@ -22,33 +22,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.nn.domain.attention import current_attention, gathered_sdpa
+from fastdist.nn.domain.guard import Guard
 from fastdist.nn.domain.layers import (
     DOWNSAMPLE_PADS,
     Recompute,
     Site,
-    check_converted,
     classify,
     domain_forward,
     folded_pads,
-    inside_layer,
     is_diffusers_downsample,
-    layer_depth,
     saved_hooks_top,
 )
-from fastdist.nn.domain.windows import (
-    UPSAMPLE_HALO,
-    Split,
-    domain_upsample,
-    ragged_sizes,
-    region,
-)
+from fastdist.nn.domain.windows import Split, ragged_sizes, region
 from fastdist.nn.styles.base import Style, StyleContext
 from fastdist.ops import (
     all_gather,
@@ -228,7 +217,7 @@ class DomainParallel(Style):
         # ZeroPad2d before them in a Sequential
         folds = folded_pads(module)[0]
         where = name or type(module).__name__
-        guard = _Guard(mesh, self.split, where)
+        guard = Guard(mesh, self.split, where)
         recompute = Recompute(guard, where)  # checkpointed modules re-enter in the backward
         for sub_name, sub in module.named_modules():
             if sub is not module:
@@ -245,6 +234,7 @@ class DomainParallel(Style):
             forward = domain_forward(kind, site, sub)
             if forward is not None:
                 sub.forward = forward
+                _watch(guard, sub, kind, site.where)
             for pname, _ in sub.named_parameters(recurse=False):
                 ctx.pvary.append((sub, pname, self.axes))  # type: ignore[arg-type]
         ctx.axes.extend(self.axes)
@@ -256,10 +246,20 @@ class DomainParallel(Style):
         return module
 
 
+def _watch(guard: Guard, sub: nn.Module, kind: str, where: str) -> None:
+    """The guard's check before a layer the style runs (its input's split dims where the field
+    has them), and after it (a split dim folded into the batch kept)."""
+    sub.register_forward_pre_hook(
+        lambda m, args, kwargs: guard.check_layer(kind, where, args, kwargs), with_kwargs=True
+    )
+    if kind not in ("attention", "linear"):
+        sub.register_forward_hook(lambda m, args, out: guard.after_layer(args, out))
+
+
 def _enter(
     style: DomainParallel,
     mesh: Mesh,
-    guard: _Guard,
+    guard: Guard,
     where: str,
     module: nn.Module,
     args: tuple[Any, ...],
@@ -386,7 +386,7 @@ class GatherV(torch.autograd.Function):
 
 
 def _leave(
-    style: DomainParallel, mesh: Mesh, guard: _Guard, module: nn.Module, args: Any, out: Any
+    style: DomainParallel, mesh: Mesh, guard: Guard, module: nn.Module, args: Any, out: Any
 ) -> Any:
     """Forward hook: the guard off (when the pre-hook got to turn it on); the output gathered
     (``output="gather"``)."""
@@ -401,6 +401,7 @@ def _leave(
     pooled = frozenset(state.pooled)
     state.pooled.clear()
     try:
+        guard.check_output(out)
         if style.output == "split":
             return out
         return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled)
@@ -442,232 +443,3 @@ def _gather_tree(
         for k in list(out.keys()):
             out[k] = _gather_tree(out[k], split, mesh, uneven, pooled)
     return out
-
-
-# ============================================================================ functional guard
-_REFUSED: dict[Any, str] = {
-    F.scaled_dot_product_attention: "self-attention over spatial tokens mixes the whole domain",
-    F.group_norm: "a functional group norm takes statistics over this rank's block only",
-    F.batch_norm: "a functional batch norm takes statistics over this rank's block only",
-    F.instance_norm: "a functional instance norm takes statistics over this rank's block only",
-    F.unfold: "a functional unfold reads past this rank's block",
-    F.fold: "a functional fold writes past this rank's block",
-    **{
-        f: "a functional pooling or convolution reads past this rank's block"
-        for f in (
-            F.adaptive_avg_pool1d,
-            F.adaptive_avg_pool2d,
-            F.adaptive_avg_pool3d,
-            F.adaptive_max_pool1d,
-            F.adaptive_max_pool2d,
-            F.adaptive_max_pool3d,
-            F.avg_pool1d,
-            F.avg_pool2d,
-            F.avg_pool3d,
-            F.max_pool1d,
-            F.max_pool2d,
-            F.max_pool3d,
-            F.conv1d,
-            F.conv2d,
-            F.conv3d,
-            F.conv_transpose1d,
-            F.conv_transpose2d,
-            F.conv_transpose3d,
-        )  # fmt: skip
-    },
-}
-
-
-#: reductions that, over a split dim, would reduce this rank's block as if it were the domain
-_REDUCTIONS = {
-    f
-    for name in ("mean", "sum", "amax", "amin", "var", "std", "logsumexp", "prod", "nansum")
-    for f in (getattr(torch, name), getattr(Tensor, name))
-}
-
-
-def _fft_dims(default: tuple[int, ...] | None, at: int) -> Any:
-    """The dims an FFT call transforms: its ``dim`` (keyword or the ``at``-th positional after
-    the input), else the last ``len(s)`` dims when ``s`` is given, else ``default`` (``None``:
-    every dim)."""
-
-    def dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        dim = kwargs.get("dim", args[at] if len(args) > at else None)
-        if dim is not None:
-            return dim
-        s = kwargs.get("s", args[0] if args and at == 1 else None)
-        if s is not None and default is None:
-            return tuple(range(-len(s), 0))
-        return range(x.dim()) if default is None else default
-
-    return dims
-
-
-def _arg_dims(name: str, at: int, default: Any) -> Any:
-    """The dims of an op that takes them as ``name`` (keyword, or the ``at``-th positional
-    after the input), else ``default`` (``None``: every dim)."""
-
-    def dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        dim = kwargs.get(name, args[at] if len(args) > at else None)
-        return (range(x.dim()) if default is None else default) if dim is None else dim
-
-    return dims
-
-
-#: ops that mix values along their dims (each output row reads every input row, or another
-#: row): over a split dim they act on this rank's block as if it were the whole domain
-_MIXING: dict[Any, Any] = {
-    **{getattr(torch.fft, n): _fft_dims((-1,), 1) for n in ("fft", "ifft", "rfft", "irfft")},
-    **{getattr(torch.fft, n): _fft_dims((-1,), 1) for n in ("hfft", "ihfft")},
-    **{getattr(torch.fft, n): _fft_dims((-2, -1), 1) for n in ("fft2", "ifft2", "rfft2")},
-    **{getattr(torch.fft, n): _fft_dims((-2, -1), 1) for n in ("irfft2", "hfft2", "ihfft2")},
-    **{getattr(torch.fft, n): _fft_dims(None, 1) for n in ("fftn", "ifftn", "rfftn", "irfftn")},
-    **{getattr(torch.fft, n): _fft_dims(None, 1) for n in ("hfftn", "ihfftn")},
-    **{getattr(torch.fft, n): _fft_dims(None, 0) for n in ("fftshift", "ifftshift")},
-    **{f: _arg_dims("dims", 1, None) for f in (torch.roll, Tensor.roll)},
-    **{f: _arg_dims("dims", 0, None) for f in (torch.flip, Tensor.flip)},
-    **{
-        f: _arg_dims("dim", 0, None)
-        for name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")
-        for f in (getattr(torch, name), getattr(Tensor, name))
-    },
-    **{
-        f: _arg_dims("dim", 0, (-1,))
-        for name in ("sort", "argsort")
-        for f in (getattr(torch, name), getattr(Tensor, name))
-    },
-}
-
-
-class _Guard(TorchFunctionMode):
-    """While a domain-parallel module runs: functional calls of the model's own code (between
-    the style's layers) that would act on this rank's block as if it were the whole domain
-    raise; ``F.interpolate`` runs domain-parallel."""
-
-    def __init__(self, mesh: Mesh, split: Split, where: str) -> None:
-        super().__init__()
-        self.mesh, self.split, self.where = mesh, split, where
-        self.active = False  # entered by the pre-hook, left by the forward hook
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if layer_depth() == 0:
-            if func is F.interpolate:
-                check_converted(self.where, "F.interpolate")
-                return self._interpolate(*args, **kwargs)
-            call = current_attention()
-            if func is F.scaled_dot_product_attention and call is not None:
-                check_converted(self.where, "F.scaled_dot_product_attention")
-                return gathered_sdpa(call, *args, **kwargs)
-            if func is F.pad:
-                self._check_pad(*args, **kwargs)
-            elif func in _REDUCTIONS:
-                self._check_reduction(func, *args, **kwargs)
-            elif func in _MIXING:
-                self._check_mixing(func, *args, **kwargs)
-            elif func in _REFUSED:
-                raise ParallelizeError(
-                    f"DomainParallel on {self.where!r}: the model calls {func.__name__} itself, "
-                    f"not through a module the style runs: {_REFUSED[func]}. Fix: use the "
-                    "torch.nn module (Conv2d, GroupNorm, ...) or end the region before it"
-                )
-        return func(*args, **kwargs)
-
-    def _check_reduction(self, func: Any, x: Any = None, *args: Any, **kwargs: Any) -> None:
-        """A reduction (``mean``, ``sum``, ``amax``, ...) over a split dim of the field: this
-        rank's block only, where one device reduces the whole domain."""
-        if not isinstance(x, Tensor):
-            return
-        dim = kwargs.get("dim", args[0] if args and not isinstance(args[0], bool) else None)
-        if isinstance(dim, (str, torch.dtype)):  # e.g. sum(dtype=...) positionally: no dims
-            dim = None
-        dims = range(x.dim()) if dim is None else dim if isinstance(dim, (tuple, list)) else [dim]
-        reduced = {int(r) % max(x.dim(), 1) for r in dims}
-        hit = [d for d, _ in self.split if x.dim() >= 2 - d and x.dim() + d in reduced]
-        if hit:
-            raise ParallelizeError(
-                f"DomainParallel on {self.where!r}: the model reduces a tensor of shape "
-                f"{tuple(x.shape)} over the split dim {hit[0]} itself ({func.__name__}): this "
-                "rank's block only, where one device reduces the whole domain. Fix: a module the "
-                "style runs (GroupNorm, a pooling), or end the domain-parallel region before it"
-            )
-
-    def _check_mixing(self, func: Any, x: Any = None, *args: Any, **kwargs: Any) -> None:
-        """An FFT, roll, flip, cumulative op or sort over a split dim of the field: each rank
-        would transform its own block as if it were the whole domain."""
-        if not isinstance(x, Tensor):
-            return
-        dims = _MIXING[func](x, args, kwargs)
-        dims = [dims] if isinstance(dims, int) else dims
-        spanned = {int(r) % max(x.dim(), 1) for r in dims}
-        hit = [d for d, _ in self.split if x.dim() >= 2 - d and x.dim() + d in spanned]
-        if hit:
-            raise ParallelizeError(
-                f"DomainParallel on {self.where!r}: the model calls {func.__name__} over the "
-                f"split dim {hit[0]} of a tensor of shape {tuple(x.shape)} itself: each rank "
-                "would transform its own block as if it were the whole domain (an FFT, a roll, "
-                "a flip, a cumulative op or a sort mixes every row of that dim). Fix: end the "
-                "domain-parallel region before it, or do not split that dim"
-            )
-
-    def _check_pad(self, x: Tensor, pad: Any, *args: Any, **kwargs: Any) -> None:
-        for j in range(len(pad) // 2):  # pad[2j], pad[2j+1]: dim -1-j
-            if (pad[2 * j] or pad[2 * j + 1]) and any(d == -1 - j for d, _ in self.split):
-                raise ParallelizeError(
-                    f"DomainParallel on {self.where!r}: the model pads the split dim {-1 - j} "
-                    f"itself (F.pad {tuple(pad)}): each rank would pad its own block. Fix: pad "
-                    "through the convolution (fastdist.nn.DomainConv padding=), or do not split "
-                    "that dim"
-                )
-
-    def _whole_rows(self, x: Tensor, d: int, axis: str) -> int:
-        """The whole domain's rows along the split dim ``d`` of ``x`` (uneven blocks: simulated
-        ranks' ragged sizes, or every real rank's rows)."""
-        ragged = ragged_sizes(self.mesh, axis, d, x.shape[d], self.where)
-        if ragged is not None:
-            return sum(ragged)
-        if self.mesh.backend is None:
-            return x.shape[d] * self.mesh.axis_size(axis)
-        rows = all_gather(x.new_tensor([float(x.shape[d])]), self.mesh, axis)
-        return int(rows.sum().item())
-
-    def _interpolate(
-        self,
-        x: Tensor,
-        size: Any = None,
-        scale_factor: Any = None,
-        mode: str = "nearest",
-        align_corners: bool | None = None,
-        recompute_scale_factor: bool | None = None,
-        antialias: bool = False,
-    ) -> Tensor:
-        nsp = x.dim() - 2
-        if size is not None:  # the whole domain's size: a factor per dim
-            sizes = size if isinstance(size, (tuple, list)) else [size] * nsp
-            whole = [x.shape[2 + i] for i in range(nsp)]
-            for d, a in self.split:
-                if -d <= nsp:
-                    whole[nsp + d] = self._whole_rows(x, d, a)
-            factor = [s / w for s, w in zip(sizes, whole, strict=True)]
-        else:
-            sf = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor] * nsp
-            factor = [float(s) for s in sf]
-        if (
-            mode not in UPSAMPLE_HALO
-            or align_corners
-            or antialias
-            or any(f != int(f) or f < 1 for f in factor)
-        ):
-            raise ParallelizeError(
-                f"DomainParallel on {self.where!r}: F.interpolate(mode={mode!r}, align_corners="
-                f"{align_corners}, factors {factor}) over a split field is built for integer "
-                f"factors >= 1, align_corners=False, modes {sorted(UPSAMPLE_HALO)}. Fix: such "
-                "an upsampling, or end the region before it"
-            )
-        with inside_layer():
-            return domain_upsample(
-                x, [int(f) for f in factor], mode, mesh=self.mesh, split=self.split,
-                where=self.where,
-            )  # fmt: skip
