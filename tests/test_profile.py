@@ -167,6 +167,16 @@ CASES: list[
             ("ppermute", "tp", "sendrecv", "backward", 32, 8.0),
         ],
     ),
+    # both edges of a width-1 halo along dim 0 ([2, 1, 2] floats) in one exchange, each way
+    (
+        "halo_exchange",
+        lambda x: fd.halo_exchange(x, MESH, "tp", 0, 1),
+        (4, 2),
+        [
+            ("halo_swap", "tp", "sendrecv", "forward", 16, 16.0),
+            ("halo_swap", "tp", "sendrecv", "backward", 16, 16.0),
+        ],
+    ),
     (
         "broadcast",
         lambda x: fd.broadcast(x, MESH, "tp", 1),

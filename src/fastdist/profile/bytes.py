@@ -100,6 +100,8 @@ def traffic(
         perm = list(params["perm"])
         movers = sum(1 for s, d in zip(perm[0::2], perm[1::2]) if s != d)
         return "sendrecv", _nbytes(tuple(x.shape), x.dtype), movers / n, False
+    if op == "halo_swap":  # both edges [2, w, ...]: each half to one neighbour, at once
+        return "sendrecv", _nbytes(tuple(x.shape), x.dtype), 1.0, False
     if op == "broadcast":
         return "broadcast", _nbytes(tuple(x.shape), x.dtype), 1.0, False
     if op == "all_gather_v":
