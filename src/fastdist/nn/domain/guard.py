@@ -532,15 +532,32 @@ class Guard(TorchFunctionMode):
         a cumulative op, a sort, a difference) over a dim of ``x`` that holds split rows: this
         rank's block only, where one device acts on the whole domain."""
         dims = [dims] if isinstance(dims, int) else dims
-        hit = {int(r) % max(x.dim(), 1) for r in dims} & self.layout(x).dims()
-        if hit:
-            raise self._refuse(
-                _name(func), x,
-                f"it {verb} over dim {min(hit)}, which holds split rows: each rank would act "
-                "on its own block as if it were the whole domain",
-                "a module the style runs (GroupNorm, a pooling, a convolution), end the "
-                "domain-parallel region before it, or do not split that dim",
-            )  # fmt: skip
+        lay = self.layout(x)
+        hit = {int(r) % max(x.dim(), 1) for r in dims} & lay.dims()
+        if not hit:
+            return
+        p = min(hit)
+        d = next(
+            d
+            for (d, _), a, f in zip(self.split, lay.at, lay.folded, strict=True)
+            if a == p or (f is not None and p == 0)
+        )
+        at = f"dim {p} of this tensor" + (", folded into the batch" if p not in lay.at else "")
+        short = getattr(func, "__name__", _name(func))
+        if verb == "reduces":
+            raise ParallelizeError(
+                f"DomainParallel on {self.where!r}: the model reduces a tensor of shape "
+                f"{tuple(x.shape)} over the split dim {d} itself ({short}), {at}: this rank's "
+                "block only, where one device reduces the whole domain. Fix: a module the style "
+                "runs (GroupNorm, a pooling), or end the domain-parallel region before it"
+            )
+        raise ParallelizeError(
+            f"DomainParallel on {self.where!r}: the model calls {short} over the split dim {d} "
+            f"of a tensor of shape {tuple(x.shape)} itself, {at}: each rank would transform "
+            "its own block as if it were the whole domain (an FFT, a roll, a flip, a "
+            "cumulative op, a sort or a difference mixes every row of that dim). Fix: end the "
+            "domain-parallel region before it, or do not split that dim"
+        )
 
     def _check_pad(self, func: Any, x: Tensor, pad: Any, *args: Any, **kwargs: Any) -> None:
         held = self.layout(x).dims()
@@ -688,11 +705,11 @@ class Guard(TorchFunctionMode):
                 )
 
     def after_layer(self, args: Any, out: Any) -> None:
-        """After a windowed layer: its output keeps a split dim its input had folded into the
-        batch."""
+        """After a layer (not an attention): its output keeps the layout of its input (a split dim
+        folded into the batch, the moved dims of a Linear's channels-last input)."""
         first = next(iter(_tensors(list(args))), None)
         rec: Layout | None = None if first is None else self.records.get(first)
-        if rec is not None and any(rec.folded) and isinstance(out, Tensor):
+        if rec is not None and isinstance(out, Tensor):
             if out.dim() == first.dim():  # type: ignore[union-attr]
                 self._store(out, rec)
 

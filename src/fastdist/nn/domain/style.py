@@ -252,7 +252,7 @@ def _watch(guard: Guard, sub: nn.Module, kind: str, where: str) -> None:
     sub.register_forward_pre_hook(
         lambda m, args, kwargs: guard.check_layer(kind, where, args, kwargs), with_kwargs=True
     )
-    if kind not in ("attention", "linear"):
+    if kind != "attention":
         sub.register_forward_hook(lambda m, args, out: guard.after_layer(args, out))
 
 
