@@ -306,53 +306,42 @@ def tiny_hunyuan_video(attention: bool = False) -> Any:
     )  # fmt: skip
 
 
-#: (the VAE's call, its plan key, the field, the split, the mid-block attention): the real
-#: ``decode`` / ``encode`` (the calls of ``WanDecode`` / ``WanEncode``), over H, frames, H x W
+#: (the VAE's call, its plan key, the field, the split): the real ``decode`` / ``encode`` (the
+#: calls of ``WanDecode`` / ``WanEncode``) over H (2 and 3 ranks) and H x W
 HUNYUAN_VIDEO_CASES = [
-    (WanDecode, "vae.decoder", (1, 4, 2, 4, 6), "h", False),
-    (WanEncode, "vae.encoder", (1, 3, 5, 8, 12), "h", False),
-    (WanDecode, "vae.decoder", (1, 4, 4, 4, 6), "thw", False),
-    (WanDecode, "vae.decoder", (1, 4, 2, 4, 6), "hw", True),
+    (WanDecode, "vae.decoder", (1, 4, 2, 4, 6), "h"),
+    (WanEncode, "vae.encoder", (1, 3, 5, 8, 12), "h"),
+    (WanDecode, "vae.decoder", (1, 4, 2, 6, 6), "h3"),
+    (WanDecode, "vae.decoder", (1, 4, 2, 4, 6), "hw"),
+    (WanEncode, "vae.encoder", (1, 3, 5, 8, 16), "hw"),
 ]
 
 
-@pytest.mark.parametrize(("call", "key", "shape", "split", "attention"), HUNYUAN_VIDEO_CASES)
-def test_hunyuan_video_vae_is_refused_at_the_first_call(
-    call: Any, key: str, shape: tuple[int, ...], split: str, attention: bool
-) -> None:
-    """``AutoencoderKLHunyuanVideo``'s decode and encode split over H, T x H x W or H x W: every
-    convolution is a ``HunyuanVideoCausalConv3d``, which pads H and W (replicate) and T (causal,
-    2 frames before) by hand with ``F.pad`` before a ``padding=0`` ``Conv3d``. Each rank would
-    pad its own block's edges: the first call raises, naming the padding and the split dim."""
+@pytest.mark.parametrize(("call", "key", "shape", "split"), HUNYUAN_VIDEO_CASES)
+def test_hunyuan_video_vae(call: Any, key: str, shape: tuple[int, ...], split: str) -> None:
+    """``AutoencoderKLHunyuanVideo``'s decode and encode equal to one device forward and
+    backward: every convolution is a ``HunyuanVideoCausalConv3d``, which pads H and W
+    (replicate) and T (causal, 2 frames before) by hand with ``F.pad`` before a ``padding=0``
+    ``Conv3d``; the style runs that padding as the convolution's halo (before, each rank padded
+    its own block's edges: refused)."""
+    equal_to_one_device(call(tiny_hunyuan_video()), shape, split, plan_key=key)
+
+
+@pytest.mark.parametrize(
+    ("split", "attention", "match"),
+    [("thw", False, "Tensor.squeeze"), ("hw", True, "Tensor.flatten")],
+)
+def test_hunyuan_video_vae_refusals(split: str, attention: bool, match: str) -> None:
+    """Not built, refused at the first call: a T split (``HunyuanVideoUpsampleCausal3D``
+    upsamples the first frame of its input apart from the others: per rank that would be each
+    block's first frame, a silently wrong frame count); the mid-block attention (over the
+    tokens the model flattens itself, T x H x W, with a frame-causal mask)."""
     from tests.test_domain import MESHES
 
     axes, dims = MESHES[split]
     mesh = fd.Mesh(axes)
-    pm = fd.nn.parallelize(
-        call(tiny_hunyuan_video(attention)).double(), mesh, {key: fd.nn.DomainParallel(dims)}
-    )
-    x = torch.randn(*shape, dtype=torch.float64)
-    with pytest.raises(
-        fd.nn.ParallelizeError,
-        match=rf"DomainParallel on '{key}': the model pads the split dim -\d itself "
-        r"\(F.pad \(1, 1, 1, 1, 2, 0\)\)",
-    ):
-        pm(x.expand(mesh.size, *shape))
-
-
-@pytest.mark.xfail(
-    raises=fd.nn.ParallelizeError,
-    strict=True,
-    reason="not built: HunyuanVideoCausalConv3d's own F.pad (replicate H, W; causal T) is not "
-    "folded into its convolution's halo, and the mid-block attention takes tokens the model "
-    "flattened itself (T x H x W, a frame-causal mask); see docs/domain.md",
-)
-@pytest.mark.parametrize(("call", "key", "shape", "split", "attention"), HUNYUAN_VIDEO_CASES)
-def test_hunyuan_video_vae(
-    call: Any, key: str, shape: tuple[int, ...], split: str, attention: bool
-) -> None:
-    """The goal: ``AutoencoderKLHunyuanVideo``'s decode and encode equal to one device forward
-    and backward (a strict xfail: it must raise ``ParallelizeError``, never a wrong answer; a
-    T split must also take care of ``HunyuanVideoUpsampleCausal3D``, which upsamples the first
-    frame of its input apart from the others)."""
-    equal_to_one_device(call(tiny_hunyuan_video(attention)), shape, split, plan_key=key)
+    vae = tiny_hunyuan_video(attention).double()
+    pm = fd.nn.parallelize(WanDecode(vae), mesh, {"vae.decoder": fd.nn.DomainParallel(dims)})
+    shape = (1, 4, 4, 4, 6)
+    with pytest.raises(fd.nn.ParallelizeError, match=rf"DomainParallel on 'vae.decoder'.*{match}"):
+        pm(torch.randn(*shape, dtype=torch.float64).expand(mesh.size, *shape))

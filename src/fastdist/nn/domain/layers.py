@@ -8,7 +8,7 @@ the style puts in a layer's place (the module object, its parameters and its cla
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +137,31 @@ def _is_causal_conv(m: nn.Module) -> bool:
     return isinstance(m, nn.Conv3d) and isinstance(pad, (tuple, list)) and len(pad) == 6
 
 
+#: ``F.pad`` modes a pad-then-convolve module may use, as the convolution's padding mode
+_PAD_MODES = {
+    "constant": "zeros",
+    "replicate": "replicate",
+    "reflect": "reflect",
+    "circular": "circular",
+}
+
+
+def _is_pad_then_conv(m: nn.Module) -> bool:
+    """diffusers' ``HunyuanVideoCausalConv3d``: ``F.pad(x, time_causal_padding, mode=pad_mode)``
+    (replicate on H and W, causal on T) before its ``padding=0`` ``Conv3d`` child ``conv``; the
+    style runs the padding as the convolution's halo (its forward is replaced whole)."""
+    pad, conv = getattr(m, "time_causal_padding", None), getattr(m, "conv", None)
+    return (
+        isinstance(pad, (tuple, list))
+        and len(pad) == 6
+        and type(conv) is nn.Conv3d
+        and conv.padding_mode == "zeros"
+        and tuple(conv.padding) == (0, 0, 0)  # type: ignore[arg-type]
+        and getattr(m, "pad_mode", None) in _PAD_MODES
+        and [n for n, _ in m.named_children()] == ["conv"]
+    )
+
+
 def is_diffusers_downsample(m: nn.Module) -> bool:
     """diffusers' ``Downsample2D`` with ``padding=0``: it pads ``(0, 1)`` on H and W by hand
     (``F.pad``) before its stride-2 convolution; the style folds that padding into the
@@ -213,6 +238,8 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         return "conv", None
     if _is_causal_conv(m):
         return "causal_conv", None
+    if _is_pad_then_conv(m):
+        return "pad_conv", None
     if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, _CONVTS):
         return "", (
             f"a {name} (a convolution subclass whose forward may differ from the convolution). "
@@ -290,12 +317,21 @@ def _ints(v: Any, n: int) -> tuple[int, ...]:
     return tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v),) * n
 
 
-def _conv(site: Site, m: Any, x: Tensor) -> Tensor:
+def _conv(
+    site: Site,
+    m: Any,
+    x: Tensor,
+    *,
+    pads: Sequence[tuple[int, int]] | None = None,
+    mode: str | None = None,
+) -> Tensor:
+    """A convolution; ``pads`` / ``mode``: the padding of the module that calls it (a
+    pad-then-convolve parent), in place of its own."""
     nsp = len(m.kernel_size)
     return domain_conv(
         x, m.weight, m.bias, stride=m.stride, dilation=m.dilation, groups=m.groups,
-        pads=site.pads or conv_padding(m, nsp), mode=m.padding_mode, mesh=site.mesh,
-        split=site.split, where=site.where,
+        pads=pads or site.pads or conv_padding(m, nsp), mode=mode or m.padding_mode,
+        mesh=site.mesh, split=site.split, where=site.where,
     )  # fmt: skip
 
 
@@ -315,6 +351,15 @@ def _causal_conv(site: Site, m: Any, x: Tensor, cache_x: Tensor | None = None) -
         x, m.weight, m.bias, stride=m.stride, dilation=m.dilation, groups=m.groups, pads=pads,
         mode=m.padding_mode, mesh=site.mesh, split=site.split, where=site.where,
     )  # fmt: skip
+
+
+def _pad_conv(site: Site, m: Any, x: Tensor) -> Tensor:
+    """``HunyuanVideoCausalConv3d.forward``: its ``F.pad`` as the convolution's padding."""
+    pad = list(m.time_causal_padding)  # F.pad order: W, H, T pairs
+    pads = [(pad[4], pad[5]), (pad[2], pad[3]), (pad[0], pad[1])]
+    # through the child's call: its hooks (its parameters' pvary) run, its forward is `_conv`
+    out: Tensor = m.conv(x, pads=pads, mode=_PAD_MODES[m.pad_mode])
+    return out
 
 
 def _conv_t(site: Site, m: Any, x: Tensor, output_size: Any = None) -> Tensor:
@@ -406,6 +451,7 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
     "fold_pad": _fold_pad,
     "conv": _conv,
     "causal_conv": _causal_conv,
+    "pad_conv": _pad_conv,
     "conv_t": _conv_t,
     "pool": _pool,
     "upsample": _upsample,
