@@ -134,7 +134,8 @@ def test_wan_causal_conv() -> None:
     equal_to_one_device(CachedWan(True), (1, 2, 5, 4, 4), "hw")
     net = CachedWan(True).double()
     pm = fd.nn.parallelize(net, fd.Mesh({"t": 2}), {"": fd.nn.DomainParallel({-3: "t"})})
-    with pytest.raises(fd.nn.ParallelizeError, match="cache_x"):
+    # the model slices the split T itself (x[:, :, 2:]): refused there, before the cache
+    with pytest.raises(fd.nn.ParallelizeError, match=r"cache_x|a slice slice\(2, None, None\)"):
         pm(torch.zeros(2, 1, 2, 8, 4, 4, dtype=F64))
 
 
@@ -745,3 +746,173 @@ def test_other_pass_through_lookalikes_are_refused(case: str) -> None:
     net = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), made)
     with pytest.raises(fd.nn.ParallelizeError, match=r"not known to the domain-parallel style"):
         fd.nn.parallelize(net, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+
+
+# ------------------------------------------------------------------ the model's own code: the guard
+class OwnCode(nn.Module):
+    """A convolution, the model's own code ``fn`` on its output, a convolution: what ``fn``
+    does between the style's layers is the functional guard's."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], dims: int = 2) -> None:
+        super().__init__()
+        conv = nn.Conv3d if dims == 3 else nn.Conv2d
+        self.c1, self.c2, self.fn = conv(2, 4, 3, padding=1), conv(4, 2, 3, padding=1), fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c2(self.fn(self.c1(x)))
+
+
+class FramesAsBatch(nn.Module):
+    """Wan's per-frame 2-d layers: ``[N, C, T, H, W]`` -> ``[N * T, C, H, W]`` (T merged into
+    the batch), a 2-d convolution and an upsampling, and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c3, self.c2 = nn.Conv3d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.up, self.out = nn.Upsample(scale_factor=2), nn.Conv3d(4, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.c3(x)
+        n, c, t, hh, ww = h.shape
+        h = h.permute(0, 2, 1, 3, 4).reshape(n * t, c, hh, ww)
+        h = self.c2(F.silu(self.up(h)))
+        h = h.view(n, t, c, 2 * hh, 2 * ww).permute(0, 2, 1, 3, 4)
+        return self.out(h)
+
+
+#: model code the guard follows exactly: equal to one device
+FOLLOWED: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]] = {
+    "softmax over channels, channels-last": (
+        lambda: OwnCode(lambda h: h.permute(0, 2, 3, 1).softmax(-1).permute(0, 3, 1, 2)),
+        (1, 2, 4, 6), "hw",
+    ),
+    "W and C swapped, a layer norm over C, swapped back": (
+        lambda: OwnCode(lambda h: F.layer_norm(h.transpose(1, 3), (4,)).transpose(1, 3)),
+        (1, 2, 4, 6), "w",
+    ),
+    "channel mean [N, H, W] as a gate": (
+        lambda: OwnCode(lambda h: h * torch.sigmoid(h.mean(1))[:, None]), (1, 2, 4, 6), "hw",
+    ),
+    "elementwise torch.max(x, y) / torch.min(x, y)": (
+        lambda: OwnCode(lambda h: torch.max(h, h.flip(1)) - torch.min(h, 0.5 * h)),
+        (1, 2, 4, 6), "hw",
+    ),
+    "max / norm / softmax over channels": (
+        lambda: OwnCode(
+            lambda h: F.normalize(h, dim=1) + h.amax(1, keepdim=True) + h.softmax(1)
+            + torch.linalg.vector_norm(h, dim=1, keepdim=True)
+        ),
+        (1, 2, 4, 6), "hw",
+    ),
+    "frames merged into the batch and back (T split)": (FramesAsBatch, (1, 2, 4, 4, 4), "thw"),
+    "unsqueeze, squeeze, full slices": (
+        lambda: OwnCode(lambda h: h[:, :, :, :].unsqueeze(2).squeeze(2)[None][0]),
+        (1, 2, 4, 6), "hw",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(FOLLOWED))
+def test_model_code_the_guard_follows_equals_one_device(case: str) -> None:
+    make, shape, split = FOLLOWED[case]
+    equal_to_one_device(make(), shape, split)
+
+
+def _fold_then(fn: Callable[[Tensor], Tensor]) -> nn.Module:
+    """T merged into the batch (``[N * T, C, H, W]``), then ``fn``, then back."""
+
+    def run(h: Tensor) -> Tensor:
+        n, c, t, hh, ww = h.shape
+        y = fn(h.permute(0, 2, 1, 3, 4).reshape(n * t, c, hh, ww))
+        return y.reshape(n, t, c, hh, ww).permute(0, 2, 1, 3, 4)
+
+    net = OwnCode(run, dims=3)
+    if isinstance(fn, nn.Module):
+        net.inner = fn  # a child: the style runs it
+    return net
+
+
+#: model code that would act on the block as if it were the domain: ``(net, field, dims, match)``
+F86, F88, F44, V444 = (1, 2, 8, 6), (1, 2, 8, 8), (1, 2, 4, 4), (1, 2, 4, 4, 4)
+OWN_REFUSED = [
+    (OwnCode(lambda h: h.softmax(2)), F86, {-2: "h"},
+     r"over the split dim -2 itself \(softmax\)"),
+    (OwnCode(lambda h: F.log_softmax(h, dim=-1)), F86, {-1: "w"},
+     r"split dim -1 itself \(log_softmax\)"),
+    (OwnCode(lambda h: h - h.argmax(2, keepdim=True)), F86, {-2: "h"},
+     r"\(argmax\)"),
+    (OwnCode(lambda h: h - h.median(2, keepdim=True).values), F86, {-2: "h"},
+     r"\(median\)"),
+    (OwnCode(lambda h: h - torch.nanmedian(h)), F86, {-2: "h"},
+     r"\(nanmedian\)"),
+    (OwnCode(lambda h: h.topk(2, dim=2).values.sum() + h), F86, {-2: "h"},
+     r"\(topk\)"),
+    (OwnCode(lambda h: h - h.quantile(0.5, dim=-1, keepdim=True)), F86, {-1: "w"},
+     r"\(quantile\)"),
+    (OwnCode(lambda h: h - h.logsumexp((2, 3), keepdim=True)), F86, {-2: "h"},
+     r"\(logsumexp\)"),
+    (OwnCode(lambda h: h - torch.aminmax(h).max), F86, {-2: "h"},
+     r"\(aminmax\)"),
+    (OwnCode(lambda h: h / torch.count_nonzero(h)), F86, {-2: "h"},
+     r"\(count_nonzero\)"),
+    (OwnCode(lambda h: h - torch.std_mean(h, dim=3, keepdim=True)[1]), F86, {-1: "w"},
+     r"\(std_mean\)"),
+    (OwnCode(lambda h: h / h.norm(dim=2, keepdim=True)), F86, {-2: "h"},
+     r"\(norm\)"),
+    (OwnCode(lambda h: h / torch.linalg.matrix_norm(h)[..., None, None]), F86, {-2: "h"},
+     r"\(linalg_matrix_norm\)"),
+    (OwnCode(lambda h: h / torch.linalg.norm(h)), F86, {-1: "w"},
+     r"\(linalg_norm\)"),
+    (OwnCode(lambda h: F.pad(torch.diff(h, dim=2), (0, 0, 0, 1))), F86, {-2: "h"},
+     r"diff over the split dim -2"),
+    (OwnCode(lambda h: h.rot90(1, (2, 3))), F88, {-2: "h"},
+     r"rot90 over the split dim -2"),
+    (OwnCode(lambda h: F.rms_norm(h, h.shape[2:])), F86, {-2: "h"},
+     r"\(rms_norm\)"),
+    # the channel mean [N, H, W] holds H at dim 1: a max over it is over the split dim
+    (OwnCode(lambda h: h - h.mean(1).amax(1)[:, None, None]), F86, {-2: "h"},
+     r"split dim -2 itself \(amax\), dim 1"),
+    (OwnCode(lambda h: F.pad(h[:, :, 1:], (0, 0, 1, 0))), F86, {-2: "h"},
+     r"a slice slice\(1, None, None\) of dim 2"),
+    (OwnCode(lambda h: h[:, :, :1].expand_as(h)), F86, {-2: "h"},
+     r"a slice"),
+    (OwnCode(lambda h: h[:, :, 0][:, :, None] + h), F86, {-2: "h"},
+     r"an integer index of dim 2"),
+    (OwnCode(lambda h: h.flatten(2).softmax(-1).view_as(h)), F86, {-2: "h"},
+     r"flatten.*merges a split dim with another dim"),
+    (OwnCode(lambda h: h.unflatten(2, (2, -1)).flatten(2, 3)), F86, {-2: "h"},
+     r"cuts a split dim into several"),
+    (OwnCode(lambda h: h @ torch.ones(6, 6, dtype=h.dtype)), F86, {-1: "w"},
+     r"contracts a dim that holds split rows"),
+    (OwnCode(lambda h: h.transpose(2, 3).contiguous()), F88, {-1: "w"},
+     r"'c2' \(Conv2d\) gets a tensor .* moved"),
+    (OwnCode(lambda h: h.transpose(2, 3) + h), F44, {-2: "h", -1: "w"},
+     r"combines it with a tensor"),
+    (OwnCode(lambda h: h.transpose(2, 3).mean(2, keepdim=True).expand_as(h)), F88, {-1: "w"},
+     r"split dim -1 itself \(mean\), dim 2"),
+    (_fold_then(lambda y: y - y.mean(0, keepdim=True)), V444, {-3: "t"},
+     r"split dim -3 itself \(mean\), dim 0 of this tensor, folded"),
+    (_fold_then(nn.GroupNorm(2, 4)), V444, {-3: "t"},
+     r"'inner' \(GroupNorm\) gets a tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("net", "shape", "dims", "match"), OWN_REFUSED)
+def test_model_code_over_or_moving_a_split_dim_raises_at_the_first_call(
+    net: nn.Module, shape: tuple[int, ...], dims: Mapping[int, str], match: str
+) -> None:
+    """Each call would act on the rank's block as if it were the whole domain (or cannot be
+    followed): it raises at the first call, naming the op and the split dim."""
+    mesh = fd.Mesh({a: 2 for a in dims.values()})
+    pm = fd.nn.parallelize(net.double(), mesh, {"": fd.nn.DomainParallel(dims)})
+    x = torch.randn(*shape, dtype=F64)
+    with pytest.raises(fd.nn.ParallelizeError, match=match):
+        pm(x.expand(mesh.size, *shape))
+
+
+def test_region_returning_moved_split_dims_is_refused() -> None:
+    net = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1))
+    net.register_forward_hook(lambda m, a, out: out.transpose(2, 3))
+    pm = fd.nn.parallelize(net.double(), fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    with pytest.raises(fd.nn.ParallelizeError, match="the region returns a tensor of shape"):
+        pm(torch.randn(1, 2, 8, 8, dtype=F64).expand(2, 1, 2, 8, 8))
