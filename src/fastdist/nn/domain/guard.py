@@ -336,7 +336,7 @@ def reshaped(lay: Layout, ins: Sequence[int], outs: Sequence[int]) -> Layout | s
             at.append(None)
             folded.append(None)
             continue
-        src = 0 if f is not None else p
+        src = 0 if f is not None or p is None else p
         gi, go = next((gi, go) for gi, go in groups if src in gi)
         if f is not None:  # folded in dim 0: the group is [0, ...], 0 outermost
             stride, rows = f[0] * math.prod(ins[q] for q in gi[1:]), f[1]
