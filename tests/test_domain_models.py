@@ -345,3 +345,36 @@ def test_hunyuan_video_vae_refusals(split: str, attention: bool, match: str) -> 
     shape = (1, 4, 4, 4, 6)
     with pytest.raises(fd.nn.ParallelizeError, match=rf"DomainParallel on 'vae.decoder'.*{match}"):
         pm(torch.randn(*shape, dtype=torch.float64).expand(mesh.size, *shape))
+
+
+def hunyuan_decode_on_gloo() -> dict[str, Any]:
+    """One gloo rank of H over 2 (6 latent rows: 3 + 3; W of 5 unsplit): the whole decoded
+    video, the latents' gradient and every parameter's gradient."""
+    mesh = fd.connect(h=2, timeout=120)
+    net = WanDecode(tiny_hunyuan_video()).double()
+    pm = fd.nn.parallelize(net, mesh, {"vae.decoder": fd.nn.DomainParallel({-2: "h"})})
+    z = torch.randn(1, 4, 2, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    zr = z.clone().requires_grad_()
+    out = pm(zr)
+    (out * out.detach().cos()).sum().backward()
+    return {"out": out.detach(), "dz": zr.grad, "grads": pm.grads()}
+
+
+def test_hunyuan_video_decode_on_gloo() -> None:
+    """2 gloo processes: ``AutoencoderKLHunyuanVideo``'s decode over H (its causal
+    convolutions' replicate padding as the halo at the domain's edges) equals one device
+    forward and backward."""
+    from tests.dist_harness import run_on_gloo
+
+    net = WanDecode(tiny_hunyuan_video()).double()
+    z = torch.randn(1, 4, 2, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    zr = z.clone().requires_grad_()
+    out = net(zr)
+    (out * out.detach().cos()).sum().backward()
+    used = [(n, p.grad) for n, p in net.named_parameters() if p.grad is not None]  # the decoder's
+    assert len(used) > 20
+    for got in run_on_gloo(hunyuan_decode_on_gloo, 2, timeout=180):
+        assert torch.allclose(got["out"], out, atol=1e-10)
+        assert torch.allclose(got["dz"], zr.grad, atol=1e-10)  # type: ignore[arg-type]
+        for name, g in used:
+            assert torch.allclose(got["grads"][name], g, atol=1e-10), name
