@@ -805,6 +805,13 @@ FOLLOWED: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]] = {
         (1, 2, 4, 6), "hw",
     ),
     "frames merged into the batch and back (T split)": (FramesAsBatch, (1, 2, 4, 4, 4), "thw"),
+    "cat, chunk and repeat along channels, tile of a channel": (
+        lambda: OwnCode(
+            lambda h: torch.cat([*h.chunk(2, dim=1)[::-1]], dim=1)
+            + h.repeat(1, 2, 1, 1)[:, 4:] + torch.tile(h[:, :1], (4, 1, 1))
+        ),
+        (1, 2, 4, 6), "hw",
+    ),
     "unsqueeze, squeeze, full slices": (
         lambda: OwnCode(lambda h: h[:, :, :, :].unsqueeze(2).squeeze(2)[None][0]),
         (1, 2, 4, 6), "hw",
@@ -892,6 +899,12 @@ OWN_REFUSED = [
      r"split dim -1 itself \(mean\), dim 2"),
     (_fold_then(lambda y: y - y.mean(0, keepdim=True)), V444, {-3: "t"},
      r"split dim -3 itself \(mean\), dim 0 of this tensor, folded"),
+    (OwnCode(lambda h: torch.cat([h, h], 2)[:, :, ::2]), F86, {-2: "h"},
+     r"cat over the split dim -2"),
+    (OwnCode(lambda h: torch.cat(h.chunk(2, dim=-1)[::-1], -1)), F86, {-1: "w"},
+     r"chunk over the split dim -1"),
+    (OwnCode(lambda h: h.repeat(1, 1, 2, 1)[:, :, ::2]), F86, {-2: "h"},
+     r"repeat over the split dim -2"),
     (_fold_then(nn.GroupNorm(2, 4)), V444, {-3: "t"},
      r"'inner' \(GroupNorm\) gets a tensor"),
 ]  # fmt: skip

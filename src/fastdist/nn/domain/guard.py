@@ -210,6 +210,8 @@ _MIXING: dict[Any, Any] = {
     **_both(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"), _arg_dims("dim", 0, _ALL)),
     **_both(("sort", "argsort"), _arg_dims("dim", 0, (-1,))),
     **_both(("diff",), _arg_dims("dim", 1, (-1,))),
+    **_both(("split", "chunk", "tensor_split"), _arg_dims("dim", 1, (0,))),
+    **_both(("unbind",), _arg_dims("dim", 0, (0,))),
     torch.gradient: _arg_dims("dim", -1, _ALL),
 }
 
@@ -237,6 +239,14 @@ _MOVE_IN_PLACE = {
 }
 
 _PAD = {F.pad, torch.constant_pad_nd}
+
+#: concatenations (a sequence of tensors first): along a split dim each rank would join blocks
+_CAT = {
+    f for f in (torch.cat, getattr(torch, "concat", None), getattr(torch, "concatenate", None)) if f
+}
+
+#: repetitions of the whole tensor: along a split dim each rank would repeat its block
+_REPEAT = {Tensor.repeat, Tensor.tile, torch.tile}
 
 #: calls that only read a tensor's metadata (nothing to follow)
 _META = {Tensor.dim, Tensor.size, Tensor.numel, Tensor.stride, Tensor.__len__}
@@ -511,6 +521,10 @@ class Guard(TorchFunctionMode):
                 f"through a module the style runs: {_REFUSED[func]}. Fix: use the torch.nn "
                 "module (Conv2d, GroupNorm, ...) or end the region before it"
             )
+        if func in _CAT and args and isinstance(args[0], (tuple, list)):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            for t in _tensors(args[0]):
+                self._check_dims(func, t, [dim], "mixes")
         if not isinstance(x, Tensor) or func in _META:
             return func(*args, **kwargs)
         rest = args[1:] if args and args[0] is x else args
@@ -555,7 +569,8 @@ class Guard(TorchFunctionMode):
             f"DomainParallel on {self.where!r}: the model calls {short} over the split dim {d} "
             f"of a tensor of shape {tuple(x.shape)} itself, {at}: each rank would transform "
             "its own block as if it were the whole domain (an FFT, a roll, a flip, a "
-            "cumulative op, a sort or a difference mixes every row of that dim). Fix: end the "
+            "cumulative op, a sort, a difference, a concatenation, a split or a repetition "
+            "along it mixes the rows of that dim). Fix: end the "
             "domain-parallel region before it, or do not split that dim"
         )
 
@@ -581,6 +596,12 @@ class Guard(TorchFunctionMode):
                 _name(func), x, "an in-place op that moves the dims of a tensor holding split "
                 "rows", "its out-of-place form (x = x.transpose(...))",
             )  # fmt: skip
+        if func in _REPEAT:
+            reps = _flat_ints(rest or (kwargs.get("dims", kwargs.get("sizes", ())),))
+            lead = len(reps) - x.dim()
+            hit = [p for p in held if lead + p >= 0 and reps[lead + p] != 1]
+            if hit:
+                self._check_dims(func, x, hit, "mixes")
         if func in _CONTRACT:
             other = rest[0] if rest and isinstance(rest[0], Tensor) else None
             if x.dim() - 1 in held or (
