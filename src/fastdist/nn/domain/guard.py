@@ -218,9 +218,18 @@ _MIXING: dict[Any, Any] = {
 #: ops that move dims: ``{op: (x, args, kwargs) -> the input dim at each output dim}``
 _PERMUTE = {
     **_both(("permute",), lambda x, a, k: _flat_ints(a or k.get("dims"))),
-    **_both(("transpose", "swapaxes", "swapdims"), lambda x, a, k: _swap(x.dim(), *a[:2])),
-    **_both(("movedim", "moveaxis"), lambda x, a, k: _moved(x.dim(), *a[:2])),
+    **_both(
+        ("transpose", "swapaxes", "swapdims"),
+        lambda x, a, k: _swap(x.dim(), *(a[:2] or (k["dim0"], k["dim1"]))),
+    ),
+    **_both(
+        ("movedim", "moveaxis"),
+        lambda x, a, k: _moved(x.dim(), *(a[:2] or (k["source"], k["destination"]))),
+    ),
     Tensor.t: lambda x, a, k: _swap(x.dim(), 0, 1) if x.dim() == 2 else list(range(x.dim())),
+    Tensor.T.__get__: lambda x, a, k: list(reversed(range(x.dim()))),  # type: ignore[attr-defined]
+    Tensor.mT.__get__: lambda x, a, k: _swap(x.dim(), -2, -1),  # type: ignore[attr-defined]
+    Tensor.mH.__get__: lambda x, a, k: _swap(x.dim(), -2, -1),  # type: ignore[attr-defined]
 }
 
 #: ops that reshape (the dims follow from the input's and the output's shapes)
@@ -451,15 +460,6 @@ def _name(func: Any) -> str:
     return qual.replace(".__get__", "")
 
 
-_PERMUTE.update(
-    {
-        Tensor.T.__get__: lambda x, a, k: list(reversed(range(x.dim()))),  # type: ignore[attr-defined]
-        Tensor.mT.__get__: lambda x, a, k: _swap(x.dim(), -2, -1),  # type: ignore[attr-defined]
-        Tensor.mH.__get__: lambda x, a, k: _swap(x.dim(), -2, -1),  # type: ignore[attr-defined]
-    }
-)
-
-
 class Guard(TorchFunctionMode):
     """While a domain-parallel region runs: functional calls of the model's own code (between
     the style's layers) that would act on this rank's block as if it were the whole domain
@@ -521,7 +521,7 @@ class Guard(TorchFunctionMode):
                 f"through a module the style runs: {_REFUSED[func]}. Fix: use the torch.nn "
                 "module (Conv2d, GroupNorm, ...) or end the region before it"
             )
-        if func in _CAT and args and isinstance(args[0], (tuple, list)):
+        if func in _CAT and call is None and args and isinstance(args[0], (tuple, list)):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             for t in _tensors(args[0]):
                 self._check_dims(func, t, [dim], "mixes")
