@@ -38,6 +38,7 @@ __all__ = [
     "DitFamily",
     "TpSplit",
     "cogvideox",
+    "dit_family",
     "dit_plan",
     "family_plan",
     "flux",
@@ -563,9 +564,9 @@ def is_diffusers_dit(model: nn.Module) -> bool:
 
 def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
     """``plan="auto"`` (and the default plan) of a diffusers DiT: its ready plan (context
-    parallelism over ``axis``; on a mesh with a ``tp`` axis too, its tensor x context plan,
-    `fastdist.nn.plans.dit_tp.dit_tp`); refuses one without a ready plan, naming those that
-    exist, and a mesh without ``axis``."""
+    parallelism over ``axis``; `fastdist.nn.plans.registry.plan` picks its tensor x context
+    plan, `fastdist.nn.plans.dit_tp.dit_tp`, on a mesh with a ``tp`` axis); refuses one without
+    a ready plan, naming those that exist, and a mesh without ``axis``."""
     kind = type(model).__name__
     joint = any(getattr(m, "add_q_proj", None) is not None for m in model.modules())
     if kind not in DIT_PLANS and joint:
@@ -596,9 +597,10 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
             f"Mesh({{'sp': 2}}), or plan=fastdist.nn.plans.{DIT_PLANS[kind].__name__}(model, "
             "mesh, axis=<the sequence axis>)"
         )
-    if mesh is not None and "tp" in mesh.axis_names:
-        # the tensor-parallel plans build on this module's table: imported where they are used
-        from fastdist.nn.plans.dit_tp import dit_tp
-
-        return dit_tp(DIT_PLANS[kind].__name__, model, mesh, axis=axis)
     return DIT_PLANS[kind](model, mesh, axis=axis)
+
+
+def dit_family(model: nn.Module) -> str:
+    """The name of the ready plan (and `DIT_FAMILIES` row) of a diffusers DiT that `dit_plan`
+    accepts, e.g. ``"wan"``."""
+    return DIT_PLANS[type(model).__name__].__name__

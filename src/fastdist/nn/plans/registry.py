@@ -15,7 +15,8 @@ from fastdist.errors import ParallelizeError
 from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.auto import auto_plan
 from fastdist.nn.plans.dense import DENSE
-from fastdist.nn.plans.dit import dit_plan, is_diffusers_dit
+from fastdist.nn.plans.dit import dit_family, dit_plan, is_diffusers_dit
+from fastdist.nn.plans.dit_tp import dit_tp
 from fastdist.nn.plans.family import Family, Plan, build_plan
 from fastdist.nn.plans.moe import MOE
 from fastdist.nn.styles.context_llm import CausalContextParallel
@@ -108,7 +109,10 @@ def plan(
     names = mesh.axis_names if mesh is not None else ()
     if family in (None, "auto") and isinstance(model_or_config, nn.Module):
         if is_diffusers_dit(model_or_config):  # context parallelism over "sp"
-            return dit_plan(model_or_config, mesh)
+            cp_plan = dit_plan(model_or_config, mesh)  # its checks, whatever the mesh
+            if "tp" in names:  # heads over "tp" too
+                return dit_tp(dit_family(model_or_config), model_or_config, mesh)
+            return cp_plan
     if family == "auto":
         if not isinstance(model_or_config, nn.Module):
             raise ParallelizeError(
