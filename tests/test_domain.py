@@ -812,6 +812,14 @@ FOLLOWED: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]] = {
         ),
         (1, 2, 4, 6), "hw",
     ),
+    "channels-last, cat along channels, a layer norm, back": (
+        lambda: OwnCode(
+            lambda h: F.layer_norm(
+                torch.cat([h.permute(0, 2, 3, 1), h.permute(0, 2, 3, 1)], -1), (8,)
+            )[..., :4].permute(0, 3, 1, 2)
+        ),
+        (1, 2, 4, 6), "hw",
+    ),
     "unsqueeze, squeeze, full slices": (
         lambda: OwnCode(lambda h: h[:, :, :, :].unsqueeze(2).squeeze(2)[None][0]),
         (1, 2, 4, 6), "hw",
@@ -905,6 +913,8 @@ OWN_REFUSED = [
      r"chunk over the split dim -1"),
     (OwnCode(lambda h: h.repeat(1, 1, 2, 1)[:, :, ::2]), F86, {-2: "h"},
      r"repeat over the split dim -2"),
+    (OwnCode(lambda h: torch.cat([h.mT, h.mT], 1).mean(2, keepdim=True).expand(-1, 4, -1, -1).mT),
+     F88, {-1: "w"}, r"split dim -1 itself \(mean\), dim 2"),
     (_fold_then(nn.GroupNorm(2, 4)), V444, {-3: "t"},
      r"'inner' \(GroupNorm\) gets a tensor"),
 ]  # fmt: skip

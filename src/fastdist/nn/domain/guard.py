@@ -394,8 +394,9 @@ def _index_layout(lay: Layout, x: Tensor, index: Any) -> Layout | str:
     """The layout after basic indexing ``x[index]`` (ints, slices, ``None``, ``...``), or why
     the guard cannot follow it (a split dim cut or indexed, advanced indexing)."""
     items = list(index) if isinstance(index, tuple) else [index]
-    if any(not isinstance(i, (int, slice)) and i is not None and i is not Ellipsis for i in items):
-        return "advanced indexing (a tensor or list index)"
+    basic = (i is None or i is Ellipsis or type(i) in (int, slice) for i in items)
+    if not all(basic):
+        return "advanced indexing (a tensor, list or bool index)"
     taken = sum(1 for i in items if i is not None and i is not Ellipsis)
     if items.count(Ellipsis) > 1 or taken > x.dim():
         return "an index the guard does not read"
@@ -515,6 +516,9 @@ class Guard(TorchFunctionMode):
             check_converted(self.where, "F.scaled_dot_product_attention")
             return gathered_sdpa(call, *args, **kwargs)
         x = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input")
+        if x is None and args and isinstance(args[0], (tuple, list)):  # cat, stack, ...
+            seq = _tensors(args[0])
+            x = next((t for t in seq if t in self.records), seq[0] if seq else None)
         if func in _REFUSED:
             raise ParallelizeError(
                 f"DomainParallel on {self.where!r}: the model calls {_name(func)} itself, not "
