@@ -820,6 +820,14 @@ FOLLOWED: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]] = {
         ),
         (1, 2, 4, 6), "hw",
     ),
+    "channels-last plus new_ones / new_zeros made from it": (
+        lambda: OwnCode(
+            lambda h: (lambda c: c * c.new_ones(()) + c.new_zeros(4))(
+                h.permute(0, 2, 3, 1)
+            ).permute(0, 3, 1, 2)
+        ),
+        (1, 2, 4, 6), "hw",
+    ),
     "unsqueeze, squeeze, full slices": (
         lambda: OwnCode(lambda h: h[:, :, :, :].unsqueeze(2).squeeze(2)[None][0]),
         (1, 2, 4, 6), "hw",

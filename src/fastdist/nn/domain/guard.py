@@ -257,8 +257,11 @@ _CAT = {
 #: repetitions of the whole tensor: along a split dim each rank would repeat its block
 _REPEAT = {Tensor.repeat, Tensor.tile, torch.tile}
 
-#: calls that only read a tensor's metadata (nothing to follow)
-_META = {Tensor.dim, Tensor.size, Tensor.numel, Tensor.stride, Tensor.__len__}
+#: calls that only read a tensor's metadata or make a new one from its dtype and device
+#: (nothing to follow)
+_META = {Tensor.dim, Tensor.size, Tensor.numel, Tensor.stride, Tensor.__len__} | {
+    getattr(Tensor, f"new_{n}") for n in ("zeros", "ones", "empty", "full", "tensor")
+}
 
 
 def _flat_ints(v: Any) -> list[int]:
