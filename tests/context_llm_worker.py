@@ -154,3 +154,46 @@ def moe_on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, A
         "grads": pm.grads(),
         "greedy": tokens,  # prefill split, decoding against the split KV cache
     }
+
+
+def split_logits_on_ranks(family: str, degrees: dict[str, int], mode: str) -> dict[str, Any]:
+    """One rank with ``CausalContextParallel(logits="split")``: the model's loss on `batch`
+    (with left padding and uneven ignored labels) and its gradients, and this rank's logits
+    (its zig-zag chunks; with tp, gathered over the vocabulary shards)."""
+    mesh = fd.connect(**degrees)
+    model = tm.build(family)
+    cp = CausalContextParallel("cp", mode, logits="split")  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    ids, labels, mask = split_batch()
+    out = pm(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out.loss.backward()
+    logits = out.logits.detach().contiguous()
+    if "tp" in degrees:
+        logits = fd.all_gather_invariant(logits, mesh, "tp", dim=-1)[..., :VOCAB]
+    return {
+        "cp_rank": int(fd.axis_index(mesh, "cp")),
+        "loss": out.loss.detach(),
+        "logits": logits,
+        "grads": pm.grads(),
+    }
+
+
+def split_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`batch` left-padded on row 0 (its labels -100 there) and with -100s on row 1."""
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    labels[0, :5] = -100
+    labels[1, [6, 9, 15]] = -100
+    return ids, labels, mask
+
+
+def split_one_device(family: str) -> dict[str, Any]:
+    """The unmodified model on `split_batch`: the float64 loss, logits and gradients."""
+    model = tm.build(family)
+    ids, labels, mask = split_batch()
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {"loss": loss.detach(), "logits": logits.detach(), "grads": grads}

@@ -327,10 +327,25 @@ def test_mixture_of_experts_training_step_matches_one_device(
     the router's load-balancing term (each layer's router logits gathered into the whole
     batch: the term is a product of means over every token) and every gradient equal one
     device. The router is pvary'd over cp (its gradient summed over the ranks' tokens)."""
+    _moe_step(family, axes, mode, "gathered")
+
+
+@pytest.mark.parametrize(
+    "family, axes", [("mixtral", {"cp": 2}), ("qwen3_moe", {"cp": 2, "tp": 2})]
+)
+def test_split_logits_of_a_mixture_of_experts_match_one_device(
+    family: str, axes: dict[str, int]
+) -> None:
+    """logits='split': the load-balancing term (over the gathered router logits, the same on
+    every rank) is added once to the loss summed over cp, not once per rank."""
+    _moe_step(family, axes, "ring", "split")
+
+
+def _moe_step(family: str, axes: dict[str, int], mode: str, logits: str) -> None:
     ref = tiny_models.build(family)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh(axes)
-    cp = CausalContextParallel("cp", mode)  # type: ignore[arg-type]
+    cp = CausalContextParallel("cp", mode, logits=logits)  # type: ignore[arg-type]
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
     ids, labels = batch(7)
     want = ref(input_ids=ids, labels=labels, use_cache=False)
@@ -340,7 +355,7 @@ def test_mixture_of_experts_training_step_matches_one_device(
     tol = {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(got.aux_loss, rep(want.aux_loss.detach(), mesh), **tol)
     torch.testing.assert_close(got.loss, rep(want.loss.detach(), mesh).to(got.loss.dtype), **tol)
-    if len(axes) == 1:
+    if len(axes) == 1 and logits == "gathered":
         torch.testing.assert_close(got.logits, rep(want.logits.detach(), mesh), **tolerance(family))
     got.loss.sum().backward()
     grads = pm.grads()
@@ -643,3 +658,116 @@ def test_continuing_from_a_split_cache_feeds_the_right_tokens() -> None:
     torch.testing.assert_close(got, rep(want, mesh), rtol=1e-9, atol=1e-10)
     with pytest.raises(ParallelizeError, match=r"attention_mask of 10 .* must cover every"):
         _on_ranks(pm, mesh, functools.partial(resume, 1), ids)
+
+
+# ------------------------------------------------------------------ logits="split": per-shard loss
+SPLIT_CASES: list[tuple[str, dict[str, int], str]] = [
+    ("llama", {"cp": 2}, "ring"),
+    ("llama", {"cp": 2}, "ulysses"),
+    ("llama", {"cp": 4}, "ring"),
+    ("llama", {"cp": 4}, "ulysses"),
+    ("qwen3", {"cp": 2}, "ring"),
+    ("qwen3", {"cp": 4}, "ulysses"),
+    ("llama", {"cp": 2, "tp": 2}, "ring"),  # the tp plan's vocabulary-parallel loss, composed
+    ("qwen3", {"cp": 2, "tp": 2}, "ulysses"),
+]
+
+
+def _split_pm(family: str, axes: dict[str, int], mode: str) -> tuple[Any, Any, fd.Mesh]:
+    ref = tiny_models.build(family, kv=2)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh(axes)
+    cp = CausalContextParallel("cp", mode, logits="split")  # type: ignore[arg-type]
+    return (
+        ref,
+        fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp)),
+        mesh,
+    )
+
+
+def _uneven_batch() -> tuple[Tensor, Tensor, Tensor]:
+    """Left padding on row 0 (labels -100 there), scattered -100s on row 1: each cp shard holds
+    a different count of labels (the loss must divide by the whole batch's)."""
+    ids, labels = batch(5)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    labels[0, :5] = -100
+    labels[1, [6, 9, 15]] = -100
+    return ids, labels, mask
+
+
+@pytest.mark.parametrize(
+    "family, axes, mode",
+    SPLIT_CASES,
+    ids=["-".join([f, *(f"{a}{n}" for a, n in ax.items()), m]) for f, ax, m in SPLIT_CASES],
+)
+def test_split_logits_loss_and_gradients_match_one_device(
+    family: str, axes: dict[str, int], mode: str
+) -> None:
+    """CausalContextParallel(logits='split'): the head runs on each rank's S / cp tokens (its
+    logits are the rank's zig-zag chunks of one device's), and the loss (labels shifted over the
+    whole sequence, divided by the whole batch's count, summed over cp) and every gradient are
+    one device's, however the ignored labels fall on the shards."""
+    ref, pm, mesh = _split_pm(family, axes, mode)
+    tol, n, S = tolerance(family), axes["cp"], 16
+    ids, labels, mask = _uneven_batch()
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:].chunk(2 * n, 1)
+    counts = {
+        int((torch.cat([shifted[r], shifted[2 * n - 1 - r]], 1) != -100).sum()) for r in range(n)
+    }
+    assert len(counts) > 1  # uneven over the shards
+    ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    ref_loss.backward()
+    seen: list[tuple[int, ...]] = []
+    pm.module.lm_head.register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
+    out = pm(input_ids=rep(ids, mesh), attention_mask=rep(mask, mesh), labels=rep(labels, mesh))
+    assert seen and all(s[1] == S // n for s in seen)  # the head's output: S / cp tokens
+    chunks = ref_logits.detach().chunk(2 * n, 1)
+    for c in range(n):  # rank (cp c, tp 0..): chunks c and 2n - 1 - c, every vocabulary shard
+        tps = [{"tp": i} for i in range(axes["tp"])] if "tp" in axes else [{}]
+        ranks = [mesh.rank_of({"cp": c, **tp}) for tp in tps]
+        got = torch.cat([out.logits[r] for r in ranks], -1)[..., :VOCAB]
+        want = torch.cat([chunks[c], chunks[2 * n - 1 - c]], 1)
+        torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(out.loss, rep(ref_loss.detach(), mesh), **tol)
+    out.loss.sum().backward()
+    grads = pm.grads()  # replicas checked to agree
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_split_logits_keeps_a_given_count_and_refuses_what_it_cannot_do() -> None:
+    """A caller's num_items_in_batch (gradient accumulation) divides the summed loss; generate,
+    logits_to_keep, verify, a plan without the head's pvary and a pipeline are refused."""
+    ref, pm, mesh = _split_pm("llama", {"cp": 2}, "ring")
+    ids, labels, mask = _uneven_batch()
+    logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    want = F.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="sum"
+    )
+    kw = {
+        "input_ids": rep(ids, mesh),
+        "attention_mask": rep(mask, mesh),
+        "labels": rep(labels, mesh),
+    }
+    out = pm(**kw, num_items_in_batch=40, use_cache=False)
+    torch.testing.assert_close(out.loss, rep(want.detach() / 40, mesh), rtol=1e-9, atol=1e-10)
+    with pytest.raises(ParallelizeError, match="logits_to_keep=3"):
+        pm(**kw, logits_to_keep=3)
+    with pytest.raises(ParallelizeError, match="generation .*logits='split'"):
+        pm.generate(rep(ids, mesh), max_new_tokens=2, do_sample=False)
+    model = tiny_models.build("llama", kv=2)
+    split = CausalContextParallel("cp", logits="split")
+    contiguous = CausalContextParallel("cp", layout="contiguous", logits="split")
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=contiguous)
+    with pytest.raises(ParallelizeError, match="cannot be verified: with logits='split'"):
+        fd.nn.parallelize(model, mesh, plan, verify=True)
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=split)
+    del plan["lm_head"]  # the head's gradient would be one rank's share
+    with pytest.raises(ParallelizeError, match="lm_head.weight.*pvary"):
+        fd.nn.parallelize(model, mesh, plan)
+    pp = fd.Mesh({"pp": 2, "cp": 2})
+    stage_plan = fd.nn.plans.plan(model, pp.without("pp"), context_parallel=split)
+    with pytest.raises(ParallelizeError, match="pipeline stage.*logits='gathered'"):
+        fd.train.pipeline(tiny_models.build("llama", kv=2), pp, plan=stage_plan)

@@ -16,6 +16,8 @@ from tests.context_llm_worker import (
     on_ranks,
     one_device,
     one_device_generations,
+    split_logits_on_ranks,
+    split_one_device,
 )
 from tests.dist_harness import run_on_gloo
 
@@ -170,3 +172,31 @@ def test_assisted_generation_refuses_a_split_cache_on_gloo() -> None:
         assert isinstance(got, str) and "crop(-2)" in got and 'cache="gathered"' in got, got
     for got in run_on_gloo(assisted_on_ranks, 2, "gathered", timeout=240):
         assert isinstance(got, torch.Tensor) and torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize(
+    "family,degrees,mode",
+    [("llama", {"cp": 2}, "ring"), ("qwen3", {"cp": 2, "tp": 2}, "ulysses")],
+)
+def test_split_logits_on_gloo_equal_one_device(
+    family: str, degrees: dict[str, int], mode: str
+) -> None:
+    """CausalContextParallel(logits='split') on real ranks: each rank's logits are its zig-zag
+    chunks of one device's, the loss (left padding, ignored labels uneven over the shards) and
+    every gradient are one device's."""
+    want = split_one_device(family)
+    world = 1
+    for n in degrees.values():
+        world *= n
+    tol = {"rtol": 1e-4, "atol": 1e-5} if family == "qwen3" else {"rtol": 1e-9, "atol": 1e-10}
+    n = degrees["cp"]
+    chunks = want["logits"].chunk(2 * n, 1)
+    ranks = run_on_gloo(split_logits_on_ranks, world, family, degrees, mode, timeout=240)
+    for got in ranks:
+        c = got["cp_rank"]
+        mine = torch.cat([chunks[c], chunks[2 * n - 1 - c]], 1)
+        torch.testing.assert_close(got["logits"], mine, **tol)
+        torch.testing.assert_close(got["loss"], want["loss"], **tol)
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, **tol, msg=lambda m, n=name: n)

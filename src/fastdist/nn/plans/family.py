@@ -30,7 +30,7 @@ from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.hooks import SequenceGather
 from fastdist.nn.styles.attention import HeadParallelAttention
 from fastdist.nn.styles.base import Style
-from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree
+from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree, ShardedLoss
 from fastdist.nn.styles.heads import QkvLayout
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
 from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
@@ -263,6 +263,15 @@ def add_context_parallel(plan: Plan, fam: Family, cp: CausalContextParallel) -> 
     for norm in (*(f"{layers}.*.{n}" for n in fam.norms), _join(fam.prefix, fam.final_norm)):
         old = out.get(norm)
         out[norm] = tree if old is None else (*(old if isinstance(old, tuple) else (old,)), tree)
+    if cp.logits == "split":  # the head meets the rank's tokens; the loss sums over the axis
+        if not fam.head or not fam.prefix or "" in out:
+            raise ParallelizeError(
+                "plans.plan: CausalContextParallel(logits='split') needs a causal LM with an LM "
+                f"head and a base model (this family: head {fam.head!r}, base {fam.prefix!r}). "
+                "Fix: logits='gathered'"
+            )
+        out[""] = ShardedLoss(cp.axis, base=fam.prefix)
+        out[fam.head] = (*_tuple(out[fam.head]), tree) if fam.head in out else tree
     return out
 
 

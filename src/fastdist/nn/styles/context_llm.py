@@ -21,7 +21,8 @@ What is split where (``n`` ranks of ``axis``, a sequence of ``S`` tokens cut int
   for heads (``all_to_all_4d``), attends over the whole sequence, and trades back;
 * the base model's output (after the final norm) is gathered and put back in token order
   (``all_gather_invariant``), so the LM head, the logits and the loss see the whole sequence,
-  replicated over the axis, exactly as on one device;
+  replicated over the axis, exactly as on one device; with ``logits="split"`` it stays split
+  and each rank's head and loss see its own tokens (`ShardedLoss`, the last section);
 * every parameter of the split region (decoder layers, final norm) meets this rank's tokens: the
   plan ``pvary``'s it over the axis (`PvaryTree`), so its gradient is summed over the ranks; a
   mixture-of-experts layer's router too, and each layer's ``router_logits`` are gathered into
@@ -60,6 +61,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.loss import HFCausalLMLoss
 from fastdist.nn.styles.base import SequenceSwitch, Style, StyleContext
 from fastdist.nn.styles.causal_ring import (
     Partial,
@@ -72,19 +74,36 @@ from fastdist.nn.styles.causal_ring import (
     zigzag_ring,
 )
 from fastdist.nn.styles.context_recompute import in_backward
-from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
+from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk, psum
 
-__all__ = ["CausalContextParallel", "PvaryTree", "zigzag_gather", "zigzag_shard"]
+__all__ = [
+    "CausalContextParallel",
+    "PvaryTree",
+    "ShardedLoss",
+    "SummedLoss",
+    "zigzag_gather",
+    "zigzag_shard",
+]
 
 Mode = Literal["ring", "ulysses"]
 Split = Literal["zigzag", "contiguous"]
 CacheLayout = Literal["split", "gathered"]
+#: where the base model's output goes: gathered into the whole sequence (every rank's LM head
+#: and loss see every token) or left split (each rank's head and loss see its own tokens)
+Logits = Literal["gathered", "split"]
 #: the attribute of the base model, and of every module of its decoder layers, holding the
 #: model's `ContextState` (the attention function finds it on the attention module it is given,
 #: so a copy of the model, ``copy.deepcopy``, uses its own)
 STATE_ATTR = "fastdist_context_state"
 #: the name of the attention function in transformers' registry (``config._attn_implementation``)
 ATTENTION = "fastdist_context"
+#: generation refused with ``logits="split"`` (the next token is read off the last logits)
+SPLIT_GENERATE = (
+    "context parallelism over {axis!r}: generation (a prefill or decoding step) with "
+    "CausalContextParallel(logits='split'): the head would give this rank's tokens only, and "
+    "the next token is read off the last one. Fix: generate with a model parallelized with "
+    "logits='gathered' (the default; load the trained weights into it)"
+)
 #: the attribute of a KV cache a split prefill left split: its `SplitMark`
 SPLIT_CACHE = "_fastdist_split_prefill"
 
@@ -145,6 +164,8 @@ class ContextState:
     decode: int | None = None
     #: in such a forward: the tokens so far on all ranks, the forward's own included
     decode_total: int = 0
+    #: the base model's output gathered (``"gathered"``) or left split (``"split"``)
+    logits: Logits = "gathered"
 
     @property
     def chunks(self) -> int:
@@ -299,6 +320,8 @@ def _enter_model(
             "prepared or custom mask) is not supported; only the (batch, tokens) padding mask. "
             "Fix: pass the 2-d padding mask (or none)"
         )
+    if state.logits == "split" and state.switch.decoding:
+        raise ParallelizeError(SPLIT_GENERATE.format(axis=state.axis))
     S = tokens.shape[1]
     past = _cache_length(kw.get("past_key_values"))
     if past == 0:  # an empty (new, reset) cache: a mark of an earlier prefill is stale
@@ -397,9 +420,10 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
         if isinstance(mark, SplitMark):  # the length a decoding step left
             mark.local = _cache_length(out["past_key_values"])
         return out
-    axis = state.axis
-    out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
-    batch = out["last_hidden_state"].shape[0]
+    axis, n = state.axis, state.mesh.axis_size(state.axis)
+    batch, total = out["last_hidden_state"].shape[0], out["last_hidden_state"].shape[1] * n
+    if state.logits == "gathered":  # else each rank's head sees its own tokens
+        out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
     routers = out.get("router_logits")
     if isinstance(routers, (tuple, list)) and routers:
         # mixture of experts: each layer's (B x 2c, E) router logits of this rank's tokens ->
@@ -413,8 +437,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     dynamic = ("DynamicLayer", "DynamicSlidingWindowLayer")
     if state.cache == "split" and layers and all(type(x).__name__ in dynamic for x in layers):
         # each rank keeps its tokens' keys and values; decoding steps attend over every shard
-        n = state.mesh.axis_size(axis)
-        _mark_split(cache, out["last_hidden_state"].shape[1], _cache_length(cache), axis, n)
+        _mark_split(cache, total, _cache_length(cache), axis, n)
         for layer in layers:
             if type(layer).__name__ == "DynamicSlidingWindowLayer":
                 # as its own update keeps: the rank's last window - 1 (its newest tokens: the
@@ -437,7 +460,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
         if kind == "DynamicSlidingWindowLayer":  # as its own update keeps: the last window - 1
             keep = layer.sliding_window - 1
             keys, values = keys[:, :, -keep:], values[:, :, -keep:]
-            layer.cumulative_length = out["last_hidden_state"].shape[1]
+            layer.cumulative_length = total
             layer.record_past = False
         layer.keys, layer.values = keys, values
     state.split = False
@@ -638,6 +661,13 @@ class CausalContextParallel(Style):
             a decoding step attends over every rank's shard, merged with a log-sum-exp) or
             ``"gathered"`` (every rank gathers the whole cache of its heads; decoding steps run
             whole).
+        logits: ``"gathered"`` (the base model's output gathered into the whole sequence: every
+            rank's LM head and loss see every token, as on one device) or ``"split"`` (left
+            split: each rank's head gives the logits of its own ``S / n`` tokens, in the
+            layout's order, and a ``labels=`` loss is summed over the rank's tokens, divided by
+            the whole batch's count and summed over the axis: one device's mean; the plans add
+            `ShardedLoss` on the causal LM and `PvaryTree`
+            on the head). ``"split"`` refuses generation and ``logits_to_keep``.
     """
 
     axis: str = "cp"
@@ -645,6 +675,7 @@ class CausalContextParallel(Style):
     layers: str = "layers"
     layout: Split = "zigzag"
     cache: CacheLayout = "split"
+    logits: Logits = "gathered"
 
     def unverifiable(self) -> str | None:
         if self.layout == "zigzag":
@@ -660,12 +691,13 @@ class CausalContextParallel(Style):
             self.mode not in ("ring", "ulysses")
             or self.layout not in ("zigzag", "contiguous")
             or self.cache not in ("split", "gathered")
+            or self.logits not in ("split", "gathered")
         ):
             raise ParallelizeError(
                 f"parallelize: {name!r}: CausalContextParallel(mode={self.mode!r}, "
-                f"layout={self.layout!r}, cache={self.cache!r}): the modes are 'ring' and "
-                "'ulysses', the layouts 'zigzag' and 'contiguous', the caches 'split' and "
-                "'gathered'"
+                f"layout={self.layout!r}, cache={self.cache!r}, logits={self.logits!r}): the "
+                "modes are 'ring' and 'ulysses', the layouts 'zigzag' and 'contiguous', the "
+                "caches and the logits 'split' and 'gathered'"
             )
         config = getattr(module, "config", None)
         if config is None or not hasattr(config, "_attn_implementation"):
@@ -680,11 +712,24 @@ class CausalContextParallel(Style):
                 f"parallelize: {name!r} ({type(module).__name__}) has no ModuleList "
                 f"{self.layers!r} of decoder layers. Fix: CausalContextParallel(layers=...)"
             )
+        if self.logits == "split" and any(not any(True for _ in x.parameters()) for x in layers):
+            raise ParallelizeError(
+                f"parallelize: {name!r}: CausalContextParallel(logits='split') with a decoder "
+                "layer that holds no parameters (a pipeline stage's stand-in for another "
+                "stage's layer): the last stage's loss on its own shard is not built. Fix: "
+                "logits='gathered' (the default) in a pipeline"
+            )
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
         state = ContextState(
-            ctx.mesh, self.axis, self.mode, self.layout, switch=ctx.switch, cache=self.cache
+            ctx.mesh,
+            self.axis,
+            self.mode,
+            self.layout,
+            switch=ctx.switch,
+            cache=self.cache,
+            logits=self.logits,
         )
         _register_attention(module)
         layers: Any = getattr(module, self.layers)
@@ -752,3 +797,122 @@ def _under(name: str, pattern: str) -> bool:
     """Whether the module ``name`` is ``pattern`` (``fnmatch``) or inside a module it matches."""
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+# ============================================================================ logits="split"
+# The loss on each rank's own tokens: ``CausalContextParallel(logits="split")`` leaves the base
+# model's output split, the LM head runs on the rank's ``S / n`` tokens (logits ``(B, S / n, V)``),
+# and a ``labels=`` loss equals one device's mean exactly: the labels shifted by one over the
+# WHOLE sequence first (a shard's last token predicts a label another rank holds), then cut to
+# the rank's tokens; the rank's sum divided by the WHOLE batch's count of labels not ignored
+# (``num_items_in_batch``; one a caller passes is kept); summed over the axis (`psum`: every rank
+# returns the same loss; its gradient is the identity). The head's parameters meet the rank's
+# tokens: the plan pvary's them (`PvaryTree` on the head). The loss is fastdist's
+# (`HFCausalLMLoss`, the model's dtype), vocabulary-parallel over ``tp`` where the head is.
+class SummedLoss:
+    """A causal LM's ``loss_function`` on a rank's own tokens: ``inner`` (fastdist's loss over
+    the rank's logits and its share of the shifted labels, divided by the whole batch's count)
+    summed over ``axis``: the same 0-d loss on every rank, one device's."""
+
+    def __init__(self, inner: HFCausalLMLoss, mesh: Mesh, axis: str) -> None:
+        self.inner, self.mesh, self.axis = inner, mesh, axis
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, vocab_size: int | None = None, **kwargs: Any
+    ) -> Tensor:
+        if kwargs.get("shift_labels") is None or kwargs.get("num_items_in_batch") is None:
+            raise ParallelizeError(
+                f"context parallelism over {self.axis!r} (logits='split'): the loss was called "
+                "without the rank's shifted labels and the batch's count (ShardedLoss's "
+                "forward pre-hook on the causal LM gives them). Fix: call the causal LM with "
+                "labels=, not its loss_function"
+            )
+        return psum(self.inner(logits, labels, vocab_size, **kwargs), self.mesh, self.axis)
+
+
+@dataclass(frozen=True)
+class ShardedLoss(Style):
+    """On a causal LM whose base model has ``CausalContextParallel(logits="split")`` (plan key
+    ``""``; the family plans add it): a ``labels=`` call's labels shifted over the whole
+    sequence, cut to the rank's tokens, counted over the whole batch, and the model's loss
+    summed over ``axis`` (see the module docstring). ``logits_to_keep`` is refused.
+
+    Args:
+        axis: the context-parallel axis (the base model's style's).
+        base: the base model's name in the causal LM (``"model"``).
+    """
+
+    axis: str = "cp"
+    base: str = "model"
+
+    def unverifiable(self) -> str | None:
+        return (
+            "with logits='split' the LM head gives each rank's own tokens, which verify does not "
+            "compare with the single-device logits"
+        )
+
+    def check(self, module: nn.Module, name: str, mesh: Mesh) -> None:
+        mesh.axis_indices(self.axis, "ShardedLoss")
+        if name or not hasattr(type(module), "loss_function"):
+            raise ParallelizeError(
+                f"parallelize: ShardedLoss on {name!r} ({type(module).__name__}): it goes on "
+                "the causal LM itself (plan key ''), a transformers model with a loss_function. "
+                "Fix: fastdist.nn.plans.plan(model, mesh, context_parallel="
+                "CausalContextParallel('cp', logits='split'))"
+            )
+        try:
+            module.get_submodule(self.base)
+        except AttributeError as e:
+            raise ParallelizeError(
+                f"parallelize: ShardedLoss: {type(module).__name__} has no base model "
+                f"{self.base!r}. Fix: ShardedLoss(base=...) naming it"
+            ) from e
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        self.check(module, name, ctx.mesh)
+        hook = functools.partial(_shard_labels, self, ctx.mesh)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _shard_labels(
+    style: ShardedLoss, mesh: Mesh, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of the causal LM: ``labels`` (the whole batch's, the same on every rank)
+    -> this rank's share of the labels shifted over the whole sequence (``shift_labels``, and
+    ``labels`` so that the model computes a loss), ``num_items_in_batch`` the whole batch's
+    count; the model's loss function wrapped in `SummedLoss`."""
+    state = module.get_submodule(style.base).__dict__.get(STATE_ATTR)
+    if not isinstance(state, ContextState) or state.logits != "split":
+        raise ParallelizeError(
+            f"ShardedLoss over {style.axis!r}: the base model {style.base!r} has no "
+            "CausalContextParallel(logits='split'). Fix: put both in the plan (the family "
+            "plans do, for context_parallel=CausalContextParallel('cp', logits='split'))"
+        )
+    if state.switch.decoding:  # a generation's prefill, its decoding steps
+        raise ParallelizeError(SPLIT_GENERATE.format(axis=style.axis))
+    if args:  # positional arguments by the forward's own parameter names
+        names = list(inspect.signature(module.forward).parameters)
+        kw = {**dict(zip(names, args)), **kw}
+    keep = kw.get("logits_to_keep", 0)
+    if not isinstance(keep, int) or keep:
+        raise ParallelizeError(
+            f"context parallelism over {style.axis!r}: logits_to_keep={keep!r} with "
+            "logits='split' would keep the last tokens of each rank's shard, not of the "
+            "sequence. Fix: logits_to_keep=0, or CausalContextParallel(logits='gathered')"
+        )
+    labels = kw.get("labels")
+    if labels is None or labels.shape[-1] % state.chunks:  # the base model refuses the length
+        return (), kw
+    ignore = int(kw.get("ignore_index", -100))
+    shift = kw.pop("shift_labels", None)
+    if shift is None:  # over the whole sequence: token t predicts label t + 1
+        shift = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+    if kw.get("num_items_in_batch") is None:
+        kw["num_items_in_batch"] = (shift != ignore).sum()
+    kw["labels"] = kw["shift_labels"] = state.shard(shift, 1)
+    fn = module.loss_function
+    if not isinstance(fn, SummedLoss):  # parallelize sets the tp loss after the styles
+        inner = fn if isinstance(fn, HFCausalLMLoss) else HFCausalLMLoss(mesh, style.axis, True)
+        module.loss_function = SummedLoss(inner, mesh, style.axis)  # type: ignore[assignment]
+    return (), kw
