@@ -329,7 +329,7 @@ def test_hunyuan_video_vae(call: Any, key: str, shape: tuple[int, ...], split: s
 
 @pytest.mark.parametrize(
     ("split", "attention", "match"),
-    [("thw", False, "Tensor.squeeze"), ("hw", True, "Tensor.flatten")],
+    [("thw", False, "split over the split dim -3"), ("hw", True, "Tensor.flatten")],
 )
 def test_hunyuan_video_vae_refusals(split: str, attention: bool, match: str) -> None:
     """Not built, refused at the first call: a T split (``HunyuanVideoUpsampleCausal3D``

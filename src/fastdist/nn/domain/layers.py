@@ -156,7 +156,7 @@ def _is_pad_then_conv(m: nn.Module) -> bool:
         and len(pad) == 6
         and type(conv) is nn.Conv3d
         and conv.padding_mode == "zeros"
-        and tuple(conv.padding) == (0, 0, 0)  # type: ignore[arg-type]
+        and tuple(conv.padding) == (0, 0, 0)
         and getattr(m, "pad_mode", None) in _PAD_MODES
         and [n for n, _ in m.named_children()] == ["conv"]
     )
