@@ -771,3 +771,30 @@ def test_split_logits_keeps_a_given_count_and_refuses_what_it_cannot_do() -> Non
     stage_plan = fd.nn.plans.plan(model, pp.without("pp"), context_parallel=split)
     with pytest.raises(ParallelizeError, match="pipeline stage.*logits='gathered'"):
         fd.train.pipeline(tiny_models.build("llama", kv=2), pp, plan=stage_plan)
+
+
+def test_split_logits_with_data_parallel_match_one_device() -> None:
+    """dp x cp with logits='split': each data rank's loss is its batch's one-device mean (on
+    both cp ranks), and DataParallel's averaged gradients are one device's on the mean loss."""
+    ref = tiny_models.build("llama", kv=2)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"dp": 2, "cp": 2})
+    cp = CausalContextParallel("cp", logits="split")
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    fd.train.DataParallel(pm, "dp")
+    batches = [batch(10 + i) for i in range(2)]
+    ids = torch.stack([batches[mesh.coords(r)["dp"]][0] for r in range(mesh.size)])
+    labels = torch.stack([batches[mesh.coords(r)["dp"]][1] for r in range(mesh.size)])
+    out = pm(input_ids=ids, labels=labels, use_cache=False)
+    want = []
+    for i, lab in batches:
+        lg = ref(input_ids=i, use_cache=False).logits
+        want.append(F.cross_entropy(lg[:, :-1].reshape(-1, VOCAB), lab[:, 1:].reshape(-1)))
+    tol = {"rtol": 1e-9, "atol": 1e-10}
+    mine = torch.stack([want[mesh.coords(r)["dp"]].detach() for r in range(mesh.size)])
+    torch.testing.assert_close(out.loss, mine, **tol)
+    out.loss.sum().backward()
+    (sum(want) / len(want)).backward()
+    grads = pm.grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
