@@ -30,7 +30,8 @@ from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.hooks import SequenceGather
 from fastdist.nn.styles.attention import HeadParallelAttention
 from fastdist.nn.styles.base import Style
-from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree, ShardedLoss
+from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree
+from fastdist.nn.styles.context_logits import ShardedLoss
 from fastdist.nn.styles.heads import QkvLayout
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
 from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
