@@ -196,3 +196,26 @@ def shardtensor_on_gloo() -> dict[str, Any]:
         results[name] = got
     dist.barrier()  # both sides' collectives done on both ranks before either tears down
     return results
+
+
+#: runs on 4 gloo processes, a 2 x 2 mesh (``h`` x ``w``): H x W even, and H x W with W uneven
+GLOO_CASES_4 = (
+    GlooCase("H x W", {-2: "h", -1: "w"}, (1, 2, 4, 8, 8), None, {}),
+    GlooCase("H x W, W uneven 4 + 8", {-2: "h", -1: "w"}, (1, 2, 4, 8, 12), {-1: [4, 8]}, {}),
+)
+
+
+def unet_on_gloo_4() -> dict[str, Any]:
+    """One rank of 4 (``h`` x ``w`` = 2 x 2): each of ``GLOO_CASES_4`` forward and backward as
+    `unet_on_gloo` does."""
+    shardtensor_benchmark()  # physicsnemo imported in this rank as in the parent
+    mesh = fd.connect(h=2, w=2, timeout=180)
+    results = {}
+    for case in GLOO_CASES_4:
+        net = unet(**case.options)
+        pm = fd.nn.parallelize(net, mesh, {"": fd.nn.DomainParallel(case.split, sizes=case.sizes)})
+        x = field(case.shape, 1).requires_grad_()
+        out = pm(x)
+        (out * field(out.shape, 2)).sum().backward()
+        results[case.name] = {"out": out.detach(), "dx": x.grad, "grads": pm.grads()}
+    return results

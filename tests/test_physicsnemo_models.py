@@ -193,6 +193,23 @@ def test_unet_on_gloo(case: GlooCase, unet_on_gloo: dict[str, Any]) -> None:
             assert torch.allclose(got["running"][name], r, atol=TOL), (rank, name)
 
 
+def test_unet_over_h_and_w_on_4_gloo_processes() -> None:
+    """physicsnemo's ``UNet`` on 4 gloo processes, H x W over a 2 x 2 mesh, even and with W
+    uneven: every rank's output, input gradient and parameter gradients equal to one device's."""
+    from tests.dist_harness import run_on_gloo
+    from tests.physicsnemo_gloo_worker import GLOO_CASES_4, unet_on_gloo_4
+
+    ranks = run_on_gloo(unet_on_gloo_4, 4, timeout=300)
+    for case in GLOO_CASES_4:
+        want = one_device(case)
+        for rank, per_rank in enumerate(ranks):
+            got = per_rank[case.name]
+            assert torch.allclose(got["out"], want["out"], atol=TOL), (case.name, rank)
+            assert torch.allclose(got["dx"], want["dx"], atol=TOL), (case.name, rank)
+            for name, g in want["grads"].items():
+                assert torch.allclose(got["grads"][name], g, atol=TOL), (case.name, rank, name)
+
+
 def test_unet_checkpointing_on_gloo(unet_on_gloo: dict[str, Any]) -> None:
     """On real ranks the ``UNet``'s own activation checkpointing (``gradient_checkpointing=True``,
     physicsnemo's default, non-reentrant) recomputes its layers in the backward, where each
