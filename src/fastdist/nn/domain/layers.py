@@ -89,6 +89,23 @@ _KNOWN_LOCAL: dict[str, Callable[[nn.Module], bool]] = {
 }
 
 
+#: other libraries' ``nn.LayerNorm`` subclasses whose forward is a layer norm over the channels
+#: (dim 1) of each position, written as a reshape of the field (physicsnemo's UNet's
+#: ``ReshapedLayerNorm``: ``view(B, C, -1).transpose(1, 2)``, the norm, and back, which merges
+#: the split dims): the style runs the same norm on the channels without the reshape
+_CHANNEL_LAYER_NORMS = frozenset({"physicsnemo.models.unet.unet.ReshapedLayerNorm"})
+
+
+def is_channel_layer_norm(m: nn.Module) -> bool:
+    """Whether ``m`` is exactly one of `_CHANNEL_LAYER_NORMS`, over one channel dim."""
+    t = type(m)
+    return (
+        f"{t.__module__}.{t.__qualname__}" in _CHANNEL_LAYER_NORMS
+        and isinstance(m, nn.LayerNorm)
+        and len(m.normalized_shape) == 1
+    )
+
+
 def known_local(m: nn.Module) -> bool:
     """Whether ``m`` is an instance of exactly one of the other libraries' token-local classes
     the style knows (``_KNOWN_LOCAL``), with no parameters, buffers or children of its own."""
@@ -270,6 +287,8 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         return "instance_norm", None
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         return "batch_norm", None
+    if is_channel_layer_norm(m):
+        return "channel_layer_norm", None
     if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
         if len(m.normalized_shape) != 1:
             return "", (
@@ -442,6 +461,12 @@ def _linear(site: Site, m: Any, x: Tensor) -> Tensor:
     return F.linear(x, m.weight, m.bias)
 
 
+def _channel_layer_norm(site: Site, m: Any, x: Tensor) -> Tensor:
+    """A layer norm over the channels (dim 1) of each position of ``x`` ``(B, C, *spatial)``."""
+    y = F.layer_norm(x.movedim(1, -1), m.normalized_shape, m.weight, m.bias, m.eps)
+    return y.movedim(-1, 1)
+
+
 def _fold_pad(site: Site, m: Any, x: Tensor) -> Tensor:
     """A zero padding folded into the next convolution's halo: nothing here."""
     return x
@@ -452,6 +477,7 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
     "conv": _conv,
     "causal_conv": _causal_conv,
     "pad_conv": _pad_conv,
+    "channel_layer_norm": _channel_layer_norm,
     "conv_t": _conv_t,
     "pool": _pool,
     "upsample": _upsample,
