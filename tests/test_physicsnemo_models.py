@@ -116,19 +116,26 @@ def test_unet_options(options: dict[str, Any], split: str, shape: Any, sizes: An
 
 def test_unet_refusals() -> None:
     """Blocks that a pooling window would straddle are refused at the first call (the pooling,
-    the stride and the blocks named); the ``UNet``'s attention gates (``Attention3DBlock``)
-    are refused at parallelize time as an attention module the style does not know."""
+    the stride and the blocks named). (The ``UNet``'s attention gates, ``Attention3DBlock``,
+    pointwise despite the name, run: ``test_unet_with_attention_gates``.)"""
     style = fd.nn.DomainParallel({-2: "h"}, sizes={-2: [3, 5]})
     pm = fd.nn.parallelize(unet(), fd.Mesh({"h": 2}), {"": style})
     x = torch.randn(1, 2, 4, 8, 6, dtype=F64)
     with pytest.raises(fd.nn.ParallelizeError, match=r"MaxPool3d.*stride 2.*blocks of \[3, 5\]"):
         pm(x.expand(2, *x.shape))
+
+
+@pytest.mark.parametrize("split", ["h", "hw"])
+@pytest.mark.usefixtures("meshes")
+def test_unet_with_attention_gates(split: str) -> None:
+    """The ``UNet`` with its attention gates (``Attention3DBlock``: 1 x 1 x 1 convolutions, its
+    channel layer norm, a sigmoid and ``x * psi``: pointwise, a container of the style's layers
+    despite its name) equals one device forward and backward."""
     gated = unet(
         use_attn_gate=True, attn_decoder_feature_maps=[8], attn_feature_map_channels=[4],
         attn_intermediate_channels=4,
     )  # fmt: skip
-    with pytest.raises(fd.nn.ParallelizeError, match=r"'attention_blocks.0' \(Attention3DBlock\)"):
-        fd.nn.parallelize(gated, fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
+    test_domain.equal_to_one_device(gated, (1, 2, 4, 8, 8), split)
 
 
 def test_fno_is_refused() -> None:

@@ -96,6 +96,12 @@ _KNOWN_LOCAL: dict[str, Callable[[nn.Module], bool]] = {
 _CHANNEL_LAYER_NORMS = frozenset({"physicsnemo.models.unet.unet.ReshapedLayerNorm"})
 
 
+#: other libraries' modules named like an attention that are containers of the style's layers
+#: with an elementwise forward (physicsnemo's UNet attention gate ``Attention3DBlock``: 1 x 1 x 1
+#: convolutions, its ``ReshapedLayerNorm``, a sigmoid, ``x * psi``), by exact class
+_KNOWN_CONTAINERS = frozenset({"physicsnemo.models.unet.unet.Attention3DBlock"})
+
+
 def is_channel_layer_norm(m: nn.Module) -> bool:
     """Whether ``m`` is exactly one of `_CHANNEL_LAYER_NORMS`, over one channel dim."""
     t = type(m)
@@ -241,6 +247,8 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         return "downsample2d", None
     if is_spatial_attention(m):
         return "attention", None
+    if f"{t.__module__}.{t.__qualname__}" in _KNOWN_CONTAINERS:
+        return "container", None
     if "Attention" in name or isinstance(m, nn.MultiheadAttention):
         return "", (
             "an attention module the domain-parallel style does not know (built: diffusers' "
