@@ -102,11 +102,17 @@ _CHANNEL_LAYER_NORMS = frozenset({"physicsnemo.models.unet.unet.ReshapedLayerNor
 _KNOWN_CONTAINERS = frozenset({"physicsnemo.models.unet.unet.Attention3DBlock"})
 
 
+def _exact_class(m: nn.Module) -> str:
+    """``m``'s class by module and name (the key of the other libraries' tables above: that
+    exact class, not a subclass)."""
+    t = type(m)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 def is_channel_layer_norm(m: nn.Module) -> bool:
     """Whether ``m`` is exactly one of `_CHANNEL_LAYER_NORMS`, over one channel dim."""
-    t = type(m)
     return (
-        f"{t.__module__}.{t.__qualname__}" in _CHANNEL_LAYER_NORMS
+        _exact_class(m) in _CHANNEL_LAYER_NORMS
         and isinstance(m, nn.LayerNorm)
         and len(m.normalized_shape) == 1
     )
@@ -115,8 +121,7 @@ def is_channel_layer_norm(m: nn.Module) -> bool:
 def known_local(m: nn.Module) -> bool:
     """Whether ``m`` is an instance of exactly one of the other libraries' token-local classes
     the style knows (``_KNOWN_LOCAL``), with no parameters, buffers or children of its own."""
-    t = type(m)
-    check = _KNOWN_LOCAL.get(f"{t.__module__}.{t.__qualname__}")
+    check = _KNOWN_LOCAL.get(_exact_class(m))
     bare = not any(True for _ in m.parameters()) and not any(True for _ in m.buffers())
     return check is not None and bare and not list(m.children()) and check(m)
 
@@ -247,7 +252,7 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         return "downsample2d", None
     if is_spatial_attention(m):
         return "attention", None
-    if f"{t.__module__}.{t.__qualname__}" in _KNOWN_CONTAINERS:
+    if _exact_class(m) in _KNOWN_CONTAINERS:
         return "container", None
     if "Attention" in name or isinstance(m, nn.MultiheadAttention):
         return "", (

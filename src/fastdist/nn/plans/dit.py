@@ -565,8 +565,15 @@ def is_diffusers_dit(model: nn.Module) -> bool:
 def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
     """``plan="auto"`` (and the default plan) of a diffusers DiT: its ready plan (context
     parallelism over ``axis``; `fastdist.nn.plans.registry.plan` picks its tensor x context
-    plan, `fastdist.nn.plans.dit_tp.dit_tp`, on a mesh with a ``tp`` axis); refuses one without
-    a ready plan, naming those that exist, and a mesh without ``axis``."""
+    plan, `fastdist.nn.plans.dit_tp.dit_tp`, on a mesh with a ``tp`` axis); refuses what
+    `dit_family` refuses."""
+    dit_family(model, mesh, axis)
+    return DIT_PLANS[type(model).__name__](model, mesh, axis=axis)
+
+
+def dit_family(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> str:
+    """The name of a diffusers DiT's ready plan (and `DIT_FAMILIES` row), e.g. ``"wan"``;
+    refuses one without a ready plan, naming those that exist, and a mesh without ``axis``."""
     kind = type(model).__name__
     joint = any(getattr(m, "add_q_proj", None) is not None for m in model.modules())
     if kind not in DIT_PLANS and joint:
@@ -597,10 +604,4 @@ def dit_plan(model: nn.Module, mesh: Mesh | None, axis: str = "sp") -> Plan:
             f"Mesh({{'sp': 2}}), or plan=fastdist.nn.plans.{DIT_PLANS[kind].__name__}(model, "
             "mesh, axis=<the sequence axis>)"
         )
-    return DIT_PLANS[kind](model, mesh, axis=axis)
-
-
-def dit_family(model: nn.Module) -> str:
-    """The name of the ready plan (and `DIT_FAMILIES` row) of a diffusers DiT that `dit_plan`
-    accepts, e.g. ``"wan"``."""
-    return DIT_PLANS[type(model).__name__].__name__
+    return DIT_PLANS[kind].__name__

@@ -109,10 +109,9 @@ def plan(
     names = mesh.axis_names if mesh is not None else ()
     if family in (None, "auto") and isinstance(model_or_config, nn.Module):
         if is_diffusers_dit(model_or_config):  # context parallelism over "sp"
-            cp_plan = dit_plan(model_or_config, mesh)  # its checks, whatever the mesh
             if "tp" in names:  # heads over "tp" too
-                return dit_tp(dit_family(model_or_config), model_or_config, mesh)
-            return cp_plan
+                return dit_tp(dit_family(model_or_config, mesh), model_or_config, mesh)
+            return dit_plan(model_or_config, mesh)
     if family == "auto":
         if not isinstance(model_or_config, nn.Module):
             raise ParallelizeError(
