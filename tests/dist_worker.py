@@ -499,8 +499,10 @@ def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
 def subset_first(rank: int, world: int) -> dict[str, Any]:
     """Ranks first touch the mesh's axes in different orders (some ranks before the others): no
     deadlock, right values."""
-    mesh = fd.connect(tp=2, timeout=5)
-    twin = fd.connect(tp=2, timeout=5)  # the same shape: its own groups
+    # a generous timeout: creating a gloo group on a loaded 2-core machine took over 5 s in CI;
+    # a rank that waited for a group its peers never make would still fail at the timeout
+    mesh = fd.connect(tp=2, timeout=60)
+    twin = fd.connect(tp=2, timeout=60)  # the same shape: its own groups
     x = torch.tensor([float(rank + 1)])
     t0 = time.monotonic()
     if rank < 2:  # ranks 0 and 1 use "tp" while ranks 2 and 3 have made no group yet

@@ -147,9 +147,11 @@ def test_exited_peer_makes_the_others_raise() -> None:
 def test_ranks_may_first_use_axes_in_any_order() -> None:
     """Issue 20.1: ranks 0, 1 use "tp" before ranks 2, 3 touch the mesh; a whole-mesh psum then
     must not wait for anything."""
-    values = expect_ok(run_world("subset_first", 4, timeout=60))
+    values = expect_ok(run_world("subset_first", 4, timeout=180))
     for v in values:
-        assert v["elapsed"] < 4, v  # the mesh's timeout is 5 s: any wait for a group would show
+        # the mesh's timeout is 60 s: a rank waiting for a group its peers never make would fail
+        # there (and show here); gloo's own connect under load stays well below it
+        assert v["elapsed"] < 45, v
         assert v["names"] == values[0]["names"]  # a group has one name on every member
     assert values[0]["names"] == [
         "fastdist.dp2_tp2.0.e0.0-1-2-3.gloo",
