@@ -385,6 +385,35 @@ def test_local_declares_a_module_token_local() -> None:
                         "h", local=(Custom,))  # fmt: skip
 
 
+class PixelAttention(nn.Module):
+    """An attention gate local to each pixel (a 1x1 convolution, a sigmoid, ``x * gate``): its
+    class name says Attention, so the style refuses it unless ``local=`` declares it."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor] = torch.sigmoid) -> None:
+        super().__init__()
+        self.gate, self.fn = nn.Conv2d(2, 2, 1), fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.fn(self.gate(x))
+
+
+def test_local_overrides_the_refusal_of_an_attention_by_name() -> None:
+    """``local=`` declares a module named ...Attention token-local (run as it is, equal to one
+    device over H x W); the guard still checks its own code (a softmax over the split dim
+    raises at the first call)."""
+    net = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), PixelAttention())
+    with pytest.raises(fd.nn.ParallelizeError, match=r"local=\(PixelAttention,\)"):
+        fd.nn.parallelize(
+            copy.deepcopy(net), fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})}
+        )
+    equal_to_one_device(net, (1, 2, 4, 6), "hw", local=(PixelAttention,))
+    bad = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), PixelAttention(lambda g: g.softmax(-2)))
+    style = fd.nn.DomainParallel({-2: "h"}, local=(PixelAttention,))
+    pm = fd.nn.parallelize(bad.double(), fd.Mesh({"h": 2}), {"": style})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"split dim -2 itself \(softmax\)"):
+        pm(torch.randn(1, 2, 8, 6, dtype=F64).expand(2, 1, 2, 8, 6))
+
+
 class PadsByHand(nn.Module):
     def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
         super().__init__()

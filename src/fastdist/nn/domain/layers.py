@@ -254,14 +254,15 @@ def classify(m: nn.Module, local: tuple[type, ...]) -> tuple[str, str | None]:
         return "attention", None
     if _exact_class(m) in _KNOWN_CONTAINERS:
         return "container", None
+    if isinstance(m, local):  # declared by the user: before the refusal by name (an attention
+        return "local", None  # gate local to each pixel); the guard still checks its own code
     if "Attention" in name or isinstance(m, nn.MultiheadAttention):
         return "", (
             "an attention module the domain-parallel style does not know (built: diffusers' "
             "Attention over a field [N, C, H, W], Wan's WanAttentionBlock). Fix: one of those, "
-            "or end the domain-parallel region before it"
+            "end the domain-parallel region before it, or, if it acts on each position alone "
+            f"(a gate from 1x1 convolutions), DomainParallel(..., local=({name},))"
         )
-    if isinstance(m, local):
-        return "local", None
     if _is_zero_pad(m):
         return "fold_pad", None  # folded into the next convolution (checked by folded_pads)
     if t in _CONVS:
