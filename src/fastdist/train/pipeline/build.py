@@ -11,6 +11,7 @@ from torch import nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
 from fastdist.nn.styles.context import ContextParallel
+from fastdist.train.pipeline.dit import DitSplit, build_dit, dit_split
 from fastdist.train.pipeline.hf import install as install_save_pretrained
 from fastdist.train.pipeline.runtime import Pipeline
 from fastdist.train.pipeline.split import (
@@ -39,7 +40,7 @@ def pipeline(
     plan: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
     layers_per_stage: Sequence[int] | None = None,
-    split: StageSplit | None = None,
+    split: StageSplit | DitSplit | None = None,
 ) -> Pipeline:
     """Split ``model`` into pipeline stages over ``axis`` and parallelize each stage over the
     mesh's other axes.
@@ -96,9 +97,14 @@ def pipeline(
             f"pipeline: {mesh!r} has no axis {axis!r}. Fix: add it (e.g. Mesh({{'{axis}': 2, "
             f"'tp': 2}})) or pass axis= one of {mesh.axis_names}"
         )
-    _refuse_dit(model)
-    _refuse_router_aux_loss(model)
-    _refuse_context_parallel(plan)
+    from fastdist.nn.plans.dit import is_diffusers_dit
+
+    dit = is_diffusers_dit(model)
+    if dit and split is None:
+        dit_split(model)  # refuses an unbuilt family first
+    if not dit:
+        _refuse_router_aux_loss(model)
+        _refuse_context_parallel(plan)
     pp = mesh.shape[axis]
     if isinstance(schedule, Schedule):
         sched = schedule
@@ -109,6 +115,14 @@ def pipeline(
             )
     else:
         sched = _schedule_for(schedule, pp, pp if microbatches is None else microbatches, virtual)
+    if dit:
+        if split is not None and not isinstance(split, DitSplit):
+            raise PipelineError(
+                f"pipeline: split={split!r} for the diffusers DiT {type(model).__name__}. Fix: "
+                "a fastdist.train.pipeline.DitSplit (blocks, first, shared, last)"
+            )
+        return build_dit(model, mesh, axis, sched, plan, layers_per_stage, split)
+    assert not isinstance(split, DitSplit)
     _, fam = family_split(model) if split is None else ("", split)
     layer_list = decoder_layers(model, fam)
     ranges = stage_layers(len(layer_list), sched.stages, layers_per_stage)
@@ -152,23 +166,6 @@ def pipeline(
     pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, tied)
     install_save_pretrained(pipe, model)  # the model's and the stages' write the whole model
     return pipe
-
-
-def _refuse_dit(model: nn.Module) -> None:
-    """Refuse a diffusers DiT: stages are cut from a causal LM (a step takes ``input_ids`` and
-    ``labels`` and its last stage computes transformers' loss); a DiT's step (latents, timesteps,
-    text states in, a denoising loss out) is not built."""
-    from fastdist.nn.plans.dit import is_diffusers_dit
-
-    if is_diffusers_dit(model):
-        raise PipelineError(
-            f"pipeline: {type(model).__name__} is a diffusers diffusion transformer; pipeline "
-            "stages are built for transformers causal LMs (a step takes input_ids and labels "
-            "and ends in their loss), and a DiT's step is not built. Fix: split its tokens "
-            "instead (fastdist.nn.parallelize(model, mesh) over an 'sp' axis, "
-            "fastdist.nn.plans.dit_tp.wan_tp for heads over 'tp' too) with "
-            "fastdist.train.DataParallel over 'dp'"
-        )
 
 
 def _refuse_router_aux_loss(model: nn.Module) -> None:

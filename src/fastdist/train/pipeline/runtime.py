@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -59,6 +59,13 @@ class Pipeline:
             last stage: name in the first}``: each stage holds a copy, and a step sums their
             gradients (Megatron's embedding group), so the copies stay equal; the norm counts
             the weight once, a checkpoint holds it once (under the first name).
+        shared: parameters every stage holds a copy of under the same name (a DiT's condition
+            embedder, whose outputs every block uses): a step sums the copies' gradients over
+            the stages (on real ranks an all-reduce over ``axis``), the norm counts them once
+            (the first stage's).
+        batches: splits a step's batch into micro-batches (``None``: a causal LM's
+            ``input_ids`` / ``labels`` batch; a DiT pipeline sets its own).
+        last_only: the micro-batch keys only the last stage gets (its loss's).
         events: what the last step ran, where and when (:class:`Event`; per rank on a simulated
             mesh, this process's actions on real ranks, timing the compute without the wait
             for the input).
@@ -74,10 +81,14 @@ class Pipeline:
         stages: dict[int, Any],
         layers: list[range],
         tied: Mapping[str, str] | None = None,
+        shared: Sequence[str] = (),
     ) -> None:
         self.mesh, self.axis, self.schedule, self.stage_mesh = mesh, axis, sched, stage_mesh
         self.stages, self.layers = stages, layers
         self.tied = dict(tied or {})
+        self.shared = tuple(shared)
+        self.batches: Callable[[Mapping[str, Any]], list[dict[str, Any]]] | None = None
+        self.last_only: tuple[str, ...] = ("labels", "shift_labels", "num_items_in_batch")
         self.events: list[Event] = []
         self.span = 0.0  # the last step's wall time on this rank (real ranks), seconds
         self._ranks = (
@@ -164,13 +175,20 @@ class Pipeline:
         hidden = [(b, b.grad) for b in copies if b.grad is not None]  # counted once: as the first
         for b in copies:
             b.grad = None
+        # shared copies: counted once, as the first stage's
+        extra = {j: [p for p in self._shared_copies(j) if p.grad is not None] for j in self.stages}
+        hidden_shared = {j: [(p, p.grad) for p in ps] for j, ps in extra.items()}
+        for ps in extra.values():
+            for p in ps:
+                p.grad = None
         try:
             norms = {j: total_norm(self.stages[j], p, None, op) for j in sorted(self.stages)}
         finally:
-            for b, g in hidden:
+            for b, g in [*hidden, *(x for xs in hidden_shared.values() for x in xs)]:
                 b.grad = g
         for j, (total, gs, _) in norms.items():
             grads[j] = gs + [g for _, g in hidden] if j == self.schedule.stages - 1 else gs
+            grads[j] = grads[j] + [cast(Tensor, g) for _, g in hidden_shared[j]]
             t = total.to(torch.float64)
             if self.simulated:  # [stage mesh size] -> [mesh size]: rows of this stage's rank
                 t = torch.zeros(self.mesh.size, dtype=torch.float64).index_copy(
@@ -273,7 +291,7 @@ class Pipeline:
             simulated mesh ``[mesh.size]`` (every rank's), on real ranks a 0-d tensor on every
             rank of the pipeline axis.
         """
-        micro = self._micro_batches(batch)
+        micro = self._micro_batches(batch) if self.batches is None else self.batches(batch)
         self._check_same_batch(batch)  # real ranks: started here, checked before any transfer
         if self._ranks is not None:
             # the first step with these input shapes sends every transfer's header (shape,
@@ -311,7 +329,7 @@ class Pipeline:
         device = batch[keys[0]].device
         every = torch.zeros(ranks.ac.n, 2 * len(keys), dtype=torch.int64, device=device)
         for i, k in enumerate(keys):  # every: [pp, 2 * len(keys)]
-            v = batch[k].detach().reshape(-1).long().to(device)  # [n]
+            v = _digest_bits(batch[k]).to(device)  # [n]
             weights = torch.arange(v.numel(), device=device) % 1000003 + 1  # [n]
             every[ranks.index, 2 * i : 2 * i + 2] = torch.stack([v.sum(), (v * weights).sum()])
         pending = ranks.ac.all_reduce_async(
@@ -423,7 +441,7 @@ class Pipeline:
         pm = self.stages[j]
         kwargs = dict(mb)
         if j != self.schedule.stages - 1:
-            for key in ("labels", "shift_labels", "num_items_in_batch"):
+            for key in self.last_only:
                 kwargs.pop(key, None)
         per_rank = {STAGE_INPUT: x} if x is not None else {}
         out = pm.call_with(per_rank, **kwargs)
@@ -472,6 +490,7 @@ class Pipeline:
             self.events.append(Event(s.rank_of(j), a.kind, m, j, start, time.perf_counter() - t0))
         assert loss is not None
         self._sum_tied()
+        self._sum_shared()
         # every rank's loss: rank r holds its stage-mesh index's loss of the last stage
         idx = torch.tensor(
             [
@@ -501,6 +520,7 @@ class Pipeline:
             ranks.open_gate()  # no transfer on this rank: the batch check still holds
             ranks.finish()
             self._sum_tied()
+            self._sum_shared()
             self.span = time.perf_counter() - t0
         except Exception as e:
             # peers wait on this rank's transfers and its stage's collectives: drop the groups of
@@ -618,6 +638,62 @@ class Pipeline:
             theirs = self._ranks.swap(mine.grad, peer, what)
             mine.grad = mine.grad + theirs if a is not None else theirs + mine.grad
 
+    def _shared_copies(self, stage: int) -> list[nn.Parameter]:
+        """The copies of the shared parameters that the norm does not count (every stage's but
+        the first's)."""
+        if stage == 0:
+            return []
+        return [self.stages[stage].module.get_parameter(n) for n in self.shared]
+
+    def _sum_shared(self) -> None:
+        """Every copy of each shared parameter gets the sum of all the stages' gradients (in
+        stage order here; on real ranks then one all-reduce over the axis of every shared
+        gradient and a flag per parameter, so that one no stage's graph reached keeps
+        ``grad=None``, as on one device)."""
+        if not self.shared:
+            return
+        held = sorted(self.stages)
+        copies = {n: [self.stages[j].module.get_parameter(n) for j in held] for n in self.shared}
+        sums: dict[str, Tensor | None] = {}
+        for n, ps in copies.items():
+            total = None
+            for p in ps:
+                if p.grad is not None:
+                    total = p.grad if total is None else total + p.grad
+            sums[n] = total
+        if self._ranks is not None:
+            sums = self._all_reduce_shared(copies, sums)
+        for n, total in sums.items():
+            if total is not None:
+                for p in copies[n]:
+                    p.grad = total.clone()
+
+    def _all_reduce_shared(
+        self, copies: Mapping[str, list[nn.Parameter]], sums: Mapping[str, Tensor | None]
+    ) -> dict[str, Tensor | None]:
+        """``sums`` summed over the ranks along the axis, in one flat buffer (zeros where this
+        rank has no gradient, and a flag per parameter)."""
+        assert self._ranks is not None
+        first = copies[self.shared[0]][0]
+        parts = [
+            (s if s is not None else torch.zeros_like(copies[n][0])).reshape(-1)
+            for n, s in sums.items()
+        ]
+        flags = torch.tensor(
+            [float(s is not None) for s in sums.values()], dtype=first.dtype, device=first.device
+        )
+        buf = torch.cat([*parts, flags])
+        what = f"the gradients of the parameters every stage holds ({self.shared[0]}, ...)"
+        self._ranks.ac.all_reduce_async("Pipeline.step", buf, what=what).wait()
+        out: dict[str, Tensor | None] = {}
+        at, n_flags = 0, len(sums)
+        for i, n in enumerate(sums):
+            p = copies[n][0]
+            g = buf[at : at + p.numel()].view_as(p)
+            at += p.numel()
+            out[n] = g if bool(buf[buf.numel() - n_flags + i] > 0) else None
+        return out
+
     # ------------------------------------------------------------------ inspection
     def show(self) -> str:
         """The schedule's timeline (see `Schedule.show`)."""
@@ -664,6 +740,17 @@ class _Step:
     inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     local: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
+
+
+def _digest_bits(v: Tensor) -> Tensor:
+    """``v`` flattened as int64 for the batch digest: a floating tensor's bits (a DiT's latents
+    and text states: ``long()`` would truncate most values to 0 and miss a difference), an
+    integer or boolean tensor's values."""
+    v = v.detach().contiguous().reshape(-1)
+    if v.dtype.is_floating_point:
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[v.element_size()]
+        v = v.view(bits)
+    return v.long()
 
 
 def _grad_of(x: Tensor, stage: int, micro: int) -> Tensor:

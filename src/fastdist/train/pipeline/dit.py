@@ -1,0 +1,470 @@
+"""Pipeline stages of a diffusers diffusion transformer (DiT): `DitSplit` records (where a
+family keeps its blocks, what only the first or the last stage holds, what every stage holds),
+the stage modules, and a DiT's training step (micro-batches of latents, timesteps and text
+states; the loss on the last stage).
+
+A stage is a copy of the model's skeleton (its config, rotary embedding, forward) holding only
+its own blocks; the other blocks are parameter-free placeholders that pass their hidden states
+through, so parameter names stay the model's own. The model's ``forward`` runs on every stage:
+
+* the patch embedding is the first stage's; on the others a placeholder makes zeros of its
+  output's shape (never used: the first own block's input is replaced by the activation
+  received, `StageHooks`);
+* the rotary embedding has no parameters: every stage computes it from the latents' shape;
+* the condition embedder (timestep and text) feeds every block: every stage holds a copy and
+  computes it from the step's ``timestep`` and ``encoder_hidden_states`` (each stage gets the
+  whole batch), and a step sums the copies' gradients over the stages (`Pipeline.shared`).
+  This is exact: a parameter used by several stages gets the sum of its uses' gradients, as on
+  one device. Computing it on the first stage and handing its outputs on would send the text
+  states and the six modulations with every activation, and their gradients back: more
+  traffic, and a second activation path through the schedule, for the same numbers;
+* the output modules (``norm_out``, ``proj_out``, ``scale_shift_table``) are the last stage's.
+
+The loss. A DiT's step takes the model's inputs and ``target`` (the model output's shape:
+noise, velocity...), optionally ``weighting`` (broadcastable to ``target``, one row per sample:
+the per-timestep loss weights of diffusers' training scripts): the loss is
+``mean(weighting * (output - target) ** 2)`` over the whole batch (every element), as
+``F.mse_loss`` (``weighting=None``) or diffusers' ``mean(mean(w * d**2, sample dims))``. Each
+micro-batch's loss is its sum divided by the whole batch's element count, so the micro-batch
+losses add up to the batch's loss and their gradients to its gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from fastdist.errors import PipelineError
+from fastdist.train.pipeline.split import StageHooks, retire
+
+if TYPE_CHECKING:
+    from fastdist.train.pipeline.runtime import Pipeline
+
+__all__ = ["DIT_SPLITS", "DitSplit", "dit_split", "split_dit", "dit_batches", "dit_loss"]
+
+
+@dataclass(frozen=True)
+class DitSplit:
+    """Where a diffusers DiT keeps its blocks and what the stages hold besides them.
+
+    Attributes:
+        blocks: the ``nn.ModuleList`` of transformer blocks (the one list split into stages).
+        first: the patch embedding (a convolution or linear layer whose output's shape a
+            placeholder reproduces on the other stages).
+        shared: modules every stage holds a copy of (their outputs feed every block);
+            their gradients are summed over the stages.
+        last: modules and parameters of the model itself only the last stage holds (the
+            output norm, projection, modulation table).
+    """
+
+    blocks: str
+    first: tuple[str, ...]
+    shared: tuple[str, ...]
+    last: tuple[str, ...]
+
+
+#: diffusers class name -> how it splits into stages
+DIT_SPLITS: dict[str, DitSplit] = {
+    "WanTransformer3DModel": DitSplit(
+        "blocks",
+        ("patch_embedding",),
+        ("condition_embedder",),
+        ("norm_out", "proj_out", "scale_shift_table"),
+    ),
+}
+
+#: why the other DiT families are refused, and the fix
+_NOT_BUILT = {
+    "FluxTransformer2DModel": "two block lists (transformer_blocks, then "
+    "single_transformer_blocks, whose inputs are [text; image] joined between them) and a text "
+    "stream that each double-stream block updates: a stage would hand on two tensors",
+    "Flux2Transformer2DModel": "two block lists and a text stream updated by every "
+    "double-stream block: a stage would hand on two tensors",
+    "HunyuanVideoTransformer3DModel": "two block lists and a text stream updated by every "
+    "double-stream block: a stage would hand on two tensors",
+    "CogVideoXTransformer3DModel": "its blocks return (hidden_states, encoder_hidden_states): the "
+    "text stream is updated by every block, and a stage would hand on two tensors",
+    "SD3Transformer2DModel": "every block updates the text stream too: a stage would hand on "
+    "two tensors",
+    "QwenImageTransformer2DModel": "every block updates the text stream too: a stage would hand "
+    "on two tensors",
+}
+
+
+def dit_split(model: nn.Module) -> DitSplit:
+    """The `DitSplit` of a diffusers DiT; refuses a family without one, naming why and the fix."""
+    kind = type(model).__name__
+    split = DIT_SPLITS.get(kind)
+    if split is not None:
+        return split
+    why = _NOT_BUILT.get(kind, "its stage split (block list, first and last modules) is not written")
+    raise PipelineError(
+        f"pipeline: {kind} is a diffusers diffusion transformer without pipeline stages: {why}. "
+        f"DiT pipelines are built for {sorted(DIT_SPLITS)}. Fix: split its tokens instead "
+        "(fastdist.nn.parallelize(model, mesh) over an 'sp' axis) with "
+        "fastdist.train.DataParallel over 'dp'"
+    )
+
+
+# ====================================================================== placeholders
+class _BlockSkip(nn.Module):
+    """A block another stage holds: passes its hidden states through. ``absent`` names the
+    block's attentions as ``None`` and ``empty`` its cross-attentions as empty modules, so that
+    a context-parallel style's checks pass over it (it has no parameters and no attention)."""
+
+    def __init__(self, absent: Sequence[str], empty: Sequence[str]) -> None:
+        super().__init__()
+        for name in absent:
+            setattr(self, name, None)
+        for name in empty:
+            setattr(self, name, nn.Module())
+
+    def forward(self, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states
+
+
+class _PatchZeros(nn.Module):
+    """The patch embedding (a convolution) of another stage: zeros of its output's shape (never
+    used: the first own block's input is replaced)."""
+
+    def __init__(self, conv: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+            raise PipelineError(
+                f"pipeline: the patch embedding is a {type(conv).__name__}, not a Conv2d or "
+                "Conv3d whose output shape the other stages reproduce. Fix: report this model"
+            )
+        self.out = conv.out_channels
+        self.geometry = tuple(zip(conv.kernel_size, conv.stride, conv.padding, conv.dilation))
+        self.dtype = conv.weight.dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        sizes = [
+            (n + 2 * p - d * (k - 1) - 1) // s + 1  # type: ignore[operator]
+            for n, (k, s, p, d) in zip(x.shape[2:], self.geometry)
+        ]
+        return torch.zeros(x.shape[0], self.out, *sizes, dtype=self.dtype, device=x.device)
+
+
+class _Missing(nn.Module):
+    """A module only the last stage holds; reaching it on another stage is a bug."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.what = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"pipeline: {self.what} ran on a stage that does not hold it (the stage's last block "
+            "should have ended its forward). Fix: report this as a fastdist bug"
+        )
+
+
+PLACEHOLDERS = (_BlockSkip, _PatchZeros, _Missing)
+
+
+# ====================================================================== the stages
+def check_owned(model: nn.Module, split: DitSplit) -> None:
+    """Every parameter of ``model`` must be in the blocks or a module the split names, and none
+    shared between two of them."""
+    parts = (split.blocks, *split.first, *split.shared, *split.last)
+    owner: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where = next((x for x in parts if name == x or name.startswith(x + ".")), None)
+        if where is None:
+            raise PipelineError(
+                f"pipeline: parameter {name} of {type(model).__name__} belongs to no stage "
+                f"(not in {split.blocks}, {split.first}, {split.shared} or {split.last}). Fix: "
+                "pass split=DitSplit(...) naming the module that holds it"
+            )
+        seen = owner.setdefault(id(p), where)
+        if seen != where:
+            raise PipelineError(
+                f"pipeline: parameter {name} is shared by {seen} and {where}, which different "
+                "stages hold. Fix: untie them (copy the weight)"
+            )
+
+
+def split_dit(
+    model: nn.Module,
+    split: DitSplit,
+    ranges: Sequence[range],
+    keep: Sequence[int],
+    skip_names: tuple[Sequence[str], Sequence[str]],
+) -> dict[int, nn.Module]:
+    """Stage modules ``{stage: copy of the model's skeleton holding its blocks}`` for the stages
+    in ``keep``. The first stage holds the model's patch embedding, the last its output modules;
+    every stage a copy of the ``shared`` modules (the first stage: the model's own).
+    ``skip_names``: the (absent, empty) attribute names of the block placeholders."""
+    check_owned(model, split)
+    blocks = model.get_submodule(split.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise PipelineError(
+            f"pipeline: {split.blocks} of {type(model).__name__} is not an nn.ModuleList. Fix: "
+            "pass split= naming the list of blocks"
+        )
+    if ranges[-1].stop != len(blocks):
+        raise PipelineError(
+            f"pipeline: the stages cover {ranges[-1].stop} blocks, {split.blocks} holds "
+            f"{len(blocks)}. Fix: layers_per_stage= summing to {len(blocks)}"
+        )
+    own = {n: _get(model, n) for n in (*split.first, *split.shared, *split.last)}
+    stubs: dict[str, Any] = {
+        **{n: _PatchZeros(own[n]) for n in split.first},
+        **{n: _Missing(n) for n in split.last if isinstance(own[n], nn.Module)},
+    }
+    absent, empty = skip_names
+    stubs[split.blocks] = nn.ModuleList(_BlockSkip(absent, empty) for _ in blocks)
+    skeleton = _swapped_copy(model, {**stubs, **{n: None for n in split.last if n not in stubs}})
+    stages: dict[int, nn.Module] = {}
+    for j in keep:
+        st = copy.deepcopy(skeleton, _shared_memo(skeleton))
+        lst = st.get_submodule(split.blocks)
+        assert isinstance(lst, nn.ModuleList)
+        for i in ranges[j]:
+            lst[i] = blocks[i]
+        for n in split.shared:
+            _set(st, n, own[n] if j == 0 else copy.deepcopy(own[n]))
+        for n in split.first if j == 0 else ():
+            _set(st, n, own[n])
+        for n in split.last if j == len(ranges) - 1 else ():
+            _set(st, n, own[n])
+        stages[j] = st
+    return stages
+
+
+def _swapped_copy(model: nn.Module, stubs: Mapping[str, Any]) -> nn.Module:
+    """A deep copy of ``model`` with ``stubs`` in place of its submodules or parameters of
+    those names (``None``: a parameter left out), made by swapping them out and back."""
+    saved = {n: _get(model, n) for n in stubs}
+    try:
+        for n, stub in stubs.items():
+            _set(model, n, stub)
+        return copy.deepcopy(model, _shared_memo(model))
+    finally:
+        for n, m in saved.items():
+            _set(model, n, m)
+
+
+def _shared_memo(model: nn.Module) -> dict[int, Any]:
+    """deepcopy's memo keeping the modules' config objects shared (a style that sets a field on
+    its stage's config must reach the blocks the stage takes over)."""
+    found = (vars(m).get("config") for m in model.modules())
+    return {id(c): c for c in found if c is not None and not isinstance(c, (nn.Module, Tensor))}
+
+
+def _get(root: nn.Module, name: str) -> Any:
+    parent, _, leaf = name.rpartition(".")
+    holder = root.get_submodule(parent) if parent else root
+    if not hasattr(holder, leaf):
+        raise PipelineError(
+            f"pipeline: {type(root).__name__} has no {name!r} its split names. Fix: pass "
+            "split=DitSplit(...) naming its modules"
+        )
+    return getattr(holder, leaf)
+
+
+def _set(root: nn.Module, name: str, value: Any) -> None:
+    parent, _, leaf = name.rpartition(".")
+    holder = root.get_submodule(parent) if parent else root
+    if value is None:
+        if leaf in holder._parameters:
+            del holder._parameters[leaf]
+        return
+    if isinstance(value, nn.Parameter):
+        holder.register_parameter(leaf, value)
+    else:
+        setattr(holder, leaf, value)
+
+
+def install_stage(
+    module: nn.Module, split: DitSplit, ranges: Sequence[range], j: int, n_stages: int
+) -> None:
+    """The hooks that make ``module`` stage ``j``: take the received activation at its first
+    block, hand its last block's output on; the last stage's forward returns the loss
+    (`dit_loss`)."""
+    lst = module.get_submodule(split.blocks)
+    assert isinstance(lst, nn.ModuleList)
+    first = None if j == 0 else lst[ranges[j][0]]
+    last = None if j == n_stages - 1 else lst[ranges[j][-1]]
+    StageHooks(module, first, last)  # held by the hooks it registers on the module
+    if last is None:
+        model_forward = module.forward
+
+        def forward(
+            *args: Any,
+            target: Tensor,
+            num_items: int,
+            weighting: Tensor | None = None,
+            **kwargs: Any,
+        ) -> dict[str, Tensor]:
+            out = model_forward(*args, **{**kwargs, "return_dict": False})[0]
+            return {"loss": dit_loss(out, target, weighting, num_items)}
+
+        module.forward = forward
+
+
+def dit_loss(out: Tensor, target: Tensor, weighting: Tensor | None, num_items: int) -> Tensor:
+    """``sum(weighting * (out - target) ** 2) / num_items`` in the output's dtype: a
+    micro-batch's share of the whole batch's mean."""
+    d = (out - target.to(out.dtype)) ** 2
+    if weighting is not None:
+        d = d * weighting.to(out.dtype)
+    return d.sum() / num_items
+
+
+# ====================================================================== the batch
+_REQUIRED = ("hidden_states", "timestep", "encoder_hidden_states", "target")
+_OPTIONAL = ("encoder_hidden_states_image", "weighting", "attention_kwargs")
+#: the micro-batch keys only the last stage gets
+LAST_ONLY = ("target", "weighting", "num_items")
+
+
+def dit_batches(pipe: Pipeline, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A DiT step's batch as micro-batches: ``hidden_states`` (latents, ``(batch, channels,
+    frames, height, width)``), ``timestep``, ``encoder_hidden_states`` and ``target`` (the
+    output's shape) required, ``encoder_hidden_states_image`` and ``weighting`` optional; each
+    tensor split along its batch dim, ``num_items`` the whole batch's element count of
+    ``target``. Simulated: every input carries the leading rank dim."""
+    m, sim = pipe.schedule.microbatches, pipe.simulated
+    missing = [k for k in _REQUIRED if not isinstance(batch.get(k), Tensor)]
+    unknown = sorted(set(batch) - {*_REQUIRED, *_OPTIONAL})
+    if missing or unknown:
+        raise PipelineError(
+            f"Pipeline.step: a DiT pipeline's step takes {list(_REQUIRED)} (tensors) and "
+            f"optionally {list(_OPTIONAL[:2])}; missing {missing}, not supported {unknown}. Fix: "
+            "pass the model's inputs and target= (the loss is the mean of weighting * "
+            "(output - target) ** 2 over the whole batch)"
+        )
+    x, target = batch["hidden_states"], batch["target"]
+    bdim = 1 if sim else 0
+    if sim and (x.dim() < 1 or x.shape[0] != pipe.mesh.size):
+        raise PipelineError(
+            f"Pipeline.step: hidden_states of shape {tuple(x.shape)} on a simulated "
+            f"{pipe.mesh!r}: every input carries the leading rank dim. Fix: pass "
+            f"[{pipe.mesh.size}, batch, ...] (e.g. x.expand({pipe.mesh.size}, *x.shape))"
+        )
+    if x.dim() != bdim + 5 or target.shape[: bdim + 1] != x.shape[: bdim + 1]:
+        raise PipelineError(
+            f"Pipeline.step: hidden_states {tuple(x.shape)} and target {tuple(target.shape)}. "
+            "Fix: latents (batch, channels, frames, height, width) and a target of the model "
+            "output's shape (simulated: with the leading rank dim)"
+        )
+    if target.shape[bdim + 2 :] != x.shape[bdim + 2 :]:
+        raise PipelineError(
+            f"Pipeline.step: target {tuple(target.shape)} for latents {tuple(x.shape)}: the "
+            "output has the latents' frames, height and width. Fix: a target of the output's shape"
+        )
+    b = x.shape[bdim]
+    w = batch.get("weighting")
+    if w is not None and (
+        not isinstance(w, Tensor)
+        or w.dim() != target.dim()
+        or w.shape[: bdim + 1] != target.shape[: bdim + 1]
+        or any(a not in (1, t) for a, t in zip(w.shape, target.shape))
+    ):
+        raise PipelineError(
+            f"Pipeline.step: weighting of shape {tuple(getattr(w, 'shape', ()))} for target "
+            f"{tuple(target.shape)}. Fix: one weight per sample broadcastable to the target, "
+            "e.g. w.view(batch, 1, 1, 1, 1) (simulated: with the leading rank dim)"
+        )
+    for k in ("timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
+        v = batch.get(k)
+        if isinstance(v, Tensor) and (v.dim() <= bdim or v.shape[bdim] != b):
+            raise PipelineError(
+                f"Pipeline.step: {k} of shape {tuple(v.shape)} for a batch of {b}. Fix: one row "
+                "per sample (simulated: after the leading rank dim)"
+            )
+    if b % m:
+        divisors = [d for d in range(1, b + 1) if b % d == 0]
+        raise PipelineError(
+            f"Pipeline.step: a batch of {b} samples does not split into {m} micro-batches. Fix: "
+            f"a batch size that is a multiple of {m}, or microbatches= one of {divisors}"
+        )
+    num_items = int(target[0].numel() if sim else target.numel())
+    out = []
+    for k in range(m):
+        mb: dict[str, Any] = {
+            key: v.narrow(bdim, k * (b // m), b // m) if isinstance(v, Tensor) else v
+            for key, v in batch.items()
+        }
+        mb["num_items"] = num_items
+        out.append(mb)
+    return out
+
+
+# ====================================================================== the pipeline
+def build_dit(
+    model: nn.Module,
+    mesh: Any,
+    axis: str,
+    sched: Any,
+    plan: Mapping[str, Any] | None,
+    layers_per_stage: Sequence[int] | None,
+    split: DitSplit | None,
+) -> Pipeline:
+    """`fastdist.train.pipeline` for a diffusers DiT: stages of ``split`` (default: its family's
+    `DIT_SPLITS` row), each parallelized over the mesh's other axes with ``plan`` (default:
+    the family's context-parallel plan over ``sp`` when the stage mesh has it, else none)."""
+    from fastdist.nn.parallelize import parallelize
+    from fastdist.nn.styles.context import ContextParallel
+    from fastdist.train.pipeline.runtime import Pipeline
+    from fastdist.train.schedules import stage_layers
+
+    split = dit_split(model) if split is None else split
+    stage_mesh = mesh.without(axis)
+    if "tp" in stage_mesh.axis_names:
+        raise PipelineError(
+            f"pipeline: {type(model).__name__} over {mesh!r}: a DiT pipeline's stages are built "
+            "with context parallelism over 'sp' (and data parallelism), not tensor parallelism "
+            "over 'tp' (not built or tested with placeholder blocks). Fix: a mesh of 'pp', 'sp' "
+            "(and 'dp'), or tensor parallelism without a pipeline"
+        )
+    if plan is None:
+        from fastdist.nn.plans.dit import dit_plan
+
+        plan = dit_plan(model, stage_mesh) if "sp" in stage_mesh.axis_names else {}
+    cps = [s for v in plan.values() for s in (v if isinstance(v, (list, tuple)) else (v,))]
+    cps = [s for s in cps if isinstance(s, ContextParallel)]
+    if any(c.blocks != split.blocks or c.single_blocks is not None for c in cps):
+        raise PipelineError(
+            f"pipeline: the plan's ContextParallel splits blocks other than the stages' "
+            f"{split.blocks!r}. Fix: ContextParallel(blocks={split.blocks!r}) (the family's plan)"
+        )
+    absent = tuple(n for c in cps for n in (*c.attention, *c.joint))
+    empty = tuple(n for c in cps for n in c.cross)
+    blocks = model.get_submodule(split.blocks)
+    ranges = stage_layers(len(blocks), sched.stages, layers_per_stage)
+    keep = (
+        list(range(sched.stages))
+        if mesh.backend is None
+        else list(sched.stages_of(mesh.index(mesh.rank, axis)))
+    )
+    modules = split_dit(model, split, ranges, keep, (absent, empty))
+    retire(model)
+    stages: dict[int, Any] = {}
+    for j, module in modules.items():
+        stages[j] = parallelize(module, stage_mesh, _stage_plan(plan, module))
+        install_stage(module, split, ranges, j, sched.stages)
+    shared = [
+        n
+        for n, _ in model.named_parameters()
+        if any(n.startswith(s + ".") or n == s for s in split.shared)
+    ]
+    pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, shared=shared)
+    pipe.batches = lambda batch: dit_batches(pipe, batch)
+    pipe.last_only = LAST_ONLY
+    return pipe
+
+
+def _stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
+    """The plan's entries that match a module this stage holds (not a placeholder)."""
+    from fastdist.nn.parallelize import pattern_matches
+
+    real = [n for n, m in module.named_modules() if not isinstance(m, PLACEHOLDERS)]
+    return {p: v for p, v in plan.items() if any(pattern_matches(p, n) for n in real)}
