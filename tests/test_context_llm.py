@@ -46,6 +46,40 @@ def whole_logits(logits: Tensor, mesh: fd.Mesh) -> Tensor:
     return torch.cat([logits[r] for r in ranks], -1)[..., :VOCAB]
 
 
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """One device's loss: the mean cross entropy of the shifted logits over the predicted
+    tokens (labels -100 ignored), in the logits' dtype."""
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def assert_grads(pm: Any, ref: Any, **tol: float) -> None:
+    """Every parameter's gradient (the single-device view; replicas checked to agree) equals
+    the reference's."""
+    grads = pm.grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def dp_times_cp(
+    cp: str | CausalContextParallel,
+) -> tuple[Any, Any, fd.Mesh, Tensor, Tensor, list[Tensor]]:
+    """dp 2 x cp 2, DataParallel over dp, each data rank its own batch: ``(ref, pm, mesh, ids,
+    labels, want)``, ids and labels by rank, ``want`` each data rank's batch's one-device
+    loss."""
+    ref = tiny_models.build("llama", kv=2)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"dp": 2, "cp": 2})
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    fd.train.DataParallel(pm, "dp")
+    batches = [batch(10 + i) for i in range(2)]
+    ids = torch.stack([batches[mesh.coords(r)["dp"]][0] for r in range(mesh.size)])
+    labels = torch.stack([batches[mesh.coords(r)["dp"]][1] for r in range(mesh.size)])
+    want = [lm_loss(ref(input_ids=i, use_cache=False).logits, lab) for i, lab in batches]
+    return ref, pm, mesh, ids, labels, want
+
+
 def tolerance(family: str) -> dict[str, float]:
     # Qwen3 and Gemma 2 compute their q/k norms (Qwen3) or norms (Gemma) in float32: the last
     # float64 bit of a differently ordered sum can change a float32 rounding (see test_families)
@@ -84,18 +118,12 @@ def _run(family: str, axes: dict[str, int], mode: str, kv: int) -> None:
     for step in range(2):
         ids, labels = batch(1 + step)
         ref_logits = ref(input_ids=ids, use_cache=False).logits
-        ref_loss = F.cross_entropy(
-            ref_logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
-        )
+        ref_loss = lm_loss(ref_logits, labels)
         ref_loss.backward()
         loss = _loss(pm, mesh, ids, labels, ref_logits, tol)
         torch.testing.assert_close(loss, rep(ref_loss.detach(), mesh), **tol)
         loss.sum().backward()
-        grads = pm.grads()  # the single-device view; replicas checked to agree
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(
-                grads[name], p.grad, **tol, msg=lambda m, name=name: f"{name}: {m}"
-            )
+        assert_grads(pm, ref, **tol)
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -113,14 +141,7 @@ def _loss(
         return out.loss
     logits = pm(input_ids=rep(ids, mesh), use_cache=False).logits  # (world, B, S, V)
     torch.testing.assert_close(logits, rep(ref_logits.detach(), mesh), **tol)
-    return torch.stack(
-        [
-            F.cross_entropy(
-                lg[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
-            )
-            for lg in logits.unbind(0)
-        ]
-    )
+    return torch.stack([lm_loss(lg, labels) for lg in logits.unbind(0)])
 
 
 @pytest.mark.parametrize(
@@ -276,33 +297,13 @@ def test_two_context_parallel_models_keep_their_own_state() -> None:
 def test_data_parallel_times_context_parallel_matches_one_device() -> None:
     """dp x cp: each data rank its own batch, its tokens split over cp; DataParallel averages
     the gradients over dp; clipping and an AdamW step equal one device on the mean loss."""
-    ref = tiny_models.build("llama", kv=2)
-    model = copy.deepcopy(ref)
-    mesh = fd.Mesh({"dp": 2, "cp": 2})
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel="cp"))
-    fd.train.DataParallel(pm, "dp")
-    batches = [batch(10 + i) for i in range(2)]
-    ids = torch.stack([batches[mesh.coords(r)["dp"]][0] for r in range(mesh.size)])
-    labels = torch.stack([batches[mesh.coords(r)["dp"]][1] for r in range(mesh.size)])
+    ref, pm, mesh, ids, labels, want = dp_times_cp("cp")
     logits = pm(input_ids=ids, use_cache=False).logits  # (world, B, S, V)
-    losses = [
-        F.cross_entropy(lg[:, :-1].reshape(-1, VOCAB), lab[:, 1:].reshape(-1), ignore_index=-100)
-        for lg, lab in zip(logits.unbind(0), labels.unbind(0), strict=True)
-    ]
+    losses = [lm_loss(lg, lab) for lg, lab in zip(logits.unbind(0), labels.unbind(0), strict=True)]
     torch.stack(losses).sum().backward()
-    want = []
-    for i, lab in batches:
-        lg = ref(input_ids=i, use_cache=False).logits
-        want.append(
-            F.cross_entropy(
-                lg[:, :-1].reshape(-1, VOCAB), lab[:, 1:].reshape(-1), ignore_index=-100
-            )
-        )
     (sum(want) / len(want)).backward()
     tol = {"rtol": 1e-9, "atol": 1e-10}
-    grads = pm.grads()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_grads(pm, ref, **tol)
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     torch.testing.assert_close(fd.nn.clip_grad_norm_(pm, 0.5), norm.expand(mesh.size), **tol)
 
@@ -358,9 +359,7 @@ def _moe_step(family: str, axes: dict[str, int], mode: str, logits: str) -> None
     if len(axes) == 1 and logits == "gathered":
         torch.testing.assert_close(got.logits, rep(want.logits.detach(), mesh), **tolerance(family))
     got.loss.sum().backward()
-    grads = pm.grads()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_grads(pm, ref, **tol)
 
 
 def test_the_zigzag_ring_computes_only_the_visible_half_blocks() -> None:
@@ -390,11 +389,7 @@ def test_the_zigzag_ring_computes_only_the_visible_half_blocks() -> None:
         assert sum(a * b for a, b in work) == 2 * pairs, layout
         torch.testing.assert_close(got, rep(want.detach(), mesh), rtol=1e-9, atol=1e-10)
         got.pow(2).mean(dim=(1, 2, 3)).sum().backward()
-        grads = pm.grads()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(
-                grads[name], p.grad, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}"
-            )
+        assert_grads(pm, ref, rtol=1e-9, atol=1e-10)
 
 
 def test_one_sequence_switch_per_model_and_no_walk_per_step(monkeypatch: Any) -> None:
@@ -717,7 +712,7 @@ def test_split_logits_loss_and_gradients_match_one_device(
     }
     assert len(counts) > 1  # uneven over the shards
     ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    ref_loss = lm_loss(ref_logits, labels)
     ref_loss.backward()
     seen: list[tuple[int, ...]] = []
     pm.module.lm_head.register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
@@ -732,9 +727,7 @@ def test_split_logits_loss_and_gradients_match_one_device(
         torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(out.loss, rep(ref_loss.detach(), mesh), **tol)
     out.loss.sum().backward()
-    grads = pm.grads()  # replicas checked to agree
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_grads(pm, ref, **tol)
 
 
 def test_split_logits_keeps_a_given_count_and_refuses_what_it_cannot_do() -> None:
@@ -776,25 +769,11 @@ def test_split_logits_keeps_a_given_count_and_refuses_what_it_cannot_do() -> Non
 def test_split_logits_with_data_parallel_match_one_device() -> None:
     """dp x cp with logits='split': each data rank's loss is its batch's one-device mean (on
     both cp ranks), and DataParallel's averaged gradients are one device's on the mean loss."""
-    ref = tiny_models.build("llama", kv=2)
-    model = copy.deepcopy(ref)
-    mesh = fd.Mesh({"dp": 2, "cp": 2})
-    cp = CausalContextParallel("cp", logits="split")
-    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
-    fd.train.DataParallel(pm, "dp")
-    batches = [batch(10 + i) for i in range(2)]
-    ids = torch.stack([batches[mesh.coords(r)["dp"]][0] for r in range(mesh.size)])
-    labels = torch.stack([batches[mesh.coords(r)["dp"]][1] for r in range(mesh.size)])
+    ref, pm, mesh, ids, labels, want = dp_times_cp(CausalContextParallel("cp", logits="split"))
     out = pm(input_ids=ids, labels=labels, use_cache=False)
-    want = []
-    for i, lab in batches:
-        lg = ref(input_ids=i, use_cache=False).logits
-        want.append(F.cross_entropy(lg[:, :-1].reshape(-1, VOCAB), lab[:, 1:].reshape(-1)))
     tol = {"rtol": 1e-9, "atol": 1e-10}
     mine = torch.stack([want[mesh.coords(r)["dp"]].detach() for r in range(mesh.size)])
     torch.testing.assert_close(out.loss, mine, **tol)
     out.loss.sum().backward()
     (sum(want) / len(want)).backward()
-    grads = pm.grads()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_grads(pm, ref, **tol)

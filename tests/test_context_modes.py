@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
@@ -77,21 +77,32 @@ def test_per_token_timesteps_equal_one_device() -> None:
     check_mode("ring-2", x)
 
 
-def test_wan_image_to_video_equals_one_device() -> None:
-    """Wan I2V: ``attn2`` also attends to the image states (``add_k_proj``), locally; 9 tokens
-    over 2 ranks (ring). Wan's processor takes the last 512 text tokens as the text."""
+def tiny_wan_i2v(
+    layers: int = 2, video: dict[str, Tensor] | None = None
+) -> tuple[nn.Module, dict[str, Tensor]]:
+    """Wan image-to-video (``attn2``'s image projections ``add_k_proj``/``add_v_proj``, its
+    ``norm_added_k`` over all heads), ``layers`` blocks of 4 heads of 12; the video latents and
+    timestep of ``video`` (default `inputs`), 512 text tokens (the processor takes the last 512
+    as the text), 3 image tokens."""
     torch.manual_seed(0)
     model = wan_module.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=4,
-        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=layers,
         rope_max_seq_len=32, image_dim=8, added_kv_proj_dim=48,
     ).to(torch.float64)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     x = {
-        **nine_tokens(),
+        **(video if video is not None else inputs()),
         "encoder_hidden_states": torch.randn(2, 512, 16, generator=g, dtype=torch.float64),
         "encoder_hidden_states_image": torch.randn(2, 3, 8, generator=g, dtype=torch.float64),
     }
+    return model, x
+
+
+def test_wan_image_to_video_equals_one_device() -> None:
+    """Wan I2V: ``attn2`` also attends to the image states (``add_k_proj``), locally; 9 tokens
+    over 2 ranks (ring). Wan's processor takes the last 512 text tokens as the text."""
+    model, x = tiny_wan_i2v(video=nine_tokens())
     out, grads = reference(copy.deepcopy(model), x)
     pm = fd.nn.parallelize(model, fd.Mesh({"sp": 2}), fd.nn.plans.wan(mode="ring"))
     got = run(pm, x, 2)

@@ -31,34 +31,16 @@ pytest.importorskip("diffusers")
 from tests import test_context_parallel as wan_tests  # noqa: E402
 from tests.test_context_dit_families import ltx_inputs, tiny_ltx  # noqa: E402
 from tests.test_context_mmdit import flux_inputs, sd3_inputs, tiny_flux, tiny_sd3  # noqa: E402
+from tests.test_context_modes import tiny_wan_i2v  # noqa: E402
 from tests.test_dit_families_joint import TINY, assert_grads, reference, stacked  # noqa: E402
 
 Inputs = dict[str, Any]
 
 
-def tiny_wan_i2v() -> tuple[nn.Module, Inputs]:
-    """Wan image-to-video (``attn2``'s image projections ``add_k_proj``/``add_v_proj``, its
-    ``norm_added_k`` over all heads), 1 block, 4 heads of 12; 8 video tokens, 512 text tokens
-    (the processor takes the last 512 as the text), 3 image tokens."""
-    torch.manual_seed(0)
-    model = wan_tests.wan_module.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=4,
-        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1,
-        rope_max_seq_len=32, image_dim=8, added_kv_proj_dim=48,
-    ).to(torch.float64)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    x = {
-        **wan_tests.inputs(),
-        "encoder_hidden_states": torch.randn(2, 512, 16, generator=g, dtype=torch.float64),
-        "encoder_hidden_states_image": torch.randn(2, 3, 8, generator=g, dtype=torch.float64),
-    }
-    return model, x
-
-
 #: family (its plan's name, then a variant) -> its tiny model and inputs
 BUILD: dict[str, Callable[[], tuple[nn.Module, Inputs]]] = {
     "wan": lambda: (wan_tests.tiny_wan(heads=4, layers=1), wan_tests.inputs()),
-    "wan-i2v": tiny_wan_i2v,
+    "wan-i2v": lambda: tiny_wan_i2v(layers=1),
     # SD3.5: a dual (image-only) attn2 in block 0, q/k RMS norms per head on both streams; the
     # last block context_pre_only (no to_add_out, no ff_context)
     "sd3": lambda: (tiny_sd3(dual_attention_layers=(0,), qk_norm="rms_norm"), sd3_inputs()),

@@ -105,6 +105,38 @@ def assert_grads(pipe: Any, ref: nn.Module, tol: dict[str, float] = TOL) -> None
         torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def check_left_padding(
+    ref: nn.Module,
+    ids: Tensor,
+    labels: Tensor,
+    pads: dict[int, int],
+    mesh: fd.Mesh,
+    pipeline: Any,
+) -> None:
+    """Rows left-padded (``pads``: row -> padding tokens, their labels ignored) with their
+    position ids: the step of ``pipeline(copy of ref)`` on ``mesh`` gets the mask and positions
+    and must equal one device's masked loss and gradients (accumulated into ``ref``); the mask
+    must matter (the unmasked loss differs by more than 1e-3)."""
+    mask = torch.ones_like(ids)
+    for row, n in pads.items():
+        mask[row, :n] = 0
+    labels = labels.masked_fill(mask == 0, -100)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    loss_ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    loss_ref.backward()
+    assert (hand_loss(copy.deepcopy(ref), ids, labels) - loss_ref).abs() > 1e-3  # it matters
+    pipe = pipeline(copy.deepcopy(ref))
+    loss = pipe.step(
+        input_ids=rep(ids, mesh),
+        labels=rep(labels, mesh),
+        attention_mask=rep(mask, mesh),
+        position_ids=rep(pos, mesh),
+    )
+    torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **TOL)
+    assert_grads(pipe, ref)
+
+
 def assert_weights(pipe: Any, ref: nn.Module, tol: dict[str, float] = TOL) -> None:
     state = pipe.state_dict()
     assert state.keys() >= {n for n, _ in ref.named_parameters()}
@@ -233,28 +265,17 @@ def test_attention_mask_and_position_ids_reach_every_stage(name: str, sp: bool) 
     and every stage uses them (a stage that ignored them would attend to the padding)."""
     ref = llama()
     ids, labels = make_batch(3)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    mask[2, :2] = 0
-    labels = labels.masked_fill(mask == 0, -100)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    loss_ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
-    loss_ref.backward()
-    unmasked = hand_loss(copy.deepcopy(ref), ids, labels)
-    assert (unmasked - loss_ref).abs() > 1e-3  # the mask matters
     mesh = fd.Mesh({"pp": 2, "tp": 2})
-    pipe = fd.train.pipeline(
-        copy.deepcopy(ref), mesh, schedule=name, microbatches=2, sequence_parallel=sp
+    check_left_padding(
+        ref,
+        ids,
+        labels,
+        {0: 3, 2: 2},
+        mesh,
+        lambda model: fd.train.pipeline(
+            model, mesh, schedule=name, microbatches=2, sequence_parallel=sp
+        ),
     )
-    loss = pipe.step(
-        input_ids=rep(ids, mesh),
-        labels=rep(labels, mesh),
-        attention_mask=rep(mask, mesh),
-        position_ids=rep(pos, mesh),
-    )
-    torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **TOL)
-    assert_grads(pipe, ref)
 
 
 # ============================================================================ optimizer, clipping
