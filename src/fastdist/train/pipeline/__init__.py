@@ -47,7 +47,8 @@ parallelism over the stages: ``fastdist.train.DataParallel(pipe, "dp")``.
 """
 
 from fastdist.train.pipeline.build import pipeline
+from fastdist.train.pipeline.dit import DIT_SPLITS, DitSplit
 from fastdist.train.pipeline.runtime import Event, Pipeline
 from fastdist.train.pipeline.split import SPLITS, StageSplit
 
-__all__ = ["Pipeline", "pipeline", "SPLITS", "StageSplit", "Event"]
+__all__ = ["Pipeline", "pipeline", "SPLITS", "StageSplit", "DIT_SPLITS", "DitSplit", "Event"]

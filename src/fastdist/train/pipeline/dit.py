@@ -102,7 +102,9 @@ def dit_split(model: nn.Module) -> DitSplit:
     split = DIT_SPLITS.get(kind)
     if split is not None:
         return split
-    why = _NOT_BUILT.get(kind, "its stage split (block list, first and last modules) is not written")
+    why = _NOT_BUILT.get(
+        kind, "its stage split (block list, first and last modules) is not written"
+    )
     raise PipelineError(
         f"pipeline: {kind} is a diffusers diffusion transformer without pipeline stages: {why}. "
         f"DiT pipelines are built for {sorted(DIT_SPLITS)}. Fix: split its tokens instead "

@@ -176,11 +176,11 @@ class Pipeline:
         for b in copies:
             b.grad = None
         # shared copies: counted once, as the first stage's
-        extra = {j: [p for p in self._shared_copies(j) if p.grad is not None] for j in self.stages}
-        hidden_shared = {j: [(p, p.grad) for p in ps] for j, ps in extra.items()}
-        for ps in extra.values():
-            for p in ps:
-                p.grad = None
+        extra = {j: [c for c in self._shared_copies(j) if c.grad is not None] for j in self.stages}
+        hidden_shared = {j: [(c, c.grad) for c in cs] for j, cs in extra.items()}
+        for cs in extra.values():
+            for c in cs:
+                c.grad = None
         try:
             norms = {j: total_norm(self.stages[j], p, None, op) for j in sorted(self.stages)}
         finally:
@@ -302,9 +302,12 @@ class Pipeline:
                 )
             )
         self.events = []
-        if self.simulated:
-            return self._run_simulated(micro)
-        return self._run_ranks(micro)
+        # the copies' gradients of earlier steps (equal: summed then) are set aside, so that the
+        # sums below add this step's contributions only, then added back once
+        earlier = self._set_aside_copies()
+        loss = self._run_simulated(micro) if self.simulated else self._run_ranks(micro)
+        _add_back(earlier)
+        return loss
 
     def _check_same_batch(self, batch: Mapping[str, Any]) -> None:
         """Every rank along the pipeline axis must be given the same batch: each stage reads its
@@ -638,6 +641,25 @@ class Pipeline:
             theirs = self._ranks.swap(mine.grad, peer, what)
             mine.grad = mine.grad + theirs if a is not None else theirs + mine.grad
 
+    def _set_aside_copies(self) -> list[tuple[list[nn.Parameter], Tensor]]:
+        """Each weight held in several copies here (tied, shared) with a gradient: its copies
+        and that gradient (the copies' are equal after a step's sum), the copies' set to
+        ``None``. Without this, a second step without ``zero_grad`` would sum every copy's
+        accumulated gradient: the earlier steps' counted once per copy."""
+        groups = [[c for c in (a, b) if c is not None] for _, a, b in self._tied_params()]
+        groups += [
+            [self.stages[j].module.get_parameter(n) for j in sorted(self.stages)]
+            for n in self.shared
+        ]
+        out = []
+        for copies in groups:
+            g = next((c.grad for c in copies if c.grad is not None), None)
+            if g is not None:
+                out.append((copies, g))
+            for c in copies:
+                c.grad = None
+        return out
+
     def _shared_copies(self, stage: int) -> list[nn.Parameter]:
         """The copies of the shared parameters that the norm does not count (every stage's but
         the first's)."""
@@ -740,6 +762,13 @@ class _Step:
     inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     local: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
+
+
+def _add_back(earlier: list[tuple[list[nn.Parameter], Tensor]]) -> None:
+    """The gradients set aside before a step, added to every copy's (once per weight)."""
+    for copies, g in earlier:
+        for c in copies:
+            c.grad = g.clone() if c.grad is None else g + c.grad
 
 
 def _digest_bits(v: Tensor) -> Tensor:

@@ -1,0 +1,261 @@
+"""`fastdist.train.pipeline` of a diffusers DiT (issue 38, "composes with pipelines"): a tiny
+float64 ``WanTransformer3DModel`` split into stages over ``pp`` (GPipe, 1F1B, interleaved 1F1B),
+alone and with its tokens split over ``sp`` inside each stage (pp x sp), on simulated ranks,
+against the unmodified model on one device: the loss (the mean of ``weighting * (output -
+target) ** 2``), every parameter's gradient, the whole-model gradient clip, an SGD step; and the
+refusals; and pp 2 on two gloo processes (``tests/pipeline_dit_worker.py``).
+
+Wan computes its norms and modulation in float32 on purpose (``FP32LayerNorm``, ``.float()``):
+a batch split into micro-batches, or ranks batched by the simulation, differ from one device's
+whole batch by float32 rounding, hence 1e-6 of each gradient's largest entry (as in
+``tests/test_context_parallel.py``); measured 2e-7 (the same as one device accumulating two
+micro-batches against its whole batch).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fastdist as fd
+from fastdist.errors import PipelineError
+from fastdist.train.pipeline import SPLITS, DitSplit
+
+wan_module = pytest.importorskip("diffusers.models.transformers.transformer_wan")
+
+TOL = 1e-6  # relative to each gradient's largest entry (Wan's float32 norms)
+
+
+def tiny_wan(layers: int = 4, seed: int = 0) -> nn.Module:
+    """A tiny float64 Wan text-to-video transformer: 2 heads of dim 8, ``layers`` blocks."""
+    torch.manual_seed(seed)
+    model = wan_module.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
+    return model.to(torch.float64)
+
+
+def batch(n: int = 4, weighted: bool = False, seed: int = 1) -> dict[str, Tensor]:
+    """``n`` samples: latents (4 channels, 2 frames, 4 x 4: 8 tokens), one timestep each, 5 text
+    tokens, a target of the output's shape, optionally per-sample weights."""
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "hidden_states": torch.randn(n, 4, 2, 4, 4, generator=g, dtype=torch.float64),
+        "timestep": torch.randint(0, 1000, (n,), generator=g).to(torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "target": torch.randn(n, 4, 2, 4, 4, generator=g, dtype=torch.float64),
+    }
+    if weighted:
+        out["weighting"] = torch.rand(n, 1, 1, 1, 1, generator=g, dtype=torch.float64) + 0.5
+    return out
+
+
+def one_device(model: nn.Module, b: dict[str, Tensor]) -> Tensor:
+    """The loss on one device: ``mean(weighting * (output - target) ** 2)`` (its backward run)."""
+    kw = {k: v for k, v in b.items() if k not in ("target", "weighting")}
+    out = model(**kw, return_dict=False)[0]
+    d = (out - b["target"]) ** 2
+    loss = (d * b["weighting"]).mean() if "weighting" in b else d.mean()
+    loss.backward()
+    return loss.detach()
+
+
+def on_ranks(b: dict[str, Tensor], mesh: fd.Mesh) -> dict[str, Tensor]:
+    return {k: v.expand(mesh.size, *v.shape) for k, v in b.items()}
+
+
+def assert_grads(got: dict[str, Tensor], ref: nn.Module) -> None:
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(want)
+    for name, g in want.items():
+        err = float((got[name] - g).abs().max() / g.abs().max())
+        assert err < TOL, f"{name}: {err:.2e}"
+
+
+CASES = [
+    ("gpipe", {"pp": 2}),
+    ("1f1b", {"pp": 2}),
+    ("interleaved_1f1b", {"pp": 2}),
+    ("1f1b", {"pp": 2, "sp": 2}),
+    ("gpipe", {"sp": 2, "pp": 2}),
+]
+
+
+@pytest.mark.parametrize(("sched", "shape"), CASES)
+def test_step_equals_one_device(sched: str, shape: dict[str, int]) -> None:
+    model, b = tiny_wan(), batch(weighted=sched == "1f1b")
+    ref = copy.deepcopy(model)
+    want = one_device(ref, b)
+    mesh = fd.Mesh(shape)
+    virtual = 2 if sched == "interleaved_1f1b" else 1
+    pipe = fd.train.pipeline(model, mesh, schedule=sched, microbatches=2, virtual=virtual)
+    loss = pipe.step(**on_ranks(b, mesh))
+    assert loss.shape == (mesh.size,)
+    torch.testing.assert_close(loss, want.expand(mesh.size), rtol=1e-9, atol=0)
+    assert_grads(pipe.grads(), ref)
+    # each stage holds its blocks, the ends where they belong, a copy of the condition embedder
+    last = pipe.schedule.stages - 1
+    for j, pm in pipe.stages.items():
+        names = {n for n, _ in pm.module.named_parameters()}
+        blocks = {int(n.split(".")[1]) for n in names if n.startswith("blocks.")}
+        assert blocks == set(pipe.layers[j])
+        assert any(n.startswith("condition_embedder.") for n in names)
+        assert ("patch_embedding.weight" in names) == (j == 0)
+        assert ("scale_shift_table" in names) == ("proj_out.weight" in names) == (j == last)
+    cond = "condition_embedder.time_embedder.linear_1.weight"
+    first = pipe.stages[0].module.get_parameter(cond).grad
+    for pm in pipe.stages.values():  # the summed gradient, bitwise the same on every stage
+        assert torch.equal(pm.module.get_parameter(cond).grad, first)
+
+
+def test_activations_travel_split_over_sp() -> None:
+    """pp x sp: the activations travel split (each sp rank hands on its own tokens)."""
+    model, b = tiny_wan(layers=2), batch(n=2)
+    mesh = fd.Mesh({"pp": 2, "sp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=1)
+    sent: list[tuple[int, ...]] = []
+    block = pipe.stages[1].module.blocks[1]  # the received activation, after the hand-in
+    handle = block.register_forward_pre_hook(lambda m, a: sent.append(tuple(a[0].shape)))
+    try:
+        pipe.step(**on_ranks(b, mesh))
+    finally:
+        handle.remove()
+    assert sent and sent[0][-2] == 8 // 2  # 8 tokens, 4 per sp rank (under the rank batching)
+
+
+def test_clip_and_sgd_step_equal_one_device() -> None:
+    model, b = tiny_wan(), batch()
+    ref = copy.deepcopy(model)
+    one_device(ref, b)
+    want_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    ref_opt.step()
+    mesh = fd.Mesh({"pp": 2, "sp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    pipe.step(**on_ranks(b, mesh))
+    total = pipe.clip_grad_norm_(0.05)  # the condition embedder counted once, not per stage
+    torch.testing.assert_close(total, want_total.expand(mesh.size), rtol=1e-6, atol=0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-2)
+    opt.step()
+    state = pipe.state_dict()
+    for name, p in ref.named_parameters():
+        err = float((state[name] - p.detach()).abs().max())
+        assert err < 1e-8, f"{name}: {err:.2e}"
+    cond = "condition_embedder.text_embedder.linear_1.weight"
+    copies = [pm.module.get_parameter(cond) for pm in pipe.stages.values()]
+    assert all(torch.equal(c, copies[0]) for c in copies)  # the copies stay equal
+
+
+def test_two_steps_accumulate_like_one_device() -> None:
+    model = tiny_wan(layers=2)
+    ref = copy.deepcopy(model)
+    b1, b2 = batch(seed=3), batch(seed=4)
+    one_device(ref, b1)
+    one_device(ref, b2)
+    mesh = fd.Mesh({"pp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="gpipe", microbatches=4)
+    pipe.step(**on_ranks(b1, mesh))
+    pipe.step(**on_ranks(b2, mesh))
+    assert_grads(pipe.grads(), ref)
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_refuses_a_family_without_stages() -> None:
+    cog = pytest.importorskip("diffusers").CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=16,
+        num_layers=2,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=5,
+    )
+    with pytest.raises(PipelineError, match=r"CogVideoXTransformer3DModel .*hand on two .*Fix:"):
+        fd.train.pipeline(cog, fd.Mesh({"pp": 2}))
+
+
+def test_refuses_tp_and_a_wrong_split() -> None:
+    with pytest.raises(PipelineError, match=r"not tensor parallelism over 'tp'.*Fix:"):
+        fd.train.pipeline(tiny_wan(), fd.Mesh({"pp": 2, "tp": 2}))
+    with pytest.raises(PipelineError, match=r"DitSplit"):
+        fd.train.pipeline(tiny_wan(), fd.Mesh({"pp": 2}), split=SPLITS["llama"])
+
+
+def test_refuses_a_parameter_no_stage_holds() -> None:
+    split = DitSplit(
+        "blocks", ("patch_embedding",), (), ("norm_out", "proj_out", "scale_shift_table")
+    )
+    with pytest.raises(PipelineError, match=r"condition_embedder\..* belongs to no stage"):
+        fd.train.pipeline(tiny_wan(), fd.Mesh({"pp": 2}), split=split)
+
+
+def test_refuses_a_bad_batch_and_calls_to_the_model() -> None:
+    model = tiny_wan(layers=2)
+    mesh = fd.Mesh({"pp": 2})
+    pipe = fd.train.pipeline(model, mesh, microbatches=2)
+    b = on_ranks(batch(), mesh)
+    with pytest.raises(PipelineError, match=r"missing \['target'\]"):
+        pipe.step(**{k: v for k, v in b.items() if k != "target"})
+    with pytest.raises(PipelineError, match=r"not supported \['labels'\]"):
+        pipe.step(**b, labels=b["target"])
+    with pytest.raises(PipelineError, match=r"target .* output's shape"):
+        pipe.step(**{**b, "target": b["target"][..., :2]})
+    with pytest.raises(PipelineError, match=r"weighting of shape"):
+        pipe.step(**b, weighting=torch.ones(mesh.size, 4, 4, dtype=torch.float64))
+    with pytest.raises(PipelineError, match=r"does not split into 2 micro-batches"):
+        pipe.step(**on_ranks(batch(n=3), mesh))
+    with pytest.raises(PipelineError, match=r"taken apart by fastdist.train.pipeline"):
+        model(**{k: v for k, v in batch().items() if k != "target"})
+
+
+def test_tied_llm_embeddings_accumulate_over_steps() -> None:
+    """Two steps without ``zero_grad`` (gradient accumulation): a weight held in two copies
+    (a causal LM's tied embeddings, like a DiT's shared condition embedder) gets each step's
+    gradient once (before the fix: the first step's twice, silently)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).double()
+    ref = copy.deepcopy(model)
+    steps = [
+        torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
+    for ids in steps:
+        logits = ref(input_ids=ids).logits
+        torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)
+        ).backward()
+    mesh = fd.Mesh({"pp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    assert pipe.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    for ids in steps:
+        pipe.step(input_ids=ids.expand(2, 4, 8), labels=ids.expand(2, 4, 8))
+    got = pipe.grads()
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        err = float((got[name] - p.grad).abs().max() / p.grad.abs().max())
+        assert err < 1e-9, f"{name}: {err:.2e}"
