@@ -24,52 +24,12 @@ import fastdist as fd
 from fastdist.errors import PipelineError
 from fastdist.train.pipeline import SPLITS, DitSplit
 
-wan_module = pytest.importorskip("diffusers.models.transformers.transformer_wan")
+pytest.importorskip("diffusers.models.transformers.transformer_wan")
+
+from tests.dist_harness import run_on_gloo  # noqa: E402
+from tests.pipeline_dit_worker import batch, one_device, tiny_wan, wan_on_2  # noqa: E402
 
 TOL = 1e-6  # relative to each gradient's largest entry (Wan's float32 norms)
-
-
-def tiny_wan(layers: int = 4, seed: int = 0) -> nn.Module:
-    """A tiny float64 Wan text-to-video transformer: 2 heads of dim 8, ``layers`` blocks."""
-    torch.manual_seed(seed)
-    model = wan_module.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=layers,
-        rope_max_seq_len=32,
-    )
-    return model.to(torch.float64)
-
-
-def batch(n: int = 4, weighted: bool = False, seed: int = 1) -> dict[str, Tensor]:
-    """``n`` samples: latents (4 channels, 2 frames, 4 x 4: 8 tokens), one timestep each, 5 text
-    tokens, a target of the output's shape, optionally per-sample weights."""
-    g = torch.Generator().manual_seed(seed)
-    out = {
-        "hidden_states": torch.randn(n, 4, 2, 4, 4, generator=g, dtype=torch.float64),
-        "timestep": torch.randint(0, 1000, (n,), generator=g).to(torch.float64),
-        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
-        "target": torch.randn(n, 4, 2, 4, 4, generator=g, dtype=torch.float64),
-    }
-    if weighted:
-        out["weighting"] = torch.rand(n, 1, 1, 1, 1, generator=g, dtype=torch.float64) + 0.5
-    return out
-
-
-def one_device(model: nn.Module, b: dict[str, Tensor]) -> Tensor:
-    """The loss on one device: ``mean(weighting * (output - target) ** 2)`` (its backward run)."""
-    kw = {k: v for k, v in b.items() if k not in ("target", "weighting")}
-    out = model(**kw, return_dict=False)[0]
-    d = (out - b["target"]) ** 2
-    loss = (d * b["weighting"]).mean() if "weighting" in b else d.mean()
-    loss.backward()
-    return loss.detach()
 
 
 def on_ranks(b: dict[str, Tensor], mesh: fd.Mesh) -> dict[str, Tensor]:
@@ -259,3 +219,21 @@ def test_tied_llm_embeddings_accumulate_over_steps() -> None:
         assert p.grad is not None
         err = float((got[name] - p.grad).abs().max() / p.grad.abs().max())
         assert err < 1e-9, f"{name}: {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- real ranks
+def test_pp2_on_gloo_equals_one_device() -> None:
+    """2 gloo processes, pp 2: each schedule's loss and the gradients of each rank's stages equal
+    one device; every parameter is held by the ranks of its stages (the condition embedder by
+    both); latents that differ between the ranks are refused (the digest reads float bits)."""
+    got = run_on_gloo(wan_on_2, 2, timeout=300)
+    for case in ("gpipe", "1f1b", "interleaved_1f1b"):
+        for r in (g[case] for g in got):
+            assert r["loss_shape"] == () and r["loss_err"] < 1e-9, (case, r["loss_err"])
+            assert r["grad_err"] < TOL, (case, r["grad_err"])
+        names = [set(g[case]["names"]) for g in got]
+        assert names[0] | names[1] == set(got[0][case]["model"])
+        shared = names[0] & names[1]
+        assert shared and all(n.startswith("condition_embedder.") for n in shared)
+    for g in got:
+        assert g["differs"] is not None and "different hidden_states" in g["differs"], g["differs"]

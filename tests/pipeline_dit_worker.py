@@ -1,0 +1,109 @@
+"""The tiny Wan DiT, its batch and its one-device loss for tests/test_pipeline_dit.py, and the gloo
+worker that runs `fastdist.train.pipeline` of it on real ranks (pp 2, 2 processes): every rank
+builds the same float64 model from a fixed seed, computes the one-device reference itself and
+returns the largest differences, the names it holds gradients for, and what a refused batch said.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import fastdist as fd
+
+
+def tiny_wan(layers: int = 4, seed: int = 0) -> nn.Module:
+    """A tiny float64 Wan text-to-video transformer: 2 heads of dim 8, ``layers`` blocks."""
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
+    return model.to(torch.float64)
+
+
+def batch(n: int = 4, weighted: bool = False, seed: int = 1) -> dict[str, Tensor]:
+    """``n`` samples: latents (4 channels, 2 frames, 4 x 4: 8 tokens), one timestep each, 5 text
+    tokens, a target of the output's shape, optionally per-sample weights."""
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "hidden_states": torch.randn(n, 4, 2, 4, 4, generator=g, dtype=torch.float64),
+        "timestep": torch.randint(0, 1000, (n,), generator=g).to(torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "target": torch.randn(n, 4, 2, 4, 4, generator=g, dtype=torch.float64),
+    }
+    if weighted:
+        out["weighting"] = torch.rand(n, 1, 1, 1, 1, generator=g, dtype=torch.float64) + 0.5
+    return out
+
+
+def one_device(model: nn.Module, b: dict[str, Tensor]) -> Tensor:
+    """The loss on one device: ``mean(weighting * (output - target) ** 2)`` (its backward run)."""
+    kw = {k: v for k, v in b.items() if k not in ("target", "weighting")}
+    out = model(**kw, return_dict=False)[0]
+    d = (out - b["target"]) ** 2
+    loss = (d * b["weighting"]).mean() if "weighting" in b else d.mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _case(mesh: fd.Mesh, **kw: Any) -> dict[str, Any]:
+    """One step of a fresh pipeline against one device: the loss's error, the largest gradient
+    error relative to each gradient's largest entry, the names this rank holds."""
+    model, b = tiny_wan(), batch(weighted=True)
+    ref = copy.deepcopy(model)
+    want = one_device(ref, b)
+    pipe = fd.train.pipeline(model, mesh, microbatches=2, **kw)
+    loss = pipe.step(**b)
+    grads = pipe.grads()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    err = max(
+        float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max()) for n, g in grads.items()
+    )
+    return {
+        "loss_shape": tuple(loss.shape),
+        "loss_err": float((loss - want).abs() / want.abs()),
+        "grad_err": err,
+        "names": sorted(grads),
+        "model": sorted(ref_grads),
+        "stages": sorted(pipe.stages),
+        "pipe": pipe,
+    }
+
+
+def wan_on_2() -> dict[str, Any]:
+    """2 ranks, pp 2: GPipe, 1F1B and interleaved 1F1B against one device; then a batch whose
+    latents differ on the two ranks (refused by the batch digest: a float tensor's bits)."""
+    torch.set_num_threads(1)
+    mesh = fd.connect(pp=2, timeout=60)
+    out: dict[str, Any] = {}
+    for name, kw in {
+        "gpipe": {"schedule": "gpipe"},
+        "1f1b": {"schedule": "1f1b"},
+        "interleaved_1f1b": {"schedule": "interleaved_1f1b", "virtual": 2},
+    }.items():
+        case = _case(mesh, **kw)
+        pipe = case.pop("pipe")
+        out[name] = case
+    b = batch()
+    b["hidden_states"] = b["hidden_states"] + 1e-3 * dist.get_rank()  # differ by a little
+    try:
+        pipe.step(**b)
+        out["differs"] = None
+    except Exception as e:  # noqa: BLE001 - the parent asserts the type and message
+        out["differs"] = f"{type(e).__name__}: {e}"
+    return out
