@@ -105,7 +105,7 @@ class ParallelLinear(nn.Module):
             y = psum_scatter(y, self.mesh, self.axis, dim=self.seq_dim)  # summed, my sequence shard
             # meets per-rank rows
             bias = pvary(self.bias, self.mesh, self.axis) if self.bias is not None else None
-            if bias is None:
+            if bias is None and _may_be_view(y):
                 # the collective's output may be a view of its custom function's result, which
                 # autograd forbids modifying in place (Falcon: mlp_output += attention_output)
                 y = y.clone()
@@ -118,6 +118,22 @@ class ParallelLinear(nn.Module):
             f"{self.kind}, axis={self.axis!r}, "
             f"weight={tuple(self.weight.shape)}{', transposed' if self.transposed else ''}"
         )
+
+
+def _may_be_view(y: Tensor) -> bool:
+    """Whether ``y`` (a collective's output) may be a view at some level, which autograd forbids
+    modifying in place when a custom function made it: under ``torch.compile`` (not looked at),
+    or a view on any of its functorch levels (a simulated rank's tensor wraps the stacked one).
+    Otherwise ``y`` is the collective's own fresh result, which the caller may modify in place."""
+    if torch.compiler.is_compiling():
+        return True
+    functorch: Any = torch._C._functorch
+    while True:
+        if y._is_view():
+            return True
+        if not (functorch.is_batchedtensor(y) or functorch.is_gradtrackingtensor(y)):
+            return False
+        y = functorch.get_unwrapped(y)
 
 
 #: ``nn.Linear`` subclasses whose own forward computes exactly ``F.linear`` (Falcon's
