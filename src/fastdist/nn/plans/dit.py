@@ -123,6 +123,13 @@ _SINGLE = TpSplit(
 )
 
 
+def _mmdit_fields(joint: str = "attn", **fields: Any) -> dict[str, Any]:
+    """The `ContextParallel` fields of a joint text-image attention DiT (MM-DiT): its
+    ``transformer_blocks`` hold the joint attention ``joint`` and no self- or cross-attention of
+    their own; ``fields`` add the rest (the modules before the split, the rotary tables...)."""
+    return dict(blocks="transformer_blocks", attention=(), cross=(), joint=(joint,), **fields)
+
+
 @dataclass(frozen=True)
 class DitFamily:
     """One diffusers DiT class and where its modules are, as `ContextParallel` fields.
@@ -205,11 +212,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
         DitFamily(
             "flux",
             "FluxTransformer2DModel",
-            dict(
-                blocks="transformer_blocks",
-                attention=(),
-                cross=(),
-                joint=("attn",),
+            _mmdit_fields(
                 single_blocks="single_transformer_blocks",
                 joined=("attn",),
                 whole=("pos_embed", "x_embedder", "time_text_embed", "context_embedder"),
@@ -224,11 +227,8 @@ DIT_FAMILIES: dict[str, DitFamily] = {
         DitFamily(
             "cogvideox",
             "CogVideoXTransformer3DModel",
-            dict(
-                blocks="transformer_blocks",
-                attention=(),
-                cross=(),
-                joint=("attn1",),
+            _mmdit_fields(
+                joint="attn1",
                 whole=("patch_embed", "time_embedding"),
                 feeds=("time_embedding",),
                 rotary=None,
@@ -248,11 +248,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
         DitFamily(
             "qwen_image",
             "QwenImageTransformer2DModel",
-            dict(
-                blocks="transformer_blocks",
-                attention=(),
-                cross=(),
-                joint=("attn",),
+            _mmdit_fields(
                 whole=("pos_embed", "time_text_embed", "txt_norm", "img_in", "txt_in"),
                 feeds=("time_text_embed", "txt_in"),
                 rotary="pos_embed",
@@ -270,11 +266,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
         DitFamily(
             "flux2",
             "Flux2Transformer2DModel",
-            dict(
-                blocks="transformer_blocks",
-                attention=(),
-                cross=(),
-                joint=("attn",),
+            _mmdit_fields(
                 single_blocks="single_transformer_blocks",
                 joined=("attn",),
                 # the modulations run on the pvary'd timestep embedding (norm_out uses it too):
@@ -307,11 +299,7 @@ DIT_FAMILIES: dict[str, DitFamily] = {
         DitFamily(
             "hunyuan_video",
             "HunyuanVideoTransformer3DModel",
-            dict(
-                blocks="transformer_blocks",
-                attention=(),
-                cross=(),
-                joint=("attn",),
+            _mmdit_fields(
                 single_blocks="single_transformer_blocks",
                 single_joint=("attn",),
                 # context_embedder: the token refiner (self-attention over the text, masked)
