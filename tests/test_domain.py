@@ -976,3 +976,131 @@ def test_region_returning_moved_split_dims_is_refused() -> None:
     pm = fd.nn.parallelize(net.double(), fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})})
     with pytest.raises(fd.nn.ParallelizeError, match="the region returns a tensor of shape"):
         pm(torch.randn(1, 2, 8, 8, dtype=F64).expand(2, 1, 2, 8, 8))
+
+
+# ------------------------------------------------- ops that gave a silent wrong answer before
+def _stack_last(h: Tensor) -> Tensor:
+    """``torch.stack`` along a new last dim moves H to dim 2 of five: a softmax over dim 2 is
+    over the split dim (read as W by the number of dims before the guard followed stacks)."""
+    return torch.stack([h, 2 * h], -1).softmax(2).unbind(-1)[0]
+
+
+#: each ran on the block as if it were the whole domain, silently, before the guard read it:
+#: ``(fn on the first convolution's output, split, match)``
+SILENT_BEFORE: list[tuple[Callable[[Tensor], Tensor], str, str]] = [
+    (lambda h: torch.einsum("nchw->ncw", h)[:, :, None].expand_as(h), "h",
+     r"einsum\('nchw->ncw'\).*sums over subscript 'h'"),
+    (lambda h: h * torch.einsum("nchw,nchw->nc", h, h)[..., None, None], "hw",
+     r"einsum.*sums over subscript"),
+    (lambda h: torch.einsum("nchw,nciw->nchi", h, h)[..., :6], "h",
+     r"einsum.*subscript 'i' here, elsewhere another"),
+    (lambda h: torch.gather(h, 2, torch.zeros_like(h, dtype=torch.long)), "h",
+     r"gather over the split dim -2"),
+    (lambda h: h.index_select(2, torch.tensor([0] * 8)), "h", r"index_select over the split dim"),
+    (lambda h: torch.take_along_dim(h, torch.zeros_like(h, dtype=torch.long), 2), "h",
+     r"take_along_dim over the split dim"),
+    (lambda h: torch.zeros_like(h).scatter(2, torch.zeros_like(h, dtype=torch.long), h), "h",
+     r"scatter over the split dim"),
+    (lambda h: torch.ops.aten.sum.dim_IntList(h, [2], True).expand_as(h), "h",
+     r"torch.ops.aten.sum.dim_IntList .*a direct aten call"),
+    (lambda h: torch.ops.aten.flip(h, [2]), "h", r"torch.ops.aten.flip .*direct aten call"),
+    (lambda h: torch.diagonal(h[:, :, :6], dim1=2, dim2=3)[..., None, :].expand(-1, -1, 8, -1),
+     "h", r"diagonal over the split dim"),
+    (lambda h: torch.trapezoid(h, dim=2)[:, :, None].expand_as(h), "h", r"\(trapezoid\)"),
+    (lambda h: h * torch.histc(h, 4).sum(), "h", r"\(histc\)"),
+    (lambda h: torch.renorm(h, 2, 1, 1.0), "h", r"\(renorm\)"),
+    (lambda h: torch.cdist(h, h)[..., :6], "h", r"cdist over the split dim"),
+    (lambda h: F.cosine_similarity(h, h.flip(3), dim=2)[:, :, None].expand_as(h), "h",
+     r"\(cosine_similarity\)"),
+    (lambda h: h * F.mse_loss(h, h.flip(1)), "h", r"\(mse_loss\)"),
+    (lambda h: F.glu(h, 2).repeat_interleave(2, dim=2), "h", r"glu over the split dim"),
+    (lambda h: h * torch.linalg.svdvals(h).sum(), "h", r"svdvals over the split dim"),
+    (_stack_last, "h", r"split dim -2 itself \(softmax\), dim 2 of this tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fn", "split", "match"), SILENT_BEFORE)
+def test_ops_that_were_silently_wrong_raise_at_the_first_call(
+    fn: Callable[[Tensor], Tensor], split: str, match: str
+) -> None:
+    """Each acts on the split dims (an einsum summing one, an index along one, an aten call the
+    guard does not read, a norm or distance over one, a stack that moves one): refused at the
+    first call, naming the op, where it gave a wrong answer with no error before."""
+    axes, dims = MESHES[split]
+    mesh = fd.Mesh(axes)
+    pm = fd.nn.parallelize(OwnCode(fn).double(), mesh, {"": fd.nn.DomainParallel(dims)})
+    x = torch.randn(1, 2, 8, 6, dtype=F64)
+    with pytest.raises(fd.nn.ParallelizeError, match=match):
+        pm(x.expand(mesh.size, *x.shape))
+
+
+#: the same ops over dims that are not split, followed exactly: equal to one device (the
+#: unfold along channels and the einsum with a new dim were refused before, falsely)
+READ_EXACTLY: dict[str, tuple[Callable[[Tensor], Tensor], str]] = {
+    "einsum over channels": (
+        lambda h: torch.einsum("nchw,cd->ndhw", h, torch.linspace(0, 1, 16).view(4, 4).to(h)),
+        "hw"),
+    "einsum with an ellipsis and a new dim": (
+        lambda h: torch.einsum("...hw,k->...hwk", h, torch.ones(3).to(h)).softmax(-1).sum(-1)
+        + h.mean(1, keepdim=True), "hw"),
+    "stack along a new last dim, softmax over it": (
+        lambda h: torch.stack([h, h * h], -1).softmax(-1)[..., 0], "hw"),
+    "unfold along channels": (lambda h: h.unfold(1, 2, 2).mean(-1).repeat_interleave(2, 1), "h"),
+    "gather / index_select along channels": (
+        lambda h: torch.gather(h, 1, torch.ones_like(h, dtype=torch.long))
+        + h.index_select(1, torch.tensor([3, 2, 1, 0])), "hw"),
+    "an elementwise aten call": (lambda h: torch.ops.aten.mul(h, h), "h"),
+    "expand to a new leading dim, mean over it": (
+        lambda h: h.expand(3, *h.shape).mean(0) + torch.broadcast_to(h, (2, *h.shape))[1], "hw"),
+    "unbind channels, stack them back": (lambda h: torch.stack(h.unbind(1)[::-1], 1), "hw"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(READ_EXACTLY))
+def test_ops_over_dims_that_are_not_split_equal_one_device(case: str) -> None:
+    fn, split = READ_EXACTLY[case]
+    equal_to_one_device(OwnCode(fn), (1, 2, 8, 6), split)
+
+
+class WithEmbedding(nn.Module):
+    """A conv net given a text embedding ``[N, L, C]`` besides the field: a softmax and a layer
+    norm over its last dim, a Linear, a mean over L, added to the field as a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+        self.proj = nn.Linear(5, 4)
+
+    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
+        e = self.proj(F.layer_norm(emb.softmax(-1), (5,))).mean(1)
+        return self.c2(self.c1(x) + e[:, :, None, None])
+
+
+def test_an_embedding_beside_the_field_holds_no_split_dims() -> None:
+    """The region's inputs other than the field are whole on every rank: a softmax over the
+    last dim of a ``[N, L, C]`` embedding runs with W split (refused before: read by its number
+    of dims as holding W); equal to one device. A convolution of such an input is refused (its
+    halos would be exchanged as if it were a block)."""
+    emb = torch.randn(1, 3, 5, dtype=F64)
+    for split in ("w", "hw"):
+        n = fd.Mesh(MESHES[split][0]).size
+
+        def call(m: Any, t: Tensor, n: int = n) -> Tensor:
+            return m(t, emb) if t.dim() == 4 else m(t, emb.expand(n, *emb.shape))
+
+        equal_to_one_device(WithEmbedding(), (1, 2, 4, 6), split, call=call)
+
+    class ConvOfInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+            return self.c(x) + self.c(cond).mean()
+
+    pm = fd.nn.parallelize(
+        ConvOfInput().double(), fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})}
+    )
+    x = torch.randn(1, 2, 8, 6, dtype=F64).expand(2, 1, 2, 8, 6)
+    with pytest.raises(fd.nn.ParallelizeError, match="'c' .*holds no split rows"):
+        pm(x, x.clone())

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -32,11 +34,27 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.domain.attention import current_attention, gathered_sdpa
 from fastdist.nn.domain.layers import check_converted, inside_layer, layer_depth
-from fastdist.nn.domain.layout import Layout, canonical, index_layout, reshaped, spans, tensors
+from fastdist.nn.domain.layout import (
+    Layout,
+    canonical,
+    einsum_layout,
+    empty,
+    index_layout,
+    leading,
+    reshaped,
+    spans,
+    stacked,
+    tensors,
+)
 from fastdist.nn.domain.optables import (
+    ALIKE,
     ALWAYS,
     CAT,
     CONTRACT,
+    CONTRACT_AFTER_BIAS,
+    EVERY_INPUT,
+    FIRST_ONLY,
+    LEADING,
     META,
     MIXING,
     MOVE_IN_PLACE,
@@ -46,8 +64,12 @@ from fastdist.nn.domain.optables import (
     REFUSED,
     REPEAT,
     RESHAPE,
+    STACK,
+    STACK_ALONG,
+    UNBIND,
     WHOLE_DOMAIN,
     flat_ints,
+    is_pointwise,
     op_name,
 )
 from fastdist.nn.domain.windows import (
@@ -109,6 +131,12 @@ class Guard(TorchFunctionMode):
         kwargs = kwargs or {}
         if layer_depth() != 0:
             return func(*args, **kwargs)
+        ins = [t for v in (*args, *kwargs.values()) for t in tensors(v)]  # and in a list
+        if ins and all(self.clean(t) for t in ins):  # nothing of the field: as on one device
+            out = func(*args, **kwargs)
+            for y in tensors(out):
+                self.records[y] = empty(len(self.split))
+            return out
         if func is F.interpolate:
             check_converted(self.where, "F.interpolate")
             return self._interpolate(*args, **kwargs)
@@ -126,25 +154,131 @@ class Guard(TorchFunctionMode):
                 f"through a module the style runs: {REFUSED[func]}. Fix: use the torch.nn "
                 "module (Conv2d, GroupNorm, ...) or end the region before it"
             )
-        if func in CAT and call is None and args and isinstance(args[0], (tuple, list)):
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            for t in tensors(args[0]):
-                self._check_dims(func, t, [dim], "mixes")
+        if call is None:
+            done = self._joined(func, ins, args, kwargs)
+            if done is not None:
+                return done[0]
         if not isinstance(x, Tensor) or func in META:
             return func(*args, **kwargs)
         rest = args[1:] if args and args[0] is x else args
-        if func in PAD:
-            self._check_pad(func, x, *rest, **kwargs)
-        elif func in REDUCTIONS and (call is None or func in ALWAYS):
-            self._check_dims(func, x, REDUCTIONS[func](x, rest, kwargs), "reduces")
-        elif func in MIXING and (call is None or func in ALWAYS):
-            self._check_dims(func, x, MIXING[func](x, rest, kwargs), "mixes")
+        self._check_op(func, x, rest, kwargs, ins, call is not None)
         if call is not None:
             return func(*args, **kwargs)
         self._before(func, x, rest, kwargs)
         out = func(*args, **kwargs)
         self._follow(func, x, rest, kwargs, out)
         return out
+
+    def clean(self, t: Tensor) -> bool:
+        """Whether ``t`` holds no split rows for sure: a region input other than the field
+        (`mark_clean`), or computed from such inputs only."""
+        rec: Layout | None = self.records.get(t)
+        return rec is not None and not rec.dims()
+
+    def mark_clean(self, values: Any) -> None:
+        """The region's inputs other than the field (a timestep or text embedding): whole on
+        every rank, they hold no split rows, whatever their number of dims."""
+        for t in tensors(list(values)):
+            self.records[t] = empty(len(self.split))
+
+    def _joined(
+        self, func: Any, ins: list[Tensor], args: tuple[Any, ...], kwargs: Any
+    ) -> tuple[Any] | None:
+        """Ops over several tensors the guard reads itself (outside a known attention module):
+        ``cat``-like joins (checked), ``stack`` and ``einsum`` (followed), aten calls (refused
+        unless elementwise); ``(output,)`` when it ran the op, else ``None``."""
+        held = [t for t in ins if self.layout(t).dims()]
+        seq = tensors(args[0]) if args and isinstance(args[0], (tuple, list)) else []
+        if func in CAT and seq:
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            for t in seq:
+                self._check_dims(func, t, [dim], "mixes")
+        elif func in STACK_ALONG and held:
+            along = STACK_ALONG[func]
+            for t in seq:
+                self._check_dims(func, t, range(t.dim()) if along is None else [along], "mixes")
+        elif func in STACK and held and seq:
+            return (self._stack(func, seq, args, kwargs),)
+        elif func is torch.einsum and held:
+            return (self._einsum(args, kwargs),)
+        elif isinstance(func, (OpOverload, OpOverloadPacket)) and held and not is_pointwise(func):
+            raise self._refuse(
+                f"torch.ops.{func}", held[0], "a direct aten call, which the guard does not "
+                "read (it may act on the split dims)", "the torch function it implements "
+                "(torch.sum, x.flip, ...), which the guard reads, or end the region before it",
+            )  # fmt: skip
+        return None
+
+    def _stack(self, func: Any, seq: list[Tensor], args: tuple[Any, ...], kwargs: Any) -> Any:
+        """``torch.stack``: the split dims of the tensors (alike) shifted past the new dim."""
+        lays = {self.layout(t) for t in seq}
+        if len(lays) > 1:
+            raise self._refuse(
+                op_name(func), seq[0], "it stacks tensors whose split dims lie at different "
+                "places (or hold none)", "move the split dims back first",
+            )  # fmt: skip
+        dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+        new = stacked(lays.pop(), dim, seq[0].dim())
+        if isinstance(new, str):
+            raise self._refuse(op_name(func), seq[0], new, "keep the batch dim first")
+        out = func(*args, **kwargs)
+        self._store(out, new)
+        return out
+
+    def _einsum(self, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """``torch.einsum``: followed where each split dim keeps its subscript into the output
+        (`fastdist.nn.domain.layout.einsum_layout`), else refused."""
+        ops = list(args[1:])
+        ops = tensors(ops[0]) if len(ops) == 1 and isinstance(ops[0], (tuple, list)) else ops
+        eq = args[0] if args and isinstance(args[0], str) else None
+        new: Layout | str | None = "the sublist form, which the guard does not read"
+        if eq is not None and all(isinstance(t, Tensor) for t in ops):
+            shapes = [tuple(t.shape) for t in ops]
+            new = einsum_layout(eq, shapes, [self.layout(t) for t in ops])
+        if isinstance(new, str):
+            first = next(t for t in ops if isinstance(t, Tensor) and self.layout(t).dims())
+            raise self._refuse(
+                f"torch.einsum({eq!r})", first, new, "keep each split dim's subscript in the "
+                "output (contract only dims that are not split), or end the region before it",
+            )  # fmt: skip
+        out = torch.einsum(*args, **kwargs)
+        if new is not None:
+            self._store(out, new)
+        return out
+
+    def _check_op(
+        self, func: Any, x: Tensor, rest: tuple[Any, ...], kwargs: Any, ins: list[Tensor],
+        inside: bool,
+    ) -> None:  # fmt: skip
+        """The reductions, mixing ops and paddings of the tables over a split dim of ``x`` (of
+        every tensor argument, for the ops of ``EVERY_INPUT``); inside a known attention module
+        (``inside``) only those of ``ALWAYS``."""
+        if func in PAD:
+            self._check_pad(func, x, *rest, **kwargs)
+            return
+        verb, table = ("reduces", REDUCTIONS) if func in REDUCTIONS else ("mixes", MIXING)
+        if func not in table or (inside and func not in ALWAYS):
+            return
+        for t in [x, *(t for t in ins if t is not x)] if func in EVERY_INPUT else [x]:
+            self._check_dims(func, t, table[func](t, rest, kwargs), verb)
+        if func in ALIKE:
+            self._check_alike(func, ins)
+
+    def _check_alike(self, func: Any, ins: list[Tensor]) -> None:
+        """An index and the tensor it indexes (``gather``, ``scatter``): alike along the dims
+        that hold split rows (a block indexed at the whole tensor's positions, or a whole
+        tensor at a block's, is wrong)."""
+        for a in ins:
+            for b in ins:
+                if a.dim() != b.dim():
+                    continue
+                only = self.layout(a).dims() - self.layout(b).dims()
+                if any(b.shape[p] > 1 for p in only):
+                    raise self._refuse(
+                        op_name(func), a, f"it indexes with a tensor of shape {tuple(b.shape)} "
+                        f"that holds the split rows elsewhere ({self._where_split(b)})",
+                        "index a tensor split as the index is, or end the region before it",
+                    )  # fmt: skip
 
     def _check_dims(self, func: Any, x: Tensor, dims: Any, verb: str) -> None:
         """A reduction (``mean``, ``max``, a norm, a softmax, ...) or a mixing op (an FFT, a roll,
@@ -218,6 +352,15 @@ class Guard(TorchFunctionMode):
                     op_name(func), x, "it contracts a dim that holds split rows (each rank would "
                     "sum over its own block only)", "end the domain-parallel region before it",
                 )  # fmt: skip
+        if func in CONTRACT_AFTER_BIAS:
+            for t in tensors([*rest, *kwargs.values()]) + [x]:
+                if {t.dim() - 1, t.dim() - 2} & self.layout(t).dims():
+                    raise self._refuse(
+                        op_name(func), t, "it contracts or mixes a dim that holds split rows",
+                        "end the domain-parallel region before it",
+                    )  # fmt: skip
+        if func is Tensor.unfold:
+            self._check_dims(func, x, [kwargs.get("dimension", rest[0] if rest else 0)], "mixes")
         if func is Tensor.__setitem__ and rest:
             why = index_layout(self.layout(x), x, rest[0])
             if isinstance(why, str):
@@ -261,6 +404,18 @@ class Guard(TorchFunctionMode):
                     "before it",
                 )  # fmt: skip
             self._store(outs[0], new)
+        elif func is Tensor.unfold and lay.dims() and len(outs) == 1:
+            self._store(outs[0], lay)  # the windows' dim is new, at the end
+        elif func in LEADING and lay.dims() and len(outs) == 1:
+            new = leading(lay, tuple(x.shape), tuple(outs[0].shape))
+            if isinstance(new, str):
+                raise self._refuse(op_name(func), x, new, "expand the other dims only")
+            self._store(outs[0], new)
+        elif func in UNBIND and lay.dims():
+            d = int(kwargs.get("dim", rest[0] if rest else 0)) % x.dim()
+            for y in outs:
+                at = tuple(None if p is None else p - (p > d) for p in lay.at)
+                self._store(y, Layout(at, lay.folded))
         elif func in REDUCTIONS and lay.dims():
             dims = REDUCTIONS[func](x, rest, kwargs)
             gone = sorted({int(r) % x.dim() for r in ([dims] if isinstance(dims, int) else dims)})
@@ -279,6 +434,7 @@ class Guard(TorchFunctionMode):
         """Any other op: an output with the dims of the input that holds split rows (a followed
         one first) has its layout; other outputs of a followed input are refused."""
         ins = [x, *(t for v in (*rest, *kwargs.values()) for t in tensors(v))]
+        ins = ins[:1] if func in FIRST_ONLY else ins
         held = [t for t in ins if self.layout(t).dims()]
         if not held or not outs:
             return
@@ -293,14 +449,19 @@ class Guard(TorchFunctionMode):
                     "move the split dims back first (or do not move them)",
                 )  # fmt: skip
         for y in outs:
-            if y.dim() == src.dim():
-                self._store(y, lay)
-            elif src in self.records:
+            new: Layout | str = lay
+            if y.dim() > src.dim() and is_pointwise(func):  # broadcast: new leading dims
+                new = leading(lay, tuple(src.shape), tuple(y.shape))
+            elif y.dim() != src.dim():
+                new = "an op the guard does not read that changes the number of dims"
+            if isinstance(new, str):
                 raise self._refuse(
-                    op_name(func), src, f"its output has {y.dim()} dims, and the guard cannot "
-                    "follow the split dims of a moved tensor through it",
-                    "move the split dims back first, or end the domain-parallel region before it",
+                    op_name(func), src, f"its output has {y.dim()} dims: {new}, so the guard "
+                    "cannot tell where the split dims lie on it (nor whether it acts on them)",
+                    "an op the guard reads (reshape, permute, einsum, stack, a reduction over "
+                    "dims that are not split), or end the domain-parallel region before it",
                 )  # fmt: skip
+            self._store(y, new)
 
     # ------------------------------------------------------------------ layers and output
     def check_layer(self, kind: str, where: str, args: Any, kwargs: Any) -> None:
@@ -321,6 +482,14 @@ class Guard(TorchFunctionMode):
                     f is None and a != c
                     for a, f, c in zip(rec.at, rec.folded, canon.at, strict=True)
                 ) or (kind in WHOLE_DOMAIN and any(rec.folded))
+            if bad and not rec.dims() and not any(rec.folded):
+                raise ParallelizeError(
+                    f"DomainParallel on {self.where!r}: {where} gets a tensor of shape "
+                    f"{tuple(t.shape)} that holds no split rows (a region input other than the "
+                    "field, or computed from such inputs only): the layer would exchange its "
+                    "halos with the other ranks as if it were this rank's block. Fix: run that "
+                    "layer outside the domain-parallel region, or pass that tensor as the field"
+                )
             if bad:
                 raise ParallelizeError(
                     f"DomainParallel on {self.where!r}: {where} gets a tensor of shape "
@@ -336,7 +505,9 @@ class Guard(TorchFunctionMode):
         first = next(iter(tensors(list(args))), None)
         rec: Layout | None = None if first is None else self.records.get(first)
         if rec is not None and isinstance(out, Tensor):
-            if out.dim() == first.dim():  # type: ignore[union-attr]
+            if self.clean(first):  # type: ignore[arg-type]
+                self.records[out] = rec  # a Linear of a timestep embedding: still none
+            elif out.dim() == first.dim():  # type: ignore[union-attr]
                 self._store(out, rec)
 
     def check_output(self, out: Any) -> None:

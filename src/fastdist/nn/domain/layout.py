@@ -164,3 +164,88 @@ def spans(t: Tensor, lay: Layout) -> bool:
     """Whether ``t`` has more than one row along a dim that holds split rows (not a broadcast
     one)."""
     return any(t.shape[p] > 1 for p in lay.dims())
+
+
+def empty(n: int) -> Layout:
+    """The layout of a tensor that holds none of the ``n`` split dims (a region input other than
+    the field, or a tensor computed from such inputs only)."""
+    return Layout((None,) * n, (None,) * n)
+
+
+def stacked(lay: Layout, dim: int, n: int) -> Layout | str:
+    """The layout after stacking tensors of ``n`` dims (each of layout ``lay``) along a new
+    ``dim``, or why the guard cannot follow it."""
+    d = dim % (n + 1)
+    if any(lay.folded) and d == 0:
+        return "it stacks in front of the batch dim that holds a split dim merged into it"
+    return Layout(tuple(None if p is None else p + (p >= d) for p in lay.at), lay.folded)
+
+
+def leading(lay: Layout, ins: Sequence[int], outs: Sequence[int]) -> Layout | str:
+    """The layout after broadcasting ``ins`` to ``outs`` (``expand``: new leading dims), or why
+    the guard cannot follow it (a dim that holds split rows grown from one row)."""
+    k = len(outs) - len(ins)
+    if k < 0:
+        return "it drops dims"
+    if k and any(lay.folded):
+        return "it puts new dims in front of the batch dim that holds a split dim merged into it"
+    if any(ins[p] != outs[p + k] for p in lay.dims()):
+        return "it broadcasts a dim that holds split rows"
+    return Layout(tuple(None if p is None else p + k for p in lay.at), lay.folded)
+
+
+def _einsum_terms(eq: str, ranks: Sequence[int]) -> tuple[list[str], str] | str:
+    """The subscripts of each operand and of the output, an ellipsis written out (as letters
+    that cannot be the equation's), or why the guard does not read the equation."""
+    eq = eq.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        return "an equation that does not name each operand"
+    extra = [r - (len(t) - 3 if "..." in t else len(t)) for t, r in zip(terms, ranks, strict=True)]
+    if any(e < 0 or (e and "..." not in t) for e, t in zip(extra, terms, strict=True)):
+        return "an equation the guard does not read"
+    width = max(extra, default=0)
+    ell = "".join(chr(0x100 + i) for i in range(width))  # right-aligned, as broadcasting
+    terms = [t.replace("...", ell[width - e :]) for t, e in zip(terms, extra, strict=True)]
+    if not arrow:  # implicit output: the ellipsis, then each subscript used once, sorted
+        once = sorted(c for c in set("".join(terms)) if "".join(terms).count(c) == 1)
+        out = ell + "".join(c for c in once if c not in ell)
+    return terms, out.replace("...", ell)
+
+
+def einsum_layout(
+    eq: str, shapes: Sequence[Sequence[int]], lays: Sequence[Layout]
+) -> Layout | str | None:
+    """The layout of ``torch.einsum(eq, *operands)`` (``shapes`` and ``lays`` their shapes and
+    layouts), ``None`` when no operand holds a split dim, or why the guard cannot follow it: a
+    split dim summed over (not in the output), two operands holding a split dim under different
+    subscripts, a split dim's subscript on a dim of an operand that holds it not (the whole
+    dim against a block), a split dim on a diagonal or folded into the batch."""
+    got = _einsum_terms(eq, [len(s) for s in shapes])
+    if isinstance(got, str):
+        return got
+    terms, out = got
+    if not any(lay.dims() for lay in lays):
+        return None
+    n = len(lays[0].at)
+    letters: list[str | None] = [None] * n
+    for term, lay in zip(terms, lays, strict=True):
+        if any(lay.folded):
+            return "an operand holds a split dim merged into the batch"
+        for s, p in enumerate(lay.at):
+            if p is None:
+                continue
+            if letters[s] not in (None, term[p]) or term.count(term[p]) > 1:
+                return f"the split dim is subscript {term[p]!r} here, elsewhere another or twice"
+            letters[s] = term[p]
+    for s, c in enumerate(letters):
+        if c is None:
+            continue
+        if c not in out:
+            return f"it sums over subscript {c!r}, which holds split rows"
+        for term, lay, shape in zip(terms, lays, shapes, strict=True):
+            at = [i for i, t in enumerate(term) if t == c]
+            if at and lay.at[s] != at[0] and shape[at[0]] != 1:
+                return f"subscript {c!r} holds split rows in one operand and not in another"
+    return Layout(tuple(None if c is None else out.index(c) for c in letters), (None,) * n)

@@ -20,6 +20,25 @@ REFUSED: dict[Any, str] = {
     F.unfold: "a functional unfold reads past this rank's block",
     F.fold: "a functional fold writes past this rank's block",
     F.grid_sample: "a grid sample reads the field at positions anywhere in the whole domain",
+    F.multi_head_attention_forward: "attention over spatial tokens mixes the whole domain",
+    torch.tensordot: "a tensordot contracts dims the guard does not follow (fix: torch.einsum, "
+    "which the guard reads, over dims that are not split)",
+    **{
+        getattr(F, n): "a functional pooling reads past this rank's block"
+        for n in (
+            "max_unpool1d",
+            "max_unpool2d",
+            "max_unpool3d",
+            "lp_pool1d",
+            "lp_pool2d",
+            "lp_pool3d",
+            "fractional_max_pool2d",
+            "fractional_max_pool3d",
+        )
+        if hasattr(F, n)
+    },
+    F.conv_tbc: "a functional convolution reads past this rank's block",
+    F.bilinear: "a bilinear map contracts the last dims the guard does not follow",
     **{
         f: "a functional pooling or convolution reads past this rank's block"
         for f in (
@@ -115,6 +134,71 @@ def both(names: Sequence[str], dims: Any, module: Any = torch) -> dict[Any, Any]
     return out
 
 
+def fixed(dims: Sequence[int] | None) -> Any:
+    """An op over fixed ``dims`` (``None``: every dim)."""
+    return lambda x, args, kwargs: range(x.dim()) if dims is None else dims
+
+
+def all_but(at: int) -> Any:
+    """``renorm``: over every dim but its ``dim`` (the ``at``-th positional after the input)."""
+
+    def dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        d = int(kwargs.get("dim", args[at] if len(args) > at else 0)) % max(x.dim(), 1)
+        return [i for i in range(x.dim()) if i != d]
+
+    return dims
+
+
+def diagonal_dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``diagonal(x, offset=0, dim1=0, dim2=1)``: its two dims."""
+    return [kwargs.get("dim1", args[1] if len(args) > 1 else 0),
+            kwargs.get("dim2", args[2] if len(args) > 2 else 1)]  # fmt: skip
+
+
+def cross_dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.cross``: its ``dim``, else the first dim of size 3."""
+    d = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return [d] if d is not None else [next((i for i, n in enumerate(x.shape) if n == 3), 0)]
+
+
+def loss_dims(per_position: Sequence[int]) -> Any:
+    """A loss: over every dim (``reduction`` ``'mean'`` / ``'sum'``), else over
+    ``per_position`` (``'none'``: the class dim of a cross entropy, none of an elementwise
+    loss)."""
+
+    def dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return per_position if kwargs.get("reduction", "mean") == "none" else range(x.dim())
+
+    return dims
+
+
+_CLASS_LOSSES = ("cross_entropy", "nll_loss", "multi_margin_loss", "multilabel_margin_loss",
+                 "multilabel_soft_margin_loss", "ctc_loss")  # fmt: skip
+_ELEMENTWISE_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+                       "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                       "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss",
+                       "hinge_embedding_loss", "margin_ranking_loss")  # fmt: skip
+_LOSSES: dict[Any, Any] = {
+    **{getattr(F, n): loss_dims((1,)) for n in _CLASS_LOSSES if hasattr(F, n)},
+    **{getattr(F, n): loss_dims(()) for n in _ELEMENTWISE_LOSSES if hasattr(F, n)},
+    **{getattr(F, n): loss_dims((-1,)) for n in ("cosine_embedding_loss", "triplet_margin_loss",
+                                                   "triplet_margin_with_distance_loss")
+       if hasattr(F, n)},
+}  # fmt: skip
+
+#: torch.linalg's matrix functions (over the last two dims) and torch's own
+_MATRIX = (
+    {getattr(torch.linalg, n) for n in dir(torch.linalg)
+     if callable(getattr(torch.linalg, n)) and not n.startswith("_") and n[0].islower()
+     and n not in ("vector_norm", "norm", "matrix_norm", "vecdot", "cross", "diagonal")}
+    | {f for n in ("svd", "det", "logdet", "slogdet", "inverse", "pinverse", "matrix_exp",
+                   "matrix_power", "cholesky", "cholesky_inverse", "cholesky_solve", "qr",
+                   "lu", "lu_solve", "triangular_solve", "geqrf", "orgqr", "ormqr", "trace",
+                   "triu", "tril", "lstsq")
+       for f in (getattr(torch, n, None), getattr(Tensor, n, None)) if f is not None}
+)  # fmt: skip
+
+
 #: reductions: over a split dim they reduce this rank's block as if it were the domain
 #: (``{op: the dims it reduces}``; its output drops them, or keeps them with size 1)
 REDUCTIONS: dict[Any, Any] = {
@@ -157,6 +241,17 @@ REDUCTIONS: dict[Any, Any] = {
     F.normalize: arg_dims("dim", 1, (1,)),
     F.layer_norm: norm_shape_dims,
     **({F.rms_norm: norm_shape_dims} if hasattr(F, "rms_norm") else {}),
+    **both(("all", "any"), arg_dims("dim", 0, ALL)),
+    **both(
+        ("allclose", "equal", "dist", "histc", "histogram", "bincount", "cov", "corrcoef"),
+        fixed(ALL),
+    ),  # fmt: skip
+    **both(("renorm",), all_but(1)),
+    **both(("trapezoid", "trapz"), arg_dims("dim", -1, (-1,))),
+    torch.linalg.vecdot: arg_dims("dim", -1, (-1,)),
+    F.cosine_similarity: arg_dims("dim", 1, (1,)),
+    F.pairwise_distance: fixed((-1,)),
+    **_LOSSES,
 }
 
 #: ops that mix values along their dims (each output row reads every input row, or another
@@ -178,7 +273,78 @@ MIXING: dict[Any, Any] = {
     **both(("split", "chunk", "tensor_split"), arg_dims("dim", 1, (0,))),
     **both(("unbind",), arg_dims("dim", 0, (0,))),
     torch.gradient: arg_dims("dim", -1, ALL),
+    # indexing along a dim: this rank's rows at the block's own positions
+    **both(
+        (
+            "gather",
+            "index_select",
+            "scatter",
+            "scatter_add",
+            "scatter_reduce",
+            "index_add",
+            "index_copy",
+            "index_fill",
+            "index_reduce",
+            "scatter_",
+            "scatter_add_",
+            "scatter_reduce_",
+            "index_add_",
+            "index_copy_",
+            "index_fill_",
+            "index_reduce_",
+            "narrow",
+            "narrow_copy",
+            "select",
+            "select_scatter",
+            "slice_scatter",
+        ),
+        arg_dims("dim", 0, (0,)),
+    ),  # fmt: skip
+    **both(("take_along_dim",), arg_dims("dim", 1, ALL)),
+    **both(
+        (
+            "take",
+            "put",
+            "put_",
+            "index_put",
+            "index_put_",
+            "masked_scatter",
+            "masked_scatter_",
+            "as_strided",
+            "kron",
+            "stft",
+            "istft",
+            "unique_consecutive",
+            "msort",
+        ),
+        fixed(ALL),
+    ),  # fmt: skip
+    **both(("cumulative_trapezoid",), arg_dims("dim", -1, (-1,))),
+    **both(("diagonal", "diag_embed"), diagonal_dims),
+    **both(("fliplr",), fixed((1,))),
+    **both(("flipud",), fixed((0,))),
+    **both(("cross",), cross_dims),
+    torch.linalg.cross: arg_dims("dim", 1, (-1,)),
+    F.glu: arg_dims("dim", 0, (-1,)),
+    torch.cdist: fixed((-2, -1)),
+    torch.searchsorted: fixed((-1,)),
+    **{f: fixed((-2, -1)) for f in _MATRIX},
 }
+
+#: ops whose every tensor argument is checked against the op's dims (not the first alone): two
+#: operands read along those dims, or an index and the tensor it indexes
+EVERY_INPUT = {
+    torch.cdist, F.cosine_similarity, F.pairwise_distance, torch.dist, torch.kron,
+    torch.linalg.vecdot, *_LOSSES,
+    *both(("gather", "scatter", "scatter_add", "scatter_reduce", "take_along_dim", "scatter_",
+           "scatter_add_", "scatter_reduce_", "index_add", "index_add_", "index_copy",
+           "index_copy_", "index_reduce", "index_reduce_"), None),
+}  # fmt: skip
+
+#: ops whose tensor arguments must hold the split dims alike (an index tensor and the tensor
+#: it indexes: a rank's index rows read its own block's rows)
+ALIKE = {*both(("gather", "scatter", "scatter_add", "scatter_reduce", "take_along_dim",
+                "scatter_", "scatter_add_", "scatter_reduce_"), None)}  # fmt: skip
 
 #: ops that move dims: ``{op: (x, args, kwargs) -> the input dim at each output dim}``
 PERMUTE = {
@@ -251,9 +417,33 @@ def moved(n: int, src: Any, dst: Any) -> list[int]:
 
 #: ops whose first tensor contracts its last dim (and a second tensor its dim -2)
 CONTRACT = {
-    F.linear, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.mm,
-    Tensor.mm,
+    F.linear, torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.bmm,
+    Tensor.bmm, torch.mm, Tensor.mm,
 }  # fmt: skip
+
+#: ``addmm``-style ops: a bias, then two tensors whose first contracts its last dim and second
+#: its dim -2
+CONTRACT_AFTER_BIAS = {
+    f for n in ("addmm", "addmv", "addbmm", "baddbmm", "addmm_", "addmv_", "addbmm_", "baddbmm_")
+    for f in (getattr(torch, n, None), getattr(Tensor, n, None)) if f is not None
+} | {torch.inner, Tensor.inner, torch.mv, Tensor.mv, torch.chain_matmul, torch.linalg.multi_dot,
+     torch.linalg.matmul}  # fmt: skip
+
+#: stacks: a sequence of tensors joined along a new dim (``dim``)
+STACK = {torch.stack}
+
+#: stacks along an existing dim (``{op: the dim}``, as a ``cat``); ``None``: refused
+STACK_ALONG = {torch.hstack: 1, torch.vstack: 0, torch.row_stack: 0, torch.dstack: 2,
+               torch.column_stack: None}  # fmt: skip
+
+#: ops whose other tensor arguments give only a dtype and a device (the output is the first's)
+FIRST_ONLY = {Tensor.to, Tensor.type_as}
+
+#: ops that drop their ``dim`` (each output one row of it): ``unbind``
+UNBIND = {torch.unbind, Tensor.unbind}
+
+#: ops whose output is the input with new leading dims (broadcast to a larger shape)
+LEADING = {Tensor.expand, Tensor.expand_as, Tensor.broadcast_to, torch.broadcast_to}
 
 #: reductions and mixing ops the guard checked before it followed moved dims: checked inside a
 #: known attention module too (the others only outside one)
@@ -281,3 +471,43 @@ def op_name(func: Any) -> str:
     if getattr(func, "__module__", "") == "torch.nn.functional":
         return f"F.{name}"
     return qual.replace(".__get__", "")
+
+
+#: aten ops that keep every element where it is (no math across positions), not tagged
+#: pointwise
+_ATEN_IN_PLACE_OF = {"detach", "alias", "clone", "contiguous", "to", "_to_copy", "copy_",
+                     "lift_fresh", "type_as"}  # fmt: skip
+
+#: Python's operator names that aten spells otherwise
+_DUNDER = {"truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "and": "bitwise_and",
+           "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
+           "lshift": "bitwise_left_shift", "rshift": "bitwise_right_shift"}  # fmt: skip
+
+
+def _aten_packet(func: Any) -> Any:
+    """The aten overload packet of a torch function, method or ``F`` function, by name
+    (``Tensor.__radd__`` -> ``aten.add``), or ``None``."""
+    name = str(getattr(func, "__name__", ""))
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        name = name[1:] if name.startswith("r") and not hasattr(torch.ops.aten, name) else name
+        name = _DUNDER.get(name, name)
+    name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    return getattr(torch.ops.aten, name, None) if name else None
+
+
+def is_pointwise(func: Any) -> bool:
+    """Whether ``func`` (a torch function, a method, an aten overload or packet) is elementwise
+    (torch's ``pointwise`` tag): its output broadcasts its inputs and reads no other position."""
+    if isinstance(func, torch._ops.OpOverload):
+        return torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in _ATEN_IN_PLACE_OF
+    packet = func if isinstance(func, torch._ops.OpOverloadPacket) else _aten_packet(func)
+    if packet is None:
+        return False
+    if packet.__name__.split(".")[-1] in _ATEN_IN_PLACE_OF:
+        return True
+    names = packet.overloads()
+    main = [o for o in names if o in ("Tensor", "self", "Scalar")] or [
+        o for o in names if o == "default"
+    ]  # a packet's tensor overloads (where(cond, x, y), not where(cond); max(x, y), not max(x))
+    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in main)

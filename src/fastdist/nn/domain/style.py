@@ -276,6 +276,9 @@ def _enter(
             f"DomainParallel on {where!r}: called without the field (no positional argument and "
             f"none of {', '.join(_FIELD_NAMES)}). Fix: pass it first, or name it with input="
         )
+    # the other inputs are whole on every rank: no split rows (a timestep, a text embedding)
+    positional = args[1:] if style.input is None and args else args
+    guard.mark_clean([*positional, *(v for k, v in kwargs.items() if k != key)])
     state = region()
     state.pooled.clear()
     state.ragged.clear()
