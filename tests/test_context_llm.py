@@ -46,6 +46,14 @@ def whole_logits(logits: Tensor, mesh: fd.Mesh) -> Tensor:
     return torch.cat([logits[r] for r in ranks], -1)[..., :VOCAB]
 
 
+def case_ids(cases: list[Any]) -> list[str]:
+    """Test ids of ``(family, axes, mode[, kv])`` cases: ``llama-cp2-tp2-ring-kv2``."""
+    return [
+        "-".join([c[0], *(f"{a}{n}" for a, n in c[1].items()), c[2], *(f"kv{k}" for k in c[3:])])
+        for c in cases
+    ]
+
+
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """One device's loss: the mean cross entropy of the shifted logits over the predicted
     tokens (labels -100 ignored), in the logits' dtype."""
@@ -147,9 +155,7 @@ def _loss(
 @pytest.mark.parametrize(
     "family, axes, mode, kv",
     CASES,
-    ids=[
-        "-".join([f, *(f"{a}{n}" for a, n in ax.items()), m, f"kv{kv}"]) for f, ax, m, kv in CASES
-    ],
+    ids=case_ids(CASES),
 )
 def test_training_step_matches_one_device(
     family: str, axes: dict[str, int], mode: str, kv: int
@@ -319,7 +325,7 @@ MOE_CASES: list[tuple[str, dict[str, int], str]] = [
 @pytest.mark.parametrize(
     "family, axes, mode",
     MOE_CASES,
-    ids=["-".join([f, *(f"{a}{n}" for a, n in ax.items()), m]) for f, ax, m in MOE_CASES],
+    ids=case_ids(MOE_CASES),
 )
 def test_mixture_of_experts_training_step_matches_one_device(
     family: str, axes: dict[str, int], mode: str
@@ -458,7 +464,7 @@ SPLIT_CACHE_CASES = [
 @pytest.mark.parametrize(
     "family, axes, mode",
     SPLIT_CACHE_CASES,
-    ids=["-".join([f, *(f"{a}{n}" for a, n in ax.items()), m]) for f, ax, m in SPLIT_CACHE_CASES],
+    ids=case_ids(SPLIT_CACHE_CASES),
 )
 def test_decoding_against_a_split_kv_cache_matches_one_device(
     family: str, axes: dict[str, int], mode: str
@@ -694,7 +700,7 @@ def _uneven_batch() -> tuple[Tensor, Tensor, Tensor]:
 @pytest.mark.parametrize(
     "family, axes, mode",
     SPLIT_CASES,
-    ids=["-".join([f, *(f"{a}{n}" for a, n in ax.items()), m]) for f, ax, m in SPLIT_CASES],
+    ids=case_ids(SPLIT_CASES),
 )
 def test_split_logits_loss_and_gradients_match_one_device(
     family: str, axes: dict[str, int], mode: str
