@@ -15,6 +15,7 @@ micro-batches against its whole batch).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -129,6 +130,28 @@ def test_two_steps_accumulate_like_one_device() -> None:
     pipe.step(**on_ranks(b1, mesh))
     pipe.step(**on_ranks(b2, mesh))
     assert_grads(pipe.grads(), ref)
+
+
+def test_pp_dp_sp_data_parallel_and_a_checkpoint_at_another_layout(tmp_path: Any) -> None:
+    """pp 2 x dp 2 x sp 2, each dp rank its own half of a batch of 8, fastdist's data
+    parallelism: the gradients of one device's whole batch; a checkpoint of it loads into a
+    pp 2 pipeline of another model with the same weights."""
+    model, whole = tiny_wan(), batch(n=8)
+    ref = copy.deepcopy(model)
+    one_device(ref, whole)
+    mesh = fd.Mesh({"dp": 2, "pp": 2, "sp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    fd.train.DataParallel(pipe, "dp")
+    dp = [mesh.coords(r)["dp"] for r in range(mesh.size)]
+    x = {k: torch.stack([v[4 * d : 4 * d + 4] for d in dp]) for k, v in whole.items()}
+    pipe.step(**x)
+    assert_grads(pipe.grads(), ref)
+    fd.checkpoint.save(str(tmp_path), pipe)
+    other = fd.train.pipeline(tiny_wan(seed=5), fd.Mesh({"pp": 2}), schedule="gpipe")
+    fd.checkpoint.load(str(tmp_path), other)
+    want, got = pipe.state_dict(), other.state_dict()
+    assert sorted(got) == sorted(want) == sorted(n for n, _ in ref.named_parameters())
+    assert all(torch.equal(got[n], want[n]) for n in want)
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -46,9 +46,12 @@ def pipeline(
     mesh's other axes.
 
     Args:
-        model: a transformers causal LM (a family of :data:`SPLITS`), with weights or built on
-            the meta device. It is taken apart: use the returned pipeline, not ``model`` (its
-            calls raise), and build the optimizer afterwards from ``pipe.parameters()``: one
+        model: a transformers causal LM (a family of :data:`SPLITS`), or a diffusers DiT (a
+            class of :data:`DIT_SPLITS`: Wan; see `fastdist.train.pipeline.dit`: its step
+            takes the model's inputs and ``target``, the loss is the mean squared error), with
+            weights or built on the meta device. It is taken apart: use the returned pipeline,
+            not ``model`` (its calls raise), and build the optimizer afterwards from
+            ``pipe.parameters()``: one
             built before holds the model's old parameters, which receive no gradient, and
             torch's optimizers skip those without a word.
         mesh: a plain mesh (simulated ranks: every stage here) or a ``fastdist.connect`` mesh
@@ -65,10 +68,14 @@ def pipeline(
             layer, travel split between the stages (each ``cp`` rank to the same ``cp`` rank
             of the next stage), and are gathered after the last stage's final norm, so the
             head and the loss see the whole sequence, as without a pipeline.
+            A DiT's context-parallel plan (``ContextParallel``, the default over an ``sp`` axis)
+            applies inside every stage the same way: the first stage splits the tokens at
+            ``blocks.0``, they travel split, the last stage gathers them at ``proj_out``.
         sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
             (stages hand on sequence shards).
         layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.
-        split: where the decoder layers and the ends are (default: ``SPLITS[model_type]``).
+        split: where the decoder layers and the ends are (default: ``SPLITS[model_type]``; a
+            DiT: a `DitSplit`, default ``DIT_SPLITS[class name]``).
 
     Returns:
         the :class:`Pipeline`.

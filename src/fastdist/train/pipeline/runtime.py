@@ -284,10 +284,14 @@ class Pipeline:
                 ``position_ids``. Every rank along
                 the pipeline axis gets the same batch (stages after the first read only its
                 shape and masks, the last stage its labels). On a simulated mesh each carries
-                the leading rank dim ``[mesh.size, batch, ...]``.
+                the leading rank dim ``[mesh.size, batch, ...]``. A DiT pipeline's:
+                ``hidden_states``, ``timestep``, ``encoder_hidden_states``, ``target``,
+                optionally ``encoder_hidden_states_image``, ``weighting``
+                (`fastdist.train.pipeline.dit.dit_batches`).
 
         Returns:
-            the loss of the whole batch (the mean over its predicted tokens), detached: on a
+            the loss of the whole batch (the mean over its predicted tokens; a DiT's: the mean
+            of ``weighting * (output - target) ** 2``), detached: on a
             simulated mesh ``[mesh.size]`` (every rank's), on real ranks a 0-d tensor on every
             rank of the pipeline axis.
         """
@@ -350,9 +354,10 @@ class Pipeline:
     def _differs(self, key: str) -> None:
         raise PipelineError(
             f"Pipeline.step: the ranks along {self.axis!r} were given different {key} (every "
-            "stage reads its own copy of the batch: the first its input_ids, every stage the "
-            "masks and positions, the last the labels, so different copies would mix two "
-            "batches into one loss). Fix: give every rank with the same coordinates on the "
+            "stage reads its own copy of the batch: the first its inputs, every stage the "
+            "masks, positions or conditions, the last the labels or target, so different copies "
+            "would mix two batches into one loss). Fix: give every rank with the same "
+            "coordinates on the "
             f"other axes the same batch (e.g. seed the data loader by the data-parallel index, "
             f"not by the global rank)"
         )
@@ -676,6 +681,15 @@ class Pipeline:
             return
         held = sorted(self.stages)
         copies = {n: [self.stages[j].module.get_parameter(n) for j in held] for n in self.shared}
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(c.grad, DTensor) for cs in copies.values() for c in cs):
+            raise PipelineError(
+                f"Pipeline.step: the parameters every stage holds ({self.shared[0]}, ...) are "
+                "FSDP2 shards (DTensor gradients); summing their copies over the stages is built "
+                "for whole tensors only. Fix: fastdist.train.DataParallel(pipe, 'dp') with "
+                "engine='fastdist'"
+            )
         sums: dict[str, Tensor | None] = {}
         for n, ps in copies.items():
             total = None
@@ -684,37 +698,13 @@ class Pipeline:
                     total = p.grad if total is None else total + p.grad
             sums[n] = total
         if self._ranks is not None:
-            sums = self._all_reduce_shared(copies, sums)
+            what = f"the gradients of the parameters every stage holds ({self.shared[0]}, ...)"
+            like = [copies[n][0] for n in sums]
+            sums = dict(zip(sums, self._ranks.sum_grads(list(sums.values()), like, what)))
         for n, total in sums.items():
             if total is not None:
                 for p in copies[n]:
                     p.grad = total.clone()
-
-    def _all_reduce_shared(
-        self, copies: Mapping[str, list[nn.Parameter]], sums: Mapping[str, Tensor | None]
-    ) -> dict[str, Tensor | None]:
-        """``sums`` summed over the ranks along the axis, in one flat buffer (zeros where this
-        rank has no gradient, and a flag per parameter)."""
-        assert self._ranks is not None
-        first = copies[self.shared[0]][0]
-        parts = [
-            (s if s is not None else torch.zeros_like(copies[n][0])).reshape(-1)
-            for n, s in sums.items()
-        ]
-        flags = torch.tensor(
-            [float(s is not None) for s in sums.values()], dtype=first.dtype, device=first.device
-        )
-        buf = torch.cat([*parts, flags])
-        what = f"the gradients of the parameters every stage holds ({self.shared[0]}, ...)"
-        self._ranks.ac.all_reduce_async("Pipeline.step", buf, what=what).wait()
-        out: dict[str, Tensor | None] = {}
-        at, n_flags = 0, len(sums)
-        for i, n in enumerate(sums):
-            p = copies[n][0]
-            g = buf[at : at + p.numel()].view_as(p)
-            at += p.numel()
-            out[n] = g if bool(buf[buf.numel() - n_flags + i] > 0) else None
-        return out
 
     # ------------------------------------------------------------------ inspection
     def show(self) -> str:

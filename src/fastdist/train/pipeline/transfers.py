@@ -269,6 +269,29 @@ class Transfers:
                 )
         return out
 
+    def sum_grads(
+        self, grads: Sequence[Tensor | None], like: Sequence[Tensor], what: str
+    ) -> list[Tensor | None]:
+        """``grads`` summed over the ranks along the axis (one all-reduce of one flat buffer:
+        zeros of ``like[i]``'s shape where this rank has no ``grads[i]``, and a flag each, so
+        that a gradient no rank has stays ``None``)."""
+        first = like[0]
+        parts = [
+            (g if g is not None else torch.zeros_like(t)).reshape(-1) for g, t in zip(grads, like)
+        ]
+        flags = torch.tensor(
+            [float(g is not None) for g in grads], dtype=first.dtype, device=first.device
+        )
+        buf = torch.cat([*parts, flags])
+        self.ac.all_reduce_async("Pipeline.step", buf, what=what).wait()
+        out: list[Tensor | None] = []
+        at, n = 0, len(grads)
+        for i, t in enumerate(like):
+            g = buf[at : at + t.numel()].view_as(t)
+            at += t.numel()
+            out.append(g if bool(buf[buf.numel() - n + i] > 0) else None)
+        return out
+
     @staticmethod
     def _tag(kind: str, micro: int, stage: int) -> int:
         return (micro * 4096 + stage) * 2 + (0 if kind == "F" else 1)
