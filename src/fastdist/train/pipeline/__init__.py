@@ -41,7 +41,11 @@ receiver checks: a peer that sends something else raises instead of being misrea
 Tied input and output embeddings: the first and the last stage each hold a copy
 (``Pipeline.tied``), and a step sums their gradients (Megatron's embedding group).
 
-Modules: `split` (model -> stages), `runtime` (`Pipeline`: running a schedule),
+A diffusers DiT (Wan) splits over its blocks the same way; its condition embedder, which every
+block uses, is held by every stage with its gradients summed over them, and its step takes the
+model's inputs and a ``target`` (the loss: mean squared error): `dit`.
+
+Modules: `split` (model -> stages), `dit` (a DiT's stages and step), `runtime` (`Pipeline`: running a schedule),
 `transfers` (between the ranks along the axis), `build` (the `pipeline` entry point). Data
 parallelism over the stages: ``fastdist.train.DataParallel(pipe, "dp")``.
 """
