@@ -45,8 +45,9 @@ A diffusers DiT (Wan) splits over its blocks the same way; its condition embedde
 block uses, is held by every stage with its gradients summed over them, and its step takes the
 model's inputs and a ``target`` (the loss: mean squared error): `dit`.
 
-Modules: `split` (model -> stages), `dit` (a DiT's stages and step), `runtime` (`Pipeline`: running a schedule),
-`transfers` (between the ranks along the axis), `build` (the `pipeline` entry point). Data
+Modules: `split` (model -> stages), `dit` (a DiT's stages and step), `runtime` (`Pipeline`:
+running a schedule), `transfers` (between the ranks along the axis), `build` (the `pipeline`
+entry point). Data
 parallelism over the stages: ``fastdist.train.DataParallel(pipe, "dp")``.
 """
 
