@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from tests import tiny_models
+from tests.test_hf_models import batch, full_logits, reference_loss, rep
 from tests.tiny_models import VOCAB
 
 transformers = pytest.importorskip("transformers")
@@ -55,38 +56,6 @@ def build(family: str, *, kv: int = 2, seed: int = 0) -> Any:
     """A small single-device model of ``family`` (a model_type; ``falcon:new``, ``falcon:mqa``,
     ``falcon:per_head`` pick Falcon's attention layout) in float64, eval mode."""
     return tiny_models.build(family, kv=kv, seed=seed)
-
-
-def batch(seed: int = 1, B: int = 2, S: int = 8) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (B, S), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100  # padding: ignored by the loss
-    labels[1, -2] = -100
-    return ids, labels
-
-
-def reference_loss(model: Any, ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """(logits, loss) on one device, the loss in float64 over the whole vocabulary."""
-    logits = model(input_ids=ids).logits
-    loss = F.cross_entropy(
-        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
-    )
-    return logits, loss
-
-
-def rep(t: Tensor, mesh: fd.Mesh) -> Tensor:
-    return t.expand(mesh.size, *t.shape)
-
-
-def full_logits(sharded: Tensor, mesh: fd.Mesh) -> Tensor:
-    """The whole vocabulary from the rank-stacked vocabulary shards of rank 0's tp group, padding
-    dropped."""
-    ranks = [
-        mesh.rank_of({**{a: 0 for a in mesh.axis_names}, "tp": i})
-        for i in range(mesh.axis_size("tp"))
-    ]
-    return torch.cat([sharded[r] for r in ranks], -1)[..., :VOCAB]
 
 
 def tolerance(family: str) -> dict[str, float]:
