@@ -379,8 +379,9 @@ def simulate(
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> R:
-        leaves, _ = pytree.tree_flatten(args)
-        tensors = [t for t in leaves if isinstance(t, Tensor)]
+        leaves, treespec = pytree.tree_flatten(args)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]  # the tensors' places
+        tensors = [leaves[i] for i in at]
         for t in tensors:
             if t.dim() == 0 or t.shape[0] != mesh.size:
                 raise MeshError(
@@ -389,7 +390,9 @@ def simulate(
                     f"{mesh.size} for {mesh!r}. Fix: stack the per-rank values (torch.stack) or "
                     f"expand a replicated one (x.expand({mesh.size}, *x.shape))"
                 )
-        in_dims = pytree.tree_map(lambda a: 0 if isinstance(a, Tensor) else None, args)
+        # vmap gets the tensors only, flat (its own flattening and in_dims broadcast of the whole
+        # argument tree cost more than the call of a small model); the rest goes around it
+        rest = [None if isinstance(t, Tensor) else t for t in leaves]
         device = tensors[0].device if tensors else None
         # the vmaps running around this simulation (an ensemble of simulations)
         outer = (
@@ -398,7 +401,11 @@ def simulate(
             else sum(i.key() == _VMAP for i in _functorch.get_interpreter_stack() or ())
         )
 
-        def per_rank(rank: Tensor, *rank_args: Any) -> R:
+        def per_rank(rank: Tensor, *rank_tensors: Tensor) -> R:
+            mine = list(rest)
+            for i, t in zip(at, rank_tensors):
+                mine[i] = t
+            rank_args = pytree.tree_unflatten(mine, treespec)
             # this thread, for this call only
             push_simulation(all_meshes, RankBinding(rank, mesh.size))
             try:
@@ -424,6 +431,6 @@ def simulate(
                 pop_simulation(len(all_meshes))
 
         ranks = torch.arange(mesh.size, device=device)
-        return torch.vmap(per_rank, in_dims=(0, *in_dims), randomness=randomness)(ranks, *args)
+        return torch.vmap(per_rank, randomness=randomness)(ranks, *tensors)
 
     return run
