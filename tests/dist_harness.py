@@ -191,6 +191,19 @@ def expect_ok(results: list[RankResult]) -> list[Any]:
 
 
 # ============================================================================ examples
+def load_example(example: str, module: str) -> Any:
+    """``examples/<example>`` imported as the module ``module`` (registered in ``sys.modules``:
+    an example's dataclasses look their module up while being made); its main guard not run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module, ROOT / "examples" / example)
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[module] = loaded
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
 def torchrun_example(example: str, world: int, *args: str) -> subprocess.CompletedProcess[str]:
     """``examples/<example> <args>`` under ``torchrun --standalone`` on ``world`` gloo processes
     (skipped where torch has no gloo); the completed process, whatever its exit code."""

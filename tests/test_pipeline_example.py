@@ -5,7 +5,6 @@ it exits non-zero when a difference exceeds its tolerance."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist_harness import run_example_without_torchrun, torchrun_example
+from tests.dist_harness import load_example, run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,12 +20,7 @@ DIFFS = re.compile(r"max differences from one device: loss (\S+), norm (\S+), we
 
 
 def _example() -> Any:
-    path = ROOT / "examples" / "train_pipeline.py"
-    spec = importlib.util.spec_from_file_location("train_pipeline_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_pipeline.py", "train_pipeline_example")
 
 
 @functools.cache

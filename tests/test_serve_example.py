@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_harness import run_example_without_torchrun, torchrun_example
+from tests.dist_harness import load_example, run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,13 +25,7 @@ SERVED = re.compile(r"^r(\d+): prompt (\[[\d, ]*\]) -> (\[[\d, ]*\])$", re.M)
 
 @functools.cache
 def _example() -> Any:
-    path = ROOT / "examples" / "serve.py"
-    spec = importlib.util.spec_from_file_location("serve_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being made
-    spec.loader.exec_module(module)
-    return module
+    return load_example("serve.py", "serve_example")
 
 
 @functools.cache

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_harness import run_example_without_torchrun, torchrun_example
+from tests.dist_harness import load_example, run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,13 +27,7 @@ TOKENS = re.compile(r"^tokens: (\[[\d, ]*\])$", re.M)
 
 @functools.cache
 def _example() -> Any:
-    path = ROOT / "examples" / "speculative.py"
-    spec = importlib.util.spec_from_file_location("speculative_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being made
-    spec.loader.exec_module(module)
-    return module
+    return load_example("speculative.py", "speculative_example")
 
 
 @functools.cache

@@ -7,7 +7,6 @@ gloo processes (docs/loss_curves.svg, which must still show what the example doe
 from __future__ import annotations
 
 import html
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -16,17 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.dist_harness import load_example
 from tests.test_distributed import ROOT, torchrun
 
 pytest.importorskip("transformers")
 
 
 def _example(name: str = "train.py") -> Any:
-    spec = importlib.util.spec_from_file_location(name[:-3], ROOT / "examples" / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(name, f"{name[:-3]}_example")
 
 
 def test_simulated_run_equals_one_device_and_resumes_at_another_tp(tmp_path: Path) -> None:

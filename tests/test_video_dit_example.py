@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import torch
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
-from tests.dist_harness import run_example_without_torchrun, torchrun_example
+from tests.dist_harness import load_example, run_example_without_torchrun, torchrun_example
 
 pytest.importorskip("diffusers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,13 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @functools.cache
 def example() -> Any:
-    path = ROOT / "examples" / "video_dit.py"
-    spec = importlib.util.spec_from_file_location("video_dit_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("video_dit.py", "video_dit_example")
 
 
 @pytest.mark.parametrize(
