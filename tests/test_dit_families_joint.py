@@ -24,14 +24,7 @@ from fastdist.errors import ParallelizeError
 
 diffusers = pytest.importorskip("diffusers")
 
-#: (mesh axes, plan keywords) of each mode
-MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
-    "ulysses-2": ({"sp": 2}, {}),
-    "ulysses-4": ({"sp": 4}, {}),
-    "ring-2": ({"sp": 2}, {"mode": "ring"}),
-    "ring-4": ({"sp": 4}, {"mode": "ring"}),
-    "usp-2x2": ({"cp": 2, "sp": 2}, {"mode": "usp", "ring_axis": "cp"}),
-}
+from tests.test_context_mmdit import MODES  # noqa: E402  (mesh axes, plan keywords) by mode
 
 Inputs = dict[str, Any]
 
