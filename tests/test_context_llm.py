@@ -152,11 +152,7 @@ def _loss(
     return torch.stack([lm_loss(lg, labels) for lg in logits.unbind(0)])
 
 
-@pytest.mark.parametrize(
-    "family, axes, mode, kv",
-    CASES,
-    ids=case_ids(CASES),
-)
+@pytest.mark.parametrize("family, axes, mode, kv", CASES, ids=case_ids(CASES))
 def test_training_step_matches_one_device(
     family: str, axes: dict[str, int], mode: str, kv: int
 ) -> None:
@@ -322,11 +318,7 @@ MOE_CASES: list[tuple[str, dict[str, int], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    "family, axes, mode",
-    MOE_CASES,
-    ids=case_ids(MOE_CASES),
-)
+@pytest.mark.parametrize("family, axes, mode", MOE_CASES, ids=case_ids(MOE_CASES))
 def test_mixture_of_experts_training_step_matches_one_device(
     family: str, axes: dict[str, int], mode: str
 ) -> None:
@@ -461,11 +453,7 @@ SPLIT_CACHE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "family, axes, mode",
-    SPLIT_CACHE_CASES,
-    ids=case_ids(SPLIT_CACHE_CASES),
-)
+@pytest.mark.parametrize("family, axes, mode", SPLIT_CACHE_CASES, ids=case_ids(SPLIT_CACHE_CASES))
 def test_decoding_against_a_split_kv_cache_matches_one_device(
     family: str, axes: dict[str, int], mode: str
 ) -> None:
@@ -697,11 +685,7 @@ def _uneven_batch() -> tuple[Tensor, Tensor, Tensor]:
     return ids, labels, mask
 
 
-@pytest.mark.parametrize(
-    "family, axes, mode",
-    SPLIT_CASES,
-    ids=case_ids(SPLIT_CASES),
-)
+@pytest.mark.parametrize("family, axes, mode", SPLIT_CASES, ids=case_ids(SPLIT_CASES))
 def test_split_logits_loss_and_gradients_match_one_device(
     family: str, axes: dict[str, int], mode: str
 ) -> None:
