@@ -134,41 +134,78 @@ def checked_targets(
 
 
 # ----------------------------------------------------------------------------- the loss
+# rows of a chunk in the loss's passes on the CPU: about 256K elements (1 MB of float32), so that
+# the shift, the exponential and the sum (or the product) run in a core's L2 cache, not through
+# memory. Other devices take the whole tensor at once (a chunk is a kernel launch per op there).
+_CHUNK_ELEMS = 1 << 18
+
+
+def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering the rows of ``x`` (N, V): chunks of about
+    ``_CHUNK_ELEMS`` elements (at least one row each) on the CPU, one chunk elsewhere; one empty
+    chunk when N is 0, so that the callers' results keep their (empty) shapes."""
+    n_rows, n_cols = x.shape
+    step = max(1, _CHUNK_ELEMS // max(1, n_cols)) if x.device.type == "cpu" else max(1, n_rows)
+    return [(i, min(i + step, n_rows)) for i in range(0, max(n_rows, 1), step)]
+
+
+def _sum_exp(x: Tensor, top: Tensor) -> Tensor:
+    """``exp(x - top[..., None]).sum(-1)`` for ``x`` (..., V), chunk by chunk: no dense temporary
+    (one of a chunk's size, reused by the allocator), each row summed as one reduction as before."""
+    rows, tops = x.reshape(-1, x.shape[-1]), top.reshape(-1)  # (N, V), (N,)
+    sums = [(rows[a:b] - tops[a:b].unsqueeze(-1)).exp_().sum(-1) for a, b in _row_chunks(rows)]
+    return (sums[0] if len(sums) == 1 else torch.cat(sums)).reshape(top.shape)
+
+
+def _scaled_exp(x: Tensor, top: Tensor, scale: Tensor) -> Tensor:
+    """``exp(x - top[..., None]) * scale[..., None]``, a fresh tensor shaped like ``x`` written
+    chunk by chunk in place (shift, exponential and product while the chunk is in cache)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    # (N, V); view, not reshape: it shares out's storage or raises, never writes into a copy
+    rows, dst = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+    tops, scales = top.reshape(-1, 1), scale.reshape(-1, 1).to(x.dtype)  # (N, 1)
+    for a, b in _row_chunks(rows):
+        dst[a:b].copy_(rows[a:b]).sub_(tops[a:b]).exp_().mul_(scales[a:b])
+    return out
+
+
 class _LocalSoftmaxStats(torch.autograd.Function):
     """This rank's part of the loss: per row, ``sum_j exp(x_j - top)`` and ``x[index] - top``.
 
-    Written as one Function so that eager mode makes no dense temporaries beyond ``e = exp(x -
-    top)``: the backward is ``g_sum * e`` plus ``g_picked`` scattered into the target's column
-    (autograd of the plain ops would fill a dense zero tensor for the gather and add two dense
-    gradients). ``e`` is returned (not differentiable) so that ``setup_context`` can save it.
-    Shapes: ``x`` (..., V_local), ``top`` and ``index`` (...). Under ``torch.compile`` the plain
-    ops are used instead (the compiler fuses them; see torch-notes on Functions under compile).
+    Written as one Function so that eager mode makes one dense tensor per step, the gradient:
+    the forward sums the exponentials chunk by chunk (`_sum_exp`) and saves ``x`` (not the
+    exponentials, a second tensor of its size), the backward recomputes ``exp(x - top)`` into the
+    gradient chunk by chunk, bit for bit the forward's, and scatters ``g_picked`` into the
+    target's column (autograd of the plain ops would save a dense ``exp``, fill a dense zero
+    tensor for the gather and add two dense gradients). An in-place change of ``x`` between the
+    forward and the backward raises (autograd's version check). Shapes: ``x`` (..., V_local),
+    ``top`` and ``index`` (...). Under ``torch.compile`` the plain ops are used instead (the
+    compiler fuses them; see torch-notes on Functions under compile).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, top: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        e = (x - top.unsqueeze(-1)).exp_()  # (..., V_local), a fresh tensor exponentiated in place
+    def forward(x: Tensor, top: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
         picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - top  # (...)
-        return e.sum(-1), picked, e
+        return _sum_exp(x, top), picked
 
     @staticmethod
     def setup_context(
-        ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor]
+        ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor]
     ) -> None:
-        ctx.mark_non_differentiable(output[2])
-        ctx.set_materialize_grads(False)  # no dense zeros for e's (absent) gradient
-        ctx.save_for_backward(output[2], inputs[2])
+        ctx.set_materialize_grads(False)  # no dense zeros for an absent gradient
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(
-        ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None, _: Any
+        ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None
     ) -> tuple[Tensor | None, None, None]:
-        e, index = ctx.saved_tensors
+        x, top, index = ctx.saved_tensors
         if g_sum is None and g_picked is None:
             return None, None, None
-        dx = e * g_sum.unsqueeze(-1) if g_sum is not None else torch.zeros_like(e)  # (..., V_local)
+        # (..., V_local): exp(x - top) * g_sum, bit for bit the forward's exponentials
+        dx = _scaled_exp(x, top, g_sum) if g_sum is not None else torch.zeros_like(x)
         if g_picked is None:
             return dx, None, None
         return (
@@ -254,7 +291,7 @@ def _token_losses(
             shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1),
         )
     else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
-        local_sum, picked, _ = _LocalSoftmaxStats.apply(x, shift, index)  # type: ignore[no-untyped-call]
+        local_sum, picked = _LocalSoftmaxStats.apply(x, shift, index)  # type: ignore[no-untyped-call]
     mine_stats = torch.stack([top, local_sum, torch.where(mine, picked + shift, 0.0)])  # (3, ...)
     # (n, 3, ...): the gradient of each rank's part stays on it (no collective in the backward)
     every = all_gather_invariant(mine_stats.unsqueeze(0), mesh, axis, dim=0)
