@@ -390,9 +390,9 @@ def dit_batches(pipe: Pipeline, batch: Mapping[str, Any]) -> list[dict[str, Any]
         )
     num_items = int(target[0].numel() if sim else target.numel())
     out = []
-    for k in range(m):
+    for i in range(m):
         mb: dict[str, Any] = {
-            key: v.narrow(bdim, k * (b // m), b // m) if isinstance(v, Tensor) else v
+            key: v.narrow(bdim, i * (b // m), b // m) if isinstance(v, Tensor) else v
             for key, v in batch.items()
         }
         mb["num_items"] = num_items
@@ -441,6 +441,11 @@ def build_dit(
     absent = tuple(n for c in cps for n in (*c.attention, *c.joint))
     empty = tuple(n for c in cps for n in c.cross)
     blocks = model.get_submodule(split.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise PipelineError(
+            f"pipeline: {split.blocks} of {type(model).__name__} is not an nn.ModuleList. Fix: "
+            "pass split= naming the list of blocks"
+        )
     ranges = stage_layers(len(blocks), sched.stages, layers_per_stage)
     keep = (
         list(range(sched.stages))
