@@ -36,7 +36,9 @@ step (the order swapping every pair), each step after a barrier; a step's time i
 rank's, and the ratio is the median of the per-pair ratios fastdist / DTensor, both measured in
 this run. The CPU columns add up both ranks' process CPU time of each step (every thread): on
 cores shared with other jobs the wall time also holds the time slices the OS gave them, the CPU
-time does not. Nothing here asserts a time.
+time does not. The matmul-floor columns time the step's products alone (each linear's forward
+and its two backward products, one thread, the shapes of a rank's shard) before the ranks start:
+what neither side can go below without less arithmetic. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -282,6 +284,44 @@ def _rank(
     return {"diffs": diffs, "times": times}
 
 
+def _matmul_floor(size: tuple[int, ...], vocab_split: bool, reps: int = 3) -> float:
+    """CPU seconds, both ranks together, of one step's products alone on one thread: for every
+    linear of a rank's shard (q, k, v, o, gate, up, down of each layer; the LM head, its
+    vocabulary halved when split) the forward ``x @ W.t()`` and the backward's ``g @ W`` and
+    ``g.t() @ x`` on random float32 tensors of the step's shapes (median of ``reps``). What a step
+    of either side cannot go below without doing less arithmetic: the rest of a step is the
+    model's elementwise ops, attention, the collectives and the framework's own work."""
+    hidden, inter, heads, kv, layers, vocab, batch, seq = size
+    head_dim, tokens = hidden // heads, batch * seq
+    linears = [
+        (hidden, heads * head_dim // WORLD),
+        (hidden, kv * head_dim // WORLD),
+        (hidden, kv * head_dim // WORLD),
+        (heads * head_dim // WORLD, hidden),
+        (hidden, inter // WORLD),
+        (hidden, inter // WORLD),
+        (inter // WORLD, hidden),
+    ] * layers + [(hidden, vocab // WORLD if vocab_split else vocab)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        total = 0.0
+        for n_in, n_out in linears:
+            x, w = torch.randn(tokens, n_in), torch.randn(n_out, n_in)
+            g = torch.randn(tokens, n_out)
+            for lhs, rhs in ((x, w.t()), (g, w), (g.t(), x)):  # forward, input and weight grads
+                torch.mm(lhs, rhs)  # warm
+                times = []
+                for _ in range(reps):
+                    c0 = time.process_time()
+                    torch.mm(lhs, rhs)
+                    times.append(time.process_time() - c0)
+                total += statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+    return total * WORLD
+
+
 def bench(quick: bool, vocab_only: bool = False, reps_full: int = 11) -> list[dict[str, Any]]:
     rows = []
     pairs = tuple(p for p in PAIRS if p[1] == "dtensor_vocab" or not vocab_only)
@@ -289,6 +329,7 @@ def bench(quick: bool, vocab_only: bool = False, reps_full: int = 11) -> list[di
         size = SIZES[name]
         reps, warmup = (3, 1) if quick else (reps_full, 2)
         per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, pairs, timeout=1800)
+        floors = {split: _matmul_floor(size, split) for split in (False, True)}
         hidden, inter, heads, kv, layers, vocab, batch, seq = size
         for n, (fast, base, adamw) in enumerate(pairs):
             # a step is over when its slowest rank is; its CPU time is both ranks' together
@@ -317,6 +358,8 @@ def bench(quick: bool, vocab_only: bool = False, reps_full: int = 11) -> list[di
                     "fastdist_cpu_ms": statistics.median(fc) * 1e3,
                     "dtensor_cpu_ms": statistics.median(dc) * 1e3,
                     "cpu_ratio": statistics.median(a / b for a, b in zip(fc, dc)),
+                    "fastdist_floor_cpu_ms": floors[fast in VOCAB] * 1e3,
+                    "dtensor_floor_cpu_ms": floors[base in VOCAB] * 1e3,
                     "fastdist_diff": max(r["diffs"][fast] for r in per_rank),
                     "dtensor_diff": max(r["diffs"][base] for r in per_rank),
                 }
@@ -345,13 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "| case | hidden | layers | tokens | fastdist ms | DTensor ms | fastdist / DTensor | "
         "CPU ms, both ranks (fastdist / DTensor) | CPU fastdist / DTensor | "
+        "matmul floor, CPU ms both ranks (fastdist / DTensor) | "
         "diff vs one device (fastdist / DTensor) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['case']} | {r['hidden']} | {r['layers']} | {r['tokens']} | "
         f"{r['fastdist_ms']:.1f} | {r['dtensor_ms']:.1f} | {r['ratio']:.3f} | "
         f"{r['fastdist_cpu_ms']:.1f} / {r['dtensor_cpu_ms']:.1f} | {r['cpu_ratio']:.3f} | "
+        f"{r['fastdist_floor_cpu_ms']:.1f} / {r['dtensor_floor_cpu_ms']:.1f} | "
         f"{r['fastdist_diff']:.0e} / {r['dtensor_diff']:.0e} |"
         for r in rows
     ]
