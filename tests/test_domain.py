@@ -1016,6 +1016,22 @@ SILENT_BEFORE: list[tuple[Callable[[Tensor], Tensor], str, str]] = [
     (lambda h: F.glu(h, 2).repeat_interleave(2, dim=2), "h", r"glu over the split dim"),
     (lambda h: h * torch.linalg.svdvals(h).sum(), "h", r"svdvals over the split dim"),
     (_stack_last, "h", r"split dim -2 itself \(softmax\), dim 2 of this tensor"),
+    # torch's own spellings of the functional layers, and ops the tables lacked
+    (lambda h: torch.layer_norm(h, h.shape[2:]), "h", r"\(layer_norm\)"),
+    (lambda h: torch.group_norm(h, 2), "h", r"torch.group_norm itself"),
+    (lambda h: torch.batch_norm(h, None, None, None, None, True, 0.1, 1e-5, False), "h",
+     r"torch.batch_norm itself"),
+    (lambda h: torch.max_pool2d(h, 3, 1, 1), "h", r"torch.max_pool2d itself"),
+    (lambda h: torch.special.softmax(h, 2), "h", r"\(special_softmax\)"),
+    (lambda h: h - torch.special.logsumexp(h, 2, keepdim=True), "h", r"\(special_logsumexp\)"),
+    (lambda h: h.sum_to_size(1, 4, 1, 6).expand_as(h), "h", r"\(sum_to_size\)"),
+    (lambda h: h.clone().cumsum_(2), "h", r"cumsum_ over the split dim"),
+    (lambda h: h.clone().tril_(), "h", r"tril_ over the split dim"),
+    (lambda h: h.triu(), "h", r"triu over the split dim"),
+    (lambda h: h * torch.norm_except_dim(h, 2, 1), "h", r"\(norm_except_dim\)"),
+    (lambda h: h.select(2, 0)[:, :, None].expand_as(h), "h", r"select over the split dim"),
+    (lambda h: F.local_response_norm(h.transpose(1, 2), 2).transpose(1, 2), "h",
+     r"local_response_norm over the split dim -2 .*dim 1 of this tensor"),
 ]  # fmt: skip
 
 
@@ -1053,6 +1069,11 @@ READ_EXACTLY: dict[str, tuple[Callable[[Tensor], Tensor], str]] = {
     "expand to a new leading dim, mean over it": (
         lambda h: h.expand(3, *h.shape).mean(0) + torch.broadcast_to(h, (2, *h.shape))[1], "hw"),
     "unbind channels, stack them back": (lambda h: torch.stack(h.unbind(1)[::-1], 1), "hw"),
+    "pixel unshuffle and shuffle, channels-first and with H and W swapped": (
+        lambda h: F.pixel_shuffle(F.pixel_unshuffle(h, 2), 2)
+        + F.pixel_shuffle(F.pixel_unshuffle(h.transpose(2, 3), 2), 2).transpose(2, 3), "h"),
+    "repeat_interleave by an int along a split dim (each row where it is)": (
+        lambda h: h.repeat_interleave(2, dim=2), "h"),
 }  # fmt: skip
 
 

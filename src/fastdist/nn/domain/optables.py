@@ -12,6 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+
+def _named(owner: Any, names: Sequence[str]) -> list[Any]:
+    """The callables of ``owner`` named ``names`` (those that exist)."""
+    return [getattr(owner, n) for n in names if hasattr(owner, n)]
+
+
 REFUSED: dict[Any, str] = {
     F.scaled_dot_product_attention: "self-attention over spatial tokens mixes the whole domain",
     F.group_norm: "a functional group norm takes statistics over this rank's block only",
@@ -38,6 +44,69 @@ REFUSED: dict[Any, str] = {
         if hasattr(F, n)
     },
     F.conv_tbc: "a functional convolution reads past this rank's block",
+    **{
+        f: "a functional convolution, pooling, norm or resampling reads past this rank's block "
+        "or takes statistics over it"
+        for f in _named(
+            torch,
+            (
+                "convolution",
+                "cudnn_convolution",
+                "miopen_convolution",
+                "mkldnn_convolution",
+                "max_pool1d",
+                "max_pool2d",
+                "max_pool3d",
+                "max_pool1d_with_indices",
+                "adaptive_max_pool1d",
+                "adaptive_avg_pool1d",
+                "avg_pool1d",
+                "batch_norm",
+                "group_norm",
+                "instance_norm",
+                "native_batch_norm",
+                "native_group_norm",
+                "grid_sampler",
+                "grid_sampler_2d",
+                "grid_sampler_3d",
+                "embedding_bag",
+            ),
+        )
+        + _named(
+            F,
+            (
+                "max_pool1d_with_indices",
+                "max_pool2d_with_indices",
+                "max_pool3d_with_indices",
+                "adaptive_max_pool1d_with_indices",
+                "adaptive_max_pool2d_with_indices",
+                "adaptive_max_pool3d_with_indices",
+                "fractional_max_pool2d_with_indices",
+                "fractional_max_pool3d_with_indices",
+            ),
+        )
+        + [
+            f
+            for n in dir(torch._C._nn)
+            if n.startswith(
+                (
+                    "adaptive_",
+                    "avg_pool",
+                    "max_pool",
+                    "max_unpool",
+                    "fractional_",
+                    "upsample_",
+                    "slow_conv",
+                    "thnn_conv",
+                    "conv_depthwise",
+                    "im2col",
+                    "col2im",
+                    "mkldnn_linear",
+                )
+            )
+            for f in [getattr(torch._C._nn, n)]
+        ]
+    },
     F.bilinear: "a bilinear map contracts the last dims the guard does not follow",
     **{
         f: "a functional pooling or convolution reads past this rank's block"
@@ -199,6 +268,23 @@ _MATRIX = (
 )  # fmt: skip
 
 
+def sum_to_size_dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Tensor.sum_to_size(*size)``: the dims it sums (size 1 where ``x``'s is not)."""
+    size = flat_ints(args or (kwargs.get("size", ()),))
+    lead = x.dim() - len(size)
+    return [i for i in range(x.dim()) if i < lead or (size[i - lead] == 1 and x.shape[i] != 1)]
+
+
+def repeats_dims(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``repeat_interleave``: none for an int count along a dim (each row repeated where it
+    is), its ``dim`` for a count per row (the block's rows would read the whole dim's counts)."""
+    reps = kwargs.get("repeats", args[0] if args else 1)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(reps, Tensor) and reps.numel() > 1:
+        return range(x.dim()) if dim is None else [dim]
+    return []
+
+
 #: reductions: over a split dim they reduce this rank's block as if it were the domain
 #: (``{op: the dims it reduces}``; its output drops them, or keeps them with size 1)
 REDUCTIONS: dict[Any, Any] = {
@@ -251,6 +337,45 @@ REDUCTIONS: dict[Any, Any] = {
     torch.linalg.vecdot: arg_dims("dim", -1, (-1,)),
     F.cosine_similarity: arg_dims("dim", 1, (1,)),
     F.pairwise_distance: fixed((-1,)),
+    Tensor.sum_to_size: sum_to_size_dims,
+    **{f: norm_shape_dims for f in _named(torch, ("layer_norm", "native_layer_norm", "rms_norm"))},
+    **{
+        f: arg_dims("dim", 0, ALL)
+        for f in _named(torch.special, ("softmax", "log_softmax", "logsumexp"))
+    },
+    F.gumbel_softmax: arg_dims("dim", -1, (-1,)),
+    **{
+        f: fixed(ALL)
+        for f in _named(
+            torch,
+            (
+                "nuclear_norm",
+                "frobenius_norm",
+                "native_norm",
+                "norm_except_dim",
+                "segment_reduce",
+                "histogramdd",
+                "pdist",
+                "masked_select",
+                "binary_cross_entropy_with_logits",
+                "kl_div",
+                "cosine_embedding_loss",
+                "ctc_loss",
+                "hinge_embedding_loss",
+                "margin_ranking_loss",
+                "poisson_nll_loss",
+                "triplet_margin_loss",
+            ),
+        )
+        + _named(Tensor, ("masked_select", "tolist", "numpy", "__array__", "__contains__"))
+        + [F.pdist]
+        + [
+            getattr(torch._C._nn, n)
+            for n in dir(torch._C._nn)
+            if n.endswith(("_loss", "loss2d", "loss_nd", "binary_cross_entropy"))
+        ]
+    },
+    Tensor.renorm_: all_but(1),
     **_LOSSES,
 }
 
@@ -326,6 +451,68 @@ MIXING: dict[Any, Any] = {
     **both(("cross",), cross_dims),
     torch.linalg.cross: arg_dims("dim", 1, (-1,)),
     F.glu: arg_dims("dim", 0, (-1,)),
+    **({torch._C._nn.glu: arg_dims("dim", 0, (-1,))} if hasattr(torch._C._nn, "glu") else {}),
+    **both(("cumsum_", "cumprod_"), arg_dims("dim", 0, ALL)),
+    **both(("tril_", "triu_"), fixed((-2, -1))),
+    **both(
+        (
+            "fill_diagonal_",
+            "diag",
+            "diagflat",
+            "diagonal_scatter",
+            "as_strided_",
+            "as_strided_copy",
+            "as_strided_scatter",
+            "permute_copy",
+            "transpose_copy",
+            "t_copy",
+            "view_copy",
+            "squeeze_copy",
+            "unsqueeze_copy",
+            "expand_copy",
+            "unfold_copy",
+            "unbind_copy",
+            "lu_unpack",
+            "lobpcg",
+            "pca_lowrank",
+            "svd_lowrank",
+            "matrix_rank",
+            "solve",
+            "symeig",
+            "eig",
+            "block_diag",
+            "slice_inverse",
+        ),
+        fixed(ALL),
+    ),  # fmt: skip
+    **both(("diagonal_copy",), diagonal_dims),
+    **both(
+        (
+            "split_with_sizes",
+            "unsafe_split",
+            "unsafe_split_with_sizes",
+            "unsafe_chunk",
+            "split_copy",
+            "split_with_sizes_copy",
+            "select_copy",
+            "slice_copy",
+        ),
+        arg_dims("dim", 1, (0,)),
+    ),  # fmt: skip
+    **both(("hsplit",), fixed((1,))),
+    **both(("vsplit",), fixed((0,))),
+    **both(("dsplit",), fixed((2,))),
+    **both(("repeat_interleave",), repeats_dims),
+    # over the channels: pixel (un)shuffles move rows of the last two dims into dim -3 (exact
+    # on a block of whole pixel groups), a local response norm and a channel shuffle mix dim 1
+    **{f: fixed((-3,)) for f in _named(torch, ("pixel_shuffle", "pixel_unshuffle"))},
+    **{
+        f: fixed((1,))
+        for f in _named(torch, ("channel_shuffle", "native_channel_shuffle"))
+        + _named(F, ("channel_shuffle", "native_channel_shuffle", "local_response_norm"))
+    },
+    Tensor.__iter__: fixed((0,)),
+    Tensor.__reversed__: fixed((0,)),
     torch.cdist: fixed((-2, -1)),
     torch.searchsorted: fixed((-1,)),
     **{f: fixed((-2, -1)) for f in _MATRIX},
@@ -378,7 +565,13 @@ MOVE_IN_PLACE = {
     if hasattr(Tensor, n)
 }
 
-PAD = {F.pad, torch.constant_pad_nd}
+PAD = {F.pad, torch.constant_pad_nd} | {
+    getattr(torch._C._nn, n)
+    for n in ("pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+              "replication_pad1d", "replication_pad2d", "replication_pad3d")
+    if hasattr(torch._C._nn, n)
+}  # fmt: skip
+
 
 #: concatenations (a sequence of tensors first): along a split dim each rank would join blocks
 CAT = {
@@ -507,7 +700,8 @@ def is_pointwise(func: Any) -> bool:
     if packet.__name__.split(".")[-1] in _ATEN_IN_PLACE_OF:
         return True
     names = packet.overloads()
-    main = [o for o in names if o in ("Tensor", "self", "Scalar")] or [
-        o for o in names if o == "default"
-    ]  # a packet's tensor overloads (where(cond, x, y), not where(cond); max(x, y), not max(x))
+    # a packet's tensor overloads: where(cond, x, y) (not where(cond)), exp(x) (not exp(2.0))
+    main = [o for o in names if o in ("Tensor", "self", "default")] or [
+        o for o in names if o == "Scalar"
+    ]
     return any(torch.Tag.pointwise in getattr(packet, o).tags for o in main)
