@@ -107,3 +107,39 @@ def wan_on_2() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the parent asserts the type and message
         out["differs"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def tiny_ltx(layers: int = 4, seed: int = 0) -> nn.Module:
+    """A tiny float64 LTX-Video transformer: 2 heads of dim 12, ``layers`` blocks (no float32
+    internals: it matches one device to rounding)."""
+    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LTXVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        cross_attention_dim=24,
+        num_layers=layers,
+        caption_channels=16,
+    )
+    return model.to(torch.float64)
+
+
+def ltx_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
+    """``n`` samples of 2 x 2 x 2 patchified latent tokens (4 channels), 5 text tokens (the last
+    one masked), a timestep each, a target of the output's shape."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, 5, dtype=torch.float64)
+    mask[:, -1] = 0
+    return {
+        "hidden_states": torch.randn(n, 8, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "timestep": torch.randint(0, 1000, (n,), generator=g).to(torch.float64),
+        "encoder_attention_mask": mask,
+        "num_frames": 2,
+        "height": 2,
+        "width": 2,
+        "target": torch.randn(n, 8, 4, generator=g, dtype=torch.float64),
+    }

@@ -28,7 +28,14 @@ from fastdist.train.pipeline import SPLITS, DitSplit
 pytest.importorskip("diffusers.models.transformers.transformer_wan")
 
 from tests.dist_harness import run_on_gloo  # noqa: E402
-from tests.pipeline_dit_worker import batch, one_device, tiny_wan, wan_on_2  # noqa: E402
+from tests.pipeline_dit_worker import (  # noqa: E402
+    batch,
+    ltx_batch,
+    one_device,
+    tiny_ltx,
+    tiny_wan,
+    wan_on_2,
+)
 
 TOL = 1e-6  # relative to each gradient's largest entry (Wan's float32 norms)
 
@@ -154,6 +161,33 @@ def test_pp_dp_sp_data_parallel_and_a_checkpoint_at_another_layout(tmp_path: Any
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize(
+    ("sched", "shape"),
+    [("1f1b", {"pp": 2}), ("interleaved_1f1b", {"pp": 2}), ("gpipe", {"pp": 2, "sp": 2})],
+)
+def test_ltx_video_step_equals_one_device(sched: str, shape: dict[str, int]) -> None:
+    """LTX-Video (one block list, a linear patch embedding over patchified tokens, the timestep
+    and caption embedders on every stage): no float32 internals, so equal to rounding."""
+    model, b = tiny_ltx(), ltx_batch()
+    ref = copy.deepcopy(model)
+    want = one_device(ref, b)
+    mesh = fd.Mesh(shape)
+    virtual = 2 if sched == "interleaved_1f1b" else 1
+    pipe = fd.train.pipeline(model, mesh, schedule=sched, microbatches=2, virtual=virtual)
+    assert pipe.shared and all(
+        n.startswith(("time_embed.", "caption_projection.")) for n in pipe.shared
+    )
+    x = {k: v.expand(mesh.size, *v.shape) if isinstance(v, Tensor) else v for k, v in b.items()}
+    loss = pipe.step(**x)
+    torch.testing.assert_close(loss, want.expand(mesh.size), rtol=1e-12, atol=0)
+    got = pipe.grads()
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(want_grads)
+    for name, g in want_grads.items():
+        err = float((got[name] - g).abs().max() / g.abs().max())
+        assert err < 1e-12, f"{name}: {err:.2e}"
+
+
 # ----------------------------------------------------------------------------- refusals
 def test_refuses_a_family_without_stages() -> None:
     cog = pytest.importorskip("diffusers").CogVideoXTransformer3DModel(
@@ -200,6 +234,10 @@ def test_refuses_a_bad_batch_and_calls_to_the_model() -> None:
         pipe.step(**{**b, "target": b["target"][..., :2]})
     with pytest.raises(PipelineError, match=r"weighting of shape"):
         pipe.step(**b, weighting=torch.ones(mesh.size, 4, 4, dtype=torch.float64))
+    with pytest.raises(PipelineError, match=r"output has shape .*4, 2, 4, 4.*target .*1, 2, 4, 4"):
+        pipe.step(**{**b, "target": b["target"][:, :, :1]})  # one channel: would broadcast
+    with pytest.raises(PipelineError, match=r"encoder_hidden_states of shape .* for a batch of 4"):
+        pipe.step(**{**b, "encoder_hidden_states": b["encoder_hidden_states"][:, :2]})
     with pytest.raises(PipelineError, match=r"does not split into 2 micro-batches"):
         pipe.step(**on_ranks(batch(n=3), mesh))
     with pytest.raises(PipelineError, match=r"taken apart by fastdist.train.pipeline"):

@@ -32,9 +32,10 @@ losses add up to the batch's loss and their gradients to its gradient.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -74,6 +75,12 @@ DIT_SPLITS: dict[str, DitSplit] = {
         "blocks",
         ("patch_embedding",),
         ("condition_embedder",),
+        ("norm_out", "proj_out", "scale_shift_table"),
+    ),
+    "LTXVideoTransformer3DModel": DitSplit(
+        "transformer_blocks",
+        ("proj_in",),
+        ("time_embed", "caption_projection"),
         ("norm_out", "proj_out", "scale_shift_table"),
     ),
 }
@@ -131,23 +138,34 @@ class _BlockSkip(nn.Module):
 
 
 class _PatchZeros(nn.Module):
-    """The patch embedding (a convolution) of another stage: zeros of its output's shape (never
-    used: the first own block's input is replaced)."""
+    """The patch embedding (a convolution, or a linear layer over patchified tokens) of another
+    stage: zeros of its output's shape (never used: the first own block's input is replaced)."""
 
     def __init__(self, conv: nn.Module) -> None:
         super().__init__()
-        if not isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+        if not isinstance(conv, (nn.Conv2d, nn.Conv3d, nn.Linear)) or isinstance(
+            getattr(conv, "padding", 0), str
+        ):
             raise PipelineError(
-                f"pipeline: the patch embedding is a {type(conv).__name__}, not a Conv2d or "
-                "Conv3d whose output shape the other stages reproduce. Fix: report this model"
+                f"pipeline: the patch embedding is a {type(conv).__name__}, not a Conv2d, Conv3d "
+                "(numeric padding) or Linear whose output shape the other stages reproduce. Fix: "
+                "pass "
+                "split=DitSplit(...) naming the patch embedding"
             )
-        self.out = conv.out_channels
-        self.geometry = tuple(zip(conv.kernel_size, conv.stride, conv.padding, conv.dilation))
+        self.geometry: tuple[tuple[int, int, int, int], ...] | None = None
+        if isinstance(conv, nn.Linear):
+            self.out: int = conv.out_features
+        else:
+            self.out = int(conv.out_channels)
+            parts = (conv.kernel_size, conv.stride, conv.padding, conv.dilation)
+            self.geometry = tuple(zip(*(cast(tuple[int, ...], q) for q in parts)))
         self.dtype = conv.weight.dtype
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.geometry is None:  # a linear layer over the last dim
+            return torch.zeros(*x.shape[:-1], self.out, dtype=self.dtype, device=x.device)
         sizes = [
-            (n + 2 * p - d * (k - 1) - 1) // s + 1  # type: ignore[operator]
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
             for n, (k, s, p, d) in zip(x.shape[2:], self.geometry)
         ]
         return torch.zeros(x.shape[0], self.out, *sizes, dtype=self.dtype, device=x.device)
@@ -314,6 +332,12 @@ def install_stage(
 def dit_loss(out: Tensor, target: Tensor, weighting: Tensor | None, num_items: int) -> Tensor:
     """``sum(weighting * (out - target) ** 2) / num_items`` in the output's dtype: a
     micro-batch's share of the whole batch's mean."""
+    if out.shape != target.shape:
+        raise PipelineError(
+            f"Pipeline.step: the model's output has shape {tuple(out.shape)}, the target "
+            f"{tuple(target.shape)} (per rank). Fix: a target of the output's shape (its "
+            "out_channels), with nothing left to broadcast"
+        )
     d = (out - target.to(out.dtype)) ** 2
     if weighting is not None:
         d = d * weighting.to(out.dtype)
@@ -322,26 +346,30 @@ def dit_loss(out: Tensor, target: Tensor, weighting: Tensor | None, num_items: i
 
 # ====================================================================== the batch
 _REQUIRED = ("hidden_states", "timestep", "encoder_hidden_states", "target")
-_OPTIONAL = ("encoder_hidden_states_image", "weighting", "attention_kwargs")
 #: the micro-batch keys only the last stage gets
 LAST_ONLY = ("target", "weighting", "num_items")
 
 
-def dit_batches(pipe: Pipeline, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A DiT step's batch as micro-batches: ``hidden_states`` (latents, ``(batch, channels,
-    frames, height, width)``), ``timestep``, ``encoder_hidden_states`` and ``target`` (the
-    output's shape) required, ``encoder_hidden_states_image`` and ``weighting`` optional; each
-    tensor split along its batch dim, ``num_items`` the whole batch's element count of
-    ``target``. Simulated: every input carries the leading rank dim."""
+def dit_batches(
+    pipe: Pipeline, batch: Mapping[str, Any], inputs: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """A DiT step's batch as micro-batches: ``hidden_states`` (latents: Wan's ``(batch, channels,
+    frames, height, width)``, LTX-Video's ``(batch, tokens, channels)``), ``timestep``,
+    ``encoder_hidden_states`` and ``target`` (the output's shape) required; optionally
+    ``weighting`` and the model's other keyword inputs (``inputs``: its ``forward``'s, e.g.
+    ``encoder_hidden_states_image``, ``encoder_attention_mask``, ``num_frames``). Every tensor
+    holds one row per sample and is split along its batch dim; ``num_items`` is the whole
+    batch's element count of ``target``. Simulated: every tensor carries the leading rank
+    dim."""
     m, sim = pipe.schedule.microbatches, pipe.simulated
     missing = [k for k in _REQUIRED if not isinstance(batch.get(k), Tensor)]
-    unknown = sorted(set(batch) - {*_REQUIRED, *_OPTIONAL})
+    unknown = sorted(set(batch) - {*_REQUIRED, "weighting", *inputs} - {"return_dict"})
     if missing or unknown:
         raise PipelineError(
-            f"Pipeline.step: a DiT pipeline's step takes {list(_REQUIRED)} (tensors) and "
-            f"optionally {list(_OPTIONAL[:2])}; missing {missing}, not supported {unknown}. Fix: "
-            "pass the model's inputs and target= (the loss is the mean of weighting * "
-            "(output - target) ** 2 over the whole batch)"
+            f"Pipeline.step: a DiT pipeline's step takes {list(_REQUIRED)} (tensors), optionally "
+            f"weighting and the model's inputs {sorted(set(inputs) - set(_REQUIRED))}; missing "
+            f"{missing}, not supported {unknown}. Fix: pass the model's inputs and target= (the "
+            "loss is the mean of weighting * (output - target) ** 2 over the whole batch)"
         )
     x, target = batch["hidden_states"], batch["target"]
     bdim = 1 if sim else 0
@@ -351,16 +379,11 @@ def dit_batches(pipe: Pipeline, batch: Mapping[str, Any]) -> list[dict[str, Any]
             f"{pipe.mesh!r}: every input carries the leading rank dim. Fix: pass "
             f"[{pipe.mesh.size}, batch, ...] (e.g. x.expand({pipe.mesh.size}, *x.shape))"
         )
-    if x.dim() != bdim + 5 or target.shape[: bdim + 1] != x.shape[: bdim + 1]:
+    if x.dim() < bdim + 3 or target.shape[: bdim + 1] != x.shape[: bdim + 1]:
         raise PipelineError(
             f"Pipeline.step: hidden_states {tuple(x.shape)} and target {tuple(target.shape)}. "
-            "Fix: latents (batch, channels, frames, height, width) and a target of the model "
-            "output's shape (simulated: with the leading rank dim)"
-        )
-    if target.shape[bdim + 2 :] != x.shape[bdim + 2 :]:
-        raise PipelineError(
-            f"Pipeline.step: target {tuple(target.shape)} for latents {tuple(x.shape)}: the "
-            "output has the latents' frames, height and width. Fix: a target of the output's shape"
+            "Fix: the model's latents and a target of the model output's shape, one row per "
+            "sample each (simulated: after the leading rank dim)"
         )
     b = x.shape[bdim]
     w = batch.get("weighting")
@@ -375,8 +398,7 @@ def dit_batches(pipe: Pipeline, batch: Mapping[str, Any]) -> list[dict[str, Any]
             f"{tuple(target.shape)}. Fix: one weight per sample broadcastable to the target, "
             "e.g. w.view(batch, 1, 1, 1, 1) (simulated: with the leading rank dim)"
         )
-    for k in ("timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
-        v = batch.get(k)
+    for k, v in batch.items():
         if isinstance(v, Tensor) and (v.dim() <= bdim or v.shape[bdim] != b):
             raise PipelineError(
                 f"Pipeline.step: {k} of shape {tuple(v.shape)} for a batch of {b}. Fix: one row "
@@ -464,7 +486,8 @@ def build_dit(
         if any(n.startswith(s + ".") or n == s for s in split.shared)
     ]
     pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, shared=shared)
-    pipe.batches = lambda batch: dit_batches(pipe, batch)
+    inputs = [n for n in inspect.signature(type(model).forward).parameters if n != "self"]
+    pipe.batches = lambda batch: dit_batches(pipe, batch, inputs)
     pipe.last_only = LAST_ONLY
     return pipe
 
