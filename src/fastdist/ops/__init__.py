@@ -57,6 +57,7 @@ from fastdist.ops.gathers import (
     psum_scatter,
 )
 from fastdist.ops.halo import halo_exchange
+from fastdist.ops.packed import all_to_all_qkv
 from fastdist.ops.permutes import axis_index, axis_size, broadcast, ppermute, ring_shift
 from fastdist.ops.ragged import exchange_sizes, indexed_all_to_all_v, ragged_all_to_all
 from fastdist.ops.reductions import pmax, pmean, pmin, psum, pvary
@@ -74,6 +75,7 @@ __all__ = [
     "local_chunk",
     "all_to_all",
     "all_to_all_4d",
+    "all_to_all_qkv",
     "ppermute",
     "ring_shift",
     "halo_exchange",

@@ -1,0 +1,114 @@
+"""Packed Ulysses exchange: ``all_to_all_qkv`` trades q, k and v (sequence shard of all heads ->
+whole sequence of a head shard) in ONE all-to-all instead of three (as yunchang and xDiT do);
+conventions in ``fastdist.ops``.
+
+It is a composition, not a new primitive: every rank cuts each tensor's heads into ``n`` groups
+and writes the groups of all three, side by side, into one ``[n, B, m, F]`` buffer (one copy,
+what the three ``all_to_all_4d`` calls copy too); ``all_to_all`` (dim 0 to dim 0: the buffer as
+it is, no copy before or after the exchange) sends group ``j`` to rank ``j``; the three results
+are views of what arrives (for batch 1; a larger batch copies each, as ``all_to_all_4d`` does).
+Its gradient is the same exchange of the three gradients packed (autograd's rules of ``cat``,
+``all_to_all`` and ``split``), so the backward also sends one message instead of three. The
+values are those of ``all_to_all_4d`` on each tensor, bit for bit: only bytes move.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastdist.core.mesh import AxisName, Mesh
+from fastdist.errors import CollectiveError
+from fastdist.ops.gathers import all_to_all
+from fastdist.ops.prelude import check_mesh, names_this_rank
+
+__all__ = ["all_to_all_qkv"]
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, axis: AxisName, n: int) -> None:
+    """Refuse inputs that ``all_to_all_4d`` would refuse, or that do not fit one buffer."""
+    named = {"q": q, "k": k, "v": v}
+    for name, t in named.items():
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise CollectiveError(
+                "all_to_all_qkv",
+                axis,
+                f"{name} must be a 4-d (batch, seq, heads, head_dim) tensor, got {got}",
+                "reshape to 4-d or use all_to_all",
+            )
+    shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in named.items())
+    if len({t.shape[:2] for t in named.values()}) != 1:
+        raise CollectiveError(
+            "all_to_all_qkv",
+            axis,
+            f"{shapes}: the batch and seq dims differ",
+            "pass q, k and v of the same tokens, or call all_to_all_4d on each",
+        )
+    if len({(t.dtype, t.device) for t in named.values()}) != 1:
+        raise CollectiveError(
+            "all_to_all_qkv",
+            axis,
+            f"q, k and v differ in dtype or device ({[str(t.dtype) for t in named.values()]})",
+            "cast them to one dtype and device, or call all_to_all_4d on each",
+        )
+    for name, t in named.items():
+        if t.shape[2] % n:
+            raise CollectiveError(
+                "all_to_all_qkv",
+                axis,
+                f"{name} has {t.shape[2]} heads, not divisible by the axis size {n}",
+                f"pad the heads to a multiple of {n}",
+            )
+
+
+@names_this_rank
+def all_to_all_qkv(
+    q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: AxisName
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``all_to_all_4d(t, mesh, axis)`` of each of q, k and v, in one exchange.
+
+    Each ``(batch, seq/P, H, head_dim)`` tensor becomes ``(batch, seq, H/P, head_dim)``: every
+    rank trades its sequence shard of all heads for the whole sequence of its head shard
+    (``P`` the axis size). The three may differ in head count and head dim (grouped-query k
+    and v, a v head dim of its own), not in batch, sequence, dtype or device; every head count
+    must be divisible by ``P``. Gradient: the inverse exchange of the three gradients, packed
+    into one all-to-all too. The results are bit-equal to three ``all_to_all_4d`` calls; for
+    batch 1 they are views of the one received buffer (strided along the sequence: attention
+    kernels take them as they are).
+
+    Args:
+        q: this rank's queries ``(batch, seq/P, Hq, D)``.
+        k: this rank's keys ``(batch, seq/P, Hk, D)``.
+        v: this rank's values ``(batch, seq/P, Hv, Dv)``.
+        mesh: the mesh the code runs on (simulated or real ranks).
+        axis: the mesh axis whose ranks form the group, or a tuple of axes taken as one flattened
+            axis (row-major).
+
+    Returns:
+        ``(q, k, v)``, each ``(batch, seq, H/P, head_dim)``: the whole sequence (ranks' shards in
+        axis order) of this rank's ``H/P`` heads (rank ``r`` gets heads ``r*H/P ..``).
+
+    >>> import torch, fastdist
+    >>> from fastdist.ops import all_to_all_qkv
+    >>> mesh = fastdist.Mesh({"sp": 2})
+    >>> t = torch.arange(16.).view(2, 1, 2, 2, 2)  # per rank: (1, 2 tokens, 2 heads, 2)
+    >>> step = lambda t: all_to_all_qkv(t, t, t, mesh, "sp")[0]
+    >>> fastdist.simulate(step, mesh)(t).shape  # per rank: (1, 4 tokens, 1 head, 2)
+    torch.Size([2, 1, 4, 1, 2])
+    """
+    check_mesh("all_to_all_qkv", mesh, axis)
+    n = mesh.axis_size(axis)
+    _check(q, k, v, axis, n)
+    B, m = q.shape[:2]
+    # (n, B, m, h_i * D_i): rank j's head group of each, side by side; one copy
+    widths = [t.shape[2] // n * t.shape[3] for t in (q, k, v)]
+    packed = torch.cat([t.reshape(B, m, n, w).movedim(2, 0) for t, w in zip((q, k, v), widths)], -1)
+    got = all_to_all(packed, mesh, axis, split_dim=0, concat_dim=0)  # (n senders, B, m, F)
+    parts = got.split(widths, dim=-1)  # views
+    # (B, n*m, h_i, D_i), the senders' tokens in axis order; a view when B == 1
+    q2, k2, v2 = (
+        p.movedim(0, 1).reshape(B, n * m, t.shape[2] // n, t.shape[3])
+        for p, t in zip(parts, (q, k, v))
+    )
+    return q2, k2, v2
