@@ -1125,3 +1125,36 @@ def test_an_embedding_beside_the_field_holds_no_split_dims() -> None:
     x = torch.randn(1, 2, 8, 6, dtype=F64).expand(2, 1, 2, 8, 6)
     with pytest.raises(fd.nn.ParallelizeError, match="'c' .*holds no split rows"):
         pm(x, x.clone())
+
+
+class Conditioned(nn.Module):
+    """A conv net given a per-image condition ``[N, C]`` expanded to the feature map's size
+    (``h.shape``) and concatenated, or a mask resized to it."""
+
+    def __init__(self, resize: bool) -> None:
+        super().__init__()
+        self.c1, self.c2, self.resize = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(6, 2, 1), resize
+
+    def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+        h = self.c1(x)
+        if self.resize:  # the whole mask to this rank's block's size: refused
+            return self.c2(torch.cat([h, F.interpolate(cond, size=h.shape[-2:])], 1))
+        c = cond[:, :, None, None].expand(-1, -1, h.shape[2], h.shape[3])
+        return self.c2(torch.cat([h, c], 1))
+
+
+def test_an_input_sized_to_the_block_is_refused_or_taken_to_hold_its_rows() -> None:
+    """A condition expanded to ``h.shape`` is constant along the rows: equal to one device; a
+    whole mask resized to ``h.shape`` would be paired with the block's rows: refused."""
+    cond = torch.randn(1, 2, dtype=F64)
+    equal_to_one_device(
+        Conditioned(False), (1, 2, 8, 6), "hw",
+        call=lambda m, t: m(t, cond) if t.dim() == 4 else m(t, cond.expand(4, 1, 2)),
+    )  # fmt: skip
+    mask = torch.randn(1, 2, 2, 3, dtype=F64)
+    pm = fd.nn.parallelize(
+        Conditioned(True).double(), fd.Mesh({"h": 2}), {"": fd.nn.DomainParallel({-2: "h"})}
+    )
+    x = torch.randn(1, 2, 8, 6, dtype=F64).expand(2, 1, 2, 8, 6)
+    with pytest.raises(fd.nn.ParallelizeError, match=r"F.interpolate .*sizes a tensor that holds"):
+        pm(x, mask.expand(2, *mask.shape))

@@ -64,6 +64,8 @@ from fastdist.nn.domain.optables import (
     REFUSED,
     REPEAT,
     RESHAPE,
+    RESIZE,
+    SIZED,
     STACK,
     STACK_ALONG,
     UNBIND,
@@ -95,6 +97,7 @@ class Guard(TorchFunctionMode):
         self.mesh, self.split, self.where = mesh, split, where
         self.active = False  # entered by the pre-hook, left by the forward hook
         self.records: Any = WeakIdKeyDictionary()  # Tensor -> Layout (only non-canonical ones)
+        self.block_rows: dict[int, int] = {}  # this call's rows of the field along each split dim
 
     # ------------------------------------------------------------------ layouts
     def layout(self, x: Tensor) -> Layout:
@@ -133,10 +136,7 @@ class Guard(TorchFunctionMode):
             return func(*args, **kwargs)
         ins = [t for v in (*args, *kwargs.values()) for t in tensors(v)]  # and in a list
         if ins and all(self.clean(t) for t in ins):  # nothing of the field: as on one device
-            out = func(*args, **kwargs)
-            for y in tensors(out):
-                self.records[y] = empty(len(self.split))
-            return out
+            return self._clean_op(func, ins, args, kwargs)
         if func is F.interpolate:
             check_converted(self.where, "F.interpolate")
             return self._interpolate(*args, **kwargs)
@@ -175,11 +175,51 @@ class Guard(TorchFunctionMode):
         rec: Layout | None = self.records.get(t)
         return rec is not None and not rec.dims()
 
-    def mark_clean(self, values: Any) -> None:
+    def mark_clean(self, values: Any, block: Tensor) -> None:
         """The region's inputs other than the field (a timestep or text embedding): whole on
-        every rank, they hold no split rows, whatever their number of dims."""
+        every rank, they hold no split rows, whatever their number of dims. ``block``: this
+        rank's block of the field (its rows along each split dim, `_check_sized`)."""
+        self.block_rows = {d: block.shape[d] for d, _ in self.split}
         for t in tensors(list(values)):
             self.records[t] = empty(len(self.split))
+
+    def _block_sized(self, func: Any, ins: list[Tensor], out: Any) -> int | None:
+        """The split dim along which an op that sizes its output (``F.interpolate(size=)``,
+        ``expand``, an adaptive pooling: `SIZED`), given tensors that hold no split rows, gave
+        an output this rank's block rows where its inputs have not (a size taken from
+        ``h.shape``), or ``None``."""
+        if func not in SIZED:
+            return None
+        for y in tensors(out):
+            for d, a in self.split:
+                rows, p = self.block_rows.get(d), y.dim() + d
+                if (
+                    rows is not None and p >= 0 and y.shape[p] == rows
+                    and self.mesh.axis_size(a) > 1
+                    and not any(t.dim() == y.dim() and t.shape[p] == rows for t in ins)
+                ):  # fmt: skip
+                    return d
+        return None
+
+    def _clean_op(self, func: Any, ins: list[Tensor], args: Any, kwargs: Any) -> Any:
+        """An op on tensors that hold no split rows: as on one device, its outputs holding none
+        too; but a whole tensor resized to this rank's block (``F.interpolate(cond,
+        size=h.shape[-2:])``) would be paired with the block's rows as if it were theirs
+        (refused), and one expanded or repeated to it is constant along those rows: taken to
+        hold them (the guard checks what follows)."""
+        out = func(*args, **kwargs)
+        d = self._block_sized(func, ins, out)
+        if d is not None and func in RESIZE:
+            raise self._refuse(
+                op_name(func), ins[0], f"it sizes a tensor that holds no split rows (a region "
+                f"input other than the field, whole on every rank) to this rank's rows along "
+                f"the split dim {d}", "pass that tensor as the field, or size it to the whole "
+                "domain before the region",
+            )  # fmt: skip
+        if d is None:
+            for y in tensors(out):
+                self.records[y] = empty(len(self.split))
+        return out
 
     def _joined(
         self, func: Any, ins: list[Tensor], args: tuple[Any, ...], kwargs: Any

@@ -632,6 +632,16 @@ STACK_ALONG = {torch.hstack: 1, torch.vstack: 0, torch.row_stack: 0, torch.dstac
 #: ops whose other tensor arguments give only a dtype and a device (the output is the first's)
 FIRST_ONLY = {Tensor.to, Tensor.type_as}
 
+#: ops that resize their output to a size the model gives (maybe the block's, from ``h.shape``)
+RESIZE = {
+    F.interpolate, *_named(F, ("adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")),
+}  # fmt: skip
+
+#: ops that size their output: resizes, and broadcasts or repetitions (constant along new rows)
+SIZED = RESIZE | {Tensor.expand, Tensor.broadcast_to, torch.broadcast_to, Tensor.repeat,
+                  Tensor.tile, torch.tile}  # fmt: skip
+
 #: ops that drop their ``dim`` (each output one row of it): ``unbind``
 UNBIND = {torch.unbind, Tensor.unbind}
 

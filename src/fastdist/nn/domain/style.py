@@ -278,7 +278,8 @@ def _enter(
         )
     # the other inputs are whole on every rank: no split rows (a timestep, a text embedding)
     positional = args[1:] if style.input is None and args else args
-    guard.mark_clean([*positional, *(v for k, v in kwargs.items() if k != key)])
+    block = args[0] if style.input is None and args else kwargs[str(key)]  # cut above
+    guard.mark_clean([*positional, *(v for k, v in kwargs.items() if k != key)], block)
     state = region()
     state.pooled.clear()
     state.ragged.clear()
