@@ -143,3 +143,46 @@ def ltx_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
         "width": 2,
         "target": torch.randn(n, 8, 4, generator=g, dtype=torch.float64),
     }
+
+
+def tiny_cogvideox(rotary: bool, layers: int = 4) -> nn.Module:
+    """A tiny float64 CogVideoX: 2 heads of dim 8, ``layers`` blocks (each updates the text
+    stream too), 3 latent frames of 4 x 4 in patches of 2: 12 image tokens, 5 text tokens."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=16,
+        num_layers=layers,
+        sample_width=4,
+        sample_height=4,
+        sample_frames=5,
+        patch_size=2,
+        temporal_compression_ratio=2,
+        max_text_seq_length=5,
+        use_rotary_positional_embeddings=rotary,
+    )
+    return model.to(torch.float64)
+
+
+def cogvideox_batch(rotary: bool, n: int = 4, seed: int = 1) -> dict[str, Any]:
+    """``n`` samples: latents (3 frames, 4 channels, 4 x 4), 5 text tokens, integer timesteps, a
+    target of the output's shape; with ``rotary`` the rotary tables of the 12 image tokens (a
+    model input, not per sample)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {
+        "hidden_states": torch.randn(n, 3, 4, 4, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "timestep": torch.randint(0, 1000, (n,), generator=g),
+        "target": torch.randn(n, 3, 4, 4, 4, generator=g, dtype=torch.float64),
+    }
+    if rotary:
+        out["image_rotary_emb"] = tuple(
+            torch.randn(12, 8, generator=g, dtype=torch.float64) for _ in range(2)
+        )
+    return out

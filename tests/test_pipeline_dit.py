@@ -30,8 +30,10 @@ pytest.importorskip("diffusers.models.transformers.transformer_wan")
 from tests.dist_harness import run_on_gloo  # noqa: E402
 from tests.pipeline_dit_worker import (  # noqa: E402
     batch,
+    cogvideox_batch,
     ltx_batch,
     one_device,
+    tiny_cogvideox,
     tiny_ltx,
     tiny_wan,
     wan_on_2,
@@ -188,22 +190,53 @@ def test_ltx_video_step_equals_one_device(sched: str, shape: dict[str, int]) -> 
         assert err < 1e-12, f"{name}: {err:.2e}"
 
 
+def on_ranks_any(b: dict[str, Any], mesh: fd.Mesh) -> dict[str, Any]:
+    """Every tensor (and tuple of tensors) with the leading rank dim; other values as given."""
+
+    def put(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return tuple(put(t) for t in v)
+        return v.expand(mesh.size, *v.shape) if isinstance(v, Tensor) else v
+
+    return {k: put(v) for k, v in b.items()}
+
+
+@pytest.mark.parametrize(
+    ("sched", "shape", "rotary"),
+    [
+        ("1f1b", {"pp": 2}, False),
+        ("interleaved_1f1b", {"pp": 2}, True),
+        ("gpipe", {"pp": 2, "sp": 2}, True),
+    ],
+)
+def test_cogvideox_step_equals_one_device(sched: str, shape: dict[str, int], rotary: bool) -> None:
+    """CogVideoX: every block updates the text stream too, so a stage hands on ``[text; image
+    tokens]`` (under sp: the whole text and the rank's image tokens) and the next splits it;
+    the timestep embedding on every stage. No float32 internals: equal to rounding."""
+    model, b = tiny_cogvideox(rotary), cogvideox_batch(rotary)
+    ref = copy.deepcopy(model)
+    want = one_device(ref, b)
+    mesh = fd.Mesh(shape)
+    virtual = 2 if sched == "interleaved_1f1b" else 1
+    pipe = fd.train.pipeline(model, mesh, schedule=sched, microbatches=2, virtual=virtual)
+    assert pipe.shared and all(n.startswith("time_embedding.") for n in pipe.shared)
+    loss = pipe.step(**on_ranks_any(b, mesh))
+    torch.testing.assert_close(loss, want.expand(mesh.size), rtol=1e-12, atol=0)
+    got = pipe.grads()
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(want_grads)
+    for name, g in want_grads.items():
+        # the keys' norm bias: a gradient of 1e-19 (softmax ignores a shift of every key)
+        err = float((got[name] - g).abs().max() / max(float(g.abs().max()), 1e-6))
+        assert err < 1e-12, f"{name}: {err:.2e}"
+
+
 # ----------------------------------------------------------------------------- refusals
 def test_refuses_a_family_without_stages() -> None:
-    cog = pytest.importorskip("diffusers").CogVideoXTransformer3DModel(
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=8,
-        text_embed_dim=16,
-        num_layers=2,
-        sample_width=8,
-        sample_height=8,
-        sample_frames=5,
-    )
-    with pytest.raises(PipelineError, match=r"CogVideoXTransformer3DModel .*hand on two .*Fix:"):
-        fd.train.pipeline(cog, fd.Mesh({"pp": 2}))
+    from tests.test_context_mmdit import tiny_flux
+
+    with pytest.raises(PipelineError, match=r"FluxTransformer2DModel .*two block lists.*Fix:"):
+        fd.train.pipeline(tiny_flux(), fd.Mesh({"pp": 2}))
 
 
 def test_refuses_tp_and_a_wrong_split() -> None:

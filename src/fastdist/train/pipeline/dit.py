@@ -46,7 +46,15 @@ from fastdist.train.pipeline.split import StageHooks, retire
 if TYPE_CHECKING:
     from fastdist.train.pipeline.runtime import Pipeline
 
-__all__ = ["DIT_SPLITS", "DitSplit", "dit_split", "split_dit", "dit_batches", "dit_loss"]
+__all__ = [
+    "DIT_SPLITS",
+    "DitSplit",
+    "StreamHooks",
+    "dit_split",
+    "split_dit",
+    "dit_batches",
+    "dit_loss",
+]
 
 
 @dataclass(frozen=True)
@@ -61,12 +69,17 @@ class DitSplit:
             their gradients are summed over the stages.
         last: modules and parameters of the model itself only the last stage holds (the
             output norm, projection, modulation table).
+        stream: the blocks' second input and output, a text stream every block updates
+            (CogVideoX's ``encoder_hidden_states``); ``None``: the blocks return the hidden
+            states alone. A stage hands on ``cat([stream, hidden states], dim=1)`` and the next
+            one splits it at the stream's length.
     """
 
     blocks: str
     first: tuple[str, ...]
     shared: tuple[str, ...]
     last: tuple[str, ...]
+    stream: str | None = None
 
 
 #: diffusers class name -> how it splits into stages
@@ -83,6 +96,13 @@ DIT_SPLITS: dict[str, DitSplit] = {
         ("time_embed", "caption_projection"),
         ("norm_out", "proj_out", "scale_shift_table"),
     ),
+    "CogVideoXTransformer3DModel": DitSplit(
+        "transformer_blocks",
+        ("patch_embed",),
+        ("time_embedding", "ofs_embedding"),
+        ("norm_final", "norm_out", "proj_out"),
+        stream="encoder_hidden_states",
+    ),
 }
 
 #: why the other DiT families are refused, and the fix
@@ -94,8 +114,6 @@ _NOT_BUILT = {
     "double-stream block: a stage would hand on two tensors",
     "HunyuanVideoTransformer3DModel": "two block lists and a text stream updated by every "
     "double-stream block: a stage would hand on two tensors",
-    "CogVideoXTransformer3DModel": "its blocks return (hidden_states, encoder_hidden_states): the "
-    "text stream is updated by every block, and a stage would hand on two tensors",
     "SD3Transformer2DModel": "every block updates the text stream too: a stage would hand on "
     "two tensors",
     "QwenImageTransformer2DModel": "every block updates the text stream too: a stage would hand "
@@ -126,15 +144,53 @@ class _BlockSkip(nn.Module):
     block's attentions as ``None`` and ``empty`` its cross-attentions as empty modules, so that
     a context-parallel style's checks pass over it (it has no parameters and no attention)."""
 
-    def __init__(self, absent: Sequence[str], empty: Sequence[str]) -> None:
+    def __init__(
+        self,
+        absent: Sequence[str],
+        empty: Sequence[str],
+        stream: str | None,
+        signature: inspect.Signature,
+    ) -> None:
         super().__init__()
+        self.stream = stream
+        # the real block's arguments (a context-parallel style reads them off the signature)
+        self.forward = _passing(stream, signature)  # type: ignore[method-assign]
         for name in absent:
             setattr(self, name, None)
         for name in empty:
             setattr(self, name, nn.Module())
 
-    def forward(self, hidden_states: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return hidden_states
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # replaced in __init__
+        raise NotImplementedError
+
+
+def _passing(stream: str | None, sig: inspect.Signature) -> Any:
+    """A forward with the block's signature that returns its hidden states (and ``stream``)."""
+    first = "hidden_states" if "hidden_states" in sig.parameters else next(iter(sig.parameters))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        given = sig.bind_partial(*args, **kwargs).arguments
+        return given.get(first) if stream is None else (given.get(first), given.get(stream))
+
+    forward.__signature__ = sig  # type: ignore[attr-defined]
+    return forward
+
+
+class _JointPatchZeros(nn.Module):
+    """CogVideoX's patch embedding of another stage (text and latents in, ``[text; image
+    tokens]`` out): zeros of its output's shape."""
+
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        read = cast(Any, embed)  # diffusers' CogVideoXPatchEmbed: plain int attributes
+        self.p, self.pt = int(read.patch_size), int(read.patch_size_t or 1)
+        self.dim = int(read.embed_dim)
+        self.dtype = next(embed.parameters()).dtype
+
+    def forward(self, text: Tensor, image: Tensor) -> Tensor:
+        b, f, _, h, w = image.shape
+        tokens = text.shape[1] + (f // self.pt) * (h // self.p) * (w // self.p)
+        return torch.zeros(b, tokens, self.dim, dtype=self.dtype, device=image.device)
 
 
 class _PatchZeros(nn.Module):
@@ -234,12 +290,19 @@ def split_dit(
             f"{len(blocks)}. Fix: layers_per_stage= summing to {len(blocks)}"
         )
     own = {n: _get(model, n) for n in (*split.first, *split.shared, *split.last)}
+    own = {n: m for n, m in own.items() if m is not None}  # CogVideoX's ofs_embedding: None
     stubs: dict[str, Any] = {
-        **{n: _PatchZeros(own[n]) for n in split.first},
+        **{
+            n: _JointPatchZeros(own[n]) if split.stream is not None else _PatchZeros(own[n])
+            for n in split.first
+        },
         **{n: _Missing(n) for n in split.last if isinstance(own[n], nn.Module)},
     }
     absent, empty = skip_names
-    stubs[split.blocks] = nn.ModuleList(_BlockSkip(absent, empty) for _ in blocks)
+    sig = inspect.signature(blocks[0].forward)
+    stubs[split.blocks] = nn.ModuleList(
+        _BlockSkip(absent, empty, split.stream, sig) for _ in blocks
+    )
     skeleton = _swapped_copy(model, {**stubs, **{n: None for n in split.last if n not in stubs}})
     stages: dict[int, nn.Module] = {}
     for j in keep:
@@ -249,11 +312,13 @@ def split_dit(
         for i in ranges[j]:
             lst[i] = blocks[i]
         for n in split.shared:
-            _set(st, n, own[n] if j == 0 else copy.deepcopy(own[n]))
+            if n in own:
+                _set(st, n, own[n] if j == 0 else copy.deepcopy(own[n]))
         for n in split.first if j == 0 else ():
             _set(st, n, own[n])
         for n in split.last if j == len(ranges) - 1 else ():
-            _set(st, n, own[n])
+            if n in own:
+                _set(st, n, own[n])
         stages[j] = st
     return stages
 
@@ -312,7 +377,10 @@ def install_stage(
     assert isinstance(lst, nn.ModuleList)
     first = None if j == 0 else lst[ranges[j][0]]
     last = None if j == n_stages - 1 else lst[ranges[j][-1]]
-    StageHooks(module, first, last)  # held by the hooks it registers on the module
+    if split.stream is None:
+        StageHooks(module, first, last)  # held by the hooks it registers on the module
+    else:
+        StreamHooks(module, first, last, split.stream)
     if last is None:
         model_forward = module.forward
 
@@ -327,6 +395,65 @@ def install_stage(
             return {"loss": dit_loss(out, target, weighting, num_items)}
 
         module.forward = forward
+
+
+class _Handoff(Exception):  # noqa: N818 - control flow, not an error
+    """Ends a non-last stage's forward at its last block, carrying what it hands on."""
+
+    def __init__(self, packed: Tensor) -> None:
+        super().__init__()
+        self.packed = packed
+
+
+class StreamHooks:
+    """`StageHooks` for blocks that take and return ``(hidden states, stream)``: a stage hands
+    on ``cat([stream, hidden states], dim=1)`` (one tensor through the schedule and its
+    transfers: same batch and width); the next stage's first block gets the two back, split at
+    the stream's length (the placeholders before it carry the stream's shape). Under context
+    parallelism the hidden states are the rank's tokens and the stream whole, as between two
+    blocks of one stage."""
+
+    def __init__(
+        self, module: nn.Module, first: nn.Module | None, last: nn.Module | None, stream: str
+    ) -> None:
+        self.stream, self.received = stream, cast(Tensor | None, None)
+        self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
+        if first is not None:
+            self.handles.append(
+                first.register_forward_pre_hook(self._substitute, with_kwargs=True, prepend=True)
+            )
+        if last is not None:
+            self.handles.append(last.register_forward_hook(self._hand_on))
+            model_forward = module.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return model_forward(*args, **kwargs)
+                except _Handoff as h:
+                    return h.packed
+
+            module.forward = forward
+
+    def _take(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        from fastdist.train.pipeline.split import STAGE_INPUT
+
+        self.received = kwargs.pop(STAGE_INPUT, None)
+        return args, kwargs
+
+    def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        x, self.received = self.received, None
+        if x is None or args:
+            raise PipelineError(
+                "pipeline: a stage after the first ran without the previous stage's activation, "
+                "or its first block was called with positional arguments. Fix: report this as a "
+                "fastdist bug"
+            )
+        n = kwargs[self.stream].shape[1]
+        return args, {**kwargs, self.stream: x[:, :n], "hidden_states": x[:, n:]}
+
+    def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
+        hidden, stream = out
+        raise _Handoff(torch.cat([stream, hidden], dim=1))
 
 
 def dit_loss(out: Tensor, target: Tensor, weighting: Tensor | None, num_items: int) -> Tensor:

@@ -443,7 +443,13 @@ class Pipeline:
     def _rows(self, stage: int, mb: Mapping[str, Any]) -> dict[str, Any]:
         """A simulated stage's inputs: the rows of the ranks at its index along the axis."""
         rows = self._stage_rows(stage)
-        return {k: v.index_select(0, rows) if isinstance(v, Tensor) else v for k, v in mb.items()}
+
+        def pick(v: Any) -> Any:  # a tensor, or a tuple of them (rotary tables)
+            if isinstance(v, (tuple, list)):
+                return type(v)(pick(t) for t in v)
+            return v.index_select(0, rows) if isinstance(v, Tensor) else v
+
+        return {k: pick(v) for k, v in mb.items()}
 
     def _forward(self, j: int, mb: Mapping[str, Any], x: Tensor | None) -> Tensor:
         pm = self.stages[j]
