@@ -46,6 +46,7 @@ from fastdist.nn.domain.layout import (
     stacked,
     tensors,
 )
+from fastdist.nn.domain.opdims import flat_ints, is_pointwise, op_name
 from fastdist.nn.domain.optables import (
     ALIKE,
     ALWAYS,
@@ -70,18 +71,8 @@ from fastdist.nn.domain.optables import (
     STACK_ALONG,
     UNBIND,
     WHOLE_DOMAIN,
-    flat_ints,
-    is_pointwise,
-    op_name,
 )
-from fastdist.nn.domain.windows import (
-    UPSAMPLE_HALO,
-    Split,
-    domain_upsample,
-    ragged_sizes,
-    region,
-)
-from fastdist.ops import all_gather
+from fastdist.nn.domain.windows import Split, domain_upsample, region, upsample_factors
 
 __all__ = ["Guard", "Layout"]
 
@@ -457,16 +448,26 @@ class Guard(TorchFunctionMode):
                 at = tuple(None if p is None else p - (p > d) for p in lay.at)
                 self._store(y, Layout(at, lay.folded))
         elif func in REDUCTIONS and lay.dims():
-            dims = REDUCTIONS[func](x, rest, kwargs)
-            gone = sorted({int(r) % x.dim() for r in ([dims] if isinstance(dims, int) else dims)})
-            for y in outs:
-                if y.dim() == x.dim():
-                    self._store(y, lay)
-                elif y.dim() == x.dim() - len(gone):
-                    at = tuple(None if p is None else p - sum(g < p for g in gone) for p in lay.at)
-                    self._store(y, Layout(at, lay.folded))
+            self._follow_reduction(func, x, REDUCTIONS[func](x, rest, kwargs), outs)
         else:
             self._follow_any(func, x, rest, kwargs, outs)
+
+    def _follow_reduction(self, func: Any, x: Tensor, dims: Any, outs: list[Tensor]) -> None:
+        """A reduction over dims that hold no split rows: its outputs keep them (``keepdim``),
+        or drop the reduced dims before them."""
+        lay = self.layout(x)
+        gone = sorted({int(r) % x.dim() for r in ([dims] if isinstance(dims, int) else dims)})
+        for y in outs:
+            if y.dim() == x.dim():
+                self._store(y, lay)
+            elif y.dim() == x.dim() - len(gone):
+                at = tuple(None if p is None else p - sum(g < p for g in gone) for p in lay.at)
+                self._store(y, Layout(at, lay.folded))
+            else:
+                raise self._refuse(
+                    op_name(func), x, f"its output has {y.dim()} dims, not those it keeps",
+                    "a reduction the guard reads (dim=, keepdim=), or end the region before it",
+                )  # fmt: skip
 
     def _follow_any(
         self, func: Any, x: Tensor, rest: tuple[Any, ...], kwargs: Any, outs: list[Tensor]
@@ -570,17 +571,6 @@ class Guard(TorchFunctionMode):
                 self.check_output(out[k])
 
     # ------------------------------------------------------------------ interpolation
-    def _whole_rows(self, x: Tensor, d: int, axis: str) -> int:
-        """The whole domain's rows along the split dim ``d`` of ``x`` (uneven blocks: simulated
-        ranks' ragged sizes, or every real rank's rows)."""
-        ragged = ragged_sizes(self.mesh, axis, d, x.shape[d], self.where)
-        if ragged is not None:
-            return sum(ragged)
-        if self.mesh.backend is None:
-            return x.shape[d] * self.mesh.axis_size(axis)
-        rows = all_gather(x.new_tensor([float(x.shape[d])]), self.mesh, axis)
-        return int(rows.sum().item())
-
     def _interpolate(
         self,
         x: Tensor,
@@ -593,33 +583,13 @@ class Guard(TorchFunctionMode):
     ) -> Tensor:
         if current_attention() is None:
             self.check_layer("upsample", "F.interpolate", (x,), {})
-        nsp = x.dim() - 2
-        if size is not None:  # the whole domain's size: a factor per dim
-            sizes = size if isinstance(size, (tuple, list)) else [size] * nsp
-            whole = [x.shape[2 + i] for i in range(nsp)]
-            for d, a in self.split:
-                if -d <= nsp:
-                    whole[nsp + d] = self._whole_rows(x, d, a)
-            factor = [s / w for s, w in zip(sizes, whole, strict=True)]
-        else:
-            sf = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor] * nsp
-            factor = [float(s) for s in sf]
-        if (
-            mode not in UPSAMPLE_HALO
-            or align_corners
-            or antialias
-            or any(f != int(f) or f < 1 for f in factor)
-        ):
-            raise ParallelizeError(
-                f"DomainParallel on {self.where!r}: F.interpolate(mode={mode!r}, align_corners="
-                f"{align_corners}, factors {factor}) over a split field is built for integer "
-                f"factors >= 1, align_corners=False, modes {sorted(UPSAMPLE_HALO)}. Fix: such "
-                "an upsampling, or end the region before it"
-            )
+        factor = upsample_factors(
+            x, size, scale_factor, mode, bool(align_corners), antialias, mesh=self.mesh,
+            split=self.split, where=self.where,
+        )  # fmt: skip
         with inside_layer():
             out = domain_upsample(
-                x, [int(f) for f in factor], mode, mesh=self.mesh, split=self.split,
-                where=self.where,
-            )  # fmt: skip
+                x, factor, mode, mesh=self.mesh, split=self.split, where=self.where
+            )
         self.after_layer((x,), out)
         return out

@@ -35,13 +35,14 @@ from torch import Tensor
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
-from fastdist.ops import axis_index, halo_exchange
+from fastdist.ops import all_gather, axis_index, halo_exchange
 
 __all__ = [
     "Region",
     "region",
     "outside_region",
     "ragged_sizes",
+    "upsample_factors",
     "ragged_mask",
     "zero_padding_rows",
     "Split",
@@ -449,3 +450,49 @@ def domain_upsample(
     for d, start, rows in cuts:
         y = y.narrow(y.dim() + d, start, rows)
     return zero_padding_rows(y, nsp, mesh, split, where) if region().ragged else y
+
+
+def _whole_rows(x: Tensor, d: int, axis: str, mesh: Mesh, where: str) -> int:
+    """The whole domain's rows along the split dim ``d`` of ``x`` (uneven blocks: simulated
+    ranks' ragged sizes, or every real rank's rows)."""
+    ragged = ragged_sizes(mesh, axis, d, x.shape[d], where)
+    if ragged is not None:
+        return sum(ragged)
+    if mesh.backend is None:
+        return x.shape[d] * mesh.axis_size(axis)
+    rows = all_gather(x.new_tensor([float(x.shape[d])]), mesh, axis)
+    return int(rows.sum().item())
+
+
+def upsample_factors(
+    x: Tensor, size: Any, scale_factor: Any, mode: str, align_corners: bool, antialias: bool,
+    *, mesh: Mesh, split: Split, where: str,
+) -> list[int]:  # fmt: skip
+    """The integer factor per spatial dim of the model's own ``F.interpolate`` of a block
+    ``x``: ``size`` is the whole domain's (the split dims' whole rows from every rank), else
+    ``scale_factor``; refused unless integer factors >= 1 in a mode `domain_upsample` builds,
+    ``align_corners=False``, no antialiasing."""
+    nsp = x.dim() - 2
+    if size is not None:  # the whole domain's size: a factor per dim
+        sizes = size if isinstance(size, (tuple, list)) else [size] * nsp
+        whole = [x.shape[2 + i] for i in range(nsp)]
+        for d, a in split:
+            if -d <= nsp:
+                whole[nsp + d] = _whole_rows(x, d, a, mesh, where)
+        factor = [s / w for s, w in zip(sizes, whole, strict=True)]
+    else:
+        sf = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor] * nsp
+        factor = [float(s) for s in sf]
+    if (
+        mode not in UPSAMPLE_HALO
+        or align_corners
+        or antialias
+        or any(f != int(f) or f < 1 for f in factor)
+    ):
+        raise ParallelizeError(
+            f"DomainParallel on {where!r}: F.interpolate(mode={mode!r}, align_corners="
+            f"{align_corners}, factors {factor}) over a split field is built for integer "
+            f"factors >= 1, align_corners=False, modes {sorted(UPSAMPLE_HALO)}. Fix: such "
+            "an upsampling, or end the region before it"
+        )
+    return [int(f) for f in factor]
