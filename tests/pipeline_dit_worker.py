@@ -186,3 +186,38 @@ def cogvideox_batch(rotary: bool, n: int = 4, seed: int = 1) -> dict[str, Any]:
             torch.randn(12, 8, generator=g, dtype=torch.float64) for _ in range(2)
         )
     return out
+
+
+def tiny_sd3(layers: int = 4) -> nn.Module:
+    """A tiny float64 SD3 (MM-DiT): 2 heads of dim 8, ``layers`` joint blocks (the last one
+    ``context_pre_only``), patch 1."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=8,
+        out_channels=4,
+        pos_embed_max_size=8,
+    )
+    return model.to(torch.float64)
+
+
+def sd3_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
+    """``n`` samples: 4 x 4 latents (16 tokens), 5 text tokens, pooled text, a timestep each, a
+    target of the output's shape."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(n, 4, 4, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "pooled_projections": torch.randn(n, 8, generator=g, dtype=torch.float64),
+        "timestep": torch.randint(0, 1000, (n,), generator=g).to(torch.float64),
+        "target": torch.randn(n, 4, 4, 4, generator=g, dtype=torch.float64),
+    }

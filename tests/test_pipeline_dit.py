@@ -33,8 +33,10 @@ from tests.pipeline_dit_worker import (  # noqa: E402
     cogvideox_batch,
     ltx_batch,
     one_device,
+    sd3_batch,
     tiny_cogvideox,
     tiny_ltx,
+    tiny_sd3,
     tiny_wan,
     wan_on_2,
 )
@@ -229,6 +231,33 @@ def test_cogvideox_step_equals_one_device(sched: str, shape: dict[str, int], rot
         # the keys' norm bias: a gradient of 1e-19 (softmax ignores a shift of every key)
         err = float((got[name] - g).abs().max() / max(float(g.abs().max()), 1e-6))
         assert err < 1e-12, f"{name}: {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("sched", "shape"),
+    [("1f1b", {"pp": 2}), ("interleaved_1f1b", {"pp": 2}), ("gpipe", {"pp": 2, "sp": 2})],
+)
+def test_sd3_step_equals_one_device(sched: str, shape: dict[str, int]) -> None:
+    """SD3 (MM-DiT): its blocks return ``(text, image)``; the text stream handed on with the image
+    tokens; the patch and context embedders the first stage's, the timestep + pooled-text
+    embedder on every stage. Equal to rounding."""
+    model, b = tiny_sd3(), sd3_batch()
+    ref = copy.deepcopy(model)
+    want = one_device(ref, b)
+    mesh = fd.Mesh(shape)
+    virtual = 2 if sched == "interleaved_1f1b" else 1
+    pipe = fd.train.pipeline(model, mesh, schedule=sched, microbatches=2, virtual=virtual)
+    assert pipe.shared and all(n.startswith("time_text_embed.") for n in pipe.shared)
+    loss = pipe.step(**on_ranks(b, mesh))
+    torch.testing.assert_close(loss, want.expand(mesh.size), rtol=1e-12, atol=0)
+    got = pipe.grads()
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(want_grads)
+    for name, g in want_grads.items():
+        err = float((got[name] - g).abs().max() / max(float(g.abs().max()), 1e-6))
+        assert err < 1e-12, f"{name}: {err:.2e}"
+    with pytest.raises(PipelineError, match=r"\['skip_layers'\] would skip or change blocks"):
+        pipe.step(**on_ranks(b, mesh), skip_layers=[1])
 
 
 # ----------------------------------------------------------------------------- refusals

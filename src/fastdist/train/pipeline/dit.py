@@ -73,6 +73,10 @@ class DitSplit:
             (CogVideoX's ``encoder_hidden_states``); ``None``: the blocks return the hidden
             states alone. A stage hands on ``cat([stream, hidden states], dim=1)`` and the next
             one splits it at the stream's length.
+        stream_first: the blocks return ``(stream, hidden states)`` (SD3), not ``(hidden
+            states, stream)`` (CogVideoX).
+        unsupported: the model's inputs a pipeline step refuses (not ``None``): SD3's
+            ``skip_layers`` and ControlNet residuals would skip or change blocks of one stage.
     """
 
     blocks: str
@@ -80,6 +84,8 @@ class DitSplit:
     shared: tuple[str, ...]
     last: tuple[str, ...]
     stream: str | None = None
+    stream_first: bool = False
+    unsupported: tuple[str, ...] = ()
 
 
 #: diffusers class name -> how it splits into stages
@@ -103,6 +109,15 @@ DIT_SPLITS: dict[str, DitSplit] = {
         ("norm_final", "norm_out", "proj_out"),
         stream="encoder_hidden_states",
     ),
+    "SD3Transformer2DModel": DitSplit(
+        "transformer_blocks",
+        ("pos_embed", "context_embedder"),
+        ("time_text_embed",),
+        ("norm_out", "proj_out"),
+        stream="encoder_hidden_states",
+        stream_first=True,
+        unsupported=("skip_layers", "block_controlnet_hidden_states"),
+    ),
 }
 
 #: why the other DiT families are refused, and the fix
@@ -114,10 +129,8 @@ _NOT_BUILT = {
     "double-stream block: a stage would hand on two tensors",
     "HunyuanVideoTransformer3DModel": "two block lists and a text stream updated by every "
     "double-stream block: a stage would hand on two tensors",
-    "SD3Transformer2DModel": "every block updates the text stream too: a stage would hand on "
-    "two tensors",
-    "QwenImageTransformer2DModel": "every block updates the text stream too: a stage would hand "
-    "on two tensors",
+    "QwenImageTransformer2DModel": "every block updates the text stream, and its rotary tables "
+    "and modulation are not mapped to stages (not built)",
 }
 
 
@@ -150,11 +163,12 @@ class _BlockSkip(nn.Module):
         empty: Sequence[str],
         stream: str | None,
         signature: inspect.Signature,
+        stream_first: bool = False,
     ) -> None:
         super().__init__()
         self.stream = stream
         # the real block's arguments (a context-parallel style reads them off the signature)
-        self.forward = _passing(stream, signature)  # type: ignore[method-assign]
+        self.forward = _passing(stream, signature, stream_first)  # type: ignore[method-assign]
         for name in absent:
             setattr(self, name, None)
         for name in empty:
@@ -164,13 +178,17 @@ class _BlockSkip(nn.Module):
         raise NotImplementedError
 
 
-def _passing(stream: str | None, sig: inspect.Signature) -> Any:
-    """A forward with the block's signature that returns its hidden states (and ``stream``)."""
+def _passing(stream: str | None, sig: inspect.Signature, stream_first: bool) -> Any:
+    """A forward with the block's signature that returns its hidden states (and ``stream``, in
+    the block's order)."""
     first = "hidden_states" if "hidden_states" in sig.parameters else next(iter(sig.parameters))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         given = sig.bind_partial(*args, **kwargs).arguments
-        return given.get(first) if stream is None else (given.get(first), given.get(stream))
+        if stream is None:
+            return given.get(first)
+        pair = (given.get(first), given.get(stream))
+        return pair[::-1] if stream_first else pair
 
     forward.__signature__ = sig  # type: ignore[attr-defined]
     return forward
@@ -191,6 +209,40 @@ class _JointPatchZeros(nn.Module):
         b, f, _, h, w = image.shape
         tokens = text.shape[1] + (f // self.pt) * (h // self.p) * (w // self.p)
         return torch.zeros(b, tokens, self.dim, dtype=self.dtype, device=image.device)
+
+
+class _TokenPatchZeros(nn.Module):
+    """diffusers' ``PatchEmbed`` (SD3's: a convolution, flattened to tokens, positions added) of
+    another stage: zeros of its output's shape ``(batch, tokens, dim)``."""
+
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        proj = getattr(embed, "proj", None)
+        if not isinstance(proj, nn.Conv2d) or isinstance(proj.padding, str):
+            raise PipelineError(
+                f"pipeline: {type(embed).__name__} has no Conv2d proj whose output shape the "
+                "other stages reproduce. Fix: pass split=DitSplit(...) naming the patch embedding"
+            )
+        self.p, self.dim, self.dtype = (
+            int(proj.stride[0]),
+            int(proj.out_channels),
+            proj.weight.dtype,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = (x.shape[-2] // self.p) * (x.shape[-1] // self.p)
+        return torch.zeros(x.shape[0], tokens, self.dim, dtype=self.dtype, device=x.device)
+
+
+def _first_stub(module: nn.Module) -> nn.Module:
+    """The placeholder of a first-stage module on the other stages: zeros of its output's
+    shape."""
+    kind = type(module).__name__
+    if kind == "CogVideoXPatchEmbed":
+        return _JointPatchZeros(module)
+    if kind == "PatchEmbed":
+        return _TokenPatchZeros(module)
+    return _PatchZeros(module)
 
 
 class _PatchZeros(nn.Module):
@@ -292,16 +344,13 @@ def split_dit(
     own = {n: _get(model, n) for n in (*split.first, *split.shared, *split.last)}
     own = {n: m for n, m in own.items() if m is not None}  # CogVideoX's ofs_embedding: None
     stubs: dict[str, Any] = {
-        **{
-            n: _JointPatchZeros(own[n]) if split.stream is not None else _PatchZeros(own[n])
-            for n in split.first
-        },
+        **{n: _first_stub(own[n]) for n in split.first},
         **{n: _Missing(n) for n in split.last if isinstance(own[n], nn.Module)},
     }
     absent, empty = skip_names
     sig = inspect.signature(blocks[0].forward)
     stubs[split.blocks] = nn.ModuleList(
-        _BlockSkip(absent, empty, split.stream, sig) for _ in blocks
+        _BlockSkip(absent, empty, split.stream, sig, split.stream_first) for _ in blocks
     )
     skeleton = _swapped_copy(model, {**stubs, **{n: None for n in split.last if n not in stubs}})
     stages: dict[int, nn.Module] = {}
@@ -380,7 +429,7 @@ def install_stage(
     if split.stream is None:
         StageHooks(module, first, last)  # held by the hooks it registers on the module
     else:
-        StreamHooks(module, first, last, split.stream)
+        StreamHooks(module, first, last, split.stream, split.stream_first)
     if last is None:
         model_forward = module.forward
 
@@ -414,9 +463,15 @@ class StreamHooks:
     blocks of one stage."""
 
     def __init__(
-        self, module: nn.Module, first: nn.Module | None, last: nn.Module | None, stream: str
+        self,
+        module: nn.Module,
+        first: nn.Module | None,
+        last: nn.Module | None,
+        stream: str,
+        stream_first: bool = False,
     ) -> None:
         self.stream, self.received = stream, cast(Tensor | None, None)
+        self.stream_first = stream_first
         self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
         if first is not None:
             self.handles.append(
@@ -452,7 +507,7 @@ class StreamHooks:
         return args, {**kwargs, self.stream: x[:, :n], "hidden_states": x[:, n:]}
 
     def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
-        hidden, stream = out
+        hidden, stream = out[::-1] if self.stream_first else out
         raise _Handoff(torch.cat([stream, hidden], dim=1))
 
 
@@ -478,7 +533,10 @@ LAST_ONLY = ("target", "weighting", "num_items")
 
 
 def dit_batches(
-    pipe: Pipeline, batch: Mapping[str, Any], inputs: Sequence[str] = ()
+    pipe: Pipeline,
+    batch: Mapping[str, Any],
+    inputs: Sequence[str] = (),
+    unsupported: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """A DiT step's batch as micro-batches: ``hidden_states`` (latents: Wan's ``(batch, channels,
     frames, height, width)``, LTX-Video's ``(batch, tokens, channels)``), ``timestep``,
@@ -497,6 +555,13 @@ def dit_batches(
             f"weighting and the model's inputs {sorted(set(inputs) - set(_REQUIRED))}; missing "
             f"{missing}, not supported {unknown}. Fix: pass the model's inputs and target= (the "
             "loss is the mean of weighting * (output - target) ** 2 over the whole batch)"
+        )
+    refused = [k for k in unsupported if batch.get(k) is not None]
+    if refused:
+        raise PipelineError(
+            f"Pipeline.step: {refused} would skip or change blocks of one stage (its hand-in or "
+            "hand-on block), which the stages do not follow. Fix: a step without them (train "
+            "with them without a pipeline)"
         )
     x, target = batch["hidden_states"], batch["target"]
     bdim = 1 if sim else 0
@@ -614,7 +679,7 @@ def build_dit(
     ]
     pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, shared=shared)
     inputs = [n for n in inspect.signature(type(model).forward).parameters if n != "self"]
-    pipe.batches = lambda batch: dit_batches(pipe, batch, inputs)
+    pipe.batches = lambda batch: dit_batches(pipe, batch, inputs, split.unsupported)
     pipe.last_only = LAST_ONLY
     return pipe
 
