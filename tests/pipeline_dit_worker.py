@@ -61,10 +61,11 @@ def one_device(model: nn.Module, b: dict[str, Tensor]) -> Tensor:
     return loss.detach()
 
 
-def _case(mesh: fd.Mesh, **kw: Any) -> dict[str, Any]:
+def _case(mesh: fd.Mesh, family: str = "wan", **kw: Any) -> dict[str, Any]:
     """One step of a fresh pipeline against one device: the loss's error, the largest gradient
-    error relative to each gradient's largest entry, the names this rank holds."""
-    model, b = tiny_wan(), batch(weighted=True)
+    error relative to each gradient's largest entry (floored at 1e-6), the names this rank
+    holds."""
+    model, b = (tiny_wan(), batch(weighted=True)) if family == "wan" else (tiny_sd3(), sd3_batch())
     ref = copy.deepcopy(model)
     want = one_device(ref, b)
     pipe = fd.train.pipeline(model, mesh, microbatches=2, **kw)
@@ -72,7 +73,8 @@ def _case(mesh: fd.Mesh, **kw: Any) -> dict[str, Any]:
     grads = pipe.grads()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     err = max(
-        float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max()) for n, g in grads.items()
+        float((g - ref_grads[n]).abs().max() / max(float(ref_grads[n].abs().max()), 1e-6))
+        for n, g in grads.items()
     )
     return {
         "loss_shape": tuple(loss.shape),
@@ -86,23 +88,26 @@ def _case(mesh: fd.Mesh, **kw: Any) -> dict[str, Any]:
 
 
 def wan_on_2() -> dict[str, Any]:
-    """2 ranks, pp 2: GPipe, 1F1B and interleaved 1F1B against one device; then a batch whose
+    """2 ranks, pp 2: Wan under GPipe, 1F1B and interleaved 1F1B, SD3 under 1F1B, against one
+    device; then a batch whose
     latents differ on the two ranks (refused by the batch digest: a float tensor's bits)."""
     torch.set_num_threads(1)
     mesh = fd.connect(pp=2, timeout=60)
     out: dict[str, Any] = {}
+    pipes: dict[str, Any] = {}
     for name, kw in {
         "gpipe": {"schedule": "gpipe"},
         "1f1b": {"schedule": "1f1b"},
         "interleaved_1f1b": {"schedule": "interleaved_1f1b", "virtual": 2},
+        "sd3_1f1b": {"schedule": "1f1b", "family": "sd3"},  # the text stream handed on
     }.items():
         case = _case(mesh, **kw)
-        pipe = case.pop("pipe")
+        pipes[name] = case.pop("pipe")
         out[name] = case
     b = batch()
     b["hidden_states"] = b["hidden_states"] + 1e-3 * dist.get_rank()  # differ by a little
     try:
-        pipe.step(**b)
+        pipes["1f1b"].step(**b)  # a Wan pipeline
         out["differs"] = None
     except Exception as e:  # noqa: BLE001 - the parent asserts the type and message
         out["differs"] = f"{type(e).__name__}: {e}"

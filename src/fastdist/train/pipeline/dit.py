@@ -129,8 +129,8 @@ _NOT_BUILT = {
     "double-stream block: a stage would hand on two tensors",
     "HunyuanVideoTransformer3DModel": "two block lists and a text stream updated by every "
     "double-stream block: a stage would hand on two tensors",
-    "QwenImageTransformer2DModel": "every block updates the text stream, and its rotary tables "
-    "and modulation are not mapped to stages (not built)",
+    "QwenImageTransformer2DModel": "its per-sample img_shapes (a Python list) and text mask "
+    "are not split into micro-batches (not built)",
 }
 
 
