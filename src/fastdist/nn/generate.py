@@ -365,7 +365,8 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
         return out
 
     proxy = _simulated_proxy(model, call)
-    return cast(Any, type(model)).generate(proxy, *args, use_cache=False, **kwargs)
+    # no cache: every step recomputes the sequence (the user's own use_cache=False included)
+    return cast(Any, type(model)).generate(proxy, *args, **{**kwargs, "use_cache": False})
 
 
 def _simulated_proxy(model: nn.Module, call: Any) -> nn.Module:

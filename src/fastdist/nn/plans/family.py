@@ -14,7 +14,9 @@ projections column-parallel and its down projection row-parallel over ``axis``; 
 ``ep_axis`` (`fastdist.nn.moe.ExpertParallel`, each expert's features over ``axis`` too unless
 ``axis == ep_axis``; the router replicated), shared experts over ``axis``; with
 ``sequence_parallel``, Megatron's sequence parallelism from the first decoder layer to the final
-norm (norms on sequence shards, each MoE block on the whole sequence).
+norm (norms on sequence shards, each MoE block on the whole sequence); on the base model,
+`fastdist.nn.plans.hooks.RefusePartialOutputs`: ``output_attentions`` (the rank's heads) and, with
+sequence parallelism, ``output_hidden_states`` (the rank's shard) refused at the call.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Literal
 from fastdist.errors import ParallelizeError
 from fastdist.nn.moe import ExpertParallel
 from fastdist.nn.moe.routing import Strategy
-from fastdist.nn.plans.hooks import SequenceGather
+from fastdist.nn.plans.hooks import RefusePartialOutputs, SequenceGather
 from fastdist.nn.styles.attention import HeadParallelAttention
 from fastdist.nn.styles.base import Style
 from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree
@@ -227,7 +229,11 @@ def build_plan(
         plan[_join(fam.prefix, fam.final_norm)] = GatherSequence(axis)
         plan.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in fam.norms})
         plan.update({_join(layer, fam.moe_block): SequenceGather(axis) for layer in moe})
-    return plan if context_parallel is None else add_context_parallel(plan, fam, context_parallel)
+    if context_parallel is not None:  # its own style refuses both outputs (the rank's tokens)
+        return add_context_parallel(plan, fam, context_parallel)
+    kind = "sequence-parallel" if sequence_parallel else "tensor-parallel"
+    plan[fam.prefix] = RefusePartialOutputs(axis, kind, sequence=sequence_parallel)
+    return plan
 
 
 def add_context_parallel(plan: Plan, fam: Family, cp: CausalContextParallel) -> Plan:

@@ -1,8 +1,9 @@
 """The code some family rows need where data cannot say it, each a named hook a row references:
 DeepSeek's multi-head latent attention (`LatentAttention`, `latent_attention`), the MoE block on
 the whole sequence inside a sequence-parallel region (`SequenceGather`), the config-dependent
-fields of Falcon and StableLM (`falcon_variant`, `stablelm_variant`), and which layers of
-Qwen-MoE and DeepSeek hold experts (`qwen_moe_layers`, `deepseek_moe_layers`).
+fields of Falcon and StableLM (`falcon_variant`, `stablelm_variant`), which layers of
+Qwen-MoE and DeepSeek hold experts (`qwen_moe_layers`, `deepseek_moe_layers`), and the refusal of
+outputs a tensor-parallel plan would return a rank's part of (`RefusePartialOutputs`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fastdist.ops import local_chunk
 
 __all__ = [
     "LatentAttention",
+    "RefusePartialOutputs",
     "SequenceGather",
     "deepseek_moe_layers",
     "falcon_variant",
@@ -132,6 +134,51 @@ class SequenceGather(Style):
 
         module.register_forward_hook(shard)
         return module
+
+
+@dataclass(frozen=True)
+class RefusePartialOutputs(Style):
+    """On a tensor-parallel plan's base model: refuse, at the call, the outputs each rank would
+    hold only its part of: ``output_attentions`` (every attention's weights are the rank's heads,
+    ``heads=True``) and, with Megatron sequence parallelism (``sequence=True``),
+    ``output_hidden_states`` (every layer's hidden states but the last are the rank's sequence
+    shard). A call's own argument wins over the model config's default, as in transformers.
+    """
+
+    axis: str = "tp"
+    plan: str = "tensor-parallel"
+    heads: bool = True
+    sequence: bool = False
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        module.register_forward_pre_hook(self._refuse, with_kwargs=True)
+        return module
+
+    def _refuse(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        config = getattr(module, "config", None)
+        for arg, on, what, fix in (
+            (
+                "output_attentions",
+                self.heads,
+                "each attention's weights of this rank's heads",
+                "the weights of every head need the unparallelized model",
+            ),
+            (
+                "output_hidden_states",
+                self.sequence,
+                "every layer's hidden states but the last as this rank's sequence shard",
+                "or a plan without sequence_parallel (its hidden states are whole)",
+            ),
+        ):
+            asked = kwargs.get(arg)
+            if asked is None:
+                asked = getattr(config, arg, False)
+            if on and asked:
+                raise ParallelizeError(
+                    f"{type(module).__name__}: {arg}=True under the {self.plan} plan over "
+                    f"{self.axis!r} would return {what} only, not the model's. Fix: leave "
+                    f"{arg} unset (and False in the model config); {fix}"
+                )
 
 
 # ============================================================================ row hooks
