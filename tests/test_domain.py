@@ -413,6 +413,16 @@ def test_local_overrides_the_refusal_of_an_attention_by_name() -> None:
     with pytest.raises(fd.nn.ParallelizeError, match=r"split dim -2 itself \(softmax\)"):
         pm(torch.randn(1, 2, 8, 6, dtype=F64).expand(2, 1, 2, 8, 6))
 
+    def spatial(g: Tensor) -> Tensor:  # attention over the pixels of each row: W's tokens
+        t = g.permute(0, 2, 3, 1)
+        return F.scaled_dot_product_attention(t, t, t).permute(0, 3, 1, 2)
+
+    bad = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), PixelAttention(spatial))
+    style = fd.nn.DomainParallel({-1: "w"}, local=(PixelAttention,))
+    pm = fd.nn.parallelize(bad.double(), fd.Mesh({"w": 2}), {"": style})
+    with pytest.raises(fd.nn.ParallelizeError, match=r"scaled_dot_product_attention itself"):
+        pm(torch.randn(1, 2, 8, 6, dtype=F64).expand(2, 1, 2, 8, 6))
+
 
 class PadsByHand(nn.Module):
     def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
