@@ -5,6 +5,8 @@ with three ``all_to_all_4d`` calls, the refusals; and the DiT's Ulysses attentio
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import Tensor
@@ -39,7 +41,7 @@ def _position(mesh: fd.Mesh, rank: int, axis: fd.AxisName) -> tuple[tuple[int, .
 
 
 def _global(mesh: fd.Mesh, axis: fd.AxisName, batch: int, rows: int, heads: int, dim: int):
-    """One float64 tensor ``(groups, batch, n * rows, heads, dim)``: every group's whole sequence."""
+    """One float64 tensor ``(groups, batch, n * rows, heads, dim)``: each group's sequence."""
     groups = mesh.size // mesh.axis_size(axis)
     n = mesh.axis_size(axis)
     g = torch.Generator().manual_seed(heads * 100 + dim)
@@ -154,11 +156,10 @@ def test_ulysses_attention_bit_equal_to_split_attention() -> None:
         xs = [torch.randn(2, 1, split.rows, 4, 8, generator=g) for _ in range(3)]
         a_in = [x.clone().requires_grad_() for x in xs]
         b_in = [x.clone().requires_grad_() for x in xs]
-        a = fd.simulate(lambda q, k, v: ulysses_attention(q, k, v, split, axis="sp"), mesh)(*a_in)
-        b = fd.simulate(
-            lambda q, k, v: split_attention(q, k, v, split, ulysses_axis="sp", ring_axis=None),
-            mesh,
-        )(*b_in)
+        new = functools.partial(ulysses_attention, split=split, axis="sp")
+        old = functools.partial(split_attention, split=split, ulysses_axis="sp", ring_axis=None)
+        a = fd.simulate(new, mesh)(*a_in)
+        b = fd.simulate(old, mesh)(*b_in)
         assert torch.equal(a, b)
         cot = torch.randn(a.shape, generator=g)
         ga = torch.autograd.grad((a * cot).sum(), a_in)

@@ -105,7 +105,7 @@ def all_to_all_qkv(
     widths = [t.shape[2] // n * t.shape[3] for t in (q, k, v)]
     packed = torch.cat([t.reshape(B, m, n, w).movedim(2, 0) for t, w in zip((q, k, v), widths)], -1)
     got = all_to_all(packed, mesh, axis, split_dim=0, concat_dim=0)  # (n senders, B, m, F)
-    parts = got.split(widths, dim=-1)  # views
+    parts = torch.split(got, widths, dim=-1)  # views
     # (B, n*m, h_i, D_i), the senders' tokens in axis order; a view when B == 1
     q2, k2, v2 = (
         p.movedim(0, 1).reshape(B, n * m, t.shape[2] // n, t.shape[3])
