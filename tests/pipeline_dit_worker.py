@@ -61,13 +61,21 @@ def one_device(model: nn.Module, b: dict[str, Tensor]) -> Tensor:
     return loss.detach()
 
 
-def _case(mesh: fd.Mesh, family: str = "wan", **kw: Any) -> dict[str, Any]:
+def _case(
+    mesh: fd.Mesh, family: str = "wan", checkpointing: bool = False, **kw: Any
+) -> dict[str, Any]:
     """One step of a fresh pipeline against one device: the loss's error, the largest gradient
     error relative to each gradient's largest entry (floored at 1e-6), the names this rank
     holds."""
-    model, b = (tiny_wan(), batch(weighted=True)) if family == "wan" else (tiny_sd3(), sd3_batch())
+    model, b = {
+        "wan": lambda: (tiny_wan(), batch(weighted=True)),
+        "sd3": lambda: (tiny_sd3(), sd3_batch()),
+        "cogvideox": lambda: (tiny_cogvideox(True), cogvideox_batch(True)),
+    }[family]()
     ref = copy.deepcopy(model)
     want = one_device(ref, b)
+    if checkpointing:  # diffusers' own (non-reentrant): blocks recomputed in backward
+        model.enable_gradient_checkpointing()
     pipe = fd.train.pipeline(model, mesh, microbatches=2, **kw)
     loss = pipe.step(**b)
     grads = pipe.grads()
@@ -88,8 +96,9 @@ def _case(mesh: fd.Mesh, family: str = "wan", **kw: Any) -> dict[str, Any]:
 
 
 def wan_on_2() -> dict[str, Any]:
-    """2 ranks, pp 2: Wan under GPipe, 1F1B and interleaved 1F1B, SD3 under 1F1B, against one
-    device; then a batch whose
+    """2 ranks, pp 2: Wan under GPipe, 1F1B and interleaved 1F1B, SD3 under 1F1B, Wan and
+    CogVideoX with gradient checkpointing (the stages' first and last blocks recomputed in
+    backward) under 1F1B, against one device; then a batch whose
     latents differ on the two ranks (refused by the batch digest: a float tensor's bits)."""
     torch.set_num_threads(1)
     mesh = fd.connect(pp=2, timeout=60)
@@ -100,6 +109,8 @@ def wan_on_2() -> dict[str, Any]:
         "1f1b": {"schedule": "1f1b"},
         "interleaved_1f1b": {"schedule": "interleaved_1f1b", "virtual": 2},
         "sd3_1f1b": {"schedule": "1f1b", "family": "sd3"},  # the text stream handed on
+        "wan_ckpt": {"schedule": "1f1b", "checkpointing": True},
+        "cogvideox_ckpt": {"schedule": "1f1b", "family": "cogvideox", "checkpointing": True},
     }.items():
         case = _case(mesh, **kw)
         pipes[name] = case.pop("pipe")

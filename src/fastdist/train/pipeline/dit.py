@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fastdist.errors import PipelineError
-from fastdist.train.pipeline.split import StageHooks, retire
+from fastdist.nn.styles.context_recompute import in_backward
+from fastdist.train.pipeline.split import StageHooks, recomputed_input, retire
 
 if TYPE_CHECKING:
     from fastdist.train.pipeline.runtime import Pipeline
@@ -471,6 +473,7 @@ class StreamHooks:
         stream_first: bool = False,
     ) -> None:
         self.stream, self.received = stream, cast(Tensor | None, None)
+        self.swapped: Any = WeakIdKeyDictionary()  # the block's input -> the activation used
         self.stream_first = stream_first
         self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
         if first is not None:
@@ -497,16 +500,19 @@ class StreamHooks:
 
     def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         x, self.received = self.received, None
-        if x is None or args:
-            raise PipelineError(
-                "pipeline: a stage after the first ran without the previous stage's activation, "
-                "or its first block was called with positional arguments. Fix: report this as a "
-                "fastdist bug"
-            )
-        n = kwargs[self.stream].shape[1]
-        return args, {**kwargs, self.stream: x[:, :n], "hidden_states": x[:, n:]}
+        # positional (diffusers' gradient checkpointing calls blocks so) or keyword
+        names = list(inspect.signature(module.forward).parameters)
+        given = {**dict(zip(names, args)), **kwargs}
+        x = recomputed_input(self.swapped, given.get(names[0]), x)
+        n = given[self.stream].shape[1]
+        new = {**given, self.stream: x[:, :n], names[0]: x[:, n:]}
+        return tuple(new[k] for k in names[: len(args)]), {
+            k: v for k, v in new.items() if k not in names[: len(args)]
+        }
 
     def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if in_backward():  # recomputed by a checkpoint: the backward goes on through it
+            return None
         hidden, stream = out[::-1] if self.stream_first else out
         raise _Handoff(torch.cat([stream, hidden], dim=1))
 

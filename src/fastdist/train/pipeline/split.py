@@ -8,13 +8,15 @@ import copy
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fastdist.errors import PipelineError
+from fastdist.nn.styles.context_recompute import in_backward
 
 __all__ = [
     "SPLITS",
@@ -28,6 +30,7 @@ __all__ = [
     "decoder_layers",
     "family_split",
     "STAGE_INPUT",
+    "recomputed_input",
 ]
 
 
@@ -137,10 +140,16 @@ STAGE_INPUT = "fastdist_stage_input"
 
 class StageHooks:
     """The hooks that make a copy of the model one stage: take the received activation at the
-    first own layer, hand the last own layer's output on."""
+    first own layer, hand the last own layer's output on.
+
+    A layer that gradient checkpointing recomputes in backward (non-reentrant: it is called
+    again on the same input objects) runs its hooks again: the first own layer gets the
+    activation it got in the forward (``swapped``: by its input tensor, weakly), the last one
+    returns its output (the hand-on is the forward's only)."""
 
     def __init__(self, module: nn.Module, first: nn.Module | None, last: nn.Module | None) -> None:
         self.received: Tensor | None = None
+        self.swapped: Any = WeakIdKeyDictionary()  # the layer's input -> the activation used
         self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
         if first is not None:
             self.handles.append(
@@ -165,17 +174,33 @@ class StageHooks:
 
     def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         x, self.received = self.received, None
-        if x is None:
-            raise PipelineError(
-                "pipeline: a stage after the first ran without the previous stage's activation. "
-                "Fix: report this as a fastdist bug"
-            )
+        x = recomputed_input(self.swapped, args[0] if args else kwargs.get("hidden_states"), x)
         if args:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": x}
 
     def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if in_backward():  # recomputed by a checkpoint: the backward goes on through it
+            return None
         raise _Handoff(out[0] if isinstance(out, (tuple, list)) else out)
+
+
+def recomputed_input(swapped: Any, given: Any, received: Tensor | None) -> Tensor:
+    """The activation a stage's first own layer runs on: ``received`` in a forward (recorded
+    under the layer's own input ``given``), or in a checkpoint's recomputation in backward the
+    one recorded for ``given``; raises when there is neither."""
+    if received is not None:
+        if isinstance(given, Tensor):
+            swapped[given] = received
+        return received
+    if in_backward() and isinstance(given, Tensor) and given in swapped:
+        return cast(Tensor, swapped[given])
+    raise PipelineError(
+        "pipeline: a stage after the first ran its first layer without the previous stage's "
+        "activation (a reentrant gradient checkpoint, which detaches the layer's inputs, "
+        "recomputing it in backward?). Fix: non-reentrant checkpointing (use_reentrant=False, "
+        "diffusers' default); else report this as a fastdist bug"
+    )
 
 
 def hand_on_last(module: nn.Module) -> int:
