@@ -69,3 +69,28 @@ def test_simulated_generate_with_use_cache_false_equals_one_device() -> None:
     pm = fd.nn.parallelize(model, fd.Mesh({"tp": 2}))
     got = pm.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)
     assert got.tolist() == want.tolist()
+
+
+# ============================================================== context parallelism: fixed caches
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("kind", ["static", "offloaded"])
+def test_context_parallel_refuses_a_static_or_offloaded_cache_at_the_prefill(
+    mode: str, kind: str
+) -> None:
+    """A static cache's update returns every slot, not the rank's tokens (a raw size error in
+    the attention before): refused when the split prefill starts, with the fix."""
+    from transformers import DynamicCache, StaticCache
+
+    from fastdist.nn.styles.context_llm import CausalContextParallel
+
+    model = _tiny()
+    mesh = fd.Mesh({"cp": 2})
+    plan = fd.nn.plans.plan(model, mesh, context_parallel=CausalContextParallel("cp", mode))
+    pm = fd.nn.parallelize(model, mesh, plan)
+    cache = (
+        StaticCache(config=model.config, max_cache_len=16)
+        if kind == "static"
+        else DynamicCache(config=model.config, offloading=True)
+    )
+    with pytest.raises(ParallelizeError, match=r"cannot be filled by a split prefill.*dynamic"):
+        pm(input_ids=IDS.expand(2, *IDS.shape), past_key_values=cache, use_cache=True)

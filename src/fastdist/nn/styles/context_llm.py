@@ -326,6 +326,7 @@ def _enter_model(
     state.split = past == 0 and S % state.chunks == 0
     if not state.split:
         return (), _enter_whole(state, module, kw, tokens, past)
+    _refuse_fixed_cache(state.axis, kw.get("past_key_values"))
     for layer in getattr(kw.get("past_key_values"), "layers", ()):
         if getattr(layer, "is_sliding", False):  # keep the rank's every token until gathered
             layer.record_past = True
@@ -345,6 +346,27 @@ def _enter_model(
     state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
     kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
+
+
+#: the KV cache layers a split prefill can fill (each rank its tokens, gathered or kept split)
+_DYNAMIC = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def _refuse_fixed_cache(axis: str, cache: Any) -> None:
+    """Refuse, before a split prefill runs, a KV cache with a layer of fixed length (a static
+    cache: its update returns every slot, not the rank's tokens) or of another kind (an
+    offloaded or quantized one), which the prefill cannot fill split nor gather after."""
+    for layer in getattr(cache, "layers", ()):
+        kind = type(layer).__name__
+        if getattr(cache, "offloading", False):
+            kind = f"{kind} of an offloading {type(cache).__name__}"
+        if kind not in _DYNAMIC:
+            raise ParallelizeError(
+                f"context parallelism over {axis!r}: the KV cache layer {kind} (a static, "
+                "offloaded or quantized cache) cannot be filled by a split prefill (each rank "
+                "holds its tokens only). Fix: generate with the default dynamic cache (no "
+                "cache_implementation), or use_cache=False"
+            )
 
 
 def _packed(positions: Tensor) -> bool:
