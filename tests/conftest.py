@@ -134,6 +134,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
         {"test_spmd_under_torch_compile", "test_compiled_unchecked_spmd_equals_checked_eager"}
     ),
     "tests/test_cross_entropy.py": frozenset({"test_cross_entropy_on_gloo"}),
+    "tests/test_cross_entropy_chunks.py": frozenset(
+        {"test_chunked_causal_lm_loss_on_two_gloo_ranks"}
+    ),
     "tests/test_fakecomm.py": frozenset({"test_three_processes"}),
     "tests/test_generate.py": frozenset({"test_generate_on_gloo_equals_one_device"}),
     "tests/test_lazy_imports.py": frozenset(
