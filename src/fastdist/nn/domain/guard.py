@@ -55,6 +55,7 @@ from fastdist.nn.domain.optables import (
     CONTRACT_AFTER_BIAS,
     EVERY_INPUT,
     FIRST_ONLY,
+    JOINS,
     LEADING,
     META,
     MIXING,
@@ -218,6 +219,9 @@ class Guard(TorchFunctionMode):
         """Ops over several tensors the guard reads itself (outside a known attention module):
         ``cat``-like joins (checked), ``stack`` and ``einsum`` (followed), aten calls (refused
         unless elementwise); ``(output,)`` when it ran the op, else ``None``."""
+        aten = isinstance(func, (OpOverload, OpOverloadPacket))
+        if not (aten or func in JOINS):
+            return None
         held = [t for t in ins if self.layout(t).dims()]
         seq = tensors(args[0]) if args and isinstance(args[0], (tuple, list)) else []
         if func in CAT and seq:
@@ -232,7 +236,7 @@ class Guard(TorchFunctionMode):
             return (self._stack(func, seq, args, kwargs),)
         elif func is torch.einsum and held:
             return (self._einsum(args, kwargs),)
-        elif isinstance(func, (OpOverload, OpOverloadPacket)) and held and not is_pointwise(func):
+        elif aten and held and not is_pointwise(func):
             raise self._refuse(
                 f"torch.ops.{func}", held[0], "a direct aten call, which the guard does not "
                 "read (it may act on the split dims)", "the torch function it implements "

@@ -498,6 +498,9 @@ STACK = {torch.stack}
 STACK_ALONG = {torch.hstack: 1, torch.vstack: 0, torch.row_stack: 0, torch.dstack: 2,
                torch.column_stack: None}  # fmt: skip
 
+#: ops over several tensors the guard reads itself (checked, or followed)
+JOINS = CAT | STACK | set(STACK_ALONG) | {torch.einsum}
+
 #: ops whose other tensor arguments give only a dtype and a device (the output is the first's)
 FIRST_ONLY = {Tensor.to, Tensor.type_as}
 
