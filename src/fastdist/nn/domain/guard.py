@@ -6,17 +6,22 @@ known attention module gets the whole domain's keys.
 
 Where the split dims are. A tensor the guard has not followed holds the split dims where the
 field holds them, counted from the end (``-2``: H of ``[N, C, H, W]``), when it has enough dims
-(at least ``2 + |d|``): the style's layers take and give such tensors. Outside a known attention
-module the guard follows the split dims through the model's own ``permute`` / ``transpose`` /
-``movedim``, reshapes (``view``, ``reshape``, ``flatten``, ``unflatten``, ``squeeze``,
-``unsqueeze``), basic indexing, reductions over other dims and every op whose output keeps the
-input's number of dims, and records where they lie on each tensor whose layout differs. A split
-dim merged into the leading (batch) dim (Wan's ``[N * T, C, H, W]`` per-frame upsampling) is
-followed as *folded*: per-batch ops run, the reshape that takes it out again restores it.
-Refused where the guard cannot follow exactly: a reshape that merges a split dim with another
-dim (other than into the batch) or cuts one into several, advanced indexing of a tensor that
-holds split dims, a layer of the style (or the region's output) given a tensor whose split dims
-are moved, and ops of different dims on a moved tensor.
+(at least ``2 + |d|``): the style's layers take and give such tensors. The region's inputs other
+than the field (whole on every rank) hold none, nor does what is computed from them only
+(`Guard.mark_clean`). Outside a known attention module the guard follows the split dims through
+the model's own ``permute`` / ``transpose`` / ``movedim``, reshapes (``view``, ``reshape``,
+``flatten``, ``unflatten``, ``squeeze``, ``unsqueeze``), basic indexing, reductions over other
+dims, ``einsum``, ``stack``, ``unbind``, ``Tensor.unfold``, ``expand`` and elementwise
+broadcasting, and every op whose output keeps the input's number of dims, and records where they
+lie on each tensor whose layout differs. A split dim merged into the leading (batch) dim (Wan's
+``[N * T, C, H, W]`` per-frame upsampling) is followed as *folded*: per-batch ops run, the
+reshape that takes it out again restores it. The ops that reduce, mix, contract or index along
+a dim are rows of `fastdist.nn.domain.optables`. Refused where the guard cannot follow exactly:
+a reshape that merges a split dim with another dim (other than into the batch) or cuts one into
+several, advanced indexing of a tensor that holds split dims, an op it does not read that
+changes the number of dims of such a tensor, a direct ``torch.ops.aten`` call on one (unless
+elementwise), a layer of the style (or the region's output) given a tensor whose split dims are
+moved, and ops of different dims on a moved tensor.
 """
 
 from __future__ import annotations
