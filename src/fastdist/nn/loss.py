@@ -290,7 +290,7 @@ def _token_losses(
             shifted.exp().sum(-1),
             shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1),
         )
-    else:  # eager: one pass forward, one backward, no dense zeros (see _LocalSoftmaxStats)
+    else:  # eager: one dense tensor (the gradient), no dense zeros (see _LocalSoftmaxStats)
         local_sum, picked = _LocalSoftmaxStats.apply(x, shift, index)  # type: ignore[no-untyped-call]
     mine_stats = torch.stack([top, local_sum, torch.where(mine, picked + shift, 0.0)])  # (3, ...)
     # (n, 3, ...): the gradient of each rank's part stays on it (no collective in the backward)
