@@ -177,6 +177,18 @@ class GroupSpec:
         return torch.arange(self.n, device=device).expand(self.world // self.n, self.n)
 
 
+def _any_needs_grad(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` is differentiable (:func:`needs_grad`); a plain tensor that does
+    not require grad is answered without a call."""
+    for t in tensors:
+        if t.requires_grad or (
+            (_functorch.is_batchedtensor(t) or _functorch.is_gradtrackingtensor(t))
+            and needs_grad(t)
+        ):
+            return True
+    return False
+
+
 def needs_grad(t: Tensor) -> bool:
     """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports
     False)."""
@@ -409,12 +421,12 @@ class Primitive:
         """
         # dynamo: keep the traced paths, skip the functorch checks
         compiling = torch.compiler.is_compiling()
-        vals = tuple(params[p] for p in self.param_names)
         if spec.comm is not None:  # real ranks: the Function when a gradient can flow
-            grad = compiling or (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
-            if grad:
+            if compiling or (torch.is_grad_enabled() and _any_needs_grad(tensors)):
+                vals = tuple([params[p] for p in self.param_names])
                 return cast(Tensor, apply_function(self.dist_function, spec, vals, *tensors))
             return self._run_distributed(spec, tensors, params)
+        vals = tuple([params[p] for p in self.param_names])
         # dynamo records the op; the stacked op's registered autograd has the per-rank rule
         if compiling:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
