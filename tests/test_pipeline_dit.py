@@ -302,6 +302,8 @@ def test_refuses_a_bad_batch_and_calls_to_the_model() -> None:
         pipe.step(**{**b, "encoder_hidden_states": b["encoder_hidden_states"][:, :2]})
     with pytest.raises(PipelineError, match=r"does not split into 2 micro-batches"):
         pipe.step(**on_ranks(batch(n=3), mesh))
+    with pytest.raises(PipelineError, match=r"save_pretrained is not built.*Fix:"):
+        pipe.save_pretrained("/nonexistent")
     with pytest.raises(PipelineError, match=r"taken apart by fastdist.train.pipeline"):
         model(**{k: v for k, v in batch().items() if k != "target"})
 

@@ -1,7 +1,8 @@
 """Pipeline stages of a diffusers diffusion transformer (DiT): `DitSplit` records (where a
 family keeps its blocks, what only the first or the last stage holds, what every stage holds),
 the stage modules, and a DiT's training step (micro-batches of latents, timesteps and text
-states; the loss on the last stage).
+states; the loss on the last stage). Built for Wan, LTX-Video, CogVideoX and SD3 (one block
+list each); the others are refused by `dit_split`, naming why.
 
 A stage is a copy of the model's skeleton (its config, rotary embedding, forward) holding only
 its own blocks; the other blocks are parameter-free placeholders that pass their hidden states
@@ -18,7 +19,9 @@ through, so parameter names stay the model's own. The model's ``forward`` runs o
   one device. Computing it on the first stage and handing its outputs on would send the text
   states and the six modulations with every activation, and their gradients back: more
   traffic, and a second activation path through the schedule, for the same numbers;
-* the output modules (``norm_out``, ``proj_out``, ``scale_shift_table``) are the last stage's.
+* the output modules (``norm_out``, ``proj_out``, ``scale_shift_table``) are the last stage's;
+* a text stream that every block updates (CogVideoX, SD3: ``DitSplit.stream``) travels with
+  the hidden states: a stage hands on ``cat([text, image tokens], dim=1)`` (`StreamHooks`).
 
 The loss. A DiT's step takes the model's inputs and ``target`` (the model output's shape:
 noise, velocity...), optionally ``weighting`` (broadcastable to ``target``, one row per sample:
@@ -687,7 +690,19 @@ def build_dit(
     inputs = [n for n in inspect.signature(type(model).forward).parameters if n != "self"]
     pipe.batches = lambda batch: dit_batches(pipe, batch, inputs, split.unsupported)
     pipe.last_only = LAST_ONLY
+    pipe.save_pretrained = _no_save_pretrained(model)  # type: ignore[method-assign]
     return pipe
+
+
+def _no_save_pretrained(model: nn.Module) -> Any:
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"Pipeline.save_pretrained: a {type(model).__name__} pipeline's save_pretrained is "
+            "not built (it writes transformers models). Fix: fastdist.checkpoint.save(directory, "
+            "pipe) (loads at any layout), or save the model without a pipeline"
+        )
+
+    return save_pretrained
 
 
 def _stage_plan(plan: Mapping[str, Any], module: nn.Module) -> dict[str, Any]:
