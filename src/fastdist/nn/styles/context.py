@@ -67,6 +67,7 @@ from fastdist.ops import all_to_all_4d, all_to_all_qkv, pvary
 __all__ = [
     "ContextParallel",
     "SequenceParallelAttention",
+    "ulysses_attention",
     "KNOWN_PROCESSORS",
     "JOINT_PROCESSORS",
     "JOINS_BEFORE_PROJECTION",
