@@ -32,6 +32,7 @@ from fastdist.nn.moe.routing import Strategy
 from fastdist.nn.plans.hooks import RefusePartialOutputs, SequenceGather
 from fastdist.nn.styles.attention import HeadParallelAttention
 from fastdist.nn.styles.base import Style
+from fastdist.nn.styles.configs import OwnConfig
 from fastdist.nn.styles.context_llm import CausalContextParallel, PvaryTree
 from fastdist.nn.styles.context_logits import ShardedLoss
 from fastdist.nn.styles.heads import QkvLayout
@@ -254,7 +255,9 @@ def add_context_parallel(plan: Plan, fam: Family, cp: CausalContextParallel) -> 
         )
     layers = _join(fam.prefix, fam.layers)
     tree = PvaryTree(cp.axis)
-    out: Plan = {fam.prefix: cp} if fam.prefix not in plan else {}
+    # the whole model's own config first: cp sets its attention function there
+    out: Plan = {"": OwnConfig()} if fam.prefix else {}
+    out.update({fam.prefix: cp} if fam.prefix not in plan else {})
     for pattern, styles in plan.items():
         inner = any(p.startswith(f"{pattern}.") for p in plan)
         if pattern.startswith(f"{layers}.") and not inner and not _over(styles, cp.axis):
@@ -271,13 +274,13 @@ def add_context_parallel(plan: Plan, fam: Family, cp: CausalContextParallel) -> 
         old = out.get(norm)
         out[norm] = tree if old is None else (*(old if isinstance(old, tuple) else (old,)), tree)
     if cp.logits == "split":  # the head meets the rank's tokens; the loss sums over the axis
-        if not fam.head or not fam.prefix or "" in out:
+        if not fam.head or not fam.prefix or "" in plan:
             raise ParallelizeError(
                 "plans.plan: CausalContextParallel(logits='split') needs a causal LM with an LM "
                 f"head and a base model (this family: head {fam.head!r}, base {fam.prefix!r}). "
                 "Fix: logits='gathered'"
             )
-        out[""] = ShardedLoss(cp.axis, base=fam.prefix)
+        out[""] = (OwnConfig(), ShardedLoss(cp.axis, base=fam.prefix))
         out[fam.head] = (*_tuple(out[fam.head]), tree) if fam.head in out else tree
     return out
 

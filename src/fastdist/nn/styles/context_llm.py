@@ -72,6 +72,7 @@ from fastdist.nn.styles.causal_ring import (
     update,
     zigzag_ring,
 )
+from fastdist.nn.styles.configs import own_config
 from fastdist.nn.styles.context_recompute import in_backward
 from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
 
@@ -656,7 +657,8 @@ def _register_attention(module: nn.Module) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, context_attention)
-    module.config._attn_implementation = ATTENTION  # type: ignore[union-attr]
+    # on this model's own copy: another model built from the same config object keeps its own
+    own_config(module)._attn_implementation = ATTENTION
 
 
 @dataclass(frozen=True)
