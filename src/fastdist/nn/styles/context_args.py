@@ -14,6 +14,10 @@ hook, and passes the same tensors to every block.
 
 The arguments are found by name through the block's signature, so a block called positionally
 (diffusers' gradient checkpointing) is handled the same way.
+
+`refuse_model_args`, a forward pre-hook of the model itself, refuses the model arguments that
+hold a row per token but are not cut with the tokens (ControlNet residuals, LTX-Video's
+per-token timesteps): the model would add or broadcast them against the rank's tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +36,18 @@ from fastdist.nn.styles.context_recompute import CurrentSplit, SplitRotary
 from fastdist.nn.styles.ring_split import TokenSplit
 from fastdist.ops import pvary
 
-__all__ = ["BlockArgs", "cut_positions", "hook"]
+__all__ = ["REFUSED_MODEL_ARGS", "BlockArgs", "cut_positions", "hook", "refuse_model_args"]
+
+#: model arguments holding a row per image token that the token split does not cut: the model
+#: adds them to every block's hidden states (ControlNet residuals, ``(batch, tokens, dim)`` each)
+REFUSED_MODEL_ARGS = {
+    "block_controlnet_hidden_states": "SD3's ControlNet residuals",
+    "controlnet_block_samples": "Flux's ControlNet residuals of its double-stream blocks",
+    "controlnet_single_block_samples": "Flux's ControlNet residuals of its single-stream blocks",
+}
+#: the models whose per-token timesteps (``timestep`` ``(batch, tokens)``) the split cuts (Wan
+#: 2.2's, through its ``timestep_seq_len``; `fastdist.nn.ContextParallel`'s ``per_token``)
+PER_TOKEN_TIMESTEPS = ("WanTransformer3DModel", "WanVACETransformer3DModel")
 
 
 def cut_positions(
@@ -183,3 +198,40 @@ def hook(
 ) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
     """``spec`` as a forward pre-hook of the block ``where``."""
     return lambda module, args, kwargs: spec(current, where, first, module, args, kwargs)
+
+
+def refuse_model_args(
+    axes: tuple[str, ...], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Forward pre-hook of a context-parallel model: refuse, at the call, an argument of
+    `REFUSED_MODEL_ARGS` given (not ``None``), and a per-token ``timestep`` (``(batch, tokens)``,
+    more than one per row) of a model outside `PER_TOKEN_TIMESTEPS`; these hold a row per token
+    of the whole sequence, which the model would add to (or broadcast against) the rank's
+    tokens: a raw size error, or a wrong result where the sizes happen to fit."""
+    try:
+        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:  # the model's own call raises its own error
+        return
+    model = type(module).__name__
+    for arg, what in REFUSED_MODEL_ARGS.items():
+        if given.get(arg) is not None:
+            raise ParallelizeError(
+                f"context parallelism over {axes}: {model}({arg}=...), {what}, hold a row "
+                "per token of the whole sequence, which the token split does not cut (the "
+                f"model adds them to the rank's tokens). Fix: leave {arg} unset, or run the "
+                "model with ControlNet without context parallelism"
+            )
+    timestep = given.get("timestep")
+    if (
+        model not in PER_TOKEN_TIMESTEPS
+        and isinstance(timestep, Tensor)
+        and timestep.dim() >= 2
+        and timestep.shape[-1] > 1
+    ):
+        raise ParallelizeError(
+            f"context parallelism over {axes}: {model}(timestep=...) of shape "
+            f"{tuple(timestep.shape)} holds a timestep per token, which the token split does "
+            "not cut (each rank's blocks would get every token's modulation). Fix: one "
+            "timestep per sample (shape (batch,) or (batch, 1)), or run the model without "
+            "context parallelism"
+        )
