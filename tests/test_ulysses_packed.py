@@ -1,7 +1,7 @@
 """``fastdist.ops.all_to_all_qkv`` (q, k and v in one Ulysses all-to-all, issue 38.6): values and
 gradients against plain torch on one device in float64 (simulated ranks and gloo), bit-equality
 with three ``all_to_all_4d`` calls, the refusals; and the DiT's Ulysses attention that uses it
-(``fastdist.nn.styles.context.ulysses_attention``) bit-equal to ``split_attention``."""
+(``fastdist.nn.attention.ulysses_sdpa``) bit-equal to ``split_attention``."""
 
 from __future__ import annotations
 
@@ -143,10 +143,11 @@ def test_refuses_mixed_dtypes() -> None:
         fd.simulate(lambda q, k, v: all_to_all_qkv(q, k, v, mesh, "sp"), mesh)(q, q, q.double())
 
 
-def test_ulysses_attention_bit_equal_to_split_attention() -> None:
-    """The DiT's Ulysses attention (one packed exchange) against ``split_attention`` (three),
-    even and uneven splits, float32: outputs and gradients bit for bit."""
-    from fastdist.nn.styles.context import ulysses_attention
+def test_ulysses_sdpa_bit_equal_to_split_attention() -> None:
+    """The DiT's Ulysses attention (``ulysses_sdpa``: one packed exchange) against
+    ``split_attention`` (three), even and uneven splits, float32: outputs and gradients bit for
+    bit."""
+    from fastdist.nn.attention import ulysses_sdpa
     from fastdist.nn.styles.ring_split import TokenSplit, split_attention
 
     mesh = fd.Mesh({"sp": 2})
@@ -156,7 +157,9 @@ def test_ulysses_attention_bit_equal_to_split_attention() -> None:
         xs = [torch.randn(2, 1, split.rows, 4, 8, generator=g) for _ in range(3)]
         a_in = [x.clone().requires_grad_() for x in xs]
         b_in = [x.clone().requires_grad_() for x in xs]
-        new = functools.partial(ulysses_attention, split=split, axis="sp")
+        flags = None if split.even else split.key_flags(None, torch.device("cpu"))
+        mask = None if flags is None else flags.view(1, 1, 1, -1)
+        new = functools.partial(ulysses_sdpa, mesh=mesh, axis="sp", attn_mask=mask)
         old = functools.partial(split_attention, split=split, ulysses_axis="sp", ring_axis=None)
         a = fd.simulate(new, mesh)(*a_in)
         b = fd.simulate(old, mesh)(*b_in)

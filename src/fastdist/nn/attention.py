@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from einops import rearrange
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError
-from fastdist.ops import all_to_all_4d, axis_index
+from fastdist.ops import all_to_all_4d, all_to_all_qkv, axis_index
 
-__all__ = ["local_attention", "UlyssesAttention", "RingAttention", "USPAttention"]
+__all__ = ["local_attention", "ulysses_sdpa", "UlyssesAttention", "RingAttention", "USPAttention"]
 
 
 def _check_qkv(name: str, q: Tensor, k: Tensor, v: Tensor, *, same_seq: bool) -> None:
@@ -102,6 +103,37 @@ def local_attention(
         s = s.masked_fill(~keep, float("-inf"))
     o = torch.einsum("bhgqk,bkhd->bqhgd", s.softmax(-1).nan_to_num(0.0), v)  # (B, Sq, Hkv, G, Dv)
     return rearrange(o, "b q h g d -> b q (h g) d")  # (B, Sq, Hq, Dv)
+
+
+def ulysses_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, axis: str, attn_mask: Tensor | None = None
+) -> Tensor:
+    """Ulysses attention with torch's ``F.scaled_dot_product_attention`` (non-causal, the default
+    scale): q, k and v traded for every token of ``H / n`` heads in ONE all-to-all
+    (`fastdist.ops.all_to_all_qkv`; its backward one too), SDPA, the output traded back.
+
+    What a context-parallel DiT's Ulysses mode runs in place of its processor's SDPA: the same
+    values, bit for bit, as three ``all_to_all_4d`` calls around SDPA.
+
+    Args:
+        q: this rank's queries ``(batch, rows, H, D)``; ``n`` (the axis size) must divide ``H``.
+        k: this rank's keys ``(batch, rows, H, D)``.
+        v: this rank's values ``(batch, rows, H, Dv)``.
+        mesh: the mesh the layer runs on.
+        axis: the axis of the all-to-all (the sequence is split over it, in axis order).
+        attn_mask: SDPA's mask over the gathered keys, broadcast to ``(batch, H / n, n * rows,
+            n * rows)`` (e.g. ``(1, 1, 1, n * rows)`` flags masking padding rows), or ``None``.
+
+    Returns:
+        this rank's rows of the output ``(batch, rows, H, Dv)``.
+    """
+    # (B, n * rows, H / n, D): every token, this rank's heads (views of one received buffer)
+    q, k, v = all_to_all_qkv(q, k, v, mesh, axis)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask
+    )
+    # (B, rows, H, Dv)
+    return all_to_all_4d(o.transpose(1, 2), mesh, axis, scatter_dim=1, gather_dim=2)
 
 
 def _keep(

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.attention import ulysses_sdpa
 from fastdist.nn.styles.base import Style, StyleContext, get_child
 from fastdist.nn.styles.context_args import BlockArgs, cut_positions, hook
 from fastdist.nn.styles.context_recompute import (
@@ -56,18 +57,16 @@ from fastdist.nn.styles.context_recompute import (
     lost_carry,
 )
 from fastdist.nn.styles.ring_split import (
-    SDPA,
     AttentionSwap,
     TokenSplit,
     joint_attention,
     split_attention,
 )
-from fastdist.ops import all_to_all_4d, all_to_all_qkv, pvary
+from fastdist.ops import pvary
 
 __all__ = [
     "ContextParallel",
     "SequenceParallelAttention",
-    "ulysses_attention",
     "KNOWN_PROCESSORS",
     "JOINT_PROCESSORS",
     "JOINS_BEFORE_PROJECTION",
@@ -131,31 +130,6 @@ def _split_axes(
             f"mode='usp' only. Fix: mode='usp', or drop ring_axis"
         )
     return (axis,), (axis if mode == "ulysses" else None), (axis if mode == "ring" else None)
-
-
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, split: TokenSplit, *, axis: str) -> Tensor:
-    """`fastdist.nn.styles.ring_split.split_attention` in Ulysses mode (unmasked, non-causal; a
-    key mask for the padding rows of an uneven split), with q, k and v traded in ONE all-to-all
-    (`fastdist.ops.all_to_all_qkv`, its backward one too) rather than three: the same values,
-    bit for bit.
-
-    Args:
-        q: this rank's queries ``(batch, rows, heads, head_dim)`` (rotary applied).
-        k: this rank's keys, like ``q``.
-        v: this rank's values ``(batch, rows, heads, v_dim)``.
-        split: the token layout over ``(axis,)``.
-        axis: the axis of the heads <-> tokens all-to-all.
-
-    Returns:
-        this rank's rows of the output ``(batch, rows, heads, v_dim)``; padding rows are not
-        meaningful.
-    """
-    # (B, n * rows, H / n, D): every token, this rank's heads (views of one received buffer)
-    q, k, v = all_to_all_qkv(q, k, v, split.mesh, axis)
-    mask = None if split.even else split.key_flags(None, q.device).view(1, 1, 1, -1)
-    o = SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    # (B, rows, H, Dv)
-    return all_to_all_4d(o.transpose(1, 2), split.mesh, axis, scatter_dim=1, gather_dim=2)
 
 
 class SplitProcessor:
@@ -222,8 +196,13 @@ class SplitProcessor:
         self, split: TokenSplit, hidden_states: Tensor, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
         """The attention over ``(B, S, H, D)`` q, k, v that replaces the processor's SDPA."""
-        if self.ring_axis is None and self.ulysses_axis is not None:
-            return functools.partial(ulysses_attention, split=split, axis=self.ulysses_axis)
+        if self.ring_axis is None and self.ulysses_axis is not None:  # q, k, v in one exchange
+            # the padding keys of an uneven split: (1, 1, 1, n * rows)
+            flags = None if split.even else split.key_flags(None, hidden_states.device)
+            mask = None if flags is None else flags.view(1, 1, 1, -1)
+            return functools.partial(
+                ulysses_sdpa, mesh=split.mesh, axis=self.ulysses_axis, attn_mask=mask
+            )
         return functools.partial(
             split_attention, split=split, ulysses_axis=self.ulysses_axis, ring_axis=self.ring_axis
         )
