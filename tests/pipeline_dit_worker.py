@@ -237,3 +237,39 @@ def sd3_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
         "timestep": torch.randint(0, 1000, (n,), generator=g).to(torch.float64),
         "target": torch.randn(n, 4, 4, 4, generator=g, dtype=torch.float64),
     }
+
+
+def tiny_flux() -> nn.Module:
+    """A tiny float64 Flux: 2 double-stream and 2 single-stream blocks, 2 heads of 8."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
+    return model.to(torch.float64)
+
+
+def flux_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
+    """``n`` samples of 16 packed image tokens (a 4 x 4 grid), 5 text tokens at distinct
+    positions, pooled text, a timestep each, a target of the output's shape; the position ids
+    (not per sample)."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij")
+    return {
+        "hidden_states": torch.randn(n, 16, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "pooled_projections": torch.randn(n, 8, generator=g, dtype=torch.float64),
+        "timestep": torch.rand(n, generator=g, dtype=torch.float64),
+        "img_ids": torch.stack(grid, -1).reshape(-1, 3).to(torch.float64),
+        "txt_ids": torch.arange(15.0, dtype=torch.float64).view(5, 3),
+        "target": torch.randn(n, 16, 4, generator=g, dtype=torch.float64),
+    }

@@ -31,10 +31,12 @@ from tests.dist_harness import run_on_gloo  # noqa: E402
 from tests.pipeline_dit_worker import (  # noqa: E402
     batch,
     cogvideox_batch,
+    flux_batch,
     ltx_batch,
     one_device,
     sd3_batch,
     tiny_cogvideox,
+    tiny_flux,
     tiny_ltx,
     tiny_sd3,
     tiny_wan,
@@ -260,12 +262,46 @@ def test_sd3_step_equals_one_device(sched: str, shape: dict[str, int]) -> None:
         pipe.step(**on_ranks(b, mesh), skip_layers=[1])
 
 
+@pytest.mark.parametrize(
+    ("sched", "shape", "per_stage"),
+    [
+        ("1f1b", {"pp": 2}, None),  # the double blocks, then the single ones
+        ("gpipe", {"pp": 2}, [3, 1]),  # a stage across the two lists
+        ("interleaved_1f1b", {"pp": 2}, None),
+        ("1f1b", {"pp": 2, "sp": 2}, [1, 3]),
+    ],
+)
+def test_flux_step_equals_one_device(
+    sched: str, shape: dict[str, int], per_stage: list[int] | None
+) -> None:
+    """Flux: two block lists (double-stream, then single-stream) with the same arguments and
+    outputs, split into stages as one list; the text stream handed on; the position ids whole
+    in every micro-batch. Equal to rounding."""
+    model, b = tiny_flux(), flux_batch()
+    ref = copy.deepcopy(model)
+    want = one_device(ref, b)
+    mesh = fd.Mesh(shape)
+    virtual = 2 if sched == "interleaved_1f1b" else 1
+    pipe = fd.train.pipeline(
+        model, mesh, schedule=sched, microbatches=2, virtual=virtual, layers_per_stage=per_stage
+    )
+    loss = pipe.step(**on_ranks(b, mesh))
+    torch.testing.assert_close(loss, want.expand(mesh.size), rtol=1e-12, atol=0)
+    got = pipe.grads()
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(want_grads)
+    for name, g in want_grads.items():
+        err = float((got[name] - g).abs().max() / max(float(g.abs().max()), 1e-6))
+        assert err < 1e-12, f"{name}: {err:.2e}"
+
+
 # ----------------------------------------------------------------------------- refusals
 def test_refuses_a_family_without_stages() -> None:
-    from tests.test_context_mmdit import tiny_flux
+    from tests.test_dit_families_joint import tiny_qwen_image
 
-    with pytest.raises(PipelineError, match=r"FluxTransformer2DModel .*two block lists.*Fix:"):
-        fd.train.pipeline(tiny_flux(), fd.Mesh({"pp": 2}))
+    model, _ = tiny_qwen_image()
+    with pytest.raises(PipelineError, match=r"QwenImageTransformer2DModel .*img_shapes.*Fix:"):
+        fd.train.pipeline(model, fd.Mesh({"pp": 2}))
 
 
 def test_refuses_tp_and_a_wrong_split() -> None:

@@ -82,6 +82,10 @@ class DitSplit:
             states, stream)`` (CogVideoX).
         unsupported: the model's inputs a pipeline step refuses (not ``None``): SD3's
             ``skip_layers`` and ControlNet residuals would skip or change blocks of one stage.
+        more: further block lists run after ``blocks`` with the same arguments and outputs
+            (Flux's ``single_transformer_blocks``); the stages split them all, in order, as one.
+        per_position: the model's tensor inputs that are not per sample (Flux's ``img_ids``,
+            ``txt_ids``): every micro-batch gets them whole.
     """
 
     blocks: str
@@ -91,6 +95,8 @@ class DitSplit:
     stream: str | None = None
     stream_first: bool = False
     unsupported: tuple[str, ...] = ()
+    more: tuple[str, ...] = ()
+    per_position: tuple[str, ...] = ()
 
 
 #: diffusers class name -> how it splits into stages
@@ -123,13 +129,21 @@ DIT_SPLITS: dict[str, DitSplit] = {
         stream_first=True,
         unsupported=("skip_layers", "block_controlnet_hidden_states"),
     ),
+    "FluxTransformer2DModel": DitSplit(
+        "transformer_blocks",
+        ("x_embedder", "context_embedder"),
+        ("time_text_embed",),
+        ("norm_out", "proj_out"),
+        stream="encoder_hidden_states",
+        stream_first=True,
+        unsupported=("controlnet_block_samples", "controlnet_single_block_samples"),
+        more=("single_transformer_blocks",),
+        per_position=("img_ids", "txt_ids"),
+    ),
 }
 
 #: why the other DiT families are refused, and the fix
 _NOT_BUILT = {
-    "FluxTransformer2DModel": "two block lists (transformer_blocks, then "
-    "single_transformer_blocks, whose inputs are [text; image] joined between them) and a text "
-    "stream that each double-stream block updates: a stage would hand on two tensors",
     "Flux2Transformer2DModel": "two block lists and a text stream updated by every "
     "double-stream block: a stage would hand on two tensors",
     "HunyuanVideoTransformer3DModel": "two block lists and a text stream updated by every "
@@ -302,10 +316,27 @@ PLACEHOLDERS = (_BlockSkip, _PatchZeros, _Missing)
 
 
 # ====================================================================== the stages
+def block_lists(model: nn.Module, split: DitSplit) -> list[tuple[str, nn.ModuleList]]:
+    """``(name, list)`` of the split's block lists, in the order the model runs them."""
+    out = []
+    for name in (split.blocks, *split.more):
+        try:
+            lst: Any = model.get_submodule(name)
+        except AttributeError:
+            lst = None
+        if not isinstance(lst, nn.ModuleList) or len(lst) == 0:
+            raise PipelineError(
+                f"pipeline: {name} of {type(model).__name__} is not a non-empty nn.ModuleList. "
+                "Fix: pass split=DitSplit(...) naming the lists of blocks"
+            )
+        out.append((name, lst))
+    return out
+
+
 def check_owned(model: nn.Module, split: DitSplit) -> None:
     """Every parameter of ``model`` must be in the blocks or a module the split names, and none
     shared between two of them."""
-    parts = (split.blocks, *split.first, *split.shared, *split.last)
+    parts = (split.blocks, *split.more, *split.first, *split.shared, *split.last)
     owner: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         where = next((x for x in parts if name == x or name.startswith(x + ".")), None)
@@ -328,22 +359,19 @@ def split_dit(
     split: DitSplit,
     ranges: Sequence[range],
     keep: Sequence[int],
-    skip_names: tuple[Sequence[str], Sequence[str]],
+    skip_names: Mapping[str, tuple[Sequence[str], Sequence[str]]],
 ) -> dict[int, nn.Module]:
     """Stage modules ``{stage: copy of the model's skeleton holding its blocks}`` for the stages
     in ``keep``. The first stage holds the model's patch embedding, the last its output modules;
     every stage a copy of the ``shared`` modules (the first stage: the model's own).
-    ``skip_names``: the (absent, empty) attribute names of the block placeholders."""
+    ``skip_names``: per block list, the (absent, empty) attribute names of its placeholders."""
     check_owned(model, split)
-    blocks = model.get_submodule(split.blocks)
-    if not isinstance(blocks, nn.ModuleList):
-        raise PipelineError(
-            f"pipeline: {split.blocks} of {type(model).__name__} is not an nn.ModuleList. Fix: "
-            "pass split= naming the list of blocks"
-        )
+    lists = block_lists(model, split)
+    blocks = [b for _, lst in lists for b in lst]
+    where = [(name, k) for name, lst in lists for k in range(len(lst))]
     if ranges[-1].stop != len(blocks):
         raise PipelineError(
-            f"pipeline: the stages cover {ranges[-1].stop} blocks, {split.blocks} holds "
+            f"pipeline: the stages cover {ranges[-1].stop} blocks, {[n for n, _ in lists]} hold "
             f"{len(blocks)}. Fix: layers_per_stage= summing to {len(blocks)}"
         )
     own = {n: _get(model, n) for n in (*split.first, *split.shared, *split.last)}
@@ -352,19 +380,19 @@ def split_dit(
         **{n: _first_stub(own[n]) for n in split.first},
         **{n: _Missing(n) for n in split.last if isinstance(own[n], nn.Module)},
     }
-    absent, empty = skip_names
-    sig = inspect.signature(blocks[0].forward)
-    stubs[split.blocks] = nn.ModuleList(
-        _BlockSkip(absent, empty, split.stream, sig, split.stream_first) for _ in blocks
-    )
+    for name, lst in lists:
+        absent, empty = skip_names.get(name, ((), ()))
+        sig = inspect.signature(lst[0].forward)
+        stubs[name] = nn.ModuleList(
+            _BlockSkip(absent, empty, split.stream, sig, split.stream_first) for _ in lst
+        )
     skeleton = _swapped_copy(model, {**stubs, **{n: None for n in split.last if n not in stubs}})
     stages: dict[int, nn.Module] = {}
     for j in keep:
         st = copy.deepcopy(skeleton, _shared_memo(skeleton))
-        lst = st.get_submodule(split.blocks)
-        assert isinstance(lst, nn.ModuleList)
         for i in ranges[j]:
-            lst[i] = blocks[i]
+            name, k = where[i]
+            cast(nn.ModuleList, st.get_submodule(name))[k] = blocks[i]
         for n in split.shared:
             if n in own:
                 _set(st, n, own[n] if j == 0 else copy.deepcopy(own[n]))
@@ -427,8 +455,7 @@ def install_stage(
     """The hooks that make ``module`` stage ``j``: take the received activation at its first
     block, hand its last block's output on; the last stage's forward returns the loss
     (`dit_loss`)."""
-    lst = module.get_submodule(split.blocks)
-    assert isinstance(lst, nn.ModuleList)
+    lst = [b for _, blocks in block_lists(module, split) for b in blocks]
     first = None if j == 0 else lst[ranges[j][0]]
     last = None if j == n_stages - 1 else lst[ranges[j][-1]]
     if split.stream is None:
@@ -546,6 +573,7 @@ def dit_batches(
     batch: Mapping[str, Any],
     inputs: Sequence[str] = (),
     unsupported: Sequence[str] = (),
+    per_position: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """A DiT step's batch as micro-batches: ``hidden_states`` (latents: Wan's ``(batch, channels,
     frames, height, width)``, LTX-Video's ``(batch, tokens, channels)``), ``timestep``,
@@ -600,6 +628,8 @@ def dit_batches(
             "e.g. w.view(batch, 1, 1, 1, 1) (simulated: with the leading rank dim)"
         )
     for k, v in batch.items():
+        if k in per_position:
+            continue
         if isinstance(v, Tensor) and (v.dim() <= bdim or v.shape[bdim] != b):
             raise PipelineError(
                 f"Pipeline.step: {k} of shape {tuple(v.shape)} for a batch of {b}. Fix: one row "
@@ -615,7 +645,9 @@ def dit_batches(
     out = []
     for i in range(m):
         mb: dict[str, Any] = {
-            key: v.narrow(bdim, i * (b // m), b // m) if isinstance(v, Tensor) else v
+            key: v.narrow(bdim, i * (b // m), b // m)
+            if isinstance(v, Tensor) and key not in per_position
+            else v
             for key, v in batch.items()
         }
         mb["num_items"] = num_items
@@ -656,26 +688,29 @@ def build_dit(
         plan = dit_plan(model, stage_mesh) if "sp" in stage_mesh.axis_names else {}
     cps = [s for v in plan.values() for s in (v if isinstance(v, (list, tuple)) else (v,))]
     cps = [s for s in cps if isinstance(s, ContextParallel)]
-    if any(c.blocks != split.blocks or c.single_blocks is not None for c in cps):
+    lists = (split.blocks, *split.more)
+    if any((c.blocks, *((c.single_blocks,) if c.single_blocks else ())) != lists for c in cps):
         raise PipelineError(
             f"pipeline: the plan's ContextParallel splits blocks other than the stages' "
-            f"{split.blocks!r}. Fix: ContextParallel(blocks={split.blocks!r}) (the family's plan)"
+            f"{list(lists)}. Fix: ContextParallel naming them (the family's plan)"
         )
-    absent = tuple(n for c in cps for n in (*c.attention, *c.joint))
-    empty = tuple(n for c in cps for n in c.cross)
-    blocks = model.get_submodule(split.blocks)
-    if not isinstance(blocks, nn.ModuleList):
-        raise PipelineError(
-            f"pipeline: {split.blocks} of {type(model).__name__} is not an nn.ModuleList. Fix: "
-            "pass split= naming the list of blocks"
-        )
-    ranges = stage_layers(len(blocks), sched.stages, layers_per_stage)
+    skip_names = {
+        split.blocks: (
+            tuple(n for c in cps for n in (*c.attention, *c.joint)),
+            tuple(n for c in cps for n in c.cross),
+        ),
+        **{
+            m: (tuple(n for c in cps for n in (*c.joined, *c.single_joint)), ()) for m in split.more
+        },
+    }
+    n_blocks = sum(len(lst) for _, lst in block_lists(model, split))
+    ranges = stage_layers(n_blocks, sched.stages, layers_per_stage)
     keep = (
         list(range(sched.stages))
         if mesh.backend is None
         else list(sched.stages_of(mesh.index(mesh.rank, axis)))
     )
-    modules = split_dit(model, split, ranges, keep, (absent, empty))
+    modules = split_dit(model, split, ranges, keep, skip_names)
     retire(model)
     stages: dict[int, Any] = {}
     for j, module in modules.items():
@@ -688,7 +723,9 @@ def build_dit(
     ]
     pipe = Pipeline(mesh, axis, sched, stage_mesh, stages, ranges, shared=shared)
     inputs = [n for n in inspect.signature(type(model).forward).parameters if n != "self"]
-    pipe.batches = lambda batch: dit_batches(pipe, batch, inputs, split.unsupported)
+    pipe.batches = lambda batch: dit_batches(
+        pipe, batch, inputs, split.unsupported, split.per_position
+    )
     pipe.last_only = LAST_ONLY
     pipe.save_pretrained = _no_save_pretrained(model)  # type: ignore[method-assign]
     return pipe
