@@ -226,3 +226,17 @@ def test_dit_context_parallel_refuses_ltx_per_token_timesteps() -> None:
         per_token = torch.rand(1, 4, generator=g, dtype=torch.float64) * 1000
         with pytest.raises(ParallelizeError, match=r"timestep=.*per token"):
             pm(**rep, timestep=per_token.expand(2, 1, 4), **size)
+
+
+def test_context_parallel_refuses_hidden_states_asked_by_the_config() -> None:
+    """The context-parallel plan refused ``output_hidden_states=True`` as an argument only; set
+    in the config it returned the rank's tokens silently."""
+    from fastdist.nn.styles.context_llm import CausalContextParallel
+
+    model = _tiny()
+    model.config.output_hidden_states = True
+    mesh = fd.Mesh({"cp": 2})
+    cp = CausalContextParallel("cp")
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    with pytest.raises(ParallelizeError, match="output_hidden_states would return this rank"):
+        pm(input_ids=IDS.expand(2, *IDS.shape))

@@ -300,10 +300,16 @@ def _enter_model(
             f"context parallelism over {state.axis!r}: {type(module).__name__} was called without "
             "input_ids or inputs_embeds. Fix: pass the token ids"
         )
-    if kw.get("output_hidden_states") or kw.get("output_attentions"):
+    config = getattr(module, "config", None)
+    asked = [
+        a
+        for a in ("output_hidden_states", "output_attentions")
+        if (kw.get(a) if kw.get(a) is not None else getattr(config, a, False))
+    ]
+    if asked:  # the call's argument, else the config's default (as transformers reads them)
         raise ParallelizeError(
-            f"context parallelism over {state.axis!r}: output_hidden_states / "
-            "output_attentions would return this rank's tokens only. Fix: leave them unset"
+            f"context parallelism over {state.axis!r}: {' / '.join(asked)} would return this "
+            "rank's tokens only. Fix: leave them unset (and False in the model config)"
         )
     if (
         module.training
