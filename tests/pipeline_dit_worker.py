@@ -273,3 +273,44 @@ def flux_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
         "txt_ids": torch.arange(15.0, dtype=torch.float64).view(5, 3),
         "target": torch.randn(n, 16, 4, generator=g, dtype=torch.float64),
     }
+
+
+def tiny_hunyuan_video() -> nn.Module:
+    """A tiny float64 HunyuanVideo: 2 double- and 2 single-stream blocks, a 1-layer token
+    refiner, 2 heads of 8, patch 1."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=2,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+    )
+    return model.to(torch.float64)
+
+
+def hunyuan_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
+    """``n`` samples: 2 frames of 2 x 2 latents (8 tokens), 5 text tokens (the last two of the
+    second sample padding), pooled text, guidance, integer timesteps, a target."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, 5, dtype=torch.float64)
+    mask[1, -2:] = 0
+    return {
+        "hidden_states": torch.randn(n, 4, 2, 2, 2, generator=g, dtype=torch.float64),
+        "timestep": torch.randint(0, 1000, (n,), generator=g),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(n, 8, generator=g, dtype=torch.float64),
+        "guidance": torch.full((n,), 3000.0, dtype=torch.float64),
+        "target": torch.randn(n, 4, 2, 2, 2, generator=g, dtype=torch.float64),
+    }

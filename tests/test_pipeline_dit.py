@@ -32,11 +32,13 @@ from tests.pipeline_dit_worker import (  # noqa: E402
     batch,
     cogvideox_batch,
     flux_batch,
+    hunyuan_batch,
     ltx_batch,
     one_device,
     sd3_batch,
     tiny_cogvideox,
     tiny_flux,
+    tiny_hunyuan_video,
     tiny_ltx,
     tiny_sd3,
     tiny_wan,
@@ -271,13 +273,17 @@ def test_sd3_step_equals_one_device(sched: str, shape: dict[str, int]) -> None:
         ("1f1b", {"pp": 2, "sp": 2}, [1, 3]),
     ],
 )
-def test_flux_step_equals_one_device(
-    sched: str, shape: dict[str, int], per_stage: list[int] | None
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
+def test_two_list_step_equals_one_device(
+    sched: str, shape: dict[str, int], per_stage: list[int] | None, family: str
 ) -> None:
-    """Flux: two block lists (double-stream, then single-stream) with the same arguments and
-    outputs, split into stages as one list; the text stream handed on; the position ids whole
-    in every micro-batch. Equal to rounding."""
-    model, b = tiny_flux(), flux_batch()
+    """Flux and HunyuanVideo: two block lists (double-stream, then single-stream) with the same
+    arguments and outputs, split into stages as one list; the text stream handed on (Flux's
+    position ids whole in every micro-batch; HunyuanVideo's text padding mask, its token
+    refiner the first stage's). Equal to rounding."""
+    model, b = (
+        (tiny_flux(), flux_batch()) if family == "flux" else (tiny_hunyuan_video(), hunyuan_batch())
+    )
     ref = copy.deepcopy(model)
     want = one_device(ref, b)
     mesh = fd.Mesh(shape)

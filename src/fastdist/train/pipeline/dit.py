@@ -140,13 +140,19 @@ DIT_SPLITS: dict[str, DitSplit] = {
         more=("single_transformer_blocks",),
         per_position=("img_ids", "txt_ids"),
     ),
+    "HunyuanVideoTransformer3DModel": DitSplit(
+        "transformer_blocks",
+        ("x_embedder", "context_embedder"),
+        ("time_text_embed",),
+        ("norm_out", "proj_out"),
+        stream="encoder_hidden_states",
+        more=("single_transformer_blocks",),
+    ),
 }
 
 #: why the other DiT families are refused, and the fix
 _NOT_BUILT = {
     "Flux2Transformer2DModel": "two block lists and a text stream updated by every "
-    "double-stream block: a stage would hand on two tensors",
-    "HunyuanVideoTransformer3DModel": "two block lists and a text stream updated by every "
     "double-stream block: a stage would hand on two tensors",
     "QwenImageTransformer2DModel": "its per-sample img_shapes (a Python list) and text mask "
     "are not split into micro-batches (not built)",
@@ -231,25 +237,31 @@ class _JointPatchZeros(nn.Module):
 
 
 class _TokenPatchZeros(nn.Module):
-    """diffusers' ``PatchEmbed`` (SD3's: a convolution, flattened to tokens, positions added) of
-    another stage: zeros of its output's shape ``(batch, tokens, dim)``."""
+    """diffusers' ``PatchEmbed`` (SD3's: a convolution, flattened to tokens, positions added) or
+    ``HunyuanVideoPatchEmbed`` (a 3-D one) of another stage: zeros of its output's shape
+    ``(batch, tokens, dim)``."""
 
     def __init__(self, embed: nn.Module) -> None:
         super().__init__()
         proj = getattr(embed, "proj", None)
-        if not isinstance(proj, nn.Conv2d) or isinstance(proj.padding, str):
+        if (
+            not isinstance(proj, (nn.Conv2d, nn.Conv3d))
+            or isinstance(proj.padding, str)
+            or any(p != 0 for p in proj.padding)
+            or proj.kernel_size != proj.stride
+        ):
             raise PipelineError(
-                f"pipeline: {type(embed).__name__} has no Conv2d proj whose output shape the "
-                "other stages reproduce. Fix: pass split=DitSplit(...) naming the patch embedding"
+                f"pipeline: {type(embed).__name__} has no patch convolution (kernel = stride, no "
+                "padding) whose output shape the other stages reproduce. Fix: pass "
+                "split=DitSplit(...) naming the patch embedding"
             )
-        self.p, self.dim, self.dtype = (
-            int(proj.stride[0]),
-            int(proj.out_channels),
-            proj.weight.dtype,
-        )
+        self.stride = tuple(int(s) for s in proj.stride)
+        self.dim, self.dtype = int(proj.out_channels), proj.weight.dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        tokens = (x.shape[-2] // self.p) * (x.shape[-1] // self.p)
+        tokens = 1
+        for n, s in zip(x.shape[-len(self.stride) :], self.stride):
+            tokens *= n // s
         return torch.zeros(x.shape[0], tokens, self.dim, dtype=self.dtype, device=x.device)
 
 
@@ -259,8 +271,10 @@ def _first_stub(module: nn.Module) -> nn.Module:
     kind = type(module).__name__
     if kind == "CogVideoXPatchEmbed":
         return _JointPatchZeros(module)
-    if kind == "PatchEmbed":
+    if kind in ("PatchEmbed", "HunyuanVideoPatchEmbed"):
         return _TokenPatchZeros(module)
+    if kind == "HunyuanVideoTokenRefiner":  # text states in, (batch, tokens, hidden size) out
+        return _PatchZeros(cast(nn.Module, module.proj_in))
     return _PatchZeros(module)
 
 
@@ -288,7 +302,7 @@ class _PatchZeros(nn.Module):
             self.geometry = tuple(zip(*(cast(tuple[int, ...], q) for q in parts)))
         self.dtype = conv.weight.dtype
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.geometry is None:  # a linear layer over the last dim
             return torch.zeros(*x.shape[:-1], self.out, dtype=self.dtype, device=x.device)
         sizes = [
