@@ -152,8 +152,9 @@ DIT_SPLITS: dict[str, DitSplit] = {
 
 #: why the other DiT families are refused, and the fix
 _NOT_BUILT = {
-    "Flux2Transformer2DModel": "two block lists and a text stream updated by every "
-    "double-stream block: a stage would hand on two tensors",
+    "Flux2Transformer2DModel": "its single-stream blocks take [text; image] joined by the model "
+    "between its two block lists, unlike its double-stream blocks (one hand-on for both is not "
+    "built)",
     "QwenImageTransformer2DModel": "its per-sample img_shapes (a Python list) and text mask "
     "are not split into micro-batches (not built)",
 }
