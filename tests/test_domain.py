@@ -1042,6 +1042,11 @@ SILENT_BEFORE: list[tuple[Callable[[Tensor], Tensor], str, str]] = [
     (lambda h: h.select(2, 0)[:, :, None].expand_as(h), "h", r"select over the split dim"),
     (lambda h: F.local_response_norm(h.transpose(1, 2), 2).transpose(1, 2), "h",
      r"local_response_norm over the split dim -2 .*dim 1 of this tensor"),
+    # a size computed from the block's shape, read as the whole domain's: H not upsampled
+    (lambda h: F.interpolate(h, size=(2 * h.shape[2], 2 * h.shape[3])), "h",
+     r"F.interpolate\(size=...\) .*factors \[1.0, 2.0\].*split dim -2 \(2 ranks\)"),
+    (lambda h: F.interpolate(h, size=(2 * h.shape[2], 2 * h.shape[3])), "hw",
+     r"F.interpolate\(size=...\) .*factors \[1.0, 1.0\]"),
 ]  # fmt: skip
 
 

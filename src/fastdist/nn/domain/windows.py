@@ -464,6 +464,37 @@ def _whole_rows(x: Tensor, d: int, axis: str, mesh: Mesh, where: str) -> int:
     return int(rows.sum().item())
 
 
+def _check_block_size(
+    factor: list[float], x: Tensor, nsp: int, mesh: Mesh, split: Split, where: str
+) -> None:
+    """``size=`` is read as the whole domain's size; one the model computed from a block's
+    shape (``2 * h.shape[2]``, ``skip.shape[2:]``) reads as a factor ``n`` times too small
+    along each split dim of ``n`` ranks, a wrong answer with no error. Refused where the sizes
+    look so: a split dim's factor times its ranks is another dim's factor, not its own (an
+    even upsampling read as uneven), or every spatial dim split and left as it is."""
+    ranks = {nsp + d: mesh.axis_size(a) for d, a in split if -d <= nsp}
+    ranks = {i: n for i, n in ranks.items() if n > 1}
+    if not ranks:
+        return
+    odd = [
+        i
+        for i, n in ranks.items()
+        for j in range(nsp)
+        if j != i and factor[i] != factor[j] and factor[i] * n == factor[j]
+    ] or (  # fmt: skip
+        [i for i in ranks if factor[i] == 1] if len(ranks) == nsp and set(factor) == {1.0} else []
+    )
+    if odd:
+        i = odd[0]
+        raise ParallelizeError(
+            f"DomainParallel on {where!r}: F.interpolate(size=...) of a block of shape "
+            f"{tuple(x.shape)} gives factors {factor} read as the whole domain's size: along the "
+            f"split dim {i - nsp} ({ranks[i]} ranks) that looks like a size computed from this "
+            "rank's block (h.shape), which would upsample it too little with no error. Fix: "
+            "scale_factor=, or a size of the whole domain that upsamples every dim alike"
+        )
+
+
 def upsample_factors(
     x: Tensor, size: Any, scale_factor: Any, mode: str, align_corners: bool, antialias: bool,
     *, mesh: Mesh, split: Split, where: str,
@@ -480,6 +511,7 @@ def upsample_factors(
             if -d <= nsp:
                 whole[nsp + d] = _whole_rows(x, d, a, mesh, where)
         factor = [s / w for s, w in zip(sizes, whole, strict=True)]
+        _check_block_size(factor, x, nsp, mesh, split, where)
     else:
         sf = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor] * nsp
         factor = [float(s) for s in sf]
