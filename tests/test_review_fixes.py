@@ -240,3 +240,30 @@ def test_context_parallel_refuses_hidden_states_asked_by_the_config() -> None:
     pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
     with pytest.raises(ParallelizeError, match="output_hidden_states would return this rank"):
         pm(input_ids=IDS.expand(2, *IDS.shape))
+
+
+def static_cache_on_ranks(impl: str, mode: str) -> str:
+    """One gloo rank: ``pm.generate(cache_implementation=impl)`` under context parallelism; the
+    error's type and message (or "ran")."""
+    from fastdist.nn.styles.context_llm import CausalContextParallel
+
+    mesh = fd.connect(cp=2)
+    model = _tiny()
+    cp = CausalContextParallel("cp", mode)  # type: ignore[arg-type]
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel=cp))
+    try:
+        pm.generate(IDS, max_new_tokens=2, do_sample=False, cache_implementation=impl)
+    except Exception as e:  # noqa: BLE001 - the type is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def test_context_parallel_generate_with_a_static_cache_on_gloo_is_refused() -> None:
+    """The reviewer's path: generate on 2 gloo ranks with ``cache_implementation="static"`` (a
+    raw RuntimeError of sizes 4 vs 10 inside the attention before)."""
+    from tests.dist_harness import run_on_gloo
+
+    for mode in ("ring", "ulysses"):
+        for got in run_on_gloo(static_cache_on_ranks, 2, "static", mode, timeout=240):
+            assert got.startswith("ParallelizeError"), got
+            assert "StaticLayer" in got and "cannot be filled by a split prefill" in got, got
