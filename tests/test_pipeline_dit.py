@@ -410,6 +410,19 @@ def test_tied_llm_embeddings_accumulate_over_steps() -> None:
         assert err < 1e-9, f"{name}: {err:.2e}"
 
 
+def test_refuses_rotary_tables_that_differ_between_stages() -> None:
+    """Every stage reads its own copy of the step's inputs, a tuple's tensors too (CogVideoX's
+    rotary tables): copies that differ along pp are refused, not mixed into one loss."""
+    model, b = tiny_cogvideox(True), cogvideox_batch(True)
+    mesh = fd.Mesh({"pp": 2})
+    pipe = fd.train.pipeline(model, mesh, microbatches=2)
+    x = on_ranks_any(b, mesh)
+    cos, sin = x["image_rotary_emb"]
+    x["image_rotary_emb"] = (cos, torch.stack([sin[0], sin[1] + 1e-3]))
+    with pytest.raises(PipelineError, match=r"different image_rotary_emb\[1\]"):
+        pipe.step(**x)
+
+
 # ----------------------------------------------------------------------------- real ranks
 def test_pp2_on_gloo_equals_one_device() -> None:
     """2 gloo processes, pp 2: each schedule's loss and the gradients of each rank's stages equal

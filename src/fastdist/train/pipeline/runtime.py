@@ -18,7 +18,7 @@ from fastdist.comm.connect import reset as reset_mesh
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
 from fastdist.train.pipeline.split import STAGE_INPUT
-from fastdist.train.pipeline.transfers import Transfers, schedule_id
+from fastdist.train.pipeline.transfers import Transfers, digest_bits, flat_inputs, schedule_id
 from fastdist.train.schedules import Schedule
 
 if TYPE_CHECKING:
@@ -319,8 +319,11 @@ class Pipeline:
         so copies that differ would mix two batches into one loss. Simulated: the rows are
         compared; real ranks: a digest of each input, all-gathered over the axis (one small
         collective per step, started here and waited for by the step's first transfer:
-        `Transfers.gate`, so that it runs while the first forward computes)."""
-        keys = sorted(k for k, v in batch.items() if isinstance(v, Tensor))
+        `Transfers.gate`, so that it runs while the first forward computes). The tensors inside
+        a tuple or list input (a DiT's rotary tables) are compared too, and on real ranks the
+        plain numbers (a DiT's ``num_frames``)."""
+        batch = flat_inputs(batch, numbers=not self.simulated)
+        keys = sorted(batch)
         if self.simulated:
             pp, size = self.schedule.pp, self.mesh.size
             for k in keys:
@@ -333,10 +336,10 @@ class Pipeline:
         assert self._ranks is not None
         ranks = self._ranks
         # an all-gather as a sum: every rank fills its own row of zeros (exact in int64)
-        device = batch[keys[0]].device
+        device = next((t.device for t in batch.values() if t.dim() > 0), batch[keys[0]].device)
         every = torch.zeros(ranks.ac.n, 2 * len(keys), dtype=torch.int64, device=device)
         for i, k in enumerate(keys):  # every: [pp, 2 * len(keys)]
-            v = _digest_bits(batch[k]).to(device)  # [n]
+            v = digest_bits(batch[k]).to(device)  # [n]
             weights = torch.arange(v.numel(), device=device) % 1000003 + 1  # [n]
             every[ranks.index, 2 * i : 2 * i + 2] = torch.stack([v.sum(), (v * weights).sum()])
         pending = ranks.ac.all_reduce_async(
@@ -765,17 +768,6 @@ def _add_back(earlier: list[tuple[list[nn.Parameter], Tensor]]) -> None:
     for copies, g in earlier:
         for c in copies:
             c.grad = g.clone() if c.grad is None else g + c.grad
-
-
-def _digest_bits(v: Tensor) -> Tensor:
-    """``v`` flattened as int64 for the batch digest: a floating tensor's bits (a DiT's latents
-    and text states: ``long()`` would truncate most values to 0 and miss a difference), an
-    integer or boolean tensor's values."""
-    v = v.detach().contiguous().reshape(-1)
-    if v.dtype.is_floating_point:
-        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[v.element_size()]
-        v = v.view(bits)
-    return v.long()
 
 
 def _grad_of(x: Tensor, stage: int, micro: int) -> Tensor:

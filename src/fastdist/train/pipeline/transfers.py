@@ -6,7 +6,7 @@ one action ahead once their shapes are known, and the exchange of a tied weight'
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import CommError, PipelineError
 from fastdist.train.schedules import Schedule
 
-__all__ = ["Transfers", "schedule_id"]
+__all__ = ["Transfers", "digest_bits", "flat_inputs", "schedule_id"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _HEADER = 16  # int64 slots: kind, microbatch, stage, dtype, ndim, schedule (3), shape...
@@ -301,3 +301,29 @@ def _work(work: Any) -> Any:
     """A started transfer's handle (torch types it as optional)."""
     assert work is not None
     return work
+
+
+def flat_inputs(batch: Mapping[str, Any], numbers: bool) -> dict[str, Tensor]:
+    """The batch's tensors by name, a tuple's or list's as ``name[i]``; with ``numbers`` its
+    ints, floats and bools as 0-d tensors too."""
+    out: dict[str, Tensor] = {}
+    for k, v in batch.items():
+        items = list(enumerate(v)) if isinstance(v, (tuple, list)) else [(None, v)]
+        for i, t in items:
+            name = k if i is None else f"{k}[{i}]"
+            if isinstance(t, Tensor):
+                out[name] = t
+            elif numbers and isinstance(t, (bool, int, float)):
+                out[name] = torch.tensor(float(t), dtype=torch.float64)
+    return out
+
+
+def digest_bits(v: Tensor) -> Tensor:
+    """``v`` flattened as int64 for the batch digest: a floating tensor's bits (a DiT's latents
+    and text states: ``long()`` would truncate most values to 0 and miss a difference), an
+    integer or boolean tensor's values."""
+    v = v.detach().contiguous().reshape(-1)
+    if v.dtype.is_floating_point:
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[v.element_size()]
+        v = v.view(bits)
+    return v.long()
