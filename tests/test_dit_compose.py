@@ -229,12 +229,6 @@ def test_checkpoint_saved_at_tp_sp_loads_at_sp4(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ pipelines
-def test_pipeline_refuses_a_dit() -> None:
-    mesh = fd.Mesh({"pp": 2, "sp": 2})
-    with pytest.raises(PipelineError, match=r"WanTransformer3DModel is a diffusers .*Fix:"):
-        fd.train.pipeline(tiny_wan(heads=4), mesh)
-
-
 def test_width_rms_norm_equals_torch() -> None:
     """`WidthRMSNorm` on tp column shards equals ``torch.nn.RMSNorm`` over the whole width,
     forward and backward (and with eps=None: the dtype's epsilon, as torch's)."""
