@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import fastdist as fd
-from fastdist.errors import CheckpointError, ParallelizeError, PipelineError
+from fastdist.errors import CheckpointError, ParallelizeError
 from fastdist.nn.plans.dit import TpSplit
 from fastdist.nn.plans.dit_tp import ContextTensorParallel, WidthRMSNorm, wan_tp
 from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan, wan_module
