@@ -135,13 +135,6 @@ def test_context_parallel_leaves_a_shared_config_alone(logits: str) -> None:
 
 
 # ============================================================== DiT context parallelism: arguments
-_NEEDS_PATCH = pytest.mark.xfail(
-    strict=True,
-    reason="needs /tmp/h_fix/context_model_args.patch (ContextParallel.apply registers "
-    "context_args.refuse_model_args on the model); drop this mark once applied",
-)
-
-
 def _sd3() -> torch.nn.Module:
     from diffusers import SD3Transformer2DModel
 
@@ -161,7 +154,6 @@ def _sd3() -> torch.nn.Module:
     ).double()
 
 
-@_NEEDS_PATCH
 def test_dit_context_parallel_refuses_controlnet_residuals() -> None:
     """SD3's ControlNet residuals (a row per image token, added after each block) were added
     to the rank's tokens: a raw size error. Refused at the call, naming the argument; the same
@@ -189,7 +181,6 @@ def test_dit_context_parallel_refuses_controlnet_residuals() -> None:
             pm(**rep, block_controlnet_hidden_states=[c.expand(2, *c.shape) for c in ctrl])
 
 
-@_NEEDS_PATCH
 def test_dit_context_parallel_refuses_ltx_per_token_timesteps() -> None:
     """LTX-Video's per-token timestep (batch, tokens) gave every rank every token's
     modulation: a raw size error. Refused; one timestep per sample ((batch, 1)) still runs."""

@@ -46,15 +46,21 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.attention import ulysses_sdpa
 from fastdist.nn.styles.base import Style, StyleContext, get_child
-from fastdist.nn.styles.context_args import BlockArgs, cut_positions, hook
+from fastdist.nn.styles.context_args import BlockArgs, hook, refuse_model_args
 from fastdist.nn.styles.context_recompute import (
     CurrentSplit,
-    Forward,
     SplitRotary,
     carried_split,
     carry_outputs,
-    in_backward,
-    lost_carry,
+)
+from fastdist.nn.styles.context_region import (
+    enter_block,
+    feed_outputs,
+    gather_tokens,
+    new_forward,
+    record_text,
+    shard_rotary,
+    shard_tokens,
 )
 from fastdist.nn.styles.ring_split import (
     AttentionSwap,
@@ -62,7 +68,6 @@ from fastdist.nn.styles.ring_split import (
     joint_attention,
     split_attention,
 )
-from fastdist.ops import pvary
 
 __all__ = [
     "ContextParallel",
@@ -431,116 +436,6 @@ class SequenceParallelAttention(Style):
         return module
 
 
-# ============================================================================ the region
-def _shard_tokens(
-    mesh: Mesh,
-    axes: tuple[str, ...],
-    where: str,
-    current: CurrentSplit,
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: Any,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Forward pre-hook of the first block: its hidden states cut to this rank's tokens; the
-    split is recorded for the attentions and the output."""
-    key = "hidden_states" if not args else None
-    x = kwargs[key] if key is not None else args[0]
-    if not isinstance(x, Tensor) or x.dim() != 3:
-        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ParallelizeError(
-            f"context parallelism over {axes}: {where} gets hidden states {got}, not "
-            "(batch, tokens, dim). Fix: ContextParallel(blocks=...) naming the list of "
-            "transformer blocks"
-        )
-    forward = current.found((x,), {})
-    if forward is None and in_backward():  # recomputed by a checkpoint that detached x
-        tokens = x.shape[1]
-        forward = lost_carry(
-            current, where, axes, lambda f: f.split.tokens == tokens, f"{tokens} tokens"
-        )
-    if forward is None:  # a new forward
-        forward = Forward(TokenSplit(mesh, axes, x.shape[1]), current.text)
-    current.carried[x] = forward
-    current.enter(forward)
-    split = forward.split
-    mine = split.shard(x, dim=1)  # (B, rows, D)
-    if key is not None:
-        return args, {**kwargs, key: mine}
-    return (mine, *args[1:]), kwargs
-
-
-def _shard_rotary(
-    mesh: Mesh,
-    axes: tuple[str, ...],
-    where: str,
-    dim: int,
-    indices: tuple[int, ...] | None,
-    current: CurrentSplit,
-    module: nn.Module,
-    args: Any,
-    out: Any,
-) -> Any:
-    """Forward hook of the rotary module: its outputs (those at ``indices``; tokens along
-    ``dim``) cut to this rank's positions; with text tokens recorded
-    (``ContextParallel(text=...)``: Flux's rotary embedding of ``[text; image]``), the leading
-    text rows are kept whole and the image rows after them are cut."""
-    text = current.text or 0
-    return cut_positions(axes, where, dim, text, indices, out, lambda n: TokenSplit(mesh, axes, n))
-
-
-def _record_text(current: CurrentSplit, module: nn.Module, args: Any, out: Any) -> None:
-    """Forward hook of the text module: the number of text tokens of this forward."""
-    current.text = out.shape[1]  # (B, text, D)
-
-
-def _feed_outputs(
-    mesh: Mesh,
-    axes: tuple[str, ...],
-    where: str,
-    per_token: tuple[int, ...],
-    module: nn.Module,
-    args: Any,
-    kwargs: Any,
-    out: Any,
-) -> Any:
-    """Forward hook of a ``whole`` module feeding the blocks: every tensor output ``pvary``'d;
-    with per-token timesteps (a ``timestep_seq_len`` keyword, Wan 2.2 TI2V) its outputs at the
-    indices ``per_token`` hold one row per token (dim 1) and are cut to this rank's tokens
-    instead."""
-    axis = axes[0] if len(axes) == 1 else axes
-    tokens = kwargs.get("timestep_seq_len")
-    outs = out if isinstance(out, tuple) else (out,)
-    if not all(t is None or isinstance(t, Tensor) for t in outs):
-        raise ParallelizeError(
-            f"context parallelism over {axes}: {where} returned {type(out).__name__}, not a "
-            "tensor or a tuple of them. Fix: a plan naming the modules whose outputs feed the "
-            "blocks"
-        )
-
-    def one(i: int, t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        if tokens is None or i not in per_token:
-            return pvary(t, mesh, axis)
-        if t.dim() < 2 or t.shape[1] != tokens:
-            raise ParallelizeError(
-                f"context parallelism over {axes}: {where} got per-token timesteps "
-                f"(timestep_seq_len={tokens}) but its output {i} is {tuple(t.shape)}, not one row "
-                "per token. Fix: ContextParallel(per_token=...) naming the outputs that carry a "
-                "row per token"
-            )
-        return TokenSplit(mesh, axes, tokens).shard(t, dim=1)  # per-token: (B, rows, ...)
-
-    mine = tuple(one(i, t) for i, t in enumerate(outs))
-    return mine if isinstance(out, tuple) else mine[0]
-
-
-def _gather_tokens(current: CurrentSplit, module: nn.Module, args: Any, out: Tensor) -> Tensor:
-    """Forward hook of the output module: the whole sequence, replicated on every rank."""
-    assert current.split is not None  # set by the first block's pre-hook
-    return current.split.gather(out, dim=1)  # (B, T, F)
-
-
 @dataclass(frozen=True)
 class ContextParallel(Style):
     """A whole transformer with its token sequence split over ``axis`` (context parallelism),
@@ -747,17 +642,22 @@ class ContextParallel(Style):
         current = CurrentSplit()
         blocks = self._blocks(module, name)
         first = f"{self.blocks}.0"
+        module.register_forward_pre_hook(functools.partial(new_forward, current))
+        # ControlNet residuals, per-token timesteps: rows per token the split does not cut
+        module.register_forward_pre_hook(
+            functools.partial(refuse_model_args, axes), with_kwargs=True
+        )
         blocks[0].register_forward_pre_hook(
-            functools.partial(_shard_tokens, mesh, axes, first, current), with_kwargs=True
+            functools.partial(shard_tokens, mesh, axes, first, current), with_kwargs=True
         )
         if self.text is not None:
             module.get_submodule(self.text).register_forward_hook(
-                functools.partial(_record_text, current)
+                functools.partial(record_text, current)
             )
         if self.rotary is not None:
             module.get_submodule(self.rotary).register_forward_hook(
                 functools.partial(
-                    _shard_rotary,
+                    shard_rotary,
                     mesh,
                     axes,
                     self.rotary,
@@ -768,14 +668,18 @@ class ContextParallel(Style):
             )
         for feed in self.feeds:
             module.get_submodule(feed).register_forward_hook(
-                functools.partial(_feed_outputs, mesh, axes, feed, self.per_token),
+                functools.partial(feed_outputs, mesh, axes, feed, self.per_token),
                 with_kwargs=True,
             )
         module.get_submodule(self.output).register_forward_hook(
-            functools.partial(_gather_tokens, current)
+            functools.partial(gather_tokens, current)
         )
         for i, (where, block, single) in enumerate(self._all_blocks(module, name)):
-            if i:  # the first one's is _shard_tokens
+            if i and not single:  # a block whose hidden states no block gave splits them
+                block.register_forward_pre_hook(
+                    functools.partial(enter_block, mesh, axes, where, current), with_kwargs=True
+                )
+            elif i:  # the first one's is shard_tokens
                 block.register_forward_pre_hook(
                     functools.partial(carried_split, current, axes, where), with_kwargs=True
                 )
