@@ -457,6 +457,8 @@ class Pipeline:
     def _forward(self, j: int, mb: Mapping[str, Any], x: Tensor | None) -> Tensor:
         pm = self.stages[j]
         kwargs = dict(mb)
+        if self.batches is None:  # a causal LM: no KV cache in training (its copies are waste)
+            kwargs["use_cache"] = False
         if j != self.schedule.stages - 1:
             for key in self.last_only:
                 kwargs.pop(key, None)
