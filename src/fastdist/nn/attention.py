@@ -19,7 +19,7 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import MeshError
 from fastdist.ops import all_to_all_4d, all_to_all_qkv, axis_index
 
-__all__ = ["local_attention", "ulysses_sdpa", "UlyssesAttention", "RingAttention", "USPAttention"]
+__all__ = ["local_attention", "UlyssesAttention", "RingAttention", "USPAttention"]
 
 
 def _check_qkv(name: str, q: Tensor, k: Tensor, v: Tensor, *, same_seq: bool) -> None:
@@ -112,8 +112,9 @@ def ulysses_sdpa(
     scale): q, k and v traded for every token of ``H / n`` heads in ONE all-to-all
     (`fastdist.ops.all_to_all_qkv`; its backward one too), SDPA, the output traded back.
 
-    What a context-parallel DiT's Ulysses mode runs in place of its processor's SDPA: the same
-    values, bit for bit, as three ``all_to_all_4d`` calls around SDPA.
+    What a context-parallel DiT's Ulysses mode runs in place of its processor's SDPA (internal
+    to ``ContextParallel``, not exported; for a layer of your own use `UlyssesAttention`): the
+    same values, bit for bit, as three ``all_to_all_4d`` calls around SDPA. Never run on a GPU.
 
     Args:
         q: this rank's queries ``(batch, rows, H, D)``; ``n`` (the axis size) must divide ``H``.
