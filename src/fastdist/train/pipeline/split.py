@@ -106,7 +106,9 @@ class _Zeros(nn.Module):
         self.dim, self.dtype = dim, dtype
 
     def forward(self, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+        # one zero, expanded: no activation-sized buffer to allocate and fill per micro-batch
+        zero = torch.zeros((), dtype=self.dtype, device=ids.device)
+        return zero.expand(*ids.shape, self.dim)
 
 
 class _Absent(nn.Module):
