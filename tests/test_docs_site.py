@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTIVES = (
     "psum", "pvary", "pmean", "pmax", "pmin", "all_gather", "all_gather_invariant", "local_chunk",
-    "psum_scatter", "all_to_all", "all_to_all_4d", "ppermute", "ring_shift", "broadcast",
-    "axis_index", "axis_size",
+    "psum_scatter", "all_to_all", "all_to_all_4d", "all_to_all_qkv", "ppermute", "ring_shift",
+    "broadcast", "axis_index", "axis_size",
 )  # fmt: skip
 UNEVEN = (
     "all_gather_v", "reduce_scatter_v", "gather_v", "scatter_v", "ragged_all_to_all",

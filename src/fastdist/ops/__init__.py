@@ -1,8 +1,9 @@
 """fastdist.ops: the collectives, one block per primitive, with its shape, forward and backward
 rules.
 
-Read the op modules (``reductions``, ``gathers``, ``permutes``, ``uneven``; ``halo`` composes
-``ppermute``) like a table (as JAX's ``lax/parallel.py``). Each block has
+Read the op modules (``reductions``, ``gathers``, ``permutes``, ``uneven``, ``ragged``,
+``halo``: ``halo_swap`` trades both edges of a dim in one exchange; ``packed`` composes
+``all_to_all``) like a table (as JAX's ``lax/parallel.py``). Each block has
 
 * ``_<op>_shape``: the per-rank output shape (the fake rule);
 * ``_<op>_stacked``: the forward over all ranks at once, on ``[world, *s]``
