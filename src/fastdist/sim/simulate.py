@@ -230,6 +230,28 @@ def _reentrant_checkpoint(e: RuntimeError) -> bool:
     return False
 
 
+def _in_place_into_unranked(e: RuntimeError) -> bool:
+    """Whether ``e`` is torch.vmap refusing an in-place op that would write rank-dependent
+    values into a tensor without the rank dimension."""
+    text = str(e)
+    return text.startswith("vmap: ") and "use out-of-place operators" in text
+
+
+def _in_place_message(e: RuntimeError, mesh: Mesh) -> str:
+    """The fastdist error for `_in_place_into_unranked`."""
+    op = str(e)[len("vmap: ") :].split("(", 1)[0]
+    return (
+        f"fastdist.simulate over {mesh!r}: {op} writes values that differ by rank, in place, "
+        "into a tensor made inside the simulation that holds one value for all ranks, which "
+        "torch.vmap cannot do. transformers' "
+        "load_balancing_loss_func does this when a mixture-of-experts model is called with "
+        "output_router_logits=True and an attention_mask. Fix: run it on real ranks "
+        "(fastdist.testing.run_on_gloo), or call it without the attention_mask (no padded "
+        f"row) or with output_router_logits=False; in code of your own, the out-of-place "
+        f"{op.rstrip('_')}(...)"
+    )
+
+
 def _requires_grad_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``Tensor.requires_grad_`` inside the simulation, where torch.vmap refuses it: a no-op on a
     tensor whose ranks already require grad (transformers' ``enable_input_require_grads`` hook on
@@ -423,6 +445,8 @@ def simulate(
                 except RuntimeError as e:
                     if _reentrant_checkpoint(e):
                         raise NoBackendError(_checkpoint_inside(mesh, "use_reentrant=True")) from e
+                    if _in_place_into_unranked(e):
+                        raise NoBackendError(_in_place_message(e, mesh)) from e
                     raise
                 if traced:
                     _refuse_traced_functions(start, described)
