@@ -82,11 +82,14 @@ def enter_block(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Forward pre-hook of every block of ``blocks`` after the first: the forward its inputs
     carry (`carried_split`); but a block whose hidden states no earlier block gave (the blocks
-    before it skipped: SD3's ``skip_layers=[0]``), or that gave them whole in a recomputation,
-    splits them as the first block does."""
+    before it skipped: SD3's ``skip_layers=[0]``; none split the tokens in this forward), or
+    that gave them whole in a recomputation, splits them as the first block does."""
     x = kwargs.get("hidden_states", args[0] if args else None)
     forward = current.found(args, kwargs)
-    whole = (forward is None and not in_backward()) or (
+    # no forward carried and none running: no block before it split the tokens in this forward
+    # (a pipeline stage's handed-in activation carries none, but its placeholder first block
+    # split the stage's forward)
+    whole = (forward is None and current.split is None and not in_backward()) or (
         forward is not None
         and isinstance(x, Tensor)
         and x.dim() == 3
