@@ -103,8 +103,10 @@ def plan(
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     >>> p = fd.nn.plans.plan(config, fd.Mesh({"tp": 2}), sequence_parallel=True)
-    >>> print(*sorted(p)[:3])
-    lm_head model.embed_tokens model.layers.*.input_layernorm
+    >>> print(*sorted(p)[:4])
+    lm_head model model.embed_tokens model.layers.*.input_layernorm
+    >>> p["model"]  # the partial outputs (a rank's heads or tokens) refused at the call
+    RefusePartialOutputs(axis='tp', plan='sequence-parallel', heads=True, sequence=True)
     """
     names = mesh.axis_names if mesh is not None else ()
     if family in (None, "auto") and isinstance(model_or_config, nn.Module):
