@@ -47,7 +47,8 @@ def pipeline(
 
     Args:
         model: a transformers causal LM (a family of :data:`SPLITS`), or a diffusers DiT (a
-            class of :data:`DIT_SPLITS`: Wan; see `fastdist.train.pipeline.dit`: its step
+            class of :data:`DIT_SPLITS`: Wan, LTX-Video, CogVideoX, SD3, Flux, HunyuanVideo;
+            see `fastdist.train.pipeline.dit`: its step
             takes the model's inputs and ``target``, the loss is the mean squared error), with
             weights or built on the meta device. It is taken apart: use the returned pipeline,
             not ``model`` (its calls raise), and build the optimizer afterwards from
@@ -70,7 +71,8 @@ def pipeline(
             head and the loss see the whole sequence, as without a pipeline.
             A DiT's context-parallel plan (``ContextParallel``, the default over an ``sp`` axis)
             applies inside every stage the same way: the first stage splits the tokens at
-            ``blocks.0``, they travel split, the last stage gathers them at ``proj_out``.
+            its first block, they travel split, the last stage gathers them at the output
+            projection (Wan's ``blocks.0`` and ``proj_out``).
         sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
             (stages hand on sequence shards).
         layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.

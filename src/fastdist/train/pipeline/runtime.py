@@ -286,8 +286,10 @@ class Pipeline:
                 shape and masks, the last stage its labels). On a simulated mesh each carries
                 the leading rank dim ``[mesh.size, batch, ...]``. A DiT pipeline's:
                 ``hidden_states``, ``timestep``, ``encoder_hidden_states``, ``target``,
-                optionally ``encoder_hidden_states_image``, ``weighting``
-                (`fastdist.train.pipeline.dit.dit_batches`).
+                optionally ``weighting`` and the model's other keyword inputs
+                (``encoder_hidden_states_image``, ``pooled_projections``, ``img_ids`` /
+                ``txt_ids``, ``encoder_attention_mask``, ...:
+                `fastdist.train.pipeline.dit.dit_batches`).
 
         Returns:
             the loss of the whole batch (the mean over its predicted tokens; a DiT's: the mean
