@@ -4,13 +4,18 @@ and Ulysses, zig-zag and contiguous layouts; GPipe, 1F1B and interleaved 1F1B) f
 Qwen3, pp x cp x tp, pp x dp x cp with different data per data rank, and left padding with
 position ids; the loss and every parameter's gradient equal one device's, with ignored labels
 (-100) spread unevenly over the cp ranks' shards. What cannot be right is refused. Then
-pp=2 x cp=2 on four gloo processes (1F1B ring, GPipe Ulysses).
+pp=2 x cp=2 on four gloo processes (1F1B ring, GPipe Ulysses, 1F1B Ulysses with
+``logits="split"``).
 
 How the stages split the tokens: every stage's base model takes this rank's positions and masks
 (the whole batch reaches every stage), the first stage cuts its embedding output to the rank's
 chunks, the activations travel between the stages split (each cp rank to the same cp rank of the
 next stage), and the last stage gathers its final norm's output, so the head and the loss see
-the whole sequence, exactly as context parallelism without a pipeline.
+the whole sequence, exactly as context parallelism without a pipeline. With
+``CausalContextParallel(logits="split")`` the last stage does not gather: its head and loss run
+on each rank's own tokens (the micro-batch's labels shifted over the whole sequence, then cut),
+each micro-batch's loss is its ranks' summed losses over the whole batch's count of predicted
+tokens, summed over cp.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import Tensor
 import fastdist as fd
 from fastdist import PipelineError
 from tests.test_pipeline import (
+    FAMILIES,
     TOL,
     VOCAB,
     assert_grads,
@@ -79,7 +85,8 @@ def check_step(
     **cp: Any,
 ) -> None:
     """A step of ``ref``'s pipeline over ``mesh`` with the tokens split over cp: the loss and
-    every gradient equal one device's."""
+    every gradient equal one device's. With ``logits="split"`` the last stage's LM head must
+    see each rank's ``S / cp`` tokens (with the default, the whole ``S``)."""
     pipe = fd.train.pipeline(
         copy.deepcopy(ref),
         mesh,
@@ -88,6 +95,9 @@ def check_step(
         virtual=virtual,
         plan=cp_plan(ref, mesh, **cp),
     )
+    seen: list[int] = []
+    for pm in pipe.stages.values():  # the last stage's head (the others never reach theirs)
+        pm.module.lm_head.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[-2]))
     ids, labels = make_batch(1)
     assert len(set(shard_counts(labels, mesh.axis_size("cp")))) > 1  # uneven per shard
     loss_ref = hand_loss(ref, ids, labels)
@@ -96,6 +106,8 @@ def check_step(
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **tol)
     assert_grads(pipe, ref, tol)
+    split = cp.get("logits") == "split"
+    assert set(seen) == {S // mesh.axis_size("cp") if split else S}
 
 
 # ============================================================================ pp x cp
@@ -141,8 +153,9 @@ def test_pp2_dp2_cp2_equals_one_device() -> None:
     assert_grads(pipe, ref)
 
 
+@pytest.mark.parametrize("logits", ["gathered", "split"])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_padding_mask_and_positions_are_the_ranks_own(mode: str) -> None:
+def test_padding_mask_and_positions_are_the_ranks_own(mode: str, logits: str) -> None:
     """Left-padded rows with their position ids: every stage masks the padding keys and rotates
     its tokens by their own positions (a stage that took the whole mask or positions, or none,
     would differ from one device)."""
@@ -156,7 +169,11 @@ def test_padding_mask_and_positions_are_the_ranks_own(mode: str) -> None:
         {0: 6, 2: 3},
         mesh,
         lambda model: fd.train.pipeline(
-            model, mesh, schedule="1f1b", microbatches=2, plan=cp_plan(ref, mesh, mode=mode)
+            model,
+            mesh,
+            schedule="1f1b",
+            microbatches=2,
+            plan=cp_plan(ref, mesh, mode=mode, logits=logits),
         ),
     )
 
@@ -172,6 +189,62 @@ def test_the_stages_attention_is_the_context_attention() -> None:
         for i in pipe.layers[next(j for j, p in pipe.stages.items() if p is pm)]:
             attn = pm.module.model.layers[i].self_attn
             assert attn.config._attn_implementation == "fastdist_context"
+
+
+# ============================================================================ logits="split"
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_split_logits_pp2_cp2_equals_one_device(schedule: str, mode: str) -> None:
+    """``logits="split"``: the last stage's norm, head and loss on each cp rank's own S/cp
+    tokens (the labels shifted over the whole micro-batch's sequence, then cut: a shard's last
+    token predicts a label of another rank's shard), each micro-batch's loss summed over cp and
+    divided by the WHOLE batch's count (the -100s fall unevenly over the shards: a mean of
+    per-shard or per-micro-batch means would differ)."""
+    check_step(llama(4), fd.Mesh({"pp": 2, "cp": 2}), schedule, mode=mode, logits="split")
+
+
+def test_split_logits_with_tp_interleaved_contiguous_and_tied_embeddings() -> None:
+    """``logits="split"`` with a vocabulary-parallel head (pp x cp x tp), two stages per rank,
+    the contiguous layout, and Gemma's embeddings tied across the first and the last stage
+    (the head's gradient of the rank's tokens summed over cp, then with the embedding's)."""
+    mesh = fd.Mesh({"pp": 2, "cp": 2})
+    check_step(llama(4), fd.Mesh({"pp": 2, "cp": 2, "tp": 2}), "1f1b", logits="split")
+    check_step(llama(4), mesh, "interleaved_1f1b", virtual=2, logits="split")
+    check_step(llama(4), mesh, "1f1b", layout="contiguous", mode="ulysses", logits="split")
+    ref = family_model("gemma", tie=True, layers=4)
+    tol = FAMILIES["gemma"][1]
+    pipe = fd.train.pipeline(
+        copy.deepcopy(ref), mesh, microbatches=2, plan=cp_plan(ref, mesh, logits="split")
+    )
+    ids, labels = make_batch(2)
+    loss_ref = hand_loss(ref, ids, labels)
+    loss_ref.backward()
+    loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **tol)
+    grads = pipe.grads()
+    assert pipe.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert torch.equal(grads.pop("lm_head.weight"), grads["model.embed_tokens.weight"])
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    assert grads.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_split_logits_with_shift_labels_equals_one_device() -> None:
+    """Labels already shifted (``shift_labels=``, transformers' aligned form) with
+    ``logits="split"``: cut to the rank's tokens as given (not shifted again)."""
+    ref = llama(4)
+    mesh = fd.Mesh({"pp": 2, "cp": 2})
+    pipe = fd.train.pipeline(
+        copy.deepcopy(ref), mesh, microbatches=2, plan=cp_plan(ref, mesh, logits="split")
+    )
+    ids, labels = make_batch(4)
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    loss_ref = hand_loss(ref, ids, labels)
+    loss_ref.backward()
+    loss = pipe.step(input_ids=rep(ids, mesh), shift_labels=rep(shifted, mesh))
+    torch.testing.assert_close(loss, rep(loss_ref.detach(), mesh), **TOL)
+    assert_grads(pipe, ref)
 
 
 # ============================================================================ refused
@@ -201,9 +274,10 @@ def cp_on_4() -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = fd.connect(pp=2, cp=2, timeout=60)
     out: dict[str, Any] = {"pp": mesh.index(mesh.rank, "pp")}
-    for case, schedule, mode in (
-        ("1f1b-ring", "1f1b", "ring"),
-        ("gpipe-ulysses", "gpipe", "ulysses"),
+    for case, schedule, mode, logits in (
+        ("1f1b-ring", "1f1b", "ring", "gathered"),
+        ("gpipe-ulysses", "gpipe", "ulysses", "gathered"),
+        ("1f1b-ulysses-split", "1f1b", "ulysses", "split"),
     ):
         ref = llama(4)
         ids, labels = make_batch(1)
@@ -214,7 +288,7 @@ def cp_on_4() -> dict[str, Any]:
             mesh,
             schedule=schedule,
             microbatches=2,
-            plan=cp_plan(ref, mesh, mode=mode),
+            plan=cp_plan(ref, mesh, mode=mode, logits=logits),
         )
         loss = pipe.step(input_ids=ids, labels=labels)
         got = pipe.grads()
@@ -232,12 +306,13 @@ def cp_on_4() -> dict[str, Any]:
 def test_pp2_cp2_on_gloo_processes_equals_one_device() -> None:
     """Real ranks: each cp rank of stage 0 sends its shard of the activations to the same cp
     rank of stage 1 (and the gradients back); every rank's loss and its stage's gradients equal
-    one device's, and the ranks together cover every parameter."""
+    one device's, and the ranks together cover every parameter; also with ``logits="split"``
+    (stage 1's head and loss on each rank's own tokens, the loss summed over cp)."""
     from tests.dist_harness import run_on_gloo
 
     per_rank = run_on_gloo(cp_on_4, 4, timeout=300)
     assert [r["pp"] for r in per_rank] == [0, 0, 1, 1]
-    for case in ("1f1b-ring", "gpipe-ulysses"):
+    for case in ("1f1b-ring", "gpipe-ulysses", "1f1b-ulysses-split"):
         got = [r[case] for r in per_rank]
         for g, r in enumerate(got):
             assert r["shape"] == () and r["loss_err"] <= 1e-9, (case, g, r["loss_err"])

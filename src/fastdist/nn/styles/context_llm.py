@@ -739,13 +739,6 @@ class CausalContextParallel(Style):
                 f"parallelize: {name!r} ({type(module).__name__}) has no ModuleList "
                 f"{self.layers!r} of decoder layers. Fix: CausalContextParallel(layers=...)"
             )
-        if self.logits == "split" and any(not any(True for _ in x.parameters()) for x in layers):
-            raise ParallelizeError(
-                f"parallelize: {name!r}: CausalContextParallel(logits='split') with a decoder "
-                "layer that holds no parameters (a pipeline stage's stand-in for another "
-                "stage's layer): the last stage's loss on its own shard is not built. Fix: "
-                "logits='gathered' (the default) in a pipeline"
-            )
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
