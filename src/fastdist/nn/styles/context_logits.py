@@ -7,6 +7,9 @@ the rank's tokens; the rank's sum divided by the WHOLE batch's count of labels n
 returns the same loss; its gradient is the identity). The head's parameters meet the rank's
 tokens: the plan pvary's them (`PvaryTree` on the head). The loss is fastdist's
 (`HFCausalLMLoss`, the model's dtype), vocabulary-parallel over ``tp`` where the head is.
+In a pipeline (`fastdist.train.pipeline`) the last stage's causal LM gets each micro-batch's
+labels and the pipeline's WHOLE-batch ``num_items_in_batch`` (kept), so the micro-batches'
+summed losses are one device's mean; the other stages get no labels (the hook does nothing).
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ def pipeline(
             the tokens are split where the first stage's embedding output enters its first
             layer, travel split between the stages (each ``cp`` rank to the same ``cp`` rank
             of the next stage), and are gathered after the last stage's final norm, so the
-            head and the loss see the whole sequence, as without a pipeline.
+            head and the loss see the whole sequence, as without a pipeline; with
+            ``CausalContextParallel("cp", logits="split")`` they stay split, the last stage's
+            head and loss run on each rank's tokens and the loss is summed over ``cp``.
             A DiT's context-parallel plan (``ContextParallel``, the default over an ``sp`` axis)
             applies inside every stage the same way: the first stage splits the tokens at
             its first block, they travel split, the last stage gathers them at the output
