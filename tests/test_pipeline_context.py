@@ -205,12 +205,14 @@ def test_split_logits_pp2_cp2_equals_one_device(schedule: str, mode: str) -> Non
 
 def test_split_logits_with_tp_interleaved_contiguous_and_tied_embeddings() -> None:
     """``logits="split"`` with a vocabulary-parallel head (pp x cp x tp), two stages per rank,
-    the contiguous layout, and Gemma's embeddings tied across the first and the last stage
-    (the head's gradient of the rank's tokens summed over cp, then with the embedding's)."""
+    the contiguous layout, Mixtral (its experts' own pvary), and Gemma's embeddings tied across
+    the first and the last stage (the head's gradient of the rank's tokens summed over cp, then
+    with the embedding's)."""
     mesh = fd.Mesh({"pp": 2, "cp": 2})
     check_step(llama(4), fd.Mesh({"pp": 2, "cp": 2, "tp": 2}), "1f1b", logits="split")
     check_step(llama(4), mesh, "interleaved_1f1b", virtual=2, logits="split")
     check_step(llama(4), mesh, "1f1b", layout="contiguous", mode="ulysses", logits="split")
+    check_step(family_model("mixtral", layers=4), mesh, "1f1b", logits="split")
     ref = family_model("gemma", tie=True, layers=4)
     tol = FAMILIES["gemma"][1]
     pipe = fd.train.pipeline(
