@@ -42,10 +42,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fastdist.errors import PipelineError
-from fastdist.nn.styles.context_recompute import in_backward
 from fastdist.train.pipeline.split import StageHooks, recomputed_input, retire
 
 if TYPE_CHECKING:
@@ -493,15 +491,7 @@ def install_stage(
         module.forward = forward
 
 
-class _Handoff(Exception):  # noqa: N818 - control flow, not an error
-    """Ends a non-last stage's forward at its last block, carrying what it hands on."""
-
-    def __init__(self, packed: Tensor) -> None:
-        super().__init__()
-        self.packed = packed
-
-
-class StreamHooks:
+class StreamHooks(StageHooks):
     """`StageHooks` for blocks that take and return ``(hidden states, stream)``: a stage hands
     on ``cat([stream, hidden states], dim=1)`` (one tensor through the schedule and its
     transfers: same batch and width); the next stage's first block gets the two back, split at
@@ -517,33 +507,10 @@ class StreamHooks:
         stream: str,
         stream_first: bool = False,
     ) -> None:
-        self.stream, self.received = stream, cast(Tensor | None, None)
-        self.swapped: Any = WeakIdKeyDictionary()  # the block's input -> the activation used
-        self.stream_first = stream_first
-        self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
-        if first is not None:
-            self.handles.append(
-                first.register_forward_pre_hook(self._substitute, with_kwargs=True, prepend=True)
-            )
-        if last is not None:
-            self.handles.append(last.register_forward_hook(self._hand_on))
-            model_forward = module.forward
+        self.stream, self.stream_first = stream, stream_first
+        super().__init__(module, first, last)
 
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return model_forward(*args, **kwargs)
-                except _Handoff as h:
-                    return h.packed
-
-            module.forward = forward
-
-    def _take(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        from fastdist.train.pipeline.split import STAGE_INPUT
-
-        self.received = kwargs.pop(STAGE_INPUT, None)
-        return args, kwargs
-
-    def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    def substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         x, self.received = self.received, None
         # positional (diffusers' gradient checkpointing calls blocks so) or keyword
         names = list(inspect.signature(module.forward).parameters)
@@ -555,11 +522,9 @@ class StreamHooks:
             k: v for k, v in new.items() if k not in names[: len(args)]
         }
 
-    def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
-        if in_backward():  # recomputed by a checkpoint: the backward goes on through it
-            return None
+    def handed_on(self, out: Any) -> Tensor:
         hidden, stream = out[::-1] if self.stream_first else out
-        raise _Handoff(torch.cat([stream, hidden], dim=1))
+        return torch.cat([stream, hidden], dim=1)  # (B, stream + tokens, D)
 
 
 def dit_loss(out: Tensor, target: Tensor, weighting: Tensor | None, num_items: int) -> Tensor:

@@ -155,7 +155,7 @@ class StageHooks:
         self.handles = [module.register_forward_pre_hook(self._take, with_kwargs=True)]
         if first is not None:
             self.handles.append(
-                first.register_forward_pre_hook(self._substitute, with_kwargs=True, prepend=True)
+                first.register_forward_pre_hook(self.substitute, with_kwargs=True, prepend=True)
             )
         if last is not None:
             self.handles.append(last.register_forward_hook(self._hand_on))
@@ -174,17 +174,23 @@ class StageHooks:
         self.received = kwargs.pop(STAGE_INPUT, None)
         return args, kwargs
 
-    def _substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    def substitute(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Forward pre-hook of the first own layer: its hidden states replaced by the received
+        activation (a subclass may hand in more than the hidden states)."""
         x, self.received = self.received, None
         x = recomputed_input(self.swapped, args[0] if args else kwargs.get("hidden_states"), x)
         if args:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": x}
 
+    def handed_on(self, out: Any) -> Tensor:
+        """The tensor the last own layer's output ``out`` hands on (its hidden states)."""
+        return cast(Tensor, out[0] if isinstance(out, (tuple, list)) else out)
+
     def _hand_on(self, module: nn.Module, args: Any, out: Any) -> Any:
         if in_backward():  # recomputed by a checkpoint: the backward goes on through it
             return None
-        raise _Handoff(out[0] if isinstance(out, (tuple, list)) else out)
+        raise _Handoff(self.handed_on(out))
 
 
 def recomputed_input(swapped: Any, given: Any, received: Tensor | None) -> Tensor:
