@@ -4,6 +4,8 @@ One concern per module:
 
 * :mod:`~fastdist.serving.queue`: :class:`MessageQueue`, one writer and N readers of picklable
   objects, and its collective setup.
+* :mod:`~fastdist.serving.wire`: ``QueueWire``, the queue's ends and how a message's bytes
+  move over them (ring fragments, socket frames), with the waits and errors of both.
 * :mod:`~fastdist.serving.broadcasters`: vLLM's constructors, :func:`create_mq_broadcaster`
   and :func:`create_single_reader_mq_broadcasters`.
 * :mod:`~fastdist.serving.shm_ring`: the shared-memory ring the readers on the writer's host
