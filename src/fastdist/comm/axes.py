@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -217,17 +218,25 @@ class TorchAxisComm:
         :meth:`run`)."""
         if torch.compiler.is_compiling():
             return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
-        if self.comm.broken is not None:
-            self.comm.check_usable(op, self)
-        entered = self.comm.enter(op, self)
+        comm = self.comm
+        if comm.broken is not None:
+            comm.check_usable(op, self)
+        # TorchComm.enter's usual case inline: no call on the mesh in progress, so this thread
+        # takes the mark (an outer call on this thread, or another thread's: enter decides)
+        if comm.in_call is None:
+            comm.in_call, entered = threading.get_ident(), True
+        else:
+            entered = comm.enter(op, self)
         self.calls += 1
         t: Transport | None = None
         try:
-            if self.comm.native_lib is None:
-                t = self._transports.get(x.device.type)
+            if comm.native_lib is None:
+                # x.is_cpu first: reading x.device.type builds a device and a string
+                t = self._transports.get("cpu" if x.is_cpu else x.device.type)
             if t is None:
                 t = self.transport(op, x)
-            return cast(Tensor, getattr(t, method)(op, x, *args))
+            out: Tensor = getattr(t, method)(op, x, *args)
+            return out
         except (CommError, MeshError, NoBackendError):
             raise
         except Exception as e:  # c10d raises RuntimeError/DistError for everything
@@ -238,7 +247,7 @@ class TorchAxisComm:
             raise self.failed(op, e, "the collective") from e
         finally:
             if entered:
-                self.comm.in_call = None
+                comm.in_call = None
 
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         """Elementwise ``reduce_op`` (``"sum" | "max" | "min"``) over members; same shape."""

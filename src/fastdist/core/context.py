@@ -94,10 +94,14 @@ def simulation_of(mesh: Mesh) -> Any:
     autograd node (``fastdist.sim.simulate._Resume``), bound to the vmap over the ranks that torch
     re-created for that backward.
     """
-    found = _innermost(_RUNNING.simulations, mesh)
+    simulations = _RUNNING.simulations
+    # the usual case on real ranks: nothing simulated on this thread (no stack scan)
+    found = _innermost(simulations, mesh) if simulations else None
     if found is not None or torch.compiler.is_compiling():
         return found
     node = torch._C._current_autograd_node()  # None outside a backward
+    if node is None:
+        return None
     for resume in reversed(getattr(node, "_fastdist_resume", ())):
         if resume.covers(mesh):
             return resume.binding(mesh)
@@ -124,7 +128,8 @@ def pop_simulation(count: int) -> None:
 def check_of(mesh: Mesh) -> Any:
     """The tracker of the innermost replication check running over ``mesh`` (``None``: none, or
     suspended)."""
-    return _innermost(_RUNNING.checks, mesh)
+    checks = _RUNNING.checks
+    return _innermost(checks, mesh) if checks else None
 
 
 def push_check(mesh: Mesh, tracker: Any) -> None:

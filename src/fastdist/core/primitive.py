@@ -178,13 +178,10 @@ class GroupSpec:
 
 
 def _any_needs_grad(tensors: Sequence[Tensor]) -> bool:
-    """Whether any of ``tensors`` is differentiable (:func:`needs_grad`); a plain tensor that does
-    not require grad is answered without a call."""
+    """Whether any of ``tensors`` is differentiable (:func:`needs_grad`); a plain tensor (functorch
+    level -1: no wrapper to look through) is answered with one C call, and no Python one."""
     for t in tensors:
-        if t.requires_grad or (
-            (_functorch.is_batchedtensor(t) or _functorch.is_gradtrackingtensor(t))
-            and needs_grad(t)
-        ):
+        if t.requires_grad or (_functorch.maybe_get_level(t) != -1 and needs_grad(t)):
             return True
     return False
 
@@ -273,9 +270,9 @@ def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
     ):
         return fn.apply(*args)  # type: ignore[no-untyped-call]
     # What Function.apply does next: unwrap tensors of finished torch.func transforms, then the C
-    # entry.
+    # entry (a list, not a generator: this runs on every differentiable collective).
     return _C_APPLY.__get__(None, fn)(
-        *(_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args)
+        *[_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args]
     )
 
 
@@ -410,6 +407,19 @@ class Primitive:
             )
         return self._bind(tensors, spec, params)
 
+    def bind_args(
+        self, tensors: tuple[Tensor, ...], spec: GroupSpec, params: dict[str, Any]
+    ) -> Tensor:
+        """:meth:`bind` with its arguments already collected (``bind(*tensors, spec=spec,
+        **params)``), for the ops' own entry (``fastdist.ops.prelude.apply_primitive``): the same
+        call without unpacking and re-packing the parameters. ``params`` is the caller's own
+        dict: observers and the op's Function may keep it."""
+        if COLLECTIVE_OBSERVERS.active:
+            return COLLECTIVE_OBSERVERS.call(
+                self, False, tensors, spec, params, lambda: self._bind(tensors, spec, params)
+            )
+        return self._bind(tensors, spec, params)
+
     def _bind(self, tensors: Sequence[Tensor], spec: GroupSpec, params: dict[str, Any]) -> Tensor:
         """:meth:`bind` itself: where the collective runs, and how its gradient is recorded.
 
@@ -419,13 +429,18 @@ class Primitive:
         simulate's own vmap with no other transform, :meth:`_bind_at_level` calls the
         stacked op (or, with a gradient, its Function) directly.
         """
+        if spec.comm is not None:  # real ranks: the Function when a gradient can flow
+            # (always under dynamo, which traces the Function: asked first, so that dynamo does
+            # not trace the functorch checks)
+            if torch.compiler.is_compiling() or (
+                torch.is_grad_enabled() and _any_needs_grad(tensors)
+            ):
+                vals = tuple([params[p] for p in self.param_names])
+                out: Tensor = apply_function(self.dist_function, spec, vals, *tensors)
+                return out
+            return self._run_distributed(spec, tensors, params)
         # dynamo: keep the traced paths, skip the functorch checks
         compiling = torch.compiler.is_compiling()
-        if spec.comm is not None:  # real ranks: the Function when a gradient can flow
-            if compiling or (torch.is_grad_enabled() and _any_needs_grad(tensors)):
-                vals = tuple([params[p] for p in self.param_names])
-                return cast(Tensor, apply_function(self.dist_function, spec, vals, *tensors))
-            return self._run_distributed(spec, tensors, params)
         vals = tuple([params[p] for p in self.param_names])
         # dynamo records the op; the stacked op's registered autograd has the per-rank rule
         if compiling:

@@ -113,7 +113,8 @@ def all_gather(
             [1., 2., 3., 4.]])
     """
     x, spec = enter("all_gather", x, mesh, axis)
-    tiled = flag("all_gather", axis, "tiled", tiled)
+    if tiled is not True and tiled is not False:
+        flag("all_gather", axis, "tiled", tiled)  # raises: not a bool
     d = norm_dim("all_gather", axis, "dim", dim, x.dim() if tiled else x.dim() + 1)
     return apply_primitive(all_gather_p, mesh, x, spec, dim=d, tiled=tiled)
 
@@ -304,7 +305,8 @@ def psum_scatter(
     """
     x, spec = enter("psum_scatter", x, mesh, axis)
     need_reducible(psum_scatter_p, axis, x)
-    tiled = flag("psum_scatter", axis, "tiled", tiled)
+    if tiled is not True and tiled is not False:
+        flag("psum_scatter", axis, "tiled", tiled)  # raises: not a bool
     d = norm_dim("psum_scatter", axis, "dim", dim, x.dim())
     if tiled:
         need_divisible("psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks")

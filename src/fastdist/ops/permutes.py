@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -179,10 +180,16 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
             "ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1"
         )
     x, spec = enter("ring_shift", x, mesh, axis)
-    n = spec.n
-    # (src0, dst0, ...): a permutation by construction
-    perm = tuple([v for i in range(n) for v in (i, (i + shift) % n)])
-    return apply_primitive(ppermute_p, mesh, x, spec, perm=perm)
+    # memoised outside dynamo tracing (dynamo warns on a memo, and traces the function itself)
+    ring = _ring_perm.__wrapped__ if torch.compiler.is_compiling() else _ring_perm
+    return apply_primitive(ppermute_p, mesh, x, spec, perm=ring(spec.n, shift))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_perm(n: int, shift: int) -> tuple[int, ...]:
+    """The ring of ``n`` members shifted by ``shift`` as ``(src0, dst0, ...)``: a permutation by
+    construction. A pure function, memoised (building it costs a small call's own work again)."""
+    return tuple([v for i in range(n) for v in (i, (i + shift) % n)])
 
 
 # ====================================================================== broadcast

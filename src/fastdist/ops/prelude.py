@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fastdist.core.binding import promote, rank_binding
 from fastdist.core.context import check_of, simulation_of
-from fastdist.core.dtype_rule import check_reduction_dtype
+from fastdist.core.dtype_rule import REDUCTION_DTYPES, check_reduction_dtype
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.errors import CollectiveError, MeshError, NoBackendError
@@ -94,12 +94,15 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
         raise CollectiveError(
             op, axis, f"x must be a torch.Tensor, got {type(x).__name__}", "pass a tensor"
         )
-    check_mesh(op, mesh, axis)
+    if not isinstance(mesh, Mesh):
+        check_mesh(op, mesh, axis)  # raises
     binding = simulation_of(mesh)
-    # real ranks (a simulation over the mesh takes precedence)
-    comm = cast("Comm | None", mesh.comm)
-    if binding is None and comm is not None:
-        return x, comm.spec(axis, f"fastdist.{op}")
+    # real ranks (a simulation over the mesh takes precedence): the spec the communicator
+    # validated and cached for this axis
+    if binding is None:
+        comm: Comm | None = mesh.comm  # type: ignore[assignment]
+        if comm is not None:
+            return x, comm.spec(axis, f"fastdist.{op}")
     spec = plain_spec(op, mesh, axis)
     if binding is None:
         binding = rank_binding(op, mesh)  # raises unless the mesh has one rank
@@ -143,12 +146,12 @@ def apply_primitive(
     tracker = check_of(mesh)
     if tracker is not None:
         return cast(Tensor, tracker.collective(prim, mesh, x, spec, params, extra))
-    return prim.bind(x, *extra, spec=spec, **params)
+    return prim.bind_args((x, *extra) if extra else (x,), spec, params)
 
 
 def flag(op: str, axis: AxisName, name: str, value: Any) -> bool:
     """``value`` if it is a bool (``tiled="no"`` would read as true)."""
-    if not isinstance(value, bool):
+    if value is not True and value is not False:  # not a bool (bool has no subclasses)
         raise CollectiveError(
             op,
             axis,
@@ -160,6 +163,8 @@ def flag(op: str, axis: AxisName, name: str, value: Any) -> bool:
 
 def norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
     """Normalise a (possibly negative) dim in ``[-ndim, ndim)``."""
+    if type(dim) is int and -ndim <= dim < ndim:  # the usual case, first
+        return dim % ndim
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         rng = f"[{-ndim}, {ndim - 1}]" if ndim else "none: the tensor is 0-d"
         raise CollectiveError(
@@ -183,8 +188,11 @@ def need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: st
 
 def need_reducible(prim: Primitive, axis: AxisName, x: Tensor) -> None:
     """The one dtype rule of reductions (``fastdist.core.dtype_rule``), for ``prim``'s kind of
-    reduction."""
-    check_reduction_dtype(prim.name, axis, x.dtype, cast(str, prim.reduces))
+    reduction (an accepted dtype is one set lookup; the rule itself words the error)."""
+    dtype = x.dtype
+    allowed = REDUCTION_DTYPES.get(prim.reduces or "")
+    if allowed is None or dtype not in allowed:
+        check_reduction_dtype(prim.name, axis, dtype, cast(str, prim.reduces))
 
 
 def real_view(x: Tensor) -> Tensor:

@@ -40,7 +40,9 @@ def _psum_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
 
 
 def _psum_dist(comm: AxisComm, x: Tensor) -> Tensor:
-    return like(comm.all_reduce("psum", real_view(x), "sum"), x)
+    if x.is_complex():
+        return like(comm.all_reduce("psum", real_view(x), "sum"), x)
+    return comm.all_reduce("psum", x, "sum")
 
 
 def _psum_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
