@@ -40,7 +40,8 @@ Generation (``ParallelModel.generate``): a prompt whose length divides by ``2n``
 split; the KV cache stays split (``cache="split"``, the default: each rank keeps its tokens'
 keys and values), each decoding step's new token runs on every rank, its keys and values are
 appended on every rank (counted on rank 0 only) and its attention over every rank's shard is
-merged with a log-sum-exp (`fastdist.nn.styles.causal_ring.merge`); a sliding-window layer
+merged with a log-sum-exp (`fastdist.nn.styles.causal_ring.merge`; the split cache's marks,
+guards and attention are `fastdist.nn.styles.context_cache`'s); a sliding-window layer
 (Mistral, Gemma 2) keeps the rank's newest ``window - 1`` keys. With ``cache="gathered"`` the
 cache is gathered after the prefill instead (every rank holds the whole cache of its heads) and
 each decoding step runs whole. The model's
@@ -63,18 +64,22 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import SequenceSwitch, Style, StyleContext
 from fastdist.nn.styles.causal_ring import (
-    Partial,
     attend,
-    finish,
-    merge,
-    partial,
     ring_blocks,
-    update,
     zigzag_ring,
 )
 from fastdist.nn.styles.configs import own_config
+from fastdist.nn.styles.context_cache import (
+    cache_length,
+    record_length,
+    refuse_fixed_cache,
+    settle_prefill_cache,
+    split_cache_attention,
+    split_prefill,
+    unmark,
+)
 from fastdist.nn.styles.context_recompute import in_backward
-from fastdist.ops import all_gather_invariant, all_to_all_4d, axis_index, local_chunk
+from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk
 
 __all__ = [
     "CausalContextParallel",
@@ -102,8 +107,6 @@ SPLIT_GENERATE = (
     "the next token is read off the last one. Fix: generate with a model parallelized with "
     "logits='gathered' (the default; load the trained weights into it)"
 )
-#: the attribute of a KV cache a split prefill left split: its `SplitMark`
-SPLIT_CACHE = "_fastdist_split_prefill"
 
 
 # ============================================================================ zig-zag layout
@@ -184,104 +187,6 @@ class ContextState:
         return all_gather_invariant(x, self.mesh, self.axis, dim=dim).contiguous()
 
 
-# ============================================================================ split KV cache
-@dataclass
-class SplitMark:
-    """What a KV cache left split by a split prefill carries (as `SPLIT_CACHE`): the prefill's
-    token count on all ranks, and the rank-local length the cache held when this model's last
-    forward with it ended (a length that differs at the next call: the cache was changed
-    outside the model, and its split can no longer be read)."""
-
-    prefill: int
-    local: int
-
-
-def _cache_length(cache: Any) -> int:
-    """The token count a KV cache holds on this rank (0: none): its class's ``get_seq_length``
-    (a split cache's own reports the count on all ranks, `_global_length`)."""
-    if cache is None:
-        return 0
-    return int(type(cache).get_seq_length(cache))
-
-
-def _global_length(cache: Any, n: int, layer_idx: int = 0) -> int:
-    """``get_seq_length`` of a split cache: the tokens it holds on all ``n`` ranks (the prefill's
-    and every decoded one), which transformers' ``generate`` counts as the tokens seen (a
-    ``generate`` continuing from the cache feeds the tokens after them)."""
-    local = int(type(cache).get_seq_length(cache, layer_idx))
-    mark = cache.__dict__.get(SPLIT_CACHE)
-    return local if mark is None or not local else local + mark.prefill - mark.prefill // n
-
-
-def _mark_split(cache: Any, prefill: int, local: int, axis: str, n: int) -> None:
-    """Mark ``cache`` as left split by a prefill of ``prefill`` tokens over ``n`` ranks: its
-    ``get_seq_length`` reports the tokens on all ranks, its ``crop`` is guarded."""
-    cache.__dict__[SPLIT_CACHE] = SplitMark(prefill, local)
-    cache.__dict__["crop"] = functools.partial(_split_crop, cache, axis)
-    cache.__dict__["get_seq_length"] = functools.partial(_global_length, cache, n)
-
-
-def _unmark(cache: Any) -> None:
-    """Drop a split mark (and the crop guard): the cache is empty, the next prefill starts anew."""
-    d = getattr(cache, "__dict__", {})
-    d.pop(SPLIT_CACHE, None)
-    for name, func in (("crop", _split_crop), ("get_seq_length", _global_length)):
-        if isinstance(d.get(name), functools.partial) and d[name].func is func:
-            del d[name]
-
-
-def _split_crop(cache: Any, axis: str, tokens_to_remove: int) -> None:
-    """``crop`` of a cache a split prefill left split: only ``crop(0)`` (nothing removed) and a
-    crop that empties the cache pass; any other is refused (the cache holds this rank's share of
-    the prompt; transformers' crop of the last tokens would cut different tokens on each rank's
-    books than the split's)."""
-    mark: SplitMark | None = cache.__dict__.get(SPLIT_CACHE)
-    local = _cache_length(cache)
-    if mark is not None and tokens_to_remove != 0 and -tokens_to_remove < local:
-        raise ParallelizeError(
-            f"context parallelism over {axis!r}: crop({tokens_to_remove}) of a KV cache a split "
-            f"prefill of {mark.prefill} tokens left split (each rank holds its own share of the "
-            "prompt), as assisted generation (assistant_model=, prompt_lookup_num_tokens=) "
-            "rolls back rejected tokens: cropping a split cache is not built. Fix: "
-            'CausalContextParallel(cache="gathered") (every rank holds the whole cache after the '
-            "prefill), or generate without assistance"
-        )
-    type(cache).crop(cache, tokens_to_remove)
-    if _cache_length(cache) == 0:
-        _unmark(cache)
-
-
-def _split_mark(state: ContextState, cache: Any, past: int, S: int, mask: Any) -> int | None:
-    """The split prefill's token count of a decoding forward's ``cache`` (None: the cache is
-    whole); raises where the cache was changed outside the model since its last forward, or where
-    the call re-feeds tokens the cache holds (transformers' ``generate`` continuing from a split
-    cache counts the cache's rank-local length as the tokens seen)."""
-    mark = getattr(cache, "__dict__", {}).get(SPLIT_CACHE)
-    if not isinstance(mark, SplitMark) or not past:
-        return None
-    axis, n = state.axis, state.mesh.axis_size(state.axis)
-    if past != mark.local:
-        raise ParallelizeError(
-            f"context parallelism over {axis!r}: the KV cache a split prefill of {mark.prefill} "
-            f"tokens left split holds {past} tokens on this rank, not the {mark.local} it held "
-            "after the model's last forward: it was changed outside the model (a crop, a reset "
-            "of some layers), and its split over the ranks can no longer be read. Fix: "
-            'CausalContextParallel(cache="gathered") to edit the cache, or a fresh cache '
-            "(cache.reset() empties it for a new prompt)"
-        )
-    total = mark.prefill + past - mark.prefill // n + S  # this call's included, all ranks
-    if isinstance(mask, Tensor) and mask.shape[1] != total:
-        raise ParallelizeError(
-            f"context parallelism over {axis!r}: a call of {S} tokens with an attention_mask of "
-            f"{mask.shape[1]} against a KV cache a split prefill of {mark.prefill} tokens left "
-            f"split, which with them holds {total} tokens on all ranks ({past} on this rank): "
-            "the mask must cover every cached token and the call's. Fix: pass the whole "
-            f"sequence's mask ({total} columns), or, to feed tokens again or edit the cache, "
-            'CausalContextParallel(cache="gathered")'
-        )
-    return mark.prefill
-
-
 # ============================================================================ hooks
 
 
@@ -327,13 +232,13 @@ def _enter_model(
     if state.logits == "split" and state.switch.decoding:
         raise ParallelizeError(SPLIT_GENERATE.format(axis=state.axis))
     S = tokens.shape[1]
-    past = _cache_length(kw.get("past_key_values"))
+    past = cache_length(kw.get("past_key_values"))
     if past == 0:  # an empty (new, reset) cache: a mark of an earlier prefill is stale
-        _unmark(kw.get("past_key_values"))
+        unmark(kw.get("past_key_values"))
     state.split = past == 0 and S % state.chunks == 0
     if not state.split:
         return (), _enter_whole(state, module, kw, tokens, past)
-    _refuse_fixed_cache(state.axis, kw.get("past_key_values"))
+    refuse_fixed_cache(state.axis, kw.get("past_key_values"))
     for layer in getattr(kw.get("past_key_values"), "layers", ()):
         if getattr(layer, "is_sliding", False):  # keep the rank's every token until gathered
             layer.record_past = True
@@ -353,27 +258,6 @@ def _enter_model(
     state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
     kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
-
-
-#: the KV cache layers a split prefill can fill (each rank its tokens, gathered or kept split)
-_DYNAMIC = ("DynamicLayer", "DynamicSlidingWindowLayer")
-
-
-def _refuse_fixed_cache(axis: str, cache: Any) -> None:
-    """Refuse, before a split prefill runs, a KV cache with a layer of fixed length (a static
-    cache: its update returns every slot, not the rank's tokens) or of another kind (an
-    offloaded or quantized one), which the prefill cannot fill split nor gather after."""
-    for layer in getattr(cache, "layers", ()):
-        kind = type(layer).__name__
-        if getattr(cache, "offloading", False):
-            kind = f"{kind} of an offloading {type(cache).__name__}"
-        if kind not in _DYNAMIC:
-            raise ParallelizeError(
-                f"context parallelism over {axis!r}: the KV cache layer {kind} (a static, "
-                "offloaded or quantized cache) cannot be filled by a split prefill (each rank "
-                "holds its tokens only). Fix: generate with the default dynamic cache (no "
-                "cache_implementation), or use_cache=False"
-            )
 
 
 def _packed(positions: Tensor) -> bool:
@@ -414,7 +298,7 @@ def _enter_whole(
         )
     mask = kw.get("attention_mask")
     state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
-    prefill = _split_mark(state, kw.get("past_key_values"), past, S, mask)
+    prefill = split_prefill(state, kw.get("past_key_values"), past, S, mask)
     if prefill is not None:  # attend over every rank's shard of the cache
         # the cache's length here counts this rank's prefill tokens and every decoded one
         start = prefill + past - prefill // n  # tokens before this call, on all ranks
@@ -440,13 +324,10 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     filled by this forward) gathered into the whole sequence, in token order; the per-call
     tensors dropped (inside a simulation they are the simulation's, which must not outlive it)."""
     state.index = state.valid = state.whole_valid = state.decode = None
-    if not state.split or out is None:
-        mark = getattr(out, "get", lambda _: None)("past_key_values")
-        mark = getattr(mark, "__dict__", {}).get(SPLIT_CACHE)
-        if isinstance(mark, SplitMark):  # the length a decoding step left
-            mark.local = _cache_length(out["past_key_values"])
+    if not state.split or out is None:  # the length a decoding step left
+        record_length(getattr(out, "get", lambda _: None)("past_key_values"))
         return out
-    axis, n = state.axis, state.mesh.axis_size(state.axis)
+    n = state.mesh.axis_size(state.axis)
     batch, total = out["last_hidden_state"].shape[0], out["last_hidden_state"].shape[1] * n
     if state.logits == "gathered":  # else each rank's head sees its own tokens
         out["last_hidden_state"] = state.gather(out["last_hidden_state"], 1)
@@ -458,37 +339,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
         out["router_logits"] = tuple(
             state.gather(r.reshape(batch, -1, r.shape[-1]), 1).flatten(0, 1) for r in routers
         )
-    cache = out.get("past_key_values")
-    layers = getattr(cache, "layers", ())
-    dynamic = ("DynamicLayer", "DynamicSlidingWindowLayer")
-    if state.cache == "split" and layers and all(type(x).__name__ in dynamic for x in layers):
-        # each rank keeps its tokens' keys and values; decoding steps attend over every shard
-        _mark_split(cache, total, _cache_length(cache), axis, n)
-        for layer in layers:
-            if type(layer).__name__ == "DynamicSlidingWindowLayer":
-                # as its own update keeps: the rank's last window - 1 (its newest tokens: the
-                # keys a later query can see are the newest of every rank)
-                keep = layer.sliding_window - 1
-                layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-                layer.record_past = False
-        state.split = False
-        return out
-    for layer in layers:
-        kind = type(layer).__name__
-        if kind not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
-            raise ParallelizeError(
-                f"context parallelism over {axis!r}: the KV cache layer {kind} (a static or "
-                "offloaded cache) cannot be gathered after a split prefill. Fix: generate with "
-                "the default dynamic cache, or use_cache=False"
-            )
-        # (B, Hkv, 2c, D) -> (B, Hkv, S, D): every rank holds the whole cache of its heads
-        keys, values = state.gather(layer.keys, 2), state.gather(layer.values, 2)
-        if kind == "DynamicSlidingWindowLayer":  # as its own update keeps: the last window - 1
-            keep = layer.sliding_window - 1
-            keys, values = keys[:, :, -keep:], values[:, :, -keep:]
-            layer.cumulative_length = total
-            layer.record_past = False
-        layer.keys, layer.values = keys, values
+    settle_prefill_cache(state, out.get("past_key_values"), total)
     state.split = False
     return out
 
@@ -556,7 +407,7 @@ def context_attention(
         raise ParallelizeError(_RECOMPUTE.format(axis=state.axis, where=where))
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     if state.decode is not None:
-        return _split_cache_attention(
+        return split_cache_attention(
             state, module, query, key, value, scale, sliding_window, softcap
         )
     if not state.split:  # every rank holds every token: one block, indices from the shapes
@@ -593,69 +444,6 @@ def context_attention(
     o = attend(qh, iter([(kh, vh, index, valid)]), index, scale, sliding_window, softcap)
     # (B, S', H/n, Dv) -> (B, 2c, H, Dv)
     return all_to_all_4d(o, mesh, axis, scatter_dim=1, gather_dim=2), None
-
-
-def _split_cache_attention(
-    state: ContextState,
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-) -> tuple[Tensor, None]:
-    """A decoding step against a KV cache a split prefill of ``P`` tokens left split: this rank's
-    cache holds its ``P / n`` prefill tokens (its chunks), then every token decoded since (the
-    tail, the same on every rank: each rank runs the new tokens whole); a sliding-window layer
-    only the newest ``window - 1`` of them (its own update crops: the keys a later query can
-    see are among every rank's newest). Each rank attends its
-    queries (the step's ``Sq`` new tokens, replicated) over its keys, the tail counted on rank 0
-    only; the partial results (row max, sum, weighted values) are gathered over the axis and
-    merged (log-sum-exp): the softmax over every key, exactly."""
-    mesh, axis, prefill = state.mesh, state.axis, state.decode
-    if prefill is None:
-        raise ParallelizeError(
-            f"context parallelism over {axis!r}: a split-cache attention outside a decoding "
-            "forward against a split KV cache. Fix: call the model, not the attention function"
-        )
-    own = prefill // mesh.axis_size(axis)
-    sq, total, dev = query.shape[2], state.decode_total, query.device  # total: this step's too
-    tail = total - prefill
-    qi = torch.arange(total - sq, total, device=dev)[None]  # (1, Sq)
-    mine = state.shard(torch.arange(prefill, device=dev)[None], 1)  # (1, P/n)
-    ki = torch.cat([mine, torch.arange(prefill, total, device=dev)[None]], 1)  # (1, own + tail)
-    first = (axis_index(mesh, axis) == 0).expand(1, tail)  # (1, tail): the tail on rank 0
-    mask = state.whole_valid  # (B, total) or None
-    if mask is None:
-        valid = torch.cat([torch.ones(1, own, dtype=torch.bool, device=dev), first], 1)
-    else:
-        valid = torch.cat([state.shard(mask[:, :prefill], 1), mask[:, prefill:total] & first], 1)
-    held = key.shape[2]
-    if held > ki.shape[1] or (window is None and held != ki.shape[1]):
-        raise ParallelizeError(
-            f"context parallelism over {axis!r}: attention layer "
-            f"{getattr(module, 'layer_idx', '?')}'s KV cache gives {held} keys on this rank; a "
-            f"split prefill of {prefill} tokens and {tail} since leave it {ki.shape[1]} "
-            f"({own} of the prompt, the {tail} since){' at most' if window else ''}: the cache "
-            "was changed outside the model. Fix: a fresh cache, or "
-            'CausalContextParallel(cache="gathered") to edit the cache between calls'
-        )
-    # a sliding-window layer holds (and gives) only the newest of them
-    ki, valid = ki[:, -held:], valid[:, -held:]
-    part = update(
-        partial(query, key.shape[1], value.shape[-1]),
-        query,
-        (key, value, ki, valid),
-        qi,
-        scale,
-        window,
-        softcap,
-    )
-    # (n, B, Hkv, G, Sq, .) every rank's partial result
-    every = [all_gather_invariant(t[None].contiguous(), mesh, axis, dim=0) for t in part]
-    parts = [Partial(*(t[r] for t in every)) for r in range(every[0].shape[0])]
-    return finish(merge(parts)), None
 
 
 # ============================================================================ styles
