@@ -149,70 +149,108 @@ def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
     return [(i, min(i + step, n_rows)) for i in range(0, max(n_rows, 1), step)]
 
 
-def _sum_exp(x: Tensor, top: Tensor) -> Tensor:
-    """``exp(x - top[..., None]).sum(-1)`` for ``x`` (..., V), chunk by chunk: no dense temporary
-    (one of a chunk's size, reused by the allocator), each row summed as one reduction as before."""
-    rows, tops = x.reshape(-1, x.shape[-1]), top.reshape(-1)  # (N, V), (N,)
-    sums = [(rows[a:b] - tops[a:b].unsqueeze(-1)).exp_().sum(-1) for a, b in _row_chunks(rows)]
-    return (sums[0] if len(sums) == 1 else torch.cat(sums)).reshape(top.shape)
+def _plain(*ts: Tensor) -> bool:
+    """Whether ``ts`` are plain tensors: none a ``torch.func`` level's wrapper (vmap of
+    ``fastdist.simulate``, ``torch.func.grad``) and none requiring grad (a differentiable
+    backward). Neither vmap nor autograd takes ``out=`` ops: elsewhere the passes below write in
+    place."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not any(wrapped(t) or t.requires_grad for t in ts)
 
 
-def _scaled_exp(x: Tensor, top: Tensor, scale: Tensor) -> Tensor:
-    """``exp(x - top[..., None]) * scale[..., None]``, a fresh tensor shaped like ``x`` written
-    chunk by chunk in place (shift, exponential and product while the chunk is in cache)."""
+def _shifted_into(dst: Tensor, x: Tensor, shift: Tensor) -> Tensor:
+    """``dst`` overwritten with ``x - shift`` (broadcast): one pass (``out=``) on plain tensors,
+    else a copy and an in-place subtraction (the same values, bit for bit)."""
+    if _plain(dst, x, shift):
+        return torch.sub(x, shift, out=dst)
+    return dst.copy_(x).sub_(shift)
+
+
+def _local_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(top, shift, sum)`` of each row of ``x`` (..., V): the largest logit ``top`` (``-inf``
+    for a row of ``-inf`` only), ``shift`` (``top``, or 0 where ``top`` is ``-inf``) and
+    ``sum_j exp(x_j - shift)``, in ONE read of ``x`` from memory: chunk by chunk, the chunk's
+    maximum, then the shift, the exponential and the sum while the chunk is in the core's cache,
+    through one chunk-sized buffer (no logits-sized temporary). The values are bit for bit those of
+    ``amax`` over the whole row, then ``(x - shift).exp().sum(-1)``."""
+    rows = x.reshape(-1, x.shape[-1])  # (N, V)
+    spans = _row_chunks(rows)
+    buf = rows.new_empty(spans[0][1] - spans[0][0], rows.shape[1]) if _plain(rows) else None
+    tops, shifts, sums = [], [], []
+    for a, b in spans:
+        chunk = rows[a:b]
+        top = chunk.amax(-1, keepdim=True)  # (b - a, 1): exact, as the whole row's
+        shift = torch.where(top == float("-inf"), 0.0, top)
+        e = (chunk - shift) if buf is None else _shifted_into(buf[: b - a], chunk, shift)
+        tops.append(top)
+        shifts.append(shift)
+        sums.append(e.exp_().sum(-1))
+    top, shift, total = (t[0] if len(t) == 1 else torch.cat(t) for t in (tops, shifts, sums))
+    shape = x.shape[:-1]
+    return top.reshape(shape), shift.reshape(shape), total.reshape(shape)
+
+
+def _scaled_exp(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """``exp(x - shift[..., None]) * scale[..., None]``, a fresh tensor shaped like ``x`` written
+    chunk by chunk in place (shift, exponential and product while the chunk is in cache); the
+    exponentials bit for bit `_local_stats`'."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     # (N, V); view, not reshape: it shares out's storage or raises, never writes into a copy
     rows, dst = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
-    tops, scales = top.reshape(-1, 1), scale.reshape(-1, 1).to(x.dtype)  # (N, 1)
+    shifts, scales = shift.reshape(-1, 1), scale.reshape(-1, 1).to(x.dtype)  # (N, 1)
     for a, b in _row_chunks(rows):
-        dst[a:b].copy_(rows[a:b]).sub_(tops[a:b]).exp_().mul_(scales[a:b])
+        _shifted_into(dst[a:b], rows[a:b], shifts[a:b]).exp_().mul_(scales[a:b])
     return out
 
 
 class _LocalSoftmaxStats(torch.autograd.Function):
-    """This rank's part of the loss: per row, ``sum_j exp(x_j - top)`` and ``x[index] - top``.
+    """This rank's part of the loss, per row: the largest logit ``top``, the ``shift`` (``top``, or
+    0 for a row of ``-inf`` only), ``sum_j exp(x_j - shift)`` and ``x[index] - shift``.
 
-    Written as one Function so that eager mode makes one dense tensor per step, the gradient:
-    the forward sums the exponentials chunk by chunk (`_sum_exp`) and saves ``x`` (not the
-    exponentials, a second tensor of its size), the backward recomputes ``exp(x - top)`` into the
-    gradient chunk by chunk, bit for bit the forward's, and scatters ``g_picked`` into the
-    target's column (autograd of the plain ops would save a dense ``exp``, fill a dense zero
-    tensor for the gather and add two dense gradients). An in-place change of ``x`` between the
-    forward and the backward raises (autograd's version check). Shapes: ``x`` (..., V_local),
-    ``top`` and ``index`` (...). Under ``torch.compile`` the plain ops are used instead (the
-    compiler fuses them; see torch-notes on Functions under compile).
+    Written as one Function so that eager mode makes one dense tensor per step, the gradient, and
+    reads the logits once in the forward: the forward finds the largest logit and sums the
+    exponentials chunk by chunk (`_local_stats`) and saves ``x`` (not the exponentials, a second
+    tensor of its size), the backward recomputes ``exp(x - shift)`` into the gradient chunk by
+    chunk, bit for bit the forward's, and scatters ``g_picked`` into the target's column (autograd
+    of the plain ops would save a dense ``exp``, fill a dense zero tensor for the gather and add
+    two dense gradients). ``top`` and ``shift`` carry no gradient. An in-place change of ``x``
+    between the forward and the backward raises (autograd's version check). Shapes: ``x``
+    (..., V_local), ``index`` and the outputs (...). Under ``torch.compile`` the plain ops are used
+    instead (the compiler fuses them; see torch-notes on Functions under compile).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, top: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-        picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - top  # (...)
-        return _sum_exp(x, top), picked
+    def forward(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        top, shift, total = _local_stats(x)
+        picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - shift  # (...)
+        return top, shift, total, picked
 
     @staticmethod
     def setup_context(
-        ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: tuple[Tensor, Tensor]
+        ctx: Any, inputs: tuple[Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor, Tensor]
     ) -> None:
         ctx.set_materialize_grads(False)  # no dense zeros for an absent gradient
-        ctx.save_for_backward(*inputs)
+        ctx.mark_non_differentiable(output[0], output[1])
+        ctx.save_for_backward(inputs[0], output[1], inputs[1])
 
     @staticmethod
     def backward(
-        ctx: Any, g_sum: Tensor | None, g_picked: Tensor | None
-    ) -> tuple[Tensor | None, None, None]:
-        x, top, index = ctx.saved_tensors
+        ctx: Any,
+        g_top: Tensor | None,
+        g_shift: Tensor | None,
+        g_sum: Tensor | None,
+        g_picked: Tensor | None,
+    ) -> tuple[Tensor | None, None]:
+        x, shift, index = ctx.saved_tensors
         if g_sum is None and g_picked is None:
-            return None, None, None
-        # (..., V_local): exp(x - top) * g_sum, bit for bit the forward's exponentials
-        dx = _scaled_exp(x, top, g_sum) if g_sum is not None else torch.zeros_like(x)
-        if g_picked is None:
-            return dx, None, None
-        return (
-            dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype)),
-            None,
-            None,
-        )  # in place: dx is fresh
+            return None, None
+        # (..., V_local): exp(x - shift) * g_sum, bit for bit the forward's exponentials
+        dx = _scaled_exp(x, shift, g_sum) if g_sum is not None else torch.zeros_like(x)
+        if g_picked is not None:  # in place: dx is fresh
+            dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype))
+        return dx, None
 
 
 def _token_losses(
@@ -279,19 +317,19 @@ def _token_losses(
     # sum is 0), and one all-gather of (top_r, sum_r, the target's logit) per token combines them
     # as an online softmax does: logsumexp = M + log(sum_r sum_r * exp(top_r - M)), M the largest
     # top_r. One collective, not a pmax and then a psum (on busy cores each is a wait).
-    top = x.detach().amax(-1)  # (...): this rank's largest logit, no gradient needed
-    shift = torch.where(top == float("-inf"), 0.0, top)  # (...)
     mine = (target >= start) & (target < start + n_local)  # the target's column is on this rank
     # (...) local column of the target (0 where not mine)
     index = torch.where(mine, target - start, 0)
     if torch.compiler.is_compiling():  # plain ops: the compiler fuses them
+        top = x.detach().amax(-1)  # (...): this rank's largest logit, no gradient needed
+        shift = torch.where(top == float("-inf"), 0.0, top)  # (...)
         shifted = x - shift.unsqueeze(-1)
         local_sum, picked = (
             shifted.exp().sum(-1),
             shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1),
         )
-    else:  # eager: one dense tensor (the gradient), no dense zeros (see _LocalSoftmaxStats)
-        local_sum, picked = _LocalSoftmaxStats.apply(x, shift, index)  # type: ignore[no-untyped-call]
+    else:  # eager: one read of the logits, one dense tensor (the gradient): _LocalSoftmaxStats
+        top, shift, local_sum, picked = _LocalSoftmaxStats.apply(x, index)  # type: ignore[no-untyped-call]
     mine_stats = torch.stack([top, local_sum, torch.where(mine, picked + shift, 0.0)])  # (3, ...)
     # (n, 3, ...): the gradient of each rank's part stays on it (no collective in the backward)
     every = all_gather_invariant(mine_stats.unsqueeze(0), mesh, axis, dim=0)
