@@ -89,6 +89,52 @@ def test_wan_ulysses_equals_one_device_simulated() -> None:
     assert_grads(pm.grads(), grads)
 
 
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_wan_attention_swapped_without_a_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wan's processor reaches its attention through diffusers' ``dispatch_attention_fn`` only:
+    the swap replaces that call directly (no ``TorchFunctionMode`` sees a torch call), with
+    outputs and gradients bit-equal to the mode's; another backend (``_native_math``) still runs
+    under the mode, as before."""
+    from fastdist.nn.styles.ring_split import AttentionSwap, DispatchSwap
+
+    seen: list[Any] = []
+    original = AttentionSwap.__torch_function__
+
+    def counted(self: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(func)
+        return original(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionSwap, "__torch_function__", counted)
+    x = inputs()
+    results = []
+    for direct in (True, False):
+        model = tiny_wan()
+        pm = fd.nn.parallelize(model, fd.Mesh({"sp": N}), fd.nn.plans.wan(mode=mode))
+        processor = model.blocks[0].attn1.processor
+        assert DispatchSwap.fits(processor.inner)
+        if not direct:
+            for block in model.blocks:
+                block.attn1.processor.direct = None  # the mode, as before this swap
+        seen.clear()
+        out = run_simulated(pm, x)
+        assert (len(seen) == 0) == direct, len(seen)
+        results.append((out, pm.grads()))
+    (out, grads), (old_out, old_grads) = results
+    assert torch.equal(out, old_out)
+    assert all(torch.equal(grads[k], old_grads[k]) for k in grads)
+    # set_attention_backend also sets diffusers' active backend process-wide: restored after
+    registry = pytest.importorskip("diffusers.models.attention_dispatch")._AttentionBackendRegistry
+    monkeypatch.setattr(registry, "_active_backend", registry._active_backend)
+    model.set_attention_backend("_native_math")  # not the native one: dispatched under the mode
+    for block in model.blocks:
+        block.attn1.processor.direct = DispatchSwap(block.attn1.processor.inner, "attn1")
+    seen.clear()
+    with torch.no_grad():
+        math = pm(**{k: v.expand(N, *v.shape) for k, v in x.items()}).sample
+    assert seen and torch.allclose(math, out, rtol=0, atol=1e-12)
+    assert not DispatchSwap.fits(wan_module.WanAttnProcessor) and not DispatchSwap.fits(object())
+
 def test_wan_auto_uses_the_plan_and_verifies() -> None:
     model, x = tiny_wan(layers=1), inputs()
     with pytest.raises(ParallelizeError, match="takes no input_ids"):

@@ -40,6 +40,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+import torch
 from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
@@ -64,6 +65,7 @@ from fastdist.nn.styles.context_region import (
 )
 from fastdist.nn.styles.ring_split import (
     AttentionSwap,
+    DispatchSwap,
     TokenSplit,
     joint_attention,
     split_attention,
@@ -154,6 +156,8 @@ class SplitProcessor:
     ) -> None:
         self.inner, self.where, self.mesh, self.axes = inner, where, mesh, axes
         self.ulysses_axis, self.ring_axis, self.current = ulysses_axis, ring_axis, current
+        # Wan's, LTX-Video's: their attention call swapped without a TorchFunctionMode
+        self.direct = DispatchSwap(inner, where) if DispatchSwap.fits(inner) else None
         # diffusers' Attention passes a processor only the keywords its __call__'s signature
         # names (image_rotary_emb...): show it the model's own processor's signature
         call = functools.partial(type(self).__call__, self)
@@ -216,13 +220,18 @@ class SplitProcessor:
         split = self._split(hidden_states, args, kwargs)
         attend = self._attend(split, hidden_states, args, kwargs)
         masks = getattr(attend, "func", None) is joint_attention  # it takes text key masks
-        swap = AttentionSwap(attend, self.where, key_masks=masks)
-        with swap:  # not `as swap`: under torch.compile the mode's __enter__ returns None
-            out = self.inner(attn, hidden_states, *args, **kwargs)
-        if swap.calls != 1:
+        direct = self.direct
+        if direct is not None and direct.inner is self.inner and not torch.compiler.is_compiling():
+            out, calls = direct.run(attend, masks, attn, hidden_states, *args, **kwargs)
+        else:
+            swap = AttentionSwap(attend, self.where, key_masks=masks)
+            with swap:  # not `as swap`: under torch.compile the mode's __enter__ returns None
+                out = self.inner(attn, hidden_states, *args, **kwargs)
+            calls = swap.calls
+        if calls != 1:
             raise ParallelizeError(
                 f"sequence-parallel attention {self.where!r}: its processor called "
-                f"scaled_dot_product_attention {swap.calls} times, not once (another attention "
+                f"scaled_dot_product_attention {calls} times, not once (another attention "
                 "backend, e.g. set_attention_backend(...)?). Fix: the native backend "
                 "(attn.processor._attention_backend = None) or a plan for this attention"
             )

@@ -24,12 +24,17 @@ its softmax weight is ``exp(-1e4) = 0`` exactly in every float dtype, and a real
 unchanged up to rounding.
 
 `AttentionSwap` is the ``TorchFunctionMode`` that puts `split_attention` in place of the one
-``F.scaled_dot_product_attention`` a model's attention processor calls.
+``F.scaled_dot_product_attention`` a model's attention processor calls. `DispatchSwap` does the
+same without a mode for the processors that reach the attention only through diffusers'
+``dispatch_attention_fn`` (`DIRECT_PROCESSORS`): a mode runs every torch call of the processor
+through Python (about 0.3-0.5 ms per attention call of a Wan block at 512 rows per rank).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -50,7 +55,15 @@ from fastdist.ops import (
     local_chunk,
 )
 
-__all__ = ["TokenSplit", "split_attention", "joint_attention", "AttentionSwap", "SDPA"]
+__all__ = [
+    "TokenSplit",
+    "split_attention",
+    "joint_attention",
+    "AttentionSwap",
+    "DispatchSwap",
+    "DIRECT_PROCESSORS",
+    "SDPA",
+]
 
 #: torch's own attention function, captured at import: what `AttentionSwap` replaces
 SDPA: Any = F.scaled_dot_product_attention
@@ -334,6 +347,38 @@ def _joint_key_flags(
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+def _refuse_odd(
+    where: str,
+    q: Tensor,
+    k: Tensor,
+    seq_dim: int,
+    masked: bool,
+    dropout_p: Any,
+    is_causal: Any,
+    enable_gqa: Any,
+    scale: Any,
+) -> None:
+    """Refuse an attention call that the split attention cannot stand in for (``seq_dim``: the
+    tokens' dim of ``q`` and ``k``, 4-d; ``masked``: a mask other than a key mask)."""
+    odd = {
+        "attn_mask": masked,
+        "dropout_p": bool(dropout_p),
+        "is_causal": bool(is_causal),
+        "enable_gqa": bool(enable_gqa),
+        "scale": scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5),
+        "shape": q.dim() != 4 or k.dim() != 4 or q.shape[seq_dim] != k.shape[seq_dim],
+    }
+    bad = [name for name, is_odd in odd.items() if is_odd]
+    if bad:
+        raise ParallelizeError(
+            f"sequence-parallel attention {where!r}: its processor called "
+            f"scaled_dot_product_attention with {bad} (q {tuple(q.shape)}, k "
+            f"{tuple(k.shape)}); only a non-causal attention without dropout, unmasked (a "
+            "joint attention: a boolean key mask (batch, 1, 1, keys)), is split. Fix: run "
+            "this attention without context parallelism, or a plan for it"
+        )
+
+
 class AttentionSwap(TorchFunctionMode):
     """While active, ``F.scaled_dot_product_attention(q, k, v)`` (``(B, H, S, D)``, no mask, no
     dropout, not causal, the default scale) runs as ``attend(q, k, v)`` on ``(B, S, H, D)``
@@ -361,23 +406,17 @@ class AttentionSwap(TorchFunctionMode):
         scale = given.get("scale")
         mask = given.get("attn_mask")
         key_mask = self._key_mask(mask, q, k) if self.key_masks else None
-        odd = {
-            "attn_mask": mask is not None and key_mask is None,
-            "dropout_p": bool(given.get("dropout_p", 0.0)),
-            "is_causal": bool(given.get("is_causal", False)),
-            "enable_gqa": bool(given.get("enable_gqa", False)),
-            "scale": scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5),
-            "shape": q.dim() != 4 or q.shape[-2] != k.shape[-2],
-        }
-        bad = [name for name, is_odd in odd.items() if is_odd]
-        if bad:
-            raise ParallelizeError(
-                f"sequence-parallel attention {self.where!r}: its processor called "
-                f"scaled_dot_product_attention with {bad} (q {tuple(q.shape)}, k "
-                f"{tuple(k.shape)}); only a non-causal attention without dropout, unmasked (a "
-                "joint attention: a boolean key mask (batch, 1, 1, keys)), is split. Fix: run "
-                "this attention without context parallelism, or a plan for it"
-            )
+        _refuse_odd(
+            self.where,
+            q,
+            k,
+            -2,
+            mask is not None and key_mask is None,
+            given.get("dropout_p", 0.0),
+            given.get("is_causal", False),
+            given.get("enable_gqa", False),
+            scale,
+        )
         self.calls += 1
         extra = {} if key_mask is None else {"key_mask": key_mask}
         out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **extra)
@@ -398,3 +437,134 @@ class AttentionSwap(TorchFunctionMode):
         ):
             return None
         return mask.reshape(mask.shape[0], keys).expand(q.shape[0], keys)
+
+
+#: attention processors whose ``__call__`` reaches the attention only through diffusers'
+#: ``dispatch_attention_fn`` (read in diffusers 0.42: Wan's and LTX-Video's self-attention call
+#: it once, with q, k, v ``(B, S, H, D)``): `DispatchSwap` swaps it without a mode
+DIRECT_PROCESSORS = frozenset({"WanAttnProcessor", "LTXVideoAttnProcessor"})
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the functions defined in it use."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+class _Active:
+    """One running call of a `DispatchSwap`: its attention and how many calls it replaced."""
+
+    def __init__(self, attend: Callable[..., Tensor], key_masks: bool) -> None:
+        self.attend, self.key_masks, self.calls = attend, key_masks, 0
+
+
+class DispatchSwap:
+    """A copy of a processor's ``__call__`` whose ``dispatch_attention_fn`` is this swap's:
+    the processor's own code runs unchanged, and its attention call runs as ``attend`` on the
+    ``(B, S, H, D)`` q, k, v it passes (no ``TorchFunctionMode``: the other torch calls of the
+    processor run as they are).
+
+    The call is replaced directly when it is what the native backend would run as one unmasked
+    ``F.scaled_dot_product_attention`` (no ``backend`` other than the native one, active or
+    given; no ``parallel_config``, no ``attention_kwargs``, no mask); any other call runs
+    diffusers' own ``dispatch_attention_fn`` under an `AttentionSwap`, as a processor without
+    this swap would (the same checks, the same refusals). Use `DispatchSwap.fits` first.
+
+    Args:
+        inner: the model's processor (its class in `DIRECT_PROCESSORS`).
+        where: the attention module's name, for errors.
+    """
+
+    def __init__(self, inner: Any, where: str) -> None:
+        fn = type(inner).__call__
+        self.inner, self.where = inner, where
+        self.original: Callable[..., Tensor] = fn.__globals__["dispatch_attention_fn"]
+        names = dict(fn.__globals__)  # the module's names, this swap's dispatch among them
+        names["dispatch_attention_fn"] = self._dispatch
+        call = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+        call.__kwdefaults__ = fn.__kwdefaults__
+        self.call = call
+        self.local = threading.local()  # per thread: the running calls (a stack of _Active)
+
+    @staticmethod
+    def fits(inner: Any) -> bool:
+        """Whether ``inner``'s ``__call__`` reaches its attention only through diffusers'
+        ``dispatch_attention_fn``: a class of `DIRECT_PROCESSORS`, a plain function whose code
+        (and the functions defined in it) names ``dispatch_attention_fn`` and never
+        ``scaled_dot_product_attention``."""
+        fn = vars(type(inner)).get("__call__")  # its own class's (not inherited)
+        if type(inner).__name__ not in DIRECT_PROCESSORS or not isinstance(fn, types.FunctionType):
+            return False
+        names = _code_names(fn.__code__)
+        dispatch = fn.__globals__.get("dispatch_attention_fn")
+        return (
+            "dispatch_attention_fn" in names
+            and "scaled_dot_product_attention" not in names
+            and getattr(dispatch, "__module__", "").endswith("attention_dispatch")
+        )
+
+    def run(
+        self, attend: Callable[..., Tensor], key_masks: bool, *args: Any, **kwargs: Any
+    ) -> tuple[Any, int]:
+        """The processor's ``__call__(*args, **kwargs)`` with its attention as ``attend``
+        (``key_masks``: `AttentionSwap`'s); (its output, the number of attention calls
+        replaced)."""
+        stack = self.local.__dict__.setdefault("stack", [])
+        active = _Active(attend, key_masks)
+        stack.append(active)
+        try:
+            out = self.call(self.inner, *args, **kwargs)
+        finally:
+            stack.pop()
+        return out, active.calls
+
+    def _native(self, backend: Any) -> bool:
+        """Whether ``backend`` (``None``: diffusers' active one) is the native backend."""
+        if backend is None:
+            registry = getattr(self.original, "__globals__", {}).get("_AttentionBackendRegistry")
+            backend = getattr(registry, "_active_backend", None)
+        return getattr(backend, "value", backend) == "native"
+
+    def _dispatch(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        attention_kwargs: dict[str, Any] | None = None,
+        *,
+        backend: Any = None,
+        parallel_config: Any = None,
+    ) -> Tensor:
+        """diffusers' ``dispatch_attention_fn`` as the processor calls it (q, k, v
+        ``(B, S, H, D)``, the output too)."""
+        active: _Active = self.local.stack[-1]
+        plain = attn_mask is None and parallel_config is None and not attention_kwargs
+        if plain and self._native(backend):
+            _refuse_odd(self.where, query, key, 1, False, dropout_p, is_causal, enable_gqa, scale)
+            active.calls += 1
+            return active.attend(query, key, value)
+        swap = AttentionSwap(active.attend, self.where, key_masks=active.key_masks)
+        with swap:
+            out = self.original(
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                attention_kwargs,
+                backend=backend,
+                parallel_config=parallel_config,
+            )
+        active.calls += swap.calls
+        return out
