@@ -242,15 +242,20 @@ class TorchComm:
         return ac
 
     def spec(self, axis: AxisName, op: str) -> GroupSpec:
-        """The collectives' group spec for ``axis`` (validated naming ``op``; cached outside dynamo
-        tracing)."""
+        """The collectives' group spec for ``axis`` (validated once, naming ``fastdist.<op>``;
+        cached outside dynamo tracing, so a call finds it with one lookup).
+
+        Args:
+            axis: the mesh axis, or a tuple of axes.
+            op: the calling op's name (``"psum"``), for the error an invalid axis raises.
+        """
         try:
             cached: GroupSpec = self._specs[axis]
             return cached
         except (KeyError, TypeError):
             # TypeError: an unhashable axis (e.g. a list), validated below
             pass
-        idx = self.mesh.axis_indices(axis, op)
+        idx = self.mesh.axis_indices(axis, f"fastdist.{op}")
         spec = GroupSpec(self.mesh.sizes, idx, comm=self.axis(idx))
         # a trace must not mutate the cache
         if isinstance(axis, (str, tuple)) and not torch.compiler.is_compiling():

@@ -686,16 +686,16 @@ class Primitive:
             return cast(Tensor, prim.per_rank_op(*tensors, *prim._op_args(spec, params)))
 
         def setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
-            prim = PRIMITIVES[name]
-            spec, vals, *tensors = inputs
-            ctx.spec, ctx.params = spec, dict(zip(prim.param_names, vals))
-            if prim.saves:
-                ctx.save_for_backward(*tensors, output)
+            # the parameter values as passed (a tuple): named in backward, which may never run
+            ctx.spec, ctx.vals = inputs[0], inputs[1]
+            if PRIMITIVES[name].saves:
+                ctx.save_for_backward(*inputs[2:], output)
 
         def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
             prim = PRIMITIVES[name]
             saved = ctx.saved_tensors if prim.saves else ()
-            return (None, None, *prim.backward(ops, ctx.spec, g, saved, **ctx.params))
+            params = dict(zip(prim.param_names, ctx.vals))
+            return (None, None, *prim.backward(ops, ctx.spec, g, saved, **params))
 
         camel = "".join(part.capitalize() for part in self.name.split("_"))
         attrs: dict[str, Any] = {

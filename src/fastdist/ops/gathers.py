@@ -309,7 +309,10 @@ def psum_scatter(
         flag("psum_scatter", axis, "tiled", tiled)  # raises: not a bool
     d = norm_dim("psum_scatter", axis, "dim", dim, x.dim())
     if tiled:
-        need_divisible("psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks")
+        if x.shape[d] % spec.n:  # raises below
+            need_divisible(
+                "psum_scatter", axis, x, d, spec.n, "use reduce_scatter_v for uneven chunks"
+            )
     elif x.shape[d] != spec.n:
         raise CollectiveError(
             "psum_scatter",
@@ -398,7 +401,8 @@ def all_to_all(x: Tensor, mesh: Mesh, axis: AxisName, split_dim: int, concat_dim
     x, spec = enter("all_to_all", x, mesh, axis)
     s = norm_dim("all_to_all", axis, "split_dim", split_dim, x.dim())
     c = norm_dim("all_to_all", axis, "concat_dim", concat_dim, x.dim())
-    need_divisible("all_to_all", axis, x, s, spec.n, "use a split_dim whose size divides")
+    if x.shape[s] % spec.n:  # raises below
+        need_divisible("all_to_all", axis, x, s, spec.n, "use a split_dim whose size divides")
     return apply_primitive(all_to_all_p, mesh, x, spec, split_dim=s, concat_dim=c)
 
 

@@ -102,7 +102,7 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
     if binding is None:
         comm: Comm | None = mesh.comm  # type: ignore[assignment]
         if comm is not None:
-            return x, comm.spec(axis, f"fastdist.{op}")
+            return x, comm.spec(axis, op)
     spec = plain_spec(op, mesh, axis)
     if binding is None:
         binding = rank_binding(op, mesh)  # raises unless the mesh has one rank
