@@ -184,3 +184,18 @@ def test_pending_sums_are_per_backward_and_a_thread_drops_only_its_own() -> None
     pending.drop()
     assert list(pending.tasks) == [2] and not pending.stale()
     assert pending.take(2) == [[1]] and pending.take(2) == []
+
+
+def test_deferred_pvary_many_one_node_and_an_unused_parameter_gets_no_gradient() -> None:
+    """A module's parameters pvary'd in one autograd node: each gets its own gradient; one whose
+    view the forward did not use keeps ``.grad`` None (as with one node per parameter)."""
+    from fastdist.nn.grad_buckets import deferred_pvary_many
+
+    mesh = fd.Mesh({"sp": 1})
+    w, b, unused = (nn.Parameter(torch.full((2,), v, dtype=torch.float64)) for v in (1.0, 2.0, 3))
+    vw, vb, vu = deferred_pvary_many([w, b, unused], mesh, ("sp",))
+    assert vw.grad_fn is vb.grad_fn is vu.grad_fn  # one node
+    (3 * vw + vb * vb).sum().backward()
+    assert torch.equal(w.grad, torch.full((2,), 3.0, dtype=torch.float64))  # type: ignore[arg-type]
+    assert torch.equal(b.grad, torch.full((2,), 4.0, dtype=torch.float64))  # type: ignore[arg-type]
+    assert unused.grad is None

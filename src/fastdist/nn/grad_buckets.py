@@ -39,7 +39,7 @@ from torch import Tensor
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.ops import psum
 
-__all__ = ["BUCKET_BYTES", "PENDING", "PendingSums", "deferred_pvary"]
+__all__ = ["BUCKET_BYTES", "PENDING", "PendingSums", "deferred_pvary", "deferred_pvary_many"]
 
 #: the largest flat buffer one collective sums (DDP's default bucket_cap_mb is 25)
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -58,12 +58,15 @@ class PendingSums:
         self.lock = threading.Lock()
         self.order = itertools.count()
         #: graph task id -> id(parameter) -> [order, parameter, mesh, axes, partial gradient]
+        #: (order: (forward order of the call, index of the parameter in it))
         self.tasks: dict[int, dict[int, list[Any]]] = {}
         #: graph task id -> the thread its backward kept partials on
         self.threads: dict[int, int] = {}
         self.engine_seen = False
 
-    def keep(self, task: int, order: int, p: Tensor, mesh: Mesh, axes: Any, g: Tensor) -> None:
+    def keep(
+        self, task: int, order: tuple[int, int], p: Tensor, mesh: Mesh, axes: Any, g: Tensor
+    ) -> None:
         """Keep ``p``'s partial ``g`` for the end of backward ``task`` (added to an earlier
         partial of the same parameter), queuing the task's flush at its first entry."""
         with self.lock:
@@ -122,25 +125,46 @@ def deferred_pvary(p: Tensor, mesh: Mesh, axes: Sequence[str]) -> Tensor:
     >>> p.grad
     tensor([1., 1.])
     """
-    return _Deferred.apply(p, mesh, tuple(axes), next(PENDING.order))  # type: ignore[no-untyped-call,no-any-return]
+    return deferred_pvary_many((p,), mesh, axes)[0]
+
+
+def deferred_pvary_many(
+    ps: Sequence[Tensor], mesh: Mesh, axes: Sequence[str]
+) -> tuple[Tensor, ...]:
+    """`deferred_pvary` of each of ``ps`` (leaf parameters), in one autograd node: one Python
+    call forward and one backward for all of them (a module's weight and bias). Each
+    parameter's gradient is kept, or summed per parameter where `deferred_pvary`'s would be, on
+    its own; a parameter whose view the forward did not use gets no gradient (as with
+    `deferred_pvary`: ``.grad`` stays as it was). The kept gradients sum in the order of the
+    calls, then of ``ps``."""
+    return _Deferred.apply(mesh, tuple(axes), next(PENDING.order), *ps)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class _Deferred(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, p: Tensor, mesh: Mesh, axes: tuple[str, ...], order: int) -> Tensor:
-        ctx.p, ctx.mesh, ctx.axes, ctx.order = p, mesh, axes, order
-        return p.view_as(p)
+    def forward(
+        ctx: Any, mesh: Mesh, axes: tuple[str, ...], order: int, *ps: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.ps, ctx.mesh, ctx.axes, ctx.order = ps, mesh, axes, order
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
+        return tuple(p.view_as(p) for p in ps)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None, None]:
-        p: Tensor = ctx.p
-        if torch.is_grad_enabled() or _read_during_backward(p) or not _accumulates(p):
-            for axis in ctx.axes:  # pvary's own backward, per parameter
-                g = psum(g, ctx.mesh, axis)
-            return g, None, None, None
-        task = torch._C._current_graph_task_id()
-        PENDING.keep(task, ctx.order, p, ctx.mesh, ctx.axes, g)
-        return None, None, None, None
+    def backward(ctx: Any, *gs: Tensor | None) -> tuple[Tensor | None, ...]:
+        out: list[Tensor | None] = [None, None, None]
+        recording = torch.is_grad_enabled()
+        for i, (p, g) in enumerate(zip(ctx.ps, gs)):
+            if g is None:
+                out.append(None)
+            elif recording or _read_during_backward(p) or not _accumulates(p):
+                for axis in ctx.axes:  # pvary's own backward, per parameter
+                    g = psum(g, ctx.mesh, axis)
+                out.append(g)
+            else:
+                task = torch._C._current_graph_task_id()
+                PENDING.keep(task, (ctx.order, i), p, ctx.mesh, ctx.axes, g)
+                out.append(None)
+        return tuple(out)
 
 
 def _read_during_backward(p: Tensor) -> bool:

@@ -36,6 +36,7 @@ Two shortcuts, each taken only where it gives the same result:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from torch import Tensor, nn
 
 from fastdist.core.context import check_of, is_real
 from fastdist.core.mesh import Mesh
-from fastdist.nn.grad_buckets import PENDING, deferred_pvary
+from fastdist.nn.grad_buckets import PENDING, deferred_pvary_many
 from fastdist.ops import pvary
 
 __all__ = ["PvarySites"]
@@ -106,12 +107,12 @@ def _torch_engine_active() -> bool:
     a reentrant checkpoint's recomputation runs outside DDP's forward)."""
     if PENDING.engine_seen:
         return True
-    from torch.distributed import _composable_state as composable
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    seen = getattr(DDP, "_active_ddp_module", None) is not None or bool(
-        getattr(composable, "_module_state_mapping", None)
-    )
+    # looked up, not imported (every forward of every module: an import statement costs); a
+    # module not imported yet has no state set
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    composable = sys.modules.get("torch.distributed._composable_state")
+    active = getattr(getattr(ddp, "DistributedDataParallel", None), "_active_ddp_module", None)
+    seen = active is not None or bool(getattr(composable, "_module_state_mapping", None))
     PENDING.engine_seen = seen
     return seen
 
@@ -135,18 +136,24 @@ def _swap_in(
     if defer and PENDING.tasks and torch._C._current_graph_task_id() == -1 and PENDING.stale():
         PENDING.drop()  # left by a backward that raised before its end
     kept: dict[str, Tensor | None] = {}
+    deferred: dict[tuple[str, ...], list[str]] = {}  # axes -> the names deferred over them
     for name, axes in names:
         p = m._parameters[name]
         kept[name] = p  # the parameter itself, put back by _put_back
-        if p is not None:
-            v: Tensor = p
-            if defer and p.is_leaf and p.requires_grad:
-                v = deferred_pvary(p, mesh, axes)
-            else:
-                for axis in axes:
-                    v = pvary(v, mesh, axis)
-            # the slot holds a plain tensor while forward runs, as torch.func.functional_call
-            # leaves it
+        if p is None:
+            continue
+        if defer and p.is_leaf and p.requires_grad:
+            deferred.setdefault(axes, []).append(name)
+            continue
+        v: Tensor = p
+        for axis in axes:
+            v = pvary(v, mesh, axis)
+        # the slot holds a plain tensor while forward runs, as torch.func.functional_call
+        # leaves it
+        m._parameters[name] = v  # type: ignore[assignment]
+    for axes, group in deferred.items():  # one autograd node per module (and axes)
+        views = deferred_pvary_many([kept[n] for n in group], mesh, axes)  # type: ignore[misc]
+        for name, v in zip(group, views):
             m._parameters[name] = v  # type: ignore[assignment]
     m.__dict__[_KEPT] = kept
 

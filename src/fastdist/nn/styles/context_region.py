@@ -21,7 +21,7 @@ from fastdist.nn.styles.context_recompute import (
     lost_carry,
 )
 from fastdist.nn.styles.ring_split import TokenSplit
-from fastdist.ops import pvary
+from fastdist.ops.packed import pvary_packed
 
 __all__ = [
     "shard_tokens",
@@ -150,10 +150,8 @@ def feed_outputs(
         )
 
     def one(i: int, t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        if tokens is None or i not in per_token:
-            return pvary(t, mesh, axis)
+        if t is None or tokens is None or i not in per_token:
+            return t  # pvary'd below, all in one
         if t.dim() < 2 or t.shape[1] != tokens:
             raise ParallelizeError(
                 f"context parallelism over {axes}: {where} got per-token timesteps "
@@ -163,8 +161,12 @@ def feed_outputs(
             )
         return TokenSplit(mesh, axes, tokens).shard(t, dim=1)  # per-token: (B, rows, ...)
 
-    mine = tuple(one(i, t) for i, t in enumerate(outs))
-    return mine if isinstance(out, tuple) else mine[0]
+    mine = [one(i, t) for i, t in enumerate(outs)]
+    whole = [i for i, t in enumerate(outs) if t is not None and mine[i] is t]
+    # their gradients summed over the axes in one psum (not one per output)
+    for i, v in zip(whole, pvary_packed([mine[i] for i in whole], mesh, axis)):
+        mine[i] = v
+    return tuple(mine) if isinstance(out, tuple) else mine[0]
 
 
 def gather_tokens(current: CurrentSplit, module: nn.Module, args: Any, out: Tensor) -> Tensor:
