@@ -107,6 +107,31 @@ def test_empty_and_non_contiguous_logits() -> None:
     torch.testing.assert_close(strided.grad, ref_in.grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [SMALL, 1 << 18])
+def test_out_passes_equal_the_in_place_passes_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Plain tensors take the ``out=`` passes (the largest logit per chunk, ``sub(out=)`` into a
+    reused buffer and into the gradient); a vmap level (``fd.simulate``) the in-place ones the loss
+    had before. Both must give the same bits: loss and gradient, padding columns included."""
+    monkeypatch.setattr(loss_module, "_CHUNK_ELEMS", chunk)
+    mesh = fd.Mesh({"tp": 1})
+    full, target = full_and_target((9, 5), 11, 10, seed=5)
+
+    def loss_and_grad(lg: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.func.grad_and_value(
+            lambda x: fd.nn.cross_entropy(x, target, mesh, vocab_size=10, reduction="sum")
+        )(lg)[::-1]
+
+    plain = full.clone().requires_grad_()
+    got = fd.nn.cross_entropy(plain, target, mesh, vocab_size=10, reduction="sum")
+    got.backward()
+    sim_loss, sim_grad = fd.simulate(loss_and_grad, mesh)(full.unsqueeze(0))
+    assert plain.grad is not None
+    assert torch.equal(got.detach(), sim_loss[0]) and torch.equal(plain.grad, sim_grad[0])
+    torch.testing.assert_close(got, reference(full, target, 10, "sum"), rtol=1e-12, atol=1e-12)
+
+
 def test_logits_changed_in_place_before_the_backward_raise() -> None:
     """The backward recomputes the exponentials from the saved logits: changing them in place in
     between must raise, not give the gradient of other logits."""

@@ -151,11 +151,11 @@ def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
 
 def _plain(*ts: Tensor) -> bool:
     """Whether ``ts`` are plain tensors: none a ``torch.func`` level's wrapper (vmap of
-    ``fastdist.simulate``, ``torch.func.grad``) and none requiring grad (a differentiable
-    backward). Neither vmap nor autograd takes ``out=`` ops: elsewhere the passes below write in
-    place."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return not any(wrapped(t) or t.requires_grad for t in ts)
+    ``fastdist.simulate``, ``torch.func.grad``) and none recorded by autograd (a differentiable
+    backward, ``create_graph=True``; a Function's forward and a plain backward run without grad).
+    Neither vmap nor autograd takes ``out=`` ops: elsewhere the passes below write in place."""
+    wrapped, recording = torch._C._functorch.is_functorch_wrapped_tensor, torch.is_grad_enabled()
+    return not any(wrapped(t) or (recording and t.requires_grad) for t in ts)
 
 
 def _shifted_into(dst: Tensor, x: Tensor, shift: Tensor) -> Tensor:
