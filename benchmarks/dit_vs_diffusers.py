@@ -3,6 +3,7 @@ unmodified diffusers ``WanTransformer3DModel``, 2 gloo processes.
 
     python benchmarks/dit_vs_diffusers.py          # 1024 and 2048 tokens (~10 min on 2 busy cores)
     python benchmarks/dit_vs_diffusers.py --quick  # tiny sizes: a smoke run (~30 s)
+    python benchmarks/dit_vs_diffusers.py --only 1k --reps 7  # one size, fewer pairs (~3 min)
 
 fastdist: ``fd.nn.parallelize(model, fd.connect(sp=2))`` (Wan's ready plan, Ulysses; and
 ``plans.wan(mode="ring")``). diffusers: ``model.enable_parallelism(config=
@@ -266,12 +267,12 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     return {"diffs": diffs, "times": times, "diffusers_ring": ring}
 
 
-def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
+def bench(quick: bool, only: list[str] | None = None, reps: int | None = None) -> dict[str, Any]:
     rows, checks, ring = [], {}, ""
     for name in ("quick",) if quick else only or ("1k", "2k"):
         size = SIZES[name]
-        reps, warmup = (3, 1) if quick else (15, 1)
-        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, timeout=3000)
+        pairs, warmup = reps or (3 if quick else 15), 1
+        per_rank = run_on_gloo(_rank, WORLD, size, pairs, warmup, timeout=3000)
         heads, head_dim, ffn, layers, _, frames, hw, text = size
         tokens = frames * (hw // 2) ** 2
         ring = per_rank[0]["diffusers_ring"]
@@ -279,11 +280,11 @@ def bench(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
         for n, (case, _, _, what) in enumerate(PAIRS):
             # wall: a step is over when its slowest rank is; CPU: the ranks' work added
             f, d = (
-                [max(r["times"][n][side][i][0] for r in per_rank) for i in range(reps)]
+                [max(r["times"][n][side][i][0] for r in per_rank) for i in range(pairs)]
                 for side in (0, 1)
             )
             fc, dc = (
-                [sum(r["times"][n][side][i][1] for r in per_rank) for i in range(reps)]
+                [sum(r["times"][n][side][i][1] for r in per_rank) for i in range(pairs)]
                 for side in (0, 1)
             )
             per = STEPS if what == "denoise" else 1
@@ -311,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", nargs="+", choices=[k for k in SIZES if k != "quick"])
+    ap.add_argument("--reps", type=int, help="timed pairs per row (default 15; --quick 3)")
     args = ap.parse_args(argv)
     load = [os.getloadavg()]
-    res = bench(args.quick, args.only)
+    res = bench(args.quick, args.only, args.reps)
     load.append(os.getloadavg())
     res["loadavg"] = load
     args.out.mkdir(parents=True, exist_ok=True)
