@@ -153,10 +153,11 @@ class _Deferred(torch.autograd.Function):
     def backward(ctx: Any, *gs: Tensor | None) -> tuple[Tensor | None, ...]:
         out: list[Tensor | None] = [None, None, None]
         recording = torch.is_grad_enabled()
+        edges = ctx.next_functions  # this node's: the parameters' gradient accumulators
         for i, (p, g) in enumerate(zip(ctx.ps, gs)):
             if g is None:
                 out.append(None)
-            elif recording or _read_during_backward(p) or not _accumulates(p):
+            elif recording or _read_during_backward(p) or not _accumulates(p, edges[i][0]):
                 for axis in ctx.axes:  # pvary's own backward, per parameter
                     g = psum(g, ctx.mesh, axis)
                 out.append(g)
@@ -174,9 +175,11 @@ def _read_during_backward(p: Tensor) -> bool:
     )
 
 
-def _accumulates(p: Tensor) -> bool:
-    """Whether the running backward accumulates into ``p.grad`` (not ``autograd.grad``)."""
-    node = torch.autograd.graph.get_gradient_edge(p).node
+def _accumulates(p: Tensor, node: Any = None) -> bool:
+    """Whether the running backward accumulates into ``p.grad`` (not ``autograd.grad``);
+    ``node``: ``p``'s gradient accumulator where the caller has it (else looked up)."""
+    if node is None:
+        node = torch.autograd.graph.get_gradient_edge(p).node
     try:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:  # torch refuses a leaf under autograd.grad: nothing goes into .grad
