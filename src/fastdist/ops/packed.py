@@ -154,7 +154,7 @@ def pvary_packed(ts: Sequence[Tensor | None], mesh: Mesh, axis: AxisName) -> lis
         if len(idx) == 1:
             out[idx[0]] = pvary(ts[idx[0]], mesh, axis)  # type: ignore[arg-type]
             continue
-        views = _PackedPvary.apply(mesh, axis, *(ts[i] for i in idx))
+        views = _PackedPvary.apply(mesh, axis, *(ts[i] for i in idx))  # type: ignore[no-untyped-call]
         for i, v in zip(idx, views):
             out[i] = v
     return out
@@ -180,5 +180,5 @@ class _PackedPvary(torch.autograd.Function):
             ]
         )
         flat = psum(flat, ctx.mesh, ctx.axis)
-        sums = flat.split([shape.numel() for shape in ctx.shapes])
+        sums = torch.split(flat, [shape.numel() for shape in ctx.shapes])
         return (None, None, *(s.view(shape) for s, shape in zip(sums, ctx.shapes)))

@@ -526,7 +526,7 @@ class DispatchSwap:
         if backend is None:
             registry = getattr(self.original, "__globals__", {}).get("_AttentionBackendRegistry")
             backend = getattr(registry, "_active_backend", None)
-        return getattr(backend, "value", backend) == "native"
+        return bool(getattr(backend, "value", backend) == "native")
 
     def _dispatch(
         self,
