@@ -531,17 +531,27 @@ class Pipeline:
         left_b = {j: s.microbatches for j in s.stages_of(me)}
         st = _Step(micro, device, left_b, loss=torch.zeros((), dtype=torch.float64, device=device))
         acts = s.actions[me]
+        early = ranks.ac.backend("Pipeline.step", device.type) == "gloo"
+        reduce_at = _last_forward(acts, last) if early else None  # the loss: `_last_forward`
+        what = "the step's loss (the last stage's, zeros elsewhere)"
+        pending = None
         t0 = time.perf_counter()
         try:
+            if reduce_at == -1:  # no last stage here: its zeros go in now
+                pending = ranks.ac.all_reduce_async("Pipeline.step", st.loss, what=what)
             self._post_next(acts, -1, device)  # the first action's input
             for i, a in enumerate(acts):
                 run = self._forward_action if a.kind == "F" else self._backward_action
                 start, end = run(st, acts, i, t0)
                 self.events.append(Event(me, a.kind, a.microbatch, a.stage, start, end))
+                if i == reduce_at:  # the last stage's loss is complete
+                    pending = ranks.ac.all_reduce_async("Pipeline.step", st.loss, what=what)
             ranks.open_gate()  # no transfer on this rank: the batch check still holds
             ranks.finish()
             self._sum_tied()
             self._sum_shared()
+            if pending is not None:
+                pending.wait()
             self.span = time.perf_counter() - t0
         except Exception as e:
             # peers wait on this rank's transfers and its stage's collectives: drop the groups of
@@ -557,10 +567,12 @@ class Pipeline:
             ranks.pending.clear()
             ranks.posted.clear()
             ranks.gate = None
+        dtype = next(self.parameters()).dtype
+        if pending is not None:  # st.loss: the last stage's loss plus zeros, on every rank
+            return st.loss.to(dtype)
         from fastdist.ops import broadcast
 
         # the last stage's loss on every rank of the pipeline axis
-        dtype = next(self.parameters()).dtype
         return broadcast(st.loss, self.mesh, self.axis, src=s.rank_of(last)).to(dtype)
 
     def _forward_action(
@@ -765,6 +777,15 @@ class _Step:
     inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     local: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)
+
+
+def _last_forward(acts: Sequence[Any], last: int) -> int:
+    """The index in ``acts`` of the last stage's last forward (the loss is complete after it),
+    -1 if this rank holds no last stage. Over gloo the loss reaches every rank as an all-reduce
+    of it and the other ranks' zeros (``x + 0`` is exact: bitwise a broadcast), started then
+    (-1: at once), so no round trip follows the step's last backward. Not over NCCL, which
+    orders a communicator's operations: the sends would queue behind it (a deadlock)."""
+    return max((i for i, a in enumerate(acts) if a.kind == "F" and a.stage == last), default=-1)
 
 
 def _add_back(earlier: list[tuple[list[nn.Parameter], Tensor]]) -> None:
