@@ -127,12 +127,17 @@ def _swap_in(
     """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)`` over its axes."""
     if _KEPT in m.__dict__:
         return  # a forward of m inside another one: already pvary'd
-    real = is_real(mesh)
     engine = _torch_engine_active()  # checked under no_grad too (a reentrant checkpoint's)
     checking = check_of(mesh) is not None  # a replication check reads every pvary it sees
     if not torch.is_grad_enabled() and not checking:
         return  # no graph: pvary's forward is the identity (_put_back finds nothing kept)
-    defer = bucket and real and not engine and not checking and not torch.compiler.is_compiling()
+    defer = (
+        bucket
+        and not engine
+        and not checking
+        and is_real(mesh)
+        and not torch.compiler.is_compiling()
+    )
     if defer and PENDING.tasks and torch._C._current_graph_task_id() == -1 and PENDING.stale():
         PENDING.drop()  # left by a backward that raised before its end
     kept: dict[str, Tensor | None] = {}
