@@ -44,6 +44,7 @@ what neither side can go below without less arithmetic. Nothing here asserts a t
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import json
@@ -58,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdist as fd
 from fastdist.testing import run_on_gloo
@@ -238,11 +240,86 @@ CASES = {
 }
 
 
+# what each aten op of a step is, for --breakdown: the first rule that matches names it
+LOSS_OPS = ("log_softmax", "nll_loss", "check_targets", "all_gather", "scatter_add", "gather")
+VIEW_OPS = ("view", ".t.", "transpose", "slice.Tensor", "detach", "unsqueeze", "expand", "alias")
+
+
+def _category(op: str, shapes: tuple[tuple[int, ...], ...], vocab_cols: set[int]) -> str:
+    """The part of a step an aten op belongs to: the products, the loss (an op on logits-wide
+    tensors, or a loss op), the embedding, the collectives (and fastdist's clone before gloo's
+    in-place all-reduce), shape and view metadata, or the model's own ops (norms, rotary,
+    attention, SiLU, residuals: the same on both sides)."""
+    if op == "aten.mm.default":
+        return "products (mm)"
+    if any(k in op for k in LOSS_OPS) or any(s and s[-1] in vocab_cols for s in shapes):
+        return "loss"
+    if "embedding" in op or "index_put" in op:
+        return "embedding"
+    if "c10d" in op:
+        return "collectives"
+    if op == "aten.clone.default":
+        return "clones (collectives)"
+    if any(k in op for k in VIEW_OPS):
+        return "views, metadata"
+    return "model's own ops"
+
+
+class _OpClock(TorchDispatchMode):  # type: ignore[misc]
+    """The calling thread's CPU time inside each aten op, summed by `_category`. On DTensor's side
+    the mode sees the DTensor-level op, so its dispatch (placement propagation, redistribution)
+    counts with the op."""
+
+    def __init__(self, vocab_cols: set[int]) -> None:
+        super().__init__()
+        self.vocab_cols, self.cpu = vocab_cols, collections.Counter[str]()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        c0 = time.thread_time()
+        out = func(*args, **(kwargs or {}))
+        spent = time.thread_time() - c0
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.cpu[_category(str(func), shapes, self.vocab_cols)] += spent
+        return out
+
+
+def _breakdown(step: Callable[[], None], reps: int, vocab_cols: set[int]) -> dict[str, float]:
+    """CPU seconds of one step of this rank, by part: the process, the calling thread, the other
+    threads (gloo's), each `_category` (``reps`` more steps under `_OpClock`) and what the
+    calling thread spends outside aten ops (Python, autograd, hooks)."""
+    proc, main = [], []
+    for _ in range(reps):
+        dist.barrier()
+        p0, t0 = time.process_time(), time.thread_time()
+        step()
+        proc.append(time.process_time() - p0)
+        main.append(time.thread_time() - t0)
+    clock = _OpClock(vocab_cols)
+    for _ in range(reps):
+        dist.barrier()
+        with clock:
+            step()
+    parts = {k: v / reps for k, v in clock.cpu.items()}
+    p, m = statistics.median(proc), statistics.median(main)
+    return {
+        "step (process)": p,
+        "other threads (gloo)": p - m,
+        **parts,
+        "outside aten ops (Python, autograd)": m - sum(parts.values()),
+    }
+
+
 def _rank(
-    size: tuple[int, ...], reps: int, warmup: int, pairs: tuple[tuple[str, str, bool], ...]
+    size: tuple[int, ...],
+    reps: int,
+    warmup: int,
+    pairs: tuple[tuple[str, str, bool], ...],
+    breakdown: bool = False,
 ) -> dict[str, Any]:
     """One rank: build the single-device model and the parallel copies, check them, time the
-    pairs. Returns the differences against one device and this rank's step times (seconds)."""
+    pairs (and with ``breakdown`` each vocabulary-split side's step by part, `_breakdown`).
+    Returns the differences against one device, this rank's step times (seconds) and the
+    breakdowns."""
     from torch.distributed.device_mesh import init_device_mesh
 
     warnings.simplefilter("ignore", UserWarning)
@@ -280,8 +357,12 @@ def _rank(
             for j in (0, 1) if i % 2 == 0 else (1, 0):  # A B, B A, ...: neither always first
                 got[j].append(_timed(pair[j]))
         times.append(got)
+    parts = {}
+    if breakdown:  # the logits' last dims: each side's vocabulary shard and the whole vocabulary
+        cols = {vocab, vocab // WORLD}
+        parts = {k: _breakdown(steps[k, False], reps, cols) for k in VOCAB}
     dist.barrier()  # every collective done on both ranks before either tears down
-    return {"diffs": diffs, "times": times}
+    return {"diffs": diffs, "times": times, "breakdown": parts}
 
 
 def _matmul_floor(size: tuple[int, ...], vocab_split: bool, reps: int = 3) -> float:
@@ -322,13 +403,15 @@ def _matmul_floor(size: tuple[int, ...], vocab_split: bool, reps: int = 3) -> fl
     return total * WORLD
 
 
-def bench(quick: bool, vocab_only: bool = False, reps_full: int = 11) -> list[dict[str, Any]]:
+def bench(
+    quick: bool, vocab_only: bool = False, reps_full: int = 11, breakdown: bool = False
+) -> list[dict[str, Any]]:
     rows = []
     pairs = tuple(p for p in PAIRS if p[1] == "dtensor_vocab" or not vocab_only)
     for name in ("quick",) if quick else ("512", "1024"):
         size = SIZES[name]
         reps, warmup = (3, 1) if quick else (reps_full, 2)
-        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, pairs, timeout=1800)
+        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, pairs, breakdown, timeout=1800)
         floors = {split: _matmul_floor(size, split) for split in (False, True)}
         hidden, inter, heads, kv, layers, vocab, batch, seq = size
         for n, (fast, base, adamw) in enumerate(pairs):
@@ -364,7 +447,36 @@ def bench(quick: bool, vocab_only: bool = False, reps_full: int = 11) -> list[di
                     "dtensor_diff": max(r["diffs"][base] for r in per_rank),
                 }
             )
+            if breakdown and (fast, base, adamw) == ("fastdist_vocab", "dtensor_vocab", False):
+                rows[-1]["breakdown_cpu_ms"] = {  # both ranks together, per step
+                    side: {
+                        k: sum(r["breakdown"][side].get(k, 0.0) for r in per_rank) * 1e3
+                        for k in per_rank[0]["breakdown"][side]
+                    }
+                    for side in VOCAB
+                }
     return rows
+
+
+def _breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A markdown table per size of the rows' ``breakdown_cpu_ms`` (none without --breakdown)."""
+    lines = []
+    for r in rows:
+        if "breakdown_cpu_ms" not in r:
+            continue
+        f, d = r["breakdown_cpu_ms"]["fastdist_vocab"], r["breakdown_cpu_ms"]["dtensor_vocab"]
+        lines += [
+            "",
+            f"hidden {r['hidden']}, vocabulary split on both sides, fwd+bwd: CPU ms per step, "
+            "both ranks",
+            "",
+            "| part | fastdist | DTensor (loss_parallel) |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {f.get(k, 0.0):.1f} | {d.get(k, 0.0):.1f} |" for k in dict.fromkeys([*f, *d])
+        ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,9 +491,14 @@ def main(argv: list[str] | None = None) -> int:
         help="only the rows with the vocabulary split on both sides (DTensor's loss_parallel)",
     )
     ap.add_argument("--reps", type=int, default=11, help="timed pairs per row (default 11)")
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also each vocabulary-split side's step by part (CPU per aten op, both ranks)",
+    )
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()}")
-    rows = bench(args.quick, args.vocab_only, args.reps)
+    rows = bench(args.quick, args.vocab_only, args.reps, args.breakdown)
     print(f"load average after: {os.getloadavg()}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tp_vs_dtensor.json").write_text(json.dumps(rows, indent=1))
@@ -400,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['fastdist_diff']:.0e} / {r['dtensor_diff']:.0e} |"
         for r in rows
     ]
+    lines += _breakdown_lines(rows)
     (args.out / "tp_vs_dtensor.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
