@@ -429,15 +429,22 @@ class Primitive:
         simulate's own vmap with no other transform, :meth:`_bind_at_level` calls the
         stacked op (or, with a gradient, its Function) directly.
         """
-        if spec.comm is not None:  # real ranks: the Function when a gradient can flow
+        comm = spec.comm
+        if comm is not None:  # real ranks: the Function when a gradient can flow
             # (always under dynamo, which traces the Function: asked first, so that dynamo does
             # not trace the functorch checks)
+            x = tensors[0]
             if torch.compiler.is_compiling() or (
-                torch.is_grad_enabled() and _any_needs_grad(tensors)
+                torch.is_grad_enabled()
+                # one plain tensor that does not require grad (the usual case): no call
+                and (x.requires_grad or len(tensors) > 1 or _functorch.maybe_get_level(x) != -1)
+                and _any_needs_grad(tensors)
             ):
                 vals = tuple([params[p] for p in self.param_names])
                 out: Tensor = apply_function(self.dist_function, spec, vals, *tensors)
                 return out
+            if comm.n > 1 and not comm.comm.check:  # _run_distributed's usual case, inline
+                return self.distributed(comm, *tensors, **params)
             return self._run_distributed(spec, tensors, params)
         # dynamo: keep the traced paths, skip the functorch checks
         compiling = torch.compiler.is_compiling()

@@ -56,20 +56,22 @@ def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Ten
 
 def _ppermute_dist(comm: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     srcs, dsts, me = perm[0::2], perm[1::2], comm.index
-    rows = x if x.dim() else x.reshape(1)  # [k, ...]: sent whole, as k rows of dim 0
+    scalar = x.dim() == 0
+    rows = x.reshape(1) if scalar else x  # [k, ...]: sent whole, as k rows of dim 0
     if not srcs or rows.numel() == 0:
         return torch.zeros_like(x)
     sending, receiving = me in srcs, me in dsts
-    sends, recvs = [0] * comm.n, [0] * comm.n  # rows to / from each member
+    k, n = rows.shape[0], comm.n
+    sends, recvs = [0] * n, [0] * n  # rows to / from each member
     if sending:
-        sends[dsts[srcs.index(me)]] = rows.shape[0]
+        sends[dsts[srcs.index(me)]] = k
     if receiving:
-        recvs[srcs[dsts.index(me)]] = rows.shape[0]
+        recvs[srcs[dsts.index(me)]] = k
     # [k, ...] from my source, or nothing
     got = comm.all_to_all_rows("ppermute", rows if sending else rows[:0], recvs, sends)
     if not receiving:
         return torch.zeros_like(x)  # non-destinations: 0
-    return got if x.dim() else got.reshape(())
+    return got.reshape(()) if scalar else got
 
 
 def _ppermute_bwd(
@@ -180,16 +182,20 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
             "ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1"
         )
     x, spec = enter("ring_shift", x, mesh, axis)
-    # memoised outside dynamo tracing (dynamo warns on a memo, and traces the function itself)
-    ring = _ring_perm.__wrapped__ if torch.compiler.is_compiling() else _ring_perm
-    return apply_primitive(ppermute_p, mesh, x, spec, perm=ring(spec.n, shift))
+    # memoised outside dynamo tracing (dynamo warns on a memo; it traces the function itself)
+    n = spec.n
+    perm = _ring(n, shift) if torch.compiler.is_compiling() else _ring_memo(n, shift)
+    return apply_primitive(ppermute_p, mesh, x, spec, perm=perm)
 
 
-@functools.lru_cache(maxsize=1024)
-def _ring_perm(n: int, shift: int) -> tuple[int, ...]:
+def _ring(n: int, shift: int) -> tuple[int, ...]:
     """The ring of ``n`` members shifted by ``shift`` as ``(src0, dst0, ...)``: a permutation by
-    construction. A pure function, memoised (building it costs a small call's own work again)."""
+    construction."""
     return tuple([v for i in range(n) for v in (i, (i + shift) % n)])
+
+
+# a memo of the pure function above (building the ring costs a small call's own work again)
+_ring_memo = functools.lru_cache(maxsize=1024)(_ring)
 
 
 # ====================================================================== broadcast
