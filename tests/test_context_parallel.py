@@ -89,7 +89,6 @@ def test_wan_ulysses_equals_one_device_simulated() -> None:
     assert_grads(pm.grads(), grads)
 
 
-
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 def test_wan_attention_swapped_without_a_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Wan's processor reaches its attention through diffusers' ``dispatch_attention_fn`` only:
@@ -134,6 +133,7 @@ def test_wan_attention_swapped_without_a_mode(mode: str, monkeypatch: pytest.Mon
         math = pm(**{k: v.expand(N, *v.shape) for k, v in x.items()}).sample
     assert seen and torch.allclose(math, out, rtol=0, atol=1e-12)
     assert not DispatchSwap.fits(wan_module.WanAttnProcessor) and not DispatchSwap.fits(object())
+
 
 def test_wan_auto_uses_the_plan_and_verifies() -> None:
     model, x = tiny_wan(layers=1), inputs()
