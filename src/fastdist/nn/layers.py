@@ -150,6 +150,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight).add_(bias)  # (..., out): the fresh product takes the bias in place
 
 
+def _times(rows: Tensor, mask: Tensor) -> Tensor:
+    """``rows * mask``; under :func:`fastdist.simulate`'s vmap in place on the fresh ``rows``
+    (an embedding's output, which its backward does not read), saving a rank-stacked buffer of
+    the embeddings' size; the same values."""
+    if (
+        torch.compiler.is_compiling()
+        or not torch._C._functorch.is_batchedtensor(rows)
+        or _checked_mode_active()
+    ):
+        return rows * mask
+    return rows.mul_(mask)
+
+
 def _checked_mode_active() -> bool:
     """Whether a TorchFunctionMode other than simulate's SDPA batching (which passes ``add_``
     through) is active."""
@@ -430,8 +443,8 @@ class VocabParallelEmbedding(nn.Module):
         )  # ids < 0 or >= vocab raise
         start = axis_index(self.mesh, self.axis) * self.local_rows
         mine = (ids >= start) & (ids < start + self.local_rows)  # ids in my row range
-        # (..., dim)
-        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight) * mine.unsqueeze(-1)
+        rows = F.embedding(torch.where(mine, ids - start, 0), self.weight)  # (..., dim)
+        rows = _times(rows, mine.unsqueeze(-1))  # the rows of other ranks' ids zeroed
         if self.padding_idx is not None:
             # no gradient into the padding row
             rows = torch.where((ids == self.padding_idx).unsqueeze(-1), rows.detach(), rows)

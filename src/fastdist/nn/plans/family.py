@@ -14,7 +14,8 @@ projections column-parallel and its down projection row-parallel over ``axis``; 
 ``ep_axis`` (`fastdist.nn.moe.ExpertParallel`, each expert's features over ``axis`` too unless
 ``axis == ep_axis``; the router replicated), shared experts over ``axis``; with
 ``sequence_parallel``, Megatron's sequence parallelism from the first decoder layer to the final
-norm (norms on sequence shards, each MoE block on the whole sequence); on the base model,
+norm (norms on sequence shards, the final norm too, its output gathered for the head; each MoE
+block on the whole sequence); on the base model,
 `fastdist.nn.plans.hooks.RefusePartialOutputs`: ``output_attentions`` (the rank's heads) and, with
 sequence parallelism, ``output_hidden_states`` (the rank's shard) refused at the call.
 """
@@ -227,7 +228,8 @@ def build_plan(
         plan[fam.head] = VocabParallel(axis, input="replicated", gather_output=gather_logits)
     if sequence_parallel:
         plan[f"{layers}.0"] = SequenceShard(axis)
-        plan[_join(fam.prefix, fam.final_norm)] = GatherSequence(axis)
+        # the final norm on the shards (per token), its output gathered for the head
+        plan[_join(fam.prefix, fam.final_norm)] = GatherSequence(axis, after=True)
         plan.update({f"{layers}.*.{norm}": PvaryParams(axis) for norm in fam.norms})
         plan.update({_join(layer, fam.moe_block): SequenceGather(axis) for layer in moe})
     if context_parallel is not None:  # its own style refuses both outputs (the rank's tokens)

@@ -98,19 +98,48 @@ class GatherSequence(_InputHook):
     backward: this rank's slice): the end of a sequence-parallel region. The module then runs
     on the whole, replicated sequence (e.g. the final norm before a view by the whole length).
 
+    ``after=True`` gathers the module's output instead: the module runs on this rank's shard
+    (1/n of its work) and its parameters are ``pvary``'d as `PvaryParams` does (their gradients
+    summed over ``axis``). Only for a module that works token by token (a final norm: RMSNorm,
+    LayerNorm), whose output on the shards, gathered, equals its output on the whole sequence;
+    the output must be a tensor.
+
     Args:
         axis: the mesh axis the sequence is split over.
         seq_dim: the sequence dim of the hidden states.
+        after: gather the module's output (the module on the shard) instead of its input.
     """
 
     axis: str = "tp"
     seq_dim: int = 1
+    after: bool = False
 
     def prepare(self, x: Tensor, mesh: Mesh) -> Tensor:
         # contiguous: on real ranks the gather along the sequence dim of a batch of several
         # sequences is a strided view, which model code that .view()s its input (transformers'
         # MoE blocks: hidden_states.view(-1, hidden)) cannot take
         return all_gather_invariant(x, mesh, self.axis, dim=self.seq_dim).contiguous()
+
+    def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
+        if not self.after:
+            return super().apply(module, name, ctx)
+        PvaryParams(self.axis).apply(module, name, ctx)
+        mesh = ctx.mesh
+
+        def gather(mod: nn.Module, args: Any, out: Any) -> Any:
+            if runs_whole(mod):  # the whole sequence on every rank (whole_sequence)
+                return out
+            if not isinstance(out, Tensor):
+                raise ParallelizeError(
+                    f"parallelize: GatherSequence(after=True) on {name!r} "
+                    f"({type(mod).__name__}): its output is a {type(out).__name__}, not a "
+                    "tensor to gather. Fix: GatherSequence() (gather its input), or put the "
+                    "style on a module returning the hidden states"
+                )
+            return self.prepare(out, mesh)
+
+        module.register_forward_hook(gather)
+        return module
 
 
 @dataclass(frozen=True)
