@@ -26,7 +26,9 @@ the vocabulary split on both sides: fastdist's plan against DTensor's own split 
 Llama tutorial makes it (the embedding ``RowwiseParallel(input_layouts=Replicate())``, the
 head ``ColwiseParallel(use_local_output=False)``, the step under ``loss_parallel()`` so that
 transformers' own ``F.cross_entropy`` is DTensor's vocabulary-parallel loss). ``--vocab-only``
-runs those two rows alone.
+runs those two rows alone; ``--breakdown`` adds, for each side of them, where a fwd+bwd step's CPU
+goes (the products, the loss, the embedding, the collectives, views, the model's own ops, gloo's
+threads, Python; per aten op under a dispatch mode, both ranks).
 
 Before any timing, each rank checks that every model's loss (and, with the vocabulary
 replicated, the embedding's gradient, which every layer's backward reaches) equals the
