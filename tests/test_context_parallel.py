@@ -112,6 +112,8 @@ def test_wan_attention_swapped_without_a_mode(mode: str, monkeypatch: pytest.Mon
         pm = fd.nn.parallelize(model, fd.Mesh({"sp": N}), fd.nn.plans.wan(mode=mode))
         processor = model.blocks[0].attn1.processor
         assert DispatchSwap.fits(processor.inner)
+        copied = copy.deepcopy(pm).module.blocks[0].attn1.processor  # a copy swaps in the copy
+        assert copied.direct.inner is copied.inner is not processor.inner
         if not direct:
             for block in model.blocks:
                 block.attn1.processor.direct = None  # the mode, as before this swap

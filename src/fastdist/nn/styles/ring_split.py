@@ -489,6 +489,11 @@ class DispatchSwap:
         self.call = call
         self.local = threading.local()  # per thread: the running calls (a stack of _Active)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copied (``copy.deepcopy`` of a parallelized model) by building it again over the
+        copied processor: the re-bound function and the per-thread stack are not copied."""
+        return (DispatchSwap, (self.inner, self.where))
+
     @staticmethod
     def fits(inner: Any) -> bool:
         """Whether ``inner``'s ``__call__`` reaches its attention only through diffusers'
