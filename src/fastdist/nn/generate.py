@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles import ParallelLinear, SequenceShard, decoding, whole_sequence
+from fastdist.nn.styles.configs import position_dependent_rope
 from fastdist.ops import all_gather
 
 if TYPE_CHECKING:
@@ -340,6 +341,16 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "recomputes the sequence) or generate on real ranks"
         )
     model = pm.module
+    dynamic = next((m for m in model.modules() if position_dependent_rope(m)), None)
+    if dynamic is not None and kwargs.get("use_cache") is None:
+        raise ParallelizeError(
+            "ParallelModel.generate on a simulated mesh: the model's rotary embedding "
+            f"({type(dynamic).__name__}, rope_type {getattr(dynamic, 'rope_type', None)!r}) "
+            "picks its frequencies from the longest position seen, so one device's generate "
+            "with its default KV cache gives other tokens than a generate without one, and a "
+            "simulated mesh has no cache. Fix: pass use_cache=False (and compare against one "
+            "device's generate(use_cache=False)), or generate on real ranks"
+        )
     world = pm.mesh.size
 
     def call(*a: Any, **k: Any) -> Any:

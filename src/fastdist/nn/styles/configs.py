@@ -17,7 +17,7 @@ from torch import nn
 
 from fastdist.nn.styles.base import Style, StyleContext
 
-__all__ = ["OwnConfig", "own_config"]
+__all__ = ["OwnConfig", "own_config", "position_dependent_rope"]
 
 #: a module's plain attribute: the config object `own_config` gave it (already its own)
 OWN = "_fastdist_own_config"
@@ -62,3 +62,25 @@ class OwnConfig(Style):
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         own_config(module)
         return module
+
+
+def position_dependent_rope(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers rotary embedding whose frequencies depend on the
+    largest position it is given (``rope_type`` ``"dynamic"`` NTK scaling or ``"longrope"``,
+    also per layer type): on a rank's own positions it would build other tables than one
+    device's (context parallelism gives it the whole sequence's positions and cuts its tables),
+    and with a KV cache it rotates earlier keys with other tables than without one (a
+    generation without a cache gives other tokens).
+
+    >>> from transformers import LlamaConfig
+    >>> from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    >>> cfg = LlamaConfig(hidden_size=8, num_attention_heads=2, max_position_embeddings=8)
+    >>> position_dependent_rope(LlamaRotaryEmbedding(cfg))
+    False
+    >>> cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    >>> position_dependent_rope(LlamaRotaryEmbedding(cfg))
+    True
+    """
+    kinds = getattr(module, "rope_type", None)
+    kinds = kinds.values() if isinstance(kinds, dict) else (kinds,)
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)

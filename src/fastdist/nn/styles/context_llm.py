@@ -9,7 +9,9 @@ What is split where (``n`` ranks of ``axis``, a sequence of ``S`` tokens cut int
   ``2n - 1 - r`` (rank 0 of 2: chunks 0 and 3; rank 1: chunks 1 and 2), so every rank has as
   many early as late tokens and the same number of visible (query, key) pairs;
 * the base model's forward pre-hook computes the rank's ``position_ids`` (its tokens' own
-  positions: the rotary embedding of each rank is its own) and the token index and padding flags
+  positions: the rotary embedding of each rank is its own; one whose tables depend on the
+  largest position, ``"dynamic"`` or ``"longrope"``, is given the whole sequence's positions
+  and its tables are cut to the rank's tokens) and the token index and padding flags
   the attention masks with; the first decoder layer's pre-hook cuts the embedding output
   ``(B, S, D)`` to ``(B, 2c, D)`` (``local_chunk``: backward gathers the gradient);
 * every attention runs through transformers' attention registry (``ALL_ATTENTION_FUNCTIONS``:
@@ -68,7 +70,7 @@ from fastdist.nn.styles.causal_ring import (
     ring_blocks,
     zigzag_ring,
 )
-from fastdist.nn.styles.configs import own_config
+from fastdist.nn.styles.configs import own_config, position_dependent_rope
 from fastdist.nn.styles.context_cache import (
     cache_length,
     record_length,
@@ -167,6 +169,9 @@ class ContextState:
     decode_total: int = 0
     #: the base model's output gathered (``"gathered"``) or left split (``"split"``)
     logits: Logits = "gathered"
+    #: (1 or B, S) a split forward's whole position ids, for a rotary embedding whose tables
+    #: depend on the largest position (`_whole_rope_positions`)
+    positions: Tensor | None = None
 
     @property
     def chunks(self) -> int:
@@ -255,6 +260,7 @@ def _enter_model(
             "attention_mask (labels=-100 on the padding)"
         )
     state.index = state.shard(whole_index, 1)  # (1, S/n)
+    state.positions = positions  # (1 or B, S): a position-dependent rotary's tables
     state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
     kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
@@ -323,7 +329,7 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     """Forward hook of the base model (also when its forward raised): the output (and a KV cache
     filled by this forward) gathered into the whole sequence, in token order; the per-call
     tensors dropped (inside a simulation they are the simulation's, which must not outlive it)."""
-    state.index = state.valid = state.whole_valid = state.decode = None
+    state.index = state.valid = state.whole_valid = state.decode = state.positions = None
     if not state.split or out is None:  # the length a decoding step left
         record_length(getattr(out, "get", lambda _: None)("past_key_values"))
         return out
@@ -342,6 +348,29 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     settle_prefill_cache(state, out.get("past_key_values"), total)
     state.split = False
     return out
+
+
+# ============================================================================ rotary tables
+def _whole_rope_positions(
+    state: ContextState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook of a position-dependent rotary embedding: in a split forward it sees the
+    whole sequence's position ids (as on one device), not this rank's."""
+    if not state.split or state.positions is None:
+        return None
+    if len(args) > 1:  # (x, position_ids, ...)
+        return (args[0], state.positions, *args[2:]), kwargs
+    return args, {**kwargs, "position_ids": state.positions}
+
+
+def _cut_rope_tables(state: ContextState, module: nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook of a position-dependent rotary embedding: its whole-sequence tables
+    ``(B or 1, S, D)`` cut to this rank's tokens, in the layout's order."""
+    if not state.split or state.positions is None:
+        return out
+    if isinstance(out, Tensor):
+        return state.shard(out, 1)
+    return type(out)(state.shard(t, 1) if isinstance(t, Tensor) else t for t in out)
 
 
 # ============================================================================ attention
@@ -546,6 +575,12 @@ class CausalContextParallel(Style):
             functools.partial(_split_first_layer, state), with_kwargs=True
         )
         module.register_forward_hook(functools.partial(_leave_model, state), always_call=True)
+        for sub in module.modules():
+            if position_dependent_rope(sub):  # dynamic / longrope: the whole sequence's tables
+                sub.register_forward_pre_hook(
+                    functools.partial(_whole_rope_positions, state), with_kwargs=True
+                )
+                sub.register_forward_hook(functools.partial(_cut_rope_tables, state))
         for sub in (module, *layers.modules()):
             sub.__dict__[STATE_ATTR] = state  # a plain attribute (not a submodule or buffer)
         return module
