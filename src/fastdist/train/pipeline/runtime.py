@@ -8,6 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -473,7 +474,7 @@ class Pipeline:
 
     def _backward(self, j: int, y: Tensor, g: Tensor | None, last_of_stage: bool) -> None:
         pm = self.stages[j]
-        ctx = pm.engine.no_sync() if pm.engine is not None and not last_of_stage else _nothing()
+        ctx = pm.engine.no_sync() if pm.engine is not None and not last_of_stage else nullcontext()
         with ctx:
             # the last stage: every rank's own loss (simulated: their sum); else the output's
             torch.autograd.backward(y.sum() if g is None else y, g)
@@ -754,14 +755,6 @@ class Pipeline:
             busy = sum(e.end - e.start for e in self.events if e.rank == r)
             out[r] = 1.0 - busy / span if span > 0 else 0.0
         return out
-
-
-class _nothing:  # noqa: N801 - a context manager used like contextlib.nullcontext
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @dataclass
