@@ -36,7 +36,7 @@ ROPES = {
 }
 
 
-def build(rope: str) -> torch.nn.Module:
+def build(rope: str, layers: int = 2) -> torch.nn.Module:
     """A tiny float64 Llama with the case's rotary embedding (random init)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,7 +46,7 @@ def build(rope: str) -> torch.nn.Module:
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         initializer_range=0.3,
@@ -145,3 +145,11 @@ def test_gloo_logits_and_generate_match_one_device(rope: str, mode: str) -> None
         torch.testing.assert_close(logits, want.detach(), rtol=1e-12, atol=1e-12)
         assert torch.equal(sequences, gen.sequences)
         torch.testing.assert_close(steps, torch.stack(gen.logits), rtol=1e-12, atol=1e-12)
+
+
+def test_pipeline_stages_get_one_devices_tables() -> None:
+    """pp 2 x cp 2 (the pipeline tests' 16-token batch): every stage's base model gives its
+    dynamic rotary embedding the whole positions; loss and gradients equal one device."""
+    from tests.test_pipeline_context import check_step
+
+    check_step(build("dynamic", layers=4), fd.Mesh({"pp": 2, "cp": 2}), "1f1b", mode="ring")
