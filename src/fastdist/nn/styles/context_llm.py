@@ -291,7 +291,7 @@ def _enter_whole(
     n, S = state.mesh.axis_size(state.axis), tokens.shape[1]
     if not state.switch.decoding:
         why = (
-            f"a KV cache holding {past} tokens (a decoding step)"
+            f"a KV cache that already holds tokens ({past} on this rank: a decoding step)"
             if past
             else f"{S} tokens, which the {state.chunks} chunks of the {state.layout} layout "
             f"over {n} ranks do not divide"
@@ -300,7 +300,8 @@ def _enter_whole(
             f"context parallelism over {state.axis!r}: {type(module).__name__} got {why}. "
             f"Fix: pad the batch to a multiple of {state.chunks} tokens (padding masked with "
             "attention_mask and labels=-100); generate with ParallelModel.generate, which "
-            "runs the decoding steps (within fastdist.nn.styles.decoding(model))"
+            "runs the decoding steps (a hand-written decoding loop: call the model within "
+            "fastdist.nn.styles.decoding(model))"
         )
     mask = kw.get("attention_mask")
     state.whole_valid = mask.bool() if isinstance(mask, Tensor) else None  # (B, keys)
