@@ -711,12 +711,14 @@ def _overhead_worker(
         # peer (the collectives are stubbed): rank 0 alone, rank 1 waiting in a barrier.
         # batches of 100 small calls, of 2 64 MiB copies
         calls = 100 if nbytes <= 65536 else 10 if nbytes <= 4 << 20 else 2
-        own = _own_work_us(cases, reps, calls) if rank == 0 else {}
+        # at least 15 pairs: cheap (about 1 ms a pair at small sizes), and the smoke run's 5 left
+        # its medians at the mercy of one slow phase of a shared machine
+        own = _own_work_us(cases, max(reps, 15), calls) if rank == 0 else {}
         for r in rows if rank == 0 else []:
             r["own_fastdist_us"], r["own_c10d_us"] = own[r["op"]]["fastdist"], own[r["op"]]["c10d"]
             r["own_added_us"] = own[r["op"]]["added"]  # the median of per-pair differences
         grad = (
-            _own_work_us(_autograd_cases(mesh, group, x), reps)
+            _own_work_us(_autograd_cases(mesh, group, x), max(reps, 15))
             if rank == 0 and nbytes == sizes[0]
             else {}
         )
