@@ -56,6 +56,7 @@ from fastdist.nn.domain.optables import (
     ALIKE,
     ALWAYS,
     CAT,
+    CHANNEL_DROPOUT,
     CONTRACT,
     CONTRACT_AFTER_BIAS,
     EVERY_INPUT,
@@ -76,9 +77,16 @@ from fastdist.nn.domain.optables import (
     STACK,
     STACK_ALONG,
     UNBIND,
+    UNSHUFFLE,
     WHOLE_DOMAIN,
 )
-from fastdist.nn.domain.windows import Split, domain_upsample, region, upsample_factors
+from fastdist.nn.domain.windows import (
+    Split,
+    domain_upsample,
+    ragged_sizes,
+    region,
+    upsample_factors,
+)
 
 __all__ = ["Guard", "Layout"]
 
@@ -370,6 +378,10 @@ class Guard(TorchFunctionMode):
         held = self.layout(x).dims()
         if not held:
             return
+        if func in UNSHUFFLE:
+            self._check_unshuffle(func, x, rest, kwargs)
+        if func in CHANNEL_DROPOUT:
+            self._check_channel_dropout(func, x, rest, kwargs)
         if func in MOVE_IN_PLACE:
             raise self._refuse(
                 op_name(func), x, "an in-place op that moves the dims of a tensor holding split "
@@ -408,6 +420,51 @@ class Guard(TorchFunctionMode):
                     "Tensor.__setitem__", x, f"the index is {why}",
                     "write whole split dims, or end the domain-parallel region before it",
                 )  # fmt: skip
+
+    def _check_unshuffle(self, func: Any, x: Tensor, rest: tuple[Any, ...], kwargs: Any) -> None:
+        """``F.pixel_unshuffle(x, r)`` (``nn.PixelUnshuffle``) folds ``r x r`` pixel groups of the
+        last two dims into the channels: exact on each rank's block where every rank's block
+        along a split dim among them divides by ``r`` (the groups then start at the block's start
+        as they do in the whole domain); else refused here, naming the blocks, before torch's own
+        error (which names the block's size only) or an error at a later layer."""
+        r = int(rest[0] if rest else kwargs[UNSHUFFLE[func]])
+        lay = self.layout(x)
+        for (d, axis), p in zip(self.split, lay.at, strict=True):
+            if p is None or p < x.dim() - 2:
+                continue  # dim -3 (the channels) is refused by the table (MIXING)
+            rows = x.shape[p]
+            n, sim = self.mesh.axis_size(axis), self.mesh.backend is None
+            sizes = ragged_sizes(self.mesh, axis, d, rows, self.where) or [rows] * (n if sim else 1)
+            if all(s % r == 0 for s in sizes):
+                continue
+            whose = "each rank's" if sim else "this rank's"
+            raise ParallelizeError(
+                f"DomainParallel on {self.where!r}: the model calls pixel_unshuffle "
+                f"(nn.PixelUnshuffle / F.pixel_unshuffle) with downscale_factor={r} on a tensor "
+                f"of shape {tuple(x.shape)} whose dim {p} holds the split dim {d} (axis "
+                f"{axis!r}, {n} ranks) in blocks of {sizes} rows ({whose}): every block must "
+                f"divide by {r} so that its {r} x {r} pixel groups are the whole domain's. Fix: "
+                f"a domain length along dim {d} divisible by {r} x {n} (times the strides "
+                f"before this layer), uneven blocks (sizes=) each a multiple of {r} here, or "
+                f"fewer ranks of {axis!r}"
+            )
+
+    def _check_channel_dropout(
+        self, func: Any, x: Tensor, rest: tuple[Any, ...], kwargs: Any
+    ) -> None:
+        """A channel dropout in training (``F.dropout2d(x, p, training=True)``) of a tensor that
+        holds split rows: one device drops a channel over the whole domain, each rank would draw
+        its own mask for its block (a channel dropped in part of the domain). Refused."""
+        key = CHANNEL_DROPOUT[func]
+        p = float(rest[0] if rest else kwargs.get("p", 0.5))
+        training = bool(rest[1] if len(rest) > 1 else kwargs.get(key, True))
+        if training and p > 0:
+            raise self._refuse(
+                op_name(func), x, f"a channel dropout in training (p={p}) drops whole channels "
+                "over the domain on one device, but each rank would draw its own mask for its "
+                "block (a channel dropped in part of the domain only)", "p=0, eval mode, "
+                "an elementwise F.dropout, or end the domain-parallel region before it",
+            )  # fmt: skip
 
     def _follow(self, func: Any, x: Tensor, rest: tuple[Any, ...], kwargs: Any, out: Any) -> None:
         """Where the split dims lie on the call's outputs (refused where the guard cannot

@@ -165,6 +165,8 @@ def op_name(func: Any) -> str:
     """``func`` as the model's code spells it (``torch.max``, ``Tensor.max``, ``F.pad``)."""
     qual = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
     name = qual.split(".")[-1]
+    if "<locals>" in qual:  # torch's boolean_dispatch wrappers (F.max_pool2d): their own name
+        name = str(getattr(func, "__name__", name))
     if qual.startswith(("TensorBase.", "Tensor.")):
         return f"Tensor.{name}"
     if qual.startswith("_VariableFunctionsClass."):

@@ -533,3 +533,16 @@ ALWAYS = {
 #: the kinds of layer (`fastdist.nn.domain.layers.classify`) that take statistics over, or
 #: attend across, the split dims: a split dim folded into the batch is refused there
 WHOLE_DOMAIN = ("group_norm", "instance_norm", "batch_norm", "adaptive", "attention")
+
+#: ops that fold ``r x r`` pixel groups of the last two dims into the channels
+#: (``F.pixel_unshuffle``, which ``nn.PixelUnshuffle`` calls): exact on a rank's block only where
+#: every rank's block along a split dim among them divides by ``r`` (checked at the call)
+UNSHUFFLE = {f: "downscale_factor" for f in named(torch, ("pixel_unshuffle",))}
+
+#: channel dropouts (``p`` the second argument, the training flag the third, its keyword): one
+#: device drops a channel over the whole domain; each rank draws its own mask for its block
+CHANNEL_DROPOUT = {
+    **{f: "training" for f in named(F, ("dropout1d", "dropout2d", "dropout3d"))},
+    F.feature_alpha_dropout: "training",
+    **{f: "train" for f in named(torch, ("feature_dropout", "feature_alpha_dropout"))},
+}
