@@ -267,14 +267,14 @@ def _category(op: str, shapes: tuple[tuple[int, ...], ...], vocab_cols: set[int]
     return "model's own ops"
 
 
-class _OpClock(TorchDispatchMode):  # type: ignore[misc]
+class _OpClock(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The calling thread's CPU time inside each aten op, summed by `_category`. On DTensor's side
     the mode sees the DTensor-level op, so its dispatch (placement propagation, redistribution)
     counts with the op."""
 
     def __init__(self, vocab_cols: set[int]) -> None:
-        super().__init__()
-        self.vocab_cols, self.cpu = vocab_cols, collections.Counter[str]()
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.vocab_cols, self.cpu = vocab_cols, collections.defaultdict[str, float](float)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         c0 = time.thread_time()
