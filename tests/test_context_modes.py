@@ -133,8 +133,11 @@ def test_mode_refusals() -> None:
         pm(**{k: v.expand(4, *v.shape) for k, v in few.items()})
 
 
-def test_processor_guards() -> None:
+def test_processor_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     """The swap refuses a processor that calls the attention other than once, unmasked."""
+    # set_attention_backend also sets diffusers' active backend process-wide: restored after
+    registry = pytest.importorskip("diffusers.models.attention_dispatch")._AttentionBackendRegistry
+    monkeypatch.setattr(registry, "_active_backend", registry._active_backend)
     model = tiny_wan(heads=4, layers=1)
     pm = fd.nn.parallelize(model, fd.Mesh({"sp": 2}), fd.nn.plans.wan(mode="ring"))
     processor = model.blocks[0].attn1.processor
