@@ -224,3 +224,51 @@ def test_checkpointed_blocks_recompute_with_their_own_split_on_gloo() -> None:
     _, grads = reference(tiny_wan(heads=4), nine_tokens())
     for got in run_on_gloo(checkpointed_on_gloo, 2, timeout=300):
         assert_grads(got, grads)
+
+
+def test_block_signatures_follow_each_forward() -> None:
+    """The hooks' kept signatures (`context_args.Signatures`) are those ``inspect.signature``
+    gives, per forward function: a module whose ``forward`` is an instance attribute gets its
+    own, and one whose attribute changes gets the new one (the block hook binds by name)."""
+    import inspect
+
+    from fastdist.nn.styles.context_args import Signatures
+
+    sigs = Signatures()
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert sigs.of(a) == inspect.signature(a.forward) == sigs.of(b)
+    b.forward = lambda x, scale=1.0: x * scale  # type: ignore[method-assign]
+    assert list(sigs.of(b).parameters) == ["x", "scale"]
+    b.forward = lambda rotary, x: x  # type: ignore[method-assign]
+    assert list(sigs.of(b).parameters) == ["rotary", "x"]
+    assert list(sigs.of(a).parameters) == ["input"]
+
+
+def test_pvary_packed_without_a_graph_returns_its_inputs() -> None:
+    """Under ``torch.no_grad()`` (no replication check) ``pvary_packed`` is the identity and
+    copies nothing; recording a graph, its gradient is ``pvary``'s (summed over the axis)."""
+    from fastdist.ops import pvary
+    from fastdist.ops.packed import pvary_packed
+
+    mesh = fd.Mesh({"sp": 2})
+    a, b = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        got = pvary_packed([a, None, b], mesh, "sp")
+    assert got[0] is a and got[1] is None and got[2] is b
+
+    grads = []
+    for packed in (True, False):
+        w = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        w.requires_grad_(True)
+
+        def f(x: Tensor, w: Tensor = w, packed: bool = packed) -> Tensor:
+            y = pvary_packed([w * 1.0], mesh, "sp")[0] if packed else pvary(w * 1.0, mesh, "sp")
+            assert y is not None
+            return (y * x).sum()
+
+        x = torch.arange(6, dtype=torch.float64).view(2, 3)  # rank r: row r
+        fd.simulate(f, mesh)(x).sum().backward()
+        grads.append(w.grad)
+    assert grads[0] is not None and grads[1] is not None
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert grads[0].abs().sum() > 0

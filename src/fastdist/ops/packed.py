@@ -132,16 +132,16 @@ def pvary_packed(ts: Sequence[Tensor | None], mesh: Mesh, axis: AxisName) -> lis
     tensors of one dtype and device that need a gradient go through one autograd node whose
     backward sums their gradients over ``axis`` in ONE ``psum`` of their concatenation (a
     gradient that does not come is summed as zeros: every rank sends the same buffer); the
-    values are those of one ``psum`` per tensor (an elementwise sum). Anywhere else each tensor
-    is ``pvary``'d on its own.
+    values are those of one ``psum`` per tensor (an elementwise sum). Recording no graph
+    (``torch.no_grad()``, inference mode) outside a replication check, the tensors come back as
+    they are (``pvary``'s forward is the identity; only its backward does anything: no copy, as
+    `fastdist.nn.PvarySites` under no grad). Anywhere else each tensor is ``pvary``'d on its own.
     """
     out: list[Tensor | None] = list(ts)
-    fast = (
-        torch.is_grad_enabled()
-        and is_real(mesh)
-        and check_of(mesh) is None
-        and not torch.compiler.is_compiling()
-    )
+    grad = torch.is_grad_enabled()
+    if not grad and check_of(mesh) is None:
+        return out
+    fast = grad and is_real(mesh) and check_of(mesh) is None and not torch.compiler.is_compiling()
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(ts):
         if t is None:

@@ -47,7 +47,7 @@ from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.attention import ulysses_sdpa
 from fastdist.nn.styles.base import Style, StyleContext, get_child
-from fastdist.nn.styles.context_args import BlockArgs, hook, refuse_model_args
+from fastdist.nn.styles.context_args import BlockArgs, Signatures, hook, refuse_model_args
 from fastdist.nn.styles.context_recompute import (
     CurrentSplit,
     SplitRotary,
@@ -654,7 +654,7 @@ class ContextParallel(Style):
         module.register_forward_pre_hook(functools.partial(new_forward, current))
         # ControlNet residuals, per-token timesteps: rows per token the split does not cut
         module.register_forward_pre_hook(
-            functools.partial(refuse_model_args, axes), with_kwargs=True
+            functools.partial(refuse_model_args, axes, Signatures()), with_kwargs=True
         )
         blocks[0].register_forward_pre_hook(
             functools.partial(shard_tokens, mesh, axes, first, current), with_kwargs=True

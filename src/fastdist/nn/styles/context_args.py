@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -92,6 +92,30 @@ def cut_positions(
     return SplitRotary(cuts, mine) if isinstance(out, tuple) else cuts[0]
 
 
+class Signatures:
+    """``inspect.signature`` of modules' ``forward``, computed once per forward function (one
+    costs 15-20 us; the hooks bind every block's and the model's call, every forward).
+
+    The key is the function itself (a bound method's ``__func__``: every instance of a class
+    shares it, and a bound method's signature is its function's without the first parameter),
+    or the callable itself when ``forward`` is no bound method (an instance attribute); the
+    kept keys hold their functions alive, so a key is never another function's reused id.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[bool, Any], inspect.Signature] = {}
+
+    def of(self, module: nn.Module) -> inspect.Signature:
+        """The signature ``inspect.signature(module.forward)`` returns."""
+        fwd = module.forward
+        func = getattr(fwd, "__func__", None)
+        key = (True, func) if func is not None else (False, fwd)
+        sig = self._kept.get(key)
+        if sig is None:
+            sig = self._kept[key] = inspect.signature(fwd)
+        return sig
+
+
 @dataclass(frozen=True)
 class BlockArgs:
     """Which arguments of every block a forward pre-hook cuts to this rank's part.
@@ -113,6 +137,7 @@ class BlockArgs:
     rotary_outputs: tuple[int, ...] | None = None
     text_input: str | None = None
     key_mask: str | None = None
+    signatures: Signatures = field(default_factory=Signatures, compare=False, repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -142,7 +167,7 @@ class BlockArgs:
         """Forward pre-hook of a block (after the one that sets the forward's split)."""
         split = current.split
         assert split is not None  # set by the split's pre-hook, registered before this one
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        bound = self.signatures.of(module).bind(*args, **kwargs)
         given = bound.arguments
         rotary = given.get(self.rotary) if self.rotary is not None else None
         if rotary is not None and not isinstance(rotary, SplitRotary):
@@ -201,7 +226,11 @@ def hook(
 
 
 def refuse_model_args(
-    axes: tuple[str, ...], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    axes: tuple[str, ...],
+    signatures: Signatures,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> None:
     """Forward pre-hook of a context-parallel model: refuse, at the call, an argument of
     `REFUSED_MODEL_ARGS` given (not ``None``), and a per-token ``timestep`` (``(batch, tokens)``,
@@ -209,7 +238,7 @@ def refuse_model_args(
     of the whole sequence, which the model would add to (or broadcast against) the rank's
     tokens: a raw size error, or a wrong result where the sizes happen to fit."""
     try:
-        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        given = signatures.of(module).bind_partial(*args, **kwargs).arguments
     except TypeError:  # the model's own call raises its own error
         return
     model = type(module).__name__
