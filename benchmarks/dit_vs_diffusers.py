@@ -23,6 +23,17 @@ Rows (each a ratio fastdist / diffusers of two sides timed alternately in this r
   without that all-reduce is reported too.
 - **denoising step**: ``torch.no_grad()`` forward plus ``FlowMatchEulerDiscreteScheduler.step``,
   a loop of 4 steps timed whole, divided by 4.
+- **guided denoising step**: the step as ``WanPipeline`` runs it, with classifier-free guidance
+  (scale 5, Wan's default): a conditional and an unconditional prediction (the negative
+  prompt's text states), ``uncond + 5 (cond - uncond)``, then the scheduler. diffusers runs its
+  Ulysses model twice per step, once per branch, as its pipeline does (``enable_parallelism``
+  has no guidance parallelism). fastdist runs what it offers for this workload on the same 2
+  processes: `fastdist.nn.GuidedModel` over a ``cfg`` axis of 2 (``fd.connect(cfg=2, sp=1)``:
+  each rank one branch over the whole video, no all-to-all; one all-gather of the two
+  predictions). The arithmetic per rank is the same (each rank projects all the tokens once
+  and attends over all the heads once per step; diffusers' ranks half of each, twice); what
+  differs is that each rank patch-embeds, embeds the condition and pays the per-call work once
+  per step instead of twice, and exchanges one prediction instead of 4 all-to-alls per layer.
 
 diffusers' ring (``ring_degree=2``) is tried and refused on a CPU: its native backend raises
 ``Native attention does not support return_lse=True``; the other backends that support context
@@ -66,6 +77,7 @@ from fastdist.testing import run_on_gloo
 HERE = Path(__file__).resolve().parent
 WORLD = 2
 STEPS = 4  # denoising steps per timed loop
+GUIDANCE = 5.0  # classifier-free guidance scale (Wan's default)
 
 # (heads, head dim, ffn, layers, latent channels, frames, latent height = width, text tokens)
 # tokens = frames x (height / 2) x (width / 2) (patch 1 x 2 x 2)
@@ -177,6 +189,45 @@ def _denoise(fn: Callable[..., torch.Tensor], x: torch.Tensor, e: torch.Tensor) 
     return x
 
 
+def _guided_denoise(
+    guided: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    """``STEPS`` guided flow-matching steps: ``guided(x, t)`` is the guided prediction."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(STEPS)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            pred = guided(x, t.expand(1).to(x.dtype))
+            x = scheduler.step(pred, t, x, return_dict=False)[0]
+    return x
+
+
+def _guided_sides(one: Any, e: torch.Tensor, neg: torch.Tensor) -> dict[str, Any]:
+    """The guided prediction ``(x, t) -> uncond + GUIDANCE (cond - uncond)`` per side: diffusers'
+    Ulysses model run once per branch (as ``WanPipeline`` does); fastdist's ``GuidedModel`` over
+    ``cfg`` = 2 (each rank one branch, the video whole)."""
+    from diffusers import ContextParallelConfig
+
+    m = copy.deepcopy(one)
+    m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD))
+
+    def diffusers_guided(x: torch.Tensor, t: torch.Tensor, m: Any = m) -> torch.Tensor:
+        cond = m(x, t, e, return_dict=False)[0]
+        uncond = m(x, t, neg, return_dict=False)[0]
+        return uncond + GUIDANCE * (cond - uncond)
+
+    mesh = fd.connect(cfg=WORLD, sp=1, timeout=120)
+    f = copy.deepcopy(one)
+    guided = fd.nn.GuidedModel(fd.nn.parallelize(f, mesh, fd.nn.plans.wan(f, mesh)), GUIDANCE)
+
+    def fastdist_guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return guided(hidden_states=x, timestep=t, encoder_hidden_states=e, uncond=neg)
+
+    return {"fastdist cfg": fastdist_guided, "diffusers": diffusers_guided}
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
@@ -222,6 +273,12 @@ PAIRS = (
     ("fwd+bwd, fastdist ring vs diffusers Ulysses", "fastdist ring", "diffusers", "train"),
     ("denoising step, Ulysses", "fastdist", "diffusers", "denoise"),
     ("denoising step, fastdist ring vs diffusers Ulysses", "fastdist ring", "diffusers", "denoise"),
+    (
+        "guided denoising step (scale 5): fastdist cfg 2 vs diffusers Ulysses twice",
+        "fastdist cfg",
+        "diffusers",
+        "guided",
+    ),
 )
 
 
@@ -246,9 +303,17 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     diffs["denoised latents, fastdist ring vs diffusers (float32)"] = _max_diff(
         latents["fastdist ring"], latents["diffusers"]
     )
+    neg = torch.randn(e.shape, generator=torch.Generator().manual_seed(2), dtype=e.dtype)
+    guided = _guided_sides(one, e, neg)
+    guided_latents = {k: _guided_denoise(fn, x) for k, fn in guided.items()}
+    diffs["guided latents, fastdist cfg vs diffusers (float32)"] = _max_diff(
+        guided_latents["fastdist cfg"], guided_latents["diffusers"]
+    )
     times = []
     for _, fast, base, what in PAIRS:
-        if what == "denoise":
+        if what == "guided":
+            pair = tuple(lambda s=s: _guided_denoise(guided[s], x) for s in (fast, base))
+        elif what == "denoise":
             pair = tuple(lambda s=s: _denoise(sides[s][0], x, e) for s in (fast, base))
         else:
             pair = (
@@ -287,7 +352,7 @@ def bench(quick: bool, only: list[str] | None = None, reps: int | None = None) -
                 [sum(r["times"][n][side][i][1] for r in per_rank) for i in range(pairs)]
                 for side in (0, 1)
             )
-            per = STEPS if what == "denoise" else 1
+            per = STEPS if what in ("denoise", "guided") else 1
             rows.append(
                 {
                     "case": case,

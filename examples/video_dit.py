@@ -128,7 +128,7 @@ def mesh_for(args: Any, world: int | None) -> fd.Mesh:
             f"{2 * cp * 2} (or another multiple of {2 * cp})"
         )
     sizes = {"cfg": 2, "cp": cp, "sp": sp} if cp > 1 else {"cfg": 2, "sp": sp}
-    return fd.connect(order=("dp", "cfg", "cp", "sp"), timeout=120, **sizes)
+    return fd.connect(timeout=120, **sizes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,9 +29,9 @@ def test_dit_vs_diffusers_smoke_run(tmp_path: Path) -> None:
     """fastdist (Ulysses, ring) and diffusers' enable_parallelism (Ulysses) on a tiny Wan over 2
     gloo processes: both equal one device in float64; diffusers' own ring is refused on a CPU."""
     res = _run_quick("dit_vs_diffusers.py", tmp_path)
-    assert [r["case"].split(",")[0] for r in res["rows"]] == ["fwd+bwd"] * 3 + [
+    assert [r["case"].split(",")[0].split(" (")[0] for r in res["rows"]] == ["fwd+bwd"] * 3 + [
         "denoising step"
-    ] * 2
+    ] * 2 + ["guided denoising step"]
     assert all(
         r["ratio"] > 0 and r["fastdist_ms"] > 0 and r["diffusers_ms"] > 0 for r in res["rows"]
     )
@@ -41,6 +41,8 @@ def test_dit_vs_diffusers_smoke_run(tmp_path: Path) -> None:
     # without the all-reduce each diffusers rank holds only its own tokens' gradient
     assert checks["diffusers grads before all-reduce"] > 1e-3, checks
     assert checks["denoised latents, fastdist vs diffusers (float32)"] < 1e-4, checks
+    # classifier-free guidance: fastdist's cfg axis vs diffusers' two Ulysses forwards per step
+    assert checks["guided latents, fastdist cfg vs diffusers (float32)"] < 1e-4, checks
     assert "return_lse" in res["diffusers_ring"]
 
 

@@ -98,6 +98,14 @@ def test_from_world_size_puts_tp_innermost_and_infers_dp() -> None:
     assert fd.Mesh.from_world_size(16, tp=4, pp=2) == fd.Mesh({"pp": 2, "dp": 2, "tp": 4})
     assert fd.Mesh.from_world_size(4) == fd.Mesh({"dp": 4})
     assert fd.Mesh.from_world_size(8, tp=8, dp=1) == fd.Mesh({"dp": 1, "tp": 8})
+
+
+def test_from_world_size_knows_the_guidance_axis() -> None:
+    """``cfg`` (classifier-free guidance) is in the default order, inside ``dp``: a ``cfg`` x
+    ``sp`` mesh needs no ``order=`` (it was refused as an unknown axis)."""
+    assert fd.Mesh.from_world_size(4, cfg=2, sp=2) == fd.Mesh({"dp": 1, "cfg": 2, "sp": 2})
+    assert fd.Mesh.from_world_size(8, cfg=2, sp=2) == fd.Mesh({"dp": 2, "cfg": 2, "sp": 2})
+    assert fd.Mesh.from_world_size(2, cfg=2) == fd.Mesh({"dp": 1, "cfg": 2})
     assert fd.Mesh.from_world_size(
         8, order=("dp", "ring", "ulysses"), ulysses=2, ring=2
     ) == fd.Mesh({"dp": 2, "ring": 2, "ulysses": 2})

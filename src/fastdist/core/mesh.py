@@ -40,8 +40,9 @@ __all__ = ["Mesh", "MeshComm", "AxisName", "DEFAULT_ORDER"]
 AxisName = str | Sequence[str]
 
 #: Outer-to-inner order used by :meth:`Mesh.from_world_size`: tensor parallelism
-#: innermost (consecutive ranks, usually one node), pipeline outermost.
-DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "sp", "tp")
+#: innermost (consecutive ranks, usually one node), pipeline outermost; classifier-free
+#: guidance (``cfg``, one exchange of a prediction per denoising step) just inside ``dp``.
+DEFAULT_ORDER: tuple[str, ...] = ("pp", "dp", "cfg", "ep", "cp", "sp", "tp")
 
 
 class MeshComm(Protocol):
@@ -171,7 +172,7 @@ class Mesh:
 
         ``dp`` is inferred as ``world_size // prod(other degrees)`` unless given.
         Axes are laid out in ``order`` (outer to inner; default
-        ``("pp", "dp", "ep", "cp", "sp", "tp")``, so tp is innermost as in
+        ``("pp", "dp", "cfg", "ep", "cp", "sp", "tp")``, so tp is innermost as in
         Megatron and vLLM). ``dp`` is always present; other axes only when given.
         Axes of your own naming (a domain's ``h`` and ``w``), none of them in the default
         order, are laid out as you wrote them, inside ``dp``.
