@@ -14,26 +14,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import fastdist as fd
+from tests import tiny_models as tm
 
 
 def tiny_wan(layers: int = 4, seed: int = 0) -> nn.Module:
-    """A tiny float64 Wan text-to-video transformer: 2 heads of dim 8, ``layers`` blocks."""
-    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=layers,
-        rope_max_seq_len=32,
-    )
-    return model.to(torch.float64)
+    """The pipeline tests' float64 Wan text-to-video transformer: ``layers`` blocks of 2 heads
+    of 8."""
+    return tm.tiny_wan(heads=2, head_dim=8, layers=layers, seed=seed)
 
 
 def batch(n: int = 4, weighted: bool = False, seed: int = 1) -> dict[str, Tensor]:
@@ -126,21 +113,9 @@ def wan_on_2() -> dict[str, Any]:
 
 
 def tiny_ltx(layers: int = 4, seed: int = 0) -> nn.Module:
-    """A tiny float64 LTX-Video transformer: 2 heads of dim 12, ``layers`` blocks (no float32
-    internals: it matches one device to rounding)."""
-    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = LTXVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=12,
-        cross_attention_dim=24,
-        num_layers=layers,
-        caption_channels=16,
-    )
-    return model.to(torch.float64)
+    """The pipeline tests' float64 LTX-Video transformer: ``layers`` blocks of 2 heads of 12 (no
+    float32 internals: it matches one device to rounding)."""
+    return tm.tiny_ltx(heads=2, layers=layers, seed=seed)
 
 
 def ltx_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
@@ -162,28 +137,9 @@ def ltx_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
 
 
 def tiny_cogvideox(rotary: bool, layers: int = 4) -> nn.Module:
-    """A tiny float64 CogVideoX: 2 heads of dim 8, ``layers`` blocks (each updates the text
-    stream too), 3 latent frames of 4 x 4 in patches of 2: 12 image tokens, 5 text tokens."""
-    from diffusers import CogVideoXTransformer3DModel
-
-    torch.manual_seed(0)
-    model = CogVideoXTransformer3DModel(
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=8,
-        text_embed_dim=16,
-        num_layers=layers,
-        sample_width=4,
-        sample_height=4,
-        sample_frames=5,
-        patch_size=2,
-        temporal_compression_ratio=2,
-        max_text_seq_length=5,
-        use_rotary_positional_embeddings=rotary,
-    )
-    return model.to(torch.float64)
+    """The pipeline tests' float64 CogVideoX: ``layers`` blocks of 2 heads of 8, 3 latent
+    frames of 4 x 4 in patches of 2: 12 image tokens, 5 text tokens."""
+    return tm.tiny_cogvideox(heads=2, layers=layers, size=4, rotary=rotary)
 
 
 def cogvideox_batch(rotary: bool, n: int = 4, seed: int = 1) -> dict[str, Any]:
@@ -205,25 +161,9 @@ def cogvideox_batch(rotary: bool, n: int = 4, seed: int = 1) -> dict[str, Any]:
 
 
 def tiny_sd3(layers: int = 4) -> nn.Module:
-    """A tiny float64 SD3 (MM-DiT): 2 heads of dim 8, ``layers`` joint blocks (the last one
-    ``context_pre_only``), patch 1."""
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(0)
-    model = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=1,
-        in_channels=4,
-        num_layers=layers,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=8,
-        out_channels=4,
-        pos_embed_max_size=8,
-    )
-    return model.to(torch.float64)
+    """The pipeline tests' float64 SD3 (MM-DiT): ``layers`` joint blocks (the last one
+    ``context_pre_only``) of 2 heads of 8, patch 1."""
+    return tm.tiny_sd3(heads=2, layers=layers)
 
 
 def sd3_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
@@ -240,22 +180,9 @@ def sd3_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
 
 
 def tiny_flux() -> nn.Module:
-    """A tiny float64 Flux: 2 double-stream and 2 single-stream blocks, 2 heads of 8."""
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=8,
-        axes_dims_rope=(2, 2, 4),
-    )
-    return model.to(torch.float64)
+    """The pipeline tests' float64 Flux: 2 double-stream and 2 single-stream blocks, 2 heads of
+    8."""
+    return tm.tiny_flux(heads=2)
 
 
 def flux_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
@@ -276,27 +203,9 @@ def flux_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
 
 
 def tiny_hunyuan_video() -> nn.Module:
-    """A tiny float64 HunyuanVideo: 2 double- and 2 single-stream blocks, a 1-layer token
-    refiner, 2 heads of 8, patch 1."""
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    model = HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=2,
-        num_single_layers=2,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        patch_size=1,
-        patch_size_t=1,
-        text_embed_dim=16,
-        pooled_projection_dim=8,
-        rope_axes_dim=(2, 2, 4),
-    )
-    return model.to(torch.float64)
+    """The pipeline tests' float64 HunyuanVideo: 2 double- and 2 single-stream blocks, a 1-layer
+    token refiner, 2 heads of 8, patch 1."""
+    return tm.tiny_hunyuan_video(heads=2, layers=2, single_layers=2)
 
 
 def hunyuan_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:

@@ -11,27 +11,14 @@ import copy
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
 from tests.test_context_parallel import assert_grads
+from tests.tiny_models import tiny_ltx
 
-ltx = pytest.importorskip("diffusers.models.transformers.transformer_ltx")
-
-
-def tiny_ltx(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = ltx.LTXVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=4,
-        attention_head_dim=12,
-        cross_attention_dim=48,
-        num_layers=2,
-        caption_channels=16,
-    )
-    return model.to(torch.float64)
+pytest.importorskip("diffusers.models.transformers.transformer_ltx")
 
 
 def ltx_inputs(frames: int = 2, size: int = 3) -> dict[str, object]:

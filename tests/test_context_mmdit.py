@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
+from tests.tiny_models import tiny_flux, tiny_sd3
 
 sd3_module = pytest.importorskip("diffusers.models.transformers.transformer_sd3")
 
@@ -29,17 +30,6 @@ MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
     "ring-4": ({"sp": 4}, {"mode": "ring"}),
     "usp-2x2": ({"cp": 2, "sp": 2}, {"mode": "usp", "ring_axis": "cp"}),
 }
-
-
-def tiny_sd3(seed: int = 0, **kw: Any) -> nn.Module:
-    """2 joint blocks (the last one ``context_pre_only``), 4 heads of 8, patch 1."""
-    torch.manual_seed(seed)
-    model = sd3_module.SD3Transformer2DModel(
-        sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
-        pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8, **kw,
-    )  # fmt: skip
-    return cast(nn.Module, model.to(torch.float64))
 
 
 def sd3_inputs(size: int = 3, text: int = 5) -> dict[str, Tensor]:
@@ -142,19 +132,6 @@ def test_sd3_refusals() -> None:
 
 
 # ------------------------------------------------------------------ Flux
-def tiny_flux(seed: int = 0) -> nn.Module:
-    """2 double-stream and 2 single-stream blocks, 4 heads of 8, 3-axis rotary (2, 2, 4)."""
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=8,
-        axes_dims_rope=(2, 2, 4),
-    )  # fmt: skip
-    return cast(nn.Module, model.to(torch.float64))
-
-
 def flux_inputs(size: int = 3, text: int = 5) -> dict[str, Tensor]:
     """``size * size`` packed image tokens at grid positions, ``text`` text tokens at distinct
     positions (so the text rows of the rotary embedding matter)."""

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist.errors import ParallelizeError
-from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan, wan_module
+from tests.test_context_parallel import assert_grads, inputs, reference
+from tests.tiny_models import tiny_wan
 
 #: (mesh axes, plan keywords) of each mode
 MODES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
@@ -84,12 +85,7 @@ def tiny_wan_i2v(
     ``norm_added_k`` over all heads), ``layers`` blocks of 4 heads of 12; the video latents and
     timestep of ``video`` (default `inputs`), 512 text tokens (the processor takes the last 512
     as the text), 3 image tokens."""
-    torch.manual_seed(0)
-    model = wan_module.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=4,
-        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=layers,
-        rope_max_seq_len=32, image_dim=8, added_kv_proj_dim=48,
-    ).to(torch.float64)  # fmt: skip
+    model = tiny_wan(heads=4, layers=layers, i2v=True)
     g = torch.Generator().manual_seed(1)
     x = {
         **(video if video is not None else inputs()),

@@ -19,29 +19,12 @@ from torch import Tensor, nn
 
 import fastdist as fd
 from fastdist.errors import MeshError, ParallelizeError
+from tests.tiny_models import tiny_wan
 
 # at collection: diffusers' import takes seconds, which no single test should be charged
 wan_module = pytest.importorskip("diffusers.models.transformers.transformer_wan")
 
 N = 2  # the sp size
-
-
-def tiny_wan(heads: int = 2, layers: int = 2, seed: int = 0) -> nn.Module:
-    """A tiny float64 Wan text-to-video transformer (random init; nothing downloaded)."""
-    torch.manual_seed(seed)
-    model = wan_module.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=12,  # 3-D RoPE: 4 (frames) + 4 (height) + 4 (width)
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=layers,
-        rope_max_seq_len=32,
-    )
-    return model.to(torch.float64)
 
 
 def inputs(frames: int = 2, size: int = 4, seed: int = 1) -> dict[str, Tensor]:

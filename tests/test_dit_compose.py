@@ -28,7 +28,8 @@ import fastdist as fd
 from fastdist.errors import CheckpointError, ParallelizeError
 from fastdist.nn.plans.dit import TpSplit
 from fastdist.nn.plans.dit_tp import ContextTensorParallel, WidthRMSNorm, wan_tp
-from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan, wan_module
+from tests.test_context_parallel import assert_grads, inputs, reference, wan_module
+from tests.tiny_models import tiny_wan, wan_config
 
 
 def on_ranks(x: dict[str, Tensor], mesh: fd.Mesh) -> dict[str, Tensor]:
@@ -147,26 +148,12 @@ def test_data_parallel_times_sp_step_equals_one_device() -> None:
 
 
 # ------------------------------------------------------------------ meta device, checkpoints
-WAN = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=12,
-    in_channels=4,
-    out_channels=4,
-    text_dim=16,
-    freq_dim=16,
-    ffn_dim=32,
-    num_layers=2,
-    rope_max_seq_len=32,
-)  # fmt: skip  (tiny_wan(heads=4)'s architecture)
-
-
 def meta_wan() -> nn.Module:
     """``tiny_wan(heads=4)``'s architecture built on the meta device: shapes, no values; its
     rotary embedding (buffers only, computed in its ``__init__``) built outside, as
     accelerate's ``init_empty_weights`` (what diffusers' ``from_pretrained`` uses) does."""
     with torch.device("meta"):
-        model = wan_module.WanTransformer3DModel(**WAN)
+        model = wan_module.WanTransformer3DModel(**wan_config(heads=4))
     model.rope = wan_module.WanRotaryPosEmbed(12, (1, 2, 2), 32)
     return model.to(torch.float64)
 
@@ -176,7 +163,7 @@ def test_meta_rotary_buffers_are_refused_with_the_fix(tmp_path: Path) -> None:
     checkpoint or an init could give: refused at load, naming them and the fix."""
     tiny_wan(heads=4, layers=2).save_pretrained(tmp_path)
     with torch.device("meta"):
-        model = wan_module.WanTransformer3DModel(**WAN).to(torch.float64)
+        model = wan_module.WanTransformer3DModel(**wan_config(heads=4)).to(torch.float64)
     pm = fd.nn.parallelize(model, fd.Mesh({"sp": 2}))
     with pytest.raises(CheckpointError, match=r"rope\.freqs_cos.*Fix: build the modules"):
         fd.checkpoint.load(tmp_path, pm)

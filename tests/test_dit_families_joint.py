@@ -24,6 +24,7 @@ from fastdist.errors import ParallelizeError
 
 diffusers = pytest.importorskip("diffusers")
 
+from tests import tiny_models as tm  # noqa: E402
 from tests.test_context_mmdit import MODES  # noqa: E402  (mesh axes, plan keywords) by mode
 
 Inputs = dict[str, Any]
@@ -36,13 +37,7 @@ def _randn(g: torch.Generator, *shape: int) -> Tensor:
 def tiny_cogvideox(rotary: bool = True) -> tuple[nn.Module, Inputs]:
     """2 blocks, 4 heads of 8; 3 latent frames of 6 x 6, patch 2: 27 video tokens (14 + 13 over
     2 ranks, 7 + 7 + 7 + 6 over 4), 5 text tokens; random rotary tables of every position."""
-    torch.manual_seed(0)
-    model = diffusers.CogVideoXTransformer3DModel(
-        num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-        time_embed_dim=8, text_embed_dim=16, num_layers=2, sample_width=6, sample_height=6,
-        sample_frames=5, patch_size=2, temporal_compression_ratio=2, max_text_seq_length=5,
-        use_rotary_positional_embeddings=True,
-    ).double()  # fmt: skip
+    model = tm.tiny_cogvideox()
     g = torch.Generator().manual_seed(1)
     x = {
         "hidden_states": _randn(g, 2, 3, 4, 6, 6),
@@ -56,13 +51,7 @@ def tiny_cogvideox(rotary: bool = True) -> tuple[nn.Module, Inputs]:
 def tiny_cogvideox_15() -> tuple[nn.Module, Inputs]:
     """CogVideoX 1.5's layout: frames patched in pairs (``patch_size_t=2``) and an ``ofs``
     embedding (image-to-video) added to the timestep's; 4 latent frames of 6 x 6: 18 tokens."""
-    torch.manual_seed(0)
-    model = diffusers.CogVideoXTransformer3DModel(
-        num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-        time_embed_dim=8, text_embed_dim=16, num_layers=2, sample_width=6, sample_height=6,
-        sample_frames=9, patch_size=2, patch_size_t=2, temporal_compression_ratio=2,
-        max_text_seq_length=5, use_rotary_positional_embeddings=True, ofs_embed_dim=8,
-    ).double()  # fmt: skip
+    model = tm.tiny_cogvideox(sample_frames=9, patch_size_t=2, ofs_embed_dim=8)
     g = torch.Generator().manual_seed(1)
     x = {
         "hidden_states": _randn(g, 2, 4, 4, 6, 6),
@@ -123,13 +112,7 @@ def tiny_hunyuan_video(masked: bool = True, **kw: Any) -> tuple[nn.Module, Input
     """1 double- and 1 single-stream block, a 1-layer token refiner, 4 heads of 8; 2 frames of
     3 x 3: 18 video tokens (9 + 9 over 2, 5 + 5 + 4 + 4 over 4), 5 text tokens, the last two
     of the second sample padding (``encoder_attention_mask``)."""
-    torch.manual_seed(0)
-    model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
-        num_layers=1, num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1,
-        patch_size_t=1, text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
-        **kw,
-    ).double()  # fmt: skip
+    model = tm.tiny_hunyuan_video(**kw)
     g = torch.Generator().manual_seed(1)
     mask = torch.ones(2, 5, dtype=torch.float64)
     if masked:

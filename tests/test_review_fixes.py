@@ -135,30 +135,13 @@ def test_context_parallel_leaves_a_shared_config_alone(logits: str) -> None:
 
 
 # ============================================================== DiT context parallelism: arguments
-def _sd3() -> torch.nn.Module:
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(0)
-    return SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=16,
-        caption_projection_dim=32,
-        pooled_projection_dim=8,
-        out_channels=4,
-        pos_embed_max_size=8,
-    ).double()
-
-
 def test_dit_context_parallel_refuses_controlnet_residuals() -> None:
     """SD3's ControlNet residuals (a row per image token, added after each block) were added
     to the rank's tokens: a raw size error. Refused at the call, naming the argument; the same
     call without them still equals one device."""
     pytest.importorskip("diffusers")
+    from tests import tiny_models as tm
+
     g = torch.Generator().manual_seed(1)
     x = {
         "hidden_states": torch.randn(1, 4, 2, 2, generator=g, dtype=torch.float64),
@@ -167,7 +150,7 @@ def test_dit_context_parallel_refuses_controlnet_residuals() -> None:
         "timestep": torch.tensor([500.0], dtype=torch.float64),
     }
     ctrl = [torch.randn(1, 4, 32, generator=g, dtype=torch.float64) for _ in range(2)]
-    ref = _sd3()
+    ref = tm.tiny_sd3()
     with torch.no_grad():
         want = ref(**x).sample
     mesh = fd.Mesh({"sp": 2})
@@ -185,18 +168,9 @@ def test_dit_context_parallel_refuses_ltx_per_token_timesteps() -> None:
     """LTX-Video's per-token timestep (batch, tokens) gave every rank every token's
     modulation: a raw size error. Refused; one timestep per sample ((batch, 1)) still runs."""
     pytest.importorskip("diffusers")
-    from diffusers import LTXVideoTransformer3DModel
+    from tests import tiny_models as tm
 
-    torch.manual_seed(0)
-    ref = LTXVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=4,
-        attention_head_dim=12,
-        cross_attention_dim=48,
-        num_layers=1,
-        caption_channels=16,
-    ).double()
+    ref = tm.tiny_ltx(layers=1)
     g = torch.Generator().manual_seed(1)
     x = {
         "hidden_states": torch.randn(1, 4, 4, generator=g, dtype=torch.float64),

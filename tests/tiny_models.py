@@ -7,7 +7,9 @@ it), the mixture-of-experts families (4 experts, top-2, eager experts: grouped_m
 and Falcon's three attention layouts (``falcon:new``, ``falcon:mqa``, ``falcon:per_head``).
 Keyword overrides replace any config field. ``auto_zoo`` is the wider set the automatic plan is
 checked on (with pad/bos/eos token ids), and ``tiny_llama`` / ``llama_config`` the small Llamas
-the pipeline tests run on many processes. Workers import this module as ``tests.tiny_models``.
+the pipeline tests run on many processes. The diffusers DiTs (``tiny_wan`` / ``wan_config``,
+``tiny_ltx``, ``tiny_sd3``, ``tiny_flux``, ``tiny_cogvideox``, ``tiny_hunyuan_video``) take the
+sizes the tests vary (heads, layers, seed). Workers import this module as ``tests.tiny_models``.
 """
 
 from __future__ import annotations
@@ -470,3 +472,175 @@ def tiny_llama(layers: int = 4, seed: int = 0, vocab: int = 64) -> nn.Module:
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).to(F64).train()
+
+
+# ============================================================================ diffusers DiTs
+# Random init under ``seed``, float64, train mode (as diffusers builds them). Each builder takes
+# the sizes the tests vary; ``overrides`` replace any other config field. The attention widths
+# that must equal ``heads * head_dim`` (SD3's caption projection, LTX's cross-attention, Wan
+# I2V's added key-value projections) follow ``heads``.
+def wan_config(
+    heads: int = 2, head_dim: int = 12, layers: int = 2, i2v: bool = False, **overrides: Any
+) -> dict[str, Any]:
+    """The fields of a tiny ``WanTransformer3DModel``: ``layers`` blocks of ``heads`` heads of
+    ``head_dim`` (12: a 3-D RoPE of 4 frame + 4 height + 4 width dims), patch (1, 2, 2), 4 latent
+    channels, text width 16; with ``i2v``, Wan image-to-video's image projections (image states
+    of width 8, ``added_kv_proj_dim`` the attention width)."""
+    fields: dict[str, Any] = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
+    if i2v:
+        fields.update(image_dim=8, added_kv_proj_dim=heads * head_dim)
+    fields.update(overrides)
+    return fields
+
+
+def tiny_wan(
+    heads: int = 2,
+    head_dim: int = 12,
+    layers: int = 2,
+    seed: int = 0,
+    i2v: bool = False,
+    **overrides: Any,
+) -> nn.Module:
+    """A tiny float64 Wan text-to-video (or, with ``i2v``, image-to-video) transformer of
+    `wan_config`'s fields."""
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**wan_config(heads, head_dim, layers, i2v, **overrides))
+    return model.to(F64)
+
+
+def tiny_ltx(heads: int = 4, layers: int = 2, seed: int = 0) -> nn.Module:
+    """A tiny float64 LTX-Video transformer: ``layers`` blocks of ``heads`` heads of 12 (a 3-D
+    RoPE), cross-attention to text of width 16 projected to the attention width."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LTXVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=heads,
+        attention_head_dim=12,
+        cross_attention_dim=heads * 12,
+        num_layers=layers,
+        caption_channels=16,
+    )
+    return model.to(F64)
+
+
+def tiny_sd3(heads: int = 4, layers: int = 2, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny float64 SD3 (MM-DiT): ``layers`` joint blocks (the last one ``context_pre_only``)
+    of ``heads`` heads of 8, patch 1 on an 8 x 8 sample, text of width 16 projected to the
+    attention width, pooled text of width 8; ``overrides`` (SD3.5's ``dual_attention_layers``,
+    ``qk_norm``) replace any field."""
+    from diffusers import SD3Transformer2DModel
+
+    fields: dict[str, Any] = dict(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=heads,
+        joint_attention_dim=16,
+        caption_projection_dim=heads * 8,
+        pooled_projection_dim=8,
+        out_channels=4,
+        pos_embed_max_size=8,
+    )
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(**{**fields, **overrides}).to(F64)
+
+
+def tiny_flux(heads: int = 4, seed: int = 0) -> nn.Module:
+    """A tiny float64 Flux: 2 double-stream and 2 single-stream blocks of ``heads`` heads of 8,
+    patch 1, 3-axis rotary (2, 2, 4), text of width 16, pooled text of width 8."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=heads,
+        joint_attention_dim=16,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
+    return model.to(F64)
+
+
+def tiny_cogvideox(
+    heads: int = 4,
+    layers: int = 2,
+    size: int = 6,
+    rotary: bool = True,
+    seed: int = 0,
+    **overrides: Any,
+) -> nn.Module:
+    """A tiny float64 CogVideoX: ``layers`` blocks (each updates the text stream too) of
+    ``heads`` heads of 8, 5 sample frames (3 latent frames) of ``size`` x ``size`` in patches
+    of 2, 5 text tokens of width 16, ``rotary`` positional embeddings (tables given as a model
+    input); ``overrides`` (CogVideoX 1.5's ``patch_size_t``, ``ofs_embed_dim``) replace any
+    field."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    fields: dict[str, Any] = dict(
+        num_attention_heads=heads,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=16,
+        num_layers=layers,
+        sample_width=size,
+        sample_height=size,
+        sample_frames=5,
+        patch_size=2,
+        temporal_compression_ratio=2,
+        max_text_seq_length=5,
+        use_rotary_positional_embeddings=rotary,
+    )
+    torch.manual_seed(seed)
+    return CogVideoXTransformer3DModel(**{**fields, **overrides}).to(F64)
+
+
+def tiny_hunyuan_video(
+    heads: int = 4, layers: int = 1, single_layers: int = 1, seed: int = 0, **overrides: Any
+) -> nn.Module:
+    """A tiny float64 HunyuanVideo: ``layers`` double- and ``single_layers`` single-stream
+    blocks of ``heads`` heads of 8, a 1-layer token refiner, patch 1, rotary (2, 2, 4), text of
+    width 16, pooled text of width 8; ``overrides`` (``image_condition_type``) replace any
+    field."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    fields: dict[str, Any] = dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=heads,
+        attention_head_dim=8,
+        num_layers=layers,
+        num_single_layers=single_layers,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+    )
+    torch.manual_seed(seed)
+    return HunyuanVideoTransformer3DModel(**{**fields, **overrides}).to(F64)
