@@ -4,6 +4,7 @@ unmodified diffusers ``WanTransformer3DModel``, 2 gloo processes.
     python benchmarks/dit_vs_diffusers.py          # 1024 and 2048 tokens (~10 min on 2 busy cores)
     python benchmarks/dit_vs_diffusers.py --quick  # tiny sizes: a smoke run (~30 s)
     python benchmarks/dit_vs_diffusers.py --only 1k --reps 7  # one size, fewer pairs (~3 min)
+    python benchmarks/dit_vs_diffusers.py --case guided       # only the rows naming "guided"
 
 fastdist: ``fd.nn.parallelize(model, fd.connect(sp=2))`` (Wan's ready plan, Ulysses; and
 ``plans.wan(mode="ring")``). diffusers: ``model.enable_parallelism(config=
@@ -34,6 +35,8 @@ Rows (each a ratio fastdist / diffusers of two sides timed alternately in this r
   and attends over all the heads once per step; diffusers' ranks half of each, twice); what
   differs is that each rank patch-embeds, embeds the condition and pays the per-call work once
   per step instead of twice, and exchanges one prediction instead of 4 all-to-alls per layer.
+  A second row gives diffusers the other way a pipeline can run guidance: both branches as
+  one batch of 2 through its Ulysses model (one forward per step).
 
 diffusers' ring (``ring_degree=2``) is tried and refused on a CPU: its native backend raises
 ``Native attention does not support return_lse=True``; the other backends that support context
@@ -218,6 +221,10 @@ def _guided_sides(one: Any, e: torch.Tensor, neg: torch.Tensor) -> dict[str, Any
         uncond = m(x, t, neg, return_dict=False)[0]
         return uncond + GUIDANCE * (cond - uncond)
 
+    def diffusers_batched(x: torch.Tensor, t: torch.Tensor, m: Any = m) -> torch.Tensor:
+        both = m(x.expand(2, *x.shape[1:]), t.expand(2), torch.cat([e, neg]), return_dict=False)[0]
+        return both[1:] + GUIDANCE * (both[:1] - both[1:])  # (1, C, F, H, W)
+
     mesh = fd.connect(cfg=WORLD, sp=1, timeout=120)
     f = copy.deepcopy(one)
     guided = fd.nn.GuidedModel(fd.nn.parallelize(f, mesh, fd.nn.plans.wan(f, mesh)), GUIDANCE)
@@ -225,7 +232,11 @@ def _guided_sides(one: Any, e: torch.Tensor, neg: torch.Tensor) -> dict[str, Any
     def fastdist_guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return guided(hidden_states=x, timestep=t, encoder_hidden_states=e, uncond=neg)
 
-    return {"fastdist cfg": fastdist_guided, "diffusers": diffusers_guided}
+    return {
+        "fastdist cfg": fastdist_guided,
+        "diffusers": diffusers_guided,
+        "diffusers batched": diffusers_batched,
+    }
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -279,10 +290,18 @@ PAIRS = (
         "diffusers",
         "guided",
     ),
+    (
+        "guided denoising step (scale 5): fastdist cfg 2 vs diffusers Ulysses, a batch of 2",
+        "fastdist cfg",
+        "diffusers batched",
+        "guided",
+    ),
 )
 
 
-def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
+def _rank(
+    size: tuple[int, ...], reps: int, warmup: int, cases: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """One rank: check in float64, then time the pairs in float32."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -306,11 +325,12 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     neg = torch.randn(e.shape, generator=torch.Generator().manual_seed(2), dtype=e.dtype)
     guided = _guided_sides(one, e, neg)
     guided_latents = {k: _guided_denoise(fn, x) for k, fn in guided.items()}
-    diffs["guided latents, fastdist cfg vs diffusers (float32)"] = _max_diff(
-        guided_latents["fastdist cfg"], guided_latents["diffusers"]
-    )
+    for base in ("diffusers", "diffusers batched"):
+        diffs[f"guided latents, fastdist cfg vs {base} (float32)"] = _max_diff(
+            guided_latents["fastdist cfg"], guided_latents[base]
+        )
     times = []
-    for _, fast, base, what in PAIRS:
+    for _, fast, base, what in _pairs(cases):
         if what == "guided":
             pair = tuple(lambda s=s: _guided_denoise(guided[s], x) for s in (fast, base))
         elif what == "denoise":
@@ -332,17 +352,27 @@ def _rank(size: tuple[int, ...], reps: int, warmup: int) -> dict[str, Any]:
     return {"diffs": diffs, "times": times, "diffusers_ring": ring}
 
 
-def bench(quick: bool, only: list[str] | None = None, reps: int | None = None) -> dict[str, Any]:
+def _pairs(cases: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
+    """The rows of ``PAIRS`` whose name contains one of ``cases`` (all when empty)."""
+    return [p for p in PAIRS if not cases or any(c in p[0] for c in cases)]
+
+
+def bench(
+    quick: bool,
+    only: list[str] | None = None,
+    reps: int | None = None,
+    cases: tuple[str, ...] = (),
+) -> dict[str, Any]:
     rows, checks, ring = [], {}, ""
     for name in ("quick",) if quick else only or ("1k", "2k"):
         size = SIZES[name]
         pairs, warmup = reps or (3 if quick else 15), 1
-        per_rank = run_on_gloo(_rank, WORLD, size, pairs, warmup, timeout=3000)
+        per_rank = run_on_gloo(_rank, WORLD, size, pairs, warmup, cases, timeout=3000)
         heads, head_dim, ffn, layers, _, frames, hw, text = size
         tokens = frames * (hw // 2) ** 2
         ring = per_rank[0]["diffusers_ring"]
         checks[name] = {k: max(r["diffs"][k] for r in per_rank) for k in per_rank[0]["diffs"]}
-        for n, (case, _, _, what) in enumerate(PAIRS):
+        for n, (case, _, _, what) in enumerate(_pairs(cases)):
             # wall: a step is over when its slowest rank is; CPU: the ranks' work added
             f, d = (
                 [max(r["times"][n][side][i][0] for r in per_rank) for i in range(pairs)]
@@ -378,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", nargs="+", choices=[k for k in SIZES if k != "quick"])
     ap.add_argument("--reps", type=int, help="timed pairs per row (default 15; --quick 3)")
+    ap.add_argument("--case", nargs="+", help="only the rows whose name contains one of these")
     args = ap.parse_args(argv)
     load = [os.getloadavg()]
-    res = bench(args.quick, args.only, args.reps)
+    res = bench(args.quick, args.only, args.reps, tuple(args.case or ()))
     load.append(os.getloadavg())
     res["loadavg"] = load
     args.out.mkdir(parents=True, exist_ok=True)

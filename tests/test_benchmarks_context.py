@@ -31,7 +31,7 @@ def test_dit_vs_diffusers_smoke_run(tmp_path: Path) -> None:
     res = _run_quick("dit_vs_diffusers.py", tmp_path)
     assert [r["case"].split(",")[0].split(" (")[0] for r in res["rows"]] == ["fwd+bwd"] * 3 + [
         "denoising step"
-    ] * 2 + ["guided denoising step"]
+    ] * 2 + ["guided denoising step"] * 2
     assert all(
         r["ratio"] > 0 and r["fastdist_ms"] > 0 and r["diffusers_ms"] > 0 for r in res["rows"]
     )
@@ -43,6 +43,7 @@ def test_dit_vs_diffusers_smoke_run(tmp_path: Path) -> None:
     assert checks["denoised latents, fastdist vs diffusers (float32)"] < 1e-4, checks
     # classifier-free guidance: fastdist's cfg axis vs diffusers' two Ulysses forwards per step
     assert checks["guided latents, fastdist cfg vs diffusers (float32)"] < 1e-4, checks
+    assert checks["guided latents, fastdist cfg vs diffusers batched (float32)"] < 1e-4, checks
     assert "return_lse" in res["diffusers_ring"]
 
 
