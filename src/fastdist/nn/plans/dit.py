@@ -12,7 +12,9 @@ every rank and joined to its image tokens inside each attention): ``SD3Transform
 (`cogvideox`) and ``HunyuanVideoTransformer3DModel`` (`hunyuan_video`).
 
 Where Wan's tokens are split (diffusers' own ``_cp_plan`` for Wan splits at the same places):
-after the patch embedding, at the input of ``blocks.0``; they stay split through every block
+after the patch embedding, at the input of ``blocks.0`` (where a rank's tokens are whole latent
+frames, before it: each rank patch-embeds its own frames, `ContextParallel`'s ``frames``); they
+stay split through every block
 (``norm1``..``norm3``, the FFN and the modulation are token-local); ``attn1`` runs as Ulysses,
 ring or USP, with the rotary embedding cut to each rank's positions; ``attn2``
 (cross-attention to the replicated text states) runs locally; ``proj_out``'s output is gathered
@@ -162,10 +164,12 @@ DIT_FAMILIES: dict[str, DitFamily] = {
     f.name: f
     for f in (
         # Wan: ContextParallel's defaults (blocks, attn1 / attn2, rope, condition_embedder);
-        # image-to-video: attn2's image projections add_k_proj / add_v_proj
+        # image-to-video: attn2's image projections add_k_proj / add_v_proj; each rank
+        # patch-embeds its own frames where its tokens are whole frames
         DitFamily(
             "wan",
             "WanTransformer3DModel",
+            dict(frames="patch_embedding"),
             tp=(
                 TpSplit(
                     "blocks",
@@ -385,7 +389,9 @@ def family_plan(
 
 def wan(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """The context-parallel plan of a diffusers ``WanTransformer3DModel``: its tokens split over
-    ``axis`` (and ``ring_axis``), self-attention as Ulysses, ring or USP, the rotary embedding
+    ``axis`` (and ``ring_axis``; where a rank's tokens are whole latent frames, its
+    ``patch_embedding`` runs on those frames only, its parameters' gradients summed over the
+    ranks), self-attention as Ulysses, ring or USP, the rotary embedding
     cut to each rank's positions, cross-attention to the replicated text states local, gathered
     after ``proj_out``. Arguments as in `family_plan`.
 
@@ -395,7 +401,7 @@ def wan(model: Any = None, mesh: Mesh | None = None, **options: Unpack[PlanOptio
 whole=('rope', 'patch_embedding', 'condition_embedder'), feeds=('condition_embedder',), \
 output='proj_out', mode='ulysses', ring_axis=None, rotary='rope', per_token=(0, 1), joint=(), \
 single_blocks=None, joined=(), text=None, rotary_dim=1, rotary_outputs=None, rotary_arg=None, \
-text_input=None, key_mask=None, single_joint=())}
+text_input=None, key_mask=None, single_joint=(), frames='patch_embedding')}
     """
     return family_plan("wan", model, mesh, **options)
 

@@ -9,7 +9,9 @@ parameter names (and checkpoints) stay the single-device model's:
 * the first block's ``hidden_states`` are cut to this rank's tokens (`TokenSplit.shard`:
   backward gathers the gradient, so the patch embedding before it gets the whole gradient); a
   token count the ranks do not divide is split unevenly, exactly (see
-  `fastdist.nn.styles.ring_split`);
+  `fastdist.nn.styles.ring_split`). With ``frames`` (Wan's ``patch_embedding``), the patch
+  embedding's input is cut to the rank's frames instead, where its tokens are whole frames, and
+  its parameters are ``pvary``'d (`fastdist.nn.styles.context_region.FrameEmbed`);
 * the ``rotary`` module's output (the rotary embedding of the whole position grid) is cut the
   same way, so each rank rotates its own tokens by their own positions; rotary tables, a text
   stream or a key mask that the model hands its blocks as arguments are cut before every block
@@ -55,6 +57,7 @@ from fastdist.nn.styles.context_recompute import (
     carry_outputs,
 )
 from fastdist.nn.styles.context_region import (
+    FrameEmbed,
     enter_block,
     feed_outputs,
     gather_tokens,
@@ -503,6 +506,13 @@ class ContextParallel(Style):
             attentions then mask those keys.
         single_joint: in every block of ``single_blocks``, the joint attentions that get the
             text as encoder states (HunyuanVideo's single-stream blocks).
+        frames: the module of ``whole`` that patch-embeds the latent ``(batch, channels,
+            frames, height, width)``, an ``nn.Conv3d`` with kernel = stride and no padding whose
+            output the model flattens frame-major into the tokens (Wan's ``patch_embedding``):
+            each rank embeds its own frames where its tokens are whole frames (the rest of the
+            time the whole latent, its rows cut at the first block), and its parameters are
+            ``pvary``'d like the split region's (`fastdist.nn.styles.context_region.FrameEmbed`).
+            Not such a convolution (a pipeline stage's placeholder): kept whole. ``None``: none.
 
     Every other parameter of the model is in the split region and is ``pvary``'d over the split
     axes. ``check`` refuses a block attention listed in neither ``attention`` nor ``cross`` (it
@@ -530,6 +540,7 @@ class ContextParallel(Style):
     text_input: str | None = None
     key_mask: str | None = None
     single_joint: tuple[str, ...] = ()
+    frames: str | None = None
 
     def _blocks(self, model: nn.Module, name: str, attr: str | None = None) -> nn.ModuleList:
         attr = attr or self.blocks
@@ -605,6 +616,11 @@ class ContextParallel(Style):
                 f"{self.whole}: the rotary embedding is computed for the whole grid, then cut. "
                 "Fix: add it to whole"
             )
+        if self.frames is not None and self.frames not in self.whole:
+            raise ParallelizeError(
+                f"parallelize: ContextParallel(frames={self.frames!r}) is not one of whole="
+                f"{self.whole}: the patch embedding runs before the split. Fix: add it to whole"
+            )
         if self.text is not None and self.text not in self.whole:
             raise ParallelizeError(
                 f"parallelize: ContextParallel(text={self.text!r}) is not one of whole="
@@ -652,12 +668,18 @@ class ContextParallel(Style):
         blocks = self._blocks(module, name)
         first = f"{self.blocks}.0"
         module.register_forward_pre_hook(functools.partial(new_forward, current))
+        embed = module.get_submodule(self.frames) if self.frames is not None else None
+        frames = None
+        if embed is not None and FrameEmbed.fits(embed):
+            frames = FrameEmbed(mesh, axes, tuple(embed.kernel_size))  # type: ignore[arg-type]
+            embed.register_forward_pre_hook(frames)
         # ControlNet residuals, per-token timesteps: rows per token the split does not cut
         module.register_forward_pre_hook(
             functools.partial(refuse_model_args, axes, Signatures()), with_kwargs=True
         )
         blocks[0].register_forward_pre_hook(
-            functools.partial(shard_tokens, mesh, axes, first, current), with_kwargs=True
+            functools.partial(shard_tokens, mesh, axes, first, current, frames=frames),
+            with_kwargs=True,
         )
         if self.text is not None:
             module.get_submodule(self.text).register_forward_hook(
@@ -686,7 +708,8 @@ class ContextParallel(Style):
         for i, (where, block, single) in enumerate(self._all_blocks(module, name)):
             if i and not single:  # a block whose hidden states no block gave splits them
                 block.register_forward_pre_hook(
-                    functools.partial(enter_block, mesh, axes, where, current), with_kwargs=True
+                    functools.partial(enter_block, mesh, axes, where, current, frames=frames),
+                    with_kwargs=True,
                 )
             elif i:  # the first one's is shard_tokens
                 block.register_forward_pre_hook(
@@ -701,7 +724,8 @@ class ContextParallel(Style):
                 style.install(sub, at, mesh, current)
         # every parameter of the split region meets this rank's tokens: its gradient is summed
         axis = cast(str, axes[0] if len(axes) == 1 else axes)  # pvary takes a tuple of axes too
-        whole = tuple(self.whole)
+        # the patch embedding cut by frames joins them (its rank's tokens only: FrameEmbed)
+        whole = tuple(w for w in self.whole if frames is None or w != self.frames)
         for mod_name, sub in module.named_modules():
             if any(mod_name == w or mod_name.startswith(f"{w}.") for w in whole):
                 continue
