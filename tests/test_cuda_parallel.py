@@ -95,7 +95,8 @@ def test_llm_context_parallel_bf16_on_cuda_is_close_to_float64() -> None:
 @pytest.mark.parametrize("mode", ["ulysses", "ring", "usp"])
 def test_wan_context_parallel_on_cuda_matches_one_device(mode: str) -> None:
     pytest.importorskip("diffusers")
-    from .test_context_parallel import inputs, tiny_wan
+    from .test_context_parallel import inputs
+    from .tiny_models import tiny_wan
 
     ref = tiny_wan(heads=4).to(CUDA)
     model = copy.deepcopy(ref)

@@ -14,8 +14,9 @@ import torch
 
 import fastdist as fd
 from fastdist.nn.plans.dit_tp import wan_tp
-from tests.test_context_parallel import assert_grads, inputs, reference, tiny_wan
+from tests.test_context_parallel import assert_grads, inputs, reference
 from tests.test_dit_compose import assert_params, sgd
+from tests.tiny_models import tiny_wan
 
 
 def data_parallel_step(engine: str) -> str:

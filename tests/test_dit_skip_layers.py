@@ -17,7 +17,8 @@ from fastdist.errors import ParallelizeError
 
 pytest.importorskip("diffusers")
 
-from tests.test_context_mmdit import assert_grads, sd3_inputs, tiny_sd3  # noqa: E402
+from tests.test_context_mmdit import assert_grads, sd3_inputs  # noqa: E402
+from tests.tiny_models import tiny_sd3  # noqa: E402
 
 
 def one_device(model: Any, x: dict[str, Any], skip: list[int]) -> tuple[Any, dict[str, Any]]:

@@ -29,17 +29,18 @@ from fastdist.nn.plans.dit_tp import ContextTensorParallel, WidthRMSNorm, dit_tp
 pytest.importorskip("diffusers")
 
 from tests import test_context_parallel as wan_tests  # noqa: E402
-from tests.test_context_dit_families import ltx_inputs, tiny_ltx  # noqa: E402
-from tests.test_context_mmdit import flux_inputs, sd3_inputs, tiny_flux, tiny_sd3  # noqa: E402
+from tests.test_context_dit_families import ltx_inputs  # noqa: E402
+from tests.test_context_mmdit import flux_inputs, sd3_inputs  # noqa: E402
 from tests.test_context_modes import tiny_wan_i2v  # noqa: E402
 from tests.test_dit_families_joint import TINY, assert_grads, reference, stacked  # noqa: E402
+from tests.tiny_models import tiny_flux, tiny_ltx, tiny_sd3, tiny_wan  # noqa: E402
 
 Inputs = dict[str, Any]
 
 
 #: family (its plan's name, then a variant) -> its tiny model and inputs
 BUILD: dict[str, Callable[[], tuple[nn.Module, Inputs]]] = {
-    "wan": lambda: (wan_tests.tiny_wan(heads=4, layers=1), wan_tests.inputs()),
+    "wan": lambda: (tiny_wan(heads=4, layers=1), wan_tests.inputs()),
     "wan-i2v": lambda: tiny_wan_i2v(layers=1),
     # SD3.5: a dual (image-only) attn2 in block 0, q/k RMS norms per head on both streams; the
     # last block context_pre_only (no to_add_out, no ff_context)

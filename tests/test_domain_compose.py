@@ -22,9 +22,10 @@ import torch
 from torch import Tensor, nn
 
 import fastdist as fd
-from tests.test_context_parallel import inputs, tiny_wan
+from tests.test_context_parallel import inputs
 from tests.test_domain_models import WanDecode
 from tests.test_domain_models import tiny_wan as tiny_wan_vae
+from tests.tiny_models import tiny_wan
 
 F64 = torch.float64
 

@@ -278,7 +278,8 @@ def test_guided_sd3_uses_the_negative_pooled_projections_or_raises() -> None:
     """diffusers' SD3 pipeline runs the unconditional branch with the negative prompt's text
     states and its pooled projections; GuidedModel has no way to pass the latter."""
     pytest.importorskip("diffusers")
-    from tests.test_context_mmdit import sd3_inputs, tiny_sd3
+    from tests.test_context_mmdit import sd3_inputs
+    from tests.tiny_models import tiny_sd3
 
     model = tiny_sd3()
     one = copy.deepcopy(model)

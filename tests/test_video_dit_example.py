@@ -83,7 +83,8 @@ def test_guidance_branches_every_prompt_keyword() -> None:
     unconditional branch gets the negative prompt's both (as diffusers' SD3 pipeline does).
     A tensor ``uncond`` would use the prompt's pooled projections for both branches: refused;
     the dict form equals one device."""
-    from tests.test_context_mmdit import sd3_inputs, tiny_sd3
+    from tests.test_context_mmdit import sd3_inputs
+    from tests.tiny_models import tiny_sd3
 
     model = tiny_sd3()
     one = copy.deepcopy(model)  # parallelize changes the model in place
