@@ -34,6 +34,7 @@ SLOW_FILES = frozenset(
         "tests/test_benchmarks_context.py",
         "tests/test_checkpoint.py",
         "tests/test_context_llm_gloo.py",
+        "tests/test_dit_checkpoint_gloo.py",
         "tests/test_dit_compose_gloo.py",
         "tests/test_distributed.py",
         "tests/test_docs_and_notebooks.py",
