@@ -63,6 +63,7 @@ SLOW_FILES = frozenset(
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
+    "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
     "tests/test_dit_compose.py": frozenset({"test_checkpoint_saved_at_tp_sp_loads_at_sp4"}),
     "tests/test_review_fixes.py": frozenset(
         {"test_context_parallel_generate_with_a_static_cache_on_gloo_is_refused"}

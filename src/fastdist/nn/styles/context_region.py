@@ -95,7 +95,8 @@ class FrameEmbed:
         axis = self.axes[0] if len(self.axes) == 1 else self.axes
         found = self._mine(x)
         if found is None:  # the whole latent: its gradient (if any) summed over the ranks
-            if torch.is_grad_enabled() and x.requires_grad:
+            # (not only where x.requires_grad: a simulation's vmapped x does not show it)
+            if torch.is_grad_enabled():
                 return (pvary(x, self.mesh, axis), *args[1:])
             return None
         split, used = found
