@@ -36,6 +36,7 @@ SLOW_FILES = frozenset(
         "tests/test_context_llm_gloo.py",
         "tests/test_dit_checkpoint_gloo.py",
         "tests/test_dit_compose_gloo.py",
+        "tests/test_dit_pipeline_families.py",
         "tests/test_distributed.py",
         "tests/test_docs_and_notebooks.py",
         "tests/test_docs_site.py",

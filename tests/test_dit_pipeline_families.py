@@ -1,0 +1,164 @@
+"""Pipeline x context parallelism (pp 2 x sp 2) of diffusers DiTs other than Wan on 4 real gloo
+processes (docs/pipeline.md, "Diffusion transformers (DiTs)"; docs/context_parallel.md,
+"Composition"): a tiny float64 ``FluxTransformer2DModel`` and ``HunyuanVideoTransformer3DModel``
+(two block lists, double- then single-stream; the text stream handed on with each activation;
+Flux's position ids whole in every micro-batch, HunyuanVideo's padded text mask per sample) cut
+into 2 stages of 1 and 3 blocks (the second stage across the two lists), each stage's tokens
+split over ``sp`` by the family's plan, under 1F1B with 2 micro-batches. Against the unmodified
+model on one device: the loss, every parameter's gradient, the whole-model clip's norm, an SGD
+(momentum) step, and that step's ``fastdist.checkpoint`` (written by the 4 ranks, the shared
+time/text embedder by both stages under the same names) loaded into the plain model on one
+device. The same compositions on simulated ranks: ``tests/test_pipeline_dit.py``.
+
+Neither family computes in float32 inside (unlike Wan): loss and gradients to 1e-12 (gradients
+relative to each one's largest entry, floored at 1e-6), weights after the step to 1e-12.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fastdist as fd
+
+pytest.importorskip("diffusers.models.transformers.transformer_flux")
+
+from tests.pipeline_dit_worker import (  # noqa: E402
+    flux_batch,
+    hunyuan_batch,
+    one_device,
+    tiny_flux,
+    tiny_hunyuan_video,
+)
+
+FAMILIES = ("flux", "hunyuan_video")
+TOKENS = {"flux": 16, "hunyuan_video": 8}  # image tokens of each batch
+MAX_NORM = 0.05  # below both models' gradient norms: the clip scales
+
+
+def build(family: str) -> tuple[nn.Module, dict[str, Any]]:
+    """The tiny float64 model (2 double- and 2 single-stream blocks, 2 heads of 8) and a batch
+    of 4 samples with its target."""
+    if family == "flux":
+        return tiny_flux(), flux_batch()
+    return tiny_hunyuan_video(), hunyuan_batch()
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def record_tokens(pipe: Any, seen: list[int]) -> list[Any]:
+    """Hooks on every block of the stages held here, recording the token count of the image
+    stream each block gets (positional or keyword ``hidden_states``)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        seen.append(int(x.shape[1]))
+
+    handles = []
+    for pm in pipe.stages.values():
+        for name in ("transformer_blocks", "single_transformer_blocks"):
+            for block in getattr(pm.module, name):
+                handles.append(block.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
+def pp_sp_steps(path: str) -> dict[str, Any]:
+    """One rank of pp 2 x sp 2: per family, a 1F1B step of 2 micro-batches (stages of 1 and 3
+    blocks), the clip, an SGD step and a checkpoint of it."""
+    torch.set_num_threads(1)
+    mesh = fd.connect(pp=2, sp=2, timeout=120)
+    out: dict[str, Any] = {"coords": mesh.coords(mesh.rank)}
+    for family in FAMILIES:
+        model, b = build(family)
+        pipe = fd.train.pipeline(
+            model, mesh, schedule="1f1b", microbatches=2, layers_per_stage=[1, 3]
+        )
+        seen: list[int] = []
+        handles = record_tokens(pipe, seen)
+        loss = pipe.step(**b)
+        for h in handles:
+            h.remove()
+        grads = pipe.grads()
+        total = pipe.clip_grad_norm_(MAX_NORM)
+        opt = sgd(pipe.parameters())
+        opt.step()
+        fd.checkpoint.save(f"{path}/{family}", pipe, opt, extra={"family": family})
+        out[family] = {
+            "loss": loss,
+            "grads": grads,
+            "norm": total,
+            "state": pipe.state_dict(),
+            "stages": sorted(pipe.stages),
+            "tokens": seen,
+        }
+    return out
+
+
+def reference(family: str) -> dict[str, Any]:
+    """One device: the loss, the gradients, the clipped norm, the weights and momentum after the
+    SGD step."""
+    model, b = build(family)
+    loss = one_device(model, b)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # type: ignore[union-attr]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt = sgd(model.parameters())
+    opt.step()
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
+    return {"loss": loss, "grads": grads, "norm": norm, "state": state, "momentum": momentum}
+
+
+def assert_close_rel(got: Tensor, want: Tensor, what: str, tol: float = 1e-12) -> None:
+    scale = max(float(want.abs().max()), 1e-6)
+    err = float((got - want).abs().max())
+    assert err <= tol * scale, f"{what}: {err:.2e} of {scale:.2e}"
+
+
+def load_one_device(path: Path, family: str) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The pipeline's checkpoint in the unmodified model (other weights) and a plain SGD: its
+    weights and momentum."""
+    model, _ = build(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # other weights: everything must come from the checkpoint
+    opt = sgd(model.parameters())
+    assert fd.checkpoint.load(path / family, model, opt) == {"family": family}
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return state, {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
+
+
+def test_pp2_sp2_on_gloo_equals_one_device(tmp_path: Path) -> None:
+    """4 gloo processes, pp 2 x sp 2: Flux and HunyuanVideo (module doc)."""
+    from tests.dist_harness import run_on_gloo
+
+    ranks = run_on_gloo(pp_sp_steps, 4, str(tmp_path), timeout=300)
+    for family in FAMILIES:
+        want = reference(family)
+        held: set[str] = set()
+        for r in ranks:
+            got, what = r[family], f"{family} rank {r['coords']}"
+            assert got["stages"] == [r["coords"]["pp"]], what
+            # the tokens travel split: every block on every rank got half the image tokens
+            assert got["tokens"] and set(got["tokens"]) == {TOKENS[family] // 2}, what
+            assert_close_rel(got["loss"], want["loss"], f"{what} loss")
+            assert_close_rel(got["norm"], want["norm"], f"{what} clipped norm", 1e-9)
+            assert set(got["grads"]) == set(got["state"]) and set(got["grads"]) <= set(
+                want["grads"]
+            ), what
+            for name, g in got["grads"].items():
+                assert_close_rel(g, want["grads"][name], f"{what} gradient {name}")
+                assert_close_rel(got["state"][name], want["state"][name], f"{what} {name}")
+            held |= set(got["grads"])
+        assert held == set(want["grads"]) == set(want["state"]), family
+        state, momentum = load_one_device(tmp_path, family)
+        for name, w in want["state"].items():
+            holder = next(r[family]["state"][name] for r in ranks if name in r[family]["state"])
+            assert torch.equal(state[name], holder), f"{family} loaded {name}"
+            assert_close_rel(state[name], w, f"{family} loaded {name} vs one device")
+            assert_close_rel(momentum[name], want["momentum"][name], f"{family} momentum {name}")
