@@ -475,10 +475,18 @@ def tiny_llama(layers: int = 4, seed: int = 0, vocab: int = 64) -> nn.Module:
 
 
 # ============================================================================ diffusers DiTs
-# Random init under ``seed``, float64, train mode (as diffusers builds them). Each builder takes
-# the sizes the tests vary; ``overrides`` replace any other config field. The attention widths
-# that must equal ``heads * head_dim`` (SD3's caption projection, LTX's cross-attention, Wan
-# I2V's added key-value projections) follow ``heads``.
+# Each builder takes the sizes the tests vary; ``overrides`` replace any other config field. The
+# widths that must equal the attention width ``heads * head_dim`` (SD3's caption projection,
+# LTX's cross-attention, Wan I2V's added key-value projections) follow ``heads``.
+def _dit(name: str, seed: int, fields: dict[str, Any]) -> nn.Module:
+    """diffusers' ``name`` of ``fields``, random init under ``seed``, in float64 and train mode
+    (as diffusers builds it); nothing is downloaded."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    return getattr(diffusers, name)(**fields).to(F64)
+
+
 def wan_config(
     heads: int = 2, head_dim: int = 12, layers: int = 2, i2v: bool = False, **overrides: Any
 ) -> dict[str, Any]:
@@ -500,8 +508,7 @@ def wan_config(
     )
     if i2v:
         fields.update(image_dim=8, added_kv_proj_dim=heads * head_dim)
-    fields.update(overrides)
-    return fields
+    return {**fields, **overrides}
 
 
 def tiny_wan(
@@ -512,22 +519,17 @@ def tiny_wan(
     i2v: bool = False,
     **overrides: Any,
 ) -> nn.Module:
-    """A tiny float64 Wan text-to-video (or, with ``i2v``, image-to-video) transformer of
+    """A tiny float64 Wan text-to-video (with ``i2v``: image-to-video) transformer of
     `wan_config`'s fields."""
-    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**wan_config(heads, head_dim, layers, i2v, **overrides))
-    return model.to(F64)
+    return _dit(
+        "WanTransformer3DModel", seed, wan_config(heads, head_dim, layers, i2v, **overrides)
+    )
 
 
 def tiny_ltx(heads: int = 4, layers: int = 2, seed: int = 0) -> nn.Module:
     """A tiny float64 LTX-Video transformer: ``layers`` blocks of ``heads`` heads of 12 (a 3-D
     RoPE), cross-attention to text of width 16 projected to the attention width."""
-    from diffusers import LTXVideoTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = LTXVideoTransformer3DModel(
+    fields = dict(
         in_channels=4,
         out_channels=4,
         num_attention_heads=heads,
@@ -536,7 +538,7 @@ def tiny_ltx(heads: int = 4, layers: int = 2, seed: int = 0) -> nn.Module:
         num_layers=layers,
         caption_channels=16,
     )
-    return model.to(F64)
+    return _dit("LTXVideoTransformer3DModel", seed, fields)
 
 
 def tiny_sd3(heads: int = 4, layers: int = 2, seed: int = 0, **overrides: Any) -> nn.Module:
@@ -544,9 +546,7 @@ def tiny_sd3(heads: int = 4, layers: int = 2, seed: int = 0, **overrides: Any) -
     of ``heads`` heads of 8, patch 1 on an 8 x 8 sample, text of width 16 projected to the
     attention width, pooled text of width 8; ``overrides`` (SD3.5's ``dual_attention_layers``,
     ``qk_norm``) replace any field."""
-    from diffusers import SD3Transformer2DModel
-
-    fields: dict[str, Any] = dict(
+    fields = dict(
         sample_size=8,
         patch_size=1,
         in_channels=4,
@@ -559,17 +559,13 @@ def tiny_sd3(heads: int = 4, layers: int = 2, seed: int = 0, **overrides: Any) -
         out_channels=4,
         pos_embed_max_size=8,
     )
-    torch.manual_seed(seed)
-    return SD3Transformer2DModel(**{**fields, **overrides}).to(F64)
+    return _dit("SD3Transformer2DModel", seed, {**fields, **overrides})
 
 
 def tiny_flux(heads: int = 4, seed: int = 0) -> nn.Module:
     """A tiny float64 Flux: 2 double-stream and 2 single-stream blocks of ``heads`` heads of 8,
     patch 1, 3-axis rotary (2, 2, 4), text of width 16, pooled text of width 8."""
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(
+    fields = dict(
         patch_size=1,
         in_channels=4,
         num_layers=2,
@@ -580,7 +576,7 @@ def tiny_flux(heads: int = 4, seed: int = 0) -> nn.Module:
         pooled_projection_dim=8,
         axes_dims_rope=(2, 2, 4),
     )
-    return model.to(F64)
+    return _dit("FluxTransformer2DModel", seed, fields)
 
 
 def tiny_cogvideox(
@@ -596,9 +592,7 @@ def tiny_cogvideox(
     of 2, 5 text tokens of width 16, ``rotary`` positional embeddings (tables given as a model
     input); ``overrides`` (CogVideoX 1.5's ``patch_size_t``, ``ofs_embed_dim``) replace any
     field."""
-    from diffusers import CogVideoXTransformer3DModel
-
-    fields: dict[str, Any] = dict(
+    fields = dict(
         num_attention_heads=heads,
         attention_head_dim=8,
         in_channels=4,
@@ -614,8 +608,7 @@ def tiny_cogvideox(
         max_text_seq_length=5,
         use_rotary_positional_embeddings=rotary,
     )
-    torch.manual_seed(seed)
-    return CogVideoXTransformer3DModel(**{**fields, **overrides}).to(F64)
+    return _dit("CogVideoXTransformer3DModel", seed, {**fields, **overrides})
 
 
 def tiny_hunyuan_video(
@@ -625,9 +618,7 @@ def tiny_hunyuan_video(
     blocks of ``heads`` heads of 8, a 1-layer token refiner, patch 1, rotary (2, 2, 4), text of
     width 16, pooled text of width 8; ``overrides`` (``image_condition_type``) replace any
     field."""
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    fields: dict[str, Any] = dict(
+    fields = dict(
         in_channels=4,
         out_channels=4,
         num_attention_heads=heads,
@@ -642,5 +633,4 @@ def tiny_hunyuan_video(
         pooled_projection_dim=8,
         rope_axes_dim=(2, 2, 4),
     )
-    torch.manual_seed(seed)
-    return HunyuanVideoTransformer3DModel(**{**fields, **overrides}).to(F64)
+    return _dit("HunyuanVideoTransformer3DModel", seed, {**fields, **overrides})
