@@ -16,26 +16,14 @@ import torch
 from torch import Tensor, nn
 
 import fastdist as fd
+from tests import tiny_models as tm
 
-wan_module = pytest.importorskip("diffusers.models.transformers.transformer_wan")
+pytest.importorskip("diffusers.models.transformers.transformer_wan")
 
 
 def tiny_wan(patch: tuple[int, int, int] = (1, 2, 2), layers: int = 1) -> nn.Module:
-    """A tiny float64 Wan (4 heads of 12, random init)."""
-    torch.manual_seed(0)
-    model = wan_module.WanTransformer3DModel(
-        patch_size=patch,
-        num_attention_heads=4,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=layers,
-        rope_max_seq_len=32,
-    )
-    return model.to(torch.float64)
+    """A tiny float64 Wan (4 heads of 12, random init) of patch ``patch``."""
+    return tm.tiny_wan(heads=4, layers=layers, patch_size=patch)
 
 
 def inputs(frames: int, h: int = 4, w: int = 4, grad: bool = False) -> dict[str, Tensor]:
