@@ -1,17 +1,26 @@
 """Pipeline x context parallelism (pp 2 x sp 2) of diffusers DiTs other than Wan on 4 real gloo
 processes (docs/pipeline.md, "Diffusion transformers (DiTs)"; docs/context_parallel.md,
-"Composition"): a tiny float64 ``FluxTransformer2DModel`` and ``HunyuanVideoTransformer3DModel``
-(two block lists, double- then single-stream; the text stream handed on with each activation;
-Flux's position ids whole in every micro-batch, HunyuanVideo's padded text mask per sample) cut
-into 2 stages of 1 and 3 blocks (the second stage across the two lists), each stage's tokens
-split over ``sp`` by the family's plan, under 1F1B with 2 micro-batches. Against the unmodified
-model on one device: the loss, every parameter's gradient, the whole-model clip's norm, an SGD
-(momentum) step, and that step's ``fastdist.checkpoint`` (written by the 4 ranks, the shared
-time/text embedder by both stages under the same names) loaded into the plain model on one
-device. The same compositions on simulated ranks: ``tests/test_pipeline_dit.py``.
+"Composition"), each a tiny float64 model with 2 heads of 8 cut into 2 stages of 1 and 3 blocks,
+each stage's tokens split over ``sp`` by the family's plan (Ulysses), under 1F1B with 2
+micro-batches:
 
-Neither family computes in float32 inside (unlike Wan): loss and gradients to 1e-12 (gradients
-relative to each one's largest entry, floored at 1e-6), weights after the step to 1e-12.
+* ``FluxTransformer2DModel`` and ``HunyuanVideoTransformer3DModel``: two block lists (double-
+  then single-stream), the second stage across them; the text stream handed on with each
+  activation; Flux's position ids whole in every micro-batch, HunyuanVideo's padded text mask
+  per sample;
+* ``CogVideoXTransformer3DModel`` (with its rotary tables): a stage hands on ``[text; the rank's
+  image tokens]`` in one tensor;
+* ``LTXVideoTransformer3DModel``: a masked text token, ``num_frames`` / ``height`` / ``width``.
+
+Against the unmodified model on one device: the loss, every parameter's gradient, the
+whole-model clip's norm, an SGD (momentum) step, and that step's ``fastdist.checkpoint``
+(written by the 4 ranks, the embedders every stage holds under the same names) loaded into the
+plain model on one device; every block on every rank gets half the image tokens. The same
+compositions on simulated ranks: ``tests/test_pipeline_dit.py``.
+
+None of these families computes in float32 inside (unlike Wan): loss and gradients to 1e-12
+(gradients relative to each one's largest entry, floored at 1e-6), weights after the step to
+1e-12 (measured: gradients 2.2e-14 at most, HunyuanVideo; losses 1.8e-16; weights 2.8e-17).
 """
 
 from __future__ import annotations
@@ -28,23 +37,37 @@ import fastdist as fd
 pytest.importorskip("diffusers.models.transformers.transformer_flux")
 
 from tests.pipeline_dit_worker import (  # noqa: E402
+    cogvideox_batch,
     flux_batch,
     hunyuan_batch,
+    ltx_batch,
     one_device,
+    tiny_cogvideox,
     tiny_flux,
     tiny_hunyuan_video,
+    tiny_ltx,
 )
 
-FAMILIES = ("flux", "hunyuan_video")
-TOKENS = {"flux": 16, "hunyuan_video": 8}  # image tokens of each batch
+FAMILIES = ("flux", "hunyuan_video", "cogvideox", "ltx_video")
+TOKENS = {
+    "flux": 16,
+    "hunyuan_video": 8,
+    "cogvideox": 12,
+    "ltx_video": 8,
+}  # image tokens of each batch
 MAX_NORM = 0.05  # below both models' gradient norms: the clip scales
 
 
 def build(family: str) -> tuple[nn.Module, dict[str, Any]]:
-    """The tiny float64 model (2 double- and 2 single-stream blocks, 2 heads of 8) and a batch
-    of 4 samples with its target."""
+    """The tiny float64 model (2 heads of 8; Flux and HunyuanVideo: 2 double- and 2
+    single-stream blocks, CogVideoX: 4 blocks and its rotary tables) and a batch of 4 samples
+    with its target."""
     if family == "flux":
         return tiny_flux(), flux_batch()
+    if family == "ltx_video":
+        return tiny_ltx(), ltx_batch()
+    if family == "cogvideox":
+        return tiny_cogvideox(rotary=True), cogvideox_batch(rotary=True)
     return tiny_hunyuan_video(), hunyuan_batch()
 
 
@@ -63,7 +86,7 @@ def record_tokens(pipe: Any, seen: list[int]) -> list[Any]:
     handles = []
     for pm in pipe.stages.values():
         for name in ("transformer_blocks", "single_transformer_blocks"):
-            for block in getattr(pm.module, name):
+            for block in getattr(pm.module, name, ()):
                 handles.append(block.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
 
@@ -134,7 +157,7 @@ def load_one_device(path: Path, family: str) -> tuple[dict[str, Tensor], dict[st
 
 
 def test_pp2_sp2_on_gloo_equals_one_device(tmp_path: Path) -> None:
-    """4 gloo processes, pp 2 x sp 2: Flux and HunyuanVideo (module doc)."""
+    """4 gloo processes, pp 2 x sp 2: Flux, HunyuanVideo, CogVideoX, LTX-Video (module doc)."""
     from tests.dist_harness import run_on_gloo
 
     ranks = run_on_gloo(pp_sp_steps, 4, str(tmp_path), timeout=300)
