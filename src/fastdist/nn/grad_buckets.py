@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -57,18 +58,26 @@ class PendingSums:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.order = itertools.count()
-        #: graph task id -> id(parameter) -> [order, parameter, mesh, axes, partial gradient]
-        #: (order: (forward order of the call, index of the parameter in it))
+        #: graph task id -> forward order of a `deferred_pvary_many` call -> [order, its kept
+        #: parameters, their partial gradients, mesh, axes, how many calls were kept before]
         self.tasks: dict[int, dict[int, list[Any]]] = {}
         #: graph task id -> the thread its backward kept partials on
         self.threads: dict[int, int] = {}
         self.engine_seen = False
 
     def keep(
-        self, task: int, order: tuple[int, int], p: Tensor, mesh: Mesh, axes: Any, g: Tensor
+        self,
+        task: int,
+        order: int,
+        ps: tuple[Tensor, ...],
+        gs: tuple[Tensor, ...],
+        mesh: Mesh,
+        axes: Any,
     ) -> None:
-        """Keep ``p``'s partial ``g`` for the end of backward ``task`` (added to an earlier
-        partial of the same parameter), queuing the task's flush at its first entry."""
+        """Keep the partials ``gs`` of ``ps`` (one `deferred_pvary_many` call's, forward order
+        ``order``) for the end of backward ``task``, queuing the task's flush at its first
+        entry. A parameter kept again in the same backward (used by two calls) has its
+        partials added at the flush, in the order they were kept."""
         with self.lock:
             entries = self.tasks.get(task)
             if entries is None:
@@ -77,20 +86,16 @@ class PendingSums:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     functools.partial(_flush, self, task)
                 )
-            kept = entries.get(id(p))
-            if kept is None:
-                entries[id(p)] = [order, p, mesh, axes, g]
-            else:  # the parameter used again in the same forward: its partials add up
-                kept[4] = kept[4] + g
+            entries[order] = [order, ps, gs, mesh, axes, len(entries)]
 
     def take(self, task: int) -> list[Any]:
         """The task's kept entries, in forward order, forgotten here."""
         with self.lock:
             self.threads.pop(task, None)
-            return sorted(self.tasks.pop(task, {}).values(), key=lambda e: e[0])
+            return sorted(self.tasks.pop(task, {}).values(), key=operator.itemgetter(0))
 
     def pending(self) -> int:
-        """How many parameters' partial gradients wait for the end of a backward."""
+        """How many calls' partial gradients wait for the end of a backward."""
         return sum(len(e) for e in self.tasks.values())
 
     def stale(self) -> bool:
@@ -116,7 +121,7 @@ PENDING = PendingSums()
 def deferred_pvary(p: Tensor, mesh: Mesh, axes: Sequence[str]) -> Tensor:
     """``pvary(p)`` over each of ``axes`` whose gradient sum is deferred and bucketed.
 
-    Forward: ``p`` (a view). Backward: this rank's gradient is kept, summed over ``axes`` with
+    Forward: ``p`` (an alias). Backward: this rank's gradient is kept, summed over ``axes`` with
     the other kept gradients at the end of the backward, and added into ``p.grad``.
 
     >>> import torch, fastdist as fd
@@ -147,84 +152,107 @@ class _Deferred(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         ctx.ps, ctx.mesh, ctx.axes, ctx.order = ps, mesh, axes, order
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
-        return tuple(p.view_as(p) for p in ps)
+        # aliases (the parameter's storage and version counter; this node their grad_fn):
+        # detach is a third of view_as's cost on a Parameter (no view metadata to build)
+        return tuple([p.detach() for p in ps])
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor | None) -> tuple[Tensor | None, ...]:
-        out: list[Tensor | None] = [None, None, None]
+        # per call, not per parameter: the checks, the task and one keep (Python calls are
+        # most of this node's cost)
+        out: list[Tensor | None] = [None] * (3 + len(gs))
         recording = torch.is_grad_enabled()
         edges = ctx.next_functions  # this node's: the parameters' gradient accumulators
-        for i, (p, g) in enumerate(zip(ctx.ps, gs)):
+        ps = ctx.ps
+        kept_ps: list[Tensor] = []
+        kept_gs: list[Tensor] = []
+        for i, g in enumerate(gs):
             if g is None:
-                out.append(None)
-            elif recording or _read_during_backward(p) or not _accumulates(p, edges[i][0]):
-                for axis in ctx.axes:  # pvary's own backward, per parameter
+                continue
+            p = ps[i]
+            try:  # does the running backward accumulate into p.grad (not autograd.grad)?
+                accumulates = torch._C._will_engine_execute_node(edges[i][0])
+            except RuntimeError:  # torch refuses a leaf under autograd.grad
+                accumulates = False
+            # hooks that read the gradient during the backward (fastdist DataParallel), a
+            # recorded backward, or autograd.grad: pvary's own backward, per parameter
+            if recording or p._backward_hooks or p._post_accumulate_grad_hooks or not accumulates:
+                for axis in ctx.axes:
                     g = psum(g, ctx.mesh, axis)
-                out.append(g)
+                out[3 + i] = g
             else:
-                task = torch._C._current_graph_task_id()
-                PENDING.keep(task, (ctx.order, i), p, ctx.mesh, ctx.axes, g)
-                out.append(None)
+                kept_ps.append(p)
+                kept_gs.append(g)
+        if kept_ps:
+            task = torch._C._current_graph_task_id()
+            PENDING.keep(task, ctx.order, tuple(kept_ps), tuple(kept_gs), ctx.mesh, ctx.axes)
         return tuple(out)
-
-
-def _read_during_backward(p: Tensor) -> bool:
-    """Hooks on ``p`` that see its gradient before the backward ends (fastdist DataParallel)."""
-    return bool(getattr(p, "_backward_hooks", None)) or bool(
-        getattr(p, "_post_accumulate_grad_hooks", None)
-    )
-
-
-def _accumulates(p: Tensor, node: Any = None) -> bool:
-    """Whether the running backward accumulates into ``p.grad`` (not ``autograd.grad``);
-    ``node``: ``p``'s gradient accumulator where the caller has it (else looked up)."""
-    if node is None:
-        node = torch.autograd.graph.get_gradient_edge(p).node
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:  # torch refuses a leaf under autograd.grad: nothing goes into .grad
-        return False
 
 
 def _flush(pending: PendingSums, task: int) -> None:
     """End of backward ``task``: sum its kept partial gradients, bucketed, into ``.grad``."""
-    kept = pending.take(task)
-    groups: dict[tuple[int, tuple[str, ...], torch.dtype, torch.device], list[Any]] = {}
-    for e in kept:
-        groups.setdefault((id(e[2]), e[3], e[4].dtype, e[4].device), []).append(e)
+    calls = pending.take(task)
+    ps = [p for c in calls for p in c[1]]
+    gs = [g for c in calls for g in c[2]]
     with torch.no_grad():
-        for entries in groups.values():
-            for bucket in _buckets(entries):
-                _sum_bucket(bucket)
+        if len({id(p) for p in ps}) == len(ps) and _one_bucket(calls, gs):
+            _sum_into(ps, gs, calls[0][3], calls[0][4])  # the common case, whole
+            return
+        for bucket in _buckets(_entries(calls)):
+            _sum_into([e[1] for e in bucket], [e[4] for e in bucket], bucket[0][2], bucket[0][3])
+
+
+def _one_bucket(calls: list[Any], gs: list[Tensor]) -> bool:
+    """Whether every kept partial goes into one bucket: one mesh, axes, dtype and device, at
+    most `BUCKET_BYTES` (what `_buckets` of `_entries` would make)."""
+    if len({(id(c[3]), c[4]) for c in calls}) != 1 or len({(g.dtype, g.device) for g in gs}) != 1:
+        return False
+    return sum(map(Tensor.numel, gs)) * gs[0].element_size() <= BUCKET_BYTES
+
+
+def _entries(calls: list[Any]) -> list[list[Any]]:
+    """One ``[order, parameter, mesh, axes, partial]`` per parameter, grouped by mesh, axes,
+    dtype and device: a parameter kept by several calls has their partials added in the order
+    they were kept, and its place is its first kept call's (forward order, then its index)."""
+    per: dict[int, list[Any]] = {}
+    for call in sorted(calls, key=operator.itemgetter(5)):  # the order the backward kept them
+        order, ps, gs, mesh, axes = call[:5]
+        for i, (p, g) in enumerate(zip(ps, gs)):
+            e = per.get(id(p))
+            if e is None:
+                per[id(p)] = [(order, i), p, mesh, axes, g]
+            else:
+                e[4] = e[4] + g
+    groups: dict[tuple[int, tuple[str, ...], torch.dtype, torch.device], list[Any]] = {}
+    for e in sorted(per.values(), key=operator.itemgetter(0)):
+        groups.setdefault((id(e[2]), e[3], e[4].dtype, e[4].device), []).append(e)
+    return [e for group in groups.values() for e in group]
 
 
 def _buckets(entries: list[Any]) -> list[list[Any]]:
-    """Consecutive runs of ``entries`` of at most `BUCKET_BYTES` each (one larger alone)."""
+    """Consecutive runs of ``entries`` (grouped as `_entries` makes them) of one mesh, axes,
+    dtype and device and at most `BUCKET_BYTES` each (one larger alone)."""
     out: list[list[Any]] = [[]]
     size = 0
+    last = None
     for e in entries:
         n = e[4].numel() * e[4].element_size()
-        if out[-1] and size + n > BUCKET_BYTES:
+        key = (id(e[2]), e[3], e[4].dtype, e[4].device)
+        if out[-1] and (size + n > BUCKET_BYTES or key != last):
             out.append([])
             size = 0
         out[-1].append(e)
         size += n
+        last = key
     return out
 
 
-def _sum_bucket(bucket: list[Any]) -> None:
-    """One flat collective over the bucket's axes; each parameter's slice into its ``.grad``."""
-    mesh: Mesh = bucket[0][2]
-    axes: tuple[str, ...] = bucket[0][3]
-    flat = torch.cat([e[4].reshape(-1) for e in bucket])  # [sum of numels]
+def _sum_into(ps: list[Tensor], gs: list[Tensor], mesh: Mesh, axes: tuple[str, ...]) -> None:
+    """One flat collective of ``gs`` over ``axes``; each parameter's slice into its ``.grad``."""
+    flat = torch._utils._flatten_dense_tensors(gs)  # [sum of numels]: their cat, flattened
     axis: AxisName = axes[0] if len(axes) == 1 else axes
     flat = psum(flat, mesh, axis)
-    offset = 0
-    for e in bucket:
-        p: Tensor = e[1]
-        n = e[4].numel()
-        g = flat[offset : offset + n].view_as(e[4])
-        offset += n
+    for p, g in zip(ps, torch._utils._unflatten_dense_tensors(flat, gs)):  # views of flat
         if p.grad is None:
             p.grad = g
         else:

@@ -50,8 +50,14 @@ from fastdist.ops import pvary
 
 __all__ = ["PvarySites"]
 
-#: where the parameter a pre-hook replaced is kept until its forward hook puts it back
+#: on a module whose pre-hook swapped: (its own parameters replaced {name: parameter}, the
+#: inner site modules it swapped with them), until its forward hook puts them back
 _KEPT = "_fastdist_pvary_kept"
+#: on an inner site module swapped by an enclosing site's pre-hook: (name, parameter, view) each
+_BY = "_fastdist_pvary_by"
+
+#: a site module's parameters: (name, axes) each
+Names = tuple[tuple[str, tuple[str, ...]], ...]
 
 
 class PvarySites:
@@ -68,6 +74,14 @@ class PvarySites:
     pre-hooks, which see the ``pvary``'d tensor like the forward does) and one forward hook
     (``always_call``). A forward of the module running inside another forward of the same
     module (nothing in a model does this) sees the parameter ``pvary``'d once, by the outer call.
+
+    Where the gradient sums are deferred (real ranks, `fastdist.nn.grad_buckets`), a site
+    module's pre-hook also swaps the parameters of the site modules inside it (its
+    descendants), all in one autograd node: a DiT whose model owns a site ``pvary``'s every
+    parameter in one node per forward instead of one per module. An inner module then finds
+    its parameters swapped and leaves them; one called again after its enclosing site's
+    forward (a reentrant checkpoint's recomputation), or whose slot was assigned another
+    tensor meanwhile, swaps its own as before.
     """
 
     def __init__(
@@ -82,8 +96,14 @@ class PvarySites:
             axes = by_module.setdefault(id(module), (module, {}))[1].setdefault(name, [])
             if axis not in axes:
                 axes.append(axis)
-        for module, names in by_module.values():
-            pre, post = _hooks(mesh, tuple((n, tuple(a)) for n, a in names.items()), bucket)
+        names = {k: tuple((n, tuple(a)) for n, a in v[1].items()) for k, v in by_module.items()}
+        for key, (module, _) in by_module.items():
+            inner = tuple(
+                (sub, names[id(sub)])
+                for sub in module.modules()
+                if sub is not module and id(sub) in names
+            )
+            pre, post = _hooks(mesh, names[key], inner, bucket)
             self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(module.register_forward_hook(post, always_call=True))
 
@@ -95,11 +115,12 @@ class PvarySites:
 
 
 def _hooks(
-    mesh: Mesh, names: tuple[tuple[str, tuple[str, ...]], ...], bucket: bool
+    mesh: Mesh, names: Names, inner: tuple[tuple[nn.Module, Names], ...], bucket: bool
 ) -> tuple[Any, Any]:
     """The (pre-hook, forward hook) pair of one module whose parameters ``names`` (name, axes)
-    are ``pvary``'d (partials of module-level functions: a model holding them still pickles)."""
-    return functools.partial(_swap_in, mesh, names, bucket), functools.partial(_put_back, names)
+    are ``pvary``'d, ``inner`` the site modules inside it (partials of module-level functions:
+    a model holding them still pickles)."""
+    return functools.partial(_swap_in, mesh, names, bucket, inner), _put_back
 
 
 def _torch_engine_active() -> bool:
@@ -119,14 +140,27 @@ def _torch_engine_active() -> bool:
 
 def _swap_in(
     mesh: Mesh,
-    names: tuple[tuple[str, tuple[str, ...]], ...],
+    names: Names,
     bucket: bool,
+    inner: tuple[tuple[nn.Module, Names], ...],
     m: nn.Module,
     args: Any,
 ) -> None:
-    """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)`` over its axes."""
-    if _KEPT in m.__dict__:
+    """Forward pre-hook: each named parameter's slot holds ``pvary(parameter)`` over its axes
+    (and, deferring, those of the ``inner`` site modules not swapped yet)."""
+    d = m.__dict__
+    if _KEPT in d:
         return  # a forward of m inside another one: already pvary'd
+    by = d.get(_BY)
+    if by is not None:  # swapped by an enclosing site: do the slots still hold its views?
+        slots = m._parameters
+        for name, _, v in by:
+            if slots[name] is not v:
+                break
+        else:
+            return
+        # a slot assigned another tensor since: swap those (the enclosing site keeps the rest)
+        names, inner = tuple(na for na, (_, _, v) in zip(names, by) if slots[na[0]] is not v), ()
     engine = _torch_engine_active()  # checked under no_grad too (a reentrant checkpoint's)
     checking = check_of(mesh) is not None  # a replication check reads every pvary it sees
     if not torch.is_grad_enabled() and not checking:
@@ -140,34 +174,103 @@ def _swap_in(
     )
     if defer and PENDING.tasks and torch._C._current_graph_task_id() == -1 and PENDING.stale():
         PENDING.drop()  # left by a backward that raised before its end
+    # axes -> the (slots, name) of each parameter deferred over them, and the parameters
+    deferred: dict[tuple[str, ...], tuple[list[Any], list[Tensor]]] = {}
+    kept = _swap_own(mesh, names, defer, m._parameters, deferred)
+    taken = _take_inner(inner, deferred) if defer and inner else []
+    for axes, (where, ps) in deferred.items():  # one autograd node per axes
+        for (slots, name), v in zip(where, deferred_pvary_many(ps, mesh, axes)):
+            slots[name] = v
+    for sub, sub_names in taken:  # marked with their views, told apart from later tensors
+        slots = sub._parameters
+        sub.__dict__[_BY] = tuple([(n, p, slots[n]) for (n, _), p in sub_names])
+    d[_KEPT] = (kept, [sub for sub, _ in taken])
+
+
+def _swap_own(
+    mesh: Mesh,
+    names: Names,
+    defer: bool,
+    slots: dict[str, Any],
+    deferred: dict[tuple[str, ...], tuple[list[Any], list[Tensor]]],
+) -> dict[str, Tensor | None]:
+    """The module's own parameters: those deferring added to ``deferred``, the others
+    ``pvary``'d in their slots now; returns the parameters replaced, by name."""
     kept: dict[str, Tensor | None] = {}
-    deferred: dict[tuple[str, ...], list[str]] = {}  # axes -> the names deferred over them
     for name, axes in names:
-        p = m._parameters[name]
+        p = slots[name]
         kept[name] = p  # the parameter itself, put back by _put_back
         if p is None:
             continue
         if defer and p.is_leaf and p.requires_grad:
-            deferred.setdefault(axes, []).append(name)
+            _defer(deferred, axes, slots, name, p)
             continue
         v: Tensor = p
         for axis in axes:
             v = pvary(v, mesh, axis)
         # the slot holds a plain tensor while forward runs, as torch.func.functional_call
         # leaves it
-        m._parameters[name] = v  # type: ignore[assignment]
-    for axes, group in deferred.items():  # one autograd node per module (and axes)
-        views = deferred_pvary_many([kept[n] for n in group], mesh, axes)  # type: ignore[misc]
-        for name, v in zip(group, views):
-            m._parameters[name] = v  # type: ignore[assignment]
-    m.__dict__[_KEPT] = kept
+        slots[name] = v
+    return kept
 
 
-def _put_back(
-    names: tuple[tuple[str, tuple[str, ...]], ...], m: nn.Module, args: Any, out: Any
+def _defer(
+    deferred: dict[tuple[str, ...], tuple[list[Any], list[Tensor]]],
+    axes: tuple[str, ...],
+    slots: dict[str, Any],
+    name: str,
+    p: Tensor,
 ) -> None:
-    """Forward hook (also when forward raised): the parameters back in their slots."""
+    entry = deferred.get(axes)
+    if entry is None:
+        entry = deferred[axes] = ([], [])
+    entry[0].append((slots, name))
+    entry[1].append(p)
+
+
+def _take_inner(
+    inner: tuple[tuple[nn.Module, Names], ...],
+    deferred: dict[tuple[str, ...], tuple[list[Any], list[Tensor]]],
+) -> list[tuple[nn.Module, list[Any]]]:
+    """The inner site modules not swapped yet (by their own forward or another site) whose
+    parameters all defer (leaves needing a gradient): their parameters added to ``deferred``;
+    each with its ((name, axes), parameter) pairs. Any other module swaps its own, as before."""
+    taken: list[tuple[nn.Module, list[Any]]] = []
+    for sub, sub_names in inner:
+        sd = sub.__dict__
+        if _KEPT in sd or _BY in sd:
+            continue
+        slots = sub._parameters
+        pairs = []
+        for na in sub_names:
+            p = slots[na[0]]
+            if p is None or not p.is_leaf or not p.requires_grad:
+                break
+            pairs.append((na, p))
+        else:
+            for (name, axes), p in pairs:  # _defer's, inline (every inner parameter, every forward)
+                entry = deferred.get(axes)
+                if entry is None:
+                    entry = deferred[axes] = ([], [])
+                entry[0].append((slots, name))
+                entry[1].append(p)
+            taken.append((sub, pairs))
+    return taken
+
+
+def _put_back(m: nn.Module, args: Any, out: Any) -> None:
+    """Forward hook (also when forward raised): the parameters back in their slots, and those
+    of the inner modules the pre-hook swapped (a slot assigned another tensor meanwhile keeps
+    it)."""
     kept = m.__dict__.pop(_KEPT, None)
-    if kept is not None:
-        for name, p in kept.items():
-            m._parameters[name] = p
+    if kept is None:
+        return
+    own, taken = kept
+    slots = m._parameters
+    for name, p in own.items():
+        slots[name] = p
+    for sub in taken:
+        slots = sub._parameters
+        for name, p, v in sub.__dict__.pop(_BY, ()):
+            if slots[name] is v:
+                slots[name] = p
