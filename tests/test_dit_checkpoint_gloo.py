@@ -8,7 +8,10 @@ DCP; and the single-device safetensors file), then loaded into
   and the safetensors file read by plain ``safetensors`` into ``load_state_dict`` (diffusers'
   names and shapes);
 * sp 2 again, and tp 2 x sp 1 (`fastdist.nn.plans.dit_tp.wan_tp`), on the same 2 processes;
-* tp 2 x sp 2 (ring) on simulated ranks (4, in this process).
+* tp 2 x sp 2 (ring) on simulated ranks (4, in this process);
+* a pipeline, pp 2 x sp 2 on simulated ranks (`fastdist.train.pipeline`, 1F1B), with AdamW over
+  its stages' parameters: each stage's copy of the condition embedder gets the saved weights
+  and state, and the copies stay equal through the next step.
 
 Each load starts from other weights and a fresh optimizer; what it loads must be bit-equal to
 what was saved (weights and AdamW's state, gathered to the single-device view), and the next
@@ -98,6 +101,7 @@ def next_step(pm: Any, opt: torch.optim.Optimizer, b: dict[str, Tensor]) -> dict
     out, loss = forward(pm, b)
     loss.backward()
     res["out"] = out[0] if out.shape != b["target"].shape else out
+    res["loss"] = loss.detach() / (out.numel() // b["target"].numel())  # one rank's
     res["grads"] = grads(pm)
     opt.step()
     res["after"] = (model_state(pm), optim_state(pm, opt))
@@ -215,10 +219,41 @@ def load_simulated(path: Path) -> dict[str, Any]:
     return next_step(pm, opt, batches()[STEPS])
 
 
+def pipeline_state(pipe: Any, opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], Any]:
+    """A pipeline's single-device weights and optimizer state by name; the copies of a
+    parameter that several stages hold (the condition embedder) must agree bit for bit."""
+    state: dict[str, dict[str, Tensor]] = {}
+    for j in sorted(pipe.stages):
+        for name, st in optim_state(pipe.stages[j], opt).items():
+            if name in state:
+                assert sorted(st) == sorted(state[name]), name
+                assert all(torch.equal(v, state[name][k]) for k, v in st.items()), name
+            state[name] = st
+    return pipe.state_dict(), state
+
+
+def load_pipeline(path: Path) -> dict[str, Any]:
+    """pp 2 x sp 2 on 4 simulated ranks: a pipeline of the model (`fastdist.train.pipeline`,
+    1F1B, 2 micro-batches) and AdamW over its stages' parameters (each stage's copy of the
+    condition embedder gets the saved state); then its next step."""
+    mesh = fd.Mesh({"pp": 2, "sp": 2})
+    pipe = fd.train.pipeline(tiny_wan(layers=2, seed=5), mesh, schedule="1f1b", microbatches=2)
+    assert pipe.shared  # the condition embedder: a copy on each stage
+    opt = adamw(pipe.parameters())
+    assert fd.checkpoint.load(path / "dcp", pipe, opt) == {"step": STEPS}
+    res: dict[str, Any] = {"loaded": pipeline_state(pipe, opt)}
+    b = {k: v.expand(mesh.size, *v.shape) for k, v in batches()[STEPS].items()}
+    res["loss"] = pipe.step(**b)
+    res["grads"] = pipe.grads()
+    opt.step()
+    res["after"] = pipeline_state(pipe, opt)
+    return res
+
+
 def test_sp2_checkpoint_on_gloo_reloads_on_every_layout(tmp_path: Path) -> None:
     """Saved at sp 2 on 2 gloo processes after three AdamW steps; loaded at one device, sp 2,
-    tp 2 x sp 1 (real ranks) and tp 2 x sp 2 (simulated); the safetensors file holds the
-    single-device weights under diffusers' names."""
+    tp 2 x sp 1 (real ranks), tp 2 x sp 2 and a pp 2 x sp 2 pipeline (simulated); the
+    safetensors file holds the single-device weights under diffusers' names."""
     from safetensors.torch import load_file
 
     from tests.dist_harness import run_on_gloo
@@ -236,6 +271,11 @@ def test_sp2_checkpoint_on_gloo_reloads_on_every_layout(tmp_path: Path) -> None:
             assert_next_step(r[name], want, saved, out, f"rank {rank} {name}")
     assert_next_step(load_plain(tmp_path), want, saved, out, "one device")
     assert_next_step(load_simulated(tmp_path), want, saved, out, "simulated tp 2 x sp 2")
+    pipe = load_pipeline(tmp_path)
+    assert_bit_equal(pipe["loaded"], saved, "pipeline pp 2 x sp 2")
+    torch.testing.assert_close(pipe["loss"], want["loss"].expand(4), rtol=1e-6, atol=0)
+    assert_rel(pipe["grads"], want["grads"], 1e-6, "pipeline gradient")
+    assert_state(pipe["after"], want["after"], "pipeline after the next step")
     # the single-device safetensors file: diffusers' names and shapes, the saved values
     weights = load_file(tmp_path / "weights.safetensors")
     ref = tiny_wan(layers=2, seed=5)
