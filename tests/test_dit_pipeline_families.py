@@ -1,8 +1,8 @@
 """Pipeline x context parallelism (pp 2 x sp 2) of diffusers DiTs other than Wan on 4 real gloo
 processes (docs/pipeline.md, "Diffusion transformers (DiTs)"; docs/context_parallel.md,
 "Composition"), each a tiny float64 model with 2 heads of 8 cut into 2 stages of 1 and 3 blocks,
-each stage's tokens split over ``sp`` by the family's plan (Ulysses), under 1F1B with 2
-micro-batches:
+each stage's tokens split over ``sp`` by the family's ready plan (Ulysses; one case ring),
+under 1F1B with 2 micro-batches:
 
 * ``FluxTransformer2DModel`` and ``HunyuanVideoTransformer3DModel``: two block lists (double-
   then single-stream), the second stage across them; the text stream handed on with each
@@ -10,12 +10,15 @@ micro-batches:
   per sample;
 * ``CogVideoXTransformer3DModel`` (with its rotary tables): a stage hands on ``[text; the rank's
   image tokens]`` in one tensor;
-* ``LTXVideoTransformer3DModel``: a masked text token, ``num_frames`` / ``height`` / ``width``.
+* ``LTXVideoTransformer3DModel``: a masked text token, ``num_frames`` / ``height`` / ``width``;
+* Flux again with 9 image tokens (uneven: 5 and 4 per rank) and the ring plan
+  (``plan=fastdist.nn.plans.flux(model, mesh, mode="ring")``).
 
 Against the unmodified model on one device: the loss, every parameter's gradient, the
 whole-model clip's norm, an SGD (momentum) step, and that step's ``fastdist.checkpoint``
 (written by the 4 ranks, the embedders every stage holds under the same names) loaded into the
-plain model on one device; every block on every rank gets half the image tokens. The same
+plain model on one device; every block on every rank gets its half of the image tokens
+(rounded up: the shorter block padded). The same
 compositions on simulated ranks: ``tests/test_pipeline_dit.py``.
 
 None of these families computes in float32 inside (unlike Wan): loss and gradients to 1e-12
@@ -48,14 +51,10 @@ from tests.pipeline_dit_worker import (  # noqa: E402
     tiny_ltx,
 )
 
-FAMILIES = ("flux", "hunyuan_video", "cogvideox", "ltx_video")
-TOKENS = {
-    "flux": 16,
-    "hunyuan_video": 8,
-    "cogvideox": 12,
-    "ltx_video": 8,
-}  # image tokens of each batch
-MAX_NORM = 0.05  # below both models' gradient norms: the clip scales
+FAMILIES = ("flux", "hunyuan_video", "cogvideox", "ltx_video", "flux_ring_uneven")
+#: the image tokens each block gets on each rank (9 over 2 ranks: 5 and 4, padded to 5)
+TOKENS = {"flux": 8, "hunyuan_video": 4, "cogvideox": 6, "ltx_video": 4, "flux_ring_uneven": 5}
+MAX_NORM = 0.05  # below every model's gradient norm (0.8 to 2.4): the clip scales
 
 
 def build(family: str) -> tuple[nn.Module, dict[str, Any]]:
@@ -64,11 +63,28 @@ def build(family: str) -> tuple[nn.Module, dict[str, Any]]:
     with its target."""
     if family == "flux":
         return tiny_flux(), flux_batch()
+    if family == "flux_ring_uneven":
+        return tiny_flux(), flux_batch_3x3()
     if family == "ltx_video":
         return tiny_ltx(), ltx_batch()
     if family == "cogvideox":
         return tiny_cogvideox(rotary=True), cogvideox_batch(rotary=True)
     return tiny_hunyuan_video(), hunyuan_batch()
+
+
+def flux_batch_3x3(n: int = 4, seed: int = 1) -> dict[str, Any]:
+    """`flux_batch` with 9 image tokens (a 3 x 3 grid): uneven over 2 ranks."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(3.0), torch.arange(3.0), indexing="ij")
+    return {
+        "hidden_states": torch.randn(n, 9, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
+        "pooled_projections": torch.randn(n, 8, generator=g, dtype=torch.float64),
+        "timestep": torch.rand(n, generator=g, dtype=torch.float64),
+        "img_ids": torch.stack(grid, -1).reshape(-1, 3).to(torch.float64),
+        "txt_ids": torch.arange(15.0, dtype=torch.float64).view(5, 3),
+        "target": torch.randn(n, 9, 4, generator=g, dtype=torch.float64),
+    }
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -99,8 +115,11 @@ def pp_sp_steps(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"coords": mesh.coords(mesh.rank)}
     for family in FAMILIES:
         model, b = build(family)
+        ring = (
+            fd.nn.plans.flux(model, mesh, mode="ring") if family.endswith("ring_uneven") else None
+        )
         pipe = fd.train.pipeline(
-            model, mesh, schedule="1f1b", microbatches=2, layers_per_stage=[1, 3]
+            model, mesh, schedule="1f1b", microbatches=2, layers_per_stage=[1, 3], plan=ring
         )
         seen: list[int] = []
         handles = record_tokens(pipe, seen)
@@ -168,7 +187,7 @@ def test_pp2_sp2_on_gloo_equals_one_device(tmp_path: Path) -> None:
             got, what = r[family], f"{family} rank {r['coords']}"
             assert got["stages"] == [r["coords"]["pp"]], what
             # the tokens travel split: every block on every rank got half the image tokens
-            assert got["tokens"] and set(got["tokens"]) == {TOKENS[family] // 2}, what
+            assert got["tokens"] and set(got["tokens"]) == {TOKENS[family]}, what
             assert_close_rel(got["loss"], want["loss"], f"{what} loss")
             assert_close_rel(got["norm"], want["norm"], f"{what} clipped norm", 1e-9)
             assert set(got["grads"]) == set(got["state"]) and set(got["grads"]) <= set(
