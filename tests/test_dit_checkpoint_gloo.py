@@ -91,7 +91,7 @@ def train(pm: Any, opt: torch.optim.Optimizer, bs: list[dict[str, Tensor]]) -> N
 def grads(pm: Any) -> dict[str, Tensor]:
     if isinstance(pm, fd.nn.ParallelModel):
         return pm.grads()
-    return {n: p.grad.clone() for n, p in pm.named_parameters()}  # type: ignore[union-attr]
+    return {n: p.grad.clone() for n, p in pm.named_parameters()}
 
 
 def next_step(pm: Any, opt: torch.optim.Optimizer, b: dict[str, Tensor]) -> dict[str, Any]:

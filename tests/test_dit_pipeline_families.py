@@ -147,7 +147,7 @@ def reference(family: str) -> dict[str, Any]:
     SGD step."""
     model, b = build(family)
     loss = one_device(model, b)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # type: ignore[union-attr]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     opt = sgd(model.parameters())
     opt.step()
