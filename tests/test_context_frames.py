@@ -154,16 +154,21 @@ def test_not_a_patch_conv_stays_whole() -> None:
 # ------------------------------------------------------------------ real ranks
 def frames_on_gloo() -> list[Any]:
     """One gloo rank of sp=2: for 4 frames (each rank embeds 2) and 3 (the whole latent, rows
-    cut), with the latent's gradient and gradient checkpointing (non-reentrant: the first
-    block recomputed on its rank's rows): the output, the plan-without-frames' output, the
-    gradients, the conv's input shapes."""
+    cut), with the latent's gradient, and 4 frames with gradient checkpointing (diffusers'
+    non-reentrant, then reentrant: the first block recomputed on its rank's rows): the output,
+    the plan-without-frames' output, the gradients, the conv's input shape."""
+    import functools
+
     mesh = fd.connect(sp=2, timeout=120)
     results = []
-    for frames, checkpointed in ((4, False), (3, False), (4, True)):
+    for frames, checkpointed in CHECKPOINTED:
         x = inputs(frames, grad=True)
         model = tiny_wan(layers=2)
-        if checkpointed:
+        if checkpointed == "default":
             model.enable_gradient_checkpointing()
+        elif checkpointed == "reentrant":
+            reentrant = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+            model.enable_gradient_checkpointing(reentrant)
         pm = fd.nn.parallelize(model, mesh, fd.nn.plans.wan())
         seen = conv_inputs(model)
         old = fd.nn.parallelize(tiny_wan(layers=2), mesh, old_plan())
@@ -176,12 +181,16 @@ def frames_on_gloo() -> list[Any]:
     return results
 
 
+#: (latent frames, gradient checkpointing) of the gloo test
+CHECKPOINTED = ((4, None), (3, None), (4, "default"), (4, "reentrant"))
+
+
 def test_frames_on_gloo() -> None:
     from tests.dist_harness import run_on_gloo
 
-    want = [reference(tiny_wan(layers=2), inputs(f, grad=True)) for f in (4, 3, 4)]
+    want = [reference(tiny_wan(layers=2), inputs(f, grad=True)) for f, _ in CHECKPOINTED]
     for rank in run_on_gloo(frames_on_gloo, 2, timeout=300):
-        for (got, old, grads, seen), (out, ref), frames in zip(rank, want, (2, 3, 2)):
+        for (got, old, grads, seen), (out, ref), frames in zip(rank, want, (2, 3, 2, 2)):
             assert torch.equal(got, old) and torch.equal(got, out)
             assert_grads(grads, ref)
             assert seen[2] == frames
