@@ -17,7 +17,8 @@ under 1F1B with 2 micro-batches:
 Against the unmodified model on one device: the loss, every parameter's gradient, the
 whole-model clip's norm, an SGD (momentum) step, and that step's ``fastdist.checkpoint``
 (written by the 4 ranks, the embedders every stage holds under the same names) loaded into the
-plain model on one device; every block on every rank gets its half of the image tokens
+plain model on one device and back into the pipeline cut elsewhere (stages of 3 and 1 blocks,
+bit-equal to what was saved); every block on every rank gets its half of the image tokens
 (rounded up: the shorter block padded). The same
 compositions on simulated ranks: ``tests/test_pipeline_dit.py``.
 
@@ -107,9 +108,30 @@ def record_tokens(pipe: Any, seen: list[int]) -> list[Any]:
     return handles
 
 
+def reload(path: str, family: str, mesh: fd.Mesh) -> dict[str, Any]:
+    """The checkpoint loaded back into a pipeline of other weights cut elsewhere (stages of 3
+    and 1 blocks) and a fresh SGD: the weights and momentum its stages got, by name (a stage's
+    copies of a shared embedder checked to agree)."""
+    from tests.checkpoint_worker import optim_state
+
+    model, _ = build(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # other weights: everything must come from the checkpoint
+    pipe = fd.train.pipeline(model, mesh, schedule="gpipe", microbatches=2, layers_per_stage=[3, 1])
+    opt = sgd(pipe.parameters())
+    extra = fd.checkpoint.load(f"{path}/{family}", pipe, opt)
+    momentum: dict[str, Tensor] = {}
+    for j in sorted(pipe.stages):
+        for name, st in optim_state(pipe.stages[j], opt).items():
+            assert name not in momentum or torch.equal(momentum[name], st["momentum_buffer"])
+            momentum[name] = st["momentum_buffer"]
+    return {"extra": extra, "state": pipe.state_dict(), "momentum": momentum}
+
+
 def pp_sp_steps(path: str) -> dict[str, Any]:
     """One rank of pp 2 x sp 2: per family, a 1F1B step of 2 micro-batches (stages of 1 and 3
-    blocks), the clip, an SGD step and a checkpoint of it."""
+    blocks), the clip, an SGD step and a checkpoint of it, loaded back into stages of 3 and 1."""
     torch.set_num_threads(1)
     mesh = fd.connect(pp=2, sp=2, timeout=120)
     out: dict[str, Any] = {"coords": mesh.coords(mesh.rank)}
@@ -138,6 +160,7 @@ def pp_sp_steps(path: str) -> dict[str, Any]:
             "state": pipe.state_dict(),
             "stages": sorted(pipe.stages),
             "tokens": seen,
+            "reloaded": reload(path, family, mesh),
         }
     return out
 
@@ -199,6 +222,16 @@ def test_pp2_sp2_on_gloo_equals_one_device(tmp_path: Path) -> None:
             held |= set(got["grads"])
         assert held == set(want["grads"]) == set(want["state"]), family
         state, momentum = load_one_device(tmp_path, family)
+        reloaded: set[str] = set()
+        for r in ranks:  # the pipeline cut elsewhere got what was saved
+            back = r[family]["reloaded"]
+            assert back["extra"] == {"family": family}
+            assert set(back["state"]) == set(back["momentum"]), family
+            for name, w in back["state"].items():
+                assert torch.equal(w, state[name]), f"{family} reloaded {name}"
+                assert torch.equal(back["momentum"][name], momentum[name]), f"{family} {name}"
+            reloaded |= set(back["state"])
+        assert reloaded == set(state), family
         for name, w in want["state"].items():
             holder = next(r[family]["state"][name] for r in ranks if name in r[family]["state"])
             assert torch.equal(state[name], holder), f"{family} loaded {name}"
