@@ -8,6 +8,8 @@ DCP; and the single-device safetensors file), then loaded into
   and the safetensors file read by plain ``safetensors`` into ``load_state_dict`` (diffusers'
   names and shapes);
 * sp 2 again, and tp 2 x sp 1 (`fastdist.nn.plans.dit_tp.wan_tp`), on the same 2 processes;
+  and a model built on the meta device (its AdamW made before the load), at sp 2 from the DCP
+  directory and at tp 2 x sp 1 from the safetensors file, each rank allocating its own shards;
 * tp 2 x sp 2 (ring) on simulated ranks (4, in this process);
 * a pipeline, pp 2 x sp 2 on simulated ranks (`fastdist.train.pipeline`, 1F1B), with AdamW over
   its stages' parameters: each stage's copy of the condition embedder gets the saved weights
@@ -41,7 +43,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import fastdist as fd
 
@@ -110,7 +112,8 @@ def next_step(pm: Any, opt: torch.optim.Optimizer, b: dict[str, Tensor]) -> dict
 
 def save_and_reload(path: str) -> dict[str, Any]:
     """One rank of 2: sp 2 (Ulysses), ``STEPS`` AdamW steps, save (DCP and safetensors); load
-    into sp 2 and tp 2 x sp 1 from other weights, each followed by one more step."""
+    into sp 2, tp 2 x sp 1 and a meta model at sp 2, each followed by one more step; and the
+    safetensors file into a meta model at tp 2 x sp 1."""
     from fastdist.nn.plans.dit_tp import wan_tp
 
     torch.set_num_threads(1)
@@ -125,15 +128,36 @@ def save_and_reload(path: str) -> dict[str, Any]:
     fd.checkpoint.save(f"{path}/weights.safetensors", pm)  # rank 0 writes the whole model
     res: dict[str, Any] = {"saved": (model_state(pm), optim_state(pm, opt))}
     res["saved_out"] = forward(pm, bs[STEPS])[0]
-    for name, degrees in (("sp2", {"sp": 2}), ("tp2", {"tp": 2, "sp": 1})):
-        m = fd.connect(**degrees, timeout=120)
-        other = tiny_wan(layers=2, seed=5)  # other weights: everything must come from the load
-        plan = wan_tp(other, m) if "tp" in degrees else fd.nn.plans.wan(other, m)
+    tp2 = fd.connect(tp=2, sp=1, timeout=120)
+    for name, m, build in (
+        ("sp2", mesh, lambda: tiny_wan(layers=2, seed=5)),  # other weights: all from the load
+        ("tp2", tp2, lambda: tiny_wan(layers=2, seed=5)),
+        ("meta", mesh, meta_wan),  # no storage until the load
+    ):
+        other = build()
+        plan = wan_tp(other, m) if "tp" in m.axis_names else fd.nn.plans.wan(other, m)
         pm_n = fd.nn.parallelize(other, m, plan)
-        opt_n = adamw(pm_n.parameters())
+        opt_n = adamw(pm_n.parameters())  # before the load: the same parameters after it
         extra = fd.checkpoint.load(f"{path}/dcp", pm_n, opt_n)
         res[name] = {"extra": extra, **next_step(pm_n, opt_n, bs[STEPS])}
+    other = meta_wan()  # tp 2 x sp 1 on meta, from the single-device safetensors file
+    pm_n = fd.nn.parallelize(other, tp2, wan_tp(other, tp2))
+    fd.checkpoint.load(f"{path}/weights.safetensors", pm_n)
+    res["meta_safetensors"] = (model_state(pm_n), forward(pm_n, bs[STEPS])[0])
     return res
+
+
+def meta_wan() -> nn.Module:
+    """`tiny_wan`'s architecture on the meta device (shapes, no values); its rotary embedding
+    (non-persistent buffers computed in ``__init__``, which no checkpoint holds) built outside,
+    as accelerate's ``init_empty_weights`` does (docs/context_parallel.md, meta loading)."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    ref = tiny_wan(layers=2)
+    with torch.device("meta"):
+        model = type(ref).from_config(ref.config)
+    model.rope = WanRotaryPosEmbed(8, (1, 2, 2), 32)
+    return model.to(torch.float64)
 
 
 def one_device() -> dict[str, Any]:
@@ -266,9 +290,12 @@ def test_sp2_checkpoint_on_gloo_reloads_on_every_layout(tmp_path: Path) -> None:
     for rank, r in enumerate(ranks):
         assert_bit_equal(r["saved"], saved, "sp 2 ranks")  # every rank's single-device view
         torch.testing.assert_close(r["saved_out"], out, rtol=0, atol=0)
-        for name in ("sp2", "tp2"):
+        for name in ("sp2", "tp2", "meta"):
             assert r[name]["extra"] == {"step": STEPS}
             assert_next_step(r[name], want, saved, out, f"rank {rank} {name}")
+        weights, meta_out = r["meta_safetensors"]
+        assert_bit_equal((weights, {}), (saved[0], {}), f"rank {rank} meta tp 2 from safetensors")
+        assert_rel({"out": meta_out}, {"out": out}, 1e-6, f"rank {rank} meta tp 2 forward")
     assert_next_step(load_plain(tmp_path), want, saved, out, "one device")
     assert_next_step(load_simulated(tmp_path), want, saved, out, "simulated tp 2 x sp 2")
     pipe = load_pipeline(tmp_path)
