@@ -249,10 +249,10 @@ def _buckets(entries: list[Any]) -> list[list[Any]]:
 
 def _sum_into(ps: list[Tensor], gs: list[Tensor], mesh: Mesh, axes: tuple[str, ...]) -> None:
     """One flat collective of ``gs`` over ``axes``; each parameter's slice into its ``.grad``."""
-    flat = torch._utils._flatten_dense_tensors(gs)  # [sum of numels]: their cat, flattened
+    flat = torch._C._nn.flatten_dense_tensors(gs)  # [sum of numels]: their cat, flattened
     axis: AxisName = axes[0] if len(axes) == 1 else axes
     flat = psum(flat, mesh, axis)
-    for p, g in zip(ps, torch._utils._unflatten_dense_tensors(flat, gs)):  # views of flat
+    for p, g in zip(ps, torch._C._nn.unflatten_dense_tensors(flat, gs)):  # views of flat
         if p.grad is None:
             p.grad = g
         else:

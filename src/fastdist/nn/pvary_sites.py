@@ -19,7 +19,7 @@ the module exact:
 * simulated ranks: inside ``torch.func.functional_call`` the slot holds the simulation's
   per-rank parameter, which is what gets ``pvary``'d.
 
-Two shortcuts, each taken only where it gives the same result:
+Three shortcuts, each taken only where it gives the same result:
 
 * a forward that records no graph (``torch.no_grad()``, inference mode) outside a replication
   check (``fastdist.spmd``, which reads every ``pvary``) skips the hooks' work (``pvary``'s
@@ -30,7 +30,14 @@ Two shortcuts, each taken only where it gives the same result:
   ``torch.compile`` or a replication check, and never once DDP or FSDP2 has been seen in this
   process (they read the gradient during the backward); `fastdist.nn.grad_buckets` lists the
   checks its backward does.
-  ``PvarySites(..., bucket=False)`` keeps one ``psum`` per parameter everywhere.
+  ``PvarySites(..., bucket=False)`` keeps one ``psum`` per parameter everywhere;
+* where the sums are bucketed, a site module's pre-hook also swaps the parameters of the site
+  modules inside it, in the same autograd node (one node per forward of a model that owns a
+  site, instead of one per module). Swapping a module's parameters early is what its own hook
+  would do at its call; the inner module's hook finds its slots holding the enclosing site's
+  views and leaves them. One whose forward runs after the enclosing one returned (a reentrant
+  checkpoint's recomputation), whose slot was given another tensor meanwhile, or that holds a
+  parameter that cannot defer (frozen, not a leaf), swaps its own as before.
 """
 
 from __future__ import annotations
@@ -151,8 +158,8 @@ def _swap_in(
     d = m.__dict__
     if _KEPT in d:
         return  # a forward of m inside another one: already pvary'd
-    by = d.get(_BY)
-    if by is not None:  # swapped by an enclosing site: do the slots still hold its views?
+    if _BY in d:  # swapped by an enclosing site: do the slots still hold its views?
+        by = d[_BY]
         slots = m._parameters
         for name, _, v in by:
             if slots[name] is not v:
