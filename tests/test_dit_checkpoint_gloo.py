@@ -15,10 +15,11 @@ DCP; and the single-device safetensors file), then loaded into
   its stages' parameters: each stage's copy of the condition embedder gets the saved weights
   and state, and the copies stay equal through the next step.
 
-Each load starts from other weights and a fresh optimizer; what it loads must be bit-equal to
-what was saved (weights and AdamW's state, gathered to the single-device view), and the next
-step (forward, gradients, AdamW update) must equal the one-device run that took the same four
-steps.
+And FSDP2 over dp 2 x sp 2 on 4 gloo processes: saved, loaded back into FSDP2 and into one
+device. Each load starts from other weights and a fresh optimizer; what it loads must be
+bit-equal to what was saved (weights and AdamW's state, gathered to the single-device view),
+and the next step (forward, gradients, AdamW update) must equal the one-device run that took
+the same four steps.
 
 Tolerances: Wan computes its norms and modulation in float32 on purpose, so sp's other
 reduction order leaves ~1e-7 of each gradient's largest entry (as in
@@ -310,6 +311,49 @@ def test_sp2_checkpoint_on_gloo_reloads_on_every_layout(tmp_path: Path) -> None:
     assert_bit_equal((model_state(ref), {}), (saved[0], {}), "safetensors")
     x = {k: v for k, v in batches()[STEPS].items() if k != "target"}
     torch.testing.assert_close(ref(**x).sample.detach(), out, rtol=0, atol=1e-12)
+
+
+def fsdp_save_and_reload(path: str) -> dict[str, Any]:
+    """One rank of dp 2 x sp 2 with FSDP2 over dp (``DataParallel(pm, "dp", engine="fsdp")``:
+    each parameter a DTensor shard): ``STEPS`` AdamW steps on the same batches on both data
+    ranks, save; then load into FSDP2 at dp 2 x sp 2 from other weights."""
+    torch.set_num_threads(1)
+    mesh = fd.connect(dp=2, sp=2, timeout=120)
+    res: dict[str, Any] = {}
+    for name, seed in (("saved", 0), ("back", 5)):
+        model = tiny_wan(layers=2, seed=seed)
+        pm = fd.nn.parallelize(model, mesh, fd.nn.plans.wan(model, mesh))
+        fd.train.DataParallel(pm, "dp", engine="fsdp")
+        assert type(model.blocks[0].attn1.to_q.weight).__name__ == "DTensor"
+        opt = adamw(pm.parameters())
+        if name == "saved":
+            train(pm, opt, batches()[:STEPS])
+            fd.checkpoint.save(f"{path}/fsdp", pm, opt, extra={"step": STEPS})
+        else:
+            assert fd.checkpoint.load(f"{path}/fsdp", pm, opt) == {"step": STEPS}
+        res[name] = (model_state(pm), optim_state(pm, opt))
+    return res
+
+
+def test_fsdp_times_sp_checkpoint_on_gloo(tmp_path: Path) -> None:
+    """FSDP2 over dp x sp 2 on 4 gloo processes (every data rank the same batches, so the mean
+    over dp is one device's gradient): the saved weights and AdamW state equal one device's
+    after the same steps; they load back into FSDP2 bit-equal, and into the unmodified model
+    on one device, whose next step equals one device's."""
+    from tests.dist_harness import run_on_gloo
+
+    want = one_device()
+    ranks = run_on_gloo(fsdp_save_and_reload, 4, str(tmp_path), timeout=300)
+    saved = ranks[0]["saved"]
+    assert_state(saved, want["saved"], "saved by FSDP2 x sp 2")
+    for rank, r in enumerate(ranks):
+        assert_bit_equal(r["saved"], saved, f"rank {rank} saved")
+        assert_bit_equal(r["back"], saved, f"rank {rank} loaded into FSDP2")
+    model = tiny_wan(layers=2, seed=5)
+    opt = adamw(model.parameters())
+    assert fd.checkpoint.load(tmp_path / "fsdp", model, opt) == {"step": STEPS}
+    got = next_step(model, opt, batches()[STEPS])
+    assert_next_step(got, want, saved, got["out"], "FSDP2 x sp 2 -> one device")
 
 
 @pytest.mark.xfail(
