@@ -16,10 +16,13 @@ DCP; and the single-device safetensors file), then loaded into
   and state, and the copies stay equal through the next step.
 
 And FSDP2 over dp 2 x sp 2 on 4 gloo processes: saved, loaded back into FSDP2 and into one
-device. Each load starts from other weights and a fresh optimizer; what it loads must be
-bit-equal to what was saved (weights and AdamW's state, gathered to the single-device view),
-and the next step (forward, gradients, AdamW update) must equal the one-device run that took
-the same four steps.
+device; and every DiT family's tp 2 x sp 2 checkpoint (simulated, weights only: bit-equal
+round trips through DCP and safetensors).
+
+Each load starts from other weights and a fresh optimizer; what it loads must be bit-equal to
+what was saved (weights and AdamW's state, gathered to the single-device view), and the next
+step (forward, gradients, AdamW update) must equal the one-device run that took the same four
+steps.
 
 Tolerances: Wan computes its norms and modulation in float32 on purpose, so sp's other
 reduction order leaves ~1e-7 of each gradient's largest entry (as in
@@ -354,6 +357,55 @@ def test_fsdp_times_sp_checkpoint_on_gloo(tmp_path: Path) -> None:
     assert fd.checkpoint.load(tmp_path / "fsdp", model, opt) == {"step": STEPS}
     got = next_step(model, opt, batches()[STEPS])
     assert_next_step(got, want, saved, got["out"], "FSDP2 x sp 2 -> one device")
+
+
+def family_builds() -> list[str]:
+    from tests.test_dit_tp_families import BUILD
+
+    return sorted(BUILD)
+
+
+@pytest.mark.parametrize("case", family_builds())
+def test_every_family_tp_sp_checkpoint_round_trips(case: str, tmp_path: Path) -> None:
+    """Every DiT family with a tensor x context plan (`fastdist.nn.plans.dit_tp.dit_tp`, tp 2 x
+    sp 2, simulated: fused parts, joint streams, per-head norms): its DCP checkpoint loads into
+    the unmodified model on one device, its safetensors file holds the single-device weights
+    under diffusers' names, and that file loads back at tp 2 x sp 2; all bit-equal to the
+    model's own weights."""
+    from safetensors.torch import load_file
+
+    from fastdist.nn.plans.dit_tp import dit_tp
+    from tests.test_dit_tp_families import BUILD
+
+    def other_weights() -> nn.Module:
+        model = BUILD[case]()[0]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # everything must come from the checkpoint
+        return model
+
+    def tp_sp(model: nn.Module) -> Any:
+        mesh = fd.Mesh({"tp": 2, "sp": 2})
+        return fd.nn.parallelize(model, mesh, dit_tp(case.split("-")[0], model, mesh))
+
+    model = BUILD[case]()[0]
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = tp_sp(model)
+    fd.checkpoint.save(tmp_path / "dcp", pm)
+    fd.checkpoint.save(tmp_path / "weights.safetensors", pm)
+    one = other_weights()
+    fd.checkpoint.load(tmp_path / "dcp", one)
+    back = tp_sp(other_weights())
+    fd.checkpoint.load(tmp_path / "weights.safetensors", back)
+    for what, got in (
+        ("state_dict", pm.state_dict()),
+        ("DCP -> one device", one.state_dict()),
+        ("safetensors", load_file(tmp_path / "weights.safetensors")),
+        ("safetensors -> tp 2 x sp 2", back.state_dict()),
+    ):
+        assert sorted(got) == sorted(want), what
+        for name, w in want.items():
+            assert torch.equal(got[name], w), f"{case} {what}: {name}"
 
 
 @pytest.mark.xfail(
