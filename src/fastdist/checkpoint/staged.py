@@ -27,7 +27,12 @@ class Staged(Protocol):
 
     mesh: Mesh
     axis: str
-    tied: Mapping[str, str]  # a weight the first and last stage both hold: last's name -> first's
+
+    @property
+    def tied(self) -> Mapping[str, str]:
+        """A weight the first and last stage both hold: the last's name -> the first's (read
+        only here, so a ``dict`` attribute satisfies it)."""
+        ...
 
     @property
     def stages(self) -> Mapping[int, ParallelModel]:
