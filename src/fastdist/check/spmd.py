@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.forward_ad import unpack_dual
 
 from fastdist.check.replication import CheckMode, Rep, RepTracker, tracking
 from fastdist.core.primitive import apply_function
-from fastdist.core.sharding import PartitionSpec, block_of, blocks, check_spec, holders
+from fastdist.core.sharding import PartitionSpec, blocks, check_spec
 from fastdist.errors import MeshError, ReplicationError
 from fastdist.sim.simulate import simulate
 
@@ -26,16 +27,98 @@ if TYPE_CHECKING:
 __all__ = ["spmd", "checked_call"]
 
 R = TypeVar("R")
+#: functorch's forward-mode transform type (None on a torch without it: torch's own error then).
+_JVP: Any = getattr(getattr(torch._C._functorch, "TransformType", None), "Jvp", None)
+
+
+def _groups(spec: PartitionSpec, mesh: Mesh) -> list[list[int]]:
+    """The ranks holding each block of ``spec``: one ascending list per block, the blocks in
+    row-major order of their index along each split dim (the order :func:`_assemble` takes)."""
+    out: dict[int, list[int]] = {}
+    for r in range(mesh.size):
+        key = 0
+        for d in range(len(spec.dims)):
+            names = spec.axes_of(d)
+            if names:
+                key = key * mesh.axis_size(names) + mesh.index(r, names)
+        out.setdefault(key, []).append(r)
+    return [out[k] for k in sorted(out)]
+
+
+def _assemble(b: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+    """``[blocks, *local]`` (in :func:`_groups`' order) -> the global tensor: reshape and permute
+    only (no in-place writes, so torch.func's vmap can batch it)."""
+    local = list(b.shape[1:])
+    ns = [
+        mesh.axis_size(spec.axes_of(d)) if d < len(spec.dims) and spec.axes_of(d) else 1
+        for d in range(len(local))
+    ]
+    k = len(local)
+    y = b.reshape([*ns, *local]).permute([i for d in range(k) for i in (d, k + d)])
+    return y.reshape([n * m for n, m in zip(ns, local)])
+
+
+def _mean_holders(g: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+    """``[world, *local]`` -> global: each block the mean of its holders' blocks (summed in rank
+    order, then divided: the same bits as before the double-backward fix)."""
+    if not spec.sharded_axes:
+        return g.mean(0)
+    groups = _groups(spec, mesh)
+    acc = g[[grp[0] for grp in groups]]
+    for j in range(1, len(groups[0])):
+        acc = acc + g[[grp[j] for grp in groups]]
+    return _assemble(acc / len(groups[0]), spec, mesh)
+
+
+def _first_holders(y: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+    """``[world, *local]`` -> global: each block taken from the lowest rank holding it."""
+    return _assemble(y[[grp[0] for grp in _groups(spec, mesh)]], spec, mesh)
+
+
+# The three linear maps between a global tensor and its stacked per-rank blocks. Under fastdist's
+# convention every replica of a replicated value carries the whole cotangent, so the adjoint of
+# "copy to every holder" (_ShardStacked) is the MEAN over holders (_MeanHolders), and the adjoint
+# of that mean is the copy again (not the copy divided by the number of holders, which is what
+# autograd would derive from a mean written in differentiable ops: second-order gradients, such
+# as Hessian-vector products or gradient penalties, would be divided by the replica count). Each
+# backward is therefore the other Function, so every order of derivative follows the convention.
+# generate_vmap_rule lets torch.vmap batch them (vmap, vmap(grad), jacrev). Forward mode is
+# refused before they run (_refuse_forward_mode): the maps themselves are linear, but the
+# simulated collectives inside the per-rank function do not carry tangents (a psum's tangent
+# comes out zero), which would be a silently wrong jvp.
+
+
+def _refuse_forward_mode(args: Sequence[Any], mesh: Mesh) -> None:
+    """Raise when forward-mode AD would run through a simulated ``spmd`` (see the comment above):
+    a ``torch.func.jvp`` layer active (``jvp``, ``jacfwd``, ``hessian``) or a dual tensor of
+    ``torch.autograd.forward_ad`` among the arguments."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    jvp = _JVP is not None and any(i.key() == _JVP for i in stack or ())
+    if not jvp and not any(
+        isinstance(a, Tensor) and unpack_dual(a).tangent is not None for a in args
+    ):
+        return
+    raise MeshError(
+        f"spmd over {mesh}: forward-mode AD (torch.func.jvp, jacfwd, hessian, "
+        "torch.autograd.forward_ad) is not supported on a simulated mesh: the simulated "
+        "collectives inside fn do not carry tangents, so the result would be wrong. Fix: use "
+        "reverse mode: torch.func.grad, jacrev or vmap(grad); for a Hessian, "
+        "jacrev(jacrev(f)); for a Hessian-vector product or a gradient penalty, "
+        "torch.autograd.grad(..., create_graph=True) twice"
+    )
 
 
 class _ShardStacked(torch.autograd.Function):
     """Global ``x`` -> ``[world, *local]``: every simulated rank's block under ``spec``.
 
-    Backward: each block's gradient is the mean over the ranks that hold it. This is what a
-    global input replicated to every rank and then ``local_chunk``-ed computes (under correct
-    replication types those ranks' gradients agree, so the mean is exact; a sum would count
-    the block once per replica), without ``world`` full copies each way.
+    Backward: each block's gradient is the mean over the ranks that hold it (:class:`_MeanHolders`,
+    differentiable to any order). This is what a global input replicated to every rank and then
+    ``local_chunk``-ed computes (under correct replication types those ranks' gradients agree, so
+    the mean is exact; a sum would count the block once per replica), without ``world`` full
+    copies each way.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
@@ -43,41 +126,49 @@ class _ShardStacked(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.shape, ctx.spec, ctx.mesh = inputs[0].shape, inputs[1], inputs[2]
+        ctx.spec, ctx.mesh = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        spec, mesh = ctx.spec, ctx.mesh
-        if not spec.sharded_axes:
-            return g.mean(0), None, None
-        full = g.new_zeros(ctx.shape)
-        for r in range(mesh.size):
-            block_of(full, spec, mesh, r).add_(g[r])  # this rank's block, into its place
-        # the mean over each block's holders
-        return (
-            full / (mesh.size // mesh.axis_size(spec.sharded_axes)),
-            None,
-            None,
-        )
+        return apply_function(_MeanHolders, g, ctx.spec, ctx.mesh), None, None
+
+
+class _MeanHolders(torch.autograd.Function):
+    """``[world, *local]`` -> global: each block the mean over the ranks holding it.
+
+    :class:`_ShardStacked`'s backward. Its own backward hands every holder the whole cotangent
+    (:class:`_ShardStacked`), the adjoint of the mean under the replicated-cotangent convention.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(g: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
+        return _mean_holders(g, spec, mesh)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.spec, ctx.mesh = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, gg: Tensor) -> tuple[Tensor, None, None]:
+        return apply_function(_ShardStacked, gg, ctx.spec, ctx.mesh), None, None
 
 
 class _UnshardStacked(torch.autograd.Function):
     """``[world, *local]`` -> global: the blocks assembled, each from the lowest rank holding it.
 
     The transpose of :class:`_ShardStacked`'s forward: backward gives every rank its block of
-    the cotangent (an output replicated over an axis hands each replica the same cotangent).
+    the cotangent (an output replicated over an axis hands each replica the same cotangent), as
+    :class:`_ShardStacked`, whose own backward (the mean over holders) keeps second-order
+    gradients under the same convention.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(y: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
-        shape = [
-            n * (mesh.axis_size(spec.axes_of(d)) if d < len(spec.dims) and spec.axes_of(d) else 1)
-            for d, n in enumerate(y.shape[1:])
-        ]
-        full = y.new_empty(shape)  # the global shape: each sharded dim times its axes' size
-        for r in holders(spec, mesh):
-            block_of(full, spec, mesh, r).copy_(y[r])
-        return full
+        return _first_holders(y, spec, mesh)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -85,7 +176,7 @@ class _UnshardStacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return blocks(g, ctx.spec, ctx.mesh), None, None
+        return apply_function(_ShardStacked, g, ctx.spec, ctx.mesh), None, None
 
 
 def _refuse_checked_compile(mode: str) -> None:
@@ -161,6 +252,8 @@ def spmd(
         _check_args(args, in_specs, mesh)
         if not simulated:
             return cast(R, per_rank(*args))
+        if not torch.compiler.is_compiling():
+            _refuse_forward_mode(args, mesh)
         stacked = [
             apply_function(_ShardStacked, a, s, mesh) if isinstance(a, Tensor) else a
             for a, s in zip(args, in_specs)
