@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
@@ -125,7 +126,8 @@ class GuidedModel:
             ``encoder_hidden_states``).
 
     Call it with the model's keyword inputs, whole and the same on every rank (no rank dim,
-    also on a simulated mesh), the conditional branch's; and ``uncond=``, the unconditional
+    also on a simulated mesh; tensors, or tuples, lists and dicts of them, such as CogVideoX's
+    ``image_rotary_emb=(cos, sin)``), the conditional branch's; and ``uncond=``, the unconditional
     branch's input under ``condition`` (a tensor), or a dict of every keyword whose value the
     unconditional branch gets instead (e.g. SD3's ``{"encoder_hidden_states": negative,
     "pooled_projections": negative_pooled}``). A prompt keyword of `PROMPT_KEYWORDS` given but
@@ -178,9 +180,12 @@ class GuidedModel:
 
     def _simulated(self, over: Mapping[str, Tensor], inputs: Mapping[str, Any]) -> Tensor:
         world = self.mesh.size
-        per_rank = {
-            k: v.expand(world, *v.shape) if isinstance(v, Tensor) else v for k, v in inputs.items()
-        }
+
+        def replicate(v: Any) -> Any:
+            return v.expand(world, *v.shape) if isinstance(v, Tensor) else v
+
+        # every tensor gets the rank dim, nested ones too (CogVideoX's image_rotary_emb=(cos, sin))
+        per_rank = {k: pytree.tree_map(replicate, v) for k, v in inputs.items()}
         branch = simulate(lambda c, u: cfg_branch(c, u, self.mesh, self.axis), self.mesh)
         for k, uncond in over.items():
             cond = inputs[k]
