@@ -5,12 +5,14 @@ padding follow the conventions of ``fastdist.ops.uneven``.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from fastdist.core.binding import rank_binding
 from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
@@ -273,6 +275,79 @@ def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
+def _index_check(index: Tensor, rank: Tensor, rows: int, axis: AxisName, simulated: bool) -> None:
+    """Raise naming the first rank (of ``rank``, broadcastable to ``index``) whose ``index``
+    holds a row number outside ``[0, rows)`` (one device-to-host read of a flag, more only on
+    failure)."""
+    bad = (index < 0) | (index >= rows)
+    if not bool(bad.any()):
+        return
+    ranks = rank.detach().cpu().expand(index.shape)
+    b, values = bad.cpu(), index.detach().cpu()
+    first = int(ranks[b].min())
+    here = b & (ranks == first)
+    held = sorted(set(values[here].tolist()))
+    others = sorted(set(ranks[b].tolist()) - {first})
+    also = f" (also rank{'s' if len(others) > 1 else ''} {others})" if others else ""
+    valid = f"0..{rows - 1}" if rows else "none: x has no rows"
+    raise CollectiveError(
+        "indexed_all_to_all_v",
+        axis,
+        f"rank {first}'s index holds {held[:8]}, outside the rows of x (valid: {valid}){also}",
+        f"pass an index of row numbers in {valid} (e.g. torch.argsort(destination) over x's "
+        "rows); a negative number is not counted from the end",
+        rank="every rank" if simulated else f"rank {first}",
+    )
+
+
+@torch.library.custom_op("fastdist::check_row_index", mutates_args=())
+def _check_row_index(index: Tensor, rank: Tensor, rows: int, axis: str, simulated: bool) -> Tensor:
+    """A copy of ``index``; raises :class:`~fastdist.CollectiveError` if an entry is outside
+    ``[0, rows)``. ``rank`` (broadcastable to ``index``) is the global rank holding each entry;
+    ``axis`` the ``repr`` of the mesh axis. A custom op so that its vmap rule sees every
+    simulated rank's index at once (a vmapped tensor has no values to read)."""
+    _index_check(index, rank, rows, ast.literal_eval(axis), simulated)
+    return index.clone()
+
+
+@_check_row_index.register_fake
+def _check_row_index_fake(
+    index: Tensor, rank: Tensor, rows: int, axis: str, simulated: bool
+) -> Tensor:
+    return torch.empty_like(index)
+
+
+@_check_row_index.register_vmap
+def _check_row_index_vmap(
+    info: Any, in_dims: tuple[int | None, ...], index: Tensor, rank: Tensor, *params: Any
+) -> tuple[Tensor, int]:
+    # every simulated rank's index at once, each entry with its rank (the index is vmapped like
+    # the rank id, or replicated and only the rank id is); an outer vmap: the op's next rule
+    ib, rb, n = in_dims[0], in_dims[1], info.batch_size
+    t = index.movedim(ib, 0) if ib is not None else index.unsqueeze(0).expand(n, *index.shape)
+    r = rank.movedim(rb, 0) if rb is not None else rank.unsqueeze(0).expand(n, *rank.shape)
+    r = r.reshape(n, *([1] * (t.dim() - r.dim())), *r.shape[1:]).expand(t.shape)
+    return _check_row_index(t, r, *params), 0
+
+
+def _checked_index(index: Tensor, rows: int, mesh: Mesh, axis: AxisName) -> Tensor:
+    """``index`` once every entry is a row of ``x`` (``rows`` of them): on real ranks a local
+    check (no collective: one device-to-host read; skipped while dynamo traces), on simulated
+    ranks every rank's at once through ``fastdist::check_row_index``."""
+    if is_real(mesh):
+        if not torch.compiler.is_compiling() and index.numel():
+            rank = torch.tensor(mesh.rank)
+            _index_check(index, rank, rows, axis, False)
+        return index
+    binding = rank_binding("indexed_all_to_all_v", mesh)  # raises unless simulated or one rank
+    if binding is None:
+        rank, simulated = torch.zeros((), dtype=torch.long, device=index.device), False
+    else:
+        rank, simulated = binding.rank, True
+    out: Tensor = torch.ops.fastdist.check_row_index(index, rank, rows, repr(axis), simulated)
+    return out
+
+
 @names_this_rank
 def indexed_all_to_all_v(
     x: Tensor,
@@ -324,23 +399,7 @@ def indexed_all_to_all_v(
             f"index must be a 1-d integer tensor of row numbers, got {got}",
             "pass an int64 (or int32) tensor, e.g. torch.argsort(destination)",
         )
-    # real ranks, host values only (no device sync; simulated ranks hold a batched index, and
-    # index_select raises on a bad one there)
-    if (
-        is_real(mesh)
-        and index.device.type == "cpu"
-        and index.numel()
-        and not torch.compiler.is_compiling()
-    ):
-        lo, hi = int(index.min()), int(index.max())
-        if lo < 0 or hi >= x.shape[0]:
-            rows = f"rows 0..{x.shape[0] - 1}" if x.shape[0] else "no rows: x has none"
-            raise CollectiveError(
-                op,
-                axis,
-                f"index holds {lo if lo < 0 else hi}, outside the {x.shape[0]} rows of x",
-                f"index {rows}",
-            )
+    index = _checked_index(index, x.shape[0], mesh, axis)
     src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
     try:
         out, recv = ragged_all_to_all(
