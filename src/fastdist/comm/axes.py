@@ -31,6 +31,7 @@ from fastdist.comm.failures import (
 )
 from fastdist.comm.transports import FunctionalTransport, TorchTransport, select_backend
 from fastdist.errors import CommError, ConsistencyError, MeshError, NoBackendError
+from fastdist.ops.prelude import transform_error, unsupported_transform
 
 if TYPE_CHECKING:
     from fastdist.comm.torch_comm import TorchComm
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["TorchAxisComm", "PendingAllReduce", "axis_comm"]
 
 T = TypeVar("T")
+#: functorch's C functions (a module, read once)
+_FUNCTORCH: Any = torch._C._functorch
 
 
 @run_while_tracing
@@ -218,6 +221,12 @@ class TorchAxisComm:
         :meth:`run`)."""
         if torch.compiler.is_compiling():
             return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
+        # a torch.func wrapper (a plain tensor, the usual case, is level -1: one C call): vmap
+        # or jvp (e.g. a collective's backward under jacrev) refused before anything is sent
+        if _FUNCTORCH.maybe_get_level(x) != -1:
+            transform = unsupported_transform(x)
+            if transform is not None:
+                raise transform_error(op, self.label, f"rank {self.rank}", transform)
         comm = self.comm
         if comm.broken is not None:
             comm.check_usable(op, self)

@@ -45,7 +45,12 @@ __all__ = [
     "same_shape",
     "check_index",
     "where_member",
+    "unsupported_transform",
+    "transform_error",
 ]
+
+#: functorch's C functions (a module, read once): ``maybe_get_level`` is -1 for a plain tensor
+_FUNCTORCH: Any = torch._C._functorch
 
 # ====================================================================== shared helpers
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -75,6 +80,61 @@ def names_this_rank(fn: _F) -> _F:
     return cast(_F, op)
 
 
+def unsupported_transform(x: Tensor) -> str | None:
+    """The ``torch.func`` transform that a collective on real ranks cannot run under, if ``x``
+    is wrapped by one: ``"vmap"`` (a BatchedTensor at any level: vmap, jacrev's vmap over the
+    backward, vmap(grad(...))), ``"jvp"`` (a forward-mode level: jvp, jacfwd, hessian, whose
+    tangent a collective would not exchange); ``None`` otherwise (a plain tensor: one C call;
+    ``torch.func.grad`` and ``vjp``, whose reverse-mode levels the collectives' Functions serve).
+    """
+    if _FUNCTORCH.maybe_get_level(x) == -1:
+        return None
+    levels = set()
+    while _FUNCTORCH.is_functorch_wrapped_tensor(x):
+        if _FUNCTORCH.is_batchedtensor(x):
+            return "vmap"
+        levels.add(_FUNCTORCH.maybe_get_level(x))
+        x = _FUNCTORCH.get_unwrapped(x)
+    jvp = _FUNCTORCH.TransformType.Jvp
+    stack = _FUNCTORCH.get_interpreter_stack() or ()
+    return "jvp" if any(i.key() == jvp and i.level() in levels for i in stack) else None
+
+
+def transform_error(op: str, axis: AxisName, rank: str, transform: str) -> CollectiveError:
+    """The error for a collective on real ranks under a transform that
+    :func:`unsupported_transform` names: raised before anything is sent, so the mesh's groups
+    stay usable. (On simulated ranks vmap composes with collectives: ``fastdist.simulate`` is
+    itself a vmap over the ranks.)"""
+    if transform == "vmap":
+        problem = (
+            "the input is batched by torch.vmap (torch.func.jacrev and vmap(grad(...)) use it "
+            "too), and a collective on real ranks has no batching rule: one call cannot exchange "
+            "each entry of the batch"
+        )
+        fix = (
+            "call the collective on the whole batch outside the vmap (e.g. fastdist.psum(xs, "
+            "mesh, axis) rather than torch.vmap(lambda x: fastdist.psum(x, mesh, axis))(xs)), "
+            "keep torch.vmap inside a per-rank function without collectives, or run rank-batched "
+            "code under fastdist.simulate (simulated ranks)"
+        )
+    else:
+        problem = (
+            "the input carries a forward-mode tangent (torch.func.jvp, jacfwd, hessian), and a "
+            "collective on real ranks has no forward-mode rule: the tangent would not be exchanged"
+        )
+        fix = (
+            "differentiate in reverse mode (torch.func.grad or vjp, or loss.backward()), whose "
+            "gradients the collectives exchange"
+        )
+    return CollectiveError(
+        op,
+        axis,
+        f"{problem} (nothing was sent; the mesh stays usable)",
+        fix,
+        rank=rank,
+    )
+
+
 def check_mesh(op: str, mesh: Any, axis: AxisName) -> None:
     """Refuse a ``mesh`` that is not a :class:`~fastdist.core.mesh.Mesh` (``op`` the public name
     of the caller, ``axis`` the axis the error names)."""
@@ -102,6 +162,12 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
     if binding is None:
         comm: Comm | None = mesh.comm  # type: ignore[assignment]
         if comm is not None:
+            # a torch.func wrapper (a plain tensor, the usual case, is level -1: one C call):
+            # vmap, jvp refused here, before torch's own errors (or a dropped tangent)
+            if _FUNCTORCH.maybe_get_level(x) != -1:
+                transform = unsupported_transform(x)
+                if transform is not None:
+                    raise transform_error(op, axis, f"rank {comm.global_rank}", transform)
             return x, comm.spec(axis, op)
     spec = plain_spec(op, mesh, axis)
     if binding is None:
