@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import Tensor
-from torch.autograd.forward_ad import unpack_dual
+from torch.autograd import forward_ad
 
 from fastdist.check.replication import CheckMode, Rep, RepTracker, tracking
 from fastdist.core.primitive import apply_function
@@ -29,6 +29,8 @@ __all__ = ["spmd", "checked_call"]
 R = TypeVar("R")
 #: functorch's forward-mode transform type (None on a torch without it: torch's own error then).
 _JVP: Any = getattr(getattr(torch._C._functorch, "TransformType", None), "Jvp", None)
+#: torch.autograd.forward_ad.unpack_dual (untyped in torch): its tangent is None on a plain tensor.
+_UNPACK_DUAL = cast(Callable[[Tensor], Any], forward_ad.unpack_dual)
 
 
 def _groups(spec: PartitionSpec, mesh: Mesh) -> list[list[int]]:
@@ -95,7 +97,7 @@ def _refuse_forward_mode(args: Sequence[Any], mesh: Mesh) -> None:
     stack = torch._C._functorch.get_interpreter_stack()
     jvp = _JVP is not None and any(i.key() == _JVP for i in stack or ())
     if not jvp and not any(
-        isinstance(a, Tensor) and unpack_dual(a).tangent is not None for a in args
+        isinstance(a, Tensor) and _UNPACK_DUAL(a).tangent is not None for a in args
     ):
         return
     raise MeshError(
