@@ -65,6 +65,12 @@ SLOW_FILES = frozenset(
 SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
+    "tests/test_randomness_refused.py": frozenset(
+        {
+            "test_a_draw_on_real_ranks_raises_at_the_first_call",
+            "test_a_compiled_training_step_keeps_the_check_out_of_the_graph",
+        }
+    ),
     "tests/test_dit_compose.py": frozenset({"test_checkpoint_saved_at_tp_sp_loads_at_sp4"}),
     "tests/test_review_fixes.py": frozenset(
         {"test_context_parallel_generate_with_a_static_cache_on_gloo_is_refused"}

@@ -46,6 +46,13 @@ from fastdist.nn.materialize import (
 )
 from fastdist.nn.plans import plan as family_plan
 from fastdist.nn.pvary_sites import PvarySites
+from fastdist.nn.randomness import (
+    RandomSites,
+    accelerators,
+    drawn,
+    generator_states,
+    is_vmap_randomness,
+)
 from fastdist.nn.replicas import check_replicas
 from fastdist.nn.state import (
     CheckpointError,
@@ -110,7 +117,10 @@ class ParallelModel:
         self.axes: tuple[str, ...] = tuple(dict.fromkeys(axes))
         # calls of the module itself (HF generate): whole logits, inputs checked across ranks
         self.direct_calls = DirectCalls(module, mesh, self.axes, sequence_sizes(self.plan, mesh))
-        self._dropout = _dropout_sites(module)
+        # where the model draws random numbers in training mode (fastdist.nn.randomness), and
+        # the axes over which ranks drawing differently would diverge (an axis of size 1 cannot)
+        self._random = RandomSites.of(module)
+        self._split = tuple(a for a in self.axes if mesh.axis_size(a) > 1)
         # all ranks at once (used on a plain mesh)
         self._simulated = simulate(self._simulated_rank, mesh)
         accepts = inspect.signature(module.forward).parameters
@@ -162,21 +172,28 @@ class ParallelModel:
         """Run the model as calling it does, with the ``per_rank`` keyword arguments handed to
         the module's ``forward`` as they are (on a simulated mesh: one slice per rank, not
         checked against the plan's groups): e.g. a pipeline stage's input activation."""
-        if self.module.training and self._dropout and (self.axes or self.simulated):
-            why = (
-                "the ranks of a tensor-parallel group would draw different masks for activations "
-                "they must hold equal, and diverge silently"
-                if self.axes
-                else "simulated ranks run every rank at once under torch.vmap, which draws no "
-                "per-rank random masks"
-            )
-            raise ParallelizeError(
-                f"{type(self.module).__name__} is in training mode with dropout "
-                f"({', '.join(self._dropout[:4])}): {why}. Fix: set the dropout probabilities to "
-                "0 (e.g. in the config) or call model.eval()"
-            )
+        if self.module.training and (self._split or self.simulated):
+            if self._random.refused:  # dropout, or a config setting the model reads
+                raise self._random.refusal(type(self.module).__name__, split=bool(self._split))
+            if not self.simulated and not torch.compiler.is_compiling():
+                return self._call_watched(per_rank, args, kwargs)
         with self.direct_calls.bypass():
             return self._call(per_rank, args, kwargs)
+
+    def _call_watched(
+        self, per_rank: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`_call` on real ranks in training mode, split over an axis: raises if the forward drew
+        random numbers (a generator of its devices advanced; simulated ranks: vmap refuses)."""
+        devices = accelerators(self.module, [*args, *kwargs.values(), *per_rank.values()])
+        before = generator_states(devices)
+        with self.direct_calls.bypass():
+            out = self._call(per_rank, args, kwargs)
+        advanced = drawn(before, generator_states(devices))
+        if advanced:
+            name = type(self.module).__name__
+            raise self._random.drawn(name, self._split, self.mesh.rank, advanced)
+        return out
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's Hugging Face ``generate``, equal to the unmodified model's on one device:
@@ -213,6 +230,8 @@ class ParallelModel:
             with _no_recomputation(self.module):
                 return self._simulated(dict(self.module.named_parameters()), args, tensors, **rest)
         except RuntimeError as e:
+            if is_vmap_randomness(e):
+                raise self._random.vmap_refusal(type(self.module).__name__) from e
             if "data-dependent control flow" not in str(e):
                 raise
             raise ParallelizeError(
@@ -404,25 +423,6 @@ def _tensors_only(out: Any) -> Any:
         except TypeError:
             return kept
     return out
-
-
-def _dropout_sites(module: nn.Module) -> list[str]:
-    """Where ``module`` drops out in training mode: ``nn.Dropout`` modules, and the attention
-    dropout that transformers' attention functions take from the config (no module of its own)."""
-    sites = [
-        n
-        for n, m in module.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-    ]
-    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
-    for key, value in (to_dict() if callable(to_dict) else {}).items():
-        if (
-            key in ("attention_dropout", "attn_pdrop")
-            and isinstance(value, (int, float))
-            and value > 0
-        ):
-            sites.append(f"config.{key}={value}")
-    return sites
 
 
 def _check_replicated(key: Any, v: Any, mesh: Mesh, axes: Sequence[str]) -> None:
