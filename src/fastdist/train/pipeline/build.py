@@ -19,6 +19,7 @@ from fastdist.train.pipeline.split import (
     StageSplit,
     decoder_layers,
     family_split,
+    refuse_router_aux_loss,
     retire,
     split_model,
     stage_plan,
@@ -62,7 +63,11 @@ def pipeline(
         microbatches: micro-batches per step (default: the axis size).
         virtual: stages per rank (``"interleaved_1f1b"``; default 2 there).
         plan: the plan for the whole model (default: the ready plan of its family over the
-            other axes); each stage applies the entries that match its modules. Context
+            other axes when they hold ``tp``, or an MoE family's ``ep``, as
+            `fastdist.nn.parallelize`'s default; else none); each stage applies the entries
+            that match its modules. An MoE model on simulated ranks needs its experts in the
+            plan (transformers' own cannot run under the simulation's vmap): refused
+            otherwise. Context
             parallelism of a decoder LLM composes with the stages
             (``fastdist.nn.plans.plan(model, mesh.without(axis), context_parallel="cp")``):
             the tokens are split where the first stage's embedding output enters its first
@@ -76,7 +81,8 @@ def pipeline(
             its first block, they travel split, the last stage gathers them at the output
             projection (Wan's ``blocks.0`` and ``proj_out``).
         sequence_parallel: for the default plan: Megatron sequence parallelism over ``tp``
-            (stages hand on sequence shards).
+            (stages hand on sequence shards); refused without a ``tp`` axis (an MoE family's:
+            or ``ep``) or with ``plan=`` (which it would not change).
         layers_per_stage: layers of each stage (default: even); ``pp * virtual`` ints.
         split: where the decoder layers and the ends are (default: ``SPLITS[model_type]``; a
             DiT: a `DitSplit`, default ``DIT_SPLITS[class name]``).
@@ -114,7 +120,7 @@ def pipeline(
     if dit and split is None:
         dit_split(model)  # refuses an unbuilt family first
     if not dit:
-        _refuse_router_aux_loss(model)
+        refuse_router_aux_loss(model)
         _refuse_context_parallel(plan)
     pp = mesh.shape[axis]
     if isinstance(schedule, Schedule):
@@ -143,15 +149,18 @@ def pipeline(
     else:
         keep = list(sched.stages_of(mesh.index(mesh.rank, axis)))
     from fastdist.nn.parallelize import parallelize
-    from fastdist.nn.plans import plan as family_plan
 
     if plan is None:
-        plan = (
-            family_plan(model, stage_mesh, sequence_parallel=sequence_parallel)
-            if "tp" in stage_mesh.axis_names
-            else {}
+        plan = _default_plan(model, stage_mesh, sequence_parallel)
+    elif sequence_parallel:
+        raise PipelineError(
+            "pipeline: sequence_parallel=True with plan= given: it applies to the default plan "
+            "only, so it would be dropped. Fix: leave it out and build the plan with it "
+            "(fastdist.nn.plans.plan(model, mesh.without(axis), sequence_parallel=True))"
         )
     _refuse_unmatched(plan, model)
+    if mesh.backend is None:
+        _refuse_plain_experts(model, plan, stage_mesh)
     tied = tied_across_stages(model, fam, len(ranges))
     modules = split_model(model, fam, ranges, keep)
     retire(model)
@@ -179,19 +188,63 @@ def pipeline(
     return pipe
 
 
-def _refuse_router_aux_loss(model: nn.Module) -> None:
-    """Refuse an MoE model whose loss adds transformers' load-balancing term: its last stage
-    would compute it from its own layers' router logits, per micro-batch (a wrong loss)."""
-    config = getattr(model, "config", None)
-    coef = getattr(config, "router_aux_loss_coef", 0) or 0
-    if getattr(config, "output_router_logits", False) and coef:
+def _default_plan(model: nn.Module, stage_mesh: Mesh, sequence_parallel: bool) -> Mapping[str, Any]:
+    """The plan of ``pipeline(plan=None)``: the family's ready plan over every axis of the stage
+    mesh it uses, as `fastdist.nn.parallelize`'s default (``tp``; an MoE family's experts over
+    ``ep``, and over ``ep`` alone its attention too); without either, none (every stage
+    replicated over the other axes). Raises for ``sequence_parallel`` without a ``tp`` axis."""
+    from fastdist.nn.plans import plan as family_plan
+
+    names = stage_mesh.axis_names
+    if "tp" in names or ("ep" in names and _moe_family(model) is not None):
+        return family_plan(model, stage_mesh, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
         raise PipelineError(
-            f"pipeline: {type(model).__name__} adds the router load-balancing loss "
-            f"(output_router_logits=True, router_aux_loss_coef={coef}) to its loss; a pipeline's "
-            "last stage would compute it from its own layers' router logits only, per "
-            "micro-batch, not the whole model's over the batch: a wrong loss. Fix: "
-            "model.config.output_router_logits = False (the loss without the auxiliary term), "
-            "or train without a pipeline (fastdist.nn.parallelize with expert parallelism)"
+            f"pipeline: sequence_parallel=True splits the sequence over 'tp', and the stage mesh "
+            f"{stage_mesh!r} has no 'tp' axis: it would be dropped. Fix: add a 'tp' axis to the "
+            "mesh, or leave sequence_parallel out"
+        )
+    return {}
+
+
+def _moe_family(model: nn.Module) -> Any:
+    """The ready-plan row (`fastdist.nn.plans.Family`) of ``model``'s family if it has experts,
+    else ``None``."""
+    from fastdist.nn.plans import TABLE
+
+    row = TABLE.get(getattr(getattr(model, "config", None), "model_type", None) or "")
+    return row if row is not None and row.moe else None
+
+
+def _refuse_plain_experts(model: nn.Module, plan: Mapping[str, Any], stage_mesh: Mesh) -> None:
+    """On simulated ranks, refuse an MoE model whose plan leaves its experts transformers' own:
+    they pick each expert's tokens with data-dependent shapes (``torch.nonzero``), which the
+    simulation's ``torch.vmap`` over the ranks cannot run (torch would raise its own error at the
+    first step). fastdist's `ExpertParallel` experts run there (masked, every expert on every
+    token); on real ranks the model's own experts run."""
+    from fastdist.nn.parallelize import pattern_matches
+
+    row = _moe_family(model)
+    if row is None:
+        return
+    where = [".".join(p for p in (row.prefix, row.layers, "*", e) if p) for e in row.experts]
+    plain = [
+        n
+        for n, _ in model.named_modules()
+        if any(pattern_matches(w, n) for w in where)
+        and not any(pattern_matches(p, n) for p in plan)
+    ]
+    if plain:
+        kind = type(model.get_submodule(plain[0])).__name__
+        raise PipelineError(
+            f"pipeline: {type(model).__name__}'s experts ({plain[0]}, ...: transformers' "
+            f"{kind}) are in no plan entry over the stage mesh {stage_mesh!r}, and on simulated "
+            "ranks they cannot run: they pick each expert's tokens with data-dependent shapes "
+            "(torch.nonzero), which the simulation's torch.vmap over the ranks does not support. "
+            "The default plan splits them over an 'ep' (or 'tp') axis. Fix: add one to the mesh "
+            "(e.g. Mesh({'pp': 2, 'ep': 2}); 'ep': 1 keeps every expert whole), give plan= an "
+            "ExpertParallel entry for them, or run on real ranks (fastdist.connect), where "
+            "the model's own experts run"
         )
 
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from fastdist.comm.connect import reset as reset_mesh
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
-from fastdist.train.pipeline.split import STAGE_INPUT
+from fastdist.train.pipeline.split import STAGE_INPUT, refuse_router_aux_loss
 from fastdist.train.pipeline.transfers import Transfers, digest_bits, flat_inputs, schedule_id
 from fastdist.train.schedules import Schedule
 
@@ -298,6 +298,8 @@ class Pipeline:
             simulated mesh ``[mesh.size]`` (every rank's), on real ranks a 0-d tensor on every
             rank of the pipeline axis.
         """
+        for pm in self.stages.values():  # they share the model's config: switched on since?
+            refuse_router_aux_loss(pm.module, "Pipeline.step")
         micro = self._micro_batches(batch) if self.batches is None else self.batches(batch)
         self._check_same_batch(batch)  # real ranks: started here, checked before any transfer
         if self._ranks is not None:

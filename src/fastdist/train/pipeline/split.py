@@ -31,6 +31,7 @@ __all__ = [
     "family_split",
     "STAGE_INPUT",
     "recomputed_input",
+    "refuse_router_aux_loss",
 ]
 
 
@@ -225,6 +226,30 @@ def hand_on_last(module: nn.Module) -> int:
                 hooks.move_to_end(key)
                 moved += 1
     return moved
+
+
+def refuse_router_aux_loss(model: nn.Module, op: str = "pipeline") -> None:
+    """Raise `PipelineError` if ``model``'s config makes its loss add transformers'
+    load-balancing term (``output_router_logits`` with a nonzero ``router_aux_loss_coef``): a
+    pipeline's last stage would compute it from its own layers' router logits only, once per
+    micro-batch, not the whole model's over the batch (a wrong loss). The stages share the
+    model's config, so `fastdist.train.pipeline` checks at the build and `Pipeline.step` at
+    every step (``op`` names which): switching it on after the build is refused too. The
+    coefficient is the model's attribute (transformers copies the config's in ``__init__`` and
+    adds that one), else the config's."""
+    config = getattr(model, "config", None)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    coef = getattr(config, "router_aux_loss_coef", 0) if coef is None else coef
+    if getattr(config, "output_router_logits", False) and coef:
+        raise PipelineError(
+            f"{op}: {type(model).__name__} adds the router load-balancing loss "
+            f"(config.output_router_logits=True, its router_aux_loss_coef={coef}) to its loss; a "
+            "pipeline's last stage would compute it from its own layers' router logits only, "
+            "per micro-batch, not the whole model's over the batch: a wrong loss. Fix: "
+            "model.config.output_router_logits = False (the loss without the auxiliary term; "
+            "the stages share this config), or train without a pipeline "
+            "(fastdist.nn.parallelize with expert parallelism)"
+        )
 
 
 def family_split(model: nn.Module) -> tuple[str, StageSplit]:
