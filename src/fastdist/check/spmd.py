@@ -36,13 +36,13 @@ _UNPACK_DUAL = cast(Callable[[Tensor], Any], forward_ad.unpack_dual)
 def _groups(spec: PartitionSpec, mesh: Mesh) -> list[list[int]]:
     """The ranks holding each block of ``spec``: one ascending list per block, the blocks in
     row-major order of their index along each split dim (the order :func:`_assemble` takes)."""
+    split = [a for d in range(len(spec.dims)) for a in spec.axes_of(d)]  # row-major, dim by dim
+    sizes = mesh.shape
     out: dict[int, list[int]] = {}
     for r in range(mesh.size):
-        key = 0
-        for d in range(len(spec.dims)):
-            names = spec.axes_of(d)
-            if names:
-                key = key * mesh.axis_size(names) + mesh.index(r, names)
+        key, c = 0, mesh.coords(r)
+        for a in split:
+            key = key * sizes[a] + c[a]
         out.setdefault(key, []).append(r)
     return [out[k] for k in sorted(out)]
 
