@@ -178,3 +178,12 @@ def test_forward_mode_is_refused(transform: str) -> None:
 
             with fwad.dual_level():
                 g(fwad.make_dual(w, torch.ones_like(w)))
+
+
+def test_out_spec_splitting_a_missing_dim_is_refused() -> None:
+    """An out spec that splits a dim the per-rank output lacks: a fastdist error naming the
+    output and the spec (was an IndexError from the assembly)."""
+    mesh = fd.Mesh({"tp": 2})
+    f = fd.spmd(lambda x: x.sum(), mesh, in_specs=(P("tp"),), out_specs=P("tp"))
+    with pytest.raises(fd.errors.MeshError, match=r"output 0 has 0 dims.*P\('tp'\)"):
+        f(rand(4, seed=15))

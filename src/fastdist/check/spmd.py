@@ -348,7 +348,14 @@ def _join(
             "give one out spec per output (a single P(...), not a tuple, for one tensor)"
         )
     joined = []
-    for y, s in zip(items, specs):
+    for i, (y, s) in enumerate(zip(items, specs)):
+        split = [d for d in range(len(s.dims)) if s.axes_of(d)]
+        if split and isinstance(y, Tensor) and split[-1] >= y.dim():
+            raise MeshError(
+                f"spmd: output {i} has {y.dim()} dims on each rank but out_specs[{i}] {s!r} "
+                f"splits dim {split[-1]}. Fix: give output {i} a spec that splits only its dims "
+                "(P() for a replicated scalar, with the reduction psum-ed inside fn)"
+            )
         if s.partial:
             y = psum(y, mesh, s.partial if len(s.partial) > 1 else s.partial[0])
         for d in range(len(s.dims) if not simulated else 0):
