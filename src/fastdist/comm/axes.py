@@ -41,8 +41,11 @@ if TYPE_CHECKING:
 __all__ = ["TorchAxisComm", "PendingAllReduce", "axis_comm"]
 
 T = TypeVar("T")
-#: functorch's C functions (a module, read once)
-_FUNCTORCH: Any = torch._C._functorch
+#: whether a torch.func transform is active on this thread (a C call that reads thread-local
+#: state, a third of maybe_get_level's cost); without it, every call asks the tensor
+_TRANSFORMS_ACTIVE: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", lambda: True
+)
 
 
 @run_while_tracing
@@ -221,9 +224,9 @@ class TorchAxisComm:
         :meth:`run`)."""
         if torch.compiler.is_compiling():
             return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
-        # a torch.func wrapper (a plain tensor, the usual case, is level -1: one C call): vmap
-        # or jvp (e.g. a collective's backward under jacrev) refused before anything is sent
-        if _FUNCTORCH.maybe_get_level(x) != -1:
+        # under a torch.func transform (none, the usual case: one C call), vmap or jvp (e.g. a
+        # collective's backward under jacrev) refused before anything is sent
+        if _TRANSFORMS_ACTIVE():
             transform = unsupported_transform(x)
             if transform is not None:
                 raise transform_error(op, self.label, f"rank {self.rank}", transform)

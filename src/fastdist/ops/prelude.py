@@ -19,7 +19,7 @@ from fastdist.core.context import check_of, simulation_of
 from fastdist.core.dtype_rule import REDUCTION_DTYPES, check_reduction_dtype
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
-from fastdist.errors import CollectiveError, MeshError, NoBackendError
+from fastdist.errors import CollectiveError, FastdistError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
     from fastdist.core.comm import Comm
@@ -51,6 +51,11 @@ __all__ = [
 
 #: functorch's C functions (a module, read once): ``maybe_get_level`` is -1 for a plain tensor
 _FUNCTORCH: Any = torch._C._functorch
+#: how a :func:`transform_error` starts (vmap, jvp): an op that called the refused one takes it
+_TRANSFORM_PROBLEMS = (
+    "the input is batched by torch.vmap",
+    "the input carries a forward-mode tangent",
+)
 
 # ====================================================================== shared helpers
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -59,14 +64,23 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def names_this_rank(fn: _F) -> _F:
     """Argument checks run on each rank with that rank's own inputs. On simulated ranks one
     program checks them all (``on every rank``); on a real mesh the error a check raises names
-    the rank it ran on instead, as the rank's inputs may differ from its peers'."""
-    at = list(inspect.signature(fn).parameters).index("mesh")
+    the rank it ran on instead, as the rank's inputs may differ from its peers'.
+
+    On a real mesh, torch's own error for a ``torch.func`` transform the op cannot run under
+    (``vmap(grad(...))``: a vmap over the op's autograd.Function) becomes the
+    :func:`transform_error` of :func:`unsupported_transform` (nothing is checked on success)."""
+    names = list(inspect.signature(fn).parameters)
+    at = names.index("mesh")
+    axis_at = names.index("axis") if "axis" in names else None
 
     @functools.wraps(fn)
     def op(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except CollectiveError as e:
+            if e.problem.startswith(_TRANSFORM_PROBLEMS):  # from an op inside: name this one
+                e.readdress(op=fn.__name__)
+                raise
             mesh = args[at] if len(args) > at else kwargs.get("mesh")
             if (
                 e.rank == "every rank"
@@ -76,8 +90,36 @@ def names_this_rank(fn: _F) -> _F:
             ):
                 e.readdress(rank=f"rank {cast('Comm', mesh.comm).global_rank}")
             raise
+        except RuntimeError as e:
+            if isinstance(e, FastdistError):
+                raise
+            mesh = args[at] if len(args) > at else kwargs.get("mesh")
+            x = args[0] if args else kwargs.get(names[0])
+            axis = None
+            if axis_at is not None:
+                axis = args[axis_at] if len(args) > axis_at else kwargs.get("axis")
+            refused = _refused_transform(fn.__name__, x, mesh, axis)
+            if refused is None:
+                raise
+            raise refused from e
 
     return cast(_F, op)
+
+
+def _refused_transform(op: str, x: Any, mesh: Any, axis: Any) -> CollectiveError | None:
+    """The :func:`transform_error` for ``op`` on real ranks when ``x`` is under a transform
+    :func:`unsupported_transform` names; else None."""
+    if not (
+        isinstance(x, Tensor)
+        and isinstance(mesh, Mesh)
+        and mesh.comm is not None
+        and simulation_of(mesh) is None
+    ):
+        return None
+    transform = unsupported_transform(x)
+    if transform is None:
+        return None
+    return transform_error(op, axis, f"rank {cast('Comm', mesh.comm).global_rank}", transform)
 
 
 def unsupported_transform(x: Tensor) -> str | None:
@@ -107,9 +149,9 @@ def transform_error(op: str, axis: AxisName, rank: str, transform: str) -> Colle
     itself a vmap over the ranks.)"""
     if transform == "vmap":
         problem = (
-            "the input is batched by torch.vmap (torch.func.jacrev and vmap(grad(...)) use it "
-            "too), and a collective on real ranks has no batching rule: one call cannot exchange "
-            "each entry of the batch"
+            f"{_TRANSFORM_PROBLEMS[0]} (torch.func.jacrev and vmap(grad(...)) use it too), and a "
+            "collective on real ranks has no batching rule: one call cannot exchange each entry "
+            "of the batch"
         )
         fix = (
             "call the collective on the whole batch outside the vmap (e.g. fastdist.psum(xs, "
@@ -119,8 +161,8 @@ def transform_error(op: str, axis: AxisName, rank: str, transform: str) -> Colle
         )
     else:
         problem = (
-            "the input carries a forward-mode tangent (torch.func.jvp, jacfwd, hessian), and a "
-            "collective on real ranks has no forward-mode rule: the tangent would not be exchanged"
+            f"{_TRANSFORM_PROBLEMS[1]} (torch.func.jvp, jacfwd, hessian), and a collective on "
+            "real ranks has no forward-mode rule: the tangent would not be exchanged"
         )
         fix = (
             "differentiate in reverse mode (torch.func.grad or vjp, or loss.backward()), whose "
@@ -162,12 +204,6 @@ def enter(op: str, x: Any, mesh: Mesh, axis: AxisName) -> tuple[Tensor, GroupSpe
     if binding is None:
         comm: Comm | None = mesh.comm  # type: ignore[assignment]
         if comm is not None:
-            # a torch.func wrapper (a plain tensor, the usual case, is level -1: one C call):
-            # vmap, jvp refused here, before torch's own errors (or a dropped tangent)
-            if _FUNCTORCH.maybe_get_level(x) != -1:
-                transform = unsupported_transform(x)
-                if transform is not None:
-                    raise transform_error(op, axis, f"rank {comm.global_rank}", transform)
             return x, comm.spec(axis, op)
     spec = plain_spec(op, mesh, axis)
     if binding is None:

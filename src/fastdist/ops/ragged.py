@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from fastdist.ops.prelude import (
 )
 
 if TYPE_CHECKING:
-    from fastdist.core.comm import AxisComm
+    from fastdist.core.comm import AxisComm, Comm
 
 
 __all__ = [
@@ -275,7 +275,7 @@ def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-def _index_check(index: Tensor, rank: Tensor, rows: int, axis: AxisName, simulated: bool) -> None:
+def _index_check(index: Tensor, rank: Tensor, rows: int, axis: AxisName) -> None:
     """Raise naming the first rank (of ``rank``, broadcastable to ``index``) whose ``index``
     holds a row number outside ``[0, rows)`` (one device-to-host read of a flag, more only on
     failure)."""
@@ -285,35 +285,30 @@ def _index_check(index: Tensor, rank: Tensor, rows: int, axis: AxisName, simulat
     ranks = rank.detach().cpu().expand(index.shape)
     b, values = bad.cpu(), index.detach().cpu()
     first = int(ranks[b].min())
-    here = b & (ranks == first)
-    held = sorted(set(values[here].tolist()))
-    others = sorted(set(ranks[b].tolist()) - {first})
-    also = f" (also rank{'s' if len(others) > 1 else ''} {others})" if others else ""
-    valid = f"0..{rows - 1}" if rows else "none: x has no rows"
+    held = values[b & (ranks == first)]
+    lo = int(held.min())
+    rows_of = f"rows 0..{rows - 1}" if rows else "no rows: x has none"
     raise CollectiveError(
         "indexed_all_to_all_v",
         axis,
-        f"rank {first}'s index holds {held[:8]}, outside the rows of x (valid: {valid}){also}",
-        f"pass an index of row numbers in {valid} (e.g. torch.argsort(destination) over x's "
-        "rows); a negative number is not counted from the end",
-        rank="every rank" if simulated else f"rank {first}",
+        f"index holds {lo if lo < 0 else int(held.max())}, outside the {rows} rows of x",
+        f"index {rows_of}",
+        rank=f"rank {first}",
     )
 
 
 @torch.library.custom_op("fastdist::check_row_index", mutates_args=())
-def _check_row_index(index: Tensor, rank: Tensor, rows: int, axis: str, simulated: bool) -> Tensor:
+def _check_row_index(index: Tensor, rank: Tensor, rows: int, axis: str) -> Tensor:
     """A copy of ``index``; raises :class:`~fastdist.CollectiveError` if an entry is outside
     ``[0, rows)``. ``rank`` (broadcastable to ``index``) is the global rank holding each entry;
     ``axis`` the ``repr`` of the mesh axis. A custom op so that its vmap rule sees every
     simulated rank's index at once (a vmapped tensor has no values to read)."""
-    _index_check(index, rank, rows, ast.literal_eval(axis), simulated)
+    _index_check(index, rank, rows, ast.literal_eval(axis))
     return index.clone()
 
 
 @_check_row_index.register_fake
-def _check_row_index_fake(
-    index: Tensor, rank: Tensor, rows: int, axis: str, simulated: bool
-) -> Tensor:
+def _check_row_index_fake(index: Tensor, rank: Tensor, rows: int, axis: str) -> Tensor:
     return torch.empty_like(index)
 
 
@@ -336,15 +331,17 @@ def _checked_index(index: Tensor, rows: int, mesh: Mesh, axis: AxisName) -> Tens
     ranks every rank's at once through ``fastdist::check_row_index``."""
     if is_real(mesh):
         if not torch.compiler.is_compiling() and index.numel():
-            rank = torch.tensor(mesh.rank)
-            _index_check(index, rank, rows, axis, False)
+            # the process's global rank (a sliced mesh's own rank may differ)
+            rank = torch.tensor(cast("Comm", mesh.comm).global_rank)
+            _index_check(index, rank, rows, axis)
         return index
     binding = rank_binding("indexed_all_to_all_v", mesh)  # raises unless simulated or one rank
-    if binding is None:
-        rank, simulated = torch.zeros((), dtype=torch.long, device=index.device), False
-    else:
-        rank, simulated = binding.rank, True
-    out: Tensor = torch.ops.fastdist.check_row_index(index, rank, rows, repr(axis), simulated)
+    rank = (
+        binding.rank
+        if binding is not None
+        else torch.zeros((), dtype=torch.long, device=index.device)
+    )
+    out: Tensor = torch.ops.fastdist.check_row_index(index, rank, rows, repr(axis))
     return out
 
 
