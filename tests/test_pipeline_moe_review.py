@@ -120,6 +120,19 @@ def test_router_logits_with_coefficient_zero_leave_the_loss_one_devices() -> Non
     _step_equals_one_device(ref, pipe, mesh)
 
 
+@pytest.mark.parametrize("switch", ["output_hidden_states", "use_cache"])
+def test_config_switches_that_leave_the_loss_are_followed_after_the_build(switch: str) -> None:
+    """Other switches of the shared config, set after ``pipeline()``, that one device's loss
+    does not depend on: the step still equals one device's (``use_cache``: every stage is
+    called with ``use_cache=False``; a guard, as before the review's fixes)."""
+    ref = family_model("mixtral", layers=4)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    setattr(model.config, switch, True)
+    _step_equals_one_device(ref, pipe, mesh)
+
+
 @pytest.mark.parametrize(
     "keyword",
     [
