@@ -709,7 +709,7 @@ def test_the_router_load_balancing_loss_is_refused() -> None:
     with pytest.raises(PipelineError, match=r"load-balancing loss.*output_router_logits = False"):
         fd.train.pipeline(model, fd.Mesh({"pp": 2}))
     model.config.output_router_logits = False
-    fd.train.pipeline(model, fd.Mesh({"pp": 2}))
+    fd.train.pipeline(model, fd.Mesh({"pp": 2, "ep": 1}))  # experts whole (pp alone: refused)
 
 
 def test_the_model_given_to_pipeline_refuses_calls() -> None:
