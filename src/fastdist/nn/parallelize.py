@@ -189,7 +189,7 @@ class ParallelModel:
         before = generator_states(devices)
         with self.direct_calls.bypass():
             out = self._call(per_rank, args, kwargs)
-        advanced = drawn(before, generator_states(devices))
+        advanced = drawn(devices, before, generator_states(devices))
         if advanced:
             name = type(self.module).__name__
             raise self._random.drawn(name, self._split, self.mesh.rank, advanced)

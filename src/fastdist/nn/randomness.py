@@ -39,6 +39,8 @@ __all__ = ["RandomSites", "accelerators", "drawn", "generator_states", "is_vmap_
 _RANDOM_SETTING = re.compile(r"drop|jitter|noise", re.IGNORECASE)
 #: settings transformers' attention functions read from the config (no module of their own)
 _ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")
+#: device types without a generator of their own
+_HOST = ("cpu", "meta")
 _SPLIT = (
     "the ranks of a group the plan splits over would draw different values for activations "
     "they must hold equal, and diverge silently"
@@ -170,30 +172,32 @@ def _read_by(module: nn.Module, names: set[str]) -> set[str]:
 
 
 def accelerators(module: nn.Module, values: Iterable[Any]) -> tuple[torch.device, ...]:
-    """The devices other than CPU (and meta) of ``module``'s first parameter and of the tensors
-    among ``values`` (a call's arguments): whose generators a forward may draw from."""
+    """The devices other than CPU (and meta) whose generators a forward of ``module`` on
+    ``values`` (a call's arguments) may draw from: those of the tensors among ``values``; none
+    of them on one (a model moving its inputs itself): that of ``module``'s first parameter."""
+    found = {v.device for v in values if isinstance(v, torch.Tensor) and v.device.type not in _HOST}
+    if found or torch.accelerator.current_accelerator() is None:
+        return tuple(found)
     first = next(module.parameters(), None)
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    devices = {t.device for t in ([first] if first is not None else []) + tensors}
-    return tuple(d for d in devices if d.type not in ("cpu", "meta"))
+    return () if first is None or first.device.type in _HOST else (first.device,)
 
 
-def generator_states(devices: Sequence[torch.device]) -> list[tuple[str, Any]]:
-    """(name, value) per generator a forward on ``devices`` may draw from, the value changing
-    with every draw: the CPU generator's state (about 5 KB, always), each accelerator's offset
-    (its Philox counter; no sync) or state. A device whose generator cannot be read is left out."""
-    states: list[tuple[str, Any]] = [("CPU", torch.default_generator.get_state().numpy().tobytes())]
-    for d in devices:
-        value = _accelerator_state(d)
-        if value is not None:
-            states.append((str(d), value))
-    return states
+def generator_states(devices: Sequence[torch.device]) -> tuple[Any, ...]:
+    """A value per generator a forward on ``devices`` may draw from, changing with every draw:
+    the CPU generator's state (about 5 KB, always first), each accelerator's offset (its Philox
+    counter; no sync) or state (``None``: a generator that cannot be read)."""
+    cpu = torch.default_generator.get_state().numpy().tobytes()
+    if not devices:
+        return (cpu,)
+    return (cpu, *(_accelerator_state(d) for d in devices))
 
 
 def _accelerator_state(device: torch.device) -> Any:
     try:
         backend: Any = torch.get_device_module(device.type)
-        index = device.index if device.index is not None else backend.current_device()
+        index = device.index
+        if index is None:
+            index = backend.current_device() if hasattr(backend, "current_device") else 0
         generators = getattr(backend, "default_generators", ())
         if index < len(generators):
             try:
@@ -205,9 +209,15 @@ def _accelerator_state(device: torch.device) -> Any:
         return None
 
 
-def drawn(before: Sequence[tuple[str, Any]], after: Sequence[tuple[str, Any]]) -> list[str]:
-    """The names of the generators whose value changed between two `generator_states`."""
-    return [name for (name, a), (_, b) in zip(before, after, strict=True) if a != b]
+def drawn(
+    devices: Sequence[torch.device], before: Sequence[Any], after: Sequence[Any]
+) -> list[str]:
+    """The generators (``"CPU"``, a device) whose value changed between two `generator_states`
+    of ``devices``."""
+    if before == after:
+        return []
+    names = ["CPU", *map(str, devices)]
+    return [n for n, a, b in zip(names, before, after, strict=True) if a != b]
 
 
 def is_vmap_randomness(error: BaseException) -> bool:
