@@ -60,9 +60,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from fastdist.core.context import COLLECTIVE_OBSERVERS
-from fastdist.errors import NoBackendError
+from fastdist.errors import CollectiveError, NoBackendError
 
 if TYPE_CHECKING:
     from fastdist.core.comm import AxisComm
@@ -200,6 +201,30 @@ def needs_grad(t: Tensor) -> bool:
 
 _functorch: Any = torch._C._functorch
 _VMAP = _functorch.TransformType.Vmap
+_JVP = getattr(_functorch.TransformType, "Jvp", None)
+#: torch.autograd.forward_ad, whose ``_current_level`` is -1 unless a dual level is open (dual
+#: tensors exist only inside one): one attribute read per call says forward mode cannot be active.
+_FWAD: Any = forward_ad
+_UNPACK_DUAL: Any = forward_ad.unpack_dual
+
+
+def _dual_level_open() -> bool:
+    """Whether a ``torch.autograd.forward_ad`` dual level is open on this process (an attribute
+    read; torch keeps the level there). False on a torch without it (then nothing is checked)."""
+    return cast(int, getattr(_FWAD, "_current_level", -1)) >= 0
+
+
+def _jvp_active() -> bool:
+    """Whether a ``torch.func`` jvp layer (``jvp``, ``jacfwd``, ``hessian``) is on the
+    interpreter stack."""
+    stack = _functorch.get_interpreter_stack()
+    return _JVP is not None and stack is not None and any(i.key() == _JVP for i in stack)
+
+
+def _forward_mode() -> bool:
+    """Whether forward-mode AD may be active: a dual level open, or a torch.func jvp layer."""
+    return _dual_level_open() or _jvp_active()
+
 
 # ---------------------------------------------------------------------- the fast path: one switch
 # Three shortcuts skip torch's per-call Python plumbing. All use private torch internals, so
@@ -301,10 +326,19 @@ def _only_vmap() -> bool:
     return stack is None or all(i.key() == _VMAP for i in stack)
 
 
+class ParamValues(tuple):  # type: ignore[type-arg]
+    """An op's parameter values as its simulated-rank Function takes them: a tuple that pytree
+    takes as one leaf (not a container), so that torch's generated vmap rule for the Function's
+    ``jvp`` lines the tangents (one ``None`` per non-tensor input) up with the inputs."""
+
+    __slots__ = ()
+
+
 ShapeRule = Callable[..., Sequence[Any]]
 StackedRule = Callable[..., Tensor]
 DistributedRule = Callable[..., Tensor]
 BackwardRule = Callable[..., tuple[Any, ...]]
+JvpRule = Callable[..., Tensor | None]
 
 PRIMITIVES: dict[str, Primitive] = {}  # filled once, declaratively, by collectives.py
 
@@ -332,6 +366,12 @@ class Primitive:
             from ``V`` (varying), ``I`` (invariant), ``P`` (partial sum), e.g.
             ``("VP", "I")`` for psum; ``None`` for internal ops. Read by the checked
             mode of :func:`fastdist.spmd` (``fastdist.check.replication``).
+        jvp: the forward-mode rule, ``jvp(ops, spec, tangents, saved, **params) -> tangent``
+            of the output (per rank, written with ``ops`` as ``backward``; ``tangents`` holds one
+            entry per tensor input, ``None`` where it has none), or ``"linear"``: the op is
+            linear in its one tensor input, so the tangent is the op itself applied to the
+            tangent with the same parameters. ``None``: forward mode is refused with a
+            :class:`~fastdist.errors.CollectiveError` at the first call (never a dropped tangent).
         reduces: the kind of reduction the op performs across ranks (``"sum"``, ``"mean"``,
             ``"max"``, ``"min"``), or ``None`` for ops that only move data. Its public
             function checks the input dtype against the one rule of ``fastdist.core.dtype_rule``.
@@ -351,8 +391,17 @@ class Primitive:
         saves: bool = False,
         replication: tuple[str, str] | None = None,
         reduces: str | None = None,
+        jvp: JvpRule | str | None = None,
     ) -> None:
         self.name = name
+        #: whether the Functions save for forward too (as for backward: torch's generated vmap rule
+        #: keeps one set of saved-tensor batch dims for both)
+        self.jvp_saves = saves
+        if jvp == "linear":
+            jvp = self._linear_jvp
+        elif isinstance(jvp, str):
+            raise ValueError(f"Primitive {name}: jvp must be a rule, 'linear' or None, not {jvp!r}")
+        self.jvp: JvpRule | None = jvp
         self.param_names = tuple(p for p, _ in params)
         self.inputs = tuple(inputs)
         self.shape, self.stacked, self.distributed, self.backward = (
@@ -395,6 +444,45 @@ class Primitive:
             *(list(v) if isinstance(v, tuple) else v for v in vals),
         ]
 
+    # ------------------------------------------------------------------ forward mode
+    def _linear_jvp(
+        self,
+        ops: Any,
+        spec: GroupSpec,
+        tangents: Sequence[Tensor | None],
+        saved: Any,
+        **params: Any,
+    ) -> Tensor | None:
+        """``jvp="linear"``: the op applied to the tangent (None stays None: a zero tangent)."""
+        (t,) = tangents
+        return None if t is None else cast(Tensor, getattr(ops, self.name)(t, spec=spec, **params))
+
+    def forward_mode_error(self, spec: GroupSpec, transform: str) -> CollectiveError:
+        """The error for forward-mode AD through an op without a ``jvp`` rule (or on real ranks,
+        through a dual tensor): raised at the first call, never a dropped tangent."""
+        comm = spec.comm
+        axis = comm.label if comm is not None else f"mesh axes at positions {spec.axes}"
+        rank = f"rank {comm.rank}" if comm is not None else "every rank"
+        where = "on real ranks" if comm is not None else "(it has no forward-mode rule)"
+        return CollectiveError(
+            self.name,
+            axis,
+            f"the input carries a forward-mode tangent ({transform}), and fastdist.{self.name} "
+            f"{where} cannot carry it: the result would be a dropped or wrong tangent",
+            "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or "
+            "loss.backward(); a Hessian as jacrev(jacrev(f))); on real ranks torch.func.jvp is "
+            "refused too, and fastdist.simulate runs forward mode for the other collectives",
+            rank=rank,
+        )
+
+    def _jvp_or_raise(
+        self, ops: Any, spec: GroupSpec, tangents: Sequence[Any], saved: Any, params: dict[str, Any]
+    ) -> Tensor | None:
+        """The output tangent by the ``jvp`` rule (what the Functions' ``jvp`` returns)."""
+        if self.jvp is None:
+            raise self.forward_mode_error(spec, "torch.func.jvp, jacfwd, hessian or forward_ad")
+        return self.jvp(ops, spec, tuple(tangents), saved, **params)
+
     # ------------------------------------------------------------------ binding
     def bind(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
         """Apply on one rank's tensors: on real ranks, inside :func:`fastdist.simulate`, or on a
@@ -434,6 +522,10 @@ class Primitive:
             # (always under dynamo, which traces the Function: asked first, so that dynamo does
             # not trace the functorch checks)
             x = tensors[0]
+            if _FWAD._current_level >= 0 and any(
+                _UNPACK_DUAL(t).tangent is not None for t in tensors
+            ):  # a dual tensor (torch.func.jvp's layer is refused in the comm's _collective)
+                raise self.forward_mode_error(spec, "torch.autograd.forward_ad")
             if torch.compiler.is_compiling() or (
                 torch.is_grad_enabled()
                 # one plain tensor that does not require grad (the usual case): no call
@@ -448,16 +540,20 @@ class Primitive:
             return self._run_distributed(spec, tensors, params)
         # dynamo: keep the traced paths, skip the functorch checks
         compiling = torch.compiler.is_compiling()
-        vals = tuple([params[p] for p in self.param_names])
+        vals = ParamValues([params[p] for p in self.param_names])
         # dynamo records the op; the stacked op's registered autograd has the per-rank rule
         if compiling:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # the public route: the Function composes with every transform and outer backward()
         if not FAST_PATH:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() or _forward_mode():
                 return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if _only_vmap():
+            if _FWAD._current_level >= 0:
+                # dual tensors of torch.autograd.forward_ad: the Function's jvp rule carries their
+                # tangents (the ops, and the stacked Function at its C entry, have none)
+                return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             # Outer backward(): the per-rank rule is recorded on stacked tensors (no Function under
             # vmap).
             level = _functorch.maybe_current_level()
@@ -465,9 +561,12 @@ class Primitive:
                 # simulate's vmap is innermost: the usual case
                 return self._bind_at_level(level, tensors, spec, params)
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if not (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)):
+        if not (
+            (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)) or _forward_mode()
+        ):
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1).
+        # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1);
+        # its jvp rule carries forward-mode tangents, which the ops drop.
         return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
 
     def _bind_at_level(
@@ -660,6 +759,8 @@ class Primitive:
             out = prim._forward_stacked(spec, tensors, ctx.params)
             if prim.saves:
                 ctx.save_for_backward(*tensors, out)
+                if prim.jvp_saves:
+                    ctx.save_for_forward(*tensors, out)
             return out
 
         def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
@@ -667,10 +768,16 @@ class Primitive:
             saved = ctx.saved_tensors if prim.saves else ()
             return (None, None, *prim.backward(stacked_ops, ctx.spec, g, saved, **ctx.params))
 
+        def jvp(ctx: Any, _spec: Any, _vals: Any, *tangents: Tensor | None) -> Tensor | None:
+            prim = PRIMITIVES[name]
+            saved = ctx.saved_tensors if prim.jvp_saves else ()
+            return prim._jvp_or_raise(stacked_ops, ctx.spec, tangents, saved, ctx.params)
+
         camel = "".join(part.capitalize() for part in self.name.split("_"))
         attrs = {
             "forward": staticmethod(forward),
             "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
             "__doc__": f"Stacked fastdist.{self.name} with its per-rank backward rule (see "
             "Primitive._make_stacked_function).",
         }
@@ -697,12 +804,20 @@ class Primitive:
             ctx.spec, ctx.vals = inputs[0], inputs[1]
             if PRIMITIVES[name].saves:
                 ctx.save_for_backward(*inputs[2:], output)
+                if not distributed and PRIMITIVES[name].jvp_saves:
+                    ctx.save_for_forward(*inputs[2:], output)
 
         def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
             prim = PRIMITIVES[name]
             saved = ctx.saved_tensors if prim.saves else ()
             params = dict(zip(prim.param_names, ctx.vals))
             return (None, None, *prim.backward(ops, ctx.spec, g, saved, **params))
+
+        def jvp(ctx: Any, _spec: Any, _vals: Any, *tangents: Tensor | None) -> Tensor | None:
+            prim = PRIMITIVES[name]
+            saved = ctx.saved_tensors if prim.jvp_saves else ()
+            params = dict(zip(prim.param_names, ctx.vals))
+            return prim._jvp_or_raise(ops, ctx.spec, tangents, saved, params)
 
         camel = "".join(part.capitalize() for part in self.name.split("_"))
         attrs: dict[str, Any] = {
@@ -713,7 +828,9 @@ class Primitive:
             f"{'real' if distributed else 'simulated'} ranks (see fastdist.core.primitive).",
         }
         if not distributed:
+            # (not on real ranks: dynamo refuses a Function with a jvp, and traces that one)
             attrs["generate_vmap_rule"] = True
+            attrs["jvp"] = staticmethod(jvp)
         return type(
             f"{camel}{'Distributed' if distributed else ''}Function",
             (torch.autograd.Function,),

@@ -76,6 +76,7 @@ all_gather_p = Primitive(
     stacked=_all_gather_stacked,
     distributed=_all_gather_dist,
     backward=_all_gather_bwd,
+    jvp="linear",
     dim_params=("dim",),
     replication=("V", "V"),
 )
@@ -162,6 +163,7 @@ all_gather_invariant_p = Primitive(
     stacked=_gather_tiled(_all_gather_stacked),
     distributed=_gather_tiled(_all_gather_dist),
     backward=_all_gather_invariant_bwd,
+    jvp="linear",
     dim_params=("dim",),
     replication=("V", "I"),
 )
@@ -172,6 +174,7 @@ local_chunk_p = Primitive(
     stacked=_local_chunk_stacked,
     distributed=_local_chunk_dist,
     backward=_local_chunk_bwd,
+    jvp="linear",
     dim_params=("dim",),
     replication=("I", "V"),
 )
@@ -266,6 +269,7 @@ psum_scatter_p = Primitive(
     stacked=_psum_scatter_stacked,
     distributed=_psum_scatter_dist,
     backward=_psum_scatter_bwd,
+    jvp="linear",
     dim_params=("dim",),
     replication=("VP", "V"),
     reduces="sum",
@@ -366,6 +370,7 @@ all_to_all_p = Primitive(
     stacked=_all_to_all_stacked,
     distributed=_all_to_all_dist,
     backward=_all_to_all_bwd,
+    jvp="linear",
     dim_params=("split_dim", "concat_dim"),
     replication=("V", "V"),
 )

@@ -88,6 +88,7 @@ ppermute_p = Primitive(
     stacked=_ppermute_stacked,
     distributed=_ppermute_dist,
     backward=_ppermute_bwd,
+    jvp="linear",
     replication=("V", "V"),
 )
 
@@ -231,6 +232,7 @@ broadcast_p = Primitive(
     stacked=_broadcast_stacked,
     distributed=_broadcast_dist,
     backward=_broadcast_bwd,
+    jvp="linear",
     replication=("V", "I"),
 )
 # Internal: keep x on member src, zero elsewhere (self-adjoint: its backward is itself).
@@ -241,6 +243,7 @@ keep_src_p = Primitive(
     stacked=_keep_src_stacked,
     distributed=_keep_src_dist,
     backward=_broadcast_bwd,
+    jvp="linear",
 )
 
 

@@ -55,6 +55,7 @@ psum_p = Primitive(
     stacked=_psum_stacked,
     distributed=_psum_dist,
     backward=_psum_bwd,
+    jvp="linear",
     replication=("VP", "I"),
     reduces="sum",
 )
@@ -105,6 +106,7 @@ pvary_p = Primitive(
     stacked=_pvary_stacked,
     distributed=_pvary_dist,
     backward=_pvary_bwd,
+    jvp="linear",
     replication=("I", "V"),
 )
 
@@ -155,6 +157,7 @@ pmean_p = Primitive(
     stacked=_pmean_stacked,
     distributed=_pmean_dist,
     backward=_pmean_bwd,
+    jvp="linear",
     replication=("VP", "I"),
     reduces="mean",
 )
@@ -221,6 +224,20 @@ def _select_extreme_dist(comm: AxisComm, g: Tensor, x: Tensor, out: Tensor) -> T
     return torch.where(winner == comm.index, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
+def _extreme_jvp(ops: Any, spec: GroupSpec, tangents: Any, saved: Any) -> Tensor | None:
+    # the tangent of the rank the value came from (lowest index on ties, as the gradient)
+    (t,) = tangents
+    x, out = saved
+    return None if t is None else ops.psum(ops.select_extreme(t, x, out, spec=spec), spec=spec)
+
+
+def _select_extreme_jvp(ops: Any, spec: GroupSpec, tangents: Any, saved: Any) -> Tensor | None:
+    # linear in g; x and out only say which rank is selected (piecewise constant)
+    t = tangents[0]
+    _, x, out, _ = saved
+    return None if t is None else ops.select_extreme(t, x, out, spec=spec)
+
+
 def _select_extreme_bwd(ops: Any, spec: GroupSpec, g: Tensor, saved: Any) -> tuple[Any, ...]:
     _, x, out, _ = saved  # (g, x, out, output)
     return (ops.select_extreme(g, x, out, spec=spec), None, None)
@@ -232,6 +249,7 @@ pmax_p = Primitive(
     stacked=_pmax_stacked,
     distributed=_pmax_dist,
     backward=_extreme_bwd,
+    jvp=_extreme_jvp,
     saves=True,
     replication=("V", "I"),
     reduces="max",
@@ -242,6 +260,7 @@ pmin_p = Primitive(
     stacked=_pmin_stacked,
     distributed=_pmin_dist,
     backward=_extreme_bwd,
+    jvp=_extreme_jvp,
     saves=True,
     replication=("V", "I"),
     reduces="min",
@@ -255,6 +274,7 @@ select_extreme_p = Primitive(
     stacked=_select_extreme_stacked,
     distributed=_select_extreme_dist,
     backward=_select_extreme_bwd,
+    jvp=_select_extreme_jvp,
     saves=True,
 )
 

@@ -128,6 +128,7 @@ all_gather_v_p = Primitive(
     stacked=_agv_stacked,
     distributed=_agv_dist,
     backward=_agv_bwd,
+    jvp="linear",
     saves=True,
     replication=("V", "V"),
 )
@@ -138,6 +139,7 @@ reduce_scatter_v_p = Primitive(
     stacked=_rsv_stacked,
     distributed=_rsv_dist,
     backward=_rsv_bwd,
+    jvp="linear",
     replication=("VP", "V"),
     reduces="sum",
 )
@@ -353,6 +355,7 @@ gather_v_p = Primitive(
     stacked=_gv_stacked,
     distributed=_gv_dist,
     backward=_gv_bwd,
+    jvp="linear",
     saves=True,
     replication=("V", "V"),
 )
@@ -363,6 +366,7 @@ scatter_v_p = Primitive(
     stacked=_sv_stacked,
     distributed=_sv_dist,
     backward=_sv_bwd,
+    jvp="linear",
     saves=True,
     replication=("VI", "V"),
 )
