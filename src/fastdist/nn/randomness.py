@@ -13,9 +13,11 @@ three ways:
   of its ``__init__`` or ``forward`` names the setting; settings no module reads, a
   classification head's dropout, are not refused);
 * at the call on real ranks (`generator_states` before and after the forward): the CPU generator's
-  state and, for each accelerator device the call's tensors live on, its generator's offset (no
-  device sync; a few microseconds per call), in training mode when the plan splits over an axis,
-  outside ``torch.compile`` (a step compiled around the call gets only the up-front scan);
+  state and, for each accelerator device the call's tensors (else the model's first parameter)
+  live on, its generator's offset (no device sync; about 6 us of CPU per call), in training mode
+  when the plan splits over an axis of size > 1, outside ``torch.compile`` (a step compiled
+  around the call gets only the up-front scan; a compiled module called inside it is watched:
+  inductor's random ops draw their seeds from the generator);
 * on simulated ranks: ``torch.vmap``'s own randomness error (`vmap_refusal`, the original kept as
   ``__cause__``).
 """
