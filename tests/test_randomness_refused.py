@@ -232,8 +232,11 @@ def test_a_draw_on_real_ranks_raises_at_the_first_call() -> None:
             f"MixtralForCausalLM drew random numbers in its forward in training mode on rank "
             f"{rank} (the CPU random generator advanced"
         ), r["undeclared"]
-        assert "splits it over ('ep',)" in r["undeclared"], r["undeclared"]
-        assert "router_jitter_noise=0.1" in r["declared"], r["declared"]
+        assert "the plan splits over ('ep',) would draw" in r["undeclared"], r["undeclared"]
+        assert (
+            "(config.router_jitter_noise=0.1): the ranks of a group the plan splits over "
+            "('ep',) would draw" in r["declared"]
+        ), r["declared"]
         torch.testing.assert_close(r["eval"], want_eval.detach(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(r["train"], want.detach(), rtol=1e-10, atol=1e-12)
     for plan in ({}, None):  # each rank its own dropout masks: the same batch, other losses

@@ -174,7 +174,7 @@ class ParallelModel:
         checked against the plan's groups): e.g. a pipeline stage's input activation."""
         if self.module.training and (self._split or self.simulated):
             if self._random.refused:  # dropout, or a config setting the model reads
-                raise self._random.refusal(type(self.module).__name__, split=bool(self._split))
+                raise self._random.refusal(type(self.module).__name__, self._split)
             if not self.simulated and not torch.compiler.is_compiling():
                 return self._call_watched(per_rank, args, kwargs)
         with self.direct_calls.bypass():

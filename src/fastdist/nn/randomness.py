@@ -43,10 +43,16 @@ _RANDOM_SETTING = re.compile(r"drop|jitter|noise", re.IGNORECASE)
 _ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")
 #: device types without a generator of their own
 _HOST = ("cpu", "meta")
-_SPLIT = (
-    "the ranks of a group the plan splits over would draw different values for activations "
-    "they must hold equal, and diverge silently"
-)
+
+
+def _diverge(axes: Sequence[str] = ()) -> str:
+    over = f" {tuple(axes)}" if axes else ""
+    return (
+        f"the ranks of a group the plan splits over{over} would draw different values for "
+        "activations they must hold equal, and diverge silently"
+    )
+
+
 _VMAP = (
     "simulated ranks run every rank at once under torch.vmap, which draws no per-rank random "
     "numbers"
@@ -85,14 +91,15 @@ class RandomSites:
         ]
         return cls(tuple(dropouts + refused), tuple(f"config.{n}={v}" for n, v in settings.items()))
 
-    def refusal(self, model: str, split: bool) -> ParallelizeError:
-        """The error for `refused` in training mode (``split``: the plan splits over an axis;
-        otherwise the ranks are simulated)."""
+    def refusal(self, model: str, split: Sequence[str]) -> ParallelizeError:
+        """The error for `refused` in training mode (``split``: the axes of size > 1 the plan
+        splits over; none: the ranks are simulated)."""
         sites = self.refused
         noise = all(s.startswith("config.") and "drop" not in s for s in sites)
         return ParallelizeError(
             f"{model} is in training mode with {'random noise' if noise else 'dropout'} "
-            f"({', '.join(sites[:4])}): {_SPLIT if split else _VMAP}. Fix: set "
+            f"({', '.join(sites[:4])}): {_diverge(split) if split else _VMAP}. "
+            "Fix: set "
             f"{'these settings' if noise else 'the dropout probabilities'} to 0 (e.g. in the "
             "config) or call model.eval()"
         )
@@ -101,7 +108,7 @@ class RandomSites:
         """The error for a random draw in a forward on simulated ranks (vmap refused it)."""
         return ParallelizeError(
             f"{model} drew random numbers in its forward on simulated ranks: {_VMAP} (and on "
-            f"real ranks {_SPLIT}).{self._hint()} Fix: set the model's dropout / noise "
+            f"real ranks {_diverge()}).{self._hint()} Fix: set the model's dropout / noise "
             "probabilities to 0 or call model.eval()"
         )
 
@@ -113,9 +120,9 @@ class RandomSites:
         return ParallelizeError(
             f"{model} drew random numbers in its forward in training mode on rank {rank} (the "
             f"{' and '.join(generators)} random generator advanced: a dropout mask, a router's "
-            f"jitter noise, stochastic depth, ...) while the plan splits it over {tuple(axes)}: "
-            f"{_SPLIT}.{self._hint()} Fix: set the model's dropout / noise probabilities to 0 "
-            "or call model.eval() (data parallelism alone, with no split axis, may draw)"
+            f"jitter noise, stochastic depth, ...): {_diverge(axes)}.{self._hint()} Fix: set "
+            "the model's dropout / noise probabilities to 0 or call model.eval() (data "
+            "parallelism alone, with no split axis, may draw)"
         )
 
     def _hint(self) -> str:
