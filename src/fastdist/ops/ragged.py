@@ -273,15 +273,26 @@ def all_to_all_sizes(send: Tensor, mesh: Mesh, axis: AxisName) -> Tensor:
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
+#: functorch's C functions (a module, read once), to read a simulation's stacked index
+_FUNCTORCH: Any = torch._C._functorch
+
+
+def _outside_rows(index: Tensor, rows: int) -> bool:
+    """Whether an entry of ``index`` is outside ``[0, rows)``: one pass (``aminmax``), two
+    scalar reads (on an accelerator, device-to-host)."""
+    if not index.numel():
+        return False
+    lo, hi = torch.aminmax(index)
+    return int(lo) < 0 or int(hi) >= rows
 
 
 def _index_check(index: Tensor, rank: Tensor, rows: int, axis: AxisName) -> None:
     """Raise naming the first rank (of ``rank``, broadcastable to ``index``) whose ``index``
     holds a row number outside ``[0, rows)`` (one device-to-host read of a flag, more only on
     failure)."""
-    bad = (index < 0) | (index >= rows)
-    if not bool(bad.any()):
+    if not _outside_rows(index, rows):
         return
+    bad = (index < 0) | (index >= rows)
     ranks = rank.detach().cpu().expand(index.shape)
     b, values = bad.cpu(), index.detach().cpu()
     first = int(ranks[b].min())
@@ -326,16 +337,37 @@ def _check_row_index_vmap(
 
 
 def _checked_index(index: Tensor, rows: int, mesh: Mesh, axis: AxisName) -> Tensor:
-    """``index`` once every entry is a row of ``x`` (``rows`` of them): on real ranks a local
-    check (no collective: one device-to-host read; skipped while dynamo traces), on simulated
-    ranks every rank's at once through ``fastdist::check_row_index``."""
+    """``index`` once every entry is a row of ``x`` (``rows`` of them).
+
+    Real ranks: a local check (no collective: one device-to-host read; skipped while dynamo
+    traces). Simulated ranks: every rank's index at once, read from the simulation's stacked
+    tensor (the usual case: an index vmapped by the simulation alone, or a replicated plain
+    one), else through ``fastdist::check_row_index``, whose vmap rule sees it stacked (under
+    other transforms; several times the cost)."""
+    compiling = torch.compiler.is_compiling()
     if is_real(mesh):
-        if not torch.compiler.is_compiling() and index.numel():
+        if not compiling and _outside_rows(index, rows):
             # the process's global rank (a sliced mesh's own rank may differ)
             rank = torch.tensor(cast("Comm", mesh.comm).global_rank)
             _index_check(index, rank, rows, axis)
         return index
     binding = rank_binding("indexed_all_to_all_v", mesh)  # raises unless simulated or one rank
+    here = -1 if compiling else _FUNCTORCH.maybe_get_level(index)
+    if not compiling and here == -1:  # a plain index: the same on every rank (rank 0's)
+        _index_check(index, torch.zeros((), dtype=torch.long), rows, axis)
+        return index
+    if (
+        not compiling
+        and binding is not None
+        and here == _FUNCTORCH.maybe_get_level(binding.rank)
+        and _FUNCTORCH.is_batchedtensor(index)
+    ):  # vmapped by the simulation alone: its stacked tensor, read directly
+        stacked = _FUNCTORCH.get_unwrapped(index)
+        if _outside_rows(stacked, rows):  # the ranks and details only on failure
+            stacked = stacked.movedim(_FUNCTORCH.maybe_get_bdim(index), 0)
+            ranks = torch.arange(stacked.shape[0]).reshape(-1, *[1] * (stacked.dim() - 1))
+            _index_check(stacked, ranks, rows, axis)
+        return index
     rank = (
         binding.rank
         if binding is not None
