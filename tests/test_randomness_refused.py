@@ -176,6 +176,15 @@ def test_generator_states_change_with_a_draw_only() -> None:
     assert drawn((), before, generator_states(())) == []
     torch.empty(3).uniform_()
     assert drawn((), before, generator_states(())) == ["CPU"]
+    # an accelerator: its own generator (unreadable, e.g. no CUDA here: left out, never raised)
+    cuda = (torch.device("cuda", 0),)
+    before = generator_states(cuda)
+    torch.empty(3).uniform_()
+    assert drawn(cuda, before, generator_states(cuda)) == ["CPU"]
+    if torch.cuda.is_available():  # (never ran: no GPU where this was written)
+        before = generator_states(cuda)
+        torch.rand(3, device="cuda")
+        assert drawn(cuda, before, generator_states(cuda)) == ["cuda:0"]
 
 
 # ============================================================================ real processes
