@@ -463,7 +463,7 @@ class Guard(TorchFunctionMode):
                 op_name(func), x, f"a channel dropout in training (p={p}) drops whole channels "
                 "over the domain on one device, but each rank would draw its own mask for its "
                 "block (a channel dropped in part of the domain only)", "p=0, eval mode, "
-                "an elementwise F.dropout, or end the domain-parallel region before it",
+                "or end the domain-parallel region before it",
             )  # fmt: skip
 
     def _follow(self, func: Any, x: Tensor, rest: tuple[Any, ...], kwargs: Any, out: Any) -> None:
