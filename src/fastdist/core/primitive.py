@@ -226,6 +226,25 @@ def _forward_mode() -> bool:
     return _dual_level_open() or _jvp_active()
 
 
+def _refuse_forward_mode_while_tracing(name: str, mesh_shape: Any, axes: Any) -> bool:
+    """Called (not traced) while dynamo traces a simulated collective: raise the op's
+    forward-mode error when forward mode is active, since the compiled graph records the ops,
+    which carry no tangent (a tangent through torch.compile would come out dropped or wrong).
+    Raised at trace time, the error stops the compilation (a raise in traced code would be a
+    graph break). Returns False."""
+    if _forward_mode():
+        spec = GroupSpec(tuple(mesh_shape), tuple(axes))
+        raise PRIMITIVES[name].forward_mode_error(
+            spec, "torch.func.jvp or forward_ad", "under torch.compile records ops without one"
+        )
+    return False
+
+
+# dynamo calls it while tracing, its result a constant (torch._dynamo.assume_constant_result's
+# marker, set without importing dynamo; tests/test_import_time.py checks the marker's name)
+_refuse_forward_mode_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------- the fast path: one switch
 # Three shortcuts skip torch's per-call Python plumbing. All use private torch internals, so
 # all sit behind FAST_PATH; with it off, every call takes the public route, with the same
@@ -360,8 +379,8 @@ class Primitive:
             side is differentiating) and ``saved`` holds ``inputs + (output,)``
             when ``saves=True``.
         inputs: names of the tensor inputs.
-        dim_params: parameters that are per-rank tensor dims (shifted when an
-            outer vmap adds a data dimension in front).
+        dim_params: parameters that are per-rank tensor dims (documentation: an outer vmap's
+            data dimension goes after every per-rank dim, so none is shifted).
         replication: ``(accepted, output)`` replication states over the op's axes,
             from ``V`` (varying), ``I`` (invariant), ``P`` (partial sum), e.g.
             ``("VP", "I")`` for psum; ``None`` for internal ops. Read by the checked
@@ -457,22 +476,20 @@ class Primitive:
         (t,) = tangents
         return None if t is None else cast(Tensor, getattr(ops, self.name)(t, spec=spec, **params))
 
-    def forward_mode_error(self, spec: GroupSpec, transform: str) -> CollectiveError:
-        """The error for forward-mode AD through an op without a ``jvp`` rule (or on real ranks,
-        through a dual tensor): raised at the first call, never a dropped tangent."""
+    def forward_mode_error(self, spec: GroupSpec, transform: str, why: str) -> CollectiveError:
+        """The error for forward-mode AD (``transform``) through this op where its tangent cannot
+        be carried (``why``): raised at the first call, never a dropped or wrong tangent."""
         comm = spec.comm
-        axis = comm.label if comm is not None else f"mesh axes at positions {spec.axes}"
-        rank = f"rank {comm.rank}" if comm is not None else "every rank"
-        where = "on real ranks" if comm is not None else "(it has no forward-mode rule)"
         return CollectiveError(
             self.name,
-            axis,
+            comm.label if comm is not None else f"mesh axes at positions {spec.axes}",
             f"the input carries a forward-mode tangent ({transform}), and fastdist.{self.name} "
-            f"{where} cannot carry it: the result would be a dropped or wrong tangent",
-            "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or "
-            "loss.backward(); a Hessian as jacrev(jacrev(f))); on real ranks torch.func.jvp is "
-            "refused too, and fastdist.simulate runs forward mode for the other collectives",
-            rank=rank,
+            f"{why}: the tangent would come out dropped or wrong",
+            "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or loss.backward(); "
+            "a Hessian as jacrev(jacrev(f))), or run forward mode eagerly under "
+            "fastdist.simulate, where every collective but halo_swap and ragged_all_to_all "
+            "carries tangents",
+            rank=f"rank {comm.rank}" if comm is not None else "every rank",
         )
 
     def _jvp_or_raise(
@@ -480,7 +497,9 @@ class Primitive:
     ) -> Tensor | None:
         """The output tangent by the ``jvp`` rule (what the Functions' ``jvp`` returns)."""
         if self.jvp is None:
-            raise self.forward_mode_error(spec, "torch.func.jvp, jacfwd, hessian or forward_ad")
+            raise self.forward_mode_error(
+                spec, "torch.func.jvp, jacfwd, hessian or forward_ad", "has no forward-mode rule"
+            )
         return self.jvp(ops, spec, tuple(tangents), saved, **params)
 
     # ------------------------------------------------------------------ binding
@@ -525,7 +544,9 @@ class Primitive:
             if _FWAD._current_level >= 0 and any(
                 _UNPACK_DUAL(t).tangent is not None for t in tensors
             ):  # a dual tensor (torch.func.jvp's layer is refused in the comm's _collective)
-                raise self.forward_mode_error(spec, "torch.autograd.forward_ad")
+                raise self.forward_mode_error(
+                    spec, "torch.autograd.forward_ad", "on real ranks has no forward-mode rule"
+                )
             if torch.compiler.is_compiling() or (
                 torch.is_grad_enabled()
                 # one plain tensor that does not require grad (the usual case): no call
@@ -543,6 +564,7 @@ class Primitive:
         vals = ParamValues([params[p] for p in self.param_names])
         # dynamo records the op; the stacked op's registered autograd has the per-rank rule
         if compiling:
+            _refuse_forward_mode_while_tracing(self.name, spec.mesh_shape, spec.axes)
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # the public route: the Function composes with every transform and outer backward()
         if not FAST_PATH:
@@ -695,17 +717,19 @@ class Primitive:
             return self.stacked_op(*stacked, *args[k:]), 0
 
         def data_rule(info: Any, in_dims: Sequence[int | None], *args: Any) -> tuple[Tensor, int]:
-            # An outer vmap (e.g. over independent simulations) is one more data dim, placed after
-            # the rank dim.
+            # An outer vmap (e.g. over independent simulations) is one more data dim, placed last:
+            # every stacked rule treats trailing dims as features, while a rule that reads its
+            # per-rank dim 0 as rows (all_gather_v and the other uneven ops, whose public functions
+            # move the dim there) would take a batch dim placed in front for its rows.
             tensors, spec, params = self._split(args)
             moved = [
-                t.movedim(d, 1)
+                t.movedim(d, -1)
                 if d is not None
-                else t.unsqueeze(1).expand(t.shape[0], info.batch_size, *t.shape[1:])
+                else t.unsqueeze(-1).expand(*t.shape, info.batch_size)
                 for t, d in zip(tensors, in_dims[:k])
             ]
-            shifted = {p: (v + 1 if p in self.dim_params else v) for p, v in params.items()}
-            return self.bind_stacked(*moved, spec=spec, **shifted), 1
+            out = self.bind_stacked(*moved, spec=spec, **params)
+            return out, out.dim() - 1
 
         torch.library.register_vmap(qual, rank_rule, lib=_LIB)
         torch.library.register_vmap(squal, data_rule, lib=_LIB)
