@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from fastdist.core.binding import rank_binding
 from fastdist.core.context import is_real
@@ -279,8 +280,9 @@ _FUNCTORCH: Any = torch._C._functorch
 
 def _outside_rows(index: Tensor, rows: int) -> bool:
     """Whether an entry of ``index`` is outside ``[0, rows)``: one pass (``aminmax``), two
-    scalar reads (on an accelerator, device-to-host)."""
-    if not index.numel():
+    scalar reads (on an accelerator, device-to-host). An index without values (a fake or meta
+    tensor: `fastdist.profile`'s tracing, shape propagation) is not checked."""
+    if not index.numel() or index.device.type == "meta" or is_fake(index):
         return False
     lo, hi = torch.aminmax(index)
     return int(lo) < 0 or int(hi) >= rows
