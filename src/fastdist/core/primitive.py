@@ -30,8 +30,9 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
     mathematical transpose of the stacked function). A vmap rule treats an
     outer vmap dimension as data.
 ``<Name>Function`` (autograd.Function, ``setup_context`` + ``generate_vmap_rule``)
-    Used only while a ``torch.func`` grad/jvp transform is active, so
-    ``torch.func.grad`` / ``vmap(grad)`` work (``register_autograd`` on a custom
+    Used only while a ``torch.func`` grad/jvp transform is active or a
+    ``torch.autograd.forward_ad`` dual level is open (its ``jvp`` runs the primitive's ``jvp``
+    rule: the ops carry no tangent), so ``torch.func.grad`` / ``vmap(grad)`` / ``jvp`` work (``register_autograd`` on a custom
     op does not compose with ``torch.func`` in 2.13). Otherwise (outer
     ``backward()``, no transform but simulate's vmap, and under ``torch.compile``,
     where dynamo ignores an autograd.Function's vmap rule and would record wrong
@@ -413,9 +414,6 @@ class Primitive:
         jvp: JvpRule | str | None = None,
     ) -> None:
         self.name = name
-        #: whether the Functions save for forward too (as for backward: torch's generated vmap rule
-        #: keeps one set of saved-tensor batch dims for both)
-        self.jvp_saves = saves
         if jvp == "linear":
             jvp = self._linear_jvp
         elif isinstance(jvp, str):
@@ -783,8 +781,6 @@ class Primitive:
             out = prim._forward_stacked(spec, tensors, ctx.params)
             if prim.saves:
                 ctx.save_for_backward(*tensors, out)
-                if prim.jvp_saves:
-                    ctx.save_for_forward(*tensors, out)
             return out
 
         def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
@@ -792,16 +788,10 @@ class Primitive:
             saved = ctx.saved_tensors if prim.saves else ()
             return (None, None, *prim.backward(stacked_ops, ctx.spec, g, saved, **ctx.params))
 
-        def jvp(ctx: Any, _spec: Any, _vals: Any, *tangents: Tensor | None) -> Tensor | None:
-            prim = PRIMITIVES[name]
-            saved = ctx.saved_tensors if prim.jvp_saves else ()
-            return prim._jvp_or_raise(stacked_ops, ctx.spec, tangents, saved, ctx.params)
-
         camel = "".join(part.capitalize() for part in self.name.split("_"))
         attrs = {
             "forward": staticmethod(forward),
             "backward": staticmethod(backward),
-            "jvp": staticmethod(jvp),
             "__doc__": f"Stacked fastdist.{self.name} with its per-rank backward rule (see "
             "Primitive._make_stacked_function).",
         }
@@ -828,7 +818,8 @@ class Primitive:
             ctx.spec, ctx.vals = inputs[0], inputs[1]
             if PRIMITIVES[name].saves:
                 ctx.save_for_backward(*inputs[2:], output)
-                if not distributed and PRIMITIVES[name].jvp_saves:
+                if not distributed:  # the same for jvp (torch's generated vmap rule keeps one set
+                    # of saved-tensor batch dims for both)
                     ctx.save_for_forward(*inputs[2:], output)
 
         def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
@@ -839,7 +830,7 @@ class Primitive:
 
         def jvp(ctx: Any, _spec: Any, _vals: Any, *tangents: Tensor | None) -> Tensor | None:
             prim = PRIMITIVES[name]
-            saved = ctx.saved_tensors if prim.jvp_saves else ()
+            saved = ctx.saved_tensors if prim.saves else ()
             params = dict(zip(prim.param_names, ctx.vals))
             return prim._jvp_or_raise(ops, ctx.spec, tangents, saved, params)
 
