@@ -279,14 +279,18 @@ def test_real_ranks_refuse_forward_mode() -> None:
         torch.testing.assert_close(total, 2 * torch.arange(3, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", ["all_gather_v", "reduce_scatter_v", "all_gather", "all_to_all"])
+@pytest.mark.parametrize(
+    "name", ["all_gather_v", "reduce_scatter_v", "halo_exchange", "all_gather", "all_to_all"]
+)
 def test_vmap_over_simulate_uneven(name: str) -> None:
     """A vmap over simulate batches the stacked op's data, which goes after every per-rank dim:
     placed in front (before), all_gather_v took it for its rows and returned a [7, 4, 4, 3]
-    tensor for a [2, 4, 8, 3] one, and jacfwd over all_gather_v failed."""
+    tensor for a [2, 4, 8, 3] one, halo_exchange's values were wrong (no error), and jacfwd over
+    all_gather_v failed."""
     ops: dict[str, Callable[[Tensor], Tensor]] = {
         "all_gather_v": lambda x: fd.all_gather_v(x, MESH, "dp", SIZES),
         "reduce_scatter_v": lambda x: fd.reduce_scatter_v(x, MESH, "dp", (1, 1, 1, 1)),
+        "halo_exchange": lambda x: fd.halo_exchange(x, MESH, "dp", 0, 1),
         "all_gather": lambda x: fd.all_gather(x, MESH, "dp", dim=1, tiled=False),
         "all_to_all": lambda x: fd.all_to_all(x, MESH, "dp", split_dim=0, concat_dim=1),
     }
