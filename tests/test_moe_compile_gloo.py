@@ -90,12 +90,12 @@ def test_compiled_moe_step_on_gloo() -> None:
         for name in ("eager", "compiled"):
             loss, grads = res[name]
             torch.testing.assert_close(
-                loss, ref_loss, **TOL, msg=lambda m: f"rank {r} {name} loss: {m}"
+                loss, ref_loss, **TOL, msg=lambda m, w=f"rank {r} {name} loss": f"{w}: {m}"
             )
             assert grads.keys() == ref_grads.keys()
             for n, g in grads.items():
                 torch.testing.assert_close(
-                    g, ref_grads[n], **TOL, msg=lambda m: f"rank {r} {name} {n}: {m}"
+                    g, ref_grads[n], **TOL, msg=lambda m, w=f"rank {r} {name} {n}": f"{w}: {m}"
                 )
         assert res["breaks"] > 0  # the exchange ran outside the graph
         assert res["fullgraph"] is not None, "fullgraph=True compiled a data-dependent exchange"
