@@ -32,8 +32,9 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
 ``<Name>Function`` (autograd.Function, ``setup_context`` + ``generate_vmap_rule``)
     Used only while a ``torch.func`` grad/jvp transform is active or a
     ``torch.autograd.forward_ad`` dual level is open (its ``jvp`` runs the primitive's ``jvp``
-    rule: the ops carry no tangent), so ``torch.func.grad`` / ``vmap(grad)`` / ``jvp`` work (``register_autograd`` on a custom
-    op does not compose with ``torch.func`` in 2.13). Otherwise (outer
+    rule: the ops carry no tangent), so ``torch.func.grad`` / ``vmap(grad)`` / ``jvp`` work
+    (``register_autograd`` on a custom op does not compose with ``torch.func`` in 2.13).
+    Otherwise (outer
     ``backward()``, no transform but simulate's vmap, and under ``torch.compile``,
     where dynamo ignores an autograd.Function's vmap rule and would record wrong
     gradients) the per-rank op is called directly and the stacked op's

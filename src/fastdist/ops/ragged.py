@@ -193,7 +193,10 @@ def ragged_all_to_all(
             [2, 0]]))
     """
     if torch.compiler.is_compiling() and is_real(mesh):
-        return _ragged_a2a_outside_the_graph(x, mesh, axis, send_sizes, capacity)
+        # dynamo is loaded (it is tracing): the module that needs it is imported only now
+        from fastdist.ops.ragged_graph import ragged_a2a_outside_the_graph
+
+        return ragged_a2a_outside_the_graph(x, mesh, axis, send_sizes, capacity)
     x, spec = enter("ragged_all_to_all", x, mesh, axis)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise CollectiveError(
@@ -239,31 +242,6 @@ def ragged_all_to_all(
         if e.op == "ragged_all_to_all" and e.axis is None:
             e.readdress(axis=axis)
         raise
-
-
-#: torch.compiler.disable, typed (torch's is untyped)
-_DISABLE: Callable[..., Any] = torch.compiler.disable
-
-
-def _ragged_a2a_eager(
-    x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, capacity: int
-) -> tuple[Tensor, Tensor]:
-    """Real ranks while dynamo traces: the exchange runs eagerly, outside the graph (one graph
-    break; with ``fullgraph=True`` torch raises its ``Unsupported`` error with the reason below,
-    where the data-dependent checks raised a guard error on an unbacked size before)."""
-    return ragged_all_to_all(x, mesh, axis, send_sizes, capacity=capacity)
-
-
-_ragged_a2a_outside_the_graph: Callable[
-    [Tensor, Mesh, AxisName, Tensor, int], tuple[Tensor, Tensor]
-] = _DISABLE(
-    _ragged_a2a_eager,
-    reason="fastdist.ragged_all_to_all (and indexed_all_to_all_v, the MoE all_to_all dispatch) "
-    "on real ranks reads the row counts each rank receives to the host: data-dependent sizes, "
-    "which torch.compile(fullgraph=True) cannot trace. Fix: compile without fullgraph=True (a "
-    "graph break at each exchange, the rest compiled), or use the MoE strategy='allgather' (no "
-    "data-dependent sizes)",
-)
 
 
 def _exchange_checked_sizes(
