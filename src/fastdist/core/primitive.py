@@ -484,10 +484,19 @@ class Primitive:
             comm.label if comm is not None else f"mesh axes at positions {spec.axes}",
             f"the input carries a forward-mode tangent ({transform}), and fastdist.{self.name} "
             f"{why}: the tangent would come out dropped or wrong",
-            "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or loss.backward(); "
-            "a Hessian as jacrev(jacrev(f))), or run forward mode eagerly under "
-            "fastdist.simulate, where every collective but halo_swap and ragged_all_to_all "
-            "carries tangents",
+            (
+                "differentiate in reverse mode (loss.backward(), torch.func.grad or vjp: on real "
+                "ranks jacrev's vmap is refused too), or check the forward-mode code eagerly "
+                "under fastdist.simulate, where every collective but halo_swap and "
+                "ragged_all_to_all carries tangents"
+            )
+            if comm is not None
+            else (
+                "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or "
+                "loss.backward(); a Hessian as jacrev(jacrev(f))), or run forward mode eagerly "
+                "under fastdist.simulate, where every collective but halo_swap and "
+                "ragged_all_to_all carries tangents"
+            ),
             rank=f"rank {comm.rank}" if comm is not None else "every rank",
         )
 

@@ -196,7 +196,7 @@ def ragged_all_to_all(
         # dynamo is loaded (it is tracing): the module that needs it is imported only now
         from fastdist.ops.ragged_graph import ragged_a2a_outside_the_graph
 
-        return ragged_a2a_outside_the_graph(x, mesh, axis, send_sizes, capacity)
+        return ragged_a2a_outside_the_graph(ragged_all_to_all, x, mesh, axis, send_sizes, capacity)
     x, spec = enter("ragged_all_to_all", x, mesh, axis)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise CollectiveError(

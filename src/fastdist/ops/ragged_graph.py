@@ -18,24 +18,26 @@ import torch
 from torch import Tensor
 
 from fastdist.core.mesh import AxisName, Mesh
-from fastdist.ops.ragged import ragged_all_to_all
 
 __all__ = ["ragged_a2a_outside_the_graph"]
+
+#: ``fastdist.ragged_all_to_all`` itself (passed in, so that this module imports nothing back)
+Exchange = Callable[..., tuple[Tensor, Tensor]]
 
 #: torch.compiler.disable, typed (torch's is untyped)
 _DISABLE: Callable[..., Any] = torch.compiler.disable
 
 
 def _ragged_a2a_eager(
-    x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, capacity: int
+    exchange: Exchange, x: Tensor, mesh: Mesh, axis: AxisName, send_sizes: Tensor, capacity: int
 ) -> tuple[Tensor, Tensor]:
-    """The exchange itself, run eagerly (see the module's docstring)."""
-    return ragged_all_to_all(x, mesh, axis, send_sizes, capacity=capacity)
+    """``exchange`` (`fastdist.ragged_all_to_all`) run eagerly (see the module's docstring)."""
+    return exchange(x, mesh, axis, send_sizes, capacity=capacity)
 
 
 #: the exchange as one graph break, with fastdist's reason and fix in torch's error
 ragged_a2a_outside_the_graph: Callable[
-    [Tensor, Mesh, AxisName, Tensor, int], tuple[Tensor, Tensor]
+    [Exchange, Tensor, Mesh, AxisName, Tensor, int], tuple[Tensor, Tensor]
 ] = _DISABLE(
     _ragged_a2a_eager,
     reason="fastdist.ragged_all_to_all (and indexed_all_to_all_v, the MoE all_to_all dispatch) "
