@@ -36,6 +36,17 @@ def _a2a_ref(s: Tensor) -> Tensor:
     return c.permute(1, 2, 0, 3).reshape(W, s.shape[1] // W, W * s.shape[2])
 
 
+def _halo_ref(s: Tensor) -> Tensor:
+    # rank r: [rank r-1's last row | its rows | rank r+1's first row], zeros at the ends
+    z = torch.zeros_like(s[0, :1])
+    return torch.stack(
+        [
+            torch.cat([s[r - 1, -1:] if r else z, s[r], s[r + 1, :1] if r < W - 1 else z])
+            for r in range(W)
+        ]
+    )
+
+
 CASES: dict[str, Case] = {
     "psum": (
         lambda x: fd.psum(x, MESH, "dp"),
@@ -92,6 +103,11 @@ CASES: dict[str, Case] = {
         lambda x: fd.broadcast(x, MESH, "dp", src=1),
         lambda s: s[1:2].expand_as(s),
         True,
+    ),
+    "halo_exchange": (
+        lambda x: fd.halo_exchange(x, MESH, "dp", 0, 1),
+        lambda s: _halo_ref(s),
+        False,
     ),
     "all_gather_v": (
         lambda x: fd.all_gather_v(x, MESH, "dp", SIZES),
@@ -215,22 +231,20 @@ def test_vmap_over_simulate_jvp() -> None:
 
 def test_no_rule_is_refused() -> None:
     """A primitive declared without a jvp rule refuses forward mode at its first call (never a
-    dropped tangent): halo_swap, under halo_exchange, declares none."""
+    dropped tangent): ragged_all_to_all (data-dependent sizes) declares none."""
     from fastdist.core.primitive import PRIMITIVES
 
-    xs, v = _inputs(7)
-    sim = fd.simulate(lambda x: fd.halo_exchange(x, MESH, "dp", 0, 1), MESH)
-    sim(xs)  # without a tangent it runs (and fastdist.ops.halo is imported)
-    if PRIMITIVES["halo_swap"].jvp is not None:
-        pytest.skip("halo_swap has a jvp rule now: test it in CASES")
-    for run in (
-        lambda: torch.func.jvp(sim, (xs,), (v,)),
-        lambda: torch.func.jacfwd(sim)(xs),
-    ):
-        with pytest.raises(CollectiveError, match="forward-mode tangent.*reverse mode"):
-            run()
-    with fwad.dual_level(), pytest.raises(CollectiveError, match="halo"):
-        sim(fwad.make_dual(xs, v))
+    assert PRIMITIVES["ragged_all_to_all"].jvp is None
+    mesh = fd.Mesh({"ep": 2})
+    sizes = torch.tensor([[1, 2], [2, 0]])
+    xs = torch.randn(2, 3, 2, dtype=torch.float64)
+    v = torch.randn_like(xs)
+    sim = fd.simulate(lambda x, s: fd.ragged_all_to_all(x, mesh, "ep", s, capacity=3)[0], mesh)
+    sim(xs, sizes)  # without a tangent it runs
+    with pytest.raises(CollectiveError, match="forward-mode tangent.*reverse mode"):
+        torch.func.jvp(lambda x: sim(x, sizes), (xs,), (v,))
+    with fwad.dual_level(), pytest.raises(CollectiveError, match="ragged_all_to_all"):
+        sim(fwad.make_dual(xs, v), sizes)
 
 
 @pytest.mark.parametrize("how", ["jvp_inside", "dual"])

@@ -487,15 +487,15 @@ class Primitive:
             (
                 "differentiate in reverse mode (loss.backward(), torch.func.grad or vjp: on real "
                 "ranks jacrev's vmap is refused too), or check the forward-mode code eagerly "
-                "under fastdist.simulate, where every collective but halo_swap and "
-                "ragged_all_to_all carries tangents"
+                "under fastdist.simulate, where every collective but ragged_all_to_all "
+                "carries tangents"
             )
             if comm is not None
             else (
                 "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or "
                 "loss.backward(); a Hessian as jacrev(jacrev(f))), or run forward mode eagerly "
-                "under fastdist.simulate, where every collective but halo_swap and "
-                "ragged_all_to_all carries tangents"
+                "under fastdist.simulate, where every collective but ragged_all_to_all "
+                "carries tangents"
             ),
             rank=f"rank {comm.rank}" if comm is not None else "every rank",
         )

@@ -207,6 +207,7 @@ halo_swap_p = Primitive(
     stacked=_swap_stacked,
     distributed=_swap_dist,
     backward=_swap_bwd,
+    jvp="linear",  # a permutation of rows: the tangent takes the same swap
     replication=("V", "V"),
 )
 
