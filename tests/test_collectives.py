@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fastdist as fd
-from fastdist.core.primitive import FAST_PATH, PRIMITIVES, GroupSpec, Primitive
+from fastdist.core.primitive import PRIMITIVES, GroupSpec, Primitive
+from fastdist.core.transforms import FAST_PATH
 
 from .reference import axes_of, meshes, per_group, ref
 

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fastdist.core.context import check_of, pop_check, push_check
-from fastdist.core.primitive import needs_grad
+from fastdist.core.transforms import needs_grad
 from fastdist.errors import MeshError, ReplicationError
 
 if TYPE_CHECKING:

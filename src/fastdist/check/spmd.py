@@ -16,8 +16,8 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from fastdist.check.replication import CheckMode, Rep, RepTracker, tracking
-from fastdist.core.primitive import apply_function
 from fastdist.core.sharding import PartitionSpec, blocks, check_spec
+from fastdist.core.transforms import apply_function
 from fastdist.errors import MeshError, ReplicationError
 from fastdist.sim.simulate import simulate
 

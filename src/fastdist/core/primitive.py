@@ -55,16 +55,28 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
 
 from fastdist.core.context import COLLECTIVE_OBSERVERS
+from fastdist.core.transforms import (
+    C_APPLY,
+    FAST_PATH,
+    FUNCTORCH,
+    FWAD,
+    UNPACK_DUAL,
+    ParamValues,
+    any_needs_grad,
+    apply_function,
+    forward_mode_active,
+    needs_grad,
+    only_vmap,
+    plain_call,
+)
 from fastdist.errors import CollectiveError, NoBackendError
 
 if TYPE_CHECKING:
@@ -76,9 +88,6 @@ __all__ = [
     "ops",
     "stacked_ops",
     "PRIMITIVES",
-    "needs_grad",
-    "apply_function",
-    "FAST_PATH",
 ]
 
 # The op namespace. Declaring ops in it is the one thing importing fastdist does.
@@ -180,61 +189,13 @@ class GroupSpec:
         return torch.arange(self.n, device=device).expand(self.world // self.n, self.n)
 
 
-def _any_needs_grad(tensors: Sequence[Tensor]) -> bool:
-    """Whether any of ``tensors`` is differentiable (:func:`needs_grad`); a plain tensor (functorch
-    level -1: no wrapper to look through) is answered with one C call, and no Python one."""
-    for t in tensors:
-        if t.requires_grad or (_functorch.maybe_get_level(t) != -1 and needs_grad(t)):
-            return True
-    return False
-
-
-def needs_grad(t: Tensor) -> bool:
-    """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports
-    False)."""
-    functorch = torch._C._functorch
-    while not t.requires_grad:
-        if functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
-            t = functorch.get_unwrapped(t)
-        else:
-            return False
-    return True
-
-
-_functorch: Any = torch._C._functorch
-_VMAP = _functorch.TransformType.Vmap
-_JVP = getattr(_functorch.TransformType, "Jvp", None)
-#: torch.autograd.forward_ad, whose ``_current_level`` is -1 unless a dual level is open (dual
-#: tensors exist only inside one): one attribute read per call says forward mode cannot be active.
-_FWAD: Any = forward_ad
-_UNPACK_DUAL: Any = forward_ad.unpack_dual
-
-
-def _dual_level_open() -> bool:
-    """Whether a ``torch.autograd.forward_ad`` dual level is open on this process (an attribute
-    read; torch keeps the level there). False on a torch without it (then nothing is checked)."""
-    return cast(int, getattr(_FWAD, "_current_level", -1)) >= 0
-
-
-def _jvp_active() -> bool:
-    """Whether a ``torch.func`` jvp layer (``jvp``, ``jacfwd``, ``hessian``) is on the
-    interpreter stack."""
-    stack = _functorch.get_interpreter_stack()
-    return _JVP is not None and stack is not None and any(i.key() == _JVP for i in stack)
-
-
-def _forward_mode() -> bool:
-    """Whether forward-mode AD may be active: a dual level open, or a torch.func jvp layer."""
-    return _dual_level_open() or _jvp_active()
-
-
 def _refuse_forward_mode_while_tracing(name: str, mesh_shape: Any, axes: Any) -> bool:
     """Called (not traced) while dynamo traces a simulated collective: raise the op's
     forward-mode error when forward mode is active, since the compiled graph records the ops,
     which carry no tangent (a tangent through torch.compile would come out dropped or wrong).
     Raised at trace time, the error stops the compilation (a raise in traced code would be a
     graph break). Returns False."""
-    if _forward_mode():
+    if forward_mode_active():
         spec = GroupSpec(tuple(mesh_shape), tuple(axes))
         raise PRIMITIVES[name].forward_mode_error(
             spec, "torch.func.jvp or forward_ad", "under torch.compile records ops without one"
@@ -245,114 +206,6 @@ def _refuse_forward_mode_while_tracing(name: str, mesh_shape: Any, axes: Any) ->
 # dynamo calls it while tracing, its result a constant (torch._dynamo.assume_constant_result's
 # marker, set without importing dynamo; tests/test_import_time.py checks the marker's name)
 _refuse_forward_mode_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-# ---------------------------------------------------------------------- the fast path: one switch
-# Three shortcuts skip torch's per-call Python plumbing. All use private torch internals, so
-# all sit behind FAST_PATH; with it off, every call takes the public route, with the same
-# values and gradients (the test suite runs both ways: tests/test_public_path.py).
-#
-# 1. apply_function: torch.autograd.Function.apply binds the forward's signature with
-#    `inspect` on every call of a Function that defines setup_context (about 20 us, two
-#    thirds of a small collective's CPU time with autograd). Our forwards have no defaults,
-#    so with no torch.func transform active (and outside dynamo) the C entry point
-#    `_FunctionBase.apply` is called directly. Public route: `Function.apply`.
-# 2. Primitive._bind_at_level: inside simulate's own vmap (every active transform a vmap),
-#    unwrap the rank dim, call the stacked op (or, with a gradient, its old-style
-#    <Op>StackedFunction at the C entry point, which needs functorch's thread-local
-#    "single-level autograd.Function allowed" switch for the call), re-wrap. Public route:
-#    the per-rank op's registered vmap rule, and the <Op>Function (torch.autograd.Function
-#    with generate_vmap_rule) whenever grad mode is on.
-# 3. Primitive.bind_stacked with gradients off (a collective's backward on stacked tensors):
-#    the stacked rule called directly (what the op's kernel runs) when nothing could see the op
-#    itself (_plain_call). Public route: the stacked op.
-#
-# Internals used: _FunctionBase.apply, _functorch.unwrap_if_dead, maybe_current_level,
-# maybe_get_level, _unwrap_batched, _add_batch_dim, get_interpreter_stack,
-# {get,set}_single_level_autograd_function_allowed, _are_functorch_transforms_active,
-# _len_torch_function_stack, _len_torch_dispatch_stack, _is_any_autocast_enabled.
-# FAST_PATH is False on a torch that lacks any of them, and with FASTDIST_FAST_PATH=0
-# (read once, here: an implementation choice for the process, not configuration).
-_C_APPLY: Any = torch._C._FunctionBase.__dict__.get("apply")
-_UNWRAP_IF_DEAD: Any = getattr(_functorch, "unwrap_if_dead", None)
-_INTERNALS = (
-    "maybe_current_level",
-    "maybe_get_level",
-    "_unwrap_batched",
-    "_add_batch_dim",
-    "get_interpreter_stack",
-    "get_single_level_autograd_function_allowed",
-    "set_single_level_autograd_function_allowed",
-)
-#: Whether the private-API fast path is on (see the comment above and docs/design.md, "Dispatch").
-FAST_PATH: bool = (
-    os.environ.get("FASTDIST_FAST_PATH", "1") != "0"
-    and _C_APPLY is not None
-    and _UNWRAP_IF_DEAD is not None
-    and all(
-        hasattr(torch._C, n)
-        for n in (
-            "_are_functorch_transforms_active",
-            "_len_torch_function_stack",
-            "_len_torch_dispatch_stack",
-            "_is_any_autocast_enabled",
-        )
-    )
-    and all(hasattr(_functorch, n) for n in _INTERNALS)
-)
-
-
-def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` for a Function whose ``forward`` has no default arguments, without the
-    per-call signature binding.
-
-    Same result and graph: with the fast path off, where a torch.func transform is active,
-    or under dynamo, it is ``fn.apply(*args)`` itself.
-    """
-    if (
-        not FAST_PATH
-        or torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-    ):
-        return fn.apply(*args)  # type: ignore[no-untyped-call]
-    # What Function.apply does next: unwrap tensors of finished torch.func transforms, then the C
-    # entry (a list, not a generator: this runs on every differentiable collective).
-    return _C_APPLY.__get__(None, fn)(
-        *[_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args]
-    )
-
-
-def _plain_call(tensors: Sequence[Tensor], spec: GroupSpec) -> bool:
-    """Whether a stacked op's call can be its kernel's Python rule, called directly: with the
-    fast path on, gradients off (a collective's backward), on plain tensors, on simulated ranks,
-    with no transform, mode, autocast or compiler that would see the op itself. torch.library's
-    per-call plumbing (its autograd wrapper redispatching below autograd) is then all the op
-    adds, about 30 us a call."""
-    return (
-        FAST_PATH
-        and not torch.is_grad_enabled()
-        and spec.comm is None
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and torch._C._len_torch_function_stack() == 0
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._is_any_autocast_enabled()
-        and all(type(t) is Tensor for t in tensors)
-    )
-
-
-def _only_vmap() -> bool:
-    """Whether every active torch.func transform is a vmap (no grad/jvp/functionalize layer)."""
-    stack = torch._C._functorch.get_interpreter_stack()
-    return stack is None or all(i.key() == _VMAP for i in stack)
-
-
-class ParamValues(tuple):  # type: ignore[type-arg]
-    """An op's parameter values as its simulated-rank Function takes them: a tuple that pytree
-    takes as one leaf (not a container), so that torch's generated vmap rule for the Function's
-    ``jvp`` lines the tangents (one ``None`` per non-tensor input) up with the inputs."""
-
-    __slots__ = ()
 
 
 ShapeRule = Callable[..., Sequence[Any]]
@@ -549,8 +402,8 @@ class Primitive:
             # (always under dynamo, which traces the Function: asked first, so that dynamo does
             # not trace the functorch checks)
             x = tensors[0]
-            if _FWAD._current_level >= 0 and any(
-                _UNPACK_DUAL(t).tangent is not None for t in tensors
+            if FWAD._current_level >= 0 and any(
+                UNPACK_DUAL(t).tangent is not None for t in tensors
             ):  # a dual tensor (torch.func.jvp's layer is refused in the comm's _collective)
                 raise self.forward_mode_error(
                     spec, "torch.autograd.forward_ad", "on real ranks has no forward-mode rule"
@@ -558,8 +411,8 @@ class Primitive:
             if torch.compiler.is_compiling() or (
                 torch.is_grad_enabled()
                 # one plain tensor that does not require grad (the usual case): no call
-                and (x.requires_grad or len(tensors) > 1 or _functorch.maybe_get_level(x) != -1)
-                and _any_needs_grad(tensors)
+                and (x.requires_grad or len(tensors) > 1 or FUNCTORCH.maybe_get_level(x) != -1)
+                and any_needs_grad(tensors)
             ):
                 vals = tuple([params[p] for p in self.param_names])
                 out: Tensor = apply_function(self.dist_function, spec, vals, *tensors)
@@ -576,23 +429,24 @@ class Primitive:
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # the public route: the Function composes with every transform and outer backward()
         if not FAST_PATH:
-            if torch.is_grad_enabled() or _forward_mode():
+            if torch.is_grad_enabled() or forward_mode_active():
                 return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
-        if _only_vmap():
-            if _FWAD._current_level >= 0:
+        if only_vmap():
+            if FWAD._current_level >= 0:
                 # dual tensors of torch.autograd.forward_ad: the Function's jvp rule carries their
                 # tangents (the ops, and the stacked Function at its C entry, have none)
                 return cast(Tensor, self.function.apply(spec, vals, *tensors))  # type: ignore[no-untyped-call]
             # Outer backward(): the per-rank rule is recorded on stacked tensors (no Function under
             # vmap).
-            level = _functorch.maybe_current_level()
-            if level is not None and _functorch.maybe_get_level(tensors[0]) == level:
+            level = FUNCTORCH.maybe_current_level()
+            if level is not None and FUNCTORCH.maybe_get_level(tensors[0]) == level:
                 # simulate's vmap is innermost: the usual case
                 return self._bind_at_level(level, tensors, spec, params)
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         if not (
-            (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors)) or _forward_mode()
+            (torch.is_grad_enabled() and any(needs_grad(t) for t in tensors))
+            or forward_mode_active()
         ):
             return cast(Tensor, self.per_rank_op(*tensors, *self._op_args(spec, params)))
         # A torch.func grad/jvp transform is active: only the autograd.Function composes (fact 1);
@@ -613,7 +467,7 @@ class Primitive:
         stacked = []
         for t in tensors:
             # the physical tensor, and its rank dim (None: not batched here)
-            v, d = _functorch._unwrap_batched(t, level)
+            v, d = FUNCTORCH._unwrap_batched(t, level)
             stacked.append(
                 v
                 if d == 0
@@ -627,23 +481,23 @@ class Primitive:
         if (
             torch.is_grad_enabled()
             and any(v.requires_grad for v in stacked)
-            and all(_functorch.maybe_get_level(v) == -1 for v in stacked)
+            and all(FUNCTORCH.maybe_get_level(v) == -1 for v in stacked)
         ):
             # Plain tensors under autograd: the same per-rank rule through a Function called at its
             # C entry
             # (the stacked op's registered autograd runs torch.library's Python wrapper every call).
             # The switch is functorch's thread-local state: other threads are not affected.
-            prev = _functorch.get_single_level_autograd_function_allowed()
-            _functorch.set_single_level_autograd_function_allowed(True)
+            prev = FUNCTORCH.get_single_level_autograd_function_allowed()
+            FUNCTORCH.set_single_level_autograd_function_allowed(True)
             try:
-                out = _C_APPLY.__get__(None, self.stacked_function)(
+                out = C_APPLY.__get__(None, self.stacked_function)(
                     spec, tuple(params[p] for p in self.param_names), *stacked
                 )
             finally:
-                _functorch.set_single_level_autograd_function_allowed(prev)
+                FUNCTORCH.set_single_level_autograd_function_allowed(prev)
         else:
             out = self.stacked_op(*stacked, *self._op_args(spec, params))
-        return cast(Tensor, _functorch._add_batch_dim(out, 0, level))
+        return cast(Tensor, FUNCTORCH._add_batch_dim(out, 0, level))
 
     def bind_stacked(self, *tensors: Tensor, spec: GroupSpec, **params: Any) -> Tensor:
         """Apply on stacked ``[world, ...]`` tensors (all ranks at once), through the collective
@@ -657,7 +511,7 @@ class Primitive:
                 params,
                 lambda: cast(Tensor, self.stacked_op(*tensors, *self._op_args(spec, params))),
             )
-        if _plain_call(tensors, spec):
+        if plain_call(tensors, spec.comm):
             # what the op's kernel runs, with the op's own (list) parameter values
             args = {p: list(v) if isinstance(v, tuple) else v for p, v in params.items()}
             return self._forward_stacked(spec, tensors, args)

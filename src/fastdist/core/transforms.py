@@ -1,0 +1,198 @@
+"""Which torch transforms a collective's call runs under, and the fast path past torch's
+per-call plumbing (`fastdist.core.primitive` dispatches on both).
+
+* Transforms: whether a tensor is differentiable through functorch's wrappers
+  (`needs_grad`, `any_needs_grad`), whether forward-mode AD may be active (a
+  ``torch.autograd.forward_ad`` dual level open, a ``torch.func`` jvp layer:
+  `forward_mode_active`), whether every active transform is a vmap (`only_vmap`).
+* The fast path (`FAST_PATH`, one switch): `apply_function` (an autograd Function's C entry
+  point without the per-call signature binding), `plain_call` (a stacked op's Python rule
+  called directly when nothing could see the op), and the functorch internals
+  `fastdist.core.primitive` uses for simulate's own vmap (`FUNCTORCH`, `C_APPLY`).
+* `ParamValues`: an op's parameters as one pytree leaf for its simulated-rank Function.
+
+Private torch APIs are read here once, at import; a torch without them turns `FAST_PATH` off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.autograd import forward_ad
+
+__all__ = [
+    "FAST_PATH",
+    "FUNCTORCH",
+    "FWAD",
+    "UNPACK_DUAL",
+    "C_APPLY",
+    "ParamValues",
+    "any_needs_grad",
+    "apply_function",
+    "dual_level_open",
+    "forward_mode_active",
+    "jvp_active",
+    "needs_grad",
+    "only_vmap",
+    "plain_call",
+]
+
+
+def any_needs_grad(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` is differentiable (:func:`needs_grad`); a plain tensor (functorch
+    level -1: no wrapper to look through) is answered with one C call, and no Python one."""
+    for t in tensors:
+        if t.requires_grad or (FUNCTORCH.maybe_get_level(t) != -1 and needs_grad(t)):
+            return True
+    return False
+
+
+def needs_grad(t: Tensor) -> bool:
+    """Whether ``t`` is differentiable; looks through functorch wrappers (a vmapped tensor reports
+    False)."""
+    functorch = torch._C._functorch
+    while not t.requires_grad:
+        if functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
+            t = functorch.get_unwrapped(t)
+        else:
+            return False
+    return True
+
+
+FUNCTORCH: Any = torch._C._functorch
+_VMAP = FUNCTORCH.TransformType.Vmap
+_JVP = getattr(FUNCTORCH.TransformType, "Jvp", None)
+#: torch.autograd.forward_ad, whose ``_current_level`` is -1 unless a dual level is open (dual
+#: tensors exist only inside one): one attribute read per call says forward mode cannot be active.
+FWAD: Any = forward_ad
+UNPACK_DUAL: Any = forward_ad.unpack_dual
+
+
+def dual_level_open() -> bool:
+    """Whether a ``torch.autograd.forward_ad`` dual level is open on this process (an attribute
+    read; torch keeps the level there). False on a torch without it (then nothing is checked)."""
+    return cast(int, getattr(FWAD, "_current_level", -1)) >= 0
+
+
+def jvp_active() -> bool:
+    """Whether a ``torch.func`` jvp layer (``jvp``, ``jacfwd``, ``hessian``) is on the
+    interpreter stack."""
+    stack = FUNCTORCH.get_interpreter_stack()
+    return _JVP is not None and stack is not None and any(i.key() == _JVP for i in stack)
+
+
+def forward_mode_active() -> bool:
+    """Whether forward-mode AD may be active: a dual level open, or a torch.func jvp layer."""
+    return dual_level_open() or jvp_active()
+
+
+# ---------------------------------------------------------------------- the fast path: one switch
+# Three shortcuts skip torch's per-call Python plumbing. All use private torch internals, so
+# all sit behind FAST_PATH; with it off, every call takes the public route, with the same
+# values and gradients (the test suite runs both ways: tests/test_public_path.py).
+#
+# 1. apply_function: torch.autograd.Function.apply binds the forward's signature with
+#    `inspect` on every call of a Function that defines setup_context (about 20 us, two
+#    thirds of a small collective's CPU time with autograd). Our forwards have no defaults,
+#    so with no torch.func transform active (and outside dynamo) the C entry point
+#    `_FunctionBase.apply` is called directly. Public route: `Function.apply`.
+# 2. Primitive._bind_at_level: inside simulate's own vmap (every active transform a vmap),
+#    unwrap the rank dim, call the stacked op (or, with a gradient, its old-style
+#    <Op>StackedFunction at the C entry point, which needs functorch's thread-local
+#    "single-level autograd.Function allowed" switch for the call), re-wrap. Public route:
+#    the per-rank op's registered vmap rule, and the <Op>Function (torch.autograd.Function
+#    with generate_vmap_rule) whenever grad mode is on.
+# 3. Primitive.bind_stacked with gradients off (a collective's backward on stacked tensors):
+#    the stacked rule called directly (what the op's kernel runs) when nothing could see the op
+#    itself (plain_call). Public route: the stacked op.
+#
+# Internals used: _FunctionBase.apply, FUNCTORCH.unwrap_if_dead, maybe_current_level,
+# maybe_get_level, _unwrap_batched, _add_batch_dim, get_interpreter_stack,
+# {get,set}_single_level_autograd_function_allowed, _are_functorch_transforms_active,
+# _len_torch_function_stack, _len_torch_dispatch_stack, _is_any_autocast_enabled.
+# FAST_PATH is False on a torch that lacks any of them, and with FASTDIST_FAST_PATH=0
+# (read once, here: an implementation choice for the process, not configuration).
+C_APPLY: Any = torch._C._FunctionBase.__dict__.get("apply")
+_UNWRAP_IF_DEAD: Any = getattr(FUNCTORCH, "unwrap_if_dead", None)
+_INTERNALS = (
+    "maybe_current_level",
+    "maybe_get_level",
+    "_unwrap_batched",
+    "_add_batch_dim",
+    "get_interpreter_stack",
+    "get_single_level_autograd_function_allowed",
+    "set_single_level_autograd_function_allowed",
+)
+#: Whether the private-API fast path is on (see the comment above and docs/design.md, "Dispatch").
+FAST_PATH: bool = (
+    os.environ.get("FASTDIST_FAST_PATH", "1") != "0"
+    and C_APPLY is not None
+    and _UNWRAP_IF_DEAD is not None
+    and all(
+        hasattr(torch._C, n)
+        for n in (
+            "_are_functorch_transforms_active",
+            "_len_torch_function_stack",
+            "_len_torch_dispatch_stack",
+            "_is_any_autocast_enabled",
+        )
+    )
+    and all(hasattr(FUNCTORCH, n) for n in _INTERNALS)
+)
+
+
+def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` for a Function whose ``forward`` has no default arguments, without the
+    per-call signature binding.
+
+    Same result and graph: with the fast path off, where a torch.func transform is active,
+    or under dynamo, it is ``fn.apply(*args)`` itself.
+    """
+    if (
+        not FAST_PATH
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return fn.apply(*args)  # type: ignore[no-untyped-call]
+    # What Function.apply does next: unwrap tensors of finished torch.func transforms, then the C
+    # entry (a list, not a generator: this runs on every differentiable collective).
+    return C_APPLY.__get__(None, fn)(
+        *[_UNWRAP_IF_DEAD(a) if isinstance(a, Tensor) else a for a in args]
+    )
+
+
+def plain_call(tensors: Sequence[Tensor], comm: object | None) -> bool:
+    """Whether a stacked op's call can be its kernel's Python rule, called directly: with the
+    fast path on, gradients off (a collective's backward), on plain tensors, on simulated ranks,
+    with no transform, mode, autocast or compiler that would see the op itself. torch.library's
+    per-call plumbing (its autograd wrapper redispatching below autograd) is then all the op
+    adds, about 30 us a call."""
+    return (
+        FAST_PATH
+        and not torch.is_grad_enabled()
+        and comm is None
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_any_autocast_enabled()
+        and all(type(t) is Tensor for t in tensors)
+    )
+
+
+def only_vmap() -> bool:
+    """Whether every active torch.func transform is a vmap (no grad/jvp/functionalize layer)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is None or all(i.key() == _VMAP for i in stack)
+
+
+class ParamValues(tuple):  # type: ignore[type-arg]
+    """An op's parameter values as its simulated-rank Function takes them: a tuple that pytree
+    takes as one leaf (not a container), so that torch's generated vmap rule for the Function's
+    ``jvp`` lines the tangents (one ``None`` per non-tensor input) up with the inputs."""
+
+    __slots__ = ()
