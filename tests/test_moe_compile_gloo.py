@@ -14,28 +14,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 import fastdist as fd
+from tests.tiny_models import tiny_mixtral
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 def mixtral() -> Any:
-    cfg = transformers.MixtralConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        experts_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(cfg).to(F64).train()
+    return tiny_mixtral().train()
 
 
 def compiled_moe_ranks() -> dict[str, Any]:

@@ -21,26 +21,13 @@ import transformers
 
 import fastdist as fd
 from fastdist.nn.randomness import accelerators, drawn, generator_states
+from tests.tiny_models import tiny_mixtral
 
 F64 = torch.float64
 
 
 def mixtral(jitter: float = 0.0) -> Any:
-    cfg = transformers.MixtralConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        experts_implementation="eager",
-        router_jitter_noise=jitter,
-    )
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(cfg).to(F64)
+    return tiny_mixtral(output_router_logits=True, router_jitter_noise=jitter)
 
 
 def falcon(hidden_dropout: float) -> Any:

@@ -474,6 +474,29 @@ def tiny_llama(layers: int = 4, seed: int = 0, vocab: int = 64) -> nn.Module:
     return LlamaForCausalLM(cfg).to(F64).train()
 
 
+def tiny_mixtral(seed: int = 0, **overrides: Any) -> nn.Module:
+    """A 1-layer float64 Mixtral: hidden 16, 4 query heads and 2 key-value heads, 4 experts of 8
+    features, top 2, vocabulary 64, transformers' eager experts loop (its grouped-mm path takes
+    no float64). ``overrides`` replace any config field (``router_jitter_noise=``, ...); the
+    model's mode is as built."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    kw: dict[str, Any] = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation="eager",
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(**kw)).to(F64)
+
+
 # ============================================================================ diffusers DiTs
 # Each builder takes the sizes the tests vary; ``overrides`` replace any other config field. The
 # widths that must equal the attention width ``heads * head_dim`` (SD3's caption projection,
