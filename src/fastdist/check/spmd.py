@@ -17,7 +17,7 @@ from torch.autograd import forward_ad
 
 from fastdist.check.replication import CheckMode, Rep, RepTracker, tracking
 from fastdist.core.sharding import PartitionSpec, blocks, check_spec
-from fastdist.core.transforms import apply_function
+from fastdist.core.transforms import apply_function, jvp_active
 from fastdist.errors import MeshError, ReplicationError
 from fastdist.sim.simulate import simulate
 
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["spmd", "checked_call"]
 
 R = TypeVar("R")
-#: functorch's forward-mode transform type (None on a torch without it: torch's own error then).
-_JVP: Any = getattr(getattr(torch._C._functorch, "TransformType", None), "Jvp", None)
 #: torch.autograd.forward_ad.unpack_dual (untyped in torch): its tangent is None on a plain tensor.
 _UNPACK_DUAL = cast(Callable[[Tensor], Any], forward_ad.unpack_dual)
 
@@ -86,24 +84,22 @@ def _first_holders(y: Tensor, spec: PartitionSpec, mesh: Mesh) -> Tensor:
 # backward is therefore the other Function, so every order of derivative follows the convention.
 # generate_vmap_rule lets torch.vmap batch them (vmap, vmap(grad), jacrev). Forward mode is
 # refused before they run (_refuse_forward_mode): the maps themselves are linear, but the
-# simulated collectives inside the per-rank function do not carry tangents (a psum's tangent
-# comes out zero), which would be a silently wrong jvp.
+# Functions have no ``jvp`` (dynamo refuses a Function with one, and compiled spmd steps trace
+# them), so torch would fail inside them with its own error.
 
 
 def _refuse_forward_mode(args: Sequence[Any], mesh: Mesh) -> None:
     """Raise when forward-mode AD would run through a simulated ``spmd`` (see the comment above):
     a ``torch.func.jvp`` layer active (``jvp``, ``jacfwd``, ``hessian``) or a dual tensor of
     ``torch.autograd.forward_ad`` among the arguments."""
-    stack = torch._C._functorch.get_interpreter_stack()
-    jvp = _JVP is not None and any(i.key() == _JVP for i in stack or ())
-    if not jvp and not any(
+    if not jvp_active() and not any(
         isinstance(a, Tensor) and _UNPACK_DUAL(a).tangent is not None for a in args
     ):
         return
     raise MeshError(
         f"spmd over {mesh}: forward-mode AD (torch.func.jvp, jacfwd, hessian, "
-        "torch.autograd.forward_ad) is not supported on a simulated mesh: the simulated "
-        "collectives inside fn do not carry tangents, so the result would be wrong. Fix: use "
+        "torch.autograd.forward_ad) is not supported on a simulated mesh: spmd's own "
+        "shard and unshard steps have no forward-mode rule. Fix: use "
         "reverse mode: torch.func.grad, jacrev or vmap(grad); for a Hessian, "
         "jacrev(jacrev(f)); for a Hessian-vector product or a gradient penalty, "
         "torch.autograd.grad(..., create_graph=True) twice"
