@@ -185,20 +185,22 @@ def tiny_flux() -> nn.Module:
     return tm.tiny_flux(heads=2)
 
 
-def flux_batch(n: int = 4, seed: int = 1) -> dict[str, Any]:
-    """``n`` samples of 16 packed image tokens (a 4 x 4 grid), 5 text tokens at distinct
-    positions, pooled text, a timestep each, a target of the output's shape; the position ids
-    (not per sample)."""
+def flux_batch(n: int = 4, seed: int = 1, side: int = 4) -> dict[str, Any]:
+    """``n`` samples of ``side * side`` packed image tokens (a grid, 4 x 4 by default), 5 text
+    tokens at distinct positions, pooled text, a timestep each, a target of the output's shape;
+    the position ids (not per sample)."""
     g = torch.Generator().manual_seed(seed)
-    grid = torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij")
+    axis = torch.arange(float(side))
+    grid = torch.meshgrid(torch.zeros(1), axis, axis, indexing="ij")
+    tokens = side * side
     return {
-        "hidden_states": torch.randn(n, 16, 4, generator=g, dtype=torch.float64),
+        "hidden_states": torch.randn(n, tokens, 4, generator=g, dtype=torch.float64),
         "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
         "pooled_projections": torch.randn(n, 8, generator=g, dtype=torch.float64),
         "timestep": torch.rand(n, generator=g, dtype=torch.float64),
         "img_ids": torch.stack(grid, -1).reshape(-1, 3).to(torch.float64),
         "txt_ids": torch.arange(15.0, dtype=torch.float64).view(5, 3),
-        "target": torch.randn(n, 16, 4, generator=g, dtype=torch.float64),
+        "target": torch.randn(n, tokens, 4, generator=g, dtype=torch.float64),
     }
 
 

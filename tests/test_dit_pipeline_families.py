@@ -87,17 +87,7 @@ def build(family: str) -> tuple[nn.Module, dict[str, Any]]:
 
 def flux_batch_3x3(n: int = 4, seed: int = 1) -> dict[str, Any]:
     """`flux_batch` with 9 image tokens (a 3 x 3 grid): uneven over 2 ranks."""
-    g = torch.Generator().manual_seed(seed)
-    grid = torch.meshgrid(torch.zeros(1), torch.arange(3.0), torch.arange(3.0), indexing="ij")
-    return {
-        "hidden_states": torch.randn(n, 9, 4, generator=g, dtype=torch.float64),
-        "encoder_hidden_states": torch.randn(n, 5, 16, generator=g, dtype=torch.float64),
-        "pooled_projections": torch.randn(n, 8, generator=g, dtype=torch.float64),
-        "timestep": torch.rand(n, generator=g, dtype=torch.float64),
-        "img_ids": torch.stack(grid, -1).reshape(-1, 3).to(torch.float64),
-        "txt_ids": torch.arange(15.0, dtype=torch.float64).view(5, 3),
-        "target": torch.randn(n, 9, 4, generator=g, dtype=torch.float64),
-    }
+    return flux_batch(n, seed, side=3)
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
