@@ -116,14 +116,20 @@ def stages_hold_different_models() -> dict[str, Any]:
 
 def one_slice_fails() -> dict[str, Any]:
     """Slice pp=1: rank 3 skips a psum over "tp"; rank 2 raises CollectiveTimeout within the mesh's
-    timeout (3 s) naming the slice's global ranks; both reset (slice 0 never does) and redo it.
-    Slice pp=0 runs its psums meanwhile, unaffected."""
+    timeout (3 s, set with ``with_timeout`` after a first call) naming the slice's global ranks;
+    both reset (slice 0 never does) and redo it. Slice pp=0 runs its psums meanwhile,
+    unaffected."""
     g = _setup()
     store = c10d._get_default_store()
-    mesh = fd.connect(pp=2, tp=2, timeout=3)
-    m = mesh.without("pp")
+    # The ranks reach their first call as far apart as process start-up leaves them (seconds on
+    # a loaded machine), and creating a group waits for its peer under the mesh's timeout: the
+    # first call runs under a long one, then the slice's 3 s groups are made while both members
+    # are in step (right after that call), before the call one of them skips.
+    patient = fd.connect(pp=2, tp=2, timeout=60).without("pp")
     x = torch.tensor([float(g)])
-    first = fd.psum(x, m, "tp").item()  # the groups exist on both members
+    first = fd.psum(x, patient, "tp").item()
+    m = fd.comm.with_timeout(patient, 3)
+    fd.comm.create_groups(m, "tp")  # the groups exist on both members
     out: dict[str, Any] = {"first": first}
     if g == 3:  # alive, skipping the call, until its peer reported
         store.wait(["mesh_without/reported"], datetime.timedelta(seconds=60))
