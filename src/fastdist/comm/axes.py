@@ -30,8 +30,8 @@ from fastdist.comm.failures import (
     wait_for_keys,
 )
 from fastdist.comm.transports import FunctionalTransport, TorchTransport, select_backend
+from fastdist.core.transforms import transform_error, unsupported_transform
 from fastdist.errors import CommError, ConsistencyError, MeshError, NoBackendError
-from fastdist.ops.prelude import transform_error, unsupported_transform
 
 if TYPE_CHECKING:
     from fastdist.comm.torch_comm import TorchComm

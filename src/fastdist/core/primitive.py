@@ -68,6 +68,7 @@ from fastdist.core.transforms import (
     FAST_PATH,
     FUNCTORCH,
     FWAD,
+    TRANSFORM_PROBLEMS,
     UNPACK_DUAL,
     ParamValues,
     any_needs_grad,
@@ -76,6 +77,7 @@ from fastdist.core.transforms import (
     needs_grad,
     only_vmap,
     plain_call,
+    transform_error,
 )
 from fastdist.errors import CollectiveError, NoBackendError
 
@@ -330,27 +332,20 @@ class Primitive:
 
     def forward_mode_error(self, spec: GroupSpec, transform: str, why: str) -> CollectiveError:
         """The error for forward-mode AD (``transform``) through this op where its tangent cannot
-        be carried (``why``): raised at the first call, never a dropped or wrong tangent."""
+        be carried (``why``): raised at the first call, never a dropped or wrong tangent. On real
+        ranks it is :func:`~fastdist.core.transforms.transform_error`'s, the transport's own."""
         comm = spec.comm
+        if comm is not None:
+            return transform_error(self.name, comm.label, f"rank {comm.rank}", "jvp", transform)
         return CollectiveError(
             self.name,
-            comm.label if comm is not None else f"mesh axes at positions {spec.axes}",
-            f"the input carries a forward-mode tangent ({transform}), and fastdist.{self.name} "
-            f"{why}: the tangent would come out dropped or wrong",
-            (
-                "differentiate in reverse mode (loss.backward(), torch.func.grad or vjp: on real "
-                "ranks jacrev's vmap is refused too), or check the forward-mode code eagerly "
-                "under fastdist.simulate, where every collective but ragged_all_to_all "
-                "carries tangents"
-            )
-            if comm is not None
-            else (
-                "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or "
-                "loss.backward(); a Hessian as jacrev(jacrev(f))), or run forward mode eagerly "
-                "under fastdist.simulate, where every collective but ragged_all_to_all "
-                "carries tangents"
-            ),
-            rank=f"rank {comm.rank}" if comm is not None else "every rank",
+            f"mesh axes at positions {spec.axes}",
+            f"{TRANSFORM_PROBLEMS[1]} ({transform}), and fastdist.{self.name} {why}: the "
+            "tangent would come out dropped or wrong",
+            "differentiate in reverse mode (torch.func.grad, vjp or jacrev, or loss.backward(); "
+            "a Hessian as jacrev(jacrev(f))), or run forward mode eagerly under "
+            "fastdist.simulate, where every collective but ragged_all_to_all carries tangents",
+            rank="every rank",
         )
 
     def _jvp_or_raise(

@@ -9,6 +9,9 @@ per-call plumbing (`fastdist.core.primitive` dispatches on both).
   point without the per-call signature binding), `plain_call` (a stacked op's Python rule
   called directly when nothing could see the op), and the functorch internals
   `fastdist.core.primitive` uses for simulate's own vmap (`FUNCTORCH`, `C_APPLY`).
+* Refused on real ranks: `unsupported_transform` (vmap or forward mode wrapping an input) and
+  `transform_error`, the one error for both (the transport's check and a dual tensor in
+  `fastdist.core.primitive`).
 * `ParamValues`: an op's parameters as one pytree leaf for its simulated-rank Function.
 
 Private torch APIs are read here once, at import; a torch without them turns `FAST_PATH` off.
@@ -23,6 +26,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
+
+from fastdist.errors import CollectiveError
 
 __all__ = [
     "FAST_PATH",
@@ -88,6 +93,71 @@ def jvp_active() -> bool:
 def forward_mode_active() -> bool:
     """Whether forward-mode AD may be active: a dual level open, or a torch.func jvp layer."""
     return dual_level_open() or jvp_active()
+
+
+# ---------------------------------------------------------------------- refused on real ranks
+#: how a :func:`transform_error`'s problem starts (vmap, forward mode): an op that called the
+#: refused one takes the error over (``fastdist.ops.prelude.names_this_rank``)
+TRANSFORM_PROBLEMS = (
+    "the input is batched by torch.vmap",
+    "the input carries a forward-mode tangent",
+)
+
+
+def unsupported_transform(x: Tensor) -> str | None:
+    """The ``torch.func`` transform that a collective on real ranks cannot run under, if ``x``
+    is wrapped by one: ``"vmap"`` (a BatchedTensor at any level: vmap, jacrev's vmap over the
+    backward, vmap(grad(...))), ``"jvp"`` (a forward-mode level: jvp, jacfwd, hessian, whose
+    tangent a collective would not exchange); ``None`` otherwise (a plain tensor: one C call;
+    ``torch.func.grad`` and ``vjp``, whose reverse-mode levels the collectives' Functions serve).
+    """
+    if FUNCTORCH.maybe_get_level(x) == -1:
+        return None
+    levels = set()
+    while FUNCTORCH.is_functorch_wrapped_tensor(x):
+        if FUNCTORCH.is_batchedtensor(x):
+            return "vmap"
+        levels.add(FUNCTORCH.maybe_get_level(x))
+        x = FUNCTORCH.get_unwrapped(x)
+    stack = FUNCTORCH.get_interpreter_stack() or ()
+    return "jvp" if any(i.key() == _JVP and i.level() in levels for i in stack) else None
+
+
+def transform_error(
+    op: str, axis: Any, rank: str, transform: str, via: str | None = None
+) -> CollectiveError:
+    """The error for a collective on real ranks under a transform it cannot run under
+    (``transform``: ``"vmap"`` or ``"jvp"``, as :func:`unsupported_transform` names it; ``via``:
+    the API that brought it, e.g. ``"torch.autograd.forward_ad"`` for a dual tensor): raised
+    before anything is sent, so the mesh's groups stay usable. (On simulated ranks vmap and
+    forward mode compose with collectives: ``fastdist.simulate`` is itself a vmap over the
+    ranks, and each op declares its tangent rule.)"""
+    if transform == "vmap":
+        problem = (
+            f"{TRANSFORM_PROBLEMS[0]} ({via or 'torch.func.jacrev and vmap(grad(...)) use it too'}"
+            "), and a collective on real ranks has no batching rule: one call cannot exchange "
+            "each entry of the batch"
+        )
+        fix = (
+            "call the collective on the whole batch outside the vmap (e.g. fastdist.psum(xs, "
+            "mesh, axis) rather than torch.vmap(lambda x: fastdist.psum(x, mesh, axis))(xs)), "
+            "keep torch.vmap inside a per-rank function without collectives, or run rank-batched "
+            "code under fastdist.simulate (simulated ranks)"
+        )
+    else:
+        problem = (
+            f"{TRANSFORM_PROBLEMS[1]} ({via or 'torch.func.jvp, jacfwd, hessian'}), and a "
+            "collective on real ranks has no forward-mode rule: the tangent would not be exchanged"
+        )
+        fix = (
+            "differentiate in reverse mode (torch.func.grad or vjp, or loss.backward(); on real "
+            "ranks jacrev's vmap is refused too), whose gradients the collectives exchange, or "
+            "check the forward-mode code under fastdist.simulate, where every collective but "
+            "ragged_all_to_all carries tangents"
+        )
+    return CollectiveError(
+        op, axis, f"{problem} (nothing was sent; the mesh stays usable)", fix, rank=rank
+    )
 
 
 # ---------------------------------------------------------------------- the fast path: one switch

@@ -19,6 +19,7 @@ from fastdist.core.context import check_of, simulation_of
 from fastdist.core.dtype_rule import REDUCTION_DTYPES, check_reduction_dtype
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
+from fastdist.core.transforms import TRANSFORM_PROBLEMS, transform_error, unsupported_transform
 from fastdist.errors import CollectiveError, FastdistError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
@@ -45,17 +46,8 @@ __all__ = [
     "same_shape",
     "check_index",
     "where_member",
-    "unsupported_transform",
-    "transform_error",
 ]
 
-#: functorch's C functions (a module, read once): ``maybe_get_level`` is -1 for a plain tensor
-_FUNCTORCH: Any = torch._C._functorch
-#: how a :func:`transform_error` starts (vmap, jvp): an op that called the refused one takes it
-_TRANSFORM_PROBLEMS = (
-    "the input is batched by torch.vmap",
-    "the input carries a forward-mode tangent",
-)
 
 # ====================================================================== shared helpers
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -68,7 +60,8 @@ def names_this_rank(fn: _F) -> _F:
 
     On a real mesh, torch's own error for a ``torch.func`` transform the op cannot run under
     (``vmap(grad(...))``: a vmap over the op's autograd.Function) becomes the
-    :func:`transform_error` of :func:`unsupported_transform` (nothing is checked on success)."""
+    :func:`~fastdist.core.transforms.transform_error` of
+    :func:`~fastdist.core.transforms.unsupported_transform` (nothing is checked on success)."""
     names = list(inspect.signature(fn).parameters)
     at = names.index("mesh")
     axis_at = names.index("axis") if "axis" in names else None
@@ -78,7 +71,7 @@ def names_this_rank(fn: _F) -> _F:
         try:
             return fn(*args, **kwargs)
         except CollectiveError as e:
-            if e.problem.startswith(_TRANSFORM_PROBLEMS):  # from an op inside: name this one
+            if e.problem.startswith(TRANSFORM_PROBLEMS):  # from an op inside: name this one
                 e.readdress(op=fn.__name__)
                 raise
             mesh = args[at] if len(args) > at else kwargs.get("mesh")
@@ -107,8 +100,9 @@ def names_this_rank(fn: _F) -> _F:
 
 
 def _refused_transform(op: str, x: Any, mesh: Any, axis: Any) -> CollectiveError | None:
-    """The :func:`transform_error` for ``op`` on real ranks when ``x`` is under a transform
-    :func:`unsupported_transform` names; else None."""
+    """The :func:`~fastdist.core.transforms.transform_error` for ``op`` on real ranks when ``x``
+    is under a transform :func:`~fastdist.core.transforms.unsupported_transform` names; else
+    None."""
     if not (
         isinstance(x, Tensor)
         and isinstance(mesh, Mesh)
@@ -120,61 +114,6 @@ def _refused_transform(op: str, x: Any, mesh: Any, axis: Any) -> CollectiveError
     if transform is None:
         return None
     return transform_error(op, axis, f"rank {cast('Comm', mesh.comm).global_rank}", transform)
-
-
-def unsupported_transform(x: Tensor) -> str | None:
-    """The ``torch.func`` transform that a collective on real ranks cannot run under, if ``x``
-    is wrapped by one: ``"vmap"`` (a BatchedTensor at any level: vmap, jacrev's vmap over the
-    backward, vmap(grad(...))), ``"jvp"`` (a forward-mode level: jvp, jacfwd, hessian, whose
-    tangent a collective would not exchange); ``None`` otherwise (a plain tensor: one C call;
-    ``torch.func.grad`` and ``vjp``, whose reverse-mode levels the collectives' Functions serve).
-    """
-    if _FUNCTORCH.maybe_get_level(x) == -1:
-        return None
-    levels = set()
-    while _FUNCTORCH.is_functorch_wrapped_tensor(x):
-        if _FUNCTORCH.is_batchedtensor(x):
-            return "vmap"
-        levels.add(_FUNCTORCH.maybe_get_level(x))
-        x = _FUNCTORCH.get_unwrapped(x)
-    jvp = _FUNCTORCH.TransformType.Jvp
-    stack = _FUNCTORCH.get_interpreter_stack() or ()
-    return "jvp" if any(i.key() == jvp and i.level() in levels for i in stack) else None
-
-
-def transform_error(op: str, axis: AxisName, rank: str, transform: str) -> CollectiveError:
-    """The error for a collective on real ranks under a transform that
-    :func:`unsupported_transform` names: raised before anything is sent, so the mesh's groups
-    stay usable. (On simulated ranks vmap composes with collectives: ``fastdist.simulate`` is
-    itself a vmap over the ranks.)"""
-    if transform == "vmap":
-        problem = (
-            f"{_TRANSFORM_PROBLEMS[0]} (torch.func.jacrev and vmap(grad(...)) use it too), and a "
-            "collective on real ranks has no batching rule: one call cannot exchange each entry "
-            "of the batch"
-        )
-        fix = (
-            "call the collective on the whole batch outside the vmap (e.g. fastdist.psum(xs, "
-            "mesh, axis) rather than torch.vmap(lambda x: fastdist.psum(x, mesh, axis))(xs)), "
-            "keep torch.vmap inside a per-rank function without collectives, or run rank-batched "
-            "code under fastdist.simulate (simulated ranks)"
-        )
-    else:
-        problem = (
-            f"{_TRANSFORM_PROBLEMS[1]} (torch.func.jvp, jacfwd, hessian), and a collective on "
-            "real ranks has no forward-mode rule: the tangent would not be exchanged"
-        )
-        fix = (
-            "differentiate in reverse mode (torch.func.grad or vjp, or loss.backward()), whose "
-            "gradients the collectives exchange"
-        )
-    return CollectiveError(
-        op,
-        axis,
-        f"{problem} (nothing was sent; the mesh stays usable)",
-        fix,
-        rank=rank,
-    )
 
 
 def check_mesh(op: str, mesh: Any, axis: AxisName) -> None:
