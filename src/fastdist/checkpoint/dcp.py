@@ -55,6 +55,7 @@ from fastdist.checkpoint.optimizer import (
 from fastdist.checkpoint.planner import (
     FORMAT,
     HEADER,
+    Box,
     Entry,
     LoadPlanner,
     Target,
@@ -233,9 +234,11 @@ def write(
     Raises `fastdist.errors.CheckpointError` (on every rank, before anything is written) for
     optimizer parameters the model lacks, optimizer state of another shape than its
     parameter's, or an ``extra`` value that would not load; and (on every rank) for a write
-    that fails (a full disk), the earlier checkpoint at ``path`` then left as it was. Ranks that
-    hold the same slice are not compared (one of them writes it): ``pm.state_dict()`` checks that
-    replicas agree.
+    that fails (a full disk), the earlier checkpoint at ``path`` then left as it was; and (on every
+    rank, before anything is written) for a persistent buffer that differs between the ranks
+    holding it (BatchNorm's running statistics, each data rank updating them from its own
+    batch: the checkpoint keeps one copy). Ranks holding the same slice of a parameter are not
+    compared (one of them writes it): ``pm.state_dict()`` checks that replicas agree.
     """
     op = "fastdist.checkpoint.save"
     tgt = target(model, op)
@@ -315,6 +318,23 @@ def _read_values(path: str, keys: list[str], crcs: Mapping[str, int], where: str
     with _quiet(False, f"{op} on {where}: reading {path} failed; nothing was loaded", _REREAD):
         dcp_load({}, storage_reader=Reader(path, crcs, where, op), planner=planner, no_dist=True)
     return planner.values
+
+
+def _read_scalars(
+    path: str, keys: list[str], stored: Mapping[str, Any], crcs: Mapping[str, int], where: str
+) -> dict[str, Tensor]:
+    """The 0-d tensors stored under ``keys``, read by this process alone (no collective)."""
+    op = "fastdist.checkpoint.load"
+    entries = [
+        Entry(k, (), stored[k].properties.dtype, [Box((), (), [torch.empty((), dtype=d)])])
+        for k in keys
+        for d in [stored[k].properties.dtype]
+    ]
+    planner = LoadPlanner(entries, [], where)
+    with _quiet(False, f"{op} on {where}: reading {path} failed; nothing was loaded", _REREAD):
+        dcp_load({}, storage_reader=Reader(path, crcs, where, op), planner=planner, no_dist=True)
+    planner.apply()
+    return {e.key: e.boxes[0].views[0] for e in entries}
 
 
 _REREAD = "load another (older) checkpoint, or save again (the files may be damaged or missing)"
@@ -503,7 +523,18 @@ def _check_read(
     ]
     values = _read_values(source, values_wanted, crcs, tgt.where)
     restore = (
-        plan_optimizer(tgt, optimizer, Saved(stored, values, header, strict), entries)
+        plan_optimizer(
+            tgt,
+            optimizer,
+            Saved(
+                stored,
+                values,
+                header,
+                strict,
+                lambda keys: _read_scalars(source, keys, stored, crcs, tgt.where),
+            ),
+            entries,
+        )
         if optimizer is not None
         else None
     )

@@ -10,7 +10,7 @@ chunks, so a plain optimizer loads them and the other way round.
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -61,13 +61,15 @@ PlanResult = tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]
 @dataclass(frozen=True)
 class Saved:
     """What a load knows of a checkpoint before reading its tensors: each key's storage
-    metadata, the values (non-tensors) read, the fastdist header, and whether state the
-    optimizer does not hold is an error."""
+    metadata, the values (non-tensors) read, the fastdist header, whether state the
+    optimizer does not hold is an error, and a reader of stored scalar tensors (key -> value,
+    read by this process alone, before anything is loaded; None: not readable here)."""
 
     stored: Mapping[str, Any]
     values: Mapping[str, Any]
     header: Any
     strict: bool
+    scalars: Callable[[list[str]], dict[str, Tensor]] | None = None
 
     def n_groups(self) -> int:
         """How many param groups the saved optimizer had (0: no optimizer state)."""
@@ -380,6 +382,8 @@ def zero_plan(tgt: Target, z: Any, saved: Saved, entries: dict[str, Entry]) -> P
         for sub in sorted(have[0]):
             first = f"optim.state.{params[0][0]}.{sub}"
             md = saved.stored[first]
+            if isinstance(md, BytesStorageMetadata) or len(md.size) == 0:
+                _one_per_group(tgt, saved, [n for n, _, _ in params], sub, op)
             if isinstance(md, BytesStorageMetadata):
                 st[sub] = saved.values[first]
             elif len(md.size) == 0:
@@ -401,6 +405,39 @@ def zero_plan(tgt: Target, z: Any, saved: Saved, entries: dict[str, Entry]) -> P
         if st:
             state[index[id(shard)]] = st
     return groups, state
+
+
+def _one_per_group(tgt: Target, saved: Saved, names: list[str], sub: str, op: str) -> None:
+    """Raise unless every parameter of a flat ZeRO group has the same saved scalar ``sub``
+    (``step``): the ZeroOptimizer keeps one per group, and a plain optimizer steps a
+    parameter only when it has a gradient, so its parameters' steps may differ."""
+    keys = [f"optim.state.{n}.{sub}" for n in names]
+    if len(keys) < 2:
+        return
+    if all(k in saved.values for k in keys):
+        got: Mapping[str, Any] = saved.values
+    elif saved.scalars is not None:
+        got = saved.scalars(keys)
+    else:
+        return
+    differ = [k for k in keys if not _same(got[k], got[keys[0]])]
+    if differ:
+        raise CheckpointError(
+            f"{op} on {tgt.where}: the checkpoint's optimizer state {sub!r} differs between "
+            f"parameters that this ZeroOptimizer updates as one flat group ({keys[0]!r}: "
+            f"{_shown(got[keys[0]])}, {differ[0]!r}: {_shown(got[differ[0]])}): the plain "
+            "optimizer that saved it skipped some parameters in some steps (no gradient), and "
+            "a flat group keeps one value for all, so the next step would differ. Fix: resume with "
+            "the optimizer it was saved with (torch.optim over pm.parameters())"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    return torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else bool(a == b)
+
+
+def _shown(v: Any) -> Any:
+    return v.item() if isinstance(v, Tensor) else v
 
 
 # ============================================================================ entry points

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,7 @@ class Entry:
     dtype: torch.dtype
     boxes: list[Box] = field(default_factory=list)
     padded: list[Tensor] = field(default_factory=list)  # zero-filled before a load
+    compare: bool = False  # a save checks that the ranks holding a box agree (buffers)
 
 
 @dataclass
@@ -322,6 +324,7 @@ def model_entries(tgt: Target) -> dict[str, Entry]:
             )
         layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
         new = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
+        new.compare = not is_param  # running statistics, updated by each rank on its own data
         if new.key in out:  # a skeleton buffer in every stage, a tied weight: written once,
             merge(out[new.key], new)  # read into each copy
         else:
@@ -392,7 +395,13 @@ class SavePlanner(DefaultSavePlanner):
             items += [
                 WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs
             ]
-        self.plan = SavePlan(items)
+        crcs = {
+            (e.key, box.offsets): _crc(box.views[0])
+            for e in self.entries
+            if e.compare
+            for box in e.boxes
+        }
+        self.plan = SavePlan(items, planner_data=crcs)
         return self.plan
 
     def _blob(self, key: str, value: Any) -> bytes:
@@ -413,6 +422,8 @@ class SavePlanner(DefaultSavePlanner):
         return buf.getvalue()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        _replicas_agree(all_plans)
+        all_plans = [dataclasses.replace(p, planner_data=None) for p in all_plans]
         plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans))
         nesting: dict[str, Any] = {k: _nesting(k) for k in metadata.state_dict_metadata}
         nesting[HEADER] = self.header
@@ -424,6 +435,32 @@ class SavePlanner(DefaultSavePlanner):
             return io.BytesIO(self.blobs[write_item.index.fqn])
         offset = write_item.index.offset
         return self.sources[(write_item.index.fqn, tuple(offset) if offset is not None else ())]
+
+
+def _crc(t: Tensor) -> int:
+    """CRC-32 of a tensor's bytes (its values, whatever its strides)."""
+    return zlib.crc32(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
+def _replicas_agree(plans: list[SavePlan]) -> None:
+    """Raise when ranks holding the same box of a buffer hold different bytes (each plan's
+    ``planner_data``: (key, offsets) -> CRC-32): one writes it, and which one is the writer's
+    choice, so a checkpoint would silently keep one rank's running statistics (or mix ranks'
+    over the buffers of one module)."""
+    seen: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+    for rank, plan in enumerate(plans):
+        for box, crc in (plan.planner_data or {}).items():
+            first = seen.setdefault(box, (rank, crc))
+            if first[1] != crc:
+                raise CheckpointError(
+                    f"fastdist.checkpoint.save: the buffer {box[0][len('model.') :]!r} differs "
+                    f"between process ranks {first[0]} and {rank}, which both hold it (e.g. "
+                    "BatchNorm running statistics, each data rank updating them from its own "
+                    "batch): a checkpoint keeps one copy, so which rank's would be arbitrary. "
+                    "Nothing was written. Fix: make the ranks agree before saving (average the "
+                    "buffers over the data axis with torch.distributed.all_reduce, or use "
+                    "torch.nn.SyncBatchNorm.convert_sync_batchnorm before parallelize)"
+                )
 
 
 def _one_writer_per_box(plans: list[SavePlan]) -> list[SavePlan]:
