@@ -172,6 +172,8 @@ class ContextState:
     #: (1 or B, S) a split forward's whole position ids, for a rotary embedding whose tables
     #: depend on the largest position (`_whole_rope_positions`)
     positions: Tensor | None = None
+    #: the split attention's calls in the running decoder layer (`_check_layer_attended`)
+    attended: int = 0
 
     @property
     def chunks(self) -> int:
@@ -227,6 +229,13 @@ def _enter_model(
         and getattr(module, "gradient_checkpointing", False)
     ):
         raise ParallelizeError(_RECOMPUTE.format(axis=state.axis, where=type(module).__name__))
+    if not getattr(config, "is_causal", True):
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: {type(module).__name__}'s config has "
+            "is_causal=False (transformers then builds a bidirectional mask), but the split "
+            "attention is causal: every query would miss the keys after it. Fix: "
+            "config.is_causal=True, or run this model without context_parallel"
+        )
     mask = kw.get("attention_mask")
     if isinstance(mask, Tensor) and mask.dim() != 2:
         raise ParallelizeError(
@@ -351,6 +360,39 @@ def _leave_model(state: ContextState, module: nn.Module, args: Any, out: Any) ->
     return out
 
 
+def _enter_layer(state: ContextState, module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of every decoder layer: no split attention called in it yet."""
+    state.attended = 0
+
+
+def _check_layer_attended(
+    state: ContextState,
+    index: int,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+) -> None:
+    """Forward hook of every decoder layer: in a split forward, the layer must have mixed its
+    tokens through the split attention (`context_attention`). One that did not (a Mamba,
+    convolution or linear-attention layer of a hybrid model, or an attention that does not go
+    through transformers' registry) ran over this rank's tokens as if they were the whole
+    sequence: refused. A layer that returns its input as it is (a pipeline stage's stand-in
+    for a layer another stage holds) mixes nothing."""
+    if not state.split or state.attended:
+        return
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not any(first is a for a in (*args, *kwargs.values())):
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: decoder layer {index} "
+            f"({type(module).__name__}) ran on this rank's tokens without calling the split "
+            f"attention ({ATTENTION!r} of transformers' attention registry): a layer that mixes "
+            "tokens some other way (a Mamba, convolution or linear-attention layer, an "
+            "attention that does not use the registry) would see this rank's tokens as the "
+            "whole sequence. Fix: run this model without context_parallel"
+        )
+
+
 # ============================================================================ rotary tables
 def _whole_rope_positions(
     state: ContextState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -449,6 +491,7 @@ def context_attention(
         blocks = iter([(key, value, ki, valid)])
         return attend(query, blocks, qi, scale, sliding_window, softcap), None
     assert state.index is not None
+    state.attended += 1
     mine = (key, value, state.index, state.valid)
     if state.mode == "ring" and state.layout == "zigzag":  # only the visible half-blocks
         out = zigzag_ring(
@@ -557,6 +600,14 @@ class CausalContextParallel(Style):
                 f"parallelize: {name!r} ({type(module).__name__}) has no ModuleList "
                 f"{self.layers!r} of decoder layers. Fix: CausalContextParallel(layers=...)"
             )
+        for sub_name, sub in layers.named_modules():
+            if isinstance(sub, nn.Conv1d):  # Mamba, LFM2, gated delta nets: a causal conv
+                raise ParallelizeError(
+                    f"parallelize: {name!r}: {self.layers}.{sub_name} is a Conv1d over the "
+                    "tokens (a Mamba, short-convolution or linear-attention layer), which "
+                    "CausalContextParallel does not split: on a rank's tokens it would see "
+                    "them as the whole sequence. Fix: run this model without context_parallel"
+                )
 
     def apply(self, module: nn.Module, name: str, ctx: StyleContext) -> nn.Module:
         self.check(module, name, ctx.mesh)
@@ -576,6 +627,11 @@ class CausalContextParallel(Style):
             functools.partial(_split_first_layer, state), with_kwargs=True
         )
         module.register_forward_hook(functools.partial(_leave_model, state), always_call=True)
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(_enter_layer, state))
+            layer.register_forward_hook(
+                functools.partial(_check_layer_attended, state, i), with_kwargs=True
+            )
         for sub in module.modules():
             if position_dependent_rope(sub):  # dynamic / longrope: the whole sequence's tables
                 sub.register_forward_pre_hook(
