@@ -469,8 +469,10 @@ def causal_lm_loss(
     ``num_items_in_batch`` when given, else their mean (a 0-d tensor, replicated).
     ``vocab_size`` is the real vocabulary (``config.vocab_size``) when the columns were padded.
     Extra keyword arguments are ignored, so ``functools.partial(causal_lm_loss, mesh=mesh,
-    axis="tp")`` can be a model's ``loss_function``. Unlike ``ForCausalLMLoss``, which always
-    upcasts to float32, float64 logits stay float64 (float16/bfloat16 compute in float32).
+    axis="tp")`` can be a model's ``loss_function``; ``reduction=``, ``label_smoothing=`` and
+    ``weight=`` (which ``F.cross_entropy`` would honour and transformers drops) raise. Unlike
+    ``ForCausalLMLoss``, which always upcasts to float32, float64 logits stay float64
+    (float16/bfloat16 compute in float32).
     Gradient: that of :func:`cross_entropy` with ``reduction="sum"``, divided likewise.
 
     Args:
@@ -483,7 +485,10 @@ def causal_lm_loss(
         num_items_in_batch: divide the summed loss by this instead of taking the mean.
         ignore_index: a label id that contributes no loss.
         shift_labels: labels already shifted (same shape as ``labels``), used instead.
-        **kwargs: ignored (what transformers passes a ``loss_function``).
+        **kwargs: ignored (what transformers passes a ``loss_function``), except the
+            ``F.cross_entropy`` keywords that would change the loss (``reduction``,
+            ``label_smoothing``, ``weight``, ``reduce``, ``size_average``): those raise
+            `CollectiveError` instead of being dropped.
 
     Returns:
         a 0-d tensor, replicated over ``axis``: the mean (or ``num_items_in_batch``-divided sum) of
@@ -498,11 +503,34 @@ def causal_lm_loss(
     >>> bool(torch.allclose(loss, ref.expand(2)))
     True
     """
+    _refuse_cross_entropy_kwargs("causal_lm_loss", axis, kwargs)
     shift_labels = _shifted_labels(logits, labels, shift_labels, axis, ignore_index)
     loss, counted = _token_losses(
         "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size
     )
     return _reduce_tokens(loss, counted, num_items_in_batch)
+
+
+#: ``F.cross_entropy`` keywords that change the loss, which the causal-LM losses do not compute
+_UNSUPPORTED = ("weight", "reduction", "label_smoothing", "reduce", "size_average")
+
+
+def _refuse_cross_entropy_kwargs(op: str, axis: AxisName, kwargs: dict[str, Any]) -> None:
+    """Raise `CollectiveError` for a ``F.cross_entropy`` keyword that would change the loss
+    (``reduction``, ``label_smoothing``, ``weight``, ...): the causal-LM losses take ``**kwargs``
+    to be a transformers ``loss_function`` and would otherwise drop it silently."""
+    given = sorted(k for k in _UNSUPPORTED if k in kwargs)
+    if given:
+        raise CollectiveError(
+            op,
+            axis,
+            f"{given} are F.cross_entropy keywords this loss does not compute (it returns the "
+            "mean over the tokens not ignored, or their sum divided by num_items_in_batch, "
+            "without class weights or label smoothing; transformers' ForCausalLMLoss drops "
+            "them silently)",
+            "drop them; for a sum pass num_items_in_batch=1, or use fastdist.nn.cross_entropy("
+            "reduction=...) on the shifted labels",
+        )
 
 
 def _shifted_labels(
@@ -567,6 +595,7 @@ def gathered_causal_lm_loss(
     (torch.float64, True)
     """
     op = "causal_lm_loss"
+    _refuse_cross_entropy_kwargs(op, axis, kwargs)
     target = _shifted_labels(logits, labels, shift_labels, axis, ignore_index)
     if not isinstance(logits, Tensor) or logits.dim() == 0 or not logits.is_floating_point():
         raise CollectiveError(

@@ -51,7 +51,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``step()`` updates every parameter exactly as ``optimizer_class(model.parameters())``
     would. ``param_groups`` are the wrapped optimizer's (one group), so LR schedulers work.
     Parameters that got no gradient while others did raise (a flat update cannot skip them,
-    and updating them with a zero gradient would differ from torch).
+    and updating them with a zero gradient would differ from torch); so does a parameter with a
+    gradient that did not require grad when the optimizer was built (unfrozen later: it would
+    never be updated).
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"dp": 2})
@@ -178,6 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_unknown_grads()
         live = []
         for plist, shard, padded in self._groups:
             have = [p.grad is not None for p in plist]
@@ -209,6 +212,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 offset += k
             shard.grad = None
         return loss
+
+    def _refuse_unknown_grads(self) -> None:
+        """A parameter with a gradient that is in no flat group (it did not require grad when this
+        optimizer was built: unfrozen later) would never be updated, where a torch optimizer
+        over ``pm.parameters()`` updates it; refused."""
+        known = {id(p) for plist, _, _ in self._groups for p in plist}
+        stray = [
+            n
+            for n, p in self.module.named_parameters()
+            if p.grad is not None and id(p) not in known
+        ]
+        if stray:
+            raise MeshError(
+                f"fastdist.train.ZeroOptimizer.step: {stray[:3]} have gradients but did not "
+                "require grad when the optimizer was built, so it holds no chunk of them and "
+                "would never update them. Fix: build the ZeroOptimizer after choosing which "
+                "parameters train (fastdist.checkpoint.save / load carry its state over)"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Refused: the wrapped optimizer's state is this rank's flat chunk, which no other layout
