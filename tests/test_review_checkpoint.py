@@ -83,3 +83,77 @@ def test_zero_resumes_plain_state_whose_steps_agree(tmp_path: Path) -> None:
     got = zpm.state_dict()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-14, atol=1e-14)
+
+
+def llama_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two tiny float64 Llamas of one config (vocabulary 61: padded over tp 2), other weights."""
+    from transformers import LlamaForCausalLM
+
+    from tests.tiny_models import llama_config
+
+    cfg = llama_config(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=1)
+    torch.manual_seed(0)
+    old = LlamaForCausalLM(cfg).double()
+    torch.manual_seed(1)
+    return old, LlamaForCausalLM(cfg).double()
+
+
+def same(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(state[k], v) for k, v in want.items())
+
+
+def test_safetensors_save_over_a_sharded_save_pretrained(tmp_path: Path) -> None:
+    """save_pretrained (sharded: an index and 6 files), then fastdist's safetensors save of other
+    weights into the same directory: before, model.safetensors was written beside the old index,
+    transformers read the new weights and fastdist.checkpoint.load the OLD ones (it preferred
+    the index). Now the stale index and its shards are removed, and a directory holding both
+    (written by something else) is read as transformers reads it: the single file."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    old, new = llama_pair()
+    before, want = old.state_dict(), {k: v.clone() for k, v in new.state_dict().items()}
+    old.save_pretrained(tmp_path / "a", max_shard_size="20KB")
+    assert (tmp_path / "a" / "model.safetensors.index.json").is_file()  # the premise
+    mesh = fd.Mesh({"tp": 2})
+    pm = fd.nn.parallelize(new, mesh, fd.nn.plans.plan(new, mesh))
+    checkpoint.save(tmp_path / "a", pm, format="safetensors")
+    assert sorted(p.name for p in (tmp_path / "a").glob("*.safetensors*")) == ["model.safetensors"]
+    _, back = llama_pair()
+    torch.manual_seed(2)
+    for p in back.parameters():
+        torch.nn.init.normal_(p)
+    back = fd.nn.parallelize(back, mesh, fd.nn.plans.plan(back, mesh))
+    checkpoint.load(tmp_path / "a", back)
+    assert same(back.state_dict(), want) and not same(back.state_dict(), before)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "a", torch_dtype=torch.float64)
+    assert same(hf.state_dict(), want)
+
+    old.save_pretrained(tmp_path / "b", max_shard_size="20KB")  # both, by another writer
+    save_file(dict(pm.state_dict()), str(tmp_path / "b" / "model.safetensors"))
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "b", torch_dtype=torch.float64)
+    checkpoint.load(tmp_path / "b", back)
+    assert same(back.state_dict(), want) and same(hf.state_dict(), want)
+
+
+def test_safetensors_save_of_a_diffusers_model_loads_with_from_pretrained(tmp_path: Path) -> None:
+    """A diffusers transformer (SD3, sp 2 x tp 2): fastdist's safetensors save into a directory
+    where diffusers' save_pretrained had written shards. Before, it wrote model.safetensors and
+    no config: diffusers' from_pretrained read the old shards (it prefers its index; in an empty
+    directory it raised for the missing config). Now it writes
+    diffusion_pytorch_model.safetensors and config.json, removes the stale shards, and the
+    unmodified class loads the parallel model's weights bitwise."""
+    from tests.tiny_models import tiny_sd3
+
+    old, new = tiny_sd3(seed=0), tiny_sd3(seed=1)
+    old.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    want = {k: v.clone() for k, v in new.state_dict().items()}
+    pm = fd.nn.parallelize(new, fd.Mesh({"sp": 2, "tp": 2}))
+    checkpoint.save(tmp_path, pm, format="safetensors")
+    back = type(old).from_pretrained(tmp_path, torch_dtype=torch.float64)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items())
+    again = fd.nn.parallelize(tiny_sd3(seed=2), fd.Mesh({"sp": 2, "tp": 2}))
+    checkpoint.load(tmp_path, again)
+    got = again.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -84,10 +84,12 @@ def save(
             ``format="safetensors"`` (the default for a path ending ``.safetensors``): the
             single-device weights gathered and written as one file by rank ``dst`` (written
             to ``.tmp`` and renamed into place); a path not ending ``.safetensors`` is a
-            directory (created) holding ``model.safetensors`` and, for a transformers model,
-            its ``config.json``: a plain ``from_pretrained`` loads it. (``model.save_pretrained``
-            of a parallelized transformers model writes the whole model too:
-            `fastdist.nn.hf_save`.)
+            directory (created) holding ``model.safetensors`` (a diffusers model's:
+            ``diffusion_pytorch_model.safetensors``) and, for a transformers or diffusers
+            model, its ``config.json``: a plain ``from_pretrained`` loads it (an earlier sharded
+            save there, its index and shards, is removed: nothing reads stale weights).
+            (``model.save_pretrained`` of a parallelized transformers model writes the whole
+            model too: `fastdist.nn.hf_save`.)
         model: a `fastdist.nn.ParallelModel` (simulated or real ranks; on real ranks a
             **collective**: call it on every rank), or a module: with ``mesh=`` a module of
             fastdist layers, without it a plain module on one device (``"dcp"`` only); or a

@@ -44,16 +44,18 @@ _WEIGHT_NAMES = ("model", "diffusion_pytorch_model")
 def _directory_files(path: str) -> dict[str, str]:
     """key -> file of a save_pretrained directory (``{"": file}``: one file holding every key),
     transformers' (``model.safetensors``) or diffusers' (``diffusion_pytorch_model.safetensors``),
-    one file or sharded with an index."""
+    one file or sharded with an index. Where a directory holds both the file and an index, the
+    one the library's own ``from_pretrained`` reads: transformers the file, diffusers the
+    index (so both read the same weights)."""
     for name in _WEIGHT_NAMES:
         index = os.path.join(path, f"{name}.safetensors.index.json")
+        single = os.path.join(path, f"{name}.safetensors")
+        if os.path.exists(single) and (name == "model" or not os.path.exists(index)):
+            return {"": single}
         if os.path.exists(index):
             with open(index) as f:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
             return {k: os.path.join(path, v) for k, v in weight_map.items()}
-        single = os.path.join(path, f"{name}.safetensors")
-        if os.path.exists(single):
-            return {"": single}
     raise CheckpointError(
         f"fastdist.checkpoint.load: {path} holds neither model.safetensors nor "
         "model.safetensors.index.json (nor diffusers' diffusion_pytorch_model.safetensors). Fix: "
@@ -240,9 +242,12 @@ def write(
     Args:
         module: the parallel module.
         path: the ``.safetensors`` file to write (its directory created), or any other path: a
-            directory (created) holding ``model.safetensors`` and, for a transformers model, its
-            ``config.json`` (what ``from_pretrained`` reads). A path that does not exist never
-            becomes a file unless it ends in ``.safetensors``.
+            directory (created) holding ``model.safetensors`` (a diffusers model:
+            ``diffusion_pytorch_model.safetensors``) and, for a transformers or diffusers model,
+            its ``config.json``: what the class's ``from_pretrained`` reads. An earlier sharded
+            save there (an index and its shards) is removed, so that nothing reads stale
+            weights. A path that does not exist never becomes a file unless it ends in
+            ``.safetensors``.
         mesh: the mesh it runs on.
         dst: the rank (global, on real ranks) that writes the file.
 
@@ -262,12 +267,38 @@ def write(
     if mesh.backend is None or mesh.rank == dst:
         folder = os.path.dirname(os.path.abspath(where)) if as_file else where
         os.makedirs(folder, exist_ok=True)
-        target = where if as_file else os.path.join(where, "model.safetensors")
+        diffusers = callable(getattr(module, "save_config", None))  # a diffusers ModelMixin
+        name = _WEIGHT_NAMES[1] if diffusers else _WEIGHT_NAMES[0]
+        target = where if as_file else os.path.join(where, f"{name}.safetensors")
         aliases = tied_aliases(module)
         tensors = {k: v.contiguous() for k, v in state.items() if k not in aliases}
         save_file(tensors, target + ".tmp", metadata={"format": "pt"})
         os.replace(target + ".tmp", target)
+        if not as_file:
+            _remove_stale_index(where, name)
         config = getattr(module, "config", None)
         if not as_file and callable(getattr(config, "save_pretrained", None)):
             config.save_pretrained(where)  # type: ignore[union-attr]
+        elif not as_file and diffusers:
+            module.save_config(where)  # type: ignore[operator]
     return state
+
+
+def _remove_stale_index(folder: str, name: str) -> None:
+    """Remove an earlier sharded save's ``<name>.safetensors.index.json`` and the shards it
+    names from ``folder``, where one ``<name>.safetensors`` was just written: left there,
+    diffusers' ``from_pretrained`` would read the old shards (it prefers the index)."""
+    index = os.path.join(folder, f"{name}.safetensors.index.json")
+    if not os.path.exists(index):
+        return
+    try:
+        with open(index) as f:
+            shards = set(json.load(f).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        shards = set()
+    for shard in sorted(shards):
+        file = os.path.join(folder, os.path.basename(str(shard)))
+        if file.endswith(".safetensors") and os.path.basename(file) != f"{name}.safetensors":
+            if os.path.isfile(file):
+                os.remove(file)
+    os.remove(index)
