@@ -67,14 +67,13 @@ def _by_hand(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def test_a_hybrid_convolution_model_equals_one_device_or_raises() -> None:
-    """LFM2's short-convolution layers (a Conv1d over the tokens, as in Mamba and gated delta
-    nets) ran over the rank's tokens as if they were the whole sequence: logits 9e-5 off in
-    float64 with no error (found in review). Refused at parallelize, naming the module."""
+def _hybrid(kind: str) -> Any:
+    """A tiny float64 model whose decoder layers are not all causal full or sliding-window
+    attention: LFM2's short convolutions (a Conv1d over the tokens, as in Mamba and gated
+    delta nets), Llama 4's chunked attention."""
     import transformers
 
-    torch.manual_seed(0)
-    cfg = transformers.Lfm2Config(
+    sizes = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
@@ -82,17 +81,70 @@ def test_a_hybrid_convolution_model_equals_one_device_or_raises() -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        layer_types=["conv", "full_attention"],
     )
-    ref = transformers.Lfm2ForCausalLM(cfg).double().eval()
+    torch.manual_seed(0)
+    if kind == "lfm2":
+        cfg = transformers.Lfm2Config(**sizes, layer_types=["conv", "full_attention"])
+        return transformers.Lfm2ForCausalLM(cfg).double().eval()
+    cfg = transformers.Llama4TextConfig(
+        **sizes,
+        intermediate_size_mlp=48,
+        head_dim=8,
+        attention_chunk_size=4,  # layer 0 attends within chunks of 4 tokens
+        interleave_moe_layer_step=0,
+        moe_layers=[],
+        attn_temperature_tuning=False,
+        no_rope_layers=[1, 0],
+    )
+    return transformers.Llama4ForCausalLM(cfg).double().eval()
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "llama4"])
+def test_a_hybrid_model_equals_one_device_or_raises(kind: str) -> None:
+    """Decoder layers that mix tokens other than by causal full or sliding-window attention ran
+    on the rank's tokens as if they were the whole sequence, or with the causal mask in place
+    of their own, with no error (found in review; float64): LFM2's convolution layers 9e-5
+    off, Llama 4's chunked attention 0.17 off. Refused at parallelize, naming what."""
+    ref = _hybrid(kind)
     model = copy.deepcopy(ref)
     mesh = fd.Mesh({"cp": 2})
     try:
         pm = fd.nn.parallelize(model, mesh, _by_hand(model), verify=False)
     except ParallelizeError as e:
-        assert "layers.0.conv.conv is a Conv1d" in str(e), e
+        what = {"lfm2": "['conv']", "llama4": "['chunked_attention']"}[kind]
+        assert f"layer_types hold {what}" in str(e), e
         return
     equal_or_refused(ref, pm, mesh, "decoder layer 0", input_ids=ids())
+
+
+class _ShortConv(nn.Module):
+    """A causal depthwise Conv1d over the tokens before a layer's MLP (LFM2's and Mamba's
+    short convolution, in a model whose config has no layer_types)."""
+
+    def __init__(self, mlp: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.conv = nn.Conv1d(dim, dim, 3, groups=dim, padding=2, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mixed = self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        return self.mlp(x + mixed)
+
+
+def test_a_convolution_over_the_tokens_equals_one_device_or_raises() -> None:
+    """A Conv1d inside a decoder layer mixes neighbouring tokens, which the split does not
+    exchange across ranks: a rank's first token saw zeros, not the tokens before it (found in
+    review). Refused at parallelize, naming the module."""
+    ref = tiny_models.build("llama")
+    ref.model.layers[0].mlp = _ShortConv(ref.model.layers[0].mlp, 32)
+    model = copy.deepcopy(ref)
+    mesh = fd.Mesh({"cp": 2})
+    try:
+        pm = fd.nn.parallelize(model, mesh, _by_hand(model), verify=False)
+    except ParallelizeError as e:
+        assert "layers.0.mlp.conv is a Conv1d" in str(e), e
+        return
+    equal_or_refused(ref, pm, mesh, "Conv1d", input_ids=ids())
 
 
 class _OwnAttention(nn.Module):

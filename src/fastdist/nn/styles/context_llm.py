@@ -111,6 +111,10 @@ SPLIT_GENERATE = (
 )
 
 
+#: the transformers ``config.layer_types`` the split attention computes exactly
+_SPLIT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
 # ============================================================================ zig-zag layout
 def zigzag_shard(x: Tensor, mesh: Mesh, axis: str, dim: int) -> Tensor:
     """This rank's two chunks of ``x`` along ``dim`` (``S`` divisible by ``2n``): chunks ``r`` and
@@ -599,6 +603,15 @@ class CausalContextParallel(Style):
             raise ParallelizeError(
                 f"parallelize: {name!r} ({type(module).__name__}) has no ModuleList "
                 f"{self.layers!r} of decoder layers. Fix: CausalContextParallel(layers=...)"
+            )
+        other = sorted(set(getattr(config, "layer_types", None) or ()) - _SPLIT_LAYER_TYPES)
+        if other:  # chunked (Llama 4), linear attention, Mamba, ... : masks the split lacks
+            raise ParallelizeError(
+                f"parallelize: {name!r}: the config's layer_types hold {other}; "
+                "CausalContextParallel splits causal full and sliding-window attention only "
+                "(the split attention masks by token index: causal, the sliding window, "
+                "padding; a chunked, linear or state-space layer would come out wrong). Fix: "
+                "run this model without context_parallel"
             )
         for sub_name, sub in layers.named_modules():
             if isinstance(sub, nn.Conv1d):  # Mamba, LFM2, gated delta nets: a causal conv
