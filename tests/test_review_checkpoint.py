@@ -157,3 +157,22 @@ def test_safetensors_save_of_a_diffusers_model_loads_with_from_pretrained(tmp_pa
     checkpoint.load(tmp_path, again)
     got = again.state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_safetensors_save_into_a_distributed_checkpoint_directory_refused(tmp_path: Path) -> None:
+    """A DCP save, then a safetensors save of other weights into the same directory: before,
+    load(path) went on reading the DCP checkpoint (the older weights) without a word; now the
+    safetensors save raises before writing."""
+    torch.manual_seed(0)
+    first = fd.nn.parallelize(torch.nn.Linear(3, 2).double(), fd.Mesh({"dp": 2}), {})
+    checkpoint.save(tmp_path, first)
+    torch.manual_seed(1)
+    second = fd.nn.parallelize(torch.nn.Linear(3, 2).double(), fd.Mesh({"dp": 2}), {})
+    with pytest.raises(CheckpointError, match=r"holds a distributed checkpoint.*Fix: write"):
+        checkpoint.save(tmp_path, second, format="safetensors")
+    assert not list(tmp_path.glob("*.safetensors"))
+    checkpoint.save(tmp_path / "w.safetensors", second, format="safetensors")  # a file: fine
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "w.safetensors")
+    assert torch.equal(written["weight"], second.state_dict()["weight"])

@@ -263,6 +263,13 @@ def write(
             f"fastdist.checkpoint.save: {where} is a file and does not end in .safetensors. Fix: "
             "pass a directory (it is created) or a path ending in .safetensors"
         )
+    if not as_file and os.path.isfile(os.path.join(where, ".metadata")):
+        raise CheckpointError(
+            f"fastdist.checkpoint.save: {where} holds a distributed checkpoint (.metadata), "
+            "which fastdist.checkpoint.load(path) reads first: it would go on loading that one, "
+            "not these weights. Nothing was written. Fix: write the safetensors to another "
+            "directory (or a path ending .safetensors)"
+        )
     state = full_state_dict(module, mesh)
     if mesh.backend is None or mesh.rank == dst:
         folder = os.path.dirname(os.path.abspath(where)) if as_file else where
