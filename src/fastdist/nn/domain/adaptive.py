@@ -27,6 +27,7 @@ from fastdist.nn.domain.windows import (
     ragged_mask,
     ragged_sizes,
     region,
+    rows_seen,
     split_here,
     zero_padding_rows,
 )
@@ -88,10 +89,12 @@ def domain_adaptive_pool(
         # (padded blocks: the bins of the padded rows follow, the same bin width)
         local[i] = x.shape[x.dim() + d] * o // whole
     y = _ADAPTIVE[(kind, nsp)](x, tuple(local))
+    done = {a for a, _ in pooled}
     if mask is not None:  # the bins of padding rows zeroed (global ones are the whole's)
-        done = {a for a, _ in pooled}
         y = y.nan_to_num(0.0, 0.0, 0.0)
         y = zero_padding_rows(y, nsp, mesh, tuple(p for p in split if p[1] not in done), where)
+    # a block pooled to one row marks its axis thin; the global ones are the whole's
+    rows_seen(x.shape, y, nsp, tuple(p for p in split if p[1] not in done), where)
     if not pooled:
         return y
     axes = tuple(a for a, _ in pooled)
@@ -100,4 +103,5 @@ def domain_adaptive_pool(
     else:
         y = psum(y * math.prod(share for _, share in pooled), mesh, axes)
     region().pooled.update(axes)
+    rows_seen(x.shape, y, nsp, split, where, pooled=True)  # pooled and thin: refused
     return pvary(y, mesh, axes)

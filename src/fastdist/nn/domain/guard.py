@@ -85,6 +85,7 @@ from fastdist.nn.domain.windows import (
     domain_upsample,
     ragged_sizes,
     region,
+    rows_seen,
     upsample_factors,
 )
 
@@ -657,5 +658,6 @@ class Guard(TorchFunctionMode):
             out = domain_upsample(
                 x, factor, mode, mesh=self.mesh, split=self.split, where=self.where
             )
+        rows_seen(x.shape, out, x.dim() - 2, self.split, f"F.interpolate in {self.where!r}")
         self.after_layer((x,), out)
         return out

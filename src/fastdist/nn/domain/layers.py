@@ -38,6 +38,7 @@ from fastdist.nn.domain.windows import (
     domain_upsample,
     outside_region,
     region,
+    rows_seen,
 )
 
 __all__ = [
@@ -504,11 +505,18 @@ _FORWARDS: dict[str, Callable[..., Tensor]] = {
 }
 
 
+#: the layers whose output rows along a split dim follow their input's by a window
+_WINDOWS = frozenset({"conv", "causal_conv", "pad_conv", "conv_t", "pool", "upsample"})
+
+
 def _run(kind: str, site: Site, m: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
     if not region().depth:
         raise outside_region(site.where)
     with inside_layer():
-        return _FORWARDS[kind](site, m, *args, **kwargs)
+        y = _FORWARDS[kind](site, m, *args, **kwargs)
+    if kind in _WINDOWS and args and isinstance(args[0], Tensor) and isinstance(y, Tensor):
+        rows_seen(args[0].shape, y, y.dim() - 2, site.split, site.where)
+    return y
 
 
 def domain_forward(kind: str, site: Site, m: nn.Module) -> Callable[..., Tensor] | None:
@@ -640,6 +648,7 @@ class Recompute:
             state.depth -= 1
             self.guard.__exit__(None, None, None)
             state.pooled.clear()
+            state.thin.clear()
             state.ragged.clear()
             state.attention.clear()
         elif state.depth and state.frames:

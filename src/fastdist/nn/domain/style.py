@@ -283,6 +283,8 @@ def _enter(
     state = region()
     state.pooled.clear()
     state.ragged.clear()
+    # a rank's block of one row along a split axis (uneven on real ranks: this rank's)
+    state.thin = {a for d, a in style.split if block.shape[d] == 1}
     if mesh.backend is None:
         state.ragged.update(style.sizes)
     guard.__enter__()  # type: ignore[no-untyped-call]
@@ -296,11 +298,15 @@ def _cut(field: Any, style: DomainParallel, mesh: Mesh, where: str) -> Tensor:
     """This rank's block of the whole field (the same on every rank): even blocks, or on real
     ranks the blocks of ``style.sizes``."""
     x, split = field, style.split
-    if not isinstance(x, Tensor) or x.dim() < max(-d for d, _ in split):
+    need = 2 + max(-d for d, _ in split)  # [N, C, *spatial]: the layers and the guard's layout
+    if not isinstance(x, Tensor) or x.dim() < need:
         raise ParallelizeError(
             f"DomainParallel on {where!r}: the field is {type(x).__name__} "
-            f"{tuple(getattr(x, 'shape', ()))}, not a tensor with the split dims "
-            f"{[d for d, _ in split]}"
+            f"{tuple(getattr(x, 'shape', ()))}, not a batched [N, C, *spatial] tensor of at "
+            f"least {need} dims holding the split dims {[d for d, _ in split]} (an unbatched "
+            "field's split dims are not where the layers, the functional guard and the output's "
+            "gather look for them: its output would be left split, its reductions unchecked). "
+            "Fix: pass field.unsqueeze(0) (a batch of one) and take the output's [0]"
         )
     for d, axis in split:
         n = mesh.axis_size(axis)
@@ -404,6 +410,7 @@ def _leave(
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     pooled = frozenset(state.pooled)
     state.pooled.clear()
+    state.thin.clear()
     try:
         guard.check_output(out)
         if style.output == "split":

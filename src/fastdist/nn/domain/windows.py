@@ -53,6 +53,7 @@ __all__ = [
     "domain_conv_transpose",
     "domain_pool",
     "domain_upsample",
+    "rows_seen",
 ]
 
 #: ``(dim counted from the end, mesh axis)`` for every split dim
@@ -68,6 +69,9 @@ class Region:
         depth: how many regions are running now (a domain layer runs only inside one).
         pooled: the split axes a global (adaptive) pooling has reduced to one row, the same on
             every rank.
+        thin: the split axes along which a rank holds a block of one row of the domain (the
+            field's, or a window's output): with a global pooling over the same axis, a one-row
+            tensor could be either, which the region refuses (`rows_seen`).
         ragged: the uneven blocks on simulated ranks: ``{dim from the end: each rank's rows at
             the field's resolution}``.
         layers: the nesting depth of domain layers running now (their own ``F.pad`` /
@@ -79,6 +83,7 @@ class Region:
 
     depth: int = 0
     pooled: set[str] = field(default_factory=set)
+    thin: set[str] = field(default_factory=set)
     ragged: dict[int, tuple[int, ...]] = field(default_factory=dict)
     layers: int = 0
     attention: list[Any] = field(default_factory=list)
@@ -142,6 +147,43 @@ def ragged_sizes(mesh: Mesh, axis: str, dim: int, rows: int, where: str) -> list
             "of the strides on the way"
         )
     return [b * rows // top for b in base]
+
+
+def rows_seen(
+    before: Sequence[int], y: Tensor, nsp: int, split: Split, where: str, *, pooled: bool = False
+) -> None:
+    """After a layer of the region mapped a tensor of shape ``before`` to ``y`` (``nsp`` spatial
+    dims at their ends): a block shrunk to one row along a split axis marks it `Region.thin`;
+    a one-row tensor along an axis a global pooling reduced may not grow (an upsampling of the
+    pooled field would be gathered as if each rank held a block of it); and one axis both
+    pooled and thin raises (a one-row tensor along it could be either: gathered or left as the
+    whole). ``pooled``: ``y`` is a global pooling's output (its one row is not a block)."""
+    state = region()
+    for _, d, axis in split_here(split, nsp):
+        if -d > len(before) or -d > y.dim():
+            continue
+        rin, rout = before[d], y.shape[d]
+        if rin == 1 and rout > 1 and axis in state.pooled and axis not in state.thin:
+            raise ParallelizeError(
+                f"domain parallel: {where} grows a field a global pooling reduced to one row "
+                f"along the split dim {d} (axis {axis!r}) from 1 to {rout} rows: that one row is "
+                "the whole domain's, the same on every rank, not this rank's block, so its "
+                "upsampling would be gathered as if each rank held a block of it. Fix: broadcast "
+                "the pooled tensor against the field instead (x * p, x + p), or end the "
+                "domain-parallel region at the pooling"
+            )
+        if rout == 1 and rin > 1 and not pooled:
+            state.thin.add(axis)
+        if axis in state.thin and axis in state.pooled:
+            raise ParallelizeError(
+                f"domain parallel: {where}: along the split dim {d} (axis {axis!r}) a rank holds "
+                "a block of one row and a global pooling reduced a field to one row in the same "
+                "region: a one-row tensor is then either this rank's block (gathered at the "
+                "region's output, read with a halo) or the whole pooled field (the same on every "
+                "rank), which the style cannot tell apart. Fix: a domain of more rows per rank "
+                "at that resolution (fewer ranks, or fewer downsamplings inside the region), or "
+                "end the domain-parallel region before the global pooling"
+            )
 
 
 def _own(mesh: Mesh, axis: str, sizes: Sequence[int], device: Any) -> Tensor:
