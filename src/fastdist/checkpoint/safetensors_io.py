@@ -246,8 +246,9 @@ def write(
             ``diffusion_pytorch_model.safetensors``) and, for a transformers or diffusers model,
             its ``config.json``: what the class's ``from_pretrained`` reads. An earlier sharded
             save there (an index and its shards) is removed, so that nothing reads stale
-            weights. A path that does not exist never becomes a file unless it ends in
-            ``.safetensors``.
+            weights; a directory holding a distributed checkpoint raises `CheckpointError`
+            (``fastdist.checkpoint.load(path)`` reads that first). A path that does not exist
+            never becomes a file unless it ends in ``.safetensors``.
         mesh: the mesh it runs on.
         dst: the rank (global, on real ranks) that writes the file.
 
