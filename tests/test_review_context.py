@@ -187,14 +187,20 @@ def test_an_attention_outside_the_registry_equals_one_device_or_raises() -> None
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family,cp,mode,bidirectional",
-    [("llama", 3, "ring", False), ("mistral", 2, "ulysses", False), ("llama", 2, "ring", True)],
+    [
+        ("llama", 3, "ring", False),
+        ("mistral", 2, "ulysses", False),
+        ("mixtral", 2, "ring", False),  # the router's aux loss over the padding mask
+        ("llama", 2, "ring", True),
+    ],
 )
 def test_gloo_training_forward_equals_one_device_or_raises(
     family: str, cp: int, mode: str, bidirectional: bool
 ) -> None:
     """On gloo processes, a training forward as a user writes it (train mode, the KV cache at
     its default, a right-padded batch with an attention_mask, positions starting at 5, labels
-    -100, cp = 3 and a sliding window of 3 tokens, shorter than a rank's chunk): the model's
+    -100, cp = 3 and a sliding window of 3 tokens, shorter than a rank's chunk; Mixtral's
+    load-balancing loss over the padding mask, which a simulation cannot run): the model's
     loss, logits and every gradient equal one device; a bidirectional config is refused on
     every rank."""
     from tests.dist_harness import run_on_gloo
