@@ -32,6 +32,7 @@ from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 __all__ = [
     "clip_grad_norm_",
     "grad_norm",
+    "refuse_unreduced",
     "check_norm_type",
     "clip_coefficient",
     "scale_grads",
@@ -184,6 +185,7 @@ def total_norm(
     in errors."""
     module, mesh = module_and_mesh(model, mesh, op)
     p = check_norm_type(norm_type, op)
+    refuse_unreduced(model, op)
     simulated = mesh.backend is None
     with torch.no_grad():
         sums, grads, dtype = _partial_norms(module, mesh, p, simulated)
@@ -198,6 +200,24 @@ def total_norm(
         else:
             total = _combine(sums, mesh, p)
     return total.to(dtype or torch.get_default_dtype()), grads, mesh  # torch: 0.0 if none
+
+
+def refuse_unreduced(model: Any, op: str) -> None:
+    """Raise `MeshError` naming ``op`` when ``model``'s data-parallel engine (its ``engine``
+    attribute, e.g. `fastdist.train.DataParallel`) holds gradients received under ``no_sync``
+    and not reduced yet: the last backward ran inside ``no_sync``, so each rank holds its own
+    gradient, and a clip or step now would be per-rank (and a ZeRO all-gather would make the
+    wrong weights look consistent)."""
+    unreduced = getattr(getattr(model, "engine", None), "unreduced", None)
+    names = unreduced() if callable(unreduced) else []
+    if names:
+        raise MeshError(
+            f"{op}: the gradients of {names[:3]} ({len(names)} parameters) were accumulated "
+            "under DataParallel.no_sync() and never reduced (the last backward ran inside "
+            "no_sync), so every data rank holds only its own. Fix: run the last micro-batch's "
+            "backward outside no_sync (no_sync skips the reduction; the first backward after it "
+            "reduces everything accumulated)"
+        )
 
 
 def _check_equal(total: Tensor, mesh: Mesh, op: str) -> None:

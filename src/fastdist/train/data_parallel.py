@@ -349,6 +349,17 @@ class DataParallel:
         if getattr(self._owner, "engine", None) is self:
             self._owner.engine = None
 
+    def unreduced(self) -> list[str]:
+        """Names of the parameters whose gradients were received under `no_sync` and not reduced
+        yet (the last backward ran inside ``no_sync``): stepping or clipping now would use each
+        rank's own gradient. Empty after every synced backward; always empty with torch's
+        engines (their state is not visible here)."""
+        if self.parts:
+            return [n for part in self.parts for n in part.unreduced()]
+        if self.engine != "fastdist" or self._task is not None:  # torch's, or inside backward
+            return []
+        return [self._names[i] for i in self._pending]
+
     def finish(self) -> None:
         """Reduce everything received since the last reduction and write the gradients (called
         at the end of every synced backward; safe to call again)."""

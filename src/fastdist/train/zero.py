@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import MeshError
+from fastdist.nn.clip import refuse_unreduced
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 from fastdist.train.data_parallel import data_axes, reduce_axes, refuse_meta
 
@@ -84,7 +85,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"{op}: {name} is not known to update each element from that element alone; "
                 f"sharding it would change its result. Fix: one of {', '.join(_ELEMENTWISE)}"
             )
-        self.mesh, self.module = mesh, module
+        self.mesh, self.module, self._model = mesh, module, model
         self.axes = data_axes(axis, mesh, op)
         layouts = param_layouts(module)
         names = {id(p): n for n, p in module.named_parameters()}
@@ -181,6 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._refuse_unknown_grads()
+        refuse_unreduced(self._model, "fastdist.train.ZeroOptimizer.step")
         live = []
         for plist, shard, padded in self._groups:
             have = [p.grad is not None for p in plist]
@@ -195,7 +197,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise MeshError(
                     f"fastdist.train.ZeroOptimizer.step: {missing[:3]} have no gradient while "
                     "others do; a sharded flat update cannot skip them as torch's optimizers "
-                    "do. Fix: give them a gradient (e.g. zeros) or requires_grad=False"
+                    "do (AdamW's momentum and weight decay would still move them). Fix: a torch "
+                    "optimizer over pm.parameters(), which skips them, or requires_grad=False for "
+                    "parameters that do not train (a zero gradient is a different update: AdamW "
+                    "moves a parameter whose gradient is zero)"
                 )
             shard.copy_(self._chunk(self._flat([p.detach() for p in plist], padded)))
             shard.grad = self._chunk(self._flat([p.grad for p in plist], padded))  # type: ignore[misc]
