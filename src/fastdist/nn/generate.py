@@ -38,6 +38,7 @@ layer's collectives.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
+from fastdist.nn.randomness import RandomSites
 from fastdist.nn.styles import ParallelLinear, SequenceShard, decoding, whole_sequence
 from fastdist.nn.styles.configs import position_dependent_rope
 from fastdist.ops import all_gather
@@ -105,9 +107,43 @@ def check_whole_logits(model: nn.Module, out: Any, op: str) -> None:
         )
 
 
-def _fingerprint(values: Mapping[str, Any]) -> Tensor:
+def token_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's token inputs by name (`TOKEN_INPUTS`), positional ones included; ``generate``'s
+    own name of its prompt, ``inputs``, counts as ``input_ids``."""
+    values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
+    if "inputs" in values and values.get("input_ids") is None:
+        values["input_ids"] = values["inputs"]
+    return values
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a plain setting (a number, string, bool, None, or a list / tuple /
+    dict of them): one whose ``repr`` is the same wherever it is equal."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def arguments_text(model: nn.Module, kwargs: Mapping[str, Any]) -> str:
+    """The settings of a ``generate`` call that every rank of a group must share, as text: its
+    plain keyword arguments (``max_new_tokens``, ``temperature``, ...), the ``generation_config``
+    passed and the model's own (tensors, callables and other objects are left out)."""
+    parts = [f"{k}={v!r}" for k, v in sorted(kwargs.items()) if k not in TOKEN_INPUTS and _plain(v)]
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        to_json = getattr(config, "to_json_string", None)
+        if callable(to_json):
+            parts.append(str(to_json(use_diff=False)))
+    return "\n".join(parts)
+
+
+def _fingerprint(values: Mapping[str, Any], arguments: str = "") -> Tensor:
     """A float64 vector that differs when any token input differs (its shape, sum and a
-    position-weighted sum, per input)."""
+    position-weighted sum, per input) or the ``arguments`` text differs (its CRC-32, exact in
+    float64)."""
     parts: list[Tensor] = []
     for key in TOKEN_INPUTS:
         v = values.get(key)
@@ -126,27 +162,39 @@ def _fingerprint(values: Mapping[str, Any]) -> Tensor:
                 ]
             ).to(torch.float64)
         )
-    return torch.cat(parts)  # (4 * len(TOKEN_INPUTS),)
+    parts.append(torch.tensor([float(zlib.crc32(arguments.encode()))], dtype=torch.float64))
+    return torch.cat(parts)  # (4 * len(TOKEN_INPUTS) + 1,)
 
 
 def check_same_inputs(
-    values: Mapping[str, Any], mesh: Mesh, axes: Sequence[str], what: str
+    values: Mapping[str, Any], mesh: Mesh, axes: Sequence[str], what: str, arguments: str = ""
 ) -> None:
-    """Raise `ParallelizeError` if the token inputs differ across the ranks of any group over
-    ``axes`` (real ranks; a collective: every rank calls it)."""
-    mine = _fingerprint(values)
+    """Raise `ParallelizeError` if the token inputs (or the ``arguments`` text: `arguments_text`)
+    differ across the ranks of any group over ``axes`` (real ranks; a collective: every rank
+    calls it)."""
+    mine = _fingerprint(values, arguments)
     device = _comm_device(values)
     for axis in axes:
         every = all_gather(mine.to(device), mesh, axis, tiled=False).cpu()  # (n, k)
-        differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
-        if differ:
+        tokens = [r for r in range(every.shape[0]) if not torch.equal(every[r, :-1], every[0, :-1])]
+        settings = [r for r in range(every.shape[0]) if every[r, -1] != every[0, -1]]
+        if tokens:
             raise ParallelizeError(
                 f"{what}: the token inputs differ across the ranks of the {axis!r} group (rank "
-                f"{mesh.rank}: index {differ[0]} differs from index 0). The model's layers are "
+                f"{mesh.rank}: index {tokens[0]} differs from index 0). The model's layers are "
                 f"split over {axis!r}, so every rank must run the same request; ranks that "
                 "sampled different tokens diverge. Fix: give every rank of the group the same "
                 "prompt, and generate with ParallelModel.generate (every rank samples with the "
                 "group's first rank's random state) or seed every rank the same"
+            )
+        if settings:
+            raise ParallelizeError(
+                f"{what}: the generation arguments differ across the ranks of the {axis!r} group "
+                f"(rank {mesh.rank}: index {settings[0]} differs from index 0; max_new_tokens, "
+                "temperature, top_k, ... or a generation_config). The model's layers are split "
+                f"over {axis!r}: ranks that decode with different settings run different steps "
+                "or sample different tokens, and mix each other's sequences. Fix: pass every "
+                "rank of the group the same generate arguments (no rank-dependent setting)"
             )
 
 
@@ -173,6 +221,7 @@ class DirectCalls:
         self._trusted = 0
         self._gathering: list[contextlib.ExitStack] = []
         self._token = object()  # the mark of the KV caches this model filled (`_claim`)
+        self._random: RandomSites | None = None  # `refuse_random`'s scan of the model
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -204,6 +253,7 @@ class DirectCalls:
                 "the ParallelModel that parallelize returned (pm(...), or pm.generate(...) to "
                 "generate)"
             )
+        self.refuse_random(module, f"{self.name} called on real ranks")
         values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
         if not self._trusted and self.axes:
             check_same_inputs(values, self.mesh, self.axes, f"{self.name} called on real ranks")
@@ -216,6 +266,22 @@ class DirectCalls:
         # Megatron sequence parallelism: a call whose tokens do not divide runs whole
         stack.enter_context(whole_sequence(module, on=indivisible(values, self.sequence)))
         self._gathering.append(stack)
+
+    def refuse_random(self, model: nn.Module, what: str) -> None:
+        """Raise where ``model`` is in training mode and draws random numbers in its forward
+        (dropout, noise: `fastdist.nn.randomness.RandomSites`) while the plan splits it over an
+        axis of size > 1 (or the ranks are simulated): HF ``generate`` does not call ``eval()``,
+        and the ranks' masks of their shards would not be one device's (the same refusal as
+        ``ParallelModel``'s calls in training mode)."""
+        split = tuple(a for a in self.axes if self.mesh.axis_size(a) > 1)
+        simulated = self.mesh.backend is None
+        if not model.training or not (split or simulated):
+            return
+        if self._random is None:  # scanned once, at the first call in training mode
+            self._random = RandomSites.of(model)
+        if self._random.refused:
+            error = self._random.refusal(self.name, () if simulated else split)
+            raise ParallelizeError(f"{what}: {error}")
 
     def _claim(self, cache: Any) -> None:
         """A KV cache object is this model's from its first use here: one another parallel
@@ -295,10 +361,14 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "Face model's GenerationMixin). Fix: generate with a causal LM, or write the "
             "decoding loop over pm(...)"
         )
+    pm.direct_calls.refuse_random(model, "ParallelModel.generate")
     with decoding(model):  # sequence / context parallel: calls that cannot split may run
         if not pm.simulated:
-            values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
-            check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate")
+            # generate's positional arguments: the prompt, then a generation_config
+            values = token_inputs(args[:1], kwargs)
+            given = {"generation_config": args[1]} if len(args) > 1 else {}
+            arguments = arguments_text(model, {**kwargs, **given})
+            check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate", arguments)
             with _group_rng(model, pm.mesh, pm.axes), pm.direct_calls.trusted():
                 return cast(Any, model).generate(*args, **kwargs)
         return _simulated_generate(pm, *args, **kwargs)
@@ -340,6 +410,15 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "object cannot leave the simulation. Fix: leave use_cache unset (every step "
             "recomputes the sequence) or generate on real ranks"
         )
+    if kwargs.get("past_key_values") is not None:
+        raise ParallelizeError(
+            "ParallelModel.generate on a simulated mesh: past_key_values="
+            f"{type(kwargs['past_key_values']).__name__} cannot be used, a KV cache object cannot "
+            "enter or leave the simulation (every step recomputes the sequence; the cache would "
+            "be filled with every rank's keys stacked and generate would skip the tokens it "
+            "counts as cached). Fix: leave past_key_values unset and pass the whole sequence, or "
+            "generate on real ranks"
+        )
     model = pm.module
     dynamic = next((m for m in model.modules() if position_dependent_rope(m)), None)
     if dynamic is not None and kwargs.get("use_cache") is None:
@@ -352,6 +431,10 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "device's generate(use_cache=False)), or generate on real ranks"
         )
     world = pm.mesh.size
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
+    config = config if config is not None else getattr(model, "generation_config", None)
+    cached = kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False
+    seen = {"tokens": 0}  # the sequence length of the previous step (this call's own)
 
     def call(*a: Any, **k: Any) -> Any:
         batched = {
@@ -373,11 +456,47 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
                 "does not give every rank the whole output. Fix: check the plan with verify=True"
             )
         out["logits"] = logits[0]
+        length = _length(batched)
+        # with its KV cache, one device's step computes the tokens after the previous step's
+        new = length - seen["tokens"] if cached and 0 < seen["tokens"] < length else length
+        seen["tokens"] = length
+        for key in ("hidden_states", "attentions"):
+            if out.get(key) is not None:
+                out[key] = _rank_zero(out[key], key, new)
         return out
 
     proxy = _simulated_proxy(model, call)
     # no cache: every step recomputes the sequence (the user's own use_cache=False included)
     return cast(Any, type(model)).generate(proxy, *args, **{**kwargs, "use_cache": False})
+
+
+def _length(values: Mapping[str, Any]) -> int:
+    """The token count of a simulated step's inputs (``(world, batch, tokens)`` ids or
+    ``(world, batch, tokens, hidden)`` embeddings; 0: neither)."""
+    ids, embeds = values.get("input_ids"), values.get("inputs_embeds")
+    if isinstance(ids, Tensor):
+        return int(ids.shape[-1])
+    return int(embeds.shape[-2]) if isinstance(embeds, Tensor) else 0
+
+
+def _rank_zero(values: Any, key: str, new: int) -> Any:
+    """Rank 0's ``(world, ...)`` hidden states or attention weights (a tuple per layer), each
+    cut to its last ``new`` query positions (what one device's step with a KV cache computes);
+    raises if the ranks' differ (a plan that leaves them split)."""
+    if not isinstance(values, (tuple, list)) or not all(isinstance(v, Tensor) for v in values):
+        return values
+    kept = []
+    for v in values:
+        first = v[:1].expand_as(v)
+        if not bool(((v == first) | (v.isnan() & first.isnan())).all()):
+            raise ParallelizeError(
+                f"ParallelModel.generate on a simulated mesh: output_{key}=True, and the ranks' "
+                f"{key} differ: the plan leaves them split (each rank's heads or tokens). Fix: "
+                f"leave output_{key} unset, or generate on real ranks with a plan that gives "
+                "every rank the whole hidden state"
+            )
+        kept.append(v[0][..., v.shape[-2] - new :, :])
+    return tuple(kept)
 
 
 def _simulated_proxy(model: nn.Module, call: Any) -> nn.Module:
