@@ -69,6 +69,17 @@ class SqueezeThenDown(nn.Module):
         return self.m(h * torch.sigmoid(self.q(self.p(h))))
 
 
+class SqueezeThenDownConv(SqueezeThenDown):
+    """`SqueezeThenDown`, then a 3 x 3 convolution of the one-row blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.Conv2d(C, C, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.d(super().forward(x))
+
+
 class DownPlusGlobal(nn.Module):
     """A block pooled to one row per rank plus the field's global mean (broadcast)."""
 
@@ -198,15 +209,19 @@ def test_an_upsampled_global_pooling_is_refused(
 
 AMBIGUOUS: list[tuple[str, Callable[[], nn.Module], tuple[int, ...], str, str]] = [
     ("squeeze-excitation, then a max pooling to one row per rank", SqueezeThenDown,
-     (1, C, 4, 8), "h", r"'m' \(MaxPool2d\): along the split dim -2 \(axis 'h'\) a rank holds a "
+     (1, C, 4, 8), "h", r"the region's output: along the split dim -2 \(axis 'h'\) a rank holds a "
      r"block of one row and a global pooling"),
-    ("the same over H x W", SqueezeThenDown, (1, C, 4, 4), "hw", r"'m' \(MaxPool2d\)"),
+    ("the same over H x W", SqueezeThenDown, (1, C, 4, 4), "hw",
+     r"the region's output: along the split dim -2"),
     ("a block pooled to one row per rank plus the global mean", DownPlusGlobal, (1, C, 4, 8), "h",
-     r"'p' \(AdaptiveAvgPool2d\): along the split dim -2"),
+     r"the region's output: along the split dim -2"),
+    # (refused before too, with a message about a pooled field)
+    ("the same, then a 3 x 3 convolution", SqueezeThenDownConv, (1, C, 4, 8), "h",
+     r"a window reading a halo: along the split dim -2"),
     # (right before, by luck: the pooled row is what a one-row block would be gathered as; refused
-    # now, as the style cannot tell the two apart)
+    # now, as the style cannot tell the two apart at the output)
     ("a field of one row per rank, then a global pooling",
-     lambda: _global_then(), (1, C, 2, 8), "h", r"'1' \(AdaptiveAvgPool2d\)"),
+     lambda: _global_then(), (1, C, 2, 8), "h", r"the region's output: along the split dim -2"),
 ]  # fmt: skip
 
 
@@ -244,6 +259,14 @@ def test_global_pooling_and_thin_blocks_apart_equal_one_device(
     case: str, make: Callable[[], nn.Module], shape: tuple[int, ...], split: str
 ) -> None:
     equal_to_one_device(make(), shape, split)
+
+
+def test_uneven_one_row_block_and_global_pooling_on_simulated_ranks() -> None:
+    """Simulated ranks pad every block to the largest (3 rows here), so a rank's one valid row is
+    no one-row tensor: the global pooling's output is told apart, equal to one device."""
+    make = SqueezeThenDown
+    equal_to_one_device(_global_then(), (1, C, 4, 7), "h", sizes={-2: [1, 3]})
+    equal_to_one_device(make(), (1, C, 6, 8), "h", sizes={-2: [2, 4]})
 
 
 def test_on_gloo() -> None:

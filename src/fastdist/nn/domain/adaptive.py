@@ -103,5 +103,4 @@ def domain_adaptive_pool(
     else:
         y = psum(y * math.prod(share for _, share in pooled), mesh, axes)
     region().pooled.update(axes)
-    rows_seen(x.shape, y, nsp, split, where, pooled=True)  # pooled and thin: refused
     return pvary(y, mesh, axes)

@@ -37,7 +37,7 @@ from fastdist.nn.domain.layers import (
     is_diffusers_downsample,
     saved_hooks_top,
 )
-from fastdist.nn.domain.windows import Split, ragged_sizes, region
+from fastdist.nn.domain.windows import Split, one_row_ambiguity, ragged_sizes, region
 from fastdist.nn.styles.base import Style, StyleContext
 from fastdist.ops import (
     all_gather,
@@ -283,8 +283,14 @@ def _enter(
     state = region()
     state.pooled.clear()
     state.ragged.clear()
-    # a rank's block of one row along a split axis (uneven on real ranks: this rank's)
-    state.thin = {a for d, a in style.split if block.shape[d] == 1}
+    # a block of one row along a split axis (real ranks, uneven: any rank's, so that all agree;
+    # simulated ones hold blocks padded to the largest)
+    real = mesh.backend is not None
+    state.thin = {
+        a
+        for d, a in style.split
+        if min(style.sizes.get(d, []) if real else [], default=block.shape[d]) == 1
+    }
     if mesh.backend is None:
         state.ragged.update(style.sizes)
     guard.__enter__()  # type: ignore[no-untyped-call]
@@ -409,19 +415,25 @@ def _leave(
         state.frames.pop()
     guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     pooled = frozenset(state.pooled)
+    thin = frozenset(state.thin)
     state.pooled.clear()
     state.thin.clear()
     try:
         guard.check_output(out)
         if style.output == "split":
             return out
-        return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled)
+        return _gather_tree(out, style.split, mesh, bool(style.sizes), pooled, thin)
     finally:
         state.ragged.clear()
 
 
 def _gather_tree(
-    out: Any, split: Split, mesh: Mesh, uneven: bool, pooled: frozenset[str] = frozenset()
+    out: Any,
+    split: Split,
+    mesh: Mesh,
+    uneven: bool,
+    pooled: frozenset[str] = frozenset(),
+    thin: frozenset[str] = frozenset(),
 ) -> Any:
     """Every tensor of ``out`` that holds the split dims, gathered along them (``uneven``: each
     rank's rows told to the others first); one row along an axis a global pooling reduced
@@ -433,6 +445,8 @@ def _gather_tree(
         for d, axis in split:
             dim = out.dim() + d
             if axis in pooled and out.shape[dim] == 1:
+                if axis in thin:  # a rank's one-row block, or the pooled whole?
+                    raise one_row_ambiguity("the region's output", d, axis)
                 out = pmean(out, mesh, axis)
                 continue
             if not uneven:
@@ -449,8 +463,8 @@ def _gather_tree(
             out = GatherV.apply(out, mesh, axis, dim, sizes)  # type: ignore[no-untyped-call]
         return out
     if isinstance(out, (tuple, list)):
-        return type(out)(_gather_tree(v, split, mesh, uneven, pooled) for v in out)
+        return type(out)(_gather_tree(v, split, mesh, uneven, pooled, thin) for v in out)
     if hasattr(out, "keys") and hasattr(out, "__setitem__"):  # dicts, diffusers' BaseOutput
         for k in list(out.keys()):
-            out[k] = _gather_tree(out[k], split, mesh, uneven, pooled)
+            out[k] = _gather_tree(out[k], split, mesh, uneven, pooled, thin)
     return out

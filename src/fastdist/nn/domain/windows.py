@@ -54,6 +54,7 @@ __all__ = [
     "domain_pool",
     "domain_upsample",
     "rows_seen",
+    "one_row_ambiguity",
 ]
 
 #: ``(dim counted from the end, mesh axis)`` for every split dim
@@ -71,7 +72,8 @@ class Region:
             every rank.
         thin: the split axes along which a rank holds a block of one row of the domain (the
             field's, or a window's output): with a global pooling over the same axis, a one-row
-            tensor could be either, which the region refuses (`rows_seen`).
+            tensor could be either, which the region refuses where it matters (grown, gathered
+            at the output: `rows_seen`, `one_row_ambiguity`).
         ragged: the uneven blocks on simulated ranks: ``{dim from the end: each rank's rows at
             the field's resolution}``.
         layers: the nesting depth of domain layers running now (their own ``F.pad`` /
@@ -153,17 +155,19 @@ def rows_seen(
     before: Sequence[int], y: Tensor, nsp: int, split: Split, where: str, *, pooled: bool = False
 ) -> None:
     """After a layer of the region mapped a tensor of shape ``before`` to ``y`` (``nsp`` spatial
-    dims at their ends): a block shrunk to one row along a split axis marks it `Region.thin`;
-    a one-row tensor along an axis a global pooling reduced may not grow (an upsampling of the
-    pooled field would be gathered as if each rank held a block of it); and one axis both
-    pooled and thin raises (a one-row tensor along it could be either: gathered or left as the
-    whole). ``pooled``: ``y`` is a global pooling's output (its one row is not a block)."""
+    dims at their ends): a block shrunk to one row along a split axis marks it `Region.thin`,
+    and a one-row tensor along an axis a global pooling reduced may not grow (an upsampling of
+    the pooled field would be gathered as if each rank held a block of it; with the axis thin
+    too, the one row could be either). ``pooled``: ``y`` is a global pooling's output (its one
+    row is not a block)."""
     state = region()
     for _, d, axis in split_here(split, nsp):
         if -d > len(before) or -d > y.dim():
             continue
         rin, rout = before[d], y.shape[d]
-        if rin == 1 and rout > 1 and axis in state.pooled and axis not in state.thin:
+        if rin == 1 and rout > 1 and axis in state.pooled:
+            if axis in state.thin:
+                raise one_row_ambiguity(where, d, axis)
             raise ParallelizeError(
                 f"domain parallel: {where} grows a field a global pooling reduced to one row "
                 f"along the split dim {d} (axis {axis!r}) from 1 to {rout} rows: that one row is "
@@ -174,16 +178,20 @@ def rows_seen(
             )
         if rout == 1 and rin > 1 and not pooled:
             state.thin.add(axis)
-        if axis in state.thin and axis in state.pooled:
-            raise ParallelizeError(
-                f"domain parallel: {where}: along the split dim {d} (axis {axis!r}) a rank holds "
-                "a block of one row and a global pooling reduced a field to one row in the same "
-                "region: a one-row tensor is then either this rank's block (gathered at the "
-                "region's output, read with a halo) or the whole pooled field (the same on every "
-                "rank), which the style cannot tell apart. Fix: a domain of more rows per rank "
-                "at that resolution (fewer ranks, or fewer downsamplings inside the region), or "
-                "end the domain-parallel region before the global pooling"
-            )
+
+
+def one_row_ambiguity(where: str, d: int, axis: str) -> ParallelizeError:
+    """The error where a one-row tensor along ``axis`` could be a rank's block or a global
+    pooling's whole result (both seen along it in one region)."""
+    return ParallelizeError(
+        f"domain parallel: {where}: along the split dim {d} (axis {axis!r}) a rank holds a block "
+        "of one row and a global pooling reduced a field to one row in the same region: a "
+        "one-row tensor is then either this rank's block (gathered, read with a halo, upsampled "
+        "as a block) or the whole pooled field (the same on every rank), which the style cannot "
+        "tell apart. Fix: a domain of more rows per rank at that resolution (fewer ranks, or "
+        "fewer downsamplings inside the region), or end the domain-parallel region before the "
+        "global pooling"
+    )
 
 
 def _own(mesh: Mesh, axis: str, sizes: Sequence[int], device: Any) -> Tensor:
@@ -264,6 +272,8 @@ def exchange(
     valid rows (simulated uneven blocks: the halo follows them, then the padding rows)."""
     d = x.dim() + dim if dim < 0 else dim
     if axis in region().pooled and (before or after > 0) and x.shape[d] == 1:
+        if axis in region().thin:
+            raise one_row_ambiguity("a window reading a halo", dim, axis)
         raise ParallelizeError(
             f"domain parallel: a window reads a halo along {axis!r} of a field a global pooling "
             "reduced to one row (the same on every rank). Fix: end the domain-parallel region "
