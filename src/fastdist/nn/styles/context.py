@@ -220,15 +220,19 @@ class SplitProcessor:
         )
 
     def __call__(self, attn: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # eager, one graph break (why: context_graph's doc)
+            from fastdist.nn.styles.context_graph import attention_outside_the_graph
+
+            return attention_outside_the_graph(self, attn, hidden_states, *args, **kwargs)
         split = self._split(hidden_states, args, kwargs)
         attend = self._attend(split, hidden_states, args, kwargs)
         masks = getattr(attend, "func", None) is joint_attention  # it takes text key masks
         direct = self.direct
-        if direct is not None and direct.inner is self.inner and not torch.compiler.is_compiling():
+        if direct is not None and direct.inner is self.inner:
             out, calls = direct.run(attend, masks, attn, hidden_states, *args, **kwargs)
         else:
             swap = AttentionSwap(attend, self.where, key_masks=masks)
-            with swap:  # not `as swap`: under torch.compile the mode's __enter__ returns None
+            with swap:
                 out = self.inner(attn, hidden_states, *args, **kwargs)
             calls = swap.calls
         if calls != 1:
