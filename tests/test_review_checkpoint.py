@@ -176,3 +176,69 @@ def test_safetensors_save_into_a_distributed_checkpoint_directory_refused(tmp_pa
 
     written = load_file(tmp_path / "w.safetensors")
     assert torch.equal(written["weight"], second.state_dict()["weight"])
+
+
+def llama(tied: bool, seed: int) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    from tests.tiny_models import llama_config
+
+    cfg = llama_config(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).double()
+
+
+def tp2(model: torch.nn.Module) -> fd.nn.ParallelModel:
+    mesh = fd.Mesh({"tp": 2})
+    return fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh))
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "safetensors", "torch dcp"])
+def test_untied_checkpoint_into_a_tied_model_refused(tmp_path: Path, fmt: str) -> None:
+    """An untied Llama's checkpoint (lm_head != embed_tokens) loaded into the tied config at
+    tp 2: before, lm_head's values were dropped without a word and the model's LM head became
+    the embedding (transformers' from_pretrained instead unties them and keeps both); now it
+    raises naming both weights and the fix. strict=False loads the embedding's values (the
+    documented escape); a checkpoint holding both names with equal values (a tied model's, as
+    torch's get_state_dict or a full state dict writes it) loads as before."""
+    untied = llama(False, 0)
+    want = {k: v.clone() for k, v in untied.state_dict().items()}
+    if fmt == "dcp":
+        checkpoint.save(tmp_path, untied)
+    elif fmt == "safetensors":
+        untied.save_pretrained(tmp_path)
+    else:
+        import torch.distributed.checkpoint as tdcp
+
+        tdcp.save({"model": untied.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    pm = tp2(llama(True, 1))
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' is tied to.*Fix: build"):
+        checkpoint.load(tmp_path, pm)
+    checkpoint.load(tmp_path, pm, strict=False)
+    got = pm.state_dict()
+    assert torch.equal(got["lm_head.weight"], want["model.embed_tokens.weight"])
+
+    tied = llama(True, 2)  # both names, one value: loads
+    both = {k: v.clone() for k, v in tied.state_dict().items()}
+    assert "lm_head.weight" in both
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(both, str(tmp_path / "model.safetensors"))
+    else:
+        import shutil
+
+        import torch.distributed.checkpoint as tdcp
+
+        shutil.rmtree(tmp_path)
+        tdcp.save({"model": both}, checkpoint_id=str(tmp_path), no_dist=True)
+    pm = tp2(llama(True, 3))
+    checkpoint.load(tmp_path, pm)
+    got = pm.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in both.items())

@@ -517,6 +517,8 @@ def _check_read(
     for alias, key in aliases.items():
         if alias in stored and key in stored:
             _check_shape(alias, stored[alias], stored[key], tgt.where, op, source)
+            if strict and key in entries:
+                _check_tied(source, alias, key, entries[key], header, stored, crcs, tgt, op)
     values_wanted = [k for k, v in stored.items() if isinstance(v, BytesStorageMetadata)]
     values_wanted = [
         k for k in values_wanted if k.startswith("extra.") or (optimizer and k.startswith("optim"))
@@ -552,6 +554,65 @@ def _check_read(
                 "of the same config"
             )
     return entries, values, restore, crcs
+
+
+def _check_tied(
+    source: str,
+    alias: str,
+    key: str,
+    entry: Entry,
+    header: Any,
+    stored: Mapping[str, Any],
+    crcs: Mapping[str, int],
+    tgt: Target,
+    op: str,
+) -> None:
+    """Raise when the checkpoint holds a tied weight's second name as a tensor of its own with
+    other values (saved from a model where they were not tied): the load would silently drop
+    it. fastdist writes a tied weight once, so in its checkpoints the second name alone says
+    so; torch's (``get_state_dict``: both names) are compared on this process's boxes."""
+    differ = header is not None
+    if not differ:
+        got = _read_boxes(source, [(k, entry) for k in (alias, key)], stored, crcs, tgt.where)
+        differ = any(not torch.equal(a, b) for a, b in zip(got[alias], got[key]))
+    if differ:
+        raise CheckpointError(
+            f"{op} on {tgt.where}: {alias[len('model.') :]!r} is tied to "
+            f"{key[len('model.') :]!r} in {tgt.name}, but {source} holds it as a tensor of its "
+            "own with other values (saved from a model where they were not tied, e.g. "
+            "tie_word_embeddings=False): loading would drop it and use the other's values. "
+            "Fix: build the model with the same config (untied), or pass strict=False to load "
+            "the tied weight's values only"
+        )
+
+
+def _read_boxes(
+    path: str,
+    wanted: list[tuple[str, Entry]],
+    stored: Mapping[str, Any],
+    crcs: Mapping[str, int],
+    where: str,
+) -> dict[str, list[Tensor]]:
+    """Key -> the boxes ``entry`` holds, read from ``key`` into new tensors by this process
+    alone (no collective), for each ``(key, entry)`` of ``wanted``."""
+    op = "fastdist.checkpoint.load"
+    entries = [
+        Entry(
+            key,
+            e.shape,
+            stored[key].properties.dtype,
+            [
+                Box(b.offsets, b.sizes, [torch.empty(b.sizes, dtype=stored[key].properties.dtype)])
+                for b in e.boxes
+            ],
+        )
+        for key, e in wanted
+    ]
+    planner = LoadPlanner(entries, [], where)
+    with _quiet(False, f"{op} on {where}: reading {path} failed; nothing was loaded", _REREAD):
+        dcp_load({}, storage_reader=Reader(path, crcs, where, op), planner=planner, no_dist=True)
+    planner.apply()
+    return {e.key: [b.views[0] for b in e.boxes] for e in entries}
 
 
 def _check_shape(alias: str, a: Any, b: Any, where: str, op: str, source: str) -> None:

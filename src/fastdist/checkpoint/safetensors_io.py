@@ -185,6 +185,8 @@ def read(
                 f"missing, {len(unexpected)} unexpected). Fix: load the checkpoint of the same "
                 "model (same config), map names with rename=, or pass strict=False"
             )
+        if strict:
+            _check_tied(module, shapes, reader, to_file, mesh, stacked)
         unfilled = [n for k, n in wanted.items() if k not in shapes and tensors[n][0].is_meta]
         if unfilled:
             raise CheckpointError(
@@ -227,6 +229,41 @@ def read(
                         t[r].copy_(layout.read(get, expect, mesh, r, key))
                 else:
                     t.copy_(layout.read(get, expect, mesh, rank or 0, key))
+
+
+def _check_tied(
+    module: nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    reader: Callable[[str], Getter],
+    to_file: Callable[[str], str],
+    mesh: Mesh,
+    stacked: bool,
+) -> None:
+    """Raise when the checkpoint holds both names of a tied weight with other values (saved from
+    a model where they were not tied; transformers then unties them): the load would drop one.
+    Each rank compares its own slices of both (on a simulated mesh: every rank's)."""
+    layouts = param_layouts(module)
+    tensors = named_tensors(module)
+    for alias, name in tied_aliases(module).items():
+        a, b = to_file(alias), to_file(name)
+        if a == b or a not in shapes or b not in shapes or name not in tensors:
+            continue
+        layout = layouts.get(name, Layout())
+        t = tensors[name][0]
+        full = layout.full_shape(tuple(t.shape[1:]) if stacked else tuple(t.shape), mesh)
+        if tuple(shapes[b]) != full:
+            continue  # the shape check below names it
+        for r in range(mesh.size) if stacked else [mesh.rank]:
+            mine = layout.read(reader(b), full, mesh, r, b)
+            if not torch.equal(layout.read(reader(a), full, mesh, r, a), mine):
+                raise CheckpointError(
+                    f"fastdist.checkpoint.load: {alias!r} is tied to {name!r} in "
+                    f"{type(module).__name__}, but the checkpoint holds {a!r} and {b!r} with "
+                    "different values (saved from a model where they were not tied, e.g. "
+                    "tie_word_embeddings=False; transformers' from_pretrained unties them): "
+                    "loading would drop one. Nothing was loaded. Fix: build the model with the "
+                    "same config (untied), or pass strict=False to load the tied weight's values"
+                )
 
 
 def write(
