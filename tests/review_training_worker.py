@@ -92,3 +92,30 @@ def uneven_padding_zero_on_gloo() -> str:
     state = pm.state_dict()
     worst = max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items())
     return "ok" if worst < 1e-10 else f"weights differ by {worst}"
+
+
+def optimizer_before_fsdp() -> str:
+    """An optimizer built before ``DataParallel(engine="fsdp")`` holds the parameters FSDP2
+    replaced with DTensor shards: its ``step()`` raises (before: it updated nothing, every
+    weight unchanged, max change 0.0); one built after trains."""
+    from tests import tiny_models
+    from tests.test_hf_models import batch
+
+    mesh = fd.connect(tp=1, timeout=120)
+    ref = tiny_models.build("llama")
+    pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, fd.nn.plans.plan(ref, family="llama"))
+    early = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    fd.train.DataParallel(pm, "dp", engine="fsdp")
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    ids, labels = batch(mesh.rank)
+    pm(input_ids=ids, labels=labels).loss.backward()
+    try:
+        early.step()
+        return "an optimizer over the replaced parameters stepped"
+    except fd.errors.MeshError as e:
+        assert "fully_shard replaced" in str(e) and "embed_tokens" in str(e), e
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt.step()
+    after = pm.state_dict()
+    moved = min(float((after[k] - v).abs().max()) for k, v in before.items())
+    return "ok" if moved > 0 else f"a weight did not move ({moved})"

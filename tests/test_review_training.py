@@ -251,3 +251,11 @@ def test_accumulating_only_under_no_sync_is_refused_at_the_step(then: str) -> No
     state = pm.state_dict()
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(state[name], want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_optimizer_built_before_fsdp_raises_at_step_on_gloo() -> None:
+    """tests/review_training_worker.py optimizer_before_fsdp on 2 gloo processes (dp=2, FSDP2)."""
+    from tests.dist_harness import run_on_gloo
+    from tests.review_training_worker import optimizer_before_fsdp
+
+    assert run_on_gloo(optimizer_before_fsdp, 2, timeout=300) == ["ok"] * 2
