@@ -293,3 +293,24 @@ def test_on_gloo() -> None:
     for case, match in w.REFUSED.items():
         for got in run_on_gloo(w.run_case, 2, case, timeout=120):
             assert "error" in got and match in got["error"], (case, got)
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "split", "match"),
+    [
+        (lambda: nn.Conv2d(C, C, 5, padding=2), (1, C, 2, 8), "h",
+         r"the halo \(before=2, after=2\) is wider than the smallest block"),
+        (lambda: nn.Conv2d(C, C, 3, padding=1, padding_mode="reflect"), (1, C, 2, 8), "h",
+         r"reflect padding of \(before=1, after=1\) rows needs end blocks of more rows"),
+        (lambda: nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(C, C, 5, padding=2)), (1, C, 4, 4), "w",
+         r"the halo \(before=2, after=2\) is wider than the smallest block"),
+    ],
+)  # fmt: skip
+def test_a_field_narrower_than_a_halo_names_the_layer(
+    make: Callable[[], nn.Module], shape: tuple[int, ...], split: str, match: str
+) -> None:
+    """Before: halo_exchange's own error, which names the collective and the axis but not the
+    layer of the model whose kernel reaches past the neighbour's block."""
+    with pytest.raises(fd.nn.ParallelizeError, match=r"domain parallel: '.*' \(Conv2d\): .*"
+                       + match + r".*Fix"):  # fmt: skip
+        _run(make(), shape, split)

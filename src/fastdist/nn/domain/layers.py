@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fastdist.core.mesh import Mesh
-from fastdist.errors import ParallelizeError
+from fastdist.errors import CollectiveError, ParallelizeError
 from fastdist.nn.domain.adaptive import domain_adaptive_pool
 from fastdist.nn.domain.attention import (
     current_attention,
@@ -512,8 +512,11 @@ _WINDOWS = frozenset({"conv", "causal_conv", "pad_conv", "conv_t", "pool", "upsa
 def _run(kind: str, site: Site, m: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
     if not region().depth:
         raise outside_region(site.where)
-    with inside_layer():
-        y = _FORWARDS[kind](site, m, *args, **kwargs)
+    try:
+        with inside_layer():
+            y = _FORWARDS[kind](site, m, *args, **kwargs)
+    except CollectiveError as e:  # a block too narrow for the halo: name the layer
+        raise ParallelizeError(f"domain parallel: {site.where}: {e}") from e
     if kind in _WINDOWS and args and isinstance(args[0], Tensor) and isinstance(y, Tensor):
         rows_seen(args[0].shape, y, y.dim() - 2, site.split, site.where)
     return y
