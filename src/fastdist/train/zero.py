@@ -199,8 +199,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "others do; a sharded flat update cannot skip them as torch's optimizers "
                     "do (AdamW's momentum and weight decay would still move them). Fix: a torch "
                     "optimizer over pm.parameters(), which skips them, or requires_grad=False for "
-                    "parameters that do not train (a zero gradient is a different update: AdamW "
-                    "moves a parameter whose gradient is zero)"
+                    "parameters that do not train, set before the ZeroOptimizer is built (a zero "
+                    "gradient is a different update: AdamW moves a parameter whose gradient is "
+                    "zero)"
                 )
             shard.copy_(self._chunk(self._flat([p.detach() for p in plist], padded)))
             shard.grad = self._chunk(self._flat([p.grad for p in plist], padded))  # type: ignore[misc]
