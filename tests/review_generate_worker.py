@@ -67,6 +67,13 @@ def on_ranks() -> dict[str, Any]:
         "greedy": pm.generate(inputs=same, **GREEDY),
         **outputs(pm.generate),
     }
+    # a KV cache another parallel model filled, passed positionally (Llama's forward takes it
+    # fourth: input_ids, attention_mask, position_ids, past_key_values)
+    res = pm.generate(same, return_dict_in_generate=True, **GREEDY)
+    other = tm.build("llama")
+    fd.nn.parallelize(other, mesh)
+    last = res.sequences[:, -1:]
+    out["foreign_cache_positional"] = _error(lambda: other(last, None, None, res.past_key_values))
     # a model left in training mode with dropout: HF generate does not call eval()
     gpt = tm.build("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     pmd = fd.nn.parallelize(gpt, mesh)

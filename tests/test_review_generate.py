@@ -78,7 +78,9 @@ def test_generate_on_gloo_refuses_what_differs_across_ranks() -> None:
     (generate's own name) that differs across ranks was not compared (rank 1 got tokens no
     device gives for its prompt); a rank-dependent temperature sampled different tokens on the
     two ranks ([42, 48, 12, 2] and [42, 32, 12, 2]); a rank-dependent max_new_tokens hung the
-    longer rank in a collective; dropout in training mode generated. Now each raises at the
+    longer rank in a collective; dropout in training mode generated; a KV cache another parallel
+    model filled, passed positionally (Llama's fourth argument), was taken as inputs_embeds and
+    not refused. Now each raises at the
     first call, on every rank; equal inputs still give one device's tokens, scores, logits and
     hidden states."""
     want = one_device()
@@ -86,6 +88,7 @@ def test_generate_on_gloo_refuses_what_differs_across_ranks() -> None:
         assert "token inputs differ" in got["inputs_differ"], (rank, got["inputs_differ"])
         for key in ("temperature_differ", "max_new_tokens_differ"):
             assert "generation arguments differ" in got[key], (rank, key, got[key])
+        assert "another parallel model filled" in got["foreign_cache_positional"], rank
         for key in ("dropout_generate", "dropout_direct"):
             assert "training mode with dropout" in got[key], (rank, key, got[key])
         _close({k: got[k] for k in want}, want, f"rank {rank}")

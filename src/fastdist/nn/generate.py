@@ -38,6 +38,7 @@ layer's collectives.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -222,6 +223,11 @@ class DirectCalls:
         self._gathering: list[contextlib.ExitStack] = []
         self._token = object()  # the mark of the KV caches this model filled (`_claim`)
         self._random: RandomSites | None = None  # `refuse_random`'s scan of the model
+        # the names of forward's positional parameters (GPT-2's second is past_key_values)
+        try:
+            self._names = tuple(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            self._names = TOKEN_INPUTS
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -254,10 +260,10 @@ class DirectCalls:
                 "generate)"
             )
         self.refuse_random(module, f"{self.name} called on real ranks")
-        values = {**dict(zip(TOKEN_INPUTS, args, strict=False)), **kwargs}
+        values = {**dict(zip(self._names, args, strict=False)), **kwargs}
         if not self._trusted and self.axes:
             check_same_inputs(values, self.mesh, self.axes, f"{self.name} called on real ranks")
-        self._claim(kwargs.get("past_key_values"))
+        self._claim(values.get("past_key_values"))
         stack = contextlib.ExitStack()
         stack.enter_context(whole_logits(module))
         # a direct call is inference (the model's own generate): a call that cannot split may
