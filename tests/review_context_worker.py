@@ -61,3 +61,19 @@ def on_ranks(family: str, cp: int, mode: str, bidirectional: bool = False) -> di
         return step(pm)
     except ParallelizeError as e:
         return {"refused": str(e)}
+
+
+def rank_batches_on_ranks(cp: int) -> dict[str, Any]:
+    """Each rank its own batch (a data loader sharded over the cp ranks too: a user's mistake):
+    the loss, or the refusal."""
+    import torch.distributed as dist
+
+    model = tm.build("llama").train()
+    mesh = fd.connect(cp=cp)
+    pm = fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, context_parallel="cp"))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    try:
+        out = pm(input_ids=ids, labels=ids, use_cache=False)
+    except ParallelizeError as e:
+        return {"refused": str(e)}
+    return {"loss": out.loss.detach(), "ids": ids}

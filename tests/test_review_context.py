@@ -216,3 +216,16 @@ def test_gloo_training_forward_equals_one_device_or_raises(
         torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-6, atol=1e-7)  # float32
         for name, g in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.slow
+def test_gloo_ranks_given_different_batches_are_refused() -> None:
+    """A data loader sharded over the context-parallel ranks too gives each rank its own
+    batch: each cut its tokens out of its own batch, and the model's loss was a sequence
+    stitched from several, with no error (found in review: 4.107 and 4.118 where the ranks'
+    batches give 4.134 and 4.087). Refused at the first call, naming the fix."""
+    from tests.dist_harness import run_on_gloo
+    from tests.review_context_worker import rank_batches_on_ranks
+
+    for got in run_on_gloo(rank_batches_on_ranks, 2, 2, timeout=240):
+        assert "given other inputs on index 1 of the 'cp' group" in got.get("refused", ""), got

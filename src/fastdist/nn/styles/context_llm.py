@@ -62,6 +62,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from fastdist.core.context import check_of, is_real
 from fastdist.core.mesh import Mesh
 from fastdist.errors import ParallelizeError
 from fastdist.nn.styles.base import SequenceSwitch, Style, StyleContext
@@ -81,7 +82,7 @@ from fastdist.nn.styles.context_cache import (
     unmark,
 )
 from fastdist.nn.styles.context_recompute import in_backward
-from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk
+from fastdist.ops import all_gather_invariant, all_to_all_4d, local_chunk, pvary
 
 __all__ = [
     "CausalContextParallel",
@@ -178,6 +179,8 @@ class ContextState:
     positions: Tensor | None = None
     #: the split attention's calls in the running decoder layer (`_check_layer_attended`)
     attended: int = 0
+    #: real ranks: the inputs of a first call were found the same on every rank of the axis
+    same_inputs: bool = False
 
     @property
     def chunks(self) -> int:
@@ -249,6 +252,8 @@ def _enter_model(
         )
     if state.logits == "split" and state.switch.decoding:
         raise ParallelizeError(SPLIT_GENERATE.format(axis=state.axis))
+    if not state.same_inputs and is_real(state.mesh) and check_of(state.mesh) is None:
+        _check_same_inputs(state, module, kw)  # (not in parallelize's replication probe)
     S = tokens.shape[1]
     past = cache_length(kw.get("past_key_values"))
     if past == 0:  # an empty (new, reset) cache: a mark of an earlier prefill is stale
@@ -277,6 +282,43 @@ def _enter_model(
     state.valid = state.shard(mask.bool(), 1) if isinstance(mask, Tensor) else None
     kw["position_ids"] = state.shard(positions, 1)  # (1 or B, S/n)
     return (), kw
+
+
+#: the base model's inputs every rank of the axis must be given alike (its whole batch)
+_SAME_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
+
+
+def _check_same_inputs(state: ContextState, module: nn.Module, kw: dict[str, Any]) -> None:
+    """Real ranks, the model's first call: refuse inputs that differ across the axis (a data
+    loader sharded over the context-parallel ranks too). Each rank cuts its tokens out of the
+    batch it is given, so ranks given different batches would stitch a sequence out of
+    several, with no error. One small gather of a fingerprint per input (its shape, sum and a
+    position-weighted sum), once per model."""
+    parts = []
+    for key in _SAME_INPUTS:
+        v = kw.get(key)
+        if not isinstance(v, Tensor):
+            parts.append(torch.zeros(4, dtype=torch.float64))
+            continue
+        flat = v.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).sin()
+        shape = [float(v.dim()), float(flat.numel())]
+        parts.append(torch.tensor([*shape, flat.sum().item(), (flat * weights).sum().item()]))
+    mine = torch.cat(parts)  # (4 * len(_SAME_INPUTS),)
+    device = next((v.device for v in kw.values() if isinstance(v, Tensor)), mine.device)
+    # each rank's own fingerprint (pvary: it may differ, which is what is checked)
+    mine = pvary(mine.to(device)[None], state.mesh, state.axis)
+    every = all_gather_invariant(mine, state.mesh, state.axis).cpu()  # (n, k)
+    differ = [i for i in range(every.shape[0]) if not torch.equal(every[i], every[0])]
+    if differ:
+        raise ParallelizeError(
+            f"context parallelism over {state.axis!r}: {type(module).__name__} was given other "
+            f"inputs on index {differ[0]} of the {state.axis!r} group than on index 0 (rank "
+            f"{state.mesh.rank}). Every rank of the group must get the same whole batch: each "
+            "cuts its own tokens out of it. Fix: shard the data over the data-parallel axes "
+            f"only, not over {state.axis!r}"
+        )
+    state.same_inputs = True
 
 
 def _packed(positions: Tensor) -> bool:
