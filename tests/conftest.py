@@ -65,6 +65,7 @@ SLOW_FILES = frozenset(
 SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
+    "tests/test_review_domain.py": frozenset({"test_on_gloo"}),
     "tests/test_moe_compile_gloo.py": frozenset({"test_compiled_moe_step_on_gloo"}),
     "tests/test_forward_mode.py": frozenset({"test_real_ranks_refuse_forward_mode"}),
     "tests/test_randomness_refused.py": frozenset(
