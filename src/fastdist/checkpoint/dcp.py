@@ -234,11 +234,11 @@ def write(
     Raises `fastdist.errors.CheckpointError` (on every rank, before anything is written) for
     optimizer parameters the model lacks, optimizer state of another shape than its
     parameter's, or an ``extra`` value that would not load; and (on every rank) for a write
-    that fails (a full disk), the earlier checkpoint at ``path`` then left as it was; and (on every
-    rank, before anything is written) for a persistent buffer that differs between the ranks
-    holding it (BatchNorm's running statistics, each data rank updating them from its own
-    batch: the checkpoint keeps one copy). Ranks holding the same slice of a parameter are not
-    compared (one of them writes it): ``pm.state_dict()`` checks that replicas agree.
+    that fails (a full disk), the earlier checkpoint at ``path`` then left as it was. Ranks that
+    hold the same slice are not compared (one of them writes it): ``pm.state_dict()`` checks that
+    replicas of a parameter agree. A persistent buffer is written by the lowest rank holding it
+    (BatchNorm's running statistics, which each data rank updates from its own batch: the
+    lowest rank's whole set, as torch's DDP broadcasts them, never a mix of ranks).
     """
     op = "fastdist.checkpoint.save"
     tgt = target(model, op)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +94,7 @@ class Entry:
     dtype: torch.dtype
     boxes: list[Box] = field(default_factory=list)
     padded: list[Tensor] = field(default_factory=list)  # zero-filled before a load
-    compare: bool = False  # a save checks that the ranks holding a box agree (buffers)
+    lowest: bool = False  # written by the lowest rank holding it (buffers: see `SavePlanner`)
 
 
 @dataclass
@@ -324,7 +323,7 @@ def model_entries(tgt: Target) -> dict[str, Entry]:
             )
         layout = tgt.layouts.get(name, Layout()) if is_param else Layout()
         new = entry(f"model.{name}", t, layout, tgt, tgt.simulated and is_param)
-        new.compare = not is_param  # running statistics, updated by each rank on its own data
+        new.lowest = not is_param  # running statistics: each rank's own (see `SavePlanner`)
         if new.key in out:  # a skeleton buffer in every stage, a tied weight: written once,
             merge(out[new.key], new)  # read into each copy
         else:
@@ -352,8 +351,12 @@ class SavePlanner(DefaultSavePlanner):
     """Writes the boxes this process holds, one ``WriteItem`` each, in single-device coordinates.
 
     The coordinator keeps one writer per box (ranks holding the same box: the one with the fewest
-    bytes so far, biggest boxes first) and records the header and the nesting of keys. (Replacing
-    an earlier checkpoint atomically is the storage's concern: `fastdist.checkpoint.dcp.Writer`.)"""
+    bytes so far, biggest boxes first) and records the header and the nesting of keys. A
+    buffer's box is written by the lowest rank holding it: ranks may hold different running
+    statistics (BatchNorm under data parallelism, each rank updating them from its own batch),
+    and the checkpoint then holds one rank's whole set, the one torch's DDP broadcasts
+    (``broadcast_buffers``), never a mix of ranks. (Replacing an earlier checkpoint atomically
+    is the storage's concern: `fastdist.checkpoint.dcp.Writer`.)"""
 
     def __init__(
         self,
@@ -395,13 +398,8 @@ class SavePlanner(DefaultSavePlanner):
             items += [
                 WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs
             ]
-        crcs = {
-            (e.key, box.offsets): _crc(box.views[0])
-            for e in self.entries
-            if e.compare
-            for box in e.boxes
-        }
-        self.plan = SavePlan(items, planner_data=crcs)
+        lowest = [(e.key, box.offsets) for e in self.entries if e.lowest for box in e.boxes]
+        self.plan = SavePlan(items, planner_data=lowest)
         return self.plan
 
     def _blob(self, key: str, value: Any) -> bytes:
@@ -422,9 +420,9 @@ class SavePlanner(DefaultSavePlanner):
         return buf.getvalue()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        _replicas_agree(all_plans)
+        lowest = {(k, tuple(o)) for p in all_plans for k, o in (p.planner_data or [])}
         all_plans = [dataclasses.replace(p, planner_data=None) for p in all_plans]
-        plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans))
+        plans, metadata = super().create_global_plan(_one_writer_per_box(all_plans, lowest))
         nesting: dict[str, Any] = {k: _nesting(k) for k in metadata.state_dict_metadata}
         nesting[HEADER] = self.header
         self.metadata = dataclasses.replace(metadata, planner_data=nesting)
@@ -437,35 +435,12 @@ class SavePlanner(DefaultSavePlanner):
         return self.sources[(write_item.index.fqn, tuple(offset) if offset is not None else ())]
 
 
-def _crc(t: Tensor) -> int:
-    """CRC-32 of a tensor's bytes (its values, whatever its strides)."""
-    return zlib.crc32(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-
-
-def _replicas_agree(plans: list[SavePlan]) -> None:
-    """Raise when ranks holding the same box of a buffer hold different bytes (each plan's
-    ``planner_data``: (key, offsets) -> CRC-32): one writes it, and which one is the writer's
-    choice, so a checkpoint would silently keep one rank's running statistics (or mix ranks'
-    over the buffers of one module)."""
-    seen: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
-    for rank, plan in enumerate(plans):
-        for box, crc in (plan.planner_data or {}).items():
-            first = seen.setdefault(box, (rank, crc))
-            if first[1] != crc:
-                raise CheckpointError(
-                    f"fastdist.checkpoint.save: the buffer {box[0][len('model.') :]!r} differs "
-                    f"between process ranks {first[0]} and {rank}, which both hold it (e.g. "
-                    "BatchNorm running statistics, each data rank updating them from its own "
-                    "batch): a checkpoint keeps one copy, so which rank's would be arbitrary. "
-                    "Nothing was written. Fix: make the ranks agree before saving (average the "
-                    "buffers over the data axis with torch.distributed.all_reduce, or use "
-                    "torch.nn.SyncBatchNorm.convert_sync_batchnorm before parallelize)"
-                )
-
-
-def _one_writer_per_box(plans: list[SavePlan]) -> list[SavePlan]:
+def _one_writer_per_box(
+    plans: list[SavePlan], lowest: set[tuple[str, tuple[int, ...]]]
+) -> list[SavePlan]:
     """Each box that several ranks hold kept in one plan only: the plan with the fewest bytes so
-    far, biggest boxes first (replicated parameters spread over their holders)."""
+    far, biggest boxes first (replicated parameters spread over their holders); a box in
+    ``lowest`` (key, offsets) by the lowest rank holding it."""
 
     def ident(item: WriteItem) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         assert item.tensor_data is not None
@@ -485,6 +460,8 @@ def _one_writer_per_box(plans: list[SavePlan]) -> list[SavePlan]:
     writer = {}
     for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
         w = min(holders[key], key=lambda i: (load[i], i))
+        if key[:2] in lowest:
+            w = min(holders[key])
         writer[key] = w
         load[w] += nbytes[key]
     return [
