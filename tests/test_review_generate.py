@@ -62,6 +62,14 @@ def test_simulated_generate_refuses_a_kv_cache() -> None:
         pm.generate(torch.tensor(PROMPT), past_key_values=DynamicCache(), max_new_tokens=5)
 
 
+def test_simulated_generate_refuses_assisted_generation() -> None:
+    """Assisted generation on simulated ranks: a fastdist error naming the fix (was
+    transformers' ValueError asking for use_cache=True, which is itself refused there)."""
+    pm = fd.nn.parallelize(tm.build("llama"), fd.Mesh({"tp": 2}))
+    with pytest.raises(ParallelizeError, match="prompt_lookup_num_tokens= .*real ranks"):
+        pm.generate(torch.tensor(PROMPT), prompt_lookup_num_tokens=2, max_new_tokens=3)
+
+
 def test_simulated_generate_refuses_dropout_in_training_mode() -> None:
     """A model left in training mode with dropout: refused at the start of generate."""
     gpt = tm.build("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)

@@ -62,6 +62,10 @@ __all__ = ["DirectCalls", "generate", "indivisible", "sequence_sizes"]
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 
 
+#: ``generate``'s arguments that turn on assisted generation (it needs a KV cache)
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
 def sharded_head(model: nn.Module) -> ParallelLinear | None:
     """The model's LM head when a plan made it give vocabulary-parallel logits, else None."""
     get = getattr(model, "get_output_embeddings", None)
@@ -415,6 +419,13 @@ def _simulated_generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "ParallelModel.generate on a simulated mesh: use_cache=True cannot hold, a KV cache "
             "object cannot leave the simulation. Fix: leave use_cache unset (every step "
             "recomputes the sequence) or generate on real ranks"
+        )
+    assisted = [k for k in ASSISTED if kwargs.get(k) is not None]
+    if assisted:
+        raise ParallelizeError(
+            f"ParallelModel.generate on a simulated mesh: {assisted[0]}= (assisted generation) "
+            "needs a KV cache, which cannot leave the simulation. Fix: generate on real ranks "
+            "(fastdist.connect), or leave it unset"
         )
     if kwargs.get("past_key_values") is not None:
         raise ParallelizeError(
