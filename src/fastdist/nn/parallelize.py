@@ -44,6 +44,7 @@ from fastdist.nn.materialize import (
     run_inits,
     unwritten,
 )
+from fastdist.nn.optim_guard import refuse_replaced_in_optimizers
 from fastdist.nn.plans import plan as family_plan
 from fastdist.nn.pvary_sites import PvarySites
 from fastdist.nn.randomness import (
@@ -555,7 +556,17 @@ def parallelize(
     except Exception as e:  # noqa: BLE001 (reported when the copy is needed)
         original, why = None, f"{type(e).__name__}: {e}"
     # Phase 2: apply.
+    before = dict(model.named_parameters())
     ctx = _apply(model, mesh, styles, matches)
+    refuse_replaced_in_optimizers(
+        before,
+        dict(model.named_parameters()),
+        "fastdist.nn.parallelize",
+        "parallelize replaced them with this rank's parameters",
+        "build the optimizer after parallelize, over pm.parameters()",
+        ParallelizeError,
+    )
+    del before
     pm = ParallelModel(model, mesh, ctx.pvary, ctx.axes, plan)
     pm._attach_original(original, why)
     install_save_pretrained(model, mesh)  # model.save_pretrained writes the whole model

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from fastdist.comm.connect import to_device_mesh
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.errors import MeshError, PipelineError
+from fastdist.nn.optim_guard import refuse_replaced_in_optimizers
 from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 from fastdist.train.pipeline import Pipeline
@@ -622,38 +623,14 @@ def fsdp(
         fully_shard(m, mesh=dm, **kwargs)
     fully_shard(pm.module, mesh=dm, **kwargs)
     pm.module._fastdist_data_parallel = axes  # type: ignore[assignment]
-    refuse_replaced_in_optimizers(before, dict(pm.module.named_parameters()), op)
+    refuse_replaced_in_optimizers(
+        before,
+        dict(pm.module.named_parameters()),
+        op,
+        "FSDP2's fully_shard replaced them with DTensor shards",
+        "build the optimizer after DataParallel(..., engine='fsdp'), over pm.parameters()",
+    )
     return pm.module
-
-
-def refuse_replaced_in_optimizers(
-    before: dict[str, nn.Parameter], after: dict[str, nn.Parameter], op: str
-) -> None:
-    """Make any torch optimizer that still holds a parameter of ``before`` that ``after`` no
-    longer holds (FSDP2's ``fully_shard`` replaces every parameter with a DTensor shard) raise at
-    its next ``step()``: it would update tensors the model no longer uses, and train nothing.
-
-    A global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``), holding the
-    replaced parameters weakly: one dictionary lookup per parameter per step."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from torch.utils.weak import WeakIdKeyDictionary
-
-    now = {id(p) for p in after.values()}
-    replaced = WeakIdKeyDictionary({p: n for n, p in before.items() if id(p) not in now})
-    if not replaced:
-        return
-
-    def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        stale = [replaced[p] for g in optimizer.param_groups for p in g["params"] if p in replaced]
-        if stale:
-            raise MeshError(
-                f"{op}: {type(optimizer).__name__} holds {stale[:3]} ({len(stale)} parameters) "
-                "as they were before FSDP2's fully_shard replaced them with DTensor shards; "
-                "its step would update tensors the model no longer uses and train nothing. Fix: "
-                "build the optimizer after DataParallel(..., engine='fsdp'), over pm.parameters()"
-            )
-
-    register_optimizer_step_pre_hook(check)
 
 
 def _refuse_split_over(pm: ParallelModel, axes: tuple[str, ...], op: str) -> None:
