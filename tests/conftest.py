@@ -66,6 +66,15 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
     "tests/test_review_domain.py": frozenset({"test_on_gloo"}),
+    "tests/test_review_context.py": frozenset(
+        {
+            "test_gloo_training_forward_equals_one_device_or_raises",
+            "test_gloo_ranks_given_different_batches_are_refused",
+        }
+    ),
+    "tests/test_review_generate.py": frozenset(
+        {"test_generate_on_gloo_refuses_what_differs_across_ranks"}
+    ),
     "tests/test_review_training.py": frozenset(
         {
             "test_uneven_padding_zero1_on_gloo",
