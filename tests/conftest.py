@@ -30,6 +30,7 @@ torch.set_num_threads(1)  # simulated ranks are tiny tensors; threads only add o
 # files (relative to the repository root) whose every test is slow
 SLOW_FILES = frozenset(
     {
+        "tests/test_review_checkpoint_gloo.py",
         "tests/test_benchmarks.py",
         "tests/test_benchmarks_context.py",
         "tests/test_checkpoint.py",
@@ -66,6 +67,12 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
     "tests/test_review_domain.py": frozenset({"test_on_gloo"}),
+    "tests/test_review_checkpoint.py": frozenset(
+        {
+            "test_zero_refuses_plain_state_whose_steps_differ",
+            "test_safetensors_save_over_a_sharded_save_pretrained",
+        }
+    ),
     "tests/test_review_context.py": frozenset(
         {
             "test_gloo_training_forward_equals_one_device_or_raises",
