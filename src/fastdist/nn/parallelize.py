@@ -233,6 +233,8 @@ class ParallelModel:
         except RuntimeError as e:
             if is_vmap_randomness(e):
                 raise self._random.vmap_refusal(type(self.module).__name__) from e
+            if "Batch norm got a batched tensor" in str(e):
+                raise _batch_norm_refusal(self.module) from e
             if "data-dependent control flow" not in str(e):
                 raise
             raise ParallelizeError(
@@ -573,6 +575,22 @@ def parallelize(
     if verify is None:  # a replicated parameter meeting rank-varying values unreduced: refused
         check_replicas(model, mesh, pm.layouts, pm.axes, pm.probe)  # (verify checks a copy)
     return pm
+
+
+def _batch_norm_refusal(model: nn.Module) -> ParallelizeError:
+    """The error for torch.vmap's refusal of a BatchNorm that updates its running statistics
+    in place (one buffer for every simulated rank at once)."""
+    norms = [
+        n or type(m).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    return ParallelizeError(
+        f"{type(model).__name__} on simulated ranks: {norms[:3]} ({len(norms)} modules) are "
+        "BatchNorms in training mode with running statistics, updated in place from each rank's "
+        "batch, which a simulation running every rank at once cannot hold per rank. Fix: "
+        "model.eval(), track_running_stats=False, or real ranks (fastdist.connect)"
+    )
 
 
 def _resolve_plan(
