@@ -348,10 +348,12 @@ def test_batch_norm_training_on_simulated_data_parallel_names_the_modules() -> N
     each rank's own statistics, as DDP does without SyncBatchNorm)."""
     from torch import nn
 
+    from fastdist.errors import ParallelizeError
+
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)).double()
     pm = fd.nn.parallelize(model, fd.Mesh({"dp": 2}), {})
     x = torch.randn(2, 2, 3, 5, 5, dtype=torch.float64)  # (rank, batch, C, H, W)
-    with pytest.raises(fd.ParallelizeError, match=r"\['1'\] \(1 modules\) are BatchNorms.*Fix: "):
+    with pytest.raises(ParallelizeError, match=r"\['1'\] \(1 modules\) are BatchNorms.*Fix: "):
         pm(x)
     model.eval()
     assert pm(x).shape == (2, 2, 4, 5, 5)  # eval mode: the running statistics are only read
