@@ -6,12 +6,14 @@ loss wants and what ``generate`` must not see: the argmax (or a sample) inside o
 is a wrong token, silently. Two things make generation right:
 
 * `DirectCalls`, hooks `fastdist.nn.parallelize` puts on a model whose layers it split: a call
-  of the model itself (``model(...)``, ``model.generate(...)``: not through `ParallelModel`)
-  gets the whole vocabulary's logits, as the unmodified model returns them, and on real ranks its
-  token inputs are checked equal across the ranks of every group the plan splits over (ranks
-  that drew different samples diverge; they are stopped at the next step, never silently). On a
-  simulated mesh such a call cannot run (the parameters hold every rank's shard): it raises,
-  naming `ParallelModel.generate`.
+  of the model itself (``model(...)``: not through `ParallelModel`) gets the whole vocabulary's
+  logits, as the unmodified model returns them, and on real ranks its token inputs are checked
+  equal across the ranks of every group the plan splits over (ranks that drew different
+  samples in a loop of their own diverge; they are stopped at the next step, never silently).
+  The model's own ``model.generate(...)`` is `OwnGenerate`, which runs as `generate` does on
+  real ranks (`generate_on_ranks`): the last sampled token, which no forward follows, is the
+  same on every rank too. On a simulated mesh such calls cannot run (the parameters hold every
+  rank's shard): they raise, naming `ParallelModel.generate`.
 * `generate` (`ParallelModel.generate`): the inputs checked once, every rank of a group drawing
   with the random state of the group's first rank (so sampling draws one device's tokens, and
   the other ranks' own random state is left as it was), then the model's own ``generate``. On a
@@ -56,7 +58,14 @@ from fastdist.ops import all_gather
 if TYPE_CHECKING:
     from fastdist.nn.parallelize import ParallelModel
 
-__all__ = ["DirectCalls", "generate", "indivisible", "sequence_sizes"]
+__all__ = [
+    "DirectCalls",
+    "OwnGenerate",
+    "generate",
+    "generate_on_ranks",
+    "indivisible",
+    "sequence_sizes",
+]
 
 #: the inputs of a causal LM's forward that every rank of a tensor-parallel group must share
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
@@ -236,6 +245,9 @@ class DirectCalls:
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
         ]
+        if callable(getattr(type(model), "generate", None)):
+            # the model's own generate (model.generate(...)) runs as ParallelModel.generate
+            model.__dict__["generate"] = OwnGenerate(model, self)
 
     @contextlib.contextmanager
     def bypass(self) -> Iterator[None]:
@@ -318,9 +330,39 @@ class DirectCalls:
             self._gathering.pop().close()
             check_whole_logits(module, out, f"{self.name} called on real ranks")
 
-    def remove(self) -> None:
+    def remove(self, model: nn.Module) -> None:
+        """Take the hooks and the model's own `OwnGenerate` off ``model``."""
         for h in self.handles:
             h.remove()
+        if isinstance(model.__dict__.get("generate"), OwnGenerate):
+            del model.__dict__["generate"]
+
+
+class OwnGenerate:
+    """The model's own ``generate`` on a model whose layers a plan split (``model.generate(...)``,
+    an instance attribute `DirectCalls` sets): on real ranks what ``ParallelModel.generate``
+    does (`generate_on_ranks`: the prompt and settings compared at the call, every rank of a
+    group sampling with its first rank's random state). Without it, ranks whose random states
+    differ sampled different tokens, and the last one, fed to no forward, was never compared:
+    each rank returned a different sequence, silently. On a simulated mesh it raises, naming
+    ``ParallelModel.generate``.
+
+    It holds the model and its `DirectCalls`: ``copy.deepcopy`` of the model copies both with
+    it (the copy's ``generate`` runs the copy)."""
+
+    def __init__(self, model: nn.Module, calls: DirectCalls) -> None:
+        self.model, self.calls = model, calls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.calls.mesh.backend is None:
+            raise ParallelizeError(
+                f"{self.calls.name}.generate was called on a simulated mesh, where the model's "
+                "parameters hold every rank's shard stacked: it cannot run outside the "
+                "simulation. Fix: pm.generate(...) on the ParallelModel that parallelize "
+                "returned (every simulated rank runs each step)"
+            )
+        what = f"{self.calls.name}.generate on real ranks"
+        return generate_on_ranks(self.model, self.calls, what, args, kwargs)
 
 
 def _rng_device(model: nn.Module) -> torch.device:
@@ -371,17 +413,31 @@ def generate(pm: ParallelModel, *args: Any, **kwargs: Any) -> Any:
             "Face model's GenerationMixin). Fix: generate with a causal LM, or write the "
             "decoding loop over pm(...)"
         )
+    if not pm.simulated:
+        return generate_on_ranks(model, pm.direct_calls, "ParallelModel.generate", args, kwargs)
     pm.direct_calls.refuse_random(model, "ParallelModel.generate")
     with decoding(model):  # sequence / context parallel: calls that cannot split may run
-        if not pm.simulated:
-            # generate's positional arguments: the prompt, then a generation_config
-            values = token_inputs(args[:1], kwargs)
-            given = {"generation_config": args[1]} if len(args) > 1 else {}
-            arguments = arguments_text(model, {**kwargs, **given})
-            check_same_inputs(values, pm.mesh, pm.axes, "ParallelModel.generate", arguments)
-            with _group_rng(model, pm.mesh, pm.axes), pm.direct_calls.trusted():
-                return cast(Any, model).generate(*args, **kwargs)
         return _simulated_generate(pm, *args, **kwargs)
+
+
+def generate_on_ranks(
+    model: nn.Module, calls: DirectCalls, what: str, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """The model class's ``generate(model, *args, **kwargs)`` on real ranks, as one device runs
+    it: the prompt and the plain settings compared across the ranks of every group the plan
+    splits over (`check_same_inputs`, raising naming ``what``), then every rank of a group
+    sampling with its first rank's random state (`_group_rng`: the same tokens on every rank,
+    the last one included), the steps' own input checks skipped (``trusted``)."""
+    calls.refuse_random(model, what)
+    with decoding(model):  # sequence / context parallel: calls that cannot split may run
+        # generate's positional arguments: the prompt, then a generation_config
+        values = token_inputs(args[:1], kwargs)
+        given = {"generation_config": args[1]} if len(args) > 1 else {}
+        arguments = arguments_text(model, {**kwargs, **given})
+        check_same_inputs(values, calls.mesh, calls.axes, what, arguments)
+        with _group_rng(model, calls.mesh, calls.axes), calls.trusted():
+            # the class's generate: the model's own attribute is `OwnGenerate`, which calls this
+            return cast(Any, type(model)).generate(model, *args, **kwargs)
 
 
 def sequence_sizes(plan: Mapping[str, Any], mesh: Mesh) -> tuple[int, ...]:
