@@ -40,7 +40,17 @@ from fastdist.nn.styles.heads import QkvLayout
 from fastdist.nn.styles.linear import ColwiseParallel, RowwiseParallel, VocabParallel
 from fastdist.nn.styles.regions import GatherSequence, PrepareInput, PvaryParams, SequenceShard
 
-__all__ = ["Family", "Mlp", "Plan", "Seq", "add_context_parallel", "build_plan", "context_experts"]
+__all__ = [
+    "NO_CONTEXT_PARALLEL",
+    "Family",
+    "Mlp",
+    "Plan",
+    "Seq",
+    "add_context_parallel",
+    "build_plan",
+    "context_experts",
+    "refuse_context_parallel",
+]
 
 #: A plan: module-name patterns (``fnmatch``, e.g. ``"model.layers.*.mlp.down_proj"``) mapped to
 #: the `Style` that makes each matching module parallel; what `fastdist.nn.parallelize` takes.
@@ -114,6 +124,43 @@ class Family:
     def moe(self) -> bool:
         """Whether the family has experts."""
         return bool(self.experts)
+
+
+#: the families `add_context_parallel` refuses (their model types, why, what to do instead):
+#: `CausalContextParallel` gives each rank its tokens' positions at the base model and runs the
+#: split attention as transformers' registered attention function
+NO_CONTEXT_PARALLEL: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("gpt2",),
+        "GPT-2 adds learned absolute position embeddings (transformer.wpe(position_ids)) to the "
+        "whole sequence's token embeddings inside its base model, before the first decoder "
+        "layer, where CausalContextParallel has given each rank only its own tokens' positions "
+        "(built for rotary embeddings, applied inside the attention): the two do not line up "
+        "(a shape error, or another rank's positions)",
+    ),
+    (
+        ("falcon",),
+        "Falcon's attention (FalconAttention) computes its scores itself (its own softmax or "
+        "torch's scaled_dot_product_attention, ALiBi) instead of calling transformers' "
+        "attention registry, which is where CausalContextParallel runs the split ring / Ulysses "
+        "attention: each rank's layers would attend over its own tokens only",
+    ),
+)
+
+
+def refuse_context_parallel(fam: Family, config: Any) -> None:
+    """Raise `ParallelizeError` for a family context parallelism cannot split
+    (`NO_CONTEXT_PARALLEL`), naming the reason and what to run instead."""
+    model_type = getattr(config, "model_type", None)
+    for types, why in NO_CONTEXT_PARALLEL:
+        if model_type in types or set(types) & set(fam.model_types):
+            raise ParallelizeError(
+                f"plans.plan: context_parallel cannot split a {model_type!r} model: {why}. "
+                "Fix: run it without context_parallel (tensor parallelism and data "
+                "parallelism: plans.plan(model, mesh) on a mesh without 'cp'), or use a family "
+                "with rotary positions whose attention goes through the registry (Llama, "
+                "Qwen3, Mistral, GPT-NeoX, ...: docs/context_parallel.md)"
+            )
 
 
 def _join(*parts: str) -> str:
@@ -190,9 +237,12 @@ def build_plan(
     parallelism when ``context_parallel`` (`add_context_parallel`); ``tensor_parallel=False``:
     only that (a mesh without ``axis``).
 
-    Raises `ParallelizeError` where the family's ``variant`` refuses the config.
+    Raises `ParallelizeError` where the family's ``variant`` refuses the config, and for
+    ``context_parallel`` on a family it cannot split (`NO_CONTEXT_PARALLEL`: GPT-2, Falcon).
     """
     fam = replace(family, **family.variant(config)) if family.variant else family
+    if context_parallel is not None:
+        refuse_context_parallel(fam, config)
     if not tensor_parallel:
         if context_parallel is None:
             raise ParallelizeError("build_plan: tensor_parallel=False needs context_parallel")
