@@ -50,7 +50,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **defaults: the optimizer's keywords (``lr=``, ``weight_decay=``, ...).
 
     ``step()`` updates every parameter exactly as ``optimizer_class(model.parameters())``
-    would. ``param_groups`` are the wrapped optimizer's (one group), so LR schedulers work.
+    would. With dynamic loss scaling use `fastdist.train.grad_scaler.GradScaler`
+    (``scaler.step(opt)`` skips the step, on every rank together, when a gradient overflows):
+    torch's ``GradScaler`` looks for the gradients in the flat chunks, finds none, and is
+    refused with `MeshError` at its first ``step``. ``param_groups`` are the wrapped
+    optimizer's (one group), so LR schedulers work.
     Parameters that got no gradient while others did raise (a flat update cannot skip them,
     and updating them with a zero gradient would differ from torch); so does a parameter with a
     gradient that did not require grad when the optimizer was built (unfrozen later: it would
@@ -66,6 +70,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     >>> opt.state_numel(), sum(p[0].numel() for p in pm.parameters())  # 2 moments x 4: half of 8
     (8, 8)
     """
+
+    #: ``GradScaler.step`` hands the scale and the inf flag to ``step`` (``grad_scale``,
+    #: ``found_inf``): the gradients it must unscale and check are the model's, not the chunks'
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -183,6 +191,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._refuse_unknown_grads()
         refuse_unreduced(self._model, "fastdist.train.ZeroOptimizer.step")
+        if self._amp_skips():
+            return loss
         live = []
         for plist, shard, padded in self._groups:
             have = [p.grad is not None for p in plist]
@@ -218,6 +228,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 offset += k
             shard.grad = None
         return loss
+
+    def _amp_skips(self) -> bool:
+        """Under ``GradScaler.step`` (which sets ``found_inf`` and ``grad_scale`` on this
+        optimizer): True when the scaler found an inf/nan (skip the step); otherwise unscale the
+        model's gradients if the scaler has not (``grad_scale`` set), as its ``unscale_`` would.
+        torch's own scaler checked the flat chunks (no gradient there): refused."""
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None and grad_scale is None:
+            return False  # a plain step
+        if not isinstance(found_inf, Tensor):
+            raise MeshError(
+                "fastdist.train.ZeroOptimizer.step: stepped by a torch GradScaler, which looks for "
+                "the gradients in the optimizer's flat chunks (they get theirs inside step) and "
+                "so checked no gradient for inf/nan: an overflow would be stepped. Fix: "
+                "scaler = fastdist.train.grad_scaler.GradScaler(pm, device) (torch's scaler, "
+                "checking the model's gradients, with one decision for every rank of the mesh)"
+            )
+        if bool(found_inf.item()):
+            return True
+        if grad_scale is not None:  # not unscaled yet: as GradScaler.unscale_ would
+            inv = grad_scale.double().reciprocal().float()
+            grads = [p.grad for plist, _, _ in self._groups for p in plist if p.grad is not None]
+            torch._foreach_mul_(grads, inv)
+        return False
 
     def _refuse_unknown_grads(self) -> None:
         """A parameter with a gradient that is in no flat group (it did not require grad when this
