@@ -189,3 +189,20 @@ def test_gloo_dp_engines() -> None:
             "MeshError" in outs[3]["error"]
             and "fastdist.train.grad_scaler.GradScaler" in outs[3]["error"]
         )
+
+
+def test_gloo_dp2_tp2() -> None:
+    """dp2 x tp2 on 4 gloo processes, the overflow in rank 3's tp shard: fastdist's scaler with
+    ZeRO-1 and with FSDP2 (DTensors over dp of each tp block), both with clipping, equals one
+    device; torch's scaler diverges over tp with FSDP2 too (its DTensors agree over dp only)."""
+    cases = [
+        ("fastdist", "zero", "fastdist", 0.05),
+        ("fsdp", "adamw", "fastdist", 0.05),
+        ("fsdp", "adamw", "torch", None),
+    ]
+    ranks = run_on_gloo(w.scaled_runs, 4, 2, cases, timeout=300)
+    for r, outs in enumerate(ranks):
+        for case, out in zip(cases[:2], outs):
+            _check(out, f"rank {r} dp2 x tp2 {case}")
+    assert [outs[2]["scales"][-1] for outs in ranks] == [2.0**10, 2.0**9, 2.0**10, 2.0**9]
+    assert "ReplicaMismatchError" in str(ranks[0][2]["whole"])
