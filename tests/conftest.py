@@ -67,6 +67,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
     "tests/test_review_domain.py": frozenset({"test_on_gloo"}),
+    "tests/test_generate_real_sampling.py": frozenset(
+        {"test_model_generate_samples_one_devices_tokens_on_every_rank"}
+    ),
     "tests/test_review_checkpoint.py": frozenset(
         {
             "test_zero_refuses_plain_state_whose_steps_differ",
