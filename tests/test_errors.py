@@ -357,3 +357,14 @@ def test_batch_norm_training_on_simulated_data_parallel_names_the_modules() -> N
         pm(x)
     model.eval()
     assert pm(x).shape == (2, 2, 4, 5, 5)  # eval mode: the running statistics are only read
+
+
+def test_a_style_given_as_the_plan_names_the_dict_to_write() -> None:
+    """A style where the plan goes: torch's raw AttributeError ('... has no attribute items')
+    before."""
+    from torch import nn
+
+    from fastdist.errors import ParallelizeError
+
+    with pytest.raises(ParallelizeError, match=r"Fix: plan=\{'': DomainParallel\(\.\.\.\)\}"):
+        fd.nn.parallelize(nn.Conv2d(2, 2, 3), fd.Mesh({"h": 2}), fd.nn.DomainParallel({-2: "h"}))

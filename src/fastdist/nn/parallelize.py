@@ -606,6 +606,13 @@ def _resolve_plan(
         return family_plan(model, mesh, family="auto"), True if verify is None else verify
     if plan is None or isinstance(plan, str):
         return family_plan(model, mesh, family=plan), verify
+    if not isinstance(plan, Mapping):
+        whole = f"{{'': {type(plan).__name__}(...)}}" if isinstance(plan, Style) else "a dict"
+        raise ParallelizeError(
+            f"parallelize: plan must be a dict of module name patterns to styles, 'auto', a "
+            f"family name or None; got {type(plan).__name__}. Fix: plan={whole} (the empty "
+            "pattern names the whole model)"
+        )
     return plan, verify
 
 
