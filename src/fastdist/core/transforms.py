@@ -9,6 +9,7 @@ per-call plumbing (`fastdist.core.primitive` dispatches on both).
   point without the per-call signature binding), `plain_call` (a stacked op's Python rule
   called directly when nothing could see the op), and the functorch internals
   `fastdist.core.primitive` uses for simulate's own vmap (`FUNCTORCH`, `C_APPLY`).
+* `without_values`: a meta or fake tensor (tracing, shape propagation).
 * Refused on real ranks: `unsupported_transform` (vmap or forward mode wrapping an input) and
   `transform_error`, the one error for both (the transport's check and a dual tensor in
   `fastdist.core.primitive`).
@@ -20,6 +21,7 @@ Private torch APIs are read here once, at import; a torch without them turns `FA
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -93,6 +95,16 @@ def jvp_active() -> bool:
 def forward_mode_active() -> bool:
     """Whether forward-mode AD may be active: a dual level open, or a torch.func jvp layer."""
     return dual_level_open() or jvp_active()
+
+
+def without_values(t: Tensor) -> bool:
+    """Whether ``t`` holds no values: a meta tensor, or a ``FakeTensor`` (``torch.compile``'s
+    tracing, ``fastdist.profile``'s), told without importing torch's fake-tensor module (it
+    pulls sympy into ``import fastdist``): no FakeTensor exists unless that module is loaded."""
+    if t.device.type == "meta":
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(t, fake.FakeTensor)
 
 
 # ---------------------------------------------------------------------- refused on real ranks

@@ -28,6 +28,7 @@ from torch import Tensor
 from fastdist.core.binding import rank_binding
 from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
+from fastdist.core.transforms import without_values
 from fastdist.errors import CollectiveError, TargetError
 from fastdist.ops import all_gather_invariant, axis_index
 from fastdist.ops.prelude import check_mesh, names_this_rank
@@ -142,10 +143,12 @@ _CHUNK_ELEMS = 1 << 18
 
 def _row_chunks(x: Tensor) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` covering the rows of ``x`` (N, V): chunks of about
-    ``_CHUNK_ELEMS`` elements (at least one row each) on the CPU, one chunk elsewhere; one empty
+    ``_CHUNK_ELEMS`` elements (at least one row each) on the CPU, one chunk elsewhere (and for a
+    fake or meta tensor, which has no cache to fit: a trace's op count); one empty
     chunk when N is 0, so that the callers' results keep their (empty) shapes."""
     n_rows, n_cols = x.shape
-    step = max(1, _CHUNK_ELEMS // max(1, n_cols)) if x.device.type == "cpu" else max(1, n_rows)
+    chunked = x.device.type == "cpu" and not without_values(x)  # a trace: one chunk
+    step = max(1, _CHUNK_ELEMS // max(1, n_cols)) if chunked else max(1, n_rows)
     return [(i, min(i + step, n_rows)) for i in range(0, max(n_rows, 1), step)]
 
 
