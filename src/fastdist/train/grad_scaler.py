@@ -68,7 +68,7 @@ class GradScaler(torch.amp.GradScaler):
         mesh = model if isinstance(model, Mesh) else getattr(model, "mesh", None)
         if not isinstance(mesh, Mesh):
             raise MeshError(
-                f"fastdist.train.grad_scaler.GradScaler: {type(model).__name__} is not a Mesh "
+                f"fastdist.train.GradScaler: {type(model).__name__} is not a Mesh "
                 "and has no mesh. Fix: pass the fastdist.nn.ParallelModel (or Pipeline) being "
                 "trained, or its mesh"
             )

@@ -50,7 +50,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **defaults: the optimizer's keywords (``lr=``, ``weight_decay=``, ...).
 
     ``step()`` updates every parameter exactly as ``optimizer_class(model.parameters())``
-    would. With dynamic loss scaling use `fastdist.train.grad_scaler.GradScaler`
+    would. With dynamic loss scaling use `fastdist.train.GradScaler`
     (``scaler.step(opt)`` skips the step, on every rank together, when a gradient overflows):
     torch's ``GradScaler`` looks for the gradients in the flat chunks, finds none, and is
     refused with `MeshError` at its first ``step``. ``param_groups`` are the wrapped
@@ -243,7 +243,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "fastdist.train.ZeroOptimizer.step: stepped by a torch GradScaler, which looks for "
                 "the gradients in the optimizer's flat chunks (they get theirs inside step) and "
                 "so checked no gradient for inf/nan: an overflow would be stepped. Fix: "
-                "scaler = fastdist.train.grad_scaler.GradScaler(pm, device) (torch's scaler, "
+                "scaler = fastdist.train.GradScaler(pm, device) (torch's scaler, "
                 "checking the model's gradients, with one decision for every rank of the mesh)"
             )
         if bool(found_inf.item()):
