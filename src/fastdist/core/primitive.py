@@ -55,6 +55,7 @@ and one ``torch.autograd.Function``. The split follows what torch 2.13 allows
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -117,6 +118,14 @@ class GroupSpec:
     comm: AxisComm | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Plain ints, so dynamo sees constants when tracing. A custom op's kernel (``_split``)
+        # that dynamo compiles as a frame of its own (the op run eagerly at a graph break) gets
+        # the int lists as inputs, which automatic dynamic shapes make symbolic once they differ
+        # between calls; ``operator.index`` specializes them (with a guard), where ``int()``
+        # keeps them symbolic and dynamo then evaluates ``i not in self.axes`` wrongly (torch
+        # 2.13: a 2 x 2 mesh's axes=(1,) gave _others=(0, 1), a 7-long permutation in to_groups).
+        object.__setattr__(self, "mesh_shape", tuple(operator.index(s) for s in self.mesh_shape))
+        object.__setattr__(self, "axes", tuple(operator.index(a) for a in self.axes))
         # Computed once here (plain ints), so dynamo sees constants when tracing.
         object.__setattr__(self, "world", math.prod(self.mesh_shape))
         object.__setattr__(self, "n", math.prod([self.mesh_shape[a] for a in self.axes]))

@@ -239,11 +239,31 @@ class DomainParallel(Style):
                 ctx.pvary.append((sub, pname, self.axes))  # type: ignore[arg-type]
         ctx.axes.extend(self.axes)
         module.__dict__[_DONE] = True
+        # eager under torch.compile (why: fastdist.nn.domain.compiled's doc)
+        module.forward = _eager_when_traced(module.forward)
         module.register_forward_pre_hook(
-            functools.partial(_enter, self, mesh, guard, where), with_kwargs=True
+            _eager_when_traced(functools.partial(_enter, self, mesh, guard, where)),
+            with_kwargs=True,
         )
-        module.register_forward_hook(functools.partial(_leave, self, mesh, guard), always_call=True)
+        module.register_forward_hook(
+            _eager_when_traced(functools.partial(_leave, self, mesh, guard)), always_call=True
+        )
         return module
+
+
+def _eager_when_traced(fn: Any) -> Any:
+    """``fn``, run eagerly (one graph break) when dynamo traces it: a domain-parallel region's
+    pre-hook, forward and hook (why: `fastdist.nn.domain.compiled`)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            from fastdist.nn.domain.compiled import region_outside_the_graph
+
+            return region_outside_the_graph(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def _watch(guard: Guard, sub: nn.Module, kind: str, where: str) -> None:
