@@ -183,11 +183,28 @@ def apply_primitive(
     """Run the primitive on ``x`` (and extra tensor inputs such as sizes).
 
     Under a replication check (``fastdist.spmd``) the tracker checks ``x``'s state first.
+
+    The result never shares memory with ``x``: on real ranks a group of one member runs the
+    one-rank simulation, whose gathers, all-to-alls and broadcasts are views of their input; that
+    view is copied here, so that changing the input in place afterwards (an optimizer step on a
+    shard) cannot change the result, nor the other way round, as on a group of two or more.
     """
     tracker = check_of(mesh)
     if tracker is not None:
-        return cast(Tensor, tracker.collective(prim, mesh, x, spec, params, extra))
-    return prim.bind_args((x, *extra) if extra else (x,), spec, params)
+        out = cast(Tensor, tracker.collective(prim, mesh, x, spec, params, extra))
+    else:
+        out = prim.bind_args((x, *extra) if extra else (x,), spec, params)
+    if spec.n == 1 and spec.comm is not None and _shares_memory(out, x):
+        return out.clone()
+    return out
+
+
+def _shares_memory(out: Tensor, x: Tensor) -> bool:
+    """Whether ``out`` is a view of ``x``'s storage (not asked while dynamo traces: a traced op's
+    outputs are fresh)."""
+    if torch.compiler.is_compiling():
+        return False
+    return bool(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
 
 
 def flag(op: str, axis: AxisName, name: str, value: Any) -> bool:

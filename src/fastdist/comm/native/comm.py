@@ -266,7 +266,7 @@ class NativeCommunicator:
                 f"the tensor is on {x.device}, the communicator on {self.device}",
                 f"move the tensor to {self.device}",
             )
-        x = x.contiguous()
+        x = _dense(x)
         if reduce_op is not None:
             check_reduction_dtype(
                 op,
@@ -617,6 +617,17 @@ class NativeCommunicator:
             f"NativeCommunicator({self.lib.spec.kind}, axis={self.label!r}, member "
             f"{self.index} of {self.n}, {self.device})"
         )
+
+
+def _dense(x: Tensor) -> Tensor:
+    """``x`` with row-major strides, as the wire views need (``view(torch.uint8)`` and
+    ``view_as_real`` want a last stride of 1). ``x.contiguous()`` is not enough: torch counts a
+    tensor with no elements, or one whose last dim has size 1, as contiguous whatever its strides
+    (a zero-row shard of a ``dim=-1`` gather, ``x[:, :1]`` of a transposed tensor), and returns it
+    unchanged."""
+    if x.is_contiguous() and (x.dim() == 0 or x.stride(-1) == 1):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _row_elems(x: Tensor, w: Tensor) -> int:
