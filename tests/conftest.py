@@ -67,6 +67,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
     "tests/test_review_domain.py": frozenset({"test_on_gloo"}),
+    "tests/test_domain_compile.py": frozenset(
+        {"test_convs_on_simulated_ranks", "test_models_on_simulated_ranks", "test_models_on_gloo"}
+    ),
     "tests/test_grad_scaler.py": frozenset(
         {"test_gloo_tp_shard_overflow_on_one_rank", "test_gloo_dp_engines", "test_gloo_dp2_tp2"}
     ),
