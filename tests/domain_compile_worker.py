@@ -38,8 +38,9 @@ def compare(
     net: nn.Module, pm: Any, backend: str, shapes: list[tuple[int, ...]], stacked: int | None
 ) -> list[dict[str, float]]:
     """Each call of ``pm`` compiled with ``backend`` (``stacked``: the number of simulated ranks,
-    the field repeated on each; None: real ranks) against ``net`` eager on one device: the largest errors of the
-    output, the field's gradient and the parameters' gradients, forward and backward."""
+    the field repeated on each; None: real ranks) against ``net`` eager on one device: the
+    largest errors of the output, the field's gradient and the parameters' gradients, forward
+    and backward."""
     ref = copy.deepcopy(net)
     compiled = torch.compile(pm, backend=backend)
     errors = []
