@@ -6,7 +6,6 @@ padding follow the conventions of ``fastdist.ops.uneven``.
 from __future__ import annotations
 
 import ast
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,6 +17,7 @@ from fastdist.core.context import is_real
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
 from fastdist.core.rows import pad_rows
+from fastdist.core.transforms import without_values
 from fastdist.errors import CollectiveError
 from fastdist.ops.gathers import all_gather
 from fastdist.ops.prelude import (
@@ -283,18 +283,11 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 _FUNCTORCH: Any = torch._C._functorch
 
 
-def _is_fake(t: Tensor) -> bool:
-    """Whether ``t`` is a FakeTensor (no values), without importing torch's fake-tensor module
-    (it pulls sympy into ``import fastdist``): none exists unless that module is loaded."""
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    return fake is not None and isinstance(t, fake.FakeTensor)
-
-
 def _outside_rows(index: Tensor, rows: int) -> bool:
     """Whether an entry of ``index`` is outside ``[0, rows)``: one pass (``aminmax``), two
     scalar reads (on an accelerator, device-to-host). An index without values (a fake or meta
     tensor: `fastdist.profile`'s tracing, shape propagation) is not checked."""
-    if not index.numel() or index.device.type == "meta" or _is_fake(index):
+    if not index.numel() or without_values(index):
         return False
     lo, hi = torch.aminmax(index)
     return int(lo) < 0 or int(hi) >= rows
