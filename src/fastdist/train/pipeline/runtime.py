@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from fastdist.comm.connect import reset as reset_mesh
 from fastdist.core.mesh import Mesh
 from fastdist.errors import PipelineError
+from fastdist.nn.moe.experts import ExpertParallelExperts
 from fastdist.train.pipeline.split import STAGE_INPUT, refuse_router_aux_loss
 from fastdist.train.pipeline.transfers import Transfers, digest_bits, flat_inputs, schedule_id
 from fastdist.train.schedules import Schedule
@@ -92,6 +93,8 @@ class Pipeline:
         self.last_only: tuple[str, ...] = ("labels", "shift_labels", "num_items_in_batch")
         self.events: list[Event] = []
         self.span = 0.0  # the last step's wall time on this rank (real ranks), seconds
+        # MoE layers' drop counts, summed over a step's micro-batches: {id: (layer, sum)}
+        self._drops: dict[int, tuple[Any, Tensor]] = {}
         self._ranks = (
             Transfers(mesh, axis, schedule_id(sched, layers)) if mesh.backend is not None else None
         )
@@ -277,6 +280,8 @@ class Pipeline:
     def step(self, **batch: Any) -> Tensor:
         """Forward and backward of one batch through the schedule; gradients accumulate into the
         parameters' ``.grad`` as one device's ``loss.backward()`` on the whole batch would.
+        Under ``torch.no_grad()`` / ``torch.inference_mode()`` (an evaluation): the forwards
+        only, in the schedule's order, no gradient touched; the same loss.
 
         Args:
             batch: the model's keyword inputs for the whole batch: ``input_ids`` and ``labels``
@@ -314,8 +319,11 @@ class Pipeline:
         # the copies' gradients of earlier steps (equal: summed then) are set aside, so that the
         # sums below add this step's contributions only, then added back once
         earlier = self._set_aside_copies()
+        self._drops = {}
         loss = self._run_simulated(micro) if self.simulated else self._run_ranks(micro)
         _add_back(earlier)
+        for layer, total in self._drops.values():  # the step's drops, not the last forward's
+            layer.dropped = total
         return loss
 
     def _check_same_batch(self, batch: Mapping[str, Any]) -> None:
@@ -469,6 +477,11 @@ class Pipeline:
                 kwargs.pop(key, None)
         per_rank = {STAGE_INPUT: x} if x is not None else {}
         out = pm.call_with(per_rank, **kwargs)
+        for layer in pm.module.modules():  # MoE layers record each forward's drops: add them up
+            if isinstance(layer, ExpertParallelExperts) and layer.dropped is not None:
+                held = self._drops.get(id(layer))
+                total = layer.dropped if held is None else held[1] + layer.dropped
+                self._drops[id(layer)] = (layer, total)
         if j == self.schedule.stages - 1:
             out = out.loss if hasattr(out, "loss") else out["loss"]
         assert isinstance(out, Tensor)  # the loss, or the last own layer's output (StageHooks)
@@ -477,6 +490,8 @@ class Pipeline:
     def _backward(self, j: int, y: Tensor, g: Tensor | None, last_of_stage: bool) -> None:
         pm = self.stages[j]
         ctx = pm.engine.no_sync() if pm.engine is not None and not last_of_stage else nullcontext()
+        if not y.requires_grad:  # the first stage with every parameter frozen: nothing to do
+            return
         with ctx:
             # the last stage: every rank's own loss (simulated: their sum); else the output's
             torch.autograd.backward(y.sum() if g is None else y, g)
@@ -491,16 +506,18 @@ class Pipeline:
         left_b = {j: s.microbatches for j in range(s.stages)}
         loss: Tensor | None = None
         t0 = time.perf_counter()
-        for a in s.order():
+        train = torch.is_grad_enabled()  # else forward only (`step` under torch.no_grad)
+        for a in s.order() if train else (a for a in s.order() if a.kind == "F"):
             j, m = a.stage, a.microbatch
             start = time.perf_counter() - t0
             if a.kind == "F":
                 x = acts.pop((j, m), None)
-                if x is not None:
+                if x is not None and train:
                     x = x.detach().requires_grad_(True)
                     inputs[(j, m)] = x
                 y = self._forward(j, self._rows(j, micro[m]), x)
-                outputs[(j, m)] = y
+                if train:
+                    outputs[(j, m)] = y
                 if j == last:
                     loss = y.detach() if loss is None else loss + y.detach()
                 else:
@@ -533,7 +550,8 @@ class Pipeline:
         device = next(self.parameters()).device
         left_b = {j: s.microbatches for j in s.stages_of(me)}
         st = _Step(micro, device, left_b, loss=torch.zeros((), dtype=torch.float64, device=device))
-        acts = s.actions[me]
+        train = torch.is_grad_enabled()  # else forward only (`step` under torch.no_grad)
+        acts = s.actions[me] if train else tuple(a for a in s.actions[me] if a.kind == "F")
         early = ranks.ac.backend("Pipeline.step", device.type) == "gloo"
         reduce_at = _last_forward(acts, last) if early else None  # the loss: `_last_forward`
         what = "the step's loss (the last stage's, zeros elsewhere)"
@@ -591,13 +609,15 @@ class Pipeline:
         if j > 0:
             src = s.rank_of(j - 1)
             x = st.local.pop(("F", m, j)) if src == me else ranks.recv(src, "F", m, j, st.device)
-            x = x.detach().requires_grad_(True)
-            st.inputs[(j, m)] = x
+            if torch.is_grad_enabled():
+                x = x.detach().requires_grad_(True)
+                st.inputs[(j, m)] = x
         self._post_next(acts, i, st.device)
         start = time.perf_counter() - t0
         y = self._forward(j, st.micro[m], x)
         end = time.perf_counter() - t0
-        st.outputs[(j, m)] = y
+        if torch.is_grad_enabled():
+            st.outputs[(j, m)] = y
         if j == s.stages - 1:
             st.loss += y.detach().to(torch.float64)
         elif s.rank_of(j + 1) == me:

@@ -1,0 +1,178 @@
+"""A user's review of pipelines (`fastdist.train.pipeline`) and expert parallelism
+(`fastdist.nn.moe`) against one device in float64 (the unmodified transformers model, the loss
+by hand as in ``tests/test_pipeline.py``), after ``tests/test_pipeline_moe_review.py``:
+
+* ``Pipeline.step`` under ``torch.no_grad()`` / ``torch.inference_mode()`` (an evaluation
+  between training steps) raised torch's ``element 0 of tensors does not require grad`` from
+  the last stage's backward, after every forward had run; it now runs the forwards only and
+  returns the batch's loss (Llama pp2: equal to one device's), leaving the gradients of the
+  training steps as they were (bitwise);
+* a first stage whose parameters are all frozen (embedding and bottom layers frozen for
+  fine-tuning) raised the same torch error from that stage's backward (its output needs no
+  gradient); it now skips that backward, and the step equals one device's;
+* an MoE layer's ``dropped`` (``fastdist.nn.moe.dropped_counts``) after a pipeline step was
+  the last micro-batch's count only (Mixtral pp2 x ep2, capacity factor 0.5, 2 micro-batches:
+  16 per layer reported where the step dropped 16 + 16); it is now the step's, summed over its
+  micro-batches, equal to a one-device model dropping the same assignments, whose loss and
+  gradients the step's equal.
+
+Real ranks: the forward-only step and the frozen first stage on 2 gloo processes
+(``tests/review_moe_pipeline_worker.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import fastdist as fd
+from fastdist.nn import moe as M
+from tests.test_moe import drop_like_ep
+from tests.test_pipeline import (
+    TOL,
+    VOCAB,
+    assert_grads,
+    family_model,
+    hand_loss,
+    llama,
+    make_batch,
+    rep,
+)
+
+
+# ============================================================================ evaluation
+@pytest.mark.parametrize(
+    "schedule, virtual, family",
+    [("1f1b", 1, "llama"), ("gpipe", 1, "gpt2"), ("interleaved_1f1b", 2, "gpt2")],
+)
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=lambda m: m.__name__)
+def test_step_without_grad_is_an_evaluation(
+    schedule: str, virtual: int, family: str, mode: Any
+) -> None:
+    """A training step, then a step of another batch under ``mode``: its loss is one device's
+    for that batch, and every gradient (the tied embedding's copies too, gpt2) is still the
+    training step's, bitwise. It raised torch's RuntimeError ('element 0 of tensors does not
+    require grad') after running every forward."""
+    ref = llama(4) if family == "llama" else family_model(family, tie=True, layers=4)
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    pipe = fd.train.pipeline(
+        copy.deepcopy(ref), mesh, schedule=schedule, microbatches=2, virtual=virtual
+    )
+    ids, labels = make_batch(1)
+    pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    hand_loss(ref, ids, labels).backward()
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters()}  # type: ignore[union-attr]
+    ids, labels = make_batch(2)
+    with mode():
+        loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    with torch.no_grad():
+        want = hand_loss(ref, ids, labels)
+    torch.testing.assert_close(loss, rep(want, mesh), **TOL)
+    assert all(k == "F" for k in {e.kind for e in pipe.events})  # the forwards only
+    assert all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters())  # type: ignore[arg-type]
+    grads = pipe.grads()
+    for alias, name in pipe.tied.items():  # gpt2: both copies hold the tied weight's gradient
+        assert torch.equal(grads.pop(alias), grads[name])
+    assert grads.keys() == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+
+# ============================================================================ frozen parameters
+@pytest.mark.parametrize(
+    "axes, frozen",
+    [
+        ({"pp": 2}, ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")),
+        ({"pp": 2, "tp": 2}, ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")),
+        ({"pp": 2, "tp": 2}, ("model.embed_tokens.", "model.layers.")),  # only the ends learn
+    ],
+    ids=["pp2-stage0", "pp2xtp2-stage0", "pp2xtp2-layers"],
+)
+def test_a_frozen_first_stage_trains_the_others(axes: dict[str, int], frozen: tuple[str]) -> None:
+    """Every parameter of the first stage frozen (``requires_grad=False``): its output needs no
+    gradient, and its backward raised torch's RuntimeError; the step's loss and gradients equal
+    one device's, the frozen parameters get none."""
+    ref = llama(4)
+    for name, p in ref.named_parameters():
+        p.requires_grad_(not name.startswith(frozen))
+    mesh = fd.Mesh(axes)
+    pipe = fd.train.pipeline(copy.deepcopy(ref), mesh, schedule="1f1b", microbatches=2)
+    ids, labels = make_batch(3)
+    want = hand_loss(ref, ids, labels)
+    want.backward()
+    loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+    torch.testing.assert_close(loss, rep(want.detach(), mesh), **TOL)
+    learn = {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert {n for n, p in pipe.named_parameters() if p.grad is not None} == learn
+    grads = pipe.grads()
+    for name, p in ref.named_parameters():
+        if name in learn:
+            torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+
+# ============================================================================ MoE drops
+def micro_batched_loss(ref: Any, ids: Tensor, labels: Tensor, m: int) -> Tensor:
+    """One device, the batch in ``m`` micro-batches (each a forward of its own, as the
+    pipeline's): the sum of each one's cross entropy over the whole batch's predicted tokens."""
+    count = (labels[:, 1:] != -100).sum()
+    total = torch.zeros((), dtype=torch.float64)
+    for i, l in zip(ids.chunk(m), labels.chunk(m), strict=True):
+        logits = ref(input_ids=i).logits
+        ce = F.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), l[:, 1:].reshape(-1), reduction="sum"
+        )
+        total = total + ce / count
+    return total
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_moe_drops_after_a_step_are_the_steps(schedule: str) -> None:
+    """Mixtral pp2 x ep2 with ``capacity_factor=0.5``, 2 micro-batches: each layer's ``dropped``
+    after the step is the sum over the micro-batches (it was the last one's: 16 of 32), equal to
+    a one-device model that drops the same assignments per micro-batch and ep share, whose loss
+    and gradients the step's equal; a second step reports its own, not a running total."""
+    ref = family_model("mixtral", layers=2)
+    mesh = fd.Mesh({"pp": 2, "ep": 2})
+    plan = fd.nn.plans.plan(ref, mesh.without("pp"), capacity_factor=0.5)
+    pipe = fd.train.pipeline(copy.deepcopy(ref), mesh, schedule=schedule, microbatches=2, plan=plan)
+    counts = drop_like_ep(ref, ep=2, capacity_factor=0.5)  # the one-device model drops alike
+    for seed in (3, 4):
+        ids, labels = make_batch(seed)
+        for c in counts.values():
+            c.clear()
+        ref.zero_grad()
+        pipe.zero_grad()
+        want = micro_batched_loss(ref, ids, labels, 2)
+        want.backward()
+        loss = pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+        torch.testing.assert_close(loss, rep(want.detach(), mesh), **TOL)
+        assert_grads(pipe, ref)
+        got = {n: c for pm in pipe.stages.values() for n, c in M.dropped_counts(pm.module).items()}
+        assert {n: c.tolist() for n, c in got.items()} == {
+            n: [sum(c)] * pipe.stage_mesh.size for n, c in counts.items()
+        }
+        assert all(len(c) == 2 and min(c) > 0 for c in counts.values())  # drops in both
+
+
+# ============================================================================ real ranks
+def test_evaluation_and_a_frozen_first_stage_on_gloo() -> None:
+    """2 gloo processes (pp=2): the forward-only step under no_grad and inference_mode (1F1B and
+    interleaved) and a frozen stage 0, each equal to one device; the training step's gradients
+    kept bitwise; the rank of the frozen stage holds no gradient."""
+    from tests import review_moe_pipeline_worker as W
+    from tests.dist_harness import run_on_gloo
+
+    for rank, got in enumerate(run_on_gloo(W.evaluation_and_frozen_on_2, 2, timeout=300)):
+        for case, r in got.items():
+            assert r["loss_err"] <= 1e-12, (rank, case, r["loss_err"])
+            if case != "frozen":
+                assert r["grads_kept"] and r["kinds"] == ["F"], (rank, case)
+        frozen = got["frozen"]
+        assert frozen["grad_err"] <= 1e-12, rank
+        assert frozen["with_grad"] == [n for n in frozen["held"] if n in frozen["trainable"]]
+        assert bool(frozen["with_grad"]) == (rank == 1)  # stage 0 is all frozen
