@@ -159,6 +159,40 @@ def test_moe_drops_after_a_step_are_the_steps(schedule: str) -> None:
         assert all(len(c) == 2 and min(c) > 0 for c in counts.values())  # drops in both
 
 
+# ============================================================================ capacity factor
+@pytest.mark.parametrize("factor", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_capacity_factor_that_is_not_positive_is_refused(factor: float) -> None:
+    """``capacity_factor=0`` (a config's "off", where fastdist's off is ``None``) kept one
+    assignment per expert and dropped the rest, silently (ep=2, 6 tokens a rank, top-2 of 4
+    experts: 8 of 12 assignments dropped per rank, the output changed); a negative factor did
+    the same, nan and inf raised Python's conversion errors. Now `moe` raises `MoEError` at its
+    first call and `parallelize` with the plan's factor before any forward, naming the layer
+    and the fix; ``None`` stays dropless."""
+    mesh = fd.Mesh({"ep": 2})
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 6, 3, generator=g, dtype=torch.float64)
+    scale = torch.tensor([[1.0, 10.0], [100.0, 1000.0]], dtype=torch.float64)
+
+    def layer(x: Tensor, lg: Tensor, s: Tensor, cf: float | None) -> Tensor:
+        r = M.route(lg, 2)
+        out = M.moe(x, r.weights, r.experts, lambda rows, e: rows * s[e], mesh, "ep", 4,
+                    capacity_factor=cf)  # fmt: skip
+        return out.out
+
+    match = rf"MoE layer 'moe': capacity_factor={factor!r}.*Fix: capacity_factor=None"
+    with pytest.raises(fd.nn.MoEError, match=match):
+        fd.simulate(lambda *a: layer(*a, factor), mesh)(x, logits, scale)
+    dropless = fd.simulate(lambda *a: layer(*a, None), mesh)(x, logits, scale)
+    r = M.route(logits.reshape(12, 4), 2)
+    want = r.weights.unsqueeze(-1) * x.reshape(12, 1, 3) * scale.reshape(4)[r.experts].unsqueeze(-1)
+    torch.testing.assert_close(dropless.reshape(12, 3), want.sum(1), **TOL)
+    model = family_model("mixtral", layers=2)
+    mesh = fd.Mesh({"ep": 2})
+    with pytest.raises(fd.nn.MoEError, match=r"'model\.layers\.0\.mlp\.experts': capacity_fac"):
+        fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, capacity_factor=factor))
+
+
 # ============================================================================ real ranks
 def test_evaluation_and_a_frozen_first_stage_on_gloo() -> None:
     """2 gloo processes (pp=2): the forward-only step under no_grad and inference_mode (1F1B and

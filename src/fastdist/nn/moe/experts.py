@@ -20,6 +20,7 @@ from fastdist.nn.moe.routing import (
     ExpertFn,
     Strategy,
     capacity_keep_mask,
+    check_capacity_factor,
     check_expert_split,
     expert_capacity,
     moe,
@@ -348,6 +349,7 @@ class ExpertParallel(Style):
                 "layout"
             )
         check_expert_split(name, E, mesh, self.axis)
+        check_capacity_factor(name, self.capacity_factor)
         inter = I2 // 2
         n_tp = mesh.axis_size(self.tp_axis) if self.tp_axis else 1
         if inter % n_tp:

@@ -43,6 +43,7 @@ __all__ = [
     "route",
     "router_z_loss",
     "check_expert_split",
+    "check_capacity_factor",
     "capacity_keep_mask",
 ]
 
@@ -177,7 +178,24 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: 
     >>> expert_capacity(10, 2, 4, 1.0)
     5
     """
+    check_capacity_factor("moe", capacity_factor)
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def check_capacity_factor(layer: str, capacity_factor: float | None) -> None:
+    """Raise `MoEError` naming ``layer`` unless ``capacity_factor`` is ``None`` (dropless) or a
+    finite number > 0. A factor of 0 or below would keep one assignment per expert and drop the
+    rest, silently (``None``, not 0, is dropless)."""
+    if capacity_factor is None:
+        return
+    ok = isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+    if not (ok and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise MoEError(
+            f"fastdist MoE layer {layer!r}: capacity_factor={capacity_factor!r}; each rank keeps "
+            "ceil(capacity_factor * tokens * top_k / experts) assignments per expert, so a factor "
+            "of 0 or below would keep 1 per expert and drop the rest. Fix: capacity_factor=None "
+            "for a dropless layer, or a finite number > 0 (1.0: an exactly balanced load)"
+        )
 
 
 def capacity_keep_mask(experts: Tensor, num_experts: int, per_expert: int) -> Tensor:
@@ -428,6 +446,7 @@ def moe(
     el = check_expert_split(layer, num_experts, mesh, axis)
     T, k = experts.shape
     _check_k(layer, k, num_experts)
+    check_capacity_factor(layer, capacity_factor)
     # float32 gates (transformers) on float64 tokens: one rounding
     weights = weights.to(torch.promote_types(weights.dtype, x.dtype))
     keep = None
