@@ -19,6 +19,6 @@ save or load (tests/test_import_time.py).
 """
 
 from fastdist.checkpoint import hf
-from fastdist.checkpoint.api import Staged, load, save
+from fastdist.checkpoint.api import LoadResult, Staged, load, save
 
-__all__ = ["save", "load", "Staged", "hf"]
+__all__ = ["save", "load", "LoadResult", "Staged", "hf"]

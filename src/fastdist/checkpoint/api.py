@@ -26,13 +26,44 @@ from fastdist.nn.materialize import resolve_device
 from fastdist.nn.parallelize import ParallelModel
 from fastdist.nn.state import meta_names, module_and_mesh
 
-__all__ = ["save", "load", "is_dcp", "Format", "Staged"]
+__all__ = ["save", "load", "is_dcp", "Format", "Staged", "LoadResult"]
 
 #: ``"dcp"``: a distributed checkpoint directory (every rank writes its slices; model, optimizer
 #: and ``extra``); ``"safetensors"``: single-device weights (one file, or a ``save_pretrained``
 #: directory; model only)
 Format = Literal["dcp", "safetensors"]
 _FORMATS = ("dcp", "safetensors")
+
+
+class LoadResult(dict[str, Any]):
+    """What `load` returns: the ``extra`` values saved with the checkpoint (this is that dict;
+    ``{}`` for safetensors) and, as torch's ``load_state_dict`` reports them, the keys a
+    ``strict=False`` load skipped, each a sorted list of names:
+
+    * ``missing_keys``: the model's tensors (parameters and persistent buffers, by the names of
+      ``pm.state_dict()``) the checkpoint has no key for: left as they were;
+    * ``unexpected_keys``: the checkpoint's keys (its own names: after ``rename=``, the file's)
+      that no tensor of the model reads: not loaded.
+
+    Both are empty after a strict load, which raises instead. On real ranks each rank reports
+    its own (the same, unless a pipeline's stages differ); a pipeline's are those of the stages
+    held here: a key is missing when a stage held here lacks it, and unexpected (safetensors)
+    when no stage held here reads it.
+
+    >>> r = LoadResult({"step": 7}, ["lm_head.weight"], [])
+    >>> r, r["step"], r.missing_keys, r.unexpected_keys
+    ({'step': 7}, 7, ['lm_head.weight'], [])
+    """
+
+    def __init__(
+        self,
+        extra: Mapping[str, Any] | None = None,
+        missing_keys: list[str] | None = None,
+        unexpected_keys: list[str] | None = None,
+    ) -> None:
+        super().__init__(extra or {})
+        self.missing_keys: list[str] = list(missing_keys or [])
+        self.unexpected_keys: list[str] = list(unexpected_keys or [])
 
 
 def is_dcp(path: str | os.PathLike[str]) -> bool:
@@ -169,9 +200,11 @@ def load(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     mesh: Mesh | None = None,
-) -> dict[str, Any]:
+) -> LoadResult:
     """Load a checkpoint into ``model`` (and ``optimizer``), each rank reading only its slices;
-    returns the ``extra`` values saved with it (``{}`` for safetensors).
+    returns the ``extra`` values saved with it (``{}`` for safetensors) as a `LoadResult`, a
+    dict whose ``missing_keys`` and ``unexpected_keys`` list the keys ``strict=False`` skipped
+    (torch's ``load_state_dict`` contract).
 
     Args:
         path: a directory `save` wrote (``"dcp"``: from any mesh, simulated or real ranks, ZeRO
@@ -187,8 +220,9 @@ def load(
         format: ``"dcp"`` or ``"safetensors"``; default: what is at ``path`` (a state dict, a
             ``.safetensors`` file or a directory holding one: safetensors; else DCP).
         strict: like ``load_state_dict``: a missing or unexpected key raises; ``False`` skips
-            them (shapes are always checked); ``"missing"`` (safetensors) raises for missing
-            keys only (the default for a pipeline's stages).
+            them (shapes are always checked) and the result's ``missing_keys`` /
+            ``unexpected_keys`` name them; ``"missing"`` (safetensors) raises for missing keys
+            only (the default for a pipeline's stages).
         rename: (safetensors) model key -> checkpoint key, a mapping or a function; default:
             the renamings transformers applies to this model's checkpoints
             (`fastdist.checkpoint.hf.hf_checkpoint_renames`), and per-expert tensors read under
@@ -204,6 +238,14 @@ def load(
     checkpoint that cannot be read completely (a missing, truncated or damaged file: each item
     of a distributed checkpoint carries a CRC-32) raises `fastdist.errors.CheckpointError` (an
     ``Exception``) naming the file, with the model and optimizer as they were.
+
+    >>> import torch, fastdist as fd
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> pm = fd.nn.parallelize(lin, fd.Mesh({"tp": 2}), {})
+    >>> r = fd.checkpoint.load({"weight": torch.ones(2, 2), "scale": torch.ones(())}, pm,
+    ...                        strict=False)
+    >>> r.missing_keys, r.unexpected_keys
+    (['bias'], ['scale'])
     """
     op = "fastdist.checkpoint.load"
     if _is_pipeline(model) and _format(path, format, op, "dcp") == "safetensors":
@@ -214,6 +256,7 @@ def load(
                 "single-device weights, no optimizer state. Fix: load without optimizer= (a "
                 "training checkpoint is the directory fastdist.checkpoint.save writes)"
             )
+        results = []
         for j in sorted(model.stages):
             stage = model.stages[j]
             held = {n for n, _ in stage.module.named_parameters()}
@@ -223,18 +266,20 @@ def load(
                 # per-expert tensors seen under the fused names first: a rename= (the tied
                 # weight's) would skip that view
                 with fused_experts(stage.module, path) as fused:
-                    _load_stage(fused, stage, tied, strict, device, dtype)
+                    results.append(_load_stage(fused, stage, tied, strict, device, dtype))
                 continue
-            load(
-                path,
-                stage,
-                format=format,
-                strict="missing" if strict is True else strict,
-                rename=_tied_rename(rename, tied, stage.module, path) if tied else rename,
-                device=device,
-                dtype=dtype,
+            results.append(
+                load(
+                    path,
+                    stage,
+                    format=format,
+                    strict="missing" if strict is True else strict,
+                    rename=_tied_rename(rename, tied, stage.module, path) if tied else rename,
+                    device=device,
+                    dtype=dtype,
+                )
             )
-        return {}
+        return _of_stages(results)
     fmt = _format(path, format, op, "dcp")
     if fmt == "dcp":
         if isinstance(path, Mapping):
@@ -251,7 +296,10 @@ def load(
             )
         from fastdist.checkpoint import dcp  # imported on first use: see `save`
 
-        return dcp.read(path, model, optimizer, strict=bool(strict), device=device, dtype=dtype)
+        extra, missing, unexpected = dcp.read(
+            path, model, optimizer, strict=bool(strict), device=device, dtype=dtype
+        )
+        return LoadResult(extra, missing, unexpected)
     if optimizer is not None:
         raise CheckpointError(
             f"{op}: {path if not isinstance(path, Mapping) else 'a state dict'} holds "
@@ -259,8 +307,16 @@ def load(
             "training checkpoint is the directory fastdist.checkpoint.save writes)"
         )
     assert isinstance(model, (ParallelModel, nn.Module))  # a pipeline's stages: above
-    _load_weights(path, model, mesh, strict, rename, device, dtype, op)
-    return {}
+    missing, unexpected = _load_weights(path, model, mesh, strict, rename, device, dtype, op)
+    return LoadResult({}, missing, unexpected)
+
+
+def _of_stages(results: list[LoadResult]) -> LoadResult:
+    """The keys a pipeline's stages (held here) skipped: missing in any stage; unexpected in
+    every stage (a stage reads its part of the whole model's checkpoint)."""
+    missing = sorted({k for r in results for k in r.missing_keys})
+    unexpected = set.intersection(*(set(r.unexpected_keys) for r in results)) if results else set()
+    return LoadResult({}, missing, sorted(unexpected))
 
 
 def _load_stage(
@@ -270,10 +326,10 @@ def _load_stage(
     strict: bool | Literal["missing"],
     device: torch.device | str | None,
     dtype: torch.dtype | None,
-) -> None:
+) -> LoadResult:
     """A pipeline stage holding a tied weight's copy, from a checkpoint already seen with the
     model's fused expert names: the copy reads the first stage's name."""
-    load(
+    return load(
         fused,
         stage,
         strict="missing" if strict is True else strict,
@@ -306,9 +362,9 @@ def _load_weights(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     op: str,
-) -> None:
+) -> tuple[list[str], list[str]]:
     """Single-device safetensors into a parallel model: transformers' names, fused experts, meta
-    tensors given storage (this rank's shards only)."""
+    tensors given storage (this rank's shards only); returns the missing and unexpected keys."""
     module, mesh = module_and_mesh(model, mesh, op)
     if (device is not None or dtype is not None) and not meta_names(module):
         raise CheckpointError(
@@ -320,14 +376,13 @@ def _load_weights(
         # one tensor per expert (transformers' save_pretrained of Mixtral, Qwen2/3-MoE, OLMoE,
         # DeepSeek): read under the model's fused 3-D names, by slices
         with fused_experts(module, path) as fused:
-            _load_weights(fused, model, mesh, strict, None, device, dtype, op)
-            return
+            return _load_weights(fused, model, mesh, strict, None, device, dtype, op)
     if isinstance(model, ParallelModel):
         model.recompute_buffers(resolve_device(device))
     if rename is None:  # transformers' own renamings of this model's checkpoints (GPT-NeoX)
         rename = hf_checkpoint_renames(module, path)
     left = bool(meta_names(module))
-    safetensors_io.read(
+    skipped = safetensors_io.read(
         module,
         path,
         mesh,
@@ -338,3 +393,4 @@ def _load_weights(
     )
     if isinstance(model, ParallelModel):
         model.settle_meta()
+    return skipped

@@ -348,9 +348,9 @@ def read(
     strict: bool = True,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """Load a checkpoint that `write` wrote (on any mesh) into ``model`` (and ``optimizer``);
-    returns the ``extra`` values.
+    returns the ``extra`` values and the keys a non-strict load skipped.
 
     Each rank reads only the boxes it holds, from whichever chunks hold them: the checkpoint
     may come from another tensor-parallel size, data-parallel size, sequence-parallel setting,
@@ -377,7 +377,10 @@ def read(
         dtype: the dtype of floating-point meta parameters (default: their own).
 
     Returns:
-        the ``extra`` values saved with the checkpoint.
+        ``(extra, missing_keys, unexpected_keys)``: the ``extra`` values saved with the
+        checkpoint; the model's tensors (held here) the checkpoint has no key for, and the
+        checkpoint's model keys no tensor of the model (of the whole job, for a pipeline) reads,
+        both sorted, by the model's names (without the ``model.`` prefix of the storage).
     """
     op = "fastdist.checkpoint.load"
     tgt = target(model, op)
@@ -436,9 +439,9 @@ def _read_into(
     strict: bool,
     fresh: set[str],
     op: str,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """`read` of a model whose tensors all have storage (``fresh``: the keys given storage for
-    this load, which must then be in the checkpoint)."""
+    this load, which must then be in the checkpoint); returns what `read` returns."""
     held = {id(p): n for n, p in tgt.named_parameters()}
     groups = (
         [[held[id(p)] for p in g["params"] if id(p) in held] for g in optimizer.param_groups]
@@ -452,7 +455,7 @@ def _read_into(
         agree(tgt, e)
         raise
     agree(tgt, None)  # a pipeline on real ranks: every rank found the checkpoint good
-    entries, values, restore, crcs = checked
+    entries, values, restore, crcs, skipped = checked
     planner = LoadPlanner(list(entries.values()), [], tgt.where)
     failed = f"{op} on {tgt.where}: reading {source} failed; nothing was loaded"
     with _quiet(tgt.distributed, failed, _REREAD):
@@ -465,11 +468,15 @@ def _read_into(
     planner.apply()  # every rank read everything: now into the model
     if optimizer is not None and restore is not None:
         apply_optimizer_state(optimizer, *restore)
-    return {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}
+    extra = {k[len("extra.") :]: v for k, v in values.items() if k.startswith("extra.")}
+    return extra, *skipped
 
 
-Checked = tuple[dict[str, Entry], dict[str, Any], Any, Mapping[str, int]]
-"""(the entries to read, the small values read, the optimizer's plan, the CRC-32s)"""
+Checked = tuple[
+    dict[str, Entry], dict[str, Any], Any, Mapping[str, int], tuple[list[str], list[str]]
+]
+"""(the entries to read, the small values read, the optimizer's plan, the CRC-32s, the missing
+and unexpected keys by the model's names)"""
 
 
 def _check_read(
@@ -553,7 +560,8 @@ def _check_read(
                 f"model expects {entry.shape} (single-device shapes). Fix: load the checkpoint "
                 "of the same config"
             )
-    return entries, values, restore, crcs
+    names = ([k[len("model.") :] for k in missing], [k[len("model.") :] for k in unexpected])
+    return entries, values, restore, crcs, names
 
 
 def _check_tied(

@@ -126,9 +126,11 @@ def read(
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
-) -> None:
+) -> tuple[list[str], list[str]]:
     """Load a single-device checkpoint into a parallel module, each rank reading only its own
-    slices.
+    slices; returns ``(missing_keys, unexpected_keys)``, the keys a non-strict load skipped
+    (sorted): the module's names the checkpoint has no key for, and the checkpoint's keys (its
+    own names) that no tensor of the module reads.
 
     Args:
         module: a module with per-rank parameters (``fastdist.nn`` layers, or a model after
@@ -229,6 +231,7 @@ def read(
                         t[r].copy_(layout.read(get, expect, mesh, r, key))
                 else:
                     t.copy_(layout.read(get, expect, mesh, rank or 0, key))
+    return sorted(wanted[k] for k in missing), unexpected
 
 
 def _check_tied(

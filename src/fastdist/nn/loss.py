@@ -169,46 +169,71 @@ def _shifted_into(dst: Tensor, x: Tensor, shift: Tensor) -> Tensor:
     return dst.copy_(x).sub_(shift)
 
 
-def _local_stats(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(top, shift, sum)`` of each row of ``x`` (..., V): the largest logit ``top`` (``-inf``
-    for a row of ``-inf`` only), ``shift`` (``top``, or 0 where ``top`` is ``-inf``) and
-    ``sum_j exp(x_j - shift)``, in ONE read of ``x`` from memory: chunk by chunk, the chunk's
-    maximum, then the shift, the exponential and the sum while the chunk is in the core's cache,
-    through one chunk-sized buffer (no logits-sized temporary). The values are bit for bit those of
-    ``amax`` over the whole row, then ``(x - shift).exp().sum(-1)``."""
+def _column_sum(x: Tensor, valid: Tensor | None) -> Tensor:
+    """``x`` (..., V) summed over its last dim, over the columns ``valid`` (V,) keeps (all when
+    None): the logits' sum that label smoothing needs, padding columns (``-inf``) left out."""
+    return (x if valid is None else torch.where(valid, x, 0.0)).sum(-1)
+
+
+def _local_stats(
+    x: Tensor, smooth: bool = False, valid: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(top, shift, sum, xsum)`` of each row of ``x`` (..., V): the largest logit ``top``
+    (``-inf`` for a row of ``-inf`` only), ``shift`` (``top``, or 0 where ``top`` is ``-inf``),
+    ``sum_j exp(x_j - shift)`` and, with ``smooth``, ``sum_j x_j`` over the columns ``valid``
+    keeps (`_column_sum`; zeros without ``smooth``), in ONE read of ``x`` from memory: chunk by
+    chunk, the chunk's maximum, then the shift, the exponential and the sums while the chunk is
+    in the core's cache, through one chunk-sized buffer (no logits-sized temporary). The values
+    are bit for bit those of ``amax`` over the whole row, then ``(x - shift).exp().sum(-1)``."""
     rows = x.reshape(-1, x.shape[-1])  # (N, V)
     spans = _row_chunks(rows)
     buf = rows.new_empty(spans[0][1] - spans[0][0], rows.shape[1]) if _plain(rows) else None
-    tops, shifts, sums = [], [], []
+    tops, shifts, sums, xsums = [], [], [], []
     for a, b in spans:
         chunk = rows[a:b]
         top = chunk.amax(-1, keepdim=True)  # (b - a, 1): exact, as the whole row's
         shift = torch.where(top == float("-inf"), 0.0, top)
+        if smooth:  # before the buffer is written: chunk is a view of x, buf is not
+            xsums.append(_column_sum(chunk, valid))
         e = (chunk - shift) if buf is None else _shifted_into(buf[: b - a], chunk, shift)
         tops.append(top)
         shifts.append(shift)
         sums.append(e.exp_().sum(-1))
     top, shift, total = (t[0] if len(t) == 1 else torch.cat(t) for t in (tops, shifts, sums))
     shape = x.shape[:-1]
-    return top.reshape(shape), shift.reshape(shape), total.reshape(shape)
+    if not smooth:
+        xsum = total.new_zeros(shape)
+    else:
+        xsum = (xsums[0] if len(xsums) == 1 else torch.cat(xsums)).reshape(shape)
+    return top.reshape(shape), shift.reshape(shape), total.reshape(shape), xsum
 
 
-def _scaled_exp(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """``exp(x - shift[..., None]) * scale[..., None]``, a fresh tensor shaped like ``x`` written
-    chunk by chunk in place (shift, exponential and product while the chunk is in cache); the
-    exponentials bit for bit `_local_stats`'."""
+def _scaled_exp(
+    x: Tensor, shift: Tensor, scale: Tensor, add: Tensor | None = None, valid: Tensor | None = None
+) -> Tensor:
+    """``exp(x - shift[..., None]) * scale[..., None]``, plus ``add[..., None]`` on the columns
+    ``valid`` keeps (all when None) when ``add`` is given (label smoothing's gradient), a fresh
+    tensor shaped like ``x`` written chunk by chunk in place (shift, exponential, product and sum
+    while the chunk is in cache); the exponentials bit for bit `_local_stats`'."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     # (N, V); view, not reshape: it shares out's storage or raises, never writes into a copy
     rows, dst = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
     shifts, scales = shift.reshape(-1, 1), scale.reshape(-1, 1).to(x.dtype)  # (N, 1)
+    adds = add.reshape(-1, 1).to(x.dtype) if add is not None else None  # (N, 1)
     for a, b in _row_chunks(rows):
-        _shifted_into(dst[a:b], rows[a:b], shifts[a:b]).exp_().mul_(scales[a:b])
+        part = _shifted_into(dst[a:b], rows[a:b], shifts[a:b]).exp_().mul_(scales[a:b])
+        if adds is not None:
+            part.add_(adds[a:b])
+            if valid is not None:  # padding columns: exp gave 0, the added term is taken off
+                part.mul_(valid)
     return out
 
 
 class _LocalSoftmaxStats(torch.autograd.Function):
     """This rank's part of the loss, per row: the largest logit ``top``, the ``shift`` (``top``, or
-    0 for a row of ``-inf`` only), ``sum_j exp(x_j - shift)`` and ``x[index] - shift``.
+    0 for a row of ``-inf`` only), ``sum_j exp(x_j - shift)``, ``x[index] - shift`` and, with
+    ``smooth`` (label smoothing), ``sum_j x_j`` over the columns ``valid`` keeps (all when None;
+    zeros without ``smooth``).
 
     Written as one Function so that eager mode makes one dense tensor per step, the gradient, and
     reads the logits once in the forward: the forward finds the largest logit and sums the
@@ -225,18 +250,22 @@ class _LocalSoftmaxStats(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        top, shift, total = _local_stats(x)
+    def forward(
+        x: Tensor, index: Tensor, smooth: bool, valid: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        top, shift, total, xsum = _local_stats(x, smooth, valid)
         picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - shift  # (...)
-        return top, shift, total, picked
+        return top, shift, total, picked, xsum
 
     @staticmethod
     def setup_context(
-        ctx: Any, inputs: tuple[Tensor, Tensor], output: tuple[Tensor, Tensor, Tensor, Tensor]
+        ctx: Any,
+        inputs: tuple[Tensor, Tensor, bool, Tensor | None],
+        output: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
     ) -> None:
         ctx.set_materialize_grads(False)  # no dense zeros for an absent gradient
         ctx.mark_non_differentiable(output[0], output[1])
-        ctx.save_for_backward(inputs[0], output[1], inputs[1])
+        ctx.save_for_backward(inputs[0], output[1], inputs[1], inputs[3])
 
     @staticmethod
     def backward(
@@ -245,15 +274,21 @@ class _LocalSoftmaxStats(torch.autograd.Function):
         g_shift: Tensor | None,
         g_sum: Tensor | None,
         g_picked: Tensor | None,
-    ) -> tuple[Tensor | None, None]:
-        x, shift, index = ctx.saved_tensors
-        if g_sum is None and g_picked is None:
-            return None, None
-        # (..., V_local): exp(x - shift) * g_sum, bit for bit the forward's exponentials
-        dx = _scaled_exp(x, shift, g_sum) if g_sum is not None else torch.zeros_like(x)
+        g_xsum: Tensor | None,
+    ) -> tuple[Tensor | None, None, None, None]:
+        x, shift, index, valid = ctx.saved_tensors
+        if g_sum is None and g_picked is None and g_xsum is None:
+            return None, None, None, None
+        # (..., V_local): exp(x - shift) * g_sum (+ g_xsum on the valid columns), the
+        # exponentials bit for bit the forward's
+        if g_sum is None and g_xsum is None:
+            dx = torch.zeros_like(x)
+        else:
+            scale = g_sum if g_sum is not None else shift.new_zeros(shift.shape)
+            dx = _scaled_exp(x, shift, scale, g_xsum, valid)
         if g_picked is not None:  # in place: dx is fresh
             dx.scatter_add_(-1, index.unsqueeze(-1), g_picked.unsqueeze(-1).to(dx.dtype))
-        return dx, None
+        return dx, None, None, None
 
 
 def _token_losses(
@@ -264,8 +299,14 @@ def _token_losses(
     axis: AxisName,
     ignore_index: int,
     vocab_size: int | None,
+    label_smoothing: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token loss (0 where ignored) in the compute dtype, and the mask of counted tokens."""
+    """Per-token loss (0 where ignored) in the compute dtype, and the mask of counted tokens.
+
+    With ``label_smoothing`` ``eps`` (checked by `_checked_smoothing`), the loss of
+    ``F.cross_entropy(..., label_smoothing=eps)`` over the ``vocab_size`` real columns:
+    ``(1 - eps) * (lse - x_target) + eps * (lse - mean_c x_c)``; one more number per token (this
+    rank's sum of its real columns) joins the all-gather."""
     if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
         raise CollectiveError(
             op,
@@ -314,8 +355,11 @@ def _token_losses(
     # low precision computes in float32
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     start = axis_index(mesh, axis) * n_local  # this rank's first global column
+    smooth = label_smoothing > 0
+    valid = None  # (V_local,) the real columns, when some are padding
     if vocab < n_cols:  # padding columns get no probability and no gradient
-        x = x.masked_fill(start + torch.arange(n_local, device=x.device) >= vocab, float("-inf"))
+        valid = start + torch.arange(n_local, device=x.device) < vocab
+        x = x.masked_fill(~valid, float("-inf"))
     # Each rank shifts by its own largest logit top_r (a shard of padding columns only: by 0, its
     # sum is 0), and one all-gather of (top_r, sum_r, the target's logit) per token combines them
     # as an online softmax does: logsumexp = M + log(sum_r sum_r * exp(top_r - M)), M the largest
@@ -335,18 +379,39 @@ def _token_losses(
             shifted.exp().sum(-1),
             torch.where(cols == index.unsqueeze(-1), shifted, 0.0).sum(-1),
         )
+        xsum = _column_sum(x, valid) if smooth else top.new_zeros(top.shape)
     else:  # eager: one read of the logits, one dense tensor (the gradient): _LocalSoftmaxStats
-        top, shift, local_sum, picked = _LocalSoftmaxStats.apply(x, index)  # type: ignore[no-untyped-call]
-    mine_stats = torch.stack([top, local_sum, torch.where(mine, picked + shift, 0.0)])  # (3, ...)
-    # (n, 3, ...): the gradient of each rank's part stays on it (no collective in the backward)
-    every = all_gather_invariant(mine_stats.unsqueeze(0), mesh, axis, dim=0)
+        top, shift, local_sum, picked, xsum = _LocalSoftmaxStats.apply(x, index, smooth, valid)  # type: ignore[no-untyped-call]
+    stats = [top, local_sum, torch.where(mine, picked + shift, 0.0)]
+    if smooth:
+        stats.append(xsum)  # this rank's sum of its real columns' logits
+    # (n, 3 or 4, ...): the gradient of each rank's part stays on it (no collective in backward)
+    every = all_gather_invariant(torch.stack(stats).unsqueeze(0), mesh, axis, dim=0)
     tops = every[:, 0].detach()  # (n, ...)
     high = tops.amax(0)  # (...): the largest logit of the token
     scale = (tops - high).exp()  # (n, ...): 0 for a rank of padding columns only (top -inf)
     total = (every[:, 1] * scale).sum(0)  # (...): sum over the vocabulary of exp(x - high)
     target_logit = every[:, 2].sum(0)  # (...): on one rank, 0 on the others
     counted = target != ignore_index
-    return torch.where(counted, total.log() - (target_logit - high), 0.0), counted
+    if not smooth:
+        return torch.where(counted, total.log() - (target_logit - high), 0.0), counted
+    eps = label_smoothing
+    mean_logit = every[:, 3].sum(0) / vocab  # (...): the mean of the real columns' logits
+    loss = total.log() - (1 - eps) * (target_logit - high) - eps * (mean_logit - high)
+    return torch.where(counted, loss, 0.0), counted
+
+
+def _checked_smoothing(op: str, axis: AxisName, label_smoothing: Any) -> float:
+    """``label_smoothing`` as a float in ``[0, 1]`` (``F.cross_entropy``'s range), else raise."""
+    ok = isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+    if not ok or not 0.0 <= label_smoothing <= 1.0:
+        raise CollectiveError(
+            op,
+            axis,
+            f"label_smoothing={label_smoothing!r} must be a float in [0.0, 1.0]",
+            "pass the smoothing as F.cross_entropy takes it (0.0: none)",
+        )
+    return float(label_smoothing)
 
 
 @names_this_rank
@@ -359,9 +424,10 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
-    """``F.cross_entropy(full_logits, target, ignore_index=, reduction=)`` with the vocabulary
-    split over ``axis``.
+    """``F.cross_entropy(full_logits, target, ignore_index=, reduction=, label_smoothing=)`` with
+    the vocabulary split over ``axis``.
 
     ``logits``: (..., V_local), this rank's columns ``[i*V_local, (i+1)*V_local)`` (``i`` =
     :func:`fastdist.axis_index` along ``axis``); ``target``: (...) global class ids, the same on
@@ -376,8 +442,13 @@ def cross_entropy(
     Raises :class:`~fastdist.errors.TargetError` for a target neither ``ignore_index`` nor in
     ``[0, vocab_size)``, when the data is seen (eagerly, or when a compiled step runs).
 
-    Gradient: (softmax - one-hot) on this rank's columns, scaled by the reduction; zero into
-    padding columns and from ignored tokens.
+    ``label_smoothing`` ``eps`` in ``[0, 1]``: ``F.cross_entropy``'s, over the ``vocab_size``
+    real columns ``C``: each counted token's loss is ``(1 - eps) * (-log p_target) + eps *
+    mean_c(-log p_c)`` (0 where ignored; ``"mean"`` divides by the tokens not ignored). It adds
+    one number per token to the all-gather and one sum per row, done in the same pass.
+
+    Gradient: (softmax - (1 - eps) * one-hot - eps / C) on this rank's columns, scaled by the
+    reduction; zero into padding columns and from ignored tokens.
 
     Args:
         logits: ``(..., V_local)``, this rank's vocabulary columns ``[i*V_local, (i+1)*V_local)``.
@@ -388,6 +459,8 @@ def cross_entropy(
         reduction: ``"mean"`` (over the tokens not ignored), ``"sum"`` or ``"none"`` (per token).
         vocab_size: the real vocabulary when it was padded to ``V_local * n``; the padding columns
             get no probability.
+        label_smoothing: ``F.cross_entropy``'s, a float in ``[0, 1]`` (0: none); the uniform
+            part spreads over the ``vocab_size`` real columns.
 
     Returns:
         replicated over ``axis``: the loss per token (``"none"``), its sum or its mean; float32 for
@@ -408,8 +481,9 @@ def cross_entropy(
             f"reduction={reduction!r} is not one of 'none', 'mean', 'sum'",
             "pass one of them",
         )
+    eps = _checked_smoothing("cross_entropy", axis, label_smoothing)
     loss, counted = _token_losses(
-        "cross_entropy", logits, target, mesh, axis, ignore_index, vocab_size
+        "cross_entropy", logits, target, mesh, axis, ignore_index, vocab_size, eps
     )
     if reduction == "none":
         return loss
@@ -420,21 +494,27 @@ def cross_entropy(
 
 @names_this_rank
 def vocab_parallel_cross_entropy(
-    logits: Tensor, target: Tensor, mesh: Mesh, axis: AxisName = "tp"
+    logits: Tensor,
+    target: Tensor,
+    mesh: Mesh,
+    axis: AxisName = "tp",
+    *,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     """Per-token cross entropy of logits whose vocabulary (last dim) is split over ``axis``.
 
     ``logits``: (..., vocab/n), this rank's columns; ``target``: (...) global ids, replicated.
     Returns the loss per token, replicated; a target of -100 is ignored (loss 0) and any other
     id outside the vocabulary raises :class:`~fastdist.errors.TargetError`. The same as
-    ``cross_entropy(logits, target, mesh, axis, reduction="none")``.
-    Gradient: softmax minus one-hot, on this rank's columns.
+    ``cross_entropy(logits, target, mesh, axis, reduction="none", label_smoothing=)``.
+    Gradient: softmax minus one-hot (minus the smoothing), on this rank's columns.
 
     Args:
         logits: ``(..., vocab/n)``, this rank's vocabulary columns.
         target: ``(...)`` global ids, the same on every rank of the axis (-100: ignored).
         mesh: the mesh the code runs on.
         axis: the axis the vocabulary is split over.
+        label_smoothing: ``F.cross_entropy``'s, a float in ``[0, 1]`` (0: none).
 
     Returns:
         the loss per token, replicated over ``axis``.
@@ -447,7 +527,9 @@ def vocab_parallel_cross_entropy(
     tensor([[1.3863],
             [1.3863]])
     """
-    return _token_losses("vocab_parallel_cross_entropy", logits, target, mesh, axis, -100, None)[0]
+    op = "vocab_parallel_cross_entropy"
+    eps = _checked_smoothing(op, axis, label_smoothing)
+    return _token_losses(op, logits, target, mesh, axis, -100, None, eps)[0]
 
 
 @names_this_rank
@@ -461,6 +543,7 @@ def causal_lm_loss(
     num_items_in_batch: Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: Tensor | None = None,
+    label_smoothing: float = 0.0,
     **kwargs: Any,
 ) -> Tensor:
     """transformers' ``ForCausalLMLoss`` with the vocabulary split over ``axis``.
@@ -471,9 +554,10 @@ def causal_lm_loss(
     given. Returns the summed loss over the tokens not ignored divided by
     ``num_items_in_batch`` when given, else their mean (a 0-d tensor, replicated).
     ``vocab_size`` is the real vocabulary (``config.vocab_size``) when the columns were padded.
-    Extra keyword arguments are ignored, so ``functools.partial(causal_lm_loss, mesh=mesh,
-    axis="tp")`` can be a model's ``loss_function``; ``reduction=``, ``label_smoothing=`` and
-    ``weight=`` (which ``F.cross_entropy`` would honour and transformers drops) raise. Unlike
+    ``label_smoothing`` is ``F.cross_entropy``'s (as in :func:`cross_entropy`; transformers'
+    own drops it). Extra keyword arguments are ignored, so ``functools.partial(causal_lm_loss,
+    mesh=mesh, axis="tp")`` can be a model's ``loss_function``; ``reduction=`` and ``weight=``
+    (which ``F.cross_entropy`` would honour and transformers drops) raise. Unlike
     ``ForCausalLMLoss``, which always upcasts to float32, float64 logits stay float64
     (float16/bfloat16 compute in float32).
     Gradient: that of :func:`cross_entropy` with ``reduction="sum"``, divided likewise.
@@ -488,10 +572,10 @@ def causal_lm_loss(
         num_items_in_batch: divide the summed loss by this instead of taking the mean.
         ignore_index: a label id that contributes no loss.
         shift_labels: labels already shifted (same shape as ``labels``), used instead.
+        label_smoothing: ``F.cross_entropy``'s, a float in ``[0, 1]`` (0: none).
         **kwargs: ignored (what transformers passes a ``loss_function``), except the
-            ``F.cross_entropy`` keywords that would change the loss (``reduction``,
-            ``label_smoothing``, ``weight``, ``reduce``, ``size_average``): those raise
-            `CollectiveError` instead of being dropped.
+            ``F.cross_entropy`` keywords that would change the loss (``reduction``, ``weight``,
+            ``reduce``, ``size_average``): those raise `CollectiveError` instead of being dropped.
 
     Returns:
         a 0-d tensor, replicated over ``axis``: the mean (or ``num_items_in_batch``-divided sum) of
@@ -507,20 +591,21 @@ def causal_lm_loss(
     True
     """
     _refuse_cross_entropy_kwargs("causal_lm_loss", axis, kwargs)
+    eps = _checked_smoothing("causal_lm_loss", axis, label_smoothing)
     shift_labels = _shifted_labels(logits, labels, shift_labels, axis, ignore_index)
     loss, counted = _token_losses(
-        "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size
+        "causal_lm_loss", logits, shift_labels, mesh, axis, ignore_index, vocab_size, eps
     )
     return _reduce_tokens(loss, counted, num_items_in_batch)
 
 
 #: ``F.cross_entropy`` keywords that change the loss, which the causal-LM losses do not compute
-_UNSUPPORTED = ("weight", "reduction", "label_smoothing", "reduce", "size_average")
+_UNSUPPORTED = ("weight", "reduction", "reduce", "size_average")
 
 
 def _refuse_cross_entropy_kwargs(op: str, axis: AxisName, kwargs: dict[str, Any]) -> None:
     """Raise `CollectiveError` for a ``F.cross_entropy`` keyword that would change the loss
-    (``reduction``, ``label_smoothing``, ``weight``, ...): the causal-LM losses take ``**kwargs``
+    (``reduction``, ``weight``, ...): the causal-LM losses take ``**kwargs``
     to be a transformers ``loss_function`` and would otherwise drop it silently."""
     given = sorted(k for k in _UNSUPPORTED if k in kwargs)
     if given:
@@ -529,8 +614,7 @@ def _refuse_cross_entropy_kwargs(op: str, axis: AxisName, kwargs: dict[str, Any]
             axis,
             f"{given} are F.cross_entropy keywords this loss does not compute (it returns the "
             "mean over the tokens not ignored, or their sum divided by num_items_in_batch, "
-            "without class weights or label smoothing; transformers' ForCausalLMLoss drops "
-            "them silently)",
+            "without class weights; transformers' ForCausalLMLoss drops them silently)",
             "drop them; for a sum pass num_items_in_batch=1, or use fastdist.nn.cross_entropy("
             "reduction=...) on the shifted labels",
         )
@@ -576,15 +660,16 @@ def gathered_causal_lm_loss(
     num_items_in_batch: Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: Tensor | None = None,
+    label_smoothing: float = 0.0,
     **kwargs: Any,
 ) -> Tensor:
     """:func:`causal_lm_loss` for logits that hold the whole vocabulary on every rank of ``axis``
     (a ``VocabParallel`` head with ``gather_output=True``, i.e. a plan's ``gather_logits=True``).
 
     ``logits``: (batch, seq, V), the same on every rank of ``axis``; the rest as in
-    :func:`causal_lm_loss`, with the same targets check (:class:`~fastdist.errors.TargetError`)
-    and the same dtypes: float64 logits stay float64, float16/bfloat16 compute in float32. No
-    collective: every rank computes the same loss.
+    :func:`causal_lm_loss`, with the same targets check (:class:`~fastdist.errors.TargetError`),
+    the same ``label_smoothing`` and the same dtypes: float64 logits stay float64,
+    float16/bfloat16 compute in float32. No collective: every rank computes the same loss.
 
     >>> import torch, torch.nn.functional as F, fastdist as fd
     >>> from fastdist.nn.loss import gathered_causal_lm_loss
@@ -599,6 +684,7 @@ def gathered_causal_lm_loss(
     """
     op = "causal_lm_loss"
     _refuse_cross_entropy_kwargs(op, axis, kwargs)
+    eps = _checked_smoothing(op, axis, label_smoothing)
     target = _shifted_labels(logits, labels, shift_labels, axis, ignore_index)
     if not isinstance(logits, Tensor) or logits.dim() == 0 or not logits.is_floating_point():
         raise CollectiveError(
@@ -629,12 +715,19 @@ def gathered_causal_lm_loss(
     target = checked_targets(op, target, mesh, axis, vocab, ignore_index)
     # low precision computes in float32
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    valid = None  # (V,) the real columns, when some are padding
     if vocab < n_cols:  # padding columns get no probability and no gradient
-        x = x.masked_fill(torch.arange(n_cols, device=x.device) >= vocab, float("-inf"))
+        valid = torch.arange(n_cols, device=x.device) < vocab
+        x = x.masked_fill(~valid, float("-inf"))
     counted = target != ignore_index
     index = torch.where(counted, target, 0).unsqueeze(-1)  # (..., 1)
     picked = x.gather(-1, index).squeeze(-1)  # (...): the target's logit
-    loss = torch.where(counted, torch.logsumexp(x, -1) - picked, 0.0)
+    lse = torch.logsumexp(x, -1)
+    if eps > 0:  # F.cross_entropy's label smoothing over the real columns
+        loss = lse - (1 - eps) * picked - eps * _column_sum(x, valid) / vocab
+    else:
+        loss = lse - picked
+    loss = torch.where(counted, loss, 0.0)
     return _reduce_tokens(loss, counted, num_items_in_batch)
 
 

@@ -24,6 +24,13 @@ once; on real ranks gradients are packed into buckets that are all-reduced async
 in the same order on every rank, while backward goes on, and the end of backward waits for
 them. ``no_sync()`` skips the reduction for gradient accumulation (the next synced backward
 reduces the accumulated sum: the reduction is linear).
+
+Buffers (``broadcast_buffers=True``, as torch's DDP): a buffer a forward updates from its own
+batch (BatchNorm's running statistics) would differ on every data rank, and the ranks' models
+would give different outputs in eval mode. Like DDP, at the start of a forward that follows a
+forward run with grad enabled outside ``no_sync`` (and at the first forward), the floating-point
+buffers of the data group's first rank (index 0 along the data axes) are broadcast to the
+others, in one coalesced broadcast.
 """
 
 from __future__ import annotations
@@ -115,6 +122,14 @@ class DataParallel:
             the stage's last micro-batch; not with tied embeddings across stages). With torch's
             engines, calls of the `fastdist.nn.ParallelModel` go through their wrapper
             (`wrapped`). DDP is refused under a pipeline.
+        broadcast_buffers: as DDP's (default ``True``): at the start of a forward that follows a
+            forward run with grad enabled outside `no_sync` (and at the first), the data group's
+            first rank's floating-point buffers (BatchNorm's running statistics) are broadcast to
+            the other data ranks (`sync_buffers`), so every rank's model is rank 0's, in eval
+            mode too. ``False``: each rank keeps the buffers its own batches gave (they differ).
+            With ``engine="ddp"``: DDP's own (``forward_sync_buffers``); with ``"fsdp"`` (which
+            leaves buffers alone) this reducer's broadcast. Simulated ranks hold one copy of each
+            buffer for every rank: nothing to broadcast.
         **engine_kwargs: torch's engines' keywords (DDP's; ``fully_shard``'s and ``blocks=``).
 
     Every engine gives each rank the single-device gradient of the mean of the data ranks'
@@ -154,11 +169,17 @@ class DataParallel:
         mesh: Mesh | None = None,
         bucket_mb: float = 25.0,
         engine: str = "fastdist",
+        broadcast_buffers: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         op = f"fastdist.train.DataParallel(engine={engine!r})"
         if engine not in ENGINES:
             raise MeshError(f"{op}: engine must be one of {ENGINES}")
+        if not isinstance(broadcast_buffers, bool):
+            raise MeshError(f"{op}: broadcast_buffers={broadcast_buffers!r} must be True or False")
+        self.broadcast_buffers = broadcast_buffers
+        # a buffer broadcast is due at the next forward (DDP's require_forward_param_sync)
+        self._buffers_due = True
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise MeshError(f"{op}: bucket_mb={bucket_mb!r} must be a positive number of MiB")
         self.engine = engine
@@ -170,12 +191,18 @@ class DataParallel:
         self._sync = True
         self._task: int | None = None
         if isinstance(model, Pipeline):
+            engine_kwargs["broadcast_buffers"] = broadcast_buffers
             self._attach_stages(model, axis, bucket_mb, engine, engine_kwargs)
             return
         module, mesh = module_and_mesh(model, mesh, op)
         self.module, self.mesh = module, mesh
         if engine != "fastdist":
+            if engine == "ddp" and not broadcast_buffers:  # DDP's default broadcasts them
+                # (torch 2.13's name for broadcast_buffers; it still syncs at construction)
+                engine_kwargs["forward_sync_buffers"] = False
             self._attach_torch(model, axis, engine_kwargs, op)
+            if engine == "fsdp":  # FSDP2 leaves buffers alone: broadcast them here
+                self._handles.append(module.register_forward_pre_hook(self._on_forward))
             return
         if engine_kwargs:
             raise MeshError(
@@ -239,6 +266,7 @@ class DataParallel:
         ``no_sync``)."""
         op = f"fastdist.train.DataParallel(engine={engine!r})"
         if engine == "ddp":
+            engine_kwargs.pop("broadcast_buffers")
             raise PipelineError(
                 f"{op}: not supported under a pipeline (DDP prepares each forward's reduction "
                 "for the next backward, and 1F1B runs several forwards before their backwards). "
@@ -318,9 +346,11 @@ class DataParallel:
             return
         if self.engine == "fsdp":
             self.wrapped.set_requires_gradient_sync(False)  # type: ignore[union-attr, operator]
+            before, self._sync = self._sync, False
             try:
                 yield
             finally:
+                self._sync = before
                 self.wrapped.set_requires_gradient_sync(True)  # type: ignore[union-attr, operator]
             return
         before, self._sync = self._sync, False
@@ -418,9 +448,53 @@ class DataParallel:
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         """A new step (outside any backward): a backward that raised half-way (and was caught) left
-        buckets in flight; wait for them and start clean (what it received stays unreduced)."""
-        if self._task is not None and torch._C._current_graph_task_id() == -1:
+        buckets in flight; wait for them and start clean (what it received stays unreduced).
+        Then the buffers, as DDP: broadcast when the last forward ran with grad enabled outside
+        `no_sync` (or this is the first)."""
+        if getattr(self, "_task", None) is not None and torch._C._current_graph_task_id() == -1:
             self._reset()
+        if self.broadcast_buffers and self._buffers_due:
+            self.sync_buffers()
+        self._buffers_due = torch.is_grad_enabled() and self._sync
+
+    def sync_buffers(self) -> None:
+        """Copy the floating-point buffers of the data group's first rank (index 0 along the data
+        axes) to every rank of the group: one broadcast of their bytes per device (usually one),
+        none when the model has no floating-point buffer or the group is one rank. Integer
+        buffers (BatchNorm's ``num_batches_tracked``) are left alone: every rank counts the same
+        steps. A simulated mesh holds one copy of each buffer for every rank: nothing to do.
+        Called at the start of a forward when due (``broadcast_buffers=True``); call it yourself
+        to make the buffers agree now (before `fastdist.checkpoint.save`, or with
+        ``broadcast_buffers=False``). On real ranks a **collective** over the data axes."""
+        if self.parts:
+            for part in self.parts:
+                part.sync_buffers()
+            return
+        if self.mesh.backend is None:
+            return
+        buffers = [b for b in self.module.buffers() if b.is_floating_point() and not b.is_meta]
+        if not buffers or math.prod(self.mesh.axis_size(a) for a in self.axes) == 1:
+            return
+        from fastdist.comm.axes import axis_comm
+
+        ac = axis_comm(self.mesh, self.axes, _OP)
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for b in buffers:
+            by_device.setdefault(b.device, []).append(b)
+        keep = torch.autograd.grad_mode._unsafe_preserve_version_counter  # as DDP's sync
+        with torch.no_grad(), keep(tuple(buffers)):
+            for group in by_device.values():
+                # widest dtype first: each buffer's bytes start at a multiple of its item size
+                group.sort(key=lambda b: -b.element_size())
+                flat = torch.cat(
+                    [b.detach().contiguous().view(-1).view(torch.uint8) for b in group]
+                )
+                got = ac.broadcast(_OP, flat, 0)  # the group's first rank's bytes
+                offset = 0
+                for b in group:
+                    n = b.numel() * b.element_size()
+                    b.copy_(got[offset : offset + n].view(b.dtype).view(b.shape))
+                    offset += n
 
     def _reset(self) -> None:
         """Drop a reduction that cannot finish: wait for buckets in flight (every rank launched
