@@ -31,6 +31,7 @@ from fastdist.ops.prelude import (
     norm_dim,
     same_shape,
 )
+from fastdist.ops.uneven import check_shard_rows, gather_counts
 
 if TYPE_CHECKING:
     from fastdist.core.comm import AxisComm
@@ -88,7 +89,8 @@ def halo_exchange(
         mode: the padding at the domain's ends: ``"zeros"``, ``"circular"``, ``"replicate"``
             or ``"reflect"``.
         sizes: the row count of each rank's block along ``dim``, in axis order (the same list
-            on every rank); ``None``: every block is ``x.shape[dim]`` rows.
+            on every rank); ``None``: each block is its rank's whole ``x`` along ``dim`` (on
+            simulated ranks, which share one shape, all equal; real ranks' may differ).
 
     Returns:
         this rank's block with its halo: ``before + x.shape[dim] + after`` rows along ``dim``
@@ -96,7 +98,9 @@ def halo_exchange(
 
     Raises:
         CollectiveError: a width wider than a block, an unknown ``mode``, ``sizes`` of the
-            wrong length, or fewer rows than the block's size.
+            wrong length, or fewer rows than the block's size. On real ranks the block checks
+            see every rank's row count (one small all-gather of them per call, eager): a bad
+            block on one rank raises on every rank of the group.
 
     >>> import torch, fastdist as fd
     >>> mesh = fd.Mesh({"sp": 2})
@@ -119,8 +123,7 @@ def halo_exchange(
     index = None if simulated else spec.comm.index  # type: ignore[union-attr]
     xm = x.movedim(d, 0)  # [C, *rest]: the split dim first
     rows = xm.shape[0]
-    sz = [rows] * spec.n if sizes is None else check_sizes("halo_exchange", axis, sizes, spec.n)
-    local_rows("halo_exchange", axis, xm, sz, simulated, index)
+    sz = _block_sizes(axis, spec, xm, sizes, agree=max(lo, hi) > 0)
     _check_widths(axis, lo, hi, mode, sz)
     # the rows are picked and joined along d itself: the result keeps x's memory layout (a
     # convolution after it reads it without a copy)
@@ -128,6 +131,28 @@ def halo_exchange(
         return _ragged(mesh, axis, spec, x, d, lo, hi, mode, sz)
     own = sz[0 if index is None else index]
     return _static(mesh, axis, spec, x, d, lo, hi, mode, own)
+
+
+def _block_sizes(
+    axis: AxisName, spec: GroupSpec, xm: Tensor, sizes: Sequence[int] | None, agree: bool
+) -> list[int]:
+    """Every rank's block rows, checked against the rows its input holds.
+
+    Real ranks, with a halo to exchange (``agree``): one small all-gather of the row counts
+    (eager), so every check below sees every rank's blocks and raises the same error on all of
+    them (a check of this rank's own rows alone raised on one rank, its peers left in the
+    exchange until the timeout, or paired with its next call). Without ``sizes`` a real rank's
+    block is its whole input (blocks may differ). No halo: no exchange, so no all-gather either
+    (each rank checks its own)."""
+    rows, op = xm.shape[0], "halo_exchange"
+    if sizes is None:
+        table = gather_counts(op, spec, [rows]) if agree else None
+        return [rows] * spec.n if table is None else [t[0] for t in table]
+    sz = check_sizes(op, axis, sizes, spec.n)
+    if not agree or check_shard_rows(op, axis, spec, rows, lambda i: sz[i], "sizes[{i}]") is None:
+        simulated = spec.comm is None
+        local_rows(op, axis, xm, sz, simulated, None if simulated else spec.comm.index)  # type: ignore[union-attr]
+    return sz
 
 
 def _widths(axis: AxisName, width: Any) -> tuple[int, int]:

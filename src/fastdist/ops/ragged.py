@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from fastdist.ops.prelude import (
 )
 
 if TYPE_CHECKING:
-    from fastdist.core.comm import AxisComm, Comm
+    from fastdist.core.comm import AxisComm
 
 
 __all__ = [
@@ -197,6 +197,20 @@ def ragged_all_to_all(
         from fastdist.ops.ragged_graph import ragged_a2a_outside_the_graph
 
         return ragged_a2a_outside_the_graph(ragged_all_to_all, x, mesh, axis, send_sizes, capacity)
+    return _ragged(x, mesh, axis, send_sizes, capacity, (0, 0, 0))
+
+
+def _ragged(
+    x: Tensor,
+    mesh: Mesh,
+    axis: AxisName,
+    send_sizes: Tensor,
+    capacity: int,
+    fault: tuple[int, int, int],
+) -> tuple[Tensor, Tensor]:
+    """:func:`ragged_all_to_all` past its compile branch; ``fault``: ``(1, entry, rows)`` when
+    this rank's ``indexed_all_to_all_v`` index holds ``entry`` outside its ``x``'s ``rows``
+    (checked with every rank's sizes on real ranks), else ``(0, 0, rows)``."""
     x, spec = enter("ragged_all_to_all", x, mesh, axis)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise CollectiveError(
@@ -228,7 +242,7 @@ def ragged_all_to_all(
             f"pass one row count per rank along the axis ({spec.n})",
         )
     if spec.comm is not None:
-        recv = _exchange_checked_sizes(x, mesh, axis, send, capacity, spec.comm)
+        recv = _exchange_checked_sizes(x, mesh, axis, send, capacity, spec.comm, fault)
         return apply_primitive(
             ragged_all_to_all_p, mesh, x, spec, send, recv, capacity=capacity
         ), recv
@@ -245,18 +259,37 @@ def ragged_all_to_all(
 
 
 def _exchange_checked_sizes(
-    x: Tensor, mesh: Mesh, axis: AxisName, send: Tensor, capacity: int, comm: AxisComm
+    x: Tensor,
+    mesh: Mesh,
+    axis: AxisName,
+    send: Tensor,
+    capacity: int,
+    comm: AxisComm,
+    fault: tuple[int, int, int],
 ) -> Tensor:
-    """Real ranks: this rank's receive sizes, after every rank checked every rank's sizes.
+    """Real ranks: this rank's receive sizes, after every rank checked every rank's sizes (and
+    ``indexed_all_to_all_v``'s index: ``fault``, as :func:`_ragged` takes it).
 
-    One small all-gather of each rank's send sizes, row count and capacity (in place of the
-    all-to-all of the send sizes): a bad size on one rank then raises the same error on every
-    rank of the group at once, naming that rank, and no rank is left waiting in the exchange.
+    One small all-gather of each rank's send sizes, row count, capacity and index fault (in place
+    of the all-to-all of the send sizes): a bad size or index on one rank then raises the same
+    error on every rank of the group at once, naming that rank, and no rank is left waiting in
+    the exchange.
     """
-    mine = torch.cat(
-        [send, torch.tensor([x.shape[0], capacity], dtype=torch.long, device=send.device)]
-    )  # [n + 2]
-    table = all_gather(mine.reshape(1, -1), mesh, axis, dim=0)  # [n, n + 2]: row i from index i
+    extra = [x.shape[0], capacity, *fault]
+    mine = torch.cat([send, torch.tensor(extra, dtype=torch.long, device=send.device)])  # [n + 5]
+    table = all_gather(mine.reshape(1, -1), mesh, axis, dim=0)  # [n, n + 5]: row i from index i
+    faults = table[:, comm.n + 2 :].tolist()  # [n, 3]: (bad?, entry, rows of x) per index
+    for i, (bad, entry, rows) in enumerate(faults):
+        if bad:
+            rows_of = f"rows 0..{rows - 1}" if rows else "no rows: x has none"
+            raise CollectiveError(
+                "indexed_all_to_all_v",
+                comm.label,
+                f"rank {comm.ranks[i]}'s index holds {entry}, outside the {rows} rows of its x "
+                "(every rank of the group raises this)",
+                f"index {rows_of}",
+                rank=f"rank {comm.rank}",
+            )
     sends = table[:, : comm.n]  # [n, n]: rows index i sends to index j
     _ragged_a2a_check(
         sends,
@@ -315,6 +348,15 @@ def _index_check(index: Tensor, rank: Tensor, rows: int, axis: AxisName) -> None
     )
 
 
+def _index_fault(index: Tensor, rows: int) -> tuple[int, int]:
+    """Real ranks: ``(1, an entry of index outside [0, rows))``, or ``(0, 0)`` when every entry
+    is a row (one device-to-host read of ``aminmax``; nothing while dynamo traces)."""
+    if torch.compiler.is_compiling() or not _outside_rows(index, rows):
+        return 0, 0
+    lo, hi = (int(t) for t in torch.aminmax(index))
+    return 1, lo if lo < 0 else hi
+
+
 @torch.library.custom_op("fastdist::check_row_index", mutates_args=())
 def _check_row_index(index: Tensor, rank: Tensor, rows: int, axis: str) -> Tensor:
     """A copy of ``index``; raises :class:`~fastdist.CollectiveError` if an entry is outside
@@ -346,17 +388,13 @@ def _check_row_index_vmap(
 def _checked_index(index: Tensor, rows: int, mesh: Mesh, axis: AxisName) -> Tensor:
     """``index`` once every entry is a row of ``x`` (``rows`` of them).
 
-    Real ranks: a local check (no collective: one device-to-host read; skipped while dynamo
-    traces). Simulated ranks: every rank's index at once, read from the simulation's stacked
+    Real ranks: nothing here (:func:`_index_fault` reads this rank's, and the exchange checks
+    every rank's). Simulated ranks: every rank's index at once, read from the simulation's stacked
     tensor (the usual case: an index vmapped by the simulation alone, or a replicated plain
     one), else through ``fastdist::check_row_index``, whose vmap rule sees it stacked (under
     other transforms; several times the cost)."""
     compiling = torch.compiler.is_compiling()
-    if is_real(mesh):
-        if not compiling and _outside_rows(index, rows):
-            # the process's global rank (a sliced mesh's own rank may differ)
-            rank = torch.tensor(cast("Comm", mesh.comm).global_rank)
-            _index_check(index, rank, rows, axis)
+    if is_real(mesh):  # checked by indexed_all_to_all_v with every rank's index (_index_fault)
         return index
     binding = rank_binding("indexed_all_to_all_v", mesh)  # raises unless simulated or one rank
     here = -1 if compiling else _FUNCTORCH.maybe_get_level(index)
@@ -437,10 +475,14 @@ def indexed_all_to_all_v(
         )
     index = _checked_index(index, x.shape[0], mesh, axis)
     src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
+    fault = _index_fault(index, x.shape[0]) if is_real(mesh) else (0, 0)
+    # a bad index on this rank: zeros in its place, so that the exchange's check (of every
+    # rank's sizes and index) raises on every rank of the group, not on this one alone
+    rows = (
+        src.new_zeros((index.shape[0], *src.shape[1:])) if fault[0] else src.index_select(0, index)
+    )
     try:
-        out, recv = ragged_all_to_all(
-            src.index_select(0, index), mesh, axis, send_sizes, capacity=capacity
-        )
+        out, recv = _ragged(rows, mesh, axis, send_sizes, capacity, (*fault, x.shape[0]))
     except CollectiveError as e:  # its exchange's checks: name the op the caller called
         if e.op == "ragged_all_to_all":
             # the exchange's input is x[index]: its rows are the ones index selects

@@ -27,8 +27,8 @@ move it there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -62,7 +62,59 @@ __all__ = [
     "reduce_scatter_v",
     "gather_v",
     "scatter_v",
+    "gather_counts",
+    "check_shard_rows",
 ]
+
+
+# ====================================================================== checks every rank agrees on
+def gather_counts(op: str, spec: GroupSpec, counts: Sequence[int]) -> list[list[int]] | None:
+    """Every member's ``counts`` (Python ints, the same number on each), in axis order, on real
+    ranks: one small all-gather of host memory, so that a check of them raises the same error on
+    every member instead of on one rank alone (its peers would wait in the collective until the
+    timeout, or pair with its next call). ``None`` on simulated ranks (one program checks every
+    rank already) and while ``torch.compile`` traces (there each rank checks its own, as before).
+    """
+    comm = spec.comm
+    if comm is None or torch.compiler.is_compiling():
+        return None
+    if comm.n == 1:
+        return [list(counts)]
+    mine = torch.tensor([list(counts)], dtype=torch.long)  # [1, k] on the host: no device sync
+    return cast("list[list[int]]", comm.all_gather_rows(op, mine).tolist())  # [n, k]
+
+
+def check_shard_rows(
+    op: str, axis: AxisName, spec: GroupSpec, rows: int, need: Callable[[int], int], what: str
+) -> list[int] | None:
+    """Every rank's input must hold ``need(i)`` rows along the ragged dim (``i``: its index along
+    the axis): on real ranks every member checks every member's row count, so a short shard raises
+    the same :class:`CollectiveError` on all of them, naming the short ranks. Returns every
+    member's row count on real ranks (``None`` on simulated ranks and while compiling, where the
+    caller checks as before).
+
+    ``what`` names the requirement in the message, ``{i}`` standing for the index (e.g.
+    ``"sizes[{i}]"``)."""
+    table = gather_counts(op, spec, [rows])
+    if table is None:
+        return None
+    got = [t[0] for t in table]
+    short = [i for i, r in enumerate(got) if r < need(i)]
+    if short:
+        comm = cast("AxisComm", spec.comm)
+        who = "; ".join(
+            f"rank {comm.ranks[i]} (index {i}) has {got[i]} but {what.format(i=i)} = {need(i)}"
+            for i in short
+        )
+        raise CollectiveError(
+            op,
+            axis,
+            f"a shard has too few rows along the ragged dim ({who}); every rank of the group "
+            "raises this",
+            f"pass at least {what.format(i='i')} rows on the rank with index i (rows past them "
+            "are ignored)",
+        )
+    return got
 
 
 # ====================================================================== all_gather_v /
@@ -187,14 +239,7 @@ def all_gather_v(
     d = norm_dim("all_gather_v", axis, "dim", dim, x.dim())
     sz = check_sizes("all_gather_v", axis, sizes, spec.n)
     xm = x.movedim(d, 0)
-    local_rows(
-        "all_gather_v",
-        axis,
-        xm,
-        sz,
-        spec.comm is None,
-        None if spec.comm is None else spec.comm.index,
-    )
+    _own_rows("all_gather_v", axis, spec, xm, sz)
     return apply_primitive(
         all_gather_v_p, mesh, xm, spec, sizes=tuple(sz), accumulate_fp32=bool(accumulate_fp32)
     ).movedim(0, d)
@@ -235,18 +280,41 @@ def reduce_scatter_v(
     need_reducible(reduce_scatter_v_p, axis, x)
     d = norm_dim("reduce_scatter_v", axis, "dim", dim, x.dim())
     sz = check_sizes("reduce_scatter_v", axis, sizes, spec.n)
-    if x.shape[d] != sum(sz):
-        raise CollectiveError(
-            "reduce_scatter_v",
-            axis,
-            f"dim {d} has {x.shape[d]} rows but sizes sum to {sum(sz)}",
-            "pass sizes that sum to the dim's length",
-        )
+    _whole_rows("reduce_scatter_v", axis, spec, x.shape[d], d, sz)
     cap = check_capacity("reduce_scatter_v", axis, capacity, max(sz), "the largest chunk")
     _need_static_shape("reduce_scatter_v", axis, spec, cap, sz)
     return apply_primitive(
         reduce_scatter_v_p, mesh, x.movedim(d, 0), spec, sizes=tuple(sz), capacity=cap
     ).movedim(0, d)
+
+
+def _own_rows(op: str, axis: AxisName, spec: GroupSpec, xm: Tensor, sizes: Sequence[int]) -> None:
+    """The rank with index ``i`` holds at least ``sizes[i]`` rows (real ranks: every member checks
+    every member's); simulated ranks share one shape: ``max(sizes)``."""
+    if check_shard_rows(op, axis, spec, xm.shape[0], lambda i: sizes[i], "sizes[{i}]") is None:
+        simulated = spec.comm is None
+        local_rows(op, axis, xm, sizes, simulated, None if simulated else spec.comm.index)  # type: ignore[union-attr]
+
+
+def _whole_rows(
+    op: str, axis: AxisName, spec: GroupSpec, rows: int, d: int, sizes: Sequence[int]
+) -> None:
+    """Every rank's operand has ``sum(sizes)`` rows along ``d`` (real ranks: every member checks
+    every member's, so a wrong one raises on all of them)."""
+    table = gather_counts(op, spec, [rows])
+    got = [rows] if table is None else [t[0] for t in table]
+    bad = [i for i, r in enumerate(got) if r != sum(sizes)]
+    if not bad:
+        return
+    comm = spec.comm
+    problem = f"dim {d} has {rows} rows but sizes sum to {sum(sizes)}"
+    if comm is not None and table is not None:
+        where = ", ".join(f"{got[i]} on rank {comm.ranks[i]} (index {i})" for i in bad)
+        problem = (
+            f"dim {d} has {where} rows but sizes sum to {sum(sizes)} (every rank of the group "
+            "raises this)"
+        )
+    raise CollectiveError(op, axis, problem, "pass sizes that sum to the dim's length")
 
 
 def _need_static_shape(
@@ -412,9 +480,7 @@ def gather_v(
     sz = check_sizes("gather_v", axis, sizes, spec.n)
     check_index("gather_v", axis, "dst", dst, spec.n)
     xm = x.movedim(d, 0)
-    local_rows(
-        "gather_v", axis, xm, sz, spec.comm is None, None if spec.comm is None else spec.comm.index
-    )
+    _own_rows("gather_v", axis, spec, xm, sz)
     cap = check_capacity("gather_v", axis, capacity, sum(sz), "the gathered rows")
     if spec.comm is None and cap < 0 and spec.n > 1:
         raise CollectiveError(
@@ -468,13 +534,7 @@ def scatter_v(
     d = norm_dim("scatter_v", axis, "dim", dim, x.dim())
     sz = check_sizes("scatter_v", axis, sizes, spec.n)
     check_index("scatter_v", axis, "src", src, spec.n)
-    if x.shape[d] != sum(sz):
-        raise CollectiveError(
-            "scatter_v",
-            axis,
-            f"dim {d} has {x.shape[d]} rows but sizes sum to {sum(sz)}",
-            "pass sizes that sum to the dim's length",
-        )
+    _whole_rows("scatter_v", axis, spec, x.shape[d], d, sz)
     cap = check_capacity("scatter_v", axis, capacity, max(sz), "the largest chunk")
     _need_static_shape("scatter_v", axis, spec, cap, sz)
     return apply_primitive(
