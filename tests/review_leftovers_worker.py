@@ -99,9 +99,18 @@ def buffers_as_ddp() -> dict[str, Any]:
     pm(batches(rank, 0)[0]).sum().backward()
     dp.sync_buffers()
     out["by-hand"] = (None, {k: v.clone() for k, v in pm.module.named_buffers()})
-    # no floating buffer: no collective at all (a rank that skipped it would hang the other)
-    lin = fd.nn.parallelize(torch.nn.Linear(3, 1).to(F64), mesh, {})
-    fd.train.DataParallel(lin, "dp").sync_buffers()
+    # no persistent floating buffer (a Linear with a rank's own non-persistent cache): no
+    # collective, so rank 0 alone runs a forward and sync_buffers() (a broadcast would wait for
+    # rank 1 until the mesh's timeout), and the cache stays the rank's own
+    lin = torch.nn.Linear(3, 1).to(F64)
+    lin.register_buffer("cache", torch.full((2,), float(rank), dtype=F64), persistent=False)
+    pm = fd.nn.parallelize(lin, mesh, {})
+    dp = fd.train.DataParallel(pm, "dp")
+    if rank == 0:
+        pm(torch.ones(2, 3, dtype=F64))  # with grad: the next forward's broadcast is due
+        pm(torch.ones(2, 3, dtype=F64))
+        dp.sync_buffers()
+    out["own-cache"] = pm.module.cache.clone()
     out["reference"] = one_device(mesh.size) if rank == 0 else None
     return out
 

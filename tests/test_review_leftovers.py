@@ -56,6 +56,8 @@ def test_data_parallel_broadcasts_buffers_as_ddp_on_gloo() -> None:
     # sync_buffers() by hand: rank 1 holds rank 0's buffers
     for key, value in got[0]["by-hand"][1].items():
         assert torch.equal(got[1]["by-hand"][1][key], value), key
+    # a non-persistent buffer is the rank's own (and without a persistent one, no collective)
+    assert [got[r]["own-cache"].tolist() for r in (0, 1)] == [[0.0, 0.0], [1.0, 1.0]]
 
 
 def test_broadcast_buffers_argument_and_simulated_ranks() -> None:

@@ -28,9 +28,11 @@ reduces the accumulated sum: the reduction is linear).
 Buffers (``broadcast_buffers=True``, as torch's DDP): a buffer a forward updates from its own
 batch (BatchNorm's running statistics) would differ on every data rank, and the ranks' models
 would give different outputs in eval mode. Like DDP, at the start of a forward that follows a
-forward run with grad enabled outside ``no_sync`` (and at the first forward), the floating-point
-buffers of the data group's first rank (index 0 along the data axes) are broadcast to the
-others, in one coalesced broadcast.
+forward run with grad enabled outside ``no_sync`` (and at the first forward), the persistent
+floating-point buffers of the data group's first rank (index 0 along the data axes) are
+broadcast to the others, in one coalesced broadcast (`state_buffers` says which; a model
+without any, such as a transformers LLM, whose rotary ``inv_freq`` is non-persistent, costs no
+collective).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from fastdist.nn.state import Layout, module_and_mesh, param_layouts
 from fastdist.train.pipeline import Pipeline
 from fastdist.train.pipeline.split import hand_on_last
 
-__all__ = ["DataParallel", "reduce_axes", "data_axes", "ENGINES"]
+__all__ = ["DataParallel", "reduce_axes", "data_axes", "state_buffers", "ENGINES"]
 
 #: the engines `DataParallel` attaches: fastdist's own reduction, torch's DDP, FSDP2
 ENGINES = ("fastdist", "ddp", "fsdp")
@@ -124,9 +126,10 @@ class DataParallel:
             (`wrapped`). DDP is refused under a pipeline.
         broadcast_buffers: as DDP's (default ``True``): at the start of a forward that follows a
             forward run with grad enabled outside `no_sync` (and at the first), the data group's
-            first rank's floating-point buffers (BatchNorm's running statistics) are broadcast to
-            the other data ranks (`sync_buffers`), so every rank's model is rank 0's, in eval
-            mode too. ``False``: each rank keeps the buffers its own batches gave (they differ).
+            first rank's persistent floating-point buffers (BatchNorm's running statistics;
+            `state_buffers`) are broadcast to the other data ranks (`sync_buffers`), so every
+            rank's model is rank 0's, in eval mode too. ``False``: each rank keeps the buffers
+            its own batches gave (they differ).
             With ``engine="ddp"``: DDP's own (``forward_sync_buffers``); with ``"fsdp"`` (which
             leaves buffers alone) this reducer's broadcast. Simulated ranks hold one copy of each
             buffer for every rank: nothing to broadcast.
@@ -458,11 +461,11 @@ class DataParallel:
         self._buffers_due = torch.is_grad_enabled() and self._sync
 
     def sync_buffers(self) -> None:
-        """Copy the floating-point buffers of the data group's first rank (index 0 along the data
-        axes) to every rank of the group: one broadcast of their bytes per device (usually one),
-        none when the model has no floating-point buffer or the group is one rank. Integer
-        buffers (BatchNorm's ``num_batches_tracked``) are left alone: every rank counts the same
-        steps. A simulated mesh holds one copy of each buffer for every rank: nothing to do.
+        """Copy the model's `state_buffers` (persistent floating-point buffers) of the data
+        group's first rank (index 0 along the data axes) to every rank of the group: one
+        broadcast of their bytes per device (usually one), none when the model has no such
+        buffer or the group is one rank. A simulated mesh holds one copy of each buffer for
+        every rank: nothing to do.
         Called at the start of a forward when due (``broadcast_buffers=True``); call it yourself
         to make the buffers agree now (before `fastdist.checkpoint.save`, or with
         ``broadcast_buffers=False``). On real ranks a **collective** over the data axes."""
@@ -472,7 +475,7 @@ class DataParallel:
             return
         if self.mesh.backend is None:
             return
-        buffers = [b for b in self.module.buffers() if b.is_floating_point() and not b.is_meta]
+        buffers = state_buffers(self.module)
         if not buffers or math.prod(self.mesh.axis_size(a) for a in self.axes) == 1:
             return
         from fastdist.comm.axes import axis_comm
@@ -617,6 +620,31 @@ class DataParallel:
             else:  # .grad = what it held before + the reduced part of what it received
                 (p.grad.sub_(received) if received is not None else p.grad).add_(piece)
         b.flat = None
+
+
+def state_buffers(module: nn.Module) -> list[Tensor]:
+    """The buffers `DataParallel` broadcasts: persistent (in the state dict) and floating-point,
+    not on the meta device, each once. A forward may update them from its own batch (BatchNorm's
+    running statistics, an EMA). Left alone, unlike DDP: integer buffers (BatchNorm's
+    ``num_batches_tracked``: every rank counts the same steps), and non-persistent ones, which
+    are not the model's state but constants the model computes (rotary ``inv_freq``, masks:
+    the same on every rank) or a rank's own (a cache of its batch, which rank 0's must not
+    overwrite).
+
+    >>> bn = torch.nn.BatchNorm1d(2)
+    >>> bn.register_buffer("inv_freq", torch.ones(2), persistent=False)
+    >>> [b is bn.running_mean or b is bn.running_var for b in state_buffers(bn)]
+    [True, True]
+    """
+    seen: set[int] = set()
+    out = []
+    for m in module.modules():
+        for name, b in m.named_buffers(recurse=False):
+            keep = name not in m._non_persistent_buffers_set and b.is_floating_point()
+            if keep and not b.is_meta and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+    return out
 
 
 def refuse_second_engine(model: Any, module: nn.Module, op: str) -> None:
