@@ -95,6 +95,23 @@ def make_requests(seed: int = 1) -> list[Request]:
     ]
 
 
+def check_request(req: Request) -> None:
+    """Refuse a request the loop cannot serve as ``generate`` would: no prompt, a token outside
+    the vocabulary, or fewer than 1 new token (``generate`` refuses ``max_new_tokens=0``; the
+    loop's prefill always makes one, so such a request would never finish)."""
+    if not req.prompt or not all(isinstance(t, int) and 0 <= t < VOCAB for t in req.prompt):
+        raise ValueError(
+            f"request {req.rid}: prompt {req.prompt!r} must be 1 or more token ids in [0, {VOCAB})"
+        )
+    if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int):
+        raise ValueError(f"request {req.rid}: max_new_tokens={req.max_new_tokens!r} is not an int")
+    if req.max_new_tokens < 1:
+        raise ValueError(
+            f"request {req.rid}: max_new_tokens={req.max_new_tokens} must be at least 1 (as "
+            "for generate: the prefill makes a token)"
+        )
+
+
 class Step(TypedDict):
     """One step's inputs, the message every rank gets (plain values: it pickles anywhere)."""
 
@@ -110,6 +127,12 @@ class Scheduler:
     logits."""
 
     def __init__(self, requests: list[Request], max_running: int, eos: int | None) -> None:
+        for req in requests:
+            check_request(req)
+        if len({req.rid for req in requests}) != len(requests):
+            raise ValueError(f"request ids repeat: {sorted(req.rid for req in requests)}")
+        if max_running < 1:
+            raise ValueError(f"--max-running {max_running}: at least 1 request must run")
         self.pending = deque(sorted(requests, key=lambda r: r.arrival))  # not arrived yet
         self.waiting: deque[Request] = deque()  # arrived, not admitted
         self.running: dict[int, Request] = {}
@@ -145,7 +168,7 @@ class Scheduler:
             token = int(row.argmax())
             req.tokens.append(token)
             out.append(f"r{rid}:{token}")
-            if token == self.eos or len(req.tokens) == req.max_new_tokens:
+            if token == self.eos or len(req.tokens) >= req.max_new_tokens:
                 self.finished.append(self.running.pop(rid))
                 self.free.append(rid)
                 done.append(f"r{rid}")
@@ -225,6 +248,8 @@ def serve(args: argparse.Namespace, mesh: fd.Mesh) -> list[Request] | None:
     model = build_model(args.family, args.eos)
     pm = fd.nn.parallelize(model, mesh)  # the family's ready plan over "tp"
     engine = Engine(pm.module)  # the model itself: whole logits, inputs checked across ranks
+    for req in make_requests():  # every rank: a request the loop cannot serve stops all at once
+        check_request(req)
     with fd.serving.MessageQueue.create(mesh, "tp", writer=0, timeout=args.timeout) as q:
         sched = Scheduler(make_requests(), args.max_running, args.eos) if q.is_writer else None
         if sched is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastdist.errors import CollectiveError
 from fastdist.ops.prelude import check_index, names_this_rank
 from fastdist.serving.node import axis_group
 from fastdist.serving.queue import MessageQueue, build_queues
@@ -58,7 +59,21 @@ def create_single_reader_mq_broadcasters(
     n = len(ranks)
     check_index(op, label, "reader", reader, n)
     writers = [i for i in range(n) if i != reader]
-    opts = {"max_chunk_bytes": 1 << 20, "max_chunks": 8, "timeout": 60.0, "nodes": None, **kwargs}
+    opts: dict[str, Any] = {
+        "max_chunk_bytes": 1 << 20,
+        "max_chunks": 8,
+        "timeout": 60.0,
+        "nodes": None,
+    }
+    unknown = sorted(set(kwargs) - set(opts))
+    if unknown:  # a misspelt option would otherwise leave its default in force, silently
+        raise CollectiveError(
+            op,
+            label,
+            f"unknown option(s) {unknown}",
+            f"pass only {sorted(opts)} (the writers are every index but reader={reader})",
+        )
+    opts.update(kwargs)
     qs = build_queues(
         op,
         mesh,

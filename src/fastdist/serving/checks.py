@@ -9,14 +9,17 @@ from typing import Any
 from fastdist.errors import CollectiveError
 from fastdist.ops.prelude import check_index
 
-__all__ = ["check_options", "check_readers"]
+__all__ = ["MAX_TIMEOUT_S", "check_options", "check_readers"]
+
+#: the longest timeout a queue takes, in seconds (a socket's wait overflows near 1e10 s)
+MAX_TIMEOUT_S = 1e9
 
 
 def check_options(
     op: str, label: Any, max_chunk_bytes: int, max_chunks: int, timeout: float
 ) -> None:
-    """Refuse a slot size or count that is not a positive int, or a timeout that is not positive
-    seconds.
+    """Refuse a slot size or count that is not a positive int, or a timeout that is not positive,
+    finite seconds (nan would never time out; inf overflows a socket's wait).
 
     Args:
         op: the public name of the caller.
@@ -30,9 +33,16 @@ def check_options(
             raise CollectiveError(
                 op, label, f"{arg}={v!r} is not a positive int", f"pass {arg} >= 1"
             )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout <= MAX_TIMEOUT_S  # nan and inf too: every wait must end
+    ):
         raise CollectiveError(
-            op, label, f"timeout={timeout!r} is not positive seconds", "pass timeout > 0"
+            op,
+            label,
+            f"timeout={timeout!r} is not positive, finite seconds",
+            f"pass 0 < timeout <= {MAX_TIMEOUT_S:g} (a wait must end)",
         )
 
 

@@ -84,6 +84,9 @@ class NodeInfo:
         hosts: each index's hostname.
         host_keys: what hosts are compared by (hostname and boot id).
         pids: each index's process id and start time (for liveness checks on one host).
+        whole_mesh: whether ``ranks`` are every rank of the mesh (:func:`node_info` over every
+            axis of size > 1); :func:`local_device` needs such a one (a part's local ranks are
+            not the host's).
 
     What rank 9 of ``torchrun --nnodes 2 --nproc-per-node 8`` sees (written out by hand here;
     :func:`node_info` fills it in a job):
@@ -108,6 +111,7 @@ class NodeInfo:
     hosts: tuple[str, ...]
     host_keys: tuple[str, ...]
     pids: tuple[tuple[int, int | None], ...]
+    whole_mesh: bool = True
 
     def same_host(self, i: int, j: int | None = None) -> bool:
         """Whether axis indices ``i`` and ``j`` (default: this rank) run on one host.
@@ -216,6 +220,7 @@ def node_info(mesh: Any, axis: Any = None, *, hostname: str | None = None) -> No
         tuple(e[0] for e in every),
         tuple(e[1] for e in every),
         tuple((e[2], e[3]) for e in every),
+        whole_mesh=len(ranks) == mesh.size,
     )
 
 
@@ -234,7 +239,8 @@ def local_device(where: Any, device_type: str | None = None) -> torch.device:
     ``where`` is a :class:`NodeInfo` of the whole mesh, or a mesh (then :func:`node_info` runs
     over the whole mesh: a collective). ``device_type`` defaults to ``cuda`` if available, else
     ``npu`` (``torch_npu``), else ``cpu``. Raises :class:`~fastdist.MeshError` when the host
-    has fewer devices than ranks.
+    has fewer devices than ranks, or when ``where`` is a ``NodeInfo`` of one axis of a larger
+    mesh (its local ranks repeat across the axis's groups: two ranks would share a device).
 
     Args:
         where: a ``NodeInfo`` of the whole mesh, or a mesh (then ``node_info`` runs over it: a
@@ -249,6 +255,13 @@ def local_device(where: Any, device_type: str | None = None) -> torch.device:
     >>> torch.cuda.set_device(dev)             # doctest: +SKIP
     """
     info = where if isinstance(where, NodeInfo) else node_info(where)
+    if not info.whole_mesh:
+        raise MeshError(
+            f"fastdist.local_device: the NodeInfo given covers axis {info.axis!r} only (ranks "
+            f"{list(info.ranks)}): its local rank {info.local_rank} counts only that group's "
+            "ranks on the host, so other groups' ranks would get the same device. Fix: pass "
+            "node_info(mesh) (every axis), or the mesh itself"
+        )
     kind = _default_device_type() if device_type is None else device_type
     if kind == "cpu":
         return torch.device("cpu")

@@ -21,7 +21,6 @@ unlinks it when the writer is gone).
 from __future__ import annotations
 
 import math
-import pickle
 import secrets
 import time
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from fastdist.errors import (
     QueueClosedError,
 )
 from fastdist.ops.prelude import names_this_rank
-from fastdist.serving.checks import check_options, check_readers
+from fastdist.serving.checks import MAX_TIMEOUT_S, check_options, check_readers
 from fastdist.serving.node import NodeInfo, axis_group, node_info
 from fastdist.serving.shm_ring import ShmRing
 from fastdist.serving.sockets import CLOSE, FRAME, accept_readers, connect_to_writer, listen
@@ -204,8 +203,15 @@ class MessageQueue(QueueWire):
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise MeshError(f"MessageQueue: timeout must be seconds >= 0, got {timeout!r}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 <= timeout <= MAX_TIMEOUT_S  # nan and inf too: a wait must end
+        ):
+            raise MeshError(
+                f"MessageQueue: timeout must be seconds in [0, {MAX_TIMEOUT_S:g}], got "
+                f"{timeout!r}. Fix: pass a finite number of seconds (a wait must end)"
+            )
         return float(timeout)
 
     # ------------------------------------------------------------------ writer
@@ -224,6 +230,17 @@ class MessageQueue(QueueWire):
         """
         op = "enqueue"
         self._role(op, True)
+        t = self._timeout(timeout)
+        deadline = time.monotonic() + t
+        self._take_turn(op, block, t)
+        self._call_timeout = t
+        try:
+            self._enqueue(op, obj, deadline, block)
+        finally:
+            self._lock.release()
+
+    def _enqueue(self, op: str, obj: Any, deadline: float, block: bool) -> None:
+        """``enqueue``'s work, this thread holding the queue's lock."""
         if self._broken:
             raise self._err(
                 op,
@@ -232,9 +249,7 @@ class MessageQueue(QueueWire):
                 "the readers may hold part of that message, so nothing more can be sent in order",
                 "close this queue and make a new one",
             )
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        t = self._call_timeout = self._timeout(timeout)
-        deadline = time.monotonic() + t
+        payload = self._encoder.dumps(obj)
         frags = max(1, math.ceil(len(payload) / self.max_chunk_bytes))
         if not block:
             self._refuse_if_full(frags)
@@ -292,15 +307,20 @@ class MessageQueue(QueueWire):
         """
         op = "dequeue"
         self._role(op, False)
-        t = self._call_timeout = self._timeout(timeout)
+        t = self._timeout(timeout)
         deadline = time.monotonic() + t
-        if self._sock is not None:
-            obj = self._recv_message(op, deadline, block)
-        else:
-            assert self._ring is not None
-            obj = self._read_ring(op, self._ring, deadline, block)
-        self._messages += 1
-        return obj
+        self._take_turn(op, block, t)
+        self._call_timeout = t
+        try:
+            if self._sock is not None:
+                obj = self._recv_message(op, deadline, block)
+            else:
+                assert self._ring is not None
+                obj = self._read_ring(op, self._ring, deadline, block)
+            self._messages += 1
+            return obj
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ teardown
     def close(self, *, timeout: float = 5.0) -> None:

@@ -13,13 +13,18 @@ public calls, its roles and its collective setup) builds on it.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import os
 import pickle
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from fastdist.errors import (
     CollectiveTimeout,
@@ -33,11 +38,103 @@ from fastdist.serving.node import pid_alive
 from fastdist.serving.shm_ring import ShmRing, fence
 from fastdist.serving.sockets import CLOSE, COALESCE, FRAME, is_open
 
-__all__ = ["QueueWire"]
+__all__ = ["Encoder", "QueueWire", "rebuild_tensor"]
 
 _SPIN_S = 2e-4  # wait by yielding the CPU this long, then sleep in growing steps
 _MAX_SLEEP_S = 1e-3
 _CHECK_S = 0.05  # how often a waiting side checks that the peers it waits for are alive
+# the dtypes whose tensors torch's own pickling brings back; a tensor of any other dtype (float8,
+# uint16/32/64, complex32, ...) pickles, but unpickling it fails (torch 2.13), so it travels as
+# its storage's bytes (`Encoder`)
+_TORCH_PICKLES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+    }
+)
+
+
+def rebuild_tensor(
+    data: torch.Tensor,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+) -> torch.Tensor:
+    """A reader's copy of a tensor that `Encoder` sent as its storage's bytes: ``data`` (uint8,
+    the whole storage) viewed as ``dtype`` with the tensor's offset, size and stride.
+
+    Args:
+        data: the storage's bytes, a uint8 tensor on the tensor's device.
+        dtype: the tensor's dtype.
+        offset: its storage offset, in elements.
+        size: its shape.
+        stride: its strides, in elements.
+        requires_grad: whether it required grad.
+    """
+    t = torch.empty(0, dtype=dtype, device=data.device)
+    t.set_(data.untyped_storage(), offset, size, stride)
+    return t.requires_grad_(requires_grad)
+
+
+def _reduce_tensor(t: torch.Tensor) -> Any:
+    """How `Encoder` pickles a plain tensor: as torch does, unless torch could not unpickle it."""
+    if (
+        t.dtype in _TORCH_PICKLES
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.device.type == "meta"
+        or (t.requires_grad and not t.is_leaf)  # torch's own refusal, with its message
+    ):
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
+    if t.is_conj() or t.is_neg():  # the bytes hold the values before the lazy conj / negation
+        t = t.resolve_conj().resolve_neg()
+    data = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    shape = (t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
+    return rebuild_tensor, (data, t.dtype, *shape)
+
+
+class Encoder:
+    """A writer's pickler (highest protocol), kept between messages: ``pickle.dumps``, except that
+    a tensor of a dtype torch's pickling cannot bring back (float8, uint16/32/64, complex32, ...)
+    goes as its storage's bytes and comes back equal (:func:`rebuild_tensor`), where
+    ``pickle.loads`` of ``pickle.dumps`` would fail on every reader."""
+
+    def __init__(self) -> None:
+        self._buf = io.BytesIO()
+        self._pickler = self._new()
+
+    def _new(self) -> pickle.Pickler:
+        p = pickle.Pickler(self._buf, protocol=pickle.HIGHEST_PROTOCOL)
+        p.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+        return p
+
+    def dumps(self, obj: Any) -> bytes:
+        """``obj``'s pickle.
+
+        Args:
+            obj: a picklable object.
+        """
+        self._buf.seek(0)
+        self._buf.truncate()
+        self._pickler.clear_memo()
+        try:
+            self._pickler.dump(obj)
+        except BaseException:
+            self._pickler = self._new()  # its state after a failed dump is not for reuse
+            raise
+        return self._buf.getvalue()
 
 
 class QueueWire:
@@ -104,10 +201,21 @@ class QueueWire:
         self._broken = ""
         self._last_check = time.monotonic()
         self._call_timeout = self.timeout  # the running call's timeout (for messages)
+        # one enqueue / dequeue at a time: threads of this rank sharing the queue take turns (two
+        # writes at once would fill one slot twice, two reads read one message twice)
+        self._lock = threading.Lock()
+        self._encoder = Encoder()
 
     # ------------------------------------------------------------------ writer
     def _refuse_if_full(self, frags: int) -> None:
         """``enqueue(block=False)``: raise QueueFull unless the message can go out at once."""
+        if self._ring is not None and frags > self.max_chunks:  # no retry would ever place it
+            raise QueueFull(
+                f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: the message "
+                f"needs {frags} slots, more than the ring's {self.max_chunks}, so it never goes "
+                "out at once. Fix: pass block=True (the readers drain it while it streams in), "
+                "or make the queue with larger max_chunk_bytes"
+            )
         if self._ring is not None:
             free = self.max_chunks - (self._count - self._ring.min_read())
             if frags > free:
@@ -250,19 +358,20 @@ class QueueWire:
             fence()  # the count was read before the slot's bytes
             body, more = ring.read(self._count)
             if not more and not parts:
-                obj = pickle.loads(body)
-                body.release()
-                self._count += 1
-                fence()  # the slot was read before the writer may reuse it
-                ring.set_read_count(self._slot, self._count)
-                return obj
+                try:  # the message leaves the queue even if it does not unpickle
+                    return self._loads(op, body)
+                finally:
+                    body.release()
+                    self._count += 1
+                    fence()  # the slot was read before the writer may reuse it
+                    ring.set_read_count(self._slot, self._count)
             parts.append(bytes(body))
             body.release()
             self._count += 1
             fence()
             ring.set_read_count(self._slot, self._count)
             if not more:
-                return pickle.loads(b"".join(parts))
+                return self._loads(op, b"".join(parts))
 
     def _recv_message(self, op: str, deadline: float, block: bool) -> Any:
         assert self._sock is not None
@@ -273,7 +382,25 @@ class QueueWire:
         (n,) = FRAME.unpack(self._recv_exact(op, 8, deadline, first=True))
         if n == CLOSE:
             raise self._closed_error(op)
-        return pickle.loads(self._recv_exact(op, n, deadline, first=False))
+        return self._loads(op, self._recv_exact(op, n, deadline, first=False))
+
+    def _loads(self, op: str, data: Any) -> Any:
+        """Unpickle a message that has left the queue; one that does not unpickle here raises
+        a ``CommError`` (counted as read: the next call returns the message after it)."""
+        try:
+            return pickle.loads(data)
+        except Exception as e:
+            self._messages += 1
+            raise self._err(
+                op,
+                CommError,
+                f"message {self._messages} from the writer, rank {self.ranks[self.writer]}, "
+                f"could not be unpickled on this rank ({type(e).__name__}: {e}); it has left the "
+                "queue: the next dequeue returns the message after it",
+                "send objects every reader can unpickle: classes importable on every rank (not "
+                "defined only on the writer or in an interactive session), CPU tensors (or "
+                "devices every reader has)",
+            ) from e
 
     def _recv_exact(self, op: str, n: int, deadline: float, first: bool) -> bytearray:
         assert self._sock is not None
@@ -350,6 +477,27 @@ class QueueWire:
         )
 
     # ------------------------------------------------------------------ waiting
+    def _take_turn(self, op: str, block: bool, timeout: float) -> None:
+        """Acquire the queue's lock for this call: at once (``block=False``: ``QueueFull`` /
+        ``QueueEmpty`` if another thread holds it) or within ``timeout``."""
+        got = self._lock.acquire(timeout=timeout) if block else self._lock.acquire(blocking=False)
+        if got:
+            return
+        if not block and op == "dequeue":
+            raise self._empty()
+        if not block:
+            raise QueueFull(
+                f"fastdist.MessageQueue.enqueue on rank {self.ranks[self.index]}: another "
+                "thread of this rank is sending a message. Fix: retry later, or pass block=True"
+            )
+        raise self._err(
+            op,
+            CollectiveTimeout,
+            f"another thread of this rank was still in {op} on this queue after the timeout "
+            f"({timeout:g} s)",
+            "pass a larger timeout, or give each thread its own queue",
+        )
+
     def _check_alive(self, op: str, peers: Sequence[int]) -> None:
         for p in peers:
             if p in self._conns:
