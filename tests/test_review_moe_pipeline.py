@@ -193,6 +193,30 @@ def test_a_capacity_factor_that_is_not_positive_is_refused(factor: float) -> Non
         fd.nn.parallelize(model, mesh, fd.nn.plans.plan(model, mesh, capacity_factor=factor))
 
 
+def test_load_balancing_loss_refuses_logits_and_masks_of_other_shapes() -> None:
+    """(T, E) logits per layer and a (T,) mask: (batch, seq, E) logits (Switch Transformers'
+    layout, whose loss is per sequence) raised torch's cat error; a one-element mask broadcast
+    over the tokens and counted them as 1, silently (loss 214.3 where the unmasked one is
+    2.14: T**2 times).
+    Both now raise `MoEError` naming the shapes and the fix; a (T,) mask of ones is the
+    unmasked loss."""
+    g = torch.Generator().manual_seed(0)
+    lg = torch.randn(2, 5, 4, dtype=torch.float64, generator=g)
+    flat = lg.reshape(10, 4)
+    match = r"load_balancing_loss takes \(T, E\) router logits per layer and a \(T,\) atten"
+    with pytest.raises(fd.nn.MoEError, match=match + r".*got \(2, 5, 4\) and None"):
+        M.load_balancing_loss(lg, 2)
+    with pytest.raises(fd.nn.MoEError, match=match + r".*got \(10, 4\) and \(1,\)"):
+        M.load_balancing_loss(flat, 2, attention_mask=torch.ones(1))
+    with pytest.raises(fd.nn.MoEError, match=match):
+        M.load_balancing_loss([flat, flat[:, :3]], 2)
+    torch.testing.assert_close(
+        M.load_balancing_loss(flat, 2, attention_mask=torch.ones(2, 5)),
+        M.load_balancing_loss(flat, 2),
+        **TOL,
+    )
+
+
 # ============================================================================ real ranks
 def test_evaluation_and_a_frozen_first_stage_on_gloo() -> None:
     """2 gloo processes (pp=2): the forward-only step under no_grad and inference_mode (1F1B and

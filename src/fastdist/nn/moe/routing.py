@@ -552,6 +552,17 @@ def load_balancing_loss(
     counts = probs = total = None
     for logits in layers:
         x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        bad_mask = attention_mask is not None and attention_mask.numel() != x.shape[0]
+        if x.dim() != 2 or x.shape[-1] != E or bad_mask:
+            raise MoEError(
+                f"fastdist MoE layer {layer!r}: load_balancing_loss takes (T, E) router logits "
+                f"per layer and a (T,) attention_mask, got {tuple(x.shape)} and "
+                f"{None if attention_mask is None else tuple(attention_mask.shape)}. Fix: "
+                f"flatten the tokens (logits.reshape(-1, "
+                f"{x.shape[-1]})) for the statistics pooled over all of them (transformers' "
+                "Mixtral); Switch Transformers' loss is per sequence: the mean over sequences "
+                "of this loss on each one's (S, E)"
+            )
         p = x.softmax(-1) if gating == "softmax" else torch.sigmoid(x)  # (T, E)
         chosen = F.one_hot(torch.topk(p, top_k, dim=-1).indices, E).sum(1).to(p.dtype)  # (T, E)
         m = (
