@@ -146,6 +146,23 @@ def test_load_strict_false_reports_skipped_keys_dcp(tmp_path: Path) -> None:
     assert same == {"step": 7} and (same.missing_keys, same.unexpected_keys) == ([], [])
 
 
+def test_load_strict_false_reports_skipped_keys_of_a_pipeline() -> None:
+    """A pipeline (pp 2 x tp 2, simulated) from a state dict without one layer's weight and
+    with a key no stage reads: each stage reads its part of the whole model's checkpoint, so a
+    key only another stage reads is not unexpected; the result names what the pipeline lacks
+    and what nothing read, as ``load_state_dict`` on the one-device model."""
+    from tests.test_pipeline import llama
+
+    ref = llama(4)
+    source = {k: v for k, v in ref.state_dict().items() if k != "model.layers.3.mlp.up_proj.weight"}
+    source["model.extra.weight"] = torch.ones(3, dtype=F64)
+    want = llama(4).load_state_dict(source, strict=False)
+    pipe = fd.train.pipeline(llama(4, seed=1), fd.Mesh({"pp": 2, "tp": 2}), microbatches=2)
+    got = fd.checkpoint.load(source, pipe, strict=False)
+    assert got == {} and got.missing_keys == want.missing_keys
+    assert got.unexpected_keys == want.unexpected_keys == ["model.extra.weight"]
+
+
 # ============================================================================ 3. smoothing
 def _shards(full: Tensor, n: int) -> Tensor:
     return torch.stack(full.chunk(n, -1)).requires_grad_()
