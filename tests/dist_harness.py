@@ -230,6 +230,97 @@ def torchrun_example(example: str, world: int, *args: str) -> subprocess.Complet
     )
 
 
+def forked_example(
+    example: str, world: int, *args: str, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """``examples/<example> <args>`` on ``world`` gloo processes forked from the preloaded
+    forkserver, each with the environment torchrun gives its ranks (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT`` of a store this process hosts...): the same run as
+    :func:`torchrun_example` without a fresh interpreter per rank (and one for the launcher)
+    importing torch and transformers, seconds of CPU each on 2 cores. Each example keeps one
+    test under the real torchrun. The result reads as torchrun's: every rank's stdout (rank 0
+    first), every rank's stderr, and exit code 1 if a rank failed (as torchrun), 0 otherwise;
+    ranks still running after ``timeout`` are killed and the code is -9."""
+    import pytest
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    limit = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, timeout=limit, wait_for_workers=False
+    )  # type: ignore[attr-defined]
+    base = {
+        **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank joins our store as a client
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    script = str(ROOT / "examples" / example)
+    ctx = forkserver()
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            logs = [(Path(out) / f"{r}.out", Path(out) / f"{r}.err") for r in range(world)]
+            procs = [
+                ctx.Process(
+                    target=_example_entry,
+                    args=(
+                        script,
+                        list(args),
+                        {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        [str(p) for p in logs[r]],
+                    ),
+                    name=f"{example}:rank{r}",
+                )  # fmt: skip
+                for r in range(world)
+            ]
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            # as torchrun: the first rank to fail ends the others
+            while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.05)
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+            stdout, stderr = (
+                "".join(pair[i].read_text(errors="replace") for pair in logs if pair[i].exists())
+                for i in (0, 1)
+            )
+    finally:
+        del store
+    code = (
+        -9
+        if all(c in (None, 0) for c in codes) and None in codes
+        else int(any(c != 0 for c in codes))
+    )
+    return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
+
+
+def _example_entry(script: str, argv: list[str], env: dict[str, str], logs: list[str]) -> None:
+    """One rank of :func:`forked_example`: ``python script *argv`` with ``env``, its stdout and
+    stderr (Python's and native code's) written to ``logs``."""
+    for fd_no, path in zip((1, 2), logs):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(f, fd_no)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    sys.path.insert(0, str(Path(script).parent))
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 did for a fresh interpreter
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
 def run_example_without_torchrun(example: str) -> subprocess.CompletedProcess[str]:
     """``examples/<example>`` run as a plain script (no torchrun environment)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fastdist as fd
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 from fastdist.train.grad_scaler import GradScaler
 from tests import grad_scaler_worker as w
 

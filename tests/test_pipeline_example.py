@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist_harness import load_example, run_example_without_torchrun, torchrun_example
+from tests.dist_harness import (
+    forked_example,
+    load_example,
+    run_example_without_torchrun,
+    torchrun_example,
+)
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +73,7 @@ def test_1f1b_on_4_gloo_processes_prints_one_devices_losses_and_ok() -> None:
 def test_interleaved_run_matches_and_a_difference_above_the_tolerance_exits_1() -> None:
     """Interleaved 1F1B (two stages per rank, four stages) agrees with one device, and with a
     tolerance no float run meets (1e-300) the same run prints MISMATCH and exits 1."""
-    proc = torchrun_example(
+    proc = forked_example(  # torchrun's environment per rank, forked (the run above: torchrun)
         "train_pipeline.py", 4, "--schedule", "interleaved_1f1b", "--tol", "1e-300"
     )
     out = proc.stdout

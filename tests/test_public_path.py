@@ -58,9 +58,10 @@ def test_simulated_rank_suite_passes_on_the_public_route() -> None:
         "FASTDIST_FAST_PATH": "0",
         "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
     }
-    # the fast tier of FILES (their slow tests compile, where the fast path is off anyway, or
-    # spawn gloo processes), and one gloo test for the real-rank shortcut (apply_function)
-    for selection in (["-m", "not slow", *FILES], [GLOO_TEST]):
+    # the fast tier of FILES without its compiled tests (the fast path is off under compile
+    # anyway: their slow tests compile or spawn gloo processes), and one gloo test for the
+    # real-rank shortcut (apply_function)
+    for selection in (["-m", "not slow", "-k", "not compile", *FILES], [GLOO_TEST]):
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-x"]
             + selection,

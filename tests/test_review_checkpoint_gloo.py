@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from fastdist import checkpoint
-from fastdist.testing import run_on_gloo
+from tests.dist_harness import run_on_gloo
 from tests.review_checkpoint_worker import bn_dp2, conv_bn
 
 

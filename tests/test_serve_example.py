@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist_harness import load_example, run_example_without_torchrun, torchrun_example
+from tests.dist_harness import (
+    forked_example,
+    load_example,
+    run_example_without_torchrun,
+    torchrun_example,
+)
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +100,7 @@ def test_serving_qwen3_on_4_gloo_processes_with_a_stop_token() -> None:
     eos = free[4][1][1]
     want = _one_device("qwen3", eos)
     assert want[4][1] == free[4][1][:2]  # the stop token ends request 4 early
-    proc = torchrun_example(
+    proc = forked_example(  # torchrun's environment per rank, forked (the 2-rank run: torchrun)
         "serve.py", 4, "--family", "qwen3", "--max-running", "2", "--eos", str(eos)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist_harness import load_example
+from tests.dist_harness import forked_example, load_example
 from tests.test_distributed import ROOT, torchrun
 
 pytest.importorskip("transformers")
@@ -62,27 +62,36 @@ def test_main_refuses_a_batch_that_does_not_split() -> None:
         ex.main(["--simulate", "--dp", "2", "--tp", "1", "--batch", "6", "--steps", "1"])
 
 
+def _forked(example: str, nproc: int, *args: str) -> str:
+    """``torchrun``'s run on processes forked from the suite's preloaded forkserver (the same
+    environment per rank; see ``tests.dist_harness.forked_example``): its stdout, after
+    asserting it exited 0. The pipeline test below keeps the real torchrun."""
+    proc = forked_example(example, nproc, *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def _last_step(out: str) -> str:
     return [line for line in out.splitlines() if line.startswith("step ")][-1]
 
 
-def test_torchrun_4_and_8_gloo_processes_resume_at_other_layouts(tmp_path: Path) -> None:
+def test_4_and_8_gloo_processes_resume_at_other_layouts(tmp_path: Path) -> None:
     """tp2 x dp2 (sp, fastdist's reducer) for 10 steps against one device, checkpoints at 5 and
     10; from step 5, tp4 x dp1 with DDP and tp2 x dp4 with FSDP2 on 8 processes each end where
     the uninterrupted run ended (and match one device resumed from the same checkpoint)."""
     ckpt = str(tmp_path)
     run = ["--steps", "10", "--dtype", "float64", "--check"]
-    out = torchrun("train.py", 4, "--tp", "2", *run, "--ckpt-every", "5", "--ckpt-dir", ckpt)
+    out = _forked("train.py", 4, "--tp", "2", *run, "--ckpt-every", "5", "--ckpt-dir", ckpt)
     assert "train on Mesh({'dp': 2, 'tp': 2})" in out and ": OK" in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_5"]
     # every rank wrote its own slices
     assert len(list((tmp_path / "step_5").glob("*.distcp"))) == 4
     end = _last_step(out)
     resume = ["--resume", f"{ckpt}/step_5"]
-    out = torchrun("train.py", 4, "--tp", "4", "--engine", "ddp", *run, *resume)
+    out = _forked("train.py", 4, "--tp", "4", "--engine", "ddp", *run, *resume)
     assert "train on Mesh({'dp': 1, 'tp': 4})" in out and ": OK" in out, out
     assert _last_step(out) == end
-    out = torchrun("train.py", 8, "--tp", "2", "--engine", "fsdp", *run, *resume)
+    out = _forked("train.py", 8, "--tp", "2", "--engine", "fsdp", *run, *resume)
     assert "train on Mesh({'dp': 4, 'tp': 2})" in out and ": OK" in out, out
     assert _last_step(out) == end
 
