@@ -192,11 +192,6 @@ def ragged_all_to_all(
             [11., 12.,  0.]]), tensor([[1, 2],
             [2, 0]]))
     """
-    if torch.compiler.is_compiling() and is_real(mesh):
-        # dynamo is loaded (it is tracing): the module that needs it is imported only now
-        from fastdist.ops.ragged_graph import ragged_a2a_outside_the_graph
-
-        return ragged_a2a_outside_the_graph(ragged_all_to_all, x, mesh, axis, send_sizes, capacity)
     return _ragged(x, mesh, axis, send_sizes, capacity, (0, 0, 0))
 
 
@@ -211,6 +206,12 @@ def _ragged(
     """:func:`ragged_all_to_all` past its compile branch; ``fault``: ``(1, entry, rows)`` when
     this rank's ``indexed_all_to_all_v`` index holds ``entry`` outside its ``x``'s ``rows``
     (checked with every rank's sizes on real ranks), else ``(0, 0, rows)``."""
+    if torch.compiler.is_compiling() and is_real(mesh):
+        # dynamo is loaded (it is tracing): the module that needs it is imported only now. No
+        # fault while tracing (indexes are not read then)
+        from fastdist.ops.ragged_graph import ragged_a2a_outside_the_graph
+
+        return ragged_a2a_outside_the_graph(ragged_all_to_all, x, mesh, axis, send_sizes, capacity)
     x, spec = enter("ragged_all_to_all", x, mesh, axis)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise CollectiveError(
