@@ -16,6 +16,11 @@ by hand as in ``tests/test_pipeline.py``), after ``tests/test_pipeline_moe_revie
   micro-batches, equal to a one-device model dropping the same assignments, whose loss and
   gradients the step's equal.
 
+Also refused now, with `MoEError` / `PipelineError` naming the fix: a ``capacity_factor`` of 0
+or below (it kept one assignment per expert, silently), ``load_balancing_loss`` inputs of other
+shapes (a one-element mask counted the tokens as one: the loss T**2 times too large), and
+``microbatches=`` / ``virtual=`` that a built ``Schedule`` would drop.
+
 Real ranks: the forward-only step and the frozen first stage on 2 gloo processes
 (``tests/review_moe_pipeline_worker.py``).
 """
@@ -83,6 +88,35 @@ def test_step_without_grad_is_an_evaluation(
         torch.testing.assert_close(grads[name], p.grad, **TOL)
 
 
+def test_a_dit_step_without_grad_is_an_evaluation() -> None:
+    """A diffusers DiT's pipeline (LTX-Video, pp2, 1F1B) under ``torch.no_grad()``: the loss is one
+    device's, no gradient is made (it raised torch's RuntimeError)."""
+    from tests.pipeline_dit_worker import ltx_batch, one_device, tiny_ltx
+
+    model, b = tiny_ltx(), ltx_batch()
+    want = one_device(copy.deepcopy(model), b)  # (its backward on the copy)
+    mesh = fd.Mesh({"pp": 2})
+    pipe = fd.train.pipeline(model, mesh, schedule="1f1b", microbatches=2)
+    with torch.no_grad():
+        loss = pipe.step(**{k: rep(v, mesh) if isinstance(v, Tensor) else v for k, v in b.items()})
+    torch.testing.assert_close(loss, rep(want, mesh), rtol=1e-12, atol=0)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("kw", [{"microbatches": 2}, {"virtual": 2}], ids=lambda kw: str(kw))
+def test_counts_a_built_schedule_would_drop_are_refused(kw: dict[str, int]) -> None:
+    """``schedule=`` a built `Schedule` (1F1B, 4 micro-batches) with ``microbatches=2`` or
+    ``virtual=2``: the schedule's counts ran and the arguments were dropped without a word; now
+    refused, naming both; the same counts are accepted."""
+    from fastdist.train import schedules
+
+    sched = schedules.one_f_one_b(pp=2, microbatches=4)
+    with pytest.raises(fd.PipelineError, match=r"with a built schedule of 4 micro-batches and 1"):
+        fd.train.pipeline(llama(4), fd.Mesh({"pp": 2}), schedule=sched, **kw)
+    pipe = fd.train.pipeline(llama(4), fd.Mesh({"pp": 2}), schedule=sched, microbatches=4)
+    assert pipe.schedule.microbatches == 4
+
+
 # ============================================================================ frozen parameters
 @pytest.mark.parametrize(
     "axes, frozen",
@@ -113,6 +147,14 @@ def test_a_frozen_first_stage_trains_the_others(axes: dict[str, int], frozen: tu
     for name, p in ref.named_parameters():
         if name in learn:
             torch.testing.assert_close(grads[name], p.grad, **TOL)
+    # the whole model's clip: torch's over the parameters with gradients
+    want_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in ref.parameters() if p.requires_grad], 0.1
+    )
+    torch.testing.assert_close(pipe.clip_grad_norm_(0.1), rep(want_norm, mesh), **TOL)
+    grads = pipe.grads()
+    for name in learn:
+        torch.testing.assert_close(grads[name], ref.get_parameter(name).grad, **TOL)
 
 
 # ============================================================================ MoE drops

@@ -130,6 +130,15 @@ def pipeline(
                 f"pipeline: the schedule is for pp={sched.pp}, the mesh's {axis!r} has {pp} "
                 "ranks. Fix: build the schedule for the mesh's axis size"
             )
+        given = {"microbatches": microbatches, "virtual": virtual if virtual != 1 else None}
+        differ = {k: v for k, v in given.items() if v is not None and v != getattr(sched, k)}
+        if differ:  # the built schedule's counts run: the arguments would be dropped
+            raise PipelineError(
+                f"pipeline: {', '.join(f'{k}={v}' for k, v in differ.items())} with a built "
+                f"schedule of {sched.microbatches} micro-batches and {sched.virtual} stages per "
+                "rank: the schedule's counts are the ones that run. Fix: leave them out, or "
+                "build the schedule with them"
+            )
     else:
         sched = _schedule_for(schedule, pp, pp if microbatches is None else microbatches, virtual)
     if dit:
