@@ -103,6 +103,14 @@ def halo_cases() -> dict[str, tuple[Fn, Inputs]]:
         for ax in ["tp", ("tp", "dp")]:
             add(dt, ax, (1, 2), "reflect", True, "plain", 0)
             add(dt, ax, 1, "circular", False, "plain", 1)
+    for mode in MODES:  # a 2-D split: dim 0 over one axis, then dim 1 over the other (corners)
+        for first, second in [("dp", "tp"), ("tp", "dp")]:
+            out[f"halo2d|torch.float64|{first}|{mode}"] = (
+                lambda m, x, a=first, b=second, mode=mode: fd.halo_exchange(
+                    fd.halo_exchange(x, m, a, 0, 1, mode=mode), m, b, 1, (1, 2), mode=mode
+                ),
+                lambda: (make(torch.float64, (3, 4)),),
+            )
     for lay in LAYOUTS:
         for dt in [torch.float64, torch.complex64, torch.bool]:
             for ax in ["dp", ("dp", "tp")]:

@@ -18,6 +18,12 @@ Simulated ranks share one shape, so there a ragged output needs ``capacity`` unl
 are equal (a clear error says so). Per-rank code that passes ``capacity`` runs unchanged on
 both.
 
+Argument checks that depend on one rank's own input (a shard shorter than its size, an operand
+of the wrong length) see every rank's on real ranks: each public op gathers the ranks' row counts
+first (one small all-gather of host memory, eager only), so a bad shard on one rank raises the
+same error on every rank of the group, naming the bad ranks, instead of on that rank alone while
+its peers wait in the collective (or pair with its next call).
+
 Offsets are never passed in: rows are packed by destination on the sender and by source on
 the receiver, in axis order (JAX's receiver-side ``output_offsets`` are a known trap).
 
