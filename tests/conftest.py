@@ -65,6 +65,15 @@ SLOW_FILES = frozenset(
 
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_review_leftovers.py": frozenset(
+        {
+            "test_data_parallel_broadcasts_buffers_as_ddp_on_gloo",
+            "test_label_smoothing_compiled_fullgraph_equals_one_device",
+            "test_label_smoothing_on_gloo",
+            "test_load_strict_false_reports_skipped_keys_of_a_pipeline",
+            "test_model_forward_with_label_smoothing_equals_one_device",
+        }
+    ),
     "tests/test_context_rope.py": frozenset({"test_gloo_logits_and_generate_match_one_device"}),
     "tests/test_context_frames.py": frozenset({"test_frames_on_gloo"}),
     "tests/test_review_domain.py": frozenset({"test_on_gloo"}),

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import fastdist as fd
-from tests.dist_harness import run_on_gloo
 from fastdist.train.grad_scaler import GradScaler
 from tests import grad_scaler_worker as w
+from tests.dist_harness import run_on_gloo
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 PLAN = {"0": fd.nn.ColwiseParallel(input="replicated"), "2": fd.nn.RowwiseParallel()}

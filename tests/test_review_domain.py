@@ -274,8 +274,8 @@ def test_on_gloo() -> None:
     convolution + instance norm + pooling + transposed convolution, and a global pooling over
     uneven W blocks, each equal to one device (output, field and parameter gradients); an
     unbatched field and a one-row block beside a global pooling refused on every rank."""
-    from tests.dist_harness import run_on_gloo
     from tests import review_domain_worker as w
+    from tests.dist_harness import run_on_gloo
 
     for case in [c for c in w.CASES if c not in w.REFUSED]:
         net, x, _, _ = w.build(case)
