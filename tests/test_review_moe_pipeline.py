@@ -80,6 +80,8 @@ def test_step_without_grad_is_an_evaluation(
     torch.testing.assert_close(loss, rep(want, mesh), **TOL)
     assert all(k == "F" for k in {e.kind for e in pipe.events})  # the forwards only
     assert all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters())  # type: ignore[arg-type]
+    # not replaced by inference tensors (the tied copies were), which in-place ops refuse
+    assert not any(p.grad.is_inference() for p in pipe.parameters())  # type: ignore[union-attr]
     grads = pipe.grads()
     for alias, name in pipe.tied.items():  # gpt2: both copies hold the tied weight's gradient
         assert torch.equal(grads.pop(alias), grads[name])

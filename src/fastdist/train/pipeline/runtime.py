@@ -318,7 +318,8 @@ class Pipeline:
         self.events = []
         # the copies' gradients of earlier steps (equal: summed then) are set aside, so that the
         # sums below add this step's contributions only, then added back once
-        earlier = self._set_aside_copies()
+        # (an evaluation under no_grad makes none: nothing set aside, nothing summed)
+        earlier = self._set_aside_copies() if torch.is_grad_enabled() else []
         self._drops = {}
         loss = self._run_simulated(micro) if self.simulated else self._run_ranks(micro)
         _add_back(earlier)
@@ -530,8 +531,9 @@ class Pipeline:
                     grads[(j - 1, m)] = _grad_of(x, j, m)
             self.events.append(Event(s.rank_of(j), a.kind, m, j, start, time.perf_counter() - t0))
         assert loss is not None
-        self._sum_tied()
-        self._sum_shared()
+        if train:
+            self._sum_tied()
+            self._sum_shared()
         # every rank's loss: rank r holds its stage-mesh index's loss of the last stage
         idx = torch.tensor(
             [
@@ -569,8 +571,9 @@ class Pipeline:
                     pending = ranks.ac.all_reduce_async("Pipeline.step", st.loss, what=what)
             ranks.open_gate()  # no transfer on this rank: the batch check still holds
             ranks.finish()
-            self._sum_tied()
-            self._sum_shared()
+            if train:
+                self._sum_tied()
+                self._sum_shared()
             if pending is not None:
                 pending.wait()
             self.span = time.perf_counter() - t0
