@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -24,12 +26,21 @@ import torch
 
 import fastdist as fd
 from fastdist import serving
-from fastdist.errors import CollectiveError, CollectiveTimeout, CommError, MeshError, QueueFull
+from fastdist.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    CommError,
+    MeshError,
+    QueueClosedError,
+    QueueEmpty,
+    QueueFull,
+)
 from fastdist.serving import node as serving_node
 from fastdist.serving.checks import check_options
 from fastdist.serving.node import pid_start_time
 from fastdist.serving.queue import MessageQueue
 from fastdist.serving.shm_ring import ShmRing
+from fastdist.serving.wire import Encoder
 
 from .dist_harness import load_example
 
@@ -221,6 +232,39 @@ def test_tensors_of_every_dtype_arrive_equal(path: str) -> None:
     r.close()
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_messages_at_slot_boundaries_arrive_whole(path: str) -> None:
+    """Pickles of one byte less, exactly, and one byte more than 1, 2, 4 and 9 slots (the ring
+    has 4: it wraps around many times, and a message larger than it streams through)."""
+    w, r = _ends(path, chunk=64, chunks=4)
+    enc = Encoder()
+    for slots in (1, 2, 4, 9):
+        for target in (64 * slots - 1, 64 * slots, 64 * slots + 1):
+            n = next(n for n in range(2000) if len(enc.dumps(b"q" * n)) >= target)
+            assert len(enc.dumps(b"q" * n)) == target
+            assert _send(w, r, b"q" * n) == b"q" * n
+    w.close()
+    r.close()
+
+
+def test_an_object_that_does_not_pickle_sends_nothing() -> None:
+    """``enqueue`` of an unpicklable object raises the pickling error having sent nothing (the
+    writer's pickler, kept between messages, starts afresh); the next message arrives alone.
+    A view of the last message still held (an error's traceback) does not stop the next."""
+    w, r = _ends("ring")
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        w.enqueue(["half", lambda: 1])
+    w.enqueue("whole")
+    held = w._encoder.dumps("held")  # a view of the encoder's buffer, not released
+    w.enqueue({"next": 1})
+    assert (r.dequeue(timeout=5), r.dequeue(timeout=5)) == ("whole", {"next": 1})
+    assert pickle.loads(held) == "held"
+    with pytest.raises(QueueEmpty):
+        r.dequeue(block=False)
+    w.close()
+    r.close()
+
+
 # ----------------------------------------------------------------------------- bad messages
 class _NotOnReaders:
     """Pickles on the writer; unpickling raises (as a class only the writer can import does)."""
@@ -316,6 +360,39 @@ def test_a_thread_waiting_its_turn_times_out_naming_it() -> None:
     assert r.dequeue(timeout=5) == "a"
     w.close()
     r.close()
+
+
+@pytest.mark.parametrize("who", ["ring reader", "socket reader", "ring writer"])
+def test_close_from_another_thread_ends_a_waiting_call(who: str) -> None:
+    """A thread waits in ``dequeue`` (nothing sent) or ``enqueue`` (the ring full) with a 30 s
+    timeout; another thread of the rank closes that end: the waiting call raises
+    ``QueueClosedError`` at once, and ``close`` returns within a second.
+
+    Before: ``close`` let go of the ring under the waiting call, which failed with a bare
+    ``AssertionError`` ("the ring was closed"); a socket reader waited out its timeout."""
+    w, r = _ends("socket" if who == "socket reader" else "ring", chunk=64, chunks=1)
+    end = w if who == "ring writer" else r
+    if who == "ring writer":
+        w.enqueue("fills the ring")
+    out: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            end.enqueue("waits", timeout=30) if end is w else r.dequeue(timeout=30)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            out.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    while not end._lock.locked():
+        pass
+    t0 = time.monotonic()
+    end.close()
+    t.join(5)
+    assert time.monotonic() - t0 < 1.5
+    assert out and isinstance(out[0], QueueClosedError), out
+    assert "this rank closed the queue (in another thread) while this call waited" in str(out[0])
+    (r if end is w else w).close()
 
 
 # ----------------------------------------------------------------------------- setup

@@ -20,8 +20,10 @@ unlinks it when the writer is gone).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -327,12 +329,30 @@ class MessageQueue(QueueWire):
         """Release this rank's end (idempotent). The writer marks the queue closed first: readers
         get what was written, then :class:`~fastdist.errors.QueueClosedError`.
 
+        A call of this end waiting in another thread of this rank ends with
+        :class:`~fastdist.errors.QueueClosedError` (at once on the ring; a remote reader's
+        socket is shut down), and ``close`` waits for it, at most ``timeout`` seconds.
+
         Args:
-            timeout: seconds the writer waits at most to send the close message to remote readers.
+            timeout: seconds the writer waits at most to send the close message to remote readers
+                (and any end for a call of another thread to end).
         """
         if self._closed:
             return
-        self._closed = True
+        timeout = self._timeout(timeout)
+        self._closed = True  # a wait of another thread sees it
+        if self._sock is not None:  # wakes a receive of another thread
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        turn = self._lock.acquire(timeout=timeout)
+        try:
+            self._release(timeout)
+        finally:
+            if turn:
+                self._lock.release()
+
+    def _release(self, timeout: float) -> None:
+        """``close``'s work: the close message, then every end let go."""
         if self.is_writer:
             if self._ring is not None:
                 self._ring.mark_closed()

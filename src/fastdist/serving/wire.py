@@ -120,21 +120,26 @@ class Encoder:
         p.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
         return p
 
-    def dumps(self, obj: Any) -> bytes:
-        """``obj``'s pickle.
+    def dumps(self, obj: Any) -> memoryview:
+        """``obj``'s pickle: a view of this encoder's buffer, valid until the next call (no copy
+        of a large message besides the pickling itself).
 
         Args:
             obj: a picklable object.
         """
-        self._buf.seek(0)
-        self._buf.truncate()
+        try:
+            self._buf.seek(0)
+            self._buf.truncate()
+        except BufferError:  # a view of the last message is still held: leave it that buffer
+            self._buf = io.BytesIO()
+            self._pickler = self._new()
         self._pickler.clear_memo()
         try:
             self._pickler.dump(obj)
         except BaseException:
             self._pickler = self._new()  # its state after a failed dump is not for reuse
             raise
-        return self._buf.getvalue()
+        return self._buf.getbuffer()
 
 
 class QueueWire:
@@ -237,7 +242,7 @@ class QueueWire:
         self,
         op: str,
         ring: ShmRing,
-        payload: bytes,
+        payload: memoryview,
         frags: int,
         deadline: float,
         started: list[bool],
@@ -261,7 +266,9 @@ class QueueWire:
             ring.publish(self._count)  # readers read only below this count
             started[0] = True
 
-    def _write_sockets(self, op: str, payload: bytes, deadline: float, started: list[bool]) -> None:
+    def _write_sockets(
+        self, op: str, payload: memoryview, deadline: float, started: list[bool]
+    ) -> None:
         """Send ``payload`` to every remote reader: its length, then its bytes."""
         n = len(payload)
         for idx, c in self._conns.items():
@@ -285,7 +292,9 @@ class QueueWire:
             + f" still hold the oldest of {self.max_chunks} slots"
         )
 
-    def _send(self, op: str, idx: int, c: socket.socket, data: bytes, deadline: float) -> None:
+    def _send(
+        self, op: str, idx: int, c: socket.socket, data: bytes | memoryview, deadline: float
+    ) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             left = 1e-3
@@ -442,7 +451,9 @@ class QueueWire:
             f"MessageQueue.{op}", self.axis, self.ranks, self.ranks[self.index], problem, fix
         )
 
-    def _lost(self, op: str, peer: int, how: str) -> PeerLostError:
+    def _lost(self, op: str, peer: int, how: str) -> CommError:
+        if self._closed:  # this rank's own close (in another thread) cut the connection
+            return self._closed_here(op)
         role = "writer" if peer == self.writer else "reader"
         fix = (
             "the writer is gone: see its log; make a new queue (MessageQueue.create on every "
@@ -459,6 +470,14 @@ class QueueWire:
             f"the {role}, rank {self.ranks[peer]} (axis index {peer}), {how} after "
             f"{self._messages} message(s) on this rank",
             fix,
+        )
+
+    def _closed_here(self, op: str) -> CommError:
+        return self._err(
+            op,
+            QueueClosedError,
+            "this rank closed the queue (in another thread) while this call waited",
+            "close the queue once no thread of this rank uses it, or make a new queue",
         )
 
     def _closed_error(self, op: str) -> CommError:
@@ -481,6 +500,9 @@ class QueueWire:
         """Acquire the queue's lock for this call: at once (``block=False``: ``QueueFull`` /
         ``QueueEmpty`` if another thread holds it) or within ``timeout``."""
         got = self._lock.acquire(timeout=timeout) if block else self._lock.acquire(blocking=False)
+        if got and self._closed:  # closed by another thread while this call waited its turn
+            self._lock.release()
+            raise self._closed_here(op)
         if got:
             return
         if not block and op == "dequeue":
@@ -533,6 +555,8 @@ class QueueWire:
         check = now + _CHECK_S
         nap = 1e-5
         while not ready():
+            if self._closed:  # another thread of this rank closed the queue
+                raise self._closed_here(op)
             now = time.monotonic()
             if now - start < _SPIN_S:
                 os.sched_yield()
