@@ -36,8 +36,7 @@ import math
 import threading
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -91,26 +90,24 @@ class TokenSplit:
     mesh: Mesh
     axes: tuple[str, ...]
     tokens: int
+    #: the axes as the collectives take them (one name, or a tuple row-major); set once here:
+    #: read a dozen times per forward. Not a ``functools.cached_property``: its lock is a
+    #: context manager dynamo cannot enter, so every traced use was a graph break (in a module
+    #: hook, one dynamo cannot resume from: it ran the enclosing frame eagerly)
+    axis: AxisName = field(init=False, repr=False, compare=False)
+    #: the number of ranks the tokens are split over (``Mesh.axis_size`` resolves the axes)
+    n: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        axis = self.axes[0] if len(self.axes) == 1 else self.axes
+        object.__setattr__(self, "axis", axis)
+        object.__setattr__(self, "n", self.mesh.axis_size(axis))
         if self.tokens < self.n:
             raise ParallelizeError(
                 f"context parallelism over {self.axes}: {self.tokens} tokens over {self.n} "
                 f"ranks leaves a rank without tokens. Fix: at least {self.n} tokens (more frames "
                 "or a higher resolution), or fewer ranks"
             )
-
-    # cached (the fields are frozen): read a dozen times per forward, and Mesh.axis_size
-    # resolves the axes each time
-    @cached_property
-    def axis(self) -> AxisName:
-        """The axes as the collectives take them (one name, or a tuple row-major)."""
-        return self.axes[0] if len(self.axes) == 1 else self.axes
-
-    @cached_property
-    def n(self) -> int:
-        """The number of ranks the tokens are split over."""
-        return self.mesh.axis_size(self.axis)
 
     @property
     def sizes(self) -> tuple[int, ...]:
