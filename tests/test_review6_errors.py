@@ -167,7 +167,8 @@ def test_torch_func_over_real_collectives_is_refused_and_the_mesh_stays_usable()
     """2 gloo ranks: vmap, jacrev, vmap(grad) and jacfwd over a collective raise a
     CollectiveError naming the op, the axis, the rank and the fix (no CommError, no raw torch
     error, no Jacobian without the peer's part); func.grad and later collectives still give the
-    right values; a bad index of indexed_all_to_all_v raises locally (no collective)."""
+    right values; bad indexes of indexed_all_to_all_v raise on every rank, naming each bad
+    rank's (checked with the exchange's sizes, before any row is sent)."""
     from tests.dist_harness import run_on_gloo
 
     for rank, got in enumerate(run_on_gloo(_transforms_on_rank, 2, timeout=240)):
@@ -190,8 +191,8 @@ def test_torch_func_over_real_collectives_is_refused_and_the_mesh_stays_usable()
         torch.testing.assert_close(got["psum again"], X[0] + X[1])
         kind, msg = got["indexed bad"]
         assert kind == "CollectiveError", (kind, msg)
-        held = 5 if rank == 0 else -1
         assert msg == (
-            f"fastdist.indexed_all_to_all_v(axis='tp') on rank {rank}: index holds {held}, "
-            "outside the 5 rows of x. Fix: index rows 0..4"
+            f"fastdist.indexed_all_to_all_v(axis='tp') on rank {rank}: rank 0's index holds 5, "
+            "outside the 5 rows of its x; rank 1's index holds -1, outside the 5 rows of its x "
+            "(every rank of the group raises this). Fix: index rows 0..rows-1 of each rank's x"
         ), msg

@@ -280,17 +280,24 @@ def _exchange_checked_sizes(
     mine = torch.cat([send, torch.tensor(extra, dtype=torch.long, device=send.device)])  # [n + 5]
     table = all_gather(mine.reshape(1, -1), mesh, axis, dim=0)  # [n, n + 5]: row i from index i
     faults = table[:, comm.n + 2 :].tolist()  # [n, 3]: (bad?, entry, rows of x) per index
-    for i, (bad, entry, rows) in enumerate(faults):
-        if bad:
-            rows_of = f"rows 0..{rows - 1}" if rows else "no rows: x has none"
-            raise CollectiveError(
-                "indexed_all_to_all_v",
-                comm.label,
-                f"rank {comm.ranks[i]}'s index holds {entry}, outside the {rows} rows of its x "
-                "(every rank of the group raises this)",
-                f"index {rows_of}",
-                rank=f"rank {comm.rank}",
+    bad = [(comm.ranks[i], entry, rows) for i, (b, entry, rows) in enumerate(faults) if b]
+    if bad:
+        rows = bad[0][2]
+        fix = (
+            (f"index rows 0..{rows - 1}" if rows else "index no rows: x has none")
+            if len(bad) == 1
+            else "index rows 0..rows-1 of each rank's x"
+        )
+        raise CollectiveError(
+            "indexed_all_to_all_v",
+            comm.label,
+            "; ".join(
+                f"rank {r}'s index holds {e}, outside the {n} rows of its x" for r, e, n in bad
             )
+            + " (every rank of the group raises this)",
+            fix,
+            rank=f"rank {comm.rank}",
+        )
     sends = table[:, : comm.n]  # [n, n]: rows index i sends to index j
     _ragged_a2a_check(
         sends,
