@@ -190,15 +190,15 @@ def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
 
 
 def _bytes(t: torch.Tensor) -> list[int]:
-    return t.contiguous().view(torch.uint8).flatten().tolist()
+    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_tensors_of_every_dtype_arrive_equal(path: str) -> None:
     """A message holding tensors of every dtype (float8 kinds, uint16/32/64, complex32 and the
-    ones torch's pickling handles), contiguous, transposed, sliced at an offset, a conjugate view
-    and a parameter: each arrives with its dtype, shape, strides and bytes, on both paths (the
-    ring's message spans several slots).
+    ones torch's pickling handles), contiguous, transposed, sliced at an offset, expanded, 0-d,
+    empty, a conjugate view and a parameter: each arrives with its dtype, shape, strides and
+    bytes, on both paths (the ring's message spans several slots).
 
     Before: ``pickle.loads`` of torch's own pickle of a float8, uint16/32/64 or complex32 tensor
     fails on the reader (``AttributeError: ... UntypedStorage has no attribute 'dtype'``), and
@@ -213,6 +213,9 @@ def test_tensors_of_every_dtype_arrive_equal(path: str) -> None:
         msg[f"{d}"] = t
         msg[f"{d} transposed"] = t.t()
         msg[f"{d} slice"] = t[1:3, 2:]  # a storage offset, a stride of 6
+        msg[f"{d} expanded"] = t[2].expand(3, 6)  # a stride of 0
+        msg[f"{d} element"] = t[3, 4]  # 0-d, at an offset
+        msg[f"{d} empty"] = t[:0]
     msg["complex64 conj"] = torch.complex(torch.arange(4.0), torch.ones(4)).conj()
     msg["complex32 conj"] = msg["torch.complex32"].conj()
     msg["float8 grad"] = _random(torch.float8_e5m2, (3,), 0).requires_grad_()
