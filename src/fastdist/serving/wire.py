@@ -7,7 +7,10 @@ pickled message over them: the writer's side in fragments of one slot each, ever
 written once its slot is free and published by the ring's count, and as a length frame then the
 bytes on each remote reader's socket; a reader's side the other way round. Every wait polls with
 a deadline, checks every 50 ms that the peers it waits for still run, and fails with an error that
-names the op, the axis, this rank and the peer. :class:`~fastdist.serving.MessageQueue` (its
+names the op, the axis, this rank and the peer. One call of an end runs at a time (threads of a
+rank take turns). :class:`Encoder` pickles the writer's messages (a tensor torch's own pickling
+cannot bring back travels as its bytes); a reader's unpickling error is the queue's
+``CommError``, the message having left the queue. :class:`~fastdist.serving.MessageQueue` (its
 public calls, its roles and its collective setup) builds on it.
 """
 
