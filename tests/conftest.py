@@ -31,6 +31,7 @@ torch.set_num_threads(1)  # simulated ranks are tiny tensors; threads only add o
 SLOW_FILES = frozenset(
     {
         "tests/test_review_comm.py",
+        "tests/test_review_comm_ops.py",
         "tests/test_review_checkpoint_gloo.py",
         "tests/test_benchmarks.py",
         "tests/test_benchmarks_context.py",

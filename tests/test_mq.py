@@ -26,6 +26,10 @@ from fastdist.serving import shm_ring
 
 from .mq_worker import N_MESSAGES, SHORT, TIMEOUT
 
+#: how long past the queue's timeout a survivor may take to raise on a loaded 2-core machine (a
+#: bound, not a speed: a survivor left waiting would be killed by the run's own timeout)
+SLACK = 10.0
+
 ROOT = Path(__file__).resolve().parent.parent
 WALL = 60.0  # hard limit per scenario
 
@@ -135,7 +139,7 @@ def test_writer_killed_readers_raise_naming_it(tmp_path: Path) -> None:
             and f"on rank {r}" in v["msg"]
             and "Fix:" in v["msg"]
         )
-        assert v["at"] - killed < TIMEOUT + 2, v["at"] - killed
+        assert v["at"] - killed < TIMEOUT + SLACK, v["at"] - killed
 
 
 @pytest.mark.parametrize("victim", [2, 3], ids=["shm-reader", "socket-reader"])
@@ -149,7 +153,7 @@ def test_reader_killed_writer_raises_naming_it(victim: int, tmp_path: Path) -> N
     w = values[0]
     assert w["type"] == "PeerLostError" and w["peer"] == victim, w
     assert f"the reader, rank {victim} (axis index {victim})" in w["msg"] and "Fix:" in w["msg"]
-    assert w["at"] - killed < TIMEOUT + 2, w["at"] - killed
+    assert w["at"] - killed < TIMEOUT + SLACK, w["at"] - killed
     for r in range(1, 4):
         # the survivors got everything the writer sent (and maybe the message it was sending),
         # then the close
