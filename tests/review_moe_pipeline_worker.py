@@ -62,4 +62,34 @@ def evaluation_and_frozen_on_2() -> dict[str, Any]:
         "held": sorted(n for n, _ in pipe.named_parameters()),
         "trainable": sorted(n for n, p in ref.named_parameters() if p.requires_grad),
     }
+    out["tied"] = tied_copies(mesh)
     return out
+
+
+def tied_copies(mesh: fd.Mesh) -> list[str]:
+    """gpt2's tied embedding over pp=2 (the copies on two processes): AdamW steps with the same
+    settings for both copies run; with ``wte`` in a group without weight decay the copies drift
+    apart, and the next step raises on both ranks (the digests swapped). Each step's outcome."""
+    from tests.test_pipeline import family_model, make_batch
+
+    got = []
+    for split in (False, True):
+        pipe = fd.train.pipeline(
+            family_model("gpt2", tie=True, layers=4), mesh, schedule="1f1b", microbatches=2
+        )
+        named = list(pipe.named_parameters())
+        decay = [p for n, p in named if not (split and "wte" in n)]
+        rest = [p for n, p in named if split and "wte" in n]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-2)
+        ids, labels = make_batch(1)
+        for _ in range(2):
+            try:
+                pipe.step(input_ids=ids, labels=labels)
+            except fd.PipelineError as e:
+                got.append(str(e))
+                break
+            opt.step()
+            pipe.zero_grad()
+            got.append("ok")
+    return got

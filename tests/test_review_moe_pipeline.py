@@ -19,7 +19,8 @@ by hand as in ``tests/test_pipeline.py``), after ``tests/test_pipeline_moe_revie
 Also refused now, with `MoEError` / `PipelineError` naming the fix: a ``capacity_factor`` of 0
 or below (it kept one assignment per expert, silently), ``load_balancing_loss`` inputs of other
 shapes (a one-element mask counted the tokens as one: the loss T**2 times too large), and
-``microbatches=`` / ``virtual=`` that a built ``Schedule`` would drop.
+``microbatches=`` / ``virtual=`` that a built ``Schedule`` would drop, and tied-embedding copies
+an optimizer updated differently (param groups by name: 2.3e-4 apart after 3 steps, silently).
 
 Real ranks: the forward-only step and the frozen first stage on 2 gloo processes
 (``tests/review_moe_pipeline_worker.py``).
@@ -203,6 +204,39 @@ def test_moe_drops_after_a_step_are_the_steps(schedule: str) -> None:
         assert all(len(c) == 2 and min(c) > 0 for c in counts.values())  # drops in both
 
 
+# ============================================================================ tied copies
+def test_tied_copies_an_optimizer_drifted_apart_are_refused() -> None:
+    """gpt2's tied embedding at pp2 x tp2, AdamW with param groups by name (no weight decay for
+    ``wte`` and biases, as training scripts write them: on one device the tied weight is one
+    parameter, named ``transformer.wte.weight``): the last stage's copy ``lm_head.weight`` was
+    decayed, the first's not, and after 3 steps the copies differed by 2.3e-4 with no error (the
+    model trained two weights and a checkpoint keeps the first). The next step now raises,
+    naming both copies and the fix; with the same settings for both, steps run."""
+    mesh = fd.Mesh({"pp": 2, "tp": 2})
+    for split in (True, False):
+        pipe = fd.train.pipeline(
+            family_model("gpt2", tie=True, layers=4), mesh, schedule="1f1b", microbatches=2
+        )
+        named = list(pipe.named_parameters())
+        plain = [p for n, p in named if not (split and ("wte" in n or "bias" in n))]
+        rest = [p for n, p in named if split and ("wte" in n or "bias" in n)]
+        groups = [{"params": plain, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-2)
+        ids, labels = make_batch(1)
+        pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+        opt.step()
+        pipe.zero_grad()
+        if split:
+            with pytest.raises(
+                fd.PipelineError,
+                match=r"copies of the tied weight transformer\.wte\.weight \(first stage\) and "
+                r"lm_head\.weight \(last stage\) differ.*Fix: give both names the same",
+            ):
+                pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+        else:
+            pipe.step(input_ids=rep(ids, mesh), labels=rep(labels, mesh))
+
+
 # ============================================================================ capacity factor
 @pytest.mark.parametrize("factor", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_capacity_factor_that_is_not_positive_is_refused(factor: float) -> None:
@@ -265,12 +299,15 @@ def test_load_balancing_loss_refuses_logits_and_masks_of_other_shapes() -> None:
 def test_evaluation_and_a_frozen_first_stage_on_gloo() -> None:
     """2 gloo processes (pp=2): the forward-only step under no_grad and inference_mode (1F1B and
     interleaved) and a frozen stage 0, each equal to one device; the training step's gradients
-    kept bitwise; the rank of the frozen stage holds no gradient."""
+    kept bitwise; the rank of the frozen stage holds no gradient; tied copies an optimizer
+    drifted apart refused on both ranks at the next step, copies kept alike accepted."""
     from tests import review_moe_pipeline_worker as W
     from tests.dist_harness import run_on_gloo
 
     for rank, got in enumerate(run_on_gloo(W.evaluation_and_frozen_on_2, 2, timeout=300)):
         for case, r in got.items():
+            if case == "tied":
+                continue
             assert r["loss_err"] <= 1e-12, (rank, case, r["loss_err"])
             if case != "frozen":
                 assert r["grads_kept"] and r["kinds"] == ["F"], (rank, case)
@@ -278,3 +315,6 @@ def test_evaluation_and_a_frozen_first_stage_on_gloo() -> None:
         assert frozen["grad_err"] <= 1e-12, rank
         assert frozen["with_grad"] == [n for n in frozen["held"] if n in frozen["trainable"]]
         assert bool(frozen["with_grad"]) == (rank == 1)  # stage 0 is all frozen
+        same, drifted = got["tied"][:2], got["tied"][2:]
+        assert same == ["ok", "ok"] and drifted[0] == "ok", (rank, got["tied"])
+        assert "copies of the tied weight transformer.wte.weight" in drifted[1], rank

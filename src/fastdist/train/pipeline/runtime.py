@@ -306,6 +306,7 @@ class Pipeline:
         for pm in self.stages.values():  # they share the model's config: switched on since?
             refuse_router_aux_loss(pm.module, "Pipeline.step")
         micro = self._micro_batches(batch) if self.batches is None else self.batches(batch)
+        self._check_tied_copies()
         self._check_same_batch(batch)  # real ranks: started here, checked before any transfer
         if self._ranks is not None:
             # the first step with these input shapes sends every transfer's header (shape,
@@ -697,6 +698,34 @@ class Pipeline:
             theirs = self._ranks.swap(mine.grad, peer, what)
             mine.grad = mine.grad + theirs if a is not None else theirs + mine.grad
 
+    def _check_tied_copies(self) -> None:
+        """Both copies of each tied weight must be equal when a step starts (a step gives them
+        the same gradient; an optimizer that treats them alike keeps them equal). Copies that
+        drifted apart, e.g. under param groups by name that exclude ``embed`` from weight decay
+        (one device has the one weight, under the first name), would train two weights and
+        checkpoint the first: refused. Simulated: compared bitwise; real ranks: a float64 digest
+        of each copy swapped between the first and the last stage's ranks."""
+        for alias, a, b in self._tied_params():
+            if a is not None and b is not None:
+                same = torch.equal(_bits(a), _bits(b))
+            else:
+                mine = a if a is not None else b
+                if mine is None or self._ranks is None:
+                    continue
+                w = mine.detach()
+                digest = torch.stack([w.sum(dtype=torch.float64), w.abs().sum(dtype=torch.float64)])
+                peer = self.schedule.rank_of(self.schedule.stages - 1 if a is not None else 0)
+                what = f"the digest of the tied weight {self.tied[alias]} / {alias}"
+                same = torch.equal(_bits(self._ranks.swap(digest, peer, what)), _bits(digest))
+            if not same:
+                raise PipelineError(
+                    f"Pipeline.step: the two copies of the tied weight {self.tied[alias]} (first "
+                    f"stage) and {alias} (last stage) differ: the optimizer updated them "
+                    "differently (param groups by name, e.g. no weight decay for 'embed', put one "
+                    "copy in each), so the model no longer ties them. Fix: give both names the "
+                    f"same optimizer settings (pipe.tied maps {alias!r} to {self.tied[alias]!r})"
+                )
+
     def _set_aside_copies(self) -> list[tuple[list[nn.Parameter], Tensor]]:
         """Each weight held in several copies here (tied, shared) with a gradient: its copies
         and that gradient (the copies' are equal after a step's sum), the copies' set to
@@ -804,6 +833,14 @@ def _last_forward(acts: Sequence[Any], last: int) -> int:
     (-1: at once), so no round trip follows the step's last backward. Not over NCCL, which
     orders a communicator's operations: the sends would queue behind it (a deadlock)."""
     return max((i for i, a in enumerate(acts) if a.kind == "F" and a.stage == last), default=-1)
+
+
+def _bits(t: Tensor) -> Tensor:
+    """``t``'s bits as integers of its element size (NaNs compare equal to themselves)."""
+    t = t.detach()
+    if not t.dtype.is_floating_point:
+        return t
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def _add_back(earlier: list[tuple[list[nn.Parameter], Tensor]]) -> None:
