@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -460,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             for _, schedule, m, v in mine
         ]
-        per_rank = run_on_gloo(fn, pp, cases, timeout=1800)
+        # each rank forks from one server that imported these once (not a fresh interpreter)
+        mp.set_forkserver_preload(["torch", "fastdist"])
+        per_rank = run_on_gloo(fn, pp, cases, start_method="forkserver", timeout=1800)
         for i, ((_, schedule, m, v), case) in enumerate(zip(mine, cases)):
             torch_side = _summary([ranks[i]["torch"] for ranks in per_rank])
             fd_side = _summary([ranks[i]["fastdist"] for ranks in per_rank])

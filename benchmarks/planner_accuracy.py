@@ -38,6 +38,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -447,8 +448,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     before = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "?"
+    # each rank forks from one server that imported these once (not a fresh interpreter)
+    mp.set_forkserver_preload(["torch", "fastdist", "transformers"])
     res = run_on_gloo(
-        fn, args.world, args.quick, rounds, str(args.out) if args.out else None, timeout=1800
+        fn,
+        args.world,
+        args.quick,
+        rounds,
+        str(args.out) if args.out else None,
+        start_method="forkserver",
+        timeout=1800,
     )[0]
     after = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "?"
     text, summary = _report(res, args.world, rounds)

@@ -50,6 +50,7 @@ import collections
 import contextlib
 import copy
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -413,7 +414,19 @@ def bench(
     for name in ("quick",) if quick else ("512", "1024"):
         size = SIZES[name]
         reps, warmup = (3, 1) if quick else (reps_full, 2)
-        per_rank = run_on_gloo(_rank, WORLD, size, reps, warmup, pairs, breakdown, timeout=1800)
+        # each rank forks from one server that imported these once (not a fresh interpreter)
+        mp.set_forkserver_preload(["torch", "fastdist", "transformers"])
+        per_rank = run_on_gloo(
+            _rank,
+            WORLD,
+            size,
+            reps,
+            warmup,
+            pairs,
+            breakdown,
+            start_method="forkserver",
+            timeout=1800,
+        )
         floors = {split: _matmul_floor(size, split) for split in (False, True)}
         hidden, inter, heads, kv, layers, vocab, batch, seq = size
         for n, (fast, base, adamw) in enumerate(pairs):

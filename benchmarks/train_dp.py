@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -126,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     from fastdist.testing import run_on_gloo
 
     reps, bucket = (2, 0.01) if args.quick else (10, 4.0)
-    rows = run_on_gloo(fn, args.world, args.quick, reps, bucket, timeout=900)
+    # each rank forks from one server that imported these once (not a fresh interpreter)
+    mp.set_forkserver_preload(["torch", "fastdist"])
+    rows = run_on_gloo(
+        fn, args.world, args.quick, reps, bucket, start_method="forkserver", timeout=900
+    )
     r0 = rows[0]
     result = {
         "world": args.world,

@@ -32,6 +32,7 @@ SLOW_FILES = frozenset(
     {
         "tests/test_review_comm.py",
         "tests/test_review_comm_ops.py",
+        "tests/test_context_traced.py",
         "tests/test_review_checkpoint_gloo.py",
         "tests/test_benchmarks.py",
         "tests/test_benchmarks_context.py",
