@@ -67,6 +67,9 @@ SLOW_FILES = frozenset(
 
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_review_moe_pipeline.py": frozenset(
+        {"test_evaluation_and_a_frozen_first_stage_on_gloo"}
+    ),
     "tests/test_review_leftovers.py": frozenset(
         {
             "test_data_parallel_broadcasts_buffers_as_ddp_on_gloo",
