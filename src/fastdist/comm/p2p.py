@@ -4,6 +4,13 @@ and :func:`graph_capture`, which prepares a mesh's groups for CUDA graph capture
 
 Each function takes a mesh built by ``fastdist.connect`` and an axis; indices (``src``,
 ``dst``) are positions along that axis. Every call blocks up to the mesh's timeout.
+
+An object travels as its :func:`fastdist.comm.pickling.dumps` pickle, sent as bytes through
+``torch.distributed``'s object collectives: a tensor of any dtype inside it arrives equal (float8,
+uint16/32/64 and complex32 included, which torch's own pickling cannot bring back). An object that
+does not pickle on its sender fails the call as any failed collective does; one that does not
+unpickle on a receiving rank raises a :class:`~fastdist.CommError` there naming the sender (the
+transfer completed: the mesh stays usable).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torch import Tensor
 from fastdist.comm.axes import TorchAxisComm, axis_comm
 from fastdist.comm.connect import create_groups
 from fastdist.comm.failures import clean_error
+from fastdist.comm.pickling import dumps, loads
 from fastdist.comm.torch_comm import as_timedelta
 from fastdist.comm.transports import select_backend
 from fastdist.errors import CollectiveTimeout, CommArgumentError, CommError
@@ -74,6 +82,28 @@ def _check_src(op: str, ac: TorchAxisComm, name: str, value: Any, *, peer: bool 
     return value
 
 
+def _unpickled(op: str, ac: TorchAxisComm, data: bytes, sender: int) -> Any:
+    """The object the rank with index ``sender`` along ``ac``'s axis pickled into ``data``
+    (:func:`fastdist.comm.pickling.dumps`). A pickle this rank cannot load raises a
+    :class:`~fastdist.CommError` naming the sender and the cause; the transfer itself completed on
+    every rank, so the mesh stays usable."""
+    try:
+        return loads(data)
+    except Exception as e:
+        raise CommError(
+            op,
+            ac.label,
+            ac.ranks,
+            ac.rank,
+            f"the object of rank {ac.ranks[sender]} (index {sender} along the axis) arrived but "
+            f"could not be unpickled on this rank ({type(e).__name__}: {e}); the transfer "
+            "itself completed, so the mesh stays usable",
+            "send objects every rank of the group can unpickle: classes importable on every rank "
+            "(not defined only on the sender or in an interactive session), tensors on devices "
+            "every rank has",
+        ) from e
+
+
 def broadcast_object(obj: T, mesh: Mesh, axis: AxisName | None = None, src: int = 0) -> T:
     """Every rank of the group gets the (picklable) ``obj`` of the rank with index ``src`` along
     ``axis``.
@@ -88,13 +118,26 @@ def broadcast_object(obj: T, mesh: Mesh, axis: AxisName | None = None, src: int 
 
     Returns:
         ``src``'s object, on every rank of the group.
+
+    Raises:
+        CommError: on a rank where ``src``'s object does not unpickle (a class this rank
+            cannot import, a device it lacks), naming the sender; the mesh stays usable.
     """
-    ac = axis_comm(mesh, axis, "broadcast_object")
-    _check_src("broadcast_object", ac, "src", src)
-    box = [obj]
-    group = ac.cpu_group("broadcast_object")
-    ac.run("broadcast_object", lambda: dist.broadcast_object_list(box, group=group, group_src=src))
-    return box[0]
+    op = "broadcast_object"
+    ac = axis_comm(mesh, axis, op)
+    _check_src(op, ac, "src", src)
+    box: list[Any] = [None]
+    group = ac.cpu_group(op)
+
+    def call() -> None:
+        if ac.index == src:  # pickled inside the call: a failure releases the waiting peers
+            box[0] = dumps(obj)
+        dist.broadcast_object_list(box, group=group, group_src=src)
+
+    ac.run(op, call)
+    if ac.index == src:
+        return obj
+    return cast(T, _unpickled(op, ac, box[0], src))
 
 
 def all_gather_object(obj: T, mesh: Mesh, axis: AxisName | None = None) -> list[T]:
@@ -107,12 +150,17 @@ def all_gather_object(obj: T, mesh: Mesh, axis: AxisName | None = None) -> list[
 
     Returns:
         every rank's object, in axis order.
+
+    Raises:
+        CommError: on a rank where a rank's object does not unpickle (a class this rank
+            cannot import, a device it lacks), naming the sender; the mesh stays usable.
     """
-    ac = axis_comm(mesh, axis, "all_gather_object")
+    op = "all_gather_object"
+    ac = axis_comm(mesh, axis, op)
     out: list[Any] = [None] * ac.n
-    group = ac.cpu_group("all_gather_object")
-    ac.run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group))
-    return out
+    group = ac.cpu_group(op)
+    ac.run(op, lambda: dist.all_gather_object(out, dumps(obj), group=group))
+    return [_unpickled(op, ac, data, i) for i, data in enumerate(out)]
 
 
 def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
@@ -128,7 +176,7 @@ def send_object(obj: Any, mesh: Mesh, axis: AxisName, dst: int) -> None:
     ac = axis_comm(mesh, axis, "send_object")
     _check_src("send_object", ac, "dst", dst, peer=True)
     group = ac.cpu_group("send_object")
-    ac.run("send_object", lambda: dist.send_object_list([obj], group=group, group_dst=dst))
+    ac.run("send_object", lambda: dist.send_object_list([dumps(obj)], group=group, group_dst=dst))
 
 
 def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
@@ -141,13 +189,17 @@ def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
 
     Returns:
         the object ``src`` sent.
+
+    Raises:
+        CommError: on a rank where ``src``'s object does not unpickle (a class this rank
+            cannot import, a device it lacks), naming the sender; the mesh stays usable.
     """
     ac = axis_comm(mesh, axis, "recv_object")
     _check_src("recv_object", ac, "src", src, peer=True)
     box: list[Any] = [None]
     group = ac.cpu_group("recv_object")
     ac.run("recv_object", lambda: dist.recv_object_list(box, group=group, group_src=src))
-    return box[0]
+    return _unpickled("recv_object", ac, box[0], src)
 
 
 def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:

@@ -2,7 +2,8 @@
 
 Useful to coordinate processes that are not (or not yet) in one ``torch.distributed`` job:
 a disaggregated prefill/decode pair, a driver and its workers, an elastic helper. It moves
-picklable objects through the store, so it is for metadata, not bulk tensors.
+picklable objects through the store (as :func:`fastdist.comm.pickling.dumps` pickles: a float8,
+uint16/32/64 or complex32 tensor arrives equal), so it is for metadata, not bulk tensors.
 
 Each message gets its own key, named by sender, receiver and a per-peer counter, so
 messages between any two processes arrive in order and never overwrite each other. A
@@ -21,13 +22,13 @@ Usage, one process per member (rank 0 also hosts the store)::
 from __future__ import annotations
 
 import datetime
-import pickle
 import time
 from collections import deque
 from typing import Any
 
 import torch.distributed as dist
 
+from fastdist.comm.pickling import dumps, loads
 from fastdist.errors import CollectiveTimeout, CommArgumentError, CommError, MeshError
 
 __all__ = ["StatelessGroup"]
@@ -113,16 +114,19 @@ class StatelessGroup:
     # ------------------------------------------------------------------ keys
     def _put(self, op: str, key: str, obj: Any) -> None:
         try:
-            self.store.set(key, pickle.dumps(obj))
+            self.store.set(key, dumps(obj))
         except dist.DistNetworkError as e:
             raise self._store_closed(op, e) from e
         self._written.append((key, time.monotonic()))
         self.expire()
 
-    def _get(self, op: str, key: str, peer: int) -> Any:
+    def _get(self, op: str, key: str, peer: int) -> bytes:
+        """The pickle ``peer`` wrote under ``key``, once it is there (:meth:`_unpickled` loads
+        it)."""
         try:
             self.store.wait([key], datetime.timedelta(seconds=self.timeout))
-            return pickle.loads(self.store.get(key))
+            data: bytes = self.store.get(key)
+            return data
         except dist.DistNetworkError as e:  # the connection to the store broke: no point in waiting
             raise self._store_closed(op, e) from e
         except Exception as e:  # noqa: BLE001 - the store raises DistStoreError on timeout
@@ -133,6 +137,25 @@ class StatelessGroup:
                 self.rank,
                 f"nothing from rank {peer} within {self.timeout:g} s ({key})",
                 f"check that rank {peer} makes the matching call",
+            ) from e
+
+    def _unpickled(self, op: str, data: bytes, key: str, peer: int) -> Any:
+        """The object ``peer`` pickled into ``data``; a pickle this member cannot load raises a
+        :class:`~fastdist.CommError` naming the sender (the message is read: the next receive
+        gets the one after it)."""
+        try:
+            return loads(data)
+        except Exception as e:
+            raise CommError(
+                op,
+                None,
+                list(range(self.world_size)),
+                self.rank,
+                f"the object from rank {peer} ({key}) arrived but could not be unpickled on this "
+                f"member ({type(e).__name__}: {e}); the next receive gets the message after it",
+                "send objects every member can unpickle: classes importable on every member (not "
+                "defined only on the sender or in an interactive session), tensors on devices "
+                "every member has",
             ) from e
 
     def _store_closed(self, op: str, e: BaseException) -> CommError:
@@ -215,12 +238,12 @@ class StatelessGroup:
         Returns:
             the next object ``src`` sent to this member.
         """
-        self._check_peer("StatelessGroup.recv_obj", "src", src)
-        obj = self._get(
-            "StatelessGroup.recv_obj", f"p2p/{src}->{self.rank}/{self._received[src]}", src
-        )
+        op = "StatelessGroup.recv_obj"
+        self._check_peer(op, "src", src)
+        key = f"p2p/{src}->{self.rank}/{self._received[src]}"
+        data = self._get(op, key, src)
         self._received[src] += 1
-        return obj
+        return self._unpickled(op, data, key, src)
 
     def broadcast_obj(self, obj: Any, src: int) -> Any:
         """``src`` passes the object; every member returns it.
@@ -246,7 +269,8 @@ class StatelessGroup:
         if self.rank == src:
             self._put("StatelessGroup.broadcast_obj", key, obj)
             return obj
-        return self._get("StatelessGroup.broadcast_obj", key, src)
+        op = "StatelessGroup.broadcast_obj"
+        return self._unpickled(op, self._get(op, key, src), key, src)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
         """Every member's object, by rank.

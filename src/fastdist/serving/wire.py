@@ -8,18 +8,16 @@ written once its slot is free and published by the ring's count, and as a length
 bytes on each remote reader's socket; a reader's side the other way round. Every wait polls with
 a deadline, checks every 50 ms that the peers it waits for still run, and fails with an error that
 names the op, the axis, this rank and the peer. One call of an end runs at a time (threads of a
-rank take turns). :class:`Encoder` pickles the writer's messages (a tensor torch's own pickling
-cannot bring back travels as its bytes); a reader's unpickling error is the queue's
+rank take turns). An :class:`~fastdist.comm.pickling.Encoder` pickles the writer's messages (a
+tensor torch's own pickling cannot bring back travels as its bytes), and
+:func:`~fastdist.comm.pickling.loads` unpickles them; a reader's unpickling error is the queue's
 ``CommError``, the message having left the queue. :class:`~fastdist.serving.MessageQueue` (its
 public calls, its roles and its collective setup) builds on it.
 """
 
 from __future__ import annotations
 
-import copyreg
-import io
 import os
-import pickle
 import select
 import socket
 import threading
@@ -27,8 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
+from fastdist.comm.pickling import Encoder, loads, rebuild_tensor
 from fastdist.errors import (
     CollectiveTimeout,
     CommError,
@@ -41,108 +38,12 @@ from fastdist.serving.node import pid_alive
 from fastdist.serving.shm_ring import ShmRing, fence
 from fastdist.serving.sockets import CLOSE, COALESCE, FRAME, is_open
 
+# Encoder and rebuild_tensor live in fastdist.comm.pickling (shared with the object collectives)
 __all__ = ["Encoder", "QueueWire", "rebuild_tensor"]
 
 _SPIN_S = 2e-4  # wait by yielding the CPU this long, then sleep in growing steps
 _MAX_SLEEP_S = 1e-3
 _CHECK_S = 0.05  # how often a waiting side checks that the peers it waits for are alive
-# the dtypes whose tensors torch's own pickling brings back; a tensor of any other dtype (float8,
-# uint16/32/64, complex32, ...) pickles, but unpickling it fails (torch 2.13), so it travels as
-# its storage's bytes (`Encoder`)
-_TORCH_PICKLES = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    }
-)
-
-
-def rebuild_tensor(
-    data: torch.Tensor,
-    dtype: torch.dtype,
-    offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    requires_grad: bool,
-) -> torch.Tensor:
-    """A reader's copy of a tensor that `Encoder` sent as its storage's bytes: ``data`` (uint8,
-    the whole storage) viewed as ``dtype`` with the tensor's offset, size and stride.
-
-    Args:
-        data: the storage's bytes, a uint8 tensor on the tensor's device.
-        dtype: the tensor's dtype.
-        offset: its storage offset, in elements.
-        size: its shape.
-        stride: its strides, in elements.
-        requires_grad: whether it required grad.
-    """
-    t = torch.empty(0, dtype=dtype, device=data.device)
-    t.set_(data.untyped_storage(), offset, size, stride)
-    return t.requires_grad_(requires_grad)
-
-
-def _reduce_tensor(t: torch.Tensor) -> Any:
-    """How `Encoder` pickles a plain tensor: as torch does, unless torch could not unpickle it."""
-    if (
-        t.dtype in _TORCH_PICKLES
-        or t.layout != torch.strided
-        or t.is_quantized
-        or t.device.type == "meta"
-        or (t.requires_grad and not t.is_leaf)  # torch's own refusal, with its message
-    ):
-        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[no-untyped-call]
-    if t.is_conj() or t.is_neg():  # the bytes hold the values before the lazy conj / negation
-        t = t.resolve_conj().resolve_neg()
-    data = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-    shape = (t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
-    return rebuild_tensor, (data, t.dtype, *shape)
-
-
-class Encoder:
-    """A writer's pickler (highest protocol), kept between messages: ``pickle.dumps``, except that
-    a tensor of a dtype torch's pickling cannot bring back (float8, uint16/32/64, complex32, ...)
-    goes as its storage's bytes and comes back equal (:func:`rebuild_tensor`), where
-    ``pickle.loads`` of ``pickle.dumps`` would fail on every reader."""
-
-    def __init__(self) -> None:
-        self._buf = io.BytesIO()
-        self._pickler = self._new()
-
-    def _new(self) -> pickle.Pickler:
-        p = pickle.Pickler(self._buf, protocol=pickle.HIGHEST_PROTOCOL)
-        p.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
-        return p
-
-    def dumps(self, obj: Any) -> memoryview:
-        """``obj``'s pickle: a view of this encoder's buffer, valid until the next call (no copy
-        of a large message besides the pickling itself).
-
-        Args:
-            obj: a picklable object.
-        """
-        try:
-            self._buf.seek(0)
-            self._buf.truncate()
-        except BufferError:  # a view of the last message is still held: leave it that buffer
-            self._buf = io.BytesIO()
-            self._pickler = self._new()
-        self._pickler.clear_memo()
-        try:
-            self._pickler.dump(obj)
-        except BaseException:
-            self._pickler = self._new()  # its state after a failed dump is not for reuse
-            raise
-        return self._buf.getbuffer()
 
 
 class QueueWire:
@@ -400,7 +301,7 @@ class QueueWire:
         """Unpickle a message that has left the queue; one that does not unpickle here raises
         a ``CommError`` (counted as read: the next call returns the message after it)."""
         try:
-            return pickle.loads(data)
+            return loads(data)
         except Exception as e:
             self._messages += 1
             raise self._err(
