@@ -40,14 +40,16 @@ __all__ = [
 # ====================================================================== ppermute
 def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
-    srcs, dsts = perm[0::2], perm[1::2]
     # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
     src_of = list(range(spec.n))
-    for src, dst in zip(srcs, dsts):
+    received = [False] * spec.n
+    for src, dst in zip(perm[0::2], perm[1::2]):
         src_of[dst] = src
+        received[dst] = True
     # one gather pass
     out = y.index_select(a, torch.tensor(src_of, dtype=torch.long, device=x.device))
-    idle = [j for j in range(spec.n) if j not in dsts]
+    # no `in` on perm: see _pairs_of
+    idle = [j for j in range(spec.n) if not received[j]]
     if idle:
         # non-destinations: 0
         out.index_fill_(a, torch.tensor(idle, dtype=torch.long, device=x.device), 0)
@@ -55,23 +57,37 @@ def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Ten
 
 
 def _ppermute_dist(comm: AxisComm, x: Tensor, *, perm: Sequence[int]) -> Tensor:
-    srcs, dsts, me = perm[0::2], perm[1::2], comm.index
+    me, n = comm.index, comm.n
     scalar = x.dim() == 0
     rows = x.reshape(1) if scalar else x  # [k, ...]: sent whole, as k rows of dim 0
-    if not srcs or rows.numel() == 0:
+    if not perm or rows.numel() == 0:
         return torch.zeros_like(x)
-    sending, receiving = me in srcs, me in dsts
-    k, n = rows.shape[0], comm.n
+    dst_of, src_of = _pairs_of(perm, n)
+    sending, receiving = dst_of[me] is not None, src_of[me] is not None
+    k = rows.shape[0]
     sends, recvs = [0] * n, [0] * n  # rows to / from each member
     if sending:
-        sends[dsts[srcs.index(me)]] = k
+        sends[dst_of[me]] = k
     if receiving:
-        recvs[srcs[dsts.index(me)]] = k
+        recvs[src_of[me]] = k
     # [k, ...] from my source, or nothing
     got = comm.all_to_all_rows("ppermute", rows if sending else rows[:0], recvs, sends)
     if not receiving:
         return torch.zeros_like(x)  # non-destinations: 0
     return got.reshape(()) if scalar else got
+
+
+def _pairs_of(perm: Sequence[int], n: int) -> tuple[list[Any], list[Any]]:
+    """Each member's destination and source under ``perm`` (``None``: it sends / receives
+    nothing), by indexing, never ``in`` / ``index`` on ``perm``: a rule that dynamo compiles as
+    a frame of its own (run at a graph break under ``torch.compile(dynamic=True)``) gets
+    ``perm`` as SymInts, and dynamo answers ``1 in [0, 1]`` False there (torch 2.13): every
+    member was taken for idle and zeroed."""
+    dst_of: list[Any] = [None] * n
+    src_of: list[Any] = [None] * n
+    for src, dst in zip(perm[0::2], perm[1::2]):
+        dst_of[src], src_of[dst] = dst, src
+    return dst_of, src_of
 
 
 def _ppermute_bwd(
