@@ -136,6 +136,30 @@ def differences(want: Any, have: Any, where: str = "") -> list[str]:
     return [] if have == want else [f"{where}: {have!r} != {want!r}"]
 
 
+def value_differences(want: dict[str, torch.Tensor], have: dict[str, Any]) -> list[str]:
+    """Where the tensors of ``have`` differ from ``want``'s in dtype, shape or bytes (a tensor
+    dict's tensors arrive contiguous, without grad)."""
+    if have.keys() != want.keys():
+        return ["keys"]
+    out = []
+    for k, w in want.items():
+        h = have[k]
+        if not isinstance(h, torch.Tensor) or (h.dtype, h.shape) != (w.dtype, w.shape):
+            out.append(f"{k}: {h!r}")
+        elif not torch.equal(*(_bytes_of(t) for t in (h, w))):
+            out.append(f"{k}: values differ")
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
+
+
+def tensors_of(msg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The message's top-level tensors (every dtype, contiguous and views)."""
+    return {k: v for k, v in msg.items() if isinstance(v, torch.Tensor)}
+
+
 class NotOnReceivers:
     """Pickles; unpickling raises (as a class only the sender can import does)."""
 
@@ -228,6 +252,21 @@ def objects_on_gloo() -> dict[str, Any]:
             found[f"recv_object from {sender}"] = differences(
                 other, fd.comm.recv_object(mesh, "tp", src=sender)
             )
+    # tensors move as bytes: every dtype gloo refuses too (int16, uint16/32/64, float8)
+    want = tensors_of(message(0))
+    got_d = fd.comm.broadcast_tensor_dict(want if me == 0 else None, mesh, "tp", src=0)
+    found["broadcast_tensor_dict"] = value_differences(want, got_d)
+    if me == 0:
+        fd.comm.send_tensor_dict(want, mesh, "tp", dst=1)
+        for t in want.values():
+            fd.comm.send(t, mesh, "tp", dst=1)
+    else:
+        found["recv_tensor_dict"] = value_differences(
+            want, fd.comm.recv_tensor_dict(mesh, "tp", src=0)
+        )
+        found["recv"] = value_differences(
+            want, {k: fd.comm.recv(t, mesh, "tp", src=0) for k, t in want.items()}
+        )
     bad: dict[str, str] = {}
     try:
         fd.comm.broadcast_object(NotOnReceivers() if me == 0 else None, mesh, "tp", src=0)
@@ -256,13 +295,16 @@ def test_object_helpers_on_gloo() -> None:
     """``broadcast_object`` (each source), ``all_gather_object`` (the axis and the whole mesh),
     ``send_object`` / ``recv_object`` (each direction) of messages with tensors of every dtype,
     views and nested containers, on 2 gloo processes: each rank gets the sent objects, equal.
+    The tensors of ``broadcast_tensor_dict``, ``send_tensor_dict`` / ``recv_tensor_dict`` and
+    ``send`` / ``recv`` of every dtype arrive with their dtype, shape and bytes (before: gloo's
+    "Invalid scalar type" for int16, uint16/32/64 and float8, blamed on the ranks disagreeing).
 
     An object that pickles on its sender but does not unpickle on a receiver raises a
     ``CommError`` there naming the sender, and the mesh stays usable; one that does not pickle
     fails the call as before (a ``CommError`` naming the pickling error, on the sender)."""
     for rank, out in enumerate(run_on_gloo(objects_on_gloo, 2, timeout=240)):
         found = out["found"]
-        assert len(found) == 6, found  # each rank receives from the other once
+        assert len(found) == 7 + 2 * rank, found  # rank 1 receives the tensors too
         assert {case: d for case, d in found.items() if d} == {}, (rank, found)
         bad = out["bad"]
         if rank == 0:  # the sender of the broadcast keeps its own object

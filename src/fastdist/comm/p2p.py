@@ -4,6 +4,8 @@ and :func:`graph_capture`, which prepares a mesh's groups for CUDA graph capture
 
 Each function takes a mesh built by ``fastdist.connect`` and an axis; indices (``src``,
 ``dst``) are positions along that axis. Every call blocks up to the mesh's timeout.
+Tensors (``send``/``recv``, the tensor dicts) travel as their bytes: a copy needs no dtype, so
+every dtype arrives, including those gloo refuses (int16, uint16/32/64, every float8).
 
 An object travels as its :func:`fastdist.comm.pickling.dumps` pickle, sent as bytes through
 ``torch.distributed``'s object collectives: a tensor of any dtype inside it arrives equal (float8,
@@ -202,6 +204,14 @@ def recv_object(mesh: Mesh, axis: AxisName, src: int) -> Any:
     return _unpickled("recv_object", ac, box[0], src)
 
 
+def _bytes(t: Tensor) -> Tensor:
+    """``t``'s values as the point-to-point calls move them: its bytes, a flat uint8 tensor (a
+    view of ``t`` when ``t`` is contiguous, so receiving into it fills ``t``; a lazy conjugate or
+    negation resolved first). A copy needs no dtype, and gloo refuses many (int16, uint16/32/64,
+    every float8: "Invalid scalar type")."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
 def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
     """Send tensor ``x`` to the rank with index ``dst`` along ``axis`` (not differentiable; see
     ``ppermute``).
@@ -215,7 +225,7 @@ def send(x: Tensor, mesh: Mesh, axis: AxisName, dst: int) -> None:
     ac = axis_comm(mesh, axis, "send")
     _check_src("send", ac, "dst", dst, peer=True)
     group = ac.comm.group(ac, select_backend(x.device.type), "send")
-    ac.run("send", lambda: dist.send(x.contiguous(), group=group, group_dst=dst))
+    ac.run("send", lambda: dist.send(_bytes(x), group=group, group_dst=dst))
 
 
 def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
@@ -235,7 +245,7 @@ def recv(like: Tensor, mesh: Mesh, axis: AxisName, src: int) -> Tensor:
     _check_src("recv", ac, "src", src, peer=True)
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
     group = ac.comm.group(ac, select_backend(out.device.type), "recv")
-    ac.run("recv", lambda: dist.recv(out, group=group, group_src=src))
+    ac.run("recv", lambda: dist.recv(_bytes(out), group=group, group_src=src))
     return out
 
 
@@ -310,7 +320,8 @@ def broadcast_tensor_dict(
         out, tensors = _empty_from(meta)
     for t in tensors:
         group = ac.comm.group(ac, select_backend(t.device.type), op)
-        ac.run(op, lambda t=t, group=group: dist.broadcast(t, group=group, group_src=src))
+        b = _bytes(t)
+        ac.run(op, lambda b=b, group=group: dist.broadcast(b, group=group, group_src=src))
     return out
 
 
@@ -357,7 +368,8 @@ def send_tensor_dict(
     same on every rank of that axis (e.g. ``"tp"``), so each of them sends only its 1/n slice of
     every tensor whose element count n divides, and the receivers, which pass the same
     ``all_gather_axis``, all-gather the slices over it: n times less traffic on ``axis``.
-    Other tensors travel whole.
+    Other tensors travel whole. Tensors travel as their bytes, so every dtype arrives (float8,
+    int16 and uint16/32/64 included, which gloo refuses).
 
     Args:
         d: a dict of tensors and picklable values.
@@ -385,7 +397,7 @@ def send_tensor_dict(
             k = t.numel() // gac.n
             # (numel/n,) my slice of the flattened tensor
             t = t.reshape(-1)[gac.index * k : (gac.index + 1) * k]
-        send(t.contiguous(), mesh, axis, dst)
+        send(t, mesh, axis, dst)
 
 
 def recv_tensor_dict(
@@ -423,14 +435,15 @@ def recv_tensor_dict(
     out, tensors = _empty_from(meta)
     for t in tensors:
         group = ac.comm.group(ac, select_backend(t.device.type), op)
-        # whole, or (numel/n,) my slice
+        # whole, or (numel/n,) my slice; received as bytes (a view: receiving fills it)
         buf = t if not _sliced(t, gac) else t.new_empty(t.numel() // cast(TorchAxisComm, gac).n)
-        ac.run(op, lambda buf=buf, group=group: dist.recv(buf, group=group, group_src=src))
+        b = _bytes(buf)
+        ac.run(op, lambda b=b, group=group: dist.recv(b, group=group, group_src=src))
         if buf is t:
             continue
         assert gac is not None
-        # (numel,) every member's slice, in index order
-        t.view(-1).copy_(gac.all_gather_rows(op, buf))
+        # (numel * itemsize,) every member's slice, in index order
+        _bytes(t).copy_(gac.all_gather_rows(op, b))
     return out
 
 
