@@ -9,8 +9,9 @@ all-reduce and process groups). Names load their module on first use, as in ``fa
 Modules: ``connect`` (a mesh's lifecycle), ``torch_comm`` (a mesh's process groups),
 ``axes`` (the per-axis communicator), ``transports`` (c10d and functional collectives),
 ``failures`` (errors that name the missing peers, ``comm_guard``), ``p2p`` (point-to-point,
-objects, barrier, graph capture), ``stateless`` (objects through a store), ``native`` (NCCL/HCCL
-through ctypes).
+objects, barrier, graph capture), ``stateless`` (objects through a store), ``pickling`` (how
+every message becomes bytes, tensors of any dtype included), ``native`` (NCCL/HCCL through
+ctypes).
 """
 
 from __future__ import annotations
