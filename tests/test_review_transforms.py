@@ -203,3 +203,22 @@ def test_one_mesh_in_several_threads() -> None:
     for t in threads:
         t.join()
     assert results == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_numpy_integers_name_ranks_as_ints_do() -> None:
+    """A perm, src or shift built with NumPy (np.int64, as JAX takes them) works as the same
+    Python ints (the old code refused np.int64(1) as 'not an index along the axis')."""
+    np = pytest.importorskip("numpy")
+    x = rand(6, 2)
+    per = fd.simulate(
+        lambda x: (
+            fd.ppermute(x, MESH, "tp", [(np.int64(0), np.int64(2)), (np.int64(2), 1)]),
+            fd.broadcast(x, MESH, "tp", src=np.int64(1)),
+            fd.ring_shift(x, MESH, "tp", np.int64(1)),
+        ),
+        MESH,
+    )
+    moved, broadcast, shifted = per(x)
+    torch.testing.assert_close(moved, partial_perm(x), rtol=0, atol=0)
+    torch.testing.assert_close(broadcast, x.reshape(2, 3, 2)[:, 1:2].expand(2, 3, 2).reshape(6, 2))
+    torch.testing.assert_close(shifted, tp_roll(x, 1), rtol=0, atol=0)

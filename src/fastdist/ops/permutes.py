@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -141,6 +142,15 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
     return apply_primitive(ppermute_p, mesh, x, spec, perm=_check_perm(axis, perm, spec.n))
 
 
+def plain_int(v: Any) -> Any:
+    """``v`` as a Python int when it is a NumPy integer (``np.int64(1)``, what a perm built with
+    NumPy holds, as JAX accepts); anything else unchanged, for the caller's check to refuse
+    (a bool, a float, a tensor: reading a tensor's value would synchronise with its device)."""
+    if type(v) is int or isinstance(v, (bool, Tensor)) or not hasattr(type(v), "__index__"):
+        return v
+    return operator.index(v)
+
+
 def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tuple[int, ...]:
     """``perm`` flattened to ``(src0, dst0, src1, dst1, ...)``, after checking it is a partial
     permutation of ``0..n-1``."""
@@ -160,7 +170,7 @@ def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tupl
             f"perm={perm!r} is not a sequence of (src, dst) pairs",
             "pass e.g. [(0, 1), (1, 0)]",
         )
-    flat = tuple(v for p in pairs for v in p)  # (src0, dst0, src1, dst1, ...)
+    flat = tuple(plain_int(v) for p in pairs for v in p)  # (src0, dst0, src1, dst1, ...)
     for i, v in enumerate(flat):
         if type(v) is not int or not 0 <= v < n:
             check_index("ppermute", axis, ("src", "dst")[i % 2], v, n)
@@ -194,6 +204,7 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
     Returns:
         the ``x`` of rank ``(i - shift) % n``; shape of ``x``.
     """
+    shift = plain_int(shift)
     if isinstance(shift, bool) or not isinstance(shift, int):
         raise CollectiveError(
             "ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1"
@@ -288,7 +299,11 @@ def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
     """
     x, spec = enter("broadcast", x, mesh, axis)
     return apply_primitive(
-        broadcast_p, mesh, x, spec, src=check_index("broadcast", axis, "src", src, spec.n)
+        broadcast_p,
+        mesh,
+        x,
+        spec,
+        src=check_index("broadcast", axis, "src", plain_int(src), spec.n),
     )
 
 
