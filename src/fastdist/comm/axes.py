@@ -31,7 +31,13 @@ from fastdist.comm.failures import (
 )
 from fastdist.comm.transports import FunctionalTransport, TorchTransport, select_backend
 from fastdist.core.transforms import transform_error, unsupported_transform
-from fastdist.errors import CommError, ConsistencyError, MeshError, NoBackendError
+from fastdist.errors import (
+    CollectiveError,
+    CommError,
+    ConsistencyError,
+    MeshError,
+    NoBackendError,
+)
 
 if TYPE_CHECKING:
     from fastdist.comm.torch_comm import TorchComm
@@ -223,7 +229,10 @@ class TorchAxisComm:
         """``transport.method(op, x, *args)``; failures become errors naming op, axis and ranks (as
         :meth:`run`)."""
         if torch.compiler.is_compiling():
-            return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
+            try:
+                return cast(Tensor, getattr(self.transport(op, x), method)(op, x, *args))
+            except CollectiveError as e:  # a dtype no backend carries: raised before sending
+                raise e.readdress(axis=self.label, rank=f"rank {self.rank}") from None
         # under a torch.func transform (none, the usual case: one C call), vmap or jvp (e.g. a
         # collective's backward under jacrev) refused before anything is sent
         if _TRANSFORMS_ACTIVE():
@@ -251,6 +260,8 @@ class TorchAxisComm:
             return out
         except (CommError, MeshError, NoBackendError):
             raise
+        except CollectiveError as e:  # a dtype no backend carries: raised before sending
+            raise e.readdress(axis=self.label, rank=f"rank {self.rank}") from None
         except Exception as e:  # c10d raises RuntimeError/DistError for everything
             # let go of the group, so that abandoning it frees it and its connections close
             t = None

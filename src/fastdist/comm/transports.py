@@ -8,6 +8,17 @@ tensors instead. All three implement :class:`fastdist.core.comm.Transport`.
 
 Backends by tensor device: ``cpu`` -> gloo, ``cuda`` -> nccl, ``npu`` -> hccl (needs
 ``torch_npu``); see :func:`select_backend`.
+
+Dtypes: the data-movement collectives (all-gather, all-to-all, broadcast and the v-row variants
+built on them) carry a tensor of any dtype bit for bit. c10d backends refuse many dtypes (gloo:
+int16, uint16/32/64, every float8, float4 and bits dtype with "Invalid scalar type"; its
+functional all-to-all also every complex dtype; NCCL: int16 and uint16/32/64), so a tensor whose
+dtype is not in :data:`CARRIED` travels as a bitwise view of the dtype :func:`wire_dtype` names
+(same item size: 1 byte -> uint8, 2 -> float16, 4 -> int32, 8 -> int64; complex128 -> float64
+pairs) and is viewed back on arrival: no copy, no arithmetic. Quantized dtypes (a scale per
+tensor) have no such view: :func:`wire_dtype` returns None and the op raises a
+:class:`~fastdist.errors.CollectiveError` before anything is sent. Reductions are untouched (their
+dtypes are checked above, ``ReductionDtypeError``).
 """
 
 from __future__ import annotations
@@ -21,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastdist.core.rows import pad_rows
-from fastdist.errors import NoBackendError
+from fastdist.errors import CollectiveError, NoBackendError
 
-__all__ = ["select_backend", "TorchTransport", "FunctionalTransport"]
+__all__ = ["select_backend", "wire_dtype", "CARRIED", "TorchTransport", "FunctionalTransport"]
 
 _F = torch.ops._c10d_functional
 
@@ -62,6 +73,69 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
     )
 
 
+#: the dtypes every c10d backend (gloo, NCCL, HCCL) moves as they are, in every movement collective
+CARRIED = frozenset(
+    {
+        torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64,
+        torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    }
+)  # fmt: skip
+#: the carrier of every other dtype, by item size (complex128: two float64 per element)
+_CARRIERS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64, 16: torch.float64}
+#: dtypes without a bitwise view (a quantized tensor's values need its scale and zero point)
+_NO_VIEW = frozenset(
+    getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, n)
+)  # fmt: skip
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a movement collective sends a ``dtype`` tensor as: ``dtype`` itself when every
+    c10d backend carries it (:data:`CARRIED`), else the same-size carrier it is bitwise viewed as;
+    None for a dtype no view carries (quantized).
+
+    >>> wire_dtype(torch.float32), wire_dtype(torch.int16), wire_dtype(torch.float8_e4m3fn)
+    (torch.float32, torch.float16, torch.uint8)
+    >>> wire_dtype(torch.complex128), wire_dtype(torch.quint8)
+    (torch.float64, None)
+    """
+    if dtype in CARRIED:
+        return dtype
+    if dtype in _NO_VIEW:
+        return None
+    return _CARRIERS.get(dtype.itemsize)
+
+
+def _to_wire(op: str, name: str, x: Tensor) -> Tensor:
+    """``x`` contiguous, viewed bitwise as its :func:`wire_dtype` (rows unchanged); an error naming
+    ``op`` before anything is sent for a dtype that has none."""
+    wire = wire_dtype(x.dtype)
+    if wire is None:
+        raise CollectiveError(
+            op,
+            name,
+            f"a {x.dtype} tensor cannot be moved between ranks: it has no bitwise view as a dtype "
+            "the c10d backends carry (a quantized tensor's values need its scale and zero point)",
+            "send x.int_repr() (and its q_scale()/q_zero_point()) and quantize on arrival, or "
+            "x.dequantize()",
+        )
+    y = x.contiguous()
+    if wire is x.dtype:
+        return y
+    if wire.itemsize == x.dtype.itemsize:
+        return y.view(wire)
+    return y.unsqueeze(-1).view(wire)  # [*s, itemsize ratio]: rows unchanged
+
+
+def _from_wire(y: Tensor, dtype: torch.dtype) -> Tensor:
+    """The inverse of :func:`_to_wire`: ``y`` viewed back as ``dtype``."""
+    if y.dtype is dtype:
+        return y
+    if y.dtype.itemsize == dtype.itemsize:
+        return y.view(dtype)
+    return y.view(dtype).squeeze(-1)
+
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -89,11 +163,14 @@ class TorchTransport:
         return y
 
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        if dtype not in CARRIED:
+            x = _to_wire(op, self.name, x)
         s = x.shape  # read once: each read builds a torch.Size
         # the sizes as separate ints: torch parses them faster than a tuple (as torch.empty(n))
         out = x.new_empty(self.n * s[0], *s[1:])  # [n * s0, *rest]
         dist.all_gather_single(out, x.contiguous(), group=self.pg)
-        return out
+        return out if dtype in CARRIED else _from_wire(out, dtype)
 
     def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         s = x.shape
@@ -104,16 +181,22 @@ class TorchTransport:
     def all_to_all_rows(
         self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
     ) -> Tensor:
+        dtype = x.dtype
+        if dtype not in CARRIED:
+            x = _to_wire(op, self.name, x)
         s = x.shape
         rows = s[0] if out_splits is None else sum(out_splits)  # None: equal splits both ways
         out = x.new_empty(rows, *s[1:])  # [rows received, *rest]
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.pg)
-        return out
+        return out if dtype in CARRIED else _from_wire(out, dtype)
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
+        dtype = x.dtype
+        if dtype not in CARRIED:
+            x = _to_wire(op, self.name, x)  # a contiguous view of x: cloned below
         y = x.clone() if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         dist.broadcast(y, group_src=src, group=self.pg)
-        return y
+        return y if dtype in CARRIED else _from_wire(y, dtype)
 
     def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
         """Pad every member's rows to the largest size, all-gather, drop the padding."""
@@ -143,9 +226,10 @@ class FunctionalTransport(TorchTransport):
         return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
 
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
-        return cast(
-            Tensor, _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name))
-        )
+        dtype = x.dtype
+        y = _to_wire(op, self.name, x)
+        out = _F.wait_tensor(_F.all_gather_into_tensor(y, self.n, self.name))
+        return _from_wire(cast(Tensor, out), dtype)
 
     def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         return cast(
@@ -158,12 +242,12 @@ class FunctionalTransport(TorchTransport):
     ) -> Tensor:
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
-        return cast(
-            Tensor,
-            _F.wait_tensor(
-                _F.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), self.name)
-            ),
-        )
+        dtype = x.dtype
+        y = _to_wire(op, self.name, x)
+        out = _F.wait_tensor(_F.all_to_all_single(y, list(out_splits), list(in_splits), self.name))
+        return _from_wire(cast(Tensor, out), dtype)
 
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
-        return cast(Tensor, _F.wait_tensor(_F.broadcast(x.contiguous(), src, self.name)))
+        dtype = x.dtype
+        out = _F.wait_tensor(_F.broadcast(_to_wire(op, self.name, x), src, self.name))
+        return _from_wire(cast(Tensor, out), dtype)
