@@ -3,8 +3,13 @@ tree.
 
 `infer` finds, from the modules and their shapes (not from class names it knows):
 
-* the decoder blocks: the largest ``nn.ModuleList`` of modules of one class;
-* in the first block, the attention: a module with ``q``/``k``/``v``/``o`` projections (names
+* the decoder blocks: the largest ``nn.ModuleList`` of modules of one class, grouped by their
+  structure (submodule names, classes and parameter shapes): blocks that differ (dense MLPs in
+  the first layers and experts in the rest, a convolution or a recurrence in place of the
+  attention) get a plan each, by layer index; a block without an attention keeps its mixer
+  whole on every rank. With sequence parallelism every block must hold the same modules as the
+  first (anything else would mix a rank's tokens only), and no block may hold experts;
+* in a block, the attention: a module with ``q``/``k``/``v``/``o`` projections (names
   such as ``q_proj``, ``query``, ``wq``; ``o_proj``, ``dense``, ``out_proj``, ``c_proj``) or a
   fused ``qkv`` one (``qkv_proj``, ``query_key_value``, ``c_attn``, ``Wqkv``); the head dim from
   the module's ``head_dim``/``head_size`` or the config, the head counts from the projections'
@@ -32,9 +37,10 @@ the module.
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
@@ -42,7 +48,7 @@ from torch import Tensor, nn
 from fastdist.errors import ParallelizeError
 from fastdist.nn.plans.family import Family, Mlp, Plan, build_plan
 
-__all__ = ["AutoPlan", "auto_plan", "infer"]
+__all__ = ["AutoPlan", "BlockGroup", "auto_plan", "infer", "infer_groups"]
 
 _Q = ("q_proj", "query", "q", "wq", "q_lin")
 _K = ("k_proj", "key", "k", "wk", "k_lin")
@@ -369,45 +375,156 @@ def _norm_fields(model: nn.Module, layers: str, block: nn.Module) -> dict[str, A
     return {"final_norm": f"{parent}.{final[0]}".lstrip("."), "norms": norms}
 
 
-def infer(model: nn.Module, *, sequence_parallel: bool = False) -> tuple[Family, list[str]]:
-    """The `Family` record of ``model``, read off its module tree (see the module docstring),
-    and the fused q|k|v layouts to try (the record's first). Raises `ParallelizeError` naming
-    the module it cannot read."""
+#: an attention in a block: (relative name, module, role -> child name)
+_Found = tuple[str, nn.Module, dict[str, str]]
+#: a block's structure: its submodules' (name, class) and its parameters' (name, shape)
+Signature = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[int, ...]], ...]]
+
+
+def _signature(block: nn.Module) -> Signature:
+    mods = tuple((n, type(m).__name__) for n, m in block.named_modules())
+    return mods, tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+
+
+def _groups(blocks: nn.ModuleList) -> list[tuple[int, ...]]:
+    """The blocks' indices grouped by structure (`_signature`), in order of first appearance."""
+    out: dict[Signature, list[int]] = {}
+    for i, block in enumerate(blocks):
+        out.setdefault(_signature(block), []).append(i)
+    return [tuple(v) for v in out.values()]
+
+
+def _refuse_mixed_blocks(kind: str, layers: str, blocks: nn.ModuleList) -> None:
+    """Sequence parallelism runs every block on this rank's tokens, gathering them only for the
+    planned attention: a block holding other modules than the first (a convolution, a
+    recurrence, another attention) would mix a rank's tokens only. Verification cannot stand in:
+    a meta model is checked on a two-layer copy, which may not hold such a block."""
+    first = [(n, type(m).__name__) for n, m in blocks[0].named_modules()]
+    for i, block in enumerate(blocks):
+        mods = [(n, type(m).__name__) for n, m in block.named_modules()]
+        if mods == first:
+            continue
+        extra = [f"{n} ({c})" for n, c in mods if (n, c) not in first]
+        missing = [f"{n} ({c})" for n, c in first if (n, c) not in mods]
+        raise ParallelizeError(
+            f"plans.auto: {kind}: sequence parallelism runs every block of {layers} on this "
+            f"rank's tokens and gathers them only for the attention planned from {layers}.0, "
+            f"but {layers}.{i} ({type(block).__name__}) holds other modules (here: {extra[:3]}; "
+            f"not here: {missing[:3]}): a module that mixes tokens there (a convolution, a "
+            "recurrence, another attention) would see only this rank's. Fix: "
+            "sequence_parallel=False (blocks without the planned attention run it whole on "
+            "every rank), or write a plan"
+        )
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """Decoder blocks of one structure: their ``layers`` (indices), their `Family` record, the
+    fused q|k|v ``layouts`` to try (the record's first) and whether they hold an ``attention``
+    the record describes (without: the record's attention fields are another group's and the
+    blocks' mixer stays whole on every rank)."""
+
+    layers: tuple[int, ...]
+    family: Family
+    layouts: tuple[str, ...]
+    attention: bool
+
+
+def infer_groups(model: nn.Module, *, sequence_parallel: bool = False) -> list[BlockGroup]:
+    """`BlockGroup` records of ``model``'s decoder blocks, one per structure (see the module
+    docstring), read off its module tree. Raises `ParallelizeError` naming the module it
+    cannot read: no block with an attention, a block without an MLP or experts, experts or
+    blocks of differing structure with ``sequence_parallel``."""
     config = getattr(model, "config", None)
     kind = type(model).__name__
     layers, blocks = _blocks(model)
-    block = blocks[0]
-    found = _find_attention(block)
-    if found is None:
+    if sequence_parallel:
+        _refuse_mixed_blocks(kind, layers, blocks)
+    groups = _groups(blocks)
+    found = [_find_attention(blocks[g[0]]) for g in groups]
+    first = next((i for i, f in enumerate(found) if f is not None), None)
+    if first is None:
+        block = blocks[0]
+        others = " (nor in any other block)" if len(groups) > 1 else ""
         raise ParallelizeError(
-            f"plans.auto: {kind}: no attention found in {layers}.0 ({type(block).__name__}): "
-            f"no module with q/k/v/o projections ({'/'.join(_Q[:3])}, ...; "
+            f"plans.auto: {kind}: no attention found in {layers}.0 ({type(block).__name__})"
+            f"{others}: no module with q/k/v/o projections ({'/'.join(_Q[:3])}, ...; "
             f"{'/'.join(_O[:3])}, ...) or a fused one ({'/'.join(_QKV[:3])}, ...) among "
             f"{[n for n, _ in block.named_modules()][1:8]}. Fix: write a plan for it"
         )
+    read = _Read(
+        kind,
+        layers,
+        blocks,
+        _hidden(model, config),
+        {
+            **_vocab_fields(model),
+            **(_norm_fields(model, layers, blocks[0]) if sequence_parallel else {}),
+        },
+        sequence_parallel,
+        config,
+    )
+    main = _group_attention(layers, groups[first], found[first], config)
+    out = []
+    for g, f in zip(groups, found, strict=True):
+        attn, layouts = main if f is None else _group_attention(layers, g, f, config)
+        family = _group_family(read, g, attn, layouts, f)
+        out.append(BlockGroup(g, family, tuple(layouts), f is not None))
+    return out
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What `infer_groups` read off the whole model, for each group's record."""
+
+    kind: str
+    layers: str
+    blocks: nn.ModuleList
+    hidden: int
+    shared: dict[str, Any]  # the embedding, head and (sequence parallelism) norm fields
+    sequence_parallel: bool
+    config: Any
+
+
+def _group_attention(
+    layers: str, group: tuple[int, ...], found: _Found | None, config: Any
+) -> tuple[dict[str, Any], list[str]]:
+    """`_attention_fields` of the attention ``found`` in the first block of ``group``."""
+    assert found is not None
     rel, attention, roles = found
-    attn, layouts = _attention_fields(f"{layers}.0.{rel}", rel, attention, roles, config)
-    hidden = _hidden(model, config)
+    return _attention_fields(f"{layers}.{group[0]}.{rel}", rel, attention, roles, config)
+
+
+def _group_family(
+    read: _Read,
+    group: tuple[int, ...],
+    attn: dict[str, Any],
+    layouts: list[str],
+    found: _Found | None,
+) -> Family:
+    """The `Family` record of one group of blocks (read off its first)."""
+    kind, hidden = read.kind, read.hidden
+    block, where = read.blocks[group[0]], f"{read.layers}.{group[0]}"
     mlps = tuple(
         Mlp(mlp, tuple(up for up, _ in ups), down, tuple((u, h) for u, h in ups if h))
-        for mlp, ups, down in _dense_mlps(block, hidden, rel)
+        for mlp, ups, down in _dense_mlps(block, hidden, found[0] if found else None)
     )
     experts = tuple(_experts(block))
-    if experts and sequence_parallel:
+    if experts and read.sequence_parallel:
         raise ParallelizeError(
-            f"plans.auto: {kind} has experts ({layers}.0.{experts[0]}), which take replicated "
+            f"plans.auto: {kind} has experts ({where}.{experts[0]}), which take replicated "
             "tokens: no sequence parallelism. Fix: sequence_parallel=False"
         )
     if not mlps and not experts:
         raise ParallelizeError(
-            f"plans.auto: {kind}: no MLP found in {layers}.0 (a module whose linear layers go "
+            f"plans.auto: {kind}: no MLP found in {where} (a module whose linear layers go "
             f"from {hidden} features to I, or 2I fused, and one back from I) and no experts "
             "with 3-D gate_up_proj/down_proj. Fix: write a plan for it"
         )
-    family = Family(
-        (str(getattr(config, "model_type", kind)),),
+    return Family(
+        (str(getattr(read.config, "model_type", kind)),),
         prefix="",
-        layers=layers,
+        layers=read.layers,
         **attn,
         qkv_layout=layouts[0],  # type: ignore[arg-type]
         # with experts, the block's MLPs (shared experts) sit beside them in every layer
@@ -415,10 +532,33 @@ def infer(model: nn.Module, *, sequence_parallel: bool = False) -> tuple[Family,
         experts=experts,
         shared=mlps if experts else (),
         moe_block="",
-        **_vocab_fields(model),
-        **(_norm_fields(model, layers, block) if sequence_parallel else {}),
+        **read.shared,
     )
-    return family, layouts
+
+
+def infer(model: nn.Module, *, sequence_parallel: bool = False) -> tuple[Family, list[str]]:
+    """The `Family` record of ``model``'s first blocks that hold an attention, read off its
+    module tree (see the module docstring), and the fused q|k|v layouts to try (the record's
+    first); `infer_groups` gives every group of blocks. Raises `ParallelizeError` naming the
+    module it cannot read."""
+    group = next(g for g in infer_groups(model, sequence_parallel=sequence_parallel) if g.attention)
+    return group.family, list(group.layouts)
+
+
+def _per_layer(plan: Plan, layers: str, which: tuple[int, ...], count: int) -> Plan:
+    """``plan`` with its ``layers.*`` patterns naming the blocks ``which`` (unchanged when that is
+    all ``count`` of them)."""
+    if len(which) == count:
+        return plan
+    out: Plan = {}
+    star = f"{layers}.*"
+    for key, style in plan.items():
+        if key == star or key.startswith(star + "."):
+            for i in which:
+                out[f"{layers}.{i}{key[len(star) :]}"] = style
+        else:
+            out[key] = style
+    return out
 
 
 class AutoPlan(dict[str, Any]):
@@ -429,6 +569,8 @@ class AutoPlan(dict[str, Any]):
 
     candidates: list[Plan]
     family: Family
+    #: the decoder blocks by structure (one group when all blocks are alike)
+    groups: list[BlockGroup]
 
 
 def auto_plan(model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = False) -> AutoPlan:
@@ -447,22 +589,32 @@ def auto_plan(model: nn.Module, *, axis: str = "tp", sequence_parallel: bool = F
     >>> plan["model.layers.*.self_attn"].num_kv_heads, len(plan.candidates)
     (2, 1)
     """
-    family, layouts = infer(model, sequence_parallel=sequence_parallel)
+    groups = infer_groups(model, sequence_parallel=sequence_parallel)
     config = getattr(model, "config", None)
-    candidates = [
-        build_plan(
-            replace(family, qkv_layout=layout),  # type: ignore[arg-type]
-            config,
-            axis=axis,
-            ep_axis=None,
-            strategy="all_to_all",
-            capacity_factor=None,
-            sequence_parallel=sequence_parallel,
-            gather_logits=False,
-        )
-        for layout in layouts
-    ]
+    count = sum(len(g.layers) for g in groups)
+    candidates: list[Plan] = []
+    # one candidate per choice of layouts (each group's first first); a handful at most
+    for choice in itertools.islice(itertools.product(*(g.layouts for g in groups)), 8):
+        candidate: Plan = {}
+        for g, layout in zip(groups, choice, strict=True):
+            fam = replace(g.family, qkv_layout=layout)  # type: ignore[arg-type]
+            part = build_plan(
+                fam,
+                config,
+                axis=axis,
+                ep_axis=None,
+                strategy="all_to_all",
+                capacity_factor=None,
+                sequence_parallel=sequence_parallel,
+                gather_logits=False,
+            )
+            if not g.attention:  # the blocks' own mixer, whole on every rank
+                part.pop(f"{fam.layers}.*.{fam.attention}", None)
+            for key, style in _per_layer(part, fam.layers, g.layers, count).items():
+                candidate.setdefault(key, style)
+        candidates.append(candidate)
     plan = AutoPlan(candidates[0])
     plan.candidates = candidates
-    plan.family = family
+    plan.family = next(g.family for g in groups if g.attention)
+    plan.groups = groups
     return plan
