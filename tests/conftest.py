@@ -33,6 +33,7 @@ SLOW_FILES = frozenset(
         "tests/test_review_comm.py",
         "tests/test_review_comm_ops.py",
         "tests/test_context_traced.py",
+        "tests/test_permute_compiled_gloo.py",
         "tests/test_review_checkpoint_gloo.py",
         "tests/test_benchmarks.py",
         "tests/test_benchmarks_context.py",
