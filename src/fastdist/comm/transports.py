@@ -12,11 +12,11 @@ Backends by tensor device: ``cpu`` -> gloo, ``cuda`` -> nccl, ``npu`` -> hccl (n
 Dtypes: the data-movement collectives (all-gather, all-to-all, broadcast and the v-row variants
 built on them) carry a tensor of any dtype bit for bit. c10d backends refuse many dtypes (gloo:
 int16, uint16/32/64, every float8, float4 and bits dtype with "Invalid scalar type"; its
-functional all-to-all also every complex dtype; NCCL: int16 and uint16/32/64), so a tensor whose
-dtype is not in :data:`CARRIED` travels as a bitwise view of the dtype :func:`wire_dtype` names
-(same item size: 1 byte -> uint8, 2 -> float16, 4 -> int32, 8 -> int64; complex128 -> float64
-pairs) and is viewed back on arrival: no copy, no arithmetic. Quantized dtypes (a scale per
-tensor) have no such view: :func:`wire_dtype` returns None and the op raises a
+functional all-to-all also every complex dtype; NCCL and HCCL have gaps of their own), so a
+tensor whose dtype is not in :data:`CARRIED` travels as a bitwise view of the dtype
+:func:`wire_dtype` names (same item size: 1 byte -> uint8, 2 -> float16, 4 -> int32, 8 -> int64;
+complex128 -> float64 pairs) and is viewed back on arrival: no copy, no arithmetic. Quantized
+dtypes (a scale per tensor) have no such view: :func:`wire_dtype` returns None and the op raises a
 :class:`~fastdist.errors.CollectiveError` before anything is sent. Reductions are untouched (their
 dtypes are checked above, ``ReductionDtypeError``).
 """
