@@ -68,6 +68,7 @@ SLOW_FILES = frozenset(
 
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_gloo_dtypes.py": frozenset({"test_every_dtype_every_movement_op_on_gloo"}),
     "tests/test_object_dtypes.py": frozenset({"test_object_helpers_on_gloo"}),
     "tests/test_review_moe_pipeline.py": frozenset(
         {"test_evaluation_and_a_frozen_first_stage_on_gloo"}
