@@ -205,6 +205,24 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], int, bool, dict[str, float]]
         False,
         EXACT,
     ),
+    # GPT-Neo: local attention with window_size = 4, the head count by coincidence (a config
+    # field the attention reads: was refused as a whole-model head count)
+    "gptneo-window-tp4-sp": (
+        "GPTNeoForCausalLM",
+        "GPTNeoConfig",
+        dict(
+            vocab_size=V,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            attention_types=[[["global", "local"], 1]],
+            window_size=4,
+            max_position_embeddings=64,
+        ),
+        4,
+        True,
+        EXACT,
+    ),
     # Gemma 4 (text): full-attention layers with their own head dim (global_head_dim): a block
     # group of their own; Gemma's norms in float32
     "gemma4-global-head-dim": (

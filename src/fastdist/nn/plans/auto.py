@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -103,6 +104,22 @@ def _forward_reads(module: nn.Module) -> set[str]:
     except (OSError, TypeError):
         return set()
     return set(re.findall(r"\bself\.(\w+)", src))
+
+
+def _config_reads(module: nn.Module) -> set[str]:
+    """The config fields ``module``'s classes read (``self.config.X``), and the functions of
+    their source files (``module.config.X``: transformers' attention helpers)."""
+    out: set[str] = set()
+    for klass in type(module).__mro__:
+        if klass in (nn.Module, object):
+            break
+        try:
+            out |= set(re.findall(r"\bself\.config\.(\w+)", inspect.getsource(klass)))
+            text = inspect.getsource(sys.modules[klass.__module__])
+        except (OSError, TypeError, KeyError):
+            continue
+        out |= set(re.findall(r"\bmodule\.config\.(\w+)", text))
+    return out
 
 
 def _find_attention(block: nn.Module) -> tuple[str, nn.Module, dict[str, str]] | None:
@@ -237,6 +254,16 @@ def _attention_fields(
         a
         for a, v in sorted(vars(module).items())
         if type(v) is int and a not in patched and not re.search(r"head|group", a)
+    )
+    # and so are the config's integers its methods read (GPT-Neo's window_size = 4 = its head
+    # count); those named as head counts are the style's to set per rank
+    cfg = getattr(module, "config", None)
+    keep += tuple(
+        f
+        for f in sorted(_config_reads(module))
+        if type(getattr(cfg, f, None)) is int
+        and f not in keep
+        and not re.search(r"head|group|kv", f)
     )
     # the module's own parameters with one entry per query head (GPT-OSS's attention sinks)
     per_head = tuple(
@@ -565,11 +592,11 @@ class AutoPlan(dict[str, Any]):
     """The plan `auto_plan` returns: a plain dict of styles (its first guess) that also holds the
     ``candidates`` to try where the module tree leaves a choice open (the first guess first)
     and the ``family`` record they were built from. `fastdist.nn.parallelize` with ``verify``
-    tries them in order and applies the first that matches one device."""
+    tries them in order and applies the first that matches one device; ``groups``: the decoder
+    blocks by structure (one group when all blocks are alike)."""
 
     candidates: list[Plan]
     family: Family
-    #: the decoder blocks by structure (one group when all blocks are alike)
     groups: list[BlockGroup]
 
 
