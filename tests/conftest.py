@@ -68,6 +68,9 @@ SLOW_FILES = frozenset(
 
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_review_auto_families.py": frozenset(
+        {"test_dense_then_experts_on_two_gloo_processes"}
+    ),
     "tests/test_gloo_dtypes.py": frozenset({"test_every_dtype_every_movement_op_on_gloo"}),
     "tests/test_object_dtypes.py": frozenset({"test_object_helpers_on_gloo"}),
     "tests/test_review_moe_pipeline.py": frozenset(
