@@ -15,7 +15,8 @@ int16, uint16/32/64, every float8, float4 and bits dtype with "Invalid scalar ty
 functional all-to-all also every complex dtype; NCCL and HCCL have gaps of their own), so a
 tensor whose dtype is not in :data:`CARRIED` travels as a bitwise view of the dtype
 :func:`wire_dtype` names (same item size: 1 byte -> uint8, 2 -> float16, 4 -> int32, 8 -> int64;
-complex128 -> float64 pairs) and is viewed back on arrival: no copy, no arithmetic. Quantized
+complex128 -> float64 pairs; the one table, in ``fastdist.core.carriers``, which simulated ranks'
+movement rules use too) and is viewed back on arrival: no copy, no arithmetic. Quantized
 dtypes (a scale per tensor) have no such view: :func:`wire_dtype` returns None and the op raises a
 :class:`~fastdist.errors.CollectiveError` before anything is sent. Reductions are untouched (their
 dtypes are checked above, ``ReductionDtypeError``).
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastdist.core.carriers import CARRIED, wire_dtype
 from fastdist.core.rows import pad_rows
 from fastdist.errors import CollectiveError, NoBackendError
 
@@ -71,39 +73,6 @@ def select_backend(device_type: str, *, npu_available: bool | None = None) -> st
         f"fastdist: no collective backend for {device_type!r} tensors. "
         "Fix: move tensors to cpu, cuda or npu"
     )
-
-
-#: the dtypes every c10d backend (gloo, NCCL, HCCL) moves as they are, in every movement collective
-CARRIED = frozenset(
-    {
-        torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    }
-)  # fmt: skip
-#: the carrier of every other dtype, by item size (complex128: two float64 per element)
-_CARRIERS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64, 16: torch.float64}
-#: dtypes without a bitwise view (a quantized tensor's values need its scale and zero point)
-_NO_VIEW = frozenset(
-    getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
-    if hasattr(torch, n)
-)  # fmt: skip
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype a movement collective sends a ``dtype`` tensor as: ``dtype`` itself when every
-    c10d backend carries it (:data:`CARRIED`), else the same-size carrier it is bitwise viewed as;
-    None for a dtype no view carries (quantized).
-
-    >>> wire_dtype(torch.float32), wire_dtype(torch.int16), wire_dtype(torch.float8_e4m3fn)
-    (torch.float32, torch.float16, torch.uint8)
-    >>> wire_dtype(torch.complex128), wire_dtype(torch.quint8)
-    (torch.float64, None)
-    """
-    if dtype in CARRIED:
-        return dtype
-    if dtype in _NO_VIEW:
-        return None
-    return _CARRIERS.get(dtype.itemsize)
 
 
 def _to_wire(op: str, name: str, x: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from fastdist.ops.prelude import (
     enter,
     flag,
     like,
+    moves_bits,
     names_this_rank,
     need_divisible,
     need_reducible,
@@ -41,6 +42,7 @@ def _all_gather_shape(n: int, s: tuple[Any, ...], *, dim: int, tiled: bool) -> t
     return (*s[:dim], s[dim] * n, *s[dim + 1 :]) if tiled else (*s[:dim], n, *s[dim:])
 
 
+@moves_bits
 def _all_gather_stacked(spec: GroupSpec, x: Tensor, *, dim: int, tiled: bool) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     k = y.dim() - (x.dim() - 1)  # mesh dims in the view
@@ -132,6 +134,7 @@ def _local_chunk_shape(n: int, s: tuple[Any, ...], *, dim: int) -> tuple[Any, ..
     return (*s[:dim], s[dim] // n, *s[dim + 1 :])
 
 
+@moves_bits
 def _local_chunk_stacked(spec: GroupSpec, x: Tensor, *, dim: int) -> Tensor:
     # [G, member, *s[:dim], chunk, s[dim] / n, ...]
     y = spec.to_groups(x).unflatten(dim + 2, (spec.n, -1))  # type: ignore[no-untyped-call]
@@ -337,6 +340,7 @@ def _all_to_all_shape(
     return tuple(out)
 
 
+@moves_bits
 def _all_to_all_stacked(spec: GroupSpec, x: Tensor, *, split_dim: int, concat_dim: int) -> Tensor:
     y = spec.to_groups(x)  # [G, i, *s]  (i: sender)
     # [G, i, *s[:split], j, s[split] / n, *s[split+1:]]  (j: receiver)

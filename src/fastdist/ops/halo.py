@@ -13,7 +13,7 @@ its edge row. Replication rule: ``V`` to ``V``. The ends of a non-periodic domai
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -24,9 +24,12 @@ from fastdist.errors import CollectiveError
 from fastdist.ops.permutes import axis_index
 from fastdist.ops.prelude import (
     apply_primitive,
+    as_index,
+    bits_carrier,
     check_sizes,
     enter,
     local_rows,
+    moves_bits,
     names_this_rank,
     norm_dim,
     same_shape,
@@ -127,10 +130,14 @@ def halo_exchange(
     _check_widths(axis, lo, hi, mode, sz)
     # the rows are picked and joined along d itself: the result keeps x's memory layout (a
     # convolution after it reads it without a copy)
+    # rows picked on the bits of a dtype torch has no kernels for (float8, uint16, ...)
+    carrier = bits_carrier(x, simulated)
+    y = x if carrier is None else x.view(carrier)
     if simulated and any(s != rows for s in sz):
-        return _ragged(mesh, axis, spec, x, d, lo, hi, mode, sz)
-    own = sz[0 if index is None else index]
-    return _static(mesh, axis, spec, x, d, lo, hi, mode, own)
+        out = _ragged(mesh, axis, spec, y, d, lo, hi, mode, sz)
+    else:
+        out = _static(mesh, axis, spec, y, d, lo, hi, mode, sz[0 if index is None else index])
+    return out if carrier is None else out.view(x.dtype)
 
 
 def _block_sizes(
@@ -158,14 +165,15 @@ def _block_sizes(
 def _widths(axis: AxisName, width: Any) -> tuple[int, int]:
     """``width`` as ``(before, after)`` non-negative ints."""
     pair = (width, width) if not isinstance(width, (tuple, list)) else tuple(width)
-    if len(pair) != 2 or any(type(w) is not int or w < 0 for w in pair):
+    ints = [as_index(w) for w in pair]  # NumPy integers too
+    if len(ints) != 2 or any(w is None or w < 0 for w in ints):
         raise CollectiveError(
             "halo_exchange",
             axis,
             f"width={width!r} is not a row count >= 0 or a (before, after) pair of them",
             "pass e.g. 1 or (2, 0)",
         )
-    return pair[0], pair[1]
+    return cast(int, ints[0]), cast(int, ints[1])
 
 
 def _check_widths(axis: AxisName, lo: int, hi: int, mode: str, sizes: Sequence[int]) -> None:
@@ -191,6 +199,7 @@ def _check_widths(axis: AxisName, lo: int, hi: int, mode: str, sizes: Sequence[i
 
 
 # ====================================================================== halo_swap
+@moves_bits
 def _swap_stacked(spec: GroupSpec, x: Tensor) -> Tensor:
     """``[world, 2, *s]``: member ``j`` gets ``[x[j-1][1], x[j+1][0]]`` (around the ring)."""
     y, a = spec.axis_view(x)  # [*before, n, *after, 2, *s]

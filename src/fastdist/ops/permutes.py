@@ -24,6 +24,7 @@ from fastdist.ops.prelude import (
     check_index,
     check_mesh,
     enter,
+    moves_bits,
     names_this_rank,
     same_shape,
     where_member,
@@ -39,6 +40,7 @@ __all__ = [
 
 
 # ====================================================================== ppermute
+@moves_bits
 def _ppermute_stacked(spec: GroupSpec, x: Tensor, *, perm: Sequence[int]) -> Tensor:
     y, a = spec.axis_view(x)  # [*before, n, *after, *s]
     # member j reads member src_of[j] (itself if it receives nothing: zeroed below)
@@ -227,6 +229,7 @@ _ring_memo = functools.lru_cache(maxsize=1024)(_ring)
 
 
 # ====================================================================== broadcast
+@moves_bits
 def _broadcast_stacked(spec: GroupSpec, x: Tensor, *, src: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     # every member gets member src's value
@@ -243,6 +246,7 @@ def _broadcast_bwd(
     return (ops.keep_src(g, spec=spec, src=src),)
 
 
+@moves_bits
 def _keep_src_stacked(spec: GroupSpec, x: Tensor, *, src: int) -> Tensor:
     y = spec.to_groups(x)  # [G, n, *s]
     return spec.from_groups(where_member(spec, y, spec.member_index(y.device) == src))

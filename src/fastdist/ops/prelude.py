@@ -15,11 +15,18 @@ import torch
 from torch import Tensor
 
 from fastdist.core.binding import promote, rank_binding
+from fastdist.core.carriers import CARRIED, bits_dtype
 from fastdist.core.context import check_of, simulation_of
 from fastdist.core.dtype_rule import REDUCTION_DTYPES, check_reduction_dtype
 from fastdist.core.mesh import AxisName, Mesh
 from fastdist.core.primitive import GroupSpec, Primitive
-from fastdist.core.transforms import TRANSFORM_PROBLEMS, transform_error, unsupported_transform
+from fastdist.core.transforms import (
+    TRANSFORM_PROBLEMS,
+    forward_mode_active,
+    needs_grad,
+    transform_error,
+    unsupported_transform,
+)
 from fastdist.errors import CollectiveError, FastdistError, MeshError, NoBackendError
 
 if TYPE_CHECKING:
@@ -45,7 +52,10 @@ __all__ = [
     "like",
     "same_shape",
     "check_index",
+    "as_index",
     "where_member",
+    "moves_bits",
+    "bits_carrier",
 ]
 
 
@@ -219,19 +229,41 @@ def flag(op: str, axis: AxisName, name: str, value: Any) -> bool:
     return value
 
 
+def as_index(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer ``operator.index`` takes (an int, a NumPy
+    integer), else None: never a bool (Python or NumPy), a float (even ``2.0``) or a tensor
+    (reading a tensor's value would synchronise with its device)."""
+    if type(value) is int:  # the usual case, first (and plain for dynamo)
+        return value
+    if isinstance(value, (bool, Tensor)) or not hasattr(type(value), "__index__"):
+        return None
+    if (
+        not torch.compiler.is_compiling()
+        and getattr(getattr(value, "dtype", None), "kind", "") == "b"
+    ):
+        return None  # numpy 1.x's np.bool_ passes operator.index
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def norm_dim(op: str, axis: AxisName, name: str, dim: Any, ndim: int) -> int:
-    """Normalise a (possibly negative) dim in ``[-ndim, ndim)``."""
+    """Normalise a (possibly negative) dim in ``[-ndim, ndim)`` (any integer :func:`as_index`
+    takes: a NumPy integer too) to a Python int in ``[0, ndim)``."""
     if type(dim) is int and -ndim <= dim < ndim:  # the usual case, first
         return dim % ndim
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+    d = as_index(dim)
+    if d is None or not -ndim <= d < ndim:
         rng = f"[{-ndim}, {ndim - 1}]" if ndim else "none: the tensor is 0-d"
+        what = "is out of range" if d is not None else "is not an int"
         raise CollectiveError(
             op,
             axis,
-            f"{name}={dim!r} is out of range for a {ndim}-d tensor",
+            f"{name}={dim!r} {what} for a {ndim}-d tensor",
             f"use a {name} in {rng}",
         )
-    return dim % ndim
+    return d % ndim
 
 
 def need_divisible(op: str, axis: AxisName, x: Tensor, dim: int, n: int, alt: str) -> None:
@@ -270,16 +302,17 @@ def same_shape(n: int, s: tuple[Any, ...], *rest: Any, **params: Any) -> tuple[A
 
 
 def check_index(op: str, axis: AxisName, name: str, value: Any, n: int) -> int:
-    """``value`` (the argument ``name``) if it is an index along ``axis`` of ``n`` ranks; else
-    raise naming ``op``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+    """``value`` (the argument ``name``) as a Python int if it is an index along ``axis`` of ``n``
+    ranks (any integer :func:`as_index` takes: a NumPy integer too); else raise naming ``op``."""
+    i = as_index(value)
+    if i is None or not 0 <= i < n:
         raise CollectiveError(
             op,
             axis,
             f"{name}={value!r} is not an index along the axis (size {n})",
             f"use {name} in 0..{n - 1}",
         )
-    return value
+    return i
 
 
 def where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
@@ -289,6 +322,55 @@ def where_member(spec: GroupSpec, y: Tensor, mask: Tensor) -> Tensor:
         y,
         torch.zeros((), dtype=y.dtype, device=y.device),
     )
+
+
+# ====================================================================== dtypes without kernels
+_Rule = TypeVar("_Rule", bound=Callable[..., Tensor])
+
+
+def moves_bits(rule: _Rule) -> _Rule:
+    """A movement-only stacked rule ``rule(spec, x, *rest, **params)`` run on ``x``'s bitwise view
+    as its same-size carrier (``fastdist.core.carriers``, the table the c10d transports use) when
+    ``x``'s dtype is not carried as it is, its result viewed back: torch has no CPU gather,
+    index, index_fill or cat kernel for uint16/32/64, complex32, the float8 kinds, float4 and the
+    bits dtypes. The rule only moves bits, so the values are the same, bit for bit. A stacked
+    rule runs below autograd (the primitive's backward rule is its gradient), so the view cuts
+    no gradient."""
+
+    @functools.wraps(rule)
+    def run(spec: GroupSpec, x: Tensor, *rest: Any, **params: Any) -> Tensor:
+        dtype = x.dtype
+        carrier = None if dtype in CARRIED else bits_dtype(dtype)
+        if carrier is None:
+            return rule(spec, x, *rest, **params)
+        return rule(spec, x.view(carrier), *rest, **params).view(dtype)
+
+    return cast(_Rule, run)
+
+
+#: carried dtypes whose bits torch's CPU gather rewrites (NaN payloads)
+_GATHER_REWRITES = frozenset({torch.float16, torch.bfloat16})
+
+
+def bits_carrier(x: Tensor, simulated: bool) -> torch.dtype | None:
+    """The plain integer dtype an op's own row picking (``index_select``, ``torch.where``,
+    ``cat`` around its primitive) runs ``x`` as (``fastdist.core.carriers.bits_dtype``), or None
+    to run it as it is.
+
+    A dtype outside ``CARRIED`` (uint16, float8, ...: torch has no CPU kernels for many), and,
+    on simulated ranks, float16 and bfloat16: ``index_select`` under the rank vmap is torch's
+    CPU gather, which rewrites their NaNs (a float16 signalling NaN comes back quiet, every
+    bfloat16 NaN as 0xffff) where a real rank's ``index_select`` keeps them. Never an ``x`` that
+    carries a gradient or a tangent (a view would cut it)."""
+    dtype = x.dtype
+    if dtype in CARRIED and not (simulated and dtype in _GATHER_REWRITES):
+        return None
+    carrier = bits_dtype(dtype)
+    if carrier is None:
+        return None
+    if torch.compiler.is_compiling():  # dynamo skips the functorch queries of needs_grad
+        return None if x.requires_grad else carrier
+    return None if needs_grad(x) or forward_mode_active() else carrier
 
 
 # ====================================================================== uneven sizes and capacities

@@ -22,7 +22,10 @@ from fastdist.errors import CollectiveError
 from fastdist.ops.gathers import all_gather
 from fastdist.ops.prelude import (
     apply_primitive,
+    as_index,
+    bits_carrier,
     enter,
+    moves_bits,
     names_this_rank,
     row_count,
 )
@@ -89,6 +92,7 @@ def _ragged_a2a_check(
             )
 
 
+@moves_bits
 def _ragged_a2a_stacked(
     spec: GroupSpec, x: Tensor, send: Tensor, recv: Tensor, *, capacity: int
 ) -> Tensor:
@@ -213,13 +217,15 @@ def _ragged(
 
         return ragged_a2a_outside_the_graph(ragged_all_to_all, x, mesh, axis, send_sizes, capacity)
     x, spec = enter("ragged_all_to_all", x, mesh, axis)
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+    cap = as_index(capacity)  # NumPy integers too
+    if cap is None or cap < 0:
         raise CollectiveError(
             "ragged_all_to_all",
             axis,
             f"capacity={capacity!r} is not a row count",
             "pass the most rows any rank can receive",
         )
+    capacity = cap
     if x.dim() == 0:
         raise CollectiveError(
             "ragged_all_to_all", axis, "x is 0-d; rows are dim 0", "pass a tensor of rows"
@@ -482,7 +488,10 @@ def indexed_all_to_all_v(
             "pass an int64 (or int32) tensor, e.g. torch.argsort(destination)",
         )
     index = _checked_index(index, x.shape[0], mesh, axis)
-    src = x.float() if accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16) else x
+    widen = accumulate_fp32 and x.dtype in (torch.bfloat16, torch.float16)
+    # else rows picked on the bits of a dtype torch has no kernels for (float8, uint16, ...)
+    carrier = None if widen else bits_carrier(x, not is_real(mesh))
+    src = x.float() if widen else x if carrier is None else x.view(carrier)
     fault = _index_fault(index, x.shape[0]) if is_real(mesh) else (0, 0)
     # a bad index on this rank: zeros in its place, so that the exchange's check (of every
     # rank's sizes and index) raises on every rank of the group, not on this one alone
@@ -496,7 +505,7 @@ def indexed_all_to_all_v(
             # the exchange's input is x[index]: its rows are the ones index selects
             e.readdress(op=op, problem=e.problem.replace("of its input", "index selects"))
         raise
-    return out.to(x.dtype), recv
+    return (out.to(x.dtype) if carrier is None else out.view(x.dtype)), recv
 
 
 @names_this_rank

@@ -52,6 +52,7 @@ from fastdist.ops.prelude import (
     enter,
     like,
     local_rows,
+    moves_bits,
     names_this_rank,
     need_reducible,
     norm_dim,
@@ -131,6 +132,7 @@ def _agv_shape(
     return (sum(sizes), *s[1:])
 
 
+@moves_bits
 def _agv_stacked(
     spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], accumulate_fp32: bool
 ) -> Tensor:
@@ -344,6 +346,7 @@ def _gv_shape(
     return (out_rows(capacity, sum(sizes)), *s[1:])
 
 
+@moves_bits
 def _gv_stacked(
     spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], dst: int, capacity: int
 ) -> Tensor:
@@ -389,6 +392,7 @@ def _sv_shape(
     return (capacity_or_uniform(capacity, sizes), *s[1:])
 
 
+@moves_bits
 def _sv_stacked(
     spec: GroupSpec, x: Tensor, *, sizes: Sequence[int], src: int, capacity: int
 ) -> Tensor:
@@ -484,7 +488,7 @@ def gather_v(
     x, spec = enter("gather_v", x, mesh, axis)
     d = norm_dim("gather_v", axis, "dim", dim, x.dim())
     sz = check_sizes("gather_v", axis, sizes, spec.n)
-    check_index("gather_v", axis, "dst", dst, spec.n)
+    dst = check_index("gather_v", axis, "dst", dst, spec.n)
     xm = x.movedim(d, 0)
     _own_rows("gather_v", axis, spec, xm, sz)
     cap = check_capacity("gather_v", axis, capacity, sum(sz), "the gathered rows")
@@ -539,7 +543,7 @@ def scatter_v(
     x, spec = enter("scatter_v", x, mesh, axis)
     d = norm_dim("scatter_v", axis, "dim", dim, x.dim())
     sz = check_sizes("scatter_v", axis, sizes, spec.n)
-    check_index("scatter_v", axis, "src", src, spec.n)
+    src = check_index("scatter_v", axis, "src", src, spec.n)
     _whole_rows("scatter_v", axis, spec, x.shape[d], d, sz)
     cap = check_capacity("scatter_v", axis, capacity, max(sz), "the largest chunk")
     _need_static_shape("scatter_v", axis, spec, cap, sz)
