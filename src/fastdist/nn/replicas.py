@@ -12,8 +12,12 @@ its replicas' gradients silently drift apart.
 `fastdist.check.replication` (every parameter invariant over the axes it is not split over, the
 collectives typed by their rules), and raises `ParallelizeError` at every place the tracker
 would have to insert a ``pvary`` over an axis the plan splits over, naming the parameter (or
-the module whose input it is) and the fix. Axes the plan does not split over (data-parallel
-ones) are not its concern: their gradients are reduced by `fastdist.train.DataParallel`.
+the module whose input it is) and the fix. A forward that raises after such places (a module
+run whole on every rank behind a ``pvary`` makes its output look per-rank, which breaks a later
+collective's rule) is refused with them; a forward that breaks a collective's rule over a plan
+axis with none before it (a ``pvary`` of a value that already varies: its backward sums
+per-rank gradients) is refused too. Axes the plan does not split over (data-parallel ones) are
+not its concern: their gradients are reduced by `fastdist.train.DataParallel`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 
 from fastdist.check.replication import Rep, RepTracker, tracking
 from fastdist.core.mesh import Mesh
-from fastdist.errors import ParallelizeError
+from fastdist.errors import ParallelizeError, ReplicationError
 from fastdist.nn.state import Layout
 from fastdist.sim.simulate import simulate
 
@@ -65,9 +69,23 @@ def unreduced(
     of ``axes``, in the order met (each parameter or module once).
 
     Each parameter starts varying over the axes its ``layouts`` entry splits it over and
-    invariant over the rest. On a simulated mesh every rank runs at once; on real ranks this is
-    a collective (every rank of the mesh calls it).
+    invariant over the rest. A forward that raises part-way returns the places met before it
+    (a module run whole behind a ``pvary`` is met, and then breaks a later collective's rule).
+    On a simulated mesh every rank runs at once; on real ranks this is a collective (every rank
+    of the mesh calls it).
     """
+    return _track(module, mesh, layouts, axes, forward, inputs)[0]
+
+
+def _track(
+    module: nn.Module,
+    mesh: Mesh,
+    layouts: Mapping[str, Layout],
+    axes: Sequence[str],
+    forward: RankForward,
+    inputs: Mapping[str, Any],
+) -> tuple[list[Unreduced], Exception | None]:
+    """`unreduced`'s places, and the exception the tracked forward raised (``None``: none)."""
     names = {id(p): n for n, p in module.named_parameters()}
     found: dict[tuple[str, str], Unreduced] = {}
     stack: list[str] = []
@@ -101,9 +119,11 @@ def unreduced(
                 simulate(rank_fn, mesh)(params)
             else:
                 rank_fn(params)
-    except Exception:  # noqa: BLE001 (a plan that breaks the forward: the call itself says how)
-        return []
-    return list(found.values())
+    except Exception as e:  # noqa: BLE001 (a plan that breaks the forward: the call says how)
+        # what was met before the break is real: dropping it passed a replicated MoE block
+        # behind a pvary on real ranks (its output, typed varying, broke lm_head's pvary)
+        return list(found.values()), e
+    return list(found.values()), None
 
 
 @contextmanager
@@ -201,7 +221,9 @@ def check_replicas(
     inputs = probe_inputs(module, mesh) if inputs is None else inputs
     if inputs is None:
         return
-    bad = unreduced(module, mesh, layouts, axes, forward, inputs)
+    bad, error = _track(module, mesh, layouts, axes, forward, inputs)
+    if not bad and isinstance(error, ReplicationError):
+        _refuse_broken_rule(module, error, axes, changed)
     if not bad:
         return
     first = bad[0]
@@ -229,6 +251,8 @@ def check_replicas(
             f"prepare the input: plan[<its parent>] = fastdist.nn.PrepareInput({axis!r}) for "
             f"layers that share it, or ColwiseParallel({axis!r}, input='replicated')"
         )
+    if error is not None:
+        fix = _whole_behind_pvary(error, axis, fix)
     more = f" ({len(bad) - 1} more: {_names(bad[1:])})" if len(bad) > 1 else ""
     tail = (
         "The model has been changed: parallelize a fresh copy with the fixed plan"
@@ -236,6 +260,60 @@ def check_replicas(
         else "The model was not changed"
     )
     raise ParallelizeError(f"parallelize: {what}{more}. Fix: {fix}. {tail}.")
+
+
+def _refuse_broken_rule(
+    module: nn.Module, error: ReplicationError, axes: Sequence[str], changed: bool
+) -> None:
+    """Raise `ParallelizeError` for the tracked forward's ``error`` (a collective whose input's
+    replication type breaks its rule: a ``pvary`` of a value that already varies, whose backward
+    would sum per-rank gradients) when it names one of the plan's ``axes``; the module it rose
+    in, from the traceback. The forward runs the same either way, so nothing else stops it."""
+    text = str(error)
+    if not any(f"'{a}'" in text for a in axes):
+        return
+    names = {id(m): n for n, m in module.named_modules()}
+    where = ""
+    tb = error.__traceback__
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if isinstance(me, nn.Module) and id(me) in names:
+            where = names[id(me)]
+        tb = tb.tb_next
+    cls = type(module.get_submodule(where)).__name__
+    tail = (
+        "The model has been changed: parallelize a fresh copy with the fixed plan"
+        if changed
+        else "The model was not changed"
+    )
+    what = text.removeprefix("fastdist check: ").split(". Fix:")[0].rstrip(".")
+    raise ParallelizeError(
+        f"parallelize: in {where or 'the model'!r} ({cls}): {what} (the forward is the same, "
+        "the gradients would be wrong: pvary's backward would sum per-rank gradients). Fix: "
+        "a PrepareInput or "
+        "input='replicated' on a module whose input is already split (after a ColwiseParallel, "
+        "or a module run whole behind a pvary) is one pvary too many: drop it, or give that "
+        f"module the style that fits its input. {tail}."
+    ) from error
+
+
+def _whole_behind_pvary(error: Exception, axis: str, fix: str) -> str:
+    """The fix when the tracked forward went on to raise ``error`` after meeting unreduced
+    values: the usual sign of a module run whole on every rank behind a ``pvary`` (its output
+    looks per-rank, so a later ``pvary`` of a replicated input breaks its rule, or a
+    data-dependent op such as the experts' ``nonzero`` meets a varying value under vmap).
+    Pvary'ing its parameters would not help there: every rank holds their whole gradient."""
+    line = (str(error).splitlines() or [""])[0].removeprefix("fastdist check: ")
+    line = line.split(". Fix:")[0].split(": Fix:")[0][:320].rstrip(". ")
+    kind = "a collective's rule" if isinstance(error, ReplicationError) else type(error).__name__
+    return (
+        f"the forward then raised ({kind}: {line}): often the sign of a module run whole on "
+        f"every rank behind a pvary over {axis!r} (a PrepareInput({axis!r}) on a block no "
+        "style splits, such as a sparse-MoE block), whose output looks per-rank and whose "
+        f"input gradient would be the sum over {axis!r}. Leave that module out of the plan "
+        "(it runs replicated), give it its own parallel style (fastdist.nn.moe.ExpertParallel "
+        f"on its experts); else: {fix}"
+    )
 
 
 def _axes(axes: Sequence[str]) -> str:
