@@ -68,6 +68,12 @@ SLOW_FILES = frozenset(
 
 # the slow tests of files that are otherwise fast: file -> test function names
 SLOW_TESTS: dict[str, frozenset[str]] = {
+    "tests/test_review_replicas_moe.py": frozenset(
+        {
+            "test_moe_block_behind_pvary_refused_on_two_gloo_processes",
+            "test_moe_block_behind_pvary_refused_on_simulated_ranks",
+        }
+    ),
     "tests/test_review_auto_families.py": frozenset(
         {"test_dense_then_experts_on_two_gloo_processes"}
     ),
