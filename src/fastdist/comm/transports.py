@@ -24,9 +24,10 @@ dtypes are checked above, ``ReductionDtypeError``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,24 @@ def _from_wire(y: Tensor, dtype: torch.dtype) -> Tensor:
     return y.view(dtype).squeeze(-1)
 
 
+_Move = TypeVar("_Move", bound=Callable[..., Tensor])
+
+
+def _bitwise(move: _Move) -> _Move:
+    """A data-movement method ``move(self, op, x, *rest)`` that carries any dtype: ``x`` outside
+    :data:`CARRIED` is sent as its :func:`wire_dtype` view (:func:`_to_wire`, which raises for a
+    dtype with none) and the result viewed back; a carried ``x`` goes as it is (one set lookup)."""
+
+    @functools.wraps(move)
+    def run(self: Any, op: str, x: Tensor, *rest: Any) -> Tensor:
+        dtype = x.dtype
+        if dtype in CARRIED:
+            return move(self, op, x, *rest)
+        return _from_wire(move(self, op, _to_wire(op, self.name, x), *rest), dtype)
+
+    return cast(_Move, run)
+
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -131,15 +150,13 @@ class TorchTransport:
         dist.all_reduce(y, op=_REDUCE_OPS[reduce_op], group=self.pg)
         return y
 
+    @_bitwise
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        if dtype not in CARRIED:
-            x = _to_wire(op, self.name, x)
         s = x.shape  # read once: each read builds a torch.Size
         # the sizes as separate ints: torch parses them faster than a tuple (as torch.empty(n))
         out = x.new_empty(self.n * s[0], *s[1:])  # [n * s0, *rest]
         dist.all_gather_single(out, x.contiguous(), group=self.pg)
-        return out if dtype in CARRIED else _from_wire(out, dtype)
+        return out
 
     def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         s = x.shape
@@ -147,25 +164,22 @@ class TorchTransport:
         dist.reduce_scatter_single(out, x.contiguous(), group=self.pg)
         return out
 
+    @_bitwise
     def all_to_all_rows(
         self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
     ) -> Tensor:
-        dtype = x.dtype
-        if dtype not in CARRIED:
-            x = _to_wire(op, self.name, x)
         s = x.shape
         rows = s[0] if out_splits is None else sum(out_splits)  # None: equal splits both ways
         out = x.new_empty(rows, *s[1:])  # [rows received, *rest]
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.pg)
-        return out if dtype in CARRIED else _from_wire(out, dtype)
+        return out
 
+    @_bitwise
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
-        dtype = x.dtype
-        if dtype not in CARRIED:
-            x = _to_wire(op, self.name, x)  # a contiguous view of x: cloned below
+        # x may be a wire view of the caller's tensor (_bitwise): the clone is what c10d writes
         y = x.clone() if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         dist.broadcast(y, group_src=src, group=self.pg)
-        return y if dtype in CARRIED else _from_wire(y, dtype)
+        return y
 
     def all_gather_v_rows(self, op: str, x: Tensor, sizes: Sequence[int], index: int) -> Tensor:
         """Pad every member's rows to the largest size, all-gather, drop the padding."""
@@ -194,11 +208,10 @@ class FunctionalTransport(TorchTransport):
     def all_reduce(self, op: str, x: Tensor, reduce_op: str) -> Tensor:
         return cast(Tensor, _F.wait_tensor(_F.all_reduce(x.contiguous(), reduce_op, self.name)))
 
+    @_bitwise
     def all_gather_rows(self, op: str, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        y = _to_wire(op, self.name, x)
-        out = _F.wait_tensor(_F.all_gather_into_tensor(y, self.n, self.name))
-        return _from_wire(cast(Tensor, out), dtype)
+        out = _F.wait_tensor(_F.all_gather_into_tensor(x.contiguous(), self.n, self.name))
+        return cast(Tensor, out)
 
     def reduce_scatter_rows(self, op: str, x: Tensor) -> Tensor:
         return cast(
@@ -206,17 +219,17 @@ class FunctionalTransport(TorchTransport):
             _F.wait_tensor(_F.reduce_scatter_tensor(x.contiguous(), "sum", self.n, self.name)),
         )
 
+    @_bitwise
     def all_to_all_rows(
         self, op: str, x: Tensor, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None
     ) -> Tensor:
         if out_splits is None or in_splits is None:
             out_splits = in_splits = [x.shape[0] // self.n] * self.n
-        dtype = x.dtype
-        y = _to_wire(op, self.name, x)
+        y = x.contiguous()
         out = _F.wait_tensor(_F.all_to_all_single(y, list(out_splits), list(in_splits), self.name))
-        return _from_wire(cast(Tensor, out), dtype)
+        return cast(Tensor, out)
 
+    @_bitwise
     def broadcast(self, op: str, x: Tensor, src: int) -> Tensor:
-        dtype = x.dtype
-        out = _F.wait_tensor(_F.broadcast(_to_wire(op, self.name, x), src, self.name))
-        return _from_wire(cast(Tensor, out), dtype)
+        out = _F.wait_tensor(_F.broadcast(x.contiguous(), src, self.name))
+        return cast(Tensor, out)
