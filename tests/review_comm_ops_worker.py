@@ -23,18 +23,9 @@ from torch import Tensor
 import fastdist as fd
 from fastdist.ops import all_to_all_qkv
 from fastdist.ops.packed import pvary_packed
+from tests.review_comm_worker import DTYPES  # the same dtypes as the sweep of the other ops
 
 WORLD = 4
-DTYPES = [
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-]
 AXES: list[Any] = ["tp", "dp", ("dp", "tp"), ("tp", "dp")]
 MODES = ("zeros", "circular", "replicate", "reflect")
 

@@ -186,25 +186,19 @@ def extras(mesh: Any, g: int) -> dict[str, Any]:
     x0 = make_input(torch.float64, (4, 8))[mesh.rank].clone()
     for op in OPS:
         for ax in ["tp", ("dp", "tp")]:
-            # the input changed after the call / the output changed after the call
-            x = x0.clone()
+            # the input changed after the call (the output returned) / the output changed after
+            # the call (the input returned)
+            for key, change_input in (("mut_in", True), ("mut_out", False)):
 
-            def after(x: torch.Tensor = x, op: str = op, ax: Any = ax) -> Any:
-                y = run_case(x, mesh, op, "plain", ax)
-                y = y[0] if isinstance(y, tuple) else y
-                x.mul_(100)
-                return y.clone()
+                def mutated(op: str = op, ax: Any = ax, change_input: bool = change_input) -> Any:
+                    x = x0.clone()
+                    y = run_case(x, mesh, op, "plain", ax)
+                    y = y[0] if isinstance(y, tuple) else y
+                    changed, kept = (x, y) if change_input else (y, x)
+                    changed.mul_(100)
+                    return kept.clone()
 
-            out["mut_in", op, ax] = outcome(after)
-            x = x0.clone()
-
-            def out_mut(x: torch.Tensor = x, op: str = op, ax: Any = ax) -> Any:
-                y = run_case(x, mesh, op, "plain", ax)
-                y = y[0] if isinstance(y, tuple) else y
-                y.mul_(100)
-                return x.clone()
-
-            out["mut_out", op, ax] = outcome(out_mut)
+                out[key, op, ax] = outcome(mutated)
             # gradients
             out["grad", op, ax] = outcome(lambda op=op, ax=ax: grad_case(x0, mesh, op, ax, g))
             out["grad_view", op, ax] = outcome(
