@@ -9,31 +9,14 @@ from typing import Any
 import torch.nn.functional as F
 
 import fastdist as fd
-from tests.test_review_auto_families import V, batch, build
+from tests.test_review_auto_families import V, batch
+from tests.test_review_auto_families import qwen_dense_then_experts as dense_then_experts
 
 
 def qwen_dense_then_experts() -> Any:
     """A tiny float64 Qwen2-MoE (random init, seed 0): layer 0 a dense MLP, layer 1 a sparse
     expert block (4 experts, top-2, a shared expert)."""
-    fields = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        experts_implementation="eager",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        mlp_only_layers=[0],
-    )
-    return build("Qwen2MoeForCausalLM", "Qwen2MoeConfig", fields)
+    return dense_then_experts(num_experts_per_tok=2)
 
 
 def pvary_moe_plan(ref: Any) -> dict[str, Any]:

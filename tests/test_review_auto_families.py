@@ -272,17 +272,7 @@ def test_dense_layers_then_experts_match_one_device() -> None:
             topk_group=1,
         ),
     )
-    qwen = build(
-        "Qwen2MoeForCausalLM",
-        "Qwen2MoeConfig",
-        dict(
-            _MOE,
-            num_experts=4,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            mlp_only_layers=[0],
-        ),
-    )
+    qwen = qwen_dense_then_experts()
     for ref in (glm, qwen):
         plan = fd.nn.plans.plan(ref, family="auto")
         assert isinstance(plan["model.layers.0.mlp.gate_proj"], fd.nn.ColwiseParallel)
@@ -407,7 +397,9 @@ def test_auto_refuses(case: str) -> None:
 
 
 # ============================================================================ real processes
-def _qwen_dense_then_experts() -> Any:
+def qwen_dense_then_experts(**extra: Any) -> Any:
+    """A tiny float64 Qwen2-MoE (seed 0): layer 0 a dense MLP, layer 1 a sparse expert block (4
+    experts, a shared expert); ``extra`` config fields on top (e.g. ``num_experts_per_tok``)."""
     return build(
         "Qwen2MoeForCausalLM",
         "Qwen2MoeConfig",
@@ -417,6 +409,7 @@ def _qwen_dense_then_experts() -> Any:
             moe_intermediate_size=16,
             shared_expert_intermediate_size=24,
             mlp_only_layers=[0],
+            **extra,
         ),
     )
 
@@ -424,7 +417,7 @@ def _qwen_dense_then_experts() -> Any:
 def dense_then_experts_on_gloo() -> dict[str, float]:
     """One gloo rank: ``parallelize(model, mesh, "auto")`` (verified) on a Qwen2-MoE whose first
     layer is dense; every gradient's largest difference from one device, relative to its size."""
-    ref = _qwen_dense_then_experts()
+    ref = qwen_dense_then_experts()
     mesh = fd.connect(tp=2, timeout=60)
     pm = fd.nn.parallelize(copy.deepcopy(ref), mesh, "auto")
     ids, labels = batch()
