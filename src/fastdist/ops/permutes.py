@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
     from fastdist.core.comm import AxisComm, Comm
 from fastdist.ops.prelude import (
     apply_primitive,
+    as_index,
     check_index,
     check_mesh,
     enter,
@@ -144,15 +144,6 @@ def ppermute(x: Tensor, mesh: Mesh, axis: AxisName, perm: Sequence[tuple[int, in
     return apply_primitive(ppermute_p, mesh, x, spec, perm=_check_perm(axis, perm, spec.n))
 
 
-def plain_int(v: Any) -> Any:
-    """``v`` as a Python int when it is a NumPy integer (``np.int64(1)``, what a perm built with
-    NumPy holds, as JAX accepts); anything else unchanged, for the caller's check to refuse
-    (a bool, a float, a tensor: reading a tensor's value would synchronise with its device)."""
-    if type(v) is int or isinstance(v, (bool, Tensor)) or not hasattr(type(v), "__index__"):
-        return v
-    return operator.index(v)
-
-
 def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tuple[int, ...]:
     """``perm`` flattened to ``(src0, dst0, src1, dst1, ...)``, after checking it is a partial
     permutation of ``0..n-1``."""
@@ -172,10 +163,11 @@ def _check_perm(axis: AxisName, perm: Sequence[tuple[int, int]], n: int) -> tupl
             f"perm={perm!r} is not a sequence of (src, dst) pairs",
             "pass e.g. [(0, 1), (1, 0)]",
         )
-    flat = tuple(plain_int(v) for p in pairs for v in p)  # (src0, dst0, src1, dst1, ...)
-    for i, v in enumerate(flat):
-        if type(v) is not int or not 0 <= v < n:
-            check_index("ppermute", axis, ("src", "dst")[i % 2], v, n)
+    # (src0, dst0, src1, dst1, ...) as Python ints (a NumPy integer too, as JAX takes them)
+    flat = tuple(
+        check_index("ppermute", axis, ("src", "dst")[i % 2], v, n)
+        for i, v in enumerate(v for p in pairs for v in p)
+    )
     for role, vals in (("source", flat[0::2]), ("destination", flat[1::2])):
         if len(set(vals)) < len(vals):
             dup = min(v for v in vals if vals.count(v) > 1)
@@ -206,15 +198,15 @@ def ring_shift(x: Tensor, mesh: Mesh, axis: AxisName, shift: int = 1) -> Tensor:
     Returns:
         the ``x`` of rank ``(i - shift) % n``; shape of ``x``.
     """
-    shift = plain_int(shift)
-    if isinstance(shift, bool) or not isinstance(shift, int):
+    k = as_index(shift)  # a NumPy integer too, as JAX takes it
+    if k is None:
         raise CollectiveError(
             "ring_shift", axis, f"shift={shift!r} is not an int", "pass an int such as 1 or -1"
         )
     x, spec = enter("ring_shift", x, mesh, axis)
     # memoised outside dynamo tracing (dynamo warns on a memo; it traces the function itself)
     n = spec.n
-    perm = _ring(n, shift) if torch.compiler.is_compiling() else _ring_memo(n, shift)
+    perm = _ring(n, k) if torch.compiler.is_compiling() else _ring_memo(n, k)
     return apply_primitive(ppermute_p, mesh, x, spec, perm=perm)
 
 
@@ -307,7 +299,7 @@ def broadcast(x: Tensor, mesh: Mesh, axis: AxisName, src: int = 0) -> Tensor:
         mesh,
         x,
         spec,
-        src=check_index("broadcast", axis, "src", plain_int(src), spec.n),
+        src=check_index("broadcast", axis, "src", src, spec.n),
     )
 
 
