@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import fastdist as fd
+import fastdist.ops  # noqa: F401  # registers every primitive in PRIMITIVES (fd loads it lazily)
 from fastdist.core.primitive import PRIMITIVES, GroupSpec, Primitive
 from fastdist.core.transforms import FAST_PATH
 
